@@ -364,7 +364,7 @@ def _build(cls: type, data: Any, path: str, errors: List[Violation]):
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
-            errors.append(Violation("parse.unknown_key", f"unknown key {path}{key!r}",
+            errors.append(Violation("parse.unknown_key", f"unknown key '{path}{key}'",
                                     f"known keys: {', '.join(sorted(names))}"))
     kwargs = {}
     for f in dataclasses.fields(cls):
@@ -421,3 +421,214 @@ def to_dict(obj: Any) -> Dict[str, Any]:
 
 def to_json(obj: Any) -> str:
     return json.dumps(to_dict(obj), sort_keys=True)
+
+
+# ------------------------------------------------------------------ validation
+#: Every rule :func:`validate` enforces: id -> where it comes from.
+RULES: Dict[str, str] = {
+    # sparse decode offload (seed 000 §4, §8)
+    "sparse_decode.model": "needs a DSA model (MLA latent KV + indexer + top-k sparse attention)",
+    "sparse_decode.main_kv_dtype": "main KV must be BF16 (seed 000 §8)",
+    "sparse_decode.main_kv_packing": "packed C8 / TQ4 main caches are rejected (seed 000 §8)",
+    "sparse_decode.context_parallel": "DP and TP are supported; CP (cp, pcp, dcp) is rejected (seed 000 §8)",
+    "sparse_decode.pipeline_parallel": "PP is rejected (seed 000 §8)",
+    "sparse_decode.soc_950": "Ascend 950PR/950DT are rejected, keep-device-cache and overlap paths included (seed 000 §8)",
+    "sparse_decode.hybrid_kv": "hybrid KV cache layouts are not supported (seed 000 §2, §8)",
+    "sparse_decode.hot_tokens_topk": "hot_tokens must be >= the model's top-k",
+    "sparse_decode.hot_tokens_page": "hot_tokens must be a multiple of the KV page size",
+    "sparse_decode.prefill_node": "sparse decode offload is a decode-side feature",
+    "sparse_decode.fused_device": "fused LIM / Copy-SFA and npu ops need an Ascend NPU",
+    "sparse_decode.speculative": "speculative decoding must have a fixed token count (rows per request)",
+    "sparse_decode.kvpp": "KVPP shards the device main KV, which sparse decode offload keeps on the host",
+    # layerwise prefill offload (seed 000 §3, §8)
+    "layerwise_prefill.eager": "layerwise buffer reuse needs eager mode (seed 000 §8)",
+    "layerwise_prefill.memcache": "layerwise buffer reuse needs the Memcache backend (seed 000 §8)",
+    "layerwise_prefill.mooncake_layerwise": "buffer reuse cannot be combined with a layerwise Mooncake connector, "
+                                             "which has no per-buffer completion gate (seed 000 §8)",
+    "layerwise_prefill.hybrid_kv": "hybrid KV cache layouts are not supported (seed 000 §8)",
+    "layerwise_prefill.layers": "independent layers must exist in the model",
+    "layerwise_prefill.prefetch": "prefetch depth cannot exceed the shared buffers",
+    "layerwise_prefill.decode_node": "layerwise prefill offload is a prefill-side feature",
+    # P/D transfer (seed 000 §2, §6, §7, §8)
+    "pd_transfer.role": "P/D transfer needs a prefill or decode node",
+    "pd_transfer.tp_ratio": "P/D needs p_tp >= d_tp and p_tp % d_tp == 0 (seed 000 §6)",
+    "pd_transfer.memfabric_only": "MemFabric is the only remote D2H backend on Ascend (seed 000 §8)",
+    "pd_transfer.protocol_match": "prefill and decode must use the same transfer protocol (seed 000 §2)",
+    "pd_transfer.protocol_soc": "sdma / device_rdma serve A2/A3 nodes, device_urma serves 950PR/950DT nodes (seed 000 §2)",
+    "pd_transfer.ports": "decode control ports kv_port + dp_rank * d_tp + tp_rank must fit in 1024..65535",
+    # KVPP (seed 002 §6)
+    "kvpp.dcp": "KVPP and DCP cannot be enabled at the same time",
+    "kvpp.decode_node": "KVPP must be disabled on a decode-only node",
+    "kvpp.graph_mode": "KVPP supports eager execution or PIECEWISE graphs only",
+    "kvpp.model": "KVPP supports only non-hybrid MLA models",
+    "kvpp.speculative_method": "KVPP supports only mtp or dspark speculative decoding",
+    "kvpp.speculative_fixed": "KVPP supports only a fixed number of speculative tokens",
+    "kvpp.group": "KVPP needs a TP x PCP group larger than 1",
+}
+
+_BF16_NAMES = {"bf16", "bfloat16"}
+
+
+def validate(config: OffloadConfig, deployment: Deployment) -> None:
+    """Check ``config`` against ``deployment``; raise one :class:`ConfigError` with
+    every violation, or return ``None`` when the deployment can run the config."""
+    found = violations(config, deployment)
+    if found:
+        raise ConfigError(found, "offload configuration for this deployment")
+
+
+def violations(config: OffloadConfig, deployment: Deployment) -> List[Violation]:
+    """All broken rules, in a stable order (see :data:`RULES`)."""
+    out: List[Violation] = []
+
+    def add(rule: str, problem: str, fix: str) -> None:
+        assert rule in RULES, rule
+        out.append(Violation(rule, problem, fix))
+
+    d = deployment
+    for msg in d._check():
+        out.append(Violation("deployment.range", msg, "fix the deployment description"))
+    if config.sparse_decode is not None:
+        _check_sparse_decode(config, d, add)
+    if config.layerwise_prefill is not None:
+        _check_layerwise(config.layerwise_prefill, d, add)
+    if config.pd_transfer is not None:
+        _check_pd(config.pd_transfer, d, add)
+    if config.kvpp is not None:
+        _check_kvpp(d, add)
+    return out
+
+
+def _check_sparse_decode(config: OffloadConfig, d: Deployment, add) -> None:
+    sd = config.sparse_decode
+    assert sd is not None
+    if d.model_kind != "dsa":
+        add("sparse_decode.model", f"model kind is {d.model_kind!r}",
+            "serve a DSA model (DeepSeek-V3.2 / GLM-5 style) or disable sparse decode offload")
+    if d.main_kv_dtype.lower() not in _BF16_NAMES:
+        add("sparse_decode.main_kv_dtype", f"main KV dtype is {d.main_kv_dtype!r}",
+            "use a bfloat16 KV cache (--kv-cache-dtype bfloat16)")
+    if d.main_kv_packing != "none":
+        add("sparse_decode.main_kv_packing", f"main KV is packed as {d.main_kv_packing!r}",
+            "use an unpacked BF16 main KV cache")
+    cps = {k: getattr(d, k) for k in ("cp", "pcp", "dcp") if getattr(d, k) > 1}
+    if cps:
+        add("sparse_decode.context_parallel", "context parallelism is on ("
+            + ", ".join(f"{k}={v}" for k, v in cps.items()) + ")",
+            "set every context-parallel size to 1 (DP and TP are supported)")
+    if d.pp > 1:
+        add("sparse_decode.pipeline_parallel", f"pp={d.pp}", "set the pipeline-parallel size to 1")
+    if d.soc_family == "950":
+        add("sparse_decode.soc_950", f"SoC {d.soc!r} is Ascend 950PR/950DT series",
+            "run sparse decode offload on A2/A3 nodes")
+    if d.hybrid_kv:
+        add("sparse_decode.hybrid_kv", "the model uses a hybrid KV cache layout",
+            "use a model with a uniform MLA KV layout")
+    if sd.hot_tokens is not None and d.index_topk is not None and sd.hot_tokens < d.index_topk:
+        add("sparse_decode.hot_tokens_topk", f"hot_tokens={sd.hot_tokens} < top-k={d.index_topk}",
+            f"set hot_tokens >= {d.index_topk} (2 x top-k = {2 * d.index_topk} recommended)")
+    if sd.hot_tokens is not None and d.page_size is not None and sd.hot_tokens % d.page_size:
+        add("sparse_decode.hot_tokens_page", f"hot_tokens={sd.hot_tokens} is not a multiple of the "
+            f"page size {d.page_size}",
+            f"round hot_tokens to a multiple of {d.page_size}")
+    if d.pd_role == "prefill":
+        add("sparse_decode.prefill_node", "this is a prefill-only node",
+            "enable sparse decode offload on the decode node")
+    wants_npu = [name for name, on in (("ops=" + sd.ops, sd.ops in ("npu", "fused")),
+                                       ("fused_lim", sd.fused_lim is True),
+                                       ("fused_copy_sfa", sd.fused_copy_sfa is True)) if on]
+    if wants_npu and d.device != "npu":
+        add("sparse_decode.fused_device", f"{', '.join(wants_npu)} requested on a {d.device} device",
+            "use ops=auto|reference|triton off Ascend, or run on an Ascend NPU")
+    if d.speculative_method and not d.speculative_fixed:
+        add("sparse_decode.speculative", f"speculative method {d.speculative_method!r} has a variable "
+            "token count", "use a fixed number of speculative tokens")
+    if config.kvpp is not None:
+        add("sparse_decode.kvpp", "sparse decode offload and KVPP are both on",
+            "enable only one of them on a node")
+
+
+def _check_layerwise(lw: LayerwisePrefillOffloadConfig, d: Deployment, add) -> None:
+    n = d.num_layers
+    independent = (n or 0) if lw.independent_layers == "all" else len(lw.independent_layers)
+    reusable = None if n is None else max(n - independent, 0)
+    reuse = lw.shared_buffers is not None and (reusable is None or lw.shared_buffers < reusable)
+    if reuse and d.graph_mode != "eager":
+        add("layerwise_prefill.eager", f"graph mode is {d.graph_mode!r} with shared_buffers="
+            f"{lw.shared_buffers}", "run the prefill node in eager mode (--disable-cuda-graph) "
+            "or leave shared_buffers unset")
+    if reuse and lw.store_backend != "memcache" and d.device != "cpu":
+        add("layerwise_prefill.memcache", f"store_backend={lw.store_backend!r} with buffer reuse "
+            f"on {d.device}", 'set "store_backend": "memcache" (the local backend is for CPU '
+            "development)")
+    if (reuse and d.pd_role == "prefill"
+            and (d.disaggregation_transfer_backend or "") not in ("", "ascend_offload")):
+        add("layerwise_prefill.mooncake_layerwise",
+            f"P/D backend {d.disaggregation_transfer_backend!r} gives no per-buffer completion gate",
+            "use --disaggregation-transfer-backend ascend_offload or leave shared_buffers unset")
+    if d.hybrid_kv:
+        add("layerwise_prefill.hybrid_kv", "the model uses a hybrid KV cache layout",
+            "use a model with a uniform KV layout")
+    if n is not None and isinstance(lw.independent_layers, list):
+        bad = [i for i in lw.independent_layers if i >= n]
+        if bad:
+            add("layerwise_prefill.layers", f"independent_layers {bad} do not exist (model has {n})",
+                f"use layer indices in 0..{n - 1}")
+    if lw.prefetch_depth is not None and lw.shared_buffers is not None \
+            and lw.prefetch_depth > lw.shared_buffers:
+        add("layerwise_prefill.prefetch", f"prefetch_depth={lw.prefetch_depth} > shared_buffers="
+            f"{lw.shared_buffers}", f"set prefetch_depth <= {lw.shared_buffers}")
+    if d.pd_role == "decode":
+        add("layerwise_prefill.decode_node", "this is a decode-only node",
+            "enable layerwise prefill offload on the prefill node")
+
+
+def _check_pd(pd: PDTransferConfig, d: Deployment, add) -> None:
+    if d.pd_role == "colocated":
+        add("pd_transfer.role", "P/D transfer configured on a colocated server",
+            "start the servers with --disaggregation-mode prefill|decode")
+    if d.pd_role in ("prefill", "decode") and d.peer_tp is not None:
+        p_tp, d_tp = (d.tp, d.peer_tp) if d.pd_role == "prefill" else (d.peer_tp, d.tp)
+        if p_tp < d_tp or p_tp % d_tp:
+            add("pd_transfer.tp_ratio", f"p_tp={p_tp}, d_tp={d_tp}",
+                "use a prefill TP that is a multiple of (and >=) the decode TP")
+    if d.device == "npu" and pd.engine != "memfabric":
+        add("pd_transfer.memfabric_only", f"engine={pd.engine!r} on an Ascend node",
+            'set "engine": "memfabric"')
+    if d.peer_protocol is not None and d.peer_protocol != pd.protocol:
+        add("pd_transfer.protocol_match", f"protocol={pd.protocol!r} but the peer uses "
+            f"{d.peer_protocol!r}", "configure the same protocol on prefill and decode")
+    fam = d.soc_family
+    if pd.engine == "memfabric" and fam is not None:
+        if fam == "950" and pd.protocol != "device_urma":
+            add("pd_transfer.protocol_soc", f"protocol={pd.protocol!r} on a 950 series node",
+                'set "protocol": "device_urma"')
+        if fam in ("A2", "A3") and pd.protocol == "device_urma":
+            add("pd_transfer.protocol_soc", f"protocol='device_urma' on an {fam} node",
+                'set "protocol": "sdma" (default) or "device_rdma"')
+    d_tp = d.tp if d.pd_role == "decode" else (d.peer_tp or 1)
+    last_port = pd.kv_port + (d.dp - 1) * d_tp + (d_tp - 1)
+    if last_port > 65535:
+        add("pd_transfer.ports", f"ports {pd.kv_port}..{last_port} exceed 65535 "
+            f"(dp={d.dp}, d_tp={d_tp})", f"lower kv_port to <= {65535 - (last_port - pd.kv_port)}")
+
+
+def _check_kvpp(d: Deployment, add) -> None:
+    if d.dcp > 1:
+        add("kvpp.dcp", f"dcp={d.dcp}", "disable decode context parallelism or KVPP")
+    if d.pd_role == "decode":
+        add("kvpp.decode_node", "this is a decode-only node", "disable KVPP on decode nodes")
+    if d.graph_mode not in ("eager", "piecewise"):
+        add("kvpp.graph_mode", f"graph mode is {d.graph_mode!r}",
+            "run eagerly (--disable-cuda-graph) or with piecewise graphs")
+    if d.model_kind not in ("mla", "dsa") or d.hybrid_kv:
+        kind = "hybrid " + d.model_kind if d.hybrid_kv else d.model_kind
+        add("kvpp.model", f"model kind is {kind!r}", "use KVPP only with non-hybrid MLA models")
+    if d.speculative_method and d.speculative_method.lower() not in ("mtp", "dspark"):
+        add("kvpp.speculative_method", f"speculative method {d.speculative_method!r}",
+            "use mtp or dspark, or disable speculative decoding")
+    if d.speculative_method and not d.speculative_fixed:
+        add("kvpp.speculative_fixed", "the number of speculative tokens varies",
+            "fix the number of speculative tokens (no adaptive verification)")
+    if d.tp * d.pcp < 2:
+        add("kvpp.group", f"tp x pcp = {d.tp * d.pcp}", "use tensor parallelism >= 2 or disable KVPP")

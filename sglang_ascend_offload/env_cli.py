@@ -1,0 +1,59 @@
+"""``python -m sglang_ascend_offload env``: what this machine can run.
+
+Reports the device, installed packages that matter, and for every op of the
+operator ladder which rungs are usable here (and why not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+
+from . import SUPPORTED_SGLANG_VERSION, platform
+from .ops import registry
+
+_PACKAGES = ("torch", "torch-npu", "triton", "triton-ascend", "sglang", "memfabric-hybrid",
+             "memcache-hybrid", "mooncake-transfer-engine-non-cuda", "msgspec", "pyzmq")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def collect() -> dict:
+    packages = {}
+    for name in _PACKAGES:
+        try:
+            packages[name] = md.version(name)
+        except md.PackageNotFoundError:
+            packages[name] = None
+    ops = {}
+    for op in registry.ops():
+        ops[op] = {rung: (impl.unavailable() or "usable")
+                   for rung, impl in sorted(registry.implementations(op).items())}
+    info = platform.describe()
+    info["packages"] = packages
+    info["sglang_supported"] = SUPPORTED_SGLANG_VERSION
+    info["ops"] = ops
+    return info
+
+
+def main(args: argparse.Namespace) -> int:
+    info = collect()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"device: {info['device_kind']}  soc: {info['soc_name'] or '-'}  torch: {info['torch']}")
+    sg = info["packages"].get("sglang")
+    note = "" if sg in (None, SUPPORTED_SGLANG_VERSION) else f"  (plugin supports {SUPPORTED_SGLANG_VERSION})"
+    print(f"sglang: {sg or 'not installed'}{note}")
+    for name, ver in info["packages"].items():
+        if name not in ("torch", "sglang"):
+            print(f"  {name:36s} {ver or '-'}")
+    print("operator ladder:")
+    for op, rungs in info["ops"].items():
+        print(f"  {op}")
+        for rung, state in rungs.items():
+            print(f"    {rung:10s} {state}")
+    return 0

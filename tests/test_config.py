@@ -1,0 +1,205 @@
+"""Configuration parsing and deployment validation: every rule, all at once."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sglang_ascend_offload.config import (
+    RULES,
+    ConfigError,
+    Deployment,
+    KVPPConfig,
+    LayerwisePrefillOffloadConfig,
+    OffloadConfig,
+    PDTransferConfig,
+    SparseDecodeOffloadConfig,
+    parse_config,
+    parse_deployment,
+    parse_section,
+    validate,
+    violations,
+)
+
+# A deployment every feature accepts in its own role (facts of a DeepSeek-V3.2 node).
+GOOD = dict(device="npu", soc="Ascend910_9391", model_kind="dsa", main_kv_dtype="bf16",
+            num_layers=61, index_topk=2048, page_size=128, tp=8, dp=1)
+
+SD = {"sparse_decode": {"hot_tokens": 4096}}
+LW = {"layerwise_prefill": {"shared_buffers": 6, "store_backend": "memcache"}}
+PD = {"pd_transfer": {"engine": "memfabric", "protocol": "sdma"}}
+KV = {"kvpp": {}}
+
+# rule -> (config, deployment overrides) that breaks exactly that rule.
+CASES = {
+    "sparse_decode.model": (SD, dict(model_kind="mla")),
+    "sparse_decode.main_kv_dtype": (SD, dict(main_kv_dtype="fp8_e4m3")),
+    "sparse_decode.main_kv_packing": (SD, dict(main_kv_packing="c8")),
+    "sparse_decode.context_parallel": (SD, dict(dcp=2)),
+    "sparse_decode.pipeline_parallel": (SD, dict(pp=2)),
+    "sparse_decode.soc_950": (SD, dict(soc="Ascend950DT")),
+    "sparse_decode.hybrid_kv": (SD, dict(hybrid_kv=True)),
+    "sparse_decode.hot_tokens_topk": ({"sparse_decode": {"hot_tokens": 1024}}, {}),
+    "sparse_decode.hot_tokens_page": ({"sparse_decode": {"hot_tokens": 4100}}, {}),
+    "sparse_decode.prefill_node": (SD, dict(pd_role="prefill")),
+    "sparse_decode.fused_device": ({"sparse_decode": {"fused_copy_sfa": True}}, dict(device="cpu")),
+    "sparse_decode.speculative": (SD, dict(speculative_method="mtp", speculative_fixed=False)),
+    "sparse_decode.kvpp": ({**SD, **KV}, {}),
+    "layerwise_prefill.eager": (LW, dict(graph_mode="piecewise")),
+    "layerwise_prefill.memcache": ({"layerwise_prefill": {"shared_buffers": 6, "store_backend": "local"}}, {}),
+    "layerwise_prefill.mooncake_layerwise": (LW, dict(pd_role="prefill", disaggregation_transfer_backend="mooncake")),
+    "layerwise_prefill.hybrid_kv": (LW, dict(hybrid_kv=True)),
+    "layerwise_prefill.layers": ({"layerwise_prefill": {"independent_layers": [0, 61]}}, {}),
+    "layerwise_prefill.prefetch": ({"layerwise_prefill": {"shared_buffers": 2, "prefetch_depth": 4}}, {}),
+    "layerwise_prefill.decode_node": (LW, dict(pd_role="decode")),
+    "pd_transfer.role": (PD, {}),
+    "pd_transfer.tp_ratio": (PD, dict(pd_role="decode", tp=2, peer_tp=3)),
+    "pd_transfer.memfabric_only": ({"pd_transfer": {"engine": "mooncake"}}, dict(pd_role="decode", peer_tp=8)),
+    "pd_transfer.protocol_match": (PD, dict(pd_role="decode", peer_tp=8, peer_protocol="device_rdma")),
+    "pd_transfer.protocol_soc": ({"pd_transfer": {"protocol": "device_urma"}}, dict(pd_role="decode", peer_tp=8)),
+    "pd_transfer.ports": ({"pd_transfer": {"kv_port": 65530}}, dict(pd_role="decode", peer_tp=8)),
+    "kvpp.dcp": (KV, dict(dcp=2)),
+    "kvpp.decode_node": (KV, dict(pd_role="decode")),
+    "kvpp.graph_mode": (KV, dict(graph_mode="full")),
+    "kvpp.model": (KV, dict(model_kind="other")),
+    "kvpp.speculative_method": (KV, dict(speculative_method="eagle")),
+    "kvpp.speculative_fixed": (KV, dict(speculative_method="mtp", speculative_fixed=False)),
+    "kvpp.group": (KV, dict(tp=1)),
+}
+
+
+def _run(config: dict, overrides: dict):
+    return violations(parse_config(config), parse_deployment({**GOOD, **overrides}))
+
+
+def test_every_rule_has_a_case():
+    assert set(CASES) == set(RULES)
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_rule_rejects_with_its_name(rule):
+    config, overrides = CASES[rule]
+    found = _run(config, overrides)
+    assert [v.rule for v in found] == [rule], found
+    with pytest.raises(ConfigError) as err:
+        validate(parse_config(config), parse_deployment({**GOOD, **overrides}))
+    assert f"[{rule}]" in str(err.value)
+    assert found[0].fix  # says what to change
+
+
+@pytest.mark.parametrize("config", [SD, LW, KV, {**SD, **LW}])
+def test_good_colocated_deployment_passes(config):
+    assert _run(config, {}) == []
+
+
+def test_good_pd_deployments_pass():
+    assert _run({**PD, **SD}, dict(pd_role="decode", tp=2, peer_tp=8)) == []
+    assert _run({**PD, **LW, **KV}, dict(pd_role="prefill", tp=8, peer_tp=2,
+                                          disaggregation_transfer_backend="ascend_offload")) == []
+
+
+def test_kvpp_piecewise_and_fixed_mtp_accepted():
+    assert _run(KV, dict(graph_mode="piecewise", speculative_method="mtp")) == []
+
+
+def test_layerwise_without_reuse_needs_no_memcache_or_eager():
+    cfg = {"layerwise_prefill": {"store_backend": "local"}}  # B unset: one buffer per layer
+    assert _run(cfg, dict(graph_mode="full")) == []
+
+
+def test_local_store_allowed_on_cpu():
+    cfg = {"layerwise_prefill": {"shared_buffers": 2, "store_backend": "local"}}
+    assert _run(cfg, dict(device="cpu")) == []
+
+
+def test_protocol_matches_soc_family():
+    assert _run({"pd_transfer": {"protocol": "device_urma"}}, dict(soc="Ascend950PR", pd_role="prefill")) == []
+    found = _run({"pd_transfer": {"protocol": "sdma"}}, dict(soc="Ascend950PR", pd_role="prefill"))
+    assert [v.rule for v in found] == ["pd_transfer.protocol_soc"]
+
+
+def test_several_violations_all_listed():
+    config = {**SD, **KV, "pd_transfer": {"engine": "mooncake"}}
+    overrides = dict(main_kv_dtype="fp8", pp=2, soc="Ascend950PR", pd_role="decode", tp=2, peer_tp=3,
+                     dcp=2, graph_mode="full")
+    with pytest.raises(ConfigError) as err:
+        validate(parse_config(config), parse_deployment({**GOOD, **overrides}))
+    rules = {v.rule for v in err.value.violations}
+    expected = {"sparse_decode.main_kv_dtype", "sparse_decode.pipeline_parallel", "sparse_decode.soc_950",
+                "sparse_decode.context_parallel", "sparse_decode.kvpp", "pd_transfer.tp_ratio",
+                "pd_transfer.memfabric_only", "kvpp.dcp", "kvpp.decode_node",
+                "kvpp.graph_mode"}
+    assert expected <= rules
+    text = str(err.value)
+    assert f"({len(err.value.violations)} problem(s))" in text
+    for rule in expected:
+        assert f"[{rule}]" in text
+
+
+def test_parse_reports_every_problem():
+    bad = '{"sparse_decode": {"hot_tokens": "x", "foo": 1, "ops": "gpu", "record_trace_max_steps": 0}, "bar": 2}'
+    with pytest.raises(ConfigError) as err:
+        parse_config(bad)
+    msgs = [str(v) for v in err.value.violations]
+    assert len(msgs) == 5, msgs
+    assert any("record_trace_max_steps must be >= 1" in m for m in msgs)
+    assert any("'bar'" in m for m in msgs)
+    assert any("'sparse_decode.foo'" in m for m in msgs)
+    assert any("hot_tokens" in m and "int | null" in m for m in msgs)
+    assert any('"auto"' in m for m in msgs)
+
+
+def test_range_checks_and_nested_sections():
+    with pytest.raises(ConfigError) as err:
+        parse_section(LayerwisePrefillOffloadConfig,
+                      '{"shared_buffers": 0, "independent_layers": [1, 1], "memcache": {"lease_ttl_ms": -1}}')
+    text = str(err.value)
+    assert "shared_buffers must be >= 1" in text
+    assert "duplicates" in text
+    assert "lease_ttl_ms" in text
+
+
+def test_parse_from_file_and_roundtrip(tmp_path):
+    path = tmp_path / "sd.json"
+    path.write_text(json.dumps({"hot_tokens": 4096, "policy": "lru", "indexer_dtype": "int8"}))
+    sd = parse_section(SparseDecodeOffloadConfig, f"@{path}")
+    assert sd == SparseDecodeOffloadConfig(hot_tokens=4096, indexer_dtype="int8")
+    full = OffloadConfig(sparse_decode=sd, layerwise_prefill=LayerwisePrefillOffloadConfig(),
+                         pd_transfer=PDTransferConfig(), kvpp=KVPPConfig())
+    import dataclasses
+    assert parse_config(dataclasses.asdict(full)) == full
+    with pytest.raises(ConfigError, match="cannot read"):
+        parse_section(SparseDecodeOffloadConfig, f"@{tmp_path}/missing.json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        parse_section(SparseDecodeOffloadConfig, "{hot_tokens: 1}")
+
+
+def test_deployment_soc_family():
+    assert Deployment(soc="Ascend910_9391").soc_family == "A3"
+    assert Deployment(soc="Ascend910B3").soc_family == "A2"
+    assert Deployment(soc="Ascend950DT").soc_family == "950"
+    assert Deployment(soc="950PR").soc_family == "950"
+    assert Deployment().soc_family is None
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "sglang_ascend_offload", "check-config", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_check_config_cli_ok_and_violations(tmp_path):
+    dep = tmp_path / "dep.json"
+    dep.write_text(json.dumps(GOOD))
+    ok = _cli("--config", json.dumps(SD), "--deployment", f"@{dep}")
+    assert ok.returncode == 0 and ok.stdout.strip() == "ok", ok.stderr
+    bad = _cli("--config", json.dumps({**SD, **KV}), "--deployment", json.dumps({**GOOD, "pp": 2, "dcp": 2}))
+    assert bad.returncode == 1
+    for rule in ("sparse_decode.pipeline_parallel", "sparse_decode.context_parallel", "sparse_decode.kvpp",
+                 "kvpp.dcp"):
+        assert f"[{rule}]" in bad.stderr
+    js = _cli("--config", '{"sparse_decode": {"foo": 1}}', "--deployment", '{"tp": 0}', "--json")
+    assert js.returncode == 1
+    out = json.loads(js.stdout)
+    assert out["ok"] is False
+    assert {v["rule"] for v in out["violations"]} == {"parse.unknown_key", "parse.range"}
