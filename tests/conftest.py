@@ -1,0 +1,29 @@
+"""Test-session setup shared by every test.
+
+* Triton kernels run through the Triton interpreter when there is no GPU/NPU; the
+  variable must be set before any ``@triton.jit`` decorator runs, so it is set here,
+  before test modules are imported.
+* Tests marked ``npu`` need an Ascend NPU with CANN and torch_npu; elsewhere they
+  are skipped with that reason (they still run on a CANN runner).
+"""
+
+import os
+
+import pytest
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+from sglang_ascend_offload import platform  # noqa: E402
+
+if platform.device_kind() == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if platform.device_kind() == "npu":
+        return
+    skip = pytest.mark.skip(reason="needs an Ascend NPU with CANN + torch_npu (run on an NPU runner: "
+                                   "pip install -e .[npu,test] && pytest -m npu)")
+    for item in items:
+        if "npu" in item.keywords:
+            item.add_marker(skip)
