@@ -1,0 +1,137 @@
+"""KVPP: ownership, memory plan, and broadcast + prefetch across real gloo processes."""
+
+import os
+import random
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sglang_ascend_offload.kvpp.ownership import assign_owners
+from sglang_ascend_offload.kvpp.plan import ComponentSpec, bundles_for, mla_bundle, plan_rank
+from sglang_ascend_offload.kvpp.runtime import BroadcastTransport, KVPPScheduler, KVPPStorage
+
+
+def test_contiguous_balanced_ownership():
+    own = assign_owners(range(8), 3)
+    assert [own.owner_of[i] for i in range(8)] == [0, 0, 0, 1, 1, 1, 2, 2]
+    own = assign_owners([5, 1, 3, 7], 4)
+    assert own.owner_of == {1: 0, 3: 1, 5: 2, 7: 3}
+    own = assign_owners(range(62), 8, draft_layers=[61])
+    assert 61 not in own.owner_of and own.draft_layers == (61,)
+    sizes = [len(own.owned_by(r)) for r in range(8)]
+    assert sizes == [8] * 5 + [7] * 3 and sum(sizes) == 61
+    for r in range(8):  # contiguous
+        layers = own.owned_by(r)
+        assert list(layers) == list(range(layers[0], layers[-1] + 1))
+
+
+def test_memory_formula_matches_seed():
+    comps = mla_bundle()  # DeepSeek-V3.2 layer per 128-token block: (512+64)*2*128 + 128*2*128
+    per_layer = (512 + 64) * 2 * 128 + 128 * 2 * 128
+    assert sum(c.bytes_per_block for c in comps) == per_layer
+    own = assign_owners(range(62), 8, draft_layers=[61])
+    for rank in (0, 7):
+        plan = plan_rank(rank, own, bundles_for(range(62), comps))
+        owned = len(own.owned_by(rank))
+        expected = owned * per_layer + 1 * per_layer + 2 * per_layer
+        assert plan.physical_bytes_per_block == expected
+        avail = 40 * 2**30
+        assert plan.num_blocks(avail) == avail // expected
+    # without KVPP every rank holds all 62 layers; with it rank 0 holds 8 + 1 draft + 2 scratch
+    full = 62 * per_layer
+    assert plan_rank(0, own, bundles_for(range(62), comps)).num_blocks(avail) > 5 * (avail // full)
+
+
+def test_scratch_alternates_and_is_aligned():
+    own = assign_owners(range(6), 2)
+    comps = (ComponentSpec("a", 1000), ComponentSpec("b", 24))
+    plan = plan_rank(0, own, bundles_for(range(6), comps))
+    assert [plan.placement(layer, 3).kind for layer in range(6)] == ["persistent"] * 3 + ["scratch"] * 3
+    assert [plan.placement(layer, 3).buffer for layer in (3, 4, 5)] == [1, 0, 1]
+    assert plan.scratch_buffer_bytes(3) == 2 * 1024 * 1024
+    ranges = plan.placement(4, 3).components
+    assert [(r.offset, r.size) for r in ranges] == [(0, 3000), (3000, 72)]
+
+
+def test_plan_lists_every_problem():
+    own = assign_owners(range(3), 2)
+    with pytest.raises(ValueError) as err:
+        plan_rank(5, own, {0: (ComponentSpec("a", 0),)}, alignment=3)
+    text = str(err.value)
+    assert "rank 5" in text and "[1, 2]" in text and "bytes_per_block > 0" in text and "power of two" in text
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+NUM_LAYERS, GROUP, BLOCKS = 7, 3, 4
+COMPS = (ComponentSpec("kv", 64), ComponentSpec("index", 16))
+
+
+def _pattern(layer: int, version: int, nbytes: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(layer * 1000 + version)
+    return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+
+
+def _worker(rank: int, port: int, prefetch: bool, result_q) -> None:
+    try:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=GROUP)
+        group = dist.new_group(list(range(GROUP)))
+        own = assign_owners(range(NUM_LAYERS), GROUP)
+        plan = plan_rank(rank, own, bundles_for(range(NUM_LAYERS), COMPS))
+        storage = KVPPStorage(plan, BLOCKS)
+        transport = BroadcastTransport(storage, group=group)
+        sched = KVPPScheduler(transport, prefetch=prefetch)
+        nbytes = sum(c.bytes_per_block for c in COMPS) * BLOCKS
+        rng = random.Random(rank)
+        # First prefill: no history -> no broadcast; owners write their layers.
+        sched.schedule_forward(has_history=False)
+        for layer in range(NUM_LAYERS):
+            sched.wait_for_layer(layer)
+            storage.bundle(layer).copy_(_pattern(layer, 0, nbytes))
+        sched.complete_forward()
+        assert transport.broadcasts == 0
+        mismatches = 0
+        for version in range(1, 4):  # forwards with history: see the owner's latest content
+            sched.schedule_forward(has_history=True)
+            for layer in range(NUM_LAYERS):
+                sched.wait_for_layer(layer)
+                if not torch.equal(storage.bundle(layer), _pattern(layer, version - 1, nbytes)):
+                    mismatches += 1
+                time.sleep(rng.random() * 0.004)  # compute while the next layer prefetches
+                storage.bundle(layer).copy_(_pattern(layer, version, nbytes))  # KV update
+            sched.complete_forward()
+        sched.close()
+        result_q.put((rank, mismatches, transport.broadcasts, transport.bytes_received,
+                      storage.allocated_bytes))
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001
+        result_q.put((rank, repr(exc), None, None, None))
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_broadcast_prefetch_across_processes(prefetch):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, prefetch, q)) for r in range(GROUP)]
+    for p in procs:
+        p.start()
+    results = sorted(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    own = assign_owners(range(NUM_LAYERS), GROUP)
+    nbytes = sum(c.bytes_per_block for c in COMPS) * BLOCKS
+    for rank, mismatches, broadcasts, received, allocated in results:
+        assert mismatches == 0, (rank, mismatches)
+        assert broadcasts == 3 * NUM_LAYERS
+        assert received == 3 * nbytes * (NUM_LAYERS - len(own.owned_by(rank)))
+        assert allocated == nbytes * len(own.owned_by(rank)) + 2 * 2 * 1024 * 1024
