@@ -203,3 +203,15 @@ def test_check_config_cli_ok_and_violations(tmp_path):
     out = json.loads(js.stdout)
     assert out["ok"] is False
     assert {v["rule"] for v in out["violations"]} == {"parse.unknown_key", "parse.range"}
+
+
+def test_configuration_doc_is_current():
+    import importlib.util
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("gen_config_doc", root / "scripts" / "gen_config_doc.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (root / "docs" / "configuration.md").read_text() == gen.render(), \
+        "docs/configuration.md is stale: run scripts/gen_config_doc.py"

@@ -1,0 +1,57 @@
+"""Regenerate docs/configuration.md from the typed config (run after changing config.py).
+
+    .venv/bin/python scripts/gen_config_doc.py
+
+tests/test_config.py checks that the committed file is up to date.
+"""
+
+import dataclasses
+import pathlib
+import typing
+
+from sglang_ascend_offload import config as c
+
+DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+SECTIONS = [
+    (c.SparseDecodeOffloadConfig, "`sparse_decode`"),
+    (c.LayerwisePrefillOffloadConfig, "`layerwise_prefill`"),
+    (c.MemcacheConfig, "`layerwise_prefill.memcache`"),
+    (c.PDTransferConfig, "`pd_transfer`"),
+    (c.KVPPConfig, "`kvpp`"),
+    (c.Deployment, "Deployment description (`--deployment`)"),
+]
+INTRO = """# Configuration reference
+
+Generated from `sglang_ascend_offload/config.py` by `scripts/gen_config_doc.py`.
+
+Each feature is configured by a JSON object, given inline or as `@path/to/file.json`:
+
+* on a server: `--sparse-decode-offload-config`, `--layerwise-prefill-offload-config` (each with its `--enable-...` flag);
+* for `python -m sglang_ascend_offload check-config --config ... --deployment ...`: one object with a section per
+  feature (`sparse_decode`, `layerwise_prefill`, `pd_transfer`, `kvpp`); a missing section means the feature is off.
+
+Unknown keys, wrong types and out-of-range values are all reported at once (rules `parse.*`). Then
+`config.validate(config, deployment)` checks the config against the deployment and reports every broken rule
+listed at the end, each with what to change.
+"""
+
+
+def render() -> str:
+    out = [INTRO]
+    for cls, title in SECTIONS:
+        out += [f"## {title}", "", "| key | type | default |", "|---|---|---|"]
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            shown = "{...}" if dataclasses.is_dataclass(default) else repr(default)
+            kind = c._describe(hints[f.name]).replace("|", "\\|")
+            out.append(f"| `{f.name}` | {kind} | `{shown}` |")
+        out += ["", "```", (cls.__doc__ or "").strip(), "```", ""]
+    out += ["## Rules", "", "| rule | limit |", "|---|---|"]
+    out += [f"| `{rule}` | {text} |" for rule, text in c.RULES.items()]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    DOC.write_text(render())
+    print(f"wrote {DOC}")
