@@ -1,0 +1,266 @@
+"""Residency manager: the reference (torch, vectorised) implementation of the contract.
+
+This module *is* the specification written down in ``docs/residency_contract.md``:
+per decode step, layer and decode row it classifies the row's top-k logical
+positions into hits (already in the row's hot buffer) and misses (to be copied from
+the host pool), assigns victim slots to the misses, and updates recency. The Triton
+kernels (``ops=triton``) must reproduce :func:`residency_manage` bit for bit.
+
+State of one layer (device tensors, mutated in place by every call):
+
+=============  ==============  ====================================================
+``slot_token``  int32 ``[R,H]``  logical position held by each slot, ``-1`` = empty
+``slot_stamp``  int64 ``[R,H]``  recency, larger = more recent, ``0`` for empty
+``row_req``     int64 ``[R]``    request owning the row's content, ``-1`` = none
+=============  ==============  ====================================================
+
+Inputs of one step: ``topk`` int32 ``[R,K]`` (``-1`` padding, valid entries of a row
+distinct), ``req_ids`` int64 ``[R]`` (``-1`` idle), ``stable_len`` int32 ``[R]``
+(positions ``>= stable_len`` are never hits), ``step`` (int, monotone, ``>= 0``).
+Outputs: :class:`ResidencyStep`.
+
+Exact LRU (``policy="lru"``), per row:
+
+1. reset the row when ``req_ids[r] != row_req[r]`` (idle rows too; an idle row's
+   top-k entries are all treated as padding);
+2. empty every slot holding a position ``>= stable_len[r]``;
+3. entry ``j`` is a hit when a slot holds ``topk[r,j]`` (and it is ``< stable_len``);
+4. evictable slots = slots not hit this step, ordered by ``(slot_stamp, slot)``;
+   the ``i``-th miss in top-k order takes the ``i``-th evictable slot;
+5. filled slots get stamp ``2*step+1``, hit slots ``2*step+2``.
+
+Nothing here loops over tokens in Python: each step is a fixed number of torch
+operations over ``[R,H]`` / ``[R,K]`` tensors (two sorts, one ``searchsorted``,
+gathers and scatters).
+
+The sub-steps (:func:`reset_rows`, :func:`lookup`, :func:`assign_victims`) are public
+so replacement policies other than LRU (``policies.py``) reuse the exact same
+mechanism and only supply a different victim order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+INT64_MAX = torch.iinfo(torch.int64).max
+
+__all__ = [
+    "ResidencyTable",
+    "ResidencyStep",
+    "Lookup",
+    "residency_manage",
+    "reset_rows",
+    "lookup",
+    "lru_victim_order",
+    "assign_victims",
+    "register_reference_ops",
+]
+
+
+# ----------------------------------------------------------------------------- types
+@dataclass
+class ResidencyTable:
+    """Residency state of one layer (see module docstring); tensors mutate in place."""
+
+    slot_token: torch.Tensor  # int32 [R, H]
+    slot_stamp: torch.Tensor  # int64 [R, H]
+    row_req: torch.Tensor  # int64 [R]
+
+    @classmethod
+    def empty(cls, rows: int, hot_tokens: int, device=None) -> "ResidencyTable":
+        """All rows unowned, all slots empty."""
+        return cls(
+            slot_token=torch.full((rows, hot_tokens), -1, dtype=torch.int32, device=device),
+            slot_stamp=torch.zeros((rows, hot_tokens), dtype=torch.int64, device=device),
+            row_req=torch.full((rows,), -1, dtype=torch.int64, device=device),
+        )
+
+    @property
+    def rows(self) -> int:
+        return self.slot_token.shape[0]
+
+    @property
+    def hot_tokens(self) -> int:
+        return self.slot_token.shape[1]
+
+    def clone(self) -> "ResidencyTable":
+        return ResidencyTable(self.slot_token.clone(), self.slot_stamp.clone(), self.row_req.clone())
+
+
+@dataclass
+class ResidencyStep:
+    """Outputs of one step of one layer (all ``[R, K]`` tensors follow top-k order).
+
+    hit_mask: bool ``[R,K]``, entry ``j`` was a hit (False for padding).
+    slots: int32 ``[R,K]``, hot-buffer slot of entry ``j`` after the step, ``-1`` for
+        padding: the remapped top-k.
+    miss_count: int32 ``[R]``.
+    miss_tokens: int32 ``[R,K]``, logical positions of the misses in top-k order,
+        compacted left, ``-1`` after ``miss_count``.
+    miss_slots: int32 ``[R,K]``, their victim slots, same layout.
+    """
+
+    hit_mask: torch.Tensor
+    slots: torch.Tensor
+    miss_count: torch.Tensor
+    miss_tokens: torch.Tensor
+    miss_slots: torch.Tensor
+
+
+@dataclass
+class Lookup:
+    """Intermediate result of :func:`lookup` (int64 indices for gather/scatter).
+
+    valid: bool ``[R,K]``, a real entry (not padding, row not idle).
+    hit: bool ``[R,K]``.
+    hit_slot: int64 ``[R,K]``, slot of a hit, ``0`` where not a hit (mask with ``hit``).
+    slot_hit: bool ``[R,H]``, the slot is hit in this step (never a victim).
+    """
+
+    valid: torch.Tensor
+    hit: torch.Tensor
+    hit_slot: torch.Tensor
+    slot_hit: torch.Tensor
+
+    @property
+    def miss(self) -> torch.Tensor:
+        return self.valid & ~self.hit
+
+
+# ------------------------------------------------------------------------- sub-steps
+def reset_rows(table: ResidencyTable, req_ids: torch.Tensor, stable_len: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Contract steps 1-2, in place.
+
+    Returns ``(reset [R] bool, dropped [R,H] bool)``: rows reset because their
+    request changed, and slots emptied because they held a speculative position.
+    """
+    reset = req_ids.to(torch.int64) != table.row_req
+    table.slot_token.masked_fill_(reset[:, None], -1)
+    table.slot_stamp.masked_fill_(reset[:, None], 0)
+    table.row_req.copy_(req_ids.to(torch.int64))
+    dropped = table.slot_token >= stable_len.to(torch.int32)[:, None]
+    table.slot_token.masked_fill_(dropped, -1)
+    table.slot_stamp.masked_fill_(dropped, 0)
+    return reset, dropped
+
+
+def lookup(table: ResidencyTable, topk: torch.Tensor, req_ids: torch.Tensor,
+           stable_len: torch.Tensor) -> Lookup:
+    """Contract step 3 (after :func:`reset_rows`): which entries are resident, where.
+
+    One sort of ``slot_token`` per row and a batched ``searchsorted`` of the top-k
+    into it. Positions are unique among non-empty slots, so the match is unique.
+    """
+    rows, hot = table.slot_token.shape
+    topk64 = topk.to(torch.int64)
+    valid = (topk64 != -1) & (req_ids.to(torch.int64) != -1)[:, None]
+    sorted_tok, sorted_slot = torch.sort(table.slot_token.to(torch.int64), dim=1)
+    pos = torch.searchsorted(sorted_tok, topk64).clamp_(max=hot - 1)
+    found = torch.gather(sorted_tok, 1, pos) == topk64
+    hit = valid & found & (topk64 < stable_len.to(torch.int64)[:, None])
+    hit_slot = torch.where(hit, torch.gather(sorted_slot, 1, pos), torch.zeros_like(pos))
+    slot_hit = _scatter_flags(rows, hot, hit_slot, hit, table.slot_token.device)
+    return Lookup(valid=valid, hit=hit, hit_slot=hit_slot, slot_hit=slot_hit)
+
+
+def lru_victim_order(table: ResidencyTable, look: Lookup) -> torch.Tensor:
+    """Contract step 4: int64 ``[R,H]`` slots, evictable first by ``(stamp, slot)``.
+
+    Hit slots sort last (key ``INT64_MAX``); the sort is stable, so equal stamps
+    (e.g. all empty slots, stamp 0) keep ascending slot order.
+    """
+    key = table.slot_stamp.masked_fill(look.slot_hit, INT64_MAX)
+    return torch.sort(key, dim=1, stable=True).indices
+
+
+def assign_victims(table: ResidencyTable, look: Lookup, victim_order: torch.Tensor,
+                   topk: torch.Tensor, step: int) -> ResidencyStep:
+    """Contract steps 4-5 given a victim order; updates ``table`` in place.
+
+    ``victim_order`` int64 ``[R,H]``: a permutation of the row's slots whose first
+    ``H - hits`` entries are exactly the evictable (non-hit) slots, in eviction order.
+    The ``i``-th miss (top-k order) takes ``victim_order[r, i]``.
+    """
+    rows, hot = table.slot_token.shape
+    k = topk.shape[1]
+    device = table.slot_token.device
+    topk64 = topk.to(torch.int64)
+    miss = look.miss
+    rank = torch.cumsum(miss.to(torch.int64), dim=1) - 1
+    victim = torch.gather(victim_order, 1, rank.clamp(min=0))
+
+    # Slot state: misses fill their victims, hits refresh their stamp. A dummy
+    # column ``hot`` absorbs the writes of entries that are neither.
+    fill_col = torch.where(miss, victim, torch.full_like(victim, hot))
+    hit_col = torch.where(look.hit, look.hit_slot, torch.full_like(victim, hot))
+    tok_ext = torch.cat([table.slot_token, table.slot_token.new_full((rows, 1), -1)], dim=1)
+    tok_ext.scatter_(1, fill_col, topk.to(torch.int32))
+    stamp_ext = torch.cat([table.slot_stamp, table.slot_stamp.new_zeros((rows, 1))], dim=1)
+    stamp_ext.scatter_(1, fill_col, torch.full_like(fill_col, 2 * step + 1))
+    stamp_ext.scatter_(1, hit_col, torch.full_like(hit_col, 2 * step + 2))
+    table.slot_token.copy_(tok_ext[:, :hot])
+    table.slot_stamp.copy_(stamp_ext[:, :hot])
+
+    slots = torch.where(look.hit, look.hit_slot, torch.where(miss, victim, torch.full_like(victim, -1)))
+    miss_col = torch.where(miss, rank, torch.full_like(rank, k))
+    miss_tokens = torch.full((rows, k + 1), -1, dtype=torch.int64, device=device)
+    miss_tokens.scatter_(1, miss_col, topk64)
+    miss_slots = torch.full((rows, k + 1), -1, dtype=torch.int64, device=device)
+    miss_slots.scatter_(1, miss_col, victim)
+    return ResidencyStep(
+        hit_mask=look.hit.clone(),
+        slots=slots.to(torch.int32),
+        miss_count=miss.sum(dim=1, dtype=torch.int32),
+        miss_tokens=miss_tokens[:, :k].to(torch.int32),
+        miss_slots=miss_slots[:, :k].to(torch.int32),
+    )
+
+
+def _scatter_flags(rows: int, hot: int, col: torch.Tensor, mask: torch.Tensor, device) -> torch.Tensor:
+    """bool ``[rows, hot]`` with ``True`` at ``(r, col[r,j])`` wherever ``mask[r,j]``."""
+    ext = torch.zeros((rows, hot + 1), dtype=torch.bool, device=device)
+    ext.scatter_(1, torch.where(mask, col, torch.full_like(col, hot)), True)
+    return ext[:, :hot]
+
+
+# --------------------------------------------------------------------- the contract op
+def residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req: torch.Tensor,
+                     topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
+                     step: int) -> ResidencyStep:
+    """One exact-LRU step of one layer (op ``residency_manage``, rung ``reference``).
+
+    Mutates ``slot_token`` / ``slot_stamp`` / ``row_req`` in place (the state of
+    :class:`ResidencyTable`) and returns the :class:`ResidencyStep` outputs.
+    Requires ``H >= K`` and ``step >= 0``.
+    """
+    if slot_token.shape[1] < topk.shape[1]:
+        raise ValueError(f"hot_tokens {slot_token.shape[1]} < top_k {topk.shape[1]}: "
+                         "the hot buffer must hold at least one top-k selection per row")
+    table = ResidencyTable(slot_token, slot_stamp, row_req)
+    reset_rows(table, req_ids, stable_len)
+    look = lookup(table, topk, req_ids, stable_len)
+    return assign_victims(table, look, lru_victim_order(table, look), topk, step)
+
+
+# ------------------------------------------------------------------ registry wiring
+_REGISTERED = False
+
+
+def register_reference_ops() -> None:
+    """Register ``residency_manage`` and ``copy_miss_rows`` as rung ``reference``.
+
+    Idempotent. Called from ``ops/reference.py`` (the registry's loader) and by the
+    engine before it selects its ops.
+    """
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from ..ops import registry
+    from .hot_buffer import copy_miss_rows
+
+    registry.register("residency_manage", "reference")(residency_manage)
+    registry.register("copy_miss_rows", "reference")(copy_miss_rows)
+    _REGISTERED = True
