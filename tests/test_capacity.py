@@ -1,0 +1,268 @@
+"""Capacity planner: hand-computed bytes, fitting properties, CLI contract, model configs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_ascend_offload import cli
+from sglang_ascend_offload.capacity import (GIB, CapacityInputs, check_inputs, footprints, kvpp_owned_layers,
+                                            physical_layer_buffers, plan)
+from sglang_ascend_offload.config import ConfigError
+from sglang_ascend_offload.model_specs import HF_KEYS, PRESETS, load_hf_config, preset, shape_from_hf_dict
+
+DSV32 = PRESETS["deepseek-v3.2"]
+CTX = 131072
+
+
+def inputs(**kw) -> CapacityInputs:
+    base = dict(hbm_bytes=64 * GIB, host_bytes=512 * GIB, context=CTX)
+    base.update(kw)
+    return CapacityInputs(**base)
+
+
+def by_name(report):
+    return {m.name: m for m in report.modes}
+
+
+# ------------------------------------------------------------------ hand-computed bytes
+def test_deepseek_v32_per_token_bytes_by_hand():
+    modes = by_name(plan(DSV32, inputs(tp=8)))
+    main, idx = 576 * 2, 128 * 2
+    assert modes["full-device"].device_bytes_per_token == 61 * (main + idx) == 85888
+    assert modes["full-device"].host_bytes_per_token == 0
+    assert modes["sparse-decode"].device_bytes_per_token == 61 * idx
+    assert modes["sparse-decode"].host_bytes_per_token == 61 * main
+    # hot buffer 2 x top-k rows of 1152 B + residency (int32 token + int64 stamp per slot, int64 per row)
+    assert modes["sparse-decode"].device_bytes_per_request == 61 * (4096 * main + 4096 * 12 + 8)
+    assert modes["layerwise-prefill"].device_bytes_per_token == (1 + min(4, 60)) * (main + idx)
+    assert modes["layerwise-prefill"].host_bytes_per_token == 61 * (main + idx)
+    # KVPP over 8 ranks: rank 0 owns ceil(61 / 8) = 8 layers, + 2 scratch bundles
+    assert modes["kvpp"].device_bytes_per_token == (8 + 2) * (main + idx)
+    # SGLang's in-tree offload: per slot a top-k device cache and an int32 slot map of
+    # (ctx // 8 + 1) * 8 per layer; a host slot of max context per TP rank
+    peer = modes["sglang-npu-offload"]
+    assert peer.device_bytes_per_token == 61 * idx
+    assert peer.device_bytes_per_request == 61 * 2048 * main + 61 * 4 * (CTX // 8 + 1) * 8
+    assert peer.host_bytes_per_request == 8 * 61 * CTX * main
+
+
+def test_deepseek_v32_full_device_requests_by_hand():
+    full = by_name(plan(DSV32, inputs()))["full-device"]
+    assert full.requests == (64 * GIB) // (CTX * 61 * 1408)  # == 6
+    assert full.tokens == (64 * GIB) // (61 * 1408) // 128 * 128
+    assert full.limited_by == "hbm"
+
+
+def test_mtp_and_int8_indexer_change_the_per_token_bytes():
+    modes = by_name(plan(DSV32.with_indexer_dtype("int8"), inputs(mtp=True, indexer_dtype="int8", tp=2)))
+    assert modes["full-device"].device_bytes_per_token == 62 * (1152 + 128 + 2)
+    assert modes["sparse-decode"].device_bytes_per_token == 62 * 130
+    # MTP layers are replicated, not partitioned: ceil(61 / 2) = 31 owned + 1 MTP + 2 scratch
+    assert modes["kvpp"].device_bytes_per_token == (31 + 1 + 2) * 1282
+
+
+def test_glm5_presets_have_verified_shapes():
+    for name in ("glm-5", "glm-5.1"):
+        m = preset(name)
+        assert (m.num_layers, m.kv_lora_rank, m.qk_rope_head_dim, m.index_head_dim, m.index_n_heads,
+                m.index_topk, m.mtp_layers) == (78, 512, 64, 128, 32, 2048, 1)
+    assert preset("GLM5") is PRESETS["glm-5"]
+
+
+def test_layer_partition_and_buffer_formulas():
+    for layers in (1, 7, 61, 78):
+        for group in (1, 2, 3, 8, 16, 100):
+            owned = [kvpp_owned_layers(layers, group, r) for r in range(group)]
+            assert sum(owned) == layers and max(owned) - min(owned) <= 1 and owned[0] == max(owned)
+    assert physical_layer_buffers(61, 1, 4) == 5
+    assert physical_layer_buffers(61, 1, 100) == 61  # never more than one buffer per layer
+    assert physical_layer_buffers(61, 0, 2) == 2
+
+
+# ------------------------------------------------------------------ fitting properties
+BUDGET_CASES = [dict(), dict(tp=4, dp=2), dict(rows=3), dict(hbm_bytes=8 * GIB, context=4096, mtp=True, tp=2),
+                dict(host_bytes=16 * GIB, hot_tokens=2048), dict(context=1000, page_size=64, pcp=2)]
+
+
+@pytest.mark.parametrize("kw", BUDGET_CASES)
+def test_requests_fit_and_one_more_does_not(kw):
+    inp = inputs(**kw)
+    fps, _ = footprints(DSV32, inp)
+    report = plan(DSV32, inp)
+    req_tokens = inp.paged(inp.context)
+    for m in report.modes:
+        fp = fps[m.name][0]
+        r = m.requests_per_dp_rank
+
+        def fits(n):
+            dev = fp.device_fixed + n * (fp.device_per_request + req_tokens * fp.device_per_token)
+            host = fp.host_fixed + n * (fp.host_per_request + req_tokens * fp.host_per_token)
+            rows_ok = fp.max_requests is None or n <= fp.max_requests
+            return dev <= inp.kv_hbm_bytes and host <= inp.host_bytes_per_dp and rows_ok
+
+        assert fits(r), m.name
+        assert not fits(r + 1), m.name
+        # the token pool left for r requests fits too, and holds their tokens
+        t = m.tokens_per_dp_rank
+        assert fp.device_fixed + r * fp.device_per_request + t * fp.device_per_token <= inp.kv_hbm_bytes
+        assert fp.host_fixed + r * fp.host_per_request + t * fp.host_per_token <= inp.host_bytes_per_dp
+        assert t >= r * inp.context
+        if fp.slotted:  # per-request slots of exactly `context` tokens (not paged)
+            assert t == r * inp.context
+        else:
+            assert t % inp.page_size == 0
+        assert (m.tokens, m.requests) == (t * inp.dp, r * inp.dp)
+
+
+def test_monotone_in_memory_and_context():
+    def caps(**kw):
+        return {m.name: (m.tokens, m.requests) for m in plan(DSV32, inputs(tp=8, **kw)).modes}
+
+    for small, big in [(dict(hbm_bytes=16 * GIB), dict(hbm_bytes=32 * GIB)),
+                       (dict(host_bytes=64 * GIB), dict(host_bytes=256 * GIB))]:
+        a, b = caps(**small), caps(**big)
+        for name in a:
+            assert b[name][0] >= a[name][0] and b[name][1] >= a[name][1], name
+    short, long = caps(context=8192), caps(context=65536)
+    for name in short:
+        assert long[name][1] <= short[name][1], name
+    # device-only modes ignore the host
+    assert caps(host_bytes=1 * GIB)["full-device"] == caps(host_bytes=1024 * GIB)["full-device"]
+
+
+def test_monotone_in_knobs():
+    def req(mode, **kw):
+        return by_name(plan(DSV32, inputs(**kw)))[mode]
+
+    hots = [req("sparse-decode", hot_tokens=h) for h in (2048, 4096, 8192)]
+    assert [m.device_bytes_per_request for m in hots] == sorted(m.device_bytes_per_request for m in hots)
+    assert hots[0].requests >= hots[1].requests >= hots[2].requests
+    layerwise = [req("layerwise-prefill", shared_buffers=b).device_bytes_per_token for b in (1, 2, 8, 64)]
+    assert layerwise == sorted(layerwise) and layerwise[-1] == req("full-device").device_bytes_per_token
+    kvpp = [req("kvpp", tp=tp).device_bytes_per_token for tp in (2, 4, 8, 16)]
+    assert kvpp == sorted(kvpp, reverse=True)
+    assert req("kvpp", tp=2, pcp=4).device_bytes_per_token == req("kvpp", tp=8).device_bytes_per_token
+
+
+def test_limiting_resource_switches():
+    sd = "sparse-decode"
+    assert by_name(plan(DSV32, inputs()))[sd].limited_by == "hbm"
+    tight_host = by_name(plan(DSV32, inputs(host_bytes=20 * GIB)))[sd]
+    assert tight_host.limited_by == "host" and tight_host.requests == (20 * GIB) // (CTX * 61 * 1152)
+    few_rows = by_name(plan(DSV32, inputs(rows=4, rows_per_request=2)))[sd]
+    assert few_rows.limited_by == "rows" and few_rows.requests == 2
+    # a host pool split over more DP ranks can flip the limit from hbm to host
+    assert by_name(plan(DSV32, inputs(dp=8)))[sd].limited_by == "host"
+    # the in-tree peer keeps one host slot per TP rank: more TP ranks, host-bound
+    assert by_name(plan(DSV32, inputs(tp=1)))["sglang-npu-offload"].limited_by == "hbm"
+    assert by_name(plan(DSV32, inputs(tp=8)))["sglang-npu-offload"].limited_by == "host"
+
+
+def test_offload_beats_full_device_and_kvpp_is_skipped_without_a_group():
+    report = plan(DSV32, inputs())
+    modes = by_name(report)
+    assert "kvpp" not in modes and [s.name for s in report.skipped] == ["kvpp"]
+    for name in ("sglang-npu-offload", "sparse-decode", "layerwise-prefill", "sparse-decode+layerwise-prefill"):
+        assert modes[name].requests > modes["full-device"].requests, name
+    # the colocated combination pays for the prefill buffers on top of sparse decode
+    combo, sd = modes["sparse-decode+layerwise-prefill"], modes["sparse-decode"]
+    assert combo.device_fixed_bytes == 5 * 1152 * CTX
+    assert combo.tokens < sd.tokens and combo.requests <= sd.requests
+
+
+# ------------------------------------------------------------------ input checking
+def test_check_inputs_lists_every_problem():
+    bad = CapacityInputs(hbm_bytes=0, host_bytes=-1, tp=0, dp=0, context=0, hot_tokens=100,
+                         independent_layers=70, indexer_dtype="fp8", weights_bytes=-1)
+    with pytest.raises(ConfigError) as exc:
+        check_inputs(bad, DSV32)
+    rules = {v.rule for v in exc.value.violations}
+    assert {"capacity.hbm", "capacity.host", "capacity.tp", "capacity.dp", "capacity.context",
+            "capacity.hot_tokens", "capacity.independent_layers", "capacity.indexer_dtype",
+            "capacity.weights"} <= rules
+
+
+def run_cli(capsys, *argv):
+    rc = cli.main(["capacity", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_reports_all_problems_at_once(capsys):
+    rc, out, err = run_cli(capsys, "--hbm-gb", "abc", "--tp", "0", "--context", "1.5", "--hot-tokens", "16",
+                           "--weights-gb", "-2")
+    assert rc == 2 and out == ""
+    for needle in ("--hbm-gb 'abc'", "--host-gb is missing", "tp is 0", "--context '1.5'",
+                   "hot_tokens 16 < top-k 2048", "weights take -2"):
+        assert needle in err, needle
+
+
+def test_cli_json_contract(capsys):
+    rc, out, _ = run_cli(capsys, "--model", "deepseek-v3.2", "--hbm-gb", "64", "--host-gb", "512",
+                         "--context", "128k", "--tp", "8", "--json")
+    assert rc == 0
+    data = json.loads(out)
+    required = {"name", "device_bytes_per_token", "host_bytes_per_token", "tokens", "requests", "limited_by"}
+    assert [m["name"] for m in data["modes"]] == ["full-device", "sglang-npu-offload", "sparse-decode",
+                                                  "layerwise-prefill", "kvpp", "sparse-decode+layerwise-prefill"]
+    for m in data["modes"]:
+        assert required <= set(m)
+        assert all(isinstance(m[k], int) for k in required - {"name", "limited_by"})
+    assert data["inputs"]["context"] == CTX and data["model"]["num_layers"] == 61
+    expected = plan(DSV32, inputs(tp=8))
+    assert [(m["tokens"], m["requests"]) for m in data["modes"]] == [(m.tokens, m.requests) for m in expected.modes]
+
+
+def test_cli_table(capsys):
+    rc, out, _ = run_cli(capsys, "--hbm-gb", "64", "--host-gb", "512")
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("deepseek-v3.2: 61 layers") and "HBM for KV 64 GiB/device" in lines[0]
+    table = lines[2:9]
+    assert table[0].split()[:3] == ["mode", "dev", "B/tok"]
+    assert len({len(line) for line in table[:2]}) == 1  # header and rule aligned
+    full = by_name(plan(DSV32, inputs()))["full-device"]
+    assert any(line.startswith("full-device") and f"{full.tokens:,}" in line for line in table)
+    assert "skipped kvpp" in out
+
+
+# ------------------------------------------------------------------ model configs
+HF_DSV32 = {"architectures": ["DeepseekV32ForCausalLM"], "num_hidden_layers": 61, "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64, "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048,
+            "num_nextn_predict_layers": 1, "hidden_size": 7168}
+
+
+def test_model_config_reads_the_hf_keys(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(HF_DSV32))
+    for path in (tmp_path / "config.json", tmp_path):
+        shape = load_hf_config(str(path))
+        for field in ("num_layers", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim", "index_n_heads",
+                      "index_topk", "mtp_layers"):
+            assert getattr(shape, field) == getattr(DSV32, field), field
+    nested = shape_from_hf_dict({"text_config": dict(HF_DSV32, num_hidden_layers=3)})
+    assert nested.num_layers == 3
+    rc, out, _ = run_cli(capsys, "--model-config", str(tmp_path / "config.json"), "--hbm-gb", "64",
+                         "--host-gb", "512", "--json")
+    from_file = json.loads(out)["modes"]
+    rc2, out2, _ = run_cli(capsys, "--hbm-gb", "64", "--host-gb", "512", "--json")
+    assert rc == rc2 == 0 and from_file == json.loads(out2)["modes"]
+
+
+def test_model_config_errors_list_every_key(tmp_path, capsys):
+    partial = {k: v for k, v in HF_DSV32.items() if k not in ("index_topk", "kv_lora_rank", "index_head_dim")}
+    partial["num_hidden_layers"] = "61"
+    partial["num_nextn_predict_layers"] = -1
+    with pytest.raises(ConfigError) as exc:
+        shape_from_hf_dict(partial, name="cfg")
+    text = str(exc.value)
+    assert "cfg lacks kv_lora_rank, index_head_dim, index_topk" in text
+    assert 'num_hidden_layers="61"' in text and "num_nextn_predict_layers=-1" in text
+    assert all(key in text for key, _, _ in HF_KEYS)  # the fix names every required key
+    (tmp_path / "bad.json").write_text("{not json")
+    rc, _, err = run_cli(capsys, "--model-config", str(tmp_path / "bad.json"), "--hbm-gb", "1", "--host-gb", "1")
+    assert rc == 2 and "not valid JSON" in err
+    rc, _, err = run_cli(capsys, "--model-config", str(tmp_path / "none.json"), "--model", "glm-5",
+                         "--hbm-gb", "1", "--host-gb", "1")
+    assert rc == 2 and "both --model and --model-config" in err
