@@ -1,0 +1,294 @@
+"""The ``npu`` rung: thin wrappers over torch_npu's built-in operators.
+
+``torch_npu`` is imported lazily inside the wrappers and the availability checks, so
+importing this module (which the registry does everywhere) never touches it. Every
+wrapper takes exactly the reference op's arguments (see ``reference.py``) and
+returns the reference op's result type; torch_npu's extra outputs (indexer values,
+softmax statistics) are dropped.
+
+This module also holds the availability check for the ``fused`` rung (this
+project's AscendC operators LIM, LIM-C8 and Copy-SFA): the ops are registered by the
+component that owns their reference composition, with::
+
+    @register("lightning_indexer_manage", "fused",
+              unavailable=lambda: fused_op_unavailable("npu_fused_lightning_indexer_manage"))
+    def lim_fused(...):
+        return fused_op("npu_fused_lightning_indexer_manage")(...)
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from typing import Callable, Optional
+
+import torch
+
+from .. import platform
+from .registry import register
+
+INSTALL_HINT = "install the [npu] extra on an Ascend node with CANN"
+
+
+# ------------------------------------------------------------------ availability
+@functools.lru_cache(maxsize=1)
+def torch_npu_unavailable() -> Optional[str]:
+    """``None`` if torch_npu imports and an NPU is visible, else what is missing."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return f"torch_npu is not importable: {INSTALL_HINT}"
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as exc:  # noqa: BLE001 - a broken CANN install is a reason, not a crash
+        return f"torch_npu is installed but fails to import ({exc!r}): check the CANN environment (set_env.sh)"
+    if platform.device_kind() != "npu":
+        return f"no NPU device (device kind is {platform.device_kind()!r})"
+    return None
+
+
+def _torch_npu_op_unavailable(name: str) -> Optional[str]:
+    reason = torch_npu_unavailable()
+    if reason is not None:
+        return reason
+    torch_npu = importlib.import_module("torch_npu")
+    if not hasattr(torch_npu, name):
+        version = getattr(torch_npu, "__version__", "?")
+        return f"torch_npu {version} has no {name}: upgrade torch_npu/CANN to a release that ships it"
+    return None
+
+
+def _torch_npu_op(name: str) -> Callable:
+    return getattr(importlib.import_module("torch_npu"), name)
+
+
+# ------------------------------------------------------------ fused (AscendC) ops
+# The compiled extension that registers this project's AscendC operators, and the
+# torch.ops namespace they are registered under (ascendc_ops/ builds both).
+FUSED_EXTENSION_MODULE = "sglang_ascend_offload._C_ascend"
+FUSED_OP_NAMESPACE = "sglang_ascend_offload"
+FUSED_KERNELS = (
+    "npu_fused_lightning_indexer_manage",  # LIM
+    "npu_fused_quant_lightning_indexer_manage",  # LIM-C8
+    "npu_fused_scatter_copy_sparse_flash_attention",  # Copy-SFA
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _fused_extension_unavailable() -> Optional[str]:
+    reason = torch_npu_unavailable()
+    if reason is not None:
+        return reason
+    if importlib.util.find_spec(FUSED_EXTENSION_MODULE) is None:
+        return (
+            f"the AscendC extension {FUSED_EXTENSION_MODULE} is not built: build ascendc_ops/ "
+            "on an Ascend node with CANN (see docs/operators.md)"
+        )
+    try:
+        importlib.import_module(FUSED_EXTENSION_MODULE)
+    except Exception as exc:  # noqa: BLE001
+        return f"the AscendC extension {FUSED_EXTENSION_MODULE} fails to load: {exc!r}"
+    return None
+
+
+def fused_op_unavailable(kernel: str) -> Optional[str]:
+    """Availability check for one fused kernel (for ``register(..., unavailable=)``)."""
+    reason = _fused_extension_unavailable()
+    if reason is not None:
+        return reason
+    namespace = getattr(torch.ops, FUSED_OP_NAMESPACE)
+    if not hasattr(namespace, kernel):
+        return (
+            f"the AscendC extension {FUSED_EXTENSION_MODULE} does not provide {kernel}: "
+            "rebuild ascendc_ops/ from this source tree"
+        )
+    return None
+
+
+def fused_op(kernel: str) -> Callable:
+    """The ``torch.ops`` callable of a fused kernel (call its check first)."""
+    return getattr(getattr(torch.ops, FUSED_OP_NAMESPACE), kernel)
+
+
+# --------------------------------------------------------------------- indexers
+@register(
+    "lightning_indexer",
+    "npu",
+    unavailable=lambda: _torch_npu_op_unavailable("npu_lightning_indexer"),
+)
+def lightning_indexer_npu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    actual_seq_lengths_query: torch.Tensor,
+    actual_seq_lengths_key: torch.Tensor,
+    block_table: torch.Tensor,
+    layout_query: str = "TND",
+    layout_key: str = "PA_BSND",
+    sparse_count: int = 2048,
+    sparse_mode: int = 3,
+) -> torch.Tensor:
+    """``torch_npu.npu_lightning_indexer``; returns its indices ``[T, 1, K]`` int32."""
+    result = _torch_npu_op("npu_lightning_indexer")(
+        query=query,
+        key=key,
+        weights=weights,
+        actual_seq_lengths_query=actual_seq_lengths_query.to(device=query.device, dtype=torch.int32),
+        actual_seq_lengths_key=actual_seq_lengths_key.to(device=query.device, dtype=torch.int32),
+        block_table=block_table.to(device=query.device, dtype=torch.int32),
+        layout_query=layout_query,
+        layout_key=layout_key,
+        sparse_count=sparse_count,
+        sparse_mode=sparse_mode,
+    )
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+@register(
+    "quant_lightning_indexer",
+    "npu",
+    unavailable=lambda: _torch_npu_op_unavailable("npu_quant_lightning_indexer"),
+)
+def quant_lightning_indexer_npu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: torch.Tensor,
+    query_dequant_scale: torch.Tensor,
+    key_dequant_scale: torch.Tensor,
+    *,
+    actual_seq_lengths_query: torch.Tensor,
+    actual_seq_lengths_key: torch.Tensor,
+    block_table: torch.Tensor,
+    query_quant_mode: int = 0,
+    key_quant_mode: int = 0,
+    layout_query: str = "TND",
+    layout_key: str = "PA_BSND",
+    sparse_count: int = 2048,
+    sparse_mode: int = 3,
+) -> torch.Tensor:
+    """``torch_npu.npu_quant_lightning_indexer``; returns ``[T, 1, K]`` int32.
+
+    A ``[blocks, block_size, 1, 1]`` key scale is reshaped to the
+    ``[blocks, block_size, 1]`` the kernel documents.
+    """
+    if key_dequant_scale.dim() == 4:
+        key_dequant_scale = key_dequant_scale.reshape(key_dequant_scale.shape[:3])
+    result = _torch_npu_op("npu_quant_lightning_indexer")(
+        query=query,
+        key=key,
+        weights=weights,
+        query_dequant_scale=query_dequant_scale,
+        key_dequant_scale=key_dequant_scale,
+        actual_seq_lengths_query=actual_seq_lengths_query.to(device=query.device, dtype=torch.int32),
+        actual_seq_lengths_key=actual_seq_lengths_key.to(device=query.device, dtype=torch.int32),
+        block_table=block_table.to(device=query.device, dtype=torch.int32),
+        query_quant_mode=query_quant_mode,
+        key_quant_mode=key_quant_mode,
+        layout_query=layout_query,
+        layout_key=layout_key,
+        sparse_count=sparse_count,
+        sparse_mode=sparse_mode,
+    )
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+# ---------------------------------------------------------------------- attention
+# Block sizes tried, largest first, when a "flat" buffer is presented to the paged
+# kernel as one sequence per query token.
+_FLAT_BLOCK_SIZES = (128, 64, 32, 16)
+
+
+def _flat_as_paged(key: torch.Tensor, key_rope: torch.Tensor, num_tokens: int):
+    """View a flat ``[S, D]`` buffer as PA_BSND where every query token is its own
+    request of length ``S`` with an identity block table (sparse_mode 0 semantics)."""
+    latent = key.reshape(-1, key.shape[-1])
+    rope = key_rope.reshape(-1, key_rope.shape[-1])
+    rows = latent.shape[0]
+    block = next((b for b in _FLAT_BLOCK_SIZES if rows % b == 0), None)
+    if block is None:
+        raise ValueError(
+            f"flat buffer of {rows} rows: the npu rung needs a row count divisible by 16 "
+            "(size hot buffers in multiples of the block size)"
+        )
+    blocks = rows // block
+    device = key.device
+    paged_latent = latent.reshape(blocks, block, 1, latent.shape[-1])
+    paged_rope = rope.reshape(blocks, block, 1, rope.shape[-1])
+    block_table = torch.arange(blocks, dtype=torch.int32, device=device).expand(num_tokens, blocks).contiguous()
+    cu_q = torch.arange(1, num_tokens + 1, dtype=torch.int32, device=device)
+    kv_len = torch.full((num_tokens,), rows, dtype=torch.int32, device=device)
+    return paged_latent, paged_rope, block_table, cu_q, kv_len
+
+
+@register(
+    "sparse_mla_attention",
+    "npu",
+    unavailable=lambda: _torch_npu_op_unavailable("npu_sparse_flash_attention"),
+)
+def sparse_mla_attention_npu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: Optional[torch.Tensor],
+    sparse_indices: torch.Tensor,
+    scale_value: float,
+    *,
+    block_table: Optional[torch.Tensor] = None,
+    actual_seq_lengths_query: Optional[torch.Tensor] = None,
+    actual_seq_lengths_kv: Optional[torch.Tensor] = None,
+    query_rope: Optional[torch.Tensor] = None,
+    key_rope: Optional[torch.Tensor] = None,
+    sparse_block_size: int = 1,
+    layout_query: str = "TND",
+    layout_kv: str = "PA_BSND",
+    sparse_mode: int = 3,
+    attention_mode: int = 2,
+) -> torch.Tensor:
+    """``torch_npu.npu_sparse_flash_attention`` (MLA absorb, attention_mode=2).
+
+    PA_BSND is passed through as SGLang's Ascend backend does. ``flat`` is mapped to
+    PA_BSND with one single-token request per query token over the whole buffer (an
+    identity block table), so row numbers become logical positions.
+    """
+    num_tokens = query.shape[0]
+    indices = sparse_indices.reshape(num_tokens, 1, -1).to(device=query.device, dtype=torch.int32)
+    if layout_kv == "flat":
+        key, key_rope, block_table, actual_seq_lengths_query, actual_seq_lengths_kv = _flat_as_paged(
+            key, key_rope, num_tokens
+        )
+        sparse_mode = 0
+    elif layout_kv != "PA_BSND":
+        raise ValueError(f"layout_kv={layout_kv!r}: expected 'PA_BSND' or 'flat'")
+    result = _torch_npu_op("npu_sparse_flash_attention")(
+        query=query,
+        key=key,
+        value=key,
+        sparse_indices=indices,
+        scale_value=float(scale_value),
+        block_table=block_table.to(device=query.device, dtype=torch.int32),
+        actual_seq_lengths_query=actual_seq_lengths_query.to(device=query.device, dtype=torch.int32),
+        actual_seq_lengths_kv=actual_seq_lengths_kv.to(device=query.device, dtype=torch.int32),
+        query_rope=query_rope,
+        key_rope=key_rope,
+        sparse_block_size=sparse_block_size,
+        layout_query=layout_query,
+        layout_kv="PA_BSND",
+        sparse_mode=sparse_mode,
+        attention_mode=attention_mode,
+        return_softmax_lse=False,
+    )
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+# ------------------------------------------------------------------- row copies
+@register("gather_rows", "npu", unavailable=torch_npu_unavailable)
+def gather_rows_npu(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``index_select`` on ``src``'s device (bit-exact)."""
+    return torch.index_select(src, 0, index.to(device=src.device, dtype=torch.int64))
+
+
+@register("scatter_rows", "npu", unavailable=torch_npu_unavailable)
+def scatter_rows_npu(dst: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``index_copy_`` on ``dst``'s device (bit-exact; unique indices)."""
+    if rows.dtype != dst.dtype:
+        raise ValueError(f"scatter_rows: rows dtype {rows.dtype} != dst dtype {dst.dtype}")
+    return dst.index_copy_(0, index.to(device=dst.device, dtype=torch.int64), rows.to(dst.device))
