@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -185,10 +186,11 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(report_to_json(report), indent=1))
-    else:
-        print(header(report))
-        print()
-        print(format_table(report))
+    text = (json.dumps(report_to_json(report), indent=1) if args.json
+            else f"{header(report)}\n\n{format_table(report)}")
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. piped into `head`: the reader has what it wanted
+        sys.stdout = open(os.devnull, "w")
     return 0

@@ -266,3 +266,38 @@ def test_model_config_errors_list_every_key(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "--model-config", str(tmp_path / "none.json"), "--model", "glm-5",
                          "--hbm-gb", "1", "--host-gb", "1")
     assert rc == 2 and "both --model and --model-config" in err
+
+
+# ------------------------------------------------------------------ agreement with the real allocators
+TINY = shape_from_hf_dict(dict(HF_DSV32, num_hidden_layers=3, kv_lora_rank=8, qk_rope_head_dim=4,
+                               index_head_dim=16, index_topk=4, num_nextn_predict_layers=1), name="tiny")
+
+
+def test_sparse_decode_row_bytes_match_hot_buffers_and_residency_tables():
+    torch = pytest.importorskip("torch")
+    from sglang_ascend_offload.sparse_decode.hot_buffer import HotBuffers
+    from sglang_ascend_offload.sparse_decode.residency import ResidencyTable
+
+    for mtp in (False, True):
+        inp = CapacityInputs(hbm_bytes=GIB, host_bytes=GIB, context=64, page_size=16, hot_tokens=8, mtp=mtp,
+                             rows_per_request=1)
+        layers = TINY.cache_layers(mtp)
+        hot = HotBuffers(layers=layers, rows=1, hot_tokens=8, row_dim=TINY.main_kv_dim, dtype=torch.bfloat16)
+        table = ResidencyTable.empty(rows=1, hot_tokens=8)
+        table_bytes = sum(t.numel() * t.element_size() for t in (table.slot_token, table.slot_stamp, table.row_req))
+        sd = by_name(plan(TINY, inp))["sparse-decode"]
+        assert sd.device_bytes_per_request == hot.nbytes + layers * table_bytes
+    # with MTP a request decodes 1 + MTP-layers query rows by default, each with its hot buffers
+    two_rows = by_name(plan(TINY, CapacityInputs(hbm_bytes=GIB, host_bytes=GIB, context=64, page_size=16,
+                                                 hot_tokens=8, mtp=True)))["sparse-decode"]
+    assert two_rows.device_bytes_per_request == 2 * sd.device_bytes_per_request
+
+
+def test_layerwise_buffers_match_the_buffer_planner():
+    pytest.importorskip("torch")
+    from sglang_ascend_offload.layerwise_prefill.planner import TensorSpec, plan_buffers, uniform_specs
+
+    main = [TensorSpec((16, 512), "bfloat16"), TensorSpec((16, 64), "bfloat16")]
+    for layers, mtp, shared, indep in [(61, 0, 4, (0,)), (61, 1, 2, (0, 1)), (5, 1, 8, (0,)), (7, 0, 1, ())]:
+        bp = plan_buffers(uniform_specs(layers, main, num_mtp_layers=mtp), shared, indep)
+        assert physical_layer_buffers(layers + mtp, len(indep), shared) == bp.num_physical
