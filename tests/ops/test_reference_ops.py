@@ -440,6 +440,14 @@ def test_attention_ignores_minus_one_and_garbage_rows():
     assert torch.isfinite(out).all()
     for t, (b, _pos) in enumerate(case.positions()):
         torch.testing.assert_close(out[t].double(), case.dense(t, b, chosen[t]), atol=2e-5, rtol=2e-5)
+    # flat buffer whose row 0 (where ignored entries are clamped for the gather) is NaN
+    flat_idx = torch.tensor([[r + 1 if r >= 0 else -1 for r in case.physical_rows(t, idx[t, 0].tolist())]
+                             for t in range(idx.shape[0])], dtype=torch.int32).unsqueeze(1)
+    nan_row = lambda x: torch.cat((torch.full_like(x[:1], float("nan")), x))  # noqa: E731
+    flat = reference.sparse_mla_attention(
+        case.query, nan_row(case.key.reshape(-1, 32)), None, flat_idx, case.scale,
+        query_rope=case.query_rope, key_rope=nan_row(case.key_rope.reshape(-1, 8)), layout_kv="flat")
+    assert torch.equal(flat, out)
 
 
 def test_attention_masks_entries_beyond_causal_position():
