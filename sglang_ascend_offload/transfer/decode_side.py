@@ -1,0 +1,541 @@
+"""Decode TP rank: accept prefill contributors, validate, pull each layer, answer.
+
+One :class:`DecodeReceiver` per decode TP rank. It binds the rank's control port
+(``kv_port + dp_rank * d_tp + tp_rank`` on the configured host) and serves every
+prefill rank of its contribution group (``ratio = p_tp // d_tp`` members).
+
+Per request (registered with :meth:`DecodeReceiver.expect` before prefill starts):
+
+* for each layer, member 0 sends this rank's share of the main blocks (into the
+  TP-shared host pool) and every member sends its indexer (+ LIC8 scale) share;
+* before every read the ranges are validated against the handshake and the
+  topology: tensor count and block bytes, indexer presence, scale layout, the
+  exact share each member must send (so the union is complete and disjoint),
+  source block bounds, no layer twice. A failed check fails the request without
+  reading anything; a read is retried ``read_retries`` times, then fails it;
+* every ready batch is answered: READ_DONE, or READ_FAILED naming the requests;
+* the request is ``done`` on this rank only when every member delivered every
+  layer *and* confirmed it with a positive :class:`~.protocol.TransferVerdict`;
+  across ranks use :func:`~.status.combine_rank_statuses`;
+* a failure (bad range, read error, abort verdict, deadline, close) makes the
+  destination invalid: :meth:`claim` refuses it and it is released through
+  ``on_release`` as soon as no read into it is in flight;
+* deadline: once a request's transfer has started, a gap of more than
+  ``layer_timeout_s`` without progress fails it (dead or stuck prefill).
+
+Threads: the endpoint's I/O thread (handshakes, verdicts, deadlines) and one
+reader thread (validation + engine reads); one lock guards all state.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+from ..config import PDTransferConfig
+from .channel import ControlEndpoint, SendFilter
+from .destinations import RequestDestination
+from .engine import TransferEngine
+from .errors import EngineReadError, ProtocolError, RequestFailed, TopologyError, TransferError
+from .layout import coalesce, layout_mismatches
+from .protocol import (PROTOCOL_VERSION, KVLayout, MetaAck, MetaHandshake, ReadDone, ReadFailed,
+                       ReadReadyBatch, Rejected, RequestRange, TransferVerdict)
+from .status import DONE, PENDING, RequestStatus, TransferState
+from .topology import PDTopology, decode_port
+
+logger = logging.getLogger(__name__)
+
+OnRelease = Callable[[RequestDestination], None]
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one decode rank (exposed as metrics by the plugin)."""
+
+    batches: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    read_retries: int = 0
+    read_failures: int = 0
+    validation_failures: int = 0
+    rejected_messages: int = 0
+    deadline_failures: int = 0
+    requests_done: int = 0
+    requests_failed: int = 0
+    released: int = 0
+
+
+@dataclass
+class _Peer:
+    identity: bytes
+    hs: MetaHandshake
+    member: int
+
+
+@dataclass
+class _Track:
+    dest: RequestDestination
+    state: TransferState = TransferState.PENDING
+    reason: str = ""
+    delivered: Dict[int, Set[int]] = field(default_factory=dict)  # member -> layers
+    finished: Set[int] = field(default_factory=set)  # members that sent their last layer
+    confirmed: Set[int] = field(default_factory=set)  # members with a positive verdict
+    member_peer: Dict[int, bytes] = field(default_factory=dict)
+    inflight: int = 0
+    deadline: Optional[float] = None
+    released: bool = False
+    claimed: bool = False
+
+
+class DecodeReceiver:
+    """Control plane + reads of one decode TP rank.
+
+    layout: this rank's destinations (main tensors = host pool, shared by the
+        rank's DP group; indexer / scale = this rank's device cache).
+    engine: started transfer engine with the destination memory registered.
+    on_release: called (outside the lock) with a failed or abandoned request's
+        destination once nothing writes into it any more.
+    """
+
+    def __init__(self, config: PDTransferConfig, *, d_tp: int, d_rank: int, layout: KVLayout,
+                 engine: TransferEngine, dp_rank: int = 0, on_release: Optional[OnRelease] = None,
+                 send_filter: Optional[SendFilter] = None, tick_s: float = 0.02):
+        if not 0 <= d_rank < d_tp:
+            raise TopologyError(f"decode rank {d_rank} out of range 0..{d_tp - 1}")
+        layout.validate()
+        self.config = config
+        self.d_tp = d_tp
+        self.d_rank = d_rank
+        self.layout = layout
+        self.engine = engine
+        self.port = decode_port(config.kv_port, dp_rank, d_rank, d_tp)
+        self.stats = DecodeStats()
+        self._on_release = on_release
+        self._lock = threading.Lock()
+        self._peers: Dict[bytes, _Peer] = {}
+        self._tracks: Dict[str, _Track] = {}
+        self._topology: Optional[PDTopology] = None
+        self._work: "queue.Queue[Optional[Tuple[bytes, ReadReadyBatch]]]" = queue.Queue()
+        self._closed = False
+        self._endpoint = ControlEndpoint(
+            "router", config.host, self.port,
+            expect=(MetaHandshake, ReadReadyBatch, TransferVerdict, Rejected),
+            on_message=self._on_message, on_invalid=self._on_invalid, on_tick=self._on_tick,
+            tick_s=tick_s, send_filter=send_filter, name=f"pd-decode-{d_rank}")
+        self._reader = threading.Thread(target=self._reader_loop, name=f"pd-decode-read-{d_rank}",
+                                        daemon=True)
+
+    # ------------------------------------------------------------------ API
+    def start(self) -> "DecodeReceiver":
+        self._reader.start()
+        self._endpoint.start()
+        return self
+
+    def expect(self, dest: RequestDestination) -> None:
+        """Register a request's destination before its prefill starts sending."""
+        n = dest.num_blocks
+        problems = []
+        if n < 1:
+            problems.append("no blocks")
+        if any(not 0 <= b < t.num_blocks for t in self.layout.main for b in dest.main_blocks):
+            problems.append("main block id outside the host pool")
+        if self.layout.indexer is not None:
+            if len(dest.indexer_blocks) != n:
+                problems.append(f"{len(dest.indexer_blocks)} indexer blocks for {n} main blocks")
+            limit = min(t.num_blocks for t in (self.layout.indexer, self.layout.indexer_scale) if t)
+            if any(not 0 <= b < limit for b in dest.indexer_blocks):
+                problems.append("indexer block id outside the indexer cache")
+        elif dest.indexer_blocks:
+            problems.append("indexer blocks given but the layout has no indexer")
+        if len(set(dest.main_blocks)) != n or len(set(dest.indexer_blocks)) != len(dest.indexer_blocks):
+            problems.append("repeated block ids")
+        if problems:
+            raise ValueError(f"destination of request {dest.request_id!r}: {'; '.join(problems)}")
+        with self._lock:
+            if self._closed:
+                raise TransferError("decode receiver is closed")
+            if dest.request_id in self._tracks:
+                raise ValueError(f"request {dest.request_id!r} already expected")
+            self._tracks[dest.request_id] = _Track(dest=dest)
+
+    def status(self, request_id: str) -> RequestStatus:
+        with self._lock:
+            t = self._tracks.get(request_id)
+            if t is None:
+                raise KeyError(f"unknown request {request_id!r}")
+            return self._status(t)
+
+    def claim(self, request_id: str) -> RequestDestination:
+        """Hand a ``done`` request's destination to the scheduler (it owns it from now on).
+
+        Raises :class:`~.errors.RequestFailed` for a failed request (its destination
+        is invalid and released here) and :class:`TransferError` while pending.
+        """
+        with self._lock:
+            t = self._tracks.get(request_id)
+            if t is None:
+                raise KeyError(f"unknown request {request_id!r}")
+            if t.state is TransferState.FAILED:
+                raise RequestFailed(request_id, t.reason)
+            if t.state is TransferState.PENDING:
+                raise TransferError(f"request {request_id!r} is still transferring")
+            t.claimed = True
+            del self._tracks[request_id]
+            return t.dest
+
+    def forget(self, request_id: str, reason: str = "abandoned by the scheduler") -> None:
+        """Drop a request: a pending one fails (destination released when no read is in flight)."""
+        release = []
+        with self._lock:
+            t = self._tracks.get(request_id)
+            if t is None:
+                return
+            if t.state is TransferState.PENDING:
+                self._fail_locked(t, reason, release)
+            elif t.state is TransferState.DONE and not t.claimed and not t.released:
+                t.released = True
+                release.append(t.dest)
+            if t.inflight == 0:
+                del self._tracks[request_id]
+        self._release(release)
+
+    def pending_requests(self) -> List[str]:
+        with self._lock:
+            return [r for r, t in self._tracks.items() if t.state is TransferState.PENDING]
+
+    def unreleased_failed(self) -> List[str]:
+        """Failed requests whose destination is not released yet (reads still in flight)."""
+        with self._lock:
+            return [r for r, t in self._tracks.items()
+                    if t.state is TransferState.FAILED and not t.released]
+
+    @property
+    def endpoint(self) -> ControlEndpoint:
+        return self._endpoint
+
+    def close(self, reason: str = "decode receiver closed") -> None:
+        """Fail every pending request, stop both threads, release destinations."""
+        release: List[RequestDestination] = []
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for t in self._tracks.values():
+                if t.state is TransferState.PENDING:
+                    self._fail_locked(t, reason, release)
+        self._work.put(None)
+        self._reader.join(10.0)
+        self._endpoint.close()
+        with self._lock:  # reads are over: release whatever waited for them
+            for t in self._tracks.values():
+                t.inflight = 0
+                if t.state is TransferState.FAILED and not t.released:
+                    t.released = True
+                    release.append(t.dest)
+        self._release(release)
+
+    # ------------------------------------------------------------------ state helpers
+    @staticmethod
+    def _status(t: _Track) -> RequestStatus:
+        if t.state is TransferState.DONE:
+            return DONE
+        if t.state is TransferState.FAILED:
+            return RequestStatus(TransferState.FAILED, t.reason)
+        return PENDING
+
+    def _fail_locked(self, t: _Track, reason: str, release: List[RequestDestination]) -> None:
+        if t.state is not TransferState.PENDING:
+            return
+        t.state = TransferState.FAILED
+        t.reason = reason
+        self.stats.requests_failed += 1
+        logger.warning("decode rank %d: request %s failed: %s", self.d_rank, t.dest.request_id, reason)
+        if t.inflight == 0 and not t.released:
+            t.released = True
+            release.append(t.dest)
+
+    def _maybe_done_locked(self, t: _Track) -> None:
+        if t.state is not TransferState.PENDING or self._topology is None:
+            return
+        members = set(range(self._topology.ratio))
+        if t.finished >= members and t.confirmed >= members:
+            t.state = TransferState.DONE
+            t.deadline = None
+            self.stats.requests_done += 1
+
+    def _progress_locked(self, t: _Track) -> None:
+        t.deadline = time.monotonic() + self.config.layer_timeout_s
+
+    def _release(self, dests: List[RequestDestination]) -> None:
+        for d in dests:
+            self.stats.released += 1
+            if self._on_release is not None:
+                try:
+                    self._on_release(d)
+                except Exception:  # noqa: BLE001
+                    logger.exception("on_release failed for %s", d.request_id)
+
+    # ------------------------------------------------------------------ I/O thread
+    def _on_message(self, peer: bytes, msg) -> None:
+        if isinstance(msg, MetaHandshake):
+            self._on_handshake(peer, msg)
+        elif isinstance(msg, ReadReadyBatch):
+            self._work.put((peer, msg))
+        elif isinstance(msg, TransferVerdict):
+            self._on_verdict(peer, msg)
+        elif isinstance(msg, Rejected):
+            self._on_rejected(peer, msg)
+
+    def _on_invalid(self, peer: bytes, error: ProtocolError) -> None:
+        self.stats.rejected_messages += 1
+
+    def _on_handshake(self, peer: bytes, hs: MetaHandshake) -> None:
+        problems = []
+        if hs.engine != self.engine.name:
+            problems.append(f"engine: prefill {hs.engine!r}, decode {self.engine.name!r}")
+        if hs.data_protocol != self.engine.data_protocol:
+            problems.append(f"data protocol: prefill {hs.data_protocol!r}, decode "
+                            f"{self.engine.data_protocol!r} (both sides must match)")
+        topo = None
+        try:
+            topo = PDTopology(hs.p_tp, hs.d_tp)
+            if hs.d_tp != self.d_tp:
+                problems.append(f"decode TP: prefill assumes {hs.d_tp}, decode has {self.d_tp}")
+            elif topo.d_rank_of(hs.p_rank) != self.d_rank:
+                problems.append(f"prefill rank {hs.p_rank} belongs to decode rank "
+                                f"{topo.d_rank_of(hs.p_rank)}, not {self.d_rank}")
+        except TopologyError as exc:
+            problems.append(str(exc))
+        problems += layout_mismatches(hs.layout, self.layout)
+        with self._lock:
+            if topo is not None and self._topology is not None and topo != self._topology:
+                problems.append(f"topology {topo} differs from earlier peers' {self._topology}")
+            if not problems:
+                self._topology = topo
+                self._peers[peer] = _Peer(identity=peer, hs=hs, member=topo.member_of(hs.p_rank))
+        reason = "; ".join(problems)
+        if problems:
+            logger.warning("decode rank %d: handshake from prefill rank %d refused: %s",
+                           self.d_rank, hs.p_rank, reason)
+        self._endpoint.send(MetaAck(version=PROTOCOL_VERSION, accepted=not problems, reason=reason[:4000],
+                                    d_rank=self.d_rank), peer)
+
+    def _on_verdict(self, peer: bytes, v: TransferVerdict) -> None:
+        release: List[RequestDestination] = []
+        with self._lock:
+            p = self._peers.get(peer)
+            if p is None:
+                return
+            for rid in v.request_ids:
+                t = self._tracks.get(rid)
+                if t is None or t.member_peer.get(p.member) != peer:
+                    continue
+                if v.ok:
+                    t.confirmed.add(p.member)
+                    self._progress_locked(t)
+                    self._maybe_done_locked(t)
+                else:
+                    self._fail_locked(t, f"prefill rank {p.hs.p_rank} aborted: {v.reason}", release)
+        self._release(release)
+
+    def _on_rejected(self, peer: bytes, msg: Rejected) -> None:
+        release: List[RequestDestination] = []
+        with self._lock:
+            p = self._peers.get(peer)
+            if p is None:
+                return
+            for t in self._tracks.values():
+                if t.member_peer.get(p.member) == peer:
+                    self._fail_locked(t, f"prefill rank {p.hs.p_rank} rejected our message: {msg.reason}",
+                                      release)
+        self._release(release)
+
+    def _on_tick(self, now: float) -> None:
+        release: List[RequestDestination] = []
+        with self._lock:
+            for t in self._tracks.values():
+                if t.state is TransferState.PENDING and t.deadline is not None and now > t.deadline:
+                    self.stats.deadline_failures += 1
+                    self._fail_locked(t, f"no transfer progress for {self.config.layer_timeout_s:.3f}s "
+                                         "(prefill dead or stuck)", release)
+        self._release(release)
+
+    # ------------------------------------------------------------------ reader thread
+    def _reader_loop(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            peer, batch = item
+            try:
+                self._serve_batch(peer, batch)
+            except Exception as exc:  # noqa: BLE001 - answer rather than leave prefill waiting
+                logger.exception("decode rank %d: batch %d failed unexpectedly", self.d_rank, batch.batch_id)
+                self._answer_failed(peer, batch, [r.request_id for r in batch.requests],
+                                    f"decode internal error: {exc}")
+
+    def _answer_failed(self, peer: bytes, batch: ReadReadyBatch, ids: List[str], reason: str) -> None:
+        self._endpoint.send(ReadFailed(version=PROTOCOL_VERSION, batch_id=batch.batch_id, layer=batch.layer,
+                                       reason=reason[:4000], request_ids=ids), peer)
+
+    def _check_range(self, p: _Peer, t: _Track, rr: RequestRange, layer: int) -> Optional[str]:
+        topo = self._topology
+        n = t.dest.num_blocks
+        m = p.member
+        if rr.num_blocks != n:
+            return f"prefill has {rr.num_blocks} blocks, decode destination {n}"
+        if t.member_peer.get(m, p.identity) != p.identity:
+            return f"two prefill peers claim group member {m}"
+        if layer in t.delivered.get(m, ()):
+            return f"layer {layer} sent twice by member {m}"
+        src = p.hs.layout
+        if len(src.main) != len(self.layout.main):
+            return "main tensor count changed"
+        start, count = topo.main_share(n, self.d_rank)
+        if topo.sends_main(m):
+            if rr.main_offset != start or len(rr.main_src_blocks) != count:
+                return (f"main range {rr.main_offset}+{len(rr.main_src_blocks)} is not this rank's share "
+                        f"{start}+{count}")
+        elif rr.main_src_blocks:
+            return f"member {m} sent main blocks (only member 0 does)"
+        if any(b >= s.num_blocks for s in src.main for b in rr.main_src_blocks):
+            return "main source block out of the prefill buffer"
+        if self.layout.indexer is not None:
+            start, count = topo.indexer_share(n, m)
+            if rr.indexer_offset != start or len(rr.indexer_src_blocks) != count:
+                return (f"indexer range {rr.indexer_offset}+{len(rr.indexer_src_blocks)} is not member "
+                        f"{m}'s share {start}+{count}")
+            limit = min(s.num_blocks for s in (src.indexer, src.indexer_scale) if s is not None)
+            if any(b >= limit for b in rr.indexer_src_blocks):
+                return "indexer source block out of the prefill buffer"
+        elif rr.indexer_src_blocks:
+            return "indexer blocks sent but this model has no indexer"
+        return None
+
+    def _plan(self, p: _Peer, t: _Track, rr: RequestRange, layer: int):
+        """``(dst, src, len)`` lists of one request's share of one layer (coalesced per tensor)."""
+        src = p.hs.layout
+        dst_all: List[int] = []
+        src_all: List[int] = []
+        len_all: List[int] = []
+        pairs = [(s, d, rr.main_src_blocks, t.dest.main_blocks, rr.main_offset)
+                 for s, d in zip(src.main, self.layout.main)]
+        for role in ("indexer", "indexer_scale"):
+            d = getattr(self.layout, role)
+            if d is not None:
+                pairs.append((getattr(src, role), d, rr.indexer_src_blocks, t.dest.indexer_blocks,
+                              rr.indexer_offset))
+        for s_spec, d_spec, src_blocks, dst_blocks, offset in pairs:
+            dsts = [d_spec.address(layer, dst_blocks[offset + j]) for j in range(len(src_blocks))]
+            srcs = [s_spec.address(layer, b) for b in src_blocks]
+            d_, s_, n_ = coalesce(dsts, srcs, d_spec.block_bytes)
+            dst_all += d_
+            src_all += s_
+            len_all += n_
+        return dst_all, src_all, len_all
+
+    def _serve_batch(self, peer: bytes, batch: ReadReadyBatch) -> None:
+        self.stats.batches += 1
+        ids = [r.request_id for r in batch.requests]
+        failed: Dict[str, str] = {}
+        release: List[RequestDestination] = []
+        good: List[Tuple[_Track, RequestRange]] = []
+        with self._lock:
+            p = self._peers.get(peer)
+            problem = None
+            if p is None:
+                problem = "no accepted handshake from this peer"
+            elif batch.member != p.member or batch.ratio != self._topology.ratio:
+                problem = (f"member/ratio {batch.member}/{batch.ratio} disagree with the handshake "
+                           f"({p.member}/{self._topology.ratio})")
+            elif batch.layer >= self.layout.num_layers:
+                problem = f"layer {batch.layer} >= {self.layout.num_layers}"
+            for rr in batch.requests:
+                t = self._tracks.get(rr.request_id)
+                if t is None:
+                    failed[rr.request_id] = "unknown request on decode"
+                    continue
+                if t.state is not TransferState.PENDING:
+                    failed[rr.request_id] = f"request already {t.state.value}: {t.reason}"
+                    continue
+                why = problem or self._check_range(p, t, rr, batch.layer)
+                if why is not None:
+                    self.stats.validation_failures += 1
+                    failed[rr.request_id] = f"layer {batch.layer}: {why}"
+                    self._fail_locked(t, failed[rr.request_id], release)
+                    continue
+                t.member_peer[p.member] = peer
+                t.inflight += 1
+                self._progress_locked(t)
+                good.append((t, rr))
+        self._release(release)
+
+        if good:
+            dst, src, lengths = [], [], []
+            for t, rr in good:
+                d_, s_, n_ = self._plan(p, t, rr, batch.layer)
+                dst += d_
+                src += s_
+                lengths += n_
+            error = self._read_with_retries(p.hs.session, batch.layer, dst, src, lengths)
+            with self._lock:
+                for t, rr in good:
+                    t.inflight -= 1
+                    if error is not None:
+                        failed[rr.request_id] = error
+                        self._fail_locked(t, error, release)
+                    elif t.state is TransferState.PENDING:
+                        t.delivered.setdefault(p.member, set()).add(batch.layer)
+                        self._progress_locked(t)
+                        if rr.request_id in batch.finished:
+                            missing = set(range(self.layout.num_layers)) - t.delivered[p.member]
+                            if missing:
+                                failed[rr.request_id] = (f"member {p.member} finished without layers "
+                                                         f"{sorted(missing)}")
+                                self._fail_locked(t, failed[rr.request_id], release)
+                            else:
+                                t.finished.add(p.member)
+                                self._maybe_done_locked(t)
+                    else:
+                        # failed while the read was in flight (abort, deadline): data unusable
+                        failed[rr.request_id] = f"request failed during the read: {t.reason}"
+                    if t.state is TransferState.FAILED and t.inflight == 0 and not t.released:
+                        t.released = True
+                        release.append(t.dest)
+            self._release(release)
+
+        if problem is not None and not failed:
+            self._answer_failed(peer, batch, [], f"layer {batch.layer}: {problem}")
+        elif failed:
+            reason = "; ".join(f"{r}: {w}" for r, w in sorted(failed.items()))
+            self._answer_failed(peer, batch, sorted(failed) if len(failed) < len(ids) else [], reason)
+        else:
+            self._endpoint.send(ReadDone(version=PROTOCOL_VERSION, batch_id=batch.batch_id,
+                                         layer=batch.layer), peer)
+
+    def _read_with_retries(self, session: str, layer: int, dst, src, lengths) -> Optional[str]:
+        """None on success, else the last error after ``1 + read_retries`` attempts."""
+        set_context = getattr(self.engine, "set_context", None)
+        if set_context is not None:
+            set_context(layer)
+        last = ""
+        for attempt in range(1 + self.config.read_retries):
+            if attempt:
+                self.stats.read_retries += 1
+            t0 = time.perf_counter()
+            try:
+                self.engine.read(session, dst, src, lengths)
+            except EngineReadError as exc:
+                last = str(exc)
+                continue
+            self.stats.reads += 1
+            self.stats.read_bytes += sum(lengths)
+            self.stats.read_seconds += time.perf_counter() - t0
+            return None
+        self.stats.read_failures += 1
+        return f"read of layer {layer} failed after {1 + self.config.read_retries} attempts: {last}"

@@ -1,0 +1,97 @@
+"""The one interface every transfer engine implements, and the factory.
+
+The project writes the protocol, never a data path: each implementation is a thin
+adapter over an existing engine (MemFabric on Ascend, Mooncake over TCP or RDMA).
+Reads are *pulls*: the caller (decode) names local destination addresses and the
+peer's (prefill's) registered source addresses.
+
+Contract of :meth:`TransferEngine.read`: either every byte of every range has been
+copied when it returns, or it raises :class:`~.errors.EngineReadError` (and the
+destinations must be treated as garbage). Lengths are in bytes; the three lists
+have equal length; addresses must lie in memory registered on each side.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from typing import Optional, Sequence, Tuple
+
+from ..config import PDTransferConfig
+from .errors import EngineError
+
+Region = Tuple[int, int]  # (address, length in bytes)
+
+
+class TransferEngine(abc.ABC):
+    """A running transfer engine bound to this process."""
+
+    #: ``"mooncake"`` / ``"memfabric"`` (sent in the handshake; both sides must match).
+    name: str = ""
+
+    @property
+    @abc.abstractmethod
+    def session_id(self) -> str:
+        """What a peer passes to :meth:`read` to reach this engine (e.g. ``"host:port"``)."""
+
+    @property
+    @abc.abstractmethod
+    def data_protocol(self) -> str:
+        """Data path in use (``tcp``, ``rdma``, ``sdma``, ``device_rdma``...); both sides must match."""
+
+    @abc.abstractmethod
+    def register(self, regions: Sequence[Region]) -> None:
+        """Make ``regions`` readable by peers / writable by reads; raises :class:`EngineError`."""
+
+    @abc.abstractmethod
+    def unregister(self, addresses: Sequence[int]) -> None:
+        """Undo :meth:`register` for regions starting at ``addresses``."""
+
+    @abc.abstractmethod
+    def read(self, peer_session: str, dst_addrs: Sequence[int], src_addrs: Sequence[int],
+             lengths: Sequence[int]) -> None:
+        """Pull ``lengths[i]`` bytes from the peer's ``src_addrs[i]`` to local ``dst_addrs[i]``."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the engine (idempotent)."""
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def check_read_args(dst_addrs: Sequence[int], src_addrs: Sequence[int], lengths: Sequence[int]) -> None:
+    """Shared argument check of :meth:`TransferEngine.read` implementations."""
+    if not len(dst_addrs) == len(src_addrs) == len(lengths):
+        raise ValueError(f"read: {len(dst_addrs)} destinations, {len(src_addrs)} sources, "
+                         f"{len(lengths)} lengths")
+    if any(n <= 0 for n in lengths):
+        raise ValueError("read: every length must be > 0")
+
+
+def create_engine(config: PDTransferConfig, role: str, *, device_id: int = 0,
+                  mooncake_protocol: Optional[str] = None) -> TransferEngine:
+    """Start the engine named by ``config.engine`` for ``role`` (``prefill`` / ``decode``).
+
+    mooncake: data path from ``mooncake_protocol`` or env ``MOONCAKE_PROTOCOL``
+    (``tcp`` when neither is set: the only path on machines without RDMA NICs).
+    memfabric: ``config.protocol`` (sdma / device_rdma / device_urma) and
+    ``config.store_url`` (required). Raises :class:`~.errors.EngineUnavailable`
+    when the engine cannot run here, with what to install or change.
+    """
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    if config.engine == "mooncake":
+        from .engine_mooncake import MooncakeEngine
+
+        protocol = mooncake_protocol or os.environ.get("MOONCAKE_PROTOCOL") or "tcp"
+        return MooncakeEngine(hostname=config.host, protocol=protocol)
+    if config.engine == "memfabric":
+        from .engine_memfabric import MemFabricEngine
+
+        return MemFabricEngine(hostname=config.host, store_url=config.store_url,
+                               protocol=config.protocol, role=role, device_id=device_id)
+    raise EngineError(f"unknown transfer engine {config.engine!r}: use 'memfabric' or 'mooncake'")

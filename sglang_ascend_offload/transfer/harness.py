@@ -1,0 +1,509 @@
+"""Multi-process P/D scenarios: real prefill and decode ranks in separate processes.
+
+Used by the tests (``tests/transfer``) and ``bench transfer``. One scenario =
+``p_tp`` prefill rank processes + ``d_tp`` decode rank processes, each with its
+own transfer engine (Mooncake over TCP on 127.0.0.1 by default), talking through
+the real control plane. Prefill writes deterministic content into a few reusable
+layer slots (fewer slots than layers, so the slot gates matter), publishes every
+layer; decode pulls main KV into a host pool shared by its TP ranks (a shared
+memory file) and indexer + scale into rank-local tensors. The parent then checks,
+bit-exactly, that every request decode calls done holds exactly prefill's bytes,
+and for every failure that: nothing hung, no slot stayed gated, the failed
+destination was refused to the scheduler and released, the error reached the
+request on both sides.
+
+Worker processes use numpy buffers and never import torch (a torch import costs
+seconds per process on small machines); the parent compares with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import tempfile
+import time
+import zlib
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .faults import FaultPlan
+
+MODULE = __name__
+
+# ------------------------------------------------------------------ spec
+@dataclass(frozen=True)
+class ScenarioSpec:
+    """One P/D transfer scenario (all sizes small by default: seconds on 2 cores).
+
+    main_tensors: ``(name, bytes per token)`` of the main KV parts (latent, rope).
+    indexer_bytes / scale_bytes: per token; 0 = the model has none.
+    request_blocks: block count of each request (requests ``r0, r1, ...``).
+    slot_blocks: blocks per prefill layer slot; pool_blocks: blocks per decode layer.
+    decode_faults / prefill_faults: injected on every rank of that side.
+    decode_up: False = no decode process at all (handshake must time out).
+    measure_memcpy: decode ranks also time a plain memcpy of each read's bytes.
+    """
+
+    name: str
+    p_tp: int = 1
+    d_tp: int = 1
+    num_layers: int = 4
+    num_slots: int = 2
+    block_tokens: int = 4
+    main_tensors: Tuple[Tuple[str, int], ...] = (("latent", 32), ("rope", 8))
+    indexer_bytes: int = 16
+    scale_bytes: int = 4
+    request_blocks: Tuple[int, ...] = (1, 3, 5)
+    slot_blocks: int = 16
+    pool_blocks: int = 32
+    layer_timeout_s: float = 5.0
+    handshake_timeout_s: float = 10.0
+    read_retries: int = 1
+    engine: str = "mooncake"
+    decode_faults: FaultPlan = field(default_factory=FaultPlan)
+    prefill_faults: FaultPlan = field(default_factory=FaultPlan)
+    decode_up: bool = True
+    measure_memcpy: bool = False
+    seed: int = 0
+
+    @property
+    def request_ids(self) -> List[str]:
+        return [f"r{i}" for i in range(len(self.request_blocks))]
+
+
+def expected_block_bytes(seed: int, rid: str, layer: int, tensor: str, num_blocks: int,
+                         block_bytes: int) -> np.ndarray:
+    """Deterministic ``[num_blocks, block_bytes]`` uint8 content (same in every process)."""
+    key = zlib.crc32(f"{seed}/{rid}/{layer}/{tensor}".encode())
+    return np.random.default_rng(key).integers(0, 256, size=(num_blocks, block_bytes), dtype=np.uint8)
+
+
+def _raw(role: str, name: str, per_layer: List[np.ndarray]):
+    from .layout import RawTensor
+
+    return RawTensor(role, name, per_layer[0].shape[1], per_layer[0].shape[0],
+                     [a.ctypes.data for a in per_layer])
+
+
+def _regions(arrays: List[np.ndarray]) -> List[Tuple[int, int]]:
+    return sorted({a.ctypes.data: a.nbytes for a in arrays}.items())
+
+
+def _tensor_specs(spec: ScenarioSpec) -> List[Tuple[str, str, int]]:
+    """``(role, name, block_bytes)`` of every tensor, main first."""
+    bt = spec.block_tokens
+    out = [("main", name, width * bt) for name, width in spec.main_tensors]
+    if spec.indexer_bytes:
+        out.append(("indexer", "indexer", spec.indexer_bytes * bt))
+        if spec.scale_bytes:
+            out.append(("indexer_scale", "indexer_scale", spec.scale_bytes * bt))
+    return out
+
+
+# ------------------------------------------------------------------ worker side
+_ENGINES: Dict[Tuple[str, str], Any] = {}
+
+
+def _engine(spec: ScenarioSpec, role: str):
+    """One engine per worker process and role, reused across scenarios."""
+    from ..config import PDTransferConfig
+    from .engine import create_engine
+
+    key = (spec.engine, role)
+    if key not in _ENGINES:
+        _ENGINES[key] = create_engine(PDTransferConfig(engine=spec.engine, host="127.0.0.1"), role)
+    return _ENGINES[key]
+
+
+def _config(spec: ScenarioSpec, kv_port: int):
+    from ..config import PDTransferConfig
+
+    return PDTransferConfig(engine=spec.engine, kv_port=kv_port, host="127.0.0.1",
+                            handshake_timeout_s=spec.handshake_timeout_s,
+                            layer_timeout_s=spec.layer_timeout_s, read_retries=spec.read_retries)
+
+
+def _wrap(engine, plan: FaultPlan):
+    from .faults import FaultInjector, FaultyEngine, FaultyOutbox
+
+    if not plan.active:
+        return engine, None, None
+    inj = FaultInjector(plan)
+    return FaultyEngine(engine, inj), FaultyOutbox(inj), inj
+
+
+def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: str,
+                    destinations: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]],
+                    wait_s: float) -> Dict[str, Any]:
+    """Serve one decode TP rank until every request is terminal (or ``wait_s``); report."""
+    from .decode_side import DecodeReceiver
+    from .destinations import RequestDestination
+    from .errors import RequestFailed
+    from .layout import layout_from_regions
+
+    specs = _tensor_specs(spec)
+    main_specs = [s for s in specs if s[0] == "main"]
+    pool_bytes = spec.num_layers * spec.pool_blocks * sum(bb for _, _, bb in main_specs)
+    pool = np.memmap(pool_path, dtype=np.uint8, mode="r+", shape=(pool_bytes,))  # MAP_SHARED
+    raws, arrays, offset = [], [], 0
+    for role, name, bb in main_specs:
+        n = spec.num_layers * spec.pool_blocks * bb
+        view = pool[offset:offset + n].reshape(spec.num_layers, spec.pool_blocks, bb)
+        raws.append(_raw(role, name, [view[l] for l in range(spec.num_layers)]))
+        arrays.append(pool[offset:offset + n])
+        offset += n
+    local: Dict[str, np.ndarray] = {}
+    for role, name, bb in specs:
+        if role != "main":
+            local[name] = np.zeros((spec.num_layers, spec.pool_blocks, bb), dtype=np.uint8)
+            raws.append(_raw(role, name, [local[name][l] for l in range(spec.num_layers)]))
+            arrays.append(local[name])
+    layout = layout_from_regions(spec.block_tokens, raws)
+    base = _engine(spec, "decode")
+    regions = _regions(arrays)
+    base.register(regions)
+    engine, outbox, injector = _wrap(base, spec.decode_faults)
+    released: List[str] = []
+    receiver = DecodeReceiver(_config(spec, kv_port), d_tp=spec.d_tp, d_rank=d_rank, layout=layout,
+                              engine=engine, on_release=lambda d: released.append(d.request_id),
+                              send_filter=outbox)
+    try:
+        for rid, (main_blocks, idx_blocks) in destinations.items():
+            receiver.expect(RequestDestination(rid, tuple(main_blocks), tuple(idx_blocks)))
+        receiver.start()
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not receiver.pending_requests() and not receiver.unreleased_failed():
+                break
+            time.sleep(0.005)
+        statuses = {rid: receiver.status(rid) for rid in destinations}
+        claims: Dict[str, str] = {}
+        for rid in destinations:
+            try:
+                receiver.claim(rid)
+                claims[rid] = "claimed"
+            except RequestFailed as exc:
+                claims[rid] = f"refused: {exc.reason}"
+            except Exception as exc:  # noqa: BLE001 - pending: not claimable either
+                claims[rid] = f"refused: {exc}"
+        memcpy_bps = None
+        if spec.measure_memcpy and receiver.stats.reads:
+            memcpy_bps = _memcpy_rate(receiver.stats.read_bytes // receiver.stats.reads,
+                                      receiver.stats.reads)
+        return {
+            "statuses": {r: (s.state.value, s.reason) for r, s in statuses.items()},
+            "claims": claims,
+            "released": released,
+            "local": {k: v.copy() for k, v in local.items()},
+            "stats": asdict(receiver.stats),
+            "rejected": receiver.endpoint.rejected,
+            "handler_errors": receiver.endpoint.handler_errors,
+            "injected": dict(injector.injected) if injector else {},
+            "memcpy_bytes_per_s": memcpy_bps,
+        }
+    finally:
+        receiver.close()
+        base.unregister([a for a, _ in regions])
+        del pool
+
+
+def _memcpy_rate(chunk_bytes: int, reps: int) -> float:
+    """Bytes/s of a plain in-process copy of ``chunk_bytes``, ``reps`` times (numpy memcpy)."""
+    src = np.random.default_rng(0).integers(0, 256, size=max(1, chunk_bytes), dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        np.copyto(dst, src)
+    dt = time.perf_counter() - t0
+    return chunk_bytes * reps / dt if dt > 0 else float("inf")
+
+
+def run_prefill_rank(spec: ScenarioSpec, p_rank: int, kv_port: int,
+                     sources: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> Dict[str, Any]:
+    """Compute (write) and publish every layer of every request on one prefill rank; report."""
+    from ..layerwise_prefill.gates import GateError, GateTimeout, SlotGates
+    from .errors import HandshakeError
+    from .layout import layout_from_regions
+    from .prefill_side import PrefillSender, SourceBlocks
+
+    specs = _tensor_specs(spec)
+    slots = {name: [np.zeros((spec.slot_blocks, bb), dtype=np.uint8) for _ in range(spec.num_slots)]
+             for _, name, bb in specs}
+    slot_of = [layer % spec.num_slots for layer in range(spec.num_layers)]
+    layout = layout_from_regions(spec.block_tokens, [
+        _raw(role, name, [slots[name][slot_of[l]] for l in range(spec.num_layers)]) for role, name, _ in specs])
+    base = _engine(spec, "prefill")
+    regions = _regions([a for arrs in slots.values() for a in arrs])
+    base.register(regions)
+    engine, outbox, injector = _wrap(base, spec.prefill_faults)
+    gates = SlotGates(spec.num_slots)
+    cfg = _config(spec, kv_port)
+    sender = PrefillSender(cfg, p_tp=spec.p_tp, d_tp=spec.d_tp, p_rank=p_rank, layout=layout,
+                           engine=engine, gates=gates, decode_host="127.0.0.1", send_filter=outbox)
+    report: Dict[str, Any] = {"handshake": "ok", "gate_errors": 0, "gate_timeouts": 0}
+    ids = list(sources)
+    t0 = time.monotonic()
+    timings = report["timings"] = {}
+    try:
+        for rid, n in zip(spec.request_ids, spec.request_blocks):
+            sender.add_request(rid, n)
+        try:
+            sender.handshake()
+        except HandshakeError as exc:
+            report["handshake"] = f"{type(exc).__name__}: {exc}"
+            for rid in ids:
+                sender.abort(rid, f"handshake failed: {exc}")
+        if sender.connected:
+            for layer in range(spec.num_layers):
+                slot = slot_of[layer]
+                try:
+                    gates.wait_free(slot, spec.layer_timeout_s * 2 + 1.0)
+                except GateError:
+                    report["gate_errors"] += 1  # previous content's read failed; slot is free
+                except GateTimeout:
+                    report["gate_timeouts"] += 1  # would be a hang without our deadlines
+                    break
+                for rid, (main_blocks, idx_blocks) in sources.items():
+                    n = len(main_blocks)
+                    for role, name, bb in specs:
+                        blocks = list(main_blocks if role == "main" else idx_blocks)
+                        slots[name][slot][blocks] = expected_block_bytes(spec.seed, rid, layer, name, n, bb)
+                sender.publish_layer(layer, slot, {rid: SourceBlocks(m, i) for rid, (m, i) in sources.items()},
+                                     finished=ids if layer == spec.num_layers - 1 else ())
+        timings["published"] = time.monotonic() - t0
+        settle = time.monotonic() + spec.layer_timeout_s * 2 + 1.0
+        while time.monotonic() < settle and (sender.open_batches() or
+                                             any(not sender.status(r).terminal for r in ids)):
+            time.sleep(0.005)
+        timings["settled"] = time.monotonic() - t0
+        statuses = {rid: sender.status(rid) for rid in ids}
+        report.update({
+            "statuses": {r: (s.state.value, s.reason) for r, s in statuses.items()},
+            "open_batches": sender.open_batches(),
+            "busy_slots": [(s, l, sorted(p)) for s, l, p in gates.busy_slots()],
+            "stats": asdict(sender.stats),
+            "rejected": sender.endpoint.rejected,
+            "handler_errors": sender.endpoint.handler_errors,
+            "injected": dict(injector.injected) if injector else {},
+        })
+        return report
+    finally:
+        sender.close()
+        timings["closed"] = time.monotonic() - t0
+        report["busy_slots_after_close"] = [(s, l, sorted(p)) for s, l, p in gates.busy_slots()]
+        base.unregister([a for a, _ in regions])
+
+
+# ------------------------------------------------------------------ parent side
+@dataclass
+class ScenarioResult:
+    """What the parent concluded from one scenario (one row of the bench table)."""
+
+    name: str
+    outcome: str
+    hung: bool
+    destination_used_after_failure: bool
+    leaked_slots: int
+    verified: bool
+    prefill: Dict[int, Any]
+    decode: Dict[int, Any]
+    request_status: Dict[str, Tuple[str, str]]
+    problems: List[str]
+    seconds: float
+
+
+def _free_port_base(count: int) -> int:
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - count)
+        socks = []
+        try:
+            for p in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range found")
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def plan_blocks(spec: ScenarioSpec):
+    """Prefill source blocks and decode destination blocks per request (non-contiguous)."""
+    from .destinations import BlockPool
+
+    rng = random.Random(spec.seed)
+    total = sum(spec.request_blocks)
+    if total > spec.slot_blocks or total > spec.pool_blocks:
+        raise ValueError("requests do not fit the slot / pool blocks")
+    src_main = rng.sample(range(spec.slot_blocks), total)
+    src_idx = rng.sample(range(spec.slot_blocks), total)
+    main_pool = BlockPool(spec.pool_blocks, shuffle_seed=spec.seed + 1)
+    idx_pool = BlockPool(spec.pool_blocks, shuffle_seed=spec.seed + 2)
+    sources, dests, k = {}, {}, 0
+    has_idx = bool(spec.indexer_bytes)
+    for rid, n in zip(spec.request_ids, spec.request_blocks):
+        sources[rid] = (tuple(src_main[k:k + n]), tuple(src_idx[k:k + n]) if has_idx else ())
+        dests[rid] = (main_pool.allocate(n), idx_pool.allocate(n) if has_idx else ())
+        k += n
+    return sources, dests
+
+
+def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioResult:
+    """Run ``spec`` on ``pool`` (needs ``p_tp + d_tp`` workers) and judge it."""
+    from .status import RequestStatus, TransferState, combine_rank_statuses
+    from .topology import PDTopology
+    from .workers import run_tasks
+
+    PDTopology(spec.p_tp, spec.d_tp)  # invalid pairs fail here, before any process work
+    if pool.size < spec.p_tp + spec.d_tp:
+        raise ValueError(f"scenario needs {spec.p_tp + spec.d_tp} workers, pool has {pool.size}")
+    sources, dests = plan_blocks(spec)
+    kv_port = _free_port_base(spec.d_tp)
+    main_bb = [w * spec.block_tokens for _, w in spec.main_tensors]
+    pool_bytes = spec.num_layers * spec.pool_blocks * sum(main_bb)
+    fd, pool_path = tempfile.mkstemp(prefix="pd_host_pool_", dir=_shm_dir())
+    os.ftruncate(fd, pool_bytes)
+    os.close(fd)
+    wait_s = spec.layer_timeout_s * (spec.num_layers + 2) + spec.handshake_timeout_s
+    tasks = {}
+    if spec.decode_up:
+        for d in range(spec.d_tp):
+            tasks[spec.p_tp + d] = (MODULE, "run_decode_rank", dict(
+                spec=spec, d_rank=d, kv_port=kv_port, pool_path=pool_path, destinations=dests,
+                wait_s=wait_s))
+    for p in range(spec.p_tp):
+        tasks[p] = (MODULE, "run_prefill_rank", dict(spec=spec, p_rank=p, kv_port=kv_port, sources=sources))
+    t0 = time.monotonic()
+    try:
+        out = run_tasks(pool, tasks, timeout_s)
+        seconds = time.monotonic() - t0
+        host_pool = np.fromfile(pool_path, dtype=np.uint8, count=pool_bytes)
+    finally:
+        os.unlink(pool_path)
+    from .workers import TaskTimeout
+
+    problems: List[str] = []
+    hung = any(isinstance(v, TaskTimeout) for v in out.values())
+    prefill = {p: out[p] for p in range(spec.p_tp)}
+    decode = {d: out[spec.p_tp + d] for d in range(spec.d_tp) if spec.p_tp + d in out}
+    for who, v in list(prefill.items()) + [(f"d{d}", v) for d, v in decode.items()]:
+        if isinstance(v, Exception):
+            problems.append(f"rank {who}: {type(v).__name__}: {str(v)[-400:]}")
+
+    leaked = 0
+    for p, r in prefill.items():
+        if isinstance(r, dict):
+            leaked += len(r["busy_slots"]) + len(r["busy_slots_after_close"])
+            hung |= r["gate_timeouts"] > 0 or any(s == "pending" for s, _ in r["statuses"].values())
+    for d, r in decode.items():
+        if isinstance(r, dict):
+            hung |= any(s == "pending" for s, _ in r["statuses"].values())
+
+    # request status across ranks: decode's combined view is what the scheduler sees
+    request_status: Dict[str, Tuple[str, str]] = {}
+    used_after_failure = False
+    decode_ok = {d: r for d, r in decode.items() if isinstance(r, dict)}
+    for rid in spec.request_ids:
+        prefill_states = [r["statuses"][rid] for r in prefill.values() if isinstance(r, dict)]
+        if decode_ok and len(decode_ok) == spec.d_tp:
+            st = combine_rank_statuses([RequestStatus(TransferState(r["statuses"][rid][0]), r["statuses"][rid][1])
+                                        for _, r in sorted(decode_ok.items())])
+        else:
+            seen = "; ".join(f"prefill: {why}" for s, why in prefill_states if s == "failed")[:400]
+            st = RequestStatus(TransferState.FAILED,
+                               f"{'decode rank(s) died' if spec.decode_up else 'no decode'}; {seen}")
+        if st.state is TransferState.DONE and any(s != "done" for s, _ in prefill_states):
+            problems.append(f"{rid}: done on decode but not on every prefill rank")
+        if st.state is not TransferState.DONE:
+            for d, r in decode_ok.items():
+                if r["claims"][rid] == "claimed":
+                    used_after_failure = True
+                    problems.append(f"{rid}: decode rank {d} handed a failed request's destination out")
+                if r["statuses"][rid][0] == "failed" and rid not in r["released"]:
+                    used_after_failure = True
+                    problems.append(f"{rid}: decode rank {d} never released a failed destination")
+        request_status[rid] = (st.state.value, st.reason)
+
+    verified = True  # every request decode calls done holds exactly prefill's bytes
+    for rid, n in zip(spec.request_ids, spec.request_blocks):
+        if request_status[rid][0] != "done":
+            continue
+        verified &= _verify_request(spec, rid, n, dests[rid], host_pool, decode_ok, problems)
+    verified &= not used_after_failure
+
+    states = {s for s, _ in request_status.values()}
+    if hung:
+        outcome = "hung"
+    elif states == {"done"}:
+        outcome = "done"
+    else:
+        reasons = [r for s, r in request_status.values() if s == "failed"]
+        outcome = "failed: " + (reasons[0][:160] if reasons else "?")
+    return ScenarioResult(spec.name, outcome, hung, used_after_failure, leaked,
+                          verified, prefill, decode, request_status, problems, seconds)
+
+
+def _verify_request(spec, rid, n, dest, host_pool, decode_ok, problems) -> bool:
+    """Bit-exact check of one done request: host pool (main) and every rank's indexer/scale."""
+    import torch
+
+    def same(got: np.ndarray, want: np.ndarray) -> bool:
+        return torch.equal(torch.from_numpy(np.ascontiguousarray(got)), torch.from_numpy(want))
+
+    main_blocks, idx_blocks = dest
+    ok = True
+    offset = 0
+    for name, width in spec.main_tensors:
+        bb = width * spec.block_tokens
+        size = spec.num_layers * spec.pool_blocks * bb
+        view = host_pool[offset:offset + size].reshape(spec.num_layers, spec.pool_blocks, bb)
+        offset += size
+        for layer in range(spec.num_layers):
+            want = expected_block_bytes(spec.seed, rid, layer, name, n, bb)
+            if not same(view[layer][list(main_blocks)], want):
+                ok = False
+                problems.append(f"{rid}: main tensor {name} layer {layer} differs in the host pool")
+    for d, r in decode_ok.items():
+        for name, local in r["local"].items():
+            bb = local.shape[-1]
+            for layer in range(spec.num_layers):
+                want = expected_block_bytes(spec.seed, rid, layer, name, n, bb)
+                if not same(local[layer][list(idx_blocks)], want):
+                    ok = False
+                    problems.append(f"{rid}: {name} layer {layer} differs on decode rank {d}")
+    return ok
+
+
+def valid_pairs(p_sizes=(1, 2, 4), d_sizes=(1, 2)) -> List[Tuple[int, int]]:
+    return [(p, d) for p in p_sizes for d in d_sizes if p >= d and p % d == 0]
+
+
+def fault_scenarios(base: Optional[ScenarioSpec] = None) -> List[ScenarioSpec]:
+    """The failure table: each breaks one thing at layer 1 with short deadlines."""
+    b = base or ScenarioSpec(name="base", p_tp=2, d_tp=1, layer_timeout_s=0.5, handshake_timeout_s=2.0,
+                             read_retries=1)
+    r = b.read_retries
+    return [
+        replace(b, name="read_retry_recovers", decode_faults=FaultPlan(fail_reads=r, fail_layers=(1,))),
+        replace(b, name="read_failure", decode_faults=FaultPlan(fail_reads=r + 1, fail_layers=(1,))),
+        replace(b, name="dropped_answer", decode_faults=FaultPlan(drop_kinds=("read_done",), fault_layer=1)),
+        replace(b, name="decode_slower_than_deadline",
+                decode_faults=FaultPlan(read_delay_s=b.layer_timeout_s * 2.5, delay_layers=(1,))),
+        replace(b, name="malformed_ready", prefill_faults=FaultPlan(truncate_kinds=("ready",), fault_layer=1)),
+        replace(b, name="malformed_answer",
+                decode_faults=FaultPlan(truncate_kinds=("read_done",), fault_layer=1)),
+        replace(b, name="dead_decode", decode_faults=FaultPlan(exit_on_layer=1)),
+        replace(b, name="decode_never_up", decode_up=False),
+    ]

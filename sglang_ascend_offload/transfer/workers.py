@@ -1,0 +1,171 @@
+"""A small pool of reusable spawned worker processes (multi-process tests, benchmark).
+
+Each worker runs tasks one at a time: ``(module, function, kwargs)`` sent over a
+pipe (pickle between our own processes only; nothing from the network), the
+return value or the formatted exception sent back. Workers are started once and
+reused across scenarios because a fresh Python + torch + engine start costs
+seconds on small machines. A worker that dies (a scenario that kills its decode)
+is replaced transparently on the next submit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+_WORKER_ENV = {
+    "MOONCAKE_PROTOCOL": "tcp",
+    "GLOG_minloglevel": "2",  # Mooncake logs through glog: keep warnings out of test output
+    "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+class WorkerDied(RuntimeError):
+    """The worker process exited while running a task (``exitcode`` says how)."""
+
+    def __init__(self, index: int, exitcode: Optional[int]):
+        self.index = index
+        self.exitcode = exitcode
+        super().__init__(f"worker {index} died (exit code {exitcode})")
+
+
+class TaskTimeout(TimeoutError):
+    """A task did not finish within its timeout (the worker was killed)."""
+
+
+class TaskError(RuntimeError):
+    """A task raised; the message carries the worker's traceback."""
+
+
+def _worker_main(conn) -> None:
+    for k, v in _WORKER_ENV.items():
+        os.environ.setdefault(k, v)
+    while True:
+        try:
+            item = conn.recv()
+        except (EOFError, OSError):
+            return
+        if item is None:
+            return
+        module, func, kwargs = item
+        try:
+            fn = getattr(importlib.import_module(module), func)
+            conn.send(("ok", fn(**kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            conn.send(("err", traceback.format_exc()))
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: Any
+
+
+class WorkerPool:
+    """``size`` spawned workers; :meth:`submit` then :meth:`result` per task."""
+
+    def __init__(self, size: int):
+        self._ctx = mp.get_context("spawn")
+        self._workers: List[Optional[_Worker]] = [None] * size
+        for i in range(size):
+            self._ensure(i)
+
+    @property
+    def size(self) -> int:
+        return len(self._workers)
+
+    def _ensure(self, i: int) -> _Worker:
+        w = self._workers[i]
+        if w is not None and w.process.is_alive():
+            return w
+        if w is not None:
+            w.conn.close()
+        parent, child = self._ctx.Pipe()
+        saved = {k: os.environ.get(k) for k in _WORKER_ENV}
+        os.environ.update({k: os.environ.get(k) or v for k, v in _WORKER_ENV.items()})
+        try:
+            p = self._ctx.Process(target=_worker_main, args=(child,), daemon=True,
+                                  name=f"pd-worker-{i}")
+            p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        child.close()
+        self._workers[i] = _Worker(p, parent)
+        return self._workers[i]
+
+    def submit(self, i: int, module: str, func: str, **kwargs) -> None:
+        self._ensure(i).conn.send((module, func, kwargs))
+
+    def result(self, i: int, timeout_s: float) -> Any:
+        """The task's return value; raises :class:`TaskError`, :class:`WorkerDied` or :class:`TaskTimeout`."""
+        w = self._workers[i]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if w.conn.poll(0.02):
+                try:
+                    status, value = w.conn.recv()
+                except (EOFError, OSError):
+                    w.process.join(1.0)
+                    raise WorkerDied(i, w.process.exitcode) from None
+                if status == "ok":
+                    return value
+                raise TaskError(f"worker {i} task failed:\n{value}")
+            if not w.process.is_alive():
+                raise WorkerDied(i, w.process.exitcode)
+            if time.monotonic() > deadline:
+                self.kill(i)
+                raise TaskTimeout(f"worker {i}: task still running after {timeout_s:.1f}s (killed)")
+
+    def kill(self, i: int) -> None:
+        w = self._workers[i]
+        if w is not None and w.process.is_alive():
+            w.process.kill()
+            w.process.join(5.0)
+
+    def close(self) -> None:
+        for i, w in enumerate(self._workers):
+            if w is None:
+                continue
+            try:
+                w.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+            w.process.join(3.0)
+            if w.process.is_alive():
+                self.kill(i)
+            w.conn.close()
+        self._workers = [None] * len(self._workers)
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_tasks(pool: WorkerPool, tasks: Dict[int, tuple], timeout_s: float) -> Dict[int, Any]:
+    """Submit ``{worker: (module, func, kwargs)}`` at once; collect every outcome.
+
+    Values are results or the exception instance (:class:`TaskError`,
+    :class:`WorkerDied`, :class:`TaskTimeout`), so one failure does not hide the rest.
+    """
+    for i, (module, func, kwargs) in tasks.items():
+        pool.submit(i, module, func, **kwargs)
+    deadline = time.monotonic() + timeout_s
+    out: Dict[int, Any] = {}
+    for i in tasks:
+        try:
+            out[i] = pool.result(i, max(0.1, deadline - time.monotonic()))
+        except (TaskError, WorkerDied, TaskTimeout) as exc:
+            out[i] = exc
+    return out
