@@ -26,7 +26,7 @@ import torch
 
 __all__ = [
     "StoreError", "StoreUnavailable", "BlockKey", "block_keys", "object_key",
-    "HostKVStore", "StoreStats", "parts_nbytes",
+    "HostKVStore", "StoreStats", "parts_nbytes", "make_store",
 ]
 
 
@@ -138,3 +138,16 @@ class HostKVStore(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def make_store(cfg, device_id=None) -> HostKVStore:
+    """The host KV store a :class:`~sglang_ascend_offload.config.LayerwisePrefillOffloadConfig`
+    asks for. ``memcache`` raises :class:`StoreUnavailable` (saying what to install or
+    start) where it cannot run; there is no silent fallback to ``local``."""
+    if cfg.store_backend == "local":
+        from sglang_ascend_offload.layerwise_prefill.store_local import LocalHostKVStore
+        return LocalHostKVStore()
+    if cfg.store_backend == "memcache":
+        from sglang_ascend_offload.layerwise_prefill.store_memcache import MemcacheHostKVStore
+        return MemcacheHostKVStore(cfg.memcache, device_id)
+    raise ValueError(f"unknown store_backend {cfg.store_backend!r}: expected 'memcache' or 'local'")
