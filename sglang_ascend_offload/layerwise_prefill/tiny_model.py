@@ -49,8 +49,12 @@ class TinyAttentionModel:
         """Embed the new tokens of every request (call before the first layer)."""
         self.hidden = {}
         for req, rows in zip(requests, layout.requests):
-            ids = torch.tensor(req.token_ids[rows.prefix_len:], dtype=torch.long)
-            self.hidden[rows.rid] = self.embedding[ids].clone()
+            self.hidden[rows.rid] = self.embed(req.token_ids[rows.prefix_len:])
+
+    def embed(self, token_ids) -> torch.Tensor:
+        """``[n, dim]`` embeddings (token ids taken modulo the vocabulary)."""
+        ids = torch.tensor(token_ids, dtype=torch.long) % self.embedding.shape[0]
+        return self.embedding[ids].clone()
 
     def attend(self, layer: int, h: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
                prefix_len: int) -> torch.Tensor:
@@ -97,8 +101,7 @@ class FullCacheRunner:
         m, bt = self.model, self.block_tokens
         blocks = block_keys(req.token_ids, bt, self.namespace)
         assert prefix_len % bt == 0
-        ids = torch.tensor(req.token_ids[prefix_len:], dtype=torch.long)
-        h = m.embedding[ids].clone()
+        h = m.embed(req.token_ids[prefix_len:])
         total = len(req.token_ids)
         for layer in range(m.num_layers):
             k_all = torch.empty(total, m.dim, dtype=m.dtype)
