@@ -1,0 +1,267 @@
+"""The ``ascend_offload`` attention backend: DSA (MLA + indexer + top-k) attention.
+
+One backend serves two memory layouts:
+
+* main KV on the device (:class:`~.pool.DeviceDSAPool`, SGLang's NPU MLA layout):
+  the DSA execution path on any device; on a CPU it is how SGLang serves a
+  DeepSeek-V3.2-style model at all (SGLang has no CPU DSA path);
+* main KV in the host pool (:class:`~.offload_pool.HostMainKVPool`): sparse decode
+  offload (:mod:`.offload_backend`).
+
+Per layer and forward:
+
+1. the indexer (SGLang's ``Indexer`` module; on a CPU through the plugin's
+   ``forward_native`` hook, on an NPU through SGLang's own ``forward_npu``) stores
+   the new tokens' index K and returns logical top-k positions ``[T, K]`` (``-1``
+   padded) with :meth:`run_indexer`;
+2. :meth:`forward_extend` / :meth:`forward_decode` store the new tokens' latent and
+   rope rows and run sparse MLA attention (absorbed form) over the selected
+   positions with the op ladder's ``sparse_mla_attention``.
+
+Shapes (N heads, Dl = kv_lora_rank = 512, Dr = rope = 64): ``q`` is either
+``[T, N, Dl + Dr]`` (DeepSeek's concatenated path) or ``q_nope [T, N, Dl]`` with
+``q_rope=[T, N, Dr]`` (absorb-core path); ``k`` is ``[T, 1, Dl + Dr]`` or
+``k_nope [T, 1, Dl]`` with ``k_rope``; the output is ``[T, N * Dl]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from ..ops import registry
+from . import carrier
+from .indexer import indexer_query_key_weights
+from .metadata import DSAForwardMetadata, block_tables_from, build_metadata
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "ascend_offload"
+
+
+@dataclass
+class GraphBuffers:
+    """Static metadata buffers for graph capture/replay of decode batches up to ``max_bs``.
+
+    seq_lens / seq_lens_cpu_int / actual_seq_lengths_q: int32 [max_bs];
+    block_tables: int32 [max_bs, max_blocks]; req_pool_indices: int64 [max_bs].
+    """
+
+    max_bs: int
+    seq_lens: torch.Tensor
+    seq_lens_cpu_int: torch.Tensor
+    actual_seq_lengths_q: torch.Tensor
+    block_tables: torch.Tensor
+    req_pool_indices: torch.Tensor
+    block_columns: torch.Tensor  # int64 [max_blocks]: first position of each page
+
+
+class AscendOffloadAttnBackend(AttentionBackend):
+    """DSA attention over the plugin's pools with the op ladder (see module doc)."""
+
+    def __init__(self, model_runner: Any):
+        super().__init__()
+        self.device = model_runner.device
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.page_size = int(model_runner.page_size)
+        self.max_context_len = int(model_runner.model_config.context_len)
+        hf = model_runner.model_config.hf_config
+        self.kv_lora_rank = int(model_runner.model_config.kv_lora_rank)
+        self.qk_rope_head_dim = int(model_runner.model_config.qk_rope_head_dim)
+        self.index_topk = getattr(hf, "index_topk", None)
+        self.offload_config = carrier.active_config().sparse_decode
+        ops_choice = self.offload_config.ops if self.offload_config is not None else "auto"
+        self.indexer_op = registry.select("lightning_indexer", ops_choice)
+        self.attention_op = registry.select("sparse_mla_attention", ops_choice)
+        self.forward_metadata: Optional[DSAForwardMetadata] = None
+        self.graph: Optional[GraphBuffers] = None
+        self._graph_batch: Optional[int] = None
+
+    # ------------------------------------------------------------------ metadata
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """Host-side metadata. Decode batches that fit the graph buffers use static
+        views (filled by :meth:`init_forward_metadata_in_graph`); others are eager."""
+        mode = forward_batch.forward_mode
+        bs = int(forward_batch.batch_size)
+        if self.graph is not None and mode.is_decode() and bs <= self.graph.max_bs:
+            g = self.graph
+            lens = forward_batch.seq_lens_cpu.to(torch.int32)
+            g.seq_lens_cpu_int[:bs].copy_(lens)
+            self._graph_batch = bs
+            self.forward_metadata = DSAForwardMetadata(
+                seq_lens=g.seq_lens[:bs],
+                seq_lens_cpu_int=g.seq_lens_cpu_int[:bs],
+                actual_seq_lengths_q=g.actual_seq_lengths_q[:bs],
+                block_tables=g.block_tables[:bs],
+                q_lens_cpu=[1] * bs,
+                req_pool_indices=g.req_pool_indices[:bs],
+                is_decode=True,
+            )
+            return
+        self._graph_batch = None
+        if mode.is_idle():
+            self.forward_metadata = None
+            return
+        q_lens = None if mode.is_decode() else forward_batch.extend_seq_lens_cpu
+        self.forward_metadata = build_metadata(
+            self.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens_cpu,
+            q_lens,
+            self.page_size,
+            forward_batch.seq_lens.device,
+            is_decode=mode.is_decode(),
+        )
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        """Static-shape device copies into the graph buffers (recordable; no host syncs)."""
+        bs = self._graph_batch
+        if bs is None:
+            return
+        g = self.graph
+        g.req_pool_indices[:bs].copy_(forward_batch.req_pool_indices[:bs])
+        g.seq_lens[:bs].copy_(forward_batch.seq_lens[:bs])
+        slots = self.req_to_token_pool.req_to_token[g.req_pool_indices[:bs]][:, g.block_columns]
+        g.block_tables[:bs].copy_(torch.div(slots, self.page_size, rounding_mode="floor"))
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        """Allocate static metadata buffers for decode graphs of up to ``max_bs`` requests."""
+        max_blocks = -(-self.max_context_len // self.page_size)
+        dev = self.req_to_token_pool.req_to_token.device
+        cols = (torch.arange(max_blocks, device=dev) * self.page_size).clamp(
+            max=self.req_to_token_pool.req_to_token.shape[1] - 1
+        )
+        self.graph = GraphBuffers(
+            max_bs=max_bs,
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
+            seq_lens_cpu_int=torch.ones(max_bs, dtype=torch.int32),
+            actual_seq_lengths_q=torch.arange(1, max_bs + 1, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
+            req_pool_indices=torch.zeros(max_bs, dtype=torch.long, device=dev),
+            block_columns=cols,
+        )
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return 1
+
+    def support_triton(self):
+        return False
+
+    # ------------------------------------------------------------------ indexer
+    def run_indexer(self, indexer: Any, x, q_lora, positions, forward_batch, layer_id: int,
+                    return_indices: bool = True) -> Optional[torch.Tensor]:
+        """Store the new tokens' index K and return int32 ``[T, index_topk]`` logical
+        positions (``-1`` padded), or ``None`` when ``return_indices`` is False."""
+        md = self.forward_metadata
+        if md is None:  # idle batch
+            return q_lora.new_full((q_lora.shape[0], indexer.index_topk), -1, dtype=torch.int32)
+        inputs = indexer_query_key_weights(indexer, x, q_lora, positions)
+        pool = self.token_to_kv_pool
+        pool.set_index_k_buffer(layer_id, forward_batch.out_cache_loc, inputs.key)
+        if not return_indices:
+            return None
+        topk = self.indexer_op(
+            inputs.query,
+            pool.get_index_k_buffer(layer_id),
+            inputs.weights,
+            actual_seq_lengths_query=md.actual_seq_lengths_q,
+            actual_seq_lengths_key=md.seq_lens,
+            block_table=md.block_tables,
+            layout_query="TND",
+            layout_key="PA_BSND",
+            sparse_count=int(indexer.index_topk),
+            sparse_mode=3,
+        )
+        return topk.reshape(topk.shape[0], -1)
+
+    # ------------------------------------------------------------------ attention
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def _split_inputs(self, q, k, layer, q_rope, k_rope) -> Tuple[torch.Tensor, ...]:
+        heads = layer.tp_q_head_num
+        dl, dr = self.kv_lora_rank, self.qk_rope_head_dim
+        if q_rope is not None:
+            q_nope = q.reshape(-1, heads, dl)
+            q_rope = q_rope.reshape(-1, heads, dr)
+        else:
+            q_full = q.reshape(-1, heads, dl + dr)
+            q_nope, q_rope = q_full[..., :dl], q_full[..., dl:]
+        k_nope = k_pe = None
+        if k is not None:
+            if k_rope is not None:
+                k_nope, k_pe = k.reshape(-1, dl), k_rope.reshape(-1, dr)
+            else:
+                k_full = k.reshape(-1, dl + dr)
+                k_nope, k_pe = k_full[:, :dl], k_full[:, dl:]
+        return q_nope, q_rope, k_nope, k_pe
+
+    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool, topk_indices=None,
+                 q_rope=None, k_rope=None, **unused):
+        q_nope, q_pe, k_nope, k_pe = self._split_inputs(q, k, layer, q_rope, k_rope)
+        if save_kv_cache and k_nope is not None:
+            self.store_kv(layer, forward_batch, k_nope, k_pe)
+        out = self.attend(layer, forward_batch, q_nope, q_pe, topk_indices)
+        return out.reshape(q_nope.shape[0], layer.tp_q_head_num * self.kv_lora_rank)
+
+    def store_kv(self, layer, forward_batch, k_nope: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Write the new tokens' latent [T, Dl] and rope [T, Dr] rows at ``out_cache_loc``."""
+        self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k_nope, k_pe)
+
+    def dense_indices(self, num_tokens: int, md: DSAForwardMetadata, device) -> torch.Tensor:
+        """All positions (``[T, max_seq_len]``): attention for layers without an indexer."""
+        width = max(1, int(md.seq_lens_cpu_int.max()))
+        return torch.arange(width, dtype=torch.int32, device=device).expand(num_tokens, width)
+
+    def attend(self, layer, forward_batch, q_nope, q_pe, topk_indices) -> torch.Tensor:
+        """Sparse MLA attention over the device pool; ``[T, N, Dl]`` in q's dtype."""
+        md = self.forward_metadata
+        if topk_indices is None:
+            topk_indices = self.dense_indices(q_nope.shape[0], md, q_nope.device)
+        pool = self.token_to_kv_pool
+        return self.attention_op(
+            q_nope,
+            pool.get_key_buffer(layer.layer_id),
+            None,
+            topk_indices,
+            layer.scaling,
+            block_table=md.block_tables,
+            actual_seq_lengths_query=md.actual_seq_lengths_q,
+            actual_seq_lengths_kv=md.seq_lens,
+            query_rope=q_pe,
+            key_rope=pool.get_value_buffer(layer.layer_id),
+            layout_query="TND",
+            layout_kv="PA_BSND",
+            sparse_mode=3,
+        )
+
+
+def handle_deepseek_attention(attn: Any, forward_batch: Any):
+    """DeepSeek ``AttentionBackendRegistry`` handler for ``ascend_offload``: always the
+    absorbed MLA method (the backend runs the indexer's top-k through ``topk_indices``).
+
+    Without it SGLang falls back to the ``triton`` handler, which picks MHA for
+    prefill and fails on the 576-wide latent cache.
+    """
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+        AttnForwardMethod,
+    )
+
+    return AttnForwardMethod.MLA
+
+
+def create_backend(model_runner: Any) -> AttentionBackend:
+    """Attention backend factory registered under :data:`BACKEND_NAME`."""
+    if carrier.sparse_decode_enabled():
+        from .offload_backend import SparseDecodeOffloadBackend
+
+        return SparseDecodeOffloadBackend(model_runner)
+    return AscendOffloadAttnBackend(model_runner)

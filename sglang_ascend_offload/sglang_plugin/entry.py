@@ -1,0 +1,76 @@
+"""Entry point of the SGLang plugin (group ``sglang.srt.plugins``, name ``ascend_offload``).
+
+SGLang 0.5.23 calls :func:`register` from ``load_plugins()`` in every one of its
+processes: the launcher (before it parses the command line), ``Engine.__init__``,
+each scheduler, the detokenizer and the DP controller. It is idempotent per process.
+
+Version policy. Only SGLang 0.5.23 is supported: the plugin leans on that
+release's internal names (resolution step names, class paths). ``load_plugins()``
+catches and logs anything a plugin raises and carries on, so raising here would
+not stop a server; instead, on another SGLang version the plugin logs an error
+once, registers its flags only (so ``--help`` still documents them), and refuses
+any use of them with :class:`~.hooks.UnsupportedSGLangVersion` at argument
+parsing. SGLang itself then runs exactly as without the plugin.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+logger = logging.getLogger("sglang_ascend_offload")
+
+SUPPORTED_SGLANG = "0.5.23"
+
+_registered = False
+
+
+def installed_sglang_version() -> Optional[str]:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def version_problem(found: Optional[str]) -> str:
+    """Empty when ``found`` is supported, else a sentence saying what is wrong."""
+    if found is None:
+        return "SGLang is not installed (no 'sglang' distribution found)"
+    if found != SUPPORTED_SGLANG:
+        return f"SGLang {found} is installed and sglang-ascend-offload supports SGLang {SUPPORTED_SGLANG} only"
+    return ""
+
+
+def register() -> None:
+    """Register the plugin with SGLang (see the module docstring). Returns ``None``."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from . import hooks
+
+    problem = version_problem(installed_sglang_version())
+    if problem:
+        logger.error("sglang-ascend-offload is inactive: %s.", problem)
+        hooks.install_flags(refuse_reason=problem)
+        return
+    hooks.install_flags()
+    hooks.install_runtime()
+    logger.info("sglang-ascend-offload %s active in process %d (SGLang %s)",
+                _package_version(), os.getpid(), SUPPORTED_SGLANG)
+
+
+def is_registered() -> bool:
+    return _registered
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang-ascend-offload")
+    except Exception:  # noqa: BLE001
+        return "(unknown version)"

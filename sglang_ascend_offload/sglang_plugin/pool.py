@@ -1,0 +1,104 @@
+"""KV pools of the ``ascend_offload`` attention backend.
+
+:class:`DeviceDSAPool` is SGLang's NPU MLA pool layout
+(``hardware_backend/npu/memory_pool_npu.py::NPUMLATokenToKVPool``) with writes that
+run on any device, so the same backend serves DSA models on an NPU and on a CPU:
+
+* ``k_buffer``       [layers, pages + 1, page_size, 1, kv_lora_rank]   latent (bf16)
+* ``v_buffer``       [layers, pages + 1, page_size, 1, qk_rope_head_dim]  rope (bf16)
+* ``index_k_buffer`` [indexer layers, pages + 1, page_size, 1, index_head_dim] (bf16)
+
+Flat slot ``s`` (SGLang's allocator slot, page 0 is the padding page) is row ``s``
+of ``buffer[layer].view(-1, D)``, so block tables are
+``req_to_token[req, ::page_size] // page_size`` as on the NPU (PA_BSND layout).
+
+The sparse-decode-offload pool (main KV in the host pool) is
+:class:`~.offload_pool.HostMainKVPool`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from sglang.srt.hardware_backend.npu.memory_pool_npu import NPUMLATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
+
+logger = logging.getLogger(__name__)
+
+
+def _scatter_rows(buffer: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -> None:
+    """``buffer.view(-1, D)[loc] = rows`` (bit-exact; rows cast to the buffer dtype)."""
+    width = buffer.shape[-1]
+    flat = buffer.view(-1, width)
+    flat[loc.to(device=flat.device, dtype=torch.long)] = rows.reshape(-1, width).to(
+        device=flat.device, dtype=flat.dtype
+    )
+
+
+class DeviceDSAPool(NPUMLATokenToKVPool):
+    """NPU-layout MLA/DSA pool whose writes are plain torch off the NPU.
+
+    On an NPU the parent's ``torch_npu.npu_scatter_nd_update_`` writes are kept.
+    Packed fp8 storage and the FIA NZ layout are NPU-only and rejected elsewhere.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._on_npu = str(self.device).startswith("npu")
+        if not self._on_npu and (self.dsa_kv_cache_store_fp8 or self.use_fia_nz):
+            raise ValueError(
+                "packed fp8 DSA KV storage and the FIA NZ layout need an Ascend NPU; "
+                "use --kv-cache-dtype bfloat16 and unset SGLANG_USE_FIA_NZ"
+            )
+
+    def set_kv_buffer(self, layer, loc_info, cache_k: torch.Tensor, cache_v: Optional[torch.Tensor]):
+        """Store latent ``cache_k`` [T, (1,) kv_lora_rank] and rope ``cache_v`` [T, (1,) rope]
+        (or ``cache_k`` [T, (1,) kv_lora_rank + rope] with ``cache_v=None``) at ``loc``."""
+        if self._on_npu:
+            return super().set_kv_buffer(layer, loc_info, cache_k, cache_v)
+        loc, _, _ = unwrap_write_loc(loc_info)
+        if cache_v is None:
+            cache_k, cache_v = cache_k.reshape(-1, self.kv_lora_rank + self.qk_rope_head_dim).split(
+                [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+            )
+        layer_index = layer.layer_id - self.start_layer
+        _scatter_rows(self.k_buffer[layer_index], loc, cache_k)
+        _scatter_rows(self.v_buffer[layer_index], loc, cache_v)
+
+    def set_index_k_buffer(self, layer_id: int, loc: torch.Tensor, index_k: torch.Tensor):
+        """Store indexer keys ``index_k`` [T, index_head_dim] at ``loc``."""
+        if self._on_npu:
+            return super().set_index_k_buffer(layer_id, loc, index_k)
+        _scatter_rows(self.index_k_buffer[self._get_indexer_slot(layer_id)], loc, index_k)
+
+    def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):  # pragma: no cover
+        if self._on_npu:
+            return super().get_cpu_copy(indices, mamba_indices, req_pool_index)
+        raise NotImplementedError("retraction to CPU copies is not supported by the ascend_offload pool off the NPU")
+
+
+def build_device_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool) -> DeviceDSAPool:
+    """:class:`DeviceDSAPool` with the parameters SGLang gives its NPU MLA pool
+    (``KVCacheConfigurator._build_ascend_mla_kv_pool``)."""
+    from sglang.srt.runtime_context import get_exec, get_schedule
+
+    mc = configurator.model_config
+    page_size = get_schedule().page_size
+    return DeviceDSAPool(
+        max_total_num_tokens,
+        page_size=page_size,
+        dtype=configurator.kv_cache_dtype,
+        kv_lora_rank=mc.kv_lora_rank,
+        qk_rope_head_dim=mc.qk_rope_head_dim,
+        index_head_dim=mc.index_head_dim if is_dsa_model else None,
+        index_size=max_total_num_tokens,
+        index_page_size=page_size,
+        is_draft_worker=configurator.is_draft_worker,
+        layer_num=configurator.layer_info.num_effective_layers,
+        device=configurator.device,
+        enable_memory_saver=get_exec().features.enable_memory_saver,
+        start_layer=configurator.layer_info.start_layer,
+        end_layer=configurator.layer_info.end_layer,
+    )

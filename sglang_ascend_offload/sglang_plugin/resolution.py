@@ -1,0 +1,177 @@
+"""The plugin's steps in SGLang's argument resolution (``ServerArgs.resolve_once``).
+
+SGLang 0.5.23 resolves server arguments in an ordered pipeline
+(``arg_groups/pipeline.py``) whose named steps plugins may wrap with
+``register_resolution_hook(name)`` (``arg_groups/resolution_hooks.py``). The launcher
+resolves once before it spawns any process or allocates any memory, so a step that
+raises stops startup there. The plugin wraps:
+
+``handle_cpu_backends`` / ``handle_npu_backends``
+    select the ``ascend_offload`` attention backend when sparse decode offload is on,
+    and for DSA models on a CPU (SGLang has no CPU DSA path), unless the user chose
+    a backend.
+``handle_model_specific_adjustments``
+    on a CPU, run the step under :func:`~.cpu_capability.no_cuda_capability` so its
+    CUDA capability probes (``arg_groups/model_hook.py:341``,
+    ``arg_groups/overrides.py:512`` and ``:631``) answer "no CUDA" instead of raising.
+``validate_deepep_v2_dispatch_token_budget`` (the last step)
+    parse the plugin's flags, build the :class:`~sglang_ascend_offload.config.Deployment`
+    from the resolved arguments, check everything, raise one
+    :class:`~sglang_ascend_offload.config.ConfigError` listing every problem, or
+    publish the validated config for the spawned processes (:mod:`.carrier`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, List, Optional, Tuple
+
+from .. import config as cfg
+from . import carrier, flags
+from .backend import BACKEND_NAME
+from .cpu_capability import no_cuda_capability
+from .deployment import deployment_from_server_args, model_kind
+
+logger = logging.getLogger(__name__)
+
+VALIDATION_STEP = "validate_deepep_v2_dispatch_token_budget"
+
+# Features whose runtime the SGLang plugin provides. Enabling another feature is
+# rejected at startup (a flag that silently did nothing would be worse).
+RUNTIME_READY: set = set()
+
+
+# ------------------------------------------------------------------ backend choice
+def _model_is_dsa(server_args: Any) -> bool:
+    from sglang.srt.arg_groups.model_override_base import model_config_of
+
+    try:
+        hf_config = model_config_of(server_args).hf_config
+    except Exception:  # noqa: BLE001 - model path problems are SGLang's to report
+        return False
+    return model_kind(hf_config) == "dsa"
+
+
+def requested_config() -> Tuple[cfg.OffloadConfig, List[cfg.Violation]]:
+    """The config asked for in this process: flags if any were given, else the
+    published environment variable, else everything off. Plus parse problems."""
+    raw = flags.pending()
+    if raw is not None and raw.any_given:
+        return flags.parse(raw)
+    text = carrier.published_text()
+    if text is None:
+        return cfg.OffloadConfig(), []
+    try:
+        return cfg.parse_config(text), []
+    except cfg.ConfigError as exc:
+        return cfg.OffloadConfig(), [
+            cfg.Violation(v.rule, f"{carrier.CONFIG_ENV}: {v.problem}", v.fix) for v in exc.violations
+        ]
+
+
+def _select_backend(server_args: Any, previous: Callable[[Any], None]) -> None:
+    from sglang.srt.arg_groups.model_override_base import is_attention_backend_not_set, resolving_view
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    view = resolving_view(server_args)
+    config, _ = requested_config()
+    wants = config.sparse_decode is not None or (view.device == "cpu" and _model_is_dsa(server_args))
+    if wants and is_attention_backend_not_set(view):
+        declare_resolution(server_args, "sglang_ascend_offload", attention_backend=BACKEND_NAME)
+        logger.info("sglang-ascend-offload: attention backend %s selected", BACKEND_NAME)
+    previous(server_args)
+
+
+def _model_adjustments(server_args: Any, previous: Callable[[Any], None]) -> None:
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    if resolving_view(server_args).device == "cpu":
+        with no_cuda_capability():
+            previous(server_args)
+    else:
+        previous(server_args)
+
+
+# ------------------------------------------------------------------ validation
+def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violation]:
+    """Rules about SGLang's own arguments (the engine-agnostic rules live in config.py)."""
+    out: List[cfg.Violation] = []
+    for section in ("sparse_decode", "layerwise_prefill", "pd_transfer", "kvpp"):
+        if getattr(config, section) is not None and section not in RUNTIME_READY:
+            out.append(cfg.Violation(
+                "sglang.feature_not_wired",
+                f"{section} is configured but the SGLang plugin does not run it yet",
+                f"remove the {section} settings; see docs/sglang_integration.md for the status",
+            ))
+    if config.sparse_decode is not None:
+        backends = {b for b in (view.attention_backend, getattr(view, "prefill_attention_backend", None),
+                                getattr(view, "decode_attention_backend", None)) if b}
+        if backends - {BACKEND_NAME}:
+            out.append(cfg.Violation(
+                "sglang.attention_backend",
+                f"attention backend(s) {sorted(backends)} cannot serve sparse decode offload",
+                f"drop --attention-backend (the plugin selects {BACKEND_NAME}) or pass "
+                f"--attention-backend {BACKEND_NAME}",
+            ))
+        if getattr(view, "enable_hisparse", False):
+            out.append(cfg.Violation(
+                "sglang.hisparse", "--enable-hisparse is on as well",
+                "use one sparse-attention offload: drop --enable-hisparse",
+            ))
+        if os.environ.get("SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD", "0") not in ("", "0", "false", "False"):
+            out.append(cfg.Violation(
+                "sglang.npu_sparse_kv_offload",
+                "SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD is set (SGLang's in-tree NPU offload)",
+                "unset SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD",
+            ))
+    return out
+
+
+def check(server_args: Any) -> Optional[cfg.OffloadConfig]:
+    """Validate the requested config against the resolved ``server_args``.
+
+    Raises :class:`ConfigError` with every problem; otherwise publishes the config
+    (or clears it when every feature is off) and returns it.
+    """
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    config, problems = requested_config()
+    if config == cfg.OffloadConfig() and not problems:
+        carrier.clear()
+        return None
+    view = resolving_view(server_args)
+    try:
+        deployment = deployment_from_server_args(server_args)
+        problems += cfg.violations(config, deployment)
+    except Exception as exc:  # noqa: BLE001 - reported with the rest
+        problems.append(cfg.Violation("sglang.deployment", f"cannot read the deployment: {exc}",
+                                      "check the model path and server arguments"))
+    problems += plugin_violations(config, view)
+    if problems:
+        raise cfg.ConfigError(problems, "sglang-ascend-offload configuration")
+    carrier.publish(config)
+    logger.info("sglang-ascend-offload: validated configuration %s", cfg.to_json(config))
+    return config
+
+
+def _validate(server_args: Any, previous: Callable[[Any], None]) -> None:
+    previous(server_args)
+    check(server_args)
+
+
+_installed = False
+
+
+def install() -> None:
+    """Register the resolution steps (once per process)."""
+    global _installed
+    if _installed:
+        return
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+    register_resolution_hook("handle_cpu_backends")(_select_backend)
+    register_resolution_hook("handle_npu_backends")(_select_backend)
+    register_resolution_hook("handle_model_specific_adjustments")(_model_adjustments)
+    register_resolution_hook(VALIDATION_STEP)(_validate)
+    _installed = True

@@ -1,0 +1,143 @@
+"""Shared setup of the SGLang plugin tests.
+
+* SGLang picks its platform when it is first imported; ``SGLANG_USE_CPU_ENGINE=1``
+  selects its CPU platform (what serving on this machine needs), so it is set here,
+  before any test module imports SGLang.
+* :class:`ServerProcess` launches ``python -m sglang.launch_server`` on 127.0.0.1 with
+  a free port in its own session, waits for ``/health`` with a deadline, and kills
+  its whole process group on ``stop()``.
+
+Do not add an ``__init__.py`` to this folder: a package named ``sglang`` would
+shadow the real one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import pytest
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_DSA = REPO / "tests" / "fixtures" / "tiny_dsa"
+
+# What every CPU launch of the tiny DSA model needs (see docs/sglang_integration.md).
+CPU_SERVER_ARGS = [
+    "--model-path", str(TINY_DSA),
+    "--load-format", "dummy",
+    "--skip-tokenizer-init",
+    "--device", "cpu",
+    "--disable-cuda-graph",
+    "--disable-overlap-schedule",
+    "--mem-fraction-static", "0.1",
+    "--max-total-tokens", "4096",
+    "--context-length", "2048",
+]
+STARTUP_TIMEOUT_S = float(os.environ.get("SGLANG_TEST_STARTUP_TIMEOUT", "240"))
+
+
+def server_env() -> Dict[str, str]:
+    env = dict(os.environ)
+    env.update(SGLANG_USE_CPU_ENGINE="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1")
+    env.pop("SGLANG_ASCEND_OFFLOAD_CONFIG", None)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One ``sglang.launch_server`` subprocess (own session; killed as a group)."""
+
+    def __init__(self, extra_args: Sequence[str] = (), log_path: Optional[Path] = None):
+        self.port = free_port()
+        self.args = [sys.executable, "-m", "sglang.launch_server", *CPU_SERVER_ARGS,
+                     "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
+        self.log_path = log_path
+        self.proc: Optional[subprocess.Popen] = None
+        self.startup_s: Optional[float] = None
+
+    def start(self) -> "ServerProcess":
+        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
+                                     cwd=REPO, start_new_session=True)
+        deadline = t0 + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        self.startup_s = time.monotonic() - t0
+                        return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {STARTUP_TIMEOUT_S:.0f} s; log: {self.log_path}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def generate(self, input_ids, max_new_tokens: int = 8, timeout: float = 120.0):
+        """Greedy ``/generate`` for one prompt (list of ids) or a batch (list of lists)."""
+        body = {"input_ids": input_ids,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+        req = urllib.request.Request(f"{self.url}/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def get(self, path: str, timeout: float = 30.0) -> str:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout) as r:
+            return r.read().decode()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+
+def run_launcher(extra_args: List[str], timeout: float = 180.0) -> subprocess.CompletedProcess:
+    """Run ``launch_server`` to completion (for --help and startup failures)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang.launch_server", *CPU_SERVER_ARGS,
+           "--host", "127.0.0.1", "--port", str(port), *extra_args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=server_env(), cwd=REPO)
+
+
+@pytest.fixture(scope="session")
+def plugins_loaded():
+    """SGLang's own ``load_plugins()`` in this process (what every SGLang process does)."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang_ascend_offload.sglang_plugin import entry
+
+    assert entry.is_registered()
+    return True

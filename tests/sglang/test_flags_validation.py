@@ -1,0 +1,152 @@
+"""Flags -> typed config -> validation against SGLang's resolved arguments -> published JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_ascend_offload import config as cfg
+from sglang_ascend_offload.sglang_plugin import carrier, flags, resolution
+from sglang_ascend_offload.sglang_plugin.deployment import build_deployment, graph_mode, main_kv_dtype, model_kind
+
+from conftest import TINY_DSA
+
+
+def raw(sparse=None, layerwise=None, sparse_on=None, layerwise_on=None):
+    return flags.RawFlags(
+        enabled={"sparse_decode": sparse is not None if sparse_on is None else sparse_on,
+                 "layerwise_prefill": layerwise is not None if layerwise_on is None else layerwise_on},
+        configs={"sparse_decode": sparse, "layerwise_prefill": layerwise},
+    )
+
+
+# ------------------------------------------------------------------ flags -> typed config
+def test_parse_builds_typed_sections(tmp_path):
+    path = tmp_path / "lw.json"
+    path.write_text(json.dumps({"shared_buffers": 2, "store_backend": "local"}))
+    config, problems = flags.parse(raw(sparse='{"hot_tokens": 64, "ops": "reference"}', layerwise=f"@{path}"))
+    assert problems == []
+    assert config.sparse_decode == cfg.SparseDecodeOffloadConfig(hot_tokens=64, ops="reference")
+    assert config.layerwise_prefill.shared_buffers == 2
+    assert config.layerwise_prefill.store_backend == "local"
+    assert config.pd_transfer is None and config.kvpp is None
+
+
+def test_enable_without_config_uses_defaults():
+    config, problems = flags.parse(raw(sparse_on=True))
+    assert problems == [] and config.sparse_decode == cfg.SparseDecodeOffloadConfig()
+
+
+def test_parse_lists_every_problem_of_every_section(tmp_path):
+    config, problems = flags.parse(raw(
+        sparse='{"hot_tokens": "many", "bogus": 1}',
+        layerwise=f"@{tmp_path / 'missing.json'}", layerwise_on=False,
+    ))
+    rules = sorted(p.rule for p in problems)
+    assert rules == ["flags.config_without_enable", "parse.type", "parse.unknown_key"]
+    assert all(p.problem.startswith("--") for p in problems)  # names the flag
+    assert config == cfg.OffloadConfig()
+
+
+# ------------------------------------------------------------------ deployment facts
+def test_model_kind_and_kv_dtype():
+    dsa = SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=16, kv_lora_rank=512)
+    assert model_kind(dsa) == "dsa"
+    assert model_kind(SimpleNamespace(architectures=["GlmMoeDsaForCausalLM"])) == "dsa"
+    assert model_kind(SimpleNamespace(architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=512)) == "mla"
+    assert model_kind(SimpleNamespace(architectures=["LlamaForCausalLM"])) == "other"
+    assert main_kv_dtype("auto", SimpleNamespace(torch_dtype="bfloat16")) == "bf16"
+    assert main_kv_dtype("fp8_e4m3", dsa) == "fp8_e4m3"
+
+
+def test_graph_mode_per_role():
+    cg = SimpleNamespace(prefill=SimpleNamespace(backend="disabled"), decode=SimpleNamespace(backend="full"))
+    assert graph_mode(cg, False, "colocated") == "full"
+    assert graph_mode(cg, False, "prefill") == "eager"
+    assert graph_mode(cg, True, "decode") == "eager"
+    cg2 = SimpleNamespace(prefill=SimpleNamespace(backend="breakable"), decode=SimpleNamespace(backend="disabled"))
+    assert graph_mode(cg2, False, "prefill") == "piecewise"
+
+
+def test_build_deployment_from_server_args_shape():
+    args = SimpleNamespace(device="npu", kv_cache_dtype="auto", page_size=128, dp_size=2, tp_size=8,
+                           pp_size=1, attn_cp_size=1, enable_prefill_cp=False, dcp_size=1,
+                           disaggregation_mode="decode", disaggregation_transfer_backend="ascend",
+                           cuda_graph_config=None, disable_cuda_graph=True,
+                           speculative_algorithm="NEXTN", speculative_adaptive=False)
+    hf = SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048, num_hidden_layers=61,
+                         torch_dtype="bfloat16", layer_types=["indexed_attention"] * 61)
+    d = build_deployment(args, hf, soc="Ascend910_9391")
+    assert (d.device, d.model_kind, d.main_kv_dtype, d.index_topk, d.page_size) == ("npu", "dsa", "bf16", 2048, 128)
+    assert (d.dp, d.tp, d.pd_role, d.graph_mode, d.speculative_method) == (2, 8, "decode", "eager", "mtp")
+    assert d.soc_family == "A3" and d.hybrid_kv is False
+    assert cfg.violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=4096)), d) == []
+
+
+def test_plugin_rules():
+    view = SimpleNamespace(attention_backend="ascend", prefill_attention_backend=None,
+                           decode_attention_backend=None, enable_hisparse=True)
+    config = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(),
+                               layerwise_prefill=cfg.LayerwisePrefillOffloadConfig())
+    os.environ["SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD"] = "1"
+    try:
+        rules = [v.rule for v in resolution.plugin_violations(config, view)]
+    finally:
+        del os.environ["SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD"]
+    assert "sglang.attention_backend" in rules
+    assert "sglang.hisparse" in rules
+    assert "sglang.npu_sparse_kv_offload" in rules
+    assert "sglang.feature_not_wired" in rules  # layerwise prefill has no SGLang runtime yet
+
+
+# ------------------------------------------------------------------ real resolution, in process
+def _server_args(**kw):
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path=str(TINY_DSA), device="cpu", load_format="dummy",
+                      skip_tokenizer_init=True, disable_cuda_graph=True, **kw)
+
+
+@pytest.fixture
+def clean_state():
+    flags.forget()
+    carrier.clear()
+    yield
+    flags.forget()
+    carrier.clear()
+
+
+def test_resolution_selects_the_backend_and_bf16_on_cpu(plugins_loaded, clean_state):
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    sa = _server_args()
+    flags.remember(raw())
+    sa.resolve_once()  # the CUDA capability probes of DSA resolution do not raise on CPU
+    view = resolving_view(sa)
+    assert view.attention_backend == "ascend_offload"
+    assert view.kv_cache_dtype == "bfloat16"
+    assert carrier.published_text() is None  # nothing enabled, nothing published
+
+
+def test_invalid_config_stops_resolution_with_every_reason(plugins_loaded, clean_state):
+    sa = _server_args(kv_cache_dtype="fp8_e4m3", attention_backend="torch_native")
+    flags.remember(raw(sparse='{"hot_tokens": 8, "ops": "fused"}', layerwise="{}", layerwise_on=False))
+    with pytest.raises(cfg.ConfigError) as info:
+        sa.resolve_once()
+    rules = {v.rule for v in info.value.violations}
+    assert {"flags.config_without_enable", "sparse_decode.hot_tokens_topk", "sparse_decode.hot_tokens_page",
+            "sparse_decode.main_kv_dtype", "sparse_decode.fused_device", "sglang.attention_backend"} <= rules
+    assert carrier.published_text() is None
+
+
+def test_valid_config_is_published_for_child_processes(plugins_loaded, clean_state, monkeypatch):
+    monkeypatch.setattr(resolution, "RUNTIME_READY", {"sparse_decode"})
+    sa = _server_args()  # SGLang forces page size 64 for DSA off NPU/XPU
+    flags.remember(raw(sparse='{"hot_tokens": 64}'))
+    sa.resolve_once()
+    published = json.loads(carrier.published_text())
+    assert published["sparse_decode"]["hot_tokens"] == 64
+    assert carrier.active_config().sparse_decode.hot_tokens == 64
