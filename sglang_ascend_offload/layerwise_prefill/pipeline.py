@@ -307,6 +307,8 @@ class LayerwisePrefillPipeline:
         """Block until ``layer``'s slot is acquired and its prefix loaded (deadline:
         ``wait_timeout_s``); on a device the current stream then waits on the load event."""
         fwd = self._current()
+        if layer not in fwd.pos:
+            raise ValueError(f"layer {layer} is not part of the open forward {list(fwd.layout.layers)}")
         timeout = self.wait_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         t0 = time.perf_counter()
@@ -341,7 +343,10 @@ class LayerwisePrefillPipeline:
         self._save_q.put((fwd, layer, event))
 
     def on_layer_attended(self, layer: int) -> None:
-        """Attention of ``layer`` is issued: compute no longer needs the slot."""
+        """Attention of ``layer`` is issued: compute no longer needs the slot.
+
+        Must come before :meth:`wait_until_ready` of the next layer that reuses the
+        slot (with ``B = 1`` that is the next shared layer), or that wait times out."""
         fwd = self._current()
         with self._cv:
             if layer in fwd.attended or layer not in fwd.written:
