@@ -1,0 +1,317 @@
+"""``python -m sglang_ascend_offload bench decode``: replay a top-k trace, side by side.
+
+One run reports, for the same trace and hot-buffer size:
+
+* **this engine** (the chosen policy), replayed with random KV content through the
+  real engine; after every layer step it checks that each resident slot holds its
+  host row and that attention output ``torch.equal`` s the full-KV reference;
+* **topk_reload**: no hot buffer, every selected row copied every step;
+* **topk_cache**: a device cache of exactly ``top_k`` rows per row (SGLang's in-tree
+  design; every policy is the same at that size);
+* **opt**: Belady's optimum for the same capacity (the lower bound on misses);
+* every available policy's misses at the same capacity (residency only).
+
+Without ``--trace`` a synthetic trace is generated (``--shape``; the model is in
+``docs/sparse_decode.md``). ``--profile-shape`` instead times one decode step at
+production shape (rows 32, top-k 2048, hot 4096, 61 layers by default): residency
+management vs miss copy vs the reference sparse attention of the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from ..ops import registry
+
+_SHAPES = ("locality", "random", "scan")
+
+
+def _default_policy() -> str:
+    from ..config import SparseDecodeOffloadConfig
+
+    return SparseDecodeOffloadConfig().policy
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..sparse_decode.policies import POLICIES
+
+    parser.add_argument("--trace", metavar="FILE", help=".npz trace (default: synthesise one)")
+    parser.add_argument("--hot-tokens", type=int, help="hot slots per layer and row (default 2 x top-k)")
+    parser.add_argument("--ops", default="auto", choices=registry.CHOICES, help="operator ladder rung")
+    parser.add_argument("--policy", choices=sorted(POLICIES),
+                        help="residency policy of the engine run (default: the config default)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    syn = parser.add_argument_group("synthetic trace (without --trace)")
+    syn.add_argument("--steps", type=int, default=160, help="decode steps")
+    syn.add_argument("--layers", type=int, default=4, help="layers")
+    syn.add_argument("--rows", type=int, default=8, help="decode rows")
+    syn.add_argument("--top-k", type=int, default=128, help="top-k per row")
+    syn.add_argument("--shape", choices=_SHAPES, default="locality", help="trace shape")
+    syn.add_argument("--noise-skew", type=float, default=1.5,
+                     help="skew of the noise positions' persistent weights (0 = uniform noise)")
+    syn.add_argument("--seed", type=int, default=0, help="trace and KV content seed")
+    syn.add_argument("--save-trace", metavar="FILE", help="also write the synthetic trace to FILE (.npz)")
+    parser.add_argument("--heads", type=int, default=8, help="attention heads per query row")
+    prof = parser.add_argument_group("production-shape timing (--profile-shape)")
+    prof.add_argument("--profile-shape", action="store_true",
+                      help="time one step's residency management vs sparse attention at production shape "
+                           "(overrides the synthetic defaults: rows 32, top-k 2048, hot 4096, 61 layers, 16 heads)")
+    prof.add_argument("--profile-steps", type=int, default=6, help="warm-up steps before the timed one")
+
+
+# ------------------------------------------------------------------------ helpers
+def _progress(enabled: bool):
+    """Progress on stderr: a rewritten line on a terminal, a line per 10 % otherwise."""
+    tty = sys.stderr.isatty()
+    state = {"last": 0.0, "tenth": 0}
+
+    def report(done: int, total: int) -> None:
+        if not enabled:
+            return
+        if tty:
+            now = time.monotonic()
+            if now - state["last"] > 0.5 or done == total:
+                state["last"] = now
+                print(f"\r  replay: step {done}/{total}", end="\n" if done == total else "",
+                      file=sys.stderr, flush=True)
+        elif done * 10 // total > state["tenth"]:
+            state["tenth"] = done * 10 // total
+            print(f"  replay: step {done}/{total}", file=sys.stderr, flush=True)
+
+    return report
+
+
+def _load_or_synthesize(args):
+    from ..sparse_decode.trace import SyntheticTraceSpec, load_trace, save_trace, synthesize
+
+    if args.trace:
+        return load_trace(args.trace), {"source": args.trace}
+    spec = SyntheticTraceSpec(steps=args.steps, layers=args.layers, rows=args.rows, top_k=args.top_k,
+                              shape=args.shape, seed=args.seed, noise_skew=args.noise_skew)
+    trace = synthesize(spec)
+    if args.save_trace:
+        save_trace(trace, args.save_trace)
+    return trace, {"source": "synthetic", **asdict(spec)}
+
+
+def _input_problems(args) -> List[str]:
+    problems = []
+    for name in ("steps", "layers", "rows", "top_k", "heads", "profile_steps"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if args.hot_tokens is not None and args.hot_tokens < 1:
+        problems.append("--hot-tokens must be >= 1")
+    if args.noise_skew < 0:
+        problems.append("--noise-skew must be >= 0")
+    return problems
+
+
+# ------------------------------------------------------------------------ replay mode
+def run_replay(args) -> Dict[str, Any]:
+    from ..sparse_decode.policies import POLICIES
+    from ..sparse_decode.replay import ReplayOptions, replay_trace, simulate_policy
+
+    trace, source = _load_or_synthesize(args)
+    k = trace.top_k
+    hot = args.hot_tokens if args.hot_tokens is not None else 2 * k
+    if hot < k:
+        raise SystemExit(f"--hot-tokens {hot} < the trace's top-k {k}: a row's selection must fit")
+    policy = args.policy or _default_policy()
+    if not args.json:
+        print(f"trace: {trace.steps} steps x {trace.layers} layers x {trace.rows} rows, top-k {k}; "
+              f"hot_tokens {hot}; policy {policy}; ops {args.ops}", file=sys.stderr)
+    result = replay_trace(trace, ReplayOptions(hot_tokens=hot, policy=policy, ops=args.ops, heads=args.heads,
+                                               seed=args.seed), progress=_progress(not args.json))
+    total = result.stats.total
+    row_bytes = (512 + 64) * 2
+    selected = total.selected
+    sims = {name: simulate_policy(trace, name, hot) for name in POLICIES}
+    opt = simulate_policy(trace, "belady", hot)
+    cache = simulate_policy(trace, "lru", k)
+    steps = max(1, trace.steps)
+    times = result.times.seconds
+    out: Dict[str, Any] = {
+        "selected": selected,
+        "hits": total.hits,
+        "misses": total.misses,
+        "hit_rate": total.hit_rate,
+        "h2d_bytes": total.h2d_bytes,
+        "d2h_bytes": total.d2h_bytes,
+        "opt_misses": opt.misses,
+        "misses_over_opt": total.misses / opt.misses if opt.misses else None,
+        "verified": result.verified,
+        "baselines": {
+            "topk_reload": {"misses": selected, "h2d_bytes": selected * row_bytes},
+            "topk_cache": {"misses": cache.misses, "h2d_bytes": cache.misses * row_bytes},
+        },
+        "h2d_vs_topk_reload": total.h2d_bytes / (selected * row_bytes) if selected else None,
+        "h2d_vs_topk_cache": total.h2d_bytes / (cache.misses * row_bytes) if cache.misses else None,
+        "policy": policy,
+        "ops": args.ops,
+        "hot_tokens": hot,
+        "top_k": k,
+        "steps": trace.steps,
+        "layers": trace.layers,
+        "rows": trace.rows,
+        "row_bytes": row_bytes,
+        "policies": {name: {"misses": s.misses, "misses_over_opt": s.misses / opt.misses if opt.misses else None,
+                            "misses_over_lru": s.misses / sims["lru"].misses if sims["lru"].misses else None}
+                     for name, s in sims.items()},
+        "per_layer": [c.as_dict() for c in result.stats.per_layer],
+        "checks": result.checks,
+        "failures": result.failures,
+        "timing_ms_per_step": {phase: 1e3 * sec / steps for phase, sec in times.items()},
+        "prefill_bytes": result.prefill_bytes,
+        "host_tokens": result.host_tokens,
+        "wall_s": result.wall_s,
+        "trace": source,
+    }
+    if "lru" in sims and sims[policy].misses != total.misses:
+        out["failures"].append(f"engine misses {total.misses} != residency-only replay {sims[policy].misses}")
+        out["verified"] = False
+    return out
+
+
+def _print_replay(r: Dict[str, Any]) -> None:
+    mib = 1 / 2**20
+    print(f"\nsparse decode replay: {r['steps']} steps x {r['layers']} layers x {r['rows']} rows, "
+          f"top-k {r['top_k']}, hot_tokens {r['hot_tokens']}, policy {r['policy']}, ops {r['ops']}")
+    print(f"verified: {'yes' if r['verified'] else 'NO'} ({r['checks']} layer steps: resident rows == host rows, "
+          "attention == full-KV reference)")
+    for f in r["failures"]:
+        print(f"  FAILED: {f}")
+    rows = [
+        ("this engine", r["misses"], r["h2d_bytes"], r["hit_rate"]),
+        ("topk_cache (hot = top-k)", r["baselines"]["topk_cache"]["misses"],
+         r["baselines"]["topk_cache"]["h2d_bytes"], 1 - r["baselines"]["topk_cache"]["misses"] / max(1, r["selected"])),
+        ("topk_reload (no hot buffer)", r["baselines"]["topk_reload"]["misses"],
+         r["baselines"]["topk_reload"]["h2d_bytes"], 0.0),
+        ("Belady optimum", r["opt_misses"], r["opt_misses"] * r["row_bytes"],
+         1 - r["opt_misses"] / max(1, r["selected"])),
+    ]
+    print(f"\n{'strategy':<30}{'misses':>12}{'H2D MiB':>12}{'hit rate':>10}{'vs engine':>11}")
+    for name, misses, nbytes, hr in rows:
+        ratio = misses / r["misses"] if r["misses"] else float("nan")
+        print(f"{name:<30}{misses:>12}{nbytes * mib:>12.1f}{hr:>10.3f}{ratio:>10.2f}x")
+    print(f"\nselected {r['selected']}, D2H (new-token appends) {r['d2h_bytes'] * mib:.2f} MiB, "
+          f"misses / optimum {r['misses_over_opt']:.3f}")
+    print(f"\n{'policy (same capacity)':<30}{'misses':>12}{'/ optimum':>11}{'/ lru':>9}")
+    for name, p in r["policies"].items():
+        print(f"{name:<30}{p['misses']:>12}{p['misses_over_opt']:>11.3f}{p['misses_over_lru']:>9.3f}")
+    t = r["timing_ms_per_step"]
+    print("\nper step (ms, this CPU): " + ", ".join(f"{k} {v:.2f}" for k, v in t.items())
+          + f"; wall {r['wall_s']:.1f} s")
+
+
+# ------------------------------------------------------------------- profile mode
+def run_profile(args) -> Dict[str, Any]:
+    """Time one steady-state step at production shape (see module docstring)."""
+    from ..sparse_decode.hot_buffer import HotBuffers
+    from ..sparse_decode.policies import make_manager
+    from ..sparse_decode.residency import register_reference_ops
+    from ..sparse_decode.trace import SyntheticTraceSpec, synthesize
+
+    rows = args.rows if args.rows != 8 else 32
+    k = args.top_k if args.top_k != 128 else 2048
+    layers = args.layers if args.layers != 4 else 61
+    heads = args.heads if args.heads != 8 else 16
+    hot = args.hot_tokens if args.hot_tokens is not None else 2 * k
+    policy = args.policy or _default_policy()
+    steps = args.profile_steps + 1
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    log(f"profile: rows {rows}, top-k {k}, hot {hot}, layers {layers}, heads {heads}, policy {policy}; "
+        f"synthesising {steps} steps ...")
+    spec = SyntheticTraceSpec(steps=steps, layers=layers, rows=rows, top_k=k, seed=args.seed,
+                              min_prompt=4 * k, max_prompt=16 * k, min_decode=steps + 1, max_decode=steps + 1,
+                              noise_skew=args.noise_skew)
+    trace = synthesize(spec)
+    register_reference_ops()
+    manage_op = registry.select("residency_manage", args.ops)
+    copy_op = registry.select("copy_miss_rows", args.ops)
+    attention = registry.select("sparse_mla_attention", args.ops)
+    managers = [make_manager(policy, rows, hot, None, manage_op) for _ in range(layers)]
+    req = torch.from_numpy(trace.req_ids.astype(np.int64))
+    lens = torch.from_numpy(trace.seq_lens.astype(np.int32))
+    topk = torch.from_numpy(trace.topk)
+    log("warming residency tables ...")
+    for t in range(steps - 1):
+        for layer in range(layers):
+            managers[layer].step(topk[t, layer], req[t], lens[t], t)
+
+    t = steps - 1
+    results = []
+    t0 = time.perf_counter()
+    for layer in range(layers):
+        results.append(managers[layer].step(topk[t, layer], req[t], lens[t], t))
+    manage_s = time.perf_counter() - t0
+    misses = int(sum(int(r.miss_count.sum()) for r in results))
+
+    # One layer's worth of buffers, reused for every layer: content does not change cost.
+    host_tokens = int(lens[t].max()) * rows
+    row_dim = 512 + 64
+    host = torch.randn((host_tokens, row_dim)).to(torch.bfloat16)
+    token_table = torch.arange(host_tokens, dtype=torch.int32).view(rows, -1)
+    hot_buf = HotBuffers(1, rows, hot, row_dim)
+    query = torch.randn((rows, heads, 512)).to(torch.bfloat16)
+    query_rope = torch.randn((rows, heads, 64)).to(torch.bfloat16)
+    latent, rope = hot_buf.split_flat(0, 512)
+    log(f"timing miss copies and attention of {layers} layers ...")
+    copy_s = attn_s = 0.0
+    for layer, res in enumerate(results):
+        c0 = time.perf_counter()
+        copy_op(host, hot_buf.layer(0), res.miss_tokens, res.miss_slots, res.miss_count, token_table)
+        c1 = time.perf_counter()
+        attention(query, latent, None, hot_buf.flat_indices(res.slots), 1 / 24.0, query_rope=query_rope,
+                  key_rope=rope, layout_query="TND", layout_kv="flat")
+        c2 = time.perf_counter()
+        copy_s += c1 - c0
+        attn_s += c2 - c1
+    return {
+        "rows": rows, "top_k": k, "hot_tokens": hot, "layers": layers, "heads": heads, "policy": policy,
+        "ops": args.ops, "torch_threads": torch.get_num_threads(),
+        "step_misses": misses, "step_selected": int((topk[t] >= 0).sum()),
+        "manage_ms": 1e3 * manage_s, "copy_ms": 1e3 * copy_s, "attention_ms": 1e3 * attn_s,
+        "manage_over_attention": manage_s / attn_s if attn_s else None,
+    }
+
+
+def _print_profile(r: Dict[str, Any]) -> None:
+    print(f"\none decode step at rows {r['rows']}, top-k {r['top_k']}, hot {r['hot_tokens']}, "
+          f"{r['layers']} layers, {r['heads']} heads, policy {r['policy']}, ops {r['ops']} "
+          f"({r['torch_threads']} torch threads)")
+    print(f"  selected {r['step_selected']}, misses {r['step_misses']}")
+    print(f"  {'residency management':<28}{r['manage_ms']:>10.1f} ms")
+    print(f"  {'miss copy host->device':<28}{r['copy_ms']:>10.1f} ms")
+    print(f"  {'sparse attention (reference)':<28}{r['attention_ms']:>10.1f} ms")
+    print(f"  management / attention = {r['manage_over_attention']:.3f}")
+
+
+def main(args: argparse.Namespace) -> int:
+    problems = _input_problems(args)
+    if problems:
+        print("bench decode: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    from ..sparse_decode.trace import TraceError
+
+    try:
+        result = run_profile(args) if args.profile_shape else run_replay(args)
+    except TraceError as exc:
+        print(f"bench decode: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    elif args.profile_shape:
+        _print_profile(result)
+    else:
+        _print_replay(result)
+    if not args.profile_shape and not result["verified"]:
+        return 1
+    return 0

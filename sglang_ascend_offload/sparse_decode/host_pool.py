@@ -1,0 +1,252 @@
+"""Host KV pool: the full main KV of every layer in host memory, shared across TP.
+
+Layout: one tensor ``[layers, tokens, D]`` (``D`` = latent 512 + rope 64 by
+default, bf16), indexed by the **caller's** token slots (SGLang's allocator owns
+logical ids; the pool never invents its own). A layer's rows are
+``pool.layer(l)[slot]``; the latent and rope parts are views of the same row.
+
+Memory (``kind``):
+
+``pinned``     page-locked host memory through :func:`platform.pinned_empty` (ordinary
+               memory on a CPU-only machine). One process.
+``shared``     a file mapping (``/dev/shm`` by default) that every TP rank of a DP rank
+               maps: TP rank 0 :meth:`HostKVPool.create_shared` s it, the others
+               :meth:`HostKVPool.attach_shared`. One allocation per DP rank.
+``memfabric``  MemFabric-registered host memory (``memfabric_hybrid.offload``, imported
+               lazily): the memory Ascend kernels and the MemFabric copy engine can
+               address directly. NPU only.
+
+TP sharing protocol: decode K/V is replicated over TP, so only TP rank 0 writes new
+rows (:meth:`HostKVPool.write_rows`), then publishes ``(step, layer)`` through an
+:class:`AppendGate`; every other rank waits on the gate for that ``(step, layer)``
+before it reads (copies misses). The gate's lock gives the happens-before edge
+between rank 0's stores and the readers' loads; a wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+
+from .. import platform
+
+__all__ = ["HostPoolShape", "HostKVPool", "AppendGate", "AppendTimeout"]
+
+PoolKind = Literal["pinned", "shared", "memfabric"]
+
+
+@dataclass(frozen=True)
+class HostPoolShape:
+    """Geometry of a host pool: ``[layers, tokens, latent_dim + rope_dim]`` of ``dtype``."""
+
+    layers: int
+    tokens: int
+    latent_dim: int = 512
+    rope_dim: int = 64
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self):
+        for name in ("layers", "tokens", "latent_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"host pool {name} must be >= 1, got {getattr(self, name)}")
+        if self.rope_dim < 0:
+            raise ValueError(f"host pool rope_dim must be >= 0, got {self.rope_dim}")
+
+    @property
+    def row_dim(self) -> int:
+        return self.latent_dim + self.rope_dim
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token row of one layer (1152 for 576 bf16)."""
+        return self.row_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def numel(self) -> int:
+        return self.layers * self.tokens * self.row_dim
+
+    @property
+    def nbytes(self) -> int:
+        return self.layers * self.tokens * self.row_bytes
+
+    def dims(self):
+        return (self.layers, self.tokens, self.row_dim)
+
+
+class HostKVPool:
+    """``[layers, tokens, D]`` host rows; see the module docstring."""
+
+    def __init__(self, shape: HostPoolShape, storage: torch.Tensor, kind: PoolKind,
+                 path: Optional[Path] = None, owner: bool = True):
+        if tuple(storage.shape) != shape.dims() or storage.dtype != shape.dtype:
+            raise ValueError(f"storage {tuple(storage.shape)} {storage.dtype} does not match {shape}")
+        self.shape = shape
+        self.data = storage
+        self.kind = kind
+        self.path = path
+        self.owner = owner
+
+    # ------------------------------------------------------------------ allocation
+    @classmethod
+    def allocate(cls, shape: HostPoolShape, kind: PoolKind = "pinned", *, device_id: int = 0) -> "HostKVPool":
+        """A private pool (``pinned`` or ``memfabric``); ``shared`` goes through
+        :meth:`create_shared` / :meth:`attach_shared`."""
+        if kind == "pinned":
+            data = platform.pinned_empty(shape.dims(), shape.dtype)
+            data.zero_()
+            return cls(shape, data, kind)
+        if kind == "memfabric":
+            return cls(shape, _memfabric_empty(shape, device_id), kind)
+        if kind == "shared":
+            raise ValueError("kind='shared' pools are made with HostKVPool.create_shared(path) on TP rank 0 "
+                             "and HostKVPool.attach_shared(path) on the other TP ranks")
+        raise ValueError(f"unknown host pool kind {kind!r}; expected pinned | shared | memfabric")
+
+    @classmethod
+    def create_shared(cls, shape: HostPoolShape, path: Optional[os.PathLike] = None) -> "HostKVPool":
+        """TP rank 0: create the mapping file (zero-filled) and map it; unlinked on :meth:`close`."""
+        if path is None:
+            path = Path("/dev/shm") / f"sglang_ascend_offload_pool_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        path = Path(path)
+        with open(path, "xb") as f:  # fails if it exists: never map someone else's pool by accident
+            f.truncate(shape.nbytes)
+        data = torch.from_file(str(path), shared=True, size=shape.numel, dtype=shape.dtype).view(shape.dims())
+        return cls(shape, data, "shared", path, owner=True)
+
+    @classmethod
+    def attach_shared(cls, shape: HostPoolShape, path: os.PathLike) -> "HostKVPool":
+        """Other TP ranks: map the pool TP rank 0 created at ``path`` (same ``shape``)."""
+        path = Path(path)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"host pool {path} does not exist: TP rank 0 must create_shared() it "
+                                    "before the other ranks attach") from exc
+        if size != shape.nbytes:
+            raise ValueError(f"host pool {path} has {size} bytes but {shape} needs {shape.nbytes}: "
+                             "every TP rank must use the same pool shape")
+        data = torch.from_file(str(path), shared=True, size=shape.numel, dtype=shape.dtype).view(shape.dims())
+        return cls(shape, data, "shared", path, owner=False)
+
+    def close(self) -> None:
+        """Drop this process's mapping; the creator also removes the file."""
+        self.data = None
+        if self.kind == "shared" and self.owner and self.path is not None:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+    # ------------------------------------------------------------------ access
+    def layer(self, layer: int) -> torch.Tensor:
+        """``[tokens, D]`` rows of ``layer``."""
+        return self.data[layer]
+
+    def latent(self, layer: int) -> torch.Tensor:
+        """``[tokens, latent_dim]`` view (the reference's "k" part)."""
+        return self.data[layer, :, : self.shape.latent_dim]
+
+    def rope(self, layer: int) -> torch.Tensor:
+        """``[tokens, rope_dim]`` view (the reference's "v" part)."""
+        return self.data[layer, :, self.shape.latent_dim:]
+
+    def write_rows(self, layer: int, host_slots: torch.Tensor, rows: torch.Tensor) -> int:
+        """Device -> host append: ``pool[layer, host_slots[i]] = rows[i]``; returns bytes moved.
+
+        host_slots: int ``[n]`` (unique); rows: ``[n, D]`` of the pool dtype, any device.
+        """
+        if rows.dim() != 2 or rows.shape[0] != host_slots.shape[0] or rows.shape[1] != self.shape.row_dim:
+            raise ValueError(f"write_rows: rows {tuple(rows.shape)} / slots {tuple(host_slots.shape)} "
+                             f"do not fit [n, {self.shape.row_dim}]")
+        if rows.dtype != self.shape.dtype:
+            raise ValueError(f"write_rows: rows dtype {rows.dtype} != pool dtype {self.shape.dtype}")
+        self.data[layer].index_copy_(0, host_slots.to(torch.int64).cpu(), rows.to("cpu"))
+        return rows.shape[0] * self.shape.row_bytes
+
+    def read_rows(self, layer: int, host_slots: torch.Tensor) -> torch.Tensor:
+        """``[n, D]`` copy of rows ``host_slots`` of ``layer``."""
+        return self.data[layer].index_select(0, host_slots.to(torch.int64).cpu())
+
+
+def _memfabric_empty(shape: HostPoolShape, device_id: int) -> torch.Tensor:
+    """Allocate the pool in MemFabric-registered host memory (NPU only)."""
+    if platform.device_kind() != "npu":
+        raise RuntimeError("host pool kind 'memfabric' needs an Ascend NPU with CANN and memfabric-hybrid; "
+                           "use kind='pinned' (or 'shared' for TP sharing) elsewhere")
+    try:
+        from memfabric_hybrid import offload  # noqa: PLC0415 - NPU-only, imported lazily
+    except ImportError as exc:
+        raise RuntimeError("host pool kind 'memfabric' needs memfabric_hybrid.offload: "
+                           "pip install 'sglang-ascend-offload[npu]' and run `mfcli kernel install`") from exc
+    cfg = offload.OffloadConfig()
+    cfg.device_id = device_id
+    cfg.reserve_size = shape.nbytes
+    cfg.alloc_size = shape.nbytes
+    cfg.world_size = 1
+    cfg.rank_id = 0
+    cfg.scene = offload.Scene.LOCAL
+    cfg.flags = offload.OFFLOAD_FLAG_URMA_POOL
+    ret = offload.initialize(cfg)
+    if ret != 0:
+        raise RuntimeError(f"memfabric_hybrid.offload.initialize returned {ret} for a "
+                           f"{shape.nbytes / 2**30:.2f} GiB host pool on device {device_id}")
+    data = offload.empty(list(shape.dims()), dtype=shape.dtype)
+    data.zero_()
+    return data
+
+
+# ------------------------------------------------------------------------ TP gate
+class AppendTimeout(TimeoutError):
+    """A reader waited past its deadline for TP rank 0's append."""
+
+
+class AppendGate:
+    """Orders TP rank 0's appends before the other ranks' reads of the same rows.
+
+    A monotone counter of published ``(step, layer)`` units, ``step * layers + layer + 1``,
+    in shared memory, guarded by a process-shared condition. Create it in the parent
+    before starting the rank processes (it travels with them through
+    ``multiprocessing``); for ranks that are not started by one parent, the same
+    contract is a ``torch.distributed`` barrier over the TP group after the append.
+    """
+
+    def __init__(self, layers: int, ctx=None):
+        ctx = ctx or multiprocessing.get_context()
+        self.layers = layers
+        self._done = ctx.Value("q", 0, lock=False)
+        self._cond = ctx.Condition()
+
+    def _unit(self, step: int, layer: int) -> int:
+        return step * self.layers + layer + 1
+
+    def publish(self, step: int, layer: int) -> None:
+        """TP rank 0, after the rows of ``(step, layer)`` are written (and, on a device,
+        after the D2H copy's event completed)."""
+        unit = self._unit(step, layer)
+        with self._cond:
+            if unit > self._done.value:
+                self._done.value = unit
+            self._cond.notify_all()
+
+    def wait(self, step: int, layer: int, timeout_s: float = 30.0) -> None:
+        """Other ranks: return once ``(step, layer)`` (and everything before) is published."""
+        unit = self._unit(step, layer)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._done.value < unit:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AppendTimeout(f"no append of step {step} layer {layer} from TP rank 0 within "
+                                        f"{timeout_s} s (last published unit {self._done.value})")
+                self._cond.wait(left)
+
+    def published(self) -> int:
+        with self._cond:
+            return int(self._done.value)

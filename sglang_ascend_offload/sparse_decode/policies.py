@@ -1,0 +1,273 @@
+"""Replacement policies behind one small contract.
+
+A :class:`ResidencyManager` owns the residency state of one layer and turns one
+step's inputs (``topk``, ``req_ids``, ``stable_len``, ``step``) into a
+:class:`~.residency.ResidencyStep`. Every policy shares the mechanism of the
+contract (reset, speculative invalidation, lookup, assignment of the ``i``-th miss
+to the ``i``-th victim, stamps ``2*step+1`` / ``2*step+2``); a policy only decides
+the *victim order* among the slots that are not hit in this step, and may keep
+extra per-slot state. Hence every policy satisfies the same invariants (no
+duplicate positions, selected tokens resident, no hit evicted, reset on request
+change, speculative positions never hit), and the property tests run on all.
+
+Policies (``policy`` in :class:`~sglang_ascend_offload.config.SparseDecodeOffloadConfig`):
+
+``lru``
+    Exact LRU, the contract. Runs through the op ladder (``residency_manage``), so
+    ``ops=triton`` swaps in the Triton kernel. State: the contract's tables only.
+``lru_k2``
+    LRU-2: evict first the slots whose *second most recent* use is oldest (slots
+    used once have none and go first), ties by last use, then slot. Protects tokens
+    that keep coming back (heavy hitters, the recent window) from one-off noise.
+    Extra state: ``slot_prev_stamp`` int64 ``[R,H]``.
+``lru_k2_guarded``
+    LRU-2 with a hard bound against LRU: a ghost exact-LRU table runs on the same
+    inputs; per row the policy may deviate from the ghost's content only as far as
+    the misses it has saved pay for (plus a small per-request seed budget), so at
+    every step ``misses <= lru_misses + seed + lru_misses >> slack_shift``. See
+    :class:`GuardedManager` for the argument. Extra state: the LRU-2 state, a ghost
+    :class:`~.residency.ResidencyTable` and two int64 ``[R]`` miss counters.
+
+Why not "never more misses than LRU" literally: for any deterministic online
+policy whose cache content ever differs from LRU's, an input exists on which it
+has strictly more misses (keep requesting only what LRU holds), so per-input
+dominance pins a policy to LRU itself. The guard gives the closest honest thing:
+a bounded, configurable loss in the worst case and the gain of LRU-2 where there
+is locality (measured in ``docs/sparse_decode.md``).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Callable, ClassVar, Dict, Optional, Type
+
+import torch
+
+from .residency import (
+    INT64_MAX,
+    Lookup,
+    ResidencyStep,
+    ResidencyTable,
+    assign_victims,
+    lookup,
+    reset_rows,
+    residency_manage,
+)
+
+ManageOp = Callable[..., ResidencyStep]
+
+__all__ = [
+    "POLICIES",
+    "DEFAULT_POLICY",
+    "ResidencyManager",
+    "LRUManager",
+    "LRU2Manager",
+    "GuardedManager",
+    "make_manager",
+]
+
+# Stamps are 2*step+2 < 2**32 for step < 2**31 - 1; LRU-2 packs (prev, last) in 64 bits.
+_STAMP_BITS = 32
+_MAX_STEP = (1 << (_STAMP_BITS - 1)) - 2
+
+
+def _member(values: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """bool ``[R,A]``: ``values[r,a] >= 0`` and it occurs in ``pool[r,:]`` (``[R,B]``)."""
+    sorted_pool = torch.sort(pool.to(torch.int64), dim=1).values
+    v = values.to(torch.int64)
+    pos = torch.searchsorted(sorted_pool, v).clamp_(max=pool.shape[1] - 1)
+    return (v >= 0) & (torch.gather(sorted_pool, 1, pos) == v)
+
+
+def _slot_flags(rows: int, hot: int, slots: torch.Tensor) -> torch.Tensor:
+    """bool ``[R,H]``: ``True`` at every ``slots[r,j] >= 0``."""
+    ext = torch.zeros((rows, hot + 1), dtype=torch.bool, device=slots.device)
+    col = torch.where(slots >= 0, slots.to(torch.int64), torch.full_like(slots, hot, dtype=torch.int64))
+    ext.scatter_(1, col, True)
+    return ext[:, :hot]
+
+
+class ResidencyManager(abc.ABC):
+    """Residency state and policy of one layer.
+
+    ``step(topk, req_ids, stable_len, step)`` with ``topk`` int32 ``[R,K]``,
+    ``req_ids`` int64 ``[R]``, ``stable_len`` int32 ``[R]``, ``step`` int returns the
+    :class:`ResidencyStep` and updates ``self.table`` (and any policy state) in place.
+    """
+
+    policy: ClassVar[str] = ""
+
+    def __init__(self, rows: int, hot_tokens: int, device=None, manage_op: ManageOp = residency_manage):
+        self.table = ResidencyTable.empty(rows, hot_tokens, device)
+        self.manage_op = manage_op
+
+    @abc.abstractmethod
+    def step(self, topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
+             step: int) -> ResidencyStep:
+        ...
+
+    def state(self) -> Dict[str, torch.Tensor]:
+        """Every state tensor by name (the contract's three first)."""
+        t = self.table
+        return {"slot_token": t.slot_token, "slot_stamp": t.slot_stamp, "row_req": t.row_req}
+
+
+class LRUManager(ResidencyManager):
+    """Exact LRU through the ``residency_manage`` op (reference or Triton)."""
+
+    policy = "lru"
+
+    def step(self, topk, req_ids, stable_len, step):
+        t = self.table
+        return self.manage_op(t.slot_token, t.slot_stamp, t.row_req, topk, req_ids, stable_len, step)
+
+
+class RankedManager(ResidencyManager):
+    """Template for policies that only change the victim order (torch reference)."""
+
+    def step(self, topk, req_ids, stable_len, step):
+        if self.table.hot_tokens < topk.shape[1]:
+            raise ValueError(f"hot_tokens {self.table.hot_tokens} < top_k {topk.shape[1]}")
+        if not 0 <= step <= _MAX_STEP:
+            raise ValueError(f"step {step} out of range 0..{_MAX_STEP}")
+        reset, dropped = reset_rows(self.table, req_ids, stable_len)
+        self.on_reset(reset, dropped)
+        look = lookup(self.table, topk, req_ids, stable_len)
+        order = self.victim_order(look, topk, req_ids, stable_len, step)
+        before = self.table.slot_stamp.clone()
+        out = assign_victims(self.table, look, order, topk, step)
+        self.record(look, out, before)
+        return out
+
+    @abc.abstractmethod
+    def on_reset(self, reset: torch.Tensor, dropped: torch.Tensor) -> None:
+        """Clear policy state of reset rows ``[R]`` and emptied slots ``[R,H]``."""
+
+    @abc.abstractmethod
+    def victim_order(self, look: Lookup, topk, req_ids, stable_len, step) -> torch.Tensor:
+        """int64 ``[R,H]`` permutation: evictable slots first in eviction order, hits last."""
+
+    @abc.abstractmethod
+    def record(self, look: Lookup, out: ResidencyStep, stamp_before: torch.Tensor) -> None:
+        """Update policy state after the assignment (``stamp_before``: stamps before it)."""
+
+
+class LRU2Manager(RankedManager):
+    """LRU-2 (see module docstring). Extra state ``slot_prev_stamp`` int64 ``[R,H]``."""
+
+    policy = "lru_k2"
+
+    def __init__(self, rows, hot_tokens, device=None, manage_op=residency_manage):
+        super().__init__(rows, hot_tokens, device, manage_op)
+        self.prev_stamp = torch.zeros((rows, hot_tokens), dtype=torch.int64, device=device)
+
+    def on_reset(self, reset, dropped):
+        self.prev_stamp.masked_fill_(reset[:, None] | dropped, 0)
+
+    def victim_order(self, look, topk, req_ids, stable_len, step):
+        key = (self.prev_stamp << _STAMP_BITS) | self.table.slot_stamp
+        key = key.masked_fill(look.slot_hit, INT64_MAX)
+        return torch.sort(key, dim=1, stable=True).indices
+
+    def record(self, look, out, stamp_before):
+        rows, hot = self.prev_stamp.shape
+        filled = _slot_flags(rows, hot, out.miss_slots)
+        self.prev_stamp = torch.where(look.slot_hit, stamp_before, self.prev_stamp)
+        self.prev_stamp.masked_fill_(filled, 0)
+
+    def state(self):
+        s = super().state()
+        s["slot_prev_stamp"] = self.prev_stamp
+        return s
+
+
+class GuardedManager(ResidencyManager):
+    """A ranked policy (LRU-2) bounded against a ghost exact-LRU table.
+
+    Notation per row: ``C`` our resident positions, ``L`` the ghost LRU's, ``S`` this
+    step's selection, ``m_C`` / ``m_L`` misses since the request took the row,
+    ``phi = |L \\ C|``. Invariant: ``m_L - m_C + slack >= phi`` with
+    ``slack = seed + m_L >> slack_shift`` (non-decreasing), hence
+    ``m_C <= m_L + slack`` at every step.
+
+    Each step the ghost advances to ``L'``. Our victims are taken in the base
+    policy's order, except that at most ``allowance = (m_L' - m_C' + slack') - |(L' \\ S) \\ C|``
+    of them may be positions that ``L'`` holds. Taking victims outside ``L'`` never
+    increases ``phi`` and such victims always suffice (``|L'| <= H``), and with the
+    allowance the invariant holds after the step (``docs/sparse_decode.md`` has the
+    two-line proof). With ``seed = 0`` and no slack the policy's content equals the
+    ghost's: it *is* LRU.
+    """
+
+    policy = "lru_k2_guarded"
+
+    def __init__(self, rows, hot_tokens, device=None, manage_op=residency_manage,
+                 base: Optional[RankedManager] = None, seed: int = 64, slack_shift: Optional[int] = 5):
+        super().__init__(rows, hot_tokens, device, manage_op)
+        self.base = base if base is not None else LRU2Manager(rows, hot_tokens, device, manage_op)
+        self.base.table = self.table  # one table: the base policy ranks our own slots
+        self.ghost = ResidencyTable.empty(rows, hot_tokens, device)
+        self.seed = int(seed)
+        self.slack_shift = slack_shift
+        self.ghost_misses = torch.zeros((rows,), dtype=torch.int64, device=device)
+        self.own_misses = torch.zeros((rows,), dtype=torch.int64, device=device)
+
+    def step(self, topk, req_ids, stable_len, step):
+        table, ghost = self.table, self.ghost
+        rows, hot = table.slot_token.shape
+        if hot < topk.shape[1]:
+            raise ValueError(f"hot_tokens {hot} < top_k {topk.shape[1]}")
+        reset, dropped = reset_rows(table, req_ids, stable_len)
+        self.base.on_reset(reset, dropped)
+        self.ghost_misses.masked_fill_(reset, 0)
+        self.own_misses.masked_fill_(reset, 0)
+        g = self.manage_op(ghost.slot_token, ghost.slot_stamp, ghost.row_req, topk, req_ids, stable_len, step)
+        look = lookup(table, topk, req_ids, stable_len)
+
+        m_l = self.ghost_misses + g.miss_count.to(torch.int64)
+        m_c = self.own_misses + look.miss.sum(dim=1)
+        slack = torch.full_like(m_l, self.seed)
+        if self.slack_shift is not None:
+            slack = slack + (m_l >> self.slack_shift)
+        ghost_sel = _slot_flags(rows, hot, g.slots)
+        ghost_missing = (ghost.slot_token >= 0) & ~ghost_sel & ~_member(ghost.slot_token, table.slot_token)
+        allowance = (m_l - m_c + slack) - ghost_missing.sum(dim=1)
+
+        base_order = self.base.victim_order(look, topk, req_ids, stable_len, step)
+        protected = _member(table.slot_token, ghost.slot_token) & ~look.slot_hit
+        prot_in_order = torch.gather(protected, 1, base_order)
+        over = torch.cumsum(prot_in_order.to(torch.int64), dim=1) > allowance[:, None]
+        group = torch.where(torch.gather(look.slot_hit, 1, base_order), 2,
+                            (prot_in_order & over).to(torch.int64))
+        order = torch.gather(base_order, 1, torch.sort(group, dim=1, stable=True).indices)
+
+        before = table.slot_stamp.clone()
+        out = assign_victims(table, look, order, topk, step)
+        self.base.record(look, out, before)
+        self.ghost_misses.copy_(m_l)
+        self.own_misses.copy_(m_c)
+        return out
+
+    def state(self):
+        s = self.base.state()
+        s.update({"ghost_slot_token": self.ghost.slot_token, "ghost_slot_stamp": self.ghost.slot_stamp,
+                  "ghost_row_req": self.ghost.row_req, "ghost_misses": self.ghost_misses,
+                  "own_misses": self.own_misses})
+        return s
+
+
+POLICIES: Dict[str, Type[ResidencyManager]] = {
+    LRUManager.policy: LRUManager,
+    LRU2Manager.policy: LRU2Manager,
+    GuardedManager.policy: GuardedManager,
+}
+DEFAULT_POLICY = GuardedManager.policy
+
+
+def make_manager(policy: str, rows: int, hot_tokens: int, device=None,
+                 manage_op: ManageOp = residency_manage) -> ResidencyManager:
+    """A fresh manager of ``policy`` for one layer; unknown names list the known ones."""
+    cls = POLICIES.get(policy)
+    if cls is None:
+        raise ValueError(f"unknown residency policy {policy!r}; known: {', '.join(POLICIES)}")
+    return cls(rows, hot_tokens, device, manage_op)

@@ -1,0 +1,229 @@
+"""Replay a trace: through the real engine with data (verified), or residency only.
+
+:func:`replay_trace` drives :class:`~.engine.SparseDecodeEngine` step by step with
+random KV content: it allocates host slots per request (shuffled, like a real
+allocator's), writes each new request's prompt rows into the host pool (prefill,
+not decode traffic), appends each step's new-token rows through the engine (the
+D2H path), runs every layer with random queries and, after every layer step,
+checks that (1) every occupied slot holds exactly its host row, (2) every remapped
+slot holds its logical position, (3) the attention output ``torch.equal`` s the
+same op over the full host KV with logical indices.
+
+:func:`simulate_policy` runs only the residency decisions (no KV data) of a policy,
+the top-k-sized device cache (``hot_tokens = top_k``) or Belady's optimum over a
+trace; it is what the side-by-side columns of ``bench decode`` use.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from .belady import BeladyManager, next_use_table
+from .engine import EngineConfig, PhaseTimes, SparseDecodeEngine
+from .host_pool import HostKVPool, HostPoolShape
+from .policies import DEFAULT_POLICY, make_manager
+from .residency import residency_manage
+from .stats import DecodeStats
+from .trace import Trace
+from .verify import full_kv_attention, remap_mismatches, resident_mismatches
+
+__all__ = ["ReplayOptions", "ReplayResult", "replay_trace", "simulate_policy", "SimResult",
+           "host_tokens_needed"]
+
+_MAX_FAILURES = 10
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How to replay: hot-buffer size, policy, op ladder, attention heads, data seed."""
+
+    hot_tokens: int
+    policy: str = DEFAULT_POLICY
+    ops: str = "auto"
+    heads: int = 8
+    latent_dim: int = 512
+    rope_dim: int = 64
+    seed: int = 0
+    verify: bool = True
+
+
+@dataclass
+class ReplayResult:
+    stats: DecodeStats
+    verified: bool
+    checks: int
+    failures: List[str]
+    times: PhaseTimes
+    wall_s: float
+    prefill_bytes: int
+    host_tokens: int
+
+
+def host_tokens_needed(trace: Trace) -> int:
+    """Host slots the replay needs: max over steps of the active requests' lengths."""
+    need = 0
+    for t in range(trace.steps):
+        lens: Dict[int, int] = {}
+        for req, n in zip(trace.req_ids[t].tolist(), trace.seq_lens[t].tolist()):
+            if req != -1:
+                lens[req] = max(lens.get(req, 0), n)
+        need = max(need, sum(lens.values()))
+    return max(need, 1)
+
+
+class _SlotAllocator:
+    """Host slots per request from a shuffled free list (the pool never picks ids)."""
+
+    def __init__(self, capacity: int, rng: np.random.Generator):
+        self.free = list(rng.permutation(capacity).tolist())
+        self.tables: Dict[int, List[int]] = {}
+
+    def grow(self, req: int, length: int) -> List[int]:
+        """Extend ``req``'s table to ``length``; returns the new host slots."""
+        table = self.tables.setdefault(req, [])
+        need = length - len(table)
+        if need > len(self.free):
+            raise RuntimeError(f"host pool exhausted: request {req} needs {need} more slots")
+        new = [self.free.pop() for _ in range(max(0, need))]
+        table.extend(new)
+        return new
+
+    def release_missing(self, present: set) -> None:
+        for req in [r for r in self.tables if r not in present]:
+            self.free.extend(self.tables.pop(req))
+
+
+def replay_trace(trace: Trace, opts: ReplayOptions,
+                 progress: Optional[Callable[[int, int], None]] = None) -> ReplayResult:
+    """Replay ``trace`` through the engine with verification (see module docstring)."""
+    t_start = time.perf_counter()
+    rows, layers, k = trace.rows, trace.layers, trace.top_k
+    gen = torch.Generator().manual_seed(opts.seed)
+    rng = np.random.default_rng(opts.seed)
+    capacity = host_tokens_needed(trace)
+    pool = HostKVPool.allocate(HostPoolShape(layers, capacity, opts.latent_dim, opts.rope_dim), "pinned")
+    cfg = EngineConfig(layers=layers, rows=rows, hot_tokens=opts.hot_tokens, top_k=k,
+                       latent_dim=opts.latent_dim, rope_dim=opts.rope_dim, policy=opts.policy, ops=opts.ops)
+    engine = SparseDecodeEngine(cfg, pool, timing=True)
+    row_dim = cfg.row_dim
+    scale = 1.0 / float(row_dim) ** 0.5
+    alloc = _SlotAllocator(capacity, rng)
+    max_ctx = max(1, int(trace.seq_lens.max()))
+    token_table = torch.zeros((rows, max_ctx), dtype=torch.int32)
+    written: Dict[int, int] = {}
+    failures: List[str] = []
+    checks = 0
+    prefill_bytes = 0
+
+    def rand_rows(n: int) -> torch.Tensor:
+        return torch.randn((layers, n, row_dim), generator=gen).to(cfg.dtype)
+
+    for t in range(trace.steps):
+        req_ids = trace.req_ids[t]
+        seq_lens = trace.seq_lens[t]
+        targets: Dict[int, int] = {}
+        for req, n in zip(req_ids.tolist(), seq_lens.tolist()):
+            if req != -1:
+                targets[req] = max(targets.get(req, 0), n)
+        alloc.release_missing(set(targets))
+        for req in [r for r in written if r not in targets]:
+            del written[req]
+        append_slots: List[int] = []
+        for req, n in targets.items():
+            first = req not in written
+            old = written.get(req, 0)
+            new_slots = alloc.grow(req, n)
+            if first and n > 1:  # the prompt arrives by prefill / P-D transfer, not by decode
+                prompt = torch.tensor(alloc.tables[req][: n - 1], dtype=torch.int64)
+                for layer, data in enumerate(rand_rows(prompt.numel())):
+                    pool.write_rows(layer, prompt, data)
+                prefill_bytes += layers * prompt.numel() * pool.shape.row_bytes
+                old = n - 1
+            append_slots.extend(alloc.tables[req][old:n])
+            written[req] = n
+            del new_slots
+        token_table.zero_()
+        for r, req in enumerate(req_ids.tolist()):
+            if req != -1:
+                tab = alloc.tables[req]
+                token_table[r, : len(tab)] = torch.tensor(tab, dtype=torch.int32)
+
+        engine.begin_step(torch.from_numpy(req_ids.astype(np.int64)), token_table,
+                          torch.from_numpy(seq_lens.astype(np.int32)), step=t)
+        new_rows = rand_rows(len(append_slots))
+        append_idx = torch.tensor(append_slots, dtype=torch.int64)
+        for layer in range(layers):
+            if append_slots:
+                engine.append(layer, append_idx, new_rows[layer])
+            topk = torch.from_numpy(trace.topk[t, layer].astype(np.int32))
+            query = torch.randn((rows, opts.heads, opts.latent_dim), generator=gen).to(cfg.dtype)
+            query_rope = torch.randn((rows, opts.heads, opts.rope_dim), generator=gen).to(cfg.dtype)
+            result = engine.run_layer(layer, topk, query, query_rope, scale)
+            if not opts.verify:
+                continue
+            checks += 1
+            table = engine.managers[layer].table
+            bad = resident_mismatches(table, engine.hot.layer(layer), pool.layer(layer), token_table)
+            if bad:
+                _fail(failures, f"step {t} layer {layer}: {bad} resident slots differ from their host rows")
+            bad = remap_mismatches(table, topk.to(table.slot_token.device), result.residency)
+            if bad:
+                _fail(failures, f"step {t} layer {layer}: {bad} remapped entries do not hold their position")
+            ref = full_kv_attention(engine._attention_op, pool, layer, topk, token_table, query, query_rope, scale)
+            if not torch.equal(result.output.cpu(), ref):
+                _fail(failures, f"step {t} layer {layer}: attention output differs from the full-KV reference")
+        if progress is not None:
+            progress(t + 1, trace.steps)
+    return ReplayResult(stats=engine.stats(), verified=opts.verify and not failures, checks=checks,
+                        failures=failures, times=engine.times, wall_s=time.perf_counter() - t_start,
+                        prefill_bytes=prefill_bytes, host_tokens=capacity)
+
+
+def _fail(failures: List[str], msg: str) -> None:
+    if len(failures) < _MAX_FAILURES:
+        failures.append(msg)
+    elif len(failures) == _MAX_FAILURES:
+        failures.append("... (further failures not listed)")
+
+
+# --------------------------------------------------------------- residency only
+@dataclass
+class SimResult:
+    """Misses per layer of one residency strategy over a trace."""
+
+    name: str
+    hot_tokens: int
+    misses_per_layer: List[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def misses(self) -> int:
+        return int(sum(self.misses_per_layer))
+
+
+def simulate_policy(trace: Trace, policy: str, hot_tokens: int, manage_op=residency_manage) -> SimResult:
+    """Residency decisions only. ``policy`` is a policy name or ``"belady"`` (optimum)."""
+    t0 = time.perf_counter()
+    rows, layers = trace.rows, trace.layers
+    if policy == "belady":
+        managers = [BeladyManager(rows, hot_tokens) for _ in range(layers)]
+        nxt = torch.from_numpy(next_use_table(trace.topk, trace.req_ids))
+    else:
+        managers = [make_manager(policy, rows, hot_tokens, None, manage_op) for _ in range(layers)]
+        nxt = None
+    misses = torch.zeros(layers, dtype=torch.int64)
+    topk_all = torch.from_numpy(trace.topk)
+    req_all = torch.from_numpy(trace.req_ids.astype(np.int64))
+    len_all = torch.from_numpy(trace.seq_lens.astype(np.int32))
+    for t in range(trace.steps):
+        for layer, mgr in enumerate(managers):
+            if nxt is not None:
+                mgr.set_next_use(nxt[t, layer])
+            res = mgr.step(topk_all[t, layer], req_all[t], len_all[t], t)
+            misses[layer] += res.miss_count.sum()
+    return SimResult(policy, hot_tokens, misses.tolist(), time.perf_counter() - t0)

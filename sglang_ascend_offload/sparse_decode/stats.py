@@ -1,0 +1,87 @@
+"""Statistics of the sparse decode engine, per layer and in total.
+
+Counters: ``selected`` (valid top-k entries), ``hits``, ``misses``, ``h2d_bytes``
+(miss rows copied host -> device), ``d2h_bytes`` (new-token rows appended device ->
+host). Invariants: ``hits + misses == selected`` and ``h2d_bytes == misses * row_bytes``.
+
+Device-side counts are accumulated in one int64 device tensor, so recording a step
+never synchronises the device; :meth:`StatsAccumulator.snapshot` reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List
+
+import torch
+
+__all__ = ["Counters", "DecodeStats", "StatsAccumulator"]
+
+
+@dataclass
+class Counters:
+    """One set of counters (a layer, or the total)."""
+
+    selected: int = 0
+    hits: int = 0
+    misses: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.selected if self.selected else 0.0
+
+    def __add__(self, other: "Counters") -> "Counters":
+        return Counters(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values())))
+
+    def as_dict(self) -> Dict[str, float]:
+        d = asdict(self)
+        d["hit_rate"] = self.hit_rate
+        return d
+
+
+@dataclass
+class DecodeStats:
+    """Counters per layer and their sum; ``steps`` = decode steps recorded."""
+
+    per_layer: List[Counters] = field(default_factory=list)
+    steps: int = 0
+
+    @property
+    def total(self) -> Counters:
+        out = Counters()
+        for c in self.per_layer:
+            out = out + c
+        return out
+
+
+class StatsAccumulator:
+    """Accumulates per-layer counters without device synchronisation."""
+
+    def __init__(self, layers: int, row_bytes: int, device=None):
+        self.row_bytes = row_bytes
+        self._dev = torch.zeros((layers, 3), dtype=torch.int64, device=device)  # selected, hits, misses
+        self._d2h = [0] * layers
+        self.steps = 0
+
+    def record_residency(self, layer: int, selected: torch.Tensor, hits: torch.Tensor, misses: torch.Tensor) -> None:
+        """Add 0-d device counts of one layer step."""
+        self._dev[layer, 0] += selected
+        self._dev[layer, 1] += hits
+        self._dev[layer, 2] += misses
+
+    def record_d2h(self, layer: int, nbytes: int) -> None:
+        self._d2h[layer] += int(nbytes)
+
+    def record_step(self) -> None:
+        self.steps += 1
+
+    def snapshot(self) -> DecodeStats:
+        """Current totals (one device -> host read)."""
+        dev = self._dev.cpu().tolist()
+        per_layer = [
+            Counters(selected=s, hits=h, misses=m, h2d_bytes=m * self.row_bytes, d2h_bytes=d)
+            for (s, h, m), d in zip(dev, self._d2h)
+        ]
+        return DecodeStats(per_layer=per_layer, steps=self.steps)
