@@ -104,6 +104,9 @@ class LayerwisePrefillOffloadConfig:
     prefetch_depth: layers loaded ahead of compute; ``None`` = min(B, 8).
     store_backend: ``memcache`` (Ascend production) or ``local`` (in-process host pool).
     wait_timeout_s: deadline of every wait on a buffer gate.
+    store_block_tokens: tokens per host-store object; ``None`` = the KV page size.
+    key_namespace: prefix of host-store keys (model + rank), so deployments sharing
+        one Memcache never collide; ``None`` = derived from the model path and rank.
     """
 
     shared_buffers: Optional[int] = None
@@ -112,6 +115,8 @@ class LayerwisePrefillOffloadConfig:
     store_backend: Literal["memcache", "local"] = "memcache"
     memcache: MemcacheConfig = field(default_factory=MemcacheConfig)
     wait_timeout_s: float = 60.0
+    store_block_tokens: Optional[int] = None
+    key_namespace: Optional[str] = None
 
     def _check(self) -> List[str]:
         errs = []
@@ -126,6 +131,8 @@ class LayerwisePrefillOffloadConfig:
                 errs.append("independent_layers has duplicates")
         if self.wait_timeout_s <= 0:
             errs.append("wait_timeout_s must be > 0")
+        if self.store_block_tokens is not None and self.store_block_tokens < 1:
+            errs.append("store_block_tokens must be >= 1")
         return errs + self.memcache._check()
 
 
