@@ -1,0 +1,245 @@
+"""``python -m sglang_ascend_offload bench kernels``: Triton vs reference, per kernel.
+
+For one shape (rows, top-k, hot tokens, row width) on the device present, the
+command warms a residency state with a few decode steps whose top-k re-selects a
+fraction (``--overlap``) of the previous step's positions, then times, side by side
+from identical cloned inputs:
+
+* ``residency_manage`` (Triton: 3 launches) vs the torch reference;
+* ``copy_miss_rows`` (Triton: 1 launch, reads the host pool through a device
+  pointer) vs the reference (``index_select`` on the host + one host->device copy);
+
+and checks that the Triton results are identical to the reference's (outputs and
+state bit for bit, hot buffer bit for bit). It exits with 1 when any check fails.
+
+On a CPU-only machine the Triton kernels run through the Triton interpreter
+(``TRITON_INTERPRET=1`` is switched on for this command when unset): its times are
+the interpreter's, far slower than torch, and only the correctness column counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from .. import platform
+
+INTERPRETER_NOTE = ("Triton kernels ran in the Triton interpreter on CPU: the times are the interpreter's "
+                    "(Python/numpy), not a kernel's; only the correctness column counts")
+
+# defaults per device kind: production shape on a device, an interpreter-sized one on CPU
+_DEFAULTS = {
+    "device": dict(rows=32, top_k=2048, dim=576, repeat=5),
+    "cpu": dict(rows=4, top_k=64, dim=576, repeat=2),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", type=int, help="decode rows R (default 32 on a device, 4 on CPU)")
+    parser.add_argument("--top-k", type=int, help="top-k K (default 2048 on a device, 64 on CPU)")
+    parser.add_argument("--hot-tokens", type=int, help="hot slots H per row (default 2 x top-k)")
+    parser.add_argument("--dim", type=int, help="elements per KV row D (default 576 = 512 latent + 64 rope)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="KV row dtype for the copy")
+    parser.add_argument("--overlap", type=float, default=0.75,
+                        help="fraction of each step's top-k re-selected from the previous step (hit rate driver)")
+    parser.add_argument("--warmup-steps", type=int, default=4, help="decode steps that build the timed state")
+    parser.add_argument("--repeat", type=int, help="timed calls per kernel (median reported; default 5, CPU 2)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+@dataclass
+class KernelResult:
+    """One kernel's side-by-side numbers (milliseconds, median of ``repeat`` calls)."""
+
+    name: str
+    triton_launches: int
+    reference_ms: float
+    triton_ms: float
+    reference_over_triton: float
+    correct: bool
+    detail: str = ""
+
+
+@dataclass
+class BenchResult:
+    device: str
+    triton_mode: str  # "compiled" | "interpreter"
+    note: str
+    shape: Dict[str, Any]
+    workload: Dict[str, Any]
+    kernels: List[KernelResult] = field(default_factory=list)
+
+    @property
+    def all_correct(self) -> bool:
+        return all(k.correct for k in self.kernels)
+
+
+# ------------------------------------------------------------------------ workload
+def _next_topk(gen: torch.Generator, prev: Optional[torch.Tensor], rows: int, k: int, ctx: int,
+               overlap: float) -> torch.Tensor:
+    """int32 ``[rows, k]``: ``overlap * k`` positions kept from ``prev``, the rest fresh
+    distinct positions from ``[0, ctx)``, in random order."""
+    out = torch.empty((rows, k), dtype=torch.int32)
+    keep_n = 0 if prev is None else int(round(overlap * k))
+    for r in range(rows):
+        keep = prev[r][torch.randperm(k, generator=gen)[:keep_n]].to(torch.int64) if keep_n else \
+            torch.empty(0, dtype=torch.int64)
+        pool = torch.randperm(ctx, generator=gen)
+        fresh = pool[~torch.isin(pool, keep)][: k - keep.numel()]
+        sel = torch.cat([keep, fresh])
+        out[r] = sel[torch.randperm(k, generator=gen)].to(torch.int32)
+    return out
+
+
+def _time(fn: Callable[[], Any], setup: Callable[[], Any], repeat: int) -> float:
+    """Median wall milliseconds of ``fn(setup())`` over ``repeat`` calls after one warm-up."""
+    samples = []
+    for i in range(repeat + 1):
+        arg = setup()
+        platform.synchronize()
+        t0 = time.perf_counter()
+        fn(arg)
+        platform.synchronize()
+        if i:
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def _ratio(ref_ms: float, tri_ms: float) -> float:
+    return ref_ms / tri_ms if tri_ms > 0 else float("inf")
+
+
+# ------------------------------------------------------------------------ the bench
+def run(args) -> BenchResult:
+    from ..sparse_decode import hot_buffer, residency
+    from ..triton_ops import copy_rows, residency as tri_residency
+
+    kind = platform.device_kind()
+    defaults = _DEFAULTS["cpu" if kind == "cpu" else "device"]
+    rows = args.rows or defaults["rows"]
+    k = args.top_k or defaults["top_k"]
+    hot = args.hot_tokens or 2 * k
+    dim = args.dim or defaults["dim"]
+    repeat = args.repeat or defaults["repeat"]
+    dtype = getattr(torch, args.dtype)
+    device = platform.default_device()
+    ctx = 4 * hot
+    gen = torch.Generator().manual_seed(args.seed)
+
+    # warm state: a few steps through the reference
+    state = residency.ResidencyTable.empty(rows, hot, device=device)
+    req = torch.arange(rows, dtype=torch.int64, device=device)
+    stable = torch.full((rows,), ctx, dtype=torch.int32, device=device)
+    topk = None
+    for step in range(args.warmup_steps):
+        topk = _next_topk(gen, topk, rows, k, ctx, args.overlap)
+        residency.residency_manage(state.slot_token, state.slot_stamp, state.row_req, topk.to(device),
+                                   req, stable, step)
+    topk = _next_topk(gen, topk, rows, k, ctx, args.overlap).to(device)
+    step = args.warmup_steps
+
+    result = BenchResult(
+        device=str(device), triton_mode="interpreter" if kind == "cpu" else "compiled",
+        note=INTERPRETER_NOTE if kind == "cpu" else "compiled Triton kernels vs torch reference on the same device",
+        shape=dict(rows=rows, top_k=k, hot_tokens=hot, dim=dim, dtype=args.dtype),
+        workload=dict(overlap=args.overlap, warmup_steps=args.warmup_steps, repeat=repeat, seed=args.seed),
+    )
+
+    # --- residency_manage
+    outs: Dict[str, Any] = {}
+
+    def manage_with(fn, name):
+        def call(table):
+            outs[name] = (fn(table.slot_token, table.slot_stamp, table.row_req, topk, req, stable, step), table)
+        return call
+
+    ref_ms = _time(manage_with(residency.residency_manage, "reference"), state.clone, repeat)
+    tri_ms = _time(manage_with(tri_residency.residency_manage, "triton"), state.clone, repeat)
+    (want, want_state), (got, got_state) = outs["reference"], outs["triton"]
+    mismatched = [f for f in ("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots")
+                  if not torch.equal(getattr(want, f), getattr(got, f))]
+    mismatched += [f for f in ("slot_token", "slot_stamp", "row_req")
+                   if not torch.equal(getattr(want_state, f), getattr(got_state, f))]
+    hits, misses = int(want.hit_mask.sum()), int(want.miss_count.sum())
+    result.workload.update(hits=hits, misses=misses)
+    result.kernels.append(KernelResult(
+        "residency_manage", 3, ref_ms, tri_ms, _ratio(ref_ms, tri_ms), not mismatched,
+        f"hits {hits}, misses {misses}" + (f"; differs: {', '.join(mismatched)}" if mismatched else "")))
+
+    # --- copy_miss_rows (host pool pinned where a device exists, as in production)
+    host_rows = rows * ctx
+    host = platform.pinned_empty((host_rows, dim), dtype)
+    host.copy_(torch.randn(host_rows, dim, generator=gen).to(dtype))
+    token_table = torch.randperm(host_rows, generator=gen).to(torch.int32).reshape(rows, ctx).to(device)
+    hot_init = torch.zeros((rows, hot, dim), dtype=dtype, device=device)
+    bufs: Dict[str, torch.Tensor] = {}
+
+    def copy_with(fn, name):
+        def call(buf):
+            fn(host, buf, want.miss_tokens, want.miss_slots, want.miss_count, token_table)
+            bufs[name] = buf
+        return call
+
+    ref_ms = _time(copy_with(hot_buffer.copy_miss_rows, "reference"), hot_init.clone, repeat)
+    tri_ms = _time(copy_with(copy_rows.copy_miss_rows, "triton"), hot_init.clone, repeat)
+    same = torch.equal(bufs["reference"].view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       bufs["triton"].view(torch.int16 if dtype != torch.float32 else torch.int32))
+    moved = misses * dim * host.element_size()
+    result.kernels.append(KernelResult(
+        "copy_miss_rows", 1, ref_ms, tri_ms, _ratio(ref_ms, tri_ms), same,
+        f"{misses} rows, {moved} bytes host->device" + ("" if same else "; hot buffers differ")))
+    return result
+
+
+def _print_table(res: BenchResult) -> None:
+    s = res.shape
+    print(f"device {res.device}, Triton {res.triton_mode}; R={s['rows']} K={s['top_k']} H={s['hot_tokens']} "
+          f"D={s['dim']} {s['dtype']}; overlap {res.workload['overlap']}, median of {res.workload['repeat']}")
+    print(f"note: {res.note}")
+    head = f"{'kernel':<18} {'launches':>8} {'reference ms':>13} {'triton ms':>11} {'ref/triton':>10}  correct  detail"
+    print(head)
+    print("-" * len(head))
+    for kr in res.kernels:
+        print(f"{kr.name:<18} {kr.triton_launches:>8} {kr.reference_ms:>13.3f} {kr.triton_ms:>11.3f} "
+              f"{kr.reference_over_triton:>10.3f}  {'yes' if kr.correct else 'NO':<7}  {kr.detail}")
+
+
+def main(args) -> int:
+    problems = [f"--{n.replace('_', '-')} must be >= 1" for n in ("rows", "top_k", "hot_tokens", "dim", "repeat")
+                if getattr(args, n) is not None and getattr(args, n) < 1]
+    if args.warmup_steps < 0:
+        problems.append("--warmup-steps must be >= 0")
+    if not 0.0 <= args.overlap <= 1.0:
+        problems.append("--overlap must lie in [0, 1]")
+    if args.hot_tokens is not None and args.top_k is not None and args.hot_tokens < args.top_k:
+        problems.append("--hot-tokens must be >= --top-k")
+    if problems:
+        print("bench kernels: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    if platform.device_kind() == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # must happen before any kernel module is imported; announced in the output
+        os.environ["TRITON_INTERPRET"] = "1"
+    from ..ops.triton_impls import triton_unavailable
+
+    reason = triton_unavailable()
+    if reason is not None:
+        print(f"bench kernels: the Triton kernels cannot run here: {reason}", file=sys.stderr)
+        return 2
+    res = run(args)
+    if args.json:
+        payload = asdict(res)
+        payload["all_correct"] = res.all_correct
+        print(json.dumps(payload, indent=2))
+    else:
+        _print_table(res)
+    return 0 if res.all_correct else 1
