@@ -108,13 +108,18 @@ def launch_residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, 
     miss_entry = torch.empty((rows, k), dtype=torch.int32, device=device)
     evict_min = torch.empty((rows,), dtype=torch.int64, device=device)
 
+    block_h = config.lookup_block_h(k, hot)
+    if _launch.next_pow2(k) * block_h > _launch.MAX_BLOCK_ELEMS:
+        raise ValueError(f"top_k {k}: the lookup tile [{_launch.next_pow2(k)}, {block_h}] exceeds Triton's "
+                         f"{_launch.MAX_BLOCK_ELEMS}-element block limit")
+
     from . import residency_kernels as kern  # imports triton
 
     kern._lookup_kernel[(rows,)](
         topk, req_ids, stable_len, row_req, slot_token, slot_stamp,
         hit_mask.view(torch.int8), slots, miss_count, miss_tokens, miss_slots, miss_entry, evict_min,
         k, hot,
-        KP=_launch.next_pow2(k), BLOCK_H=config.lookup_block_h(k, hot),
+        KP=_launch.next_pow2(k), BLOCK_H=block_h,
     )
     kern._victim_kernel[(rows,)](
         slot_stamp, miss_count, evict_min, miss_slots, req_ids, row_req,

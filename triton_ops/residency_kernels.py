@@ -44,7 +44,7 @@ Portability rules (upstream Triton, triton-ascend, the interpreter)
   unsupported there and float32 cannot hold int32 positions exactly). Matching is a
   broadcast comparison, ordering is a scan over stamp groups.
 * Every ``tl.arange`` is a power of two, every block has at most 1,048,576 elements
-  (the launcher sizes tiles to a few thousand), every row offset is int64, every
+  (the launcher's default lookup tile is 16,384 elements), every row offset is int64, every
   load/store is masked, no autotune, only ints and tensors as arguments.
 * Used primitives and their triton-ascend status: ``tl.cumsum`` on int32 (supported
   A2/A3), ``tl.max``/``tl.min``/``tl.sum`` on int32/int64, ``tl.where``,
