@@ -24,7 +24,11 @@ Per request (registered with :meth:`DecodeReceiver.expect` before prefill starts
   ``layer_timeout_s`` without progress fails it (dead or stuck prefill).
 
 Threads: the endpoint's I/O thread (handshakes, verdicts, deadlines) and one
-reader thread (validation + engine reads); one lock guards all state.
+reader thread per prefill peer (validation + engine reads, in the order the peer
+sent its layers), so a slow or failing peer never delays another; one lock
+guards all state. An engine read can take long to fail (Mooncake over TCP needs
+about a second per failed batch); the request's deadline still fails it on time,
+and its destination is released only once that read has returned.
 """
 
 from __future__ import annotations
@@ -120,19 +124,16 @@ class DecodeReceiver:
         self._peers: Dict[bytes, _Peer] = {}
         self._tracks: Dict[str, _Track] = {}
         self._topology: Optional[PDTopology] = None
-        self._work: "queue.Queue[Optional[Tuple[bytes, ReadReadyBatch]]]" = queue.Queue()
+        self._readers: Dict[bytes, Tuple["queue.Queue", threading.Thread]] = {}
         self._closed = False
         self._endpoint = ControlEndpoint(
             "router", config.host, self.port,
             expect=(MetaHandshake, ReadReadyBatch, TransferVerdict, Rejected),
             on_message=self._on_message, on_invalid=self._on_invalid, on_tick=self._on_tick,
             tick_s=tick_s, send_filter=send_filter, name=f"pd-decode-{d_rank}")
-        self._reader = threading.Thread(target=self._reader_loop, name=f"pd-decode-read-{d_rank}",
-                                        daemon=True)
 
     # ------------------------------------------------------------------ API
     def start(self) -> "DecodeReceiver":
-        self._reader.start()
         self._endpoint.start()
         return self
 
@@ -204,6 +205,11 @@ class DecodeReceiver:
                 del self._tracks[request_id]
         self._release(release)
 
+    def connected_members(self) -> Set[int]:
+        """Contribution-group members whose handshake was accepted."""
+        with self._lock:
+            return {p.member for p in self._peers.values()}
+
     def pending_requests(self) -> List[str]:
         with self._lock:
             return [r for r, t in self._tracks.items() if t.state is TransferState.PENDING]
@@ -228,12 +234,21 @@ class DecodeReceiver:
             for t in self._tracks.values():
                 if t.state is TransferState.PENDING:
                     self._fail_locked(t, reason, release)
-        self._work.put(None)
-        self._reader.join(10.0)
-        self._endpoint.close()
+        self._endpoint.close()  # no new batches after this
+        with self._lock:
+            readers = list(self._readers.values())
+        for q, _ in readers:
+            q.put(None)
+        deadline = time.monotonic() + 10.0
+        for _, thread in readers:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for _, thread in readers):
+            logger.error("decode rank %d: an engine read is still running at close; its destinations "
+                         "stay leased", self.d_rank)
         with self._lock:  # reads are over: release whatever waited for them
             for t in self._tracks.values():
-                t.inflight = 0
+                if t.inflight:
+                    continue  # a read still writes there: never hand this memory out
                 if t.state is TransferState.FAILED and not t.released:
                     t.released = True
                     release.append(t.dest)
@@ -285,7 +300,7 @@ class DecodeReceiver:
         if isinstance(msg, MetaHandshake):
             self._on_handshake(peer, msg)
         elif isinstance(msg, ReadReadyBatch):
-            self._work.put((peer, msg))
+            self._reader_queue(peer).put((peer, msg))
         elif isinstance(msg, TransferVerdict):
             self._on_verdict(peer, msg)
         elif isinstance(msg, Rejected):
@@ -366,9 +381,20 @@ class DecodeReceiver:
         self._release(release)
 
     # ------------------------------------------------------------------ reader thread
-    def _reader_loop(self) -> None:
+    def _reader_queue(self, peer: bytes) -> "queue.Queue":
+        with self._lock:
+            entry = self._readers.get(peer)
+            if entry is None:
+                q: "queue.Queue" = queue.Queue()
+                thread = threading.Thread(target=self._reader_loop, args=(q,), daemon=True,
+                                          name=f"pd-decode-read-{self.d_rank}-{len(self._readers)}")
+                entry = self._readers[peer] = (q, thread)
+                thread.start()
+            return entry[0]
+
+    def _reader_loop(self, work: "queue.Queue") -> None:
         while True:
-            item = self._work.get()
+            item = work.get()
             if item is None:
                 return
             peer, batch = item
@@ -482,7 +508,9 @@ class DecodeReceiver:
                 dst += d_
                 src += s_
                 lengths += n_
-            error = self._read_with_retries(p.hs.session, batch.layer, dst, src, lengths)
+            error = self._read_with_retries(p.hs.session, batch.layer, dst, src, lengths,
+                                            still_wanted=lambda: any(t.state is TransferState.PENDING
+                                                                     for t, _ in good))
             with self._lock:
                 for t, rr in good:
                     t.inflight -= 1
@@ -518,14 +546,20 @@ class DecodeReceiver:
             self._endpoint.send(ReadDone(version=PROTOCOL_VERSION, batch_id=batch.batch_id,
                                          layer=batch.layer), peer)
 
-    def _read_with_retries(self, session: str, layer: int, dst, src, lengths) -> Optional[str]:
-        """None on success, else the last error after ``1 + read_retries`` attempts."""
+    def _read_with_retries(self, session: str, layer: int, dst, src, lengths,
+                           still_wanted: Callable[[], bool] = lambda: True) -> Optional[str]:
+        """None on success, else the last error after ``1 + read_retries`` attempts.
+
+        No retry once ``still_wanted()`` is false (every request failed meanwhile).
+        """
         set_context = getattr(self.engine, "set_context", None)
         if set_context is not None:
             set_context(layer)
         last = ""
         for attempt in range(1 + self.config.read_retries):
             if attempt:
+                if not still_wanted():
+                    break
                 self.stats.read_retries += 1
             t0 = time.perf_counter()
             try:
@@ -538,4 +572,4 @@ class DecodeReceiver:
             self.stats.read_seconds += time.perf_counter() - t0
             return None
         self.stats.read_failures += 1
-        return f"read of layer {layer} failed after {1 + self.config.read_retries} attempts: {last}"
+        return f"read of layer {layer} failed after {attempt + 1} attempt(s): {last}"

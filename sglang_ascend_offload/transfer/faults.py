@@ -34,7 +34,8 @@ class FaultPlan:
 
     fail_reads: number of reads to fail (counted over matching reads).
     fail_layers: only reads of these layers fail (``None`` = any layer).
-    read_delay_s: sleep before every matching read (``delay_layers`` restricts).
+    read_delay_s: sleep before a matching read (``delay_layers`` restricts), at most
+        ``max_delays`` times.
     drop_kinds / truncate_kinds: outgoing message kinds (``"read_done"``,
         ``"ready"``, ...) to drop / cut in half; ``fault_layer`` restricts both to
         messages carrying that layer; ``max_message_faults`` bounds how many.
@@ -46,6 +47,7 @@ class FaultPlan:
     fail_layers: Optional[Tuple[int, ...]] = None
     read_delay_s: float = 0.0
     delay_layers: Optional[Tuple[int, ...]] = None
+    max_delays: int = 1
     drop_kinds: Tuple[str, ...] = ()
     truncate_kinds: Tuple[str, ...] = ()
     fault_layer: Optional[int] = None
@@ -110,8 +112,8 @@ class FaultyEngine(TransferEngine):
 
             os._exit(17)
         if p.read_delay_s > 0 and (p.delay_layers is None or layer in p.delay_layers):
-            inj.take("delay", 1 << 30)
-            time.sleep(p.read_delay_s)
+            if inj.take("delay", p.max_delays):
+                time.sleep(p.read_delay_s)
         if p.fail_reads and (p.fail_layers is None or layer in p.fail_layers):
             if inj.take("fail_read", p.fail_reads):
                 raise EngineReadError(f"injected read failure (layer {layer})")

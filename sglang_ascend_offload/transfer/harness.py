@@ -137,8 +137,12 @@ def _wrap(engine, plan: FaultPlan):
 
 def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: str,
                     destinations: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]],
-                    wait_s: float) -> Dict[str, Any]:
-    """Serve one decode TP rank until every request is terminal (or ``wait_s``); report."""
+                    wait_s: float, stop_path: str) -> Dict[str, Any]:
+    """Serve one decode TP rank like a long-lived server; report.
+
+    It stays up until the parent signals that every prefill rank has finished
+    (``stop_path`` exists) and every request is terminal here, or ``wait_s``.
+    """
     from .decode_side import DecodeReceiver
     from .destinations import RequestDestination
     from .errors import RequestFailed
@@ -174,11 +178,16 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
         for rid, (main_blocks, idx_blocks) in destinations.items():
             receiver.expect(RequestDestination(rid, tuple(main_blocks), tuple(idx_blocks)))
         receiver.start()
-        deadline = time.monotonic() + wait_s
+        t0 = time.monotonic()
+        deadline = t0 + wait_s
         while time.monotonic() < deadline:
-            if not receiver.pending_requests() and not receiver.unreleased_failed():
+            if (os.path.exists(stop_path) and not receiver.pending_requests()
+                    and not receiver.unreleased_failed()):
                 break
             time.sleep(0.005)
+        if os.environ.get("PD_HARNESS_DEBUG") and time.monotonic() >= deadline:
+            import faulthandler, sys
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
         statuses = {rid: receiver.status(rid) for rid in destinations}
         claims: Dict[str, str] = {}
         for rid in destinations:
@@ -203,6 +212,7 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
             "handler_errors": receiver.endpoint.handler_errors,
             "injected": dict(injector.injected) if injector else {},
             "memcpy_bytes_per_s": memcpy_bps,
+            "seconds_until_terminal": time.monotonic() - t0,
         }
     finally:
         receiver.close()
@@ -364,7 +374,7 @@ def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioR
     """Run ``spec`` on ``pool`` (needs ``p_tp + d_tp`` workers) and judge it."""
     from .status import RequestStatus, TransferState, combine_rank_statuses
     from .topology import PDTopology
-    from .workers import run_tasks
+    from .workers import collect, run_tasks
 
     PDTopology(spec.p_tp, spec.d_tp)  # invalid pairs fail here, before any process work
     if pool.size < spec.p_tp + spec.d_tp:
@@ -376,22 +386,30 @@ def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioR
     fd, pool_path = tempfile.mkstemp(prefix="pd_host_pool_", dir=_shm_dir())
     os.ftruncate(fd, pool_bytes)
     os.close(fd)
+    stop_path = pool_path + ".stop"
     wait_s = spec.layer_timeout_s * (spec.num_layers + 2) + spec.handshake_timeout_s
-    tasks = {}
+    decode_tasks, prefill_tasks = {}, {}
     if spec.decode_up:
         for d in range(spec.d_tp):
-            tasks[spec.p_tp + d] = (MODULE, "run_decode_rank", dict(
+            decode_tasks[spec.p_tp + d] = (MODULE, "run_decode_rank", dict(
                 spec=spec, d_rank=d, kv_port=kv_port, pool_path=pool_path, destinations=dests,
-                wait_s=wait_s))
+                wait_s=wait_s, stop_path=stop_path))
     for p in range(spec.p_tp):
-        tasks[p] = (MODULE, "run_prefill_rank", dict(spec=spec, p_rank=p, kv_port=kv_port, sources=sources))
+        prefill_tasks[p] = (MODULE, "run_prefill_rank", dict(spec=spec, p_rank=p, kv_port=kv_port,
+                                                             sources=sources))
     t0 = time.monotonic()
     try:
-        out = run_tasks(pool, tasks, timeout_s)
+        for i, (module, func, kwargs) in decode_tasks.items():
+            pool.submit(i, module, func, **kwargs)
+        out = run_tasks(pool, prefill_tasks, timeout_s)
+        open(stop_path, "w").close()  # every prefill rank is done: decode servers may stop
+        out.update(collect(pool, list(decode_tasks), max(1.0, timeout_s - (time.monotonic() - t0))))
         seconds = time.monotonic() - t0
         host_pool = np.fromfile(pool_path, dtype=np.uint8, count=pool_bytes)
     finally:
-        os.unlink(pool_path)
+        for path in (pool_path, stop_path):
+            if os.path.exists(path):
+                os.unlink(path)
     from .workers import TaskTimeout
 
     problems: List[str] = []
@@ -500,7 +518,7 @@ def fault_scenarios(base: Optional[ScenarioSpec] = None) -> List[ScenarioSpec]:
         replace(b, name="read_failure", decode_faults=FaultPlan(fail_reads=r + 1, fail_layers=(1,))),
         replace(b, name="dropped_answer", decode_faults=FaultPlan(drop_kinds=("read_done",), fault_layer=1)),
         replace(b, name="decode_slower_than_deadline",
-                decode_faults=FaultPlan(read_delay_s=b.layer_timeout_s * 2.5, delay_layers=(1,))),
+                decode_faults=FaultPlan(read_delay_s=b.layer_timeout_s * 2, delay_layers=(1,))),
         replace(b, name="malformed_ready", prefill_faults=FaultPlan(truncate_kinds=("ready",), fault_layer=1)),
         replace(b, name="malformed_answer",
                 decode_faults=FaultPlan(truncate_kinds=("read_done",), fault_layer=1)),

@@ -132,15 +132,17 @@ class WorkerPool:
             w.process.kill()
             w.process.join(5.0)
 
-    def close(self) -> None:
-        for i, w in enumerate(self._workers):
-            if w is None:
-                continue
+    def close(self, timeout_s: float = 3.0) -> None:
+        """Ask every worker to exit, wait for all together, kill stragglers."""
+        live = [(i, w) for i, w in enumerate(self._workers) if w is not None]
+        for _, w in live:
             try:
                 w.conn.send(None)
             except (OSError, BrokenPipeError):
                 pass
-            w.process.join(3.0)
+        deadline = time.monotonic() + timeout_s
+        for i, w in live:
+            w.process.join(max(0.0, deadline - time.monotonic()))
             if w.process.is_alive():
                 self.kill(i)
             w.conn.close()
@@ -161,9 +163,14 @@ def run_tasks(pool: WorkerPool, tasks: Dict[int, tuple], timeout_s: float) -> Di
     """
     for i, (module, func, kwargs) in tasks.items():
         pool.submit(i, module, func, **kwargs)
+    return collect(pool, list(tasks), timeout_s)
+
+
+def collect(pool: WorkerPool, workers: List[int], timeout_s: float) -> Dict[int, Any]:
+    """Outcomes of the tasks already submitted to ``workers`` (see :func:`run_tasks`)."""
     deadline = time.monotonic() + timeout_s
     out: Dict[int, Any] = {}
-    for i in tasks:
+    for i in workers:
         try:
             out[i] = pool.result(i, max(0.1, deadline - time.monotonic()))
         except (TaskError, WorkerDied, TaskTimeout) as exc:

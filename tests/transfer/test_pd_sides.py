@@ -1,0 +1,661 @@
+"""Decode receiver and prefill sender in one process (Mooncake over TCP on 127.0.0.1).
+
+Real engines and sockets; peers that misbehave are played by raw ZMQ sockets that
+send hand-made (valid or broken) messages, so each validation rule and each
+deadline is exercised on its own.
+"""
+
+import importlib.util
+import socket
+import time
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from sglang_ascend_offload.config import PDTransferConfig
+from sglang_ascend_offload.layerwise_prefill.gates import GateError, SlotGates
+from sglang_ascend_offload.transfer.decode_side import DecodeReceiver
+from sglang_ascend_offload.transfer.destinations import RequestDestination
+from sglang_ascend_offload.transfer.errors import (HandshakeError, HandshakeTimeout, RequestFailed,
+                                                   TopologyError, TransferError)
+from sglang_ascend_offload.transfer.layout import TensorLayers, build_layout, registration_regions
+from sglang_ascend_offload.transfer.prefill_side import PrefillSender, SourceBlocks
+from sglang_ascend_offload.transfer.protocol import (PROTOCOL_VERSION, MetaAck, MetaHandshake, ReadDone,
+                                                     ReadFailed, ReadReadyBatch, Rejected, RequestRange,
+                                                     TransferVerdict, decode_message, encode_message)
+from sglang_ascend_offload.transfer.status import TransferState
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
+                                 reason="needs mooncake-transfer-engine-non-cuda (scripts/requirements-cpu.txt)"),
+              pytest.mark.timeout(60)]
+
+V = PROTOCOL_VERSION
+L = 4  # layers
+S = 2  # prefill slots (layers share them round-robin)
+WIDTHS = {"latent": 64, "rope": 16, "indexer": 32, "indexer_scale": 8}  # block bytes
+ROLES = {"latent": "main", "rope": "main", "indexer": "indexer", "indexer_scale": "indexer_scale"}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from sglang_ascend_offload.transfer.engine_mooncake import MooncakeEngine
+
+    p, d = MooncakeEngine("127.0.0.1"), MooncakeEngine("127.0.0.1")
+    yield p, d
+    p.close()
+    d.close()
+
+
+class Side:
+    """Tensors of one side registered with an engine; unregistered by ``close``."""
+
+    def __init__(self, engine, names, per_layer_fn, block_tokens=4):
+        self.engine = engine
+        self.tensors = [TensorLayers(ROLES[n], n, per_layer_fn(n)) for n in names]
+        self.layout = build_layout(block_tokens, self.tensors)
+        self.regions = registration_regions(self.tensors)
+        engine.register(self.regions)
+
+    def close(self):
+        self.engine.unregister([a for a, _ in self.regions])
+
+
+def prefill_side(engine, names=tuple(WIDTHS), blocks=16):
+    slots = {n: [torch.zeros(blocks, WIDTHS[n], dtype=torch.uint8) for _ in range(S)] for n in names}
+    side = Side(engine, names, lambda n: [slots[n][layer % S] for layer in range(L)])
+    side.slots = slots
+    return side
+
+
+def decode_side(engine, names=tuple(WIDTHS), blocks=32, widths=WIDTHS, block_tokens=4, layers=L):
+    store = {n: torch.zeros(layers, blocks, widths[n], dtype=torch.uint8) for n in names}
+    side = Side(engine, names, lambda n: [store[n][i] for i in range(layers)], block_tokens)
+    side.store = store
+    return side
+
+
+def cfg(port, **kw):
+    base = dict(engine="mooncake", kv_port=port, host="127.0.0.1", layer_timeout_s=2.0,
+                handshake_timeout_s=5.0, read_retries=1)
+    base.update(kw)
+    return PDTransferConfig(**base)
+
+
+@pytest.fixture()
+def rig(engines):
+    """A started decode receiver (d_tp=1) with request ``a`` (3 blocks) expected."""
+    pe, de = engines
+    port = free_port()
+    dec_side, pre_side = decode_side(de), prefill_side(pe)
+    released = []
+    recv = DecodeReceiver(cfg(port), d_tp=1, d_rank=0, layout=dec_side.layout, engine=de,
+                          on_release=released.append)
+    dest = RequestDestination("a", (5, 9, 2), (7, 1, 3))
+    recv.expect(dest)
+    recv.start()
+
+    class Rig:
+        pass
+
+    r = Rig()
+    r.port, r.recv, r.dec, r.pre, r.dest, r.released, r.pe = port, recv, dec_side, pre_side, dest, released, pe
+    yield r
+    recv.close()
+    dec_side.close()
+    pre_side.close()
+
+
+class RawPeer:
+    """A hand-driven prefill peer (DEALER) for crafted messages."""
+
+    def __init__(self, port):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def send(self, msg):
+        self.sock.send(encode_message(msg) if not isinstance(msg, bytes) else msg)
+
+    def recv(self, timeout_s=5.0):
+        assert self.sock.poll(int(timeout_s * 1000)), "no answer"
+        return decode_message(self.sock.recv())
+
+    def close(self):
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def handshake_msg(pre, engine, p_tp=1, p_rank=0, d_tp=1):
+    lay = pre.layout
+    return MetaHandshake(version=V, session=engine.session_id, engine="mooncake", data_protocol="tcp",
+                         p_tp=p_tp, p_rank=p_rank, d_tp=d_tp, main_tensor_count=len(lay.main),
+                         has_indexer=lay.indexer is not None, has_indexer_scale=lay.indexer_scale is not None,
+                         layer_timeout_ms=2000, layout=lay)
+
+
+def rr(rid="a", n=3, main=(0, 1, 2), main_off=0, idx=(4, 5, 6), idx_off=0):
+    return RequestRange(request_id=rid, num_blocks=n, main_offset=main_off, main_src_blocks=list(main),
+                        indexer_offset=idx_off, indexer_src_blocks=list(idx))
+
+
+def batch(layer, reqs, batch_id=None, finished=(), member=0, ratio=1):
+    return ReadReadyBatch(version=V, batch_id=layer if batch_id is None else batch_id, layer=layer,
+                          member=member, ratio=ratio, requests=reqs, finished=list(finished))
+
+
+def wait_until(pred, timeout_s=5.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return pred()
+
+
+def fill(pre, slot, seed):
+    g = torch.Generator().manual_seed(seed)
+    for n, tensors in pre.slots.items():
+        tensors[slot].copy_(torch.randint(0, 256, tensors[slot].shape, dtype=torch.uint8, generator=g))
+
+
+def dest_untouched(r):
+    return all(int(t.count_nonzero()) == 0 for t in r.dec.store.values())
+
+
+# ------------------------------------------------------------------ end to end in process
+def test_every_layer_bit_exact_and_slots_reused_only_after_read(rig):
+    r = rig
+    gates = SlotGates(S)
+    sender = PrefillSender(cfg(r.port), p_tp=1, d_tp=1, p_rank=0, layout=r.pre.layout, engine=r.pe,
+                           gates=gates, decode_host="127.0.0.1")
+    try:
+        sender.handshake()
+        sender.add_request("a", 3)
+        src = SourceBlocks([0, 1, 2], [4, 5, 6])
+        expected = []
+        for layer in range(L):
+            slot = layer % S
+            gates.wait_free(slot, 5.0)
+            fill(r.pre, slot, layer)
+            expected.append({n: t[slot].clone() for n, t in r.pre.slots.items()})
+            sender.publish_layer(layer, slot, {"a": src}, finished=["a"] if layer == L - 1 else [])
+        assert sender.wait(["a"], 5.0)["a"].state is TransferState.DONE
+        assert wait_until(lambda: r.recv.status("a").state is TransferState.DONE)
+        got = r.recv.claim("a")
+        assert got == r.dest
+        for layer in range(L):
+            for n in ("latent", "rope"):
+                assert torch.equal(r.dec.store[n][layer][[5, 9, 2]], expected[layer][n][[0, 1, 2]])
+            for n in ("indexer", "indexer_scale"):
+                assert torch.equal(r.dec.store[n][layer][[7, 1, 3]], expected[layer][n][[4, 5, 6]])
+        assert gates.busy_slots() == []
+        assert sender.stats.read_done == L and r.recv.stats.reads == L
+        assert r.released == []  # a claimed destination belongs to the scheduler
+    finally:
+        sender.close()
+
+
+def test_request_needs_positive_verdict_before_done(rig):
+    r = rig
+    peer = RawPeer(r.port)
+    try:
+        peer.send(handshake_msg(r.pre, r.pe))
+        assert peer.recv().accepted
+        for layer in range(L):
+            peer.send(batch(layer, [rr()], finished=["a"] if layer == L - 1 else []))
+            assert isinstance(peer.recv(), ReadDone)
+        time.sleep(0.05)
+        assert r.recv.status("a").state is TransferState.PENDING  # data there, no verdict yet
+        with pytest.raises(TransferError, match="still transferring"):
+            r.recv.claim("a")
+        peer.send(TransferVerdict(version=V, request_ids=["a"], ok=True, reason=""))
+        assert wait_until(lambda: r.recv.status("a").state is TransferState.DONE)
+    finally:
+        peer.close()
+
+
+def test_abort_verdict_invalidates_and_releases_destination(rig):
+    r = rig
+    peer = RawPeer(r.port)
+    try:
+        peer.send(handshake_msg(r.pre, r.pe))
+        assert peer.recv().accepted
+        for layer in range(L):
+            peer.send(batch(layer, [rr()], finished=["a"] if layer == L - 1 else []))
+            assert isinstance(peer.recv(), ReadDone)
+        peer.send(TransferVerdict(version=V, request_ids=["a"], ok=False, reason="prefill deadline"))
+        assert wait_until(lambda: r.recv.status("a").state is TransferState.FAILED)
+        assert "prefill deadline" in r.recv.status("a").reason
+        with pytest.raises(RequestFailed, match="prefill deadline"):
+            r.recv.claim("a")
+        assert r.released == [r.dest]
+    finally:
+        peer.close()
+
+
+# ------------------------------------------------------------------ validation before reads
+BAD_RANGES = [
+    ("short main share", rr(main=(0, 1)), "not this rank's share"),
+    ("wrong main offset", rr(main_off=1, main=(0, 1)), "not this rank's share"),
+    ("wrong indexer share", rr(idx=(4, 5)), "indexer range"),
+    ("block count differs", rr(n=2, main=(0, 1), idx=(4, 5)), "decode destination 3"),
+    ("source out of buffer", rr(main=(0, 1, 16)), "out of the prefill buffer"),
+]
+
+
+@pytest.mark.parametrize("label,bad,match", BAD_RANGES, ids=[b[0] for b in BAD_RANGES])
+def test_invalid_ranges_fail_without_reading(rig, label, bad, match):
+    r = rig
+    peer = RawPeer(r.port)
+    try:
+        peer.send(handshake_msg(r.pre, r.pe))
+        assert peer.recv().accepted
+        fill(r.pre, 0, 1)
+        peer.send(batch(0, [bad]))
+        ans = peer.recv()
+        assert isinstance(ans, ReadFailed) and match in ans.reason
+        st = r.recv.status("a")
+        assert st.state is TransferState.FAILED and match in st.reason
+        assert r.released == [r.dest]
+        assert r.recv.stats.reads == 0 and dest_untouched(r)  # nothing partially written
+        with pytest.raises(RequestFailed):
+            r.recv.claim("a")
+    finally:
+        peer.close()
+
+
+def test_non_zero_member_must_not_send_main_and_layer_twice_and_early_finish(engines):
+    pe, de = engines
+    port = free_port()
+    dec, pre = decode_side(de), prefill_side(pe)
+    recv = DecodeReceiver(cfg(port), d_tp=1, d_rank=0, layout=dec.layout, engine=de)
+    for i, rid in enumerate(("m", "twice", "early", "ratio")):
+        blocks = tuple(range(3 * i, 3 * i + 3))
+        recv.expect(RequestDestination(rid, blocks, blocks))
+    recv.start()
+    m0, m1 = RawPeer(port), RawPeer(port)
+    try:
+        m0.send(handshake_msg(pre, pe, p_tp=2, p_rank=0))
+        m1.send(handshake_msg(pre, pe, p_tp=2, p_rank=1))
+        assert m0.recv().accepted and m1.recv().accepted
+        # member 1 sends main blocks for "m"
+        m1.send(batch(0, [rr("m", main=(0, 1, 2), idx=(6,), idx_off=2)], member=1, ratio=2))
+        ans = m1.recv()
+        assert isinstance(ans, ReadFailed) and "only member 0" in ans.reason
+        # the same layer twice
+        m0.send(batch(0, [rr("twice", idx=(4, 5), idx_off=0)], member=0, ratio=2))
+        assert isinstance(m0.recv(), ReadDone)
+        m0.send(batch(0, [rr("twice", idx=(4, 5), idx_off=0)], batch_id=99, member=0, ratio=2))
+        ans = m0.recv()
+        assert isinstance(ans, ReadFailed) and "sent twice" in ans.reason
+        # finished after one layer
+        m0.send(batch(0, [rr("early", idx=(4, 5))], batch_id=5, finished=["early"], member=0, ratio=2))
+        ans = m0.recv()
+        assert isinstance(ans, ReadFailed) and "finished without layers [1, 2, 3]" in ans.reason
+        # member/ratio disagreeing with the handshake
+        m0.send(batch(1, [rr("ratio", idx=(4, 5))], batch_id=6, member=1, ratio=2))
+        ans = m0.recv()
+        assert isinstance(ans, ReadFailed) and "disagree with the handshake" in ans.reason
+        assert recv.stats.reads == 2  # the valid layer-0 batches of "twice" and "early"
+        for rid in ("m", "twice", "early", "ratio"):
+            assert recv.status(rid).state is TransferState.FAILED
+    finally:
+        m0.close()
+        m1.close()
+        recv.close()
+        dec.close()
+        pre.close()
+
+
+def test_batch_for_unknown_request_and_without_handshake(rig):
+    r = rig
+    peer = RawPeer(r.port)
+    try:
+        peer.send(batch(0, [rr()]))
+        ans = peer.recv()
+        assert isinstance(ans, ReadFailed) and "no accepted handshake" in ans.reason
+        peer.send(handshake_msg(r.pre, r.pe))
+        assert peer.recv().accepted
+        peer.send(batch(0, [rr("zzz")]))
+        ans = peer.recv()
+        assert isinstance(ans, ReadFailed) and "unknown request" in ans.reason
+        peer.send(batch(1, []))  # a contributor with nothing still gets an answer
+        assert isinstance(peer.recv(), ReadDone)
+    finally:
+        peer.close()
+
+
+MISMATCHES = [
+    ("rope block bytes", dict(widths=dict(WIDTHS, rope=32)), "main tensor 'rope' block bytes"),
+    ("no indexer on decode", dict(names=("latent", "rope")), "indexer presence"),
+    ("scale layout", dict(widths=dict(WIDTHS, indexer_scale=4)), "LIC8 scale block bytes"),
+    ("layers", dict(layers=3), "layers: prefill 4, decode 3"),
+    ("tokens per block", dict(block_tokens=8), "tokens per block"),
+]
+
+
+@pytest.mark.parametrize("label,kw,match", MISMATCHES, ids=[m[0] for m in MISMATCHES])
+def test_handshake_refused_on_layout_mismatch(engines, label, kw, match):
+    pe, de = engines
+    port = free_port()
+    dec, pre = decode_side(de, **kw), prefill_side(pe)
+    recv = DecodeReceiver(cfg(port), d_tp=1, d_rank=0, layout=dec.layout, engine=de).start()
+    sender = PrefillSender(cfg(port), p_tp=1, d_tp=1, p_rank=0, layout=pre.layout, engine=pe,
+                           gates=SlotGates(S), decode_host="127.0.0.1")
+    try:
+        with pytest.raises(HandshakeError, match=match):
+            sender.handshake()
+        assert not sender.connected
+        with pytest.raises(TransferError, match="before a successful handshake"):
+            sender.publish_layer(0, 0, {})
+    finally:
+        sender.close()
+        recv.close()
+        dec.close()
+        pre.close()
+
+
+def test_handshake_refused_for_wrong_decode_rank_and_protocol(rig):
+    r = rig
+    peer = RawPeer(r.port)
+    try:
+        peer.send(handshake_msg(r.pre, r.pe, p_tp=2, p_rank=1, d_tp=2))  # belongs to decode rank 1
+        ack = peer.recv()
+        assert not ack.accepted and "decode TP" in ack.reason
+        hs = msgspec.structs.replace(handshake_msg(r.pre, r.pe), data_protocol="rdma")
+        peer.send(hs)
+        ack = peer.recv()
+        assert not ack.accepted and "both sides must match" in ack.reason
+    finally:
+        peer.close()
+
+
+def test_invalid_topology_rejected_when_configuring_sender(engines):
+    pe, _ = engines
+    pre = prefill_side(pe)
+    try:
+        with pytest.raises(TopologyError):
+            PrefillSender(cfg(free_port()), p_tp=2, d_tp=4, p_rank=0, layout=pre.layout, engine=pe,
+                          gates=SlotGates(S), decode_host="127.0.0.1")
+    finally:
+        pre.close()
+
+
+def test_handshake_timeout_when_nobody_listens(engines):
+    pe, _ = engines
+    pre = prefill_side(pe)
+    sender = PrefillSender(cfg(free_port(), handshake_timeout_s=0.3), p_tp=1, d_tp=1, p_rank=0,
+                           layout=pre.layout, engine=pe, gates=SlotGates(S), decode_host="127.0.0.1")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HandshakeTimeout, match="did not answer the metadata handshake within 0.300s"):
+            sender.handshake()
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        sender.close()
+        pre.close()
+
+
+# ------------------------------------------------------------------ malformed input, live
+def test_malformed_frames_are_rejected_and_never_acted_on(rig):
+    r = rig
+    peer = RawPeer(r.port)
+    try:
+        good = encode_message(batch(0, [rr()]))
+        for blob in (b"\x00garbage", good[: len(good) // 2], msgspec.msgpack.encode({"kind": "ready"})):
+            peer.send(blob)
+            ans = peer.recv()
+            assert isinstance(ans, Rejected)
+        peer.sock.send_multipart([b"a", b"b"])  # two payload frames
+        assert isinstance(peer.recv(), Rejected)
+        assert r.recv.endpoint.rejected == 4 and r.recv.stats.batches == 0
+        assert r.recv.status("a").state is TransferState.PENDING and dest_untouched(r)
+        peer.send(handshake_msg(r.pre, r.pe))  # still serving
+        assert peer.recv().accepted
+        assert r.recv.endpoint.handler_errors == 0
+    finally:
+        peer.close()
+
+
+def test_fuzzed_frames_do_not_stop_the_receiver(rig):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    r = rig
+    peer = RawPeer(r.port)
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.binary(max_size=200), min_size=1, max_size=3))
+    def feed(frames):
+        peer.sock.send_multipart(frames)
+
+    try:
+        feed()
+        peer.send(handshake_msg(r.pre, r.pe))
+        deadline = time.monotonic() + 10
+        while True:  # drain Rejected answers until the handshake's ack arrives
+            msg = peer.recv(max(0.1, deadline - time.monotonic()))
+            if isinstance(msg, MetaAck):
+                break
+        assert msg.accepted
+        assert r.recv.endpoint.alive and r.recv.endpoint.handler_errors == 0
+        assert r.recv.status("a").state is TransferState.PENDING
+    finally:
+        peer.close()
+
+
+# ------------------------------------------------------------------ prefill deadlines and answers
+class FakeDecode:
+    """A ROUTER that accepts handshakes and answers batches as told."""
+
+    def __init__(self, port):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self.ident = None
+
+    def recv(self, timeout_s=5.0):
+        assert self.sock.poll(int(timeout_s * 1000)), "nothing received"
+        ident, data = self.sock.recv_multipart()
+        self.ident = ident
+        return decode_message(data)
+
+    def send(self, msg):
+        self.sock.send_multipart([self.ident, encode_message(msg) if not isinstance(msg, bytes) else msg])
+
+    def close(self):
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def _handshake(sender, fake):
+    import threading
+
+    t = threading.Thread(target=sender.handshake, kwargs={"timeout_s": 5.0})
+    t.start()
+    assert isinstance(fake.recv(), MetaHandshake)
+    fake.send(MetaAck(version=V, accepted=True, reason="", d_rank=0))
+    t.join(5.0)
+    assert sender.connected
+
+
+@pytest.fixture()
+def sender_rig(engines):
+    pe, _ = engines
+    port = free_port()
+    pre = prefill_side(pe)
+    gates = SlotGates(S)
+    fake = FakeDecode(port)
+    sender = PrefillSender(cfg(port, layer_timeout_s=0.3), p_tp=1, d_tp=1, p_rank=0, layout=pre.layout,
+                           engine=pe, gates=gates, decode_host="127.0.0.1")
+    _handshake(sender, fake)
+    sender.add_request("a", 3)
+    yield sender, gates, fake
+    sender.close()
+    fake.close()
+    pre.close()
+
+
+SRC = {"a": SourceBlocks([0, 1, 2], [4, 5, 6])}
+
+
+def test_layer_deadline_releases_slot_with_error_and_fails_request(sender_rig):
+    sender, gates, fake = sender_rig
+    t0 = time.monotonic()
+    sender.publish_layer(0, 0, SRC)
+    assert isinstance(fake.recv(), ReadReadyBatch)  # decode never answers
+    with pytest.raises(GateError, match="no answer from decode rank 0 within 0.300s"):
+        gates.wait_free(0, 5.0)
+    assert time.monotonic() - t0 < 2.0
+    st = sender.status("a")
+    assert st.state is TransferState.FAILED and "no answer" in st.reason
+    verdict = fake.recv()
+    assert isinstance(verdict, TransferVerdict) and not verdict.ok and verdict.request_ids == ["a"]
+    fake.send(ReadDone(version=V, batch_id=0, layer=0))  # late answer: ignored
+    assert wait_until(lambda: sender.stats.late_answers == 1)
+    assert sender.status("a").state is TransferState.FAILED
+    assert sender.publish_layer(1, 1, SRC) is None  # failed requests are not published again
+    assert gates.busy_slots() == [] and sender.open_batches() == 0
+
+
+def test_read_failed_releases_gate_with_error(sender_rig):
+    sender, gates, fake = sender_rig
+    sender.publish_layer(0, 0, SRC)
+    b = fake.recv()
+    fake.send(ReadFailed(version=V, batch_id=b.batch_id, layer=0, reason="disk on fire", request_ids=[]))
+    with pytest.raises(GateError, match="READ_FAILED from decode: disk on fire"):
+        gates.wait_free(0, 5.0)
+    assert "disk on fire" in sender.status("a").reason
+
+
+def test_malformed_answer_never_releases_gate_early(sender_rig):
+    sender, gates, fake = sender_rig
+    sender.publish_layer(0, 0, SRC)
+    b = fake.recv()
+    good = encode_message(ReadDone(version=V, batch_id=b.batch_id, layer=0))
+    fake.send(good[:-2])
+    assert isinstance(fake.recv(), Rejected)
+    assert gates.pending(0) == {"pd_read"}  # not acted on
+    fake.send(ReadDone(version=V, batch_id=b.batch_id + 1, layer=0))  # unknown batch: ignored
+    fake.send(ReadDone(version=V, batch_id=b.batch_id, layer=3))  # wrong layer: ignored
+    time.sleep(0.05)
+    assert gates.pending(0) == {"pd_read"}
+    fake.send(good)
+    gates.wait_free(0, 5.0)
+    assert sender.stats.rejected_messages == 1 and sender.stats.late_answers == 2
+
+
+def test_done_after_every_layer_acked_and_verdict_sent(sender_rig):
+    sender, gates, fake = sender_rig
+    for layer in range(L):
+        gates.wait_free(layer % S, 5.0)
+        sender.publish_layer(layer, layer % S, SRC, finished=["a"] if layer == L - 1 else [])
+        b = fake.recv()
+        assert b.finished == (["a"] if layer == L - 1 else [])
+        fake.send(ReadDone(version=V, batch_id=b.batch_id, layer=layer))
+    assert sender.wait(["a"], 5.0)["a"].state is TransferState.DONE
+    v = fake.recv()
+    assert isinstance(v, TransferVerdict) and v.ok
+
+
+def test_close_releases_open_gates_and_aborts(sender_rig):
+    sender, gates, fake = sender_rig
+    sender.publish_layer(0, 0, SRC)
+    sender.publish_layer(1, 1, SRC)
+    assert len(gates.busy_slots()) == 2
+    sender.close()
+    assert gates.busy_slots() == []
+    with pytest.raises(GateError, match="closed"):
+        gates.wait_free(0, 0.1)
+    assert sender.status("a").state is TransferState.FAILED
+
+
+def test_publish_argument_checks(sender_rig):
+    sender, gates, fake = sender_rig
+    with pytest.raises(ValueError, match="main source blocks"):
+        sender.publish_layer(0, 0, {"a": SourceBlocks([0, 1], [4, 5])})
+    with pytest.raises(ValueError, match="finished after 1 of 4"):
+        sender.publish_layer(0, 0, SRC, finished=["a"])
+    with pytest.raises(KeyError):
+        sender.publish_layer(0, 0, {"b": SourceBlocks([0], [1])})
+    assert gates.busy_slots() == []  # nothing half-published
+
+
+# ------------------------------------------------------------------ decode deadline and retries
+def test_decode_fails_stalled_transfer_after_deadline(engines):
+    pe, de = engines
+    port = free_port()
+    dec, pre = decode_side(de), prefill_side(pe)
+    released = []
+    recv = DecodeReceiver(cfg(port, layer_timeout_s=0.3), d_tp=1, d_rank=0, layout=dec.layout, engine=de,
+                          on_release=released.append)
+    recv.expect(RequestDestination("a", (5, 9, 2), (7, 1, 3)))
+    recv.start()
+    peer = RawPeer(port)
+    try:
+        peer.send(handshake_msg(pre, pe))
+        assert peer.recv().accepted
+        time.sleep(0.5)
+        assert recv.status("a").state is TransferState.PENDING  # no deadline before transfer starts
+        peer.send(batch(0, [rr()]))
+        assert isinstance(peer.recv(), ReadDone)
+        assert wait_until(lambda: recv.status("a").state is TransferState.FAILED, 3.0)
+        assert "no transfer progress" in recv.status("a").reason
+        assert len(released) == 1 and recv.stats.deadline_failures == 1
+    finally:
+        peer.close()
+        recv.close()
+        dec.close()
+        pre.close()
+
+
+def test_bounded_read_retries(engines):
+    from sglang_ascend_offload.transfer.faults import FaultInjector, FaultPlan, FaultyEngine
+
+    pe, de = engines
+    for fails, ok in ((1, True), (2, False)):
+        port = free_port()
+        dec, pre = decode_side(de), prefill_side(pe)
+        inj = FaultInjector(FaultPlan(fail_reads=fails))
+        recv = DecodeReceiver(cfg(port, read_retries=1), d_tp=1, d_rank=0, layout=dec.layout,
+                              engine=FaultyEngine(de, inj))
+        recv.expect(RequestDestination("a", (5, 9, 2), (7, 1, 3)))
+        recv.start()
+        peer = RawPeer(port)
+        try:
+            peer.send(handshake_msg(pre, pe))
+            assert peer.recv().accepted
+            peer.send(batch(0, [rr()]))
+            ans = peer.recv()
+            assert isinstance(ans, ReadDone if ok else ReadFailed)
+            assert inj.injected["fail_read"] == fails
+            assert recv.stats.read_retries == 1
+            if not ok:
+                assert "after 2 attempt(s)" in ans.reason
+        finally:
+            peer.close()
+            recv.close()
+            dec.close()
+            pre.close()
+
+
+def test_expect_validates_destination(rig):
+    r = rig
+    with pytest.raises(ValueError, match="already expected"):
+        r.recv.expect(r.dest)
+    with pytest.raises(ValueError, match="outside the host pool"):
+        r.recv.expect(RequestDestination("x", (99,), (1,)))
+    with pytest.raises(ValueError, match="indexer blocks for"):
+        r.recv.expect(RequestDestination("y", (1, 2), (1,)))
+    with pytest.raises(ValueError, match="repeated"):
+        r.recv.expect(RequestDestination("z", (1, 1), (2, 3)))
