@@ -5,8 +5,12 @@ once per test session and reused by every multi-process scenario.
 """
 
 import importlib.util
+import os
 
 import pytest
+
+os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs through glog (before any engine starts)
+os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
 
 from sglang_ascend_offload.transfer.workers import WorkerPool
 
