@@ -16,7 +16,6 @@ Both sides must use the same data protocol; the handshake checks it.
 
 from __future__ import annotations
 
-import socket
 import threading
 from typing import List, Optional, Sequence
 
@@ -48,12 +47,6 @@ def create_config_store(store_url: str) -> None:
                           f"{mf.get_last_err_msg() or 'no detail'} (is the port free?)")
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class MemFabricEngine(TransferEngine):
     """``memfabric_hybrid.TransferEngine`` for one NPU.
 
@@ -78,7 +71,8 @@ class MemFabricEngine(TransferEngine):
         if op_type is None:
             raise EngineUnavailable(f"installed memfabric_hybrid has no data protocol {protocol!r}; "
                                     "upgrade memfabric-hybrid or choose another pd_transfer.protocol")
-        port = self._engine.get_rpc_port() or _free_port(hostname)
+        # as SGLang's Ascend engine does: the RPC port is 0 until initialize picks one
+        port = self._engine.get_rpc_port()
         self._session = f"{hostname}:{port}"
         rc = self._engine.initialize(store_url, self._session, role.capitalize(), int(device_id), op_type)
         if rc != 0:
@@ -87,6 +81,8 @@ class MemFabricEngine(TransferEngine):
                 f"{role}, device {device_id}, {protocol}) returned {rc}: "
                 f"{mf.get_last_err_msg() or 'no detail'} (needs an Ascend driver/CANN and a running "
                 "config store)")
+        if port == 0:
+            self._session = f"{hostname}:{self._engine.get_rpc_port()}"
         self._protocol = protocol
         self._registered: List[int] = []
         self._lock = threading.Lock()
