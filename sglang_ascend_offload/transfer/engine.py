@@ -84,6 +84,10 @@ def create_engine(config: PDTransferConfig, role: str, *, device_id: int = 0,
     """
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    if config.host in ("", "0.0.0.0", "::", "[::]"):
+        # the host is also the address the peer reads from / connects to
+        raise EngineError(f"pd_transfer.host={config.host!r} is a wildcard: set the address of the NIC "
+                          "the peer reaches this node on (sockets and the engine bind to it)")
     if config.engine == "mooncake":
         from .engine_mooncake import MooncakeEngine
 

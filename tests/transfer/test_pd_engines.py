@@ -87,6 +87,8 @@ def test_mooncake_rejects_unknown_protocol_and_closed_reads():
         e.read("127.0.0.1:1", [1], [1], [1])
     with pytest.raises(ValueError, match="role"):
         create_engine(PDTransferConfig(engine="mooncake"), "router")
+    with pytest.raises(EngineError, match="wildcard"):
+        create_engine(PDTransferConfig(engine="mooncake", host="0.0.0.0"), "decode")
 
 
 def test_memfabric_needs_store_url_and_known_protocol():
