@@ -7,13 +7,18 @@ returns the reference op's result type; torch_npu's extra outputs (indexer value
 softmax statistics) are dropped.
 
 This module also holds the availability check for the ``fused`` rung (this
-project's AscendC operators LIM, LIM-C8 and Copy-SFA): the ops are registered by the
-component that owns their reference composition, with::
+project's AscendC operators LIM, LIM-C8 and Copy-SFA, built from ``ascendc_ops/``).
+The fused ops and their reference compositions live in ``ops/fused.py``, imported at
+the end of this module so the registry loads them with the other rungs; they
+register with::
 
     @register("lightning_indexer_manage", "fused",
               unavailable=lambda: fused_op_unavailable("npu_fused_lightning_indexer_manage"))
     def lim_fused(...):
         return fused_op("npu_fused_lightning_indexer_manage")(...)
+
+Every reason the fused rung gives ends with how to build the extension
+(:data:`FUSED_BUILD_HINT`).
 """
 
 from __future__ import annotations
@@ -70,6 +75,11 @@ FUSED_KERNELS = (
     "npu_fused_lightning_indexer_manage",  # LIM
     "npu_fused_quant_lightning_indexer_manage",  # LIM-C8
     "npu_fused_scatter_copy_sparse_flash_attention",  # Copy-SFA
+    "npu_fused_register_host_memory",  # host pool -> device address for Copy-SFA
+)
+FUSED_BUILD_HINT = (
+    "build ascendc_ops with CANN: bash ascendc_ops/build.sh --install "
+    "(on an Ascend node with CANN set_env.sh sourced and torch_npu installed; see ascendc_ops/README.md)"
 )
 
 
@@ -79,10 +89,7 @@ def _fused_extension_unavailable() -> Optional[str]:
     if reason is not None:
         return reason
     if importlib.util.find_spec(FUSED_EXTENSION_MODULE) is None:
-        return (
-            f"the AscendC extension {FUSED_EXTENSION_MODULE} is not built: build ascendc_ops/ "
-            "on an Ascend node with CANN (see docs/operators.md)"
-        )
+        return f"the AscendC extension {FUSED_EXTENSION_MODULE} is not built"
     try:
         importlib.import_module(FUSED_EXTENSION_MODULE)
     except Exception as exc:  # noqa: BLE001
@@ -91,17 +98,19 @@ def _fused_extension_unavailable() -> Optional[str]:
 
 
 def fused_op_unavailable(kernel: str) -> Optional[str]:
-    """Availability check for one fused kernel (for ``register(..., unavailable=)``)."""
+    """Availability check for one fused kernel (for ``register(..., unavailable=)``).
+
+    The reason names the kernel, what is missing, and ends with :data:`FUSED_BUILD_HINT`.
+    """
     reason = _fused_extension_unavailable()
-    if reason is not None:
-        return reason
-    namespace = getattr(torch.ops, FUSED_OP_NAMESPACE)
-    if not hasattr(namespace, kernel):
-        return (
-            f"the AscendC extension {FUSED_EXTENSION_MODULE} does not provide {kernel}: "
-            "rebuild ascendc_ops/ from this source tree"
-        )
-    return None
+    if reason is None:
+        namespace = getattr(torch.ops, FUSED_OP_NAMESPACE)
+        if not hasattr(namespace, kernel):
+            reason = (f"the AscendC extension {FUSED_EXTENSION_MODULE} does not provide {kernel} "
+                      "(built from an older source tree)")
+    if reason is None:
+        return None
+    return f"fused kernel {kernel}: {reason}; {FUSED_BUILD_HINT}"
 
 
 def fused_op(kernel: str) -> Callable:
@@ -292,3 +301,9 @@ def scatter_rows_npu(dst: torch.Tensor, index: torch.Tensor, rows: torch.Tensor)
     if rows.dtype != dst.dtype:
         raise ValueError(f"scatter_rows: rows dtype {rows.dtype} != dst dtype {dst.dtype}")
     return dst.index_copy_(0, index.to(device=dst.device, dtype=torch.int64), rows.to(dst.device))
+
+
+# ---------------------------------------------------------------- fused rung
+# LIM, LIM-C8 and Copy-SFA (reference compositions + fused wrappers) register here,
+# so loading the registry loads them. Imported last: fused.py uses this module.
+from . import fused  # noqa: E402,F401

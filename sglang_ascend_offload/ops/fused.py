@@ -1,0 +1,479 @@
+"""Fused decode operators: LIM, LIM-C8 and Copy-SFA.
+
+Three ops of the operator ladder, each with a ``reference`` rung (a composition of
+the existing reference ops, which *is* the specification) and a ``fused`` rung (this
+project's AscendC kernels, ``ascendc_ops/``, loaded from the compiled extension
+``sglang_ascend_offload._C_ascend``):
+
+=================================  ==================================================  ================================================
+op                                 reference composition                               fused kernel (``torch.ops.sglang_ascend_offload``)
+=================================  ==================================================  ================================================
+``lightning_indexer_manage``       ``lightning_indexer`` + ``residency_manage``        ``npu_fused_lightning_indexer_manage``
+``quant_lightning_indexer_manage`` ``quant_lightning_indexer`` + ``residency_manage``  ``npu_fused_quant_lightning_indexer_manage``
+``copy_sparse_flash_attention``    ``copy_miss_rows`` + ``sparse_mla_attention`` flat  ``npu_fused_scatter_copy_sparse_flash_attention``
+=================================  ==================================================  ================================================
+
+The ABI follows this project's residency contract (``docs/residency_contract.md``):
+state is **per row** (a row is one decode query token with its own hot buffer), not
+per request. Query tokens are TND (``[T, ...]``); ``token_rows`` int32 ``[T]`` says
+which residency row each query token owns (``-1``: the token is not managed, e.g.
+graph padding); a row is owned by at most one token. Everything is documented
+argument by argument in ``docs/fused_ops.md``.
+
+LIM (one layer, one decode step)::
+
+    topk   = lightning_indexer(query, key, weights, ...)          # int32 [T, 1, K] logical
+    topk_r = scatter topk[t] into row token_rows[t]                # int32 [R, K], -1 elsewhere
+    step_r = residency_manage(slot_token, slot_stamp, row_req,     # state mutated in place
+                              topk_r, req_ids, stable_len, step)
+    sparse_indices[t] = token_rows[t] * H + step_r.slots[token_rows[t]]   # flat hot rows, -1 kept
+
+Copy-SFA (one layer, one decode step)::
+
+    copy_miss_rows(host, hot, miss_tokens, miss_slots, miss_count, token_table)
+    out = sparse_mla_attention(query, hot_latent, None, sparse_indices, scale,
+                               query_rope=query_rope, key_rope=hot_rope, layout_kv="flat")
+
+The fused rung is a drop-in for those two pairs: same arguments, same results
+(``torch.equal`` residency state and miss lists given the same top-k; attention
+within the stated tolerance; miss copies bit-exact). Its ``first fill`` vs
+``steady`` branch (a row whose request changed is reset and filled from slot 0; the
+others look up hits and evict LRU victims) is decided per row on the device from
+``row_req`` vs ``req_ids``, and the number of rows copied from ``miss_count``, so
+the wrappers below never read device data on the host and can be captured in a
+graph when ``step`` is passed as a device tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from ..sparse_decode.residency import ResidencyStep, register_reference_ops
+from . import registry
+from .npu_impls import fused_op, fused_op_unavailable
+from .registry import register
+
+__all__ = [
+    "IndexerManageResult",
+    "lightning_indexer_manage",
+    "quant_lightning_indexer_manage",
+    "copy_sparse_flash_attention",
+    "scatter_token_topk",
+    "token_hot_indices",
+    "LIM_KERNEL",
+    "LIM_C8_KERNEL",
+    "COPY_SFA_KERNEL",
+]
+
+LIM_KERNEL = "npu_fused_lightning_indexer_manage"
+LIM_C8_KERNEL = "npu_fused_quant_lightning_indexer_manage"
+COPY_SFA_KERNEL = "npu_fused_scatter_copy_sparse_flash_attention"
+REGISTER_HOST_KERNEL = "npu_fused_register_host_memory"
+
+# The compositions select their steps from the registry; residency_manage and
+# copy_miss_rows live in sparse_decode/ and register themselves on request.
+register_reference_ops()
+
+Step = Union[int, torch.Tensor]
+
+
+# ----------------------------------------------------------------------- results
+@dataclass
+class IndexerManageResult:
+    """Outputs of LIM / LIM-C8 for one layer and step.
+
+    topk_indices:   int32 ``[T, 1, K]`` logical top-k positions of each query token
+                    (the indexer's output; ``-1`` padding).
+    sparse_indices: int32 ``[T, 1, K]`` rows of the flat hot buffer ``[R*H, D]``
+                    holding those positions after the step, same order
+                    (``token_rows[t] * H + slot``; ``-1`` for padding and for tokens
+                    with ``token_rows[t] == -1``): what Copy-SFA attends over.
+    residency:      the per-row :class:`~sglang_ascend_offload.sparse_decode.residency.ResidencyStep`
+                    (``hit_mask``, ``slots``, ``miss_count``, ``miss_tokens``,
+                    ``miss_slots``; all ``[R, ...]``): what Copy-SFA copies.
+    """
+
+    topk_indices: torch.Tensor
+    sparse_indices: torch.Tensor
+    residency: ResidencyStep
+
+
+# ----------------------------------------------------------------------- helpers
+def _check_token_rows(token_rows: torch.Tensor, num_tokens: int, rows: int) -> torch.Tensor:
+    """Validate ``token_rows`` (int ``[T]``, values in ``[-1, R)``, rows unique); int64 copy."""
+    if token_rows.dim() != 1 or token_rows.shape[0] != num_tokens:
+        raise ValueError(f"token_rows must be [T] = [{num_tokens}], got {tuple(token_rows.shape)}")
+    if token_rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"token_rows must be int32 (int64 accepted), got {token_rows.dtype}")
+    tr = token_rows.to(torch.int64)
+    bad = (tr < -1) | (tr >= rows)
+    if bool(bad.any()):
+        raise ValueError(f"token_rows holds values outside [-1, {rows}): {tr[bad][:8].tolist()}")
+    owned = tr[tr >= 0]
+    if torch.unique(owned).numel() != owned.numel():
+        raise ValueError("token_rows maps two query tokens to one row: a row is one query token")
+    return tr
+
+
+def _step_value(step: Step) -> int:
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1:
+            raise ValueError(f"step tensor must hold one value, got shape {tuple(step.shape)}")
+        step = int(step.reshape(-1)[0])
+    step = int(step)
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return step
+
+
+def scatter_token_topk(topk: torch.Tensor, token_rows: torch.Tensor, rows: int) -> torch.Tensor:
+    """Per-row top-k from per-token top-k.
+
+    topk int32 ``[T, 1, K]`` (or ``[T, K]``); token_rows int ``[T]`` (validated,
+    ``-1`` = unmanaged). Returns int32 ``[R, K]``: row ``token_rows[t]`` holds
+    ``topk[t]``; rows owned by no token hold ``-1`` (no valid entry).
+    """
+    num_tokens = topk.shape[0]
+    per_token = topk.reshape(num_tokens, -1).to(torch.int32)
+    out = torch.full((rows, per_token.shape[1]), -1, dtype=torch.int32, device=per_token.device)
+    tr = token_rows.to(device=per_token.device, dtype=torch.int64)
+    managed = tr >= 0
+    out[tr[managed]] = per_token[managed]
+    return out
+
+
+def token_hot_indices(slots: torch.Tensor, token_rows: torch.Tensor, hot_tokens: int) -> torch.Tensor:
+    """Per-token flat hot-buffer rows from per-row slots.
+
+    slots int32 ``[R, K]`` (``-1`` padding); token_rows int ``[T]``. Returns int32
+    ``[T, 1, K]``: ``token_rows[t] * hot_tokens + slots[token_rows[t], j]``, ``-1``
+    where the slot is ``-1`` or the token is unmanaged.
+    """
+    tr = token_rows.to(device=slots.device, dtype=torch.int64)
+    managed = tr >= 0
+    owner = tr.clamp(min=0)
+    picked = slots[owner].to(torch.int64)  # [T, K]
+    keep = (picked >= 0) & managed[:, None]
+    flat = torch.where(keep, owner[:, None] * hot_tokens + picked, torch.full_like(picked, -1))
+    return flat.to(torch.int32).unsqueeze(1)
+
+
+def _manage_after_indexer(topk: torch.Tensor, *, slot_token, slot_stamp, row_req, token_rows, req_ids,
+                          stable_len, step: Step) -> IndexerManageResult:
+    """The residency half of LIM (shared by the bf16 and C8 compositions)."""
+    rows, hot_tokens = slot_token.shape
+    tr = _check_token_rows(token_rows, topk.shape[0], rows)
+    topk_rows = scatter_token_topk(topk, tr, rows).to(slot_token.device)
+    manage = registry.select("residency_manage", "reference")
+    res = manage(slot_token, slot_stamp, row_req, topk_rows, req_ids.to(slot_token.device),
+                 stable_len.to(slot_token.device), _step_value(step))
+    return IndexerManageResult(
+        topk_indices=topk,
+        sparse_indices=token_hot_indices(res.slots, tr, hot_tokens),
+        residency=res,
+    )
+
+
+# ------------------------------------------------------------------ LIM (bf16)
+@register("lightning_indexer_manage", "reference")
+def lightning_indexer_manage(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    actual_seq_lengths_query: torch.Tensor,
+    actual_seq_lengths_key: torch.Tensor,
+    block_table: torch.Tensor,
+    token_rows: torch.Tensor,
+    req_ids: torch.Tensor,
+    stable_len: torch.Tensor,
+    step: Step,
+    slot_token: torch.Tensor,
+    slot_stamp: torch.Tensor,
+    row_req: torch.Tensor,
+    layout_query: str = "TND",
+    layout_key: str = "PA_BSND",
+    sparse_count: int = 2048,
+    sparse_mode: int = 3,
+) -> IndexerManageResult:
+    """LIM: lightning indexer + residency manage of one layer (reference composition).
+
+    Indexer arguments are ``lightning_indexer``'s (query ``[T, H, D]``, paged
+    index-K cache ``[blocks, block_size, 1, D]``, weights ``[T, H]``, TND/PA_BSND
+    metadata). Residency arguments are the contract's (``docs/residency_contract.md``):
+    state ``slot_token`` int32 ``[R, Hh]``, ``slot_stamp`` int64 ``[R, Hh]``,
+    ``row_req`` int64 ``[R]`` (mutated in place); ``req_ids`` int64 ``[R]``,
+    ``stable_len`` int32 ``[R]``, ``step`` (int or a one-element int64 tensor), plus
+    ``token_rows`` int32 ``[T]``: the row each query token owns (``-1`` = none).
+    ``sparse_count`` (= K) must be ``<= Hh``.
+    """
+    indexer = registry.select("lightning_indexer", "reference")
+    topk = indexer(query, key, weights, actual_seq_lengths_query=actual_seq_lengths_query,
+                   actual_seq_lengths_key=actual_seq_lengths_key, block_table=block_table,
+                   layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count,
+                   sparse_mode=sparse_mode)
+    return _manage_after_indexer(topk, slot_token=slot_token, slot_stamp=slot_stamp, row_req=row_req,
+                                 token_rows=token_rows, req_ids=req_ids, stable_len=stable_len, step=step)
+
+
+# -------------------------------------------------------------------- LIM-C8
+@register("quant_lightning_indexer_manage", "reference")
+def quant_lightning_indexer_manage(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: torch.Tensor,
+    query_dequant_scale: torch.Tensor,
+    key_dequant_scale: torch.Tensor,
+    *,
+    actual_seq_lengths_query: torch.Tensor,
+    actual_seq_lengths_key: torch.Tensor,
+    block_table: torch.Tensor,
+    token_rows: torch.Tensor,
+    req_ids: torch.Tensor,
+    stable_len: torch.Tensor,
+    step: Step,
+    slot_token: torch.Tensor,
+    slot_stamp: torch.Tensor,
+    row_req: torch.Tensor,
+    query_quant_mode: int = 0,
+    key_quant_mode: int = 0,
+    layout_query: str = "TND",
+    layout_key: str = "PA_BSND",
+    sparse_count: int = 2048,
+    sparse_mode: int = 3,
+) -> IndexerManageResult:
+    """LIM-C8: the C8 (Hadamard-rotated int8) indexer + residency manage (reference).
+
+    Indexer arguments are ``quant_lightning_indexer``'s (int8 query ``[T, H, D]`` and
+    key ``[blocks, block_size, 1, D]``, fp16 dequant scales ``[T, H]`` and
+    ``[blocks, block_size, 1]``; produce them with
+    ``ops.hadamard.prepare_quant_indexer_inputs``). Residency arguments and results
+    are :func:`lightning_indexer_manage`'s.
+    """
+    indexer = registry.select("quant_lightning_indexer", "reference")
+    topk = indexer(query, key, weights, query_dequant_scale, key_dequant_scale,
+                   actual_seq_lengths_query=actual_seq_lengths_query,
+                   actual_seq_lengths_key=actual_seq_lengths_key, block_table=block_table,
+                   query_quant_mode=query_quant_mode, key_quant_mode=key_quant_mode,
+                   layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count,
+                   sparse_mode=sparse_mode)
+    return _manage_after_indexer(topk, slot_token=slot_token, slot_stamp=slot_stamp, row_req=row_req,
+                                 token_rows=token_rows, req_ids=req_ids, stable_len=stable_len, step=step)
+
+
+# ------------------------------------------------------------------- Copy-SFA
+def _check_copy_sfa(query, query_rope, host, hot, sparse_indices, miss_count):
+    """Shape checks shared by both rungs; returns (T, K, Dl, Dr)."""
+    if query.dim() != 3 or query_rope is None or query_rope.dim() != 3 or query_rope.shape[:2] != query.shape[:2]:
+        raise ValueError("query [T, N, Dl] and query_rope [T, N, Dr] are required and must agree on T, N")
+    num_tokens, _, d_latent = query.shape
+    d_rope = query_rope.shape[2]
+    if hot.dim() != 3 or hot.shape[2] != d_latent + d_rope:
+        raise ValueError(f"hot must be [R, Hh, Dl + Dr] = [R, Hh, {d_latent + d_rope}], got {tuple(hot.shape)}")
+    if not hot.is_contiguous():
+        raise ValueError("hot must be contiguous (it is attended as the flat buffer [R*Hh, D])")
+    if host.dim() != 2 or host.shape[1] != hot.shape[2]:
+        raise ValueError(f"host must be [S, {hot.shape[2]}] (this layer's host rows), got {tuple(host.shape)}")
+    if host.dtype != hot.dtype:
+        raise ValueError(f"host dtype {host.dtype} != hot dtype {hot.dtype}: miss copies are bit copies")
+    if sparse_indices.shape[0] != num_tokens or sparse_indices.dim() not in (2, 3):
+        raise ValueError(f"sparse_indices must be [T, 1, K] (or [T, K]) with T={num_tokens}, "
+                         f"got {tuple(sparse_indices.shape)}")
+    if tuple(miss_count.shape) != (hot.shape[0],):
+        raise ValueError(f"miss_count must be [R] = [{hot.shape[0]}], got {tuple(miss_count.shape)}")
+    return num_tokens, sparse_indices.reshape(num_tokens, -1).shape[1], d_latent, d_rope
+
+
+def _check_row_ownership(sparse_indices: torch.Tensor, token_rows: torch.Tensor, miss_count: torch.Tensor,
+                         hot_tokens: int) -> None:
+    """The fused kernel's work split, made a checked precondition of the op.
+
+    Each token copies its own row's misses before attending, so: every row with
+    misses is owned by a token, and a token only attends to its own row's slots.
+    """
+    num_tokens = token_rows.shape[0]
+    idx = sparse_indices.reshape(num_tokens, -1).to(torch.int64)
+    tr = token_rows.to(device=idx.device)
+    valid = idx >= 0
+    lo = (tr * hot_tokens)[:, None]
+    outside = valid & ((tr[:, None] < 0) | (idx < lo) | (idx >= lo + hot_tokens))
+    if bool(outside.any()):
+        t = int(torch.nonzero(outside)[0, 0])
+        raise ValueError(f"query token {t} (row {int(tr[t])}) attends to hot rows outside its own row's "
+                         f"slots [row*Hh, (row+1)*Hh): sparse_indices must come from LIM for these token_rows")
+    owned = torch.zeros(miss_count.shape[0], dtype=torch.bool, device=tr.device)
+    owned[tr[tr >= 0]] = True
+    orphan = (miss_count.to(tr.device) > 0) & ~owned
+    if bool(orphan.any()):
+        raise ValueError(f"rows {torch.nonzero(orphan).flatten()[:8].tolist()} have misses but no query token "
+                         "in token_rows: every row with misses must be owned by a token")
+
+
+@register("copy_sparse_flash_attention", "reference")
+def copy_sparse_flash_attention(
+    query: torch.Tensor,
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    sparse_indices: torch.Tensor,
+    scale_value: float,
+    *,
+    query_rope: torch.Tensor,
+    token_rows: torch.Tensor,
+    miss_tokens: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    token_table: torch.Tensor,
+    layout_query: str = "TND",
+    attention_mode: int = 2,
+) -> torch.Tensor:
+    """Copy-SFA: copy the miss rows host -> hot buffer, then sparse MLA attention over it.
+
+    query ``[T, N, Dl]``, query_rope ``[T, N, Dr]`` (TND); host ``[S, Dl+Dr]`` this
+    layer's host rows; hot ``[R, Hh, Dl+Dr]`` this layer's hot buffer (contiguous,
+    mutated: the misses land in it); sparse_indices int32 ``[T, 1, K]`` flat hot rows
+    (LIM's ``sparse_indices``); token_rows int32 ``[T]``; miss_tokens / miss_slots
+    int32 ``[R, K]``, miss_count int32 ``[R]`` (LIM's residency step); token_table
+    int32 ``[R, max_ctx]`` (logical position -> host slot per row). Returns
+    ``[T, N, Dl]`` in query's dtype.
+
+    Preconditions (checked here, assumed by the fused kernel): ``token_rows`` as in
+    LIM; a token's valid indices lie in its own row's slots; every row with misses is
+    owned by a token.
+    """
+    if attention_mode != 2 or layout_query != "TND":
+        raise ValueError("copy_sparse_flash_attention is defined for attention_mode=2 (MLA absorb) and TND queries")
+    _check_copy_sfa(query, query_rope, host, hot, sparse_indices, miss_count)
+    rows, hot_tokens, dim = hot.shape
+    tr = _check_token_rows(token_rows, query.shape[0], rows)
+    _check_row_ownership(sparse_indices, tr, miss_count, hot_tokens)
+
+    copy = registry.select("copy_miss_rows", "reference")
+    copy(host, hot, miss_tokens, miss_slots, miss_count, token_table)
+    flat = hot.view(rows * hot_tokens, dim)
+    d_latent = query.shape[2]
+    attend = registry.select("sparse_mla_attention", "reference")
+    return attend(query, flat[:, :d_latent], None, sparse_indices, scale_value, query_rope=query_rope,
+                  key_rope=flat[:, d_latent:], layout_query="TND", layout_kv="flat", attention_mode=2)
+
+
+# ------------------------------------------------------------------ fused rung
+def _i32(t: torch.Tensor, device) -> torch.Tensor:
+    return t.to(device=device, dtype=torch.int32)
+
+
+def _step_tensor(step: Step, device) -> torch.Tensor:
+    """int64 ``[1]`` on the device. Pass a device tensor to keep a graph capture valid."""
+    if isinstance(step, torch.Tensor):
+        return step.reshape(1).to(device=device, dtype=torch.int64)
+    if int(step) < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return torch.tensor([int(step)], dtype=torch.int64, device=device)
+
+
+def _lim_result(outputs) -> IndexerManageResult:
+    topk, sparse, hit_mask, slots, miss_count, miss_tokens, miss_slots = outputs
+    return IndexerManageResult(
+        topk_indices=topk,
+        sparse_indices=sparse,
+        residency=ResidencyStep(hit_mask=hit_mask, slots=slots, miss_count=miss_count,
+                                miss_tokens=miss_tokens, miss_slots=miss_slots),
+    )
+
+
+def _check_state_shapes(slot_token, slot_stamp, row_req, sparse_count) -> None:
+    if slot_token.dim() != 2 or slot_stamp.shape != slot_token.shape or tuple(row_req.shape) != (slot_token.shape[0],):
+        raise ValueError("residency state must be slot_token int32 [R, Hh], slot_stamp int64 [R, Hh], row_req int64 [R]")
+    if slot_token.dtype != torch.int32 or slot_stamp.dtype != torch.int64 or row_req.dtype != torch.int64:
+        raise ValueError("residency state dtypes: slot_token int32, slot_stamp int64, row_req int64")
+    if slot_token.shape[1] < sparse_count:
+        raise ValueError(f"hot_tokens {slot_token.shape[1]} < sparse_count {sparse_count}")
+
+
+@register("lightning_indexer_manage", "fused", unavailable=lambda: fused_op_unavailable(LIM_KERNEL))
+def lightning_indexer_manage_fused(
+    query, key, weights, *, actual_seq_lengths_query, actual_seq_lengths_key, block_table, token_rows,
+    req_ids, stable_len, step: Step, slot_token, slot_stamp, row_req, layout_query="TND",
+    layout_key="PA_BSND", sparse_count=2048, sparse_mode=3,
+) -> IndexerManageResult:
+    """AscendC LIM (``npu_fused_lightning_indexer_manage``); arguments as the reference.
+
+    Shape checks only (no device reads): data preconditions are the caller's, as for
+    the torch_npu operators.
+    """
+    _check_state_shapes(slot_token, slot_stamp, row_req, sparse_count)
+    dev = query.device
+    outputs = fused_op(LIM_KERNEL)(
+        query, key, weights,
+        _i32(actual_seq_lengths_query, dev), _i32(actual_seq_lengths_key, dev), _i32(block_table, dev),
+        _i32(token_rows, dev), req_ids.to(device=dev, dtype=torch.int64), _i32(stable_len, dev),
+        _step_tensor(step, dev), slot_token, slot_stamp, row_req,
+        layout_query, layout_key, int(sparse_count), int(sparse_mode),
+    )
+    return _lim_result(outputs)
+
+
+@register("quant_lightning_indexer_manage", "fused", unavailable=lambda: fused_op_unavailable(LIM_C8_KERNEL))
+def quant_lightning_indexer_manage_fused(
+    query, key, weights, query_dequant_scale, key_dequant_scale, *, actual_seq_lengths_query,
+    actual_seq_lengths_key, block_table, token_rows, req_ids, stable_len, step: Step, slot_token,
+    slot_stamp, row_req, query_quant_mode=0, key_quant_mode=0, layout_query="TND", layout_key="PA_BSND",
+    sparse_count=2048, sparse_mode=3,
+) -> IndexerManageResult:
+    """AscendC LIM-C8 (``npu_fused_quant_lightning_indexer_manage``); arguments as the reference.
+
+    A ``[blocks, block_size, 1, 1]`` key scale is reshaped to ``[blocks, block_size, 1]``.
+    """
+    _check_state_shapes(slot_token, slot_stamp, row_req, sparse_count)
+    if key_dequant_scale.dim() == 4:
+        key_dequant_scale = key_dequant_scale.reshape(key_dequant_scale.shape[:3])
+    dev = query.device
+    outputs = fused_op(LIM_C8_KERNEL)(
+        query, key, weights, query_dequant_scale, key_dequant_scale,
+        _i32(actual_seq_lengths_query, dev), _i32(actual_seq_lengths_key, dev), _i32(block_table, dev),
+        _i32(token_rows, dev), req_ids.to(device=dev, dtype=torch.int64), _i32(stable_len, dev),
+        _step_tensor(step, dev), slot_token, slot_stamp, row_req,
+        int(query_quant_mode), int(key_quant_mode), layout_query, layout_key, int(sparse_count), int(sparse_mode),
+    )
+    return _lim_result(outputs)
+
+
+_REGISTERED_HOST: dict = {}
+
+
+def register_host_memory(host: torch.Tensor, device_address: Optional[int] = None) -> int:
+    """Make a host pool tensor addressable by the Copy-SFA kernel; returns its device address.
+
+    ``device_address``: the device-side address of ``host.data_ptr()`` when the memory
+    is already mapped (MemFabric); otherwise the extension registers it with
+    ``aclrtHostRegister``. Idempotent per base address.
+    """
+    key = (host.data_ptr(), host.numel() * host.element_size())
+    if key not in _REGISTERED_HOST:
+        _REGISTERED_HOST[key] = int(fused_op(REGISTER_HOST_KERNEL)(host, int(device_address or 0)))
+    return _REGISTERED_HOST[key]
+
+
+@register("copy_sparse_flash_attention", "fused", unavailable=lambda: fused_op_unavailable(COPY_SFA_KERNEL))
+def copy_sparse_flash_attention_fused(
+    query, host, hot, sparse_indices, scale_value, *, query_rope, token_rows, miss_tokens, miss_slots,
+    miss_count, token_table, layout_query="TND", attention_mode=2,
+) -> torch.Tensor:
+    """AscendC Copy-SFA (``npu_fused_scatter_copy_sparse_flash_attention``); arguments as the reference.
+
+    ``host`` may be a CPU tensor over registered host memory (it is registered with
+    the extension on first use) or a device-visible tensor.
+    """
+    if attention_mode != 2 or layout_query != "TND":
+        raise ValueError("copy_sparse_flash_attention is defined for attention_mode=2 (MLA absorb) and TND queries")
+    num_tokens, k, _, _ = _check_copy_sfa(query, query_rope, host, hot, sparse_indices, miss_count)
+    if host.device.type == "cpu":
+        register_host_memory(host)
+    dev = query.device
+    return fused_op(COPY_SFA_KERNEL)(
+        query, query_rope, host, hot, _i32(sparse_indices.reshape(num_tokens, 1, k), dev), _i32(token_rows, dev),
+        _i32(miss_tokens, dev), _i32(miss_slots, dev), _i32(miss_count, dev), _i32(token_table, dev),
+        float(scale_value),
+    )
