@@ -348,8 +348,8 @@ class DecodeReceiver:
                 return
             for rid in v.request_ids:
                 t = self._tracks.get(rid)
-                if t is None or t.member_peer.get(p.member) != peer:
-                    continue
+                if t is None or t.member_peer.setdefault(p.member, peer) != peer:
+                    continue  # unknown request, or another peer is this member for it
                 if v.ok:
                     t.confirmed.add(p.member)
                     self._progress_locked(t)

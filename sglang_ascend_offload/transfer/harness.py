@@ -515,7 +515,9 @@ def fault_scenarios(base: Optional[ScenarioSpec] = None) -> List[ScenarioSpec]:
     r = b.read_retries
     return [
         replace(b, name="read_retry_recovers", decode_faults=FaultPlan(fail_reads=r, fail_layers=(1,))),
-        replace(b, name="read_failure", decode_faults=FaultPlan(fail_reads=r + 1, fail_layers=(1,))),
+        # every read of layer 1 fails (contributors read concurrently, a small budget could be
+        # spread over them and absorbed by their retries)
+        replace(b, name="read_failure", decode_faults=FaultPlan(fail_reads=1 << 20, fail_layers=(1,))),
         replace(b, name="dropped_answer", decode_faults=FaultPlan(drop_kinds=("read_done",), fault_layer=1)),
         replace(b, name="decode_slower_than_deadline",
                 decode_faults=FaultPlan(read_delay_s=b.layer_timeout_s * 2, delay_layers=(1,))),

@@ -242,6 +242,19 @@ def test_abort_verdict_invalidates_and_releases_destination(rig):
         peer.close()
 
 
+def test_abort_before_any_layer_fails_request(rig):
+    r = rig
+    peer = RawPeer(r.port)
+    try:
+        peer.send(handshake_msg(r.pre, r.pe))
+        assert peer.recv().accepted
+        peer.send(TransferVerdict(version=V, request_ids=["a", "unknown"], ok=False, reason="cancelled"))
+        assert wait_until(lambda: r.recv.status("a").state is TransferState.FAILED)
+        assert r.released == [r.dest] and r.recv.pending_requests() == []
+    finally:
+        peer.close()
+
+
 # ------------------------------------------------------------------ validation before reads
 BAD_RANGES = [
     ("short main share", rr(main=(0, 1)), "not this rank's share"),
