@@ -503,13 +503,14 @@ def _handshake(sender, fake):
 
 
 @pytest.fixture()
-def sender_rig(engines):
+def sender_rig(engines, request):
     pe, _ = engines
     port = free_port()
     pre = prefill_side(pe)
     gates = SlotGates(S)
     fake = FakeDecode(port)
-    sender = PrefillSender(cfg(port, layer_timeout_s=0.3), p_tp=1, d_tp=1, p_rank=0, layout=pre.layout,
+    layer_timeout = getattr(request, "param", 0.3)
+    sender = PrefillSender(cfg(port, layer_timeout_s=layer_timeout), p_tp=1, d_tp=1, p_rank=0, layout=pre.layout,
                            engine=pe, gates=gates, decode_host="127.0.0.1")
     _handshake(sender, fake)
     sender.add_request("a", 3)
@@ -672,3 +673,32 @@ def test_expect_validates_destination(rig):
         r.recv.expect(RequestDestination("y", (1, 2), (1,)))
     with pytest.raises(ValueError, match="repeated"):
         r.recv.expect(RequestDestination("z", (1, 1), (2, 3)))
+
+
+@pytest.mark.parametrize("sender_rig", [30.0], indirect=True)
+def test_fuzzed_answers_never_release_a_gate(sender_rig):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    sender, gates, fake = sender_rig
+    sender.publish_layer(0, 0, SRC)
+    b = fake.recv()
+
+    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.binary(max_size=120))
+    def feed(blob):
+        try:
+            msg = decode_message(blob)
+        except Exception:
+            msg = None
+        if msg is not None:
+            return  # a well-formed message (answer, Rejected) is not junk
+        fake.send(blob)
+
+    feed()
+    time.sleep(0.1)
+    assert gates.pending(0) == {"pd_read"}  # junk never releases the slot
+    assert sender.endpoint.alive and sender.endpoint.handler_errors == 0
+    assert sender.stats.read_done == 0 and sender.stats.read_failed == 0
+    fake.send(ReadDone(version=V, batch_id=b.batch_id, layer=0))  # the real answer still works
+    gates.wait_free(0, 5.0)
