@@ -50,6 +50,7 @@ from .residency import (
     ResidencyTable,
     assign_victims,
     lookup,
+    position_map,
     reset_rows,
     residency_manage,
 )
@@ -72,11 +73,11 @@ _MAX_STEP = (1 << (_STAMP_BITS - 1)) - 2
 
 
 def _member(values: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-    """bool ``[R,A]``: ``values[r,a] >= 0`` and it occurs in ``pool[r,:]`` (``[R,B]``)."""
-    sorted_pool = torch.sort(pool.to(torch.int64), dim=1).values
+    """bool ``[R,A]``: ``values[r,a] >= 0`` and it occurs in ``pool[r,:]`` (``[R,B]``, unique
+    non-negative entries per row)."""
     v = values.to(torch.int64)
-    pos = torch.searchsorted(sorted_pool, v).clamp_(max=pool.shape[1] - 1)
-    return (v >= 0) & (torch.gather(sorted_pool, 1, pos) == v)
+    slot_of = position_map(pool, int(v.max()) if v.numel() else 0)
+    return (v >= 0) & (torch.gather(slot_of, 1, v.clamp(min=0)) >= 0)
 
 
 def _slot_flags(rows: int, hot: int, slots: torch.Tensor) -> torch.Tensor:
@@ -202,7 +203,7 @@ class GuardedManager(ResidencyManager):
     policy = "lru_k2_guarded"
 
     def __init__(self, rows, hot_tokens, device=None, manage_op=residency_manage,
-                 base: Optional[RankedManager] = None, seed: int = 64, slack_shift: Optional[int] = 5):
+                 base: Optional[RankedManager] = None, seed: int = 16, slack_shift: Optional[int] = None):
         super().__init__(rows, hot_tokens, device, manage_op)
         self.base = base if base is not None else LRU2Manager(rows, hot_tokens, device, manage_op)
         self.base.table = self.table  # one table: the base policy ranks our own slots
@@ -239,7 +240,11 @@ class GuardedManager(ResidencyManager):
         over = torch.cumsum(prot_in_order.to(torch.int64), dim=1) > allowance[:, None]
         group = torch.where(torch.gather(look.slot_hit, 1, base_order), 2,
                             (prot_in_order & over).to(torch.int64))
-        order = torch.gather(base_order, 1, torch.sort(group, dim=1, stable=True).indices)
+        # stable partition of base_order by group; only the first max-misses entries are used
+        width = max(1, int(look.miss.sum(dim=1).max()))
+        key = group * hot + torch.arange(hot, device=group.device)
+        first = torch.topk(key, width, dim=1, largest=False, sorted=True).indices
+        order = torch.gather(base_order, 1, first)
 
         before = table.slot_stamp.clone()
         out = assign_victims(table, look, order, topk, step)

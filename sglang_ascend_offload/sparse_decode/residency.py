@@ -30,8 +30,10 @@ Exact LRU (``policy="lru"``), per row:
 5. filled slots get stamp ``2*step+1``, hit slots ``2*step+2``.
 
 Nothing here loops over tokens in Python: each step is a fixed number of torch
-operations over ``[R,H]`` / ``[R,K]`` tensors (two sorts, one ``searchsorted``,
-gathers and scatters).
+operations over ``[R,H]`` / ``[R,K]`` tensors (a dense position -> slot map per row,
+one partial ``topk`` for the victim order, gathers and scatters). Two host reads
+size the scratch tensors (the largest position, the largest miss count); this rung
+is the specification and the CPU path.
 
 The sub-steps (:func:`reset_rows`, :func:`lookup`, :func:`assign_victims`) are public
 so replacement policies other than LRU (``policies.py``) reuse the exact same
@@ -55,6 +57,7 @@ __all__ = [
     "reset_rows",
     "lookup",
     "lru_victim_order",
+    "position_map",
     "assign_victims",
     "register_reference_ops",
 ]
@@ -151,38 +154,57 @@ def lookup(table: ResidencyTable, topk: torch.Tensor, req_ids: torch.Tensor,
            stable_len: torch.Tensor) -> Lookup:
     """Contract step 3 (after :func:`reset_rows`): which entries are resident, where.
 
-    One sort of ``slot_token`` per row and a batched ``searchsorted`` of the top-k
-    into it. Positions are unique among non-empty slots, so the match is unique.
+    Builds each row's inverse map position -> slot in a dense ``[R, max_pos + 1]``
+    scratch tensor (positions are unique among non-empty slots) and gathers the
+    top-k from it: ``O(R * (H + K + max_pos))``, no sort.
     """
     rows, hot = table.slot_token.shape
     topk64 = topk.to(torch.int64)
     valid = (topk64 != -1) & (req_ids.to(torch.int64) != -1)[:, None]
-    sorted_tok, sorted_slot = torch.sort(table.slot_token.to(torch.int64), dim=1)
-    pos = torch.searchsorted(sorted_tok, topk64).clamp_(max=hot - 1)
-    found = torch.gather(sorted_tok, 1, pos) == topk64
-    hit = valid & found & (topk64 < stable_len.to(torch.int64)[:, None])
-    hit_slot = torch.where(hit, torch.gather(sorted_slot, 1, pos), torch.zeros_like(pos))
+    slot_of = position_map(table.slot_token, int(topk64.max()) if topk64.numel() else 0)
+    found_slot = torch.gather(slot_of, 1, topk64.clamp(min=0)).to(torch.int64)
+    hit = valid & (found_slot >= 0) & (topk64 < stable_len.to(torch.int64)[:, None])
+    hit_slot = torch.where(hit, found_slot, torch.zeros_like(found_slot))
     slot_hit = _scatter_flags(rows, hot, hit_slot, hit, table.slot_token.device)
     return Lookup(valid=valid, hit=hit, hit_slot=hit_slot, slot_hit=slot_hit)
 
 
-def lru_victim_order(table: ResidencyTable, look: Lookup) -> torch.Tensor:
-    """Contract step 4: int64 ``[R,H]`` slots, evictable first by ``(stamp, slot)``.
+def position_map(slot_token: torch.Tensor, max_query: int = 0) -> torch.Tensor:
+    """int32 ``[R, P]``: slot holding each position (``-1`` = none), ``P`` covering every
+    held position and ``max_query``; positions must be unique per row (empty = ``-1``)."""
+    rows, hot = slot_token.shape
+    tok = slot_token.to(torch.int64)
+    width = max(int(tok.max()) if tok.numel() else 0, max_query, 0) + 2
+    slot_of = torch.full((rows, width), -1, dtype=torch.int32, device=slot_token.device)
+    col = torch.where(tok >= 0, tok, torch.full_like(tok, width - 1))  # empties -> a scratch column
+    slot_of.scatter_(1, col, torch.arange(hot, dtype=torch.int32, device=tok.device).expand(rows, hot))
+    slot_of[:, width - 1] = -1
+    return slot_of
 
-    Hit slots sort last (key ``INT64_MAX``); the sort is stable, so equal stamps
-    (e.g. all empty slots, stamp 0) keep ascending slot order.
+
+def lru_victim_order(table: ResidencyTable, look: Lookup) -> torch.Tensor:
+    """Contract step 4: int64 ``[R, W]``, the first ``W`` evictable slots of each row by
+    ``(stamp, slot)`` ascending, ``W = max(1, max misses of a row)`` (all that is used).
+
+    ``stamp * H + slot`` is a unique key per slot, so a partial ``topk`` gives the
+    exact order; hit slots carry ``INT64_MAX`` and can never come first (a row has
+    at least as many evictable slots as misses because ``H >= K``).
     """
-    key = table.slot_stamp.masked_fill(look.slot_hit, INT64_MAX)
-    return torch.sort(key, dim=1, stable=True).indices
+    hot = table.hot_tokens
+    width = max(1, int(look.miss.sum(dim=1).max())) if look.miss.numel() else 1
+    slot = torch.arange(hot, device=table.slot_stamp.device)
+    key = (table.slot_stamp * hot + slot).masked_fill(look.slot_hit, INT64_MAX)
+    return torch.topk(key, width, dim=1, largest=False, sorted=True).indices
 
 
 def assign_victims(table: ResidencyTable, look: Lookup, victim_order: torch.Tensor,
                    topk: torch.Tensor, step: int) -> ResidencyStep:
     """Contract steps 4-5 given a victim order; updates ``table`` in place.
 
-    ``victim_order`` int64 ``[R,H]``: a permutation of the row's slots whose first
-    ``H - hits`` entries are exactly the evictable (non-hit) slots, in eviction order.
-    The ``i``-th miss (top-k order) takes ``victim_order[r, i]``.
+    ``victim_order`` int64 ``[R, W]``: each row's evictable (non-hit) slots in eviction
+    order, at least as many as the row has misses (``W <= H``; a full permutation
+    with the hit slots last also works). The ``i``-th miss (top-k order) takes
+    ``victim_order[r, i]``.
     """
     rows, hot = table.slot_token.shape
     k = topk.shape[1]

@@ -24,7 +24,7 @@ from sglang_ascend_offload.sparse_decode.residency import (
 
 from .contract_model import RowModel, model_step
 
-HYP = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HYP = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
