@@ -8,7 +8,8 @@ Real prefill and decode processes (the multi-process harness of
    into the rank-local cache), ``--layers`` layers over 2 reusable prefill slots;
    engine bytes/s (time inside the engine's batched reads) side by side with a
    plain in-process memcpy of the same chunk sizes, every byte verified;
-2. **per-layer protocol overhead**: many layers of a single small block;
+2. **per-layer protocol overhead**: many layers of a single small block through
+   one slot (each layer waits for the previous answer, nothing queues);
    publish -> READ_DONE latency minus the engine read time, per layer;
 3. **fault table**: the failure scenarios of the tests (read failure, dropped
    answer, dead decode, decode slower than the deadline, malformed messages...),
@@ -69,8 +70,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         block_tokens=args.block_tokens, main_tensors=(("latent", 512 * 2), ("rope", 64 * 2)),
         indexer_bytes=128 * 2, scale_bytes=0, request_blocks=(blocks,), slot_blocks=blocks,
         pool_blocks=blocks, layer_timeout_s=30.0, handshake_timeout_s=30.0, measure_memcpy=True)
+    # one slot: every layer waits for the previous answer, so no batch queues behind another
     overhead = ScenarioSpec(
-        name="overhead", num_layers=args.overhead_layers, num_slots=2, block_tokens=1,
+        name="overhead", num_layers=args.overhead_layers, num_slots=1, block_tokens=1,
         main_tensors=(("latent", 64), ("rope", 8)), indexer_bytes=16, scale_bytes=4,
         request_blocks=(1,), slot_blocks=1, pool_blocks=1, layer_timeout_s=30.0, handshake_timeout_s=30.0)
     faults: List = []
