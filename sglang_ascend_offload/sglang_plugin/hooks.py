@@ -91,7 +91,7 @@ def _build_pool_around(original, self, *, sizes, is_dsa_model, is_dsv4_model, re
         from .offload_pool import build_offload_pool
 
         return build_offload_pool(self, max_total_num_tokens=sizes.max_total_num_tokens,
-                                  is_dsa_model=is_dsa_model)
+                                  is_dsa_model=is_dsa_model, rows=req_to_token_pool.req_to_token.shape[0])
     from .pool import build_device_pool
 
     return build_device_pool(self, max_total_num_tokens=sizes.max_total_num_tokens, is_dsa_model=is_dsa_model)

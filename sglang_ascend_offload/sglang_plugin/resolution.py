@@ -39,7 +39,7 @@ VALIDATION_STEP = "validate_deepep_v2_dispatch_token_budget"
 
 # Features whose runtime the SGLang plugin provides. Enabling another feature is
 # rejected at startup (a flag that silently did nothing would be worse).
-RUNTIME_READY: set = set()
+RUNTIME_READY = {"sparse_decode"}
 
 
 # ------------------------------------------------------------------ backend choice
@@ -113,6 +113,14 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
                 f"attention backend(s) {sorted(backends)} cannot serve sparse decode offload",
                 f"drop --attention-backend (the plugin selects {BACKEND_NAME}) or pass "
                 f"--attention-backend {BACKEND_NAME}",
+            ))
+        decode_graph = getattr(getattr(getattr(view, "cuda_graph_config", None), "decode", None), "backend", None)
+        if not getattr(view, "disable_cuda_graph", False) and decode_graph not in (None, "disabled"):
+            out.append(cfg.Violation(
+                "sglang.sparse_decode_graph",
+                f"decode CUDA/NPU graphs are on (backend {decode_graph!r}); the offload decode step "
+                "(residency, miss copy) has data-dependent shapes",
+                "pass --disable-cuda-graph (or --cuda-graph-backend-decode=disabled)",
             ))
         if getattr(view, "enable_hisparse", False):
             out.append(cfg.Violation(

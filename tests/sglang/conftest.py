@@ -48,9 +48,13 @@ CPU_SERVER_ARGS = [
 STARTUP_TIMEOUT_S = float(os.environ.get("SGLANG_TEST_STARTUP_TIMEOUT", "240"))
 
 
-def server_env() -> Dict[str, str]:
+def server_env(cpu: bool = True) -> Dict[str, str]:
     env = dict(os.environ)
-    env.update(SGLANG_USE_CPU_ENGINE="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1")
+    if cpu:
+        env.update(SGLANG_USE_CPU_ENGINE="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1")
+    else:
+        env.pop("SGLANG_USE_CPU_ENGINE", None)
+        env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
     env.pop("SGLANG_ASCEND_OFFLOAD_CONFIG", None)
     return env
 
@@ -64,18 +68,20 @@ def free_port() -> int:
 class ServerProcess:
     """One ``sglang.launch_server`` subprocess (own session; killed as a group)."""
 
-    def __init__(self, extra_args: Sequence[str] = (), log_path: Optional[Path] = None):
+    def __init__(self, extra_args: Sequence[str] = (), log_path: Optional[Path] = None,
+                 base_args: Sequence[str] = tuple(CPU_SERVER_ARGS), cpu: bool = True):
         self.port = free_port()
-        self.args = [sys.executable, "-m", "sglang.launch_server", *CPU_SERVER_ARGS,
+        self.args = [sys.executable, "-m", "sglang.launch_server", *base_args,
                      "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
         self.log_path = log_path
+        self.cpu = cpu
         self.proc: Optional[subprocess.Popen] = None
         self.startup_s: Optional[float] = None
 
     def start(self) -> "ServerProcess":
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=server_env(self.cpu),
                                      cwd=REPO, start_new_session=True)
         deadline = t0 + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -96,9 +102,9 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def generate(self, input_ids, max_new_tokens: int = 8, timeout: float = 120.0):
+    def generate(self, input_ids, max_new_tokens: int = 8, timeout: float = 120.0, return_logprob: bool = False):
         """Greedy ``/generate`` for one prompt (list of ids) or a batch (list of lists)."""
-        body = {"input_ids": input_ids,
+        body = {"input_ids": input_ids, "return_logprob": return_logprob,
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
         req = urllib.request.Request(f"{self.url}/generate", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})

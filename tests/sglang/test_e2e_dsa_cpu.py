@@ -1,20 +1,30 @@
 """End to end on CPU: SGLang serves the tiny random-weight DeepSeek-V3.2-style model
-through the plugin (``ascend_offload`` backend, reference ops), flags in ``--help``,
-an invalid configuration stops startup with every reason listed.
+through the plugin (``ascend_offload`` backend, reference ops) with sparse decode
+offload off and on; greedy outputs are token-identical; the served top-k trace
+replays verified; flags in ``--help``; an invalid configuration stops startup with
+every reason listed.
 
-One server for the module (each launch costs ~20-60 s on 2 cores).
+Two servers for the module (each launch costs ~20-60 s on 2 cores), started together.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
-from conftest import ServerProcess, run_launcher
+from conftest import REPO, ServerProcess, run_launcher, server_env
 
 pytestmark = pytest.mark.slow
 
 INDEX_TOPK = 16  # tests/fixtures/tiny_dsa/config.json
 VOCAB = 1024
+HOT_TOKENS = 64  # a multiple of the page size SGLang forces for DSA off NPU (64)
+TRACE_STEPS = 16
+COMMON = ["--max-running-requests", "4"]
 
 
 def prompt(n: int, seed: int) -> list:
@@ -22,11 +32,32 @@ def prompt(n: int, seed: int) -> list:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("dsa_server") / "server.log"
-    srv = ServerProcess(log_path=log).start()
-    yield srv
-    srv.stop()
+def servers(tmp_path_factory):
+    """(offload off, offload on) servers; the offload one records a trace and exports metrics."""
+    root = tmp_path_factory.mktemp("dsa_servers")
+    offload_cfg = {"hot_tokens": HOT_TOKENS, "record_trace": str(root / "served.npz"),
+                   "record_trace_max_steps": TRACE_STEPS}
+    dense = ServerProcess(COMMON, log_path=root / "dense.log")
+    offload = ServerProcess(COMMON + ["--enable-metrics", "--enable-sparse-decode-offload",
+                                      "--sparse-decode-offload-config", json.dumps(offload_cfg)],
+                            log_path=root / "offload.log")
+    offload.trace_file = root / "served.npz"
+    with ThreadPoolExecutor(2) as pool:
+        started = [pool.submit(srv.start) for srv in (dense, offload)]
+        errors = [f.exception() for f in started]
+    if any(errors):
+        dense.stop()
+        offload.stop()
+        raise next(e for e in errors if e)
+    print(f"\nstartup: dense {dense.startup_s:.1f} s, offload {offload.startup_s:.1f} s (concurrent)")
+    yield dense, offload
+    dense.stop()
+    offload.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 def test_greedy_generate_long_prompt_batch_and_prefix_hit(server):
@@ -45,6 +76,49 @@ def test_greedy_generate_long_prompt_batch_and_prefix_hit(server):
     warm = server.generate(shared, max_new_tokens=8)
     assert warm["meta_info"]["cached_tokens"] >= 128
     assert warm["output_ids"] == cold["output_ids"]
+
+
+def test_offload_on_and_off_are_token_identical(servers):
+    """Concurrent requests sharing a cached prefix, prompts longer than hot_tokens."""
+    dense, offload = servers
+    prefix = prompt(100, seed=11)
+    prompts = [prefix + prompt(20 + i, seed=20 + i) for i in range(4)]
+    assert min(len(p) for p in prompts) > HOT_TOKENS
+    outputs = {}
+    for name, srv in (("dense", dense), ("offload", offload)):
+        srv.generate(prefix, max_new_tokens=1)  # the shared prefix is now in the radix cache
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            outs = list(ex.map(lambda p: srv.generate(p, max_new_tokens=24, return_logprob=True), prompts))
+        assert all(o["meta_info"]["cached_tokens"] >= 64 for o in outs), name
+        outputs[name] = outs
+    for d, o in zip(outputs["dense"], outputs["offload"]):
+        assert o["output_ids"] == d["output_ids"]
+        assert o["meta_info"]["output_token_logprobs"] == d["meta_info"]["output_token_logprobs"]
+
+
+def test_served_trace_replays_verified(servers):
+    _, offload = servers
+    for i in range(3):  # enough decode steps for the bounded recording to finish
+        offload.generate(prompt(70, seed=40 + i), max_new_tokens=TRACE_STEPS + 2)
+    assert offload.trace_file.exists()
+    out = subprocess.run([sys.executable, "-m", "sglang_ascend_offload", "bench", "decode", "--trace",
+                          str(offload.trace_file), "--hot-tokens", str(HOT_TOKENS), "--json"],
+                         capture_output=True, text=True, timeout=180, env=server_env(), cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["verified"] is True, report["failures"]
+    assert report["steps"] == TRACE_STEPS and report["top_k"] == INDEX_TOPK and report["checks"] > 0
+
+
+def test_offload_metrics_in_sglang_prometheus_endpoint(servers):
+    _, offload = servers
+    offload.generate(prompt(90, seed=60), max_new_tokens=8)
+    text = offload.get("/metrics")
+    for name in ("hits_total", "misses_total", "h2d_bytes_total", "d2h_bytes_total", "copy_seconds_total"):
+        assert f"sglang:ascend_offload_{name}" in text, name
+    hits = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("sglang:ascend_offload_selected_total{")]
+    assert sum(hits) > 0
 
 
 def test_model_info_reports_the_tiny_model(server):

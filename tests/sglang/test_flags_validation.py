@@ -88,7 +88,8 @@ def test_build_deployment_from_server_args_shape():
 
 def test_plugin_rules():
     view = SimpleNamespace(attention_backend="ascend", prefill_attention_backend=None,
-                           decode_attention_backend=None, enable_hisparse=True)
+                           decode_attention_backend=None, enable_hisparse=True, disable_cuda_graph=False,
+                           cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
     config = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(),
                                layerwise_prefill=cfg.LayerwisePrefillOffloadConfig())
     os.environ["SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD"] = "1"
@@ -99,7 +100,10 @@ def test_plugin_rules():
     assert "sglang.attention_backend" in rules
     assert "sglang.hisparse" in rules
     assert "sglang.npu_sparse_kv_offload" in rules
+    assert "sglang.sparse_decode_graph" in rules
     assert "sglang.feature_not_wired" in rules  # layerwise prefill has no SGLang runtime yet
+    eager = SimpleNamespace(attention_backend="ascend_offload", disable_cuda_graph=True)
+    assert resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig()), eager) == []
 
 
 # ------------------------------------------------------------------ real resolution, in process

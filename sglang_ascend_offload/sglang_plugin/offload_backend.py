@@ -1,0 +1,175 @@
+"""The ``ascend_offload`` backend with sparse decode offload on.
+
+Same indexer and metadata as :class:`~.backend.AscendOffloadAttnBackend`; the main
+KV lives in :class:`~.offload_pool.HostMainKVPool`'s host pool:
+
+* every forward stores the new tokens' latent+rope rows in the host pool (the
+  pool's ``set_kv_buffer`` is the engine's device->host append);
+* **extend / prefill**: attention needs the selected rows of the prompt and of any
+  cached prefix. The union of the selected host slots of the batch is gathered from
+  the host pool once per layer (one host->device copy of distinct rows) and the
+  sparse attention runs over that staging buffer (``layout_kv="flat"``) with the
+  logical top-k remapped into it. No full-prefix reload;
+* **decode**: the sparse decode engine (``sparse_decode/engine.py``): residency
+  (hits / misses / victims), miss-row copy host->device into the per-row hot
+  buffers, remap, sparse attention over the hot buffer. Engine rows are
+  ``req_to_token`` rows (``req_pool_idx``), so a request keeps its hot buffer across
+  steps; a row whose request changes (tracked by SGLang's request id) is reset.
+
+Both paths compute each token's attention from the same rows in the same order as
+the device-KV path, so outputs are bit-identical to offload off (tests hold it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import carrier
+from .backend import AscendOffloadAttnBackend
+from .metrics import OffloadMetrics
+from .offload_pool import HostMainKVPool
+from .trace_recorder import TraceRecorder, trace_path
+
+logger = logging.getLogger(__name__)
+
+
+class RowOwners:
+    """Request identity per engine row: a new integer id whenever a row's SGLang
+    request id (``rid``) changes, so the engine resets that row's residency."""
+
+    def __init__(self, rows: int):
+        self._rid: List[Optional[str]] = [None] * rows
+        self._ids = torch.full((rows,), -1, dtype=torch.int64)
+        self._next = 0
+
+    def ids_for(self, rows: List[int], rids: Optional[List[str]]) -> torch.Tensor:
+        """int64 [R]: the owner id of each row in ``rows`` (``-1`` for rows not in the batch)."""
+        out = torch.full_like(self._ids, -1)
+        for i, row in enumerate(rows):
+            rid = rids[i] if rids is not None else self._rid[row]
+            if rid is None or rid != self._rid[row] or self._ids[row] < 0:
+                self._rid[row] = rid
+                self._ids[row] = self._next
+                self._next += 1
+            out[row] = self._ids[row]
+        return out
+
+
+class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
+    """Sparse decode offload inside SGLang (see module docstring)."""
+
+    def __init__(self, model_runner: Any):
+        super().__init__(model_runner)
+        pool = self.token_to_kv_pool
+        if not isinstance(pool, HostMainKVPool):
+            raise RuntimeError("sparse decode offload needs the HostMainKVPool (the plugin's pool hook did "
+                               f"not run: got {type(pool).__name__})")
+        self.engine = pool.engine
+        self.rows = RowOwners(self.engine.config.rows)
+        self.start_layer = pool.start_layer
+        config = carrier.active_config().sparse_decode
+        server_args = getattr(model_runner, "server_args", None)
+        labels = {"tp_rank": str(getattr(model_runner, "tp_rank", 0))}
+        self.metrics = OffloadMetrics(
+            self.engine.stats, self.engine.config.layers,
+            prometheus=bool(getattr(server_args, "enable_metrics", False)),
+            log_interval_s=config.metrics_log_interval_s, labels=labels,
+        )
+        self.recorder: Optional[TraceRecorder] = None
+        if config.record_trace and getattr(model_runner, "tp_rank", 0) == 0:
+            dp_size = int(getattr(server_args, "dp_size", 1) or 1)
+            path = trace_path(config.record_trace, getattr(model_runner, "dp_rank", None), dp_size)
+            cfg = self.engine.config
+            self.recorder = TraceRecorder(
+                path, cfg.layers, cfg.rows, cfg.top_k, config.record_trace_max_steps,
+                meta={"source": "sglang", "model": str(getattr(server_args, "model_path", "")),
+                      "hot_tokens": cfg.hot_tokens, "top_k": cfg.top_k, "layers": cfg.layers,
+                      "rows": cfg.rows, "page_size": self.page_size, "policy": cfg.policy},
+            )
+            logger.info("sparse decode offload: recording top-k traces to %s (at most %d steps)",
+                        path, config.record_trace_max_steps)
+        self._batch_rows: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ metadata
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        super().init_forward_metadata_out_graph(forward_batch, in_capture)
+        md = self.forward_metadata
+        if md is None or not md.is_decode:
+            self._batch_rows = None
+            return
+        rows_list = [int(r) for r in forward_batch.req_pool_indices.tolist()]
+        req_ids = self.rows.ids_for(rows_list, getattr(forward_batch, "rids", None))
+        stable = torch.zeros(self.engine.config.rows, dtype=torch.int32)
+        stable[rows_list] = forward_batch.seq_lens_cpu.to(torch.int32)
+        self.engine.begin_step(req_ids, self.req_to_token_pool.req_to_token, stable)
+        if self.recorder is not None:
+            self.recorder.begin_step(stable, req_ids)
+        self._batch_rows = torch.tensor(rows_list, dtype=torch.long, device=self.engine.device)
+
+    # ------------------------------------------------------------------ attention
+    def attend(self, layer, forward_batch, q_nope, q_pe, topk_indices) -> torch.Tensor:
+        if self.forward_metadata is not None and self.forward_metadata.is_decode:
+            return self._attend_decode(layer, q_nope, q_pe, topk_indices)
+        return self._attend_extend(layer, forward_batch, q_nope, q_pe, topk_indices)
+
+    def _attend_decode(self, layer, q_nope, q_pe, topk_indices) -> torch.Tensor:
+        if topk_indices is None:
+            raise RuntimeError(f"layer {layer.layer_id}: sparse decode offload needs the indexer's top-k "
+                               "on every layer (dense layers cannot be served from the hot buffer)")
+        cfg = self.engine.config
+        rows = self._batch_rows
+        index = self.start_layer
+        local = layer.layer_id - index
+        heads = q_nope.shape[1]
+        topk_rows = torch.full((cfg.rows, cfg.top_k), -1, dtype=torch.int32, device=self.engine.device)
+        topk_rows[rows] = topk_indices.to(self.engine.device, torch.int32)[:, : cfg.top_k]
+        query = q_nope.new_zeros((cfg.rows, heads, q_nope.shape[2]))
+        query_rope = q_pe.new_zeros((cfg.rows, heads, q_pe.shape[2]))
+        query[rows] = q_nope
+        query_rope[rows] = q_pe
+        copy_before = self.engine.times.seconds.get("copy", 0.0)
+        self.engine.timing = self.metrics.needs_copy_timing
+        result = self.engine.run_layer(local, topk_rows, query, query_rope, layer.scaling)
+        self.metrics.add_copy_time(local, self.engine.times.seconds.get("copy", 0.0) - copy_before)
+        if self.recorder is not None:
+            self.recorder.record_layer(local, topk_rows)
+        if local == cfg.layers - 1:
+            self.metrics.on_step_end()
+        return result.output[rows]
+
+    def _attend_extend(self, layer, forward_batch, q_nope, q_pe, topk_indices) -> torch.Tensor:
+        md = self.forward_metadata
+        tokens = q_nope.shape[0]
+        device = q_nope.device
+        if topk_indices is None:
+            topk_indices = self.dense_indices(tokens, md, device)
+        logical = topk_indices.reshape(tokens, -1).to(torch.int64)
+        q_lens = torch.tensor(md.q_lens_cpu, dtype=torch.int64, device=device)
+        req_of_token = torch.repeat_interleave(torch.arange(md.batch_size, device=device), q_lens)
+        visible = forward_batch.positions.to(device=device, dtype=torch.int64)[:tokens] + 1
+        valid = (logical >= 0) & (logical < visible[:, None])
+        table = self.req_to_token_pool.req_to_token
+        pool_rows = md.req_pool_indices.to(table.device)[req_of_token.to(table.device)]
+        slots = table[pool_rows[:, None], logical.clamp(min=0).to(table.device)].to(torch.int64).to(device)
+        wanted = slots[valid]
+        unique, inverse = torch.unique(wanted, return_inverse=True)
+        host = self.token_to_kv_pool.host_rows(layer.layer_id)
+        staged = host.index_select(0, unique.cpu()).to(device)  # one H2D copy of distinct rows
+        flat = torch.full_like(logical, -1)
+        flat[valid] = inverse
+        dl = self.kv_lora_rank
+        return self.attention_op(
+            q_nope, staged[:, :dl], None, flat.to(torch.int32).unsqueeze(1), layer.scaling,
+            query_rope=q_pe, key_rope=staged[:, dl:], layout_query="TND", layout_kv="flat",
+        )
+
+    # ------------------------------------------------------------------ graphs
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        """Graph capture is not supported with offload yet: the engine's residency
+        step has data-dependent control on the host (see docs/sglang_integration.md)."""
+        raise RuntimeError("sparse decode offload runs decode eagerly: pass --disable-cuda-graph "
+                           "(or --cuda-graph-backend-decode=disabled)")

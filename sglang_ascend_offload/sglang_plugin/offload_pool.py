@@ -1,0 +1,185 @@
+"""KV pool for sparse decode offload: main KV in the host pool, indexer on the device.
+
+:class:`HostMainKVPool` keeps SGLang's slot space (the allocator's slots; page 0 is
+padding), so the radix / prefix cache works unchanged: a prefix shared by two
+requests is one set of slots, stored once in the host pool.
+
+=====================  ========  ==============================================
+buffer                 where     shape
+=====================  ========  ==============================================
+main KV (host pool)    host      ``[layers, slots, kv_lora_rank + rope]`` bf16
+                                 (``sparse_decode.host_pool.HostKVPool``)
+index K                device    ``[indexer layers, pages + 1, page, 1, index_head_dim]``
+                                 (SGLang's NPU MLA layout, as in :class:`~.pool.DeviceDSAPool`)
+hot buffers            device    per layer ``[rows, hot_tokens, kv_lora_rank + rope]``
+                                 (``sparse_decode.engine.SparseDecodeEngine``)
+=====================  ========  ==============================================
+
+There is no device main KV (``k_buffer`` / ``v_buffer`` are ``None``); code that
+asks for it gets an error naming the offload. Rows of the decode engine are
+``req_to_token`` rows (``req_pool_idx``), stable per request across steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from sglang.srt.mem_cache.memory_pool import KVCache, unwrap_write_loc
+
+from .. import config as cfg
+from .. import platform
+from ..sparse_decode.engine import EngineConfig, SparseDecodeEngine
+from ..sparse_decode.host_pool import HostKVPool, HostPoolShape
+from .pool import DeviceDSAPool, _scatter_rows
+
+logger = logging.getLogger(__name__)
+
+
+class HostMainKVPool(DeviceDSAPool):
+    """Main KV in a :class:`HostKVPool`, index K on the device (see module doc).
+
+    size / page_size / dtype / layer_num / device / start_layer / end_layer: as in
+    SGLang's pools. rows: decode engine rows (``req_to_token`` rows).
+    """
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int,
+                 qk_rope_head_dim: int, layer_num: int, device: str, enable_memory_saver: bool,
+                 index_head_dim: Optional[int], *, rows: int, top_k: int,
+                 offload: cfg.SparseDecodeOffloadConfig, start_layer: Optional[int] = None,
+                 end_layer: Optional[int] = None, host_pool_kind: str = "pinned"):
+        if index_head_dim is None:
+            raise ValueError("sparse decode offload needs a DSA model (an indexer cache)")
+        if dtype != torch.bfloat16:
+            raise ValueError(f"sparse decode offload keeps a bf16 main KV; got {dtype} "
+                             "(use --kv-cache-dtype bfloat16)")
+        KVCache.__init__(self, size=size, page_size=page_size, dtype=dtype, layer_num=layer_num,
+                         device=device, enable_memory_saver=enable_memory_saver,
+                         start_layer=start_layer, end_layer=end_layer)
+        self._on_npu = str(device).startswith("npu")
+        self.use_fia_nz = False
+        self.dsa_kv_cache_store_fp8 = False
+        self.enable_sparsity_driven_kv_offload = False
+        self.model_layer_ids = tuple(range(self.start_layer, self.start_layer + layer_num))
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.kv_cache_dim = kv_lora_rank
+        self.kr_cache_dim = qk_rope_head_dim
+        self.index_head_dim = index_head_dim
+        self.indexer_layer_ids = self.model_layer_ids
+        self.num_indexer_layers = layer_num
+        self.indexer_layer_id_to_slot = {lid: i for i, lid in enumerate(self.indexer_layer_ids)}
+        self.index_page_size = page_size
+        self.index_size = size
+        self.index_page_padding = 1
+        self.kv_page_padding = 1
+        self.dcp_size, self.dcp_rank = 1, 0
+        self.is_draft_worker = False
+        self.custom_mem_pool = None
+        self.index_k_scale_buffer = None
+        self.indexer_hadamard_128 = None
+        self.k_buffer = None
+        self.v_buffer = None
+
+        pages = size // page_size + 1
+        self.index_k_buffer = torch.zeros((layer_num, pages, page_size, 1, index_head_dim),
+                                          dtype=self.store_dtype, device=device)
+        slots = pages * page_size
+        tokens = offload.host_pool_tokens if offload.host_pool_tokens is not None else slots
+        if tokens < slots:
+            raise ValueError(f"host_pool_tokens={tokens} is smaller than SGLang's slot space ({slots} = "
+                             f"{size} tokens + one padding page): raise host_pool_tokens or lower "
+                             "--max-total-tokens")
+        self.host_pool = HostKVPool.allocate(
+            HostPoolShape(layers=layer_num, tokens=tokens, latent_dim=kv_lora_rank,
+                          rope_dim=qk_rope_head_dim, dtype=dtype),
+            kind=host_pool_kind,
+        )
+        hot_tokens = offload.hot_tokens if offload.hot_tokens is not None else 2 * top_k
+        self.engine = SparseDecodeEngine(
+            EngineConfig(layers=layer_num, rows=rows, hot_tokens=hot_tokens, top_k=top_k,
+                         latent_dim=kv_lora_rank, rope_dim=qk_rope_head_dim, dtype=dtype,
+                         policy=offload.policy, ops=offload.ops),
+            self.host_pool, device=device if not str(device).startswith("cpu") else "cpu",
+        )
+        self.offload = offload
+        self._finalize_allocation_log(size)
+        logger.info("sparse decode offload: host pool %.1f MiB (%d slots x %d layers), hot buffers %.1f MiB "
+                    "(%d rows x %d slots x %d layers), index K on %s",
+                    self.host_pool.shape.nbytes / 2**20, tokens, layer_num, self.engine.hot.nbytes / 2**20,
+                    rows, hot_tokens, layer_num, device)
+
+    # ------------------------------------------------------------------ main KV
+    def _no_device_main_kv(self, what: str):
+        raise RuntimeError(f"{what}: sparse decode offload keeps the main KV in the host pool "
+                           "(HostMainKVPool.host_pool); there is no device main KV cache")
+
+    def get_key_buffer(self, layer_id: int):
+        self._no_device_main_kv("get_key_buffer")
+
+    def get_value_buffer(self, layer_id: int):
+        self._no_device_main_kv("get_value_buffer")
+
+    def get_kv_buffer(self, layer_id: int):
+        self._no_device_main_kv("get_kv_buffer")
+
+    def get_contiguous_buf_infos(self):
+        self._no_device_main_kv("get_contiguous_buf_infos (P/D transfer)")
+
+    def set_kv_buffer(self, layer, loc_info, cache_k: torch.Tensor, cache_v: Optional[torch.Tensor]):
+        """Append the new tokens' rows ``[T, latent + rope]`` to the host pool at their slots."""
+        loc, _, _ = unwrap_write_loc(loc_info)
+        if cache_v is None:
+            rows = cache_k.reshape(-1, self.kv_lora_rank + self.qk_rope_head_dim)
+        else:
+            rows = torch.cat((cache_k.reshape(-1, self.kv_lora_rank),
+                              cache_v.reshape(-1, self.qk_rope_head_dim)), dim=-1)
+        self.engine.append(layer.layer_id - self.start_layer, loc, rows.to(self.dtype))
+
+    def host_rows(self, layer_id: int) -> torch.Tensor:
+        """``[slots, latent + rope]`` host rows of ``layer_id``."""
+        return self.host_pool.layer(layer_id - self.start_layer)
+
+    def get_kv_size_bytes(self):
+        return self.index_k_buffer.numel() * self.index_k_buffer.element_size()
+
+    def set_index_k_buffer(self, layer_id: int, loc: torch.Tensor, index_k: torch.Tensor):
+        if self._on_npu:
+            return super().set_index_k_buffer(layer_id, loc, index_k)
+        _scatter_rows(self.index_k_buffer[self._get_indexer_slot(layer_id)], loc, index_k)
+
+
+def build_offload_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool,
+                       rows: int) -> HostMainKVPool:
+    """:class:`HostMainKVPool` for SGLang's configurator (called by the pool hook)."""
+    from sglang.srt.runtime_context import get_exec, get_schedule
+
+    from . import carrier
+
+    offload = carrier.active_config().sparse_decode
+    if offload is None:
+        raise RuntimeError("build_offload_pool called without a sparse decode offload config")
+    if not is_dsa_model:
+        raise ValueError("sparse decode offload needs a DSA model (DeepSeek-V3.2 style)")
+    mc = configurator.model_config
+    if configurator.is_draft_worker:
+        raise ValueError("sparse decode offload does not run draft (speculative) workers yet")
+    kind = "pinned" if platform.device_kind() != "npu" else "memfabric"
+    return HostMainKVPool(
+        max_total_num_tokens,
+        page_size=get_schedule().page_size,
+        dtype=configurator.kv_cache_dtype,
+        kv_lora_rank=mc.kv_lora_rank,
+        qk_rope_head_dim=mc.qk_rope_head_dim,
+        layer_num=configurator.layer_info.num_effective_layers,
+        device=configurator.device,
+        enable_memory_saver=get_exec().features.enable_memory_saver,
+        index_head_dim=mc.index_head_dim,
+        rows=rows,
+        top_k=int(mc.hf_config.index_topk),
+        offload=offload,
+        start_layer=configurator.layer_info.start_layer,
+        end_layer=configurator.layer_info.end_layer,
+        host_pool_kind=kind,
+    )

@@ -1,0 +1,100 @@
+"""Offload statistics export (Prometheus + log line) and bounded trace recording."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_ascend_offload.sglang_plugin.metrics import METRIC_PREFIX, OffloadMetrics, summary_line
+from sglang_ascend_offload.sglang_plugin.trace_recorder import TraceRecorder, trace_path
+from sglang_ascend_offload.sparse_decode.stats import Counters, DecodeStats
+from sglang_ascend_offload.sparse_decode.trace import load_trace
+
+
+class FakeStats:
+    def __init__(self):
+        self.stats = DecodeStats(per_layer=[Counters(), Counters()], steps=0)
+        self.reads = 0
+
+    def step(self, hits, misses, row_bytes=1152):
+        self.stats.steps += 1
+        for c in self.stats.per_layer:
+            c.selected += hits + misses
+            c.hits += hits
+            c.misses += misses
+            c.h2d_bytes += misses * row_bytes
+            c.d2h_bytes += row_bytes
+
+    def __call__(self):
+        self.reads += 1
+        return self.stats
+
+
+def test_summary_line_numbers():
+    fake = FakeStats()
+    fake.step(hits=6, misses=2)
+    line = summary_line(fake.stats, [0.002, 0.004], elapsed_s=30)
+    assert "steps=1" in line and "hit_rate=0.750" in line and "hits=12" in line and "misses=4" in line
+    assert "copy_ms/layer/step=3.000" in line
+
+
+def test_log_line_is_periodic_and_reads_stats_only_when_due(caplog):
+    now = [0.0]
+    fake = FakeStats()
+    m = OffloadMetrics(fake, layers=2, prometheus=False, log_interval_s=10, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="sglang_ascend_offload.sparse_decode"):
+        for t in (1, 5, 9):
+            now[0] = t
+            fake.step(3, 1)
+            m.on_step_end()
+        assert fake.reads == 0 and m.last_summary is None
+        now[0] = 10.5
+        m.on_step_end()
+    assert fake.reads == 1
+    assert "sparse-decode-offload: steps=3 hit_rate=0.750" in caplog.text
+
+
+def test_prometheus_counters_follow_the_engine():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    fake = FakeStats()
+    m = OffloadMetrics(fake, layers=2, prometheus=True, log_interval_s=0, labels={"tp_rank": "0"})
+    fake.step(hits=5, misses=3)
+    m.add_copy_time(1, 0.25)
+    m.on_step_end()
+    fake.step(hits=1, misses=0)
+    m.on_step_end()
+    get = prometheus_client.REGISTRY.get_sample_value
+    labels = {"tp_rank": "0", "layer": "1"}
+    assert get(f"{METRIC_PREFIX}hits_total", labels) == 6
+    assert get(f"{METRIC_PREFIX}misses_total", labels) == 3
+    assert get(f"{METRIC_PREFIX}h2d_bytes_total", labels) == 3 * 1152
+    assert get(f"{METRIC_PREFIX}copy_seconds_total", labels) == 0.25
+    assert get(f"{METRIC_PREFIX}hit_rate", {"tp_rank": "0"}) == pytest.approx(6 / 9)
+
+
+def test_trace_recorder_is_bounded_and_valid(tmp_path):
+    path = tmp_path / "t.npz"
+    rec = TraceRecorder(path, layers=2, rows=3, top_k=4, max_steps=5, meta={"x": 1}, flush_every=2)
+    for step in range(8):
+        seq = torch.tensor([step + 5, 0, step + 3], dtype=torch.int32)
+        req = torch.tensor([7, -1, 9])
+        rec.begin_step(seq, req)
+        for layer in range(2):
+            topk = torch.full((3, 4), -1, dtype=torch.int32)
+            topk[0] = torch.tensor([0, 1, step + 4, 2])
+            topk[2, :2] = torch.tensor([step + 2, 0])
+            rec.record_layer(layer, topk)
+        if step == 3:
+            assert load_trace(path).steps == 4  # flushed every 2 steps
+    trace = load_trace(path)
+    assert trace.steps == 5 and rec.done
+    assert np.array_equal(trace.seq_lens[:, 0], np.arange(5, 10))
+    assert trace.topk[4, 1, 0, 2] == 8 and (trace.topk[:, :, 1] == -1).all()
+
+
+def test_trace_path_per_dp_rank():
+    assert str(trace_path("/x/run.npz", None, 1)) == "/x/run.npz"
+    assert str(trace_path("/x/run.npz", 3, 4)) == "/x/run.dp3.npz"
