@@ -142,16 +142,22 @@ class PDTransferConfig:
 
     engine: ``memfabric`` (Ascend production) or ``mooncake`` (TCP on CPU, RDMA elsewhere).
     protocol: MemFabric data path; prefill and decode must match.
+    mooncake_protocol / mooncake_device_name: Mooncake transport (``tcp`` on CPU
+        machines, ``rdma`` with an RDMA NIC name on clusters without MemFabric).
     kv_port: base of the decode control ports (kv_port + dp_rank * d_tp + tp_rank).
-    host: address the control sockets bind to.
+    host: address the control sockets bind to, which is also the address peers
+        connect to: a concrete interface address, never a wildcard (0.0.0.0, ::).
     store_url: MemFabric config store (``tcp://host:port``).
     handshake_timeout_s: deadline of the metadata handshake (100 s as in the reference).
-    layer_timeout_s: deadline of every per-layer wait (the reference has none).
+    layer_timeout_s: deadline of every per-layer wait (the reference has none); on
+        decode it is also the no-progress deadline of a request.
     read_retries: failed reads retried this many times before the request fails.
     """
 
     engine: Literal["memfabric", "mooncake"] = "memfabric"
     protocol: Literal["sdma", "device_rdma", "device_urma"] = "sdma"
+    mooncake_protocol: Literal["tcp", "rdma", "efa"] = "tcp"
+    mooncake_device_name: str = ""
     kv_port: int = 30100
     host: str = "127.0.0.1"
     store_url: Optional[str] = None
@@ -169,6 +175,8 @@ class PDTransferConfig:
             errs.append("layer_timeout_s must be > 0")
         if self.read_retries < 0:
             errs.append("read_retries must be >= 0")
+        if self.host.strip() in ("", "0.0.0.0", "::", "[::]", "*"):
+            errs.append(f"host {self.host!r} is a wildcard: give the interface address peers connect to")
         return errs
 
 

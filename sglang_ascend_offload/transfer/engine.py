@@ -14,7 +14,6 @@ have equal length; addresses must lie in memory registered on each side.
 from __future__ import annotations
 
 import abc
-import os
 from typing import Optional, Sequence, Tuple
 
 from ..config import PDTransferConfig
@@ -76,23 +75,24 @@ def create_engine(config: PDTransferConfig, role: str, *, device_id: int = 0,
                   mooncake_protocol: Optional[str] = None) -> TransferEngine:
     """Start the engine named by ``config.engine`` for ``role`` (``prefill`` / ``decode``).
 
-    mooncake: data path from ``mooncake_protocol`` or env ``MOONCAKE_PROTOCOL``
-    (``tcp`` when neither is set: the only path on machines without RDMA NICs).
+    mooncake: data path from the ``mooncake_protocol`` argument, else
+    ``config.mooncake_protocol`` (default ``tcp``: the only path on machines without
+    RDMA NICs), on ``config.mooncake_device_name``.
     memfabric: ``config.protocol`` (sdma / device_rdma / device_urma) and
     ``config.store_url`` (required). Raises :class:`~.errors.EngineUnavailable`
     when the engine cannot run here, with what to install or change.
     """
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-    if config.host in ("", "0.0.0.0", "::", "[::]"):
-        # the host is also the address the peer reads from / connects to
-        raise EngineError(f"pd_transfer.host={config.host!r} is a wildcard: set the address of the NIC "
-                          "the peer reaches this node on (sockets and the engine bind to it)")
+    problems = config._check()  # a directly built config has not been through the parser
+    if problems:
+        raise EngineError("invalid pd_transfer config: " + "; ".join(problems))
     if config.engine == "mooncake":
         from .engine_mooncake import MooncakeEngine
 
-        protocol = mooncake_protocol or os.environ.get("MOONCAKE_PROTOCOL") or "tcp"
-        return MooncakeEngine(hostname=config.host, protocol=protocol)
+        protocol = mooncake_protocol or config.mooncake_protocol
+        return MooncakeEngine(hostname=config.host, protocol=protocol,
+                              device_name=config.mooncake_device_name)
     if config.engine == "memfabric":
         from .engine_memfabric import MemFabricEngine
 

@@ -30,7 +30,7 @@ class MooncakeEngine(TransferEngine):
     def __init__(self, hostname: str, protocol: str = "tcp", device_name: str = ""):
         if protocol not in _SUPPORTED:
             raise EngineError(f"mooncake protocol {protocol!r} not supported: use one of {_SUPPORTED} "
-                              "(set MOONCAKE_PROTOCOL)")
+                              "(pd_transfer.mooncake_protocol)")
         try:
             from mooncake.engine import TransferEngine as _MC
         except ImportError as exc:
