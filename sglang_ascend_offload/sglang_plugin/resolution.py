@@ -80,6 +80,12 @@ def _select_backend(server_args: Any, previous: Callable[[Any], None]) -> None:
     if wants and is_attention_backend_not_set(view):
         declare_resolution(server_args, "sglang_ascend_offload", attention_backend=BACKEND_NAME)
         logger.info("sglang-ascend-offload: attention backend %s selected", BACKEND_NAME)
+    if view.device == "cpu" and resolving_view(server_args).attention_backend == BACKEND_NAME \
+            and os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+        raise cfg.ConfigError([cfg.Violation(
+            "sglang.cpu_engine", "--device cpu without SGLANG_USE_CPU_ENGINE=1 (SGLang then does not run its "
+            "CPU platform)", "export SGLANG_USE_CPU_ENGINE=1 before starting SGLang")],
+            "sglang-ascend-offload configuration")
     previous(server_args)
 
 
@@ -122,6 +128,7 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
                 "(residency, miss copy) has data-dependent shapes",
                 "pass --disable-cuda-graph (or --cuda-graph-backend-decode=disabled)",
             ))
+        out += _sparse_decode_runtime_violations(config.sparse_decode)
         if getattr(view, "enable_hisparse", False):
             out.append(cfg.Violation(
                 "sglang.hisparse", "--enable-hisparse is on as well",
@@ -133,6 +140,35 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
                 "SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD is set (SGLang's in-tree NPU offload)",
                 "unset SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD",
             ))
+    return out
+
+
+# Ops the offload backend resolves through the operator ladder.
+OFFLOAD_OPS = ("lightning_indexer", "sparse_mla_attention", "residency_manage", "copy_miss_rows")
+
+
+def _sparse_decode_runtime_violations(sd: cfg.SparseDecodeOffloadConfig) -> List[cfg.Violation]:
+    """Settings the SGLang backend cannot honour here (checked before any process starts)."""
+    from ..ops import registry
+    from ..sparse_decode.residency import register_reference_ops
+
+    out: List[cfg.Violation] = []
+    if sd.indexer_dtype != "bf16":
+        out.append(cfg.Violation(
+            "sglang.indexer_dtype", f"indexer_dtype={sd.indexer_dtype!r}: the SGLang backend keeps a bf16 "
+            "index-K cache (LIM-C8 is not wired into it yet)", 'set "indexer_dtype": "bf16"'))
+    for name in ("fused_lim", "fused_copy_sfa"):
+        if getattr(sd, name) is True:
+            out.append(cfg.Violation(
+                "sglang.fused_not_wired", f"{name}=true: the SGLang backend does not call the fused "
+                "AscendC operator yet", f'drop "{name}" (ops=npu uses the torch_npu operators)'))
+    register_reference_ops()
+    for op in OFFLOAD_OPS:
+        try:
+            registry.select(op, sd.ops)
+        except (registry.OpUnavailableError, KeyError, ValueError) as exc:
+            out.append(cfg.Violation("sglang.ops_unavailable", f"ops={sd.ops!r}: {exc}",
+                                     'use "ops": "auto" or install what the message names'))
     return out
 
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_ascend_offload import config as cfg
+from sglang_ascend_offload import platform
 from sglang_ascend_offload.sglang_plugin import carrier, flags, resolution
 from sglang_ascend_offload.sglang_plugin.deployment import build_deployment, graph_mode, main_kv_dtype, model_kind
 
@@ -101,6 +102,13 @@ def test_plugin_rules():
     assert "sglang.hisparse" in rules
     assert "sglang.npu_sparse_kv_offload" in rules
     assert "sglang.sparse_decode_graph" in rules
+    unwired = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(indexer_dtype="int8", fused_lim=True,
+                                                                          ops="npu"))
+    rules2 = [v.rule for v in resolution.plugin_violations(unwired, SimpleNamespace(
+        attention_backend="ascend_offload", disable_cuda_graph=True))]
+    assert "sglang.indexer_dtype" in rules2 and "sglang.fused_not_wired" in rules2
+    if platform.device_kind() != "npu":
+        assert "sglang.ops_unavailable" in rules2  # no torch_npu operators on this machine
     assert "sglang.feature_not_wired" in rules  # layerwise prefill has no SGLang runtime yet
     eager = SimpleNamespace(attention_backend="ascend_offload", disable_cuda_graph=True)
     assert resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig()), eager) == []
@@ -133,6 +141,13 @@ def test_resolution_selects_the_backend_and_bf16_on_cpu(plugins_loaded, clean_st
     assert view.attention_backend == "ascend_offload"
     assert view.kv_cache_dtype == "bfloat16"
     assert carrier.published_text() is None  # nothing enabled, nothing published
+
+
+def test_cpu_serving_needs_sglang_cpu_engine(plugins_loaded, clean_state, monkeypatch):
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE")
+    flags.remember(raw())
+    with pytest.raises(cfg.ConfigError, match="SGLANG_USE_CPU_ENGINE=1"):
+        _server_args().resolve_once()
 
 
 def test_invalid_config_stops_resolution_with_every_reason(plugins_loaded, clean_state):
