@@ -12,6 +12,8 @@ import os
 import pytest
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+# SGLang on a CPU-only machine: its CPU engine paths (set before SGLang is imported).
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sglang_ascend_offload import platform  # noqa: E402
 
