@@ -15,6 +15,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -261,3 +265,13 @@ def test_fused_rung_refuses_off_ascend_with_build_instructions(op):
     msg = str(info.value)
     assert "bash ascendc_ops/build.sh" in msg and "torch_npu" in msg
     assert registry.select(op, "auto").rung == "reference"
+
+
+BUILD_SH = Path(__file__).resolve().parents[2] / "ascendc_ops" / "build.sh"
+
+
+def test_build_script_refuses_without_cann():
+    env = {k: v for k, v in os.environ.items() if k not in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")}
+    out = subprocess.run(["bash", str(BUILD_SH)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "ASCEND_HOME_PATH is not set" in out.stderr and "set_env.sh" in out.stderr

@@ -1,0 +1,55 @@
+/*
+ * Host tiling of the fused kernels: launch geometry, tiling buffer bytes, workspace size,
+ * and the checks of the kernels' limits. No torch here (host/torch_ops.cpp adapts).
+ *
+ * STATUS: uncompiled and untested (written without CANN); see ascendc_ops/README.md.
+ */
+#ifndef SAO_HOST_TILING_H
+#define SAO_HOST_TILING_H
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fused_tiling.h"
+
+namespace sao {
+namespace host {
+
+// What a launch needs besides the tensors.
+struct Launch {
+    uint32_t blockDim = 0;            // cube cores (MIX 1:2: twice as many vector cores)
+    std::vector<uint8_t> tiling;      // kTilingBytes: struct + cube tilings
+    uint64_t workspaceBytes = 0;      // system (Matmul API) + user scratch
+};
+
+// Shapes and attributes of one LIM / LIM-C8 call.
+struct LimShape {
+    uint32_t numTokens, numRequests, indexHeads, indexDim, blockSize, maxBlocks;
+    uint32_t rows, hotTokens, topK, sparseMode;
+    bool quantized;
+};
+
+// Shapes and attributes of one Copy-SFA call (heads already padded to >= kMinHeads).
+struct CopySfaShape {
+    uint32_t numTokens, heads, latentDim, ropeDim, rows, hotTokens, topK, maxCtx;
+    float scaleValue;
+};
+
+// Empty string when the kernel supports the shape, else the violated limit.
+std::string CheckLim(const LimShape &s);
+std::string CheckCopySfa(const CopySfaShape &s);
+
+// Tiling for a supported shape (call the check first). Queries the SoC through
+// platform_ascendc (core counts, Matmul API workspace) and the Matmul tiling API.
+Launch TileLim(const LimShape &s);
+Launch TileCopySfa(const CopySfaShape &s);
+
+// Bytes of UB the kernels carve out of their pools (mirror of the kernel layout).
+uint32_t LimIndexerUbBytes(const LimTiling &t);
+uint32_t LimResidencyUbBytes(const LimTiling &t);
+
+}  // namespace host
+}  // namespace sao
+
+#endif  // SAO_HOST_TILING_H
