@@ -181,6 +181,10 @@ def run_replay(args) -> Dict[str, Any]:
     return out
 
 
+def _ratio(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
 def _print_replay(r: Dict[str, Any]) -> None:
     mib = 1 / 2**20
     print(f"\nsparse decode replay: {r['steps']} steps x {r['layers']} layers x {r['rows']} rows, "
@@ -203,10 +207,10 @@ def _print_replay(r: Dict[str, Any]) -> None:
         ratio = misses / r["misses"] if r["misses"] else float("nan")
         print(f"{name:<30}{misses:>12}{nbytes * mib:>12.1f}{hr:>10.3f}{ratio:>10.2f}x")
     print(f"\nselected {r['selected']}, D2H (new-token appends) {r['d2h_bytes'] * mib:.2f} MiB, "
-          f"misses / optimum {r['misses_over_opt']:.3f}")
+          f"misses / optimum {_ratio(r['misses_over_opt'])}")
     print(f"\n{'policy (same capacity)':<30}{'misses':>12}{'/ optimum':>11}{'/ lru':>9}")
     for name, p in r["policies"].items():
-        print(f"{name:<30}{p['misses']:>12}{p['misses_over_opt']:>11.3f}{p['misses_over_lru']:>9.3f}")
+        print(f"{name:<30}{p['misses']:>12}{_ratio(p['misses_over_opt']):>11}{_ratio(p['misses_over_lru']):>9}")
     t = r["timing_ms_per_step"]
     print("\nper step (ms, this CPU): " + ", ".join(f"{k} {v:.2f}" for k, v in t.items())
           + f"; wall {r['wall_s']:.1f} s")
