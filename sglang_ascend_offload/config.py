@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 # ------------------------------------------------------------------ feature configs
 OpsChoice = Literal["auto", "reference", "triton", "npu", "fused"]
-ResidencyPolicy = Literal["lru", "lru_k2", "belady_hint"]
+ResidencyPolicy = Literal["lru", "lru_k2", "lru_k2_guarded"]
 
 
 @dataclass(frozen=True)

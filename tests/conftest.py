@@ -19,6 +19,13 @@ from sglang_ascend_offload import platform  # noqa: E402
 
 if platform.device_kind() == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Import triton now, in interpreter mode: its @jit library functions (tl.cumsum, ...)
+    # keep the mode of the first import, and a test that unsets TRITON_INTERPRET must
+    # not be the first to import it.
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
 
 
 def pytest_collection_modifyitems(config, items):

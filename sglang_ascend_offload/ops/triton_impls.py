@@ -31,12 +31,15 @@ def triton_unavailable() -> Optional[str]:
     if importlib.util.find_spec("triton") is None:
         return ("triton is not importable: install triton-ascend on Ascend NPU nodes (the [npu] extra) "
                 "or triton on CUDA/CPU machines")
+    # Checked before importing triton: triton's own @jit library functions (tl.cumsum,
+    # tl.max, ...) are built in the mode in force at its first import, so importing it
+    # here without the interpreter would break every later interpreted launch.
+    if platform.device_kind() == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return INTERPRET_HINT
     try:
         importlib.import_module("triton")
     except Exception as exc:  # noqa: BLE001 - a broken install is a reason, not a crash
         return f"triton is installed but fails to import ({exc!r})"
-    if platform.device_kind() == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return INTERPRET_HINT
     return None
 
 

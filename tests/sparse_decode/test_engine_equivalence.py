@@ -162,7 +162,7 @@ def _run(policy: str, steps: int, seed: int):
     return stats
 
 
-@pytest.mark.parametrize("policy,steps", [("lru", 2000), (DEFAULT_POLICY, 500)])
+@pytest.mark.parametrize("policy,steps", [(DEFAULT_POLICY, 2000), ("lru_k2_guarded", 500)])
 def test_engine_equals_full_kv_attention(policy, steps):
     stats = _run(policy, steps, seed=1234)
     assert stats.steps == steps

@@ -152,10 +152,11 @@ def _misses_per_request(mgr, steps):
     return totals
 
 
+@pytest.mark.parametrize("policy", sorted({DEFAULT_POLICY, "lru_k2_guarded"}))
 @HYP
-@given(scenarios())
-def test_default_policy_bounded_by_lru(scn):
-    """The default policy's misses never exceed exact LRU's by more than its budget.
+@given(scn=scenarios())
+def test_policy_bounded_by_lru(policy, scn):
+    """The default and the guarded policy never exceed exact LRU's misses beyond their budget.
 
     Per request and at every step: ``misses <= lru + seed + lru >> slack_shift``
     (``policies.GuardedManager``). For the LRU default the bound is equality.
@@ -163,7 +164,7 @@ def test_default_policy_bounded_by_lru(scn):
     hot, steps = scn
     rows, _ = steps[0][0].shape
     lru = _misses_per_request(LRUManager(rows, hot), steps)
-    mgr = make_manager(DEFAULT_POLICY, rows, hot)
+    mgr = make_manager(policy, rows, hot)
     ours = _misses_per_request(mgr, steps)
     seed = getattr(mgr, "seed", 0)
     shift = getattr(mgr, "slack_shift", None)
