@@ -514,7 +514,10 @@ def fault_scenarios(base: Optional[ScenarioSpec] = None) -> List[ScenarioSpec]:
                              read_retries=1)
     r = b.read_retries
     return [
-        replace(b, name="read_retry_recovers", decode_faults=FaultPlan(fail_reads=r, fail_layers=(1,))),
+        # recovery, not a deadline, is under test here: a loaded machine must not turn
+        # the retried read into a deadline miss, so this scenario gets a roomy deadline
+        replace(b, name="read_retry_recovers", layer_timeout_s=max(b.layer_timeout_s, 10.0),
+                decode_faults=FaultPlan(fail_reads=r, fail_layers=(1,))),
         # every read of layer 1 fails (contributors read concurrently, a small budget could be
         # spread over them and absorbed by their retries)
         replace(b, name="read_failure", decode_faults=FaultPlan(fail_reads=1 << 20, fail_layers=(1,))),
