@@ -14,7 +14,8 @@ One decode step, per layer ``l``:
 
 Ops are resolved once through the operator ladder (``ops`` = ``auto | reference |
 triton | npu | fused``), so ``ops=triton`` swaps in the Triton residency and copy
-kernels without touching this file.
+kernels without touching this file. When ``copy_sparse_flash_attention`` resolves to
+the ``fused`` rung (the AscendC Copy-SFA operator), steps 3-5 run as that one op.
 
 Inputs of a step (:meth:`begin_step`): ``req_ids`` int64 ``[R]`` (``-1`` idle),
 ``token_table`` int32 ``[R, max_ctx]`` (logical position -> host slot of each row;
@@ -130,6 +131,8 @@ class SparseDecodeEngine:
         self._manage_op = registry.select("residency_manage", config.ops)
         self._copy_op = registry.select("copy_miss_rows", config.ops)
         self._attention_op = registry.select("sparse_mla_attention", config.ops)
+        copy_sfa = registry.select("copy_sparse_flash_attention", config.ops)
+        self._copy_sfa_op = copy_sfa if copy_sfa.rung == "fused" else None
 
         self.hot = HotBuffers(config.layers, config.rows, config.hot_tokens, config.row_dim,
                               config.dtype, self.device)
@@ -187,13 +190,23 @@ class SparseDecodeEngine:
         topk_dev = topk.to(self.device, torch.int32)
         res = self.managers[layer].step(topk_dev, self._req_ids, self._stable_len, self.step_index)
         t1 = self._tick()
-        self._copy_op(self.pool.layer(layer), self.hot.layer(layer), res.miss_tokens, res.miss_slots,
-                      res.miss_count, self._token_table)
-        t2 = self._tick()
         flat = self.hot.flat_indices(res.slots)
-        latent, rope = self.hot.split_flat(layer, cfg.latent_dim)
-        out = self._attention_op(query, latent, None, flat, scale, query_rope=query_rope, key_rope=rope,
-                                 layout_query="TND", layout_kv="flat")
+        if self._copy_sfa_op is not None:  # fused Copy-SFA: copy + attention in one op
+            token_rows = torch.where(self._req_ids >= 0,
+                                     torch.arange(cfg.rows, device=self.device, dtype=torch.int64),
+                                     torch.full_like(self._req_ids, -1)).to(torch.int32)
+            out = self._copy_sfa_op(query, self.pool.layer(layer), self.hot.layer(layer), flat, scale,
+                                    query_rope=query_rope, token_rows=token_rows, miss_tokens=res.miss_tokens,
+                                    miss_slots=res.miss_slots, miss_count=res.miss_count,
+                                    token_table=self._token_table)
+            t2 = t1
+        else:
+            self._copy_op(self.pool.layer(layer), self.hot.layer(layer), res.miss_tokens, res.miss_slots,
+                          res.miss_count, self._token_table)
+            t2 = self._tick()
+            latent, rope = self.hot.split_flat(layer, cfg.latent_dim)
+            out = self._attention_op(query, latent, None, flat, scale, query_rope=query_rope, key_rope=rope,
+                                     layout_query="TND", layout_kv="flat")
         t3 = self._tick()
         if self.timing:
             self.times.add("manage", t1 - t0)

@@ -99,10 +99,10 @@ class Workload:
         return self.rng.permutation(out)
 
 
-def _run(policy: str, steps: int, seed: int):
+def _run(policy: str, steps: int, seed: int, ops: str = "reference"):
     host_tokens = ROWS * MAX_CTX + 8
     pool = HostKVPool.allocate(HostPoolShape(LAYERS, host_tokens, LATENT, ROPE), "pinned")
-    engine = SparseDecodeEngine(EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, policy=policy, ops="reference"),
+    engine = SparseDecodeEngine(EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, policy=policy, ops=ops),
                                 pool, device="cpu")
     attention = registry.select("sparse_mla_attention", "reference")
     gen = torch.Generator().manual_seed(seed)
@@ -166,3 +166,25 @@ def _run(policy: str, steps: int, seed: int):
 def test_engine_equals_full_kv_attention(policy, steps):
     stats = _run(policy, steps, seed=1234)
     assert stats.steps == steps
+
+
+def test_engine_fused_copy_sfa_path_equals_full_kv(monkeypatch):
+    """With ops=fused the engine hands copy + attention to the Copy-SFA op.
+
+    The AscendC rung cannot run here, so a stand-in ``fused`` rung (the reference
+    composition, declared usable) takes its place; the engine's fused branch must then
+    give the same bit-exact results as the separate copy + attention path.
+    """
+    from sglang_ascend_offload.ops.registry import _REGISTRY, OpImpl
+
+    ref = registry.implementations("copy_sparse_flash_attention")["reference"]
+    calls = []
+
+    def fused_stand_in(*args, **kwargs):
+        calls.append(1)
+        return ref.fn(*args, **kwargs)
+
+    monkeypatch.setitem(_REGISTRY.impls, ("copy_sparse_flash_attention", "fused"),
+                        OpImpl("copy_sparse_flash_attention", "fused", fused_stand_in, lambda: None))
+    stats = _run("lru", 120, seed=99, ops="fused")
+    assert stats.steps == 120 and len(calls) == 120 * LAYERS
