@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..sparse_decode.policies import POLICIES
 
     parser.add_argument("--trace", metavar="FILE", help=".npz trace (default: synthesise one)")
-    parser.add_argument("--hot-tokens", type=int, help="hot slots per layer and row (default 2 x top-k)")
+    parser.add_argument("--hot-tokens", type=int, help="hot slots per layer and row (default: the value a recorded trace was served with, else 2 x top-k)")
     parser.add_argument("--ops", default="auto", choices=registry.CHOICES, help="operator ladder rung")
     parser.add_argument("--policy", choices=sorted(POLICIES),
                         help="residency policy of the engine run (default: the config default)")
@@ -115,6 +115,15 @@ def _input_problems(args) -> List[str]:
 
 
 # ------------------------------------------------------------------------ replay mode
+def _recorded_hot_tokens(trace) -> Optional[int]:
+    """``hot_tokens`` a server recorded the trace with (its ``meta`` JSON), if any."""
+    try:
+        value = json.loads(trace.meta).get("hot_tokens") if trace.meta else None
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def run_replay(args) -> Dict[str, Any]:
     from ..sparse_decode.host_pool import HostPoolShape
     from ..sparse_decode.policies import POLICIES
@@ -122,7 +131,7 @@ def run_replay(args) -> Dict[str, Any]:
 
     trace, source = _load_or_synthesize(args)
     k = trace.top_k
-    hot = args.hot_tokens if args.hot_tokens is not None else 2 * k
+    hot = args.hot_tokens if args.hot_tokens is not None else _recorded_hot_tokens(trace) or 2 * k
     if hot < k:
         raise ValueError(f"--hot-tokens {hot} < the trace's top-k {k}: a row's selection must fit")
     policy = args.policy or _default_policy()

@@ -62,3 +62,16 @@ def test_hot_smaller_than_topk_is_an_input_error(capsys):
     assert rc == 2 and "--hot-tokens" in err
     rc, _, err = _run(TINY + ["--hot-tokens", "8"], capsys)
     assert rc == 2 and "--hot-tokens 8 < the trace's top-k 16" in err
+
+
+def test_recorded_hot_tokens_is_the_default(tmp_path, capsys):
+    import dataclasses
+
+    trace = synthesize(SyntheticTraceSpec(steps=6, layers=1, rows=2, top_k=8, min_prompt=4, max_prompt=30,
+                                          min_decode=2, max_decode=4, seed=3))
+    path = tmp_path / "served.npz"
+    save_trace(dataclasses.replace(trace, meta=json.dumps({"hot_tokens": 24, "top_k": 8})), path)
+    rc, out, _ = _run(["--trace", str(path), "--heads", "2", "--json"], capsys)
+    assert rc == 0 and json.loads(out)["hot_tokens"] == 24
+    rc, out, _ = _run(["--trace", str(path), "--heads", "2", "--json", "--hot-tokens", "16"], capsys)
+    assert rc == 0 and json.loads(out)["hot_tokens"] == 16
