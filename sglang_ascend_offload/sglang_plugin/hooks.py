@@ -87,6 +87,11 @@ def _build_pool_around(original, self, *, sizes, is_dsa_model, is_dsv4_model, re
             f"attention backend {BACKEND_NAME} serves MLA / DSA models with a uniform KV layout "
             "(DeepSeek-V3.2 style); choose another backend for this model"
         )
+    if carrier.active_config().layerwise_prefill is not None:  # layerwise prefill offload pool
+        from .layerwise_pool import build_layerwise_pool
+
+        return build_layerwise_pool(self, max_total_num_tokens=sizes.max_total_num_tokens,
+                                    is_dsa_model=is_dsa_model)
     if carrier.sparse_decode_enabled():
         from .offload_pool import build_offload_pool
 

@@ -40,6 +40,7 @@ VALIDATION_STEP = "validate_deepep_v2_dispatch_token_budget"
 # Features whose runtime the SGLang plugin provides. Enabling another feature is
 # rejected at startup (a flag that silently did nothing would be worse).
 RUNTIME_READY = {"sparse_decode"}
+RUNTIME_READY.add("layerwise_prefill")  # layerwise_pool.py
 
 
 # ------------------------------------------------------------------ backend choice
@@ -77,6 +78,7 @@ def _select_backend(server_args: Any, previous: Callable[[Any], None]) -> None:
     view = resolving_view(server_args)
     config, _ = requested_config()
     wants = config.sparse_decode is not None or (view.device == "cpu" and _model_is_dsa(server_args))
+    wants = wants or config.layerwise_prefill is not None  # the layerwise pool needs our backend
     if wants and is_attention_backend_not_set(view):
         declare_resolution(server_args, "sglang_ascend_offload", attention_backend=BACKEND_NAME)
         logger.info("sglang-ascend-offload: attention backend %s selected", BACKEND_NAME)
@@ -140,6 +142,9 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
                 "SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD is set (SGLang's in-tree NPU offload)",
                 "unset SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD",
             ))
+    from .layerwise_rules import layerwise_violations
+
+    out += layerwise_violations(config, view)
     return out
 
 

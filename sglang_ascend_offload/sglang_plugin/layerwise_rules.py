@@ -1,0 +1,77 @@
+"""SGLang-side startup rules of layerwise prefill offload (run by :mod:`.resolution`).
+
+The engine-agnostic rules (eager mode with reuse, Memcache off CPU, decode-only node,
+independent layers, prefetch depth, ...) live in ``config.py``; these are about what
+the SGLang pool (:mod:`.layerwise_pool`) can serve:
+
+================================  ==============================================================
+rule                              when
+================================  ==============================================================
+``sglang.layerwise_backend``      an attention backend other than ``ascend_offload`` (the pool
+                                  is built only for it and reads its forward metadata)
+``sglang.layerwise_sparse_decode``  sparse decode offload on as well (both replace the KV pool)
+``sglang.layerwise_speculative``  a speculative algorithm (draft / MTP workers are not wired)
+``sglang.layerwise_tbo``          two-batch overlap or PD-multiplexing (interleaved forwards)
+``sglang.layerwise_hicache``      ``--enable-hierarchical-cache`` (owns the layer counter)
+``sglang.layerwise_block_tokens`` ``store_block_tokens`` set to something other than the page size
+``sglang.layerwise_store``        ``store_backend`` memcache with buffer reuse and memcache-hybrid
+                                  missing
+================================  ==============================================================
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, List
+
+from .. import config as cfg
+from .backend import BACKEND_NAME
+
+__all__ = ["layerwise_violations", "RULES"]
+
+RULES = ("sglang.layerwise_backend", "sglang.layerwise_sparse_decode", "sglang.layerwise_speculative",
+         "sglang.layerwise_tbo", "sglang.layerwise_hicache", "sglang.layerwise_block_tokens",
+         "sglang.layerwise_store")
+
+
+def layerwise_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violation]:
+    """Every rule above that ``view`` (the resolved server arguments) breaks."""
+    lw = config.layerwise_prefill
+    if lw is None:
+        return []
+    out: List[cfg.Violation] = []
+
+    def add(rule: str, problem: str, fix: str) -> None:
+        out.append(cfg.Violation(rule, problem, fix))
+
+    backends = {b for b in (getattr(view, "attention_backend", None),
+                            getattr(view, "prefill_attention_backend", None),
+                            getattr(view, "decode_attention_backend", None)) if b}
+    if backends - {BACKEND_NAME}:
+        add("sglang.layerwise_backend", f"attention backend(s) {sorted(backends)} cannot serve layerwise "
+            "prefill offload", f"drop --attention-backend (the plugin selects {BACKEND_NAME}) or pass "
+            f"--attention-backend {BACKEND_NAME}")
+    if config.sparse_decode is not None:
+        add("sglang.layerwise_sparse_decode", "sparse decode offload and layerwise prefill offload are both on "
+            "in one server", "enable layerwise prefill offload on the prefill node and sparse decode offload "
+            "on the decode node")
+    if getattr(view, "speculative_algorithm", None):
+        add("sglang.layerwise_speculative", f"speculative algorithm {view.speculative_algorithm!r}",
+            "drop the speculative decoding flags (draft / MTP layers are not wired into the layerwise pool)")
+    for flag in ("enable_two_batch_overlap", "enable_pdmux"):
+        if getattr(view, flag, False):
+            add("sglang.layerwise_tbo", f"--{flag.replace('_', '-')} interleaves forwards layer by layer",
+                f"drop --{flag.replace('_', '-')}")
+    if getattr(view, "enable_hierarchical_cache", False):
+        add("sglang.layerwise_hicache", "--enable-hierarchical-cache is on (HiCache drives the pool's layer "
+            "counter)", "drop --enable-hierarchical-cache")
+    page = getattr(view, "page_size", None)
+    if lw.store_block_tokens is not None and page is not None and lw.store_block_tokens != page:
+        add("sglang.layerwise_block_tokens", f"store_block_tokens={lw.store_block_tokens} but the KV page "
+            f"size is {page} (the SGLang pool stores one object per page)", "drop store_block_tokens")
+    if (lw.shared_buffers is not None and lw.store_backend == "memcache"
+            and importlib.util.find_spec("memcache_hybrid") is None):
+        add("sglang.layerwise_store", "store_backend 'memcache' but memcache-hybrid is not installed",
+            "pip install memcache-hybrid memfabric-hybrid on the Ascend node, or use \"store_backend\": "
+            "\"local\" on a CPU")
+    return out

@@ -1,0 +1,162 @@
+"""The layerwise pipeline as the SGLang pool drives it, and the hooks it offers P/D.
+
+:class:`SlotPipeline` is :class:`~sglang_ascend_offload.layerwise_prefill.pipeline.LayerwisePrefillPipeline`
+with one more way to open a forward: :meth:`SlotPipeline.begin_forward_rows` takes
+the row layout from the caller (the pool's page plan, rows = SGLang slots) instead of
+matching token-content prefixes itself. Everything else (loader / saver threads,
+slot gates, prefetch, leases, errors) is the engine-agnostic pipeline's.
+
+Hooks for the P/D sender (``sglang_plugin/disagg/``), all on
+:class:`~.layerwise_pool.LayerwisePrefillPool`:
+
+``pool.add_layer_listener(fn)``
+    ``fn(LayerWritten)`` runs once per layer and forward after the layer's KV rows are
+    complete in its buffer (device write event synchronized): for pipelined layers in
+    the pipeline's saver thread, just before the host save; for layers with a
+    dedicated buffer in the pool's notifier thread. The P/D sender publishes "layer
+    ready" here. Buffer rows are SGLang slots, so the source pages of a request are
+    its ``req_to_token`` pages, at the layer's (aliased) buffer addresses
+    (``pool.get_contiguous_buf_infos()``).
+``pool.set_extra_consumers(fn)``
+    ``fn(ForwardInfo) -> {layer: [consumer, ...]}`` (local layer ids; a plain sequence
+    applies to every pipelined layer) is asked once per forward; the named consumers
+    are added to each layer's slot gate next to ``compute`` and ``save``. The slot is
+    not reused (the next layer sharing it does not load or write) until each of them
+    answered ``pool.gates.done(slot, layer, consumer, error=None | "READ_FAILED: ...")``.
+    Layers with a dedicated buffer have no gate: their rows are only rewritten after
+    SGLang frees and reallocates the pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import platform
+from ..layerwise_prefill import pipeline as lw_pipeline
+from ..layerwise_prefill.pipeline import ForwardLayout, LayerwisePrefillPipeline, RequestRows
+from .layerwise_pages import BatchRequest
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SlotPipeline", "ForwardInfo", "LayerWritten", "ExtraConsumers", "LayerListener",
+           "WrittenNotifier"]
+
+
+@dataclass(frozen=True)
+class ForwardInfo:
+    """One forward as the hooks see it.
+
+    forward_id: increasing per pool; requests: per request its ``req_to_token`` row,
+    cached prefix and length after the forward, and SGLang page ids (= buffer pages);
+    pipelined_layers: local layer ids whose buffer is shared (gated, saved, loaded).
+    """
+
+    forward_id: int
+    requests: Tuple[BatchRequest, ...]
+    pipelined_layers: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LayerWritten:
+    """A layer's KV is complete in its physical buffer for this forward.
+
+    layer: local layer id (``layer_id - start_layer``); slot: physical buffer index;
+    tensors: the buffer's tensors ``[latent [S, Dl], rope [S, Dr], (index K [S, Di])]``
+    with ``S`` = SGLang's slot space (row = slot); pipelined: the slot is shared (gated).
+    """
+
+    forward: ForwardInfo
+    layer: int
+    slot: int
+    tensors: Tuple[torch.Tensor, ...]
+    pipelined: bool
+
+
+ExtraConsumers = Callable[[ForwardInfo], object]
+LayerListener = Callable[[LayerWritten], None]
+
+
+class SlotPipeline(LayerwisePrefillPipeline):
+    """The pipeline with caller-made layouts (see module doc)."""
+
+    def begin_forward_rows(self, rows: Sequence[RequestRows], layers: Sequence[int],
+                           extra_consumers: Optional[Dict[int, Sequence[str]]] = None) -> ForwardLayout:
+        """Open a forward over ``layers`` with the given rows (blocks ``[:cached_blocks]``
+        are loaded into ``row0 + start``, the rest saved from there). Same contract as
+        :meth:`begin_forward` otherwise (leases, prefetch, one open forward)."""
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("pipeline is closed")
+            if self._fwd is not None:
+                raise RuntimeError(f"forward {self._fwd.fid} is still open; call end_forward first")
+        layers = tuple(layers)
+        unknown = [l for l in layers if l not in self.plan.layer_buffer]
+        if unknown or not layers:
+            raise ValueError(f"layers {list(layers)}: {unknown or 'none'} not in the buffer plan")
+        end = max((r.row0 + b.start + b.tokens for r in rows for b in r.blocks), default=0)
+        if end > self.capacity_rows:
+            raise ValueError(f"forward rows reach {end} but the layer buffers hold {self.capacity_rows}")
+        layout = ForwardLayout(tuple(rows), layers)
+        extra = {l: tuple(c) for l, c in (extra_consumers or {}).items() if c}
+        with self._cv:
+            fwd = lw_pipeline._Forward(self._next_fid, layout, extra)
+            self._next_fid += 1
+            fwd.stats.prefix_tokens = sum(r.prefix_len for r in rows)
+            fwd.stats.new_tokens = sum(r.new_len for r in rows)
+            self._fwd = fwd
+        leased = [k for r in rows for l in layers for k in self._layer_keys(r.blocks[:r.cached_blocks], l)]
+        if leased:
+            self.store.add_lease(leased, self.lease_ttl_ms)
+            fwd.leased = leased
+        for layer in layers:
+            self._load_q.put((fwd, layer))
+        return layout
+
+    @property
+    def has_open_forward(self) -> bool:
+        return self._fwd is not None
+
+
+class WrittenNotifier:
+    """Calls layer listeners for dedicated-buffer layers off the scheduler thread,
+    after the layer's write event completed (one daemon thread, FIFO)."""
+
+    def __init__(self):
+        self._q: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="lwp-notify", daemon=True)
+        self._thread.start()
+
+    def submit(self, event, item: LayerWritten, listeners: Sequence[LayerListener]) -> None:
+        self._q.put((event, item, tuple(listeners)))
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            event, item, listeners = job
+            if isinstance(item, threading.Event):  # flush marker
+                item.set()
+                continue
+            try:
+                event.synchronize()
+                for fn in listeners:
+                    fn(item)
+            except Exception:  # noqa: BLE001 - a listener must not kill the notifier
+                logger.exception("layerwise prefill: layer listener failed for layer %d", item.layer)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every notification submitted so far ran; False at the deadline."""
+        done = threading.Event()
+        self._q.put((None, done, ()))
+        return done.wait(timeout_s)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=5)

@@ -1,0 +1,483 @@
+"""Layerwise prefill pool with real SGLang objects: results equal the device pool bit for bit.
+
+Real: ``ReqToTokenPool``, ``PagedTokenToKVPoolAllocator``, ``ForwardBatch`` /
+``ForwardMode``, SGLang's DSA ``Indexer`` (random weights), SGLang's forward context,
+the plugin's ``DeviceDSAPool`` (reference) and ``LayerwisePrefillPool``, the
+``ascend_offload`` backend over each. Per forward and layer both backends get the
+same inputs (the indexer's hidden states, q, k); outputs (top-k and attention) must be
+``torch.equal``. The layerwise pool is driven only through SGLang's per-layer hooks
+(``layer_transfer_counter.wait_until`` in the accessors, ``set_kv_buffer``).
+
+Checks: prefill with a radix-style cached prefix (loaded from the host store, not
+recomputed), chunked prefill, decode steps with churn (the colocated debug path),
+the device main-KV footprint (``I + min(B, R)`` buffers), saves that always read the
+layer's own rows although the next layer reuses the buffer (slow, jittered store; a
+negative control with the gates bypassed shows the check catches reuse), the P/D
+hooks (listener, extra consumers, a missing answer times out), stale objects removed,
+Memcache inside the pool (``npu`` marker).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from types import SimpleNamespace
+from typing import Callable, Dict, List, Optional
+
+import pytest
+import torch
+
+from sglang_ascend_offload import config as cfg
+from sglang_ascend_offload import platform
+from sglang_ascend_offload.layerwise_prefill.gates import GateTimeout
+from sglang_ascend_offload.layerwise_prefill.store import object_key
+from sglang_ascend_offload.layerwise_prefill.store_local import LocalHostKVStore
+
+from dsa_harness import HEADS, HIDDEN, INDEX_DIM, LATENT, Q_LORA, ROPE, TOPK, make_indexer, published_context
+
+pytestmark = pytest.mark.usefixtures("plugins_loaded")
+
+LAYERS, PAGE, SLOTS, ROWS, MAX_CONTEXT = 4, 16, 1024, 6, 256
+
+
+@pytest.fixture
+def ctx():
+    with published_context():
+        yield
+
+
+class Req:
+    def __init__(self, rid: str, row: int):
+        self.rid, self.row, self.length = rid, row, 0
+
+
+class LayerwiseHarness:
+    """A device pool and a layerwise pool over one allocator / req_to_token (see module doc).
+
+    ``between(layer, harness)`` runs after the reference layer and before the layerwise
+    one (the reference pool then holds the layer's final rows of this forward).
+    """
+
+    def __init__(self, lw: cfg.LayerwisePrefillOffloadConfig, *, store=None, device: str = "cpu",
+                 seed: int = 0, between: Optional[Callable[[int, "LayerwiseHarness"], None]] = None):
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        from sglang_ascend_offload.sglang_plugin.backend import AscendOffloadAttnBackend
+        from sglang_ascend_offload.sglang_plugin.layerwise_pool import LayerwisePrefillPool
+        from sglang_ascend_offload.sglang_plugin.pool import DeviceDSAPool
+
+        self.device = device
+        self.gen = torch.Generator().manual_seed(seed)
+        self.req_to_token_pool = ReqToTokenPool(size=ROWS, max_context_len=MAX_CONTEXT, device=device,
+                                                enable_memory_saver=False)
+        common = dict(page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
+                      layer_num=LAYERS, device=device, enable_memory_saver=False, index_head_dim=INDEX_DIM)
+        self.dense_pool = DeviceDSAPool(SLOTS, index_size=SLOTS, index_page_size=PAGE, **common)
+        self.pool = LayerwisePrefillPool(SLOTS, offload=lw, store=store, namespace="test", **common)
+        self.allocator = PagedTokenToKVPoolAllocator(SLOTS, PAGE, torch.bfloat16, device, self.dense_pool,
+                                                     need_sort=False)
+        model_config = SimpleNamespace(context_len=MAX_CONTEXT, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
+                                       hf_config=SimpleNamespace(index_topk=TOPK))
+
+        def runner(pool):
+            return SimpleNamespace(device=device, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=pool,
+                                   page_size=PAGE, model_config=model_config)
+
+        self.dense = AscendOffloadAttnBackend(runner(self.dense_pool))
+        self.layerwise = AscendOffloadAttnBackend(runner(self.pool))
+        self.indexers = [make_indexer(layer, seed=layer).to(device) for layer in range(LAYERS)]
+        self.attn_layers = [SimpleNamespace(layer_id=l, tp_q_head_num=HEADS, scaling=0.125) for l in range(LAYERS)]
+        self.requests: Dict[str, Req] = {}
+        self.between = between
+
+    # ------------------------------------------------------------------ requests
+    def new_request(self, rid: str, prefix_from: Optional[str] = None, prefix_len: int = 0) -> Req:
+        req = Req(rid, self.req_to_token_pool.alloc_rows(1)[0])
+        if prefix_from is not None:  # what the radix cache hands a request: the owner's pages
+            table = self.req_to_token_pool.req_to_token
+            table[req.row, :prefix_len] = table[self.requests[prefix_from].row, :prefix_len]
+            req.length = prefix_len
+        self.requests[rid] = req
+        return req
+
+    def finish(self, rid: str, free_pages: bool = True) -> None:
+        req = self.requests.pop(rid)
+        if free_pages:
+            slots = self.req_to_token_pool.req_to_token[req.row, :req.length].to(torch.int64)
+            self.allocator.free(slots[slots % PAGE == 0])  # page-aligned free, as SGLang does
+        self.req_to_token_pool.free_rows([req.row])
+
+    # ------------------------------------------------------------------ forwards
+    def _rand(self, *shape):
+        return torch.randn(shape, generator=self.gen).to(torch.bfloat16).to(self.device)
+
+    def extend(self, reqs: List[Req], new_tokens: List[int]):
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        table = self.req_to_token_pool.req_to_token
+        prefix = torch.tensor([r.length for r in reqs], dtype=torch.int64)
+        seq = prefix + torch.tensor(new_tokens, dtype=torch.int64)
+        last = torch.tensor([int(table[r.row, r.length - 1]) if r.length else -1 for r in reqs], dtype=torch.int64)
+        out = self.allocator.alloc_extend(prefix, prefix, seq, seq, last, int(sum(new_tokens)))
+        assert out is not None, "allocator ran out of pages"
+        offset, positions = 0, []
+        for r, n in zip(reqs, new_tokens):
+            table[r.row, r.length:r.length + n] = out[offset:offset + n].to(torch.int32)
+            positions.append(torch.arange(r.length, r.length + n))
+            offset += n
+            r.length += n
+        return self._forward(self._batch(ForwardMode.EXTEND, reqs, out, torch.cat(positions), seq, prefix,
+                                         new_tokens))
+
+    def decode(self, reqs: List[Req]):
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        table = self.req_to_token_pool.req_to_token
+        seq = torch.tensor([r.length + 1 for r in reqs], dtype=torch.int64)
+        last = torch.tensor([int(table[r.row, r.length - 1]) for r in reqs], dtype=torch.int64)
+        out = self.allocator.alloc_decode(seq, seq, last)
+        assert out is not None, "allocator ran out of pages"
+        positions = torch.tensor([r.length for r in reqs], dtype=torch.int64)
+        for r, loc in zip(reqs, out.tolist()):
+            table[r.row, r.length] = loc
+            r.length += 1
+        return self._forward(self._batch(ForwardMode.DECODE, reqs, out, positions, seq, None, None))
+
+    def _batch(self, mode, reqs, out_cache_loc, positions, seq, prefix, new_tokens):
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+        extend = new_tokens is not None
+        return ForwardBatch(
+            forward_mode=mode, batch_size=len(reqs),
+            input_ids=torch.zeros(int(positions.numel()), dtype=torch.int64),
+            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64),
+            seq_lens=seq, out_cache_loc=out_cache_loc.to(torch.int64), seq_lens_sum=int(seq.sum()),
+            seq_lens_cpu=seq.clone(), positions=positions,
+            extend_seq_lens_cpu=list(new_tokens) if extend else None,
+            extend_prefix_lens_cpu=prefix.tolist() if extend else None,
+            extend_seq_lens=torch.tensor(new_tokens) if extend else None,
+            extend_prefix_lens=prefix if extend else None, rids=[r.rid for r in reqs])
+
+    def _forward(self, fb):
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        self.dense.init_forward_metadata(fb)
+        self.layerwise.init_forward_metadata(fb)
+        tokens = int(fb.positions.numel())
+        decode = fb.forward_mode.is_decode()
+        pairs = []
+        for layer in range(LAYERS):
+            x, q_lora = self._rand(tokens, HIDDEN), self._rand(tokens, Q_LORA)
+            q, k = self._rand(tokens, HEADS, LATENT + ROPE), self._rand(tokens, 1, LATENT + ROPE)
+            ix, att = self.indexers[layer], self.attn_layers[layer]
+            outs = []
+            for name, backend in (("dense", self.dense), ("layerwise", self.layerwise)):
+                if name == "layerwise" and self.between is not None:
+                    self.between(layer, self)
+                run = backend.forward_decode if decode else backend.forward_extend
+                with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+                    topk = backend.run_indexer(ix, x, q_lora, fb.positions, fb, layer)
+                    outs.append((topk, run(q, k, k[..., :LATENT], att, fb, topk_indices=topk)))
+            pairs.append(outs)
+        return pairs
+
+
+def assert_same(pairs, what: str) -> None:
+    for layer, ((t_ref, o_ref), (t_lw, o_lw)) in enumerate(pairs):
+        assert torch.equal(t_ref, t_lw), f"{what}: layer {layer} top-k differs"
+        assert torch.equal(o_ref, o_lw), f"{what}: layer {layer} attention output differs"
+
+
+def reference_rows(h: LayerwiseHarness, layer: int, page: int, rows: int) -> List[torch.Tensor]:
+    """The reference pool's [latent, rope, index K] rows of ``page`` for ``layer``."""
+    lo = page * PAGE
+    return [h.dense_pool.k_buffer[layer].view(-1, LATENT)[lo:lo + rows],
+            h.dense_pool.v_buffer[layer].view(-1, ROPE)[lo:lo + rows],
+            h.dense_pool.index_k_buffer[layer].view(-1, INDEX_DIM)[lo:lo + rows]]
+
+
+def lw_config(shared_buffers, **kw) -> cfg.LayerwisePrefillOffloadConfig:
+    return cfg.LayerwisePrefillOffloadConfig(shared_buffers=shared_buffers, store_backend="local",
+                                             wait_timeout_s=kw.pop("wait_timeout_s", 20.0), **kw)
+
+
+def run_scenario(h: LayerwiseHarness, decode_steps: int = 12) -> None:
+    """Prefill, radix-style prefix hit, chunked prefill, decode with churn; all bit-exact."""
+    a = h.new_request("a")
+    assert_same(h.extend([a], [40]), "prefill a")
+    b = h.new_request("b", prefix_from="a", prefix_len=32)  # two cached pages of a
+    c = h.new_request("c")
+    assert_same(h.extend([b, c], [9, 23]), "prefill b (cached prefix) + c")
+    d = h.new_request("d")
+    assert_same(h.extend([d], [20]), "chunk 1 of d")  # ends inside a page
+    assert_same(h.extend([d], [13]), "chunk 2 of d")  # continues the partial page
+    for step in range(decode_steps):
+        batch = [r for r in (a, b, c, d) if r.rid in h.requests]
+        assert_same(h.decode(batch), f"decode step {step}")
+        if step == 4:
+            h.finish("c")  # churn: c's pages go back to the allocator and get reused
+            e = h.new_request("e")
+            assert_same(h.extend([e], [37]), "prefill e (reused pages)")
+            c = e
+
+
+# ------------------------------------------------------------------ results
+@pytest.mark.parametrize("shared_buffers", [1, 2])
+def test_results_equal_device_pool_with_prefix_chunks_and_decode(ctx, shared_buffers):
+    h = LayerwiseHarness(lw_config(shared_buffers))
+    try:
+        run_scenario(h)
+        h.pool.flush()
+        stats = h.pool.stats
+        assert stats.forwards > 0 and stats.bytes_saved > 0 and stats.bytes_loaded > 0
+        # the host store holds every live page of every pipelined layer, equal to the reference rows
+        store, book = h.pool.store, h.pool.pagebook
+        checked = 0
+        for req in h.requests.values():
+            pages = (h.req_to_token_pool.req_to_token[req.row, :req.length:PAGE] // PAGE).tolist()
+            for page in pages:
+                gen, n = book.state(page)
+                for layer in h.pool.pipelined:
+                    key = object_key(book.key(page), layer)
+                    got = [torch.empty_like(t) for t in reference_rows(h, layer, page, n)]
+                    store.get_into([key], [got])
+                    assert all(torch.equal(g, r) for g, r in zip(got, reference_rows(h, layer, page, n))), key
+                    checked += 1
+        assert checked > 0
+        # superseded objects (shorter tails, previous page owners) were removed
+        live = {object_key(book.key(p), l) for p in book.pages() for l in h.pool.pipelined}
+        assert set(store._objects) == live
+    finally:
+        h.pool.close()
+
+
+def test_cached_prefix_is_loaded_not_recomputed(ctx):
+    h = LayerwiseHarness(lw_config(1))
+    try:
+        a = h.new_request("a")
+        assert_same(h.extend([a], [48]), "prefill a")
+        h.pool.flush()
+        before = h.pool.stats.bytes_loaded
+        b = h.new_request("b", prefix_from="a", prefix_len=32)
+        assert_same(h.extend([b], [5]), "prefill b")
+        h.pool.flush()
+        row_bytes = (LATENT + ROPE + INDEX_DIM) * 2
+        # exactly the two cached pages of every pipelined layer came from the host store
+        assert h.pool.stats.bytes_loaded - before == 32 * row_bytes * len(h.pool.pipelined)
+        assert h.pool.stats.prefix_rows >= 32
+    finally:
+        h.pool.close()
+
+
+@pytest.mark.parametrize("shared_buffers,independent,expected", [
+    (1, [0], 2), (2, [0], 3), (3, [0], 4), (None, [0], 4), (1, [0, 3], 3), (1, "all", 4)])
+def test_device_main_kv_footprint_is_independent_plus_shared(ctx, shared_buffers, independent, expected):
+    h = LayerwiseHarness(lw_config(shared_buffers, independent_layers=independent))
+    try:
+        pool = h.pool
+        n_indep = LAYERS if independent == "all" else len(independent)
+        reusable = LAYERS - n_indep
+        assert expected == n_indep + min(shared_buffers or reusable, reusable)
+        distinct = {pool.get_key_buffer(l).data_ptr() for l in range(LAYERS)}
+        assert len(distinct) == pool.physical_buffers == expected
+        assert len({pool.get_value_buffer(l).data_ptr() for l in range(LAYERS)}) == expected
+        assert len({pool.get_index_k_buffer(l).data_ptr() for l in range(LAYERS)}) == expected
+        per_layer = h.dense_pool.get_kv_size_bytes() // LAYERS
+        assert pool.get_kv_size_bytes() == expected * per_layer
+        assert pool.plan.footprint_ratio == pytest.approx(expected / LAYERS)
+        assert all(pool.get_key_buffer(l).shape == h.dense_pool.get_key_buffer(l).shape for l in range(LAYERS))
+        assert (pool.store is None) == (not pool.pipelined)  # no shared buffer: no host store
+    finally:
+        h.pool.close()
+
+
+# ------------------------------------------------------------------ reuse safety
+class CheckingStore(LocalHostKVStore):
+    """Local store with random delays; ``put`` compares each source with the layer's
+    reference rows recorded before the layer ran (``expected``)."""
+
+    def __init__(self, seed: int, max_delay_s: float = 0.004):
+        super().__init__()
+        self.rng = random.Random(seed)
+        self.max_delay_s = max_delay_s
+        self.expected: Dict[str, List[torch.Tensor]] = {}
+        self.violations: List[str] = []
+        self.checked = 0
+        self._lock2 = threading.Lock()
+
+    def _delay(self):
+        with self._lock2:
+            d = self.rng.random() * self.max_delay_s
+        time.sleep(d)
+
+    def put(self, keys, parts):
+        self._delay()  # the next layer may try to reuse the slot meanwhile
+        for key, ps in zip(keys, parts):
+            want = self.expected.get(key)
+            if want is None:
+                self.violations.append(f"{key}: no reference recorded")
+            elif not all(torch.equal(p, w) for p, w in zip(ps, want)):
+                self.violations.append(f"{key}: saved rows are not the layer's own rows")
+            self.checked += 1
+        super().put(keys, parts)
+
+    def get_into(self, keys, parts):
+        self._delay()
+        super().get_into(keys, parts)
+
+
+def record_expected(store: CheckingStore):
+    """``between`` hook: the reference rows of every page this forward saves for ``layer``."""
+
+    def between(layer: int, h: LayerwiseHarness) -> None:
+        fwd = h.pool._fwd
+        if layer not in h.pool.pipelined or fwd is None or fwd.pages is None:
+            return
+        for e in fwd.pages.entries:
+            if e.save is not None:
+                store.expected[object_key(e.save, layer)] = [
+                    t.clone() for t in reference_rows(h, layer, e.page, e.save.tokens)]
+    return between
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reuse_never_overwrites_unsaved_content(ctx, seed):
+    store = CheckingStore(seed)
+    h = LayerwiseHarness(lw_config(1 + seed % 2, prefetch_depth=1), store=store, seed=seed,
+                         between=record_expected(store))
+    try:
+        run_scenario(h, decode_steps=4)
+        h.pool.flush()
+        assert store.checked > 0
+        assert store.violations == []
+    finally:
+        h.pool.close()
+
+
+def test_negative_control_without_gates_the_check_fails(ctx):
+    """Same check with the slot gates bypassed: the next layer overwrites rows before the save."""
+    store = CheckingStore(0, max_delay_s=0.03)
+    h = LayerwiseHarness(lw_config(1, prefetch_depth=1), store=store, between=record_expected(store))
+    try:
+        gates = h.pool.gates
+        gates.wait_free = lambda slot, timeout_s=None: None
+        real_begin = gates.begin
+
+        def begin(slot, layer, consumers):  # reopen the slot even while consumers are pending
+            with gates._lock:
+                gates._pending[slot].clear()
+            real_begin(slot, layer, consumers)
+
+        gates.begin = begin
+        real_done = gates.done
+
+        def done(slot, layer, consumer, error=None):  # the slot may already hold the next layer
+            try:
+                real_done(slot, layer, consumer, error)
+            except ValueError:
+                pass
+
+        gates.done = done
+        a = h.new_request("a")
+        h.extend([a], [40])
+        h.pool.flush()
+        assert store.violations, "the check did not notice reuse without gates"
+    finally:
+        h.pool.close()
+
+
+# ------------------------------------------------------------------ P/D hooks
+def test_pd_hooks_listener_and_extra_consumers_gate_reuse(ctx):
+    store = LocalHostKVStore()
+    h = LayerwiseHarness(lw_config(1), store=store)
+    events: List[tuple] = []
+    lock = threading.Lock()
+    pool = h.pool
+
+    def listener(item):
+        with lock:
+            events.append(("written", item.forward.forward_id, item.layer, item.pipelined))
+        if item.pipelined:  # the decode reads the rows later and then answers
+            def answer():
+                time.sleep(0.02)
+                with lock:
+                    events.append(("read_done", item.forward.forward_id, item.layer))
+                pool.gates.done(item.slot, item.layer, "decode:0")
+            threading.Thread(target=answer, daemon=True).start()
+
+    pool.add_layer_listener(listener)
+    pool.set_extra_consumers(lambda info: ["decode:0"])
+    original_wait = pool.pipe.wait_until_ready
+
+    def wait_until_ready(layer, timeout_s=None):
+        original_wait(layer, timeout_s)
+        with lock:
+            events.append(("ready", layer))
+
+    pool.pipe.wait_until_ready = wait_until_ready
+    try:
+        a = h.new_request("a")
+        b = h.new_request("b")
+        assert_same(h.extend([a, b], [21, 40]), "prefill with decode consumers")
+        pool.flush()
+        written = [e for e in events if e[0] == "written"]
+        assert sorted(e[2] for e in written) == list(range(LAYERS))  # every layer once
+        assert {e[2] for e in written if e[3]} == set(pool.pipelined)
+        order = [e[:1] + e[2:3] if e[0] != "ready" else e for e in events]
+        for earlier, later in zip(pool.pipelined, pool.pipelined[1:]):  # one shared buffer (B = 1)
+            assert order.index(("read_done", earlier)) < order.index(("ready", later)), order
+    finally:
+        pool.close()
+
+
+def test_pd_missing_answer_times_out_naming_the_consumer(ctx):
+    h = LayerwiseHarness(lw_config(1, wait_timeout_s=0.5))
+    h.pool.set_extra_consumers(lambda info: {h.pool.pipelined[0]: ["decode:7"]})
+    try:
+        a = h.new_request("a")
+        with pytest.raises(GateTimeout, match="decode:7"):
+            h.extend([a], [20])
+    finally:
+        h.pool.pipe.abort_forward() if h.pool.pipe.has_open_forward else None
+        h.pool._fwd = None
+        h.pool.close()
+
+
+# ------------------------------------------------------------------ Memcache (Ascend)
+@pytest.mark.npu
+@pytest.mark.skipif(platform.device_kind() != "npu", reason="needs an Ascend NPU with CANN and memcache-hybrid")
+def test_npu_memcache_store_inside_the_pool(ctx, tmp_path):
+    """The pool on an NPU with the Memcache host store (meta service started from a conf
+    on free ports): same scenario, bit-exact against the device pool."""
+    import socket
+
+    from sglang_ascend_offload.layerwise_prefill.store_memcache import write_mmc_conf
+
+    ports = []
+    for _ in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    meta, local = tmp_path / "mmc-meta.conf", tmp_path / "mmc-local.conf"
+    write_mmc_conf(str(meta), {"ock.mmc.meta_service_url": f"tcp://127.0.0.1:{ports[0]}",
+                               "ock.mmc.meta_service.config_store_url": f"tcp://127.0.0.1:{ports[1]}",
+                               "ock.mmc.meta_service.metrics_url": f"http://127.0.0.1:{ports[2]}",
+                               "ock.mmc.log_path": str(tmp_path / "logs")})
+    write_mmc_conf(str(local), {"ock.mmc.meta_service_url": f"tcp://127.0.0.1:{ports[0]}",
+                                "ock.mmc.local_service.config_store_url": f"tcp://127.0.0.1:{ports[1]}",
+                                "ock.mmc.local_service.dram.size": "256MB"})
+    lw = cfg.LayerwisePrefillOffloadConfig(
+        shared_buffers=1, store_backend="memcache", wait_timeout_s=60.0,
+        memcache=cfg.MemcacheConfig(meta_config=str(meta), local_config=str(local), start_meta_service=True,
+                                    protocol="device_sdma"))
+    device = str(platform.default_device())
+    h = LayerwiseHarness(lw, device=device)
+    try:
+        assert h.pool.store.name == "memcache"
+        run_scenario(h, decode_steps=4)
+        h.pool.flush()
+        assert h.pool.stats.bytes_loaded > 0 and h.pool.stats.bytes_saved > 0
+    finally:
+        h.pool.close()
