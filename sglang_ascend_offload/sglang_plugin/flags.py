@@ -74,6 +74,15 @@ FEATURES: Tuple[FeatureFlags, ...] = (
         help="Layerwise prefill offload: cache-bearing layers share a few device KV "
         "buffers; each layer's KV is saved to a host KV pool.",
     ),
+    FeatureFlags(  # P/D transfer backend (sglang_plugin/disagg/); with --disaggregation-transfer-backend ascend_offload
+        section="pd_transfer",
+        section_cls=cfg.PDTransferConfig,
+        enable_flag="--enable-pd-transfer",
+        config_flag="--pd-transfer-config",
+        help="P/D transfer of sglang-ascend-offload (with --disaggregation-mode prefill|decode and "
+        "--disaggregation-transfer-backend ascend_offload): decode pulls each prefill layer, main KV "
+        "into its host pool (sparse decode offload) or device pool, the indexer into its device cache.",
+    ),
 )
 
 
