@@ -66,7 +66,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -83,10 +83,8 @@ from .pool import DeviceDSAPool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LayerwisePrefillPool", "PipelineLayerCounter", "LayerwisePoolStats", "build_layerwise_pool",
-           "LAYOUT_ERROR_HINT"]
+__all__ = ["LayerwisePrefillPool", "PipelineLayerCounter", "LayerwisePoolStats", "build_layerwise_pool"]
 
-LAYOUT_ERROR_HINT = "check shared_buffers / independent_layers in --layerwise-prefill-offload-config"
 _STATS_LOG_INTERVAL_S = 60.0
 
 
@@ -522,7 +520,7 @@ def build_layerwise_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa
         tp_rank = int(getattr(get_parallel(), "tp_rank", 0) or 0)
     except Exception:  # noqa: BLE001 - single rank
         pass
-    return LayerwisePrefillPool(
+    pool = LayerwisePrefillPool(
         max_total_num_tokens,
         page_size=get_schedule().page_size,
         dtype=configurator.kv_cache_dtype,
@@ -537,3 +535,18 @@ def build_layerwise_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa
         start_layer=configurator.layer_info.start_layer,
         end_layer=configurator.layer_info.end_layer,
     )
+    if pool.pipelined and _disaggregation_mode() != "prefill":
+        logger.warning("layerwise prefill offload on a colocated server: decode steps reload every request's "
+                       "whole context for each shared layer (%s) from the host store -- correct but slow, a "
+                       "debug path; run it on a P/D prefill node (--disaggregation-mode prefill)",
+                       list(pool.pipelined))
+    return pool
+
+
+def _disaggregation_mode() -> str:
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return str(getattr(get_server_args(), "disaggregation_mode", "null") or "null")
+    except Exception:  # noqa: BLE001 - no published server args (tests)
+        return "null"

@@ -33,11 +33,10 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .. import platform
 from ..layerwise_prefill import pipeline as lw_pipeline
 from ..layerwise_prefill.pipeline import ForwardLayout, LayerwisePrefillPipeline, RequestRows
 from .layerwise_pages import BatchRequest

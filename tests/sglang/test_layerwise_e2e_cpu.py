@@ -1,0 +1,119 @@
+"""End to end on CPU: layerwise prefill offload through SGLang gives the same greedy
+tokens and logprobs as the device pool.
+
+Model: ``tests/fixtures/tiny_dsa_4l`` (the tiny DSA model with 4 layers, so buffers
+are really shared: with ``I = [0]``, ``B = 1`` puts layers 1-3 in one buffer, ``B = 2``
+layers 1 and 3). Three servers, started together: without the feature, ``B = 1``,
+``B = 2`` (local host store). Colocated servers, so decode steps run through the
+pipeline too (the debug path: every shared layer reloads the context each step).
+
+Prompts: several lengths (inside one page, across pages), a batch, a prefix cached
+by the radix cache and hit by concurrent requests (its pages come back from the host
+store), a repeated prompt whose cache hit includes decoded tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import CPU_SERVER_ARGS, REPO, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 1024
+TINY_DSA_4L = str(REPO / "tests" / "fixtures" / "tiny_dsa_4l")
+BASE_ARGS = [TINY_DSA_4L if a.endswith("tiny_dsa") else a for a in CPU_SERVER_ARGS] + ["--max-running-requests", "4"]
+
+
+def prompt(n: int, seed: int) -> list:
+    return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
+
+
+def layerwise_args(shared_buffers: int) -> list:
+    config = {"shared_buffers": shared_buffers, "store_backend": "local", "wait_timeout_s": 60}
+    return ["--enable-layerwise-prefill-offload", "--layerwise-prefill-offload-config", json.dumps(config)]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layerwise_servers")
+    procs = {"off": ServerProcess(log_path=root / "off.log", base_args=BASE_ARGS),
+             "B1": ServerProcess(layerwise_args(1), log_path=root / "b1.log", base_args=BASE_ARGS),
+             "B2": ServerProcess(layerwise_args(2), log_path=root / "b2.log", base_args=BASE_ARGS)}
+    with ThreadPoolExecutor(len(procs)) as pool:
+        errors = [f.exception() for f in [pool.submit(p.start) for p in procs.values()]]
+    if any(errors):
+        for p in procs.values():
+            p.stop()
+        raise next(e for e in errors if e)
+    print("\nstartup (3 servers launched together): " +
+          ", ".join(f"{k} {p.startup_s:.1f} s" for k, p in procs.items()))
+    yield procs
+    for p in procs.values():
+        p.stop()
+
+
+def run_workload(srv: ServerProcess) -> dict:
+    """The same requests, in the same order, against one server; returns the answers."""
+    out = {}
+    for name, n in (("short", 5), ("one_page", 40), ("pages", 150)):
+        out[name] = srv.generate(prompt(n, seed=n), max_new_tokens=12, return_logprob=True)
+    out["batch"] = srv.generate([prompt(n, seed=s) for s, n in ((2, 9), (3, 70), (4, 33))], max_new_tokens=10,
+                                return_logprob=True)
+    prefix = prompt(140, seed=11)
+    srv.generate(prefix, max_new_tokens=1)  # two pages of the prefix are now in the radix cache
+    prompts = [prefix + prompt(10 + 7 * i, seed=20 + i) for i in range(4)]
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        out["shared"] = list(ex.map(lambda p: srv.generate(p, max_new_tokens=16, return_logprob=True), prompts))
+    out["repeat"] = srv.generate(prompt(150, seed=150) + out["pages"]["output_ids"][:8], max_new_tokens=12,
+                                 return_logprob=True)
+    return out
+
+
+def answers(result):
+    items = result if isinstance(result, list) else [result]
+    return [(r["output_ids"], r["meta_info"]["output_token_logprobs"]) for r in items]
+
+
+def test_layerwise_results_equal_device_pool(servers):
+    results = {}
+    with ThreadPoolExecutor(len(servers)) as ex:
+        futures = {k: ex.submit(run_workload, srv) for k, srv in servers.items()}
+        results = {k: f.result() for k, f in futures.items()}
+    for key in ("B1", "B2"):
+        assert all(o["meta_info"]["cached_tokens"] >= 128 for o in results[key]["shared"]), key
+        assert results[key]["repeat"]["meta_info"]["cached_tokens"] >= 128, key
+        for name in results["off"]:
+            assert answers(results[key][name]) == answers(results["off"][name]), f"{key}: {name} differs"
+    assert len(results["off"]["pages"]["output_ids"]) == 12
+
+
+def _measure(srv: ServerProcess, round_: int):
+    """(1 request x 128 tokens tok/s, 4 concurrent x 64 tokens with a cached 100-token prefix tok/s)."""
+    t0 = time.perf_counter()
+    one = srv.generate(prompt(64, seed=7 + round_), max_new_tokens=128)
+    single = len(one["output_ids"]) / (time.perf_counter() - t0)
+    prefix = prompt(100, seed=31 + round_)
+    srv.generate(prefix, max_new_tokens=1)
+    prompts = [prefix + prompt(12 + i, seed=40 + i) for i in range(4)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(lambda p: srv.generate(p, max_new_tokens=64), prompts))
+    return single, sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - t0)
+
+
+def test_throughput_side_by_side(servers):
+    """Printed, never asserted: tokens per second with and without, best of two rounds
+    interleaved over the servers (the machine is shared, so single runs are noisy)."""
+    best = {k: (0.0, 0.0) for k in servers}
+    for round_ in range(2):
+        for key, srv in servers.items():
+            single, batch = _measure(srv, round_)
+            best[key] = (max(best[key][0], single), max(best[key][1], batch))
+    print("\nserver  startup_s  1x128 tok/s  4x64 shared-prefix tok/s")
+    for key, srv in servers.items():
+        print(f"{key:6s}  {srv.startup_s:9.1f}  {best[key][0]:11.1f}  {best[key][1]:24.1f}")

@@ -1,0 +1,113 @@
+"""Startup rules of layerwise prefill offload in SGLang: each SGLang-side rule on its
+own, and SGLang's real argument resolution (backend choice, every problem at once,
+publication of a valid config for the spawned processes)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_ascend_offload import config as cfg
+from sglang_ascend_offload.sglang_plugin import carrier, flags
+from sglang_ascend_offload.sglang_plugin.flags import RawFlags
+from sglang_ascend_offload.sglang_plugin.layerwise_rules import RULES, layerwise_violations
+
+from conftest import REPO
+
+TINY_DSA_4L = REPO / "tests" / "fixtures" / "tiny_dsa_4l"
+
+
+def view(**kw):
+    base = dict(attention_backend="ascend_offload", prefill_attention_backend=None, decode_attention_backend=None,
+                speculative_algorithm=None, enable_two_batch_overlap=False, enable_pdmux=False,
+                enable_hierarchical_cache=False, page_size=64)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def lw(**kw):
+    return cfg.OffloadConfig(layerwise_prefill=cfg.LayerwisePrefillOffloadConfig(store_backend="local", **kw))
+
+
+def test_a_servable_setup_has_no_violation():
+    assert layerwise_violations(lw(shared_buffers=2), view()) == []
+    assert layerwise_violations(cfg.OffloadConfig(), view(attention_backend="torch_native")) == []
+
+
+@pytest.mark.parametrize("config,server,rule", [
+    (lw(), view(attention_backend="ascend"), "sglang.layerwise_backend"),
+    (lw(), view(decode_attention_backend="fa3"), "sglang.layerwise_backend"),
+    (cfg.OffloadConfig(layerwise_prefill=cfg.LayerwisePrefillOffloadConfig(store_backend="local"),
+                       sparse_decode=cfg.SparseDecodeOffloadConfig()), view(), "sglang.layerwise_sparse_decode"),
+    (lw(), view(speculative_algorithm="EAGLE"), "sglang.layerwise_speculative"),
+    (lw(), view(enable_two_batch_overlap=True), "sglang.layerwise_tbo"),
+    (lw(), view(enable_pdmux=True), "sglang.layerwise_tbo"),
+    (lw(), view(enable_hierarchical_cache=True), "sglang.layerwise_hicache"),
+    (lw(store_block_tokens=16), view(), "sglang.layerwise_block_tokens"),
+])
+def test_each_rule(config, server, rule):
+    rules = [v.rule for v in layerwise_violations(config, server)]
+    assert rules == [rule]
+    assert rule in RULES
+
+
+def test_memcache_without_the_package_is_rejected_only_with_reuse():
+    import importlib.util
+
+    config = cfg.OffloadConfig(layerwise_prefill=cfg.LayerwisePrefillOffloadConfig(shared_buffers=1))
+    rules = [v.rule for v in layerwise_violations(config, view())]
+    if importlib.util.find_spec("memcache_hybrid") is None:
+        assert rules == ["sglang.layerwise_store"]
+    else:
+        assert rules == []
+    no_reuse = cfg.OffloadConfig(layerwise_prefill=cfg.LayerwisePrefillOffloadConfig())
+    assert layerwise_violations(no_reuse, view()) == []
+
+
+# ------------------------------------------------------------------ real resolution
+def _raw(layerwise: str, sparse: str = None) -> RawFlags:
+    return RawFlags(enabled={"sparse_decode": sparse is not None, "layerwise_prefill": True},
+                    configs={"sparse_decode": sparse, "layerwise_prefill": layerwise})
+
+
+def _server_args(**kw):
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path=str(TINY_DSA_4L), device="cpu", load_format="dummy",
+                      skip_tokenizer_init=True, disable_cuda_graph=True, **kw)
+
+
+@pytest.fixture
+def clean_state():
+    flags.forget()
+    carrier.clear()
+    yield
+    flags.forget()
+    carrier.clear()
+
+
+def test_resolution_selects_the_backend_and_publishes(plugins_loaded, clean_state):
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    sa = _server_args()
+    flags.remember(_raw('{"shared_buffers": 1, "store_backend": "local"}'))
+    sa.resolve_once()
+    assert resolving_view(sa).attention_backend == "ascend_offload"
+    published = json.loads(carrier.published_text())
+    assert published["layerwise_prefill"]["shared_buffers"] == 1
+    assert carrier.active_config().layerwise_prefill.store_backend == "local"
+
+
+def test_resolution_lists_every_layerwise_problem(plugins_loaded, clean_state):
+    sa = _server_args(attention_backend="torch_native")
+    flags.remember(_raw('{"shared_buffers": 1, "store_backend": "local", "store_block_tokens": 16, '
+                        '"independent_layers": [0, 9]}', sparse='{"hot_tokens": 64}'))
+    with pytest.raises(cfg.ConfigError) as info:
+        sa.resolve_once()
+    rules = {v.rule for v in info.value.violations}
+    assert {"sglang.layerwise_backend", "sglang.layerwise_block_tokens", "sglang.layerwise_sparse_decode",
+            "layerwise_prefill.layers"} <= rules
+    assert "sglang.feature_not_wired" not in rules
+    assert carrier.published_text() is None
