@@ -139,3 +139,6 @@ def install_runtime() -> None:
     HookRegistry.register(_TARGET_CAPABILITY, capability_around, HookType.AROUND)
     resolution.install()
     assert ATTENTION_BACKENDS[BACKEND_NAME] is create_backend
+    from .layerwise_sizing import install as install_layerwise_sizing  # layerwise prefill: memory profile
+
+    install_layerwise_sizing()

@@ -93,8 +93,6 @@ class PipelineLayerCounter:
     by the layerwise pool: called by every accessor before a layer's buffer is read or
     written."""
 
-    consumer_index = 0  # SGLang's LayerDoneCounter field some pool code reads
-
     def __init__(self, pool: "LayerwisePrefillPool"):
         self._pool = pool
 
@@ -299,7 +297,10 @@ class LayerwisePrefillPool(DeviceDSAPool):
         if self._listeners:
             item = LayerWritten(info, layer, slot, tuple(self.physical[slot]), True)
             for fn in list(self._listeners):
-                fn(item)
+                try:
+                    fn(item)
+                except Exception:  # noqa: BLE001 - a P/D publish failure must not cost the host save
+                    logger.exception("layerwise prefill: layer listener failed for layer %d", layer)
 
     # ------------------------------------------------------------------ forward tracking
     def _active_metadata(self):

@@ -14,7 +14,8 @@ Hooks for the P/D sender (``sglang_plugin/disagg/``), all on
     complete in its buffer (device write event synchronized): for pipelined layers in
     the pipeline's saver thread, just before the host save; for layers with a
     dedicated buffer in the pool's notifier thread. The P/D sender publishes "layer
-    ready" here. Buffer rows are SGLang slots, so the source pages of a request are
+    ready" here. A listener that raises is logged and skipped (the save goes on); it
+    must answer its gate consumers itself (with an error) or the slot times out. Buffer rows are SGLang slots, so the source pages of a request are
     its ``req_to_token`` pages, at the layer's (aliased) buffer addresses
     (``pool.get_contiguous_buf_infos()``).
 ``pool.set_extra_consumers(fn)``

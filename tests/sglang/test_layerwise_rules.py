@@ -111,3 +111,33 @@ def test_resolution_lists_every_layerwise_problem(plugins_loaded, clean_state):
             "layerwise_prefill.layers"} <= rules
     assert "sglang.feature_not_wired" not in rules
     assert carrier.published_text() is None
+
+
+# ------------------------------------------------------------------ memory profile
+def test_cell_size_scaled_by_physical_layer_caches(plugins_loaded, clean_state):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_ascend_offload.sglang_plugin import layerwise_sizing as sizing
+
+    lw1 = cfg.LayerwisePrefillOffloadConfig(shared_buffers=1, store_backend="local")
+    assert sizing.physical_layer_caches(lw1, 61) == 2
+    assert sizing.scaled_cell_size(61 * 1408, lw1, 61) == 2 * 1408
+    assert sizing.scaled_cell_size(1000, cfg.LayerwisePrefillOffloadConfig(shared_buffers=2), 4) == 750
+    assert sizing.scaled_cell_size(1000, cfg.LayerwisePrefillOffloadConfig(), 4) == 1000  # no reuse
+    assert sizing.TARGET in HookRegistry._hooks  # registered by the plugin's install_runtime
+
+    kvc = SimpleNamespace(is_draft_worker=False, use_mla_backend=True)
+    original = lambda self, kvc_, n: 1408 * n  # noqa: E731 - SGLang's per-token bytes of n layers
+    reset_context()
+    publish(ServerArgs(model_path="dummy", device="cpu", attention_backend="ascend_offload"), role="test",
+            ranks=SpawnRanks(world_rank=0, dp_rank=None))
+    try:
+        assert sizing.cell_size_around(original, None, kvc, 4) == 4 * 1408  # feature off
+        carrier.publish(cfg.OffloadConfig(layerwise_prefill=lw1))
+        assert sizing.cell_size_around(original, None, kvc, 4) == 2 * 1408  # 2 of 4 layer caches
+        draft = SimpleNamespace(is_draft_worker=True, use_mla_backend=True)
+        assert sizing.cell_size_around(original, None, draft, 4) == 4 * 1408
+    finally:
+        reset_context()
