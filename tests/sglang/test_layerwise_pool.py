@@ -120,7 +120,9 @@ class LayerwiseHarness:
         prefix = torch.tensor([r.length for r in reqs], dtype=torch.int64)
         seq = prefix + torch.tensor(new_tokens, dtype=torch.int64)
         last = torch.tensor([int(table[r.row, r.length - 1]) if r.length else -1 for r in reqs], dtype=torch.int64)
-        out = self.allocator.alloc_extend(prefix, prefix, seq, seq, last, int(sum(new_tokens)))
+        dev = self.device
+        out = self.allocator.alloc_extend(prefix.to(dev), prefix, seq.to(dev), seq, last.to(dev),
+                                          int(sum(new_tokens)))
         assert out is not None, "allocator ran out of pages"
         offset, positions = 0, []
         for r, n in zip(reqs, new_tokens):
@@ -137,7 +139,7 @@ class LayerwiseHarness:
         table = self.req_to_token_pool.req_to_token
         seq = torch.tensor([r.length + 1 for r in reqs], dtype=torch.int64)
         last = torch.tensor([int(table[r.row, r.length - 1]) for r in reqs], dtype=torch.int64)
-        out = self.allocator.alloc_decode(seq, seq, last)
+        out = self.allocator.alloc_decode(seq.to(self.device), seq, last.to(self.device))
         assert out is not None, "allocator ran out of pages"
         positions = torch.tensor([r.length for r in reqs], dtype=torch.int64)
         for r, loc in zip(reqs, out.tolist()):
@@ -149,16 +151,17 @@ class LayerwiseHarness:
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
         extend = new_tokens is not None
+        dev = self.device
         return ForwardBatch(
             forward_mode=mode, batch_size=len(reqs),
-            input_ids=torch.zeros(int(positions.numel()), dtype=torch.int64),
-            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64),
-            seq_lens=seq, out_cache_loc=out_cache_loc.to(torch.int64), seq_lens_sum=int(seq.sum()),
-            seq_lens_cpu=seq.clone(), positions=positions,
+            input_ids=torch.zeros(int(positions.numel()), dtype=torch.int64, device=dev),
+            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev),
+            seq_lens=seq.to(dev), out_cache_loc=out_cache_loc.to(dev, torch.int64), seq_lens_sum=int(seq.sum()),
+            seq_lens_cpu=seq.clone(), positions=positions.to(dev),
             extend_seq_lens_cpu=list(new_tokens) if extend else None,
             extend_prefix_lens_cpu=prefix.tolist() if extend else None,
-            extend_seq_lens=torch.tensor(new_tokens) if extend else None,
-            extend_prefix_lens=prefix if extend else None, rids=[r.rid for r in reqs])
+            extend_seq_lens=torch.tensor(new_tokens, device=dev) if extend else None,
+            extend_prefix_lens=prefix.to(dev) if extend else None, rids=[r.rid for r in reqs])
 
     def _forward(self, fb):
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
@@ -440,9 +443,37 @@ def test_pd_missing_answer_times_out_naming_the_consumer(ctx):
         with pytest.raises(GateTimeout, match="decode:7"):
             h.extend([a], [20])
     finally:
-        h.pool.pipe.abort_forward() if h.pool.pipe.has_open_forward else None
-        h.pool._fwd = None
-        h.pool.close()
+        h.pool.close()  # aborts the open forward
+
+
+# ------------------------------------------------------------------ page book
+def test_page_book_plans_loads_saves_and_stale_objects():
+    from sglang_ascend_offload.sglang_plugin.layerwise_pages import BatchRequest, PageBook, PageBookError
+
+    book = PageBook(page_size=4, namespace="ns")
+    first = book.plan([BatchRequest(0, 0, 6, (3, 5))])  # pages 3 (full) and 5 (2 rows), both fresh
+    assert [(e.page, e.load, e.save.tokens) for e in first.entries] == [(3, None, 4), (5, None, 2)]
+    assert first.stale == ()
+    # a radix hit on page 3 plus a continued partial page 5 in one batch
+    second = book.plan([BatchRequest(0, 6, 7, (3, 5)), BatchRequest(1, 4, 9, (3, 8, 9))])
+    by_page = {e.page: e for e in second.entries}
+    assert set(by_page) == {3, 5, 8, 9}  # page 3 is loaded once for both requests
+    assert by_page[3].load.tokens == 4 and by_page[3].save is None
+    assert by_page[5].load.tokens == 2 and by_page[5].save.tokens == 3
+    assert by_page[5].load.digest == by_page[5].save.digest  # same owner, same generation
+    assert [b.tokens for b in second.stale] == [2]  # the 2-row object of page 5 is superseded
+    assert second.prefix_rows == 6 and second.new_rows == 1 + 5
+    # page 8 is freed and reused by a new owner: new generation, the old object is stale
+    gen8 = book.state(8)[0]
+    third = book.plan([BatchRequest(2, 0, 3, (8,))])
+    assert book.state(8) == (book.state(8)[0], 3) and book.state(8)[0] != gen8
+    assert [b.digest for b in third.stale] == [f"ns/p8g{gen8}"]
+    rows = third.entries[0].request_rows(4)
+    assert (rows.row0, rows.cached_blocks, rows.new_len) == (32, 0, 3)
+    with pytest.raises(PageBookError, match="page 11"):  # cached page never saved: no silent recompute
+        book.plan([BatchRequest(3, 4, 6, (11, 12))])
+    with pytest.raises(PageBookError, match="page 5 should hold 2"):  # wrong row count
+        book.plan([BatchRequest(0, 6, 8, (3, 5))])
 
 
 # ------------------------------------------------------------------ Memcache (Ascend)
