@@ -138,6 +138,9 @@ def install_runtime() -> None:
     HookRegistry.register(_TARGET_INDEXER, _indexer_forward_native_around, HookType.AROUND)
     HookRegistry.register(_TARGET_CAPABILITY, capability_around, HookType.AROUND)
     resolution.install()
+    from .disagg.install import install as install_pd_backend  # P/D transfer backend ascend_offload
+
+    install_pd_backend()
     assert ATTENTION_BACKENDS[BACKEND_NAME] is create_backend
     from .layerwise_sizing import install as install_layerwise_sizing  # layerwise prefill: memory profile
 

@@ -125,7 +125,29 @@ class HostMainKVPool(DeviceDSAPool):
         self._no_device_main_kv("get_kv_buffer")
 
     def get_contiguous_buf_infos(self):
-        self._no_device_main_kv("get_contiguous_buf_infos (P/D transfer)")
+        """P/D destination regions, in SGLang's ``(ptrs, byte lengths, item lengths)`` form.
+
+        Main KV entries are the host pool's layers (one item = one page of rows,
+        ``page_size * (latent + rope)`` elements); then the index-K layers (device),
+        as in SGLang's NPU MLA pool. The ``ascend_offload`` transfer backend builds its
+        layout from :meth:`host_page_blocks` and ``index_k_buffer`` directly; SGLang
+        uses these numbers for its registration message and bookkeeping.
+        """
+        mains = [self.host_page_blocks(lid) for lid in self.model_layer_ids]
+        index = [self.index_k_buffer[self._get_indexer_slot(lid)] for lid in self.model_layer_ids]
+        entries = mains + index
+        return ([t.data_ptr() for t in entries], [t.nbytes for t in entries], [t[0].nbytes for t in entries])
+
+    def host_page_blocks(self, layer_id: int) -> torch.Tensor:
+        """``[blocks, page_size, latent + rope]`` view of ``layer_id``'s host rows.
+
+        Block ``b`` holds the rows of slots ``b * page_size .. (b + 1) * page_size - 1``,
+        i.e. SGLang's page ``b``: a P/D transfer writes a whole page of a layer's main
+        KV into the host pool as one contiguous block (no device copy on the way).
+        """
+        rows = self.host_rows(layer_id)
+        blocks = rows.shape[0] // self.page_size
+        return rows[: blocks * self.page_size].view(blocks, self.page_size, rows.shape[-1])
 
     def set_kv_buffer(self, layer, loc_info, cache_k: torch.Tensor, cache_v: Optional[torch.Tensor]):
         """Append the new tokens' rows ``[T, latent + rope]`` to the host pool at their slots."""

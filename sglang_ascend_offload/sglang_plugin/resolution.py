@@ -41,6 +41,7 @@ VALIDATION_STEP = "validate_deepep_v2_dispatch_token_budget"
 # rejected at startup (a flag that silently did nothing would be worse).
 RUNTIME_READY = {"sparse_decode"}
 RUNTIME_READY.add("layerwise_prefill")  # layerwise_pool.py
+RUNTIME_READY.add("pd_transfer")  # disagg/ (transfer backend ascend_offload)
 
 
 # ------------------------------------------------------------------ backend choice
@@ -190,13 +191,16 @@ def check(server_args: Any) -> Optional[cfg.OffloadConfig]:
         carrier.clear()
         return None
     view = resolving_view(server_args)
+    from .disagg import rules as pd_rules  # P/D backend facts and rules
+
     try:
-        deployment = deployment_from_server_args(server_args)
+        deployment = pd_rules.with_pd_facts(deployment_from_server_args(server_args), config, server_args)
         problems += cfg.violations(config, deployment)
     except Exception as exc:  # noqa: BLE001 - reported with the rest
         problems.append(cfg.Violation("sglang.deployment", f"cannot read the deployment: {exc}",
                                       "check the model path and server arguments"))
     problems += plugin_violations(config, view)
+    problems += pd_rules.pd_violations(config, server_args)
     if problems:
         raise cfg.ConfigError(problems, "sglang-ascend-offload configuration")
     carrier.publish(config)

@@ -1,0 +1,138 @@
+"""Registration of the ``ascend_offload`` P/D transfer backend with SGLang 0.5.23.
+
+SGLang converts ``--disaggregation-transfer-backend`` into the closed Enum
+``disaggregation/utils.py::TransferBackend`` in several places
+(``managers/scheduler.py:1513``, ``managers/multi_tokenizer_mixin.py:861``,
+``managers/disagg_service.py:24, 62``), and ``get_kv_class`` maps the Enum to classes
+with an if/elif. The plugin therefore uses SGLang's extension points as follows
+(modelled on SGLang's own ``mooncake_tcp`` alias, ``arg_groups/pd_disaggregation_hook.py:30``):
+
+=============================================================  ======================================
+extension point                                                what is registered
+=============================================================  ======================================
+``arg_groups/choices.py::add_disagg_transfer_backend_choices``  ``ascend_offload`` as a CLI choice
+resolution step ``handle_pd_disaggregation``                   ``ascend_offload`` is declared as
+                                                               ``ascend`` (so every ``TransferBackend``
+                                                               conversion works); without
+                                                               ``--enable-pd-transfer`` startup stops
+HookRegistry AROUND ``disaggregation.utils.get_kv_class``      ``TransferBackend.ASCEND`` -> the classes
+                                                               of :mod:`.conn` in processes where the
+                                                               launcher published a ``pd_transfer``
+                                                               config; otherwise SGLang's own classes
+HookRegistry AROUND ``managers.disagg_service.                 with the plugin's P/D: the MemFabric
+maybe_create_ascend_config_store``                             store from ``pd_transfer.store_url``
+                                                               (prefill node 0), nothing for mooncake
+HookRegistry AFTER ``PrefillBootstrapQueue._init_kv_manager``  hand the queue's KV pool to the manager
+/ ``DecodePreallocQueue._init_kv_manager``                     (SGLang passes managers pointers only)
+=============================================================  ======================================
+
+A server that selects SGLang's own ``ascend`` backend (without the plugin's P/D
+config) keeps SGLang's Ascend classes: every hook checks the published config.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from ... import config as cfg
+from .rules import BACKEND_NAME, SGLANG_BACKEND, missing_config_violation
+
+logger = logging.getLogger(__name__)
+
+_TARGET_GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
+_TARGET_CONFIG_STORE = "sglang.srt.managers.disagg_service.maybe_create_ascend_config_store"
+_TARGET_PREFILL_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
+_TARGET_DECODE_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
+
+
+def pd_active() -> bool:
+    from .conn import active_pd_config
+
+    return active_pd_config() is not None
+
+
+def _pd_step(server_args: Any, previous: Callable[[Any], None]) -> None:
+    """Resolution step: ``ascend_offload`` -> SGLang's ``ascend`` (needs ``--enable-pd-transfer``)."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    from ..resolution import requested_config
+
+    view = resolving_view(server_args)
+    if view.disaggregation_transfer_backend == BACKEND_NAME:
+        config, _ = requested_config()
+        if config.pd_transfer is None and view.disaggregation_mode in ("prefill", "decode"):
+            raise cfg.ConfigError([missing_config_violation()], "sglang-ascend-offload configuration")
+        declare_resolution(server_args, "sglang_ascend_offload", disaggregation_transfer_backend=SGLANG_BACKEND)
+        logger.info("sglang-ascend-offload: P/D transfer backend %s (SGLang sees %r)", BACKEND_NAME, SGLANG_BACKEND)
+    previous(server_args)
+
+
+def _get_kv_class_around(original, transfer_backend, class_type):
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
+
+    if transfer_backend == TransferBackend.ASCEND and class_type != KVClassType.KVARGS and pd_active():
+        from . import conn
+
+        return {KVClassType.MANAGER: conn.AscendOffloadKVManager,
+                KVClassType.SENDER: conn.AscendOffloadKVSender,
+                KVClassType.RECEIVER: conn.AscendOffloadKVReceiver,
+                KVClassType.BOOTSTRAP_SERVER: conn.AscendOffloadKVBootstrapServer}.get(class_type)
+    return original(transfer_backend, class_type)
+
+
+def _config_store_around(original, transfer_backend):
+    from sglang.srt.disaggregation.utils import TransferBackend
+
+    if transfer_backend != TransferBackend.ASCEND or not pd_active():
+        return original(transfer_backend)
+    from sglang.srt.runtime_context import get_parallel
+
+    from .conn import active_pd_config
+
+    pd = active_pd_config()
+    if pd.engine == "memfabric" and get_parallel().node_rank == 0:
+        if not pd.store_url:
+            raise cfg.ConfigError([cfg.Violation("sglang.pd_engine_device", "engine 'memfabric' without store_url",
+                                                 'set "store_url": "tcp://HOST:PORT" in --pd-transfer-config')],
+                                  "sglang-ascend-offload configuration")
+        from ...transfer.engine_memfabric import create_config_store
+
+        create_config_store(pd.store_url)
+    return None
+
+
+def _attach_pool_after(manager, queue, *args, **kwargs):
+    """AFTER ``_init_kv_manager``: give our manager the queue's KV pool."""
+    from .conn import AscendOffloadKVManager
+
+    if isinstance(manager, AscendOffloadKVManager):
+        if getattr(queue, "draft_token_to_kv_pool", None) is not None:
+            raise RuntimeError("the ascend_offload P/D backend does not move draft (speculative) KV pools")
+        scheduler = getattr(queue, "scheduler", None)
+        context_len = getattr(getattr(scheduler, "model_config", None), "context_len", None)
+        manager.attach_pool(queue.token_to_kv_pool, context_len=context_len)
+    return manager
+
+
+_installed = False
+
+
+def install() -> None:
+    """Register everything in the module table (once per process)."""
+    global _installed
+    if _installed:
+        return
+    from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES, add_disagg_transfer_backend_choices
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if BACKEND_NAME not in DISAGG_TRANSFER_BACKEND_CHOICES:
+        add_disagg_transfer_backend_choices([BACKEND_NAME])
+    register_resolution_hook("handle_pd_disaggregation")(_pd_step)
+    HookRegistry.register(_TARGET_GET_KV_CLASS, _get_kv_class_around, HookType.AROUND)
+    HookRegistry.register(_TARGET_CONFIG_STORE, _config_store_around, HookType.AROUND)
+    HookRegistry.register(_TARGET_PREFILL_MANAGER, _attach_pool_after, HookType.AFTER)
+    HookRegistry.register(_TARGET_DECODE_MANAGER, _attach_pool_after, HookType.AFTER)
+    _installed = True

@@ -1,0 +1,194 @@
+"""P/D layouts of the plugin's KV pools, and the prefill-side packing staging.
+
+A layout names, per tensor and per logical layer, the address of block 0 and the
+bytes of one block (:class:`~sglang_ascend_offload.transfer.protocol.KVLayout`). One
+block is one SGLang page (``page_size`` tokens) everywhere, so SGLang's page ids are
+the block ids on both sides.
+
+==============  =====================================================================
+layout kind     main KV tensors (role ``main``)                 indexer (role ``indexer``)
+==============  =====================================================================
+``split``       ``latent`` ``k_buffer[L]`` [pages+1, P, 1, 512]  ``index_k_buffer[slot(L)]``
+                ``rope``   ``v_buffer[L]`` [pages+1, P, 1, 64]   [pages+1, P, 1, 128]
+``host_rows``   ``latent_rope``: decode: the host pool's page    same (device, decode);
+                blocks [blocks, P, 576] (:meth:`~..offload_pool  prefill: its own pool
+                .HostMainKVPool.host_page_blocks`); prefill: a
+                :class:`PackedStaging` slot [max_blocks, P, 576]
+==============  =====================================================================
+
+``split`` is SGLang's NPU MLA pool (:class:`~..pool.DeviceDSAPool`) on both sides:
+decode pulls straight from prefill's pool pages into its pool pages. ``host_rows``
+serves a decode with sparse decode offload: its main KV lives in host memory as one
+576-wide row per token (latent | rope), which prefill's split pages cannot be copied
+into as contiguous blocks. Prefill therefore packs each layer's pages of the request
+into a staging slot (``[latent | rope]`` per token, a device gather) and decode pulls
+the packed pages straight into its host pool; the staging slot is a physical slot in
+the protocol's sense: layer ``L`` uses slot ``L % slots`` and is rewritten only after
+decode answered for its previous content (the slot gates).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+from ... import platform
+from ...transfer.engine import Region
+from ...transfer.layout import TensorLayers, build_layout
+from ...transfer.protocol import KVLayout
+
+MAIN_SPLIT = ("latent", "rope")
+MAIN_ROWS = "latent_rope"
+INDEXER = "index_k"
+INDEXER_SCALE = "index_k_scale"
+
+
+class LayoutError(ValueError):
+    """A pool the P/D backend cannot describe (the message says what to change)."""
+
+
+def _layer_ids(pool: Any) -> List[int]:
+    return list(range(pool.start_layer, pool.start_layer + pool.layer_num))
+
+
+def _is_host_rows_pool(pool: Any) -> bool:
+    return callable(getattr(pool, "host_page_blocks", None)) and getattr(pool, "host_pool", None) is not None
+
+
+def layout_kind(pool: Any) -> str:
+    """``host_rows`` for the sparse-decode-offload pool, ``split`` for the device pool."""
+    return "host_rows" if _is_host_rows_pool(pool) else "split"
+
+
+def check_pool(pool: Any) -> None:
+    """Raise :class:`LayoutError` unless ``pool`` is one the backend can move."""
+    from ..pool import DeviceDSAPool
+
+    if not isinstance(pool, DeviceDSAPool):
+        raise LayoutError(f"P/D transfer backend ascend_offload moves the ascend_offload attention backend's "
+                          f"DSA pools; got {type(pool).__name__} (serve a DeepSeek-V3.2-style model with "
+                          "--attention-backend ascend_offload)")
+    if type(pool).__name__ == "LayerwisePrefillPool":
+        raise LayoutError("P/D transfer from the layerwise prefill offload pool is not wired yet (its "
+                          "pipelined layers are not in device memory after the forward)")
+    if getattr(pool, "index_head_dim", None) is None:
+        raise LayoutError("P/D transfer backend ascend_offload needs a DSA model (an indexer cache)")
+    if getattr(pool, "dsa_kv_cache_store_fp8", False):
+        raise LayoutError("packed fp8 DSA KV storage is not supported by the P/D backend: use "
+                          "--kv-cache-dtype bfloat16")
+    if getattr(pool, "use_fia_nz", False):
+        raise LayoutError("the FIA NZ KV layout is not supported by the P/D backend: unset SGLANG_USE_FIA_NZ")
+    if getattr(pool, "is_draft_worker", False):
+        raise LayoutError("draft (speculative) KV pools are not supported by the P/D backend")
+    missing = [lid for lid in _layer_ids(pool) if lid not in pool.indexer_layer_id_to_slot]
+    if missing:
+        raise LayoutError(f"layers {missing} have no indexer cache (shared top-k layers): not supported "
+                          "by the P/D backend yet")
+
+
+def _indexer_tensors(pool: Any) -> List[TensorLayers]:
+    ids = _layer_ids(pool)
+    out = [TensorLayers("indexer", INDEXER, [pool.index_k_buffer[pool._get_indexer_slot(i)] for i in ids])]
+    if getattr(pool, "index_k_scale_buffer", None) is not None:
+        out.append(TensorLayers("indexer_scale", INDEXER_SCALE,
+                                [pool.index_k_scale_buffer[pool._get_indexer_slot(i)] for i in ids]))
+    return out
+
+
+def split_tensors(pool: Any) -> List[TensorLayers]:
+    """Main KV (latent, rope page blocks) and indexer of a device pool."""
+    check_pool(pool)
+    if _is_host_rows_pool(pool):
+        raise LayoutError("the sparse-decode-offload pool has no device main KV: use host_rows_tensors")
+    n = pool.layer_num
+    return [TensorLayers("main", MAIN_SPLIT[0], [pool.k_buffer[i] for i in range(n)]),
+            TensorLayers("main", MAIN_SPLIT[1], [pool.v_buffer[i] for i in range(n)]),
+            *_indexer_tensors(pool)]
+
+
+def host_rows_tensors(pool: Any) -> List[TensorLayers]:
+    """Main KV as host-pool page blocks (``latent_rope``) and the device indexer."""
+    check_pool(pool)
+    if not _is_host_rows_pool(pool):
+        raise LayoutError("host_rows destinations need the sparse-decode-offload pool (--enable-sparse-decode-offload)")
+    return [TensorLayers("main", MAIN_ROWS, [pool.host_page_blocks(i) for i in _layer_ids(pool)]),
+            *_indexer_tensors(pool)]
+
+
+def destination_tensors(pool: Any) -> List[TensorLayers]:
+    """Decode: where a pulled page lands (kind from :func:`layout_kind`)."""
+    return host_rows_tensors(pool) if _is_host_rows_pool(pool) else split_tensors(pool)
+
+
+def layout_of(pool: Any, tensors: Sequence[TensorLayers]) -> KVLayout:
+    return build_layout(pool.page_size, tensors)
+
+
+def whole_regions(tensors: Sequence[Any]) -> List[Region]:
+    """Distinct ``(address, bytes)`` storage regions holding ``tensors`` (registered once each).
+
+    Per-layer views of one big tensor share its storage: the whole storage is one
+    region (engines refuse overlapping registrations).
+    """
+    seen = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen.setdefault(storage.data_ptr(), storage.nbytes())
+    return sorted(seen.items())
+
+
+def tensors_regions(tensor_layers: Sequence[TensorLayers]) -> List[Region]:
+    return whole_regions([x for t in tensor_layers for x in t.per_layer])
+
+
+class PackedStaging:
+    """Prefill staging for ``host_rows`` peers: ``slots`` buffers ``[max_blocks, P, latent + rope]``.
+
+    Layer ``L`` is packed into slot ``L % slots``; :meth:`tensors` is the source side
+    of the ``host_rows`` layout (main from the staging, indexer from the pool).
+    """
+
+    def __init__(self, pool: Any, *, slots: int = 2, max_blocks: Optional[int] = None):
+        check_pool(pool)
+        if _is_host_rows_pool(pool):
+            raise LayoutError("a prefill server cannot run sparse decode offload")
+        if slots < 1:
+            raise ValueError("slots must be >= 1")
+        self.pool = pool
+        self.slots = slots
+        pages = pool.k_buffer[0].shape[0]
+        self.max_blocks = min(pages, max_blocks) if max_blocks else pages
+        self.latent_dim = pool.k_buffer[0].shape[-1]
+        self.rope_dim = pool.v_buffer[0].shape[-1]
+        self.buffer = torch.zeros((slots, self.max_blocks, pool.page_size, self.latent_dim + self.rope_dim),
+                                  dtype=pool.k_buffer[0].dtype, device=pool.k_buffer[0].device)
+
+    def slot_of(self, layer_index: int) -> int:
+        return layer_index % self.slots
+
+    def tensors(self) -> List[TensorLayers]:
+        main = TensorLayers("main", MAIN_ROWS,
+                            [self.buffer[self.slot_of(i)] for i in range(self.pool.layer_num)])
+        return [main, *_indexer_tensors(self.pool)]
+
+    def pack(self, layer_index: int, pages: Sequence[int]) -> int:
+        """Copy ``pages`` of layer ``layer_index`` as ``[latent | rope]`` rows into its slot.
+
+        Block ``j`` of the slot is ``pages[j]``; returns the slot. Completes before it
+        returns (an event on the current stream on an accelerator), so a peer may read.
+        """
+        n = len(pages)
+        if n > self.max_blocks:
+            raise LayoutError(f"request of {n} pages exceeds the P/D staging of {self.max_blocks} pages")
+        slot = self.slot_of(layer_index)
+        index = torch.as_tensor(list(pages), dtype=torch.long, device=self.buffer.device)
+        dst = self.buffer[slot, :n]
+        latent = self.pool.k_buffer[layer_index].index_select(0, index)
+        rope = self.pool.v_buffer[layer_index].index_select(0, index)
+        dst[..., : self.latent_dim].copy_(latent.reshape(n, self.pool.page_size, self.latent_dim))
+        dst[..., self.latent_dim:].copy_(rope.reshape(n, self.pool.page_size, self.rope_dim))
+        event = platform.new_event()
+        event.record()
+        event.synchronize()
+        return slot

@@ -1,0 +1,161 @@
+"""Decode side: one :class:`~sglang_ascend_offload.transfer.decode_side.DecodeReceiver` per TP rank.
+
+The receiver listens on ``kv_port + dp_rank * d_tp + d_rank`` and pulls every layer
+of a request into its destination: SGLang's pages of the request, which are
+host-pool page blocks for the main KV when the pool is the sparse-decode-offload
+pool (``host_rows``: no device copy of the main KV is ever made) or device pool
+pages otherwise (``split``), and device index-K pages for the indexer.
+
+:class:`DecodeSink` maps SGLang's bootstrap rooms onto the receiver's request ids
+and keeps what SGLang's receiver needs: the request's state, whether a failed
+request's destination is *released* (no read is still writing into it — SGLang
+may free those pages only then), and a claim once SGLang takes a done request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Optional, Sequence, Set
+
+from ... import config as cfg
+from ...transfer.decode_side import DecodeReceiver
+from ...transfer.destinations import RequestDestination
+from ...transfer.engine import TransferEngine
+from ...transfer.errors import RequestFailed, TransferError
+from ...transfer.status import RequestStatus, TransferState
+from ...transfer.topology import decode_port
+from . import layouts
+from .links import unit_id
+from .wire import ADVERT_VERSION, DecodeAdvert
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeSink:
+    """The P/D destination side of one decode TP rank (see module doc). Thread-safe.
+
+    config: the P/D config (``host`` / ``kv_port`` are where this rank listens);
+    d_tp / d_rank / dp_rank: attention TP size, rank and attention DP rank;
+    pool: the rank's KV pool (:class:`~..offload_pool.HostMainKVPool` or
+    :class:`~..pool.DeviceDSAPool`); engine: the started engine (the destinations are
+    registered here).
+    """
+
+    def __init__(self, config: cfg.PDTransferConfig, *, d_tp: int, d_rank: int, dp_rank: int, pool: Any,
+                 engine: TransferEngine):
+        tensors = layouts.destination_tensors(pool)
+        self.config = config
+        self.kind = layouts.layout_kind(pool)
+        self.layout = layouts.layout_of(pool, tensors)
+        self.engine = engine
+        self.d_tp, self.d_rank, self.dp_rank = d_tp, d_rank, dp_rank
+        self.port = decode_port(config.kv_port, dp_rank, d_rank, d_tp)
+        engine.register(layouts.tensors_regions(tensors))
+        self._lock = threading.Lock()
+        self._released: Set[str] = set()
+        self._claimed: Set[str] = set()
+        self._prefill_done_at = {}
+        self.receiver = DecodeReceiver(config, d_tp=d_tp, d_rank=d_rank, layout=self.layout, engine=engine,
+                                       dp_rank=dp_rank, on_release=self._on_release).start()
+        logger.info("P/D decode rank %d listening on %s:%d (%s destinations)", d_rank, config.host, self.port,
+                    self.kind)
+
+    def advert(self) -> DecodeAdvert:
+        return DecodeAdvert(version=ADVERT_VERSION, host=self.config.host, control_port=self.port,
+                            kv_port=self.config.kv_port, dp_rank=self.dp_rank, d_tp=self.d_tp,
+                            d_rank=self.d_rank, engine=self.engine.name,
+                            data_protocol=self.engine.data_protocol, layout_kind=self.kind)
+
+    def _on_release(self, dest: RequestDestination) -> None:
+        with self._lock:
+            self._released.add(dest.request_id)
+
+    # ------------------------------------------------------------------ per request
+    def expect(self, room: int, pages: Sequence[int]) -> None:
+        """Register ``room``'s destination: its pages (main and indexer use the same page ids)."""
+        pages = tuple(int(p) for p in pages)
+        rid = unit_id(room)
+        with self._lock:
+            self._released.discard(rid)
+            self._claimed.discard(rid)
+            self._prefill_done_at.pop(rid, None)
+        self.receiver.expect(RequestDestination(rid, pages, pages if self.layout.indexer is not None else ()))
+
+    def status(self, room: int) -> Optional[RequestStatus]:
+        """``None`` for a room never expected (or already claimed / forgotten)."""
+        try:
+            return self.receiver.status(unit_id(room))
+        except KeyError:
+            return None
+
+    def claimed(self, room: int) -> bool:
+        with self._lock:
+            return unit_id(room) in self._claimed
+
+    def released(self, room: int) -> bool:
+        with self._lock:
+            return unit_id(room) in self._released
+
+    def claim(self, room: int) -> None:
+        rid = unit_id(room)
+        self.receiver.claim(rid)
+        with self._lock:
+            self._claimed.add(rid)
+
+    def note_prefill_done(self, room: int) -> float:
+        """SGLang says prefill finished the request: when it first said so (monotonic)."""
+        rid = unit_id(room)
+        with self._lock:
+            return self._prefill_done_at.setdefault(rid, time.monotonic())
+
+    def fail(self, room: int, reason: str) -> None:
+        """Fail a pending request (its destination is released once no read writes into it)."""
+        self.receiver.forget(unit_id(room), reason)
+
+    def wait_released(self, room: int, timeout_s: float) -> bool:
+        """After :meth:`fail`: wait (bounded) until no read writes into the destination."""
+        rid = unit_id(room)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if rid not in self.receiver.unreleased_failed():
+                break
+            if time.monotonic() >= deadline:
+                logger.error("P/D decode rank %d: a read into request %s's pages is still running after %.1fs",
+                             self.d_rank, room, timeout_s)
+                return False
+            time.sleep(0.005)
+        self.receiver.forget(rid)  # drops the record once drained
+        return True
+
+    def forget(self, room: int, reason: str) -> bool:
+        """SGLang is done with ``room``: fail it if pending, wait until no read is in flight."""
+        rid = unit_id(room)
+        with self._lock:
+            claimed = rid in self._claimed
+            self._claimed.discard(rid)
+            self._released.discard(rid)
+            self._prefill_done_at.pop(rid, None)
+        if claimed:
+            return True
+        self.receiver.forget(rid, reason)
+        return self.wait_released(room, self.config.layer_timeout_s)
+
+    def failure_reason(self, room: int) -> Optional[str]:
+        st = self.status(room)
+        return st.reason if st is not None and st.state is TransferState.FAILED else None
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+def claim_or_reason(sink: DecodeSink, room: int) -> Optional[str]:
+    """Claim a done request; the failure reason if it cannot be claimed (tests, tools)."""
+    try:
+        sink.claim(room)
+        return None
+    except RequestFailed as exc:
+        return exc.reason
+    except TransferError as exc:
+        return str(exc)

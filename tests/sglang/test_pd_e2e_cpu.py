@@ -1,0 +1,192 @@
+"""End to end on CPU: P/D through SGLang's router with the ``ascend_offload`` transfer backend.
+
+One module setup (each launch costs ~30-60 s on 2 cores, started together):
+
+* prefill server (tiny DSA model, ``--disaggregation-mode prefill``),
+* decode server D0 (device pool: main KV pulled into device pages),
+* decode server D1 with sparse decode offload (main KV pulled straight into its host pool),
+* one colocated server (the reference),
+* two routers ``sglang_router.launch_router --pd-disaggregation``: (prefill, D0) and (prefill, D1).
+
+Every server uses the Mooncake engine over TCP on 127.0.0.1 (``pd_transfer.engine =
+mooncake``). Greedy ``/generate`` through each router must return the colocated
+server's tokens (and logprobs). Loopback only; every process is killed in teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, ServerProcess, free_port, server_env
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 1024
+INDEX_TOPK = 16
+COMMON = ["--max-running-requests", "4"]
+ROUTER_READY_S = 120.0
+
+
+def prompt(n: int, seed: int) -> list:
+    return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
+
+
+def pd_config(kv_port: int) -> str:
+    return json.dumps({"engine": "mooncake", "kv_port": kv_port, "host": "127.0.0.1",
+                       "layer_timeout_s": 20, "handshake_timeout_s": 30})
+
+
+class Router:
+    """``python -m sglang_router.launch_router --pd-disaggregation`` (own session, killed as a group)."""
+
+    def __init__(self, prefill: ServerProcess, bootstrap_port: int, decode: ServerProcess, log_path: Path):
+        self.port = free_port()
+        self.args = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                     "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url,
+                     "--host", "127.0.0.1", "--port", str(self.port),
+                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        self.log_path = log_path
+        self.proc = None
+
+    def start(self) -> "Router":
+        self.proc = subprocess.Popen(self.args, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
+                                     env=server_env(), cwd=REPO, start_new_session=True)
+        return self
+
+    def generate(self, input_ids, max_new_tokens: int = 8, timeout: float = 120.0, return_logprob: bool = False):
+        body = {"input_ids": input_ids, "return_logprob": return_logprob,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def wait_ready(self, probe, deadline: float) -> None:
+        """Until the router has healthy workers (it adds them in the background): 503 means not yet."""
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}; log: {self.log_path}")
+            try:
+                self.generate(probe, max_new_tokens=1, timeout=60)
+                return
+            except (urllib.error.HTTPError, urllib.error.URLError, ConnectionError, OSError) as exc:
+                if isinstance(exc, urllib.error.HTTPError) and exc.code != 503:
+                    raise
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"router not ready; log: {self.log_path}") from exc
+                time.sleep(1.0)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    """(router to the device-pool decode, router to the offload decode, colocated server, logs dir)."""
+    root = tmp_path_factory.mktemp("pd_servers")
+    bootstrap = free_port()
+    kv0, kv1 = free_port(), free_port()
+    prefill = ServerProcess(COMMON + ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
+                                      "ascend_offload", "--disaggregation-bootstrap-port", str(bootstrap),
+                                      "--enable-pd-transfer", "--pd-transfer-config", pd_config(kv0)],
+                            log_path=root / "prefill.log")
+    decode_args = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "ascend_offload",
+                   "--disaggregation-decode-retraction-backup", "cpu_tensor", "--enable-pd-transfer"]
+    dense = ServerProcess(COMMON + decode_args + ["--pd-transfer-config", pd_config(kv0)],
+                          log_path=root / "decode_dense.log")
+    offload = ServerProcess(COMMON + decode_args + ["--pd-transfer-config", pd_config(kv1),
+                                                    "--enable-sparse-decode-offload",
+                                                    "--sparse-decode-offload-config", '{"hot_tokens": 64}'],
+                            log_path=root / "decode_offload.log")
+    colocated = ServerProcess(COMMON, log_path=root / "colocated.log")
+    servers = [prefill, dense, offload, colocated]
+    routers = []
+    try:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            errors = [f.exception() for f in [pool.submit(s.start) for s in servers]]
+        if any(errors):
+            raise next(e for e in errors if e)
+        print("\nstartup (concurrent): " + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in
+                                                    zip(("prefill", "dense", "offload", "colocated"), servers)))
+        routers = [Router(prefill, bootstrap, dense, root / "router_dense.log").start(),
+                   Router(prefill, bootstrap, offload, root / "router_offload.log").start()]
+        deadline = time.monotonic() + ROUTER_READY_S
+        for r in routers:
+            r.wait_ready(prompt(5, seed=99), deadline)
+        yield routers[0], routers[1], colocated, root
+    finally:
+        for r in routers:
+            r.stop()
+        for s in servers:
+            s.stop()
+
+
+def _check_same(router: Router, colocated: ServerProcess, prompts, max_new_tokens: int) -> None:
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        got = list(ex.map(lambda p: router.generate(p, max_new_tokens, return_logprob=True), prompts))
+    for p, out in zip(prompts, got):
+        ref = colocated.generate(p, max_new_tokens=max_new_tokens, return_logprob=True)
+        assert out["output_ids"] == ref["output_ids"], f"prompt of {len(p)} tokens"
+        assert len(out["output_ids"]) == max_new_tokens
+        assert out["meta_info"]["output_token_logprobs"] == ref["meta_info"]["output_token_logprobs"]
+
+
+# Prompts: shorter than a page, longer than the top-k, several pages (page size 64 on CPU).
+PROMPTS = [prompt(5, seed=1), prompt(3 * INDEX_TOPK, seed=2), prompt(150, seed=3), prompt(201, seed=4)]
+
+
+def test_router_pd_with_device_decode_matches_colocated(pd):
+    dense_router, _, colocated, _ = pd
+    _check_same(dense_router, colocated, PROMPTS, max_new_tokens=12)
+
+
+def test_router_pd_with_offload_decode_matches_colocated(pd):
+    _, offload_router, colocated, _ = pd
+    _check_same(offload_router, colocated, PROMPTS, max_new_tokens=12)
+
+
+def test_both_decode_servers_at_once_from_one_prefill(pd):
+    dense_router, offload_router, colocated, _ = pd
+    p = prompt(130, seed=7)
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(lambda r: r.generate(p, 16), [dense_router, offload_router] * 2))
+    ref = colocated.generate(p, max_new_tokens=16)["output_ids"]
+    assert all(o["output_ids"] == ref for o in outs)
+
+
+def test_the_project_protocol_moved_the_kv(pd):
+    """The logs show our protocol's endpoints for both layouts, and no SGLang KV engine."""
+    *_, root = pd
+    prefill_log = (root / "prefill.log").read_text(errors="replace")
+    assert re.search(r"P/D link to decode rank 0 at 127\.0\.0\.1:\d+ \(split layout", prefill_log)
+    assert re.search(r"P/D link to decode rank 0 at 127\.0\.0\.1:\d+ \(host_rows layout", prefill_log)
+    assert "SGLang sees 'ascend'" in prefill_log
+    dense_log = (root / "decode_dense.log").read_text(errors="replace")
+    offload_log = (root / "decode_offload.log").read_text(errors="replace")
+    assert "(split destinations)" in dense_log
+    assert "(host_rows destinations)" in offload_log
+    for log in (prefill_log, dense_log, offload_log):
+        assert "Traceback" not in log
+        assert "request " not in log or " failed: " not in log  # no P/D request failed
