@@ -13,6 +13,7 @@ rule                              when
 ``sglang.layerwise_speculative``  a speculative algorithm (draft / MTP workers are not wired)
 ``sglang.layerwise_tbo``          two-batch overlap or PD-multiplexing (interleaved forwards)
 ``sglang.layerwise_hicache``      ``--enable-hierarchical-cache`` (owns the layer counter)
+``sglang.layerwise_pp``           pipeline parallelism (per-stage plans are not wired / tested)
 ``sglang.layerwise_block_tokens`` ``store_block_tokens`` set to something other than the page size
 ``sglang.layerwise_store``        ``store_backend`` memcache with buffer reuse and memcache-hybrid
                                   missing
@@ -31,7 +32,7 @@ __all__ = ["layerwise_violations", "RULES"]
 
 RULES = ("sglang.layerwise_backend", "sglang.layerwise_sparse_decode", "sglang.layerwise_speculative",
          "sglang.layerwise_tbo", "sglang.layerwise_hicache", "sglang.layerwise_block_tokens",
-         "sglang.layerwise_store")
+         "sglang.layerwise_store", "sglang.layerwise_pp")
 
 
 def layerwise_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violation]:
@@ -65,6 +66,9 @@ def layerwise_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Viola
     if getattr(view, "enable_hierarchical_cache", False):
         add("sglang.layerwise_hicache", "--enable-hierarchical-cache is on (HiCache drives the pool's layer "
             "counter)", "drop --enable-hierarchical-cache")
+    if (getattr(view, "pp_size", 1) or 1) > 1:
+        add("sglang.layerwise_pp", f"pp_size={view.pp_size}: the layer buffers are planned per model, not per "
+            "pipeline stage", "set --pp-size 1 with layerwise prefill offload")
     page = getattr(view, "page_size", None)
     if lw.store_block_tokens is not None and page is not None and lw.store_block_tokens != page:
         add("sglang.layerwise_block_tokens", f"store_block_tokens={lw.store_block_tokens} but the KV page "

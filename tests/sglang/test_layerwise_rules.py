@@ -46,6 +46,7 @@ def test_a_servable_setup_has_no_violation():
     (lw(), view(enable_pdmux=True), "sglang.layerwise_tbo"),
     (lw(), view(enable_hierarchical_cache=True), "sglang.layerwise_hicache"),
     (lw(store_block_tokens=16), view(), "sglang.layerwise_block_tokens"),
+    (lw(), view(pp_size=2), "sglang.layerwise_pp"),
 ])
 def test_each_rule(config, server, rule):
     rules = [v.rule for v in layerwise_violations(config, server)]
