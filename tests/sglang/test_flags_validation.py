@@ -109,7 +109,7 @@ def test_plugin_rules():
     assert "sglang.indexer_dtype" in rules2 and "sglang.fused_not_wired" in rules2
     if platform.device_kind() != "npu":
         assert "sglang.ops_unavailable" in rules2  # no torch_npu operators on this machine
-    assert "sglang.feature_not_wired" in rules  # layerwise prefill has no SGLang runtime yet
+    assert "sglang.layerwise_sparse_decode" in rules  # one server runs one of the two
     eager = SimpleNamespace(attention_backend="ascend_offload", disable_cuda_graph=True)
     assert resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig()), eager) == []
 
