@@ -281,9 +281,28 @@ class LayerwisePrefillPipeline:
             raise ValueError(f"forward needs {row0} token rows but the layer buffers hold "
                              f"{self.capacity_rows}; split the batch (chunked prefill) or plan "
                              "larger buffers")
-        layout = ForwardLayout(tuple(rows), layers)
-        extra = {l: tuple(c) for l, c in (extra_consumers or {}).items()}
+        return self.open_forward(ForwardLayout(tuple(rows), layers), extra_consumers)
+
+    def open_forward(self, layout: ForwardLayout,
+                     extra_consumers: Optional[Dict[int, Sequence[str]]] = None) -> ForwardLayout:
+        """Open a forward over a caller-made ``layout`` (rows already placed; blocks
+        ``[:cached_blocks]`` of each row are loaded, the rest saved): lease the cached
+        blocks and start prefetching. :meth:`begin_forward` builds the layout from
+        token ids; a memory pool that owns its row placement calls this directly."""
+        layers = layout.layers
+        unknown = [l for l in layers if l not in self.plan.layer_buffer]
+        if unknown or not layers:
+            raise ValueError(f"layers {list(layers)}: {unknown or 'none'} not in the buffer plan")
+        end = max((r.row0 + b.start + b.tokens for r in layout.requests for b in r.blocks), default=0)
+        if end > self.capacity_rows:
+            raise ValueError(f"forward rows reach {end} but the layer buffers hold {self.capacity_rows}")
+        rows = layout.requests
+        extra = {l: tuple(c) for l, c in (extra_consumers or {}).items() if c}
         with self._cv:
+            if self._closed:
+                raise RuntimeError("pipeline is closed")
+            if self._fwd is not None:
+                raise RuntimeError(f"forward {self._fwd.fid} is still open; call end_forward first")
             fwd = _Forward(self._next_fid, layout, extra)
             self._next_fid += 1
             fwd.stats.prefix_tokens = sum(r.prefix_len for r in rows)
@@ -296,6 +315,10 @@ class LayerwisePrefillPipeline:
         for layer in layers:
             self._load_q.put((fwd, layer))
         return layout
+
+    @property
+    def has_open_forward(self) -> bool:
+        return self._fwd is not None
 
     def _current(self) -> _Forward:
         fwd = self._fwd

@@ -38,7 +38,6 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from ..layerwise_prefill import pipeline as lw_pipeline
 from ..layerwise_prefill.pipeline import ForwardLayout, LayerwisePrefillPipeline, RequestRows
 from .layerwise_pages import BatchRequest
 
@@ -90,37 +89,7 @@ class SlotPipeline(LayerwisePrefillPipeline):
         """Open a forward over ``layers`` with the given rows (blocks ``[:cached_blocks]``
         are loaded into ``row0 + start``, the rest saved from there). Same contract as
         :meth:`begin_forward` otherwise (leases, prefetch, one open forward)."""
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("pipeline is closed")
-            if self._fwd is not None:
-                raise RuntimeError(f"forward {self._fwd.fid} is still open; call end_forward first")
-        layers = tuple(layers)
-        unknown = [l for l in layers if l not in self.plan.layer_buffer]
-        if unknown or not layers:
-            raise ValueError(f"layers {list(layers)}: {unknown or 'none'} not in the buffer plan")
-        end = max((r.row0 + b.start + b.tokens for r in rows for b in r.blocks), default=0)
-        if end > self.capacity_rows:
-            raise ValueError(f"forward rows reach {end} but the layer buffers hold {self.capacity_rows}")
-        layout = ForwardLayout(tuple(rows), layers)
-        extra = {l: tuple(c) for l, c in (extra_consumers or {}).items() if c}
-        with self._cv:
-            fwd = lw_pipeline._Forward(self._next_fid, layout, extra)
-            self._next_fid += 1
-            fwd.stats.prefix_tokens = sum(r.prefix_len for r in rows)
-            fwd.stats.new_tokens = sum(r.new_len for r in rows)
-            self._fwd = fwd
-        leased = [k for r in rows for l in layers for k in self._layer_keys(r.blocks[:r.cached_blocks], l)]
-        if leased:
-            self.store.add_lease(leased, self.lease_ttl_ms)
-            fwd.leased = leased
-        for layer in layers:
-            self._load_q.put((fwd, layer))
-        return layout
-
-    @property
-    def has_open_forward(self) -> bool:
-        return self._fwd is not None
+        return self.open_forward(ForwardLayout(tuple(rows), tuple(layers)), extra_consumers)
 
 
 class WrittenNotifier:
