@@ -191,17 +191,20 @@ class PeerLink:
             except GateTimeout as exc:
                 sender.abort(rid, f"layer {layer}: {exc}")
                 break
+            if sender.status(rid).state is not TransferState.PENDING:
+                break  # failed while waiting for the slot (e.g. READ_FAILED of an earlier layer)
             if pack:
                 self.staging.pack(layer, job.pages)
                 owner.stats.packed_layers += 1
             main_blocks = range(n) if self.staging is not None else job.pages
             try:
-                sender.publish_layer(layer, slot, {rid: SourceBlocks(list(main_blocks), list(job.pages))},
-                                     finished=[rid] if layer == layers - 1 else [])
+                batch = sender.publish_layer(layer, slot, {rid: SourceBlocks(list(main_blocks), list(job.pages))},
+                                             finished=[rid] if layer == layers - 1 else [])
             except Exception as exc:  # noqa: BLE001 - fail the request, keep the link
                 sender.abort(rid, f"layer {layer}: publish failed: {exc}")
                 break
-            owner.stats.layers_published += 1
+            if batch is not None:
+                owner.stats.layers_published += 1
         if owner.cancelled(job.room):
             sender.abort(rid, "aborted by the prefill scheduler")
 
@@ -230,7 +233,13 @@ class PrefillLinks:
         self._adverts: Dict[str, DecodeAdvert] = {}
         self._advert_errors: Dict[str, str] = {}
         self._units: Dict[int, _Unit] = {}
-        engine.register(layouts.tensors_regions(layouts.split_tensors(pool)))
+        self._registered: List[int] = []
+        self._register(layouts.tensors_regions(layouts.split_tensors(pool)))
+
+    def _register(self, regions) -> None:
+        self.engine.register(regions)
+        with self._lock:
+            self._registered += [addr for addr, _ in regions]
 
     # ------------------------------------------------------------------ peers
     def note_peer(self, session: str, advert: Optional[DecodeAdvert], error: str = "") -> None:
@@ -249,7 +258,7 @@ class PrefillLinks:
 
     def staging_for(self, link: PeerLink) -> layouts.PackedStaging:
         staging = layouts.PackedStaging(self.pool, slots=self.staging_slots, max_blocks=self.max_blocks)
-        self.engine.register(layouts.whole_regions([staging.buffer]))
+        self._register(layouts.whole_regions([staging.buffer]))
         return staging
 
     def _link(self, session: str) -> PeerLink:
@@ -371,10 +380,14 @@ class PrefillLinks:
             return list(self._links.values())
 
     def close(self) -> None:
+        """Stop every link (open gates released with an error) and unregister the memory."""
         with self._lock:
             links, self._links = list(self._links.values()), {}
+            registered, self._registered = self._registered, []
         for link in links:
             link.close()
+        if registered:
+            self.engine.unregister(registered)
 
 
 def wait_terminal(links: PrefillLinks, room: int, timeout_s: float) -> Optional[RequestStatus]:

@@ -52,7 +52,8 @@ class DecodeSink:
         self.engine = engine
         self.d_tp, self.d_rank, self.dp_rank = d_tp, d_rank, dp_rank
         self.port = decode_port(config.kv_port, dp_rank, d_rank, d_tp)
-        engine.register(layouts.tensors_regions(tensors))
+        self._regions = layouts.tensors_regions(tensors)
+        engine.register(self._regions)
         self._lock = threading.Lock()
         self._released: Set[str] = set()
         self._claimed: Set[str] = set()
@@ -147,7 +148,9 @@ class DecodeSink:
         return st.reason if st is not None and st.state is TransferState.FAILED else None
 
     def close(self) -> None:
+        """Stop the receiver (pending requests fail) and unregister the destinations."""
         self.receiver.close()
+        self.engine.unregister([addr for addr, _ in self._regions])
 
 
 def claim_or_reason(sink: DecodeSink, room: int) -> Optional[str]:

@@ -1,0 +1,326 @@
+"""The ascend_offload P/D backend's adapter classes with real SGLang pools and real engines.
+
+In one process: a prefill rank's :class:`PrefillLinks` over the plugin's
+``DeviceDSAPool`` (random KV) and a decode rank's :class:`DecodeSink` over either a
+``DeviceDSAPool`` (``split``) or the sparse-decode ``HostMainKVPool`` (``host_rows``),
+each with its own Mooncake engine over TCP on 127.0.0.1. Pulled pages must equal the
+prefill pages bit for bit (main KV into the host pool rows, index K into the device
+cache); failures must reach both sides with their reason and leave nothing busy.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from sglang_ascend_offload import config as cfg
+from sglang_ascend_offload.transfer.layout import layout_mismatches
+from sglang_ascend_offload.transfer.status import TransferState
+
+from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK, published_context
+
+pytestmark = [pytest.mark.usefixtures("plugins_loaded"),
+              pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
+                                 reason="needs mooncake-transfer-engine-non-cuda (scripts/requirements-cpu.txt)"),
+              pytest.mark.timeout(120)]
+
+PAGE = 16
+SLOTS = 16 * PAGE  # 16 pages (+ SGLang's padding page)
+LAYERS = 3  # > 2 staging slots: the packing slots are reused under their gates
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ctx():
+    with published_context():
+        yield
+
+
+def _common(page=PAGE, layers=LAYERS):
+    return dict(page_size=page, dtype=torch.bfloat16, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
+                layer_num=layers, device="cpu", enable_memory_saver=False, index_head_dim=INDEX_DIM)
+
+
+def device_pool(page=PAGE, layers=LAYERS, fill_seed=None):
+    from sglang_ascend_offload.sglang_plugin.pool import DeviceDSAPool
+
+    pool = DeviceDSAPool(SLOTS, index_size=SLOTS, index_page_size=page, **_common(page, layers))
+    if fill_seed is not None:
+        gen = torch.Generator().manual_seed(fill_seed)
+        for buf in (pool.k_buffer, pool.v_buffer, pool.index_k_buffer):
+            buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
+    return pool
+
+
+def host_pool(page=PAGE):
+    from sglang_ascend_offload.sglang_plugin.offload_pool import HostMainKVPool
+
+    return HostMainKVPool(SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK),
+                          **_common(page))
+
+
+def pd_config(**kw):
+    base = dict(engine="mooncake", kv_port=free_port(), host="127.0.0.1", layer_timeout_s=5.0,
+                handshake_timeout_s=10.0, read_retries=1)
+    base.update(kw)
+    return cfg.PDTransferConfig(**base)
+
+
+class Pair:
+    """One prefill rank and one decode rank, each with its own engine."""
+
+    def __init__(self, decode_pool, prefill_pool=None, config=None):
+        from sglang_ascend_offload.sglang_plugin.disagg.links import PrefillLinks
+        from sglang_ascend_offload.sglang_plugin.disagg.sink import DecodeSink
+        from sglang_ascend_offload.transfer.engine import create_engine
+
+        self.config = config or pd_config()
+        self.p_pool = prefill_pool if prefill_pool is not None else device_pool(fill_seed=1)
+        self.d_pool = decode_pool
+        self.p_engine = create_engine(self.config, "prefill")
+        self.d_engine = create_engine(self.config, "decode")
+        self.sink = DecodeSink(self.config, d_tp=1, d_rank=0, dp_rank=0, pool=decode_pool, engine=self.d_engine)
+        self.links = PrefillLinks(self.config, p_tp=1, p_rank=0, pool=self.p_pool, engine=self.p_engine,
+                                  max_blocks=8)
+        self.links.note_peer("decode-session", self.sink.advert())
+
+    def transfer(self, room, src_pages, dst_pages, timeout=30.0):
+        self.sink.expect(room, dst_pages)
+        self.links.submit(room, ["decode-session"], src_pages)
+        return self.wait(room, timeout)
+
+    def wait(self, room, timeout=30.0, decode=True):
+        """Both sides terminal (prefill only with ``decode=False``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            p, d = self.links.status(room), self.sink.status(room)
+            if p is not None and p.terminal and (not decode or d is None or d.terminal):
+                return p, d
+            time.sleep(0.01)
+        raise AssertionError(f"room {room} not terminal after {timeout}s: prefill {self.links.status(room)}, "
+                             f"decode {self.sink.status(room)}")
+
+    def close(self):
+        self.links.close()
+        self.sink.close()
+        self.p_engine.close()
+        self.d_engine.close()
+
+
+def assert_idle(link, timeout=5.0):
+    """Every published batch answered (later layers' answers may still be on their way) and
+    no slot gated."""
+    deadline = time.monotonic() + timeout
+    while link.sender.open_batches() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert link.sender.open_batches() == 0
+    assert link.gates.busy_slots() == []
+
+
+def assert_split_equal(p_pool, d_pool, src, dst):
+    for layer in range(LAYERS):
+        for buf in ("k_buffer", "v_buffer"):
+            assert torch.equal(getattr(d_pool, buf)[layer][dst], getattr(p_pool, buf)[layer][src]), (layer, buf)
+        assert torch.equal(d_pool.index_k_buffer[layer][dst], p_pool.index_k_buffer[layer][src]), layer
+
+
+def assert_host_rows_equal(p_pool, d_pool, src, dst):
+    for layer in range(LAYERS):
+        want = torch.cat((p_pool.k_buffer[layer][src].reshape(len(src), PAGE, LATENT),
+                          p_pool.v_buffer[layer][src].reshape(len(src), PAGE, ROPE)), dim=-1)
+        assert torch.equal(d_pool.host_page_blocks(layer)[dst], want), layer
+        slots = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in dst])
+        assert torch.equal(d_pool.host_rows(layer)[slots], want.reshape(-1, LATENT + ROPE)), layer
+        assert torch.equal(d_pool.index_k_buffer[layer][dst], p_pool.index_k_buffer[layer][src]), layer
+
+
+# ------------------------------------------------------------------ layouts
+def test_layouts_of_the_pools_pair_up(ctx):
+    from sglang_ascend_offload.sglang_plugin.disagg import layouts
+
+    p, d, h = device_pool(), device_pool(), host_pool()
+    split_p = layouts.layout_of(p, layouts.split_tensors(p))
+    assert layout_mismatches(split_p, layouts.layout_of(d, layouts.destination_tensors(d))) == []
+    staging = layouts.PackedStaging(p, slots=2, max_blocks=8)
+    packed_p = layouts.layout_of(p, staging.tensors())
+    rows_d = layouts.layout_of(h, layouts.destination_tensors(h))
+    assert layouts.layout_kind(h) == "host_rows" and layouts.layout_kind(d) == "split"
+    assert layout_mismatches(packed_p, rows_d) == []
+    assert [t.block_bytes for t in rows_d.main] == [PAGE * (LATENT + ROPE) * 2]
+    assert rows_d.main[0].num_blocks == h.host_pool.shape.tokens // PAGE
+    # the staging slots alias: layer L uses slot L % 2
+    bases = packed_p.main[0].layer_base_addrs
+    assert bases[0] == bases[2] != bases[1]
+    why = layout_mismatches(split_p, rows_d)
+    assert any("main tensor count" in w for w in why)
+    # SGLang's registration numbers of the host pool (ptrs, lengths, item lengths)
+    ptrs, lens, items = h.get_contiguous_buf_infos()
+    assert len(ptrs) == 2 * LAYERS and items[0] == PAGE * (LATENT + ROPE) * 2
+    assert ptrs[0] == h.host_rows(0).data_ptr()
+
+
+def test_packing_is_a_bit_exact_gather(ctx):
+    from sglang_ascend_offload.sglang_plugin.disagg.layouts import LayoutError, PackedStaging
+
+    p = device_pool(fill_seed=3)
+    staging = PackedStaging(p, slots=2, max_blocks=4)
+    pages = [5, 2, 9]
+    for layer in range(LAYERS):
+        slot = staging.pack(layer, pages)
+        assert slot == layer % 2
+        want = torch.cat((p.k_buffer[layer][pages].reshape(3, PAGE, LATENT),
+                          p.v_buffer[layer][pages].reshape(3, PAGE, ROPE)), dim=-1)
+        assert torch.equal(staging.buffer[slot, :3], want)
+    with pytest.raises(LayoutError, match="exceeds the P/D staging"):
+        staging.pack(0, [1, 2, 3, 4, 5])
+
+
+def test_pools_the_backend_cannot_move_are_refused(ctx):
+    from sglang_ascend_offload.sglang_plugin.disagg.layouts import LayoutError, check_pool
+
+    with pytest.raises(LayoutError, match="ascend_offload attention backend"):
+        check_pool(object())
+    p = device_pool()
+    p.is_draft_worker = True
+    with pytest.raises(LayoutError, match="draft"):
+        check_pool(p)
+
+
+# ------------------------------------------------------------------ data path
+@pytest.mark.parametrize("kind", ["split", "host_rows"])
+def test_requests_arrive_bit_exact(ctx, kind):
+    pair = Pair(device_pool() if kind == "split" else host_pool())
+    try:
+        jobs = {11: ([3, 7, 1], [9, 4, 12]), 12: ([2, 5, 8, 10, 11, 13, 14, 15], [1, 2, 3, 5, 6, 7, 8, 10]),
+                13: ([6], [15])}
+        for room, (src, dst) in jobs.items():  # queued back to back: slots / gates reused across requests
+            pair.sink.expect(room, dst)
+            pair.links.submit(room, ["decode-session"], src)
+        for room, (src, dst) in jobs.items():
+            p, d = pair.wait(room)
+            assert p.state is TransferState.DONE and d.state is TransferState.DONE, (p, d)
+            pair.sink.claim(room)
+            check = assert_split_equal if kind == "split" else assert_host_rows_equal
+            check(pair.p_pool, pair.d_pool, src, dst)
+        link = pair.links.links()[0]
+        assert link.sender.open_batches() == 0
+        assert link.gates.busy_slots() == []
+        stats = pair.links.stats
+        assert stats.layers_published == LAYERS * len(jobs)
+        assert stats.packed_layers == (LAYERS * len(jobs) if kind == "host_rows" else 0)
+        assert pair.sink.receiver.stats.requests_done == len(jobs)
+        if kind == "host_rows":
+            assert pair.d_pool.k_buffer is None  # no device main KV on the way
+    finally:
+        pair.close()
+
+
+def test_page_count_mismatch_fails_both_sides_and_frees_everything(ctx):
+    pair = Pair(host_pool())
+    try:
+        p, d = pair.transfer(21, [1, 2, 3], [4, 5])
+        assert p.state is TransferState.FAILED and d.state is TransferState.FAILED
+        assert "3 blocks, decode destination 2" in d.reason
+        assert "3 blocks, decode destination 2" in p.reason  # decode's READ_FAILED reason reaches prefill
+        assert pair.sink.released(21)  # no read in flight: SGLang may free the pages
+        assert_idle(pair.links.links()[0])
+        # the link still works for the next request
+        p, d = pair.transfer(22, [1, 2], [4, 5])
+        assert p.state is TransferState.DONE and d.state is TransferState.DONE
+    finally:
+        pair.close()
+
+
+def test_handshake_refusal_fails_the_request_with_every_reason(ctx):
+    pair = Pair(device_pool(page=32), prefill_pool=device_pool(fill_seed=1))
+    try:
+        pair.sink.expect(31, [1])
+        pair.links.submit(31, ["decode-session"], [1])
+        p, _ = pair.wait(31, decode=False)
+        assert p.state is TransferState.FAILED
+        assert "refused the handshake" in p.reason and "tokens per block: prefill 16, decode 32" in p.reason
+        pair.links.submit(32, ["decode-session"], [2])  # the link stays failed: no second handshake wait
+        p2, _ = pair.wait(32, timeout=2.0, decode=False)
+        assert p2.state is TransferState.FAILED and "tokens per block" in p2.reason
+        assert pair.links.stats.handshakes == 1
+        assert pair.sink.forget(31, "test done")  # pending decode request: failed and released at once
+    finally:
+        pair.close()
+
+
+def test_requests_without_an_advert_or_with_two_decode_peers_fail(ctx):
+    pair = Pair(device_pool())
+    try:
+        pair.links.submit(41, ["someone-else"], [1])
+        assert "never registered" in pair.links.status(41).reason
+        pair.links.note_peer("broken", None, "invalid decode advert from broken: bad")
+        pair.links.submit(42, ["broken"], [1])
+        assert "invalid decode advert" in pair.links.status(42).reason
+        pair.links.submit(43, ["decode-session", "other"], [1])
+        assert "2 decode ranks target" in pair.links.status(43).reason
+        pair.links.submit(44, ["decode-session"], [1, 1])
+        assert "repeated pages" in pair.links.status(44).reason
+    finally:
+        pair.close()
+
+
+class _Gate:
+    """A stand-in for SGLang's wait_event: the link blocks on it until released."""
+
+    def __init__(self):
+        self.event = threading.Event()
+
+    def synchronize(self):
+        assert self.event.wait(10.0)
+
+
+def test_cancel_before_publication_publishes_nothing(ctx):
+    pair = Pair(device_pool())
+    try:
+        gate = _Gate()
+        pair.sink.expect(51, [3])
+        pair.links.submit(51, ["decode-session"], [3], wait_event=gate)
+        pair.links.cancel(51, "aborted by the prefill scheduler")
+        gate.event.set()
+        p = pair.links.status(51)
+        assert p.state is TransferState.FAILED and "aborted" in p.reason
+        time.sleep(0.2)
+        assert pair.links.stats.layers_published == 0
+        assert pair.sink.status(51).state is TransferState.PENDING  # decode learns it from SGLang's status path
+        assert pair.sink.forget(51, "SGLang failed the request")
+        assert pair.sink.status(51) is None
+        pair.links.forget(51)
+        assert pair.links.open_units() == []
+    finally:
+        pair.close()
+
+
+def test_decode_gives_up_and_prefill_fails_with_decode_reason(ctx):
+    """Decode fails a request while prefill publishes (SGLang aborted it): prefill's
+    next batch is answered READ_FAILED, prefill fails, nothing stays gated."""
+    pair = Pair(host_pool())
+    try:
+        gate = _Gate()
+        pair.sink.expect(61, [1, 2])
+        pair.links.submit(61, ["decode-session"], [1, 2], wait_event=gate)
+        pair.sink.fail(61, "aborted by the decode scheduler")
+        gate.event.set()
+        assert pair.sink.released(61)  # nothing was reading: released (and forgotten) at once
+        assert pair.sink.status(61) is None
+        p, _ = pair.wait(61, decode=False)
+        assert p.state is TransferState.FAILED and "unknown request on decode" in p.reason
+        # layer 0 is answered READ_FAILED; layer 2 waits for slot 0, so at most layers 0 and 1 went out
+        assert pair.links.stats.layers_published <= 2
+        assert_idle(pair.links.links()[0])
+    finally:
+        pair.close()
