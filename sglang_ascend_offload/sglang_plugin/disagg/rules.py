@@ -19,6 +19,10 @@ rule                                    when
                                         cache, decode host receive, HiSparse, speculative decoding,
                                         ``prefill_complete`` allocation, staging buffers, role switch,
                                         layerwise prefill offload on the same server
+``sglang.pd_decode_tp``                 decode attention TP > 1: the protocol sends each decode TP rank
+                                        only its share of the main KV, for a TP-shared host pool; the
+                                        decode pools in SGLang are per rank today (prefill TP may be any
+                                        size: its ranks split the indexer, member 0 sends the main KV)
 ``sglang.pd_cpu_retraction_backup``     a CPU decode server without
                                         ``--disaggregation-decode-retraction-backup cpu_tensor``
                                         (SGLang's default backup registers CUDA host memory,
@@ -53,6 +57,7 @@ RULES = {
     "sglang.pd_parallel": "PP, attention CP and DCP are not supported by the P/D backend",
     "sglang.pd_unsupported": "a P/D feature the backend does not provide",
     "sglang.pd_cpu_retraction_backup": "a CPU decode server needs --disaggregation-decode-retraction-backup cpu_tensor",
+    "sglang.pd_decode_tp": "decode attention TP must be 1 until SGLang's decode main KV is TP-shared",
 }
 
 
@@ -160,6 +165,13 @@ def pd_violations(config: cfg.OffloadConfig, server_args: Any) -> List[cfg.Viola
     if unsupported:
         out.append(_violation("sglang.pd_unsupported", "not supported with the ascend_offload P/D backend: "
                               + "; ".join(unsupported), "drop these settings"))
+    tp = int(getattr(view, "tp_size", 1) or 1)
+    attn_tp = tp // max(1, int(getattr(view, "dp_size", 1) or 1)) if getattr(view, "enable_dp_attention", False) else tp
+    if role == "decode" and attn_tp > 1:
+        out.append(_violation("sglang.pd_decode_tp", f"decode attention TP {attn_tp}",
+                              "run decode with attention TP 1 (scale with DP): the protocol splits the main KV "
+                              "across decode TP ranks into one TP-shared host pool, and SGLang's decode pools "
+                              "(device, or the plugin's host pool) are per rank"))
     if role == "decode" and device == "cpu" and getattr(view, "disaggregation_decode_retraction_backup", None) != "cpu_tensor":
         out.append(_violation("sglang.pd_cpu_retraction_backup",
                               f"retraction backup {getattr(view, 'disaggregation_decode_retraction_backup', None)!r} "
