@@ -152,6 +152,9 @@ class PDTransferConfig:
     layer_timeout_s: deadline of every per-layer wait (the reference has none); on
         decode it is also the no-progress deadline of a request.
     read_retries: failed reads retried this many times before the request fails.
+    peer_tp / peer_protocol: the other side's TP size and MemFabric protocol, where the
+        operator states them; then an invalid TP pair or a protocol mismatch stops
+        startup instead of failing every request when the two sides meet.
     """
 
     engine: Literal["memfabric", "mooncake"] = "memfabric"
@@ -164,6 +167,8 @@ class PDTransferConfig:
     handshake_timeout_s: float = 100.0
     layer_timeout_s: float = 30.0
     read_retries: int = 2
+    peer_tp: Optional[int] = None
+    peer_protocol: Optional[Literal["sdma", "device_rdma", "device_urma"]] = None
 
     def _check(self) -> List[str]:
         errs = []
@@ -175,6 +180,8 @@ class PDTransferConfig:
             errs.append("layer_timeout_s must be > 0")
         if self.read_retries < 0:
             errs.append("read_retries must be >= 0")
+        if self.peer_tp is not None and self.peer_tp < 1:
+            errs.append("peer_tp must be >= 1")
         if self.host.strip() in ("", "0.0.0.0", "::", "[::]", "*"):
             errs.append(f"host {self.host!r} is a wildcard: give the interface address peers connect to")
         return errs

@@ -111,6 +111,14 @@ def test_invalid_pd_settings_stop_startup_listing_every_reason(plugins_loaded, c
     assert carrier.published_text() is None
 
 
+def test_stated_invalid_peer_tp_stops_startup(plugins_loaded, clean_state):
+    sa = _server_args(disaggregation_mode="prefill", disaggregation_transfer_backend="ascend_offload")
+    flags.remember(raw(pd=json.dumps({**PD, "peer_tp": 2})))  # p_tp 1 < d_tp 2
+    with pytest.raises(cfg.ConfigError) as info:
+        sa.resolve_once()
+    assert "pd_transfer.tp_ratio" in {v.rule for v in info.value.violations}
+
+
 def test_pd_on_a_colocated_server_is_refused(plugins_loaded, clean_state):
     flags.remember(raw(pd=json.dumps(PD)))
     with pytest.raises(cfg.ConfigError) as info:
@@ -123,8 +131,8 @@ def test_pd_facts_reach_config_violations():
     sa = SimpleNamespace(_raw_input={"disaggregation_transfer_backend": "ascend_offload"})
     cfg_pd = cfg.OffloadConfig(pd_transfer=cfg.PDTransferConfig(engine="mooncake"))
     assert rules.with_pd_facts(d, cfg_pd, sa).disaggregation_transfer_backend == "ascend_offload"
-    peer = SimpleNamespace(engine="mooncake", peer_tp=4, peer_protocol=None, kv_port=30100)  # a config with peer facts
-    with_peer = rules.with_pd_facts(d, SimpleNamespace(pd_transfer=peer), sa)
+    cfg_peer = cfg.OffloadConfig(pd_transfer=cfg.PDTransferConfig(engine="mooncake", peer_tp=4))
+    with_peer = rules.with_pd_facts(d, cfg_peer, sa)
     assert with_peer.peer_tp == 4
     assert "pd_transfer.tp_ratio" in {v.rule for v in cfg.violations(cfg_pd, with_peer)}  # p_tp 2 < d_tp 4
 
