@@ -14,10 +14,11 @@ have equal length; addresses must lie in memory registered on each side.
 from __future__ import annotations
 
 import abc
-from typing import Optional, Sequence, Tuple
+import threading
+from typing import List, Optional, Sequence, Tuple
 
 from ..config import PDTransferConfig
-from .errors import EngineError
+from .errors import EngineError, EngineReadError
 
 Region = Tuple[int, int]  # (address, length in bytes)
 
@@ -60,6 +61,92 @@ class TransferEngine(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class BatchEngineAdapter(TransferEngine):
+    """What the MemFabric and Mooncake adapters share: both wrap an engine object with
+    ``batch_register_memory(addrs, sizes)`` and ``batch_transfer_sync_read(peer, dst,
+    src, lengths)`` returning 0 on success. Subclasses start ``self._engine`` and call
+    :meth:`_started`; they implement :meth:`_unregister` and may extend :meth:`_shutdown`.
+    """
+
+    def _started(self, engine, session: str, protocol: str) -> None:
+        self._engine = engine
+        self._session = session
+        self._protocol = protocol
+        self._registered: List[int] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def session_id(self) -> str:
+        return self._session
+
+    @property
+    def data_protocol(self) -> str:
+        return self._protocol
+
+    def register(self, regions: Sequence[Region]) -> None:
+        regions = list(regions)
+        if not regions:
+            return
+        addrs = [int(a) for a, _ in regions]
+        sizes = [int(n) for _, n in regions]
+        if any(a <= 0 for a in addrs) or any(n <= 0 for n in sizes):
+            raise EngineError(f"{self.name} register: bad regions {regions}")
+        with self._lock:
+            rc = self._engine.batch_register_memory(addrs, sizes)
+            if rc != 0:
+                raise EngineError(f"{self.name} batch_register_memory of {len(addrs)} regions returned {rc}")
+            self._registered.extend(addrs)
+
+    def unregister(self, addresses: Sequence[int]) -> None:
+        addrs = [int(a) for a in addresses]
+        if not addrs:
+            return
+        with self._lock:
+            failed = self._unregister(addrs)
+            for a in addrs:
+                if a in self._registered:
+                    self._registered.remove(a)
+        if failed:
+            raise EngineError(f"{self.name}: unregistering {failed} of {len(addrs)} regions failed")
+
+    @abc.abstractmethod
+    def _unregister(self, addrs: List[int]) -> int:
+        """Unregister ``addrs`` with the engine; returns how many failed."""
+
+    def _read_error_detail(self) -> str:
+        return ""
+
+    def read(self, peer_session: str, dst_addrs: Sequence[int], src_addrs: Sequence[int],
+             lengths: Sequence[int]) -> None:
+        check_read_args(dst_addrs, src_addrs, lengths)
+        if not lengths:
+            return
+        if self._closed:
+            raise EngineReadError(f"{self.name} engine is closed")
+        rc = self._engine.batch_transfer_sync_read(peer_session, [int(a) for a in dst_addrs],
+                                                   [int(a) for a in src_addrs], [int(n) for n in lengths])
+        if rc != 0:
+            raise EngineReadError(f"{self.name} batch read of {len(lengths)} ranges ({sum(lengths)} bytes) "
+                                  f"from {peer_session} returned {rc}{self._read_error_detail()}")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            addrs, self._registered = self._registered, []
+        self._shutdown(addrs)
+
+    def _shutdown(self, registered: List[int]) -> None:
+        """Best-effort release at close: unregister what is still registered."""
+        if registered:
+            try:
+                self._unregister(registered)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
 
 
 def check_read_args(dst_addrs: Sequence[int], src_addrs: Sequence[int], lengths: Sequence[int]) -> None:
