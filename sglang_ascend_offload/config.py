@@ -22,7 +22,7 @@ import json
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Union
 
 # ------------------------------------------------------------------ feature configs
 OpsChoice = Literal["auto", "reference", "triton", "npu", "fused"]

@@ -39,7 +39,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -48,7 +48,7 @@ from sglang_ascend_offload import platform
 from sglang_ascend_offload.layerwise_prefill.gates import GateError, GateTimeout, SlotGates
 from sglang_ascend_offload.layerwise_prefill.planner import BufferPlan, torch_dtype
 from sglang_ascend_offload.layerwise_prefill.store import (
-    BlockKey, HostKVStore, StoreError, block_keys, object_key)
+    BlockKey, HostKVStore, block_keys, object_key)
 
 logger = logging.getLogger(__name__)
 

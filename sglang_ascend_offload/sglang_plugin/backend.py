@@ -36,7 +36,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from ..ops import registry
 from . import carrier
 from .indexer import indexer_query_key_weights
-from .metadata import DSAForwardMetadata, block_tables_from, build_metadata
+from .metadata import DSAForwardMetadata, build_metadata
 
 logger = logging.getLogger(__name__)
 

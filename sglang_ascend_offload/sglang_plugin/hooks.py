@@ -24,7 +24,6 @@ No SGLang file is changed and nothing is patched outside HookRegistry.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from . import carrier, flags
 

@@ -23,8 +23,7 @@ the device-KV path, so outputs are bit-identical to offload off (tests hold it).
 from __future__ import annotations
 
 import logging
-import time
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import torch
 
