@@ -50,7 +50,7 @@ from .residency import (
     ResidencyTable,
     assign_victims,
     lookup,
-    position_map,
+    find_slots,
     reset_rows,
     residency_manage,
 )
@@ -75,9 +75,7 @@ _MAX_STEP = (1 << (_STAMP_BITS - 1)) - 2
 def _member(values: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
     """bool ``[R,A]``: ``values[r,a] >= 0`` and it occurs in ``pool[r,:]`` (``[R,B]``, unique
     non-negative entries per row)."""
-    v = values.to(torch.int64)
-    slot_of = position_map(pool, int(v.max()) if v.numel() else 0)
-    return (v >= 0) & (torch.gather(slot_of, 1, v.clamp(min=0)) >= 0)
+    return find_slots(pool, values) >= 0
 
 
 def _slot_flags(rows: int, hot: int, slots: torch.Tensor) -> torch.Tensor:

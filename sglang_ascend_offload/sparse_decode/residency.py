@@ -58,6 +58,7 @@ __all__ = [
     "lookup",
     "lru_victim_order",
     "position_map",
+    "find_slots",
     "assign_victims",
     "register_reference_ops",
 ]
@@ -161,12 +162,41 @@ def lookup(table: ResidencyTable, topk: torch.Tensor, req_ids: torch.Tensor,
     rows, hot = table.slot_token.shape
     topk64 = topk.to(torch.int64)
     valid = (topk64 != -1) & (req_ids.to(torch.int64) != -1)[:, None]
-    slot_of = position_map(table.slot_token, int(topk64.max()) if topk64.numel() else 0)
-    found_slot = torch.gather(slot_of, 1, topk64.clamp(min=0)).to(torch.int64)
+    found_slot = find_slots(table.slot_token, topk64)
     hit = valid & (found_slot >= 0) & (topk64 < stable_len.to(torch.int64)[:, None])
     hit_slot = torch.where(hit, found_slot, torch.zeros_like(found_slot))
     slot_hit = _scatter_flags(rows, hot, hit_slot, hit, table.slot_token.device)
     return Lookup(valid=valid, hit=hit, hit_slot=hit_slot, slot_hit=slot_hit)
+
+
+#: Largest dense position map (elements) :func:`find_slots` builds; beyond it (very
+#: long contexts, positions near the int32 limit) it searches sorted rows instead.
+DENSE_MAP_LIMIT = 1 << 24
+
+
+def find_slots(slot_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 ``[R, K]``: the slot of row ``r`` holding ``positions[r, k]``, ``-1`` if none
+    (or if the position is negative). ``slot_token`` int ``[R, H]`` with unique
+    non-negative entries per row (``-1`` = empty).
+
+    Memory is bounded whatever the positions: a dense map (:func:`position_map`) while
+    it has at most :data:`DENSE_MAP_LIMIT` elements, else a per-row sort and binary
+    search. Both give the same answer.
+    """
+    rows, hot = slot_token.shape
+    pos = positions.to(torch.int64)
+    if pos.numel() == 0 or rows == 0:
+        return torch.full(pos.shape, -1, dtype=torch.int64, device=pos.device)
+    width = max(int(slot_token.max()) if slot_token.numel() else 0, int(pos.max()), 0) + 2
+    if rows * width <= DENSE_MAP_LIMIT:
+        slot_of = position_map(slot_token, int(pos.max()))
+        found = torch.gather(slot_of, 1, pos.clamp(min=0)).to(torch.int64)
+    else:
+        keys, order = torch.sort(slot_token.to(torch.int64), dim=1)
+        at = torch.searchsorted(keys, pos.contiguous()).clamp(max=max(hot - 1, 0))
+        hit = torch.gather(keys, 1, at) == pos
+        found = torch.where(hit, torch.gather(order, 1, at), torch.full_like(pos, -1))
+    return torch.where(pos >= 0, found, torch.full_like(found, -1))
 
 
 def position_map(slot_token: torch.Tensor, max_query: int = 0) -> torch.Tensor:

@@ -229,3 +229,30 @@ def test_hot_smaller_than_topk_is_rejected():
                          torch.tensor([0]), torch.tensor([5], dtype=torch.int32), 0)
     with pytest.raises(ValueError, match="unknown residency policy"):
         make_manager("nope", 1, 2)
+
+
+def test_find_slots_dense_and_sorted_paths_agree(monkeypatch):
+    """The lookup's two paths give the same slots; the sorted one keeps memory bounded
+    when positions approach the int32 limit (a dense map there would need gigabytes)."""
+    from sglang_ascend_offload.sparse_decode import residency as res
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        rows, hot, k = 3, 8, 5
+        slot_token = torch.full((rows, hot), -1, dtype=torch.int32)
+        for r in range(rows):
+            n = int(torch.randint(0, hot + 1, (1,), generator=g))
+            slot_token[r, torch.randperm(hot, generator=g)[:n]] = torch.randperm(50, generator=g)[:n].to(torch.int32)
+        queries = torch.randint(-1, 50, (rows, k), generator=g, dtype=torch.int32)
+        dense = res.find_slots(slot_token, queries)
+        monkeypatch.setattr(res, "DENSE_MAP_LIMIT", 0)
+        assert torch.equal(res.find_slots(slot_token, queries), dense)
+        monkeypatch.undo()
+        for r in range(rows):
+            for j in range(k):
+                q, s = int(queries[r, j]), int(dense[r, j])
+                assert (s >= 0) == (q >= 0 and q in slot_token[r].tolist())
+                assert s < 0 or int(slot_token[r, s]) == q
+    top = 2**31 - 1
+    far = torch.tensor([[top - 1, 3, -1, -1]], dtype=torch.int32)
+    assert res.find_slots(far, torch.tensor([[top - 1, 3, top, 0]], dtype=torch.int32)).tolist() == [[0, 1, -1, -1]]
