@@ -61,15 +61,18 @@ def layout_kind(pool: Any) -> str:
     return "host_rows" if _is_host_rows_pool(pool) else "split"
 
 
-def check_pool(pool: Any) -> None:
-    """Raise :class:`LayoutError` unless ``pool`` is one the backend can move."""
+def check_pool(pool: Any, *, allow_layerwise: bool = False) -> None:
+    """Raise :class:`LayoutError` unless ``pool`` is one the backend can move.
+
+    ``allow_layerwise``: the caller publishes from the layerwise pool's layer listener
+    (:mod:`.layerwise_publish`), so its aliased layer buffers are valid sources."""
     from ..pool import DeviceDSAPool
 
     if not isinstance(pool, DeviceDSAPool):
         raise LayoutError(f"P/D transfer backend ascend_offload moves the ascend_offload attention backend's "
                           f"DSA pools; got {type(pool).__name__} (serve a DeepSeek-V3.2-style model with "
                           "--attention-backend ascend_offload)")
-    if type(pool).__name__ == "LayerwisePrefillPool":
+    if type(pool).__name__ == "LayerwisePrefillPool" and not allow_layerwise:
         raise LayoutError("P/D transfer from the layerwise prefill offload pool is not wired yet (its "
                           "pipelined layers are not in device memory after the forward)")
     if getattr(pool, "index_head_dim", None) is None:
@@ -96,9 +99,10 @@ def _indexer_tensors(pool: Any) -> List[TensorLayers]:
     return out
 
 
-def split_tensors(pool: Any) -> List[TensorLayers]:
-    """Main KV (latent, rope page blocks) and indexer of a device pool."""
-    check_pool(pool)
+def split_tensors(pool: Any, *, allow_layerwise: bool = False) -> List[TensorLayers]:
+    """Main KV (latent, rope page blocks) and indexer of a device pool (of the layerwise
+    pool: each layer's aliased physical buffer, with ``allow_layerwise``)."""
+    check_pool(pool, allow_layerwise=allow_layerwise)
     if _is_host_rows_pool(pool):
         raise LayoutError("the sparse-decode-offload pool has no device main KV: use host_rows_tensors")
     n = pool.layer_num

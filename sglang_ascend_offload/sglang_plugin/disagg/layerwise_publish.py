@@ -1,0 +1,251 @@
+"""Prefill side of P/D over the layerwise prefill offload pool: publish from the layer listener.
+
+With layerwise prefill offload a layer's KV lives in a physical buffer shared with
+other layers: after the forward only the last layer of each shared buffer is still in
+device memory. So the request cannot be sent after the forward (what
+:class:`~.links.PrefillLinks` does for the device pool). Instead:
+
+1. before the forward that runs a request's **last chunk**, the caller says which
+   ``req_to_token`` row carries which bootstrap room and decode session
+   (:meth:`LayerwisePublisher.expect`);
+2. when the pool opens that forward it asks :meth:`LayerwisePublisher.consumers_of`
+   (``pool.set_extra_consumers``): the request is added to its decode peer's
+   :class:`~sglang_ascend_offload.transfer.prefill_side.PrefillSender` and the peer's
+   consumer name (``pd_read:<session>``) is added to the slot gate of every pipelined
+   layer;
+3. once a layer's rows are complete in its buffer (``pool.add_layer_listener``; the
+   cached prefix rows were loaded into the same buffer before the layer ran, so the
+   buffer holds the request's whole KV of that layer) the sender publishes it with the
+   request's SGLang page ids as source blocks, at the layer's (aliased) buffer address;
+4. decode's READ_DONE / READ_FAILED / timeout answers the gate
+   (:class:`PoolGateRouter`): only then may the pipeline load or write the next layer
+   sharing the buffer. A P/D failure fails the request (the sender tells decode), never
+   the prefill forward: the gate is answered without an error.
+
+Layers with a dedicated buffer have no gate; their rows are rewritten only after
+SGLang frees the request's pages, which happens after the sender reports the request
+done (every layer read) or failed.
+
+Only ``split`` decode peers (decode pool on the device) are served; a ``host_rows``
+peer (sparse decode offload) needs the packing staging of :mod:`.links`, which
+would have to run inside the listener too (not wired: the request fails with that
+reason).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from ... import config as cfg
+from ...transfer.engine import TransferEngine
+from ...transfer.errors import TransferError
+from ...transfer.prefill_side import PrefillSender, SourceBlocks
+from ...transfer.status import PENDING, RequestStatus, TransferState
+from ..layerwise_runtime import ForwardInfo, LayerWritten
+from . import layouts
+from .links import unit_id
+from .wire import DecodeAdvert
+
+logger = logging.getLogger(__name__)
+
+CONSUMER_PREFIX = "pd_read:"
+
+
+class PoolGateRouter:
+    """The ``gates`` a :class:`PrefillSender` answers (``begin_gate=False``), routed to the
+    layerwise pool's slot gates.
+
+    ``done`` of a pipelined layer releases the pool's gate for that consumer (without
+    the error: the sender fails the request itself); a dedicated layer has no gate.
+    """
+
+    def __init__(self, pool: Any):
+        self.pool = pool
+        self.pipelined = frozenset(pool.pipelined)
+
+    def begin(self, slot: int, layer: int, consumers) -> None:
+        raise RuntimeError("the layerwise pool opens its slot gates itself (sender needs begin_gate=False)")
+
+    def done(self, slot: int, layer: int, consumer: str, error: Optional[str] = None) -> None:
+        if error is not None:
+            logger.warning("P/D layerwise: layer %d (buffer %d) for %s failed: %s", layer, slot, consumer, error)
+        if layer in self.pipelined:
+            self.pool.gates.done(slot, layer, consumer)
+
+
+@dataclass(frozen=True)
+class _Expected:
+    room: int
+    session: str
+
+
+@dataclass
+class _Unit:
+    """A request published in one forward: its sender, protocol id and source pages."""
+
+    sender: PrefillSender
+    rid: str
+    pages: Tuple[int, ...]
+    layers_left: int
+
+
+class LayerwisePublisher:
+    """Publishes requests of one prefill TP rank from the layerwise pool (module doc).
+
+    config: the P/D config; p_tp / p_rank: attention TP size and rank; pool: the
+    :class:`~..layerwise_pool.LayerwisePrefillPool`; engine: the started transfer
+    engine (the pool's physical buffers are registered here).
+    """
+
+    def __init__(self, config: cfg.PDTransferConfig, *, p_tp: int, p_rank: int, pool: Any,
+                 engine: TransferEngine):
+        layouts.check_pool(pool, allow_layerwise=True)
+        self.config = config
+        self.p_tp = p_tp
+        self.p_rank = p_rank
+        self.pool = pool
+        self.engine = engine
+        self.router = PoolGateRouter(pool)
+        self._tensors = layouts.split_tensors(pool, allow_layerwise=True)
+        regions = layouts.tensors_regions(self._tensors)
+        engine.register(regions)
+        self._registered = [addr for addr, _ in regions]
+        self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()
+        self._adverts: Dict[str, DecodeAdvert] = {}
+        self._senders: Dict[str, PrefillSender] = {}
+        self._sender_errors: Dict[str, str] = {}
+        self._expected: Dict[int, _Expected] = {}
+        self._forwards: Dict[int, List[_Unit]] = {}
+        self._rooms: Dict[int, Tuple[Optional[PrefillSender], RequestStatus]] = {}
+        pool.set_extra_consumers(self.consumers_of)
+        pool.add_layer_listener(self.on_layer_written)
+
+    # ------------------------------------------------------------------ control plane
+    def note_peer(self, session: str, advert: DecodeAdvert) -> None:
+        """A decode peer's advert from its registration (see :mod:`.wire`)."""
+        with self._lock:
+            self._adverts[session] = advert
+
+    def expect(self, row: int, room: int, session: str) -> None:
+        """The next forward containing ``req_to_token`` row ``row`` computes bootstrap room
+        ``room``'s last chunk; send it to decode ``session``."""
+        with self._lock:
+            self._expected[int(row)] = _Expected(int(room), session)
+            self._rooms[int(room)] = (None, PENDING)
+
+    def status(self, room: int) -> Optional[RequestStatus]:
+        """``None`` if unknown; the local failure, or the sender's status."""
+        with self._lock:
+            entry = self._rooms.get(room)
+        if entry is None:
+            return None
+        sender, local = entry
+        if sender is None or local.state is TransferState.FAILED:
+            return local
+        return sender.status(unit_id(room))
+
+    # ------------------------------------------------------------------ pool hooks
+    def consumers_of(self, info: ForwardInfo) -> Dict[int, List[str]]:
+        """Extra gate consumers of ``info`` (scheduler thread, when the forward opens)."""
+        units: List[_Unit] = []
+        for req in info.requests:
+            with self._lock:
+                exp = self._expected.pop(req.req_pool_idx, None)
+            if exp is None:
+                continue
+            rid = unit_id(exp.room)
+            try:
+                sender = self._sender(exp.session)
+                sender.add_request(rid, len(req.pages))
+            except (TransferError, ValueError) as exc:
+                self._fail_local(exp.room, str(exc))
+                continue
+            with self._lock:
+                self._rooms[exp.room] = (sender, PENDING)
+            units.append(_Unit(sender, rid, tuple(int(p) for p in req.pages), self.pool.layer_num))
+        if not units:
+            return {}
+        with self._lock:
+            self._forwards[info.forward_id] = units
+        names = sorted({u.sender.consumer for u in units})
+        return {layer: list(names) for layer in info.pipelined_layers}
+
+    def on_layer_written(self, item: LayerWritten) -> None:
+        """Publish ``item.layer`` of the forward's requests (saver / notifier thread)."""
+        with self._lock:
+            units = list(self._forwards.get(item.forward.forward_id, ()))
+        by_sender: Dict[int, List[_Unit]] = {}
+        for u in units:
+            by_sender.setdefault(id(u.sender), []).append(u)
+        for group in by_sender.values():
+            sender = group[0].sender
+            with self._publish_lock:  # "finished" must match the sender's published count
+                for u in group:
+                    u.layers_left -= 1
+                sources = {u.rid: SourceBlocks(u.pages, u.pages) for u in group}
+                finished = [u.rid for u in group if u.layers_left == 0]
+                try:
+                    sender.publish_layer(item.layer, item.slot, sources, finished=finished)
+                except Exception as exc:  # noqa: BLE001 - fail the requests, free the slot
+                    for u in group:
+                        sender.abort(u.rid, f"layer {item.layer}: publish failed: {exc}")
+                    if item.pipelined:
+                        try:
+                            self.router.done(item.slot, item.layer, sender.consumer)
+                        except ValueError:
+                            pass  # already answered
+        if units and all(u.layers_left == 0 for u in units):
+            with self._lock:
+                self._forwards.pop(item.forward.forward_id, None)
+
+    # ------------------------------------------------------------------ helpers
+    def _fail_local(self, room: int, reason: str) -> None:
+        logger.warning("P/D layerwise prefill rank %d: request %s failed: %s", self.p_rank, room, reason)
+        with self._lock:
+            self._rooms[room] = (None, RequestStatus(TransferState.FAILED, reason))
+
+    def _sender(self, session: str) -> PrefillSender:
+        with self._lock:
+            sender = self._senders.get(session)
+            if sender is not None:
+                return sender
+            if session in self._sender_errors:
+                raise TransferError(self._sender_errors[session])
+            advert = self._adverts.get(session)
+        if advert is None:
+            raise TransferError(f"decode session {session} never registered an ascend_offload advert")
+        if advert.layout_kind != "split":
+            raise TransferError(f"decode layout {advert.layout_kind!r} (sparse decode offload) is not served by "
+                                "layerwise prefill offload yet: run decode without --enable-sparse-decode-offload")
+        layout = layouts.layout_of(self.pool, self._tensors)
+        config = dataclasses.replace(self.config, kv_port=advert.kv_port)
+        sender = PrefillSender(config, p_tp=self.p_tp, d_tp=advert.d_tp, p_rank=self.p_rank, layout=layout,
+                               engine=self.engine, gates=self.router, decode_host=advert.host,
+                               decode_dp_rank=advert.dp_rank, consumer=CONSUMER_PREFIX + session,
+                               begin_gate=False)
+        try:
+            sender.handshake()
+        except TransferError as exc:
+            sender.close("handshake failed")
+            with self._lock:
+                self._sender_errors[session] = str(exc)
+            raise
+        with self._lock:
+            self._senders[session] = sender
+        return sender
+
+    def close(self) -> None:
+        """Close every sender (open gates answered), detach from the pool, unregister."""
+        self.pool.set_extra_consumers(None)
+        with self._lock:
+            senders, self._senders = list(self._senders.values()), {}
+            registered, self._registered = self._registered, []
+        for s in senders:
+            s.close("layerwise P/D publisher closed")
+        if registered:
+            self.engine.unregister(registered)

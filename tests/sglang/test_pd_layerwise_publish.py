@@ -1,0 +1,133 @@
+"""P/D from the layerwise prefill offload pool: per-layer publish, decode read gates slot reuse.
+
+Real SGLang objects: the layerwise pool harness of ``test_layerwise_pool`` (a dense
+``DeviceDSAPool`` reference and a ``LayerwisePrefillPool`` with one shared buffer, fed
+identical forwards through the ``ascend_offload`` attention backend), a decode
+``DeviceDSAPool`` behind a :class:`DecodeSink`, one Mooncake engine per side over TCP.
+The decode engine's reads are slowed down so that a slot released before decode's
+READ_DONE would be rewritten under the read.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+
+import pytest
+import torch
+
+from sglang_ascend_offload.transfer.status import TransferState
+
+from test_layerwise_pool import LAYERS, PAGE, LayerwiseHarness, lw_config, published_context
+from test_pd_backend_components import device_pool, pd_config
+
+pytestmark = [pytest.mark.usefixtures("plugins_loaded"),
+              pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
+                                 reason="needs mooncake-transfer-engine-non-cuda (scripts/requirements-cpu.txt)"),
+              pytest.mark.timeout(120)]
+
+SESSION = "decode-session"
+
+
+@pytest.fixture
+def ctx():
+    with published_context():
+        yield
+
+
+def _wait(pub, sink, room, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        p, d = pub.status(room), sink.status(room)
+        if p is not None and p.terminal and d is not None and d.terminal:
+            return p, d
+        time.sleep(0.01)
+    raise AssertionError(f"room {room}: prefill {pub.status(room)}, decode {sink.status(room)}")
+
+
+def run_transfer(gate_reads: bool):
+    """Prefill request ``a`` in two chunks (the last one published), decode reads it.
+
+    Returns ``(prefill status, decode status, mismatching (layer, buffer) pairs, events,
+    busy slots)``; ``gate_reads=False`` drops decode's consumer from the pool's gates
+    (negative control)."""
+    from sglang_ascend_offload.sglang_plugin.disagg.layerwise_publish import LayerwisePublisher
+    from sglang_ascend_offload.sglang_plugin.disagg.sink import DecodeSink
+    from sglang_ascend_offload.transfer.engine import create_engine
+
+    h = LayerwiseHarness(lw_config(1))  # one shared buffer for all reusable layers
+    pool = h.pool
+    assert len(pool.pipelined) >= 2, "the test needs a reused buffer"
+    config = pd_config()
+    p_engine, d_engine = create_engine(config, "prefill"), create_engine(config, "decode")
+    d_pool = device_pool(layers=LAYERS)
+    sink = DecodeSink(config, d_tp=1, d_rank=0, dp_rank=0, pool=d_pool, engine=d_engine)
+    pub = LayerwisePublisher(config, p_tp=1, p_rank=0, pool=pool, engine=p_engine)
+    pub.note_peer(SESSION, sink.advert())
+    if not gate_reads:
+        pool.set_extra_consumers(lambda info: (pub.consumers_of(info), {})[1])
+
+    events, lock = [], threading.Lock()
+    real_read = d_engine.read
+
+    def slow_read(*args, **kwargs):  # decode is slow: reuse before READ_DONE would corrupt the read
+        time.sleep(0.05)
+        return real_read(*args, **kwargs)
+
+    d_engine.read = slow_read
+    real_done, real_ready = pub.router.done, pool.pipe.wait_until_ready
+
+    def done(slot, layer, consumer, error=None):
+        with lock:
+            events.append(("read_done", layer, error))
+        real_done(slot, layer, consumer, error)
+
+    def wait_until_ready(layer, timeout_s=None):
+        real_ready(layer, timeout_s)
+        with lock:
+            events.append(("ready", layer, None))
+
+    pub.router.done = done
+    pool.pipe.wait_until_ready = wait_until_ready
+    try:
+        a, b = h.new_request("a"), h.new_request("b")
+        h.extend([a, b], [24, 9])  # first chunk of a (its rows go to the host store), b not sent
+        events.clear()
+        n_pages = -(-(a.length + 21) // PAGE)
+        dst = list(range(1, n_pages + 1))
+        sink.expect(7, dst)
+        pub.expect(a.row, room=7, session=SESSION)  # a's last chunk: cached rows loaded, new rows written
+        h.extend([a], [21])
+        pool.flush()
+        src = h.req_to_token_pool.req_to_token[a.row, :n_pages * PAGE:PAGE].long() // PAGE
+        p, d = _wait(pub, sink, 7)
+        dense = h.dense_pool  # what a prefill without layerwise offload holds
+        bad = [(layer, buf) for layer in range(LAYERS) for buf in ("k_buffer", "v_buffer", "index_k_buffer")
+               if not torch.equal(getattr(d_pool, buf)[layer][dst], getattr(dense, buf)[layer][src])]
+        with lock:
+            order = list(events)
+        return p, d, bad, order, pool.gates.busy_slots(), pool.pipelined
+    finally:
+        pub.close()
+        sink.close()
+        pool.close()
+        p_engine.close()
+        d_engine.close()
+
+
+def test_decode_gets_every_layer_bit_exact_and_slots_wait_for_read_done(ctx):
+    p, d, bad, order, busy, pipelined = run_transfer(gate_reads=True)
+    assert p.state is TransferState.DONE and d.state is TransferState.DONE, (p, d)
+    assert bad == []
+    assert all(e[2] is None for e in order if e[0] == "read_done"), order
+    assert sorted(e[1] for e in order if e[0] == "read_done") == list(range(LAYERS))
+    for earlier, later in zip(pipelined, pipelined[1:]):  # same buffer: read before reuse
+        assert order.index(("read_done", earlier, None)) < order.index(("ready", later, None)), order
+    assert busy == []
+
+
+def test_negative_control_without_the_read_gate_decode_reads_reused_buffers(ctx):
+    p, d, bad, order, busy, pipelined = run_transfer(gate_reads=False)
+    assert p.state is TransferState.DONE and d.state is TransferState.DONE, (p, d)
+    assert any(layer in pipelined[:-1] for layer, _ in bad), bad  # the check above can fail
