@@ -74,7 +74,8 @@ def check_pool(pool: Any, *, allow_layerwise: bool = False) -> None:
                           "--attention-backend ascend_offload)")
     if type(pool).__name__ == "LayerwisePrefillPool" and not allow_layerwise:
         raise LayoutError("P/D transfer from the layerwise prefill offload pool is not wired yet (its "
-                          "pipelined layers are not in device memory after the forward)")
+                          "pipelined layers are not in device memory after the forward; only "
+                          "disagg/layerwise_publish.py publishes them, during the forward)")
     if getattr(pool, "index_head_dim", None) is None:
         raise LayoutError("P/D transfer backend ascend_offload needs a DSA model (an indexer cache)")
     if getattr(pool, "dsa_kv_cache_store_fp8", False):

@@ -161,7 +161,8 @@ def pd_violations(config: cfg.OffloadConfig, server_args: Any) -> List[cfg.Viola
     if os.environ.get("SGLANG_DISAGG_STAGING_BUFFER", "").lower() in ("1", "true", "yes"):
         unsupported.append("SGLANG_DISAGG_STAGING_BUFFER")
     if config.layerwise_prefill is not None:
-        unsupported.append("layerwise prefill offload (the per-layer publish from its pool is not wired yet)")
+        unsupported.append("layerwise prefill offload (the per-layer publisher, disagg/layerwise_publish.py, "
+                           "is not wired into the prefill scheduler yet)")
     if unsupported:
         out.append(_violation("sglang.pd_unsupported", "not supported with the ascend_offload P/D backend: "
                               + "; ".join(unsupported), "drop these settings"))
