@@ -46,7 +46,7 @@ def _wait(pub, sink, room, timeout=30.0):
     raise AssertionError(f"room {room}: prefill {pub.status(room)}, decode {sink.status(room)}")
 
 
-def run_transfer(gate_reads: bool):
+def run_transfer(gate_reads: bool, decode_expects: bool = True, **config):
     """Prefill request ``a`` in two chunks (the last one published), decode reads it.
 
     Returns ``(prefill status, decode status, mismatching (layer, buffer) pairs, events,
@@ -59,7 +59,7 @@ def run_transfer(gate_reads: bool):
     h = LayerwiseHarness(lw_config(1))  # one shared buffer for all reusable layers
     pool = h.pool
     assert len(pool.pipelined) >= 2, "the test needs a reused buffer"
-    config = pd_config()
+    config = pd_config(**config)
     p_engine, d_engine = create_engine(config, "prefill"), create_engine(config, "decode")
     d_pool = device_pool(layers=LAYERS)
     sink = DecodeSink(config, d_tp=1, d_rank=0, dp_rank=0, pool=d_pool, engine=d_engine)
@@ -96,11 +96,17 @@ def run_transfer(gate_reads: bool):
         events.clear()
         n_pages = -(-(a.length + 21) // PAGE)
         dst = list(range(1, n_pages + 1))
-        sink.expect(7, dst)
+        if decode_expects:
+            sink.expect(7, dst)
         pub.expect(a.row, room=7, session=SESSION)  # a's last chunk: cached rows loaded, new rows written
         h.extend([a], [21])
         pool.flush()
         src = h.req_to_token_pool.req_to_token[a.row, :n_pages * PAGE:PAGE].long() // PAGE
+        if not decode_expects:
+            deadline = time.monotonic() + 30
+            while not (pub.status(7).terminal and pool.gates.busy_slots() == []) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return pub.status(7), None, [], list(events), pool.gates.busy_slots(), pool.pipelined
         p, d = _wait(pub, sink, 7)
         dense = h.dense_pool  # what a prefill without layerwise offload holds
         bad = [(layer, buf) for layer in range(LAYERS) for buf in ("k_buffer", "v_buffer", "index_k_buffer")
@@ -131,3 +137,9 @@ def test_negative_control_without_the_read_gate_decode_reads_reused_buffers(ctx)
     p, d, bad, order, busy, pipelined = run_transfer(gate_reads=False)
     assert p.state is TransferState.DONE and d.state is TransferState.DONE, (p, d)
     assert any(layer in pipelined[:-1] for layer, _ in bad), bad  # the check above can fail
+
+
+def test_decode_that_never_reads_fails_the_request_not_the_prefill_forward(ctx):
+    p, _, _, order, busy, _ = run_transfer(gate_reads=True, decode_expects=False, layer_timeout_s=0.5)
+    assert p.state is TransferState.FAILED and p.reason, p
+    assert busy == []  # every gate answered; the forward above completed
