@@ -70,7 +70,6 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-from sglang.srt.mem_cache.memory_pool import KVCache
 
 from .. import config as cfg
 from .. import platform
@@ -155,34 +154,11 @@ class LayerwisePrefillPool(DeviceDSAPool):
                  index_head_dim: Optional[int], *, offload: cfg.LayerwisePrefillOffloadConfig,
                  store: Optional[HostKVStore] = None, namespace: str = "sglang",
                  start_layer: Optional[int] = None, end_layer: Optional[int] = None):
-        KVCache.__init__(self, size=size, page_size=page_size, dtype=dtype, layer_num=layer_num,
-                         device=device, enable_memory_saver=enable_memory_saver,
-                         start_layer=start_layer, end_layer=end_layer)
         if offload.store_block_tokens not in (None, page_size):
             raise ValueError(f"store_block_tokens={offload.store_block_tokens}: the SGLang pool stores one "
                              f"object per KV page ({page_size} tokens); leave it unset")
-        self._on_npu = str(device).startswith("npu")
-        self.use_fia_nz = False
-        self.dsa_kv_cache_store_fp8 = False
-        self.enable_sparsity_driven_kv_offload = False
-        self.kv_lora_rank = kv_lora_rank
-        self.qk_rope_head_dim = qk_rope_head_dim
-        self.kv_cache_dim = kv_lora_rank
-        self.kr_cache_dim = qk_rope_head_dim
-        self.index_head_dim = index_head_dim
-        self.model_layer_ids = tuple(range(self.start_layer, self.start_layer + layer_num))
-        self.indexer_layer_ids = self.model_layer_ids if index_head_dim is not None else ()
-        self.num_indexer_layers = len(self.indexer_layer_ids)
-        self.indexer_layer_id_to_slot = {lid: i for i, lid in enumerate(self.indexer_layer_ids)}
-        self.index_page_size = page_size
-        self.index_size = size
-        self.index_page_padding = 1
-        self.kv_page_padding = 1
-        self.dcp_size, self.dcp_rank = 1, 0
-        self.is_draft_worker = False
-        self.custom_mem_pool = None
-        self.index_k_scale_buffer = None
-        self.indexer_hadamard_128 = None
+        self._init_without_buffers(size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device,
+                                   enable_memory_saver, index_head_dim, start_layer, end_layer)
         self.offload = offload
 
         pages = size // page_size + 1

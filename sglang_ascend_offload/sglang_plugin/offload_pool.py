@@ -26,7 +26,7 @@ import logging
 from typing import Any, Optional
 
 import torch
-from sglang.srt.mem_cache.memory_pool import KVCache, unwrap_write_loc
+from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
 
 from .. import config as cfg
 from .. import platform
@@ -54,31 +54,8 @@ class HostMainKVPool(DeviceDSAPool):
         if dtype != torch.bfloat16:
             raise ValueError(f"sparse decode offload keeps a bf16 main KV; got {dtype} "
                              "(use --kv-cache-dtype bfloat16)")
-        KVCache.__init__(self, size=size, page_size=page_size, dtype=dtype, layer_num=layer_num,
-                         device=device, enable_memory_saver=enable_memory_saver,
-                         start_layer=start_layer, end_layer=end_layer)
-        self._on_npu = str(device).startswith("npu")
-        self.use_fia_nz = False
-        self.dsa_kv_cache_store_fp8 = False
-        self.enable_sparsity_driven_kv_offload = False
-        self.model_layer_ids = tuple(range(self.start_layer, self.start_layer + layer_num))
-        self.kv_lora_rank = kv_lora_rank
-        self.qk_rope_head_dim = qk_rope_head_dim
-        self.kv_cache_dim = kv_lora_rank
-        self.kr_cache_dim = qk_rope_head_dim
-        self.index_head_dim = index_head_dim
-        self.indexer_layer_ids = self.model_layer_ids
-        self.num_indexer_layers = layer_num
-        self.indexer_layer_id_to_slot = {lid: i for i, lid in enumerate(self.indexer_layer_ids)}
-        self.index_page_size = page_size
-        self.index_size = size
-        self.index_page_padding = 1
-        self.kv_page_padding = 1
-        self.dcp_size, self.dcp_rank = 1, 0
-        self.is_draft_worker = False
-        self.custom_mem_pool = None
-        self.index_k_scale_buffer = None
-        self.indexer_hadamard_128 = None
+        self._init_without_buffers(size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device,
+                                   enable_memory_saver, index_head_dim, start_layer, end_layer)
         self.k_buffer = None
         self.v_buffer = None
 

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 from sglang.srt.hardware_backend.npu.memory_pool_npu import NPUMLATokenToKVPool
-from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
+from sglang.srt.mem_cache.memory_pool import KVCache, unwrap_write_loc
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,41 @@ class DeviceDSAPool(NPUMLATokenToKVPool):
                 "packed fp8 DSA KV storage and the FIA NZ layout need an Ascend NPU; "
                 "use --kv-cache-dtype bfloat16 and unset SGLANG_USE_FIA_NZ"
             )
+
+    def _init_without_buffers(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int,
+                              qk_rope_head_dim: int, layer_num: int, device: str, enable_memory_saver: bool,
+                              index_head_dim: Optional[int], start_layer: Optional[int],
+                              end_layer: Optional[int]) -> None:
+        """Set every attribute SGLang reads on an NPU MLA/DSA pool, allocating nothing.
+
+        For subclasses that place the main KV themselves (host pool, shared layer
+        buffers) and so must not run the parent's allocating ``__init__``.
+        """
+        KVCache.__init__(self, size=size, page_size=page_size, dtype=dtype, layer_num=layer_num,
+                         device=device, enable_memory_saver=enable_memory_saver,
+                         start_layer=start_layer, end_layer=end_layer)
+        self._on_npu = str(device).startswith("npu")
+        self.use_fia_nz = False
+        self.dsa_kv_cache_store_fp8 = False
+        self.enable_sparsity_driven_kv_offload = False
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.kv_cache_dim = kv_lora_rank
+        self.kr_cache_dim = qk_rope_head_dim
+        self.index_head_dim = index_head_dim
+        self.model_layer_ids = tuple(range(self.start_layer, self.start_layer + layer_num))
+        self.indexer_layer_ids = self.model_layer_ids if index_head_dim is not None else ()
+        self.num_indexer_layers = len(self.indexer_layer_ids)
+        self.indexer_layer_id_to_slot = {lid: i for i, lid in enumerate(self.indexer_layer_ids)}
+        self.index_page_size = page_size
+        self.index_size = size
+        self.index_page_padding = 1
+        self.kv_page_padding = 1
+        self.dcp_size, self.dcp_rank = 1, 0
+        self.is_draft_worker = False
+        self.custom_mem_pool = None
+        self.index_k_scale_buffer = None
+        self.indexer_hadamard_128 = None
 
     def set_kv_buffer(self, layer, loc_info, cache_k: torch.Tensor, cache_v: Optional[torch.Tensor]):
         """Store latent ``cache_k`` [T, (1,) kv_lora_rank] and rope ``cache_v`` [T, (1,) rope]
