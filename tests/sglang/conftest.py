@@ -116,17 +116,22 @@ class ServerProcess:
             return r.read().decode()
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
+        stop_process_group(self.proc, grace_s=20)
+
+
+def stop_process_group(proc: Optional[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM a server's process group, SIGKILL it after ``grace_s``; no-op if gone."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=10)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
 
 
 def run_launcher(extra_args: List[str], timeout: float = 180.0) -> subprocess.CompletedProcess:

@@ -16,9 +16,7 @@ server's tokens (and logprobs). Loopback only; every process is killed in teardo
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, ServerProcess, free_port, server_env
+from conftest import REPO, ServerProcess, free_port, server_env, stop_process_group
 
 pytestmark = pytest.mark.slow
 
@@ -91,17 +89,7 @@ class Router:
                 time.sleep(1.0)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=10)
+        stop_process_group(self.proc, grace_s=10)
 
 
 @pytest.fixture(scope="module")
