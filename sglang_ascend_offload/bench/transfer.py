@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", type=int, default=128, help="tokens per KV block")
     parser.add_argument("--overhead-layers", type=int, default=64,
                         help="layers of the single-block overhead run")
-    parser.add_argument("--layer-timeout", type=float, default=0.5,
+    parser.add_argument("--layer-timeout", type=float, default=2.0,
                         help="per-layer deadline (s) in the fault scenarios")
     parser.add_argument("--no-faults", action="store_true", help="skip the fault table")
 
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     faults: List = []
     if not args.no_faults:
         base = ScenarioSpec(name="base", p_tp=2, d_tp=1, layer_timeout_s=args.layer_timeout,
-                            handshake_timeout_s=4 * args.layer_timeout, read_retries=1, engine=args.engine)
+                            handshake_timeout_s=2 * args.layer_timeout, read_retries=1, engine=args.engine)
         faults = fault_scenarios(base)
     size = max(args.p_tp + args.d_tp, 3)
     out: Dict[str, Any] = {"engine": args.engine, "data_protocol": "tcp", "p_tp": args.p_tp, "d_tp": args.d_tp}
