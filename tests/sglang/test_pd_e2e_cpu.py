@@ -2,11 +2,14 @@
 
 One module setup (each launch costs ~30-60 s on 2 cores, started together):
 
-* prefill server (tiny DSA model, ``--disaggregation-mode prefill``),
+* prefill server P (tiny DSA model, ``--disaggregation-mode prefill``),
+* prefill server PL with layerwise prefill offload: ``I = []``, ``B = 1``, so the model's
+  two layers alias one physical buffer and layer 1 may only overwrite it after decode
+  read layer 0 (the request is published layer by layer during its last forward),
 * decode server D0 (device pool: main KV pulled into device pages),
 * decode server D1 with sparse decode offload (main KV pulled straight into its host pool),
 * one colocated server (the reference),
-* two routers ``sglang_router.launch_router --pd-disaggregation``: (prefill, D0) and (prefill, D1).
+* three routers ``sglang_router.launch_router --pd-disaggregation``: (P, D0), (P, D1), (PL, D0).
 
 Every server uses the Mooncake engine over TCP on 127.0.0.1 (``pd_transfer.engine =
 mooncake``). Greedy ``/generate`` through each router must return the colocated
@@ -41,6 +44,10 @@ ROUTER_READY_S = 120.0
 
 def prompt(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
+
+
+LAYERWISE = json.dumps({"shared_buffers": 1, "independent_layers": [], "store_backend": "local",
+                        "wait_timeout_s": 60})
 
 
 def pd_config(kv_port: int) -> str:
@@ -94,14 +101,21 @@ class Router:
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
-    """(router to the device-pool decode, router to the offload decode, colocated server, logs dir)."""
+    """(router to the device-pool decode, router to the offload decode, colocated server, logs dir,
+    router from the layerwise prefill to the device-pool decode)."""
     root = tmp_path_factory.mktemp("pd_servers")
-    bootstrap = free_port()
+    bootstrap, bootstrap_lw = free_port(), free_port()
     kv0, kv1 = free_port(), free_port()
-    prefill = ServerProcess(COMMON + ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
-                                      "ascend_offload", "--disaggregation-bootstrap-port", str(bootstrap),
-                                      "--enable-pd-transfer", "--pd-transfer-config", pd_config(kv0)],
-                            log_path=root / "prefill.log")
+
+    def prefill_args(port: int) -> list:
+        return COMMON + ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "ascend_offload",
+                         "--disaggregation-bootstrap-port", str(port), "--enable-pd-transfer",
+                         "--pd-transfer-config", pd_config(kv0)]
+
+    prefill = ServerProcess(prefill_args(bootstrap), log_path=root / "prefill.log")
+    prefill_lw = ServerProcess(prefill_args(bootstrap_lw) + ["--enable-layerwise-prefill-offload",
+                                                             "--layerwise-prefill-offload-config", LAYERWISE],
+                               log_path=root / "prefill_layerwise.log")
     decode_args = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "ascend_offload",
                    "--disaggregation-decode-retraction-backup", "cpu_tensor", "--enable-pd-transfer"]
     dense = ServerProcess(COMMON + decode_args + ["--pd-transfer-config", pd_config(kv0)],
@@ -111,7 +125,7 @@ def pd(tmp_path_factory):
                                                     "--sparse-decode-offload-config", '{"hot_tokens": 64}'],
                             log_path=root / "decode_offload.log")
     colocated = ServerProcess(COMMON, log_path=root / "colocated.log")
-    servers = [prefill, dense, offload, colocated]
+    servers = [prefill, dense, offload, colocated, prefill_lw]
     routers = []
     try:
         with ThreadPoolExecutor(len(servers)) as pool:
@@ -119,13 +133,15 @@ def pd(tmp_path_factory):
         if any(errors):
             raise next(e for e in errors if e)
         print("\nstartup (concurrent): " + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in
-                                                    zip(("prefill", "dense", "offload", "colocated"), servers)))
+                                                    zip(("prefill", "dense", "offload", "colocated",
+                                                         "prefill_layerwise"), servers)))
         routers = [Router(prefill, bootstrap, dense, root / "router_dense.log").start(),
-                   Router(prefill, bootstrap, offload, root / "router_offload.log").start()]
+                   Router(prefill, bootstrap, offload, root / "router_offload.log").start(),
+                   Router(prefill_lw, bootstrap_lw, dense, root / "router_layerwise.log").start()]
         deadline = time.monotonic() + ROUTER_READY_S
         for r in routers:
             r.wait_ready(prompt(5, seed=99), deadline)
-        yield routers[0], routers[1], colocated, root
+        yield routers[0], routers[1], colocated, root, routers[2]
     finally:
         for r in routers:
             r.stop()
@@ -148,17 +164,17 @@ PROMPTS = [prompt(5, seed=1), prompt(3 * INDEX_TOPK, seed=2), prompt(150, seed=3
 
 
 def test_router_pd_with_device_decode_matches_colocated(pd):
-    dense_router, _, colocated, _ = pd
+    dense_router, _, colocated, *_ = pd
     _check_same(dense_router, colocated, PROMPTS, max_new_tokens=12)
 
 
 def test_router_pd_with_offload_decode_matches_colocated(pd):
-    _, offload_router, colocated, _ = pd
+    _, offload_router, colocated, *_ = pd
     _check_same(offload_router, colocated, PROMPTS, max_new_tokens=12)
 
 
 def test_both_decode_servers_at_once_from_one_prefill(pd):
-    dense_router, offload_router, colocated, _ = pd
+    dense_router, offload_router, colocated, *_ = pd
     p = prompt(130, seed=7)
     with ThreadPoolExecutor(4) as ex:
         outs = list(ex.map(lambda r: r.generate(p, 16), [dense_router, offload_router] * 2))
@@ -166,9 +182,21 @@ def test_both_decode_servers_at_once_from_one_prefill(pd):
     assert all(o["output_ids"] == ref for o in outs)
 
 
+def test_router_pd_from_layerwise_prefill_matches_colocated(pd):
+    """Layerwise prefill offload on the prefill node: both layers share one buffer, each is
+    read by decode during the forward; chunked prompts (> 128 tokens) load their first
+    chunk back from the host store before it is published."""
+    *_, colocated, _, layerwise_router = pd
+    _check_same(layerwise_router, colocated, PROMPTS, max_new_tokens=12)
+    shared = prompt(140, seed=11)  # a radix-cached prefix, then concurrent requests that hit it
+    layerwise_router.generate(shared, max_new_tokens=1)
+    _check_same(layerwise_router, colocated, [shared + prompt(10 + 7 * i, seed=20 + i) for i in range(3)],
+                max_new_tokens=8)
+
+
 def test_the_project_protocol_moved_the_kv(pd):
     """The logs show our protocol's endpoints for both layouts, and no SGLang KV engine."""
-    *_, root = pd
+    root = pd[3]
     prefill_log = (root / "prefill.log").read_text(errors="replace")
     assert re.search(r"P/D link to decode rank 0 at 127\.0\.0\.1:\d+ \(split layout", prefill_log)
     assert re.search(r"P/D link to decode rank 0 at 127\.0\.0\.1:\d+ \(host_rows layout", prefill_log)
@@ -177,6 +205,9 @@ def test_the_project_protocol_moved_the_kv(pd):
     offload_log = (root / "decode_offload.log").read_text(errors="replace")
     assert "(split destinations)" in dense_log
     assert "(host_rows destinations)" in offload_log
-    for log in (prefill_log, dense_log, offload_log):
+    layerwise_log = (root / "prefill_layerwise.log").read_text(errors="replace")
+    assert re.search(r"P/D layerwise publisher: link to decode rank 0 at 127\.0\.0\.1:\d+ \(split layout, "
+                     r"ratio 1\) ready; layers \[0, 1\] are published from shared buffers", layerwise_log)
+    for log in (prefill_log, dense_log, offload_log, layerwise_log):
         assert "Traceback" not in log
         assert not re.search(r"(prefill|decode) rank \d+: request \S+ failed", log)  # no P/D request failed

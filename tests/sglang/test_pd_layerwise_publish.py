@@ -46,12 +46,12 @@ def _wait(pub, sink, room, timeout=30.0):
     raise AssertionError(f"room {room}: prefill {pub.status(room)}, decode {sink.status(room)}")
 
 
-def run_transfer(gate_reads: bool, decode_expects: bool = True, **config):
+def run_transfer(gate_reads: bool, decode_expects: bool = True, then=None, **config):
     """Prefill request ``a`` in two chunks (the last one published), decode reads it.
 
     Returns ``(prefill status, decode status, mismatching (layer, buffer) pairs, events,
     busy slots)``; ``gate_reads=False`` drops decode's consumer from the pool's gates
-    (negative control)."""
+    (negative control); ``then(pub, harness, src_pages)`` runs once the transfer is over."""
     from sglang_ascend_offload.sglang_plugin.disagg.layerwise_publish import LayerwisePublisher
     from sglang_ascend_offload.sglang_plugin.disagg.sink import DecodeSink
     from sglang_ascend_offload.transfer.engine import create_engine
@@ -113,6 +113,8 @@ def run_transfer(gate_reads: bool, decode_expects: bool = True, **config):
                if not torch.equal(getattr(d_pool, buf)[layer][dst], getattr(dense, buf)[layer][src])]
         with lock:
             order = list(events)
+        if then is not None:
+            then(pub, h, src.tolist())
         return p, d, bad, order, pool.gates.busy_slots(), pool.pipelined
     finally:
         pub.close()
@@ -143,3 +145,54 @@ def test_decode_that_never_reads_fails_the_request_not_the_prefill_forward(ctx):
     p, _, _, order, busy, _ = run_transfer(gate_reads=True, decode_expects=False, layer_timeout_s=0.5)
     assert p.state is TransferState.FAILED and p.reason, p
     assert busy == []  # every gate answered; the forward above completed
+
+
+def test_sends_after_the_forward_are_checked_and_stale_announcements_fail(ctx):
+    """What the KV manager and the run_batch hook do around the forward (conn.py, install.py)."""
+    seen = {}
+
+    def then(pub, h, src):
+        pub.check_sent(7, src)  # SGLang's last-chunk send names the pages published: nothing changes
+        seen["same_pages"] = pub.status(7)
+        pub.check_sent(8, src)  # never announced before its forward (optimistic prefill, requeue)
+        seen["unannounced"] = pub.status(8)
+        c = h.new_request("c")
+        pub.expect(c.row, room=9, session=SESSION)
+        pub.begin_batch()  # the next batch starts: room 9's forward never opened the pool
+        seen["stale"] = pub.status(9)
+        pub.forget(7)
+        seen["forgotten"] = pub.status(7)
+
+    p, d, bad, *_ = run_transfer(gate_reads=True, then=then)
+    assert p.state is TransferState.DONE and bad == []
+    assert seen["same_pages"].state is TransferState.DONE
+    assert seen["unannounced"].state is TransferState.FAILED
+    assert "optimistic prefill" in seen["unannounced"].reason
+    assert seen["stale"].state is TransferState.FAILED and "never ran" in seen["stale"].reason
+    assert seen["forgotten"] is None
+
+
+def test_last_chunk_rows_picks_the_requests_this_forward_finishes():
+    from types import SimpleNamespace as NS
+
+    from sglang_ascend_offload.sglang_plugin.disagg.install import last_chunk_rows
+
+    extend = NS(is_extend=lambda: True)
+
+    def req(row, room, end, n=100, pending=False, sender=True):
+        return NS(kv=NS(req_pool_idx=row), bootstrap_room=room, extend_end=end, origin_input_ids=[0] * n,
+                  pending_bootstrap=pending, disagg_kv_sender=object() if sender else None)
+
+    batch = NS(forward_mode=extend, reqs=[
+        req(0, 10, 100),                # last chunk
+        req(1, 11, 64),                 # middle chunk: its KV is published with the last one
+        req(2, 12, 100, pending=True),  # optimistic, decode not bootstrapped: no peer yet
+        req(3, None, 100),              # not a P/D request
+        req(4, 14, 100, sender=False),
+        req(5, 15, 120, n=120),
+    ])
+    assert last_chunk_rows(batch) == [(0, 10), (5, 15)]
+    # SGLang's batch carries the rows in request order; they win over the requests' own
+    batch.req_pool_indices_cpu = torch.tensor([20, 21, 22, 23, 24, 25])
+    assert last_chunk_rows(batch) == [(20, 10), (25, 15)]
+    assert last_chunk_rows(NS(forward_mode=NS(is_extend=lambda: False), reqs=batch.reqs)) == []

@@ -34,10 +34,11 @@ from conftest import TINY_DSA
 PD = {"engine": "mooncake", "kv_port": 31000}
 
 
-def raw(pd=None, pd_on=None, sparse=None):
+def raw(pd=None, pd_on=None, sparse=None, layerwise=None):
     return flags.RawFlags(
-        enabled={"pd_transfer": pd is not None if pd_on is None else pd_on, "sparse_decode": sparse is not None},
-        configs={"pd_transfer": pd, "sparse_decode": sparse})
+        enabled={"pd_transfer": pd is not None if pd_on is None else pd_on, "sparse_decode": sparse is not None,
+                 "layerwise_prefill": layerwise is not None},
+        configs={"pd_transfer": pd, "sparse_decode": sparse, "layerwise_prefill": layerwise})
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def test_choice_and_hooks_are_registered(plugins_loaded):
 
     assert "ascend_offload" in DISAGG_TRANSFER_BACKEND_CHOICES
     for target in (install._TARGET_GET_KV_CLASS, install._TARGET_CONFIG_STORE, install._TARGET_PREFILL_MANAGER,
-                   install._TARGET_DECODE_MANAGER):
+                   install._TARGET_DECODE_MANAGER, install._TARGET_RUN_BATCH):
         assert target in HookRegistry._patched, target
 
 
@@ -108,6 +109,28 @@ def test_invalid_pd_settings_stop_startup_listing_every_reason(plugins_loaded, c
             "sglang.pd_cpu_retraction_backup", "sglang.pd_decode_tp"} <= found, found
     text = str(info.value)
     assert "--disaggregation-transfer-backend ascend_offload" in text and "cpu_tensor" in text
+    assert carrier.published_text() is None
+
+
+LAYERWISE = '{"shared_buffers": 1, "independent_layers": [], "store_backend": "local"}'
+
+
+def test_layerwise_prefill_with_pd_resolves(plugins_loaded, clean_state):
+    sa = _server_args(disaggregation_mode="prefill", disaggregation_transfer_backend="ascend_offload")
+    flags.remember(raw(pd=json.dumps(PD), layerwise=LAYERWISE))
+    sa.resolve_once()
+    published = carrier.active_config()
+    assert published.pd_transfer is not None and published.layerwise_prefill.shared_buffers == 1
+
+
+def test_layerwise_prefill_with_optimistic_prefill_stops_startup(plugins_loaded, clean_state):
+    sa = _server_args(disaggregation_mode="prefill", disaggregation_transfer_backend="ascend_offload",
+                      optimistic_prefill_attempts=2)
+    flags.remember(raw(pd=json.dumps(PD), layerwise=LAYERWISE))
+    with pytest.raises(cfg.ConfigError) as info:
+        sa.resolve_once()
+    bad = [v for v in info.value.violations if v.rule == "sglang.pd_unsupported"]
+    assert len(bad) == 1 and "--optimistic-prefill-attempts 2 with layerwise prefill offload" in bad[0].problem
     assert carrier.published_text() is None
 
 

@@ -12,6 +12,9 @@ status messages and abort notifications. The KV path is replaced:
   :meth:`~AscendOffloadKVManager.maybe_send_extra`);
 * prefill: when a request's last chunk is sent, its pages go to
   :class:`~.links.PrefillLinks` (publish layer by layer, gates, deadlines, verdicts);
+  with the layerwise prefill offload pool the request was already published during
+  the forward by :class:`~.layerwise_publish.LayerwisePublisher` (announced by the
+  ``Scheduler.run_batch`` hook of :mod:`.install`), and the send only checks its pages;
 * decode: ``send_metadata`` registers the request's pages with
   :class:`~.sink.DecodeSink` (the rank's ``DecodeReceiver``), which pulls each layer;
 * both sides' ``poll`` combine SGLang's status with the protocol's: ``Success`` only
@@ -44,6 +47,7 @@ from ...transfer.errors import ProtocolError
 from ...transfer.status import TransferState
 from .. import carrier
 from . import layouts, rules
+from .layerwise_publish import LayerwisePublisher
 from .links import PrefillLinks
 from .sink import DecodeSink
 from .wire import ADVERT_FRAME_INDEX, advert_from_registration, encode_advert
@@ -94,6 +98,7 @@ class AscendOffloadKVManager(MooncakeKVManager):
                                f"this pool also has state {[str(s) for s in unsupported]}")
         self.pd_config = pd
         self.links: Optional[PrefillLinks] = None
+        self.publisher: Optional[LayerwisePublisher] = None
         self.sink: Optional[DecodeSink] = None
         self.pd_engine = None
         self._room_pages: Dict[int, List[np.ndarray]] = {}
@@ -114,8 +119,12 @@ class AscendOffloadKVManager(MooncakeKVManager):
 
     def attach_pool(self, pool: Any, context_len: Optional[int] = None) -> None:
         """Start this rank's P/D side on ``pool`` (called right after the manager is built)."""
-        layouts.check_pool(pool)
-        if self.disaggregation_mode == DisaggregationMode.PREFILL:
+        layerwise = layouts.is_layerwise_pool(pool)
+        layouts.check_pool(pool, allow_layerwise=layerwise and self.disaggregation_mode == DisaggregationMode.PREFILL)
+        if layerwise:
+            self.publisher = LayerwisePublisher(self.pd_config, p_tp=self.attn_tp_size, p_rank=self.attn_tp_rank,
+                                                pool=pool, engine=self.pd_engine)
+        elif self.disaggregation_mode == DisaggregationMode.PREFILL:
             max_blocks = math.ceil(context_len / pool.page_size) + 1 if context_len else None
             self.links = PrefillLinks(self.pd_config, p_tp=self.attn_tp_size, p_rank=self.attn_tp_rank,
                                       pool=pool, engine=self.pd_engine, max_blocks=max_blocks)
@@ -127,6 +136,8 @@ class AscendOffloadKVManager(MooncakeKVManager):
         """Stop the P/D side and the engine (tests; SGLang kills its processes)."""
         if self.links is not None:
             self.links.close()
+        if self.publisher is not None:
+            self.publisher.close()
         if self.sink is not None:
             self.sink.close()
         if self.pd_engine is not None:
@@ -160,28 +171,42 @@ class AscendOffloadKVManager(MooncakeKVManager):
             session = bytes(frames[3]).decode("ascii")
         except UnicodeDecodeError:
             return
-        if self.links is None:
+        side = self.publisher if self.publisher is not None else self.links
+        if side is None:
             logger.error("P/D registration from %s before the prefill side was attached", session)
             return
         try:
             advert = advert_from_registration(frames)
         except ProtocolError as exc:
-            self.links.note_peer(session, None, f"invalid decode advert from {session}: {exc}")
+            side.note_peer(session, None, f"invalid decode advert from {session}: {exc}")
             return
-        self.links.note_peer(session, advert)
+        side.note_peer(session, advert)
+
+    def announce_last_chunk(self, row: int, room: int) -> None:
+        """Layerwise pool: the next forward computes ``room``'s last chunk in ``req_to_token``
+        row ``row`` (called by the ``Scheduler.run_batch`` hook before the forward)."""
+        sessions = list(self.transfer_infos.get(room, {}).keys())
+        if len(sessions) != 1:
+            self.fail_prefill_room(room, f"{len(sessions)} decode ranks target prefill rank {self.attn_tp_rank} "
+                                         "for this request; the P/D protocol pairs each prefill rank with one "
+                                         "decode rank (p_tp >= d_tp)")
+            return
+        self.publisher.expect(row, room, sessions[0])
 
     # ------------------------------------------------------------------ prefill: KV path
     def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last_chunk, aux_index=None,
                              state_indices=None, num_kv_tokens=None, **kwargs):
-        if self.links is not None and bootstrap_room in self.request_status \
+        if (self.links is not None or self.publisher is not None) and bootstrap_room in self.request_status \
                 and self.check_status(bootstrap_room) != KVPoll.Failed:
             pages = np.asarray(kv_indices.numpy() if hasattr(kv_indices, "numpy") else kv_indices, dtype=np.int64)
             self._room_pages.setdefault(bootstrap_room, []).append(pages.copy())
             if is_last_chunk:
-                chunks = self._room_pages.pop(bootstrap_room)
-                sessions = list(self.transfer_infos.get(bootstrap_room, {}).keys())
-                self.links.submit(bootstrap_room, sessions, np.concatenate(chunks).tolist(),
-                                  wait_event=kwargs.get("wait_event"))
+                chunks = np.concatenate(self._room_pages.pop(bootstrap_room)).tolist()
+                if self.publisher is not None:  # published during the forward: check it was this request
+                    self.publisher.check_sent(bootstrap_room, chunks)
+                else:
+                    sessions = list(self.transfer_infos.get(bootstrap_room, {}).keys())
+                    self.links.submit(bootstrap_room, sessions, chunks, wait_event=kwargs.get("wait_event"))
         super().add_transfer_request(bootstrap_room, kv_indices, index_slice, is_last_chunk, aux_index,
                                      state_indices, num_kv_tokens, **kwargs)
 
@@ -197,7 +222,14 @@ class AscendOffloadKVManager(MooncakeKVManager):
         return self.send_aux_tcp(req, prefill_aux_index, dst_aux_ptrs)
 
     def prefill_status(self, room: int):
+        if self.publisher is not None:
+            return self.publisher.status(room)
         return None if self.links is None else self.links.status(room)
+
+    def cancel_prefill_room(self, room: int, reason: str) -> None:
+        side = self.publisher if self.publisher is not None else self.links
+        if side is not None:
+            side.cancel(room, reason)
 
     def fail_prefill_room(self, room: int, reason: str) -> None:
         """Record the protocol's failure in SGLang's room state and tell decode."""
@@ -208,8 +240,9 @@ class AscendOffloadKVManager(MooncakeKVManager):
 
     def forget_prefill_room(self, room: int) -> None:
         self._room_pages.pop(room, None)
-        if self.links is not None:
-            self.links.forget(room)
+        side = self.publisher if self.publisher is not None else self.links
+        if side is not None:
+            side.forget(room)
 
     # ------------------------------------------------------------------ decode: pair check
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
@@ -262,8 +295,7 @@ class AscendOffloadKVSender(MooncakeKVSender):
 
     def abort(self):
         super().abort()
-        if self.kv_mgr.links is not None:
-            self.kv_mgr.links.cancel(self.bootstrap_room, "aborted by the prefill scheduler")
+        self.kv_mgr.cancel_prefill_room(self.bootstrap_room, "aborted by the prefill scheduler")
 
     def clear(self) -> None:
         super().clear()

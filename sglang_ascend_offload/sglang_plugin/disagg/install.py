@@ -24,6 +24,10 @@ maybe_create_ascend_config_store``                             store from ``pd_t
                                                                (prefill node 0), nothing for mooncake
 HookRegistry AFTER ``PrefillBootstrapQueue._init_kv_manager``  hand the queue's KV pool to the manager
 / ``DecodePreallocQueue._init_kv_manager``                     (SGLang passes managers pointers only)
+HookRegistry BEFORE ``managers.scheduler.Scheduler.run_batch``  layerwise prefill offload pool only:
+                                                               announce the requests whose last chunk
+                                                               this forward computes (they are
+                                                               published layer by layer during it)
 =============================================================  ======================================
 
 A server that selects SGLang's own ``ascend`` backend (without the plugin's P/D
@@ -44,6 +48,7 @@ _TARGET_GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 _TARGET_CONFIG_STORE = "sglang.srt.managers.disagg_service.maybe_create_ascend_config_store"
 _TARGET_PREFILL_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
 _TARGET_DECODE_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
+_TARGET_RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 
 
 def pd_active() -> bool:
@@ -116,6 +121,56 @@ def _attach_pool_after(manager, queue, *args, **kwargs):
     return manager
 
 
+def last_chunk_rows(batch: Any):
+    """``[(req_to_token row, bootstrap room)]`` of the requests whose last chunk ``batch`` computes.
+
+    A request's last chunk is the extend that reaches the end of its input
+    (``extend_end >= len(origin_input_ids)``; SGLang's own test in
+    ``disaggregation/prefill.py``, valid with and without overlap scheduling). A request
+    still bootstrapping (optimistic prefill) is skipped: it has no decode peer yet.
+    """
+    mode = getattr(batch, "forward_mode", None)
+    if mode is None or not mode.is_extend():
+        return []
+    reqs = list(getattr(batch, "reqs", None) or ())
+    rows = getattr(batch, "req_pool_indices_cpu", None)  # the rows, in the order of batch.reqs
+    rows = [int(r) for r in rows.tolist()] if rows is not None else [_row_of(req) for req in reqs]
+    if len(rows) != len(reqs):
+        raise RuntimeError(f"batch has {len(reqs)} requests but {len(rows)} req_to_token rows")
+    out = []
+    for req, row in zip(reqs, rows):
+        end = getattr(req, "extend_end", None)
+        room = getattr(req, "bootstrap_room", None)
+        if end is None or room is None or row is None or getattr(req, "pending_bootstrap", False):
+            continue
+        if getattr(req, "disagg_kv_sender", None) is None:
+            continue
+        if end >= len(req.origin_input_ids):
+            out.append((int(row), int(room)))
+    return out
+
+
+def _row_of(req: Any):
+    """``req``'s ``req_to_token`` row (SGLang 0.5.23 keeps it in ``req.kv``)."""
+    kv = getattr(req, "kv", None)
+    return getattr(kv, "req_pool_idx", None)
+
+
+def _announce_last_chunks_before(scheduler, *args, **kwargs):
+    """BEFORE ``Scheduler.run_batch(batch, ...)``: tell the layerwise publisher what this
+    forward finishes (a no-op on every server without the layerwise P/D publisher)."""
+    batch = args[0] if args else kwargs.get("batch")
+    queue = getattr(scheduler, "disagg_prefill_bootstrap_queue", None)
+    manager = getattr(queue, "kv_manager", None)
+    publisher = getattr(manager, "publisher", None)
+    if publisher is None:
+        return None
+    publisher.begin_batch()
+    for row, room in last_chunk_rows(batch):
+        manager.announce_last_chunk(row, room)
+    return None
+
+
 _installed = False
 
 
@@ -135,4 +190,5 @@ def install() -> None:
     HookRegistry.register(_TARGET_CONFIG_STORE, _config_store_around, HookType.AROUND)
     HookRegistry.register(_TARGET_PREFILL_MANAGER, _attach_pool_after, HookType.AFTER)
     HookRegistry.register(_TARGET_DECODE_MANAGER, _attach_pool_after, HookType.AFTER)
+    HookRegistry.register(_TARGET_RUN_BATCH, _announce_last_chunks_before, HookType.BEFORE)
     _installed = True

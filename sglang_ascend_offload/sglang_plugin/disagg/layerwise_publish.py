@@ -7,7 +7,8 @@ device memory. So the request cannot be sent after the forward (what
 
 1. before the forward that runs a request's **last chunk**, the caller says which
    ``req_to_token`` row carries which bootstrap room and decode session
-   (:meth:`LayerwisePublisher.expect`);
+   (:meth:`LayerwisePublisher.expect`; in a server the BEFORE hook on
+   ``Scheduler.run_batch`` in :mod:`.install` does, after :meth:`~LayerwisePublisher.begin_batch`);
 2. when the pool opens that forward it asks :meth:`LayerwisePublisher.consumers_of`
    (``pool.set_extra_consumers``): the request is added to its decode peer's
    :class:`~sglang_ascend_offload.transfer.prefill_side.PrefillSender` and the peer's
@@ -25,6 +26,13 @@ device memory. So the request cannot be sent after the forward (what
 Layers with a dedicated buffer have no gate; their rows are rewritten only after
 SGLang frees the request's pages, which happens after the sender reports the request
 done (every layer read) or failed.
+
+After the forward SGLang's sender hands the request's pages to the KV manager
+(``add_transfer_request``, last chunk): :meth:`LayerwisePublisher.check_sent` compares
+them with the pages published, and fails the request when it was never announced
+(a send outside the forward that computed it: the pipelined layers are gone by then)
+or when the pages differ. Nothing is ever sent from a buffer that may hold another
+layer.
 
 Only ``split`` decode peers (decode pool on the device) are served; a ``host_rows``
 peer (sparse decode offload) needs the packing staging of :mod:`.links`, which
@@ -122,21 +130,81 @@ class LayerwisePublisher:
         self._expected: Dict[int, _Expected] = {}
         self._forwards: Dict[int, List[_Unit]] = {}
         self._rooms: Dict[int, Tuple[Optional[PrefillSender], RequestStatus]] = {}
+        self._published_pages: Dict[int, Tuple[int, ...]] = {}
         pool.set_extra_consumers(self.consumers_of)
         pool.add_layer_listener(self.on_layer_written)
 
     # ------------------------------------------------------------------ control plane
-    def note_peer(self, session: str, advert: DecodeAdvert) -> None:
-        """A decode peer's advert from its registration (see :mod:`.wire`)."""
+    def note_peer(self, session: str, advert: Optional[DecodeAdvert], error: str = "") -> None:
+        """A decode peer's advert from its registration (see :mod:`.wire`); ``advert=None``
+        with ``error``: the registration was invalid, every request to it fails with that."""
         with self._lock:
-            self._adverts[session] = advert
+            if advert is None:
+                self._sender_errors[session] = error or f"decode session {session}: invalid registration"
+                self._adverts.pop(session, None)
+            else:
+                self._adverts[session] = advert
+
+    def begin_batch(self) -> None:
+        """A new batch is about to run: expectations never picked up by a forward are stale.
+
+        They belong to a batch whose forward never opened the pool; keeping them would
+        publish whatever request takes the row next. Their rooms fail."""
+        with self._lock:
+            stale, self._expected = self._expected, {}
+        for exp in stale.values():
+            self._fail_local(exp.room, "the forward announced for this request's last chunk never ran")
 
     def expect(self, row: int, room: int, session: str) -> None:
         """The next forward containing ``req_to_token`` row ``row`` computes bootstrap room
         ``room``'s last chunk; send it to decode ``session``."""
         with self._lock:
+            if int(room) in self._rooms:
+                return  # announced already (a repeated last chunk): keep the first
             self._expected[int(row)] = _Expected(int(room), session)
             self._rooms[int(room)] = (None, PENDING)
+
+    def check_sent(self, room: int, pages) -> None:
+        """SGLang sends ``room``'s last chunk (after the forward): the published pages must be
+        ``pages`` (all of the request's pages, in order). Fails the room otherwise."""
+        pages = tuple(int(p) for p in pages)
+        with self._lock:
+            entry = self._rooms.get(room)
+            published = self._published_pages.get(room)
+        if entry is None:
+            self._fail_local(room, "sent outside the forward that computed its last chunk (optimistic prefill "
+                                   "or a requeued request): with layerwise prefill offload the shared layer "
+                                   "buffers no longer hold its KV; run prefill with --optimistic-prefill-attempts 0")
+            return
+        if published is not None and published != pages:
+            self.cancel(room, f"SGLang sends {len(pages)} pages but {len(published)} other pages were published "
+                              "from the forward")
+
+    def cancel(self, room: int, reason: str) -> None:
+        """The scheduler gave up on ``room``: fail it (the sender tells decode; the request's
+        remaining layers are then skipped and their gates answered at once)."""
+        with self._lock:
+            entry = self._rooms.get(room)
+        if entry is None:
+            return
+        sender, local = entry
+        if sender is None:
+            if local.state is TransferState.PENDING:
+                self._fail_local(room, reason)
+            return
+        sender.abort(unit_id(room), reason)
+
+    def forget(self, room: int) -> None:
+        """Drop ``room``'s bookkeeping (SGLang released the request; a pending one is
+        cancelled first). An expectation not yet picked up by a forward is withdrawn."""
+        with self._lock:
+            entry = self._rooms.pop(room, None)
+            self._published_pages.pop(room, None)
+            for row, exp in list(self._expected.items()):
+                if exp.room == room:
+                    del self._expected[row]
+        if entry is not None and entry[0] is not None:
+            entry[0].forget(unit_id(room))
 
     def status(self, room: int) -> Optional[RequestStatus]:
         """``None`` if unknown; the local failure, or the sender's status."""
@@ -147,7 +215,10 @@ class LayerwisePublisher:
         sender, local = entry
         if sender is None or local.state is TransferState.FAILED:
             return local
-        return sender.status(unit_id(room))
+        try:
+            return sender.status(unit_id(room))
+        except KeyError:
+            return RequestStatus(TransferState.FAILED, "request unknown to the P/D sender")
 
     # ------------------------------------------------------------------ pool hooks
     def consumers_of(self, info: ForwardInfo) -> Dict[int, List[str]]:
@@ -165,9 +236,11 @@ class LayerwisePublisher:
             except (TransferError, ValueError) as exc:
                 self._fail_local(exp.room, str(exc))
                 continue
+            pages = tuple(int(p) for p in req.pages)
             with self._lock:
                 self._rooms[exp.room] = (sender, PENDING)
-            units.append(_Unit(sender, rid, tuple(int(p) for p in req.pages), self.pool.layer_num))
+                self._published_pages[exp.room] = pages
+            units.append(_Unit(sender, rid, pages, self.pool.layer_num))
         if not units:
             return {}
         with self._lock:
@@ -237,6 +310,10 @@ class LayerwisePublisher:
             raise
         with self._lock:
             self._senders[session] = sender
+        logger.info("P/D layerwise publisher: link to decode rank %d at %s:%d (%s layout, ratio %d) ready; "
+                    "layers %s are published from shared buffers, gated by decode's reads", advert.d_rank,
+                    advert.host, advert.control_port, advert.layout_kind, sender.topology.ratio,
+                    list(self.pool.pipelined))
         return sender
 
     def close(self) -> None:

@@ -61,6 +61,11 @@ def layout_kind(pool: Any) -> str:
     return "host_rows" if _is_host_rows_pool(pool) else "split"
 
 
+def is_layerwise_pool(pool: Any) -> bool:
+    """``pool`` is the layerwise prefill offload pool (layers alias shared buffers)."""
+    return type(pool).__name__ == "LayerwisePrefillPool"
+
+
 def check_pool(pool: Any, *, allow_layerwise: bool = False) -> None:
     """Raise :class:`LayoutError` unless ``pool`` is one the backend can move.
 
@@ -72,10 +77,10 @@ def check_pool(pool: Any, *, allow_layerwise: bool = False) -> None:
         raise LayoutError(f"P/D transfer backend ascend_offload moves the ascend_offload attention backend's "
                           f"DSA pools; got {type(pool).__name__} (serve a DeepSeek-V3.2-style model with "
                           "--attention-backend ascend_offload)")
-    if type(pool).__name__ == "LayerwisePrefillPool" and not allow_layerwise:
-        raise LayoutError("P/D transfer from the layerwise prefill offload pool is not wired yet (its "
-                          "pipelined layers are not in device memory after the forward; only "
-                          "disagg/layerwise_publish.py publishes them, during the forward)")
+    if is_layerwise_pool(pool) and not allow_layerwise:
+        raise LayoutError("the layerwise prefill offload pool is served only by disagg/layerwise_publish.py "
+                          "on a prefill server (its pipelined layers are not in device memory after the "
+                          "forward; they are published during it)")
     if getattr(pool, "index_head_dim", None) is None:
         raise LayoutError("P/D transfer backend ascend_offload needs a DSA model (an indexer cache)")
     if getattr(pool, "dsa_kv_cache_store_fp8", False):

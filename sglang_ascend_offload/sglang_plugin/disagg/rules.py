@@ -18,7 +18,7 @@ rule                                    when
 ``sglang.pd_unsupported``               a P/D feature the backend does not provide: decode radix
                                         cache, decode host receive, HiSparse, speculative decoding,
                                         ``prefill_complete`` allocation, staging buffers, role switch,
-                                        layerwise prefill offload on the same server
+                                        optimistic prefill with layerwise prefill offload
 ``sglang.pd_decode_tp``                 decode attention TP > 1: the protocol sends each decode TP rank
                                         only its share of the main KV, for a TP-shared host pool; the
                                         decode pools in SGLang are per rank today (prefill TP may be any
@@ -160,9 +160,11 @@ def pd_violations(config: cfg.OffloadConfig, server_args: Any) -> List[cfg.Viola
         unsupported.append("--enable-pd-role-switch")
     if os.environ.get("SGLANG_DISAGG_STAGING_BUFFER", "").lower() in ("1", "true", "yes"):
         unsupported.append("SGLANG_DISAGG_STAGING_BUFFER")
-    if config.layerwise_prefill is not None:
-        unsupported.append("layerwise prefill offload (the per-layer publisher, disagg/layerwise_publish.py, "
-                           "is not wired into the prefill scheduler yet)")
+    if config.layerwise_prefill is not None and role == "prefill" \
+            and int(getattr(view, "optimistic_prefill_attempts", 0) or 0) > 0:
+        unsupported.append(f"--optimistic-prefill-attempts {view.optimistic_prefill_attempts} with layerwise "
+                           "prefill offload (a request computed before its decode bootstrapped is sent after "
+                           "the forward, when its shared layer buffers hold other layers)")
     if unsupported:
         out.append(_violation("sglang.pd_unsupported", "not supported with the ascend_offload P/D backend: "
                               + "; ".join(unsupported), "drop these settings"))
