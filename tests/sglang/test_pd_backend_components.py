@@ -62,11 +62,11 @@ def device_pool(page=PAGE, layers=LAYERS, fill_seed=None):
     return pool
 
 
-def host_pool(page=PAGE):
+def host_pool(page=PAGE, layers=LAYERS):
     from sglang_ascend_offload.sglang_plugin.offload_pool import HostMainKVPool
 
     return HostMainKVPool(SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK),
-                          **_common(page))
+                          **_common(page, layers))
 
 
 def pd_config(**kw):

@@ -9,7 +9,9 @@ One module setup (each launch costs ~30-60 s on 2 cores, started together):
 * decode server D0 (device pool: main KV pulled into device pages),
 * decode server D1 with sparse decode offload (main KV pulled straight into its host pool),
 * one colocated server (the reference),
-* three routers ``sglang_router.launch_router --pd-disaggregation``: (P, D0), (P, D1), (PL, D0).
+* four routers ``sglang_router.launch_router --pd-disaggregation``: (P, D0), (P, D1), (PL, D0),
+  (PL, D1): the last is the intended deployment (layerwise offload on the prefill node,
+  sparse decode offload on the decode node).
 
 Every server uses the Mooncake engine over TCP on 127.0.0.1 (``pd_transfer.engine =
 mooncake``). Greedy ``/generate`` through each router must return the colocated
@@ -102,7 +104,7 @@ class Router:
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     """(router to the device-pool decode, router to the offload decode, colocated server, logs dir,
-    router from the layerwise prefill to the device-pool decode)."""
+    routers from the layerwise prefill to the device-pool and to the offload decode)."""
     root = tmp_path_factory.mktemp("pd_servers")
     bootstrap, bootstrap_lw = free_port(), free_port()
     kv0, kv1 = free_port(), free_port()
@@ -137,11 +139,12 @@ def pd(tmp_path_factory):
                                                          "prefill_layerwise"), servers)))
         routers = [Router(prefill, bootstrap, dense, root / "router_dense.log").start(),
                    Router(prefill, bootstrap, offload, root / "router_offload.log").start(),
-                   Router(prefill_lw, bootstrap_lw, dense, root / "router_layerwise.log").start()]
+                   Router(prefill_lw, bootstrap_lw, dense, root / "router_layerwise.log").start(),
+                   Router(prefill_lw, bootstrap_lw, offload, root / "router_layerwise_offload.log").start()]
         deadline = time.monotonic() + ROUTER_READY_S
         for r in routers:
             r.wait_ready(prompt(5, seed=99), deadline)
-        yield routers[0], routers[1], colocated, root, routers[2]
+        yield routers[0], routers[1], colocated, root, routers[2], routers[3]
     finally:
         for r in routers:
             r.stop()
@@ -186,11 +189,23 @@ def test_router_pd_from_layerwise_prefill_matches_colocated(pd):
     """Layerwise prefill offload on the prefill node: both layers share one buffer, each is
     read by decode during the forward; chunked prompts (> 128 tokens) load their first
     chunk back from the host store before it is published."""
-    *_, colocated, _, layerwise_router = pd
+    _, _, colocated, _, layerwise_router, _ = pd
     _check_same(layerwise_router, colocated, PROMPTS, max_new_tokens=12)
     shared = prompt(140, seed=11)  # a radix-cached prefix, then concurrent requests that hit it
     layerwise_router.generate(shared, max_new_tokens=1)
     _check_same(layerwise_router, colocated, [shared + prompt(10 + 7 * i, seed=20 + i) for i in range(3)],
+                max_new_tokens=8)
+
+
+def test_router_pd_from_layerwise_prefill_to_offload_decode_matches_colocated(pd):
+    """Layerwise prefill offload -> sparse decode offload: each layer is packed per request
+    into the publisher's staging and lands in decode's host pool; concurrent requests
+    share a forward (their reads of one layer go one after another)."""
+    _, _, colocated, _, _, layerwise_offload_router = pd
+    _check_same(layerwise_offload_router, colocated, PROMPTS, max_new_tokens=12)
+    shared = prompt(140, seed=12)
+    layerwise_offload_router.generate(shared, max_new_tokens=1)
+    _check_same(layerwise_offload_router, colocated, [shared + prompt(9 + 5 * i, seed=30 + i) for i in range(3)],
                 max_new_tokens=8)
 
 
@@ -208,6 +223,8 @@ def test_the_project_protocol_moved_the_kv(pd):
     layerwise_log = (root / "prefill_layerwise.log").read_text(errors="replace")
     assert re.search(r"P/D layerwise publisher: link to decode rank 0 at 127\.0\.0\.1:\d+ \(split layout, "
                      r"ratio 1\) ready; layers \[0, 1\] are published from shared buffers", layerwise_log)
+    assert re.search(r"P/D layerwise publisher: link to decode rank 0 at 127\.0\.0\.1:\d+ \(host_rows layout, "
+                     r"ratio 1\) ready", layerwise_log)
     for log in (prefill_log, dense_log, offload_log, layerwise_log):
         assert "Traceback" not in log
         assert not re.search(r"(prefill|decode) rank \d+: request \S+ failed", log)  # no P/D request failed

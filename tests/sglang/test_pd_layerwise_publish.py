@@ -20,7 +20,7 @@ import torch
 from sglang_ascend_offload.transfer.status import TransferState
 
 from test_layerwise_pool import LAYERS, PAGE, LayerwiseHarness, lw_config, published_context
-from test_pd_backend_components import device_pool, pd_config
+from test_pd_backend_components import device_pool, host_pool, pd_config
 
 pytestmark = [pytest.mark.usefixtures("plugins_loaded"),
               pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
@@ -46,12 +46,15 @@ def _wait(pub, sink, room, timeout=30.0):
     raise AssertionError(f"room {room}: prefill {pub.status(room)}, decode {sink.status(room)}")
 
 
-def run_transfer(gate_reads: bool, decode_expects: bool = True, then=None, **config):
+def run_transfer(gate_reads: bool, decode_expects: bool = True, then=None, decode: str = "split", **config):
     """Prefill request ``a`` in two chunks (the last one published), decode reads it.
 
     Returns ``(prefill status, decode status, mismatching (layer, buffer) pairs, events,
     busy slots)``; ``gate_reads=False`` drops decode's consumer from the pool's gates
-    (negative control); ``then(pub, harness, src_pages)`` runs once the transfer is over."""
+    (negative control); ``then(pub, harness, src_pages)`` runs once the transfer is over;
+    ``decode="host_rows"``: decode runs sparse decode offload (main KV into its host pool,
+    packed through the publisher's staging); read answers are then recorded where they
+    release the shared buffer (``pool.gates.done``)."""
     from sglang_ascend_offload.sglang_plugin.disagg.layerwise_publish import LayerwisePublisher
     from sglang_ascend_offload.sglang_plugin.disagg.sink import DecodeSink
     from sglang_ascend_offload.transfer.engine import create_engine
@@ -61,7 +64,7 @@ def run_transfer(gate_reads: bool, decode_expects: bool = True, then=None, **con
     assert len(pool.pipelined) >= 2, "the test needs a reused buffer"
     config = pd_config(**config)
     p_engine, d_engine = create_engine(config, "prefill"), create_engine(config, "decode")
-    d_pool = device_pool(layers=LAYERS)
+    d_pool = device_pool(layers=LAYERS) if decode == "split" else host_pool(layers=LAYERS)
     sink = DecodeSink(config, d_tp=1, d_rank=0, dp_rank=0, pool=d_pool, engine=d_engine)
     pub = LayerwisePublisher(config, p_tp=1, p_rank=0, pool=pool, engine=p_engine)
     pub.note_peer(SESSION, sink.advert())
@@ -88,7 +91,18 @@ def run_transfer(gate_reads: bool, decode_expects: bool = True, then=None, **con
         with lock:
             events.append(("ready", layer, None))
 
-    pub.router.done = done
+    if decode == "split":
+        pub.router.done = done
+    else:
+        real_done = pool.gates.done
+
+        def pool_done(slot, layer, consumer, error=None):
+            if consumer.startswith("pd_read:"):
+                with lock:
+                    events.append(("read_done", layer, error))
+            real_done(slot, layer, consumer, error)
+
+        pool.gates.done = pool_done
     pool.pipe.wait_until_ready = wait_until_ready
     try:
         a, b = h.new_request("a"), h.new_request("b")
@@ -109,8 +123,18 @@ def run_transfer(gate_reads: bool, decode_expects: bool = True, then=None, **con
             return pub.status(7), None, [], list(events), pool.gates.busy_slots(), pool.pipelined
         p, d = _wait(pub, sink, 7)
         dense = h.dense_pool  # what a prefill without layerwise offload holds
-        bad = [(layer, buf) for layer in range(LAYERS) for buf in ("k_buffer", "v_buffer", "index_k_buffer")
-               if not torch.equal(getattr(d_pool, buf)[layer][dst], getattr(dense, buf)[layer][src])]
+        if decode == "split":
+            bad = [(layer, buf) for layer in range(LAYERS) for buf in ("k_buffer", "v_buffer", "index_k_buffer")
+                   if not torch.equal(getattr(d_pool, buf)[layer][dst], getattr(dense, buf)[layer][src])]
+        else:
+            bad = []
+            for layer in range(LAYERS):
+                want = torch.cat((dense.k_buffer[layer][src].reshape(len(src), PAGE, -1),
+                                  dense.v_buffer[layer][src].reshape(len(src), PAGE, -1)), dim=-1)
+                if not torch.equal(d_pool.host_page_blocks(layer)[dst], want):
+                    bad.append((layer, "host_rows"))
+                if not torch.equal(d_pool.index_k_buffer[layer][dst], dense.index_k_buffer[layer][src]):
+                    bad.append((layer, "index_k_buffer"))
         with lock:
             order = list(events)
         if then is not None:
@@ -196,3 +220,15 @@ def test_last_chunk_rows_picks_the_requests_this_forward_finishes():
     batch.req_pool_indices_cpu = torch.tensor([20, 21, 22, 23, 24, 25])
     assert last_chunk_rows(batch) == [(20, 10), (25, 15)]
     assert last_chunk_rows(NS(forward_mode=NS(is_extend=lambda: False), reqs=batch.reqs)) == []
+
+
+def test_sparse_decode_offload_peer_gets_packed_rows_bit_exact_and_slots_wait_for_its_reads(ctx):
+    """``host_rows`` decode: each layer is packed into the staging, main KV lands in decode's
+    host pool, the indexer in its device cache; the shared buffer still waits for the read."""
+    p, d, bad, order, busy, pipelined = run_transfer(gate_reads=True, decode="host_rows")
+    assert p.state is TransferState.DONE and d.state is TransferState.DONE, (p, d)
+    assert bad == []
+    assert sorted(e[1] for e in order if e[0] == "read_done") == sorted(pipelined)
+    for earlier, later in zip(pipelined, pipelined[1:]):
+        assert order.index(("read_done", earlier, None)) < order.index(("ready", later, None)), order
+    assert busy == []

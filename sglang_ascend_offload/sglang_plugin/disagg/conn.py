@@ -121,11 +121,11 @@ class AscendOffloadKVManager(MooncakeKVManager):
         """Start this rank's P/D side on ``pool`` (called right after the manager is built)."""
         layerwise = layouts.is_layerwise_pool(pool)
         layouts.check_pool(pool, allow_layerwise=layerwise and self.disaggregation_mode == DisaggregationMode.PREFILL)
+        max_blocks = math.ceil(context_len / pool.page_size) + 1 if context_len else None
         if layerwise:
             self.publisher = LayerwisePublisher(self.pd_config, p_tp=self.attn_tp_size, p_rank=self.attn_tp_rank,
-                                                pool=pool, engine=self.pd_engine)
+                                                pool=pool, engine=self.pd_engine, max_blocks=max_blocks)
         elif self.disaggregation_mode == DisaggregationMode.PREFILL:
-            max_blocks = math.ceil(context_len / pool.page_size) + 1 if context_len else None
             self.links = PrefillLinks(self.pd_config, p_tp=self.attn_tp_size, p_rank=self.attn_tp_rank,
                                       pool=pool, engine=self.pd_engine, max_blocks=max_blocks)
         else:

@@ -34,10 +34,18 @@ them with the pages published, and fails the request when it was never announced
 or when the pages differ. Nothing is ever sent from a buffer that may hold another
 layer.
 
-Only ``split`` decode peers (decode pool on the device) are served; a ``host_rows``
-peer (sparse decode offload) needs the packing staging of :mod:`.links`, which
-would have to run inside the listener too (not wired: the request fails with that
-reason).
+Decode peers of both layouts are served:
+
+* ``split`` (decode pool on the device): one batch per layer for all of the
+  forward's requests to that peer, read straight from the shared buffer;
+* ``host_rows`` (decode with sparse decode offload; main KV lands in its host pool
+  as packed ``[latent | rope]`` rows): the listener packs each request's pages of the
+  layer into a staging slot (:class:`~.layouts.PackedStaging`, layer ``L`` -> slot
+  ``L % staging_slots``, each slot behind its own gate) and publishes one batch per
+  request (main from the staging, indexer from the shared buffer). The shared
+  buffer's gate is answered once every request's batch of that layer was answered
+  (:class:`StagingGateRouter`). Requests of one forward to one ``host_rows`` peer are
+  therefore read one after another within a layer (the staging holds one request).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from ... import config as cfg
+from ...layerwise_prefill.gates import GateError, GateTimeout, SlotGates
 from ...transfer.engine import TransferEngine
 from ...transfer.errors import TransferError
 from ...transfer.prefill_side import PrefillSender, SourceBlocks
@@ -85,6 +94,59 @@ class PoolGateRouter:
             self.pool.gates.done(slot, layer, consumer)
 
 
+class StagingGateRouter:
+    """The ``gates`` of a ``host_rows`` peer's sender: its batches name staging slots.
+
+    ``done`` frees the staging slot, and the pool's slot gate of a pipelined layer once
+    the last of that layer's batches (:meth:`expect`) was answered. Every published
+    batch gets exactly one ``done`` (answer, timeout, close, or at once when it had no
+    live request), so the count always reaches zero.
+    """
+
+    def __init__(self, pool: Any, slots: int):
+        self.pool = pool
+        self.pipelined = frozenset(pool.pipelined)
+        self.staging_gates = SlotGates(slots)
+        self._lock = threading.Lock()
+        self._left: Dict[int, List[int]] = {}  # layer -> [answers still due, pool slot]
+
+    def expect(self, layer: int, batches: int, pool_slot: int) -> None:
+        if layer in self.pipelined:
+            with self._lock:
+                self._left[layer] = [batches, pool_slot]
+
+    def begin(self, slot: int, layer: int, consumers) -> None:
+        raise RuntimeError("the publisher opens the staging gates itself (sender needs begin_gate=False)")
+
+    def done(self, slot: int, layer: int, consumer: str, error: Optional[str] = None) -> None:
+        if error is not None:
+            logger.warning("P/D layerwise: layer %d (staging %d) for %s failed: %s", layer, slot, consumer, error)
+        self.staging_gates.done(slot, layer, consumer)
+        self.done_without_staging(layer, consumer)
+
+    def done_without_staging(self, layer: int, consumer: str) -> None:
+        """One of ``layer``'s batches is over without holding a staging slot (never began)."""
+        release = None
+        with self._lock:
+            left = self._left.get(layer)
+            if left is not None:
+                left[0] -= 1
+                if left[0] == 0:
+                    release = left[1]
+                    del self._left[layer]
+        if release is not None:
+            self.pool.gates.done(release, layer, consumer)
+
+
+@dataclass
+class _Staging:
+    """Packing staging of one ``host_rows`` peer (module doc)."""
+
+    staging: Any  # layouts.PackedStaging
+    router: StagingGateRouter
+    claim: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # wait_free + begin, atomically
+
+
 @dataclass(frozen=True)
 class _Expected:
     room: int
@@ -99,6 +161,7 @@ class _Unit:
     rid: str
     pages: Tuple[int, ...]
     layers_left: int
+    staging: Optional[_Staging] = None
 
 
 class LayerwisePublisher:
@@ -106,17 +169,21 @@ class LayerwisePublisher:
 
     config: the P/D config; p_tp / p_rank: attention TP size and rank; pool: the
     :class:`~..layerwise_pool.LayerwisePrefillPool`; engine: the started transfer
-    engine (the pool's physical buffers are registered here).
+    engine (the pool's physical buffers are registered here); max_blocks /
+    staging_slots: pages per staging slot (default: the pool's) and staging slots of
+    each ``host_rows`` peer.
     """
 
     def __init__(self, config: cfg.PDTransferConfig, *, p_tp: int, p_rank: int, pool: Any,
-                 engine: TransferEngine):
+                 engine: TransferEngine, max_blocks: Optional[int] = None, staging_slots: int = 2):
         layouts.check_pool(pool, allow_layerwise=True)
         self.config = config
         self.p_tp = p_tp
         self.p_rank = p_rank
         self.pool = pool
         self.engine = engine
+        self.max_blocks = max_blocks
+        self.staging_slots = staging_slots
         self.router = PoolGateRouter(pool)
         self._tensors = layouts.split_tensors(pool, allow_layerwise=True)
         regions = layouts.tensors_regions(self._tensors)
@@ -126,6 +193,7 @@ class LayerwisePublisher:
         self._publish_lock = threading.Lock()
         self._adverts: Dict[str, DecodeAdvert] = {}
         self._senders: Dict[str, PrefillSender] = {}
+        self._stagings: Dict[int, _Staging] = {}  # id(sender) -> staging of a host_rows peer
         self._sender_errors: Dict[str, str] = {}
         self._expected: Dict[int, _Expected] = {}
         self._forwards: Dict[int, List[_Unit]] = {}
@@ -240,7 +308,9 @@ class LayerwisePublisher:
             with self._lock:
                 self._rooms[exp.room] = (sender, PENDING)
                 self._published_pages[exp.room] = pages
-            units.append(_Unit(sender, rid, pages, self.pool.layer_num))
+            with self._lock:
+                staging = self._stagings.get(id(sender))
+            units.append(_Unit(sender, rid, pages, self.pool.layer_num, staging))
         if not units:
             return {}
         with self._lock:
@@ -256,6 +326,9 @@ class LayerwisePublisher:
         for u in units:
             by_sender.setdefault(id(u.sender), []).append(u)
         for group in by_sender.values():
+            if group[0].staging is not None:
+                self._publish_packed(item, group)
+                continue
             sender = group[0].sender
             with self._publish_lock:  # "finished" must match the sender's published count
                 for u in group:
@@ -276,6 +349,41 @@ class LayerwisePublisher:
             with self._lock:
                 self._forwards.pop(item.forward.forward_id, None)
 
+    def _publish_packed(self, item: LayerWritten, group: List[_Unit]) -> None:
+        """``host_rows`` peer: per request, wait for the layer's staging slot, pack, publish."""
+        st = group[0].staging
+        sender = group[0].sender
+        slot = st.staging.slot_of(item.layer)
+        gates = st.router.staging_gates
+        wait_s = 2 * self.config.layer_timeout_s + 1.0
+        st.router.expect(item.layer, len(group), item.slot)
+        for u in group:
+            with self._publish_lock:
+                u.layers_left -= 1
+                finished = [u.rid] if u.layers_left == 0 else []
+            try:
+                with st.claim:  # the saver and notifier threads may both want this slot
+                    try:
+                        gates.wait_free(slot, wait_s)
+                    except GateError:
+                        pass  # free; the error belonged to an earlier batch (its request failed already)
+                    gates.begin(slot, item.layer, [sender.consumer])
+            except (GateTimeout, ValueError) as exc:
+                sender.abort(u.rid, f"layer {item.layer}: staging slot {slot} not free: {exc}")
+                st.router.done_without_staging(item.layer, sender.consumer)
+                continue
+            try:
+                if sender.status(u.rid).state is TransferState.PENDING:
+                    st.staging.pack(item.layer, u.pages)
+                sender.publish_layer(item.layer, slot, {u.rid: SourceBlocks(range(len(u.pages)), u.pages)},
+                                     finished=finished)
+            except Exception as exc:  # noqa: BLE001 - fail the request, answer its gates
+                sender.abort(u.rid, f"layer {item.layer}: publish failed: {exc}")
+                try:
+                    st.router.done(slot, item.layer, sender.consumer)
+                except ValueError:
+                    pass  # already answered
+
     # ------------------------------------------------------------------ helpers
     def _fail_local(self, room: int, reason: str) -> None:
         logger.warning("P/D layerwise prefill rank %d: request %s failed: %s", self.p_rank, room, reason)
@@ -292,13 +400,23 @@ class LayerwisePublisher:
             advert = self._adverts.get(session)
         if advert is None:
             raise TransferError(f"decode session {session} never registered an ascend_offload advert")
-        if advert.layout_kind != "split":
-            raise TransferError(f"decode layout {advert.layout_kind!r} (sparse decode offload) is not served by "
-                                "layerwise prefill offload yet: run decode without --enable-sparse-decode-offload")
-        layout = layouts.layout_of(self.pool, self._tensors)
+        staging = None
+        tensors, router = self._tensors, self.router
+        if advert.layout_kind == "host_rows":
+            packed = layouts.PackedStaging(self.pool, slots=self.staging_slots, max_blocks=self.max_blocks,
+                                           allow_layerwise=True)
+            regions = layouts.whole_regions([packed.buffer])
+            self.engine.register(regions)
+            with self._lock:
+                self._registered.extend(addr for addr, _ in regions)
+            staging = _Staging(packed, StagingGateRouter(self.pool, packed.slots))
+            tensors, router = packed.tensors(), staging.router
+        elif advert.layout_kind != "split":
+            raise TransferError(f"decode layout {advert.layout_kind!r} is not served by layerwise prefill offload")
+        layout = layouts.layout_of(self.pool, tensors)
         config = dataclasses.replace(self.config, kv_port=advert.kv_port)
         sender = PrefillSender(config, p_tp=self.p_tp, d_tp=advert.d_tp, p_rank=self.p_rank, layout=layout,
-                               engine=self.engine, gates=self.router, decode_host=advert.host,
+                               engine=self.engine, gates=router, decode_host=advert.host,
                                decode_dp_rank=advert.dp_rank, consumer=CONSUMER_PREFIX + session,
                                begin_gate=False)
         try:
@@ -310,6 +428,8 @@ class LayerwisePublisher:
             raise
         with self._lock:
             self._senders[session] = sender
+            if staging is not None:
+                self._stagings[id(sender)] = staging
         logger.info("P/D layerwise publisher: link to decode rank %d at %s:%d (%s layout, ratio %d) ready; "
                     "layers %s are published from shared buffers, gated by decode's reads", advert.d_rank,
                     advert.host, advert.control_port, advert.layout_kind, sender.topology.ratio,

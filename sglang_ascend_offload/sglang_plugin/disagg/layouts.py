@@ -159,8 +159,9 @@ class PackedStaging:
     of the ``host_rows`` layout (main from the staging, indexer from the pool).
     """
 
-    def __init__(self, pool: Any, *, slots: int = 2, max_blocks: Optional[int] = None):
-        check_pool(pool)
+    def __init__(self, pool: Any, *, slots: int = 2, max_blocks: Optional[int] = None,
+                 allow_layerwise: bool = False):
+        check_pool(pool, allow_layerwise=allow_layerwise)
         if _is_host_rows_pool(pool):
             raise LayoutError("a prefill server cannot run sparse decode offload")
         if slots < 1:
