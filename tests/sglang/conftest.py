@@ -45,6 +45,10 @@ CPU_SERVER_ARGS = [
     "--max-total-tokens", "4096",
     "--context-length", "2048",
 ]
+# Colocated test servers sleep when idle (SGLang's IdleSleeper waits on the tokenizer
+# socket instead of spinning), so several servers on 2 cores do not starve each other.
+# Not for P/D servers: their idle loop also polls transfers and would stall up to 1 s.
+IDLE_SLEEP = ["--sleep-on-idle"]
 STARTUP_TIMEOUT_S = float(os.environ.get("SGLANG_TEST_STARTUP_TIMEOUT", "240"))
 
 
@@ -132,6 +136,16 @@ def stop_process_group(proc: Optional[subprocess.Popen], grace_s: float) -> None
         except ProcessLookupError:
             pass
         proc.wait(timeout=10)
+
+
+def stop_all(*procs) -> None:
+    """Stop servers / routers (anything with ``stop()``) at once: each may take its grace period."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    procs = [p for p in procs if p is not None]
+    if procs:
+        with ThreadPoolExecutor(len(procs)) as pool:
+            list(pool.map(lambda p: p.stop(), procs))
 
 
 def run_launcher(extra_args: List[str], timeout: float = 180.0) -> subprocess.CompletedProcess:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import REPO, ServerProcess, run_launcher, server_env
+from conftest import IDLE_SLEEP, REPO, ServerProcess, run_launcher, server_env, stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ INDEX_TOPK = 16  # tests/fixtures/tiny_dsa/config.json
 VOCAB = 1024
 HOT_TOKENS = 64  # a multiple of the page size SGLang forces for DSA off NPU (64)
 TRACE_STEPS = 16
-COMMON = ["--max-running-requests", "4"]
+COMMON = ["--max-running-requests", "4"] + IDLE_SLEEP
 
 
 def prompt(n: int, seed: int) -> list:
@@ -51,8 +51,7 @@ def servers(tmp_path_factory):
         raise next(e for e in errors if e)
     print(f"\nstartup: dense {dense.startup_s:.1f} s, offload {offload.startup_s:.1f} s (concurrent)")
     yield dense, offload
-    dense.stop()
-    offload.stop()
+    stop_all(dense, offload)
 
 
 @pytest.fixture(scope="module")

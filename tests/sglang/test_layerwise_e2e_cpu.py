@@ -20,13 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import CPU_SERVER_ARGS, REPO, ServerProcess
+from conftest import CPU_SERVER_ARGS, IDLE_SLEEP, REPO, ServerProcess, stop_all
 
 pytestmark = pytest.mark.slow
 
 VOCAB = 1024
 TINY_DSA_4L = str(REPO / "tests" / "fixtures" / "tiny_dsa_4l")
-BASE_ARGS = [TINY_DSA_4L if a.endswith("tiny_dsa") else a for a in CPU_SERVER_ARGS] + ["--max-running-requests", "4"]
+BASE_ARGS = ([TINY_DSA_4L if a.endswith("tiny_dsa") else a for a in CPU_SERVER_ARGS]
+             + ["--max-running-requests", "4"] + IDLE_SLEEP)
 
 
 def prompt(n: int, seed: int) -> list:
@@ -53,8 +54,7 @@ def servers(tmp_path_factory):
     print("\nstartup (3 servers launched together): " +
           ", ".join(f"{k} {p.startup_s:.1f} s" for k, p in procs.items()))
     yield procs
-    for p in procs.values():
-        p.stop()
+    stop_all(*procs.values())
 
 
 def run_workload(srv: ServerProcess) -> dict:

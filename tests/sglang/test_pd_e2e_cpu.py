@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, ServerProcess, free_port, server_env, stop_process_group
+from conftest import IDLE_SLEEP, REPO, ServerProcess, free_port, server_env, stop_all, stop_process_group
 
 pytestmark = pytest.mark.slow
 
@@ -126,7 +126,7 @@ def pd(tmp_path_factory):
                                                     "--enable-sparse-decode-offload",
                                                     "--sparse-decode-offload-config", '{"hot_tokens": 64}'],
                             log_path=root / "decode_offload.log")
-    colocated = ServerProcess(COMMON, log_path=root / "colocated.log")
+    colocated = ServerProcess(COMMON + IDLE_SLEEP, log_path=root / "colocated.log")
     servers = [prefill, dense, offload, colocated, prefill_lw]
     routers = []
     try:
@@ -146,10 +146,7 @@ def pd(tmp_path_factory):
             r.wait_ready(prompt(5, seed=99), deadline)
         yield routers[0], routers[1], colocated, root, routers[2], routers[3]
     finally:
-        for r in routers:
-            r.stop()
-        for s in servers:
-            s.stop()
+        stop_all(*routers, *servers)
 
 
 def _check_same(router: Router, colocated: ServerProcess, prompts, max_new_tokens: int) -> None:
