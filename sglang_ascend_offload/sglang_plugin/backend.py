@@ -36,7 +36,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from ..ops import registry
 from . import carrier
 from .indexer import indexer_query_key_weights
-from .metadata import DSAForwardMetadata, build_metadata
+from .metadata import DSAForwardMetadata, build_metadata, real_batch_size
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ class AscendOffloadAttnBackend(AttentionBackend):
             forward_batch.seq_lens.device,
             is_decode=mode.is_decode(),
         )
+        self.forward_metadata.real_batch_size = real_batch_size(forward_batch)
 
     def init_forward_metadata_in_graph(self, forward_batch):
         """Static-shape device copies into the graph buffers (recordable; no host syncs)."""
@@ -147,6 +148,10 @@ class AscendOffloadAttnBackend(AttentionBackend):
         )
 
     def get_cuda_graph_seq_len_fill_value(self):
+        return 1
+
+    def get_cpu_graph_seq_len_fill_value(self):
+        """Sequence length of padding rows on CPU (DP attention pads batches to a common size)."""
         return 1
 
     def support_triton(self):

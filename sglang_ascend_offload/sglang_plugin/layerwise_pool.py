@@ -301,9 +301,10 @@ class LayerwisePrefillPool(DeviceDSAPool):
         return self._fwd
 
     def _batch_requests(self, md, backend) -> Tuple[BatchRequest, ...]:
-        rows = [int(r) for r in md.req_pool_indices.tolist()]
-        seqs = [int(s) for s in md.seq_lens_cpu_int.tolist()]
-        qs = [int(q) for q in md.q_lens_cpu]
+        real = md.real_requests  # DP-attention padding rows alias row 0: never planned or saved
+        rows = [int(r) for r in md.req_pool_indices[:real].tolist()]
+        seqs = [int(s) for s in md.seq_lens_cpu_int[:real].tolist()]
+        qs = [int(q) for q in md.q_lens_cpu[:real]]
         if not rows:
             return ()
         P = self.page_size

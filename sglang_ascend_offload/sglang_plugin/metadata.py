@@ -24,6 +24,8 @@ class DSAForwardMetadata:
     block_tables:          int32 [B, max_blocks] page ids, ``req_to_token[r, ::page] // page``
     q_lens_cpu:            query tokens per request (host list)
     req_pool_indices:      int64 [B] rows of ``req_to_token``
+    real_batch_size:       the first ``real_batch_size`` requests are real, the rest is
+                           DP-attention padding (:func:`real_batch_size`); ``None`` = all
     """
 
     seq_lens: torch.Tensor
@@ -33,6 +35,11 @@ class DSAForwardMetadata:
     q_lens_cpu: List[int]
     req_pool_indices: torch.Tensor
     is_decode: bool
+    real_batch_size: Optional[int] = None
+
+    @property
+    def real_requests(self) -> int:
+        return self.batch_size if self.real_batch_size is None else self.real_batch_size
 
     @property
     def batch_size(self) -> int:
@@ -41,6 +48,27 @@ class DSAForwardMetadata:
     @property
     def num_tokens(self) -> int:
         return int(sum(self.q_lens_cpu))
+
+
+def real_batch_size(forward_batch) -> int:
+    """Requests of ``forward_batch`` that are not DP-attention padding.
+
+    With DP attention SGLang 0.5.23 pads a rank's batch to the size shared by the DP
+    group (``MAX_LEN`` padding, ``ForwardBatch._pad_inputs_to_size``): trailing rows
+    with ``req_pool_indices`` 0 and sequence length 1, i.e. aliases of ``req_to_token``
+    row 0, which may belong to a live request. ``rids`` is not padded, and for decode
+    ``_original_num_tokens`` (one token per request) is the count before padding.
+    Per-row state (the sparse decode engine's residency, the layerwise page book) must
+    only see the first ``real_batch_size`` rows.
+    """
+    n = int(forward_batch.batch_size)
+    rids = getattr(forward_batch, "rids", None)
+    if rids is not None:
+        n = min(n, len(rids))
+    original = getattr(forward_batch, "_original_num_tokens", None)
+    if original is not None and forward_batch.forward_mode.is_decode():
+        n = min(n, int(original))
+    return n
 
 
 def block_tables_from(

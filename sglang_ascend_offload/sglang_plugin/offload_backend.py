@@ -29,6 +29,7 @@ import torch
 
 from . import carrier
 from .backend import AscendOffloadAttnBackend
+from .metadata import real_batch_size
 from .metrics import OffloadMetrics
 from .offload_pool import HostMainKVPool
 from .trace_recorder import TraceRecorder, trace_path
@@ -92,6 +93,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             logger.info("sparse decode offload: recording top-k traces to %s (at most %d steps)",
                         path, config.record_trace_max_steps)
         self._batch_rows: Optional[torch.Tensor] = None
+        self._padding_seen = False
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
@@ -100,10 +102,19 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         if md is None or not md.is_decode:
             self._batch_rows = None
             return
-        rows_list = [int(r) for r in forward_batch.req_pool_indices.tolist()]
-        req_ids = self.rows.ids_for(rows_list, getattr(forward_batch, "rids", None))
+        real = real_batch_size(forward_batch)  # DP-attention padding rows alias row 0: never engine rows
+        if real < int(forward_batch.batch_size) and not self._padding_seen:
+            self._padding_seen = True
+            logger.info("sparse decode offload: DP-attention padding seen (%d of %d decode rows are padding; "
+                        "they never reach the engine)", int(forward_batch.batch_size) - real,
+                        int(forward_batch.batch_size))
+        rows_list = [int(r) for r in forward_batch.req_pool_indices[:real].tolist()]
+        if len(set(rows_list)) != len(rows_list):
+            raise RuntimeError(f"decode batch names req_to_token rows {rows_list} more than once")
+        rids = getattr(forward_batch, "rids", None)
+        req_ids = self.rows.ids_for(rows_list, list(rids[:real]) if rids is not None else None)
         stable = torch.zeros(self.engine.config.rows, dtype=torch.int32)
-        stable[rows_list] = forward_batch.seq_lens_cpu.to(torch.int32)
+        stable[rows_list] = forward_batch.seq_lens_cpu[:real].to(torch.int32)
         self.engine.begin_step(req_ids, self.req_to_token_pool.req_to_token, stable)
         if self.recorder is not None:
             self.recorder.begin_step(stable, req_ids)
@@ -125,11 +136,12 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         local = layer.layer_id - index
         heads = q_nope.shape[1]
         topk_rows = torch.full((cfg.rows, cfg.top_k), -1, dtype=torch.int32, device=self.engine.device)
-        topk_rows[rows] = topk_indices.to(self.engine.device, torch.int32)[:, : cfg.top_k]
+        real = rows.numel()  # the batch's first ``real`` entries; the rest is DP-attention padding
+        topk_rows[rows] = topk_indices[:real].to(self.engine.device, torch.int32)[:, : cfg.top_k]
         query = q_nope.new_zeros((cfg.rows, heads, q_nope.shape[2]))
         query_rope = q_pe.new_zeros((cfg.rows, heads, q_pe.shape[2]))
-        query[rows] = q_nope
-        query_rope[rows] = q_pe
+        query[rows] = q_nope[:real]
+        query_rope[rows] = q_pe[:real]
         copy_before = self.engine.times.seconds.get("copy", 0.0)
         self.engine.timing = self.metrics.needs_copy_timing
         result = self.engine.run_layer(local, topk_rows, query, query_rope, layer.scaling)
@@ -138,7 +150,11 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             self.recorder.record_layer(local, topk_rows)
         if local == cfg.layers - 1:
             self.metrics.on_step_end()
-        return result.output[rows]
+        if real == q_nope.shape[0]:
+            return result.output[rows]
+        out = result.output.new_zeros((q_nope.shape[0],) + tuple(result.output.shape[1:]))
+        out[:real] = result.output[rows]  # padding rows attend nothing (their outputs are discarded)
+        return out
 
     def _attend_extend(self, layer, forward_batch, q_nope, q_pe, topk_indices) -> torch.Tensor:
         md = self.forward_metadata

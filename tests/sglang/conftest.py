@@ -73,20 +73,22 @@ class ServerProcess:
     """One ``sglang.launch_server`` subprocess (own session; killed as a group)."""
 
     def __init__(self, extra_args: Sequence[str] = (), log_path: Optional[Path] = None,
-                 base_args: Sequence[str] = tuple(CPU_SERVER_ARGS), cpu: bool = True):
+                 base_args: Sequence[str] = tuple(CPU_SERVER_ARGS), cpu: bool = True,
+                 env: Optional[Dict[str, str]] = None):
         self.port = free_port()
         self.args = [sys.executable, "-m", "sglang.launch_server", *base_args,
                      "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
         self.log_path = log_path
         self.cpu = cpu
+        self.extra_env = dict(env or {})
         self.proc: Optional[subprocess.Popen] = None
         self.startup_s: Optional[float] = None
 
     def start(self) -> "ServerProcess":
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=server_env(self.cpu),
-                                     cwd=REPO, start_new_session=True)
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                     env={**server_env(self.cpu), **self.extra_env}, cwd=REPO, start_new_session=True)
         deadline = t0 + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -171,7 +171,10 @@ class Harness:
         fb = self._batch(ForwardMode.EXTEND, reqs, out, torch.cat(positions), seq, prefix, new_tokens)
         return self._forward(fb)
 
-    def decode(self, reqs: List[Request]) -> StepResult:
+    def decode(self, reqs: List[Request], pad_to: int = 0, pad_row: int = 0) -> StepResult:
+        """One decode step; ``pad_to`` > len(reqs) pads the batch the way SGLang's DP
+        attention does (``MAX_LEN``: trailing entries naming ``req_to_token`` row
+        ``pad_row`` (SGLang: 0), length 1, ``out_cache_loc`` 0, ``rids`` not padded)."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         table = self.req_to_token_pool.req_to_token
@@ -184,6 +187,18 @@ class Harness:
             table[r.row, r.length] = loc
             r.length += 1
         fb = self._batch(ForwardMode.DECODE, reqs, out, positions, seq, None, None)
+        if pad_to > len(reqs):
+            n = pad_to - len(reqs)
+
+            def pad(t, value=0):
+                return torch.cat((t, torch.full((n,) + tuple(t.shape[1:]), value, dtype=t.dtype, device=t.device)))
+
+            fb._original_num_tokens = len(reqs)
+            fb.batch_size = pad_to
+            fb.input_ids, fb.positions, fb.out_cache_loc = pad(fb.input_ids), pad(fb.positions), pad(fb.out_cache_loc)
+            fb.req_pool_indices = pad(fb.req_pool_indices, pad_row)
+            fb.seq_lens, fb.seq_lens_cpu = pad(fb.seq_lens, 1), pad(fb.seq_lens_cpu, 1)
+            fb.seq_lens_sum = int(fb.seq_lens_cpu.sum())
         return self._forward(fb)
 
     def _batch(self, mode, reqs, out_cache_loc, positions, seq, prefix, new_tokens):

@@ -82,6 +82,22 @@ def test_prefill_and_decode_bit_exact_with_shared_prefix_and_churn(ctx, tmp_path
     assert (trace.req_ids[0][[a.row, b.row]] >= 0).all()
 
 
+def test_dp_attention_padding_rows_never_reach_the_engine(ctx):
+    """SGLang's DP attention pads decode batches with aliases of row 0, which may be a live
+    request's row; here the padding names ``a``'s row, so a padding entry reaching the
+    engine would replace ``a``'s top-k and residency."""
+    h = Harness(offload_config=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK))
+    a, b = h.new_request("a"), h.new_request("b")
+    assert_same(h.extend([a, b], [40, 37]), "prefill")
+    for step in range(8):
+        result = h.decode([a, b], pad_to=4, pad_row=a.row)
+        for layer in range(h.layers):  # the real rows: top-k and attention as without padding
+            assert torch.equal(result.topk[layer][:2], result.offload_topk[layer][:2]), (step, layer)
+            assert torch.equal(result.dense_out[layer][:2], result.offload_out[layer][:2]), (step, layer)
+            assert torch.count_nonzero(result.offload_out[layer][2:]) == 0  # padding attends nothing
+    assert h.offload.engine.stats().total.selected > 0
+
+
 def test_decode_output_equals_full_kv_reference(ctx):
     """Independent of the dense backend: each decode output equals the attention op
     over the whole host pool with the logical top-k mapped to host slots

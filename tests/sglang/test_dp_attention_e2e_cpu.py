@@ -1,0 +1,62 @@
+"""End to end on CPU: sparse decode offload under DP attention (``--tp 2 --dp 2
+--enable-dp-attention``, attention TP 1 per DP rank: each rank owns its host pool).
+
+Two servers started together, offload off and on. Five concurrent requests split 3 / 2
+over the DP ranks, so SGLang pads the smaller rank's decode batches to the larger one
+(``MAX_LEN``: padding entries alias ``req_to_token`` row 0); greedy tokens and logprobs
+must be identical with offload on, and the offload server must have seen the padding
+(its log says so) without letting it reach the engine.
+
+SGLang's CPU engine binds one core per rank (``SGLANG_CPU_OMP_THREADS_BIND``), which
+it requires when there are more ranks than NUMA nodes.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import IDLE_SLEEP, ServerProcess, stop_all
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 1024
+DP_ARGS = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--max-running-requests", "8"] + IDLE_SLEEP
+BIND = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def prompt(n: int, seed: int) -> list:
+    return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dp_servers")
+    off = ServerProcess(DP_ARGS, log_path=root / "off.log", env=BIND)
+    on = ServerProcess(DP_ARGS + ["--enable-sparse-decode-offload", "--sparse-decode-offload-config",
+                                  json.dumps({"hot_tokens": 64})], log_path=root / "on.log", env=BIND)
+    with ThreadPoolExecutor(2) as pool:
+        errors = [f.exception() for f in [pool.submit(s.start) for s in (off, on)]]
+    try:
+        if any(errors):
+            raise next(e for e in errors if e)
+        yield off, on, root
+    finally:
+        stop_all(off, on)
+
+
+def test_dp_attention_offload_matches_device_pool_with_padded_decode_batches(pair):
+    off, on, root = pair
+    prompts = [prompt(n, seed) for seed, n in ((1, 5), (2, 150), (3, 201), (4, 90), (5, 40))]
+    answers = {}
+    for name, srv in (("off", off), ("on", on)):
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            answers[name] = list(ex.map(lambda p: srv.generate(p, max_new_tokens=24, return_logprob=True), prompts))
+    for i, (a, b) in enumerate(zip(answers["off"], answers["on"])):
+        assert a["output_ids"] == b["output_ids"], f"prompt {i}"
+        assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"], f"prompt {i}"
+    log = (root / "on.log").read_text(errors="replace")
+    assert "DP-attention padding seen" in log  # the case under test really happened
+    assert "Traceback" not in log
