@@ -226,7 +226,10 @@ class Deployment:
     model_kind: ``dsa`` (MLA + indexer + top-k sparse attention, DeepSeek-V3.2 style),
     ``mla`` (dense MLA), ``other``. hybrid_kv: the model mixes KV layouts.
     main_kv_dtype / main_kv_packing: the main (latent) KV cache format.
-    pd_role: ``colocated`` / ``prefill`` / ``decode``; peer_tp: the other side's TP size.
+    dp / tp: data-parallel groups of the attention (SGLang's ``attn_dp_size`` with DP
+    attention) and the TP size; attn_tp: attention TP size (``tp // (attention DP x
+    attention CP)``; ``None`` = ``tp``).
+    pd_role: ``colocated`` / ``prefill`` / ``decode``; peer_tp: the other side's attention TP size.
     peer_protocol: the other side's MemFabric protocol, where known.
     graph_mode: ``eager`` / ``piecewise`` / ``full``.
     speculative_method: ``None`` or e.g. ``mtp``, ``dspark``, ``eagle``;
@@ -245,6 +248,7 @@ class Deployment:
     page_size: Optional[int] = None
     dp: int = 1
     tp: int = 1
+    attn_tp: Optional[int] = None
     cp: int = 1
     pp: int = 1
     pcp: int = 1
@@ -264,11 +268,18 @@ class Deployment:
                 errs.append(f"{name} must be >= 1")
         if self.peer_tp is not None and self.peer_tp < 1:
             errs.append("peer_tp must be >= 1")
+        if self.attn_tp is not None and not 1 <= self.attn_tp <= self.tp:
+            errs.append("attn_tp must be between 1 and tp")
         for name in ("num_layers", "index_topk", "page_size"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 errs.append(f"{name} must be >= 1")
         return errs
+
+    @property
+    def attention_tp(self) -> int:
+        """Attention TP size (what the P/D protocol calls p_tp / d_tp)."""
+        return self.tp if self.attn_tp is None else self.attn_tp
 
     @property
     def soc_family(self) -> Optional[str]:
@@ -610,7 +621,7 @@ def _check_pd(pd: PDTransferConfig, d: Deployment, add) -> None:
         add("pd_transfer.role", "P/D transfer configured on a colocated server",
             "start the servers with --disaggregation-mode prefill|decode")
     if d.pd_role in ("prefill", "decode") and d.peer_tp is not None:
-        p_tp, d_tp = (d.tp, d.peer_tp) if d.pd_role == "prefill" else (d.peer_tp, d.tp)
+        p_tp, d_tp = (d.attention_tp, d.peer_tp) if d.pd_role == "prefill" else (d.peer_tp, d.attention_tp)
         if p_tp < d_tp or p_tp % d_tp:
             add("pd_transfer.tp_ratio", f"p_tp={p_tp}, d_tp={d_tp}",
                 "use a prefill TP that is a multiple of (and >=) the decode TP")
@@ -628,7 +639,7 @@ def _check_pd(pd: PDTransferConfig, d: Deployment, add) -> None:
         if fam in ("A2", "A3") and pd.protocol == "device_urma":
             add("pd_transfer.protocol_soc", f"protocol='device_urma' on an {fam} node",
                 'set "protocol": "sdma" (default) or "device_rdma"')
-    d_tp = d.tp if d.pd_role == "decode" else (d.peer_tp or 1)
+    d_tp = d.attention_tp if d.pd_role == "decode" else (d.peer_tp or 1)
     last_port = pd.kv_port + (d.dp - 1) * d_tp + (d_tp - 1)
     if last_port > 65535:
         add("pd_transfer.ports", f"ports {pd.kv_port}..{last_port} exceed 65535 "

@@ -8,7 +8,7 @@ not import SGLang. :func:`deployment_from_server_args` is the SGLang-side entry.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from .. import config as cfg
 from .. import platform
@@ -57,6 +57,25 @@ def graph_mode(cuda_graph_config: Any, disable_cuda_graph: bool, pd_role: str) -
 _HYBRID_LAYER_KINDS = {"sliding_attention", "linear_attention", "mamba"}
 
 
+def attention_parallel(get) -> Tuple[int, int]:
+    """``(attention DP groups, attention TP size)`` of resolved server arguments.
+
+    SGLang 0.5.23 resolves the deprecated ``--dp N --enable-dp-attention`` to
+    ``attn_dp_size = N``, ``dp_size = 1``, ``enable_dp_attention = False``
+    (``arg_groups/parallel_hook.py``); the attention TP group is ``tp_size //
+    (attn_dp_size x attn_cp_size)``. Unresolved arguments with the old spelling are
+    read the same way.
+    """
+    tp = int(get("tp_size", 1) or 1)
+    dp_size = int(get("dp_size", 1) or 1)
+    attn_dp = int(get("attn_dp_size", 1) or 1)
+    if get("enable_dp_attention", False) and attn_dp == 1:
+        attn_dp, dp_size = dp_size, 1
+    attn_cp = int(get("attn_cp_size", 1) or 1)
+    dp = max(dp_size, attn_dp)
+    return dp, max(1, tp // (attn_dp * attn_cp))
+
+
 def build_deployment(
     args: Any, hf_config: Any, soc: Optional[str] = None, hybrid_kv: Optional[bool] = None
 ) -> cfg.Deployment:
@@ -78,6 +97,7 @@ def build_deployment(
     if hybrid_kv is None:
         hybrid_kv = bool(_HYBRID_LAYER_KINDS & set(getattr(hf_config, "layer_types", None) or ()))
     kind = model_kind(hf_config)
+    dp, attn_tp = attention_parallel(get)
     return cfg.Deployment(
         device=device,
         soc=soc,
@@ -88,8 +108,9 @@ def build_deployment(
         num_layers=getattr(hf_config, "num_hidden_layers", None),
         index_topk=getattr(hf_config, "index_topk", None) if kind == "dsa" else None,
         page_size=get("page_size"),
-        dp=int(get("dp_size", 1) or 1),
+        dp=dp,
         tp=int(get("tp_size", 1) or 1),
+        attn_tp=attn_tp,
         cp=1 if prefill_cp else attn_cp,
         pp=int(get("pp_size", 1) or 1),
         pcp=attn_cp if prefill_cp else 1,

@@ -134,6 +134,39 @@ def test_layerwise_prefill_with_optimistic_prefill_stops_startup(plugins_loaded,
     assert carrier.published_text() is None
 
 
+def test_decode_with_dp_attention_passes_the_attention_tp_rule(plugins_loaded, clean_state):
+    """``--tp 2 --dp 2 --enable-dp-attention``: attention TP 1 per DP rank (SGLang rewrites it
+    to ``attn_dp_size = 2``, ``dp_size = 1``); plain ``--tp 2`` is attention TP 2."""
+    decode = dict(disaggregation_mode="decode", disaggregation_transfer_backend="ascend_offload",
+                  disaggregation_decode_retraction_backup="cpu_tensor", tp_size=2)
+    flags.remember(raw(pd=json.dumps(PD), sparse='{"hot_tokens": 64}'))
+    _server_args(dp_size=2, enable_dp_attention=True, **decode).resolve_once()
+    assert carrier.active_config().pd_transfer is not None
+    flags.forget()
+    carrier.clear()
+    flags.remember(raw(pd=json.dumps(PD), sparse='{"hot_tokens": 64}'))
+    with pytest.raises(cfg.ConfigError) as info:
+        _server_args(**decode).resolve_once()
+    bad = [v for v in info.value.violations if v.rule == "sglang.pd_decode_tp"]
+    assert len(bad) == 1 and "decode attention TP 2" in bad[0].problem
+
+
+def test_attention_parallel_reads_both_spellings():
+    from sglang_ascend_offload.sglang_plugin.deployment import attention_parallel
+
+    def getter(**kw):
+        return lambda name, default=None: kw.get(name, default)
+
+    assert attention_parallel(getter(tp_size=8, dp_size=1, attn_dp_size=8)) == (8, 1)  # resolved
+    assert attention_parallel(getter(tp_size=8, dp_size=4, enable_dp_attention=True)) == (4, 2)  # as given
+    assert attention_parallel(getter(tp_size=8)) == (1, 8)
+    assert attention_parallel(getter(tp_size=8, attn_dp_size=2, attn_cp_size=2)) == (2, 2)
+    d = cfg.Deployment(device="cpu", pd_role="decode", tp=8, dp=8, attn_tp=1, peer_tp=2)
+    found = {v.rule for v in cfg.violations(cfg.OffloadConfig(pd_transfer=cfg.PDTransferConfig(**PD)), d)}
+    assert "pd_transfer.tp_ratio" not in found  # p_tp 2 >= attention d_tp 1
+    assert "attn_tp must be between 1 and tp" in cfg.Deployment(tp=2, attn_tp=4)._check()
+
+
 def test_stated_invalid_peer_tp_stops_startup(plugins_loaded, clean_state):
     sa = _server_args(disaggregation_mode="prefill", disaggregation_transfer_backend="ascend_offload")
     flags.remember(raw(pd=json.dumps({**PD, "peer_tp": 2})))  # p_tp 1 < d_tp 2

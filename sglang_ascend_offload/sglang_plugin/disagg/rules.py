@@ -168,8 +168,9 @@ def pd_violations(config: cfg.OffloadConfig, server_args: Any) -> List[cfg.Viola
     if unsupported:
         out.append(_violation("sglang.pd_unsupported", "not supported with the ascend_offload P/D backend: "
                               + "; ".join(unsupported), "drop these settings"))
-    tp = int(getattr(view, "tp_size", 1) or 1)
-    attn_tp = tp // max(1, int(getattr(view, "dp_size", 1) or 1)) if getattr(view, "enable_dp_attention", False) else tp
+    from ..deployment import attention_parallel
+
+    _, attn_tp = attention_parallel(lambda name, default=None: getattr(view, name, default))
     if role == "decode" and attn_tp > 1:
         out.append(_violation("sglang.pd_decode_tp", f"decode attention TP {attn_tp}",
                               "run decode with attention TP 1 (scale with DP): the protocol splits the main KV "
