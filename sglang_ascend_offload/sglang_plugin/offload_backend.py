@@ -23,7 +23,7 @@ the device-KV path, so outputs are bit-identical to offload off (tests hold it).
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -59,6 +59,28 @@ class RowOwners:
         return out
 
 
+def engine_identity(model_runner: Any) -> Tuple[bool, int, int]:
+    """``(records, index, count)`` of this rank's engine among the server's engines.
+
+    One engine (one host pool) per attention-DP group of each DP replica; its attention
+    TP rank 0 records the trace. SGLang 0.5.23 keeps the attention ranks in its
+    parallel context (``attn_tp_rank``, ``attn_dp_rank``, ``attn_dp_size``; DP attention
+    is ``attn_dp_size > 1``) and the replica in ``model_runner.dp_rank``; outside a
+    server (component tests) the model runner's ``tp_rank`` decides.
+    """
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        attn_tp_rank, attn_dp_rank, attn_dp = int(par.attn_tp_rank), int(par.attn_dp_rank), int(par.attn_dp_size)
+    except Exception:  # noqa: BLE001 - no parallel context: a single engine
+        attn_tp_rank, attn_dp_rank, attn_dp = int(getattr(model_runner, "tp_rank", 0) or 0), 0, 1
+    server_args = getattr(model_runner, "server_args", None)
+    replicas = int(getattr(server_args, "dp_size", 1) or 1)
+    replica = int(getattr(model_runner, "dp_rank", None) or 0)
+    return attn_tp_rank == 0, replica * attn_dp + attn_dp_rank, replicas * attn_dp
+
+
 class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
     """Sparse decode offload inside SGLang (see module docstring)."""
 
@@ -80,9 +102,9 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             log_interval_s=config.metrics_log_interval_s, labels=labels,
         )
         self.recorder: Optional[TraceRecorder] = None
-        if config.record_trace and getattr(model_runner, "tp_rank", 0) == 0:
-            dp_size = int(getattr(server_args, "dp_size", 1) or 1)
-            path = trace_path(config.record_trace, getattr(model_runner, "dp_rank", None), dp_size)
+        leader, engine_index, engines = engine_identity(model_runner)
+        if config.record_trace and leader:
+            path = trace_path(config.record_trace, engine_index, engines)
             cfg = self.engine.config
             self.recorder = TraceRecorder(
                 path, cfg.layers, cfg.rows, cfg.top_k, config.record_trace_max_steps,

@@ -5,7 +5,8 @@ Two servers started together, offload off and on. Five concurrent requests split
 over the DP ranks, so SGLang pads the smaller rank's decode batches to the larger one
 (``MAX_LEN``: padding entries alias ``req_to_token`` row 0); greedy tokens and logprobs
 must be identical with offload on, and the offload server must have seen the padding
-(its log says so) without letting it reach the engine.
+(its log says so) without letting it reach the engine. Each DP rank owns an engine
+and records its own trace (``served.dp0.npz``, ``served.dp1.npz``).
 
 SGLang's CPU engine binds one core per rank (``SGLANG_CPU_OMP_THREADS_BIND``), which
 it requires when there are more ranks than NUMA nodes.
@@ -35,8 +36,9 @@ def prompt(n: int, seed: int) -> list:
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp_servers")
     off = ServerProcess(DP_ARGS, log_path=root / "off.log", env=BIND)
+    offload = {"hot_tokens": 64, "record_trace": str(root / "served.npz"), "record_trace_max_steps": 12}
     on = ServerProcess(DP_ARGS + ["--enable-sparse-decode-offload", "--sparse-decode-offload-config",
-                                  json.dumps({"hot_tokens": 64})], log_path=root / "on.log", env=BIND)
+                                  json.dumps(offload)], log_path=root / "on.log", env=BIND)
     with ThreadPoolExecutor(2) as pool:
         errors = [f.exception() for f in [pool.submit(s.start) for s in (off, on)]]
     try:
@@ -60,3 +62,15 @@ def test_dp_attention_offload_matches_device_pool_with_padded_decode_batches(pai
     log = (root / "on.log").read_text(errors="replace")
     assert "DP-attention padding seen" in log  # the case under test really happened
     assert "Traceback" not in log
+
+
+def test_each_dp_rank_records_its_own_trace(pair):
+    from sglang_ascend_offload.sparse_decode.trace import load_trace
+
+    _, on, root = pair
+    on.generate([prompt(30, seed=9), prompt(70, seed=10)], max_new_tokens=16)  # both ranks decode
+    for rank in (0, 1):
+        trace = load_trace(root / f"served.dp{rank}.npz")
+        assert trace.topk.shape[0] == 12  # the bound was reached and written
+        assert (trace.req_ids >= 0).any()
+    assert not (root / "served.npz").exists()
