@@ -173,7 +173,8 @@ def pd_violations(config: cfg.OffloadConfig, server_args: Any) -> List[cfg.Viola
     _, attn_tp = attention_parallel(lambda name, default=None: getattr(view, name, default))
     if role == "decode" and attn_tp > 1:
         out.append(_violation("sglang.pd_decode_tp", f"decode attention TP {attn_tp}",
-                              "run decode with attention TP 1 (scale with DP): the protocol splits the main KV "
+                              "run decode with attention TP 1, e.g. DP attention (--tp N --dp N "
+                              "--enable-dp-attention, or --attn-dp-size N): the protocol splits the main KV "
                               "across decode TP ranks into one TP-shared host pool, and SGLang's decode pools "
                               "(device, or the plugin's host pool) are per rank"))
     if role == "decode" and device == "cpu" and getattr(view, "disaggregation_decode_retraction_backup", None) != "cpu_tensor":
