@@ -133,7 +133,9 @@ class LayerwiseHarness:
         return self._forward(self._batch(ForwardMode.EXTEND, reqs, out, torch.cat(positions), seq, prefix,
                                          new_tokens))
 
-    def decode(self, reqs: List[Req]):
+    def decode(self, reqs: List[Req], pad_to: int = 0, pad_row: int = 0):
+        """One decode step; ``pad_to`` pads it like SGLang's DP attention (entries naming
+        row ``pad_row``, length 1, ``out_cache_loc`` 0, ``rids`` not padded)."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         table = self.req_to_token_pool.req_to_token
@@ -145,7 +147,19 @@ class LayerwiseHarness:
         for r, loc in zip(reqs, out.tolist()):
             table[r.row, r.length] = loc
             r.length += 1
-        return self._forward(self._batch(ForwardMode.DECODE, reqs, out, positions, seq, None, None))
+        fb = self._batch(ForwardMode.DECODE, reqs, out, positions, seq, None, None)
+        if pad_to > len(reqs):
+            n = pad_to - len(reqs)
+
+            def pad(t, value=0):
+                return torch.cat((t, torch.full((n,) + tuple(t.shape[1:]), value, dtype=t.dtype, device=t.device)))
+
+            fb._original_num_tokens, fb.batch_size = len(reqs), pad_to
+            fb.input_ids, fb.positions, fb.out_cache_loc = pad(fb.input_ids), pad(fb.positions), pad(fb.out_cache_loc)
+            fb.req_pool_indices = pad(fb.req_pool_indices, pad_row)
+            fb.seq_lens, fb.seq_lens_cpu = pad(fb.seq_lens, 1), pad(fb.seq_lens_cpu, 1)
+            fb.seq_lens_sum = int(fb.seq_lens_cpu.sum())
+        return self._forward(fb)
 
     def _batch(self, mode, reqs, out_cache_loc, positions, seq, prefix, new_tokens):
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -252,6 +266,28 @@ def test_results_equal_device_pool_with_prefix_chunks_and_decode(ctx, shared_buf
         # superseded objects (shorter tails, previous page owners) were removed
         live = {object_key(book.key(p), l) for p in book.pages() for l in h.pool.pipelined}
         assert set(store._objects) == live
+    finally:
+        h.pool.close()
+
+
+def test_dp_attention_padding_rows_are_never_planned_or_saved(ctx):
+    """A padding entry aliasing live request ``a`` must not plan a 1-token save of ``a``'s
+    first page (it would replace the stored page with a shorter, wrong tail)."""
+    h = LayerwiseHarness(lw_config(1))
+    try:
+        a, b = h.new_request("a"), h.new_request("b")
+        assert_same(h.extend([a, b], [40, 21]), "prefill")
+        for step in range(4):
+            pairs = h.decode([a, b], pad_to=3, pad_row=a.row)
+            for layer, ((t_ref, o_ref), (t_lw, o_lw)) in enumerate(pairs):
+                assert torch.equal(t_ref[:2], t_lw[:2]) and torch.equal(o_ref[:2], o_lw[:2]), (step, layer)
+        h.pool.flush()
+        first_page = int(h.req_to_token_pool.req_to_token[a.row, 0]) // PAGE
+        assert h.pool.pagebook.state(first_page)[1] == PAGE  # still the whole page, not the padding's 1 row
+        for layer in h.pool.pipelined:
+            got = [torch.empty_like(t) for t in reference_rows(h, layer, first_page, PAGE)]
+            h.pool.store.get_into([object_key(h.pool.pagebook.key(first_page), layer)], [got])
+            assert all(torch.equal(g, r) for g, r in zip(got, reference_rows(h, layer, first_page, PAGE)))
     finally:
         h.pool.close()
 
