@@ -167,7 +167,11 @@ def _announce_last_chunks_before(scheduler, *args, **kwargs):
         return None
     publisher.begin_batch()
     for row, room in last_chunk_rows(batch):
-        manager.announce_last_chunk(row, room)
+        try:
+            manager.announce_last_chunk(row, room)
+        except Exception as exc:  # noqa: BLE001 - fail the request, never the prefill forward
+            logger.exception("P/D layerwise: announcing request %s failed", room)
+            manager.fail_prefill_room(room, f"P/D layerwise announcement failed: {exc}")
     return None
 
 
