@@ -81,6 +81,27 @@ class StepResult:
     forward_batch: object = None
 
 
+def pad_like_dp_attention(fb, pad_to: int, pad_row: int = 0):
+    """Pad decode ForwardBatch ``fb`` to ``pad_to`` entries the way SGLang's DP attention
+    does (``MAX_LEN``, ``ForwardBatch._pad_inputs_to_size``): entries naming
+    ``req_to_token`` row ``pad_row`` (SGLang: 0), length 1, ``out_cache_loc`` 0, ``rids``
+    not padded, ``_original_num_tokens`` = the real count. No-op when ``pad_to`` <= size."""
+    real = int(fb.batch_size)
+    if pad_to <= real:
+        return fb
+    n = pad_to - real
+
+    def pad(t, value=0):
+        return torch.cat((t, torch.full((n,) + tuple(t.shape[1:]), value, dtype=t.dtype, device=t.device)))
+
+    fb._original_num_tokens, fb.batch_size = real, pad_to
+    fb.input_ids, fb.positions, fb.out_cache_loc = pad(fb.input_ids), pad(fb.positions), pad(fb.out_cache_loc)
+    fb.req_pool_indices = pad(fb.req_pool_indices, pad_row)
+    fb.seq_lens, fb.seq_lens_cpu = pad(fb.seq_lens, 1), pad(fb.seq_lens_cpu, 1)
+    fb.seq_lens_sum = int(fb.seq_lens_cpu.sum())
+    return fb
+
+
 class Harness:
     """Two backends (device KV / host KV) over one slot space; see module doc."""
 
@@ -172,9 +193,7 @@ class Harness:
         return self._forward(fb)
 
     def decode(self, reqs: List[Request], pad_to: int = 0, pad_row: int = 0) -> StepResult:
-        """One decode step; ``pad_to`` > len(reqs) pads the batch the way SGLang's DP
-        attention does (``MAX_LEN``: trailing entries naming ``req_to_token`` row
-        ``pad_row`` (SGLang: 0), length 1, ``out_cache_loc`` 0, ``rids`` not padded)."""
+        """One decode step; ``pad_to`` > len(reqs): :func:`pad_like_dp_attention`."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         table = self.req_to_token_pool.req_to_token
@@ -187,19 +206,7 @@ class Harness:
             table[r.row, r.length] = loc
             r.length += 1
         fb = self._batch(ForwardMode.DECODE, reqs, out, positions, seq, None, None)
-        if pad_to > len(reqs):
-            n = pad_to - len(reqs)
-
-            def pad(t, value=0):
-                return torch.cat((t, torch.full((n,) + tuple(t.shape[1:]), value, dtype=t.dtype, device=t.device)))
-
-            fb._original_num_tokens = len(reqs)
-            fb.batch_size = pad_to
-            fb.input_ids, fb.positions, fb.out_cache_loc = pad(fb.input_ids), pad(fb.positions), pad(fb.out_cache_loc)
-            fb.req_pool_indices = pad(fb.req_pool_indices, pad_row)
-            fb.seq_lens, fb.seq_lens_cpu = pad(fb.seq_lens, 1), pad(fb.seq_lens_cpu, 1)
-            fb.seq_lens_sum = int(fb.seq_lens_cpu.sum())
-        return self._forward(fb)
+        return self._forward(pad_like_dp_attention(fb, pad_to, pad_row))
 
     def _batch(self, mode, reqs, out_cache_loc, positions, seq, prefix, new_tokens):
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch

@@ -34,7 +34,8 @@ from sglang_ascend_offload.layerwise_prefill.gates import GateTimeout
 from sglang_ascend_offload.layerwise_prefill.store import object_key
 from sglang_ascend_offload.layerwise_prefill.store_local import LocalHostKVStore
 
-from dsa_harness import HEADS, HIDDEN, INDEX_DIM, LATENT, Q_LORA, ROPE, TOPK, make_indexer, published_context
+from dsa_harness import (HEADS, HIDDEN, INDEX_DIM, LATENT, Q_LORA, ROPE, TOPK, make_indexer, pad_like_dp_attention,
+                         published_context)
 
 pytestmark = pytest.mark.usefixtures("plugins_loaded")
 
@@ -134,8 +135,7 @@ class LayerwiseHarness:
                                          new_tokens))
 
     def decode(self, reqs: List[Req], pad_to: int = 0, pad_row: int = 0):
-        """One decode step; ``pad_to`` pads it like SGLang's DP attention (entries naming
-        row ``pad_row``, length 1, ``out_cache_loc`` 0, ``rids`` not padded)."""
+        """One decode step; ``pad_to`` > len(reqs): ``dsa_harness.pad_like_dp_attention``."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         table = self.req_to_token_pool.req_to_token
@@ -148,18 +148,7 @@ class LayerwiseHarness:
             table[r.row, r.length] = loc
             r.length += 1
         fb = self._batch(ForwardMode.DECODE, reqs, out, positions, seq, None, None)
-        if pad_to > len(reqs):
-            n = pad_to - len(reqs)
-
-            def pad(t, value=0):
-                return torch.cat((t, torch.full((n,) + tuple(t.shape[1:]), value, dtype=t.dtype, device=t.device)))
-
-            fb._original_num_tokens, fb.batch_size = len(reqs), pad_to
-            fb.input_ids, fb.positions, fb.out_cache_loc = pad(fb.input_ids), pad(fb.positions), pad(fb.out_cache_loc)
-            fb.req_pool_indices = pad(fb.req_pool_indices, pad_row)
-            fb.seq_lens, fb.seq_lens_cpu = pad(fb.seq_lens, 1), pad(fb.seq_lens_cpu, 1)
-            fb.seq_lens_sum = int(fb.seq_lens_cpu.sum())
-        return self._forward(fb)
+        return self._forward(pad_like_dp_attention(fb, pad_to, pad_row))
 
     def _batch(self, mode, reqs, out_cache_loc, positions, seq, prefix, new_tokens):
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
