@@ -373,7 +373,8 @@ class LayerwisePublisher:
                 st.router.done_without_staging(item.layer, sender.consumer)
                 continue
             try:
-                if sender.status(u.rid).state is TransferState.PENDING:
+                # only the contributor that sends the main KV needs it packed (member 0)
+                if sender.topology.sends_main(sender.member) and sender.status(u.rid).state is TransferState.PENDING:
                     st.staging.pack(item.layer, u.pages)
                 sender.publish_layer(item.layer, slot, {u.rid: SourceBlocks(range(len(u.pages)), u.pages)},
                                      finished=finished)
