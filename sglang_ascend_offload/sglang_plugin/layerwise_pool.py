@@ -481,9 +481,8 @@ def _namespace(offload: cfg.LayerwisePrefillOffloadConfig, model_path: str, tp_r
 
 def build_layerwise_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool) -> LayerwisePrefillPool:
     """:class:`LayerwisePrefillPool` for SGLang's configurator (called by the pool hook)."""
-    from sglang.srt.runtime_context import get_exec, get_schedule
-
     from . import carrier
+    from .pool import pool_args
 
     offload = carrier.active_config().layerwise_prefill
     if offload is None:
@@ -500,14 +499,7 @@ def build_layerwise_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa
         pass
     pool = LayerwisePrefillPool(
         max_total_num_tokens,
-        page_size=get_schedule().page_size,
-        dtype=configurator.kv_cache_dtype,
-        kv_lora_rank=mc.kv_lora_rank,
-        qk_rope_head_dim=mc.qk_rope_head_dim,
-        layer_num=configurator.layer_info.num_effective_layers,
-        device=configurator.device,
-        enable_memory_saver=get_exec().features.enable_memory_saver,
-        index_head_dim=mc.index_head_dim if is_dsa_model else None,
+        **pool_args(configurator, is_dsa_model=is_dsa_model),
         offload=offload,
         namespace=_namespace(offload, getattr(mc, "model_path", ""), tp_rank),
         start_layer=configurator.layer_info.start_layer,

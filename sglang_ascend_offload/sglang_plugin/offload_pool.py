@@ -152,9 +152,8 @@ class HostMainKVPool(DeviceDSAPool):
 def build_offload_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool,
                        rows: int) -> HostMainKVPool:
     """:class:`HostMainKVPool` for SGLang's configurator (called by the pool hook)."""
-    from sglang.srt.runtime_context import get_exec, get_schedule
-
     from . import carrier
+    from .pool import pool_args
 
     offload = carrier.active_config().sparse_decode
     if offload is None:
@@ -167,14 +166,7 @@ def build_offload_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_m
     kind = "pinned" if platform.device_kind() != "npu" else "memfabric"
     return HostMainKVPool(
         max_total_num_tokens,
-        page_size=get_schedule().page_size,
-        dtype=configurator.kv_cache_dtype,
-        kv_lora_rank=mc.kv_lora_rank,
-        qk_rope_head_dim=mc.qk_rope_head_dim,
-        layer_num=configurator.layer_info.num_effective_layers,
-        device=configurator.device,
-        enable_memory_saver=get_exec().features.enable_memory_saver,
-        index_head_dim=mc.index_head_dim,
+        **pool_args(configurator, is_dsa_model=True),
         rows=rows,
         top_k=int(mc.hf_config.index_topk),
         offload=offload,

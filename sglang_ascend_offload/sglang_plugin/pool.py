@@ -114,26 +114,34 @@ class DeviceDSAPool(NPUMLATokenToKVPool):
         raise NotImplementedError("retraction to CPU copies is not supported by the ascend_offload pool off the NPU")
 
 
-def build_device_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool) -> DeviceDSAPool:
-    """:class:`DeviceDSAPool` with the parameters SGLang gives its NPU MLA pool
-    (``KVCacheConfigurator._build_ascend_mla_kv_pool``)."""
+def pool_args(configurator: Any, *, is_dsa_model: bool) -> dict:
+    """The constructor arguments every plugin pool takes from SGLang's configurator
+    (page size, dtype, MLA dims, layers, device, memory saver, indexer dim)."""
     from sglang.srt.runtime_context import get_exec, get_schedule
 
     mc = configurator.model_config
-    page_size = get_schedule().page_size
-    return DeviceDSAPool(
-        max_total_num_tokens,
-        page_size=page_size,
+    return dict(
+        page_size=get_schedule().page_size,
         dtype=configurator.kv_cache_dtype,
         kv_lora_rank=mc.kv_lora_rank,
         qk_rope_head_dim=mc.qk_rope_head_dim,
-        index_head_dim=mc.index_head_dim if is_dsa_model else None,
-        index_size=max_total_num_tokens,
-        index_page_size=page_size,
-        is_draft_worker=configurator.is_draft_worker,
         layer_num=configurator.layer_info.num_effective_layers,
         device=configurator.device,
         enable_memory_saver=get_exec().features.enable_memory_saver,
+        index_head_dim=mc.index_head_dim if is_dsa_model else None,
+    )
+
+
+def build_device_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool) -> DeviceDSAPool:
+    """:class:`DeviceDSAPool` with the parameters SGLang gives its NPU MLA pool
+    (``KVCacheConfigurator._build_ascend_mla_kv_pool``)."""
+    args = pool_args(configurator, is_dsa_model=is_dsa_model)
+    return DeviceDSAPool(
+        max_total_num_tokens,
+        index_size=max_total_num_tokens,
+        index_page_size=args["page_size"],
+        is_draft_worker=configurator.is_draft_worker,
         start_layer=configurator.layer_info.start_layer,
         end_layer=configurator.layer_info.end_layer,
+        **args,
     )

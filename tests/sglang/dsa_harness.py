@@ -81,6 +81,27 @@ class StepResult:
     forward_batch: object = None
 
 
+def forward_batch(mode, reqs, out_cache_loc, positions, seq, prefix, new_tokens, device):
+    """A real SGLang ``ForwardBatch`` for requests ``reqs`` (``.row``, ``.rid``): ``seq``
+    lengths after the forward, ``prefix`` / ``new_tokens`` per request for an extend
+    (``None`` for decode), ``out_cache_loc`` slots and ``positions`` of the new tokens."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    extend = new_tokens is not None
+    return ForwardBatch(
+        forward_mode=mode, batch_size=len(reqs),
+        input_ids=torch.zeros(int(positions.numel()), dtype=torch.int64, device=device),
+        req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=device),
+        seq_lens=seq.to(device), out_cache_loc=out_cache_loc.to(device, torch.int64), seq_lens_sum=int(seq.sum()),
+        seq_lens_cpu=seq.cpu().clone(), positions=positions.to(device),
+        extend_seq_lens_cpu=list(new_tokens) if extend else None,
+        extend_prefix_lens_cpu=prefix.tolist() if extend else None,
+        extend_seq_lens=torch.tensor(new_tokens, device=device) if extend else None,
+        extend_prefix_lens=prefix.to(device) if extend else None,
+        rids=[r.rid for r in reqs],
+    )
+
+
 def pad_like_dp_attention(fb, pad_to: int, pad_row: int = 0):
     """Pad decode ForwardBatch ``fb`` to ``pad_to`` entries the way SGLang's DP attention
     does (``MAX_LEN``, ``ForwardBatch._pad_inputs_to_size``): entries naming
@@ -209,22 +230,7 @@ class Harness:
         return self._forward(pad_like_dp_attention(fb, pad_to, pad_row))
 
     def _batch(self, mode, reqs, out_cache_loc, positions, seq, prefix, new_tokens):
-        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-
-        extend = new_tokens is not None
-        dev = self.device
-        return ForwardBatch(
-            forward_mode=mode, batch_size=len(reqs),
-            input_ids=torch.zeros(int(positions.numel()), dtype=torch.int64, device=dev),
-            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev),
-            seq_lens=seq.to(dev), out_cache_loc=out_cache_loc.to(dev, torch.int64), seq_lens_sum=int(seq.sum()),
-            seq_lens_cpu=seq.cpu().clone(), positions=positions.to(dev),
-            extend_seq_lens_cpu=list(new_tokens) if extend else None,
-            extend_prefix_lens_cpu=prefix.tolist() if extend else None,
-            extend_seq_lens=torch.tensor(new_tokens, device=dev) if extend else None,
-            extend_prefix_lens=prefix.to(dev) if extend else None,
-            rids=[r.rid for r in reqs],
-        )
+        return forward_batch(mode, reqs, out_cache_loc, positions, seq, prefix, new_tokens, self.device)
 
     def _forward(self, fb) -> StepResult:
         self.dense.init_forward_metadata(fb)

@@ -34,8 +34,8 @@ from sglang_ascend_offload.layerwise_prefill.gates import GateTimeout
 from sglang_ascend_offload.layerwise_prefill.store import object_key
 from sglang_ascend_offload.layerwise_prefill.store_local import LocalHostKVStore
 
-from dsa_harness import (HEADS, HIDDEN, INDEX_DIM, LATENT, Q_LORA, ROPE, TOPK, make_indexer, pad_like_dp_attention,
-                         published_context)
+from dsa_harness import (HEADS, HIDDEN, INDEX_DIM, LATENT, Q_LORA, ROPE, TOPK, forward_batch, make_indexer,
+                         pad_like_dp_attention, published_context)
 
 pytestmark = pytest.mark.usefixtures("plugins_loaded")
 
@@ -151,20 +151,7 @@ class LayerwiseHarness:
         return self._forward(pad_like_dp_attention(fb, pad_to, pad_row))
 
     def _batch(self, mode, reqs, out_cache_loc, positions, seq, prefix, new_tokens):
-        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-
-        extend = new_tokens is not None
-        dev = self.device
-        return ForwardBatch(
-            forward_mode=mode, batch_size=len(reqs),
-            input_ids=torch.zeros(int(positions.numel()), dtype=torch.int64, device=dev),
-            req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev),
-            seq_lens=seq.to(dev), out_cache_loc=out_cache_loc.to(dev, torch.int64), seq_lens_sum=int(seq.sum()),
-            seq_lens_cpu=seq.clone(), positions=positions.to(dev),
-            extend_seq_lens_cpu=list(new_tokens) if extend else None,
-            extend_prefix_lens_cpu=prefix.tolist() if extend else None,
-            extend_seq_lens=torch.tensor(new_tokens, device=dev) if extend else None,
-            extend_prefix_lens=prefix.to(dev) if extend else None, rids=[r.rid for r in reqs])
+        return forward_batch(mode, reqs, out_cache_loc, positions, seq, prefix, new_tokens, self.device)
 
     def _forward(self, fb):
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
