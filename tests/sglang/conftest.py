@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import pytest
+
+from sglang_ascend_offload.testing.ports import (DP_ATTENTION_PORT_SPAN, log_reports_bind_failure,
+                                                  reserve_port)
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
@@ -63,10 +66,14 @@ def server_env(cpu: bool = True) -> Dict[str, str]:
     return env
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(span: int = 1) -> int:
+    """A port reserved for this test process (see ``sglang_ascend_offload.testing.ports``:
+    below the ephemeral range, locked across processes, never handed out twice)."""
+    return reserve_port(span)
+
+
+class PortInUse(RuntimeError):
+    """A server's log reported that one of its listening sockets could not bind."""
 
 
 class ServerProcess:
@@ -75,22 +82,49 @@ class ServerProcess:
     def __init__(self, extra_args: Sequence[str] = (), log_path: Optional[Path] = None,
                  base_args: Sequence[str] = tuple(CPU_SERVER_ARGS), cpu: bool = True,
                  env: Optional[Dict[str, str]] = None):
-        self.port = free_port()
-        self.args = [sys.executable, "-m", "sglang.launch_server", *base_args,
-                     "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
+        self.base_args = list(base_args)
+        self.extra_args = list(extra_args)
+        self.port_span = DP_ATTENTION_PORT_SPAN if "--enable-dp-attention" in self.extra_args else 1
+        self.port = free_port(self.port_span)
         self.log_path = log_path
         self.cpu = cpu
         self.extra_env = dict(env or {})
         self.proc: Optional[subprocess.Popen] = None
         self.startup_s: Optional[float] = None
 
-    def start(self) -> "ServerProcess":
-        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+    @property
+    def args(self) -> List[str]:
+        return [sys.executable, "-m", "sglang.launch_server", *self.base_args,
+                "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+
+    def start(self, attempts: int = 3) -> "ServerProcess":
+        """Launch and wait for ``/health``. A bind failure of the server's HTTP port
+        (seen in its log) restarts it on a fresh port within seconds, up to ``attempts``
+        times; a bind failure of another port given in ``extra_args`` fails at once."""
+        if self.log_path is None:
+            import tempfile
+
+            self.log_path = Path(tempfile.mkstemp(prefix="sglang_server_", suffix=".log")[1])
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once()
+            except PortInUse as exc:
+                if attempt == attempts or f"port {self.port} " not in str(exc):
+                    raise  # out of attempts, or a port fixed in extra_args: the caller chose it
+                self.port = free_port(self.port_span)
+
+    def _start_once(self) -> "ServerProcess":
+        log = open(self.log_path, "wb")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
                                      env={**server_env(self.cpu), **self.extra_env}, cwd=REPO, start_new_session=True)
+        log.close()
         deadline = t0 + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
+            failed = self._port_that_failed_to_bind()
+            if failed is not None:
+                self.stop()
+                raise PortInUse(f"port {failed} is in use (server port {self.port}); log: {self.log_path}")
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}")
             try:
@@ -103,6 +137,15 @@ class ServerProcess:
             time.sleep(1.0)
         self.stop()
         raise TimeoutError(f"server not healthy after {STARTUP_TIMEOUT_S:.0f} s; log: {self.log_path}")
+
+    def _port_that_failed_to_bind(self) -> Optional[int]:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        numbers = (int(n) for a in self.extra_args for n in re.findall(r"\d+", a))  # incl. ports inside JSON
+        ports = [self.port] + [n for n in numbers if 1024 <= n <= 65535]
+        return log_reports_bind_failure(text, ports)
 
     @property
     def url(self) -> str:
@@ -168,3 +211,15 @@ def plugins_loaded():
 
     assert entry.is_registered()
     return True
+
+
+@pytest.fixture
+def clean_state():
+    """No remembered plugin flags and no published config before and after the test."""
+    from sglang_ascend_offload.sglang_plugin import carrier, flags
+
+    flags.forget()
+    carrier.clear()
+    yield
+    flags.forget()
+    carrier.clear()

@@ -122,15 +122,6 @@ def _server_args(**kw):
                       skip_tokenizer_init=True, disable_cuda_graph=True, **kw)
 
 
-@pytest.fixture
-def clean_state():
-    flags.forget()
-    carrier.clear()
-    yield
-    flags.forget()
-    carrier.clear()
-
-
 def test_resolution_selects_the_backend_and_bf16_on_cpu(plugins_loaded, clean_state):
     from sglang.srt.arg_groups.model_override_base import resolving_view
 

@@ -11,7 +11,6 @@ cache); failures must reach both sides with their reason and leave nothing busy.
 from __future__ import annotations
 
 import importlib.util
-import socket
 import threading
 import time
 
@@ -23,6 +22,7 @@ from sglang_ascend_offload.transfer.layout import layout_mismatches
 from sglang_ascend_offload.transfer.status import TransferState
 
 from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK, published_context
+from sglang_ascend_offload.testing.ports import reserve_port
 
 pytestmark = [pytest.mark.usefixtures("plugins_loaded"),
               pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
@@ -35,9 +35,7 @@ LAYERS = 3  # > 2 staging slots: the packing slots are reused under their gates
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return reserve_port()  # reserved across processes, below the ephemeral range
 
 
 @pytest.fixture

@@ -10,12 +10,12 @@ offload); the decode checks the pulled pages bit for bit against the prefill pag
 from __future__ import annotations
 
 import importlib.util
-import socket
 
 import pytest
 import torch
 
 from sglang_ascend_offload import platform
+from sglang_ascend_offload.testing.ports import reserve_port
 
 pytestmark = [pytest.mark.npu,
               pytest.mark.skipif(platform.device_kind() != "npu" or importlib.util.find_spec("memfabric_hybrid") is None,
@@ -27,9 +27,7 @@ SRC, DST = [3, 7, 1, 12], [9, 4, 20, 2]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return reserve_port()  # reserved across processes, below the ephemeral range
 
 
 def _pools(kind, device):

@@ -41,15 +41,6 @@ def raw(pd=None, pd_on=None, sparse=None, layerwise=None):
         configs={"pd_transfer": pd, "sparse_decode": sparse, "layerwise_prefill": layerwise})
 
 
-@pytest.fixture
-def clean_state():
-    flags.forget()
-    carrier.clear()
-    yield
-    flags.forget()
-    carrier.clear()
-
-
 def _server_args(**kw):
     from sglang.srt.server_args import ServerArgs
 
