@@ -22,7 +22,7 @@ import json
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 # ------------------------------------------------------------------ feature configs
 OpsChoice = Literal["auto", "reference", "triton", "npu", "fused"]
@@ -33,7 +33,8 @@ ResidencyPolicy = Literal["lru", "lru_k2", "lru_k2_guarded"]
 class SparseDecodeOffloadConfig:
     """Sparse decode offload (seed 000 §4).
 
-    hot_tokens: device slots per layer and decode row; ``None`` = 2 x top-k.
+    hot_tokens: device slots per layer and decode row; ``None`` = 2 x top-k rounded up
+        to a multiple of the KV page size (:func:`default_hot_tokens`).
         Must be >= top-k and a multiple of the KV page size.
     host_pool_tokens: token rows of the host pool (per DP rank, all layers);
         ``None`` = SGLang's own token capacity (``max_total_tokens``).
@@ -61,14 +62,25 @@ class SparseDecodeOffloadConfig:
     def _check(self) -> List[str]:
         errs = []
         if self.hot_tokens is not None and self.hot_tokens < 1:
-            errs.append("hot_tokens must be >= 1")
+            errs.append(f"hot_tokens={self.hot_tokens} is out of range: it must be >= 1 (and >= the model's "
+                        "top-k, a multiple of the page size; null = 2 x top-k)")
         if self.host_pool_tokens is not None and self.host_pool_tokens < 1:
-            errs.append("host_pool_tokens must be >= 1")
+            errs.append(f"host_pool_tokens={self.host_pool_tokens} is out of range: it must be >= 1 "
+                        "(null = SGLang's token capacity)")
         if self.record_trace_max_steps < 1:
-            errs.append("record_trace_max_steps must be >= 1")
+            errs.append(f"record_trace_max_steps={self.record_trace_max_steps} is out of range: it must be >= 1")
         if self.metrics_log_interval_s < 0:
-            errs.append("metrics_log_interval_s must be >= 0")
+            errs.append(f"metrics_log_interval_s={self.metrics_log_interval_s} is out of range: it must be >= 0 "
+                        "(0 = off)")
         return errs
+
+
+def default_hot_tokens(top_k: int, page_size: Optional[int], factor: int = 2) -> int:
+    """``factor`` x ``top_k`` rounded up to a multiple of ``page_size`` (the served default
+    of ``hot_tokens`` with ``factor=2``; the smallest valid value with ``factor=1``)."""
+    want = factor * top_k
+    page = page_size or 1
+    return -(-want // page) * page
 
 
 @dataclass(frozen=True)
@@ -102,7 +114,9 @@ class LayerwisePrefillOffloadConfig:
     shared_buffers: B, reusable physical buffers; ``None`` = one per layer (no reuse).
     independent_layers: layers with a dedicated buffer (default ``[0]``), or ``"all"``.
     prefetch_depth: layers loaded ahead of compute; ``None`` = min(B, 8).
-    store_backend: ``memcache`` (Ascend production) or ``local`` (in-process host pool).
+    store_backend: ``memcache`` (Ascend production) or ``local`` (in-process host pool);
+        ``None`` = the one that works on the device: ``memcache`` on an Ascend NPU,
+        ``local`` elsewhere (:meth:`effective_store_backend`).
     wait_timeout_s: deadline of every wait on a buffer gate.
     store_block_tokens: tokens per host-store object; ``None`` = the KV page size.
     key_namespace: prefix of host-store keys (model + rank), so deployments sharing
@@ -112,7 +126,7 @@ class LayerwisePrefillOffloadConfig:
     shared_buffers: Optional[int] = None
     independent_layers: Union[List[int], Literal["all"]] = field(default_factory=lambda: [0])
     prefetch_depth: Optional[int] = None
-    store_backend: Literal["memcache", "local"] = "memcache"
+    store_backend: Optional[Literal["memcache", "local"]] = None
     memcache: MemcacheConfig = field(default_factory=MemcacheConfig)
     wait_timeout_s: float = 60.0
     store_block_tokens: Optional[int] = None
@@ -134,6 +148,12 @@ class LayerwisePrefillOffloadConfig:
         if self.store_block_tokens is not None and self.store_block_tokens < 1:
             errs.append("store_block_tokens must be >= 1")
         return errs + self.memcache._check()
+
+    def effective_store_backend(self, device: str) -> str:
+        """The host store this config uses on ``device`` (``npu`` / ``cuda`` / ``cpu``)."""
+        if self.store_backend is not None:
+            return self.store_backend
+        return "memcache" if device == "npu" else "local"
 
 
 @dataclass(frozen=True)
@@ -193,14 +213,21 @@ class KVPPConfig:
 
     prefetch: broadcast the next layer while the current one computes.
     scratch_alignment_bytes: alignment of the two scratch buffers (2 MiB).
+    broadcast: ``active`` (only the KV pages the forward's requests read, gathered
+    into a contiguous staging buffer) or ``full`` (the whole layer bundle, every
+    allocated block, as seed 002 §5.2 describes).
     """
 
     prefetch: bool = True
     scratch_alignment_bytes: int = 2 * 1024 * 1024
+    broadcast: str = "active"
 
     def _check(self) -> List[str]:
         a = self.scratch_alignment_bytes
-        return [] if a > 0 and (a & (a - 1)) == 0 else ["scratch_alignment_bytes must be a power of two"]
+        errs = [] if a > 0 and (a & (a - 1)) == 0 else ["scratch_alignment_bytes must be a power of two"]
+        if self.broadcast not in ("active", "full"):
+            errs.append(f"broadcast must be 'active' or 'full', got {self.broadcast!r}")
+        return errs
 
 
 @dataclass(frozen=True)
@@ -319,26 +346,34 @@ class ConfigError(ValueError):
 
 
 # ------------------------------------------------------------------ parsing
-def load_json_arg(value: Union[str, dict, None]) -> Any:
-    """A flag value: inline JSON, ``@path`` to a JSON file, or an already-parsed dict."""
+def load_json_arg(value: Union[str, dict, None], example: str = '{"sparse_decode": {"hot_tokens": 4096}}') -> Any:
+    """A flag value: inline JSON, ``@path`` to a JSON file, or an already-parsed dict.
+
+    ``example``: a valid value of this flag, shown in the error when the text is not JSON.
+    """
     if value is None or isinstance(value, dict):
         return value or {}
     text = value.strip()
+    source = "inline value"
     if text.startswith("@"):
         path = os.path.expanduser(text[1:])
+        source = f"file {path}"
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except OSError as exc:
             raise ConfigError([Violation("parse.file", f"cannot read {path}: {exc.strerror}",
                                          "pass an existing JSON file as @path")]) from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError([Violation("parse.file", f"{path} is not UTF-8 text ({exc.reason})",
+                                         "pass a JSON text file as @path")]) from exc
     if not text:
         return {}
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError([Violation("parse.json", f"not valid JSON: {exc}",
-                                     "pass a JSON object, e.g. '{\"hot_tokens\": 4096}'")]) from exc
+        raise ConfigError([Violation("parse.json", f"{source} is not valid JSON: {exc}",
+                                     f"pass a JSON object, e.g. '{example}'")]) from exc
 
 
 def _type_ok(value: Any, tp: Any) -> bool:
@@ -424,15 +459,36 @@ def _build(cls: type, data: Any, path: str, errors: List[Violation]):
         errors.append(Violation("parse.type", str(exc), "check the keys"))
         return None
     for msg in obj._check():
-        errors.append(Violation("parse.range", f"{path}{msg}", "change the value"))
+        errors.append(Violation("parse.range", f"{path}{msg}", "set a value in the stated range"))
     return obj
+
+
+def _example_of(cls: type) -> str:
+    if cls is OffloadConfig:
+        return '{"sparse_decode": {"hot_tokens": 4096}}'
+    first = next((f for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
+                  and isinstance(f.default, (int, str)) and not isinstance(f.default, bool)), None)
+    return "{}" if first is None else json.dumps({first.name: first.default})
+
+
+def parse_section_partial(cls: type, value: Union[str, dict, None]) -> Tuple[Optional[Any], List[Violation]]:
+    """``(config, problems)``: like :func:`parse_section`, but a key with a bad type or
+    value keeps its default so the rest can still be checked (every rule, every
+    problem in one report). ``config`` is ``None`` only when the text is not a JSON
+    object. Never run a config that came with problems.
+    """
+    try:
+        data = load_json_arg(value, _example_of(cls))
+    except ConfigError as exc:
+        return None, list(exc.violations)
+    errors: List[Violation] = []
+    obj = _build(cls, data, "", errors)
+    return obj, errors
 
 
 def parse_section(cls: type, value: Union[str, dict, None], what: Optional[str] = None):
     """Parse one feature section (a flag value) into ``cls``; every problem at once."""
-    data = load_json_arg(value)
-    errors: List[Violation] = []
-    obj = _build(cls, data, "", errors)
+    obj, errors = parse_section_partial(cls, value)
     if errors:
         raise ConfigError(errors, what or cls.__name__)
     return obj
@@ -558,12 +614,15 @@ def _check_sparse_decode(config: OffloadConfig, d: Deployment, add) -> None:
         add("sparse_decode.hybrid_kv", "the model uses a hybrid KV cache layout",
             "use a model with a uniform MLA KV layout")
     if sd.hot_tokens is not None and d.index_topk is not None and sd.hot_tokens < d.index_topk:
+        least = default_hot_tokens(d.index_topk, d.page_size, factor=1)
         add("sparse_decode.hot_tokens_topk", f"hot_tokens={sd.hot_tokens} < top-k={d.index_topk}",
-            f"set hot_tokens >= {d.index_topk} (2 x top-k = {2 * d.index_topk} recommended)")
+            f"set hot_tokens >= {least} ({default_hot_tokens(d.index_topk, d.page_size)} recommended: "
+            "2 x top-k rounded up to the page size)")
     if sd.hot_tokens is not None and d.page_size is not None and sd.hot_tokens % d.page_size:
         add("sparse_decode.hot_tokens_page", f"hot_tokens={sd.hot_tokens} is not a multiple of the "
             f"page size {d.page_size}",
-            f"round hot_tokens to a multiple of {d.page_size}")
+            f"round hot_tokens to a multiple of {d.page_size}, e.g. "
+            f"{-(-sd.hot_tokens // d.page_size) * d.page_size}")
     if d.pd_role == "prefill":
         add("sparse_decode.prefill_node", "this is a prefill-only node",
             "enable sparse decode offload on the decode node")
@@ -590,7 +649,7 @@ def _check_layerwise(lw: LayerwisePrefillOffloadConfig, d: Deployment, add) -> N
         add("layerwise_prefill.eager", f"graph mode is {d.graph_mode!r} with shared_buffers="
             f"{lw.shared_buffers}", "run the prefill node in eager mode (--disable-cuda-graph) "
             "or leave shared_buffers unset")
-    if reuse and lw.store_backend != "memcache" and d.device != "cpu":
+    if reuse and lw.effective_store_backend(d.device) != "memcache" and d.device != "cpu":
         add("layerwise_prefill.memcache", f"store_backend={lw.store_backend!r} with buffer reuse "
             f"on {d.device}", 'set "store_backend": "memcache" (the local backend is for CPU '
             "development)")

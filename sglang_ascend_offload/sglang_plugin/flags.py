@@ -83,6 +83,14 @@ FEATURES: Tuple[FeatureFlags, ...] = (
         "--disaggregation-transfer-backend ascend_offload): decode pulls each prefill layer, main KV "
         "into its host pool (sparse decode offload) or device pool, the indexer into its device cache.",
     ),
+    FeatureFlags(  # KVPP (sglang_plugin/kvpp_pool.py)
+        section="kvpp",
+        section_cls=cfg.KVPPConfig,
+        enable_flag="--enable-kvpp",
+        config_flag="--kvpp-config",
+        help="KV layer parallelism (MLA/DSA models, TP >= 2): each layer's KV is kept on one owner rank "
+        "of the TP group and broadcast to the others when the layer runs (one layer prefetched ahead).",
+    ),
 )
 
 
@@ -129,8 +137,10 @@ def take_from_namespace(namespace: argparse.Namespace) -> RawFlags:
 def parse(raw: RawFlags) -> Tuple[cfg.OffloadConfig, List[cfg.Violation]]:
     """Typed config from the flags plus every parse problem (all sections).
 
-    A section whose flags are absent is off. A section whose config does not
-    parse is left off in the returned config and its problems are returned.
+    A section whose flags are absent is off. A section whose config has bad keys
+    is returned with those keys at their defaults, together with its problems, so
+    that validation still reports every other rule (a config returned with problems
+    is never run); one that is not a JSON object at all is left off.
     """
     sections: Dict[str, Any] = {}
     problems: List[cfg.Violation] = []
@@ -146,11 +156,10 @@ def parse(raw: RawFlags) -> Tuple[cfg.OffloadConfig, List[cfg.Violation]]:
             continue
         if not on:
             continue
-        try:
-            sections[feat.section] = cfg.parse_section(feat.section_cls, text, feat.config_flag)
-        except cfg.ConfigError as exc:
-            for v in exc.violations:
-                problems.append(cfg.Violation(v.rule, f"{feat.config_flag}: {v.problem}", v.fix))
+        section, errors = cfg.parse_section_partial(feat.section_cls, text)
+        problems += [cfg.Violation(v.rule, f"{feat.config_flag}: {v.problem}", v.fix) for v in errors]
+        if section is not None:  # bad keys keep their defaults: every other rule is still checked
+            sections[feat.section] = section
     return cfg.OffloadConfig(**sections), problems
 
 

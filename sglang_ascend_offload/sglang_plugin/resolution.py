@@ -42,6 +42,7 @@ VALIDATION_STEP = "validate_deepep_v2_dispatch_token_budget"
 RUNTIME_READY = {"sparse_decode"}
 RUNTIME_READY.add("layerwise_prefill")  # layerwise_pool.py
 RUNTIME_READY.add("pd_transfer")  # disagg/ (transfer backend ascend_offload)
+RUNTIME_READY.add("kvpp")  # kvpp_pool.py
 
 
 # ------------------------------------------------------------------ backend choice
@@ -80,6 +81,7 @@ def _select_backend(server_args: Any, previous: Callable[[Any], None]) -> None:
     config, _ = requested_config()
     wants = config.sparse_decode is not None or (view.device == "cpu" and _model_is_dsa(server_args))
     wants = wants or config.layerwise_prefill is not None  # the layerwise pool needs our backend
+    wants = wants or config.kvpp is not None  # so does the KVPP pool
     if wants and is_attention_backend_not_set(view):
         declare_resolution(server_args, "sglang_ascend_offload", attention_backend=BACKEND_NAME)
         logger.info("sglang-ascend-offload: attention backend %s selected", BACKEND_NAME)
@@ -146,6 +148,9 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
     from .layerwise_rules import layerwise_violations
 
     out += layerwise_violations(config, view)
+    from .kvpp_rules import kvpp_violations
+
+    out += kvpp_violations(config, view)
     return out
 
 

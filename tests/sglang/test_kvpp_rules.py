@@ -1,0 +1,93 @@
+"""KVPP startup rules in SGLang: the flags, each SGLang-side rule on its own, and SGLang's
+real argument resolution listing every reason at once / publishing a valid config."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_ascend_offload import config as cfg
+from sglang_ascend_offload.sglang_plugin import carrier, flags
+from sglang_ascend_offload.sglang_plugin.kvpp_rules import RULES, kvpp_violations
+
+from conftest import REPO
+
+TINY_DSA_8L = REPO / "tests" / "fixtures" / "tiny_dsa_8l"
+
+
+def view(**kw):
+    base = dict(attention_backend="ascend_offload", prefill_attention_backend=None, decode_attention_backend=None,
+                enable_two_batch_overlap=False, enable_pdmux=False, enable_hierarchical_cache=False,
+                disaggregation_mode="null", tp_size=2, dp_size=1, attn_dp_size=1, enable_dp_attention=False)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+KV = cfg.OffloadConfig(kvpp=cfg.KVPPConfig())
+
+
+def test_flags_parse_into_the_kvpp_section():
+    raw = flags.RawFlags(enabled={"kvpp": True}, configs={"kvpp": '{"broadcast": "full", "prefetch": false}'})
+    config, problems = flags.parse(raw)
+    assert problems == [] and config.kvpp == cfg.KVPPConfig(broadcast="full", prefetch=False)
+    _, problems = flags.parse(flags.RawFlags(enabled={"kvpp": True}, configs={"kvpp": '{"broadcast": "x"}'}))
+    assert [p.rule for p in problems] and "broadcast" in problems[0].problem
+    _, problems = flags.parse(flags.RawFlags(enabled={}, configs={"kvpp": "{}"}))
+    assert [p.rule for p in problems] == ["flags.config_without_enable"]
+    assert "--kvpp-config" in problems[0].problem
+
+
+def test_a_servable_setup_has_no_violation():
+    assert kvpp_violations(KV, view()) == []
+    assert kvpp_violations(cfg.OffloadConfig(), view(attention_backend="torch_native")) == []
+
+
+@pytest.mark.parametrize("config,server,rule", [
+    (KV, view(attention_backend="ascend"), "sglang.kvpp_backend"),
+    (cfg.OffloadConfig(kvpp=cfg.KVPPConfig(), layerwise_prefill=cfg.LayerwisePrefillOffloadConfig()), view(),
+     "sglang.kvpp_layerwise"),
+    (KV, view(disaggregation_mode="prefill"), "sglang.kvpp_pd_prefill"),
+    (KV, view(attn_dp_size=2), "sglang.kvpp_dp_attention"),
+    (KV, view(enable_dp_attention=True, dp_size=2), "sglang.kvpp_dp_attention"),
+    (KV, view(enable_two_batch_overlap=True), "sglang.kvpp_tbo"),
+    (KV, view(enable_pdmux=True), "sglang.kvpp_tbo"),
+    (KV, view(enable_hierarchical_cache=True), "sglang.kvpp_hicache"),
+    (KV, view(pp_size=2), "sglang.kvpp_pp"),
+])
+def test_each_rule(config, server, rule):
+    rules = [v.rule for v in kvpp_violations(config, server)]
+    assert rules == [rule]
+    assert rule in RULES
+
+
+def _server_args(**kw):
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path=str(TINY_DSA_8L), device="cpu", load_format="dummy",
+                      skip_tokenizer_init=True, **kw)
+
+
+def test_resolution_lists_every_reason(plugins_loaded, clean_state):
+    """tp 1 (no group), another backend, layerwise prefill offload and a P/D prefill node at once."""
+    sa = _server_args(tp_size=1, disaggregation_mode="prefill", attention_backend="torch_native")
+    flags.remember(flags.RawFlags(enabled={"kvpp": True, "layerwise_prefill": True},
+                                  configs={"kvpp": None, "layerwise_prefill": '{"store_backend": "local"}'}))
+    with pytest.raises(cfg.ConfigError) as info:
+        sa.resolve_once()
+    rules = {v.rule for v in info.value.violations}
+    assert {"kvpp.group", "sglang.kvpp_backend", "sglang.kvpp_layerwise",
+            "sglang.kvpp_pd_prefill"} <= rules, rules
+    assert carrier.published_text() is None
+
+
+def test_valid_config_is_published(plugins_loaded, clean_state):
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    sa = _server_args(tp_size=2, disable_cuda_graph=True)
+    flags.remember(flags.RawFlags(enabled={"kvpp": True}, configs={"kvpp": '{"broadcast": "full"}'}))
+    sa.resolve_once()
+    assert resolving_view(sa).attention_backend == "ascend_offload"
+    assert json.loads(carrier.published_text())["kvpp"]["broadcast"] == "full"
+    assert carrier.active_config().kvpp.broadcast == "full"
