@@ -1,0 +1,271 @@
+"""The CPU kernel of the residency contract (exact LRU) and of the miss copy, rows form.
+
+``csrc/lru_cpu.cpp`` is compiled with the system C++ compiler into a small shared
+library (no torch headers: a build takes about a second) and called through ctypes
+behind two torch custom ops, so ``torch.compile(fullgraph=True)`` sees each as one
+opaque op:
+
+* ``sglang_ascend_offload::lru_manage_rows`` -- one exact-LRU step of the batch's rows
+  (``docs/residency_contract.md``, "Rows form"), in place on the contract's state plus
+  the kernel's derived state (:class:`KernelLRUState`: eviction order, hash map
+  position -> slot, per-row position bound), returning the five
+  :class:`~.residency.ResidencyStep` tensors;
+* ``sglang_ascend_offload::copy_miss_rows_rows`` -- the miss copy host -> hot buffer
+  of the same rows (only the ``miss_count`` rows of each batch entry are touched).
+
+The torch reference (``residency.residency_manage``) is the specification; the
+kernel is tested against it bit for bit (state and outputs). Build: ``python -m
+sglang_ascend_offload.sparse_decode.cpu_kernel --build`` (``scripts/setup_cpu_env.sh``
+runs it; idempotent: the library's file name carries a hash of the source and the
+flags). :func:`library` builds on first use when the file is missing, and raises
+:class:`CPUKernelUnavailable` naming the fix when no compiler works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CPUKernelUnavailable", "KernelLRUState", "library", "library_path", "build",
+           "lru_manage_rows", "copy_miss_rows_rows"]
+
+_SRC = Path(__file__).with_name("csrc") / "lru_cpu.cpp"
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-exceptions"]
+_LIB: Optional[ctypes.CDLL] = None
+
+
+class CPUKernelUnavailable(RuntimeError):
+    """The CPU residency kernel cannot be built or loaded here (message says how to fix it)."""
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def library_path() -> Path:
+    """Where the library for the current source and flags lives (it may not exist yet).
+
+    ``SGLANG_ASCEND_OFFLOAD_KERNEL_DIR`` overrides the directory (default: ``build``
+    next to this module, ignored by git).
+    """
+    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("SGLANG_ASCEND_OFFLOAD_KERNEL_DIR", Path(__file__).with_name("build")))
+    return root / f"libsao_lru_cpu_{digest}.so"
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernel if its library is missing (or ``force``); returns its path."""
+    out = library_path()
+    if out.exists() and not force:
+        return out
+    cxx = _compiler()
+    if cxx is None:
+        raise CPUKernelUnavailable(
+            "the CPU residency kernel needs a C++ compiler (g++/clang++; set CXX to choose one): install one "
+            "(apt-get install g++) and run `python -m sglang_ascend_offload.sparse_decode.cpu_kernel --build` "
+            "(scripts/setup_cpu_env.sh does it), or run the engine with manage_impl='torch'")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *_FLAGS, str(_SRC), "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise CPUKernelUnavailable(f"building the CPU residency kernel failed ({' '.join(cmd)}):\n{proc.stderr}")
+    os.replace(tmp, out)  # atomic: concurrent builders never load a half-written file
+    logger.info("built the CPU residency kernel: %s", out)
+    return out
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernel library (built on first use if missing)."""
+    global _LIB
+    if _LIB is None:
+        path = build()
+        lib = ctypes.CDLL(str(path))
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.sao_lru_manage_rows.argtypes = [p] * 7 + [i64] * 3 + [p] * 4 + [i64] * 3 + [p] * 5
+        lib.sao_lru_manage_rows.restype = ctypes.c_int
+        lib.sao_copy_miss_rows.argtypes = [p, i64, p, i64, i64, i64, p, i64, i64, p, p, p, p, i64, i64]
+        lib.sao_copy_miss_rows.restype = ctypes.c_int
+        _LIB = lib
+    return _LIB
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _need(name: str, t: torch.Tensor, dtype: torch.dtype, dim: int) -> None:
+    if t.dtype != dtype or t.dim() != dim or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a contiguous {dim}-D {dtype} CPU tensor, got {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
+
+
+# ------------------------------------------------------------------ state
+def _hash_capacity(hot_tokens: int) -> int:
+    cap = 2
+    while cap < 2 * hot_tokens:
+        cap *= 2
+    return cap
+
+
+@dataclass
+class KernelLRUState:
+    """The contract's state of one layer plus the kernel's derived state (all CPU).
+
+    slot_token int32 ``[R,H]``, slot_stamp int64 ``[R,H]``, row_req int64 ``[R]``: the
+    contract's (``docs/residency_contract.md``). order int32 ``[R,H]``: each row's slots
+    by ``(slot_stamp, slot)``. hkeys / hvals int32 ``[R,C]``: hash map position -> slot
+    (``-1`` empty key), ``C`` the power of two ``>= 2H``. maxpos int32 ``[R]``: bound
+    of the held positions. Only the kernel may update it (the derived parts follow
+    the contract's parts only through it). Memory ``R * (H * 16 + C * 8)`` bytes.
+    """
+
+    slot_token: torch.Tensor
+    slot_stamp: torch.Tensor
+    row_req: torch.Tensor
+    order: torch.Tensor
+    hkeys: torch.Tensor
+    hvals: torch.Tensor
+    maxpos: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, hot_tokens: int) -> "KernelLRUState":
+        cap = _hash_capacity(hot_tokens)
+        return cls(
+            slot_token=torch.full((rows, hot_tokens), -1, dtype=torch.int32),
+            slot_stamp=torch.zeros((rows, hot_tokens), dtype=torch.int64),
+            row_req=torch.full((rows,), -1, dtype=torch.int64),
+            order=torch.arange(hot_tokens, dtype=torch.int32).repeat(rows, 1),
+            hkeys=torch.full((rows, cap), -1, dtype=torch.int32),
+            hvals=torch.zeros((rows, cap), dtype=torch.int32),
+            maxpos=torch.full((rows,), -1, dtype=torch.int32),
+        )
+
+
+# ------------------------------------------------------------------ custom ops
+@torch.library.custom_op("sglang_ascend_offload::lru_manage_rows",
+                         mutates_args=("slot_token", "slot_stamp", "row_req", "order", "hkeys", "hvals", "maxpos"),
+                         device_types="cpu")
+def _lru_manage_rows_op(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req: torch.Tensor,
+                        order: torch.Tensor, hkeys: torch.Tensor, hvals: torch.Tensor, maxpos: torch.Tensor,
+                        rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
+                        step: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     torch.Tensor]:
+    r, h = slot_token.shape
+    b, k = topk.shape
+    hit_mask = torch.empty((b, k), dtype=torch.bool)
+    slots = torch.empty((b, k), dtype=torch.int32)
+    miss_count = torch.empty((b,), dtype=torch.int32)
+    miss_tokens = torch.empty((b, k), dtype=torch.int32)
+    miss_slots = torch.empty((b, k), dtype=torch.int32)
+    rc = library().sao_lru_manage_rows(
+        _ptr(slot_token), _ptr(slot_stamp), _ptr(row_req), _ptr(order), _ptr(hkeys), _ptr(hvals), _ptr(maxpos),
+        r, h, hkeys.shape[1], _ptr(rows), _ptr(topk), _ptr(req_ids), _ptr(stable_len), b, k, int(step),
+        _ptr(hit_mask), _ptr(slots), _ptr(miss_count), _ptr(miss_tokens), _ptr(miss_slots))
+    if rc == 1:
+        raise IndexError(f"lru_manage_rows: a batch row is outside the {r} state rows")
+    if rc == 2:
+        raise RuntimeError("lru_manage_rows: the kernel's position map disagrees with slot_token "
+                           "(the state was changed outside the kernel)")
+    return hit_mask, slots, miss_count, miss_tokens, miss_slots
+
+
+@_lru_manage_rows_op.register_fake
+def _(slot_token, slot_stamp, row_req, order, hkeys, hvals, maxpos, rows, topk, req_ids, stable_len, step):
+    b, k = topk.shape
+    return (topk.new_empty((b, k), dtype=torch.bool), topk.new_empty((b, k), dtype=torch.int32),
+            topk.new_empty((b,), dtype=torch.int32), topk.new_empty((b, k), dtype=torch.int32),
+            topk.new_empty((b, k), dtype=torch.int32))
+
+
+@torch.library.custom_op("sglang_ascend_offload::copy_miss_rows_rows", mutates_args=("hot",), device_types="cpu")
+def _copy_miss_rows_op(host: torch.Tensor, hot: torch.Tensor, rows: torch.Tensor, miss_tokens: torch.Tensor,
+                       miss_slots: torch.Tensor, miss_count: torch.Tensor, token_table: torch.Tensor) -> None:
+    r, h, d = hot.shape
+    b, k = miss_tokens.shape
+    rc = library().sao_copy_miss_rows(
+        _ptr(host), host.shape[0], _ptr(hot), r, h, d * hot.element_size(), _ptr(token_table),
+        token_table.shape[0], token_table.shape[1], _ptr(rows), _ptr(miss_tokens), _ptr(miss_slots),
+        _ptr(miss_count), b, k)
+    if rc != 0:
+        raise IndexError("copy_miss_rows_rows: a row, miss position, slot or host slot is out of range")
+
+
+@_copy_miss_rows_op.register_fake
+def _(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table):
+    return None
+
+
+# ------------------------------------------------------------------ python entry points
+def lru_manage_rows(state: KernelLRUState, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor,
+                    stable_len: torch.Tensor, step) -> Tuple[torch.Tensor, ...]:
+    """One exact-LRU step of the batch rows (rows form of the contract).
+
+    rows int64 ``[B]`` (state rows; real rows distinct, padding rows idle),
+    topk int32 ``[B,K]``, req_ids int64 ``[B]``, stable_len int32 ``[B]``, step an
+    int or a 0-d int64 tensor (strictly increasing per row). Returns
+    ``(hit_mask, slots, miss_count, miss_tokens, miss_slots)`` ``[B,...]``.
+    """
+    if not torch.compiler.is_compiling():
+        for name, t, dtype, dim in (("rows", rows, torch.int64, 1), ("topk", topk, torch.int32, 2),
+                                    ("req_ids", req_ids, torch.int64, 1), ("stable_len", stable_len, torch.int32, 1)):
+            _need(name, t, dtype, dim)
+        if state.slot_token.shape[1] < topk.shape[1]:
+            raise ValueError(f"hot_tokens {state.slot_token.shape[1]} < top_k {topk.shape[1]}")
+    if not isinstance(step, torch.Tensor):
+        step = torch.tensor(int(step), dtype=torch.int64)
+    return _lru_manage_rows_op(state.slot_token, state.slot_stamp, state.row_req, state.order, state.hkeys,
+                               state.hvals, state.maxpos, rows, topk, req_ids, stable_len, step)
+
+
+def copy_miss_rows_rows(host: torch.Tensor, hot: torch.Tensor, rows: torch.Tensor, miss_tokens: torch.Tensor,
+                        miss_slots: torch.Tensor, miss_count: torch.Tensor, token_table: torch.Tensor) -> None:
+    """hot ``[R,H,D]``: ``hot[rows[b], miss_slots[b,i]] = host[token_table[rows[b], miss_tokens[b,i]]]``
+    for ``i < miss_count[b]`` (host ``[S,D]``, same dtype; token_table int32 ``[>R_real, max_ctx]``)."""
+    if not torch.compiler.is_compiling():
+        if host.dtype != hot.dtype or host.shape[-1] != hot.shape[-1]:
+            raise ValueError(f"host {host.dtype} {tuple(host.shape)} and hot {hot.dtype} {tuple(hot.shape)} differ")
+        for name, t in (("host", host), ("hot", hot), ("token_table", token_table)):
+            if not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a contiguous CPU tensor")
+        if token_table.dtype != torch.int32:
+            raise ValueError("token_table must be int32")
+    _copy_miss_rows_op(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--build", action="store_true", help="compile the kernel if needed and print its path")
+    parser.add_argument("--force", action="store_true", help="recompile even if the library exists")
+    args = parser.parse_args(argv)
+    try:
+        path = build(force=args.force)
+        library()
+    except CPUKernelUnavailable as exc:
+        print(f"cpu_kernel: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,243 @@
+// CPU kernel of the exact-LRU residency contract (docs/residency_contract.md), rows form.
+//
+// Built by sglang_ascend_offload/sparse_decode/cpu_kernel.py (g++ -O3 -shared; no torch
+// headers, called through ctypes behind torch custom ops). The torch reference
+// (sparse_decode/residency.py) is the specification; tests compare the two bit for bit.
+//
+// Per engine row the kernel keeps, next to the contract's state (slot_token, slot_stamp,
+// row_req), three derived structures that are only ever updated where the contract's
+// state changes, so a step costs one pass over the row's top-k and O(H) byte/int work:
+//
+//   order  int32 [R, H]   the row's slots sorted by (slot_stamp, slot) ascending: the
+//                         LRU eviction order, maintained instead of sorted per step;
+//   hkeys / hvals int32 [R, C]   open-addressing hash map position -> slot (linear
+//                         probing, backward-shift deletion, C = power of two >= 2H):
+//                         a persistent position map whose memory is bounded by H, not
+//                         by the context length;
+//   maxpos int32 [R]      an upper bound of the positions the row holds (-1: none), so
+//                         the speculative-invalidation scan runs only when some held
+//                         position may be >= stable_len.
+//
+// Invariant needed for the maintained order: per row, steps are strictly increasing
+// (stamps of earlier steps are <= 2*(step-1)+2 < 2*step+1). The engine guarantees it.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+struct RowMap {
+  int32_t* hk;
+  int32_t* hv;
+  uint32_t mask;
+  int shift;
+
+  inline uint32_t home(int32_t p) const { return (static_cast<uint32_t>(p) * 2654435761u) >> shift; }
+
+  inline int32_t find(int32_t p) const {
+    uint32_t i = home(p);
+    while (true) {
+      int32_t k = hk[i];
+      if (k == p) return hv[i];
+      if (k < 0) return -1;
+      i = (i + 1) & mask;
+    }
+  }
+
+  inline void insert(int32_t p, int32_t s) {
+    uint32_t i = home(p);
+    while (hk[i] >= 0) i = (i + 1) & mask;
+    hk[i] = p;
+    hv[i] = s;
+  }
+
+  // Returns false if p is absent (a corrupted state: the caller reports it).
+  inline bool erase(int32_t p) {
+    uint32_t i = home(p);
+    while (hk[i] != p) {
+      if (hk[i] < 0) return false;
+      i = (i + 1) & mask;
+    }
+    uint32_t j = i;
+    while (true) {
+      j = (j + 1) & mask;
+      int32_t k = hk[j];
+      if (k < 0) break;
+      uint32_t h = home(k);
+      bool stays = (i <= j) ? (h > i && h <= j) : (h > i || h <= j);
+      if (!stays) {
+        hk[i] = k;
+        hv[i] = hv[j];
+        i = j;
+      }
+    }
+    hk[i] = -1;
+    return true;
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+// Error codes: 0 ok, 1 a row index out of range, 2 the derived state disagrees with the
+// contract's state (a slot's position missing from the map).
+int sao_lru_manage_rows(int32_t* slot_token, int64_t* slot_stamp, int64_t* row_req, int32_t* order,
+                        int32_t* hkeys, int32_t* hvals, int32_t* maxpos, int64_t R, int64_t H, int64_t C,
+                        const int64_t* rows, const int32_t* topk, const int64_t* req_ids,
+                        const int32_t* stable_len, int64_t B, int64_t K, int64_t step, uint8_t* hit_mask,
+                        int32_t* slots, int32_t* miss_count, int32_t* miss_tokens, int32_t* miss_slots) {
+  int log2c = 0;
+  while ((int64_t(1) << log2c) < C) ++log2c;
+  const int shift = 32 - log2c;
+  const int64_t fill_stamp = 2 * step + 1;
+  const int64_t hit_stamp = 2 * step + 2;
+  std::vector<uint8_t> flag(H);
+  std::vector<int32_t> miss_j(K), victims(K), neworder(H);
+
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t r = rows[b];
+    if (r < 0 || r >= R) return 1;
+    int32_t* tok = slot_token + r * H;
+    int64_t* stamp = slot_stamp + r * H;
+    int32_t* ord = order + r * H;
+    RowMap map{hkeys + r * C, hvals + r * C, static_cast<uint32_t>(C - 1), shift};
+    const int64_t req = req_ids[b];
+    const int32_t stab = stable_len[b];
+    const int32_t* tk = topk + b * K;
+    uint8_t* hm = hit_mask + b * K;
+    int32_t* sl = slots + b * K;
+    int32_t* mt = miss_tokens + b * K;
+    int32_t* ms = miss_slots + b * K;
+    std::memset(hm, 0, K);
+    std::fill(sl, sl + K, -1);
+    std::fill(mt, mt + K, -1);
+    std::fill(ms, ms + K, -1);
+
+    // 1. reset on a request change (idle rows too)
+    if (req != row_req[r]) {
+      std::fill(tok, tok + H, -1);
+      std::fill(stamp, stamp + H, int64_t(0));
+      for (int64_t s = 0; s < H; ++s) ord[s] = static_cast<int32_t>(s);
+      std::fill(map.hk, map.hk + C, -1);
+      maxpos[r] = -1;
+      row_req[r] = req;
+    }
+    // 2. empty every slot holding a position >= stable_len (only if one may exist)
+    if (maxpos[r] >= stab) {
+      bool dropped = false;
+      int32_t mx = -1;
+      for (int64_t s = 0; s < H; ++s) {
+        const int32_t t = tok[s];
+        if (t < 0) continue;
+        if (t >= stab) {
+          if (!map.erase(t)) return 2;
+          tok[s] = -1;
+          stamp[s] = 0;
+          dropped = true;
+        } else if (t > mx) {
+          mx = t;
+        }
+      }
+      maxpos[r] = mx;
+      if (dropped) {  // empties (stamp 0) first by slot, then the others in their order
+        int64_t n = 0;
+        for (int64_t s = 0; s < H; ++s)
+          if (tok[s] < 0) neworder[n++] = static_cast<int32_t>(s);
+        for (int64_t i = 0; i < H; ++i)
+          if (tok[ord[i]] >= 0) neworder[n++] = ord[i];
+        std::memcpy(ord, neworder.data(), H * sizeof(int32_t));
+      }
+    }
+    if (req == -1) {  // idle row: every entry is padding
+      miss_count[b] = 0;
+      continue;
+    }
+    // 3. lookup
+    std::memset(flag.data(), 0, H);
+    int64_t m = 0, hits = 0;
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t p = tk[j];
+      if (p < 0) continue;
+      if (p < stab) {
+        const int32_t s = map.find(p);
+        if (s >= 0) {
+          hm[j] = 1;
+          sl[j] = s;
+          flag[s] = 2;
+          ++hits;
+          continue;
+        }
+      }
+      miss_j[m++] = static_cast<int32_t>(j);
+    }
+    // 4. victims: the first m non-hit slots of the eviction order
+    int64_t v = 0, pos = 0;
+    while (v < m) {
+      const int32_t s = ord[pos++];
+      if (flag[s] != 2) victims[v++] = s;
+    }
+    // 5. update: fills then hit stamps
+    int32_t mx = maxpos[r];
+    for (int64_t q = 0; q < m; ++q) {
+      const int32_t s = victims[q];
+      const int32_t j = miss_j[q];
+      const int32_t p = tk[j];
+      if (tok[s] >= 0 && !map.erase(tok[s])) return 2;
+      tok[s] = p;
+      map.insert(p, s);
+      stamp[s] = fill_stamp;
+      flag[s] = 1;
+      sl[j] = s;
+      mt[q] = p;
+      ms[q] = s;
+      if (p > mx) mx = p;
+    }
+    maxpos[r] = mx;
+    miss_count[b] = static_cast<int32_t>(m);
+    if (m == 0 && hits == 0) continue;
+    // new order: untouched slots in their order, then fills by slot, then hits by slot
+    int64_t n = 0;
+    for (int64_t i = pos; i < H; ++i)
+      if (flag[ord[i]] == 0) neworder[n++] = ord[i];
+    int64_t nf = n, nh = n + m;
+    for (int64_t s = 0; s < H; ++s) {
+      const uint8_t f = flag[s];
+      if (f == 1) {
+        neworder[nf++] = static_cast<int32_t>(s);
+      } else if (f == 2) {
+        neworder[nh++] = static_cast<int32_t>(s);
+        stamp[s] = hit_stamp;
+      }
+    }
+    std::memcpy(ord, neworder.data(), H * sizeof(int32_t));
+  }
+  return 0;
+}
+
+// hot[rows[b], miss_slots[b,i], :] = host[token_table[rows[b], miss_tokens[b,i]], :] for
+// i < miss_count[b]; rows of row_bytes bytes. Error codes: 0 ok, 1 an index out of range.
+int sao_copy_miss_rows(const uint8_t* host, int64_t host_rows, uint8_t* hot, int64_t hot_rows, int64_t H,
+                       int64_t row_bytes, const int32_t* token_table, int64_t table_rows, int64_t table_stride,
+                       const int64_t* rows, const int32_t* miss_tokens, const int32_t* miss_slots,
+                       const int32_t* miss_count, int64_t B, int64_t K) {
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = miss_count[b];
+    if (n == 0) continue;
+    const int64_t r = rows[b];
+    if (r < 0 || r >= hot_rows || r >= table_rows || n > K) return 1;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = miss_tokens[b * K + i];
+      const int64_t s = miss_slots[b * K + i];
+      if (p < 0 || p >= table_stride || s < 0 || s >= H) return 1;
+      const int64_t src = token_table[r * table_stride + p];
+      if (src < 0 || src >= host_rows) return 1;
+      std::memcpy(hot + (r * H + s) * row_bytes, host + src * row_bytes, row_bytes);
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,138 @@
+"""The CPU residency kernel (rows form) equals the torch reference bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sglang_ascend_offload.sparse_decode import cpu_kernel
+from sglang_ascend_offload.sparse_decode.hot_buffer import copy_miss_rows
+from sglang_ascend_offload.sparse_decode.residency import ResidencyTable, residency_manage
+
+from .test_residency import scenarios
+
+HYP = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _assert_same(out, ref, state, table):
+    for name in ("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots"):
+        assert torch.equal(out[name], getattr(ref, name)), name
+    assert torch.equal(state.slot_token, table.slot_token)
+    assert torch.equal(state.slot_stamp, table.slot_stamp)
+    assert torch.equal(state.row_req, table.row_req)
+
+
+def _as_dict(res):
+    return dict(zip(("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots"), res))
+
+
+@HYP
+@given(scenarios())
+def test_kernel_equals_reference_on_all_rows(scn):
+    """Request churn, idle rows, speculative suffixes: state and outputs identical."""
+    hot, steps = scn
+    rows, k = steps[0][0].shape
+    table = ResidencyTable.empty(rows, hot)
+    state = cpu_kernel.KernelLRUState.empty(rows, hot)
+    all_rows = torch.arange(rows, dtype=torch.int64)
+    for step, (topk, req, stable) in enumerate(steps):
+        t, r, s = torch.from_numpy(topk), torch.from_numpy(req), torch.from_numpy(stable)
+        ref = residency_manage(table.slot_token, table.slot_stamp, table.row_req, t, r, s, step)
+        out = _as_dict(cpu_kernel.lru_manage_rows(state, all_rows, t, r, s, step))
+        _assert_same(out, ref, state, table)
+
+
+@HYP
+@given(scenarios(), st.randoms(use_true_random=False))
+def test_kernel_on_a_subset_of_rows_leaves_the_others_alone(scn, rnd):
+    """Each step works on a random permutation of a random subset of the rows (plus
+    padding entries on an idle sink row): the rows stepped equal the reference run on
+    them, every other row's state is untouched."""
+    hot, steps = scn
+    rows, k = steps[0][0].shape
+    sink = rows
+    table = ResidencyTable.empty(rows + 1, hot)
+    state = cpu_kernel.KernelLRUState.empty(rows + 1, hot)
+    for step, (topk, req, stable) in enumerate(steps):
+        chosen = [r for r in range(rows) if rnd.random() < 0.6]
+        rnd.shuffle(chosen)
+        pad = rnd.randint(0, 2)
+        batch_rows = torch.tensor(chosen + [sink] * pad, dtype=torch.int64)
+        b_topk = torch.cat([torch.from_numpy(topk[chosen]), torch.full((pad, k), -1, dtype=torch.int32)])
+        b_req = torch.cat([torch.from_numpy(req[chosen]), torch.full((pad,), -1, dtype=torch.int64)])
+        b_stable = torch.cat([torch.from_numpy(stable[chosen]), torch.zeros(pad, dtype=torch.int32)])
+        before = state.slot_token.clone(), state.slot_stamp.clone(), state.row_req.clone()
+        out = _as_dict(cpu_kernel.lru_manage_rows(state, batch_rows, b_topk, b_req, b_stable, step))
+        if chosen:
+            idx = torch.tensor(chosen)
+            sub = ResidencyTable(table.slot_token[idx].clone(), table.slot_stamp[idx].clone(), table.row_req[idx].clone())
+            ref = residency_manage(sub.slot_token, sub.slot_stamp, sub.row_req, b_topk[:len(chosen)],
+                                   b_req[:len(chosen)], b_stable[:len(chosen)], step)
+            table.slot_token[idx], table.slot_stamp[idx], table.row_req[idx] = sub.slot_token, sub.slot_stamp, sub.row_req
+            for name in ("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots"):
+                assert torch.equal(out[name][:len(chosen)], getattr(ref, name)), name
+        assert torch.equal(state.slot_token, table.slot_token)
+        assert torch.equal(state.slot_stamp, table.slot_stamp)
+        assert torch.equal(state.row_req, table.row_req)
+        untouched = [r for r in range(rows + 1) if r not in chosen]
+        for t_now, t_before in zip((state.slot_token, state.slot_stamp, state.row_req), before):
+            assert torch.equal(t_now[untouched], t_before[untouched])
+        assert int(out["miss_count"][len(chosen):].abs().sum()) == 0
+        assert bool((out["slots"][len(chosen):] == -1).all())
+
+
+def test_kernel_at_a_larger_shape_with_locality_equals_reference():
+    """Production-like mix (many hits, some misses, a speculative suffix) at rows 4,
+    top-k 256, hot 512 over 12 steps."""
+    gen = torch.Generator().manual_seed(3)
+    rows, k, hot, ctx = 4, 256, 512, 4000
+    table = ResidencyTable.empty(rows, hot)
+    state = cpu_kernel.KernelLRUState.empty(rows, hot)
+    req = torch.arange(rows, dtype=torch.int64)
+    all_rows = torch.arange(rows, dtype=torch.int64)
+    for step in range(12):
+        stable = torch.full((rows,), 2000 + 3 * step, dtype=torch.int32)
+        base = torch.randperm(600, generator=gen)[: k - 8].to(torch.int32)
+        topk = torch.stack([torch.cat([base[torch.randperm(k - 8, generator=gen)],
+                                       torch.arange(int(stable[0]) - 4, int(stable[0]) + 4, dtype=torch.int32)])
+                            for _ in range(rows)])
+        if step == 7:
+            req[1] = 9  # churn
+        ref = residency_manage(table.slot_token, table.slot_stamp, table.row_req, topk, req, stable, step)
+        out = _as_dict(cpu_kernel.lru_manage_rows(state, all_rows, topk, req, stable, step))
+        _assert_same(out, ref, state, table)
+    assert ctx > 0
+
+
+def test_kernel_copy_equals_reference_copy():
+    gen = torch.Generator().manual_seed(1)
+    rows, hot, dim, k = 3, 6, 8, 4
+    host = torch.randn((50, dim), generator=gen).to(torch.bfloat16)
+    table = torch.randperm(50, generator=gen).to(torch.int32).view(1, 50).repeat(rows + 1, 1)
+    miss_tokens = torch.tensor([[3, 7, -1, -1], [-1, -1, -1, -1], [1, 2, 4, 9]], dtype=torch.int32)
+    miss_slots = torch.tensor([[5, 0, -1, -1], [-1, -1, -1, -1], [1, 2, 3, 4]], dtype=torch.int32)
+    count = torch.tensor([2, 0, 4], dtype=torch.int32)
+    hot_ref = torch.randn((rows, hot, dim), generator=gen).to(torch.bfloat16)
+    hot_k = torch.cat([hot_ref.clone(), torch.zeros((1, hot, dim), dtype=torch.bfloat16)])
+    copy_miss_rows(host, hot_ref, miss_tokens, miss_slots, count, table[:rows])
+    # the kernel takes engine rows: batch entries 0..2 -> engine rows 2, 0, 1
+    perm = torch.tensor([2, 0, 1], dtype=torch.int64)
+    hot_k_src = hot_k.clone()
+    hot_k_src[perm] = hot_k[:rows]
+    cpu_kernel.copy_miss_rows_rows(host, hot_k_src, perm, miss_tokens, miss_slots, count, table)
+    assert torch.equal(hot_k_src[perm], hot_ref)
+    assert torch.equal(hot_k_src[rows], torch.zeros((hot, dim), dtype=torch.bfloat16))
+
+
+def test_kernel_rejects_rows_out_of_range():
+    state = cpu_kernel.KernelLRUState.empty(2, 4)
+    try:
+        cpu_kernel.lru_manage_rows(state, torch.tensor([5]), torch.zeros((1, 2), dtype=torch.int32),
+                                   torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int32), 0)
+    except IndexError as exc:
+        assert "outside the 2 state rows" in str(exc)
+    else:
+        raise AssertionError("a row index out of range was accepted")
+    assert np.all(state.row_req.numpy() == -1)
