@@ -131,6 +131,10 @@ HF_KEYS: Tuple[Tuple[str, str, int], ...] = (
 )
 
 
+# Keys HuggingFace's DeepSeek-V3 config class defaults when config.json omits them.
+OPTIONAL_HF_KEYS: Dict[str, int] = {"num_nextn_predict_layers": 0}
+
+
 def preset(name: str) -> ModelShape:
     """The preset called ``name`` (case-insensitive, aliases accepted); ConfigError otherwise."""
     key = ALIASES.get(name.lower(), name.lower())
@@ -145,7 +149,8 @@ def shape_from_hf_dict(config: Mapping[str, Any], name: str = "model-config",
                        indexer_dtype: IndexerDtype = "bf16") -> ModelShape:
     """A :class:`ModelShape` from a parsed HuggingFace config; every bad key in one error.
 
-    Keys read: those of :data:`HF_KEYS` (all required, integers). A multimodal config
+    Keys read: those of :data:`HF_KEYS` (integers; all required but those of
+    :data:`OPTIONAL_HF_KEYS`, which default as in HuggingFace's DeepSeek configs). A multimodal config
     with the language model under ``text_config`` is read from there.
     """
     if not isinstance(config, Mapping):
@@ -155,6 +160,8 @@ def shape_from_hf_dict(config: Mapping[str, Any], name: str = "model-config",
         config = config["text_config"]
     problems: List[Violation] = []
     values: Dict[str, int] = {}
+    if OPTIONAL_HF_KEYS.keys() - config.keys():  # absent optional keys take HuggingFace's default
+        config = {**OPTIONAL_HF_KEYS, **config}
     missing = [key for key, _, _ in HF_KEYS if key not in config]
     if missing:
         problems.append(Violation(

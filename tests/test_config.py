@@ -143,7 +143,7 @@ def test_parse_reports_every_problem():
         parse_config(bad)
     msgs = [str(v) for v in err.value.violations]
     assert len(msgs) == 5, msgs
-    assert any("record_trace_max_steps must be >= 1" in m for m in msgs)
+    assert any("record_trace_max_steps=0 is out of range: it must be >= 1" in m for m in msgs)
     assert any("'bar'" in m for m in msgs)
     assert any("'sparse_decode.foo'" in m for m in msgs)
     assert any("hot_tokens" in m and "int | null" in m for m in msgs)

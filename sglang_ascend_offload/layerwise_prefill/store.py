@@ -143,11 +143,16 @@ class HostKVStore(abc.ABC):
 def make_store(cfg, device_id=None) -> HostKVStore:
     """The host KV store a :class:`~sglang_ascend_offload.config.LayerwisePrefillOffloadConfig`
     asks for. ``memcache`` raises :class:`StoreUnavailable` (saying what to install or
-    start) where it cannot run; there is no silent fallback to ``local``."""
-    if cfg.store_backend == "local":
+    start) where it cannot run; there is no silent fallback to ``local``. An unset
+    ``store_backend`` means the device's default: ``memcache`` on an Ascend NPU,
+    ``local`` elsewhere (decided once, from the device, never from a failure)."""
+    from sglang_ascend_offload import platform
+
+    backend = cfg.effective_store_backend(platform.device_kind())
+    if backend == "local":
         from sglang_ascend_offload.layerwise_prefill.store_local import LocalHostKVStore
         return LocalHostKVStore()
-    if cfg.store_backend == "memcache":
+    if backend == "memcache":
         from sglang_ascend_offload.layerwise_prefill.store_memcache import MemcacheHostKVStore
         return MemcacheHostKVStore(cfg.memcache, device_id)
-    raise ValueError(f"unknown store_backend {cfg.store_backend!r}: expected 'memcache' or 'local'")
+    raise ValueError(f"unknown store_backend {backend!r}: expected 'memcache' or 'local'")

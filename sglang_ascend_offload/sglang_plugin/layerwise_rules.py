@@ -73,9 +73,11 @@ def layerwise_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Viola
     if lw.store_block_tokens is not None and page is not None and lw.store_block_tokens != page:
         add("sglang.layerwise_block_tokens", f"store_block_tokens={lw.store_block_tokens} but the KV page "
             f"size is {page} (the SGLang pool stores one object per page)", "drop store_block_tokens")
-    if (lw.shared_buffers is not None and lw.store_backend == "memcache"
+    store = lw.effective_store_backend(str(getattr(view, "device", None) or "cpu"))
+    if (lw.shared_buffers is not None and store == "memcache"
             and importlib.util.find_spec("memcache_hybrid") is None):
-        add("sglang.layerwise_store", "store_backend 'memcache' but memcache-hybrid is not installed",
+        how = "" if lw.store_backend else " (the default on an Ascend NPU)"
+        add("sglang.layerwise_store", f"store_backend 'memcache'{how} but memcache-hybrid is not installed",
             "pip install memcache-hybrid memfabric-hybrid on the Ascend node, or use \"store_backend\": "
             "\"local\" on a CPU")
     return out

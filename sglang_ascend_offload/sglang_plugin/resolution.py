@@ -28,7 +28,7 @@ import os
 from typing import Any, Callable, List, Optional, Tuple
 
 from .. import config as cfg
-from . import carrier, flags
+from . import carrier, flags, launch_checks
 from .backend import BACKEND_NAME
 from .cpu_capability import no_cuda_capability
 from .deployment import deployment_from_server_args, model_kind
@@ -198,6 +198,7 @@ def check(server_args: Any) -> Optional[cfg.OffloadConfig]:
     view = resolving_view(server_args)
     from .disagg import rules as pd_rules  # P/D backend facts and rules
 
+    deployment = None
     try:
         deployment = pd_rules.with_pd_facts(deployment_from_server_args(server_args), config, server_args)
         problems += cfg.violations(config, deployment)
@@ -206,11 +207,24 @@ def check(server_args: Any) -> Optional[cfg.OffloadConfig]:
                                       "check the model path and server arguments"))
     problems += plugin_violations(config, view)
     problems += pd_rules.pd_violations(config, server_args)
+    problems += launch_checks.launch_violations(config, view, _hf_config(server_args), deployment)
     if problems:
         raise cfg.ConfigError(problems, "sglang-ascend-offload configuration")
+    config, notes = launch_checks.resolve_defaults(config, deployment)
+    for note in notes:
+        logger.info("sglang-ascend-offload: default %s", note)
     carrier.publish(config)
     logger.info("sglang-ascend-offload: validated configuration %s", cfg.to_json(config))
     return config
+
+
+def _hf_config(server_args: Any) -> Any:
+    from sglang.srt.arg_groups.model_override_base import model_config_of
+
+    try:
+        return model_config_of(server_args).hf_config
+    except Exception:  # noqa: BLE001 - model path problems are SGLang's (and the deployment rule's) to report
+        return None
 
 
 def _validate(server_args: Any, previous: Callable[[Any], None]) -> None:

@@ -1,0 +1,187 @@
+"""Launches that would fail after the model loaded are refused at startup, with
+every problem listed (issue: invalid launches past validation).
+
+In-process resolution (``ServerArgs.resolve_once``, the step the launcher runs
+before it spawns anything) covers each rule; one real ``launch_server`` run per
+refusal class proves that the refusal happens before any model loads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+
+import pytest
+
+from sglang_ascend_offload import config as cfg
+from sglang_ascend_offload import memory_budget
+from sglang_ascend_offload.sglang_plugin import carrier, flags, launch_checks
+
+from conftest import TINY_DSA, run_launcher
+
+
+def raw(sparse=None, layerwise=None):
+    enabled = {"sparse_decode": sparse is not None, "layerwise_prefill": layerwise is not None}
+    return flags.RawFlags(enabled=enabled, configs={"sparse_decode": sparse, "layerwise_prefill": layerwise})
+
+
+def _server_args(model=TINY_DSA, **kw):
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path=str(model), device="cpu", load_format="dummy", skip_tokenizer_init=True,
+                      disable_cuda_graph=True, **kw)
+
+
+def _rules(exc_info):
+    return [v.rule for v in exc_info.value.violations]
+
+
+@pytest.fixture
+def no_indexer_model(tmp_path):
+    """The tiny DSA fixture with the indexer fields removed (DSA architecture kept)."""
+    model = tmp_path / "dsa_without_indexer"
+    shutil.copytree(TINY_DSA, model)
+    data = json.loads((model / "config.json").read_text())
+    for key in ("index_topk", "index_head_dim", "index_n_heads"):
+        data.pop(key)
+    (model / "config.json").write_text(json.dumps(data))
+    return model
+
+
+# ------------------------------------------------------------------ in-process resolution
+def test_speculative_decoding_with_offload_is_refused(plugins_loaded, clean_state):
+    flags.remember(raw(sparse="{}"))
+    with pytest.raises(cfg.ConfigError) as info:
+        _server_args(speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=1,
+                     speculative_num_draft_tokens=2).resolve_once()
+    assert "sglang.sparse_decode_speculative" in _rules(info)
+    assert "EAGLE" in str(info.value)
+    assert carrier.published_text() is None
+
+
+def test_dsa_architecture_without_indexer_fields_is_refused(plugins_loaded, clean_state, no_indexer_model):
+    flags.remember(raw(sparse="{}"))
+    with pytest.raises(cfg.ConfigError) as info:
+        _server_args(model=no_indexer_model).resolve_once()
+    problem = next(v for v in info.value.violations if v.rule == "sglang.model_config")
+    for key in ("index_topk", "index_head_dim", "index_n_heads"):
+        assert key in problem.problem
+
+
+def test_parse_error_does_not_hide_the_other_rules(plugins_loaded, clean_state):
+    """One bad value (``policy: "fifo"``) next to rule violations: all are listed."""
+    flags.remember(raw(sparse='{"policy": "fifo", "hot_tokens": 40, "ops": "fused", "record_trace_max_steps": 0}'))
+    with pytest.raises(cfg.ConfigError) as info:
+        _server_args(kv_cache_dtype="fp8_e4m3").resolve_once()
+    rules = _rules(info)
+    assert {"parse.type", "parse.range", "sparse_decode.hot_tokens_page", "sparse_decode.main_kv_dtype",
+            "sparse_decode.fused_device"} <= set(rules), rules
+    text = str(info.value)
+    assert "fifo" in text and "record_trace_max_steps=0" in text and ">= 1" in text  # the range is stated
+    assert carrier.published_text() is None  # a config that came with problems never runs
+
+
+def test_oversized_hot_buffers_are_refused_with_the_numbers(plugins_loaded, clean_state, monkeypatch):
+    """The README's ``hot_tokens: 4096`` with SGLang's default request count: 2 layers x
+    2049 rows x 4096 slots x 1152 B = 19.3 GB of hot buffers, refused before allocation."""
+    monkeypatch.setenv("SAO_AVAILABLE_HOST_BYTES", str(16 * 2**30))
+    flags.remember(raw(sparse='{"hot_tokens": 4096}'))
+    with pytest.raises(cfg.ConfigError) as info:
+        _server_args(max_total_tokens=4096).resolve_once()
+    problem = next(v for v in info.value.violations if v.rule == "memory.insufficient")
+    expected = 2 * 2049 * 4096 * 1152
+    assert memory_budget.format_bytes(expected) in problem.problem
+    assert "2049 rows" in problem.problem and "4096 hot_tokens" in problem.problem
+    assert "--max-running-requests" in problem.fix and "hot_tokens" in problem.fix
+    # The same buffers sized for 4 requests fit.
+    flags.remember(raw(sparse='{"hot_tokens": 4096}'))
+    _server_args(max_total_tokens=4096, max_running_requests=4).resolve_once()
+    assert json.loads(carrier.published_text())["sparse_decode"]["hot_tokens"] == 4096
+
+
+def test_memory_check_sums_each_memory():
+    items = [memory_budget.Allocation("hot buffers", "device", 6 * 2**30, "f1", "hot_tokens"),
+             memory_budget.Allocation("host pool", "host", 5 * 2**30, "f2", "host_pool_tokens")]
+    # NPU: device and host are separate budgets.
+    assert memory_budget.check(items, "npu", available={"device": 7 * 2**30, "host": 6 * 2**30}) == []
+    low = memory_budget.check(items, "npu", available={"device": 6 * 2**30, "host": 6 * 2**30})
+    assert len(low) == 1 and "npu device memory" in low[0].problem and "hot_tokens" in low[0].fix
+    # CPU: one memory holds both.
+    both = memory_budget.check(items, "cpu", available={"host": 11 * 2**30})
+    assert len(both) == 1 and "11.0 GiB" in both[0].problem and "host_pool_tokens" in both[0].fix
+    assert memory_budget.check(items, "cpu", available={"host": 13 * 2**30}) == []
+    # Unknown availability is not a pass nor a failure: it is checked where it is known (the pool).
+    assert memory_budget.check(items, "npu", available={"device": None, "host": None}) == []
+
+
+def test_defaults_obey_the_rules_and_are_published(plugins_loaded, clean_state):
+    """No config: hot_tokens = 2 x top-k (32) rounded up to SGLang's DSA page size (64);
+    the same value given explicitly passes the page rule."""
+    flags.remember(raw(sparse="{}"))
+    _server_args(max_running_requests=4).resolve_once()
+    assert json.loads(carrier.published_text())["sparse_decode"]["hot_tokens"] == 64
+    carrier.clear()
+    flags.remember(raw(sparse='{"hot_tokens": 64}'))
+    _server_args(max_running_requests=4).resolve_once()
+    carrier.clear()
+    flags.remember(raw(sparse='{"hot_tokens": 32}'))
+    with pytest.raises(cfg.ConfigError) as info:
+        _server_args(max_running_requests=4).resolve_once()
+    page = next(v for v in info.value.violations if v.rule == "sparse_decode.hot_tokens_page")
+    assert "e.g. 64" in page.fix
+    hint = cfg.violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=8)),
+                          cfg.Deployment(index_topk=16, page_size=64))
+    topk_rule = next(v for v in hint if v.rule == "sparse_decode.hot_tokens_topk")
+    assert "set hot_tokens >= 64" in topk_rule.fix and "(64 recommended" in topk_rule.fix
+    # Every number the hint recommends is itself accepted.
+    for value in map(int, re.findall(r"\d+", topk_rule.fix.split("(")[0] + topk_rule.fix.split("(")[1][:6])):
+        ok = cfg.violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=value)),
+                            cfg.Deployment(index_topk=16, page_size=64))
+        assert [v.rule for v in ok if v.rule.startswith("sparse_decode.hot_tokens")] == [], value
+
+
+def test_layerwise_default_store_is_local_on_cpu(plugins_loaded, clean_state):
+    flags.remember(raw(layerwise='{"shared_buffers": 1}'))
+    _server_args().resolve_once()
+    assert json.loads(carrier.published_text())["layerwise_prefill"]["store_backend"] == "local"
+    assert cfg.LayerwisePrefillOffloadConfig().effective_store_backend("npu") == "memcache"
+    assert cfg.LayerwisePrefillOffloadConfig(store_backend="local").effective_store_backend("npu") == "local"
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    bad = tmp_path / "offload.json"
+    bad.write_text("{hot_tokens: 64")
+    _, problems = flags.parse(raw(sparse=f"@{bad}"))
+    assert len(problems) == 1 and str(bad) in problems[0].problem
+    # The example in the hint of each flag is a valid value of that flag.
+    example = re.search(r"e\.g\. '(.*)'", problems[0].fix).group(1)
+    config, again = flags.parse(raw(sparse=example))
+    assert again == [] and config.sparse_decode is not None
+    with pytest.raises(cfg.ConfigError) as info:
+        cfg.parse_config("{sparse_decode: 1}")
+    top_example = re.search(r"e\.g\. '(.*)'", info.value.violations[0].fix).group(1)
+    assert cfg.parse_config(top_example).sparse_decode is not None
+
+
+# ------------------------------------------------------------------ the real launcher
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["speculative", "no_indexer"])
+def test_launcher_refuses_before_any_model_loads(case, no_indexer_model):
+    args = ["--enable-sparse-decode-offload", "--max-running-requests", "4"]
+    if case == "speculative":
+        args += ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1",
+                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
+        rule = "sglang.sparse_decode_speculative"
+    else:
+        args += ["--model-path", str(no_indexer_model)]
+        rule = "sglang.model_config"
+    t0 = time.monotonic()
+    result = run_launcher(args, timeout=180)
+    elapsed = time.monotonic() - t0
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert rule in out, out[-3000:]
+    assert "Load weight" not in out and "load weight" not in out.lower()  # refused before any model loads
+    assert elapsed < 120, elapsed
