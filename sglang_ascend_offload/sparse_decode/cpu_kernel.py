@@ -101,7 +101,7 @@ def library() -> ctypes.CDLL:
         path = build()
         lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.sao_lru_manage_rows.argtypes = [p] * 7 + [i64] * 3 + [p] * 4 + [i64] * 3 + [p] * 5
+        lib.sao_lru_manage_rows.argtypes = [p] * 7 + [i64] * 3 + [p] * 4 + [i64] * 3 + [p] * 5 + [i64]
         lib.sao_lru_manage_rows.restype = ctypes.c_int
         lib.sao_copy_miss_rows.argtypes = [p, i64, p, i64, i64, i64, p, i64, i64, p, p, p, p, i64, i64]
         lib.sao_copy_miss_rows.restype = ctypes.c_int
@@ -127,16 +127,25 @@ def _hash_capacity(hot_tokens: int) -> int:
     return cap
 
 
+#: Largest dense position map (elements, per layer) :class:`KernelLRUState` allocates;
+#: beyond it (many rows x long contexts) the map is a hash table of ``2H..4H`` entries
+#: per row. Same bound as the reference's transient map (``residency.DENSE_MAP_LIMIT``).
+DENSE_MAP_LIMIT = 1 << 24
+
+
 @dataclass
 class KernelLRUState:
     """The contract's state of one layer plus the kernel's derived state (all CPU).
 
     slot_token int32 ``[R,H]``, slot_stamp int64 ``[R,H]``, row_req int64 ``[R]``: the
     contract's (``docs/residency_contract.md``). order int32 ``[R,H]``: each row's slots
-    by ``(slot_stamp, slot)``. hkeys / hvals int32 ``[R,C]``: hash map position -> slot
-    (``-1`` empty key), ``C`` the power of two ``>= 2H``. maxpos int32 ``[R]``: bound
-    of the held positions. Only the kernel may update it (the derived parts follow
-    the contract's parts only through it). Memory ``R * (H * 16 + C * 8)`` bytes.
+    by ``(slot_stamp, slot)``. Position map, persistent (changed only at fills,
+    evictions, resets): ``map_kind == 0`` dense, hkeys = slot_of int32 ``[R,P]``
+    (``P`` = the token table's width; ``R*P <= DENSE_MAP_LIMIT``); ``map_kind == 1``
+    hash, hkeys / hvals int32 ``[R,C]``, ``C`` the power of two ``>= 2H`` (memory
+    bounded by ``H`` whatever the context). maxpos int32 ``[R]``: an upper bound of the
+    held positions. Only the kernel may update it (the derived parts follow the
+    contract's parts only through it).
     """
 
     slot_token: torch.Tensor
@@ -146,19 +155,35 @@ class KernelLRUState:
     hkeys: torch.Tensor
     hvals: torch.Tensor
     maxpos: torch.Tensor
+    map_kind: int = 1
 
     @classmethod
-    def empty(cls, rows: int, hot_tokens: int) -> "KernelLRUState":
-        cap = _hash_capacity(hot_tokens)
+    def empty(cls, rows: int, hot_tokens: int, max_positions: Optional[int] = None) -> "KernelLRUState":
+        """Empty state; a dense map when ``max_positions`` (every position is below it)
+        is given and ``rows * max_positions <= DENSE_MAP_LIMIT``, else a hash map."""
+        if max_positions is not None and rows * max(1, max_positions) <= DENSE_MAP_LIMIT:
+            kind, hkeys, hvals = 0, torch.full((rows, max(1, max_positions)), -1, dtype=torch.int32), \
+                torch.zeros((1,), dtype=torch.int32)
+        else:
+            cap = _hash_capacity(hot_tokens)
+            kind, hkeys, hvals = 1, torch.full((rows, cap), -1, dtype=torch.int32), \
+                torch.zeros((rows, cap), dtype=torch.int32)
         return cls(
             slot_token=torch.full((rows, hot_tokens), -1, dtype=torch.int32),
             slot_stamp=torch.zeros((rows, hot_tokens), dtype=torch.int64),
             row_req=torch.full((rows,), -1, dtype=torch.int64),
             order=torch.arange(hot_tokens, dtype=torch.int32).repeat(rows, 1),
-            hkeys=torch.full((rows, cap), -1, dtype=torch.int32),
-            hvals=torch.zeros((rows, cap), dtype=torch.int32),
+            hkeys=hkeys, hvals=hvals,
             maxpos=torch.full((rows,), -1, dtype=torch.int32),
+            map_kind=kind,
         )
+
+    def tensors(self) -> Tuple[torch.Tensor, ...]:
+        return (self.slot_token, self.slot_stamp, self.row_req, self.order, self.hkeys, self.hvals, self.maxpos)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 # ------------------------------------------------------------------ custom ops
@@ -168,8 +193,14 @@ class KernelLRUState:
 def _lru_manage_rows_op(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req: torch.Tensor,
                         order: torch.Tensor, hkeys: torch.Tensor, hvals: torch.Tensor, maxpos: torch.Tensor,
                         rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
-                        step: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                     torch.Tensor]:
+                        step: torch.Tensor, map_kind: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor, torch.Tensor]:
+    return _lru_manage_rows_raw(slot_token, slot_stamp, row_req, order, hkeys, hvals, maxpos, rows, topk, req_ids,
+                                stable_len, int(step), map_kind)
+
+
+def _lru_manage_rows_raw(slot_token, slot_stamp, row_req, order, hkeys, hvals, maxpos, rows, topk, req_ids,
+                         stable_len, step: int, map_kind: int):
     r, h = slot_token.shape
     b, k = topk.shape
     hit_mask = torch.empty((b, k), dtype=torch.bool)
@@ -179,18 +210,21 @@ def _lru_manage_rows_op(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_
     miss_slots = torch.empty((b, k), dtype=torch.int32)
     rc = library().sao_lru_manage_rows(
         _ptr(slot_token), _ptr(slot_stamp), _ptr(row_req), _ptr(order), _ptr(hkeys), _ptr(hvals), _ptr(maxpos),
-        r, h, hkeys.shape[1], _ptr(rows), _ptr(topk), _ptr(req_ids), _ptr(stable_len), b, k, int(step),
-        _ptr(hit_mask), _ptr(slots), _ptr(miss_count), _ptr(miss_tokens), _ptr(miss_slots))
+        r, h, hkeys.shape[1], _ptr(rows), _ptr(topk), _ptr(req_ids), _ptr(stable_len), b, k, step,
+        _ptr(hit_mask), _ptr(slots), _ptr(miss_count), _ptr(miss_tokens), _ptr(miss_slots), map_kind)
     if rc == 1:
         raise IndexError(f"lru_manage_rows: a batch row is outside the {r} state rows")
     if rc == 2:
         raise RuntimeError("lru_manage_rows: the kernel's position map disagrees with slot_token "
                            "(the state was changed outside the kernel)")
+    if rc == 3:
+        raise IndexError(f"lru_manage_rows: a top-k position is >= the dense map's width {hkeys.shape[1]} "
+                         "(positions index the token table, whose width sized the map)")
     return hit_mask, slots, miss_count, miss_tokens, miss_slots
 
 
 @_lru_manage_rows_op.register_fake
-def _(slot_token, slot_stamp, row_req, order, hkeys, hvals, maxpos, rows, topk, req_ids, stable_len, step):
+def _(slot_token, slot_stamp, row_req, order, hkeys, hvals, maxpos, rows, topk, req_ids, stable_len, step, map_kind):
     b, k = topk.shape
     return (topk.new_empty((b, k), dtype=torch.bool), topk.new_empty((b, k), dtype=torch.int32),
             topk.new_empty((b,), dtype=torch.int32), topk.new_empty((b, k), dtype=torch.int32),
@@ -200,6 +234,10 @@ def _(slot_token, slot_stamp, row_req, order, hkeys, hvals, maxpos, rows, topk, 
 @torch.library.custom_op("sglang_ascend_offload::copy_miss_rows_rows", mutates_args=("hot",), device_types="cpu")
 def _copy_miss_rows_op(host: torch.Tensor, hot: torch.Tensor, rows: torch.Tensor, miss_tokens: torch.Tensor,
                        miss_slots: torch.Tensor, miss_count: torch.Tensor, token_table: torch.Tensor) -> None:
+    _copy_miss_rows_raw(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table)
+
+
+def _copy_miss_rows_raw(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table) -> None:
     r, h, d = hot.shape
     b, k = miss_tokens.shape
     rc = library().sao_copy_miss_rows(
@@ -231,10 +269,11 @@ def lru_manage_rows(state: KernelLRUState, rows: torch.Tensor, topk: torch.Tenso
             _need(name, t, dtype, dim)
         if state.slot_token.shape[1] < topk.shape[1]:
             raise ValueError(f"hot_tokens {state.slot_token.shape[1]} < top_k {topk.shape[1]}")
+        # eager: straight to the kernel (dispatching the custom op costs ~0.2 ms a call)
+        return _lru_manage_rows_raw(*state.tensors(), rows, topk, req_ids, stable_len, int(step), state.map_kind)
     if not isinstance(step, torch.Tensor):
         step = torch.tensor(int(step), dtype=torch.int64)
-    return _lru_manage_rows_op(state.slot_token, state.slot_stamp, state.row_req, state.order, state.hkeys,
-                               state.hvals, state.maxpos, rows, topk, req_ids, stable_len, step)
+    return _lru_manage_rows_op(*state.tensors(), rows, topk, req_ids, stable_len, step, state.map_kind)
 
 
 def copy_miss_rows_rows(host: torch.Tensor, hot: torch.Tensor, rows: torch.Tensor, miss_tokens: torch.Tensor,
@@ -249,6 +288,8 @@ def copy_miss_rows_rows(host: torch.Tensor, hot: torch.Tensor, rows: torch.Tenso
                 raise ValueError(f"{name} must be a contiguous CPU tensor")
         if token_table.dtype != torch.int32:
             raise ValueError("token_table must be int32")
+        _copy_miss_rows_raw(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table)
+        return
     _copy_miss_rows_op(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table)
 
 

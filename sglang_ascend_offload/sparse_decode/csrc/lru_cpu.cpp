@@ -36,6 +36,12 @@ struct RowMap {
 
   inline uint32_t home(int32_t p) const { return (static_cast<uint32_t>(p) * 2654435761u) >> shift; }
 
+  inline void prefetch(int32_t p) const {
+    const uint32_t i = home(p);
+    __builtin_prefetch(hk + i);
+    __builtin_prefetch(hv + i);
+  }
+
   inline int32_t find(int32_t p) const {
     uint32_t i = home(p);
     while (true) {
@@ -52,6 +58,8 @@ struct RowMap {
     hk[i] = p;
     hv[i] = s;
   }
+
+  inline void clear(const int32_t*, int64_t) { std::fill(hk, hk + mask + 1, -1); }
 
   // Returns false if p is absent (a corrupted state: the caller reports it).
   inline bool erase(int32_t p) {
@@ -78,20 +86,34 @@ struct RowMap {
   }
 };
 
-}  // namespace
+// Dense map: slot_of[p] for 0 <= p < width (positions index the token table, so they
+// are < its width); never cleared as a whole, only entries of held positions change.
+struct DenseMap {
+  int32_t* so;
+  int64_t width;
 
-extern "C" {
+  inline void prefetch(int32_t p) const {
+    if (p < width) __builtin_prefetch(so + p);
+  }
+  inline int32_t find(int32_t p) const { return p < width ? so[p] : -1; }
+  inline void insert(int32_t p, int32_t s) { so[p] = s; }
+  inline bool erase(int32_t p) {
+    if (p >= width || so[p] < 0) return false;
+    so[p] = -1;
+    return true;
+  }
+  inline void clear(const int32_t* tok, int64_t H) {
+    for (int64_t s = 0; s < H; ++s)
+      if (tok[s] >= 0 && tok[s] < width) so[tok[s]] = -1;
+  }
+};
 
-// Error codes: 0 ok, 1 a row index out of range, 2 the derived state disagrees with the
-// contract's state (a slot's position missing from the map).
-int sao_lru_manage_rows(int32_t* slot_token, int64_t* slot_stamp, int64_t* row_req, int32_t* order,
-                        int32_t* hkeys, int32_t* hvals, int32_t* maxpos, int64_t R, int64_t H, int64_t C,
-                        const int64_t* rows, const int32_t* topk, const int64_t* req_ids,
-                        const int32_t* stable_len, int64_t B, int64_t K, int64_t step, uint8_t* hit_mask,
-                        int32_t* slots, int32_t* miss_count, int32_t* miss_tokens, int32_t* miss_slots) {
-  int log2c = 0;
-  while ((int64_t(1) << log2c) < C) ++log2c;
-  const int shift = 32 - log2c;
+template <typename Map, typename MakeMap>
+int manage_rows(MakeMap make_map, int32_t* slot_token, int64_t* slot_stamp, int64_t* row_req, int32_t* order,
+                int32_t* maxpos, int64_t R, int64_t H, int64_t map_width, const int64_t* rows,
+                const int32_t* topk, const int64_t* req_ids, const int32_t* stable_len, int64_t B, int64_t K,
+                int64_t step, uint8_t* hit_mask, int32_t* slots, int32_t* miss_count, int32_t* miss_tokens,
+                int32_t* miss_slots) {
   const int64_t fill_stamp = 2 * step + 1;
   const int64_t hit_stamp = 2 * step + 2;
   std::vector<uint8_t> flag(H);
@@ -103,7 +125,7 @@ int sao_lru_manage_rows(int32_t* slot_token, int64_t* slot_stamp, int64_t* row_r
     int32_t* tok = slot_token + r * H;
     int64_t* stamp = slot_stamp + r * H;
     int32_t* ord = order + r * H;
-    RowMap map{hkeys + r * C, hvals + r * C, static_cast<uint32_t>(C - 1), shift};
+    Map map = make_map(r);
     const int64_t req = req_ids[b];
     const int32_t stab = stable_len[b];
     const int32_t* tk = topk + b * K;
@@ -118,10 +140,10 @@ int sao_lru_manage_rows(int32_t* slot_token, int64_t* slot_stamp, int64_t* row_r
 
     // 1. reset on a request change (idle rows too)
     if (req != row_req[r]) {
+      map.clear(tok, H);
       std::fill(tok, tok + H, -1);
       std::fill(stamp, stamp + H, int64_t(0));
       for (int64_t s = 0; s < H; ++s) ord[s] = static_cast<int32_t>(s);
-      std::fill(map.hk, map.hk + C, -1);
       maxpos[r] = -1;
       row_req[r] = req;
     }
@@ -158,9 +180,15 @@ int sao_lru_manage_rows(int32_t* slot_token, int64_t* slot_stamp, int64_t* row_r
     // 3. lookup
     std::memset(flag.data(), 0, H);
     int64_t m = 0, hits = 0;
+    // The map is cold (one layer's state among many): fetch ahead of the lookups.
+    constexpr int64_t kAhead = 16;
+    for (int64_t j = 0; j < std::min(K, kAhead); ++j)
+      if (tk[j] >= 0) map.prefetch(tk[j]);
     for (int64_t j = 0; j < K; ++j) {
+      if (j + kAhead < K && tk[j + kAhead] >= 0) map.prefetch(tk[j + kAhead]);
       const int32_t p = tk[j];
       if (p < 0) continue;
+      if (map_width >= 0 && p >= map_width) return 3;
       if (p < stab) {
         const int32_t s = map.find(p);
         if (s >= 0) {
@@ -215,6 +243,35 @@ int sao_lru_manage_rows(int32_t* slot_token, int64_t* slot_stamp, int64_t* row_r
     std::memcpy(ord, neworder.data(), H * sizeof(int32_t));
   }
   return 0;
+}
+}  // namespace
+
+extern "C" {
+
+// Error codes: 0 ok, 1 a row index out of range, 2 the derived state disagrees with the
+// contract's state (a slot's position missing from the map), 3 a position outside the
+// dense map. map_kind 0: dense map (hkeys = slot_of [R, C], C = width), 1: hash map.
+int sao_lru_manage_rows(int32_t* slot_token, int64_t* slot_stamp, int64_t* row_req, int32_t* order,
+                        int32_t* hkeys, int32_t* hvals, int32_t* maxpos, int64_t R, int64_t H, int64_t C,
+                        const int64_t* rows, const int32_t* topk, const int64_t* req_ids,
+                        const int32_t* stable_len, int64_t B, int64_t K, int64_t step, uint8_t* hit_mask,
+                        int32_t* slots, int32_t* miss_count, int32_t* miss_tokens, int32_t* miss_slots,
+                        int64_t map_kind) {
+  if (map_kind == 0) {
+    auto make = [hkeys, C](int64_t r) { return DenseMap{hkeys + r * C, C}; };
+    return manage_rows<DenseMap>(make, slot_token, slot_stamp, row_req, order, maxpos, R, H, C, rows, topk,
+                                 req_ids, stable_len, B, K, step, hit_mask, slots, miss_count, miss_tokens,
+                                 miss_slots);
+  }
+  int log2c = 0;
+  while ((int64_t(1) << log2c) < C) ++log2c;
+  const int shift = 32 - log2c;
+  auto make = [hkeys, hvals, C, shift](int64_t r) {
+    return RowMap{hkeys + r * C, hvals + r * C, static_cast<uint32_t>(C - 1), shift};
+  };
+  return manage_rows<RowMap>(make, slot_token, slot_stamp, row_req, order, maxpos, R, H, -1, rows, topk,
+                             req_ids, stable_len, B, K, step, hit_mask, slots, miss_count, miss_tokens,
+                             miss_slots);
 }
 
 // hot[rows[b], miss_slots[b,i], :] = host[token_table[rows[b], miss_tokens[b,i]], :] for
