@@ -23,9 +23,10 @@ if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; t
 fi
 
 # Mooncake's TCP transport links against the RDMA user libraries even when it
-# does not use RDMA (Debian packages; we run as root on these machines).
+# does not use RDMA; the README's "Try it on CPU" blocks use curl (Debian packages;
+# we run as root on these machines).
 need_apt=()
-for pkg in libibverbs1 librdmacm1; do
+for pkg in libibverbs1 librdmacm1 curl; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if (( ${#need_apt[@]} )); then
