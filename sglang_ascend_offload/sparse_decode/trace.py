@@ -168,6 +168,14 @@ def load_trace(path: Union[str, Path]) -> Trace:
     """Load and validate an ``.npz`` trace; :class:`TraceError` lists every problem."""
     path = Path(path)
     try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise TraceError([f"cannot read {path}: {exc.strerror}"], str(path)) from exc
+    if magic != b"PK\x03\x04":  # every .npz is a zip archive
+        raise TraceError([f"{path} is not an .npz trace (a zip archive of arrays; the file starts with "
+                          f"{magic!r}): record one with record_trace or write it with save_trace"], str(path))
+    try:
         with np.load(path, allow_pickle=False) as npz:
             data = {key: npz[key] for key in npz.files}
     except (OSError, ValueError) as exc:

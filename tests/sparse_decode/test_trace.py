@@ -93,8 +93,14 @@ def test_load_reports_missing_and_unknown_arrays(tmp_path):
     assert "missing array 'seq_lens'" in msg and "missing array 'req_ids'" in msg and "unknown array 'extra'" in msg
     assert len(err.value.problems) == 3
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    with pytest.raises(TraceError, match="cannot read"):
+    with pytest.raises(TraceError, match="is not an .npz trace"):
         load_trace(tmp_path / "junk.npz")
+    (tmp_path / "trace.txt").write_text("step layer row topk\n")  # a text file: named as such, not as pickle
+    with pytest.raises(TraceError, match="is not an .npz trace") as err:
+        load_trace(tmp_path / "trace.txt")
+    assert "pickle" not in str(err.value)
+    with pytest.raises(TraceError, match="cannot read"):
+        load_trace(tmp_path / "absent.npz")
     bad = Trace(topk.copy(), lens, reqs)
     bad.topk[0, 0, 0, 0] = 99
     with pytest.raises(TraceError, match="seq_len"):
