@@ -17,15 +17,28 @@ triton | npu | fused``), so ``ops=triton`` swaps in the Triton residency and cop
 kernels without touching this file. When ``copy_sparse_flash_attention`` resolves to
 the ``fused`` rung (the AscendC Copy-SFA operator), steps 3-5 run as that one op.
 
-Inputs of a step (:meth:`begin_step`): ``req_ids`` int64 ``[R]`` (``-1`` idle),
-``token_table`` int32 ``[R, max_ctx]`` (logical position -> host slot of each row;
-in SGLang ``req_to_token[req_pool_indices]``), ``stable_len`` int32 ``[R]``
-(positions ``>= stable_len`` may be rewritten and are never hits). Per layer
-(:meth:`run_layer`): ``topk`` int32 ``[R, K]`` logical positions (``-1`` padding),
-``query`` ``[R, N, latent]``, ``query_rope`` ``[R, N, rope]``.
+Engine state (residency tables, hot buffers) is indexed by stable *engine rows*
+``0..R-1`` (in SGLang the ``req_to_token`` row, ``req_pool_idx``), sized for the
+configured concurrency, plus one *sink* row ``R`` that serves padding entries. Each
+step works on the batch's rows only (per-step work ``O(B)``, whatever ``R`` is):
 
-Rows must be stable per request across steps (in SGLang: index rows by
-``req_pool_idx``, not by batch position, or every batch reshuffle resets residency).
+Inputs of a step (:meth:`begin_step`): ``rows`` int64 ``[B]`` (engine row of each
+batch entry, distinct; ``-1`` = a padding entry: it is run on the sink row, attends
+nothing and never touches real residency), ``req_ids`` int64 ``[B]`` (``-1`` idle),
+``token_table`` int32 ``[T, max_ctx]`` indexed by engine row (logical position ->
+host slot; in SGLang ``req_to_token``), ``stable_len`` int32 ``[B]`` (positions
+``>= stable_len`` may be rewritten and are never hits). Without ``rows`` the batch is
+every engine row in order (``B = R``). Per layer (:meth:`run_layer`): ``topk`` int32
+``[B, K]`` logical positions (``-1`` padding), ``query`` ``[B, N, latent]``,
+``query_rope`` ``[B, N, rope]``; the output is ``[B, N, latent]``.
+
+The per-layer path has static shapes and reads nothing from the device on the host
+(miss lists are padded to ``K`` per row with device-side counts, statistics stay on
+the device until :meth:`stats`). On CPU with policy ``lru`` the residency step and the
+miss copy run on the CPU kernel (``cpu_kernel.py``; ``manage_impl``); elsewhere
+through the op ladder, in the rows form (gather the batch rows, step, scatter back).
+Rows must be stable per request across steps (index rows by ``req_pool_idx``, not by
+batch position, or every batch reshuffle resets residency).
 """
 
 from __future__ import annotations
@@ -39,9 +52,9 @@ import torch
 from .. import platform
 from ..ops import registry
 from .host_pool import AppendGate, HostKVPool
-from .hot_buffer import HotBuffers
-from .policies import DEFAULT_POLICY, ResidencyManager, make_manager
-from .residency import ResidencyStep, register_reference_ops
+from .hot_buffer import HotBuffers, copy_miss_rows_rows
+from .policies import DEFAULT_POLICY, ResidencyManager, make_manager, uses_cpu_kernel
+from .residency import ResidencyStep, ResidencyTable, register_reference_ops
 from .stats import DecodeStats, StatsAccumulator
 
 __all__ = ["EngineConfig", "LayerResult", "PhaseTimes", "SparseDecodeEngine"]
@@ -51,9 +64,12 @@ __all__ = ["EngineConfig", "LayerResult", "PhaseTimes", "SparseDecodeEngine"]
 class EngineConfig:
     """Shape and choices of one engine (one DP rank's TP rank).
 
-    rows: decode rows ``R`` (one query token each). hot_tokens: slots per row and
-    layer (``>= top_k``). policy: residency policy name (``policies.POLICIES``).
-    ops: operator-ladder choice.
+    rows: engine rows ``R`` (stable rows, e.g. ``req_to_token`` rows; a batch uses any
+    subset). hot_tokens: slots per row and layer (``>= top_k``). policy: residency
+    policy name (``policies.POLICIES``). ops: operator-ladder choice. manage_impl:
+    ``auto | kernel | torch`` (``policies.uses_cpu_kernel``). max_context: bound of the
+    logical positions (the token table's width), sizes the CPU kernel's dense position
+    map (a hash map without it or beyond ``cpu_kernel.DENSE_MAP_LIMIT``).
     """
 
     layers: int
@@ -65,6 +81,8 @@ class EngineConfig:
     dtype: torch.dtype = torch.bfloat16
     policy: str = DEFAULT_POLICY
     ops: str = "auto"
+    manage_impl: str = "auto"
+    max_context: Optional[int] = None
 
     def __post_init__(self):
         problems = []
@@ -83,8 +101,9 @@ class EngineConfig:
 
 @dataclass
 class LayerResult:
-    """Output of one layer step: attention output ``[R, N, latent]``, the residency
-    step, and the remapped indices int32 ``[R, 1, K]`` into the flat hot buffer."""
+    """Output of one layer step: attention output ``[B, N, latent]``, the residency
+    step (``[B, ...]``), and the remapped indices int32 ``[B, 1, K]`` into the flat hot
+    buffer of all ``R + 1`` rows (``rows[b] * H + slot``)."""
 
     output: torch.Tensor
     residency: ResidencyStep
@@ -136,32 +155,57 @@ class SparseDecodeEngine:
 
         self.hot = HotBuffers(config.layers, config.rows, config.hot_tokens, config.row_dim,
                               config.dtype, self.device)
+        self.sink_row = self.hot.sink_row
+        state_rows = config.rows + 1
+        self.uses_cpu_kernel = uses_cpu_kernel(config.policy, config.manage_impl, self.device, self._manage_op)
         self.managers: List[ResidencyManager] = [
-            make_manager(config.policy, config.rows, config.hot_tokens, self.device, self._manage_op)
+            make_manager(config.policy, state_rows, config.hot_tokens, self.device, self._manage_op,
+                         manage_impl=config.manage_impl, max_positions=config.max_context)
             for _ in range(config.layers)
         ]
+        # The CPU kernel copies exactly the misses; other rungs copy in the rows form.
+        self._kernel_copy = self.uses_cpu_kernel and self._copy_op.rung == "reference" and \
+            self.device.type == "cpu" and pool.layer(0).device.type == "cpu"
         self.stats_acc = StatsAccumulator(config.layers, pool.shape.row_bytes, self.device)
         self.step_index = -1
+        self._rows: Optional[torch.Tensor] = None
         self._req_ids: Optional[torch.Tensor] = None
         self._stable_len: Optional[torch.Tensor] = None
         self._token_table: Optional[torch.Tensor] = None
+        self._batch = 0
 
     # ---------------------------------------------------------------------- a step
     def begin_step(self, req_ids: torch.Tensor, token_table: torch.Tensor, stable_len: torch.Tensor,
-                   step: Optional[int] = None) -> int:
-        """Set the row metadata of the next decode step; returns its step number."""
+                   step: Optional[int] = None, *, rows: Optional[torch.Tensor] = None) -> int:
+        """Set the batch of the next decode step; returns its step number.
+
+        rows int64 ``[B]``: engine row per batch entry (``-1`` padding); default every
+        engine row. req_ids int64 ``[B]``, stable_len int32 ``[B]``; token_table int32
+        ``[T, max_ctx]`` indexed by engine row. Host-side metadata: the only place the
+        step's shapes are checked.
+        """
         r = self.config.rows
-        if tuple(req_ids.shape) != (r,) or tuple(stable_len.shape) != (r,):
-            raise ValueError(f"req_ids {tuple(req_ids.shape)} / stable_len {tuple(stable_len.shape)} must be [{r}]")
-        if token_table.dim() != 2 or token_table.shape[0] != r:
-            raise ValueError(f"token_table must be [{r}, max_ctx], got {tuple(token_table.shape)}")
+        if rows is None:
+            rows = torch.arange(r, dtype=torch.int64)
+        if rows.dim() != 1:
+            raise ValueError(f"rows must be 1-D [B], got {tuple(rows.shape)}")
+        b = rows.shape[0]
+        if tuple(req_ids.shape) != (b,) or tuple(stable_len.shape) != (b,):
+            raise ValueError(f"req_ids {tuple(req_ids.shape)} / stable_len {tuple(stable_len.shape)} must be [{b}]")
+        if token_table.dim() != 2:
+            raise ValueError(f"token_table must be [rows, max_ctx], got {tuple(token_table.shape)}")
         step = self.step_index + 1 if step is None else int(step)
         if step <= self.step_index:
             raise ValueError(f"step {step} is not after the previous step {self.step_index}")
         self.step_index = step
-        self._req_ids = req_ids.to(self.device, torch.int64)
-        self._stable_len = stable_len.to(self.device, torch.int32)
-        self._token_table = token_table.to(torch.int32)
+        rows = rows.to(torch.int64)
+        pad = rows < 0
+        self._rows = torch.where(pad, torch.full_like(rows, self.sink_row), rows).to(self.device)
+        self._req_ids = torch.where(pad, torch.full_like(rows, -1), req_ids.to(torch.int64)).to(self.device)
+        self._stable_len = torch.where(pad, torch.zeros_like(rows), stable_len.to(torch.int64)).to(
+            self.device, torch.int32)
+        self._token_table = token_table if token_table.dtype == torch.int32 else token_table.to(torch.int32)
+        self._batch = b
         self.stats_acc.record_step()
         return step
 
@@ -178,35 +222,29 @@ class SparseDecodeEngine:
 
     def run_layer(self, layer: int, topk: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor,
                   scale: float) -> LayerResult:
-        """Residency, miss copy, remap and sparse attention of ``layer`` in this step."""
+        """Residency, miss copy, remap and sparse attention of ``layer`` for the batch rows."""
         if self._req_ids is None:
             raise RuntimeError("begin_step() must be called before run_layer()")
         cfg = self.config
-        if tuple(topk.shape) != (cfg.rows, cfg.top_k):
-            raise ValueError(f"topk must be [{cfg.rows}, {cfg.top_k}], got {tuple(topk.shape)}")
+        if tuple(topk.shape) != (self._batch, cfg.top_k):
+            raise ValueError(f"topk must be [{self._batch}, {cfg.top_k}], got {tuple(topk.shape)}")
         self._sync_with_writer(layer)
 
         t0 = self._tick()
         topk_dev = topk.to(self.device, torch.int32)
-        res = self.managers[layer].step(topk_dev, self._req_ids, self._stable_len, self.step_index)
+        res = self.managers[layer].step_rows(self._rows, topk_dev, self._req_ids, self._stable_len,
+                                             self.step_index)
         t1 = self._tick()
-        flat = self.hot.flat_indices(res.slots)
-        if self._copy_sfa_op is not None:  # fused Copy-SFA: copy + attention in one op
-            token_rows = torch.where(self._req_ids >= 0,
-                                     torch.arange(cfg.rows, device=self.device, dtype=torch.int64),
-                                     torch.full_like(self._req_ids, -1)).to(torch.int32)
-            out = self._copy_sfa_op(query, self.pool.layer(layer), self.hot.layer(layer), flat, scale,
-                                    query_rope=query_rope, token_rows=token_rows, miss_tokens=res.miss_tokens,
-                                    miss_slots=res.miss_slots, miss_count=res.miss_count,
-                                    token_table=self._token_table)
+        flat = self.hot.flat_indices(res.slots, self._rows)
+        if self._copy_sfa_op is not None:  # fused Copy-SFA: copy + attention in one op (full-rows ABI)
+            out = self._fused_copy_attention(layer, res, flat, query, query_rope, scale)
             t2 = t1
         else:
-            self._copy_op(self.pool.layer(layer), self.hot.layer(layer), res.miss_tokens, res.miss_slots,
-                          res.miss_count, self._token_table)
+            self.copy_misses(layer, res)
             t2 = self._tick()
-            latent, rope = self.hot.split_flat(layer, cfg.latent_dim)
-            out = self._attention_op(query, latent, None, flat, scale, query_rope=query_rope, key_rope=rope,
-                                     layout_query="TND", layout_kv="flat")
+            flat_kv = self.hot.flat(layer)
+            out = self._attention_op(query, flat_kv[:, : cfg.latent_dim], None, flat, scale, query_rope=query_rope,
+                                     key_rope=flat_kv[:, cfg.latent_dim:], layout_query="TND", layout_kv="flat")
         t3 = self._tick()
         if self.timing:
             self.times.add("manage", t1 - t0)
@@ -216,7 +254,44 @@ class SparseDecodeEngine:
         hits = res.hit_mask.sum()
         misses = res.miss_count.sum(dtype=torch.int64)
         self.stats_acc.record_residency(layer, hits + misses, hits, misses)
+        self.stats_acc.record_rows(layer, self._batch)
         return LayerResult(output=out, residency=res, flat_indices=flat)
+
+    def copy_misses(self, layer: int, res: ResidencyStep) -> None:
+        """Copy this step's misses of ``layer`` host -> hot buffer (rows form)."""
+        host, hot = self.pool.layer(layer), self.hot.storage(layer)
+        if self._kernel_copy:
+            from .cpu_kernel import copy_miss_rows_rows as kernel_copy
+
+            kernel_copy(host, hot, self._rows, res.miss_tokens, res.miss_slots, res.miss_count, self._token_table)
+        elif self._copy_op.rung == "reference":
+            copy_miss_rows_rows(host, hot, self._rows, res.miss_tokens, res.miss_slots, res.miss_count,
+                                self._token_table)
+        else:  # a rung without the rows form: full-rows miss lists (counts of other rows zero)
+            tokens, slots, count, table = self._full_rows(res)
+            self._copy_op(host, hot, tokens, slots, count, table)
+
+    def _full_rows(self, res: ResidencyStep):
+        """Miss lists ``[R+1, K]`` / counts ``[R+1]`` / token table ``[R+1, max_ctx]`` for ops
+        that index the hot buffer by their own row (the Triton copy, fused Copy-SFA):
+        ``O(R)`` zeroed counts, ``O(B*K)`` scattered lists."""
+        n = self.config.rows + 1
+        k = self.config.top_k
+        dev = res.miss_count.device
+        count = torch.zeros((n,), dtype=torch.int32, device=dev).index_copy_(0, self._rows, res.miss_count)
+        tokens = torch.full((n, k), -1, dtype=torch.int32, device=dev).index_copy_(0, self._rows, res.miss_tokens)
+        slots = torch.full((n, k), -1, dtype=torch.int32, device=dev).index_copy_(0, self._rows, res.miss_slots)
+        table = self._token_table
+        if table.shape[0] < n:
+            table = torch.cat([table, table.new_zeros((n - table.shape[0], table.shape[1]))])
+        return tokens, slots, count, table[:n]
+
+    def _fused_copy_attention(self, layer, res, flat, query, query_rope, scale):
+        tokens, slots, count, table = self._full_rows(res)
+        token_rows = torch.where(self._req_ids >= 0, self._rows, torch.full_like(self._rows, -1)).to(torch.int32)
+        return self._copy_sfa_op(query, self.pool.layer(layer), self.hot.storage(layer), flat, scale,
+                                 query_rope=query_rope, token_rows=token_rows, miss_tokens=tokens,
+                                 miss_slots=slots, miss_count=count, token_table=table)
 
     def _sync_with_writer(self, layer: int) -> None:
         if self.gate is None:
@@ -236,6 +311,17 @@ class SparseDecodeEngine:
     @property
     def token_table(self) -> torch.Tensor:
         return self._token_table
+
+    @property
+    def batch_rows(self) -> Optional[torch.Tensor]:
+        """int64 ``[B]`` engine rows of the current step (padding entries: the sink row)."""
+        return self._rows
+
+    def table(self, layer: int) -> ResidencyTable:
+        """Residency state of ``layer``'s real rows (views ``[R, ...]``, without the sink)."""
+        t = self.managers[layer].table
+        r = self.config.rows
+        return ResidencyTable(t.slot_token[:r], t.slot_stamp[:r], t.row_req[:r])
 
     def stats(self) -> DecodeStats:
         return self.stats_acc.snapshot()

@@ -39,7 +39,7 @@ is locality (measured in ``docs/sparse_decode.md``).
 from __future__ import annotations
 
 import abc
-from typing import Callable, ClassVar, Dict, Optional, Type
+from typing import Callable, ClassVar, Dict, List, Optional, Tuple, Type
 
 import torch
 
@@ -64,7 +64,10 @@ __all__ = [
     "LRUManager",
     "LRU2Manager",
     "GuardedManager",
+    "KernelLRUManager",
+    "MANAGE_IMPLS",
     "make_manager",
+    "uses_cpu_kernel",
 ]
 
 # Stamps are 2*step+2 < 2**32 for step < 2**31 - 1; LRU-2 packs (prev, last) in 64 bits.
@@ -90,8 +93,15 @@ class ResidencyManager(abc.ABC):
     """Residency state and policy of one layer.
 
     ``step(topk, req_ids, stable_len, step)`` with ``topk`` int32 ``[R,K]``,
-    ``req_ids`` int64 ``[R]``, ``stable_len`` int32 ``[R]``, ``step`` int returns the
-    :class:`ResidencyStep` and updates ``self.table`` (and any policy state) in place.
+    ``req_ids`` int64 ``[R]``, ``stable_len`` int32 ``[R]``, ``step`` int (or 0-d int64
+    tensor) returns the :class:`ResidencyStep` and updates ``self.table`` (and any
+    policy state) in place.
+
+    ``step_rows(rows, topk, req_ids, stable_len, step)`` is the rows form: inputs and
+    outputs ``[B, ...]`` for the state rows ``rows`` int64 ``[B]`` only (real rows
+    distinct; any number of idle padding entries may share one row). The default
+    gathers the ``B`` rows of every state tensor, runs :meth:`step` on them and
+    scatters them back: ``O(B*H)``, static shapes, no host read.
     """
 
     policy: ClassVar[str] = ""
@@ -102,8 +112,26 @@ class ResidencyManager(abc.ABC):
 
     @abc.abstractmethod
     def step(self, topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
-             step: int) -> ResidencyStep:
+             step) -> ResidencyStep:
         ...
+
+    def row_state(self) -> List[Tuple[object, str]]:
+        """``(owner, attribute)`` of every state tensor whose first dimension is the row."""
+        return [(self.table, "slot_token"), (self.table, "slot_stamp"), (self.table, "row_req")]
+
+    def step_rows(self, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor,
+                  stable_len: torch.Tensor, step) -> ResidencyStep:
+        refs = self.row_state()
+        full = [getattr(owner, name) for owner, name in refs]
+        for (owner, name), t in zip(refs, full):
+            setattr(owner, name, t.index_select(0, rows))
+        try:
+            out = self.step(topk, req_ids, stable_len, step)
+        finally:
+            for (owner, name), t in zip(refs, full):
+                t.index_copy_(0, rows, getattr(owner, name))
+                setattr(owner, name, t)
+        return out
 
     def state(self) -> Dict[str, torch.Tensor]:
         """Every state tensor by name (the contract's three first)."""
@@ -118,7 +146,41 @@ class LRUManager(ResidencyManager):
 
     def step(self, topk, req_ids, stable_len, step):
         t = self.table
+        if getattr(self.manage_op, "rung", "reference") != "reference" and isinstance(step, torch.Tensor):
+            step = int(step)  # the Triton launcher takes the step as an int
         return self.manage_op(t.slot_token, t.slot_stamp, t.row_req, topk, req_ids, stable_len, step)
+
+
+class KernelLRUManager(ResidencyManager):
+    """Exact LRU on the CPU kernel (``cpu_kernel.py``): the contract's state plus a
+    persistent position map and a maintained eviction order, stepped in place for the
+    batch rows only. Same results as :class:`LRUManager` (tested bit for bit)."""
+
+    policy = "lru"
+
+    def __init__(self, rows: int, hot_tokens: int, device=None, manage_op: ManageOp = residency_manage,
+                 max_positions: Optional[int] = None):
+        from .cpu_kernel import KernelLRUState, library
+
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"the CPU residency kernel keeps its state on the CPU, not on {device}")
+        library()  # build / load now: a missing compiler is a startup error, not a mid-step one
+        self.state = KernelLRUState.empty(rows, hot_tokens, max_positions)
+        self.table = ResidencyTable(self.state.slot_token, self.state.slot_stamp, self.state.row_req)
+        self.manage_op = manage_op
+
+    def step(self, topk, req_ids, stable_len, step):
+        rows = torch.arange(self.table.rows, dtype=torch.int64)
+        return self.step_rows(rows, topk, req_ids, stable_len, step)
+
+    def step_rows(self, rows, topk, req_ids, stable_len, step):
+        from .cpu_kernel import lru_manage_rows
+
+        hit_mask, slots, miss_count, miss_tokens, miss_slots = lru_manage_rows(
+            self.state, rows.to(torch.int64), topk.to(torch.int32).contiguous(), req_ids.to(torch.int64),
+            stable_len.to(torch.int32), step)
+        return ResidencyStep(hit_mask=hit_mask, slots=slots, miss_count=miss_count, miss_tokens=miss_tokens,
+                             miss_slots=miss_slots)
 
 
 class RankedManager(ResidencyManager):
@@ -127,7 +189,7 @@ class RankedManager(ResidencyManager):
     def step(self, topk, req_ids, stable_len, step):
         if self.table.hot_tokens < topk.shape[1]:
             raise ValueError(f"hot_tokens {self.table.hot_tokens} < top_k {topk.shape[1]}")
-        if not 0 <= step <= _MAX_STEP:
+        if not isinstance(step, torch.Tensor) and not 0 <= step <= _MAX_STEP:
             raise ValueError(f"step {step} out of range 0..{_MAX_STEP}")
         reset, dropped = reset_rows(self.table, req_ids, stable_len)
         self.on_reset(reset, dropped)
@@ -159,6 +221,9 @@ class LRU2Manager(RankedManager):
     def __init__(self, rows, hot_tokens, device=None, manage_op=residency_manage):
         super().__init__(rows, hot_tokens, device, manage_op)
         self.prev_stamp = torch.zeros((rows, hot_tokens), dtype=torch.int64, device=device)
+
+    def row_state(self):
+        return super().row_state() + [(self, "prev_stamp")]
 
     def on_reset(self, reset, dropped):
         self.prev_stamp.masked_fill_(reset[:, None] | dropped, 0)
@@ -238,8 +303,8 @@ class GuardedManager(ResidencyManager):
         over = torch.cumsum(prot_in_order.to(torch.int64), dim=1) > allowance[:, None]
         group = torch.where(torch.gather(look.slot_hit, 1, base_order), 2,
                             (prot_in_order & over).to(torch.int64))
-        # stable partition of base_order by group; only the first max-misses entries are used
-        width = max(1, int(look.miss.sum(dim=1).max()))
+        # stable partition of base_order by group; only the first K entries can be used
+        width = min(hot, max(1, look.miss.shape[1]))
         key = group * hot + torch.arange(hot, device=group.device)
         first = torch.topk(key, width, dim=1, largest=False, sorted=True).indices
         order = torch.gather(base_order, 1, first)
@@ -250,6 +315,11 @@ class GuardedManager(ResidencyManager):
         self.ghost_misses.copy_(m_l)
         self.own_misses.copy_(m_c)
         return out
+
+    def row_state(self):
+        g = self.ghost
+        return (super().row_state() + [(self.base, "prev_stamp"), (g, "slot_token"), (g, "slot_stamp"),
+                                       (g, "row_req"), (self, "ghost_misses"), (self, "own_misses")])
 
     def state(self):
         s = self.base.state()
@@ -267,10 +337,37 @@ POLICIES: Dict[str, Type[ResidencyManager]] = {
 DEFAULT_POLICY = LRUManager.policy  # the contract; the only policy with Triton kernels
 
 
+#: ``manage_impl`` choices of :func:`make_manager` / the engine.
+MANAGE_IMPLS = ("auto", "kernel", "torch")
+
+
+def uses_cpu_kernel(policy: str, manage_impl: str, device, manage_op: ManageOp) -> bool:
+    """Whether :func:`make_manager` picks the CPU kernel: ``kernel`` always (LRU only),
+    ``auto`` for LRU on a CPU device when the op resolved to the reference rung,
+    ``torch`` never."""
+    if manage_impl not in MANAGE_IMPLS:
+        raise ValueError(f"manage_impl {manage_impl!r}: expected one of {MANAGE_IMPLS}")
+    if manage_impl == "kernel":
+        if policy != LRUManager.policy:
+            raise ValueError(f"the CPU residency kernel implements policy 'lru' only, not {policy!r}")
+        return True
+    cpu = device is None or torch.device(device).type == "cpu"
+    return (manage_impl == "auto" and policy == LRUManager.policy and cpu
+            and getattr(manage_op, "rung", "reference") == "reference")
+
+
 def make_manager(policy: str, rows: int, hot_tokens: int, device=None,
-                 manage_op: ManageOp = residency_manage) -> ResidencyManager:
-    """A fresh manager of ``policy`` for one layer; unknown names list the known ones."""
+                 manage_op: ManageOp = residency_manage, *, manage_impl: str = "torch",
+                 max_positions: Optional[int] = None) -> ResidencyManager:
+    """A fresh manager of ``policy`` for one layer; unknown names list the known ones.
+
+    ``manage_impl``: ``torch`` (default here: the op ladder / torch policies),
+    ``kernel`` (the CPU kernel, LRU only) or ``auto`` (see :func:`uses_cpu_kernel`).
+    ``max_positions`` sizes the kernel's dense position map (hash map without it).
+    """
     cls = POLICIES.get(policy)
     if cls is None:
         raise ValueError(f"unknown residency policy {policy!r}; known: {', '.join(POLICIES)}")
+    if uses_cpu_kernel(policy, manage_impl, device, manage_op):
+        return KernelLRUManager(rows, hot_tokens, device, manage_op, max_positions=max_positions)
     return cls(rows, hot_tokens, device, manage_op)

@@ -167,7 +167,7 @@ def replay_trace(trace: Trace, opts: ReplayOptions,
             if not opts.verify:
                 continue
             checks += 1
-            table = engine.managers[layer].table
+            table = engine.table(layer)
             bad = resident_mismatches(table, engine.hot.layer(layer), pool.layer(layer), token_table)
             if bad:
                 _fail(failures, f"step {t} layer {layer}: {bad} resident slots differ from their host rows")

@@ -30,10 +30,14 @@ Exact LRU (``policy="lru"``), per row:
 5. filled slots get stamp ``2*step+1``, hit slots ``2*step+2``.
 
 Nothing here loops over tokens in Python: each step is a fixed number of torch
-operations over ``[R,H]`` / ``[R,K]`` tensors (a dense position -> slot map per row,
-one partial ``topk`` for the victim order, gathers and scatters). Two host reads
-size the scratch tensors (the largest position, the largest miss count); this rung
-is the specification and the CPU path.
+operations over ``[R,H]`` / ``[R,K]`` tensors (a per-row sort + binary search for the
+lookup, one partial ``topk`` of width ``K`` for the victim order, gathers and
+scatters). Every shape follows from the input shapes and nothing reads device data
+on the host (no ``.item()``, ``nonzero``, boolean-mask indexing), so the step is
+capturable in a device graph and traceable by ``torch.compile(fullgraph=True)``;
+``step`` may be an int or a 0-d int64 tensor (the graph form). This rung is the
+specification; the CPU serving path is the kernel of ``cpu_kernel.py`` (tested
+against it), the Triton kernels are the device path.
 
 The sub-steps (:func:`reset_rows`, :func:`lookup`, :func:`assign_victims`) are public
 so replacement policies other than LRU (``policies.py``) reuse the exact same
@@ -43,7 +47,7 @@ mechanism and only supply a different victim order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -152,17 +156,17 @@ def reset_rows(table: ResidencyTable, req_ids: torch.Tensor, stable_len: torch.T
 
 
 def lookup(table: ResidencyTable, topk: torch.Tensor, req_ids: torch.Tensor,
-           stable_len: torch.Tensor) -> Lookup:
+           stable_len: torch.Tensor, max_position: Optional[int] = None) -> Lookup:
     """Contract step 3 (after :func:`reset_rows`): which entries are resident, where.
 
-    Builds each row's inverse map position -> slot in a dense ``[R, max_pos + 1]``
-    scratch tensor (positions are unique among non-empty slots) and gathers the
-    top-k from it: ``O(R * (H + K + max_pos))``, no sort.
+    Finds each top-k entry among the row's slots with :func:`find_slots` (a dense
+    position map when ``max_position`` bounds every position and the map is small
+    enough, else a per-row sort and binary search); static shapes either way.
     """
     rows, hot = table.slot_token.shape
     topk64 = topk.to(torch.int64)
     valid = (topk64 != -1) & (req_ids.to(torch.int64) != -1)[:, None]
-    found_slot = find_slots(table.slot_token, topk64)
+    found_slot = find_slots(table.slot_token, topk64, max_position)
     hit = valid & (found_slot >= 0) & (topk64 < stable_len.to(torch.int64)[:, None])
     hit_slot = torch.where(hit, found_slot, torch.zeros_like(found_slot))
     slot_hit = _scatter_flags(rows, hot, hit_slot, hit, table.slot_token.device)
@@ -174,23 +178,24 @@ def lookup(table: ResidencyTable, topk: torch.Tensor, req_ids: torch.Tensor,
 DENSE_MAP_LIMIT = 1 << 24
 
 
-def find_slots(slot_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def find_slots(slot_token: torch.Tensor, positions: torch.Tensor,
+               max_position: Optional[int] = None) -> torch.Tensor:
     """int64 ``[R, K]``: the slot of row ``r`` holding ``positions[r, k]``, ``-1`` if none
     (or if the position is negative). ``slot_token`` int ``[R, H]`` with unique
     non-negative entries per row (``-1`` = empty).
 
-    Memory is bounded whatever the positions: a dense map (:func:`position_map`) while
-    it has at most :data:`DENSE_MAP_LIMIT` elements, else a per-row sort and binary
-    search. Both give the same answer.
+    ``max_position`` (static): a bound of every position in both arguments. With it,
+    and while the map has at most :data:`DENSE_MAP_LIMIT` elements, a dense map
+    (:func:`position_map`); else a per-row sort and binary search (memory bounded
+    whatever the positions). Both give the same answer; neither reads data on the host.
     """
     rows, hot = slot_token.shape
     pos = positions.to(torch.int64)
     if pos.numel() == 0 or rows == 0:
         return torch.full(pos.shape, -1, dtype=torch.int64, device=pos.device)
-    width = max(int(slot_token.max()) if slot_token.numel() else 0, int(pos.max()), 0) + 2
-    if rows * width <= DENSE_MAP_LIMIT:
-        slot_of = position_map(slot_token, int(pos.max()))
-        found = torch.gather(slot_of, 1, pos.clamp(min=0)).to(torch.int64)
+    if max_position is not None and rows * (max_position + 2) <= DENSE_MAP_LIMIT:
+        slot_of = position_map(slot_token, max_position + 2)
+        found = torch.gather(slot_of, 1, pos.clamp(min=0, max=max_position + 1)).to(torch.int64)
     else:
         keys, order = torch.sort(slot_token.to(torch.int64), dim=1)
         at = torch.searchsorted(keys, pos.contiguous()).clamp(max=max(hot - 1, 0))
@@ -199,12 +204,12 @@ def find_slots(slot_token: torch.Tensor, positions: torch.Tensor) -> torch.Tenso
     return torch.where(pos >= 0, found, torch.full_like(found, -1))
 
 
-def position_map(slot_token: torch.Tensor, max_query: int = 0) -> torch.Tensor:
-    """int32 ``[R, P]``: slot holding each position (``-1`` = none), ``P`` covering every
-    held position and ``max_query``; positions must be unique per row (empty = ``-1``)."""
+def position_map(slot_token: torch.Tensor, width: int) -> torch.Tensor:
+    """int32 ``[R, width]``: slot holding each position (``-1`` = none); every held
+    position must be ``< width - 1`` (the last column is scratch); positions unique
+    per row (empty = ``-1``)."""
     rows, hot = slot_token.shape
     tok = slot_token.to(torch.int64)
-    width = max(int(tok.max()) if tok.numel() else 0, max_query, 0) + 2
     slot_of = torch.full((rows, width), -1, dtype=torch.int32, device=slot_token.device)
     col = torch.where(tok >= 0, tok, torch.full_like(tok, width - 1))  # empties -> a scratch column
     slot_of.scatter_(1, col, torch.arange(hot, dtype=torch.int32, device=tok.device).expand(rows, hot))
@@ -214,21 +219,29 @@ def position_map(slot_token: torch.Tensor, max_query: int = 0) -> torch.Tensor:
 
 def lru_victim_order(table: ResidencyTable, look: Lookup) -> torch.Tensor:
     """Contract step 4: int64 ``[R, W]``, the first ``W`` evictable slots of each row by
-    ``(stamp, slot)`` ascending, ``W = max(1, max misses of a row)`` (all that is used).
+    ``(stamp, slot)`` ascending, ``W = max(1, K)`` (a row never has more misses; a
+    static width, so no host read of the miss counts).
 
     ``stamp * H + slot`` is a unique key per slot, so a partial ``topk`` gives the
     exact order; hit slots carry ``INT64_MAX`` and can never come first (a row has
     at least as many evictable slots as misses because ``H >= K``).
     """
     hot = table.hot_tokens
-    width = max(1, int(look.miss.sum(dim=1).max())) if look.miss.numel() else 1
+    width = min(hot, max(1, look.miss.shape[1]))
     slot = torch.arange(hot, device=table.slot_stamp.device)
     key = (table.slot_stamp * hot + slot).masked_fill(look.slot_hit, INT64_MAX)
     return torch.topk(key, width, dim=1, largest=False, sorted=True).indices
 
 
+def _stamp_like(like: torch.Tensor, step, add: int) -> torch.Tensor:
+    """``2*step + add`` broadcast to ``like`` (``step`` an int or a 0-d tensor; no host read)."""
+    if isinstance(step, torch.Tensor):
+        return torch.zeros_like(like) + (2 * step.to(like.device, torch.int64) + add)
+    return torch.full_like(like, 2 * int(step) + add)
+
+
 def assign_victims(table: ResidencyTable, look: Lookup, victim_order: torch.Tensor,
-                   topk: torch.Tensor, step: int) -> ResidencyStep:
+                   topk: torch.Tensor, step) -> ResidencyStep:
     """Contract steps 4-5 given a victim order; updates ``table`` in place.
 
     ``victim_order`` int64 ``[R, W]``: each row's evictable (non-hit) slots in eviction
@@ -251,8 +264,8 @@ def assign_victims(table: ResidencyTable, look: Lookup, victim_order: torch.Tens
     tok_ext = torch.cat([table.slot_token, table.slot_token.new_full((rows, 1), -1)], dim=1)
     tok_ext.scatter_(1, fill_col, topk.to(torch.int32))
     stamp_ext = torch.cat([table.slot_stamp, table.slot_stamp.new_zeros((rows, 1))], dim=1)
-    stamp_ext.scatter_(1, fill_col, torch.full_like(fill_col, 2 * step + 1))
-    stamp_ext.scatter_(1, hit_col, torch.full_like(hit_col, 2 * step + 2))
+    stamp_ext.scatter_(1, fill_col, _stamp_like(fill_col, step, 1))
+    stamp_ext.scatter_(1, hit_col, _stamp_like(hit_col, step, 2))
     table.slot_token.copy_(tok_ext[:, :hot])
     table.slot_stamp.copy_(stamp_ext[:, :hot])
 
@@ -281,12 +294,12 @@ def _scatter_flags(rows: int, hot: int, col: torch.Tensor, mask: torch.Tensor, d
 # --------------------------------------------------------------------- the contract op
 def residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req: torch.Tensor,
                      topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
-                     step: int) -> ResidencyStep:
+                     step) -> ResidencyStep:
     """One exact-LRU step of one layer (op ``residency_manage``, rung ``reference``).
 
     Mutates ``slot_token`` / ``slot_stamp`` / ``row_req`` in place (the state of
     :class:`ResidencyTable`) and returns the :class:`ResidencyStep` outputs.
-    Requires ``H >= K`` and ``step >= 0``.
+    Requires ``H >= K`` and ``step >= 0`` (an int, or a 0-d int64 tensor).
     """
     if slot_token.shape[1] < topk.shape[1]:
         raise ValueError(f"hot_tokens {slot_token.shape[1]} < top_k {topk.shape[1]}: "

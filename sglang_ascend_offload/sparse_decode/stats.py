@@ -2,7 +2,8 @@
 
 Counters: ``selected`` (valid top-k entries), ``hits``, ``misses``, ``h2d_bytes``
 (miss rows copied host -> device), ``d2h_bytes`` (new-token rows appended device ->
-host). Invariants: ``hits + misses == selected`` and ``h2d_bytes == misses * row_bytes``.
+host), ``rows`` (batch rows the engine stepped, summed over steps: its per-step work
+is proportional to this, not to the engine's row capacity). Invariants: ``hits + misses == selected`` and ``h2d_bytes == misses * row_bytes``.
 
 Device-side counts are accumulated in one int64 device tensor, so recording a step
 never synchronises the device; :meth:`StatsAccumulator.snapshot` reads them.
@@ -27,6 +28,7 @@ class Counters:
     misses: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    rows: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -63,6 +65,7 @@ class StatsAccumulator:
         self.row_bytes = row_bytes
         self._dev = torch.zeros((layers, 3), dtype=torch.int64, device=device)  # selected, hits, misses
         self._d2h = [0] * layers
+        self._rows = [0] * layers
         self.steps = 0
 
     def record_residency(self, layer: int, selected: torch.Tensor, hits: torch.Tensor, misses: torch.Tensor) -> None:
@@ -70,6 +73,10 @@ class StatsAccumulator:
         self._dev[layer, 0] += selected
         self._dev[layer, 1] += hits
         self._dev[layer, 2] += misses
+
+    def record_rows(self, layer: int, rows: int) -> None:
+        """Batch rows stepped in one layer step (a host-side count, no device read)."""
+        self._rows[layer] += int(rows)
 
     def record_d2h(self, layer: int, nbytes: int) -> None:
         self._d2h[layer] += int(nbytes)
@@ -81,7 +88,7 @@ class StatsAccumulator:
         """Current totals (one device -> host read)."""
         dev = self._dev.cpu().tolist()
         per_layer = [
-            Counters(selected=s, hits=h, misses=m, h2d_bytes=m * self.row_bytes, d2h_bytes=d)
-            for (s, h, m), d in zip(dev, self._d2h)
+            Counters(selected=s, hits=h, misses=m, h2d_bytes=m * self.row_bytes, d2h_bytes=d, rows=n)
+            for (s, h, m), d, n in zip(dev, self._d2h, self._rows)
         ]
         return DecodeStats(per_layer=per_layer, steps=self.steps)

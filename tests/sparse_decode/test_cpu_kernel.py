@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -28,14 +29,17 @@ def _as_dict(res):
     return dict(zip(("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots"), res))
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["hash_map", "dense_map"])
 @HYP
-@given(scenarios())
-def test_kernel_equals_reference_on_all_rows(scn):
-    """Request churn, idle rows, speculative suffixes: state and outputs identical."""
+@given(scn=scenarios())
+def test_kernel_equals_reference_on_all_rows(dense, scn):
+    """Request churn, idle rows, speculative suffixes: state and outputs identical,
+    with either position map."""
     hot, steps = scn
     rows, k = steps[0][0].shape
     table = ResidencyTable.empty(rows, hot)
-    state = cpu_kernel.KernelLRUState.empty(rows, hot)
+    state = cpu_kernel.KernelLRUState.empty(rows, hot, max_positions=16 if dense else None)
+    assert state.map_kind == (0 if dense else 1)
     all_rows = torch.arange(rows, dtype=torch.int64)
     for step, (topk, req, stable) in enumerate(steps):
         t, r, s = torch.from_numpy(topk), torch.from_numpy(req), torch.from_numpy(stable)
@@ -54,7 +58,7 @@ def test_kernel_on_a_subset_of_rows_leaves_the_others_alone(scn, rnd):
     rows, k = steps[0][0].shape
     sink = rows
     table = ResidencyTable.empty(rows + 1, hot)
-    state = cpu_kernel.KernelLRUState.empty(rows + 1, hot)
+    state = cpu_kernel.KernelLRUState.empty(rows + 1, hot, max_positions=16 if rnd.random() < 0.5 else None)
     for step, (topk, req, stable) in enumerate(steps):
         chosen = [r for r in range(rows) if rnd.random() < 0.6]
         rnd.shuffle(chosen)

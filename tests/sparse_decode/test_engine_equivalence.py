@@ -138,7 +138,7 @@ def _run(policy: str, steps: int, seed: int, ops: str = "reference"):
 
             ref = full_kv_attention(attention, pool, layer, torch.from_numpy(topk), table, q, qr, SCALE)
             assert torch.equal(res.output, ref), f"step {step} layer {layer}: output != full-KV reference"
-            assert resident_mismatches(engine.managers[layer].table, engine.hot.layer(layer),
+            assert resident_mismatches(engine.table(layer), engine.hot.layer(layer),
                                        pool.layer(layer), table) == 0
             changed = torch.zeros((ROWS, HOT), dtype=torch.bool)
             for r in range(ROWS):

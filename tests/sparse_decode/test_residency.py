@@ -244,9 +244,10 @@ def test_find_slots_dense_and_sorted_paths_agree(monkeypatch):
             n = int(torch.randint(0, hot + 1, (1,), generator=g))
             slot_token[r, torch.randperm(hot, generator=g)[:n]] = torch.randperm(50, generator=g)[:n].to(torch.int32)
         queries = torch.randint(-1, 50, (rows, k), generator=g, dtype=torch.int32)
-        dense = res.find_slots(slot_token, queries)
+        dense = res.find_slots(slot_token, queries, max_position=49)
+        assert torch.equal(res.find_slots(slot_token, queries), dense)  # no bound: sorted search
         monkeypatch.setattr(res, "DENSE_MAP_LIMIT", 0)
-        assert torch.equal(res.find_slots(slot_token, queries), dense)
+        assert torch.equal(res.find_slots(slot_token, queries, max_position=49), dense)
         monkeypatch.undo()
         for r in range(rows):
             for j in range(k):
