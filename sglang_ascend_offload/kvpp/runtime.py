@@ -7,6 +7,12 @@
   on a transfer stream, after the compute stream's ``cache_ready`` event, and
   returns only when the device copy is complete (so attention never overwrites a
   persistent cache the broadcast is still reading).
+  With *active blocks* set for the forward (:meth:`BroadcastTransport.set_active_blocks`,
+  int64 block ids), only those blocks of every component are gathered into one
+  contiguous staging buffer on the owner, broadcast, and scattered into the same
+  blocks on the receivers; ``None`` broadcasts the whole bundle (every allocated
+  block, the seed's behaviour). Every rank knows the active set (same batch), so no
+  metadata travels.
 * :class:`KVPPScheduler` drives it per forward: with history, prefetch the first
   target layer at once; ``wait_for_layer(i)`` blocks until layer ``i`` arrived and
   immediately starts layer ``i + 1``'s prefetch, so broadcast overlaps compute.
@@ -35,6 +41,7 @@ class KVPPStorage:
         self.plan = plan
         self.num_blocks = num_blocks
         device = device or torch.device("cpu")
+        self.device = device
         own = plan.ownership.owned_by(plan.rank) + plan.ownership.draft_layers
         self.persistent: Dict[int, torch.Tensor] = {
             layer: torch.zeros(bundle_bytes_per_block(plan.bundles[layer]) * num_blocks,
@@ -82,21 +89,65 @@ class BroadcastTransport:
         self.stream = platform.new_stream()
         self.broadcasts = 0
         self.bytes_received = 0
+        self.bytes_broadcast = 0  # payload of every broadcast this rank took part in
+        self.active_blocks: Optional[torch.Tensor] = None
+
+    def set_active_blocks(self, blocks: Optional[torch.Tensor]) -> None:
+        """Blocks (int64 ids in ``0..num_blocks-1``, unique) the next broadcasts carry;
+        ``None`` = whole bundles. Only change it between forwards (nothing in flight)."""
+        if blocks is not None:
+            blocks = blocks.to(device=self.storage.device, dtype=torch.long)
+            if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= self.storage.num_blocks):
+                raise ValueError(f"active blocks outside 0..{self.storage.num_blocks - 1}")
+        self.active_blocks = blocks
+
+    def payload_bytes(self, layer: int) -> int:
+        """Bytes one broadcast of ``layer`` moves with the current active set."""
+        if self.active_blocks is None:
+            return self.storage.bundle(layer).numel()
+        per_block = bundle_bytes_per_block(self.storage.plan.bundles[layer])
+        return per_block * int(self.active_blocks.numel())
+
+    def _block_views(self, layer: int) -> List[torch.Tensor]:
+        """Each component of ``layer``'s bundle as uint8 ``[num_blocks, bytes_per_block]``."""
+        buf = self.storage.bundle(layer)
+        place = self.storage.plan.placement(layer, self.storage.num_blocks)
+        return [buf[r.offset:r.offset + r.size].view(self.storage.num_blocks, -1) for r in place.components]
 
     def broadcast(self, layer: int, cache_ready=None) -> None:
         import torch.distributed as dist
 
         owner = self.storage.plan.ownership.owner_of[layer]
-        buf = self.storage.bundle(layer)
+        is_owner = owner == self.storage.plan.rank
+        blocks = self.active_blocks
         with platform.stream_context(self.stream):
             if cache_ready is not None:
                 self.stream.wait_event(cache_ready)
-            dist.broadcast(buf, src=self.group_ranks[owner], group=self.group)
+            if blocks is None:
+                buf = self.storage.bundle(layer)
+                dist.broadcast(buf, src=self.group_ranks[owner], group=self.group)
+            elif blocks.numel():
+                views = self._block_views(layer)
+                if is_owner:  # gather the active blocks of every component into one staging buffer
+                    buf = torch.cat([v.index_select(0, blocks).reshape(-1) for v in views])
+                else:
+                    buf = torch.empty(sum(v.shape[1] for v in views) * blocks.numel(), dtype=torch.uint8,
+                                      device=self.storage.device)
+                dist.broadcast(buf, src=self.group_ranks[owner], group=self.group)
+                if not is_owner:  # scatter into the same blocks of the scratch copy
+                    cursor = 0
+                    for v in views:
+                        n = v.shape[1] * blocks.numel()
+                        v.index_copy_(0, blocks, buf[cursor:cursor + n].view(blocks.numel(), v.shape[1]))
+                        cursor += n
+            else:
+                buf = torch.empty(0, dtype=torch.uint8)
             done = platform.new_event()
             done.record(self.stream)
         done.synchronize()  # device completion, owner's source reads included
         self.broadcasts += 1
-        if owner != self.storage.plan.rank:
+        self.bytes_broadcast += buf.numel()
+        if not is_owner:
             self.bytes_received += buf.numel()
 
 
@@ -115,9 +166,12 @@ class KVPPScheduler:
         self._next = 0
         self._lock = threading.Lock()
 
-    def schedule_forward(self, has_history: bool) -> None:
+    def schedule_forward(self, has_history: bool, active_blocks: Optional[torch.Tensor] = None) -> None:
+        """Open a forward. ``active_blocks``: the blocks this forward reads (every rank
+        passes the same set), or ``None`` to broadcast whole bundles."""
         if self._futures:
             raise RuntimeError("previous forward not completed (call complete_forward)")
+        self.transport.set_active_blocks(active_blocks)
         self._has_history = has_history
         self._next = 0
         if has_history and self.layers and self.prefetch_enabled:

@@ -91,6 +91,10 @@ def _build_pool_around(original, self, *, sizes, is_dsa_model, is_dsv4_model, re
 
         return build_layerwise_pool(self, max_total_num_tokens=sizes.max_total_num_tokens,
                                     is_dsa_model=is_dsa_model)
+    if carrier.active_config().kvpp is not None:  # KVPP: layers sharded over the TP group
+        from .kvpp_pool import build_kvpp_pool
+
+        return build_kvpp_pool(self, max_total_num_tokens=sizes.max_total_num_tokens, is_dsa_model=is_dsa_model)
     if carrier.sparse_decode_enabled():
         from .offload_pool import build_offload_pool
 
@@ -144,3 +148,6 @@ def install_runtime() -> None:
     from .layerwise_sizing import install as install_layerwise_sizing  # layerwise prefill: memory profile
 
     install_layerwise_sizing()
+    from .kvpp_sizing import install as install_kvpp_sizing  # KVPP: per-rank KV bytes per token
+
+    install_kvpp_sizing()

@@ -1,0 +1,91 @@
+"""Let SGLang's memory profile see KVPP's per-rank KV footprint (seed 002 §4.2).
+
+SGLang sizes ``max_total_num_tokens`` as available bytes / per-token KV bytes of all
+``L`` cache-bearing layers (``DefaultPoolConfigurator._compute_cell_size``). Under KVPP
+a rank holds its owned layers' bundles plus two scratch buffers of the largest bundle,
+so with SGLang's own per-layer cost ``cell / L`` (uniform DSA layers) the plan's
+formula gives::
+
+    per-token bytes = (owned + 2) * cell / L        owned = ceil(L / N), the most any rank owns
+
+The largest share is used on every rank: SGLang takes the minimum free memory over the
+ranks, and every TP rank must size the same slot space. An AROUND hook applies it when
+KVPP is on and the ``ascend_offload`` backend serves the model (target workers only; a
+draft worker keeps its replicated cost). The 2 MiB alignment of the scratch buffers
+(at most 2 x 2 MiB) comes out of SGLang's runtime slack. ``--max-total-tokens`` still
+caps the result.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from .. import config as cfg
+from ..kvpp.plan import SCRATCH_BUFFER_COUNT
+from . import carrier
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["kvpp_layer_caches", "kvpp_cell_size", "cell_size_around", "install", "TARGET"]
+
+TARGET = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
+
+
+def kvpp_layer_caches(num_layers: int, group: int) -> int:
+    """Layer bundles per token on the fullest rank: ``ceil(L / N)`` owned + 2 scratch."""
+    return -(-num_layers // group) + SCRATCH_BUFFER_COUNT
+
+
+def kvpp_cell_size(cell: int, num_layers: int, group: int) -> int:
+    """Per-token KV bytes under KVPP (rounded up); never more than without it."""
+    if num_layers <= 0 or cell <= 0 or group < 2:
+        return cell
+    return min(cell, -(-cell * kvpp_layer_caches(num_layers, group) // num_layers))
+
+
+def _applies(kvc: Any) -> Optional[cfg.KVPPConfig]:
+    kvpp = carrier.active_config().kvpp
+    if kvpp is None or getattr(kvc, "is_draft_worker", False) or not getattr(kvc, "use_mla_backend", False):
+        return None
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        from .backend import BACKEND_NAME
+
+        if get_exec().kernel.attention_backend != BACKEND_NAME:
+            return None
+    except Exception:  # noqa: BLE001 - no runtime context: not a served model
+        return None
+    return kvpp
+
+
+def _group_size() -> int:
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    return int(get_tp_group().world_size)
+
+
+def cell_size_around(original, self, kvc, num_layers: int) -> int:
+    cell = original(self, kvc, num_layers)
+    if _applies(kvc) is None:
+        return cell
+    group = _group_size()
+    scaled = kvpp_cell_size(cell, int(num_layers), group)
+    logger.info("KVPP: device KV per token %d B instead of %d B (%d of %d layer bundles per rank, group %d)",
+                scaled, cell, kvpp_layer_caches(int(num_layers), group), num_layers, group)
+    return scaled
+
+
+_installed = False
+
+
+def install() -> None:
+    """Register the AROUND hook (once per process)."""
+    global _installed
+    if _installed:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, cell_size_around, HookType.AROUND)
+    _installed = True
