@@ -44,14 +44,15 @@ _COUNTER_FIELDS = ("selected", "hits", "misses", "h2d_bytes", "d2h_bytes")
 
 def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float) -> str:
     """``sparse-decode-offload: steps=.. hit_rate=.. hits=.. misses=.. h2d=..MiB d2h=..MiB
-    copy_ms/layer/step=..``"""
+    copy_ms/layer/step=.. rows/step=.. window=..s`` (``rows/step``: batch rows the engine
+    stepped per decode step, the measure of its per-step work)."""
     total: Counters = stats.total
     layers = max(1, len(stats.per_layer))
     per_step = 1000.0 * sum(copy_seconds) / layers / max(1, stats.steps)
     return (f"sparse-decode-offload: steps={stats.steps} hit_rate={total.hit_rate:.3f} "
             f"hits={total.hits} misses={total.misses} h2d={total.h2d_bytes / 2**20:.2f}MiB "
             f"d2h={total.d2h_bytes / 2**20:.2f}MiB copy_ms/layer/step={per_step:.3f} "
-            f"window={elapsed_s:.0f}s")
+            f"rows/step={total.rows / layers / max(1, stats.steps):.2f} window={elapsed_s:.0f}s")
 
 
 @dataclass

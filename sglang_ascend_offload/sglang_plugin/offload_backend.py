@@ -15,6 +15,9 @@ KV lives in :class:`~.offload_pool.HostMainKVPool`'s host pool:
   buffers, remap, sparse attention over the hot buffer. Engine rows are
   ``req_to_token`` rows (``req_pool_idx``), so a request keeps its hot buffer across
   steps; a row whose request changes (tracked by SGLang's request id) is reset.
+  Each step the engine works on the batch's rows only (``rows = req_pool_indices``,
+  padding entries on the engine's sink row): residency, copies, statistics and
+  trace rows cost ``O(batch)``, whatever ``--max-running-requests`` is.
 
 Both paths compute each token's attention from the same rows in the same order as
 the device-KV path, so outputs are bit-identical to offload off (tests hold it).
@@ -47,15 +50,15 @@ class RowOwners:
         self._next = 0
 
     def ids_for(self, rows: List[int], rids: Optional[List[str]]) -> torch.Tensor:
-        """int64 [R]: the owner id of each row in ``rows`` (``-1`` for rows not in the batch)."""
-        out = torch.full_like(self._ids, -1)
+        """int64 ``[len(rows)]``: the owner id of each batch row (the batch order)."""
+        out = torch.empty(len(rows), dtype=torch.int64)
         for i, row in enumerate(rows):
             rid = rids[i] if rids is not None else self._rid[row]
             if rid is None or rid != self._rid[row] or self._ids[row] < 0:
                 self._rid[row] = rid
                 self._ids[row] = self._next
                 self._next += 1
-            out[row] = self._ids[row]
+            out[i] = self._ids[row]
         return out
 
 
@@ -135,12 +138,12 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             raise RuntimeError(f"decode batch names req_to_token rows {rows_list} more than once")
         rids = getattr(forward_batch, "rids", None)
         req_ids = self.rows.ids_for(rows_list, list(rids[:real]) if rids is not None else None)
-        stable = torch.zeros(self.engine.config.rows, dtype=torch.int32)
-        stable[rows_list] = forward_batch.seq_lens_cpu[:real].to(torch.int32)
-        self.engine.begin_step(req_ids, self.req_to_token_pool.req_to_token, stable)
+        stable = forward_batch.seq_lens_cpu[:real].to(torch.int32)
+        batch_rows = torch.tensor(rows_list, dtype=torch.int64)
+        self.engine.begin_step(req_ids, self.req_to_token_pool.req_to_token, stable, rows=batch_rows)
         if self.recorder is not None:
             self.recorder.begin_step(stable, req_ids)
-        self._batch_rows = torch.tensor(rows_list, dtype=torch.long, device=self.engine.device)
+        self._batch_rows = batch_rows
 
     # ------------------------------------------------------------------ attention
     def attend(self, layer, forward_batch, q_nope, q_pe, topk_indices) -> torch.Tensor:
@@ -153,29 +156,22 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             raise RuntimeError(f"layer {layer.layer_id}: sparse decode offload needs the indexer's top-k "
                                "on every layer (dense layers cannot be served from the hot buffer)")
         cfg = self.engine.config
-        rows = self._batch_rows
-        index = self.start_layer
-        local = layer.layer_id - index
-        heads = q_nope.shape[1]
-        topk_rows = torch.full((cfg.rows, cfg.top_k), -1, dtype=torch.int32, device=self.engine.device)
-        real = rows.numel()  # the batch's first ``real`` entries; the rest is DP-attention padding
-        topk_rows[rows] = topk_indices[:real].to(self.engine.device, torch.int32)[:, : cfg.top_k]
-        query = q_nope.new_zeros((cfg.rows, heads, q_nope.shape[2]))
-        query_rope = q_pe.new_zeros((cfg.rows, heads, q_pe.shape[2]))
-        query[rows] = q_nope[:real]
-        query_rope[rows] = q_pe[:real]
+        real = self._batch_rows.numel()  # the batch's first ``real`` entries; the rest is DP-attention padding
+        local = layer.layer_id - self.start_layer
+        dev = self.engine.device
+        topk_rows = topk_indices[:real, : cfg.top_k].to(dev, torch.int32)
         copy_before = self.engine.times.seconds.get("copy", 0.0)
         self.engine.timing = self.metrics.needs_copy_timing
-        result = self.engine.run_layer(local, topk_rows, query, query_rope, layer.scaling)
+        result = self.engine.run_layer(local, topk_rows, q_nope[:real], q_pe[:real], layer.scaling)
         self.metrics.add_copy_time(local, self.engine.times.seconds.get("copy", 0.0) - copy_before)
         if self.recorder is not None:
             self.recorder.record_layer(local, topk_rows)
         if local == cfg.layers - 1:
             self.metrics.on_step_end()
         if real == q_nope.shape[0]:
-            return result.output[rows]
+            return result.output
         out = result.output.new_zeros((q_nope.shape[0],) + tuple(result.output.shape[1:]))
-        out[:real] = result.output[rows]  # padding rows attend nothing (their outputs are discarded)
+        out[:real] = result.output  # padding rows attend nothing (their outputs are discarded)
         return out
 
     def _attend_extend(self, layer, forward_batch, q_nope, q_pe, topk_indices) -> torch.Tensor:

@@ -1,11 +1,16 @@
 """Record served top-k selections in the sparse decode trace format (``.npz``).
 
 With ``"record_trace": "path.npz"`` in ``--sparse-decode-offload-config`` the offload
-backend records, for every decode step, every layer's logical top-k of every engine
-row, plus the rows' sequence lengths and request ids: exactly the arrays of
+backend records, for every decode step, every layer's logical top-k of every request
+in the batch, plus the rows' sequence lengths and request ids: exactly the arrays of
 :mod:`sglang_ascend_offload.sparse_decode.trace` (``topk [steps, layers, rows, k]``,
 ``seq_lens [steps, rows]``, ``req_ids [steps, rows]``). ``python -m
 sglang_ascend_offload bench decode --trace path.npz`` replays the file.
+
+Trace rows are compact: a request takes the lowest free trace row when it first
+appears in a decode batch and keeps it while it stays in the batches, so the trace
+has as many rows as requests were ever live together (not the engine's row capacity,
+``--max-running-requests + 1``); per-step recording work is proportional to the batch.
 
 Bounded: at most ``record_trace_max_steps`` steps are kept; the file is rewritten
 (atomically, validated) every ``flush_every`` steps and when the bound is reached,
@@ -38,12 +43,19 @@ def trace_path(path: str, dp_rank: Optional[int], dp_size: int) -> Path:
 
 
 class TraceRecorder:
-    """Collects decode steps of one engine (``layers`` x ``rows`` x ``top_k``)."""
+    """Collects decode steps of one engine (``layers`` x trace rows x ``top_k``).
+
+    ``rows``: the most trace rows allowed (the engine's capacity); the file has as
+    many as were used.
+    """
 
     def __init__(self, path: Path, layers: int, rows: int, top_k: int, max_steps: int,
                  meta: dict, flush_every: int = 32):
         self.path = Path(path)
         self.layers, self.rows, self.top_k = layers, rows, top_k
+        self._trace_row: dict = {}  # request id -> trace row
+        self._width = 0  # trace rows used so far
+        self._batch_rows: Optional[np.ndarray] = None
         self.max_steps = max_steps
         self.flush_every = flush_every
         self.meta = json.dumps(meta, sort_keys=True)
@@ -60,18 +72,42 @@ class TraceRecorder:
         return len(self._topk)
 
     def begin_step(self, seq_lens: torch.Tensor, req_ids: torch.Tensor) -> None:
-        """Start a step: ``seq_lens`` int [rows] (0 = idle), ``req_ids`` int64 [rows] (-1 = idle)."""
+        """Start a step: ``seq_lens`` int ``[B]``, ``req_ids`` int64 ``[B]`` of the batch
+        entries (``-1`` = padding / idle)."""
         if self.done:
             return
-        self._current = np.full((self.layers, self.rows, self.top_k), -1, dtype=np.int32)
-        self._current_rows = (seq_lens.detach().cpu().numpy().astype(np.int32),
-                              req_ids.detach().cpu().numpy().astype(np.int64))
+        reqs = req_ids.detach().cpu().numpy().astype(np.int64)
+        lens = seq_lens.detach().cpu().numpy().astype(np.int32)
+        live = [int(r) for r in reqs if r != -1]
+        for gone in [r for r in self._trace_row if r not in set(live)]:
+            del self._trace_row[gone]
+        used = set(self._trace_row.values())
+        free = (i for i in range(self.rows) if i not in used)
+        batch_rows = np.full(len(reqs), -1, dtype=np.int64)
+        for i, r in enumerate(reqs.tolist()):
+            if r == -1:
+                continue
+            if r not in self._trace_row:
+                self._trace_row[r] = next(free)
+            batch_rows[i] = self._trace_row[r]
+        width = int(batch_rows.max()) + 1 if (batch_rows >= 0).any() else 0
+        self._width = max(self._width, width)
+        self._batch_rows = batch_rows
+        self._current = np.full((self.layers, width, self.top_k), -1, dtype=np.int32)
+        step_lens = np.zeros(width, dtype=np.int32)
+        step_reqs = np.full(width, -1, dtype=np.int64)
+        mine = batch_rows >= 0
+        step_lens[batch_rows[mine]] = lens[mine]
+        step_reqs[batch_rows[mine]] = reqs[mine]
+        self._current_rows = (step_lens, step_reqs)
 
     def record_layer(self, layer: int, topk: torch.Tensor) -> None:
-        """``topk`` int32 [rows, top_k] logical positions of ``layer`` (-1 padding)."""
+        """``topk`` int32 ``[B, top_k]`` logical positions of ``layer`` for the batch
+        entries of :meth:`begin_step` (-1 padding)."""
         if self.done or self._current is None:
             return
-        self._current[layer] = topk.detach().cpu().numpy()
+        mine = self._batch_rows >= 0
+        self._current[layer][self._batch_rows[mine]] = topk.detach().cpu().numpy()[mine]
         if layer == self.layers - 1:
             self._commit()
 
@@ -93,8 +129,11 @@ class TraceRecorder:
         """Write the steps so far (validated; atomic rename)."""
         if not self._topk:
             return
-        trace = Trace(topk=np.stack(self._topk), seq_lens=np.stack(self._seq_lens),
-                      req_ids=np.stack(self._req_ids), meta=self.meta)
+        w = max(1, self._width)  # steps recorded before a wider one get padding rows
+        topk = np.stack([np.pad(t, [(0, 0), (0, w - t.shape[1]), (0, 0)], constant_values=-1) for t in self._topk])
+        lens = np.stack([np.pad(x, (0, w - x.shape[0]), constant_values=0) for x in self._seq_lens])
+        reqs = np.stack([np.pad(x, (0, w - x.shape[0]), constant_values=-1) for x in self._req_ids])
+        trace = Trace(topk=topk, seq_lens=lens, req_ids=reqs, meta=self.meta)
         tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}.npz")
         save_trace(trace, tmp)
         os.replace(tmp, self.path)

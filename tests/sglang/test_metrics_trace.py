@@ -92,7 +92,10 @@ def test_trace_recorder_is_bounded_and_valid(tmp_path):
     trace = load_trace(path)
     assert trace.steps == 5 and rec.done
     assert np.array_equal(trace.seq_lens[:, 0], np.arange(5, 10))
-    assert trace.topk[4, 1, 0, 2] == 8 and (trace.topk[:, :, 1] == -1).all()
+    # compact trace rows: the idle batch entry takes none, request 9 is trace row 1
+    assert trace.rows == 2 and (trace.req_ids[:, 1] == 9).all()
+    assert trace.topk[4, 1, 0, 2] == 8 and trace.topk[4, 1, 1, :2].tolist() == [6, 0]
+    assert (trace.topk[:, :, 1, 2:] == -1).all()
 
 
 def test_trace_path_per_dp_rank():
