@@ -17,6 +17,8 @@ from typing import List, Optional
 COMMANDS = {
     "capacity": ("sglang_ascend_offload.capacity", "KV capacity per mode for a model and a machine"),
     "check-config": ("sglang_ascend_offload.config_cli", "validate an offload config against a deployment"),
+    "check-kernels": ("sglang_ascend_offload.kernel_check.cli",
+                      "AscendC kernels on CPU: compile check against the AscendC headers + functional model"),
     "env": ("sglang_ascend_offload.env_cli", "what this machine can run (device, packages, op rungs)"),
 }
 BENCH_COMMANDS = {

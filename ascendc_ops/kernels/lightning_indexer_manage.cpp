@@ -22,12 +22,33 @@
 
 namespace sao {
 
+// One member per line: GM_ADDR is a macro (`__gm__ uint8_t *`), so `GM_ADDR a, b;` would
+// declare only `a` as a pointer.
 struct LimArgs {
-    GM_ADDR query, key, weights, queryScale, keyScale;
-    GM_ADDR cuQuery, kvLen, blockTable, tokenRows, reqIds, stableLen, step;
-    GM_ADDR slotToken, slotStamp, rowReq;
-    GM_ADDR topkOut, sparseOut, hitMask, slots, missCount, missTokens, missSlots;
-    GM_ADDR workspace, tiling;
+    GM_ADDR query;
+    GM_ADDR key;
+    GM_ADDR weights;
+    GM_ADDR queryScale;
+    GM_ADDR keyScale;
+    GM_ADDR cuQuery;
+    GM_ADDR kvLen;
+    GM_ADDR blockTable;
+    GM_ADDR tokenRows;
+    GM_ADDR reqIds;
+    GM_ADDR stableLen;
+    GM_ADDR step;
+    GM_ADDR slotToken;
+    GM_ADDR slotStamp;
+    GM_ADDR rowReq;
+    GM_ADDR topkOut;
+    GM_ADDR sparseOut;
+    GM_ADDR hitMask;
+    GM_ADDR slots;
+    GM_ADDR missCount;
+    GM_ADDR missTokens;
+    GM_ADDR missSlots;
+    GM_ADDR workspace;
+    GM_ADDR tiling;
 };
 
 template <typename T>

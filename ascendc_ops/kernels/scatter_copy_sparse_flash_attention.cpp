@@ -37,9 +37,22 @@ using F32Gm = AscendC::MatmulType<AscendC::TPosition::GM, CubeFormat::ND, float>
 using QkMatmul = AscendC::Matmul<BfGm, BfGmT, F32Gm>;  // [G, D] x [tile, D]^T
 using PvMatmul = AscendC::Matmul<BfGm, BfGm, F32Gm>;   // [G, tile] x [tile, Dl]
 
+// One member per line: GM_ADDR is a macro (`__gm__ uint8_t *`), so `GM_ADDR a, b;` would
+// declare only `a` as a pointer.
 struct CopySfaArgs {
-    GM_ADDR query, queryRope, host, hot, sparseIndices, tokenRows, missTokens, missSlots, missCount, tokenTable;
-    GM_ADDR out, workspace, tiling;
+    GM_ADDR query;
+    GM_ADDR queryRope;
+    GM_ADDR host;
+    GM_ADDR hot;
+    GM_ADDR sparseIndices;
+    GM_ADDR tokenRows;
+    GM_ADDR missTokens;
+    GM_ADDR missSlots;
+    GM_ADDR missCount;
+    GM_ADDR tokenTable;
+    GM_ADDR out;
+    GM_ADDR workspace;
+    GM_ADDR tiling;
 };
 
 template <typename T>

@@ -1,0 +1,219 @@
+"""Syntax-only compile of the AscendC kernels against the AscendC headers (no CANN needed).
+
+Every kernel translation unit of ``ascendc_ops/kernels/`` is compiled with
+``g++ -std=c++17 -fsyntax-only -D__NPU_ARCH__=2201`` once per ``__DAV_*`` variant the
+toolkit build compiles a MIX (AIC:AIV 1:2) kernel for on A2/A3: ``__DAV_C220_VEC__``
+(vector cores) and ``__DAV_C220_CUBE__`` (cube cores). This is the headers' NPU path
+(``ASCENDC_CPU_DEBUG`` unset, ``ASCEND_IS_AIC`` an ``if constexpr``), the one bisheng
+compiles; the CPU-debug path (``-DASCENDC_CPU_DEBUG=1``) compiles both core types in one
+unit and does not see the per-variant code (with ``__DAV_C220_CUBE__`` it does not even
+compile: its ``REGIST_MATMUL_OBJ`` names a vector-only global). The headers come from
+:mod:`.headers`; what bisheng / tikicpulib declare comes from
+``ascendc_ops/tools/ascendc_cpu_stubs/`` (force-included ``stub_def.h``, with the
+generated ``stub_generated.h``). g++ then checks every AscendC API call of the kernels
+(names, template arguments, argument lists, const-ness) against the real declarations.
+
+A *negative control* compiles a copy of a kernel with one AscendC call mutated to a wrong
+argument list; the check is only trusted when that copy fails.
+
+Results are cached in ``ascendc_ops/build/kernel_check/cache/`` keyed by a SHA-256 over
+the command line and the content of every file the preprocessor reads (``g++ -MM``
+lists them on the first run), so an unchanged kernel is not recompiled. At most two
+compiles run at once (each needs ~350 MB and one core for ~16 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from . import headers as hdr
+
+KERNELS_DIR = hdr.ASCENDC_OPS / "kernels"
+STUB_DIR = hdr.ASCENDC_OPS / "tools" / "ascendc_cpu_stubs"
+CACHE_DIR = hdr.BUILD / "cache"
+MAX_JOBS = 2
+
+# (name in reports, translation unit, kernel entry points it defines)
+KERNEL_UNITS = (
+    ("lightning_indexer_manage", "lightning_indexer_manage.cpp",
+     ("sao_lightning_indexer_manage", "sao_quant_lightning_indexer_manage")),
+    ("scatter_copy_sparse_flash_attention", "scatter_copy_sparse_flash_attention.cpp",
+     ("sao_scatter_copy_sparse_flash_attention",)),
+)
+# variant name -> extra defines (what the toolkit's MIX build defines per core type on A2/A3)
+VARIANTS = {"vec": ["-D__DAV_C220_VEC__"], "cube": ["-D__DAV_C220_CUBE__"]}
+
+# The negative control: this call of kernel_common.h is given a wrong argument list.
+NEGATIVE_UNIT = "lightning_indexer_manage.cpp"
+NEGATIVE_FROM = "AscendC::DataCopyPad(dst, src, params, pad);"
+NEGATIVE_TO = "AscendC::DataCopyPad(dst, src, params, pad, 7, 1.5f);"
+
+
+class CompilerNotFound(RuntimeError):
+    pass
+
+
+@dataclass
+class CompileResult:
+    """One (unit, variant) compile.
+
+    ok: g++ exited 0; errors: number of ``error:`` lines; seconds: wall time of this run
+    (0 when cached); cached: taken from the cache; log: the first 4000 characters of stderr.
+    """
+
+    unit: str
+    variant: str
+    ok: bool
+    errors: int
+    seconds: float
+    cached: bool
+    log: str = ""
+
+
+def compiler() -> str:
+    cxx = os.environ.get("CXX", "g++")
+    path = shutil.which(cxx)
+    if path is None:
+        raise CompilerNotFound(f"C++ compiler {cxx!r} not found: install g++ >= 10 (scripts/setup_cpu_env.sh "
+                               "does: apt-get install g++) or set CXX")
+    return path
+
+
+def compile_command(headers: hdr.AscendcHeaders, source: Path, variant: str,
+                    include_dirs: Sequence[Path] = ()) -> List[str]:
+    cmd = [compiler(), "-std=c++17", "-fsyntax-only", "-w", "-D__NPU_ARCH__=2201",
+           "-DASCENDC_DUMP=0", *VARIANTS[variant], "-include", str(STUB_DIR / "stub_def.h"), "-I", str(STUB_DIR)]
+    for d in include_dirs:
+        cmd += ["-I", str(d)]
+    for d in headers.include_dirs:
+        cmd += ["-I", str(d)]
+    cmd.append(str(source))
+    return cmd
+
+
+def _kernel_includes() -> List[Path]:
+    return [hdr.ASCENDC_OPS / "include", KERNELS_DIR]
+
+
+def _deps(cmd: List[str]) -> List[str]:
+    """Files the preprocessor reads for this command (``g++ -MM``-style, via -M)."""
+    dep_cmd = [c for c in cmd if c not in ("-fsyntax-only",)] + ["-M"]
+    res = subprocess.run(dep_cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        return []
+    text = res.stdout.replace("\\\n", " ")
+    files = text.split(":", 1)[1].split() if ":" in text else []
+    return sorted(set(files))
+
+
+def _key(cmd: List[str], files: List[str]) -> str:
+    h = hashlib.sha256()
+    h.update("\0".join(cmd).encode())
+    for f in files:
+        h.update(f.encode())
+        try:
+            h.update(hashlib.sha256(Path(f).read_bytes()).digest())
+        except OSError:
+            h.update(b"missing")
+    return h.hexdigest()
+
+
+def _cached_deps(cmd: List[str]) -> Optional[List[str]]:
+    """Dependency list recorded for this exact command (refreshed on every real compile)."""
+    f = CACHE_DIR / ("deps-" + hashlib.sha256("\0".join(cmd).encode()).hexdigest()[:32] + ".json")
+    if f.is_file():
+        try:
+            return json.loads(f.read_text())
+        except ValueError:
+            return None
+    return None
+
+
+def _store_deps(cmd: List[str], deps: List[str]) -> None:
+    f = CACHE_DIR / ("deps-" + hashlib.sha256("\0".join(cmd).encode()).hexdigest()[:32] + ".json")
+    f.write_text(json.dumps(deps))
+
+
+def compile_one(headers: hdr.AscendcHeaders, source: Path, variant: str, unit: str,
+                use_cache: bool = True) -> CompileResult:
+    cmd = compile_command(headers, source, variant, _kernel_includes())
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    deps = _cached_deps(cmd) if use_cache else None
+    if deps:
+        key = _key(cmd, deps)
+        hit = CACHE_DIR / f"{key}.json"
+        if hit.is_file():
+            d = json.loads(hit.read_text())
+            return CompileResult(unit, variant, d["ok"], d["errors"], 0.0, True, d["log"])
+    t0 = time.monotonic()
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.monotonic() - t0
+    errors = len(re.findall(r"\berror:", res.stderr))
+    result = CompileResult(unit, variant, res.returncode == 0, errors, seconds, False, res.stderr[:4000])
+    if use_cache:
+        deps = _deps(cmd)
+        if deps:
+            _store_deps(cmd, deps)
+            key = _key(cmd, deps)
+            (CACHE_DIR / f"{key}.json").write_text(json.dumps(
+                {"ok": result.ok, "errors": errors, "log": result.log}))
+    return result
+
+
+def negative_control_source() -> Path:
+    """A copy of the kernels folder with one AscendC call given a wrong argument list."""
+    neg = hdr.BUILD / "negative_control"
+    if neg.exists():
+        shutil.rmtree(neg)
+    shutil.copytree(KERNELS_DIR, neg)
+    common = neg / "kernel_common.h"
+    text = common.read_text()
+    if NEGATIVE_FROM not in text:
+        raise RuntimeError(f"negative control: {NEGATIVE_FROM!r} not found in kernels/kernel_common.h; "
+                           "update NEGATIVE_FROM in kernel_check/compile_check.py")
+    common.write_text(text.replace(NEGATIVE_FROM, NEGATIVE_TO, 1))
+    return neg / NEGATIVE_UNIT
+
+
+@dataclass
+class CompileReport:
+    """All compiles of one check: ``results`` per (unit, variant), the negative control,
+    the headers used and the total wall time."""
+
+    headers: hdr.AscendcHeaders
+    results: List[CompileResult] = field(default_factory=list)
+    negative: Optional[CompileResult] = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results) and self.negative is not None and not self.negative.ok
+
+
+def run(jobs: int = MAX_JOBS, use_cache: bool = True, negative: bool = True,
+        headers: Optional[hdr.AscendcHeaders] = None) -> CompileReport:
+    """Compile every (kernel unit, variant), plus the negative control; at most ``jobs`` at once."""
+    t0 = time.monotonic()
+    headers = headers or hdr.locate()
+    hdr.prepare(headers)
+    tasks = [(KERNELS_DIR / src, variant, name) for name, src, _ in KERNEL_UNITS for variant in VARIANTS]
+    neg_task = None
+    if negative:
+        neg_task = (negative_control_source(), "vec", "negative_control")
+    jobs = max(1, min(jobs, MAX_JOBS))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(compile_one, headers, s, v, n, use_cache) for s, v, n in tasks]
+        neg_future = pool.submit(compile_one, headers, *neg_task, use_cache) if neg_task else None
+        results = [f.result() for f in futures]
+        neg = neg_future.result() if neg_future else None
+    return CompileReport(headers, results, neg, time.monotonic() - t0)
