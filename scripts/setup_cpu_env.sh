@@ -24,9 +24,10 @@ fi
 
 # Mooncake's TCP transport links against the RDMA user libraries even when it
 # does not use RDMA; the README's "Try it on CPU" blocks use curl (Debian packages;
-# we run as root on these machines).
+# we run as root on these machines). g++ compiles the host half and the AscendC kernel
+# checks (check-kernels, tests/ascendc).
 need_apt=()
-for pkg in libibverbs1 librdmacm1 curl; do
+for pkg in libibverbs1 librdmacm1 curl g++; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if (( ${#need_apt[@]} )); then
