@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -60,6 +61,8 @@ from ..kvpp.runtime import BroadcastTransport, KVPPScheduler, KVPPStorage
 from .pool import DeviceDSAPool
 
 logger = logging.getLogger(__name__)
+
+_STATS_LOG_INTERVAL_S = 30.0
 
 __all__ = ["KVPPPool", "KVPPLayerCounter", "KVPPGroup", "KVPPStats", "build_kvpp_pool", "kvpp_components"]
 
@@ -147,6 +150,7 @@ class KVPPPool(DeviceDSAPool):
         self._fwd_key = None
         self._entered = -1
         self._closed = False
+        self._last_log = time.monotonic()
         logger.info("KVPP rank %d/%d: owns layers %s of %d; allocated %d bytes (persistent %d, scratch 2 x %d); "
                     "broadcast=%s prefetch=%s; slot rows %d", group.rank, group.size, list(self.owned_layers),
                     layer_num, self.allocated_bytes, sum(t.numel() for t in self.storage.persistent.values()),
@@ -205,6 +209,18 @@ class KVPPPool(DeviceDSAPool):
             s.forwards_with_history += 1
             s.active_blocks += int(blocks.numel())
         self.scheduler.schedule_forward(has_history, None if self.kvpp.broadcast == "full" else blocks)
+        self._maybe_log(first=has_history and s.forwards_with_history == 1)
+
+    def _maybe_log(self, first: bool = False) -> None:
+        now = time.monotonic()
+        if not first and now - self._last_log < _STATS_LOG_INTERVAL_S:
+            return
+        self._last_log = now
+        s, t = self.stats, self.transport
+        logger.info("KVPP rank %d stats: forwards=%d with_history=%d active_pages=%d of %d broadcasts=%d "
+                    "broadcast_MiB=%.2f received_MiB=%.2f", self.group.rank, s.forwards, s.forwards_with_history,
+                    s.active_blocks, self.num_blocks, t.broadcasts, t.bytes_broadcast / 2**20,
+                    t.bytes_received / 2**20)
 
     def enter_layer(self, layer: int) -> None:
         """``layer`` (local id) is about to be read or written (``wait_until`` hook)."""
@@ -247,6 +263,7 @@ class KVPPPool(DeviceDSAPool):
             return
         self._closed = True
         try:
+            self._maybe_log(first=True)
             self.scheduler.close()
         except Exception:  # noqa: BLE001 - shutdown
             logger.exception("KVPP: error while closing the prefetch scheduler")

@@ -19,6 +19,7 @@ caps the result.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Optional
 
 from .. import config as cfg
@@ -77,15 +78,38 @@ def cell_size_around(original, self, kvc, num_layers: int) -> int:
     return scaled
 
 
+# ------------------------------------------------------------------ fixed KV budget (reproducible sizing)
+BUDGET_ENV = "SGLANG_ASCEND_OFFLOAD_KV_BUDGET_BYTES"
+BUDGET_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
+
+
+def fixed_budget_around(original, self, pre_model_load_memory):
+    """SGLang's KV byte budget replaced by ``$SGLANG_ASCEND_OFFLOAD_KV_BUDGET_BYTES``.
+
+    On a CPU SGLang sizes the KV pool from the host's free memory, which other
+    processes move between two measurements; with a fixed budget the same server
+    arguments give the same ``max_total_num_tokens`` (used by the served KVPP test to
+    compare capacities). Registered only when the variable is set.
+    """
+    budget = int(os.environ[BUDGET_ENV])
+    logger.info("KV budget fixed by %s: %d bytes (SGLang's free-memory profile is not used)", BUDGET_ENV, budget)
+    return budget
+
+
 _installed = False
 
 
 def install() -> None:
-    """Register the AROUND hook (once per process)."""
+    """Register the AROUND hook(s) (once per process)."""
     global _installed
     if _installed:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, cell_size_around, HookType.AROUND)
+    if os.environ.get(BUDGET_ENV):
+        if not os.environ[BUDGET_ENV].isdigit():
+            raise ValueError(f"{BUDGET_ENV}={os.environ[BUDGET_ENV]!r} is not a byte count; unset it or give an "
+                             "integer")
+        HookRegistry.register(BUDGET_TARGET, fixed_budget_around, HookType.AROUND)
     _installed = True
