@@ -12,6 +12,7 @@ from typing import Any, Optional, Tuple
 
 from .. import config as cfg
 from .. import platform
+from . import compat
 
 DSA_ARCHITECTURES = frozenset({"DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"})
 _BF16 = {"bf16", "bfloat16"}
@@ -20,7 +21,12 @@ _SPEC_METHODS = {"nextn": "mtp", "eagle": "mtp", "mtp": "mtp", "dspark": "dspark
 
 
 def model_kind(hf_config: Any) -> str:
-    """``dsa`` (index_topk or a DSA architecture), ``mla`` (kv_lora_rank), else ``other``."""
+    """``dsa`` (index_topk or a DSA architecture), ``mla`` (kv_lora_rank), else ``other``.
+
+    HF config fields are optional by nature (a model defines the ones it has), so they
+    are read with defaults throughout this module; server arguments go through
+    :func:`.compat.arg`.
+    """
     archs = list(getattr(hf_config, "architectures", None) or [])
     if getattr(hf_config, "index_topk", None) is not None or DSA_ARCHITECTURES & set(archs):
         return "dsa"
@@ -84,7 +90,9 @@ def build_deployment(
     hybrid_kv: SGLang's own verdict where known (``ModelConfig.is_hybrid_swa`` or a
     Mamba-like config); otherwise inferred from ``hf_config.layer_types``.
     """
-    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    def get(name: str, default: Any = None) -> Any:
+        value = compat.arg(args, name)  # strict: a renamed SGLang field stops startup
+        return default if value is None else value
     device = get("device") or platform.device_kind()
     if device not in ("npu", "cuda", "cpu"):
         device = "cuda" if device in ("gpu", "rocm", "hip") else device

@@ -21,7 +21,7 @@ from typing import Optional
 
 logger = logging.getLogger("sglang_ascend_offload")
 
-SUPPORTED_SGLANG = "0.5.23"
+from .. import SUPPORTED_SGLANG_VERSION as SUPPORTED_SGLANG  # the one version constant
 
 _registered = False
 

@@ -31,6 +31,7 @@ from typing import Any, List, Optional, Tuple
 
 from .. import config as cfg
 from .. import memory_budget
+from . import compat
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ def resolve_defaults(config: cfg.OffloadConfig, deployment: cfg.Deployment) -> T
 
 
 def _missing(hf_config: Any, names) -> List[str]:
+    # HF config fields are optional by nature: absence is exactly what this reports.
     return [n for n in names if getattr(hf_config, n, None) is None]
 
 
@@ -106,7 +108,7 @@ def launch_violations(config: cfg.OffloadConfig, view: Any, hf_config: Any,
             f"({archs}) does not define",
             "serve a complete DeepSeek-V3.2-style (MLA + lightning indexer) config.json, or disable the feature"))
     sd = config.sparse_decode
-    if sd is not None and getattr(view, "speculative_algorithm", None):
+    if sd is not None and compat.arg(view, "speculative_algorithm"):
         out.append(cfg.Violation(
             "sglang.sparse_decode_speculative",
             f"speculative algorithm {view.speculative_algorithm!r} with sparse decode offload: the offload pool "
@@ -122,13 +124,13 @@ def _sparse_decode_memory(sd: cfg.SparseDecodeOffloadConfig, view: Any, hf_confi
     hot = sd.hot_tokens or cfg.default_hot_tokens(int(hf_config.index_topk), deployment.page_size)
     if hot < 1:
         return []  # reported by the range rule
-    given = getattr(view, "max_running_requests", None)
+    given = compat.arg(view, "max_running_requests")
     if given:
         rows, rows_source = int(given) + 1, f"--max-running-requests {given} + 1"
     else:
         rows = DEFAULT_MAX_RUNNING_REQUESTS + 1
         rows_source = f"SGLang's default of {DEFAULT_MAX_RUNNING_REQUESTS} requests + 1; --max-running-requests sets it"
-    total = getattr(view, "max_total_tokens", None)
+    total = compat.arg(view, "max_total_tokens")
     if sd.host_pool_tokens is not None:
         host_tokens, host_source = sd.host_pool_tokens, "host_pool_tokens"
     elif total:

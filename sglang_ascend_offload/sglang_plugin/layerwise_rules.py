@@ -26,6 +26,7 @@ import importlib.util
 from typing import Any, List
 
 from .. import config as cfg
+from . import compat
 from .backend import BACKEND_NAME
 
 __all__ = ["layerwise_violations", "RULES"]
@@ -45,9 +46,9 @@ def layerwise_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Viola
     def add(rule: str, problem: str, fix: str) -> None:
         out.append(cfg.Violation(rule, problem, fix))
 
-    backends = {b for b in (getattr(view, "attention_backend", None),
-                            getattr(view, "prefill_attention_backend", None),
-                            getattr(view, "decode_attention_backend", None)) if b}
+    backends = {b for b in (compat.arg(view, "attention_backend"),
+                            compat.arg(view, "prefill_attention_backend"),
+                            compat.arg(view, "decode_attention_backend")) if b}
     if backends - {BACKEND_NAME}:
         add("sglang.layerwise_backend", f"attention backend(s) {sorted(backends)} cannot serve layerwise "
             "prefill offload", f"drop --attention-backend (the plugin selects {BACKEND_NAME}) or pass "
@@ -56,24 +57,24 @@ def layerwise_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Viola
         add("sglang.layerwise_sparse_decode", "sparse decode offload and layerwise prefill offload are both on "
             "in one server", "enable layerwise prefill offload on the prefill node and sparse decode offload "
             "on the decode node")
-    if getattr(view, "speculative_algorithm", None):
+    if compat.arg(view, "speculative_algorithm"):
         add("sglang.layerwise_speculative", f"speculative algorithm {view.speculative_algorithm!r}",
             "drop the speculative decoding flags (draft / MTP layers are not wired into the layerwise pool)")
     for flag in ("enable_two_batch_overlap", "enable_pdmux"):
-        if getattr(view, flag, False):
+        if compat.arg(view, flag):
             add("sglang.layerwise_tbo", f"--{flag.replace('_', '-')} interleaves forwards layer by layer",
                 f"drop --{flag.replace('_', '-')}")
-    if getattr(view, "enable_hierarchical_cache", False):
+    if compat.arg(view, "enable_hierarchical_cache"):
         add("sglang.layerwise_hicache", "--enable-hierarchical-cache is on (HiCache drives the pool's layer "
             "counter)", "drop --enable-hierarchical-cache")
-    if (getattr(view, "pp_size", 1) or 1) > 1:
+    if (compat.arg(view, "pp_size") or 1) > 1:
         add("sglang.layerwise_pp", f"pp_size={view.pp_size}: the layer buffers are planned per model, not per "
             "pipeline stage", "set --pp-size 1 with layerwise prefill offload")
-    page = getattr(view, "page_size", None)
+    page = compat.arg(view, "page_size")
     if lw.store_block_tokens is not None and page is not None and lw.store_block_tokens != page:
         add("sglang.layerwise_block_tokens", f"store_block_tokens={lw.store_block_tokens} but the KV page "
             f"size is {page} (the SGLang pool stores one object per page)", "drop store_block_tokens")
-    store = lw.effective_store_backend(str(getattr(view, "device", None) or "cpu"))
+    store = lw.effective_store_backend(str(compat.arg(view, "device") or "cpu"))
     if (lw.shared_buffers is not None and store == "memcache"
             and importlib.util.find_spec("memcache_hybrid") is None):
         how = "" if lw.store_backend else " (the default on an Ascend NPU)"

@@ -28,7 +28,7 @@ import os
 from typing import Any, Callable, List, Optional, Tuple
 
 from .. import config as cfg
-from . import carrier, flags, launch_checks
+from . import carrier, compat, flags, launch_checks
 from .backend import BACKEND_NAME
 from .cpu_capability import no_cuda_capability
 from .deployment import deployment_from_server_args, model_kind
@@ -116,8 +116,8 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
                 f"remove the {section} settings; see docs/sglang_integration.md for the status",
             ))
     if config.sparse_decode is not None:
-        backends = {b for b in (view.attention_backend, getattr(view, "prefill_attention_backend", None),
-                                getattr(view, "decode_attention_backend", None)) if b}
+        backends = {b for b in (compat.arg(view, "attention_backend"), compat.arg(view, "prefill_attention_backend"),
+                                compat.arg(view, "decode_attention_backend")) if b}
         if backends - {BACKEND_NAME}:
             out.append(cfg.Violation(
                 "sglang.attention_backend",
@@ -125,8 +125,9 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
                 f"drop --attention-backend (the plugin selects {BACKEND_NAME}) or pass "
                 f"--attention-backend {BACKEND_NAME}",
             ))
-        decode_graph = getattr(getattr(getattr(view, "cuda_graph_config", None), "decode", None), "backend", None)
-        if not getattr(view, "disable_cuda_graph", False) and decode_graph not in (None, "disabled"):
+        # cuda_graph_config is None when SGLang has not built it (graphs off): its parts are optional.
+        decode_graph = getattr(getattr(compat.arg(view, "cuda_graph_config"), "decode", None), "backend", None)
+        if not compat.arg(view, "disable_cuda_graph") and decode_graph not in (None, "disabled"):
             out.append(cfg.Violation(
                 "sglang.sparse_decode_graph",
                 f"decode CUDA/NPU graphs are on (backend {decode_graph!r}); the offload decode step "
@@ -134,7 +135,7 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
                 "pass --disable-cuda-graph (or --cuda-graph-backend-decode=disabled)",
             ))
         out += _sparse_decode_runtime_violations(config.sparse_decode)
-        if getattr(view, "enable_hisparse", False):
+        if compat.arg(view, "enable_hisparse"):
             out.append(cfg.Violation(
                 "sglang.hisparse", "--enable-hisparse is on as well",
                 "use one sparse-attention offload: drop --enable-hisparse",
@@ -196,7 +197,12 @@ def check(server_args: Any) -> Optional[cfg.OffloadConfig]:
         carrier.clear()
         return None
     view = resolving_view(server_args)
+    from .. import SUPPORTED_SGLANG_VERSION
     from .disagg import rules as pd_rules  # P/D backend facts and rules
+
+    problems += [cfg.Violation("sglang.compat", p, f"run SGLang {SUPPORTED_SGLANG_VERSION} "
+                               f"(pip install sglang=={SUPPORTED_SGLANG_VERSION}) or update the plugin's hooks")
+                 for p in compat.problems()]
 
     deployment = None
     try:

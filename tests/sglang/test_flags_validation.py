@@ -13,6 +13,8 @@ from sglang_ascend_offload import platform
 from sglang_ascend_offload.sglang_plugin import carrier, flags, resolution
 from sglang_ascend_offload.sglang_plugin.deployment import build_deployment, graph_mode, main_kv_dtype, model_kind
 
+from sglang_ascend_offload.testing.sglang_args import server_args_stub
+
 from conftest import TINY_DSA
 
 
@@ -75,7 +77,7 @@ def test_graph_mode_per_role():
 
 
 def test_build_deployment_from_server_args_shape():
-    args = SimpleNamespace(device="npu", kv_cache_dtype="auto", page_size=128, dp_size=2, tp_size=8,
+    args = server_args_stub(device="npu", kv_cache_dtype="auto", page_size=128, dp_size=2, tp_size=8,
                            pp_size=1, attn_cp_size=1, enable_prefill_cp=False, dcp_size=1,
                            disaggregation_mode="decode", disaggregation_transfer_backend="ascend",
                            cuda_graph_config=None, disable_cuda_graph=True,
@@ -90,7 +92,7 @@ def test_build_deployment_from_server_args_shape():
 
 
 def test_plugin_rules():
-    view = SimpleNamespace(attention_backend="ascend", prefill_attention_backend=None,
+    view = server_args_stub(attention_backend="ascend", prefill_attention_backend=None,
                            decode_attention_backend=None, enable_hisparse=True, disable_cuda_graph=False,
                            cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
     config = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(),
@@ -106,13 +108,13 @@ def test_plugin_rules():
     assert "sglang.sparse_decode_graph" in rules
     unwired = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(indexer_dtype="int8", fused_lim=True,
                                                                           ops="npu"))
-    rules2 = [v.rule for v in resolution.plugin_violations(unwired, SimpleNamespace(
+    rules2 = [v.rule for v in resolution.plugin_violations(unwired, server_args_stub(
         attention_backend="ascend_offload", disable_cuda_graph=True))]
     assert "sglang.indexer_dtype" in rules2 and "sglang.fused_not_wired" in rules2
     if platform.device_kind() != "npu":
         assert "sglang.ops_unavailable" in rules2  # no torch_npu operators on this machine
     assert "sglang.layerwise_sparse_decode" in rules  # one server runs one of the two
-    eager = SimpleNamespace(attention_backend="ascend_offload", disable_cuda_graph=True)
+    eager = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=True)
     assert resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig()), eager) == []
 
 

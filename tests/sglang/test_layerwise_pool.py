@@ -313,10 +313,11 @@ class CheckingStore(LocalHostKVStore):
     """Local store with random delays; ``put`` compares each source with the layer's
     reference rows recorded before the layer ran (``expected``)."""
 
-    def __init__(self, seed: int, max_delay_s: float = 0.004):
+    def __init__(self, seed: int, max_delay_s: float = 0.004, min_delay_s: float = 0.0):
         super().__init__()
         self.rng = random.Random(seed)
         self.max_delay_s = max_delay_s
+        self.min_delay_s = min_delay_s
         self.expected: Dict[str, List[torch.Tensor]] = {}
         self.violations: List[str] = []
         self.checked = 0
@@ -324,7 +325,7 @@ class CheckingStore(LocalHostKVStore):
 
     def _delay(self):
         with self._lock2:
-            d = self.rng.random() * self.max_delay_s
+            d = self.min_delay_s + self.rng.random() * (self.max_delay_s - self.min_delay_s)
         time.sleep(d)
 
     def put(self, keys, parts):
@@ -372,8 +373,12 @@ def test_reuse_never_overwrites_unsaved_content(ctx, seed):
 
 
 def test_negative_control_without_gates_the_check_fails(ctx):
-    """Same check with the slot gates bypassed: the next layer overwrites rows before the save."""
-    store = CheckingStore(0, max_delay_s=0.03)
+    """Same check with the slot gates bypassed: the next layer overwrites rows before the save.
+
+    Every save waits at least 0.3 s before it reads its rows, far longer than the next
+    layer takes to write the shared buffer even on a loaded machine, so without the
+    gates the overwrite always happens first (a random short delay made this flaky)."""
+    store = CheckingStore(0, max_delay_s=0.35, min_delay_s=0.3)
     h = LayerwiseHarness(lw_config(1, prefetch_depth=1), store=store, between=record_expected(store))
     try:
         gates = h.pool.gates

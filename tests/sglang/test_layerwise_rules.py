@@ -14,6 +14,8 @@ from sglang_ascend_offload.sglang_plugin import carrier, flags
 from sglang_ascend_offload.sglang_plugin.flags import RawFlags
 from sglang_ascend_offload.sglang_plugin.layerwise_rules import RULES, layerwise_violations
 
+from sglang_ascend_offload.testing.sglang_args import server_args_stub
+
 from conftest import REPO
 
 TINY_DSA_4L = REPO / "tests" / "fixtures" / "tiny_dsa_4l"
@@ -24,7 +26,7 @@ def view(**kw):
                 speculative_algorithm=None, enable_two_batch_overlap=False, enable_pdmux=False,
                 enable_hierarchical_cache=False, page_size=64)
     base.update(kw)
-    return SimpleNamespace(**base)
+    return server_args_stub(**base)  # every other server argument at SGLang's default
 
 
 def lw(**kw):

@@ -1,0 +1,280 @@
+"""What the plugin assumes about SGLang, written down once and checked loudly.
+
+The plugin leans on SGLang 0.5.23's internals: server-argument names, the names of
+resolution steps, the paths and signatures of the functions it wraps through
+``HookRegistry``. A rename in SGLang must stop startup with a message naming what
+changed, never let a rule pass silently (``getattr(args, name, default)`` would
+return the default for a renamed field and a safety rule would not fire).
+
+* :data:`SERVER_ARGS` -- every server argument the plugin reads, with why; each must
+  be a field of ``ServerArgs``.
+* :func:`arg` -- the strict reader: reads a server argument listed there; a missing
+  attribute is :class:`SGLangIncompatible` naming it and the SGLang version.
+* :data:`HOOKED` -- every SGLang callable the plugin wraps, with the parameters its
+  wrapper relies on; :data:`RESOLUTION_STEPS` -- the resolution steps it wraps, and
+  :data:`VALIDATION_STEP` must stay SGLang's last one (the plugin validates the fully
+  resolved arguments there).
+* :func:`problems` / :func:`require_compatible` -- resolve and check all of it; run
+  by the validation step before anything else, so an incompatible SGLang stops the
+  launch with every difference listed.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+from .. import SUPPORTED_SGLANG_VERSION
+
+__all__ = ["SGLangIncompatible", "SERVER_ARGS", "HOOKED", "RESOLUTION_STEPS", "VALIDATION_STEP", "arg",
+           "problems", "require_compatible", "resolve_path", "last_resolution_step"]
+
+VALIDATION_STEP = "validate_deepep_v2_dispatch_token_budget"
+
+# The resolution steps the plugin wraps (resolution.py), all overridable by name.
+RESOLUTION_STEPS: Tuple[str, ...] = ("handle_cpu_backends", "handle_npu_backends",
+                                     "handle_model_specific_adjustments", VALIDATION_STEP)
+
+# Server argument -> what the plugin reads it for.
+SERVER_ARGS: Dict[str, str] = {
+    "attention_backend": "our backend is selected / required",
+    "prefill_attention_backend": "a per-phase backend other than ours cannot serve offload",
+    "decode_attention_backend": "a per-phase backend other than ours cannot serve offload",
+    "cuda_graph_config": "graph mode per phase (layerwise reuse and KVPP need eager / piecewise)",
+    "disable_cuda_graph": "graph mode",
+    "enable_hisparse": "one sparse-attention offload per server",
+    "speculative_algorithm": "draft workers are not wired into the offload pools",
+    "speculative_adaptive": "the seeds need a fixed speculative token count",
+    "enable_two_batch_overlap": "interleaved forwards break the layerwise gates",
+    "enable_pdmux": "interleaved forwards break the layerwise gates",
+    "enable_hierarchical_cache": "HiCache owns the layer counter",
+    "pp_size": "PP is rejected / planned per model",
+    "page_size": "hot_tokens and store blocks are pages",
+    "device": "cpu / npu / cuda",
+    "kv_cache_dtype": "main KV must be bf16",
+    "tp_size": "TP group, P/D ratio, KVPP group",
+    "dp_size": "DP replicas",
+    "attn_dp_size": "attention DP groups (one host pool each)",
+    "enable_dp_attention": "old spelling of attention DP",
+    "attn_cp_size": "context parallelism is rejected",
+    "enable_prefill_cp": "prefill context parallelism is rejected",
+    "dcp_size": "DCP is rejected (KVPP, sparse decode)",
+    "disaggregation_mode": "P/D role",
+    "disaggregation_transfer_backend": "P/D backend",
+    "max_running_requests": "hot-buffer rows in the startup memory check",
+    "max_total_tokens": "host-pool tokens in the startup memory check",
+    "model_path": "trace metadata",
+    "enable_metrics": "Prometheus counters",
+}
+
+
+@dataclass(frozen=True)
+class Hooked:
+    """One SGLang callable the plugin wraps: its dotted path and the parameter names
+    the wrapper passes through (they must all exist in SGLang's signature)."""
+
+    path: str
+    params: Tuple[str, ...]
+    why: str
+    signature_of: str = ""  # where the parameters are declared, when ``path`` takes ``*args``
+
+
+def _hooked() -> Tuple[Hooked, ...]:
+    from . import hooks, kvpp_sizing, layerwise_sizing
+    from .disagg import install as pd_install
+
+    return (
+        Hooked(hooks._TARGET_ADD_CLI, ("parser",), "the plugin's flags"),
+        Hooked(hooks._TARGET_FROM_CLI, ("args",), "keep the plugin's flag values"),
+        Hooked(hooks._TARGET_POOL, ("sizes", "is_dsa_model", "is_dsv4_model", "req_to_token_pool"),
+               "build the plugin's KV pools"),
+        Hooked(hooks._TARGET_INDEXER, ("x", "q_lora", "positions", "forward_batch", "layer_id", "return_indices"),
+               "the CPU indexer forward", signature_of=hooks._TARGET_INDEXER.replace("forward_native", "forward_cuda")),
+        Hooked(layerwise_sizing.TARGET, ("self",), "per-token KV bytes of the layerwise pool"),
+        Hooked(kvpp_sizing.TARGET, ("self",), "per-token KV bytes of the KVPP pool"),
+        Hooked(pd_install._TARGET_GET_KV_CLASS, (), "the ascend_offload P/D classes"),
+        Hooked(pd_install._TARGET_CONFIG_STORE, (), "MemFabric config store"),
+        Hooked(pd_install._TARGET_PREFILL_MANAGER, ("self",), "the prefill KV manager"),
+        Hooked(pd_install._TARGET_DECODE_MANAGER, ("self",), "the decode KV manager"),
+        Hooked(pd_install._TARGET_RUN_BATCH, ("self", "batch"), "announce last chunks to the layerwise publisher"),
+    )
+
+
+HOOKED = _hooked  # called lazily: the table imports the modules that define the paths
+
+
+class SGLangIncompatible(RuntimeError):
+    """The installed SGLang differs from what the plugin was written against."""
+
+
+def installed_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:  # noqa: BLE001
+        return "(not installed)"
+
+
+def _incompatible(what: str) -> SGLangIncompatible:
+    return SGLangIncompatible(f"{what} (SGLang {installed_version()} is installed; sglang-ascend-offload "
+                              f"was written against SGLang {SUPPORTED_SGLANG_VERSION})")
+
+
+def arg(args: Any, name: str) -> Any:
+    """Server argument ``name`` of ``args`` (ServerArgs, its resolving view, or a test
+    stand-in). ``name`` must be in :data:`SERVER_ARGS`; a missing attribute raises
+    :class:`SGLangIncompatible` (never a default)."""
+    if name not in SERVER_ARGS:
+        raise KeyError(f"compat.arg({name!r}): add {name!r} to compat.SERVER_ARGS with the reason it is read")
+    try:
+        return getattr(args, name)
+    except AttributeError:
+        raise _incompatible(f"SGLang's server arguments have no {name!r} (read for: {SERVER_ARGS[name]})") from None
+
+
+def resolve_path(path: str) -> Any:
+    """The object at a dotted ``module.attr.attr`` path (longest importable module prefix)."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(f"no importable module in {path!r}")
+
+
+def last_resolution_step() -> str:
+    """Name of the last step ``run_resolution_pipeline`` runs (from its source)."""
+    from sglang.srt.arg_groups import pipeline
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(pipeline.run_resolution_pipeline)))
+    names = [node.args[0].id for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "run_hook"
+             and node.args and isinstance(node.args[0], ast.Name)]
+    linenos = {node.args[0].id: node.lineno for node in ast.walk(tree)
+               if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "run_hook"
+               and node.args and isinstance(node.args[0], ast.Name)}
+    if not names:
+        raise _incompatible("run_resolution_pipeline calls no run_hook(step, ...)")
+    return max(linenos, key=linenos.get)
+
+
+# Attributes SGLang's NPU MLA pool ``__init__`` sets that the plugin's pools set
+# themselves after ``DeviceDSAPool._init_without_buffers`` (each pool places its KV).
+POOL_BUFFERS = frozenset({"k_buffer", "v_buffer", "index_k_buffer"})
+
+
+def assigned_self_attributes(fn: Any) -> set:
+    """Names ``X`` of every ``self.X = ...`` (or annotated / augmented) in ``fn``'s source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self":
+                    names.add(sub.attr)
+    return names
+
+
+def pool_attributes_not_set(init_without_buffers: Any = None) -> List[str]:
+    """Attributes SGLang's NPU MLA pool ``__init__`` (and the ``__init__`` chain it calls
+    through ``super()``) sets that ``init_without_buffers`` (default
+    ``DeviceDSAPool._init_without_buffers``, plus ``KVCache.__init__`` which it calls)
+    does not, buffers excepted (:data:`POOL_BUFFERS`)."""
+    from sglang.srt.mem_cache.memory_pool import KVCache
+
+    from .pool import DeviceDSAPool
+
+    fn = init_without_buffers or DeviceDSAPool._init_without_buffers
+    parent: set = set()
+    for cls in DeviceDSAPool.__mro__[1:]:
+        if cls is KVCache:
+            break
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        parent |= assigned_self_attributes(init)
+        if "super().__init__" not in inspect.getsource(init):
+            break
+    ours = assigned_self_attributes(fn) | assigned_self_attributes(KVCache.__init__)
+    return sorted(parent - ours - POOL_BUFFERS)
+
+
+def _server_arg_fields() -> set:
+    from sglang.srt.server_args import ServerArgs
+
+    fields = getattr(ServerArgs, "__struct_fields__", None)
+    if fields is None:
+        fields = [n for c in ServerArgs.__mro__ for n in getattr(c, "__annotations__", {})]
+    return set(fields)
+
+
+def problems() -> List[str]:
+    """Every difference between the installed SGLang and this module's tables."""
+    out: List[str] = []
+    try:
+        fields = _server_arg_fields()
+        out += [f"ServerArgs has no field {name!r} (read for: {why})" for name, why in SERVER_ARGS.items()
+                if name not in fields]
+    except Exception as exc:  # noqa: BLE001
+        out.append(f"cannot read ServerArgs' fields: {exc}")
+    for target in HOOKED():
+        try:
+            obj = resolve_path(target.path)
+        except Exception as exc:  # noqa: BLE001
+            out.append(f"hook target {target.path} not found ({type(exc).__name__}: {exc}); used for {target.why}")
+            continue
+        try:
+            params = set(inspect.signature(resolve_path(target.signature_of) if target.signature_of else obj).parameters)
+        except (AttributeError, ImportError) as exc:
+            out.append(f"{target.signature_of} not found ({exc}); it declares the parameters of {target.path}")
+            continue
+        except (TypeError, ValueError):
+            continue  # builtins without a signature (torch.cuda.*): existence is what we rely on
+        missing = [p for p in target.params if p not in params]
+        if missing:
+            out.append(f"hook target {target.path} lost parameter(s) {missing} (has {sorted(params)}); "
+                       f"used for {target.why}")
+    try:
+        from sglang.srt.arg_groups import resolution_hooks
+
+        allowed = getattr(resolution_hooks, "_OVERRIDABLE_HOOKS", None)
+        if allowed is not None:
+            out += [f"resolution step {name!r} is no longer overridable" for name in RESOLUTION_STEPS
+                    if name not in allowed]
+        last = last_resolution_step()
+        if last != VALIDATION_STEP:
+            out.append(f"the last resolution step is {last!r}, not {VALIDATION_STEP!r}: the plugin would "
+                       "validate arguments that later steps still change")
+    except Exception as exc:  # noqa: BLE001
+        out.append(f"cannot inspect SGLang's resolution pipeline: {exc}")
+    try:
+        missing = pool_attributes_not_set()
+        if missing:
+            out.append(f"SGLang's NPU MLA pool now sets {missing} in __init__, which "
+                       "DeviceDSAPool._init_without_buffers does not: the plugin's pools would lack them")
+    except Exception as exc:  # noqa: BLE001
+        out.append(f"cannot inspect SGLang's NPU MLA pool: {exc}")
+    return out
+
+
+def require_compatible() -> None:
+    """Raise :class:`SGLangIncompatible` listing every problem (no-op when none)."""
+    found = problems()
+    if found:
+        lines = "\n".join(f"  - {p}" for p in found)
+        raise _incompatible(f"SGLang differs from what sglang-ascend-offload hooks:\n{lines}\n")

@@ -1,0 +1,103 @@
+"""The plugin's assumptions about SGLang hold on the installed SGLang, and each check
+fails when its assumption is broken on purpose (the negative controls below)."""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_ascend_offload import config as cfg
+from sglang_ascend_offload.sglang_plugin import compat, flags
+from sglang_ascend_offload.testing.sglang_args import server_args_stub
+
+from conftest import TINY_DSA
+
+
+def test_installed_sglang_matches_every_assumption():
+    assert compat.problems() == []
+    assert compat.last_resolution_step() == compat.VALIDATION_STEP
+    assert compat.pool_attributes_not_set() == []
+
+
+def test_each_hook_target_resolves_with_its_parameters():
+    for target in compat.HOOKED():
+        obj = compat.resolve_path(target.path)
+        assert callable(obj), target.path
+
+
+def test_renamed_server_argument_is_reported(monkeypatch):
+    monkeypatch.setitem(compat.SERVER_ARGS, "attn_dp_size_renamed", "negative control")
+    assert any("attn_dp_size_renamed" in p for p in compat.problems())
+
+
+def test_moved_hook_target_and_lost_parameter_are_reported(monkeypatch):
+    real = compat.HOOKED()
+    moved = compat.Hooked(real[2].path.replace("_build_token_to_kv_pool", "_build_pool_v2"), (), "negative control")
+    lost = compat.Hooked(real[2].path, real[2].params + ("is_dsv5_model",), "negative control")
+    monkeypatch.setattr(compat, "HOOKED", lambda: (moved, lost))
+    found = compat.problems()
+    assert any("_build_pool_v2 not found" in p for p in found), found
+    assert any("lost parameter(s) ['is_dsv5_model']" in p for p in found), found
+
+
+def test_validation_step_must_stay_last(monkeypatch):
+    from sglang.srt.arg_groups import pipeline
+
+    real = pipeline.run_resolution_pipeline
+
+    def run_resolution_pipeline(server_args):  # the real steps, plus one SGLang might add later
+        real(server_args)
+        run_hook(handle_something_new, server_args)  # noqa: F821 - parsed, never run
+
+    monkeypatch.setattr(pipeline, "run_resolution_pipeline", run_resolution_pipeline)
+    monkeypatch.setattr(inspect, "getsource", lambda fn, _orig=inspect.getsource: (
+        textwrap.dedent(_orig(real)).rstrip() + "\n    run_hook(handle_something_new, server_args)\n"
+        if fn is run_resolution_pipeline else _orig(fn)))
+    assert compat.last_resolution_step() == "handle_something_new"
+    assert any("not 'validate_deepep_v2_dispatch_token_budget'" in p for p in compat.problems())
+
+
+def test_pool_attribute_added_by_sglang_is_reported():
+    from sglang_ascend_offload.sglang_plugin.pool import DeviceDSAPool
+
+    source = textwrap.dedent(inspect.getsource(DeviceDSAPool._init_without_buffers))
+    assert "self.indexer_hadamard_128 = None" in source
+    namespace: dict = {}
+    exec(compile("from typing import Optional\nimport torch\nfrom sglang.srt.mem_cache.memory_pool import KVCache\n"
+                 + source.replace("self.indexer_hadamard_128 = None", "pass"), "<mutated>", "exec"), namespace)
+    mutated = namespace["_init_without_buffers"]
+    mutated.__source__ = source
+    original_getsource = inspect.getsource
+    try:
+        inspect.getsource = lambda fn: (source.replace("self.indexer_hadamard_128 = None", "pass")
+                                        if fn is mutated else original_getsource(fn))
+        assert compat.pool_attributes_not_set(mutated) == ["indexer_hadamard_128"]
+    finally:
+        inspect.getsource = original_getsource
+
+
+def test_strict_reader_names_the_field_and_version():
+    assert compat.arg(server_args_stub(tp_size=4), "tp_size") == 4
+    with pytest.raises(compat.SGLangIncompatible, match=r"no 'attn_dp_size'.*SGLang 0\.5\.23"):
+        compat.arg(SimpleNamespace(tp_size=4), "attn_dp_size")
+    with pytest.raises(KeyError, match="add 'not_listed' to compat.SERVER_ARGS"):
+        compat.arg(server_args_stub(), "not_listed")
+    with pytest.raises(TypeError, match="not SGLang server arguments"):
+        server_args_stub(tp_sise=2)
+
+
+def test_incompatibility_stops_startup_with_every_problem(plugins_loaded, clean_state, monkeypatch):
+    from sglang.srt.server_args import ServerArgs
+
+    monkeypatch.setitem(compat.SERVER_ARGS, "renamed_one", "negative control")
+    monkeypatch.setitem(compat.SERVER_ARGS, "renamed_two", "negative control")
+    flags.remember(flags.RawFlags(enabled={"sparse_decode": True}, configs={"sparse_decode": "{}"}))
+    sa = ServerArgs(model_path=str(TINY_DSA), device="cpu", load_format="dummy", skip_tokenizer_init=True,
+                    disable_cuda_graph=True, max_running_requests=4)
+    with pytest.raises(cfg.ConfigError) as info:
+        sa.resolve_once()
+    compat_problems = [v.problem for v in info.value.violations if v.rule == "sglang.compat"]
+    assert any("renamed_one" in p for p in compat_problems) and any("renamed_two" in p for p in compat_problems)
