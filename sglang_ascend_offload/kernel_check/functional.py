@@ -1,0 +1,417 @@
+"""The kernels' logic on CPU: the functional model against the reference compositions.
+
+Each case builds the inputs of one decode step, runs the kernel in the functional model
+(:mod:`.model`: the kernel's own C++, its host tiling, its per-core loops and branches)
+and the reference composition of ``sglang_ascend_offload/ops/fused.py`` on copies of
+the same state, and compares:
+
+* LIM / LIM-C8: ``topk_indices``, ``sparse_indices``, every residency output and the
+  mutated state (``slot_token``, ``slot_stamp``, ``row_req``) **bit-exactly** (the
+  residency half is given the reference indexer's top-k only through the comparison:
+  the kernel computes its own). Indexer inputs are drawn on a grid where float32
+  arithmetic is exact in any order (bf16 values ``i/4``, ``|i| <= 4``; int8 values
+  ``|i| <= 15`` with power-of-two fp16 scales; weights ``j/8``), so the kernel's scores
+  equal the reference's exactly and its top-k order, ties included, must too.
+* Copy-SFA: the hot buffer after the miss copies bit-exactly (as int16 words, NaN
+  garbage in unselected slots included), the attention output within
+  ``ATTN_ATOL + ATTN_RTOL * |ref|`` (bf16 probabilities before P.V and a different
+  summation order; ``max_abs_err`` is reported).
+
+Scenarios: several steps of rows that churn between requests, go idle, keep a
+speculative last position, with padding query tokens (``token_rows == -1`` and tokens
+past the last cumulative length), a repeated step (rows with no misses), ``sparse_mode``
+0 and 3, a few simulated core counts (cores taking several tokens / rows) and vector
+cores run in forward and reversed order (the result must not change), and one case per
+kernel at the largest shape the tiling allows. See docs/fused_ops.md for what this does
+not prove.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..ops import fused
+from ..sparse_decode.residency import ResidencyTable
+from . import model as km
+
+ATTN_ATOL = 2e-2
+ATTN_RTOL = 2e-2
+
+
+@dataclass
+class KernelResult:
+    """Functional result of one kernel: ``cases`` compared, all bit-exact comparisons
+    held (``bit_exact``), worst attention error (``max_abs_err``, 0.0 for index-only
+    kernels), ``failures`` (human-readable), ``seconds``."""
+
+    name: str
+    cases: int = 0
+    bit_exact: bool = True
+    max_abs_err: float = 0.0
+    failures: List[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.cases > 0 and self.bit_exact and not self.failures
+
+
+# ------------------------------------------------------------------ scenario
+@dataclass(frozen=True)
+class LimDims:
+    rows: int = 6
+    hot_tokens: int = 160
+    top_k: int = 128
+    index_heads: int = 8
+    index_dim: int = 128
+    block_size: int = 32
+    max_len: int = 300
+    padding_tokens: int = 2
+    quantized: bool = False
+    sparse_mode: int = 3
+
+
+@dataclass
+class _Req:
+    rid: int
+    length: int
+    blocks: List[int]
+    host_slots: torch.Tensor
+
+
+class Scenario:
+    """Multi-step decode scenario with exact-arithmetic indexer inputs (module docstring)."""
+
+    def __init__(self, dims: LimDims, seed: int, churn: float = 0.25, idle: float = 0.2, spec: float = 0.3,
+                 min_len: Optional[int] = None):
+        self.d = dims
+        self.g = torch.Generator().manual_seed(seed)
+        self.churn, self.idle, self.spec = churn, idle, spec
+        self.min_len = min_len if min_len is not None else max(1, dims.top_k // 2)
+        nb = -(-dims.max_len // dims.block_size)
+        n_blocks = nb * dims.rows * 3 + 1
+        shape = (n_blocks, dims.block_size, 1, dims.index_dim)
+        if dims.quantized:
+            self.key = torch.randint(-15, 16, shape, generator=self.g, dtype=torch.int8)
+            exp = torch.randint(-7, -2, (n_blocks, dims.block_size, 1), generator=self.g)
+            self.key_scale = torch.pow(2.0, exp.to(torch.float32)).to(torch.float16)
+        else:
+            self.key = (torch.randint(-4, 5, shape, generator=self.g).to(torch.float32) / 4).to(torch.bfloat16)
+            self.key_scale = None
+        self.free_blocks = torch.randperm(n_blocks, generator=self.g).tolist()
+        self.host_rows = 4 * dims.rows * dims.max_len
+        self.free_host = torch.randperm(self.host_rows, generator=self.g).tolist()
+        self.rows: List[Optional[_Req]] = [None] * dims.rows
+        self.next_rid = 10
+        self.step = -1
+
+    def _rand(self) -> float:
+        return float(torch.rand((), generator=self.g))
+
+    def _new(self) -> _Req:
+        d = self.d
+        nb = -(-d.max_len // d.block_size)
+        blocks = [self.free_blocks.pop() for _ in range(nb)]
+        slots = torch.tensor([self.free_host.pop() for _ in range(d.max_len)], dtype=torch.int32)
+        length = int(torch.randint(self.min_len, max(self.min_len + 1, d.max_len * 2 // 3), (), generator=self.g))
+        self.next_rid += 1
+        return _Req(self.next_rid, length, blocks, slots)
+
+    def _release(self, r: _Req) -> None:
+        self.free_blocks.extend(r.blocks)
+        self.free_host.extend(r.host_slots.tolist())
+
+    def advance(self) -> None:
+        for i in range(self.d.rows):
+            r = self.rows[i]
+            if r is None:
+                if self._rand() > self.idle:
+                    self.rows[i] = self._new()
+            elif self._rand() < self.churn or r.length >= self.d.max_len:
+                self._release(r)
+                self.rows[i] = None if self._rand() < self.idle else self._new()
+            else:
+                r.length += 1
+
+    def inputs(self) -> Dict[str, object]:
+        """One step's LIM inputs (dict of CPU tensors and ints)."""
+        d = self.d
+        self.step += 1
+        active = [i for i in range(d.rows) if self.rows[i] is not None]
+        order = [active[i] for i in torch.randperm(len(active), generator=self.g).tolist()]
+        n_real = len(order)
+        n_tok = n_real + d.padding_tokens
+        # padding tokens: half are unmanaged tokens past the last cumulative length,
+        # the other half unmanaged tokens of no request at all (same thing for TND)
+        token_rows = torch.tensor(order + [-1] * d.padding_tokens, dtype=torch.int32)
+        nb = -(-d.max_len // d.block_size)
+        b = max(n_real, 1)
+        block_table = torch.zeros(b, nb, dtype=torch.int32)
+        kv_len = torch.zeros(b, dtype=torch.int32)
+        for t, r in enumerate(order):
+            block_table[t] = torch.tensor(self.rows[r].blocks, dtype=torch.int32)
+            kv_len[t] = self.rows[r].length
+        cu = torch.arange(1, b + 1, dtype=torch.int32) if n_real else torch.zeros(1, dtype=torch.int32)
+        hi, di = d.index_heads, d.index_dim
+        if d.quantized:
+            query = torch.randint(-15, 16, (n_tok, hi, di), generator=self.g, dtype=torch.int8)
+            exp = torch.randint(-7, -2, (n_tok, hi), generator=self.g)
+            query_scale = torch.pow(2.0, exp.to(torch.float32)).to(torch.float16)
+        else:
+            query = (torch.randint(-4, 5, (n_tok, hi, di), generator=self.g).to(torch.float32) / 4).to(torch.bfloat16)
+            query_scale = None
+        weights = (torch.randint(1, 9, (n_tok, hi), generator=self.g).to(torch.float32) / 8).to(torch.bfloat16)
+        req_ids = torch.full((d.rows,), -1, dtype=torch.int64)
+        stable = torch.zeros(d.rows, dtype=torch.int32)
+        token_table = torch.zeros(d.rows, d.max_len, dtype=torch.int32)
+        for i in range(d.rows):
+            r = self.rows[i]
+            if r is None:
+                continue
+            req_ids[i] = r.rid
+            stable[i] = r.length - (1 if self._rand() < self.spec else 0)
+            token_table[i] = r.host_slots
+        return dict(query=query, key=self.key, weights=weights, query_scale=query_scale, key_scale=self.key_scale,
+                    cu=cu, kv_len=kv_len, block_table=block_table, token_rows=token_rows, req_ids=req_ids,
+                    stable=stable, step=self.step, token_table=token_table)
+
+
+# ------------------------------------------------------------------- LIM
+def _reference_lim(inp, table: ResidencyTable, dims: LimDims) -> fused.IndexerManageResult:
+    common = dict(actual_seq_lengths_query=inp["cu"], actual_seq_lengths_key=inp["kv_len"],
+                  block_table=inp["block_table"], token_rows=inp["token_rows"], req_ids=inp["req_ids"],
+                  stable_len=inp["stable"], step=inp["step"], slot_token=table.slot_token,
+                  slot_stamp=table.slot_stamp, row_req=table.row_req, sparse_count=dims.top_k,
+                  sparse_mode=dims.sparse_mode)
+    if dims.quantized:
+        return fused.quant_lightning_indexer_manage(inp["query"], inp["key"], inp["weights"], inp["query_scale"],
+                                                    inp["key_scale"], **common)
+    return fused.lightning_indexer_manage(inp["query"], inp["key"], inp["weights"], **common)
+
+
+_POISON = -7  # outputs start as this; a value the kernel forgot to write shows up
+
+
+def _model_lim(m: km.KernelModel, inp, table: ResidencyTable, dims: LimDims,
+               core_order: Optional[List[int]] = None) -> Tuple[Dict[str, torch.Tensor], km.Launch]:
+    t = inp["token_rows"].shape[0]
+    r, hh = table.slot_token.shape
+    k = dims.top_k
+    launch = m.tile_lim(tokens=t, requests=inp["cu"].shape[0], index_heads=dims.index_heads,
+                        index_dim=dims.index_dim, block_size=dims.block_size,
+                        max_blocks=inp["block_table"].shape[1], rows=r, hot_tokens=hh, top_k=k,
+                        sparse_mode=dims.sparse_mode, quantized=dims.quantized)
+    i32 = torch.int32
+    out = dict(topk=torch.full((t, 1, k), _POISON, dtype=i32), sparse=torch.full((t, 1, k), _POISON, dtype=i32),
+               hit_mask=torch.full((r, k), 7, dtype=torch.uint8), slots=torch.full((r, k), _POISON, dtype=i32),
+               miss_count=torch.full((r,), _POISON, dtype=i32), miss_tokens=torch.full((r, k), _POISON, dtype=i32),
+               miss_slots=torch.full((r, k), _POISON, dtype=i32))
+    step = torch.tensor([inp["step"]], dtype=torch.int64)
+    head = [inp["query"], inp["key"], inp["weights"]]
+    if dims.quantized:
+        head += [inp["query_scale"].contiguous(), inp["key_scale"].contiguous()]
+    args = head + [inp["cu"], inp["kv_len"], inp["block_table"], inp["token_rows"], inp["req_ids"], inp["stable"],
+                   step, table.slot_token, table.slot_stamp, table.row_req, out["topk"], out["sparse"],
+                   out["hit_mask"], out["slots"], out["miss_count"], out["miss_tokens"], out["miss_slots"]]
+    m.run(km.LIM_C8 if dims.quantized else km.LIM, args, launch, core_order)
+    return out, launch
+
+
+def _compare_lim(got: Dict[str, torch.Tensor], ref: fused.IndexerManageResult, t_got: ResidencyTable,
+                 t_ref: ResidencyTable) -> List[str]:
+    bad = []
+    pairs = [("topk_indices", got["topk"], ref.topk_indices), ("sparse_indices", got["sparse"], ref.sparse_indices),
+             ("hit_mask", got["hit_mask"].to(torch.bool) if got["hit_mask"].max() <= 1 else got["hit_mask"],
+              ref.residency.hit_mask),
+             ("slots", got["slots"], ref.residency.slots), ("miss_count", got["miss_count"], ref.residency.miss_count),
+             ("miss_tokens", got["miss_tokens"], ref.residency.miss_tokens),
+             ("miss_slots", got["miss_slots"], ref.residency.miss_slots),
+             ("slot_token", t_got.slot_token, t_ref.slot_token), ("slot_stamp", t_got.slot_stamp, t_ref.slot_stamp),
+             ("row_req", t_got.row_req, t_ref.row_req)]
+    for name, a, b in pairs:
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            where = ""
+            if a.shape == b.shape and a.dtype == b.dtype:
+                idx = torch.nonzero(a != b)
+                where = f" first difference at {idx[0].tolist()}: kernel {a[tuple(idx[0])].item()} vs " \
+                        f"reference {b[tuple(idx[0])].item()} ({idx.shape[0]} entries differ)"
+            else:
+                where = f" kernel {a.dtype}{tuple(a.shape)} vs reference {b.dtype}{tuple(b.shape)}"
+            bad.append(f"{name} differs:{where}")
+    return bad
+
+
+def check_lim(m: km.KernelModel, quantized: bool, *, seed: int = 0, steps: int = 4,
+              largest: bool = True) -> KernelResult:
+    """LIM (or LIM-C8) over the scenarios of the module docstring."""
+    res = KernelResult("sao_quant_lightning_indexer_manage" if quantized else "sao_lightning_indexer_manage")
+    t0 = time.monotonic()
+    configs = [
+        (LimDims(quantized=quantized), 24, seed),                                   # many cores: one token each
+        (LimDims(quantized=quantized, sparse_mode=0, block_size=64, hot_tokens=128), 1, seed + 1),  # 2 cores
+        (LimDims(quantized=quantized, top_k=32, hot_tokens=64, block_size=32, rows=5, max_len=120,
+                 index_heads=16), 2, seed + 2),
+    ]
+    if largest:
+        configs.append((LimDims(quantized=quantized, rows=2, hot_tokens=4096, top_k=2048, index_heads=64,
+                                block_size=128, max_len=6144, padding_tokens=1), 1, seed + 3))
+    for dims, aic, s in configs:
+        big = dims.top_k == 2048
+        m.aic = aic
+        sc = Scenario(dims, s, churn=0.0 if big else 0.25, idle=0.0 if big else 0.2,
+                      min_len=4200 if big else None)
+        table = ResidencyTable.empty(dims.rows, dims.hot_tokens)
+        n_steps = 2 if big else steps
+        prev = None
+        for st in range(n_steps + 1):
+            if st < n_steps:
+                sc.advance()
+                inp = sc.inputs()
+            else:  # the same step again (next step id), nothing speculative: every selected position hits
+                inp = dict(prev)
+                inp["step"] = prev["step"] + 1
+                inp["stable"] = torch.tensor([r.length if r is not None else 0 for r in sc.rows], dtype=torch.int32)
+            prev = inp
+            t_ref, t_fwd, t_rev = table.clone(), table.clone(), table.clone()
+            ref = _reference_lim(inp, t_ref, dims)
+            label = f"{'C8 ' if quantized else ''}dims={dims} aic={aic} step={inp['step']}"
+            try:
+                got, launch = _model_lim(m, inp, t_fwd, dims)
+                cores = launch.block_dim * km.TASK_RATION
+                got_rev, _ = _model_lim(m, inp, t_rev, dims, list(reversed(range(cores))))
+            except km.ModelFault as exc:
+                res.failures.append(f"{label}: model fault: {exc}")
+                res.bit_exact = False
+                break
+            bad = _compare_lim(got, ref, t_fwd, t_ref)
+            bad += [f"reversed core order: {b}" for b in _compare_lim(got_rev, ref, t_rev, t_ref)]
+            if st == n_steps and int(ref.residency.miss_count.clamp(min=0).sum()) != 0:
+                bad.append("repeated step still has misses (scenario error)")
+            if bad:
+                res.bit_exact = False
+                res.failures += [f"{label}: {b}" for b in bad[:4]]
+            res.cases += 1
+            table = t_ref
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+# --------------------------------------------------------------- Copy-SFA
+def _sfa_case(m: km.KernelModel, *, seed: int, heads: int, top_k: int, hot_tokens: int, rows: int,
+              tokens: int, aic: int, res: KernelResult, label: str, pad_rows_with_no_miss: bool = True) -> None:
+    """One Copy-SFA launch on LIM-like inputs built directly (slots drawn per row)."""
+    g = torch.Generator().manual_seed(seed)
+    dl, dr = 512, 64
+    d = dl + dr
+    max_ctx = hot_tokens + top_k
+    host_rows = rows * max_ctx
+    host = torch.randn(host_rows, d, generator=g).to(torch.bfloat16)
+    # hot buffer: garbage everywhere (NaN words included) except what is resident
+    hot = torch.randint(-32768, 32767, (rows, hot_tokens, d), generator=g, dtype=torch.int16).view(torch.bfloat16)
+    token_table = torch.randperm(host_rows, generator=g)[: rows * max_ctx].reshape(rows, max_ctx).to(torch.int32)
+    # resident slots hold their host rows (the invariant the engine keeps)
+    slot_pos = torch.stack([torch.randperm(max_ctx, generator=g)[:hot_tokens] for _ in range(rows)])
+    for r in range(rows):
+        hot[r] = host[token_table[r, slot_pos[r]].long()]
+    token_rows = torch.full((tokens,), -1, dtype=torch.int32)
+    owners = torch.randperm(rows, generator=g)[: min(tokens, rows)]
+    token_rows[: owners.numel()] = owners.to(torch.int32)
+    token_rows = token_rows[torch.randperm(tokens, generator=g)]
+    sparse = torch.full((tokens, 1, top_k), -1, dtype=torch.int32)
+    miss_tokens = torch.full((rows, top_k), -1, dtype=torch.int32)
+    miss_slots = torch.full((rows, top_k), -1, dtype=torch.int32)
+    miss_count = torch.zeros(rows, dtype=torch.int32)
+    for t in range(tokens):
+        r = int(token_rows[t])
+        if r < 0:
+            continue
+        n_valid = int(torch.randint(0, top_k + 1, (), generator=g)) if t % 3 else top_k
+        slots = torch.randperm(hot_tokens, generator=g)[:n_valid]
+        n_miss = 0 if (pad_rows_with_no_miss and t % 4 == 1) else int(torch.randint(0, n_valid + 1, (), generator=g))
+        # misses: new positions (not resident) land in some of the selected slots
+        miss_sel = slots[:n_miss]
+        new_pos = torch.arange(hot_tokens, max_ctx)[torch.randperm(max_ctx - hot_tokens, generator=g)][:n_miss]
+        if n_miss > new_pos.numel():
+            n_miss = new_pos.numel()
+            miss_sel = slots[:n_miss]
+        miss_tokens[r, :n_miss] = new_pos[:n_miss].to(torch.int32)
+        miss_slots[r, :n_miss] = miss_sel.to(torch.int32)
+        miss_count[r] = n_miss
+        order = torch.randperm(top_k, generator=g)[:n_valid]  # -1 entries interleaved
+        sparse[t, 0, order] = (r * hot_tokens + slots).to(torch.int32)
+    query = (torch.randn(tokens, heads, dl, generator=g) * 0.5).to(torch.bfloat16)
+    query_rope = (torch.randn(tokens, heads, dr, generator=g) * 0.5).to(torch.bfloat16)
+    scale = float(d) ** -0.5
+
+    hot_ref = hot.clone()
+    ref = fused.copy_sparse_flash_attention(query, host, hot_ref, sparse, scale, query_rope=query_rope,
+                                            token_rows=token_rows, miss_tokens=miss_tokens, miss_slots=miss_slots,
+                                            miss_count=miss_count, token_table=token_table)
+    # host side of torch_ops.cpp: fewer than 8 heads are zero-padded
+    np_ = max(heads, 8)
+    q, qr = query, query_rope
+    if np_ != heads:
+        q = torch.cat([query, torch.zeros(tokens, np_ - heads, dl, dtype=query.dtype)], 1).contiguous()
+        qr = torch.cat([query_rope, torch.zeros(tokens, np_ - heads, dr, dtype=query.dtype)], 1).contiguous()
+    m.aic = aic
+    outs = []
+    for reverse in (False, True):
+        hot_k = hot.clone()
+        out = torch.full((tokens, np_, dl), float("nan"), dtype=torch.bfloat16)
+        launch = m.tile_copy_sfa(tokens=tokens, heads=np_, latent_dim=dl, rope_dim=dr, rows=rows,
+                                 hot_tokens=hot_tokens, top_k=top_k, max_ctx=max_ctx, scale=scale)
+        cores = launch.block_dim * km.TASK_RATION
+        order = list(reversed(range(cores))) if reverse else None
+        try:
+            m.run(km.COPY_SFA, [q, qr, host, hot_k, sparse, token_rows, miss_tokens, miss_slots, miss_count,
+                                token_table, out], launch, order)
+        except km.ModelFault as exc:
+            res.failures.append(f"{label}: model fault: {exc}")
+            res.bit_exact = False
+            return
+        outs.append((hot_k, out[:, :heads]))
+    bad = []
+    for (hot_k, out), tag in zip(outs, ("", "reversed core order: ")):
+        if not torch.equal(hot_k.view(torch.int16), hot_ref.view(torch.int16)):
+            n = int((hot_k.view(torch.int16) != hot_ref.view(torch.int16)).any(-1).sum())
+            bad.append(f"{tag}hot buffer differs from the reference copy in {n} rows")
+            res.bit_exact = False
+        err = (out.float() - ref.float()).abs()
+        if not torch.isfinite(out.float()).all():
+            bad.append(f"{tag}attention output has non-finite values")
+        else:
+            res.max_abs_err = max(res.max_abs_err, float(err.max()) if err.numel() else 0.0)
+            tol = ATTN_ATOL + ATTN_RTOL * ref.float().abs()
+            if bool((err > tol).any()):
+                bad.append(f"{tag}attention out of tolerance: max abs err {float(err.max()):.3g}")
+    if not torch.equal(outs[0][1].view(torch.int16), outs[1][1].view(torch.int16)):
+        bad.append("attention output depends on the core order")
+    res.failures += [f"{label}: {b}" for b in bad]
+    res.cases += 1
+
+
+def check_copy_sfa(m: km.KernelModel, *, seed: int = 0, largest: bool = True) -> KernelResult:
+    res = KernelResult("sao_scatter_copy_sparse_flash_attention")
+    t0 = time.monotonic()
+    cases = [
+        dict(heads=8, top_k=128, hot_tokens=160, rows=5, tokens=6, aic=24),   # padding token, one token per core
+        dict(heads=16, top_k=256, hot_tokens=256, rows=4, tokens=5, aic=1),   # 2 cores: several tokens each
+        dict(heads=4, top_k=128, hot_tokens=128, rows=3, tokens=3, aic=2),    # heads padded to 8 on the host
+        dict(heads=32, top_k=128, hot_tokens=192, rows=3, tokens=4, aic=24),  # two head groups
+    ]
+    if largest:
+        cases.append(dict(heads=128, top_k=2048, hot_tokens=2048, rows=1, tokens=1, aic=24))
+    for i, c in enumerate(cases):
+        _sfa_case(m, seed=seed * 100 + i, res=res, label=f"Copy-SFA {c}", **c)
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+def run(seed: int = 0, largest: bool = True, use_cache: bool = True) -> List[KernelResult]:
+    m = km.KernelModel(km.build(use_cache))
+    return [check_lim(m, False, seed=seed, largest=largest), check_lim(m, True, seed=seed, largest=largest),
+            check_copy_sfa(m, seed=seed, largest=largest)]

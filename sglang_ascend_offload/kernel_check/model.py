@@ -1,0 +1,181 @@
+"""Build and call the functional model of the AscendC kernels (CPU, ctypes).
+
+``ascendc_ops/tools/ascendc_model/`` holds a model of the AscendC API the kernels use
+(``kernel_operator.h``, ``lib/matmul_intf.h``), stand-ins for the host tiling's platform
+and Matmul-tiling headers, and a driver. The kernels (``ascendc_ops/kernels/*.cpp``)
+and the host tiling (``ascendc_ops/host/tiling.cpp``) are compiled *unchanged* against
+them into one shared library (cached in ``ascendc_ops/build/kernel_check/model/`` by a
+hash of every source), which this module loads.
+
+:class:`KernelModel` takes torch CPU tensors, runs the host tiling for the shape (so the
+kernel reads the same tiling buffer the real launch would upload), allocates the
+workspace, and runs one launch on simulated cores (cube cores first, then the vector
+cores in a given order). Faults the model detects (UB / GM bounds, alignment,
+unbalanced flags, queue misuse) raise :class:`ModelFault`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import compile_check, headers as hdr
+
+MODEL_DIR = hdr.ASCENDC_OPS / "tools" / "ascendc_model"
+OUT_DIR = hdr.BUILD / "model"
+SOURCES = (
+    MODEL_DIR / "model_driver.cpp",
+    hdr.ASCENDC_OPS / "kernels" / "lightning_indexer_manage.cpp",
+    hdr.ASCENDC_OPS / "kernels" / "scatter_copy_sparse_flash_attention.cpp",
+    hdr.ASCENDC_OPS / "host" / "tiling.cpp",
+)
+LIM, LIM_C8, COPY_SFA = 0, 1, 2
+TASK_RATION = 2  # vector cores per cube core (MIX AIC:AIV 1:2)
+
+
+class ModelFault(RuntimeError):
+    """The model caught the kernel doing something the hardware does not allow."""
+
+
+class ShapeUnsupported(ValueError):
+    """The host tiling refused the shape (the message is the kernel limit it violates)."""
+
+
+def _all_sources() -> List[Path]:
+    files = list(SOURCES)
+    for folder, pattern in ((MODEL_DIR, "**/*.h"), (hdr.ASCENDC_OPS / "kernels", "*.h"),
+                            (hdr.ASCENDC_OPS / "include", "*.h"), (hdr.ASCENDC_OPS / "host", "*.h")):
+        files += sorted(folder.glob(pattern))
+    return files
+
+
+def _command(out: Path) -> List[str]:
+    return [compile_check.compiler(), "-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Werror=return-type",
+            "-I", str(MODEL_DIR), "-I", str(MODEL_DIR / "host"), "-I", str(hdr.ASCENDC_OPS / "include"),
+            "-I", str(hdr.ASCENDC_OPS / "kernels"), "-I", str(hdr.ASCENDC_OPS / "host"),
+            *[str(s) for s in SOURCES], "-o", str(out)]
+
+
+def build(use_cache: bool = True) -> Path:
+    """Compile the model library (or reuse the cached one with the same source hash)."""
+    h = hashlib.sha256()
+    h.update(" ".join(_command(Path("x"))).encode())
+    for f in _all_sources():
+        h.update(str(f).encode())
+        h.update(f.read_bytes())
+    out = OUT_DIR / f"libsao_model-{h.hexdigest()[:16]}.so"
+    if use_cache and out.is_file():
+        return out
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    res = subprocess.run(_command(tmp), capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError("building the functional model failed:\n" + res.stderr[:6000])
+    tmp.replace(out)
+    return out
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the host tiling produced: uint8 tiling buffer, workspace bytes, cube cores."""
+
+    tiling: torch.Tensor
+    workspace_bytes: int
+    block_dim: int
+
+
+class KernelModel:
+    """The loaded model library. ``aic_cores`` is the SoC's cube-core count the host
+    tiling sees (vector cores = 2x); small values make cores take several tokens/rows."""
+
+    def __init__(self, path: Optional[Path] = None, aic_cores: int = 24):
+        self.path = path or build()
+        self.lib = ctypes.CDLL(str(self.path))
+        self.aic = aic_cores
+        u32p, u8p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint8)
+        self.lib.sao_model_tiling_bytes.restype = ctypes.c_uint32
+        self.lib.sao_model_tile_lim.argtypes = [u32p, ctypes.c_uint32, ctypes.c_uint32, u8p,
+                                                ctypes.POINTER(ctypes.c_uint64), u32p, ctypes.c_char_p, ctypes.c_int]
+        self.lib.sao_model_tile_copy_sfa.argtypes = [u32p, ctypes.c_float, ctypes.c_uint32, ctypes.c_uint32, u8p,
+                                                     ctypes.POINTER(ctypes.c_uint64), u32p, ctypes.c_char_p,
+                                                     ctypes.c_int]
+        self.lib.sao_model_run.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                                           ctypes.c_uint32, ctypes.c_uint32, u32p, ctypes.c_int,
+                                           ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.c_char_p,
+                                           ctypes.c_int]
+        self.tiling_bytes = int(self.lib.sao_model_tiling_bytes())
+
+    # ------------------------------------------------------------------ tiling
+    def _tile(self, fn, shape: Sequence[int], *extra) -> Launch:
+        arr = (ctypes.c_uint32 * len(shape))(*shape)
+        tiling = torch.zeros(self.tiling_bytes, dtype=torch.uint8)
+        ws = ctypes.c_uint64(0)
+        bd = ctypes.c_uint32(0)
+        err = ctypes.create_string_buffer(1024)
+        rc = fn(arr, *extra, self.aic, self.aic * TASK_RATION,
+                ctypes.cast(tiling.data_ptr(), ctypes.POINTER(ctypes.c_uint8)), ctypes.byref(ws), ctypes.byref(bd),
+                err, len(err))
+        if rc == 1:
+            raise ShapeUnsupported(err.value.decode())
+        if rc != 0:
+            raise RuntimeError("host tiling failed: " + err.value.decode())
+        return Launch(tiling, int(ws.value), int(bd.value))
+
+    def tile_lim(self, *, tokens, requests, index_heads, index_dim, block_size, max_blocks, rows, hot_tokens,
+                 top_k, sparse_mode, quantized) -> Launch:
+        return self._tile(self.lib.sao_model_tile_lim,
+                          [tokens, requests, index_heads, index_dim, block_size, max_blocks, rows, hot_tokens,
+                           top_k, sparse_mode, int(quantized)])
+
+    def tile_copy_sfa(self, *, tokens, heads, latent_dim, rope_dim, rows, hot_tokens, top_k, max_ctx,
+                      scale) -> Launch:
+        shape = [tokens, heads, latent_dim, rope_dim, rows, hot_tokens, top_k, max_ctx]
+        arr = (ctypes.c_uint32 * len(shape))(*shape)
+        tiling = torch.zeros(self.tiling_bytes, dtype=torch.uint8)
+        ws, bd = ctypes.c_uint64(0), ctypes.c_uint32(0)
+        err = ctypes.create_string_buffer(1024)
+        rc = self.lib.sao_model_tile_copy_sfa(arr, ctypes.c_float(scale), self.aic, self.aic * TASK_RATION,
+                                              ctypes.cast(tiling.data_ptr(), ctypes.POINTER(ctypes.c_uint8)),
+                                              ctypes.byref(ws), ctypes.byref(bd), err, len(err))
+        if rc == 1:
+            raise ShapeUnsupported(err.value.decode())
+        if rc != 0:
+            raise RuntimeError("host tiling failed: " + err.value.decode())
+        return Launch(tiling, int(ws.value), int(bd.value))
+
+    # --------------------------------------------------------------------- run
+    def run(self, kernel: int, args: Sequence[Optional[torch.Tensor]], launch: Launch,
+            core_order: Optional[Sequence[int]] = None) -> None:
+        """One launch: ``args`` are the kernel's GM arguments in order (``None`` = nullptr),
+        the workspace and tiling are appended here. Every tensor must be contiguous."""
+        workspace = torch.empty(launch.workspace_bytes, dtype=torch.uint8)
+        tensors = list(args) + [workspace, launch.tiling]
+        ptrs = (ctypes.c_void_p * len(tensors))()
+        ranges = []
+        for i, t in enumerate(tensors):
+            if t is None:
+                ptrs[i] = None
+                continue
+            if not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"kernel argument {i} must be a contiguous CPU tensor")
+            ptrs[i] = t.data_ptr()
+            if t.numel():
+                ranges += [t.data_ptr(), t.numel() * t.element_size()]
+        cores = launch.block_dim * TASK_RATION
+        order = list(range(cores)) if core_order is None else list(core_order)
+        if sorted(order) != list(range(cores)):
+            raise ValueError(f"core_order must be a permutation of 0..{cores - 1}")
+        order_arr = (ctypes.c_uint32 * cores)(*order)
+        range_arr = (ctypes.c_uint64 * len(ranges))(*ranges)
+        err = ctypes.create_string_buffer(2048)
+        rc = self.lib.sao_model_run(kernel, ptrs, len(tensors), launch.block_dim, TASK_RATION, order_arr, cores,
+                                    range_arr, len(ranges) // 2, err, len(err))
+        if rc != 0:
+            raise ModelFault(err.value.decode())
