@@ -57,7 +57,7 @@ def kernel_specs() -> List[KernelSpec]:
         KernelSpec("residency_kernels", "_apply_kernel", dict(
             slot_token_ptr=ptr["i32"], slot_stamp_ptr=ptr["i64"], hit_mask_ptr=ptr["i8"], slots_ptr=ptr["i32"],
             miss_count_ptr=ptr["i32"], miss_tokens_ptr=ptr["i32"], miss_slots_ptr=ptr["i32"],
-            miss_entry_ptr=ptr["i32"], K="i32", H="i32", miss_stamp="i64", hit_stamp="i64",
+            miss_entry_ptr=ptr["i32"], stamps_ptr=ptr["i64"], K="i32", H="i32",
             BLOCK_K="constexpr"),
             dict(BLOCK_K=RES.apply_block_k(PROD_K))),
         KernelSpec("copy_kernels", "_copy_miss_rows_kernel", dict(

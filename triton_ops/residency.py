@@ -70,7 +70,8 @@ def residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req
     slot_token int32 ``[R,H]``, slot_stamp int64 ``[R,H]``, row_req int64 ``[R]``:
     the layer's state, contiguous, on one device, mutated in place. topk int32
     ``[R,K]`` (``-1`` padding), req_ids int64 ``[R]``, stable_len int32 ``[R]``
-    (other integer dtypes are converted), ``0 <= step``, ``H >= K``.
+    (other integer dtypes are converted), ``0 <= step`` (an int, or a 0-d int64 tensor:
+    the form a captured device graph replays with a new step), ``H >= K``.
     """
     return launch_residency_manage(slot_token, slot_stamp, row_req, topk, req_ids, stable_len, step)
 
@@ -89,9 +90,14 @@ def launch_residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, 
     if hot < k:
         raise ValueError(f"hot_tokens {hot} < top_k {k}: the hot buffer must hold at least one "
                          "top-k selection per row")
-    step = int(step)
-    if step < 0 or 2 * step + 2 > INT64_MAX:
-        raise ValueError(f"step={step}: must satisfy 0 <= step and 2*step+2 <= int64 max")
+    if isinstance(step, torch.Tensor):  # device-side step: nothing read on the host (graph capture)
+        stamps = step.reshape(1).to(device=device, dtype=torch.int64) * 2 + \
+            torch.arange(1, 3, dtype=torch.int64, device=device)
+    else:
+        step = int(step)
+        if step < 0 or 2 * step + 2 > INT64_MAX:
+            raise ValueError(f"step={step}: must satisfy 0 <= step and 2*step+2 <= int64 max")
+        stamps = torch.tensor([2 * step + 1, 2 * step + 2], dtype=torch.int64).to(device, non_blocking=True)
     reason = _launch.device_unusable(device)
     if reason is not None:
         raise RuntimeError(f"residency_manage (triton): {reason}")
@@ -130,8 +136,8 @@ def launch_residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, 
         block_k = config.apply_block_k(k)
         kern._apply_kernel[(rows, _launch.cdiv(k, block_k))](
             slot_token, slot_stamp, hit_mask.view(torch.int8), slots, miss_count,
-            miss_tokens, miss_slots, miss_entry,
-            k, hot, 2 * step + 1, 2 * step + 2,
+            miss_tokens, miss_slots, miss_entry, stamps,
+            k, hot,
             BLOCK_K=block_k,
         )
     return out

@@ -180,14 +180,15 @@ def _apply_kernel(
     miss_tokens_ptr,  # int32 [R, K]
     miss_slots_ptr,  # int32 [R, K]
     miss_entry_ptr,  # int32 [R, K]
+    stamps_ptr,  # int64 [2]: 2*step+1, 2*step+2 (device data: a captured graph replays any step)
     K,
     H,
-    miss_stamp,  # 2*step+1
-    hit_stamp,  # 2*step+2
     BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    miss_stamp = tl.load(stamps_ptr)
+    hit_stamp = tl.load(stamps_ptr + 1)
     in_k = col < K
     k_base = row * K
     h_base = row * H

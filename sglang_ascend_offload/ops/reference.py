@@ -434,7 +434,11 @@ def sparse_mla_attention(
         req = layout.request.clamp(min=0)
         rows = paged_rows(block_table.to(query.device), req, safe, key.shape[1])
     elif layout_kv == "flat":
-        if bool((indices >= latent.shape[0]).any()):
+        # Checked in CPU eager runs only: on a device (or while tracing for a graph) the
+        # check would be a host read of device data; an out-of-range row then fails in
+        # the gather itself.
+        if indices.device.type == "cpu" and not torch.compiler.is_compiling() and \
+                bool((indices >= latent.shape[0]).any()):
             raise ValueError(f"sparse_indices hold rows >= {latent.shape[0]} (the buffer's row count)")
         valid = indices >= 0
         rows = torch.where(valid, indices, torch.zeros_like(indices))

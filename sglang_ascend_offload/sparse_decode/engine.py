@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -57,7 +57,36 @@ from .policies import DEFAULT_POLICY, ResidencyManager, make_manager, uses_cpu_k
 from .residency import ResidencyStep, ResidencyTable, register_reference_ops
 from .stats import DecodeStats, StatsAccumulator
 
-__all__ = ["EngineConfig", "LayerResult", "PhaseTimes", "SparseDecodeEngine"]
+__all__ = ["EngineConfig", "LayerResult", "PhaseTimes", "SparseDecodeEngine", "decode_layer_step"]
+
+
+def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor,
+                      stable_len: torch.Tensor, step, host: torch.Tensor, hot: torch.Tensor,
+                      token_table: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor, scale: float,
+                      latent_dim: int, attention: Optional[Callable] = None) -> Tuple[torch.Tensor, ResidencyStep]:
+    """One layer of the offloaded decode step on the torch path, as a function of tensors.
+
+    manager: the layer's residency manager (any policy; its :meth:`step_rows`). rows
+    int64 ``[B]`` engine rows (real rows distinct; padding entries on a sink row with
+    ``req_ids = -1``); topk int32 ``[B,K]``; req_ids int64 ``[B]``; stable_len int32
+    ``[B]``; step an int or a 0-d int64 tensor; host ``[S,D]``; hot ``[R',H,D]`` (all
+    engine rows); token_table int32 ``[T, max_ctx]`` by engine row; query ``[B,N,Dl]``,
+    query_rope ``[B,N,Dr]``. Returns ``(output [B,N,Dl], ResidencyStep [B,...])``.
+    Static shapes, no host read of data: traceable by ``torch.compile(fullgraph=True)``
+    and capturable in a device graph (what ``tests/sparse_decode/test_sync_free.py``
+    holds). ``attention`` defaults to the reference ``sparse_mla_attention``.
+    """
+    res = manager.step_rows(rows, topk, req_ids, stable_len, step)
+    copy_miss_rows_rows(host, hot, rows, res.miss_tokens, res.miss_slots, res.miss_count, token_table)
+    h, d = hot.shape[1], hot.shape[2]
+    flat_idx = torch.where(res.slots >= 0, rows[:, None] * h + res.slots.to(torch.int64),
+                           torch.full_like(res.slots, -1, dtype=torch.int64)).to(torch.int32).unsqueeze(1)
+    flat = hot.view(-1, d)
+    if attention is None:
+        from ..ops.reference import sparse_mla_attention as attention
+    out = attention(query, flat[:, :latent_dim], None, flat_idx, scale, query_rope=query_rope,
+                    key_rope=flat[:, latent_dim:], layout_query="TND", layout_kv="flat")
+    return out, res
 
 
 @dataclass(frozen=True)

@@ -146,8 +146,6 @@ class LRUManager(ResidencyManager):
 
     def step(self, topk, req_ids, stable_len, step):
         t = self.table
-        if getattr(self.manage_op, "rung", "reference") != "reference" and isinstance(step, torch.Tensor):
-            step = int(step)  # the Triton launcher takes the step as an int
         return self.manage_op(t.slot_token, t.slot_stamp, t.row_req, topk, req_ids, stable_len, step)
 
 
