@@ -23,6 +23,7 @@ COMMANDS = {
 }
 BENCH_COMMANDS = {
     "decode": ("sglang_ascend_offload.bench.decode", "replay a top-k trace through the sparse decode engine"),
+    "kvpp": ("sglang_ascend_offload.bench.kvpp", "KVPP broadcast + prefetch over gloo: full-layer vs active-block"),
     "kernels": ("sglang_ascend_offload.bench.kernels", "Triton vs reference, per residency/copy kernel"),
     "prefill": ("sglang_ascend_offload.bench.prefill", "layerwise prefill pipeline: footprint and overlap"),
     "transfer": ("sglang_ascend_offload.bench.transfer", "P/D transfer engine throughput, overhead and faults"),

@@ -91,6 +91,7 @@ class BroadcastTransport:
         self.bytes_received = 0
         self.bytes_broadcast = 0  # payload of every broadcast this rank took part in
         self.active_blocks: Optional[torch.Tensor] = None
+        self._staging: Optional[torch.Tensor] = None
 
     def set_active_blocks(self, blocks: Optional[torch.Tensor]) -> None:
         """Blocks (int64 ids in ``0..num_blocks-1``, unique) the next broadcasts carry;
@@ -100,6 +101,13 @@ class BroadcastTransport:
             if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= self.storage.num_blocks):
                 raise ValueError(f"active blocks outside 0..{self.storage.num_blocks - 1}")
         self.active_blocks = blocks
+
+    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """A contiguous uint8 staging buffer of ``nbytes`` (reused: broadcasts run one at
+        a time on the transfer thread, and each scatters before returning)."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.storage.device)
+        return self._staging[:nbytes]
 
     def payload_bytes(self, layer: int) -> int:
         """Bytes one broadcast of ``layer`` moves with the current active set."""
@@ -128,18 +136,19 @@ class BroadcastTransport:
                 dist.broadcast(buf, src=self.group_ranks[owner], group=self.group)
             elif blocks.numel():
                 views = self._block_views(layer)
-                if is_owner:  # gather the active blocks of every component into one staging buffer
-                    buf = torch.cat([v.index_select(0, blocks).reshape(-1) for v in views])
-                else:
-                    buf = torch.empty(sum(v.shape[1] for v in views) * blocks.numel(), dtype=torch.uint8,
-                                      device=self.storage.device)
+                nb = blocks.numel()
+                buf = self._staging_buffer(sum(v.shape[1] for v in views) * nb)
+                pieces, cursor = [], 0
+                for v in views:
+                    pieces.append(buf[cursor:cursor + v.shape[1] * nb].view(nb, v.shape[1]))
+                    cursor += v.shape[1] * nb
+                if is_owner:  # gather the active blocks of every component into the staging buffer
+                    for v, piece in zip(views, pieces):
+                        torch.index_select(v, 0, blocks, out=piece)
                 dist.broadcast(buf, src=self.group_ranks[owner], group=self.group)
                 if not is_owner:  # scatter into the same blocks of the scratch copy
-                    cursor = 0
-                    for v in views:
-                        n = v.shape[1] * blocks.numel()
-                        v.index_copy_(0, blocks, buf[cursor:cursor + n].view(blocks.numel(), v.shape[1]))
-                        cursor += n
+                    for v, piece in zip(views, pieces):
+                        v.index_copy_(0, blocks, piece)
             else:
                 buf = torch.empty(0, dtype=torch.uint8)
             done = platform.new_event()

@@ -135,3 +135,28 @@ def test_broadcast_prefetch_across_processes(prefetch):
         assert broadcasts == 3 * NUM_LAYERS
         assert received == 3 * nbytes * (NUM_LAYERS - len(own.owned_by(rank)))
         assert allocated == nbytes * len(own.owned_by(rank)) + 2 * 2 * 1024 * 1024
+
+
+def test_bench_kvpp_json_keys_and_active_bytes():
+    """``bench kvpp --json``: one JSON document with exactly the issue's keys; active-block
+    bytes are active / pool x full-layer bytes (no metadata travels)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "sglang_ascend_offload", "bench", "kvpp", "--json", "--layers", "3",
+                          "--pool-blocks", "16", "--block-tokens", "4", "--fill", "0.25,1", "--repeats", "1",
+                          "--compute-ms", "0.5"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    runs = json.loads(out.stdout)["runs"]
+    keys = ["group", "layers", "mode", "pool_blocks", "active_blocks", "bytes_per_forward", "wall_s", "compute_s",
+            "broadcast_s", "wall_over_max"]
+    assert all(list(r) == keys for r in runs)
+    assert [(r["mode"], r["active_blocks"]) for r in runs] == [("full", 4), ("active", 4), ("full", 16),
+                                                                ("active", 16)]
+    per_block = sum(c.bytes_per_block for c in mla_bundle(block_size=4))
+    for r in runs:
+        blocks = r["pool_blocks"] if r["mode"] == "full" else r["active_blocks"]
+        assert r["bytes_per_forward"] == 3 * per_block * blocks
+        assert r["wall_s"] > 0
+        assert r["wall_over_max"] == pytest.approx(r["wall_s"] / max(r["compute_s"], r["broadcast_s"]), rel=2e-3)
