@@ -1,0 +1,210 @@
+"""SGLang servers on this machine, for tests and the served benchmarks.
+
+:class:`ServerProcess` launches ``python -m sglang.launch_server`` on 127.0.0.1 in its
+own session (so the whole process group can be stopped), on a port reserved by
+:mod:`.ports`, waits for ``/health`` with a deadline, restarts on a fresh port within
+seconds when its log reports that the port could not be bound, and stops its group
+(SIGTERM, then SIGKILL after a grace period).
+
+The tiny DeepSeek-V3.2-style models live in the source tree (``tests/fixtures``),
+so the served benchmarks run from a checkout, as the README's commands do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from .ports import DP_ATTENTION_PORT_SPAN, log_reports_bind_failure, reserve_port
+
+__all__ = ["REPO", "FIXTURES", "TINY_DSA", "TINY_DSA_4L", "CPU_SERVER_ARGS", "IDLE_SLEEP", "ServerProcess",
+           "PortInUse", "server_env", "stop_process_group", "stop_all", "fixture_args"]
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures"
+TINY_DSA = FIXTURES / "tiny_dsa"
+TINY_DSA_4L = FIXTURES / "tiny_dsa_4l"
+
+# What every CPU launch of a tiny DSA model needs (see docs/sglang_integration.md).
+CPU_SERVER_ARGS: List[str] = [
+    "--model-path", str(TINY_DSA),
+    "--load-format", "dummy",
+    "--skip-tokenizer-init",
+    "--device", "cpu",
+    "--disable-cuda-graph",
+    "--disable-overlap-schedule",
+    "--mem-fraction-static", "0.1",
+    "--max-total-tokens", "4096",
+    "--context-length", "2048",
+]
+# Colocated servers sleep when idle (SGLang's IdleSleeper waits on the tokenizer
+# socket instead of spinning), so several servers on 2 cores do not starve each other.
+# Not for P/D servers: their idle loop also polls transfers and would stall up to 1 s.
+IDLE_SLEEP = ["--sleep-on-idle"]
+STARTUP_TIMEOUT_S = float(os.environ.get("SGLANG_TEST_STARTUP_TIMEOUT", "240"))
+
+
+def fixture_args(model: Path) -> List[str]:
+    """:data:`CPU_SERVER_ARGS` with another fixture model."""
+    return [str(model) if a == str(TINY_DSA) else a for a in CPU_SERVER_ARGS]
+
+
+def server_env(cpu: bool = True) -> Dict[str, str]:
+    env = dict(os.environ)
+    if cpu:
+        env.update(SGLANG_USE_CPU_ENGINE="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0", OMP_NUM_THREADS="1")
+    else:
+        env.pop("SGLANG_USE_CPU_ENGINE", None)
+        env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    env.pop("SGLANG_ASCEND_OFFLOAD_CONFIG", None)
+    return env
+
+
+class PortInUse(RuntimeError):
+    """A server's log reported that one of its listening sockets could not bind."""
+
+
+class ServerProcess:
+    """One ``sglang.launch_server`` subprocess (own session; stopped as a group)."""
+
+    def __init__(self, extra_args: Sequence[str] = (), log_path: Optional[Path] = None,
+                 base_args: Sequence[str] = tuple(CPU_SERVER_ARGS), cpu: bool = True,
+                 env: Optional[Dict[str, str]] = None):
+        self.base_args = list(base_args)
+        self.extra_args = list(extra_args)
+        self.port_span = DP_ATTENTION_PORT_SPAN if "--enable-dp-attention" in self.extra_args else 1
+        self.port = reserve_port(self.port_span)
+        self.log_path = Path(log_path) if log_path else None
+        self.cpu = cpu
+        self.extra_env = dict(env or {})
+        self.proc: Optional[subprocess.Popen] = None
+        self.startup_s: Optional[float] = None
+
+    @property
+    def args(self) -> List[str]:
+        return [sys.executable, "-m", "sglang.launch_server", *self.base_args,
+                "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, attempts: int = 3) -> "ServerProcess":
+        """Launch and wait for ``/health``. A bind failure of the server's HTTP port
+        (seen in its log) restarts it on a fresh port within seconds, up to ``attempts``
+        times; a bind failure of another port given in ``extra_args`` fails at once."""
+        if self.log_path is None:
+            self.log_path = Path(tempfile.mkstemp(prefix="sglang_server_", suffix=".log")[1])
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once()
+            except PortInUse as exc:
+                if attempt == attempts or f"port {self.port} " not in str(exc):
+                    raise  # out of attempts, or a port fixed in extra_args: the caller chose it
+                self.port = reserve_port(self.port_span)
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> "ServerProcess":
+        with open(self.log_path, "wb") as log:
+            t0 = time.monotonic()
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**server_env(self.cpu), **self.extra_env}, cwd=REPO,
+                                         start_new_session=True)
+        deadline = t0 + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            failed = self._port_that_failed_to_bind()
+            if failed is not None:
+                self.stop()
+                raise PortInUse(f"port {failed} is in use (server port {self.port}); log: {self.log_path}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        self.startup_s = time.monotonic() - t0
+                        return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {STARTUP_TIMEOUT_S:.0f} s; log: {self.log_path}")
+
+    def _port_that_failed_to_bind(self) -> Optional[int]:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        numbers = (int(n) for a in self.extra_args for n in re.findall(r"\d+", a))  # incl. ports inside JSON
+        ports = [self.port] + [n for n in numbers if 1024 <= n <= 65535]
+        return log_reports_bind_failure(text, ports)
+
+    def post(self, path: str, body: Dict[str, Any], timeout: float = 120.0) -> Any:
+        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            text = r.read()
+        return json.loads(text) if text.strip() else None
+
+    def generate(self, input_ids, max_new_tokens: int = 8, timeout: float = 120.0, return_logprob: bool = False,
+                 **extra: Any):
+        """Greedy ``/generate`` for one prompt (list of ids) or a batch (list of lists)."""
+        body = {"input_ids": input_ids, "return_logprob": return_logprob,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+                **extra}
+        return self.post("/generate", body, timeout)
+
+    def get(self, path: str, timeout: float = 30.0) -> str:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout) as r:
+            return r.read().decode()
+
+    def pids(self) -> List[int]:
+        """The server's process group members (launcher, scheduler(s), detokenizer)."""
+        if self.proc is None:
+            return []
+        out = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if os.getpgid(int(entry.name)) == self.proc.pid:
+                        out.append(int(entry.name))
+                except (ProcessLookupError, PermissionError):
+                    continue
+        return sorted(out)
+
+    def stop(self, grace_s: float = 20) -> None:
+        stop_process_group(self.proc, grace_s=grace_s)
+
+
+def stop_process_group(proc: Optional[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM a server's process group, SIGKILL it after ``grace_s``; no-op if gone."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+def stop_all(*procs) -> None:
+    """Stop servers / routers (anything with ``stop()``) at once: each may take its grace period."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    procs = [p for p in procs if p is not None]
+    if procs:
+        with ThreadPoolExecutor(len(procs)) as pool:
+            list(pool.map(lambda p: p.stop(), procs))
