@@ -5,15 +5,30 @@ Real prefill and decode processes (the multi-process harness of
 
 1. **throughput**: one request of ``--tokens`` tokens, DeepSeek-V3.2 per-token
    sizes (latent 512 + rope 64 bf16 into the decode host pool, indexer 128 bf16
-   into the rank-local cache), ``--layers`` layers over 2 reusable prefill slots;
-   engine bytes/s (time inside the engine's batched reads) side by side with a
-   plain in-process memcpy of the same chunk sizes, every byte verified;
-2. **per-layer protocol overhead**: many layers of a single small block through
-   one slot (each layer waits for the previous answer, nothing queues);
-   publish -> READ_DONE latency minus the engine read time, per layer;
+   into the rank-local cache), ``--layers`` layers over 2 reusable prefill slots,
+   every byte verified. Side by side, in the same run:
+
+   * ``transfer_bytes_per_s``: our P/D path, bytes over the decode rank's span
+     from the start of its first engine read to the end of its last (protocol,
+     validation and every gap between layers included);
+   * ``engine_bytes_per_s``: bytes over the time inside those engine reads only;
+   * ``raw_engine_bytes_per_s``: the bare engine (Mooncake's own
+     ``batch_transfer_sync_read``) issuing exactly the same chunk lists on the same
+     registered buffers in the same processes, one call per layer as ours, no
+     control plane (best of 2 replays); ``engine_over_raw`` =
+     ``transfer_bytes_per_s / raw_engine_bytes_per_s``;
+   * ``memcpy_bytes_per_s``: a plain in-process memcpy of the same chunk sizes;
+2. **per-layer protocol overhead**: ``--overhead-layers`` layers of a single small
+   block through one slot (each layer waits for the previous answer, nothing
+   queues); per layer, publish -> READ_DONE latency on prefill minus decode's engine
+   read time for that layer: mean (``per_layer_overhead_us``), p50 and p99;
 3. **fault table**: the failure scenarios of the tests (read failure, dropped
    answer, dead decode, decode slower than the deadline, malformed messages...),
-   each with outcome, hung, destination_used_after_failure, leaked_slots.
+   each with outcome, hung, destination_used_after_failure, leaked_slots. The
+   injected faults' logs go to a temporary file unless ``-v``;
+4. ``--served``: real SGLang servers on the tiny DSA fixture behind the router
+   (see :mod:`sglang_ascend_offload.transfer.served`): TTFT p50 / p99 and output
+   tokens/s of colocated serving and of each P/D pairing under the same load.
 
 Absolute numbers on a shared CPU machine are noise; the ratios are the result.
 Exit status 0 only if every byte verified and no fault scenario hung, leaked a
@@ -24,13 +39,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import shutil
 import sys
-from dataclasses import replace
-from typing import Any, Dict, List
+import tempfile
+import textwrap
+from dataclasses import asdict, replace
+from typing import Any, Dict, List, Optional
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable results")
+    parser.add_argument("-v", "--verbose", dest="transfer_verbose", action="store_true",
+                        help="show the worker processes' logs (injected faults log every failure they cause)")
     parser.add_argument("--engine", choices=["mooncake"], default="mooncake",
                         help="transfer engine (mooncake over TCP; the memfabric engine needs NPU buffers "
                              "and is measured by the npu tests)")
@@ -39,11 +60,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=8, help="layers of the throughput run")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of the request")
     parser.add_argument("--block-tokens", type=int, default=128, help="tokens per KV block")
-    parser.add_argument("--overhead-layers", type=int, default=64,
-                        help="layers of the single-block overhead run")
+    parser.add_argument("--overhead-layers", type=int, default=256,
+                        help="layers of the single-block overhead run (samples of the percentiles)")
     parser.add_argument("--layer-timeout", type=float, default=2.0,
                         help="per-layer deadline (s) in the fault scenarios")
     parser.add_argument("--no-faults", action="store_true", help="skip the fault table")
+    parser.add_argument("--served", action="store_true",
+                        help="also serve the tiny DSA fixture (router + prefill/decode servers on CPU) and "
+                             "compare TTFT with colocated serving (minutes)")
+    parser.add_argument("--served-requests", type=int, default=8, help="requests per served configuration")
+    parser.add_argument("--served-concurrency", type=int, default=2, help="requests in flight at once")
+    parser.add_argument("--served-input-len", type=int, default=256, help="prompt tokens per request")
+    parser.add_argument("--served-output-len", type=int, default=16, help="output tokens per request")
 
 
 def _sum(reports: Dict[int, Any], key: str) -> float:
@@ -56,7 +84,25 @@ def _row(r) -> Dict[str, Any]:
             "leaked_slots": r.leaked_slots, "verified": r.verified, "seconds": round(r.seconds, 3)}
 
 
-def run(args: argparse.Namespace) -> Dict[str, Any]:
+def percentile(values: List[float], q: float) -> Optional[float]:
+    """Nearest-rank percentile (``q`` in 0..100) of ``values``; None when empty."""
+    if not values:
+        return None
+    xs = sorted(values)
+    return xs[max(0, math.ceil(q / 100.0 * len(xs)) - 1)]
+
+
+def overhead_samples(prefill: Dict[int, Any], decode: Dict[int, Any]) -> List[float]:
+    """Per answered batch: prefill's publish -> READ_DONE seconds minus decode's read seconds.
+
+    Matched by batch id (the overhead run has one prefill and one decode rank).
+    """
+    answers = {b: s for r in prefill.values() if isinstance(r, dict) for b, _, s in r["timings"]}
+    reads = {b: s for r in decode.values() if isinstance(r, dict) for b, _, s in r["timings"]}
+    return [answers[b] - reads[b] for b in sorted(answers) if b in reads]
+
+
+def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, Any]:
     from ..transfer.harness import ScenarioSpec, fault_scenarios, run_scenario
     from ..transfer.topology import PDTopology
     from ..transfer.workers import WorkerPool
@@ -69,7 +115,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         name="throughput", p_tp=args.p_tp, d_tp=args.d_tp, num_layers=args.layers, num_slots=2,
         block_tokens=args.block_tokens, main_tensors=(("latent", 512 * 2), ("rope", 64 * 2)),
         indexer_bytes=128 * 2, scale_bytes=0, request_blocks=(blocks,), slot_blocks=blocks,
-        pool_blocks=blocks, layer_timeout_s=30.0, handshake_timeout_s=30.0, measure_memcpy=True)
+        pool_blocks=blocks, layer_timeout_s=30.0, handshake_timeout_s=30.0, measure_memcpy=True,
+        measure_raw=True)
     # one slot: every layer waits for the previous answer, so no batch queues behind another
     overhead = ScenarioSpec(
         name="overhead", num_layers=args.overhead_layers, num_slots=1, block_tokens=1,
@@ -82,17 +129,26 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         faults = fault_scenarios(base)
     size = max(args.p_tp + args.d_tp, 3)
     out: Dict[str, Any] = {"engine": args.engine, "data_protocol": "tcp", "p_tp": args.p_tp, "d_tp": args.d_tp}
-    with WorkerPool(size) as pool:
+    with WorkerPool(size, log_dir=log_dir) as pool:
         run_scenario(pool, replace(overhead, name="warmup", num_layers=2), timeout_s=120)
         t = run_scenario(pool, replace(throughput, engine=args.engine), timeout_s=600)
         read_bytes, read_s = _sum(t.decode, "read_bytes"), _sum(t.decode, "read_seconds")
-        memcpy = [r["memcpy_bytes_per_s"] for r in t.decode.values()
-                  if isinstance(r, dict) and r["memcpy_bytes_per_s"]]
+        decode_ok = [r for r in t.decode.values() if isinstance(r, dict)]
+        memcpy = [r["memcpy_bytes_per_s"] for r in decode_ok if r["memcpy_bytes_per_s"]]
         out["bytes_moved"] = int(read_bytes)
         out["engine_bytes_per_s"] = read_bytes / read_s if read_s > 0 else None
         out["memcpy_bytes_per_s"] = sum(memcpy) / len(memcpy) if memcpy else None
         if out["engine_bytes_per_s"] and out["memcpy_bytes_per_s"]:
             out["engine_vs_memcpy"] = out["engine_bytes_per_s"] / out["memcpy_bytes_per_s"]
+        spans = [r["read_span"] for r in decode_ok if r["read_span"]]
+        out["transfer_bytes_per_s"] = read_bytes / max(spans) if spans else None
+        raw_s = [r["raw_seconds"] for r in decode_ok if r["raw_seconds"]]
+        raw_b = sum(r["raw_bytes"] or 0 for r in decode_ok)
+        out["raw_engine_bytes_per_s"] = raw_b / max(raw_s) if raw_s else None
+        out["engine_over_raw"] = (out["transfer_bytes_per_s"] / out["raw_engine_bytes_per_s"]
+                                  if out["transfer_bytes_per_s"] and out["raw_engine_bytes_per_s"] else None)
+        out["reads_per_layer"] = (_sum(t.decode, "reads") and
+                                  sum(len(r["timings"]) for r in decode_ok) / max(1, len(decode_ok)) / args.layers)
         out["verified"] = bool(t.verified and t.outcome == "done")
         out["throughput_outcome"] = t.outcome
         o = run_scenario(pool, replace(overhead, engine=args.engine), timeout_s=300)
@@ -101,8 +157,18 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         out["per_layer_answer_us"] = answer * 1e6
         out["per_layer_read_us"] = read * 1e6
         out["per_layer_overhead_us"] = (answer - read) * 1e6
+        samples = [x * 1e6 for x in overhead_samples(o.prefill, o.decode)]
+        out["per_layer_overhead_samples"] = len(samples)
+        out["per_layer_overhead_us_p50"] = percentile(samples, 50)
+        out["per_layer_overhead_us_p99"] = percentile(samples, 99)
         out["verified"] = out["verified"] and bool(o.verified and o.outcome == "done")
         out["scenarios"] = [_row(run_scenario(pool, s, timeout_s=120)) for s in faults]
+    if args.served:
+        from ..transfer.served import ServedLoad, run_served
+
+        load = ServedLoad(requests=args.served_requests, concurrency=args.served_concurrency,
+                          input_len=args.served_input_len, output_len=args.served_output_len)
+        out["served"] = [asdict(r) for r in run_served(load, verbose=_verbose(args))]
     return out
 
 
@@ -110,25 +176,47 @@ def _fmt_rate(v) -> str:
     return "n/a" if not v else f"{v / 1e9:.3f} GB/s"
 
 
+def _fmt(v, spec: str = ".0f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
 def print_table(res: Dict[str, Any]) -> None:
     print(f"P/D transfer, engine {res['engine']} ({res['data_protocol']}), prefill TP {res['p_tp']} -> "
           f"decode TP {res['d_tp']}")
-    print(f"  bytes moved               {res['bytes_moved']:>14,d}   verified: {res['verified']}")
-    print(f"  engine reads              {_fmt_rate(res['engine_bytes_per_s']):>14}")
-    print(f"  plain memcpy (same sizes) {_fmt_rate(res['memcpy_bytes_per_s']):>14}")
+    print(f"  bytes moved                 {res['bytes_moved']:>14,d}   verified: {res['verified']}")
+    print(f"  P/D transfer (read span)    {_fmt_rate(res.get('transfer_bytes_per_s')):>14}")
+    print(f"  raw engine, same chunks     {_fmt_rate(res.get('raw_engine_bytes_per_s')):>14}")
+    print(f"  P/D / raw engine            {_fmt(res.get('engine_over_raw'), '.3f'):>14}")
+    print(f"  time inside engine reads    {_fmt_rate(res['engine_bytes_per_s']):>14}")
+    print(f"  plain memcpy (same sizes)   {_fmt_rate(res['memcpy_bytes_per_s']):>14}")
     if res.get("engine_vs_memcpy"):
-        print(f"  engine / memcpy           {res['engine_vs_memcpy']:>14.3f}")
+        print(f"  engine / memcpy             {res['engine_vs_memcpy']:>14.3f}")
     print(f"  per layer: answer {res['per_layer_answer_us']:.0f} us, engine read {res['per_layer_read_us']:.0f} us, "
-          f"protocol overhead {res['per_layer_overhead_us']:.0f} us")
+          f"protocol overhead mean {res['per_layer_overhead_us']:.0f} us, "
+          f"p50 {_fmt(res.get('per_layer_overhead_us_p50'))} us, p99 {_fmt(res.get('per_layer_overhead_us_p99'))} us "
+          f"({res.get('per_layer_overhead_samples', 0)} layers)")
     if res["scenarios"]:
-        print(f"  {'fault scenario':30s} {'hung':5s} {'used-after-fail':15s} {'leaked':6s} {'s':>6s}  outcome")
+        width = 30
+        print(f"  {'fault scenario':{width}s} {'hung':5s} {'used-after-fail':15s} {'leaked':6s} {'s':>6s}  outcome")
         for s in res["scenarios"]:
-            print(f"  {s['name']:30s} {str(s['hung']):5s} {str(s['destination_used_after_failure']):15s} "
-                  f"{s['leaked_slots']:<6d} {s['seconds']:6.2f}  {s['outcome'][:90]}")
+            lines = textwrap.wrap(s["outcome"], 72, break_long_words=False, break_on_hyphens=False) or [""]
+            print(f"  {s['name']:{width}s} {str(s['hung']):5s} {str(s['destination_used_after_failure']):15s} "
+                  f"{s['leaked_slots']:<6d} {s['seconds']:6.2f}  {lines[0]}")
+            for more in lines[1:]:
+                print(f"  {'':{width + 38}s}  {more}")
+    for r in res.get("served", []):
+        print(f"  served {r['name']:28s} TTFT p50 {_fmt(r['ttft_ms_p50'], '.1f')} ms, "
+              f"p99 {_fmt(r['ttft_ms_p99'], '.1f')} ms, {_fmt(r['output_tokens_per_s'], '.1f')} output tok/s, "
+              f"{r['completed']} completed")
+
+
+def _verbose(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "verbose", False) or getattr(args, "transfer_verbose", False))
 
 
 def main(args: argparse.Namespace) -> int:
-    res = run(args)
+    log_dir = None if _verbose(args) else tempfile.mkdtemp(prefix="pd_bench_transfer_logs_")
+    res = run(args, log_dir=log_dir)
     if args.json:
         json.dump(res, sys.stdout, indent=2, sort_keys=True)
         print()
@@ -136,4 +224,11 @@ def main(args: argparse.Namespace) -> int:
         print_table(res)
     bad = [s for s in res["scenarios"] if s["hung"] or s["leaked_slots"] or s["destination_used_after_failure"]
            or not s["verified"]]
-    return 0 if res["verified"] and not bad else 1
+    served_bad = [r for r in res.get("served", []) if not r["completed"]]
+    ok = res["verified"] and not bad and not served_bad
+    if log_dir is not None:
+        if ok:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        else:
+            print(f"worker logs (injected faults, engine messages): {log_dir}", file=sys.stderr)
+    return 0 if ok else 1

@@ -23,22 +23,24 @@ Per request (registered with :meth:`DecodeReceiver.expect` before prefill starts
 * deadline: once a request's transfer has started, a gap of more than
   ``layer_timeout_s`` without progress fails it (dead or stuck prefill).
 
-Threads: the endpoint's I/O thread (handshakes, verdicts, deadlines) and one
-reader thread per prefill peer (validation + engine reads, in the order the peer
-sent its layers), so a slow or failing peer never delays another; one lock
-guards all state. An engine read can take long to fail (Mooncake over TCP needs
+Threads: the endpoint's connection thread of each prefill peer receives that
+peer's messages and serves them in the order the peer sent them (handshake,
+validation + engine read + answer of every layer, verdicts), so a slow or
+failing peer never delays another, and a layer is answered without any
+thread hand-off; the endpoint's tick thread checks deadlines. One lock guards
+all state. An engine read can take long to fail (Mooncake over TCP needs
 about a second per failed batch); the request's deadline still fails it on time,
 and its destination is released only once that read has returned.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from ..config import PDTransferConfig
 from .channel import ControlEndpoint, SendFilter
@@ -72,6 +74,20 @@ class DecodeStats:
     requests_done: int = 0
     requests_failed: int = 0
     released: int = 0
+
+
+TIMING_SAMPLES = 4096  # per-batch read times kept for percentiles (most recent)
+
+
+@dataclass(frozen=True)
+class ReadTiming:
+    """One successful batch read: the engine call(s) only, in seconds; ``ranges`` issued."""
+
+    batch_id: int
+    layer: int
+    seconds: float
+    ranges: int
+    nbytes: int
 
 
 @dataclass
@@ -119,12 +135,13 @@ class DecodeReceiver:
         self.engine = engine
         self.port = decode_port(config.kv_port, dp_rank, d_rank, d_tp)
         self.stats = DecodeStats()
+        #: the latest successful batch reads (for latency percentiles; bounded)
+        self.timings: Deque[ReadTiming] = collections.deque(maxlen=TIMING_SAMPLES)
         self._on_release = on_release
         self._lock = threading.Lock()
         self._peers: Dict[bytes, _Peer] = {}
         self._tracks: Dict[str, _Track] = {}
         self._topology: Optional[PDTopology] = None
-        self._readers: Dict[bytes, Tuple["queue.Queue", threading.Thread]] = {}
         self._closed = False
         self._endpoint = ControlEndpoint(
             "router", config.host, self.port,
@@ -234,15 +251,11 @@ class DecodeReceiver:
             for t in self._tracks.values():
                 if t.state is TransferState.PENDING:
                     self._fail_locked(t, reason, release)
-        self._endpoint.close()  # no new batches after this
+        # no new batches after this; a connection thread still inside an engine read finishes it first
+        self._endpoint.close(timeout_s=10.0)
         with self._lock:
-            readers = list(self._readers.values())
-        for q, _ in readers:
-            q.put(None)
-        deadline = time.monotonic() + 10.0
-        for _, thread in readers:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        if any(thread.is_alive() for _, thread in readers):
+            still_reading = any(t.inflight for t in self._tracks.values())
+        if still_reading:
             logger.error("decode rank %d: an engine read is still running at close; its destinations "
                          "stay leased", self.d_rank)
         with self._lock:  # reads are over: release whatever waited for them
@@ -295,12 +308,12 @@ class DecodeReceiver:
                 except Exception:  # noqa: BLE001
                     logger.exception("on_release failed for %s", d.request_id)
 
-    # ------------------------------------------------------------------ I/O thread
+    # ------------------------------------------------------------------ connection / tick threads
     def _on_message(self, peer: bytes, msg) -> None:
         if isinstance(msg, MetaHandshake):
             self._on_handshake(peer, msg)
         elif isinstance(msg, ReadReadyBatch):
-            self._reader_queue(peer).put((peer, msg))
+            self._serve(peer, msg)
         elif isinstance(msg, TransferVerdict):
             self._on_verdict(peer, msg)
         elif isinstance(msg, Rejected):
@@ -380,30 +393,15 @@ class DecodeReceiver:
                                          "(prefill dead or stuck)", release)
         self._release(release)
 
-    # ------------------------------------------------------------------ reader thread
-    def _reader_queue(self, peer: bytes) -> "queue.Queue":
-        with self._lock:
-            entry = self._readers.get(peer)
-            if entry is None:
-                q: "queue.Queue" = queue.Queue()
-                thread = threading.Thread(target=self._reader_loop, args=(q,), daemon=True,
-                                          name=f"pd-decode-read-{self.d_rank}-{len(self._readers)}")
-                entry = self._readers[peer] = (q, thread)
-                thread.start()
-            return entry[0]
-
-    def _reader_loop(self, work: "queue.Queue") -> None:
-        while True:
-            item = work.get()
-            if item is None:
-                return
-            peer, batch = item
-            try:
-                self._serve_batch(peer, batch)
-            except Exception as exc:  # noqa: BLE001 - answer rather than leave prefill waiting
-                logger.exception("decode rank %d: batch %d failed unexpectedly", self.d_rank, batch.batch_id)
-                self._answer_failed(peer, batch, [r.request_id for r in batch.requests],
-                                    f"decode internal error: {exc}")
+    # ------------------------------------------------------------------ connection thread (reads)
+    def _serve(self, peer: bytes, batch: ReadReadyBatch) -> None:
+        """Validate, read and answer one batch on the peer's connection thread."""
+        try:
+            self._serve_batch(peer, batch)
+        except Exception as exc:  # noqa: BLE001 - answer rather than leave prefill waiting
+            logger.exception("decode rank %d: batch %d failed unexpectedly", self.d_rank, batch.batch_id)
+            self._answer_failed(peer, batch, [r.request_id for r in batch.requests],
+                                f"decode internal error: {exc}")
 
     def _answer_failed(self, peer: bytes, batch: ReadReadyBatch, ids: List[str], reason: str) -> None:
         self._endpoint.send(ReadFailed(version=PROTOCOL_VERSION, batch_id=batch.batch_id, layer=batch.layer,
@@ -510,7 +508,8 @@ class DecodeReceiver:
                 lengths += n_
             error = self._read_with_retries(p.hs.session, batch.layer, dst, src, lengths,
                                             still_wanted=lambda: any(t.state is TransferState.PENDING
-                                                                     for t, _ in good))
+                                                                     for t, _ in good),
+                                            batch_id=batch.batch_id)
             with self._lock:
                 for t, rr in good:
                     t.inflight -= 1
@@ -547,7 +546,8 @@ class DecodeReceiver:
                                          layer=batch.layer), peer)
 
     def _read_with_retries(self, session: str, layer: int, dst, src, lengths,
-                           still_wanted: Callable[[], bool] = lambda: True) -> Optional[str]:
+                           still_wanted: Callable[[], bool] = lambda: True,
+                           batch_id: int = -1) -> Optional[str]:
         """None on success, else the last error after ``1 + read_retries`` attempts.
 
         No retry once ``still_wanted()`` is false (every request failed meanwhile).
@@ -567,9 +567,12 @@ class DecodeReceiver:
             except EngineReadError as exc:
                 last = str(exc)
                 continue
+            took = time.perf_counter() - t0
+            nbytes = sum(lengths)
             self.stats.reads += 1
-            self.stats.read_bytes += sum(lengths)
-            self.stats.read_seconds += time.perf_counter() - t0
+            self.stats.read_bytes += nbytes
+            self.stats.read_seconds += took
+            self.timings.append(ReadTiming(batch_id, layer, took, len(lengths), nbytes))
             return None
         self.stats.read_failures += 1
         return f"read of layer {layer} failed after {attempt + 1} attempt(s): {last}"

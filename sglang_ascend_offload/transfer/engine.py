@@ -83,6 +83,11 @@ class BatchEngineAdapter(TransferEngine):
         return self._session
 
     @property
+    def native(self):
+        """The wrapped engine object itself (its own batch API; the benchmark's raw yardstick)."""
+        return self._engine
+
+    @property
     def data_protocol(self) -> str:
         return self._protocol
 

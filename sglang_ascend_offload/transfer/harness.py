@@ -45,6 +45,10 @@ class ScenarioSpec:
     decode_faults / prefill_faults: injected on every rank of that side.
     decode_up: False = no decode process at all (handshake must time out).
     measure_memcpy: decode ranks also time a plain memcpy of each read's bytes.
+    measure_raw: decode ranks record every engine read (peer, addresses, lengths) and,
+        once their requests are terminal, issue the same reads again through the
+        engine's own batch read API (no protocol): the raw-engine yardstick. Prefill
+        ranks keep their buffers registered until that replay is over.
     """
 
     name: str
@@ -67,6 +71,7 @@ class ScenarioSpec:
     prefill_faults: FaultPlan = field(default_factory=FaultPlan)
     decode_up: bool = True
     measure_memcpy: bool = False
+    measure_raw: bool = False
     seed: int = 0
 
     @property
@@ -135,6 +140,51 @@ def _wrap(engine, plan: FaultPlan):
     return FaultyEngine(engine, inj), FaultyOutbox(inj), inj
 
 
+class _RecordingEngine:
+    """Wraps a decode engine: every successful read's arguments and wall interval, in order."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.reads: List[Tuple[str, List[int], List[int], List[int]]] = []
+        self.first_start: Optional[float] = None
+        self.last_end: Optional[float] = None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def read(self, peer_session, dst_addrs, src_addrs, lengths) -> None:
+        t0 = time.perf_counter()
+        self.inner.read(peer_session, dst_addrs, src_addrs, lengths)
+        self.last_end = time.perf_counter()
+        if self.first_start is None:
+            self.first_start = t0
+        self.reads.append((peer_session, list(dst_addrs), list(src_addrs), list(lengths)))
+
+
+def raw_engine_replay(base, reads, reps: int = 2) -> Tuple[int, float]:
+    """Issue ``reads`` again through the engine's own batch read API, in order, ``reps`` times.
+
+    Returns ``(bytes per repetition, best seconds)``: the bare engine's time for exactly
+    the transfers the protocol made (same registered buffers, same chunk lists, same
+    processes), with no control plane in between.
+    """
+    native = base.native
+    nbytes = sum(sum(n) for _, _, _, n in reads)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for session, dst, src, lengths in reads:
+            rc = native.batch_transfer_sync_read(session, dst, src, lengths)
+            if rc != 0:
+                raise RuntimeError(f"raw engine replay: batch_transfer_sync_read returned {rc}")
+        best = min(best, time.perf_counter() - t0)
+    return nbytes, best
+
+
+def raw_done_path(pool_path: str, d_rank: int) -> str:
+    return f"{pool_path}.raw{d_rank}"
+
+
 def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: str,
                     destinations: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]],
                     wait_s: float, stop_path: str) -> Dict[str, Any]:
@@ -166,10 +216,16 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
             raws.append(_raw(role, name, [local[name][l] for l in range(spec.num_layers)]))
             arrays.append(local[name])
     layout = layout_from_regions(spec.block_tokens, raws)
+    if spec.measure_raw or spec.measure_memcpy:
+        for a in arrays:  # a serving pool is long touched: no first-touch page faults in the timing
+            a[...] = 0
     base = _engine(spec, "decode")
     regions = _regions(arrays)
     base.register(regions)
     engine, outbox, injector = _wrap(base, spec.decode_faults)
+    recorder = None
+    if spec.measure_raw:
+        engine = recorder = _RecordingEngine(engine)
     released: List[str] = []
     receiver = DecodeReceiver(_config(spec, kv_port), d_tp=spec.d_tp, d_rank=d_rank, layout=layout,
                               engine=engine, on_release=lambda d: released.append(d.request_id),
@@ -180,7 +236,20 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
         receiver.start()
         t0 = time.monotonic()
         deadline = t0 + wait_s
+        raw = None
         while time.monotonic() < deadline:
+            if recorder is not None and raw is None and not receiver.pending_requests():
+                # every request terminal here: prefill still holds its buffers for this. Its slots
+                # hold the last layers by now, so the replay overwrites earlier layers' bytes: keep
+                # the delivered bytes aside and put them back for the parent's verification
+                saved = [a.copy() for a in arrays]
+                try:
+                    raw = raw_engine_replay(base, recorder.reads)
+                finally:
+                    for a, keep in zip(arrays, saved):
+                        a[...] = keep
+                    del saved
+                    open(raw_done_path(pool_path, d_rank), "w").close()
             if (os.path.exists(stop_path) and not receiver.pending_requests()
                     and not receiver.unreleased_failed()):
                 break
@@ -212,6 +281,11 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
             "handler_errors": receiver.endpoint.handler_errors,
             "injected": dict(injector.injected) if injector else {},
             "memcpy_bytes_per_s": memcpy_bps,
+            "timings": [(t.batch_id, t.layer, t.seconds) for t in receiver.timings],
+            "read_span": ((recorder.reads and recorder.last_end - recorder.first_start) or None)
+            if recorder is not None else None,
+            "raw_bytes": raw[0] if raw else None,
+            "raw_seconds": raw[1] if raw else None,
             "seconds_until_terminal": time.monotonic() - t0,
         }
     finally:
@@ -233,7 +307,8 @@ def _memcpy_rate(chunk_bytes: int, reps: int) -> float:
 
 
 def run_prefill_rank(spec: ScenarioSpec, p_rank: int, kv_port: int,
-                     sources: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> Dict[str, Any]:
+                     sources: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]],
+                     raw_done: Optional[str] = None) -> Dict[str, Any]:
     """Compute (write) and publish every layer of every request on one prefill rank; report."""
     from ..layerwise_prefill.gates import GateError, GateTimeout, SlotGates
     from .errors import HandshakeError
@@ -256,6 +331,12 @@ def run_prefill_rank(spec: ScenarioSpec, p_rank: int, kv_port: int,
                            engine=engine, gates=gates, decode_host="127.0.0.1", send_filter=outbox)
     report: Dict[str, Any] = {"handshake": "ok", "gate_errors": 0, "gate_timeouts": 0}
     ids = list(sources)
+    # every layer's content is made before the first publish: the layer loop then only copies it
+    # into the slot (a stand-in for the forward's write), so the timed transfer does not wait on
+    # random-number generation
+    content = {(rid, layer, name): expected_block_bytes(spec.seed, rid, layer, name, len(main_blocks), bb)
+               for layer in range(spec.num_layers) for rid, (main_blocks, _) in sources.items()
+               for _, name, bb in specs}
     t0 = time.monotonic()
     timings = report["timings"] = {}
     try:
@@ -281,7 +362,7 @@ def run_prefill_rank(spec: ScenarioSpec, p_rank: int, kv_port: int,
                     n = len(main_blocks)
                     for role, name, bb in specs:
                         blocks = list(main_blocks if role == "main" else idx_blocks)
-                        slots[name][slot][blocks] = expected_block_bytes(spec.seed, rid, layer, name, n, bb)
+                        slots[name][slot][blocks] = content[(rid, layer, name)]
                 sender.publish_layer(layer, slot, {rid: SourceBlocks(m, i) for rid, (m, i) in sources.items()},
                                      finished=ids if layer == spec.num_layers - 1 else ())
         timings["published"] = time.monotonic() - t0
@@ -290,6 +371,10 @@ def run_prefill_rank(spec: ScenarioSpec, p_rank: int, kv_port: int,
                                              any(not sender.status(r).terminal for r in ids)):
             time.sleep(0.005)
         timings["settled"] = time.monotonic() - t0
+        if raw_done is not None and sender.connected:  # the decode replays our reads: keep buffers
+            end = time.monotonic() + 120.0
+            while time.monotonic() < end and not os.path.exists(raw_done):
+                time.sleep(0.005)
         statuses = {rid: sender.status(rid) for rid in ids}
         report.update({
             "statuses": {r: (s.state.value, s.reason) for r, s in statuses.items()},
@@ -299,6 +384,7 @@ def run_prefill_rank(spec: ScenarioSpec, p_rank: int, kv_port: int,
             "rejected": sender.endpoint.rejected,
             "handler_errors": sender.endpoint.handler_errors,
             "injected": dict(injector.injected) if injector else {},
+            "timings": [(t.batch_id, t.layer, t.seconds) for t in sender.timings],
         })
         return report
     finally:
@@ -394,9 +480,11 @@ def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioR
             decode_tasks[spec.p_tp + d] = (MODULE, "run_decode_rank", dict(
                 spec=spec, d_rank=d, kv_port=kv_port, pool_path=pool_path, destinations=dests,
                 wait_s=wait_s, stop_path=stop_path))
+    topo = PDTopology(spec.p_tp, spec.d_tp)
     for p in range(spec.p_tp):
+        raw_done = raw_done_path(pool_path, topo.d_rank_of(p)) if spec.measure_raw and spec.decode_up else None
         prefill_tasks[p] = (MODULE, "run_prefill_rank", dict(spec=spec, p_rank=p, kv_port=kv_port,
-                                                             sources=sources))
+                                                             sources=sources, raw_done=raw_done))
     t0 = time.monotonic()
     try:
         for i, (module, func, kwargs) in decode_tasks.items():
@@ -407,7 +495,7 @@ def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioR
         seconds = time.monotonic() - t0
         host_pool = np.fromfile(pool_path, dtype=np.uint8, count=pool_bytes)
     finally:
-        for path in (pool_path, stop_path):
+        for path in [pool_path, stop_path] + [raw_done_path(pool_path, d) for d in range(spec.d_tp)]:
             if os.path.exists(path):
                 os.unlink(path)
     from .workers import TaskTimeout
@@ -468,9 +556,19 @@ def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioR
         outcome = "done"
     else:
         reasons = [r for s, r in request_status.values() if s == "failed"]
-        outcome = "failed: " + (reasons[0][:160] if reasons else "?")
+        outcome = "failed: " + (clip_words(reasons[0], 200) if reasons else "?")
     return ScenarioResult(spec.name, outcome, hung, used_after_failure, leaked,
                           verified, prefill, decode, request_status, problems, seconds)
+
+
+def clip_words(text: str, limit: int) -> str:
+    """``text`` if it fits in ``limit`` characters, else cut at the last word boundary + ``...``."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 3]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > limit // 2 else cut).rstrip(" ;:,") + "..."
 
 
 def _verify_request(spec, rid, n, dest, host_pool, decode_ok, problems) -> bool:

@@ -31,8 +31,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import collections
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set
+from typing import Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set
 
 from ..config import PDTransferConfig
 from ..layerwise_prefill.gates import SlotGates
@@ -74,6 +75,18 @@ class PrefillStats:
     answer_seconds: float = 0.0
     requests_done: int = 0
     requests_failed: int = 0
+
+
+TIMING_SAMPLES = 4096  # per-batch latencies kept for percentiles (most recent)
+
+
+@dataclass(frozen=True)
+class BatchTiming:
+    """One answered batch: publish_layer entry -> answer handled on this rank, in seconds."""
+
+    batch_id: int
+    layer: int
+    seconds: float
 
 
 @dataclass
@@ -122,6 +135,8 @@ class PrefillSender:
         self.consumer = consumer
         self.begin_gate = begin_gate
         self.stats = PrefillStats()
+        #: the latest answered batches (for latency percentiles; bounded)
+        self.timings: Deque[BatchTiming] = collections.deque(maxlen=TIMING_SAMPLES)
         self.port = decode_port(config.kv_port, decode_dp_rank, self.d_rank, d_tp)
         self._lock = threading.Lock()
         self._reqs: Dict[str, _Req] = {}
@@ -185,6 +200,7 @@ class PrefillSender:
         Returns the batch id, or ``None`` when no live request remained (the gate
         is then left free / completed at once).
         """
+        t_publish = time.monotonic()
         if not self.connected:
             raise TransferError("publish_layer before a successful handshake")
         if not 0 <= layer < self.layout.num_layers:
@@ -233,9 +249,8 @@ class PrefillSender:
                 r.finished = r.finished or rr.request_id in finished
             batch_id = self._next_batch
             self._next_batch += 1
-            now = time.monotonic()
-            self._batches[batch_id] = _Batch(batch_id, layer, slot, [r.request_id for r in ranges], now,
-                                             now + self.config.layer_timeout_s)
+            self._batches[batch_id] = _Batch(batch_id, layer, slot, [r.request_id for r in ranges], t_publish,
+                                             t_publish + self.config.layer_timeout_s)
             self.stats.batches += 1
         self._endpoint.send(ReadReadyBatch(
             version=PROTOCOL_VERSION, batch_id=batch_id, layer=layer, member=self.member,
@@ -357,7 +372,10 @@ class PrefillSender:
 
     def _finish_batch_locked(self, b: _Batch, error: Optional[str], failed_ids: List[str]) -> None:
         del self._batches[b.batch_id]
-        self.stats.answer_seconds += time.monotonic() - b.sent_at
+        took = time.monotonic() - b.sent_at
+        self.stats.answer_seconds += took
+        if error is None:
+            self.timings.append(BatchTiming(b.batch_id, b.layer, took))
         self._gate_done(b, error)
         for rid in b.request_ids:
             r = self._reqs.get(rid)

@@ -43,9 +43,14 @@ class TaskError(RuntimeError):
     """A task raised; the message carries the worker's traceback."""
 
 
-def _worker_main(conn) -> None:
+def _worker_main(conn, log_path: Optional[str] = None) -> None:
     for k, v in _WORKER_ENV.items():
         os.environ.setdefault(k, v)
+    if log_path is not None:  # quiet mode: C-level (glog) and Python logs go to a file, not the terminal
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     while True:
         try:
             item = conn.recv()
@@ -68,10 +73,15 @@ class _Worker:
 
 
 class WorkerPool:
-    """``size`` spawned workers; :meth:`submit` then :meth:`result` per task."""
+    """``size`` spawned workers; :meth:`submit` then :meth:`result` per task.
 
-    def __init__(self, size: int):
+    log_dir: when given, worker ``i`` writes its stdout / stderr (Python logging and the
+    engines' own C++ logs) to ``log_dir/worker-i.log`` instead of the terminal.
+    """
+
+    def __init__(self, size: int, log_dir: Optional[str] = None):
         self._ctx = mp.get_context("spawn")
+        self.log_dir = log_dir
         self._workers: List[Optional[_Worker]] = [None] * size
         for i in range(size):
             self._ensure(i)
@@ -90,7 +100,8 @@ class WorkerPool:
         saved = {k: os.environ.get(k) for k in _WORKER_ENV}
         os.environ.update({k: os.environ.get(k) or v for k, v in _WORKER_ENV.items()})
         try:
-            p = self._ctx.Process(target=_worker_main, args=(child,), daemon=True,
+            log_path = os.path.join(self.log_dir, f"worker-{i}.log") if self.log_dir else None
+            p = self._ctx.Process(target=_worker_main, args=(child, log_path), daemon=True,
                                   name=f"pd-worker-{i}")
             p.start()
         finally:

@@ -1,7 +1,7 @@
 """Decode receiver and prefill sender in one process (Mooncake over TCP on 127.0.0.1).
 
-Real engines and sockets; peers that misbehave are played by raw ZMQ sockets that
-send hand-made (valid or broken) messages, so each validation rule and each
+Real engines and sockets; peers that misbehave are played by raw TCP sockets that
+send hand-made (valid or broken) frames, so each validation rule and each
 deadline is exercised on its own.
 """
 
@@ -12,10 +12,10 @@ import time
 import msgspec
 import pytest
 import torch
-import zmq
 
 from sglang_ascend_offload.config import PDTransferConfig
 from sglang_ascend_offload.layerwise_prefill.gates import GateError, SlotGates
+from sglang_ascend_offload.transfer.channel import HEADER, frame
 from sglang_ascend_offload.transfer.decode_side import DecodeReceiver
 from sglang_ascend_offload.transfer.destinations import RequestDestination
 from sglang_ascend_offload.transfer.errors import (HandshakeError, HandshakeTimeout, RequestFailed,
@@ -113,25 +113,48 @@ def rig(engines):
     pre_side.close()
 
 
-class RawPeer:
-    """A hand-driven prefill peer (DEALER) for crafted messages."""
+class FramedSocket:
+    """One end of a control connection driven by hand: frames in, frames out."""
 
-    def __init__(self, port):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://127.0.0.1:{port}")
+    def __init__(self, sock):
+        self.sock = sock
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
 
     def send(self, msg):
-        self.sock.send(encode_message(msg) if not isinstance(msg, bytes) else msg)
+        self.send_raw(frame(encode_message(msg) if not isinstance(msg, bytes) else msg))
+
+    def recv_payload(self, timeout_s=5.0) -> bytes:
+        end = time.monotonic() + timeout_s
+        while len(self.buf) < 4 or len(self.buf) < 4 + HEADER.unpack_from(self.buf)[0]:
+            left = end - time.monotonic()
+            assert left > 0, "nothing received"
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(65536)
+            except socket.timeout:
+                raise AssertionError("nothing received") from None
+            assert data, "connection closed by the endpoint"
+            self.buf += data
+        n = HEADER.unpack_from(self.buf)[0]
+        payload, self.buf = self.buf[4:4 + n], self.buf[4 + n:]
+        return payload
 
     def recv(self, timeout_s=5.0):
-        assert self.sock.poll(int(timeout_s * 1000)), "no answer"
-        return decode_message(self.sock.recv())
+        return decode_message(self.recv_payload(timeout_s))
 
     def close(self):
-        self.sock.close(0)
-        self.ctx.term()
+        self.sock.close()
+
+
+class RawPeer(FramedSocket):
+    """A hand-driven prefill peer (connects like a dealer) for crafted messages."""
+
+    def __init__(self, port):
+        super().__init__(socket.create_connection(("127.0.0.1", port), timeout=5.0))
 
 
 def handshake_msg(pre, engine, p_tp=1, p_rank=0, d_tp=1):
@@ -428,15 +451,32 @@ def test_malformed_frames_are_rejected_and_never_acted_on(rig):
             peer.send(blob)
             ans = peer.recv()
             assert isinstance(ans, Rejected)
-        peer.sock.send_multipart([b"a", b"b"])  # two payload frames
-        assert isinstance(peer.recv(), Rejected)
-        assert r.recv.endpoint.rejected == 4 and r.recv.stats.batches == 0
+        assert r.recv.endpoint.rejected == 3 and r.recv.stats.batches == 0
         assert r.recv.status("a").state is TransferState.PENDING and dest_untouched(r)
         peer.send(handshake_msg(r.pre, r.pe))  # still serving
         assert peer.recv().accepted
         assert r.recv.endpoint.handler_errors == 0
     finally:
         peer.close()
+
+
+def test_oversized_frame_closes_only_that_connection(rig):
+    from sglang_ascend_offload.transfer.protocol import MAX_MESSAGE_BYTES
+
+    r = rig
+    bad, good = RawPeer(r.port), RawPeer(r.port)
+    try:
+        bad.send_raw(HEADER.pack(MAX_MESSAGE_BYTES + 1) + b"x" * 16)
+        assert isinstance(bad.recv(), Rejected)
+        bad.sock.settimeout(5.0)
+        assert bad.sock.recv(16) == b""  # the stream cannot be resynchronised: closed
+        good.send(handshake_msg(r.pre, r.pe))
+        assert good.recv().accepted  # the other peer is still served
+        assert r.recv.endpoint.alive and r.recv.endpoint.handler_errors == 0
+        assert r.recv.status("a").state is TransferState.PENDING and dest_untouched(r)
+    finally:
+        bad.close()
+        good.close()
 
 
 def test_fuzzed_frames_do_not_stop_the_receiver(rig):
@@ -447,9 +487,9 @@ def test_fuzzed_frames_do_not_stop_the_receiver(rig):
     peer = RawPeer(r.port)
 
     @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(st.lists(st.binary(max_size=200), min_size=1, max_size=3))
-    def feed(frames):
-        peer.sock.send_multipart(frames)
+    @given(st.binary(max_size=200))
+    def feed(payload):
+        peer.send(payload)  # any bytes inside a well-formed frame
 
     try:
         feed()
@@ -468,27 +508,32 @@ def test_fuzzed_frames_do_not_stop_the_receiver(rig):
 
 # ------------------------------------------------------------------ prefill deadlines and answers
 class FakeDecode:
-    """A ROUTER that accepts handshakes and answers batches as told."""
+    """A listener that accepts the sender's connection, handshakes and answers batches as told."""
 
     def __init__(self, port):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"tcp://127.0.0.1:{port}")
-        self.ident = None
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", port))
+        self.listener.listen(4)
+        self.conn = None
+
+    def _conn(self, timeout_s):
+        if self.conn is None:
+            self.listener.settimeout(timeout_s)
+            sock, _ = self.listener.accept()
+            self.conn = FramedSocket(sock)
+        return self.conn
 
     def recv(self, timeout_s=5.0):
-        assert self.sock.poll(int(timeout_s * 1000)), "nothing received"
-        ident, data = self.sock.recv_multipart()
-        self.ident = ident
-        return decode_message(data)
+        return self._conn(timeout_s).recv(timeout_s)
 
     def send(self, msg):
-        self.sock.send_multipart([self.ident, encode_message(msg) if not isinstance(msg, bytes) else msg])
+        self._conn(5.0).send(msg)
 
     def close(self):
-        self.sock.close(0)
-        self.ctx.term()
+        if self.conn is not None:
+            self.conn.close()
+        self.listener.close()
 
 
 def _handshake(sender, fake):
