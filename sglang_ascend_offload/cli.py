@@ -26,6 +26,7 @@ BENCH_COMMANDS = {
     "kvpp": ("sglang_ascend_offload.bench.kvpp", "KVPP broadcast + prefetch over gloo: full-layer vs active-block"),
     "kernels": ("sglang_ascend_offload.bench.kernels", "Triton vs reference, per residency/copy kernel"),
     "prefill": ("sglang_ascend_offload.bench.prefill", "layerwise prefill pipeline: footprint and overlap"),
+    "soak": ("sglang_ascend_offload.bench.soak", "served offload under churn for minutes: memory growth, leaks, failures"),
     "transfer": ("sglang_ascend_offload.bench.transfer", "P/D transfer engine throughput, overhead and faults"),
 }
 
