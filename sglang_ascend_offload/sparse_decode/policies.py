@@ -163,8 +163,9 @@ class KernelLRUManager(ResidencyManager):
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"the CPU residency kernel keeps its state on the CPU, not on {device}")
         library()  # build / load now: a missing compiler is a startup error, not a mid-step one
-        self.state = KernelLRUState.empty(rows, hot_tokens, max_positions)
-        self.table = ResidencyTable(self.state.slot_token, self.state.slot_stamp, self.state.row_req)
+        self.kernel_state = KernelLRUState.empty(rows, hot_tokens, max_positions)
+        ks = self.kernel_state
+        self.table = ResidencyTable(ks.slot_token, ks.slot_stamp, ks.row_req)
         self.manage_op = manage_op
 
     def step(self, topk, req_ids, stable_len, step):
@@ -175,7 +176,7 @@ class KernelLRUManager(ResidencyManager):
         from .cpu_kernel import lru_manage_rows
 
         hit_mask, slots, miss_count, miss_tokens, miss_slots = lru_manage_rows(
-            self.state, rows.to(torch.int64), topk.to(torch.int32).contiguous(), req_ids.to(torch.int64),
+            self.kernel_state, rows.to(torch.int64), topk.to(torch.int32).contiguous(), req_ids.to(torch.int64),
             stable_len.to(torch.int32), step)
         return ResidencyStep(hit_mask=hit_mask, slots=slots, miss_count=miss_count, miss_tokens=miss_tokens,
                              miss_slots=miss_slots)
