@@ -54,6 +54,10 @@ class KernelResult:
     max_abs_err: float = 0.0
     failures: List[str] = field(default_factory=list)
     seconds: float = 0.0
+    coverage: Dict[str, int] = field(default_factory=dict)
+
+    def count(self, key: str, n: int) -> None:
+        self.coverage[key] = self.coverage.get(key, 0) + int(n)
 
     @property
     def ok(self) -> bool:
@@ -277,7 +281,19 @@ def check_lim(m: km.KernelModel, quantized: bool, *, seed: int = 0, steps: int =
                 inp["stable"] = torch.tensor([r.length if r is not None else 0 for r in sc.rows], dtype=torch.int32)
             prev = inp
             t_ref, t_fwd, t_rev = table.clone(), table.clone(), table.clone()
+            fresh = (inp["req_ids"] != table.row_req) & (inp["req_ids"] >= 0)
             ref = _reference_lim(inp, t_ref, dims)
+            owned = torch.zeros(dims.rows, dtype=torch.bool)
+            owned[inp["token_rows"][inp["token_rows"] >= 0].long()] = True
+            rr = ref.residency
+            res.count("hits", rr.hit_mask.sum())
+            res.count("misses", rr.miss_count.clamp(min=0).sum())
+            res.count("topk_minus_one", (ref.topk_indices == -1).sum())
+            res.count("first_fill_rows", (fresh & owned).sum())
+            res.count("steady_rows", (~fresh & owned & (inp["req_ids"] >= 0)).sum())
+            res.count("owned_rows_without_misses", (owned & (rr.miss_count == 0)).sum())
+            res.count("unowned_rows", (~owned).sum())
+            res.count("padding_tokens", (inp["token_rows"] < 0).sum())
             label = f"{'C8 ' if quantized else ''}dims={dims} aic={aic} step={inp['step']}"
             try:
                 got, launch = _model_lim(m, inp, t_fwd, dims)
@@ -392,6 +408,10 @@ def _sfa_case(m: km.KernelModel, *, seed: int, heads: int, top_k: int, hot_token
         bad.append("attention output depends on the core order")
     res.failures += [f"{label}: {b}" for b in bad]
     res.cases += 1
+    res.count("misses_copied", miss_count.sum())
+    res.count("sparse_minus_one", (sparse == -1).sum())
+    res.count("owned_rows_without_misses", ((miss_count == 0) & (torch.isin(torch.arange(rows), token_rows))).sum())
+    res.count("padding_tokens", (token_rows < 0).sum())
 
 
 def check_copy_sfa(m: km.KernelModel, *, seed: int = 0, largest: bool = True) -> KernelResult:
@@ -411,7 +431,9 @@ def check_copy_sfa(m: km.KernelModel, *, seed: int = 0, largest: bool = True) ->
     return res
 
 
-def run(seed: int = 0, largest: bool = True, use_cache: bool = True) -> List[KernelResult]:
-    m = km.KernelModel(km.build(use_cache))
+def run(seed: int = 0, largest: bool = True, use_cache: bool = True,
+        model: Optional[km.KernelModel] = None) -> List[KernelResult]:
+    """All three kernels; ``model`` defaults to the model built from ``ascendc_ops/kernels``."""
+    m = model or km.KernelModel(km.build(use_cache))
     return [check_lim(m, False, seed=seed, largest=largest), check_lim(m, True, seed=seed, largest=largest),
             check_copy_sfa(m, seed=seed, largest=largest)]

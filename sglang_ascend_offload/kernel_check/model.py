@@ -30,12 +30,14 @@ from . import compile_check, headers as hdr
 
 MODEL_DIR = hdr.ASCENDC_OPS / "tools" / "ascendc_model"
 OUT_DIR = hdr.BUILD / "model"
-SOURCES = (
-    MODEL_DIR / "model_driver.cpp",
-    hdr.ASCENDC_OPS / "kernels" / "lightning_indexer_manage.cpp",
-    hdr.ASCENDC_OPS / "kernels" / "scatter_copy_sparse_flash_attention.cpp",
-    hdr.ASCENDC_OPS / "host" / "tiling.cpp",
-)
+KERNELS = hdr.ASCENDC_OPS / "kernels"
+
+
+def _sources(kernels: Path) -> List[Path]:
+    return [MODEL_DIR / "model_driver.cpp", kernels / "lightning_indexer_manage.cpp",
+            kernels / "scatter_copy_sparse_flash_attention.cpp", hdr.ASCENDC_OPS / "host" / "tiling.cpp"]
+
+
 LIM, LIM_C8, COPY_SFA = 0, 1, 2
 TASK_RATION = 2  # vector cores per cube core (MIX AIC:AIV 1:2)
 
@@ -48,26 +50,27 @@ class ShapeUnsupported(ValueError):
     """The host tiling refused the shape (the message is the kernel limit it violates)."""
 
 
-def _all_sources() -> List[Path]:
-    files = list(SOURCES)
-    for folder, pattern in ((MODEL_DIR, "**/*.h"), (hdr.ASCENDC_OPS / "kernels", "*.h"),
+def _all_sources(kernels: Path) -> List[Path]:
+    files = _sources(kernels)
+    for folder, pattern in ((MODEL_DIR, "**/*.h"), (kernels, "*.h"),
                             (hdr.ASCENDC_OPS / "include", "*.h"), (hdr.ASCENDC_OPS / "host", "*.h")):
         files += sorted(folder.glob(pattern))
     return files
 
 
-def _command(out: Path) -> List[str]:
+def _command(out: Path, kernels: Path) -> List[str]:
     return [compile_check.compiler(), "-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Werror=return-type",
             "-I", str(MODEL_DIR), "-I", str(MODEL_DIR / "host"), "-I", str(hdr.ASCENDC_OPS / "include"),
-            "-I", str(hdr.ASCENDC_OPS / "kernels"), "-I", str(hdr.ASCENDC_OPS / "host"),
-            *[str(s) for s in SOURCES], "-o", str(out)]
+            "-I", str(kernels), "-I", str(hdr.ASCENDC_OPS / "host"),
+            *[str(s) for s in _sources(kernels)], "-o", str(out)]
 
 
-def build(use_cache: bool = True) -> Path:
-    """Compile the model library (or reuse the cached one with the same source hash)."""
+def build(use_cache: bool = True, kernels: Path = KERNELS) -> Path:
+    """Compile the model library from the kernels in ``kernels`` (default
+    ``ascendc_ops/kernels``), or reuse the cached one with the same source hash."""
     h = hashlib.sha256()
-    h.update(" ".join(_command(Path("x"))).encode())
-    for f in _all_sources():
+    h.update(" ".join(_command(Path("x"), kernels)).encode())
+    for f in _all_sources(kernels):
         h.update(str(f).encode())
         h.update(f.read_bytes())
     out = OUT_DIR / f"libsao_model-{h.hexdigest()[:16]}.so"
@@ -75,7 +78,7 @@ def build(use_cache: bool = True) -> Path:
         return out
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    res = subprocess.run(_command(tmp), capture_output=True, text=True)
+    res = subprocess.run(_command(tmp, kernels), capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError("building the functional model failed:\n" + res.stderr[:6000])
     tmp.replace(out)

@@ -1,0 +1,153 @@
+"""The AscendC kernels checked on CPU: ``python -m sglang_ascend_offload check-kernels``.
+
+* The command itself (run once per session, in a subprocess, with its compile cache):
+  every kernel compiles (vector and cube variant) against the asc-devkit headers, the
+  negative control does not, and the functional model of every kernel matches the
+  reference compositions (bit-exact copies and indices, attention within tolerance).
+* The checks have teeth: the negative control fails with the wrong call reported; a
+  kernel copy with a subtle residency mutation (victim tie order) and a Copy-SFA
+  mutation (gathering the latent part as the rope part) fails the functional check;
+  the model catches an out-of-bounds GM write; the host tiling refuses a shape outside
+  the kernel limits; missing headers are an error that says what to set.
+
+Time on the 2-core CI machine: ~60 s from a fresh clone (4 kernel compiles + the
+negative control, two at a time, the model library, ~20 s of model runs), ~20 s with the
+compile cache of ``ascendc_ops/build/kernel_check``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_ascend_offload.kernel_check import compile_check, functional, headers as hdr, model as km
+from sglang_ascend_offload.sparse_decode.residency import ResidencyTable
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = {"name", "variant", "compiled", "functional_checked", "cases", "bit_exact", "max_abs_err"}
+ENTRIES = {"sao_lightning_indexer_manage", "sao_quant_lightning_indexer_manage",
+           "sao_scatter_copy_sparse_flash_attention"}
+
+
+@pytest.fixture(scope="session")
+def check_kernels():
+    """(exit status, JSON document, stderr) of one ``check-kernels --json`` run."""
+    env = dict(os.environ)
+    env.pop(hdr.ENV_VAR, None)
+    env.pop("ASCEND_HOME_PATH", None)
+    res = subprocess.run([sys.executable, "-m", "sglang_ascend_offload", "check-kernels", "--json"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    try:
+        doc = json.loads(res.stdout)
+    except ValueError:
+        pytest.fail(f"check-kernels --json did not print one JSON document:\n{res.stdout[-3000:]}\n"
+                    f"{res.stderr[-3000:]}")
+    return res.returncode, doc, res.stderr
+
+
+def test_check_kernels_passes_with_the_documented_json(check_kernels):
+    rc, doc, err = check_kernels
+    assert set(doc) == {"kernels", "headers"}
+    assert doc["headers"] == "8.5.0-beta.1"
+    rows = doc["kernels"]
+    assert {(r["name"], r["variant"]) for r in rows} == {(n, v) for n in ENTRIES for v in ("vec", "cube")}
+    for r in rows:
+        assert set(r) == KEYS, r
+    assert rc == 0, err[-4000:]
+
+
+def test_every_kernel_compiled_and_functionally_checked(check_kernels):
+    _, doc, err = check_kernels
+    for r in doc["kernels"]:
+        assert r["compiled"] is True, (r, err[-3000:])
+        assert r["functional_checked"] is True and r["bit_exact"] is True, (r, err[-3000:])
+        assert r["cases"] >= 5, r
+        if r["name"] == "sao_scatter_copy_sparse_flash_attention":
+            # attention: a real (nonzero, bf16-sized) error, within the stated tolerance
+            assert 0.0 < r["max_abs_err"] <= functional.ATTN_ATOL + 0.05, r
+        else:
+            assert r["max_abs_err"] == 0.0, r  # index outputs only
+
+
+def test_negative_control_fails_with_the_wrong_call_reported(check_kernels):
+    headers = hdr.locate()
+    src = compile_check.negative_control_source()
+    res = compile_check.compile_one(headers, src, "vec", "negative_control")  # cached by the command's run
+    assert not res.ok and res.errors >= 1
+    assert "DataCopyPad" in res.log
+    # ... while the unmutated unit compiles cleanly
+    ok = compile_check.compile_one(headers, compile_check.KERNELS_DIR / compile_check.NEGATIVE_UNIT, "vec", "lim")
+    assert ok.ok and ok.errors == 0, ok.log
+
+
+def test_missing_headers_is_an_error_saying_what_to_set(tmp_path, monkeypatch):
+    monkeypatch.setenv(hdr.ENV_VAR, str(tmp_path / "nowhere"))
+    with pytest.raises(hdr.HeadersNotFound, match=hdr.ENV_VAR):
+        hdr.locate()
+
+
+def _mutated_kernels(tmp: Path) -> Path:
+    dst = tmp / "kernels"
+    shutil.copytree(compile_check.KERNELS_DIR, dst)
+    res_h = dst / "residency_manage.h"
+    text = res_h.read_text()
+    old = "return sa < sb || (sa == sb && a < b);"
+    assert old in text
+    res_h.write_text(text.replace(old, "return sa < sb || (sa == sb && a > b);"))  # victim ties by slot reversed
+    sfa = dst / "scatter_copy_sparse_flash_attention.cpp"
+    text = sfa.read_text()
+    old = "AscendC::DataCopyPad(kRope_[j * t_.ropeDim], buf[b * t_.rowDim + t_.latentDim], rope);"
+    assert old in text
+    sfa.write_text(text.replace(old, "AscendC::DataCopyPad(kRope_[j * t_.ropeDim], buf[b * t_.rowDim], rope);"))
+    return dst
+
+
+def test_functional_check_catches_mutated_kernels(tmp_path):
+    m = km.KernelModel(km.build(kernels=_mutated_kernels(tmp_path)))
+    lim = functional.check_lim(m, False, steps=2, largest=False)
+    assert not lim.ok and not lim.bit_exact
+    assert any("slot_token differs" in f or "slots differs" in f for f in lim.failures), lim.failures[:3]
+    sfa = functional.check_copy_sfa(m, largest=False)
+    assert not sfa.ok and any("attention out of tolerance" in f for f in sfa.failures), sfa.failures[:3]
+
+
+def test_model_faults_on_out_of_bounds_gm_write():
+    m = km.KernelModel()
+    dims = functional.LimDims(rows=3, hot_tokens=64, top_k=32, max_len=80)
+    sc = functional.Scenario(dims, seed=5, idle=0.0)
+    sc.advance()
+    inp = sc.inputs()
+    table = ResidencyTable.empty(dims.rows, dims.hot_tokens)
+    out, _ = functional._model_lim(m, inp, table.clone(), dims)  # fine as built
+    assert int(out["miss_count"].min()) >= 0
+    # the same launch with miss_slots one row short: the last row's store leaves the buffer
+    launch = m.tile_lim(tokens=inp["token_rows"].shape[0], requests=inp["cu"].shape[0], index_heads=8,
+                        index_dim=128, block_size=32, max_blocks=inp["block_table"].shape[1], rows=3,
+                        hot_tokens=64, top_k=32, sparse_mode=3, quantized=False)
+    t, r, k = inp["token_rows"].shape[0], 3, 32
+    i32 = torch.int32
+    tab = table.clone()
+    args = [inp["query"], inp["key"], inp["weights"], inp["cu"], inp["kv_len"], inp["block_table"],
+            inp["token_rows"], inp["req_ids"], inp["stable"], torch.tensor([inp["step"]]), tab.slot_token,
+            tab.slot_stamp, tab.row_req, torch.empty(t, 1, k, dtype=i32), torch.empty(t, 1, k, dtype=i32),
+            torch.empty(r, k, dtype=torch.uint8), torch.empty(r, k, dtype=i32), torch.empty(r, dtype=i32),
+            torch.empty(r, k, dtype=i32), torch.empty(r - 1, k, dtype=i32)]
+    with pytest.raises(km.ModelFault, match="outside every registered buffer"):
+        m.run(km.LIM, args, launch)
+
+
+def test_host_tiling_refuses_shapes_outside_the_kernel_limits():
+    m = km.KernelModel()
+    with pytest.raises(km.ShapeUnsupported, match="index head dim must be 128"):
+        m.tile_lim(tokens=1, requests=1, index_heads=8, index_dim=64, block_size=32, max_blocks=4, rows=1,
+                   hot_tokens=64, top_k=32, sparse_mode=3, quantized=False)
+    with pytest.raises(km.ShapeUnsupported, match="multiple of 128"):
+        m.tile_copy_sfa(tokens=1, heads=8, latent_dim=512, rope_dim=64, rows=1, hot_tokens=128, top_k=96,
+                        max_ctx=256, scale=0.04)
