@@ -241,13 +241,22 @@ public:
     }
     T GetValue(uint32_t i) const
     {
-        sao_model::CheckUb(ptr_ + i, sizeof(T), "LocalTensor::GetValue");
+        Check(i, "LocalTensor::GetValue");
         return ptr_[i];
     }
     void SetValue(uint32_t i, T v) const
     {
-        sao_model::CheckUb(ptr_ + i, sizeof(T), "LocalTensor::SetValue");
+        Check(i, "LocalTensor::SetValue");
         ptr_[i] = v;
+    }
+    // index i must lie inside the buffer (TBuf / queue buffer) this tensor was cut from
+    void Check(uint32_t i, const char *what) const
+    {
+        if (i >= count_) {
+            throw sao_model::Fault(std::string(what) + ": index " + std::to_string(i) +
+                                   " past the end of its buffer (" + std::to_string(count_) + " elements left)");
+        }
+        sao_model::CheckUb(ptr_ + i, sizeof(T), what);
     }
     T *GetPhyAddr() const { return ptr_; }
     uint32_t GetSize() const { return count_; }
@@ -384,6 +393,20 @@ inline void WaitFlag(int32_t id)
 template <pipe_t P>
 inline void PipeBarrier() {}
 
+namespace detail {
+template <typename T>
+inline T *Vec(const LocalTensor<T> &t, uint32_t count, const char *what)
+{
+    if (count > t.GetSize()) {
+        throw sao_model::Fault(std::string(what) + ": " + std::to_string(count) + " elements but only " +
+                               std::to_string(t.GetSize()) + " left in the operand's buffer");
+    }
+    sao_model::CheckAligned(t.GetPhyAddr(), what);
+    sao_model::CheckUb(t.GetPhyAddr(), uint64_t(count) * sizeof(T), what);
+    return t.GetPhyAddr();
+}
+}  // namespace detail
+
 // ------------------------------------------------------------------ data copy
 struct DataCopyExtParams {
     uint16_t blockCount = 1;
@@ -405,8 +428,7 @@ inline void DataCopy(const LocalTensor<T> &dst, const GlobalTensor<T> &src, uint
 {
     uint64_t bytes = uint64_t(count) * sizeof(T);
     if (bytes % 32 != 0) throw sao_model::Fault("DataCopy GM->UB: length not a multiple of 32 bytes (use DataCopyPad)");
-    sao_model::CheckAligned(dst.GetPhyAddr(), "DataCopy GM->UB");
-    sao_model::CheckUb(dst.GetPhyAddr(), bytes, "DataCopy GM->UB");
+    detail::Vec(dst, count, "DataCopy GM->UB");
     sao_model::CheckGm(src.GetPhyAddr(), bytes, "DataCopy GM->UB");
     std::memmove(dst.GetPhyAddr(), src.GetPhyAddr(), bytes);
 }
@@ -415,8 +437,7 @@ inline void DataCopy(const GlobalTensor<T> &dst, const LocalTensor<T> &src, uint
 {
     uint64_t bytes = uint64_t(count) * sizeof(T);
     if (bytes % 32 != 0) throw sao_model::Fault("DataCopy UB->GM: length not a multiple of 32 bytes (use DataCopyPad)");
-    sao_model::CheckAligned(src.GetPhyAddr(), "DataCopy UB->GM");
-    sao_model::CheckUb(src.GetPhyAddr(), bytes, "DataCopy UB->GM");
+    detail::Vec(src, count, "DataCopy UB->GM");
     sao_model::CheckGm(dst.GetPhyAddr(), bytes, "DataCopy UB->GM");
     std::memmove(dst.GetPhyAddr(), src.GetPhyAddr(), bytes);
 }
@@ -425,10 +446,8 @@ inline void DataCopy(const LocalTensor<T> &dst, const LocalTensor<T> &src, uint3
 {
     uint64_t bytes = uint64_t(count) * sizeof(T);
     if (bytes % 32 != 0) throw sao_model::Fault("DataCopy UB->UB: length not a multiple of 32 bytes");
-    sao_model::CheckAligned(dst.GetPhyAddr(), "DataCopy UB->UB");
-    sao_model::CheckAligned(src.GetPhyAddr(), "DataCopy UB->UB");
-    sao_model::CheckUb(dst.GetPhyAddr(), bytes, "DataCopy UB->UB");
-    sao_model::CheckUb(src.GetPhyAddr(), bytes, "DataCopy UB->UB");
+    detail::Vec(dst, count, "DataCopy UB->UB");
+    detail::Vec(src, count, "DataCopy UB->UB");
     std::memmove(dst.GetPhyAddr(), src.GetPhyAddr(), bytes);
 }
 
@@ -439,9 +458,8 @@ inline void DataCopyPad(const LocalTensor<T> &dst, const GlobalTensor<T> &src, c
                         const DataCopyPadExtParams<T> &pad)
 {
     if (p.blockCount != 1 || pad.isPad) throw sao_model::Fault("DataCopyPad: only blockCount 1 without padding is modelled");
-    sao_model::CheckAligned(dst.GetPhyAddr(), "DataCopyPad GM->UB");
     uint64_t padded = (uint64_t(p.blockLen) + 31) / 32 * 32;
-    sao_model::CheckUb(dst.GetPhyAddr(), padded, "DataCopyPad GM->UB");
+    detail::Vec(dst.template ReinterpretCast<uint8_t>(), static_cast<uint32_t>(padded), "DataCopyPad GM->UB");
     sao_model::CheckGm(src.GetPhyAddr(), p.blockLen, "DataCopyPad GM->UB");
     auto *d = reinterpret_cast<uint8_t *>(dst.GetPhyAddr());
     std::memmove(d, src.GetPhyAddr(), p.blockLen);
@@ -452,22 +470,13 @@ template <typename T>
 inline void DataCopyPad(const GlobalTensor<T> &dst, const LocalTensor<T> &src, const DataCopyExtParams &p)
 {
     if (p.blockCount != 1) throw sao_model::Fault("DataCopyPad: only blockCount 1 is modelled");
-    sao_model::CheckAligned(src.GetPhyAddr(), "DataCopyPad UB->GM");
-    sao_model::CheckUb(src.GetPhyAddr(), p.blockLen, "DataCopyPad UB->GM");
+    detail::Vec(src.template ReinterpretCast<uint8_t>(), p.blockLen, "DataCopyPad UB->GM");
     sao_model::CheckGm(dst.GetPhyAddr(), p.blockLen, "DataCopyPad UB->GM");
     std::memmove(dst.GetPhyAddr(), src.GetPhyAddr(), p.blockLen);
 }
 
 // ------------------------------------------------------------------ vector
-namespace detail {
-template <typename T>
-inline T *Vec(const LocalTensor<T> &t, uint32_t count, const char *what)
-{
-    sao_model::CheckAligned(t.GetPhyAddr(), what);
-    sao_model::CheckUb(t.GetPhyAddr(), uint64_t(count) * sizeof(T), what);
-    return t.GetPhyAddr();
-}
-}  // namespace detail
+
 
 template <typename T>
 inline void Duplicate(const LocalTensor<T> &dst, const T &value, const int32_t &count)
@@ -599,6 +608,7 @@ inline void Sort(const LocalTensor<T> &dst, const LocalTensor<T> &concat, const 
 {
     static_assert(std::is_same<T, float>::value, "the model sorts float scores");
     static_assert(isFullSort, "the model implements full sorts");
+    if (repeatTime < 1 || repeatTime > 255) throw sao_model::Fault("Sort: repeatTime must be 1..255");
     uint32_t n = static_cast<uint32_t>(repeatTime) * 32;
     const float *s = detail::Vec(concat, n, "Sort");
     const uint32_t *ix = detail::Vec(index, n, "Sort");
@@ -631,6 +641,7 @@ inline void MrgSort(const LocalTensor<T> &dst, const MrgSortSrcList<T> &list, co
     for (int q = 0; q < 4; ++q) {
         if (!(validBit & (1u << q))) continue;
         uint32_t n = elementCountList[q];
+        if (n > 4095) throw sao_model::Fault("MrgSort: a list longer than 4095 elements");
         const float *p = detail::Vec(*src[q], 2 * n, "MrgSort");
         size_t at = all.size();
         all.resize(at + n);
@@ -652,6 +663,7 @@ template <typename T>
 inline void Extract(const LocalTensor<T> &dstValue, const LocalTensor<uint32_t> &dstIndex, const LocalTensor<T> &sorted,
                     const int32_t repeatTime)
 {
+    if (repeatTime < 1 || repeatTime > 255) throw sao_model::Fault("Extract: repeatTime must be 1..255");
     uint32_t n = static_cast<uint32_t>(repeatTime) * 32;
     float *v = detail::Vec(dstValue, n, "Extract");
     uint32_t *ix = detail::Vec(dstIndex, n, "Extract");
