@@ -1,0 +1,269 @@
+"""``bench soak``: serve the tiny DSA fixtures with offload under churn for minutes and
+report what long runs break: memory growth, files left behind, failed requests.
+
+Two servers run side by side on 127.0.0.1 (one ``launch_server`` each, own process
+group):
+
+* ``sparse_decode``: ``tests/fixtures/tiny_dsa`` with sparse decode offload;
+* ``layerwise_prefill``: ``tests/fixtures/tiny_dsa_4l`` with layerwise prefill offload
+  (``shared_buffers: 1``: layers 1-3 share one device buffer).
+
+Each is driven by ``--clients`` threads for ``--minutes``: random prompt lengths
+(4-300 tokens) and output lengths (1-48), a quarter of the prompts extending an
+earlier prompt (radix-cache hits), and about one request in ten aborted mid-flight
+through ``/abort_request``. A request fails when it errors or, not aborted, returns a
+different number of tokens than asked.
+
+Resident memory (``VmRSS``) of every process of each server is read after warm-up
+(a tenth of the run, at least 20 s) and at the end; ``rss_growth_ratio_max`` is the
+largest end / warm-up ratio. After the servers stop (SIGTERM to the group, as an
+operator would), new files in ``/dev/shm`` are counted: the plugin's own
+(``sglang_ascend_offload_*``) in ``leaked_shm_files``, SGLang's (``sgl_shm_mq_*``,
+``sglang_loads_*``, which SGLang itself leaves behind when its group is terminated)
+in ``sglang_shm_files_left``. The offload counters are the servers' last periodic
+summary lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import threading
+import time
+import urllib.error
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+SHM = Path("/dev/shm")
+PLUGIN_SHM_PREFIXES = ("sglang_ascend_offload",)
+SGLANG_SHM_PREFIXES = ("sgl_shm_mq_", "sglang_loads_")
+VOCAB = 1024
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--minutes", type=float, default=10.0, help="load duration in minutes (default 10)")
+    p.add_argument("--clients", type=int, default=3, help="concurrent clients per server (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
+    p.add_argument("--abort-fraction", type=float, default=0.1, help="fraction of requests aborted mid-flight")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+
+
+@dataclass
+class ProcessMemory:
+    server: str
+    pid: int
+    name: str
+    rss_warm_mb: float
+    rss_end_mb: float
+
+    @property
+    def growth_ratio(self) -> float:
+        return self.rss_end_mb / self.rss_warm_mb if self.rss_warm_mb > 0 else 1.0
+
+
+@dataclass
+class LoadStats:
+    requests: int = 0
+    failed: int = 0
+    aborted: int = 0
+    radix_prompts: int = 0
+    output_tokens: int = 0
+    errors: List[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **delta) -> None:
+        with self.lock:
+            for key, value in delta.items():
+                if key == "error":
+                    if len(self.errors) < 10:
+                        self.errors.append(value)
+                else:
+                    setattr(self, key, getattr(self, key) + value)
+
+
+def _rss_mb(pid: int) -> Optional[float]:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _proc_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def _shm_files() -> set:
+    try:
+        return {p.name for p in SHM.iterdir()}
+    except OSError:
+        return set()
+
+
+def _summary(log: Path, prefix: str) -> Dict[str, str]:
+    """``key=value`` pairs of the last line of ``log`` that contains ``prefix``."""
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if prefix in line]
+    except OSError:
+        return {}
+    if not lines:
+        return {}
+    return dict(re.findall(r"([\w/]+)=([^\s]+)", lines[-1].split(prefix, 1)[1]))
+
+
+def _client(server, stats: LoadStats, rng: random.Random, stop_at: float, abort_fraction: float) -> None:
+    history: List[List[int]] = []
+    while time.monotonic() < stop_at:
+        if history and rng.random() < 0.25:
+            prompt = rng.choice(history) + [rng.randrange(4, VOCAB) for _ in range(rng.randint(1, 40))]
+            stats.add(radix_prompts=1)
+        else:
+            prompt = [rng.randrange(4, VOCAB) for _ in range(rng.randint(4, 300))]
+        prompt = prompt[:1500]
+        history = (history + [prompt])[-8:]
+        want = rng.randint(1, 48)
+        abort = rng.random() < abort_fraction
+        rid = f"soak-{threading.get_ident()}-{rng.getrandbits(48):x}"
+        if abort:
+            threading.Timer(rng.uniform(0.05, 0.5), _abort, (server, rid)).start()
+        try:
+            out = server.generate(prompt, max_new_tokens=want, timeout=180, rid=rid)
+        except (urllib.error.URLError, ConnectionError, OSError, ValueError) as exc:
+            if abort:
+                stats.add(requests=1, aborted=1)
+            else:
+                stats.add(requests=1, failed=1, error=f"{type(exc).__name__}: {exc}")
+            continue
+        got = len(out.get("output_ids", []))
+        reason = (out.get("meta_info", {}).get("finish_reason") or {}).get("type")
+        if abort and (reason == "abort" or got < want):
+            stats.add(requests=1, aborted=1, output_tokens=got)
+        elif got != want:
+            stats.add(requests=1, failed=1, output_tokens=got, error=f"asked {want} tokens, got {got} ({reason})")
+        else:
+            stats.add(requests=1, output_tokens=got)
+
+
+def _abort(server, rid: str) -> None:
+    try:
+        server.post("/abort_request", {"rid": rid}, timeout=30)
+    except (urllib.error.URLError, ConnectionError, OSError, ValueError):
+        pass  # the request may have finished already
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench soak] {msg}", file=sys.stderr, flush=True)
+
+
+def run(minutes: float, clients: int, seed: int, abort_fraction: float) -> dict:
+    from ..testing.servers import IDLE_SLEEP, TINY_DSA, TINY_DSA_4L, ServerProcess, fixture_args, stop_all
+
+    common = ["--max-running-requests", "4", "--chunked-prefill-size", "128"] + IDLE_SLEEP
+    specs = {
+        "sparse_decode": (fixture_args(TINY_DSA), ["--enable-sparse-decode-offload", "--sparse-decode-offload-config",
+                                                   json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 5})]),
+        "layerwise_prefill": (fixture_args(TINY_DSA_4L), ["--enable-layerwise-prefill-offload",
+                                                          "--layerwise-prefill-offload-config",
+                                                          json.dumps({"shared_buffers": 1})]),
+    }
+    import tempfile
+
+    logs = Path(tempfile.mkdtemp(prefix="bench_soak_"))
+    shm_before = _shm_files()
+    servers = {name: ServerProcess(common + extra, log_path=logs / f"{name}.log", base_args=base)
+               for name, (base, extra) in specs.items()}
+    _progress(f"starting {len(servers)} servers (logs in {logs})")
+    started = []
+    try:
+        for server in servers.values():  # one after the other: two start-ups at once starve 2 cores
+            started.append(server.start())
+        stats = {name: LoadStats() for name in servers}
+        t0 = time.monotonic()
+        duration = minutes * 60.0
+        warm_at = t0 + max(20.0, duration / 10) if duration > 40 else t0 + duration / 2
+        stop_at = t0 + max(duration, 1.0)
+        rng = random.Random(seed)
+        threads = [threading.Thread(target=_client, args=(srv, stats[name], random.Random(rng.getrandbits(64)),
+                                                          stop_at, abort_fraction), daemon=True)
+                   for name, srv in servers.items() for _ in range(clients)]
+        for t in threads:
+            t.start()
+        time.sleep(max(0.0, warm_at - time.monotonic()))
+        warm = {name: {pid: _rss_mb(pid) for pid in srv.pids()} for name, srv in servers.items()}
+        _progress(f"warm-up done: {sum(s.requests for s in stats.values())} requests")
+        last = time.monotonic()
+        while any(t.is_alive() for t in threads):
+            time.sleep(1.0)
+            if time.monotonic() - last > 30:
+                last = time.monotonic()
+                _progress(f"{(last - t0) / 60:.1f}/{minutes:g} min: "
+                          + ", ".join(f"{n} {s.requests} req {s.failed} failed" for n, s in stats.items()))
+        memory: List[ProcessMemory] = []
+        for name, srv in servers.items():
+            for pid, rss_warm in warm[name].items():
+                rss_end = _rss_mb(pid)
+                if rss_warm is not None and rss_end is not None:
+                    memory.append(ProcessMemory(name, pid, _proc_name(pid), round(rss_warm, 1), round(rss_end, 1)))
+        counters = {"sparse_decode": _summary(servers["sparse_decode"].log_path, "sparse-decode-offload:"),
+                    "layerwise_prefill": _summary(servers["layerwise_prefill"].log_path, "layerwise-prefill:")}
+    finally:
+        _progress("stopping servers (SIGTERM to each process group)")
+        stop_all(*started)
+    time.sleep(1.0)
+    new_files = sorted(_shm_files() - shm_before)
+    leaked = [f for f in new_files if f.startswith(PLUGIN_SHM_PREFIXES)]
+    sglang_left = [f for f in new_files if f.startswith(SGLANG_SHM_PREFIXES)]
+    total = LoadStats()
+    for s in stats.values():
+        for key in ("requests", "failed", "aborted", "radix_prompts", "output_tokens"):
+            setattr(total, key, getattr(total, key) + getattr(s, key))
+    return {
+        "minutes": minutes,
+        "requests": total.requests,
+        "failed": total.failed,
+        "aborted": total.aborted,
+        "radix_prompts": total.radix_prompts,
+        "output_tokens": total.output_tokens,
+        "rss_growth_ratio_max": round(max((m.growth_ratio for m in memory), default=1.0), 4),
+        "leaked_shm_files": len(leaked),
+        "leaked_shm_names": leaked,
+        "sglang_shm_files_left": len(sglang_left),
+        "processes": [{**asdict(m), "growth_ratio": round(m.growth_ratio, 4)} for m in memory],
+        "servers": [{"name": name, "requests": s.requests, "failed": s.failed, "aborted": s.aborted,
+                     "errors": s.errors, "offload_counters": counters.get(name, {})} for name, s in stats.items()],
+        "logs": str(logs),
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.minutes <= 0 or args.clients < 1 or not 0 <= args.abort_fraction <= 1:
+        problems = [m for bad, m in ((args.minutes <= 0, f"--minutes {args.minutes} must be > 0"),
+                                     (args.clients < 1, f"--clients {args.clients} must be >= 1"),
+                                     (not 0 <= args.abort_fraction <= 1,
+                                      f"--abort-fraction {args.abort_fraction} must be in [0, 1]")) if bad]
+        print("bench soak: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    result = run(args.minutes, args.clients, args.seed, args.abort_fraction)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"soak {result['minutes']:g} min: {result['requests']} requests ({result['aborted']} aborted, "
+              f"{result['radix_prompts']} radix-hit prompts), {result['failed']} failed")
+        print(f"{'server':18s} {'pid':>7s} {'process':16s} {'rss warm MB':>11s} {'rss end MB':>10s} {'growth':>7s}")
+        for p in result["processes"]:
+            print(f"{p['server']:18s} {p['pid']:7d} {p['name']:16s} {p['rss_warm_mb']:11.1f} "
+                  f"{p['rss_end_mb']:10.1f} {p['growth_ratio']:7.3f}")
+        print(f"rss_growth_ratio_max {result['rss_growth_ratio_max']:.3f}; plugin shm files left "
+              f"{result['leaked_shm_files']}; SGLang's own shm files left {result['sglang_shm_files_left']}")
+        for s in result["servers"]:
+            print(f"{s['name']}: " + " ".join(f"{k}={v}" for k, v in s["offload_counters"].items()))
+    return 0 if result["failed"] == 0 and result["leaked_shm_files"] == 0 else 1

@@ -1,0 +1,34 @@
+"""``bench soak`` end to end, shortened: both offload servers under churn (aborts,
+radix hits), one JSON document on stdout with the contract's keys, no failed
+request and none of the plugin's shared-memory files left after shutdown."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, server_env
+
+pytestmark = pytest.mark.slow
+
+KEYS = {"minutes", "requests", "failed", "rss_growth_ratio_max", "leaked_shm_files", "sglang_shm_files_left",
+        "processes"}
+
+
+def test_bench_soak_short_run():
+    result = subprocess.run([sys.executable, "-m", "sglang_ascend_offload", "bench", "soak", "--minutes", "0.3",
+                             "--clients", "2", "--abort-fraction", "0.25", "--json"],
+                            cwd=REPO, env=server_env(cpu=False), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    doc = json.loads(result.stdout)  # exactly one JSON document: progress went to stderr
+    assert KEYS <= set(doc)
+    assert doc["requests"] > 0 and doc["failed"] == 0, doc["servers"]
+    assert doc["leaked_shm_files"] == 0, doc["leaked_shm_names"]
+    assert {p["server"] for p in doc["processes"]} == {"sparse_decode", "layerwise_prefill"}
+    assert all(p["rss_warm_mb"] > 0 and p["rss_end_mb"] > 0 for p in doc["processes"])
+    counters = {s["name"]: s["offload_counters"] for s in doc["servers"]}
+    assert int(counters["sparse_decode"]["steps"]) > 0  # the offload engine really decoded
+    assert int(counters["layerwise_prefill"]["forwards"]) > 0
