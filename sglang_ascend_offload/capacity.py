@@ -2,8 +2,8 @@
 
 Pure computation: :class:`CapacityInputs` + :class:`~.model_specs.ModelShape` in,
 :class:`CapacityReport` out (:func:`plan`). The CLI (``python -m sglang_ascend_offload
-capacity``) lives in :mod:`.capacity_cli`; :func:`add_arguments` / :func:`main` here
-only forward to it, because ``cli.py`` names this module. docs/capacity.md explains
+capacity``) lives in :mod:`.capacity_cli`, which imports this module (never the
+reverse). docs/capacity.md explains
 every formula with the numbers for DeepSeek-V3.2.
 
 Model of memory. Each mode is a :class:`Footprint` of *one DP rank*: on each of its
@@ -401,21 +401,6 @@ def plan(model: ModelShape, inputs: CapacityInputs) -> CapacityReport:
 def _with_ratio(m: ModeCapacity, full_requests: int) -> ModeCapacity:
     ratio = None if full_requests == 0 else round(m.requests / full_requests, 2)
     return replace(m, requests_vs_full=ratio)
-
-
-# ------------------------------------------------------------------ CLI (cli.py names this module)
-def add_arguments(parser) -> None:
-    """Flags of ``capacity``; see :mod:`.capacity_cli`."""
-    from .capacity_cli import add_arguments as _add
-
-    _add(parser)
-
-
-def main(args) -> int:
-    """Run ``capacity``; see :mod:`.capacity_cli`."""
-    from .capacity_cli import main as _main
-
-    return _main(args)
 
 
 __all__ = ["CapacityInputs", "CapacityReport", "Footprint", "ModeCapacity", "SkippedMode", "MODE_NAMES",

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 # command name -> (module, one-line help)
 COMMANDS = {
-    "capacity": ("sglang_ascend_offload.capacity", "KV capacity per mode for a model and a machine"),
+    "capacity": ("sglang_ascend_offload.capacity_cli", "KV capacity per mode for a model and a machine"),
     "check-config": ("sglang_ascend_offload.config_cli", "validate an offload config against a deployment"),
     "check-kernels": ("sglang_ascend_offload.kernel_check.cli",
                       "AscendC kernels on CPU: compile check against the AscendC headers + functional model"),

@@ -311,16 +311,9 @@ class Deployment:
     @property
     def soc_family(self) -> Optional[str]:
         """``"950"``, ``"A3"``, ``"A2"``... from :attr:`soc` (name or family)."""
-        if not self.soc:
-            return None
-        s = self.soc.upper().replace("ASCEND", "")
-        if s.startswith("950"):
-            return "950"
-        if s.startswith("910_93") or s == "A3":
-            return "A3"
-        if s.startswith("910B") or s == "A2":
-            return "A2"
-        return s
+        from .soc import soc_family
+
+        return soc_family(self.soc)
 
 
 # ------------------------------------------------------------------ errors

@@ -22,17 +22,9 @@ from typing import Iterator, Optional
 
 import torch
 
-DEVICE_KINDS = ("npu", "cuda", "cpu")
+from .soc import soc_family  # noqa: F401 - the one SoC mapping, re-exported
 
-# Ascend SoC series names as CANN reports them (``torch_npu.npu.get_device_name``)
-# mapped to the family the configuration rules speak about.
-_SOC_FAMILIES = (
-    ("Ascend950", "950"),  # 950PR / 950DT
-    ("Ascend910_93", "A3"),
-    ("Ascend910B", "A2"),
-    ("Ascend910", "910"),
-    ("Ascend310P", "310P"),
-)
+DEVICE_KINDS = ("npu", "cuda", "cpu")
 
 
 def _torch_npu():
@@ -66,16 +58,6 @@ def device_kind() -> str:
 def default_device() -> torch.device:
     kind = device_kind()
     return torch.device("cpu") if kind == "cpu" else torch.device(kind, 0)
-
-
-def soc_family(soc_name: Optional[str]) -> Optional[str]:
-    """Map a CANN SoC name (e.g. ``"Ascend910_9391"``) to ``"A2"|"A3"|"950"|...``."""
-    if not soc_name:
-        return None
-    for prefix, family in _SOC_FAMILIES:
-        if soc_name.startswith(prefix):
-            return family
-    return None
 
 
 @functools.lru_cache(maxsize=1)
