@@ -26,7 +26,7 @@ from sglang_ascend_offload.layerwise_prefill.pipeline import LayerwisePrefillPip
 from sglang_ascend_offload.layerwise_prefill.planner import plan_buffers
 from sglang_ascend_offload.layerwise_prefill.store import block_keys, object_key
 from sglang_ascend_offload.layerwise_prefill.store_local import LocalHostKVStore
-from sglang_ascend_offload.layerwise_prefill.tiny_model import TinyAttentionModel
+from sglang_ascend_offload.testing.tiny_attention_model import TinyAttentionModel
 
 RUN_KEYS = ("shared_buffers", "layers", "physical_buffers", "footprint_ratio", "wall_s",
             "compute_s", "transfer_s", "wall_over_max", "wall_over_sum")

@@ -12,7 +12,7 @@ from sglang_ascend_offload.layerwise_prefill.pipeline import (
 from sglang_ascend_offload.layerwise_prefill.planner import plan_buffers
 from sglang_ascend_offload.layerwise_prefill.store import StoreError, block_keys, object_key
 from sglang_ascend_offload.layerwise_prefill.store_local import LocalHostKVStore
-from sglang_ascend_offload.layerwise_prefill.tiny_model import FullCacheRunner, TinyAttentionModel
+from sglang_ascend_offload.testing.tiny_attention_model import FullCacheRunner, TinyAttentionModel
 
 BT = 4
 ROWS = 48
@@ -86,7 +86,9 @@ def test_save_failure_is_reported_and_slot_is_reused():
 def test_consumer_that_never_answers_times_out_with_names():
     model = TinyAttentionModel(num_layers=3, seed=3)
     plan = plan_buffers(model.specs(ROWS), 1, [])  # one slot for all layers
-    with LayerwisePrefillPipeline(plan, LocalHostKVStore(), block_tokens=BT, wait_timeout_s=0.3) as pipe:
+    # 2 s: long enough that the host save (the slot's other consumer) always answers in
+    # time on a loaded 2-core machine, so the timeout can only name decode:1.
+    with LayerwisePrefillPipeline(plan, LocalHostKVStore(), block_tokens=BT, wait_timeout_s=2.0) as pipe:
         req = PrefillRequest("a", (1, 2, 3, 4, 5))
         with pytest.raises(GateTimeout, match=r"slot 0 \(layer 0\).*decode:1"):
             _forward(pipe, model, [req], extra_consumers={0: ["decode:1"]})

@@ -28,7 +28,7 @@ from sglang_ascend_offload.layerwise_prefill.pipeline import (
     LayerwisePrefillPipeline, PrefillRequest, run_forward)
 from sglang_ascend_offload.layerwise_prefill.planner import plan_buffers
 from sglang_ascend_offload.layerwise_prefill.store_local import LocalHostKVStore
-from sglang_ascend_offload.layerwise_prefill.tiny_model import FullCacheRunner, TinyAttentionModel
+from sglang_ascend_offload.testing.tiny_attention_model import FullCacheRunner, TinyAttentionModel
 
 BT = 4
 ROWS = 40
