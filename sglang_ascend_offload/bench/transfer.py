@@ -168,7 +168,7 @@ def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, An
 
         load = ServedLoad(requests=args.served_requests, concurrency=args.served_concurrency,
                           input_len=args.served_input_len, output_len=args.served_output_len)
-        out["served"] = [asdict(r) for r in run_served(load, verbose=_verbose(args))]
+        out["served"] = [asdict(r) for r in run_served(load)]
     return out
 
 

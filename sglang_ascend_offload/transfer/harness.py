@@ -331,12 +331,16 @@ def run_prefill_rank(spec: ScenarioSpec, p_rank: int, kv_port: int,
                            engine=engine, gates=gates, decode_host="127.0.0.1", send_filter=outbox)
     report: Dict[str, Any] = {"handshake": "ok", "gate_errors": 0, "gate_timeouts": 0}
     ids = list(sources)
-    # every layer's content is made before the first publish: the layer loop then only copies it
-    # into the slot (a stand-in for the forward's write), so the timed transfer does not wait on
-    # random-number generation
-    content = {(rid, layer, name): expected_block_bytes(spec.seed, rid, layer, name, len(main_blocks), bb)
-               for layer in range(spec.num_layers) for rid, (main_blocks, _) in sources.items()
-               for _, name, bb in specs}
+    # every layer's content is made before the first publish: the layer loop then only copies a
+    # whole slot image (a stand-in for the forward's write), so the timed transfer does not wait on
+    # random-number generation or scattered writes
+    images: Dict[Tuple[int, str], np.ndarray] = {}  # (layer, tensor) -> the whole slot's bytes
+    for layer in range(spec.num_layers):
+        for role, name, bb in specs:
+            image = images[(layer, name)] = np.zeros((spec.slot_blocks, bb), dtype=np.uint8)
+            for rid, (main_blocks, idx_blocks) in sources.items():
+                blocks = list(main_blocks if role == "main" else idx_blocks)
+                image[blocks] = expected_block_bytes(spec.seed, rid, layer, name, len(main_blocks), bb)
     t0 = time.monotonic()
     timings = report["timings"] = {}
     try:
@@ -358,11 +362,8 @@ def run_prefill_rank(spec: ScenarioSpec, p_rank: int, kv_port: int,
                 except GateTimeout:
                     report["gate_timeouts"] += 1  # would be a hang without our deadlines
                     break
-                for rid, (main_blocks, idx_blocks) in sources.items():
-                    n = len(main_blocks)
-                    for role, name, bb in specs:
-                        blocks = list(main_blocks if role == "main" else idx_blocks)
-                        slots[name][slot][blocks] = content[(rid, layer, name)]
+                for _, name, _ in specs:
+                    np.copyto(slots[name][slot], images[(layer, name)])
                 sender.publish_layer(layer, slot, {rid: SourceBlocks(m, i) for rid, (m, i) in sources.items()},
                                      finished=ids if layer == spec.num_layers - 1 else ())
         timings["published"] = time.monotonic() - t0

@@ -1,0 +1,295 @@
+"""``bench transfer --served``: time to first token of P/D serving next to colocated serving.
+
+Real SGLang servers on CPU with the tiny DSA fixture (``tests/fixtures/tiny_dsa``, the
+launch settings of :mod:`sglang_ascend_offload.testing.servers`), the project's P/D
+backend with the Mooncake engine over TCP on 127.0.0.1, and SGLang's router in PD
+mode. Four configurations, each started alone (its servers in parallel), measured under
+the same load, then stopped before the next one starts, so no idle server of another
+configuration competes for the CPU:
+
+* ``colocated``: one server (the reference);
+* ``pd_device_decode``: prefill server + decode server with the device pool;
+* ``pd_offload_decode``: prefill server + decode server with sparse decode offload
+  (main KV pulled straight into its host pool);
+* ``pd_layerwise_prefill_offload_decode``: prefill server with layerwise prefill
+  offload (the model's layers share one buffer) + the offload decode server.
+
+Load: ``requests`` prompts of ``input_len`` tokens, ``concurrency`` in flight at once,
+greedy, ``output_len`` new tokens each (``ignore_eos``), streamed; TTFT is the time from
+sending a request to its first streamed chunk carrying an output token; output tokens/s
+is all output tokens over the wall time of the whole load. One warm-up request runs
+before the timed load. Ports come from :func:`~sglang_ascend_offload.testing.ports.reserve_port`
+(reserved across processes); a configuration whose log reports a bind failure is
+restarted on fresh ports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+VOCAB = 1024  # the tiny DSA fixture's vocabulary
+COMMON = ["--max-running-requests", "4", "--chunked-prefill-size", "128"]
+ROUTER_READY_S = 180.0
+CONFIG_NAMES = ("colocated", "pd_device_decode", "pd_offload_decode", "pd_layerwise_prefill_offload_decode")
+
+
+@dataclass(frozen=True)
+class ServedLoad:
+    """The load every configuration gets (tokens are ids; the fixture has no tokenizer)."""
+
+    requests: int = 8
+    concurrency: int = 2
+    input_len: int = 256
+    output_len: int = 16
+
+
+@dataclass(frozen=True)
+class ServedResult:
+    """One configuration's row (``--json``: one entry of ``served``).
+
+    ttft_ms_p50 / ttft_ms_p99: nearest-rank percentiles over the completed requests
+    (None when none completed); output_tokens_per_s: output tokens of completed requests
+    over the load's wall time; completed: requests that returned every output token.
+    """
+
+    name: str
+    ttft_ms_p50: Optional[float]
+    ttft_ms_p99: Optional[float]
+    output_tokens_per_s: Optional[float]
+    completed: int
+
+
+def prompt(n: int, seed: int) -> List[int]:
+    return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
+
+
+def _percentile(values: Sequence[float], q: float) -> Optional[float]:
+    import math
+
+    if not values:
+        return None
+    xs = sorted(values)
+    return xs[max(0, math.ceil(q / 100.0 * len(xs)) - 1)]
+
+
+def stream_generate(url: str, input_ids: List[int], max_new_tokens: int,
+                    timeout_s: float = 300.0) -> tuple:
+    """Streamed greedy ``/generate``: ``(ttft_s or None, output tokens, wall_s)``."""
+    body = {"input_ids": input_ids, "stream": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    req = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    ttft = None
+    tokens = 0
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            n = int(chunk.get("meta_info", {}).get("completion_tokens", len(chunk.get("output_ids", []))))
+            if n > 0 and ttft is None:
+                ttft = time.monotonic() - t0
+            tokens = max(tokens, n)
+    return ttft, tokens, time.monotonic() - t0
+
+
+class Router:
+    """``python -m sglang_router.launch_router --pd-disaggregation`` on a reserved port."""
+
+    def __init__(self, prefill_url: str, bootstrap_port: int, decode_url: str, log_path: Path):
+        from ..testing.ports import reserve_port
+
+        self.prefill_url, self.bootstrap_port, self.decode_url = prefill_url, bootstrap_port, decode_url
+        self.log_path = log_path
+        self.port = reserve_port()
+        self.metrics_port = reserve_port()
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "Router":
+        from ..testing.servers import REPO, server_env
+
+        args = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                "--prefill", self.prefill_url, str(self.bootstrap_port), "--decode", self.decode_url,
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port)]
+        self.proc = subprocess.Popen(args, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
+                                     env=server_env(), cwd=REPO, start_new_session=True)
+        return self
+
+    def wait_ready(self, deadline: float) -> None:
+        """Until a one-token request goes through (the router adds workers in the background)."""
+        from ..testing.ports import log_reports_bind_failure
+        from ..testing.servers import PortInUse
+
+        while True:
+            if log_reports_bind_failure(self.log_path.read_text(errors="replace"),
+                                        [self.port, self.metrics_port]) is not None:
+                raise PortInUse(f"router port {self.port} in use; log: {self.log_path}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}; log: {self.log_path}")
+            try:
+                stream_generate(self.url, prompt(5, seed=99), 1, timeout_s=60)
+                return
+            except (urllib.error.HTTPError, urllib.error.URLError, ConnectionError, OSError) as exc:
+                if isinstance(exc, urllib.error.HTTPError) and exc.code != 503:
+                    raise
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"router not ready; log: {self.log_path}") from exc
+                time.sleep(1.0)
+
+    def stop(self) -> None:
+        from ..testing.servers import stop_process_group
+
+        stop_process_group(self.proc, grace_s=10)
+
+
+def _pd_config(kv_port: int) -> str:
+    return json.dumps({"engine": "mooncake", "kv_port": kv_port, "host": "127.0.0.1",
+                       "layer_timeout_s": 20, "handshake_timeout_s": 30})
+
+
+LAYERWISE = json.dumps({"shared_buffers": 1, "independent_layers": [], "store_backend": "local",
+                        "wait_timeout_s": 60})
+
+
+def _launch(name: str, root: Path):
+    """Servers (started) and the URL to load for configuration ``name``; plus what to stop."""
+    from ..testing.ports import reserve_port
+    from ..testing.servers import IDLE_SLEEP, ServerProcess
+
+    if name == "colocated":
+        s = ServerProcess(COMMON + IDLE_SLEEP, log_path=root / f"{name}.log")
+        s.start()
+        return s.url, [s]
+    bootstrap, kv = reserve_port(), reserve_port()
+    prefill_args = COMMON + ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
+                             "ascend_offload", "--disaggregation-bootstrap-port", str(bootstrap),
+                             "--enable-pd-transfer", "--pd-transfer-config", _pd_config(kv)]
+    if name == "pd_layerwise_prefill_offload_decode":
+        prefill_args += ["--enable-layerwise-prefill-offload", "--layerwise-prefill-offload-config", LAYERWISE]
+    decode_args = COMMON + ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend",
+                            "ascend_offload", "--disaggregation-decode-retraction-backup", "cpu_tensor",
+                            "--enable-pd-transfer", "--pd-transfer-config", _pd_config(kv)]
+    if name != "pd_device_decode":
+        decode_args += ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", '{"hot_tokens": 64}']
+    servers = [ServerProcess(prefill_args, log_path=root / f"{name}.prefill.log"),
+               ServerProcess(decode_args, log_path=root / f"{name}.decode.log")]
+    stoppable: list = list(servers)
+    try:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            errors = [f.exception() for f in [pool.submit(s.start) for s in servers]]
+        if any(errors):
+            raise next(e for e in errors if e)
+        router = Router(servers[0].url, bootstrap, servers[1].url, root / f"{name}.router.log").start()
+        stoppable.append(router)
+        router.wait_ready(time.monotonic() + ROUTER_READY_S)
+        return router.url, stoppable
+    except BaseException:
+        _stop(stoppable)
+        raise
+
+
+def _stop(procs) -> None:
+    from ..testing.servers import stop_all
+
+    stop_all(*procs)
+
+
+def run_load(url: str, load: ServedLoad, name: str) -> ServedResult:
+    """Send the load (after one warm-up request) and summarise it."""
+    stream_generate(url, prompt(load.input_len, seed=10_000), load.output_len)  # warm-up
+    ttfts: List[float] = []
+    tokens = [0]
+    completed = [0]
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            ttft, n, _ = stream_generate(url, prompt(load.input_len, seed=i), load.output_len)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            logger.warning("%s: request %d failed: %s", name, i, exc)
+            return
+        with lock:
+            if n >= load.output_len and ttft is not None:
+                completed[0] += 1
+                ttfts.append(ttft)
+                tokens[0] += n
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max(1, load.concurrency)) as pool:
+        list(pool.map(one, range(load.requests)))
+    wall = time.monotonic() - t0
+    p50, p99 = _percentile(ttfts, 50), _percentile(ttfts, 99)
+    return ServedResult(name=name, ttft_ms_p50=None if p50 is None else p50 * 1e3,
+                        ttft_ms_p99=None if p99 is None else p99 * 1e3,
+                        output_tokens_per_s=tokens[0] / wall if wall > 0 else None, completed=completed[0])
+
+
+def run_served(load: ServedLoad, names: Sequence[str] = CONFIG_NAMES,
+               log_dir: Optional[str] = None, attempts: int = 3) -> List[ServedResult]:
+    """Each configuration in turn: start, load, stop. Logs under ``log_dir`` (a temp dir by default)."""
+    from ..testing.servers import PortInUse
+
+    unknown = sorted(set(names) - set(CONFIG_NAMES))
+    if unknown:
+        raise ValueError(f"unknown served configurations {unknown}: choose from {CONFIG_NAMES}")
+    if load.input_len < 1 or load.output_len < 1 or load.requests < 1:
+        raise ValueError("served load: input_len, output_len and requests must be >= 1")
+    root = Path(log_dir or tempfile.mkdtemp(prefix="pd_bench_served_"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"served: server logs in {root}", file=sys.stderr)
+    out: List[ServedResult] = []
+    for name in names:
+        t0 = time.monotonic()
+        for attempt in range(1, attempts + 1):
+            try:
+                url, procs = _launch(name, root)
+                break
+            except PortInUse:
+                if attempt == attempts:
+                    raise
+                print(f"served: {name}: a port was taken meanwhile; restarting on fresh ports", file=sys.stderr)
+        try:
+            started = time.monotonic() - t0
+            res = run_load(url, load, name)
+        finally:
+            _stop(procs)
+        print(f"served: {name}: started in {started:.0f} s, {res.completed}/{load.requests} completed",
+              file=sys.stderr)
+        out.append(res)
+    return out
+
+
+def main_argv(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:  # pragma: no cover - manual use
+    """``python -m sglang_ascend_offload.transfer.served [NAME...]``: the rows as JSON."""
+    from dataclasses import asdict
+
+    names = list(argv if argv is not None else sys.argv[1:]) or list(CONFIG_NAMES)
+    return {"served": [asdict(r) for r in run_served(ServedLoad(), names)]}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(json.dumps(main_argv(), indent=2))
