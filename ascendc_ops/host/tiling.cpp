@@ -1,7 +1,8 @@
 /*
  * Host tiling of the fused kernels (see tiling.h).
  *
- * STATUS: uncompiled and untested (written without CANN); see ascendc_ops/README.md.
+ * STATUS: compiled on CPU against stand-in CANN headers (tools/host_check_cpu.sh; tiling.cpp
+ * also in the functional model of check-kernels); never run on an NPU. See ascendc_ops/README.md.
  */
 #include "tiling.h"
 

@@ -2,7 +2,8 @@
  * Host tiling of the fused kernels: launch geometry, tiling buffer bytes, workspace size,
  * and the checks of the kernels' limits. No torch here (host/torch_ops.cpp adapts).
  *
- * STATUS: uncompiled and untested (written without CANN); see ascendc_ops/README.md.
+ * STATUS: compiled on CPU against stand-in CANN headers (tools/host_check_cpu.sh; tiling.cpp
+ * also in the functional model of check-kernels); never run on an NPU. See ascendc_ops/README.md.
  */
 #ifndef SAO_HOST_TILING_H
 #define SAO_HOST_TILING_H

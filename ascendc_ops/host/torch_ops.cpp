@@ -20,7 +20,8 @@
  * Launches go through at_npu::native::OpCommand with a custom handler, so they are
  * ordered with the other torch_npu work of the current stream (task queue included).
  *
- * STATUS: uncompiled and untested (written without CANN); see ascendc_ops/README.md.
+ * STATUS: compiled on CPU against stand-in CANN headers (tools/host_check_cpu.sh; tiling.cpp
+ * also in the functional model of check-kernels); never run on an NPU. See ascendc_ops/README.md.
  */
 #include <Python.h>
 

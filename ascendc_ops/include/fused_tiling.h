@@ -10,7 +10,8 @@
  *     [kCubeTilingOffset + i * kCubeTilingStride, +)  i-th TCubeTiling (Matmul API), as
  *                                                    written by optiling::TCubeTiling::SaveToBuffer
  *
- * STATUS: uncompiled and untested (written without CANN); see ascendc_ops/README.md.
+ * STATUS: compiled on CPU (syntax-only, asc-devkit 8.5.0 headers) and run on the functional
+ * model (check-kernels); never run on an NPU. See ascendc_ops/README.md.
  */
 #ifndef SAO_FUSED_TILING_H
 #define SAO_FUSED_TILING_H

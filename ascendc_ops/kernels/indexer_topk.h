@@ -21,7 +21,8 @@
  * documentation says; this is not verified on hardware, so the NPU tests compare
  * top-k sets by score with a tolerance, as for torch_npu's own indexers.
  *
- * STATUS: uncompiled and untested (written without CANN); see ascendc_ops/README.md.
+ * STATUS: compiled on CPU (syntax-only, asc-devkit 8.5.0 headers) and run on the functional
+ * model (check-kernels); never run on an NPU. See ascendc_ops/README.md.
  */
 #ifndef SAO_INDEXER_TOPK_H
 #define SAO_INDEXER_TOPK_H

@@ -2,7 +2,8 @@
  * Small helpers shared by the fused kernels: pipe synchronisation, tiling copy,
  * byte-exact stores of a few values, and the vector-core numbering of MIX kernels.
  *
- * STATUS: uncompiled and untested (written without CANN); see ascendc_ops/README.md.
+ * STATUS: compiled on CPU (syntax-only, asc-devkit 8.5.0 headers) and run on the functional
+ * model (check-kernels); never run on an NPU. See ascendc_ops/README.md.
  */
 #ifndef SAO_KERNEL_COMMON_H
 #define SAO_KERNEL_COMMON_H

@@ -14,7 +14,8 @@
  * Kernel arguments are GM addresses in the order of the torch op (host/torch_ops.cpp),
  * followed by the workspace and the tiling buffer (include/fused_tiling.h).
  *
- * STATUS: uncompiled and untested (written without CANN); see ascendc_ops/README.md.
+ * STATUS: compiled on CPU (syntax-only, asc-devkit 8.5.0 headers) and run on the functional
+ * model (check-kernels); never run on an NPU. See ascendc_ops/README.md.
  */
 #include "kernel_common.h"
 #include "indexer_topk.h"

@@ -25,7 +25,8 @@
  * Stamps are int64 in GM; they are moved as pairs of uint32 words (lo, hi) so only
  * word-sized DataCopy is needed, and combined on the scalar unit.
  *
- * STATUS: uncompiled and untested (written without CANN); see ascendc_ops/README.md.
+ * STATUS: compiled on CPU (syntax-only, asc-devkit 8.5.0 headers) and run on the functional
+ * model (check-kernels); never run on an NPU. See ascendc_ops/README.md.
  */
 #ifndef SAO_RESIDENCY_MANAGE_H
 #define SAO_RESIDENCY_MANAGE_H

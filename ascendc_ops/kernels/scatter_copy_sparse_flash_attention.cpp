@@ -22,7 +22,8 @@
  * Masking multiplies by a 0/1 validity vector and replaces invalid logits with a large
  * negative finite value, so no inf - inf arises before the first valid entry.
  *
- * STATUS: uncompiled and untested (written without CANN); see ascendc_ops/README.md.
+ * STATUS: compiled on CPU (syntax-only, asc-devkit 8.5.0 headers) and run on the functional
+ * model (check-kernels); never run on an NPU. See ascendc_ops/README.md.
  */
 #include "kernel_common.h"
 #include "lib/matmul_intf.h"
