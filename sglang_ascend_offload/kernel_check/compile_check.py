@@ -139,9 +139,15 @@ def _cached_deps(cmd: List[str]) -> Optional[List[str]]:
     return None
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def _store_deps(cmd: List[str], deps: List[str]) -> None:
     f = CACHE_DIR / ("deps-" + hashlib.sha256("\0".join(cmd).encode()).hexdigest()[:32] + ".json")
-    f.write_text(json.dumps(deps))
+    _write_atomic(f, json.dumps(deps))
 
 
 def compile_one(headers: hdr.AscendcHeaders, source: Path, variant: str, unit: str,
@@ -165,23 +171,36 @@ def compile_one(headers: hdr.AscendcHeaders, source: Path, variant: str, unit: s
         if deps:
             _store_deps(cmd, deps)
             key = _key(cmd, deps)
-            (CACHE_DIR / f"{key}.json").write_text(json.dumps(
-                {"ok": result.ok, "errors": errors, "log": result.log}))
+            _write_atomic(CACHE_DIR / f"{key}.json", json.dumps({"ok": result.ok, "errors": errors, "log": result.log}))
     return result
 
 
 def negative_control_source() -> Path:
-    """A copy of the kernels folder with one AscendC call given a wrong argument list."""
-    neg = hdr.BUILD / "negative_control"
-    if neg.exists():
-        shutil.rmtree(neg)
-    shutil.copytree(KERNELS_DIR, neg)
-    common = neg / "kernel_common.h"
-    text = common.read_text()
-    if NEGATIVE_FROM not in text:
-        raise RuntimeError(f"negative control: {NEGATIVE_FROM!r} not found in kernels/kernel_common.h; "
-                           "update NEGATIVE_FROM in kernel_check/compile_check.py")
-    common.write_text(text.replace(NEGATIVE_FROM, NEGATIVE_TO, 1))
+    """A copy of the kernels folder with one AscendC call given a wrong argument list.
+
+    The folder is named by a hash of the kernels' content (so the compile cache applies
+    and concurrent runs never rewrite a folder another run is compiling)."""
+    h = hashlib.sha256()
+    for f in sorted(KERNELS_DIR.iterdir()):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    neg = hdr.BUILD / f"negative_control-{h.hexdigest()[:16]}"
+    if not (neg / NEGATIVE_UNIT).is_file():
+        tmp = hdr.BUILD / f"negative_control.{os.getpid()}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        shutil.copytree(KERNELS_DIR, tmp)
+        common = tmp / "kernel_common.h"
+        text = common.read_text()
+        if NEGATIVE_FROM not in text:
+            shutil.rmtree(tmp)
+            raise RuntimeError(f"negative control: {NEGATIVE_FROM!r} not found in kernels/kernel_common.h; "
+                               "update NEGATIVE_FROM in kernel_check/compile_check.py")
+        common.write_text(text.replace(NEGATIVE_FROM, NEGATIVE_TO, 1))
+        try:
+            tmp.rename(neg)
+        except OSError:  # another run made it first
+            shutil.rmtree(tmp, ignore_errors=True)
     return neg / NEGATIVE_UNIT
 
 

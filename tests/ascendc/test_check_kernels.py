@@ -93,6 +93,21 @@ def test_missing_headers_is_an_error_saying_what_to_set(tmp_path, monkeypatch):
         hdr.locate()
 
 
+def test_toolkit_layout_and_ascend_home_path(tmp_path, monkeypatch):
+    tik = tmp_path / "cann" / "compiler" / "tikcpp" / "tikcfw"
+    (tik / "impl").mkdir(parents=True)
+    (tik / "kernel_operator.h").write_text("")
+    monkeypatch.delenv(hdr.ENV_VAR, raising=False)
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path / "cann"))
+    found = hdr.locate()
+    assert found.layout == "toolkit" and found.source == "$ASCEND_HOME_PATH"
+    assert found.include_dirs[0] == tik and tik / "impl" in found.include_dirs
+    # a CANN root without the AscendC headers is an error, not a silent fallback to the devkit
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(tmp_path))
+    with pytest.raises(hdr.HeadersNotFound, match="ASCEND_HOME_PATH"):
+        hdr.locate()
+
+
 def _mutated_kernels(tmp: Path) -> Path:
     dst = tmp / "kernels"
     shutil.copytree(compile_check.KERNELS_DIR, dst)
