@@ -25,6 +25,7 @@ between rank 0's stores and the readers' loads; a wait has a deadline.
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing
 import os
 import time
@@ -92,6 +93,8 @@ class HostKVPool:
         self.kind = kind
         self.path = path
         self.owner = owner
+        self.mapping: Optional[mmap.mmap] = None  # kind "shared": the whole file (header + rows)
+        self.header_bytes = 0
 
     # ------------------------------------------------------------------ allocation
     @classmethod
@@ -110,39 +113,75 @@ class HostKVPool:
         raise ValueError(f"unknown host pool kind {kind!r}; expected pinned | shared | memfabric")
 
     @classmethod
-    def create_shared(cls, shape: HostPoolShape, path: Optional[os.PathLike] = None) -> "HostKVPool":
-        """TP rank 0: create the mapping file (zero-filled) and map it; unlinked on :meth:`close`."""
+    def create_shared(cls, shape: HostPoolShape, path: Optional[os.PathLike] = None, *,
+                      header_bytes: int = 0, reserve: bool = False) -> "HostKVPool":
+        """TP rank 0: create the mapping file (zero-filled) and map it; unlinked on :meth:`close`.
+
+        File layout: ``header_bytes`` (a multiple of 4096; the caller's metadata, e.g.
+        the owner and the append-ordering counters of ``sglang_plugin.shared_host_pool``)
+        followed by the ``[layers, tokens, D]`` rows. ``reserve``: ``posix_fallocate``
+        the whole file first, so a ``/dev/shm`` too small for the pool is an ``OSError``
+        here instead of a ``SIGBUS`` on the first write of an unbacked page later.
+        """
         if path is None:
             path = Path("/dev/shm") / f"sglang_ascend_offload_pool_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         path = Path(path)
+        _check_header_bytes(header_bytes)
+        total = header_bytes + shape.nbytes
         with open(path, "xb") as f:  # fails if it exists: never map someone else's pool by accident
-            f.truncate(shape.nbytes)
-        data = torch.from_file(str(path), shared=True, size=shape.numel, dtype=shape.dtype).view(shape.dims())
-        return cls(shape, data, "shared", path, owner=True)
+            f.truncate(total)
+            if reserve:
+                try:
+                    os.posix_fallocate(f.fileno(), 0, total)
+                except OSError as exc:
+                    os.unlink(path)
+                    raise OSError(exc.errno, f"cannot reserve {total / 2**20:.1f} MiB for the host pool {path} "
+                                             f"({exc.strerror}): make {path.parent} larger or lower the pool "
+                                             "size (host_pool_tokens / --max-total-tokens)") from exc
+        return cls._map(shape, path, header_bytes, owner=True)
 
     @classmethod
-    def attach_shared(cls, shape: HostPoolShape, path: os.PathLike) -> "HostKVPool":
-        """Other TP ranks: map the pool TP rank 0 created at ``path`` (same ``shape``)."""
+    def attach_shared(cls, shape: HostPoolShape, path: os.PathLike, *, header_bytes: int = 0) -> "HostKVPool":
+        """Other TP ranks: map the pool TP rank 0 created at ``path`` (same ``shape`` and header)."""
         path = Path(path)
+        _check_header_bytes(header_bytes)
         try:
             size = path.stat().st_size
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"host pool {path} does not exist: TP rank 0 must create_shared() it "
                                     "before the other ranks attach") from exc
-        if size != shape.nbytes:
-            raise ValueError(f"host pool {path} has {size} bytes but {shape} needs {shape.nbytes}: "
-                             "every TP rank must use the same pool shape")
-        data = torch.from_file(str(path), shared=True, size=shape.numel, dtype=shape.dtype).view(shape.dims())
-        return cls(shape, data, "shared", path, owner=False)
+        if size != header_bytes + shape.nbytes:
+            raise ValueError(f"host pool {path} has {size} bytes but {shape} needs {shape.nbytes} "
+                             f"(+ {header_bytes} header): every TP rank must use the same pool shape")
+        return cls._map(shape, path, header_bytes, owner=False)
 
-    def close(self) -> None:
-        """Drop this process's mapping; the creator also removes the file."""
-        self.data = None
+    @classmethod
+    def _map(cls, shape: HostPoolShape, path: Path, header_bytes: int, owner: bool) -> "HostKVPool":
+        """``MAP_SHARED`` mapping of the whole file; ``data`` views the rows after the header."""
+        with open(path, "r+b") as f:
+            mm = mmap.mmap(f.fileno(), header_bytes + shape.nbytes, flags=mmap.MAP_SHARED,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        data = torch.frombuffer(mm, dtype=shape.dtype, count=shape.numel, offset=header_bytes).view(shape.dims())
+        pool = cls(shape, data, "shared", path, owner=owner)
+        pool.mapping = mm
+        pool.header_bytes = header_bytes
+        return pool
+
+    def unlink(self) -> None:
+        """Remove the mapping's name (creator only); every process that mapped it keeps
+        the memory until it unmaps or exits, and the kernel frees it after the last one
+        (so a killed server leaves no file behind)."""
         if self.kind == "shared" and self.owner and self.path is not None:
             try:
                 self.path.unlink()
             except FileNotFoundError:
                 pass
+
+    def close(self) -> None:
+        """Drop this process's mapping; the creator also removes the file."""
+        self.data = None
+        self.mapping = None
+        self.unlink()
 
     # ------------------------------------------------------------------ access
     def layer(self, layer: int) -> torch.Tensor:
@@ -173,6 +212,12 @@ class HostKVPool:
     def read_rows(self, layer: int, host_slots: torch.Tensor) -> torch.Tensor:
         """``[n, D]`` copy of rows ``host_slots`` of ``layer``."""
         return self.data[layer].index_select(0, host_slots.to(torch.int64).cpu())
+
+
+def _check_header_bytes(header_bytes: int) -> None:
+    if header_bytes < 0 or header_bytes % mmap.PAGESIZE:
+        raise ValueError(f"header_bytes={header_bytes} must be a non-negative multiple of the page size "
+                         f"{mmap.PAGESIZE} (the rows stay page-aligned)")
 
 
 def _memfabric_empty(shape: HostPoolShape, device_id: int) -> torch.Tensor:

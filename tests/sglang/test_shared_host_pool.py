@@ -1,0 +1,155 @@
+"""The shared host pool between independently started processes (no SGLang server).
+
+``sglang_plugin.shared_host_pool``: rank 0 creates a named mapping with a header,
+others attach only what rank 0 announced; the append order (per-layer published
+counters under a process-shared semaphore) holds between processes that share no
+parent-made objects; a missing append fails with a deadline naming the rank and
+layer; stale pools of dead owners are reclaimed, live ones never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from sglang_ascend_offload.sglang_plugin import shared_host_pool as shp
+from sglang_ascend_offload.sparse_decode.host_pool import HostPoolShape
+
+SHAPE = HostPoolShape(layers=3, tokens=64, latent_dim=8, rope_dim=4)
+
+# A reader started as its own interpreter: it maps the announced file and, per
+# (round, layer), waits for rank 0's append then checks the rows bit for bit.
+READER = textwrap.dedent("""
+    import sys, torch
+    from sglang_ascend_offload.sglang_plugin import shared_host_pool as shp
+    from sglang_ascend_offload.sparse_decode.host_pool import HostPoolShape
+    path, session, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    shape = HostPoolShape(layers=3, tokens=64, latent_dim=8, rope_dim=4)
+    sp = shp.attach_pool(shape, path, session, rank=1, timeout_s=30)
+    print("attached", flush=True)
+    for r in range(rounds):
+        for layer in range(3):
+            sp.order.appended(layer)          # this rank's set_kv_buffer (a skip)
+            sp.order.wait_readable(layer, r)  # then its read
+            g = torch.Generator().manual_seed(r * 10 + layer)
+            want = torch.randn((4, 12), generator=g).to(torch.bfloat16)
+            slots = torch.arange(4) + 4 * (r % 16)
+            got = sp.pool.read_rows(layer, slots)
+            if not torch.equal(got, want):
+                print(f"MISMATCH round {r} layer {layer}", flush=True)
+                sys.exit(3)
+    print(f"ok waits={sp.order.waits}", flush=True)
+""")
+
+
+def _rows(r: int, layer: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(r * 10 + layer)
+    return torch.randn((4, 12), generator=g).to(torch.bfloat16)
+
+
+def test_reader_process_sees_exactly_rank0s_appends(tmp_path):
+    """Rank 0 (this process) appends with delays; an independently started reader
+    must never read a row before its append is published (bit-exact every round)."""
+    rounds = 40
+    sp = shp.create_pool(SHAPE, directory=tmp_path, timeout_s=30)
+    try:
+        reader = subprocess.Popen([sys.executable, "-c", READER, str(sp.path), sp.session, str(rounds)],
+                                  stdout=subprocess.PIPE, text=True)
+        assert reader.stdout.readline().strip() == "attached"
+        sp.pool.unlink()  # the name can go once every rank mapped it
+        assert not sp.path.exists()
+        for r in range(rounds):
+            for layer in range(3):
+                if (r + layer) % 7 == 0:
+                    time.sleep(0.01)  # the reader gets ahead and must wait
+                sp.pool.write_rows(layer, torch.arange(4) + 4 * (r % 16), _rows(r, layer))
+                sp.order.appended(layer)
+        out, _ = reader.communicate(timeout=60)
+        assert reader.returncode == 0, out
+        waits = int(out.strip().split("waits=")[1])
+        assert waits > 0  # the ordering was exercised, not passed by luck of timing
+        assert all(sp.order.published(layer) == rounds for layer in range(3))
+    finally:
+        sp.pool.close()
+
+
+def test_missing_append_fails_with_rank_and_layer_after_the_deadline(tmp_path):
+    owner = shp.create_pool(SHAPE, directory=tmp_path, group=3, timeout_s=5)
+    reader = shp.attach_pool(SHAPE, owner.path, owner.session, rank=1, group=3, timeout_s=0.2)
+    owner.order.appended(0)
+    reader.order.appended(0)
+    reader.order.wait_readable(0, step=0)  # published: no wait
+    reader.order.appended(2)
+    t0 = time.monotonic()
+    with pytest.raises(shp.AppendTimeout, match=r"rank 1 of attention-DP group 3 .* append #1 of layer 2 "
+                                                r"\(decode step 7, rank 0 has published 0"):
+        reader.order.wait_readable(2, step=7)
+    assert 0.2 <= time.monotonic() - t0 < 5
+    owner.pool.close()
+
+
+def test_attach_refuses_a_pool_it_was_not_told_about(tmp_path):
+    owner = shp.create_pool(SHAPE, directory=tmp_path, group=1)
+    with pytest.raises(RuntimeError, match="session"):
+        shp.attach_pool(SHAPE, owner.path, "0" * 32, rank=1, group=1)
+    with pytest.raises(RuntimeError, match="geometry"):
+        shp.attach_pool(HostPoolShape(3, 65, 8, 4), owner.path, owner.session, rank=1, group=1)
+    with pytest.raises(RuntimeError, match="group 1 != 0"):
+        shp.attach_pool(SHAPE, owner.path, owner.session, rank=1, group=0)
+    owner.pool.close()
+    assert not owner.path.exists()
+
+
+KILLED_OWNER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from sglang_ascend_offload.sglang_plugin import shared_host_pool as shp
+    from sglang_ascend_offload.sparse_decode.host_pool import HostPoolShape
+    sp = shp.create_pool(HostPoolShape(layers=3, tokens=64, latent_dim=8, rope_dim=4), directory=Path(sys.argv[1]))
+    print(sp.path, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_stale_pool_of_a_killed_owner_is_reclaimed_live_ones_are_kept(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        stale = tmp_path / proc.stdout.readline().strip()
+        assert stale.exists()
+        live = shp.create_pool(SHAPE, directory=tmp_path)  # the owner is alive: its pool stays
+        assert stale.exists()
+        header = shp.read_header(stale)
+        assert header is not None and header.owner_pid == proc.pid and header.owner_alive()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not header.owner_alive()
+    with pytest.raises(RuntimeError, match="owner pid .* is gone"):
+        shp.attach_pool(SHAPE, stale, header.session, rank=1)  # never attached by mistake
+    # a file cut short while its creator died, named after a dead pid
+    (tmp_path / f"{shp.PREFIX}.{proc.pid}.deadbeef.g0").write_bytes(b"SAO")
+    # the next creation reclaims both dead owners' files and keeps the live one
+    fresh = shp.create_pool(SHAPE, directory=tmp_path)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted([live.path.name, fresh.path.name])
+    live.pool.close()
+    fresh.pool.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_header_identity_and_layout(tmp_path):
+    sp = shp.create_pool(SHAPE, directory=tmp_path, group=2, group_size=4)
+    h = shp.read_header(sp.path)
+    assert (h.owner_pid, h.group, h.group_size, h.layers, h.tokens, h.row_dim, h.element_size) == (
+        os.getpid(), 2, 4, 3, 64, 12, 2)
+    assert h.session == sp.session and h.owner_alive() and h.matches(SHAPE)
+    assert sp.path.stat().st_size == shp.header_bytes_for(3) + SHAPE.nbytes
+    assert sp.pool.data.data_ptr() % 4096 == 0  # rows start page-aligned after the header
+    sp.pool.close()
