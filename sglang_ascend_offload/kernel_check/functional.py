@@ -10,7 +10,7 @@ the same state, and compares:
   residency half is given the reference indexer's top-k only through the comparison:
   the kernel computes its own). Indexer inputs are drawn on a grid where float32
   arithmetic is exact in any order (bf16 values ``i/4``, ``|i| <= 4``; int8 values
-  ``|i| <= 15`` with power-of-two fp16 scales; weights ``j/8``), so the kernel's scores
+  ``|i| <= 15`` with power-of-two fp16 scales; weights ``j/8``, ``-4 <= j <= 8``), so the kernel's scores
   equal the reference's exactly and its top-k order, ties included, must too.
 * Copy-SFA: the hot buffer after the miss copies bit-exactly (as int16 words, NaN
   garbage in unselected slots included), the attention output within
@@ -168,7 +168,8 @@ class Scenario:
         else:
             query = (torch.randint(-4, 5, (n_tok, hi, di), generator=self.g).to(torch.float32) / 4).to(torch.bfloat16)
             query_scale = None
-        weights = (torch.randint(1, 9, (n_tok, hi), generator=self.g).to(torch.float32) / 8).to(torch.bfloat16)
+        # negative weights too: negative scores are real positions (only the sentinel is not)
+        weights = (torch.randint(-4, 9, (n_tok, hi), generator=self.g).to(torch.float32) / 8).to(torch.bfloat16)
         req_ids = torch.full((d.rows,), -1, dtype=torch.int64)
         stable = torch.zeros(d.rows, dtype=torch.int32)
         token_table = torch.zeros(d.rows, d.max_len, dtype=torch.int32)

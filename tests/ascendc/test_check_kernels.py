@@ -1,6 +1,7 @@
 """The AscendC kernels checked on CPU: ``python -m sglang_ascend_offload check-kernels``.
 
-* The command itself (run once per session, in a subprocess, with its compile cache):
+* The command itself (run once per session, in a subprocess, with its compile cache),
+  and the functional model on two more random seeds:
   every kernel compiles (vector and cube variant) against the asc-devkit headers, the
   negative control does not, and the functional model of every kernel matches the
   reference compositions (bit-exact copies and indices, attention within tolerance).
@@ -131,6 +132,20 @@ def test_functional_check_catches_mutated_kernels(tmp_path):
     assert any("slot_token differs" in f or "slots differs" in f for f in lim.failures), lim.failures[:3]
     sfa = functional.check_copy_sfa(m, largest=False)
     assert not sfa.ok and any("attention out of tolerance" in f for f in sfa.failures), sfa.failures[:3]
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_functional_model_on_more_random_scenarios(seed):
+    m = km.KernelModel()
+    for quantized in (False, True):
+        r = functional.check_lim(m, quantized, seed=seed, steps=3, largest=False)
+        assert r.ok, r.failures[:3]
+        assert r.coverage["hits"] > 0 and r.coverage["misses"] > 0 and r.coverage["topk_minus_one"] > 0
+        assert r.coverage["first_fill_rows"] > 0 and r.coverage["steady_rows"] > 0
+        assert r.coverage["owned_rows_without_misses"] > 0 and r.coverage["padding_tokens"] > 0
+    r = functional.check_copy_sfa(m, seed=seed, largest=False)
+    assert r.ok, r.failures[:3]
+    assert r.coverage["misses_copied"] > 0 and r.coverage["sparse_minus_one"] > 0
 
 
 def test_model_faults_on_out_of_bounds_gm_write():
