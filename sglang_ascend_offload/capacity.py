@@ -171,6 +171,7 @@ class ModeCapacity:
     requests_per_dp_rank: int
     limited_by: str
     requests_vs_full: Optional[float] = None
+    host_bytes_per_node: int = 0  # host pools of all DP ranks at this capacity (one pool per DP rank)
 
 
 @dataclass(frozen=True)
@@ -341,6 +342,14 @@ def footprints(model: ModelShape, inputs: CapacityInputs) -> Tuple[Dict[str, Tup
 
 
 # ------------------------------------------------------------------ solving
+def host_pool_bytes_per_node(bytes_per_token: int, tokens_per_pool: int, pools: int, *, fixed: int = 0,
+                             per_request: int = 0, requests_per_pool: int = 0) -> int:
+    """Host bytes of a node's host KV pools: ``pools`` (one per DP rank on the node; its TP
+    ranks share it) x (fixed + requests x per_request + tokens x per_token). The served
+    plugin logs the same number at startup (``sglang_plugin.shared_host_pool``)."""
+    return pools * (fixed + requests_per_pool * per_request + tokens_per_pool * bytes_per_token)
+
+
 def _fit_requests(budget: int, fixed: int, per_request: int) -> Optional[int]:
     if per_request == 0:
         return None if fixed <= budget else 0
@@ -383,7 +392,9 @@ def solve(name: str, description: str, fp: Footprint, inputs: CapacityInputs) ->
         device_bytes_per_context_token=round(dev_req / inputs.context, 1),
         host_bytes_per_context_token=round(host_req / inputs.context, 1),
         tokens=tokens * inputs.dp, requests=requests * inputs.dp,
-        tokens_per_dp_rank=tokens, requests_per_dp_rank=requests, limited_by=limited_by)
+        tokens_per_dp_rank=tokens, requests_per_dp_rank=requests, limited_by=limited_by,
+        host_bytes_per_node=host_pool_bytes_per_node(fp.host_per_token, tokens, inputs.dp, fixed=fp.host_fixed,
+                                                     per_request=fp.host_per_request, requests_per_pool=requests))
 
 
 def plan(model: ModelShape, inputs: CapacityInputs) -> CapacityReport:
@@ -405,4 +416,4 @@ def _with_ratio(m: ModeCapacity, full_requests: int) -> ModeCapacity:
 
 __all__ = ["CapacityInputs", "CapacityReport", "Footprint", "ModeCapacity", "SkippedMode", "MODE_NAMES",
            "GIB", "check_inputs", "footprints", "input_problems", "kvpp_owned_layers",
-           "physical_layer_buffers", "plan", "solve"]
+           "physical_layer_buffers", "plan", "solve", "host_pool_bytes_per_node"]

@@ -151,14 +151,14 @@ def header(report: CapacityReport) -> str:
 
 def format_table(report: CapacityReport) -> str:
     cols = ["mode", "dev B/tok", "host B/tok", "dev MiB/req", "dev MiB fixed", "dev B/ctx-tok",
-            "host B/ctx-tok", "tokens", "requests", "x full", "limited by"]
+            "host B/ctx-tok", "tokens", "requests", "host GiB/node", "x full", "limited by"]
     rows = [cols]
     for mc in report.modes:
         rows.append([
             mc.name, f"{mc.device_bytes_per_token:,}", f"{mc.host_bytes_per_token:,}",
             f"{mc.device_bytes_per_request / MIB:,.1f}", f"{mc.device_fixed_bytes / MIB:,.1f}",
             f"{mc.device_bytes_per_context_token:,.0f}", f"{mc.host_bytes_per_context_token:,.0f}",
-            f"{mc.tokens:,}", f"{mc.requests:,}",
+            f"{mc.tokens:,}", f"{mc.requests:,}", f"{mc.host_bytes_per_node / GIB:,.1f}",
             "-" if mc.requests_vs_full is None else f"{mc.requests_vs_full:.2f}", mc.limited_by])
     widths = [max(len(r[c]) for r in rows) for c in range(len(cols))]
     lines = []
@@ -169,7 +169,8 @@ def format_table(report: CapacityReport) -> str:
             lines.append("  ".join("-" * w for w in widths))
     lines.append("")
     lines.append("tokens/requests: node totals over dp; requests at the given context; B/ctx-tok: one request's "
-                 "device/host bytes / context")
+                 "device/host bytes / context; host GiB/node: the host KV pools at that capacity, one per DP "
+                 "rank (its TP ranks share it)")
     for mc in report.modes:
         lines.append(f"  {mc.name}: {mc.description}")
     for s in report.skipped:

@@ -153,3 +153,19 @@ def test_header_identity_and_layout(tmp_path):
     assert sp.path.stat().st_size == shp.header_bytes_for(3) + SHAPE.nbytes
     assert sp.pool.data.data_ptr() % 4096 == 0  # rows start page-aligned after the header
     sp.pool.close()
+
+
+def test_planner_states_host_bytes_per_node_one_pool_per_dp_rank():
+    from sglang_ascend_offload.capacity import GIB, CapacityInputs, host_pool_bytes_per_node, plan
+    from sglang_ascend_offload.model_specs import preset
+
+    model = preset("deepseek-v3.2")
+    base = dict(hbm_bytes=20 * GIB, host_bytes=512 * GIB, context=131072)
+    tp8 = plan(model, CapacityInputs(tp=8, **base)).mode("sparse-decode")
+    tp1 = plan(model, CapacityInputs(tp=1, **base)).mode("sparse-decode")
+    dp2 = plan(model, CapacityInputs(tp=4, dp=2, **base)).mode("sparse-decode")
+    # one pool per DP rank: the TP size does not multiply the host bytes
+    assert tp8.host_bytes_per_node == tp1.host_bytes_per_node == tp8.tokens * 61 * 1152
+    assert dp2.host_bytes_per_node == 2 * dp2.tokens_per_dp_rank * 61 * 1152
+    assert dp2.host_bytes_per_node == host_pool_bytes_per_node(61 * 1152, dp2.tokens_per_dp_rank, 2)
+    assert tp8.host_bytes_per_node <= 512 * GIB
