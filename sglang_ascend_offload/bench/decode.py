@@ -12,9 +12,13 @@ One run reports, for the same trace and hot-buffer size:
 * every available policy's misses at the same capacity (residency only).
 
 Without ``--trace`` a synthetic trace is generated (``--shape``; the model is in
-``docs/sparse_decode.md``). ``--profile-shape`` instead times one decode step at
-production shape (rows 32, top-k 2048, hot 4096, 61 layers by default): residency
-management vs miss copy vs the reference sparse attention of the same step.
+``docs/sparse_decode.md``). ``--profile-shape`` instead times one warm decode step at
+production shape (rows 32, top-k 2048, hot 4096, 61 layers by default, ~128K-token
+contexts with ``--profile-context``): residency management on the engine's path (the
+CPU kernel for ``lru`` on CPU, ``manage_ms_per_layer``) next to the torch reference
+(the contract) with their miss counts compared, miss copy, the reference sparse
+attention, and one layer's whole step on the reference rung eager vs
+``torch.compile`` d (``--profile-compile``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 from ..ops import registry
 
 _SHAPES = ("locality", "random", "scan")
+_PROFILE_HOST_ROWS = 1 << 18  # host rows of the profile's copy timing (a 288 MiB bf16 pool)
 
 
 def _default_policy() -> str:
@@ -65,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="time one step's residency management vs sparse attention at production shape "
                            "(overrides the synthetic defaults: rows 32, top-k 2048, hot 4096, 61 layers, 16 heads)")
     prof.add_argument("--profile-steps", type=int, default=6, help="warm-up steps before the timed one")
+    prof.add_argument("--profile-context", type=int, default=131072,
+                      help="longest prompt of the profile's synthetic trace (tokens; prompts are 1/4 .. 1 of it)")
+    prof.add_argument("--manage-impl", choices=("auto", "kernel", "torch"), default="auto",
+                      help="residency implementation timed as the engine's (auto: the CPU kernel for lru on CPU)")
+    prof.add_argument("--profile-compile", choices=("on", "off"), default="on",
+                      help="also time one layer step of the reference rung compiled with torch.compile")
 
 
 # ------------------------------------------------------------------------ helpers
@@ -104,7 +115,7 @@ def _load_or_synthesize(args):
 
 def _input_problems(args) -> List[str]:
     problems = []
-    for name in ("steps", "layers", "rows", "top_k", "heads", "profile_steps"):
+    for name in ("steps", "layers", "rows", "top_k", "heads", "profile_steps", "profile_context"):
         if getattr(args, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
     if args.hot_tokens is not None and args.hot_tokens < 1:
@@ -229,7 +240,7 @@ def _print_replay(r: Dict[str, Any]) -> None:
 def run_profile(args) -> Dict[str, Any]:
     """Time one steady-state step at production shape (see module docstring)."""
     from ..sparse_decode.hot_buffer import HotBuffers
-    from ..sparse_decode.policies import make_manager
+    from ..sparse_decode.policies import make_manager, uses_cpu_kernel
     from ..sparse_decode.residency import register_reference_ops
     from ..sparse_decode.trace import SyntheticTraceSpec, synthesize
 
@@ -240,39 +251,56 @@ def run_profile(args) -> Dict[str, Any]:
     hot = args.hot_tokens if args.hot_tokens is not None else 2 * k
     policy = args.policy or _default_policy()
     steps = args.profile_steps + 1
+    context = max(args.profile_context, 4 * k)
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    log(f"profile: rows {rows}, top-k {k}, hot {hot}, layers {layers}, heads {heads}, policy {policy}; "
-        f"synthesising {steps} steps ...")
+    log(f"profile: rows {rows}, top-k {k}, hot {hot}, layers {layers}, heads {heads}, policy {policy}, "
+        f"contexts {context // 4}..{context}; synthesising {steps} steps ...")
     spec = SyntheticTraceSpec(steps=steps, layers=layers, rows=rows, top_k=k, seed=args.seed,
-                              min_prompt=4 * k, max_prompt=16 * k, min_decode=steps + 1, max_decode=steps + 1,
-                              noise_skew=args.noise_skew)
+                              min_prompt=context // 4, max_prompt=context, min_decode=steps + 1,
+                              max_decode=steps + 1, noise_skew=args.noise_skew)
     trace = synthesize(spec)
     register_reference_ops()
     manage_op = registry.select("residency_manage", args.ops)
     copy_op = registry.select("copy_miss_rows", args.ops)
     attention = registry.select("sparse_mla_attention", args.ops)
-    managers = [make_manager(policy, rows, hot, None, manage_op) for _ in range(layers)]
     req = torch.from_numpy(trace.req_ids.astype(np.int64))
     lens = torch.from_numpy(trace.seq_lens.astype(np.int32))
     topk = torch.from_numpy(trace.topk)
-    log("warming residency tables ...")
-    for t in range(steps - 1):
-        for layer in range(layers):
-            managers[layer].step(topk[t, layer], req[t], lens[t], t)
+    max_pos = int(lens.max()) + 1
+    batch_rows = torch.arange(rows, dtype=torch.int64)
+    kernel = uses_cpu_kernel(policy, args.manage_impl, None, manage_op)
+    managers = [make_manager(policy, rows, hot, None, manage_op, manage_impl=args.manage_impl,
+                             max_positions=max_pos) for _ in range(layers)]
+    reference = [make_manager(policy, rows, hot, None, manage_op, manage_impl="torch") for _ in range(layers)]
 
+    def one_step(mgrs, t):
+        """Results, wall seconds and this thread's CPU seconds of one step over all layers
+        (the CPU time is what the step costs on a machine others also use)."""
+        out = []
+        t0, c0 = time.perf_counter(), time.thread_time()
+        for layer in range(layers):
+            out.append(mgrs[layer].step_rows(batch_rows, topk[t, layer].contiguous(), req[t], lens[t], t))
+        return out, time.perf_counter() - t0, time.thread_time() - c0
+
+    log(f"warming residency tables ({'CPU kernel' if kernel else 'torch'} and the torch reference) ...")
+    for t in range(steps - 1):
+        one_step(managers, t)
+        one_step(reference, t)
     t = steps - 1
-    results = []
-    t0 = time.perf_counter()
-    for layer in range(layers):
-        results.append(managers[layer].step(topk[t, layer], req[t], lens[t], t))
-    manage_s = time.perf_counter() - t0
+    results, manage_s, manage_cpu_s = one_step(managers, t)
+    ref_results, ref_manage_s, ref_manage_cpu_s = one_step(reference, t)
     misses = int(sum(int(r.miss_count.sum()) for r in results))
+    ref_misses = int(sum(int(r.miss_count.sum()) for r in ref_results))
+    same = all(torch.equal(a.slots, b.slots) and torch.equal(a.miss_count, b.miss_count)
+               for a, b in zip(results, ref_results))
 
     # One layer's worth of buffers, reused for every layer: content does not change cost.
-    host_tokens = int(lens[t].max()) * rows
+    # The token table maps every position to one of HOST_ROWS host rows (distinct within
+    # a row's selection): a bounded host pool, the same copy pattern.
+    max_ctx = int(lens[t].max())
     row_dim = 512 + 64
-    host = torch.randn((host_tokens, row_dim)).to(torch.bfloat16)
-    token_table = torch.arange(host_tokens, dtype=torch.int32).view(rows, -1)
+    host = torch.randn((min(_PROFILE_HOST_ROWS, rows * max_ctx), row_dim)).to(torch.bfloat16)
+    token_table = (torch.arange(rows * max_ctx, dtype=torch.int64) % host.shape[0]).to(torch.int32).view(rows, -1)
     hot_buf = HotBuffers(1, rows, hot, row_dim)
     query = torch.randn((rows, heads, 512)).to(torch.bfloat16)
     query_rope = torch.randn((rows, heads, 64)).to(torch.bfloat16)
@@ -283,29 +311,88 @@ def run_profile(args) -> Dict[str, Any]:
         c0 = time.perf_counter()
         copy_op(host, hot_buf.layer(0), res.miss_tokens, res.miss_slots, res.miss_count, token_table)
         c1 = time.perf_counter()
-        attention(query, latent, None, hot_buf.flat_indices(res.slots), 1 / 24.0, query_rope=query_rope,
-                  key_rope=rope, layout_query="TND", layout_kv="flat")
+        attention(query, latent[: rows * hot], None, hot_buf.flat_indices(res.slots), 1 / 24.0, query_rope=query_rope,
+                  key_rope=rope[: rows * hot], layout_query="TND", layout_kv="flat")
         c2 = time.perf_counter()
         copy_s += c1 - c0
         attn_s += c2 - c1
-    return {
+    out = {
         "rows": rows, "top_k": k, "hot_tokens": hot, "layers": layers, "heads": heads, "policy": policy,
         "ops": args.ops, "torch_threads": torch.get_num_threads(),
         "step_misses": misses, "step_selected": int((topk[t] >= 0).sum()),
         "manage_ms": 1e3 * manage_s, "copy_ms": 1e3 * copy_s, "attention_ms": 1e3 * attn_s,
         "manage_over_attention": manage_s / attn_s if attn_s else None,
+        "manage_ms_per_layer": 1e3 * manage_s / layers,
+        "manage_cpu_ms_per_layer": 1e3 * manage_cpu_s / layers,
+        "manage_impl": "kernel" if kernel else "torch",
+        "reference_manage_ms_per_layer": 1e3 * ref_manage_s / layers,
+        "reference_manage_cpu_ms_per_layer": 1e3 * ref_manage_cpu_s / layers,
+        "reference_step_misses": ref_misses,
+        "misses_equal_contract": bool(same and misses == ref_misses),
+        "context_max": int(lens[t].max()),
     }
+    if args.profile_compile == "on":
+        out.update(_profile_compiled(args, log, reference[layers - 1], batch_rows, topk[t, layers - 1], req[t],
+                                     lens[t], t, row_dim, heads))
+    return out
+
+
+def _profile_compiled(args, log, warm_manager, rows, topk, req_ids, stable_len, step, row_dim, heads) -> Dict[str, Any]:
+    """One layer's whole step (residency, copy, remap, attention) on the reference rung,
+    eager vs ``torch.compile(fullgraph=True)``, from the same warm state (ms)."""
+    import copy as _copy
+
+    from ..sparse_decode.engine import decode_layer_step
+
+    r, hot = warm_manager.table.slot_token.shape
+    max_ctx = int(stable_len.max()) + 1
+    host = torch.randn((min(_PROFILE_HOST_ROWS, r * max_ctx), row_dim)).to(torch.bfloat16)
+    table = (torch.arange(r * max_ctx, dtype=torch.int64) % host.shape[0]).to(torch.int32).view(r, max_ctx)
+    query = torch.randn((r, heads, 512)).to(torch.bfloat16)
+    query_rope = torch.randn((r, heads, 64)).to(torch.bfloat16)
+    step_t = torch.tensor(step, dtype=torch.int64)
+
+    def timed(fn, manager, repeats=3):
+        best = float("inf")
+        for _ in range(repeats):
+            m = _copy.deepcopy(manager)
+            hot_buf = torch.zeros((r, hot, row_dim), dtype=torch.bfloat16)
+            t0 = time.perf_counter()
+            fn(m, rows, topk.contiguous(), req_ids, stable_len, step_t, host, hot_buf, table, query, query_rope,
+               1 / 24.0, 512)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    eager_s = timed(decode_layer_step, warm_manager)
+    log("compiling one layer step of the reference rung (torch.compile, fullgraph) ...")
+    compiled = torch.compile(decode_layer_step, fullgraph=True, dynamic=False)
+    c0 = time.perf_counter()
+    timed(compiled, warm_manager, repeats=1)
+    compile_s = time.perf_counter() - c0
+    compiled_s = timed(compiled, warm_manager)
+    return {"reference_step_eager_ms_per_layer": 1e3 * eager_s,
+            "reference_step_compiled_ms_per_layer": 1e3 * compiled_s,
+            "reference_compile_s": compile_s}
 
 
 def _print_profile(r: Dict[str, Any]) -> None:
     print(f"\none decode step at rows {r['rows']}, top-k {r['top_k']}, hot {r['hot_tokens']}, "
-          f"{r['layers']} layers, {r['heads']} heads, policy {r['policy']}, ops {r['ops']} "
-          f"({r['torch_threads']} torch threads)")
-    print(f"  selected {r['step_selected']}, misses {r['step_misses']}")
-    print(f"  {'residency management':<28}{r['manage_ms']:>10.1f} ms")
-    print(f"  {'miss copy host->device':<28}{r['copy_ms']:>10.1f} ms")
-    print(f"  {'sparse attention (reference)':<28}{r['attention_ms']:>10.1f} ms")
+          f"{r['layers']} layers, {r['heads']} heads, contexts up to {r['context_max']}, policy {r['policy']}, "
+          f"ops {r['ops']} ({r['torch_threads']} torch threads)")
+    print(f"  selected {r['step_selected']}, misses {r['step_misses']} "
+          f"(torch reference: {r['reference_step_misses']}, identical: {'yes' if r['misses_equal_contract'] else 'NO'})")
+    print(f"  {'residency management':<34}{r['manage_ms']:>10.1f} ms  ({r['manage_ms_per_layer']:.3f} ms/layer, "
+          f"CPU time {r['manage_cpu_ms_per_layer']:.3f} ms/layer, {r['manage_impl']})")
+    print(f"  {'  torch reference (the contract)':<34}{r['reference_manage_ms_per_layer'] * r['layers']:>10.1f} ms  "
+          f"({r['reference_manage_ms_per_layer']:.3f} ms/layer, CPU time "
+          f"{r['reference_manage_cpu_ms_per_layer']:.3f} ms/layer)")
+    print(f"  {'miss copy host->device':<34}{r['copy_ms']:>10.1f} ms")
+    print(f"  {'sparse attention (reference)':<34}{r['attention_ms']:>10.1f} ms")
     print(f"  management / attention = {r['manage_over_attention']:.3f}")
+    if "reference_step_compiled_ms_per_layer" in r:
+        print(f"  one layer step, reference rung: eager {r['reference_step_eager_ms_per_layer']:.1f} ms, "
+              f"torch.compile {r['reference_step_compiled_ms_per_layer']:.1f} ms "
+              f"(compiled in {r['reference_compile_s']:.0f} s)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -181,7 +181,7 @@ int manage_rows(MakeMap make_map, int32_t* slot_token, int64_t* slot_stamp, int6
     std::memset(flag.data(), 0, H);
     int64_t m = 0, hits = 0;
     // The map is cold (one layer's state among many): fetch ahead of the lookups.
-    constexpr int64_t kAhead = 16;
+    constexpr int64_t kAhead = 32;
     for (int64_t j = 0; j < std::min(K, kAhead); ++j)
       if (tk[j] >= 0) map.prefetch(tk[j]);
     for (int64_t j = 0; j < K; ++j) {
@@ -207,9 +207,13 @@ int manage_rows(MakeMap make_map, int32_t* slot_token, int64_t* slot_stamp, int6
       const int32_t s = ord[pos++];
       if (flag[s] != 2) victims[v++] = s;
     }
-    // 5. update: fills then hit stamps
+    // 5. update: fills then hit stamps. Evicting a victim touches its old position's
+    // map entry, a cold line: fetch those ahead too.
     int32_t mx = maxpos[r];
+    for (int64_t q = 0; q < std::min(m, kAhead); ++q)
+      if (tok[victims[q]] >= 0) map.prefetch(tok[victims[q]]);
     for (int64_t q = 0; q < m; ++q) {
+      if (q + kAhead < m && tok[victims[q + kAhead]] >= 0) map.prefetch(tok[victims[q + kAhead]]);
       const int32_t s = victims[q];
       const int32_t j = miss_j[q];
       const int32_t p = tk[j];
