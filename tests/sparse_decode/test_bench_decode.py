@@ -75,3 +75,23 @@ def test_recorded_hot_tokens_is_the_default(tmp_path, capsys):
     assert rc == 0 and json.loads(out)["hot_tokens"] == 24
     rc, out, _ = _run(["--trace", str(path), "--heads", "2", "--json", "--hot-tokens", "16"], capsys)
     assert rc == 0 and json.loads(out)["hot_tokens"] == 16
+
+
+PROFILE = ["--profile-shape", "--rows", "3", "--top-k", "16", "--layers", "2", "--heads", "2",
+           "--profile-context", "300", "--profile-steps", "4", "--profile-compile", "off"]
+
+
+def test_profile_shape_reports_manage_per_layer_with_misses_equal_to_the_contract(capsys):
+    """The engine's residency path (the CPU kernel for lru here) and the torch reference
+    see the same steps: identical misses and remapped slots; the per-layer keys exist."""
+    rc, out, _ = _run(PROFILE + ["--json"], capsys)
+    assert rc == 0
+    r = json.loads(out)
+    assert r["manage_impl"] == "kernel" and r["misses_equal_contract"] is True
+    assert r["step_misses"] == r["reference_step_misses"] > 0
+    for key in ("manage_ms", "copy_ms", "attention_ms", "manage_over_attention", "manage_ms_per_layer",
+                "manage_cpu_ms_per_layer", "reference_manage_ms_per_layer"):
+        assert r[key] >= 0
+    assert abs(r["manage_ms_per_layer"] * r["layers"] - r["manage_ms"]) < 1e-6 * max(1.0, r["manage_ms"])
+    rc, out, _ = _run(PROFILE + ["--manage-impl", "torch"], capsys)
+    assert rc == 0 and "identical: yes" in out and "torch)" in out
