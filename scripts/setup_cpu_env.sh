@@ -17,8 +17,16 @@ stamp_inputs=(scripts/setup_cpu_env.sh scripts/requirements-cpu.txt pyproject.to
 want="$(cat "${stamp_inputs[@]}" | sha256sum | cut -d' ' -f1)"
 stamp="$venv/.sglang_ascend_offload_env"
 
+# The CPU residency kernel (sparse decode offload; g++, about a second): its library's
+# name carries a hash of its source, so this is a no-op when it is current.
+build_cpu_kernel() {
+  "$venv/bin/python" -m sglang_ascend_offload.sparse_decode.cpu_kernel --build >/dev/null \
+    && echo "[setup] CPU residency kernel is built"
+}
+
 if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   echo "[setup] .venv is up to date"
+  build_cpu_kernel
   exit 0
 fi
 
@@ -66,5 +74,6 @@ for forbidden in ("torch_npu", "triton-ascend"):
     raise SystemExit(f"{forbidden} is installed in the CPU venv; remove it (see docs/cpu_environment.md)")
 print(f"[setup] torch {torch.__version__}, triton {triton.__version__}, sglang {md.version('sglang')}")
 PY
+build_cpu_kernel
 echo "$want" > "$stamp"
 echo "[setup] done"
