@@ -131,6 +131,8 @@ def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, An
     out: Dict[str, Any] = {"engine": args.engine, "data_protocol": "tcp", "p_tp": args.p_tp, "d_tp": args.d_tp}
     with WorkerPool(size, log_dir=log_dir) as pool:
         run_scenario(pool, replace(overhead, name="warmup", num_layers=2), timeout_s=120)
+        if faults:  # every worker's engines started before any deadline is timed
+            run_scenario(pool, replace(overhead, name="warmup_faults", p_tp=2, d_tp=1, num_layers=2), timeout_s=120)
         t = run_scenario(pool, replace(throughput, engine=args.engine), timeout_s=600)
         read_bytes, read_s = _sum(t.decode, "read_bytes"), _sum(t.decode, "read_seconds")
         decode_ok = [r for r in t.decode.values() if isinstance(r, dict)]

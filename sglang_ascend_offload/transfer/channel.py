@@ -198,6 +198,15 @@ class ControlEndpoint:
         """
         if self._stop.is_set():
             return
+        if self.mode == "dealer" and self._started:
+            # like a ZMQ DEALER's linger: messages queued before the peer came up (e.g. the abort
+            # verdicts after a handshake timeout) get CLOSE_LINGER_S to be delivered
+            end = time.monotonic() + CLOSE_LINGER_S
+            while time.monotonic() < end:
+                with self._lock:
+                    if not self._pending:
+                        break
+                time.sleep(0.005)
         self._stop.set()
         if self._listener is not None:
             try:

@@ -620,8 +620,10 @@ def fault_scenarios(base: Optional[ScenarioSpec] = None) -> List[ScenarioSpec]:
     r = b.read_retries
     return [
         # recovery, not a deadline, is under test here: a loaded machine must not turn
-        # the retried read into a deadline miss, so this scenario gets a roomy deadline
+        # the retried read (or a decode worker's first engine start) into a deadline miss,
+        # so this scenario gets roomy deadlines
         replace(b, name="read_retry_recovers", layer_timeout_s=max(b.layer_timeout_s, 10.0),
+                handshake_timeout_s=max(b.handshake_timeout_s, 20.0),
                 decode_faults=FaultPlan(fail_reads=r, fail_layers=(1,))),
         # every read of layer 1 fails (contributors read concurrently, a small budget could be
         # spread over them and absorbed by their retries)
