@@ -7,6 +7,7 @@ deadline is exercised on its own.
 
 import importlib.util
 import socket
+import threading
 import time
 
 import msgspec
@@ -747,3 +748,28 @@ def test_fuzzed_answers_never_release_a_gate(sender_rig):
     assert sender.stats.read_done == 0 and sender.stats.read_failed == 0
     fake.send(ReadDone(version=V, batch_id=b.batch_id, layer=0))  # the real answer still works
     gates.wait_free(0, 5.0)
+
+
+# ------------------------------------------------------------------ channel
+def test_dealer_queues_until_the_decode_is_up_and_delivers_on_close():
+    """Messages sent before the decode listens arrive once it does, in order, even when the
+    sender closes right away (the abort verdicts after a handshake timeout)."""
+    from sglang_ascend_offload.transfer.channel import ControlEndpoint
+
+    port = free_port()
+    dealer = ControlEndpoint("dealer", "127.0.0.1", port, expect=(MetaAck,), on_message=lambda p, m: None)
+    dealer.start()
+    try:
+        for i in range(3):
+            dealer.send(TransferVerdict(version=V, request_ids=[f"r{i}"], ok=False, reason="aborted"))
+        time.sleep(0.1)  # several connection attempts fail meanwhile
+        fake = FakeDecode(port)
+        closer = threading.Thread(target=dealer.close)
+        closer.start()  # close waits (bounded) for the queue to drain
+        got = [fake.recv(5.0) for _ in range(3)]
+        closer.join(5.0)
+        assert [m.request_ids for m in got] == [["r0"], ["r1"], ["r2"]]
+        assert not closer.is_alive() and dealer.sent == 3 and dealer.dropped == 0
+    finally:
+        dealer.close()
+        fake.close()
