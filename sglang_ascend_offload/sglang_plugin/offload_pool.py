@@ -31,8 +31,9 @@ from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
 from .. import config as cfg
 from .. import platform
 from ..sparse_decode.engine import EngineConfig, SparseDecodeEngine
-from ..sparse_decode.host_pool import HostKVPool, HostPoolShape
+from ..sparse_decode.host_pool import HostPoolShape
 from .pool import DeviceDSAPool, _scatter_rows
+from .shared_host_pool import EngineGate, allocate_rank_pool
 
 logger = logging.getLogger(__name__)
 
@@ -68,17 +69,22 @@ class HostMainKVPool(DeviceDSAPool):
             raise ValueError(f"host_pool_tokens={tokens} is smaller than SGLang's slot space ({slots} = "
                              f"{size} tokens + one padding page): raise host_pool_tokens or lower "
                              "--max-total-tokens")
-        self.host_pool = HostKVPool.allocate(
+        # One pool per attention-DP group: TP rank 0 allocates and appends, the others map it
+        # and wait for its appends before reading (shared_host_pool.py).
+        rank_pool = allocate_rank_pool(
             HostPoolShape(layers=layer_num, tokens=tokens, latent_dim=kv_lora_rank,
                           rope_dim=qk_rope_head_dim, dtype=dtype),
-            kind=host_pool_kind,
+            host_pool_kind,
         )
+        self.host_pool, self.append_order = rank_pool.pool, rank_pool.order
+        gate = EngineGate(rank_pool.order) if rank_pool.order is not None and rank_pool.rank > 0 else None
         hot_tokens = offload.hot_tokens if offload.hot_tokens is not None else 2 * top_k
         self.engine = SparseDecodeEngine(
             EngineConfig(layers=layer_num, rows=rows, hot_tokens=hot_tokens, top_k=top_k,
                          latent_dim=kv_lora_rank, rope_dim=qk_rope_head_dim, dtype=dtype,
                          policy=offload.policy, ops=offload.ops),
             self.host_pool, device=device if not str(device).startswith("cpu") else "cpu",
+            tp_rank=rank_pool.rank, gate=gate,
         )
         self.offload = offload
         self._finalize_allocation_log(size)
@@ -134,10 +140,15 @@ class HostMainKVPool(DeviceDSAPool):
         else:
             rows = torch.cat((cache_k.reshape(-1, self.kv_lora_rank),
                               cache_v.reshape(-1, self.qk_rope_head_dim)), dim=-1)
-        self.engine.append(layer.layer_id - self.start_layer, loc, rows.to(self.dtype))
+        self.engine.append(layer.layer_id - self.start_layer, loc, rows.to(self.dtype))  # TP rank 0 only
+        if self.append_order is not None:  # rank 0: publish the rows; others: count the append
+            self.append_order.appended(layer.layer_id - self.start_layer)
 
     def host_rows(self, layer_id: int) -> torch.Tensor:
-        """``[slots, latent + rope]`` host rows of ``layer_id``."""
+        """``[slots, latent + rope]`` host rows of ``layer_id``; on a TP rank > 0 of a shared
+        pool, after TP rank 0 published every append of the layer this rank has seen."""
+        if self.append_order is not None:
+            self.append_order.wait_readable(layer_id - self.start_layer)
         return self.host_pool.layer(layer_id - self.start_layer)
 
     def get_kv_size_bytes(self):

@@ -475,3 +475,58 @@ def torch_barrier(coord) -> None:
 
     if int(coord.world_size) > 1:
         dist.barrier(group=coord.cpu_group)
+
+
+# ------------------------------------------------------------------ served allocation
+@dataclass(frozen=True)
+class RankPool:
+    """What one served rank uses: its pool view, the ordering (None for a private
+    pool), its attention-TP rank in the group, and the group (None outside a server)."""
+
+    pool: HostKVPool
+    order: Optional[AppendOrder]
+    rank: int
+    view: Optional[GroupView]
+    shared: Optional[SharedPool] = None
+
+
+def allocate_rank_pool(shape: HostPoolShape, kind: str, *, view: Optional[GroupView] = None,
+                       directory: Optional[Path] = None) -> RankPool:
+    """The host pool of this rank inside SGLang: one pool per attention-DP group.
+
+    ``kind`` is what the platform asks for (``pinned`` off NPU, ``memfabric`` on NPU).
+    Outside a served process (``view`` None and no SGLang parallel state): a private
+    pool of ``kind``. In a server, off NPU: the group's shared mapping
+    (:func:`open_group_pool`) for every group (on CPU also a group of one, so each
+    group's pool is one observable mapping); on a GPU a group of one keeps its private
+    pinned pool. On NPU with more than one attention-TP rank the pool must be MemFabric
+    memory mapped through global addresses (:mod:`.memfabric_shared_pool`).
+    """
+    from .. import capacity, platform
+
+    view = view if view is not None else sglang_group()
+    if view is None:
+        return RankPool(HostKVPool.allocate(shape, kind), None, 0, None)
+    device = platform.device_kind()
+    if kind == "memfabric":
+        if view.size > 1:
+            from .memfabric_shared_pool import open_group_pool_memfabric
+
+            pool, order = open_group_pool_memfabric(shape, view)
+            rp = RankPool(pool, order, view.rank, view)
+        else:
+            rp = RankPool(HostKVPool.allocate(shape, kind), None, 0, view)
+    elif view.size == 1 and device != "cpu":
+        rp = RankPool(HostKVPool.allocate(shape, kind), None, 0, view)
+    else:
+        shared = open_group_pool(shape, view, directory=directory)
+        rp = RankPool(shared.pool, shared.order, view.rank, view, shared)
+    if view.rank == 0:
+        node = capacity.host_pool_bytes_per_node(shape.layers * shape.row_bytes, shape.tokens, view.groups_per_node)
+        where = (f"shared mapping {rp.shared.path} (name removed once all {view.size} TP ranks mapped it)"
+                 if rp.shared is not None else f"{rp.pool.kind} memory")
+        logger.info("sparse decode offload: host pool of attention-DP group %d: %d B = %d layers x %d tokens x %d B "
+                    "in %s; host bytes per node: %d B (%.1f MiB) = %d pool(s) (one per DP rank, shared by its TP "
+                    "ranks)", view.group, shape.nbytes, shape.layers, shape.tokens, shape.row_bytes, where, node,
+                    node / 2**20, view.groups_per_node)
+    return rp
