@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -89,9 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from sglang_ascend_offload.testing.ports import reserve_port
+
+    return reserve_port()  # reserved across processes, below the ephemeral range
 
 
 class _Compute:

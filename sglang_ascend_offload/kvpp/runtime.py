@@ -160,6 +160,12 @@ class BroadcastTransport:
             self.bytes_received += buf.numel()
 
 
+def _bind_device(device: torch.device) -> None:
+    """Prefetch thread start: make ``device`` current (a new thread starts on device 0)."""
+    if device.type in ("npu", "cuda") and device.index is not None:
+        getattr(torch, device.type).set_device(device.index)
+
+
 class KVPPScheduler:
     """Per-forward prefetch driver; ``layers`` are target layers in execution order."""
 
@@ -169,7 +175,9 @@ class KVPPScheduler:
         self.layers = list(layers) if layers is not None else list(
             transport.storage.plan.ownership.target_layers)
         self.prefetch_enabled = prefetch
-        self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpp-prefetch")
+        device = transport.storage.device
+        self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpp-prefetch",
+                                               initializer=_bind_device, initargs=(device,))
         self._futures: Dict[int, cf.Future] = {}
         self._has_history = False
         self._next = 0

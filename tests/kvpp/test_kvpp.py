@@ -2,11 +2,12 @@
 
 import os
 import random
-import socket
 import time
 
 import pytest
 import torch
+
+from sglang_ascend_offload import platform
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -65,10 +66,10 @@ def test_plan_lists_every_problem():
     assert "rank 5" in text and "[1, 2]" in text and "bytes_per_block > 0" in text and "power of two" in text
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port() -> int:
+    from sglang_ascend_offload.testing.ports import reserve_port
+
+    return reserve_port()  # reserved across processes, below the ephemeral range
 
 
 NUM_LAYERS, GROUP, BLOCKS = 7, 3, 4
@@ -80,34 +81,56 @@ def _pattern(layer: int, version: int, nbytes: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
 
 
-def _worker(rank: int, port: int, prefetch: bool, result_q) -> None:
+ACTIVE = [0, 2, 3]  # active-block runs: blocks 0, 2, 3 of 4
+
+
+def _active_rows(transport, layer: int, blocks) -> torch.Tensor:
+    """The ``blocks`` of every component of ``layer``'s bundle, concatenated (CPU)."""
+    views = transport._block_views(layer)
+    if blocks is None:
+        return transport.storage.bundle(layer).cpu()
+    idx = torch.tensor(blocks, dtype=torch.long, device=views[0].device)
+    return torch.cat([v.index_select(0, idx).reshape(-1) for v in views]).cpu()
+
+
+def _worker(rank: int, port: int, prefetch: bool, result_q, active=None, device_kind: str = "cpu") -> None:
     try:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-        dist.init_process_group("gloo", rank=rank, world_size=GROUP)
+        device = torch.device("cpu")
+        if device_kind == "npu":
+            import torch_npu  # noqa: F401
+
+            torch.npu.set_device(rank)
+            device = torch.device(f"npu:{rank}")
+        dist.init_process_group("gloo" if device_kind == "cpu" else "hccl", rank=rank, world_size=GROUP)
         group = dist.new_group(list(range(GROUP)))
         own = assign_owners(range(NUM_LAYERS), GROUP)
         plan = plan_rank(rank, own, bundles_for(range(NUM_LAYERS), COMPS))
-        storage = KVPPStorage(plan, BLOCKS)
+        storage = KVPPStorage(plan, BLOCKS, device)
         transport = BroadcastTransport(storage, group=group)
         sched = KVPPScheduler(transport, prefetch=prefetch)
         nbytes = sum(c.bytes_per_block for c in COMPS) * BLOCKS
+        blocks = None if active is None else torch.tensor(active, dtype=torch.long)
+        expected_rows = {}
         rng = random.Random(rank)
         # First prefill: no history -> no broadcast; owners write their layers.
         sched.schedule_forward(has_history=False)
         for layer in range(NUM_LAYERS):
             sched.wait_for_layer(layer)
-            storage.bundle(layer).copy_(_pattern(layer, 0, nbytes))
+            storage.bundle(layer).copy_(_pattern(layer, 0, nbytes).to(device))
+            expected_rows[layer] = _active_rows(transport, layer, active)
         sched.complete_forward()
         assert transport.broadcasts == 0
         mismatches = 0
         for version in range(1, 4):  # forwards with history: see the owner's latest content
-            sched.schedule_forward(has_history=True)
+            sched.schedule_forward(has_history=True, active_blocks=blocks)
             for layer in range(NUM_LAYERS):
                 sched.wait_for_layer(layer)
-                if not torch.equal(storage.bundle(layer), _pattern(layer, version - 1, nbytes)):
+                if not torch.equal(_active_rows(transport, layer, active), expected_rows[layer]):
                     mismatches += 1
                 time.sleep(rng.random() * 0.004)  # compute while the next layer prefetches
-                storage.bundle(layer).copy_(_pattern(layer, version, nbytes))  # KV update
+                storage.bundle(layer).copy_(_pattern(layer, version, nbytes).to(device))  # KV update
+                expected_rows[layer] = _active_rows(transport, layer, active)
             sched.complete_forward()
         sched.close()
         result_q.put((rank, mismatches, transport.broadcasts, transport.bytes_received,
@@ -117,24 +140,46 @@ def _worker(rank: int, port: int, prefetch: bool, result_q) -> None:
         result_q.put((rank, repr(exc), None, None, None))
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_broadcast_prefetch_across_processes(prefetch):
+def _run_group(prefetch: bool, active=None, device_kind: str = "cpu"):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, prefetch, q)) for r in range(GROUP)]
+    procs = [ctx.Process(target=_worker, args=(r, port, prefetch, q, active, device_kind)) for r in range(GROUP)]
     for p in procs:
         p.start()
     results = sorted(q.get(timeout=120) for _ in procs)
     for p in procs:
         p.join(timeout=30)
     own = assign_owners(range(NUM_LAYERS), GROUP)
-    nbytes = sum(c.bytes_per_block for c in COMPS) * BLOCKS
+    nbytes = sum(c.bytes_per_block for c in COMPS) * (BLOCKS if active is None else len(active))
     for rank, mismatches, broadcasts, received, allocated in results:
         assert mismatches == 0, (rank, mismatches)
         assert broadcasts == 3 * NUM_LAYERS
         assert received == 3 * nbytes * (NUM_LAYERS - len(own.owned_by(rank)))
-        assert allocated == nbytes * len(own.owned_by(rank)) + 2 * 2 * 1024 * 1024
+        assert allocated == sum(c.bytes_per_block for c in COMPS) * BLOCKS * len(own.owned_by(rank)) \
+            + 2 * 2 * 1024 * 1024
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_broadcast_prefetch_across_processes(prefetch):
+    _run_group(prefetch)
+
+
+def test_active_block_broadcast_across_processes():
+    """Only blocks 0, 2, 3 travel (gathered into staging, scattered on receivers); every
+    receiver's copy of those blocks equals the owner's latest content."""
+    _run_group(True, active=ACTIVE)
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(platform.device_kind() != "npu", reason="needs 3 Ascend NPUs with CANN and torch_npu (HCCL)")
+@pytest.mark.parametrize("active", [None, ACTIVE])
+def test_hccl_broadcast_on_transfer_stream(active):
+    """The same over HCCL: bundles on ``npu:r``, broadcasts on the transfer stream after
+    the compute stream's ready event, completion events before a layer is used."""
+    if torch.npu.device_count() < GROUP:
+        pytest.skip(f"needs {GROUP} NPUs")
+    _run_group(True, active=active, device_kind="npu")
 
 
 def test_bench_kvpp_json_keys_and_active_bytes():

@@ -22,12 +22,13 @@ request freed, its pages reused), more decode steps. Checked on every rank:
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+from sglang_ascend_offload import platform
 
 from dsa_harness import HEADS, HIDDEN, INDEX_DIM, LATENT, Q_LORA, ROPE, TOPK, forward_batch, make_indexer
 
@@ -35,9 +36,9 @@ LAYERS, PAGE, SLOTS, ROWS, MAX_CONTEXT = 5, 16, 512, 6, 256
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from sglang_ascend_offload.testing.ports import reserve_port
+
+    return reserve_port()  # reserved across processes, below the ephemeral range
 
 
 class _Req:
@@ -48,7 +49,7 @@ class _Req:
 class _Rank:
     """One rank: reference backend + KVPP backend over one slot space."""
 
-    def __init__(self, rank: int, group_size: int, broadcast: str, process_group):
+    def __init__(self, rank: int, group_size: int, broadcast: str, process_group, device: str = "cpu"):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
@@ -57,25 +58,26 @@ class _Rank:
         from sglang_ascend_offload.sglang_plugin.kvpp_pool import KVPPGroup, KVPPPool
         from sglang_ascend_offload.sglang_plugin.pool import DeviceDSAPool
 
+        self.device = device
         self.gen = torch.Generator().manual_seed(1234)  # same inputs on every rank
-        self.rtp = ReqToTokenPool(size=ROWS, max_context_len=MAX_CONTEXT, device="cpu", enable_memory_saver=False)
+        self.rtp = ReqToTokenPool(size=ROWS, max_context_len=MAX_CONTEXT, device=device, enable_memory_saver=False)
         common = dict(page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
-                      layer_num=LAYERS, device="cpu", enable_memory_saver=False, index_head_dim=INDEX_DIM)
+                      layer_num=LAYERS, device=device, enable_memory_saver=False, index_head_dim=INDEX_DIM)
         self.ref_pool = DeviceDSAPool(SLOTS, index_size=SLOTS, index_page_size=PAGE, **common)
         group = KVPPGroup(rank, group_size, tuple(range(group_size)), process_group)
         self.pool = KVPPPool(SLOTS, kvpp=cfg.KVPPConfig(broadcast=broadcast), group=group, **common)
-        self.allocator = PagedTokenToKVPoolAllocator(SLOTS, PAGE, torch.bfloat16, "cpu", self.ref_pool,
+        self.allocator = PagedTokenToKVPoolAllocator(SLOTS, PAGE, torch.bfloat16, device, self.ref_pool,
                                                      need_sort=False)
         mc = SimpleNamespace(context_len=MAX_CONTEXT, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
                              hf_config=SimpleNamespace(index_topk=TOPK))
 
         def runner(pool):
-            return SimpleNamespace(device="cpu", req_to_token_pool=self.rtp, token_to_kv_pool=pool, page_size=PAGE,
+            return SimpleNamespace(device=device, req_to_token_pool=self.rtp, token_to_kv_pool=pool, page_size=PAGE,
                                    model_config=mc)
 
         self.ref = AscendOffloadAttnBackend(runner(self.ref_pool))
         self.kvpp = AscendOffloadAttnBackend(runner(self.pool))
-        self.indexers = [make_indexer(layer, seed=layer) for layer in range(LAYERS)]
+        self.indexers = [make_indexer(layer, seed=layer).to(device) for layer in range(LAYERS)]
         self.layers = [SimpleNamespace(layer_id=l, tp_q_head_num=HEADS, scaling=0.125) for l in range(LAYERS)]
         self.reqs = {}
         self.log = []  # (has_history, active pages, bytes broadcast in the forward, mismatching layers)
@@ -96,7 +98,7 @@ class _Rank:
         self.rtp.free_rows([req.row])
 
     def _rand(self, *shape):
-        return torch.randn(shape, generator=self.gen).to(torch.bfloat16)
+        return torch.randn(shape, generator=self.gen).to(torch.bfloat16).to(self.device)
 
     def extend(self, reqs, new_tokens):
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -105,7 +107,9 @@ class _Rank:
         prefix = torch.tensor([r.length for r in reqs], dtype=torch.int64)
         seq = prefix + torch.tensor(new_tokens, dtype=torch.int64)
         last = torch.tensor([int(t[r.row, r.length - 1]) if r.length else -1 for r in reqs], dtype=torch.int64)
-        out = self.allocator.alloc_extend(prefix, prefix, seq, seq, last, int(sum(new_tokens)))
+        dev = self.device
+        out = self.allocator.alloc_extend(prefix.to(dev), prefix, seq.to(dev), seq, last.to(dev),
+                                          int(sum(new_tokens)))
         assert out is not None
         off, pos = 0, []
         for r, n in zip(reqs, new_tokens):
@@ -114,7 +118,7 @@ class _Rank:
             off += n
             r.length += n
         return self._forward(forward_batch(ForwardMode.EXTEND, reqs, out, torch.cat(pos), seq, prefix, new_tokens,
-                                           "cpu"))
+                                           self.device))
 
     def decode(self, reqs):
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -122,13 +126,13 @@ class _Rank:
         t = self.rtp.req_to_token
         seq = torch.tensor([r.length + 1 for r in reqs], dtype=torch.int64)
         last = torch.tensor([int(t[r.row, r.length - 1]) for r in reqs], dtype=torch.int64)
-        out = self.allocator.alloc_decode(seq, seq, last)
+        out = self.allocator.alloc_decode(seq.to(self.device), seq, last.to(self.device))
         assert out is not None
         pos = torch.tensor([r.length for r in reqs], dtype=torch.int64)
         for r, loc in zip(reqs, out.tolist()):
             t[r.row, r.length] = loc
             r.length += 1
-        return self._forward(forward_batch(ForwardMode.DECODE, reqs, out, pos, seq, None, None, "cpu"))
+        return self._forward(forward_batch(ForwardMode.DECODE, reqs, out, pos, seq, None, None, self.device))
 
     def _forward(self, fb):
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
@@ -175,12 +179,12 @@ def _scenario(r: _Rank) -> None:
         r.decode([a, c, d, e])
 
 
-def _run(rank, group_size, broadcast, process_group) -> dict:
-    r = _Rank(rank, group_size, broadcast, process_group)
+def _run(rank, group_size, broadcast, process_group, device) -> dict:
+    r = _Rank(rank, group_size, broadcast, process_group, device)
     _scenario(r)
     pool = r.pool
     # the owner keeps the updated KV: persistent rows == reference rows of every live slot
-    live = torch.cat([r.rtp.req_to_token[q_.row, :q_.length].long() for q_ in r.reqs.values()])
+    live = torch.cat([r.rtp.req_to_token[q_.row, :q_.length].long() for q_ in r.reqs.values()]).to(device)
     owner_ok = all(
         torch.equal(pool.k_buffer[l].view(-1, LATENT)[live], r.ref_pool.k_buffer[l].view(-1, LATENT)[live])
         and torch.equal(pool.v_buffer[l].view(-1, ROPE)[live], r.ref_pool.v_buffer[l].view(-1, ROPE)[live])
@@ -192,7 +196,7 @@ def _run(rank, group_size, broadcast, process_group) -> dict:
     for buf in pool.storage.scratch:
         buf.zero_()
     pool.transport.set_active_blocks = lambda blocks: setattr(
-        pool.transport, "active_blocks", torch.empty(0, dtype=torch.long))
+        pool.transport, "active_blocks", torch.empty(0, dtype=torch.long, device=device))
     r.decode([r.reqs["a"], r.reqs["c"]])
     control_bad = r.log.pop()[3]
     pool.close()
@@ -201,8 +205,9 @@ def _run(rank, group_size, broadcast, process_group) -> dict:
                 num_blocks=pool.num_blocks)
 
 
-def _worker(rank, world, port, runs, q):
-    """``runs``: (group size, broadcast mode); a group is ranks ``0..size-1`` of the world."""
+def _worker(rank, world, port, runs, q, device_kind="cpu"):
+    """``runs``: (group size, broadcast mode); a group is ranks ``0..size-1`` of the world.
+    ``device_kind`` ``npu``: rank ``r`` on ``npu:r``, HCCL instead of gloo."""
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SGLANG_USE_CPU_ENGINE="1")
         torch.set_num_threads(1)
@@ -212,29 +217,32 @@ def _worker(rank, world, port, runs, q):
         from dsa_harness import published_context
 
         load_plugins()
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        device = "cpu"
+        if device_kind == "npu":
+            import torch_npu  # noqa: F401
+
+            device = f"npu:{rank}"
+            torch.npu.set_device(rank)
+        dist.init_process_group("gloo" if device == "cpu" else "hccl", rank=rank, world_size=world)
         groups = [dist.new_group(list(range(size))) for size, _ in runs]  # every rank creates every group
         out = []
-        with published_context():
+        with published_context("cpu" if device == "cpu" else "npu"):
             for (size, broadcast), pg in zip(runs, groups):
                 if rank < size:
-                    out.append(dict(_run(rank, size, broadcast, pg), group=size, broadcast=broadcast))
+                    out.append(dict(_run(rank, size, broadcast, pg, device), group=size, broadcast=broadcast))
         q.put(dict(rank=rank, results=out))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
         q.put(dict(rank=rank, error=traceback.format_exc()))
 
 
-def test_kvpp_pool_equals_replicated_pool_across_ranks():
-    """Three processes: a group of 3 with active-block broadcast, then ranks 0-1 as a
-    group of 2 with full-layer broadcast."""
+def _spawn(world, runs, device_kind="cpu"):
     import torch.multiprocessing as mp
 
-    runs = [(3, "active"), (2, "full")]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 3, port, runs, q)) for r in range(3)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, runs, q, device_kind)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -248,7 +256,24 @@ def test_kvpp_pool_equals_replicated_pool_across_ranks():
     assert not errors, errors[0]
     for size, broadcast in runs:
         _check([res for d in replies for res in d["results"] if res["group"] == size], broadcast)
+    return replies
+
+
+def test_kvpp_pool_equals_replicated_pool_across_ranks():
+    """Three processes over gloo: a group of 3 with active-block broadcast, then ranks
+    0-1 as a group of 2 with full-layer broadcast."""
+    replies = _spawn(3, [(3, "active"), (2, "full")])
     assert len(replies[2]["results"]) == 1  # rank 2 is outside the group of 2
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(platform.device_kind() != "npu", reason="needs 2 Ascend NPUs with CANN and torch_npu (HCCL)")
+def test_kvpp_pool_over_hccl_on_npu():
+    """The same scenario on two NPUs: pools on ``npu:0`` / ``npu:1``, broadcasts over HCCL
+    on the transfer stream (events), both broadcast modes."""
+    if torch.npu.device_count() < 2:
+        pytest.skip("needs 2 NPUs")
+    _spawn(2, [(2, "active"), (2, "full")], device_kind="npu")
 
 
 def _check(results, broadcast):
