@@ -116,8 +116,8 @@ int manage_rows(MakeMap make_map, int32_t* slot_token, int64_t* slot_stamp, int6
                 int32_t* miss_slots) {
   const int64_t fill_stamp = 2 * step + 1;
   const int64_t hit_stamp = 2 * step + 2;
-  std::vector<uint8_t> flag(H);
-  std::vector<int32_t> miss_j(K), victims(K), neworder(H);
+  std::vector<uint8_t> flag(H + 1);  // [H]: scratch target of branch-free stores
+  std::vector<int32_t> miss_j(K + 1), victims(K), neworder(H), fills(H + 1), hit_slots(H + 1);
 
   for (int64_t b = 0; b < B; ++b) {
     const int64_t r = rows[b];
@@ -133,10 +133,6 @@ int manage_rows(MakeMap make_map, int32_t* slot_token, int64_t* slot_stamp, int6
     int32_t* sl = slots + b * K;
     int32_t* mt = miss_tokens + b * K;
     int32_t* ms = miss_slots + b * K;
-    std::memset(hm, 0, K);
-    std::fill(sl, sl + K, -1);
-    std::fill(mt, mt + K, -1);
-    std::fill(ms, ms + K, -1);
 
     // 1. reset on a request change (idle rows too)
     if (req != row_req[r]) {
@@ -174,6 +170,10 @@ int manage_rows(MakeMap make_map, int32_t* slot_token, int64_t* slot_stamp, int6
       }
     }
     if (req == -1) {  // idle row: every entry is padding
+      std::memset(hm, 0, K);
+      std::fill(sl, sl + K, -1);
+      std::fill(mt, mt + K, -1);
+      std::fill(ms, ms + K, -1);
       miss_count[b] = 0;
       continue;
     }
@@ -184,22 +184,19 @@ int manage_rows(MakeMap make_map, int32_t* slot_token, int64_t* slot_stamp, int6
     constexpr int64_t kAhead = 32;
     for (int64_t j = 0; j < std::min(K, kAhead); ++j)
       if (tk[j] >= 0) map.prefetch(tk[j]);
+    // Branch-free: whether an entry hits is data (about half of them), not control.
     for (int64_t j = 0; j < K; ++j) {
       if (j + kAhead < K && tk[j + kAhead] >= 0) map.prefetch(tk[j + kAhead]);
       const int32_t p = tk[j];
-      if (p < 0) continue;
       if (map_width >= 0 && p >= map_width) return 3;
-      if (p < stab) {
-        const int32_t s = map.find(p);
-        if (s >= 0) {
-          hm[j] = 1;
-          sl[j] = s;
-          flag[s] = 2;
-          ++hits;
-          continue;
-        }
-      }
-      miss_j[m++] = static_cast<int32_t>(j);
+      const int32_t found = (p >= 0 && p < stab) ? map.find(p) : -1;
+      const bool hit = found >= 0;
+      hm[j] = hit;
+      sl[j] = found;  // -1 for padding and misses (a miss gets its victim below)
+      flag[hit ? found : H] = 2;
+      hits += hit;
+      miss_j[m] = static_cast<int32_t>(j);
+      m += (!hit) & (p >= 0);
     }
     // 4. victims: the first m non-hit slots of the eviction order
     int64_t v = 0, pos = 0;
@@ -229,22 +226,29 @@ int manage_rows(MakeMap make_map, int32_t* slot_token, int64_t* slot_stamp, int6
     }
     maxpos[r] = mx;
     miss_count[b] = static_cast<int32_t>(m);
+    std::fill(mt + m, mt + K, -1);
+    std::fill(ms + m, ms + K, -1);
     if (m == 0 && hits == 0) continue;
-    // new order: untouched slots in their order, then fills by slot, then hits by slot
+    // New order, in place: untouched slots in their order (compacted to the front: the
+    // write index never passes the read index), then fills by slot, then hits by slot.
+    // Branch-free stores: a slot is written at its cursor, which advances only if it belongs.
     int64_t n = 0;
-    for (int64_t i = pos; i < H; ++i)
-      if (flag[ord[i]] == 0) neworder[n++] = ord[i];
-    int64_t nf = n, nh = n + m;
+    for (int64_t i = pos; i < H; ++i) {
+      const int32_t s = ord[i];
+      ord[n] = s;
+      n += flag[s] == 0;
+    }
+    int64_t nf = 0, nh = 0;
     for (int64_t s = 0; s < H; ++s) {
       const uint8_t f = flag[s];
-      if (f == 1) {
-        neworder[nf++] = static_cast<int32_t>(s);
-      } else if (f == 2) {
-        neworder[nh++] = static_cast<int32_t>(s);
-        stamp[s] = hit_stamp;
-      }
+      fills[nf] = static_cast<int32_t>(s);
+      nf += f == 1;
+      hit_slots[nh] = static_cast<int32_t>(s);
+      nh += f == 2;
     }
-    std::memcpy(ord, neworder.data(), H * sizeof(int32_t));
+    std::memcpy(ord + n, fills.data(), nf * sizeof(int32_t));
+    std::memcpy(ord + n + nf, hit_slots.data(), nh * sizeof(int32_t));
+    for (int64_t i = 0; i < nh; ++i) stamp[hit_slots[i]] = hit_stamp;
   }
   return 0;
 }
