@@ -27,7 +27,7 @@
 #ifndef SAO_INDEXER_TOPK_H
 #define SAO_INDEXER_TOPK_H
 
-#include "kernel_common.h"
+#include "sao_kernel_common.h"
 #include "lib/matmul_intf.h"
 
 namespace sao {

@@ -31,7 +31,7 @@
 #ifndef SAO_RESIDENCY_MANAGE_H
 #define SAO_RESIDENCY_MANAGE_H
 
-#include "kernel_common.h"
+#include "sao_kernel_common.h"
 
 namespace sao {
 

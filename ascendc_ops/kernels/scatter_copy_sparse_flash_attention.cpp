@@ -25,7 +25,7 @@
  * STATUS: compiled on CPU (syntax-only, asc-devkit 8.5.0 headers) and run on the functional
  * model (check-kernels); never run on an NPU. See ascendc_ops/README.md.
  */
-#include "kernel_common.h"
+#include "sao_kernel_common.h"
 #include "lib/matmul_intf.h"
 
 namespace sao {

@@ -79,6 +79,7 @@ def run_checks(jobs: int = compile_check.MAX_JOBS, use_cache: bool = True, seed:
                 compiled[(r.unit, r.variant)] = r.ok
                 if not r.ok:
                     report.failures.append(f"compile {r.unit} [{r.variant}]: {r.errors} errors\n{r.log[:3000]}")
+            report.failures += [f"header name clash: {x}" for x in cr.shadowing]
             report.negative_control_failed = cr.negative is not None and not cr.negative.ok
             if not report.negative_control_failed:
                 report.failures.append("negative control: a kernel copy with a wrong AscendC call COMPILED; the "

@@ -53,7 +53,8 @@ KERNEL_UNITS = (
 # variant name -> extra defines (what the toolkit's MIX build defines per core type on A2/A3)
 VARIANTS = {"vec": ["-D__DAV_C220_VEC__"], "cube": ["-D__DAV_C220_CUBE__"]}
 
-# The negative control: this call of kernel_common.h is given a wrong argument list.
+# The negative control: this call of sao_kernel_common.h is given a wrong argument list.
+NEGATIVE_FILE = "sao_kernel_common.h"
 NEGATIVE_UNIT = "lightning_indexer_manage.cpp"
 NEGATIVE_FROM = "AscendC::DataCopyPad(dst, src, params, pad);"
 NEGATIVE_TO = "AscendC::DataCopyPad(dst, src, params, pad, 7, 1.5f);"
@@ -190,11 +191,11 @@ def negative_control_source() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp)
         shutil.copytree(KERNELS_DIR, tmp)
-        common = tmp / "kernel_common.h"
+        common = tmp / NEGATIVE_FILE
         text = common.read_text()
         if NEGATIVE_FROM not in text:
             shutil.rmtree(tmp)
-            raise RuntimeError(f"negative control: {NEGATIVE_FROM!r} not found in kernels/kernel_common.h; "
+            raise RuntimeError(f"negative control: {NEGATIVE_FROM!r} not found in kernels/{NEGATIVE_FILE}; "
                                "update NEGATIVE_FROM in kernel_check/compile_check.py")
         common.write_text(text.replace(NEGATIVE_FROM, NEGATIVE_TO, 1))
         try:
@@ -202,6 +203,30 @@ def negative_control_source() -> Path:
         except OSError:  # another run made it first
             shutil.rmtree(tmp, ignore_errors=True)
     return neg / NEGATIVE_UNIT
+
+
+def shadowed_headers(headers: hdr.AscendcHeaders, folders: Sequence[Path] = ()) -> List[str]:
+    """Our kernel-side headers whose file name is also an AscendC header's.
+
+    The AscendC headers include each other by quoted bare names (``#include
+    "kernel_common.h"``); with ``ascendc_ops/kernels`` or ``ascendc_ops/include`` on the
+    include path, a file of ours with such a name would be picked up in place of the
+    toolkit's, whichever compiler builds it."""
+    folders = list(folders) or _kernel_includes()
+    theirs: Dict[str, Path] = {}
+    gen = hdr.generated_dir(headers.root) if headers.layout == "devkit" else None
+    for d in headers.include_dirs:
+        if d == gen or not d.is_dir():
+            continue
+        for f in d.rglob("*.h"):
+            theirs.setdefault(f.name, f)
+    found = []
+    for folder in folders:
+        for f in sorted(folder.glob("*.h")):
+            if f.name in theirs:
+                found.append(f"{f.relative_to(folder.parent)} has the name of the AscendC header {theirs[f.name]}: "
+                             "rename it (the headers' quoted includes would find ours instead)")
+    return found
 
 
 @dataclass
@@ -213,10 +238,12 @@ class CompileReport:
     results: List[CompileResult] = field(default_factory=list)
     negative: Optional[CompileResult] = None
     seconds: float = 0.0
+    shadowing: List[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.results) and self.negative is not None and not self.negative.ok
+        return (all(r.ok for r in self.results) and self.negative is not None and not self.negative.ok
+                and not self.shadowing)
 
 
 def run(jobs: int = MAX_JOBS, use_cache: bool = True, negative: bool = True,
@@ -235,4 +262,4 @@ def run(jobs: int = MAX_JOBS, use_cache: bool = True, negative: bool = True,
         neg_future = pool.submit(compile_one, headers, *neg_task, use_cache) if neg_task else None
         results = [f.result() for f in futures]
         neg = neg_future.result() if neg_future else None
-    return CompileReport(headers, results, neg, time.monotonic() - t0)
+    return CompileReport(headers, results, neg, time.monotonic() - t0, shadowed_headers(headers))

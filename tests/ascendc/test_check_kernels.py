@@ -88,6 +88,17 @@ def test_negative_control_fails_with_the_wrong_call_reported(check_kernels):
     assert ok.ok and ok.errors == 0, ok.log
 
 
+def test_kernel_headers_do_not_shadow_ascendc_headers(tmp_path):
+    headers = hdr.locate()
+    assert compile_check.shadowed_headers(headers) == []
+    # the defect this caught: kernels/kernel_common.h stood in for the toolkit's own
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "kernel_common.h").write_text("")
+    (tmp_path / "kernels" / "sao_kernel_common.h").write_text("")
+    clash = compile_check.shadowed_headers(headers, [tmp_path / "kernels"])
+    assert len(clash) == 1 and "kernels/kernel_common.h" in clash[0] and "basic_api" in clash[0]
+
+
 def test_missing_headers_is_an_error_saying_what_to_set(tmp_path, monkeypatch):
     monkeypatch.setenv(hdr.ENV_VAR, str(tmp_path / "nowhere"))
     with pytest.raises(hdr.HeadersNotFound, match=hdr.ENV_VAR):

@@ -2,6 +2,11 @@
  * Small helpers shared by the fused kernels: pipe synchronisation, tiling copy,
  * byte-exact stores of a few values, and the vector-core numbering of MIX kernels.
  *
+ * Named sao_kernel_common.h, not kernel_common.h: the AscendC headers include their own
+ * "kernel_common.h" (include/basic_api/) by a quoted name, and with this folder on the
+ * include path a file of that name here would be picked up instead (check-kernels
+ * rejects any kernel header whose name is also an AscendC header's).
+ *
  * STATUS: compiled on CPU (syntax-only, asc-devkit 8.5.0 headers) and run on the functional
  * model (check-kernels); never run on an NPU. See ascendc_ops/README.md.
  */
