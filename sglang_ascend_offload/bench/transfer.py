@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=8, help="layers of the throughput run")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of the request")
     parser.add_argument("--block-tokens", type=int, default=128, help="tokens per KV block")
+    parser.add_argument("--throughput-runs", type=int, default=5,
+                        help="throughput runs (ours, then the raw replay, each time); the run with the median "
+                             "ratio is reported")
     parser.add_argument("--overhead-layers", type=int, default=256,
                         help="layers of the single-block overhead run (samples of the percentiles)")
     parser.add_argument("--layer-timeout", type=float, default=2.0,
@@ -102,6 +105,29 @@ def overhead_samples(prefill: Dict[int, Any], decode: Dict[int, Any]) -> List[fl
     return [answers[b] - reads[b] for b in sorted(answers) if b in reads]
 
 
+def _throughput_run(t) -> tuple:
+    """The throughput keys of one throughput scenario result, and the result."""
+    out: Dict[str, Any] = {}
+    read_bytes, read_s = _sum(t.decode, "read_bytes"), _sum(t.decode, "read_seconds")
+    decode_ok = [r for r in t.decode.values() if isinstance(r, dict)]
+    memcpy = [r["memcpy_bytes_per_s"] for r in decode_ok if r["memcpy_bytes_per_s"]]
+    out["bytes_moved"] = int(read_bytes)
+    out["engine_bytes_per_s"] = read_bytes / read_s if read_s > 0 else None
+    out["memcpy_bytes_per_s"] = sum(memcpy) / len(memcpy) if memcpy else None
+    if out["engine_bytes_per_s"] and out["memcpy_bytes_per_s"]:
+        out["engine_vs_memcpy"] = out["engine_bytes_per_s"] / out["memcpy_bytes_per_s"]
+    spans = [r["read_span"] for r in decode_ok if r["read_span"]]
+    out["transfer_bytes_per_s"] = read_bytes / max(spans) if spans else None
+    raw_s = [r["raw_seconds"] for r in decode_ok if r["raw_seconds"]]
+    raw_b = sum(r["raw_bytes"] or 0 for r in decode_ok)
+    out["raw_engine_bytes_per_s"] = raw_b / max(raw_s) if raw_s else None
+    out["engine_over_raw"] = (out["transfer_bytes_per_s"] / out["raw_engine_bytes_per_s"]
+                              if out["transfer_bytes_per_s"] and out["raw_engine_bytes_per_s"] else None)
+    ranges = [n for r in decode_ok for n in r["read_ranges"]]
+    out["ranges_per_layer_read"] = sum(ranges) / len(ranges) if ranges else None
+    return out, t
+
+
 def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, Any]:
     from ..transfer.harness import ScenarioSpec, fault_scenarios, run_scenario
     from ..transfer.topology import PDTopology
@@ -133,25 +159,14 @@ def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, An
         run_scenario(pool, replace(overhead, name="warmup", num_layers=2), timeout_s=120)
         if faults:  # every worker's engines started before any deadline is timed
             run_scenario(pool, replace(overhead, name="warmup_faults", p_tp=2, d_tp=1, num_layers=2), timeout_s=120)
-        t = run_scenario(pool, replace(throughput, engine=args.engine), timeout_s=600)
-        read_bytes, read_s = _sum(t.decode, "read_bytes"), _sum(t.decode, "read_seconds")
-        decode_ok = [r for r in t.decode.values() if isinstance(r, dict)]
-        memcpy = [r["memcpy_bytes_per_s"] for r in decode_ok if r["memcpy_bytes_per_s"]]
-        out["bytes_moved"] = int(read_bytes)
-        out["engine_bytes_per_s"] = read_bytes / read_s if read_s > 0 else None
-        out["memcpy_bytes_per_s"] = sum(memcpy) / len(memcpy) if memcpy else None
-        if out["engine_bytes_per_s"] and out["memcpy_bytes_per_s"]:
-            out["engine_vs_memcpy"] = out["engine_bytes_per_s"] / out["memcpy_bytes_per_s"]
-        spans = [r["read_span"] for r in decode_ok if r["read_span"]]
-        out["transfer_bytes_per_s"] = read_bytes / max(spans) if spans else None
-        raw_s = [r["raw_seconds"] for r in decode_ok if r["raw_seconds"]]
-        raw_b = sum(r["raw_bytes"] or 0 for r in decode_ok)
-        out["raw_engine_bytes_per_s"] = raw_b / max(raw_s) if raw_s else None
-        out["engine_over_raw"] = (out["transfer_bytes_per_s"] / out["raw_engine_bytes_per_s"]
-                                  if out["transfer_bytes_per_s"] and out["raw_engine_bytes_per_s"] else None)
-        out["reads_per_layer"] = (_sum(t.decode, "reads") and
-                                  sum(len(r["timings"]) for r in decode_ok) / max(1, len(decode_ok)) / args.layers)
-        out["verified"] = bool(t.verified and t.outcome == "done")
+        runs = [_throughput_run(run_scenario(pool, replace(throughput, engine=args.engine), timeout_s=600))
+                for _ in range(max(1, args.throughput_runs))]
+        # the run with the median ours/raw ratio (each run times ours and the raw replay back to back)
+        ranked = sorted(runs, key=lambda r: (r[0].get("engine_over_raw") is None, r[0].get("engine_over_raw") or 0))
+        keys, t = ranked[(len(ranked) - 1) // 2] if all(r[0].get("engine_over_raw") for r in runs) else ranked[-1]
+        out.update(keys)
+        out["engine_over_raw_runs"] = [r[0].get("engine_over_raw") for r in runs]
+        out["verified"] = all(r[1].verified and r[1].outcome == "done" for r in runs)
         out["throughput_outcome"] = t.outcome
         o = run_scenario(pool, replace(overhead, engine=args.engine), timeout_s=300)
         answer = _sum(o.prefill, "answer_seconds") / max(1.0, _sum(o.prefill, "batches"))

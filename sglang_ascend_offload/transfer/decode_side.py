@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import NamedTuple, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from ..config import PDTransferConfig
 from .channel import ControlEndpoint, SendFilter
@@ -49,7 +49,7 @@ from .engine import TransferEngine
 from .errors import EngineReadError, ProtocolError, RequestFailed, TopologyError, TransferError
 from .layout import coalesce, layout_mismatches
 from .protocol import (PROTOCOL_VERSION, KVLayout, MetaAck, MetaHandshake, ReadDone, ReadFailed,
-                       ReadReadyBatch, Rejected, RequestRange, TransferVerdict)
+                       ReadReadyBatch, Rejected, RequestRange, TensorSpec, TransferVerdict)
 from .status import DONE, PENDING, RequestStatus, TransferState
 from .topology import PDTopology, decode_port
 
@@ -79,8 +79,7 @@ class DecodeStats:
 TIMING_SAMPLES = 4096  # per-batch read times kept for percentiles (most recent)
 
 
-@dataclass(frozen=True)
-class ReadTiming:
+class ReadTiming(NamedTuple):
     """One successful batch read: the engine call(s) only, in seconds; ``ranges`` issued."""
 
     batch_id: int
@@ -92,9 +91,29 @@ class ReadTiming:
 
 @dataclass
 class _Peer:
+    """An accepted prefill peer, with what every batch of it needs precomputed.
+
+    main_pairs / index_pairs: ``(source spec, destination spec)`` per main tensor and per
+    indexer / scale tensor (block bytes equal: checked at the handshake).
+    main_limit / index_limit: source block ids must be below these.
+    """
+
     identity: bytes
     hs: MetaHandshake
     member: int
+    main_pairs: List[Tuple[TensorSpec, TensorSpec]] = field(default_factory=list)
+    index_pairs: List[Tuple[TensorSpec, TensorSpec]] = field(default_factory=list)
+    main_limit: int = 0
+    index_limit: int = 0
+
+    @classmethod
+    def accepted(cls, identity: bytes, hs: MetaHandshake, member: int, dest: KVLayout) -> "_Peer":
+        src = hs.layout
+        index_pairs = [(getattr(src, role), getattr(dest, role)) for role in ("indexer", "indexer_scale")
+                       if getattr(dest, role) is not None]
+        return cls(identity, hs, member, list(zip(src.main, dest.main)), index_pairs,
+                   min(t.num_blocks for t in src.main),
+                   min((s.num_blocks for s, _ in index_pairs), default=0))
 
 
 @dataclass
@@ -345,7 +364,7 @@ class DecodeReceiver:
                 problems.append(f"topology {topo} differs from earlier peers' {self._topology}")
             if not problems:
                 self._topology = topo
-                self._peers[peer] = _Peer(identity=peer, hs=hs, member=topo.member_of(hs.p_rank))
+                self._peers[peer] = _Peer.accepted(peer, hs, topo.member_of(hs.p_rank), self.layout)
         reason = "; ".join(problems)
         if problems:
             logger.warning("decode rank %d: handshake from prefill rank %d refused: %s",
@@ -417,50 +436,47 @@ class DecodeReceiver:
             return f"two prefill peers claim group member {m}"
         if layer in t.delivered.get(m, ()):
             return f"layer {layer} sent twice by member {m}"
-        src = p.hs.layout
-        if len(src.main) != len(self.layout.main):
-            return "main tensor count changed"
         start, count = topo.main_share(n, self.d_rank)
+        main = rr.main_src_blocks
         if topo.sends_main(m):
-            if rr.main_offset != start or len(rr.main_src_blocks) != count:
-                return (f"main range {rr.main_offset}+{len(rr.main_src_blocks)} is not this rank's share "
+            if rr.main_offset != start or len(main) != count:
+                return (f"main range {rr.main_offset}+{len(main)} is not this rank's share "
                         f"{start}+{count}")
-        elif rr.main_src_blocks:
+        elif main:
             return f"member {m} sent main blocks (only member 0 does)"
-        if any(b >= s.num_blocks for s in src.main for b in rr.main_src_blocks):
+        if main and max(main) >= p.main_limit:
             return "main source block out of the prefill buffer"
-        if self.layout.indexer is not None:
+        index = rr.indexer_src_blocks
+        if p.index_pairs:
             start, count = topo.indexer_share(n, m)
-            if rr.indexer_offset != start or len(rr.indexer_src_blocks) != count:
-                return (f"indexer range {rr.indexer_offset}+{len(rr.indexer_src_blocks)} is not member "
+            if rr.indexer_offset != start or len(index) != count:
+                return (f"indexer range {rr.indexer_offset}+{len(index)} is not member "
                         f"{m}'s share {start}+{count}")
-            limit = min(s.num_blocks for s in (src.indexer, src.indexer_scale) if s is not None)
-            if any(b >= limit for b in rr.indexer_src_blocks):
+            if index and max(index) >= p.index_limit:
                 return "indexer source block out of the prefill buffer"
-        elif rr.indexer_src_blocks:
+        elif index:
             return "indexer blocks sent but this model has no indexer"
         return None
 
     def _plan(self, p: _Peer, t: _Track, rr: RequestRange, layer: int):
         """``(dst, src, len)`` lists of one request's share of one layer (coalesced per tensor)."""
-        src = p.hs.layout
         dst_all: List[int] = []
         src_all: List[int] = []
         len_all: List[int] = []
-        pairs = [(s, d, rr.main_src_blocks, t.dest.main_blocks, rr.main_offset)
-                 for s, d in zip(src.main, self.layout.main)]
-        for role in ("indexer", "indexer_scale"):
-            d = getattr(self.layout, role)
-            if d is not None:
-                pairs.append((getattr(src, role), d, rr.indexer_src_blocks, t.dest.indexer_blocks,
-                              rr.indexer_offset))
-        for s_spec, d_spec, src_blocks, dst_blocks, offset in pairs:
-            dsts = [d_spec.address(layer, dst_blocks[offset + j]) for j in range(len(src_blocks))]
-            srcs = [s_spec.address(layer, b) for b in src_blocks]
-            d_, s_, n_ = coalesce(dsts, srcs, d_spec.block_bytes)
-            dst_all += d_
-            src_all += s_
-            len_all += n_
+        for pairs, src_blocks, dst_blocks, offset in (
+                (p.main_pairs, rr.main_src_blocks, t.dest.main_blocks, rr.main_offset),
+                (p.index_pairs, rr.indexer_src_blocks, t.dest.indexer_blocks, rr.indexer_offset)):
+            if not src_blocks:
+                continue
+            dst_ids = dst_blocks[offset:offset + len(src_blocks)]
+            for s_spec, d_spec in pairs:
+                bb = d_spec.block_bytes
+                sbase = s_spec.layer_base_addrs[layer]
+                dbase = d_spec.layer_base_addrs[layer]
+                d_, s_, n_ = coalesce([dbase + b * bb for b in dst_ids], [sbase + b * bb for b in src_blocks], bb)
+                dst_all += d_
+                src_all += s_
+                len_all += n_
         return dst_all, src_all, len_all
 
     def _serve_batch(self, peer: bytes, batch: ReadReadyBatch) -> None:

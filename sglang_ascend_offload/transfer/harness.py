@@ -161,7 +161,7 @@ class _RecordingEngine:
         self.reads.append((peer_session, list(dst_addrs), list(src_addrs), list(lengths)))
 
 
-def raw_engine_replay(base, reads, reps: int = 2) -> Tuple[int, float]:
+def raw_engine_replay(base, reads, reps: int = 1) -> Tuple[int, float]:
     """Issue ``reads`` again through the engine's own batch read API, in order, ``reps`` times.
 
     Returns ``(bytes per repetition, best seconds)``: the bare engine's time for exactly
@@ -282,6 +282,7 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
             "injected": dict(injector.injected) if injector else {},
             "memcpy_bytes_per_s": memcpy_bps,
             "timings": [(t.batch_id, t.layer, t.seconds) for t in receiver.timings],
+            "read_ranges": [t.ranges for t in receiver.timings],
             "read_span": ((recorder.reads and recorder.last_end - recorder.first_start) or None)
             if recorder is not None else None,
             "raw_bytes": raw[0] if raw else None,

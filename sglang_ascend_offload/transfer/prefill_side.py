@@ -33,7 +33,7 @@ import threading
 import time
 import collections
 from dataclasses import dataclass, field
-from typing import Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set
+from typing import NamedTuple, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set
 
 from ..config import PDTransferConfig
 from ..layerwise_prefill.gates import SlotGates
@@ -80,8 +80,7 @@ class PrefillStats:
 TIMING_SAMPLES = 4096  # per-batch latencies kept for percentiles (most recent)
 
 
-@dataclass(frozen=True)
-class BatchTiming:
+class BatchTiming(NamedTuple):
     """One answered batch: publish_layer entry -> answer handled on this rank, in seconds."""
 
     batch_id: int
@@ -130,6 +129,7 @@ class PrefillSender:
         layout.validate()
         self.config = config
         self.layout = layout
+        self._has_indexer = layout.indexer is not None
         self.engine = engine
         self.gates = gates
         self.consumer = consumer
@@ -222,7 +222,7 @@ class PrefillSender:
                 n = r.num_blocks
                 if len(src.main_blocks) != n:
                     raise ValueError(f"request {rid!r}: {len(src.main_blocks)} main source blocks for {n}")
-                has_idx = self.layout.indexer is not None
+                has_idx = self._has_indexer
                 if has_idx and len(src.indexer_blocks) != n:
                     raise ValueError(f"request {rid!r}: {len(src.indexer_blocks)} indexer source blocks for {n}")
                 if layer in r.published:
