@@ -282,11 +282,19 @@ def test_sparse_decode_row_bytes_match_hot_buffers_and_residency_tables():
         inp = CapacityInputs(hbm_bytes=GIB, host_bytes=GIB, context=64, page_size=16, hot_tokens=8, mtp=mtp,
                              rows_per_request=1)
         layers = TINY.cache_layers(mtp)
-        hot = HotBuffers(layers=layers, rows=1, hot_tokens=8, row_dim=TINY.main_kv_dim, dtype=torch.bfloat16)
-        table = ResidencyTable.empty(rows=1, hot_tokens=8)
-        table_bytes = sum(t.numel() * t.element_size() for t in (table.slot_token, table.slot_stamp, table.row_req))
+
+        def hot_bytes(rows):
+            return HotBuffers(layers=layers, rows=rows, hot_tokens=8, row_dim=TINY.main_kv_dim,
+                              dtype=torch.bfloat16).nbytes
+
+        def table_bytes(rows):
+            table = ResidencyTable.empty(rows=rows, hot_tokens=8)
+            return sum(t.numel() * t.element_size() for t in (table.slot_token, table.slot_stamp, table.row_req))
+
+        # What one more request row costs (the engine's fixed padding sink row is not per request).
+        per_row = hot_bytes(2) - hot_bytes(1) + layers * (table_bytes(2) - table_bytes(1))
         sd = by_name(plan(TINY, inp))["sparse-decode"]
-        assert sd.device_bytes_per_request == hot.nbytes + layers * table_bytes
+        assert sd.device_bytes_per_request == per_row
     # with MTP a request decodes 1 + MTP-layers query rows by default, each with its hot buffers
     two_rows = by_name(plan(TINY, CapacityInputs(hbm_bytes=GIB, host_bytes=GIB, context=64, page_size=16,
                                                  hot_tokens=8, mtp=True)))["sparse-decode"]
