@@ -92,15 +92,25 @@ class BroadcastTransport:
         self.bytes_broadcast = 0  # payload of every broadcast this rank took part in
         self.active_blocks: Optional[torch.Tensor] = None
         self._staging: Optional[torch.Tensor] = None
+        self._single_run: Optional[tuple] = None  # (lo, hi) when the active blocks are one sorted run
 
     def set_active_blocks(self, blocks: Optional[torch.Tensor]) -> None:
         """Blocks (int64 ids in ``0..num_blocks-1``, unique) the next broadcasts carry;
-        ``None`` = whole bundles. Only change it between forwards (nothing in flight)."""
+        ``None`` = whole bundles. Only change it between forwards (nothing in flight).
+
+        Blocks forming one sorted contiguous run travel without staging (each
+        component's run is already contiguous: one broadcast per component, or one for
+        the whole bundle when the run is every block)."""
         if blocks is not None:
             blocks = blocks.to(device=self.storage.device, dtype=torch.long)
             if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= self.storage.num_blocks):
                 raise ValueError(f"active blocks outside 0..{self.storage.num_blocks - 1}")
         self.active_blocks = blocks
+        self._single_run = None
+        if blocks is not None and blocks.numel():
+            lo, hi = int(blocks[0]), int(blocks[-1]) + 1
+            if hi - lo == blocks.numel() and bool((blocks[1:] > blocks[:-1]).all()):
+                self._single_run = (lo, hi)
 
     def _staging_buffer(self, nbytes: int) -> torch.Tensor:
         """A contiguous uint8 staging buffer of ``nbytes`` (reused: broadcasts run one at
@@ -128,12 +138,20 @@ class BroadcastTransport:
         owner = self.storage.plan.ownership.owner_of[layer]
         is_owner = owner == self.storage.plan.rank
         blocks = self.active_blocks
+        src = self.group_ranks[owner]
+        moved = 0
         with platform.stream_context(self.stream):
             if cache_ready is not None:
                 self.stream.wait_event(cache_ready)
-            if blocks is None:
+            if blocks is None or self._single_run == (0, self.storage.num_blocks):  # whole bundle
                 buf = self.storage.bundle(layer)
-                dist.broadcast(buf, src=self.group_ranks[owner], group=self.group)
+                dist.broadcast(buf, src=src, group=self.group)
+                moved = buf.numel()
+            elif self._single_run is not None:  # one contiguous run: each component's run in place
+                lo, hi = self._single_run
+                for v in self._block_views(layer):
+                    dist.broadcast(v[lo:hi], src=src, group=self.group)
+                    moved += v[lo:hi].numel()
             elif blocks.numel():
                 views = self._block_views(layer)
                 nb = blocks.numel()
@@ -145,19 +163,18 @@ class BroadcastTransport:
                 if is_owner:  # gather the active blocks of every component into the staging buffer
                     for v, piece in zip(views, pieces):
                         torch.index_select(v, 0, blocks, out=piece)
-                dist.broadcast(buf, src=self.group_ranks[owner], group=self.group)
+                dist.broadcast(buf, src=src, group=self.group)
                 if not is_owner:  # scatter into the same blocks of the scratch copy
                     for v, piece in zip(views, pieces):
                         v.index_copy_(0, blocks, piece)
-            else:
-                buf = torch.empty(0, dtype=torch.uint8)
+                moved = buf.numel()
             done = platform.new_event()
             done.record(self.stream)
         done.synchronize()  # device completion, owner's source reads included
         self.broadcasts += 1
-        self.bytes_broadcast += buf.numel()
+        self.bytes_broadcast += moved
         if not is_owner:
-            self.bytes_received += buf.numel()
+            self.bytes_received += moved
 
 
 def _bind_device(device: torch.device) -> None:

@@ -81,7 +81,7 @@ def _pattern(layer: int, version: int, nbytes: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
 
 
-ACTIVE = [0, 2, 3]  # active-block runs: blocks 0, 2, 3 of 4
+ACTIVE = [0, 2, 3]  # blocks 0, 2, 3 of 4: two runs (staging path)
 
 
 def _active_rows(transport, layer: int, blocks) -> torch.Tensor:
@@ -93,7 +93,41 @@ def _active_rows(transport, layer: int, blocks) -> torch.Tensor:
     return torch.cat([v.index_select(0, idx).reshape(-1) for v in views]).cpu()
 
 
-def _worker(rank: int, port: int, prefetch: bool, result_q, active=None, device_kind: str = "cpu") -> None:
+def _one_config(rank: int, group, device, prefetch: bool, active):
+    own = assign_owners(range(NUM_LAYERS), GROUP)
+    plan = plan_rank(rank, own, bundles_for(range(NUM_LAYERS), COMPS))
+    storage = KVPPStorage(plan, BLOCKS, device)
+    transport = BroadcastTransport(storage, group=group)
+    sched = KVPPScheduler(transport, prefetch=prefetch)
+    nbytes = sum(c.bytes_per_block for c in COMPS) * BLOCKS
+    blocks = None if active is None else torch.tensor(active, dtype=torch.long)
+    expected_rows = {}
+    rng = random.Random(rank)
+    # First prefill: no history -> no broadcast; owners write their layers.
+    sched.schedule_forward(has_history=False)
+    for layer in range(NUM_LAYERS):
+        sched.wait_for_layer(layer)
+        storage.bundle(layer).copy_(_pattern(layer, 0, nbytes).to(device))
+        expected_rows[layer] = _active_rows(transport, layer, active)
+    sched.complete_forward()
+    assert transport.broadcasts == 0
+    mismatches = 0
+    for version in range(1, 4):  # forwards with history: see the owner's latest content
+        sched.schedule_forward(has_history=True, active_blocks=blocks)
+        for layer in range(NUM_LAYERS):
+            sched.wait_for_layer(layer)
+            if not torch.equal(_active_rows(transport, layer, active), expected_rows[layer]):
+                mismatches += 1
+            time.sleep(rng.random() * 0.004)  # compute while the next layer prefetches
+            storage.bundle(layer).copy_(_pattern(layer, version, nbytes).to(device))  # KV update
+            expected_rows[layer] = _active_rows(transport, layer, active)
+        sched.complete_forward()
+    sched.close()
+    return (rank, mismatches, transport.broadcasts, transport.bytes_received, storage.allocated_bytes)
+
+
+def _worker(rank: int, port: int, configs, result_q, device_kind: str = "cpu") -> None:
+    """Every ``(prefetch, active blocks)`` config in turn, in one process group."""
     try:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
         device = torch.device("cpu")
@@ -104,71 +138,41 @@ def _worker(rank: int, port: int, prefetch: bool, result_q, active=None, device_
             device = torch.device(f"npu:{rank}")
         dist.init_process_group("gloo" if device_kind == "cpu" else "hccl", rank=rank, world_size=GROUP)
         group = dist.new_group(list(range(GROUP)))
-        own = assign_owners(range(NUM_LAYERS), GROUP)
-        plan = plan_rank(rank, own, bundles_for(range(NUM_LAYERS), COMPS))
-        storage = KVPPStorage(plan, BLOCKS, device)
-        transport = BroadcastTransport(storage, group=group)
-        sched = KVPPScheduler(transport, prefetch=prefetch)
-        nbytes = sum(c.bytes_per_block for c in COMPS) * BLOCKS
-        blocks = None if active is None else torch.tensor(active, dtype=torch.long)
-        expected_rows = {}
-        rng = random.Random(rank)
-        # First prefill: no history -> no broadcast; owners write their layers.
-        sched.schedule_forward(has_history=False)
-        for layer in range(NUM_LAYERS):
-            sched.wait_for_layer(layer)
-            storage.bundle(layer).copy_(_pattern(layer, 0, nbytes).to(device))
-            expected_rows[layer] = _active_rows(transport, layer, active)
-        sched.complete_forward()
-        assert transport.broadcasts == 0
-        mismatches = 0
-        for version in range(1, 4):  # forwards with history: see the owner's latest content
-            sched.schedule_forward(has_history=True, active_blocks=blocks)
-            for layer in range(NUM_LAYERS):
-                sched.wait_for_layer(layer)
-                if not torch.equal(_active_rows(transport, layer, active), expected_rows[layer]):
-                    mismatches += 1
-                time.sleep(rng.random() * 0.004)  # compute while the next layer prefetches
-                storage.bundle(layer).copy_(_pattern(layer, version, nbytes).to(device))  # KV update
-                expected_rows[layer] = _active_rows(transport, layer, active)
-            sched.complete_forward()
-        sched.close()
-        result_q.put((rank, mismatches, transport.broadcasts, transport.bytes_received,
-                      storage.allocated_bytes))
+        result_q.put([_one_config(rank, group, device, prefetch, active) for prefetch, active in configs])
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001
-        result_q.put((rank, repr(exc), None, None, None))
+        result_q.put([(rank, repr(exc), None, None, None)])
 
 
-def _run_group(prefetch: bool, active=None, device_kind: str = "cpu"):
+def _run_group(configs, device_kind: str = "cpu"):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, prefetch, q, active, device_kind)) for r in range(GROUP)]
+    procs = [ctx.Process(target=_worker, args=(r, port, configs, q, device_kind)) for r in range(GROUP)]
     for p in procs:
         p.start()
-    results = sorted(q.get(timeout=120) for _ in procs)
+    replies = [q.get(timeout=240) for _ in procs]
     for p in procs:
         p.join(timeout=30)
     own = assign_owners(range(NUM_LAYERS), GROUP)
-    nbytes = sum(c.bytes_per_block for c in COMPS) * (BLOCKS if active is None else len(active))
-    for rank, mismatches, broadcasts, received, allocated in results:
-        assert mismatches == 0, (rank, mismatches)
-        assert broadcasts == 3 * NUM_LAYERS
-        assert received == 3 * nbytes * (NUM_LAYERS - len(own.owned_by(rank)))
-        assert allocated == sum(c.bytes_per_block for c in COMPS) * BLOCKS * len(own.owned_by(rank)) \
-            + 2 * 2 * 1024 * 1024
+    per_block = sum(c.bytes_per_block for c in COMPS)
+    for reply in replies:
+        assert len(reply) == len(configs), reply
+        for (prefetch, active), (rank, mismatches, broadcasts, received, allocated) in zip(configs, reply):
+            what = f"rank {rank}, prefetch={prefetch}, active={active}"
+            assert mismatches == 0, (what, mismatches)
+            assert broadcasts == 3 * NUM_LAYERS, what
+            nbytes = per_block * (BLOCKS if active is None else len(active))
+            assert received == 3 * nbytes * (NUM_LAYERS - len(own.owned_by(rank))), what
+            assert allocated == per_block * BLOCKS * len(own.owned_by(rank)) + 2 * 2 * 1024 * 1024, what
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_broadcast_prefetch_across_processes(prefetch):
-    _run_group(prefetch)
-
-
-def test_active_block_broadcast_across_processes():
-    """Only blocks 0, 2, 3 travel (gathered into staging, scattered on receivers); every
-    receiver's copy of those blocks equals the owner's latest content."""
-    _run_group(True, active=ACTIVE)
+def test_broadcast_prefetch_across_processes():
+    """Three processes over gloo, whole bundles with and without prefetch, then only the
+    active blocks: 0, 2, 3 gathered into staging and scattered on the receivers; the
+    single run 1-2 in place, per component. Every receiver's copy equals the owner's
+    latest content."""
+    _run_group([(True, None), (False, None), (True, ACTIVE), (True, [1, 2])])
 
 
 @pytest.mark.npu
@@ -179,7 +183,7 @@ def test_hccl_broadcast_on_transfer_stream(active):
     the compute stream's ready event, completion events before a layer is used."""
     if torch.npu.device_count() < GROUP:
         pytest.skip(f"needs {GROUP} NPUs")
-    _run_group(True, active=active, device_kind="npu")
+    _run_group([(True, active), (False, active)], device_kind="npu")
 
 
 def test_bench_kvpp_json_keys_and_active_bytes():
