@@ -17,8 +17,8 @@ A *negative control* compiles a copy of a kernel with one AscendC call mutated t
 argument list; the check is only trusted when that copy fails.
 
 Results are cached in ``ascendc_ops/build/kernel_check/cache/`` keyed by a SHA-256 over
-the command line and the content of every file the preprocessor reads (``g++ -MM``
-lists them on the first run), so an unchanged kernel is not recompiled. At most two
+the command line and the content of every file the preprocessor reads (listed by the
+compile itself, ``-MD -MF``), so an unchanged kernel is not recompiled. At most two
 compiles run at once (each needs ~350 MB and one core for ~16 s).
 """
 
@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -106,13 +107,12 @@ def _kernel_includes() -> List[Path]:
     return [hdr.ASCENDC_OPS / "include", KERNELS_DIR]
 
 
-def _deps(cmd: List[str]) -> List[str]:
-    """Files the preprocessor reads for this command (``g++ -MM``-style, via -M)."""
-    dep_cmd = [c for c in cmd if c not in ("-fsyntax-only",)] + ["-M"]
-    res = subprocess.run(dep_cmd, capture_output=True, text=True)
-    if res.returncode != 0:
+def _read_deps(dep_file: Path) -> List[str]:
+    """Files the preprocessor read (the ``-MD -MF`` output of the compile itself)."""
+    try:
+        text = dep_file.read_text().replace("\\\n", " ")
+    except OSError:
         return []
-    text = res.stdout.replace("\\\n", " ")
     files = text.split(":", 1)[1].split() if ":" in text else []
     return sorted(set(files))
 
@@ -163,12 +163,14 @@ def compile_one(headers: hdr.AscendcHeaders, source: Path, variant: str, unit: s
             d = json.loads(hit.read_text())
             return CompileResult(unit, variant, d["ok"], d["errors"], 0.0, True, d["log"])
     t0 = time.monotonic()
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    dep_file = CACHE_DIR / f"deps-{os.getpid()}-{threading.get_ident()}.d"
+    res = subprocess.run(cmd + ["-MD", "-MF", str(dep_file)], capture_output=True, text=True)
     seconds = time.monotonic() - t0
     errors = len(re.findall(r"\berror:", res.stderr))
     result = CompileResult(unit, variant, res.returncode == 0, errors, seconds, False, res.stderr[:4000])
+    deps = _read_deps(dep_file)
+    dep_file.unlink(missing_ok=True)
     if use_cache:
-        deps = _deps(cmd)
         if deps:
             _store_deps(cmd, deps)
             key = _key(cmd, deps)
