@@ -28,6 +28,7 @@ not prove.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
@@ -87,6 +88,33 @@ class _Req:
     host_slots: torch.Tensor
 
 
+@dataclass
+class LimInputs:
+    """One decode step's LIM / LIM-C8 inputs (CPU tensors), as the reference takes them.
+
+    query bf16 ``[T, Hi, Di]`` (C8: int8); key bf16 ``[blocks, bs, 1, Di]`` (C8: int8);
+    weights bf16 ``[T, Hi]``; query_scale fp16 ``[T, Hi]`` and key_scale fp16
+    ``[blocks, bs, 1]`` (C8 only, else None); cu int32 ``[B]`` cumulative query lengths;
+    kv_len int32 ``[B]``; block_table int32 ``[B, max_blocks]``; token_rows int32 ``[T]``
+    (-1 = padding token); req_ids int64 ``[R]`` (-1 = idle row); stable int32 ``[R]``;
+    step int; token_table int32 ``[R, max_len]`` (position -> host row, for Copy-SFA).
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    weights: torch.Tensor
+    query_scale: Optional[torch.Tensor]
+    key_scale: Optional[torch.Tensor]
+    cu: torch.Tensor
+    kv_len: torch.Tensor
+    block_table: torch.Tensor
+    token_rows: torch.Tensor
+    req_ids: torch.Tensor
+    stable: torch.Tensor
+    step: int
+    token_table: torch.Tensor
+
+
 class Scenario:
     """Multi-step decode scenario with exact-arithmetic indexer inputs (module docstring)."""
 
@@ -141,8 +169,8 @@ class Scenario:
             else:
                 r.length += 1
 
-    def inputs(self) -> Dict[str, object]:
-        """One step's LIM inputs (dict of CPU tensors and ints)."""
+    def inputs(self) -> LimInputs:
+        """The next step's inputs (call :meth:`advance` first to move the rows on)."""
         d = self.d
         self.step += 1
         active = [i for i in range(d.rows) if self.rows[i] is not None]
@@ -180,46 +208,47 @@ class Scenario:
             req_ids[i] = r.rid
             stable[i] = r.length - (1 if self._rand() < self.spec else 0)
             token_table[i] = r.host_slots
-        return dict(query=query, key=self.key, weights=weights, query_scale=query_scale, key_scale=self.key_scale,
-                    cu=cu, kv_len=kv_len, block_table=block_table, token_rows=token_rows, req_ids=req_ids,
-                    stable=stable, step=self.step, token_table=token_table)
+        return LimInputs(query=query, key=self.key, weights=weights, query_scale=query_scale,
+                         key_scale=self.key_scale, cu=cu, kv_len=kv_len, block_table=block_table,
+                         token_rows=token_rows, req_ids=req_ids, stable=stable, step=self.step,
+                         token_table=token_table)
 
 
 # ------------------------------------------------------------------- LIM
-def _reference_lim(inp, table: ResidencyTable, dims: LimDims) -> fused.IndexerManageResult:
-    common = dict(actual_seq_lengths_query=inp["cu"], actual_seq_lengths_key=inp["kv_len"],
-                  block_table=inp["block_table"], token_rows=inp["token_rows"], req_ids=inp["req_ids"],
-                  stable_len=inp["stable"], step=inp["step"], slot_token=table.slot_token,
+def _reference_lim(inp: LimInputs, table: ResidencyTable, dims: LimDims) -> fused.IndexerManageResult:
+    common = dict(actual_seq_lengths_query=inp.cu, actual_seq_lengths_key=inp.kv_len,
+                  block_table=inp.block_table, token_rows=inp.token_rows, req_ids=inp.req_ids,
+                  stable_len=inp.stable, step=inp.step, slot_token=table.slot_token,
                   slot_stamp=table.slot_stamp, row_req=table.row_req, sparse_count=dims.top_k,
                   sparse_mode=dims.sparse_mode)
     if dims.quantized:
-        return fused.quant_lightning_indexer_manage(inp["query"], inp["key"], inp["weights"], inp["query_scale"],
-                                                    inp["key_scale"], **common)
-    return fused.lightning_indexer_manage(inp["query"], inp["key"], inp["weights"], **common)
+        return fused.quant_lightning_indexer_manage(inp.query, inp.key, inp.weights, inp.query_scale,
+                                                    inp.key_scale, **common)
+    return fused.lightning_indexer_manage(inp.query, inp.key, inp.weights, **common)
 
 
 _POISON = -7  # outputs start as this; a value the kernel forgot to write shows up
 
 
-def _model_lim(m: km.KernelModel, inp, table: ResidencyTable, dims: LimDims,
+def _model_lim(m: km.KernelModel, inp: LimInputs, table: ResidencyTable, dims: LimDims,
                core_order: Optional[List[int]] = None) -> Tuple[Dict[str, torch.Tensor], km.Launch]:
-    t = inp["token_rows"].shape[0]
+    t = inp.token_rows.shape[0]
     r, hh = table.slot_token.shape
     k = dims.top_k
-    launch = m.tile_lim(tokens=t, requests=inp["cu"].shape[0], index_heads=dims.index_heads,
+    launch = m.tile_lim(tokens=t, requests=inp.cu.shape[0], index_heads=dims.index_heads,
                         index_dim=dims.index_dim, block_size=dims.block_size,
-                        max_blocks=inp["block_table"].shape[1], rows=r, hot_tokens=hh, top_k=k,
+                        max_blocks=inp.block_table.shape[1], rows=r, hot_tokens=hh, top_k=k,
                         sparse_mode=dims.sparse_mode, quantized=dims.quantized)
     i32 = torch.int32
     out = dict(topk=torch.full((t, 1, k), _POISON, dtype=i32), sparse=torch.full((t, 1, k), _POISON, dtype=i32),
                hit_mask=torch.full((r, k), 7, dtype=torch.uint8), slots=torch.full((r, k), _POISON, dtype=i32),
                miss_count=torch.full((r,), _POISON, dtype=i32), miss_tokens=torch.full((r, k), _POISON, dtype=i32),
                miss_slots=torch.full((r, k), _POISON, dtype=i32))
-    step = torch.tensor([inp["step"]], dtype=torch.int64)
-    head = [inp["query"], inp["key"], inp["weights"]]
+    step = torch.tensor([inp.step], dtype=torch.int64)
+    head = [inp.query, inp.key, inp.weights]
     if dims.quantized:
-        head += [inp["query_scale"].contiguous(), inp["key_scale"].contiguous()]
-    args = head + [inp["cu"], inp["kv_len"], inp["block_table"], inp["token_rows"], inp["req_ids"], inp["stable"],
+        head += [inp.query_scale.contiguous(), inp.key_scale.contiguous()]
+    args = head + [inp.cu, inp.kv_len, inp.block_table, inp.token_rows, inp.req_ids, inp.stable,
                    step, table.slot_token, table.slot_stamp, table.row_req, out["topk"], out["sparse"],
                    out["hit_mask"], out["slots"], out["miss_count"], out["miss_tokens"], out["miss_slots"]]
     m.run(km.LIM_C8 if dims.quantized else km.LIM, args, launch, core_order)
@@ -277,25 +306,25 @@ def check_lim(m: km.KernelModel, quantized: bool, *, seed: int = 0, steps: int =
                 sc.advance()
                 inp = sc.inputs()
             else:  # the same step again (next step id), nothing speculative: every selected position hits
-                inp = dict(prev)
-                inp["step"] = prev["step"] + 1
-                inp["stable"] = torch.tensor([r.length if r is not None else 0 for r in sc.rows], dtype=torch.int32)
+                inp = dataclasses.replace(
+                    prev, step=prev.step + 1,
+                    stable=torch.tensor([r.length if r is not None else 0 for r in sc.rows], dtype=torch.int32))
             prev = inp
             t_ref, t_fwd, t_rev = table.clone(), table.clone(), table.clone()
-            fresh = (inp["req_ids"] != table.row_req) & (inp["req_ids"] >= 0)
+            fresh = (inp.req_ids != table.row_req) & (inp.req_ids >= 0)
             ref = _reference_lim(inp, t_ref, dims)
             owned = torch.zeros(dims.rows, dtype=torch.bool)
-            owned[inp["token_rows"][inp["token_rows"] >= 0].long()] = True
+            owned[inp.token_rows[inp.token_rows >= 0].long()] = True
             rr = ref.residency
             res.count("hits", rr.hit_mask.sum())
             res.count("misses", rr.miss_count.clamp(min=0).sum())
             res.count("topk_minus_one", (ref.topk_indices == -1).sum())
             res.count("first_fill_rows", (fresh & owned).sum())
-            res.count("steady_rows", (~fresh & owned & (inp["req_ids"] >= 0)).sum())
+            res.count("steady_rows", (~fresh & owned & (inp.req_ids >= 0)).sum())
             res.count("owned_rows_without_misses", (owned & (rr.miss_count == 0)).sum())
             res.count("unowned_rows", (~owned).sum())
-            res.count("padding_tokens", (inp["token_rows"] < 0).sum())
-            label = f"{'C8 ' if quantized else ''}dims={dims} aic={aic} step={inp['step']}"
+            res.count("padding_tokens", (inp.token_rows < 0).sum())
+            label = f"{'C8 ' if quantized else ''}dims={dims} aic={aic} step={inp.step}"
             try:
                 got, launch = _model_lim(m, inp, t_fwd, dims)
                 cores = launch.block_dim * km.TASK_RATION

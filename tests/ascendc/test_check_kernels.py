@@ -169,14 +169,14 @@ def test_model_faults_on_out_of_bounds_gm_write():
     out, _ = functional._model_lim(m, inp, table.clone(), dims)  # fine as built
     assert int(out["miss_count"].min()) >= 0
     # the same launch with miss_slots one row short: the last row's store leaves the buffer
-    launch = m.tile_lim(tokens=inp["token_rows"].shape[0], requests=inp["cu"].shape[0], index_heads=8,
-                        index_dim=128, block_size=32, max_blocks=inp["block_table"].shape[1], rows=3,
+    launch = m.tile_lim(tokens=inp.token_rows.shape[0], requests=inp.cu.shape[0], index_heads=8,
+                        index_dim=128, block_size=32, max_blocks=inp.block_table.shape[1], rows=3,
                         hot_tokens=64, top_k=32, sparse_mode=3, quantized=False)
-    t, r, k = inp["token_rows"].shape[0], 3, 32
+    t, r, k = inp.token_rows.shape[0], 3, 32
     i32 = torch.int32
     tab = table.clone()
-    args = [inp["query"], inp["key"], inp["weights"], inp["cu"], inp["kv_len"], inp["block_table"],
-            inp["token_rows"], inp["req_ids"], inp["stable"], torch.tensor([inp["step"]]), tab.slot_token,
+    args = [inp.query, inp.key, inp.weights, inp.cu, inp.kv_len, inp.block_table,
+            inp.token_rows, inp.req_ids, inp.stable, torch.tensor([inp.step]), tab.slot_token,
             tab.slot_stamp, tab.row_req, torch.empty(t, 1, k, dtype=i32), torch.empty(t, 1, k, dtype=i32),
             torch.empty(r, k, dtype=torch.uint8), torch.empty(r, k, dtype=i32), torch.empty(r, dtype=i32),
             torch.empty(r, k, dtype=i32), torch.empty(r - 1, k, dtype=i32)]
