@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import tempfile
 import time
 import zlib
@@ -415,22 +414,18 @@ class ScenarioResult:
 
 
 def _free_port_base(count: int) -> int:
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - count)
-        socks = []
-        try:
-            for p in range(base, base + count):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range found")
+    """First of ``count`` consecutive control ports, reserved across processes (flock'ed, below
+    the ephemeral range: :mod:`sglang_ascend_offload.testing.ports`); give back with
+    :func:`_release_ports`."""
+    from ..testing.ports import reserve_port
+
+    return reserve_port(count)
+
+
+def _release_ports(base: int, count: int) -> None:
+    from ..testing.ports import release
+
+    release(base, count)
 
 
 def _shm_dir() -> str:
@@ -500,6 +495,7 @@ def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioR
         for path in [pool_path, stop_path] + [raw_done_path(pool_path, d) for d in range(spec.d_tp)]:
             if os.path.exists(path):
                 os.unlink(path)
+        _release_ports(kv_port, spec.d_tp)
     from .workers import TaskTimeout
 
     problems: List[str] = []

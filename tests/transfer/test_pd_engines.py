@@ -8,7 +8,6 @@ and are executed by a CANN runner.
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -31,9 +30,10 @@ on_npu = pytest.mark.skipif(platform.device_kind() != "npu",
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port reserved across processes (no bind(0) race with other listeners)."""
+    from sglang_ascend_offload.testing.ports import reserve_port
+
+    return reserve_port()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """One prefill rank, two decode instances, one layer buffer: the slot waits for both."""
 
 import importlib.util
-import socket
 import time
 
 import pytest
@@ -25,12 +24,10 @@ L, S = 3, 1  # three layers through ONE slot: every layer waits for both decodes
 
 
 def free_port_pair():
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base < 65000:
-            return base
+    """Two consecutive control ports (two decode DP ranks), reserved across processes."""
+    from sglang_ascend_offload.testing.ports import reserve_port
+
+    return reserve_port(2)
 
 
 @pytest.fixture()

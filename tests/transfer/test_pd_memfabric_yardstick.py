@@ -12,7 +12,6 @@ closing note of issue 13 asks for them from an NPU node.
 """
 
 import importlib.util
-import socket
 
 import pytest
 import torch
@@ -33,9 +32,10 @@ TENSORS = (("main", "latent", 1024 * BLOCK_TOKENS), ("main", "rope", 128 * BLOCK
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port reserved across processes (no bind(0) race with other listeners)."""
+    from sglang_ascend_offload.testing.ports import reserve_port
+
+    return reserve_port()
 
 
 def content(layer: int, name: str, nbytes_per_block: int) -> torch.Tensor:

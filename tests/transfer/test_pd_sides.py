@@ -40,9 +40,10 @@ ROLES = {"latent": "main", "rope": "main", "indexer": "indexer", "indexer_scale"
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port reserved across processes (no bind(0) race with other listeners)."""
+    from sglang_ascend_offload.testing.ports import reserve_port
+
+    return reserve_port()
 
 
 @pytest.fixture(scope="module")
