@@ -62,13 +62,16 @@ from ..sparse_decode.host_pool import HostKVPool, HostPoolShape
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SHM_DIR_ENV", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "PREFIX", "AppendTimeout", "AppendOrder",
+__all__ = ["SHM_DIR_ENV", "TIMEOUT_ENV", "HOLD_ENV", "DEFAULT_TIMEOUT_S", "PREFIX", "AppendTimeout", "AppendOrder",
            "GroupView", "PoolHeader", "SharedPool", "header_bytes_for", "pool_dir", "append_timeout_s",
            "create_pool", "attach_pool", "open_group_pool", "read_header", "reclaim_stale", "sglang_group",
            "process_start_ticks", "EngineGate"]
 
 SHM_DIR_ENV = "SGLANG_ASCEND_OFFLOAD_SHM_DIR"
 TIMEOUT_ENV = "SGLANG_ASCEND_OFFLOAD_APPEND_TIMEOUT_S"
+# Fault injection (tests): while the file named here exists, TP rank 0 writes its rows but
+# stops publishing them -- what a stuck rank 0 looks like to the readers.
+HOLD_ENV = "SGLANG_ASCEND_OFFLOAD_TEST_HOLD_APPENDS"
 DEFAULT_TIMEOUT_S = 120.0
 PREFIX = "sao_hostpool"
 MAGIC = b"SAOHPOOL"
@@ -237,6 +240,7 @@ class AppendOrder:
         self._sem = ctypes.addressof(ctypes.c_char.from_buffer(mapping, SEM_OFFSET))
         self._published = (ctypes.c_int64 * layers).from_buffer(mapping, COUNTERS_OFFSET)
         self._local = [0] * layers
+        self._hold = os.environ.get(HOLD_ENV) if rank == 0 else None
         self.waits = 0  # reads that found the rows not yet published
         self.wait_s = 0.0
         self.checks = 0
@@ -280,6 +284,8 @@ class AppendOrder:
         self._local[layer] += 1
         if self.rank != 0:
             return
+        if self._hold and os.path.exists(self._hold):
+            return  # fault injection: rank 0 "stuck" (see HOLD_ENV)
         deadline = time.monotonic() + self.timeout_s
         self._lock(deadline, layer, self._local[layer], None)
         try:
@@ -420,14 +426,32 @@ class GroupView:
     groups_per_node: int = 1
 
 
+MADV_POPULATE_READ = 22  # Linux >= 5.14
+MADV_POPULATE_WRITE = 23
+
+
+def populate(pool: HostKVPool, write: bool) -> None:
+    """Fault the whole mapping into this process's page tables now (no page faults on the
+    decode path later). ``write`` (the creator): allocate the pages; readers map the
+    existing ones. Kernels before 5.14 lack ``MADV_POPULATE_*``: the creator then writes
+    zeros (what the private pinned pool did), readers fault pages in as they read."""
+    try:
+        pool.mapping.madvise(MADV_POPULATE_WRITE if write else MADV_POPULATE_READ)
+    except OSError:
+        if write:
+            pool.data.zero_()
+
+
 def open_group_pool(shape: HostPoolShape, view: GroupView, *, directory: Optional[Path] = None,
                     timeout_s: Optional[float] = None) -> SharedPool:
     """Rank 0 creates, broadcasts ``(path, session)``, the others attach; after a barrier
-    rank 0 unlinks the name (see the module docstring)."""
+    rank 0 unlinks the name (see the module docstring). Every rank populates its
+    mapping (:func:`populate`)."""
     if view.rank == 0:
         shared = create_pool(shape, group=view.group, group_size=view.size, directory=directory,
                              timeout_s=timeout_s)
         try:
+            populate(shared.pool, write=True)
             view.broadcast_object({"path": str(shared.path), "session": shared.session})
             view.barrier()
         finally:
@@ -436,6 +460,7 @@ def open_group_pool(shape: HostPoolShape, view: GroupView, *, directory: Optiona
     announced: Dict[str, str] = view.broadcast_object(None)
     shared = attach_pool(shape, announced["path"], announced["session"], rank=view.rank, group=view.group,
                          timeout_s=timeout_s)
+    populate(shared.pool, write=False)
     view.barrier()
     return shared
 
