@@ -20,6 +20,7 @@ from sglang_ascend_offload.ops import registry
 from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
 from sglang_ascend_offload.sparse_decode.policies import DEFAULT_POLICY
+from sglang_ascend_offload.sparse_decode.residency import ResidencyTable
 from sglang_ascend_offload.sparse_decode.verify import full_kv_attention, resident_mismatches
 
 from .contract_model import RowModel, model_step
@@ -188,3 +189,91 @@ def test_engine_fused_copy_sfa_path_equals_full_kv(monkeypatch):
                         OpImpl("copy_sparse_flash_attention", "fused", fused_stand_in, lambda: None))
     stats = _run("lru", 120, seed=99, ops="fused")
     assert stats.steps == 120 and len(calls) == 120 * LAYERS
+
+
+def _run_rows_form(policy: str, manage_impl: str, steps: int, seed: int):
+    """The rows form: each step's batch is the live rows in a shuffled order plus one
+    padding entry (engine row -1 -> the sink row). Outputs equal full-KV attention in
+    batch order, the padding entry attends nothing, rows outside the batch keep their
+    state and hot rows, and the engine counts exactly ``B`` rows per layer step."""
+    host_tokens = ROWS * MAX_CTX + 8
+    pool = HostKVPool.allocate(HostPoolShape(LAYERS, host_tokens, LATENT, ROPE), "pinned")
+    engine = SparseDecodeEngine(EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, policy=policy, ops="reference",
+                                             manage_impl=manage_impl, max_context=MAX_CTX), pool, device="cpu")
+    assert engine.uses_cpu_kernel == (manage_impl == "kernel")
+    attention = registry.select("sparse_mla_attention", "reference")
+    gen = torch.Generator().manual_seed(seed)
+    work = Workload(seed, host_tokens)
+    written = {}
+    rows_counted = 0
+    for step in range(steps):
+        req_ids, seq_lens, stable = work.step()
+        table = torch.zeros((ROWS, MAX_CTX), dtype=torch.int32)
+        for r, req in enumerate(req_ids.tolist()):
+            if req != -1:
+                table[r] = torch.tensor(work.reqs[req]["slots"], dtype=torch.int32)
+        # some requests skip a step (all their rows together, as MTP rows of one request do)
+        skip = {int(q) for q in set(req_ids.tolist()) if q != -1 and work.rng.random() < 0.2}
+        live = [r for r in range(ROWS) if req_ids[r] != -1 and int(req_ids[r]) not in skip]
+        work.rng.shuffle(live)
+        batch = live + [-1]
+        b = len(batch)
+        rows_t = torch.tensor(batch, dtype=torch.int64)
+        b_req = torch.tensor([int(req_ids[r]) if r >= 0 else 7 for r in batch])  # padding req ignored
+        b_stable = torch.tensor([int(stable[r]) if r >= 0 else 5 for r in batch], dtype=torch.int32)
+        engine.begin_step(b_req, table, b_stable, step=step, rows=rows_t)
+        writes = []  # a request's KV is written only in steps whose batch has it (as in serving)
+        for req in {int(req_ids[r]) for r in live}:
+            st = work.reqs[req]
+            lo = min(written.get(req, 0), st["stable"])
+            writes += st["slots"][lo: st["seq_len"]]
+            written[req] = st["seq_len"]
+        idx = torch.tensor(writes, dtype=torch.int64)
+        for layer in range(LAYERS):
+            if writes:
+                engine.append(layer, idx, torch.randn((len(writes), LATENT + ROPE), generator=gen).to(torch.bfloat16))
+            topk = np.full((b, K), -1, dtype=np.int32)
+            for i, r in enumerate(batch):
+                if r >= 0:
+                    topk[i] = work.topk(int(seq_lens[r]))
+            topk[-1, 0] = 0  # a padding entry's selection is ignored
+            q = torch.randn((b, HEADS, LATENT), generator=gen).to(torch.bfloat16)
+            qr = torch.randn((b, HEADS, ROPE), generator=gen).to(torch.bfloat16)
+            state_before = engine.table(layer).clone()
+            hot_before = engine.hot.layer(layer).clone()
+            res = engine.run_layer(layer, torch.from_numpy(topk), q, qr, SCALE)
+            assert res.output.shape == (b, HEADS, LATENT)
+            real = torch.tensor(live, dtype=torch.int64)
+            if live:
+                ref = full_kv_attention(attention, pool, layer, torch.from_numpy(topk[:-1]), table[real],
+                                        q[:-1], qr[:-1], SCALE)
+                assert torch.equal(res.output[:-1], ref), f"step {step} layer {layer}"
+            assert bool((res.output[-1] == 0).all()) and int(res.residency.miss_count[-1]) == 0
+            # rows that skipped the step may still hold speculative positions rewritten
+            # since (they are invalidated when the row is next stepped): check the batch rows
+            t = engine.table(layer)
+            stepped = ResidencyTable(t.slot_token[real], t.slot_stamp[real], t.row_req[real])
+            assert resident_mismatches(stepped, engine.hot.layer(layer)[real], pool.layer(layer), table[real]) == 0
+            others = [r for r in range(ROWS) if r not in live]
+            after = engine.table(layer)
+            for name in ("slot_token", "slot_stamp", "row_req"):
+                assert torch.equal(getattr(after, name)[others], getattr(state_before, name)[others])
+            assert torch.equal(engine.hot.layer(layer)[others], hot_before[others])
+            sink = engine.managers[layer].table
+            assert bool((sink.slot_token[engine.sink_row] == -1).all())
+            rows_counted += b
+    stats = engine.stats()
+    assert stats.total.rows == rows_counted  # work counted in batch rows, not engine rows
+    assert 0 < stats.total.misses < stats.total.selected
+    return stats
+
+
+@pytest.mark.parametrize("policy,impl", [("lru", "kernel"), ("lru", "torch"), ("lru_k2_guarded", "torch")])
+def test_engine_rows_form_equals_full_kv_attention(policy, impl):
+    assert _run_rows_form(policy, impl, 100, seed=77).steps == 100
+
+
+def test_rows_form_kernel_and_torch_give_identical_misses():
+    a = _run_rows_form("lru", "kernel", 60, seed=5)
+    b = _run_rows_form("lru", "torch", 60, seed=5)
+    assert [c.misses for c in a.per_layer] == [c.misses for c in b.per_layer]
