@@ -524,8 +524,8 @@ def allocate_rank_pool(shape: HostPoolShape, kind: str, *, view: Optional[GroupV
     pool of ``kind``. In a server, off NPU: the group's shared mapping
     (:func:`open_group_pool`) for every group (on CPU also a group of one, so each
     group's pool is one observable mapping); on a GPU a group of one keeps its private
-    pinned pool. On NPU with more than one attention-TP rank the pool must be MemFabric
-    memory mapped through global addresses (:mod:`.memfabric_shared_pool`).
+    pinned pool. On NPU every rank keeps a private MemFabric pool for now (logged; the
+    global-address pool of :mod:`.memfabric_shared_pool` is not wired into the engine).
     """
     from .. import capacity, platform
 
@@ -534,13 +534,20 @@ def allocate_rank_pool(shape: HostPoolShape, kind: str, *, view: Optional[GroupV
         return RankPool(HostKVPool.allocate(shape, kind), None, 0, None)
     device = platform.device_kind()
     if kind == "memfabric":
+        # The engine's miss copy reads the pool as a CPU tensor; the GVA path
+        # (memfabric_shared_pool.MemfabricGroupPool) is not wired into it yet, so each
+        # rank keeps its own MemFabric pool and appends to it -- said once, loudly.
+        rp = RankPool(HostKVPool.allocate(shape, kind), None, 0, view)
         if view.size > 1:
-            from .memfabric_shared_pool import open_group_pool_memfabric
-
-            pool, order = open_group_pool_memfabric(shape, view)
-            rp = RankPool(pool, order, view.rank, view)
-        else:
-            rp = RankPool(HostKVPool.allocate(shape, kind), None, 0, view)
+            logger.warning("sparse decode offload on NPU: attention TP %d keeps one private MemFabric host pool per "
+                           "TP rank (%d B each, x%d per group): the shared global-address pool is not wired into "
+                           "the decode engine yet", view.size, shape.nbytes, view.size)
+            if view.rank == 0:
+                node = capacity.host_pool_bytes_per_node(shape.layers * shape.row_bytes, shape.tokens,
+                                                         view.groups_per_node * view.size)
+                logger.info("sparse decode offload: host bytes per node: %d B (%.1f MiB) = %d private pools",
+                            node, node / 2**20, view.groups_per_node * view.size)
+            return rp
     elif view.size == 1 and device != "cpu":
         rp = RankPool(HostKVPool.allocate(shape, kind), None, 0, view)
     else:
