@@ -11,9 +11,9 @@
   the model catches an out-of-bounds GM write; the host tiling refuses a shape outside
   the kernel limits; missing headers are an error that says what to set.
 
-Time on the 2-core CI machine: ~60 s from a fresh clone (4 kernel compiles + the
-negative control, two at a time, the model library, ~20 s of model runs), ~20 s with the
-compile cache of ``ascendc_ops/build/kernel_check``.
+Time on the 2-core machine: 70-130 s from a fresh clone depending on load (4 kernel
+compiles + the negative control, two at a time, two model libraries, model runs),
+30-60 s with the caches of ``ascendc_ops/build/kernel_check``.
 """
 
 from __future__ import annotations
