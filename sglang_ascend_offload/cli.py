@@ -22,6 +22,8 @@ COMMANDS = {
     "env": ("sglang_ascend_offload.env_cli", "what this machine can run (device, packages, op rungs)"),
 }
 BENCH_COMMANDS = {
+    "append-order": ("sglang_ascend_offload.bench.append_order",
+                     "TP-shared host pool: cost of ordering rank 0's appends before the other ranks' reads"),
     "decode": ("sglang_ascend_offload.bench.decode", "replay a top-k trace through the sparse decode engine"),
     "kvpp": ("sglang_ascend_offload.bench.kvpp", "KVPP broadcast + prefetch over gloo: full-layer vs active-block"),
     "kernels": ("sglang_ascend_offload.bench.kernels", "Triton vs reference, per residency/copy kernel"),
