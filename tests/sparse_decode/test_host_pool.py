@@ -114,3 +114,25 @@ def test_memfabric_pool_rows_round_trip_to_the_device():
     pool.write_rows(1, slots, rows)
     on_device = pool.read_rows(1, slots).to(platform.default_device())
     assert torch.equal(on_device.cpu(), rows)
+
+
+def test_shared_pool_header_reserve_and_unlink_keeps_the_mapping(tmp_path):
+    path = tmp_path / "pool_h"
+    shape = HostPoolShape(2, 8, 4, 2)
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        HostKVPool.create_shared(shape, path, header_bytes=100)
+    owner = HostKVPool.create_shared(shape, path, header_bytes=4096, reserve=True)
+    assert path.stat().st_size == 4096 + shape.nbytes
+    assert path.stat().st_blocks * 512 >= 4096 + shape.nbytes  # reserved, not sparse
+    with pytest.raises(ValueError, match="header"):
+        HostKVPool.attach_shared(shape, path)  # the header must be declared
+    other = HostKVPool.attach_shared(shape, path, header_bytes=4096)
+    owner.mapping[:8] = b"HEADER!!"
+    rows = torch.arange(12, dtype=torch.float32).view(2, 6).to(torch.bfloat16)
+    owner.write_rows(1, torch.tensor([0, 7]), rows)
+    owner.unlink()
+    assert not path.exists()
+    assert torch.equal(other.read_rows(1, torch.tensor([0, 7])), rows)  # still mapped after the unlink
+    assert bytes(other.mapping[:8]) == b"HEADER!!" and not other.layer(0).any()  # header apart from rows
+    other.close()
+    owner.close()
