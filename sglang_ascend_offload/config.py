@@ -25,8 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 # ------------------------------------------------------------------ feature configs
-OpsChoice = Literal["auto", "reference", "triton", "npu", "fused"]
-ResidencyPolicy = Literal["lru", "lru_k2", "lru_k2_guarded"]
+# The accepted names come from their registries (one home each): the operator
+# ladder's choices and the residency policies.
+from .ops.registry import CHOICES as _OPS_CHOICES  # noqa: E402
+from .sparse_decode.policies import POLICIES as _POLICIES  # noqa: E402
+
+OpsChoice = Literal[_OPS_CHOICES]
+ResidencyPolicy = Literal[tuple(_POLICIES)]
 
 
 @dataclass(frozen=True)
