@@ -9,7 +9,7 @@ formula gives::
     per-token bytes = (owned + 2) * cell / L        owned = ceil(L / N), the most any rank owns
 
 The largest share is used on every rank: SGLang takes the minimum free memory over the
-ranks, and every TP rank must size the same slot space. An AROUND hook applies it when
+ranks, and every TP rank must size the same slot space. An AFTER hook applies it when
 KVPP is on and the ``ascend_offload`` backend serves the model (target workers only; a
 draft worker keeps its replicated cost). The 2 MiB alignment of the scratch buffers
 (at most 2 x 2 MiB) comes out of SGLang's runtime slack. ``--max-total-tokens`` still
@@ -28,7 +28,7 @@ from . import carrier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["kvpp_layer_caches", "kvpp_cell_size", "cell_size_around", "install", "TARGET"]
+__all__ = ["kvpp_layer_caches", "kvpp_cell_size", "cell_size_after", "install", "TARGET"]
 
 TARGET = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
 
@@ -67,10 +67,12 @@ def _group_size() -> int:
     return int(get_tp_group().world_size)
 
 
-def cell_size_around(original, self, kvc, num_layers: int) -> int:
-    cell = original(self, kvc, num_layers)
+def cell_size_after(cell: int, self, kvc, num_layers: int) -> Optional[int]:
+    """AFTER hook on ``_compute_cell_size`` (an AFTER hook, so it chains with the
+    layerwise AROUND hook without SGLang's multiple-AROUND warning; the two features
+    are never on together)."""
     if _applies(kvc) is None:
-        return cell
+        return None
     group = _group_size()
     scaled = kvpp_cell_size(cell, int(num_layers), group)
     logger.info("KVPP: device KV per token %d B instead of %d B (%d of %d layer bundles per rank, group %d)",
@@ -106,7 +108,7 @@ def install() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(TARGET, cell_size_around, HookType.AROUND)
+    HookRegistry.register(TARGET, cell_size_after, HookType.AFTER)
     if os.environ.get(BUDGET_ENV):
         if not os.environ[BUDGET_ENV].isdigit():
             raise ValueError(f"{BUDGET_ENV}={os.environ[BUDGET_ENV]!r} is not a byte count; unset it or give an "
