@@ -209,7 +209,8 @@ class KVPPPool(DeviceDSAPool):
             s.forwards_with_history += 1
             s.active_blocks += int(blocks.numel())
         self.scheduler.schedule_forward(has_history, None if self.kvpp.broadcast == "full" else blocks)
-        self._maybe_log(first=has_history and s.forwards_with_history == 1)
+        n = s.forwards_with_history
+        self._maybe_log(first=has_history and n & (n - 1) == 0)  # 1st, 2nd, 4th, 8th ... forward with history
 
     def _maybe_log(self, first: bool = False) -> None:
         now = time.monotonic()
@@ -218,9 +219,8 @@ class KVPPPool(DeviceDSAPool):
         self._last_log = now
         s, t = self.stats, self.transport
         logger.info("KVPP rank %d stats: forwards=%d with_history=%d active_pages=%d of %d broadcasts=%d "
-                    "broadcast_MiB=%.2f received_MiB=%.2f", self.group.rank, s.forwards, s.forwards_with_history,
-                    s.active_blocks, self.num_blocks, t.broadcasts, t.bytes_broadcast / 2**20,
-                    t.bytes_received / 2**20)
+                    "broadcast_bytes=%d received_bytes=%d", self.group.rank, s.forwards, s.forwards_with_history,
+                    s.active_blocks, self.num_blocks, t.broadcasts, t.bytes_broadcast, t.bytes_received)
 
     def enter_layer(self, layer: int) -> None:
         """``layer`` (local id) is about to be read or written (``wait_until`` hook)."""

@@ -20,7 +20,8 @@ the decode batch: churn). Checked:
 * each rank's allocation, measured by the pool from its tensors' storages (logged),
   equals its owned bundles + two 2 MiB-aligned scratch buffers computed here from the
   model config and SGLang's slot count -- and agrees with the capacity planner's row;
-* every rank saw forwards with history (it broadcast);
+* every rank broadcast every layer of its forwards with history, and only active pages
+  (the bytes logged by the pool are below whole layers);
 * ``max_total_num_tokens`` with KVPP vs without, from the same fixed KV byte budget
   per rank (``SGLANG_ASCEND_OFFLOAD_KV_BUDGET_BYTES``: on a CPU SGLang would size from
   free host memory, which other processes move): SGLang's per-token cost of 8 layers
@@ -158,8 +159,13 @@ def test_kvpp_equals_replicated_pool_and_allocates_owned_plus_scratch(request, t
         measured = int(m.group(2))
         assert measured == len(owned) * row * slot_rows + 2 * scratch, (rank, measured)
         allocations.append(measured)
-        assert re.search(rf"KVPP rank {rank} stats: forwards=\d+ with_history=[1-9]", log), \
-            f"rank {rank} never ran a forward with history"
+        stats = re.findall(rf"KVPP rank {rank} stats: forwards=\d+ with_history=(\d+) active_pages=\d+ of \d+ "
+                           r"broadcasts=(\d+) broadcast_bytes=(\d+) received_bytes=(\d+)", log)
+        assert stats, f"rank {rank} logged no KVPP stats"
+        _, broadcasts, sent, received = (int(v) for v in stats[-1])
+        assert broadcasts >= layers and broadcasts % layers == 0, (rank, broadcasts)  # every layer, per forward
+        assert 0 < received < sent  # it received the layers it does not own, and sent its own
+        assert sent < broadcasts * row * slot_rows  # only active pages travel, never whole layers
     # the capacity planner's KVPP row is the fullest rank (rank 0): per token x slots + alignment allowance
     assert max(allocations) == allocations[0] <= planned < allocations[0] + 2 * align
     ratio = tokens["on"] / tokens["off"]
