@@ -101,3 +101,24 @@ def test_incompatibility_stops_startup_with_every_problem(plugins_loaded, clean_
         sa.resolve_once()
     compat_problems = [v.problem for v in info.value.violations if v.rule == "sglang.compat"]
     assert any("renamed_one" in p for p in compat_problems) and any("renamed_two" in p for p in compat_problems)
+
+
+def test_layerwise_pd_prefill_without_its_publisher_fails_loudly(clean_state):
+    """The run_batch hook skips servers without the layerwise P/D publisher, but on a server
+    configured for it a missing queue / manager / publisher is an error naming it."""
+    from sglang_ascend_offload.sglang_plugin import carrier
+    from sglang_ascend_offload.sglang_plugin.disagg.install import _layerwise_publisher
+
+    scheduler = SimpleNamespace()  # SGLang renamed disagg_prefill_bootstrap_queue, say
+    assert _layerwise_publisher(scheduler) == (None, None)  # nothing configured: not our server
+    carrier.publish(cfg.OffloadConfig(layerwise_prefill=cfg.LayerwisePrefillOffloadConfig(store_backend="local"),
+                                      pd_transfer=cfg.PDTransferConfig()))
+    with pytest.raises(compat.SGLangIncompatible, match="disagg_prefill_bootstrap_queue is missing"):
+        _layerwise_publisher(scheduler)
+    with pytest.raises(compat.SGLangIncompatible, match="publisher is missing"):
+        _layerwise_publisher(SimpleNamespace(disagg_prefill_bootstrap_queue=SimpleNamespace(
+            kv_manager=SimpleNamespace(publisher=None))))
+    publisher = object()
+    manager = SimpleNamespace(publisher=publisher)
+    assert _layerwise_publisher(SimpleNamespace(disagg_prefill_bootstrap_queue=SimpleNamespace(
+        kv_manager=manager))) == (publisher, manager)

@@ -156,13 +156,40 @@ def _row_of(req: Any):
     return getattr(kv, "req_pool_idx", None)
 
 
+def _layerwise_publisher(scheduler: Any):
+    """``(publisher, kv manager)`` of a P/D prefill server with layerwise prefill offload,
+    ``(None, None)`` on every other server.
+
+    On a server whose validated config has both features, a missing scheduler queue,
+    KV manager or publisher is an error naming what is missing (an SGLang change or a
+    wiring bug), never a silent skip: without the announcements decode would wait for
+    layers that are never published.
+    """
+    from .. import carrier
+
+    config = carrier.active_config()
+    if config.layerwise_prefill is None or config.pd_transfer is None:
+        return None, None
+    from .. import compat
+
+    queue = getattr(scheduler, "disagg_prefill_bootstrap_queue", None)
+    manager = getattr(queue, "kv_manager", None)
+    publisher = getattr(manager, "publisher", None)
+    if publisher is None:
+        what = ("Scheduler.disagg_prefill_bootstrap_queue" if queue is None else
+                "PrefillBootstrapQueue.kv_manager" if manager is None else "the layerwise P/D publisher")
+        raise compat.SGLangIncompatible(
+            f"P/D prefill with layerwise prefill offload: {what} is missing when the scheduler runs a batch "
+            f"(SGLang {compat.installed_version()}; the plugin was written against "
+            f"SGLang {compat.SUPPORTED_SGLANG_VERSION})")
+    return publisher, manager
+
+
 def _announce_last_chunks_before(scheduler, *args, **kwargs):
     """BEFORE ``Scheduler.run_batch(batch, ...)``: tell the layerwise publisher what this
     forward finishes (a no-op on every server without the layerwise P/D publisher)."""
     batch = args[0] if args else kwargs.get("batch")
-    queue = getattr(scheduler, "disagg_prefill_bootstrap_queue", None)
-    manager = getattr(queue, "kv_manager", None)
-    publisher = getattr(manager, "publisher", None)
+    publisher, manager = _layerwise_publisher(scheduler)
     if publisher is None:
         return None
     publisher.begin_batch()
