@@ -14,7 +14,7 @@ from sglang_ascend_offload.sparse_decode.residency import ResidencyTable, reside
 
 from .test_residency import scenarios
 
-HYP = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HYP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _assert_same(out, ref, state, table):
