@@ -22,10 +22,11 @@ standing in for device compute that leaves the host and the link free, as attent
 on an NPU's AI cores does while HCCL moves data; ``matmul`` runs a real CPU matmul of
 about that duration, which then competes with gloo for the same cores.
 
-Times are medians over ``--repeats`` forwards of the slowest rank. Reported per run:
-``bytes_per_forward`` (broadcast payload of one forward, all layers), ``wall_s``,
-``compute_s``, ``broadcast_s``, ``wall_over_max`` = wall / max(compute, broadcast)
-(1.0 = perfect overlap).
+Times are medians over ``--repeats`` rounds (each round runs the three ways back to
+back, so load drift on a shared machine hits them alike) of the slowest rank. Reported
+per run: ``bytes_per_forward`` (broadcast payload of one forward, all layers),
+``wall_s``, ``compute_s``, ``broadcast_s``, ``wall_over_max`` = the median over rounds
+of wall / max(compute, broadcast) of the same round (1.0 = perfect overlap).
 """
 
 from __future__ import annotations
@@ -171,12 +172,15 @@ def _worker(rank: int, args: argparse.Namespace, port: int, q) -> None:
                 before = transport.bytes_broadcast
                 forward(serial, blocks, False)
                 per_forward = transport.bytes_broadcast - before
-                bc = [forward(serial, blocks, False) for _ in range(args.repeats)]
-                cp = [compute_only() for _ in range(args.repeats)]
-                wall = [forward(prefetching, blocks, True) for _ in range(args.repeats)]
+                bc, cp, wall, ratio = [], [], [], []
+                for _ in range(args.repeats):  # interleaved, so load drift hits all three alike
+                    bc.append(forward(serial, blocks, False))
+                    cp.append(compute_only())
+                    wall.append(forward(prefetching, blocks, True))
+                    ratio.append(wall[-1] / max(bc[-1], cp[-1]))
                 b, c, w = statistics.median(bc), statistics.median(cp), statistics.median(wall)
                 rows.append(KVPPRun(args.group, args.layers, mode, args.pool_blocks, active, per_forward,
-                                    round(w, 6), round(c, 6), round(b, 6), round(w / max(b, c), 4)))
+                                    round(w, 6), round(c, 6), round(b, 6), round(statistics.median(ratio), 4)))
                 if rank == 0:
                     print(f"kvpp bench: fill {fill} mode {mode} done", file=sys.stderr, flush=True)
         prefetching.close()
