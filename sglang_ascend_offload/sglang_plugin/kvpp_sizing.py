@@ -39,10 +39,11 @@ def kvpp_layer_caches(num_layers: int, group: int) -> int:
 
 
 def kvpp_cell_size(cell: int, num_layers: int, group: int) -> int:
-    """Per-token KV bytes under KVPP (rounded up); never more than without it."""
+    """Per-token KV bytes under KVPP (rounded up). More than ``cell`` when
+    ``ceil(L / N) + 2 > L`` (few layers): the pool really allocates that much."""
     if num_layers <= 0 or cell <= 0 or group < 2:
         return cell
-    return min(cell, -(-cell * kvpp_layer_caches(num_layers, group) // num_layers))
+    return -(-cell * kvpp_layer_caches(num_layers, group) // num_layers)
 
 
 def _applies(kvc: Any) -> Optional[cfg.KVPPConfig]:
@@ -75,6 +76,10 @@ def cell_size_after(cell: int, self, kvc, num_layers: int) -> Optional[int]:
         return None
     group = _group_size()
     scaled = kvpp_cell_size(cell, int(num_layers), group)
+    if scaled > cell:
+        logger.warning("KVPP with %d layers over %d ranks holds %d owned + 2 scratch layer bundles per rank, more "
+                       "than the %d of the replicated pool: it lowers the token capacity", num_layers, group,
+                       kvpp_layer_caches(int(num_layers), group) - 2, num_layers)
     logger.info("KVPP: device KV per token %d B instead of %d B (%d of %d layer bundles per rank, group %d)",
                 scaled, cell, kvpp_layer_caches(int(num_layers), group), num_layers, group)
     return scaled

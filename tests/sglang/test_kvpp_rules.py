@@ -91,3 +91,13 @@ def test_valid_config_is_published(plugins_loaded, clean_state):
     assert resolving_view(sa).attention_backend == "ascend_offload"
     assert json.loads(carrier.published_text())["kvpp"]["broadcast"] == "full"
     assert carrier.active_config().kvpp.broadcast == "full"
+
+
+def test_cell_size_is_the_fullest_ranks_owned_plus_two_scratch():
+    from sglang_ascend_offload.sglang_plugin.kvpp_sizing import kvpp_cell_size, kvpp_layer_caches
+
+    assert kvpp_layer_caches(8, 2) == 6 and kvpp_layer_caches(8, 3) == 5 and kvpp_layer_caches(61, 8) == 10
+    assert kvpp_cell_size(8 * 1408, 8, 2) == 6 * 1408
+    assert kvpp_cell_size(8 * 1284, 8, 3) == 5 * 1284
+    assert kvpp_cell_size(2 * 1408, 2, 2) == 3 * 1408  # few layers: KVPP costs more, and says so
+    assert kvpp_cell_size(1000, 8, 1) == 1000  # no group, nothing changes
