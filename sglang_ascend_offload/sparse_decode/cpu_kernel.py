@@ -139,11 +139,12 @@ class KernelLRUState:
 
     slot_token int32 ``[R,H]``, slot_stamp int64 ``[R,H]``, row_req int64 ``[R]``: the
     contract's (``docs/residency_contract.md``). order int32 ``[R,H]``: each row's slots
-    by ``(slot_stamp, slot)``. Position map, persistent (changed only at fills,
-    evictions, resets): ``map_kind == 0`` dense, hkeys = slot_of int32 ``[R,P]``
-    (``P`` = the token table's width; ``R*P <= DENSE_MAP_LIMIT``); ``map_kind == 1``
-    hash, hkeys / hvals int32 ``[R,C]``, ``C`` the power of two ``>= 2H`` (memory
-    bounded by ``H`` whatever the context). maxpos int32 ``[R]``: an upper bound of the
+    by ``(slot_stamp, slot)``. Position map, persistent: ``map_kind == 0`` dense,
+    hkeys = slot_of int32 ``[R,P]`` (``P`` = the token table's width; ``R*P <=
+    DENSE_MAP_LIMIT``), written only at fills and never cleared (an entry counts only
+    if ``slot_token[r, slot_of[r, p]] == p``); ``map_kind == 1`` hash, hkeys / hvals
+    int32 ``[R,C]``, ``C`` the power of two ``>= 2H``, updated at fills, evictions and
+    resets (memory bounded by ``H`` whatever the context). maxpos int32 ``[R]``: an upper bound of the
     held positions. Only the kernel may update it (the derived parts follow the
     contract's parts only through it).
     """

@@ -29,6 +29,7 @@
 namespace {
 
 struct RowMap {
+  static constexpr bool kLazy = false;
   int32_t* hk;
   int32_t* hv;
   uint32_t mask;
@@ -87,33 +88,36 @@ struct RowMap {
 };
 
 // Dense map: slot_of[p] for 0 <= p < width (positions index the token table, so they
-// are < its width); never cleared as a whole, only entries of held positions change.
+// are < its width). Never cleared: an entry is trusted only if the slot it names still
+// holds the position (slot_token[slot_of[p]] == p), so evictions, invalidations and
+// resets write nothing here and a step touches the map only at its lookups and fills.
+// Correct because slot_of[p] is rewritten at every fill of p and a position is held by
+// at most one slot of the row.
 struct DenseMap {
   int32_t* so;
+  const int32_t* tok;
   int64_t width;
 
   inline void prefetch(int32_t p) const {
     if (p < width) __builtin_prefetch(so + p);
   }
-  inline int32_t find(int32_t p) const { return p < width ? so[p] : -1; }
+  inline int32_t find(int32_t p) const {
+    const int32_t s = p < width ? so[p] : -1;
+    return (s >= 0 && tok[s] == p) ? s : -1;
+  }
   inline void insert(int32_t p, int32_t s) { so[p] = s; }
-  inline bool erase(int32_t p) {
-    if (p >= width || so[p] < 0) return false;
-    so[p] = -1;
-    return true;
-  }
-  inline void clear(const int32_t* tok, int64_t H) {
-    for (int64_t s = 0; s < H; ++s)
-      if (tok[s] >= 0 && tok[s] < width) so[tok[s]] = -1;
-  }
+  inline bool erase(int32_t) { return true; }
+  inline void clear(const int32_t*, int64_t) {}
+  static constexpr bool kLazy = true;
 };
 
 template <typename Map, typename MakeMap>
-int manage_rows(MakeMap make_map, int32_t* slot_token, int64_t* slot_stamp, int64_t* row_req, int32_t* order,
-                int32_t* maxpos, int64_t R, int64_t H, int64_t map_width, const int64_t* rows,
-                const int32_t* topk, const int64_t* req_ids, const int32_t* stable_len, int64_t B, int64_t K,
-                int64_t step, uint8_t* hit_mask, int32_t* slots, int32_t* miss_count, int32_t* miss_tokens,
-                int32_t* miss_slots) {
+int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __restrict slot_stamp,
+                int64_t* __restrict row_req, int32_t* __restrict order, int32_t* __restrict maxpos, int64_t R,
+                int64_t H, int64_t map_width, const int64_t* __restrict rows, const int32_t* __restrict topk,
+                const int64_t* __restrict req_ids, const int32_t* __restrict stable_len, int64_t B, int64_t K,
+                int64_t step, uint8_t* __restrict hit_mask, int32_t* __restrict slots,
+                int32_t* __restrict miss_count, int32_t* __restrict miss_tokens, int32_t* __restrict miss_slots) {
   const int64_t fill_stamp = 2 * step + 1;
   const int64_t hit_stamp = 2 * step + 2;
   std::vector<uint8_t> flag(H + 1);  // [H]: scratch target of branch-free stores
@@ -122,17 +126,19 @@ int manage_rows(MakeMap make_map, int32_t* slot_token, int64_t* slot_stamp, int6
   for (int64_t b = 0; b < B; ++b) {
     const int64_t r = rows[b];
     if (r < 0 || r >= R) return 1;
-    int32_t* tok = slot_token + r * H;
-    int64_t* stamp = slot_stamp + r * H;
-    int32_t* ord = order + r * H;
+    int32_t* __restrict tok = slot_token + r * H;
+    int64_t* __restrict stamp = slot_stamp + r * H;
+    int32_t* __restrict ord = order + r * H;
     Map map = make_map(r);
     const int64_t req = req_ids[b];
     const int32_t stab = stable_len[b];
-    const int32_t* tk = topk + b * K;
-    uint8_t* hm = hit_mask + b * K;
-    int32_t* sl = slots + b * K;
-    int32_t* mt = miss_tokens + b * K;
-    int32_t* ms = miss_slots + b * K;
+    const int32_t* __restrict tk = topk + b * K;
+    uint8_t* __restrict hm = hit_mask + b * K;
+    int32_t* __restrict sl = slots + b * K;
+    int32_t* __restrict mt = miss_tokens + b * K;
+    int32_t* __restrict ms = miss_slots + b * K;
+    uint8_t* __restrict fl = flag.data();
+    int32_t* __restrict mj = miss_j.data();
 
     // 1. reset on a request change (idle rows too)
     if (req != row_req[r]) {
@@ -193,9 +199,9 @@ int manage_rows(MakeMap make_map, int32_t* slot_token, int64_t* slot_stamp, int6
       const bool hit = found >= 0;
       hm[j] = hit;
       sl[j] = found;  // -1 for padding and misses (a miss gets its victim below)
-      flag[hit ? found : H] = 2;
+      fl[hit ? found : H] = 2;
       hits += hit;
-      miss_j[m] = static_cast<int32_t>(j);
+      mj[m] = static_cast<int32_t>(j);
       m += (!hit) & (p >= 0);
     }
     // 4. victims: the first m non-hit slots of the eviction order
@@ -207,10 +213,11 @@ int manage_rows(MakeMap make_map, int32_t* slot_token, int64_t* slot_stamp, int6
     // 5. update: fills then hit stamps. Evicting a victim touches its old position's
     // map entry, a cold line: fetch those ahead too.
     int32_t mx = maxpos[r];
-    for (int64_t q = 0; q < std::min(m, kAhead); ++q)
-      if (tok[victims[q]] >= 0) map.prefetch(tok[victims[q]]);
+    if (!Map::kLazy)
+      for (int64_t q = 0; q < std::min(m, kAhead); ++q)
+        if (tok[victims[q]] >= 0) map.prefetch(tok[victims[q]]);
     for (int64_t q = 0; q < m; ++q) {
-      if (q + kAhead < m && tok[victims[q + kAhead]] >= 0) map.prefetch(tok[victims[q + kAhead]]);
+      if (!Map::kLazy && q + kAhead < m && tok[victims[q + kAhead]] >= 0) map.prefetch(tok[victims[q + kAhead]]);
       const int32_t s = victims[q];
       const int32_t j = miss_j[q];
       const int32_t p = tk[j];
@@ -266,7 +273,7 @@ int sao_lru_manage_rows(int32_t* slot_token, int64_t* slot_stamp, int64_t* row_r
                         int32_t* slots, int32_t* miss_count, int32_t* miss_tokens, int32_t* miss_slots,
                         int64_t map_kind) {
   if (map_kind == 0) {
-    auto make = [hkeys, C](int64_t r) { return DenseMap{hkeys + r * C, C}; };
+    auto make = [hkeys, slot_token, H, C](int64_t r) { return DenseMap{hkeys + r * C, slot_token + r * H, C}; };
     return manage_rows<DenseMap>(make, slot_token, slot_stamp, row_req, order, maxpos, R, H, C, rows, topk,
                                  req_ids, stable_len, B, K, step, hit_mask, slots, miss_count, miss_tokens,
                                  miss_slots);
