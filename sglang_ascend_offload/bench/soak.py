@@ -1,12 +1,15 @@
 """``bench soak``: serve the tiny DSA fixtures with offload under churn for minutes and
 report what long runs break: memory growth, files left behind, failed requests.
 
-Two servers run side by side on 127.0.0.1 (one ``launch_server`` each, own process
+Servers run side by side on 127.0.0.1 (one ``launch_server`` each, own process
 group):
 
 * ``sparse_decode``: ``tests/fixtures/tiny_dsa`` with sparse decode offload;
 * ``layerwise_prefill``: ``tests/fixtures/tiny_dsa_4l`` with layerwise prefill offload
-  (``shared_buffers: 1``: layers 1-3 share one device buffer).
+  (``shared_buffers: 1``: layers 1-3 share one device buffer);
+* ``baseline`` (unless ``--no-baseline``): ``tiny_dsa`` without offload under the same
+  load, so SGLang's own memory growth is measured beside the plugin's
+  (``rss_growth_over_baseline``: the offload servers' largest growth over the baseline's).
 
 Each is driven by ``--clients`` threads for ``--minutes``: random prompt lengths
 (4-300 tokens) and output lengths (1-48), a quarter of the prompts extending an
@@ -49,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=3, help="concurrent clients per server (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
     p.add_argument("--abort-fraction", type=float, default=0.1, help="fraction of requests aborted mid-flight")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="do not serve the model without offload beside the offload servers (by default it runs "
+                        "under the same load: SGLang's own memory growth is the yardstick, "
+                        "baseline_rss_growth_ratio_max)")
+    p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment of every server (repeatable), e.g. LD_PRELOAD=/usr/lib/x86_64-linux-gnu/"
+                        "libjemalloc.so.2")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
 
@@ -59,6 +69,7 @@ class ProcessMemory:
     name: str
     rss_warm_mb: float
     rss_end_mb: float
+    rss_samples_mb: List[float] = field(default_factory=list)  # every 30 s after warm-up
 
     @property
     def growth_ratio(self) -> float:
@@ -164,7 +175,8 @@ def _progress(msg: str) -> None:
     print(f"[bench soak] {msg}", file=sys.stderr, flush=True)
 
 
-def run(minutes: float, clients: int, seed: int, abort_fraction: float) -> dict:
+def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline: bool = False,
+        server_env: Optional[Dict[str, str]] = None) -> dict:
     from ..testing.servers import IDLE_SLEEP, TINY_DSA, TINY_DSA_4L, ServerProcess, fixture_args, stop_all
 
     common = ["--max-running-requests", "4", "--chunked-prefill-size", "128"] + IDLE_SLEEP
@@ -175,11 +187,14 @@ def run(minutes: float, clients: int, seed: int, abort_fraction: float) -> dict:
                                                           "--layerwise-prefill-offload-config",
                                                           json.dumps({"shared_buffers": 1})]),
     }
+    if baseline:
+        specs["baseline"] = (fixture_args(TINY_DSA), [])
     import tempfile
 
     logs = Path(tempfile.mkdtemp(prefix="bench_soak_"))
     shm_before = _shm_files()
-    servers = {name: ServerProcess(common + extra, log_path=logs / f"{name}.log", base_args=base)
+    servers = {name: ServerProcess(common + extra, log_path=logs / f"{name}.log", base_args=base,
+                                   env=server_env or {})
                for name, (base, extra) in specs.items()}
     _progress(f"starting {len(servers)} servers (logs in {logs})")
     started = []
@@ -201,10 +216,15 @@ def run(minutes: float, clients: int, seed: int, abort_fraction: float) -> dict:
         warm = {name: {pid: _rss_mb(pid) for pid in srv.pids()} for name, srv in servers.items()}
         _progress(f"warm-up done: {sum(s.requests for s in stats.values())} requests")
         last = time.monotonic()
+        samples: Dict[int, List[float]] = {pid: [] for w in warm.values() for pid in w}
         while any(t.is_alive() for t in threads):
             time.sleep(1.0)
             if time.monotonic() - last > 30:
                 last = time.monotonic()
+                for pid in samples:
+                    rss = _rss_mb(pid)
+                    if rss is not None:
+                        samples[pid].append(round(rss, 1))
                 _progress(f"{(last - t0) / 60:.1f}/{minutes:g} min: "
                           + ", ".join(f"{n} {s.requests} req {s.failed} failed" for n, s in stats.items()))
         memory: List[ProcessMemory] = []
@@ -212,7 +232,8 @@ def run(minutes: float, clients: int, seed: int, abort_fraction: float) -> dict:
             for pid, rss_warm in warm[name].items():
                 rss_end = _rss_mb(pid)
                 if rss_warm is not None and rss_end is not None:
-                    memory.append(ProcessMemory(name, pid, _proc_name(pid), round(rss_warm, 1), round(rss_end, 1)))
+                    memory.append(ProcessMemory(name, pid, _proc_name(pid), round(rss_warm, 1), round(rss_end, 1),
+                                                samples.get(pid, [])))
         counters = {"sparse_decode": _summary(servers["sparse_decode"].log_path, "sparse-decode-offload:"),
                     "layerwise_prefill": _summary(servers["layerwise_prefill"].log_path, "layerwise-prefill:")}
     finally:
@@ -233,13 +254,21 @@ def run(minutes: float, clients: int, seed: int, abort_fraction: float) -> dict:
         "aborted": total.aborted,
         "radix_prompts": total.radix_prompts,
         "output_tokens": total.output_tokens,
-        "rss_growth_ratio_max": round(max((m.growth_ratio for m in memory), default=1.0), 4),
+        "rss_growth_ratio_max": round(max((m.growth_ratio for m in memory if m.server != "baseline"),
+                                          default=1.0), 4),
+        "baseline_rss_growth_ratio_max": (round(max((m.growth_ratio for m in memory if m.server == "baseline"),
+                                                    default=1.0), 4) if baseline else None),
+        "rss_growth_over_baseline": (round(max((m.growth_ratio for m in memory if m.server != "baseline"),
+                                               default=1.0)
+                                           / max((m.growth_ratio for m in memory if m.server == "baseline"),
+                                                 default=1.0), 4) if baseline else None),
         "leaked_shm_files": len(leaked),
         "leaked_shm_names": leaked,
         "sglang_shm_files_left": len(sglang_left),
         "processes": [{**asdict(m), "growth_ratio": round(m.growth_ratio, 4)} for m in memory],
         "servers": [{"name": name, "requests": s.requests, "failed": s.failed, "aborted": s.aborted,
                      "errors": s.errors, "offload_counters": counters.get(name, {})} for name, s in stats.items()],
+        "server_env": dict(server_env or {}),
         "logs": str(logs),
     }
 
@@ -252,7 +281,14 @@ def main(args: argparse.Namespace) -> int:
                                       f"--abort-fraction {args.abort_fraction} must be in [0, 1]")) if bad]
         print("bench soak: " + "; ".join(problems), file=sys.stderr)
         return 2
-    result = run(args.minutes, args.clients, args.seed, args.abort_fraction)
+    env = {}
+    for item in args.server_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"bench soak: --server-env {item!r} is not KEY=VALUE", file=sys.stderr)
+            return 2
+        env[key] = value
+    result = run(args.minutes, args.clients, args.seed, args.abort_fraction, args.baseline, env)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -262,6 +298,9 @@ def main(args: argparse.Namespace) -> int:
         for p in result["processes"]:
             print(f"{p['server']:18s} {p['pid']:7d} {p['name']:16s} {p['rss_warm_mb']:11.1f} "
                   f"{p['rss_end_mb']:10.1f} {p['growth_ratio']:7.3f}")
+        if result["baseline_rss_growth_ratio_max"] is not None:
+            print(f"baseline (no offload) rss growth {result['baseline_rss_growth_ratio_max']:.3f}; offload "
+                  f"servers' growth over it {result['rss_growth_over_baseline']:.3f}")
         print(f"rss_growth_ratio_max {result['rss_growth_ratio_max']:.3f}; plugin shm files left "
               f"{result['leaked_shm_files']}; SGLang's own shm files left {result['sglang_shm_files_left']}")
         for s in result["servers"]:

@@ -20,7 +20,7 @@ KEYS = {"minutes", "requests", "failed", "rss_growth_ratio_max", "leaked_shm_fil
 
 def test_bench_soak_short_run():
     result = subprocess.run([sys.executable, "-m", "sglang_ascend_offload", "bench", "soak", "--minutes", "0.3",
-                             "--clients", "2", "--abort-fraction", "0.25", "--json"],
+                             "--clients", "2", "--abort-fraction", "0.25", "--no-baseline", "--json"],
                             cwd=REPO, env=server_env(cpu=False), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     doc = json.loads(result.stdout)  # exactly one JSON document: progress went to stderr
@@ -29,6 +29,8 @@ def test_bench_soak_short_run():
     assert doc["leaked_shm_files"] == 0, doc["leaked_shm_names"]
     assert {p["server"] for p in doc["processes"]} == {"sparse_decode", "layerwise_prefill"}
     assert all(p["rss_warm_mb"] > 0 and p["rss_end_mb"] > 0 for p in doc["processes"])
-    counters = {s["name"]: s["offload_counters"] for s in doc["servers"]}
-    assert int(counters["sparse_decode"]["steps"]) > 0  # the offload engine really decoded
-    assert int(counters["layerwise_prefill"]["forwards"]) > 0
+    servers = {s["name"]: s for s in doc["servers"]}
+    assert all(servers[name]["requests"] > 0 for name in ("sparse_decode", "layerwise_prefill"))
+    # The offload engine really decoded (its summary is logged every 5 s in the soak; the
+    # layerwise pool's only every 60 s, longer than this run).
+    assert int(servers["sparse_decode"]["offload_counters"]["steps"]) > 0
