@@ -123,6 +123,9 @@ def _throughput_run(t) -> tuple:
     out["raw_engine_bytes_per_s"] = raw_b / max(raw_s) if raw_s else None
     out["engine_over_raw"] = (out["transfer_bytes_per_s"] / out["raw_engine_bytes_per_s"]
                               if out["transfer_bytes_per_s"] and out["raw_engine_bytes_per_s"] else None)
+    gaps = [g * 1e6 for r in decode_ok for g in r["read_gaps"]]
+    out["read_gap_us_p50"] = percentile(gaps, 50)  # decode idle between two engine reads
+    out["read_gap_us_max"] = max(gaps) if gaps else None
     ranges = [n for r in decode_ok for n in r["read_ranges"]]
     out["ranges_per_layer_read"] = sum(ranges) / len(ranges) if ranges else None
     return out, t

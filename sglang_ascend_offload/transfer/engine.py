@@ -131,8 +131,8 @@ class BatchEngineAdapter(TransferEngine):
             return
         if self._closed:
             raise EngineReadError(f"{self.name} engine is closed")
-        rc = self._engine.batch_transfer_sync_read(peer_session, [int(a) for a in dst_addrs],
-                                                   [int(a) for a in src_addrs], [int(n) for n in lengths])
+        rc = self._engine.batch_transfer_sync_read(peer_session, list(map(int, dst_addrs)),
+                                                   list(map(int, src_addrs)), list(map(int, lengths)))
         if rc != 0:
             raise EngineReadError(f"{self.name} batch read of {len(lengths)} ranges ({sum(lengths)} bytes) "
                                   f"from {peer_session} returned {rc}{self._read_error_detail()}")
@@ -159,7 +159,7 @@ def check_read_args(dst_addrs: Sequence[int], src_addrs: Sequence[int], lengths:
     if not len(dst_addrs) == len(src_addrs) == len(lengths):
         raise ValueError(f"read: {len(dst_addrs)} destinations, {len(src_addrs)} sources, "
                          f"{len(lengths)} lengths")
-    if any(n <= 0 for n in lengths):
+    if len(lengths) and min(lengths) <= 0:
         raise ValueError("read: every length must be > 0")
 
 

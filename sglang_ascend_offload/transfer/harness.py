@@ -145,6 +145,7 @@ class _RecordingEngine:
     def __init__(self, inner):
         self.inner = inner
         self.reads: List[Tuple[str, List[int], List[int], List[int]]] = []
+        self.intervals: List[Tuple[float, float]] = []  # (start, end) of each read, perf_counter
         self.first_start: Optional[float] = None
         self.last_end: Optional[float] = None
 
@@ -158,6 +159,7 @@ class _RecordingEngine:
         if self.first_start is None:
             self.first_start = t0
         self.reads.append((peer_session, list(dst_addrs), list(src_addrs), list(lengths)))
+        self.intervals.append((t0, self.last_end))
 
 
 def raw_engine_replay(base, reads, reps: int = 1) -> Tuple[int, float]:
@@ -284,6 +286,8 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
             "read_ranges": [t.ranges for t in receiver.timings],
             "read_span": ((recorder.reads and recorder.last_end - recorder.first_start) or None)
             if recorder is not None else None,
+            "read_gaps": ([b[0] - a[1] for a, b in zip(recorder.intervals, recorder.intervals[1:])]
+                          if recorder is not None else []),
             "raw_bytes": raw[0] if raw else None,
             "raw_seconds": raw[1] if raw else None,
             "seconds_until_terminal": time.monotonic() - t0,
@@ -353,6 +357,12 @@ def run_prefill_rank(spec: ScenarioSpec, p_rank: int, kv_port: int,
             for rid in ids:
                 sender.abort(rid, f"handshake failed: {exc}")
         if sender.connected:
+            # the first layer of every slot is in place before the first publish, as a forward
+            # would have written them while the handshake ran; a reused slot is rewritten only
+            # after its gate opens, while decode reads another layer
+            for layer in range(min(spec.num_slots, spec.num_layers)):
+                for _, name, _ in specs:
+                    np.copyto(slots[name][slot_of[layer]], images[(layer, name)])
             for layer in range(spec.num_layers):
                 slot = slot_of[layer]
                 try:
@@ -362,8 +372,9 @@ def run_prefill_rank(spec: ScenarioSpec, p_rank: int, kv_port: int,
                 except GateTimeout:
                     report["gate_timeouts"] += 1  # would be a hang without our deadlines
                     break
-                for _, name, _ in specs:
-                    np.copyto(slots[name][slot], images[(layer, name)])
+                if layer >= spec.num_slots:  # the first use of each slot was written before publishing
+                    for _, name, _ in specs:
+                        np.copyto(slots[name][slot], images[(layer, name)])
                 sender.publish_layer(layer, slot, {rid: SourceBlocks(m, i) for rid, (m, i) in sources.items()},
                                      finished=ids if layer == spec.num_layers - 1 else ())
         timings["published"] = time.monotonic() - t0
