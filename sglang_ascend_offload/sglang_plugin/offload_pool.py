@@ -15,6 +15,11 @@ hot buffers            device    per layer ``[rows, hot_tokens, kv_lora_rank + r
                                  (``sparse_decode.engine.SparseDecodeEngine``)
 =====================  ========  ==============================================
 
+The host pool is one per attention-DP group (``shared_host_pool.allocate_rank_pool``):
+its attention-TP rank 0 creates and appends, the other ranks map the same memory and
+wait for rank 0's appends of a layer before reading it (:meth:`HostMainKVPool.host_rows`,
+the engine's gate); outside a server (component tests) the pool is private.
+
 There is no device main KV (``k_buffer`` / ``v_buffer`` are ``None``); code that
 asks for it gets an error naming the offload. Rows of the decode engine are
 ``req_to_token`` rows (``req_pool_idx``), stable per request across steps.

@@ -20,7 +20,10 @@ TP sharing protocol: decode K/V is replicated over TP, so only TP rank 0 writes 
 rows (:meth:`HostKVPool.write_rows`), then publishes ``(step, layer)`` through an
 :class:`AppendGate`; every other rank waits on the gate for that ``(step, layer)``
 before it reads (copies misses). The gate's lock gives the happens-before edge
-between rank 0's stores and the readers' loads; a wait has a deadline.
+between rank 0's stores and the readers' loads; a wait has a deadline. The gate
+needs processes started by one parent; SGLang's TP schedulers are not, and use
+``sglang_plugin.shared_host_pool.AppendOrder`` instead (per-layer counters in the
+mapping's header under a process-shared semaphore, same interface via ``EngineGate``).
 """
 
 from __future__ import annotations
