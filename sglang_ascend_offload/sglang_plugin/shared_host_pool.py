@@ -191,6 +191,10 @@ def reclaim_stale(directory: Optional[os.PathLike] = None) -> List[Path]:
                 path.unlink()
             except FileNotFoundError:
                 continue
+            except OSError as exc:  # e.g. another user's file: leave it, say so
+                logger.warning("sparse decode offload: cannot remove the stale host pool %s of dead owner pid %s "
+                               "(%s); remove it by hand", path, owner, exc)
+                continue
             removed.append(path)
             logger.warning("sparse decode offload: reclaimed a stale host pool %s (%.1f MiB) of a server that "
                            "is gone (owner pid %s)", path, size / 2**20, owner)
