@@ -97,8 +97,8 @@ class EngineConfig:
     subset). hot_tokens: slots per row and layer (``>= top_k``). policy: residency
     policy name (``policies.POLICIES``). ops: operator-ladder choice. manage_impl:
     ``auto | kernel | torch`` (``policies.uses_cpu_kernel``). max_context: bound of the
-    logical positions (the token table's width), sizes the CPU kernel's dense position
-    map (a hash map without it or beyond ``cpu_kernel.DENSE_MAP_LIMIT``).
+    logical positions, sizes the CPU kernel's dense position map (default: the width
+    of the first step's token table; a hash map beyond ``cpu_kernel.DENSE_MAP_LIMIT``).
     """
 
     layers: int
@@ -226,6 +226,12 @@ class SparseDecodeEngine:
         step = self.step_index + 1 if step is None else int(step)
         if step <= self.step_index:
             raise ValueError(f"step {step} is not after the previous step {self.step_index}")
+        if self.step_index < 0 and self.uses_cpu_kernel and self.config.max_context is None:
+            # Nothing is resident yet: size the kernel's dense position map from the token
+            # table's width (its positions' bound) now that it is known.
+            self.managers = [make_manager(self.config.policy, self.config.rows + 1, self.config.hot_tokens,
+                                          self.device, self._manage_op, manage_impl=self.config.manage_impl,
+                                          max_positions=token_table.shape[1]) for _ in range(self.config.layers)]
         self.step_index = step
         rows = rows.to(torch.int64)
         pad = rows < 0
