@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Tuple
 
 from .. import SUPPORTED_SGLANG_VERSION
 
-__all__ = ["SGLangIncompatible", "SERVER_ARGS", "HOOKED", "RESOLUTION_STEPS", "VALIDATION_STEP", "arg",
+__all__ = ["SGLangIncompatible", "SERVER_ARGS", "HOOKED", "RESOLUTION_STEPS", "VALIDATION_STEP", "arg", "arg_or",
            "problems", "require_compatible", "resolve_path", "last_resolution_step"]
 
 VALIDATION_STEP = "validate_deepep_v2_dispatch_token_budget"
@@ -69,6 +69,12 @@ SERVER_ARGS: Dict[str, str] = {
     "max_total_tokens": "host-pool tokens in the startup memory check",
     "model_path": "trace metadata",
     "enable_metrics": "Prometheus counters",
+    "disaggregation_decode_enable_radix_cache": "P/D decode pulls whole requests (no radix reuse)",
+    "disaggregation_decode_host_receive_threshold": "P/D decode receives into the host pool in full",
+    "disaggregation_decode_allocation_policy": "P/D decode allocates early",
+    "enable_pd_role_switch": "P/D roles are fixed per server",
+    "optimistic_prefill_attempts": "layerwise P/D prefill needs every request bootstrapped before its forward",
+    "disaggregation_decode_retraction_backup": "P/D decode on CPU keeps retracted KV in CPU tensors",
 }
 
 
@@ -135,6 +141,12 @@ def arg(args: Any, name: str) -> Any:
         return getattr(args, name)
     except AttributeError:
         raise _incompatible(f"SGLang's server arguments have no {name!r} (read for: {SERVER_ARGS[name]})") from None
+
+
+def arg_or(args: Any, name: str, default: Any) -> Any:
+    """:func:`arg`, with ``default`` standing for an unset (``None``) value only."""
+    value = arg(args, name)
+    return default if value is None else value
 
 
 def resolve_path(path: str) -> Any:

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any, List
 
 from .. import config as cfg
+from . import compat
 from .backend import BACKEND_NAME
 from .deployment import attention_parallel
 
@@ -51,9 +52,9 @@ def kvpp_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violation]
         assert rule in RULES, rule
         out.append(cfg.Violation(rule, problem, fix))
 
-    backends = {b for b in (getattr(view, "attention_backend", None),
-                            getattr(view, "prefill_attention_backend", None),
-                            getattr(view, "decode_attention_backend", None)) if b}
+    backends = {b for b in (compat.arg_or(view, "attention_backend", None),
+                            compat.arg_or(view, "prefill_attention_backend", None),
+                            compat.arg_or(view, "decode_attention_backend", None)) if b}
     if backends - {BACKEND_NAME}:
         add("sglang.kvpp_backend", f"attention backend(s) {sorted(backends)} cannot serve KVPP",
             f"drop --attention-backend (the plugin selects {BACKEND_NAME}) or pass --attention-backend "
@@ -62,11 +63,11 @@ def kvpp_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violation]
         add("sglang.kvpp_layerwise", "KVPP and layerwise prefill offload are both on: each replaces the KV pool "
             "with its own layer placement and no combined pool exists",
             "enable one of them (layerwise prefill offload on a P/D prefill node, KVPP on a colocated server)")
-    if str(getattr(view, "disaggregation_mode", "null") or "null") == "prefill":
+    if str(compat.arg_or(view, "disaggregation_mode", "null") or "null") == "prefill":
         add("sglang.kvpp_pd_prefill", "--disaggregation-mode prefill with KVPP: the P/D transfer backends send "
             "every layer from the paired prefill rank, which under KVPP keeps only its owned layers",
             "run KVPP on a colocated server, or drop --enable-kvpp on the prefill node")
-    get = lambda name, default=None: getattr(view, name, default)  # noqa: E731
+    get = lambda name, default=None: compat.arg_or(view, name, default)  # noqa: E731
     attn_dp, _ = attention_parallel(get)
     if attn_dp > 1 and (get("enable_dp_attention", False) or int(get("attn_dp_size", 1) or 1) > 1):
         add("sglang.kvpp_dp_attention", f"DP attention with {attn_dp} attention-DP groups",

@@ -12,6 +12,8 @@ from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.sglang_plugin import carrier, flags
 from sglang_ascend_offload.sglang_plugin.kvpp_rules import RULES, kvpp_violations
 
+from sglang_ascend_offload.testing.sglang_args import server_args_stub
+
 from conftest import REPO
 
 TINY_DSA_8L = REPO / "tests" / "fixtures" / "tiny_dsa_8l"
@@ -22,7 +24,7 @@ def view(**kw):
                 enable_two_batch_overlap=False, enable_pdmux=False, enable_hierarchical_cache=False,
                 disaggregation_mode="null", tp_size=2, dp_size=1, attn_dp_size=1, enable_dp_attention=False)
     base.update(kw)
-    return SimpleNamespace(**base)
+    return server_args_stub(**base)  # every other server argument at SGLang's default
 
 
 KV = cfg.OffloadConfig(kvpp=cfg.KVPPConfig())

@@ -42,6 +42,7 @@ import os
 from typing import Any, List, Optional
 
 from ... import config as cfg
+from .. import compat
 
 BACKEND_NAME = "ascend_offload"
 #: What ``--disaggregation-transfer-backend ascend_offload`` resolves to inside SGLang
@@ -117,7 +118,7 @@ def pd_violations(config: cfg.OffloadConfig, server_args: Any) -> List[cfg.Viola
     view = resolving_view(server_args)
     out: List[cfg.Violation] = []
     pd = config.pd_transfer
-    role = str(getattr(view, "disaggregation_mode", "null"))
+    role = str(compat.arg_or(view, "disaggregation_mode", "null"))
     if pd is None:
         if role in ("prefill", "decode") and chose_backend(server_args):
             out.append(missing_config_violation())
@@ -126,13 +127,13 @@ def pd_violations(config: cfg.OffloadConfig, server_args: Any) -> List[cfg.Viola
     if role in ("prefill", "decode") and backend != BACKEND_NAME:
         out.append(_violation("sglang.pd_backend", f"--enable-pd-transfer with --disaggregation-transfer-backend "
                               f"{backend!r}", f"pass --disaggregation-transfer-backend {BACKEND_NAME}"))
-    backends = {b for b in (view.attention_backend, getattr(view, "prefill_attention_backend", None),
-                            getattr(view, "decode_attention_backend", None)) if b}
+    backends = {b for b in (view.attention_backend, compat.arg_or(view, "prefill_attention_backend", None),
+                            compat.arg_or(view, "decode_attention_backend", None)) if b}
     if backends != {BACKEND_NAME}:
         out.append(_violation("sglang.pd_attention_backend", f"attention backend(s) {sorted(backends)}",
                               f"drop --attention-backend (DSA models get {BACKEND_NAME}) or pass "
                               f"--attention-backend {BACKEND_NAME}"))
-    device = str(getattr(view, "device", None) or "")
+    device = str(compat.arg_or(view, "device", None) or "")
     if pd.engine == "memfabric" and device != "npu":
         out.append(_violation("sglang.pd_engine_device", f"engine 'memfabric' on a {device or 'non-NPU'} device",
                               'set "engine": "mooncake" in --pd-transfer-config (TCP on CPU machines)'))
@@ -140,28 +141,28 @@ def pd_violations(config: cfg.OffloadConfig, server_args: Any) -> List[cfg.Viola
         out.append(_violation("sglang.pd_engine_unavailable", "the mooncake package is not importable",
                               "pip install mooncake-transfer-engine-non-cuda (CPU/TCP) or "
                               "mooncake-transfer-engine; on Debian apt-get install libibverbs1 librdmacm1"))
-    parallel = {name: int(getattr(view, name, 1) or 1) for name in ("pp_size", "attn_cp_size", "dcp_size")}
+    parallel = {name: int(compat.arg_or(view, name, 1) or 1) for name in ("pp_size", "attn_cp_size", "dcp_size")}
     bad = {k: v for k, v in parallel.items() if v > 1}
     if bad:
         out.append(_violation("sglang.pd_parallel", ", ".join(f"{k}={v}" for k, v in bad.items()),
                               "use TP (and DP) only with the ascend_offload P/D backend"))
     unsupported = []
-    if role == "decode" and getattr(view, "disaggregation_decode_enable_radix_cache", False):
+    if role == "decode" and compat.arg_or(view, "disaggregation_decode_enable_radix_cache", False):
         unsupported.append("--disaggregation-decode-enable-radix-cache")
-    if float(getattr(view, "disaggregation_decode_host_receive_threshold", 1.0) or 1.0) < 1:
+    if float(compat.arg_or(view, "disaggregation_decode_host_receive_threshold", 1.0) or 1.0) < 1:
         unsupported.append("--disaggregation-decode-host-receive-threshold < 1")
-    if getattr(view, "enable_hisparse", False):
+    if compat.arg_or(view, "enable_hisparse", False):
         unsupported.append("--enable-hisparse")
-    if getattr(view, "speculative_algorithm", None):
+    if compat.arg_or(view, "speculative_algorithm", None):
         unsupported.append(f"--speculative-algorithm {view.speculative_algorithm}")
-    if getattr(view, "disaggregation_decode_allocation_policy", "early") != "early":
+    if compat.arg_or(view, "disaggregation_decode_allocation_policy", "early") != "early":
         unsupported.append(f"--disaggregation-decode-allocation-policy {view.disaggregation_decode_allocation_policy}")
-    if getattr(view, "enable_pd_role_switch", False):
+    if compat.arg_or(view, "enable_pd_role_switch", False):
         unsupported.append("--enable-pd-role-switch")
     if os.environ.get("SGLANG_DISAGG_STAGING_BUFFER", "").lower() in ("1", "true", "yes"):
         unsupported.append("SGLANG_DISAGG_STAGING_BUFFER")
     if config.layerwise_prefill is not None and role == "prefill" \
-            and int(getattr(view, "optimistic_prefill_attempts", 0) or 0) > 0:
+            and int(compat.arg_or(view, "optimistic_prefill_attempts", 0) or 0) > 0:
         unsupported.append(f"--optimistic-prefill-attempts {view.optimistic_prefill_attempts} with layerwise "
                            "prefill offload (a request computed before its decode bootstrapped is sent after "
                            "the forward, when its shared layer buffers hold other layers)")
@@ -170,16 +171,16 @@ def pd_violations(config: cfg.OffloadConfig, server_args: Any) -> List[cfg.Viola
                               + "; ".join(unsupported), "drop these settings"))
     from ..deployment import attention_parallel
 
-    _, attn_tp = attention_parallel(lambda name, default=None: getattr(view, name, default))
+    _, attn_tp = attention_parallel(lambda name, default=None: compat.arg_or(view, name, default))
     if role == "decode" and attn_tp > 1:
         out.append(_violation("sglang.pd_decode_tp", f"decode attention TP {attn_tp}",
                               "run decode with attention TP 1, e.g. DP attention (--tp N --dp N "
                               "--enable-dp-attention, or --attn-dp-size N): the protocol splits the main KV "
                               "across decode TP ranks into one TP-shared host pool, and SGLang's decode pools "
                               "(device, or the plugin's host pool) are per rank"))
-    if role == "decode" and device == "cpu" and getattr(view, "disaggregation_decode_retraction_backup", None) != "cpu_tensor":
+    if role == "decode" and device == "cpu" and compat.arg_or(view, "disaggregation_decode_retraction_backup", None) != "cpu_tensor":
         out.append(_violation("sglang.pd_cpu_retraction_backup",
-                              f"retraction backup {getattr(view, 'disaggregation_decode_retraction_backup', None)!r} "
+                              f"retraction backup {compat.arg(view, 'disaggregation_decode_retraction_backup')!r} "
                               "on a CPU decode server", "pass --disaggregation-decode-retraction-backup cpu_tensor"))
     return out
 
