@@ -4,7 +4,6 @@ real argument resolution listing every reason at once / publishing a valid confi
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
