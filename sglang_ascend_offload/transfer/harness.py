@@ -162,23 +162,33 @@ class _RecordingEngine:
         self.intervals.append((t0, self.last_end))
 
 
-def raw_engine_replay(base, reads, reps: int = 1) -> Tuple[int, float]:
+def raw_engine_replay(base, reads, reps: int = 1,
+                      per_call: Optional[List[float]] = None) -> Tuple[int, float]:
     """Issue ``reads`` again through the engine's own batch read API, in order, ``reps`` times.
 
     Returns ``(bytes per repetition, best seconds)``: the bare engine's time for exactly
     the transfers the protocol made (same registered buffers, same chunk lists, same
-    processes), with no control plane in between.
+    processes), with no control plane in between. ``per_call``, when given, receives the
+    seconds of each call (one per recorded read) of the best repetition.
     """
     native = base.native
     nbytes = sum(sum(n) for _, _, _, n in reads)
     best = float("inf")
+    best_calls: List[float] = []
     for _ in range(reps):
+        calls = []
         t0 = time.perf_counter()
         for session, dst, src, lengths in reads:
+            c0 = time.perf_counter()
             rc = native.batch_transfer_sync_read(session, dst, src, lengths)
+            calls.append(time.perf_counter() - c0)
             if rc != 0:
                 raise RuntimeError(f"raw engine replay: batch_transfer_sync_read returned {rc}")
-        best = min(best, time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        if took < best:
+            best, best_calls = took, calls
+    if per_call is not None:
+        per_call[:] = best_calls
     return nbytes, best
 
 
@@ -238,6 +248,7 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
         t0 = time.monotonic()
         deadline = t0 + wait_s
         raw = None
+        raw_calls: List[float] = []
         while time.monotonic() < deadline:
             if recorder is not None and raw is None and not receiver.pending_requests():
                 # every request terminal here: prefill still holds its buffers for this. Its slots
@@ -245,7 +256,7 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
                 # the delivered bytes aside and put them back for the parent's verification
                 saved = [a.copy() for a in arrays]
                 try:
-                    raw = raw_engine_replay(base, recorder.reads)
+                    raw = raw_engine_replay(base, recorder.reads, per_call=raw_calls)
                 finally:
                     for a, keep in zip(arrays, saved):
                         a[...] = keep
@@ -288,6 +299,11 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
             if recorder is not None else None,
             "read_gaps": ([b[0] - a[1] for a, b in zip(recorder.intervals, recorder.intervals[1:])]
                           if recorder is not None else []),
+            # per read: ours = its read plus the idle gap before it (the first: its read alone),
+            # raw = the same read replayed through the engine's own API
+            "layer_seconds": ([b[1] - a[1] for a, b in zip(recorder.intervals, recorder.intervals[1:])]
+                              if recorder is not None and recorder.intervals else []),
+            "raw_layer_seconds": raw_calls[1:],
             "raw_bytes": raw[0] if raw else None,
             "raw_seconds": raw[1] if raw else None,
             "seconds_until_terminal": time.monotonic() - t0,

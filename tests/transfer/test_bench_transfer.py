@@ -25,7 +25,8 @@ def test_bench_transfer_json(capfd):
     assert "served" not in out  # only with --served
     # the raw engine replayed exactly the bytes our path moved; the ratio is ours over it
     assert out["raw_engine_bytes_per_s"] > 0 and out["transfer_bytes_per_s"] > 0
-    assert out["engine_over_raw"] == pytest.approx(out["transfer_bytes_per_s"] / out["raw_engine_bytes_per_s"])
+    assert out["engine_over_raw_total"] == pytest.approx(out["transfer_bytes_per_s"] / out["raw_engine_bytes_per_s"])
+    assert out["engine_over_raw_layers"] == 1 and out["engine_over_raw"] > 0  # 2 layers: one after the first
     # one sample per layer of the overhead run, percentiles ordered
     assert out["per_layer_overhead_samples"] == 8
     assert out["per_layer_overhead_us_p50"] <= out["per_layer_overhead_us_p99"]
