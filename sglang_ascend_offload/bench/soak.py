@@ -21,7 +21,7 @@ Resident memory (``VmRSS``) of every process of each server is read after warm-u
 (a tenth of the run, at least 20 s) and at the end; ``rss_growth_ratio_max`` is the
 largest end / warm-up ratio. After the servers stop (SIGTERM to the group, as an
 operator would), new files in ``/dev/shm`` are counted: the plugin's own
-(``sglang_ascend_offload_*``) in ``leaked_shm_files``, SGLang's (``sgl_shm_mq_*``,
+(``sglang_ascend_offload_*``, ``sao_hostpool.*``) in ``leaked_shm_files``, SGLang's (``sgl_shm_mq_*``,
 ``sglang_loads_*``, which SGLang itself leaves behind when its group is terminated)
 in ``sglang_shm_files_left``. The offload counters are the servers' last periodic
 summary lines.
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 SHM = Path("/dev/shm")
-PLUGIN_SHM_PREFIXES = ("sglang_ascend_offload",)
+PLUGIN_SHM_PREFIXES = ("sglang_ascend_offload", "sao_hostpool")  # host_pool.py, shared_host_pool.py
 SGLANG_SHM_PREFIXES = ("sgl_shm_mq_", "sglang_loads_")
 VOCAB = 1024
 
