@@ -5,8 +5,8 @@ Real prefill and decode processes (the multi-process harness of
 
 1. **throughput**: one request of ``--tokens`` tokens, DeepSeek-V3.2 per-token
    sizes (latent 512 + rope 64 bf16 into the decode host pool, indexer 128 bf16
-   into the rank-local cache), ``--layers`` layers over 2 reusable prefill slots,
-   every byte verified. Side by side, in the same run:
+   into the rank-local cache), ``--layers`` layers, one prefill slot per layer
+   unless ``--throughput-slots``, every byte verified. Side by side, in the same run:
 
    * ``transfer_bytes_per_s``: our P/D path, bytes over the decode rank's span
      from the start of its first engine read to the end of its last (protocol,
@@ -15,8 +15,11 @@ Real prefill and decode processes (the multi-process harness of
    * ``raw_engine_bytes_per_s``: the bare engine (Mooncake's own
      ``batch_transfer_sync_read``) issuing exactly the same chunk lists on the same
      registered buffers in the same processes, one call per layer as ours, no
-     control plane (best of 2 replays); ``engine_over_raw`` =
-     ``transfer_bytes_per_s / raw_engine_bytes_per_s``;
+     control plane, right after ours; ``engine_over_raw``: per layer after the first,
+     raw time over ours (read + idle gap before it), median over every layer of the
+     ``--throughput-runs`` runs; ``engine_over_raw_total``: whole-run
+     ``transfer_bytes_per_s / raw_engine_bytes_per_s`` of the reported run (the one
+     with the median whole-run ratio);
    * ``memcpy_bytes_per_s``: a plain in-process memcpy of the same chunk sizes;
 2. **per-layer protocol overhead**: ``--overhead-layers`` layers of a single small
    block through one slot (each layer waits for the previous answer, nothing
