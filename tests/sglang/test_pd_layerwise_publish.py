@@ -74,8 +74,13 @@ def run_transfer(gate_reads: bool, decode_expects: bool = True, then=None, decod
     events, lock = [], threading.Lock()
     real_read = d_engine.read
 
-    def slow_read(*args, **kwargs):  # decode is slow: reuse before READ_DONE would corrupt the read
-        time.sleep(0.05)
+    # Decode is slow: reuse before READ_DONE would corrupt the read. Without the read gate
+    # (negative control) the read waits 0.4 s, far longer than the next layer takes to
+    # overwrite the shared buffer even on a loaded machine, so the corruption always shows.
+    read_delay_s = 0.05 if gate_reads else 0.4
+
+    def slow_read(*args, **kwargs):
+        time.sleep(read_delay_s)
         return real_read(*args, **kwargs)
 
     d_engine.read = slow_read
