@@ -84,6 +84,7 @@ class ServerProcess:
         self.extra_args = list(extra_args)
         self.port_span = DP_ATTENTION_PORT_SPAN if "--enable-dp-attention" in self.extra_args else 1
         self.port = reserve_port(self.port_span)
+        self.nccl_port = reserve_port()
         self.log_path = Path(log_path) if log_path else None
         self.cpu = cpu
         self.extra_env = dict(env or {})
@@ -92,8 +93,13 @@ class ServerProcess:
 
     @property
     def args(self) -> List[str]:
+        # SGLang picks its torch.distributed port itself (a free port in 22000-29999, bound
+        # later by the scheduler): two servers starting together can pick the same one.
+        # A reserved port closes that race too, unless the caller chose one.
+        given = set(self.base_args) | set(self.extra_args)
+        nccl = [] if "--nccl-port" in given else ["--nccl-port", str(self.nccl_port)]
         return [sys.executable, "-m", "sglang.launch_server", *self.base_args,
-                "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+                "--host", "127.0.0.1", "--port", str(self.port), *nccl, *self.extra_args]
 
     @property
     def url(self) -> str:
@@ -109,9 +115,11 @@ class ServerProcess:
             try:
                 return self._start_once()
             except PortInUse as exc:
-                if attempt == attempts or f"port {self.port} " not in str(exc):
+                ours = (f"port {self.port} " in str(exc)) or (f"port {self.nccl_port} " in str(exc))
+                if attempt == attempts or not ours:
                     raise  # out of attempts, or a port fixed in extra_args: the caller chose it
                 self.port = reserve_port(self.port_span)
+                self.nccl_port = reserve_port()
         raise AssertionError("unreachable")
 
     def _start_once(self) -> "ServerProcess":
@@ -145,7 +153,7 @@ class ServerProcess:
         except OSError:
             return None
         numbers = (int(n) for a in self.extra_args for n in re.findall(r"\d+", a))  # incl. ports inside JSON
-        ports = [self.port] + [n for n in numbers if 1024 <= n <= 65535]
+        ports = [self.port, self.nccl_port] + [n for n in numbers if 1024 <= n <= 65535]
         return log_reports_bind_failure(text, ports)
 
     def post(self, path: str, body: Dict[str, Any], timeout: float = 120.0) -> Any:
