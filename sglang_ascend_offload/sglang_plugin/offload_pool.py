@@ -74,6 +74,8 @@ class HostMainKVPool(DeviceDSAPool):
             raise ValueError(f"host_pool_tokens={tokens} is smaller than SGLang's slot space ({slots} = "
                              f"{size} tokens + one padding page): raise host_pool_tokens or lower "
                              "--max-total-tokens")
+        hot_tokens = offload.hot_tokens if offload.hot_tokens is not None else 2 * top_k
+        _require_memory(layer_num, rows, hot_tokens, tokens, kv_lora_rank + qk_rope_head_dim, device)
         # One pool per attention-DP group: TP rank 0 allocates and appends, the others map it
         # and wait for its appends before reading (shared_host_pool.py).
         rank_pool = allocate_rank_pool(
@@ -83,7 +85,6 @@ class HostMainKVPool(DeviceDSAPool):
         )
         self.host_pool, self.append_order = rank_pool.pool, rank_pool.order
         gate = EngineGate(rank_pool.order) if rank_pool.order is not None and rank_pool.rank > 0 else None
-        hot_tokens = offload.hot_tokens if offload.hot_tokens is not None else 2 * top_k
         self.engine = SparseDecodeEngine(
             EngineConfig(layers=layer_num, rows=rows, hot_tokens=hot_tokens, top_k=top_k,
                          latent_dim=kv_lora_rank, rope_dim=qk_rope_head_dim, dtype=dtype,
@@ -163,6 +164,27 @@ class HostMainKVPool(DeviceDSAPool):
         if self._on_npu:
             return super().set_index_k_buffer(layer_id, loc, index_k)
         _scatter_rows(self.index_k_buffer[self._get_indexer_slot(layer_id)], loc, index_k)
+
+
+def _require_memory(layers: int, rows: int, hot_tokens: int, tokens: int, row_dim: int, device: str) -> None:
+    """The exact hot buffers and host pool against the memory available now, before
+    either is allocated (the startup check estimated them from the arguments; here the
+    request pool's rows are known). Raises :class:`ConfigError` with the numbers."""
+    from .. import memory_budget
+
+    row_bytes = row_dim * 2  # bf16
+    items = [
+        memory_budget.Allocation("hot buffers", "device", layers * (rows + 1) * hot_tokens * row_bytes,
+                                 f"{layers} layers x ({rows} rows + 1 padding row) x {hot_tokens} hot_tokens x "
+                                 f"{row_bytes} B", "hot_tokens or --max-running-requests"),
+        memory_budget.Allocation("host pool", "host", layers * tokens * row_bytes,
+                                 f"{layers} layers x {tokens} tokens x {row_bytes} B",
+                                 "host_pool_tokens or --max-total-tokens"),
+    ]
+    kind = "cpu" if str(device).startswith("cpu") else str(device).split(":")[0]
+    problems = memory_budget.check(items, kind)
+    if problems:
+        raise cfg.ConfigError(problems, "sparse decode offload memory")
 
 
 def build_offload_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool,

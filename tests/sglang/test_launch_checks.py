@@ -185,3 +185,16 @@ def test_launcher_refuses_before_any_model_loads(case, no_indexer_model):
     assert rule in out, out[-3000:]
     assert "Load weight" not in out and "load weight" not in out.lower()  # refused before any model loads
     assert elapsed < 120, elapsed
+
+
+def test_pool_checks_the_exact_buffers_before_allocating():
+    """At pool construction the request pool's rows are known: buffers that cannot fit
+    are refused with the numbers before anything is allocated."""
+    from sglang_ascend_offload.sglang_plugin.offload_pool import _require_memory
+
+    _require_memory(layers=2, rows=5, hot_tokens=64, tokens=4096, row_dim=576, device="cpu")  # 1.5 MB: fits
+    with pytest.raises(cfg.ConfigError) as info:
+        _require_memory(layers=61, rows=2049, hot_tokens=4096, tokens=4096, row_dim=576, device="cpu")
+    problem = info.value.violations[0]
+    assert problem.rule == "memory.insufficient"
+    assert "61 layers x (2049 rows + 1 padding row) x 4096 hot_tokens x 1152 B" in problem.problem
