@@ -17,8 +17,13 @@ retrying it:
   survives a crashed run); concurrent test runs on one machine never receive the
   same port;
 * a port is also checked to be bindable on ``127.0.0.1`` and ``0.0.0.0`` right now;
-* ``span`` reserves a block of consecutive ports (SGLang derives ``port + 233 ..
-  port + 239`` from the HTTP port under DP attention; P/D derives ``kv_port + rank``).
+* ``span`` reserves a block of consecutive ports (P/D derives ``kv_port + rank``);
+  ``offsets`` reserves chosen ports relative to the first one without the ports in
+  between (SGLang derives ``port + 233 .. port + 239`` from the HTTP port under DP
+  attention: :data:`DP_ATTENTION_OFFSETS`). Long blocks would fragment the range over a
+  long test session; a few scattered offsets never run out;
+* servers give their ports back when they stop (:func:`release_ports`), so a session
+  that starts hundreds of servers never drains the range.
 
 Environment: ``SAO_TEST_PORT_RANGE=LOW-HIGH`` overrides the range,
 ``SAO_TEST_PORT_LOCK_DIR`` the lock folder (default ``$TMPDIR/sglang_ascend_offload_ports``).
@@ -38,7 +43,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 __all__ = ["PORT_RANGE", "BIND_FAILURE_MARKERS", "reserve_port", "reserve_ports", "release", "release_all",
-           "log_reports_bind_failure", "DP_ATTENTION_PORT_SPAN"]
+           "log_reports_bind_failure", "DP_ATTENTION_OFFSETS", "release_ports"]
 
 
 def _range_from_env() -> Tuple[int, int]:
@@ -61,7 +66,7 @@ BIND_FAILURE_MARKERS: Tuple[str, ...] = ("address already in use", "errno 98", "
 
 # SGLang 0.5.23 derives its ZMQ ports from the HTTP port under DP attention
 # (``port + 233`` .. ``port + 239``, server_args.PortArgs.init_new): reserve them too.
-DP_ATTENTION_PORT_SPAN = 240
+DP_ATTENTION_OFFSETS = tuple(range(233, 240))
 
 _lock = threading.Lock()
 _held: Dict[int, int] = {}  # port -> fd of its lock file, kept open for the process lifetime
@@ -103,22 +108,24 @@ def _unlock(port: int) -> None:
         os.close(fd)  # closing the descriptor drops the flock
 
 
-def reserve_ports(count: int = 1, span: int = 1) -> List[int]:
-    """``count`` ports, each the first of ``span`` consecutive free ports, reserved for
-    this process (never handed out again to any process while it lives).
+def reserve_ports(count: int = 1, span: int = 1, offsets: Sequence[int] = ()) -> List[int]:
+    """``count`` ports, each the first of ``span`` consecutive free ports (plus the ports
+    at ``offsets`` from it), reserved for this process until :func:`release_ports` or
+    the process ends (never handed out to any other process meanwhile).
 
     Raises ``RuntimeError`` naming the range when no block is free.
     """
-    if count < 1 or span < 1:
-        raise ValueError(f"count={count} and span={span} must be >= 1")
+    if count < 1 or span < 1 or any(o < span for o in offsets):
+        raise ValueError(f"count={count} and span={span} must be >= 1, offsets {tuple(offsets)} >= span")
     low, high = PORT_RANGE
     folder = _lock_dir()
-    firsts = list(range(low, high - span + 2))
+    reach = max([span - 1, *offsets])
+    firsts = list(range(low, high - reach + 1))
     random.Random(os.getpid() ^ random.getrandbits(32)).shuffle(firsts)
-    out: List[int] = []
+    out: List[List[int]] = []
     with _lock:
         for first in firsts:
-            block = range(first, first + span)
+            block = [*range(first, first + span), *(first + o for o in offsets)]
             if any(p in _held for p in block):
                 continue
             taken: List[int] = []
@@ -129,28 +136,33 @@ def reserve_ports(count: int = 1, span: int = 1) -> List[int]:
                 if not _bindable(port):
                     break
             else:
-                out.append(first)
+                out.append(block)
                 if len(out) == count:
-                    return out
+                    return [b[0] for b in out]
                 continue
             for port in taken:
                 _unlock(port)
-    for first in out:
-        release(first, span)
-    raise RuntimeError(f"no block of {span} free port(s) in {low}-{high} (SAO_TEST_PORT_RANGE); "
-                       "another run may hold them: check for lingering servers")
+    for block in out:
+        release_ports(block)
+    raise RuntimeError(f"no block of {span} free port(s) (offsets {tuple(offsets)}) in {low}-{high} "
+                       "(SAO_TEST_PORT_RANGE); another run may hold them: check for lingering servers")
 
 
-def reserve_port(span: int = 1) -> int:
-    """One reserved port (the first of ``span`` consecutive reserved ports)."""
-    return reserve_ports(1, span)[0]
+def reserve_port(span: int = 1, offsets: Sequence[int] = ()) -> int:
+    """One reserved port (the first of ``span`` consecutive reserved ports, plus ``offsets``)."""
+    return reserve_ports(1, span, offsets)[0]
+
+
+def release_ports(ports: Iterable[int]) -> None:
+    """Give reserved ports back (a stopped server's), so the range never drains."""
+    with _lock:
+        for port in ports:
+            _unlock(port)
 
 
 def release(first: int, span: int = 1) -> None:
-    """Give back a block taken by :func:`reserve_ports` (only needed to reuse it in-process)."""
-    with _lock:
-        for port in range(first, first + span):
-            _unlock(port)
+    """Give back a block taken by :func:`reserve_ports`."""
+    release_ports(range(first, first + span))
 
 
 def release_all() -> None:

@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from .ports import DP_ATTENTION_PORT_SPAN, log_reports_bind_failure, reserve_port
+from .ports import DP_ATTENTION_OFFSETS, log_reports_bind_failure, release_ports, reserve_port
 
 __all__ = ["REPO", "FIXTURES", "TINY_DSA", "TINY_DSA_4L", "CPU_SERVER_ARGS", "IDLE_SLEEP", "ServerProcess",
            "PortInUse", "server_env", "stop_process_group", "stop_all", "fixture_args"]
@@ -82,8 +82,8 @@ class ServerProcess:
                  env: Optional[Dict[str, str]] = None):
         self.base_args = list(base_args)
         self.extra_args = list(extra_args)
-        self.port_span = DP_ATTENTION_PORT_SPAN if "--enable-dp-attention" in self.extra_args else 1
-        self.port = reserve_port(self.port_span)
+        self.port_offsets = DP_ATTENTION_OFFSETS if "--enable-dp-attention" in self.extra_args else ()
+        self.port = reserve_port(offsets=self.port_offsets)
         self.nccl_port = reserve_port()
         self.log_path = Path(log_path) if log_path else None
         self.cpu = cpu
@@ -118,7 +118,8 @@ class ServerProcess:
                 ours = (f"port {self.port} " in str(exc)) or (f"port {self.nccl_port} " in str(exc))
                 if attempt == attempts or not ours:
                     raise  # out of attempts, or a port fixed in extra_args: the caller chose it
-                self.port = reserve_port(self.port_span)
+                self._release_ports()
+                self.port = reserve_port(offsets=self.port_offsets)
                 self.nccl_port = reserve_port()
         raise AssertionError("unreachable")
 
@@ -191,6 +192,12 @@ class ServerProcess:
 
     def stop(self, grace_s: float = 20) -> None:
         stop_process_group(self.proc, grace_s=grace_s)
+        self._release_ports()
+
+    def _release_ports(self) -> None:
+        """Give the ports back once nothing of this server can hold them."""
+        if self.proc is None or self.proc.poll() is not None:
+            release_ports([self.port, self.nccl_port, *(self.port + o for o in self.port_offsets)])
 
 
 def stop_process_group(proc: Optional[subprocess.Popen], grace_s: float) -> None:
