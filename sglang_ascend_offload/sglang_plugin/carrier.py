@@ -16,7 +16,7 @@ validates flags.
 from __future__ import annotations
 
 import os
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from .. import config as cfg
 
@@ -60,3 +60,24 @@ def active_config() -> cfg.OffloadConfig:
 
 def sparse_decode_enabled() -> bool:
     return active_config().sparse_decode is not None
+
+
+def section_for_served_pool(kvc: Any, section: str) -> Optional[Any]:
+    """The active config's ``section`` (``layerwise_prefill`` / ``kvpp``) when SGLang's KV
+    cache configurator ``kvc`` is building the plugin's main MLA pool (not a draft
+    worker's, and the ``ascend_offload`` backend runs); ``None`` otherwise. Used by the
+    per-token sizing hooks, which must leave every other pool as SGLang sizes it."""
+    value = getattr(active_config(), section)
+    # is_draft_worker / use_mla_backend: configurator fields that stand-ins in tests may omit.
+    if value is None or getattr(kvc, "is_draft_worker", False) or not getattr(kvc, "use_mla_backend", False):
+        return None
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        from .backend import BACKEND_NAME
+
+        if get_exec().kernel.attention_backend != BACKEND_NAME:
+            return None
+    except Exception:  # noqa: BLE001 - no runtime context: not a served model
+        return None
+    return value

@@ -47,19 +47,7 @@ def kvpp_cell_size(cell: int, num_layers: int, group: int) -> int:
 
 
 def _applies(kvc: Any) -> Optional[cfg.KVPPConfig]:
-    kvpp = carrier.active_config().kvpp
-    if kvpp is None or getattr(kvc, "is_draft_worker", False) or not getattr(kvc, "use_mla_backend", False):
-        return None
-    try:
-        from sglang.srt.runtime_context import get_exec
-
-        from .backend import BACKEND_NAME
-
-        if get_exec().kernel.attention_backend != BACKEND_NAME:
-            return None
-    except Exception:  # noqa: BLE001 - no runtime context: not a served model
-        return None
-    return kvpp
+    return carrier.section_for_served_pool(kvc, "kvpp")
 
 
 def _group_size() -> int:

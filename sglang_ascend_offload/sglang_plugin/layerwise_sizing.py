@@ -42,19 +42,7 @@ def scaled_cell_size(cell: int, lw: cfg.LayerwisePrefillOffloadConfig, num_layer
 
 
 def _applies(kvc: Any) -> Optional[cfg.LayerwisePrefillOffloadConfig]:
-    lw = carrier.active_config().layerwise_prefill
-    if lw is None or getattr(kvc, "is_draft_worker", False) or not getattr(kvc, "use_mla_backend", False):
-        return None
-    try:
-        from sglang.srt.runtime_context import get_exec
-
-        from .backend import BACKEND_NAME
-
-        if get_exec().kernel.attention_backend != BACKEND_NAME:
-            return None
-    except Exception:  # noqa: BLE001 - no runtime context: not a served model
-        return None
-    return lw
+    return carrier.section_for_served_pool(kvc, "layerwise_prefill")
 
 
 def cell_size_around(original, self, kvc, num_layers: int) -> int:
