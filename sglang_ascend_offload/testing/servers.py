@@ -79,8 +79,9 @@ class ServerProcess:
 
     def __init__(self, extra_args: Sequence[str] = (), log_path: Optional[Path] = None,
                  base_args: Sequence[str] = tuple(CPU_SERVER_ARGS), cpu: bool = True,
-                 env: Optional[Dict[str, str]] = None):
+                 env: Optional[Dict[str, str]] = None, startup_timeout_s: Optional[float] = None):
         self.base_args = list(base_args)
+        self.startup_timeout_s = STARTUP_TIMEOUT_S if startup_timeout_s is None else float(startup_timeout_s)
         self.extra_args = list(extra_args)
         self.port_offsets = DP_ATTENTION_OFFSETS if "--enable-dp-attention" in self.extra_args else ()
         self.port = reserve_port(offsets=self.port_offsets)
@@ -129,7 +130,7 @@ class ServerProcess:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
                                          env={**server_env(self.cpu), **self.extra_env}, cwd=REPO,
                                          start_new_session=True)
-        deadline = t0 + STARTUP_TIMEOUT_S
+        deadline = t0 + self.startup_timeout_s
         while time.monotonic() < deadline:
             failed = self._port_that_failed_to_bind()
             if failed is not None:
@@ -146,7 +147,7 @@ class ServerProcess:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise TimeoutError(f"server not healthy after {STARTUP_TIMEOUT_S:.0f} s; log: {self.log_path}")
+        raise TimeoutError(f"server not healthy after {self.startup_timeout_s:.0f} s; log: {self.log_path}")
 
     def _port_that_failed_to_bind(self) -> Optional[int]:
         try:
