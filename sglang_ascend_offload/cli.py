@@ -28,6 +28,8 @@ BENCH_COMMANDS = {
     "kvpp": ("sglang_ascend_offload.bench.kvpp", "KVPP broadcast + prefetch over gloo: full-layer vs active-block"),
     "kernels": ("sglang_ascend_offload.bench.kernels", "Triton vs reference, per residency/copy kernel"),
     "prefill": ("sglang_ascend_offload.bench.prefill", "layerwise prefill pipeline: footprint and overlap"),
+    "serve": ("sglang_ascend_offload.bench.serve",
+              "served tok/s and latency: offload on/off x eager/graph x speculation, side by side"),
     "soak": ("sglang_ascend_offload.bench.soak", "served offload under churn for minutes: memory growth, leaks, failures"),
     "transfer": ("sglang_ascend_offload.bench.transfer", "P/D transfer engine throughput, overhead and faults"),
 }

@@ -36,15 +36,15 @@ import re
 import sys
 import threading
 import time
-import urllib.error
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from .served_load import REQUEST_ERRORS, VOCAB
+
 SHM = Path("/dev/shm")
 PLUGIN_SHM_PREFIXES = ("sglang_ascend_offload", "sao_hostpool")  # host_pool.py, shared_host_pool.py
 SGLANG_SHM_PREFIXES = ("sgl_shm_mq_", "sglang_loads_")
-VOCAB = 1024
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -148,7 +148,7 @@ def _client(server, stats: LoadStats, rng: random.Random, stop_at: float, abort_
             threading.Timer(rng.uniform(0.05, 0.5), _abort, (server, rid)).start()
         try:
             out = server.generate(prompt, max_new_tokens=want, timeout=180, rid=rid)
-        except (urllib.error.URLError, ConnectionError, OSError, ValueError) as exc:
+        except REQUEST_ERRORS as exc:
             if abort:
                 stats.add(requests=1, aborted=1)
             else:
@@ -167,7 +167,7 @@ def _client(server, stats: LoadStats, rng: random.Random, stop_at: float, abort_
 def _abort(server, rid: str) -> None:
     try:
         server.post("/abort_request", {"rid": rid}, timeout=30)
-    except (urllib.error.URLError, ConnectionError, OSError, ValueError):
+    except REQUEST_ERRORS:
         pass  # the request may have finished already
 
 

@@ -30,18 +30,18 @@ import logging
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from ..bench import served_load
+from ..bench.served_load import prompt
+
 logger = logging.getLogger(__name__)
 
-VOCAB = 1024  # the tiny DSA fixture's vocabulary
 COMMON = ["--max-running-requests", "4", "--chunked-prefill-size", "128"]
 ROUTER_READY_S = 180.0
 CONFIG_NAMES = ("colocated", "pd_device_decode", "pd_offload_decode", "pd_layerwise_prefill_offload_decode")
@@ -73,43 +73,11 @@ class ServedResult:
     completed: int
 
 
-def prompt(n: int, seed: int) -> List[int]:
-    return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
-
-
-def _percentile(values: Sequence[float], q: float) -> Optional[float]:
-    import math
-
-    if not values:
-        return None
-    xs = sorted(values)
-    return xs[max(0, math.ceil(q / 100.0 * len(xs)) - 1)]
-
-
 def stream_generate(url: str, input_ids: List[int], max_new_tokens: int,
                     timeout_s: float = 300.0) -> tuple:
     """Streamed greedy ``/generate``: ``(ttft_s or None, output tokens, wall_s)``."""
-    body = {"input_ids": input_ids, "stream": True,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
-    req = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.monotonic()
-    ttft = None
-    tokens = 0
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        for raw in r:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
-            n = int(chunk.get("meta_info", {}).get("completion_tokens", len(chunk.get("output_ids", []))))
-            if n > 0 and ttft is None:
-                ttft = time.monotonic() - t0
-            tokens = max(tokens, n)
-    return ttft, tokens, time.monotonic() - t0
+    out = served_load.stream_generate(url, input_ids, max_new_tokens, timeout_s=timeout_s)
+    return out.ttft_s, out.tokens, out.wall_s
 
 
 class Router:
@@ -221,31 +189,16 @@ def _stop(procs) -> None:
 def run_load(url: str, load: ServedLoad, name: str) -> ServedResult:
     """Send the load (after one warm-up request) and summarise it."""
     stream_generate(url, prompt(load.input_len, seed=10_000), load.output_len)  # warm-up
-    ttfts: List[float] = []
-    tokens = [0]
-    completed = [0]
-    lock = threading.Lock()
-
-    def one(i: int) -> None:
-        try:
-            ttft, n, _ = stream_generate(url, prompt(load.input_len, seed=i), load.output_len)
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            logger.warning("%s: request %d failed: %s", name, i, exc)
-            return
-        with lock:
-            if n >= load.output_len and ttft is not None:
-                completed[0] += 1
-                ttfts.append(ttft)
-                tokens[0] += n
-
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(max(1, load.concurrency)) as pool:
-        list(pool.map(one, range(load.requests)))
-    wall = time.monotonic() - t0
-    p50, p99 = _percentile(ttfts, 50), _percentile(ttfts, 99)
+    res, _ = served_load.run_load(url, [prompt(load.input_len, seed=i) for i in range(load.requests)],
+                                  load.output_len, load.concurrency,
+                                  on_error=lambda i, exc: logger.warning("%s: request %d failed: %s", name, i, exc))
+    done = res.completed(load.output_len)
+    ttfts = [o.ttft_s for o in done]
+    p50, p99 = served_load.percentile(ttfts, 50), served_load.percentile(ttfts, 99)
+    tokens = sum(o.tokens for o in done)
     return ServedResult(name=name, ttft_ms_p50=None if p50 is None else p50 * 1e3,
                         ttft_ms_p99=None if p99 is None else p99 * 1e3,
-                        output_tokens_per_s=tokens[0] / wall if wall > 0 else None, completed=completed[0])
+                        output_tokens_per_s=tokens / res.wall_s if res.wall_s > 0 else None, completed=len(done))
 
 
 def run_served(load: ServedLoad, names: Sequence[str] = CONFIG_NAMES,

@@ -1,0 +1,537 @@
+"""``bench serve``: served throughput and latency with sparse decode offload on and off,
+with and without decode graphs and speculative decoding, side by side in one run.
+
+Each selected run launches a real SGLang server (``python -m sglang.launch_server``,
+:class:`~sglang_ascend_offload.testing.servers.ServerProcess`), alone on the machine
+(one after another: no idle server of another run competes for the CPU), sends it
+one warm-up request and then the same load, and stops it:
+
+* ``--clients`` concurrent clients, ``--requests`` requests in all, each a seeded
+  prompt of ``--input-len`` token ids (prompt ``i`` is the same in every run) asking
+  for ``--output-len`` tokens, greedy, ``ignore_eos``, streamed;
+* ``--rounds`` passes of that load (default 1); throughput is the median over rounds,
+  latency percentiles pool every round's requests; outputs compare round 1.
+
+Runs are named ``[no_]offload[_eager|_graph][_spec][_mrrN]``:
+
+* ``offload``: ``--enable-sparse-decode-offload`` with ``--offload-config``;
+* ``graph``: decode graphs. On CPU (the default, the tiny DSA fixture) that is SGLang's
+  CPU graph runner, which captures decode only with ``--enable-torch-compile``
+  (``--graph-args``); on an NPU node (``--model-path``) graphs are SGLang's default and
+  ``eager`` adds ``--disable-cuda-graph``. Neither ``_eager`` nor ``_graph``: eager;
+* ``spec``: speculative decoding (``--spec-args``: EAGLE / NextN with one draft step),
+  served from ``--spec-model-path`` (default: the NextN fixture ``tests/fixtures/
+  tiny_dsa_mtp`` when it exists; its target layers are the plain fixture's);
+* ``mrrN``: ``--max-running-requests N`` for that run (else ``--max-running-requests``).
+
+The default selection (:data:`DEFAULT_RUNS`) is the issue's five configurations plus
+``no_offload_eager``, the plain no-offload run that ``token_agreement`` is measured
+against and that ``offload_eager`` must match.
+
+Per run (``--json``: one entry of ``runs``): ``requests``, ``completed`` (requests that
+returned every asked token, summed over rounds), ``output_tokens_per_s`` (output tokens
+of completed requests over the load's wall time), ``decode_tokens_per_s`` (tokens
+after each request's first over the decode window: first request's first token to the
+last request's last token), ``ttft_ms_p50``, ``itl_ms_p50`` / ``itl_ms_p99`` (per output
+token after the first: each streamed chunk's gap divided over the tokens it carried),
+``accept_length`` (speculative runs: output tokens over verify steps, SGLang's
+``spec_verify_ct``), ``token_agreement`` (fraction of the plain no-offload run's output
+tokens that this run reproduced at the same position of the same request; compiled or
+speculative arithmetic may legitimately differ), ``reference`` / ``identical_to_reference``
+(the no-offload run with the same graph and speculation settings, preferring the same
+``--max-running-requests``, and whether every output equals it). A run that cannot start
+(a configuration not supported yet) keeps its entry with ``error``: the server's own
+startup error from its log.
+
+``identical_tokens`` is true when every offload run has such a no-offload counterpart
+in the selection and reproduces its greedy outputs exactly (and no run failed).
+``max_running_requests_ratios``: for runs that differ only in ``--max-running-requests``
+(e.g. ``--runs offload_mrr4,offload_mrr2048``), the smallest over the largest's decode
+and output tokens/s (issue 17: with offload, 2048 must stay within 1.25 x of 4 for
+the same live load) and whether their outputs are identical.
+
+Progress goes to stderr; ``--json`` prints one JSON document on stdout, otherwise a
+table. Exit status 0 when every run completed every request and ``identical_tokens``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from . import served_load
+
+DEFAULT_RUNS = ("no_offload_eager", "no_offload_graph", "offload_eager", "offload_graph", "offload_graph_spec",
+                "no_offload_graph_spec")
+RUN_NAME = re.compile(r"^(no_offload|offload)(_eager|_graph)?(_spec)?(?:_mrr(\d+))?$")
+DEFAULT_OFFLOAD_CONFIG = json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 1.0})
+DEFAULT_SPEC_ARGS = ("--speculative-algorithm EAGLE --speculative-num-steps 1 --speculative-eagle-topk 1 "
+                     "--speculative-num-draft-tokens 2")
+OFFLOAD_SUMMARY = "sparse-decode-offload:"
+# The last lines of a server log that name an error (Python exceptions, SGLang's own
+# "... failed" lines), shown as a run's ``error`` when its server does not start.
+ERROR_LINE = re.compile(r"^(?:\S+: )?(?:[\w.]*(?:Error|Exception|Exit)\b.*|.*\b(?:[Ff]ailed|refus\w+)\b.*)$")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runs", default=",".join(DEFAULT_RUNS),
+                   help="comma-separated runs, each [no_]offload[_eager|_graph][_spec][_mrrN] "
+                        f"(default {','.join(DEFAULT_RUNS)})")
+    p.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
+    p.add_argument("--requests", type=int, default=None, help="requests per round (default 2 x --clients)")
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens per request (default 64)")
+    p.add_argument("--output-len", type=int, default=32, help="output tokens per request (default 32)")
+    p.add_argument("--rounds", type=int, default=1, help="passes of the load per run (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument("--max-running-requests", type=int, default=4,
+                   help="--max-running-requests of every run without an _mrrN suffix (default 4)")
+    p.add_argument("--model-path", default=None,
+                   help="a real checkpoint (NPU node): servers run on the device with SGLang's defaults plus "
+                        "--server-arg; default: the tiny DSA fixture on CPU")
+    p.add_argument("--spec-model-path", default=None,
+                   help="model of the speculative runs (default: --model-path, or the NextN fixture "
+                        "tests/fixtures/tiny_dsa_mtp on CPU)")
+    p.add_argument("--offload-config", default=DEFAULT_OFFLOAD_CONFIG,
+                   help=f"--sparse-decode-offload-config of the offload runs (default {DEFAULT_OFFLOAD_CONFIG})")
+    p.add_argument("--graph-args", default=None,
+                   help="server arguments of graph runs (CPU default: --enable-torch-compile "
+                        "--torch-compile-max-bs C --cuda-graph-bs-decode 1 2 .. C with C = --clients)")
+    p.add_argument("--spec-args", default=DEFAULT_SPEC_ARGS,
+                   help=f"server arguments of speculative runs (default {DEFAULT_SPEC_ARGS!r})")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARGS",
+                   help="extra server arguments for every run (repeatable; split like a shell)")
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds a server may take to become healthy (graph capture compiles; default 600)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    p.add_argument("--log-dir", default=None, help="server logs (default: a new temporary folder)")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One served configuration (a parsed run name)."""
+
+    name: str
+    offload: bool
+    graph: bool
+    speculative: bool
+    max_running_requests: int
+
+    @property
+    def settings(self) -> Tuple[bool, bool]:
+        return self.graph, self.speculative
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """The load every run gets."""
+
+    clients: int
+    requests: int
+    input_len: int
+    output_len: int
+    rounds: int
+    seed: int
+    vocab: int = served_load.VOCAB
+
+    def prompts(self) -> List[List[int]]:
+        return [served_load.random_prompt(self.input_len, self.seed * 1_000_003 + i, self.vocab)
+                for i in range(self.requests)]
+
+
+@dataclass
+class RunResult:
+    """One run's entry of ``runs`` (field meanings: module docstring). Times in ms,
+    throughputs in tokens/s; ``None`` where a value does not exist (no completed request,
+    no speculation, a failed run)."""
+
+    name: str
+    offload: bool
+    graph: bool
+    speculative: bool
+    max_running_requests: int
+    requests: int
+    completed: int = 0
+    output_tokens_per_s: Optional[float] = None
+    decode_tokens_per_s: Optional[float] = None
+    ttft_ms_p50: Optional[float] = None
+    ttft_ms_p99: Optional[float] = None
+    itl_ms_p50: Optional[float] = None
+    itl_ms_p99: Optional[float] = None
+    accept_length: Optional[float] = None
+    token_agreement: Optional[float] = None
+    reference: Optional[str] = None
+    identical_to_reference: Optional[bool] = None
+    deterministic_across_rounds: Optional[bool] = None
+    rounds_output_tokens_per_s: List[float] = field(default_factory=list)
+    rounds_decode_tokens_per_s: List[float] = field(default_factory=list)
+    startup_s: Optional[float] = None
+    offload_summary: Dict[str, str] = field(default_factory=dict)
+    server_args: List[str] = field(default_factory=list)
+    log: Optional[str] = None
+    error: Optional[str] = None
+    request_errors: List[str] = field(default_factory=list)
+
+
+def parse_runs(text: str, default_mrr: int) -> List[RunSpec]:
+    """Run names -> specs; ``ValueError`` naming every unknown or repeated name."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if not RUN_NAME.match(n)]
+    if bad:
+        raise ValueError(f"unknown runs {bad}: each is [no_]offload[_eager|_graph][_spec][_mrrN], "
+                         f"e.g. {','.join(DEFAULT_RUNS)},offload_mrr2048")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"runs named more than once: {dup}")
+    if not names:
+        raise ValueError("--runs is empty")
+    out = []
+    for n in names:
+        m = RUN_NAME.match(n)
+        mrr = int(m.group(4)) if m.group(4) else default_mrr
+        if mrr < 1:
+            raise ValueError(f"run {n}: max running requests must be >= 1")
+        out.append(RunSpec(n, m.group(1) == "offload", m.group(2) == "_graph", m.group(3) == "_spec", mrr))
+    return out
+
+
+def default_graph_args(clients: int) -> List[str]:
+    """CPU decode graphs: SGLang's CPU graph runner (``--enable-torch-compile``), one
+    captured batch size per power of two up to ``clients`` (and ``clients`` itself)."""
+    sizes = sorted({1 << i for i in range(max(1, clients).bit_length()) if 1 << i <= clients} | {max(1, clients)})
+    return ["--enable-torch-compile", "--torch-compile-max-bs", str(max(sizes)),
+            "--cuda-graph-bs-decode", *map(str, sizes)]
+
+
+def server_args(spec: RunSpec, args: argparse.Namespace) -> Tuple[List[str], List[str], bool]:
+    """``(base_args, extra_args, cpu)`` of ``spec``'s server."""
+    from ..testing.servers import FIXTURES, IDLE_SLEEP, TINY_DSA, fixture_args
+
+    cpu = args.model_path is None
+    extra: List[str] = ["--max-running-requests", str(spec.max_running_requests)]
+    if cpu:
+        model = TINY_DSA
+        if spec.speculative:
+            model = Path(args.spec_model_path) if args.spec_model_path else FIXTURES / "tiny_dsa_mtp"
+        base = fixture_args(model)
+        extra += ["--chunked-prefill-size", "128"] + IDLE_SLEEP
+        if spec.graph:
+            extra += shlex.split(args.graph_args) if args.graph_args is not None else default_graph_args(args.clients)
+    else:
+        model = args.spec_model_path if (spec.speculative and args.spec_model_path) else args.model_path
+        base = ["--model-path", str(model)]
+        if spec.graph:
+            extra += shlex.split(args.graph_args or "")
+        else:
+            extra += ["--disable-cuda-graph"]
+    if spec.offload:
+        extra += ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", args.offload_config]
+    if spec.speculative:
+        extra += shlex.split(args.spec_args)
+    for item in args.server_arg:
+        extra += shlex.split(item)
+    return base, extra, cpu
+
+
+def startup_error(exc: BaseException, log_path: Optional[Path], lines: int = 4) -> str:
+    """The launcher's exception plus the last error lines of the server log."""
+    found: List[str] = []
+    try:
+        text = log_path.read_text(errors="replace") if log_path else ""
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        line = line.strip()
+        if line and ERROR_LINE.match(line) and line not in found[-1:]:
+            found.append(line[:600])
+    tail = found[-lines:]
+    return f"{type(exc).__name__}: {exc}" + ("".join(f"\n  {t}" for t in tail) if tail else "")
+
+
+def _summary(log: Optional[Path]) -> Dict[str, str]:
+    """``key=value`` pairs of the last offload summary line of a server log."""
+    try:
+        lines = [x for x in log.read_text(errors="replace").splitlines() if OFFLOAD_SUMMARY in x] if log else []
+    except OSError:
+        return {}
+    return dict(re.findall(r"([\w/]+)=([^\s]+)", lines[-1].split(OFFLOAD_SUMMARY, 1)[1])) if lines else {}
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
+
+
+def _ms(v: Optional[float]) -> Optional[float]:
+    return None if v is None else round(v * 1e3, 3)
+
+
+def measure(url: str, spec: RunSpec, load: LoadSpec, prompts: Sequence[List[int]], request_timeout: float,
+            result: RunResult) -> List[Optional[List[int]]]:
+    """Warm-up, then ``load.rounds`` passes of the load; fills ``result``; returns
+    round 1's output ids per prompt (``None`` for a failed request)."""
+    served_load.stream_generate(url, served_load.random_prompt(load.input_len, -1, load.vocab), load.output_len,
+                                timeout_s=request_timeout)
+    first: List[Optional[List[int]]] = []
+    ttfts: List[float] = []
+    itls: List[float] = []
+    spec_tokens = spec_steps = 0
+    same = True
+    for r in range(load.rounds):
+        res, sent = served_load.run_load(url, prompts, load.output_len, load.clients, timeout_s=request_timeout)
+        done = res.completed(load.output_len)
+        result.completed += len(done)
+        result.request_errors += res.errors[: max(0, 10 - len(result.request_errors))]
+        tps, dtps = res.output_tokens_per_s(load.output_len), res.decode_tokens_per_s(load.output_len, sent)
+        if tps is not None:
+            result.rounds_output_tokens_per_s.append(round(tps, 3))
+        if dtps is not None:
+            result.rounds_decode_tokens_per_s.append(round(dtps, 3))
+        for o in done:
+            ttfts.append(o.ttft_s)
+            itls.extend(o.inter_token_s())
+            verify = o.meta_info.get("spec_verify_ct")
+            if verify:
+                spec_tokens += o.tokens
+                spec_steps += int(verify)
+        ids = [o.output_ids if o is not None else None for o in res.outputs]
+        if r == 0:
+            first = ids
+        else:
+            same = same and ids == first
+        _progress(f"{spec.name}: round {r + 1}/{load.rounds}: {len(done)}/{len(prompts)} completed, "
+                  f"{tps or 0:.1f} output tok/s, {dtps or 0:.1f} decode tok/s")
+    result.output_tokens_per_s = (round(statistics.median(result.rounds_output_tokens_per_s), 3)
+                                  if result.rounds_output_tokens_per_s else None)
+    result.decode_tokens_per_s = (round(statistics.median(result.rounds_decode_tokens_per_s), 3)
+                                  if result.rounds_decode_tokens_per_s else None)
+    result.ttft_ms_p50 = _ms(served_load.percentile(ttfts, 50))
+    result.ttft_ms_p99 = _ms(served_load.percentile(ttfts, 99))
+    result.itl_ms_p50 = _ms(served_load.percentile(itls, 50))
+    result.itl_ms_p99 = _ms(served_load.percentile(itls, 99))
+    result.accept_length = round(spec_tokens / spec_steps, 4) if spec_steps else None
+    result.deterministic_across_rounds = same if load.rounds > 1 else None
+    return first
+
+
+def run_one(spec: RunSpec, load: LoadSpec, prompts: Sequence[List[int]], args: argparse.Namespace,
+            log_dir: Path) -> Tuple[RunResult, Optional[List[Optional[List[int]]]]]:
+    """Start ``spec``'s server, measure, stop. A server that does not start gives an
+    entry with ``error`` (its startup error), not an exception."""
+    from ..testing.servers import PortInUse, ServerProcess
+
+    base, extra, cpu = server_args(spec, args)
+    result = RunResult(spec.name, spec.offload, spec.graph, spec.speculative, spec.max_running_requests,
+                       requests=load.requests * load.rounds, server_args=extra)
+    log = log_dir / f"{spec.name}.log"
+    result.log = str(log)
+    server = ServerProcess(extra, log_path=log, base_args=base, cpu=cpu, startup_timeout_s=args.startup_timeout)
+    _progress(f"{spec.name}: starting ({' '.join(extra)})")
+    try:
+        try:
+            server.start()
+        except (RuntimeError, TimeoutError, PortInUse, OSError) as exc:
+            result.error = startup_error(exc, server.log_path)
+            _progress(f"{spec.name}: did not start: {result.error}")
+            return result, None
+        result.startup_s = round(server.startup_s or 0.0, 1)
+        _progress(f"{spec.name}: up in {result.startup_s:.0f} s")
+        try:
+            outputs = measure(server.url, spec, load, prompts, args.request_timeout, result)
+        except served_load.REQUEST_ERRORS as exc:  # the warm-up failed: the server broke on its first request
+            result.error = startup_error(exc, server.log_path)
+            _progress(f"{spec.name}: failed: {result.error}")
+            return result, None
+        if result.completed == 0:
+            result.error = "no request completed: " + "; ".join(result.request_errors[:3])
+        return result, outputs
+    finally:
+        server.stop()
+        if spec.offload:
+            result.offload_summary = _summary(server.log_path)
+
+
+def agreement(ours: Sequence[Optional[List[int]]], ref: Sequence[Optional[List[int]]]) -> Optional[float]:
+    """Fraction of the reference's output tokens equal at the same position of the same
+    request (requests missing from either count as disagreeing)."""
+    total = sum(len(r) for r in ref if r is not None)
+    if total == 0:
+        return None
+    equal = 0
+    for a, b in zip(ours, ref):
+        if a is not None and b is not None:
+            equal += sum(1 for x, y in zip(a, b) if x == y)
+    return equal / total
+
+
+def compare(specs: Sequence[RunSpec], results: Dict[str, RunResult],
+            outputs: Dict[str, Optional[List[Optional[List[int]]]]]) -> Tuple[bool, List[str]]:
+    """Fill ``token_agreement`` / ``reference`` / ``identical_to_reference``; returns
+    ``(identical_tokens, problems)``."""
+    problems: List[str] = []
+    plain = next((s.name for s in specs if not s.offload and not s.graph and not s.speculative
+                  and outputs.get(s.name) is not None), None)
+    for s in specs:
+        res = results[s.name]
+        if plain is not None and outputs.get(s.name) is not None:
+            a = agreement(outputs[s.name], outputs[plain])
+            res.token_agreement = None if a is None else round(a, 6)
+        if results[s.name].error:
+            problems.append(f"{s.name}: {res.error.splitlines()[0]}")
+        if not s.offload:
+            continue
+        candidates = [c for c in specs if not c.offload and c.settings == s.settings]
+        candidates.sort(key=lambda c: c.max_running_requests != s.max_running_requests)
+        if not candidates:
+            problems.append(f"{s.name}: no no-offload run with graph={s.graph}, speculative={s.speculative} "
+                            "selected to compare with")
+            continue
+        ref = candidates[0].name
+        res.reference = ref
+        if outputs.get(s.name) is None or outputs.get(ref) is None:
+            problems.append(f"{s.name}: cannot compare with {ref} (a run failed)")
+            continue
+        res.identical_to_reference = (outputs[s.name] == outputs[ref]
+                                      and all(o is not None for o in outputs[s.name]))
+        if not res.identical_to_reference:
+            problems.append(f"{s.name}: greedy outputs differ from {ref}")
+    offload_runs = [s for s in specs if s.offload]
+    identical = bool(offload_runs) and not problems
+    if not offload_runs:
+        problems.append("no offload run selected")
+    return identical, problems
+
+
+def mrr_ratios(specs: Sequence[RunSpec], results: Dict[str, RunResult],
+               outputs: Dict[str, Optional[List[Optional[List[int]]]]]) -> List[Dict[str, Any]]:
+    """Smallest over largest ``--max-running-requests`` of runs equal in everything else."""
+    groups: Dict[Tuple[bool, bool, bool], List[RunSpec]] = {}
+    for s in specs:
+        groups.setdefault((s.offload, s.graph, s.speculative), []).append(s)
+    out = []
+    for group in groups.values():
+        if len({s.max_running_requests for s in group}) < 2:
+            continue
+        lo = min(group, key=lambda s: s.max_running_requests)
+        hi = max(group, key=lambda s: s.max_running_requests)
+        a, b = results[lo.name], results[hi.name]
+
+        def ratio(x, y):
+            return round(x / y, 4) if x and y else None
+
+        out.append({"runs": [lo.name, hi.name], "max_running_requests": [lo.max_running_requests,
+                                                                          hi.max_running_requests],
+                    "decode_tokens_per_s_ratio": ratio(a.decode_tokens_per_s, b.decode_tokens_per_s),
+                    "output_tokens_per_s_ratio": ratio(a.output_tokens_per_s, b.output_tokens_per_s),
+                    "rounds_decode_tokens_per_s_ratio": [ratio(x, y) for x, y in zip(a.rounds_decode_tokens_per_s,
+                                                                                     b.rounds_decode_tokens_per_s)],
+                    "identical_tokens": (outputs.get(lo.name) is not None
+                                         and outputs.get(lo.name) == outputs.get(hi.name))})
+    return out
+
+
+def _vocab(model_path: Optional[str]) -> int:
+    if model_path is None:
+        return served_load.VOCAB
+    cfg = Path(model_path) / "config.json"
+    try:
+        return int(json.loads(cfg.read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"--model-path {model_path}: cannot read vocab_size from {cfg} ({exc})") from None
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    specs = parse_runs(args.runs, args.max_running_requests)
+    load = LoadSpec(clients=args.clients, requests=args.requests or 2 * args.clients, input_len=args.input_len,
+                    output_len=args.output_len, rounds=args.rounds, seed=args.seed, vocab=_vocab(args.model_path))
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_serve_"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    _progress(f"{len(specs)} runs, {load.requests} requests x {load.rounds} rounds, {load.clients} clients, "
+              f"{load.input_len} -> {load.output_len} tokens; server logs in {log_dir}")
+    prompts = load.prompts()
+    results: Dict[str, RunResult] = {}
+    outputs: Dict[str, Optional[List[Optional[List[int]]]]] = {}
+    t0 = time.monotonic()
+    for spec in specs:
+        results[spec.name], outputs[spec.name] = run_one(spec, load, prompts, args, log_dir)
+    identical, problems = compare(specs, results, outputs)
+    return {
+        "runs": [asdict(results[s.name]) for s in specs],
+        "identical_tokens": identical,
+        "identical_tokens_problems": problems,
+        "max_running_requests_ratios": mrr_ratios(specs, results, outputs),
+        "load": asdict(load),
+        "model": args.model_path or "tests/fixtures/tiny_dsa (CPU)",
+        "wall_s": round(time.monotonic() - t0, 1),
+        "logs": str(log_dir),
+    }
+
+
+def _fmt(v, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_table(res: Dict[str, Any]) -> None:
+    load = res["load"]
+    print(f"bench serve: {load['clients']} clients, {load['requests']} requests x {load['rounds']} rounds, "
+          f"{load['input_len']} -> {load['output_len']} tokens, greedy; model {res['model']}")
+    print(f"{'run':26s} {'mrr':>5s} {'done':>7s} {'out tok/s':>9s} {'dec tok/s':>9s} {'TTFT p50':>8s} "
+          f"{'ITL p50':>7s} {'ITL p99':>7s} {'accept':>6s} {'agree':>6s} {'= ref':>5s}")
+    for r in res["runs"]:
+        same = {True: "yes", False: "NO", None: "-"}[r["identical_to_reference"]]
+        print(f"{r['name']:26s} {r['max_running_requests']:5d} {r['completed']:3d}/{r['requests']:<3d} "
+              f"{_fmt(r['output_tokens_per_s']):>9s} {_fmt(r['decode_tokens_per_s']):>9s} "
+              f"{_fmt(r['ttft_ms_p50']):>8s} {_fmt(r['itl_ms_p50']):>7s} {_fmt(r['itl_ms_p99']):>7s} "
+              f"{_fmt(r['accept_length'], '.2f'):>6s} {_fmt(r['token_agreement'], '.3f'):>6s} {same:>5s}")
+    for r in res["runs"]:
+        if r["error"]:
+            print(f"  {r['name']}: {r['error']}")
+    base = {r["name"]: r for r in res["runs"]}
+    for name in ("offload_graph", "offload_eager"):
+        ref = base.get("no_offload_graph" if name == "offload_graph" else "no_offload_eager")
+        if name in base and ref and base[name]["output_tokens_per_s"] and ref["output_tokens_per_s"]:
+            print(f"{name} / {ref['name']} output tok/s: "
+                  f"{base[name]['output_tokens_per_s'] / ref['output_tokens_per_s']:.3f}")
+    for m in res["max_running_requests_ratios"]:
+        print(f"{m['runs'][0]} / {m['runs'][1]} decode tok/s: {_fmt(m['decode_tokens_per_s_ratio'], '.3f')} "
+              f"(output tok/s {_fmt(m['output_tokens_per_s_ratio'], '.3f')}; identical tokens "
+              f"{m['identical_tokens']})")
+    print(f"identical_tokens: {res['identical_tokens']}")
+    for p in res["identical_tokens_problems"]:
+        print(f"  {p}")
+    print(f"server logs: {res['logs']}")
+
+
+def main(args: argparse.Namespace) -> int:
+    problems = [m for bad, m in ((args.clients < 1, f"--clients {args.clients} must be >= 1"),
+                                 (args.requests is not None and args.requests < 1,
+                                  f"--requests {args.requests} must be >= 1"),
+                                 (args.input_len < 1, f"--input-len {args.input_len} must be >= 1"),
+                                 (args.output_len < 2, f"--output-len {args.output_len} must be >= 2 "
+                                                       "(inter-token latency needs two tokens)"),
+                                 (args.rounds < 1, f"--rounds {args.rounds} must be >= 1"),
+                                 (args.max_running_requests < 1,
+                                  f"--max-running-requests {args.max_running_requests} must be >= 1")) if bad]
+    try:
+        parse_runs(args.runs, max(1, args.max_running_requests))
+        _vocab(args.model_path)
+    except ValueError as exc:
+        problems.append(str(exc))
+    if problems:
+        print("bench serve: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    res = run(args)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print_table(res)
+    ok = res["identical_tokens"] and all(r["completed"] == r["requests"] and not r["error"] for r in res["runs"])
+    return 0 if ok else 1
