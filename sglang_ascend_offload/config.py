@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 # ------------------------------------------------------------------ feature configs
 # The accepted names come from their registries (one home each): the operator
 # ladder's choices and the residency policies.
-from .ops.registry import CHOICES as _OPS_CHOICES  # noqa: E402
+from .ops.contract import CHOICES as _OPS_CHOICES  # noqa: E402
 from .sparse_decode.policies import POLICIES as _POLICIES  # noqa: E402
 
 OpsChoice = Literal[_OPS_CHOICES]

@@ -276,7 +276,7 @@ TINY = shape_from_hf_dict(dict(HF_DSV32, num_hidden_layers=3, kv_lora_rank=8, qk
 def test_sparse_decode_row_bytes_match_hot_buffers_and_residency_tables():
     torch = pytest.importorskip("torch")
     from sglang_ascend_offload.sparse_decode.hot_buffer import HotBuffers
-    from sglang_ascend_offload.sparse_decode.residency import ResidencyTable
+    from sglang_ascend_offload.ops.contract import ResidencyTable
 
     for mtp in (False, True):
         inp = CapacityInputs(hbm_bytes=GIB, host_bytes=GIB, context=64, page_size=16, hot_tokens=8, mtp=mtp,

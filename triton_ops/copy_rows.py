@@ -1,7 +1,7 @@
 """Launcher of the miss-row copy kernel: op ``copy_miss_rows``, rung ``triton``.
 
 :func:`copy_miss_rows` takes exactly the reference's arguments
-(:func:`sglang_ascend_offload.sparse_decode.hot_buffer.copy_miss_rows`) and, like it,
+(:func:`sglang_ascend_offload.ops.residency.copy_miss_rows`) and, like it,
 returns ``None`` after writing ``hot[r, miss_slots[r,i], :] =
 host[token_table[r, miss_tokens[r,i]], :]`` for every ``i < miss_count[r]``.
 

@@ -1,8 +1,8 @@
 """Launcher of the residency kernels: op ``residency_manage``, rung ``triton``.
 
 :func:`residency_manage` takes exactly the arguments of the reference
-(:func:`sglang_ascend_offload.sparse_decode.residency.residency_manage`) and returns
-the same :class:`~sglang_ascend_offload.sparse_decode.residency.ResidencyStep`;
+(:func:`sglang_ascend_offload.ops.residency.residency_manage`) and returns
+the same :class:`~sglang_ascend_offload.ops.contract.ResidencyStep`;
 state and outputs are identical to the reference's, bit for bit.
 
 All state stays on the device of ``slot_token``: the three state tensors are updated
@@ -19,11 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_ascend_offload.sparse_decode.residency import ResidencyStep
+from sglang_ascend_offload.ops.contract import INT64_MAX, ResidencyStep
 
 from . import _launch
 
-INT64_MAX = torch.iinfo(torch.int64).max
 
 __all__ = ["ResidencyKernelConfig", "residency_manage", "launch_residency_manage"]
 

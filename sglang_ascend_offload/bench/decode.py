@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from ..ops import registry
+from ..ops import contract, registry
 
 _SHAPES = ("locality", "random", "scan")
 _PROFILE_HOST_ROWS = 1 << 18  # host rows of the profile's copy timing (a 288 MiB bf16 pool)
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--trace", metavar="FILE", help=".npz trace (default: synthesise one)")
     parser.add_argument("--hot-tokens", type=int, help="hot slots per layer and row (default: the value a recorded trace was served with, else 2 x top-k)")
-    parser.add_argument("--ops", default="auto", choices=registry.CHOICES, help="operator ladder rung")
+    parser.add_argument("--ops", default="auto", choices=contract.CHOICES, help="operator ladder rung")
     parser.add_argument("--policy", choices=sorted(POLICIES),
                         help="residency policy of the engine run (default: the config default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -241,7 +241,6 @@ def run_profile(args) -> Dict[str, Any]:
     """Time one steady-state step at production shape (see module docstring)."""
     from ..sparse_decode.hot_buffer import HotBuffers
     from ..sparse_decode.policies import make_manager, uses_cpu_kernel
-    from ..sparse_decode.residency import register_reference_ops
     from ..sparse_decode.trace import SyntheticTraceSpec, synthesize
 
     rows = args.rows if args.rows != 8 else 32
@@ -259,7 +258,6 @@ def run_profile(args) -> Dict[str, Any]:
                               min_prompt=context // 4, max_prompt=context, min_decode=steps + 1,
                               max_decode=steps + 1, noise_skew=args.noise_skew)
     trace = synthesize(spec)
-    register_reference_ops()
     manage_op = registry.select("residency_manage", args.ops)
     copy_op = registry.select("copy_miss_rows", args.ops)
     attention = registry.select("sparse_mla_attention", args.ops)

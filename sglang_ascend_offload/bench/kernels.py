@@ -121,7 +121,8 @@ def _ratio(ref_ms: float, tri_ms: float) -> float:
 
 # ------------------------------------------------------------------------ the bench
 def run(args) -> BenchResult:
-    from ..sparse_decode import hot_buffer, residency
+    from ..ops import residency
+    from ..ops.contract import ResidencyTable
     from ..triton_ops import copy_rows, residency as tri_residency
 
     kind = platform.device_kind()
@@ -137,7 +138,7 @@ def run(args) -> BenchResult:
     gen = torch.Generator().manual_seed(args.seed)
 
     # warm state: a few steps through the reference
-    state = residency.ResidencyTable.empty(rows, hot, device=device)
+    state = ResidencyTable.empty(rows, hot, device=device)
     req = torch.arange(rows, dtype=torch.int64, device=device)
     stable = torch.full((rows,), ctx, dtype=torch.int32, device=device)
     topk = None
@@ -190,7 +191,7 @@ def run(args) -> BenchResult:
             bufs[name] = buf
         return call
 
-    ref_ms = _time(copy_with(hot_buffer.copy_miss_rows, "reference"), hot_init.clone, repeat)
+    ref_ms = _time(copy_with(residency.copy_miss_rows, "reference"), hot_init.clone, repeat)
     tri_ms = _time(copy_with(copy_rows.copy_miss_rows, "triton"), hot_init.clone, repeat)
     same = torch.equal(bufs["reference"].view(torch.int16 if dtype != torch.float32 else torch.int32),
                        bufs["triton"].view(torch.int16 if dtype != torch.float32 else torch.int32))

@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..ops import fused
-from ..sparse_decode.residency import ResidencyTable
+from ..ops.contract import IndexerManageResult, ResidencyTable
 from . import model as km
 
 ATTN_ATOL = 2e-2
@@ -215,7 +215,7 @@ class Scenario:
 
 
 # ------------------------------------------------------------------- LIM
-def _reference_lim(inp: LimInputs, table: ResidencyTable, dims: LimDims) -> fused.IndexerManageResult:
+def _reference_lim(inp: LimInputs, table: ResidencyTable, dims: LimDims) -> IndexerManageResult:
     common = dict(actual_seq_lengths_query=inp.cu, actual_seq_lengths_key=inp.kv_len,
                   block_table=inp.block_table, token_rows=inp.token_rows, req_ids=inp.req_ids,
                   stable_len=inp.stable, step=inp.step, slot_token=table.slot_token,
@@ -255,7 +255,7 @@ def _model_lim(m: km.KernelModel, inp: LimInputs, table: ResidencyTable, dims: L
     return out, launch
 
 
-def _compare_lim(got: Dict[str, torch.Tensor], ref: fused.IndexerManageResult, t_got: ResidencyTable,
+def _compare_lim(got: Dict[str, torch.Tensor], ref: IndexerManageResult, t_got: ResidencyTable,
                  t_ref: ResidencyTable) -> List[str]:
     bad = []
     pairs = [("topk_indices", got["topk"], ref.topk_indices), ("sparse_indices", got["sparse"], ref.sparse_indices),

@@ -46,18 +46,16 @@ graph when ``step`` is passed as a device tensor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
-from ..sparse_decode.residency import ResidencyStep, register_reference_ops
-from . import registry
+from .contract import IndexerManageResult, ResidencyStep, Step, implements
 from .npu_impls import fused_op, fused_op_unavailable
-from .registry import register
+from .reference import lightning_indexer, quant_lightning_indexer, sparse_mla_attention
+from .residency import copy_miss_rows, residency_manage
 
 __all__ = [
-    "IndexerManageResult",
     "lightning_indexer_manage",
     "quant_lightning_indexer_manage",
     "copy_sparse_flash_attention",
@@ -73,32 +71,8 @@ LIM_C8_KERNEL = "npu_fused_quant_lightning_indexer_manage"
 COPY_SFA_KERNEL = "npu_fused_scatter_copy_sparse_flash_attention"
 REGISTER_HOST_KERNEL = "npu_fused_register_host_memory"
 
-# The compositions select their steps from the registry; residency_manage and
-# copy_miss_rows live in sparse_decode/ and register themselves on request.
-register_reference_ops()
-
-Step = Union[int, torch.Tensor]
-
-
-# ----------------------------------------------------------------------- results
-@dataclass
-class IndexerManageResult:
-    """Outputs of LIM / LIM-C8 for one layer and step.
-
-    topk_indices:   int32 ``[T, 1, K]`` logical top-k positions of each query token
-                    (the indexer's output; ``-1`` padding).
-    sparse_indices: int32 ``[T, 1, K]`` rows of the flat hot buffer ``[R*H, D]``
-                    holding those positions after the step, same order
-                    (``token_rows[t] * H + slot``; ``-1`` for padding and for tokens
-                    with ``token_rows[t] == -1``): what Copy-SFA attends over.
-    residency:      the per-row :class:`~sglang_ascend_offload.sparse_decode.residency.ResidencyStep`
-                    (``hit_mask``, ``slots``, ``miss_count``, ``miss_tokens``,
-                    ``miss_slots``; all ``[R, ...]``): what Copy-SFA copies.
-    """
-
-    topk_indices: torch.Tensor
-    sparse_indices: torch.Tensor
-    residency: ResidencyStep
+# The reference compositions call the reference rungs of their steps directly
+# (``ops/reference.py``, ``ops/residency.py``): they are the specification.
 
 
 # ----------------------------------------------------------------------- helpers
@@ -167,7 +141,7 @@ def _manage_after_indexer(topk: torch.Tensor, *, slot_token, slot_stamp, row_req
     rows, hot_tokens = slot_token.shape
     tr = _check_token_rows(token_rows, topk.shape[0], rows)
     topk_rows = scatter_token_topk(topk, tr, rows).to(slot_token.device)
-    manage = registry.select("residency_manage", "reference")
+    manage = residency_manage
     res = manage(slot_token, slot_stamp, row_req, topk_rows, req_ids.to(slot_token.device),
                  stable_len.to(slot_token.device), _step_value(step))
     return IndexerManageResult(
@@ -178,7 +152,7 @@ def _manage_after_indexer(topk: torch.Tensor, *, slot_token, slot_stamp, row_req
 
 
 # ------------------------------------------------------------------ LIM (bf16)
-@register("lightning_indexer_manage", "reference")
+@implements("lightning_indexer_manage", "reference")
 def lightning_indexer_manage(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -210,7 +184,7 @@ def lightning_indexer_manage(
     ``token_rows`` int32 ``[T]``: the row each query token owns (``-1`` = none).
     ``sparse_count`` (= K) must be ``<= Hh``.
     """
-    indexer = registry.select("lightning_indexer", "reference")
+    indexer = lightning_indexer
     topk = indexer(query, key, weights, actual_seq_lengths_query=actual_seq_lengths_query,
                    actual_seq_lengths_key=actual_seq_lengths_key, block_table=block_table,
                    layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count,
@@ -220,7 +194,7 @@ def lightning_indexer_manage(
 
 
 # -------------------------------------------------------------------- LIM-C8
-@register("quant_lightning_indexer_manage", "reference")
+@implements("quant_lightning_indexer_manage", "reference")
 def quant_lightning_indexer_manage(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -253,7 +227,7 @@ def quant_lightning_indexer_manage(
     ``ops.hadamard.prepare_quant_indexer_inputs``). Residency arguments and results
     are :func:`lightning_indexer_manage`'s.
     """
-    indexer = registry.select("quant_lightning_indexer", "reference")
+    indexer = quant_lightning_indexer
     topk = indexer(query, key, weights, query_dequant_scale, key_dequant_scale,
                    actual_seq_lengths_query=actual_seq_lengths_query,
                    actual_seq_lengths_key=actual_seq_lengths_key, block_table=block_table,
@@ -312,7 +286,7 @@ def _check_row_ownership(sparse_indices: torch.Tensor, token_rows: torch.Tensor,
                          "in token_rows: every row with misses must be owned by a token")
 
 
-@register("copy_sparse_flash_attention", "reference")
+@implements("copy_sparse_flash_attention", "reference")
 def copy_sparse_flash_attention(
     query: torch.Tensor,
     host: torch.Tensor,
@@ -350,11 +324,11 @@ def copy_sparse_flash_attention(
     tr = _check_token_rows(token_rows, query.shape[0], rows)
     _check_row_ownership(sparse_indices, tr, miss_count, hot_tokens)
 
-    copy = registry.select("copy_miss_rows", "reference")
+    copy = copy_miss_rows
     copy(host, hot, miss_tokens, miss_slots, miss_count, token_table)
     flat = hot.view(rows * hot_tokens, dim)
     d_latent = query.shape[2]
-    attend = registry.select("sparse_mla_attention", "reference")
+    attend = sparse_mla_attention
     return attend(query, flat[:, :d_latent], None, sparse_indices, scale_value, query_rope=query_rope,
                   key_rope=flat[:, d_latent:], layout_query="TND", layout_kv="flat", attention_mode=2)
 
@@ -392,7 +366,7 @@ def _check_state_shapes(slot_token, slot_stamp, row_req, sparse_count) -> None:
         raise ValueError(f"hot_tokens {slot_token.shape[1]} < sparse_count {sparse_count}")
 
 
-@register("lightning_indexer_manage", "fused", unavailable=lambda: fused_op_unavailable(LIM_KERNEL))
+@implements("lightning_indexer_manage", "fused", unavailable=lambda: fused_op_unavailable(LIM_KERNEL))
 def lightning_indexer_manage_fused(
     query, key, weights, *, actual_seq_lengths_query, actual_seq_lengths_key, block_table, token_rows,
     req_ids, stable_len, step: Step, slot_token, slot_stamp, row_req, layout_query="TND",
@@ -415,7 +389,7 @@ def lightning_indexer_manage_fused(
     return _lim_result(outputs)
 
 
-@register("quant_lightning_indexer_manage", "fused", unavailable=lambda: fused_op_unavailable(LIM_C8_KERNEL))
+@implements("quant_lightning_indexer_manage", "fused", unavailable=lambda: fused_op_unavailable(LIM_C8_KERNEL))
 def quant_lightning_indexer_manage_fused(
     query, key, weights, query_dequant_scale, key_dequant_scale, *, actual_seq_lengths_query,
     actual_seq_lengths_key, block_table, token_rows, req_ids, stable_len, step: Step, slot_token,
@@ -456,7 +430,7 @@ def register_host_memory(host: torch.Tensor, device_address: Optional[int] = Non
     return _REGISTERED_HOST[key]
 
 
-@register("copy_sparse_flash_attention", "fused", unavailable=lambda: fused_op_unavailable(COPY_SFA_KERNEL))
+@implements("copy_sparse_flash_attention", "fused", unavailable=lambda: fused_op_unavailable(COPY_SFA_KERNEL))
 def copy_sparse_flash_attention_fused(
     query, host, hot, sparse_indices, scale_value, *, query_rope, token_rows, miss_tokens, miss_slots,
     miss_count, token_table, layout_query="TND", attention_mode=2,

@@ -8,11 +8,10 @@ softmax statistics) are dropped.
 
 This module also holds the availability check for the ``fused`` rung (this
 project's AscendC operators LIM, LIM-C8 and Copy-SFA, built from ``ascendc_ops/``).
-The fused ops and their reference compositions live in ``ops/fused.py``, imported at
-the end of this module so the registry loads them with the other rungs; they
-register with::
+The fused ops and their reference compositions live in ``ops/fused.py`` (which
+imports this module, never the other way round); they are marked with::
 
-    @register("lightning_indexer_manage", "fused",
+    @implements("lightning_indexer_manage", "fused",
               unavailable=lambda: fused_op_unavailable("npu_fused_lightning_indexer_manage"))
     def lim_fused(...):
         return fused_op("npu_fused_lightning_indexer_manage")(...)
@@ -31,7 +30,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import platform
-from .registry import register
+from .contract import implements
 
 INSTALL_HINT = "install the [npu] extra on an Ascend node with CANN"
 
@@ -98,7 +97,7 @@ def _fused_extension_unavailable() -> Optional[str]:
 
 
 def fused_op_unavailable(kernel: str) -> Optional[str]:
-    """Availability check for one fused kernel (for ``register(..., unavailable=)``).
+    """Availability check for one fused kernel (for ``implements(..., unavailable=)``).
 
     The reason names the kernel, what is missing, and ends with :data:`FUSED_BUILD_HINT`.
     """
@@ -119,7 +118,7 @@ def fused_op(kernel: str) -> Callable:
 
 
 # --------------------------------------------------------------------- indexers
-@register(
+@implements(
     "lightning_indexer",
     "npu",
     unavailable=lambda: _torch_npu_op_unavailable("npu_lightning_indexer"),
@@ -153,7 +152,7 @@ def lightning_indexer_npu(
     return result[0] if isinstance(result, (tuple, list)) else result
 
 
-@register(
+@implements(
     "quant_lightning_indexer",
     "npu",
     unavailable=lambda: _torch_npu_op_unavailable("npu_quant_lightning_indexer"),
@@ -229,7 +228,7 @@ def _flat_as_paged(key: torch.Tensor, key_rope: torch.Tensor, num_tokens: int):
     return paged_latent, paged_rope, block_table, cu_q, kv_len
 
 
-@register(
+@implements(
     "sparse_mla_attention",
     "npu",
     unavailable=lambda: _torch_npu_op_unavailable("npu_sparse_flash_attention"),
@@ -289,21 +288,15 @@ def sparse_mla_attention_npu(
 
 
 # ------------------------------------------------------------------- row copies
-@register("gather_rows", "npu", unavailable=torch_npu_unavailable)
+@implements("gather_rows", "npu", unavailable=torch_npu_unavailable)
 def gather_rows_npu(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``index_select`` on ``src``'s device (bit-exact)."""
     return torch.index_select(src, 0, index.to(device=src.device, dtype=torch.int64))
 
 
-@register("scatter_rows", "npu", unavailable=torch_npu_unavailable)
+@implements("scatter_rows", "npu", unavailable=torch_npu_unavailable)
 def scatter_rows_npu(dst: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``index_copy_`` on ``dst``'s device (bit-exact; unique indices)."""
     if rows.dtype != dst.dtype:
         raise ValueError(f"scatter_rows: rows dtype {rows.dtype} != dst dtype {dst.dtype}")
     return dst.index_copy_(0, index.to(device=dst.device, dtype=torch.int64), rows.to(dst.device))
-
-
-# ---------------------------------------------------------------- fused rung
-# LIM, LIM-C8 and Copy-SFA (reference compositions + fused wrappers) register here,
-# so loading the registry loads them. Imported last: fused.py uses this module.
-from . import fused  # noqa: E402,F401

@@ -38,7 +38,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .registry import register
+from .contract import implements
 
 # Memory bounds. The indexer walks the context in chunks of INDEXER_CONTEXT_CHUNK
 # positions, and query tokens in groups sized so that one step's float32 working set
@@ -210,7 +210,7 @@ def _indexer_common_checks(query, key, weights, block_table, layout_query, layou
         raise ValueError(f"sparse_count must be >= 1, got {sparse_count}")
 
 
-@register("lightning_indexer", "reference")
+@implements("lightning_indexer", "reference")
 def lightning_indexer(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -251,7 +251,7 @@ def lightning_indexer(
     )
 
 
-@register("quant_lightning_indexer", "reference")
+@implements("quant_lightning_indexer", "reference")
 def quant_lightning_indexer(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -356,7 +356,7 @@ def _as_rows(name: str, cache: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"{name}: expected [S, D], [S, 1, D] or [blocks, block_size, 1, D], got {tuple(cache.shape)}")
 
 
-@register("sparse_mla_attention", "reference")
+@implements("sparse_mla_attention", "reference")
 def sparse_mla_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -488,7 +488,7 @@ def _attend_gathered(
 
 
 # ------------------------------------------------------------------------ row copies
-@register("gather_rows", "reference")
+@implements("gather_rows", "reference")
 def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``src[index]`` along dim 0: src [S, ...], index int32/int64 [n] -> [n, ...].
 
@@ -499,7 +499,7 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return src[index.to(device=src.device, dtype=torch.int64)]
 
 
-@register("scatter_rows", "reference")
+@implements("scatter_rows", "reference")
 def scatter_rows(dst: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``dst[index] = rows`` in place along dim 0; returns ``dst``.
 

@@ -20,20 +20,38 @@ Selection is by rung name (``auto | reference | triton | npu | fused``):
 * an explicit rung that exists for an op but is not usable here (missing package,
   wrong device) is an :class:`OpUnavailableError` naming what is missing;
 * ``auto`` picks, per op, the first usable rung in the device's preference order.
+
+Registration is explicit: the implementation modules only *mark* their functions
+(:func:`~sglang_ascend_offload.ops.contract.implements`, which also checks each one
+against the op's contract signature); :func:`ensure_registered` imports the fixed
+list :data:`IMPL_MODULES` once and collects the marked functions. Every query of the
+registry (:func:`ops`, :func:`implementations`, :func:`select`) calls it first, so
+no caller depends on import order. Rung names, :class:`OpImpl` and the op signatures
+live in ``ops/contract.py``.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 from .. import platform
+from .contract import CHOICES, IMPL_ATTR, OpImpl
 
 logger = logging.getLogger(__name__)
 
-RUNGS = ("reference", "triton", "npu", "fused")
-CHOICES = ("auto",) + RUNGS
+#: Modules whose :func:`~sglang_ascend_offload.ops.contract.implements`-marked
+#: functions make up the ladder. None imports torch_npu or triton at import time.
+IMPL_MODULES = (
+    "sglang_ascend_offload.ops.reference",
+    "sglang_ascend_offload.ops.residency",
+    "sglang_ascend_offload.ops.triton_impls",
+    "sglang_ascend_offload.ops.npu_impls",
+    "sglang_ascend_offload.ops.fused",
+)
 
 # Fastest first, per device kind. The Triton interpreter on CPU is far slower than
 # torch, so ``auto`` never picks it there.
@@ -48,23 +66,6 @@ class OpUnavailableError(RuntimeError):
     """An explicitly requested implementation cannot run here."""
 
 
-@dataclass(frozen=True)
-class OpImpl:
-    """One implementation of one op.
-
-    ``unavailable`` returns ``None`` when the implementation can run here, else a
-    sentence saying what is missing and how to get it.
-    """
-
-    op: str
-    rung: str
-    fn: Callable
-    unavailable: Callable[[], Optional[str]]
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-
 @dataclass
 class _Registry:
     impls: Dict[Tuple[str, str], OpImpl] = field(default_factory=dict)
@@ -75,43 +76,37 @@ _REGISTRY = _Registry()
 _LOGGED: set = set()
 
 
-def _always_available() -> Optional[str]:
-    return None
+def ensure_registered() -> None:
+    """Collect every implementation of :data:`IMPL_MODULES` (once; idempotent).
 
-
-def register(op: str, rung: str, unavailable: Callable[[], Optional[str]] = _always_available):
-    """Decorator: register ``fn`` as the ``rung`` implementation of ``op``."""
-    if rung not in RUNGS:
-        raise ValueError(f"unknown rung {rung!r}; expected one of {RUNGS}")
-
-    def deco(fn: Callable) -> Callable:
-        _REGISTRY.impls[(op, rung)] = OpImpl(op=op, rung=rung, fn=fn, unavailable=unavailable)
-        return fn
-
-    return deco
-
-
-def _ensure_loaded() -> None:
-    """Import the modules that register implementations (lazy, NPU-safe)."""
+    Two implementations of the same op and rung are an error naming both.
+    """
     if _REGISTRY.loaded:
         return
+    impls: Dict[Tuple[str, str], OpImpl] = {}
+    for name in IMPL_MODULES:
+        module = importlib.import_module(name)
+        for _, fn in inspect.getmembers(module, inspect.isfunction):
+            impl = getattr(fn, IMPL_ATTR, None)
+            if impl is None or fn.__module__ != name:
+                continue
+            key = (impl.op, impl.rung)
+            other = impls.get(key)
+            if other is not None and other.fn is not fn:
+                raise RuntimeError(f"op {impl.op!r} rung {impl.rung!r} implemented twice: "
+                                   f"{other.fn.__module__}.{other.fn.__qualname__} and {name}.{fn.__qualname__}")
+            impls[key] = impl
+    _REGISTRY.impls.update(impls)
     _REGISTRY.loaded = True
-    from . import reference  # noqa: F401  (registers the reference rung)
-
-    try:
-        from . import triton_impls  # noqa: F401  (imports triton lazily inside)
-    except ImportError as exc:  # pragma: no cover - triton_impls guards its own imports
-        logger.debug("triton implementations not registered: %s", exc)
-    from . import npu_impls  # noqa: F401  (imports torch_npu lazily inside)
 
 
 def ops() -> Tuple[str, ...]:
-    _ensure_loaded()
+    ensure_registered()
     return tuple(sorted({op for op, _ in _REGISTRY.impls}))
 
 
 def implementations(op: str) -> Dict[str, OpImpl]:
-    _ensure_loaded()
+    ensure_registered()
     return {rung: impl for (o, rung), impl in _REGISTRY.impls.items() if o == op}
 
 

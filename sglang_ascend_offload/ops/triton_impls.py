@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from .. import platform
-from .registry import register
+from .contract import implements
 
 INTERPRET_HINT = ("set TRITON_INTERPRET=1 to run Triton kernels on CPU through the interpreter "
                   "(slow; correctness only)")
@@ -43,7 +43,7 @@ def triton_unavailable() -> Optional[str]:
     return None
 
 
-@register("residency_manage", "triton", unavailable=triton_unavailable)
+@implements("residency_manage", "triton", unavailable=triton_unavailable)
 def residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req: torch.Tensor,
                      topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor, step: int):
     """Exact-LRU residency step on Triton kernels; see ``triton_ops/residency.py``.
@@ -55,7 +55,7 @@ def residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req
     return impl(slot_token, slot_stamp, row_req, topk, req_ids, stable_len, step)
 
 
-@register("copy_miss_rows", "triton", unavailable=triton_unavailable)
+@implements("copy_miss_rows", "triton", unavailable=triton_unavailable)
 def copy_miss_rows(host: torch.Tensor, hot: torch.Tensor, miss_tokens: torch.Tensor,
                    miss_slots: torch.Tensor, miss_count: torch.Tensor, token_table: torch.Tensor) -> None:
     """Fused gather (host) + scatter (hot slots) of the miss rows; see ``triton_ops/copy_rows.py``."""

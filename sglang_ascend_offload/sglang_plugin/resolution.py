@@ -162,7 +162,6 @@ OFFLOAD_OPS = ("lightning_indexer", "sparse_mla_attention", "residency_manage", 
 def _sparse_decode_runtime_violations(sd: cfg.SparseDecodeOffloadConfig) -> List[cfg.Violation]:
     """Settings the SGLang backend cannot honour here (checked before any process starts)."""
     from ..ops import registry
-    from ..sparse_decode.residency import register_reference_ops
 
     out: List[cfg.Violation] = []
     if sd.indexer_dtype != "bf16":
@@ -174,7 +173,7 @@ def _sparse_decode_runtime_violations(sd: cfg.SparseDecodeOffloadConfig) -> List
             out.append(cfg.Violation(
                 "sglang.fused_not_wired", f"{name}=true: the SGLang backend does not call the fused "
                 "AscendC operator yet", f'drop "{name}" (ops=npu uses the torch_npu operators)'))
-    register_reference_ops()
+    registry.ensure_registered()
     for op in OFFLOAD_OPS:
         try:
             registry.select(op, sd.ops)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .policies import RankedManager
-from .residency import INT64_MAX, Lookup, ResidencyStep
+from ..ops.contract import INT64_MAX, Lookup, ResidencyStep
 
 __all__ = ["NEVER", "next_use_table", "BeladyManager"]
 

@@ -51,10 +51,11 @@ import torch
 
 from .. import platform
 from ..ops import registry
+from ..ops.contract import ResidencyStep, ResidencyTable
+from ..ops.residency import copy_miss_rows_rows
 from .host_pool import AppendGate, HostKVPool
-from .hot_buffer import HotBuffers, copy_miss_rows_rows
+from .hot_buffer import HotBuffers
 from .policies import DEFAULT_POLICY, ResidencyManager, make_manager, uses_cpu_kernel
-from .residency import ResidencyStep, ResidencyTable, register_reference_ops
 from .stats import DecodeStats, StatsAccumulator
 
 __all__ = ["EngineConfig", "LayerResult", "PhaseTimes", "SparseDecodeEngine", "decode_layer_step"]
@@ -175,7 +176,7 @@ class SparseDecodeEngine:
         self.timing = timing
         self.times = PhaseTimes()
 
-        register_reference_ops()
+        registry.ensure_registered()
         self._manage_op = registry.select("residency_manage", config.ops)
         self._copy_op = registry.select("copy_miss_rows", config.ops)
         self._attention_op = registry.select("sparse_mla_attention", config.ops)

@@ -43,11 +43,8 @@ from typing import Callable, ClassVar, Dict, List, Optional, Tuple, Type
 
 import torch
 
-from .residency import (
-    INT64_MAX,
-    Lookup,
-    ResidencyStep,
-    ResidencyTable,
+from ..ops.contract import INT64_MAX, Lookup, ResidencyStep, ResidencyTable
+from ..ops.residency import (
     assign_victims,
     lookup,
     find_slots,

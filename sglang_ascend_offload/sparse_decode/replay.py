@@ -27,7 +27,7 @@ from .belady import BeladyManager, next_use_table
 from .engine import EngineConfig, PhaseTimes, SparseDecodeEngine
 from .host_pool import HostKVPool, HostPoolShape
 from .policies import DEFAULT_POLICY, make_manager
-from .residency import residency_manage
+from ..ops.residency import residency_manage
 from .stats import DecodeStats
 from .trace import Trace
 from .verify import full_kv_attention, remap_mismatches, resident_mismatches

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .host_pool import HostKVPool
-from .residency import ResidencyStep, ResidencyTable
+from ..ops.contract import ResidencyStep, ResidencyTable
 
 __all__ = ["resident_mismatches", "full_kv_attention", "remap_mismatches", "logical_to_host"]
 

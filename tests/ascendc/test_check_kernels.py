@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from sglang_ascend_offload.kernel_check import compile_check, functional, headers as hdr, model as km
-from sglang_ascend_offload.sparse_decode.residency import ResidencyTable
+from sglang_ascend_offload.ops.contract import ResidencyTable
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"name", "variant", "compiled", "functional_checked", "cases", "bit_exact", "max_abs_err"}

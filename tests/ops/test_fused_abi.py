@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from sglang_ascend_offload.ops import fused, hadamard, registry
-from sglang_ascend_offload.sparse_decode.residency import ResidencyTable
+from sglang_ascend_offload.ops.contract import ResidencyTable
 
 from .fused_scenario import Dims, Scenario
 from .test_fused_reference import assert_same_step, assert_same_table, indexer_meta, residency_args

@@ -26,7 +26,8 @@ from sglang_ascend_offload import platform
 from sglang_ascend_offload.ops import fused, hadamard, reference, registry
 from sglang_ascend_offload.ops.npu_impls import fused_op_unavailable
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
-from sglang_ascend_offload.sparse_decode.residency import ResidencyTable, residency_manage
+from sglang_ascend_offload.ops.contract import ResidencyTable
+from sglang_ascend_offload.ops.residency import residency_manage
 
 from .test_npu_ops import assert_indexer_close, paged_identity_free
 

@@ -25,7 +25,7 @@ import torch
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.ops import fused, hadamard, registry
 from sglang_ascend_offload.ops.registry import OpUnavailableError
-from sglang_ascend_offload.sparse_decode.residency import ResidencyTable
+from sglang_ascend_offload.ops.contract import IndexerManageResult, ResidencyTable
 
 from .fused_scenario import Dims, Scenario, StepInputs
 
@@ -62,7 +62,7 @@ def separate_steps(topk: torch.Tensor, inp: StepInputs, table: ResidencyTable, k
     return res, flat
 
 
-def assert_same_step(got: fused.IndexerManageResult, exp_topk, exp_res, exp_flat):
+def assert_same_step(got: IndexerManageResult, exp_topk, exp_res, exp_flat):
     assert torch.equal(got.topk_indices, exp_topk)
     assert torch.equal(got.sparse_indices, exp_flat)
     for name in ("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots"):

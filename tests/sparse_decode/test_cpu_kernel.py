@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang_ascend_offload.sparse_decode import cpu_kernel
-from sglang_ascend_offload.sparse_decode.hot_buffer import copy_miss_rows
-from sglang_ascend_offload.sparse_decode.residency import ResidencyTable, residency_manage
+from sglang_ascend_offload.ops.contract import ResidencyTable
+from sglang_ascend_offload.ops.residency import copy_miss_rows, residency_manage
 
 from .test_residency import scenarios
 

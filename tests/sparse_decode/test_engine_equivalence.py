@@ -20,7 +20,7 @@ from sglang_ascend_offload.ops import registry
 from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
 from sglang_ascend_offload.sparse_decode.policies import DEFAULT_POLICY
-from sglang_ascend_offload.sparse_decode.residency import ResidencyTable
+from sglang_ascend_offload.ops.contract import ResidencyTable
 from sglang_ascend_offload.sparse_decode.verify import full_kv_attention, resident_mismatches
 
 from .contract_model import RowModel, model_step
@@ -176,7 +176,8 @@ def test_engine_fused_copy_sfa_path_equals_full_kv(monkeypatch):
     composition, declared usable) takes its place; the engine's fused branch must then
     give the same bit-exact results as the separate copy + attention path.
     """
-    from sglang_ascend_offload.ops.registry import _REGISTRY, OpImpl
+    from sglang_ascend_offload.ops.contract import OpImpl
+    from sglang_ascend_offload.ops.registry import _REGISTRY
 
     ref = registry.implementations("copy_sparse_flash_attention")["reference"]
     calls = []

@@ -16,11 +16,8 @@ from sglang_ascend_offload.sparse_decode.policies import (
     LRUManager,
     make_manager,
 )
-from sglang_ascend_offload.sparse_decode.residency import (
-    ResidencyTable,
-    register_reference_ops,
-    residency_manage,
-)
+from sglang_ascend_offload.ops.contract import ResidencyTable
+from sglang_ascend_offload.ops.residency import residency_manage
 
 from .contract_model import RowModel, model_step
 
@@ -82,10 +79,10 @@ def test_reference_equals_the_contract_model(scn):
 
 
 def test_registered_reference_op_is_the_contract_function():
-    register_reference_ops()
-    register_reference_ops()  # idempotent
+    registry.ensure_registered()
+    registry.ensure_registered()  # idempotent
     assert registry.select("residency_manage", "reference").fn is residency_manage
-    from sglang_ascend_offload.sparse_decode.hot_buffer import copy_miss_rows
+    from sglang_ascend_offload.ops.residency import copy_miss_rows
 
     assert registry.select("copy_miss_rows", "reference").fn is copy_miss_rows
 
@@ -234,7 +231,7 @@ def test_hot_smaller_than_topk_is_rejected():
 def test_find_slots_dense_and_sorted_paths_agree(monkeypatch):
     """The lookup's two paths give the same slots; the sorted one keeps memory bounded
     when positions approach the int32 limit (a dense map there would need gigabytes)."""
-    from sglang_ascend_offload.sparse_decode import residency as res
+    from sglang_ascend_offload.ops import residency as res
 
     g = torch.Generator().manual_seed(0)
     for _ in range(100):

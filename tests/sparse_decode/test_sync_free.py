@@ -186,9 +186,8 @@ def test_decode_step_captured_in_an_npu_graph_replays_like_eager():  # pragma: n
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (captures the Triton rung in a CUDA graph)")
 def test_triton_step_captured_in_a_cuda_graph_is_sync_free_and_bit_exact():  # pragma: no cover - CUDA only
     from sglang_ascend_offload.ops import registry
-    from sglang_ascend_offload.sparse_decode.residency import register_reference_ops
 
-    register_reference_ops()
+    registry.ensure_registered()
     manage = registry.select("residency_manage", "triton")
     copy = registry.select("copy_miss_rows", "triton")
     dev = "cuda"

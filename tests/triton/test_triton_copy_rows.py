@@ -6,7 +6,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from sglang_ascend_offload.sparse_decode.hot_buffer import copy_miss_rows as reference_copy  # noqa: E402
+from sglang_ascend_offload.ops.residency import copy_miss_rows as reference_copy  # noqa: E402
 from sglang_ascend_offload.triton_ops.copy_rows import CopyKernelConfig, launch_copy_miss_rows  # noqa: E402
 
 TINY = CopyKernelConfig(block_i=2, block_d=8, validate=True)

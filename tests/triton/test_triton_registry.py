@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from sglang_ascend_offload.ops import registry, triton_impls
-from sglang_ascend_offload.sparse_decode import hot_buffer, residency
+from sglang_ascend_offload.ops import residency
 
 
 def _reference_ops():
-    residency.register_reference_ops()
+    registry.ensure_registered()
     return {op: registry.implementations(op)["reference"].fn for op in ("residency_manage", "copy_miss_rows")}
 
 
@@ -77,5 +77,5 @@ def test_selected_rung_runs_and_matches_reference(monkeypatch):
     hot_b = hot_a.clone()
     token_table = torch.arange(2 * 10, dtype=torch.int32).reshape(2, 10) % 10
     assert copy(host, hot_a, got.miss_tokens, got.miss_slots, got.miss_count, token_table) is None
-    hot_buffer.copy_miss_rows(host, hot_b, want.miss_tokens, want.miss_slots, want.miss_count, token_table)
+    residency.copy_miss_rows(host, hot_b, want.miss_tokens, want.miss_slots, want.miss_count, token_table)
     assert torch.equal(hot_a, hot_b)

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 import torch  # noqa: E402
 
-from sglang_ascend_offload.sparse_decode.residency import ResidencyTable  # noqa: E402
+from sglang_ascend_offload.ops.contract import ResidencyTable  # noqa: E402
 from sglang_ascend_offload.triton_ops.residency import launch_residency_manage  # noqa: E402
 
 from triton_case_gen import (DEFAULT, TINY, drifting_trace, random_state, random_topk, run_both,  # noqa: E402

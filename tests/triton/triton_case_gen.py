@@ -11,7 +11,8 @@ from typing import List, Optional
 
 import torch
 
-from sglang_ascend_offload.sparse_decode.residency import ResidencyTable, residency_manage as reference_manage
+from sglang_ascend_offload.ops.contract import ResidencyTable
+from sglang_ascend_offload.ops.residency import residency_manage as reference_manage
 from sglang_ascend_offload.triton_ops.residency import ResidencyKernelConfig, launch_residency_manage
 
 STEP_FIELDS = ("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots")

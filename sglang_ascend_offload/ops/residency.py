@@ -1,4 +1,6 @@
-"""Residency manager: the reference (torch, vectorised) implementation of the contract.
+"""Residency ops, rung ``reference``: ``residency_manage`` and ``copy_miss_rows``.
+
+The residency manager is the reference (torch, vectorised) implementation of the contract.
 
 This module *is* the specification written down in ``docs/residency_contract.md``:
 per decode step, layer and decode row it classifies the row's top-k logical
@@ -17,7 +19,8 @@ State of one layer (device tensors, mutated in place by every call):
 Inputs of one step: ``topk`` int32 ``[R,K]`` (``-1`` padding, valid entries of a row
 distinct), ``req_ids`` int64 ``[R]`` (``-1`` idle), ``stable_len`` int32 ``[R]``
 (positions ``>= stable_len`` are never hits), ``step`` (int, monotone, ``>= 0``).
-Outputs: :class:`ResidencyStep`.
+Outputs: :class:`~sglang_ascend_offload.ops.contract.ResidencyStep` (the types live in
+``ops/contract.py``; this module implements them).
 
 Exact LRU (``policy="lru"``), per row:
 
@@ -40,102 +43,34 @@ specification; the CPU serving path is the kernel of ``cpu_kernel.py`` (tested
 against it), the Triton kernels are the device path.
 
 The sub-steps (:func:`reset_rows`, :func:`lookup`, :func:`assign_victims`) are public
-so replacement policies other than LRU (``policies.py``) reuse the exact same
-mechanism and only supply a different victim order.
+so replacement policies other than LRU (``sparse_decode/policies.py``) reuse the exact
+same mechanism and only supply a different victim order.
+
+The miss copy (:func:`copy_miss_rows`, op ``copy_miss_rows``) writes, for every row
+``r`` and ``i < miss_count[r]``, ``hot[r, miss_slots[r,i]] = host[token_table[r,
+miss_tokens[r,i]]]`` and nothing else; :func:`copy_miss_rows_rows` is its static-shape
+rows form (the engine's graph-capturable path).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
-INT64_MAX = torch.iinfo(torch.int64).max
+from .contract import INT64_MAX, Lookup, ResidencyStep, ResidencyTable, implements
 
 __all__ = [
-    "ResidencyTable",
-    "ResidencyStep",
-    "Lookup",
     "residency_manage",
+    "copy_miss_rows",
+    "copy_miss_rows_rows",
     "reset_rows",
     "lookup",
     "lru_victim_order",
     "position_map",
     "find_slots",
     "assign_victims",
-    "register_reference_ops",
 ]
-
-
-# ----------------------------------------------------------------------------- types
-@dataclass
-class ResidencyTable:
-    """Residency state of one layer (see module docstring); tensors mutate in place."""
-
-    slot_token: torch.Tensor  # int32 [R, H]
-    slot_stamp: torch.Tensor  # int64 [R, H]
-    row_req: torch.Tensor  # int64 [R]
-
-    @classmethod
-    def empty(cls, rows: int, hot_tokens: int, device=None) -> "ResidencyTable":
-        """All rows unowned, all slots empty."""
-        return cls(
-            slot_token=torch.full((rows, hot_tokens), -1, dtype=torch.int32, device=device),
-            slot_stamp=torch.zeros((rows, hot_tokens), dtype=torch.int64, device=device),
-            row_req=torch.full((rows,), -1, dtype=torch.int64, device=device),
-        )
-
-    @property
-    def rows(self) -> int:
-        return self.slot_token.shape[0]
-
-    @property
-    def hot_tokens(self) -> int:
-        return self.slot_token.shape[1]
-
-    def clone(self) -> "ResidencyTable":
-        return ResidencyTable(self.slot_token.clone(), self.slot_stamp.clone(), self.row_req.clone())
-
-
-@dataclass
-class ResidencyStep:
-    """Outputs of one step of one layer (all ``[R, K]`` tensors follow top-k order).
-
-    hit_mask: bool ``[R,K]``, entry ``j`` was a hit (False for padding).
-    slots: int32 ``[R,K]``, hot-buffer slot of entry ``j`` after the step, ``-1`` for
-        padding: the remapped top-k.
-    miss_count: int32 ``[R]``.
-    miss_tokens: int32 ``[R,K]``, logical positions of the misses in top-k order,
-        compacted left, ``-1`` after ``miss_count``.
-    miss_slots: int32 ``[R,K]``, their victim slots, same layout.
-    """
-
-    hit_mask: torch.Tensor
-    slots: torch.Tensor
-    miss_count: torch.Tensor
-    miss_tokens: torch.Tensor
-    miss_slots: torch.Tensor
-
-
-@dataclass
-class Lookup:
-    """Intermediate result of :func:`lookup` (int64 indices for gather/scatter).
-
-    valid: bool ``[R,K]``, a real entry (not padding, row not idle).
-    hit: bool ``[R,K]``.
-    hit_slot: int64 ``[R,K]``, slot of a hit, ``0`` where not a hit (mask with ``hit``).
-    slot_hit: bool ``[R,H]``, the slot is hit in this step (never a victim).
-    """
-
-    valid: torch.Tensor
-    hit: torch.Tensor
-    hit_slot: torch.Tensor
-    slot_hit: torch.Tensor
-
-    @property
-    def miss(self) -> torch.Tensor:
-        return self.valid & ~self.hit
 
 
 # ------------------------------------------------------------------------- sub-steps
@@ -292,13 +227,14 @@ def _scatter_flags(rows: int, hot: int, col: torch.Tensor, mask: torch.Tensor, d
 
 
 # --------------------------------------------------------------------- the contract op
+@implements("residency_manage", "reference")
 def residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req: torch.Tensor,
                      topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
                      step) -> ResidencyStep:
     """One exact-LRU step of one layer (op ``residency_manage``, rung ``reference``).
 
     Mutates ``slot_token`` / ``slot_stamp`` / ``row_req`` in place (the state of
-    :class:`ResidencyTable`) and returns the :class:`ResidencyStep` outputs.
+    :class:`~sglang_ascend_offload.ops.contract.ResidencyTable`) and returns the :class:`ResidencyStep` outputs.
     Requires ``H >= K`` and ``step >= 0`` (an int, or a 0-d int64 tensor).
     """
     if slot_token.shape[1] < topk.shape[1]:
@@ -310,22 +246,62 @@ def residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req
     return assign_victims(table, look, lru_victim_order(table, look), topk, step)
 
 
-# ------------------------------------------------------------------ registry wiring
-_REGISTERED = False
+# ------------------------------------------------------------------ the miss copy
+@implements("copy_miss_rows", "reference")
+def copy_miss_rows(host: torch.Tensor, hot: torch.Tensor, miss_tokens: torch.Tensor,
+                   miss_slots: torch.Tensor, miss_count: torch.Tensor,
+                   token_table: torch.Tensor) -> None:
+    """Copy the miss rows of one layer from the host pool into the hot buffer.
 
-
-def register_reference_ops() -> None:
-    """Register ``residency_manage`` and ``copy_miss_rows`` as rung ``reference``.
-
-    Idempotent. Called from ``ops/reference.py`` (the registry's loader) and by the
-    engine before it selects its ops.
+    host: ``[S, D]`` host rows of this layer (indexed by host slot).
+    hot: ``[R, H, D]`` contiguous hot buffer of this layer (device).
+    miss_tokens / miss_slots: int32 ``[R, K]`` from the residency step.
+    miss_count: int32 ``[R]``. token_table: int32 ``[R, max_ctx]``, logical
+    position -> host slot of each row. Bit-exact; returns nothing.
     """
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    from ..ops import registry
-    from .hot_buffer import copy_miss_rows
+    rows, hot_tokens, dim = hot.shape
+    k = miss_tokens.shape[1]
+    ctrl = token_table.device
+    count = miss_count.to(ctrl, torch.int64)
+    take = torch.arange(k, device=ctrl)[None, :] < count[:, None]
+    row_of = torch.arange(rows, device=ctrl)[:, None].expand(rows, k)[take]
+    tokens = miss_tokens.to(ctrl, torch.int64)[take]
+    slots = miss_slots.to(ctrl, torch.int64)[take]
+    host_slots = token_table[row_of, tokens].to(torch.int64)
+    staged = host.index_select(0, host_slots.to(host.device))
+    dest = (row_of * hot_tokens + slots).to(hot.device)
+    hot.view(rows * hot_tokens, dim).index_copy_(0, dest, staged.to(hot.device, non_blocking=True))
 
-    registry.register("residency_manage", "reference")(residency_manage)
-    registry.register("copy_miss_rows", "reference")(copy_miss_rows)
-    _REGISTERED = True
+
+def copy_miss_rows_rows(host: torch.Tensor, hot: torch.Tensor, rows: torch.Tensor, miss_tokens: torch.Tensor,
+                        miss_slots: torch.Tensor, miss_count: torch.Tensor, token_table: torch.Tensor) -> None:
+    """Rows form of :func:`copy_miss_rows`, static shapes and no host read (torch).
+
+    hot ``[R', H, D]`` (all engine rows); rows int64 ``[B]`` the engine row of each
+    batch entry (real rows distinct); miss lists ``[B, K]`` / ``[B]`` in batch order;
+    token_table int32 ``[T, max_ctx]`` indexed by engine row (rows ``>= T`` may only
+    name entries without misses, e.g. a padding sink row). Writes, for ``i <
+    miss_count[b]``, ``hot[rows[b], miss_slots[b,i]] = host[token_table[rows[b],
+    miss_tokens[b,i]]]``; nothing else changes value. Every one of the ``B*K`` entries is
+    written (static shape): an entry past ``miss_count`` rewrites the row's last miss
+    with the same bytes, a row without misses rewrites its slot 0 with its own
+    content. Cost ``O(B*K*D)`` whatever the misses: the graph-capturable form; the
+    CPU kernel and the Triton kernel copy only the misses.
+    """
+    b, k = miss_tokens.shape
+    _, hot_tokens, dim = hot.shape
+    ctrl = token_table.device
+    count = miss_count.to(ctrl, torch.int64)
+    rows_c = rows.to(ctrl, torch.int64)
+    entry = torch.minimum(torch.arange(k, device=ctrl)[None, :], (count - 1).clamp(min=0)[:, None])
+    tokens = miss_tokens.to(ctrl, torch.int64).gather(1, entry).clamp(min=0)
+    slots = miss_slots.to(ctrl, torch.int64).gather(1, entry).clamp(min=0)
+    table_rows = rows_c.clamp(max=token_table.shape[0] - 1)
+    host_slots = token_table[table_rows[:, None], tokens].to(torch.int64)
+    has = (count > 0)[:, None].expand(b, k).reshape(-1, 1)
+    dest = (rows_c[:, None] * hot_tokens + slots).reshape(-1)
+    flat = hot.view(-1, dim)
+    dest_dev = dest.to(hot.device)
+    staged = host.index_select(0, host_slots.reshape(-1).to(host.device)).to(hot.device, non_blocking=True)
+    values = torch.where(has.to(hot.device), staged, flat.index_select(0, dest_dev))
+    flat.index_copy_(0, dest_dev, values)
