@@ -242,19 +242,29 @@ def server_args(spec: RunSpec, args: argparse.Namespace) -> Tuple[List[str], Lis
     return base, extra, cpu
 
 
-def startup_error(exc: BaseException, log_path: Optional[Path], lines: int = 4) -> str:
-    """The launcher's exception plus the last error lines of the server log."""
-    found: List[str] = []
+def startup_error(exc: BaseException, log_path: Optional[Path], blocks: int = 3) -> str:
+    """The launcher's exception plus the last error lines of the server log (each with
+    the indented lines that follow it, e.g. the numbered problems of a ``ConfigError``)."""
     try:
-        text = log_path.read_text(errors="replace") if log_path else ""
+        lines = log_path.read_text(errors="replace").splitlines() if log_path else []
     except OSError:
-        text = ""
-    for line in text.splitlines():
-        line = line.strip()
-        if line and ERROR_LINE.match(line) and line not in found[-1:]:
-            found.append(line[:600])
-    tail = found[-lines:]
-    return f"{type(exc).__name__}: {exc}" + ("".join(f"\n  {t}" for t in tail) if tail else "")
+        lines = []
+    found: List[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        if line and ERROR_LINE.match(line):
+            block = [line[:600]]
+            while i + 1 < len(lines) and lines[i + 1].startswith(("  ", "\t")) and len(block) < 8 \
+                    and not lines[i + 1].lstrip().startswith(("File ", "^")):
+                i += 1
+                block.append(lines[i].strip()[:600])
+            text = "\n    ".join(block)
+            if text not in found[-1:]:
+                found.append(text)
+        i += 1
+    tail = found[-blocks:]
+    return f"{type(exc).__name__}: {exc}" + "".join(f"\n  {t}" for t in tail)
 
 
 def _summary(log: Optional[Path]) -> Dict[str, str]:

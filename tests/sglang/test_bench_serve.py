@@ -1,0 +1,133 @@
+"""``bench serve``: the comparison logic on made-up outputs (fast), and one short served
+run pair end to end (no offload vs offload at ``--max-running-requests 2048``): one
+JSON document on stdout with the issue's keys, every request completed, greedy
+outputs identical, the offload engine stepping only the live rows."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, server_env
+
+from sglang_ascend_offload.bench import serve
+from sglang_ascend_offload.bench.served_load import StreamedOutput, percentile
+
+RUN_KEYS = {"name", "offload", "graph", "speculative", "requests", "completed", "output_tokens_per_s",
+            "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99", "accept_length", "token_agreement"}
+
+
+def _result(spec, **kw):
+    return serve.RunResult(spec.name, spec.offload, spec.graph, spec.speculative, spec.max_running_requests,
+                           requests=2, **kw)
+
+
+def test_run_names_parse_and_reject():
+    specs = serve.parse_runs("no_offload_eager,offload_graph_spec,offload_mrr2048", 4)
+    assert [(s.offload, s.graph, s.speculative, s.max_running_requests) for s in specs] == [
+        (False, False, False, 4), (True, True, True, 4), (True, False, False, 2048)]
+    with pytest.raises(ValueError, match="unknown runs"):
+        serve.parse_runs("offload,offload_fast", 4)
+    with pytest.raises(ValueError, match="more than once"):
+        serve.parse_runs("offload,offload", 4)
+
+
+def test_compare_pairs_offload_runs_with_their_no_offload_counterpart():
+    specs = serve.parse_runs("no_offload_eager,offload_eager,no_offload_graph,offload_graph,offload_mrr2048", 4)
+    ref = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    outputs = {"no_offload_eager": ref, "offload_eager": [list(r) for r in ref],
+               "no_offload_graph": [[5, 6, 7, 9], [9, 10, 11, 12]],  # compiled arithmetic: one token differs
+               "offload_graph": [[5, 6, 7, 9], [9, 10, 11, 12]], "offload_mrr2048": [list(r) for r in ref]}
+    results = {s.name: _result(s) for s in specs}
+    identical, problems = serve.compare(specs, results, outputs)
+    assert identical, problems
+    assert results["offload_graph"].reference == "no_offload_graph"
+    assert results["offload_mrr2048"].reference == "no_offload_eager"
+    assert results["no_offload_graph"].token_agreement == pytest.approx(7 / 8)
+    assert results["offload_eager"].token_agreement == 1.0
+
+    # negative controls: one differing token, a failed reference, a missing counterpart
+    outputs["offload_graph"] = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    identical, problems = serve.compare(specs, {s.name: _result(s) for s in specs}, outputs)
+    assert not identical and any("offload_graph: greedy outputs differ" in p for p in problems)
+    outputs["offload_graph"] = outputs["no_offload_graph"]
+    results = {s.name: _result(s) for s in specs}
+    results["no_offload_graph"].error = "RuntimeError: server exited with 1"
+    outputs_failed = dict(outputs, no_offload_graph=None)
+    identical, problems = serve.compare(specs, results, outputs_failed)
+    assert not identical and any("cannot compare with no_offload_graph" in p for p in problems)
+    only = serve.parse_runs("no_offload_eager,offload_graph", 4)
+    identical, problems = serve.compare(only, {s.name: _result(s) for s in only}, outputs)
+    assert not identical and any("no no-offload run with graph=True" in p for p in problems)
+
+
+def test_mrr_ratio_is_small_over_large():
+    specs = serve.parse_runs("offload_mrr4,offload_mrr2048,no_offload_eager", 4)
+    results = {s.name: _result(s) for s in specs}
+    results["offload_mrr4"].decode_tokens_per_s, results["offload_mrr2048"].decode_tokens_per_s = 120.0, 100.0
+    results["offload_mrr4"].output_tokens_per_s, results["offload_mrr2048"].output_tokens_per_s = 90.0, 60.0
+    outs = {"offload_mrr4": [[1, 2]], "offload_mrr2048": [[1, 2]], "no_offload_eager": [[1, 2]]}
+    (ratio,) = serve.mrr_ratios(specs, results, outs)
+    assert ratio["runs"] == ["offload_mrr4", "offload_mrr2048"]
+    assert ratio["decode_tokens_per_s_ratio"] == pytest.approx(1.2)
+    assert ratio["output_tokens_per_s_ratio"] == pytest.approx(1.5)
+    assert ratio["identical_tokens"]
+
+
+def test_inter_token_latency_splits_multi_token_chunks():
+    out = StreamedOutput(0.1, [1, 2, 3, 4], [0.1, 0.2, 0.5, 0.5], 0.5)  # last chunk carried 2 tokens
+    assert out.inter_token_s() == pytest.approx([0.1, 0.15, 0.15])
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([], 50) is None
+
+
+def test_startup_error_keeps_the_problem_lines(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("INFO loading\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+                   "    raise ConfigError(problems)\n"
+                   "sglang_ascend_offload.config.ConfigError: invalid configuration (1 problem(s)):\n"
+                   "  1. [rule.name] the reason -> the fix\n")
+    msg = serve.startup_error(RuntimeError("server exited with 1"), log)
+    assert "server exited with 1" in msg and "ConfigError: invalid configuration" in msg
+    assert "[rule.name] the reason -> the fix" in msg and "raise ConfigError" not in msg
+
+
+def test_cpu_server_args_per_run():
+    ns = argparse.Namespace(model_path=None, spec_model_path=None, graph_args=None, clients=4,
+                            offload_config='{"hot_tokens": 64}', spec_args=serve.DEFAULT_SPEC_ARGS, server_arg=[])
+    (spec,) = serve.parse_runs("offload_graph_spec_mrr2048", 4)
+    base, extra, cpu = serve.server_args(spec, ns)
+    assert cpu and base[base.index("--model-path") + 1].endswith("tiny_dsa_mtp")
+    assert extra[:2] == ["--max-running-requests", "2048"]
+    for flag in ("--enable-torch-compile", "--enable-sparse-decode-offload", "--speculative-algorithm"):
+        assert flag in extra
+    assert extra[extra.index("--cuda-graph-bs-decode") + 1:][:3] == ["1", "2", "4"]
+
+
+@pytest.mark.slow
+def test_bench_serve_short_run_pair(tmp_path):
+    """Two servers (~1-2 min here): no offload, and offload at --max-running-requests 2048."""
+    cmd = [sys.executable, "-m", "sglang_ascend_offload", "bench", "serve", "--runs",
+           "no_offload_eager,offload_eager_mrr2048", "--clients", "2", "--requests", "2", "--input-len", "40",
+           "--output-len", "12", "--log-dir", str(tmp_path), "--json"]
+    result = subprocess.run(cmd, cwd=REPO, env=server_env(cpu=False), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    doc = json.loads(result.stdout)  # exactly one JSON document: progress went to stderr
+    assert isinstance(doc["identical_tokens"], bool) and doc["identical_tokens"], doc["identical_tokens_problems"]
+    runs = {r["name"]: r for r in doc["runs"]}
+    assert list(runs) == ["no_offload_eager", "offload_eager_mrr2048"]
+    for r in runs.values():
+        assert RUN_KEYS <= set(r)
+        assert r["error"] is None and r["completed"] == r["requests"] == 2
+        assert r["output_tokens_per_s"] > 0 and r["ttft_ms_p50"] > 0 and r["itl_ms_p99"] >= r["itl_ms_p50"] > 0
+        assert r["accept_length"] is None and r["token_agreement"] == 1.0
+    off = runs["offload_eager_mrr2048"]
+    assert off["offload"] and off["reference"] == "no_offload_eager" and off["identical_to_reference"]
+    assert off["server_args"][:2] == ["--max-running-requests", "2048"]
+    # the engine stepped the live rows only, not the 2049 rows its hot buffers hold
+    assert 0 < float(off["offload_summary"]["rows/step"]) <= 2, off["offload_summary"]
+    assert Path(off["log"]).is_file()
