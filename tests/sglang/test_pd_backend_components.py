@@ -78,8 +78,8 @@ class Pair:
     """One prefill rank and one decode rank, each with its own engine."""
 
     def __init__(self, decode_pool, prefill_pool=None, config=None):
-        from sglang_ascend_offload.sglang_plugin.disagg.links import PrefillLinks
-        from sglang_ascend_offload.sglang_plugin.disagg.sink import DecodeSink
+        from sglang_ascend_offload.transfer.prefill_links import PrefillLinks
+        from sglang_ascend_offload.transfer.decode_sink import DecodeSink
         from sglang_ascend_offload.transfer.engine import create_engine
 
         self.config = config or pd_config()
@@ -144,7 +144,7 @@ def assert_host_rows_equal(p_pool, d_pool, src, dst):
 
 # ------------------------------------------------------------------ layouts
 def test_layouts_of_the_pools_pair_up(ctx):
-    from sglang_ascend_offload.sglang_plugin.disagg import layouts
+    from sglang_ascend_offload.transfer import pool_layouts as layouts
 
     p, d, h = device_pool(), device_pool(), host_pool()
     split_p = layouts.layout_of(p, layouts.split_tensors(p))
@@ -168,7 +168,7 @@ def test_layouts_of_the_pools_pair_up(ctx):
 
 
 def test_packing_is_a_bit_exact_gather(ctx):
-    from sglang_ascend_offload.sglang_plugin.disagg.layouts import LayoutError, PackedStaging
+    from sglang_ascend_offload.transfer.pool_layouts import LayoutError, PackedStaging
 
     p = device_pool(fill_seed=3)
     staging = PackedStaging(p, slots=2, max_blocks=4)
@@ -184,7 +184,7 @@ def test_packing_is_a_bit_exact_gather(ctx):
 
 
 def test_pools_the_backend_cannot_move_are_refused(ctx):
-    from sglang_ascend_offload.sglang_plugin.disagg.layouts import LayoutError, check_pool
+    from sglang_ascend_offload.transfer.pool_layouts import LayoutError, check_pool
 
     with pytest.raises(LayoutError, match="ascend_offload attention backend"):
         check_pool(object())

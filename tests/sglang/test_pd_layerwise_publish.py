@@ -55,8 +55,8 @@ def run_transfer(gate_reads: bool, decode_expects: bool = True, then=None, decod
     ``decode="host_rows"``: decode runs sparse decode offload (main KV into its host pool,
     packed through the publisher's staging); read answers are then recorded where they
     release the shared buffer (``pool.gates.done``)."""
-    from sglang_ascend_offload.sglang_plugin.disagg.layerwise_publish import LayerwisePublisher
-    from sglang_ascend_offload.sglang_plugin.disagg.sink import DecodeSink
+    from sglang_ascend_offload.transfer.layerwise_publisher import LayerwisePublisher
+    from sglang_ascend_offload.transfer.decode_sink import DecodeSink
     from sglang_ascend_offload.transfer.engine import create_engine
 
     h = LayerwiseHarness(lw_config(1))  # one shared buffer for all reusable layers

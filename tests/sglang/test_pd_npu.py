@@ -49,9 +49,10 @@ def _peer(role, kind, config_json, device, q_out, q_in):
     from dsa_harness import published_context
 
     from sglang_ascend_offload import config as cfg
-    from sglang_ascend_offload.sglang_plugin.disagg.links import PrefillLinks, wait_terminal
-    from sglang_ascend_offload.sglang_plugin.disagg.sink import DecodeSink
-    from sglang_ascend_offload.sglang_plugin.disagg.wire import decode_advert, encode_advert
+    from sglang_ascend_offload.transfer.prefill_links import PrefillLinks
+    from sglang_ascend_offload.transfer.publisher import wait_terminal
+    from sglang_ascend_offload.transfer.decode_sink import DecodeSink
+    from sglang_ascend_offload.transfer.advert import decode_advert, encode_advert
     from sglang_ascend_offload.transfer.engine import create_engine
 
     torch.npu.set_device(device)

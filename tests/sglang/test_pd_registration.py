@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.sglang_plugin import carrier, flags
 from sglang_ascend_offload.sglang_plugin.disagg import rules
-from sglang_ascend_offload.sglang_plugin.disagg.wire import (ADVERT_FRAME_INDEX, ADVERT_VERSION, DecodeAdvert,
+from sglang_ascend_offload.transfer.advert import (ADVERT_FRAME_INDEX, ADVERT_VERSION, DecodeAdvert,
                                                             advert_from_registration, decode_advert,
                                                             encode_advert)
 from sglang_ascend_offload.transfer.errors import ProtocolError

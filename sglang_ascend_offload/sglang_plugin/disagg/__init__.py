@@ -14,12 +14,16 @@ Modules:
 ============  ===================================================================
 ``install``   registration with SGLang (choices, resolution step, HookRegistry hooks)
 ``rules``     startup rules and the runtime pair check (``config.violations`` rules)
-``wire``      the decode advert carried in SGLang's registration message
-``layouts``   :class:`~sglang_ascend_offload.transfer.protocol.KVLayout` of the pools
-``links``     prefill side: one worker per decode peer (handshake, packing, publishing)
-``sink``      decode side: the rank's ``DecodeReceiver`` and per-request states
 ``conn``      SGLang's manager / sender / receiver / bootstrap-server classes
 ============  ===================================================================
+
+The SGLang-free parts live in :mod:`sglang_ascend_offload.transfer`: ``advert`` (the
+decode advert carried in SGLang's registration message), ``pool_layouts``
+(:class:`~sglang_ascend_offload.transfer.protocol.KVLayout` of the pools, packing
+staging), ``publisher`` (the prefill publisher interface) with its two
+implementations ``prefill_links`` (device pool: one worker per decode peer) and
+``layerwise_publisher`` (layerwise prefill pool: published during the forward), and
+``decode_sink`` (decode side: the rank's ``DecodeReceiver`` and per-request states).
 
 See docs/pd_transfer.md ("SGLang backend").
 """

@@ -10,13 +10,18 @@ status messages and abort notifications. The KV path is replaced:
   starts the project's engine from ``pd_transfer``); SGLang's per-chunk KV and state
   writes are no-ops (:meth:`~AscendOffloadKVManager.send_kvcache`,
   :meth:`~AscendOffloadKVManager.maybe_send_extra`);
-* prefill: when a request's last chunk is sent, its pages go to
-  :class:`~.links.PrefillLinks` (publish layer by layer, gates, deadlines, verdicts);
-  with the layerwise prefill offload pool the request was already published during
-  the forward by :class:`~.layerwise_publish.LayerwisePublisher` (announced by the
-  ``Scheduler.run_batch`` hook of :mod:`.install`), and the send only checks its pages;
+* prefill: the manager holds one
+  :class:`~sglang_ascend_offload.transfer.publisher.PrefillPublisher`; when a
+  request's last chunk is sent its pages go to it (``last_chunk_sent``). On the
+  device pool that is :class:`~sglang_ascend_offload.transfer.prefill_links.PrefillLinks`
+  (publish layer by layer, gates, deadlines, verdicts); with the layerwise prefill
+  offload pool the request was already published during the forward by
+  :class:`~sglang_ascend_offload.transfer.layerwise_publisher.LayerwisePublisher`
+  (announced by the ``Scheduler.run_batch`` hook of :mod:`.install`), and the send
+  only checks its pages;
 * decode: ``send_metadata`` registers the request's pages with
-  :class:`~.sink.DecodeSink` (the rank's ``DecodeReceiver``), which pulls each layer;
+  :class:`~sglang_ascend_offload.transfer.decode_sink.DecodeSink` (the rank's
+  ``DecodeReceiver``), which pulls each layer;
 * both sides' ``poll`` combine SGLang's status with the protocol's: ``Success`` only
   when SGLang's aux/status path *and* the protocol say done; ``Failed`` as soon as
   either failed — on decode only once no read is still writing into the pages
@@ -42,15 +47,18 @@ from sglang.srt.disaggregation.mooncake.conn import (MooncakeKVBootstrapServer, 
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from ... import config as cfg
+from ...transfer import pool_layouts as layouts
+from ...transfer.advert import ADVERT_FRAME_INDEX, advert_from_registration, encode_advert
+from ...transfer.decode_sink import DecodeSink
 from ...transfer.engine import create_engine
 from ...transfer.errors import ProtocolError
+from ...transfer.layerwise_publisher import LayerwisePublisher
+from ...transfer.prefill_links import PrefillLinks
+from ...transfer.publisher import PrefillPublisher
 from ...transfer.status import TransferState
 from .. import carrier
-from . import layouts, rules
-from .layerwise_publish import LayerwisePublisher
-from .links import PrefillLinks
-from .sink import DecodeSink
-from .wire import ADVERT_FRAME_INDEX, advert_from_registration, encode_advert
+from ..pool import DeviceDSAPool
+from . import rules
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +105,7 @@ class AscendOffloadKVManager(MooncakeKVManager):
             raise RuntimeError(f"the ascend_offload P/D backend moves main KV and the DSA indexer only; "
                                f"this pool also has state {[str(s) for s in unsupported]}")
         self.pd_config = pd
-        self.links: Optional[PrefillLinks] = None
-        self.publisher: Optional[LayerwisePublisher] = None
+        self.publisher: Optional[PrefillPublisher] = None
         self.sink: Optional[DecodeSink] = None
         self.pd_engine = None
         self._room_pages: Dict[int, List[np.ndarray]] = {}
@@ -119,23 +126,23 @@ class AscendOffloadKVManager(MooncakeKVManager):
 
     def attach_pool(self, pool: Any, context_len: Optional[int] = None) -> None:
         """Start this rank's P/D side on ``pool`` (called right after the manager is built)."""
+        if not isinstance(pool, DeviceDSAPool):
+            raise layouts.LayoutError(f"P/D transfer backend ascend_offload moves the ascend_offload attention "
+                                      f"backend's DSA pools; got {type(pool).__name__} (serve a "
+                                      "DeepSeek-V3.2-style model with --attention-backend ascend_offload)")
         layerwise = layouts.is_layerwise_pool(pool)
         layouts.check_pool(pool, allow_layerwise=layerwise and self.disaggregation_mode == DisaggregationMode.PREFILL)
         max_blocks = math.ceil(context_len / pool.page_size) + 1 if context_len else None
-        if layerwise:
-            self.publisher = LayerwisePublisher(self.pd_config, p_tp=self.attn_tp_size, p_rank=self.attn_tp_rank,
-                                                pool=pool, engine=self.pd_engine, max_blocks=max_blocks)
-        elif self.disaggregation_mode == DisaggregationMode.PREFILL:
-            self.links = PrefillLinks(self.pd_config, p_tp=self.attn_tp_size, p_rank=self.attn_tp_rank,
-                                      pool=pool, engine=self.pd_engine, max_blocks=max_blocks)
+        if self.disaggregation_mode == DisaggregationMode.PREFILL:
+            kind = LayerwisePublisher if layerwise else PrefillLinks
+            self.publisher = kind(self.pd_config, p_tp=self.attn_tp_size, p_rank=self.attn_tp_rank,
+                                  pool=pool, engine=self.pd_engine, max_blocks=max_blocks)
         else:
             self.sink = DecodeSink(self.pd_config, d_tp=self.attn_tp_size, d_rank=self.attn_tp_rank,
                                    dp_rank=self.attn_dp_rank, pool=pool, engine=self.pd_engine)
 
     def close_pd(self) -> None:
         """Stop the P/D side and the engine (tests; SGLang kills its processes)."""
-        if self.links is not None:
-            self.links.close()
         if self.publisher is not None:
             self.publisher.close()
         if self.sink is not None:
@@ -171,16 +178,15 @@ class AscendOffloadKVManager(MooncakeKVManager):
             session = bytes(frames[3]).decode("ascii")
         except UnicodeDecodeError:
             return
-        side = self.publisher if self.publisher is not None else self.links
-        if side is None:
+        if self.publisher is None:
             logger.error("P/D registration from %s before the prefill side was attached", session)
             return
         try:
             advert = advert_from_registration(frames)
         except ProtocolError as exc:
-            side.note_peer(session, None, f"invalid decode advert from {session}: {exc}")
+            self.publisher.note_peer(session, None, f"invalid decode advert from {session}: {exc}")
             return
-        side.note_peer(session, advert)
+        self.publisher.note_peer(session, advert)
 
     def announce_last_chunk(self, row: int, room: int) -> None:
         """Layerwise pool: the next forward computes ``room``'s last chunk in ``req_to_token``
@@ -196,17 +202,14 @@ class AscendOffloadKVManager(MooncakeKVManager):
     # ------------------------------------------------------------------ prefill: KV path
     def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last_chunk, aux_index=None,
                              state_indices=None, num_kv_tokens=None, **kwargs):
-        if (self.links is not None or self.publisher is not None) and bootstrap_room in self.request_status \
+        if self.publisher is not None and bootstrap_room in self.request_status \
                 and self.check_status(bootstrap_room) != KVPoll.Failed:
             pages = np.asarray(kv_indices.numpy() if hasattr(kv_indices, "numpy") else kv_indices, dtype=np.int64)
             self._room_pages.setdefault(bootstrap_room, []).append(pages.copy())
             if is_last_chunk:
                 chunks = np.concatenate(self._room_pages.pop(bootstrap_room)).tolist()
-                if self.publisher is not None:  # published during the forward: check it was this request
-                    self.publisher.check_sent(bootstrap_room, chunks)
-                else:
-                    sessions = list(self.transfer_infos.get(bootstrap_room, {}).keys())
-                    self.links.submit(bootstrap_room, sessions, chunks, wait_event=kwargs.get("wait_event"))
+                sessions = list(self.transfer_infos.get(bootstrap_room, {}).keys())
+                self.publisher.last_chunk_sent(bootstrap_room, sessions, chunks, wait_event=kwargs.get("wait_event"))
         super().add_transfer_request(bootstrap_room, kv_indices, index_slice, is_last_chunk, aux_index,
                                      state_indices, num_kv_tokens, **kwargs)
 
@@ -222,14 +225,11 @@ class AscendOffloadKVManager(MooncakeKVManager):
         return self.send_aux_tcp(req, prefill_aux_index, dst_aux_ptrs)
 
     def prefill_status(self, room: int):
-        if self.publisher is not None:
-            return self.publisher.status(room)
-        return None if self.links is None else self.links.status(room)
+        return None if self.publisher is None else self.publisher.status(room)
 
     def cancel_prefill_room(self, room: int, reason: str) -> None:
-        side = self.publisher if self.publisher is not None else self.links
-        if side is not None:
-            side.cancel(room, reason)
+        if self.publisher is not None:
+            self.publisher.cancel(room, reason)
 
     def fail_prefill_room(self, room: int, reason: str) -> None:
         """Record the protocol's failure in SGLang's room state and tell decode."""
@@ -240,9 +240,8 @@ class AscendOffloadKVManager(MooncakeKVManager):
 
     def forget_prefill_room(self, room: int) -> None:
         self._room_pages.pop(room, None)
-        side = self.publisher if self.publisher is not None else self.links
-        if side is not None:
-            side.forget(room)
+        if self.publisher is not None:
+            self.publisher.forget(room)
 
     # ------------------------------------------------------------------ decode: pair check
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:

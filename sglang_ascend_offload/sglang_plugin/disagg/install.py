@@ -175,7 +175,7 @@ def _layerwise_publisher(scheduler: Any):
     queue = getattr(scheduler, "disagg_prefill_bootstrap_queue", None)
     manager = getattr(queue, "kv_manager", None)
     publisher = getattr(manager, "publisher", None)
-    if publisher is None:
+    if publisher is None or not publisher.publishes_during_forward:
         what = ("Scheduler.disagg_prefill_bootstrap_queue" if queue is None else
                 "PrefillBootstrapQueue.kv_manager" if manager is None else "the layerwise P/D publisher")
         raise compat.SGLangIncompatible(

@@ -1,10 +1,12 @@
-"""Prefill side: one worker per decode peer, publishing each request layer by layer.
+"""Prefill publisher for device pools: one worker per decode peer, each request layer by layer.
 
-A prefill TP rank's SGLang sender hands a request to :meth:`PrefillLinks.submit` once
-its last chunk is computed (all its pages are in the pool then). The request goes to
+:class:`PrefillLinks` is the :class:`~.publisher.PrefillPublisher` of a device KV pool:
+the prefill TP rank's sender hands a request to :meth:`PrefillLinks.submit`
+(:meth:`~PrefillLinks.last_chunk_sent`) once its last chunk is computed (all its pages
+are in the pool then). The request goes to
 the :class:`PeerLink` of its decode peer (one per decode TP rank that registered with
-this prefill rank; identified by SGLang's session id and described by the peer's
-:class:`~.wire.DecodeAdvert`). A link owns one
+this prefill rank; identified by its session id and described by the peer's
+:class:`~.advert.DecodeAdvert`). A link owns one
 :class:`~sglang_ascend_offload.transfer.prefill_side.PrefillSender` (handshake on first
 use, at most ``handshake_timeout_s``), its slot gates and, for ``host_rows`` peers,
 its packing staging; its thread runs requests one at a time:
@@ -26,25 +28,20 @@ import dataclasses
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from ... import config as cfg
-from ...layerwise_prefill.gates import GateError, GateTimeout, SlotGates
-from ...transfer.engine import TransferEngine
-from ...transfer.errors import TransferError
-from ...transfer.prefill_side import PrefillSender, SourceBlocks
-from ...transfer.status import PENDING, RequestStatus, TransferState
-from . import layouts
-from .wire import DecodeAdvert
+from .. import config as cfg
+from ..layerwise_prefill.gates import GateError, GateTimeout, SlotGates
+from . import pool_layouts as layouts
+from .advert import DecodeAdvert
+from .engine import TransferEngine
+from .errors import TransferError
+from .prefill_side import PrefillSender, SourceBlocks
+from .publisher import PrefillPublisher, unit_id
+from .status import PENDING, RequestStatus, TransferState
 
 logger = logging.getLogger(__name__)
-
-
-def unit_id(room: int) -> str:
-    """Protocol request id of SGLang bootstrap room ``room``."""
-    return str(int(room))
 
 
 @dataclass
@@ -209,11 +206,11 @@ class PeerLink:
             sender.abort(rid, "aborted by the prefill scheduler")
 
 
-class PrefillLinks:
+class PrefillLinks(PrefillPublisher):
     """Every decode peer of one prefill TP rank (see module doc). Thread-safe.
 
     config: the P/D config; p_tp / p_rank: this rank's attention TP size and rank;
-    pool: its :class:`~..pool.DeviceDSAPool`; engine: the started transfer engine
+    pool: its device DSA pool (the plugin's ``DeviceDSAPool``); engine: the started transfer engine
     (the pool is registered here); max_blocks: the most pages one request can have.
     """
 
@@ -304,6 +301,11 @@ class PrefillLinks:
             self._units[room].link = link
         link.put(_Job(room=room, pages=pages, wait_event=wait_event))
 
+    def last_chunk_sent(self, room: int, sessions: Sequence[str], pages: Sequence[int],
+                        wait_event: Any = None) -> None:
+        """:class:`~.publisher.PrefillPublisher`: publish ``room`` now (:meth:`submit`)."""
+        self.submit(room, sessions, pages, wait_event=wait_event)
+
     def begin(self, room: int) -> bool:
         with self._lock:
             u = self._units.get(room)
@@ -388,13 +390,3 @@ class PrefillLinks:
             link.close()
         if registered:
             self.engine.unregister(registered)
-
-
-def wait_terminal(links: PrefillLinks, room: int, timeout_s: float) -> Optional[RequestStatus]:
-    """Poll ``links.status(room)`` until terminal or ``timeout_s`` (tests, tools)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        st = links.status(room)
-        if (st is not None and st.terminal) or time.monotonic() >= deadline:
-            return st
-        time.sleep(0.01)

@@ -11,12 +11,12 @@ layout kind     main KV tensors (role ``main``)                 indexer (role ``
 ``split``       ``latent`` ``k_buffer[L]`` [pages+1, P, 1, 512]  ``index_k_buffer[slot(L)]``
                 ``rope``   ``v_buffer[L]`` [pages+1, P, 1, 64]   [pages+1, P, 1, 128]
 ``host_rows``   ``latent_rope``: decode: the host pool's page    same (device, decode);
-                blocks [blocks, P, 576] (:meth:`~..offload_pool  prefill: its own pool
-                .HostMainKVPool.host_page_blocks`); prefill: a
+                blocks [blocks, P, 576] (the plugin's           prefill: its own pool
+                ``HostMainKVPool.host_page_blocks``); prefill: a
                 :class:`PackedStaging` slot [max_blocks, P, 576]
 ==============  =====================================================================
 
-``split`` is SGLang's NPU MLA pool (:class:`~..pool.DeviceDSAPool`) on both sides:
+``split`` is SGLang's NPU MLA pool (the plugin's ``DeviceDSAPool``) on both sides:
 decode pulls straight from prefill's pool pages into its pool pages. ``host_rows``
 serves a decode with sparse decode offload: its main KV lives in host memory as one
 576-wide row per token (latent | rope), which prefill's split pages cannot be copied
@@ -25,6 +25,10 @@ into a staging slot (``[latent | rope]`` per token, a device gather) and decode 
 the packed pages straight into its host pool; the staging slot is a physical slot in
 the protocol's sense: layer ``L`` uses slot ``L % slots`` and is rewritten only after
 decode answered for its previous content (the slot gates).
+
+Pools are duck-typed (no SGLang import here): :func:`check_pool` requires the
+attributes of the plugin's DSA pools (:data:`POOL_ATTRIBUTES`); the plugin's KV
+manager checks the pool's class before it builds a publisher or sink.
 """
 
 from __future__ import annotations
@@ -33,15 +37,19 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from ... import platform
-from ...transfer.engine import Region
-from ...transfer.layout import TensorLayers, build_layout
-from ...transfer.protocol import KVLayout
+from .. import platform
+from .engine import Region
+from .layout import TensorLayers, build_layout
+from .protocol import KVLayout
 
 MAIN_SPLIT = ("latent", "rope")
 MAIN_ROWS = "latent_rope"
 INDEXER = "index_k"
 INDEXER_SCALE = "index_k_scale"
+
+
+#: What every pool the backend moves has (the plugin's ``DeviceDSAPool`` and its subclasses).
+POOL_ATTRIBUTES = ("k_buffer", "v_buffer", "page_size", "layer_num", "start_layer")
 
 
 class LayoutError(ValueError):
@@ -70,15 +78,14 @@ def check_pool(pool: Any, *, allow_layerwise: bool = False) -> None:
     """Raise :class:`LayoutError` unless ``pool`` is one the backend can move.
 
     ``allow_layerwise``: the caller publishes from the layerwise pool's layer listener
-    (:mod:`.layerwise_publish`), so its aliased layer buffers are valid sources."""
-    from ..pool import DeviceDSAPool
-
-    if not isinstance(pool, DeviceDSAPool):
+    (:mod:`.layerwise_publisher`), so its aliased layer buffers are valid sources."""
+    missing = [name for name in POOL_ATTRIBUTES if not hasattr(pool, name)]
+    if missing:
         raise LayoutError(f"P/D transfer backend ascend_offload moves the ascend_offload attention backend's "
-                          f"DSA pools; got {type(pool).__name__} (serve a DeepSeek-V3.2-style model with "
-                          "--attention-backend ascend_offload)")
+                          f"DSA pools; got {type(pool).__name__} without {', '.join(missing)} (serve a "
+                          "DeepSeek-V3.2-style model with --attention-backend ascend_offload)")
     if is_layerwise_pool(pool) and not allow_layerwise:
-        raise LayoutError("the layerwise prefill offload pool is served only by disagg/layerwise_publish.py "
+        raise LayoutError("the layerwise prefill offload pool is served only by transfer/layerwise_publisher.py "
                           "on a prefill server (its pipelined layers are not in device memory after the "
                           "forward; they are published during it)")
     if getattr(pool, "index_head_dim", None) is None:

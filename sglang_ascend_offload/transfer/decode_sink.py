@@ -19,16 +19,16 @@ import threading
 import time
 from typing import Any, Optional, Sequence, Set
 
-from ... import config as cfg
-from ...transfer.decode_side import DecodeReceiver
-from ...transfer.destinations import RequestDestination
-from ...transfer.engine import TransferEngine
-from ...transfer.errors import RequestFailed, TransferError
-from ...transfer.status import RequestStatus, TransferState
-from ...transfer.topology import decode_port
-from . import layouts
-from .links import unit_id
-from .wire import ADVERT_VERSION, DecodeAdvert
+from .. import config as cfg
+from . import pool_layouts as layouts
+from .advert import ADVERT_VERSION, DecodeAdvert
+from .decode_side import DecodeReceiver
+from .destinations import RequestDestination
+from .engine import TransferEngine
+from .errors import RequestFailed, TransferError
+from .publisher import unit_id
+from .status import RequestStatus, TransferState
+from .topology import decode_port
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,8 @@ class DecodeSink:
 
     config: the P/D config (``host`` / ``kv_port`` are where this rank listens);
     d_tp / d_rank / dp_rank: attention TP size, rank and attention DP rank;
-    pool: the rank's KV pool (:class:`~..offload_pool.HostMainKVPool` or
-    :class:`~..pool.DeviceDSAPool`); engine: the started engine (the destinations are
+    pool: the rank's KV pool (the plugin's ``HostMainKVPool`` or
+    ``DeviceDSAPool``); engine: the started engine (the destinations are
     registered here).
     """
 

@@ -14,7 +14,7 @@ from typing import Annotated, Literal, Optional
 
 import msgspec
 
-from ...transfer.errors import ProtocolError
+from .errors import ProtocolError
 
 ADVERT_VERSION = 1
 #: Index of the advert frame in the registration message (SGLang 0.5.23 sends 20 frames).

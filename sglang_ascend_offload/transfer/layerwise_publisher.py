@@ -1,14 +1,16 @@
-"""Prefill side of P/D over the layerwise prefill offload pool: publish from the layer listener.
+"""Prefill publisher over the layerwise prefill offload pool: publish from the layer listener.
 
-With layerwise prefill offload a layer's KV lives in a physical buffer shared with
-other layers: after the forward only the last layer of each shared buffer is still in
-device memory. So the request cannot be sent after the forward (what
-:class:`~.links.PrefillLinks` does for the device pool). Instead:
+:class:`LayerwisePublisher` is the :class:`~.publisher.PrefillPublisher` of the
+layerwise prefill pool (``publishes_during_forward``). With layerwise prefill offload a
+layer's KV lives in a physical buffer shared with other layers: after the forward only
+the last layer of each shared buffer is still in device memory. So the request cannot
+be sent after the forward (what :class:`~.prefill_links.PrefillLinks` does for the
+device pool). Instead:
 
 1. before the forward that runs a request's **last chunk**, the caller says which
    ``req_to_token`` row carries which bootstrap room and decode session
    (:meth:`LayerwisePublisher.expect`; in a server the BEFORE hook on
-   ``Scheduler.run_batch`` in :mod:`.install` does, after :meth:`~LayerwisePublisher.begin_batch`);
+   ``Scheduler.run_batch`` in ``sglang_plugin/disagg/install.py`` does, after :meth:`~LayerwisePublisher.begin_batch`);
 2. when the pool opens that forward it asks :meth:`LayerwisePublisher.consumers_of`
    (``pool.set_extra_consumers``): the request is added to its decode peer's
    :class:`~sglang_ascend_offload.transfer.prefill_side.PrefillSender` and the peer's
@@ -28,7 +30,8 @@ SGLang frees the request's pages, which happens after the sender reports the req
 done (every layer read) or failed.
 
 After the forward SGLang's sender hands the request's pages to the KV manager
-(``add_transfer_request``, last chunk): :meth:`LayerwisePublisher.check_sent` compares
+(``add_transfer_request``, last chunk): :meth:`LayerwisePublisher.check_sent`
+(:meth:`~LayerwisePublisher.last_chunk_sent`) compares
 them with the pages published, and fails the request when it was never announced
 (a send outside the forward that computed it: the pipelined layers are gone by then)
 or when the pages differ. Nothing is ever sent from a buffer that may hold another
@@ -40,12 +43,19 @@ Decode peers of both layouts are served:
   forward's requests to that peer, read straight from the shared buffer;
 * ``host_rows`` (decode with sparse decode offload; main KV lands in its host pool
   as packed ``[latent | rope]`` rows): the listener packs each request's pages of the
-  layer into a staging slot (:class:`~.layouts.PackedStaging`, layer ``L`` -> slot
+  layer into a staging slot (:class:`~.pool_layouts.PackedStaging`, layer ``L`` -> slot
   ``L % staging_slots``, each slot behind its own gate) and publishes one batch per
   request (main from the staging, indexer from the shared buffer). The shared
   buffer's gate is answered once every request's batch of that layer was answered
   (:class:`StagingGateRouter`). Requests of one forward to one ``host_rows`` peer are
   therefore read one after another within a layer (the staging holds one request).
+
+The pool is duck-typed (the plugin's ``LayerwisePrefillPool``): ``pipelined``,
+``gates``, ``layer_num``, ``set_extra_consumers(fn)`` and ``add_layer_listener(fn)``;
+``fn`` receives a forward's info (``forward_id``, ``pipelined_layers``, ``requests``
+each with ``req_pool_idx`` and ``pages``) and, per written layer, an item with
+``forward``, ``layer``, ``slot`` and ``pipelined``
+(``sglang_plugin/layerwise_runtime.py``: ``ForwardInfo``, ``LayerWritten``).
 """
 
 from __future__ import annotations
@@ -54,18 +64,17 @@ import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ... import config as cfg
-from ...layerwise_prefill.gates import GateError, GateTimeout, SlotGates
-from ...transfer.engine import TransferEngine
-from ...transfer.errors import TransferError
-from ...transfer.prefill_side import PrefillSender, SourceBlocks
-from ...transfer.status import PENDING, RequestStatus, TransferState
-from ..layerwise_runtime import ForwardInfo, LayerWritten
-from . import layouts
-from .links import unit_id
-from .wire import DecodeAdvert
+from .. import config as cfg
+from ..layerwise_prefill.gates import GateError, GateTimeout, SlotGates
+from . import pool_layouts as layouts
+from .advert import DecodeAdvert
+from .engine import TransferEngine
+from .errors import TransferError
+from .prefill_side import PrefillSender, SourceBlocks
+from .publisher import PrefillPublisher, unit_id
+from .status import PENDING, RequestStatus, TransferState
 
 logger = logging.getLogger(__name__)
 
@@ -164,15 +173,17 @@ class _Unit:
     staging: Optional[_Staging] = None
 
 
-class LayerwisePublisher:
+class LayerwisePublisher(PrefillPublisher):
     """Publishes requests of one prefill TP rank from the layerwise pool (module doc).
 
     config: the P/D config; p_tp / p_rank: attention TP size and rank; pool: the
-    :class:`~..layerwise_pool.LayerwisePrefillPool`; engine: the started transfer
+    plugin's ``LayerwisePrefillPool``; engine: the started transfer
     engine (the pool's physical buffers are registered here); max_blocks /
     staging_slots: pages per staging slot (default: the pool's) and staging slots of
     each ``host_rows`` peer.
     """
+
+    publishes_during_forward = True
 
     def __init__(self, config: cfg.PDTransferConfig, *, p_tp: int, p_rank: int, pool: Any,
                  engine: TransferEngine, max_blocks: Optional[int] = None, staging_slots: int = 2):
@@ -204,7 +215,7 @@ class LayerwisePublisher:
 
     # ------------------------------------------------------------------ control plane
     def note_peer(self, session: str, advert: Optional[DecodeAdvert], error: str = "") -> None:
-        """A decode peer's advert from its registration (see :mod:`.wire`); ``advert=None``
+        """A decode peer's advert from its registration (see :mod:`.advert`); ``advert=None``
         with ``error``: the registration was invalid, every request to it fails with that."""
         with self._lock:
             if advert is None:
@@ -248,6 +259,12 @@ class LayerwisePublisher:
             self.cancel(room, f"SGLang sends {len(pages)} pages but {len(published)} other pages were published "
                               "from the forward")
 
+    def last_chunk_sent(self, room: int, sessions: Sequence[str], pages: Sequence[int],
+                        wait_event: Any = None) -> None:
+        """:class:`~.publisher.PrefillPublisher`: ``room`` was published during its forward;
+        check the pages (:meth:`check_sent`)."""
+        self.check_sent(room, pages)
+
     def cancel(self, room: int, reason: str) -> None:
         """The scheduler gave up on ``room``: fail it (the sender tells decode; the request's
         remaining layers are then skipped and their gates answered at once)."""
@@ -289,7 +306,7 @@ class LayerwisePublisher:
             return RequestStatus(TransferState.FAILED, "request unknown to the P/D sender")
 
     # ------------------------------------------------------------------ pool hooks
-    def consumers_of(self, info: ForwardInfo) -> Dict[int, List[str]]:
+    def consumers_of(self, info: Any) -> Dict[int, List[str]]:
         """Extra gate consumers of ``info`` (scheduler thread, when the forward opens)."""
         units: List[_Unit] = []
         for req in info.requests:
@@ -318,7 +335,7 @@ class LayerwisePublisher:
         names = sorted({u.sender.consumer for u in units})
         return {layer: list(names) for layer in info.pipelined_layers}
 
-    def on_layer_written(self, item: LayerWritten) -> None:
+    def on_layer_written(self, item: Any) -> None:
         """Publish ``item.layer`` of the forward's requests (saver / notifier thread)."""
         with self._lock:
             units = list(self._forwards.get(item.forward.forward_id, ()))
@@ -349,7 +366,7 @@ class LayerwisePublisher:
             with self._lock:
                 self._forwards.pop(item.forward.forward_id, None)
 
-    def _publish_packed(self, item: LayerWritten, group: List[_Unit]) -> None:
+    def _publish_packed(self, item: Any, group: List[_Unit]) -> None:
         """``host_rows`` peer: per request, wait for the layer's staging slot, pack, publish."""
         st = group[0].staging
         sender = group[0].sender
