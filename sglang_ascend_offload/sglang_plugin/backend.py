@@ -34,7 +34,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from ..ops import registry
-from . import carrier
+from . import carrier, speculative
 from .indexer import indexer_query_key_weights
 from .metadata import DSAForwardMetadata, build_metadata, real_batch_size
 
@@ -108,10 +108,14 @@ class AscendOffloadAttnBackend(AttentionBackend):
             self.forward_metadata = None
             return
         q_lens = None if mode.is_decode() else forward_batch.extend_seq_lens_cpu
+        seq_lens_cpu = forward_batch.seq_lens_cpu
+        spec = speculative.speculative_lens(forward_batch, getattr(self, "speculative_step_id", None))
+        if spec is not None:  # TARGET_VERIFY (n rows per request) or a draft decode step
+            q_lens, seq_lens_cpu = spec
         self.forward_metadata = build_metadata(
             self.req_to_token_pool.req_to_token,
             forward_batch.req_pool_indices,
-            forward_batch.seq_lens_cpu,
+            seq_lens_cpu,
             q_lens,
             self.page_size,
             forward_batch.seq_lens.device,

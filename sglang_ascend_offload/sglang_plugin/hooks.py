@@ -151,3 +151,6 @@ def install_runtime() -> None:
     from .kvpp_sizing import install as install_kvpp_sizing  # KVPP: per-rank KV bytes per token
 
     install_kvpp_sizing()
+    from .speculative import install as install_speculative  # EAGLE / NextN (MTP) on the backend
+
+    install_speculative()

@@ -50,6 +50,11 @@ def assign_req_to_token_pool_cpu(
         offset += n
 
 
+from .speculative_cpu import (  # noqa: E402 - EAGLE (NextN / MTP) chain kernels in plain torch
+    assign_draft_cache_locs_contiguous_cpu, assign_extend_cache_locs_cpu, build_tree_kernel_efficient_cpu,
+    fill_accept_out_cache_loc_cpu, fill_bonus_tokens_cpu, verify_tree_greedy_cpu)
+
+
 class _MissingKernel:
     """Stands for a CPU kernel of sgl_kernel that the stand-in does not provide."""
 
