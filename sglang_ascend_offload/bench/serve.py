@@ -12,6 +12,12 @@ one warm-up request and then the same load, and stops it:
 * ``--rounds`` passes of that load (default 1); throughput is the median over rounds,
   latency percentiles pool every round's requests; outputs compare round 1.
 
+With ``--interleave`` every server stays up for the whole run (started one after
+another) and each round goes to each server in turn, the order rotating by one per
+round: a ratio between two runs then compares rounds taken minutes apart at most,
+under the same drift of a shared machine's load (idle servers sleep:
+``--sleep-on-idle``).
+
 Runs are named ``[no_]offload[_eager|_graph][_spec][_mrrN]``:
 
 * ``offload``: ``--enable-sparse-decode-offload`` with ``--offload-config``;
@@ -34,6 +40,8 @@ of completed requests over the load's wall time), ``decode_tokens_per_s`` (token
 after each request's first over the decode window: first request's first token to the
 last request's last token), ``ttft_ms_p50``, ``itl_ms_p50`` / ``itl_ms_p99`` (per output
 token after the first: each streamed chunk's gap divided over the tokens it carried),
+``server_cpu_ms_per_token`` (CPU time of all the server's processes per output token,
+median over rounds: unlike wall time it does not grow when other jobs share the cores),
 ``accept_length`` (speculative runs: output tokens over verify steps, SGLang's
 ``spec_verify_ct``), ``token_agreement`` (fraction of the plain no-offload run's output
 tokens that this run reproduced at the same position of the same request; compiled or
@@ -48,7 +56,9 @@ in the selection and reproduces its greedy outputs exactly (and no run failed).
 ``max_running_requests_ratios``: for runs that differ only in ``--max-running-requests``
 (e.g. ``--runs offload_mrr4,offload_mrr2048``), the smallest over the largest's decode
 and output tokens/s (issue 17: with offload, 2048 must stay within 1.25 x of 4 for
-the same live load) and whether their outputs are identical.
+the same live load), the largest over the smallest's server CPU time per token
+(``server_cpu_per_token_ratio``: the same comparison as a cost, robust to a shared
+machine) and whether their outputs are identical.
 
 Progress goes to stderr; ``--json`` prints one JSON document on stdout, otherwise a
 table. Exit status 0 when every run completed every request and ``identical_tokens``.
@@ -92,6 +102,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=32, help="output tokens per request (default 32)")
     p.add_argument("--rounds", type=int, default=1, help="passes of the load per run (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument("--interleave", action="store_true",
+                   help="keep every run's server up at once and send each round to each server in turn "
+                        "(rotating order): the runs share the machine's load drift (for ratios such as "
+                        "offload_mrr4,offload_mrr2048); default: one server at a time")
     p.add_argument("--max-running-requests", type=int, default=4,
                    help="--max-running-requests of every run without an _mrrN suffix (default 4)")
     p.add_argument("--model-path", default=None,
@@ -174,6 +188,8 @@ class RunResult:
     deterministic_across_rounds: Optional[bool] = None
     rounds_output_tokens_per_s: List[float] = field(default_factory=list)
     rounds_decode_tokens_per_s: List[float] = field(default_factory=list)
+    server_cpu_ms_per_token: Optional[float] = None
+    rounds_server_cpu_ms_per_token: List[float] = field(default_factory=list)
     startup_s: Optional[float] = None
     offload_summary: Dict[str, str] = field(default_factory=dict)
     server_args: List[str] = field(default_factory=list)
@@ -276,6 +292,21 @@ def _summary(log: Optional[Path]) -> Dict[str, str]:
     return dict(re.findall(r"([\w/]+)=([^\s]+)", lines[-1].split(OFFLOAD_SUMMARY, 1)[1])) if lines else {}
 
 
+def cpu_seconds(pids: Sequence[int]) -> Dict[int, float]:
+    """User + system CPU seconds of each process (``/proc/<pid>/stat``); gone ones omitted."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out: Dict[int, float] = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+    return out
+
+
 def _progress(msg: str) -> None:
     print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
 
@@ -284,20 +315,62 @@ def _ms(v: Optional[float]) -> Optional[float]:
     return None if v is None else round(v * 1e3, 3)
 
 
-def measure(url: str, spec: RunSpec, load: LoadSpec, prompts: Sequence[List[int]], request_timeout: float,
-            result: RunResult) -> List[Optional[List[int]]]:
-    """Warm-up, then ``load.rounds`` passes of the load; fills ``result``; returns
-    round 1's output ids per prompt (``None`` for a failed request)."""
-    served_load.stream_generate(url, served_load.random_prompt(load.input_len, -1, load.vocab), load.output_len,
-                                timeout_s=request_timeout)
-    first: List[Optional[List[int]]] = []
-    ttfts: List[float] = []
-    itls: List[float] = []
-    spec_tokens = spec_steps = 0
-    same = True
-    for r in range(load.rounds):
-        res, sent = served_load.run_load(url, prompts, load.output_len, load.clients, timeout_s=request_timeout)
+class Measurement:
+    """One run's server and what its rounds measured (fills a :class:`RunResult`)."""
+
+    def __init__(self, spec: RunSpec, load: LoadSpec, args: argparse.Namespace, log_dir: Path):
+        from ..testing.servers import ServerProcess
+
+        base, extra, cpu = server_args(spec, args)
+        self.spec, self.load, self.request_timeout = spec, load, args.request_timeout
+        self.result = RunResult(spec.name, spec.offload, spec.graph, spec.speculative, spec.max_running_requests,
+                                requests=load.requests * load.rounds, server_args=extra,
+                                log=str(log_dir / f"{spec.name}.log"))
+        self.server = ServerProcess(extra, log_path=Path(self.result.log), base_args=base, cpu=cpu,
+                                    startup_timeout_s=args.startup_timeout)
+        self.outputs: Optional[List[Optional[List[int]]]] = None  # round 1's output ids per prompt
+        self._ttfts: List[float] = []
+        self._itls: List[float] = []
+        self._spec_tokens = 0
+        self._spec_steps = 0
+        self._same = True
+        self._rounds = 0
+
+    @property
+    def failed(self) -> bool:
+        return self.result.error is not None
+
+    def start(self) -> bool:
+        """Start the server and send one warm-up request; ``False`` (and ``error`` set
+        to the server's own startup error) when it does not come up or fails it."""
+        from ..testing.servers import PortInUse
+
+        _progress(f"{self.spec.name}: starting ({' '.join(self.result.server_args)})")
+        try:
+            self.server.start()
+            self.result.startup_s = round(self.server.startup_s or 0.0, 1)
+            served_load.stream_generate(self.server.url, served_load.random_prompt(self.load.input_len, -1,
+                                                                                    self.load.vocab),
+                                        self.load.output_len, timeout_s=self.request_timeout)
+        except (RuntimeError, TimeoutError, PortInUse, *served_load.REQUEST_ERRORS) as exc:
+            self.result.error = startup_error(exc, self.server.log_path)
+            _progress(f"{self.spec.name}: did not start: {self.result.error}")
+            self.stop()
+            return False
+        _progress(f"{self.spec.name}: up in {self.result.startup_s:.0f} s")
+        return True
+
+    def round(self, prompts: Sequence[List[int]]) -> None:
+        """One pass of the load."""
+        load, result = self.load, self.result
+        cpu0 = cpu_seconds(self.server.pids())
+        res, sent = served_load.run_load(self.server.url, prompts, load.output_len, load.clients,
+                                         timeout_s=self.request_timeout)
+        cpu = sum(cpu_seconds(self.server.pids()).values()) - sum(cpu0.values())
         done = res.completed(load.output_len)
+        tokens = sum(o.tokens for o in done)
+        if tokens:
+            result.rounds_server_cpu_ms_per_token.append(round(cpu * 1e3 / tokens, 4))
         result.completed += len(done)
         result.request_errors += res.errors[: max(0, 10 - len(result.request_errors))]
         tps, dtps = res.output_tokens_per_s(load.output_len), res.decode_tokens_per_s(load.output_len, sent)
@@ -306,67 +379,76 @@ def measure(url: str, spec: RunSpec, load: LoadSpec, prompts: Sequence[List[int]
         if dtps is not None:
             result.rounds_decode_tokens_per_s.append(round(dtps, 3))
         for o in done:
-            ttfts.append(o.ttft_s)
-            itls.extend(o.inter_token_s())
+            self._ttfts.append(o.ttft_s)
+            self._itls.extend(o.inter_token_s())
             verify = o.meta_info.get("spec_verify_ct")
             if verify:
-                spec_tokens += o.tokens
-                spec_steps += int(verify)
+                self._spec_tokens += o.tokens
+                self._spec_steps += int(verify)
         ids = [o.output_ids if o is not None else None for o in res.outputs]
-        if r == 0:
-            first = ids
+        if self.outputs is None:
+            self.outputs = ids
         else:
-            same = same and ids == first
-        _progress(f"{spec.name}: round {r + 1}/{load.rounds}: {len(done)}/{len(prompts)} completed, "
+            self._same = self._same and ids == self.outputs
+        self._rounds += 1
+        _progress(f"{self.spec.name}: round {self._rounds}/{load.rounds}: {len(done)}/{len(prompts)} completed, "
                   f"{tps or 0:.1f} output tok/s, {dtps or 0:.1f} decode tok/s")
-    result.output_tokens_per_s = (round(statistics.median(result.rounds_output_tokens_per_s), 3)
-                                  if result.rounds_output_tokens_per_s else None)
-    result.decode_tokens_per_s = (round(statistics.median(result.rounds_decode_tokens_per_s), 3)
-                                  if result.rounds_decode_tokens_per_s else None)
-    result.ttft_ms_p50 = _ms(served_load.percentile(ttfts, 50))
-    result.ttft_ms_p99 = _ms(served_load.percentile(ttfts, 99))
-    result.itl_ms_p50 = _ms(served_load.percentile(itls, 50))
-    result.itl_ms_p99 = _ms(served_load.percentile(itls, 99))
-    result.accept_length = round(spec_tokens / spec_steps, 4) if spec_steps else None
-    result.deterministic_across_rounds = same if load.rounds > 1 else None
-    return first
 
+    def stop(self) -> None:
+        self.server.stop()
+        if self.spec.offload:
+            self.result.offload_summary = _summary(self.server.log_path)
 
-def run_one(spec: RunSpec, load: LoadSpec, prompts: Sequence[List[int]], args: argparse.Namespace,
-            log_dir: Path) -> Tuple[RunResult, Optional[List[Optional[List[int]]]]]:
-    """Start ``spec``'s server, measure, stop. A server that does not start gives an
-    entry with ``error`` (its startup error), not an exception."""
-    from ..testing.servers import PortInUse, ServerProcess
-
-    base, extra, cpu = server_args(spec, args)
-    result = RunResult(spec.name, spec.offload, spec.graph, spec.speculative, spec.max_running_requests,
-                       requests=load.requests * load.rounds, server_args=extra)
-    log = log_dir / f"{spec.name}.log"
-    result.log = str(log)
-    server = ServerProcess(extra, log_path=log, base_args=base, cpu=cpu, startup_timeout_s=args.startup_timeout)
-    _progress(f"{spec.name}: starting ({' '.join(extra)})")
-    try:
-        try:
-            server.start()
-        except (RuntimeError, TimeoutError, PortInUse, OSError) as exc:
-            result.error = startup_error(exc, server.log_path)
-            _progress(f"{spec.name}: did not start: {result.error}")
-            return result, None
-        result.startup_s = round(server.startup_s or 0.0, 1)
-        _progress(f"{spec.name}: up in {result.startup_s:.0f} s")
-        try:
-            outputs = measure(server.url, spec, load, prompts, args.request_timeout, result)
-        except served_load.REQUEST_ERRORS as exc:  # the warm-up failed: the server broke on its first request
-            result.error = startup_error(exc, server.log_path)
-            _progress(f"{spec.name}: failed: {result.error}")
-            return result, None
-        if result.completed == 0:
+    def finish(self) -> RunResult:
+        """Summaries over the rounds (medians of throughput, pooled latency percentiles)."""
+        result = self.result
+        if result.rounds_output_tokens_per_s:
+            result.output_tokens_per_s = round(statistics.median(result.rounds_output_tokens_per_s), 3)
+        if result.rounds_decode_tokens_per_s:
+            result.decode_tokens_per_s = round(statistics.median(result.rounds_decode_tokens_per_s), 3)
+        if result.rounds_server_cpu_ms_per_token:
+            result.server_cpu_ms_per_token = round(statistics.median(result.rounds_server_cpu_ms_per_token), 4)
+        result.ttft_ms_p50 = _ms(served_load.percentile(self._ttfts, 50))
+        result.ttft_ms_p99 = _ms(served_load.percentile(self._ttfts, 99))
+        result.itl_ms_p50 = _ms(served_load.percentile(self._itls, 50))
+        result.itl_ms_p99 = _ms(served_load.percentile(self._itls, 99))
+        result.accept_length = round(self._spec_tokens / self._spec_steps, 4) if self._spec_steps else None
+        result.deterministic_across_rounds = self._same if self._rounds > 1 else None
+        if not result.error and result.completed == 0:
             result.error = "no request completed: " + "; ".join(result.request_errors[:3])
-        return result, outputs
+        if result.error:
+            self.outputs = None
+        return result
+
+
+def run_all(specs: Sequence[RunSpec], load: LoadSpec, prompts: Sequence[List[int]], args: argparse.Namespace,
+            log_dir: Path) -> List[Measurement]:
+    """Every run: one after another (start, rounds, stop), or with ``--interleave`` all
+    servers up together (started one after another) and each round sent to every
+    server in turn, the order rotating by one per round."""
+    runs = [Measurement(s, load, args, log_dir) for s in specs]
+    if not args.interleave:
+        for m in runs:
+            if m.start():
+                try:
+                    for _ in range(load.rounds):
+                        m.round(prompts)
+                finally:
+                    m.stop()
+        return runs
+    try:
+        live = [m for m in runs if m.start()]
+        for r in range(load.rounds):
+            for i in range(len(live)):
+                live[(i + r) % len(live)].round(prompts)
     finally:
-        server.stop()
-        if spec.offload:
-            result.offload_summary = _summary(server.log_path)
+        from ..testing.servers import stop_all
+
+        stop_all(*(m.server for m in runs))
+        for m in runs:
+            if m.spec.offload:
+                m.result.offload_summary = _summary(m.server.log_path)
+    return runs
 
 
 def agreement(ours: Sequence[Optional[List[int]]], ref: Sequence[Optional[List[int]]]) -> Optional[float]:
@@ -441,6 +523,7 @@ def mrr_ratios(specs: Sequence[RunSpec], results: Dict[str, RunResult],
                                                                           hi.max_running_requests],
                     "decode_tokens_per_s_ratio": ratio(a.decode_tokens_per_s, b.decode_tokens_per_s),
                     "output_tokens_per_s_ratio": ratio(a.output_tokens_per_s, b.output_tokens_per_s),
+                    "server_cpu_per_token_ratio": ratio(b.server_cpu_ms_per_token, a.server_cpu_ms_per_token),
                     "rounds_decode_tokens_per_s_ratio": [ratio(x, y) for x, y in zip(a.rounds_decode_tokens_per_s,
                                                                                      b.rounds_decode_tokens_per_s)],
                     "identical_tokens": (outputs.get(lo.name) is not None
@@ -467,11 +550,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     _progress(f"{len(specs)} runs, {load.requests} requests x {load.rounds} rounds, {load.clients} clients, "
               f"{load.input_len} -> {load.output_len} tokens; server logs in {log_dir}")
     prompts = load.prompts()
-    results: Dict[str, RunResult] = {}
-    outputs: Dict[str, Optional[List[Optional[List[int]]]]] = {}
     t0 = time.monotonic()
-    for spec in specs:
-        results[spec.name], outputs[spec.name] = run_one(spec, load, prompts, args, log_dir)
+    measured = run_all(specs, load, prompts, args, log_dir)
+    results = {m.spec.name: m.finish() for m in measured}
+    outputs = {m.spec.name: m.outputs for m in measured}
     identical, problems = compare(specs, results, outputs)
     return {
         "runs": [asdict(results[s.name]) for s in specs],
@@ -479,6 +561,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "identical_tokens_problems": problems,
         "max_running_requests_ratios": mrr_ratios(specs, results, outputs),
         "load": asdict(load),
+        "interleave": bool(args.interleave),
         "model": args.model_path or "tests/fixtures/tiny_dsa (CPU)",
         "wall_s": round(time.monotonic() - t0, 1),
         "logs": str(log_dir),
@@ -494,12 +577,13 @@ def print_table(res: Dict[str, Any]) -> None:
     print(f"bench serve: {load['clients']} clients, {load['requests']} requests x {load['rounds']} rounds, "
           f"{load['input_len']} -> {load['output_len']} tokens, greedy; model {res['model']}")
     print(f"{'run':26s} {'mrr':>5s} {'done':>7s} {'out tok/s':>9s} {'dec tok/s':>9s} {'TTFT p50':>8s} "
-          f"{'ITL p50':>7s} {'ITL p99':>7s} {'accept':>6s} {'agree':>6s} {'= ref':>5s}")
+          f"{'ITL p50':>7s} {'ITL p99':>7s} {'cpu ms/tok':>10s} {'accept':>6s} {'agree':>6s} {'= ref':>5s}")
     for r in res["runs"]:
         same = {True: "yes", False: "NO", None: "-"}[r["identical_to_reference"]]
         print(f"{r['name']:26s} {r['max_running_requests']:5d} {r['completed']:3d}/{r['requests']:<3d} "
               f"{_fmt(r['output_tokens_per_s']):>9s} {_fmt(r['decode_tokens_per_s']):>9s} "
               f"{_fmt(r['ttft_ms_p50']):>8s} {_fmt(r['itl_ms_p50']):>7s} {_fmt(r['itl_ms_p99']):>7s} "
+              f"{_fmt(r['server_cpu_ms_per_token'], '.2f'):>10s} "
               f"{_fmt(r['accept_length'], '.2f'):>6s} {_fmt(r['token_agreement'], '.3f'):>6s} {same:>5s}")
     for r in res["runs"]:
         if r["error"]:
@@ -512,7 +596,8 @@ def print_table(res: Dict[str, Any]) -> None:
                   f"{base[name]['output_tokens_per_s'] / ref['output_tokens_per_s']:.3f}")
     for m in res["max_running_requests_ratios"]:
         print(f"{m['runs'][0]} / {m['runs'][1]} decode tok/s: {_fmt(m['decode_tokens_per_s_ratio'], '.3f')} "
-              f"(output tok/s {_fmt(m['output_tokens_per_s_ratio'], '.3f')}; identical tokens "
+              f"(output tok/s {_fmt(m['output_tokens_per_s_ratio'], '.3f')}; server CPU per token "
+              f"{m['runs'][1]} / {m['runs'][0]} {_fmt(m['server_cpu_per_token_ratio'], '.3f')}; identical tokens "
               f"{m['identical_tokens']})")
     print(f"identical_tokens: {res['identical_tokens']}")
     for p in res["identical_tokens_problems"]:

@@ -125,6 +125,7 @@ def test_bench_serve_short_run_pair(tmp_path):
         assert r["error"] is None and r["completed"] == r["requests"] == 2
         assert r["output_tokens_per_s"] > 0 and r["ttft_ms_p50"] > 0 and r["itl_ms_p99"] >= r["itl_ms_p50"] > 0
         assert r["accept_length"] is None and r["token_agreement"] == 1.0
+        assert r["server_cpu_ms_per_token"] > 0
     off = runs["offload_eager_mrr2048"]
     assert off["offload"] and off["reference"] == "no_offload_eager" and off["identical_to_reference"]
     assert off["server_args"][:2] == ["--max-running-requests", "2048"]
