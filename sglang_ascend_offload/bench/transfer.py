@@ -1,7 +1,7 @@
 """``python -m sglang_ascend_offload bench transfer [--json]``: P/D transfer in one run.
 
 Real prefill and decode processes (the multi-process harness of
-``transfer/harness.py``), Mooncake over TCP on 127.0.0.1:
+``testing/pd_harness.py``), Mooncake over TCP on 127.0.0.1:
 
 1. **throughput**: one request of ``--tokens`` tokens, DeepSeek-V3.2 per-token
    sizes (latent 512 + rope 64 bf16 into the decode host pool, indexer 128 bf16
@@ -30,7 +30,7 @@ Real prefill and decode processes (the multi-process harness of
    each with outcome, hung, destination_used_after_failure, leaked_slots. The
    injected faults' logs go to a temporary file unless ``-v``;
 4. ``--served``: real SGLang servers on the tiny DSA fixture behind the router
-   (see :mod:`sglang_ascend_offload.transfer.served`): TTFT p50 / p99 and output
+   (see :mod:`sglang_ascend_offload.bench.transfer_served`): TTFT p50 / p99 and output
    tokens/s of colocated serving and of each P/D pairing under the same load.
 
 Absolute numbers on a shared CPU machine are noise; the ratios are the result.
@@ -140,7 +140,7 @@ def _throughput_run(t) -> tuple:
 
 
 def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, Any]:
-    from ..transfer.harness import ScenarioSpec, fault_scenarios, run_scenario
+    from ..testing.pd_harness import ScenarioSpec, fault_scenarios, run_scenario
     from ..transfer.topology import PDTopology
     from ..transfer.workers import WorkerPool
 
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, An
         out["verified"] = out["verified"] and bool(o.verified and o.outcome == "done")
         out["scenarios"] = [_row(run_scenario(pool, s, timeout_s=120)) for s in faults]
     if args.served:
-        from ..transfer.served import ServedLoad, run_served
+        from .transfer_served import ServedLoad, run_served
 
         load = ServedLoad(requests=args.served_requests, concurrency=args.served_concurrency,
                           input_len=args.served_input_len, output_len=args.served_output_len)

@@ -20,85 +20,26 @@ server's tokens (and logprobs). Loopback only; every process is killed in teardo
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from conftest import IDLE_SLEEP, REPO, ServerProcess, free_port, server_env, stop_all, stop_process_group
+from conftest import IDLE_SLEEP, ServerProcess, free_port, stop_all
+
+from sglang_ascend_offload.testing import pd_servers
+from sglang_ascend_offload.testing.pd_servers import PDRouter
 
 pytestmark = pytest.mark.slow
 
 VOCAB = 1024
 INDEX_TOPK = 16
-# Chunked prefill (same chunk size everywhere, so the reference computes identically): prompts
-# longer than 128 tokens reach the prefill sender in two chunks.
-COMMON = ["--max-running-requests", "4", "--chunked-prefill-size", "128"]
 ROUTER_READY_S = 120.0
 
 
 def prompt(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
-
-
-LAYERWISE = json.dumps({"shared_buffers": 1, "independent_layers": [], "store_backend": "local",
-                        "wait_timeout_s": 60})
-
-
-def pd_config(kv_port: int) -> str:
-    return json.dumps({"engine": "mooncake", "kv_port": kv_port, "host": "127.0.0.1",
-                       "layer_timeout_s": 20, "handshake_timeout_s": 30})
-
-
-class Router:
-    """``python -m sglang_router.launch_router --pd-disaggregation`` (own session, killed as a group)."""
-
-    def __init__(self, prefill: ServerProcess, bootstrap_port: int, decode: ServerProcess, log_path: Path):
-        self.port = free_port()
-        self.args = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                     "--prefill", prefill.url, str(bootstrap_port), "--decode", decode.url,
-                     "--host", "127.0.0.1", "--port", str(self.port),
-                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-        self.log_path = log_path
-        self.proc = None
-
-    def start(self) -> "Router":
-        self.proc = subprocess.Popen(self.args, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     env=server_env(), cwd=REPO, start_new_session=True)
-        return self
-
-    def generate(self, input_ids, max_new_tokens: int = 8, timeout: float = 120.0, return_logprob: bool = False):
-        body = {"input_ids": input_ids, "return_logprob": return_logprob,
-                "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-
-    def wait_ready(self, probe, deadline: float) -> None:
-        """Until the router has healthy workers (it adds them in the background): 503 means not yet."""
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}; log: {self.log_path}")
-            try:
-                self.generate(probe, max_new_tokens=1, timeout=60)
-                return
-            except (urllib.error.HTTPError, urllib.error.URLError, ConnectionError, OSError) as exc:
-                if isinstance(exc, urllib.error.HTTPError) and exc.code != 503:
-                    raise
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"router not ready; log: {self.log_path}") from exc
-                time.sleep(1.0)
-
-    def stop(self) -> None:
-        stop_process_group(self.proc, grace_s=10)
 
 
 @pytest.fixture(scope="module")
@@ -109,24 +50,12 @@ def pd(tmp_path_factory):
     bootstrap, bootstrap_lw = free_port(), free_port()
     kv0, kv1 = free_port(), free_port()
 
-    def prefill_args(port: int) -> list:
-        return COMMON + ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "ascend_offload",
-                         "--disaggregation-bootstrap-port", str(port), "--enable-pd-transfer",
-                         "--pd-transfer-config", pd_config(kv0)]
-
-    prefill = ServerProcess(prefill_args(bootstrap), log_path=root / "prefill.log")
-    prefill_lw = ServerProcess(prefill_args(bootstrap_lw) + ["--enable-layerwise-prefill-offload",
-                                                             "--layerwise-prefill-offload-config", LAYERWISE],
+    prefill = ServerProcess(pd_servers.prefill_args(bootstrap, kv0), log_path=root / "prefill.log")
+    prefill_lw = ServerProcess(pd_servers.prefill_args(bootstrap_lw, kv0, layerwise=True),
                                log_path=root / "prefill_layerwise.log")
-    decode_args = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "ascend_offload",
-                   "--disaggregation-decode-retraction-backup", "cpu_tensor", "--enable-pd-transfer"]
-    dense = ServerProcess(COMMON + decode_args + ["--pd-transfer-config", pd_config(kv0)],
-                          log_path=root / "decode_dense.log")
-    offload = ServerProcess(COMMON + decode_args + ["--pd-transfer-config", pd_config(kv1),
-                                                    "--enable-sparse-decode-offload",
-                                                    "--sparse-decode-offload-config", '{"hot_tokens": 64}'],
-                            log_path=root / "decode_offload.log")
-    colocated = ServerProcess(COMMON + IDLE_SLEEP, log_path=root / "colocated.log")
+    dense = ServerProcess(pd_servers.decode_args(kv0), log_path=root / "decode_dense.log")
+    offload = ServerProcess(pd_servers.decode_args(kv1, offload=True), log_path=root / "decode_offload.log")
+    colocated = ServerProcess(pd_servers.COMMON + IDLE_SLEEP, log_path=root / "colocated.log")
     servers = [prefill, dense, offload, colocated, prefill_lw]
     routers = []
     try:
@@ -137,10 +66,10 @@ def pd(tmp_path_factory):
         print("\nstartup (concurrent): " + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in
                                                     zip(("prefill", "dense", "offload", "colocated",
                                                          "prefill_layerwise"), servers)))
-        routers = [Router(prefill, bootstrap, dense, root / "router_dense.log").start(),
-                   Router(prefill, bootstrap, offload, root / "router_offload.log").start(),
-                   Router(prefill_lw, bootstrap_lw, dense, root / "router_layerwise.log").start(),
-                   Router(prefill_lw, bootstrap_lw, offload, root / "router_layerwise_offload.log").start()]
+        routers = [PDRouter(prefill.url, bootstrap, dense.url, root / "router_dense.log").start(),
+                   PDRouter(prefill.url, bootstrap, offload.url, root / "router_offload.log").start(),
+                   PDRouter(prefill_lw.url, bootstrap_lw, dense.url, root / "router_layerwise.log").start(),
+                   PDRouter(prefill_lw.url, bootstrap_lw, offload.url, root / "router_layerwise_offload.log").start()]
         deadline = time.monotonic() + ROUTER_READY_S
         for r in routers:
             r.wait_ready(prompt(5, seed=99), deadline)
@@ -149,7 +78,7 @@ def pd(tmp_path_factory):
         stop_all(*routers, *servers)
 
 
-def _check_same(router: Router, colocated: ServerProcess, prompts, max_new_tokens: int) -> None:
+def _check_same(router: PDRouter, colocated: ServerProcess, prompts, max_new_tokens: int) -> None:
     with ThreadPoolExecutor(len(prompts)) as ex:
         got = list(ex.map(lambda p: router.generate(p, max_new_tokens, return_logprob=True), prompts))
     for p, out in zip(prompts, got):

@@ -46,7 +46,7 @@ def test_bench_transfer_json(capfd):
 
 
 def test_fault_table_prints_whole_words():
-    from sglang_ascend_offload.transfer.harness import clip_words
+    from sglang_ascend_offload.testing.pd_harness import clip_words
 
     reason = "rank 0: prefill rank 1 aborted: layer 1: decode rejected a message: malformed message: " * 4
     clipped = clip_words(reason, 120)

@@ -19,7 +19,7 @@ from sglang_ascend_offload import platform
 from sglang_ascend_offload.config import PDTransferConfig
 from sglang_ascend_offload.transfer.engine import check_read_args, create_engine
 from sglang_ascend_offload.transfer.errors import EngineError, EngineReadError, EngineUnavailable
-from sglang_ascend_offload.transfer.faults import FaultInjector, FaultPlan, FaultyEngine, FaultyOutbox
+from sglang_ascend_offload.testing.pd_faults import FaultInjector, FaultPlan, FaultyEngine, FaultyOutbox
 from sglang_ascend_offload.transfer.protocol import PROTOCOL_VERSION, ReadDone, ReadReadyBatch
 
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None

@@ -10,7 +10,7 @@ from sglang_ascend_offload.config import PDTransferConfig
 from sglang_ascend_offload.layerwise_prefill.gates import GateError, SlotGates
 from sglang_ascend_offload.transfer.decode_side import DecodeReceiver
 from sglang_ascend_offload.transfer.destinations import RequestDestination
-from sglang_ascend_offload.transfer.faults import FaultInjector, FaultPlan, FaultyEngine
+from sglang_ascend_offload.testing.pd_faults import FaultInjector, FaultPlan, FaultyEngine
 from sglang_ascend_offload.transfer.layout import TensorLayers, build_layout, registration_regions
 from sglang_ascend_offload.transfer.prefill_fanout import PrefillFanout
 from sglang_ascend_offload.transfer.prefill_side import PrefillSender, SourceBlocks

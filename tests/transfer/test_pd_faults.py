@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 
-from sglang_ascend_offload.transfer.harness import fault_scenarios, run_scenario
+from sglang_ascend_offload.testing.pd_harness import fault_scenarios, run_scenario
 
 pytestmark = pytest.mark.timeout(120)
 

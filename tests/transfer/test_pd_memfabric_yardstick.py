@@ -99,7 +99,7 @@ def _decode(store_url, kv_port, device, q_out, q_in):
     from sglang_ascend_offload.transfer.decode_side import DecodeReceiver
     from sglang_ascend_offload.transfer.destinations import RequestDestination
     from sglang_ascend_offload.transfer.engine_memfabric import MemFabricEngine
-    from sglang_ascend_offload.transfer.harness import _RecordingEngine, raw_engine_replay
+    from sglang_ascend_offload.testing.pd_harness import _RecordingEngine, raw_engine_replay
     from sglang_ascend_offload.transfer.layout import RawTensor, layout_from_regions
 
     torch.npu.set_device(device)

@@ -10,7 +10,7 @@ contributors). The parent checks every byte with torch.equal.
 import pytest
 
 from sglang_ascend_offload.transfer.errors import TopologyError
-from sglang_ascend_offload.transfer.harness import ScenarioSpec, run_scenario, valid_pairs
+from sglang_ascend_offload.testing.pd_harness import ScenarioSpec, run_scenario, valid_pairs
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -681,7 +681,7 @@ def test_decode_fails_stalled_transfer_after_deadline(engines):
 
 
 def test_bounded_read_retries(engines):
-    from sglang_ascend_offload.transfer.faults import FaultInjector, FaultPlan, FaultyEngine
+    from sglang_ascend_offload.testing.pd_faults import FaultInjector, FaultPlan, FaultyEngine
 
     pe, de = engines
     for fails, ok in ((1, True), (2, False)):

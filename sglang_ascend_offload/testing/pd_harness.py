@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .faults import FaultPlan
+from .pd_faults import FaultPlan
 
 MODULE = __name__
 
@@ -86,7 +86,7 @@ def expected_block_bytes(seed: int, rid: str, layer: int, tensor: str, num_block
 
 
 def _raw(role: str, name: str, per_layer: List[np.ndarray]):
-    from .layout import RawTensor
+    from ..transfer.layout import RawTensor
 
     return RawTensor(role, name, per_layer[0].shape[1], per_layer[0].shape[0],
                      [a.ctypes.data for a in per_layer])
@@ -114,7 +114,7 @@ _ENGINES: Dict[Tuple[str, str], Any] = {}
 def _engine(spec: ScenarioSpec, role: str):
     """One engine per worker process and role, reused across scenarios."""
     from ..config import PDTransferConfig
-    from .engine import create_engine
+    from ..transfer.engine import create_engine
 
     key = (spec.engine, role)
     if key not in _ENGINES:
@@ -131,7 +131,7 @@ def _config(spec: ScenarioSpec, kv_port: int):
 
 
 def _wrap(engine, plan: FaultPlan):
-    from .faults import FaultInjector, FaultyEngine, FaultyOutbox
+    from .pd_faults import FaultInjector, FaultyEngine, FaultyOutbox
 
     if not plan.active:
         return engine, None, None
@@ -204,10 +204,10 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
     It stays up until the parent signals that every prefill rank has finished
     (``stop_path`` exists) and every request is terminal here, or ``wait_s``.
     """
-    from .decode_side import DecodeReceiver
-    from .destinations import RequestDestination
-    from .errors import RequestFailed
-    from .layout import layout_from_regions
+    from ..transfer.decode_side import DecodeReceiver
+    from ..transfer.destinations import RequestDestination
+    from ..transfer.errors import RequestFailed
+    from ..transfer.layout import layout_from_regions
 
     specs = _tensor_specs(spec)
     main_specs = [s for s in specs if s[0] == "main"]
@@ -331,9 +331,9 @@ def run_prefill_rank(spec: ScenarioSpec, p_rank: int, kv_port: int,
                      raw_done: Optional[str] = None) -> Dict[str, Any]:
     """Compute (write) and publish every layer of every request on one prefill rank; report."""
     from ..layerwise_prefill.gates import GateError, GateTimeout, SlotGates
-    from .errors import HandshakeError
-    from .layout import layout_from_regions
-    from .prefill_side import PrefillSender, SourceBlocks
+    from ..transfer.errors import HandshakeError
+    from ..transfer.layout import layout_from_regions
+    from ..transfer.prefill_side import PrefillSender, SourceBlocks
 
     specs = _tensor_specs(spec)
     slots = {name: [np.zeros((spec.slot_blocks, bb), dtype=np.uint8) for _ in range(spec.num_slots)]
@@ -444,13 +444,13 @@ def _free_port_base(count: int) -> int:
     """First of ``count`` consecutive control ports, reserved across processes (flock'ed, below
     the ephemeral range: :mod:`sglang_ascend_offload.testing.ports`); give back with
     :func:`_release_ports`."""
-    from ..testing.ports import reserve_port
+    from .ports import reserve_port
 
     return reserve_port(count)
 
 
 def _release_ports(base: int, count: int) -> None:
-    from ..testing.ports import release
+    from .ports import release
 
     release(base, count)
 
@@ -461,7 +461,7 @@ def _shm_dir() -> str:
 
 def plan_blocks(spec: ScenarioSpec):
     """Prefill source blocks and decode destination blocks per request (non-contiguous)."""
-    from .destinations import BlockPool
+    from ..transfer.destinations import BlockPool
 
     rng = random.Random(spec.seed)
     total = sum(spec.request_blocks)
@@ -482,9 +482,9 @@ def plan_blocks(spec: ScenarioSpec):
 
 def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioResult:
     """Run ``spec`` on ``pool`` (needs ``p_tp + d_tp`` workers) and judge it."""
-    from .status import RequestStatus, TransferState, combine_rank_statuses
-    from .topology import PDTopology
-    from .workers import collect, run_tasks
+    from ..transfer.status import RequestStatus, TransferState, combine_rank_statuses
+    from ..transfer.topology import PDTopology
+    from ..transfer.workers import collect, run_tasks
 
     PDTopology(spec.p_tp, spec.d_tp)  # invalid pairs fail here, before any process work
     if pool.size < spec.p_tp + spec.d_tp:
@@ -523,7 +523,7 @@ def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioR
             if os.path.exists(path):
                 os.unlink(path)
         _release_ports(kv_port, spec.d_tp)
-    from .workers import TaskTimeout
+    from ..transfer.workers import TaskTimeout
 
     problems: List[str] = []
     hung = any(isinstance(v, TaskTimeout) for v in out.values())

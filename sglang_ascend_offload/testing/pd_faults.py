@@ -2,7 +2,7 @@
 
 Two wrappers, both driven by one :class:`FaultPlan`:
 
-* :class:`FaultyEngine` wraps any :class:`~.engine.TransferEngine`: fail reads
+* :class:`FaultyEngine` wraps any :class:`~sglang_ascend_offload.transfer.engine.TransferEngine`: fail reads
   (a given number of times, optionally only for given layers), or delay them;
 * :class:`FaultyOutbox` is a ``send_filter`` for a control-plane endpoint: drop
   or truncate outgoing messages of a given kind (optionally only for a layer).
@@ -23,9 +23,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
-from .engine import Region, TransferEngine
-from .errors import EngineReadError
-from .protocol import Message, message_kind
+from ..transfer.engine import Region, TransferEngine
+from ..transfer.errors import EngineReadError
+from ..transfer.protocol import Message, message_kind
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """``bench transfer --served``: time to first token of P/D serving next to colocated serving.
 
 Real SGLang servers on CPU with the tiny DSA fixture (``tests/fixtures/tiny_dsa``, the
-launch settings of :mod:`sglang_ascend_offload.testing.servers`), the project's P/D
-backend with the Mooncake engine over TCP on 127.0.0.1, and SGLang's router in PD
+launch settings of :mod:`sglang_ascend_offload.testing.servers` and
+:mod:`sglang_ascend_offload.testing.pd_servers`, shared with the served P/D tests), the
+project's P/D backend with the Mooncake engine over TCP on 127.0.0.1, and SGLang's router in PD
 mode. Four configurations, each started alone (its servers in parallel), measured under
 the same load, then stopped before the next one starts, so no idle server of another
 configuration competes for the CPU:
@@ -27,22 +28,19 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from ..bench import served_load
-from ..bench.served_load import prompt
+from . import served_load
+from .served_load import prompt
 
 logger = logging.getLogger(__name__)
 
-COMMON = ["--max-running-requests", "4", "--chunked-prefill-size", "128"]
 ROUTER_READY_S = 180.0
 CONFIG_NAMES = ("colocated", "pd_device_decode", "pd_offload_decode", "pd_layerwise_prefill_offload_decode")
 
@@ -80,100 +78,31 @@ def stream_generate(url: str, input_ids: List[int], max_new_tokens: int,
     return out.ttft_s, out.tokens, out.wall_s
 
 
-class Router:
-    """``python -m sglang_router.launch_router --pd-disaggregation`` on a reserved port."""
-
-    def __init__(self, prefill_url: str, bootstrap_port: int, decode_url: str, log_path: Path):
-        from ..testing.ports import reserve_port
-
-        self.prefill_url, self.bootstrap_port, self.decode_url = prefill_url, bootstrap_port, decode_url
-        self.log_path = log_path
-        self.port = reserve_port()
-        self.metrics_port = reserve_port()
-        self.proc: Optional[subprocess.Popen] = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> "Router":
-        from ..testing.servers import REPO, server_env
-
-        args = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                "--prefill", self.prefill_url, str(self.bootstrap_port), "--decode", self.decode_url,
-                "--host", "127.0.0.1", "--port", str(self.port),
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port)]
-        self.proc = subprocess.Popen(args, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     env=server_env(), cwd=REPO, start_new_session=True)
-        return self
-
-    def wait_ready(self, deadline: float) -> None:
-        """Until a one-token request goes through (the router adds workers in the background)."""
-        from ..testing.ports import log_reports_bind_failure
-        from ..testing.servers import PortInUse
-
-        while True:
-            if log_reports_bind_failure(self.log_path.read_text(errors="replace"),
-                                        [self.port, self.metrics_port]) is not None:
-                raise PortInUse(f"router port {self.port} in use; log: {self.log_path}")
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}; log: {self.log_path}")
-            try:
-                stream_generate(self.url, prompt(5, seed=99), 1, timeout_s=60)
-                return
-            except (urllib.error.HTTPError, urllib.error.URLError, ConnectionError, OSError) as exc:
-                if isinstance(exc, urllib.error.HTTPError) and exc.code != 503:
-                    raise
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"router not ready; log: {self.log_path}") from exc
-                time.sleep(1.0)
-
-    def stop(self) -> None:
-        from ..testing.servers import stop_process_group
-
-        stop_process_group(self.proc, grace_s=10)
-
-
-def _pd_config(kv_port: int) -> str:
-    return json.dumps({"engine": "mooncake", "kv_port": kv_port, "host": "127.0.0.1",
-                       "layer_timeout_s": 20, "handshake_timeout_s": 30})
-
-
-LAYERWISE = json.dumps({"shared_buffers": 1, "independent_layers": [], "store_backend": "local",
-                        "wait_timeout_s": 60})
-
-
 def _launch(name: str, root: Path):
     """Servers (started) and the URL to load for configuration ``name``; plus what to stop."""
+    from ..testing import pd_servers
     from ..testing.ports import reserve_port
     from ..testing.servers import IDLE_SLEEP, ServerProcess
 
     if name == "colocated":
-        s = ServerProcess(COMMON + IDLE_SLEEP, log_path=root / f"{name}.log")
+        s = ServerProcess(pd_servers.COMMON + IDLE_SLEEP, log_path=root / f"{name}.log")
         s.start()
         return s.url, [s]
     bootstrap, kv = reserve_port(), reserve_port()
-    prefill_args = COMMON + ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
-                             "ascend_offload", "--disaggregation-bootstrap-port", str(bootstrap),
-                             "--enable-pd-transfer", "--pd-transfer-config", _pd_config(kv)]
-    if name == "pd_layerwise_prefill_offload_decode":
-        prefill_args += ["--enable-layerwise-prefill-offload", "--layerwise-prefill-offload-config", LAYERWISE]
-    decode_args = COMMON + ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend",
-                            "ascend_offload", "--disaggregation-decode-retraction-backup", "cpu_tensor",
-                            "--enable-pd-transfer", "--pd-transfer-config", _pd_config(kv)]
-    if name != "pd_device_decode":
-        decode_args += ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", '{"hot_tokens": 64}']
-    servers = [ServerProcess(prefill_args, log_path=root / f"{name}.prefill.log"),
-               ServerProcess(decode_args, log_path=root / f"{name}.decode.log")]
+    prefill = pd_servers.prefill_args(bootstrap, kv, layerwise=name == "pd_layerwise_prefill_offload_decode")
+    decode = pd_servers.decode_args(kv, offload=name != "pd_device_decode")
+    servers = [ServerProcess(prefill, log_path=root / f"{name}.prefill.log"),
+               ServerProcess(decode, log_path=root / f"{name}.decode.log")]
     stoppable: list = list(servers)
     try:
         with ThreadPoolExecutor(len(servers)) as pool:
             errors = [f.exception() for f in [pool.submit(s.start) for s in servers]]
         if any(errors):
             raise next(e for e in errors if e)
-        router = Router(servers[0].url, bootstrap, servers[1].url, root / f"{name}.router.log").start()
+        router = pd_servers.PDRouter(servers[0].url, bootstrap, servers[1].url,
+                                     root / f"{name}.router.log").start()
         stoppable.append(router)
-        router.wait_ready(time.monotonic() + ROUTER_READY_S)
+        router.wait_ready(prompt(5, seed=99), time.monotonic() + ROUTER_READY_S)
         return router.url, stoppable
     except BaseException:
         _stop(stoppable)
@@ -237,7 +166,7 @@ def run_served(load: ServedLoad, names: Sequence[str] = CONFIG_NAMES,
 
 
 def main_argv(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:  # pragma: no cover - manual use
-    """``python -m sglang_ascend_offload.transfer.served [NAME...]``: the rows as JSON."""
+    """``python -m sglang_ascend_offload.bench.transfer_served [NAME...]``: the rows as JSON."""
     from dataclasses import asdict
 
     names = list(argv if argv is not None else sys.argv[1:]) or list(CONFIG_NAMES)
