@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Tuple
 from .. import SUPPORTED_SGLANG_VERSION
 
 __all__ = ["SGLangIncompatible", "SERVER_ARGS", "HOOKED", "RESOLUTION_STEPS", "VALIDATION_STEP", "arg", "arg_or",
-           "problems", "require_compatible", "resolve_path", "last_resolution_step"]
+           "problems", "require_compatible", "resolve_path", "last_resolution_step", "OBJECT_FIELDS", "field"]
 
 VALIDATION_STEP = "validate_deepep_v2_dispatch_token_budget"
 
@@ -149,6 +149,51 @@ def arg_or(args: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
+# SGLang objects other than the server arguments whose fields the plugin reads:
+# class path -> {field: what it is read for}. Each must be a declared field of the
+# class (dataclass / annotated) or set by its ``__init__``; :func:`field` reads them.
+OBJECT_FIELDS: Dict[str, Dict[str, str]] = {
+    "sglang.srt.disaggregation.base.conn.KVArgs": {
+        "state_types": "the P/D manager moves main KV and the DSA indexer only",
+        "gpu_id": "device of the P/D transfer engine",
+    },
+    "sglang.srt.disaggregation.common.conn.PrefillServerInfo": {
+        "attn_cp_size": "P/D pair check (context parallel prefill is rejected)",
+        "pp_size": "P/D pair check (pipeline parallel prefill is rejected)",
+    },
+    "sglang.srt.configs.model_config.ModelConfig": {
+        "model_path": "namespace of the layerwise prefill host store",
+    },
+}
+
+
+def field(obj: Any, cls_path: str, name: str) -> Any:
+    """Field ``name`` of SGLang object ``obj`` (an instance of ``cls_path``, or a test
+    stand-in); the pair must be in :data:`OBJECT_FIELDS`. A missing attribute raises
+    :class:`SGLangIncompatible` naming the class, the field and the SGLang version."""
+    why = OBJECT_FIELDS.get(cls_path, {}).get(name)
+    if why is None:
+        raise KeyError(f"compat.field({cls_path!r}, {name!r}): add it to compat.OBJECT_FIELDS with the reason "
+                       "it is read")
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise _incompatible(f"SGLang's {cls_path.rsplit('.', 1)[-1]} has no {name!r} (read for: {why})") from None
+
+
+def _declared_fields(cls: Any) -> set:
+    names = set(getattr(cls, "__dataclass_fields__", {}) or {}) | set(getattr(cls, "__struct_fields__", ()) or ())
+    for klass in getattr(cls, "__mro__", (cls,)):
+        names |= set(getattr(klass, "__annotations__", {}) or {})
+        init = klass.__dict__.get("__init__") if hasattr(klass, "__dict__") else None
+        if init is not None:
+            try:
+                names |= assigned_self_attributes(init)
+            except (OSError, TypeError):  # no source (C types): annotations only
+                pass
+    return names
+
+
 def resolve_path(path: str) -> Any:
     """The object at a dotted ``module.attr.attr`` path (longest importable module prefix)."""
     parts = path.split(".")
@@ -261,6 +306,14 @@ def problems() -> List[str]:
         if missing:
             out.append(f"hook target {target.path} lost parameter(s) {missing} (has {sorted(params)}); "
                        f"used for {target.why}")
+    for cls_path, wanted in OBJECT_FIELDS.items():
+        try:
+            declared = _declared_fields(resolve_path(cls_path))
+        except Exception as exc:  # noqa: BLE001
+            out.append(f"{cls_path} not found ({type(exc).__name__}: {exc}); the plugin reads {sorted(wanted)}")
+            continue
+        out += [f"{cls_path} has no field {name!r} (read for: {why})" for name, why in wanted.items()
+                if name not in declared]
     try:
         from sglang.srt.arg_groups import resolution_hooks
 

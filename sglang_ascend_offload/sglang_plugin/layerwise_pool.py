@@ -76,6 +76,7 @@ from .. import platform
 from ..layerwise_prefill.pipeline import ForwardStats
 from ..layerwise_prefill.planner import BufferPlan, LayerKVSpec, TensorSpec, plan_buffers
 from ..layerwise_prefill.store import HostKVStore, make_store, object_key
+from . import compat
 from .layerwise_pages import BatchRequest, ForwardPages, PageBook
 from .layerwise_runtime import (ForwardInfo, LayerListener, LayerWritten, SlotPipeline, WrittenNotifier)
 from .pool import DeviceDSAPool
@@ -209,7 +210,7 @@ class LayerwisePrefillPool(DeviceDSAPool):
         self._finalize_allocation_log(size)
         logger.info("layerwise prefill offload: %s; pipelined layers %s (host store %s), dedicated %s; "
                     "main KV %.1f MiB on %s instead of %.1f MiB",
-                    self.plan.summary(), list(self.pipelined), getattr(self.store, "name", "-"),
+                    self.plan.summary(), list(self.pipelined), self.store.name if self.store is not None else "-",
                     [l for l in self.plan.order if l not in self._pipelined_set],
                     self.plan.main_bytes_physical / 2**20, device, self.plan.main_bytes_logical / 2**20)
         atexit.register(self.close)
@@ -285,10 +286,12 @@ class LayerwisePrefillPool(DeviceDSAPool):
         if not has_forward_context():
             return None, None
         backend = get_attn_backend()
+        # getattr with a default on purpose: this identifies the backend, and another
+        # backend (SGLang's own, or none) need not have the attribute at all.
         if getattr(backend, "token_to_kv_pool", None) is not self:
             raise RuntimeError("layerwise prefill pool accessed inside a forward of another attention backend "
                                f"({type(backend).__name__}); the pool serves only its own backend")
-        return getattr(backend, "forward_metadata", None), backend
+        return backend.forward_metadata, backend  # ours: set in its __init__
 
     def _current_forward(self) -> Optional[_PoolForward]:
         md, backend = self._active_metadata()
@@ -489,19 +492,18 @@ def build_layerwise_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa
         raise RuntimeError("build_layerwise_pool called without a layerwise prefill offload config")
     if configurator.is_draft_worker:
         raise ValueError("layerwise prefill offload does not run draft (MTP / speculative) workers yet")
-    mc = configurator.model_config
-    tp_rank = 0
-    try:
-        from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.runtime_context import get_parallel
 
-        tp_rank = int(getattr(get_parallel(), "tp_rank", 0) or 0)
-    except Exception:  # noqa: BLE001 - single rank
-        pass
+    mc = configurator.model_config
+    # The host store's namespace must differ per TP rank: SGLang's parallel context raises
+    # (naming the field) when the rank is not published, never a default of 0.
+    tp_rank = int(get_parallel().tp_rank)
     pool = LayerwisePrefillPool(
         max_total_num_tokens,
         **pool_args(configurator, is_dsa_model=is_dsa_model),
         offload=offload,
-        namespace=_namespace(offload, getattr(mc, "model_path", ""), tp_rank),
+        namespace=_namespace(offload, compat.field(mc, "sglang.srt.configs.model_config.ModelConfig", "model_path"),
+                             tp_rank),
         start_layer=configurator.layer_info.start_layer,
         end_layer=configurator.layer_info.end_layer,
     )
@@ -517,6 +519,7 @@ def _disaggregation_mode() -> str:
     try:
         from sglang.srt.runtime_context import get_server_args
 
-        return str(getattr(get_server_args(), "disaggregation_mode", "null") or "null")
-    except Exception:  # noqa: BLE001 - no published server args (tests)
+        server_args = get_server_args()
+    except Exception:  # noqa: BLE001 - no published server args (tests): only a warning depends on it
         return "null"
+    return str(compat.arg_or(server_args, "disaggregation_mode", "null"))

@@ -79,6 +79,23 @@ def test_pool_attribute_added_by_sglang_is_reported():
         inspect.getsource = original_getsource
 
 
+def test_object_field_reader_and_its_table(monkeypatch):
+    kv_args = "sglang.srt.disaggregation.base.conn.KVArgs"
+    assert compat.field(SimpleNamespace(gpu_id=3), kv_args, "gpu_id") == 3
+    with pytest.raises(compat.SGLangIncompatible, match=r"KVArgs has no 'gpu_id'.*SGLang 0\.5\.23"):
+        compat.field(SimpleNamespace(), kv_args, "gpu_id")
+    with pytest.raises(KeyError, match="add it to compat.OBJECT_FIELDS"):
+        compat.field(SimpleNamespace(device_id=0), kv_args, "device_id")
+    # every listed field exists in the installed SGLang; a renamed one is reported
+    assert not [p for p in compat.problems() if "has no field" in p and "ServerArgs" not in p]
+    monkeypatch.setitem(compat.OBJECT_FIELDS, kv_args, {**compat.OBJECT_FIELDS[kv_args], "gpu_index": "renamed"})
+    monkeypatch.setitem(compat.OBJECT_FIELDS, "sglang.srt.configs.model_config.ModelConfig",
+                        {"model_path": "x", "model_path_renamed": "negative control"})
+    found = compat.problems()
+    assert any("KVArgs has no field 'gpu_index'" in p for p in found), found
+    assert any("ModelConfig has no field 'model_path_renamed'" in p for p in found), found
+
+
 def test_strict_reader_names_the_field_and_version():
     assert compat.arg(server_args_stub(tp_size=4), "tp_size") == 4
     with pytest.raises(compat.SGLangIncompatible, match=r"no 'attn_dp_size'.*SGLang 0\.5\.23"):
@@ -118,7 +135,10 @@ def test_layerwise_pd_prefill_without_its_publisher_fails_loudly(clean_state):
     with pytest.raises(compat.SGLangIncompatible, match="publisher is missing"):
         _layerwise_publisher(SimpleNamespace(disagg_prefill_bootstrap_queue=SimpleNamespace(
             kv_manager=SimpleNamespace(publisher=None))))
-    publisher = object()
+    with pytest.raises(compat.SGLangIncompatible, match="publisher is missing"):  # the after-forward one
+        _layerwise_publisher(SimpleNamespace(disagg_prefill_bootstrap_queue=SimpleNamespace(
+            kv_manager=SimpleNamespace(publisher=SimpleNamespace(publishes_during_forward=False)))))
+    publisher = SimpleNamespace(publishes_during_forward=True)
     manager = SimpleNamespace(publisher=publisher)
     assert _layerwise_publisher(SimpleNamespace(disagg_prefill_bootstrap_queue=SimpleNamespace(
         kv_manager=manager))) == (publisher, manager)

@@ -56,11 +56,15 @@ from ...transfer.layerwise_publisher import LayerwisePublisher
 from ...transfer.prefill_links import PrefillLinks
 from ...transfer.publisher import PrefillPublisher
 from ...transfer.status import TransferState
-from .. import carrier
+from .. import carrier, compat
 from ..pool import DeviceDSAPool
 from . import rules
 
 logger = logging.getLogger(__name__)
+
+# SGLang classes whose fields the manager reads (compat.OBJECT_FIELDS).
+_KV_ARGS = "sglang.srt.disaggregation.base.conn.KVArgs"
+_PREFILL_INFO = "sglang.srt.disaggregation.common.conn.PrefillServerInfo"
 
 
 class _EngineHandle:
@@ -100,7 +104,7 @@ class AscendOffloadKVManager(MooncakeKVManager):
         if pd is None:
             raise RuntimeError("the ascend_offload P/D backend is selected but no validated pd_transfer "
                                "config is published (start the server with --enable-pd-transfer)")
-        unsupported = [st for st in (getattr(args, "state_types", None) or []) if st != StateType.DSA]
+        unsupported = [st for st in (compat.field(args, _KV_ARGS, "state_types") or []) if st != StateType.DSA]
         if unsupported:
             raise RuntimeError(f"the ascend_offload P/D backend moves main KV and the DSA indexer only; "
                                f"this pool also has state {[str(s) for s in unsupported]}")
@@ -115,7 +119,8 @@ class AscendOffloadKVManager(MooncakeKVManager):
     # ------------------------------------------------------------------ engine / memory
     def init_engine(self):
         role = "prefill" if self.disaggregation_mode == DisaggregationMode.PREFILL else "decode"
-        self.pd_engine = create_engine(self.pd_config, role, device_id=int(getattr(self.kv_args, "gpu_id", 0) or 0))
+        gpu_id = compat.field(self.kv_args, _KV_ARGS, "gpu_id")
+        self.pd_engine = create_engine(self.pd_config, role, device_id=int(gpu_id or 0))
         self.engine = _EngineHandle(self.pd_engine)
 
     def register_buffer_to_engine(self):
@@ -204,6 +209,7 @@ class AscendOffloadKVManager(MooncakeKVManager):
                              state_indices=None, num_kv_tokens=None, **kwargs):
         if self.publisher is not None and bootstrap_room in self.request_status \
                 and self.check_status(bootstrap_room) != KVPoll.Failed:
+            # SGLang hands the pages as a host tensor or an ndarray (supports_host_tensor_indices=False)
             pages = np.asarray(kv_indices.numpy() if hasattr(kv_indices, "numpy") else kv_indices, dtype=np.int64)
             self._room_pages.setdefault(bootstrap_room, []).append(pages.copy())
             if is_last_chunk:
@@ -251,8 +257,9 @@ class AscendOffloadKVManager(MooncakeKVManager):
             info = self.prefill_info_table[bootstrap_addr]
             problems = rules.pair_problems(
                 self.pd_config, role="decode", own_tp=self.attn_tp_size, peer_tp=int(info.attn_tp_size),
-                device=str(getattr(self.server_args, "device", "cpu")), dp=int(self.attn_dp_size or 1),
-                peer_cp=int(getattr(info, "attn_cp_size", 1) or 1), peer_pp=int(getattr(info, "pp_size", 1) or 1))
+                device=str(compat.arg(self.server_args, "device")), dp=int(self.attn_dp_size or 1),
+                peer_cp=int(compat.field(info, _PREFILL_INFO, "attn_cp_size") or 1),
+                peer_pp=int(compat.field(info, _PREFILL_INFO, "pp_size") or 1))
             self._pair_problems[bootstrap_addr] = problems
             if problems:
                 logger.error("P/D: prefill %s cannot pair with this decode server (every request to it fails): %s",
