@@ -35,7 +35,7 @@ import torch
 
 from ..ops import contract, registry
 
-_SHAPES = ("locality", "random", "scan")
+_SHAPES = ("locality", "random", "scan", "bursty")
 _PROFILE_HOST_ROWS = 1 << 18  # host rows of the profile's copy timing (a 288 MiB bf16 pool)
 
 
@@ -62,9 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     syn.add_argument("--shape", choices=_SHAPES, default="locality", help="trace shape")
     syn.add_argument("--noise-skew", type=float, default=1.5,
                      help="skew of the noise positions' persistent weights (0 = uniform noise)")
+    syn.add_argument("--rank-depth", type=int, default=0,
+                     help="latent-score model with a 'ranked' array of this depth (>= top-k; 0 = the selection "
+                          "model without ranking; required by score_rank* policies and --shape bursty)")
     syn.add_argument("--seed", type=int, default=0, help="trace and KV content seed")
     syn.add_argument("--save-trace", metavar="FILE", help="also write the synthetic trace to FILE (.npz)")
     parser.add_argument("--heads", type=int, default=8, help="attention heads per query row")
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw the side-by-side table as a figure (matplotlib)")
     prof = parser.add_argument_group("production-shape timing (--profile-shape)")
     prof.add_argument("--profile-shape", action="store_true",
                       help="time one step's residency management vs sparse attention at production shape "
@@ -106,7 +110,8 @@ def _load_or_synthesize(args):
     if args.trace:
         return load_trace(args.trace), {"source": args.trace}
     spec = SyntheticTraceSpec(steps=args.steps, layers=args.layers, rows=args.rows, top_k=args.top_k,
-                              shape=args.shape, seed=args.seed, noise_skew=args.noise_skew)
+                              shape=args.shape, seed=args.seed, noise_skew=args.noise_skew,
+                              rank_depth=args.rank_depth)
     trace = synthesize(spec)
     if args.save_trace:
         save_trace(trace, args.save_trace)
@@ -122,6 +127,8 @@ def _input_problems(args) -> List[str]:
         problems.append("--hot-tokens must be >= 1")
     if args.noise_skew < 0:
         problems.append("--noise-skew must be >= 0")
+    if args.rank_depth < 0:
+        problems.append("--rank-depth must be >= 0")
     return problems
 
 
@@ -137,8 +144,8 @@ def _recorded_hot_tokens(trace) -> Optional[int]:
 
 def run_replay(args) -> Dict[str, Any]:
     from ..sparse_decode.host_pool import HostPoolShape
-    from ..sparse_decode.policies import POLICIES
-    from ..sparse_decode.replay import ReplayOptions, replay_trace, simulate_policy
+    from ..sparse_decode.policies import POLICIES, needs_ranked
+    from ..sparse_decode.replay import ReplayOptions, check_ranked, replay_trace, simulate_policy
 
     trace, source = _load_or_synthesize(args)
     k = trace.top_k
@@ -146,6 +153,7 @@ def run_replay(args) -> Dict[str, Any]:
     if hot < k:
         raise ValueError(f"--hot-tokens {hot} < the trace's top-k {k}: a row's selection must fit")
     policy = args.policy or _default_policy()
+    check_ranked(trace, policy)
     if not args.json:
         print(f"trace: {trace.steps} steps x {trace.layers} layers x {trace.rows} rows, top-k {k}; "
               f"hot_tokens {hot}; policy {policy}; ops {args.ops}", file=sys.stderr)
@@ -154,7 +162,9 @@ def run_replay(args) -> Dict[str, Any]:
     total = result.stats.total
     row_bytes = HostPoolShape(1, 1).row_bytes
     selected = total.selected
-    sims = {name: simulate_policy(trace, name, hot) for name in POLICIES}
+    runnable = [name for name in POLICIES if trace.ranked is not None or not needs_ranked(name)]
+    skipped = {name: "needs the trace's 'ranked' array" for name in POLICIES if name not in runnable}
+    sims = {name: simulate_policy(trace, name, hot) for name in runnable}
     opt = simulate_policy(trace, "belady", hot)
     cache = simulate_policy(trace, "lru", k)
     steps = max(1, trace.steps)
@@ -186,6 +196,8 @@ def run_replay(args) -> Dict[str, Any]:
         "policies": {name: {"misses": s.misses, "misses_over_opt": s.misses / opt.misses if opt.misses else None,
                             "misses_over_lru": s.misses / sims["lru"].misses if sims["lru"].misses else None}
                      for name, s in sims.items()},
+        "policies_skipped": skipped,
+        "rank_depth": trace.rank_depth,
         "per_layer": [c.as_dict() for c in result.stats.per_layer],
         "checks": result.checks,
         "failures": result.failures,
@@ -405,6 +417,11 @@ def main(args: argparse.Namespace) -> int:
     except (TraceError, ValueError) as exc:
         print(f"bench decode: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "plot", None) and not args.profile_shape:
+        from .plots import plot_decode_table
+
+        plot_decode_table(result, args.plot)
+        print(f"bench decode: wrote {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps(result, sort_keys=True))
     elif args.profile_shape:

@@ -20,7 +20,7 @@ import torch
 from .policies import RankedManager
 from ..ops.contract import INT64_MAX, Lookup, ResidencyStep
 
-__all__ = ["NEVER", "next_use_table", "BeladyManager"]
+__all__ = ["NEVER", "next_use_table", "BeladyManager", "belady_misses"]
 
 # "Not used again in this request": larger than any step, smaller than the key of
 # an empty slot (which is always evicted first).
@@ -71,6 +71,9 @@ class BeladyManager(RankedManager):
         """int64 ``[R,K]`` next use of each entry of the coming step's top-k."""
         self._next_use = next_use
 
+    def row_state(self):
+        return super().row_state() + [(self, "slot_next")]
+
     def on_reset(self, reset, dropped):
         self.slot_next.masked_fill_(reset[:, None] | dropped, INT64_MAX)
 
@@ -89,3 +92,59 @@ class BeladyManager(RankedManager):
         ext.scatter_(1, col, self._next_use.to(torch.int64))
         self.slot_next.copy_(ext[:, :hot])
         self._next_use = None
+
+
+def belady_misses(topk: np.ndarray, req_ids: np.ndarray, hot: int, next_use: np.ndarray = None) -> int:
+    """Belady's misses at capacity ``hot`` by a direct per-row simulation (a heap of next
+    uses per row; no torch): the same count as :class:`BeladyManager` (tested), much
+    faster, for sizing sweeps. ``topk`` int32 ``[steps, layers, rows, k]``, ``req_ids``
+    int64 ``[steps, rows]``; ``next_use`` from :func:`next_use_table` if already known.
+
+    Ties in the eviction order never change the count: positions never used again are
+    interchangeable, and of two positions next used at the same step, whichever goes
+    costs one miss there.
+    """
+    import heapq
+
+    steps, layers, rows, k = topk.shape
+    nxt = next_use_table(topk, req_ids) if next_use is None else next_use
+    misses = 0
+    for layer in range(layers):
+        for r in range(rows):
+            cache: dict = {}
+            heap: list = []
+            owner = -1
+            for t in range(steps):
+                req = int(req_ids[t, r])
+                if req != owner:
+                    cache, heap, owner = {}, [], req
+                if req == -1:
+                    continue
+                sel = topk[t, layer, r]
+                valid = sel >= 0
+                pos = sel[valid].tolist()
+                nu = nxt[t, layer, r][valid].tolist()
+                chosen = set(pos)
+                new = [(p, n) for p, n in zip(pos, nu) if p not in cache]
+                misses += len(new)
+                for p, n in zip(pos, nu):
+                    if p in cache:
+                        cache[p] = n
+                        heapq.heappush(heap, (-n, p))
+                over = len(cache) + len(new) - hot
+                aside = []
+                while over > 0:
+                    neg, p = heapq.heappop(heap)
+                    if cache.get(p) != -neg:
+                        continue  # stale entry
+                    if p in chosen:
+                        aside.append((neg, p))
+                        continue
+                    del cache[p]
+                    over -= 1
+                for item in aside:
+                    heapq.heappush(heap, item)
+                for p, n in new:
+                    cache[p] = n
+                    heapq.heappush(heap, (-n, p))
+    return misses

@@ -28,6 +28,17 @@ Policies (``policy`` in :class:`~sglang_ascend_offload.config.SparseDecodeOffloa
     :class:`GuardedManager` for the argument. Extra state: the LRU-2 state, a ghost
     :class:`~.residency.ResidencyTable` and two int64 ``[R]`` miss counters.
 
+``score_rank``
+    Score-aware eviction from the indexer's own ranking: besides the top-k the step
+    supplies ``ranked`` int32 ``[R, D]`` (``D >= K``), the row's positions in descending
+    indexer-score order (:meth:`ScoreRankManager.set_ranked`, the trace's ``ranked``
+    array). Among the non-hit slots, victims go by their position's current rank:
+    positions not in the first ``D`` (and empty slots) first, then the lowest ranked;
+    ties (all unranked ones) by recency ``(slot_stamp, slot)``. With ``D == K`` it *is*
+    LRU. No persistent state beyond the contract's: the ranks are this step's.
+``score_rank_guarded``
+    ``score_rank`` bounded against a ghost LRU, exactly as ``lru_k2_guarded``.
+
 Why not "never more misses than LRU" literally: for any deterministic online
 policy whose cache content ever differs from LRU's, an input exists on which it
 has strictly more misses (keep requesting only what LRU holds), so per-input
@@ -61,9 +72,14 @@ __all__ = [
     "LRUManager",
     "LRU2Manager",
     "GuardedManager",
+    "ScoreRankManager",
+    "ScoreGuardedManager",
+    "RankedInputError",
     "KernelLRUManager",
     "MANAGE_IMPLS",
     "make_manager",
+    "needs_ranked",
+    "slot_ranks",
     "uses_cpu_kernel",
 ]
 
@@ -102,6 +118,8 @@ class ResidencyManager(abc.ABC):
     """
 
     policy: ClassVar[str] = ""
+    #: the policy reads the indexer's ranking (``set_ranked``) every step
+    needs_ranked: ClassVar[bool] = False
 
     def __init__(self, rows: int, hot_tokens: int, device=None, manage_op: ManageOp = residency_manage):
         self.table = ResidencyTable.empty(rows, hot_tokens, device)
@@ -241,6 +259,116 @@ class LRU2Manager(RankedManager):
         return s
 
 
+class RankedInputError(ValueError):
+    """A score-aware policy stepped without the indexer's ranking (``ranked``)."""
+
+
+def slot_ranks(slot_token: torch.Tensor, ranked: torch.Tensor, stable_len: torch.Tensor) -> torch.Tensor:
+    """int64 ``[R,H]``: rank (column of ``ranked``) of each slot's position, ``D`` when the
+    position is not in the row's first ``D`` ranked positions (or the slot is empty).
+
+    ``slot_token`` int32 ``[R,H]`` (unique per row, ``-1`` empty), ``ranked`` int ``[R,D]``
+    (``-1`` padding), ``stable_len`` int ``[R]`` (ranked positions ``>= stable_len`` are
+    ignored: such slots were emptied). Static shapes, no host read.
+    """
+    rows, hot = slot_token.shape
+    depth = ranked.shape[1]
+    pos = ranked.to(torch.int64)
+    pos = torch.where(pos < stable_len.to(torch.int64)[:, None], pos, torch.full_like(pos, -1))
+    found = find_slots(slot_token, pos)  # [R,D] slot holding ranked[r,j], -1 if none
+    col = torch.where(found >= 0, found, torch.full_like(found, hot))
+    out = torch.full((rows, hot + 1), depth, dtype=torch.int64, device=slot_token.device)
+    out.scatter_(1, col, torch.arange(depth, dtype=torch.int64, device=slot_token.device).expand(rows, depth))
+    return out[:, :hot]
+
+
+class ScoreRankManager(RankedManager):
+    """Score-aware victims (see module docstring). Call :meth:`set_ranked` with the
+    step's ranking before :meth:`step` / :meth:`step_rows` (a static buffer updated in
+    place also works: the tensor is read at every step).
+
+    ``smooth_shift`` (class attribute; ``None`` = off): keep per slot an exponential
+    average of its rank (fixed point, ``avg += (rank - avg) >> smooth_shift`` each
+    step, a fill starts at its rank) and evict by that average instead of the current
+    rank: one noisy step below the cut does not doom a position that ranked well for
+    a while. Extra state ``slot_rank_avg`` int64 ``[R,H]`` when on.
+    """
+
+    policy = "score_rank"
+    needs_ranked: ClassVar[bool] = True
+    smooth_shift: ClassVar[Optional[int]] = None
+    _FIX = 4  # fixed-point fraction bits of the rank average
+
+    def __init__(self, rows, hot_tokens, device=None, manage_op=residency_manage):
+        super().__init__(rows, hot_tokens, device, manage_op)
+        self._ranked: Optional[torch.Tensor] = None
+        self._rank: Optional[torch.Tensor] = None
+        self.rank_avg = torch.zeros((rows, hot_tokens), dtype=torch.int64, device=device)
+
+    def set_ranked(self, ranked: torch.Tensor) -> None:
+        """int32 ``[B, D]`` (``D >= K``) positions in descending score order for the rows of
+        the coming step (the ``[B]`` rows of :meth:`step_rows`, or all rows)."""
+        self._ranked = ranked
+
+    def ranked_for(self, topk: torch.Tensor) -> torch.Tensor:
+        r = self._ranked
+        if r is None:
+            raise RankedInputError(
+                f"policy {self.policy!r} needs the indexer's ranking (ranked [rows, D >= top-k]) every step: "
+                "replay a trace that has a 'ranked' array (record it with record_trace_rank_depth > 0, or "
+                "synthesise one with rank_depth > 0), or choose a policy that needs only the top-k (lru, lru_k2, "
+                "lru_k2_guarded)")
+        if r.dim() != 2 or r.shape[0] != topk.shape[0] or r.shape[1] < topk.shape[1]:
+            raise RankedInputError(f"ranked has shape {tuple(r.shape)}; expected [{topk.shape[0]}, D >= {topk.shape[1]}]")
+        return r
+
+    def row_state(self):
+        extra = [(self, "rank_avg")] if self.smooth_shift is not None else []
+        return super().row_state() + extra
+
+    def on_reset(self, reset, dropped):
+        pass
+
+    def victim_order(self, look, topk, req_ids, stable_len, step):
+        ranked = self.ranked_for(topk)
+        rank = slot_ranks(self.table.slot_token, ranked, stable_len)
+        depth = ranked.shape[1]
+        if self.smooth_shift is not None:
+            fixed = rank << self._FIX
+            avg = self.rank_avg + ((fixed - self.rank_avg) >> self.smooth_shift)
+            self._rank = fixed
+            rank = (avg + (1 << self._FIX) - 1) >> self._FIX
+            self.rank_avg = avg
+        # unranked (rank D) first, then the lowest ranked; ties by (stamp, slot)
+        key = ((depth - rank) << _STAMP_BITS) | self.table.slot_stamp
+        key = key.masked_fill(look.slot_hit, INT64_MAX)
+        return torch.sort(key, dim=1, stable=True).indices
+
+    def record(self, look, out, stamp_before):
+        if self.smooth_shift is None:
+            return
+        rows, hot = self.rank_avg.shape
+        filled = _slot_flags(rows, hot, out.miss_slots)
+        # a fill starts its average at its current rank (the position is in the top-k)
+        ranked = self._ranked
+        fresh = slot_ranks(self.table.slot_token, ranked, torch.full_like(self.table.row_req, 1 << 30)) << self._FIX
+        self.rank_avg = torch.where(filled, fresh, self.rank_avg)
+        self.rank_avg.masked_fill_(self.table.slot_token < 0, ranked.shape[1] << self._FIX)
+
+    def state(self):
+        s = super().state()
+        if self.smooth_shift is not None:
+            s["slot_rank_avg"] = self.rank_avg
+        return s
+
+
+class SmoothScoreRankManager(ScoreRankManager):
+    """``score_rank`` evicting by the exponential average of the rank (``smooth_shift = 1``)."""
+
+    policy = "score_rank_smooth"
+    smooth_shift: ClassVar[Optional[int]] = 1
+
+
 class GuardedManager(ResidencyManager):
     """A ranked policy (LRU-2) bounded against a ghost exact-LRU table.
 
@@ -264,13 +392,17 @@ class GuardedManager(ResidencyManager):
     def __init__(self, rows, hot_tokens, device=None, manage_op=residency_manage,
                  base: Optional[RankedManager] = None, seed: int = 16, slack_shift: Optional[int] = None):
         super().__init__(rows, hot_tokens, device, manage_op)
-        self.base = base if base is not None else LRU2Manager(rows, hot_tokens, device, manage_op)
+        self.base = base if base is not None else self.make_base(rows, hot_tokens, device, manage_op)
         self.base.table = self.table  # one table: the base policy ranks our own slots
         self.ghost = ResidencyTable.empty(rows, hot_tokens, device)
         self.seed = int(seed)
         self.slack_shift = slack_shift
         self.ghost_misses = torch.zeros((rows,), dtype=torch.int64, device=device)
         self.own_misses = torch.zeros((rows,), dtype=torch.int64, device=device)
+
+    @staticmethod
+    def make_base(rows, hot_tokens, device, manage_op) -> RankedManager:
+        return LRU2Manager(rows, hot_tokens, device, manage_op)
 
     def step(self, topk, req_ids, stable_len, step):
         table, ghost = self.table, self.ghost
@@ -314,8 +446,9 @@ class GuardedManager(ResidencyManager):
 
     def row_state(self):
         g = self.ghost
-        return (super().row_state() + [(self.base, "prev_stamp"), (g, "slot_token"), (g, "slot_stamp"),
-                                       (g, "row_req"), (self, "ghost_misses"), (self, "own_misses")])
+        base_extra = self.base.row_state()[3:]  # the base shares our table: its extra state only
+        return (super().row_state() + base_extra + [(g, "slot_token"), (g, "slot_stamp"),
+                                                    (g, "row_req"), (self, "ghost_misses"), (self, "own_misses")])
 
     def state(self):
         s = self.base.state()
@@ -325,11 +458,33 @@ class GuardedManager(ResidencyManager):
         return s
 
 
+class ScoreGuardedManager(GuardedManager):
+    """``score_rank`` bounded against a ghost LRU (the guard of :class:`GuardedManager`)."""
+
+    policy = "score_rank_guarded"
+    needs_ranked: ClassVar[bool] = True
+
+    @staticmethod
+    def make_base(rows, hot_tokens, device, manage_op) -> RankedManager:
+        return ScoreRankManager(rows, hot_tokens, device, manage_op)
+
+    def set_ranked(self, ranked: torch.Tensor) -> None:
+        self.base.set_ranked(ranked)
+
+
 POLICIES: Dict[str, Type[ResidencyManager]] = {
     LRUManager.policy: LRUManager,
     LRU2Manager.policy: LRU2Manager,
     GuardedManager.policy: GuardedManager,
+    ScoreRankManager.policy: ScoreRankManager,
+    ScoreGuardedManager.policy: ScoreGuardedManager,
+    SmoothScoreRankManager.policy: SmoothScoreRankManager,
 }
+
+
+def needs_ranked(policy: str) -> bool:
+    """Whether ``policy`` must be given the indexer's ranking every step."""
+    return bool(getattr(POLICIES.get(policy), "needs_ranked", False))
 DEFAULT_POLICY = LRUManager.policy  # the contract; the only policy with Triton kernels
 
 

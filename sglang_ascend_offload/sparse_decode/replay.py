@@ -26,14 +26,14 @@ import torch
 from .belady import BeladyManager, next_use_table
 from .engine import EngineConfig, PhaseTimes, SparseDecodeEngine
 from .host_pool import HostKVPool, HostPoolShape
-from .policies import DEFAULT_POLICY, make_manager
+from .policies import DEFAULT_POLICY, RankedInputError, make_manager, needs_ranked
 from ..ops.residency import residency_manage
 from .stats import DecodeStats
 from .trace import Trace
 from .verify import full_kv_attention, remap_mismatches, resident_mismatches
 
 __all__ = ["ReplayOptions", "ReplayResult", "replay_trace", "simulate_policy", "SimResult",
-           "host_tokens_needed"]
+           "host_tokens_needed", "compact_trace", "step_schedule", "check_ranked"]
 
 _MAX_FAILURES = 10
 
@@ -100,8 +100,16 @@ class _SlotAllocator:
 
 def replay_trace(trace: Trace, opts: ReplayOptions,
                  progress: Optional[Callable[[int, int], None]] = None) -> ReplayResult:
-    """Replay ``trace`` through the engine with verification (see module docstring)."""
+    """Replay ``trace`` through the engine with verification (see module docstring).
+
+    Idle work is skipped (:func:`compact_trace`, :func:`step_schedule`): the engine
+    steps only the rows active now or at the step before, in its rows form.
+    """
+    check_ranked(trace, opts.policy)
     t_start = time.perf_counter()
+    trace = compact_trace(trace)
+    schedule = step_schedule(trace)
+    wants_ranked = needs_ranked(opts.policy)
     rows, layers, k = trace.rows, trace.layers, trace.top_k
     gen = torch.Generator().manual_seed(opts.seed)
     rng = np.random.default_rng(opts.seed)
@@ -153,28 +161,40 @@ def replay_trace(trace: Trace, opts: ReplayOptions,
                 tab = alloc.tables[req]
                 token_table[r, : len(tab)] = torch.tensor(tab, dtype=torch.int32)
 
-        engine.begin_step(torch.from_numpy(req_ids.astype(np.int64)), token_table,
-                          torch.from_numpy(seq_lens.astype(np.int32)), step=t)
+        sel_np = schedule[t]
+        if sel_np.size == 0:
+            continue
+        sel = torch.from_numpy(sel_np)
+        engine.begin_step(torch.from_numpy(req_ids[sel_np].astype(np.int64)), token_table,
+                          torch.from_numpy(seq_lens[sel_np].astype(np.int32)), step=t, rows=sel)
+        sel_table = token_table.index_select(0, sel)
         new_rows = rand_rows(len(append_slots))
         append_idx = torch.tensor(append_slots, dtype=torch.int64)
         for layer in range(layers):
             if append_slots:
                 engine.append(layer, append_idx, new_rows[layer])
-            topk = torch.from_numpy(trace.topk[t, layer].astype(np.int32))
-            query = torch.randn((rows, opts.heads, opts.latent_dim), generator=gen).to(cfg.dtype)
-            query_rope = torch.randn((rows, opts.heads, opts.rope_dim), generator=gen).to(cfg.dtype)
+            topk = torch.from_numpy(trace.topk[t, layer][sel_np].astype(np.int32))
+            if wants_ranked:
+                engine.managers[layer].set_ranked(torch.from_numpy(trace.ranked[t, layer][sel_np]))
+            b = sel_np.size
+            query = torch.randn((b, opts.heads, opts.latent_dim), generator=gen).to(cfg.dtype)
+            query_rope = torch.randn((b, opts.heads, opts.rope_dim), generator=gen).to(cfg.dtype)
             result = engine.run_layer(layer, topk, query, query_rope, scale)
             if not opts.verify:
                 continue
             checks += 1
-            table = engine.table(layer)
-            bad = resident_mismatches(table, engine.hot.layer(layer), pool.layer(layer), token_table)
+            full = engine.table(layer)
+            dev_sel = sel.to(full.slot_token.device)
+            table = ResidencyTable(full.slot_token.index_select(0, dev_sel), full.slot_stamp.index_select(0, dev_sel),
+                                   full.row_req.index_select(0, dev_sel))
+            hot_rows = engine.hot.layer(layer).index_select(0, sel.to(engine.hot.layer(layer).device))
+            bad = resident_mismatches(table, hot_rows, pool.layer(layer), sel_table)
             if bad:
                 _fail(failures, f"step {t} layer {layer}: {bad} resident slots differ from their host rows")
             bad = remap_mismatches(table, topk.to(table.slot_token.device), result.residency)
             if bad:
                 _fail(failures, f"step {t} layer {layer}: {bad} remapped entries do not hold their position")
-            ref = full_kv_attention(engine._attention_op, pool, layer, topk, token_table, query, query_rope, scale)
+            ref = full_kv_attention(engine._attention_op, pool, layer, topk, sel_table, query, query_rope, scale)
             if not torch.equal(result.output.cpu(), ref):
                 _fail(failures, f"step {t} layer {layer}: attention output differs from the full-KV reference")
         if progress is not None:
@@ -206,24 +226,84 @@ class SimResult:
         return int(sum(self.misses_per_layer))
 
 
-def simulate_policy(trace: Trace, policy: str, hot_tokens: int, manage_op=residency_manage) -> SimResult:
-    """Residency decisions only. ``policy`` is a policy name or ``"belady"`` (optimum)."""
+def check_ranked(trace: Trace, policy: str) -> None:
+    """A clear error when ``policy`` needs the indexer's ranking and ``trace`` has none."""
+    if policy != "belady" and needs_ranked(policy) and trace.ranked is None:
+        raise RankedInputError(
+            f"policy {policy!r} needs the trace's 'ranked' array (positions in indexer-score order) and this "
+            "trace has none: record with record_trace_rank_depth > 0 in --sparse-decode-offload-config, "
+            "synthesise with --rank-depth, or pick a policy that needs only the top-k")
+
+
+def compact_trace(trace: Trace) -> Trace:
+    """The same residency problem without idle work: rows never active are dropped and
+    every run of all-idle steps becomes one idle step (one idle step already resets
+    every row; stamps only need to be monotone). Every policy's misses are unchanged
+    (tested). Returns ``trace`` itself when there is nothing to drop."""
+    active = trace.req_ids != -1  # [steps, rows]
+    keep_rows = np.flatnonzero(active.any(axis=0))
+    if keep_rows.size == 0:
+        keep_rows = np.arange(1)
+    any_active = active.any(axis=1)
+    prev_active = np.concatenate([[True], any_active[:-1]])
+    keep_steps = np.flatnonzero(any_active | prev_active)  # first idle step of every run
+    if keep_rows.size == trace.rows and keep_steps.size == trace.steps:
+        return trace
+    ix = np.ix_(keep_steps, np.arange(trace.layers), keep_rows)
+    ranked = None if trace.ranked is None else trace.ranked[ix]
+    return Trace(trace.topk[ix], trace.seq_lens[np.ix_(keep_steps, keep_rows)],
+                 trace.req_ids[np.ix_(keep_steps, keep_rows)], trace.meta, ranked)
+
+
+def step_schedule(trace: Trace) -> List[np.ndarray]:
+    """int64 ``[B_t]`` rows to step at each step: rows active now or at the step before
+    (a row going idle must see its idle step, which resets it). Other rows are idle
+    at both steps, already reset: stepping them changes nothing."""
+    active = trace.req_ids != -1
+    before = np.concatenate([np.zeros((1, trace.rows), dtype=bool), active[:-1]], axis=0)
+    return [np.flatnonzero(a | b).astype(np.int64) for a, b in zip(active, before)]
+
+
+def simulate_policy(trace: Trace, policy: str, hot_tokens: int, manage_op=residency_manage,
+                    compact: bool = True, manage_impl: str = "torch") -> SimResult:
+    """Residency decisions only. ``policy`` is a policy name or ``"belady"`` (optimum).
+
+    Steps only the rows of :func:`step_schedule` (rows form) of :func:`compact_trace`
+    (``compact=False``: every row of every step, the plain definition).
+    ``manage_impl``: as in :func:`~.policies.make_manager` (``auto``: the CPU kernel
+    for ``lru``, bit-identical and much faster).
+    """
+    check_ranked(trace, policy)
     t0 = time.perf_counter()
+    if compact:
+        trace = compact_trace(trace)
     rows, layers = trace.rows, trace.layers
     if policy == "belady":
         managers = [BeladyManager(rows, hot_tokens) for _ in range(layers)]
         nxt = torch.from_numpy(next_use_table(trace.topk, trace.req_ids))
     else:
-        managers = [make_manager(policy, rows, hot_tokens, None, manage_op) for _ in range(layers)]
+        max_pos = int(trace.seq_lens.max()) + 1 if trace.seq_lens.size else 1
+        managers = [make_manager(policy, rows, hot_tokens, None, manage_op, manage_impl=manage_impl,
+                                 max_positions=max_pos) for _ in range(layers)]
         nxt = None
+    ranked_all = torch.from_numpy(trace.ranked) if needs_ranked(policy) and policy != "belady" else None
     misses = torch.zeros(layers, dtype=torch.int64)
     topk_all = torch.from_numpy(trace.topk)
     req_all = torch.from_numpy(trace.req_ids.astype(np.int64))
     len_all = torch.from_numpy(trace.seq_lens.astype(np.int32))
+    schedule = step_schedule(trace) if compact else [np.arange(rows, dtype=np.int64)] * trace.steps
     for t in range(trace.steps):
+        sel = torch.from_numpy(schedule[t])
+        if sel.numel() == 0:
+            continue
+        full = sel.numel() == rows
+        req, lens = (req_all[t], len_all[t]) if full else (req_all[t, sel], len_all[t, sel])
         for layer, mgr in enumerate(managers):
+            topk = topk_all[t, layer] if full else topk_all[t, layer, sel]
             if nxt is not None:
-                mgr.set_next_use(nxt[t, layer])
-            res = mgr.step(topk_all[t, layer], req_all[t], len_all[t], t)
+                mgr.set_next_use(nxt[t, layer] if full else nxt[t, layer, sel])
+            if ranked_all is not None:
+                mgr.set_ranked(ranked_all[t, layer] if full else ranked_all[t, layer, sel])
+            res = mgr.step(topk, req, lens, t) if full else mgr.step_rows(sel, topk, req, lens, t)
             misses[layer] += res.miss_count.sum()
     return SimResult(policy, hot_tokens, misses.tolist(), time.perf_counter() - t0)

@@ -10,18 +10,28 @@ key             dtype, shape                       meaning
 ``seq_lens``    int32 ``[steps, rows]``             row's sequence length, ``0`` = idle row
 ``req_ids``     int64 ``[steps, rows]``             request in the row, ``-1`` = idle
 ``meta``        optional 0-d str                    JSON text describing the source (free form)
+``ranked``      optional int32                      positions in descending indexer-score order,
+                ``[steps, layers, rows, R]``        ``R >= k``; the first ``k`` are the step's
+                                                    top-k as a set (order free), ``-1`` padding
+                                                    only past the row's valid entries
 ==============  =================================  ===========================================
 
 Rules (:func:`validate_trace` lists every violated one, with counts and examples):
 every valid position is ``< seq_len`` of its row; valid entries of a row are
 distinct; an idle row (``req_id == -1``) has ``seq_len == 0`` and only padding; an
 active row has ``seq_len >= 1``; a request keeps its row's ``seq_len`` non-decreasing
-while it stays in that row.
+while it stays in that row. ``ranked`` (when present): same leading shape as
+``topk``, ``R >= k``, positions ``< seq_len`` and distinct per row, ``-1`` only as a
+suffix and everywhere in idle rows, and its first ``k`` columns hold exactly the
+valid top-k entries of that ``(step, layer, row)``.
 
 The synthetic model (:class:`SyntheticTraceSpec`, :func:`synthesize`) is described
 in ``docs/sparse_decode.md``: attention sinks, a recent window, per-layer heavy
 hitters that flicker and drift slowly, uniform noise, request churn with idle rows;
 plus two adversarial shapes, ``random`` (noise only) and ``scan`` (cyclic sweep).
+With ``rank_depth > 0`` the model is the *latent-score* one instead (every position
+has a score that evolves as a persistent noisy process; top-k is the first ``k`` of
+the ranking, ``ranked`` its first ``rank_depth``), see :func:`_latent_select`.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import List, Literal, Union
+from typing import List, Literal, Optional, Union
 
 import numpy as np
 
@@ -44,7 +54,7 @@ __all__ = [
 ]
 
 TRACE_KEYS = {"topk": (np.int32, 4), "seq_lens": (np.int32, 2), "req_ids": (np.int64, 2)}
-OPTIONAL_KEYS = {"meta"}
+OPTIONAL_KEYS = {"meta", "ranked"}
 _EXAMPLES = 3
 
 
@@ -65,6 +75,7 @@ class Trace:
     seq_lens: np.ndarray
     req_ids: np.ndarray
     meta: str = ""
+    ranked: Optional[np.ndarray] = None  # int32 [steps, layers, rows, R], R >= k (optional)
 
     @property
     def steps(self) -> int:
@@ -82,6 +93,11 @@ class Trace:
     def top_k(self) -> int:
         return int(self.topk.shape[3])
 
+    @property
+    def rank_depth(self) -> int:
+        """``R`` of ``ranked`` (0 when the trace has none)."""
+        return 0 if self.ranked is None else int(self.ranked.shape[3])
+
     def selected(self) -> int:
         """Valid (non-padding) top-k entries over all steps, layers and rows."""
         return int((self.topk >= 0).sum())
@@ -93,8 +109,8 @@ def _where(mask: np.ndarray, names: List[str]) -> str:
     return "; ".join(", ".join(f"{n}={int(v)}" for n, v in zip(names, row)) for row in idx)
 
 
-def validate_trace(topk, seq_lens, req_ids) -> List[str]:
-    """Every problem of a trace, as sentences (empty list = valid)."""
+def validate_trace(topk, seq_lens, req_ids, ranked=None) -> List[str]:
+    """Every problem of a trace, as sentences (empty list = valid); ``ranked`` optional."""
     problems: List[str] = []
     arrays = {"topk": topk, "seq_lens": seq_lens, "req_ids": req_ids}
     for name, (dtype, ndim) in TRACE_KEYS.items():
@@ -154,11 +170,51 @@ def validate_trace(topk, seq_lens, req_ids) -> List[str]:
     if bad.any():
         problems.append(f"{int(bad.sum())} steps where a request's seq_len shrinks in its row, e.g. "
                         f"{_where(bad, names2)} (step counted from 1)")
+    if ranked is not None:
+        problems.extend(_validate_ranked(ranked, topk, seq_lens, idle))
+    return problems
+
+
+def _validate_ranked(ranked, topk: np.ndarray, seq_lens: np.ndarray, idle: np.ndarray) -> List[str]:
+    """Problems of the optional ``ranked`` array against a valid ``topk``."""
+    if not isinstance(ranked, np.ndarray):
+        return [f"ranked is a {type(ranked).__name__}, expected a numpy array"]
+    if ranked.dtype != np.int32 or ranked.ndim != 4:
+        return [f"ranked has dtype {ranked.dtype} and shape {ranked.shape}, expected int32 [steps, layers, rows, R]"]
+    steps, layers, rows, k = topk.shape
+    if ranked.shape[:3] != (steps, layers, rows) or ranked.shape[3] < k:
+        return [f"ranked shape {ranked.shape} must be {(steps, layers, rows)} + (R,) with R >= top-k {k}"]
+    problems: List[str] = []
+    names4 = ["step", "layer", "row", "entry"]
+    bad = ranked < -1
+    if bad.any():
+        problems.append(f"{int(bad.sum())} ranked entries < -1, e.g. {_where(bad, names4)}")
+    bad = idle[:, None, :, None] & (ranked != -1)
+    if bad.any():
+        problems.append(f"{int(bad.sum())} ranked entries in idle rows (must be -1), e.g. {_where(bad, names4)}")
+    bad = ~idle[:, None, :, None] & (ranked >= seq_lens[:, None, :, None].astype(np.int64))
+    if bad.any():
+        problems.append(f"{int(bad.sum())} ranked positions >= their row's seq_len, e.g. {_where(bad, names4)}")
+    pad = ranked == -1
+    bad = (pad[..., :-1] & ~pad[..., 1:]).any(axis=-1)
+    if bad.any():
+        problems.append(f"{int(bad.sum())} ranked rows with a position after -1 padding (padding is a suffix), "
+                        f"e.g. {_where(bad, names4[:3])}")
+    srt = np.sort(ranked, axis=-1)
+    bad = ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any(axis=-1)
+    if bad.any():
+        problems.append(f"{int(bad.sum())} ranked rows with a repeated position, e.g. {_where(bad, names4[:3])}")
+    head = np.sort(ranked[..., :k], axis=-1)
+    sel = np.sort(topk, axis=-1)
+    bad = (head != sel).any(axis=-1)
+    if bad.any():
+        problems.append(f"{int(bad.sum())} (step, layer, row) whose first top-k ranked entries are not the "
+                        f"top-k selection as a set, e.g. {_where(bad, names4[:3])}")
     return problems
 
 
 def _check(trace: Trace, source: str) -> Trace:
-    problems = validate_trace(trace.topk, trace.seq_lens, trace.req_ids)
+    problems = validate_trace(trace.topk, trace.seq_lens, trace.req_ids, trace.ranked)
     if problems:
         raise TraceError(problems, source)
     return trace
@@ -196,14 +252,15 @@ def load_trace(path: Union[str, Path]) -> Trace:
             meta = str(m)
     if problems:
         raise TraceError(problems, str(path))
-    return _check(Trace(data["topk"], data["seq_lens"], data["req_ids"], meta), str(path))
+    return _check(Trace(data["topk"], data["seq_lens"], data["req_ids"], meta, data.get("ranked")), str(path))
 
 
 def save_trace(trace: Trace, path: Union[str, Path]) -> None:
     """Validate and write ``trace`` (compressed ``.npz``)."""
     _check(trace, "trace to save")
+    extra = {} if trace.ranked is None else {"ranked": trace.ranked}
     np.savez_compressed(Path(path), topk=trace.topk, seq_lens=trace.seq_lens,
-                        req_ids=trace.req_ids, meta=np.array(trace.meta))
+                        req_ids=trace.req_ids, meta=np.array(trace.meta), **extra)
 
 
 # ------------------------------------------------------------------ synthetic model
@@ -213,7 +270,19 @@ class SyntheticTraceSpec:
 
     shape: ``locality`` (the model below), ``random`` (every entry uniform noise),
         ``scan`` (each row sweeps its history cyclically, ``top_k`` new positions
-        per step: no reuse within ``history / top_k`` steps; LRU's worst case).
+        per step: no reuse within ``history / top_k`` steps; LRU's worst case),
+        ``bursty`` (latent-score model only: ``locality`` plus score bursts).
+    rank_depth: ``0`` = the selection model below, no ``ranked`` array. ``> 0`` (and
+        ``>= top_k``) = the *latent-score* model, which also writes ``ranked`` with
+        this depth. Per row, layer and position a persistent score ``u`` follows a
+        stationary AR(1) process, ``u <- (1 - a) u + sqrt(2a - a^2) N(0,1)`` with
+        ``a = score_drift`` (new positions start at ``N(0,1)``); the step's score is
+        ``u + score_noise * N(0,1)`` (fresh each step), the sinks and the recent
+        window score ``+inf`` (always selected). ``bursty`` adds, per position and
+        step with probability ``burst_rate``, a burst of ``burst_size`` that decays by
+        ``burst_decay`` per step. ``random`` scores are fresh ``N(0,1)`` every step (no
+        persistence); ``scan`` ranks the sweep's next positions first. The ranking is
+        the descending score order; top-k is its first ``k``.
     Locality model per active row and step, for ``seq_len > top_k`` (otherwise all
     positions are selected, as DSA does): ``sink_frac`` first positions (attention
     sinks), the last ``window_frac`` positions (recent window), per layer a set of
@@ -233,7 +302,7 @@ class SyntheticTraceSpec:
     layers: int = 4
     rows: int = 8
     top_k: int = 256
-    shape: Literal["locality", "random", "scan"] = "locality"
+    shape: Literal["locality", "random", "scan", "bursty"] = "locality"
     seed: int = 0
     min_prompt: int = 256
     max_prompt: int = 2048
@@ -246,6 +315,12 @@ class SyntheticTraceSpec:
     heavy_active: float = 0.85
     heavy_drift: float = 0.01
     noise_skew: float = 0.0
+    rank_depth: int = 0
+    score_drift: float = 0.003
+    score_noise: float = 0.2
+    burst_rate: float = 0.002
+    burst_size: float = 3.0
+    burst_decay: float = 0.8
 
     def check(self) -> List[str]:
         errs = []
@@ -265,8 +340,17 @@ class SyntheticTraceSpec:
                 errs.append(f"{name} must be in [0, 1]")
         if self.sink_frac + self.window_frac + self.heavy_frac > 1.0:
             errs.append("sink_frac + window_frac + heavy_frac must be <= 1")
-        if self.shape not in ("locality", "random", "scan"):
-            errs.append(f"shape {self.shape!r}: expected locality | random | scan")
+        if self.shape not in ("locality", "random", "scan", "bursty"):
+            errs.append(f"shape {self.shape!r}: expected locality | random | scan | bursty")
+        if self.rank_depth != 0 and self.rank_depth < self.top_k:
+            errs.append(f"rank_depth {self.rank_depth} must be 0 (off) or >= top_k {self.top_k}")
+        if self.shape == "bursty" and self.rank_depth == 0:
+            errs.append("shape 'bursty' is a latent-score shape: set rank_depth >= top_k")
+        for name in ("score_drift", "burst_rate", "burst_decay"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                errs.append(f"{name} must be in [0, 1]")
+        if self.score_noise < 0 or self.burst_size < 0:
+            errs.append("score_noise and burst_size must be >= 0")
         return errs
 
 
@@ -281,6 +365,8 @@ class _Row:
         self.heavy: List[np.ndarray] = []  # per layer heavy-hitter positions
         self.log_weight: List[np.ndarray] = []  # per layer noise log-weights per position
         self.cursor = 0  # scan position
+        self.score: List[np.ndarray] = []  # latent model: per layer persistent scores per position
+        self.burst: List[np.ndarray] = []  # latent model (bursty): per layer burst level per position
 
 
 def _pick_unique(rng: np.random.Generator, low: int, high: int, n: int, exclude: np.ndarray) -> np.ndarray:
@@ -308,6 +394,8 @@ def synthesize(spec: SyntheticTraceSpec = SyntheticTraceSpec()) -> Trace:
     topk = np.full((spec.steps, spec.layers, spec.rows, k), -1, dtype=np.int32)
     seq_lens = np.zeros((spec.steps, spec.rows), dtype=np.int32)
     req_ids = np.full((spec.steps, spec.rows), -1, dtype=np.int64)
+    depth = spec.rank_depth
+    ranked = np.full((spec.steps, spec.layers, spec.rows, depth), -1, dtype=np.int32) if depth else None
     rows = [_Row() for _ in range(spec.rows)]
     next_req = 0
     n_sink = int(round(spec.sink_frac * k))
@@ -328,12 +416,19 @@ def synthesize(spec: SyntheticTraceSpec = SyntheticTraceSpec()) -> Trace:
                 row.heavy = [_pick_unique(rng, 0, row.seq_len, n_heavy, np.empty(0, np.int64))
                              for _ in range(spec.layers)]
                 row.log_weight = [np.empty(0) for _ in range(spec.layers)]
+                row.score = [np.empty(0) for _ in range(spec.layers)]
+                row.burst = [np.empty(0) for _ in range(spec.layers)]
             else:
                 row.seq_len += 1
             seq_lens[t, r] = row.seq_len
             req_ids[t, r] = row.req
             for layer in range(spec.layers):
-                sel = _select(rng, spec, row, layer, n_sink, n_window)
+                if depth:
+                    order = _latent_select(rng, spec, row, layer, n_sink, n_window)
+                    ranked[t, layer, r, : order.size] = order
+                    sel = order[:k]
+                else:
+                    sel = _select(rng, spec, row, layer, n_sink, n_window)
                 sel = rng.permutation(sel)
                 topk[t, layer, r, : sel.size] = sel
             row.left -= 1
@@ -341,7 +436,45 @@ def synthesize(spec: SyntheticTraceSpec = SyntheticTraceSpec()) -> Trace:
                 row.req = -1
                 row.idle_left = int(rng.geometric(1.0 / (1.0 + spec.mean_idle))) - 1 if spec.mean_idle > 0 else 0
     meta = json.dumps({"generator": "sglang_ascend_offload.sparse_decode.trace.synthesize", **asdict(spec)})
-    return Trace(topk, seq_lens, req_ids, meta)
+    return Trace(topk, seq_lens, req_ids, meta, ranked)
+
+
+def _latent_select(rng, spec: SyntheticTraceSpec, row: _Row, layer: int, n_sink: int, n_window: int) -> np.ndarray:
+    """Latent-score model (see :class:`SyntheticTraceSpec`): the first ``min(n, rank_depth)``
+    positions of the row's ranking this step, best first (int64)."""
+    n, depth = row.seq_len, spec.rank_depth
+    if spec.shape == "scan":
+        if n <= spec.top_k:
+            return np.arange(n, dtype=np.int64)
+        order = (row.cursor + np.arange(min(n, depth))) % n
+        if layer == spec.layers - 1:
+            row.cursor = (row.cursor + spec.top_k) % n
+        return order.astype(np.int64)
+    if spec.shape == "random":
+        score = rng.standard_normal(n)
+    else:
+        u = row.score[layer]
+        a = spec.score_drift
+        if u.size:
+            u = (1.0 - a) * u + np.sqrt(2 * a - a * a) * rng.standard_normal(u.size)
+        if u.size < n:
+            u = np.concatenate([u, rng.standard_normal(n - u.size)])
+        row.score[layer] = u
+        score = u + spec.score_noise * rng.standard_normal(n)
+        if spec.shape == "bursty":
+            b = row.burst[layer]
+            if b.size < n:
+                b = np.concatenate([b, np.zeros(n - b.size)])
+            b = b * spec.burst_decay
+            b[rng.random(n) < spec.burst_rate] += spec.burst_size
+            row.burst[layer] = b
+            score = score + b
+    score = score.copy()
+    score[: min(n_sink, n)] = np.inf
+    score[max(0, n - n_window):] = np.inf
+    m = min(n, depth)
+    top = np.argpartition(-score, m - 1)[:m] if m < n else np.arange(n)
+    return top[np.argsort(-score[top], kind="stable")].astype(np.int64)
 
 
 def _select(rng, spec: SyntheticTraceSpec, row: _Row, layer: int, n_sink: int, n_window: int) -> np.ndarray:
