@@ -269,7 +269,7 @@ def handle_deepseek_attention(attn: Any, forward_batch: Any):
 
 def create_backend(model_runner: Any) -> AttentionBackend:
     """Attention backend factory registered under :data:`BACKEND_NAME`."""
-    if carrier.sparse_decode_enabled():
+    if carrier.sparse_decode_enabled() and not speculative.is_draft_runner(model_runner):  # draft KV: device
         from .offload_backend import SparseDecodeOffloadBackend
 
         return SparseDecodeOffloadBackend(model_runner)

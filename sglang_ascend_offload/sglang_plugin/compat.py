@@ -47,7 +47,11 @@ SERVER_ARGS: Dict[str, str] = {
     "cuda_graph_config": "graph mode per phase (layerwise reuse and KVPP need eager / piecewise)",
     "disable_cuda_graph": "graph mode",
     "enable_hisparse": "one sparse-attention offload per server",
-    "speculative_algorithm": "draft workers are not wired into the offload pools",
+    "speculative_algorithm": "the NextN / MTP draft is the speculative algorithm served with offload",
+    "speculative_eagle_topk": "offload verifies a chain of draft tokens (topk 1)",
+    "speculative_num_steps": "offload needs steps + 1 verify rows per request",
+    "speculative_num_draft_tokens": "verify rows per request (engine rows, hot-buffer memory)",
+    "disable_overlap_schedule": "offload verify reads committed lengths on the host",
     "speculative_adaptive": "the seeds need a fixed speculative token count",
     "enable_two_batch_overlap": "interleaved forwards break the layerwise gates",
     "enable_pdmux": "interleaved forwards break the layerwise gates",
@@ -90,7 +94,7 @@ class Hooked:
 
 
 def _hooked() -> Tuple[Hooked, ...]:
-    from . import hooks, kvpp_sizing, layerwise_sizing
+    from . import hooks, kvpp_sizing, layerwise_sizing, speculative
     from .disagg import install as pd_install
 
     return (
@@ -107,6 +111,12 @@ def _hooked() -> Tuple[Hooked, ...]:
         Hooked(pd_install._TARGET_PREFILL_MANAGER, ("self",), "the prefill KV manager"),
         Hooked(pd_install._TARGET_DECODE_MANAGER, ("self",), "the decode KV manager"),
         Hooked(pd_install._TARGET_RUN_BATCH, ("self", "batch"), "announce last chunks to the layerwise publisher"),
+        Hooked(speculative._TARGET_EMBED_HEAD, ("self", "embed", "head"), "no CUDA sync when the draft shares "
+               "the target's embedding and head on a CPU"),
+        Hooked(speculative._TARGET_DRAFT_FACTORY, ("self", "backend_name", "backend_map", "error_template",
+                                                   "stamps_children"), "draft backends for ascend_offload"),
+        Hooked(speculative._TARGET_LAST_LOC, ("req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"),
+               "torch last-slot lookup for EAGLE draft slots"),
     )
 
 

@@ -10,9 +10,13 @@ rule                             when
 ``sglang.model_config``          a feature needs model facts the HF config lacks (a DSA
                                  architecture without its indexer fields, an MLA model without
                                  ``kv_lora_rank`` ...): the pools would fail after the weights load
-``sglang.sparse_decode_speculative``  a speculative algorithm with sparse decode offload: the
-                                 offload pool does not run draft workers (it would fail when the
-                                 draft model's pool is built)
+``sglang.sparse_decode_speculative``  speculative decoding with sparse decode offload beyond what the
+                                 engine serves: an algorithm other than the NextN / MTP draft
+                                 (``EAGLE`` / ``NEXTN``), a draft tree (``--speculative-eagle-topk``
+                                 > 1: verify rows are not a chain), a draft-token count other than
+                                 ``steps + 1`` (each request must have the same fixed number of
+                                 verify rows), or overlap scheduling (the verify step needs each
+                                 request's committed length on the host; untested)
 ``memory.insufficient``          the hot buffers and the host pool do not fit in the memory
                                  available now (:mod:`..memory_budget`)
 ===============================  ==============================================================
@@ -109,13 +113,45 @@ def launch_violations(config: cfg.OffloadConfig, view: Any, hf_config: Any,
             "serve a complete DeepSeek-V3.2-style (MLA + lightning indexer) config.json, or disable the feature"))
     sd = config.sparse_decode
     if sd is not None and compat.arg(view, "speculative_algorithm"):
-        out.append(cfg.Violation(
-            "sglang.sparse_decode_speculative",
-            f"speculative algorithm {view.speculative_algorithm!r} with sparse decode offload: the offload pool "
-            "does not run draft (NextN / MTP) workers yet",
-            "drop --speculative-algorithm and its flags, or disable sparse decode offload"))
+        out += _speculative_violations(view)
     if sd is not None and not missing and deployment is not None:
         out += _sparse_decode_memory(sd, view, hf_config, deployment)
+    return out
+
+
+SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # SGLang's NextN / MTP path (NEXTN is an alias of EAGLE)
+
+
+def _speculative_violations(view: Any) -> List[cfg.Violation]:
+    """Speculative decoding with sparse decode offload: the NextN / MTP draft with a
+    fixed chain of ``steps + 1`` verify rows per request (``speculative.py``).
+    Adaptive (variable) draft counts are refused by ``sparse_decode.speculative``."""
+    rule = "sglang.sparse_decode_speculative"
+    out: List[cfg.Violation] = []
+    algo = str(compat.arg(view, "speculative_algorithm")).upper()
+    if algo not in SPECULATIVE_ALGORITHMS:
+        out.append(cfg.Violation(
+            rule, f"speculative algorithm {algo!r} with sparse decode offload: only the NextN / MTP draft "
+            "(EAGLE / NEXTN) is served",
+            "use --speculative-algorithm NEXTN (or EAGLE), or disable sparse decode offload"))
+        return out
+    topk = compat.arg(view, "speculative_eagle_topk")
+    steps = compat.arg(view, "speculative_num_steps")
+    tokens = compat.arg(view, "speculative_num_draft_tokens")
+    if topk is not None and int(topk) != 1:
+        out.append(cfg.Violation(
+            rule, f"--speculative-eagle-topk {topk}: a draft tree; sparse decode offload verifies a chain "
+            "(one verify row per draft position)", "use --speculative-eagle-topk 1"))
+    if steps is not None and tokens is not None and int(tokens) != int(steps) + 1:
+        out.append(cfg.Violation(
+            rule, f"--speculative-num-draft-tokens {tokens} with --speculative-num-steps {steps}: sparse decode "
+            "offload needs exactly steps + 1 verify rows per request (a fixed count)",
+            f"use --speculative-num-draft-tokens {int(steps) + 1}"))
+    if not compat.arg(view, "disable_overlap_schedule"):
+        out.append(cfg.Violation(
+            rule, "overlap scheduling with speculative decoding and sparse decode offload: the verify step "
+            "takes each request's committed length from the host when it starts (not tested with overlap)",
+            "add --disable-overlap-schedule"))
     return out
 
 
@@ -137,6 +173,10 @@ def _sparse_decode_memory(sd: cfg.SparseDecodeOffloadConfig, view: Any, hf_confi
         host_tokens, host_source = int(total), "--max-total-tokens"
     else:
         host_tokens, host_source = None, ""
+    spec_tokens = compat.arg(view, "speculative_num_draft_tokens") if compat.arg(view, "speculative_algorithm") \
+        else None
+    if spec_tokens:  # one engine row (hot buffer) per verify row
+        rows, rows_source = rows * int(spec_tokens), f"{rows_source}, x {spec_tokens} verify rows per request"
     items = sparse_decode_allocations(hf_config, sd, hot_tokens=hot, rows=rows, rows_source=rows_source,
                                       host_tokens=host_tokens, host_tokens_source=host_source,
                                       device=deployment.device)

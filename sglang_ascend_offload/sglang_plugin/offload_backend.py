@@ -30,7 +30,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from . import carrier
+from . import carrier, speculative
 from .backend import AscendOffloadAttnBackend
 from .metadata import real_batch_size
 from .metrics import OffloadMetrics
@@ -119,10 +119,16 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
                         path, config.record_trace_max_steps)
         self._batch_rows: Optional[torch.Tensor] = None
         self._padding_seen = False
+        self._verify = False  # this forward is a TARGET_VERIFY batch served by the engine (speculative.py)
+        speculative.attach(self)
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         super().init_forward_metadata_out_graph(forward_batch, in_capture)
+        self._verify = speculative.note_forward(self, forward_batch)
+        if self._verify:  # MTP verify rows attend through the residency (speculative.begin_verify)
+            self._batch_rows = speculative.begin_verify(self, forward_batch)
+            return
         md = self.forward_metadata
         if md is None or not md.is_decode:
             self._batch_rows = None
@@ -147,7 +153,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
 
     # ------------------------------------------------------------------ attention
     def attend(self, layer, forward_batch, q_nope, q_pe, topk_indices) -> torch.Tensor:
-        if self.forward_metadata is not None and self.forward_metadata.is_decode:
+        if self.forward_metadata is not None and (self.forward_metadata.is_decode or self._verify):
             return self._attend_decode(layer, q_nope, q_pe, topk_indices)
         return self._attend_extend(layer, forward_batch, q_nope, q_pe, topk_indices)
 
@@ -164,7 +170,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         self.engine.timing = self.metrics.needs_copy_timing
         result = self.engine.run_layer(local, topk_rows, q_nope[:real], q_pe[:real], layer.scaling)
         self.metrics.add_copy_time(local, self.engine.times.seconds.get("copy", 0.0) - copy_before)
-        if self.recorder is not None:
+        if self.recorder is not None and not self._verify:  # traces hold decode steps (one row per request)
             self.recorder.record_layer(local, topk_rows)
         if local == cfg.layers - 1:
             self.metrics.on_step_end()

@@ -39,6 +39,7 @@ from ..sparse_decode.engine import EngineConfig, SparseDecodeEngine
 from ..sparse_decode.host_pool import HostPoolShape
 from .pool import DeviceDSAPool, _scatter_rows
 from .shared_host_pool import EngineGate, allocate_rank_pool
+from .speculative import verify_rows_per_request
 
 logger = logging.getLogger(__name__)
 
@@ -199,13 +200,15 @@ def build_offload_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_m
     if not is_dsa_model:
         raise ValueError("sparse decode offload needs a DSA model (DeepSeek-V3.2 style)")
     mc = configurator.model_config
-    if configurator.is_draft_worker:
-        raise ValueError("sparse decode offload does not run draft (speculative) workers yet")
+    if configurator.is_draft_worker:  # the NextN / MTP draft layer: device KV (speculative.py)
+        from .speculative import build_draft_pool
+
+        return build_draft_pool(configurator, max_total_num_tokens=max_total_num_tokens, is_dsa_model=is_dsa_model)
     kind = "pinned" if platform.device_kind() != "npu" else "memfabric"
     return HostMainKVPool(
         max_total_num_tokens,
         **pool_args(configurator, is_dsa_model=True),
-        rows=rows,
+        rows=rows * verify_rows_per_request(),  # one engine row per verify row (MTP)
         top_k=int(mc.hf_config.index_topk),
         offload=offload,
         start_layer=configurator.layer_info.start_layer,

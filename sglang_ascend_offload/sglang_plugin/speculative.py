@@ -133,6 +133,12 @@ class MultiStepDraftBackend:
             backend.init_forward_metadata_in_graph(forward_batch)
 
 
+def _attention_backends():
+    from sglang.srt.runtime_context import attention_backends
+
+    return attention_backends()
+
+
 def create_backend_around(original: Callable, self, backend_name: str, backend_map: dict, error_template: str,
                           stamps_children: bool = False):
     """HookRegistry AROUND hook for ``DraftBackendFactory._create_backend``: SGLang's
@@ -143,6 +149,10 @@ def create_backend_around(original: Callable, self, backend_name: str, backend_m
     from .backend import BACKEND_NAME, AscendOffloadAttnBackend
 
     runner = self.draft_model_runner
+    prefill, decode = _attention_backends()
+    if BACKEND_NAME in (self.draft_attn_backend, prefill, decode) and int(self.topk) != 1:
+        raise ValueError(f"attention backend {BACKEND_NAME} verifies EAGLE chains only (causal verify rows): "
+                         f"--speculative-eagle-topk {self.topk} builds a draft tree; use --speculative-eagle-topk 1")
     if stamps_children:
         factory = lambda: (BACKEND_NAME, MultiStepDraftBackend(runner, self.topk, self.speculative_num_steps))
     else:
@@ -163,3 +173,146 @@ def get_last_loc_around(original: Callable, req_to_token, req_pool_indices_tenso
     if BACKEND_NAME in attention_backends():
         return get_last_loc_torch(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
     return original(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
+
+
+# ------------------------------------------------------------------ sparse decode offload
+DRAFT_KV_PLACEMENT = "device"
+
+
+def verify_rows_per_request() -> int:
+    """Decode query rows per request of the target model: ``speculative_num_draft_tokens``
+    (``n``) with a speculative algorithm, else 1. The sparse decode engine keeps one
+    residency row and hot buffer per query row, so it is sized ``req_to_token rows x n``."""
+    from sglang.srt.runtime_context import get_spec
+
+    spec = get_spec()
+    if not getattr(spec, "speculative_algorithm", None):
+        return 1
+    return int(spec.speculative_num_draft_tokens)
+
+
+def engine_rows(req_pool_indices: List[int], per_request: int) -> List[int]:
+    """Engine rows of a verify batch: request row ``r`` owns engine rows
+    ``r * n .. r * n + n - 1`` (``n = per_request``), one per verify row, in the
+    batch's request-major token order."""
+    return [r * per_request + j for r in req_pool_indices for j in range(per_request)]
+
+
+def build_draft_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool):
+    """The draft (NextN / MTP) model's KV pool with sparse decode offload on.
+
+    Placement ``device`` (:data:`DRAFT_KV_PLACEMENT`): the draft layer keeps its whole
+    main KV and index K on the device in SGLang's slot space (the plain
+    :class:`~.pool.DeviceDSAPool`, as without offload); only the target model's layers
+    are offloaded. Counted by ``capacity --mtp`` (``capacity.py``: one draft layer of
+    device KV per token). Its decode attention reads the device pool, so the draft
+    steps do not touch the host pool or the engine's residency.
+    """
+    from .pool import build_device_pool
+
+    pool = build_device_pool(configurator, max_total_num_tokens=max_total_num_tokens, is_dsa_model=is_dsa_model)
+    layers = configurator.layer_info.num_effective_layers
+    logger.info("sparse decode offload: draft (NextN) KV placement %s: %d layer(s) x %d tokens on %s "
+                "(the target's layers are offloaded)", DRAFT_KV_PLACEMENT, layers, max_total_num_tokens,
+                configurator.device)
+    return pool
+
+
+def is_draft_runner(model_runner: Any) -> bool:
+    return bool(getattr(model_runner, "is_draft_worker", False))
+
+
+class VerifyTokenTable:
+    """The engine's token table for verify rows: int32 ``[R * n, W]``, row ``r * n + j``
+    = ``req_to_token[r]`` (``n`` verify rows per request row ``r``; ``W`` = the width of
+    ``req_to_token``). The engine indexes its token table by engine row, and verify
+    rows are engine rows ``r * n + j``.
+
+    Kept incrementally: positions below a request's committed length never change
+    while it lives, so each verify step copies, per request, only ``[committed length
+    at its previous verify step, L + n)`` (the newly committed tokens and this step's
+    draft slots) into its ``n`` rows; the whole ``[0, L + n)`` when the row's request
+    changed or the row was (re)filled by an extend forward since (:meth:`invalidate`).
+    """
+
+    def __init__(self, req_rows: int, per_request: int, width: int, device):
+        self.per_request = per_request
+        self.table = torch.zeros((req_rows * per_request, width), dtype=torch.int32, device=device)
+        self._owner = [None] * req_rows  # request id (SGLang rid) whose slots the rows hold
+        self._valid = [0] * req_rows  # positions [0, valid) hold committed slots of that request
+
+    def invalidate(self, req_rows: List[int]) -> None:
+        for r in req_rows:
+            self._valid[r] = 0
+
+    def update(self, req_to_token: torch.Tensor, req_rows: List[int], rids: List[Any], committed: List[int]) -> None:
+        """Copy the slots request row ``req_rows[i]`` (request ``rids[i]``, committed
+        length ``committed[i]``) needs this step into its ``n`` rows."""
+        n = self.per_request
+        view = self.table.view(-1, n, self.table.shape[1])
+        for r, rid, length in zip(req_rows, rids, committed):
+            start = self._valid[r] if self._owner[r] == rid else 0
+            start = min(start, length)
+            end = length + n
+            view[r, :, start:end] = req_to_token[r, start:end].to(self.table.device)
+            self._owner[r] = rid
+            self._valid[r] = length
+
+
+def begin_verify(backend: Any, forward_batch) -> torch.Tensor:
+    """Start the sparse decode engine's step for a ``TARGET_VERIFY`` batch; returns the
+    engine rows (int64 ``[B * n]``) of the verify rows in the batch's token order.
+
+    Every verify row is an engine row of its own (``r * n + j`` for request row ``r``,
+    verify row ``j``) with the request's owner id and the **committed length** ``L``
+    (``seq_lens``) as its stable prefix: the rows' positions ``L .. L + n - 1`` hold
+    this step's candidate tokens (written to the host pool by this forward before the
+    attention) and are never hits, since they may be rejected and rewritten. Once
+    accepted, a position lies below the next step's committed length and its resident
+    row is a hit like any other; a rejected position is at or beyond the next committed
+    length, so the engine drops it from the hot buffer before the next lookup.
+    """
+    from .metadata import real_batch_size
+
+    n = int(forward_batch.spec_info.draft_token_num)
+    per = backend.verify_rows_per_request
+    if n != per:
+        raise RuntimeError(f"verify batch with {n} draft tokens per request; the sparse decode engine was sized "
+                           f"for a fixed {per} (--speculative-num-draft-tokens): variable draft counts are not "
+                           "supported with sparse decode offload")
+    real = real_batch_size(forward_batch)
+    reqs = [int(r) for r in forward_batch.req_pool_indices[:real].tolist()]
+    if len(set(reqs)) != len(reqs):
+        raise RuntimeError(f"verify batch names req_to_token rows {reqs} more than once")
+    rids = getattr(forward_batch, "rids", None)
+    rids = list(rids[:real]) if rids is not None else [None] * real
+    committed = [int(v) for v in forward_batch.seq_lens_cpu[:real].tolist()]
+    table = backend.verify_table
+    table.update(backend.req_to_token_pool.req_to_token, reqs, rids, committed)
+    rows = engine_rows(reqs, n)
+    req_ids = backend.rows.ids_for(rows, [rid for rid in rids for _ in range(n)] if rids[0] is not None else None)
+    stable = torch.tensor(committed, dtype=torch.int32).repeat_interleave(n)
+    batch_rows = torch.tensor(rows, dtype=torch.int64)
+    backend.engine.begin_step(req_ids, table.table, stable, rows=batch_rows)
+    return batch_rows
+
+
+def attach(backend: Any) -> None:
+    """Speculative state of a :class:`~.offload_backend.SparseDecodeOffloadBackend`
+    (``verify_rows_per_request``, ``verify_table``; none without speculation)."""
+    per = verify_rows_per_request()
+    backend.verify_rows_per_request = per
+    backend.verify_table = None
+    if per > 1:
+        r2t = backend.req_to_token_pool.req_to_token
+        backend.verify_table = VerifyTokenTable(r2t.shape[0], per, r2t.shape[1], backend.engine.device)
+
+
+def note_forward(backend: Any, forward_batch) -> bool:
+    """Per forward of the target model with offload: an extend (prefill) forward
+    (re)fills its rows' slots, so their verify token table rows are copied afresh at
+    their next verify step. Returns True for a ``TARGET_VERIFY`` batch."""
+    mode = forward_batch.forward_mode
+    if backend.verify_table is not None and mode.is_extend() and not mode.is_target_verify():
+        backend.verify_table.invalidate([int(r) for r in forward_batch.req_pool_indices.tolist()])
+    return mode.is_target_verify() and backend.forward_metadata is not None

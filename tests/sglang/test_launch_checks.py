@@ -51,13 +51,15 @@ def no_indexer_model(tmp_path):
 
 
 # ------------------------------------------------------------------ in-process resolution
-def test_speculative_decoding_with_offload_is_refused(plugins_loaded, clean_state):
+def test_speculative_algorithm_other_than_nextn_with_offload_is_refused(plugins_loaded, clean_state):
+    """Only the NextN / MTP draft (EAGLE / NEXTN) is served with offload; the chain
+    itself is served (tests/sglang/test_speculative_offload.py)."""
     flags.remember(raw(sparse="{}"))
     with pytest.raises(cfg.ConfigError) as info:
-        _server_args(speculative_algorithm="EAGLE", speculative_num_steps=1, speculative_eagle_topk=1,
-                     speculative_num_draft_tokens=2).resolve_once()
+        _server_args(speculative_algorithm="STANDALONE", speculative_draft_model_path=str(TINY_DSA),
+                     speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4).resolve_once()
     assert "sglang.sparse_decode_speculative" in _rules(info)
-    assert "EAGLE" in str(info.value)
+    assert "STANDALONE" in str(info.value)
     assert carrier.published_text() is None
 
 
@@ -171,8 +173,8 @@ def test_config_file_errors_name_the_file(tmp_path):
 def test_launcher_refuses_before_any_model_loads(case, no_indexer_model):
     args = ["--enable-sparse-decode-offload", "--max-running-requests", "4"]
     if case == "speculative":
-        args += ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1",
-                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
+        args += ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(TINY_DSA),
+                 "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
         rule = "sglang.sparse_decode_speculative"
     else:
         args += ["--model-path", str(no_indexer_model)]
