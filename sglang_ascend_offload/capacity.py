@@ -259,10 +259,11 @@ def kvpp_owned_layers(num_layers: int, group: int, rank: int) -> int:
 
 
 def _residency_row_bytes(model: ModelShape, inputs: CapacityInputs) -> int:
-    """Device bytes of one decode row in sparse decode: hot buffer + residency table, all layers."""
+    """Device bytes of one decode row in sparse decode: hot buffer + residency table of
+    every target layer (the MTP / draft layers keep their KV on the device: no hot buffer)."""
     hot = inputs.hot(model)
     per_layer = hot * model.main_bytes_per_layer + hot * RESIDENCY_BYTES_PER_SLOT + RESIDENCY_BYTES_PER_ROW
-    return model.cache_layers(inputs.mtp) * per_layer
+    return model.num_layers * per_layer
 
 
 def _decode_rows(model: ModelShape, inputs: CapacityInputs) -> Dict[str, Optional[int]]:
@@ -307,11 +308,18 @@ def footprints(model: ModelShape, inputs: CapacityInputs) -> Tuple[Dict[str, Tup
         "max context per request and TP rank, bf16 indexer pool on device")
 
     rows = _decode_rows(model, inputs)
+    # Sparse decode offloads the target layers only. The MTP (NextN draft) layers keep main
+    # KV + indexer on the device (draft KV placement "device", sglang_plugin/speculative.py).
+    draft = model.mtp_layers if inputs.mtp else 0
+    sd_device_per_token = model.num_layers * idx + draft * bundle
+    sd_host_per_token = model.num_layers * main
+    draft_note = f"; {draft} MTP layer(s): main KV + indexer on device" if draft else ""
     out["sparse-decode"] = (
-        Footprint(device_per_token=n * idx, device_per_request=rows["per_request"] or 0,
-                  device_fixed=rows["fixed"] or 0, host_per_token=n * main,
+        Footprint(device_per_token=sd_device_per_token, device_per_request=rows["per_request"] or 0,
+                  device_fixed=rows["fixed"] or 0, host_per_token=sd_host_per_token,
                   max_requests=rows["max_requests"]),
-        f"indexer on device, {inputs.hot(model)} hot rows/layer/decode row, main KV in the DP rank's host pool")
+        f"indexer on device, {inputs.hot(model)} hot rows/layer/decode row, main KV in the DP rank's host pool"
+        f"{draft_note}")
 
     p = physical_layer_buffers(n, inputs.independent_layers, inputs.shared_buffers)
     out["layerwise-prefill"] = (
@@ -333,9 +341,9 @@ def footprints(model: ModelShape, inputs: CapacityInputs) -> Tuple[Dict[str, Tup
             "bundles (main + indexer)")
 
     out["sparse-decode+layerwise-prefill"] = (
-        Footprint(device_per_token=n * idx, device_per_request=rows["per_request"] or 0,
+        Footprint(device_per_token=sd_device_per_token, device_per_request=rows["per_request"] or 0,
                   device_fixed=(rows["fixed"] or 0) + p * main * inputs.paged(inputs.prefill_tok()),
-                  host_per_token=n * main, max_requests=rows["max_requests"]),
+                  host_per_token=sd_host_per_token, max_requests=rows["max_requests"]),
         f"colocated: sparse decode + {p} main-KV layer buffers of {inputs.prefill_tok()} prefill tokens; "
         "one host copy of the main KV serves both")
     return out, skipped

@@ -58,7 +58,10 @@ def test_deepseek_v32_full_device_requests_by_hand():
 def test_mtp_and_int8_indexer_change_the_per_token_bytes():
     modes = by_name(plan(DSV32.with_indexer_dtype("int8"), inputs(mtp=True, indexer_dtype="int8", tp=2)))
     assert modes["full-device"].device_bytes_per_token == 62 * (1152 + 128 + 2)
-    assert modes["sparse-decode"].device_bytes_per_token == 62 * 130
+    # sparse decode offloads the 61 target layers; the MTP (draft) layer stays on device: main + indexer
+    assert modes["sparse-decode"].device_bytes_per_token == 61 * 130 + 1 * (1152 + 130)
+    assert modes["sparse-decode"].host_bytes_per_token == 61 * 1152
+    assert "1 MTP layer(s): main KV + indexer on device" in modes["sparse-decode"].description
     # MTP layers are replicated, not partitioned: ceil(61 / 2) = 31 owned + 1 MTP + 2 scratch
     assert modes["kvpp"].device_bytes_per_token == (31 + 1 + 2) * 1282
 
@@ -281,7 +284,7 @@ def test_sparse_decode_row_bytes_match_hot_buffers_and_residency_tables():
     for mtp in (False, True):
         inp = CapacityInputs(hbm_bytes=GIB, host_bytes=GIB, context=64, page_size=16, hot_tokens=8, mtp=mtp,
                              rows_per_request=1)
-        layers = TINY.cache_layers(mtp)
+        layers = TINY.num_layers  # hot buffers of the target layers only (MTP KV stays on device)
 
         def hot_bytes(rows):
             return HotBuffers(layers=layers, rows=rows, hot_tokens=8, row_dim=TINY.main_kv_dim,
