@@ -1,7 +1,7 @@
 """Launcher of the ``score_rank`` residency kernels (Triton rung of the score-aware policy).
 
 :func:`score_rank_manage` takes the LRU op's arguments plus ``ranked`` and returns the
-same :class:`~sglang_ascend_offload.sparse_decode.residency.ResidencyStep` as the torch
+same :class:`~sglang_ascend_offload.ops.contract.ResidencyStep` as the torch
 reference (:class:`~sglang_ascend_offload.sparse_decode.policies.ScoreRankManager`),
 bit for bit, state included. Four launches (:mod:`.score_rank_kernels`), no host read
 of device data (a 0-d step tensor is allowed: graph capture).
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_ascend_offload.sparse_decode.residency import ResidencyStep
+from sglang_ascend_offload.ops.contract import ResidencyStep
 
 from . import _launch
 from .residency import DEFAULT_CONFIG, ResidencyKernelConfig, _check_state, _input

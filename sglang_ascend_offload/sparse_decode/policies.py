@@ -326,6 +326,17 @@ class ScoreRankManager(RankedManager):
         extra = [(self, "rank_avg")] if self.smooth_shift is not None else []
         return super().row_state() + extra
 
+    def step(self, topk, req_ids, stable_len, step):
+        """On the Triton rung (``manage_op`` of rung ``triton``) the four-launch kernel of
+        ``triton_ops/score_rank.py`` (bit-identical); else the torch reference."""
+        if getattr(self.manage_op, "rung", "reference") == "triton" and self.smooth_shift is None:
+            from ..triton_ops.score_rank import score_rank_manage
+
+            t = self.table
+            return score_rank_manage(t.slot_token, t.slot_stamp, t.row_req, topk, req_ids, stable_len, step,
+                                     self.ranked_for(topk))
+        return super().step(topk, req_ids, stable_len, step)
+
     def on_reset(self, reset, dropped):
         pass
 

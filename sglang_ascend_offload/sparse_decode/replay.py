@@ -27,6 +27,7 @@ from .belady import BeladyManager, next_use_table
 from .engine import EngineConfig, PhaseTimes, SparseDecodeEngine
 from .host_pool import HostKVPool, HostPoolShape
 from .policies import DEFAULT_POLICY, RankedInputError, make_manager, needs_ranked
+from ..ops.contract import ResidencyTable
 from ..ops.residency import residency_manage
 from .stats import DecodeStats
 from .trace import Trace
