@@ -38,6 +38,7 @@ import torch
 from ..ops import fused
 from ..ops.contract import IndexerManageResult, ResidencyTable
 from . import model as km
+from .decode_rows import DecodeRows
 
 ATTN_ATOL = 2e-2
 ATTN_RTOL = 2e-2
@@ -81,14 +82,6 @@ class LimDims:
 
 
 @dataclass
-class _Req:
-    rid: int
-    length: int
-    blocks: List[int]
-    host_slots: torch.Tensor
-
-
-@dataclass
 class LimInputs:
     """One decode step's LIM / LIM-C8 inputs (CPU tensors), as the reference takes them.
 
@@ -116,14 +109,14 @@ class LimInputs:
 
 
 class Scenario:
-    """Multi-step decode scenario with exact-arithmetic indexer inputs (module docstring)."""
+    """Multi-step decode scenario with exact-arithmetic indexer inputs (module docstring);
+    the rows churn as :class:`~.decode_rows.DecodeRows` does."""
 
     def __init__(self, dims: LimDims, seed: int, churn: float = 0.25, idle: float = 0.2, spec: float = 0.3,
                  min_len: Optional[int] = None):
         self.d = dims
         self.g = torch.Generator().manual_seed(seed)
-        self.churn, self.idle, self.spec = churn, idle, spec
-        self.min_len = min_len if min_len is not None else max(1, dims.top_k // 2)
+        min_len = min_len if min_len is not None else max(1, dims.top_k // 2)
         nb = -(-dims.max_len // dims.block_size)
         n_blocks = nb * dims.rows * 3 + 1
         shape = (n_blocks, dims.block_size, 1, dims.index_dim)
@@ -134,60 +127,25 @@ class Scenario:
         else:
             self.key = (torch.randint(-4, 5, shape, generator=self.g).to(torch.float32) / 4).to(torch.bfloat16)
             self.key_scale = None
-        self.free_blocks = torch.randperm(n_blocks, generator=self.g).tolist()
         self.host_rows = 4 * dims.rows * dims.max_len
-        self.free_host = torch.randperm(self.host_rows, generator=self.g).tolist()
-        self.rows: List[Optional[_Req]] = [None] * dims.rows
-        self.next_rid = 10
+        self.rows = DecodeRows(
+            self.g, rows=dims.rows, max_len=dims.max_len, block_size=dims.block_size, n_blocks=n_blocks,
+            host_slots=self.host_rows, churn=churn, idle=idle, spec=spec, first_rid=10,
+            draw_length=lambda g: int(torch.randint(min_len, max(min_len + 1, dims.max_len * 2 // 3), (),
+                                                    generator=g)))
         self.step = -1
 
-    def _rand(self) -> float:
-        return float(torch.rand((), generator=self.g))
-
-    def _new(self) -> _Req:
-        d = self.d
-        nb = -(-d.max_len // d.block_size)
-        blocks = [self.free_blocks.pop() for _ in range(nb)]
-        slots = torch.tensor([self.free_host.pop() for _ in range(d.max_len)], dtype=torch.int32)
-        length = int(torch.randint(self.min_len, max(self.min_len + 1, d.max_len * 2 // 3), (), generator=self.g))
-        self.next_rid += 1
-        return _Req(self.next_rid, length, blocks, slots)
-
-    def _release(self, r: _Req) -> None:
-        self.free_blocks.extend(r.blocks)
-        self.free_host.extend(r.host_slots.tolist())
-
     def advance(self) -> None:
-        for i in range(self.d.rows):
-            r = self.rows[i]
-            if r is None:
-                if self._rand() > self.idle:
-                    self.rows[i] = self._new()
-            elif self._rand() < self.churn or r.length >= self.d.max_len:
-                self._release(r)
-                self.rows[i] = None if self._rand() < self.idle else self._new()
-            else:
-                r.length += 1
+        self.rows.advance()
 
     def inputs(self) -> LimInputs:
         """The next step's inputs (call :meth:`advance` first to move the rows on)."""
         d = self.d
         self.step += 1
-        active = [i for i in range(d.rows) if self.rows[i] is not None]
-        order = [active[i] for i in torch.randperm(len(active), generator=self.g).tolist()]
-        n_real = len(order)
-        n_tok = n_real + d.padding_tokens
-        # padding tokens: half are unmanaged tokens past the last cumulative length,
-        # the other half unmanaged tokens of no request at all (same thing for TND)
-        token_rows = torch.tensor(order + [-1] * d.padding_tokens, dtype=torch.int32)
-        nb = -(-d.max_len // d.block_size)
-        b = max(n_real, 1)
-        block_table = torch.zeros(b, nb, dtype=torch.int32)
-        kv_len = torch.zeros(b, dtype=torch.int32)
-        for t, r in enumerate(order):
-            block_table[t] = torch.tensor(self.rows[r].blocks, dtype=torch.int32)
-            kv_len[t] = self.rows[r].length
-        cu = torch.arange(1, b + 1, dtype=torch.int32) if n_real else torch.zeros(1, dtype=torch.int32)
+        order = self.rows.token_order()
+        n_tok = len(order) + d.padding_tokens
+        # padding tokens: unmanaged tokens past the last cumulative length (token_rows == -1)
+        lay = self.rows.layout(order, d.padding_tokens)
         hi, di = d.index_heads, d.index_dim
         if d.quantized:
             query = torch.randint(-15, 16, (n_tok, hi, di), generator=self.g, dtype=torch.int8)
@@ -198,19 +156,10 @@ class Scenario:
             query_scale = None
         # negative weights too: negative scores are real positions (only the sentinel is not)
         weights = (torch.randint(-4, 9, (n_tok, hi), generator=self.g).to(torch.float32) / 8).to(torch.bfloat16)
-        req_ids = torch.full((d.rows,), -1, dtype=torch.int64)
-        stable = torch.zeros(d.rows, dtype=torch.int32)
-        token_table = torch.zeros(d.rows, d.max_len, dtype=torch.int32)
-        for i in range(d.rows):
-            r = self.rows[i]
-            if r is None:
-                continue
-            req_ids[i] = r.rid
-            stable[i] = r.length - (1 if self._rand() < self.spec else 0)
-            token_table[i] = r.host_slots
+        req_ids, stable, token_table = self.rows.row_state()
         return LimInputs(query=query, key=self.key, weights=weights, query_scale=query_scale,
-                         key_scale=self.key_scale, cu=cu, kv_len=kv_len, block_table=block_table,
-                         token_rows=token_rows, req_ids=req_ids, stable=stable, step=self.step,
+                         key_scale=self.key_scale, cu=lay.cu, kv_len=lay.kv_len, block_table=lay.block_table,
+                         token_rows=lay.token_rows, req_ids=req_ids, stable=stable, step=self.step,
                          token_table=token_table)
 
 
@@ -308,7 +257,7 @@ def check_lim(m: km.KernelModel, quantized: bool, *, seed: int = 0, steps: int =
             else:  # the same step again (next step id), nothing speculative: every selected position hits
                 inp = dataclasses.replace(
                     prev, step=prev.step + 1,
-                    stable=torch.tensor([r.length if r is not None else 0 for r in sc.rows], dtype=torch.int32))
+                    stable=torch.tensor([r.length if r is not None else 0 for r in sc.rows.rows], dtype=torch.int32))
             prev = inp
             t_ref, t_fwd, t_rev = table.clone(), table.clone(), table.clone()
             fresh = (inp.req_ids != table.row_req) & (inp.req_ids >= 0)

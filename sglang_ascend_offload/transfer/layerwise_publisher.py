@@ -187,14 +187,8 @@ class LayerwisePublisher(PrefillPublisher):
 
     def __init__(self, config: cfg.PDTransferConfig, *, p_tp: int, p_rank: int, pool: Any,
                  engine: TransferEngine, max_blocks: Optional[int] = None, staging_slots: int = 2):
-        layouts.check_pool(pool, allow_layerwise=True)
-        self.config = config
-        self.p_tp = p_tp
-        self.p_rank = p_rank
-        self.pool = pool
-        self.engine = engine
-        self.max_blocks = max_blocks
-        self.staging_slots = staging_slots
+        super().__init__(config, p_tp=p_tp, p_rank=p_rank, pool=pool, engine=engine, max_blocks=max_blocks,
+                         staging_slots=staging_slots)
         self.router = PoolGateRouter(pool)
         self._tensors = layouts.split_tensors(pool, allow_layerwise=True)
         regions = layouts.tensors_regions(self._tensors)

@@ -33,7 +33,10 @@ import abc
 import time
 from typing import Any, ClassVar, Optional, Sequence
 
+from .. import config as cfg
+from . import pool_layouts
 from .advert import DecodeAdvert
+from .engine import TransferEngine
 from .status import RequestStatus
 
 __all__ = ["PrefillPublisher", "unit_id", "wait_terminal"]
@@ -52,6 +55,25 @@ class PrefillPublisher(abc.ABC):
     """
 
     publishes_during_forward: ClassVar[bool] = False
+
+    def __init__(self, config: cfg.PDTransferConfig, *, p_tp: int, p_rank: int, pool: Any,
+                 engine: TransferEngine, max_blocks: Optional[int] = None, staging_slots: int = 2):
+        """Check ``pool`` (:func:`~.pool_layouts.check_pool`; the layerwise pool only for a
+        publisher that publishes during the forward) and keep the arguments.
+
+        config: the P/D config; p_tp / p_rank: this rank's attention TP size and rank;
+        engine: the started transfer engine (the publisher registers the pool with it);
+        max_blocks: the most pages one request can have (default: the pool's);
+        staging_slots: packing staging slots per ``host_rows`` decode peer.
+        """
+        pool_layouts.check_pool(pool, allow_layerwise=self.publishes_during_forward)
+        self.config = config
+        self.p_tp = p_tp
+        self.p_rank = p_rank
+        self.pool = pool
+        self.engine = engine
+        self.max_blocks = max_blocks
+        self.staging_slots = staging_slots
 
     @abc.abstractmethod
     def note_peer(self, session: str, advert: Optional[DecodeAdvert], error: str = "") -> None:
