@@ -20,6 +20,7 @@ COMMANDS = {
     "check-kernels": ("sglang_ascend_offload.kernel_check.cli",
                       "AscendC kernels on CPU: compile check against the AscendC headers + functional model"),
     "env": ("sglang_ascend_offload.env_cli", "what this machine can run (device, packages, op rungs)"),
+    "size-hot": ("sglang_ascend_offload.size_hot_cli", "misses vs hot_tokens from a trace: curves, plot, recommended size"),
 }
 BENCH_COMMANDS = {
     "append-order": ("sglang_ascend_offload.bench.append_order",
