@@ -27,13 +27,14 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .ports import DP_ATTENTION_OFFSETS, log_reports_bind_failure, release_ports, reserve_port
 
-__all__ = ["REPO", "FIXTURES", "TINY_DSA", "TINY_DSA_4L", "CPU_SERVER_ARGS", "IDLE_SLEEP", "ServerProcess",
-           "PortInUse", "server_env", "stop_process_group", "stop_all", "fixture_args"]
+__all__ = ["REPO", "FIXTURES", "TINY_DSA", "TINY_DSA_4L", "TINY_DSA_MTP", "CPU_SERVER_ARGS", "IDLE_SLEEP",
+           "ServerProcess", "PortInUse", "server_env", "stop_process_group", "stop_all", "fixture_args"]
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
 TINY_DSA = FIXTURES / "tiny_dsa"
 TINY_DSA_4L = FIXTURES / "tiny_dsa_4l"
+TINY_DSA_MTP = FIXTURES / "tiny_dsa_mtp"  # tiny_dsa + one NextN (MTP) layer, for speculative decoding
 
 # What every CPU launch of a tiny DSA model needs (see docs/sglang_integration.md).
 CPU_SERVER_ARGS: List[str] = [
