@@ -89,19 +89,7 @@ class AscendOffloadAttnBackend(AttentionBackend):
         mode = forward_batch.forward_mode
         bs = int(forward_batch.batch_size)
         if self.graph is not None and mode.is_decode() and bs <= self.graph.max_bs:
-            g = self.graph
-            lens = forward_batch.seq_lens_cpu.to(torch.int32)
-            g.seq_lens_cpu_int[:bs].copy_(lens)
-            self._graph_batch = bs
-            self.forward_metadata = DSAForwardMetadata(
-                seq_lens=g.seq_lens[:bs],
-                seq_lens_cpu_int=g.seq_lens_cpu_int[:bs],
-                actual_seq_lengths_q=g.actual_seq_lengths_q[:bs],
-                block_tables=g.block_tables[:bs],
-                q_lens_cpu=[1] * bs,
-                req_pool_indices=g.req_pool_indices[:bs],
-                is_decode=True,
-            )
+            self._graph_decode_metadata(bs, graph_seq_lens_cpu(forward_batch))
             return
         self._graph_batch = None
         if mode.is_idle():
@@ -123,14 +111,33 @@ class AscendOffloadAttnBackend(AttentionBackend):
         )
         self.forward_metadata.real_batch_size = real_batch_size(forward_batch)
 
+    def _graph_decode_metadata(self, bs: int, seq_lens_cpu: torch.Tensor) -> None:
+        """Metadata of a graph decode batch of ``bs`` rows: views ``[:bs]`` of the static
+        buffers (the same tensors at capture and at every replay of the bucket)."""
+        g = self.graph
+        g.seq_lens_cpu_int[:bs].copy_(seq_lens_cpu.to(torch.int32))
+        self._graph_batch = bs
+        self.forward_metadata = DSAForwardMetadata(
+            seq_lens=g.seq_lens[:bs],
+            seq_lens_cpu_int=g.seq_lens_cpu_int[:bs],
+            actual_seq_lengths_q=g.actual_seq_lengths_q[:bs],
+            block_tables=g.block_tables[:bs],
+            q_lens_cpu=[1] * bs,
+            req_pool_indices=g.req_pool_indices[:bs],
+            is_decode=True,
+        )
+
     def init_forward_metadata_in_graph(self, forward_batch):
         """Static-shape device copies into the graph buffers (recordable; no host syncs)."""
         bs = self._graph_batch
         if bs is None:
             return
+        self._fill_graph_buffers(bs, forward_batch.req_pool_indices, forward_batch.seq_lens)
+
+    def _fill_graph_buffers(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         g = self.graph
-        g.req_pool_indices[:bs].copy_(forward_batch.req_pool_indices[:bs])
-        g.seq_lens[:bs].copy_(forward_batch.seq_lens[:bs])
+        g.req_pool_indices[:bs].copy_(req_pool_indices[:bs])
+        g.seq_lens[:bs].copy_(seq_lens[:bs])
         slots = self.req_to_token_pool.req_to_token[g.req_pool_indices[:bs]][:, g.block_columns]
         g.block_tables[:bs].copy_(torch.div(slots, self.page_size, rounding_mode="floor"))
 
@@ -150,6 +157,25 @@ class AscendOffloadAttnBackend(AttentionBackend):
             req_pool_indices=torch.zeros(max_bs, dtype=torch.long, device=dev),
             block_columns=cols,
         )
+
+    # SGLang's CPU graph runner (``model_executor/cpu_graph_runner.py``; SGLang captures
+    # CPU decode graphs only with --enable-torch-compile) compiles ``model.forward``
+    # per batch bucket with ``torch.compile(dynamic=False)``. Replays go through
+    # :meth:`init_forward_metadata` (out_graph + in_graph) on the runner's batch.
+    def init_cpu_graph_state(self, max_bs: int, max_num_tokens: int):
+        """The CPU graph runner's state hook: the same static buffers as device graphs."""
+        self.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_capture_cpu_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, out_cache_loc, encoder_lens, forward_mode,
+                                                spec_info):
+        """Metadata of the CPU graph runner's capture batch (``bs`` decode rows on the
+        reserved ``req_to_token`` row 0 with the fill length): static views, as at replay."""
+        if not forward_mode.is_decode() or num_tokens != bs:
+            raise RuntimeError(f"ascend_offload captures decode graphs only (one token per request); got "
+                               f"{forward_mode} with {num_tokens} tokens for {bs} requests")
+        self._graph_decode_metadata(bs, seq_lens.to("cpu"))
+        self._fill_graph_buffers(bs, req_pool_indices, seq_lens)
 
     def get_cuda_graph_seq_len_fill_value(self):
         return 1
@@ -174,6 +200,9 @@ class AscendOffloadAttnBackend(AttentionBackend):
         pool.set_index_k_buffer(layer_id, forward_batch.out_cache_loc, inputs.key)
         if not return_indices:
             return None
+        if self._graph_batch is not None:  # graph decode: static shapes, no host reads
+            return graph_decode_topk(inputs.query, pool.get_index_k_buffer(layer_id), inputs.weights,
+                                     md.block_tables, md.seq_lens, int(indexer.index_topk))
         topk = self.indexer_op(
             inputs.query,
             pool.get_index_k_buffer(layer_id),
@@ -227,7 +256,8 @@ class AscendOffloadAttnBackend(AttentionBackend):
 
     def dense_indices(self, num_tokens: int, md: DSAForwardMetadata, device) -> torch.Tensor:
         """All positions (``[T, max_seq_len]``): attention for layers without an indexer."""
-        width = max(1, int(md.seq_lens_cpu_int.max()))
+        # graph decode: the static width (every position a request can have; others masked)
+        width = self.max_context_len if self._graph_batch is not None else max(1, int(md.seq_lens_cpu_int.max()))
         return torch.arange(width, dtype=torch.int32, device=device).expand(num_tokens, width)
 
     def attend(self, layer, forward_batch, q_nope, q_pe, topk_indices) -> torch.Tensor:
@@ -236,6 +266,12 @@ class AscendOffloadAttnBackend(AttentionBackend):
         if topk_indices is None:
             topk_indices = self.dense_indices(q_nope.shape[0], md, q_nope.device)
         pool = self.token_to_kv_pool
+        if self._graph_batch is not None:  # graph decode: flat rows from the static block tables
+            latent, rope = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+            rows = graph_decode_rows(topk_indices, md.block_tables, md.seq_lens, latent.shape[1])
+            return self.attention_op(q_nope, latent.reshape(-1, latent.shape[-1]), None, rows, layer.scaling,
+                                     query_rope=q_pe, key_rope=rope.reshape(-1, rope.shape[-1]),
+                                     layout_query="TND", layout_kv="flat")
         return self.attention_op(
             q_nope,
             pool.get_key_buffer(layer.layer_id),
@@ -251,6 +287,71 @@ class AscendOffloadAttnBackend(AttentionBackend):
             layout_kv="PA_BSND",
             sparse_mode=3,
         )
+
+
+# ---------------------------------------------------------------------- graph decode
+def graph_seq_lens_cpu(forward_batch) -> torch.Tensor:
+    """int ``[B]`` host sequence lengths of a decode batch a graph runner hands over.
+
+    SGLang's CPU graph runner replays a padded bucket on its own captured batch, which
+    carries no ``seq_lens_cpu`` (``None``): its ``seq_lens`` are then read, a free host
+    read there (CPU tensors). Device graph runners always fill ``seq_lens_cpu``.
+    """
+    lens = forward_batch.seq_lens_cpu
+    return lens if lens is not None else forward_batch.seq_lens.to("cpu")
+
+
+def graph_decode_rows(topk: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      page_size: int) -> torch.Tensor:
+    """int64 ``[B, 1, K]`` flat rows (``page * page_size + offset``) of the logical top-k
+    ``[B, K]`` (or ``[B, 1, K]``) of a decode batch; ``-1`` where an entry is padding or
+    beyond the request's length ``seq_lens [B]``. Static shapes, no host reads: the
+    rows the ``PA_BSND`` path gathers, in the same order, so ``layout_kv="flat"``
+    attention over them is the same arithmetic."""
+    idx = topk.reshape(topk.shape[0], -1).to(torch.int64)
+    valid = (idx >= 0) & (idx < seq_lens.to(torch.int64)[:, None])
+    safe = torch.where(valid, idx, torch.zeros_like(idx))
+    pages = torch.gather(block_tables.to(torch.int64), 1, torch.div(safe, page_size, rounding_mode="floor"))
+    rows = pages * page_size + safe % page_size
+    return torch.where(valid, rows, torch.full_like(rows, -1)).unsqueeze(1)
+
+
+def graph_decode_topk(query: torch.Tensor, index_k: torch.Tensor, weights: torch.Tensor, block_tables: torch.Tensor,
+                      seq_lens: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Lightning-indexer top-k of a decode batch (one query token per request) with
+    static shapes: every position the block tables can address is scored and those
+    ``>= seq_lens`` are masked, so the work does not depend on the lengths (a graph
+    replays it for any lengths); chunks of the reference indexer's width are merged
+    with its stable descending sort, so the selection rule is the reference's
+    (descending score, ties to the lower position, ``-1`` when fewer are visible).
+
+    query [B, H, D]; index_k [blocks, page, 1, D]; weights [B, H]; block_tables int32
+    [B, max_blocks]; seq_lens int [B]. Returns int32 ``[B, top_k]``.
+    """
+    from ..ops.reference import INDEXER_CONTEXT_CHUNK
+
+    b, heads, dim = query.shape
+    page = index_k.shape[1]
+    keys = index_k.reshape(-1, dim)
+    q32 = query.to(torch.float32)
+    w32 = weights.to(torch.float32).unsqueeze(2)
+    visible = seq_lens.to(torch.int64).unsqueeze(1)
+    width_total = block_tables.shape[1] * page
+    best_score = torch.full((b, top_k), float("-inf"), dtype=torch.float32, device=query.device)
+    best_pos = torch.full((b, top_k), -1, dtype=torch.int64, device=query.device)
+    tables = block_tables.to(torch.int64)
+    for c0 in range(0, width_total, INDEXER_CONTEXT_CHUNK):
+        width = min(INDEXER_CONTEXT_CHUNK, width_total - c0)
+        pos = torch.arange(c0, c0 + width, dtype=torch.int64, device=query.device)
+        rows = tables[:, pos // page] * page + (pos % page)  # [B, width]
+        logits = torch.bmm(q32, keys[rows].to(torch.float32).transpose(1, 2))  # [B, H, width]
+        score = (torch.relu(logits) * w32).sum(dim=1).masked_fill(pos.unsqueeze(0) >= visible, float("-inf"))
+        cand_score = torch.cat((best_score, score), dim=1)
+        cand_pos = torch.cat((best_pos, pos.expand(b, width)), dim=1)
+        order = torch.sort(cand_score, dim=1, descending=True, stable=True).indices[:, :top_k]
+        best_score = torch.gather(cand_score, 1, order)
+        best_pos = torch.gather(cand_pos, 1, order)
+    return torch.where(torch.isneginf(best_score), torch.full_like(best_pos, -1), best_pos).to(torch.int32)
 
 
 def handle_deepseek_attention(attn: Any, forward_batch: Any):

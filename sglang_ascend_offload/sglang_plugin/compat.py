@@ -46,6 +46,7 @@ SERVER_ARGS: Dict[str, str] = {
     "decode_attention_backend": "a per-phase backend other than ours cannot serve offload",
     "cuda_graph_config": "graph mode per phase (layerwise reuse and KVPP need eager / piecewise)",
     "disable_cuda_graph": "graph mode",
+    "enable_torch_compile": "SGLang's CPU engine captures decode graphs only with it (record_trace needs eager decode)",
     "enable_hisparse": "one sparse-attention offload per server",
     "speculative_algorithm": "the NextN / MTP draft is the speculative algorithm served with offload",
     "speculative_eagle_topk": "offload verifies a chain of draft tokens (topk 1)",

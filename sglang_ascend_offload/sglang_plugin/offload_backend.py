@@ -26,18 +26,49 @@ the device-KV path, so outputs are bit-identical to offload off (tests hold it).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
 
 from . import carrier, speculative
-from .backend import AscendOffloadAttnBackend
+from ..sparse_decode.engine import decode_layer_step
+from .backend import AscendOffloadAttnBackend, graph_seq_lens_cpu
 from .metadata import real_batch_size
 from .metrics import OffloadMetrics
 from .offload_pool import HostMainKVPool
 from .trace_recorder import TraceRecorder, trace_path
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class OffloadGraphBuffers:
+    """Static engine inputs of graph decode steps (device tensors, ``max_bs`` entries;
+    bucket ``bs`` uses ``[:bs]``), filled before every replay outside the graph.
+
+    rows int64: engine row per entry (padding: the sink row); req_ids int64: owner id
+    (``-1`` padding); stable int32: stable length (0 for padding); step int64 0-d:
+    the step number (residency stamps).
+    """
+
+    rows: torch.Tensor
+    req_ids: torch.Tensor
+    stable: torch.Tensor
+    step: torch.Tensor
+
+
+@dataclass
+class _CaptureBatch:
+    """The fields of a decode batch that :meth:`SparseDecodeOffloadBackend._begin_graph_step`
+    reads, for the CPU graph runner's capture call (which passes tensors, not a batch)."""
+
+    batch_size: int
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    forward_mode: Any
+    seq_lens_cpu: Optional[torch.Tensor] = None
+    rids: Optional[List[str]] = None
 
 
 class RowOwners:
@@ -84,6 +115,17 @@ def engine_identity(model_runner: Any) -> Tuple[bool, int, int]:
     return attn_tp_rank == 0, replica * attn_dp + attn_dp_rank, replicas * attn_dp
 
 
+def attention_tp_size() -> int:
+    """Attention-TP ranks sharing this rank's host pool (1 outside a server's parallel context)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+    except Exception:  # noqa: BLE001 - no parallel context (component tests): a single rank
+        return 1
+    return int(par.attn_tp_size)
+
+
 class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
     """Sparse decode offload inside SGLang (see module docstring)."""
 
@@ -119,6 +161,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
                         path, config.record_trace_max_steps)
         self._batch_rows: Optional[torch.Tensor] = None
         self._padding_seen = False
+        self.offload_graph: Optional[OffloadGraphBuffers] = None
         self._verify = False  # this forward is a TARGET_VERIFY batch served by the engine (speculative.py)
         speculative.attach(self)
 
@@ -132,6 +175,11 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         md = self.forward_metadata
         if md is None or not md.is_decode:
             self._batch_rows = None
+            if md is not None:
+                self._own_extend_rows(forward_batch)
+            return
+        if self._graph_batch is not None:
+            self._begin_graph_step(forward_batch)
             return
         real = real_batch_size(forward_batch)  # DP-attention padding rows alias row 0: never engine rows
         if real < int(forward_batch.batch_size) and not self._padding_seen:
@@ -151,8 +199,66 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             self.recorder.begin_step(stable, req_ids)
         self._batch_rows = batch_rows
 
+    def _own_extend_rows(self, forward_batch) -> None:
+        """Record which request each row of an extend batch serves (a row whose request
+        changed gets a new owner id, so the engine resets it at its next decode step).
+        Every request is prefilled (extended) before it decodes, so a graph replay of a
+        padded bucket, whose batch carries no request ids, still sees each row's owner."""
+        rids = getattr(forward_batch, "rids", None)  # optional in ForwardBatch (None outside the scheduler)
+        if rids is None:
+            return
+        real = min(real_batch_size(forward_batch), len(rids))
+        rows = [int(r) for r in forward_batch.req_pool_indices[:real].tolist()]
+        self.rows.ids_for(rows, list(rids[:real]))
+
+    def _begin_graph_step(self, forward_batch) -> None:
+        """Host side of a graph decode step (outside the graph): fill the static row
+        buffers of the bucket and start the engine's step.
+
+        The bucket's ``bs`` entries: live rows first (their ``req_to_token`` rows), then
+        padding. Padding entries (beyond the real batch, or on ``req_to_token`` row 0,
+        which SGLang reserves: ``ReqToTokenPool.free_slots`` starts at 1, and its graph
+        runners point padding at it) go to the engine's sink row with owner ``-1`` and
+        stable length 0: they select nothing, copy nothing and attend nothing, and no
+        real row's residency is touched.
+        """
+        bs = self._graph_batch
+        real = real_batch_size(forward_batch)
+        pool_rows = [int(r) for r in forward_batch.req_pool_indices[:bs].tolist()]
+        live = [i < real and r != 0 for i, r in enumerate(pool_rows)]
+        rows_list = [r for r, ok in zip(pool_rows, live) if ok]
+        if len(set(rows_list)) != len(rows_list):
+            raise RuntimeError(f"decode batch names req_to_token rows {rows_list} more than once")
+        rids = getattr(forward_batch, "rids", None)  # None on a padded bucket's replay batch
+        live_rids = None
+        if rids is not None:
+            live_rids = [rids[i] for i, ok in enumerate(live) if ok]
+        owners = self.rows.ids_for(rows_list, live_rids)
+        lens = graph_seq_lens_cpu(forward_batch)[:bs].to(torch.int64)
+        mask = torch.tensor(live, dtype=torch.bool)
+        rows = torch.full((bs,), -1, dtype=torch.int64)
+        req_ids = torch.full((bs,), -1, dtype=torch.int64)
+        rows[mask] = torch.tensor(rows_list, dtype=torch.int64)
+        req_ids[mask] = owners
+        stable = torch.where(mask, lens, torch.zeros_like(lens)).to(torch.int32)
+        step = self.engine.begin_step(req_ids, self.req_to_token_pool.req_to_token, stable, rows=rows)
+        g = self.offload_graph
+        g.rows[:bs].copy_(torch.where(mask, rows, torch.full_like(rows, self.engine.sink_row)))
+        g.req_ids[:bs].copy_(req_ids)
+        g.stable[:bs].copy_(stable)
+        g.step.fill_(step)
+        live_count = len(rows_list)
+        row_bytes = self.engine.pool.shape.row_bytes
+        for layer in range(self.engine.config.layers):  # host counts: live rows stepped and appended
+            self.engine.stats_acc.record_rows(layer, live_count)
+            self.engine.stats_acc.record_d2h(layer, live_count * row_bytes)
+        self._batch_rows = None
+        self.metrics.on_step_end()  # the previous step's totals (the graph has no host hook at its end)
+
     # ------------------------------------------------------------------ attention
     def attend(self, layer, forward_batch, q_nope, q_pe, topk_indices) -> torch.Tensor:
+        if self._graph_batch is not None:
+            return self._attend_decode_graph(layer, q_nope, q_pe, topk_indices)
         if self.forward_metadata is not None and (self.forward_metadata.is_decode or self._verify):
             return self._attend_decode(layer, q_nope, q_pe, topk_indices)
         return self._attend_extend(layer, forward_batch, q_nope, q_pe, topk_indices)
@@ -179,6 +285,39 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         out = result.output.new_zeros((q_nope.shape[0],) + tuple(result.output.shape[1:]))
         out[:real] = result.output  # padding rows attend nothing (their outputs are discarded)
         return out
+
+    def _attend_decode_graph(self, layer, q_nope, q_pe, topk_indices) -> torch.Tensor:
+        """One layer of a graph decode step: :func:`~..sparse_decode.engine.decode_layer_step`
+        over the static row buffers (static shapes, no host reads; the same residency,
+        copies and attention arithmetic as the eager step). ``[bs, N, Dl]``."""
+        if topk_indices is None:
+            raise RuntimeError(f"layer {layer.layer_id}: sparse decode offload needs the indexer's top-k "
+                               "on every layer (dense layers cannot be served from the hot buffer)")
+        cfg = self.engine.config
+        g = self.offload_graph
+        bs = q_nope.shape[0]
+        local = layer.layer_id - self.start_layer
+        out, res = decode_layer_step(
+            self.engine.managers[local], g.rows[:bs], topk_indices[:, : cfg.top_k].to(torch.int32), g.req_ids[:bs],
+            g.stable[:bs], g.step, self.token_to_kv_pool.host_rows(layer.layer_id), self.engine.hot.storage(local),
+            self.req_to_token_pool.req_to_token, q_nope, q_pe, layer.scaling, cfg.latent_dim,
+            attention=self.attention_op)
+        hits = res.hit_mask.sum()
+        misses = res.miss_count.sum(dtype=torch.int64)
+        self.engine.stats_acc.record_residency(local, hits + misses, hits, misses)
+        return out
+
+    def store_kv(self, layer, forward_batch, k_nope: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Append the new tokens' rows to the host pool. In a graph decode step the write
+        is one ``index_copy_`` at ``out_cache_loc`` (static shapes, nothing counted on the
+        host: :meth:`_begin_graph_step` counts the step's appended bytes); padding entries
+        write SGLang's reserved padding slot 0, as its device-KV backends do."""
+        if self._graph_batch is None:
+            return super().store_kv(layer, forward_batch, k_nope, k_pe)
+        host = self.token_to_kv_pool.host_rows(layer.layer_id)
+        rows = torch.cat((k_nope.reshape(-1, self.kv_lora_rank), k_pe.reshape(-1, self.qk_rope_head_dim)), dim=-1)
+        loc = forward_batch.out_cache_loc.to(device=host.device, dtype=torch.int64)
+        host.index_copy_(0, loc, rows.to(device=host.device, dtype=host.dtype))
 
     def _attend_extend(self, layer, forward_batch, q_nope, q_pe, topk_indices) -> torch.Tensor:
         md = self.forward_metadata
@@ -208,7 +347,32 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
 
     # ------------------------------------------------------------------ graphs
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-        """Graph capture is not supported with offload yet: the engine's residency
-        step has data-dependent control on the host (see docs/sglang_integration.md)."""
-        raise RuntimeError("sparse decode offload runs decode eagerly: pass --disable-cuda-graph "
-                           "(or --cuda-graph-backend-decode=disabled)")
+        """Static buffers of decode graphs of up to ``max_bs`` requests: the base
+        backend's metadata buffers plus the engine's row buffers (:class:`OffloadGraphBuffers`)."""
+        if self.recorder is not None:
+            raise RuntimeError("sparse decode offload: record_trace needs eager decode (the recorder reads "
+                               "each layer's top-k on the host); drop record_trace or run decode eagerly")
+        if attention_tp_size() > 1:
+            raise RuntimeError("sparse decode offload: decode graphs with a host pool shared by several TP ranks "
+                               "are not wired (TP rank 0 publishes each layer's appends from the host); run "
+                               "decode eagerly or with attention TP 1")
+        if max_bs > self.engine.config.rows:
+            raise RuntimeError(f"decode graphs up to batch {max_bs} but the engine has {self.engine.config.rows} "
+                               "rows (--max-running-requests + 1): lower the graph batch sizes")
+        super().init_cuda_graph_state(max_bs, max_num_tokens)
+        dev = self.engine.device
+        self.offload_graph = OffloadGraphBuffers(
+            rows=torch.full((max_bs,), self.engine.sink_row, dtype=torch.int64, device=dev),
+            req_ids=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
+            stable=torch.zeros((max_bs,), dtype=torch.int32, device=dev),
+            step=torch.zeros((), dtype=torch.int64, device=dev),
+        )
+
+    def init_forward_metadata_capture_cpu_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
+                                                seq_lens: torch.Tensor, out_cache_loc, encoder_lens, forward_mode,
+                                                spec_info):
+        """The CPU graph runner's capture batch: every entry is padding (row 0), so the
+        capture runs the step on the sink row only."""
+        super().init_forward_metadata_capture_cpu_graph(bs, num_tokens, req_pool_indices, seq_lens, out_cache_loc,
+                                                        encoder_lens, forward_mode, spec_info)
+        self._begin_graph_step(_CaptureBatch(bs, req_pool_indices, seq_lens, forward_mode))

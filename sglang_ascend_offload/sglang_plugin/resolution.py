@@ -127,12 +127,29 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
             ))
         # cuda_graph_config is None when SGLang has not built it (graphs off): its parts are optional.
         decode_graph = getattr(getattr(compat.arg(view, "cuda_graph_config"), "decode", None), "backend", None)
-        if not compat.arg(view, "disable_cuda_graph") and decode_graph not in (None, "disabled"):
+        graphs_on = not compat.arg(view, "disable_cuda_graph") and decode_graph not in (None, "disabled")
+        if compat.arg(view, "device") == "cpu":  # SGLang's CPU engine captures decode graphs only with --enable-torch-compile
+            graphs_on = graphs_on and bool(compat.arg(view, "enable_torch_compile"))
+        if graphs_on:
+            from .deployment import attention_parallel
+
+            _, attn_tp = attention_parallel(lambda name, default=None: compat.arg_or(view, name, default))
+            if attn_tp > 1:
+                out.append(cfg.Violation(
+                    "sglang.sparse_decode_graph",
+                    f"decode graphs with sparse decode offload at attention TP {attn_tp}: the ranks of an "
+                    "attention-TP group share one host pool whose appends TP rank 0 publishes from the host "
+                    "per layer, which a captured decode step cannot do",
+                    "run decode eagerly (--disable-cuda-graph, or on a CPU without --enable-torch-compile) or "
+                    "use attention TP 1 (attention DP for more ranks)",
+                ))
+        if graphs_on and config.sparse_decode.record_trace:
             out.append(cfg.Violation(
                 "sglang.sparse_decode_graph",
-                f"decode CUDA/NPU graphs are on (backend {decode_graph!r}); the offload decode step "
-                "(residency, miss copy) has data-dependent shapes",
-                "pass --disable-cuda-graph (or --cuda-graph-backend-decode=disabled)",
+                f"record_trace with decode graphs on (backend {decode_graph!r}): the trace recorder reads each "
+                "layer's top-k on the host, which a captured decode step cannot do",
+                "drop record_trace, or run decode eagerly (--disable-cuda-graph, or on a CPU without "
+                "--enable-torch-compile)",
             ))
         out += _sparse_decode_runtime_violations(config.sparse_decode)
         if compat.arg(view, "enable_hisparse"):

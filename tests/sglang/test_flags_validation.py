@@ -95,7 +95,8 @@ def test_plugin_rules():
     view = server_args_stub(attention_backend="ascend", prefill_attention_backend=None,
                            decode_attention_backend=None, enable_hisparse=True, disable_cuda_graph=False,
                            cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
-    config = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(),
+    # decode graphs serve offload; what they cannot do is record traces (the recorder reads top-k on the host)
+    config = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(record_trace="/tmp/trace.npz"),
                                layerwise_prefill=cfg.LayerwisePrefillOffloadConfig())
     os.environ["SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD"] = "1"
     try:
@@ -116,6 +117,17 @@ def test_plugin_rules():
     assert "sglang.layerwise_sparse_decode" in rules  # one server runs one of the two
     eager = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=True)
     assert resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig()), eager) == []
+    graphs = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=False,
+                              cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
+    plain = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig())
+    assert resolution.plugin_violations(plain, graphs) == []  # offload with decode graphs is served
+    tp2 = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=False, tp_size=2,
+                           cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
+    assert [v.rule for v in resolution.plugin_violations(plain, tp2)] == ["sglang.sparse_decode_graph"]
+    cpu_eager = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=False, device="cpu",
+                                 tp_size=2, enable_torch_compile=False,
+                                 cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
+    assert resolution.plugin_violations(plain, cpu_eager) == []  # the CPU engine captures only with torch.compile
 
 
 # ------------------------------------------------------------------ real resolution, in process
