@@ -1,0 +1,67 @@
+"""Startup limits of speculative decoding with sparse decode offload (rule
+``sglang.sparse_decode_speculative``, ``launch_checks._speculative_violations``) and
+what SGLang's resolution leaves for it: the NextN / MTP chain is accepted, everything
+outside it is refused with its reason.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_ascend_offload import config as cfg
+from sglang_ascend_offload.sglang_plugin import carrier, flags, launch_checks
+
+from conftest import TINY_DSA
+
+TINY_DSA_MTP = TINY_DSA.parent / "tiny_dsa_mtp"
+RULE = "sglang.sparse_decode_speculative"
+
+
+def view(**kw):
+    base = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=3,
+                speculative_num_draft_tokens=4, disable_overlap_schedule=True)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("args, expect", [
+    (dict(), None),
+    (dict(speculative_algorithm="NEXTN", speculative_num_steps=1, speculative_num_draft_tokens=2), None),
+    (dict(speculative_algorithm="EAGLE3"), "only the NextN / MTP draft"),
+    (dict(speculative_algorithm="NGRAM"), "only the NextN / MTP draft"),
+    (dict(speculative_eagle_topk=4), "--speculative-eagle-topk 4"),
+    (dict(speculative_num_draft_tokens=6), "exactly steps + 1 verify rows"),
+    (dict(disable_overlap_schedule=False), "overlap scheduling"),
+])
+def test_speculative_limits(args, expect):
+    problems = launch_checks._speculative_violations(view(**args))
+    if expect is None:
+        assert problems == []
+    else:
+        assert [p.rule for p in problems] == [RULE]
+        assert expect in problems[0].problem and problems[0].fix
+
+
+def test_the_nextn_chain_with_offload_resolves_and_is_published(plugins_loaded, clean_state):
+    from sglang.srt.server_args import ServerArgs
+
+    flags.remember(flags.RawFlags(enabled={"sparse_decode": True, "layerwise_prefill": False},
+                                  configs={"sparse_decode": "{}", "layerwise_prefill": None}))
+    ServerArgs(model_path=str(TINY_DSA_MTP), device="cpu", load_format="dummy", skip_tokenizer_init=True,
+               disable_cuda_graph=True, speculative_algorithm="NEXTN", speculative_num_steps=3,
+               speculative_eagle_topk=1, speculative_num_draft_tokens=4).resolve_once()
+    assert carrier.published_text() is not None
+
+
+def test_adaptive_draft_counts_with_offload_are_refused(plugins_loaded, clean_state):
+    from sglang.srt.server_args import ServerArgs
+
+    flags.remember(flags.RawFlags(enabled={"sparse_decode": True, "layerwise_prefill": False},
+                                  configs={"sparse_decode": "{}", "layerwise_prefill": None}))
+    with pytest.raises(cfg.ConfigError) as info:
+        ServerArgs(model_path=str(TINY_DSA_MTP), device="cpu", load_format="dummy", skip_tokenizer_init=True,
+                   disable_cuda_graph=True, speculative_algorithm="NEXTN", speculative_num_steps=3,
+                   speculative_eagle_topk=1, speculative_num_draft_tokens=4, speculative_adaptive=True).resolve_once()
+    assert "sparse_decode.speculative" in [v.rule for v in info.value.violations]
