@@ -25,9 +25,14 @@ Runs are named ``[no_]offload[_eager|_graph][_spec][_mrrN]``:
   CPU graph runner, which captures decode only with ``--enable-torch-compile``
   (``--graph-args``); on an NPU node (``--model-path``) graphs are SGLang's default and
   ``eager`` adds ``--disable-cuda-graph``. Neither ``_eager`` nor ``_graph``: eager;
-* ``spec``: speculative decoding (``--spec-args``: EAGLE / NextN with one draft step),
-  served from ``--spec-model-path`` (default: the NextN fixture ``tests/fixtures/
-  tiny_dsa_mtp`` when it exists; its target layers are the plain fixture's);
+* ``spec``: speculative decoding (``--spec-args``: NextN, 3 draft steps, 4 draft tokens),
+  served from ``--spec-model-path`` (default on CPU: the NextN fixture
+  ``tests/fixtures/tiny_dsa_mtp``; its target layers are the plain fixture's). The
+  fixture's dummy draft layer never agrees with its target, so on CPU these servers run
+  SGLang's acceptance simulation by default (``--spec-env``; the run's ``server_env``
+  says so): its ``accept_length`` is then the simulated one and its outputs differ from
+  the non-speculative runs' (``token_agreement``), while offload on vs off with the same
+  simulation must still match exactly;
 * ``mrrN``: ``--max-running-requests N`` for that run (else ``--max-running-requests``).
 
 The default selection (:data:`DEFAULT_RUNS`) is the issue's five configurations plus
@@ -84,8 +89,14 @@ DEFAULT_RUNS = ("no_offload_eager", "no_offload_graph", "offload_eager", "offloa
                 "no_offload_graph_spec")
 RUN_NAME = re.compile(r"^(no_offload|offload)(_eager|_graph)?(_spec)?(?:_mrr(\d+))?$")
 DEFAULT_OFFLOAD_CONFIG = json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 1.0})
-DEFAULT_SPEC_ARGS = ("--speculative-algorithm EAGLE --speculative-num-steps 1 --speculative-eagle-topk 1 "
-                     "--speculative-num-draft-tokens 2")
+# DeepSeek-V3.2's NextN defaults in SGLang 0.5.23 (tests/sglang/test_speculative_offload_e2e_cpu.py).
+DEFAULT_SPEC_ARGS = ("--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 "
+                     "--speculative-num-draft-tokens 4")
+# The fixture's dummy NextN layer never agrees with its target (accept length 1.0): on
+# CPU, speculative runs use SGLang's own acceptance simulation by default (the first
+# draft of each round accepted, the bonus token the target's own prediction), so
+# accepted and rejected verify rows both occur. ``--spec-env none`` turns it off.
+DEFAULT_CPU_SPEC_ENV = "SGLANG_SIMULATE_ACC_LEN=2,SGLANG_SIMULATE_ACC_TOKEN_MODE=real-draft-token"
 OFFLOAD_SUMMARY = "sparse-decode-offload:"
 # The last lines of a server log that name an error (Python exceptions, SGLang's own
 # "... failed" lines), shown as a run's ``error`` when its server does not start.
@@ -121,10 +132,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--torch-compile-max-bs C --cuda-graph-bs-decode 1 2 .. C with C = --clients)")
     p.add_argument("--spec-args", default=DEFAULT_SPEC_ARGS,
                    help=f"server arguments of speculative runs (default {DEFAULT_SPEC_ARGS!r})")
+    p.add_argument("--spec-env", default=None, metavar="KEY=VALUE,...",
+                   help="environment of speculative runs' servers (CPU default: SGLang's acceptance simulation "
+                        f"{DEFAULT_CPU_SPEC_ENV}; 'none': real acceptance)")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARGS",
                    help="extra server arguments for every run (repeatable; split like a shell)")
-    p.add_argument("--startup-timeout", type=float, default=600.0,
-                   help="seconds a server may take to become healthy (graph capture compiles; default 600)")
+    p.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="seconds a server may take to become healthy (graph capture compiles: minutes on a "
+                        "loaded 2-core machine; default 900)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     p.add_argument("--log-dir", default=None, help="server logs (default: a new temporary folder)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
@@ -193,6 +208,7 @@ class RunResult:
     startup_s: Optional[float] = None
     offload_summary: Dict[str, str] = field(default_factory=dict)
     server_args: List[str] = field(default_factory=list)
+    server_env: Dict[str, str] = field(default_factory=dict)
     log: Optional[str] = None
     error: Optional[str] = None
     request_errors: List[str] = field(default_factory=list)
@@ -240,7 +256,8 @@ def server_args(spec: RunSpec, args: argparse.Namespace) -> Tuple[List[str], Lis
             model = Path(args.spec_model_path) if args.spec_model_path else FIXTURES / "tiny_dsa_mtp"
         base = fixture_args(model)
         extra += ["--chunked-prefill-size", "128"] + IDLE_SLEEP
-        if spec.graph:
+        if spec.graph:  # the CPU graph runner (fixture_args disables CUDA graphs, which CPU has none of)
+            base = [a for a in base if a != "--disable-cuda-graph"]
             extra += shlex.split(args.graph_args) if args.graph_args is not None else default_graph_args(args.clients)
     else:
         model = args.spec_model_path if (spec.speculative and args.spec_model_path) else args.model_path
@@ -256,6 +273,20 @@ def server_args(spec: RunSpec, args: argparse.Namespace) -> Tuple[List[str], Lis
     for item in args.server_arg:
         extra += shlex.split(item)
     return base, extra, cpu
+
+
+def spec_env(args: argparse.Namespace) -> Dict[str, str]:
+    """Environment of speculative runs' servers (``--spec-env``)."""
+    text = args.spec_env if args.spec_env is not None else (DEFAULT_CPU_SPEC_ENV if args.model_path is None else "")
+    if text.strip().lower() in ("", "none"):
+        return {}
+    out = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or not key:
+            raise ValueError(f"--spec-env: {item!r} is not KEY=VALUE")
+        out[key] = value
+    return out
 
 
 def startup_error(exc: BaseException, log_path: Optional[Path], blocks: int = 3) -> str:
@@ -326,7 +357,9 @@ class Measurement:
         self.result = RunResult(spec.name, spec.offload, spec.graph, spec.speculative, spec.max_running_requests,
                                 requests=load.requests * load.rounds, server_args=extra,
                                 log=str(log_dir / f"{spec.name}.log"))
-        self.server = ServerProcess(extra, log_path=Path(self.result.log), base_args=base, cpu=cpu,
+        env = spec_env(args) if spec.speculative else {}
+        self.result.server_env = env
+        self.server = ServerProcess(extra, log_path=Path(self.result.log), base_args=base, cpu=cpu, env=env,
                                     startup_timeout_s=args.startup_timeout)
         self.outputs: Optional[List[Optional[List[int]]]] = None  # round 1's output ids per prompt
         self._ttfts: List[float] = []
@@ -617,6 +650,7 @@ def main(args: argparse.Namespace) -> int:
                                   f"--max-running-requests {args.max_running_requests} must be >= 1")) if bad]
     try:
         parse_runs(args.runs, max(1, args.max_running_requests))
+        spec_env(args)
         _vocab(args.model_path)
     except ValueError as exc:
         problems.append(str(exc))

@@ -97,7 +97,7 @@ def test_startup_error_keeps_the_problem_lines(tmp_path):
 
 
 def test_cpu_server_args_per_run():
-    ns = argparse.Namespace(model_path=None, spec_model_path=None, graph_args=None, clients=4,
+    ns = argparse.Namespace(model_path=None, spec_model_path=None, graph_args=None, clients=4, spec_env=None,
                             offload_config='{"hot_tokens": 64}', spec_args=serve.DEFAULT_SPEC_ARGS, server_arg=[])
     (spec,) = serve.parse_runs("offload_graph_spec_mrr2048", 4)
     base, extra, cpu = serve.server_args(spec, ns)
@@ -106,6 +106,12 @@ def test_cpu_server_args_per_run():
     for flag in ("--enable-torch-compile", "--enable-sparse-decode-offload", "--speculative-algorithm"):
         assert flag in extra
     assert extra[extra.index("--cuda-graph-bs-decode") + 1:][:3] == ["1", "2", "4"]
+    assert "--disable-cuda-graph" not in base  # the CPU graph runner must not be switched off
+    assert serve.spec_env(ns)["SGLANG_SIMULATE_ACC_LEN"] == "2"
+    (eager,) = serve.parse_runs("offload_eager", 4)
+    assert "--speculative-algorithm" not in serve.server_args(eager, ns)[1]
+    ns.spec_env = "none"
+    assert serve.spec_env(ns) == {}
 
 
 @pytest.mark.slow
