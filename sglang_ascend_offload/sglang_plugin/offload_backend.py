@@ -19,6 +19,11 @@ KV lives in :class:`~.offload_pool.HostMainKVPool`'s host pool:
   padding entries on the engine's sink row): residency, copies, statistics and
   trace rows cost ``O(batch)``, whatever ``--max-running-requests`` is.
 
+* **verify** (speculative decoding, ``TARGET_VERIFY``): the same engine step with one
+  engine row per verify row (``r * n + j``) and the committed length as the stable
+  prefix (:func:`.speculative.begin_verify`); the draft (NextN) model runs the plain
+  backend over its device pool.
+
 Both paths compute each token's attention from the same rows in the same order as
 the device-KV path, so outputs are bit-identical to offload off (tests hold it).
 """
@@ -162,6 +167,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         self._batch_rows: Optional[torch.Tensor] = None
         self._padding_seen = False
         self.offload_graph: Optional[OffloadGraphBuffers] = None
+        self._graph_kinds_seen: set = set()  # (bucket, padded) pairs logged once
         self._verify = False  # this forward is a TARGET_VERIFY batch served by the engine (speculative.py)
         speculative.attach(self)
 
@@ -253,6 +259,11 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             self.engine.stats_acc.record_rows(layer, live_count)
             self.engine.stats_acc.record_d2h(layer, live_count * row_bytes)
         self._batch_rows = None
+        kind = (bs, live_count < bs)
+        if not isinstance(forward_batch, _CaptureBatch) and kind not in self._graph_kinds_seen:
+            self._graph_kinds_seen.add(kind)
+            logger.info("sparse decode offload: decode graph bucket %d stepped with %d live rows%s", bs,
+                        live_count, " (padding entries on the sink row)" if live_count < bs else "")
         self.metrics.on_step_end()  # the previous step's totals (the graph has no host hook at its end)
 
     # ------------------------------------------------------------------ attention
