@@ -94,34 +94,45 @@ class Hooked:
     signature_of: str = ""  # where the parameters are declared, when ``path`` takes ``*args``
 
 
-def _hooked() -> Tuple[Hooked, ...]:
-    from . import hooks, kvpp_sizing, layerwise_sizing, speculative
-    from .disagg import install as pd_install
+# Dotted paths of the SGLang callables the plugin wraps through HookRegistry. This is
+# their one home: the modules that register the hooks (hooks.py, disagg/install.py,
+# layerwise_sizing.py, kvpp_sizing.py, speculative.py) import them from here, so this
+# module imports nothing of the plugin and every module may read it.
+TARGET_ADD_CLI = "sglang.srt.server_args.ServerArgs.add_cli_args"
+TARGET_FROM_CLI = "sglang.srt.server_args.ServerArgs.from_cli_args"
+TARGET_POOL = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool"
+TARGET_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.forward_native"
+TARGET_CELL_SIZE = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
+TARGET_GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
+TARGET_CONFIG_STORE = "sglang.srt.managers.disagg_service.maybe_create_ascend_config_store"
+TARGET_PREFILL_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
+TARGET_DECODE_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
+TARGET_RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+TARGET_EMBED_HEAD = "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_embed_and_head"
+TARGET_DRAFT_FACTORY = "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend"
+TARGET_LAST_LOC = "sglang.srt.mem_cache.allocation.get_last_loc"
 
-    return (
-        Hooked(hooks._TARGET_ADD_CLI, ("parser",), "the plugin's flags"),
-        Hooked(hooks._TARGET_FROM_CLI, ("args",), "keep the plugin's flag values"),
-        Hooked(hooks._TARGET_POOL, ("sizes", "is_dsa_model", "is_dsv4_model", "req_to_token_pool"),
-               "build the plugin's KV pools"),
-        Hooked(hooks._TARGET_INDEXER, ("x", "q_lora", "positions", "forward_batch", "layer_id", "return_indices"),
-               "the CPU indexer forward", signature_of=hooks._TARGET_INDEXER.replace("forward_native", "forward_cuda")),
-        Hooked(layerwise_sizing.TARGET, ("self",), "per-token KV bytes of the layerwise pool"),
-        Hooked(kvpp_sizing.TARGET, ("self",), "per-token KV bytes of the KVPP pool"),
-        Hooked(pd_install._TARGET_GET_KV_CLASS, (), "the ascend_offload P/D classes"),
-        Hooked(pd_install._TARGET_CONFIG_STORE, (), "MemFabric config store"),
-        Hooked(pd_install._TARGET_PREFILL_MANAGER, ("self",), "the prefill KV manager"),
-        Hooked(pd_install._TARGET_DECODE_MANAGER, ("self",), "the decode KV manager"),
-        Hooked(pd_install._TARGET_RUN_BATCH, ("self", "batch"), "announce last chunks to the layerwise publisher"),
-        Hooked(speculative._TARGET_EMBED_HEAD, ("self", "embed", "head"), "no CUDA sync when the draft shares "
-               "the target's embedding and head on a CPU"),
-        Hooked(speculative._TARGET_DRAFT_FACTORY, ("self", "backend_name", "backend_map", "error_template",
-                                                   "stamps_children"), "draft backends for ascend_offload"),
-        Hooked(speculative._TARGET_LAST_LOC, ("req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"),
-               "torch last-slot lookup for EAGLE draft slots"),
-    )
-
-
-HOOKED = _hooked  # called lazily: the table imports the modules that define the paths
+HOOKED: Tuple[Hooked, ...] = (
+    Hooked(TARGET_ADD_CLI, ("parser",), "the plugin's flags"),
+    Hooked(TARGET_FROM_CLI, ("args",), "keep the plugin's flag values"),
+    Hooked(TARGET_POOL, ("sizes", "is_dsa_model", "is_dsv4_model", "req_to_token_pool"),
+           "build the plugin's KV pools"),
+    Hooked(TARGET_INDEXER, ("x", "q_lora", "positions", "forward_batch", "layer_id", "return_indices"),
+           "the CPU indexer forward", signature_of=TARGET_INDEXER.replace("forward_native", "forward_cuda")),
+    Hooked(TARGET_CELL_SIZE, ("self",), "per-token KV bytes of the layerwise pool"),
+    Hooked(TARGET_CELL_SIZE, ("self",), "per-token KV bytes of the KVPP pool"),
+    Hooked(TARGET_GET_KV_CLASS, (), "the ascend_offload P/D classes"),
+    Hooked(TARGET_CONFIG_STORE, (), "MemFabric config store"),
+    Hooked(TARGET_PREFILL_MANAGER, ("self",), "the prefill KV manager"),
+    Hooked(TARGET_DECODE_MANAGER, ("self",), "the decode KV manager"),
+    Hooked(TARGET_RUN_BATCH, ("self", "batch"), "announce last chunks to the layerwise publisher"),
+    Hooked(TARGET_EMBED_HEAD, ("self", "embed", "head"), "no CUDA sync when the draft shares "
+           "the target's embedding and head on a CPU"),
+    Hooked(TARGET_DRAFT_FACTORY, ("self", "backend_name", "backend_map", "error_template", "stamps_children"),
+           "draft backends for ascend_offload"),
+    Hooked(TARGET_LAST_LOC, ("req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"),
+           "torch last-slot lookup for EAGLE draft slots"),
+)
 
 
 class SGLangIncompatible(RuntimeError):
@@ -300,7 +311,7 @@ def problems() -> List[str]:
                 if name not in fields]
     except Exception as exc:  # noqa: BLE001
         out.append(f"cannot read ServerArgs' fields: {exc}")
-    for target in HOOKED():
+    for target in HOOKED:
         try:
             obj = resolve_path(target.path)
         except Exception as exc:  # noqa: BLE001

@@ -26,13 +26,13 @@ from __future__ import annotations
 import logging
 
 from . import carrier, flags
+from .compat import TARGET_ADD_CLI as _TARGET_ADD_CLI
+from .compat import TARGET_FROM_CLI as _TARGET_FROM_CLI
+from .compat import TARGET_INDEXER as _TARGET_INDEXER
+from .compat import TARGET_POOL as _TARGET_POOL
 
 logger = logging.getLogger(__name__)
 
-_TARGET_ADD_CLI = "sglang.srt.server_args.ServerArgs.add_cli_args"
-_TARGET_FROM_CLI = "sglang.srt.server_args.ServerArgs.from_cli_args"
-_TARGET_POOL = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool"
-_TARGET_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.forward_native"
 _TARGET_CAPABILITY = "torch.cuda.get_device_capability"
 
 

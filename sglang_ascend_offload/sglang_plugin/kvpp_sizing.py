@@ -25,12 +25,11 @@ from typing import Any, Optional
 from .. import config as cfg
 from ..kvpp.plan import SCRATCH_BUFFER_COUNT
 from . import carrier
+from .compat import TARGET_CELL_SIZE as TARGET  # the hooked path's home is compat
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["kvpp_layer_caches", "kvpp_cell_size", "cell_size_after", "install", "TARGET"]
-
-TARGET = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
 
 
 def kvpp_layer_caches(num_layers: int, group: int) -> int:

@@ -20,12 +20,11 @@ from typing import Any, Optional
 from .. import config as cfg
 from ..layerwise_prefill.planner import TensorSpec, plan_buffers, uniform_specs
 from . import carrier
+from .compat import TARGET_CELL_SIZE as TARGET  # the hooked path's home is compat
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["physical_layer_caches", "scaled_cell_size", "cell_size_around", "install", "TARGET"]
-
-TARGET = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
 
 
 def physical_layer_caches(lw: cfg.LayerwisePrefillOffloadConfig, num_layers: int) -> int:

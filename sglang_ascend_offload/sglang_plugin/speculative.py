@@ -30,12 +30,13 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
+from .compat import TARGET_DRAFT_FACTORY as _TARGET_DRAFT_FACTORY  # hooked paths: home in compat
+from .compat import TARGET_EMBED_HEAD as _TARGET_EMBED_HEAD
+from .compat import TARGET_LAST_LOC as _TARGET_LAST_LOC
+
 logger = logging.getLogger(__name__)
 
 _TARGET_SYNC = "torch.cuda.synchronize"
-_TARGET_EMBED_HEAD = "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_embed_and_head"
-_TARGET_LAST_LOC = "sglang.srt.mem_cache.allocation.get_last_loc"
-_TARGET_DRAFT_FACTORY = "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend"
 
 _no_cuda_sync: contextvars.ContextVar[bool] = contextvars.ContextVar("sao_no_cuda_sync", default=False)
 

@@ -23,7 +23,7 @@ def test_installed_sglang_matches_every_assumption():
 
 
 def test_each_hook_target_resolves_with_its_parameters():
-    for target in compat.HOOKED():
+    for target in compat.HOOKED:
         obj = compat.resolve_path(target.path)
         assert callable(obj), target.path
 
@@ -34,10 +34,10 @@ def test_renamed_server_argument_is_reported(monkeypatch):
 
 
 def test_moved_hook_target_and_lost_parameter_are_reported(monkeypatch):
-    real = compat.HOOKED()
+    real = compat.HOOKED
     moved = compat.Hooked(real[2].path.replace("_build_token_to_kv_pool", "_build_pool_v2"), (), "negative control")
     lost = compat.Hooked(real[2].path, real[2].params + ("is_dsv5_model",), "negative control")
-    monkeypatch.setattr(compat, "HOOKED", lambda: (moved, lost))
+    monkeypatch.setattr(compat, "HOOKED", (moved, lost))
     found = compat.problems()
     assert any("_build_pool_v2 not found" in p for p in found), found
     assert any("lost parameter(s) ['is_dsv5_model']" in p for p in found), found

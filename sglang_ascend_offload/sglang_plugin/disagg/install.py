@@ -40,15 +40,15 @@ import logging
 from typing import Any, Callable
 
 from ... import config as cfg
+from .. import compat
+from ..compat import TARGET_CONFIG_STORE as _TARGET_CONFIG_STORE
+from ..compat import TARGET_DECODE_MANAGER as _TARGET_DECODE_MANAGER
+from ..compat import TARGET_GET_KV_CLASS as _TARGET_GET_KV_CLASS
+from ..compat import TARGET_PREFILL_MANAGER as _TARGET_PREFILL_MANAGER
+from ..compat import TARGET_RUN_BATCH as _TARGET_RUN_BATCH
 from .rules import BACKEND_NAME, SGLANG_BACKEND, missing_config_violation
 
 logger = logging.getLogger(__name__)
-
-_TARGET_GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
-_TARGET_CONFIG_STORE = "sglang.srt.managers.disagg_service.maybe_create_ascend_config_store"
-_TARGET_PREFILL_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
-_TARGET_DECODE_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
-_TARGET_RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 
 
 def pd_active() -> bool:
@@ -170,8 +170,6 @@ def _layerwise_publisher(scheduler: Any):
     config = carrier.active_config()
     if config.layerwise_prefill is None or config.pd_transfer is None:
         return None, None
-    from .. import compat
-
     queue = getattr(scheduler, "disagg_prefill_bootstrap_queue", None)
     manager = getattr(queue, "kv_manager", None)
     publisher = getattr(manager, "publisher", None)
