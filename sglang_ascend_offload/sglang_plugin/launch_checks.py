@@ -15,7 +15,8 @@ rule                             when
                                  (``EAGLE`` / ``NEXTN``), a draft tree (``--speculative-eagle-topk``
                                  > 1: verify rows are not a chain), a draft-token count other than
                                  ``steps + 1`` (each request must have the same fixed number of
-                                 verify rows), or overlap scheduling (the verify step needs each
+                                 verify rows), decode graphs (verify rows are set up on the host
+                                 each round), or overlap scheduling (the verify step needs each
                                  request's committed length on the host; untested)
 ``memory.insufficient``          the hot buffers and the host pool do not fit in the memory
                                  available now (:mod:`..memory_budget`)
@@ -147,6 +148,16 @@ def _speculative_violations(view: Any) -> List[cfg.Violation]:
             rule, f"--speculative-num-draft-tokens {tokens} with --speculative-num-steps {steps}: sparse decode "
             "offload needs exactly steps + 1 verify rows per request (a fixed count)",
             f"use --speculative-num-draft-tokens {int(steps) + 1}"))
+    decode_graph = getattr(getattr(compat.arg(view, "cuda_graph_config"), "decode", None), "backend", None)
+    graphs = not compat.arg(view, "disable_cuda_graph") and decode_graph not in (None, "disabled")
+    if compat.arg(view, "device") == "cpu":  # SGLang's CPU engine captures graphs only with --enable-torch-compile
+        graphs = graphs and bool(compat.arg(view, "enable_torch_compile"))
+    if graphs:
+        out.append(cfg.Violation(
+            rule, f"decode graphs (backend {decode_graph!r}) with speculative decoding and sparse decode offload: "
+            "the verify step sets up its engine rows on the host every round, which a captured graph would not "
+            "repeat (and SGLang's CPU graph runner refuses speculative decoding)",
+            "run decode eagerly (--disable-cuda-graph, or on a CPU without --enable-torch-compile)"))
     if not compat.arg(view, "disable_overlap_schedule"):
         out.append(cfg.Violation(
             rule, "overlap scheduling with speculative decoding and sparse decode offload: the verify step "

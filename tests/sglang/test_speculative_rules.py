@@ -21,7 +21,8 @@ RULE = "sglang.sparse_decode_speculative"
 
 def view(**kw):
     base = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=3,
-                speculative_num_draft_tokens=4, disable_overlap_schedule=True)
+                speculative_num_draft_tokens=4, disable_overlap_schedule=True, device="cpu",
+                disable_cuda_graph=True, cuda_graph_config=None, enable_torch_compile=False)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -34,6 +35,12 @@ def view(**kw):
     (dict(speculative_eagle_topk=4), "--speculative-eagle-topk 4"),
     (dict(speculative_num_draft_tokens=6), "exactly steps + 1 verify rows"),
     (dict(disable_overlap_schedule=False), "overlap scheduling"),
+    (dict(device="npu", disable_cuda_graph=False,
+          cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full"))), "decode graphs"),
+    (dict(disable_cuda_graph=False, enable_torch_compile=True,
+          cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full"))), "decode graphs"),
+    (dict(disable_cuda_graph=False, enable_torch_compile=False,  # CPU without torch.compile: eager decode
+          cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full"))), None),
 ])
 def test_speculative_limits(args, expect):
     problems = launch_checks._speculative_violations(view(**args))
