@@ -16,6 +16,9 @@ HookRegistry AROUND ``Indexer.forward_native``         the CPU indexer forward (
                                                        the backend; otherwise unchanged)
 HookRegistry AROUND ``torch.cuda.                      "no CUDA" while resolving on a CPU
 get_device_capability``                                (:mod:`.cpu_capability`)
+HookRegistry AROUND ``DraftBackendFactory.             speculative decoding (EAGLE / NextN):
+_create_backend``, ``allocation.get_last_loc``,          draft backends, torch last-slot lookup,
+``set_embed_and_head``, ``torch.cuda.synchronize``     no CUDA sync on a CPU (:mod:`.speculative`)
 =====================================================  ==================================
 
 No SGLang file is changed and nothing is patched outside HookRegistry.
