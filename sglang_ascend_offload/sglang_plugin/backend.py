@@ -37,10 +37,9 @@ from ..ops import registry
 from . import carrier, speculative
 from .indexer import indexer_query_key_weights
 from .metadata import DSAForwardMetadata, build_metadata, real_batch_size
+from .names import BACKEND_NAME  # noqa: F401 - re-exported; its home is names.py
 
 logger = logging.getLogger(__name__)
-
-BACKEND_NAME = "ascend_offload"
 
 
 @dataclass

@@ -74,7 +74,7 @@ def section_for_served_pool(kvc: Any, section: str) -> Optional[Any]:
     try:
         from sglang.srt.runtime_context import get_exec
 
-        from .backend import BACKEND_NAME
+        from .names import BACKEND_NAME
 
         if get_exec().kernel.attention_backend != BACKEND_NAME:
             return None

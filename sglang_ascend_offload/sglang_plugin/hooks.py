@@ -79,7 +79,7 @@ def install_flags(refuse_reason: str = "") -> None:
 def _build_pool_around(original, self, *, sizes, is_dsa_model, is_dsv4_model, req_to_token_pool):
     from sglang.srt.runtime_context import get_exec
 
-    from .backend import BACKEND_NAME
+    from .names import BACKEND_NAME
 
     if get_exec().kernel.attention_backend != BACKEND_NAME:
         return original(self, sizes=sizes, is_dsa_model=is_dsa_model, is_dsv4_model=is_dsv4_model,
@@ -133,7 +133,8 @@ def install_runtime() -> None:
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
     from . import resolution
-    from .backend import BACKEND_NAME, create_backend, handle_deepseek_attention
+    from .backend import create_backend, handle_deepseek_attention
+    from .names import BACKEND_NAME
     from .cpu_capability import capability_around
 
     register_attention_backend(BACKEND_NAME)(create_backend)

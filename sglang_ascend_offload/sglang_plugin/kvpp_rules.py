@@ -33,8 +33,8 @@ from typing import Any, List
 
 from .. import config as cfg
 from . import compat
-from .backend import BACKEND_NAME
 from .deployment import attention_parallel
+from .names import BACKEND_NAME
 
 __all__ = ["kvpp_violations", "RULES"]
 

@@ -27,7 +27,7 @@ from typing import Any, List
 
 from .. import config as cfg
 from . import compat
-from .backend import BACKEND_NAME
+from .names import BACKEND_NAME
 
 __all__ = ["layerwise_violations", "RULES"]
 

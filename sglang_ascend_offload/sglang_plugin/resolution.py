@@ -29,9 +29,9 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from .. import config as cfg
 from . import carrier, compat, flags, launch_checks
-from .backend import BACKEND_NAME
 from .cpu_capability import no_cuda_capability
 from .deployment import deployment_from_server_args, model_kind
+from .names import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 

@@ -147,7 +147,8 @@ def create_backend_around(original: Callable, self, backend_name: str, backend_m
     ``ascend_offload`` (draft extend: one backend; draft decode: :class:`MultiStepDraftBackend`).
     The draft (NextN) model always runs the device-KV backend (its KV placement is
     ``device``, see :func:`build_draft_pool`)."""
-    from .backend import BACKEND_NAME, AscendOffloadAttnBackend
+    from .backend import AscendOffloadAttnBackend
+    from .names import BACKEND_NAME
 
     runner = self.draft_model_runner
     prefill, decode = _attention_backends()
@@ -169,7 +170,7 @@ def get_last_loc_around(original: Callable, req_to_token, req_pool_indices_tenso
     from sglang.srt.mem_cache.allocation import get_last_loc_torch
     from sglang.srt.runtime_context import attention_backends
 
-    from .backend import BACKEND_NAME
+    from .names import BACKEND_NAME
 
     if BACKEND_NAME in attention_backends():
         return get_last_loc_torch(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
