@@ -72,3 +72,13 @@ def test_adaptive_draft_counts_with_offload_are_refused(plugins_loaded, clean_st
                    disable_cuda_graph=True, speculative_algorithm="NEXTN", speculative_num_steps=3,
                    speculative_eagle_topk=1, speculative_num_draft_tokens=4, speculative_adaptive=True).resolve_once()
     assert "sparse_decode.speculative" in [v.rule for v in info.value.violations]
+
+
+def test_mtp_fixture_is_tiny_dsa_plus_one_nextn_layer():
+    """The NextN fixture's target layers are the plain fixture's (same dummy weights,
+    so served tokens of the two fixtures are comparable); it adds one NextN layer."""
+    import json
+
+    plain = json.loads((TINY_DSA / "config.json").read_text())
+    mtp = json.loads((TINY_DSA_MTP / "config.json").read_text())
+    assert mtp == {**plain, "num_nextn_predict_layers": 1}
