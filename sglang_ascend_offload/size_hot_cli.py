@@ -90,4 +90,5 @@ def _print(r) -> None:
                   f"{rec['device_bytes_per_request'] / 2**20:.1f} MiB")
         else:
             print(f"\nno recommendation: {rec['reason']}")
-    print("\nseconds: " + ", ".join(f"{k} {v:.1f}" for k, v in r["seconds"].items()))
+    print("\nwall seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in r["seconds"].items())
+          + f"; CPU seconds (this process) {r['cpu_seconds']:.1f}")

@@ -6,14 +6,16 @@ computes, for one recorded (or synthetic) trace:
 * the **LRU curve for every size** ``top_k .. max_hot`` in one pass over the trace
   (:func:`lru_stack_curve`, Mattson's stack distances): after a step, LRU at capacity
   ``H`` holds the ``H`` positions of highest priority, priority = (last use, then
-  hit before fill, then top-k column), the same order at every ``H`` (the inclusion
+  top-k column), the same order at every ``H`` (the inclusion
   property). A selected position is a hit at ``H`` iff its stack depth before the
   step is ``<= H``, so one histogram of depths gives every size's misses.
-  The engine's LRU (``docs/residency_contract.md``) breaks ties of equal stamp by
-  *slot index*, and which slot a fill lands in depends on ``H``; the curve is exact
-  for the stack order and the contract's counts differ from it only through those
-  ties (both are reported at the sampled sizes; ``docs/sparse_decode.md`` has the
-  measured difference).
+  The engine's LRU (``docs/residency_contract.md``) orders one step's positions
+  differently: hits (stamp ``2t+2``) before fills (``2t+1``), and equal stamps by
+  *slot index*. Both depend on ``H`` (a position is a hit at one size and a fill at
+  another; which slot a fill lands in depends on the victims), so no single stack
+  order reproduces them; the curve is exact for its own order ("stack LRU") and the
+  engine's counts differ from it only through the order *within* one step's
+  selection (both are reported at the sampled sizes; tests bound the difference).
 * the **optimum** (Belady, ``belady.py``) and every requested policy **at sampled
   sizes** (per-size replays of the residency decisions, with the layers folded into
   rows so one step is one call).
@@ -75,9 +77,8 @@ def lru_stack_curve(trace: Trace, max_hot: int) -> np.ndarray:
                     depth = keys.size - np.searchsorted(keys, v[present], side="right") + 1
                     hist += np.bincount(np.minimum(depth, max_hot + 1), minlength=max_hot + 2)
                 hist[max_hot + 1] += int((~present).sum())
-                stamp = np.where(present, 2 * t + 2, 2 * t + 1).astype(np.int64)
                 held += int((~present).sum())
-                prio[sel] = stamp * k + col
+                prio[sel] = t * k + col
     deeper = np.cumsum(hist[::-1])[::-1]  # deeper[d] = lookups with depth >= d
     return deeper[1:max_hot + 2].copy()  # misses(h) = lookups with depth > h
 
@@ -108,7 +109,7 @@ def stack_lru_misses(trace: Trace, hot: int) -> int:
                     for _, p in victims:
                         del cache[p]
                 for j, p in entries:
-                    cache[p] = ((2 * t + 2) if p in cache else (2 * t + 1)) * k + j
+                    cache[p] = t * k + j
     return misses
 
 
@@ -151,7 +152,8 @@ class SizeHotResult:
     lru_misses: List[int]  # stack-order LRU at every size
     sampled: Dict[str, Dict[str, int]] = field(default_factory=dict)  # name -> {str(hot): misses}
     recommended: Optional[Dict[str, object]] = None
-    seconds: Dict[str, float] = field(default_factory=dict)
+    seconds: Dict[str, float] = field(default_factory=dict)  # wall seconds per phase
+    cpu_seconds: float = 0.0  # this process's CPU time for the whole analysis (load-independent)
 
     def hit_rate(self, misses: int) -> float:
         return 1.0 - misses / self.selected if self.selected else 0.0
@@ -175,6 +177,7 @@ def size_hot(trace: Trace, policies: Sequence[str] = (), max_hot: Optional[int] 
     max_hot = 8 * k if max_hot is None else int(max_hot)
     if max_hot < k:
         raise ValueError(f"max hot_tokens {max_hot} < top-k {k}")
+    c_start = time.process_time()
     compact = compact_trace(trace)
     selected = compact.selected()
     seconds: Dict[str, float] = {}
@@ -193,7 +196,9 @@ def size_hot(trace: Trace, policies: Sequence[str] = (), max_hot: Optional[int] 
     if optimum:
         t0 = time.perf_counter()
         nxt = next_use_table(compact.topk, compact.req_ids)
-        res.sampled["belady"] = {str(h): belady_misses(compact.topk, compact.req_ids, h, nxt) for h in grid}
+        # at hot = top-k there is nothing to choose: every policy, the optimum included, is the curve's value
+        res.sampled["belady"] = {str(h): (int(curve[h]) if h == k else belady_misses(compact.topk, compact.req_ids, h, nxt))
+                                 for h in grid}
         seconds["belady"] = time.perf_counter() - t0
     for name in [p for p in policies if p not in ("lru", "belady")]:
         t0 = time.perf_counter()
@@ -201,6 +206,7 @@ def size_hot(trace: Trace, policies: Sequence[str] = (), max_hot: Optional[int] 
         seconds[name] = time.perf_counter() - t0
     if target_hit_rate is not None:
         res.recommended = recommend(res, target_hit_rate, model)
+    res.cpu_seconds = time.process_time() - c_start
     return res
 
 
