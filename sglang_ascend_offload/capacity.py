@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
-from .config import ConfigError, Violation
+from .errors import ConfigError, Violation
 from .model_specs import INDEXER_DTYPES, ModelShape
 
 GIB = 1 << 30

@@ -15,7 +15,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 from .capacity import GIB, MIB, CapacityInputs, CapacityReport, input_problems, plan
-from .config import ConfigError, Violation
+from .errors import ConfigError, Violation
 from .model_specs import INDEXER_DTYPES, PRESETS, ModelShape, load_hf_config, preset
 
 DEFAULT_MODEL = "deepseek-v3.2"

@@ -24,6 +24,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
+from .errors import ConfigError, Violation  # noqa: F401 - their home is errors.py; re-exported
+
 # ------------------------------------------------------------------ feature configs
 # The accepted names come from their registries (one home each): the operator
 # ladder's choices and the residency policies.
@@ -319,28 +321,6 @@ class Deployment:
         from .soc import soc_family
 
         return soc_family(self.soc)
-
-
-# ------------------------------------------------------------------ errors
-@dataclass(frozen=True)
-class Violation:
-    """One broken rule: its id, what is wrong, and what to change."""
-
-    rule: str
-    problem: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"[{self.rule}] {self.problem} -> {self.fix}"
-
-
-class ConfigError(ValueError):
-    """Every problem found, in one error. ``violations`` keeps them typed."""
-
-    def __init__(self, violations: List[Violation], what: str = "configuration"):
-        self.violations = list(violations)
-        lines = "\n".join(f"  {i + 1}. {v}" for i, v in enumerate(self.violations))
-        super().__init__(f"invalid {what} ({len(self.violations)} problem(s)):\n{lines}")
 
 
 # ------------------------------------------------------------------ parsing

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional
 
-from .config import Violation
+from .errors import Violation
 
 __all__ = ["Allocation", "check", "host_available_bytes", "device_free_bytes", "format_bytes",
            "HEADROOM"]

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Literal, Mapping, Tuple
 
-from .config import ConfigError, Violation
+from .errors import ConfigError, Violation
 
 IndexerDtype = Literal["bf16", "int8"]
 INDEXER_DTYPES: Tuple[str, ...] = ("bf16", "int8")
