@@ -52,6 +52,9 @@ class SparseDecodeOffloadConfig:
     policy: residency replacement policy; ``lru`` is the reference design.
     record_trace: path of an ``.npz`` trace to record served top-k selections into.
     record_trace_max_steps: bound on recorded decode steps (the file stays bounded).
+    record_trace_rank_depth: 0 = off; R >= top-k = also record ``ranked`` (the first R
+        positions of every decode step's indexer ranking). While recording, the indexer
+        selects top-R instead of top-k (the first k are the top-k the model uses).
     metrics_log_interval_s: period of the one-line statistics summary in the log (0 = off).
     """
 
@@ -64,6 +67,7 @@ class SparseDecodeOffloadConfig:
     policy: ResidencyPolicy = "lru"
     record_trace: Optional[str] = None
     record_trace_max_steps: int = 4096
+    record_trace_rank_depth: int = 0
     metrics_log_interval_s: float = 30.0
 
     def _check(self) -> List[str]:
@@ -76,6 +80,17 @@ class SparseDecodeOffloadConfig:
                         "(null = SGLang's token capacity)")
         if self.record_trace_max_steps < 1:
             errs.append(f"record_trace_max_steps={self.record_trace_max_steps} is out of range: it must be >= 1")
+        if self.record_trace_rank_depth < 0:
+            errs.append(f"record_trace_rank_depth={self.record_trace_rank_depth} is out of range: it must be >= 0 "
+                        "(0 = off, else >= the model's top-k)")
+        if self.record_trace_rank_depth > 0 and not self.record_trace:
+            errs.append("record_trace_rank_depth needs record_trace (the file to record into)")
+        from .sparse_decode.policies import POLICIES as _P
+
+        if _P[self.policy].needs_ranked:
+            errs.append(f"policy={self.policy!r} needs the indexer's ranking every step, which the served decode path "
+                        "does not pass to the residency manager: evaluate it offline (bench decode --trace, size-hot) "
+                        "on a trace recorded with record_trace_rank_depth, and serve with lru / lru_k2_guarded")
         if self.metrics_log_interval_s < 0:
             errs.append(f"metrics_log_interval_s={self.metrics_log_interval_s} is out of range: it must be >= 0 "
                         "(0 = off)")
