@@ -292,7 +292,8 @@ def begin_verify(backend: Any, forward_batch) -> torch.Tensor:
     table = backend.verify_table
     table.update(backend.req_to_token_pool.req_to_token, reqs, rids, committed)
     rows = engine_rows(reqs, n)
-    req_ids = backend.rows.ids_for(rows, [rid for rid in rids for _ in range(n)] if rids[0] is not None else None)
+    known = bool(rids) and rids[0] is not None
+    req_ids = backend.rows.ids_for(rows, [rid for rid in rids for _ in range(n)] if known else None)
     stable = torch.tensor(committed, dtype=torch.int32).repeat_interleave(n)
     batch_rows = torch.tensor(rows, dtype=torch.int64)
     backend.engine.begin_step(req_ids, table.table, stable, rows=batch_rows)
