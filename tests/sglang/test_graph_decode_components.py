@@ -1,0 +1,179 @@
+"""Graph decode paths of both backends with real SGLang objects (issue 10, item 3).
+
+Two harnesses with the same seed (``dsa_harness.Harness``: the plain DSA backend over
+device KV and the offload backend over the host pool): one eager, one with SGLang's
+CPU graph hooks (``init_cpu_graph_state``, ``init_forward_metadata_capture_cpu_graph``)
+and every decode batch handed over the way SGLang's CPU graph runner replays a
+bucket of 4: batches of fewer requests padded with entries on the reserved
+``req_to_token`` row 0 (length 1, ``out_cache_loc`` 0), without request ids or
+``seq_lens_cpu``; a batch of 4 as the scheduler's own batch.
+
+Through prefill, decode steps with request churn (a finished request's row reused
+by a new request, seen first in a padded replay) and changing batch sizes:
+
+* top-k of the graph path's static-width indexer == the reference indexer's, and
+  attention outputs (plain: flat rows from the static block tables; offload: the
+  engine step over static row buffers) == eager, bit for bit, for the live rows;
+* the offload engine's residency (which position each slot holds, row owners) ==
+  eager's, and the padding entries' sink row never holds anything.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsa_harness import HEADS, HIDDEN, LATENT, Q_LORA, ROPE, Harness, published_context
+
+pytestmark = pytest.mark.usefixtures("plugins_loaded")
+
+BUCKET = 4
+
+
+@pytest.fixture
+def ctx():
+    with published_context():
+        yield
+
+
+def _graph_batch(fb, bucket: int):
+    """``fb`` as SGLang's CPU graph runner replays it in ``bucket`` (cpu_graph_runner.prepare_replay):
+    padded entries on row 0 with length 1 and slot 0, no rids / seq_lens_cpu; unchanged when full."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    real = int(fb.batch_size)
+    if real == bucket:
+        return fb
+    n = bucket - real
+
+    def pad(t, value=0):
+        return torch.cat((t, torch.full((n,), value, dtype=t.dtype)))
+
+    return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bucket, input_ids=pad(fb.input_ids),
+                        req_pool_indices=pad(fb.req_pool_indices), seq_lens=pad(fb.seq_lens, 1),
+                        out_cache_loc=pad(fb.out_cache_loc), seq_lens_sum=int(fb.seq_lens.sum()) + n,
+                        positions=pad(fb.positions))
+
+
+def _inputs(h, tokens):
+    return dict(x=h._rand(tokens, HIDDEN), q_lora=h._rand(tokens, Q_LORA), q=h._rand(tokens, HEADS, LATENT + ROPE),
+                k=h._rand(tokens, 1, LATENT + ROPE))
+
+
+def _pad_rows(t, bucket):
+    return torch.cat((t, t.new_zeros((bucket - t.shape[0],) + tuple(t.shape[1:])))) if t.shape[0] < bucket else t
+
+
+def _assert_same_residency(eager, graph):
+    r = eager.offload.engine.config.rows
+    for layer in range(eager.layers):
+        e = eager.offload.engine.managers[layer].table
+        g = graph.offload.engine.managers[layer].table
+        assert torch.equal(g.slot_token[:r], e.slot_token[:r]), f"layer {layer}: resident positions differ"
+        assert bool((g.slot_token[r] == -1).all()) and int(g.row_req[r]) == -1, "the sink row holds something"
+
+
+def test_graph_decode_equals_eager_with_padding_and_churn(ctx):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    eager, graph = Harness(seed=3), Harness(seed=3)
+    for backend in (graph.dense, graph.offload):
+        backend.init_cpu_graph_state(BUCKET, BUCKET)
+    zeros = torch.zeros(BUCKET, dtype=torch.int64)
+    for backend in (graph.dense, graph.offload):  # the runner's capture call: every entry padding
+        backend.init_forward_metadata_capture_cpu_graph(BUCKET, BUCKET, zeros, torch.ones(BUCKET, dtype=torch.int64),
+                                                        zeros, None, ForwardMode.DECODE, None)
+    assert graph.offload.offload_graph.rows.tolist() == [graph.offload.engine.sink_row] * BUCKET
+
+    def extend(reqs, lens):  # both harnesses allocate the same slots
+        fb_e, fb_g = (_prepare_extend(h, [h.requests[r] for r in reqs], lens) for h in (eager, graph))
+        assert torch.equal(fb_e.out_cache_loc, fb_g.out_cache_loc)
+        _step(eager, graph, fb_e, fb_g, decode=False)
+
+    def decode(reqs):
+        fb_e, fb_g = (_prepare_decode(h, [h.requests[r] for r in reqs]) for h in (eager, graph))
+        assert torch.equal(fb_e.out_cache_loc, fb_g.out_cache_loc)
+        _step(eager, graph, fb_e, fb_g, decode=True)
+
+    for h in (eager, graph):
+        for rid in ("a", "b", "c"):
+            h.new_request(rid)
+    extend(["a", "b", "c"], [40, 9, 23])
+    schedule = [["a", "b", "c"]] * 4 + [["a", "c"]] * 2  # b finishes after step 3
+    for batch in schedule:
+        decode(batch)
+        _assert_same_residency(eager, graph)
+    for h in (eager, graph):
+        h.finish("b")
+        h.new_request("d")  # takes b's row: churn, first decoded in a padded replay
+        h.new_request("e")
+        assert h.requests["d"].row == eager.requests["d"].row
+    extend(["d", "e"], [17, 30])
+    for batch in [["a", "c", "d"]] * 3 + [["a", "c", "d", "e"]] * 3 + [["d"]] * 2 + [["c", "e"]] * 2:
+        decode(batch)
+        _assert_same_residency(eager, graph)
+    stats = graph.offload.engine.stats()
+    assert stats.total.misses > 0 and stats.total.hits > 0
+
+
+def _prepare_extend(h, reqs, lens):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    table = h.req_to_token_pool.req_to_token
+    prefix = torch.tensor([r.length for r in reqs], dtype=torch.int64)
+    seq = prefix + torch.tensor(lens, dtype=torch.int64)
+    last = torch.tensor([int(table[r.row, r.length - 1]) if r.length else -1 for r in reqs], dtype=torch.int64)
+    out = h.allocator.alloc_extend(prefix, prefix, seq, seq, last, int(sum(lens)))
+    offset, positions = 0, []
+    for r, n in zip(reqs, lens):
+        table[r.row, r.length:r.length + n] = out[offset:offset + n].to(torch.int32)
+        positions.append(torch.arange(r.length, r.length + n))
+        offset += n
+        r.length += n
+    return h._batch(ForwardMode.EXTEND, reqs, out, torch.cat(positions), seq, prefix, lens)
+
+
+def _prepare_decode(h, reqs):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    table = h.req_to_token_pool.req_to_token
+    seq = torch.tensor([r.length + 1 for r in reqs], dtype=torch.int64)
+    last = torch.tensor([int(table[r.row, r.length - 1]) for r in reqs], dtype=torch.int64)
+    out = h.allocator.alloc_decode(seq, seq, last)
+    positions = torch.tensor([r.length for r in reqs], dtype=torch.int64)
+    for r, loc in zip(reqs, out.tolist()):
+        table[r.row, r.length] = loc
+        r.length += 1
+    return h._batch(ForwardMode.DECODE, reqs, out, positions, seq, None, None)
+
+
+def _step(eager, graph, fb_e, fb_g, decode):
+    """One forward of both harnesses on the same inputs (the graph harness's decode
+    batch as the CPU graph runner replays it); the graph path's live rows must equal
+    eager's: top-k and attention of both backends, bit for bit."""
+    gfb = _graph_batch(fb_g, BUCKET) if decode else fb_g
+    real = int(fb_e.batch_size)
+    for h, batch in ((eager, fb_e), (graph, gfb)):
+        h.dense.init_forward_metadata(batch)
+        h.offload.init_forward_metadata(batch)
+    if decode:
+        assert graph.dense._graph_batch == BUCKET and graph.offload._graph_batch == BUCKET
+    for layer in range(eager.layers):
+        inp = _inputs(eager, int(fb_e.positions.numel()))
+        ginp = {k: _pad_rows(v, BUCKET) for k, v in inp.items()} if decode else inp
+        att = eager.attn_layers[layer]
+        outs = {}
+        for name, h, batch, x in (("eager", eager, fb_e, inp), ("graph", graph, gfb, ginp)):
+            ix = h.indexers[layer]
+            with torch.no_grad():
+                topk = h.dense.run_indexer(ix, x["x"], x["q_lora"], batch.positions, batch, layer)
+                topk_off = h.offload.run_indexer(ix, x["x"], x["q_lora"], batch.positions, batch, layer)
+                run_d = h.dense.forward_decode if decode else h.dense.forward_extend
+                run_o = h.offload.forward_decode if decode else h.offload.forward_extend
+                dense = run_d(x["q"], x["k"], x["k"][..., :LATENT], att, batch, topk_indices=topk)
+                off = run_o(x["q"], x["k"], x["k"][..., :LATENT], att, batch, topk_indices=topk_off)
+            outs[name] = (topk[:real], topk_off[:real], dense[:real], off[:real])
+        for what, e, g in zip(("top-k", "offload top-k", "attention", "offload attention"), outs["eager"],
+                              outs["graph"]):
+            assert torch.equal(e, g), f"layer {layer}: graph {what} differs from eager ({'decode' if decode else 'extend'})"
+        assert torch.equal(outs["graph"][2], outs["graph"][3]), f"layer {layer}: graph offload != graph device KV"
