@@ -202,6 +202,11 @@ class AscendOffloadAttnBackend(AttentionBackend):
         if self._graph_batch is not None:  # graph decode: static shapes, no host reads
             return graph_decode_topk(inputs.query, pool.get_index_k_buffer(layer_id), inputs.weights,
                                      md.block_tables, md.seq_lens, int(indexer.index_topk))
+        # a trace recorder with a rank depth (offload backend, record_trace_rank_depth) gets the
+        # top-R ranking of the decode steps it records; the model still sees the top-k
+        recorder = getattr(self, "recorder", None)
+        depth = recorder.rank_depth_now() if recorder is not None else 0
+        k = int(indexer.index_topk)
         topk = self.indexer_op(
             inputs.query,
             pool.get_index_k_buffer(layer_id),
@@ -211,10 +216,14 @@ class AscendOffloadAttnBackend(AttentionBackend):
             block_table=md.block_tables,
             layout_query="TND",
             layout_key="PA_BSND",
-            sparse_count=int(indexer.index_topk),
+            sparse_count=max(k, depth),
             sparse_mode=3,
         )
-        return topk.reshape(topk.shape[0], -1)
+        topk = topk.reshape(topk.shape[0], -1)
+        if depth > k:
+            recorder.record_ranked(layer_id - getattr(self, "start_layer", 0), topk)
+            topk = topk[:, :k].contiguous()
+        return topk
 
     # ------------------------------------------------------------------ attention
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):

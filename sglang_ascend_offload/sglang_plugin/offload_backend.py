@@ -158,6 +158,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             cfg = self.engine.config
             self.recorder = TraceRecorder(
                 path, cfg.layers, cfg.rows, cfg.top_k, config.record_trace_max_steps,
+                rank_depth=config.record_trace_rank_depth,
                 meta={"source": "sglang", "model": str(getattr(server_args, "model_path", "")),
                       "hot_tokens": cfg.hot_tokens, "top_k": cfg.top_k, "layers": cfg.layers,
                       "rows": cfg.rows, "page_size": self.page_size, "policy": cfg.policy},
@@ -202,7 +203,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         batch_rows = torch.tensor(rows_list, dtype=torch.int64)
         self.engine.begin_step(req_ids, self.req_to_token_pool.req_to_token, stable, rows=batch_rows)
         if self.recorder is not None:
-            self.recorder.begin_step(stable, req_ids)
+            self.recorder.begin_step(stable, req_ids, batch_rows)
         self._batch_rows = batch_rows
 
     def _own_extend_rows(self, forward_batch) -> None:

@@ -12,6 +12,23 @@ appears in a decode batch and keeps it while it stays in the batches, so the tra
 has as many rows as requests were ever live together (not the engine's row capacity,
 ``--max-running-requests + 1``); per-step recording work is proportional to the batch.
 
+Only rows that were ever active are kept, and their identity is stable: ``meta``
+(JSON) has ``row_map``, one ``[step, trace_row, engine_row, req_id]`` entry each time a
+request takes a trace row (``engine_row``: its ``req_to_token`` row, ``-1`` when not
+given). Replay and ``size-hot`` also skip idle rows and steps
+(``sparse_decode.replay.compact_trace``).
+
+Rank depth (``record_trace_rank_depth = R > 0``): the file also holds ``ranked``
+int32 ``[steps, layers, rows, R]``. The indexer hook (``backend.run_indexer``) asks
+:meth:`TraceRecorder.rank_depth_now` on every call; while a decode step is being
+recorded it selects the top-``R`` instead of the top-``k`` (the reference indexer
+returns positions in descending score order, so the first ``k`` are the top-k the
+model attends to, unchanged) and hands the ``[B, R]`` ranking to
+:meth:`record_ranked`. Only recording steps pay: the score computation is the same,
+the selection keeps ``R`` instead of ``k`` candidates, and ``B x R x 4`` bytes per
+layer come to the host. When the recording stops (``record_trace_max_steps``) the
+indexer is back to top-``k``.
+
 Bounded: at most ``record_trace_max_steps`` steps are kept; the file is rewritten
 (atomically, validated) every ``flush_every`` steps and when the bound is reached,
 after which recording stops and says so in the log. With DP > 1 each DP rank writes
@@ -50,7 +67,14 @@ class TraceRecorder:
     """
 
     def __init__(self, path: Path, layers: int, rows: int, top_k: int, max_steps: int,
-                 meta: dict, flush_every: int = 32):
+                 meta: dict, flush_every: int = 32, rank_depth: int = 0):
+        if rank_depth and rank_depth < top_k:
+            raise ValueError(f"record_trace_rank_depth {rank_depth} < the model's top-k {top_k}: the ranking starts "
+                             "with the top-k (use 0 to record no ranking)")
+        self.rank_depth = int(rank_depth)
+        self._ranked: List[np.ndarray] = []
+        self._ranked_current: Optional[np.ndarray] = None
+        self._row_map: List[List[int]] = []
         self.path = Path(path)
         self.layers, self.rows, self.top_k = layers, rows, top_k
         self._trace_row: dict = {}  # request id -> trace row
@@ -58,7 +82,7 @@ class TraceRecorder:
         self._batch_rows: Optional[np.ndarray] = None
         self.max_steps = max_steps
         self.flush_every = flush_every
-        self.meta = json.dumps(meta, sort_keys=True)
+        self._meta = dict(meta, rank_depth=self.rank_depth)
         self._topk: List[np.ndarray] = []
         self._seq_lens: List[np.ndarray] = []
         self._req_ids: List[np.ndarray] = []
@@ -71,9 +95,19 @@ class TraceRecorder:
     def steps(self) -> int:
         return len(self._topk)
 
-    def begin_step(self, seq_lens: torch.Tensor, req_ids: torch.Tensor) -> None:
+    @property
+    def meta(self) -> str:
+        return json.dumps(dict(self._meta, row_map=self._row_map), sort_keys=True)
+
+    def rank_depth_now(self) -> int:
+        """Top-``R`` the indexer should select for the step being recorded (0 = just top-k)."""
+        return self.rank_depth if (self.rank_depth and not self.done and self._current is not None) else 0
+
+    def begin_step(self, seq_lens: torch.Tensor, req_ids: torch.Tensor,
+                   engine_rows: Optional[torch.Tensor] = None) -> None:
         """Start a step: ``seq_lens`` int ``[B]``, ``req_ids`` int64 ``[B]`` of the batch
-        entries (``-1`` = padding / idle)."""
+        entries (``-1`` = padding / idle), ``engine_rows`` int ``[B]`` their engine rows
+        (kept in ``meta['row_map']``)."""
         if self.done:
             return
         reqs = req_ids.detach().cpu().numpy().astype(np.int64)
@@ -89,11 +123,15 @@ class TraceRecorder:
                 continue
             if r not in self._trace_row:
                 self._trace_row[r] = next(free)
+                eng = int(engine_rows[i]) if engine_rows is not None else -1
+                self._row_map.append([self.steps, self._trace_row[r], eng, int(r)])
             batch_rows[i] = self._trace_row[r]
         width = int(batch_rows.max()) + 1 if (batch_rows >= 0).any() else 0
         self._width = max(self._width, width)
         self._batch_rows = batch_rows
         self._current = np.full((self.layers, width, self.top_k), -1, dtype=np.int32)
+        if self.rank_depth:
+            self._ranked_current = np.full((self.layers, width, self.rank_depth), -1, dtype=np.int32)
         step_lens = np.zeros(width, dtype=np.int32)
         step_reqs = np.full(width, -1, dtype=np.int64)
         mine = batch_rows >= 0
@@ -111,8 +149,23 @@ class TraceRecorder:
         if layer == self.layers - 1:
             self._commit()
 
+    def record_ranked(self, layer: int, ranked: torch.Tensor) -> None:
+        """``ranked`` int ``[T, >= rank_depth]`` positions in descending indexer-score order
+        for the batch entries of :meth:`begin_step` (``T >= B``: DP-attention padding
+        after them; ``-1`` padding). Call before :meth:`record_layer` of the layer."""
+        if self.done or self._ranked_current is None:
+            return
+        mine = self._batch_rows >= 0
+        got = ranked[: mine.size, : self.rank_depth].detach().cpu().numpy().astype(np.int32)
+        if got.shape[1] < self.rank_depth:
+            raise ValueError(f"ranked has {got.shape[1]} columns < record_trace_rank_depth {self.rank_depth}")
+        self._ranked_current[layer][self._batch_rows[mine]] = got[mine]
+
     def _commit(self) -> None:
         seq_lens, req_ids = self._current_rows
+        if self.rank_depth:
+            self._ranked.append(self._ranked_current)
+            self._ranked_current = None
         self._topk.append(self._current)
         self._seq_lens.append(seq_lens)
         self._req_ids.append(req_ids)
@@ -133,7 +186,11 @@ class TraceRecorder:
         topk = np.stack([np.pad(t, [(0, 0), (0, w - t.shape[1]), (0, 0)], constant_values=-1) for t in self._topk])
         lens = np.stack([np.pad(x, (0, w - x.shape[0]), constant_values=0) for x in self._seq_lens])
         reqs = np.stack([np.pad(x, (0, w - x.shape[0]), constant_values=-1) for x in self._req_ids])
-        trace = Trace(topk=topk, seq_lens=lens, req_ids=reqs, meta=self.meta)
+        ranked = None
+        if self.rank_depth:
+            ranked = np.stack([np.pad(t, [(0, 0), (0, w - t.shape[1]), (0, 0)], constant_values=-1)
+                               for t in self._ranked])
+        trace = Trace(topk=topk, seq_lens=lens, req_ids=reqs, meta=self.meta, ranked=ranked)
         tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}.npz")
         save_trace(trace, tmp)
         os.replace(tmp, self.path)

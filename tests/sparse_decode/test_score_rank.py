@@ -399,3 +399,37 @@ def test_score_rank_step_compiles_fullgraph_and_equals_eager():
             if step == 0:
                 frames = sf._compiled_frames()
         assert sf._compiled_frames() == frames, policy
+
+
+# ------------------------------------------------------------------ the recorder
+def test_recorder_writes_ranked_and_the_row_map(tmp_path):
+    """TraceRecorder with a rank depth: compact rows, ``ranked`` validated on flush, the
+    original engine row of every request in ``meta['row_map']``, top-R asked only while
+    a decode step is being recorded."""
+    import json
+
+    from sglang_ascend_offload.sglang_plugin.trace_recorder import TraceRecorder
+
+    layers, k, depth = 2, 3, 5
+    rec = TraceRecorder(tmp_path / "t.npz", layers, rows=100, top_k=k, max_steps=3, meta={"x": 1}, rank_depth=depth)
+    assert rec.rank_depth_now() == 0  # no decode step begun
+    batches = [([40, 7], [11, 12], [6, 9]), ([7, 55], [12, 13], [10, 4]), ([55], [13], [5])]
+    for step, (engine_rows, reqs, lens) in enumerate(batches):
+        rec.begin_step(torch.tensor(lens, dtype=torch.int32), torch.tensor(reqs), torch.tensor(engine_rows))
+        assert rec.rank_depth_now() == depth
+        for layer in range(layers):
+            ranked = torch.full((len(reqs) + 1, depth), -1, dtype=torch.int32)  # + a DP padding row
+            for b, n in enumerate(lens):
+                order = torch.randperm(n)[:depth]
+                ranked[b, : order.numel()] = order.to(torch.int32)
+            rec.record_ranked(layer, ranked)
+            rec.record_layer(layer, ranked[: len(reqs), :k])
+    assert rec.done and rec.rank_depth_now() == 0
+    t = load_trace(tmp_path / "t.npz")
+    assert t.rows == 2 and t.rank_depth == depth and t.steps == 3  # two rows were ever live together
+    meta = json.loads(t.meta)
+    assert meta["rank_depth"] == depth and meta["x"] == 1
+    assert meta["row_map"] == [[0, 0, 40, 11], [0, 1, 7, 12], [1, 0, 55, 13]]
+    assert t.req_ids.tolist() == [[11, 12], [13, 12], [13, -1]]
+    with pytest.raises(ValueError, match="top-k"):
+        TraceRecorder(tmp_path / "u.npz", 1, 4, top_k=8, max_steps=2, meta={}, rank_depth=4)
