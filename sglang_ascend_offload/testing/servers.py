@@ -138,7 +138,8 @@ class ServerProcess:
                 self.stop()
                 raise PortInUse(f"port {failed} is in use (server port {self.port}); log: {self.log_path}")
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}\n"
+                                   f"{self._log_tail()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
                     if r.status == 200:
@@ -148,7 +149,18 @@ class ServerProcess:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise TimeoutError(f"server not healthy after {self.startup_timeout_s:.0f} s; log: {self.log_path}")
+        raise TimeoutError(f"server not healthy after {self.startup_timeout_s:.0f} s; log: {self.log_path}\n"
+                           f"{self._log_tail()}")
+
+    def _log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the server log, for failure messages: pytest's
+        temporary directories are rotated away, so the log itself may be gone by the
+        time someone reads a CI report."""
+        try:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
+        return "--- last lines of the server log ---\n" + "\n".join(tail)
 
     def _port_that_failed_to_bind(self) -> Optional[int]:
         try:
