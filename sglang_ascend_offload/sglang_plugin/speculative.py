@@ -5,7 +5,16 @@ SGLang 0.5.23 serves DeepSeek-V3.2's NextN (MTP) layer with its EAGLE worker
 (NextN) model proposes ``speculative_num_steps`` tokens, the target model verifies
 ``speculative_num_draft_tokens`` = steps + 1 query rows per request
 (``ForwardMode.TARGET_VERIFY``), and the draft model re-extends over the accepted
-tokens (``ForwardMode.DRAFT_EXTEND``).
+tokens (``ForwardMode.DRAFT_EXTEND_V2``). Only chains are served
+(``--speculative-eagle-topk 1``): verify row ``j`` of a request sits at position
+``L + j`` over its committed length ``L`` and attends causally.
+
+With sparse decode offload (:func:`begin_verify`, :class:`VerifyTokenTable`): every
+verify row is an engine row of its own (``r * n + j``) whose stable prefix is the
+committed length, so draft positions are never hits, accepted ones hit in later rounds
+and rejected ones are dropped; the draft (NextN) layer keeps its KV on the device
+(:data:`DRAFT_KV_PLACEMENT`, :func:`build_draft_pool`). Startup limits: rule
+``sglang.sparse_decode_speculative`` (``launch_checks.py``).
 
 What the plugin registers for it (HookRegistry, no SGLang file changed):
 
@@ -18,6 +27,13 @@ AROUND ``torch.cuda.synchronize``                         the EAGLE worker share
                                                           CUDA unconditionally; a no-op inside
                                                           that call when CUDA is unavailable
 AROUND ``DeepseekV2ForCausalLM.set_embed_and_head``       enters that no-CUDA scope
+AROUND ``DraftBackendFactory._create_backend``            SGLang's draft backend table has no
+                                                          plugin entries: draft extend and
+                                                          multi-step draft decode backends of
+                                                          ``ascend_offload``
+AROUND ``mem_cache.allocation.get_last_loc``              SGLang's torch version with
+                                                          ``ascend_offload`` (it picks Triton
+                                                          for every backend but ``ascend``)
 ========================================================  ==================================
 """
 
