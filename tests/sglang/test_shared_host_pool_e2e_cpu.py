@@ -45,8 +45,11 @@ OFFLOAD = ["--enable-sparse-decode-offload", "--sparse-decode-offload-config",
            json.dumps({"hot_tokens": 64, "host_pool_tokens": POOL_TOKENS})]
 TP2 = ["--tp-size", "2", "--max-running-requests", "4"] + IDLE_SLEEP
 DP2 = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--max-running-requests", "4"] + IDLE_SLEEP
-DEADLINE_S = 10
-ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_ASCEND_OFFLOAD_APPEND_TIMEOUT_S": str(DEADLINE_S)}
+# The stuck-rank test waits for this deadline; only the server it destroys gets it. It must
+# exceed the lag between TP ranks while three TP-2 servers warm up at once on two loaded
+# cores: at 10 s, a fresh-clone run at load 16 lost the server (exit -9) during warm-up.
+DEADLINE_S = 30
+ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 def prompt(n: int, seed: int) -> list:
@@ -59,7 +62,8 @@ def servers(tmp_path_factory):
     hold = root / "hold_appends"  # created by the stuck-rank test
     off = ServerProcess(TP2, log_path=root / "off.log", env=ENV)
     on = ServerProcess(TP2 + OFFLOAD, log_path=root / "on.log",
-                       env={**ENV, "SGLANG_ASCEND_OFFLOAD_TEST_HOLD_APPENDS": str(hold)})
+                       env={**ENV, "SGLANG_ASCEND_OFFLOAD_TEST_HOLD_APPENDS": str(hold),
+                            "SGLANG_ASCEND_OFFLOAD_APPEND_TIMEOUT_S": str(DEADLINE_S)})
     dp = ServerProcess(DP2 + OFFLOAD, log_path=root / "dp.log", env=ENV)
     with ThreadPoolExecutor(3) as pool:
         errors = [f.exception() for f in [pool.submit(s.start) for s in (off, on, dp)]]
