@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--trace", metavar="FILE", required=True, help=".npz trace (record_trace, or bench decode --save-trace)")
     parser.add_argument("--policy", action="append", choices=sorted(POLICIES), default=None,
-                        help="also replay this policy at the sampled sizes (repeatable; default: score_rank_guarded "
-                             "when the trace has 'ranked', else none)")
+                        help="also replay this policy at the sampled sizes (repeatable; default none: the LRU "
+                             "curve, the engine's LRU and the optimum only)")
     parser.add_argument("--max-hot", type=int, help="largest size (default 8 x top-k)")
     parser.add_argument("--samples", type=int, default=4, help="sampled sizes for the replayed policies and the optimum")
     parser.add_argument("--target-hit-rate", type=float, help="recommend the smallest hot_tokens reaching this hit rate")
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _policies(args, trace) -> List[str]:
     if args.policy is not None:
         return list(dict.fromkeys(args.policy))
-    return ["score_rank_guarded"] if trace.ranked is not None else []
+    return []
 
 
 def main(args: argparse.Namespace) -> int:

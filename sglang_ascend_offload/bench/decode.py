@@ -266,9 +266,12 @@ def run_profile(args) -> Dict[str, Any]:
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     log(f"profile: rows {rows}, top-k {k}, hot {hot}, layers {layers}, heads {heads}, policy {policy}, "
         f"contexts {context // 4}..{context}; synthesising {steps} steps ...")
+    from ..sparse_decode.policies import needs_ranked
+
+    depth = args.rank_depth or (2 * hot if needs_ranked(policy) else 0)
     spec = SyntheticTraceSpec(steps=steps, layers=layers, rows=rows, top_k=k, seed=args.seed,
                               min_prompt=context // 4, max_prompt=context, min_decode=steps + 1,
-                              max_decode=steps + 1, noise_skew=args.noise_skew)
+                              max_decode=steps + 1, noise_skew=args.noise_skew, rank_depth=depth)
     trace = synthesize(spec)
     manage_op = registry.select("residency_manage", args.ops)
     copy_op = registry.select("copy_miss_rows", args.ops)
@@ -283,12 +286,16 @@ def run_profile(args) -> Dict[str, Any]:
                              max_positions=max_pos) for _ in range(layers)]
     reference = [make_manager(policy, rows, hot, None, manage_op, manage_impl="torch") for _ in range(layers)]
 
+    ranked = torch.from_numpy(trace.ranked) if trace.ranked is not None else None
+
     def one_step(mgrs, t):
         """Results, wall seconds and this thread's CPU seconds of one step over all layers
         (the CPU time is what the step costs on a machine others also use)."""
         out = []
         t0, c0 = time.perf_counter(), time.thread_time()
         for layer in range(layers):
+            if mgrs[layer].needs_ranked:
+                mgrs[layer].set_ranked(ranked[t, layer])
             out.append(mgrs[layer].step_rows(batch_rows, topk[t, layer].contiguous(), req[t], lens[t], t))
         return out, time.perf_counter() - t0, time.thread_time() - c0
 
@@ -340,6 +347,7 @@ def run_profile(args) -> Dict[str, Any]:
         "reference_step_misses": ref_misses,
         "misses_equal_contract": bool(same and misses == ref_misses),
         "context_max": int(lens[t].max()),
+        "rank_depth": depth,
     }
     if args.profile_compile == "on":
         out.update(_profile_compiled(args, log, reference[layers - 1], batch_rows, topk[t, layers - 1], req[t],

@@ -61,6 +61,7 @@ def test_size_hot_command_json_and_plot(tmp_path, capsys):
     save_trace(synthesize(SyntheticTraceSpec(seed=3, rank_depth=16, **SMALL)), path)
     png = tmp_path / "curve.png"
     rc = cli.main(["size-hot", "--trace", str(path), "--json", "--max-hot", "36", "--samples", "2",
+                   "--policy", "score_rank_guarded",
                    "--target-hit-rate", "0.5", "--plot", str(png)])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
