@@ -76,3 +76,29 @@ def test_size_hot_command_json_and_plot(tmp_path, capsys):
     save_trace(synthesize(SyntheticTraceSpec(seed=3, **SMALL)), plain)
     assert cli.main(["size-hot", "--trace", str(plain), "--policy", "score_rank"]) == 2
     assert "ranked" in capsys.readouterr().err
+
+
+def test_bench_decode_replays_a_trace_with_the_named_policy_and_plots(tmp_path, capsys):
+    from sglang_ascend_offload import cli
+
+    path = tmp_path / "t.npz"
+    spec = dict(steps=14, layers=2, rows=2, top_k=8, min_prompt=6, max_prompt=60, min_decode=4, max_decode=10)
+    save_trace(synthesize(SyntheticTraceSpec(seed=4, rank_depth=24, **spec)), path)
+    png = tmp_path / "table.png"
+    rc = cli.main(["bench", "decode", "--trace", str(path), "--policy", "score_rank", "--json", "--plot", str(png),
+                   "--heads", "1"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    out = json.loads(captured.out)
+    assert out["policy"] == "score_rank" and out["verified"] and out["rank_depth"] == 24
+    assert out["misses"] == out["policies"]["score_rank"]["misses"]
+    assert set(out["policies"]) >= {"lru", "score_rank", "score_rank_guarded"} and out["policies_skipped"] == {}
+    assert out["policies"]["score_rank"]["misses"] >= out["opt_misses"]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    plain = tmp_path / "plain.npz"
+    save_trace(synthesize(SyntheticTraceSpec(seed=4, **spec)), plain)
+    assert cli.main(["bench", "decode", "--trace", str(plain), "--policy", "score_rank", "--json"]) == 2
+    assert "ranked" in capsys.readouterr().err
+    assert cli.main(["bench", "decode", "--trace", str(plain), "--json", "--heads", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "score_rank" in out["policies_skipped"] and "score_rank" not in out["policies"]
