@@ -47,7 +47,8 @@ class _Mode:
 def _batch(committed: int) -> SimpleNamespace:
     return SimpleNamespace(forward_mode=_Mode(), spec_info=SimpleNamespace(draft_token_num=N),
                            req_pool_indices=torch.tensor([REQ_ROW]), rids=["req-a"],
-                           seq_lens_cpu=torch.tensor([committed]), batch_size=1)
+                           seq_lens_cpu=torch.tensor([committed]), batch_size=1,
+                           _original_num_tokens=None)  # set by SGLang only for DP-attention padding
 
 
 def _setup(manage_impl: str):
