@@ -173,8 +173,13 @@ def arg_or(args: Any, name: str, default: Any) -> Any:
 
 # SGLang objects other than the server arguments whose fields the plugin reads:
 # class path -> {field: what it is read for}. Each must be a declared field of the
-# class (dataclass / annotated) or set by its ``__init__``; :func:`field` reads them.
+# class (dataclass / annotated) or set by one of its methods; :func:`field` reads them.
 OBJECT_FIELDS: Dict[str, Dict[str, str]] = {
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch": {
+        "rids": "request identity per batch row (sparse decode offload resets a row whose request changed); "
+                "None outside the scheduler and on a padded graph replay",
+        "_original_num_tokens": "DP-attention padding: the real decode rows before padding (None unpadded)",
+    },
     "sglang.srt.disaggregation.base.conn.KVArgs": {
         "state_types": "the P/D manager moves main KV and the DSA indexer only",
         "gpu_id": "device of the P/D transfer engine",
@@ -185,6 +190,35 @@ OBJECT_FIELDS: Dict[str, Dict[str, str]] = {
     },
     "sglang.srt.configs.model_config.ModelConfig": {
         "model_path": "namespace of the layerwise prefill host store",
+        "context_len": "P/D: the longest request's page count sizes the publisher's block tables",
+    },
+    "sglang.srt.managers.scheduler.Scheduler": {
+        "disagg_prefill_bootstrap_queue": "layerwise P/D prefill: the queue whose KV manager announces last chunks",
+        "model_config": "P/D: the context length when the KV manager gets its pool",
+    },
+    "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue": {
+        "kv_manager": "layerwise P/D prefill: the manager whose publisher runs during the forward",
+        "scheduler": "P/D: the model config (context length) when the KV manager gets its pool",
+        "draft_token_to_kv_pool": "P/D: draft (speculative) KV pools are refused",
+    },
+    "sglang.srt.disaggregation.decode.DecodePreallocQueue": {
+        "scheduler": "P/D: the model config (context length) when the KV manager gets its pool",
+        "draft_token_to_kv_pool": "P/D: draft (speculative) KV pools are refused",
+    },
+    "sglang.srt.managers.schedule_batch.ScheduleBatch": {
+        "forward_mode": "layerwise P/D prefill: only extend forwards finish requests",
+        "reqs": "layerwise P/D prefill: the requests whose last chunk a forward computes",
+        "req_pool_indices_cpu": "layerwise P/D prefill: their req_to_token rows, in request order",
+    },
+    "sglang.srt.managers.schedule_batch.Req": {
+        "extend_end": "layerwise P/D prefill: a chunk reaching the end of the input is the last",
+        "bootstrap_room": "layerwise P/D prefill: the room a finished request is announced under",
+        "pending_bootstrap": "layerwise P/D prefill: optimistic requests without a decode peer are skipped",
+        "disagg_kv_sender": "layerwise P/D prefill: requests without a KV sender are not P/D requests",
+        "kv": "layerwise P/D prefill: the request's req_to_token row (when the batch has none)",
+    },
+    "sglang.srt.managers.schedule_batch.ReqKvInfo": {
+        "req_pool_idx": "layerwise P/D prefill: the request's req_to_token row (when the batch has none)",
     },
 }
 
@@ -203,9 +237,14 @@ def field(obj: Any, cls_path: str, name: str) -> Any:
         raise _incompatible(f"SGLang's {cls_path.rsplit('.', 1)[-1]} has no {name!r} (read for: {why})") from None
 
 
-def _declared_fields(cls: Any) -> set:
+def _declared_fields(cls: Any, wanted: Any = ()) -> set:
+    """Fields of ``cls``: dataclass / msgspec fields, annotations and ``self.X = ...`` in
+    ``__init__`` of ``cls`` and its bases; when that misses a name of ``wanted``, also
+    ``self.X = ...`` in every other method (SGLang sets many fields in ``init_*`` helpers
+    its ``__init__`` calls, e.g. ``Scheduler.model_config``)."""
+    mro = [k for k in getattr(cls, "__mro__", (cls,)) if k is not object]
     names = set(getattr(cls, "__dataclass_fields__", {}) or {}) | set(getattr(cls, "__struct_fields__", ()) or ())
-    for klass in getattr(cls, "__mro__", (cls,)):
+    for klass in mro:
         names |= set(getattr(klass, "__annotations__", {}) or {})
         init = klass.__dict__.get("__init__") if hasattr(klass, "__dict__") else None
         if init is not None:
@@ -213,7 +252,35 @@ def _declared_fields(cls: Any) -> set:
                 names |= assigned_self_attributes(init)
             except (OSError, TypeError):  # no source (C types): annotations only
                 pass
+    for klass in mro:
+        if not set(wanted) - names:
+            break
+        names |= _assigned_in_class(klass)
     return names
+
+
+def _assigned_in_class(klass: Any) -> set:
+    """``self.X`` assigned anywhere in ``klass``'s body (its module parsed once; empty
+    without source)."""
+    tree = _module_tree(getattr(klass, "__module__", ""))
+    node: Any = tree
+    for part in getattr(klass, "__qualname__", "").split("."):
+        node = next((n for n in getattr(node, "body", []) if isinstance(n, ast.ClassDef) and n.name == part), None)
+        if node is None:
+            return set()
+    return _self_targets(node)
+
+
+_TREES: Dict[str, Any] = {}
+
+
+def _module_tree(module: str) -> Any:
+    if module not in _TREES:
+        try:
+            _TREES[module] = ast.parse(inspect.getsource(importlib.import_module(module)))
+        except (OSError, TypeError, ImportError, SyntaxError):
+            _TREES[module] = ast.Module(body=[], type_ignores=[])
+    return _TREES[module]
 
 
 def resolve_path(path: str) -> Any:
@@ -253,7 +320,10 @@ POOL_BUFFERS = frozenset({"k_buffer", "v_buffer", "index_k_buffer"})
 
 def assigned_self_attributes(fn: Any) -> set:
     """Names ``X`` of every ``self.X = ...`` (or annotated / augmented) in ``fn``'s source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    return _self_targets(ast.parse(textwrap.dedent(inspect.getsource(fn))))
+
+
+def _self_targets(tree: Any) -> set:
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign):
@@ -330,7 +400,7 @@ def problems() -> List[str]:
                        f"used for {target.why}")
     for cls_path, wanted in OBJECT_FIELDS.items():
         try:
-            declared = _declared_fields(resolve_path(cls_path))
+            declared = _declared_fields(resolve_path(cls_path), wanted)
         except Exception as exc:  # noqa: BLE001
             out.append(f"{cls_path} not found ({type(exc).__name__}: {exc}); the plugin reads {sorted(wanted)}")
             continue

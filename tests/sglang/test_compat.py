@@ -130,8 +130,12 @@ def test_layerwise_pd_prefill_without_its_publisher_fails_loudly(clean_state):
     assert _layerwise_publisher(scheduler) == (None, None)  # nothing configured: not our server
     carrier.publish(cfg.OffloadConfig(layerwise_prefill=cfg.LayerwisePrefillOffloadConfig(store_backend="local"),
                                       pd_transfer=cfg.PDTransferConfig()))
-    with pytest.raises(compat.SGLangIncompatible, match="disagg_prefill_bootstrap_queue is missing"):
+    with pytest.raises(compat.SGLangIncompatible, match=r"Scheduler has no 'disagg_prefill_bootstrap_queue'"):
         _layerwise_publisher(scheduler)
+    with pytest.raises(compat.SGLangIncompatible, match="disagg_prefill_bootstrap_queue is missing"):
+        _layerwise_publisher(SimpleNamespace(disagg_prefill_bootstrap_queue=None))
+    with pytest.raises(compat.SGLangIncompatible, match=r"PrefillBootstrapQueue has no 'kv_manager'"):
+        _layerwise_publisher(SimpleNamespace(disagg_prefill_bootstrap_queue=SimpleNamespace()))
     with pytest.raises(compat.SGLangIncompatible, match="publisher is missing"):
         _layerwise_publisher(SimpleNamespace(disagg_prefill_bootstrap_queue=SimpleNamespace(
             kv_manager=SimpleNamespace(publisher=None))))
@@ -142,3 +146,63 @@ def test_layerwise_pd_prefill_without_its_publisher_fails_loudly(clean_state):
     manager = SimpleNamespace(publisher=publisher)
     assert _layerwise_publisher(SimpleNamespace(disagg_prefill_bootstrap_queue=SimpleNamespace(
         kv_manager=manager))) == (publisher, manager)
+
+
+def test_fields_set_outside_init_are_found_and_renamed_ones_reported(monkeypatch):
+    """Scheduler.model_config / disagg_prefill_bootstrap_queue and ModelConfig.context_len
+    are set by helpers ``__init__`` calls, not in ``__init__`` itself: still declared; a
+    renamed one is not."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    scheduler = "sglang.srt.managers.scheduler.Scheduler"
+    assert "model_config" not in compat.assigned_self_attributes(Scheduler.__init__)
+    assert {"model_config", "disagg_prefill_bootstrap_queue"} <= compat._declared_fields(
+        Scheduler, ["model_config", "disagg_prefill_bootstrap_queue"])
+    monkeypatch.setitem(compat.OBJECT_FIELDS, scheduler,
+                        {**compat.OBJECT_FIELDS[scheduler], "disagg_prefill_queue": "negative control"})
+    found = [p for p in compat.problems() if "has no field" in p and "ServerArgs" not in p]
+    assert found == [f"{scheduler} has no field 'disagg_prefill_queue' (read for: negative control)"], found
+
+
+def test_pd_hooks_read_sglang_objects_strictly(monkeypatch):
+    """The P/D hooks' reads of SGLang's queues, scheduler, batch and requests go through
+    compat.field: a renamed field is an error naming it, never a default."""
+    from sglang_ascend_offload.sglang_plugin.disagg import conn, install
+
+    got = {}
+    monkeypatch.setattr(conn.AscendOffloadKVManager, "attach_pool",
+                        lambda self, pool, context_len=None: got.update(pool=pool, context_len=context_len))
+    manager = conn.AscendOffloadKVManager.__new__(conn.AscendOffloadKVManager)
+
+    def queue(**kw):
+        return SimpleNamespace(**{"token_to_kv_pool": "pool", "draft_token_to_kv_pool": None,
+                                  "scheduler": SimpleNamespace(model_config=SimpleNamespace(context_len=4096)),
+                                  **kw})
+
+    assert install._attach_pool_after_decode(manager, queue()) is manager
+    assert got == {"pool": "pool", "context_len": 4096}
+    other = object()  # another backend's manager: untouched, nothing read
+    assert install._attach_pool_after_prefill(other, SimpleNamespace()) is other
+    with pytest.raises(RuntimeError, match="draft"):
+        install._attach_pool_after_prefill(manager, queue(draft_token_to_kv_pool="draft pool"))
+    with pytest.raises(compat.SGLangIncompatible, match=r"Scheduler has no 'model_config'"):
+        install._attach_pool_after_prefill(manager, queue(scheduler=SimpleNamespace()))
+    with pytest.raises(compat.SGLangIncompatible, match=r"DecodePreallocQueue has no 'scheduler'"):
+        install._attach_pool_after_decode(manager, SimpleNamespace(draft_token_to_kv_pool=None))
+    with pytest.raises(compat.SGLangIncompatible, match=r"ModelConfig has no 'context_len'"):
+        install._attach_pool_after_decode(manager, queue(scheduler=SimpleNamespace(model_config=SimpleNamespace())))
+
+    extend = SimpleNamespace(is_extend=lambda: True)
+    req = dict(kv=SimpleNamespace(req_pool_idx=3), bootstrap_room=7, extend_end=4, origin_input_ids=[0] * 4,
+               pending_bootstrap=False, disagg_kv_sender=object())
+    batch = SimpleNamespace(forward_mode=extend, req_pool_indices_cpu=None, reqs=[SimpleNamespace(**req)])
+    assert install.last_chunk_rows(batch) == [(3, 7)]
+    renamed = {k: v for k, v in req.items() if k != "pending_bootstrap"}  # would read as "not pending"
+    with pytest.raises(compat.SGLangIncompatible, match=r"Req has no 'pending_bootstrap'"):
+        install.last_chunk_rows(SimpleNamespace(forward_mode=extend, req_pool_indices_cpu=None,
+                                                reqs=[SimpleNamespace(**renamed)]))
+    with pytest.raises(compat.SGLangIncompatible, match=r"ScheduleBatch has no 'req_pool_indices_cpu'"):
+        install.last_chunk_rows(SimpleNamespace(forward_mode=extend, reqs=[SimpleNamespace(**req)]))
+    with pytest.raises(compat.SGLangIncompatible, match=r"ReqKvInfo has no 'req_pool_idx'"):
+        install.last_chunk_rows(SimpleNamespace(forward_mode=extend, req_pool_indices_cpu=None,
+                                                reqs=[SimpleNamespace(**{**req, "kv": SimpleNamespace()})]))

@@ -212,7 +212,7 @@ def test_last_chunk_rows_picks_the_requests_this_forward_finishes():
         return NS(kv=NS(req_pool_idx=row), bootstrap_room=room, extend_end=end, origin_input_ids=[0] * n,
                   pending_bootstrap=pending, disagg_kv_sender=object() if sender else None)
 
-    batch = NS(forward_mode=extend, reqs=[
+    batch = NS(forward_mode=extend, req_pool_indices_cpu=None, reqs=[
         req(0, 10, 100),                # last chunk
         req(1, 11, 64),                 # middle chunk: its KV is published with the last one
         req(2, 12, 100, pending=True),  # optimistic, decode not bootstrapped: no peer yet

@@ -50,6 +50,16 @@ from .rules import BACKEND_NAME, SGLANG_BACKEND, missing_config_violation
 
 logger = logging.getLogger(__name__)
 
+# SGLang classes whose fields the hooks read (strictly, through compat.field; each
+# field is listed with its reason in compat.OBJECT_FIELDS).
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_PREFILL_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
+_DECODE_QUEUE = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
+_MODEL_CONFIG = "sglang.srt.configs.model_config.ModelConfig"
+_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+_REQ = "sglang.srt.managers.schedule_batch.Req"
+_REQ_KV = "sglang.srt.managers.schedule_batch.ReqKvInfo"
+
 
 def pd_active() -> bool:
     from .conn import active_pd_config
@@ -108,17 +118,28 @@ def _config_store_around(original, transfer_backend):
     return None
 
 
-def _attach_pool_after(manager, queue, *args, **kwargs):
-    """AFTER ``_init_kv_manager``: give our manager the queue's KV pool."""
+def _attach_pool(manager, queue, queue_cls: str):
+    """Give our manager (built by ``queue``, an instance of ``queue_cls``) the queue's KV pool."""
     from .conn import AscendOffloadKVManager
 
     if isinstance(manager, AscendOffloadKVManager):
-        if getattr(queue, "draft_token_to_kv_pool", None) is not None:
+        if compat.field(queue, queue_cls, "draft_token_to_kv_pool") is not None:
             raise RuntimeError("the ascend_offload P/D backend does not move draft (speculative) KV pools")
-        scheduler = getattr(queue, "scheduler", None)
-        context_len = getattr(getattr(scheduler, "model_config", None), "context_len", None)
+        scheduler = compat.field(queue, queue_cls, "scheduler")
+        model_config = compat.field(scheduler, _SCHEDULER, "model_config")
+        context_len = compat.field(model_config, _MODEL_CONFIG, "context_len")
         manager.attach_pool(queue.token_to_kv_pool, context_len=context_len)
     return manager
+
+
+def _attach_pool_after_prefill(manager, queue, *args, **kwargs):
+    """AFTER ``PrefillBootstrapQueue._init_kv_manager``: give our manager the queue's KV pool."""
+    return _attach_pool(manager, queue, _PREFILL_QUEUE)
+
+
+def _attach_pool_after_decode(manager, queue, *args, **kwargs):
+    """AFTER ``DecodePreallocQueue._init_kv_manager``: give our manager the queue's KV pool."""
+    return _attach_pool(manager, queue, _DECODE_QUEUE)
 
 
 def last_chunk_rows(batch: Any):
@@ -129,21 +150,23 @@ def last_chunk_rows(batch: Any):
     ``disaggregation/prefill.py``, valid with and without overlap scheduling). A request
     still bootstrapping (optimistic prefill) is skipped: it has no decode peer yet.
     """
-    mode = getattr(batch, "forward_mode", None)
+    if batch is None:  # Scheduler.run_batch always gets a batch in SGLang 0.5.23; none runs nothing
+        return []
+    mode = compat.field(batch, _BATCH, "forward_mode")
     if mode is None or not mode.is_extend():
         return []
-    reqs = list(getattr(batch, "reqs", None) or ())
-    rows = getattr(batch, "req_pool_indices_cpu", None)  # the rows, in the order of batch.reqs
+    reqs = list(compat.field(batch, _BATCH, "reqs") or ())
+    rows = compat.field(batch, _BATCH, "req_pool_indices_cpu")  # the rows, in the order of batch.reqs
     rows = [int(r) for r in rows.tolist()] if rows is not None else [_row_of(req) for req in reqs]
     if len(rows) != len(reqs):
         raise RuntimeError(f"batch has {len(reqs)} requests but {len(rows)} req_to_token rows")
     out = []
     for req, row in zip(reqs, rows):
-        end = getattr(req, "extend_end", None)
-        room = getattr(req, "bootstrap_room", None)
-        if end is None or room is None or row is None or getattr(req, "pending_bootstrap", False):
+        end = compat.field(req, _REQ, "extend_end")
+        room = compat.field(req, _REQ, "bootstrap_room")
+        if end is None or room is None or row is None or compat.field(req, _REQ, "pending_bootstrap"):
             continue
-        if getattr(req, "disagg_kv_sender", None) is None:
+        if compat.field(req, _REQ, "disagg_kv_sender") is None:
             continue
         if end >= len(req.origin_input_ids):
             out.append((int(row), int(room)))
@@ -152,8 +175,7 @@ def last_chunk_rows(batch: Any):
 
 def _row_of(req: Any):
     """``req``'s ``req_to_token`` row (SGLang 0.5.23 keeps it in ``req.kv``)."""
-    kv = getattr(req, "kv", None)
-    return getattr(kv, "req_pool_idx", None)
+    return compat.field(compat.field(req, _REQ, "kv"), _REQ_KV, "req_pool_idx")
 
 
 def _layerwise_publisher(scheduler: Any):
@@ -170,8 +192,10 @@ def _layerwise_publisher(scheduler: Any):
     config = carrier.active_config()
     if config.layerwise_prefill is None or config.pd_transfer is None:
         return None, None
-    queue = getattr(scheduler, "disagg_prefill_bootstrap_queue", None)
-    manager = getattr(queue, "kv_manager", None)
+    queue = compat.field(scheduler, _SCHEDULER, "disagg_prefill_bootstrap_queue")
+    manager = None if queue is None else compat.field(queue, _PREFILL_QUEUE, "kv_manager")
+    # The manager is the plugin's own AscendOffloadKVManager (not an SGLang object) when the
+    # wiring is right; any other manager has no publisher, which is the error raised below.
     publisher = getattr(manager, "publisher", None)
     if publisher is None or not publisher.publishes_during_forward:
         what = ("Scheduler.disagg_prefill_bootstrap_queue" if queue is None else
@@ -217,7 +241,7 @@ def install() -> None:
     register_resolution_hook("handle_pd_disaggregation")(_pd_step)
     HookRegistry.register(_TARGET_GET_KV_CLASS, _get_kv_class_around, HookType.AROUND)
     HookRegistry.register(_TARGET_CONFIG_STORE, _config_store_around, HookType.AROUND)
-    HookRegistry.register(_TARGET_PREFILL_MANAGER, _attach_pool_after, HookType.AFTER)
-    HookRegistry.register(_TARGET_DECODE_MANAGER, _attach_pool_after, HookType.AFTER)
+    HookRegistry.register(_TARGET_PREFILL_MANAGER, _attach_pool_after_prefill, HookType.AFTER)
+    HookRegistry.register(_TARGET_DECODE_MANAGER, _attach_pool_after_decode, HookType.AFTER)
     HookRegistry.register(_TARGET_RUN_BATCH, _announce_last_chunks_before, HookType.BEFORE)
     _installed = True
