@@ -138,3 +138,78 @@ def test_bench_serve_short_run_pair(tmp_path):
     # the engine stepped the live rows only, not the 2049 rows its hot buffers hold
     assert 0 < float(off["offload_summary"]["rows/step"]) <= 2, off["offload_summary"]
     assert Path(off["log"]).is_file()
+
+
+class _FakeStreamingServer:
+    """``/generate`` that streams SGLang-shaped chunks: cumulative ``output_ids`` (the
+    default) or deltas (``--incremental-streaming-output``), the last chunk carrying two
+    tokens, as a speculative step does."""
+
+    def __init__(self, incremental: bool):
+        import http.server
+        import threading
+
+        from sglang_ascend_offload.testing.ports import reserve_port
+
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                n = body["sampling_params"]["max_new_tokens"]
+                ids = [body["input_ids"][0] + i for i in range(n)]
+                cuts = list(range(1, n - 1)) + [n]  # one token per chunk, then two at once
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                prev = 0
+                for cut in cuts:
+                    chunk = ids[prev:cut] if outer.incremental else ids[:cut]
+                    msg = {"output_ids": chunk, "meta_info": {"completion_tokens": cut, "spec_verify_ct": 3}}
+                    self.wfile.write(b"data: " + json.dumps(msg).encode() + b"\n\n")
+                    self.wfile.flush()
+                    prev = cut
+                self.wfile.write(b"data: [DONE]\n\n")
+
+        self.incremental = incremental
+        self.port = reserve_port()
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        from sglang_ascend_offload.testing.ports import release_ports
+
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        release_ports([self.port])
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_stream_client_reads_cumulative_and_incremental_chunks(incremental):
+    from sglang_ascend_offload.bench import served_load
+    from sglang_ascend_offload.bench.transfer_served import ServedLoad
+    from sglang_ascend_offload.bench.transfer_served import run_load as transfer_run_load
+
+    srv = _FakeStreamingServer(incremental)
+    try:
+        out = served_load.stream_generate(srv.url, [100, 5, 6], 6)
+        assert out.output_ids == [100, 101, 102, 103, 104, 105]
+        assert len(out.token_times_s) == 6 and out.token_times_s[-1] == out.token_times_s[-2]
+        assert out.ttft_s is not None and out.ttft_s <= out.token_times_s[1]
+        assert len(out.inter_token_s()) == 5 and out.meta_info["spec_verify_ct"] == 3
+        res, sent = served_load.run_load(srv.url, [[10] * 4, [20] * 4, [30] * 4], 5, concurrency=2)
+        assert [o.output_ids[0] for o in res.outputs] == [10, 20, 30] and len(sent) == 3
+        assert len(res.completed(5)) == 3 and res.output_tokens_per_s(5) > 0
+        # bench transfer --served summarises the same client's load
+        row = transfer_run_load(srv.url, ServedLoad(requests=3, concurrency=2, input_len=4, output_len=5), "fake")
+        assert row.completed == 3 and row.ttft_ms_p50 is not None and row.output_tokens_per_s > 0
+    finally:
+        srv.stop()
