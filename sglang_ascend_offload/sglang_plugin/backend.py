@@ -72,7 +72,7 @@ class AscendOffloadAttnBackend(AttentionBackend):
         hf = model_runner.model_config.hf_config
         self.kv_lora_rank = int(model_runner.model_config.kv_lora_rank)
         self.qk_rope_head_dim = int(model_runner.model_config.qk_rope_head_dim)
-        self.index_topk = getattr(hf, "index_topk", None)
+        self.index_topk = getattr(hf, "index_topk", None)  # an HF config field: None for MLA models without DSA
         self.offload_config = carrier.active_config().sparse_decode
         ops_choice = self.offload_config.ops if self.offload_config is not None else "auto"
         self.indexer_op = registry.select("lightning_indexer", ops_choice)

@@ -13,6 +13,10 @@ from typing import List, Optional
 
 import torch
 
+from . import compat
+
+# SGLang's per-forward batch (its fields are read through compat.field)
+FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
 
 @dataclass
 class DSAForwardMetadata:
@@ -62,10 +66,10 @@ def real_batch_size(forward_batch) -> int:
     only see the first ``real_batch_size`` rows.
     """
     n = int(forward_batch.batch_size)
-    rids = getattr(forward_batch, "rids", None)
+    rids = compat.field(forward_batch, FORWARD_BATCH, "rids")
     if rids is not None:
         n = min(n, len(rids))
-    original = getattr(forward_batch, "_original_num_tokens", None)
+    original = compat.field(forward_batch, FORWARD_BATCH, "_original_num_tokens")
     if original is not None and forward_batch.forward_mode.is_decode():
         n = min(n, int(original))
     return n

@@ -36,10 +36,10 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from . import carrier, speculative
+from . import carrier, compat, speculative
 from ..sparse_decode.engine import decode_layer_step
 from .backend import AscendOffloadAttnBackend, graph_seq_lens_cpu
-from .metadata import real_batch_size
+from .metadata import FORWARD_BATCH, real_batch_size
 from .metrics import OffloadMetrics
 from .offload_pool import HostMainKVPool
 from .trace_recorder import TraceRecorder, trace_path
@@ -74,6 +74,7 @@ class _CaptureBatch:
     forward_mode: Any
     seq_lens_cpu: Optional[torch.Tensor] = None
     rids: Optional[List[str]] = None
+    _original_num_tokens: Optional[int] = None
 
 
 class RowOwners:
@@ -98,37 +99,46 @@ class RowOwners:
         return out
 
 
+@dataclass(frozen=True)
+class RankFacts:
+    """This process's ranks: TP rank, attention TP / DP rank and size, DP replica."""
+
+    tp_rank: int
+    attn_tp_rank: int
+    attn_tp_size: int
+    attn_dp_rank: int
+    attn_dp_size: int
+    replica: int
+
+
+def rank_facts(model_runner: Any) -> RankFacts:
+    """The ranks of this process as SGLang 0.5.23 states them: its parallel context
+    (``runtime_context.get_parallel()``; its ``ModelRunner`` has no ``tp_rank`` /
+    ``dp_rank`` attributes). ``dp_rank`` is ``None`` without a data-parallel controller
+    (``SpawnRanks``): replica 0. Outside a server nothing is published (reading raises
+    ``RuntimeError``): a component test's stand-in model runner states its ``tp_rank``
+    and is a single engine."""
+    from sglang.srt.runtime_context import get_parallel
+
+    par = get_parallel()
+    try:
+        tp_rank = int(par.tp_rank)
+    except RuntimeError:  # no published parallel context: not a server process
+        return RankFacts(int(model_runner.tp_rank), 0, 1, 0, 1, 0)
+    return RankFacts(tp_rank, int(par.attn_tp_rank), int(par.attn_tp_size), int(par.attn_dp_rank),
+                     int(par.attn_dp_size), int(par.dp_rank) if par.dp_rank is not None else 0)
+
+
 def engine_identity(model_runner: Any) -> Tuple[bool, int, int]:
     """``(records, index, count)`` of this rank's engine among the server's engines.
 
     One engine (one host pool) per attention-DP group of each DP replica; its attention
-    TP rank 0 records the trace. SGLang 0.5.23 keeps the attention ranks in its
-    parallel context (``attn_tp_rank``, ``attn_dp_rank``, ``attn_dp_size``; DP attention
-    is ``attn_dp_size > 1``) and the replica in ``model_runner.dp_rank``; outside a
-    server (component tests) the model runner's ``tp_rank`` decides.
+    TP rank 0 records the trace (:func:`rank_facts`; replicas: ``--dp-size``).
     """
-    try:
-        from sglang.srt.runtime_context import get_parallel
-
-        par = get_parallel()
-        attn_tp_rank, attn_dp_rank, attn_dp = int(par.attn_tp_rank), int(par.attn_dp_rank), int(par.attn_dp_size)
-    except Exception:  # noqa: BLE001 - no parallel context: a single engine
-        attn_tp_rank, attn_dp_rank, attn_dp = int(getattr(model_runner, "tp_rank", 0) or 0), 0, 1
-    server_args = getattr(model_runner, "server_args", None)
-    replicas = int(getattr(server_args, "dp_size", 1) or 1)
-    replica = int(getattr(model_runner, "dp_rank", None) or 0)
-    return attn_tp_rank == 0, replica * attn_dp + attn_dp_rank, replicas * attn_dp
-
-
-def attention_tp_size() -> int:
-    """Attention-TP ranks sharing this rank's host pool (1 outside a server's parallel context)."""
-    try:
-        from sglang.srt.runtime_context import get_parallel
-
-        par = get_parallel()
-    except Exception:  # noqa: BLE001 - no parallel context (component tests): a single rank
-        return 1
-    return int(par.attn_tp_size)
+    ranks = rank_facts(model_runner)
+    replicas = int(compat.arg_or(model_runner.server_args, "dp_size", 1))
+    return (ranks.attn_tp_rank == 0, ranks.replica * ranks.attn_dp_size + ranks.attn_dp_rank,
+            replicas * ranks.attn_dp_size)
 
 
 class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
@@ -144,11 +154,12 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         self.rows = RowOwners(self.engine.config.rows)
         self.start_layer = pool.start_layer
         config = carrier.active_config().sparse_decode
-        server_args = getattr(model_runner, "server_args", None)
-        labels = {"tp_rank": str(getattr(model_runner, "tp_rank", 0))}
+        server_args = model_runner.server_args
+        self.ranks = rank_facts(model_runner)
+        labels = {"tp_rank": str(self.ranks.tp_rank)}
         self.metrics = OffloadMetrics(
             self.engine.stats, self.engine.config.layers,
-            prometheus=bool(getattr(server_args, "enable_metrics", False)),
+            prometheus=bool(compat.arg(server_args, "enable_metrics")),
             log_interval_s=config.metrics_log_interval_s, labels=labels,
         )
         self.recorder: Optional[TraceRecorder] = None
@@ -159,7 +170,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             self.recorder = TraceRecorder(
                 path, cfg.layers, cfg.rows, cfg.top_k, config.record_trace_max_steps,
                 rank_depth=config.record_trace_rank_depth,
-                meta={"source": "sglang", "model": str(getattr(server_args, "model_path", "")),
+                meta={"source": "sglang", "model": str(compat.arg(server_args, "model_path")),
                       "hot_tokens": cfg.hot_tokens, "top_k": cfg.top_k, "layers": cfg.layers,
                       "rows": cfg.rows, "page_size": self.page_size, "policy": cfg.policy},
             )
@@ -197,7 +208,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         rows_list = [int(r) for r in forward_batch.req_pool_indices[:real].tolist()]
         if len(set(rows_list)) != len(rows_list):
             raise RuntimeError(f"decode batch names req_to_token rows {rows_list} more than once")
-        rids = getattr(forward_batch, "rids", None)
+        rids = compat.field(forward_batch, FORWARD_BATCH, "rids")
         req_ids = self.rows.ids_for(rows_list, list(rids[:real]) if rids is not None else None)
         stable = forward_batch.seq_lens_cpu[:real].to(torch.int32)
         batch_rows = torch.tensor(rows_list, dtype=torch.int64)
@@ -211,7 +222,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         changed gets a new owner id, so the engine resets it at its next decode step).
         Every request is prefilled (extended) before it decodes, so a graph replay of a
         padded bucket, whose batch carries no request ids, still sees each row's owner."""
-        rids = getattr(forward_batch, "rids", None)  # optional in ForwardBatch (None outside the scheduler)
+        rids = compat.field(forward_batch, FORWARD_BATCH, "rids")  # None outside the scheduler
         if rids is None:
             return
         real = min(real_batch_size(forward_batch), len(rids))
@@ -236,7 +247,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         rows_list = [r for r, ok in zip(pool_rows, live) if ok]
         if len(set(rows_list)) != len(rows_list):
             raise RuntimeError(f"decode batch names req_to_token rows {rows_list} more than once")
-        rids = getattr(forward_batch, "rids", None)  # None on a padded bucket's replay batch
+        rids = compat.field(forward_batch, FORWARD_BATCH, "rids")  # None on a padded bucket's replay batch
         live_rids = None
         if rids is not None:
             live_rids = [rids[i] for i, ok in enumerate(live) if ok]
@@ -364,7 +375,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         if self.recorder is not None:
             raise RuntimeError("sparse decode offload: record_trace needs eager decode (the recorder reads "
                                "each layer's top-k on the host); drop record_trace or run decode eagerly")
-        if attention_tp_size() > 1:
+        if self.ranks.attn_tp_size > 1:
             raise RuntimeError("sparse decode offload: decode graphs with a host pool shared by several TP ranks "
                                "are not wired (TP rank 0 publishes each layer's appends from the host); run "
                                "decode eagerly or with attention TP 1")
