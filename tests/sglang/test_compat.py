@@ -206,3 +206,17 @@ def test_pd_hooks_read_sglang_objects_strictly(monkeypatch):
     with pytest.raises(compat.SGLangIncompatible, match=r"ReqKvInfo has no 'req_pool_idx'"):
         install.last_chunk_rows(SimpleNamespace(forward_mode=extend, req_pool_indices_cpu=None,
                                                 reqs=[SimpleNamespace(**{**req, "kv": SimpleNamespace()})]))
+
+
+def test_every_sglang_symbol_the_plugin_hooks_is_in_the_table(plugins_loaded):
+    """compat.HOOKED is the one table of hooked SGLang callables: every HookRegistry
+    target the plugin registered (its install ran in this process) is listed there."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    ours = {target for target, hooks in HookRegistry._hooks.items()
+            if any(getattr(fn, "__module__", "").startswith("sglang_ascend_offload") for _, fn, *_ in hooks)}
+    sglang_targets = {t for t in ours if t.startswith("sglang.")}
+    assert len(sglang_targets) >= 10 and ours - sglang_targets <= {"torch.cuda.get_device_capability",
+                                                                    "torch.cuda.synchronize"}, ours
+    assert {compat.TARGET_RUN_BATCH, compat.TARGET_CELL_SIZE, compat.TARGET_POOL} <= sglang_targets  # found them
+    assert sglang_targets - {h.path for h in compat.HOOKED} == set()
