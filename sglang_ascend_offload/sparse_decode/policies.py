@@ -302,7 +302,6 @@ class ScoreRankManager(RankedManager):
     def __init__(self, rows, hot_tokens, device=None, manage_op=residency_manage):
         super().__init__(rows, hot_tokens, device, manage_op)
         self._ranked: Optional[torch.Tensor] = None
-        self._rank: Optional[torch.Tensor] = None
         self.rank_avg = torch.zeros((rows, hot_tokens), dtype=torch.int64, device=device)
 
     def set_ranked(self, ranked: torch.Tensor) -> None:
@@ -347,7 +346,6 @@ class ScoreRankManager(RankedManager):
         if self.smooth_shift is not None:
             fixed = rank << self._FIX
             avg = self.rank_avg + ((fixed - self.rank_avg) >> self.smooth_shift)
-            self._rank = fixed
             rank = (avg + (1 << self._FIX) - 1) >> self._FIX
             self.rank_avg = avg
         # unranked (rank D) first, then the lowest ranked; ties by (stamp, slot)
