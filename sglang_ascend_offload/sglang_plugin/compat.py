@@ -10,13 +10,20 @@ return the default for a renamed field and a safety rule would not fire).
   be a field of ``ServerArgs``.
 * :func:`arg` -- the strict reader: reads a server argument listed there; a missing
   attribute is :class:`SGLangIncompatible` naming it and the SGLang version.
-* :data:`HOOKED` -- every SGLang callable the plugin wraps, with the parameters its
+* :data:`OBJECT_FIELDS` / :func:`field` -- the same for fields of other SGLang objects
+  (scheduler, P/D queues, batches, requests, KV args, model config).
+* :data:`HOOKED` -- every SGLang callable the plugin wraps (its ``TARGET_*`` path, the
+  one the registering module imports from here), with the parameters its
   wrapper relies on; :data:`RESOLUTION_STEPS` -- the resolution steps it wraps, and
   :data:`VALIDATION_STEP` must stay SGLang's last one (the plugin validates the fully
   resolved arguments there).
 * :func:`problems` / :func:`require_compatible` -- resolve and check all of it; run
   by the validation step before anything else, so an incompatible SGLang stops the
   launch with every difference listed.
+
+This module imports nothing of the plugin at module level (only the package's version
+constant), so every plugin module may import it; ``tests/test_structure.py`` checks
+that no import, not even one inside a function, points back.
 """
 
 from __future__ import annotations
