@@ -108,6 +108,8 @@ def replay_trace(trace: Trace, opts: ReplayOptions,
     """
     check_ranked(trace, opts.policy)
     t_start = time.perf_counter()
+    total_steps = trace.steps
+    original_step = _kept(trace)[0]  # progress is reported in the trace's own steps
     trace = compact_trace(trace)
     schedule = step_schedule(trace)
     wants_ranked = needs_ranked(opts.policy)
@@ -163,7 +165,9 @@ def replay_trace(trace: Trace, opts: ReplayOptions,
                 token_table[r, : len(tab)] = torch.tensor(tab, dtype=torch.int32)
 
         sel_np = schedule[t]
-        if sel_np.size == 0:
+        if sel_np.size == 0:  # nothing was or is active (a leading idle step)
+            if progress is not None:
+                progress(total_steps if t == trace.steps - 1 else int(original_step[t]) + 1, total_steps)
             continue
         sel = torch.from_numpy(sel_np)
         engine.begin_step(torch.from_numpy(req_ids[sel_np].astype(np.int64)), token_table,
@@ -199,7 +203,7 @@ def replay_trace(trace: Trace, opts: ReplayOptions,
             if not torch.equal(result.output.cpu(), ref):
                 _fail(failures, f"step {t} layer {layer}: attention output differs from the full-KV reference")
         if progress is not None:
-            progress(t + 1, trace.steps)
+            progress(total_steps if t == trace.steps - 1 else int(original_step[t]) + 1, total_steps)
     return ReplayResult(stats=engine.stats(), verified=opts.verify and not failures, checks=checks,
                         failures=failures, times=engine.times, wall_s=time.perf_counter() - t_start,
                         prefill_bytes=prefill_bytes, host_tokens=capacity)
@@ -236,18 +240,23 @@ def check_ranked(trace: Trace, policy: str) -> None:
             "synthesise with --rank-depth, or pick a policy that needs only the top-k")
 
 
-def compact_trace(trace: Trace) -> Trace:
-    """The same residency problem without idle work: rows never active are dropped and
-    every run of all-idle steps becomes one idle step (one idle step already resets
-    every row; stamps only need to be monotone). Every policy's misses are unchanged
-    (tested). Returns ``trace`` itself when there is nothing to drop."""
+def _kept(trace: Trace):
+    """``(steps, rows)`` int arrays that :func:`compact_trace` keeps."""
     active = trace.req_ids != -1  # [steps, rows]
     keep_rows = np.flatnonzero(active.any(axis=0))
     if keep_rows.size == 0:
         keep_rows = np.arange(1)
     any_active = active.any(axis=1)
     prev_active = np.concatenate([[True], any_active[:-1]])
-    keep_steps = np.flatnonzero(any_active | prev_active)  # first idle step of every run
+    return np.flatnonzero(any_active | prev_active), keep_rows  # first idle step of every run
+
+
+def compact_trace(trace: Trace) -> Trace:
+    """The same residency problem without idle work: rows never active are dropped and
+    every run of all-idle steps becomes one idle step (one idle step already resets
+    every row; stamps only need to be monotone). Every policy's misses are unchanged
+    (tested). Returns ``trace`` itself when there is nothing to drop."""
+    keep_steps, keep_rows = _kept(trace)
     if keep_rows.size == trace.rows and keep_steps.size == trace.steps:
         return trace
     ix = np.ix_(keep_steps, np.arange(trace.layers), keep_rows)
