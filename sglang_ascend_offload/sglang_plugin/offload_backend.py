@@ -101,7 +101,8 @@ class RowOwners:
 
 @dataclass(frozen=True)
 class RankFacts:
-    """This process's ranks: TP rank, attention TP / DP rank and size, DP replica."""
+    """This process's ranks: TP rank, attention TP / DP rank and size, and SGLang's
+    ``dp_rank`` (0 when it is ``None``; see :func:`engine_identity` for what it names)."""
 
     tp_rank: int
     attn_tp_rank: int
@@ -133,11 +134,15 @@ def engine_identity(model_runner: Any) -> Tuple[bool, int, int]:
     """``(records, index, count)`` of this rank's engine among the server's engines.
 
     One engine (one host pool) per attention-DP group of each DP replica; its attention
-    TP rank 0 records the trace (:func:`rank_facts`; replicas: ``--dp-size``).
+    TP rank 0 records the trace (:func:`rank_facts`; replicas: ``--dp-size``). With
+    DP attention SGLang's DP controller stamps the attention-DP rank as ``dp_rank`` on
+    each group's processes (the served DP-attention test's log shows ``DP1`` on group
+    1), so ``dp_rank`` names a separate replica only without DP attention.
     """
     ranks = rank_facts(model_runner)
     replicas = int(compat.arg_or(model_runner.server_args, "dp_size", 1))
-    return (ranks.attn_tp_rank == 0, ranks.replica * ranks.attn_dp_size + ranks.attn_dp_rank,
+    replica = ranks.replica if ranks.attn_dp_size == 1 else 0
+    return (ranks.attn_tp_rank == 0, replica * ranks.attn_dp_size + ranks.attn_dp_rank,
             replicas * ranks.attn_dp_size)
 
 
