@@ -75,12 +75,16 @@ def run_transfer(gate_reads: bool, decode_expects: bool = True, then=None, decod
     real_read = d_engine.read
 
     # Decode is slow: reuse before READ_DONE would corrupt the read. Without the read gate
-    # (negative control) the read waits 0.4 s, far longer than the next layer takes to
-    # overwrite the shared buffer even on a loaded machine, so the corruption always shows.
-    read_delay_s = 0.05 if gate_reads else 0.4
+    # (negative control) every read waits until the prefill forward is over, so the shared
+    # buffer holds the last layer by then and the corruption shows whatever the load (a
+    # fixed 0.4 s delay let a loaded machine's slow forward hide it).
+    forward_over = threading.Event()
 
     def slow_read(*args, **kwargs):
-        time.sleep(read_delay_s)
+        if gate_reads:
+            time.sleep(0.05)
+        else:
+            assert forward_over.wait(60), "the prefill forward never finished"
         return real_read(*args, **kwargs)
 
     d_engine.read = slow_read
@@ -120,6 +124,7 @@ def run_transfer(gate_reads: bool, decode_expects: bool = True, then=None, decod
         pub.expect(a.row, room=7, session=SESSION)  # a's last chunk: cached rows loaded, new rows written
         h.extend([a], [21])
         pool.flush()
+        forward_over.set()
         src = h.req_to_token_pool.req_to_token[a.row, :n_pages * PAGE:PAGE].long() // PAGE
         if not decode_expects:
             deadline = time.monotonic() + 30
