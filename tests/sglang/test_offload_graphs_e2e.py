@@ -18,11 +18,11 @@ requests (churn). Greedy tokens must be identical on all three servers and outpu
 logprobs within ``LOGPROB_TOL`` (the compiled forward may fuse float arithmetic
 differently; the measured difference is printed with ``-s``).
 
-Both graph servers' logs must show the capture and no graph break or recompilation
-in the plugin's code after startup; the offload one exact and padded replays of the bucket, no graph break in the plugin's code and no recompilation
-caused by the plugin's code after startup (torch's ``recompiles`` / ``graph_breaks``
-logs): the offloaded decode step is one graph per bucket whose inputs are static
-buffers, not per-step Python values.
+Both graph servers' logs (torch's ``recompiles`` / ``graph_breaks`` logs) must show the
+capture, no graph break in the plugin's code and no recompilation caused by the
+plugin's code after startup: the decode step is one graph per bucket whose inputs are
+static buffers, not per-step Python values. The offload server's log must also show
+exact and padded replays of the bucket.
 
 Runtime: torch.compile of the model on this CPU dominates: the two graph servers
 start in ~170-200 s (the eager one in ~105 s) on the loaded 2-core machine, ~230 s
