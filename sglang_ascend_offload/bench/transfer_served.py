@@ -31,7 +31,6 @@ import logging
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -82,7 +81,7 @@ def _launch(name: str, root: Path):
     """Servers (started) and the URL to load for configuration ``name``; plus what to stop."""
     from ..testing import pd_servers
     from ..testing.ports import reserve_port
-    from ..testing.servers import IDLE_SLEEP, ServerProcess
+    from ..testing.servers import IDLE_SLEEP, ServerProcess, start_all
 
     if name == "colocated":
         s = ServerProcess(pd_servers.COMMON + IDLE_SLEEP, log_path=root / f"{name}.log")
@@ -95,10 +94,7 @@ def _launch(name: str, root: Path):
                ServerProcess(decode, log_path=root / f"{name}.decode.log")]
     stoppable: list = list(servers)
     try:
-        with ThreadPoolExecutor(len(servers)) as pool:
-            errors = [f.exception() for f in [pool.submit(s.start) for s in servers]]
-        if any(errors):
-            raise next(e for e in errors if e)
+        start_all(*servers)
         router = pd_servers.PDRouter(servers[0].url, bootstrap, servers[1].url,
                                      root / f"{name}.router.log").start()
         stoppable.append(router)

@@ -229,6 +229,20 @@ def stop_process_group(proc: Optional[subprocess.Popen], grace_s: float) -> None
         proc.wait(timeout=10)
 
 
+def start_all(*procs) -> None:
+    """Start servers / routers (anything with ``start()`` and ``stop()``) at once and wait
+    for all of them. If any fails, every one is stopped and the first failure is raised
+    (each failure message carries its server's log tail)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    procs = [p for p in procs if p is not None]
+    with ThreadPoolExecutor(max(1, len(procs))) as pool:
+        errors = [f.exception() for f in [pool.submit(p.start) for p in procs]]
+    if any(errors):
+        stop_all(*procs)
+        raise next(e for e in errors if e)
+
+
 def stop_all(*procs) -> None:
     """Stop servers / routers (anything with ``stop()``) at once: each may take its grace period."""
     from concurrent.futures import ThreadPoolExecutor

@@ -27,8 +27,8 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from sglang_ascend_offload.testing.servers import (  # noqa: E402,F401 - re-exported for the test modules
-    CPU_SERVER_ARGS, IDLE_SLEEP, REPO, STARTUP_TIMEOUT_S, TINY_DSA, PortInUse, ServerProcess, server_env, stop_all,
-    stop_process_group)
+    CPU_SERVER_ARGS, IDLE_SLEEP, REPO, STARTUP_TIMEOUT_S, TINY_DSA, PortInUse, ServerProcess, server_env, start_all,
+    stop_all, stop_process_group)
 
 
 def free_port(span: int = 1) -> int:

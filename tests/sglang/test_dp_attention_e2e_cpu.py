@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import IDLE_SLEEP, ServerProcess, stop_all
+from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -39,11 +39,8 @@ def pair(tmp_path_factory):
     offload = {"hot_tokens": 64, "record_trace": str(root / "served.npz"), "record_trace_max_steps": 12}
     on = ServerProcess(DP_ARGS + ["--enable-sparse-decode-offload", "--sparse-decode-offload-config",
                                   json.dumps(offload)], log_path=root / "on.log", env=BIND)
-    with ThreadPoolExecutor(2) as pool:
-        errors = [f.exception() for f in [pool.submit(s.start) for s in (off, on)]]
+    start_all(off, on)
     try:
-        if any(errors):
-            raise next(e for e in errors if e)
         yield off, on, root
     finally:
         stop_all(off, on)

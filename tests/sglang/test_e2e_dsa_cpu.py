@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import IDLE_SLEEP, REPO, ServerProcess, run_launcher, server_env, stop_all
+from conftest import IDLE_SLEEP, REPO, ServerProcess, run_launcher, server_env, start_all, stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -42,13 +42,7 @@ def servers(tmp_path_factory):
                                       "--sparse-decode-offload-config", json.dumps(offload_cfg)],
                             log_path=root / "offload.log")
     offload.trace_file = root / "served.npz"
-    with ThreadPoolExecutor(2) as pool:
-        started = [pool.submit(srv.start) for srv in (dense, offload)]
-        errors = [f.exception() for f in started]
-    if any(errors):
-        dense.stop()
-        offload.stop()
-        raise next(e for e in errors if e)
+    start_all(dense, offload)
     print(f"\nstartup: dense {dense.startup_s:.1f} s, offload {offload.startup_s:.1f} s (concurrent)")
     yield dense, offload
     stop_all(dense, offload)

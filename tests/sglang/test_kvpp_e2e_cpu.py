@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import CPU_SERVER_ARGS, IDLE_SLEEP, REPO, ServerProcess, stop_all
+from conftest import CPU_SERVER_ARGS, IDLE_SLEEP, REPO, ServerProcess, start_all, stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -78,11 +78,7 @@ def _start_pair(tp: int, root):
     off = ServerProcess(log_path=root / f"tp{tp}_off.log", base_args=_base_args(tp), env=_env(tp))
     on = ServerProcess(["--enable-kvpp", "--kvpp-config", json.dumps({"broadcast": "active"})],
                        log_path=root / f"tp{tp}_on.log", base_args=_base_args(tp), env=_env(tp))
-    with ThreadPoolExecutor(2) as pool:
-        errors = [f.exception() for f in [pool.submit(s.start) for s in (off, on)]]
-    if any(errors):
-        stop_all(off, on)
-        raise next(e for e in errors if e)
+    start_all(off, on)
     print(f"\nstartup tp {tp} (2 servers launched together): off {off.startup_s:.1f} s, on {on.startup_s:.1f} s")
     return off, on
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import CPU_SERVER_ARGS, IDLE_SLEEP, REPO, ServerProcess, stop_all
+from conftest import CPU_SERVER_ARGS, IDLE_SLEEP, REPO, ServerProcess, start_all, stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -45,12 +45,7 @@ def servers(tmp_path_factory):
     procs = {"off": ServerProcess(log_path=root / "off.log", base_args=BASE_ARGS),
              "B1": ServerProcess(layerwise_args(1), log_path=root / "b1.log", base_args=BASE_ARGS),
              "B2": ServerProcess(layerwise_args(2), log_path=root / "b2.log", base_args=BASE_ARGS)}
-    with ThreadPoolExecutor(len(procs)) as pool:
-        errors = [f.exception() for f in [pool.submit(p.start) for p in procs.values()]]
-    if any(errors):
-        for p in procs.values():
-            p.stop()
-        raise next(e for e in errors if e)
+    start_all(*procs.values())
     print("\nstartup (3 servers launched together): " +
           ", ".join(f"{k} {p.startup_s:.1f} s" for k, p in procs.items()))
     yield procs

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import IDLE_SLEEP, TINY_DSA, ServerProcess, stop_all
+from conftest import IDLE_SLEEP, TINY_DSA, ServerProcess, start_all, stop_all
 from sglang_ascend_offload.testing.servers import fixture_args
 
 pytestmark = pytest.mark.slow
@@ -69,11 +69,7 @@ def servers(tmp_path_factory):
         "plain": ServerProcess(COMMON + GRAPHS, base_args=graph_base, log_path=root / "plain.log",
                                env=TORCH_LOGS, startup_timeout_s=GRAPH_STARTUP_S),
     }
-    with ThreadPoolExecutor(len(procs)) as pool:
-        errors = [f.exception() for f in [pool.submit(p.start) for p in procs.values()]]
-    if any(errors):
-        stop_all(*procs.values())
-        raise next(e for e in errors if e)
+    start_all(*procs.values())
     yield procs
     stop_all(*procs.values())
 

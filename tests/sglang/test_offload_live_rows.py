@@ -15,11 +15,10 @@ from __future__ import annotations
 import json
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import IDLE_SLEEP, ServerProcess, stop_all
+from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -42,11 +41,7 @@ def servers(tmp_path_factory):
     procs = [ServerProcess(["--max-running-requests", str(mrr), "--enable-sparse-decode-offload",
                             "--sparse-decode-offload-config", offload_cfg] + IDLE_SLEEP,
                            log_path=root / f"mrr{mrr}.log") for mrr in CAPACITIES]
-    with ThreadPoolExecutor(len(procs)) as pool:
-        errors = [f.exception() for f in [pool.submit(p.start) for p in procs]]
-    if any(errors):
-        stop_all(*procs)
-        raise next(e for e in errors if e)
+    start_all(*procs)
     yield dict(zip(CAPACITIES, procs))
     stop_all(*procs)
 

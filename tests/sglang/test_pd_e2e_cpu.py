@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import IDLE_SLEEP, ServerProcess, free_port, stop_all
+from conftest import IDLE_SLEEP, ServerProcess, free_port, start_all, stop_all
 
 from sglang_ascend_offload.testing import pd_servers
 from sglang_ascend_offload.testing.pd_servers import PDRouter
@@ -59,10 +59,7 @@ def pd(tmp_path_factory):
     servers = [prefill, dense, offload, colocated, prefill_lw]
     routers = []
     try:
-        with ThreadPoolExecutor(len(servers)) as pool:
-            errors = [f.exception() for f in [pool.submit(s.start) for s in servers]]
-        if any(errors):
-            raise next(e for e in errors if e)
+        start_all(*servers)
         print("\nstartup (concurrent): " + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in
                                                     zip(("prefill", "dense", "offload", "colocated",
                                                          "prefill_layerwise"), servers)))

@@ -33,7 +33,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from conftest import IDLE_SLEEP, TINY_DSA, ServerProcess, stop_all
+from conftest import IDLE_SLEEP, TINY_DSA, ServerProcess, start_all, stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -65,11 +65,8 @@ def servers(tmp_path_factory):
                        env={**ENV, "SGLANG_ASCEND_OFFLOAD_TEST_HOLD_APPENDS": str(hold),
                             "SGLANG_ASCEND_OFFLOAD_APPEND_TIMEOUT_S": str(DEADLINE_S)})
     dp = ServerProcess(DP2 + OFFLOAD, log_path=root / "dp.log", env=ENV)
-    with ThreadPoolExecutor(3) as pool:
-        errors = [f.exception() for f in [pool.submit(s.start) for s in (off, on, dp)]]
+    start_all(off, on, dp)
     try:
-        if any(errors):
-            raise next(e for e in errors if e)
         yield {"off": off, "on": on, "dp": dp, "root": root, "hold": hold}
     finally:
         stop_all(off, on, dp)

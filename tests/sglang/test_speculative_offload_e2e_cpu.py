@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import IDLE_SLEEP, ServerProcess, stop_all
+from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
 from sglang_ascend_offload.testing.servers import TINY_DSA_MTP, fixture_args
 
 pytestmark = pytest.mark.slow
@@ -53,11 +53,7 @@ def servers(tmp_path_factory):
     offload = ServerProcess(COMMON + ["--enable-metrics", "--enable-sparse-decode-offload",
                                       "--sparse-decode-offload-config", json.dumps({"hot_tokens": HOT_TOKENS})],
                             log_path=root / "offload.log", base_args=base, env=SIMULATED_ACCEPT)
-    with ThreadPoolExecutor(2) as pool:
-        errors = [f.exception() for f in [pool.submit(srv.start) for srv in (dense, offload)]]
-    if any(errors):
-        stop_all(dense, offload)
-        raise next(e for e in errors if e)
+    start_all(dense, offload)
     print(f"\nstartup: dense {dense.startup_s:.1f} s, offload {offload.startup_s:.1f} s (concurrent)")
     yield dense, offload
     stop_all(dense, offload)
