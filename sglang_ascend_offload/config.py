@@ -55,6 +55,15 @@ class SparseDecodeOffloadConfig:
     record_trace_rank_depth: 0 = off; R >= top-k = also record ``ranked`` (the first R
         positions of every decode step's indexer ranking). While recording, the indexer
         selects top-R instead of top-k (the first k are the top-k the model uses).
+    rank_depth: 0 = off; D >= top-k = serving rank depth: on every eager decode step the
+        indexer selects top-D instead of top-k, the model still gets the first k (the
+        top-k, unchanged) and the residency manager gets the ``[rows, D]`` ranking.
+        Required by the score-aware policies (``score_rank``, ``score_rank_guarded``,
+        ``score_rank_smooth``) and refused with any other policy. Cost: a top-D selection
+        per layer and decode step instead of top-k (same scores), D x 4 bytes per row and
+        layer kept until the layer's residency step. Not with decode graphs or
+        speculative decoding (rules ``sglang.sparse_decode_graph``,
+        ``sparse_decode.score_speculative``).
     metrics_log_interval_s: period of the one-line statistics summary in the log (0 = off).
     """
 
@@ -68,6 +77,7 @@ class SparseDecodeOffloadConfig:
     record_trace: Optional[str] = None
     record_trace_max_steps: int = 4096
     record_trace_rank_depth: int = 0
+    rank_depth: int = 0
     metrics_log_interval_s: float = 30.0
 
     def _check(self) -> List[str]:
@@ -87,10 +97,17 @@ class SparseDecodeOffloadConfig:
             errs.append("record_trace_rank_depth needs record_trace (the file to record into)")
         from .sparse_decode.policies import POLICIES as _P
 
-        if _P[self.policy].needs_ranked:
-            errs.append(f"policy={self.policy!r} needs the indexer's ranking every step, which the served decode path "
-                        "does not pass to the residency manager: evaluate it offline (bench decode --trace, size-hot) "
-                        "on a trace recorded with record_trace_rank_depth, and serve with lru / lru_k2_guarded")
+        if self.rank_depth < 0:
+            errs.append(f"rank_depth={self.rank_depth} is out of range: it must be >= 0 (0 = off, else >= the "
+                        "model's top-k)")
+        if _P[self.policy].needs_ranked and self.rank_depth <= 0:
+            errs.append(f"policy={self.policy!r} needs the indexer's ranking every step: set rank_depth to D >= the "
+                        "model's top-k (e.g. 2 x hot_tokens; the indexer then selects top-D per layer and decode "
+                        "step), or serve a policy that needs only the top-k (lru, lru_k2, lru_k2_guarded)")
+        if self.rank_depth > 0 and not _P[self.policy].needs_ranked:
+            errs.append(f"rank_depth={self.rank_depth} with policy={self.policy!r}, which does not read the ranking "
+                        "(it would only cost a top-D selection per layer and step): drop rank_depth or choose a "
+                        "score policy (" + ", ".join(p for p in _P if _P[p].needs_ranked) + ")")
         if self.metrics_log_interval_s < 0:
             errs.append(f"metrics_log_interval_s={self.metrics_log_interval_s} is out of range: it must be >= 0 "
                         "(0 = off)")
@@ -521,6 +538,8 @@ RULES: Dict[str, str] = {
     "sparse_decode.prefill_node": "sparse decode offload is a decode-side feature",
     "sparse_decode.fused_device": "fused LIM / Copy-SFA and npu ops need an Ascend NPU",
     "sparse_decode.speculative": "speculative decoding must have a fixed token count (rows per request)",
+    "sparse_decode.rank_depth_topk": "rank_depth must be >= the model's top-k (the ranking starts with the top-k)",
+    "sparse_decode.score_speculative": "score-aware policies (rank_depth) are not wired for speculative verify rows",
     "sparse_decode.kvpp": "KVPP shards the device main KV, which sparse decode offload keeps on the host",
     # layerwise prefill offload (seed 000 §3, §8)
     "layerwise_prefill.eager": "layerwise buffer reuse needs eager mode (seed 000 §8)",
@@ -628,6 +647,13 @@ def _check_sparse_decode(config: OffloadConfig, d: Deployment, add) -> None:
     if d.speculative_method and not d.speculative_fixed:
         add("sparse_decode.speculative", f"speculative method {d.speculative_method!r} has a variable "
             "token count", "use a fixed number of speculative tokens")
+    if sd.rank_depth > 0 and d.index_topk is not None and sd.rank_depth < d.index_topk:
+        add("sparse_decode.rank_depth_topk", f"rank_depth={sd.rank_depth} < top-k={d.index_topk}",
+            f"set rank_depth >= {d.index_topk} (e.g. {2 * d.index_topk} or 2 x hot_tokens)")
+    if sd.rank_depth > 0 and d.speculative_method:
+        add("sparse_decode.score_speculative", f"policy {sd.policy!r} (rank_depth={sd.rank_depth}) with "
+            f"speculative method {d.speculative_method!r}: verify rows get no ranking of their own",
+            "serve lru / lru_k2_guarded with speculative decoding, or disable speculative decoding")
     if config.kvpp is not None:
         add("sparse_decode.kvpp", "sparse decode offload and KVPP are both on",
             "enable only one of them on a node")

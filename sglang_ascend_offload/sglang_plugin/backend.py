@@ -59,6 +59,17 @@ class GraphBuffers:
     block_columns: torch.Tensor  # int64 [max_blocks]: first position of each page
 
 
+@dataclass
+class LayerRanking:
+    """The indexer's ranking of one layer for the current decode step, kept for the
+    residency manager: ``ranked`` int32 ``[T, D]`` positions in descending indexer-score
+    order (``-1`` padding; its first ``k`` columns are the step's top-k), T the batch's
+    query tokens (decode: one per request, DP-attention padding after the real rows)."""
+
+    layer_id: int
+    ranked: torch.Tensor
+
+
 class AscendOffloadAttnBackend(AttentionBackend):
     """DSA attention over the plugin's pools with the op ladder (see module doc)."""
 
@@ -80,6 +91,7 @@ class AscendOffloadAttnBackend(AttentionBackend):
         self.forward_metadata: Optional[DSAForwardMetadata] = None
         self.graph: Optional[GraphBuffers] = None
         self._graph_batch: Optional[int] = None
+        self.ranking: Optional[LayerRanking] = None  # the last layer's top-D ranking (score policies)
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
@@ -202,11 +214,16 @@ class AscendOffloadAttnBackend(AttentionBackend):
         if self._graph_batch is not None:  # graph decode: static shapes, no host reads
             return graph_decode_topk(inputs.query, pool.get_index_k_buffer(layer_id), inputs.weights,
                                      md.block_tables, md.seq_lens, int(indexer.index_topk))
-        # a trace recorder with a rank depth (offload backend, record_trace_rank_depth) gets the
-        # top-R ranking of the decode steps it records; the model still sees the top-k
+        # Rank depth D > k: the indexer selects top-D; the reference indexer returns positions in
+        # descending score order, so its first k columns are the top-k the model attends to
+        # (unchanged). Two readers of the ranking (offload backend only): a trace recorder with
+        # record_trace_rank_depth (the decode steps it records) and a score-aware residency
+        # policy with the serving rank_depth (every eager decode step, kept in self.ranking).
         recorder = getattr(self, "recorder", None)
-        depth = recorder.rank_depth_now() if recorder is not None else 0
+        record_depth = recorder.rank_depth_now() if recorder is not None else 0
+        serve_depth = self.serving_rank_depth(md)
         k = int(indexer.index_topk)
+        depth = max(record_depth, serve_depth)
         topk = self.indexer_op(
             inputs.query,
             pool.get_index_k_buffer(layer_id),
@@ -221,9 +238,17 @@ class AscendOffloadAttnBackend(AttentionBackend):
         )
         topk = topk.reshape(topk.shape[0], -1)
         if depth > k:
-            recorder.record_ranked(layer_id - getattr(self, "start_layer", 0), topk)
+            if record_depth > k:
+                recorder.record_ranked(layer_id - getattr(self, "start_layer", 0), topk)
+            if serve_depth > 0:
+                self.ranking = LayerRanking(layer_id, topk[:, :serve_depth])
             topk = topk[:, :k].contiguous()
         return topk
+
+    def serving_rank_depth(self, md: DSAForwardMetadata) -> int:
+        """Top-D the indexer selects for a score-aware residency policy on this forward
+        (0 = top-k only). The plain backend has no residency manager: 0."""
+        return 0
 
     # ------------------------------------------------------------------ attention
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):

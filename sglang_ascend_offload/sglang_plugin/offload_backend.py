@@ -38,6 +38,7 @@ import torch
 
 from . import carrier, compat, speculative
 from ..sparse_decode.engine import decode_layer_step
+from ..sparse_decode.policies import needs_ranked
 from .backend import AscendOffloadAttnBackend, graph_seq_lens_cpu
 from .metadata import FORWARD_BATCH, real_batch_size
 from .metrics import OffloadMetrics
@@ -167,6 +168,18 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             prometheus=bool(compat.arg(server_args, "enable_metrics")),
             log_interval_s=config.metrics_log_interval_s, labels=labels,
         )
+        self.rank_depth = int(config.rank_depth)
+        if needs_ranked(self.engine.config.policy) and self.rank_depth <= 0:
+            raise RuntimeError(f"sparse decode offload: policy {self.engine.config.policy!r} needs the indexer's "
+                               "ranking every step: set rank_depth (>= the model's top-k) in "
+                               "--sparse-decode-offload-config")
+        if 0 < self.rank_depth < self.engine.config.top_k:
+            raise RuntimeError(f"sparse decode offload: rank_depth {self.rank_depth} < the model's top-k "
+                               f"{self.engine.config.top_k}: the ranking starts with the top-k")
+        if self.rank_depth > 0:
+            logger.info("sparse decode offload: policy %s reads the indexer's top-%d ranking (rank_depth %d, top-k "
+                        "%d) every decode step", self.engine.config.policy, self.rank_depth, self.rank_depth,
+                        self.engine.config.top_k)
         self.recorder: Optional[TraceRecorder] = None
         leader, engine_index, engines = engine_identity(model_runner)
         if config.record_trace and leader:
@@ -283,6 +296,24 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
                         live_count, " (padding entries on the sink row)" if live_count < bs else "")
         self.metrics.on_step_end()  # the previous step's totals (the graph has no host hook at its end)
 
+    def serving_rank_depth(self, md) -> int:
+        """The serving rank depth on eager decode steps (not extend, not verify: speculative
+        decoding is refused with score policies at startup); 0 otherwise."""
+        return self.rank_depth if (md.is_decode and not self._verify) else 0
+
+    def _feed_ranking(self, layer_id: int, real: int) -> None:
+        """Hand this layer's top-D ranking (:meth:`run_indexer` kept it) to the layer's
+        residency manager before its step: int32 ``[real, D]`` on the engine device, the
+        batch's real rows in batch order (the rows of the engine step)."""
+        ranking = self.ranking
+        if ranking is None or ranking.layer_id != layer_id:
+            raise RuntimeError(f"layer {layer_id}: policy {self.engine.config.policy!r} needs this step's indexer "
+                               "ranking, but the indexer did not leave one for this layer (rank_depth "
+                               f"{self.rank_depth}); the indexer hook must run before attention on every layer")
+        self.ranking = None
+        local = layer_id - self.start_layer
+        self.engine.managers[local].set_ranked(ranking.ranked[:real].to(self.engine.device, torch.int32))
+
     # ------------------------------------------------------------------ attention
     def attend(self, layer, forward_batch, q_nope, q_pe, topk_indices) -> torch.Tensor:
         if self._graph_batch is not None:
@@ -302,6 +333,8 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         topk_rows = topk_indices[:real, : cfg.top_k].to(dev, torch.int32)
         copy_before = self.engine.times.seconds.get("copy", 0.0)
         self.engine.timing = self.metrics.needs_copy_timing
+        if self.rank_depth > 0:
+            self._feed_ranking(layer.layer_id, real)
         result = self.engine.run_layer(local, topk_rows, q_nope[:real], q_pe[:real], layer.scaling)
         self.metrics.add_copy_time(local, self.engine.times.seconds.get("copy", 0.0) - copy_before)
         if self.recorder is not None and not self._verify:  # traces hold decode steps (one row per request)
@@ -380,6 +413,10 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         if self.recorder is not None:
             raise RuntimeError("sparse decode offload: record_trace needs eager decode (the recorder reads "
                                "each layer's top-k on the host); drop record_trace or run decode eagerly")
+        if self.rank_depth > 0:
+            raise RuntimeError(f"sparse decode offload: policy {self.engine.config.policy!r} (rank_depth "
+                               f"{self.rank_depth}) needs the indexer's ranking, which the graph decode path does "
+                               "not produce; run decode eagerly or serve lru / lru_k2_guarded with decode graphs")
         if self.ranks.attn_tp_size > 1:
             raise RuntimeError("sparse decode offload: decode graphs with a host pool shared by several TP ranks "
                                "are not wired (TP rank 0 publishes each layer's appends from the host); run "

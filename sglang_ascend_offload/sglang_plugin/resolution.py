@@ -151,6 +151,15 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
                 "drop record_trace, or run decode eagerly (--disable-cuda-graph, or on a CPU without "
                 "--enable-torch-compile)",
             ))
+        if graphs_on and config.sparse_decode.rank_depth > 0:
+            out.append(cfg.Violation(
+                "sglang.sparse_decode_graph",
+                f"policy {config.sparse_decode.policy!r} (rank_depth={config.sparse_decode.rank_depth}) with decode "
+                f"graphs on (backend {decode_graph!r}): the graph decode path selects top-k only and does not hand "
+                "the indexer's ranking to the residency manager",
+                "run decode eagerly (--disable-cuda-graph, or on a CPU without --enable-torch-compile), or serve "
+                "lru / lru_k2_guarded with decode graphs",
+            ))
         out += _sparse_decode_runtime_violations(config.sparse_decode)
         if compat.arg(view, "enable_hisparse"):
             out.append(cfg.Violation(
