@@ -17,7 +17,6 @@ import re
 import time
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from sglang_ascend_offload import config as cfg
@@ -29,8 +28,8 @@ from sglang_ascend_offload.testing.sglang_args import server_args_stub
 from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
 
 POLICY = "score_rank_guarded"
-HOT = 32
-DEPTH = 64  # 2 x hot; the fixture's top-k is 16
+HOT = 64  # the fixture's page size (hot_tokens must be a multiple of it); 4 x top-k
+DEPTH = 128  # 2 x hot; the fixture's top-k is 16
 
 
 # ------------------------------------------------------------------ config
@@ -97,7 +96,7 @@ def _prefix(trace: Trace, steps: int) -> Trace:
 @pytest.mark.slow
 def test_served_score_policy_same_tokens_and_the_replayed_misses(servers):
     off, score, trace_path = servers
-    batch = [prompt(120 + 40 * s, seed=s) for s in range(3)]
+    batch = [prompt(200 + 80 * s, seed=s) for s in range(3)]
     outs = {}
     for name, server in (("off", off), ("score", score)):
         outs[name] = [o["output_ids"] for o in server.generate(batch, max_new_tokens=72, timeout=300)]
@@ -115,9 +114,8 @@ def test_served_score_policy_same_tokens_and_the_replayed_misses(servers):
     assert usable, f"no summary line within the {trace.steps} recorded steps: {summaries}"
     steps, served = usable[-1]
     prefix = _prefix(trace, steps)
-    replayed = sum(simulate_policy(prefix, POLICY, HOT).misses)
-    lru = sum(simulate_policy(prefix, "lru", HOT, manage_impl="auto").misses)
+    replayed = simulate_policy(prefix, POLICY, HOT).misses
+    lru = simulate_policy(prefix, "lru", HOT, manage_impl="auto").misses
     print(f"\n{steps} decode steps: served {POLICY} misses {served}, replayed {replayed}, LRU replay {lru}")
     assert served == replayed  # the manager was fed each step's ranking (same decisions as offline)
-    assert replayed != lru or np.all(trace.ranked[:steps, ..., 16:] < 0), \
-        "the ranking beyond the top-k carried nothing: this load cannot show the policy at work"
+    assert replayed != lru, "LRU makes the same decisions on this load: it cannot show the policy at work"
