@@ -131,6 +131,7 @@ def _hash_capacity(hot_tokens: int) -> int:
 #: beyond it (many rows x long contexts) the map is a hash table of ``2H..4H`` entries
 #: per row. Same bound as the reference's transient map (``residency.DENSE_MAP_LIMIT``).
 DENSE_MAP_LIMIT = 1 << 24
+_INT16_MAX = 32767
 
 
 @dataclass
@@ -140,8 +141,9 @@ class KernelLRUState:
     slot_token int32 ``[R,H]``, slot_stamp int64 ``[R,H]``, row_req int64 ``[R]``: the
     contract's (``docs/residency_contract.md``). order int32 ``[R,H]``: each row's slots
     by ``(slot_stamp, slot)``. Position map, persistent: ``map_kind == 0`` dense,
-    hkeys = slot_of int32 ``[R,P]`` (``P`` = the token table's width; ``R*P <=
-    DENSE_MAP_LIMIT``), written only at fills and never cleared (an entry counts only
+    hkeys = slot_of ``[R,P]`` (``P`` = the token table's width; ``R*P <=
+    DENSE_MAP_LIMIT``; int16 when ``H <= 32767``, else int32: the map is the cold
+    memory a step's lookups touch, so the narrower type halves its cache lines), written only at fills and never cleared (an entry counts only
     if ``slot_token[r, slot_of[r, p]] == p``); ``map_kind == 1`` hash, hkeys / hvals
     int32 ``[R,C]``, ``C`` the power of two ``>= 2H``, updated at fills, evictions and
     resets (memory bounded by ``H`` whatever the context). maxpos int32 ``[R]``: an upper bound of the
@@ -159,11 +161,18 @@ class KernelLRUState:
     map_kind: int = 1
 
     @classmethod
-    def empty(cls, rows: int, hot_tokens: int, max_positions: Optional[int] = None) -> "KernelLRUState":
+    def empty(cls, rows: int, hot_tokens: int, max_positions: Optional[int] = None,
+              dense_dtype: Optional[torch.dtype] = None) -> "KernelLRUState":
         """Empty state; a dense map when ``max_positions`` (every position is below it)
-        is given and ``rows * max_positions <= DENSE_MAP_LIMIT``, else a hash map."""
+        is given and ``rows * max_positions <= DENSE_MAP_LIMIT``, else a hash map.
+        ``dense_dtype`` (int16 / int32) overrides the dense map's slot type (default:
+        int16 when ``hot_tokens <= 32767``)."""
+        if dense_dtype is None:
+            dense_dtype = torch.int16 if hot_tokens <= _INT16_MAX else torch.int32
+        if dense_dtype not in (torch.int16, torch.int32) or (dense_dtype == torch.int16 and hot_tokens > _INT16_MAX):
+            raise ValueError(f"dense_dtype {dense_dtype} cannot hold slots of hot_tokens {hot_tokens}")
         if max_positions is not None and rows * max(1, max_positions) <= DENSE_MAP_LIMIT:
-            kind, hkeys, hvals = 0, torch.full((rows, max(1, max_positions)), -1, dtype=torch.int32), \
+            kind, hkeys, hvals = 0, torch.full((rows, max(1, max_positions)), -1, dtype=dense_dtype), \
                 torch.zeros((1,), dtype=torch.int32)
         else:
             cap = _hash_capacity(hot_tokens)
@@ -209,10 +218,11 @@ def _lru_manage_rows_raw(slot_token, slot_stamp, row_req, order, hkeys, hvals, m
     miss_count = torch.empty((b,), dtype=torch.int32)
     miss_tokens = torch.empty((b, k), dtype=torch.int32)
     miss_slots = torch.empty((b, k), dtype=torch.int32)
+    kind = 2 if map_kind == 0 and hkeys.dtype == torch.int16 else map_kind  # the kernel's dense int16 map
     rc = library().sao_lru_manage_rows(
         _ptr(slot_token), _ptr(slot_stamp), _ptr(row_req), _ptr(order), _ptr(hkeys), _ptr(hvals), _ptr(maxpos),
         r, h, hkeys.shape[1], _ptr(rows), _ptr(topk), _ptr(req_ids), _ptr(stable_len), b, k, step,
-        _ptr(hit_mask), _ptr(slots), _ptr(miss_count), _ptr(miss_tokens), _ptr(miss_slots), map_kind)
+        _ptr(hit_mask), _ptr(slots), _ptr(miss_count), _ptr(miss_tokens), _ptr(miss_slots), kind)
     if rc == 1:
         raise IndexError(f"lru_manage_rows: a batch row is outside the {r} state rows")
     if rc == 2:
@@ -221,6 +231,8 @@ def _lru_manage_rows_raw(slot_token, slot_stamp, row_req, order, hkeys, hvals, m
     if rc == 3:
         raise IndexError(f"lru_manage_rows: a top-k position is >= the dense map's width {hkeys.shape[1]} "
                          "(positions index the token table, whose width sized the map)")
+    if rc == 4:
+        raise ValueError(f"lru_manage_rows: an int16 dense map needs hot_tokens <= 32767, got {h}")
     return hit_mask, slots, miss_count, miss_tokens, miss_slots
 
 

@@ -29,17 +29,20 @@ def _as_dict(res):
     return dict(zip(("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots"), res))
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["hash_map", "dense_map"])
+@pytest.mark.parametrize("dense", [False, "int16", "int32"], ids=["hash_map", "dense_map_int16", "dense_map_int32"])
 @HYP
 @given(scn=scenarios())
 def test_kernel_equals_reference_on_all_rows(dense, scn):
     """Request churn, idle rows, speculative suffixes: state and outputs identical,
-    with either position map."""
+    with either position map (the dense one with int16 or int32 slots)."""
     hot, steps = scn
     rows, k = steps[0][0].shape
     table = ResidencyTable.empty(rows, hot)
-    state = cpu_kernel.KernelLRUState.empty(rows, hot, max_positions=16 if dense else None)
+    dtype = {"int16": torch.int16, "int32": torch.int32}.get(dense)
+    state = cpu_kernel.KernelLRUState.empty(rows, hot, max_positions=16 if dense else None, dense_dtype=dtype)
     assert state.map_kind == (0 if dense else 1)
+    if dense:
+        assert state.hkeys.dtype == dtype
     all_rows = torch.arange(rows, dtype=torch.int64)
     for step, (topk, req, stable) in enumerate(steps):
         t, r, s = torch.from_numpy(topk), torch.from_numpy(req), torch.from_numpy(stable)
@@ -140,3 +143,12 @@ def test_kernel_rejects_rows_out_of_range():
     else:
         raise AssertionError("a row index out of range was accepted")
     assert np.all(state.row_req.numpy() == -1)
+
+
+def test_dense_map_slot_type_follows_hot_tokens():
+    """int16 slots by default while every slot fits (hot_tokens <= 32767), int32 beyond;
+    an int16 map that cannot hold the slots is refused."""
+    assert cpu_kernel.KernelLRUState.empty(2, 32767, max_positions=8).hkeys.dtype == torch.int16
+    assert cpu_kernel.KernelLRUState.empty(2, 32768, max_positions=8).hkeys.dtype == torch.int32
+    with pytest.raises(ValueError, match="cannot hold"):
+        cpu_kernel.KernelLRUState.empty(2, 32768, max_positions=8, dense_dtype=torch.int16)

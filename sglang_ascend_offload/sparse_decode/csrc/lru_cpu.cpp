@@ -43,6 +43,8 @@ struct RowMap {
     __builtin_prefetch(hv + i);
   }
 
+  inline void prefetch2(int32_t) const {}
+
   inline int32_t find(int32_t p) const {
     uint32_t i = home(p);
     while (true) {
@@ -92,20 +94,29 @@ struct RowMap {
 // holds the position (slot_token[slot_of[p]] == p), so evictions, invalidations and
 // resets write nothing here and a step touches the map only at its lookups and fills.
 // Correct because slot_of[p] is rewritten at every fill of p and a position is held by
-// at most one slot of the row.
+// at most one slot of the row. Slot is int16_t when H <= 32767 (half the cold lines a
+// row's lookups touch, half the memory), else int32_t.
+template <typename Slot>
 struct DenseMap {
-  int32_t* so;
+  Slot* so;
   const int32_t* tok;
   int64_t width;
 
   inline void prefetch(int32_t p) const {
     if (p < width) __builtin_prefetch(so + p);
   }
+  // Second stage: the slot_token entry the check of p reads (so[p] fetched earlier).
+  inline void prefetch2(int32_t p) const {
+    if (p < width) {
+      const int32_t s = so[p];
+      if (s >= 0) __builtin_prefetch(tok + s);
+    }
+  }
   inline int32_t find(int32_t p) const {
     const int32_t s = p < width ? so[p] : -1;
     return (s >= 0 && tok[s] == p) ? s : -1;
   }
-  inline void insert(int32_t p, int32_t s) { so[p] = s; }
+  inline void insert(int32_t p, int32_t s) { so[p] = static_cast<Slot>(s); }
   inline bool erase(int32_t) { return true; }
   inline void clear(const int32_t*, int64_t) {}
   static constexpr bool kLazy = true;
@@ -120,8 +131,22 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
                 int32_t* __restrict miss_count, int32_t* __restrict miss_tokens, int32_t* __restrict miss_slots) {
   const int64_t fill_stamp = 2 * step + 1;
   const int64_t hit_stamp = 2 * step + 2;
-  std::vector<uint8_t> flag(H + 1);  // [H]: scratch target of branch-free stores
-  std::vector<int32_t> miss_j(K + 1), victims(K), neworder(H), fills(H + 1), hit_slots(H + 1);
+  // Per-thread scratch, grown on demand and reused across calls (no allocation per step;
+  // every element read is written first in the same row).
+  thread_local std::vector<uint8_t> flag_buf;  // [H+1]: H is the target of branch-free stores
+  thread_local std::vector<int32_t> miss_j_buf, victims_buf, neworder_buf, fills_buf, hit_slots_buf;
+  if (flag_buf.size() < static_cast<size_t>(H + 1)) flag_buf.resize(H + 1);
+  if (miss_j_buf.size() < static_cast<size_t>(K + 1)) miss_j_buf.resize(K + 1);
+  if (victims_buf.size() < static_cast<size_t>(K + 1)) victims_buf.resize(K + 1);
+  if (neworder_buf.size() < static_cast<size_t>(H + 1)) neworder_buf.resize(H + 1);
+  if (fills_buf.size() < static_cast<size_t>(H + 1)) fills_buf.resize(H + 1);
+  if (hit_slots_buf.size() < static_cast<size_t>(H + 1)) hit_slots_buf.resize(H + 1);
+  uint8_t* __restrict flag = flag_buf.data();
+  int32_t* __restrict miss_j = miss_j_buf.data();
+  int32_t* __restrict victims = victims_buf.data();
+  int32_t* __restrict neworder = neworder_buf.data();
+  int32_t* __restrict fills = fills_buf.data();
+  int32_t* __restrict hit_slots = hit_slots_buf.data();
 
   for (int64_t b = 0; b < B; ++b) {
     const int64_t r = rows[b];
@@ -137,8 +162,8 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
     int32_t* __restrict sl = slots + b * K;
     int32_t* __restrict mt = miss_tokens + b * K;
     int32_t* __restrict ms = miss_slots + b * K;
-    uint8_t* __restrict fl = flag.data();
-    int32_t* __restrict mj = miss_j.data();
+    uint8_t* __restrict fl = flag;
+    int32_t* __restrict mj = miss_j;
 
     // 1. reset on a request change (idle rows too)
     if (req != row_req[r]) {
@@ -172,7 +197,7 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
           if (tok[s] < 0) neworder[n++] = static_cast<int32_t>(s);
         for (int64_t i = 0; i < H; ++i)
           if (tok[ord[i]] >= 0) neworder[n++] = ord[i];
-        std::memcpy(ord, neworder.data(), H * sizeof(int32_t));
+        std::memcpy(ord, neworder, H * sizeof(int32_t));
       }
     }
     if (req == -1) {  // idle row: every entry is padding
@@ -184,15 +209,21 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
       continue;
     }
     // 3. lookup
-    std::memset(flag.data(), 0, H);
+    std::memset(flag, 0, H);
     int64_t m = 0, hits = 0;
-    // The map is cold (one layer's state among many): fetch ahead of the lookups.
-    constexpr int64_t kAhead = 32;
+    // The map and the row's slot_token are cold (one layer's state among many): a
+    // two-stage software pipeline fetches slot_of[p] kAhead entries ahead and, once that
+    // line has arrived, slot_token[slot_of[p]] kAhead2 entries ahead (the dependent load
+    // of the entry check), so the loop below mostly hits L1.
+    constexpr int64_t kAhead = 48, kAhead2 = 16;
     for (int64_t j = 0; j < std::min(K, kAhead); ++j)
       if (tk[j] >= 0) map.prefetch(tk[j]);
+    for (int64_t j = 0; j < std::min(K, kAhead2); ++j)
+      if (tk[j] >= 0) map.prefetch2(tk[j]);
     // Branch-free: whether an entry hits is data (about half of them), not control.
     for (int64_t j = 0; j < K; ++j) {
       if (j + kAhead < K && tk[j + kAhead] >= 0) map.prefetch(tk[j + kAhead]);
+      if (j + kAhead2 < K && tk[j + kAhead2] >= 0) map.prefetch2(tk[j + kAhead2]);
       const int32_t p = tk[j];
       if (map_width >= 0 && p >= map_width) return 3;
       const int32_t found = (p >= 0 && p < stab) ? map.find(p) : -1;
@@ -253,8 +284,8 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
       hit_slots[nh] = static_cast<int32_t>(s);
       nh += f == 2;
     }
-    std::memcpy(ord + n, fills.data(), nf * sizeof(int32_t));
-    std::memcpy(ord + n + nf, hit_slots.data(), nh * sizeof(int32_t));
+    std::memcpy(ord + n, fills, nf * sizeof(int32_t));
+    std::memcpy(ord + n + nf, hit_slots, nh * sizeof(int32_t));
     for (int64_t i = 0; i < nh; ++i) stamp[hit_slots[i]] = hit_stamp;
   }
   return 0;
@@ -265,16 +296,27 @@ extern "C" {
 
 // Error codes: 0 ok, 1 a row index out of range, 2 the derived state disagrees with the
 // contract's state (a slot's position missing from the map), 3 a position outside the
-// dense map. map_kind 0: dense map (hkeys = slot_of [R, C], C = width), 1: hash map.
+// dense map, 4 an int16 map with H > 32767. map_kind 0: dense map (hkeys = int32 slot_of [R, C], C = width), 1: hash map,
+// 2: dense map with int16 slot_of (hkeys points at int16 [R, C]; needs H <= 32767).
 int sao_lru_manage_rows(int32_t* slot_token, int64_t* slot_stamp, int64_t* row_req, int32_t* order,
                         int32_t* hkeys, int32_t* hvals, int32_t* maxpos, int64_t R, int64_t H, int64_t C,
                         const int64_t* rows, const int32_t* topk, const int64_t* req_ids,
                         const int32_t* stable_len, int64_t B, int64_t K, int64_t step, uint8_t* hit_mask,
                         int32_t* slots, int32_t* miss_count, int32_t* miss_tokens, int32_t* miss_slots,
                         int64_t map_kind) {
+  if (map_kind == 2) {
+    if (H > 32767) return 4;
+    int16_t* so = reinterpret_cast<int16_t*>(hkeys);
+    auto make = [so, slot_token, H, C](int64_t r) { return DenseMap<int16_t>{so + r * C, slot_token + r * H, C}; };
+    return manage_rows<DenseMap<int16_t>>(make, slot_token, slot_stamp, row_req, order, maxpos, R, H, C, rows, topk,
+                                          req_ids, stable_len, B, K, step, hit_mask, slots, miss_count, miss_tokens,
+                                          miss_slots);
+  }
   if (map_kind == 0) {
-    auto make = [hkeys, slot_token, H, C](int64_t r) { return DenseMap{hkeys + r * C, slot_token + r * H, C}; };
-    return manage_rows<DenseMap>(make, slot_token, slot_stamp, row_req, order, maxpos, R, H, C, rows, topk,
+    auto make = [hkeys, slot_token, H, C](int64_t r) {
+      return DenseMap<int32_t>{hkeys + r * C, slot_token + r * H, C};
+    };
+    return manage_rows<DenseMap<int32_t>>(make, slot_token, slot_stamp, row_req, order, maxpos, R, H, C, rows, topk,
                                  req_ids, stable_len, B, K, step, hit_mask, slots, miss_count, miss_tokens,
                                  miss_slots);
   }
