@@ -208,7 +208,9 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
       miss_count[b] = 0;
       continue;
     }
-    // 3. lookup
+    // 3. lookup. The row's slot_token (H int32) is read at random by the entry checks:
+    // fetch all of its lines up front (a paired cold-cache microbenchmark: ~4 % faster).
+    for (int64_t s2 = 0; s2 < H; s2 += 16) __builtin_prefetch(tok + s2);
     std::memset(flag, 0, H);
     int64_t m = 0, hits = 0;
     // The map and the row's slot_token are cold (one layer's state among many): a
@@ -235,6 +237,10 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
       mj[m] = static_cast<int32_t>(j);
       m += (!hit) & (p >= 0);
     }
+    // The order and stamp rows are read / written by steps 4-5 and the order rebuild:
+    // fetch them while the victims are chosen.
+    for (int64_t s2 = 0; s2 < H; s2 += 16) __builtin_prefetch(ord + s2);
+    for (int64_t s2 = 0; s2 < H; s2 += 8) __builtin_prefetch(stamp + s2);
     // 4. victims: the first m non-hit slots of the eviction order
     int64_t v = 0, pos = 0;
     while (v < m) {
