@@ -90,10 +90,14 @@ def test_consumer_that_never_answers_times_out_with_names():
     # time on a loaded 2-core machine, so the timeout can only name decode:1.
     with LayerwisePrefillPipeline(plan, LocalHostKVStore(), block_tokens=BT, wait_timeout_s=2.0) as pipe:
         req = PrefillRequest("a", (1, 2, 3, 4, 5))
-        with pytest.raises(GateTimeout, match=r"slot 0 \(layer 0\).*decode:1"):
+        # The forward times out either waiting for the slot itself or for layer 1 to be
+        # loaded into it (which one depends on thread timing); both name slot, layer, consumer.
+        with pytest.raises(GateTimeout, match=r"slot 0 (\(layer 0\)|holds layer 0).*decode:1"):
             _forward(pipe, model, [req], extra_consumers={0: ["decode:1"]})
-        # an answer (even late) frees the slot for the next forward
+        # an answer (even late) frees the slot for the next forward; the host save of
+        # layer 0 may still be running on a loaded machine: wait for it, not for 2 s
         pipe.gates.done(0, 0, "decode:1")
+        pipe.wait_all_free(60.0)
         stats, _ = _forward(pipe, model, [req])
         assert stats.prefix_tokens == 0  # layers 1,2 of the aborted forward were never saved
 
