@@ -39,39 +39,26 @@ AROUND ``mem_cache.allocation.get_last_loc``              SGLang's torch version
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from .compat import TARGET_DRAFT_FACTORY as _TARGET_DRAFT_FACTORY  # hooked paths: home in compat
 from .compat import TARGET_EMBED_HEAD as _TARGET_EMBED_HEAD
 from .compat import TARGET_LAST_LOC as _TARGET_LAST_LOC
+from .cpu_capability import NoCudaScope
 
 logger = logging.getLogger(__name__)
 
 _TARGET_SYNC = "torch.cuda.synchronize"
 
-_no_cuda_sync: contextvars.ContextVar[bool] = contextvars.ContextVar("sao_no_cuda_sync", default=False)
+_NO_CUDA_SYNC = NoCudaScope("sao_no_cuda_sync", None)  # helper shared with cpu_capability.py
 
-
-@contextlib.contextmanager
-def no_cuda_sync() -> Iterator[None]:
-    """Inside: ``torch.cuda.synchronize()`` returns at once when CUDA is unavailable."""
-    token = _no_cuda_sync.set(True)
-    try:
-        yield
-    finally:
-        _no_cuda_sync.reset(token)
-
-
-def synchronize_around(original: Callable, *args, **kwargs):
-    """HookRegistry AROUND hook for ``torch.cuda.synchronize``."""
-    if _no_cuda_sync.get() and not torch.cuda.is_available():
-        return None
-    return original(*args, **kwargs)
+#: Inside: ``torch.cuda.synchronize()`` returns at once when CUDA is unavailable.
+no_cuda_sync = _NO_CUDA_SYNC.active
+#: HookRegistry AROUND hook for ``torch.cuda.synchronize``.
+synchronize_around = _NO_CUDA_SYNC.around
 
 
 def set_embed_and_head_around(original: Callable, self, embed, head):
