@@ -76,6 +76,9 @@ __all__ = [
     "ScoreGuardedManager",
     "RankedInputError",
     "KernelLRUManager",
+    "KernelScoreRankManager",
+    "KernelScoreGuardedManager",
+    "KERNEL_MANAGERS",
     "MANAGE_IMPLS",
     "make_manager",
     "needs_ranked",
@@ -481,6 +484,61 @@ class ScoreGuardedManager(GuardedManager):
         self.base.set_ranked(ranked)
 
 
+class _ScoreKernelMixin:
+    """Steps a score policy on the CPU kernel of ``score_kernel.py`` in place on the torch
+    manager's own state (so :meth:`state` is the torch one); same results, bit for bit."""
+
+    def _init_kernel(self, device) -> None:
+        from .score_kernel import library
+
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"the score-aware CPU kernel keeps its state on the CPU, not on {device}")
+        library()  # not built -> a startup error naming the setup script, never a fallback
+
+    def step(self, topk, req_ids, stable_len, step):
+        rows = torch.arange(self.table.rows, dtype=torch.int64)
+        return self.step_rows(rows, topk, req_ids, stable_len, step)
+
+    def _guard(self):
+        return None, 0, None
+
+    def step_rows(self, rows, topk, req_ids, stable_len, step):
+        from .score_kernel import score_rank_manage_rows
+
+        t = self.table
+        guard, seed, shift = self._guard()
+        out = score_rank_manage_rows(
+            t.slot_token, t.slot_stamp, t.row_req, rows.to(torch.int64).contiguous(),
+            topk.to(torch.int32).contiguous(), req_ids.to(torch.int64).contiguous(),
+            stable_len.to(torch.int32).contiguous(), self.ranked_for(topk).to(torch.int32).contiguous(),
+            int(step), guard, seed, shift)
+        return ResidencyStep(*out)
+
+
+class KernelScoreRankManager(_ScoreKernelMixin, ScoreRankManager):
+    """``score_rank`` on the CPU kernel (``manage_impl`` ``kernel`` / ``auto`` on CPU)."""
+
+    def __init__(self, rows, hot_tokens, device=None, manage_op=residency_manage, max_positions=None):
+        self._init_kernel(device)
+        super().__init__(rows, hot_tokens, device, manage_op)
+
+
+class KernelScoreGuardedManager(_ScoreKernelMixin, ScoreGuardedManager):
+    """``score_rank_guarded`` on the CPU kernel (ghost LRU, counters and guard included)."""
+
+    def __init__(self, rows, hot_tokens, device=None, manage_op=residency_manage, max_positions=None):
+        self._init_kernel(device)
+        super().__init__(rows, hot_tokens, device, manage_op)
+
+    def ranked_for(self, topk):
+        return self.base.ranked_for(topk)
+
+    def _guard(self):
+        g = self.ghost
+        return ((g.slot_token, g.slot_stamp, g.row_req, self.ghost_misses, self.own_misses), self.seed,
+                self.slack_shift)
+
+
 POLICIES: Dict[str, Type[ResidencyManager]] = {
     LRUManager.policy: LRUManager,
     LRU2Manager.policy: LRU2Manager,
@@ -501,18 +559,27 @@ DEFAULT_POLICY = LRUManager.policy  # the contract; the only policy with Triton 
 MANAGE_IMPLS = ("auto", "kernel", "torch")
 
 
+#: Policies with a CPU kernel: ``lru`` (``cpu_kernel.py``), the score policies (``score_kernel.py``).
+KERNEL_MANAGERS: Dict[str, Type[ResidencyManager]] = {
+    LRUManager.policy: KernelLRUManager,
+    ScoreRankManager.policy: KernelScoreRankManager,
+    ScoreGuardedManager.policy: KernelScoreGuardedManager,
+}
+
+
 def uses_cpu_kernel(policy: str, manage_impl: str, device, manage_op: ManageOp) -> bool:
-    """Whether :func:`make_manager` picks the CPU kernel: ``kernel`` always (LRU only),
-    ``auto`` for LRU on a CPU device when the op resolved to the reference rung,
-    ``torch`` never."""
+    """Whether :func:`make_manager` picks a CPU kernel: ``kernel`` always (policies of
+    :data:`KERNEL_MANAGERS` only), ``auto`` for those policies on a CPU device when the op
+    resolved to the reference rung, ``torch`` never."""
     if manage_impl not in MANAGE_IMPLS:
         raise ValueError(f"manage_impl {manage_impl!r}: expected one of {MANAGE_IMPLS}")
     if manage_impl == "kernel":
-        if policy != LRUManager.policy:
-            raise ValueError(f"the CPU residency kernel implements policy 'lru' only, not {policy!r}")
+        if policy not in KERNEL_MANAGERS:
+            raise ValueError(f"the CPU residency kernels implement policies {', '.join(KERNEL_MANAGERS)} only, "
+                             f"not {policy!r}")
         return True
     cpu = device is None or torch.device(device).type == "cpu"
-    return (manage_impl == "auto" and policy == LRUManager.policy and cpu
+    return (manage_impl == "auto" and policy in KERNEL_MANAGERS and cpu
             and getattr(manage_op, "rung", "reference") == "reference")
 
 
@@ -522,12 +589,12 @@ def make_manager(policy: str, rows: int, hot_tokens: int, device=None,
     """A fresh manager of ``policy`` for one layer; unknown names list the known ones.
 
     ``manage_impl``: ``torch`` (default here: the op ladder / torch policies),
-    ``kernel`` (the CPU kernel, LRU only) or ``auto`` (see :func:`uses_cpu_kernel`).
+    ``kernel`` (a CPU kernel: ``lru``, ``score_rank``, ``score_rank_guarded``) or ``auto`` (see :func:`uses_cpu_kernel`).
     ``max_positions`` sizes the kernel's dense position map (hash map without it).
     """
     cls = POLICIES.get(policy)
     if cls is None:
         raise ValueError(f"unknown residency policy {policy!r}; known: {', '.join(POLICIES)}")
     if uses_cpu_kernel(policy, manage_impl, device, manage_op):
-        return KernelLRUManager(rows, hot_tokens, device, manage_op, max_positions=max_positions)
+        return KERNEL_MANAGERS[policy](rows, hot_tokens, device, manage_op, max_positions=max_positions)
     return cls(rows, hot_tokens, device, manage_op)
