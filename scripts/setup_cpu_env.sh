@@ -22,6 +22,9 @@ stamp="$venv/.sglang_ascend_offload_env"
 build_cpu_kernel() {
   "$venv/bin/python" -m sglang_ascend_offload.sparse_decode.cpu_kernel --build >/dev/null \
     && echo "[setup] CPU residency kernel is built"
+  # the score-aware policies' kernel (score_rank, score_rank_guarded): same compiler, own library
+  "$venv/bin/python" -m sglang_ascend_offload.sparse_decode.score_kernel --build >/dev/null \
+    && echo "[setup] score-aware CPU residency kernel is built"
 }
 
 if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
