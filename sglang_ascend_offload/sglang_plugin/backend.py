@@ -34,7 +34,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from ..ops import registry
-from . import carrier, speculative
+from . import carrier, cpu_spec_graph, speculative
 from .indexer import indexer_query_key_weights
 from .metadata import DSAForwardMetadata, build_metadata, real_batch_size
 from .names import BACKEND_NAME  # noqa: F401 - re-exported; its home is names.py
@@ -99,6 +99,9 @@ class AscendOffloadAttnBackend(AttentionBackend):
         views (filled by :meth:`init_forward_metadata_in_graph`); others are eager."""
         mode = forward_batch.forward_mode
         bs = int(forward_batch.batch_size)
+        if cpu_spec_graph.verify_graph_fits(self, forward_batch):  # CPU verify graph: bs x n decode rows
+            cpu_spec_graph.verify_graph_metadata(self, bs, graph_seq_lens_cpu(forward_batch))
+            return
         if self.graph is not None and mode.is_decode() and bs <= self.graph.max_bs:
             self._graph_decode_metadata(bs, graph_seq_lens_cpu(forward_batch))
             return
@@ -143,6 +146,9 @@ class AscendOffloadAttnBackend(AttentionBackend):
         bs = self._graph_batch
         if bs is None:
             return
+        if forward_batch.forward_mode.is_target_verify():
+            cpu_spec_graph.fill_verify_graph_buffers(self, forward_batch.req_pool_indices, forward_batch.seq_lens)
+            return
         self._fill_graph_buffers(bs, forward_batch.req_pool_indices, forward_batch.seq_lens)
 
     def _fill_graph_buffers(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -174,14 +180,22 @@ class AscendOffloadAttnBackend(AttentionBackend):
     # per batch bucket with ``torch.compile(dynamic=False)``. Replays go through
     # :meth:`init_forward_metadata` (out_graph + in_graph) on the runner's batch.
     def init_cpu_graph_state(self, max_bs: int, max_num_tokens: int):
-        """The CPU graph runner's state hook: the same static buffers as device graphs."""
-        self.init_cuda_graph_state(max_bs, max_num_tokens)
+        """The CPU graph runner's state hook: the same static buffers as device graphs
+        (CPU verify graphs, :mod:`.cpu_spec_graph`: one buffer entry per verify row)."""
+        rows = max_num_tokens if cpu_spec_graph.verify_width_of(self) else max_bs
+        self.init_cuda_graph_state(rows, max_num_tokens)
 
     def init_forward_metadata_capture_cpu_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, out_cache_loc, encoder_lens, forward_mode,
                                                 spec_info):
         """Metadata of the CPU graph runner's capture batch (``bs`` decode rows on the
-        reserved ``req_to_token`` row 0 with the fill length): static views, as at replay."""
+        reserved ``req_to_token`` row 0 with the fill length): static views, as at replay.
+        ``TARGET_VERIFY`` buckets (``bs`` requests x ``n`` rows) with :mod:`.cpu_spec_graph`."""
+        n = cpu_spec_graph.verify_width_of(self)
+        if n and forward_mode.is_target_verify() and num_tokens == bs * n:
+            cpu_spec_graph.verify_graph_metadata(self, bs, seq_lens.to("cpu"))
+            cpu_spec_graph.fill_verify_graph_buffers(self, req_pool_indices, seq_lens)
+            return
         if not forward_mode.is_decode() or num_tokens != bs:
             raise RuntimeError(f"ascend_offload captures decode graphs only (one token per request); got "
                                f"{forward_mode} with {num_tokens} tokens for {bs} requests")

@@ -118,6 +118,8 @@ TARGET_RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 TARGET_EMBED_HEAD = "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_embed_and_head"
 TARGET_DRAFT_FACTORY = "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend"
 TARGET_LAST_LOC = "sglang.srt.mem_cache.allocation.get_last_loc"
+TARGET_CPU_GRAPH_RUNNER = "sglang.srt.model_executor.cpu_graph_runner.CPUGraphRunner"
+TARGET_IS_CPU_GRAPH = "sglang.srt.model_executor.forward_batch_info.ForwardMode.is_cpu_graph"
 
 HOOKED: Tuple[Hooked, ...] = (
     Hooked(TARGET_ADD_CLI, ("parser",), "the plugin's flags"),
@@ -139,6 +141,9 @@ HOOKED: Tuple[Hooked, ...] = (
            "draft backends for ascend_offload"),
     Hooked(TARGET_LAST_LOC, ("req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"),
            "torch last-slot lookup for EAGLE draft slots"),
+    Hooked(TARGET_CPU_GRAPH_RUNNER, ("model_runner",), "CPU verify graphs of speculative decoding "
+           "(REPLACE by a subclass; cpu_spec_graph.py)"),
+    Hooked(TARGET_IS_CPU_GRAPH, ("self",), "TARGET_VERIFY replays a CPU verify graph"),
 )
 
 

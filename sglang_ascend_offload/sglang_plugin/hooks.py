@@ -158,3 +158,6 @@ def install_runtime() -> None:
     from .speculative import install as install_speculative  # EAGLE / NextN (MTP) on the backend
 
     install_speculative()
+    from .cpu_spec_graph import install as install_cpu_spec_graph  # CPU verify graphs (torch.compile)
+
+    install_cpu_spec_graph()

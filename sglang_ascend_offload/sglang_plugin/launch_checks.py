@@ -15,8 +15,9 @@ rule                             when
                                  (``EAGLE`` / ``NEXTN``), a draft tree (``--speculative-eagle-topk``
                                  > 1: verify rows are not a chain), a draft-token count other than
                                  ``steps + 1`` (each request must have the same fixed number of
-                                 verify rows), decode graphs (verify rows are set up on the host
-                                 each round), or overlap scheduling (the verify step needs each
+                                 verify rows), decode graphs on a device other than the CPU (verify
+                                 rows are set up on the host each round; only the plugin's CPU
+                                 verify graph runner repeats that per replay), or overlap scheduling (the verify step needs each
                                  request's committed length on the host; untested)
 ``memory.insufficient``          the hot buffers and the host pool do not fit in the memory
                                  available now (:mod:`..memory_budget`)
@@ -150,14 +151,16 @@ def _speculative_violations(view: Any) -> List[cfg.Violation]:
             f"use --speculative-num-draft-tokens {int(steps) + 1}"))
     decode_graph = getattr(getattr(compat.arg(view, "cuda_graph_config"), "decode", None), "backend", None)
     graphs = not compat.arg(view, "disable_cuda_graph") and decode_graph not in (None, "disabled")
-    if compat.arg(view, "device") == "cpu":  # SGLang's CPU engine captures graphs only with --enable-torch-compile
-        graphs = graphs and bool(compat.arg(view, "enable_torch_compile"))
-    if graphs:
+    device = compat.arg(view, "device")
+    # On a CPU the plugin's verify graph runner (cpu_spec_graph.py) serves graphs + speculation: the verify
+    # step's host-side engine row setup runs before every replay. Device graph runners (NPU / CUDA) are not wired.
+    if graphs and device != "cpu":
         out.append(cfg.Violation(
-            rule, f"decode graphs (backend {decode_graph!r}) with speculative decoding and sparse decode offload: "
-            "the verify step sets up its engine rows on the host every round, which a captured graph would not "
-            "repeat (and SGLang's CPU graph runner refuses speculative decoding)",
-            "run decode eagerly (--disable-cuda-graph, or on a CPU without --enable-torch-compile)"))
+            rule, f"decode graphs (backend {decode_graph!r}) on device {device!r} with speculative decoding and "
+            "sparse decode offload: the verify step sets up its engine rows on the host every round, and only the "
+            "plugin's CPU verify graph runner (--device cpu --enable-torch-compile) repeats that before each "
+            "replay; SGLang's device graph runners would replay stale rows",
+            "run decode eagerly (--disable-cuda-graph), or serve on a CPU with --enable-torch-compile"))
     if not compat.arg(view, "disable_overlap_schedule"):
         out.append(cfg.Violation(
             rule, "overlap scheduling with speculative decoding and sparse decode offload: the verify step "

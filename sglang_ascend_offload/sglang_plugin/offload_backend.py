@@ -36,7 +36,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from . import carrier, compat, speculative
+from . import carrier, compat, cpu_spec_graph, speculative
 from ..sparse_decode.engine import decode_layer_step
 from ..sparse_decode.policies import needs_ranked
 from .backend import AscendOffloadAttnBackend, graph_seq_lens_cpu
@@ -206,6 +206,9 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         super().init_forward_metadata_out_graph(forward_batch, in_capture)
         self._verify = speculative.note_forward(self, forward_batch)
         if self._verify:  # MTP verify rows attend through the residency (speculative.begin_verify)
+            if self._graph_batch is not None:  # CPU verify graph: static row buffers (cpu_spec_graph)
+                cpu_spec_graph.begin_graph_verify(self, forward_batch)
+                return
             self._batch_rows = speculative.begin_verify(self, forward_batch)
             return
         md = self.forward_metadata
@@ -361,7 +364,8 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         out, res = decode_layer_step(
             self.engine.managers[local], g.rows[:bs], topk_indices[:, : cfg.top_k].to(torch.int32), g.req_ids[:bs],
             g.stable[:bs], g.step, self.token_to_kv_pool.host_rows(layer.layer_id), self.engine.hot.storage(local),
-            self.req_to_token_pool.req_to_token, q_nope, q_pe, layer.scaling, cfg.latent_dim,
+            self.verify_table.table if self._verify else self.req_to_token_pool.req_to_token,  # by engine row
+            q_nope, q_pe, layer.scaling, cfg.latent_dim,
             attention=self.attention_op)
         hits = res.hit_mask.sum()
         misses = res.miss_count.sum(dtype=torch.int64)
@@ -440,4 +444,8 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         capture runs the step on the sink row only."""
         super().init_forward_metadata_capture_cpu_graph(bs, num_tokens, req_pool_indices, seq_lens, out_cache_loc,
                                                         encoder_lens, forward_mode, spec_info)
+        self._verify = forward_mode.is_target_verify()
+        if self._verify:  # a CPU verify graph bucket (cpu_spec_graph): bs x n rows, all padding
+            cpu_spec_graph.begin_graph_verify(self, _CaptureBatch(bs, req_pool_indices, seq_lens, forward_mode))
+            return
         self._begin_graph_step(_CaptureBatch(bs, req_pool_indices, seq_lens, forward_mode))

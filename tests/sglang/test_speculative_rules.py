@@ -37,8 +37,11 @@ def view(**kw):
     (dict(disable_overlap_schedule=False), "overlap scheduling"),
     (dict(device="npu", disable_cuda_graph=False,
           cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full"))), "decode graphs"),
-    (dict(disable_cuda_graph=False, enable_torch_compile=True,
+    (dict(device="cuda", disable_cuda_graph=False,
           cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full"))), "decode graphs"),
+    # CPU + torch.compile: the plugin's CPU verify graph runner serves it (cpu_spec_graph.py)
+    (dict(disable_cuda_graph=False, enable_torch_compile=True,
+          cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full"))), None),
     (dict(disable_cuda_graph=False, enable_torch_compile=False,  # CPU without torch.compile: eager decode
           cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full"))), None),
 ])
