@@ -24,7 +24,13 @@ Real prefill and decode processes (the multi-process harness of
 2. **per-layer protocol overhead**: ``--overhead-layers`` layers of a single small
    block through one slot (each layer waits for the previous answer, nothing
    queues); per layer, publish -> READ_DONE latency on prefill minus decode's engine
-   read time for that layer: mean (``per_layer_overhead_us``), p50 and p99;
+   read time for that layer: mean (``per_layer_overhead_us``), p50 and p99; then the
+   same run once more with stage stamps on (``SGLANG_ASCEND_OFFLOAD_PD_TRACE``, see
+   :mod:`sglang_ascend_offload.transfer.stages`): ``control_path_stages_us`` gives
+   p50 / p99 of every step of the path (encode, send, the receiver's wake-up,
+   decode, validation, bookkeeping...), so the untraced run above stays the
+   reported number; ``control_path_spin_us``: the receive spin each side ran with
+   (``--spin-us`` sets both, for A/B runs; 0 = off);
 3. **fault table**: the failure scenarios of the tests (read failure, dropped
    answer, dead decode, decode slower than the deadline, malformed messages...),
    each with outcome, hung, destination_used_after_failure, leaked_slots. The
@@ -76,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer-timeout", type=float, default=2.0,
                         help="per-layer deadline (s) in the fault scenarios")
     parser.add_argument("--no-faults", action="store_true", help="skip the fault table")
+    parser.add_argument("--spin-us", type=float, default=None,
+                        help="receive spin of both control endpoints in microseconds (0 = off; default: each "
+                             "side's own, see transfer/channel.py); for A/B runs of the control-path overhead")
     parser.add_argument("--served", action="store_true",
                         help="also serve the tiny DSA fixture (router + prefill/decode servers on CPU) and "
                              "compare TTFT with colocated serving (minutes)")
@@ -113,6 +122,23 @@ def overhead_samples(prefill: Dict[int, Any], decode: Dict[int, Any]) -> List[fl
     return [answers[b] - reads[b] for b in sorted(answers) if b in reads]
 
 
+def set_worker_env(name: str, value: Optional[str]) -> None:
+    """Run in a worker: set (or with None remove) one environment variable there."""
+    import os
+
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _pool_env(pool, name: str, value: Optional[str]) -> None:
+    from ..transfer.workers import run_tasks
+
+    run_tasks(pool, {i: (__name__, "set_worker_env", dict(name=name, value=value)) for i in range(pool.size)},
+              timeout_s=60)
+
+
 def _throughput_run(t) -> tuple:
     """The throughput keys of one throughput scenario result, and the result."""
     out: Dict[str, Any] = {}
@@ -141,6 +167,10 @@ def _throughput_run(t) -> tuple:
 
 def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, Any]:
     from ..testing.pd_harness import ScenarioSpec, fault_scenarios, run_scenario
+    from ..transfer.channel import SPIN_ENV, spin_us_from_env
+    from ..transfer.decode_side import DECODE_SPIN_US
+    from ..transfer.prefill_side import PREFILL_SPIN_US
+    from ..transfer.stages import TRACE_ENV, stage_breakdown
     from ..transfer.topology import PDTopology
     from ..transfer.workers import WorkerPool
 
@@ -169,7 +199,17 @@ def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, An
         faults = fault_scenarios(base)
     size = max(args.p_tp + args.d_tp, 3)
     out: Dict[str, Any] = {"engine": args.engine, "data_protocol": "tcp", "p_tp": args.p_tp, "d_tp": args.d_tp}
+    if args.spin_us is not None and not 0 <= args.spin_us <= 1e6:
+        raise SystemExit("--spin-us must be between 0 and 1000000")
+    spin = None if args.spin_us is None else str(args.spin_us)
+    if spin is None:  # the workers inherit this process's environment
+        out["control_path_spin_us"] = {"prefill": spin_us_from_env(PREFILL_SPIN_US),
+                                       "decode": spin_us_from_env(DECODE_SPIN_US)}
+    else:
+        out["control_path_spin_us"] = {"prefill": args.spin_us, "decode": args.spin_us}
     with WorkerPool(size, log_dir=log_dir) as pool:
+        if spin is not None:
+            _pool_env(pool, SPIN_ENV, spin)
         run_scenario(pool, replace(overhead, name="warmup", num_layers=2), timeout_s=120)
         if faults:  # every worker's engines started before any deadline is timed
             run_scenario(pool, replace(overhead, name="warmup_faults", p_tp=2, d_tp=1, num_layers=2), timeout_s=120)
@@ -201,6 +241,16 @@ def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, An
         out["per_layer_overhead_samples"] = len(samples)
         out["per_layer_overhead_us_p50"] = percentile(samples, 50)
         out["per_layer_overhead_us_p99"] = percentile(samples, 99)
+        out["verified"] = out["verified"] and bool(o.verified and o.outcome == "done")
+        # the same run with stage stamps (a separate run: the reported numbers above carry no tracing)
+        _pool_env(pool, TRACE_ENV, "1")
+        try:
+            o = run_scenario(pool, replace(overhead, engine=args.engine), timeout_s=300)
+        finally:
+            _pool_env(pool, TRACE_ENV, None)
+        stamps = [{b: rec for r in side.values() if isinstance(r, dict) and r.get("stages")
+                   for b, rec in r["stages"].items()} for side in (o.prefill, o.decode)]
+        out["control_path_stages_us"] = stage_breakdown(*stamps)
         out["verified"] = out["verified"] and bool(o.verified and o.outcome == "done")
         out["scenarios"] = [_row(run_scenario(pool, s, timeout_s=120)) for s in faults]
     if args.served:
@@ -235,6 +285,13 @@ def print_table(res: Dict[str, Any]) -> None:
           f"protocol overhead mean {res['per_layer_overhead_us']:.0f} us, "
           f"p50 {_fmt(res.get('per_layer_overhead_us_p50'))} us, p99 {_fmt(res.get('per_layer_overhead_us_p99'))} us "
           f"({res.get('per_layer_overhead_samples', 0)} layers)")
+    stages = res.get("control_path_stages_us") or {}
+    if stages:
+        spin = res.get("control_path_spin_us") or {}
+        print(f"  control path by stage (traced run; receive spin prefill {spin.get('prefill')} us, "
+              f"decode {spin.get('decode')} us):")
+        for name, v in stages.items():
+            print(f"    {name:24s} p50 {_fmt(v['p50'], '.1f'):>8} us  p99 {_fmt(v['p99'], '.1f'):>8} us")
     if res["scenarios"]:
         width = 30
         print(f"  {'fault scenario':{width}s} {'hung':5s} {'used-after-fail':15s} {'leaked':6s} {'s':>6s}  outcome")

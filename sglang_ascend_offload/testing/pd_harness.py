@@ -295,6 +295,7 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
             "memcpy_bytes_per_s": memcpy_bps,
             "timings": [(t.batch_id, t.layer, t.seconds) for t in receiver.timings],
             "read_ranges": [t.ranges for t in receiver.timings],
+            "stages": receiver.stages.records() if receiver.stages is not None else None,
             "read_span": ((recorder.reads and recorder.last_end - recorder.first_start) or None)
             if recorder is not None else None,
             "read_gaps": ([b[0] - a[1] for a, b in zip(recorder.intervals, recorder.intervals[1:])]
@@ -413,6 +414,7 @@ def run_prefill_rank(spec: ScenarioSpec, p_rank: int, kv_port: int,
             "handler_errors": sender.endpoint.handler_errors,
             "injected": dict(injector.injected) if injector else {},
             "timings": [(t.batch_id, t.layer, t.seconds) for t in sender.timings],
+            "stages": sender.stages.records() if sender.stages is not None else None,
         })
         return report
     finally:

@@ -23,6 +23,17 @@ be skipped safely on a byte stream: it is rejected and that connection closed.
   the connection exists are queued, at most ``SEND_QUEUE_LIMIT``); ``peer`` is
   always ``b""``.
 
+Receive spin (``spin_us``): after a connection's reader thread has handled a
+message it polls the socket without blocking for at most ``spin_us``
+microseconds before it blocks in ``recv`` again, because on the P/D path the
+next message usually follows within tens of microseconds (decode: the next
+layer's batch after its READ_DONE). A blocked thread on an idle core costs a
+kernel (and, in a VM without guest halt polling, a hypervisor) wake-up per
+message. The spin is bounded: once per handled message, never while idle, and
+it re-checks ``close`` on every poll; deadlines run on the tick thread and EOF
+ends it at once, so failure detection is not delayed. ``spin_us=0`` disables it;
+``SGLANG_ASCEND_OFFLOAD_PD_SPIN_US`` overrides the constructor's default.
+
 Threads and callbacks: ``on_message(peer, msg)`` / ``on_invalid(peer, error)``
 run on the peer's connection thread, in the order the peer sent its frames
 (different peers run concurrently: callbacks must lock their own state);
@@ -37,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import socket
 import struct
 import threading
@@ -60,6 +72,44 @@ RECONNECT_S = 0.05  # dealer: pause between connection attempts
 SEND_TIMEOUT_S = 2.0  # a peer that stops reading for this long loses its connection
 SEND_QUEUE_LIMIT = 1000  # dealer: frames queued while not connected (ZMQ's default HWM)
 _RECV_BYTES = 1 << 16
+SPIN_ENV = "SGLANG_ASCEND_OFFLOAD_PD_SPIN_US"
+DEFAULT_SPIN_US = 0.0  # endpoints' default; the P/D sides pass their own (see decode_side / prefill_side)
+
+
+def spin_us_from_env(default: float) -> float:
+    """``SGLANG_ASCEND_OFFLOAD_PD_SPIN_US`` as microseconds if set, else ``default``."""
+    raw = os.environ.get(SPIN_ENV, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise TransferError(f"{SPIN_ENV}={raw!r} is not a number of microseconds (0 disables the spin)") from None
+    if not 0.0 <= value <= 1e6:
+        raise TransferError(f"{SPIN_ENV}={raw!r}: must be between 0 and 1000000 microseconds")
+    return value
+
+
+def spin_recv(sock: socket.socket, spin_ns: int, stop: Optional[threading.Event] = None,
+              nbytes: int = _RECV_BYTES) -> Optional[bytes]:
+    """Poll ``sock`` without blocking for at most ``spin_ns`` nanoseconds.
+
+    Returns the bytes received (``b""`` at EOF), or None when nothing arrived within
+    the window (or ``stop`` got set): the caller then blocks in ``recv``. Socket
+    errors other than "would block" propagate. Each poll is one ``recv`` syscall
+    with ``MSG_DONTWAIT``, which releases the GIL, so other threads of the process
+    keep running; the loop yields the core between polls (``sched_yield``) so a
+    loaded machine's other runnable tasks are not held off.
+    """
+    end = time.perf_counter_ns() + spin_ns
+    while True:
+        try:
+            return sock.recv(nbytes, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            pass
+        if time.perf_counter_ns() >= end or (stop is not None and stop.is_set()):
+            return None
+        os.sched_yield()
 
 
 def tcp_address(host: str, port: int) -> str:
@@ -123,7 +173,8 @@ class ControlEndpoint:
     def __init__(self, mode: str, host: str, port: int, *, expect: Tuple[type, ...],
                  on_message: OnMessage, on_invalid: Optional[OnInvalid] = None,
                  on_tick: Optional[OnTick] = None, tick_s: float = 0.02,
-                 send_filter: Optional[SendFilter] = None, name: str = "pd-endpoint"):
+                 send_filter: Optional[SendFilter] = None, name: str = "pd-endpoint",
+                 trace: bool = False, spin_us: Optional[float] = None):
         if mode not in ("router", "dealer"):
             raise ValueError(f"mode must be 'router' or 'dealer', got {mode!r}")
         self.mode = mode
@@ -137,6 +188,13 @@ class ControlEndpoint:
         self._on_tick = on_tick
         self._tick_s = tick_s
         self._send_filter = send_filter
+        #: stamp sends and receives (:meth:`rx_stamps`, :meth:`send`'s return value); see stages.py
+        self.trace = trace
+        #: bounded receive spin after each handled message (module docstring), microseconds
+        self.spin_us = spin_us_from_env(DEFAULT_SPIN_US if spin_us is None else spin_us)
+        self.spins = 0  # spins that caught the next bytes
+        self.spin_misses = 0  # spins that ran out (the reader then blocked)
+        self._rx = threading.local()
         self._lock = threading.Lock()  # connections and the dealer's queue
         self._conns: Dict[bytes, _Conn] = {}
         self._pending: Deque[bytes] = collections.deque()
@@ -176,19 +234,32 @@ class ControlEndpoint:
             t.start()
         return self
 
-    def send(self, msg: Message, peer: bytes = b"") -> None:
+    def send(self, msg: Message, peer: bytes = b"") -> Optional[Tuple[int, int, int]]:
         """Write ``msg`` to ``peer`` (router mode) or the connected peer (dealer mode) now.
 
         Runs on the caller's thread; never blocks longer than ``SEND_TIMEOUT_S``.
+        Returns None, or with ``trace`` the ``perf_counter_ns`` of entry, of the
+        encoded message and of the write's return.
         """
+        t0 = time.perf_counter_ns() if self.trace else 0
         if self.mode == "router" and not peer:
             raise ValueError("router endpoint: send needs the peer identity")
         data = encode_message(msg)  # validates: we never send what a peer would reject
         if self._send_filter is not None:
             data = self._send_filter(msg, data)
             if data is None:
-                return
+                return None
+        if not self.trace:
+            self._send_frame(peer, frame(data))
+            return None
+        t1 = time.perf_counter_ns()
         self._send_frame(peer, frame(data))
+        return t0, t1, time.perf_counter_ns()
+
+    def rx_stamps(self) -> Optional[Tuple[int, int]]:
+        """With ``trace``, inside ``on_message``: ``perf_counter_ns`` when the message's last
+        bytes returned from ``recv`` and when it was decoded; else None."""
+        return getattr(self._rx, "stamps", None)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting/dispatching, let the peers read what was sent, free the sockets.
@@ -333,14 +404,29 @@ class ControlEndpoint:
         """Read frames until EOF; dispatch each (on this thread) unless the endpoint stopped."""
         buf = bytearray()
         sock = conn.sock
+        trace = self.trace
+        t_rx = 0
+        spin_ns = int(self.spin_us * 1000)
+        armed = False  # a message was handled since the last spin: the next recv may spin first
         try:
             while True:
                 try:
-                    data = sock.recv(_RECV_BYTES)
+                    data = None
+                    if armed and spin_ns:
+                        armed = False
+                        data = spin_recv(sock, spin_ns, self._stop)
+                        if data is None:
+                            self.spin_misses += 1
+                        else:
+                            self.spins += 1
+                    if data is None:
+                        data = sock.recv(_RECV_BYTES)
                 except OSError:
                     return
                 if not data:
                     return
+                if trace:
+                    t_rx = time.perf_counter_ns()
                 buf += data
                 while len(buf) >= HEADER.size:
                     (n,) = HEADER.unpack_from(buf)
@@ -362,7 +448,10 @@ class ControlEndpoint:
                     except ProtocolError as exc:
                         self._reject(conn.identity, exc)
                         continue
+                    if trace:
+                        self._rx.stamps = (t_rx, time.perf_counter_ns())
                     self._call(self._on_message, conn.identity, msg)
+                    armed = True
         finally:
             self._drop_conn(conn)
 

@@ -48,6 +48,7 @@ from .destinations import RequestDestination
 from .engine import TransferEngine
 from .errors import EngineReadError, ProtocolError, RequestFailed, TopologyError, TransferError
 from .layout import coalesce, layout_mismatches
+from .stages import DECODE_STAMPS, StageLog, trace_from_env
 from .protocol import (PROTOCOL_VERSION, KVLayout, MetaAck, MetaHandshake, ReadDone, ReadFailed,
                        ReadReadyBatch, Rejected, RequestRange, TensorSpec, TransferVerdict)
 from .status import DONE, PENDING, RequestStatus, TransferState
@@ -76,6 +77,8 @@ class DecodeStats:
     released: int = 0
 
 
+# decode's reader waits this long (busy, bounded) for the next layer's batch after answering one
+DECODE_SPIN_US = 150.0
 TIMING_SAMPLES = 4096  # per-batch read times kept for percentiles (most recent)
 
 
@@ -143,7 +146,8 @@ class DecodeReceiver:
 
     def __init__(self, config: PDTransferConfig, *, d_tp: int, d_rank: int, layout: KVLayout,
                  engine: TransferEngine, dp_rank: int = 0, on_release: Optional[OnRelease] = None,
-                 send_filter: Optional[SendFilter] = None, tick_s: float = 0.02):
+                 send_filter: Optional[SendFilter] = None, tick_s: float = 0.02,
+                 trace: Optional[bool] = None, spin_us: Optional[float] = None):
         if not 0 <= d_rank < d_tp:
             raise TopologyError(f"decode rank {d_rank} out of range 0..{d_tp - 1}")
         layout.validate()
@@ -156,6 +160,8 @@ class DecodeReceiver:
         self.stats = DecodeStats()
         #: the latest successful batch reads (for latency percentiles; bounded)
         self.timings: Deque[ReadTiming] = collections.deque(maxlen=TIMING_SAMPLES)
+        #: per-batch stage stamps (stages.py) when tracing (``trace``, default from the environment)
+        self.stages: Optional[StageLog] = StageLog() if (trace_from_env() if trace is None else trace) else None
         self._on_release = on_release
         self._lock = threading.Lock()
         self._peers: Dict[bytes, _Peer] = {}
@@ -166,7 +172,8 @@ class DecodeReceiver:
             "router", config.host, self.port,
             expect=(MetaHandshake, ReadReadyBatch, TransferVerdict, Rejected),
             on_message=self._on_message, on_invalid=self._on_invalid, on_tick=self._on_tick,
-            tick_s=tick_s, send_filter=send_filter, name=f"pd-decode-{d_rank}")
+            tick_s=tick_s, send_filter=send_filter, name=f"pd-decode-{d_rank}",
+            trace=self.stages is not None, spin_us=DECODE_SPIN_US if spin_us is None else spin_us)
 
     # ------------------------------------------------------------------ API
     def start(self) -> "DecodeReceiver":
@@ -481,6 +488,11 @@ class DecodeReceiver:
 
     def _serve_batch(self, peer: bytes, batch: ReadReadyBatch) -> None:
         self.stats.batches += 1
+        stages = self.stages
+        if stages is not None:
+            rx = self._endpoint.rx_stamps()
+            if rx is not None:
+                stages.stamps(batch.batch_id, DECODE_STAMPS[:2], rx)
         ids = [r.request_id for r in batch.requests]
         failed: Dict[str, str] = {}
         release: List[RequestDestination] = []
@@ -558,8 +570,10 @@ class DecodeReceiver:
             reason = "; ".join(f"{r}: {w}" for r, w in sorted(failed.items()))
             self._answer_failed(peer, batch, sorted(failed) if len(failed) < len(ids) else [], reason)
         else:
-            self._endpoint.send(ReadDone(version=PROTOCOL_VERSION, batch_id=batch.batch_id,
-                                         layer=batch.layer), peer)
+            stamps = self._endpoint.send(ReadDone(version=PROTOCOL_VERSION, batch_id=batch.batch_id,
+                                                  layer=batch.layer), peer)
+            if stamps is not None and stages is not None:
+                stages.stamps(batch.batch_id, DECODE_STAMPS[4:], stamps)
 
     def _read_with_retries(self, session: str, layer: int, dst, src, lengths,
                            still_wanted: Callable[[], bool] = lambda: True,
@@ -583,7 +597,11 @@ class DecodeReceiver:
             except EngineReadError as exc:
                 last = str(exc)
                 continue
-            took = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            took = t1 - t0
+            if self.stages is not None:
+                self.stages.stamp(batch_id, "read_start", int(t0 * 1e9))
+                self.stages.stamp(batch_id, "read_end", int(t1 * 1e9))
             nbytes = sum(lengths)
             self.stats.reads += 1
             self.stats.read_bytes += nbytes

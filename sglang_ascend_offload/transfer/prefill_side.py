@@ -40,6 +40,7 @@ from ..layerwise_prefill.gates import SlotGates
 from .channel import ControlEndpoint, SendFilter
 from .engine import TransferEngine
 from .errors import HandshakeError, HandshakeTimeout, TransferError
+from .stages import PREFILL_STAMPS, StageLog, trace_from_env
 from .protocol import (PROTOCOL_VERSION, KVLayout, MetaAck, MetaHandshake, ReadDone, ReadFailed,
                        ReadReadyBatch, Rejected, RequestRange, TransferVerdict)
 from .status import DONE, PENDING, RequestStatus, TransferState
@@ -77,6 +78,9 @@ class PrefillStats:
     requests_failed: int = 0
 
 
+# prefill's reader: no spin by default (the answer follows an engine read, and the spin would take
+# the GIL from the forward running on the scheduler thread)
+PREFILL_SPIN_US = 0.0
 TIMING_SAMPLES = 4096  # per-batch latencies kept for percentiles (most recent)
 
 
@@ -121,7 +125,8 @@ class PrefillSender:
     def __init__(self, config: PDTransferConfig, *, p_tp: int, d_tp: int, p_rank: int,
                  layout: KVLayout, engine: TransferEngine, gates: SlotGates, decode_host: str,
                  decode_dp_rank: int = 0, consumer: str = PD_CONSUMER, begin_gate: bool = True,
-                 send_filter: Optional[SendFilter] = None, tick_s: float = 0.02):
+                 send_filter: Optional[SendFilter] = None, tick_s: float = 0.02,
+                 trace: Optional[bool] = None, spin_us: Optional[float] = None):
         self.topology = PDTopology(p_tp, d_tp)
         self.p_rank = p_rank
         self.d_rank = self.topology.d_rank_of(p_rank)
@@ -137,6 +142,8 @@ class PrefillSender:
         self.stats = PrefillStats()
         #: the latest answered batches (for latency percentiles; bounded)
         self.timings: Deque[BatchTiming] = collections.deque(maxlen=TIMING_SAMPLES)
+        #: per-batch stage stamps (stages.py) when tracing (``trace``, default from the environment)
+        self.stages: Optional[StageLog] = StageLog() if (trace_from_env() if trace is None else trace) else None
         self.port = decode_port(config.kv_port, decode_dp_rank, self.d_rank, d_tp)
         self._lock = threading.Lock()
         self._reqs: Dict[str, _Req] = {}
@@ -148,7 +155,8 @@ class PrefillSender:
         self._endpoint = ControlEndpoint(
             "dealer", decode_host, self.port, expect=(MetaAck, ReadDone, ReadFailed, Rejected),
             on_message=self._on_message, on_invalid=self._on_invalid, on_tick=self._on_tick,
-            tick_s=tick_s, send_filter=send_filter, name=f"pd-prefill-{p_rank}")
+            tick_s=tick_s, send_filter=send_filter, name=f"pd-prefill-{p_rank}",
+            trace=self.stages is not None, spin_us=PREFILL_SPIN_US if spin_us is None else spin_us)
         self._endpoint.start()
 
     # ------------------------------------------------------------------ API
@@ -201,6 +209,7 @@ class PrefillSender:
         is then left free / completed at once).
         """
         t_publish = time.monotonic()
+        t_ns = time.perf_counter_ns() if self.stages is not None else 0
         if not self.connected:
             raise TransferError("publish_layer before a successful handshake")
         if not 0 <= layer < self.layout.num_layers:
@@ -252,10 +261,14 @@ class PrefillSender:
             self._batches[batch_id] = _Batch(batch_id, layer, slot, [r.request_id for r in ranges], t_publish,
                                              t_publish + self.config.layer_timeout_s)
             self.stats.batches += 1
-        self._endpoint.send(ReadReadyBatch(
+            if self.stages is not None:
+                self.stages.stamp(batch_id, "publish", t_ns)
+        stamps = self._endpoint.send(ReadReadyBatch(
             version=PROTOCOL_VERSION, batch_id=batch_id, layer=layer, member=self.member,
             ratio=topo.ratio, requests=ranges,
             finished=[r.request_id for r in ranges if r.request_id in finished]))
+        if stamps is not None and self.stages is not None:
+            self.stages.stamps(batch_id, PREFILL_STAMPS[1:4], stamps)
         return batch_id
 
     def status(self, request_id: str) -> RequestStatus:
@@ -365,6 +378,11 @@ class PrefillSender:
             if isinstance(msg, ReadDone):
                 self.stats.read_done += 1
                 self._finish_batch_locked(b, None, [])
+                if self.stages is not None:
+                    rx = self._endpoint.rx_stamps()
+                    if rx is not None:
+                        self.stages.stamps(b.batch_id, PREFILL_STAMPS[4:6], rx)
+                    self.stages.stamp(b.batch_id, "handled", time.perf_counter_ns())
             else:
                 self.stats.read_failed += 1
                 ids = [r for r in msg.request_ids if r in b.request_ids] or b.request_ids
