@@ -132,6 +132,12 @@ class _Track:
     deadline: Optional[float] = None
     released: bool = False
     claimed: bool = False
+    #: member -> (main start, main count, indexer start, indexer count): its exact share (fixed
+    #: once the topology is: every accepted handshake must agree on it)
+    shares: Dict[int, Tuple[int, int, int, int]] = field(default_factory=dict)
+    #: member -> (main source blocks, indexer source blocks, plan relative to each layer's bases):
+    #: a layer whose source blocks equal the previous layer's reuses the coalesced plan
+    plans: Dict[int, tuple] = field(default_factory=dict)
 
 
 class DecodeReceiver:
@@ -433,6 +439,14 @@ class DecodeReceiver:
         self._endpoint.send(ReadFailed(version=PROTOCOL_VERSION, batch_id=batch.batch_id, layer=batch.layer,
                                        reason=reason[:4000], request_ids=ids), peer)
 
+    def _shares(self, t: _Track, m: int) -> Tuple[int, int, int, int]:
+        sh = t.shares.get(m)
+        if sh is None:
+            topo = self._topology
+            n = t.dest.num_blocks
+            sh = t.shares[m] = topo.main_share(n, self.d_rank) + topo.indexer_share(n, m)
+        return sh
+
     def _check_range(self, p: _Peer, t: _Track, rr: RequestRange, layer: int) -> Optional[str]:
         topo = self._topology
         n = t.dest.num_blocks
@@ -443,7 +457,7 @@ class DecodeReceiver:
             return f"two prefill peers claim group member {m}"
         if layer in t.delivered.get(m, ()):
             return f"layer {layer} sent twice by member {m}"
-        start, count = topo.main_share(n, self.d_rank)
+        start, count, i_start, i_count = self._shares(t, m)
         main = rr.main_src_blocks
         if topo.sends_main(m):
             if rr.main_offset != start or len(main) != count:
@@ -455,36 +469,50 @@ class DecodeReceiver:
             return "main source block out of the prefill buffer"
         index = rr.indexer_src_blocks
         if p.index_pairs:
-            start, count = topo.indexer_share(n, m)
-            if rr.indexer_offset != start or len(index) != count:
+            if rr.indexer_offset != i_start or len(index) != i_count:
                 return (f"indexer range {rr.indexer_offset}+{len(index)} is not member "
-                        f"{m}'s share {start}+{count}")
+                        f"{m}'s share {i_start}+{i_count}")
             if index and max(index) >= p.index_limit:
                 return "indexer source block out of the prefill buffer"
         elif index:
             return "indexer blocks sent but this model has no indexer"
         return None
 
-    def _plan(self, p: _Peer, t: _Track, rr: RequestRange, layer: int):
-        """``(dst, src, len)`` lists of one request's share of one layer (coalesced per tensor)."""
-        dst_all: List[int] = []
-        src_all: List[int] = []
-        len_all: List[int] = []
-        for pairs, src_blocks, dst_blocks, offset in (
-                (p.main_pairs, rr.main_src_blocks, t.dest.main_blocks, rr.main_offset),
-                (p.index_pairs, rr.indexer_src_blocks, t.dest.indexer_blocks, rr.indexer_offset)):
-            if not src_blocks:
-                continue
-            dst_ids = dst_blocks[offset:offset + len(src_blocks)]
-            for s_spec, d_spec in pairs:
-                bb = d_spec.block_bytes
-                sbase = s_spec.layer_base_addrs[layer]
-                dbase = d_spec.layer_base_addrs[layer]
-                d_, s_, n_ = coalesce([dbase + b * bb for b in dst_ids], [sbase + b * bb for b in src_blocks], bb)
-                dst_all += d_
-                src_all += s_
+    def _plan(self, p: _Peer, t: _Track, rr: RequestRange, layer: int, dst_all: List[int],
+              src_all: List[int], len_all: List[int]) -> None:
+        """Append one request's share of one layer (coalesced per tensor) to the read lists.
+
+        Coalescing depends only on block offsets within a layer (every address of a
+        tensor's layer is its base plus ``block * block_bytes``), so the plan is kept
+        relative to the bases and reused while the source blocks stay the same
+        (they usually do: a request keeps its slot blocks for every layer).
+        """
+        main, index = rr.main_src_blocks, rr.indexer_src_blocks
+        cached = t.plans.get(p.member)
+        if cached is None or cached[0] != main or cached[1] != index:
+            rel = []
+            for pairs, src_blocks, dst_blocks, offset in (
+                    (p.main_pairs, main, t.dest.main_blocks, rr.main_offset),
+                    (p.index_pairs, index, t.dest.indexer_blocks, rr.indexer_offset)):
+                if not src_blocks:
+                    continue
+                dst_ids = dst_blocks[offset:offset + len(src_blocks)]
+                for s_spec, d_spec in pairs:
+                    bb = d_spec.block_bytes
+                    d_, s_, n_ = coalesce([b * bb for b in dst_ids], [b * bb for b in src_blocks], bb)
+                    rel.append((d_spec.layer_base_addrs, s_spec.layer_base_addrs, d_, s_, n_))
+            cached = t.plans[p.member] = (main, index, rel)
+        for d_bases, s_bases, d_, s_, n_ in cached[2]:
+            dbase = d_bases[layer]
+            sbase = s_bases[layer]
+            if len(n_) == 1:
+                dst_all.append(dbase + d_[0])
+                src_all.append(sbase + s_[0])
+                len_all.append(n_[0])
+            else:
+                dst_all += [dbase + x for x in d_]
+                src_all += [sbase + x for x in s_]
                 len_all += n_
-        return dst_all, src_all, len_all
 
     def _serve_batch(self, peer: bytes, batch: ReadReadyBatch) -> None:
         self.stats.batches += 1
@@ -528,12 +556,11 @@ class DecodeReceiver:
         self._release(release)
 
         if good:
-            dst, src, lengths = [], [], []
+            dst: List[int] = []
+            src: List[int] = []
+            lengths: List[int] = []
             for t, rr in good:
-                d_, s_, n_ = self._plan(p, t, rr, batch.layer)
-                dst += d_
-                src += s_
-                lengths += n_
+                self._plan(p, t, rr, batch.layer, dst, src, lengths)
             error = self._read_with_retries(p.hs.session, batch.layer, dst, src, lengths,
                                             still_wanted=lambda: any(t.state is TransferState.PENDING
                                                                      for t, _ in good),

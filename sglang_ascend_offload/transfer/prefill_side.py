@@ -33,7 +33,7 @@ import threading
 import time
 import collections
 from dataclasses import dataclass, field
-from typing import NamedTuple, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set
+from typing import NamedTuple, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ..config import PDTransferConfig
 from ..layerwise_prefill.gates import SlotGates
@@ -49,6 +49,7 @@ from .topology import PDTopology, decode_port
 logger = logging.getLogger(__name__)
 
 PD_CONSUMER = "pd_read"
+_NONE: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,8 @@ class _Req:
     published: Set[int] = field(default_factory=set)
     acked: Set[int] = field(default_factory=set)
     finished: bool = False
+    #: this rank's share: (main offset, main count, indexer offset, indexer count); fixed per request
+    shares: Tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
 class PrefillSender:
@@ -197,7 +200,10 @@ class PrefillSender:
                 raise TransferError("prefill sender is closed")
             if request_id in self._reqs:
                 raise ValueError(f"request {request_id!r} already added")
-            self._reqs[request_id] = _Req(num_blocks=num_blocks)
+            topo = self.topology
+            m_share = topo.main_share(num_blocks, self.d_rank) if topo.sends_main(self.member) else (0, 0)
+            i_share = topo.indexer_share(num_blocks, self.member) if self._has_indexer else (0, 0)
+            self._reqs[request_id] = _Req(num_blocks=num_blocks, shares=m_share + i_share)
 
     def publish_layer(self, layer: int, slot: int, sources: Mapping[str, SourceBlocks],
                       finished: Iterable[str] = ()) -> Optional[int]:
@@ -214,11 +220,11 @@ class PrefillSender:
             raise TransferError("publish_layer before a successful handshake")
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} out of range 0..{self.layout.num_layers - 1}")
-        finished = set(finished)
-        if not finished <= set(sources):
+        finished = set(finished) if finished else _NONE
+        if finished and not finished <= sources.keys():
             raise ValueError("finished requests must be part of this layer's batch")
-        topo = self.topology
         ranges: List[RequestRange] = []
+        reqs: List[_Req] = []
         with self._lock:
             if self._closed:
                 raise TransferError("prefill sender is closed")
@@ -239,8 +245,8 @@ class PrefillSender:
                 if rid in finished and len(r.published) + 1 != self.layout.num_layers:
                     raise ValueError(f"request {rid!r} finished after {len(r.published) + 1} of "
                                      f"{self.layout.num_layers} layers")
-                m_off, m_cnt = topo.main_share(n, self.d_rank) if topo.sends_main(self.member) else (0, 0)
-                i_off, i_cnt = topo.indexer_share(n, self.member) if has_idx else (0, 0)
+                m_off, m_cnt, i_off, i_cnt = r.shares
+                reqs.append(r)
                 ranges.append(RequestRange(
                     request_id=rid, num_blocks=n, main_offset=m_off,
                     main_src_blocks=[int(b) for b in src.main_blocks[m_off:m_off + m_cnt]],
@@ -252,10 +258,10 @@ class PrefillSender:
                 return None
             if self.begin_gate:
                 self.gates.begin(slot, layer, [self.consumer])  # raises if the slot is still busy
-            for rr in ranges:
-                r = self._reqs[rr.request_id]
+            for rr, r in zip(ranges, reqs):
                 r.published.add(layer)
-                r.finished = r.finished or rr.request_id in finished
+                if finished and rr.request_id in finished:
+                    r.finished = True
             batch_id = self._next_batch
             self._next_batch += 1
             self._batches[batch_id] = _Batch(batch_id, layer, slot, [r.request_id for r in ranges], t_publish,
@@ -265,8 +271,8 @@ class PrefillSender:
                 self.stages.stamp(batch_id, "publish", t_ns)
         stamps = self._endpoint.send(ReadReadyBatch(
             version=PROTOCOL_VERSION, batch_id=batch_id, layer=layer, member=self.member,
-            ratio=topo.ratio, requests=ranges,
-            finished=[r.request_id for r in ranges if r.request_id in finished]))
+            ratio=self.topology.ratio, requests=ranges,
+            finished=[r.request_id for r in ranges if r.request_id in finished] if finished else []))
         if stamps is not None and self.stages is not None:
             self.stages.stamps(batch_id, PREFILL_STAMPS[1:4], stamps)
         return batch_id

@@ -30,6 +30,17 @@ def test_bench_transfer_json(capfd):
     # one sample per layer of the overhead run, percentiles ordered
     assert out["per_layer_overhead_samples"] == 8
     assert out["per_layer_overhead_us_p50"] <= out["per_layer_overhead_us_p99"]
+    # the traced rerun of the overhead run: every stage of every layer, on both sides' stamps
+    stages = out["control_path_stages_us"]
+    assert {"prefill_encode", "to_decode_wakeup", "decode_validate_plan", "read", "to_prefill_wakeup",
+            "prefill_handle", "total_minus_read"} <= set(stages)
+    assert all(v["n"] == 8 and v["p50"] <= v["p99"] for v in stages.values())
+    from sglang_ascend_offload.transfer.channel import spin_us_from_env
+    from sglang_ascend_offload.transfer.decode_side import DECODE_SPIN_US
+    from sglang_ascend_offload.transfer.prefill_side import PREFILL_SPIN_US
+
+    assert out["control_path_spin_us"] == {"prefill": spin_us_from_env(PREFILL_SPIN_US),
+                                           "decode": spin_us_from_env(DECODE_SPIN_US)}
     # injected faults log to a file unless -v: nothing of theirs on the terminal
     assert "injected read failure" not in captured.err and "request r0 failed" not in captured.err
     assert out["verified"] is True

@@ -1,0 +1,245 @@
+"""The control path's receive spin and stage stamps (issue 13 item 3).
+
+No transfer engine needed: an in-process engine copies with ``ctypes.memmove``,
+so these run wherever the package imports.
+"""
+
+import ctypes
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from sglang_ascend_offload.config import PDTransferConfig
+from sglang_ascend_offload.layerwise_prefill.gates import SlotGates
+from sglang_ascend_offload.transfer import channel
+from sglang_ascend_offload.transfer.channel import ControlEndpoint, spin_recv, spin_us_from_env
+from sglang_ascend_offload.transfer.decode_side import DecodeReceiver
+from sglang_ascend_offload.transfer.destinations import RequestDestination
+from sglang_ascend_offload.transfer.errors import TransferError
+from sglang_ascend_offload.transfer.layout import RawTensor, layout_from_regions
+from sglang_ascend_offload.transfer.prefill_side import PrefillSender, SourceBlocks
+from sglang_ascend_offload.transfer.protocol import (PROTOCOL_VERSION, MetaAck, ReadDone, Rejected,
+                                                     TransferVerdict)
+from sglang_ascend_offload.transfer.stages import (DECODE_STAMPS, PREFILL_STAMPS, STAGES, TRACE_ENV, StageLog,
+                                                   stage_breakdown)
+from sglang_ascend_offload.transfer.status import TransferState
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def free_port():
+    from sglang_ascend_offload.testing.ports import reserve_port
+
+    return reserve_port()
+
+
+# ------------------------------------------------------------------ spin_recv
+@pytest.fixture()
+def pair():
+    a, b = socket.socketpair()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_spin_recv_returns_bytes_that_arrive_during_the_spin(pair):
+    a, b = pair
+    threading.Timer(0.02, lambda: a.sendall(b"hello")).start()
+    t0 = time.monotonic()
+    got = spin_recv(b, spin_ns=5_000_000_000)  # 5 s window: the bytes come after 20 ms
+    assert got == b"hello"
+    assert time.monotonic() - t0 < 4.0  # returned on arrival, not at the end of the window
+
+
+def test_spin_recv_gives_up_after_its_window_and_blocking_recv_gets_later_bytes(pair):
+    a, b = pair
+    t0 = time.monotonic()
+    assert spin_recv(b, spin_ns=2_000_000) is None  # 2 ms, nothing sent
+    took = time.monotonic() - t0
+    assert 0.002 <= took < 1.0  # bounded: a spin never turns into a busy loop while idle
+    a.sendall(b"late")
+    b.settimeout(5.0)
+    assert b.recv(64) == b"late"  # the caller's blocking receive after the spin
+
+
+def test_spin_recv_sees_eof_at_once_and_stops_on_close(pair):
+    a, b = pair
+    stop = threading.Event()
+    threading.Timer(0.02, stop.set).start()
+    t0 = time.monotonic()
+    assert spin_recv(b, spin_ns=5_000_000_000, stop=stop) is None
+    assert time.monotonic() - t0 < 4.0  # close of the endpoint ends the spin
+    a.shutdown(socket.SHUT_WR)
+    t0 = time.monotonic()
+    assert spin_recv(b, spin_ns=5_000_000_000) == b""  # peer gone: EOF, no waiting out the window
+    assert time.monotonic() - t0 < 4.0
+
+
+def test_spin_setting_from_environment(monkeypatch):
+    monkeypatch.delenv(channel.SPIN_ENV, raising=False)
+    assert spin_us_from_env(150.0) == 150.0
+    monkeypatch.setenv(channel.SPIN_ENV, "0")
+    assert spin_us_from_env(150.0) == 0.0
+    monkeypatch.setenv(channel.SPIN_ENV, "75.5")
+    assert spin_us_from_env(0.0) == 75.5
+    for bad in ("fast", "-1", "1e9"):
+        monkeypatch.setenv(channel.SPIN_ENV, bad)
+        with pytest.raises(TransferError, match=channel.SPIN_ENV):
+            spin_us_from_env(0.0)
+
+
+# ------------------------------------------------------------------ endpoints with a spin
+class _Collect:
+    def __init__(self):
+        self.got = []
+        self.event = threading.Event()
+
+    def __call__(self, peer, msg):
+        self.got.append((peer, msg))
+        self.event.set()
+
+    def wait(self, n, timeout_s=10.0):
+        end = time.monotonic() + timeout_s
+        while len(self.got) < n and time.monotonic() < end:
+            time.sleep(0.002)
+        return len(self.got) >= n
+
+
+def _verdict(i):
+    return TransferVerdict(version=PROTOCOL_VERSION, request_ids=[f"r{i}"], ok=True, reason="")
+
+
+@pytest.mark.parametrize("spin_us, gap_s, caught", [(5_000_000, 0.01, True), (1_000, 0.5, False)])
+def test_endpoint_receives_messages_during_and_after_the_spin(spin_us, gap_s, caught):
+    port = free_port()
+    router_got = _Collect()
+    router = ControlEndpoint("router", "127.0.0.1", port, expect=(TransferVerdict,), on_message=router_got,
+                             spin_us=spin_us).start()
+    dealer = ControlEndpoint("dealer", "127.0.0.1", port, expect=(Rejected,), on_message=lambda p, m: None,
+                             spin_us=0).start()
+    try:
+        assert router.spin_us == spin_us and dealer.spin_us == 0
+        for i in range(3):
+            dealer.send(_verdict(i))
+            assert router_got.wait(i + 1), f"message {i} never arrived"
+            time.sleep(gap_s)  # the router's reader spins after each handled message
+        assert [m.request_ids[0] for _, m in router_got.got] == ["r0", "r1", "r2"]
+        if caught:  # a 5 s window catches the next message; the last one's spin is still running
+            assert router.spins >= 1 and router.spin_misses == 0
+        else:  # a 1 ms window runs out long before the next message: the reader blocked and still got it
+            assert router.spin_misses >= 2 and router.spins == 0
+    finally:
+        dealer.close()
+        router.close()
+    # close ends a spin that is still running (the 5 s window above): nothing is left running
+    assert not router.alive
+
+
+# ------------------------------------------------------------------ sender + receiver with stage stamps
+class MemmoveEngine:
+    """Same-process 'engine': reads are memmoves between registered numpy buffers."""
+
+    name = "mooncake"
+    data_protocol = "tcp"
+    session_id = "local:1"
+
+    def read(self, peer_session, dst_addrs, src_addrs, lengths):
+        for d, s, n in zip(dst_addrs, src_addrs, lengths):
+            ctypes.memmove(d, s, n)
+
+
+WIDTHS = {"latent": 64, "rope": 8, "indexer": 16, "indexer_scale": 4}
+ROLES = {"latent": "main", "rope": "main", "indexer": "indexer", "indexer_scale": "indexer_scale"}
+
+
+def _layout(per_layer):
+    return layout_from_regions(1, [RawTensor(ROLES[n], n, WIDTHS[n], a[0].shape[0], [x.ctypes.data for x in a])
+                                   for n, a in per_layer.items()])
+
+
+@pytest.mark.parametrize("trace", [True, False])
+def test_layers_through_one_slot_with_and_without_stage_stamps(trace):
+    layers, blocks = 6, 3
+    slot = {n: np.zeros((blocks, w), dtype=np.uint8) for n, w in WIDTHS.items()}
+    dest = {n: np.zeros((layers, 8, w), dtype=np.uint8) for n, w in WIDTHS.items()}
+    src_layout = _layout({n: [slot[n]] * layers for n in WIDTHS})
+    dst_layout = _layout({n: [dest[n][i] for i in range(layers)] for n in WIDTHS})
+    port = free_port()
+    cfg = PDTransferConfig(engine="mooncake", kv_port=port, host="127.0.0.1", layer_timeout_s=5.0,
+                           handshake_timeout_s=5.0)
+    engine = MemmoveEngine()
+    recv = DecodeReceiver(cfg, d_tp=1, d_rank=0, layout=dst_layout, engine=engine, trace=trace)
+    recv.expect(RequestDestination("a", (5, 1, 6), (2, 7, 0)))
+    recv.start()
+    gates = SlotGates(1)
+    sender = PrefillSender(cfg, p_tp=1, d_tp=1, p_rank=0, layout=src_layout, engine=engine, gates=gates,
+                           decode_host="127.0.0.1", trace=trace)
+    rng = np.random.default_rng(0)
+    want = {n: rng.integers(0, 256, (layers, blocks, w), dtype=np.uint8) for n, w in WIDTHS.items()}
+    try:
+        assert recv.endpoint.spin_us > 0 and sender.endpoint.spin_us == 0  # the sides' defaults
+        assert isinstance(sender.handshake(), MetaAck)
+        sender.add_request("a", blocks)
+        for layer in range(layers):
+            gates.wait_free(0, 5.0)
+            for n in WIDTHS:
+                slot[n][...] = want[n][layer]
+            sender.publish_layer(layer, 0, {"a": SourceBlocks([0, 1, 2], [0, 1, 2])},
+                                 finished=["a"] if layer == layers - 1 else ())
+        assert sender.wait(["a"], 10.0)["a"].state is TransferState.DONE
+        end = time.monotonic() + 10.0
+        while recv.status("a").state is TransferState.PENDING and time.monotonic() < end:
+            time.sleep(0.005)
+        assert recv.status("a").state is TransferState.DONE
+        for n in WIDTHS:  # bit-exact at the destination blocks of every layer
+            blocks_at = (5, 1, 6) if ROLES[n] == "main" else (2, 7, 0)
+            assert np.array_equal(dest[n][:, list(blocks_at)], want[n])
+        if not trace:
+            assert sender.stages is None and recv.stages is None
+            return
+        p, d = sender.stages.records(), recv.stages.records()
+        assert sorted(p) == sorted(d) == list(range(layers))
+        for b in range(layers):  # every stamp present and each side's in path order
+            assert [p[b][k] for k in PREFILL_STAMPS] == sorted(p[b][k] for k in PREFILL_STAMPS)
+            assert [d[b][k] for k in DECODE_STAMPS] == sorted(d[b][k] for k in DECODE_STAMPS)
+            # one clock for both sides: decode got the batch after prefill started sending it
+            # and prefill got the answer after decode started sending it
+            assert p[b]["send_start"] <= d[b]["rx"] and d[b]["answer_start"] <= p[b]["answer_rx"]
+        br = stage_breakdown(p, d)
+        assert set(br) == {name for name, _, _ in STAGES} | {"total_minus_read"}
+        assert all(v["n"] == layers and v["p50"] <= v["p99"] for v in br.values())
+    finally:
+        sender.close()
+        recv.close()
+
+
+def test_stage_breakdown_arithmetic():
+    p = {0: dict(zip(PREFILL_STAMPS, [0, 10_000, 12_000, 15_000, 95_000, 97_000, 100_000]))}
+    d = {0: dict(zip(DECODE_STAMPS, [20_000, 22_000, 30_000, 80_000, 84_000, 85_000, 90_000])),
+         1: dict(zip(DECODE_STAMPS, range(7)))}  # no prefill record: not matched
+    br = stage_breakdown(p, d)
+    assert br["prefill_prepare"]["p50"] == 10.0 and br["to_decode_wakeup"]["p50"] == 5.0
+    assert br["read"]["p50"] == 50.0 and br["to_prefill_wakeup"]["p50"] == 5.0
+    assert br["total_minus_read"] == {"p50": 50.0, "p99": 50.0, "n": 1}  # 100 us minus the 50 us read
+    assert br["decode_send"]["n"] == 1
+
+
+def test_stage_log_keeps_the_latest_batches():
+    log = StageLog(limit=3)
+    for b in range(5):
+        log.stamp(b, "publish", b)
+    assert sorted(log.records()) == [2, 3, 4]
+
+
+def test_trace_follows_the_environment(monkeypatch):
+    from sglang_ascend_offload.transfer.stages import trace_from_env
+
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    assert trace_from_env() is False
+    monkeypatch.setenv(TRACE_ENV, "0")
+    assert trace_from_env() is False
+    monkeypatch.setenv(TRACE_ENV, "1")
+    assert trace_from_env() is True
