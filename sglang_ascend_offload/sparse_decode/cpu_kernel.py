@@ -41,7 +41,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["CPUKernelUnavailable", "KernelLRUState", "library", "library_path", "build",
-           "lru_manage_rows", "copy_miss_rows_rows"]
+           "lru_manage_rows", "copy_miss_rows_rows", "set_simd"]
 
 _SRC = Path(__file__).with_name("csrc") / "lru_cpu.cpp"
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-exceptions"]
@@ -105,8 +105,17 @@ def library() -> ctypes.CDLL:
         lib.sao_lru_manage_rows.restype = ctypes.c_int
         lib.sao_copy_miss_rows.argtypes = [p, i64, p, i64, i64, i64, p, i64, i64, p, p, p, p, i64, i64]
         lib.sao_copy_miss_rows.restype = ctypes.c_int
+        lib.sao_lru_set_simd.argtypes = [ctypes.c_int]
+        lib.sao_lru_set_simd.restype = ctypes.c_int
         _LIB = lib
     return _LIB
+
+
+def set_simd(on: bool) -> bool:
+    """Choose the lookup of the int16 dense map: ``on`` (the default) the AVX-512 loop
+    where the CPU has AVX-512 F/BW/VL, else the scalar loop everywhere (same results;
+    tests run both). Returns whether this CPU has the AVX-512 loop."""
+    return bool(library().sao_lru_set_simd(1 if on else 0))
 
 
 def _ptr(t: torch.Tensor) -> int:

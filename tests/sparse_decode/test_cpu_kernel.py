@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import numpy as np
 import pytest
 import torch
@@ -29,12 +30,35 @@ def _as_dict(res):
     return dict(zip(("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots"), res))
 
 
-@pytest.mark.parametrize("dense", [False, "int16", "int32"], ids=["hash_map", "dense_map_int16", "dense_map_int32"])
+@contextlib.contextmanager
+def _lookup(impl: str):
+    """The int16 dense map's lookup: ``simd`` the AVX-512 loop (the test is skipped
+    where the CPU lacks it), ``scalar`` the scalar loop; the default is restored after."""
+    available = cpu_kernel.set_simd(impl == "simd")
+    try:
+        if impl == "simd" and not available:
+            pytest.skip("this CPU has no AVX-512 F/BW/VL: only the scalar lookup runs here")
+        yield
+    finally:
+        cpu_kernel.set_simd(True)
+
+
+LOOKUPS = pytest.mark.parametrize("impl", ["simd", "scalar"])
+
+
+@pytest.mark.parametrize("dense", [False, "int16", "int16_scalar", "int32"],
+                         ids=["hash_map", "dense_map_int16", "dense_map_int16_scalar_lookup", "dense_map_int32"])
 @HYP
 @given(scn=scenarios())
 def test_kernel_equals_reference_on_all_rows(dense, scn):
     """Request churn, idle rows, speculative suffixes: state and outputs identical,
-    with either position map (the dense one with int16 or int32 slots)."""
+    with either position map (the dense one with int16 or int32 slots; the int16
+    one's lookup both vectorised, where the CPU has AVX-512, and scalar)."""
+    with _lookup("scalar" if dense == "int16_scalar" else "simd"):
+        _check_all_rows("int16" if dense == "int16_scalar" else dense, scn)
+
+
+def _check_all_rows(dense, scn):
     hot, steps = scn
     rows, k = steps[0][0].shape
     table = ResidencyTable.empty(rows, hot)
@@ -111,6 +135,53 @@ def test_kernel_at_a_larger_shape_with_locality_equals_reference():
         out = _as_dict(cpu_kernel.lru_manage_rows(state, all_rows, topk, req, stable, step))
         _assert_same(out, ref, state, table)
     assert ctx > 0
+
+
+@LOOKUPS
+def test_kernel_dense16_at_a_larger_shape_equals_reference(impl):
+    """The int16 dense map at top-k 250 (not a multiple of the 16-entry vectors: masked
+    tails), hot 512, positions 0 .. ~1200 with position 0 and the map's last position
+    selected, padding entries, a speculative suffix and churn, over 10 steps."""
+    with _lookup(impl):
+        _check_dense16_larger()
+
+
+def _check_dense16_larger():
+    gen = torch.Generator().manual_seed(5)
+    rows, k, hot, width = 3, 250, 512, 1300
+    table = ResidencyTable.empty(rows, hot)
+    state = cpu_kernel.KernelLRUState.empty(rows, hot, max_positions=width)
+    assert state.map_kind == 0 and state.hkeys.dtype == torch.int16
+    req = torch.arange(rows, dtype=torch.int64)
+    all_rows = torch.arange(rows, dtype=torch.int64)
+    for step in range(10):
+        stable = torch.full((rows,), width - 1 - (step % 3), dtype=torch.int32)
+        topk = torch.full((rows, k), -1, dtype=torch.int32)
+        for r in range(rows):
+            pos = torch.cat([torch.tensor([0, width - 1]),
+                             1 + torch.randperm(width - 2, generator=gen)[: k - 12]]).to(torch.int32)
+            topk[r, : pos.numel()] = pos[torch.randperm(pos.numel(), generator=gen)]
+        if step == 6:
+            req[2] = 7  # churn
+        ref = residency_manage(table.slot_token, table.slot_stamp, table.row_req, topk, req, stable, step)
+        out = _as_dict(cpu_kernel.lru_manage_rows(state, all_rows, topk, req, stable, step))
+        _assert_same(out, ref, state, table)
+        assert int(out["hit_mask"].sum()) > 0 or step == 0
+
+
+@LOOKUPS
+def test_kernel_rejects_a_position_beyond_the_dense_map(impl):
+    with _lookup(impl):
+        _check_rejects_beyond_width()
+
+
+def _check_rejects_beyond_width():
+    state = cpu_kernel.KernelLRUState.empty(2, 32, max_positions=40)
+    topk = torch.arange(20, dtype=torch.int32).view(1, 20).clone()
+    topk[0, 17] = 40
+    with pytest.raises(IndexError, match="dense map's width 40"):
+        cpu_kernel.lru_manage_rows(state, torch.tensor([1]), topk, torch.zeros(1, dtype=torch.int64),
+                                   torch.full((1,), 41, dtype=torch.int32), 0)
 
 
 def test_kernel_copy_equals_reference_copy():

@@ -21,10 +21,32 @@
 // Invariant needed for the maintained order: per row, steps are strictly increasing
 // (stamps of earlier steps are <= 2*(step-1)+2 < 2*step+1). The engine guarantees it.
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+// Phase timers for tuning (off by default): build with -DSAO_LRU_PROFILE and read them
+// with sao_lru_profile(); they add a rdtsc per phase and row.
+#ifdef SAO_LRU_PROFILE
+#include <x86intrin.h>
+static uint64_t g_prof[8];
+#define SAO_PROF_START uint64_t prof_last_ = __rdtsc();
+#define SAO_PROF(i)                    \
+  do {                                 \
+    const uint64_t n_ = __rdtsc();     \
+    g_prof[i] += n_ - prof_last_;      \
+    prof_last_ = n_;                   \
+  } while (0)
+#else
+#define SAO_PROF_START
+#define SAO_PROF(i) \
+  do {              \
+  } while (0)
+#endif
 
 namespace {
 
@@ -122,6 +144,74 @@ struct DenseMap {
   static constexpr bool kLazy = true;
 };
 
+// 0: scalar lookups everywhere; 1 (default): the AVX-512 lookup for the int16 dense map
+// where the CPU has AVX-512 F/BW/VL (sao_lru_set_simd; the tests run both).
+int g_simd = 1;
+
+bool simd_lookup_available() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl");
+  return ok;
+}
+
+// Step 3 (lookup) of one row for the int16 dense map, 16 entries a vector: the same
+// outputs as the scalar loop (hm, sl, flag 2 at hit slots, mj = the miss entries'
+// indices in order; returns the miss count, hits in *hits_out), or -1 when a position
+// is >= width. Two passes: the first only gathers slot_of[p] of every entry into sbuf
+// (its iterations are independent, so many of the row's cold map lines are in flight
+// at once), the second checks them against slot_token (warm: fetched at the row's
+// start). slot_of[p] is gathered as the 32-bit word at byte 2p - 2 (its high half;
+// byte 0 and the low half for p == 0), so every read lies inside the row's map. mj
+// needs K + 16 entries (a vector store past the misses), sbuf K + 16.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) int64_t lookup_dense16_avx512(
+    const int32_t* __restrict tk, int64_t K, const int16_t* __restrict so, const int32_t* __restrict tok,
+    int32_t stab, int64_t width, uint8_t* __restrict hm, int32_t* __restrict sl, uint8_t* __restrict fl,
+    int32_t* __restrict mj, int32_t* __restrict sbuf, int64_t* hits_out) {
+  const __m512i zero = _mm512_setzero_si512(), neg1 = _mm512_set1_epi32(-1);
+  const __m512i vstab = _mm512_set1_epi32(stab);
+  const __m512i vwidth = _mm512_set1_epi32(static_cast<int32_t>(std::min<int64_t>(width, INT32_MAX)));
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m128i one8 = _mm_set1_epi8(1);
+  SAO_PROF_START
+  // pass 1: s = slot_of[p] for valid entries (-1 for the others)
+  for (int64_t j = 0; j < K; j += 16) {
+    const __mmask16 lm = K - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - j)) - 1);
+    const __m512i p = _mm512_mask_loadu_epi32(neg1, lm, tk + j);  // lanes past K: padding
+    const __mmask16 nonneg = _mm512_cmpge_epi32_mask(p, zero);
+    if (_mm512_mask_cmpge_epi32_mask(nonneg, p, vwidth)) return -1;
+    const __mmask16 valid = _mm512_mask_cmplt_epi32_mask(nonneg, p, vstab);
+    const __mmask16 at0 = _mm512_cmpeq_epi32_mask(p, zero);
+    const __m512i off = _mm512_max_epi32(_mm512_sub_epi32(_mm512_add_epi32(p, p), _mm512_set1_epi32(2)), zero);
+    const __m512i raw = _mm512_mask_i32gather_epi32(zero, valid, off, so, 1);
+    const __m512i sv = _mm512_mask_blend_epi32(at0, _mm512_srai_epi32(raw, 16),
+                                               _mm512_srai_epi32(_mm512_slli_epi32(raw, 16), 16));
+    _mm512_storeu_si512(sbuf + j, _mm512_mask_blend_epi32(valid, neg1, sv));
+  }
+  SAO_PROF(5);
+  // pass 2: hits, outputs, flags, miss indices
+  int64_t m = 0, hits = 0;
+  for (int64_t j = 0; j < K; j += 16) {
+    const __mmask16 lm = K - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - j)) - 1);
+    const __m512i p = _mm512_mask_loadu_epi32(neg1, lm, tk + j);
+    const __mmask16 nonneg = _mm512_cmpge_epi32_mask(p, zero);
+    const __m512i s = _mm512_loadu_si512(sbuf + j);
+    const __mmask16 held = _mm512_cmpge_epi32_mask(s, zero);
+    const __m512i t = _mm512_mask_i32gather_epi32(neg1, held, s, tok, 4);
+    const __mmask16 hit = _mm512_mask_cmpeq_epi32_mask(held, t, p);
+    _mm512_mask_storeu_epi32(sl + j, lm, _mm512_mask_blend_epi32(hit, neg1, s));
+    _mm_mask_storeu_epi8(hm + j, lm, _mm_maskz_mov_epi8(hit, one8));
+    const __mmask16 miss = nonneg & static_cast<__mmask16>(~hit);
+    _mm512_storeu_si512(mj + m, _mm512_maskz_compress_epi32(miss, _mm512_add_epi32(iota, _mm512_set1_epi32(
+                                                                    static_cast<int32_t>(j)))));
+    m += __builtin_popcount(miss);
+    hits += __builtin_popcount(hit);
+    for (unsigned h = hit; h; h &= h - 1) fl[sbuf[j + __builtin_ctz(h)]] = 2;
+  }
+  SAO_PROF(6);
+  *hits_out = hits;
+  return m;
+}
+
 template <typename Map, typename MakeMap>
 int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __restrict slot_stamp,
                 int64_t* __restrict row_req, int32_t* __restrict order, int32_t* __restrict maxpos, int64_t R,
@@ -136,9 +226,10 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
   thread_local std::vector<uint8_t> flag_buf;  // [H+1]: H is the target of branch-free stores
   thread_local std::vector<int32_t> miss_j_buf, victims_buf, neworder_buf, fills_buf, hit_slots_buf;
   if (flag_buf.size() < static_cast<size_t>(H + 1)) flag_buf.resize(H + 1);
-  if (miss_j_buf.size() < static_cast<size_t>(K + 1)) miss_j_buf.resize(K + 1);
+  if (miss_j_buf.size() < static_cast<size_t>(K + 16)) miss_j_buf.resize(K + 16);
   if (victims_buf.size() < static_cast<size_t>(K + 1)) victims_buf.resize(K + 1);
-  if (neworder_buf.size() < static_cast<size_t>(H + 1)) neworder_buf.resize(H + 1);
+  // neworder doubles as the AVX-512 lookup's slot buffer (K + 16 <= H + 16)
+  if (neworder_buf.size() < static_cast<size_t>(H + 16)) neworder_buf.resize(H + 16);
   if (fills_buf.size() < static_cast<size_t>(H + 1)) fills_buf.resize(H + 1);
   if (hit_slots_buf.size() < static_cast<size_t>(H + 1)) hit_slots_buf.resize(H + 1);
   uint8_t* __restrict flag = flag_buf.data();
@@ -164,6 +255,7 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
     int32_t* __restrict ms = miss_slots + b * K;
     uint8_t* __restrict fl = flag;
     int32_t* __restrict mj = miss_j;
+    SAO_PROF_START
 
     // 1. reset on a request change (idle rows too)
     if (req != row_req[r]) {
@@ -208,16 +300,26 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
       miss_count[b] = 0;
       continue;
     }
+    SAO_PROF(0);
     // 3. lookup. The row's slot_token (H int32) is read at random by the entry checks:
     // fetch all of its lines up front (a paired cold-cache microbenchmark: ~4 % faster).
     for (int64_t s2 = 0; s2 < H; s2 += 16) __builtin_prefetch(tok + s2);
     std::memset(flag, 0, H);
     int64_t m = 0, hits = 0;
+    constexpr int64_t kAhead = 48, kAhead2 = 16;
+    bool looked_up = false;
+    if constexpr (std::is_same<Map, DenseMap<int16_t>>::value) {
+      if (g_simd && simd_lookup_available()) {
+        m = lookup_dense16_avx512(tk, K, map.so, tok, stab, map.width, hm, sl, fl, mj, neworder, &hits);
+        if (m < 0) return 3;
+        looked_up = true;
+      }
+    }
+    if (!looked_up) {
     // The map and the row's slot_token are cold (one layer's state among many): a
     // two-stage software pipeline fetches slot_of[p] kAhead entries ahead and, once that
     // line has arrived, slot_token[slot_of[p]] kAhead2 entries ahead (the dependent load
     // of the entry check), so the loop below mostly hits L1.
-    constexpr int64_t kAhead = 48, kAhead2 = 16;
     for (int64_t j = 0; j < std::min(K, kAhead); ++j)
       if (tk[j] >= 0) map.prefetch(tk[j]);
     for (int64_t j = 0; j < std::min(K, kAhead2); ++j)
@@ -228,7 +330,8 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
       if (j + kAhead2 < K && tk[j + kAhead2] >= 0) map.prefetch2(tk[j + kAhead2]);
       const int32_t p = tk[j];
       if (map_width >= 0 && p >= map_width) return 3;
-      const int32_t found = (p >= 0 && p < stab) ? map.find(p) : -1;
+      const bool valid = (p >= 0) & (p < stab);
+      const int32_t found = valid ? map.find(p) : -1;
       const bool hit = found >= 0;
       hm[j] = hit;
       sl[j] = found;  // -1 for padding and misses (a miss gets its victim below)
@@ -237,6 +340,8 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
       mj[m] = static_cast<int32_t>(j);
       m += (!hit) & (p >= 0);
     }
+    }
+    SAO_PROF(1);
     // The order and stamp rows are read / written by steps 4-5 and the order rebuild:
     // fetch them while the victims are chosen.
     for (int64_t s2 = 0; s2 < H; s2 += 16) __builtin_prefetch(ord + s2);
@@ -247,6 +352,7 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
       const int32_t s = ord[pos++];
       if (flag[s] != 2) victims[v++] = s;
     }
+    SAO_PROF(2);
     // 5. update: fills then hit stamps. Evicting a victim touches its old position's
     // map entry, a cold line: fetch those ahead too.
     int32_t mx = maxpos[r];
@@ -272,6 +378,7 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
     miss_count[b] = static_cast<int32_t>(m);
     std::fill(mt + m, mt + K, -1);
     std::fill(ms + m, ms + K, -1);
+    SAO_PROF(3);
     if (m == 0 && hits == 0) continue;
     // New order, in place: untouched slots in their order (compacted to the front: the
     // write index never passes the read index), then fills by slot, then hits by slot.
@@ -293,12 +400,38 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
     std::memcpy(ord + n, fills, nf * sizeof(int32_t));
     std::memcpy(ord + n + nf, hit_slots, nh * sizeof(int32_t));
     for (int64_t i = 0; i < nh; ++i) stamp[hit_slots[i]] = hit_stamp;
+    SAO_PROF(4);
   }
   return 0;
 }
 }  // namespace
 
 extern "C" {
+
+// Lookup implementation: 1 (default) the AVX-512 lookup for the int16 dense map where
+// the CPU supports it, 0 the scalar loop everywhere. Returns whether the AVX-512 lookup
+// is available on this CPU.
+int sao_lru_set_simd(int on) {
+  g_simd = on;
+  return simd_lookup_available() ? 1 : 0;
+}
+
+// Phase cycle counters (rdtsc) of a -DSAO_LRU_PROFILE build: 0 reset / invalidation,
+// 1 lookup, 2 victims, 3 fills, 4 order rebuild and stamps; within 1, the AVX-512
+// lookup's 5 gather pass and 6 check pass. Copies them to out[0..7]
+// and clears them; returns 0, or 1 when the build has no timers.
+int sao_lru_profile(uint64_t* out) {
+#ifdef SAO_LRU_PROFILE
+  for (int i = 0; i < 8; ++i) {
+    out[i] = g_prof[i];
+    g_prof[i] = 0;
+  }
+  return 0;
+#else
+  (void)out;
+  return 1;
+#endif
+}
 
 // Error codes: 0 ok, 1 a row index out of range, 2 the derived state disagrees with the
 // contract's state (a slot's position missing from the map), 3 a position outside the
