@@ -355,9 +355,32 @@ def run_profile(args) -> Dict[str, Any]:
         "context_max": int(lens[t].max()),
         "rank_depth": depth,
     }
+    out.update(_profile_score_kernels(log, ranked, one_step, steps, rows, hot, layers))
     if args.profile_compile == "on":
         out.update(_profile_compiled(args, log, reference[layers - 1], batch_rows, topk[t, layers - 1], req[t],
                                      lens[t], t, row_dim, heads))
+    return out
+
+
+def _profile_score_kernels(log, ranked, one_step, steps, rows, hot, layers) -> Dict[str, Any]:
+    """``score_rank`` / ``score_rank_guarded`` on their CPU kernel over the same trace, warmed
+    and timed like the engine's manager (ms per layer, wall and CPU); ``None`` when the
+    trace has no ranking (give ``--rank-depth``, or profile a score policy)."""
+    from ..sparse_decode.policies import make_manager
+
+    out: Dict[str, Any] = {"score_rank_manage_ms_per_layer": None, "score_rank_manage_cpu_ms_per_layer": None,
+                           "score_rank_guarded_manage_ms_per_layer": None}
+    if ranked is None:
+        return out
+    for policy in ("score_rank", "score_rank_guarded"):
+        log(f"timing {policy} on its CPU kernel ...")
+        mgrs = [make_manager(policy, rows, hot, None, manage_impl="kernel") for _ in range(layers)]
+        for t in range(steps - 1):
+            one_step(mgrs, t)
+        _, wall_s, cpu_s = one_step(mgrs, steps - 1)
+        out[f"{policy}_manage_ms_per_layer"] = 1e3 * wall_s / layers
+        if policy == "score_rank":
+            out["score_rank_manage_cpu_ms_per_layer"] = 1e3 * cpu_s / layers
     return out
 
 
@@ -410,6 +433,9 @@ def _print_profile(r: Dict[str, Any]) -> None:
     print(f"  {'  torch reference (the contract)':<34}{r['reference_manage_ms_per_layer'] * r['layers']:>10.1f} ms  "
           f"({r['reference_manage_ms_per_layer']:.3f} ms/layer, CPU time "
           f"{r['reference_manage_cpu_ms_per_layer']:.3f} ms/layer)")
+    if r.get("score_rank_manage_ms_per_layer") is not None:
+        print(f"  {'  score_rank / guarded, CPU kernel':<34}{r['score_rank_manage_ms_per_layer'] * r['layers']:>10.1f} ms  "
+              f"({r['score_rank_manage_ms_per_layer']:.3f} / {r['score_rank_guarded_manage_ms_per_layer']:.3f} ms/layer)")
     print(f"  {'miss copy host->device':<34}{r['copy_ms']:>10.1f} ms")
     print(f"  {'sparse attention (reference)':<34}{r['attention_ms']:>10.1f} ms")
     print(f"  management / attention = {r['manage_over_attention']:.3f}")
