@@ -12,10 +12,11 @@ One run reports, for the same trace and hot-buffer size:
 * every available policy's misses at the same capacity (residency only).
 
 Without ``--trace`` a synthetic trace is generated (``--shape``; the model is in
-``docs/sparse_decode.md``). ``--profile-shape`` instead times one warm decode step at
+``docs/sparse_decode.md``). ``--profile-shape`` instead times warm decode steps at
 production shape (rows 32, top-k 2048, hot 4096, 61 layers by default, ~128K-token
 contexts with ``--profile-context``): residency management on the engine's path (the
-CPU kernel for ``lru`` on CPU, ``manage_ms_per_layer``) next to the torch reference
+CPU kernel for ``lru`` on CPU, ``manage_ms_per_layer``: the median over
+``--profile-repeats`` steps, each cycling over every layer's state) next to the torch reference
 (the contract) with their miss counts compared, miss copy, the reference sparse
 attention, and one layer's whole step on the reference rung eager vs
 ``torch.compile`` d (``--profile-compile``).
@@ -71,9 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the side-by-side table as a figure (matplotlib)")
     prof = parser.add_argument_group("production-shape timing (--profile-shape)")
     prof.add_argument("--profile-shape", action="store_true",
-                      help="time one step's residency management vs sparse attention at production shape "
+                      help="time warm steps' residency management vs sparse attention at production shape "
                            "(overrides the synthetic defaults: rows 32, top-k 2048, hot 4096, 61 layers, 16 heads)")
-    prof.add_argument("--profile-steps", type=int, default=6, help="warm-up steps before the timed one")
+    prof.add_argument("--profile-steps", type=int, default=4,
+                      help="warm-up steps before the timed ones (the hot buffers are full after 3)")
+    prof.add_argument("--profile-repeats", type=int, default=4,
+                      help="timed warm steps, each over every layer's state in turn (cache-cold state, as in a "
+                           "model); manage times are their median, with min and p90")
     prof.add_argument("--profile-context", type=int, default=131072,
                       help="longest prompt of the profile's synthetic trace (tokens; prompts are 1/4 .. 1 of it)")
     prof.add_argument("--manage-impl", choices=("auto", "kernel", "torch"), default="auto",
@@ -120,7 +125,7 @@ def _load_or_synthesize(args):
 
 def _input_problems(args) -> List[str]:
     problems = []
-    for name in ("steps", "layers", "rows", "top_k", "heads", "profile_steps", "profile_context"):
+    for name in ("steps", "layers", "rows", "top_k", "heads", "profile_steps", "profile_repeats", "profile_context"):
         if getattr(args, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
     if args.hot_tokens is not None and args.hot_tokens < 1:
@@ -256,7 +261,7 @@ def _print_replay(r: Dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------- profile mode
 def run_profile(args) -> Dict[str, Any]:
-    """Time one steady-state step at production shape (see module docstring)."""
+    """Time steady-state steps at production shape (see module docstring)."""
     from ..sparse_decode.hot_buffer import HotBuffers
     from ..sparse_decode.policies import make_manager, uses_cpu_kernel
     from ..sparse_decode.trace import SyntheticTraceSpec, synthesize
@@ -267,7 +272,8 @@ def run_profile(args) -> Dict[str, Any]:
     heads = args.heads if args.heads != 8 else 16
     hot = args.hot_tokens if args.hot_tokens is not None else 2 * k
     policy = args.policy or _default_policy()
-    steps = args.profile_steps + 1
+    repeats = args.profile_repeats
+    steps = args.profile_steps + repeats
     context = max(args.profile_context, 4 * k)
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     log(f"profile: rows {rows}, top-k {k}, hot {hot}, layers {layers}, heads {heads}, policy {policy}, "
@@ -306,16 +312,29 @@ def run_profile(args) -> Dict[str, Any]:
         return out, time.perf_counter() - t0, time.thread_time() - c0
 
     log(f"warming residency tables ({'CPU kernel' if kernel else 'torch'} and the torch reference) ...")
-    for t in range(steps - 1):
+    for t in range(args.profile_steps):
         one_step(managers, t)
         one_step(reference, t)
+    # Timed: `repeats` warm steps, each the engine's path over every layer's state in
+    # turn (a layer's state is cold when its turn comes, as in a model), then the
+    # reference on the same step; per step the wall and CPU time per layer-call.
+    log(f"timing {repeats} warm steps x {layers} layers ...")
+    wall, cpu, ref_wall, ref_cpu = [], [], [], []
+    same, misses_all, ref_misses_all = True, [], []
+    for t in range(args.profile_steps, steps):
+        results, manage_s, manage_cpu_s = one_step(managers, t)
+        ref_results, ref_manage_s, ref_manage_cpu_s = one_step(reference, t)
+        wall.append(manage_s / layers)
+        cpu.append(manage_cpu_s / layers)
+        ref_wall.append(ref_manage_s / layers)
+        ref_cpu.append(ref_manage_cpu_s / layers)
+        misses_all.append(int(sum(int(r.miss_count.sum()) for r in results)))
+        ref_misses_all.append(int(sum(int(r.miss_count.sum()) for r in ref_results)))
+        same = same and all(torch.equal(a.slots, b.slots) and torch.equal(a.miss_count, b.miss_count)
+                            for a, b in zip(results, ref_results))
+    misses, ref_misses = misses_all[-1], ref_misses_all[-1]
+    same = same and misses_all == ref_misses_all
     t = steps - 1
-    results, manage_s, manage_cpu_s = one_step(managers, t)
-    ref_results, ref_manage_s, ref_manage_cpu_s = one_step(reference, t)
-    misses = int(sum(int(r.miss_count.sum()) for r in results))
-    ref_misses = int(sum(int(r.miss_count.sum()) for r in ref_results))
-    same = all(torch.equal(a.slots, b.slots) and torch.equal(a.miss_count, b.miss_count)
-               for a, b in zip(results, ref_results))
 
     # One layer's worth of buffers, reused for every layer: content does not change cost.
     # The token table maps every position to one of HOST_ROWS host rows (distinct within
@@ -339,17 +358,23 @@ def run_profile(args) -> Dict[str, Any]:
         c2 = time.perf_counter()
         copy_s += c1 - c0
         attn_s += c2 - c1
+    med = lambda xs: float(np.median(xs))  # noqa: E731
     out = {
         "rows": rows, "top_k": k, "hot_tokens": hot, "layers": layers, "heads": heads, "policy": policy,
         "ops": args.ops, "torch_threads": torch.get_num_threads(),
         "step_misses": misses, "step_selected": int((topk[t] >= 0).sum()),
-        "manage_ms": 1e3 * manage_s, "copy_ms": 1e3 * copy_s, "attention_ms": 1e3 * attn_s,
-        "manage_over_attention": manage_s / attn_s if attn_s else None,
-        "manage_ms_per_layer": 1e3 * manage_s / layers,
-        "manage_cpu_ms_per_layer": 1e3 * manage_cpu_s / layers,
+        "manage_ms": 1e3 * med(wall) * layers, "copy_ms": 1e3 * copy_s, "attention_ms": 1e3 * attn_s,
+        "manage_over_attention": med(wall) * layers / attn_s if attn_s else None,
+        "manage_ms_per_layer": 1e3 * med(wall),
+        "manage_ms_per_layer_min": 1e3 * min(wall),
+        "manage_ms_per_layer_p90": 1e3 * float(np.percentile(wall, 90)),
+        "manage_cpu_ms_per_layer": 1e3 * med(cpu),
+        "manage_cpu_ms_per_layer_min": 1e3 * min(cpu),
+        "manage_timed_steps": repeats,
         "manage_impl": "kernel" if kernel else "torch",
-        "reference_manage_ms_per_layer": 1e3 * ref_manage_s / layers,
-        "reference_manage_cpu_ms_per_layer": 1e3 * ref_manage_cpu_s / layers,
+        "reference_manage_ms_per_layer": 1e3 * med(ref_wall),
+        "reference_manage_cpu_ms_per_layer": 1e3 * med(ref_cpu),
+        "timed_step_misses": misses_all,
         "reference_step_misses": ref_misses,
         "misses_equal_contract": bool(same and misses == ref_misses),
         "context_max": int(lens[t].max()),
@@ -429,7 +454,9 @@ def _print_profile(r: Dict[str, Any]) -> None:
     print(f"  selected {r['step_selected']}, misses {r['step_misses']} "
           f"(torch reference: {r['reference_step_misses']}, identical: {'yes' if r['misses_equal_contract'] else 'NO'})")
     print(f"  {'residency management':<34}{r['manage_ms']:>10.1f} ms  ({r['manage_ms_per_layer']:.3f} ms/layer, "
-          f"CPU time {r['manage_cpu_ms_per_layer']:.3f} ms/layer, {r['manage_impl']})")
+          f"CPU time {r['manage_cpu_ms_per_layer']:.3f} ms/layer; median of {r['manage_timed_steps']} steps x "
+          f"{r['layers']} layers, min {r['manage_ms_per_layer_min']:.3f}, p90 {r['manage_ms_per_layer_p90']:.3f} "
+          f"ms/layer; {r['manage_impl']})")
     print(f"  {'  torch reference (the contract)':<34}{r['reference_manage_ms_per_layer'] * r['layers']:>10.1f} ms  "
           f"({r['reference_manage_ms_per_layer']:.3f} ms/layer, CPU time "
           f"{r['reference_manage_cpu_ms_per_layer']:.3f} ms/layer)")

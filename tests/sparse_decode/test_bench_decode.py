@@ -93,5 +93,10 @@ def test_profile_shape_reports_manage_per_layer_with_misses_equal_to_the_contrac
                 "manage_cpu_ms_per_layer", "reference_manage_ms_per_layer"):
         assert r[key] >= 0
     assert abs(r["manage_ms_per_layer"] * r["layers"] - r["manage_ms"]) < 1e-6 * max(1.0, r["manage_ms"])
+    # the median of the timed warm steps, each over every layer
+    assert r["manage_timed_steps"] == 4 == len(r["timed_step_misses"])
+    assert r["timed_step_misses"][-1] == r["step_misses"]
+    assert r["manage_ms_per_layer_min"] <= r["manage_ms_per_layer"] <= r["manage_ms_per_layer_p90"]
+    assert r["manage_cpu_ms_per_layer_min"] <= r["manage_cpu_ms_per_layer"]
     rc, out, _ = _run(PROFILE + ["--manage-impl", "torch"], capsys)
     assert rc == 0 and "identical: yes" in out and "torch)" in out
