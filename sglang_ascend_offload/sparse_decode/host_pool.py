@@ -44,6 +44,7 @@ from .. import platform
 __all__ = ["HostPoolShape", "HostKVPool", "AppendGate", "AppendTimeout"]
 
 PoolKind = Literal["pinned", "shared", "memfabric"]
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first touch
 
 
 @dataclass(frozen=True)
@@ -161,8 +162,10 @@ class HostKVPool:
     @classmethod
     def _map(cls, shape: HostPoolShape, path: Path, header_bytes: int, owner: bool) -> "HostKVPool":
         """``MAP_SHARED`` mapping of the whole file; ``data`` views the rows after the header."""
+        # MAP_POPULATE: resident from the start, as a pinned pool is (no RSS growth as
+        # the pool fills; shared pages, so still no private copy per rank).
         with open(path, "r+b") as f:
-            mm = mmap.mmap(f.fileno(), header_bytes + shape.nbytes, flags=mmap.MAP_SHARED,
+            mm = mmap.mmap(f.fileno(), header_bytes + shape.nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE,
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
         data = torch.frombuffer(mm, dtype=shape.dtype, count=shape.numel, offset=header_bytes).view(shape.dims())
         pool = cls(shape, data, "shared", path, owner=owner)
