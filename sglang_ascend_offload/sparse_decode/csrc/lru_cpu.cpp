@@ -212,6 +212,72 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) int64_t lookup_dense16_avx5
   return m;
 }
 
+// Step 4 (victims) with AVX-512: the first m slots s of ord with flag[s] != 2 into
+// victims[0..m), 16 order entries a vector; returns the order index just past the m-th
+// (the scalar loop's pos). Needs m <= H - (#hits) (always: hits + m <= K <= H), victims
+// K + 16 entries, flag H + 4 bytes (a slot's flag is read as a 32-bit word).
+__attribute__((target("avx512f,avx512bw,avx512vl,bmi2"))) int64_t victims_avx512(
+    const int32_t* __restrict ord, const uint8_t* __restrict flag, int64_t H, int64_t m,
+    int32_t* __restrict victims) {
+  const __m512i lo8 = _mm512_set1_epi32(0xFF), two = _mm512_set1_epi32(2);
+  int64_t v = 0, pos = 0;
+  while (v < m) {
+    const __mmask16 lm = H - pos >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (H - pos)) - 1);
+    const __m512i sv = _mm512_maskz_loadu_epi32(lm, ord + pos);
+    const __m512i f = _mm512_and_si512(_mm512_mask_i32gather_epi32(two, lm, sv, flag, 1), lo8);
+    __mmask16 take = _mm512_mask_cmpneq_epi32_mask(lm, f, two);
+    const int64_t need = m - v;
+    const int c = __builtin_popcount(take);
+    if (c >= need) {  // keep the first `need` of them
+      take = static_cast<__mmask16>(_pdep_u32((1u << need) - 1, take));
+      _mm512_mask_compressstoreu_epi32(victims + v, take, sv);
+      return pos + 32 - __builtin_clz(static_cast<unsigned>(take));
+    }
+    _mm512_storeu_si512(victims + v, _mm512_maskz_compress_epi32(take, sv));
+    v += c;
+    pos += 16;
+  }
+  return pos;
+}
+
+// The order rebuild with AVX-512 (same result as the scalar loops): ord[pos..H) without
+// the slots whose flag is set, compacted to the front, then the fills (flag 1) by
+// slot, then the hits (flag 2) by slot; hit slots get hit_stamp. fills / hit_slots
+// need H + 16 entries, flag H + 4 bytes.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void rebuild_order_avx512(
+    int32_t* __restrict ord, int64_t pos, int64_t H, const uint8_t* __restrict flag, int32_t* __restrict fills,
+    int32_t* __restrict hit_slots, int64_t* __restrict stamp, int64_t hit_stamp) {
+  const __m512i lo8 = _mm512_set1_epi32(0xFF), zero = _mm512_setzero_si512();
+  const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2);
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t n = 0;
+  for (int64_t i = pos; i < H; i += 16) {  // in place: the write index never passes the read index
+    const __mmask16 lm = H - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (H - i)) - 1);
+    const __m512i sv = _mm512_maskz_loadu_epi32(lm, ord + i);
+    const __m512i f = _mm512_and_si512(_mm512_mask_i32gather_epi32(one, lm, sv, flag, 1), lo8);
+    const __mmask16 keep = _mm512_mask_cmpeq_epi32_mask(lm, f, zero);
+    const int c = __builtin_popcount(keep);
+    _mm512_mask_storeu_epi32(ord + n, static_cast<__mmask16>((1u << c) - 1), _mm512_maskz_compress_epi32(keep, sv));
+    n += c;
+  }
+  int64_t nf = 0, nh = 0;
+  const __m512i hs = _mm512_set1_epi64(hit_stamp);
+  for (int64_t s0 = 0; s0 < H; s0 += 16) {
+    const __mmask16 lm = H - s0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (H - s0)) - 1);
+    const __m512i f = _mm512_maskz_cvtepu8_epi32(lm, _mm_maskz_loadu_epi8(lm, flag + s0));
+    const __m512i sv = _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(s0)));
+    const __mmask16 isf = _mm512_cmpeq_epi32_mask(f, one), ish = _mm512_cmpeq_epi32_mask(f, two);
+    _mm512_storeu_si512(fills + nf, _mm512_maskz_compress_epi32(isf, sv));
+    _mm512_storeu_si512(hit_slots + nh, _mm512_maskz_compress_epi32(ish, sv));
+    nf += __builtin_popcount(isf);
+    nh += __builtin_popcount(ish);
+    _mm512_mask_storeu_epi64(stamp + s0, static_cast<__mmask8>(ish), hs);
+    _mm512_mask_storeu_epi64(stamp + s0 + 8, static_cast<__mmask8>(ish >> 8), hs);
+  }
+  std::memcpy(ord + n, fills, nf * sizeof(int32_t));
+  std::memcpy(ord + n + nf, hit_slots, nh * sizeof(int32_t));
+}
+
 template <typename Map, typename MakeMap>
 int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __restrict slot_stamp,
                 int64_t* __restrict row_req, int32_t* __restrict order, int32_t* __restrict maxpos, int64_t R,
@@ -223,15 +289,15 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
   const int64_t hit_stamp = 2 * step + 2;
   // Per-thread scratch, grown on demand and reused across calls (no allocation per step;
   // every element read is written first in the same row).
-  thread_local std::vector<uint8_t> flag_buf;  // [H+1]: H is the target of branch-free stores
+  thread_local std::vector<uint8_t> flag_buf;  // [H+4]: H is the target of branch-free stores; 32-bit gathers
   thread_local std::vector<int32_t> miss_j_buf, victims_buf, neworder_buf, fills_buf, hit_slots_buf;
-  if (flag_buf.size() < static_cast<size_t>(H + 1)) flag_buf.resize(H + 1);
+  if (flag_buf.size() < static_cast<size_t>(H + 4)) flag_buf.resize(H + 4);
   if (miss_j_buf.size() < static_cast<size_t>(K + 16)) miss_j_buf.resize(K + 16);
-  if (victims_buf.size() < static_cast<size_t>(K + 1)) victims_buf.resize(K + 1);
+  if (victims_buf.size() < static_cast<size_t>(K + 16)) victims_buf.resize(K + 16);
   // neworder doubles as the AVX-512 lookup's slot buffer (K + 16 <= H + 16)
   if (neworder_buf.size() < static_cast<size_t>(H + 16)) neworder_buf.resize(H + 16);
-  if (fills_buf.size() < static_cast<size_t>(H + 1)) fills_buf.resize(H + 1);
-  if (hit_slots_buf.size() < static_cast<size_t>(H + 1)) hit_slots_buf.resize(H + 1);
+  if (fills_buf.size() < static_cast<size_t>(H + 16)) fills_buf.resize(H + 16);
+  if (hit_slots_buf.size() < static_cast<size_t>(H + 16)) hit_slots_buf.resize(H + 16);
   uint8_t* __restrict flag = flag_buf.data();
   int32_t* __restrict miss_j = miss_j_buf.data();
   int32_t* __restrict victims = victims_buf.data();
@@ -347,10 +413,16 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
     for (int64_t s2 = 0; s2 < H; s2 += 16) __builtin_prefetch(ord + s2);
     for (int64_t s2 = 0; s2 < H; s2 += 8) __builtin_prefetch(stamp + s2);
     // 4. victims: the first m non-hit slots of the eviction order
-    int64_t v = 0, pos = 0;
-    while (v < m) {
-      const int32_t s = ord[pos++];
-      if (flag[s] != 2) victims[v++] = s;
+    const bool simd = g_simd && simd_lookup_available();
+    int64_t pos = 0;
+    if (simd) {
+      pos = victims_avx512(ord, flag, H, m, victims);
+    } else {
+      int64_t v = 0;
+      while (v < m) {
+        const int32_t s = ord[pos++];
+        if (flag[s] != 2) victims[v++] = s;
+      }
     }
     SAO_PROF(2);
     // 5. update: fills then hit stamps. Evicting a victim touches its old position's
@@ -383,6 +455,11 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
     // New order, in place: untouched slots in their order (compacted to the front: the
     // write index never passes the read index), then fills by slot, then hits by slot.
     // Branch-free stores: a slot is written at its cursor, which advances only if it belongs.
+    if (simd) {
+      rebuild_order_avx512(ord, pos, H, flag, fills, hit_slots, stamp, hit_stamp);
+      SAO_PROF(4);
+      continue;
+    }
     int64_t n = 0;
     for (int64_t i = pos; i < H; ++i) {
       const int32_t s = ord[i];
