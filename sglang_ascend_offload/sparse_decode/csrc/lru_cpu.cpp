@@ -159,14 +159,17 @@ bool simd_lookup_available() {
 // indices in order; returns the miss count, hits in *hits_out), or -1 when a position
 // is >= width. Two passes: the first only gathers slot_of[p] of every entry into sbuf
 // (its iterations are independent, so many of the row's cold map lines are in flight
-// at once), the second checks them against slot_token (warm: fetched at the row's
-// start). slot_of[p] is gathered as the 32-bit word at byte 2p - 2 (its high half;
+// at once), the second checks them against slot_token. The row's other cold state is
+// prefetched a few lines per iteration (slot_token in pass 1; order and stamps, used
+// by steps 4-5, in pass 2): issuing all of a row's ~1000 lines in one burst, as the
+// scalar path does, measured ~20 % slower in a paired cold-state microbenchmark. slot_of[p] is gathered as the 32-bit word at byte 2p - 2 (its high half;
 // byte 0 and the low half for p == 0), so every read lies inside the row's map. mj
 // needs K + 16 entries (a vector store past the misses), sbuf K + 16.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) int64_t lookup_dense16_avx512(
     const int32_t* __restrict tk, int64_t K, const int16_t* __restrict so, const int32_t* __restrict tok,
     int32_t stab, int64_t width, uint8_t* __restrict hm, int32_t* __restrict sl, uint8_t* __restrict fl,
-    int32_t* __restrict mj, int32_t* __restrict sbuf, int64_t* hits_out) {
+    int32_t* __restrict mj, int32_t* __restrict sbuf, int64_t* hits_out, const int32_t* ord, const int64_t* stamp,
+    int64_t H) {
   const __m512i zero = _mm512_setzero_si512(), neg1 = _mm512_set1_epi32(-1);
   const __m512i vstab = _mm512_set1_epi32(stab);
   const __m512i vwidth = _mm512_set1_epi32(static_cast<int32_t>(std::min<int64_t>(width, INT32_MAX)));
@@ -175,6 +178,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) int64_t lookup_dense16_avx5
   SAO_PROF_START
   // pass 1: s = slot_of[p] for valid entries (-1 for the others)
   for (int64_t j = 0; j < K; j += 16) {
+    // the row's slot_token lines (read at random by pass 2), a few per iteration
+    for (int64_t x = j * H / K; x < std::min(H, (j + 16) * H / K); x += 16) __builtin_prefetch(tok + x);
     const __mmask16 lm = K - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - j)) - 1);
     const __m512i p = _mm512_mask_loadu_epi32(neg1, lm, tk + j);  // lanes past K: padding
     const __mmask16 nonneg = _mm512_cmpge_epi32_mask(p, zero);
@@ -191,6 +196,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) int64_t lookup_dense16_avx5
   // pass 2: hits, outputs, flags, miss indices
   int64_t m = 0, hits = 0;
   for (int64_t j = 0; j < K; j += 16) {
+    // the order and stamp rows (steps 4-5 and the rebuild), a few lines per iteration
+    for (int64_t x = j * H / K; x < std::min(H, (j + 16) * H / K); x += 16) __builtin_prefetch(ord + x);
+    for (int64_t x = j * H / K; x < std::min(H, (j + 16) * H / K); x += 8) __builtin_prefetch(stamp + x);
     const __mmask16 lm = K - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - j)) - 1);
     const __m512i p = _mm512_mask_loadu_epi32(neg1, lm, tk + j);
     const __mmask16 nonneg = _mm512_cmpge_epi32_mask(p, zero);
@@ -367,21 +375,23 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
       continue;
     }
     SAO_PROF(0);
-    // 3. lookup. The row's slot_token (H int32) is read at random by the entry checks:
-    // fetch all of its lines up front (a paired cold-cache microbenchmark: ~4 % faster).
-    for (int64_t s2 = 0; s2 < H; s2 += 16) __builtin_prefetch(tok + s2);
+    // 3. lookup: the AVX-512 loops for the int16 dense map where the CPU has them,
+    // else the scalar loop.
     std::memset(flag, 0, H);
     int64_t m = 0, hits = 0;
     constexpr int64_t kAhead = 48, kAhead2 = 16;
     bool looked_up = false;
     if constexpr (std::is_same<Map, DenseMap<int16_t>>::value) {
       if (g_simd && simd_lookup_available()) {
-        m = lookup_dense16_avx512(tk, K, map.so, tok, stab, map.width, hm, sl, fl, mj, neworder, &hits);
+        m = lookup_dense16_avx512(tk, K, map.so, tok, stab, map.width, hm, sl, fl, mj, neworder, &hits, ord, stamp, H);
         if (m < 0) return 3;
         looked_up = true;
       }
     }
     if (!looked_up) {
+    // The row's slot_token (H int32) is read at random by the entry checks: fetch all
+    // of its lines up front (a paired cold-cache microbenchmark: ~4 % faster).
+    for (int64_t s2 = 0; s2 < H; s2 += 16) __builtin_prefetch(tok + s2);
     // The map and the row's slot_token are cold (one layer's state among many): a
     // two-stage software pipeline fetches slot_of[p] kAhead entries ahead and, once that
     // line has arrived, slot_token[slot_of[p]] kAhead2 entries ahead (the dependent load
@@ -410,8 +420,10 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
     SAO_PROF(1);
     // The order and stamp rows are read / written by steps 4-5 and the order rebuild:
     // fetch them while the victims are chosen.
-    for (int64_t s2 = 0; s2 < H; s2 += 16) __builtin_prefetch(ord + s2);
-    for (int64_t s2 = 0; s2 < H; s2 += 8) __builtin_prefetch(stamp + s2);
+    if (!looked_up) {  // (the AVX-512 lookup fetched them, spread over its passes)
+      for (int64_t s2 = 0; s2 < H; s2 += 16) __builtin_prefetch(ord + s2);
+      for (int64_t s2 = 0; s2 < H; s2 += 8) __builtin_prefetch(stamp + s2);
+    }
     // 4. victims: the first m non-hit slots of the eviction order
     const bool simd = g_simd && simd_lookup_available();
     int64_t pos = 0;
