@@ -138,7 +138,7 @@ def _random_steps(rng, rows, k, depth, steps, universe, huge=0):
 def test_kernel_equals_torch_randomized(policy, huge):
     rng = np.random.default_rng(17 + (huge > 0))
     rows, k, hot, depth = 5, 24, 56, 112
-    steps = _random_steps(rng, rows, k, depth, 45, 300, huge)
+    steps = _random_steps(rng, rows, k, depth, 24 if huge else 40, 300, huge)
     guard = dict(slack_shift=2, seed=1) if policy == "score_rank_guarded" else {}
     ref, ker = _pair(policy, rows, hot, **guard)
     _drive(ref, ker, steps)
@@ -153,7 +153,7 @@ def test_kernel_equals_torch_randomized(policy, huge):
 @pytest.mark.parametrize("policy", KERNEL_POLICIES)
 def test_replay_misses_equal_torch_on_a_latent_trace(policy):
     """The replay path (``simulate_policy``) with ``manage_impl`` kernel vs torch."""
-    trace = synthesize(SyntheticTraceSpec(steps=40, layers=2, rows=4, top_k=32, rank_depth=128, seed=3,
+    trace = synthesize(SyntheticTraceSpec(steps=30, layers=1, rows=4, top_k=32, rank_depth=128, seed=3,
                                           min_prompt=200, max_prompt=600, min_decode=10, max_decode=40))
     a = simulate_policy(trace, policy, 64, manage_impl="torch")
     b = simulate_policy(trace, policy, 64, manage_impl="kernel")

@@ -32,11 +32,13 @@ namespace {
 
 constexpr int64_t kDenseLimit = int64_t(1) << 24;  // positions per dense scratch map (64 MiB int32)
 
-// Position -> slot map of one row, validated against the row's slot_token.
+// Position -> slot map of one row, validated against the row's slot_token. Dense maps
+// hold int16 slots while H <= 32767 (half the cache lines of the random accesses).
 struct PosMap {
-  std::vector<int32_t> dense;  // [size], never cleared (validated), grown with -1
+  std::vector<int16_t> dense16;  // [size], never cleared (validated), grown with -1
+  std::vector<int32_t> dense32;
   std::vector<int32_t> hkeys, hvals;
-  bool use_dense = true;
+  int mode = 0;  // 0 dense int16, 1 dense int32, 2 hash
   uint32_t mask = 0;
   const int32_t* tok = nullptr;
   int64_t H = 0;
@@ -45,11 +47,13 @@ struct PosMap {
   void start(const int32_t* row_tok, int64_t h, int64_t bound) {
     tok = row_tok;
     H = h;
-    use_dense = bound <= kDenseLimit;
-    if (use_dense) {
-      if (static_cast<int64_t>(dense.size()) < bound) dense.resize(static_cast<size_t>(bound), -1);
+    if (bound <= kDenseLimit) {
+      mode = h <= 32767 ? 0 : 1;
+      if (mode == 0 && static_cast<int64_t>(dense16.size()) < bound) dense16.resize(static_cast<size_t>(bound), -1);
+      if (mode == 1 && static_cast<int64_t>(dense32.size()) < bound) dense32.resize(static_cast<size_t>(bound), -1);
       return;
     }
+    mode = 2;
     uint32_t cap = 2;
     while (cap < 4 * h) cap *= 2;
     hkeys.assign(cap, -1);
@@ -58,9 +62,20 @@ struct PosMap {
   }
   static inline uint32_t hash(int32_t p) { return static_cast<uint32_t>(p) * 2654435761u; }
   // p >= 0 and < bound
+  inline void prefetch(int32_t p) const {
+    if (mode == 0)
+      __builtin_prefetch(dense16.data() + p);
+    else if (mode == 1)
+      __builtin_prefetch(dense32.data() + p);
+  }
+  // p >= 0 and < bound
   inline void put(int32_t p, int32_t s) {
-    if (use_dense) {
-      dense[p] = s;
+    if (mode == 0) {
+      dense16[p] = static_cast<int16_t>(s);
+      return;
+    }
+    if (mode == 1) {
+      dense32[p] = s;
       return;
     }
     uint32_t i = hash(p) & mask;
@@ -71,8 +86,10 @@ struct PosMap {
   // slot holding p (p >= 0 and < bound), -1 if none
   inline int32_t find(int32_t p) const {
     int32_t s;
-    if (use_dense) {
-      s = dense[p];
+    if (mode == 0) {
+      s = dense16[p];
+    } else if (mode == 1) {
+      s = dense32[p];
     } else {
       uint32_t i = hash(p) & mask;
       while (hkeys[i] != -1 && hkeys[i] != p) i = (i + 1) & mask;
@@ -82,6 +99,16 @@ struct PosMap {
     return (s >= 0 && s < H && tok[s] == p) ? s : -1;
   }
 };
+
+constexpr int64_t kAhead = 16;  // prefetch distance of the map's random accesses
+
+// Fill the map with the row's held positions (all < bound).
+inline void build_map(PosMap& m, const int32_t* tok, int64_t H) {
+  for (int64_t s = 0; s < H; ++s) {
+    if (s + kAhead < H && tok[s + kAhead] >= 0) m.prefetch(tok[s + kAhead]);
+    if (tok[s] >= 0) m.put(tok[s], static_cast<int32_t>(s));
+  }
+}
 
 struct Scratch {
   PosMap own, ghost;
@@ -140,12 +167,12 @@ int32_t ghost_lru_row(Scratch& sc, int32_t* gtok, int64_t* gstamp, int64_t* greq
   reset_and_drop(gtok, gstamp, greq_r, req, stab, H);
   PosMap& gm = sc.ghost;
   gm.start(gtok, H, stab);
-  for (int64_t s = 0; s < H; ++s)
-    if (gtok[s] >= 0) gm.put(gtok[s], static_cast<int32_t>(s));
+  build_map(gm, gtok, H);
   uint8_t* sel = sc.ghost_sel.data();
   std::fill(sel, sel + H, uint8_t(0));
   int32_t nmiss = 0;
   for (int64_t j = 0; j < K; ++j) {
+    if (j + kAhead < K && tk[j + kAhead] >= 0 && tk[j + kAhead] < stab) gm.prefetch(tk[j + kAhead]);
     const int32_t p = tk[j];
     if (p == -1 || req == -1) continue;
     const int32_t s = (p >= 0 && p < stab) ? gm.find(p) : -1;
@@ -205,8 +232,7 @@ int manage_rows(int32_t* slot_token, int64_t* slot_stamp, int64_t* row_req, int6
     reset_and_drop(tok, stamp, row_req + r, req, stab, H);
     PosMap& om = sc.own;
     om.start(tok, H, stab);
-    for (int64_t s = 0; s < H; ++s)
-      if (tok[s] >= 0) om.put(tok[s], static_cast<int32_t>(s));
+    build_map(om, tok, H);
 
     int64_t m_l = 0, allowance = 0;
     if (guarded) {
@@ -221,6 +247,7 @@ int manage_rows(int32_t* slot_token, int64_t* slot_stamp, int64_t* row_req, int6
     std::fill(hit, hit + H, uint8_t(0));
     int32_t nmiss = 0;
     for (int64_t j = 0; j < K; ++j) {
+      if (j + kAhead < K && tk[j + kAhead] >= 0 && tk[j + kAhead] < stab) om.prefetch(tk[j + kAhead]);
       const int32_t p = tk[j];
       hm[j] = 0;
       sl[j] = -1;
@@ -265,6 +292,7 @@ int manage_rows(int32_t* slot_token, int64_t* slot_stamp, int64_t* row_req, int6
     int32_t* slot_at = sc.slot_at.data();
     std::fill(rank, rank + H, static_cast<int32_t>(D));
     for (int64_t j = 0; j < D; ++j) {
+      if (j + kAhead < D && rk[j + kAhead] >= 0 && rk[j + kAhead] < stab) om.prefetch(rk[j + kAhead]);
       const int32_t p = rk[j];
       const int32_t s = (p >= 0 && p < stab) ? om.find(p) : -1;
       slot_at[j] = s;
