@@ -39,6 +39,10 @@ Policies (``policy`` in :class:`~sglang_ascend_offload.config.SparseDecodeOffloa
 ``score_rank_guarded``
     ``score_rank`` bounded against a ghost LRU, exactly as ``lru_k2_guarded``.
 
+Both score policies also run on a CPU kernel (``score_kernel.py``, :data:`KERNEL_MANAGERS`;
+``manage_impl`` ``kernel``, or ``auto`` on CPU with the reference rung), bit-identical to
+the torch managers above and stepping their own state tensors in place.
+
 Why not "never more misses than LRU" literally: for any deterministic online
 policy whose cache content ever differs from LRU's, an input exists on which it
 has strictly more misses (keep requesting only what LRU holds), so per-input
