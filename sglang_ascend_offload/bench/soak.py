@@ -17,10 +17,26 @@ earlier prompt (radix-cache hits), and about one request in ten aborted mid-flig
 through ``/abort_request``. A request fails when it errors or, not aborted, returns a
 different number of tokens than asked.
 
-Resident memory (``VmRSS``) of every process of each server is read after warm-up
-(a tenth of the run, at least 20 s) and at the end; ``rss_growth_ratio_max`` is the
-largest end / warm-up ratio. After the servers stop (SIGTERM to the group, as an
-operator would), new files in ``/dev/shm`` are counted: the plugin's own
+Resident memory (``VmRSS``, and its parts ``RssAnon`` / ``RssFile`` / ``RssShmem``) of
+every process of each server is read after warm-up and at the end;
+``rss_growth_ratio_max`` is the largest end / warm-up ``VmRSS`` ratio of the offload
+servers. Warm-up (``warmup_criterion`` in the JSON) lasts until every server has
+finished ``--warmup-requests`` requests (100) and at least a tenth of the run (20 s or
+more), at most half of it: by then SGLang's pools, the radix cache and the plugin's
+host pool have been written (the host pool is also pre-faulted at allocation, as pinned
+memory is resident at once).
+
+torch's CPU matmul keeps a compiled oneDNN primitive per input shape in two LRU caches
+(``LRU_CACHE_CAPACITY``, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; 1024 entries each by
+default, about 1 MB per entry for these models). Random prompt lengths bring new shapes
+for tens of minutes, so with torch's defaults every scheduler (the baseline's too) grows
+by hundreds of MB during a soak without leaking anything: the caches are bounded, but
+far above what a 10-minute run fills. The soak sets both to ``--shape-cache`` (64)
+entries in every server, which they fill during warm-up; ``--shape-cache 0`` keeps
+torch's defaults. This only concerns the CPU fixtures; on an Ascend node the matmuls
+run on the NPU.
+
+After the servers stop (SIGTERM to the group, as an operator would), new files in ``/dev/shm`` are counted: the plugin's own
 (``sglang_ascend_offload_*``, ``sao_hostpool.*``) in ``leaked_shm_files``, SGLang's (``sgl_shm_mq_*``,
 ``sglang_loads_*``, which SGLang itself leaves behind when its group is terminated)
 in ``sglang_shm_files_left``. The offload counters are the servers' last periodic
@@ -45,6 +61,11 @@ from .served_load import REQUEST_ERRORS, VOCAB
 SHM = Path("/dev/shm")
 PLUGIN_SHM_PREFIXES = ("sglang_ascend_offload", "sao_hostpool")  # host_pool.py, shared_host_pool.py
 SGLANG_SHM_PREFIXES = ("sgl_shm_mq_", "sglang_loads_")
+# torch's CPU matmul (bf16 ``linear`` through oneDNN) caches a compiled primitive per input
+# shape twice: in ideep (torch's oneDNN wrapper, LRU_CACHE_CAPACITY) and in oneDNN itself
+# (ONEDNN_PRIMITIVE_CACHE_CAPACITY); 1024 entries each by default.
+SHAPE_CACHE_ENV = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+DEFAULT_SHAPE_CACHE = 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,6 +80,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="environment of every server (repeatable), e.g. LD_PRELOAD=/usr/lib/x86_64-linux-gnu/"
                         "libjemalloc.so.2")
+    p.add_argument("--shape-cache", type=int, default=DEFAULT_SHAPE_CACHE, metavar="N",
+                   help="entries of torch's two per-input-shape CPU matmul caches in every server "
+                        f"({SHAPE_CACHE_ENV[0]}, {SHAPE_CACHE_ENV[1]}; default {DEFAULT_SHAPE_CACHE}); 0 keeps torch's "
+                        "defaults (1024 each, about 1 MB per entry here: SGLang's scheduler then grows for tens of "
+                        "minutes as new prompt lengths arrive, see docs/benchmarks.md)")
+    p.add_argument("--warmup-requests", type=int, default=100, metavar="N",
+                   help="warm-up lasts until every server has finished N requests (and at least a tenth of the "
+                        "run, 20 s or more; at most half of it); default 100")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
 
@@ -70,6 +99,14 @@ class ProcessMemory:
     rss_warm_mb: float
     rss_end_mb: float
     rss_samples_mb: List[float] = field(default_factory=list)  # every 30 s after warm-up
+    # VmRSS = RssAnon (heap, anonymous mappings) + RssFile (mapped files: libraries)
+    # + RssShmem (shared memory: /dev/shm mappings such as the shared host pool)
+    rss_anon_warm_mb: float = 0.0
+    rss_anon_end_mb: float = 0.0
+    rss_file_warm_mb: float = 0.0
+    rss_file_end_mb: float = 0.0
+    rss_shmem_warm_mb: float = 0.0
+    rss_shmem_end_mb: float = 0.0
 
     @property
     def growth_ratio(self) -> float:
@@ -97,13 +134,22 @@ class LoadStats:
 
 
 def _rss_mb(pid: int) -> Optional[float]:
+    return _status_mb(pid).get("VmRSS")
+
+
+def _status_mb(pid: int) -> Dict[str, float]:
+    """``VmRSS`` and its parts (``RssAnon``: heap / anonymous mappings, ``RssFile``: mapped
+    files such as shared libraries, ``RssShmem``: shared memory such as ``/dev/shm``
+    mappings) of ``pid`` in MiB; empty once the process is gone."""
+    out: Dict[str, float] = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(value.split()[0]) / 1024
     except OSError:
-        return None
-    return None
+        return {}
+    return out
 
 
 def _proc_name(pid: int) -> str:
@@ -176,7 +222,8 @@ def _progress(msg: str) -> None:
 
 
 def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline: bool = False,
-        server_env: Optional[Dict[str, str]] = None) -> dict:
+        server_env: Optional[Dict[str, str]] = None, shape_cache: int = DEFAULT_SHAPE_CACHE,
+        warmup_requests: int = 100) -> dict:
     from ..testing.servers import IDLE_SLEEP, TINY_DSA, TINY_DSA_4L, ServerProcess, fixture_args, stop_all
 
     common = ["--max-running-requests", "4", "--chunked-prefill-size", "128"] + IDLE_SLEEP
@@ -191,10 +238,14 @@ def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline
         specs["baseline"] = (fixture_args(TINY_DSA), [])
     import tempfile
 
+    server_env = dict(server_env or {})
+    if shape_cache > 0:
+        for key in SHAPE_CACHE_ENV:
+            server_env.setdefault(key, str(shape_cache))  # --server-env wins
     logs = Path(tempfile.mkdtemp(prefix="bench_soak_"))
     shm_before = _shm_files()
     servers = {name: ServerProcess(common + extra, log_path=logs / f"{name}.log", base_args=base,
-                                   env=server_env or {})
+                                   env=server_env)
                for name, (base, extra) in specs.items()}
     _progress(f"starting {len(servers)} servers (logs in {logs})")
     started = []
@@ -204,7 +255,8 @@ def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline
         stats = {name: LoadStats() for name in servers}
         t0 = time.monotonic()
         duration = minutes * 60.0
-        warm_at = t0 + max(20.0, duration / 10) if duration > 40 else t0 + duration / 2
+        warm_min = t0 + max(20.0, duration / 10) if duration > 40 else t0 + duration / 2
+        warm_max = t0 + max(duration / 2, warm_min - t0)
         stop_at = t0 + max(duration, 1.0)
         rng = random.Random(seed)
         threads = [threading.Thread(target=_client, args=(srv, stats[name], random.Random(rng.getrandbits(64)),
@@ -212,9 +264,15 @@ def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline
                    for name, srv in servers.items() for _ in range(clients)]
         for t in threads:
             t.start()
-        time.sleep(max(0.0, warm_at - time.monotonic()))
-        warm = {name: {pid: _rss_mb(pid) for pid in srv.pids()} for name, srv in servers.items()}
-        _progress(f"warm-up done: {sum(s.requests for s in stats.values())} requests")
+        time.sleep(max(0.0, warm_min - time.monotonic()))
+        while (time.monotonic() < warm_max and any(s.requests - s.failed < warmup_requests for s in stats.values())
+               and any(t.is_alive() for t in threads)):
+            time.sleep(1.0)
+        warmup_s = time.monotonic() - t0
+        warmup_done = {name: s.requests - s.failed for name, s in stats.items()}
+        warm = {name: {pid: _status_mb(pid) for pid in srv.pids()} for name, srv in servers.items()}
+        _progress(f"warm-up done after {warmup_s:.0f} s: " + ", ".join(f"{n} {k} requests"
+                                                                       for n, k in warmup_done.items()))
         last = time.monotonic()
         samples: Dict[int, List[float]] = {pid: [] for w in warm.values() for pid in w}
         while any(t.is_alive() for t in threads):
@@ -229,11 +287,14 @@ def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline
                           + ", ".join(f"{n} {s.requests} req {s.failed} failed" for n, s in stats.items()))
         memory: List[ProcessMemory] = []
         for name, srv in servers.items():
-            for pid, rss_warm in warm[name].items():
-                rss_end = _rss_mb(pid)
-                if rss_warm is not None and rss_end is not None:
-                    memory.append(ProcessMemory(name, pid, _proc_name(pid), round(rss_warm, 1), round(rss_end, 1),
-                                                samples.get(pid, [])))
+            for pid, at_warm in warm[name].items():
+                at_end = _status_mb(pid)
+                if "VmRSS" in at_warm and "VmRSS" in at_end:
+                    parts = {f"rss_{part}_{when}_mb": round(mb.get(key, 0.0), 1)
+                             for part, key in (("anon", "RssAnon"), ("file", "RssFile"), ("shmem", "RssShmem"))
+                             for when, mb in (("warm", at_warm), ("end", at_end))}
+                    memory.append(ProcessMemory(name, pid, _proc_name(pid), round(at_warm["VmRSS"], 1),
+                                                round(at_end["VmRSS"], 1), samples.get(pid, []), **parts))
         counters = {"sparse_decode": _summary(servers["sparse_decode"].log_path, "sparse-decode-offload:"),
                     "layerwise_prefill": _summary(servers["layerwise_prefill"].log_path, "layerwise-prefill:")}
     finally:
@@ -268,7 +329,12 @@ def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline
         "processes": [{**asdict(m), "growth_ratio": round(m.growth_ratio, 4)} for m in memory],
         "servers": [{"name": name, "requests": s.requests, "failed": s.failed, "aborted": s.aborted,
                      "errors": s.errors, "offload_counters": counters.get(name, {})} for name, s in stats.items()],
-        "server_env": dict(server_env or {}),
+        "server_env": server_env,
+        "shape_cache": shape_cache,
+        "warmup_s": round(warmup_s, 1),
+        "warmup_requests": warmup_done,
+        "warmup_criterion": (f"at least {warmup_requests} finished (answered or aborted) requests per server and at least "
+                             f"{warm_min - t0:.0f} s, at most {warm_max - t0:.0f} s"),
         "logs": str(logs),
     }
 
@@ -288,7 +354,11 @@ def main(args: argparse.Namespace) -> int:
             print(f"bench soak: --server-env {item!r} is not KEY=VALUE", file=sys.stderr)
             return 2
         env[key] = value
-    result = run(args.minutes, args.clients, args.seed, args.abort_fraction, args.baseline, env)
+    if args.shape_cache < 0 or args.warmup_requests < 0:
+        print("bench soak: --shape-cache and --warmup-requests must be >= 0", file=sys.stderr)
+        return 2
+    result = run(args.minutes, args.clients, args.seed, args.abort_fraction, args.baseline, env,
+                 args.shape_cache, args.warmup_requests)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
