@@ -28,16 +28,17 @@ memory is resident at once).
 
 torch's CPU matmul keeps a compiled oneDNN primitive per input shape in two LRU caches
 (``LRU_CACHE_CAPACITY``, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; 1024 entries each by
-default, about 1 MB per entry for these models). Random prompt lengths bring new shapes
-for tens of minutes, so with torch's defaults every scheduler (the baseline's too) grows
-by hundreds of MB during a soak without leaking anything: the caches are bounded, but
-far above what a 10-minute run fills. The soak sets both to ``--shape-cache`` (64)
+default, about 0.4 MB per entry with these models' weight shapes). Random prompt
+lengths bring new shapes for tens of minutes, so with torch's defaults every scheduler
+(the baseline's too) grows by hundreds of MB during a soak without leaking anything:
+the caches are bounded, but far above what a 10-minute run fills. The soak sets both to ``--shape-cache`` (64)
 entries in every server, which they fill during warm-up; ``--shape-cache 0`` keeps
 torch's defaults. This only concerns the CPU fixtures; on an Ascend node the matmuls
 run on the NPU.
 
-After the servers stop (SIGTERM to the group, as an operator would), new files in ``/dev/shm`` are counted: the plugin's own
-(``sglang_ascend_offload_*``, ``sao_hostpool.*``) in ``leaked_shm_files``, SGLang's (``sgl_shm_mq_*``,
+After the servers stop (SIGTERM to the group, as an operator would), new files in
+``/dev/shm`` are counted: the plugin's own (``sglang_ascend_offload_*``,
+``sao_hostpool.*``) in ``leaked_shm_files``, SGLang's (``sgl_shm_mq_*``,
 ``sglang_loads_*``, which SGLang itself leaves behind when its group is terminated)
 in ``sglang_shm_files_left``. The offload counters are the servers' last periodic
 summary lines.
@@ -83,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape-cache", type=int, default=DEFAULT_SHAPE_CACHE, metavar="N",
                    help="entries of torch's two per-input-shape CPU matmul caches in every server "
                         f"({SHAPE_CACHE_ENV[0]}, {SHAPE_CACHE_ENV[1]}; default {DEFAULT_SHAPE_CACHE}); 0 keeps torch's "
-                        "defaults (1024 each, about 1 MB per entry here: SGLang's scheduler then grows for tens of "
+                        "defaults (1024 each, about 0.4 MB per entry here: SGLang's scheduler then grows for tens of "
                         "minutes as new prompt lengths arrive, see docs/benchmarks.md)")
     p.add_argument("--warmup-requests", type=int, default=100, metavar="N",
                    help="warm-up lasts until every server has finished N requests (and at least a tenth of the "
@@ -333,8 +334,8 @@ def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline
         "shape_cache": shape_cache,
         "warmup_s": round(warmup_s, 1),
         "warmup_requests": warmup_done,
-        "warmup_criterion": (f"at least {warmup_requests} finished (answered or aborted) requests per server and at least "
-                             f"{warm_min - t0:.0f} s, at most {warm_max - t0:.0f} s"),
+        "warmup_criterion": (f"at least {warmup_requests} finished (answered or aborted) requests per server "
+                             f"and at least {warm_min - t0:.0f} s, at most {warm_max - t0:.0f} s"),
         "logs": str(logs),
     }
 
