@@ -227,8 +227,7 @@ def _prepare_verify_replay(runner: Any, forward_batch: Any):
     bucket ``bs >= raw_bs`` (padding: request row 0, the fill length, slot 0) and plan
     the backend's metadata on it (outside the graph). The captured batch is replayed
     for every size, also an exact fit (one compiled graph per bucket, no re-trace).
-    ``seq_lens_cpu`` and ``rids`` (the offload engine's row owners) come from the live
-    batch."""
+    ``rids`` (the offload engine's row owners) come from the live batch."""
     raw_bs = int(forward_batch.batch_size)
     n = runner.verify_width
     bs = runner.capture_bs[bisect.bisect_left(runner.capture_bs, raw_bs)]
@@ -245,12 +244,17 @@ def _prepare_verify_replay(runner: Any, forward_batch: Any):
     cfb.positions[:raw_tokens].copy_(forward_batch.positions[:raw_tokens])
     if cfb.num_token_non_padded is not None:
         cfb.num_token_non_padded.fill_(raw_tokens)
-    lens_cpu = cfb.seq_lens.to("cpu")
-    cfb.seq_lens_cpu = lens_cpu
-    cfb.seq_lens_sum = int(lens_cpu.sum())
+    # The backend's host-side planning reads the live batch's request ids and host lengths; they are set on
+    # the captured batch only for that call, so the object the compiled graph was traced on (and guards)
+    # is the same at every replay.
+    saved = (cfb.seq_lens_cpu, cfb.rids)
     rids = getattr(forward_batch, "rids", None)
+    cfb.seq_lens_cpu = cfb.seq_lens.to("cpu")
     cfb.rids = list(rids[:raw_bs]) if rids is not None else None
-    runner.model_runner.attn_backend.init_forward_metadata(cfb)
+    try:
+        runner.model_runner.attn_backend.init_forward_metadata(cfb)
+    finally:
+        cfb.seq_lens_cpu, cfb.rids = saved
     kind = (bs, raw_bs < bs)
     if kind not in runner.replay_kinds_seen:
         runner.replay_kinds_seen.add(kind)

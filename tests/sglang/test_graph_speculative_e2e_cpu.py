@@ -39,6 +39,8 @@ VOCAB = 1024
 SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
         "--speculative-num-draft-tokens", "4"]
 SIMULATED_ACCEPT = {"SGLANG_SIMULATE_ACC_LEN": "2", "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}
+GRAPH_ENV = {**SIMULATED_ACCEPT, "TORCH_LOGS": "recompiles,graph_breaks"}
+PLUGIN = re.compile(r"sglang_ascend_offload/(sglang_plugin|sparse_decode|ops)/")  # the plugin's runtime code
 COMMON = ["--max-running-requests", "4"] + SPEC + IDLE_SLEEP
 GRAPHS = ["--enable-torch-compile", "--cuda-graph-bs-decode", "4", "--torch-compile-max-bs", "4"]
 OFFLOAD = ["--enable-sparse-decode-offload", "--sparse-decode-offload-config",
@@ -57,9 +59,9 @@ def servers(tmp_path_factory):
     graph_base = [a for a in base if a != "--disable-cuda-graph"]
     procs = {
         "graph": ServerProcess(COMMON + GRAPHS, base_args=graph_base, log_path=root / "graph.log",
-                               env=SIMULATED_ACCEPT, startup_timeout_s=GRAPH_STARTUP_S),
+                               env=GRAPH_ENV, startup_timeout_s=GRAPH_STARTUP_S),
         "graph_offload": ServerProcess(COMMON + GRAPHS + OFFLOAD + ["--enable-metrics"], base_args=graph_base,
-                                       log_path=root / "graph_offload.log", env=SIMULATED_ACCEPT,
+                                       log_path=root / "graph_offload.log", env=GRAPH_ENV,
                                        startup_timeout_s=GRAPH_STARTUP_S),
         "eager": ServerProcess(COMMON, base_args=base, log_path=root / "eager.log", env=SIMULATED_ACCEPT),
     }
@@ -115,6 +117,12 @@ def test_verify_ran_in_captured_graphs(servers, outputs):
         assert "CPU verify graph bucket 4 replayed for 4 request(s) x 4 verify rows" in log, log[-3000:]
         assert re.search(r"CPU verify graph bucket 4 replayed for [123] request\(s\) x 4 verify rows \(padding",
                          log), log[-3000:]
+        breaks = [line for line in log.splitlines() if "Graph break in user code at" in line and PLUGIN.search(line)]
+        assert not breaks, breaks[:3]
+        after = log[log.index("The server is fired up and ready to roll"):]
+        recompiles = [line for line in after.splitlines() if "[__recompiles]" in line]
+        assert not [line for line in recompiles if PLUGIN.search(line)], recompiles[:3]
+        print(f"\n{name}: {len(recompiles)} recompile log line(s) after startup")
     text = servers["graph_offload"].get("/metrics")
 
     def total(name):
