@@ -150,6 +150,19 @@ def test_kernel_equals_torch_randomized(policy, huge):
     _drive(ref, ker, pad, subsets)
 
 
+def test_guarded_kernel_equals_torch_where_the_allowance_binds():
+    """Small buffers, small contexts and guard seeds 0..3: the allowance is reached often,
+    so which protected slot is the last one allowed decides victims (catches an
+    off-by-one in the guard that the larger scenarios miss)."""
+    for trial in range(5):
+        rng = np.random.default_rng(trial)
+        k = int(rng.integers(2, 8))
+        hot, depth = k + int(rng.integers(0, 6)), k + int(rng.integers(0, 12))
+        steps = _random_steps(rng, 3, k, depth, 24, int(rng.integers(2 * k + 4, 60)))
+        ref, ker = _pair("score_rank_guarded", 3, hot, seed=int(rng.integers(0, 4)))
+        _drive(ref, ker, steps)
+
+
 @pytest.mark.parametrize("policy", KERNEL_POLICIES)
 def test_replay_misses_equal_torch_on_a_latent_trace(policy):
     """The replay path (``simulate_policy``) with ``manage_impl`` kernel vs torch."""
