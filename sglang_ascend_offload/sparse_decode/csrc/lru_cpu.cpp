@@ -389,33 +389,33 @@ int manage_rows(MakeMap make_map, int32_t* __restrict slot_token, int64_t* __res
       }
     }
     if (!looked_up) {
-    // The row's slot_token (H int32) is read at random by the entry checks: fetch all
-    // of its lines up front (a paired cold-cache microbenchmark: ~4 % faster).
-    for (int64_t s2 = 0; s2 < H; s2 += 16) __builtin_prefetch(tok + s2);
-    // The map and the row's slot_token are cold (one layer's state among many): a
-    // two-stage software pipeline fetches slot_of[p] kAhead entries ahead and, once that
-    // line has arrived, slot_token[slot_of[p]] kAhead2 entries ahead (the dependent load
-    // of the entry check), so the loop below mostly hits L1.
-    for (int64_t j = 0; j < std::min(K, kAhead); ++j)
-      if (tk[j] >= 0) map.prefetch(tk[j]);
-    for (int64_t j = 0; j < std::min(K, kAhead2); ++j)
-      if (tk[j] >= 0) map.prefetch2(tk[j]);
-    // Branch-free: whether an entry hits is data (about half of them), not control.
-    for (int64_t j = 0; j < K; ++j) {
-      if (j + kAhead < K && tk[j + kAhead] >= 0) map.prefetch(tk[j + kAhead]);
-      if (j + kAhead2 < K && tk[j + kAhead2] >= 0) map.prefetch2(tk[j + kAhead2]);
-      const int32_t p = tk[j];
-      if (map_width >= 0 && p >= map_width) return 3;
-      const bool valid = (p >= 0) & (p < stab);
-      const int32_t found = valid ? map.find(p) : -1;
-      const bool hit = found >= 0;
-      hm[j] = hit;
-      sl[j] = found;  // -1 for padding and misses (a miss gets its victim below)
-      fl[hit ? found : H] = 2;
-      hits += hit;
-      mj[m] = static_cast<int32_t>(j);
-      m += (!hit) & (p >= 0);
-    }
+      // The row's slot_token (H int32) is read at random by the entry checks: fetch all
+      // of its lines up front (a paired cold-cache microbenchmark: ~4 % faster).
+      for (int64_t s2 = 0; s2 < H; s2 += 16) __builtin_prefetch(tok + s2);
+      // The map and the row's slot_token are cold (one layer's state among many): a
+      // two-stage software pipeline fetches slot_of[p] kAhead entries ahead and, once that
+      // line has arrived, slot_token[slot_of[p]] kAhead2 entries ahead (the dependent load
+      // of the entry check), so the loop below mostly hits L1.
+      for (int64_t j = 0; j < std::min(K, kAhead); ++j)
+        if (tk[j] >= 0) map.prefetch(tk[j]);
+      for (int64_t j = 0; j < std::min(K, kAhead2); ++j)
+        if (tk[j] >= 0) map.prefetch2(tk[j]);
+      // Branch-free: whether an entry hits is data (about half of them), not control.
+      for (int64_t j = 0; j < K; ++j) {
+        if (j + kAhead < K && tk[j + kAhead] >= 0) map.prefetch(tk[j + kAhead]);
+        if (j + kAhead2 < K && tk[j + kAhead2] >= 0) map.prefetch2(tk[j + kAhead2]);
+        const int32_t p = tk[j];
+        if (map_width >= 0 && p >= map_width) return 3;
+        const bool valid = (p >= 0) & (p < stab);
+        const int32_t found = valid ? map.find(p) : -1;
+        const bool hit = found >= 0;
+        hm[j] = hit;
+        sl[j] = found;  // -1 for padding and misses (a miss gets its victim below)
+        fl[hit ? found : H] = 2;
+        hits += hit;
+        mj[m] = static_cast<int32_t>(j);
+        m += (!hit) & (p >= 0);
+      }
     }
     SAO_PROF(1);
     // The order and stamp rows are read / written by steps 4-5 and the order rebuild:
