@@ -19,7 +19,14 @@ acceptance simulation so each round accepts one draft and rejects two, as in
 The two graph servers must give identical greedy tokens and output logprobs (the same
 compiled arithmetic over the same rows); their agreement with eager speculation is
 printed (``-s``): compiled arithmetic may legitimately differ there. Each graph server's
-log must show the verify capture and verify replays (``accept length`` > 1 from SGLang).
+log must show the verify capture, exact and padded replays of the bucket, and no graph
+break or recompilation in the plugin's code after startup (torch's ``recompiles`` /
+``graph_breaks`` logs; SGLang's own ``layer_boundary`` code recompiles once after the
+first replay, on both servers alike); SGLang reports ``accept length`` > 1.
+
+Runtime: torch.compile of one verify bucket per graph server dominates (the three
+servers start together): 4.7 min at load average ~18 and 6.0 min at ~24 on this shared
+2-core machine.
 """
 
 from __future__ import annotations
