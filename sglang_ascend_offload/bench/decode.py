@@ -393,8 +393,8 @@ def _profile_score_kernels(log, ranked, one_step, steps, rows, hot, layers) -> D
     trace has no ranking (give ``--rank-depth``, or profile a score policy)."""
     from ..sparse_decode.policies import make_manager
 
-    out: Dict[str, Any] = {"score_rank_manage_ms_per_layer": None, "score_rank_manage_cpu_ms_per_layer": None,
-                           "score_rank_guarded_manage_ms_per_layer": None}
+    out: Dict[str, Any] = {f"{p}_manage{c}_ms_per_layer": None for p in ("score_rank", "score_rank_guarded")
+                           for c in ("", "_cpu")}
     if ranked is None:
         return out
     for policy in ("score_rank", "score_rank_guarded"):
@@ -404,8 +404,7 @@ def _profile_score_kernels(log, ranked, one_step, steps, rows, hot, layers) -> D
             one_step(mgrs, t)
         _, wall_s, cpu_s = one_step(mgrs, steps - 1)
         out[f"{policy}_manage_ms_per_layer"] = 1e3 * wall_s / layers
-        if policy == "score_rank":
-            out["score_rank_manage_cpu_ms_per_layer"] = 1e3 * cpu_s / layers
+        out[f"{policy}_manage_cpu_ms_per_layer"] = 1e3 * cpu_s / layers
     return out
 
 
