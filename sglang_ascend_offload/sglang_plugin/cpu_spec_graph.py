@@ -76,11 +76,14 @@ def is_cpu_graph_around(original: Callable, self) -> bool:
 def serves_verify(model_runner: Any) -> bool:
     """True when ``model_runner`` is the target model of an EAGLE / NextN server whose
     attention backend is ``ascend_offload`` (the runner this module captures)."""
-    from .backend import AscendOffloadAttnBackend
+    from sglang.srt.runtime_context import attention_backends
+
+    from .names import BACKEND_NAME
 
     spec = model_runner.spec_algorithm
+    _, decode = attention_backends()
     return bool(spec.is_speculative() and spec.is_eagle() and not model_runner.is_draft_worker
-                and isinstance(model_runner.attn_backend, AscendOffloadAttnBackend))
+                and decode == BACKEND_NAME)
 
 
 _RUNNER_CLASS = None
