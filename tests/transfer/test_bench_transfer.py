@@ -35,6 +35,8 @@ def test_bench_transfer_json(capfd):
     assert {"prefill_encode", "to_decode_wakeup", "decode_validate_plan", "read", "to_prefill_wakeup",
             "prefill_handle", "total_minus_read"} <= set(stages)
     assert all(v["n"] == 8 and v["p50"] <= v["p99"] for v in stages.values())
+    # every worker froze its start-up heap before the timed runs (gc.freeze returns what it froze)
+    assert len(out["worker_gc_frozen_objects"]) == 3 and all(n > 0 for n in out["worker_gc_frozen_objects"])
     from sglang_ascend_offload.transfer.channel import spin_us_from_env
     from sglang_ascend_offload.transfer.decode_side import DECODE_SPIN_US
     from sglang_ascend_offload.transfer.prefill_side import PREFILL_SPIN_US
