@@ -466,6 +466,24 @@ class ControlEndpoint:
                     return
                 if trace:
                     t_rx = time.perf_counter_ns()
+                if not buf and len(data) > HEADER.size:
+                    # the usual case on the P/D path: exactly one whole frame arrived; decode it
+                    # from the received bytes (no copies through ``buf``)
+                    (n,) = HEADER.unpack_from(data)
+                    if len(data) == HEADER.size + n and n <= MAX_MESSAGE_BYTES:
+                        self.received += 1
+                        if self._stop.is_set():
+                            continue  # draining until the peer's EOF; nothing is acted on
+                        try:
+                            msg = decode_message(memoryview(data)[HEADER.size:], expect=self._expect)
+                        except ProtocolError as exc:
+                            self._reject(conn.identity, exc)
+                            continue
+                        if trace:
+                            self._rx.stamps = (t_rx, time.perf_counter_ns())
+                        self._call(self._on_message, conn.identity, msg)
+                        armed = True
+                        continue
                 buf += data
                 while len(buf) >= HEADER.size:
                     (n,) = HEADER.unpack_from(buf)

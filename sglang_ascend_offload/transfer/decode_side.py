@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple, Callable, Deque, Dict, List, Optional, Set, Tuple
+from typing import NamedTuple, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..config import PDTransferConfig
 from .channel import ControlEndpoint, SendFilter
@@ -162,6 +162,8 @@ class DecodeReceiver:
         self.d_rank = d_rank
         self.layout = layout
         self.engine = engine
+        # fault-injecting engines (testing/pd_faults.py) take the layer before each read
+        self._set_context = getattr(engine, "set_context", None)
         self.port = decode_port(config.kv_port, dp_rank, d_rank, d_tp)
         self.stats = DecodeStats()
         #: the latest successful batch reads (for latency percentiles; bounded)
@@ -521,7 +523,6 @@ class DecodeReceiver:
             rx = self._endpoint.rx_stamps()
             if rx is not None:
                 stages.stamps(batch.batch_id, DECODE_STAMPS[:2], rx)
-        ids = [r.request_id for r in batch.requests]
         failed: Dict[str, str] = {}
         release: List[RequestDestination] = []
         good: List[Tuple[_Track, RequestRange]] = []
@@ -553,47 +554,55 @@ class DecodeReceiver:
                 t.inflight += 1
                 self._progress_locked(t)
                 good.append((t, rr))
-        self._release(release)
+        if release:
+            self._release(release)
 
+        delivered: List[Tuple[_Track, bool]] = []  # read into, still pending: (track, finished)
         if good:
             dst: List[int] = []
             src: List[int] = []
             lengths: List[int] = []
+            layer = batch.layer
             for t, rr in good:
-                self._plan(p, t, rr, batch.layer, dst, src, lengths)
-            error = self._read_with_retries(p.hs.session, batch.layer, dst, src, lengths,
-                                            still_wanted=lambda: any(t.state is TransferState.PENDING
-                                                                     for t, _ in good),
+                self._plan(p, t, rr, layer, dst, src, lengths)
+            error = self._read_with_retries(p.hs.session, layer, dst, src, lengths, good=good,
                                             batch_id=batch.batch_id)
+            member = p.member
             with self._lock:
+                # decide the answer here; the success bookkeeping (delivered layers, progress,
+                # done) follows once READ_DONE is on its way. Safe to defer: this peer's next
+                # message (a later layer, its verdict) runs on this same thread afterwards, no
+                # other peer can act as this member (member_peer), and a deadline or abort
+                # meanwhile only fails the request (done needs a pending state)
                 for t, rr in good:
                     t.inflight -= 1
                     if error is not None:
                         failed[rr.request_id] = error
                         self._fail_locked(t, error, release)
                     elif t.state is TransferState.PENDING:
-                        t.delivered.setdefault(p.member, set()).add(batch.layer)
-                        self._progress_locked(t)
-                        if rr.request_id in batch.finished:
-                            missing = set(range(self.layout.num_layers)) - t.delivered[p.member]
+                        fin = rr.request_id in batch.finished
+                        if fin:
+                            missing = (set(range(self.layout.num_layers)) - t.delivered.get(member, set())
+                                       - {layer})
                             if missing:
-                                failed[rr.request_id] = (f"member {p.member} finished without layers "
+                                failed[rr.request_id] = (f"member {member} finished without layers "
                                                          f"{sorted(missing)}")
                                 self._fail_locked(t, failed[rr.request_id], release)
-                            else:
-                                t.finished.add(p.member)
-                                self._maybe_done_locked(t)
+                                continue
+                        delivered.append((t, fin))
                     else:
                         # failed while the read was in flight (abort, deadline): data unusable
                         failed[rr.request_id] = f"request failed during the read: {t.reason}"
                     if t.state is TransferState.FAILED and t.inflight == 0 and not t.released:
                         t.released = True
                         release.append(t.dest)
-            self._release(release)
+            if release:
+                self._release(release)
 
         if problem is not None and not failed:
             self._answer_failed(peer, batch, [], f"layer {batch.layer}: {problem}")
         elif failed:
+            ids = [r.request_id for r in batch.requests]
             reason = "; ".join(f"{r}: {w}" for r, w in sorted(failed.items()))
             self._answer_failed(peer, batch, sorted(failed) if len(failed) < len(ids) else [], reason)
         else:
@@ -601,21 +610,31 @@ class DecodeReceiver:
                                                   layer=batch.layer), peer)
             if stamps is not None and stages is not None:
                 stages.stamps(batch.batch_id, DECODE_STAMPS[4:], stamps)
+        if delivered:
+            with self._lock:
+                for t, fin in delivered:
+                    if t.state is not TransferState.PENDING:
+                        continue  # failed after the answer (deadline, close): nothing to record
+                    t.delivered.setdefault(member, set()).add(layer)
+                    self._progress_locked(t)
+                    if fin:
+                        t.finished.add(member)
+                        self._maybe_done_locked(t)
 
     def _read_with_retries(self, session: str, layer: int, dst, src, lengths,
-                           still_wanted: Callable[[], bool] = lambda: True,
+                           good: Sequence[Tuple[_Track, RequestRange]] = (),
                            batch_id: int = -1) -> Optional[str]:
         """None on success, else the last error after ``1 + read_retries`` attempts.
 
-        No retry once ``still_wanted()`` is false (every request failed meanwhile).
+        No retry once every request of ``good`` (the batch's validated requests) has
+        failed meanwhile.
         """
-        set_context = getattr(self.engine, "set_context", None)
-        if set_context is not None:
-            set_context(layer)
+        if self._set_context is not None:
+            self._set_context(layer)
         last = ""
         for attempt in range(1 + self.config.read_retries):
             if attempt:
-                if not still_wanted():
+                if good and not any(t.state is TransferState.PENDING for t, _ in good):
                     break
                 self.stats.read_retries += 1
             t0 = time.perf_counter()

@@ -366,12 +366,13 @@ class PrefillSender:
 
     # ------------------------------------------------------------------ I/O thread
     def _on_message(self, peer: bytes, msg) -> None:
-        if isinstance(msg, MetaAck):
+        kind = type(msg)  # the endpoint only delivers the kinds of ``expect`` (exact classes)
+        if kind is MetaAck:
             self._ack = msg
             self._ack_event.set()
             return
         with self._lock:
-            if isinstance(msg, Rejected):
+            if kind is Rejected:
                 self.stats.rejected_messages += 1
                 reason = f"decode rejected a message: {msg.reason}"
                 for b in list(self._batches.values()):
@@ -381,7 +382,7 @@ class PrefillSender:
             if b is None or b.layer != msg.layer:
                 self.stats.late_answers += 1  # after a deadline, or bogus: never acted on
                 return
-            if isinstance(msg, ReadDone):
+            if kind is ReadDone:
                 self.stats.read_done += 1
                 self._finish_batch_locked(b, None, [])
                 if self.stages is not None:

@@ -208,11 +208,16 @@ class RequestRange(_Base, frozen=True, forbid_unknown_fields=True):
     indexer_src_blocks: BlockList
 
     def validate(self) -> None:
-        for what, off, blocks in (("main", self.main_offset, self.main_src_blocks),
-                                  ("indexer", self.indexer_offset, self.indexer_src_blocks)):
-            if off + len(blocks) > self.num_blocks:
-                raise ProtocolError(f"request {self.request_id!r}: {what} range {off}+{len(blocks)} "
-                                    f"exceeds its {self.num_blocks} blocks")
+        # two plain comparisons (hot path: once per request per layer on both sides)
+        n = self.num_blocks
+        if self.main_offset + len(self.main_src_blocks) > n:
+            self._exceeds("main", self.main_offset, self.main_src_blocks)
+        if self.indexer_offset + len(self.indexer_src_blocks) > n:
+            self._exceeds("indexer", self.indexer_offset, self.indexer_src_blocks)
+
+    def _exceeds(self, what: str, off: int, blocks: List[int]) -> None:
+        raise ProtocolError(f"request {self.request_id!r}: {what} range {off}+{len(blocks)} "
+                            f"exceeds its {self.num_blocks} blocks")
 
 
 class ReadReadyBatch(_Message, frozen=True, forbid_unknown_fields=True, tag="ready"):
@@ -230,15 +235,22 @@ class ReadReadyBatch(_Message, frozen=True, forbid_unknown_fields=True, tag="rea
     finished: RequestIdList
 
     def validate(self) -> None:
-        super().validate()
+        if self.version != PROTOCOL_VERSION:
+            _Message.validate(self)  # raises with the version message
         if self.member >= self.ratio:
             raise ProtocolError(f"ready batch: member {self.member} >= ratio {self.ratio}")
-        ids = [r.request_id for r in self.requests]
-        if len(set(ids)) != len(ids):
-            raise ProtocolError("ready batch: duplicate request ids")
-        if not set(self.finished) <= set(ids):
-            raise ProtocolError("ready batch: finished requests missing from the batch")
-        for r in self.requests:
+        requests = self.requests
+        if len(requests) == 1:  # the common case (one request per layer and peer): no sets built
+            rid = requests[0].request_id
+            if any(f != rid for f in self.finished):
+                raise ProtocolError("ready batch: finished requests missing from the batch")
+        else:
+            ids = {r.request_id for r in requests}
+            if len(ids) != len(requests):
+                raise ProtocolError("ready batch: duplicate request ids")
+            if not ids.issuperset(self.finished):
+                raise ProtocolError("ready batch: finished requests missing from the batch")
+        for r in requests:
             r.validate()
 
 
