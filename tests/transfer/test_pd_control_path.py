@@ -172,6 +172,44 @@ def test_idle_cores_follows_the_load_average(monkeypatch):
     assert slow() is False  # not re-read within the period
 
 
+def test_frames_whole_split_batched_and_invalid_over_a_raw_socket():
+    """The reader decodes a lone whole frame straight from the received bytes and falls back to
+    its buffer for partial or several frames; an invalid lone frame is still rejected."""
+    from sglang_ascend_offload.transfer.protocol import decode_message, encode_message
+
+    port = free_port()
+    got, invalid = _Collect(), []
+    router = ControlEndpoint("router", "127.0.0.1", port, expect=(TransferVerdict,), on_message=got,
+                             on_invalid=lambda peer, err: invalid.append(str(err)), spin_us=0).start()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5.0)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        f = [channel.frame(encode_message(_verdict(i))) for i in range(5)]
+        sock.sendall(f[0])  # one whole frame per recv (the fast path)
+        assert got.wait(1)
+        sock.sendall(f[1][:3])  # a frame split inside its header, then inside its payload
+        time.sleep(0.05)
+        sock.sendall(f[1][3:9])
+        time.sleep(0.05)
+        sock.sendall(f[1][9:])
+        assert got.wait(2)
+        sock.sendall(f[2] + f[3] + f[4][:5])  # two frames and a partial third in one write
+        time.sleep(0.05)
+        sock.sendall(f[4][5:])
+        assert got.wait(5)
+        assert [m.request_ids[0] for _, m in got.got] == ["r0", "r1", "r2", "r3", "r4"]
+        sock.sendall(channel.frame(b"\x81\xa4kind\xa4nope"))  # a lone whole frame of an unknown kind
+        sock.settimeout(5.0)
+        head = sock.recv(4, socket.MSG_WAITALL)
+        answer = decode_message(sock.recv(channel.HEADER.unpack(head)[0], socket.MSG_WAITALL))
+        assert isinstance(answer, Rejected) and invalid and router.rejected == 1
+        sock.sendall(f[0])  # the connection keeps serving after a rejected frame
+        assert got.wait(6) and len(got.got) == 6
+    finally:
+        sock.close()
+        router.close()
+
+
 # ------------------------------------------------------------------ sender + receiver with stage stamps
 class MemmoveEngine:
     """Same-process 'engine': reads are memmoves between registered numpy buffers."""
