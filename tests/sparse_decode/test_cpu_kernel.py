@@ -186,7 +186,7 @@ def _check_rejects_beyond_width():
 
 def test_kernel_copy_equals_reference_copy():
     gen = torch.Generator().manual_seed(1)
-    rows, hot, dim, k = 3, 6, 8, 4
+    rows, hot, dim = 3, 6, 8
     host = torch.randn((50, dim), generator=gen).to(torch.bfloat16)
     table = torch.randperm(50, generator=gen).to(torch.int32).view(1, 50).repeat(rows + 1, 1)
     miss_tokens = torch.tensor([[3, 7, -1, -1], [-1, -1, -1, -1], [1, 2, 4, 9]], dtype=torch.int32)

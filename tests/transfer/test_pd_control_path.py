@@ -21,7 +21,7 @@ from sglang_ascend_offload.transfer.destinations import RequestDestination
 from sglang_ascend_offload.transfer.errors import TransferError
 from sglang_ascend_offload.transfer.layout import RawTensor, layout_from_regions
 from sglang_ascend_offload.transfer.prefill_side import PrefillSender, SourceBlocks
-from sglang_ascend_offload.transfer.protocol import (PROTOCOL_VERSION, MetaAck, ReadDone, Rejected,
+from sglang_ascend_offload.transfer.protocol import (PROTOCOL_VERSION, MetaAck, Rejected,
                                                      TransferVerdict)
 from sglang_ascend_offload.transfer.stages import (DECODE_STAMPS, PREFILL_STAMPS, STAGES, TRACE_ENV, StageLog,
                                                    stage_breakdown)
