@@ -81,16 +81,25 @@ def build(force: bool = False) -> Path:
             "the CPU residency kernel needs a C++ compiler (g++/clang++; set CXX to choose one): install one "
             "(apt-get install g++) and run `python -m sglang_ascend_offload.sparse_decode.cpu_kernel --build` "
             "(scripts/setup_cpu_env.sh does it), or run the engine with manage_impl='torch'")
+    return compile_library(cxx, _SRC, out, "the CPU residency kernel", CPUKernelUnavailable)
+
+
+def compile_library(cxx: str, src: Path, out: Path, what: str, error: type) -> Path:
+    """Compile ``src`` with ``_FLAGS`` into the shared library ``out``; ``error(...)`` on failure.
+
+    Written to a temporary file and renamed, so concurrent builders never load a
+    half-written library. Shared by every CPU kernel loader of this package.
+    """
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *_FLAGS, str(_SRC), "-o", tmp]
+    cmd = [cxx, *_FLAGS, str(src), "-o", tmp]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
-        raise CPUKernelUnavailable(f"building the CPU residency kernel failed ({' '.join(cmd)}):\n{proc.stderr}")
-    os.replace(tmp, out)  # atomic: concurrent builders never load a half-written file
-    logger.info("built the CPU residency kernel: %s", out)
+        raise error(f"building {what} failed ({' '.join(cmd)}):\n{proc.stderr}")
+    os.replace(tmp, out)
+    logger.info("built %s: %s", what, out)
     return out
 
 

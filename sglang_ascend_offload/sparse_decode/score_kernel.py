@@ -24,15 +24,13 @@ import ctypes
 import hashlib
 import logging
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
 
-from .cpu_kernel import _FLAGS, CPUKernelUnavailable, _compiler
+from .cpu_kernel import _FLAGS, CPUKernelUnavailable, _compiler, compile_library
 
 logger = logging.getLogger(__name__)
 
@@ -69,17 +67,7 @@ def build(force: bool = False) -> Path:
     if cxx is None:
         raise ScoreKernelUnavailable("the score-aware CPU kernel needs a C++ compiler (g++/clang++; set CXX): "
                                      "apt-get install g++, then " + _HOW)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [cxx, *_FLAGS, str(_SRC), "-o", tmp]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise ScoreKernelUnavailable(f"building the score-aware CPU kernel failed ({' '.join(cmd)}):\n{proc.stderr}")
-    os.replace(tmp, out)  # atomic: concurrent builders never load a half-written file
-    logger.info("built the score-aware CPU kernel: %s", out)
-    return out
+    return compile_library(cxx, _SRC, out, "the score-aware CPU kernel", ScoreKernelUnavailable)
 
 
 def library() -> ctypes.CDLL:
