@@ -471,18 +471,7 @@ class ControlEndpoint:
                     # from the received bytes (no copies through ``buf``)
                     (n,) = HEADER.unpack_from(data)
                     if len(data) == HEADER.size + n and n <= MAX_MESSAGE_BYTES:
-                        self.received += 1
-                        if self._stop.is_set():
-                            continue  # draining until the peer's EOF; nothing is acted on
-                        try:
-                            msg = decode_message(memoryview(data)[HEADER.size:], expect=self._expect)
-                        except ProtocolError as exc:
-                            self._reject(conn.identity, exc)
-                            continue
-                        if trace:
-                            self._rx.stamps = (t_rx, time.perf_counter_ns())
-                        self._call(self._on_message, conn.identity, msg)
-                        armed = True
+                        armed = self._dispatch_frame(conn, memoryview(data)[HEADER.size:], t_rx) or armed
                         continue
                 buf += data
                 while len(buf) >= HEADER.size:
@@ -497,20 +486,28 @@ class ControlEndpoint:
                         break
                     payload = bytes(buf[HEADER.size:HEADER.size + n])
                     del buf[:HEADER.size + n]
-                    self.received += 1
-                    if self._stop.is_set():
-                        continue  # draining until the peer's EOF; nothing is acted on
-                    try:
-                        msg = decode_message(payload, expect=self._expect)
-                    except ProtocolError as exc:
-                        self._reject(conn.identity, exc)
-                        continue
-                    if trace:
-                        self._rx.stamps = (t_rx, time.perf_counter_ns())
-                    self._call(self._on_message, conn.identity, msg)
-                    armed = True
+                    armed = self._dispatch_frame(conn, payload, t_rx) or armed
         finally:
             self._drop_conn(conn)
+
+    def _dispatch_frame(self, conn: _Conn, payload, t_rx: int) -> bool:
+        """Count, validate and hand one received frame's payload to ``on_message``.
+
+        Returns True when a message was handled (the next receive may spin first);
+        False while draining after stop or for a rejected frame.
+        """
+        self.received += 1
+        if self._stop.is_set():
+            return False  # draining until the peer's EOF; nothing is acted on
+        try:
+            msg = decode_message(payload, expect=self._expect)
+        except ProtocolError as exc:
+            self._reject(conn.identity, exc)
+            return False
+        if self.trace:
+            self._rx.stamps = (t_rx, time.perf_counter_ns())
+        self._call(self._on_message, conn.identity, msg)
+        return True
 
     def _tick_loop(self) -> None:
         while not self._stop.wait(self._tick_s):
