@@ -324,19 +324,29 @@ def copy_miss_rows_rows(host: torch.Tensor, hot: torch.Tensor, rows: torch.Tenso
     _copy_miss_rows_op(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_cli(name: str, build_fn, library_fn, argv=None) -> int:
+    """``python -m <kernel module> --build [--force]``: compile if needed, load, print the path.
+
+    Shared by the LRU kernel (this module) and the score-aware kernel
+    (``score_kernel.py``); ``scripts/setup_cpu_env.sh`` runs both. Exit 1 with the
+    reason on stderr when the kernel cannot be built or loaded here.
+    """
+    parser = argparse.ArgumentParser(description=f"build the {name} CPU kernel")
     parser.add_argument("--build", action="store_true", help="compile the kernel if needed and print its path")
     parser.add_argument("--force", action="store_true", help="recompile even if the library exists")
     args = parser.parse_args(argv)
     try:
-        path = build(force=args.force)
-        library()
+        path = build_fn(force=args.force)
+        library_fn()
     except CPUKernelUnavailable as exc:
-        print(f"cpu_kernel: {exc}", file=sys.stderr)
+        print(f"{name}: {exc}", file=sys.stderr)
         return 1
     print(path)
     return 0
+
+
+def main(argv=None) -> int:
+    return build_cli("cpu_kernel", build, library, argv)
 
 
 if __name__ == "__main__":

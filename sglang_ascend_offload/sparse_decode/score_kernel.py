@@ -19,18 +19,16 @@ policies are served eager-only, ``rank_depth``): under ``torch.compile`` it is a
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import hashlib
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
 
-from .cpu_kernel import _FLAGS, CPUKernelUnavailable, _compiler, compile_library
+from .cpu_kernel import _FLAGS, CPUKernelUnavailable, _compiler, build_cli, compile_library
 
 logger = logging.getLogger(__name__)
 
@@ -155,18 +153,7 @@ def score_rank_manage_rows(slot_token: torch.Tensor, slot_stamp: torch.Tensor, r
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--build", action="store_true", help="compile the kernel if needed and print its path")
-    parser.add_argument("--force", action="store_true", help="recompile even if the library exists")
-    args = parser.parse_args(argv)
-    try:
-        path = build(force=args.force)
-        library()
-    except CPUKernelUnavailable as exc:
-        print(f"score_kernel: {exc}", file=sys.stderr)
-        return 1
-    print(path)
-    return 0
+    return build_cli("score_kernel", build, library, argv)
 
 
 if __name__ == "__main__":
