@@ -10,7 +10,9 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+from typing import List, NamedTuple
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ import torch
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.config import PDTransferConfig
 from sglang_ascend_offload.transfer.engine import check_read_args, create_engine
-from sglang_ascend_offload.transfer.errors import EngineError, EngineReadError, EngineUnavailable
+from sglang_ascend_offload.transfer.errors import EngineError, EngineReadError
 from sglang_ascend_offload.testing.pd_faults import FaultInjector, FaultPlan, FaultyEngine, FaultyOutbox
 from sglang_ascend_offload.transfer.protocol import PROTOCOL_VERSION, ReadDone, ReadReadyBatch
 
@@ -100,11 +102,38 @@ def test_memfabric_needs_store_url_and_known_protocol():
         MemFabricEngine("127.0.0.1", "tcp://127.0.0.1:1", "host_tcp", "prefill")
 
 
-def _run(code: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter (MemFabric logs to stdout and keeps store threads)."""
-    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+class _Child(NamedTuple):
+    """A finished child interpreter: its process result and the lines it passed to ``result()``."""
+
+    proc: subprocess.CompletedProcess
+    results: List[str]
+
+    def context(self) -> str:
+        return self.proc.stdout[-2000:] + self.proc.stderr[-2000:]
+
+
+_RESULT_PREAMBLE = """
+import os as _os
+def result(*parts):
+    with open(_os.environ["SAO_TEST_RESULTS"], "a") as _f:
+        _f.write(" ".join(map(str, parts)) + "\\n")
+"""
+
+
+def _run(code: str, timeout: float = 60.0) -> _Child:
+    """Run ``code`` in a fresh interpreter (MemFabric logs to stdout and keeps store threads).
+
+    The child reports through ``result(...)``, which appends a line to a file of its own:
+    MemFabric's C++ threads write their TRACE lines to the same stdout, so a printed line
+    can come back with a log line spliced into its middle.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "results.txt")
+        env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", SAO_TEST_RESULTS=path)
+        proc = subprocess.run([sys.executable, "-c", _RESULT_PREAMBLE + textwrap.dedent(code)],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+        results = open(path).read().splitlines() if os.path.exists(path) else []
+    return _Child(proc, results)
 
 
 @pytest.mark.skipif(platform.device_kind() == "npu", reason="checks the CPU failure path")
@@ -116,12 +145,12 @@ def test_memfabric_engine_unavailable_without_driver():
         try:
             create_engine(PDTransferConfig(engine="memfabric", store_url="tcp://127.0.0.1:9"), "decode")
         except EngineUnavailable as exc:
-            print("RESULT unavailable:", exc)
+            result("unavailable:", exc)
         else:
-            print("RESULT started")
+            result("started")
     """)
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
-    assert line and line[0].startswith("RESULT unavailable:"), r.stdout[-2000:] + r.stderr[-2000:]
+    line = r.results
+    assert line and line[0].startswith("unavailable:"), r.context()
     assert ("memfabric-hybrid" in line[0]) or ("Ascend driver" in line[0])
 
 
@@ -132,15 +161,15 @@ def test_memfabric_config_store_starts_on_cpu():
         from sglang_ascend_offload.transfer.engine_memfabric import create_config_store
         from sglang_ascend_offload.transfer.errors import EngineError
         create_config_store("tcp://127.0.0.1:{port}")
-        print("RESULT store up")
+        result("store up")
         try:
             create_config_store("not-a-url")
         except EngineError as exc:
-            print("RESULT bad url:", exc)
+            result("bad url:", exc)
     """)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
-    assert lines[:1] == ["RESULT store up"], r.stdout[-2000:] + r.stderr[-2000:]
-    assert lines[1].startswith("RESULT bad url:") and "tcp://host:port" in lines[1]
+    lines = r.results
+    assert lines[:1] == ["store up"], r.context()
+    assert lines[1].startswith("bad url:") and "tcp://host:port" in lines[1]
 
 
 def test_fault_wrappers_count_what_they_inject():
