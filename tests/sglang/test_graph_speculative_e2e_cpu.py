@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -78,16 +77,21 @@ def servers(tmp_path_factory):
 
 
 def _workload(server) -> list:
-    """One request alone (padded bucket), then four concurrent ones sharing a cached
-    prefix (the full bucket, shrinking to padded ones as they finish), prompts longer
-    than ``hot_tokens``."""
+    """One request alone (padded bucket), then four sharing a cached prefix (the full
+    bucket, shrinking to padded ones as they finish), prompts longer than ``hot_tokens``.
+
+    The four go in one batched ``/generate`` so the scheduler receives them together:
+    sent from four client threads, a loaded machine once delayed one of them until the
+    shortest had finished, and the full bucket never ran (a fresh-clone run under load).
+    """
     prefix = prompt(90, seed=11)
     outs = [server.generate(prefix, max_new_tokens=12, return_logprob=True)]
     wave = [prefix + prompt(10 + 3 * i, seed=20 + i) for i in range(4)]
-    with ThreadPoolExecutor(len(wave)) as pool:
-        outs += list(pool.map(lambda p, n: server.generate(p, max_new_tokens=n, return_logprob=True),
-                              wave, [16, 12, 20, 8]))
-    return outs
+    lengths = [16, 12, 20, 8]
+    params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in lengths]
+    batch = server.generate(wave, return_logprob=True, sampling_params=params)
+    assert [len(o["output_ids"]) for o in batch] == lengths
+    return outs + batch
 
 
 @pytest.fixture(scope="module")
