@@ -180,10 +180,14 @@ class ServerProcess:
 
     def generate(self, input_ids, max_new_tokens: int = 8, timeout: float = 120.0, return_logprob: bool = False,
                  **extra: Any):
-        """Greedy ``/generate`` for one prompt (list of ids) or a batch (list of lists)."""
-        body = {"input_ids": input_ids, "return_logprob": return_logprob,
-                "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
-                **extra}
+        """Greedy ``/generate`` for one prompt (list of ids) or a batch (list of lists).
+
+        For a batch, ``max_new_tokens`` may be a list (one length per prompt)."""
+        def greedy(n: int) -> dict:
+            return {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}
+
+        params = [greedy(n) for n in max_new_tokens] if isinstance(max_new_tokens, list) else greedy(max_new_tokens)
+        body = {"input_ids": input_ids, "return_logprob": return_logprob, "sampling_params": params, **extra}
         return self.post("/generate", body, timeout)
 
     def get(self, path: str, timeout: float = 30.0) -> str:

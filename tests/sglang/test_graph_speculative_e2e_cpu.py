@@ -88,8 +88,7 @@ def _workload(server) -> list:
     outs = [server.generate(prefix, max_new_tokens=12, return_logprob=True)]
     wave = [prefix + prompt(10 + 3 * i, seed=20 + i) for i in range(4)]
     lengths = [16, 12, 20, 8]
-    params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in lengths]
-    batch = server.generate(wave, return_logprob=True, sampling_params=params)
+    batch = server.generate(wave, max_new_tokens=lengths, return_logprob=True)
     assert [len(o["output_ids"]) for o in batch] == lengths
     return outs + batch
 
