@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 
 import pytest
 
-from sglang_ascend_offload.testing.servers import ServerProcess, start_all
+from sglang_ascend_offload.testing.servers import ServerProcess, StartupWatch, process_group_cpu_ticks, start_all
 
 
 class FakeServer:
@@ -54,3 +56,90 @@ def test_startup_failure_message_carries_the_log_tail(tmp_path):
     gone = ServerProcess([], log_path=tmp_path / "missing.log")
     assert "log unreadable" in gone._log_tail()
     gone._release_ports()
+
+
+# --- how long a start may take (StartupWatch, ServerProcess._start_once) ---------------
+
+def test_startup_watch_waits_past_the_deadline_only_while_the_server_progresses():
+    watch = StartupWatch(start=0.0, timeout_s=10, stall_s=3, hard_cap_s=30)
+    assert watch.observe(1.0, mark=1) is None
+    assert watch.observe(9.0, mark=1) is None  # no progress for 8 s, but inside the deadline
+    assert watch.observe(10.5, mark=2) is None  # past it, progressing: keep waiting
+    assert watch.extended
+    assert watch.observe(13.0, mark=2) is None  # 2.5 s without progress < stall_s
+    verdict = watch.observe(13.6, mark=2)  # 3.1 s without progress
+    assert verdict is not None and "no CPU time or log output" in verdict
+
+
+def test_startup_watch_gives_up_at_the_hard_cap_even_while_progressing():
+    watch = StartupWatch(start=0.0, timeout_s=10, stall_s=3, hard_cap_s=30)
+    for t in range(1, 30):
+        assert watch.observe(float(t), mark=t) is None
+    verdict = watch.observe(30.0, mark=30)
+    assert verdict is not None and "hard cap" in verdict
+
+
+def test_startup_watch_stalled_server_fails_at_the_deadline_not_later():
+    watch = StartupWatch(start=0.0, timeout_s=10, stall_s=3, hard_cap_s=30)
+    assert watch.observe(0.5, mark=1) is None
+    assert watch.observe(9.9, mark=1) is None
+    assert watch.observe(10.0, mark=1) is not None  # silent since 0.5 s: fails at once
+
+
+FAKE_SERVER = r'''
+import http.server, sys, time
+port, busy_s = int(sys.argv[1]), float(sys.argv[2])
+end = time.monotonic() + busy_s
+while time.monotonic() < end:  # "start-up": CPU work and a log line now and then
+    sum(i * i for i in range(20000))
+    print("starting...", flush=True)
+    time.sleep(0.05)
+if sys.argv[3] == "hang":
+    time.sleep(3600)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+'''
+
+
+class FakeLaunch(ServerProcess):
+    """A ServerProcess whose command is the script above instead of SGLang."""
+
+    def __init__(self, script, busy_s, mode, **kw):
+        super().__init__([], **kw)
+        self.script, self.busy_s, self.mode = script, busy_s, mode
+
+    @property
+    def args(self):
+        return [sys.executable, str(self.script), str(self.port), str(self.busy_s), self.mode]
+
+
+def test_a_slow_but_working_start_outlives_the_deadline(tmp_path):
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    srv = FakeLaunch(script, busy_s=5.0, mode="serve", log_path=tmp_path / "slow.log",
+                     startup_timeout_s=3.0, startup_stall_s=3.0)  # hard cap 3 x 3 s
+    try:
+        srv.start()
+        assert srv.startup_s is not None and srv.startup_s > 4.5  # healthy only after its 5 s of work
+        assert process_group_cpu_ticks(srv.proc.pid) > 0  # what the watch saw moving
+        assert process_group_cpu_ticks(2**22 + 12345) == 0  # no such group
+    finally:
+        srv.stop(grace_s=5)
+
+
+def test_a_hung_start_fails_once_it_stops_progressing(tmp_path):
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    srv = FakeLaunch(script, busy_s=1.0, mode="hang", log_path=tmp_path / "hung.log",
+                     startup_timeout_s=3.0, startup_stall_s=2.0)  # hard cap 3 x 3 s
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="no CPU time or log output") as info:
+        srv.start()
+    took = time.monotonic() - t0
+    assert 3.0 <= took < 9.0, took  # the deadline (the stall began at ~1 s), before the hard cap
+    assert "starting..." in str(info.value)  # the log tail travels with the error
+    assert srv.proc.poll() is not None  # stopped, not left behind

@@ -2,9 +2,16 @@
 
 :class:`ServerProcess` launches ``python -m sglang.launch_server`` on 127.0.0.1 in its
 own session (so the whole process group can be stopped), on a port reserved by
-:mod:`.ports`, waits for ``/health`` with a deadline, restarts on a fresh port within
-seconds when its log reports that the port could not be bound, and stops its group
-(SIGTERM, then SIGKILL after a grace period).
+:mod:`.ports`, waits for ``/health`` (see :class:`StartupWatch` for how long), restarts
+on a fresh port within seconds when its log reports that the port could not be bound,
+and stops its group (SIGTERM, then SIGKILL after a grace period).
+
+How long a start may take: a fixed deadline either fails slow-but-healthy starts on a
+loaded machine (three test suites on 2 cores took SGLang more than 240 s) or waits
+minutes for a server that hung. So the deadline is ``startup_timeout_s`` *while the
+server makes no progress*: past it, the wait goes on only as long as the server's
+process group keeps using CPU or writing its log within the last ``STARTUP_STALL_S``,
+and never beyond ``STARTUP_HARD_CAP_FACTOR`` times the deadline.
 
 The tiny DeepSeek-V3.2-style models live in the source tree (``tests/fixtures``),
 so the served benchmarks run from a checkout, as the README's commands do.
@@ -28,7 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from .ports import DP_ATTENTION_OFFSETS, log_reports_bind_failure, release_ports, reserve_port
 
 __all__ = ["REPO", "FIXTURES", "TINY_DSA", "TINY_DSA_4L", "TINY_DSA_MTP", "CPU_SERVER_ARGS", "IDLE_SLEEP",
-           "ServerProcess", "PortInUse", "server_env", "stop_process_group", "stop_all", "fixture_args"]
+           "ServerProcess", "PortInUse", "StartupWatch", "server_env", "stop_process_group", "stop_all", "fixture_args"]
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -53,6 +60,10 @@ CPU_SERVER_ARGS: List[str] = [
 # Not for P/D servers: their idle loop also polls transfers and would stall up to 1 s.
 IDLE_SLEEP = ["--sleep-on-idle"]
 STARTUP_TIMEOUT_S = float(os.environ.get("SGLANG_TEST_STARTUP_TIMEOUT", "240"))
+# Past STARTUP_TIMEOUT_S a start continues while it progresses (CPU time or log output
+# within the last STARTUP_STALL_S seconds), up to STARTUP_HARD_CAP_FACTOR x the timeout.
+STARTUP_STALL_S = float(os.environ.get("SGLANG_TEST_STARTUP_STALL", "60"))
+STARTUP_HARD_CAP_FACTOR = 3.0
 
 
 def fixture_args(model: Path) -> List[str]:
@@ -75,14 +86,67 @@ class PortInUse(RuntimeError):
     """A server's log reported that one of its listening sockets could not bind."""
 
 
+def process_group_cpu_ticks(pgid: int) -> int:
+    """CPU time (user + system, in clock ticks) used so far by the live members of
+    process group ``pgid``, read from ``/proc/<pid>/stat``; 0 if none is left."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces
+        # fields[0] is field 3 of proc(5): state; pgrp is field 5, utime 14, stime 15
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total
+
+
+class StartupWatch:
+    """Decides when a server start has taken too long (the rule in the module docstring).
+
+    ``observe(now, mark)`` is called about once a second with ``time.monotonic()`` and a
+    progress mark (any value that changes while the server works: its CPU ticks and log
+    size); it returns ``None`` to keep waiting or the reason to give up.
+    """
+
+    def __init__(self, start: float, timeout_s: float, stall_s: float = STARTUP_STALL_S,
+                 hard_cap_s: Optional[float] = None):
+        self.start, self.timeout_s, self.stall_s = start, float(timeout_s), float(stall_s)
+        self.hard_cap_s = STARTUP_HARD_CAP_FACTOR * self.timeout_s if hard_cap_s is None else float(hard_cap_s)
+        self.last_mark: Any = None
+        self.last_progress = start
+        self.extended = False  # True once the wait went past timeout_s because of progress
+
+    def observe(self, now: float, mark: Any) -> Optional[str]:
+        if mark != self.last_mark:
+            self.last_mark, self.last_progress = mark, now
+        waited = now - self.start
+        if waited < self.timeout_s:
+            return None
+        if waited >= self.hard_cap_s:
+            return (f"not healthy after {waited:.0f} s (the hard cap: {self.hard_cap_s:.0f} s, "
+                    f"although it was still working)")
+        idle = now - self.last_progress
+        if idle >= self.stall_s:
+            return (f"not healthy after {waited:.0f} s, and no CPU time or log output for the last "
+                    f"{idle:.0f} s (deadline {self.timeout_s:.0f} s while not progressing)")
+        self.extended = True
+        return None
+
+
 class ServerProcess:
     """One ``sglang.launch_server`` subprocess (own session; stopped as a group)."""
 
     def __init__(self, extra_args: Sequence[str] = (), log_path: Optional[Path] = None,
                  base_args: Sequence[str] = tuple(CPU_SERVER_ARGS), cpu: bool = True,
-                 env: Optional[Dict[str, str]] = None, startup_timeout_s: Optional[float] = None):
+                 env: Optional[Dict[str, str]] = None, startup_timeout_s: Optional[float] = None,
+                 startup_stall_s: float = STARTUP_STALL_S):
         self.base_args = list(base_args)
         self.startup_timeout_s = STARTUP_TIMEOUT_S if startup_timeout_s is None else float(startup_timeout_s)
+        self.startup_stall_s = float(startup_stall_s)
         self.extra_args = list(extra_args)
         self.port_offsets = DP_ATTENTION_OFFSETS if "--enable-dp-attention" in self.extra_args else ()
         self.port = reserve_port(offsets=self.port_offsets)
@@ -131,8 +195,12 @@ class ServerProcess:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
                                          env={**server_env(self.cpu), **self.extra_env}, cwd=REPO,
                                          start_new_session=True)
-        deadline = t0 + self.startup_timeout_s
-        while time.monotonic() < deadline:
+        watch = StartupWatch(t0, self.startup_timeout_s, self.startup_stall_s)
+        while True:
+            now = time.monotonic()
+            verdict = watch.observe(now, self._progress_mark())
+            if verdict is not None:
+                break
             failed = self._port_that_failed_to_bind()
             if failed is not None:
                 self.stop()
@@ -144,13 +212,23 @@ class ServerProcess:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
                     if r.status == 200:
                         self.startup_s = time.monotonic() - t0
+                        if watch.extended:
+                            print(f"[servers] {self.url} took {self.startup_s:.0f} s to start (past the "
+                                  f"{self.startup_timeout_s:.0f} s deadline, still progressing)", file=sys.stderr)
                         return self
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
             time.sleep(1.0)
         self.stop()
-        raise TimeoutError(f"server not healthy after {self.startup_timeout_s:.0f} s; log: {self.log_path}\n"
-                           f"{self._log_tail()}")
+        raise TimeoutError(f"server {verdict}; log: {self.log_path}\n{self._log_tail()}")
+
+    def _progress_mark(self):
+        """What changes while the starting server works: its group's CPU ticks, its log size."""
+        try:
+            size = self.log_path.stat().st_size
+        except OSError:
+            size = -1
+        return (process_group_cpu_ticks(self.proc.pid), size)
 
     def _log_tail(self, lines: int = 40) -> str:
         """The last ``lines`` lines of the server log, for failure messages: pytest's
