@@ -27,6 +27,12 @@ def test_bench_transfer_json(capfd):
     assert out["raw_engine_bytes_per_s"] > 0 and out["transfer_bytes_per_s"] > 0
     assert out["engine_over_raw_total"] == pytest.approx(out["transfer_bytes_per_s"] / out["raw_engine_bytes_per_s"])
     assert out["engine_over_raw_layers"] == 1 and out["engine_over_raw"] > 0  # 2 layers: one after the first
+    # the same replay with the read pipeline's depth in flight (whether decode's second batch queued
+    # depends on timing here; tests/transfer/test_read_pipeline.py makes it deterministic)
+    assert out["read_pipeline_depth"] == 2 and out["raw_engine_pipelined_bytes_per_s"] > 0
+    assert out["engine_over_raw_pipelined"] == pytest.approx(
+        out["transfer_bytes_per_s"] / out["raw_engine_pipelined_bytes_per_s"])
+    assert 0 <= out["pipelined_batches"] <= 1 and out["max_reads_in_flight"] in (1, 2)
     # one sample per layer of the overhead run, percentiles ordered
     assert out["per_layer_overhead_samples"] == 8
     assert out["per_layer_overhead_us_p50"] <= out["per_layer_overhead_us_p99"]
