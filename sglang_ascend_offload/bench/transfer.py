@@ -134,6 +134,20 @@ def overhead_samples(prefill: Dict[int, Any], decode: Dict[int, Any]) -> List[fl
     return [answers[b] - reads[b] for b in sorted(answers) if b in reads]
 
 
+def windowed_ratios(ours: List[float], raw: List[float], window: int) -> List[float]:
+    """``sum(raw[i:i+w]) / sum(ours[i:i+w])`` for every window of ``w = min(window, n)``
+    consecutive layers (``n`` = layers with both times); windows where ours took no time
+    are skipped."""
+    n = min(len(ours), len(raw))
+    w = max(1, min(window, n))
+    out = []
+    for i in range(n - w + 1):
+        t = sum(ours[i:i + w])
+        if t > 0:
+            out.append(sum(raw[i:i + w]) / t)
+    return out
+
+
 def set_worker_env(name: str, value: Optional[str]) -> None:
     """Run in a worker: set (or with None remove) one environment variable there."""
     import os
@@ -270,10 +284,12 @@ def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, An
         out["engine_over_raw_runs"] = [r[0].get("engine_over_raw") for r in runs]
         out["engine_over_raw_total"] = out["engine_over_raw"]
         # robust to the other jobs' load spikes: per layer (after the first), the raw engine's
-        # time for that layer's reads over ours (read + idle gap before it), median of every
-        # layer of every run
-        ratios = [raw / ours for _, t_run in runs for r in t_run.decode.values() if isinstance(r, dict)
-                  for ours, raw in zip(r["layer_seconds"], r["raw_layer_seconds"]) if ours > 0]
+        # time for that layer's reads over ours (the time since the previous read ended: read +
+        # idle gap before it), median of every layer of every run. With reads in flight
+        # together, single completion intervals alternate short and long, so the ratio is taken
+        # over sliding windows of read_pipeline_depth layers (one layer at depth 1)
+        ratios = [window_ratio for _, t_run in runs for r in t_run.decode.values() if isinstance(r, dict)
+                  for window_ratio in windowed_ratios(r["layer_seconds"], r["raw_layer_seconds"], depth)]
         out["engine_over_raw_layers"] = len(ratios)
         if ratios:
             out["engine_over_raw"] = percentile(ratios, 50)

@@ -83,3 +83,15 @@ def test_overhead_percentiles_match_batches():
     assert samples == pytest.approx([0.0006, 0.0020])
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0], 99) == 2.0
     assert percentile([], 50) is None
+
+
+def test_engine_over_raw_windows_follow_the_pipeline_depth():
+    from sglang_ascend_offload.bench.transfer import windowed_ratios
+
+    # two reads in flight: completions alternate 1 ms / 9 ms while the raw replay takes 5 ms each
+    ours, raw = [0.001, 0.009, 0.001, 0.009], [0.005] * 4
+    assert windowed_ratios(ours, raw, 1) == pytest.approx([5.0, 5 / 9, 5.0, 5 / 9])  # per layer: noise
+    assert windowed_ratios(ours, raw, 2) == pytest.approx([1.0, 1.0, 1.0])  # per pair: the real ratio
+    assert windowed_ratios([0.002], [0.001], 2) == pytest.approx([0.5])  # fewer layers than the window
+    assert windowed_ratios([0.0, 0.004], [0.001, 0.002], 1) == pytest.approx([0.5])  # zero time skipped
+    assert windowed_ratios([], [], 2) == []
