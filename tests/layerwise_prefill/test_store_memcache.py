@@ -14,6 +14,7 @@ import torch
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.config import LayerwisePrefillOffloadConfig, MemcacheConfig
 from sglang_ascend_offload.layerwise_prefill.store import StoreError, StoreUnavailable, make_store
+from sglang_ascend_offload.testing.ports import reserve_port
 from sglang_ascend_offload.layerwise_prefill.store_memcache import (
     MemcacheClient, MemcacheHostKVStore, MetaServiceProcess, read_mmc_conf, shipped_config,
     write_mmc_conf)
@@ -26,13 +27,10 @@ npu_only = [pytest.mark.npu, pytest.mark.skipif(platform.device_kind() != "npu",
 
 
 def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """Ports reserved across processes for this test process (``testing/ports.py``: never a
+    ``bind(0)`` port that another process's outgoing connection can take before the
+    meta service binds it)."""
+    return [reserve_port() for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -499,15 +499,10 @@ def test_page_book_plans_loads_saves_and_stale_objects():
 def test_npu_memcache_store_inside_the_pool(ctx, tmp_path):
     """The pool on an NPU with the Memcache host store (meta service started from a conf
     on free ports): same scenario, bit-exact against the device pool."""
-    import socket
-
     from sglang_ascend_offload.layerwise_prefill.store_memcache import write_mmc_conf
+    from sglang_ascend_offload.testing.ports import reserve_port
 
-    ports = []
-    for _ in range(3):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = [reserve_port() for _ in range(3)]
     meta, local = tmp_path / "mmc-meta.conf", tmp_path / "mmc-local.conf"
     write_mmc_conf(str(meta), {"ock.mmc.meta_service_url": f"tcp://127.0.0.1:{ports[0]}",
                                "ock.mmc.meta_service.config_store_url": f"tcp://127.0.0.1:{ports[1]}",

@@ -19,6 +19,7 @@ from sglang_ascend_offload.transfer.errors import EngineReadError, RequestFailed
 from sglang_ascend_offload.transfer.protocol import ReadDone, ReadFailed, TransferVerdict
 from sglang_ascend_offload.transfer.read_pipeline import ReadPipeline
 from sglang_ascend_offload.transfer.status import TransferState
+from test_pd_sides import wait_until  # the in-process P/D rig's helpers (same folder)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,15 +56,6 @@ class Recorder:
     def cancel(self, job):
         with self.lock:
             self.cancelled.append(job)
-
-
-def wait_until(pred, timeout_s=10.0):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return pred()
 
 
 def test_reads_overlap_and_completions_keep_submission_order():
