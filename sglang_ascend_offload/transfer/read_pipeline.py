@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Callable, Deque, Generic, List, Optional, TypeVar
+from typing import Callable, Deque, Generic, List, TypeVar
 
 logger = logging.getLogger(__name__)
 
