@@ -66,7 +66,8 @@ OnRelease = Callable[[RequestDestination], None]
 
 @dataclass
 class DecodeStats:
-    """Counters of one decode rank (exposed as metrics by the plugin)."""
+    """Counters of one decode rank (read by `bench transfer` and the tests; the SGLang backend
+    does not export them as metrics)."""
 
     batches: int = 0
     reads: int = 0

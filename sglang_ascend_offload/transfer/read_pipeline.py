@@ -56,7 +56,7 @@ class ReadPipeline(Generic[Job]):
         self.name = name
         self._read, self._complete, self._cancel = read, complete, cancel
         self._cond = threading.Condition()
-        self._queued: Deque[Job] = collections.deque()  # submitted, not taken by a lane yet
+        self._queued: Deque[list] = collections.deque()  # entries submitted, not taken by a lane yet
         self._outstanding: Deque[list] = collections.deque()  # [job, read_finished] in order
         self._completing = False  # one thread runs complete() at a time, in order
         self._closed = False
