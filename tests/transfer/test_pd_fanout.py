@@ -104,7 +104,9 @@ def test_one_failing_decode_fails_only_its_requests_and_frees_the_slot(world):
     pe, slot, pre_layout, decodes = world
     gates = SlotGates(S)
     kv_port = free_port_pair()
-    cfg = PDTransferConfig(engine="mooncake", kv_port=kv_port, layer_timeout_s=2.0, read_retries=0)
+    # the failing decode answers READ_FAILED at once; the healthy one must never hit a deadline,
+    # even on a loaded machine (2 s was missed once with three test suites on 2 cores)
+    cfg = PDTransferConfig(engine="mooncake", kv_port=kv_port, layer_timeout_s=30.0, read_retries=0)
     receivers = []
     for dp, (eng, store, lay) in enumerate(decodes):
         engine = FaultyEngine(eng, FaultInjector(FaultPlan(fail_reads=1))) if dp == 1 else eng
@@ -120,19 +122,19 @@ def test_one_failing_decode_fails_only_its_requests_and_frees_the_slot(world):
         srcs = {"q0": SourceBlocks([0, 1]), "q1": SourceBlocks([2, 3])}
         fan.publish_layer(0, 0, srcs)
         with pytest.raises(GateError, match="injected read failure"):
-            gates.wait_free(0, 5.0)
+            gates.wait_free(0, 30.0)
         assert fan.status("q1").state is TransferState.FAILED
         assert fan.status("q0").state is TransferState.PENDING
         # the failed request drops out: the next layer's gate waits for decode 0 only
         assert fan.consumers(srcs) == [fan.senders()[0].consumer]
         fan.publish_layer(1, 0, srcs)
-        gates.wait_free(0, 5.0)
+        gates.wait_free(0, 30.0)
         # a caller-opened gate with a stale P/D consumer does not keep the slot
         gates.begin(0, 2, ["save"] + sorted(c.consumer for c in fan.senders()))
         fan.publish_layer(2, 0, srcs, finished=list(srcs), begin_gate=False,
                           consumers=sorted(c.consumer for c in fan.senders()))
         gates.done(0, 2, "save")
-        gates.wait_free(0, 5.0)
+        gates.wait_free(0, 30.0)
         assert fan.status("q0").state is TransferState.DONE
         # a publish that fails its argument checks after the gate opened releases the gate
         fan.add_request("q2", 2, "127.0.0.1", 0)

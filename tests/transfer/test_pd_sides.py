@@ -556,7 +556,9 @@ def sender_rig(engines, request):
     pre = prefill_side(pe)
     gates = SlotGates(S)
     fake = FakeDecode(port)
-    layer_timeout = getattr(request, "param", 0.3)
+    # a deadline long enough that no answer the test sends at once can miss it on a loaded machine;
+    # the deadline test asks for 0.3 s itself
+    layer_timeout = getattr(request, "param", 10.0)
     sender = PrefillSender(cfg(port, layer_timeout_s=layer_timeout), p_tp=1, d_tp=1, p_rank=0, layout=pre.layout,
                            engine=pe, gates=gates, decode_host="127.0.0.1")
     _handshake(sender, fake)
@@ -570,6 +572,7 @@ def sender_rig(engines, request):
 SRC = {"a": SourceBlocks([0, 1, 2], [4, 5, 6])}
 
 
+@pytest.mark.parametrize("sender_rig", [0.3], indirect=True)
 def test_layer_deadline_releases_slot_with_error_and_fails_request(sender_rig):
     sender, gates, fake = sender_rig
     t0 = time.monotonic()
