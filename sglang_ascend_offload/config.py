@@ -211,9 +211,6 @@ class PDTransferConfig:
     layer_timeout_s: deadline of every per-layer wait (the reference has none); on
         decode it is also the no-progress deadline of a request.
     read_retries: failed reads retried this many times before the request fails.
-    read_pipeline_depth: on decode, engine reads of one prefill peer that may be in
-        flight at once when its layers arrive faster than they are read (answers still
-        go out in order); 1 reads strictly one layer after the other.
     peer_tp / peer_protocol: the other side's TP size and MemFabric protocol, where the
         operator states them; then an invalid TP pair or a protocol mismatch stops
         startup instead of failing every request when the two sides meet.
@@ -229,7 +226,6 @@ class PDTransferConfig:
     handshake_timeout_s: float = 100.0
     layer_timeout_s: float = 30.0
     read_retries: int = 2
-    read_pipeline_depth: int = 2
     peer_tp: Optional[int] = None
     peer_protocol: Optional[Literal["sdma", "device_rdma", "device_urma"]] = None
 
@@ -243,8 +239,6 @@ class PDTransferConfig:
             errs.append("layer_timeout_s must be > 0")
         if self.read_retries < 0:
             errs.append("read_retries must be >= 0")
-        if not 1 <= self.read_pipeline_depth <= 16:
-            errs.append(f"read_pipeline_depth {self.read_pipeline_depth} must be in 1..16")
         if self.peer_tp is not None and self.peer_tp < 1:
             errs.append("peer_tp must be >= 1")
         if self.host.strip() in ("", "0.0.0.0", "::", "[::]", "*"):

@@ -219,14 +219,3 @@ def test_configuration_doc_is_current():
     spec.loader.exec_module(gen)
     assert (root / "docs" / "configuration.md").read_text() == gen.render(), \
         "docs/configuration.md is stale: run scripts/gen_config_doc.py"
-
-
-def test_pd_read_pipeline_depth_defaults_to_two_and_is_bounded():
-    assert PDTransferConfig().read_pipeline_depth == 2
-    assert parse_section(PDTransferConfig, {"read_pipeline_depth": 1}).read_pipeline_depth == 1
-    with pytest.raises(ConfigError) as info:
-        parse_section(PDTransferConfig, {"read_pipeline_depth": 0, "read_retries": -1})
-    text = str(info.value)  # every problem at once
-    assert "read_pipeline_depth 0 must be in 1..16" in text and "read_retries must be >= 0" in text
-    with pytest.raises(ConfigError, match="read_pipeline_depth 17"):
-        parse_section(PDTransferConfig, {"read_pipeline_depth": 17})

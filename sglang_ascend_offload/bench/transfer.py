@@ -20,12 +20,6 @@ Real prefill and decode processes (the multi-process harness of
      ``--throughput-runs`` runs; ``engine_over_raw_total``: whole-run
      ``transfer_bytes_per_s / raw_engine_bytes_per_s`` of the reported run (the one
      with the median whole-run ratio);
-   * ``raw_engine_pipelined_bytes_per_s``: the same replay with
-     ``--read-pipeline-depth`` calls in flight (decode's read pipeline keeps that many
-     reads of a peer in flight when several layers are waiting; 1 = serial), and
-     ``engine_over_raw_pipelined`` = ``transfer_bytes_per_s`` over it: ours against the
-     best this engine does with the same concurrency. ``pipelined_batches`` /
-     ``max_reads_in_flight``: how many of decode's batches went through the pipeline;
    * ``memcpy_bytes_per_s``: a plain in-process memcpy of the same chunk sizes;
 2. **per-layer protocol overhead**: ``--overhead-layers`` layers of a single small
    block through one slot (each layer waits for the previous answer, nothing
@@ -94,9 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spin-us", type=float, default=None,
                         help="receive spin of both control endpoints in microseconds (0 = off; default: each "
                              "side's own, see transfer/channel.py); for A/B runs of the control-path overhead")
-    parser.add_argument("--read-pipeline-depth", type=int, default=None,
-                        help="decode's pd_transfer.read_pipeline_depth in every run (default: the config's "
-                             "default; 1 = one read after the other, for A/B runs)")
     parser.add_argument("--served", action="store_true",
                         help="also serve the tiny DSA fixture (router + prefill/decode servers on CPU) and "
                              "compare TTFT with colocated serving (minutes)")
@@ -132,20 +123,6 @@ def overhead_samples(prefill: Dict[int, Any], decode: Dict[int, Any]) -> List[fl
     answers = {b: s for r in prefill.values() if isinstance(r, dict) for b, _, s in r["timings"]}
     reads = {b: s for r in decode.values() if isinstance(r, dict) for b, _, s in r["timings"]}
     return [answers[b] - reads[b] for b in sorted(answers) if b in reads]
-
-
-def windowed_ratios(ours: List[float], raw: List[float], window: int) -> List[float]:
-    """``sum(raw[i:i+w]) / sum(ours[i:i+w])`` for every window of ``w = min(window, n)``
-    consecutive layers (``n`` = layers with both times); windows where ours took no time
-    are skipped."""
-    n = min(len(ours), len(raw))
-    w = max(1, min(window, n))
-    out = []
-    for i in range(n - w + 1):
-        t = sum(ours[i:i + w])
-        if t > 0:
-            out.append(sum(raw[i:i + w]) / t)
-    return out
 
 
 def set_worker_env(name: str, value: Optional[str]) -> None:
@@ -200,13 +177,6 @@ def _throughput_run(t) -> tuple:
     out["raw_engine_bytes_per_s"] = raw_b / max(raw_s) if raw_s else None
     out["engine_over_raw"] = (out["transfer_bytes_per_s"] / out["raw_engine_bytes_per_s"]
                               if out["transfer_bytes_per_s"] and out["raw_engine_bytes_per_s"] else None)
-    raw_ps = [r["raw_pipelined_seconds"] for r in decode_ok if r.get("raw_pipelined_seconds")]
-    out["raw_engine_pipelined_bytes_per_s"] = raw_b / max(raw_ps) if raw_ps else None
-    out["engine_over_raw_pipelined"] = (out["transfer_bytes_per_s"] / out["raw_engine_pipelined_bytes_per_s"]
-                                        if out["transfer_bytes_per_s"] and out["raw_engine_pipelined_bytes_per_s"]
-                                        else None)
-    out["pipelined_batches"] = sum(r["stats"]["pipelined_batches"] for r in decode_ok)
-    out["max_reads_in_flight"] = max((r["stats"]["max_reads_in_flight"] for r in decode_ok), default=None)
     gaps = [g * 1e6 for r in decode_ok for g in r["read_gaps"]]
     out["read_gap_us_p50"] = percentile(gaps, 50)  # decode idle between two engine reads
     out["read_gap_us_max"] = max(gaps) if gaps else None
@@ -231,31 +201,24 @@ def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, An
     if args.throughput_slots < 0:
         raise SystemExit("--throughput-slots must be >= 0")
     args.throughput_slots = args.throughput_slots or args.layers
-    from ..config import PDTransferConfig
-
-    depth = PDTransferConfig().read_pipeline_depth if args.read_pipeline_depth is None else args.read_pipeline_depth
-    if not 1 <= depth <= 16:
-        raise SystemExit("--read-pipeline-depth must be in 1..16")
     throughput = ScenarioSpec(
         name="throughput", p_tp=args.p_tp, d_tp=args.d_tp, num_layers=args.layers, num_slots=args.throughput_slots,
         block_tokens=args.block_tokens, main_tensors=(("latent", 512 * 2), ("rope", 64 * 2)),
         indexer_bytes=128 * 2, scale_bytes=0, request_blocks=(blocks,), slot_blocks=blocks,
         pool_blocks=blocks, layer_timeout_s=30.0, handshake_timeout_s=30.0, measure_memcpy=True,
-        measure_raw=True, read_pipeline_depth=depth)
+        measure_raw=True)
     # one slot: every layer waits for the previous answer, so no batch queues behind another
     overhead = ScenarioSpec(
         name="overhead", num_layers=args.overhead_layers, num_slots=1, block_tokens=1,
         main_tensors=(("latent", 64), ("rope", 8)), indexer_bytes=16, scale_bytes=4,
-        request_blocks=(1,), slot_blocks=1, pool_blocks=1, layer_timeout_s=30.0, handshake_timeout_s=30.0,
-        read_pipeline_depth=depth)
+        request_blocks=(1,), slot_blocks=1, pool_blocks=1, layer_timeout_s=30.0, handshake_timeout_s=30.0)
     faults: List = []
     if not args.no_faults:
         base = ScenarioSpec(name="base", p_tp=2, d_tp=1, layer_timeout_s=args.layer_timeout,
                             handshake_timeout_s=2 * args.layer_timeout, read_retries=1, engine=args.engine)
         faults = fault_scenarios(base)
     size = max(args.p_tp + args.d_tp, 3)
-    out: Dict[str, Any] = {"engine": args.engine, "data_protocol": "tcp", "p_tp": args.p_tp, "d_tp": args.d_tp,
-                           "read_pipeline_depth": depth}
+    out: Dict[str, Any] = {"engine": args.engine, "data_protocol": "tcp", "p_tp": args.p_tp, "d_tp": args.d_tp}
     if args.spin_us is not None and not 0 <= args.spin_us <= 1e6:
         raise SystemExit("--spin-us must be between 0 and 1000000")
     spin = None if args.spin_us is None else str(args.spin_us)
@@ -284,12 +247,10 @@ def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, An
         out["engine_over_raw_runs"] = [r[0].get("engine_over_raw") for r in runs]
         out["engine_over_raw_total"] = out["engine_over_raw"]
         # robust to the other jobs' load spikes: per layer (after the first), the raw engine's
-        # time for that layer's reads over ours (the time since the previous read ended: read +
-        # idle gap before it), median of every layer of every run. With reads in flight
-        # together, single completion intervals alternate short and long, so the ratio is taken
-        # over sliding windows of read_pipeline_depth layers (one layer at depth 1)
-        ratios = [window_ratio for _, t_run in runs for r in t_run.decode.values() if isinstance(r, dict)
-                  for window_ratio in windowed_ratios(r["layer_seconds"], r["raw_layer_seconds"], depth)]
+        # time for that layer's reads over ours (read + idle gap before it), median of every
+        # layer of every run
+        ratios = [raw / ours for _, t_run in runs for r in t_run.decode.values() if isinstance(r, dict)
+                  for ours, raw in zip(r["layer_seconds"], r["raw_layer_seconds"]) if ours > 0]
         out["engine_over_raw_layers"] = len(ratios)
         if ratios:
             out["engine_over_raw"] = percentile(ratios, 50)
@@ -341,10 +302,6 @@ def print_table(res: Dict[str, Any]) -> None:
     print(f"  P/D transfer (read span)    {_fmt_rate(res.get('transfer_bytes_per_s')):>14}")
     print(f"  raw engine, same chunks     {_fmt_rate(res.get('raw_engine_bytes_per_s')):>14}")
     print(f"  P/D / raw engine            {_fmt(res.get('engine_over_raw'), '.3f'):>14}")
-    depth = res.get("read_pipeline_depth")
-    print(f"  raw engine, {depth} in flight    {_fmt_rate(res.get('raw_engine_pipelined_bytes_per_s')):>14}   "
-          f"P/D / it {_fmt(res.get('engine_over_raw_pipelined'), '.3f')}; decode pipelined "
-          f"{res.get('pipelined_batches')} batches, at most {res.get('max_reads_in_flight')} reads in flight")
     print(f"  time inside engine reads    {_fmt_rate(res['engine_bytes_per_s']):>14}")
     print(f"  plain memcpy (same sizes)   {_fmt_rate(res['memcpy_bytes_per_s']):>14}")
     if res.get("engine_vs_memcpy"):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 import tempfile
 import time
 import zlib
@@ -48,9 +47,7 @@ class ScenarioSpec:
     measure_raw: decode ranks record every engine read (peer, addresses, lengths) and,
         once their requests are terminal, issue the same reads again through the
         engine's own batch read API (no protocol): the raw-engine yardstick. Prefill
-        ranks keep their buffers registered until that replay is over; the replay runs
-        twice: one call after the other, and with ``read_pipeline_depth`` calls in flight.
-    read_pipeline_depth: decode's ``pd_transfer.read_pipeline_depth`` (1 = strictly serial reads).
+        ranks keep their buffers registered until that replay is over.
     """
 
     name: str
@@ -74,7 +71,6 @@ class ScenarioSpec:
     decode_up: bool = True
     measure_memcpy: bool = False
     measure_raw: bool = False
-    read_pipeline_depth: int = 2
     seed: int = 0
 
     @property
@@ -131,8 +127,7 @@ def _config(spec: ScenarioSpec, kv_port: int):
 
     return PDTransferConfig(engine=spec.engine, kv_port=kv_port, host="127.0.0.1",
                             handshake_timeout_s=spec.handshake_timeout_s,
-                            layer_timeout_s=spec.layer_timeout_s, read_retries=spec.read_retries,
-                            read_pipeline_depth=spec.read_pipeline_depth)
+                            layer_timeout_s=spec.layer_timeout_s, read_retries=spec.read_retries)
 
 
 def _wrap(engine, plan: FaultPlan):
@@ -151,7 +146,8 @@ class _RecordingEngine:
         self.inner = inner
         self.reads: List[Tuple[str, List[int], List[int], List[int]]] = []
         self.intervals: List[Tuple[float, float]] = []  # (start, end) of each read, perf_counter
-        self._lock = threading.Lock()
+        self.first_start: Optional[float] = None
+        self.last_end: Optional[float] = None
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -159,32 +155,11 @@ class _RecordingEngine:
     def read(self, peer_session, dst_addrs, src_addrs, lengths) -> None:
         t0 = time.perf_counter()
         self.inner.read(peer_session, dst_addrs, src_addrs, lengths)
-        t1 = time.perf_counter()
-        with self._lock:  # decode's read pipeline may finish reads on several threads
-            self.reads.append((peer_session, list(dst_addrs), list(src_addrs), list(lengths)))
-            self.intervals.append((t0, t1))
-
-    def span(self) -> Optional[float]:
-        """First read's start to last read's end."""
-        if not self.intervals:
-            return None
-        return max(b for _, b in self.intervals) - min(a for a, _ in self.intervals)
-
-    def idle_gaps(self) -> List[float]:
-        """Per read after the first (by start): time with no read in flight just before it (0 when
-        reads overlap)."""
-        ordered = sorted(self.intervals)
-        gaps, busy_until = [], None
-        for start, end in ordered:
-            if busy_until is not None:
-                gaps.append(max(0.0, start - busy_until))
-            busy_until = end if busy_until is None else max(busy_until, end)
-        return gaps
-
-    def completion_intervals(self) -> List[float]:
-        """Per read after the first to end: seconds since the previous read ended."""
-        ends = sorted(b for _, b in self.intervals)
-        return [b - a for a, b in zip(ends, ends[1:])]
+        self.last_end = time.perf_counter()
+        if self.first_start is None:
+            self.first_start = t0
+        self.reads.append((peer_session, list(dst_addrs), list(src_addrs), list(lengths)))
+        self.intervals.append((t0, self.last_end))
 
 
 def raw_engine_replay(base, reads, reps: int = 1,
@@ -214,41 +189,6 @@ def raw_engine_replay(base, reads, reps: int = 1,
             best, best_calls = took, calls
     if per_call is not None:
         per_call[:] = best_calls
-    return nbytes, best
-
-
-def raw_engine_replay_pipelined(base, reads, depth: int, reps: int = 1) -> Tuple[int, float]:
-    """Like :func:`raw_engine_replay`, with ``depth`` threads each issuing the next recorded
-    read (the engine's own sync call, which releases the GIL): the bare engine with as many
-    reads in flight as decode's read pipeline allows. Returns ``(bytes, best seconds)``."""
-    native = base.native
-    nbytes = sum(sum(n) for _, _, _, n in reads)
-    best = float("inf")
-    for _ in range(reps):
-        todo = iter(list(reads))
-        lock = threading.Lock()
-        errors: List[int] = []
-
-        def lane() -> None:
-            while True:
-                with lock:
-                    item = next(todo, None)
-                if item is None:
-                    return
-                rc = native.batch_transfer_sync_read(*item)
-                if rc != 0:
-                    errors.append(rc)
-
-        threads = [threading.Thread(target=lane) for _ in range(max(1, depth))]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        took = time.perf_counter() - t0
-        if errors:
-            raise RuntimeError(f"raw engine pipelined replay: batch_transfer_sync_read returned {errors[0]}")
-        best = min(best, took)
     return nbytes, best
 
 
@@ -307,7 +247,7 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
         receiver.start()
         t0 = time.monotonic()
         deadline = t0 + wait_s
-        raw = raw_pipelined = None
+        raw = None
         raw_calls: List[float] = []
         while time.monotonic() < deadline:
             if recorder is not None and raw is None and not receiver.pending_requests():
@@ -317,7 +257,6 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
                 saved = [a.copy() for a in arrays]
                 try:
                     raw = raw_engine_replay(base, recorder.reads, per_call=raw_calls)
-                    raw_pipelined = raw_engine_replay_pipelined(base, recorder.reads, spec.read_pipeline_depth)
                 finally:
                     for a, keep in zip(arrays, saved):
                         a[...] = keep
@@ -357,16 +296,17 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
             "timings": [(t.batch_id, t.layer, t.seconds) for t in receiver.timings],
             "read_ranges": [t.ranges for t in receiver.timings],
             "stages": receiver.stages.records() if receiver.stages is not None else None,
-            "read_span": recorder.span() if recorder is not None else None,
-            "read_gaps": recorder.idle_gaps() if recorder is not None else [],
-            # per read (in the order reads ended): ours = the time since the previous read ended
-            # (for reads one after the other: its read plus the idle gap before it), raw = the
-            # same read replayed through the engine's own API
-            "layer_seconds": recorder.completion_intervals() if recorder is not None else [],
+            "read_span": ((recorder.reads and recorder.last_end - recorder.first_start) or None)
+            if recorder is not None else None,
+            "read_gaps": ([b[0] - a[1] for a, b in zip(recorder.intervals, recorder.intervals[1:])]
+                          if recorder is not None else []),
+            # per read: ours = its read plus the idle gap before it (the first: its read alone),
+            # raw = the same read replayed through the engine's own API
+            "layer_seconds": ([b[1] - a[1] for a, b in zip(recorder.intervals, recorder.intervals[1:])]
+                              if recorder is not None and recorder.intervals else []),
             "raw_layer_seconds": raw_calls[1:],
             "raw_bytes": raw[0] if raw else None,
             "raw_seconds": raw[1] if raw else None,
-            "raw_pipelined_seconds": raw_pipelined[1] if raw_pipelined else None,
             "seconds_until_terminal": time.monotonic() - t0,
         }
     finally:

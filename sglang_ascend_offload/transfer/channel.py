@@ -292,21 +292,6 @@ class ControlEndpoint:
         self._send_frame(peer, frame(data))
         return t0, t1, time.perf_counter_ns()
 
-    def more_pending(self) -> bool:
-        """Inside ``on_message``: whether more bytes from this peer are already here (further
-        frames in the connection's buffer, or data readable from the socket right now), i.e.
-        another message follows without waiting. One non-blocking ``MSG_PEEK`` at most."""
-        rx = self._rx
-        if getattr(rx, "buffered", False):
-            return True
-        conn = getattr(rx, "conn", None)
-        if conn is None:
-            return False
-        try:
-            return bool(conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
-        except OSError:  # would block (nothing there), or the connection is going away
-            return False
-
     def rx_stamps(self) -> Optional[Tuple[int, int]]:
         """With ``trace``, inside ``on_message``: ``perf_counter_ns`` when the message's last
         bytes returned from ``recv`` and when it was decoded; else None."""
@@ -459,9 +444,6 @@ class ControlEndpoint:
         t_rx = 0
         spin_ns = int(self.spin_us * 1000)
         armed = False  # a message was handled since the last spin: the next recv may spin first
-        rx = self._rx
-        rx.conn = conn  # for more_pending()
-        rx.buffered = False
         try:
             while True:
                 try:
@@ -504,9 +486,7 @@ class ControlEndpoint:
                         break
                     payload = bytes(buf[HEADER.size:HEADER.size + n])
                     del buf[:HEADER.size + n]
-                    rx.buffered = bool(buf)
                     armed = self._dispatch_frame(conn, payload, t_rx) or armed
-                rx.buffered = False
         finally:
             self._drop_conn(conn)
 

@@ -24,14 +24,10 @@ Per request (registered with :meth:`DecodeReceiver.expect` before prefill starts
   ``layer_timeout_s`` without progress fails it (dead or stuck prefill).
 
 Threads: the endpoint's connection thread of each prefill peer receives that
-peer's messages and handles them in the order the peer sent them (handshake,
-validation of every layer, verdicts), so a slow or failing peer never delays
-another. A layer that arrives alone is read and answered on that same thread,
-without any thread hand-off; when more of the peer's frames are already waiting
-(prefill published several layers at once) the validated batches go to the peer's
-:class:`~.read_pipeline.ReadPipeline`, whose lanes keep up to
-``pd_transfer.read_pipeline_depth`` engine reads in flight and answer them in the
-order they were sent. The endpoint's tick thread checks deadlines. One lock guards
+peer's messages and serves them in the order the peer sent them (handshake,
+validation + engine read + answer of every layer, verdicts), so a slow or
+failing peer never delays another, and a layer is answered without any
+thread hand-off; the endpoint's tick thread checks deadlines. One lock guards
 all state. An engine read can take long to fail (Mooncake over TCP needs
 about a second per failed batch); the request's deadline still fails it on time,
 and its destination is released only once that read has returned.
@@ -55,7 +51,6 @@ from .layout import coalesce, layout_mismatches
 from .stages import DECODE_STAMPS, StageLog, trace_from_env
 from .protocol import (PROTOCOL_VERSION, KVLayout, MetaAck, MetaHandshake, ReadDone, ReadFailed,
                        ReadReadyBatch, Rejected, RequestRange, TensorSpec, TransferVerdict)
-from .read_pipeline import ReadPipeline
 from .status import DONE, PENDING, RequestStatus, TransferState
 from .topology import PDTopology, decode_port
 
@@ -81,10 +76,6 @@ class DecodeStats:
     requests_done: int = 0
     requests_failed: int = 0
     released: int = 0
-    #: batches queued on a read pipeline (more of the peer's frames were waiting) instead of
-    #: read inline, and the most engine reads of one peer in flight at once
-    pipelined_batches: int = 0
-    max_reads_in_flight: int = 0
 
 
 # decode's reader waits this long (busy, bounded) for the next layer's batch after answering one
@@ -135,7 +126,6 @@ class _Track:
     state: TransferState = TransferState.PENDING
     reason: str = ""
     delivered: Dict[int, Set[int]] = field(default_factory=dict)  # member -> layers
-    admitted: Dict[int, Set[int]] = field(default_factory=dict)  # member -> layers validated (incl. in flight)
     finished: Set[int] = field(default_factory=set)  # members that sent their last layer
     confirmed: Set[int] = field(default_factory=set)  # members with a positive verdict
     member_peer: Dict[int, bytes] = field(default_factory=dict)
@@ -149,28 +139,6 @@ class _Track:
     #: member -> (main source blocks, indexer source blocks, plan relative to each layer's bases):
     #: a layer whose source blocks equal the previous layer's reuses the coalesced plan
     plans: Dict[int, tuple] = field(default_factory=dict)
-
-
-@dataclass
-class _Job:
-    """One received batch after validation: what to read, and what is already decided.
-
-    good: the requests that passed validation (their ``inflight`` counts this job);
-    failed: request id -> reason for the others; problem: a batch-wide refusal;
-    dst / src / lengths: the planned engine read of ``good``; error: the read's outcome.
-    """
-
-    peer: bytes
-    p: Optional[_Peer]
-    batch: ReadReadyBatch
-    problem: Optional[str]
-    failed: Dict[str, str]
-    good: List[Tuple[_Track, "RequestRange"]]
-    dst: List[int] = field(default_factory=list)
-    src: List[int] = field(default_factory=list)
-    lengths: List[int] = field(default_factory=list)
-    error: Optional[str] = None
-    pipe: Optional[ReadPipeline] = None  # set when queued (None: read inline)
 
 
 class DecodeReceiver:
@@ -209,7 +177,6 @@ class DecodeReceiver:
         self._tracks: Dict[str, _Track] = {}
         self._topology: Optional[PDTopology] = None
         self._closed = False
-        self._pipelines: Dict[bytes, ReadPipeline] = {}  # per prefill peer, made on its first queued batch
         self._endpoint = ControlEndpoint(
             "router", config.host, self.port,
             expect=(MetaHandshake, ReadReadyBatch, TransferVerdict, Rejected),
@@ -319,10 +286,6 @@ class DecodeReceiver:
             for t in self._tracks.values():
                 if t.state is TransferState.PENDING:
                     self._fail_locked(t, reason, release)
-        with self._lock:
-            pipelines = list(self._pipelines.values())
-        for pipe in pipelines:  # queued reads are cancelled; a lane inside a read finishes it first
-            pipe.close(timeout_s=10.0)
         # no new batches after this; a connection thread still inside an engine read finishes it first
         self._endpoint.close(timeout_s=10.0)
         with self._lock:
@@ -467,8 +430,7 @@ class DecodeReceiver:
 
     # ------------------------------------------------------------------ connection thread (reads)
     def _serve(self, peer: bytes, batch: ReadReadyBatch) -> None:
-        """Validate one batch on the peer's connection thread; read and answer it here, or
-        queue it on the peer's read pipeline when more of the peer's frames are waiting."""
+        """Validate, read and answer one batch on the peer's connection thread."""
         try:
             self._serve_batch(peer, batch)
         except Exception as exc:  # noqa: BLE001 - answer rather than leave prefill waiting
@@ -496,7 +458,7 @@ class DecodeReceiver:
             return f"prefill has {rr.num_blocks} blocks, decode destination {n}"
         if t.member_peer.get(m, p.identity) != p.identity:
             return f"two prefill peers claim group member {m}"
-        if layer in t.admitted.get(m, ()):
+        if layer in t.delivered.get(m, ()):
             return f"layer {layer} sent twice by member {m}"
         start, count, i_start, i_count = self._shares(t, m)
         main = rr.main_src_blocks
@@ -556,47 +518,6 @@ class DecodeReceiver:
                 len_all += n_
 
     def _serve_batch(self, peer: bytes, batch: ReadReadyBatch) -> None:
-        job = self._admit(peer, batch)
-        pipe = self._pipeline_for(peer)
-        if pipe is None:
-            # alone: read and answer on this thread (no hand-off; the usual case per layer)
-            if job.good:
-                self._read_job(job)
-            self._complete(job)
-            return
-        job.pipe = pipe
-        with self._lock:
-            self.stats.pipelined_batches += 1
-        try:
-            pipe.submit(job, needs_read=bool(job.good))
-        except RuntimeError:  # the receiver is closing: never read, but answer and release
-            job.pipe = None
-            self._cancel_job(job)
-            self._complete(job)
-
-    def _pipeline_for(self, peer: bytes) -> Optional[ReadPipeline]:
-        """The peer's read pipeline if this batch must queue on it: an earlier batch of the
-        peer is still outstanding there (answers keep the peer's order), or more of the
-        peer's frames are already waiting (so reads can overlap). None: read inline."""
-        depth = self.config.read_pipeline_depth
-        if depth == 1:
-            return None
-        pipe = self._pipelines.get(peer)
-        if pipe is not None and pipe.busy():
-            return pipe
-        if not self._endpoint.more_pending():
-            return None
-        if pipe is None:
-            with self._lock:
-                pipe = self._pipelines.get(peer)
-                if pipe is None and not self._closed:  # closing: no new lanes (close took its list)
-                    pipe = self._pipelines[peer] = ReadPipeline(
-                        depth, self._read_job, self._complete, self._cancel_job,
-                        name=f"pd-decode-{self.d_rank}-{peer.decode(errors='replace')}")
-        return pipe
-
-    def _admit(self, peer: bytes, batch: ReadReadyBatch) -> _Job:
-        """Validate a batch (connection thread, in the peer's order) and plan its read."""
         self.stats.batches += 1
         stages = self.stages
         if stages is not None:
@@ -631,62 +552,29 @@ class DecodeReceiver:
                     self._fail_locked(t, failed[rr.request_id], release)
                     continue
                 t.member_peer[p.member] = peer
-                t.admitted.setdefault(p.member, set()).add(batch.layer)
                 t.inflight += 1
                 self._progress_locked(t)
                 good.append((t, rr))
         if release:
             self._release(release)
-        job = _Job(peer, p, batch, problem, failed, good)
-        for t, rr in good:
-            self._plan(p, t, rr, batch.layer, job.dst, job.src, job.lengths)
-        return job
 
-    def _read_job(self, job: _Job) -> None:
-        """The job's engine read (with retries); any failure lands in ``job.error``, never
-        raises: a read that did not finish cleanly must never be answered READ_DONE."""
-        if not any(t.state is TransferState.PENDING for t, _ in job.good):
-            job.error = "request failed before its read"  # queued behind a failure: never write there
-            return
-        try:
-            job.error = self._read_with_retries(job.p.hs.session, job.batch.layer, job.dst, job.src,
-                                                job.lengths, good=job.good, batch_id=job.batch.batch_id)
-        except Exception as exc:  # noqa: BLE001 - e.g. a bug in an engine adapter
-            logger.exception("decode rank %d: read of batch %d raised", self.d_rank, job.batch.batch_id)
-            job.error = f"decode internal error during the read of layer {job.batch.layer}: {exc}"
-
-    @staticmethod
-    def _cancel_job(job: _Job) -> None:
-        job.error = "decode receiver closed before the read"
-
-    def _complete(self, job: _Job) -> None:
-        """Answer a read (or refused) batch and record what it delivered; in the peer's order."""
-        try:
-            self._complete_job(job)
-        except Exception as exc:  # noqa: BLE001 - answer rather than leave prefill waiting
-            logger.exception("decode rank %d: batch %d failed unexpectedly", self.d_rank, job.batch.batch_id)
-            self._answer_failed(job.peer, job.batch, [r.request_id for r in job.batch.requests],
-                                f"decode internal error: {exc}")
-
-    def _complete_job(self, job: _Job) -> None:
-        peer, batch, failed, good, problem = job.peer, job.batch, job.failed, job.good, job.problem
-        release: List[RequestDestination] = []
         delivered: List[Tuple[_Track, bool]] = []  # read into, still pending: (track, finished)
-        layer = batch.layer
-        member = job.p.member if job.p is not None else -1
         if good:
-            error = job.error
+            dst: List[int] = []
+            src: List[int] = []
+            lengths: List[int] = []
+            layer = batch.layer
+            for t, rr in good:
+                self._plan(p, t, rr, layer, dst, src, lengths)
+            error = self._read_with_retries(p.hs.session, layer, dst, src, lengths, good=good,
+                                            batch_id=batch.batch_id)
+            member = p.member
             with self._lock:
-                in_flight = job.pipe.max_in_flight if job.pipe is not None else 1
-                if in_flight > self.stats.max_reads_in_flight:
-                    self.stats.max_reads_in_flight = in_flight
                 # decide the answer here; the success bookkeeping (delivered layers, progress,
-                # done) follows once READ_DONE is on its way. Safe to defer: this peer's later
-                # batches are completed after this one (in order, by ReadPipeline or on this
-                # thread), a duplicate layer is refused at admission (admitted), no other peer
-                # can act as this member (member_peer), a verdict meanwhile only adds its
-                # confirmation (done is decided by whichever comes last), and a deadline or
-                # abort meanwhile only fails the request (done needs a pending state)
+                # done) follows once READ_DONE is on its way. Safe to defer: this peer's next
+                # message (a later layer, its verdict) runs on this same thread afterwards, no
+                # other peer can act as this member (member_peer), and a deadline or abort
+                # meanwhile only fails the request (done needs a pending state)
                 for t, rr in good:
                     t.inflight -= 1
                     if error is not None:
@@ -721,8 +609,8 @@ class DecodeReceiver:
         else:
             stamps = self._endpoint.send(ReadDone(version=PROTOCOL_VERSION, batch_id=batch.batch_id,
                                                   layer=batch.layer), peer)
-            if stamps is not None and self.stages is not None:
-                self.stages.stamps(batch.batch_id, DECODE_STAMPS[4:], stamps)
+            if stamps is not None and stages is not None:
+                stages.stamps(batch.batch_id, DECODE_STAMPS[4:], stamps)
         if delivered:
             with self._lock:
                 for t, fin in delivered:
@@ -749,8 +637,7 @@ class DecodeReceiver:
             if attempt:
                 if good and not any(t.state is TransferState.PENDING for t, _ in good):
                     break
-                with self._lock:
-                    self.stats.read_retries += 1
+                self.stats.read_retries += 1
             t0 = time.perf_counter()
             try:
                 self.engine.read(session, dst, src, lengths)
@@ -763,12 +650,10 @@ class DecodeReceiver:
                 self.stages.stamp(batch_id, "read_start", int(t0 * 1e9))
                 self.stages.stamp(batch_id, "read_end", int(t1 * 1e9))
             nbytes = sum(lengths)
-            with self._lock:  # several lanes may finish reads at once
-                self.stats.reads += 1
-                self.stats.read_bytes += nbytes
-                self.stats.read_seconds += took
+            self.stats.reads += 1
+            self.stats.read_bytes += nbytes
+            self.stats.read_seconds += took
             self.timings.append(ReadTiming(batch_id, layer, took, len(lengths), nbytes))
             return None
-        with self._lock:
-            self.stats.read_failures += 1
+        self.stats.read_failures += 1
         return f"read of layer {layer} failed after {attempt + 1} attempt(s): {last}"
