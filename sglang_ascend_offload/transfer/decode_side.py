@@ -566,8 +566,14 @@ class DecodeReceiver:
             layer = batch.layer
             for t, rr in good:
                 self._plan(p, t, rr, layer, dst, src, lengths)
-            error = self._read_with_retries(p.hs.session, layer, dst, src, lengths, good=good,
-                                            batch_id=batch.batch_id)
+            try:
+                error = self._read_with_retries(p.hs.session, layer, dst, src, lengths, good=good,
+                                                batch_id=batch.batch_id)
+            except Exception as exc:  # noqa: BLE001 - e.g. a bug in an engine adapter
+                # a read that did not finish cleanly is a failed read: never READ_DONE, and the
+                # requests' in-flight count still drops below (else their destinations stay leased)
+                logger.exception("decode rank %d: read of batch %d raised", self.d_rank, batch.batch_id)
+                error = f"decode internal error during the read of layer {layer}: {exc}"
             member = p.member
             with self._lock:
                 # decide the answer here; the success bookkeeping (delivered layers, progress,

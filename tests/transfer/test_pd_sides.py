@@ -713,6 +713,47 @@ def test_bounded_read_retries(engines):
             pre.close()
 
 
+class RaisingEngine:
+    """An engine adapter with a bug: its read raises something other than EngineReadError."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def read(self, *args):
+        raise RuntimeError("adapter bug")
+
+
+def test_a_read_that_raises_fails_the_request_and_releases_its_destination(engines):
+    pe, de = engines
+    port = free_port()
+    dec, pre = decode_side(de), prefill_side(pe)
+    released = []
+    recv = DecodeReceiver(cfg(port), d_tp=1, d_rank=0, layout=dec.layout, engine=RaisingEngine(de),
+                          on_release=released.append)
+    dest = RequestDestination("a", (5, 9, 2), (7, 1, 3))
+    recv.expect(dest)
+    recv.start()
+    peer = RawPeer(port)
+    try:
+        peer.send(handshake_msg(pre, pe))
+        assert peer.recv().accepted
+        peer.send(batch(0, [rr()]))
+        ans = peer.recv()
+        assert isinstance(ans, ReadFailed) and "adapter bug" in ans.reason
+        st = recv.status("a")
+        assert st.state is TransferState.FAILED and "internal error during the read" in st.reason
+        assert released == [dest]  # not leased forever by a read that never finished cleanly
+        assert recv.unreleased_failed() == []
+    finally:
+        peer.close()
+        recv.close()
+        dec.close()
+        pre.close()
+
+
 def test_expect_validates_destination(rig):
     r = rig
     with pytest.raises(ValueError, match="already expected"):
