@@ -15,7 +15,10 @@ Real prefill and decode processes (the multi-process harness of
    * ``raw_engine_bytes_per_s``: the bare engine (Mooncake's own
      ``batch_transfer_sync_read``) issuing exactly the same chunk lists on the same
      registered buffers in the same processes, one call per layer as ours, no
-     control plane, right after ours; ``engine_over_raw``: per layer after the first,
+     control plane, right after ours and after as long an engine idle as ours had
+     (``idle_before_reads_s``: Mooncake's TCP connections read 2-3x slower after a few
+     hundred ms of idle, so a replay on warm connections would flatter the engine);
+     ``engine_over_raw``: per layer after the first,
      raw time over ours (read + idle gap before it), median over every layer of the
      ``--throughput-runs`` runs; ``engine_over_raw_total``: whole-run
      ``transfer_bytes_per_s / raw_engine_bytes_per_s`` of the reported run (the one
@@ -177,6 +180,9 @@ def _throughput_run(t) -> tuple:
     out["raw_engine_bytes_per_s"] = raw_b / max(raw_s) if raw_s else None
     out["engine_over_raw"] = (out["transfer_bytes_per_s"] / out["raw_engine_bytes_per_s"]
                               if out["transfer_bytes_per_s"] and out["raw_engine_bytes_per_s"] else None)
+    idles = [r.get("idle_before_reads_s") for r in decode_ok if r.get("idle_before_reads_s")]
+    # (before our first read, given to the raw replay, the raw replay really had)
+    out["idle_before_reads_s"] = list(idles[0]) if idles else None
     gaps = [g * 1e6 for r in decode_ok for g in r["read_gaps"]]
     out["read_gap_us_p50"] = percentile(gaps, 50)  # decode idle between two engine reads
     out["read_gap_us_max"] = max(gaps) if gaps else None

@@ -139,6 +139,30 @@ def _wrap(engine, plan: FaultPlan):
     return FaultyEngine(engine, inj), FaultyOutbox(inj), inj
 
 
+# perf_counter of the end of this worker process's latest engine read (ours or the raw replay's):
+# Mooncake's TCP connections slow down after being idle (the kernel's slow start after idle,
+# ``net.ipv4.tcp_slow_start_after_idle``: layers read 2-3x slower after >= 0.3 s of idle on
+# loopback), so the raw replay is started after as long an idle as our reads were
+_LAST_READ_END: List[Optional[float]] = [None]
+REPLAY_IDLE_CAP_S = 3.0  # longest idle given to the raw replay before it starts
+
+
+class _ReadClock:
+    """Wraps a decode engine: stamps :data:`_LAST_READ_END` after every read (every run)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def read(self, peer_session, dst_addrs, src_addrs, lengths) -> None:
+        try:
+            self.inner.read(peer_session, dst_addrs, src_addrs, lengths)
+        finally:
+            _LAST_READ_END[0] = time.perf_counter()
+
+
 class _RecordingEngine:
     """Wraps a decode engine: every successful read's arguments and wall interval, in order."""
 
@@ -181,7 +205,8 @@ def raw_engine_replay(base, reads, reps: int = 1,
         for session, dst, src, lengths in reads:
             c0 = time.perf_counter()
             rc = native.batch_transfer_sync_read(session, dst, src, lengths)
-            calls.append(time.perf_counter() - c0)
+            _LAST_READ_END[0] = time.perf_counter()
+            calls.append(_LAST_READ_END[0] - c0)
             if rc != 0:
                 raise RuntimeError(f"raw engine replay: batch_transfer_sync_read returned {rc}")
         took = time.perf_counter() - t0
@@ -235,6 +260,8 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
     base.register(regions)
     engine, outbox, injector = _wrap(base, spec.decode_faults)
     recorder = None
+    previous_read_end = _LAST_READ_END[0]  # before this run's first read (None: none in this process yet)
+    engine = _ReadClock(engine)
     if spec.measure_raw:
         engine = recorder = _RecordingEngine(engine)
     released: List[str] = []
@@ -249,12 +276,20 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
         deadline = t0 + wait_s
         raw = None
         raw_calls: List[float] = []
+        replay_idle = idle_ours = replay_idle_seen = None
         while time.monotonic() < deadline:
             if recorder is not None and raw is None and not receiver.pending_requests():
                 # every request terminal here: prefill still holds its buffers for this. Its slots
                 # hold the last layers by now, so the replay overwrites earlier layers' bytes: keep
                 # the delivered bytes aside and put them back for the parent's verification
                 saved = [a.copy() for a in arrays]
+                # the same idle before the replay as before our first read (equal connection state)
+                idle_ours = (recorder.first_start - previous_read_end
+                             if recorder.first_start is not None and previous_read_end is not None
+                             else REPLAY_IDLE_CAP_S)
+                replay_idle = min(max(idle_ours, 0.0), REPLAY_IDLE_CAP_S)
+                time.sleep(max(0.0, replay_idle - (time.perf_counter() - (_LAST_READ_END[0] or 0.0))))
+                replay_idle_seen = time.perf_counter() - (_LAST_READ_END[0] or 0.0)
                 try:
                     raw = raw_engine_replay(base, recorder.reads, per_call=raw_calls)
                 finally:
@@ -307,6 +342,9 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
             "raw_layer_seconds": raw_calls[1:],
             "raw_bytes": raw[0] if raw else None,
             "raw_seconds": raw[1] if raw else None,
+            # idle of this process's engine before our first read, the idle given to the raw
+            # replay (the same, capped at REPLAY_IDLE_CAP_S) and the idle it really had
+            "idle_before_reads_s": (idle_ours, replay_idle, replay_idle_seen) if raw else None,
             "seconds_until_terminal": time.monotonic() - t0,
         }
     finally:

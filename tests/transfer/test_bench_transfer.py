@@ -27,6 +27,9 @@ def test_bench_transfer_json(capfd):
     assert out["raw_engine_bytes_per_s"] > 0 and out["transfer_bytes_per_s"] > 0
     assert out["engine_over_raw_total"] == pytest.approx(out["transfer_bytes_per_s"] / out["raw_engine_bytes_per_s"])
     assert out["engine_over_raw_layers"] == 1 and out["engine_over_raw"] > 0  # 2 layers: one after the first
+    # the raw replay started after as long an engine idle as our first read (capped), really waited
+    ours_idle, given, seen = out["idle_before_reads_s"]
+    assert given == pytest.approx(min(max(ours_idle, 0.0), 3.0)) and seen >= given - 1e-3
     # one sample per layer of the overhead run, percentiles ordered
     assert out["per_layer_overhead_samples"] == 8
     assert out["per_layer_overhead_us_p50"] <= out["per_layer_overhead_us_p99"]
