@@ -5,6 +5,7 @@ send hand-made (valid or broken) frames, so each validation rule and each
 deadline is exercised on its own.
 """
 
+import contextlib
 import importlib.util
 import socket
 import threading
@@ -683,22 +684,36 @@ def test_decode_fails_stalled_transfer_after_deadline(engines):
         pre.close()
 
 
+@contextlib.contextmanager
+def accepted_peer(engines, engine, on_release=None, **cfg_kw):
+    """A started decode receiver over ``engine`` with request ``a`` expected, and a raw prefill
+    peer whose handshake it accepted: ``(receiver, peer, destination)``."""
+    pe, de = engines
+    port = free_port()
+    dec, pre = decode_side(de), prefill_side(pe)
+    recv = DecodeReceiver(cfg(port, **cfg_kw), d_tp=1, d_rank=0, layout=dec.layout, engine=engine,
+                          on_release=on_release)
+    dest = RequestDestination("a", (5, 9, 2), (7, 1, 3))
+    recv.expect(dest)
+    recv.start()
+    peer = RawPeer(port)
+    try:
+        peer.send(handshake_msg(pre, pe))
+        assert peer.recv().accepted
+        yield recv, peer, dest
+    finally:
+        peer.close()
+        recv.close()
+        dec.close()
+        pre.close()
+
+
 def test_bounded_read_retries(engines):
     from sglang_ascend_offload.testing.pd_faults import FaultInjector, FaultPlan, FaultyEngine
 
-    pe, de = engines
     for fails, ok in ((1, True), (2, False)):
-        port = free_port()
-        dec, pre = decode_side(de), prefill_side(pe)
         inj = FaultInjector(FaultPlan(fail_reads=fails))
-        recv = DecodeReceiver(cfg(port, read_retries=1), d_tp=1, d_rank=0, layout=dec.layout,
-                              engine=FaultyEngine(de, inj))
-        recv.expect(RequestDestination("a", (5, 9, 2), (7, 1, 3)))
-        recv.start()
-        peer = RawPeer(port)
-        try:
-            peer.send(handshake_msg(pre, pe))
-            assert peer.recv().accepted
+        with accepted_peer(engines, FaultyEngine(engines[1], inj), read_retries=1) as (recv, peer, _):
             peer.send(batch(0, [rr()]))
             ans = peer.recv()
             assert isinstance(ans, ReadDone if ok else ReadFailed)
@@ -706,11 +721,6 @@ def test_bounded_read_retries(engines):
             assert recv.stats.read_retries == 1
             if not ok:
                 assert "after 2 attempt(s)" in ans.reason
-        finally:
-            peer.close()
-            recv.close()
-            dec.close()
-            pre.close()
 
 
 class RaisingEngine:
@@ -727,19 +737,8 @@ class RaisingEngine:
 
 
 def test_a_read_that_raises_fails_the_request_and_releases_its_destination(engines):
-    pe, de = engines
-    port = free_port()
-    dec, pre = decode_side(de), prefill_side(pe)
     released = []
-    recv = DecodeReceiver(cfg(port), d_tp=1, d_rank=0, layout=dec.layout, engine=RaisingEngine(de),
-                          on_release=released.append)
-    dest = RequestDestination("a", (5, 9, 2), (7, 1, 3))
-    recv.expect(dest)
-    recv.start()
-    peer = RawPeer(port)
-    try:
-        peer.send(handshake_msg(pre, pe))
-        assert peer.recv().accepted
+    with accepted_peer(engines, RaisingEngine(engines[1]), on_release=released.append) as (recv, peer, dest):
         peer.send(batch(0, [rr()]))
         ans = peer.recv()
         assert isinstance(ans, ReadFailed) and "adapter bug" in ans.reason
@@ -747,11 +746,6 @@ def test_a_read_that_raises_fails_the_request_and_releases_its_destination(engin
         assert st.state is TransferState.FAILED and "internal error during the read" in st.reason
         assert released == [dest]  # not leased forever by a read that never finished cleanly
         assert recv.unreleased_failed() == []
-    finally:
-        peer.close()
-        recv.close()
-        dec.close()
-        pre.close()
 
 
 def test_expect_validates_destination(rig):
