@@ -51,7 +51,12 @@ CPU_SERVER_ARGS: List[str] = [
     "--device", "cpu",
     "--disable-cuda-graph",
     "--disable-overlap-schedule",
-    "--mem-fraction-static", "0.1",
+    # SGLang on CPU sizes the KV pool from the drop in *system* available memory while the weights
+    # load (kv_cache_configurator: it refuses to start when available < (1 - fraction) x before):
+    # at 0.1, other test runs starting servers at the same moment (three suites on one machine)
+    # made a prefill server refuse. --max-total-tokens caps the pool anyway (same 4096 tokens,
+    # same RSS at 0.1 and 0.5, measured).
+    "--mem-fraction-static", "0.5",
     "--max-total-tokens", "4096",
     "--context-length", "2048",
 ]
