@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sglang_ascend_offload.testing.servers import ServerProcess, StartupWatch, process_group_cpu_ticks, start_all
+from sglang_ascend_offload.testing.servers import ServerProcess, StartupWatch, process_group_cpu_seconds, start_all
 
 
 class FakeServer:
@@ -125,8 +125,8 @@ def test_a_slow_but_working_start_outlives_the_deadline(tmp_path):
     try:
         srv.start()
         assert srv.startup_s is not None and srv.startup_s > 4.5  # healthy only after its 5 s of work
-        assert process_group_cpu_ticks(srv.proc.pid) > 0  # what the watch saw moving
-        assert process_group_cpu_ticks(2**22 + 12345) == 0  # no such group
+        assert process_group_cpu_seconds(srv.proc.pid) > 0  # what the watch saw moving
+        assert process_group_cpu_seconds(2**22 + 12345) == 0  # no such group
     finally:
         srv.stop(grace_s=5)
 

@@ -323,21 +323,6 @@ def _summary(log: Optional[Path]) -> Dict[str, str]:
     return dict(re.findall(r"([\w/]+)=([^\s]+)", lines[-1].split(OFFLOAD_SUMMARY, 1)[1])) if lines else {}
 
 
-def cpu_seconds(pids: Sequence[int]) -> Dict[int, float]:
-    """User + system CPU seconds of each process (``/proc/<pid>/stat``); gone ones omitted."""
-    import os
-
-    tick = os.sysconf("SC_CLK_TCK")
-    out: Dict[int, float] = {}
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        out[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
-    return out
-
-
 def _progress(msg: str) -> None:
     print(f"[bench serve] {msg}", file=sys.stderr, flush=True)
 
@@ -395,6 +380,8 @@ class Measurement:
 
     def round(self, prompts: Sequence[List[int]]) -> None:
         """One pass of the load."""
+        from ..testing.servers import cpu_seconds
+
         load, result = self.load, self.result
         cpu0 = cpu_seconds(self.server.pids())
         res, sent = served_load.run_load(self.server.url, prompts, load.output_len, load.clients,

@@ -23,7 +23,7 @@ from .ports import _lock_dir
 __all__ = ["machine_lock"]
 
 
-_held: Dict[str, int] = {}  # name -> nesting depth in this process
+_held: Dict[str, int] = {}  # name -> how many open ``with`` blocks of this process hold it
 _held_lock = threading.Lock()
 
 
@@ -33,11 +33,9 @@ def machine_lock(name: str, timeout_s: float = 600.0, poll_s: float = 0.1) -> It
     process's hold up to ``timeout_s`` and then raises :class:`TimeoutError`. Re-entrant
     within a process (a module fixture and a test of that module may both take it)."""
     with _held_lock:
-        if _held.get(name):
+        nested = _held.get(name, 0) > 0
+        if nested:
             _held[name] += 1
-            nested = True
-        else:
-            nested = False
     if nested:
         try:
             yield
@@ -45,26 +43,28 @@ def machine_lock(name: str, timeout_s: float = 600.0, poll_s: float = 0.1) -> It
             with _held_lock:
                 _held[name] -= 1
         return
-    path = _lock_dir() / f"{name}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = _acquire(_lock_dir() / f"{name}.lock", timeout_s, poll_s)
+    with _held_lock:
+        _held[name] = 1
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"machine lock {path} still held by another process after "
-                                       f"{timeout_s:.0f} s") from None
-                time.sleep(poll_s)
-        with _held_lock:
-            _held[name] = 1
-        try:
-            yield
-        finally:
-            with _held_lock:
-                _held[name] = 0
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        yield
     finally:
-        os.close(fd)
+        with _held_lock:
+            _held[name] = 0
+        os.close(fd)  # closing the only descriptor drops the flock
+
+
+def _acquire(path, timeout_s: float, poll_s: float) -> int:
+    """An open descriptor of ``path`` holding its exclusive ``flock``."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise TimeoutError(f"machine lock {path} still held by another process after "
+                                   f"{timeout_s:.0f} s") from None
+            time.sleep(poll_s)

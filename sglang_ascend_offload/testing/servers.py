@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from .ports import DP_ATTENTION_OFFSETS, log_reports_bind_failure, release_ports, reserve_port
 
 __all__ = ["REPO", "FIXTURES", "TINY_DSA", "TINY_DSA_4L", "TINY_DSA_MTP", "CPU_SERVER_ARGS", "IDLE_SLEEP",
-           "ServerProcess", "PortInUse", "StartupWatch", "server_env", "stop_process_group", "stop_all", "fixture_args"]
+           "ServerProcess", "PortInUse", "StartupWatch", "cpu_seconds", "server_env", "stop_process_group", "stop_all", "fixture_args"]
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -91,22 +91,35 @@ class PortInUse(RuntimeError):
     """A server's log reported that one of its listening sockets could not bind."""
 
 
-def process_group_cpu_ticks(pgid: int) -> int:
-    """CPU time (user + system, in clock ticks) used so far by the live members of
-    process group ``pgid``, read from ``/proc/<pid>/stat``; 0 if none is left."""
-    total = 0
+def process_group_pids(pgid: int) -> List[int]:
+    """Live members of process group ``pgid`` (from ``/proc``), sorted."""
+    out = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    out.append(int(entry.name))
+            except (ProcessLookupError, PermissionError):
+                continue
+    return sorted(out)
+
+
+def cpu_seconds(pids: Sequence[int]) -> Dict[int, float]:
+    """User + system CPU seconds of each process (``/proc/<pid>/stat``); gone ones omitted."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: Dict[int, float] = {}
+    for pid in pids:
         try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # exited meanwhile
-        fields = stat[stat.rindex(")") + 2:].split()  # the command name may hold spaces
-        # fields[0] is field 3 of proc(5): state; pgrp is field 5, utime 14, stime 15
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+    return out
+
+
+def process_group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds used so far by the live members of process group ``pgid``; 0 if none is left."""
+    return sum(cpu_seconds(process_group_pids(pgid)).values())
 
 
 class StartupWatch:
@@ -233,7 +246,7 @@ class ServerProcess:
             size = self.log_path.stat().st_size
         except OSError:
             size = -1
-        return (process_group_cpu_ticks(self.proc.pid), size)
+        return (process_group_cpu_seconds(self.proc.pid), size)
 
     def _log_tail(self, lines: int = 40) -> str:
         """The last ``lines`` lines of the server log, for failure messages: pytest's
@@ -279,17 +292,7 @@ class ServerProcess:
 
     def pids(self) -> List[int]:
         """The server's process group members (launcher, scheduler(s), detokenizer)."""
-        if self.proc is None:
-            return []
-        out = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    if os.getpgid(int(entry.name)) == self.proc.pid:
-                        out.append(int(entry.name))
-                except (ProcessLookupError, PermissionError):
-                    continue
-        return sorted(out)
+        return [] if self.proc is None else process_group_pids(self.proc.pid)
 
     def stop(self, grace_s: float = 20) -> None:
         stop_process_group(self.proc, grace_s=grace_s)
