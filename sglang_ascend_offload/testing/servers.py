@@ -55,7 +55,8 @@ CPU_SERVER_ARGS: List[str] = [
     # load (kv_cache_configurator: it refuses to start when available < (1 - fraction) x before):
     # at 0.1, other test runs starting servers at the same moment (three suites on one machine)
     # made a prefill server refuse. --max-total-tokens caps the pool anyway (same 4096 tokens,
-    # same RSS at 0.1 and 0.5, measured).
+    # same RSS at 0.1 and 0.5, measured). At 0.5 it refuses only when memory really runs out:
+    # one suite peaks at ~8 GB, so three full suites at once on 24 GiB can still trip it.
     "--mem-fraction-static", "0.5",
     "--max-total-tokens", "4096",
     "--context-length", "2048",
@@ -126,8 +127,8 @@ class StartupWatch:
     """Decides when a server start has taken too long (the rule in the module docstring).
 
     ``observe(now, mark)`` is called about once a second with ``time.monotonic()`` and a
-    progress mark (any value that changes while the server works: its CPU ticks and log
-    size); it returns ``None`` to keep waiting or the reason to give up.
+    progress mark (any value that changes while the server works: its process group's CPU
+    seconds and log size); it returns ``None`` to keep waiting or the reason to give up.
     """
 
     def __init__(self, start: float, timeout_s: float, stall_s: float = STARTUP_STALL_S,
