@@ -289,6 +289,8 @@ class Deployment:
 
     device: ``npu`` / ``cuda`` / ``cpu``; soc: CANN SoC name (e.g. ``Ascend910_9391``)
     or family (``A2``, ``A3``, ``950PR``, ``950DT``) where known.
+    soc_unknown: why the SoC of an NPU deployment could not be read from the installed
+    CANN build (``cann_install.py``); set, it refuses sparse decode offload.
     model_kind: ``dsa`` (MLA + indexer + top-k sparse attention, DeepSeek-V3.2 style),
     ``mla`` (dense MLA), ``other``. hybrid_kv: the model mixes KV layouts.
     main_kv_dtype / main_kv_packing: the main (latent) KV cache format.
@@ -305,6 +307,7 @@ class Deployment:
 
     device: Literal["npu", "cuda", "cpu"] = "npu"
     soc: Optional[str] = None
+    soc_unknown: Optional[str] = None
     model_kind: Literal["dsa", "mla", "other"] = "dsa"
     hybrid_kv: bool = False
     main_kv_dtype: str = "bf16"
@@ -532,6 +535,7 @@ RULES: Dict[str, str] = {
     "sparse_decode.context_parallel": "DP and TP are supported; CP (cp, pcp, dcp) is rejected (seed 000 §8)",
     "sparse_decode.pipeline_parallel": "PP is rejected (seed 000 §8)",
     "sparse_decode.soc_950": "Ascend 950PR/950DT are rejected, keep-device-cache and overlap paths included (seed 000 §8)",
+    "sparse_decode.soc_unknown": "the installed CANN build must say the SoC is not an Ascend 950 (an undecided SoC is refused)",
     "sparse_decode.hybrid_kv": "hybrid KV cache layouts are not supported (seed 000 §2, §8)",
     "sparse_decode.hot_tokens_topk": "hot_tokens must be >= the model's top-k",
     "sparse_decode.hot_tokens_page": "hot_tokens must be a multiple of the KV page size",
@@ -557,6 +561,8 @@ RULES: Dict[str, str] = {
     "pd_transfer.protocol_match": "prefill and decode must use the same transfer protocol (seed 000 §2)",
     "pd_transfer.protocol_soc": "sdma / device_rdma serve A2/A3 nodes, device_urma serves 950PR/950DT nodes (seed 000 §2)",
     "pd_transfer.ports": "decode control ports kv_port + dp_rank * d_tp + tp_rank must fit in 1024..65535",
+    "pd_transfer.decode_tp": "decode attention TP > 1 needs a main KV shared by the decode TP ranks "
+                             "(sparse decode offload's host pool)",
     # KVPP (seed 002 §6)
     "kvpp.dcp": "KVPP and DCP cannot be enabled at the same time",
     "kvpp.decode_node": "KVPP must be disabled on a decode-only node",
@@ -594,7 +600,7 @@ def violations(config: OffloadConfig, deployment: Deployment) -> List[Violation]
     if config.layerwise_prefill is not None:
         _check_layerwise(config.layerwise_prefill, d, add)
     if config.pd_transfer is not None:
-        _check_pd(config.pd_transfer, d, add)
+        _check_pd(config.pd_transfer, d, add, main_kv_offloaded=config.sparse_decode is not None)
     if config.kvpp is not None:
         _check_kvpp(d, add)
     return out
@@ -622,6 +628,10 @@ def _check_sparse_decode(config: OffloadConfig, d: Deployment, add) -> None:
     if d.soc_family == "950":
         add("sparse_decode.soc_950", f"SoC {d.soc!r} is Ascend 950PR/950DT series",
             "run sparse decode offload on A2/A3 nodes")
+    if d.soc_unknown and d.device == "npu" and d.soc_family is None:
+        add("sparse_decode.soc_unknown", f"the SoC is undecided: {d.soc_unknown}",
+            "install the A2/A3 CANN operator package this node serves and source its set_env.sh "
+            "(python -m sglang_ascend_offload env --npu-check shows what the build says)")
     if d.hybrid_kv:
         add("sparse_decode.hybrid_kv", "the model uses a hybrid KV cache layout",
             "use a model with a uniform MLA KV layout")
@@ -694,7 +704,7 @@ def _check_layerwise(lw: LayerwisePrefillOffloadConfig, d: Deployment, add) -> N
             "enable layerwise prefill offload on the prefill node")
 
 
-def _check_pd(pd: PDTransferConfig, d: Deployment, add) -> None:
+def _check_pd(pd: PDTransferConfig, d: Deployment, add, main_kv_offloaded: bool = False) -> None:
     if d.pd_role == "colocated":
         add("pd_transfer.role", "P/D transfer configured on a colocated server",
             "start the servers with --disaggregation-mode prefill|decode")
@@ -717,11 +727,34 @@ def _check_pd(pd: PDTransferConfig, d: Deployment, add) -> None:
         if fam in ("A2", "A3") and pd.protocol == "device_urma":
             add("pd_transfer.protocol_soc", f"protocol='device_urma' on an {fam} node",
                 'set "protocol": "sdma" (default) or "device_rdma"')
+    if d.pd_role == "decode" and d.attention_tp > 1:
+        _check_pd_decode_tp(d, add, main_kv_offloaded)
     d_tp = d.attention_tp if d.pd_role == "decode" else (d.peer_tp or 1)
     last_port = pd.kv_port + (d.dp - 1) * d_tp + (d_tp - 1)
     if last_port > 65535:
         add("pd_transfer.ports", f"ports {pd.kv_port}..{last_port} exceed 65535 "
             f"(dp={d.dp}, d_tp={d_tp})", f"lower kv_port to <= {65535 - (last_port - pd.kv_port)}")
+
+
+#: Devices whose sparse-decode host pool is one memory shared by an attention-DP group's
+#: TP ranks (``sglang_plugin/shared_host_pool.py::allocate_rank_pool``). On Ascend each
+#: TP rank still keeps its own MemFabric pool.
+TP_SHARED_HOST_POOL_DEVICES = ("cpu", "cuda")
+
+
+def _check_pd_decode_tp(d: Deployment, add, main_kv_offloaded: bool) -> None:
+    """Decode attention TP > 1: the P/D protocol writes each main-KV block once, into the
+    decode DP rank's TP-shared pool (``transfer/topology.py``)."""
+    dp_attention = "run decode with attention TP 1 instead: DP attention (--tp N --dp N --enable-dp-attention)"
+    if not main_kv_offloaded:
+        add("pd_transfer.decode_tp", f"decode attention TP {d.attention_tp} without sparse decode offload: the "
+            "device main KV is per TP rank, and the protocol sends each decode rank only its share of a "
+            "request's main KV", "enable sparse decode offload on the decode node (--enable-sparse-decode-"
+            f"offload: one host pool shared by the TP ranks), or {dp_attention}")
+    elif d.device not in TP_SHARED_HOST_POOL_DEVICES:
+        add("pd_transfer.decode_tp", f"decode attention TP {d.attention_tp} on {d.device}: each TP rank keeps "
+            "its own sparse-decode host pool there (the TP-shared pool is not wired into the decode engine), "
+            "and the protocol sends each decode rank only its share of a request's main KV", dp_attention)
 
 
 def _check_kvpp(d: Deployment, add) -> None:

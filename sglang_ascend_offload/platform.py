@@ -18,7 +18,7 @@ import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Tuple
 
 import torch
 
@@ -69,6 +69,16 @@ def soc_name() -> Optional[str]:
         return str(torch.npu.get_device_name(0))
     except Exception:  # noqa: BLE001
         return None
+
+
+def installed_soc() -> Tuple[Optional[str], Optional[str]]:
+    """``(soc, why undecided)`` of an NPU deployment, read from the installed CANN build
+    (``cann_install.py``: no NPU initialisation, no runtime query). :func:`soc_name`, the
+    device's own answer where torch_npu already has it, is only a cross-check."""
+    from . import cann_install
+
+    runtime = soc_name() if device_kind() == "npu" else None
+    return cann_install.deployment_soc(runtime)
 
 
 # --------------------------------------------------------------------------- streams

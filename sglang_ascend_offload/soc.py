@@ -8,6 +8,7 @@ from typing import Optional
 # CANN SoC name prefix -> family, most specific first.
 SOC_FAMILIES = (
     ("Ascend950", "950"),  # 950PR / 950DT
+    ("Ascend910_95", "950"),  # CANN 8.5 names the 950PR / 950DT series Ascend910_95xx
     ("Ascend910_93", "A3"),
     ("Ascend910B", "A2"),
     ("Ascend910", "910"),

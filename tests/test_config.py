@@ -39,6 +39,7 @@ CASES = {
     "sparse_decode.context_parallel": (SD, dict(dcp=2)),
     "sparse_decode.pipeline_parallel": (SD, dict(pp=2)),
     "sparse_decode.soc_950": (SD, dict(soc="Ascend950DT")),
+    "sparse_decode.soc_unknown": (SD, dict(soc=None, soc_unknown="no CANN install found")),
     "sparse_decode.hybrid_kv": (SD, dict(hybrid_kv=True)),
     "sparse_decode.hot_tokens_topk": ({"sparse_decode": {"hot_tokens": 1024}}, {}),
     "sparse_decode.hot_tokens_page": ({"sparse_decode": {"hot_tokens": 4100}}, {}),

@@ -83,7 +83,8 @@ def attention_parallel(get) -> Tuple[int, int]:
 
 
 def build_deployment(
-    args: Any, hf_config: Any, soc: Optional[str] = None, hybrid_kv: Optional[bool] = None
+    args: Any, hf_config: Any, soc: Optional[str] = None, hybrid_kv: Optional[bool] = None,
+    soc_unknown: Optional[str] = None,
 ) -> cfg.Deployment:
     """Deployment facts from resolved server arguments and the model's HF config.
 
@@ -109,6 +110,7 @@ def build_deployment(
     return cfg.Deployment(
         device=device,
         soc=soc,
+        soc_unknown=soc_unknown if device == "npu" else None,
         model_kind=kind,
         hybrid_kv=bool(hybrid_kv),
         main_kv_dtype=main_kv_dtype(get("kv_cache_dtype"), hf_config),
@@ -137,8 +139,10 @@ def deployment_from_server_args(server_args: Any) -> cfg.Deployment:
 
     view = resolving_view(server_args)
     model_config = model_config_of(server_args)
-    soc = platform.soc_name() if (view.device or platform.device_kind()) == "npu" else None
+    # NPU: the SoC the installed CANN build declares (undecided -> soc_unknown refuses)
+    soc, soc_unknown = (platform.installed_soc() if (view.device or platform.device_kind()) == "npu"
+                        else (None, None))
     hybrid = bool(getattr(model_config, "is_hybrid_swa", False)) or bool(
         getattr(model_config, "mambaish_config", None) or getattr(model_config, "hybrid_gdn_config", None)
     )
-    return build_deployment(view, model_config.hf_config, soc, hybrid_kv=hybrid)
+    return build_deployment(view, model_config.hf_config, soc, hybrid_kv=hybrid, soc_unknown=soc_unknown)
