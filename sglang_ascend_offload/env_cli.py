@@ -19,6 +19,9 @@ _PACKAGES = ("torch", "torch-npu", "triton", "triton-ascend", "sglang", "memfabr
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--npu-check", action="store_true",
+                        help="pre-flight of an Ascend node: each capability the features need, pass/fail and the fix "
+                             "(exit 1 when any fails)")
 
 
 def collect() -> dict:
@@ -40,6 +43,10 @@ def collect() -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "npu_check", False):
+        from . import npu_preflight  # noqa: PLC0415 - only this flag pays for its imports
+
+        return npu_preflight.main(as_json=args.json)
     info = collect()
     if args.json:
         print(json.dumps(info, indent=2))
