@@ -59,11 +59,15 @@ CASES = {
     "layerwise_prefill.prefetch": ({"layerwise_prefill": {"shared_buffers": 2, "prefetch_depth": 4}}, {}),
     "layerwise_prefill.decode_node": (LW, dict(pd_role="decode")),
     "pd_transfer.role": (PD, {}),
-    "pd_transfer.tp_ratio": (PD, dict(pd_role="decode", tp=2, peer_tp=3)),
-    "pd_transfer.memfabric_only": ({"pd_transfer": {"engine": "mooncake"}}, dict(pd_role="decode", peer_tp=8)),
-    "pd_transfer.protocol_match": (PD, dict(pd_role="decode", peer_tp=8, peer_protocol="device_rdma")),
-    "pd_transfer.protocol_soc": ({"pd_transfer": {"protocol": "device_urma"}}, dict(pd_role="decode", peer_tp=8)),
-    "pd_transfer.ports": ({"pd_transfer": {"kv_port": 65530}}, dict(pd_role="decode", peer_tp=8)),
+    "pd_transfer.tp_ratio": (PD, dict(pd_role="prefill", tp=3, peer_tp=2)),
+    "pd_transfer.memfabric_only": ({"pd_transfer": {"engine": "mooncake"}}, dict(pd_role="decode", peer_tp=8,
+                                                                                  attn_tp=1, dp=8)),
+    "pd_transfer.protocol_match": (PD, dict(pd_role="decode", peer_tp=8, peer_protocol="device_rdma", attn_tp=1,
+                                            dp=8)),
+    "pd_transfer.protocol_soc": ({"pd_transfer": {"protocol": "device_urma"}}, dict(pd_role="decode", peer_tp=8,
+                                                                                    attn_tp=1, dp=8)),
+    "pd_transfer.ports": ({"pd_transfer": {"kv_port": 65530}}, dict(pd_role="decode", peer_tp=8, attn_tp=1, dp=8)),
+    "pd_transfer.decode_tp": (PD, dict(pd_role="decode", peer_tp=8)),  # attention TP 8, device main KV
     "kvpp.dcp": (KV, dict(dcp=2)),
     "kvpp.decode_node": (KV, dict(pd_role="decode")),
     "kvpp.graph_mode": (KV, dict(graph_mode="full")),
@@ -99,7 +103,10 @@ def test_good_colocated_deployment_passes(config):
 
 
 def test_good_pd_deployments_pass():
-    assert _run({**PD, **SD}, dict(pd_role="decode", tp=2, peer_tp=8)) == []
+    assert _run({**PD, **SD}, dict(pd_role="decode", tp=2, attn_tp=1, dp=2, peer_tp=8)) == []
+    # decode attention TP 2 with the TP-shared host pool of sparse decode offload (CPU)
+    assert _run({"pd_transfer": {"engine": "mooncake"}, **SD},
+                dict(device="cpu", soc=None, pd_role="decode", tp=2, peer_tp=4)) == []
     assert _run({**PD, **LW, **KV}, dict(pd_role="prefill", tp=8, peer_tp=2,
                                           disaggregation_transfer_backend="ascend_offload")) == []
 

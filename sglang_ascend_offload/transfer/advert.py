@@ -14,9 +14,11 @@ from typing import Annotated, Literal, Optional
 
 import msgspec
 
-from .errors import ProtocolError
+from .errors import ProtocolError, TopologyError
+from .topology import PDTopology
 
-ADVERT_VERSION = 1
+#: 2: ``main_kv`` (where the decode DP rank holds the main KV).
+ADVERT_VERSION = 2
 #: Index of the advert frame in the registration message (SGLang 0.5.23 sends 20 frames).
 ADVERT_FRAME_INDEX = 20
 
@@ -24,6 +26,9 @@ ADVERT_FRAME_INDEX = 20
 #: device). ``host_rows``: main KV in the sparse-decode host pool, one 576-wide row per
 #: token, so a page is one block of ``page_size * 1152`` bytes (``latent_rope``).
 LayoutKind = Literal["split", "host_rows"]
+#: ``tp_shared``: one main-KV pool per decode DP rank, shared by its TP ranks (each rank
+#: pulls its disjoint range, every rank reads all of it); ``per_rank``: each rank's own pool.
+MainKV = Literal["tp_shared", "per_rank"]
 
 _Port = Annotated[int, msgspec.Meta(ge=1024, le=65535)]
 _Rank = Annotated[int, msgspec.Meta(ge=0, lt=1024)]
@@ -40,6 +45,9 @@ class DecodeAdvert(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dp_rank / d_tp / d_rank: its attention DP rank, attention TP size and rank.
     engine / data_protocol: its transfer engine and data path (must match prefill's).
     layout_kind: how its main-KV destination is laid out (see :data:`LayoutKind`).
+    main_kv: whether that destination is shared by the DP rank's TP ranks (see
+        :data:`MainKV`); ``d_tp > 1`` needs ``tp_shared``
+        (:meth:`~.topology.PDTopology.check_main_kv`).
     """
 
     version: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
@@ -52,6 +60,7 @@ class DecodeAdvert(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine: _Name
     data_protocol: _Name
     layout_kind: LayoutKind
+    main_kv: MainKV = "per_rank"
 
     def validate(self) -> None:
         if self.version != ADVERT_VERSION:
@@ -64,6 +73,10 @@ class DecodeAdvert(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ProtocolError(f"decode advert: control port {self.control_port} is not kv_port "
                                 f"{self.kv_port} + dp_rank {self.dp_rank} * d_tp {self.d_tp} + d_rank "
                                 f"{self.d_rank} = {expected}")
+        try:
+            PDTopology(self.d_tp, self.d_tp).check_main_kv(self.main_kv)
+        except TopologyError as exc:
+            raise ProtocolError(f"decode advert: {exc}") from None
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -28,7 +28,8 @@ from .engine import TransferEngine
 from .errors import RequestFailed, TransferError
 from .publisher import unit_id
 from .status import RequestStatus, TransferState
-from .topology import decode_port
+from .errors import TopologyError
+from .topology import PDTopology, decode_port
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +42,20 @@ class DecodeSink:
     pool: the rank's KV pool (the plugin's ``HostMainKVPool`` or
     ``DeviceDSAPool``); engine: the started engine (the destinations are
     registered here).
+
+    With ``d_tp > 1`` the pool's main KV must be TP-shared (this rank pulls only its
+    range of each request, the other ranks pull theirs into the same memory): a
+    per-rank pool raises :class:`~.pool_layouts.LayoutError` before anything is
+    registered or listened on.
     """
 
     def __init__(self, config: cfg.PDTransferConfig, *, d_tp: int, d_rank: int, dp_rank: int, pool: Any,
                  engine: TransferEngine):
+        self.main_kv = layouts.main_kv_placement(pool)
+        try:
+            PDTopology(d_tp, d_tp).check_main_kv(self.main_kv)
+        except TopologyError as exc:
+            raise layouts.LayoutError(f"P/D decode rank {d_rank}: {exc}") from None
         tensors = layouts.destination_tensors(pool)
         self.config = config
         self.kind = layouts.layout_kind(pool)
@@ -60,14 +71,15 @@ class DecodeSink:
         self._prefill_done_at = {}
         self.receiver = DecodeReceiver(config, d_tp=d_tp, d_rank=d_rank, layout=self.layout, engine=engine,
                                        dp_rank=dp_rank, on_release=self._on_release).start()
-        logger.info("P/D decode rank %d listening on %s:%d (%s destinations)", d_rank, config.host, self.port,
-                    self.kind)
+        logger.info("P/D decode rank %d of %d listening on %s:%d (%s destinations, %s main KV)", d_rank, d_tp,
+                    config.host, self.port, self.kind, self.main_kv)
 
     def advert(self) -> DecodeAdvert:
         return DecodeAdvert(version=ADVERT_VERSION, host=self.config.host, control_port=self.port,
                             kv_port=self.config.kv_port, dp_rank=self.dp_rank, d_tp=self.d_tp,
                             d_rank=self.d_rank, engine=self.engine.name,
-                            data_protocol=self.engine.data_protocol, layout_kind=self.kind)
+                            data_protocol=self.engine.data_protocol, layout_kind=self.kind,
+                            main_kv=self.main_kv)
 
     def _on_release(self, dest: RequestDestination) -> None:
         with self._lock:

@@ -69,6 +69,19 @@ def layout_kind(pool: Any) -> str:
     return "host_rows" if _is_host_rows_pool(pool) else "split"
 
 
+def main_kv_placement(pool: Any) -> str:
+    """Where a decode pool holds the main KV (:data:`~.topology.MainKVPlacement`).
+
+    ``tp_shared``: the sparse-decode host pool mapped from one memory by every TP rank of
+    the attention-DP group (the plugin's ``HostMainKVPool`` has an ``append_order``
+    exactly then: ``shared_host_pool.RankPool``); ``per_rank`` otherwise (the device
+    pool; a private host pool).
+    """
+    if _is_host_rows_pool(pool) and getattr(pool, "append_order", None) is not None:
+        return "tp_shared"
+    return "per_rank"
+
+
 def is_layerwise_pool(pool: Any) -> bool:
     """``pool`` is the layerwise prefill offload pool (layers alias shared buffers)."""
     return type(pool).__name__ == "LayerwisePrefillPool"

@@ -97,7 +97,7 @@ def test_invalid_pd_settings_stop_startup_listing_every_reason(plugins_loaded, c
         sa.resolve_once()
     found = {v.rule for v in info.value.violations}
     assert {"sglang.pd_backend", "sglang.pd_engine_device", "sglang.pd_unsupported",
-            "sglang.pd_cpu_retraction_backup", "sglang.pd_decode_tp"} <= found, found
+            "sglang.pd_cpu_retraction_backup", "pd_transfer.decode_tp"} <= found, found
     text = str(info.value)
     assert "--disaggregation-transfer-backend ascend_offload" in text and "cpu_tensor" in text
     assert carrier.published_text() is None
@@ -125,21 +125,40 @@ def test_layerwise_prefill_with_optimistic_prefill_stops_startup(plugins_loaded,
     assert carrier.published_text() is None
 
 
-def test_decode_with_dp_attention_passes_the_attention_tp_rule(plugins_loaded, clean_state):
+def test_decode_attention_tp_rule(plugins_loaded, clean_state):
     """``--tp 2 --dp 2 --enable-dp-attention``: attention TP 1 per DP rank (SGLang rewrites it
-    to ``attn_dp_size = 2``, ``dp_size = 1``); plain ``--tp 2`` is attention TP 2."""
+    to ``attn_dp_size = 2``, ``dp_size = 1``), served with or without offload; plain
+    ``--tp 2`` is attention TP 2: served with sparse decode offload (TP-shared host pool),
+    refused without it (per-rank device main KV), with the same verdict as ``config.violations``
+    (what ``check-config`` runs)."""
     decode = dict(disaggregation_mode="decode", disaggregation_transfer_backend="ascend_offload",
                   disaggregation_decode_retraction_backup="cpu_tensor", tp_size=2)
-    flags.remember(raw(pd=json.dumps(PD), sparse='{"hot_tokens": 64}'))
-    _server_args(dp_size=2, enable_dp_attention=True, **decode).resolve_once()
-    assert carrier.active_config().pd_transfer is not None
-    flags.forget()
-    carrier.clear()
-    flags.remember(raw(pd=json.dumps(PD), sparse='{"hot_tokens": 64}'))
+
+    def resolve(sparse, **kw):
+        flags.forget()
+        carrier.clear()
+        flags.remember(raw(pd=json.dumps(PD), sparse=sparse))
+        _server_args(**decode, **kw).resolve_once()
+        assert carrier.active_config().pd_transfer is not None
+
+    resolve('{"hot_tokens": 64}', dp_size=2, enable_dp_attention=True)
+    resolve(None, dp_size=2, enable_dp_attention=True)
+    resolve('{"hot_tokens": 64}')  # attention TP 2 with the TP-shared host pool
     with pytest.raises(cfg.ConfigError) as info:
-        _server_args(**decode).resolve_once()
-    bad = [v for v in info.value.violations if v.rule == "sglang.pd_decode_tp"]
-    assert len(bad) == 1 and "decode attention TP 2" in bad[0].problem
+        resolve(None)
+    bad = [v for v in info.value.violations if v.rule == "pd_transfer.decode_tp"]
+    assert len(bad) == 1 and "decode attention TP 2 without sparse decode offload" in bad[0].problem
+    assert "--enable-sparse-decode-offload" in bad[0].fix and "--enable-dp-attention" in bad[0].fix
+    pd = cfg.PDTransferConfig(**PD)
+    d = cfg.Deployment(device="cpu", pd_role="decode", tp=2, attn_tp=2)
+    assert [v.rule for v in cfg.violations(cfg.OffloadConfig(pd_transfer=pd), d)] == ["pd_transfer.decode_tp"]
+    sd = cfg.SparseDecodeOffloadConfig(hot_tokens=64)
+    assert cfg.violations(cfg.OffloadConfig(pd_transfer=pd, sparse_decode=sd), d) == []
+    npu = cfg.Deployment(device="npu", soc="A3", pd_role="decode", tp=2, attn_tp=2)
+    pd_npu = cfg.PDTransferConfig(**{**PD, "engine": "memfabric"})
+    bad = [v for v in cfg.violations(cfg.OffloadConfig(pd_transfer=pd_npu, sparse_decode=sd), npu)
+           if v.rule == "pd_transfer.decode_tp"]
+    assert len(bad) == 1 and "each TP rank keeps its own sparse-decode host pool" in bad[0].problem
 
 
 def test_attention_parallel_reads_both_spellings():
@@ -222,7 +241,8 @@ def test_get_kv_class_routes_ascend_to_our_classes_only_with_the_config(plugins_
 # ------------------------------------------------------------------ decode advert
 def advert(**kw):
     base = dict(version=ADVERT_VERSION, host="127.0.0.1", control_port=31005, kv_port=31000, dp_rank=1,
-                d_tp=4, d_rank=1, engine="mooncake", data_protocol="tcp", layout_kind="host_rows")
+                d_tp=4, d_rank=1, engine="mooncake", data_protocol="tcp", layout_kind="host_rows",
+                main_kv="tp_shared")
     base.update(kw)
     return DecodeAdvert(**base)
 
@@ -233,12 +253,14 @@ def test_advert_round_trip_and_validation():
     assert advert_from_registration(frames) is None  # a decode without the backend
     assert advert_from_registration(frames + [encode_advert(a)]) == a
     for bad, msg in ((advert(control_port=31004), "control port"), (advert(d_rank=4), "d_rank"),
-                     (advert(version=ADVERT_VERSION + 1), "version")):
+                     (advert(version=ADVERT_VERSION + 1), "version"),
+                     (advert(main_kv="per_rank"), "decode attention TP 4 with a per-rank main-KV pool")):
         with pytest.raises(ProtocolError, match=msg):
             decode_advert(msgspec.msgpack.encode(bad))
     for junk in (b"", b"\x80", msgspec.msgpack.encode({"host": "h"}),
                  msgspec.msgpack.encode({**msgspec.structs.asdict(a), "extra": 1}),
                  msgspec.msgpack.encode({**msgspec.structs.asdict(a), "layout_kind": "other"}),
+                 msgspec.msgpack.encode({**msgspec.structs.asdict(a), "main_kv": "device"}),
                  msgspec.msgpack.encode({**msgspec.structs.asdict(a), "control_port": 80}), b"x" * 5000):
         with pytest.raises(ProtocolError):
             decode_advert(junk)

@@ -19,15 +19,15 @@ rule                                    when
                                         cache, decode host receive, HiSparse, speculative decoding,
                                         ``prefill_complete`` allocation, staging buffers, role switch,
                                         optimistic prefill with layerwise prefill offload
-``sglang.pd_decode_tp``                 decode attention TP > 1: the protocol sends each decode TP rank
-                                        only its share of the main KV, for a TP-shared host pool; the
-                                        decode pools in SGLang are per rank today (prefill TP may be any
-                                        size: its ranks split the indexer, member 0 sends the main KV)
 ``sglang.pd_cpu_retraction_backup``     a CPU decode server without
                                         ``--disaggregation-decode-retraction-backup cpu_tensor``
                                         (SGLang's default backup registers CUDA host memory,
                                         ``mem_cache/pool_host/common.py:147``)
 ======================================  ============================================================
+
+Decode attention TP > 1 is ``config.violations``'s ``pd_transfer.decode_tp`` (so
+``check-config`` gives the same verdict): served with sparse decode offload, whose host
+pool the decode TP ranks share; refused without it (the device main KV is per rank).
 
 At run time the pair is checked when the two sides meet (:func:`pair_problems`): the
 decode manager runs it on the prefill's parallel info (SGLang's ``/route`` answer)
@@ -58,7 +58,6 @@ RULES = {
     "sglang.pd_parallel": "PP, attention CP and DCP are not supported by the P/D backend",
     "sglang.pd_unsupported": "a P/D feature the backend does not provide",
     "sglang.pd_cpu_retraction_backup": "a CPU decode server needs --disaggregation-decode-retraction-backup cpu_tensor",
-    "sglang.pd_decode_tp": "decode attention TP must be 1 until SGLang's decode main KV is TP-shared",
 }
 
 
@@ -169,15 +168,6 @@ def pd_violations(config: cfg.OffloadConfig, server_args: Any) -> List[cfg.Viola
     if unsupported:
         out.append(_violation("sglang.pd_unsupported", "not supported with the ascend_offload P/D backend: "
                               + "; ".join(unsupported), "drop these settings"))
-    from ..deployment import attention_parallel
-
-    _, attn_tp = attention_parallel(lambda name, default=None: compat.arg_or(view, name, default))
-    if role == "decode" and attn_tp > 1:
-        out.append(_violation("sglang.pd_decode_tp", f"decode attention TP {attn_tp}",
-                              "run decode with attention TP 1, e.g. DP attention (--tp N --dp N "
-                              "--enable-dp-attention, or --attn-dp-size N): the protocol splits the main KV "
-                              "across decode TP ranks into one TP-shared host pool, and SGLang's decode pools "
-                              "(device, or the plugin's host pool) are per rank"))
     if role == "decode" and device == "cpu" and compat.arg_or(view, "disaggregation_decode_retraction_backup", None) != "cpu_tensor":
         out.append(_violation("sglang.pd_cpu_retraction_backup",
                               f"retraction backup {compat.arg(view, 'disaggregation_decode_retraction_backup')!r} "
@@ -194,8 +184,10 @@ def pair_problems(pd: cfg.PDTransferConfig, *, role: str, own_tp: int, peer_tp: 
     """
     deployment = cfg.Deployment(device=device if device in ("npu", "cuda", "cpu") else "cpu", soc=soc,
                                 tp=own_tp, dp=dp, pd_role=role, peer_tp=peer_tp)
+    # pd_transfer.decode_tp is this server's own startup rule (it needs its sparse decode
+    # config, which the pair check does not have), not a property of the pair
     found = [v for v in cfg.violations(cfg.OffloadConfig(pd_transfer=pd), deployment)
-             if v.rule.startswith("pd_transfer.")]
+             if v.rule.startswith("pd_transfer.") and v.rule != "pd_transfer.decode_tp"]
     out = [f"[{v.rule}] {v.problem} -> {v.fix}" for v in found]
     if peer_cp > 1 or peer_pp > 1:
         out.append(f"[sglang.pd_parallel] peer has attention CP {peer_cp}, PP {peer_pp} -> use TP only")
