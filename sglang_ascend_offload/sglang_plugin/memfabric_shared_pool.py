@@ -1,46 +1,77 @@
 """NPU: one attention-DP group's host KV pool in MemFabric big-memory (BM) host memory,
-allocated by attention-TP rank 0 and reached by the other ranks through MemFabric's
-global virtual addresses (GVA). Needs an Ascend NPU, CANN and ``memfabric_hybrid``.
+allocated by attention-TP rank 0 and reached by every rank of the group through
+MemFabric's global virtual addresses (GVA). Needs an Ascend NPU, CANN and
+``memfabric_hybrid``; the served engine uses it for attention TP > 1 on an NPU
+(``shared_host_pool.allocate_rank_pool``).
 
-MemFabric facts used (``memfabric_hybrid`` Python API, its ``bm`` module):
+MemFabric calls used (``memfabric_hybrid`` and its ``bm`` module):
 ``memfabric_hybrid.initialize()`` / ``uninitialize()`` / ``get_last_err_msg()``;
-``bm.BmConfig()`` (``rank_id``, ``start_store``, ``set_nic(url)``);
-``bm.initialize(store_url, world_size, device_id, cfg)`` and ``bm.uninitialize(flags)``;
-``bm.create2(id=, local_dram_size=, max_dram_size=, data_op_type=)`` returning a
-handle with ``join()``, ``peer_rank_ptr(rank, bm.BmMemType.HOST)`` (a GVA),
-``copy_data(src, dst, nbytes, bm.BmCopyType.X, flags)`` for ``X`` in ``L2G`` / ``G2L``
-(device <-> global), ``H2G`` / ``G2H`` (host <-> global), ``leave()`` and ``destroy()``.
+``bm.BmConfig()`` (``rank_id`` with ``auto_ranking = False``, ``start_store``,
+``set_nic(url)``); ``bm.initialize(store_url, world_size, device_id, config)`` and
+``bm.uninitialize(flags)``; ``bm.create2(id=, local_dram_size=, max_dram_size=,
+data_op_type=)`` returning a handle with ``join()``, ``peer_rank_ptr(rank,
+bm.BmMemType.HOST)`` (a GVA), ``copy_data(src, dst, size, type, flags)``,
+``copy_data_batch(src_addrs, dst_addrs, sizes, count, type, flags)``, ``wait()``,
+``leave()`` and ``destroy()``; copy types ``L2G`` / ``G2L`` (device <-> global) and
+``H2G`` / ``G2H`` (host <-> global).
 
 Geometry: the same ``[layers, tokens, D]`` rows as :class:`~..sparse_decode.host_pool.HostKVPool`,
 at ``gva(layer, slot) = base + ((layer * tokens) + slot) * row_bytes`` where ``base`` is
-rank 0's host GVA. Rank 0 writes rows (:meth:`MemfabricGroupPool.write_rows`), every
-rank reads them (:meth:`MemfabricGroupPool.read_rows`, into host or device tensors);
-the ordering between them is the group's (:class:`~.shared_host_pool.AppendOrder` over
-a shared mapping of the header only, or a TP-group barrier).
+rank 0's host GVA; only rank 0 contributes memory (``local_dram_size = nbytes``,
+others 0), so the group holds one copy.
 
-The served engine's miss copy indexes the host pool as a CPU tensor; on NPU with more
-than one attention-TP rank it would have to copy through these GVAs instead. That path
-is not wired into the engine yet: served NPU runs with attention TP > 1 keep one private
-MemFabric pool per rank and say so in the log (see ``shared_host_pool.allocate_rank_pool``).
+The pool implements the engine's host-rows interface
+(:class:`~..sparse_decode.host_rows.HostRows`) without a tensor view:
+
+* :meth:`write_rows` (rank 0's append): the rows ``[n, D]`` go to their slots, one
+  ``copy_data`` per run of consecutive slots (``L2G`` from the NPU, ``H2G`` from the
+  host), after a device synchronize (the rows may still be in flight on the compute
+  stream) and followed by ``wait()``: the bytes are in host memory when it returns, so
+  the :class:`~.shared_host_pool.AppendOrder` publish that follows covers them;
+* :meth:`gather_into` (every rank's miss copy, extend gather): ``dst_flat[dst_rows[i]] =
+  pool[layer, slots[i]]`` as one ``copy_data_batch`` (``G2L`` into a device tensor,
+  ``G2H`` into a host one), runs of consecutive source and destination rows merged.
+
+Both read their slot lists on the host (a device -> host sync per layer) and call
+MemFabric from Python: the GVA path is eager only, neither graph-capturable nor
+sync-free (decode graphs are refused at attention TP > 1 anyway).
+
+Setup and teardown go through the group's control block (:mod:`.group_rendezvous`):
+each step (``bm initialized``, ``joined``, ``addressed``) is a rendezvous with a
+deadline, so a rank that fails (e.g. its ``join`` returns an error) or dies makes every
+rank raise :class:`~.group_rendezvous.GroupSetupError` naming it, and every rank checks
+that it sees rank 0's pool at the same GVA. :meth:`close` tears down in order: ranks > 0
+leave and destroy first and report ``left``; rank 0 waits for them (dead or failed ranks
+count as gone) before it frees the memory.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
+from .. import platform
 from ..sparse_decode.host_pool import HostPoolShape
+from .group_rendezvous import GroupRendezvous, GroupSetupError
 
-__all__ = ["MemfabricGroupPool", "MemfabricPoolConfig"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["MemfabricGroupPool", "MemfabricPoolConfig", "free_store_url"]
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def free_store_url(host: str = "127.0.0.1") -> str:
+    """A ``tcp://host:port`` for rank 0's BM config store (a port free now)."""
+    return f"tcp://{host}:{_free_port()}"
 
 
 @dataclass(frozen=True)
@@ -56,11 +87,19 @@ class MemfabricPoolConfig:
 
 
 class MemfabricGroupPool:
-    """See the module docstring. ``rank`` / ``size``: attention-TP rank and group size;
-    ``broadcast_object(obj) -> obj`` from rank 0 and ``barrier()`` over the group."""
+    """See the module docstring.
 
-    def __init__(self, shape: HostPoolShape, rank: int, size: int, config: MemfabricPoolConfig,
-                 broadcast_object: Callable, barrier: Callable[[], None]):
+    ``rank`` / ``size``: attention-TP rank and group size; ``store_url``: rank 0's BM
+    config store (the same string on every rank, broadcast by the caller);
+    ``rendezvous``: the group's status table. ``shape`` / ``kind`` / ``tensor_backed``
+    as for a :class:`~..sparse_decode.host_pool.HostKVPool`.
+    """
+
+    kind = "memfabric_gva"
+    tensor_backed = False
+
+    def __init__(self, shape: HostPoolShape, rank: int, size: int, config: MemfabricPoolConfig, store_url: str,
+                 rendezvous: GroupRendezvous):
         try:
             import memfabric_hybrid as mf  # noqa: PLC0415 - NPU only
             from memfabric_hybrid import bm  # noqa: PLC0415
@@ -68,69 +107,145 @@ class MemfabricGroupPool:
             raise RuntimeError("the MemFabric shared host pool needs memfabric_hybrid: pip install "
                                "'sglang-ascend-offload[npu]' on an Ascend machine") from exc
         self.shape, self.rank, self.size = shape, rank, size
-        self._mf, self._bm = mf, bm
+        self.store_url = store_url
+        self._mf, self._bm, self._rv = mf, bm, rendezvous
         self._handle = None
         self._bm_up = self._mf_up = self._joined = False
-        url = broadcast_object(f"tcp://{config.host}:{_free_port()}" if rank == 0 else None)
+        self.base = 0
+        phase = "bm initialized"
         try:
             self._check(mf.initialize(), "memfabric_hybrid.initialize")
             self._mf_up = True
             cfg = bm.BmConfig()
+            cfg.auto_ranking = False  # rank_id is only honoured without auto ranking
             cfg.rank_id = rank
             cfg.start_store = rank == 0
             cfg.set_nic(f"tcp://{config.host}:{_free_port()}")
-            self._check(bm.initialize(url, size, config.device_id, cfg), f"bm.initialize({url})")
+            self._check(bm.initialize(store_url, size, config.device_id, cfg), f"bm.initialize({store_url})")
             self._bm_up = True
+            rendezvous.reach(phase)
+            phase = "joined"
             nbytes = shape.nbytes if rank == 0 else 0  # only rank 0 backs the pool
             self._handle = bm.create2(id=config.entity_id, local_dram_size=nbytes, max_dram_size=shape.nbytes,
                                       data_op_type=getattr(bm.BmDataOpType, config.data_op_type))
             self._check(self._handle.join(), "bm join")
             self._joined = True
-            barrier()
+            rendezvous.reach(phase)
+            phase = "addressed"
             self.base = int(self._handle.peer_rank_ptr(0, bm.BmMemType.HOST))
             if self.base == 0:
                 raise RuntimeError(f"MemFabric returned no host GVA for rank 0: {mf.get_last_err_msg()}")
-        except BaseException:
-            self.close()
+            rendezvous.reach(phase, self.base)
+            theirs = rendezvous.value(0)
+            if theirs != self.base:
+                raise RuntimeError(f"this rank sees rank 0's host pool at GVA {self.base:#x}, rank 0 at {theirs:#x}")
+        except BaseException as exc:
+            if not isinstance(exc, GroupSetupError):
+                rendezvous.fail(phase, f"{type(exc).__name__}: {exc}")
+            self._release()
             raise
 
     def _check(self, ret: int, what: str) -> None:
         if ret != 0:
             raise RuntimeError(f"{what} returned {ret}: {self._mf.get_last_err_msg()}")
 
+    # ------------------------------------------------------------------ addresses
     def gva(self, layer: int, slot: int) -> int:
         return self.base + (layer * self.shape.tokens + slot) * self.shape.row_bytes
 
+    def layer(self, layer: int) -> torch.Tensor:
+        raise RuntimeError("the MemFabric group host pool has no tensor view (its rows are reached through "
+                           "global addresses): use write_rows / gather_into / read_rows")
+
+    def _copy_type(self, tensor: torch.Tensor, to_global: bool):
+        on_device = tensor.device.type != "cpu"
+        t = self._bm.BmCopyType
+        if to_global:
+            return t.L2G if on_device else t.H2G
+        return t.G2L if on_device else t.G2H
+
+    # ------------------------------------------------------------------ HostRows
     def write_rows(self, layer: int, host_slots: torch.Tensor, rows: torch.Tensor) -> int:
-        """Rank 0: ``pool[layer, host_slots[i]] = rows[i]`` (rows ``[n, D]`` on the NPU
-        (L2G) or the host (H2G)); consecutive slots go as one copy. Returns bytes moved."""
+        """Rank 0: ``pool[layer, host_slots[i]] = rows[i]`` (rows ``[n, D]`` of the pool
+        dtype on the NPU or the host); returns bytes moved. Complete on return."""
         if self.rank != 0:
             raise RuntimeError("only attention-TP rank 0 writes the group's host pool")
+        _check_rows(self.shape, host_slots, rows)
         rows = rows.contiguous()
-        kind = self._bm.BmCopyType.L2G if rows.device.type != "cpu" else self._bm.BmCopyType.H2G
+        if rows.device.type != "cpu":
+            platform.synchronize()  # rows computed on the compute stream; MemFabric copies on its own
         rb = self.shape.row_bytes
-        for start, first, count in _runs(host_slots):
-            self._check(self._handle.copy_data(rows.data_ptr() + start * rb, self.gva(layer, first), count * rb,
-                                               kind, 0), f"copy_data to layer {layer} slot {first}")
-        return rows.shape[0] * rb
+        kind = self._copy_type(rows, to_global=True)
+        slots = _host_list(host_slots)
+        runs = _runs(slots, list(range(len(slots))))
+        src = [rows.data_ptr() + d * rb for _, d, _ in runs]
+        dst = [self.gva(layer, s) for s, _, _ in runs]
+        self._batch(src, dst, [n * rb for _, _, n in runs], kind, f"append to layer {layer}")
+        return len(slots) * rb
+
+    def gather_into(self, layer: int, host_slots: torch.Tensor, dst: torch.Tensor,
+                    dst_rows: Optional[torch.Tensor] = None) -> int:
+        """``dst[dst_rows[i]] = pool[layer, host_slots[i]]`` (``dst`` contiguous ``[M, D]``
+        of the pool dtype, on the NPU or the host; ``dst_rows`` default ``0..n-1``);
+        returns bytes moved. Complete on return."""
+        if dst.dim() != 2 or dst.shape[1] != self.shape.row_dim or dst.dtype != self.shape.dtype \
+                or not dst.is_contiguous():
+            raise ValueError(f"gather_into: dst {tuple(dst.shape)} {dst.dtype} must be a contiguous "
+                             f"[M, {self.shape.row_dim}] {self.shape.dtype} tensor")
+        slots = _host_list(host_slots)
+        rows = _host_list(dst_rows) if dst_rows is not None else list(range(len(slots)))
+        if len(rows) != len(slots) or (rows and not 0 <= min(rows) <= max(rows) < dst.shape[0]):
+            raise ValueError(f"gather_into: {len(slots)} slots / {len(rows)} destination rows do not fit "
+                             f"dst [{dst.shape[0]}, {self.shape.row_dim}]")
+        if not slots:
+            return 0
+        if dst.device.type != "cpu":
+            platform.synchronize()  # earlier kernels on the compute stream may still read dst
+        rb = self.shape.row_bytes
+        runs = _runs(slots, rows)
+        src = [self.gva(layer, s) for s, _, _ in runs]
+        dsts = [dst.data_ptr() + d * rb for _, d, _ in runs]
+        self._batch(src, dsts, [n * rb for _, _, n in runs], self._copy_type(dst, to_global=False),
+                    f"read of layer {layer}")
+        return len(slots) * rb
 
     def read_rows(self, layer: int, host_slots: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
-        """``[n, D]`` copy of rows ``host_slots`` of ``layer`` into host memory (G2H) or
-        onto ``device`` (G2L)."""
-        n = host_slots.numel()
-        out = torch.empty((n, self.shape.row_dim), dtype=self.shape.dtype, device=device or "cpu")
-        kind = self._bm.BmCopyType.G2L if out.device.type != "cpu" else self._bm.BmCopyType.G2H
-        rb = self.shape.row_bytes
-        for start, first, count in _runs(host_slots):
-            self._check(self._handle.copy_data(self.gva(layer, first), out.data_ptr() + start * rb, count * rb,
-                                               kind, 0), f"copy_data from layer {layer} slot {first}")
+        """``[n, D]`` copy of rows ``host_slots`` of ``layer`` (host memory, or ``device``)."""
+        out = torch.empty((host_slots.numel(), self.shape.row_dim), dtype=self.shape.dtype, device=device or "cpu")
+        self.gather_into(layer, host_slots, out)
         return out
 
+    def _batch(self, src: List[int], dst: List[int], sizes: List[int], kind, what: str) -> None:
+        if self._handle is None or not self._joined:
+            raise RuntimeError(f"MemFabric group host pool {what}: the pool is closed")
+        self._check(self._handle.copy_data_batch(src, dst, sizes, len(sizes), kind, 0), f"copy_data_batch ({what})")
+        self._check(self._handle.wait(), f"wait after {what}")
+
+    # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Leave the group, destroy the entity, shut MemFabric down (idempotent)."""
+        """Ordered teardown (module docstring); idempotent. Ranks > 0 report ``left``;
+        rank 0 waits for them (at most the group's deadline) before freeing the memory."""
+        if self._handle is None and not self._bm_up and not self._mf_up:
+            return
+        if self.rank == 0:
+            try:
+                gone = self._rv.wait_all("left", others_only=True, tolerate_gone=True)
+                for r, why in gone.items():
+                    logger.warning("sparse decode offload: TP rank %d %s before the MemFabric group pool closed",
+                                   r, why)
+            except GroupSetupError as exc:
+                logger.warning("%s; freeing the MemFabric group pool anyway", exc)
+        self._release()
+        if self.rank != 0:
+            self._rv.report("left")
+
+    def _release(self) -> None:
+        """Leave, destroy, shut MemFabric down (each step once, errors logged)."""
         if self._joined:
-            self._handle.leave()
             self._joined = False
+            ret = self._handle.leave()
+            if ret != 0:
+                logger.warning("MemFabric bm leave returned %s: %s", ret, self._mf.get_last_err_msg())
         if self._handle is not None:
             self._handle.destroy()
             self._handle = None
@@ -142,13 +257,26 @@ class MemfabricGroupPool:
             self._mf_up = False
 
 
-def _runs(slots: torch.Tensor):
-    """``(index, first_slot, count)`` of each run of consecutive slots, in order."""
-    s = [int(x) for x in slots.to(torch.int64).cpu().tolist()]
+def _check_rows(shape: HostPoolShape, host_slots: torch.Tensor, rows: torch.Tensor) -> None:
+    if rows.dim() != 2 or rows.shape[0] != host_slots.numel() or rows.shape[1] != shape.row_dim:
+        raise ValueError(f"write_rows: rows {tuple(rows.shape)} / slots {tuple(host_slots.shape)} "
+                         f"do not fit [n, {shape.row_dim}]")
+    if rows.dtype != shape.dtype:
+        raise ValueError(f"write_rows: rows dtype {rows.dtype} != pool dtype {shape.dtype}")
+
+
+def _host_list(index: torch.Tensor) -> List[int]:
+    return index.to(device="cpu", dtype=torch.int64).reshape(-1).tolist()
+
+
+def _runs(src: List[int], dst: List[int]) -> List[Tuple[int, int, int]]:
+    """``(first_src, first_dst, count)`` of each run where both indices advance by one."""
+    out: List[Tuple[int, int, int]] = []
     i = 0
-    while i < len(s):
+    while i < len(src):
         j = i + 1
-        while j < len(s) and s[j] == s[j - 1] + 1:
+        while j < len(src) and src[j] == src[j - 1] + 1 and dst[j] == dst[j - 1] + 1:
             j += 1
-        yield i, s[i], j - i
+        out.append((src[i], dst[i], j - i))
         i = j
+    return out

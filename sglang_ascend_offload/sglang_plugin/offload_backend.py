@@ -400,8 +400,8 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         slots = table[pool_rows[:, None], logical.clamp(min=0).to(table.device)].to(torch.int64).to(device)
         wanted = slots[valid]
         unique, inverse = torch.unique(wanted, return_inverse=True)
-        host = self.token_to_kv_pool.host_rows(layer.layer_id)
-        staged = host.index_select(0, unique.cpu()).to(device)  # one H2D copy of distinct rows
+        # one H2D copy of the distinct rows
+        staged = self.token_to_kv_pool.read_host_rows(layer.layer_id, unique).to(device)
         flat = torch.full_like(logical, -1)
         flat[valid] = inverse
         dl = self.kv_lora_rank

@@ -16,9 +16,11 @@ hot buffers            device    per layer ``[rows, hot_tokens, kv_lora_rank + r
 =====================  ========  ==============================================
 
 The host pool is one per attention-DP group (``shared_host_pool.allocate_rank_pool``):
-its attention-TP rank 0 creates and appends, the other ranks map the same memory and
-wait for rank 0's appends of a layer before reading it (:meth:`HostMainKVPool.host_rows`,
-the engine's gate); outside a server (component tests) the pool is private.
+its attention-TP rank 0 creates and appends, the other ranks map the same memory (on an
+NPU with attention TP > 1: reach rank 0's MemFabric memory through its global address)
+and wait for rank 0's appends of a layer before reading it (:meth:`HostMainKVPool.host_rows`
+/ :meth:`HostMainKVPool.read_host_rows`, the engine's gate); outside a server
+(component tests) the pool is private.
 
 There is no device main KV (``k_buffer`` / ``v_buffer`` are ``None``); code that
 asks for it gets an error naming the offload. Rows of the decode engine are
@@ -37,6 +39,7 @@ from .. import config as cfg
 from .. import platform
 from ..sparse_decode.engine import EngineConfig, SparseDecodeEngine
 from ..sparse_decode.host_pool import HostPoolShape
+from ..sparse_decode.host_rows import is_tensor_backed
 from .pool import DeviceDSAPool, _scatter_rows
 from .shared_host_pool import EngineGate, allocate_rank_pool
 from .speculative import verify_rows_per_request
@@ -153,10 +156,23 @@ class HostMainKVPool(DeviceDSAPool):
 
     def host_rows(self, layer_id: int) -> torch.Tensor:
         """``[slots, latent + rope]`` host rows of ``layer_id``; on a TP rank > 0 of a shared
-        pool, after TP rank 0 published every append of the layer this rank has seen."""
+        pool, after TP rank 0 published every append of the layer this rank has seen.
+        A pool without a tensor view (NPU, attention TP > 1: the MemFabric group pool)
+        has none: use :meth:`read_host_rows`."""
+        if not is_tensor_backed(self.host_pool):
+            raise RuntimeError(f"layer {layer_id}: the MemFabric group host pool (NPU, attention TP > 1) is reached "
+                               "through global addresses and has no tensor view; this path needs one (decode "
+                               "graphs, a P/D transfer into the host pool) and is not served with it")
         if self.append_order is not None:
             self.append_order.wait_readable(layer_id - self.start_layer)
         return self.host_pool.layer(layer_id - self.start_layer)
+
+    def read_host_rows(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+        """``[n, latent + rope]`` host copy of the rows at ``slots`` of ``layer_id`` (any
+        host pool; on a TP rank > 0 of a shared pool after TP rank 0's appends)."""
+        if self.append_order is not None:
+            self.append_order.wait_readable(layer_id - self.start_layer)
+        return self.host_pool.read_rows(layer_id - self.start_layer, slots)
 
     def get_kv_size_bytes(self):
         return self.index_k_buffer.numel() * self.index_k_buffer.element_size()

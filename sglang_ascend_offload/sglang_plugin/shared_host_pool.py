@@ -65,7 +65,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["SHM_DIR_ENV", "TIMEOUT_ENV", "HOLD_ENV", "DEFAULT_TIMEOUT_S", "PREFIX", "AppendTimeout", "AppendOrder",
            "GroupView", "PoolHeader", "SharedPool", "header_bytes_for", "pool_dir", "append_timeout_s",
            "create_pool", "attach_pool", "open_group_pool", "read_header", "reclaim_stale", "sglang_group",
-           "process_start_ticks", "EngineGate"]
+           "process_start_ticks", "EngineGate", "RankPool", "allocate_rank_pool",
+           "open_memfabric_group"]
 
 SHM_DIR_ENV = "SGLANG_ASCEND_OFFLOAD_SHM_DIR"
 TIMEOUT_ENV = "SGLANG_ASCEND_OFFLOAD_APPEND_TIMEOUT_S"
@@ -529,14 +530,47 @@ def torch_barrier(coord) -> None:
 # ------------------------------------------------------------------ served allocation
 @dataclass(frozen=True)
 class RankPool:
-    """What one served rank uses: its pool view, the ordering (None for a private
-    pool), its attention-TP rank in the group, and the group (None outside a server)."""
+    """What one served rank uses: its pool (a :class:`HostKVPool`, or on NPU with attention
+    TP > 1 the group's :class:`~.memfabric_shared_pool.MemfabricGroupPool`), the ordering
+    (None for a private pool), its attention-TP rank in the group, and the group (None
+    outside a server)."""
 
-    pool: HostKVPool
+    pool: Any
     order: Optional[AppendOrder]
     rank: int
     view: Optional[GroupView]
     shared: Optional[SharedPool] = None
+    control: Any = None  # group_rendezvous.GroupControl of a MemFabric group pool
+
+
+def _npu_device_index(view: GroupView) -> int:
+    try:
+        import torch
+
+        return int(torch.npu.current_device())
+    except Exception:  # noqa: BLE001 - no torch_npu (CPU runs of the group logic)
+        return view.rank
+
+
+def open_memfabric_group(shape: HostPoolShape, view: GroupView, *, directory: Optional[Path] = None,
+                         timeout_s: Optional[float] = None, device_id: Optional[int] = None) -> RankPool:
+    """NPU, attention TP > 1: one MemFabric host pool for the group. Rank 0 creates the
+    control block (append counters + rank status table, :mod:`.group_rendezvous`) and
+    broadcasts it with its BM store URL; every rank opens
+    :class:`~.memfabric_shared_pool.MemfabricGroupPool` (rank 0 backs the memory, the
+    others reach it through its global address). Closed at interpreter exit, in order."""
+    import atexit
+
+    from .group_rendezvous import open_group_control
+    from .memfabric_shared_pool import MemfabricGroupPool, MemfabricPoolConfig, free_store_url
+
+    extra = {"store_url": free_store_url()} if view.rank == 0 else None
+    ctl = open_group_control(shape, view, extra=extra, directory=directory, timeout_s=timeout_s)
+    dev = device_id if device_id is not None else _npu_device_index(view)
+    pool = MemfabricGroupPool(shape, view.rank, view.size, MemfabricPoolConfig(device_id=dev),
+                              ctl.announced["store_url"], ctl.rendezvous)
+    atexit.register(pool.close)
+    return RankPool(pool, ctl.order, view.rank, view, None, ctl)
 
 
 def allocate_rank_pool(shape: HostPoolShape, kind: str, *, view: Optional[GroupView] = None,
@@ -548,8 +582,9 @@ def allocate_rank_pool(shape: HostPoolShape, kind: str, *, view: Optional[GroupV
     pool of ``kind``. In a server, off NPU: the group's shared mapping
     (:func:`open_group_pool`) for every group (on CPU also a group of one, so each
     group's pool is one observable mapping); on a GPU a group of one keeps its private
-    pinned pool. On NPU every rank keeps a private MemFabric pool for now (logged; the
-    global-address pool of :mod:`.memfabric_shared_pool` is not wired into the engine).
+    pinned pool. On NPU a group of one keeps its private MemFabric pool; a larger group
+    shares one MemFabric pool that rank 0 allocates and the others reach through global
+    addresses (:func:`open_memfabric_group`), ordered by the same :class:`AppendOrder`.
     """
     from .. import capacity, platform
 
@@ -557,30 +592,22 @@ def allocate_rank_pool(shape: HostPoolShape, kind: str, *, view: Optional[GroupV
     if view is None:
         return RankPool(HostKVPool.allocate(shape, kind), None, 0, None)
     device = platform.device_kind()
-    if kind == "memfabric":
-        # The engine's miss copy reads the pool as a CPU tensor; the GVA path
-        # (memfabric_shared_pool.MemfabricGroupPool) is not wired into it yet, so each
-        # rank keeps its own MemFabric pool and appends to it -- said once, loudly.
-        rp = RankPool(HostKVPool.allocate(shape, kind), None, 0, view)
-        if view.size > 1:
-            logger.warning("sparse decode offload on NPU: attention TP %d keeps one private MemFabric host pool per "
-                           "TP rank (%d B each, x%d per group): the shared global-address pool is not wired into "
-                           "the decode engine yet", view.size, shape.nbytes, view.size)
-            if view.rank == 0:
-                node = capacity.host_pool_bytes_per_node(shape.layers * shape.row_bytes, shape.tokens,
-                                                         view.groups_per_node * view.size)
-                logger.info("sparse decode offload: host bytes per node: %d B (%.1f MiB) = %d private pools",
-                            node, node / 2**20, view.groups_per_node * view.size)
-            return rp
-    elif view.size == 1 and device != "cpu":
+    if kind == "memfabric" and view.size > 1:
+        rp = open_memfabric_group(shape, view, directory=directory)
+    elif kind == "memfabric" or (view.size == 1 and device != "cpu"):
         rp = RankPool(HostKVPool.allocate(shape, kind), None, 0, view)
     else:
         shared = open_group_pool(shape, view, directory=directory)
         rp = RankPool(shared.pool, shared.order, view.rank, view, shared)
     if view.rank == 0:
         node = capacity.host_pool_bytes_per_node(shape.layers * shape.row_bytes, shape.tokens, view.groups_per_node)
-        where = (f"shared mapping {rp.shared.path} (name removed once all {view.size} TP ranks mapped it)"
-                 if rp.shared is not None else f"{rp.pool.kind} memory")
+        if rp.shared is not None:
+            where = f"shared mapping {rp.shared.path} (name removed once all {view.size} TP ranks mapped it)"
+        elif rp.control is not None:
+            where = (f"MemFabric host memory of TP rank 0 at global address {rp.pool.base:#x}, read by all "
+                     f"{view.size} TP ranks")
+        else:
+            where = f"{rp.pool.kind} memory"
         logger.info("sparse decode offload: host pool of attention-DP group %d: %d B = %d layers x %d tokens x %d B "
                     "in %s; host bytes per node: %d B (%.1f MiB) = %d pool(s) (one per DP rank, shared by its TP "
                     "ranks)", view.group, shape.nbytes, shape.layers, shape.tokens, shape.row_bytes, where, node,

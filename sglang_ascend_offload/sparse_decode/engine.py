@@ -54,6 +54,7 @@ from ..ops import registry
 from ..ops.contract import ResidencyStep, ResidencyTable
 from ..ops.residency import copy_miss_rows_rows
 from .host_pool import AppendGate, HostKVPool
+from .host_rows import is_tensor_backed
 from .hot_buffer import HotBuffers
 from .policies import DEFAULT_POLICY, ResidencyManager, make_manager, uses_cpu_kernel
 from .stats import DecodeStats, StatsAccumulator
@@ -154,7 +155,8 @@ class PhaseTimes:
 class SparseDecodeEngine:
     """Hot buffers + residency managers + statistics for all layers of one rank.
 
-    ``pool``: the DP rank's :class:`HostKVPool`. ``tp_rank``: 0 writes new rows and
+    ``pool``: the DP rank's host pool (:class:`~.host_rows.HostRows`: a :class:`HostKVPool`,
+    or a pool without a tensor view whose misses go through its ``gather_into``). ``tp_rank``: 0 writes new rows and
     publishes them on ``gate``; other ranks wait on ``gate`` (required when
     ``tp_rank > 0``) before reading the host pool.
     """
@@ -181,7 +183,10 @@ class SparseDecodeEngine:
         self._copy_op = registry.select("copy_miss_rows", config.ops)
         self._attention_op = registry.select("sparse_mla_attention", config.ops)
         copy_sfa = registry.select("copy_sparse_flash_attention", config.ops)
-        self._copy_sfa_op = copy_sfa if copy_sfa.rung == "fused" else None
+        # A pool without a tensor view (MemFabric global addresses) is read through its
+        # own gather (``_gather_misses``): no kernel indexes it, so no fused Copy-SFA.
+        self._tensor_pool = is_tensor_backed(pool)
+        self._copy_sfa_op = copy_sfa if copy_sfa.rung == "fused" and self._tensor_pool else None
 
         self.hot = HotBuffers(config.layers, config.rows, config.hot_tokens, config.row_dim,
                               config.dtype, self.device)
@@ -195,7 +200,7 @@ class SparseDecodeEngine:
         ]
         # The CPU kernel copies exactly the misses; other rungs copy in the rows form.
         self._kernel_copy = self.uses_cpu_kernel and self._copy_op.rung == "reference" and \
-            self.device.type == "cpu" and pool.layer(0).device.type == "cpu"
+            self.device.type == "cpu" and self._tensor_pool and pool.layer(0).device.type == "cpu"
         self.stats_acc = StatsAccumulator(config.layers, pool.shape.row_bytes, self.device)
         self.step_index = -1
         self._rows: Optional[torch.Tensor] = None
@@ -295,6 +300,8 @@ class SparseDecodeEngine:
 
     def copy_misses(self, layer: int, res: ResidencyStep) -> None:
         """Copy this step's misses of ``layer`` host -> hot buffer (rows form)."""
+        if not self._tensor_pool:
+            return self._gather_misses(layer, res)
         host, hot = self.pool.layer(layer), self.hot.storage(layer)
         if self._kernel_copy:
             from .cpu_kernel import copy_miss_rows_rows as kernel_copy
@@ -306,6 +313,22 @@ class SparseDecodeEngine:
         else:  # a rung without the rows form: full-rows miss lists (counts of other rows zero)
             tokens, slots, count, table = self._full_rows(res)
             self._copy_op(host, hot, tokens, slots, count, table)
+
+    def _gather_misses(self, layer: int, res: ResidencyStep) -> None:
+        """Misses of ``layer`` through the pool's own gather (a pool without a tensor
+        view): ``hot[rows[b], miss_slots[b, i]] = pool[token_table[rows[b], miss_tokens[b,
+        i]]]`` for ``i < miss_count[b]``, exactly the entries the kernels write with a
+        value change. Reads the miss lists on the host (eager only)."""
+        hot = self.hot.storage(layer)
+        k = res.miss_tokens.shape[1]
+        table = self._token_table
+        count = res.miss_count.to(table.device, torch.int64)
+        live = torch.arange(k, device=table.device)[None, :] < count[:, None]
+        rows = self._rows.to(table.device)[:, None].expand(-1, k)[live]
+        tokens = res.miss_tokens.to(table.device, torch.int64)[live]
+        slots = res.miss_slots.to(table.device, torch.int64)[live]
+        host_slots = table[rows, tokens].to(torch.int64)
+        self.pool.gather_into(layer, host_slots, hot.view(-1, hot.shape[-1]), rows * hot.shape[1] + slots)
 
     def _full_rows(self, res: ResidencyStep):
         """Miss lists ``[R+1, K]`` / counts ``[R+1]`` / token table ``[R+1, max_ctx]`` for ops

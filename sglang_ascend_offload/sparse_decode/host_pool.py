@@ -86,7 +86,10 @@ class HostPoolShape:
 
 
 class HostKVPool:
-    """``[layers, tokens, D]`` host rows; see the module docstring."""
+    """``[layers, tokens, D]`` host rows; see the module docstring. Implements
+    :class:`~.host_rows.HostRows` with a tensor view (``tensor_backed``)."""
+
+    tensor_backed = True
 
     def __init__(self, shape: HostPoolShape, storage: torch.Tensor, kind: PoolKind,
                  path: Optional[Path] = None, owner: bool = True):
@@ -218,6 +221,17 @@ class HostKVPool:
     def read_rows(self, layer: int, host_slots: torch.Tensor) -> torch.Tensor:
         """``[n, D]`` copy of rows ``host_slots`` of ``layer``."""
         return self.data[layer].index_select(0, host_slots.to(torch.int64).cpu())
+
+    def gather_into(self, layer: int, host_slots: torch.Tensor, dst: torch.Tensor,
+                    dst_rows: Optional[torch.Tensor] = None) -> int:
+        """``dst[dst_rows[i]] = pool[layer, host_slots[i]]`` (dst ``[M, D]``, any device;
+        ``dst_rows`` default ``0..n-1``); returns bytes moved."""
+        rows = self.read_rows(layer, host_slots).to(dst.device)
+        if dst_rows is None:
+            dst[: rows.shape[0]].copy_(rows)
+        else:
+            dst.index_copy_(0, dst_rows.to(dst.device, torch.int64), rows)
+        return rows.shape[0] * self.shape.row_bytes
 
 
 def _check_header_bytes(header_bytes: int) -> None:
