@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from npu_requirements import npu_present
 from sglang_ascend_offload import platform
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -176,7 +177,7 @@ def test_broadcast_prefetch_across_processes():
 
 
 @pytest.mark.npu
-@pytest.mark.skipif(platform.device_kind() != "npu", reason="needs 3 Ascend NPUs with CANN and torch_npu (HCCL)")
+@pytest.mark.skipif(not npu_present(), reason="needs 3 Ascend NPUs with CANN and torch_npu (HCCL)")
 @pytest.mark.parametrize("active", [None, ACTIVE])
 def test_hccl_broadcast_on_transfer_stream(active):
     """The same over HCCL: bundles on ``npu:r``, broadcasts on the transfer stream after

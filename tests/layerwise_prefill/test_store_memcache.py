@@ -11,6 +11,7 @@ import socket
 import pytest
 import torch
 
+from npu_requirements import npu_present, require_package
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.config import LayerwisePrefillOffloadConfig, MemcacheConfig
 from sglang_ascend_offload.layerwise_prefill.store import StoreError, StoreUnavailable, make_store
@@ -21,9 +22,9 @@ from sglang_ascend_offload.layerwise_prefill.store_memcache import (
     write_mmc_conf)
 
 HAVE_MEMCACHE = importlib.util.find_spec("memcache_hybrid") is not None
-needs_memcache = pytest.mark.skipif(not HAVE_MEMCACHE, reason="memcache-hybrid not installed "
+needs_memcache = pytest.mark.skipif(not HAVE_MEMCACHE and not npu_present(), reason="memcache-hybrid not installed "
                                     "(pip install memcache-hybrid memfabric-hybrid)")
-npu_only = [pytest.mark.npu, pytest.mark.skipif(platform.device_kind() != "npu",
+npu_only = [pytest.mark.npu, pytest.mark.skipif(not npu_present(),
                                                 reason="needs an Ascend NPU with CANN")]
 
 
@@ -61,8 +62,7 @@ def mmc_conf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def meta_service(mmc_conf):
-    if not HAVE_MEMCACHE:
-        pytest.skip("memcache-hybrid not installed")
+    require_package("memcache_hybrid", "pip install memcache-hybrid memfabric-hybrid")
     # one meta service per machine (Memcache locks /tmp/mmc_meta_service.lock): another test run
     # on this machine waits here instead of failing with "meta service is already running"
     with machine_lock("memcache_meta_service"):
@@ -139,7 +139,7 @@ def npu_store(meta_service, mmc_conf):
 
 
 @pytest.mark.npu
-@pytest.mark.skipif(platform.device_kind() != "npu", reason="needs an Ascend NPU with CANN")
+@pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN")
 def test_npu_put_get_layers_bit_exact(npu_store):
     dev = platform.default_device()
     buf = [torch.randn(16, 512, device=dev).to(torch.bfloat16), torch.randn(16, 64, device=dev).to(torch.bfloat16)]
@@ -161,7 +161,7 @@ def test_npu_put_get_layers_bit_exact(npu_store):
 
 
 @pytest.mark.npu
-@pytest.mark.skipif(platform.device_kind() != "npu", reason="needs an Ascend NPU with CANN")
+@pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN")
 def test_npu_pipeline_on_memcache_equals_local(npu_store):
     from sglang_ascend_offload.layerwise_prefill.pipeline import LayerwisePrefillPipeline, PrefillRequest, run_forward
     from sglang_ascend_offload.layerwise_prefill.planner import LayerKVSpec, TensorSpec, plan_buffers

@@ -22,9 +22,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from npu_requirements import npu_present, require_npu_extension, requires
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.ops import fused, hadamard, reference, registry
-from sglang_ascend_offload.ops.npu_impls import fused_op_unavailable
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
 from sglang_ascend_offload.ops.contract import ResidencyTable
 from sglang_ascend_offload.ops.residency import residency_manage
@@ -38,12 +38,12 @@ ATTN_TOL = 2e-2
 ROWS, INDEX_HEADS, INDEX_DIM, BLOCK, TOP_K, HOT = 8, 64, 128, 128, 2048, 4096
 LATENT, ROPE = 512, 64
 
-pytestmark = [pytest.mark.npu, pytest.mark.skipif(not ON_NPU, reason=NPU_REASON)]
+pytestmark = [pytest.mark.npu, pytest.mark.skipif(not npu_present(), reason=NPU_REASON)]
 
 
 def _needs_extension(kernel):
-    reason = fused_op_unavailable(kernel) if ON_NPU else None
-    return pytest.mark.skipif(reason is not None, reason=f"fused rung not built: {reason}")
+    """Fails on an NPU runner without the built extension (skipped only without an NPU)."""
+    return requires(lambda: require_npu_extension(kernel))
 
 
 # ----------------------------------------------------------------------- inputs

@@ -26,6 +26,7 @@ import types
 import pytest
 import torch
 
+from npu_requirements import npu_present
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.ops import hadamard, npu_impls, reference, registry
 
@@ -117,7 +118,7 @@ def assert_indexer_close(npu_out, ref_scores, sparse_count):
 
 # ------------------------------------------------------------------ real NPU tests
 @pytest.mark.npu
-@pytest.mark.skipif(not ON_NPU, reason=NPU_REASON)
+@pytest.mark.skipif(not npu_present(), reason=NPU_REASON)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_npu_lightning_indexer_matches_reference(seed):
     query, cache, weights, meta = indexer_inputs(seed, [4, 1, 2], [3000, 1500, 2200], 64, 128, 128)
@@ -129,7 +130,7 @@ def test_npu_lightning_indexer_matches_reference(seed):
 
 
 @pytest.mark.npu
-@pytest.mark.skipif(not ON_NPU, reason=NPU_REASON)
+@pytest.mark.skipif(not npu_present(), reason=NPU_REASON)
 def test_npu_quant_lightning_indexer_matches_reference():
     query, cache, weights, meta = indexer_inputs(2, [3, 1], [2600, 900], 64, 128, 128)
     prep = hadamard.prepare_quant_indexer_inputs(query, cache)
@@ -145,7 +146,7 @@ def test_npu_quant_lightning_indexer_matches_reference():
 
 
 @pytest.mark.npu
-@pytest.mark.skipif(not ON_NPU, reason=NPU_REASON)
+@pytest.mark.skipif(not npu_present(), reason=NPU_REASON)
 @pytest.mark.parametrize("heads", [16, 128])
 def test_npu_sparse_attention_paged_matches_reference(heads):
     query, query_rope, key, key_rope, idx, meta = attention_inputs(3, [2, 1], [3000, 700], heads, 512, 64, 128, 2048)
@@ -160,7 +161,7 @@ def test_npu_sparse_attention_paged_matches_reference(heads):
 
 
 @pytest.mark.npu
-@pytest.mark.skipif(not ON_NPU, reason=NPU_REASON)
+@pytest.mark.skipif(not npu_present(), reason=NPU_REASON)
 def test_npu_sparse_attention_flat_hot_buffer_matches_reference():
     gen = torch.Generator().manual_seed(4)
     tokens, heads, k, slots = 3, 16, 2048, 4096
@@ -181,7 +182,7 @@ def test_npu_sparse_attention_flat_hot_buffer_matches_reference():
 
 
 @pytest.mark.npu
-@pytest.mark.skipif(not ON_NPU, reason=NPU_REASON)
+@pytest.mark.skipif(not npu_present(), reason=NPU_REASON)
 def test_npu_gather_scatter_bit_exact():
     gen = torch.Generator().manual_seed(5)
     src = torch.randn(4096, 576, generator=gen).to(torch.bfloat16)

@@ -1,8 +1,8 @@
 """Shared setup of the SGLang plugin tests.
 
 * SGLang picks its platform when it is first imported; ``SGLANG_USE_CPU_ENGINE=1``
-  selects its CPU platform (what serving on this machine needs), so it is set here,
-  before any test module imports SGLang.
+  selects its CPU platform (what serving on a machine without an NPU needs), so it is
+  set here, before any test module imports SGLang, unless an NPU is present.
 * :class:`ServerProcess` (``sglang_ascend_offload.testing.servers``, shared with the
   served benchmarks) launches ``python -m sglang.launch_server`` on 127.0.0.1 on a
   reserved port in its own session, waits for ``/health`` with a deadline, restarts on
@@ -23,8 +23,11 @@ import pytest
 
 from sglang_ascend_offload.testing.ports import reserve_port
 
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+from npu_requirements import npu_present  # noqa: E402 - tests/conftest.py put tests/ on sys.path
+
+if not npu_present():  # an NPU runner tests SGLang's NPU platform; servers set their own (testing/servers.py)
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sglang_ascend_offload.testing.servers import (  # noqa: E402,F401 - re-exported for the test modules
     CPU_SERVER_ARGS, IDLE_SLEEP, REPO, STARTUP_TIMEOUT_S, TINY_DSA, PortInUse, ServerProcess, server_env, start_all,

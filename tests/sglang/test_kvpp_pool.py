@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from npu_requirements import npu_present
 from sglang_ascend_offload import platform
 
 from dsa_harness import HEADS, HIDDEN, INDEX_DIM, LATENT, Q_LORA, ROPE, TOPK, forward_batch, make_indexer
@@ -266,7 +267,7 @@ def test_kvpp_pool_equals_replicated_pool_across_ranks():
 
 
 @pytest.mark.npu
-@pytest.mark.skipif(platform.device_kind() != "npu", reason="needs 2 Ascend NPUs with CANN and torch_npu (HCCL)")
+@pytest.mark.skipif(not npu_present(), reason="needs 2 Ascend NPUs with CANN and torch_npu (HCCL)")
 def test_kvpp_pool_over_hccl_on_npu():
     """The same scenario on two NPUs: pools on ``npu:0`` / ``npu:1``, broadcasts over HCCL
     on the transfer stream (events), both broadcast modes."""

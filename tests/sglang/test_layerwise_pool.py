@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional
 import pytest
 import torch
 
+from npu_requirements import npu_present, require_package, requires
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.layerwise_prefill.gates import GateTimeout
@@ -495,7 +496,8 @@ def test_page_book_plans_loads_saves_and_stale_objects():
 
 # ------------------------------------------------------------------ Memcache (Ascend)
 @pytest.mark.npu
-@pytest.mark.skipif(platform.device_kind() != "npu", reason="needs an Ascend NPU with CANN and memcache-hybrid")
+@pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and memcache-hybrid")
+@requires(lambda: require_package("memcache_hybrid", "the [npu] extra"))
 def test_npu_memcache_store_inside_the_pool(ctx, tmp_path):
     """The pool on an NPU with the Memcache host store (meta service started from a conf
     on free ports): same scenario, bit-exact against the device pool."""

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from npu_requirements import npu_present
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload import platform
 
@@ -23,7 +24,7 @@ from dsa_harness import LATENT, ROPE, TOPK, Harness, published_context
 
 pytestmark = [
     pytest.mark.npu,
-    pytest.mark.skipif(platform.device_kind() != "npu", reason="needs an Ascend NPU with CANN and torch_npu"),
+    pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and torch_npu"),
     pytest.mark.usefixtures("plugins_loaded"),
 ]
 

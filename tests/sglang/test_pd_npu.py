@@ -9,18 +9,25 @@ offload); the decode checks the pulled pages bit for bit against the prefill pag
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
 
+from npu_requirements import npu_present, require_npu, require_package
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.testing.ports import reserve_port
 
 pytestmark = [pytest.mark.npu,
-              pytest.mark.skipif(platform.device_kind() != "npu" or importlib.util.find_spec("memfabric_hybrid") is None,
-                                 reason="needs an Ascend NPU with CANN, torch_npu and memfabric-hybrid"),
+              pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN, torch_npu and memfabric-hybrid"),
               pytest.mark.timeout(300)]
+
+
+@pytest.fixture(autouse=True)
+def _npu_packages():
+    """On an NPU runner a missing torch_npu or memfabric-hybrid fails these tests."""
+    require_npu()
+    require_package("memfabric_hybrid", "the [npu] extra")
+
 
 PAGE, SLOTS, LAYERS = 128, 32 * 128, 3
 SRC, DST = [3, 7, 1, 12], [9, 4, 20, 2]

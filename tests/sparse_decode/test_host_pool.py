@@ -9,6 +9,7 @@ import uuid
 import pytest
 import torch
 
+from npu_requirements import npu_present, require_package, requires
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.sparse_decode.host_pool import AppendGate, AppendTimeout, HostKVPool, HostPoolShape
 
@@ -106,7 +107,8 @@ def test_memfabric_kind_is_npu_only_with_a_clear_error():
 
 
 @pytest.mark.npu
-@pytest.mark.skipif(platform.device_kind() != "npu", reason="needs an Ascend NPU with memfabric-hybrid")
+@pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with memfabric-hybrid")
+@requires(lambda: require_package("memfabric_hybrid", "the [npu] extra"))
 def test_memfabric_pool_rows_round_trip_to_the_device():
     pool = HostKVPool.allocate(HostPoolShape(layers=2, tokens=256), "memfabric")
     rows = torch.randn((5, 576)).to(torch.bfloat16)

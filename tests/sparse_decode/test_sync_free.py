@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from npu_requirements import npu_present
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.sparse_decode.engine import decode_layer_step
 from sglang_ascend_offload.sparse_decode.policies import make_manager
@@ -146,7 +147,7 @@ class Static:
 
 
 @pytest.mark.npu
-@pytest.mark.skipif(not ON_NPU, reason="needs an Ascend NPU with CANN and torch_npu")
+@pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and torch_npu")
 def test_decode_step_captured_in_an_npu_graph_replays_like_eager():  # pragma: no cover - NPU only
     import torch_npu  # noqa: F401
 

@@ -17,6 +17,7 @@ from typing import List, NamedTuple
 import pytest
 import torch
 
+from npu_requirements import npu_present
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.config import PDTransferConfig
 from sglang_ascend_offload.transfer.engine import check_read_args, create_engine
@@ -27,7 +28,7 @@ from sglang_ascend_offload.transfer.protocol import PROTOCOL_VERSION, ReadDone, 
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 HAVE_MEMFABRIC = importlib.util.find_spec("memfabric_hybrid") is not None
 needs_mooncake = pytest.mark.skipif(not HAVE_MOONCAKE, reason="needs mooncake-transfer-engine-non-cuda")
-on_npu = pytest.mark.skipif(platform.device_kind() != "npu",
+on_npu = pytest.mark.skipif(not npu_present(),
                             reason="needs an Ascend NPU with CANN, torch_npu and memfabric-hybrid")
 
 
@@ -154,7 +155,7 @@ def test_memfabric_engine_unavailable_without_driver():
     assert ("memfabric-hybrid" in line[0]) or ("Ascend driver" in line[0])
 
 
-@pytest.mark.skipif(not HAVE_MEMFABRIC, reason="memfabric-hybrid not installed")
+@pytest.mark.skipif(not HAVE_MEMFABRIC and not npu_present(), reason="memfabric-hybrid not installed")
 def test_memfabric_config_store_starts_on_cpu():
     port = free_port()
     r = _run(f"""

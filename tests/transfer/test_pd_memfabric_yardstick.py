@@ -11,17 +11,24 @@ engine, the ``engine_over_raw`` of the CPU benchmark) are printed, not asserted:
 closing note of issue 13 asks for them from an NPU node.
 """
 
-import importlib.util
 
 import pytest
 import torch
 
+from npu_requirements import npu_present, require_npu, require_package
 from sglang_ascend_offload import platform
 
 pytestmark = [pytest.mark.npu,
-              pytest.mark.skipif(platform.device_kind() != "npu" or importlib.util.find_spec("memfabric_hybrid") is None,
-                                 reason="needs an Ascend NPU with CANN, torch_npu and memfabric-hybrid"),
+              pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN, torch_npu and memfabric-hybrid"),
               pytest.mark.timeout(600)]
+
+
+@pytest.fixture(autouse=True)
+def _npu_packages():
+    """On an NPU runner a missing torch_npu or memfabric-hybrid fails these tests."""
+    require_npu()
+    require_package("memfabric_hybrid", "the [npu] extra")
+
 
 LAYERS = 8
 SLOTS = 2
