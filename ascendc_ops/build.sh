@@ -77,7 +77,7 @@ cmake --build "$build" -j "$jobs"
 
 if [[ $install -eq 1 ]]; then
     cmake --install "$build"
-    "$python" -c "import sglang_ascend_offload._C_ascend, torch; ns = torch.ops.sglang_ascend_offload; \
+    "$python" -c "import torch, torch_npu, sglang_ascend_offload._C_ascend; ns = torch.ops.sglang_ascend_offload; \
 print('installed:', [n for n in ('npu_fused_lightning_indexer_manage', 'npu_fused_quant_lightning_indexer_manage', \
 'npu_fused_scatter_copy_sparse_flash_attention', 'npu_fused_register_host_memory') if hasattr(ns, n)])"
 else
