@@ -32,17 +32,19 @@ def shape():
     return HostPoolShape(LAYERS, ROWS * CTX, LATENT, ROPE)
 
 
-def engine_for(pool, rank: int, order=None):
+def engine_for(pool, rank: int, order=None, device: str = "cpu"):
     from sglang_ascend_offload.sglang_plugin.shared_host_pool import EngineGate
     from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
 
     gate = EngineGate(order) if order is not None and rank > 0 else None
     return SparseDecodeEngine(EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, policy="lru", ops="reference"),
-                              pool, device="cpu", tp_rank=rank, gate=gate)
+                              pool, device=device, tp_rank=rank, gate=gate)
 
 
-def workload(engine, rank: int, order=None, die_after_step: Optional[int] = None) -> torch.Tensor:
-    """Outputs ``[STEPS * LAYERS, ROWS, HEADS, LATENT]`` of the fixed workload."""
+def workload(engine, rank: int, order=None, die_after_step: Optional[int] = None,
+             device: str = "cpu") -> torch.Tensor:
+    """Outputs ``[STEPS * LAYERS, ROWS, HEADS, LATENT]`` (on the host) of the fixed
+    workload; rows and queries are made on the host and moved to ``device``."""
     rng = np.random.default_rng(7)  # the same on every rank
     gen = torch.Generator().manual_seed(7)
     table = torch.arange(ROWS * CTX, dtype=torch.int32).view(ROWS, CTX).flip(1).contiguous()
@@ -59,26 +61,26 @@ def workload(engine, rank: int, order=None, die_after_step: Optional[int] = None
             delay = float(rng.random()) * 0.01
             if rank == 0 and order is not None:
                 time.sleep(delay)
-            engine.append(layer, slots, rows)  # a no-op on ranks > 0
+            engine.append(layer, slots, rows.to(device))  # a no-op on ranks > 0
             if order is not None:
                 order.appended(layer)  # what set_kv_buffer does after the append
             topk = np.stack([np.concatenate([[seq - 1], rng.choice(seq - 1, K - 1, replace=False)])
                              for _ in range(ROWS)]).astype(np.int32)
             q = torch.randn((ROWS, HEADS, LATENT), generator=gen).to(torch.bfloat16)
             qr = torch.randn((ROWS, HEADS, ROPE), generator=gen).to(torch.bfloat16)
-            res = engine.run_layer(layer, torch.from_numpy(topk), q, qr, 0.25)
-            outputs.append(res.output.clone())
+            res = engine.run_layer(layer, torch.from_numpy(topk), q.to(device), qr.to(device), 0.25)
+            outputs.append(res.output.to("cpu", copy=True))
     return torch.stack(outputs)
 
 
-def reference_outputs() -> torch.Tensor:
+def reference_outputs(device: str = "cpu") -> torch.Tensor:
     """The workload on one rank with a private tensor pool."""
     from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool
 
-    return workload(engine_for(HostKVPool.allocate(shape(), "pinned"), 0), 0)
+    return workload(engine_for(HostKVPool.allocate(shape(), "pinned"), 0, device=device), 0, device=device)
 
 
-def _view(rank: int, size: int, queues, deadline_s: float):
+def group_view(rank: int, size: int, queues, deadline_s: float):
     from sglang_ascend_offload.sglang_plugin.shared_host_pool import GroupView
 
     def broadcast(obj):
@@ -113,7 +115,7 @@ def rank_main(rank: int, size: int, env: Dict[str, str], queues, results, die_af
         platform.device_kind = lambda: "npu"  # the stand-in world: an NPU whose "device" tensors are CPU tensors
         from sglang_ascend_offload.sglang_plugin import shared_host_pool as shp
 
-        rp = shp.allocate_rank_pool(shape(), "memfabric", view=_view(rank, size, queues, 30.0))
+        rp = shp.allocate_rank_pool(shape(), "memfabric", view=group_view(rank, size, queues, 30.0))
         info.update(kind=rp.pool.kind, base=rp.pool.base, tensor_backed=rp.pool.tensor_backed)
         out = workload(engine_for(rp.pool, rank, rp.order), rank, rp.order, die_after_step)
         info.update(waits=rp.order.waits)
