@@ -737,8 +737,9 @@ def _check_pd(pd: PDTransferConfig, d: Deployment, add, main_kv_offloaded: bool 
 
 
 #: Devices whose sparse-decode host pool is one memory shared by an attention-DP group's
-#: TP ranks (``sglang_plugin/shared_host_pool.py::allocate_rank_pool``). On Ascend each
-#: TP rank still keeps its own MemFabric pool.
+#: TP ranks *and mapped by each of them*, so a P/D engine can write a rank's range into it
+#: (``sglang_plugin/shared_host_pool.py::allocate_rank_pool``). On Ascend the group's
+#: MemFabric pool is reached through global addresses and has no tensor view to receive into.
 TP_SHARED_HOST_POOL_DEVICES = ("cpu", "cuda")
 
 
@@ -752,9 +753,9 @@ def _check_pd_decode_tp(d: Deployment, add, main_kv_offloaded: bool) -> None:
             "request's main KV", "enable sparse decode offload on the decode node (--enable-sparse-decode-"
             f"offload: one host pool shared by the TP ranks), or {dp_attention}")
     elif d.device not in TP_SHARED_HOST_POOL_DEVICES:
-        add("pd_transfer.decode_tp", f"decode attention TP {d.attention_tp} on {d.device}: each TP rank keeps "
-            "its own sparse-decode host pool there (the TP-shared pool is not wired into the decode engine), "
-            "and the protocol sends each decode rank only its share of a request's main KV", dp_attention)
+        add("pd_transfer.decode_tp", f"decode attention TP {d.attention_tp} on {d.device}: the attention-DP "
+            "group's sparse-decode host pool is reached through global addresses there and has no mapping a "
+            "P/D engine can write a decode rank's share of the main KV into", dp_attention)
 
 
 def _check_kvpp(d: Deployment, add) -> None:

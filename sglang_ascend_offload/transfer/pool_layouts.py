@@ -74,10 +74,15 @@ def main_kv_placement(pool: Any) -> str:
 
     ``tp_shared``: the sparse-decode host pool mapped from one memory by every TP rank of
     the attention-DP group (the plugin's ``HostMainKVPool`` has an ``append_order``
-    exactly then: ``shared_host_pool.RankPool``); ``per_rank`` otherwise (the device
-    pool; a private host pool).
+    exactly when its pool is the group's: ``shared_host_pool.RankPool``) as a tensor this
+    rank's engine can write into; ``per_rank`` otherwise (the device pool; a private host
+    pool). A group pool without a tensor view (NPU's MemFabric group pool) has no
+    destination at all: :func:`host_rows_tensors` fails on it.
     """
-    if _is_host_rows_pool(pool) and getattr(pool, "append_order", None) is not None:
+    from ..sparse_decode.host_rows import is_tensor_backed
+
+    if (_is_host_rows_pool(pool) and getattr(pool, "append_order", None) is not None
+            and is_tensor_backed(pool.host_pool)):
         return "tp_shared"
     return "per_rank"
 
