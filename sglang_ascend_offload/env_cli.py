@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--npu-check", action="store_true",
                         help="pre-flight of an Ascend node: each capability the features need, pass/fail and the fix "
                              "(exit 1 when any fails)")
+    parser.add_argument("--npu-api", action="store_true",
+                        help="check every memfabric/memcache/torch_npu/SGLang-NPU call in the source against "
+                             "the real APIs (exit 1 when any use is unknown)")
 
 
 def collect() -> dict:
@@ -47,6 +50,12 @@ def main(args: argparse.Namespace) -> int:
         from . import npu_preflight  # noqa: PLC0415 - only this flag pays for its imports
 
         return npu_preflight.main(as_json=args.json)
+    if getattr(args, "npu_api", False):
+        from .npu_api import report  # noqa: PLC0415 - only this flag pays for its imports
+
+        result = report.collect()
+        print(json.dumps(result.as_dict(), indent=2) if args.json else report.format_human(result))
+        return 1 if result.unknown else 0
     info = collect()
     if args.json:
         print(json.dumps(info, indent=2))

@@ -53,12 +53,12 @@ def bind_problem(sig: inspect.Signature, positional: int, keywords: Sequence[str
     keyword names are checked."""
     params = sig.parameters
     has_var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    named = {n for n, p in params.items() if p.kind not in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    bad = [k for k in keywords if k not in named]
+    if bad and not has_var_kw:
+        return f"unexpected keyword(s) {bad}; signature {sig}"
     if starred:
-        if has_var_kw:
-            return None
-        named = {n for n, p in params.items() if p.kind not in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL)}
-        bad = [k for k in keywords if k not in named]
-        return f"unexpected keyword(s) {bad}; accepted: {sorted(named)}" if bad else None
+        return None
     try:
         sig.bind(*([None] * positional), **{k: None for k in keywords})
     except TypeError as exc:

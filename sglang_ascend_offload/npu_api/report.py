@@ -1,0 +1,76 @@
+"""One report over every checker: :func:`collect` and its human / JSON forms.
+
+Contract: :func:`collect` scans the project (or ``roots``), checks each package's uses
+and returns an :class:`NpuApiReport`. ``unknown`` holds every use that does not conform
+plus every dynamic reference the finder could not resolve; it is empty when the
+source is clean. ``checked_calls`` counts uses checked against a package (attribute
+reads and stores, calls, imports, SGLang patch targets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from . import callsites, packages, sglang_source, torch_npu_schemas
+from .result import Finding, PackageResult
+
+__all__ = ["NpuApiReport", "collect", "format_human"]
+
+
+@dataclass
+class NpuApiReport:
+    """``packages``: checked package -> version; ``details``: per-package results;
+    ``uses``: distinct uses found; ``files``: source files scanned."""
+
+    packages: Dict[str, Optional[str]]
+    checked_calls: int
+    unknown: List[Finding]
+    details: Dict[str, PackageResult] = field(default_factory=dict)
+    uses: int = 0
+    files: int = 0
+
+    def as_dict(self) -> Dict[str, object]:
+        return {
+            "packages": self.packages,
+            "checked_calls": self.checked_calls,
+            "unknown": [f.as_dict() for f in self.unknown],
+            "uses": self.uses,
+            "files": self.files,
+            "details": {name: r.as_dict() for name, r in self.details.items()},
+        }
+
+
+def collect(roots: Optional[Sequence[str]] = None, *, torch_npu_data: Optional[dict] = None,
+            sglang_tree: Optional[sglang_source.SourceTree] = None) -> NpuApiReport:
+    """Scan ``roots`` (default: the project) and check every use (module docstring)."""
+    scan = callsites.scan(roots)
+    details: Dict[str, PackageResult] = {}
+    for pkg in packages.DISTRIBUTIONS:
+        details[pkg] = packages.check(scan.uses, pkg)
+    details["torch_npu"] = torch_npu_schemas.check(scan.uses, torch_npu_data)
+    details["sglang"] = sglang_source.check(scan.uses, sglang_tree)
+    unknown = [f for r in details.values() for f in r.findings]
+    unknown += [Finding(u.file, u.line, u.what.split("(", 1)[-1].split(",")[0].split(".")[0], u.what, u.why)
+                for u in scan.unresolved]
+    unknown.sort(key=lambda f: (f.file, f.line, f.what))
+    return NpuApiReport(
+        packages={name: r.version for name, r in details.items()},
+        checked_calls=sum(r.checked for r in details.values()),
+        unknown=unknown,
+        details=details,
+        uses=len(scan.uses),
+        files=scan.files,
+    )
+
+
+def format_human(report: NpuApiReport) -> str:
+    lines = [f"NPU API conformance: {report.uses} uses in {report.files} files, "
+             f"{report.checked_calls} checked, {len(report.unknown)} unknown"]
+    for name, r in report.details.items():
+        skipped = sum(r.skipped.values())
+        lines.append(f"  {name:18s} {r.version or '-':10s} checked {r.checked:4d}  skipped {skipped:3d}  "
+                     f"findings {len(r.findings)}  ({r.source})")
+    for f in report.unknown:
+        lines.append(f"  UNKNOWN {f.file}:{f.line}: {f.what}: {f.why}")
+    return "\n".join(lines)
