@@ -78,6 +78,12 @@ FACTORY_LOOKUPS: Tuple[Factory, ...] = (
        "Triton rung of residency_manage: loads its kernels on first call; they return ops.contract types"),
     _f("ops.triton_impls", "copy_miss_rows", "triton_ops.copy_rows",
        "Triton rung of copy_miss_rows: loads its kernel on first call; it follows ops.contract"),
+    # allocate_rank_pool's NPU attention-TP > 1 branch builds the MemFabric group pool;
+    # its control block reuses shared_host_pool's AppendOrder and header.
+    _f("sglang_plugin.shared_host_pool", "open_memfabric_group", "sglang_plugin.group_rendezvous",
+       "host pool factory: the MemFabric group's control block builds on shared_host_pool.AppendOrder"),
+    _f("sglang_plugin.shared_host_pool", "open_memfabric_group", "sglang_plugin.memfabric_shared_pool",
+       "host pool factory: the MemFabric group pool (NPU only) uses the control block above"),
 )
 
 
