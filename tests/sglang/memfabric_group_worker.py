@@ -26,6 +26,30 @@ CTX = 64
 STEPS = 12
 
 
+class NoViewPool:
+    """A :class:`HostKVPool` behind the host-rows interface without its tensor view
+    (``tensor_backed = False``, ``layer()`` fails): what the engine and the pool see of
+    the MemFabric group pool, in one process. Counts ``gather_into`` calls."""
+
+    kind, tensor_backed = "no_view", False
+
+    def __init__(self, pool):
+        self._pool, self.shape, self.gathers = pool, pool.shape, 0
+
+    def write_rows(self, layer, host_slots, rows):
+        return self._pool.write_rows(layer, host_slots, rows)
+
+    def read_rows(self, layer, host_slots):
+        return self._pool.read_rows(layer, host_slots)
+
+    def gather_into(self, layer, host_slots, dst, dst_rows=None):
+        self.gathers += 1
+        return self._pool.gather_into(layer, host_slots, dst, dst_rows)
+
+    def layer(self, layer):
+        raise AssertionError("a pool without a tensor view was indexed as a tensor")
+
+
 def shape():
     from sglang_ascend_offload.sparse_decode.host_pool import HostPoolShape
 

@@ -93,29 +93,10 @@ def test_engine_gather_path_matches_the_tensor_path_in_process():
     kernels over the tensor (one process, no MemFabric)."""
     from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool
 
-    class NoView:
-        kind, tensor_backed = "test", False
-
-        def __init__(self, pool):
-            self._pool, self.shape = pool, pool.shape
-
-        def write_rows(self, *a):
-            return self._pool.write_rows(*a)
-
-        def read_rows(self, *a):
-            return self._pool.read_rows(*a)
-
-        def gather_into(self, *a):
-            self.calls = getattr(self, "calls", 0) + 1
-            return self._pool.gather_into(*a)
-
-        def layer(self, layer):
-            raise AssertionError("no tensor view")
-
-    pool = NoView(HostKVPool.allocate(w.shape(), "pinned"))
+    pool = w.NoViewPool(HostKVPool.allocate(w.shape(), "pinned"))
     out = w.workload(w.engine_for(pool, 0), 0)
     assert torch.equal(out.view(torch.int16), w.reference_outputs().view(torch.int16))
-    assert pool.calls == w.STEPS * w.LAYERS
+    assert pool.gathers == w.STEPS * w.LAYERS
 
 
 def test_no_private_pool_per_rank_warning_left():
