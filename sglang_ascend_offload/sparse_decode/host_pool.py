@@ -257,14 +257,39 @@ def _memfabric_empty(shape: HostPoolShape, device_id: int) -> torch.Tensor:
     cfg.world_size = 1
     cfg.rank_id = 0
     cfg.scene = offload.Scene.LOCAL
-    cfg.flags = offload.OFFLOAD_FLAG_URMA_POOL
-    ret = offload.initialize(cfg)
+    cfg.flags = offload.OFFLOAD_FLAG_GIANT_PAGE  # the one flag memfabric-hybrid 1.3 has (SGLang's npu_memfabric uses it)
+    what = f"a {shape.nbytes / 2**20:.1f} MiB MemFabric host pool on device {device_id}"
+    try:
+        ret = offload.initialize(cfg)
+    except Exception as exc:  # noqa: BLE001 - the native layer raises plain exceptions
+        raise RuntimeError(f"memfabric_hybrid.offload.initialize raised {exc!r} for {what}: "
+                           f"{_memfabric_detail()}{_MEMFABRIC_NEEDS}") from exc
     if ret != 0:
-        raise RuntimeError(f"memfabric_hybrid.offload.initialize returned {ret} for a "
-                           f"{shape.nbytes / 2**30:.2f} GiB host pool on device {device_id}")
-    data = offload.empty(list(shape.dims()), dtype=shape.dtype)
+        raise RuntimeError(f"memfabric_hybrid.offload.initialize returned {ret} for {what}: "
+                           f"{_memfabric_detail()}{_MEMFABRIC_NEEDS}")
+    try:
+        data = offload.empty(list(shape.dims()), dtype=shape.dtype)
+    except Exception as exc:  # noqa: BLE001 - offload.empty raises Exception("malloc failed")
+        raise RuntimeError(f"memfabric_hybrid.offload.empty failed ({exc}) for {what} after a successful "
+                           f"initialize: {_memfabric_detail()}; lower host_pool_tokens / --max-total-tokens "
+                           "or free host memory") from exc
     data.zero_()
     return data
+
+
+_MEMFABRIC_NEEDS = ("; a MemFabric host pool needs an Ascend NPU with its driver and CANN (source set_env.sh, "
+                    "run `mfcli kernel install`); without one use host pool kind 'pinned'")
+
+
+def _memfabric_detail() -> str:
+    """memfabric_hybrid's last error message, or a pointer to its log lines."""
+    try:
+        import memfabric_hybrid  # noqa: PLC0415 - NPU-only, imported lazily
+
+        msg = memfabric_hybrid.get_last_err_msg()
+    except Exception:  # noqa: BLE001 - best effort for an error message
+        msg = ""
+    return f"last error {msg!r}" if msg else "no last error recorded (see the HYBM / OFFLOAD log lines above)"
 
 
 # ------------------------------------------------------------------------ TP gate
