@@ -25,10 +25,9 @@ from .advert import ADVERT_VERSION, DecodeAdvert
 from .decode_side import DecodeReceiver
 from .destinations import RequestDestination
 from .engine import TransferEngine
-from .errors import RequestFailed, TransferError
+from .errors import RequestFailed, TopologyError, TransferError
 from .publisher import unit_id
 from .status import RequestStatus, TransferState
-from .errors import TopologyError
 from .topology import PDTopology, decode_port
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,9 @@ from conftest import IDLE_SLEEP, ServerProcess, free_port, start_all, stop_all
 from sglang_ascend_offload.testing import pd_servers
 from sglang_ascend_offload.testing.pd_servers import PDRouter
 
-pytestmark = pytest.mark.slow
+# the first test's setup starts decode + reference, then a prefill (TP 4: four ranks on two
+# cores, 6-8 min at load 13): past the suite's 600 s per-test limit
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 VOCAB = 1024
 ROUTER_READY_S = 180.0
