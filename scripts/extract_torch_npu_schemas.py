@@ -3,8 +3,8 @@
 
 Downloads the torch_npu version that pyproject.toml's ``[npu]`` extra pins with
 ``pip download --no-deps`` (never installs it), opens the wheel as a zip and keeps the
-dispatcher schemas of the ops the project calls (found in the source by
-``sglang_ascend_offload.npu_api.callsites``). See ``npu_api/torch_npu_schemas.py`` for
+dispatcher schemas of the ops the project and its npu-marked tests call (found in
+the source by ``sglang_ascend_offload.npu_api.callsites``). See ``npu_api/torch_npu_schemas.py`` for
 why those schema strings are the authority.
 
     python scripts/extract_torch_npu_schemas.py               # download, extract, write
@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="compare with --out instead of writing it")
     args = ap.parse_args(argv)
     version = pinned_version()
-    ops = torch_npu_schemas.project_ops(callsites.scan().uses)
+    uses = callsites.scan().uses + callsites.scan([os.path.join(REPO, "tests")]).uses
+    ops = torch_npu_schemas.project_ops(uses)
     with tempfile.TemporaryDirectory(prefix="torch-npu-wheel-") as tmp:
         wheel = args.wheel or download(version, tmp)
         data = torch_npu_schemas.extract_from_wheel(wheel, ops)

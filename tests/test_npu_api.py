@@ -54,7 +54,7 @@ def test_checked_calls_cover_every_distinct_npu_use(project_report, project_scan
 
 def test_finder_types_returned_objects(project_scan):
     dotted = {u.dotted for u in project_scan.uses}
-    for expected in ("memfabric_hybrid.bm.create2().copy_data",           # result of a pybind call
+    for expected in ("memfabric_hybrid.bm.create2().peer_rank_ptr",       # result of a pybind call
                      "memfabric_hybrid.offload.OffloadConfig().flags",     # attribute set on a config
                      "memfabric_hybrid.TransferEngine().batch_register_memory",  # via the base class's self._engine
                      "memcache_hybrid.DistributedObjectStore().batch_alloc",     # via self._ok()

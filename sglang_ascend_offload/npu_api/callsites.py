@@ -14,7 +14,8 @@ Values are typed by a small flow-insensitive evaluator, in statement order:
 
 * imports and aliases (``import memfabric_hybrid as mf``, ``from memfabric_hybrid import
   bm``), ``importlib.import_module("memcache_hybrid")``, ``torch.ops.npu`` (an alias of
-  ``torch_npu``'s op namespace);
+  ``torch_npu``'s op namespace) and ``torch.npu`` (``torch_npu.npu``, which torch_npu
+  installs there);
 * assignments (``cfg = offload.OffloadConfig()``, tuple targets) and ``self.x = ...`` in
   any method of a class or of its project base classes (``self._started(engine, ...)``
   in a base that stores ``self._engine = engine`` types ``self._engine``);
@@ -509,7 +510,11 @@ class _Eval:
             if not base:
                 return None
             path = base + (node.attr,)
-            return ("torch_npu",) if path == ("torch", "ops", "npu") else path
+            if path == ("torch", "ops", "npu"):
+                return ("torch_npu",)  # the op namespace torch_npu registers
+            if path == ("torch", "npu"):
+                return ("torch_npu", "npu")  # the device module torch_npu installs as torch.npu
+            return path
         if isinstance(node, ast.Call):
             return self._call_type(node)
         return None

@@ -9,6 +9,7 @@ reads and stores, calls, imports, SGLang patch targets).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -41,10 +42,25 @@ class NpuApiReport:
         }
 
 
+def _test_tree_torch_npu(scan: callsites.Scan) -> None:
+    """Add the ``torch_npu`` uses of the repository's ``tests/`` (the npu-marked tests call
+    the operators directly) to ``scan``; the tests' other packages are stand-ins."""
+    tests = os.path.join(os.path.dirname(callsites.project_roots()[0]), "tests")
+    if not os.path.isdir(tests):
+        return
+    extra = callsites.scan([tests])
+    scan.uses += [u for u in extra.uses if u.package == "torch_npu"]
+    scan.unresolved += [u for u in extra.unresolved if "torch_npu" in u.what]
+    scan.files += extra.files
+
+
 def collect(roots: Optional[Sequence[str]] = None, *, torch_npu_data: Optional[dict] = None,
             sglang_tree: Optional[sglang_source.SourceTree] = None) -> NpuApiReport:
-    """Scan ``roots`` (default: the project) and check every use (module docstring)."""
+    """Scan ``roots`` (default: the project, plus the ``torch_npu`` calls of ``tests/``)
+    and check every use (module docstring)."""
     scan = callsites.scan(roots)
+    if roots is None:
+        _test_tree_torch_npu(scan)
     details: Dict[str, PackageResult] = {}
     for pkg in packages.DISTRIBUTIONS:
         details[pkg] = packages.check(scan.uses, pkg)

@@ -332,7 +332,8 @@ def check(uses: Sequence[Use], tree: Optional[SourceTree] = None) -> PackageResu
                     result.findings.append(Finding(use.file, use.line, "sglang", use.dotted + "(...)", why))
         except _Missing as exc:
             result.checked += 1
-            result.findings.append(Finding(use.file, use.line, "sglang", use.dotted, str(exc)))
+            what = use.dotted + ("(...)" if use.kind == "call" else "")
+            result.findings.append(Finding(use.file, use.line, "sglang", what, str(exc).strip("'\"")))
         except _Untyped as exc:
             result.skip(_skip_reason(exc))
     return result

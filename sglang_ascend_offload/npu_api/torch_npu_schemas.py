@@ -9,7 +9,8 @@ call is checked against at run time on a node. The wheel also ships
 ``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml`` (the codegen input the
 registrations were generated from); :func:`extract_from_wheel` reads both and records a
 disagreement between them. ``torch_npu/_op_plugin_docs.py`` holds prose docstrings, not
-schemas, and is not used.
+schemas, and is not used. ``torch.npu.*`` names are checked against the names
+``torch_npu/npu/__init__.py`` binds (its ``__all__`` and definitions).
 
 The extracted schemas of the ops the project calls live in ``torch_npu_ops.json`` next
 to this module, written by ``scripts/extract_torch_npu_schemas.py`` (which downloads
@@ -37,6 +38,7 @@ DATA_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_npu_
 _LIB = "torch_npu/lib/libtorch_npu.so"
 _YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 _INIT = "torch_npu/__init__.py"
+_NPU_INIT = "torch_npu/npu/__init__.py"  # torch.npu
 
 
 @dataclass(frozen=True)
@@ -102,9 +104,12 @@ def _binary_strings(data: bytes, min_len: int = 12) -> Iterable[str]:
 
 
 def _init_names(source: str) -> List[str]:
-    """Top-level names ``torch_npu/__init__.py`` binds statically."""
+    """Top-level names a module's source binds statically (its ``__all__`` included)."""
     names = set()
     for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            if isinstance(node.value, (ast.List, ast.Tuple)):
+                names |= {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, ast.Assign):
@@ -120,6 +125,7 @@ def extract_from_wheel(wheel: str, ops: Sequence[str]) -> Dict[str, object]:
         lib = z.read(_LIB)
         yaml_text = z.read(_YAML).decode("utf-8", "replace") if _YAML in z.namelist() else ""
         init_src = z.read(_INIT).decode("utf-8", "replace")
+        npu_src = z.read(_NPU_INIT).decode("utf-8", "replace")
         version_src = z.read("torch_npu/version.py").decode() if "torch_npu/version.py" in z.namelist() else ""
     wanted = set(ops)
     found: Dict[str, List[str]] = {}
@@ -143,6 +149,7 @@ def extract_from_wheel(wheel: str, ops: Sequence[str]) -> Dict[str, object]:
         "missing": sorted(wanted - set(found)),
         "lib_yaml_disagreements": disagree,
         "module_names": _init_names(init_src),
+        "npu_module_names": _init_names(npu_src),
     }
 
 
@@ -191,6 +198,12 @@ def check(uses: Sequence[Use], data: Optional[Dict[str, object]] = None) -> Pack
                 result.findings.append(Finding(use.file, use.line, "torch_npu", f"torch_npu.{name}(...)", why))
         elif len(use.path) == 2 and (name in ops or name in names):
             result.checked += 1
+        elif len(use.path) >= 3 and name == "npu" and use.path[2] != "()":
+            result.checked += 1
+            if use.path[2] not in set(data.get("npu_module_names", [])):
+                result.findings.append(Finding(use.file, use.line, "torch_npu", f"torch.npu.{use.path[2]}",
+                                               f"torch_npu {result.version}'s torch.npu module has no "
+                                               f"{use.path[2]!r} ({_NPU_INIT})"))
         elif len(use.path) == 2 and name.startswith("npu_"):
             result.checked += 1
             result.findings.append(Finding(use.file, use.line, "torch_npu", f"torch_npu.{name}",
