@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 import socket
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -175,13 +175,15 @@ class MemfabricGroupPool:
         if rows.device.type != "cpu":
             platform.synchronize()  # rows computed on the compute stream; MemFabric copies on its own
         rb = self.shape.row_bytes
-        kind = self._copy_type(rows, to_global=True)
-        slots = _host_list(host_slots)
-        runs = _runs(slots, list(range(len(slots))))
-        src = [rows.data_ptr() + d * rb for _, d, _ in runs]
-        dst = [self.gva(layer, s) for s, _, _ in runs]
-        self._batch(src, dst, [n * rb for _, _, n in runs], kind, f"append to layer {layer}")
-        return len(slots) * rb
+        slots = _host_index(host_slots)
+        if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < self.shape.tokens):
+            raise ValueError(f"write_rows: slots outside the pool's {self.shape.tokens} tokens")
+        if not slots.numel():
+            return 0
+        first, at, count = _runs(slots, torch.arange(slots.numel(), dtype=torch.int64))
+        self._batch(rows.data_ptr() + at * rb, self.gva(layer, 0) + first * rb, count * rb,
+                    self._copy_type(rows, to_global=True), f"append to layer {layer}")
+        return slots.numel() * rb
 
     def gather_into(self, layer: int, host_slots: torch.Tensor, dst: torch.Tensor,
                     dst_rows: Optional[torch.Tensor] = None) -> int:
@@ -192,22 +194,23 @@ class MemfabricGroupPool:
                 or not dst.is_contiguous():
             raise ValueError(f"gather_into: dst {tuple(dst.shape)} {dst.dtype} must be a contiguous "
                              f"[M, {self.shape.row_dim}] {self.shape.dtype} tensor")
-        slots = _host_list(host_slots)
-        rows = _host_list(dst_rows) if dst_rows is not None else list(range(len(slots)))
-        if len(rows) != len(slots) or (rows and not 0 <= min(rows) <= max(rows) < dst.shape[0]):
-            raise ValueError(f"gather_into: {len(slots)} slots / {len(rows)} destination rows do not fit "
+        slots = _host_index(host_slots)
+        rows = _host_index(dst_rows) if dst_rows is not None else torch.arange(slots.numel(), dtype=torch.int64)
+        n = slots.numel()
+        if rows.numel() != n or (n and not (0 <= int(rows.min()) and int(rows.max()) < dst.shape[0])):
+            raise ValueError(f"gather_into: {n} slots / {rows.numel()} destination rows do not fit "
                              f"dst [{dst.shape[0]}, {self.shape.row_dim}]")
-        if not slots:
+        if n and not (0 <= int(slots.min()) and int(slots.max()) < self.shape.tokens):
+            raise ValueError(f"gather_into: slots outside the pool's {self.shape.tokens} tokens")
+        if not n:
             return 0
         if dst.device.type != "cpu":
             platform.synchronize()  # earlier kernels on the compute stream may still read dst
         rb = self.shape.row_bytes
-        runs = _runs(slots, rows)
-        src = [self.gva(layer, s) for s, _, _ in runs]
-        dsts = [dst.data_ptr() + d * rb for _, d, _ in runs]
-        self._batch(src, dsts, [n * rb for _, _, n in runs], self._copy_type(dst, to_global=False),
-                    f"read of layer {layer}")
-        return len(slots) * rb
+        first, at, count = _runs(slots, rows)
+        self._batch(self.gva(layer, 0) + first * rb, dst.data_ptr() + at * rb, count * rb,
+                    self._copy_type(dst, to_global=False), f"read of layer {layer}")
+        return n * rb
 
     def read_rows(self, layer: int, host_slots: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
         """``[n, D]`` copy of rows ``host_slots`` of ``layer`` (host memory, or ``device``)."""
@@ -215,10 +218,12 @@ class MemfabricGroupPool:
         self.gather_into(layer, host_slots, out)
         return out
 
-    def _batch(self, src: List[int], dst: List[int], sizes: List[int], kind, what: str) -> None:
+    def _batch(self, src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor, kind, what: str) -> None:
+        """One ``copy_data_batch`` of int64 ``[runs]`` addresses / byte counts, then ``wait()``."""
         if self._handle is None or not self._joined:
             raise RuntimeError(f"MemFabric group host pool {what}: the pool is closed")
-        self._check(self._handle.copy_data_batch(src, dst, sizes, len(sizes), kind, 0), f"copy_data_batch ({what})")
+        self._check(self._handle.copy_data_batch(src.tolist(), dst.tolist(), sizes.tolist(), sizes.numel(), kind, 0),
+                    f"copy_data_batch ({what})")
         self._check(self._handle.wait(), f"wait after {what}")
 
     # ------------------------------------------------------------------ teardown
@@ -265,18 +270,18 @@ def _check_rows(shape: HostPoolShape, host_slots: torch.Tensor, rows: torch.Tens
         raise ValueError(f"write_rows: rows dtype {rows.dtype} != pool dtype {shape.dtype}")
 
 
-def _host_list(index: torch.Tensor) -> List[int]:
-    return index.to(device="cpu", dtype=torch.int64).reshape(-1).tolist()
+def _host_index(index: torch.Tensor) -> torch.Tensor:
+    """int64 ``[n]`` on the host (a device -> host copy when ``index`` is on a device)."""
+    return index.to(device="cpu", dtype=torch.int64).reshape(-1)
 
 
-def _runs(src: List[int], dst: List[int]) -> List[Tuple[int, int, int]]:
-    """``(first_src, first_dst, count)`` of each run where both indices advance by one."""
-    out: List[Tuple[int, int, int]] = []
-    i = 0
-    while i < len(src):
-        j = i + 1
-        while j < len(src) and src[j] == src[j - 1] + 1 and dst[j] == dst[j - 1] + 1:
-            j += 1
-        out.append((src[i], dst[i], j - i))
-        i = j
-    return out
+def _runs(src: torch.Tensor, dst: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(first_src, first_dst, count)`` int64 ``[runs]`` of the maximal runs where both
+    indices advance by one (vectorised: no Python loop over the rows)."""
+    if src.numel() == 0:
+        empty = torch.empty(0, dtype=torch.int64)
+        return empty, empty, empty
+    cont = (src[1:] - src[:-1] == 1) & (dst[1:] - dst[:-1] == 1)
+    starts = torch.cat((torch.ones(1, dtype=torch.bool), ~cont)).nonzero().reshape(-1)
+    ends = torch.cat((starts[1:], torch.tensor([src.numel()])))
+    return src[starts], dst[starts], ends - starts

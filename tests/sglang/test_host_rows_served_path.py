@@ -57,3 +57,16 @@ def test_offload_without_a_tensor_view_equals_offload_off(monkeypatch):
     assert made and made[0].gathers > 0
     total = h.offload.engine.stats().total
     assert total.misses > 0 and total.hits > 0
+
+
+def test_group_pool_merges_runs_of_consecutive_source_and_destination_rows():
+    from sglang_ascend_offload.sglang_plugin.memfabric_shared_pool import _runs
+
+    src = torch.tensor([3, 4, 5, 9, 10, 2, 3])
+    dst = torch.tensor([0, 1, 2, 3, 7, 8, 9])
+    first, at, count = _runs(src, dst)
+    assert first.tolist() == [3, 9, 10, 2] and at.tolist() == [0, 3, 7, 8] and count.tolist() == [3, 1, 1, 2]
+    assert [t.numel() for t in _runs(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64))] \
+        == [0, 0, 0]
+    one = _runs(torch.tensor([5]), torch.tensor([0]))
+    assert [t.tolist() for t in one] == [[5], [0], [1]]
