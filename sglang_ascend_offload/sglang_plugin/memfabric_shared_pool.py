@@ -17,8 +17,8 @@ bm.BmMemType.HOST)`` (a GVA), ``copy_data(src, dst, size, type, flags)``,
 
 Geometry: the same ``[layers, tokens, D]`` rows as :class:`~..sparse_decode.host_pool.HostKVPool`,
 at ``gva(layer, slot) = base + ((layer * tokens) + slot) * row_bytes`` where ``base`` is
-rank 0's host GVA; only rank 0 contributes memory (``local_dram_size = nbytes``,
-others 0), so the group holds one copy.
+rank 0's host GVA; only rank 0 contributes memory (``local_dram_size`` = the pool's
+bytes rounded up to 2 MiB, others 0), so the group holds one copy.
 
 The pool implements the engine's host-rows interface
 (:class:`~..sparse_decode.host_rows.HostRows`) without a tensor view:
@@ -125,8 +125,9 @@ class MemfabricGroupPool:
             self._bm_up = True
             rendezvous.reach(phase)
             phase = "joined"
-            nbytes = shape.nbytes if rank == 0 else 0  # only rank 0 backs the pool
-            self._handle = bm.create2(id=config.entity_id, local_dram_size=nbytes, max_dram_size=shape.nbytes,
+            reserve = _aligned(shape.nbytes)
+            nbytes = reserve if rank == 0 else 0  # only rank 0 backs the pool
+            self._handle = bm.create2(id=config.entity_id, local_dram_size=nbytes, max_dram_size=reserve,
                                       data_op_type=getattr(bm.BmDataOpType, config.data_op_type))
             self._check(self._handle.join(), "bm join")
             self._joined = True
@@ -260,6 +261,13 @@ class MemfabricGroupPool:
         if self._mf_up:
             self._mf.uninitialize()
             self._mf_up = False
+
+
+BM_ALIGN = 2 << 20  # BM segments are reserved in 2 MiB pages
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // BM_ALIGN) * BM_ALIGN
 
 
 def _check_rows(shape: HostPoolShape, host_slots: torch.Tensor, rows: torch.Tensor) -> None:

@@ -1,5 +1,7 @@
 """One host KV pool per attention-DP group, shared by the group's TP ranks (CPU: a
-named shared mapping).
+named shared mapping; NPU with attention TP > 1: TP rank 0's MemFabric memory reached
+through global addresses, :func:`open_memfabric_group`, with the same append ordering
+in a header-only control mapping, :mod:`.group_rendezvous`).
 
 MLA's latent KV is replicated over attention TP, so one host copy per group is
 enough (seed 000 §4). Inside a served SGLang process:
