@@ -70,3 +70,27 @@ def test_group_pool_merges_runs_of_consecutive_source_and_destination_rows():
         == [0, 0, 0]
     one = _runs(torch.tensor([5]), torch.tensor([0]))
     assert [t.tolist() for t in one] == [[5], [0], [1]]
+
+
+def test_a_control_block_left_by_a_killed_rank0_is_reclaimed(tmp_path):
+    """A rank 0 that died between creating the group's control mapping and unlinking it
+    leaves ``sao_hostpool.<pid>....order``; the next start's reclaim removes it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from sglang_ascend_offload.sglang_plugin import shared_host_pool as shp
+
+    code = textwrap.dedent(f"""
+        from pathlib import Path
+        from sglang_ascend_offload.sglang_plugin import group_rendezvous as gr
+        from sglang_ascend_offload.sparse_decode.host_pool import HostPoolShape
+        ctl = gr._create(HostPoolShape(2, 64, 8, 4), 2, 0, Path({str(tmp_path)!r}), 5.0)
+        print(ctl.path, flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    left = tmp_path / out.stdout.strip().rsplit("/", 1)[-1]
+    assert left.exists() and left.name.endswith(".order")
+    header = shp.read_header(left)
+    assert header is not None and header.group_size == 2 and not header.owner_alive()
+    assert shp.reclaim_stale(tmp_path) == [left] and not left.exists()
