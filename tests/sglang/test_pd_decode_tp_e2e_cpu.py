@@ -11,11 +11,12 @@ Servers (tiny DSA fixture: 2 layers, 4 heads; ranks bound to the two cores):
 * a prefill server, first ``--tp-size 2`` (ratio 1: prefill rank ``p`` sends decode rank
   ``p`` its main range and the whole indexer), then ``--tp-size 4`` (ratio 2: prefill
   ranks ``2d`` and ``2d + 1`` serve decode rank ``d``; ``2d`` sends its main range, the two
-  split the indexer). The prefill fixture is parametrized at module scope, so the TP-2
-  prefill is stopped before the TP-4 one starts (memory and cores).
+  split the indexer). The TP-2 prefill starts with the decode and the reference; it is
+  stopped before the TP-4 one starts (memory and cores).
 
 Greedy tokens through SGLang's router (PD mode) must equal the reference's for prompts
-of one page (decode rank 1's main range is empty), a few pages and two prefill chunks.
+of one page (decode rank 1's main range is empty), a few pages and two prefill chunks
+(see :data:`PROMPTS` for why these prompts).
 Loopback only; every process is stopped in teardown.
 """
 
@@ -49,42 +50,59 @@ def prompt(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
 
 
-# page size 64 on CPU: 1 page (rank 1's main share empty), 3 pages (shares 2 + 1), two chunks
-PROMPTS = [prompt(5, seed=1), prompt(150, seed=3), prompt(60, seed=5)]
+# Page size 64 on CPU: 1 page (decode rank 1's main share is empty), 3 pages (shares 2 + 1)
+# and 4 pages (2 + 2), the last two in two prefill chunks. Chosen among 48 candidates
+# (lengths 5-201, seeds 1-6; 2026-12-02) as prompts on which colocated --tp 2 and --tp 4
+# servers return the same 8 greedy tokens: on 34 of the 48 they differ, mostly from the
+# first token on (the token prefill samples), so with a TP-4 prefill no colocated server
+# is a reference for them. The reference below is computed live, at TP 2.
+PROMPTS = [prompt(30, seed=3), prompt(150, seed=4), prompt(201, seed=1)]
 MAX_NEW = 8
+
+
+def _prefill(tp: int, kv: int, root) -> tuple:
+    bootstrap = free_port()
+    return ServerProcess(["--tp-size", str(tp)] + pd_servers.prefill_args(bootstrap, kv),
+                         log_path=root / f"prefill_tp{tp}.log", env=_bind(tp)), bootstrap
 
 
 @pytest.fixture(scope="module")
 def decode_side(tmp_path_factory):
-    """(decode server, colocated reference, reference tokens per prompt, logs dir, kv_port)."""
+    """Decode, the colocated reference's tokens, logs dir, kv_port, and the TP-2 prefill
+    (started with the other two: one wait instead of two)."""
     root = tmp_path_factory.mktemp("pd_decode_tp")
     kv = free_port(span=2)  # decode control ports kv .. kv + 1 (one per TP rank)
     decode = ServerProcess(TP2 + pd_servers.decode_args(kv, offload=True), log_path=root / "decode_tp2.log",
                            env=_bind(2))
     reference = ServerProcess(TP2 + pd_servers.COMMON + IDLE_SLEEP, log_path=root / "colocated_tp2.log",
                               env=_bind(2))
-    start_all(decode, reference)
+    prefill2 = _prefill(2, kv, root)
     try:
-        print("\nstartup: decode %.0f s, colocated %.0f s" % (decode.startup_s, reference.startup_s))
+        start_all(decode, reference, prefill2[0])
+        print("\nstartup (concurrent): decode %.0f s, colocated %.0f s, prefill TP 2 %.0f s"
+              % (decode.startup_s, reference.startup_s, prefill2[0].startup_s))
         tokens = [reference.generate(p, max_new_tokens=MAX_NEW)["output_ids"] for p in PROMPTS]
         reference.stop()  # its tokens are all it was needed for: free the cores for the prefill
-        yield decode, tokens, root, kv
+        yield {"decode": decode, "tokens": tokens, "root": root, "kv": kv, "prefill2": prefill2}
     finally:
-        stop_all(decode, reference)
+        stop_all(decode, reference, prefill2[0])
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["prefill_tp2", "prefill_tp4"])
 def pd(request, decode_side):
     """(router, prefill TP size, prefill log path) for one prefill TP size."""
-    decode, tokens, root, kv = decode_side
+    decode, root, kv = decode_side["decode"], decode_side["root"], decode_side["kv"]
     tp = request.param
-    bootstrap = free_port()
-    prefill = ServerProcess(["--tp-size", str(tp)] + pd_servers.prefill_args(bootstrap, kv),
-                            log_path=root / f"prefill_tp{tp}.log", env=_bind(tp))
+    if tp == 2:
+        prefill, bootstrap = decode_side["prefill2"]
+    else:
+        decode_side["prefill2"][0].stop()  # memory and cores for the four ranks
+        prefill, bootstrap = _prefill(tp, kv, root)
     router = None
     try:
         t0 = time.monotonic()
-        start_all(prefill)
+        if tp != 2:
+            start_all(prefill)
         router = PDRouter(prefill.url, bootstrap, decode.url, root / f"router_tp{tp}.log").start()
         router.wait_ready(prompt(5, seed=99), time.monotonic() + ROUTER_READY_S)
         print(f"\nprefill TP {tp} + router ready in {time.monotonic() - t0:.0f} s")
@@ -95,7 +113,7 @@ def pd(request, decode_side):
 
 def test_router_pd_into_decode_tp2_matches_colocated(pd, decode_side):
     router, tp, _ = pd
-    _, tokens, _, _ = decode_side
+    tokens = decode_side["tokens"]
     with ThreadPoolExecutor(len(PROMPTS)) as ex:
         got = list(ex.map(lambda p: router.generate(p, MAX_NEW)["output_ids"], PROMPTS))
     for p, out, ref in zip(PROMPTS, got, tokens):
@@ -106,7 +124,7 @@ def test_each_prefill_rank_linked_to_its_decode_rank(pd, decode_side):
     """Logs: prefill rank p linked to decode rank p // ratio (host_rows layout); both decode
     ranks listen with TP-shared main KV; no P/D request failed."""
     _, tp, prefill_log_path = pd
-    _, _, root, kv = decode_side
+    root, kv = decode_side["root"], decode_side["kv"]
     prefill_log = prefill_log_path.read_text(errors="replace")
     ratio = tp // 2
     for d in (0, 1):
