@@ -52,22 +52,7 @@ class OpSchema:
     text: str
 
 
-def _split_top(text: str) -> List[str]:
-    parts, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "([":
-            depth += 1
-        elif ch in ")]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    if "".join(cur).strip():
-        parts.append("".join(cur).strip())
-    return parts
-
+from .packages import _split_top  # noqa: E402 - the one bracket- and quote-aware splitter
 
 _SCHEMA_RE = re.compile(r"^([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?\((.*)\)\s*->\s*.+$")
 

@@ -29,22 +29,7 @@ real_bm = real.bm
 Param = Tuple[str, Optional[str]]  # name, default text (None: no default)
 
 
-def _split_top(text: str) -> List[str]:
-    """Split on commas outside brackets / angle brackets."""
-    out, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "[(<":
-            depth += 1
-        elif ch in "])>":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    if "".join(cur).strip():
-        out.append("".join(cur).strip())
-    return out
+from sglang_ascend_offload.npu_api.packages import _split_top  # noqa: E402
 
 
 def doc_signatures(obj, name: str) -> List[List[Param]]:
