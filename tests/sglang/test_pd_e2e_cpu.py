@@ -141,8 +141,8 @@ def test_the_project_protocol_moved_the_kv(pd):
     assert "SGLang sees 'ascend'" in prefill_log
     dense_log = (root / "decode_dense.log").read_text(errors="replace")
     offload_log = (root / "decode_offload.log").read_text(errors="replace")
-    assert "(split destinations)" in dense_log
-    assert "(host_rows destinations)" in offload_log
+    assert re.search(r"P/D decode rank 0 of 1 listening on 127\.0\.0\.1:\d+ \(split destinations, ", dense_log)
+    assert re.search(r"P/D decode rank 0 of 1 listening on 127\.0\.0\.1:\d+ \(host_rows destinations, ", offload_log)
     layerwise_log = (root / "prefill_layerwise.log").read_text(errors="replace")
     assert re.search(r"P/D layerwise publisher: link to decode rank 0 at 127\.0\.0\.1:\d+ \(split layout, "
                      r"ratio 1\) ready; layers \[0, 1\] are published from shared buffers", layerwise_log)
