@@ -39,6 +39,16 @@ miss copy run on the CPU kernel (``cpu_kernel.py``; ``manage_impl``); elsewhere
 through the op ladder, in the rows form (gather the batch rows, step, scatter back).
 Rows must be stable per request across steps (index rows by ``req_pool_idx``, not by
 batch position, or every batch reshuffle resets residency).
+
+**Query rows per request** (``EngineConfig.rows_per_request`` = ``n``; speculative
+verify rows, 1 without speculation): an engine row is a *request*, with one hot buffer
+and one residency state per layer shared by its ``n`` query rows. ``begin_step`` takes
+the ``G`` requests (``rows``, ``req_ids``, ``stable_len`` ``[G]``, the committed
+length as the stable prefix), ``run_layer`` their ``G * n`` query rows request-major
+(``topk`` ``[G*n, K]``, ``query`` ``[G*n, N, latent]``). The residency step runs on the
+union of each request's rows' top-k (``request_union.py``): a position several rows
+select is one lookup and at most one copy, and each row's remapped indices follow its
+own top-k order. ``hot_tokens >= n * top_k`` holds every union.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from .host_pool import AppendGate, HostKVPool
 from .host_rows import is_tensor_backed
 from .hot_buffer import HotBuffers
 from .policies import DEFAULT_POLICY, ResidencyManager, make_manager, uses_cpu_kernel
+from .request_union import merge_ranked, row_slots, union_of_rows
 from .stats import DecodeStats, StatsAccumulator
 
 __all__ = ["EngineConfig", "LayerResult", "PhaseTimes", "SparseDecodeEngine", "decode_layer_step"]
@@ -65,7 +76,8 @@ __all__ = ["EngineConfig", "LayerResult", "PhaseTimes", "SparseDecodeEngine", "d
 def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor,
                       stable_len: torch.Tensor, step, host: torch.Tensor, hot: torch.Tensor,
                       token_table: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor, scale: float,
-                      latent_dim: int, attention: Optional[Callable] = None) -> Tuple[torch.Tensor, ResidencyStep]:
+                      latent_dim: int, attention: Optional[Callable] = None,
+                      rows_per_request: int = 1) -> Tuple[torch.Tensor, ResidencyStep]:
     """One layer of the offloaded decode step on the torch path, as a function of tensors.
 
     manager: the layer's residency manager (any policy; its :meth:`step_rows`). rows
@@ -74,15 +86,25 @@ def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch
     ``[B]``; step an int or a 0-d int64 tensor; host ``[S,D]``; hot ``[R',H,D]`` (all
     engine rows); token_table int32 ``[T, max_ctx]`` by engine row; query ``[B,N,Dl]``,
     query_rope ``[B,N,Dr]``. Returns ``(output [B,N,Dl], ResidencyStep [B,...])``.
+    With ``rows_per_request = n > 1`` the engine rows are requests: ``rows``,
+    ``req_ids``, ``stable_len`` are ``[G]``, ``topk`` / ``query`` / the output are the
+    ``G * n`` query rows, and the residency step (``[G, n*K]``) is the union's.
     Static shapes, no host read of data: traceable by ``torch.compile(fullgraph=True)``
     and capturable in a device graph (what ``tests/sparse_decode/test_sync_free.py``
     holds). ``attention`` defaults to the reference ``sparse_mla_attention``.
     """
-    res = manager.step_rows(rows, topk, req_ids, stable_len, step)
+    n = int(rows_per_request)
+    if n == 1:
+        res = manager.step_rows(rows, topk, req_ids, stable_len, step)
+        slots, token_rows = res.slots, rows
+    else:
+        union = union_of_rows(topk, n)
+        res = manager.step_rows(rows, union.positions, req_ids, stable_len, step)
+        slots, token_rows = row_slots(union, res.slots), rows.repeat_interleave(n)
     copy_miss_rows_rows(host, hot, rows, res.miss_tokens, res.miss_slots, res.miss_count, token_table)
     h, d = hot.shape[1], hot.shape[2]
-    flat_idx = torch.where(res.slots >= 0, rows[:, None] * h + res.slots.to(torch.int64),
-                           torch.full_like(res.slots, -1, dtype=torch.int64)).to(torch.int32).unsqueeze(1)
+    flat_idx = torch.where(slots >= 0, token_rows[:, None] * h + slots.to(torch.int64),
+                           torch.full_like(slots, -1, dtype=torch.int64)).to(torch.int32).unsqueeze(1)
     flat = hot.view(-1, d)
     if attention is None:
         from ..ops.reference import sparse_mla_attention as attention
@@ -96,7 +118,9 @@ class EngineConfig:
     """Shape and choices of one engine (one DP rank's TP rank).
 
     rows: engine rows ``R`` (stable rows, e.g. ``req_to_token`` rows; a batch uses any
-    subset). hot_tokens: slots per row and layer (``>= top_k``). policy: residency
+    subset). hot_tokens: slots per row and layer (``>= rows_per_request * top_k``).
+    rows_per_request: query rows per engine row and step (speculative verify rows;
+    they share the row's hot buffer and residency). policy: residency
     policy name (``policies.POLICIES``). ops: operator-ladder choice. manage_impl:
     ``auto | kernel | torch`` (``policies.uses_cpu_kernel``). max_context: bound of the
     logical positions, sizes the CPU kernel's dense position map (default: the width
@@ -114,14 +138,19 @@ class EngineConfig:
     ops: str = "auto"
     manage_impl: str = "auto"
     max_context: Optional[int] = None
+    rows_per_request: int = 1
 
     def __post_init__(self):
         problems = []
-        for name in ("layers", "rows", "hot_tokens", "top_k", "latent_dim"):
+        for name in ("layers", "rows", "hot_tokens", "top_k", "latent_dim", "rows_per_request"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
-        if self.hot_tokens < self.top_k:
+        if self.rows_per_request == 1 and self.hot_tokens < self.top_k:
             problems.append(f"hot_tokens {self.hot_tokens} must be >= top_k {self.top_k}")
+        elif self.hot_tokens < self.rows_per_request * self.top_k:
+            problems.append(f"hot_tokens {self.hot_tokens} must be >= rows_per_request x top_k = "
+                            f"{self.rows_per_request} x {self.top_k} (the request's rows share one hot buffer, "
+                            "which must hold the union of their top-k)")
         if problems:
             raise ValueError("invalid sparse decode engine config: " + "; ".join(problems))
 
@@ -132,9 +161,11 @@ class EngineConfig:
 
 @dataclass
 class LayerResult:
-    """Output of one layer step: attention output ``[B, N, latent]``, the residency
-    step (``[B, ...]``), and the remapped indices int32 ``[B, 1, K]`` into the flat hot
-    buffer of all ``R + 1`` rows (``rows[b] * H + slot``)."""
+    """Output of one layer step: attention output ``[B*n, N, latent]`` per query row,
+    the residency step per request (``[B, ...]``; width ``K``, or ``n*K`` for the union
+    when ``rows_per_request = n > 1``), and the remapped indices int32 ``[B*n, 1, K]``
+    into the flat hot buffer of all ``R + 1`` rows (``rows[b] * H + slot`` for the
+    query rows of request ``b``)."""
 
     output: torch.Tensor
     residency: ResidencyStep
@@ -187,6 +218,11 @@ class SparseDecodeEngine:
         # own gather (``_gather_misses``): no kernel indexes it, so no fused Copy-SFA.
         self._tensor_pool = is_tensor_backed(pool)
         self._copy_sfa_op = copy_sfa if copy_sfa.rung == "fused" and self._tensor_pool else None
+        if self._copy_sfa_op is not None and config.rows_per_request > 1:
+            raise ValueError(f"ops={config.ops!r} selects the fused Copy-SFA operator, which attends one query "
+                             f"token per hot-buffer row; rows_per_request={config.rows_per_request} shares a "
+                             "request's hot buffer between its verify rows: use ops=reference or ops=triton "
+                             "with speculative decoding")
 
         self.hot = HotBuffers(config.layers, config.rows, config.hot_tokens, config.row_dim,
                               config.dtype, self.device)
@@ -261,22 +297,45 @@ class SparseDecodeEngine:
         if self.timing:
             self.times.add("append", time.perf_counter() - t0)
 
+    def set_ranked(self, layer: int, ranked: torch.Tensor) -> None:
+        """Hand a score policy this step's ranking of ``layer``: int32 ``[B*n, D]`` per
+        query row (merged per request when ``rows_per_request = n > 1``)."""
+        n = self.config.rows_per_request
+        ranked = ranked.to(self.device, torch.int32)
+        self.managers[layer].set_ranked(ranked if n == 1 else merge_ranked(ranked, n))
+
     def run_layer(self, layer: int, topk: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor,
                   scale: float) -> LayerResult:
-        """Residency, miss copy, remap and sparse attention of ``layer`` for the batch rows."""
+        """Residency, miss copy, remap and sparse attention of ``layer`` for the batch rows.
+
+        topk int32 ``[B*n, K]``, query ``[B*n, N, latent]`` (``n`` =
+        ``rows_per_request``, request-major); the residency step is per request."""
         if self._req_ids is None:
             raise RuntimeError("begin_step() must be called before run_layer()")
         cfg = self.config
-        if tuple(topk.shape) != (self._batch, cfg.top_k):
-            raise ValueError(f"topk must be [{self._batch}, {cfg.top_k}], got {tuple(topk.shape)}")
+        n = cfg.rows_per_request
+        if tuple(topk.shape) != (self._batch * n, cfg.top_k):
+            raise ValueError(f"topk must be [{self._batch * n}, {cfg.top_k}] ({self._batch} requests x {n} rows), "
+                             f"got {tuple(topk.shape)}")
         self._sync_with_writer(layer)
 
         t0 = self._tick()
         topk_dev = topk.to(self.device, torch.int32)
-        res = self.managers[layer].step_rows(self._rows, topk_dev, self._req_ids, self._stable_len,
-                                             self.step_index)
+        if n == 1:
+            res = self.managers[layer].step_rows(self._rows, topk_dev, self._req_ids, self._stable_len,
+                                                 self.step_index)
+            slots, token_rows = res.slots, self._rows
+            row_selected = row_hits = None
+        else:
+            union = union_of_rows(topk_dev, n)
+            res = self.managers[layer].step_rows(self._rows, union.positions, self._req_ids, self._stable_len,
+                                                 self.step_index)
+            slots, token_rows = row_slots(union, res.slots), self._rows.repeat_interleave(n)
+            row_hit = torch.gather(res.hit_mask, 1, union.columns.reshape(self._batch, -1)).reshape_as(union.valid)
+            row_selected = union.valid.sum(dtype=torch.int64)
+            row_hits = (row_hit & union.valid).sum(dtype=torch.int64)
         t1 = self._tick()
-        flat = self.hot.flat_indices(res.slots, self._rows)
+        flat = self.hot.flat_indices(slots, token_rows)
         if self._copy_sfa_op is not None:  # fused Copy-SFA: copy + attention in one op (full-rows ABI)
             out = self._fused_copy_attention(layer, res, flat, query, query_rope, scale)
             t2 = t1
@@ -294,8 +353,8 @@ class SparseDecodeEngine:
 
         hits = res.hit_mask.sum()
         misses = res.miss_count.sum(dtype=torch.int64)
-        self.stats_acc.record_residency(layer, hits + misses, hits, misses)
-        self.stats_acc.record_rows(layer, self._batch)
+        self.stats_acc.record_residency(layer, hits + misses, hits, misses, row_selected, row_hits)
+        self.stats_acc.record_rows(layer, self._batch * n)
         return LayerResult(output=out, residency=res, flat_indices=flat)
 
     def copy_misses(self, layer: int, res: ResidencyStep) -> None:
@@ -335,7 +394,7 @@ class SparseDecodeEngine:
         that index the hot buffer by their own row (the Triton copy, fused Copy-SFA):
         ``O(R)`` zeroed counts, ``O(B*K)`` scattered lists."""
         n = self.config.rows + 1
-        k = self.config.top_k
+        k = res.miss_tokens.shape[1]
         dev = res.miss_count.device
         count = torch.zeros((n,), dtype=torch.int32, device=dev).index_copy_(0, self._rows, res.miss_count)
         tokens = torch.full((n, k), -1, dtype=torch.int32, device=dev).index_copy_(0, self._rows, res.miss_tokens)

@@ -3,7 +3,12 @@
 Counters: ``selected`` (valid top-k entries), ``hits``, ``misses``, ``h2d_bytes``
 (miss rows copied host -> device), ``d2h_bytes`` (new-token rows appended device ->
 host), ``rows`` (batch rows the engine stepped, summed over steps: its per-step work
-is proportional to this, not to the engine's row capacity). Invariants: ``hits + misses == selected`` and ``h2d_bytes == misses * row_bytes``.
+is proportional to this, not to the engine's row capacity), ``row_selected`` /
+``row_hits`` (the query rows' own top-k entries and those that were resident: with
+several query rows per request, as in speculative verify, a position two rows select
+is one ``selected`` lookup but two ``row_selected`` entries; with one row per request
+the pairs are equal). Invariants: ``hits + misses == selected`` and ``h2d_bytes ==
+misses * row_bytes``.
 
 Device-side counts are accumulated in one int64 device tensor, so recording a step
 never synchronises the device; :meth:`StatsAccumulator.snapshot` reads them.
@@ -29,10 +34,17 @@ class Counters:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     rows: int = 0
+    row_selected: int = 0
+    row_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.selected if self.selected else 0.0
+
+    @property
+    def row_hit_rate(self) -> float:
+        """Share of the query rows' top-k entries that were resident (per-row comparable)."""
+        return self.row_hits / self.row_selected if self.row_selected else 0.0
 
     def __add__(self, other: "Counters") -> "Counters":
         return Counters(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values())))
@@ -40,6 +52,7 @@ class Counters:
     def as_dict(self) -> Dict[str, float]:
         d = asdict(self)
         d["hit_rate"] = self.hit_rate
+        d["row_hit_rate"] = self.row_hit_rate
         return d
 
 
@@ -63,16 +76,21 @@ class StatsAccumulator:
 
     def __init__(self, layers: int, row_bytes: int, device=None):
         self.row_bytes = row_bytes
-        self._dev = torch.zeros((layers, 3), dtype=torch.int64, device=device)  # selected, hits, misses
+        # selected, hits, misses, row_selected, row_hits
+        self._dev = torch.zeros((layers, 5), dtype=torch.int64, device=device)
         self._d2h = [0] * layers
         self._rows = [0] * layers
         self.steps = 0
 
-    def record_residency(self, layer: int, selected: torch.Tensor, hits: torch.Tensor, misses: torch.Tensor) -> None:
-        """Add 0-d device counts of one layer step."""
+    def record_residency(self, layer: int, selected: torch.Tensor, hits: torch.Tensor, misses: torch.Tensor,
+                         row_selected=None, row_hits=None) -> None:
+        """Add 0-d device counts of one layer step (``row_*`` default to the lookups'
+        own: one query row per request)."""
         self._dev[layer, 0] += selected
         self._dev[layer, 1] += hits
         self._dev[layer, 2] += misses
+        self._dev[layer, 3] += selected if row_selected is None else row_selected
+        self._dev[layer, 4] += hits if row_hits is None else row_hits
 
     def record_rows(self, layer: int, rows: int) -> None:
         """Batch rows stepped in one layer step (a host-side count, no device read)."""
@@ -88,7 +106,8 @@ class StatsAccumulator:
         """Current totals (one device -> host read)."""
         dev = self._dev.cpu().tolist()
         per_layer = [
-            Counters(selected=s, hits=h, misses=m, h2d_bytes=m * self.row_bytes, d2h_bytes=d, rows=n)
-            for (s, h, m), d, n in zip(dev, self._d2h, self._rows)
+            Counters(selected=s, hits=h, misses=m, h2d_bytes=m * self.row_bytes, d2h_bytes=d, rows=n,
+                     row_selected=rs, row_hits=rh)
+            for (s, h, m, rs, rh), d, n in zip(dev, self._d2h, self._rows)
         ]
         return DecodeStats(per_layer=per_layer, steps=self.steps)
