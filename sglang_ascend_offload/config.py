@@ -114,10 +114,12 @@ class SparseDecodeOffloadConfig:
         return errs
 
 
-def default_hot_tokens(top_k: int, page_size: Optional[int], factor: int = 2) -> int:
-    """``factor`` x ``top_k`` rounded up to a multiple of ``page_size`` (the served default
-    of ``hot_tokens`` with ``factor=2``; the smallest valid value with ``factor=1``)."""
-    want = factor * top_k
+def default_hot_tokens(top_k: int, page_size: Optional[int], factor: int = 2, rows_per_request: int = 1) -> int:
+    """``max(factor, rows_per_request)`` x ``top_k`` rounded up to a multiple of
+    ``page_size`` (the served default of ``hot_tokens`` with ``factor=2``; the smallest
+    valid value with ``factor=1``). ``rows_per_request``: speculative verify rows per
+    request, which share one hot buffer that must hold the union of their top-k."""
+    want = max(factor, rows_per_request) * top_k
     page = page_size or 1
     return -(-want // page) * page
 
@@ -302,6 +304,7 @@ class Deployment:
     graph_mode: ``eager`` / ``piecewise`` / ``full``.
     speculative_method: ``None`` or e.g. ``mtp``, ``dspark``, ``eagle``;
     speculative_fixed: its number of draft tokens is fixed.
+    speculative_rows: verify rows per request (``--speculative-num-draft-tokens``), where known.
     disaggregation_transfer_backend: SGLang's ``--disaggregation-transfer-backend``.
     """
 
@@ -329,6 +332,7 @@ class Deployment:
     graph_mode: Literal["eager", "piecewise", "full"] = "eager"
     speculative_method: Optional[str] = None
     speculative_fixed: bool = True
+    speculative_rows: Optional[int] = None
 
     def _check(self) -> List[str]:
         errs = []
@@ -337,6 +341,8 @@ class Deployment:
                 errs.append(f"{name} must be >= 1")
         if self.peer_tp is not None and self.peer_tp < 1:
             errs.append("peer_tp must be >= 1")
+        if self.speculative_rows is not None and self.speculative_rows < 1:
+            errs.append("speculative_rows must be >= 1")
         if self.attn_tp is not None and not 1 <= self.attn_tp <= self.tp:
             errs.append("attn_tp must be between 1 and tp")
         for name in ("num_layers", "index_topk", "page_size"):
@@ -539,6 +545,8 @@ RULES: Dict[str, str] = {
     "sparse_decode.hybrid_kv": "hybrid KV cache layouts are not supported (seed 000 §2, §8)",
     "sparse_decode.hot_tokens_topk": "hot_tokens must be >= the model's top-k",
     "sparse_decode.hot_tokens_page": "hot_tokens must be a multiple of the KV page size",
+    "sparse_decode.hot_tokens_verify_rows": "hot_tokens must hold the union of a request's verify rows' top-k "
+                                            "(verify rows x top-k)",
     "sparse_decode.prefill_node": "sparse decode offload is a decode-side feature",
     "sparse_decode.fused_device": "fused LIM / Copy-SFA and npu ops need an Ascend NPU",
     "sparse_decode.speculative": "speculative decoding must have a fixed token count (rows per request)",
@@ -640,6 +648,13 @@ def _check_sparse_decode(config: OffloadConfig, d: Deployment, add) -> None:
         add("sparse_decode.hot_tokens_topk", f"hot_tokens={sd.hot_tokens} < top-k={d.index_topk}",
             f"set hot_tokens >= {least} ({default_hot_tokens(d.index_topk, d.page_size)} recommended: "
             "2 x top-k rounded up to the page size)")
+    verify_rows = d.speculative_rows if d.speculative_method and d.speculative_rows else 1
+    if (verify_rows > 1 and sd.hot_tokens is not None and d.index_topk is not None
+            and sd.hot_tokens < verify_rows * d.index_topk):
+        least = default_hot_tokens(d.index_topk, d.page_size, factor=1, rows_per_request=verify_rows)
+        add("sparse_decode.hot_tokens_verify_rows", f"hot_tokens={sd.hot_tokens} < {verify_rows} verify rows x "
+            f"top-k {d.index_topk}: a request's verify rows share one hot buffer, which must hold the union of "
+            "their top-k", f"set hot_tokens >= {least}, or leave it unset (the default is that with speculation)")
     if sd.hot_tokens is not None and d.page_size is not None and sd.hot_tokens % d.page_size:
         add("sparse_decode.hot_tokens_page", f"hot_tokens={sd.hot_tokens} is not a multiple of the "
             f"page size {d.page_size}",

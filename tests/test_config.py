@@ -43,6 +43,8 @@ CASES = {
     "sparse_decode.hybrid_kv": (SD, dict(hybrid_kv=True)),
     "sparse_decode.hot_tokens_topk": ({"sparse_decode": {"hot_tokens": 1024}}, {}),
     "sparse_decode.hot_tokens_page": ({"sparse_decode": {"hot_tokens": 4100}}, {}),
+    # MTP-3: 4 verify rows x top-k 2048 share one buffer; 4096 holds only two rows' union
+    "sparse_decode.hot_tokens_verify_rows": (SD, dict(speculative_method="mtp", speculative_rows=4)),
     "sparse_decode.prefill_node": (SD, dict(pd_role="prefill")),
     "sparse_decode.fused_device": ({"sparse_decode": {"fused_copy_sfa": True}}, dict(device="cpu")),
     "sparse_decode.speculative": (SD, dict(speculative_method="mtp", speculative_fixed=False)),
@@ -100,6 +102,15 @@ def test_rule_rejects_with_its_name(rule):
 @pytest.mark.parametrize("config", [SD, LW, KV, {**SD, **LW}])
 def test_good_colocated_deployment_passes(config):
     assert _run(config, {}) == []
+
+
+def test_verify_rows_bound_hot_tokens_only_with_speculation():
+    """8192 = 4 verify rows x 2048 passes at MTP-3; without speculation 4096 passes; the
+    rule's fix names the least valid value."""
+    assert _run({"sparse_decode": {"hot_tokens": 8192}}, dict(speculative_method="mtp", speculative_rows=4)) == []
+    assert _run(SD, dict(speculative_rows=4)) == []  # no speculative method: one row per request
+    found = _run(SD, dict(speculative_method="mtp", speculative_rows=3))
+    assert [v.rule for v in found] == ["sparse_decode.hot_tokens_verify_rows"] and "6144" in found[0].fix
 
 
 def test_good_pd_deployments_pass():

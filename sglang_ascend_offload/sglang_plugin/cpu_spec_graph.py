@@ -36,11 +36,12 @@ block table and KV length ``L + j + 1`` (the chain is causal), so the static-sha
 indexer (:func:`.backend.graph_decode_topk`) and attention rows
 (:func:`.backend.graph_decode_rows`) of decode graphs serve it unchanged
 (:func:`verify_graph_metadata`, :func:`fill_verify_graph_buffers`). With sparse decode
-offload the host side of each verify step (:func:`begin_graph_verify`: verify token
-table, owners, committed lengths, the engine's ``begin_step``) runs before every replay
-(the CPU runner calls the backend's ``init_forward_metadata`` outside the graph) and
-fills static row buffers that the graph's per-layer step reads. Padding entries of a
-bucket run on the engine's sink row and attend nothing.
+offload the host side of each verify step (:func:`begin_graph_verify`: one engine row
+per request, shared by its verify rows; owners, committed lengths, the engine's
+``begin_step``) runs before every replay (the CPU runner calls the backend's
+``init_forward_metadata`` outside the graph) and fills static row buffers that the
+graph's per-layer step reads (the residency over the union of each request's rows'
+top-k). Padding entries of a bucket run on the engine's sink row and attend nothing.
 """
 
 from __future__ import annotations
@@ -307,17 +308,16 @@ def fill_verify_graph_buffers(backend: Any, req_pool_indices: torch.Tensor, seq_
 
 def begin_graph_verify(backend: Any, forward_batch: Any) -> None:
     """Host side of a graph verify step with sparse decode offload (outside the graph):
-    the verify token table, each verify row's engine row (``r * n + j``), owner and
-    stable length (the committed length ``L``) in the static row buffers, and the
-    engine's ``begin_step``. Entries beyond the live requests (or on ``req_to_token``
-    row 0, the padding row of SGLang's graph runners) go to the sink row with owner
-    ``-1`` and stable length 0: they select, copy and attend nothing."""
+    each request's engine row (its ``req_to_token`` row, shared by its ``n`` verify
+    rows), owner and stable length (the committed length ``L``) in the static row
+    buffers (entries ``[:bs]`` for the bucket's ``bs`` requests), and the engine's
+    ``begin_step``. Entries beyond the live requests (or on ``req_to_token`` row 0, the
+    padding row of SGLang's graph runners) go to the sink row with owner ``-1`` and
+    stable length 0: their rows select, copy and attend nothing."""
     from .metadata import real_batch_size
-    from .speculative import engine_rows
 
     n = backend.verify_rows_per_request
-    total = backend._graph_batch
-    bs = total // n
+    bs = backend._graph_batch // n
     real = real_batch_size(forward_batch) if getattr(forward_batch, "rids", None) is not None else bs
     pool_rows = [int(r) for r in forward_batch.req_pool_indices[:bs].tolist()]
     live = [i < real and r != 0 for i, r in enumerate(pool_rows)]
@@ -325,27 +325,21 @@ def begin_graph_verify(backend: Any, forward_batch: Any) -> None:
     if len(set(reqs)) != len(reqs):
         raise RuntimeError(f"verify batch names req_to_token rows {reqs} more than once")
     lens = forward_batch.seq_lens[:bs].to("cpu", torch.int64)
-    committed = [int(lens[i]) for i, ok in enumerate(live) if ok]
     rids = getattr(forward_batch, "rids", None)
-    live_rids: List[Optional[Any]] = ([rids[i] for i, ok in enumerate(live) if ok] if rids is not None
-                                      else [None] * len(reqs))
-    table = backend.verify_table
-    table.update(backend.req_to_token_pool.req_to_token, reqs, live_rids, committed)
-    known = rids is not None
-    owners = backend.rows.ids_for(engine_rows(reqs, n), [rid for rid in live_rids for _ in range(n)]
-                                  if known else None)
-    mask = torch.tensor(live, dtype=torch.bool).repeat_interleave(n)
-    rows = torch.full((total,), -1, dtype=torch.int64)
-    req_ids = torch.full((total,), -1, dtype=torch.int64)
-    stable = torch.zeros((total,), dtype=torch.int32)
-    rows[mask] = torch.tensor(engine_rows(reqs, n), dtype=torch.int64)
+    live_rids = [rids[i] for i, ok in enumerate(live) if ok] if rids is not None else None
+    owners = backend.rows.ids_for(reqs, live_rids)
+    mask = torch.tensor(live, dtype=torch.bool)
+    rows = torch.full((bs,), -1, dtype=torch.int64)
+    req_ids = torch.full((bs,), -1, dtype=torch.int64)
+    rows[mask] = torch.tensor(reqs, dtype=torch.int64)
     req_ids[mask] = owners
-    stable[mask] = torch.tensor(committed, dtype=torch.int32).repeat_interleave(n)
-    step = backend.engine.begin_step(req_ids, table.table, stable, rows=rows)
+    stable = torch.where(mask, lens, torch.zeros_like(lens)).to(torch.int32)
+    step = backend.engine.begin_step(req_ids, backend.req_to_token_pool.req_to_token, stable, rows=rows,
+                                     rows_per_request=n)
     g = backend.offload_graph
-    g.rows[:total].copy_(torch.where(mask, rows, torch.full_like(rows, backend.engine.sink_row)))
-    g.req_ids[:total].copy_(req_ids)
-    g.stable[:total].copy_(stable)
+    g.rows[:bs].copy_(torch.where(mask, rows, torch.full_like(rows, backend.engine.sink_row)))
+    g.req_ids[:bs].copy_(req_ids)
+    g.stable[:bs].copy_(stable)
     g.step.fill_(step)
     live_count = len(reqs) * n
     row_bytes = backend.engine.pool.shape.row_bytes

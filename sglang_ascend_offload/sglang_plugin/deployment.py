@@ -130,6 +130,8 @@ def build_deployment(
         graph_mode=graph_mode(get("cuda_graph_config"), bool(get("disable_cuda_graph", False)), pd_role),
         speculative_method=spec_method,
         speculative_fixed=not bool(get("speculative_adaptive", False)),
+        speculative_rows=int(get("speculative_num_draft_tokens")) if spec and get("speculative_num_draft_tokens")
+        else None,
     )
 
 

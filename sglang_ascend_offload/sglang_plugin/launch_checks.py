@@ -171,7 +171,11 @@ def _speculative_violations(view: Any) -> List[cfg.Violation]:
 
 def _sparse_decode_memory(sd: cfg.SparseDecodeOffloadConfig, view: Any, hf_config: Any,
                           deployment: cfg.Deployment) -> List[cfg.Violation]:
-    hot = sd.hot_tokens or cfg.default_hot_tokens(int(hf_config.index_topk), deployment.page_size)
+    spec_tokens = compat.arg(view, "speculative_num_draft_tokens") if compat.arg(view, "speculative_algorithm") \
+        else None
+    verify_rows = int(spec_tokens) if spec_tokens else 1
+    hot = sd.hot_tokens or cfg.default_hot_tokens(int(hf_config.index_topk), deployment.page_size,
+                                                  rows_per_request=verify_rows)
     if hot < 1:
         return []  # reported by the range rule
     given = compat.arg(view, "max_running_requests")
@@ -187,10 +191,6 @@ def _sparse_decode_memory(sd: cfg.SparseDecodeOffloadConfig, view: Any, hf_confi
         host_tokens, host_source = int(total), "--max-total-tokens"
     else:
         host_tokens, host_source = None, ""
-    spec_tokens = compat.arg(view, "speculative_num_draft_tokens") if compat.arg(view, "speculative_algorithm") \
-        else None
-    if spec_tokens:  # one engine row (hot buffer) per verify row
-        rows, rows_source = rows * int(spec_tokens), f"{rows_source}, x {spec_tokens} verify rows per request"
     items = sparse_decode_allocations(hf_config, sd, hot_tokens=hot, rows=rows, rows_source=rows_source,
                                       host_tokens=host_tokens, host_tokens_source=host_source,
                                       device=deployment.device)

@@ -18,7 +18,14 @@ copy time per layer measured by the backend. :class:`OffloadMetrics` turns them 
   ``sglang:ascend_offload_h2d_bytes_total``               counter   bytes host->device
   ``sglang:ascend_offload_d2h_bytes_total``               counter   bytes device->host (appends)
   ``sglang:ascend_offload_copy_seconds_total``            counter   miss-copy time
+  ``sglang:ascend_offload_row_selected_total``            counter   query rows' top-k entries (a
+                                                                    position two verify rows select
+                                                                    counts twice here, once above)
+  ``sglang:ascend_offload_row_hits_total``                counter   those that were resident
   ``sglang:ascend_offload_hit_rate``                      gauge     hits / selected (cumulative)
+  ``sglang:ascend_offload_h2d_bytes_per_step``            gauge     host->device bytes per decode
+                                                                    step (a verify round with
+                                                                    speculation; cumulative)
   ======================================================  ========  ======================
 
 * a one-line summary in the log every ``metrics_log_interval_s`` seconds.
@@ -39,19 +46,21 @@ from ..sparse_decode.stats import Counters, DecodeStats
 logger = logging.getLogger("sglang_ascend_offload.sparse_decode")
 
 METRIC_PREFIX = "sglang:ascend_offload_"
-_COUNTER_FIELDS = ("selected", "hits", "misses", "h2d_bytes", "d2h_bytes")
+_COUNTER_FIELDS = ("selected", "hits", "misses", "h2d_bytes", "d2h_bytes", "row_selected", "row_hits")
 
 
 def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float) -> str:
     """``sparse-decode-offload: steps=.. hit_rate=.. hits=.. misses=.. h2d=..MiB d2h=..MiB
-    copy_ms/layer/step=.. rows/step=.. window=..s`` (``rows/step``: batch rows the engine
-    stepped per decode step, the measure of its per-step work)."""
+    h2d/step=..KiB copy_ms/layer/step=.. rows/step=.. window=..s`` (``rows/step``: query
+    rows the engine stepped per decode step, the measure of its per-step work; a step is
+    one verify round with speculation)."""
     total: Counters = stats.total
     layers = max(1, len(stats.per_layer))
     per_step = 1000.0 * sum(copy_seconds) / layers / max(1, stats.steps)
     return (f"sparse-decode-offload: steps={stats.steps} hit_rate={total.hit_rate:.3f} "
             f"hits={total.hits} misses={total.misses} h2d={total.h2d_bytes / 2**20:.2f}MiB "
-            f"d2h={total.d2h_bytes / 2**20:.2f}MiB copy_ms/layer/step={per_step:.3f} "
+            f"d2h={total.d2h_bytes / 2**20:.2f}MiB h2d/step={total.h2d_bytes / 1024 / max(1, stats.steps):.1f}KiB "
+            f"copy_ms/layer/step={per_step:.3f} "
             f"rows/step={total.rows / layers / max(1, stats.steps):.2f} window={elapsed_s:.0f}s")
 
 
@@ -113,7 +122,7 @@ class OffloadMetrics:
         return _PROMETHEUS[key]
 
     def _export(self, stats: DecodeStats) -> None:
-        counters, gauge = self._prom
+        counters, gauge, per_step = self._prom
         for layer, c in enumerate(stats.per_layer):
             done = self._exported.per_layer[layer]
             values = {key: float(getattr(c, key)) for key in _COUNTER_FIELDS}
@@ -124,6 +133,7 @@ class OffloadMetrics:
                     counters[key].labels(**self._labels, layer=str(layer)).inc(delta)
                     done[key] = value
         gauge.labels(**self._labels).set(stats.total.hit_rate)
+        per_step.labels(**self._labels).set(stats.total.h2d_bytes / max(1, stats.steps))
 
 
 _PROMETHEUS: Dict[tuple, tuple] = {}
@@ -135,6 +145,8 @@ _DOCS = {
     "h2d_bytes": "bytes copied host->device (miss rows)",
     "d2h_bytes": "bytes appended device->host (new token rows)",
     "copy_seconds": "seconds spent copying miss rows host->device",
+    "row_selected": "query rows' top-k entries (speculative verify rows of a request counted one by one)",
+    "row_hits": "query rows' top-k entries already resident",
 }
 
 
@@ -147,4 +159,7 @@ def _create_prometheus(labels: List[str]):
                 for key, doc in _DOCS.items()}
     gauge = Gauge(name=f"{METRIC_PREFIX}hit_rate", documentation="cumulative hit rate of sparse decode offload",
                   labelnames=labels, multiprocess_mode="mostrecent")
-    return counters, gauge
+    per_step = Gauge(name=f"{METRIC_PREFIX}h2d_bytes_per_step",
+                     documentation="host->device bytes per decode step of sparse decode offload (cumulative)",
+                     labelnames=labels, multiprocess_mode="mostrecent")
+    return counters, gauge, per_step

@@ -19,10 +19,11 @@ KV lives in :class:`~.offload_pool.HostMainKVPool`'s host pool:
   padding entries on the engine's sink row): residency, copies, statistics and
   trace rows cost ``O(batch)``, whatever ``--max-running-requests`` is.
 
-* **verify** (speculative decoding, ``TARGET_VERIFY``): the same engine step with one
-  engine row per verify row (``r * n + j``) and the committed length as the stable
-  prefix (:func:`.speculative.begin_verify`); the draft (NextN) model runs the plain
-  backend over its device pool.
+* **verify** (speculative decoding, ``TARGET_VERIFY``): the same engine step; a
+  request's ``n`` verify rows share its engine row and hot buffer (residency over the
+  union of their top-k) with the committed length as the stable prefix
+  (:func:`.speculative.begin_verify`); the draft (NextN) model runs the plain backend
+  over its device pool.
 
 Both paths compute each token's attention from the same rows in the same order as
 the device-KV path, so outputs are bit-identical to offload off (tests hold it).
@@ -233,7 +234,8 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         req_ids = self.rows.ids_for(rows_list, list(rids[:real]) if rids is not None else None)
         stable = forward_batch.seq_lens_cpu[:real].to(torch.int32)
         batch_rows = torch.tensor(rows_list, dtype=torch.int64)
-        self.engine.begin_step(req_ids, self.req_to_token_pool.req_to_token, stable, rows=batch_rows)
+        self.engine.begin_step(req_ids, self.req_to_token_pool.req_to_token, stable, rows=batch_rows,
+                               rows_per_request=1)
         if self.recorder is not None:
             self.recorder.begin_step(stable, req_ids, batch_rows)
         self._batch_rows = batch_rows
@@ -280,7 +282,8 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         rows[mask] = torch.tensor(rows_list, dtype=torch.int64)
         req_ids[mask] = owners
         stable = torch.where(mask, lens, torch.zeros_like(lens)).to(torch.int32)
-        step = self.engine.begin_step(req_ids, self.req_to_token_pool.req_to_token, stable, rows=rows)
+        step = self.engine.begin_step(req_ids, self.req_to_token_pool.req_to_token, stable, rows=rows,
+                                      rows_per_request=1)
         g = self.offload_graph
         g.rows[:bs].copy_(torch.where(mask, rows, torch.full_like(rows, self.engine.sink_row)))
         g.req_ids[:bs].copy_(req_ids)
@@ -330,7 +333,8 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             raise RuntimeError(f"layer {layer.layer_id}: sparse decode offload needs the indexer's top-k "
                                "on every layer (dense layers cannot be served from the hot buffer)")
         cfg = self.engine.config
-        real = self._batch_rows.numel()  # the batch's first ``real`` entries; the rest is DP-attention padding
+        # the batch's first ``real`` query rows (n per request when verifying); the rest is DP-attention padding
+        real = self._batch_rows.numel() * (self.verify_rows_per_request if self._verify else 1)
         local = layer.layer_id - self.start_layer
         dev = self.engine.device
         topk_rows = topk_indices[:real, : cfg.top_k].to(dev, torch.int32)
@@ -359,14 +363,14 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
                                "on every layer (dense layers cannot be served from the hot buffer)")
         cfg = self.engine.config
         g = self.offload_graph
-        bs = q_nope.shape[0]
+        n = self.verify_rows_per_request if self._verify else 1  # query rows per entry
+        bs = q_nope.shape[0] // n
         local = layer.layer_id - self.start_layer
         out, res = decode_layer_step(
             self.engine.managers[local], g.rows[:bs], topk_indices[:, : cfg.top_k].to(torch.int32), g.req_ids[:bs],
             g.stable[:bs], g.step, self.token_to_kv_pool.host_rows(layer.layer_id), self.engine.hot.storage(local),
-            self.verify_table.table if self._verify else self.req_to_token_pool.req_to_token,  # by engine row
-            q_nope, q_pe, layer.scaling, cfg.latent_dim,
-            attention=self.attention_op)
+            self.req_to_token_pool.req_to_token, q_nope, q_pe, layer.scaling, cfg.latent_dim,
+            attention=self.attention_op, rows_per_request=n)
         hits = res.hit_mask.sum()
         misses = res.miss_count.sum(dtype=torch.int64)
         self.engine.stats_acc.record_residency(local, hits + misses, hits, misses)

@@ -58,7 +58,7 @@ class HostMainKVPool(DeviceDSAPool):
                  qk_rope_head_dim: int, layer_num: int, device: str, enable_memory_saver: bool,
                  index_head_dim: Optional[int], *, rows: int, top_k: int,
                  offload: cfg.SparseDecodeOffloadConfig, start_layer: Optional[int] = None,
-                 end_layer: Optional[int] = None, host_pool_kind: str = "pinned"):
+                 end_layer: Optional[int] = None, host_pool_kind: str = "pinned", rows_per_request: int = 1):
         if index_head_dim is None:
             raise ValueError("sparse decode offload needs a DSA model (an indexer cache)")
         if dtype != torch.bfloat16:
@@ -78,7 +78,8 @@ class HostMainKVPool(DeviceDSAPool):
             raise ValueError(f"host_pool_tokens={tokens} is smaller than SGLang's slot space ({slots} = "
                              f"{size} tokens + one padding page): raise host_pool_tokens or lower "
                              "--max-total-tokens")
-        hot_tokens = offload.hot_tokens if offload.hot_tokens is not None else 2 * top_k
+        hot_tokens = offload.hot_tokens if offload.hot_tokens is not None else \
+            cfg.default_hot_tokens(top_k, None, rows_per_request=rows_per_request)
         _require_memory(layer_num, rows, hot_tokens, tokens, kv_lora_rank + qk_rope_head_dim, device)
         # One pool per attention-DP group: TP rank 0 allocates and appends, the others map it
         # and wait for its appends before reading (shared_host_pool.py).
@@ -92,16 +93,18 @@ class HostMainKVPool(DeviceDSAPool):
         self.engine = SparseDecodeEngine(
             EngineConfig(layers=layer_num, rows=rows, hot_tokens=hot_tokens, top_k=top_k,
                          latent_dim=kv_lora_rank, rope_dim=qk_rope_head_dim, dtype=dtype,
-                         policy=offload.policy, ops=offload.ops),
+                         policy=offload.policy, ops=offload.ops, rows_per_request=rows_per_request),
             self.host_pool, device=device if not str(device).startswith("cpu") else "cpu",
             tp_rank=rank_pool.rank, gate=gate,
         )
         self.offload = offload
         self._finalize_allocation_log(size)
         logger.info("sparse decode offload: host pool %.1f MiB (%d slots x %d layers), hot buffers %.1f MiB "
-                    "(%d rows x %d slots x %d layers), index K on %s",
+                    "(%d rows x %d slots x %d layers%s), index K on %s",
                     self.host_pool.shape.nbytes / 2**20, tokens, layer_num, self.engine.hot.nbytes / 2**20,
-                    rows, hot_tokens, layer_num, device)
+                    rows, hot_tokens, layer_num,
+                    f"; one per request, shared by its {rows_per_request} verify rows" if rows_per_request > 1 else "",
+                    device)
 
     # ------------------------------------------------------------------ main KV
     def _no_device_main_kv(self, what: str):
@@ -224,7 +227,8 @@ def build_offload_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_m
     return HostMainKVPool(
         max_total_num_tokens,
         **pool_args(configurator, is_dsa_model=True),
-        rows=rows * verify_rows_per_request(),  # one engine row per verify row (MTP)
+        rows=rows,
+        rows_per_request=verify_rows_per_request(),  # MTP verify rows share their request's hot buffer
         top_k=int(mc.hf_config.index_topk),
         offload=offload,
         start_layer=configurator.layer_info.start_layer,

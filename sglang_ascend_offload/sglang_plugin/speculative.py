@@ -9,10 +9,11 @@ tokens (``ForwardMode.DRAFT_EXTEND_V2``). Only chains are served
 (``--speculative-eagle-topk 1``): verify row ``j`` of a request sits at position
 ``L + j`` over its committed length ``L`` and attends causally.
 
-With sparse decode offload (:func:`begin_verify`, :class:`VerifyTokenTable`): every
-verify row is an engine row of its own (``r * n + j``) whose stable prefix is the
-committed length, so draft positions are never hits, accepted ones hit in later rounds
-and rejected ones are dropped; the draft (NextN) layer keeps its KV on the device
+With sparse decode offload (:func:`begin_verify`): a request's ``n`` verify rows share
+its engine row (its ``req_to_token`` row), one hot buffer and one residency state per
+layer, looked up with the union of the rows' top-k (``sparse_decode/request_union.py``);
+the stable prefix is the committed length, so draft positions are never hits, accepted
+ones hit in later rounds and rejected ones are dropped; the draft (NextN) layer keeps its KV on the device
 (:data:`DRAFT_KV_PLACEMENT`, :func:`build_draft_pool`). Startup limits: rule
 ``sglang.sparse_decode_speculative`` (``launch_checks.py``).
 
@@ -186,21 +187,14 @@ DRAFT_KV_PLACEMENT = "device"
 
 def verify_rows_per_request() -> int:
     """Decode query rows per request of the target model: ``speculative_num_draft_tokens``
-    (``n``) with a speculative algorithm, else 1. The sparse decode engine keeps one
-    residency row and hot buffer per query row, so it is sized ``req_to_token rows x n``."""
+    (``n``) with a speculative algorithm, else 1. The rows of a request share its hot
+    buffer, which holds the union of their top-k (``hot_tokens >= n x top-k``)."""
     from sglang.srt.runtime_context import get_spec
 
     spec = get_spec()
     if not getattr(spec, "speculative_algorithm", None):
         return 1
     return int(spec.speculative_num_draft_tokens)
-
-
-def engine_rows(req_pool_indices: List[int], per_request: int) -> List[int]:
-    """Engine rows of a verify batch: request row ``r`` owns engine rows
-    ``r * n .. r * n + n - 1`` (``n = per_request``), one per verify row, in the
-    batch's request-major token order."""
-    return [r * per_request + j for r in req_pool_indices for j in range(per_request)]
 
 
 def build_draft_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool):
@@ -227,55 +221,20 @@ def is_draft_runner(model_runner: Any) -> bool:
     return bool(getattr(model_runner, "is_draft_worker", False))
 
 
-class VerifyTokenTable:
-    """The engine's token table for verify rows: int32 ``[R * n, W]``, row ``r * n + j``
-    = ``req_to_token[r]`` (``n`` verify rows per request row ``r``; ``W`` = the width of
-    ``req_to_token``). The engine indexes its token table by engine row, and verify
-    rows are engine rows ``r * n + j``.
-
-    Kept incrementally: positions below a request's committed length never change
-    while it lives, so each verify step copies, per request, only ``[committed length
-    at its previous verify step, L + n)`` (the newly committed tokens and this step's
-    draft slots) into its ``n`` rows; the whole ``[0, L + n)`` when the row's request
-    changed or the row was (re)filled by an extend forward since (:meth:`invalidate`).
-    """
-
-    def __init__(self, req_rows: int, per_request: int, width: int, device):
-        self.per_request = per_request
-        self.table = torch.zeros((req_rows * per_request, width), dtype=torch.int32, device=device)
-        self._owner = [None] * req_rows  # request id (SGLang rid) whose slots the rows hold
-        self._valid = [0] * req_rows  # positions [0, valid) hold committed slots of that request
-
-    def invalidate(self, req_rows: List[int]) -> None:
-        for r in req_rows:
-            self._valid[r] = 0
-
-    def update(self, req_to_token: torch.Tensor, req_rows: List[int], rids: List[Any], committed: List[int]) -> None:
-        """Copy the slots request row ``req_rows[i]`` (request ``rids[i]``, committed
-        length ``committed[i]``) needs this step into its ``n`` rows."""
-        n = self.per_request
-        view = self.table.view(-1, n, self.table.shape[1])
-        for r, rid, length in zip(req_rows, rids, committed):
-            start = self._valid[r] if self._owner[r] == rid else 0
-            start = min(start, length)
-            end = length + n
-            view[r, :, start:end] = req_to_token[r, start:end].to(self.table.device)
-            self._owner[r] = rid
-            self._valid[r] = length
-
-
 def begin_verify(backend: Any, forward_batch) -> torch.Tensor:
     """Start the sparse decode engine's step for a ``TARGET_VERIFY`` batch; returns the
-    engine rows (int64 ``[B * n]``) of the verify rows in the batch's token order.
+    engine rows (int64 ``[B]``, the requests' ``req_to_token`` rows, batch order).
 
-    Every verify row is an engine row of its own (``r * n + j`` for request row ``r``,
-    verify row ``j``) with the request's owner id and the **committed length** ``L``
-    (``seq_lens``) as its stable prefix: the rows' positions ``L .. L + n - 1`` hold
-    this step's candidate tokens (written to the host pool by this forward before the
+    The ``n`` verify rows of a request (its query tokens, request-major in the batch)
+    share its engine row: one residency lookup per layer over the union of their top-k,
+    a position several rows select copied once. The stable prefix is the request's
+    **committed length** ``L`` (``seq_lens``): positions ``L .. L + n - 1`` hold this
+    step's candidate tokens (written to the host pool by this forward before the
     attention) and are never hits, since they may be rejected and rewritten. Once
     accepted, a position lies below the next step's committed length and its resident
     row is a hit like any other; a rejected position is at or beyond the next committed
-    length, so the engine drops it from the hot buffer before the next lookup.
+    length, so the engine drops it from the hot buffer before the next lookup. The
+    token table is ``req_to_token`` itself (it holds the draft slots).
     """
     from .metadata import real_batch_size
 
@@ -290,35 +249,22 @@ def begin_verify(backend: Any, forward_batch) -> torch.Tensor:
     if len(set(reqs)) != len(reqs):
         raise RuntimeError(f"verify batch names req_to_token rows {reqs} more than once")
     rids = getattr(forward_batch, "rids", None)
-    rids = list(rids[:real]) if rids is not None else [None] * real
-    committed = [int(v) for v in forward_batch.seq_lens_cpu[:real].tolist()]
-    table = backend.verify_table
-    table.update(backend.req_to_token_pool.req_to_token, reqs, rids, committed)
-    rows = engine_rows(reqs, n)
-    known = bool(rids) and rids[0] is not None
-    req_ids = backend.rows.ids_for(rows, [rid for rid in rids for _ in range(n)] if known else None)
-    stable = torch.tensor(committed, dtype=torch.int32).repeat_interleave(n)
-    batch_rows = torch.tensor(rows, dtype=torch.int64)
-    backend.engine.begin_step(req_ids, table.table, stable, rows=batch_rows)
+    rids = list(rids[:real]) if rids is not None else []
+    req_ids = backend.rows.ids_for(reqs, rids if rids and rids[0] is not None else None)
+    stable = forward_batch.seq_lens_cpu[:real].to(torch.int32)
+    batch_rows = torch.tensor(reqs, dtype=torch.int64)
+    backend.engine.begin_step(req_ids, backend.req_to_token_pool.req_to_token, stable, rows=batch_rows,
+                              rows_per_request=n)
     return batch_rows
 
 
 def attach(backend: Any) -> None:
-    """Speculative state of a :class:`~.offload_backend.SparseDecodeOffloadBackend`
-    (``verify_rows_per_request``, ``verify_table``; none without speculation)."""
-    per = verify_rows_per_request()
-    backend.verify_rows_per_request = per
-    backend.verify_table = None
-    if per > 1:
-        r2t = backend.req_to_token_pool.req_to_token
-        backend.verify_table = VerifyTokenTable(r2t.shape[0], per, r2t.shape[1], backend.engine.device)
+    """Speculative state of a :class:`~.offload_backend.SparseDecodeOffloadBackend`:
+    ``verify_rows_per_request`` (1 without speculation)."""
+    backend.verify_rows_per_request = verify_rows_per_request()
 
 
 def note_forward(backend: Any, forward_batch) -> bool:
-    """Per forward of the target model with offload: an extend (prefill) forward
-    (re)fills its rows' slots, so their verify token table rows are copied afresh at
-    their next verify step. Returns True for a ``TARGET_VERIFY`` batch."""
-    mode = forward_batch.forward_mode
-    if backend.verify_table is not None and mode.is_extend() and not mode.is_target_verify():
-        backend.verify_table.invalidate([int(r) for r in forward_batch.req_pool_indices.tolist()])
-    return mode.is_target_verify() and backend.forward_metadata is not None
+    """Whether this forward of the target model is a ``TARGET_VERIFY`` batch served by
+    the engine."""
+    return forward_batch.forward_mode.is_target_verify() and backend.forward_metadata is not None

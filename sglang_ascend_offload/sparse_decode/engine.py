@@ -244,17 +244,26 @@ class SparseDecodeEngine:
         self._stable_len: Optional[torch.Tensor] = None
         self._token_table: Optional[torch.Tensor] = None
         self._batch = 0
+        self._per_request = 1
 
     # ---------------------------------------------------------------------- a step
     def begin_step(self, req_ids: torch.Tensor, token_table: torch.Tensor, stable_len: torch.Tensor,
-                   step: Optional[int] = None, *, rows: Optional[torch.Tensor] = None) -> int:
+                   step: Optional[int] = None, *, rows: Optional[torch.Tensor] = None,
+                   rows_per_request: Optional[int] = None) -> int:
         """Set the batch of the next decode step; returns its step number.
 
         rows int64 ``[B]``: engine row per batch entry (``-1`` padding); default every
         engine row. req_ids int64 ``[B]``, stable_len int32 ``[B]``; token_table int32
-        ``[T, max_ctx]`` indexed by engine row. Host-side metadata: the only place the
-        step's shapes are checked.
+        ``[T, max_ctx]`` indexed by engine row. rows_per_request: query rows per entry
+        this step (``1 ..`` the configured ``rows_per_request``, its default; a plain
+        decode step of a speculative server has 1). Host-side metadata: the only place
+        the step's shapes are checked.
         """
+        n = self.config.rows_per_request if rows_per_request is None else int(rows_per_request)
+        if not 1 <= n <= self.config.rows_per_request:
+            raise ValueError(f"rows_per_request {n} is outside 1..{self.config.rows_per_request} (the engine's "
+                             "hot buffers hold the union of at most that many rows' top-k)")
+        self._per_request = n
         r = self.config.rows
         if rows is None:
             rows = torch.arange(r, dtype=torch.int64)
@@ -300,7 +309,7 @@ class SparseDecodeEngine:
     def set_ranked(self, layer: int, ranked: torch.Tensor) -> None:
         """Hand a score policy this step's ranking of ``layer``: int32 ``[B*n, D]`` per
         query row (merged per request when ``rows_per_request = n > 1``)."""
-        n = self.config.rows_per_request
+        n = self._per_request
         ranked = ranked.to(self.device, torch.int32)
         self.managers[layer].set_ranked(ranked if n == 1 else merge_ranked(ranked, n))
 
@@ -308,12 +317,12 @@ class SparseDecodeEngine:
                   scale: float) -> LayerResult:
         """Residency, miss copy, remap and sparse attention of ``layer`` for the batch rows.
 
-        topk int32 ``[B*n, K]``, query ``[B*n, N, latent]`` (``n`` =
+        topk int32 ``[B*n, K]``, query ``[B*n, N, latent]`` (``n`` = the step's
         ``rows_per_request``, request-major); the residency step is per request."""
         if self._req_ids is None:
             raise RuntimeError("begin_step() must be called before run_layer()")
         cfg = self.config
-        n = cfg.rows_per_request
+        n = self._per_request
         if tuple(topk.shape) != (self._batch * n, cfg.top_k):
             raise ValueError(f"topk must be [{self._batch * n}, {cfg.top_k}] ({self._batch} requests x {n} rows), "
                              f"got {tuple(topk.shape)}")

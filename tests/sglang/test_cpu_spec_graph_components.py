@@ -9,8 +9,10 @@
   row 0 with arbitrary top-k): live outputs and hit masks equal, attention equal to
   attention over the host pool rows, the padding entries copy nothing and leave the
   live rows' residency as the eager engine's.
-* Negative control: the graph step with the verify rows' token table replaced by
-  ``req_to_token`` (indexed by engine row ``r * n + j``, the wrong table) differs.
+* A request's verify rows share its engine row (its ``req_to_token`` row): the graph
+  step runs ``decode_layer_step`` with ``rows_per_request = n`` over the bucket's
+  request entries, and the hot buffer of the live request equals the eager engine's.
+* Negative control: the graph step over a zeroed token table differs.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from sglang_ascend_offload.sglang_plugin import cpu_spec_graph, speculative
 from sglang_ascend_offload.sglang_plugin.offload_backend import OffloadGraphBuffers, RowOwners
 from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine, decode_layer_step
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
+from sglang_ascend_offload.sparse_decode.request_union import union_of_rows
 
-REQ_ROWS, N, HOT, K, LATENT, ROPE, HEADS, WIDTH = 3, 4, 16, 6, 16, 8, 2, 64
+REQ_ROWS, N, K, LATENT, ROPE, HEADS, WIDTH = 3, 4, 6, 16, 8, 2, 64
+HOT = N * K  # one hot buffer per request holds the union of its rows' top-k
 REQ_ROW = 2
 BUCKET = 2  # requests per bucket: 1 live + 1 padding
 L = 20
@@ -49,14 +53,15 @@ def test_row_lens_are_causal_within_the_chain():
 
 
 def _backend(pool, r2t, graph: bool):
-    engine = SparseDecodeEngine(EngineConfig(layers=1, rows=REQ_ROWS * N, hot_tokens=HOT, top_k=K, latent_dim=LATENT,
-                                             rope_dim=ROPE, dtype=torch.float32, manage_impl="torch"),
+    engine = SparseDecodeEngine(EngineConfig(layers=1, rows=REQ_ROWS, hot_tokens=HOT, top_k=K, latent_dim=LATENT,
+                                             rope_dim=ROPE, dtype=torch.float32, manage_impl="torch",
+                                             rows_per_request=N),
                                 pool, device="cpu")
-    backend = SimpleNamespace(engine=engine, rows=RowOwners(REQ_ROWS * N), req_to_token_pool=SimpleNamespace(
-        req_to_token=r2t), verify_rows_per_request=N, verify_table=speculative.VerifyTokenTable(REQ_ROWS, N, WIDTH, "cpu"),
+    backend = SimpleNamespace(engine=engine, rows=RowOwners(REQ_ROWS), req_to_token_pool=SimpleNamespace(
+        req_to_token=r2t), verify_rows_per_request=N,
         metrics=SimpleNamespace(on_step_end=lambda: None), _batch_rows=None, _graph_batch=BUCKET * N)
     if graph:
-        t = BUCKET * N
+        t = BUCKET
         backend.offload_graph = OffloadGraphBuffers(
             rows=torch.full((t,), engine.sink_row, dtype=torch.int64), req_ids=torch.full((t,), -1, dtype=torch.int64),
             stable=torch.zeros((t,), dtype=torch.int32), step=torch.zeros((), dtype=torch.int64))
@@ -95,8 +100,8 @@ def _graph_step(backend, committed, topk_live, q, q_rope, table=None):
     qq, qr = torch.cat((q, torch.ones_like(q))), torch.cat((q_rope, torch.ones_like(q_rope)))
     eng = backend.engine
     out, res = decode_layer_step(eng.managers[0], g.rows, topk, g.req_ids, g.stable, g.step, eng.pool.layer(0),
-                                 eng.hot.storage(0), backend.verify_table.table if table is None else table, qq, qr,
-                                 0.5, LATENT)
+                                 eng.hot.storage(0), backend.req_to_token_pool.req_to_token if table is None else table,
+                                 qq, qr, 0.5, LATENT, rows_per_request=N)
     return out[:N], res
 
 
@@ -133,18 +138,19 @@ def test_graph_verify_step_equals_eager_verify_bit_for_bit():
     for topk, g_out, g_res, e, ref, graph, eager in steps:
         assert torch.equal(g_out, e.output)
         assert torch.equal(g_out, ref)
-        assert torch.equal(g_res.hit_mask[:N], e.residency.hit_mask)
-        assert int(g_res.miss_count[N:].sum()) == 0  # padding entries copy nothing
-    hits = steps[1][2].hit_mask[:N]
-    assert hits.any() and not (hits & (steps[1][0] >= L + 2)).any()  # accepted rows hit; rejected never
+        assert torch.equal(g_res.hit_mask[:1], e.residency.hit_mask)
+        assert int(g_res.miss_count[1:].sum()) == 0  # padding entries copy nothing
+    union = union_of_rows(steps[1][0], N).positions  # the live request's lookups, as the step saw them
+    hits = steps[1][2].hit_mask[:1]
+    assert hits.any() and not (hits & (union >= L + 2)).any()  # accepted rows hit; rejected never
     graph, eager = steps[-1][5], steps[-1][6]
-    live = slice(REQ_ROW * N, REQ_ROW * N + N)
+    live = slice(REQ_ROW, REQ_ROW + 1)
     assert torch.equal(graph.engine.hot.storage(0)[live], eager.engine.hot.storage(0)[live])
 
 
 def test_wrong_token_table_differs():
-    """Negative control: ``req_to_token`` indexed by engine row is not the verify table."""
-    steps = _rounds(graph_table=lambda backend: torch.zeros((REQ_ROWS * N, WIDTH), dtype=torch.int32))
+    """Negative control: the same step over a zeroed token table attends other rows."""
+    steps = _rounds(graph_table=lambda backend: torch.zeros((REQ_ROWS, WIDTH), dtype=torch.int32))
     assert any(not torch.equal(g_out, ref) for _, g_out, _, _, ref, _, _ in steps)
 
 

@@ -39,6 +39,7 @@ def test_summary_line_numbers():
     line = summary_line(fake.stats, [0.002, 0.004], elapsed_s=30)
     assert "steps=1" in line and "hit_rate=0.750" in line and "hits=12" in line and "misses=4" in line
     assert "copy_ms/layer/step=3.000" in line
+    assert f"h2d/step={2 * 2 * 1152 / 1024:.1f}KiB" in line  # 2 layers x 2 misses x 1152 B in 1 step
 
 
 def test_log_line_is_periodic_and_reads_stats_only_when_due(caplog):
@@ -73,6 +74,7 @@ def test_prometheus_counters_follow_the_engine():
     assert get(f"{METRIC_PREFIX}h2d_bytes_total", labels) == 3 * 1152
     assert get(f"{METRIC_PREFIX}copy_seconds_total", labels) == 0.25
     assert get(f"{METRIC_PREFIX}hit_rate", {"tp_rank": "0"}) == pytest.approx(6 / 9)
+    assert get(f"{METRIC_PREFIX}h2d_bytes_per_step", {"tp_rank": "0"}) == pytest.approx(2 * 3 * 1152 / 2)
 
 
 def test_trace_recorder_is_bounded_and_valid(tmp_path):

@@ -11,6 +11,8 @@ does. Checked bit for bit against attention over the host pool rows themselves:
 * positions at or beyond the committed length are never hits;
 * accepted positions resident from round 1 are hits in round 2;
 * rejected positions are copied again (their new rows, never the stale ones);
+* the rows share the request's engine row and hot buffer: a position several rows
+  select is looked up and copied once;
 * negative control: the same rounds with the draft positions taken as committed
   (stable prefix ``L + n``) attend the stale rows and differ.
 """
@@ -27,8 +29,10 @@ from sglang_ascend_offload.sglang_plugin import speculative
 from sglang_ascend_offload.sglang_plugin.offload_backend import RowOwners
 from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
+from sglang_ascend_offload.sparse_decode.request_union import union_of_rows
 
-REQ_ROWS, N, HOT, K, LATENT, ROPE, HEADS, WIDTH = 3, 4, 16, 6, 16, 8, 2, 64
+REQ_ROWS, N, K, LATENT, ROPE, HEADS, WIDTH = 3, 4, 6, 16, 8, 2, 64
+HOT = N * K  # the request's hot buffer holds the union of its rows' top-k
 REQ_ROW = 1
 L = 20  # committed length of round 1
 
@@ -54,13 +58,13 @@ def _batch(committed: int) -> SimpleNamespace:
 def _setup(manage_impl: str):
     torch.manual_seed(0)
     pool = HostKVPool.allocate(HostPoolShape(1, 256, LATENT, ROPE, torch.float32), "pinned")
-    engine = SparseDecodeEngine(EngineConfig(layers=1, rows=REQ_ROWS * N, hot_tokens=HOT, top_k=K, latent_dim=LATENT,
-                                             rope_dim=ROPE, dtype=torch.float32, manage_impl=manage_impl),
+    engine = SparseDecodeEngine(EngineConfig(layers=1, rows=REQ_ROWS, hot_tokens=HOT, top_k=K, latent_dim=LATENT,
+                                             rope_dim=ROPE, dtype=torch.float32, manage_impl=manage_impl,
+                                             rows_per_request=N),
                                 pool, device="cpu")
     r2t = torch.zeros((REQ_ROWS, WIDTH), dtype=torch.int32)
-    backend = SimpleNamespace(engine=engine, rows=RowOwners(REQ_ROWS * N),
-                              req_to_token_pool=SimpleNamespace(req_to_token=r2t), verify_rows_per_request=N,
-                              verify_table=speculative.VerifyTokenTable(REQ_ROWS, N, WIDTH, "cpu"))
+    backend = SimpleNamespace(engine=engine, rows=RowOwners(REQ_ROWS),
+                              req_to_token_pool=SimpleNamespace(req_to_token=r2t), verify_rows_per_request=N)
     return pool, engine, r2t, backend
 
 
@@ -80,9 +84,9 @@ def _reference(pool, r2t, topk, q, q_rope):
 def _verify_round(backend, pool, r2t, committed, topk, stable_override=None):
     batch = _batch(committed)
     rows = speculative.begin_verify(backend, batch)
-    assert rows.tolist() == [REQ_ROW * N + j for j in range(N)]
+    assert rows.tolist() == [REQ_ROW]  # the request's rows share its engine row
     if stable_override is not None:  # negative control: the engine is told the drafts are committed
-        backend.engine._stable_len = torch.full((N,), stable_override, dtype=torch.int32)
+        backend.engine._stable_len = torch.full((1,), stable_override, dtype=torch.int32)
     q, q_rope = torch.randn(N, HEADS, LATENT), torch.randn(N, HEADS, ROPE)
     result = backend.engine.run_layer(0, topk, q, q_rope, 0.5)
     return result, _reference(pool, r2t, topk, q, q_rope)
@@ -106,7 +110,10 @@ def test_verify_rows_hit_accepted_and_never_rejected_positions(manage_impl):
     topk1 = torch.where(topk1 <= L + torch.arange(N)[:, None], topk1, torch.full_like(topk1, -1))
     r1, ref1 = _verify_round(backend, pool, r2t, L, topk1)
     assert torch.equal(r1.output, ref1)
-    assert not (r1.residency.hit_mask & (topk1 >= L)).any()  # the speculative suffix never hits
+    union1 = union_of_rows(topk1, N).positions
+    assert not (r1.residency.hit_mask & (union1 >= L)).any()  # the speculative suffix never hits
+    distinct = {int(p) for p in topk1.reshape(-1).tolist() if p >= 0}
+    assert int(r1.residency.miss_count.sum()) == len(distinct)  # shared positions copied once
 
     # One draft accepted + the bonus: committed L + 2. Rejected L+2, L+3 get new slots and new rows.
     _write(pool, r2t, [L + 2, L + 3, L + 4, L + 5], [110, 111, 112, 113])
@@ -114,14 +121,12 @@ def test_verify_rows_hit_accepted_and_never_rejected_positions(manage_impl):
     topk2 = torch.where(topk2 <= L + 2 + torch.arange(N)[:, None], topk2, torch.full_like(topk2, -1))
     r2, ref2 = _verify_round(backend, pool, r2t, L + 2, topk2)
     assert torch.equal(r2.output, ref2)
-    hit = r2.residency.hit_mask
-    assert not (hit & (topk2 >= L + 2)).any()  # rejected (rewritten) positions: copied again
-    for j in range(N):  # accepted positions that row j held since round 1 are hits now
-        for pos in (L, L + 1):
-            held = bool((topk1[j] == pos).any())
-            col = (topk2[j] == pos).nonzero()
-            if held and col.numel():
-                assert bool(hit[j, col[0, 0]]), (j, pos)
+    hit = r2.residency.hit_mask[0]
+    union2 = union_of_rows(topk2, N).positions[0]
+    assert not (hit & (union2 >= L + 2)).any()  # rejected (rewritten) positions: copied again
+    for pos in (L, L + 1):  # accepted positions resident since round 1 are hits now
+        col = (union2 == pos).nonzero()
+        assert col.numel() and bool(hit[col[0, 0]]), pos
     assert hit.any()
 
 
@@ -137,24 +142,6 @@ def test_drafts_taken_as_committed_attend_stale_rows():
     topk2 = _topk(L + 2, [L, L + 1, L + 2, L + 3])
     r2, ref2 = _verify_round(backend, pool, r2t, L + 2, topk2, stable_override=L + 2 + N)
     assert not torch.equal(r2.output, ref2)
-
-
-def test_verify_token_table_copies_only_new_positions_and_refills_on_a_new_request():
-    r2t = torch.arange(REQ_ROWS * WIDTH, dtype=torch.int32).view(REQ_ROWS, WIDTH)
-    table = speculative.VerifyTokenTable(REQ_ROWS, N, WIDTH, "cpu")
-    table.update(r2t, [2], ["a"], [10])
-    view = table.table.view(REQ_ROWS, N, WIDTH)
-    assert torch.equal(view[2, :, :10 + N], r2t[2, :10 + N].expand(N, -1))
-    r2t[2, 5] = -7  # below the committed length of a live request: never rewritten, so never re-read
-    r2t[2, 12] = -8  # a draft slot of the next round
-    table.update(r2t, [2], ["a"], [11])
-    assert int(view[2, 0, 5]) != -7 and bool((view[2, :, 12] == -8).all())
-    table.update(r2t, [2], ["b"], [11])  # a new request on the row: copied afresh
-    assert bool((view[2, :, 5] == -7).all())
-    table.invalidate([2])
-    r2t[2, 6] = -9
-    table.update(r2t, [2], ["b"], [11])  # re-filled by an extend (e.g. after a retraction)
-    assert bool((view[2, :, 6] == -9).all())
 
 
 def test_variable_draft_counts_are_refused():
