@@ -429,15 +429,17 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             raise RuntimeError("sparse decode offload: decode graphs with a host pool shared by several TP ranks "
                                "are not wired (TP rank 0 publishes each layer's appends from the host); run "
                                "decode eagerly or with attention TP 1")
-        if max_bs > self.engine.config.rows:
-            raise RuntimeError(f"decode graphs up to batch {max_bs} but the engine has {self.engine.config.rows} "
+        # A verify graph's entries are requests (their n verify rows share one engine row).
+        requests = max_bs // max(1, cpu_spec_graph.verify_width_of(self))
+        if requests > self.engine.config.rows:
+            raise RuntimeError(f"decode graphs up to batch {requests} but the engine has {self.engine.config.rows} "
                                "rows (--max-running-requests + 1): lower the graph batch sizes")
         super().init_cuda_graph_state(max_bs, max_num_tokens)
         dev = self.engine.device
         self.offload_graph = OffloadGraphBuffers(
-            rows=torch.full((max_bs,), self.engine.sink_row, dtype=torch.int64, device=dev),
-            req_ids=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-            stable=torch.zeros((max_bs,), dtype=torch.int32, device=dev),
+            rows=torch.full((requests,), self.engine.sink_row, dtype=torch.int64, device=dev),
+            req_ids=torch.full((requests,), -1, dtype=torch.int64, device=dev),
+            stable=torch.zeros((requests,), dtype=torch.int32, device=dev),
             step=torch.zeros((), dtype=torch.int64, device=dev),
         )
 
