@@ -23,7 +23,9 @@ Per request of a forward (``prefix_len`` cached tokens, ``seq_len`` after the fo
 min(P, seq_len - j P)`` rows after the forward:
 
 * ``n_prefix > 0``: the cached rows are loaded from the store (the page must be
-  known with exactly ``n_prefix`` rows saved, or a full page);
+  known with exactly ``n_prefix`` rows saved, or a full page; a page this forward
+  continues may hold up to ``n_total``: a speculative verify saved candidate rows
+  beyond the next committed length, and this forward rewrites them);
 * ``n_total > n_prefix``: new rows are written by the forward, and the page's rows
   ``[0, n_total)`` are saved under the new key (a page continued from ``n_prefix``
   rows keeps its generation; a fresh page gets a new one).
@@ -117,13 +119,17 @@ class PageBook:
     """page -> (generation, rows saved) for every page this pool has written.
 
     Updated when a forward is planned (the scheduler thread, one forward at a time).
+    ``speculative_tails``: the server verifies speculative drafts, so a continued page may
+    hold rejected candidate rows beyond its cached rows (see :meth:`_cached_key`); off,
+    a page must hold exactly its cached rows.
     """
 
-    def __init__(self, page_size: int, namespace: str):
+    def __init__(self, page_size: int, namespace: str, speculative_tails: bool = False):
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
         self.namespace = namespace
+        self.speculative_tails = speculative_tails
         self._state: Dict[int, Tuple[int, int]] = {}
         self._gen = itertools.count(1)
 
@@ -143,8 +149,15 @@ class PageBook:
         """Every page this book has a state for."""
         return tuple(self._state)
 
-    def _cached_key(self, page: int, rows: int, req: BatchRequest) -> BlockKey:
+    def _cached_key(self, page: int, rows: int, req: BatchRequest, rewritten_to: int = 0) -> BlockKey:
+        """The host object of ``page``'s first ``rows`` cached rows. ``rewritten_to``: this
+        forward writes the page's rows ``[rows, rewritten_to)``; a saved object may then
+        hold more than ``rows`` rows (up to ``rewritten_to``): a speculative verify saved
+        its candidate rows and the tail beyond the new committed length was rejected. The
+        whole object is loaded and the forward overwrites the tail before any read."""
         st = self._state.get(page)
+        if self.speculative_tails and st is not None and rows < st[1] <= rewritten_to:
+            return BlockKey(self.digest(page, st[0]), 0, st[1])
         if st is None or st[1] != rows:
             have = "nothing" if st is None else f"{st[1]} rows (generation {st[0]})"
             raise PageBookError(
@@ -189,7 +202,7 @@ class PageBook:
                     if old is not None:
                         stale.append(BlockKey(self.digest(page, old[0]), 0, old[1]))
                 else:  # the owner appends to its partial page
-                    load = self._cached_key(page, n_prefix, req)
+                    load = self._cached_key(page, n_prefix, req, rewritten_to=n_total)
                     gen = old[0]
                     stale.append(load)
                 save = BlockKey(self.digest(page, gen), 0, n_total)

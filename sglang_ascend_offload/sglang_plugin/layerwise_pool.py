@@ -53,8 +53,14 @@ token, and saves the request's last page again. Results are identical to the dev
 pool; the cost is the full context per pipelined layer per step.
 
 Requirements (checked at startup by :mod:`.layerwise_rules`): the ``ascend_offload``
-attention backend, eager forwards with buffer reuse, no speculative / draft workers,
-no two-batch overlap, no HiCache, no sparse decode offload in the same server.
+attention backend, eager forwards with buffer reuse, no two-batch overlap, no HiCache,
+no sparse decode offload in the same server. With speculative decoding (NextN / MTP)
+the draft model's layer is numbered after the base layers and planned as an
+independent layer: a dedicated device buffer in SGLang's slot space, never loaded or
+saved (``speculative.build_draft_pool``). It cannot share a buffer with a base layer,
+because the draft runner's forwards (draft extend after every verify, the draft decode
+steps) interleave with the target's and would each need a load and save of the shared
+buffer; one layer of device KV costs less.
 """
 
 from __future__ import annotations
@@ -147,14 +153,15 @@ class LayerwisePrefillPool(DeviceDSAPool):
     enable_memory_saver / index_head_dim / start_layer / end_layer: as SGLang's NPU MLA
     pool. offload: the feature config. store: the host KV store (default
     ``make_store(offload)``; only built when some buffer is shared). namespace: host
-    key prefix (made unique per pool instance).
+    key prefix (made unique per pool instance). speculative: the server verifies
+    speculative drafts (a continued page may hold rejected candidate rows).
     """
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int,
                  qk_rope_head_dim: int, layer_num: int, device: str, enable_memory_saver: bool,
                  index_head_dim: Optional[int], *, offload: cfg.LayerwisePrefillOffloadConfig,
                  store: Optional[HostKVStore] = None, namespace: str = "sglang",
-                 start_layer: Optional[int] = None, end_layer: Optional[int] = None):
+                 start_layer: Optional[int] = None, end_layer: Optional[int] = None, speculative: bool = False):
         if offload.store_block_tokens not in (None, page_size):
             raise ValueError(f"store_block_tokens={offload.store_block_tokens}: the SGLang pool stores one "
                              f"object per KV page ({page_size} tokens); leave it unset")
@@ -184,7 +191,7 @@ class LayerwisePrefillPool(DeviceDSAPool):
         self._pipelined_set = frozenset(self.pipelined)
         self._pos = {l: i for i, l in enumerate(self.plan.order)}
         self.namespace = f"{namespace}/{uuid.uuid4().hex[:12]}"
-        self.pagebook = PageBook(page_size, self.namespace)
+        self.pagebook = PageBook(page_size, self.namespace, speculative_tails=speculative)
         self.store: Optional[HostKVStore] = None
         self.pipe: Optional[SlotPipeline] = None
         if self.pipelined:
@@ -490,8 +497,11 @@ def build_layerwise_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa
     offload = carrier.active_config().layerwise_prefill
     if offload is None:
         raise RuntimeError("build_layerwise_pool called without a layerwise prefill offload config")
-    if configurator.is_draft_worker:
-        raise ValueError("layerwise prefill offload does not run draft (MTP / speculative) workers yet")
+    from .speculative import build_draft_pool, verify_rows_per_request
+
+    if configurator.is_draft_worker:  # the NextN / MTP layer: its own dedicated buffer (speculative.py)
+        return build_draft_pool(configurator, max_total_num_tokens=max_total_num_tokens, is_dsa_model=is_dsa_model,
+                                feature="layerwise prefill offload")
     from sglang.srt.runtime_context import get_parallel
 
     mc = configurator.model_config
@@ -506,6 +516,7 @@ def build_layerwise_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa
                              tp_rank),
         start_layer=configurator.layer_info.start_layer,
         end_layer=configurator.layer_info.end_layer,
+        speculative=verify_rows_per_request() > 1,
     )
     if pool.pipelined and _disaggregation_mode() != "prefill":
         logger.warning("layerwise prefill offload on a colocated server: decode steps reload every request's "

@@ -10,7 +10,9 @@ rule                              when
 ``sglang.layerwise_backend``      an attention backend other than ``ascend_offload`` (the pool
                                   is built only for it and reads its forward metadata)
 ``sglang.layerwise_sparse_decode``  sparse decode offload on as well (both replace the KV pool)
-``sglang.layerwise_speculative``  a speculative algorithm (draft / MTP workers are not wired)
+``sglang.layerwise_speculative``  speculation other than the NextN / MTP chain (``EAGLE`` / ``NEXTN``
+                                  with ``--speculative-eagle-topk 1``, the served and tested form;
+                                  its draft layer is an independent layer of the plan)
 ``sglang.layerwise_tbo``          two-batch overlap or PD-multiplexing (interleaved forwards)
 ``sglang.layerwise_hicache``      ``--enable-hierarchical-cache`` (owns the layer counter)
 ``sglang.layerwise_pp``           pipeline parallelism (per-stage plans are not wired / tested)
@@ -57,9 +59,16 @@ def layerwise_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Viola
         add("sglang.layerwise_sparse_decode", "sparse decode offload and layerwise prefill offload are both on "
             "in one server", "enable layerwise prefill offload on the prefill node and sparse decode offload "
             "on the decode node")
-    if compat.arg(view, "speculative_algorithm"):
-        add("sglang.layerwise_speculative", f"speculative algorithm {view.speculative_algorithm!r}",
-            "drop the speculative decoding flags (draft / MTP layers are not wired into the layerwise pool)")
+    algo = compat.arg(view, "speculative_algorithm")
+    if algo:
+        eagle_topk = compat.arg(view, "speculative_eagle_topk")
+        if str(algo).upper() not in ("EAGLE", "NEXTN"):
+            add("sglang.layerwise_speculative", f"speculative algorithm {algo!r} with layerwise prefill offload: "
+                "only the NextN / MTP draft (EAGLE / NEXTN) is wired (its layer gets a dedicated buffer)",
+                "use --speculative-algorithm NEXTN, or drop the speculative decoding flags")
+        if eagle_topk is not None and int(eagle_topk) != 1:
+            add("sglang.layerwise_speculative", f"--speculative-eagle-topk {eagle_topk}: a draft tree; layerwise "
+                "prefill offload is served and tested with draft chains", "use --speculative-eagle-topk 1")
     for flag in ("enable_two_batch_overlap", "enable_pdmux"):
         if compat.arg(view, flag):
             add("sglang.layerwise_tbo", f"--{flag.replace('_', '-')} interleaves forwards layer by layer",

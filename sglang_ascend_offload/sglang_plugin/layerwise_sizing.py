@@ -7,8 +7,9 @@ which already special-cases SGLang's own NPU sparse KV offload). With layerwise 
 offload the device holds ``physical`` of ``N`` layer caches, so the per-token device
 cost is ``cell * physical / N`` (the indexer follows its main buffer, so the same ratio
 applies to it). An AROUND hook on ``_compute_cell_size`` applies that ratio when the
-feature is on and the ``ascend_offload`` backend serves the model (target workers only;
-draft workers are rejected at startup anyway); the same memory then holds
+feature is on and the ``ascend_offload`` backend serves the model (a speculative draft
+worker's single layer plans as one physical cache, so its size is unchanged, as its
+device pool is); the same memory then holds
 ``N / physical`` times more tokens. ``--max-total-tokens`` still caps the result.
 """
 

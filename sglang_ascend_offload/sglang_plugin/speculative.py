@@ -197,8 +197,11 @@ def verify_rows_per_request() -> int:
     return int(spec.speculative_num_draft_tokens)
 
 
-def build_draft_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool):
-    """The draft (NextN / MTP) model's KV pool with sparse decode offload on.
+def build_draft_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool,
+                     feature: str = "sparse decode offload"):
+    """The draft (NextN / MTP) model's KV pool with an offload feature on (``feature``:
+    sparse decode offload, or layerwise prefill offload, whose plan takes the draft
+    layer as an independent layer).
 
     Placement ``device`` (:data:`DRAFT_KV_PLACEMENT`): the draft layer keeps its whole
     main KV and index K on the device in SGLang's slot space (the plain
@@ -211,8 +214,8 @@ def build_draft_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_mod
 
     pool = build_device_pool(configurator, max_total_num_tokens=max_total_num_tokens, is_dsa_model=is_dsa_model)
     layers = configurator.layer_info.num_effective_layers
-    logger.info("sparse decode offload: draft (NextN) KV placement %s: %d layer(s) x %d tokens on %s "
-                "(the target's layers are offloaded)", DRAFT_KV_PLACEMENT, layers, max_total_num_tokens,
+    logger.info("%s: draft (NextN) KV placement %s: %d layer(s) x %d tokens on %s "
+                "(the target's layers are offloaded)", feature, DRAFT_KV_PLACEMENT, layers, max_total_num_tokens,
                 configurator.device)
     return pool
 

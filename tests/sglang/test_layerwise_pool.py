@@ -494,6 +494,28 @@ def test_page_book_plans_loads_saves_and_stale_objects():
         book.plan([BatchRequest(0, 6, 8, (3, 5))])
 
 
+def test_page_book_loads_a_rejected_speculative_tail_that_the_forward_rewrites():
+    """A verify saved 3 rows of page 5 (committed 1 + 2 candidates); one candidate was
+    rejected, so the next verify continues from 2 cached rows and rewrites rows 2-3:
+    the 3-row object is loaded whole. Without speculation the same plan is refused, and
+    a saved tail longer than what the forward rewrites is refused either way."""
+    from sglang_ascend_offload.sglang_plugin.layerwise_pages import BatchRequest, PageBook, PageBookError
+
+    for speculative in (True, False):
+        book = PageBook(page_size=4, namespace="ns", speculative_tails=speculative)
+        book.plan([BatchRequest(0, 0, 7, (3, 5))])  # page 5: 3 rows saved
+        if not speculative:
+            with pytest.raises(PageBookError, match="page 5 should hold 2"):
+                book.plan([BatchRequest(0, 6, 8, (3, 5))])
+            continue
+        with pytest.raises(PageBookError, match="page 5 should hold 1"):  # rewrites only row 1: tail of 3 > 2
+            book.plan([BatchRequest(0, 5, 6, (3, 5))])
+        plan = book.plan([BatchRequest(0, 6, 8, (3, 5))])
+        page5 = {e.page: e for e in plan.entries}[5]
+        assert page5.load.tokens == 3 and page5.save.tokens == 4
+        assert [b.tokens for b in plan.stale] == [3]
+
+
 # ------------------------------------------------------------------ Memcache (Ascend)
 @pytest.mark.npu
 @pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and memcache-hybrid")

@@ -35,6 +35,8 @@ def lw(**kw):
 
 def test_a_servable_setup_has_no_violation():
     assert layerwise_violations(lw(shared_buffers=2), view()) == []
+    # the NextN / MTP chain: its draft layer is an independent layer of the plan
+    assert layerwise_violations(lw(), view(speculative_algorithm="NEXTN", speculative_eagle_topk=1)) == []
     assert layerwise_violations(cfg.OffloadConfig(), view(attention_backend="torch_native")) == []
 
 
@@ -43,7 +45,8 @@ def test_a_servable_setup_has_no_violation():
     (lw(), view(decode_attention_backend="fa3"), "sglang.layerwise_backend"),
     (cfg.OffloadConfig(layerwise_prefill=cfg.LayerwisePrefillOffloadConfig(store_backend="local"),
                        sparse_decode=cfg.SparseDecodeOffloadConfig()), view(), "sglang.layerwise_sparse_decode"),
-    (lw(), view(speculative_algorithm="EAGLE"), "sglang.layerwise_speculative"),
+    (lw(), view(speculative_algorithm="STANDALONE"), "sglang.layerwise_speculative"),
+    (lw(), view(speculative_algorithm="EAGLE", speculative_eagle_topk=4), "sglang.layerwise_speculative"),
     (lw(), view(enable_two_batch_overlap=True), "sglang.layerwise_tbo"),
     (lw(), view(enable_pdmux=True), "sglang.layerwise_tbo"),
     (lw(), view(enable_hierarchical_cache=True), "sglang.layerwise_hicache"),
