@@ -18,12 +18,20 @@ and must never hit), and the bonus token is the target's prediction after the
 accepted row, so the output still depends on every verify row's attention. The
 verify-row residency itself is checked bit for bit in ``test_speculative_verify_rows.py``.
 
-Two servers for the module, started together.
+The same speculation with layerwise prefill offload (``shared_buffers 1,
+independent_layers []``: both base layers share one device buffer, so every target
+forward, verify included, loads and saves through the pipeline; the draft layer is
+the plan's independent layer) is token-identical to the plain server as well: a
+verify saves its candidate rows with the page, and the next verify continues a page
+whose saved object holds the rejected ones.
+
+Three servers for the module, started together.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -39,6 +47,9 @@ SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--s
         "--speculative-num-draft-tokens", "4"]
 COMMON = ["--max-running-requests", "4"] + SPEC + IDLE_SLEEP
 SIMULATED_ACCEPT = {"SGLANG_SIMULATE_ACC_LEN": "2", "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}
+LAYERWISE = ["--enable-layerwise-prefill-offload", "--layerwise-prefill-offload-config",
+             json.dumps({"shared_buffers": 1, "independent_layers": [], "store_backend": "local",
+                         "wait_timeout_s": 60})]
 
 
 def prompt(n: int, seed: int) -> list:
@@ -53,10 +64,13 @@ def servers(tmp_path_factory):
     offload = ServerProcess(COMMON + ["--enable-metrics", "--enable-sparse-decode-offload",
                                       "--sparse-decode-offload-config", json.dumps({"hot_tokens": HOT_TOKENS})],
                             log_path=root / "offload.log", base_args=base, env=SIMULATED_ACCEPT)
-    start_all(dense, offload)
-    print(f"\nstartup: dense {dense.startup_s:.1f} s, offload {offload.startup_s:.1f} s (concurrent)")
-    yield dense, offload
-    stop_all(dense, offload)
+    layerwise = ServerProcess(COMMON + LAYERWISE, log_path=root / "layerwise.log", base_args=base,
+                              env=SIMULATED_ACCEPT)
+    start_all(dense, offload, layerwise)
+    print(f"\nstartup: dense {dense.startup_s:.1f} s, offload {offload.startup_s:.1f} s, layerwise "
+          f"{layerwise.startup_s:.1f} s (concurrent)")
+    yield dense, offload, layerwise
+    stop_all(dense, offload, layerwise)
 
 
 def _run(srv: ServerProcess) -> list:
@@ -75,7 +89,7 @@ def _run(srv: ServerProcess) -> list:
 
 
 def test_speculative_offload_on_and_off_are_token_identical(servers):
-    dense, offload = servers
+    dense, offload, _ = servers
     want, got = _run(dense), _run(offload)
     for d, o in zip(want, got):
         assert len(o["output_ids"]) == 20
@@ -91,7 +105,7 @@ def test_speculative_offload_on_and_off_are_token_identical(servers):
 def test_verify_rows_went_through_the_residency(servers):
     """With speculation every target decode forward is a verify; the offload server's
     engine counters show its rows hit and missed (hits: accepted rows and the prefix)."""
-    _, offload = servers
+    _, offload, _ = servers
     offload.generate(prompt(90, seed=60), max_new_tokens=8)
     text = offload.get("/metrics")
 
@@ -100,3 +114,29 @@ def test_verify_rows_went_through_the_residency(servers):
                    if line.startswith(f"sglang:ascend_offload_{name}{{"))
 
     assert total("hits_total") > 0 and total("misses_total") > 0
+
+
+def _run_layerwise(srv: ServerProcess) -> list:
+    """A cached prefix shared by a concurrent wave, then prompts across pages."""
+    prefix = prompt(90, seed=5)
+    srv.generate(prefix, max_new_tokens=1)
+    wave = [prefix + prompt(10 + 3 * i, seed=30 + i) for i in range(3)]
+    with ThreadPoolExecutor(len(wave)) as ex:
+        outs = list(ex.map(lambda p: srv.generate(p, max_new_tokens=14, return_logprob=True), wave))
+    for n in (7, 65, 130):
+        outs.append(srv.generate(prompt(n, seed=n), max_new_tokens=14, return_logprob=True))
+    return outs
+
+
+def test_layerwise_speculative_is_token_identical(servers):
+    dense, _, layerwise = servers
+    want, got = _run_layerwise(dense), _run_layerwise(layerwise)
+    for w, g in zip(want, got):
+        assert len(g["output_ids"]) == 14
+        assert g["output_ids"] == w["output_ids"]
+        assert g["meta_info"]["output_token_logprobs"] == w["meta_info"]["output_token_logprobs"]
+        assert g["meta_info"]["spec_verify_ct"] > 0 and g["meta_info"]["spec_accept_length"] > 1.0
+    log = layerwise.log_path.read_text(errors="replace")
+    assert re.search(r"pipelined layers \[0, 1\] \(host store local\), dedicated \[\]", log)  # both share
+    assert re.search(r"layerwise prefill offload: draft \(NextN\) KV placement device: 1 layer", log)
+    assert "Traceback" not in log
