@@ -1,4 +1,4 @@
-"""Score-aware eviction study (issue 15): LRU, the score policies and the optimum on
+"""Score-aware eviction study: LRU, the score policies and the optimum on
 latent-score traces over several seeds and top-k sizes, plus an *oracle-latent* bound.
 
     .venv/bin/python scripts/score_rank_study.py --top-k 64 --seeds 0,1,2 \

@@ -11,7 +11,7 @@ Two kinds of problems are reported, and both list **every** problem at once:
   the deployment (device, model, parallelism, P/D role, graph mode, speculative
   decoding) cannot run. Each :class:`Violation` names its rule and what to change.
 
-The rules encode the limits of the specification (seed 000 §8 and seed 002 §6);
+The rules encode what each feature supports (docs/<feature>.md explains the limits);
 the rule ids are listed in :data:`RULES` and in docs/configuration.md.
 """
 
@@ -38,7 +38,8 @@ ResidencyPolicy = Literal[tuple(_POLICIES)]
 
 @dataclass(frozen=True)
 class SparseDecodeOffloadConfig:
-    """Sparse decode offload (seed 000 §4).
+    """Sparse decode offload: the main KV stays in a host pool; each decode step moves to
+    the device hot buffers only the top-k rows not yet resident (docs/sparse_decode.md).
 
     hot_tokens: device slots per layer and decode row; ``None`` = 2 x top-k rounded up
         to a multiple of the KV page size (:func:`default_hot_tokens`).
@@ -150,7 +151,8 @@ class MemcacheConfig:
 
 @dataclass(frozen=True)
 class LayerwisePrefillOffloadConfig:
-    """Layerwise prefill offload (seed 000 §3).
+    """Layerwise prefill offload: layers share fewer device buffers, each layer's KV saved to
+    a host store once written and reloaded ahead of its compute (docs/layerwise_prefill.md).
 
     shared_buffers: B, reusable physical buffers; ``None`` = one per layer (no reuse).
     independent_layers: layers with a dedicated buffer (default ``[0]``), or ``"all"``.
@@ -199,7 +201,8 @@ class LayerwisePrefillOffloadConfig:
 
 @dataclass(frozen=True)
 class PDTransferConfig:
-    """Remote device-to-host P/D transfer (seed 000 §5-7).
+    """Remote device-to-host P/D transfer: decode pulls each prefill layer into its host
+    pool (docs/pd_transfer.md).
 
     engine: ``memfabric`` (Ascend production) or ``mooncake`` (TCP on CPU, RDMA elsewhere).
     protocol: MemFabric data path; prefill and decode must match.
@@ -250,13 +253,13 @@ class PDTransferConfig:
 
 @dataclass(frozen=True)
 class KVPPConfig:
-    """KV layer parallelism (seed 002): KV sharded by layer across the TP group.
+    """KV layer parallelism: KV sharded by layer across the TP group (docs/kvpp.md).
 
     prefetch: broadcast the next layer while the current one computes.
     scratch_alignment_bytes: alignment of the two scratch buffers (2 MiB).
     broadcast: ``active`` (only the KV pages the forward's requests read, gathered
     into a contiguous staging buffer) or ``full`` (the whole layer bundle, every
-    allocated block, as seed 002 §5.2 describes).
+    allocated block: the simple scheme, kept for comparison).
     """
 
     prefetch: bool = True
@@ -534,15 +537,17 @@ def to_json(obj: Any) -> str:
 # ------------------------------------------------------------------ validation
 #: Every rule :func:`validate` enforces: id -> where it comes from.
 RULES: Dict[str, str] = {
-    # sparse decode offload (seed 000 §4, §8)
+    # sparse decode offload (docs/sparse_decode.md)
     "sparse_decode.model": "needs a DSA model (MLA latent KV + indexer + top-k sparse attention)",
-    "sparse_decode.main_kv_dtype": "main KV must be BF16 (seed 000 §8)",
-    "sparse_decode.main_kv_packing": "packed C8 / TQ4 main caches are rejected (seed 000 §8)",
-    "sparse_decode.context_parallel": "DP and TP are supported; CP (cp, pcp, dcp) is rejected (seed 000 §8)",
-    "sparse_decode.pipeline_parallel": "PP is rejected (seed 000 §8)",
-    "sparse_decode.soc_950": "Ascend 950PR/950DT are rejected, keep-device-cache and overlap paths included (seed 000 §8)",
+    "sparse_decode.main_kv_dtype": "main KV must be BF16: the host pool, the hot buffers and Copy-SFA "
+                                   "hold bf16 rows",
+    "sparse_decode.main_kv_packing": "packed C8 / TQ4 main caches are rejected: rows move between host and "
+                                     "device unpacked",
+    "sparse_decode.context_parallel": "DP and TP are supported; CP (cp, pcp, dcp) is rejected",
+    "sparse_decode.pipeline_parallel": "PP is rejected",
+    "sparse_decode.soc_950": "Ascend 950PR/950DT are rejected, keep-device-cache and overlap paths included",
     "sparse_decode.soc_unknown": "the installed CANN build must say the SoC is not an Ascend 950 (an undecided SoC is refused)",
-    "sparse_decode.hybrid_kv": "hybrid KV cache layouts are not supported (seed 000 §2, §8)",
+    "sparse_decode.hybrid_kv": "hybrid KV cache layouts are not supported",
     "sparse_decode.hot_tokens_topk": "hot_tokens must be >= the model's top-k",
     "sparse_decode.hot_tokens_page": "hot_tokens must be a multiple of the KV page size",
     "sparse_decode.hot_tokens_verify_rows": "hot_tokens must hold the union of a request's verify rows' top-k "
@@ -553,25 +558,28 @@ RULES: Dict[str, str] = {
     "sparse_decode.rank_depth_topk": "rank_depth must be >= the model's top-k (the ranking starts with the top-k)",
     "sparse_decode.score_speculative": "score-aware policies (rank_depth) are not wired for speculative verify rows",
     "sparse_decode.kvpp": "KVPP shards the device main KV, which sparse decode offload keeps on the host",
-    # layerwise prefill offload (seed 000 §3, §8)
-    "layerwise_prefill.eager": "layerwise buffer reuse needs eager mode (seed 000 §8)",
-    "layerwise_prefill.memcache": "layerwise buffer reuse needs the Memcache backend (seed 000 §8)",
+    # layerwise prefill offload (docs/layerwise_prefill.md)
+    "layerwise_prefill.eager": "layerwise buffer reuse needs eager mode: each layer waits for its buffer's "
+                               "gates on the host",
+    "layerwise_prefill.memcache": "layerwise buffer reuse needs the Memcache backend off CPU (the local "
+                                  "store is for CPU development)",
     "layerwise_prefill.mooncake_layerwise": "buffer reuse cannot be combined with a layerwise Mooncake connector, "
-                                             "which has no per-buffer completion gate (seed 000 §8)",
-    "layerwise_prefill.hybrid_kv": "hybrid KV cache layouts are not supported (seed 000 §8)",
+                                             "which has no per-buffer completion gate",
+    "layerwise_prefill.hybrid_kv": "hybrid KV cache layouts are not supported",
     "layerwise_prefill.layers": "independent layers must exist in the model",
     "layerwise_prefill.prefetch": "prefetch depth cannot exceed the shared buffers",
     "layerwise_prefill.decode_node": "layerwise prefill offload is a prefill-side feature",
-    # P/D transfer (seed 000 §2, §6, §7, §8)
+    # P/D transfer (docs/pd_transfer.md)
     "pd_transfer.role": "P/D transfer needs a prefill or decode node",
-    "pd_transfer.tp_ratio": "P/D needs p_tp >= d_tp and p_tp % d_tp == 0 (seed 000 §6)",
-    "pd_transfer.memfabric_only": "MemFabric is the only remote D2H backend on Ascend (seed 000 §8)",
-    "pd_transfer.protocol_match": "prefill and decode must use the same transfer protocol (seed 000 §2)",
-    "pd_transfer.protocol_soc": "sdma / device_rdma serve A2/A3 nodes, device_urma serves 950PR/950DT nodes (seed 000 §2)",
+    "pd_transfer.tp_ratio": "P/D needs p_tp >= d_tp and p_tp % d_tp == 0: each decode rank is served by "
+                            "p_tp / d_tp prefill ranks",
+    "pd_transfer.memfabric_only": "MemFabric is the only remote D2H backend on Ascend",
+    "pd_transfer.protocol_match": "prefill and decode must use the same transfer protocol",
+    "pd_transfer.protocol_soc": "sdma / device_rdma serve A2/A3 nodes, device_urma serves 950PR/950DT nodes",
     "pd_transfer.ports": "decode control ports kv_port + dp_rank * d_tp + tp_rank must fit in 1024..65535",
     "pd_transfer.decode_tp": "decode attention TP > 1 needs a main KV shared by the decode TP ranks "
                              "(sparse decode offload's host pool)",
-    # KVPP (seed 002 §6)
+    # KVPP (docs/kvpp.md)
     "kvpp.dcp": "KVPP and DCP cannot be enabled at the same time",
     "kvpp.decode_node": "KVPP must be disabled on a decode-only node",
     "kvpp.graph_mode": "KVPP supports eager execution or PIECEWISE graphs only",

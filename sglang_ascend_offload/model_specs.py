@@ -12,7 +12,7 @@ layers. Two sources:
 Byte sizes per token and per layer (the only arithmetic here):
 
 * main KV: ``(kv_lora_rank + qk_rope_head_dim) * 2`` (bf16 only: the offload modes
-  reject packed C8/TQ4 main caches, seed 000 §8), e.g. 576 * 2 = 1152 B;
+  reject packed C8/TQ4 main caches), e.g. 576 * 2 = 1152 B;
 * indexer key: ``index_head_dim * 2`` in bf16 (256 B for 128 dims), or
   ``index_head_dim + 2`` in int8 (LIM-C8: one int8 per dim + one fp16 scale per
   token, 130 B). The indexer *key* cache has one head whatever ``index_n_heads``

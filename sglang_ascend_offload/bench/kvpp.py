@@ -13,7 +13,7 @@ ways, in lockstep on every rank:
 * ``wall``: the real schedule: the first layer prefetched at forward start, each
   layer's wait starts the next layer's broadcast, then the layer computes.
 
-Modes: ``full`` broadcasts every allocated block of the layer (seed 002 §5.2),
+Modes: ``full`` broadcasts every allocated block of the layer (the baseline),
 ``active`` gathers only the active blocks into a staging buffer, broadcasts it and
 scatters it on the receivers. Active blocks are a random sample (same on all ranks).
 

@@ -60,8 +60,9 @@ startup error from its log.
 in the selection and reproduces its greedy outputs exactly (and no run failed).
 ``max_running_requests_ratios``: for runs that differ only in ``--max-running-requests``
 (e.g. ``--runs offload_mrr4,offload_mrr2048``), the smallest over the largest's decode
-and output tokens/s (issue 17: with offload, 2048 must stay within 1.25 x of 4 for
-the same live load), the largest over the smallest's server CPU time per token
+and output tokens/s (with offload, 2048 must stay within 1.25 x of 4 for the same
+live load: per-step work follows the live requests, not the request-slot capacity),
+the largest over the smallest's server CPU time per token
 (``server_cpu_per_token_ratio``: the same comparison as a cost, robust to a shared
 machine) and whether their outputs are identical.
 

@@ -1,4 +1,4 @@
-"""Which rank of a KVPP group persistently owns which layer (seed 002 §3).
+"""Which rank of a KVPP group persistently owns which layer.
 
 Layers are sorted and cut into contiguous, balanced ranges: with ``n`` layers over
 ``g`` ranks, ``base, extra = divmod(n, g)`` and the first ``extra`` ranks take one

@@ -1,4 +1,4 @@
-"""Per-rank physical memory plan of KVPP (seed 002 §4).
+"""Per-rank physical memory plan of KVPP.
 
 A layer's *bundle* is every cache component of that layer (main KV, indexer,
 scales) laid out contiguously, each component holding all logical blocks::
@@ -93,7 +93,8 @@ class KVPPPlan:
         return self.persistent_bytes_per_block + SCRATCH_BUFFER_COUNT * self.scratch_bytes_per_block
 
     def num_blocks(self, available_bytes: int) -> int:
-        """Blocks this rank can hold: the seed's formula, before alignment padding."""
+        """Blocks this rank can hold: ``available_bytes // physical_bytes_per_block``, before
+        alignment padding."""
         per_block = self.physical_bytes_per_block
         return available_bytes // per_block if per_block else 0
 

@@ -1,4 +1,4 @@
-"""KVPP runtime: storage, full-layer broadcast, and one-layer-ahead prefetch (seed 002 §5).
+"""KVPP runtime: storage, full-layer broadcast, and one-layer-ahead prefetch (docs/kvpp.md).
 
 * :class:`KVPPStorage` allocates this rank's persistent bundles (owned target
   layers + draft layers) and the two scratch buffers, as flat ``uint8`` tensors;
@@ -11,7 +11,7 @@
   int64 block ids), only those blocks of every component are gathered into one
   contiguous staging buffer on the owner, broadcast, and scattered into the same
   blocks on the receivers; ``None`` broadcasts the whole bundle (every allocated
-  block, the seed's behaviour). Every rank knows the active set (same batch), so no
+  block: the ``full`` broadcast mode). Every rank knows the active set (same batch), so no
   metadata travels.
 * :class:`KVPPScheduler` drives it per forward: with history, prefetch the first
   target layer at once; ``wait_for_layer(i)`` blocks until layer ``i`` arrived and

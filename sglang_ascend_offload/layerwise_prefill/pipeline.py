@@ -1,6 +1,6 @@
 """Overlapped load / compute / save pipeline over planned physical layer buffers.
 
-Seed 000 §3. Per layer ``L`` of a prefill forward (slot ``b = plan.buffer_of(L)``):
+Per layer ``L`` of a prefill forward (slot ``b = plan.buffer_of(L)``):
 
 1. *acquire* (loader thread): wait until every consumer of ``b``'s previous content
    finished (:meth:`SlotGates.wait_free`, with a deadline), then

@@ -1,6 +1,6 @@
 """Buffer planner: map cache-bearing logical layers onto fewer physical buffers.
 
-Seed 000 §3. With ``N`` cache-bearing layers, ``I`` independent layers (each
+With ``N`` cache-bearing layers, ``I`` independent layers (each
 keeps a dedicated buffer), ``R = N - I`` reusable layers and ``B`` shared buffers,
 a uniform layout needs ``I + min(B, R)`` physical buffers. Reusable layers are
 assigned round-robin: shared buffer ``s`` of a group holds ``reused[s::b]`` with

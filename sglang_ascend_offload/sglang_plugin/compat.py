@@ -60,7 +60,7 @@ SERVER_ARGS: Dict[str, str] = {
     "speculative_num_steps": "offload needs steps + 1 verify rows per request",
     "speculative_num_draft_tokens": "verify rows per request (engine rows, hot-buffer memory)",
     "disable_overlap_schedule": "offload verify reads committed lengths on the host",
-    "speculative_adaptive": "the seeds need a fixed speculative token count",
+    "speculative_adaptive": "offload and KVPP need a fixed speculative token count",
     "enable_two_batch_overlap": "interleaved forwards break the layerwise gates",
     "enable_pdmux": "interleaved forwards break the layerwise gates",
     "enable_hierarchical_cache": "HiCache owns the layer counter",

@@ -16,7 +16,8 @@ from . import compat
 
 DSA_ARCHITECTURES = frozenset({"DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"})
 _BF16 = {"bf16", "bfloat16"}
-# SGLang speculative algorithm names -> the method names of the specification.
+# SGLang speculative algorithm names -> the method names the config rules check
+# (``Deployment.speculative_method``).
 _SPEC_METHODS = {"nextn": "mtp", "eagle": "mtp", "mtp": "mtp", "dspark": "dspark"}
 
 

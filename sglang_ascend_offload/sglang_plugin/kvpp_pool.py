@@ -1,4 +1,4 @@
-"""KVPP token-to-KV pool for SGLang's MLA/DSA layout (seed 002 in SGLang).
+"""KVPP token-to-KV pool for SGLang's MLA/DSA layout: each layer's KV on one owner rank.
 
 Layout on KVPP rank ``r`` of a group of ``N`` (SGLang's TP group), ``S`` = slot rows
 (``max_total_tokens`` + one padding page, as in :class:`~.pool.DeviceDSAPool`), a

@@ -1,6 +1,6 @@
 """SGLang-side startup rules of KVPP (run by :mod:`.resolution`).
 
-The engine-agnostic limits of seed 002 §6 (no DCP, off on decode-only nodes, eager or
+The engine-agnostic limits of KVPP (no DCP, off on decode-only nodes, eager or
 piecewise graphs, non-hybrid MLA/DSA models, speculative decoding only MTP / DSpark
 with a fixed token count, a TP x PCP group > 1) are ``kvpp.*`` rules in ``config.py``.
 These are about what the SGLang pool (:mod:`.kvpp_pool`) can serve:

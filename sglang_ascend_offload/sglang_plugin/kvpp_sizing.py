@@ -1,4 +1,4 @@
-"""Let SGLang's memory profile see KVPP's per-rank KV footprint (seed 002 §4.2).
+"""Let SGLang's memory profile see KVPP's per-rank KV footprint (:mod:`..kvpp.plan`).
 
 SGLang sizes ``max_total_num_tokens`` as available bytes / per-token KV bytes of all
 ``L`` cache-bearing layers (``DefaultPoolConfigurator._compute_cell_size``). Under KVPP

@@ -4,7 +4,7 @@ through global addresses, :func:`open_memfabric_group`, with the same append ord
 in a header-only control mapping, :mod:`.group_rendezvous`).
 
 MLA's latent KV is replicated over attention TP, so one host copy per group is
-enough (seed 000 §4). Inside a served SGLang process:
+enough. Inside a served SGLang process:
 
 * the group's attention-TP rank 0 removes stale pools of dead servers
   (:func:`reclaim_stale`), creates the mapping ``<dir>/sao_hostpool.<pid>.<session>.g<group>``

@@ -1,4 +1,4 @@
-"""Remote device-to-host P/D transfer: decode pulls each prefill layer (seed 000 §5-7).
+"""Remote device-to-host P/D transfer: decode pulls each prefill layer.
 
 Engine-agnostic (no sglang import; torch, mooncake and memfabric_hybrid are
 imported only where used). Entry points: :class:`.decode_side.DecodeReceiver`,

@@ -3,7 +3,7 @@
 A request's transfer is ``pending`` until it is terminal: ``done`` (every byte
 arrived and every contributor confirmed it) or ``failed`` (with a reason). On the
 decode side a request is *schedulable* only when every decode TP rank reports
-``done``; one ``failed`` rank fails the request (seed 000 §5, step 7).
+``done``; one ``failed`` rank fails the request.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Non-uniform tensor parallelism between prefill and decode (seed 000 §6).
+"""Non-uniform tensor parallelism between prefill and decode.
 
 Rules, checked when a :class:`PDTopology` is built (configuration time):
 
