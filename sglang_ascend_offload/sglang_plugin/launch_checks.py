@@ -61,9 +61,11 @@ def resolve_defaults(config: cfg.OffloadConfig, deployment: cfg.Deployment) -> T
     notes: List[str] = []
     sd = config.sparse_decode
     if sd is not None and sd.hot_tokens is None and deployment.index_topk is not None:
-        hot = cfg.default_hot_tokens(deployment.index_topk, deployment.page_size)
-        notes.append(f"sparse_decode.hot_tokens = {hot} (2 x top-k {deployment.index_topk}, rounded up to the "
-                     f"page size {deployment.page_size or 1})")
+        rows = deployment.speculative_rows if deployment.speculative_method and deployment.speculative_rows else 1
+        hot = cfg.default_hot_tokens(deployment.index_topk, deployment.page_size, rows_per_request=rows)
+        factor = "2" if rows <= 2 else f"{rows} verify rows"
+        notes.append(f"sparse_decode.hot_tokens = {hot} ({factor} x top-k {deployment.index_topk}, rounded up to "
+                     f"the page size {deployment.page_size or 1})")
         config = dataclasses.replace(config, sparse_decode=dataclasses.replace(sd, hot_tokens=hot))
     lw = config.layerwise_prefill
     if lw is not None and lw.store_backend is None:

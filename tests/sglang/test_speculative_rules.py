@@ -61,8 +61,28 @@ def test_the_nextn_chain_with_offload_resolves_and_is_published(plugins_loaded, 
                                   configs={"sparse_decode": "{}", "layerwise_prefill": None}))
     ServerArgs(model_path=str(TINY_DSA_MTP), device="cpu", load_format="dummy", skip_tokenizer_init=True,
                disable_cuda_graph=True, speculative_algorithm="NEXTN", speculative_num_steps=3,
-               speculative_eagle_topk=1, speculative_num_draft_tokens=4).resolve_once()
-    assert carrier.published_text() is not None
+               speculative_eagle_topk=1, speculative_num_draft_tokens=4, page_size=16).resolve_once()
+    published = carrier.active_config()  # what every scheduler process will build its pools from
+    assert published.sparse_decode is not None and published.layerwise_prefill is None
+    # the default made explicit: one buffer per request holding 4 verify rows x top-k 16
+    # (without speculation it would be 2 x 16 = 32 at page size 16)
+    assert published.sparse_decode.hot_tokens == 4 * 16
+    assert published.sparse_decode.policy == "lru"
+
+
+def test_the_nextn_chain_with_a_small_hot_buffer_is_refused(plugins_loaded, clean_state):
+    """4 verify rows x top-k 16 share one hot buffer: hot_tokens 32 holds only two rows'
+    union, so the launch stops with the rule (and nothing is published)."""
+    from sglang.srt.server_args import ServerArgs
+
+    flags.remember(flags.RawFlags(enabled={"sparse_decode": True, "layerwise_prefill": False},
+                                  configs={"sparse_decode": '{"hot_tokens": 32}', "layerwise_prefill": None}))
+    with pytest.raises(cfg.ConfigError) as info:
+        ServerArgs(model_path=str(TINY_DSA_MTP), device="cpu", load_format="dummy", skip_tokenizer_init=True,
+                   disable_cuda_graph=True, speculative_algorithm="NEXTN", speculative_num_steps=3,
+                   speculative_eagle_topk=1, speculative_num_draft_tokens=4, page_size=16).resolve_once()
+    assert "sparse_decode.hot_tokens_verify_rows" in [v.rule for v in info.value.violations]
+    assert carrier.published_text() is None
 
 
 def test_adaptive_draft_counts_with_offload_are_refused(plugins_loaded, clean_state):
