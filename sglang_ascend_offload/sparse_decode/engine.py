@@ -53,6 +53,7 @@ own top-k order. ``hot_tokens >= n * top_k`` holds every union.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
@@ -71,6 +72,8 @@ from .request_union import merge_ranked, row_slots, union_of_rows
 from .stats import DecodeStats, StatsAccumulator
 
 __all__ = ["EngineConfig", "LayerResult", "PhaseTimes", "SparseDecodeEngine", "decode_layer_step"]
+
+logger = logging.getLogger(__name__)
 
 
 def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor,
@@ -219,10 +222,17 @@ class SparseDecodeEngine:
         self._tensor_pool = is_tensor_backed(pool)
         self._copy_sfa_op = copy_sfa if copy_sfa.rung == "fused" and self._tensor_pool else None
         if self._copy_sfa_op is not None and config.rows_per_request > 1:
-            raise ValueError(f"ops={config.ops!r} selects the fused Copy-SFA operator, which attends one query "
-                             f"token per hot-buffer row; rows_per_request={config.rows_per_request} shares a "
-                             "request's hot buffer between its verify rows: use ops=reference or ops=triton "
-                             "with speculative decoding")
+            # The AscendC Copy-SFA attends one query token per hot-buffer row; a request's
+            # verify rows share one row here.
+            if config.ops == "fused":
+                raise ValueError(f"ops='fused' selects the fused Copy-SFA operator, which attends one query token "
+                                 f"per hot-buffer row; rows_per_request={config.rows_per_request} shares a "
+                                 "request's hot buffer between its verify rows: use ops=auto, reference or "
+                                 "triton with speculative decoding")
+            logger.info("sparse decode engine: %d verify rows share each request's hot buffer, so the step runs "
+                        "the separate miss copy and sparse attention (the fused Copy-SFA operator attends one "
+                        "query token per hot-buffer row)", config.rows_per_request)
+            self._copy_sfa_op = None
 
         self.hot = HotBuffers(config.layers, config.rows, config.hot_tokens, config.row_dim,
                               config.dtype, self.device)

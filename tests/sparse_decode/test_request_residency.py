@@ -198,3 +198,37 @@ def test_union_step_compiles_without_graph_breaks():
         eager = both(topk)
         got = compiled(topk)
         assert all(torch.equal(x, y) for x, y in zip(eager, got))
+
+
+def test_fused_copy_sfa_is_not_used_for_shared_verify_rows(monkeypatch, caplog):
+    """The AscendC Copy-SFA attends one query token per hot-buffer row: with verify rows
+    sharing a request's buffer, ``ops=fused`` is refused and ``ops=auto`` (where it would
+    pick the fused rung) runs the separate copy and attention, saying so once."""
+    import logging
+
+    from sglang_ascend_offload.ops.contract import OpImpl
+    from sglang_ascend_offload.sparse_decode import engine as engine_mod
+    from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
+    from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
+
+    real_select = engine_mod.registry.select
+    stand_in = OpImpl("copy_sparse_flash_attention", "fused", lambda *a, **k: None, lambda: None)
+
+    def select(op, choice):
+        if op == "copy_sparse_flash_attention" and choice in ("auto", "fused"):
+            return stand_in  # what an NPU with the extension resolves
+        return real_select(op, "reference" if choice == "fused" else choice)
+
+    monkeypatch.setattr(engine_mod.registry, "select", select)
+    pool = HostKVPool.allocate(HostPoolShape(1, 64, 16, 8, torch.float32), "pinned")
+
+    def config(ops, n):
+        return EngineConfig(layers=1, rows=2, hot_tokens=8, top_k=4, latent_dim=16, rope_dim=8,
+                            dtype=torch.float32, ops=ops, rows_per_request=n)
+
+    with pytest.raises(ValueError, match="fused Copy-SFA operator"):
+        SparseDecodeEngine(config("fused", 2), pool, device="cpu")
+    with caplog.at_level(logging.INFO, logger="sglang_ascend_offload.sparse_decode.engine"):
+        shared = SparseDecodeEngine(config("auto", 2), pool, device="cpu")
+    assert shared._copy_sfa_op is None and "separate miss copy" in caplog.text
+    assert SparseDecodeEngine(config("auto", 1), pool, device="cpu")._copy_sfa_op is stand_in  # one row: fused
