@@ -65,9 +65,12 @@ class CapacityInputs:
     indexer_dtype: ``bf16`` (256 B / token / layer for 128 dims) or ``int8`` (LIM-C8).
     mtp: speculative decoding with the model's MTP layers (they carry KV too).
     hot_tokens: sparse decode hot-buffer slots per layer and decode row; None = 2 x top-k.
-    rows: decode rows with a hot buffer (fixed); None = one set per request, sized
-        with the request count. rows_per_request: query tokens per request in a
-        decode step; None = 1, or 1 + MTP layers with ``mtp``.
+        With several verify rows per request they share one buffer per request of
+        ``max(hot_tokens, rows_per_request x top-k)`` slots (:meth:`hot_per_request`).
+    rows: engine rows with a hot buffer (fixed), one request each; None = one per
+        request, sized with the request count. rows_per_request: query tokens per
+        request in a decode step (speculative verify rows); None = 1, or 1 + MTP
+        layers with ``mtp``.
     shared_buffers / independent_layers: layerwise prefill B and I.
     prefill_tokens: tokens the layerwise buffers hold in the colocated combination
         (the prefill in flight, prefix included); None = ``context``.
@@ -112,6 +115,13 @@ class CapacityInputs:
         if self.rows_per_request is not None:
             return self.rows_per_request
         return 1 + (model.mtp_layers if self.mtp else 0)
+
+    def hot_per_request(self, model: ModelShape) -> int:
+        """Hot-buffer slots per layer and request: the request's verify rows share one
+        buffer that holds the union of their top-k, ``max(hot, rows_per_request x top-k)``
+        (``hot`` alone with one row per request)."""
+        n = self.rows_per_req(model)
+        return self.hot(model) if n == 1 else max(self.hot(model), n * model.index_topk)
 
     def prefill_tok(self) -> int:
         return self.prefill_tokens if self.prefill_tokens is not None else self.context
@@ -175,6 +185,28 @@ class ModeCapacity:
 
 
 @dataclass(frozen=True)
+class HotBufferPlan:
+    """Sparse decode hot buffers of one request (all target layers).
+
+    rows_per_request: query rows per request and decode step (speculative verify rows).
+    hot_tokens_per_row: the per-row size (``--hot-tokens``, default 2 x top-k).
+    hot_tokens_per_request: slots per layer of the request's one buffer,
+    ``max(hot_tokens_per_row, rows_per_request x top-k)``; verify_rows_share_buffer:
+    several rows look up the union of their top-k in it. device_bytes_per_request:
+    that buffer + its residency table on every target layer. per_row_hot_tokens_per_request:
+    what one buffer per verify row would take (``rows_per_request x hot_tokens_per_row``),
+    for comparison.
+    """
+
+    rows_per_request: int
+    hot_tokens_per_row: int
+    hot_tokens_per_request: int
+    verify_rows_share_buffer: bool
+    device_bytes_per_request: int
+    per_row_hot_tokens_per_request: int
+
+
+@dataclass(frozen=True)
 class SkippedMode:
     name: str
     reason: str
@@ -186,6 +218,7 @@ class CapacityReport:
     inputs: CapacityInputs
     modes: Tuple[ModeCapacity, ...]
     skipped: Tuple[SkippedMode, ...] = field(default_factory=tuple)
+    hot_buffer: Optional[HotBufferPlan] = None
 
     def mode(self, name: str) -> ModeCapacity:
         for m in self.modes:
@@ -258,21 +291,40 @@ def kvpp_owned_layers(num_layers: int, group: int, rank: int) -> int:
     return base + int(rank < remainder)
 
 
-def _residency_row_bytes(model: ModelShape, inputs: CapacityInputs) -> int:
-    """Device bytes of one decode row in sparse decode: hot buffer + residency table of
-    every target layer (the MTP / draft layers keep their KV on the device: no hot buffer)."""
-    hot = inputs.hot(model)
+def _residency_row_bytes(model: ModelShape, hot: int) -> int:
+    """Device bytes of one engine row in sparse decode with ``hot`` slots per layer: hot
+    buffer + residency table of every target layer (the MTP / draft layers keep their KV
+    on the device: no hot buffer)."""
     per_layer = hot * model.main_bytes_per_layer + hot * RESIDENCY_BYTES_PER_SLOT + RESIDENCY_BYTES_PER_ROW
     return model.num_layers * per_layer
 
 
+def hot_buffer_plan(model: ModelShape, inputs: CapacityInputs) -> HotBufferPlan:
+    """The request's hot buffer: one engine row per request, shared by its verify rows."""
+    n, hot = inputs.rows_per_req(model), inputs.hot(model)
+    per_request = inputs.hot_per_request(model)
+    return HotBufferPlan(rows_per_request=n, hot_tokens_per_row=hot, hot_tokens_per_request=per_request,
+                         verify_rows_share_buffer=n > 1,
+                         device_bytes_per_request=_residency_row_bytes(model, per_request),
+                         per_row_hot_tokens_per_request=n * hot)
+
+
 def _decode_rows(model: ModelShape, inputs: CapacityInputs) -> Dict[str, Optional[int]]:
-    """Per-request or fixed device bytes of the sparse decode rows, and the request cap."""
-    row = _residency_row_bytes(model, inputs)
-    rpr = inputs.rows_per_req(model)
+    """Per-request or fixed device bytes of the sparse decode engine rows (one per
+    request, its verify rows included), and the request cap of fixed rows."""
+    row = hot_buffer_plan(model, inputs).device_bytes_per_request
     if inputs.rows is None:
-        return {"per_request": rpr * row, "fixed": 0, "max_requests": None}
-    return {"per_request": 0, "fixed": inputs.rows * row, "max_requests": inputs.rows // rpr}
+        return {"per_request": row, "fixed": 0, "max_requests": None}
+    return {"per_request": 0, "fixed": inputs.rows * row, "max_requests": inputs.rows}
+
+
+def _hot_description(model: ModelShape, inputs: CapacityInputs) -> str:
+    """The sparse decode hot buffers in words."""
+    hb = hot_buffer_plan(model, inputs)
+    if not hb.verify_rows_share_buffer:
+        return f"{hb.hot_tokens_per_request} hot rows/layer/decode row"
+    return (f"{hb.hot_tokens_per_request} hot rows/layer/request, one buffer shared by its {hb.rows_per_request} "
+            f"verify rows (max({hb.hot_tokens_per_row}, {hb.rows_per_request} x top-k {model.index_topk}))")
 
 
 def footprints(model: ModelShape, inputs: CapacityInputs) -> Tuple[Dict[str, Tuple[Footprint, str]],
@@ -318,8 +370,7 @@ def footprints(model: ModelShape, inputs: CapacityInputs) -> Tuple[Dict[str, Tup
         Footprint(device_per_token=sd_device_per_token, device_per_request=rows["per_request"] or 0,
                   device_fixed=rows["fixed"] or 0, host_per_token=sd_host_per_token,
                   max_requests=rows["max_requests"]),
-        f"indexer on device, {inputs.hot(model)} hot rows/layer/decode row, main KV in the DP rank's host pool"
-        f"{draft_note}")
+        f"indexer on device, {_hot_description(model, inputs)}, main KV in the DP rank's host pool{draft_note}")
 
     p = physical_layer_buffers(n, inputs.independent_layers, inputs.shared_buffers)
     out["layerwise-prefill"] = (
@@ -414,7 +465,8 @@ def plan(model: ModelShape, inputs: CapacityInputs) -> CapacityReport:
     modes = [_with_ratio(m, full) for m in modes]
     order = {name: i for i, name in enumerate(MODE_NAMES)}
     modes.sort(key=lambda m: order[m.name])
-    return CapacityReport(model=model, inputs=inputs, modes=tuple(modes), skipped=tuple(skipped))
+    return CapacityReport(model=model, inputs=inputs, modes=tuple(modes), skipped=tuple(skipped),
+                          hot_buffer=hot_buffer_plan(model, inputs))
 
 
 def _with_ratio(m: ModeCapacity, full_requests: int) -> ModeCapacity:
@@ -422,6 +474,6 @@ def _with_ratio(m: ModeCapacity, full_requests: int) -> ModeCapacity:
     return replace(m, requests_vs_full=ratio)
 
 
-__all__ = ["CapacityInputs", "CapacityReport", "Footprint", "ModeCapacity", "SkippedMode", "MODE_NAMES",
-           "GIB", "check_inputs", "footprints", "input_problems", "kvpp_owned_layers",
+__all__ = ["CapacityInputs", "CapacityReport", "Footprint", "HotBufferPlan", "ModeCapacity", "SkippedMode",
+           "MODE_NAMES", "GIB", "check_inputs", "footprints", "hot_buffer_plan", "input_problems", "kvpp_owned_layers",
            "physical_layer_buffers", "plan", "solve", "host_pool_bytes_per_node"]

@@ -49,9 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work = parser.add_argument_group("workload and knobs")
     work.add_argument("--context", default="131072", help="tokens per request (k/m suffix: x1024 / x1048576)")
     work.add_argument("--page-size", default="128", help="KV page size in tokens")
-    work.add_argument("--hot-tokens", help="sparse decode hot slots per layer and decode row (default 2 x top-k)")
-    work.add_argument("--rows", help="fixed decode rows with hot buffers (default: one per request)")
-    work.add_argument("--rows-per-request", help="decode rows per request (default 1, 1 + MTP layers with --mtp)")
+    work.add_argument("--hot-tokens", help="sparse decode hot slots per layer and decode row (default 2 x top-k); "
+                                           "with several verify rows per request they share one buffer of "
+                                           "max(this, rows per request x top-k) slots")
+    work.add_argument("--rows", help="fixed engine rows with hot buffers, one request each (default: one per request)")
+    work.add_argument("--rows-per-request", help="decode (verify) rows per request (default 1, 1 + MTP layers with "
+                                                 "--mtp; e.g. 4 for MTP with 3 draft tokens)")
     work.add_argument("--shared-buffers", default="4", help="layerwise prefill shared buffers B")
     work.add_argument("--independent-layers", default="1", help="layerwise prefill independent layers I")
     work.add_argument("--prefill-tokens", help="tokens in the layerwise buffers of the colocated mode "
@@ -126,12 +129,15 @@ def inputs_from_args(args: argparse.Namespace):
 
 # ------------------------------------------------------------------ output
 def report_to_json(report: CapacityReport) -> Dict[str, Any]:
-    """``{"model", "inputs", "modes": [...], "skipped": [...]}`` with the mode keys of the CLI contract."""
+    """``{"model", "inputs", "modes": [...], "skipped": [...], "hot_buffer": {...}}`` with the mode keys of
+    the CLI contract; ``hot_buffer``: the sparse decode hot buffer of one request (shared by its
+    verify rows with speculation)."""
     return {
         "model": dataclasses.asdict(report.model),
         "inputs": dataclasses.asdict(report.inputs),
         "modes": [dataclasses.asdict(m) for m in report.modes],
         "skipped": [dataclasses.asdict(s) for s in report.skipped],
+        "hot_buffer": dataclasses.asdict(report.hot_buffer) if report.hot_buffer is not None else None,
     }
 
 
@@ -141,11 +147,14 @@ def header(report: CapacityReport) -> str:
     mtp = f"+{m.mtp_layers} MTP {'on' if i.mtp else 'off'}"
     weights = f" ({i.hbm_bytes / GIB:g} - weights {i.weights_bytes / GIB:g})" if i.weights_bytes else ""
     rows = (f"{i.rows} fixed" if i.rows is not None else "1 set per request") + f", {i.rows_per_req(m)}/request"
+    hot = f"{i.hot(m)}"
+    if i.rows_per_req(m) > 1:
+        hot = f"{i.hot_per_request(m)}/request (shared by its verify rows)"
     return (f"{m.name}: {m.num_layers} layers ({mtp}; {n} cache-bearing), main KV {m.main_bytes_per_layer} "
             f"B/layer, indexer {i.indexer_dtype} {m.indexer_bytes_per_layer(i.indexer_dtype)} B/layer, "
             f"top-k {m.index_topk} | HBM for KV {i.kv_hbm_bytes / GIB:g} GiB/device{weights} | host "
             f"{i.host_bytes / GIB:g} GiB/node | tp {i.tp} dp {i.dp} pcp {i.pcp} | context {i.context} | "
-            f"page {i.page_size} | hot {i.hot(m)} | rows {rows} | layerwise B={i.shared_buffers} "
+            f"page {i.page_size} | hot {hot} | rows {rows} | layerwise B={i.shared_buffers} "
             f"I={i.independent_layers}")
 
 

@@ -154,8 +154,11 @@ def test_limiting_resource_switches():
     assert by_name(plan(DSV32, inputs()))[sd].limited_by == "hbm"
     tight_host = by_name(plan(DSV32, inputs(host_bytes=20 * GIB)))[sd]
     assert tight_host.limited_by == "host" and tight_host.requests == (20 * GIB) // (CTX * 61 * 1152)
-    few_rows = by_name(plan(DSV32, inputs(rows=4, rows_per_request=2)))[sd]
-    assert few_rows.limited_by == "rows" and few_rows.requests == 2
+    # fixed engine rows are requests: a request's verify rows share its row (one hot buffer)
+    few = inputs(rows=4, rows_per_request=2)
+    few_rows = by_name(plan(DSV32, few))[sd]
+    assert few_rows.limited_by == "rows" and few_rows.requests == few.rows
+    assert few_rows.device_fixed_bytes == few.rows * plan(DSV32, few).hot_buffer.device_bytes_per_request
     # a host pool split over more DP ranks can flip the limit from hbm to host
     assert by_name(plan(DSV32, inputs(dp=8)))[sd].limited_by == "host"
     # the in-tree peer keeps one host slot per TP rank: more TP ranks, host-bound
@@ -281,27 +284,32 @@ def test_sparse_decode_row_bytes_match_hot_buffers_and_residency_tables():
     from sglang_ascend_offload.sparse_decode.hot_buffer import HotBuffers
     from sglang_ascend_offload.ops.contract import ResidencyTable
 
+    layers = TINY.num_layers  # hot buffers of the target layers only (MTP KV stays on device)
+
+    def hot_bytes(rows, slots):
+        return HotBuffers(layers=layers, rows=rows, hot_tokens=slots, row_dim=TINY.main_kv_dim,
+                          dtype=torch.bfloat16).nbytes
+
+    def table_bytes(rows, slots):
+        table = ResidencyTable.empty(rows=rows, hot_tokens=slots)
+        return sum(t.numel() * t.element_size() for t in (table.slot_token, table.slot_stamp, table.row_req))
+
+    def engine_row(slots):
+        """What one more engine row costs (the engine's fixed padding sink row is not per request)."""
+        return hot_bytes(2, slots) - hot_bytes(1, slots) + layers * (table_bytes(2, slots) - table_bytes(1, slots))
+
     for mtp in (False, True):
         inp = CapacityInputs(hbm_bytes=GIB, host_bytes=GIB, context=64, page_size=16, hot_tokens=8, mtp=mtp,
                              rows_per_request=1)
-        layers = TINY.num_layers  # hot buffers of the target layers only (MTP KV stays on device)
-
-        def hot_bytes(rows):
-            return HotBuffers(layers=layers, rows=rows, hot_tokens=8, row_dim=TINY.main_kv_dim,
-                              dtype=torch.bfloat16).nbytes
-
-        def table_bytes(rows):
-            table = ResidencyTable.empty(rows=rows, hot_tokens=8)
-            return sum(t.numel() * t.element_size() for t in (table.slot_token, table.slot_stamp, table.row_req))
-
-        # What one more request row costs (the engine's fixed padding sink row is not per request).
-        per_row = hot_bytes(2) - hot_bytes(1) + layers * (table_bytes(2) - table_bytes(1))
+        assert by_name(plan(TINY, inp))["sparse-decode"].device_bytes_per_request == engine_row(8)
+    # With MTP a request decodes 1 + MTP-layers verify rows by default (here 2); they share one
+    # engine row whose buffer holds max(hot, rows x top-k) slots: 8 = max(8, 2 x 4), 16 = max(8, 4 x 4).
+    for rows_per_request, slots in ((None, 8), (2, 8), (4, 16)):
+        inp = CapacityInputs(hbm_bytes=GIB, host_bytes=GIB, context=64, page_size=16, hot_tokens=8, mtp=True,
+                             rows_per_request=rows_per_request)
+        assert inp.hot_per_request(TINY) == slots
         sd = by_name(plan(TINY, inp))["sparse-decode"]
-        assert sd.device_bytes_per_request == per_row
-    # with MTP a request decodes 1 + MTP-layers query rows by default, each with its hot buffers
-    two_rows = by_name(plan(TINY, CapacityInputs(hbm_bytes=GIB, host_bytes=GIB, context=64, page_size=16,
-                                                 hot_tokens=8, mtp=True)))["sparse-decode"]
-    assert two_rows.device_bytes_per_request == 2 * sd.device_bytes_per_request
+        assert sd.device_bytes_per_request == engine_row(slots), rows_per_request
 
 
 def test_layerwise_buffers_match_the_buffer_planner():
@@ -312,3 +320,61 @@ def test_layerwise_buffers_match_the_buffer_planner():
     for layers, mtp, shared, indep in [(61, 0, 4, (0,)), (61, 1, 2, (0, 1)), (5, 1, 8, (0,)), (7, 0, 1, ())]:
         bp = plan_buffers(uniform_specs(layers, main, num_mtp_layers=mtp), shared, indep)
         assert physical_layer_buffers(layers + mtp, len(indep), shared) == bp.num_physical
+
+
+# ------------------------------------------------------------------ speculative verify rows
+def _per_row_design(model, inp):
+    """Requests of the sparse-decode mode if each verify row had its own engine row and
+    hot buffer (``rows_per_request`` buffers of the per-row size per request)."""
+    from dataclasses import replace as _replace
+
+    from sglang_ascend_offload.capacity import solve
+
+    one_row = by_name(plan(model, _replace(inp, rows_per_request=1)))["sparse-decode"].device_bytes_per_request
+    fp, desc = footprints(model, inp)[0]["sparse-decode"]
+    return solve("sparse-decode", desc, _replace(fp, device_per_request=inp.rows_per_req(model) * one_row), inp)
+
+
+def test_verify_rows_share_one_hot_buffer_per_request():
+    m = DSV32.with_indexer_dtype("int8")
+    for rows_per_request in (2, 4, 6):
+        inp = inputs(mtp=True, indexer_dtype="int8", rows_per_request=rows_per_request)
+        report = plan(m, inp)
+        hb = report.hot_buffer
+        slots = max(2 * m.index_topk, rows_per_request * m.index_topk)
+        assert (hb.rows_per_request, hb.hot_tokens_per_row, hb.hot_tokens_per_request) == (
+            rows_per_request, 2 * m.index_topk, slots)
+        assert hb.verify_rows_share_buffer and hb.per_row_hot_tokens_per_request == rows_per_request * 2 * m.index_topk
+        sd = by_name(report)["sparse-decode"]
+        assert sd.device_bytes_per_request == hb.device_bytes_per_request == m.num_layers * (
+            slots * 1152 + slots * 12 + 8)
+        assert f"{slots} hot rows/layer/request" in sd.description
+        old = _per_row_design(m, inp)
+        assert sd.requests >= old.requests
+    # DeepSeek-V3.2 at MTP-3 (4 verify rows): 8,192 slots per request instead of 4 x 4,096
+    inp = inputs(mtp=True, indexer_dtype="int8", rows_per_request=4)
+    new, old = by_name(plan(m, inp))["sparse-decode"], _per_row_design(m, inp)
+    peer = by_name(plan(m, inp))["sglang-npu-offload"]
+    assert plan(m, inp).hot_buffer.hot_tokens_per_request == 8192
+    assert new.requests >= 1.3 * old.requests and new.requests >= peer.requests
+    # a larger --hot-tokens is kept; one below rows x top-k is raised to it
+    assert inputs(mtp=True, rows_per_request=4, hot_tokens=12288).hot_per_request(m) == 12288
+    assert inputs(mtp=True, rows_per_request=4, hot_tokens=2048).hot_per_request(m) == 8192
+    # without speculation nothing changes: one row per request, --hot-tokens slots
+    plain = plan(m, inputs(indexer_dtype="int8")).hot_buffer
+    assert (plain.rows_per_request, plain.hot_tokens_per_request, plain.verify_rows_share_buffer) == (1, 4096, False)
+
+
+def test_cli_mtp_reports_the_shared_buffer(capsys):
+    argv = ["--model", "deepseek-v3.2", "--hbm-gb", "64", "--host-gb", "512", "--context", "131072",
+            "--indexer-dtype", "int8", "--mtp", "--rows-per-request", "4"]
+    rc, out, _ = run_cli(capsys, *argv, "--json")
+    assert rc == 0
+    data = json.loads(out)
+    assert data["hot_buffer"] == {"rows_per_request": 4, "hot_tokens_per_row": 4096, "hot_tokens_per_request": 8192,
+                                  "verify_rows_share_buffer": True, "per_row_hot_tokens_per_request": 16384,
+                                  "device_bytes_per_request": 61 * (8192 * 1152 + 8192 * 12 + 8)}
+    modes = {m_["name"]: m_ for m_ in data["modes"]}
+    assert modes["sparse-decode"]["requests"] >= modes["sglang-npu-offload"]["requests"]
+    rc, out, _ = run_cli(capsys, *argv)
+    assert rc == 0 and "hot 8192/request (shared by its verify rows)" in out.splitlines()[0]

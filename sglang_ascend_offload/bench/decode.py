@@ -11,6 +11,13 @@ One run reports, for the same trace and hot-buffer size:
 * **opt**: Belady's optimum for the same capacity (the lower bound on misses);
 * every available policy's misses at the same capacity (residency only).
 
+``--mtp N`` (speculative verify, ``N`` draft tokens) instead turns the trace into rounds
+of ``N + 1`` verify rows per request and replays two designs side by side, both
+verified the same way: **per_row** (one engine row and hot buffer of ``--hot-tokens``
+per verify row) and **per_request** (one per request, shared by its rows through the
+union of their top-k, ``--mtp-hot-tokens`` slots), with H2D bytes per round, device
+hot bytes per request, hit rates and Belady's optimum of each.
+
 Without ``--trace`` a synthetic trace is generated (``--shape``; the model is in
 ``docs/sparse_decode.md``). ``--profile-shape`` instead times warm decode steps at
 production shape (rows 32, top-k 2048, hot 4096, 61 layers by default, ~128K-token
@@ -28,7 +35,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -38,6 +45,7 @@ from ..ops import contract, registry
 
 _SHAPES = ("locality", "random", "scan", "bursty")
 _PROFILE_HOST_ROWS = 1 << 18  # host rows of the profile's copy timing (a 288 MiB bf16 pool)
+_MTP_ACCEPT = 0.8  # default per-draft acceptance of --mtp rounds
 
 
 def _default_policy() -> str:
@@ -70,6 +78,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     syn.add_argument("--save-trace", metavar="FILE", help="also write the synthetic trace to FILE (.npz)")
     parser.add_argument("--heads", type=int, default=8, help="attention heads per query row")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the side-by-side table as a figure (matplotlib)")
+    mtp = parser.add_argument_group("speculative verify rows (--mtp): per-row vs per-request residency")
+    mtp.add_argument("--mtp", type=int, metavar="N",
+                     help="MTP with N draft tokens: rounds of N + 1 verify rows per request derived from the trace; "
+                          "replays one hot buffer per verify row (per_row, --hot-tokens each) and one per request "
+                          "(per_request, --mtp-hot-tokens) side by side")
+    mtp.add_argument("--mtp-accept", type=float, metavar="P",
+                     help=f"per-draft acceptance probability of the rounds (default {_MTP_ACCEPT}; seeded by --seed)")
+    mtp.add_argument("--mtp-hot-tokens", type=int, metavar="H",
+                     help="hot slots per layer and request of the per_request design (>= (N + 1) x top-k; "
+                          "default max(2, N + 1) x top-k)")
     prof = parser.add_argument_group("production-shape timing (--profile-shape)")
     prof.add_argument("--profile-shape", action="store_true",
                       help="time warm steps' residency management vs sparse attention at production shape "
@@ -88,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------ helpers
-def _progress(enabled: bool):
+def _progress(enabled: bool, label: str = "replay: step"):
     """Progress on stderr: a rewritten line on a terminal, a line per 10 % otherwise."""
     tty = sys.stderr.isatty()
     state = {"last": 0.0, "tenth": 0}
@@ -100,11 +118,11 @@ def _progress(enabled: bool):
             now = time.monotonic()
             if now - state["last"] > 0.5 or done == total:
                 state["last"] = now
-                print(f"\r  replay: step {done}/{total}", end="\n" if done == total else "",
+                print(f"\r  {label} {done}/{total}", end="\n" if done == total else "",
                       file=sys.stderr, flush=True)
         elif done * 10 // total > state["tenth"]:
             state["tenth"] = done * 10 // total
-            print(f"  replay: step {done}/{total}", file=sys.stderr, flush=True)
+            print(f"  {label} {done}/{total}", file=sys.stderr, flush=True)
 
     return report
 
@@ -134,6 +152,10 @@ def _input_problems(args) -> List[str]:
         problems.append("--noise-skew must be >= 0")
     if args.rank_depth < 0:
         problems.append("--rank-depth must be >= 0")
+    if getattr(args, "mtp", None) is None:
+        for name in ("mtp_accept", "mtp_hot_tokens"):
+            if getattr(args, name, None) is not None:
+                problems.append(f"--{name.replace('_', '-')} needs --mtp")
     return problems
 
 
@@ -257,6 +279,265 @@ def _print_replay(r: Dict[str, Any]) -> None:
     t = r["timing_ms_per_step"]
     print("\nper step (ms, this CPU): " + ", ".join(f"{k} {v:.2f}" for k, v in t.items())
           + f"; wall {r['wall_s']:.1f} s")
+
+
+# ------------------------------------------------------------------------ MTP mode
+@dataclass
+class MtpDesignResult:
+    """One residency design's numbers in ``bench decode --mtp``.
+
+    Bytes count bf16 rows of ``row_bytes`` (latent + rope); ``hit_rate`` is the share of
+    the verify rows' own top-k entries that were resident (``row_hits / row_selected``,
+    comparable across designs), ``unique_hit_rate`` the share of lookups that hit (per
+    request, a position several rows select is one lookup).
+    """
+
+    design: str
+    hot_tokens: int
+    engine_rows: int
+    h2d_bytes: int
+    h2d_bytes_per_round: Optional[float]
+    device_hot_bytes_per_request: int
+    hit_rate: float
+    unique_hit_rate: float
+    selected: int
+    hits: int
+    misses: int
+    row_selected: int
+    row_hits: int
+    opt_misses: int
+    misses_over_opt: Optional[float]
+    verified: bool
+    checks: int
+    failures: List[str]
+    wall_s: float
+
+
+def _mtp_rows(args) -> int:
+    """Verify rows per request: ``--mtp`` drafts + the last accepted token."""
+    return int(args.mtp) + 1
+
+
+def _mtp_hot_tokens(args, top_k: int) -> Dict[str, int]:
+    """Hot slots per layer and engine row of each design: per verify row (``--hot-tokens``,
+    default 2 x top-k) and per request (``--mtp-hot-tokens``, default max(2, n) x top-k)."""
+    n = _mtp_rows(args)
+    per_row = args.hot_tokens if args.hot_tokens is not None else 2 * top_k
+    per_request = args.mtp_hot_tokens if args.mtp_hot_tokens is not None else max(2 * top_k, n * top_k)
+    return {"per_row": per_row, "per_request": per_request}
+
+
+def _mtp_static_problems(args) -> List[str]:
+    """Every problem of the ``--mtp`` flags that does not need the trace's top-k."""
+    from ..sparse_decode.policies import POLICIES, needs_ranked
+
+    problems = []
+    if args.mtp < 1:
+        problems.append(f"--mtp {args.mtp}: the draft tokens must be >= 1")
+    accept = args.mtp_accept if args.mtp_accept is not None else _MTP_ACCEPT
+    if not 0.0 <= accept <= 1.0:
+        problems.append(f"--mtp-accept {accept:g} must be in [0, 1]")
+    policy = args.policy or _default_policy()
+    if needs_ranked(policy):
+        usable = ", ".join(sorted(p for p in POLICIES if not needs_ranked(p)))
+        problems.append(f"--policy {policy} needs the indexer's ranking; speculative rounds carry top-k only "
+                        f"(use one of {usable})")
+    if args.mtp_hot_tokens is not None and args.mtp_hot_tokens < 1:
+        problems.append("--mtp-hot-tokens must be >= 1")
+    if args.profile_shape:
+        problems.append("--profile-shape and --mtp are separate modes: pass one")
+    if args.plot:
+        problems.append("--plot draws the non-speculative table: drop it with --mtp")
+    return problems
+
+
+def _mtp_topk_problems(args, top_k: int) -> List[str]:
+    """Problems of the hot-buffer sizes against the trace's ``top_k`` (both designs must fit a round)."""
+    if args.mtp < 1 or top_k < 1:
+        return []
+    n = _mtp_rows(args)
+    hot = _mtp_hot_tokens(args, top_k)
+    problems = []
+    if args.hot_tokens is not None and 1 <= hot["per_row"] < top_k:
+        problems.append(f"--hot-tokens {hot['per_row']} < the trace's top-k {top_k}: a verify row's selection "
+                        "must fit its buffer (per_row design)")
+    if args.mtp_hot_tokens is not None and 1 <= hot["per_request"] < n * top_k:
+        problems.append(f"--mtp-hot-tokens {hot['per_request']} < {n} verify rows x top-k {top_k} = {n * top_k}: "
+                        "the union of a request's rows' top-k must fit its buffer (per_request design)")
+    return problems
+
+
+def _mtp_trace(args):
+    """``(SpecTrace, trace source dict)`` from the base trace (``--trace`` or synthetic);
+    ValueError listing the hot-buffer problems against a recorded trace's top-k."""
+    from ..sparse_decode.spec_trace import speculative_from_trace
+
+    base, source = _load_or_synthesize(args)
+    problems = _mtp_topk_problems(args, base.top_k) if args.trace else []
+    if problems:
+        raise ValueError("; ".join(problems))
+    accept = args.mtp_accept if args.mtp_accept is not None else _MTP_ACCEPT
+    spec = speculative_from_trace(base, _mtp_rows(args), accept, seed=args.seed, source=source["source"])
+    if spec.rounds == 0:
+        raise ValueError(f"the trace has no request with {spec.rows_per_request} consecutive decode positions: "
+                         "no verify round to replay (a longer trace, or a smaller --mtp)")
+    return spec, source
+
+
+def _mtp_device_hot_bytes(design: str, hot_tokens: int, n: int, layers: int, row_bytes: int) -> int:
+    """Device hot-buffer bytes one request holds: ``n`` buffers of ``hot_tokens`` rows per
+    layer (per_row) or one (per_request)."""
+    buffers = n if design == "per_row" else 1
+    return buffers * hot_tokens * layers * row_bytes
+
+
+def _mtp_design(spec, design: str, hot_tokens: int, args, policy: str, row_bytes: int) -> MtpDesignResult:
+    """Replay ``spec`` (a :class:`~..sparse_decode.spec_trace.SpecTrace`) in ``design``, verified,
+    and its Belady optimum at the same capacity."""
+    from ..sparse_decode.spec_replay import opt_misses, replay_speculative
+
+    res = replay_speculative(spec, design, hot_tokens, policy=policy, ops=args.ops, heads=args.heads,
+                             seed=args.seed, verify=True, progress=_progress(True, f"{design}: round"))
+    total = res.stats.total
+    opt = opt_misses(spec, design, hot_tokens)
+    n = spec.rows_per_request
+    return MtpDesignResult(
+        design=design, hot_tokens=hot_tokens, engine_rows=spec.requests * (n if design == "per_row" else 1),
+        h2d_bytes=total.h2d_bytes, h2d_bytes_per_round=total.h2d_bytes / res.rounds if res.rounds else None,
+        device_hot_bytes_per_request=_mtp_device_hot_bytes(design, hot_tokens, n, spec.layers, row_bytes),
+        hit_rate=total.row_hit_rate, unique_hit_rate=total.hit_rate, selected=total.selected, hits=total.hits,
+        misses=total.misses, row_selected=total.row_selected, row_hits=total.row_hits, opt_misses=opt,
+        misses_over_opt=total.misses / opt if opt else None, verified=res.verified, checks=res.checks,
+        failures=list(res.failures), wall_s=res.wall_s)
+
+
+def _over(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def _mtp_ratios(row: MtpDesignResult, req: MtpDesignResult) -> Dict[str, Optional[float]]:
+    """per_request / per_row of the byte counts and misses; hit-rate difference."""
+    return {
+        "h2d_bytes_per_round": _over(req.h2d_bytes_per_round, row.h2d_bytes_per_round),
+        "device_hot_bytes_per_request": _over(req.device_hot_bytes_per_request, row.device_hot_bytes_per_request),
+        "misses": _over(req.misses, row.misses),
+        "hit_rate_delta": req.hit_rate - row.hit_rate,
+    }
+
+
+def _mtp_cross_failures(row: MtpDesignResult, req: MtpDesignResult) -> List[str]:
+    """Checks across the designs: both replays saw the same rows' entries, and the
+    per-row design has one lookup per row entry."""
+    out = []
+    if row.row_selected != req.row_selected:
+        out.append(f"the designs' verify rows selected different entries ({row.row_selected} vs {req.row_selected})")
+    if row.selected != row.row_selected:
+        out.append(f"per_row lookups {row.selected} != its rows' entries {row.row_selected}")
+    if req.selected > req.row_selected:
+        out.append(f"per_request lookups {req.selected} > its rows' entries {req.row_selected}")
+    return out
+
+
+def run_mtp(args) -> Dict[str, Any]:
+    """``bench decode --mtp N``: the per_row and per_request designs over one speculative trace."""
+    from ..sparse_decode.host_pool import HostPoolShape
+
+    spec, source = _mtp_trace(args)
+    n, k = spec.rows_per_request, spec.top_k
+    hot = _mtp_hot_tokens(args, k)
+    policy = args.policy or _default_policy()
+    row_bytes = HostPoolShape(1, 1).row_bytes
+    live = spec.req_ids >= 0
+    accept = args.mtp_accept if args.mtp_accept is not None else _MTP_ACCEPT
+    print(f"speculative trace: {spec.rounds} rounds x {spec.layers} layers x {spec.requests} requests x {n} "
+          f"verify rows, top-k {k}; hot_tokens {hot['per_row']} per row, {hot['per_request']} per request; "
+          f"policy {policy}; ops {args.ops}", file=sys.stderr, flush=True)
+    results = {d: _mtp_design(spec, d, hot[d], args, policy, row_bytes) for d in ("per_row", "per_request")}
+    row, req = results["per_row"], results["per_request"]
+    cross = _mtp_cross_failures(row, req)
+    return {
+        "per_row": asdict(row),
+        "per_request": asdict(req),
+        "verified": row.verified and req.verified and not cross,
+        "failures": cross,
+        "ratios": _mtp_ratios(row, req),
+        "mtp": int(args.mtp),
+        "rows_per_request": n,
+        "accept_rate": accept,
+        "mean_accept_length": float(spec.accepted[live].mean()) if live.any() else 0.0,
+        "rounds": int(np.count_nonzero(live.any(axis=1))),
+        "request_rounds": int(live.sum()),
+        "top_k": k,
+        "layers": spec.layers,
+        "requests": spec.requests,
+        "policy": policy,
+        "ops": args.ops,
+        "heads": args.heads,
+        "seed": args.seed,
+        "row_bytes": row_bytes,
+        "trace": source,
+        "wall_s": row.wall_s + req.wall_s,
+    }
+
+
+def _scaled(x: Optional[float], factor: float) -> Optional[float]:
+    return None if x is None else x * factor
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _print_mtp(r: Dict[str, Any]) -> None:
+    mib = 1 / 2**20
+    row, req, ratio = r["per_row"], r["per_request"], r["ratios"]
+    print(f"\nspeculative verify replay, MTP {r['mtp']} ({r['rows_per_request']} verify rows per request): "
+          f"{r['rounds']} rounds x {r['layers']} layers x {r['requests']} requests, top-k {r['top_k']}, accept "
+          f"{r['accept_rate']:g} per draft (mean accept length {r['mean_accept_length']:.2f}), policy {r['policy']}, "
+          f"ops {r['ops']}")
+    print(f"verified: {'yes' if r['verified'] else 'NO'} (per_row {row['checks']}, per_request {req['checks']} "
+          "layer steps: resident rows == host rows, attention == full-KV reference)")
+    for f in row["failures"] + req["failures"] + r["failures"]:
+        print(f"  FAILED: {f}")
+    lines = [
+        ("hot_tokens (per engine row)", f"{row['hot_tokens']}", f"{req['hot_tokens']}", ""),
+        ("device hot MiB per request", f"{row['device_hot_bytes_per_request'] * mib:.2f}",
+         f"{req['device_hot_bytes_per_request'] * mib:.2f}", _fmt(ratio["device_hot_bytes_per_request"], ".3f")),
+        ("H2D MiB per round", _fmt(_scaled(row["h2d_bytes_per_round"], mib), ".3f"),
+         _fmt(_scaled(req["h2d_bytes_per_round"], mib), ".3f"), _fmt(ratio["h2d_bytes_per_round"], ".3f")),
+        ("hit rate (rows' top-k resident)", f"{row['hit_rate']:.3f}", f"{req['hit_rate']:.3f}",
+         f"{ratio['hit_rate_delta']:+.3f}"),
+        ("unique hit rate (lookups)", f"{row['unique_hit_rate']:.3f}", f"{req['unique_hit_rate']:.3f}", ""),
+        ("misses", f"{row['misses']}", f"{req['misses']}", _fmt(ratio["misses"], ".3f")),
+        ("Belady optimum misses", f"{row['opt_misses']}", f"{req['opt_misses']}", ""),
+        ("misses / optimum", _fmt(row["misses_over_opt"], ".3f"), _fmt(req["misses_over_opt"], ".3f"), ""),
+    ]
+    print(f"\n{'':<34}{'per_row':>12}{'per_request':>14}{'per_request/per_row':>22}")
+    for name, a, b, c in lines:
+        print(f"{name:<34}{a:>12}{b:>14}{c:>22}")
+    print(f"\nlast column: per_request / per_row (hit rate: per_request - per_row); replay wall {r['wall_s']:.1f} s")
+
+
+def main_mtp(args: argparse.Namespace) -> int:
+    """``bench decode --mtp N``: exit 0 verified, 1 a check failed, 2 bad input (every problem listed)."""
+    problems = _input_problems(args) + _mtp_static_problems(args)
+    if not args.trace:
+        problems += _mtp_topk_problems(args, args.top_k)
+    if problems:
+        print("bench decode: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    from ..sparse_decode.trace import TraceError
+
+    try:
+        result = run_mtp(args)
+    except (TraceError, ValueError) as exc:
+        print(f"bench decode: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        _print_mtp(result)
+    return 0 if result["verified"] else 1
 
 
 # ------------------------------------------------------------------- profile mode
@@ -472,6 +753,8 @@ def _print_profile(r: Dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "mtp", None) is not None:
+        return main_mtp(args)
     problems = _input_problems(args)
     if problems:
         print("bench decode: " + "; ".join(problems), file=sys.stderr)
