@@ -477,7 +477,20 @@ def run_mtp(args) -> Dict[str, Any]:
         "row_bytes": row_bytes,
         "trace": source,
         "wall_s": row.wall_s + req.wall_s,
+        "union_over_top_k": _union_stats(spec),
     }
+
+
+def _union_stats(spec) -> Dict[str, Optional[float]]:
+    """Distribution of the union of a request's verify rows' top-k over top-k (what the
+    per-request buffer must hold; ``rows_per_request`` is its bound)."""
+    from ..sparse_decode.spec_trace import union_sizes
+
+    sizes = union_sizes(spec) / float(spec.top_k)
+    if sizes.size == 0:
+        return {"mean": None, "p50": None, "p99": None, "max": None, "bound": float(spec.rows_per_request)}
+    return {"mean": float(sizes.mean()), "p50": float(np.percentile(sizes, 50)),
+            "p99": float(np.percentile(sizes, 99)), "max": float(sizes.max()), "bound": float(spec.rows_per_request)}
 
 
 def _scaled(x: Optional[float], factor: float) -> Optional[float]:
@@ -515,6 +528,10 @@ def _print_mtp(r: Dict[str, Any]) -> None:
     print(f"\n{'':<34}{'per_row':>12}{'per_request':>14}{'per_request/per_row':>22}")
     for name, a, b, c in lines:
         print(f"{name:<34}{a:>12}{b:>14}{c:>22}")
+    u = r["union_over_top_k"]
+    if u["mean"] is not None:
+        print(f"\nunion of a request's verify rows' top-k / top-k (what one shared buffer holds): mean {u['mean']:.2f}, "
+              f"p50 {u['p50']:.2f}, p99 {u['p99']:.2f}, max {u['max']:.2f} (bound {u['bound']:g})")
     print(f"\nlast column: per_request / per_row (hit rate: per_request - per_row); replay wall {r['wall_s']:.1f} s")
 
 

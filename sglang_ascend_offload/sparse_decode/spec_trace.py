@@ -32,7 +32,7 @@ import numpy as np
 
 from .trace import Trace
 
-__all__ = ["SpecTrace", "speculative_from_trace", "accept_lengths"]
+__all__ = ["SpecTrace", "speculative_from_trace", "accept_lengths", "union_sizes"]
 
 
 @dataclass
@@ -132,3 +132,18 @@ def speculative_from_trace(trace: Trace, rows_per_request: int, accept_rate: flo
                 topk[i, :, row * n + j] = trace.topk[t, :, row]
     return SpecTrace(topk=topk, committed=committed, req_ids=req_ids, accepted=accepted,
                      rows_per_request=n, source=source)
+
+
+def union_sizes(spec: SpecTrace) -> np.ndarray:
+    """int64 ``[samples]``: distinct positions of the union of a request's verify rows'
+    top-k, per live (round, layer, request): what one shared hot buffer must hold in
+    that round (at most ``rows_per_request x top_k``)."""
+    n, k = spec.rows_per_request, spec.top_k
+    live = spec.req_ids >= 0  # [R, G]
+    grouped = spec.topk.reshape(spec.rounds, spec.layers, spec.requests, n * k).astype(np.int64)
+    grouped = np.where(grouped >= 0, grouped, -1)
+    ordered = np.sort(grouped, axis=-1)
+    distinct = (ordered >= 0) & np.concatenate(
+        [np.ones(ordered.shape[:-1] + (1,), dtype=bool), ordered[..., 1:] != ordered[..., :-1]], axis=-1)
+    counts = distinct.sum(axis=-1)  # [R, layers, G]
+    return counts.transpose(0, 2, 1)[live].reshape(-1)

@@ -90,6 +90,10 @@ def test_sections_follow_the_designs_and_the_ratios_follow_the_sections(mtp3):
     # one shared buffer of half the slots moves less and hits more on this trace
     assert ratio["device_hot_bytes_per_request"] == 0.5
     assert ratio["h2d_bytes_per_round"] < 1 and ratio["hit_rate_delta"] > 0
+    # the union a request's shared buffer holds: more than one row's top-k, within the n x top-k bound
+    u = r["union_over_top_k"]
+    assert u["bound"] == n and 1 < u["p50"] <= u["p99"] <= u["max"] <= n and 1 < u["mean"] <= u["max"]
+    assert u["mean"] * k * r["request_rounds"] * layers == pytest.approx(req["selected"])  # one lookup per position
 
 
 def test_trace_file_explicit_sizes_and_table(tmp_path, capsys):
