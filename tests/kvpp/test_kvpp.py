@@ -139,10 +139,29 @@ def _worker(rank: int, port: int, configs, result_q, device_kind: str = "cpu") -
             device = torch.device(f"npu:{rank}")
         dist.init_process_group("gloo" if device_kind == "cpu" else "hccl", rank=rank, world_size=GROUP)
         group = dist.new_group(list(range(GROUP)))
-        result_q.put([_one_config(rank, group, device, prefetch, active) for prefetch, active in configs])
+        on_compute = _count_broadcasts_on_the_compute_stream() if device_kind == "npu" else [0]
+        results = [_one_config(rank, group, device, prefetch, active) for prefetch, active in configs]
+        result_q.put([r + (on_compute[0],) for r in results])
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001
-        result_q.put([(rank, repr(exc), None, None, None)])
+        result_q.put([(rank, repr(exc), None, None, None, None)])
+
+
+def _count_broadcasts_on_the_compute_stream():
+    """Wrap ``dist.broadcast`` (the transport looks it up per call): count the calls issued
+    while the device's default (compute) stream is current. The transport promises to
+    broadcast on its own transfer stream, so the count must stay 0."""
+    real = dist.broadcast
+    compute = torch.npu.default_stream()
+    count = [0]
+
+    def recording(*args, **kwargs):
+        if torch.npu.current_stream() == compute:
+            count[0] += 1
+        return real(*args, **kwargs)
+
+    dist.broadcast = recording
+    return count
 
 
 def _run_group(configs, device_kind: str = "cpu"):
@@ -159,13 +178,14 @@ def _run_group(configs, device_kind: str = "cpu"):
     per_block = sum(c.bytes_per_block for c in COMPS)
     for reply in replies:
         assert len(reply) == len(configs), reply
-        for (prefetch, active), (rank, mismatches, broadcasts, received, allocated) in zip(configs, reply):
+        for (prefetch, active), (rank, mismatches, broadcasts, received, allocated, on_compute) in zip(configs, reply):
             what = f"rank {rank}, prefetch={prefetch}, active={active}"
             assert mismatches == 0, (what, mismatches)
             assert broadcasts == 3 * NUM_LAYERS, what
             nbytes = per_block * (BLOCKS if active is None else len(active))
             assert received == 3 * nbytes * (NUM_LAYERS - len(own.owned_by(rank))), what
             assert allocated == per_block * BLOCKS * len(own.owned_by(rank)) + 2 * 2 * 1024 * 1024, what
+            assert on_compute == 0, (what, f"{on_compute} broadcasts issued on the compute stream")
 
 
 def test_broadcast_prefetch_across_processes():
@@ -181,7 +201,8 @@ def test_broadcast_prefetch_across_processes():
 @pytest.mark.parametrize("active", [None, ACTIVE])
 def test_hccl_broadcast_on_transfer_stream(active):
     """The same over HCCL: bundles on ``npu:r``, broadcasts on the transfer stream after
-    the compute stream's ready event, completion events before a layer is used."""
+    the compute stream's ready event (no broadcast is issued on the compute stream:
+    counted in every worker), completion events before a layer is used."""
     if torch.npu.device_count() < GROUP:
         pytest.skip(f"needs {GROUP} NPUs")
     _run_group([(True, active), (False, active)], device_kind="npu")
