@@ -12,20 +12,14 @@ import pytest
 from sglang_ascend_offload.bench import decode
 from sglang_ascend_offload.sparse_decode.trace import SyntheticTraceSpec, save_trace, synthesize
 
+from .test_bench_decode import _run  # the CLI in-process: (rc, stdout, stderr)
+
 TINY = ["--steps", "40", "--layers", "2", "--rows", "3", "--top-k", "16", "--heads", "2"]
 ROW_BYTES = (512 + 64) * 2  # bf16 latent + rope
 DESIGN_KEYS = {"h2d_bytes_per_round", "device_hot_bytes_per_request", "hit_rate", "unique_hit_rate", "misses",
                "opt_misses", "misses_over_opt", "hot_tokens", "verified", "failures"}
 TOP_KEYS = {"per_row", "per_request", "verified", "ratios", "mtp", "rows_per_request", "accept_rate",
             "mean_accept_length", "rounds", "top_k", "layers", "requests", "trace"}
-
-
-def _run(argv, capsys):
-    parser = argparse.ArgumentParser()
-    decode.add_arguments(parser)
-    rc = decode.main(parser.parse_args(argv))
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def _one_json_document(text: str):
