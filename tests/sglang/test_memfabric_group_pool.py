@@ -25,14 +25,17 @@ import memfabric_group_worker as w
 pytestmark = pytest.mark.slow
 
 DEADLINE_S = 6.0
+# Setup failures must be detected, not waited out: with this wait deadline a rank that
+# only waited would still be waiting when run_group gives up (120 s) and report nothing.
+NEVER_S = 600.0
 
 
-def _env(tmp_path, fail: str = "") -> dict:
+def _env(tmp_path, fail: str = "", deadline_s: float = DEADLINE_S) -> dict:
     (tmp_path / "fake").mkdir(exist_ok=True)
     (tmp_path / "shm").mkdir(exist_ok=True)
     return {"FAKE_MEMFABRIC_DIR": str(tmp_path / "fake"), "FAKE_MEMFABRIC_FAIL": fail,
             "SGLANG_ASCEND_OFFLOAD_SHM_DIR": str(tmp_path / "shm"),
-            "SGLANG_ASCEND_OFFLOAD_APPEND_TIMEOUT_S": str(DEADLINE_S)}
+            "SGLANG_ASCEND_OFFLOAD_APPEND_TIMEOUT_S": str(deadline_s)}
 
 
 def _leftovers(tmp_path) -> list:
@@ -58,25 +61,23 @@ def test_ranks_read_rank0s_appends_bit_exactly_through_one_global_pool(tmp_path,
 
 
 def test_a_failed_join_on_rank1_is_a_clear_error_on_every_rank(tmp_path):
-    got, codes = w.run_group(3, _env(tmp_path, fail="join:1"))
+    got, codes = w.run_group(3, _env(tmp_path, fail="join:1", deadline_s=NEVER_S))
     assert sorted(got) == [0, 1, 2]
     assert "bm join returned -1" in got[1][2] and "injected failure on rank 1" in got[1][2]
     for r in (0, 2):
         err = got[r][2]
         assert err and err.startswith("GroupSetupError"), err
-        assert "TP rank 1 failed at 'joined'" in err and "injected failure on rank 1" in err
-        assert got[r][1]["seconds"] < DEADLINE_S + 20  # failed fast, not after a hang
+        assert "TP rank 1 failed at 'joined'" in err and "injected failure on rank 1" in err  # detected
     assert _leftovers(tmp_path) == []  # every rank released what it had
 
 
 def test_rank0_dying_during_setup_is_a_clear_error_on_the_others(tmp_path):
-    got, codes = w.run_group(3, _env(tmp_path, fail="exit_join:0"))
+    got, codes = w.run_group(3, _env(tmp_path, fail="exit_join:0", deadline_s=NEVER_S))
     assert codes[0] == 17 and 0 not in got
     for r in (1, 2):
         err = got[r][2]
         assert err and err.startswith("GroupSetupError"), err
-        assert "TP rank 0 died" in err
-        assert got[r][1]["seconds"] < DEADLINE_S + 20
+        assert "TP rank 0 died" in err  # detected, not waited out
 
 
 def test_rank0_dying_mid_decode_fails_the_readers_within_the_deadline(tmp_path):
@@ -85,7 +86,7 @@ def test_rank0_dying_mid_decode_fails_the_readers_within_the_deadline(tmp_path):
     err = got[1][2]
     assert err and err.startswith("AppendTimeout"), err
     assert "attention-TP rank 1" in err and "TP rank 0 is dead or stuck" in err
-    assert got[1][1]["seconds"] < DEADLINE_S + 30
+    assert got[1][1]["seconds"] >= DEADLINE_S  # the reader waited out its append deadline, then failed
 
 
 def test_engine_gather_path_matches_the_tensor_path_in_process():
