@@ -159,17 +159,14 @@ class GroupRendezvous:
         while True:
             entries = self._locked(lambda: [self._entry(r) for r in range(self.size)])
             pending, gone = [], {}
-            for r, (pid, start, ph, failed, _, msg) in enumerate(entries):
+            for r, entry in enumerate(entries):
+                ph = entry[2]
                 if r == self.rank and (others_only or ph >= want):
                     continue
-                if failed:
-                    why = f"failed at {PHASES[ph - 1]!r}: {msg}"
-                elif pid and shp.process_start_ticks(pid) != start:
-                    why = f"died (pid {pid} is gone) after {PHASES[ph - 1]!r}" if ph else f"died (pid {pid} is gone)"
-                elif ph >= want:
-                    continue
-                else:
-                    pending.append(r)
+                why = _gone_reason(entry)
+                if why is None:
+                    if ph < want:
+                        pending.append(r)
                     continue
                 if not tolerate_gone:
                     raise self._error(r, phase, why)
@@ -184,6 +181,16 @@ class GroupRendezvous:
             time.sleep(sleep)
             sleep = min(max(sleep * 2, 1e-3), 0.05)
 
+    def first_failure(self, phase: str) -> Optional[GroupSetupError]:
+        """The error naming another rank that already failed or died, if one did (no
+        waiting): a rank whose own step fails uses it to report the group's first cause."""
+        entries = self._locked(lambda: [self._entry(r) for r in range(self.size)])
+        for r, entry in enumerate(entries):
+            why = None if r == self.rank else _gone_reason(entry)
+            if why is not None:
+                return self._error(r, phase, why)
+        return None
+
     def reach(self, phase: str, value: int = 0) -> None:
         """:meth:`report` then :meth:`wait_all`: a rendezvous with a deadline."""
         self.report(phase, value)
@@ -194,6 +201,17 @@ class GroupRendezvous:
             f"sparse decode offload: attention-TP rank {self.rank} of attention-DP group {self.group}: TP rank "
             f"{rank} {why} (waiting for phase {phase!r} of the group's MemFabric host pool; "
             f"deadline {self.timeout_s:g} s, {shp.TIMEOUT_ENV})")
+
+
+def _gone_reason(entry) -> Optional[str]:
+    """Why the rank of status-table ``entry`` is out of the group (failed, or its process
+    died), or ``None`` while it is alive."""
+    pid, start, ph, failed, _, msg = entry
+    if failed:
+        return f"failed at {PHASES[ph - 1]!r}: {msg}"
+    if pid and shp.process_start_ticks(pid) != start:
+        return f"died (pid {pid} is gone) after {PHASES[ph - 1]!r}" if ph else f"died (pid {pid} is gone)"
+    return None
 
 
 # ------------------------------------------------------------------ the control mapping

@@ -141,9 +141,16 @@ class MemfabricGroupPool:
             if theirs != self.base:
                 raise RuntimeError(f"this rank sees rank 0's host pool at GVA {self.base:#x}, rank 0 at {theirs:#x}")
         except BaseException as exc:
-            if not isinstance(exc, GroupSetupError):
-                rendezvous.fail(phase, f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, GroupSetupError):
+                self._release()
+                raise
+            # A rank that failed or died first (its store or segment gone) is often why this
+            # step failed here: name the group's first cause, with this rank's error chained.
+            cause = rendezvous.first_failure(phase)
+            rendezvous.fail(phase, f"{type(exc).__name__}: {exc}")
             self._release()
+            if cause is not None:
+                raise cause from exc
             raise
 
     def _check(self, ret: int, what: str) -> None:

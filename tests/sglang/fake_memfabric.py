@@ -284,10 +284,11 @@ class BigMemory:
             return 0
         if rank not in self._addr:
             path = self._segment(rank)
-            if not path.exists():
+            try:
+                with open(path, "r+b") as f:
+                    mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED)
+            except FileNotFoundError:  # the owner left (or never backed it): not addressable
                 return 0
-            with open(path, "r+b") as f:
-                mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED)
             self._maps[rank] = mm
             self._addr[rank] = ctypes.addressof(ctypes.c_char.from_buffer(mm))
         if off + size > len(self._maps[rank]):

@@ -94,3 +94,29 @@ def test_a_control_block_left_by_a_killed_rank0_is_reclaimed(tmp_path):
     header = shp.read_header(left)
     assert header is not None and header.group_size == 2 and not header.owner_alive()
     assert shp.reclaim_stale(tmp_path) == [left] and not left.exists()
+
+
+def test_a_rank_whose_own_step_fails_names_the_groups_first_failure(tmp_path):
+    """Rank 1 failed at 'joined' first; rank 0's own later error (e.g. its segment's store
+    gone) is reported as the group's first cause: ``first_failure`` names rank 1 without
+    waiting, and is ``None`` while every other rank is alive and well."""
+    import mmap
+
+    from sglang_ascend_offload.sglang_plugin import group_rendezvous as gr
+    from sglang_ascend_offload.sparse_decode.host_pool import HostPoolShape
+
+    shape = HostPoolShape(2, 64, 8, 4)
+    ctl = gr._create(shape, 2, 0, tmp_path, 5.0)
+    try:
+        other = gr.GroupRendezvous(ctl.mapping, shape.layers, 2, rank=1, group=0, timeout_s=5.0)
+        other.report("bm initialized")
+        ctl.rendezvous.report("bm initialized")
+        assert ctl.rendezvous.first_failure("joined") is None
+        other.fail("joined", "RuntimeError: bm join returned -1 (injected)")
+        err = ctl.rendezvous.first_failure("joined")
+        assert isinstance(err, gr.GroupSetupError)
+        assert "TP rank 1 failed at 'joined'" in str(err) and "injected" in str(err)
+        assert other.first_failure("joined") is None  # its own failure is not another rank's
+    finally:
+        assert isinstance(ctl.mapping, mmap.mmap)
+        ctl.close()
