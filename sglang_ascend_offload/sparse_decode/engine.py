@@ -68,12 +68,50 @@ from .host_pool import AppendGate, HostKVPool
 from .host_rows import is_tensor_backed
 from .hot_buffer import HotBuffers
 from .policies import DEFAULT_POLICY, ResidencyManager, make_manager, uses_cpu_kernel
-from .request_union import merge_ranked, row_slots, union_of_rows
+from .request_union import RequestUnion, merge_ranked, row_slots, union_of_rows
 from .stats import DecodeStats, StatsAccumulator
 
-__all__ = ["EngineConfig", "LayerResult", "PhaseTimes", "SparseDecodeEngine", "decode_layer_step"]
+__all__ = ["EngineConfig", "LayerResult", "PhaseTimes", "SparseDecodeEngine", "decode_layer_step", "RequestStep", "step_requests"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestStep:
+    """One layer's residency step over a batch of requests, read back per query row.
+
+    residency: the manager's step per request (``[B, K]``, or ``[B, n*K]`` over the union).
+    slots: int32 ``[B*n, K]`` each query row's hot-buffer slots in its own top-k order.
+    token_rows: int64 ``[B*n]`` the engine row of each query row.
+    union: the union it looked up (``None`` with one row per request).
+    """
+
+    residency: ResidencyStep
+    slots: torch.Tensor
+    token_rows: torch.Tensor
+    union: Optional[RequestUnion]
+
+    def row_counts(self):
+        """``(row_selected, row_hits)`` 0-d device counts of the query rows' entries, or
+        ``(None, None)`` with one row per request (then they equal the lookups')."""
+        if self.union is None:
+            return None, None
+        u = self.union
+        row_hit = torch.gather(self.residency.hit_mask, 1, u.columns.reshape(u.positions.shape[0], -1))
+        return u.valid.sum(dtype=torch.int64), (row_hit.reshape_as(u.valid) & u.valid).sum(dtype=torch.int64)
+
+
+def step_requests(manager: ResidencyManager, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor,
+                  stable_len: torch.Tensor, step, rows_per_request: int = 1) -> RequestStep:
+    """The residency step of ``rows`` (``[B]``) for their ``B * n`` query rows' ``topk``:
+    the plain per-row step for ``n = 1``, else one step per request over the union."""
+    n = int(rows_per_request)
+    if n == 1:
+        res = manager.step_rows(rows, topk, req_ids, stable_len, step)
+        return RequestStep(res, res.slots, rows, None)
+    union = union_of_rows(topk, n)
+    res = manager.step_rows(rows, union.positions, req_ids, stable_len, step)
+    return RequestStep(res, row_slots(union, res.slots), rows.repeat_interleave(n), union)
 
 
 def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor,
@@ -96,14 +134,8 @@ def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch
     and capturable in a device graph (what ``tests/sparse_decode/test_sync_free.py``
     holds). ``attention`` defaults to the reference ``sparse_mla_attention``.
     """
-    n = int(rows_per_request)
-    if n == 1:
-        res = manager.step_rows(rows, topk, req_ids, stable_len, step)
-        slots, token_rows = res.slots, rows
-    else:
-        union = union_of_rows(topk, n)
-        res = manager.step_rows(rows, union.positions, req_ids, stable_len, step)
-        slots, token_rows = row_slots(union, res.slots), rows.repeat_interleave(n)
+    req = step_requests(manager, rows, topk, req_ids, stable_len, step, rows_per_request)
+    res, slots, token_rows = req.residency, req.slots, req.token_rows
     copy_miss_rows_rows(host, hot, rows, res.miss_tokens, res.miss_slots, res.miss_count, token_table)
     h, d = hot.shape[1], hot.shape[2]
     flat_idx = torch.where(slots >= 0, token_rows[:, None] * h + slots.to(torch.int64),
@@ -340,21 +372,12 @@ class SparseDecodeEngine:
 
         t0 = self._tick()
         topk_dev = topk.to(self.device, torch.int32)
-        if n == 1:
-            res = self.managers[layer].step_rows(self._rows, topk_dev, self._req_ids, self._stable_len,
-                                                 self.step_index)
-            slots, token_rows = res.slots, self._rows
-            row_selected = row_hits = None
-        else:
-            union = union_of_rows(topk_dev, n)
-            res = self.managers[layer].step_rows(self._rows, union.positions, self._req_ids, self._stable_len,
-                                                 self.step_index)
-            slots, token_rows = row_slots(union, res.slots), self._rows.repeat_interleave(n)
-            row_hit = torch.gather(res.hit_mask, 1, union.columns.reshape(self._batch, -1)).reshape_as(union.valid)
-            row_selected = union.valid.sum(dtype=torch.int64)
-            row_hits = (row_hit & union.valid).sum(dtype=torch.int64)
+        req = step_requests(self.managers[layer], self._rows, topk_dev, self._req_ids, self._stable_len,
+                            self.step_index, n)
+        res = req.residency
+        row_selected, row_hits = req.row_counts()
         t1 = self._tick()
-        flat = self.hot.flat_indices(slots, token_rows)
+        flat = self.hot.flat_indices(req.slots, req.token_rows)
         if self._copy_sfa_op is not None:  # fused Copy-SFA: copy + attention in one op (full-rows ABI)
             out = self._fused_copy_attention(layer, res, flat, query, query_rope, scale)
             t2 = t1
