@@ -100,6 +100,33 @@ class Workload:
         return self.rng.permutation(out)
 
 
+def begin_workload_step(engine, work: Workload, written: dict, step: int):
+    """Advance ``work`` one step and start it in ``engine``: ``(req_ids, seq_lens,
+    stable, token table [ROWS, MAX_CTX], host slots written this step)`` (new positions
+    and every speculative position are rewritten; ``written`` tracks what is there)."""
+    req_ids, seq_lens, stable = work.step()
+    table = torch.zeros((ROWS, MAX_CTX), dtype=torch.int32)
+    for r, req in enumerate(req_ids.tolist()):
+        if req != -1:
+            table[r] = torch.tensor(work.reqs[req]["slots"], dtype=torch.int32)
+    engine.begin_step(torch.from_numpy(req_ids), table, torch.from_numpy(stable), step=step)
+    writes = []
+    for req, st in work.reqs.items():
+        lo = min(written.get(req, 0), st["stable"])
+        writes += st["slots"][lo: st["seq_len"]]
+        written[req] = st["seq_len"]
+    return req_ids, seq_lens, stable, table, writes
+
+
+def layer_inputs(work: Workload, gen: torch.Generator, seq_lens, req_ids):
+    """One layer's ``(topk int32 [ROWS, K] numpy, query, query_rope)`` (bf16, CPU)."""
+    topk = np.stack([work.topk(int(n)) for n in seq_lens])
+    topk[req_ids == -1] = -1
+    q = torch.randn((ROWS, HEADS, LATENT), generator=gen).to(torch.bfloat16)
+    qr = torch.randn((ROWS, HEADS, ROPE), generator=gen).to(torch.bfloat16)
+    return topk, q, qr
+
+
 def _run(policy: str, steps: int, seed: int, ops: str = "reference"):
     host_tokens = ROWS * MAX_CTX + 8
     pool = HostKVPool.allocate(HostPoolShape(LAYERS, host_tokens, LATENT, ROPE), "pinned")
@@ -113,27 +140,13 @@ def _run(policy: str, steps: int, seed: int, ops: str = "reference"):
     row_bytes = (LATENT + ROPE) * 2
     total_misses = 0
     for step in range(steps):
-        req_ids, seq_lens, stable = work.step()
-        table = torch.zeros((ROWS, MAX_CTX), dtype=torch.int32)
-        for r, req in enumerate(req_ids.tolist()):
-            if req != -1:
-                table[r] = torch.tensor(work.reqs[req]["slots"], dtype=torch.int32)
-        engine.begin_step(torch.from_numpy(req_ids), table, torch.from_numpy(stable), step=step)
-        # new positions and every speculative position are (re)written this step
-        writes = []
-        for req, st in work.reqs.items():
-            lo = min(written.get(req, 0), st["stable"])
-            writes += st["slots"][lo: st["seq_len"]]
-            written[req] = st["seq_len"]
+        req_ids, seq_lens, stable, table, writes = begin_workload_step(engine, work, written, step)
         idx = torch.tensor(writes, dtype=torch.int64)
         before = engine.stats()
         for layer in range(LAYERS):
             if writes:
                 engine.append(layer, idx, torch.randn((len(writes), LATENT + ROPE), generator=gen).to(torch.bfloat16))
-            topk = np.stack([work.topk(int(n)) for n in seq_lens])
-            topk[req_ids == -1] = -1
-            q = torch.randn((ROWS, HEADS, LATENT), generator=gen).to(torch.bfloat16)
-            qr = torch.randn((ROWS, HEADS, ROPE), generator=gen).to(torch.bfloat16)
+            topk, q, qr = layer_inputs(work, gen, seq_lens, req_ids)
             hot_before = engine.hot.layer(layer).clone()
             res = engine.run_layer(layer, torch.from_numpy(topk), q, qr, SCALE)
 

@@ -18,7 +18,6 @@ extension or operator fails (``tests/npu_requirements.py``).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -29,7 +28,8 @@ from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecod
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
 from sglang_ascend_offload.sparse_decode.verify import full_kv_attention, resident_mismatches
 
-from .test_engine_equivalence import HEADS, HOT, K, LATENT, LAYERS, MAX_CTX, ROPE, ROWS, SCALE, Workload
+from .test_engine_equivalence import (HOT, K, LATENT, LAYERS, MAX_CTX, ROPE, ROWS, SCALE, Workload,
+                                      begin_workload_step, layer_inputs)
 
 ATTN_TOL = 2e-2  # the fused kernels' bf16 tolerance (tests/ops/test_fused_npu.py)
 
@@ -51,26 +51,13 @@ def test_engine_fused_copy_sfa_on_the_npu_matches_full_kv():
     written = {}
     row_bytes = (LATENT + ROPE) * 2
     for step in range(steps):
-        req_ids, seq_lens, stable = work.step()
-        table = torch.zeros((ROWS, MAX_CTX), dtype=torch.int32)
-        for r, req in enumerate(req_ids.tolist()):
-            if req != -1:
-                table[r] = torch.tensor(work.reqs[req]["slots"], dtype=torch.int32)
-        engine.begin_step(torch.from_numpy(req_ids), table, torch.from_numpy(stable), step=step)
-        writes = []
-        for req, st in work.reqs.items():
-            lo = min(written.get(req, 0), st["stable"])
-            writes += st["slots"][lo: st["seq_len"]]
-            written[req] = st["seq_len"]
+        req_ids, seq_lens, stable, table, writes = begin_workload_step(engine, work, written, step)
         idx = torch.tensor(writes, dtype=torch.int64)
         before = engine.stats()
         for layer in range(LAYERS):
             if writes:
                 engine.append(layer, idx, torch.randn((len(writes), LATENT + ROPE), generator=gen).to(torch.bfloat16))
-            topk = np.stack([work.topk(int(n)) for n in seq_lens])
-            topk[req_ids == -1] = -1
-            q = torch.randn((ROWS, HEADS, LATENT), generator=gen).to(torch.bfloat16)
-            qr = torch.randn((ROWS, HEADS, ROPE), generator=gen).to(torch.bfloat16)
+            topk, q, qr = layer_inputs(work, gen, seq_lens, req_ids)
             res = engine.run_layer(layer, torch.from_numpy(topk), q.npu(), qr.npu(), SCALE)
             ref = full_kv_attention(attention, pool, layer, torch.from_numpy(topk), table, q, qr, SCALE)
             torch.testing.assert_close(res.output.cpu().float(), ref.float(), atol=ATTN_TOL, rtol=ATTN_TOL)
