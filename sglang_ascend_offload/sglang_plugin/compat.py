@@ -211,11 +211,11 @@ OBJECT_FIELDS: Dict[str, Dict[str, str]] = {
     "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue": {
         "kv_manager": "layerwise P/D prefill: the manager whose publisher runs during the forward",
         "scheduler": "P/D: the model config (context length) when the KV manager gets its pool",
-        "draft_token_to_kv_pool": "P/D: draft (speculative) KV pools are refused",
+        "draft_token_to_kv_pool": "P/D: the draft (NextN) KV pool, moved after the base layers",
     },
     "sglang.srt.disaggregation.decode.DecodePreallocQueue": {
         "scheduler": "P/D: the model config (context length) when the KV manager gets its pool",
-        "draft_token_to_kv_pool": "P/D: draft (speculative) KV pools are refused",
+        "draft_token_to_kv_pool": "P/D: the draft (NextN) KV pool, moved after the base layers",
     },
     "sglang.srt.managers.schedule_batch.ScheduleBatch": {
         "forward_mode": "layerwise P/D prefill: only extend forwards finish requests",

@@ -17,8 +17,8 @@ import msgspec
 from .errors import ProtocolError, TopologyError
 from .topology import PDTopology
 
-#: 2: ``main_kv`` (where the decode DP rank holds the main KV).
-ADVERT_VERSION = 2
+#: 2: ``main_kv`` (where the decode DP rank holds the main KV). 3: ``draft_layers``.
+ADVERT_VERSION = 3
 #: Index of the advert frame in the registration message (SGLang 0.5.23 sends 20 frames).
 ADVERT_FRAME_INDEX = 20
 
@@ -48,6 +48,10 @@ class DecodeAdvert(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     main_kv: whether that destination is shared by the DP rank's TP ranks (see
         :data:`MainKV`); ``d_tp > 1`` needs ``tp_shared``
         (:meth:`~.topology.PDTopology.check_main_kv`).
+    draft_layers: the speculative draft (NextN / MTP) layers the decode serves, numbered
+        after its base layers; their main KV is always device pages (``latent`` /
+        ``rope``, as ``split``), whatever ``layout_kind`` says of the base layers. The
+        prefill must serve the same draft layers (it sends them after its base layers).
     """
 
     version: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
@@ -61,6 +65,7 @@ class DecodeAdvert(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     data_protocol: _Name
     layout_kind: LayoutKind
     main_kv: MainKV = "per_rank"
+    draft_layers: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
 
     def validate(self) -> None:
         if self.version != ADVERT_VERSION:

@@ -97,17 +97,19 @@ class ReadTiming(NamedTuple):
 class _Peer:
     """An accepted prefill peer, with what every batch of it needs precomputed.
 
-    main_pairs / index_pairs: ``(source spec, destination spec)`` per main tensor and per
-    indexer / scale tensor (block bytes equal: checked at the handshake).
-    main_limit / index_limit: source block ids must be below these.
+    main_at: per layer, its main tensor group: ``(group id, [(source spec, destination
+    spec)] per main tensor, source block limit)``; layers with the same main tensors share
+    one group (one group unless the draft layer's main KV lives elsewhere than the base
+    layers'). Block bytes are equal per pair: checked at the handshake.
+    index_pairs: the same per indexer / scale tensor (they hold every layer).
+    index_limit: indexer source block ids must be below it.
     """
 
     identity: bytes
     hs: MetaHandshake
     member: int
-    main_pairs: List[Tuple[TensorSpec, TensorSpec]] = field(default_factory=list)
+    main_at: List[Tuple[int, List[Tuple[TensorSpec, TensorSpec]], int]] = field(default_factory=list)
     index_pairs: List[Tuple[TensorSpec, TensorSpec]] = field(default_factory=list)
-    main_limit: int = 0
     index_limit: int = 0
 
     @classmethod
@@ -115,8 +117,13 @@ class _Peer:
         src = hs.layout
         index_pairs = [(getattr(src, role), getattr(dest, role)) for role in ("indexer", "indexer_scale")
                        if getattr(dest, role) is not None]
-        return cls(identity, hs, member, list(zip(src.main, dest.main)), index_pairs,
-                   min(t.num_blocks for t in src.main),
+        main_at: List[Tuple[int, List[Tuple[TensorSpec, TensorSpec]], int]] = [None] * dest.num_layers
+        for gid, (layers, dest_main) in enumerate(dest.main_groups()):
+            src_main = src.main_at(layers[0])
+            group = (gid, list(zip(src_main, dest_main)), min(t.num_blocks for t in src_main))
+            for layer in layers:
+                main_at[layer] = group
+        return cls(identity, hs, member, main_at, index_pairs,
                    min((s.num_blocks for s, _ in index_pairs), default=0))
 
 
@@ -136,9 +143,10 @@ class _Track:
     #: member -> (main start, main count, indexer start, indexer count): its exact share (fixed
     #: once the topology is: every accepted handshake must agree on it)
     shares: Dict[int, Tuple[int, int, int, int]] = field(default_factory=dict)
-    #: member -> (main source blocks, indexer source blocks, plan relative to each layer's bases):
-    #: a layer whose source blocks equal the previous layer's reuses the coalesced plan
-    plans: Dict[int, tuple] = field(default_factory=dict)
+    #: (member, main tensor group) -> (main source blocks, indexer source blocks, plan relative
+    #: to each layer's bases): a layer whose source blocks equal the previous layer's reuses
+    #: the coalesced plan
+    plans: Dict[Tuple[int, int], tuple] = field(default_factory=dict)
 
 
 class DecodeReceiver:
@@ -468,7 +476,7 @@ class DecodeReceiver:
                         f"{start}+{count}")
         elif main:
             return f"member {m} sent main blocks (only member 0 does)"
-        if main and max(main) >= p.main_limit:
+        if main and max(main) >= p.main_at[layer][2]:
             return "main source block out of the prefill buffer"
         index = rr.indexer_src_blocks
         if p.index_pairs:
@@ -491,11 +499,12 @@ class DecodeReceiver:
         (they usually do: a request keeps its slot blocks for every layer).
         """
         main, index = rr.main_src_blocks, rr.indexer_src_blocks
-        cached = t.plans.get(p.member)
+        gid, main_pairs, _ = p.main_at[layer]
+        cached = t.plans.get((p.member, gid))
         if cached is None or cached[0] != main or cached[1] != index:
             rel = []
             for pairs, src_blocks, dst_blocks, offset in (
-                    (p.main_pairs, main, t.dest.main_blocks, rr.main_offset),
+                    (main_pairs, main, t.dest.main_blocks, rr.main_offset),
                     (p.index_pairs, index, t.dest.indexer_blocks, rr.indexer_offset)):
                 if not src_blocks:
                     continue
@@ -503,11 +512,11 @@ class DecodeReceiver:
                 for s_spec, d_spec in pairs:
                     bb = d_spec.block_bytes
                     d_, s_, n_ = coalesce([b * bb for b in dst_ids], [b * bb for b in src_blocks], bb)
-                    rel.append((d_spec.layer_base_addrs, s_spec.layer_base_addrs, d_, s_, n_))
-            cached = t.plans[p.member] = (main, index, rel)
-        for d_bases, s_bases, d_, s_, n_ in cached[2]:
-            dbase = d_bases[layer]
-            sbase = s_bases[layer]
+                    rel.append((d_spec, s_spec, d_, s_, n_))
+            cached = t.plans[(p.member, gid)] = (main, index, rel)
+        for d_spec, s_spec, d_, s_, n_ in cached[2]:
+            dbase = d_spec.base(layer)
+            sbase = s_spec.base(layer)
             if len(n_) == 1:
                 dst_all.append(dbase + d_[0])
                 src_all.append(sbase + s_[0])

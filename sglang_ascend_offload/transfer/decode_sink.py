@@ -40,7 +40,8 @@ class DecodeSink:
     d_tp / d_rank / dp_rank: attention TP size, rank and attention DP rank;
     pool: the rank's KV pool (the plugin's ``HostMainKVPool`` or
     ``DeviceDSAPool``); engine: the started engine (the destinations are
-    registered here).
+    registered here); draft_pool: the speculative draft model's device pool, whose
+    layers arrive after the base layers (``None`` without speculation).
 
     With ``d_tp > 1`` the pool's main KV must be TP-shared (this rank pulls only its
     range of each request, the other ranks pull theirs into the same memory): a
@@ -49,13 +50,20 @@ class DecodeSink:
     """
 
     def __init__(self, config: cfg.PDTransferConfig, *, d_tp: int, d_rank: int, dp_rank: int, pool: Any,
-                 engine: TransferEngine):
+                 engine: TransferEngine, draft_pool: Any = None):
         self.main_kv = layouts.main_kv_placement(pool)
         try:
             PDTopology(d_tp, d_tp).check_main_kv(self.main_kv)
         except TopologyError as exc:
             raise layouts.LayoutError(f"P/D decode rank {d_rank}: {exc}") from None
-        tensors = layouts.destination_tensors(pool)
+        if draft_pool is not None and d_tp > 1:
+            # the draft layer's main KV is per-rank device memory, but with d_tp > 1 each
+            # rank pulls only its range of a request's main KV (into the shared host pool)
+            raise layouts.LayoutError(f"P/D decode rank {d_rank}: a speculative draft (NextN) layer is received "
+                                      f"with decode attention TP 1 only (this server has {d_tp}); serve the "
+                                      "decode with --tp 1 per attention-DP group, or without speculation")
+        self.draft_layers = draft_pool.layer_num if draft_pool is not None else 0
+        tensors = layouts.destination_tensors(pool, draft_pool)
         self.config = config
         self.kind = layouts.layout_kind(pool)
         self.layout = layouts.layout_of(pool, tensors)
@@ -70,15 +78,16 @@ class DecodeSink:
         self._prefill_done_at = {}
         self.receiver = DecodeReceiver(config, d_tp=d_tp, d_rank=d_rank, layout=self.layout, engine=engine,
                                        dp_rank=dp_rank, on_release=self._on_release).start()
-        logger.info("P/D decode rank %d of %d listening on %s:%d (%s destinations, %s main KV)", d_rank, d_tp,
-                    config.host, self.port, self.kind, self.main_kv)
+        logger.info("P/D decode rank %d of %d listening on %s:%d (%s destinations, %s main KV%s)", d_rank, d_tp,
+                    config.host, self.port, self.kind, self.main_kv,
+                    f", {self.draft_layers} draft layer(s) on the device" if self.draft_layers else "")
 
     def advert(self) -> DecodeAdvert:
         return DecodeAdvert(version=ADVERT_VERSION, host=self.config.host, control_port=self.port,
                             kv_port=self.config.kv_port, dp_rank=self.dp_rank, d_tp=self.d_tp,
                             d_rank=self.d_rank, engine=self.engine.name,
                             data_protocol=self.engine.data_protocol, layout_kind=self.kind,
-                            main_kv=self.main_kv)
+                            main_kv=self.main_kv, draft_layers=self.draft_layers)
 
     def _on_release(self, dest: RequestDestination) -> None:
         with self._lock:

@@ -186,7 +186,14 @@ class LayerwisePublisher(PrefillPublisher):
     publishes_during_forward = True
 
     def __init__(self, config: cfg.PDTransferConfig, *, p_tp: int, p_rank: int, pool: Any,
-                 engine: TransferEngine, max_blocks: Optional[int] = None, staging_slots: int = 2):
+                 engine: TransferEngine, max_blocks: Optional[int] = None, staging_slots: int = 2,
+                 draft_pool: Any = None):
+        if draft_pool is not None:
+            # the layer listener publishes the base layers during the forward; the draft
+            # model's extend runs after it, on a pool this publisher never sees
+            raise layouts.LayoutError("P/D prefill with layerwise prefill offload does not publish the "
+                                      "speculative draft (NextN) layer: serve the prefill without "
+                                      "--speculative-algorithm, or without layerwise prefill offload")
         super().__init__(config, p_tp=p_tp, p_rank=p_rank, pool=pool, engine=engine, max_blocks=max_blocks,
                          staging_slots=staging_slots)
         self.router = PoolGateRouter(pool)

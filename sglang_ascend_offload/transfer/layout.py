@@ -13,7 +13,7 @@ memory, device pointers).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from .engine import Region
 from .protocol import KVLayout, TensorSpec
@@ -30,41 +30,54 @@ class TensorLayers:
     role: str
     name: str
     per_layer: Sequence[Any]  # torch.Tensor (or anything with the same methods)
+    #: the logical layers ``per_layer`` holds (ascending); ``None``: every layer, in order
+    layers: Optional[Sequence[int]] = None
 
 
 @dataclass(frozen=True)
 class RawTensor:
-    """One KV tensor by address: ``layer_addrs[L]`` is block 0 of layer ``L``."""
+    """One KV tensor by address: ``layer_addrs[i]`` is block 0 of logical layer
+    ``layers[i]`` (of layer ``i`` when ``layers`` is ``None``)."""
 
     role: str
     name: str
     block_bytes: int
     num_blocks: int
     layer_addrs: Sequence[int]
+    layers: Optional[Sequence[int]] = None
 
 
 def layout_from_regions(block_tokens: int, tensors: Sequence[RawTensor]) -> KVLayout:
-    """:class:`KVLayout` of tensors given by address (validated)."""
-    counts = {len(t.layer_addrs) for t in tensors}
-    if len(counts) != 1:
+    """:class:`KVLayout` of tensors given by address (validated).
+
+    Tensors holding every layer must agree on the layer count; a main tensor with
+    ``layers`` holds those layers only (the layout's layers are then those the
+    whole-layer tensors hold, or ``max(layers) + 1`` when every tensor names its layers).
+    """
+    counts = {len(t.layer_addrs) for t in tensors if t.layers is None}
+    if len(counts) > 1:
         raise ValueError(f"tensors disagree on the layer count: {sorted(counts)}")
+    num_layers = counts.pop() if counts else max(max(t.layers) for t in tensors) + 1
     specs = [TensorSpec(role=t.role, name=t.name, block_bytes=int(t.block_bytes),
-                        num_blocks=int(t.num_blocks), layer_base_addrs=[int(a) for a in t.layer_addrs])
+                        num_blocks=int(t.num_blocks), layer_base_addrs=[int(a) for a in t.layer_addrs],
+                        layers=None if t.layers is None else [int(x) for x in t.layers])
              for t in tensors]
-    layout = KVLayout(num_layers=counts.pop(), block_tokens=block_tokens, tensors=specs)
+    layout = KVLayout(num_layers=num_layers, block_tokens=block_tokens, tensors=specs)
     layout.validate()
     return layout
 
 
 def build_layout(block_tokens: int, tensors: Sequence[TensorLayers]) -> KVLayout:
-    """:class:`KVLayout` of ``tensors`` (validated). All must have the same layer count."""
+    """:class:`KVLayout` of ``tensors`` (validated). Tensors without ``layers`` must have
+    the same layer count; a tensor with ``layers`` has one buffer per named layer."""
     raw: List[RawTensor] = []
     num_layers = None
     for t in tensors:
-        if num_layers is None:
-            num_layers = len(t.per_layer)
-        if len(t.per_layer) != num_layers:
-            raise ValueError(f"tensor {t.name!r} has {len(t.per_layer)} layers, expected {num_layers}")
+        expected = len(t.layers) if t.layers is not None else num_layers
+        if t.layers is None and num_layers is None:
+            num_layers = expected = len(t.per_layer)
+        if len(t.per_layer) != expected:
+            raise ValueError(f"tensor {t.name!r} has {len(t.per_layer)} layers, expected {expected}")
         shapes = {tuple(x.shape) for x in t.per_layer}
         if len(shapes) != 1:
             raise ValueError(f"tensor {t.name!r}: layers differ in shape {sorted(shapes)}")
@@ -76,7 +89,7 @@ def build_layout(block_tokens: int, tensors: Sequence[TensorLayers]) -> KVLayout
                 raise ValueError(f"tensor {t.name!r}: layer buffers must be contiguous")
         block_bytes = first[0].numel() * first.element_size()
         raw.append(RawTensor(t.role, t.name, block_bytes, first.shape[0],
-                             [x.data_ptr() for x in t.per_layer]))
+                             [x.data_ptr() for x in t.per_layer], t.layers))
     return layout_from_regions(block_tokens, raw)
 
 
@@ -97,17 +110,27 @@ def layout_mismatches(source: KVLayout, dest: KVLayout) -> List[str]:
     """
     out = []
     if source.num_layers != dest.num_layers:
-        out.append(f"layers: prefill {source.num_layers}, decode {dest.num_layers}")
+        out.append(f"layers: prefill {source.num_layers}, decode {dest.num_layers} (both servers need the "
+                   "same model and the same speculative draft layers)")
     if source.block_tokens != dest.block_tokens:
         out.append(f"tokens per block: prefill {source.block_tokens}, decode {dest.block_tokens}")
-    sm, dm = source.main, dest.main
-    if len(sm) != len(dm):
-        out.append(f"main tensor count: prefill {len(sm)}, decode {len(dm)}")
-    for s, d in zip(sm, dm):
-        if s.name != d.name:
-            out.append(f"main tensor order: prefill {s.name!r}, decode {d.name!r}")
-        if s.block_bytes != d.block_bytes:
-            out.append(f"main tensor {s.name!r} block bytes: prefill {s.block_bytes}, decode {d.block_bytes}")
+    common = min(source.num_layers, dest.num_layers)  # main tensors compared on the layers both have
+    for layers, dm in dest.main_groups():
+        layers = [x for x in layers if x < common]
+        if layers:
+            sm = source.main_at(layers[0])
+            where = "" if len(layers) == common else f"layers {_span(layers)}: "
+            if any(source.main_at(x) != sm for x in layers):
+                out.append(f"{where}prefill's main tensors differ within decode's group "
+                           f"(prefill {[t.name for t in sm]} at layer {layers[0]})")
+            if len(sm) != len(dm):
+                out.append(f"{where}main tensor count: prefill {len(sm)}, decode {len(dm)}")
+            for s, d in zip(sm, dm):
+                if s.name != d.name:
+                    out.append(f"{where}main tensor order: prefill {s.name!r}, decode {d.name!r}")
+                if s.block_bytes != d.block_bytes:
+                    out.append(f"{where}main tensor {s.name!r} block bytes: prefill {s.block_bytes}, "
+                               f"decode {d.block_bytes}")
     for role, label in (("indexer", "indexer"), ("indexer_scale", "LIC8 scale")):
         s = getattr(source, role)
         d = getattr(dest, role)
@@ -116,6 +139,13 @@ def layout_mismatches(source: KVLayout, dest: KVLayout) -> List[str]:
         elif s is not None and s.block_bytes != d.block_bytes:
             out.append(f"{label} block bytes: prefill {s.block_bytes}, decode {d.block_bytes}")
     return out
+
+
+def _span(layers: Sequence[int]) -> str:
+    """``"0-60"`` for a contiguous run, else the ids (at most 8)."""
+    if list(layers) == list(range(layers[0], layers[-1] + 1)) and len(layers) > 1:
+        return f"{layers[0]}-{layers[-1]}"
+    return ",".join(str(x) for x in layers[:8]) + ("..." if len(layers) > 8 else "")
 
 
 def coalesce(dst: Sequence[int], src: Sequence[int], length: int) -> Tuple[List[int], List[int], List[int]]:

@@ -16,6 +16,16 @@ layout kind     main KV tensors (role ``main``)                 indexer (role ``
                 :class:`PackedStaging` slot [max_blocks, P, 576]
 ==============  =====================================================================
 
+With speculative decoding (NextN / MTP) a server has a second pool, the draft model's
+(a device ``DeviceDSAPool`` on both sides, also under sparse decode offload). Its
+layers are numbered after the base layers (logical layers ``L .. L + D - 1``) and are
+moved by the same request, layer by layer: ``latent`` / ``rope`` device pages on both
+sides and its indexer with the base layers'. In a ``split`` layout the draft layers
+simply extend the base tensors; in a ``host_rows`` layout ``latent_rope`` holds the
+base layers only and ``latent`` / ``rope`` the draft layers
+(:attr:`~.protocol.TensorSpec.layers`), so the layout itself says where the draft
+layer lands.
+
 ``split`` is SGLang's NPU MLA pool (the plugin's ``DeviceDSAPool``) on both sides:
 decode pulls straight from prefill's pool pages into its pool pages. ``host_rows``
 serves a decode with sparse decode offload: its main KV lives in host memory as one
@@ -113,47 +123,89 @@ def check_pool(pool: Any, *, allow_layerwise: bool = False) -> None:
                           "--kv-cache-dtype bfloat16")
     if getattr(pool, "use_fia_nz", False):
         raise LayoutError("the FIA NZ KV layout is not supported by the P/D backend: unset SGLANG_USE_FIA_NZ")
-    if getattr(pool, "is_draft_worker", False):
-        raise LayoutError("draft (speculative) KV pools are not supported by the P/D backend")
     missing = [lid for lid in _layer_ids(pool) if lid not in pool.indexer_layer_id_to_slot]
     if missing:
         raise LayoutError(f"layers {missing} have no indexer cache (shared top-k layers): not supported "
                           "by the P/D backend yet")
 
 
-def _indexer_tensors(pool: Any) -> List[TensorLayers]:
-    ids = _layer_ids(pool)
-    out = [TensorLayers("indexer", INDEXER, [pool.index_k_buffer[pool._get_indexer_slot(i)] for i in ids])]
+def check_draft_pool(pool: Any, draft_pool: Any) -> None:
+    """Raise :class:`LayoutError` unless ``draft_pool`` (the draft model's pool) can be
+    moved next to ``pool``: a device DSA pool with an indexer on every layer, in the
+    same page space (same page size and page count: SGLang gives the draft model the
+    target's page ids)."""
+    check_pool(draft_pool)
+    if _is_host_rows_pool(draft_pool) or is_layerwise_pool(draft_pool):
+        raise LayoutError(f"the draft (NextN) KV pool is a {type(draft_pool).__name__}, not a device pool")
+    problems = []
+    if draft_pool.page_size != pool.page_size:
+        problems.append(f"page size: draft {draft_pool.page_size}, target {pool.page_size}")
+    if getattr(draft_pool, "index_head_dim", None) != getattr(pool, "index_head_dim", None):
+        problems.append("the draft and target indexers differ in head dim")
+    target_pages = pool.index_k_buffer[0].shape[0]
+    draft_pages = draft_pool.index_k_buffer[0].shape[0]
+    if draft_pages != target_pages:
+        problems.append(f"pages: draft {draft_pages}, target {target_pages}")
+    if not _is_host_rows_pool(pool) and tuple(draft_pool.k_buffer[0].shape) != tuple(pool.k_buffer[0].shape):
+        problems.append(f"main KV pages: draft {tuple(draft_pool.k_buffer[0].shape)}, target "
+                        f"{tuple(pool.k_buffer[0].shape)}")
+    if problems:
+        raise LayoutError("the draft (NextN) KV pool cannot be moved with the target's: " + "; ".join(problems))
+
+
+def _indexer_tensors(pool: Any, draft_pool: Any = None) -> List[TensorLayers]:
+    pools = [pool] if draft_pool is None else [pool, draft_pool]
+    keys = [p.index_k_buffer[p._get_indexer_slot(i)] for p in pools for i in _layer_ids(p)]
+    out = [TensorLayers("indexer", INDEXER, keys)]
     if getattr(pool, "index_k_scale_buffer", None) is not None:
+        if draft_pool is not None and getattr(draft_pool, "index_k_scale_buffer", None) is None:
+            raise LayoutError("the target's indexer has LIC8 scales but the draft's has none")
         out.append(TensorLayers("indexer_scale", INDEXER_SCALE,
-                                [pool.index_k_scale_buffer[pool._get_indexer_slot(i)] for i in ids]))
+                                [p.index_k_scale_buffer[p._get_indexer_slot(i)] for p in pools for i in _layer_ids(p)]))
     return out
 
 
-def split_tensors(pool: Any, *, allow_layerwise: bool = False) -> List[TensorLayers]:
+def _draft_split(pool: Any, draft_pool: Any) -> List[TensorLayers]:
+    """The draft layers' device main KV, as logical layers after ``pool``'s."""
+    layers = list(range(pool.layer_num, pool.layer_num + draft_pool.layer_num))
+    return [TensorLayers("main", MAIN_SPLIT[0], [draft_pool.k_buffer[i] for i in range(draft_pool.layer_num)], layers),
+            TensorLayers("main", MAIN_SPLIT[1], [draft_pool.v_buffer[i] for i in range(draft_pool.layer_num)], layers)]
+
+
+def split_tensors(pool: Any, draft_pool: Any = None, *, allow_layerwise: bool = False) -> List[TensorLayers]:
     """Main KV (latent, rope page blocks) and indexer of a device pool (of the layerwise
-    pool: each layer's aliased physical buffer, with ``allow_layerwise``)."""
+    pool: each layer's aliased physical buffer, with ``allow_layerwise``), followed by the
+    draft pool's layers when there is one."""
     check_pool(pool, allow_layerwise=allow_layerwise)
     if _is_host_rows_pool(pool):
         raise LayoutError("the sparse-decode-offload pool has no device main KV: use host_rows_tensors")
-    n = pool.layer_num
-    return [TensorLayers("main", MAIN_SPLIT[0], [pool.k_buffer[i] for i in range(n)]),
-            TensorLayers("main", MAIN_SPLIT[1], [pool.v_buffer[i] for i in range(n)]),
-            *_indexer_tensors(pool)]
+    if draft_pool is not None:
+        check_draft_pool(pool, draft_pool)
+    pools = [pool] if draft_pool is None else [pool, draft_pool]
+    return [TensorLayers("main", MAIN_SPLIT[0], [p.k_buffer[i] for p in pools for i in range(p.layer_num)]),
+            TensorLayers("main", MAIN_SPLIT[1], [p.v_buffer[i] for p in pools for i in range(p.layer_num)]),
+            *_indexer_tensors(pool, draft_pool)]
 
 
-def host_rows_tensors(pool: Any) -> List[TensorLayers]:
-    """Main KV as host-pool page blocks (``latent_rope``) and the device indexer."""
+def host_rows_tensors(pool: Any, draft_pool: Any = None) -> List[TensorLayers]:
+    """Main KV as host-pool page blocks (``latent_rope``) and the device indexer; the draft
+    pool's layers (when there is one) as device ``latent`` / ``rope`` pages."""
     check_pool(pool)
     if not _is_host_rows_pool(pool):
         raise LayoutError("host_rows destinations need the sparse-decode-offload pool (--enable-sparse-decode-offload)")
-    return [TensorLayers("main", MAIN_ROWS, [pool.host_page_blocks(i) for i in _layer_ids(pool)]),
-            *_indexer_tensors(pool)]
+    rows = [pool.host_page_blocks(i) for i in _layer_ids(pool)]
+    if draft_pool is None:
+        return [TensorLayers("main", MAIN_ROWS, rows), *_indexer_tensors(pool)]
+    check_draft_pool(pool, draft_pool)
+    return [TensorLayers("main", MAIN_ROWS, rows, list(range(pool.layer_num))), *_draft_split(pool, draft_pool),
+            *_indexer_tensors(pool, draft_pool)]
 
 
-def destination_tensors(pool: Any) -> List[TensorLayers]:
+def destination_tensors(pool: Any, draft_pool: Any = None) -> List[TensorLayers]:
     """Decode: where a pulled page lands (kind from :func:`layout_kind`)."""
-    return host_rows_tensors(pool) if _is_host_rows_pool(pool) else split_tensors(pool)
+    if _is_host_rows_pool(pool):
+        return host_rows_tensors(pool, draft_pool)
+    return split_tensors(pool, draft_pool)
 
 
 def layout_of(pool: Any, tensors: Sequence[TensorLayers]) -> KVLayout:
@@ -185,13 +237,16 @@ class PackedStaging:
     """
 
     def __init__(self, pool: Any, *, slots: int = 2, max_blocks: Optional[int] = None,
-                 allow_layerwise: bool = False):
+                 allow_layerwise: bool = False, draft_pool: Any = None):
         check_pool(pool, allow_layerwise=allow_layerwise)
         if _is_host_rows_pool(pool):
             raise LayoutError("a prefill server cannot run sparse decode offload")
         if slots < 1:
             raise ValueError("slots must be >= 1")
+        if draft_pool is not None:
+            check_draft_pool(pool, draft_pool)
         self.pool = pool
+        self.draft_pool = draft_pool
         self.slots = slots
         pages = pool.k_buffer[0].shape[0]
         self.max_blocks = min(pages, max_blocks) if max_blocks else pages
@@ -204,9 +259,14 @@ class PackedStaging:
         return layer_index % self.slots
 
     def tensors(self) -> List[TensorLayers]:
-        main = TensorLayers("main", MAIN_ROWS,
-                            [self.buffer[self.slot_of(i)] for i in range(self.pool.layer_num)])
-        return [main, *_indexer_tensors(self.pool)]
+        """Source side of a ``host_rows`` layout: base layers from the staging slots; the
+        draft pool's layers (not packed: their destination is device pages) straight
+        from the draft pool."""
+        staged = [self.buffer[self.slot_of(i)] for i in range(self.pool.layer_num)]
+        if self.draft_pool is None:
+            return [TensorLayers("main", MAIN_ROWS, staged), *_indexer_tensors(self.pool)]
+        return [TensorLayers("main", MAIN_ROWS, staged, list(range(self.pool.layer_num))),
+                *_draft_split(self.pool, self.draft_pool), *_indexer_tensors(self.pool, self.draft_pool)]
 
     def pack(self, layer_index: int, pages: Sequence[int]) -> int:
         """Copy ``pages`` of layer ``layer_index`` as ``[latent | rope]`` rows into its slot.

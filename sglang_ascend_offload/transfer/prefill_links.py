@@ -83,18 +83,31 @@ class PeerLink:
         self.error: Optional[str] = None
         self.staging: Optional[layouts.PackedStaging] = None
         pool = owner.pool
+        #: the base layers (from ``pool``, packed for ``host_rows`` peers); logical layers
+        #: from here on are the draft pool's, always read straight from its pages
+        self.base_layers = pool.layer_num
         if advert.layout_kind == "host_rows":
             self.staging = owner.staging_for(self)
-            self.num_slots = self.staging.slots
+            self.num_slots = self.staging.slots + owner.num_layers - self.base_layers
         else:
-            self.num_slots = pool.layer_num
+            self.num_slots = owner.num_layers
         self.gates = SlotGates(self.num_slots)
         self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"pd-link-{advert.d_rank}")
         self._thread.start()
 
     def slot_of(self, layer: int) -> int:
-        return self.staging.slot_of(layer) if self.staging is not None else layer
+        """The gate slot of logical layer ``layer``: a staging slot for a packed base layer,
+        else the layer's own (pool pages are never rewritten during the request)."""
+        if self.staging is None:
+            return layer
+        if layer < self.base_layers:
+            return self.staging.slot_of(layer)
+        return self.staging.slots + layer - self.base_layers
+
+    def packs(self, layer: int) -> bool:
+        """Logical layer ``layer`` is packed into the staging before it is published."""
+        return self.staging is not None and layer < self.base_layers
 
     def put(self, job: _Job) -> None:
         self._jobs.put(job)
@@ -112,7 +125,14 @@ class PeerLink:
         if self.error is not None:
             raise TransferError(self.error)
         owner, a = self.owner, self.advert
-        tensors = self.staging.tensors() if self.staging is not None else layouts.split_tensors(owner.pool)
+        own_draft = owner.num_layers - self.base_layers
+        if a.draft_layers != own_draft:
+            self.error = (f"decode {a.host}:{a.control_port} serves {a.draft_layers} speculative draft layer(s), "
+                          f"this prefill {own_draft}: run both servers with the same --speculative-algorithm "
+                          "(and draft model)")
+            raise TransferError(self.error)
+        tensors = self.staging.tensors() if self.staging is not None \
+            else layouts.split_tensors(owner.pool, owner.draft_pool)
         layout = layouts.layout_of(owner.pool, tensors)
         config = dataclasses.replace(owner.config, kv_port=a.kv_port)
         try:
@@ -174,8 +194,8 @@ class PeerLink:
             owner.fail(job.room, str(exc))
             return
         owner.mark_published(job.room)
-        layers = owner.pool.layer_num
-        pack = self.staging is not None and sender.topology.sends_main(sender.member)
+        layers = owner.num_layers
+        sends_main = sender.topology.sends_main(sender.member)
         timeout = 2 * owner.config.layer_timeout_s + 1.0
         for layer in range(layers):
             if sender.status(rid).state is not TransferState.PENDING or owner.cancelled(job.room):
@@ -190,10 +210,11 @@ class PeerLink:
                 break
             if sender.status(rid).state is not TransferState.PENDING:
                 break  # failed while waiting for the slot (e.g. READ_FAILED of an earlier layer)
-            if pack:
+            packed = self.packs(layer)
+            if packed and sends_main:
                 self.staging.pack(layer, job.pages)
                 owner.stats.packed_layers += 1
-            main_blocks = range(n) if self.staging is not None else job.pages
+            main_blocks = range(n) if packed else job.pages
             try:
                 batch = sender.publish_layer(layer, slot, {rid: SourceBlocks(list(main_blocks), list(job.pages))},
                                              finished=[rid] if layer == layers - 1 else [])
@@ -211,13 +232,16 @@ class PrefillLinks(PrefillPublisher):
 
     config: the P/D config; p_tp / p_rank: this rank's attention TP size and rank;
     pool: its device DSA pool (the plugin's ``DeviceDSAPool``); engine: the started transfer engine
-    (the pool is registered here); max_blocks: the most pages one request can have.
+    (the pool is registered here); max_blocks: the most pages one request can have;
+    draft_pool: the speculative draft model's device pool (its layers follow the base
+    layers, read from its pages for every peer).
     """
 
     def __init__(self, config: cfg.PDTransferConfig, *, p_tp: int, p_rank: int, pool: Any,
-                 engine: TransferEngine, max_blocks: Optional[int] = None, staging_slots: int = 2):
+                 engine: TransferEngine, max_blocks: Optional[int] = None, staging_slots: int = 2,
+                 draft_pool: Any = None):
         super().__init__(config, p_tp=p_tp, p_rank=p_rank, pool=pool, engine=engine, max_blocks=max_blocks,
-                         staging_slots=staging_slots)
+                         staging_slots=staging_slots, draft_pool=draft_pool)
         self.stats = LinkStats()
         self._lock = threading.Lock()
         self._links: Dict[str, PeerLink] = {}
@@ -225,7 +249,7 @@ class PrefillLinks(PrefillPublisher):
         self._advert_errors: Dict[str, str] = {}
         self._units: Dict[int, _Unit] = {}
         self._registered: List[int] = []
-        self._register(layouts.tensors_regions(layouts.split_tensors(pool)))
+        self._register(layouts.tensors_regions(layouts.split_tensors(pool, draft_pool)))
 
     def _register(self, regions) -> None:
         self.engine.register(regions)
@@ -248,7 +272,8 @@ class PrefillLinks(PrefillPublisher):
                     threading.Thread(target=stale.close, daemon=True).start()
 
     def staging_for(self, link: PeerLink) -> layouts.PackedStaging:
-        staging = layouts.PackedStaging(self.pool, slots=self.staging_slots, max_blocks=self.max_blocks)
+        staging = layouts.PackedStaging(self.pool, slots=self.staging_slots, max_blocks=self.max_blocks,
+                                        draft_pool=self.draft_pool)
         self._register(layouts.whole_regions([staging.buffer]))
         return staging
 

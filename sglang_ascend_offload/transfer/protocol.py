@@ -29,7 +29,7 @@ buffer) is never used.
 
 from __future__ import annotations
 
-from typing import Annotated, List, Literal, Optional, Tuple, Union
+from typing import Annotated, Dict, List, Literal, Optional, Tuple, Union
 
 import msgspec
 
@@ -80,7 +80,7 @@ class _Message(_Base, frozen=True, forbid_unknown_fields=True, tag_field="kind")
 
 
 # ------------------------------------------------------------------ layout
-class TensorSpec(_Base, frozen=True, forbid_unknown_fields=True):
+class TensorSpec(_Base, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One KV tensor of a side, as the peer needs to address it.
 
     role: ``main`` (latent / rope parts of the MLA main KV), ``indexer`` (lightning
@@ -88,9 +88,15 @@ class TensorSpec(_Base, frozen=True, forbid_unknown_fields=True):
     name: identifies the tensor across sides (e.g. ``"latent"``, ``"rope"``).
     block_bytes: bytes of one block of this tensor (the *block length*).
     num_blocks: blocks in each layer's region (valid block ids: ``0..num_blocks-1``).
-    layer_base_addrs: per logical layer, address of block 0 (layers aliasing one
-        physical slot share an address). Block ``b`` of layer ``L`` lives at
-        ``layer_base_addrs[L] + b * block_bytes``.
+    layer_base_addrs: per layer this tensor holds, address of block 0 (layers aliasing
+        one physical slot share an address). Block ``b`` of layer ``L`` lives at
+        ``base(L) + b * block_bytes``.
+    layers: the logical layers this tensor holds, ascending, aligned with
+        ``layer_base_addrs``; ``None`` (the default, not sent): every layer
+        ``0..num_layers-1``. A main tensor may hold a subset: a decode server with sparse
+        decode offload keeps its base layers as host rows (``latent_rope``) and the
+        draft (NextN) layer on the device as ``latent`` / ``rope`` pages, so the layer
+        numbered after the base layers has other main tensors than they do.
     """
 
     role: TensorRole
@@ -98,9 +104,20 @@ class TensorSpec(_Base, frozen=True, forbid_unknown_fields=True):
     block_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]
     num_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCKS)]
     layer_base_addrs: Annotated[List[Address], msgspec.Meta(min_length=1, max_length=MAX_LAYERS)]
+    layers: Optional[Annotated[List[LayerId], msgspec.Meta(min_length=1, max_length=MAX_LAYERS)]] = None
+
+    def held_layers(self, num_layers: int) -> List[int]:
+        """The logical layers this tensor holds (of a layout of ``num_layers``)."""
+        return list(range(num_layers)) if self.layers is None else list(self.layers)
+
+    def base(self, layer: int) -> int:
+        """Address of block 0 of ``layer`` (which this tensor must hold)."""
+        if self.layers is None:
+            return self.layer_base_addrs[layer]
+        return self.layer_base_addrs[self.layers.index(layer)]
 
     def address(self, layer: int, block: int) -> int:
-        return self.layer_base_addrs[layer] + block * self.block_bytes
+        return self.base(layer) + block * self.block_bytes
 
 
 class KVLayout(_Base, frozen=True, forbid_unknown_fields=True):
@@ -128,13 +145,40 @@ class KVLayout(_Base, frozen=True, forbid_unknown_fields=True):
         if len(set(names)) != len(names):
             raise ProtocolError(f"layout tensor names are not unique: {names}")
         for t in self.tensors:
-            if len(t.layer_base_addrs) != self.num_layers:
+            if t.layers is not None:
+                if t.role != "main":
+                    raise ProtocolError(f"tensor {t.name!r}: only main tensors may hold a subset of the layers")
+                if list(t.layers) != sorted(set(t.layers)) or t.layers[-1] >= self.num_layers:
+                    raise ProtocolError(f"tensor {t.name!r}: layers must be ascending, distinct and below "
+                                        f"{self.num_layers}")
+            held = self.num_layers if t.layers is None else len(t.layers)
+            if len(t.layer_base_addrs) != held:
                 raise ProtocolError(f"tensor {t.name!r}: {len(t.layer_base_addrs)} base addresses "
-                                    f"for {self.num_layers} layers")
+                                    f"for {held} layers")
+        if any(t.layers is not None for t in self.main):
+            held = set()
+            for t in self.main:
+                held.update(t.held_layers(self.num_layers))
+            if len(held) != self.num_layers:
+                missing = sorted(set(range(self.num_layers)) - held)
+                raise ProtocolError(f"layers {missing[:8]} have no main tensor")
 
     @property
     def main(self) -> List[TensorSpec]:
         return [t for t in self.tensors if t.role == "main"]
+
+    def main_at(self, layer: int) -> List[TensorSpec]:
+        """The main tensors holding ``layer``, in layout order."""
+        return [t for t in self.main if t.layers is None or layer in t.layers]
+
+    def main_groups(self) -> List[Tuple[List[int], List[TensorSpec]]]:
+        """``[(layers, main tensors)]``: the layers grouped by the main tensors they have
+        (one group unless some main tensor holds a subset), in order of first layer."""
+        groups: Dict[Tuple[str, ...], Tuple[List[int], List[TensorSpec]]] = {}
+        for layer in range(self.num_layers):
+            specs = self.main_at(layer)
+            groups.setdefault(tuple(t.name for t in specs), ([], specs))[0].append(layer)
+        return list(groups.values())
 
     @property
     def indexer(self) -> Optional[TensorSpec]:

@@ -19,7 +19,7 @@ publisher                                   when a request is published
 ==========================================  ================================================
 
 Both take the same constructor arguments (``config, *, p_tp, p_rank, pool, engine,
-max_blocks=None, staging_slots=2``) and report the same per-request states
+max_blocks=None, staging_slots=2, draft_pool=None``) and report the same per-request states
 (:class:`~.status.RequestStatus`: ``pending`` / ``done`` / ``failed`` with a reason).
 Requests are named by an integer *room* (SGLang's bootstrap room in the plugin);
 decode peers by a *session* string with their :class:`~.advert.DecodeAdvert`.
@@ -57,16 +57,24 @@ class PrefillPublisher(abc.ABC):
     publishes_during_forward: ClassVar[bool] = False
 
     def __init__(self, config: cfg.PDTransferConfig, *, p_tp: int, p_rank: int, pool: Any,
-                 engine: TransferEngine, max_blocks: Optional[int] = None, staging_slots: int = 2):
+                 engine: TransferEngine, max_blocks: Optional[int] = None, staging_slots: int = 2,
+                 draft_pool: Any = None):
         """Check ``pool`` (:func:`~.pool_layouts.check_pool`; the layerwise pool only for a
         publisher that publishes during the forward) and keep the arguments.
 
         config: the P/D config; p_tp / p_rank: this rank's attention TP size and rank;
         engine: the started transfer engine (the publisher registers the pool with it);
         max_blocks: the most pages one request can have (default: the pool's);
-        staging_slots: packing staging slots per ``host_rows`` decode peer.
+        staging_slots: packing staging slots per ``host_rows`` decode peer;
+        draft_pool: the speculative draft model's device pool (``None`` without one): its
+        layers are published after ``pool``'s, as logical layers ``pool.layer_num ..``.
         """
         pool_layouts.check_pool(pool, allow_layerwise=self.publishes_during_forward)
+        if draft_pool is not None:
+            pool_layouts.check_draft_pool(pool, draft_pool)
+        self.draft_pool = draft_pool
+        #: logical layers of every request: the base layers, then the draft layers
+        self.num_layers = pool.layer_num + (draft_pool.layer_num if draft_pool is not None else 0)
         self.config = config
         self.p_tp = p_tp
         self.p_rank = p_rank

@@ -49,14 +49,23 @@ def _common(page=PAGE, layers=LAYERS):
                 layer_num=layers, device="cpu", enable_memory_saver=False, index_head_dim=INDEX_DIM)
 
 
-def device_pool(page=PAGE, layers=LAYERS, fill_seed=None):
+def device_pool(page=PAGE, layers=LAYERS, fill_seed=None, start_layer=None, slots=SLOTS):
     from sglang_ascend_offload.sglang_plugin.pool import DeviceDSAPool
 
-    pool = DeviceDSAPool(SLOTS, index_size=SLOTS, index_page_size=page, **_common(page, layers))
+    pool = DeviceDSAPool(slots, index_size=slots, index_page_size=page, start_layer=start_layer,
+                         **_common(page, layers))
     if fill_seed is not None:
         gen = torch.Generator().manual_seed(fill_seed)
         for buf in (pool.k_buffer, pool.v_buffer, pool.index_k_buffer):
             buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
+    return pool
+
+
+def draft_pool(fill_seed=None, **kw):
+    """The NextN draft model's pool: one layer, numbered after the target's (SGLang's
+    draft layer id is the target's layer count)."""
+    pool = device_pool(layers=1, fill_seed=fill_seed, start_layer=LAYERS, **kw)
+    pool.is_draft_worker = True
     return pool
 
 
@@ -77,7 +86,7 @@ def pd_config(**kw):
 class Pair:
     """One prefill rank and one decode rank, each with its own engine."""
 
-    def __init__(self, decode_pool, prefill_pool=None, config=None):
+    def __init__(self, decode_pool, prefill_pool=None, config=None, p_draft=None, d_draft=None):
         from sglang_ascend_offload.transfer.prefill_links import PrefillLinks
         from sglang_ascend_offload.transfer.decode_sink import DecodeSink
         from sglang_ascend_offload.transfer.engine import create_engine
@@ -85,11 +94,13 @@ class Pair:
         self.config = config or pd_config()
         self.p_pool = prefill_pool if prefill_pool is not None else device_pool(fill_seed=1)
         self.d_pool = decode_pool
+        self.p_draft, self.d_draft = p_draft, d_draft
         self.p_engine = create_engine(self.config, "prefill")
         self.d_engine = create_engine(self.config, "decode")
-        self.sink = DecodeSink(self.config, d_tp=1, d_rank=0, dp_rank=0, pool=decode_pool, engine=self.d_engine)
+        self.sink = DecodeSink(self.config, d_tp=1, d_rank=0, dp_rank=0, pool=decode_pool, engine=self.d_engine,
+                               draft_pool=d_draft)
         self.links = PrefillLinks(self.config, p_tp=1, p_rank=0, pool=self.p_pool, engine=self.p_engine,
-                                  max_blocks=8)
+                                  max_blocks=8, draft_pool=p_draft)
         self.links.note_peer("decode-session", self.sink.advert())
 
     def transfer(self, room, src_pages, dst_pages, timeout=30.0):
@@ -184,14 +195,41 @@ def test_packing_is_a_bit_exact_gather(ctx):
 
 
 def test_pools_the_backend_cannot_move_are_refused(ctx):
-    from sglang_ascend_offload.transfer.pool_layouts import LayoutError, check_pool
+    from sglang_ascend_offload.transfer.pool_layouts import LayoutError, check_draft_pool, check_pool
 
     with pytest.raises(LayoutError, match="ascend_offload attention backend"):
         check_pool(object())
-    p = device_pool()
-    p.is_draft_worker = True
-    with pytest.raises(LayoutError, match="draft"):
-        check_pool(p)
+    check_draft_pool(device_pool(), draft_pool())  # the draft model's pool in the target's page space
+    with pytest.raises(LayoutError, match=r"draft \(NextN\) KV pool.*pages: draft 9, target 17") as err:
+        check_draft_pool(device_pool(), draft_pool(slots=8 * PAGE))
+    assert "main KV pages" in str(err.value)  # every problem, not the first
+    with pytest.raises(LayoutError, match="not a device pool"):
+        check_draft_pool(device_pool(), host_pool())
+
+
+def test_draft_layer_layouts_say_where_the_draft_kv_lands(ctx):
+    """Decode with sparse decode offload: base layers as host rows, the draft layer (logical
+    layer L) as device latent / rope pages; the prefill's packed source says the same."""
+    from sglang_ascend_offload.transfer import pool_layouts as layouts
+
+    p, h = device_pool(), host_pool()
+    rows_d = layouts.layout_of(h, layouts.destination_tensors(h, draft_pool()))
+    assert rows_d.num_layers == LAYERS + 1
+    groups = [(layers, [t.name for t in specs]) for layers, specs in rows_d.main_groups()]
+    assert groups == [(list(range(LAYERS)), ["latent_rope"]), ([LAYERS], ["latent", "rope"])]
+    assert rows_d.indexer.layers is None and len(rows_d.indexer.layer_base_addrs) == LAYERS + 1
+    staging = layouts.PackedStaging(p, slots=2, max_blocks=8, draft_pool=draft_pool())
+    packed_p = layouts.layout_of(p, staging.tensors())
+    assert layout_mismatches(packed_p, rows_d) == []
+    split_p = layouts.layout_of(p, layouts.split_tensors(p, draft_pool()))
+    assert [t.layers for t in split_p.main] == [None, None]  # the draft layer extends the base tensors
+    assert layout_mismatches(split_p, layouts.layout_of(p, layouts.split_tensors(p, draft_pool()))) == []
+    why = layout_mismatches(split_p, rows_d)
+    assert any(w.startswith(f"layers 0-{LAYERS - 1}: main tensor count") for w in why), why
+    assert not any(w.startswith(f"layers {LAYERS}:") for w in why), why  # the draft layers agree
+    # a prefill without the draft layer: the layer count says it
+    assert any("layers: prefill 3, decode 4" in w for w in layout_mismatches(
+        layouts.layout_of(p, layouts.PackedStaging(p, slots=2, max_blocks=8).tensors()), rows_d))
 
 
 # ------------------------------------------------------------------ data path
@@ -219,6 +257,59 @@ def test_requests_arrive_bit_exact(ctx, kind):
         assert pair.sink.receiver.stats.requests_done == len(jobs)
         if kind == "host_rows":
             assert pair.d_pool.k_buffer is None  # no device main KV on the way
+    finally:
+        pair.close()
+
+
+def assert_draft_equal(p_draft, d_draft, src, dst):
+    for buf in ("k_buffer", "v_buffer", "index_k_buffer"):
+        assert torch.equal(getattr(d_draft, buf)[0][dst], getattr(p_draft, buf)[0][src]), buf
+
+
+@pytest.mark.parametrize("kind", ["split", "host_rows"])
+def test_the_draft_layer_arrives_bit_exact_on_the_device(ctx, kind):
+    """Speculative P/D: every request moves its base layers and then the draft (NextN)
+    layer into the decode's device draft pool, packed for nothing (host_rows packs the
+    base layers only)."""
+    d_draft = draft_pool()
+    pair = Pair(device_pool() if kind == "split" else host_pool(), p_draft=draft_pool(fill_seed=7),
+                d_draft=d_draft)
+    try:
+        jobs = {41: ([3, 7, 1], [9, 4, 12]), 42: ([2, 5, 8, 10, 11], [1, 2, 3, 5, 6]), 43: ([6], [15])}
+        for room, (src, dst) in jobs.items():
+            pair.sink.expect(room, dst)
+            pair.links.submit(room, ["decode-session"], src)
+        for room, (src, dst) in jobs.items():
+            p, d = pair.wait(room)
+            assert p.state is TransferState.DONE and d.state is TransferState.DONE, (p, d)
+            pair.sink.claim(room)
+            check = assert_split_equal if kind == "split" else assert_host_rows_equal
+            check(pair.p_pool, pair.d_pool, src, dst)
+            assert_draft_equal(pair.p_draft, d_draft, src, dst)
+        untouched = sorted(set(range(1, 16)) - {b for _, dst in jobs.values() for b in dst})
+        assert not d_draft.k_buffer[0][untouched].any()  # nothing else was written
+        stats = pair.links.stats
+        assert stats.layers_published == (LAYERS + 1) * len(jobs)
+        assert stats.packed_layers == (LAYERS * len(jobs) if kind == "host_rows" else 0)
+        assert_idle(pair.links.links()[0])
+        assert pair.sink.advert().draft_layers == 1
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("prefill_draft", [True, False])
+def test_a_draft_layer_on_one_side_only_fails_with_the_reason(ctx, prefill_draft):
+    pair = Pair(host_pool(), p_draft=draft_pool(fill_seed=7) if prefill_draft else None,
+                d_draft=None if prefill_draft else draft_pool())
+    try:
+        pair.sink.expect(51, [1, 2])
+        pair.links.submit(51, ["decode-session"], [3, 4])
+        p, _ = pair.wait(51, decode=False)
+        assert p.state is TransferState.FAILED
+        assert f"serves {0 if prefill_draft else 1} speculative draft layer(s), this prefill " \
+               f"{1 if prefill_draft else 0}" in p.reason and "--speculative-algorithm" in p.reason
+        assert pair.links.stats.handshakes == 0  # refused before any handshake
+        assert pair.sink.forget(51, "test done")
     finally:
         pair.close()
 

@@ -107,6 +107,43 @@ def test_layout_rules():
         decode_message(raw(handshake(), layout=dict(lay, tensors=[t0] + lay["tensors"][1:])))
 
 
+def draft_layout(num_layers=3):
+    """Base layers 0..n-2 as host rows, the draft layer n-1 as latent / rope pages."""
+    base = list(range(num_layers - 1))
+    return KVLayout(num_layers=num_layers, block_tokens=4, tensors=[
+        TensorSpec(role="main", name="latent_rope", block_bytes=80, num_blocks=8,
+                   layer_base_addrs=[0x1000 * (i + 1) for i in base], layers=base),
+        TensorSpec(role="main", name="latent", block_bytes=64, num_blocks=8, layer_base_addrs=[0x50000],
+                   layers=[num_layers - 1]),
+        TensorSpec(role="main", name="rope", block_bytes=16, num_blocks=8, layer_base_addrs=[0x60000],
+                   layers=[num_layers - 1]),
+        TensorSpec(role="indexer", name="indexer", block_bytes=32, num_blocks=8,
+                   layer_base_addrs=[0x20000 + i for i in range(num_layers)])])
+
+
+def test_layers_held_by_a_subset_of_main_tensors():
+    lay = draft_layout()
+    hs = handshake(layout=lay, main_tensor_count=3, has_indexer_scale=False)
+    got = decode_message(encode_message(hs))
+    assert got == hs and got.layout.main_at(2)[0].address(2, 3) == 0x50000 + 3 * 64
+    assert got.layout.main_at(1)[0].address(1, 2) == 0x2000 + 2 * 80
+    assert [g[0] for g in got.layout.main_groups()] == [[0, 1], [2]]
+    # a layout without subsets is sent without the field (wire format of whole-layer layouts unchanged)
+    assert b"\xa6layers" not in encode_message(handshake()) and b"\xa6layers" in encode_message(hs)
+    wire = msgspec.to_builtins(lay)
+
+    def refused(tensors, match, **kw):
+        with pytest.raises(ProtocolError, match=match):
+            decode_message(raw(hs, layout=dict(wire, tensors=tensors), **kw))
+
+    t = wire["tensors"]
+    refused([t[0], t[3]], r"layers \[2\] have no main tensor", main_tensor_count=1)
+    refused([dict(t[0], layers=[1, 0]), *t[1:]], "ascending")
+    refused([dict(t[0], layers=[0, 3]), *t[1:]], "below 3")
+    refused([dict(t[0], layers=[0]), *t[1:]], "2 base addresses for 1 layers")
+    refused([*t[:3], dict(t[3], layers=[0, 1, 2])], "only main tensors")
+
+
 def test_expect_filters_kinds_per_side():
     data = encode_message(ReadDone(version=V, batch_id=1, layer=0))
     with pytest.raises(ProtocolError, match="unexpected message kind"):

@@ -129,22 +129,27 @@ class AscendOffloadKVManager(MooncakeKVManager):
     def deregister_buffer_to_engine(self):
         """The project engine unregisters everything when it closes."""
 
-    def attach_pool(self, pool: Any, context_len: Optional[int] = None) -> None:
-        """Start this rank's P/D side on ``pool`` (called right after the manager is built)."""
-        if not isinstance(pool, DeviceDSAPool):
-            raise layouts.LayoutError(f"P/D transfer backend ascend_offload moves the ascend_offload attention "
-                                      f"backend's DSA pools; got {type(pool).__name__} (serve a "
-                                      "DeepSeek-V3.2-style model with --attention-backend ascend_offload)")
+    def attach_pool(self, pool: Any, context_len: Optional[int] = None, draft_pool: Any = None) -> None:
+        """Start this rank's P/D side on ``pool`` (called right after the manager is built).
+
+        draft_pool: the speculative draft (NextN) model's pool, moved with every request
+        after the base layers (``None`` without speculation)."""
+        for what, p in (("KV", pool), ("draft KV", draft_pool)):
+            if p is not None and not isinstance(p, DeviceDSAPool):
+                raise layouts.LayoutError(f"P/D transfer backend ascend_offload moves the ascend_offload attention "
+                                          f"backend's DSA pools; got {type(p).__name__} as the {what} pool (serve "
+                                          "a DeepSeek-V3.2-style model with --attention-backend ascend_offload)")
         layerwise = layouts.is_layerwise_pool(pool)
         layouts.check_pool(pool, allow_layerwise=layerwise and self.disaggregation_mode == DisaggregationMode.PREFILL)
         max_blocks = math.ceil(context_len / pool.page_size) + 1 if context_len else None
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             kind = LayerwisePublisher if layerwise else PrefillLinks
             self.publisher = kind(self.pd_config, p_tp=self.attn_tp_size, p_rank=self.attn_tp_rank,
-                                  pool=pool, engine=self.pd_engine, max_blocks=max_blocks)
+                                  pool=pool, engine=self.pd_engine, max_blocks=max_blocks, draft_pool=draft_pool)
         else:
             self.sink = DecodeSink(self.pd_config, d_tp=self.attn_tp_size, d_rank=self.attn_tp_rank,
-                                   dp_rank=self.attn_dp_rank, pool=pool, engine=self.pd_engine)
+                                   dp_rank=self.attn_dp_rank, pool=pool, engine=self.pd_engine,
+                                   draft_pool=draft_pool)
 
     def close_pd(self) -> None:
         """Stop the P/D side and the engine (tests; SGLang kills its processes)."""

@@ -123,12 +123,11 @@ def _attach_pool(manager, queue, queue_cls: str):
     from .conn import AscendOffloadKVManager
 
     if isinstance(manager, AscendOffloadKVManager):
-        if compat.field(queue, queue_cls, "draft_token_to_kv_pool") is not None:
-            raise RuntimeError("the ascend_offload P/D backend does not move draft (speculative) KV pools")
+        draft_pool = compat.field(queue, queue_cls, "draft_token_to_kv_pool")
         scheduler = compat.field(queue, queue_cls, "scheduler")
         model_config = compat.field(scheduler, _SCHEDULER, "model_config")
         context_len = compat.field(model_config, _MODEL_CONFIG, "context_len")
-        manager.attach_pool(queue.token_to_kv_pool, context_len=context_len)
+        manager.attach_pool(queue.token_to_kv_pool, context_len=context_len, draft_pool=draft_pool)
     return manager
 
 

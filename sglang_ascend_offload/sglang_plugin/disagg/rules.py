@@ -16,9 +16,13 @@ rule                                    when
 ``sglang.pd_engine_unavailable``        ``engine=mooncake`` without the Mooncake transfer engine
 ``sglang.pd_parallel``                  PP, attention CP or DCP > 1
 ``sglang.pd_unsupported``               a P/D feature the backend does not provide: decode radix
-                                        cache, decode host receive, HiSparse, speculative decoding,
-                                        ``prefill_complete`` allocation, staging buffers, role switch,
-                                        optimistic prefill with layerwise prefill offload
+                                        cache, decode host receive, HiSparse, ``prefill_complete``
+                                        allocation, staging buffers, role switch, optimistic prefill
+                                        with layerwise prefill offload; speculative decoding on a
+                                        prefill with layerwise prefill offload (its layer listener
+                                        publishes the base layers only) or on a decode with
+                                        attention TP > 1 (the draft layer is per-rank device KV,
+                                        while each rank pulls only its range of the main KV)
 ``sglang.pd_cpu_retraction_backup``     a CPU decode server without
                                         ``--disaggregation-decode-retraction-backup cpu_tensor``
                                         (SGLang's default backup registers CUDA host memory,
@@ -43,6 +47,7 @@ from typing import Any, List, Optional
 
 from ... import config as cfg
 from .. import compat
+from ..deployment import attention_parallel
 
 BACKEND_NAME = "ascend_offload"
 #: What ``--disaggregation-transfer-backend ascend_offload`` resolves to inside SGLang
@@ -152,8 +157,14 @@ def pd_violations(config: cfg.OffloadConfig, server_args: Any) -> List[cfg.Viola
         unsupported.append("--disaggregation-decode-host-receive-threshold < 1")
     if compat.arg_or(view, "enable_hisparse", False):
         unsupported.append("--enable-hisparse")
-    if compat.arg_or(view, "speculative_algorithm", None):
-        unsupported.append(f"--speculative-algorithm {view.speculative_algorithm}")
+    speculative = compat.arg_or(view, "speculative_algorithm", None)
+    if speculative and role == "prefill" and config.layerwise_prefill is not None:
+        unsupported.append(f"--speculative-algorithm {speculative} with layerwise prefill offload on the "
+                           "prefill (the draft layer is not published by the layerwise pool's layer listener)")
+    _, attn_tp = attention_parallel(lambda name, default=None: compat.arg_or(view, name, default))
+    if speculative and role == "decode" and attn_tp > 1:
+        unsupported.append(f"--speculative-algorithm {speculative} with decode attention TP {attn_tp} (the "
+                           "draft layer's KV is received by attention TP 1 decode servers only)")
     if compat.arg_or(view, "disaggregation_decode_allocation_policy", "early") != "early":
         unsupported.append(f"--disaggregation-decode-allocation-policy {view.disaggregation_decode_allocation_policy}")
     if compat.arg_or(view, "enable_pd_role_switch", False):
