@@ -125,6 +125,38 @@ def test_layerwise_prefill_with_optimistic_prefill_stops_startup(plugins_loaded,
     assert carrier.published_text() is None
 
 
+SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=1,
+            speculative_num_draft_tokens=4, disable_overlap_schedule=True, page_size=16)
+
+
+def test_speculative_pd_resolves_where_the_draft_layer_is_moved(plugins_loaded, clean_state):
+    """NextN on P/D: a device-pool prefill and an attention-TP-1 decode (with or without
+    sparse decode offload) resolve; a layerwise prefill, and a decode whose attention TP
+    ranks would each need the whole per-rank draft layer, are refused with their reasons,
+    both at once."""
+    def resolve(role, sparse=None, layerwise=None, **kw):
+        flags.forget()
+        carrier.clear()
+        flags.remember(raw(pd=json.dumps(PD), sparse=sparse, layerwise=layerwise))
+        args = dict(disaggregation_mode=role, disaggregation_transfer_backend="ascend_offload", **SPEC, **kw)
+        if role == "decode":
+            args["disaggregation_decode_retraction_backup"] = "cpu_tensor"
+        _server_args(**args).resolve_once()
+        return carrier.active_config()
+
+    assert resolve("prefill").pd_transfer is not None
+    assert resolve("decode", sparse='{"hot_tokens": 64}').sparse_decode.hot_tokens == 64
+    assert resolve("decode").pd_transfer is not None
+    with pytest.raises(cfg.ConfigError) as info:
+        resolve("prefill", layerwise=LAYERWISE)
+    bad = [v for v in info.value.violations if v.rule == "sglang.pd_unsupported"]
+    assert len(bad) == 1 and "--speculative-algorithm EAGLE with layerwise prefill offload" in bad[0].problem
+    with pytest.raises(cfg.ConfigError) as info:
+        resolve("decode", sparse='{"hot_tokens": 64}', tp_size=2)
+    bad = [v for v in info.value.violations if v.rule == "sglang.pd_unsupported"]
+    assert len(bad) == 1 and "with decode attention TP 2" in bad[0].problem
+
+
 def test_decode_attention_tp_rule(plugins_loaded, clean_state):
     """``--tp 2 --dp 2 --enable-dp-attention``: attention TP 1 per DP rank (SGLang rewrites it
     to ``attn_dp_size = 2``, ``dp_size = 1``), served with or without offload; plain

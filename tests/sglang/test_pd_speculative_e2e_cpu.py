@@ -1,0 +1,109 @@
+"""End to end on CPU: speculative decoding (NextN / MTP) on router P/D with the
+``ascend_offload`` transfer backend, the decode server running sparse decode offload.
+
+Three servers of the tiny DSA fixture with one NextN layer, started together:
+
+* prefill P: ``--disaggregation-mode prefill`` with the NextN draft (its draft extend
+  fills the draft layer's KV and the first draft inputs);
+* decode D: ``--disaggregation-mode decode`` with the NextN draft and sparse decode
+  offload: the base layers' main KV is pulled into its host pool (``host_rows``), the
+  draft layer's into its device draft pool, each request layer by layer;
+* colocated C: the same speculation without P/D and without offload (the reference).
+
+Acceptance is simulated (``SGLANG_SIMULATE_ACC_LEN=2``, ``real-draft-token``): every
+round accepts the draft's first token, so the output tokens are the draft model's as
+much as the target's. Greedy ``/generate`` through the router must return C's tokens
+and logprobs. What this proves is the served path: SGLang's P/D decode with NextN runs
+on the plugin's pools and its transfer, and the first verify rounds, the draft steps
+and the residency agree with the colocated server. It does not prove the draft layer's
+bytes: with dummy weights the draft layer's attention barely moves its argmax (a
+negative control that landed the draft KV in a scratch buffer instead of the draft pool
+still matched). The bytes are proven bit for bit through real engines by
+``test_pd_backend_components.py::test_the_draft_layer_arrives_bit_exact_on_the_device``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import IDLE_SLEEP, ServerProcess, free_port, start_all, stop_all
+
+from sglang_ascend_offload.testing import pd_servers
+from sglang_ascend_offload.testing.pd_servers import PDRouter
+from sglang_ascend_offload.testing.servers import TINY_DSA_MTP, fixture_args
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 1024
+ROUTER_READY_S = 120.0
+SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", "4"]
+SIMULATED_ACCEPT = {"SGLANG_SIMULATE_ACC_LEN": "2", "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}
+
+
+def prompt(n: int, seed: int) -> list:
+    return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    """(router to the offload decode, colocated reference, logs dir)."""
+    root = tmp_path_factory.mktemp("pd_spec_servers")
+    base = fixture_args(TINY_DSA_MTP)
+    bootstrap, kv = free_port(), free_port()
+    prefill = ServerProcess(pd_servers.prefill_args(bootstrap, kv) + SPEC + IDLE_SLEEP,
+                            log_path=root / "prefill.log", base_args=base, env=SIMULATED_ACCEPT)
+    decode = ServerProcess(pd_servers.decode_args(kv, offload=True) + SPEC + IDLE_SLEEP + ["--enable-metrics"],
+                           log_path=root / "decode.log", base_args=base, env=SIMULATED_ACCEPT)
+    colocated = ServerProcess(pd_servers.COMMON + SPEC + IDLE_SLEEP, log_path=root / "colocated.log",
+                              base_args=base, env=SIMULATED_ACCEPT)
+    servers = [prefill, decode, colocated]
+    router = None
+    try:
+        start_all(*servers)
+        print("\nstartup (concurrent): " + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in
+                                                    zip(("prefill", "decode", "colocated"), servers)))
+        router = PDRouter(prefill.url, bootstrap, decode.url, root / "router.log").start()
+        router.wait_ready(prompt(5, seed=99), time.monotonic() + ROUTER_READY_S)
+        yield router, colocated, decode, root
+    finally:
+        stop_all(*([router] if router else []), *servers)
+
+
+def test_speculative_pd_decode_with_offload_matches_colocated(pd):
+    """Prompts shorter than a page, one page and several pages (chunked prefill: > 128
+    tokens reach the sender in two chunks), four at once, 24 tokens each: several verify
+    rounds, contexts past the 64-token hot buffer (the verify rows evict)."""
+    router, colocated, *_ = pd
+    prompts = [prompt(5, seed=1), prompt(70, seed=2), prompt(150, seed=3), prompt(201, seed=4)]
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        got = list(ex.map(lambda p: router.generate(p, 24, return_logprob=True), prompts))
+    for p, out in zip(prompts, got):
+        ref = colocated.generate(p, max_new_tokens=24, return_logprob=True)
+        assert out["output_ids"] == ref["output_ids"], f"prompt of {len(p)} tokens"
+        assert len(out["output_ids"]) == 24
+        assert out["meta_info"]["output_token_logprobs"] == ref["meta_info"]["output_token_logprobs"]
+        assert out["meta_info"].get("spec_verify_ct", 1) > 0
+
+
+def test_the_draft_layer_went_to_the_decode_device_and_verify_used_the_residency(pd):
+    router, _, decode, root = pd
+    decode_log = (root / "decode.log").read_text(errors="replace")
+    assert re.search(r"P/D decode rank 0 of 1 listening on 127\.0\.0\.1:\d+ \(host_rows destinations, "
+                     r"\w+ main KV, 1 draft layer\(s\) on the device\)", decode_log), decode_log[-3000:]
+    prefill_log = (root / "prefill.log").read_text(errors="replace")
+    assert re.search(r"P/D link to decode rank 0 at 127\.0\.0\.1:\d+ \(host_rows layout", prefill_log)
+    text = decode.get("/metrics")
+
+    def total(name):
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(f"sglang:ascend_offload_{name}{{"))
+
+    # every verify round: 4 rows per request, their top-k entries counted one by one
+    assert total("row_selected_total") > total("selected_total") > 0
+    assert total("hits_total") > 0 and total("misses_total") > 0
