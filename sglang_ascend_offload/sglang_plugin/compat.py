@@ -33,7 +33,7 @@ import importlib
 import inspect
 import textwrap
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .. import SUPPORTED_SGLANG_VERSION
 
@@ -151,13 +151,19 @@ class SGLangIncompatible(RuntimeError):
     """The installed SGLang differs from what the plugin was written against."""
 
 
-def installed_version() -> str:
+def installed_sglang_version() -> Optional[str]:
+    """The installed ``sglang`` distribution's version, ``None`` when there is none."""
     try:
         from importlib.metadata import version
 
         return version("sglang")
     except Exception:  # noqa: BLE001
-        return "(not installed)"
+        return None
+
+
+def installed_version() -> str:
+    """:func:`installed_sglang_version` for messages."""
+    return installed_sglang_version() or "(not installed)"
 
 
 def _incompatible(what: str) -> SGLangIncompatible:

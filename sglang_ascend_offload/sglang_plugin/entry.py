@@ -22,17 +22,9 @@ from typing import Optional
 logger = logging.getLogger("sglang_ascend_offload")
 
 from .. import SUPPORTED_SGLANG_VERSION as SUPPORTED_SGLANG  # the one version constant
+from .compat import installed_sglang_version
 
 _registered = False
-
-
-def installed_sglang_version() -> Optional[str]:
-    try:
-        from importlib.metadata import version
-
-        return version("sglang")
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def version_problem(found: Optional[str]) -> str:

@@ -58,23 +58,13 @@ from .. import config as cfg
 from ..kvpp.ownership import assign_owners
 from ..kvpp.plan import ComponentSpec, KVPPPlan, plan_rank
 from ..kvpp.runtime import BroadcastTransport, KVPPScheduler, KVPPStorage
-from .pool import DeviceDSAPool
+from .pool import DeviceDSAPool, LayerCounter
 
 logger = logging.getLogger(__name__)
 
 _STATS_LOG_INTERVAL_S = 30.0
 
-__all__ = ["KVPPPool", "KVPPLayerCounter", "KVPPGroup", "KVPPStats", "build_kvpp_pool", "kvpp_components"]
-
-
-class KVPPLayerCounter:
-    """SGLang's ``layer_transfer_counter`` protocol, served by the KVPP pool."""
-
-    def __init__(self, pool: "KVPPPool"):
-        self._pool = pool
-
-    def wait_until(self, threshold: int) -> None:
-        self._pool.enter_layer(threshold)
+__all__ = ["KVPPPool", "KVPPGroup", "KVPPStats", "build_kvpp_pool", "kvpp_components"]
 
 
 @dataclass(frozen=True)
@@ -144,7 +134,7 @@ class KVPPPool(DeviceDSAPool):
         self.k_buffer = views("kv_latent", kv_lora_rank)
         self.v_buffer = views("kv_rope", qk_rope_head_dim)
         self.index_k_buffer = views("index_k", index_head_dim) if index_head_dim is not None else None
-        self.layer_transfer_counter = KVPPLayerCounter(self)
+        self.layer_transfer_counter = LayerCounter(self)
         self.owned_layers = ownership.owned_by(group.rank)
         self.stats = KVPPStats()
         self._fwd_key = None

@@ -15,7 +15,7 @@ physical buffer ``b``   ``[latent [S, Dl], rope [S, Dr], index K [S, Di]]`` (``s
 Every SGLang accessor inherited from SGLang's NPU MLA pool (``get_key_buffer``,
 ``get_value_buffer``, ``get_kv_buffer``, ``get_index_k_buffer``) calls
 ``layer_transfer_counter.wait_until(layer)`` first -- SGLang's per-layer hook for
-layer-wise KV loading. This pool's counter (:class:`PipelineLayerCounter`) drives the
+layer-wise KV loading. This pool's counter (:class:`~.pool.LayerCounter`) drives the
 layerwise pipeline there, and ``set_kv_buffer`` / ``set_index_k_buffer`` do the same
 before writing. Per forward:
 
@@ -85,25 +85,13 @@ from ..layerwise_prefill.store import HostKVStore, make_store, object_key
 from . import compat
 from .layerwise_pages import BatchRequest, ForwardPages, PageBook
 from .layerwise_runtime import (ForwardInfo, LayerListener, LayerWritten, SlotPipeline, WrittenNotifier)
-from .pool import DeviceDSAPool
+from .pool import DeviceDSAPool, LayerCounter
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LayerwisePrefillPool", "PipelineLayerCounter", "LayerwisePoolStats", "build_layerwise_pool"]
+__all__ = ["LayerwisePrefillPool", "LayerwisePoolStats", "build_layerwise_pool"]
 
 _STATS_LOG_INTERVAL_S = 60.0
-
-
-class PipelineLayerCounter:
-    """SGLang's ``layer_transfer_counter`` protocol (``wait_until(local_layer)``), served
-    by the layerwise pool: called by every accessor before a layer's buffer is read or
-    written."""
-
-    def __init__(self, pool: "LayerwisePrefillPool"):
-        self._pool = pool
-
-    def wait_until(self, threshold: int) -> None:
-        self._pool.enter_layer(threshold)
 
 
 @dataclass
@@ -202,7 +190,7 @@ class LayerwisePrefillPool(DeviceDSAPool):
                                      buffers=self.physical, lease_ttl_ms=offload.memcache.lease_ttl_ms,
                                      namespace=self.namespace)
             self.pipe.add_written_listener(self._on_pipeline_written)
-        self.layer_transfer_counter = PipelineLayerCounter(self)
+        self.layer_transfer_counter = LayerCounter(self)
         self._fwd: Optional[_PoolForward] = None
         self._next_forward_id = 0
         self._listeners: List[LayerListener] = []

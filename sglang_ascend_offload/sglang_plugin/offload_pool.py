@@ -177,6 +177,30 @@ class HostMainKVPool(DeviceDSAPool):
             self.append_order.wait_readable(layer_id - self.start_layer)
         return self.host_pool.read_rows(layer_id - self.start_layer, slots)
 
+    # ------------------------------------------------------------------ retraction (P/D decode)
+    def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
+        """Retraction backup of the KV at slots ``indices``: the host rows (a host-to-host copy;
+        on any device) and the device index K (:class:`~.retraction.RetractedKV`)."""
+        from .retraction import RetractedKV, index_rows, slot_tensor
+
+        slots = slot_tensor(indices, "cpu")
+        main = [self.read_host_rows(lid, slots).to("cpu") for lid in self.model_layer_ids]
+        return RetractedKV(int(slots.numel()), main, index_rows(self, slots))
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
+        """Write a :meth:`get_cpu_copy` backup into slots ``indices`` through the host pool's
+        append (TP rank 0 writes; every rank counts the append, as for a forward's)."""
+        from .retraction import restore_index_rows, slot_tensor
+
+        slots = slot_tensor(indices, "cpu")
+        kv_cache_cpu.check_restore(slots)
+        for layer, rows in enumerate(kv_cache_cpu.main):
+            self.engine.append(layer, slots, rows.to(self.dtype))
+            if self.append_order is not None:
+                self.append_order.appended(layer)
+        restore_index_rows(self, kv_cache_cpu, slots)
+        return None
+
     def get_kv_size_bytes(self):
         return self.index_k_buffer.numel() * self.index_k_buffer.element_size()
 

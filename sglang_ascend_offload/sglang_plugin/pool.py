@@ -37,6 +37,19 @@ def _scatter_rows(buffer: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -
     )
 
 
+class LayerCounter:
+    """SGLang's ``layer_transfer_counter`` protocol (``wait_until(local_layer)``, called by
+    every accessor before a layer's buffer is read or written), served by a pool's
+    ``enter_layer``: the layerwise prefill pool waits there for the layer's load, the
+    KVPP pool for the layer's broadcast."""
+
+    def __init__(self, pool: Any):
+        self._pool = pool
+
+    def wait_until(self, threshold: int) -> None:
+        self._pool.enter_layer(threshold)
+
+
 class DeviceDSAPool(NPUMLATokenToKVPool):
     """NPU-layout MLA/DSA pool whose writes are plain torch off the NPU.
 
@@ -108,10 +121,33 @@ class DeviceDSAPool(NPUMLATokenToKVPool):
             return super().set_index_k_buffer(layer_id, loc, index_k)
         _scatter_rows(self.index_k_buffer[self._get_indexer_slot(layer_id)], loc, index_k)
 
-    def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):  # pragma: no cover
+    def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
+        """Retraction backup of the KV at slots ``indices`` (P/D decode,
+        ``--disaggregation-decode-retraction-backup cpu_tensor``): SGLang's own NPU copy on an
+        NPU, a :class:`~.retraction.RetractedKV` elsewhere."""
         if self._on_npu:
             return super().get_cpu_copy(indices, mamba_indices, req_pool_index)
-        raise NotImplementedError("retraction to CPU copies is not supported by the ascend_offload pool off the NPU")
+        from .retraction import RetractedKV, gather_rows, index_rows, slot_tensor
+
+        slots = slot_tensor(indices, self.device)
+        main = [torch.cat((gather_rows(self.k_buffer[i], slots), gather_rows(self.v_buffer[i], slots)), dim=-1)
+                for i in range(self.layer_num)]
+        return RetractedKV(int(slots.numel()), main, index_rows(self, slots))
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
+        """Write a :meth:`get_cpu_copy` backup into slots ``indices`` (the resumed request's)."""
+        if self._on_npu:
+            return super().load_cpu_copy(kv_cache_cpu, indices, mamba_indices, req_pool_index)
+        from .retraction import restore_index_rows, slot_tensor
+
+        slots = slot_tensor(indices, self.device)
+        kv_cache_cpu.check_restore(slots)
+        for i, rows in enumerate(kv_cache_cpu.main):
+            latent, rope = rows.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+            _scatter_rows(self.k_buffer[i], slots, latent)
+            _scatter_rows(self.v_buffer[i], slots, rope)
+        restore_index_rows(self, kv_cache_cpu, slots)
+        return None
 
 
 def pool_args(configurator: Any, *, is_dsa_model: bool) -> dict:

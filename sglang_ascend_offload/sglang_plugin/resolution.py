@@ -35,7 +35,7 @@ from .names import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 
-VALIDATION_STEP = "validate_deepep_v2_dispatch_token_budget"
+VALIDATION_STEP = compat.VALIDATION_STEP
 
 # Features whose runtime the SGLang plugin provides. Enabling another feature is
 # rejected at startup (a flag that silently did nothing would be worse).

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from ..sparse_decode.host_pool import HostKVPool, HostPoolShape
+from ..sparse_decode.host_pool import AppendTimeout, HostKVPool, HostPoolShape
 
 logger = logging.getLogger(__name__)
 
@@ -205,10 +205,6 @@ def reclaim_stale(directory: Optional[os.PathLike] = None) -> List[Path]:
 
 
 # ------------------------------------------------------------------ ordering
-class AppendTimeout(TimeoutError):
-    """A TP rank waited past its deadline for TP rank 0's append of a layer."""
-
-
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 

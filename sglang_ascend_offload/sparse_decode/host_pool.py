@@ -294,7 +294,9 @@ def _memfabric_detail() -> str:
 
 # ------------------------------------------------------------------------ TP gate
 class AppendTimeout(TimeoutError):
-    """A reader waited past its deadline for TP rank 0's append."""
+    """A reader (a TP rank > 0) waited past its deadline for TP rank 0's append of a
+    layer (the CPU append gate here, the served pool's append order in
+    ``sglang_plugin/shared_host_pool.py``)."""
 
 
 class AppendGate:

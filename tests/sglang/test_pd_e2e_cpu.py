@@ -8,9 +8,12 @@ One module setup (each launch costs ~30-60 s on 2 cores, started together):
   read layer 0 (the request is published layer by layer during its last forward),
 * decode server D0 (device pool: main KV pulled into device pages),
 * decode server D1 with sparse decode offload (main KV pulled straight into its host pool),
+* decode server D2 like D1 with SGLang's forced retraction (``SGLANG_TEST_RETRACT``: every
+  third decode step retracts requests; their KV is backed up from the host pool and
+  restored into new slots, ``--disaggregation-decode-retraction-backup cpu_tensor``),
 * one colocated server (the reference),
-* four routers ``sglang_router.launch_router --pd-disaggregation``: (P, D0), (P, D1), (PL, D0),
-  (PL, D1): the last is the intended deployment (layerwise offload on the prefill node,
+* five routers ``sglang_router.launch_router --pd-disaggregation``: (P, D0), (P, D1), (PL, D0),
+  (PL, D1), (P, D2): the fourth is the intended deployment (layerwise offload on the prefill node,
   sparse decode offload on the decode node).
 
 Every server uses the Mooncake engine over TCP on 127.0.0.1 (``pd_transfer.engine =
@@ -36,6 +39,8 @@ pytestmark = pytest.mark.slow
 VOCAB = 1024
 INDEX_TOPK = 16
 ROUTER_READY_S = 120.0
+#: SGLang's forced retraction: every third decode step of the scheduler retracts requests
+FORCED_RETRACTION = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "3"}
 
 
 def prompt(n: int, seed: int) -> list:
@@ -48,7 +53,7 @@ def pd(tmp_path_factory):
     routers from the layerwise prefill to the device-pool and to the offload decode)."""
     root = tmp_path_factory.mktemp("pd_servers")
     bootstrap, bootstrap_lw = free_port(), free_port()
-    kv0, kv1 = free_port(), free_port()
+    kv0, kv1, kv2 = free_port(), free_port(), free_port()
 
     prefill = ServerProcess(pd_servers.prefill_args(bootstrap, kv0), log_path=root / "prefill.log")
     prefill_lw = ServerProcess(pd_servers.prefill_args(bootstrap_lw, kv0, layerwise=True),
@@ -56,21 +61,24 @@ def pd(tmp_path_factory):
     dense = ServerProcess(pd_servers.decode_args(kv0), log_path=root / "decode_dense.log")
     offload = ServerProcess(pd_servers.decode_args(kv1, offload=True), log_path=root / "decode_offload.log")
     colocated = ServerProcess(pd_servers.COMMON + IDLE_SLEEP, log_path=root / "colocated.log")
-    servers = [prefill, dense, offload, colocated, prefill_lw]
+    retracting = ServerProcess(pd_servers.decode_args(kv2, offload=True) + ["--enable-metrics"],
+                               log_path=root / "decode_offload_retract.log", env=FORCED_RETRACTION)
+    servers = [prefill, dense, offload, colocated, prefill_lw, retracting]
     routers = []
     try:
         start_all(*servers)
         print("\nstartup (concurrent): " + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in
                                                     zip(("prefill", "dense", "offload", "colocated",
-                                                         "prefill_layerwise"), servers)))
+                                                         "prefill_layerwise", "offload_retract"), servers)))
         routers = [PDRouter(prefill.url, bootstrap, dense.url, root / "router_dense.log").start(),
                    PDRouter(prefill.url, bootstrap, offload.url, root / "router_offload.log").start(),
                    PDRouter(prefill_lw.url, bootstrap_lw, dense.url, root / "router_layerwise.log").start(),
-                   PDRouter(prefill_lw.url, bootstrap_lw, offload.url, root / "router_layerwise_offload.log").start()]
+                   PDRouter(prefill_lw.url, bootstrap_lw, offload.url, root / "router_layerwise_offload.log").start(),
+                   PDRouter(prefill.url, bootstrap, retracting.url, root / "router_retract.log").start()]
         deadline = time.monotonic() + ROUTER_READY_S
         for r in routers:
             r.wait_ready(prompt(5, seed=99), deadline)
-        yield routers[0], routers[1], colocated, root, routers[2], routers[3]
+        yield routers[0], routers[1], colocated, root, routers[2], routers[3], routers[4], retracting
     finally:
         stop_all(*routers, *servers)
 
@@ -130,6 +138,22 @@ def test_router_pd_from_layerwise_prefill_to_offload_decode_matches_colocated(pd
     layerwise_offload_router.generate(shared, max_new_tokens=1)
     _check_same(layerwise_offload_router, colocated, [shared + prompt(9 + 5 * i, seed=30 + i) for i in range(3)],
                 max_new_tokens=8)
+
+
+def test_retracted_requests_on_an_offload_decode_resume_token_identical(pd):
+    """Forced retraction on the P/D decode with sparse decode offload: retracted requests'
+    KV is backed up (host rows copied, index K from the device) and restored into their
+    new slots when they resume, never recomputed; tokens and logprobs equal the colocated
+    server's, and the server counted the retractions."""
+    router, colocated, retracting = pd[6], pd[2], pd[7]
+    prompts = [prompt(40 + 37 * i, seed=50 + i) for i in range(4)]
+    _check_same(router, colocated, prompts, max_new_tokens=20)
+    text = retracting.get("/metrics")
+    retracted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("sglang:num_retracted_requests_total{"))
+    assert retracted > 0, "no request was retracted"
+    log = (pd[3] / "decode_offload_retract.log").read_text(errors="replace")
+    assert "Testing retraction" in log and "Traceback" not in log
 
 
 def test_the_project_protocol_moved_the_kv(pd):
