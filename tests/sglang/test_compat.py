@@ -171,7 +171,8 @@ def test_pd_hooks_read_sglang_objects_strictly(monkeypatch):
 
     got = {}
     monkeypatch.setattr(conn.AscendOffloadKVManager, "attach_pool",
-                        lambda self, pool, context_len=None: got.update(pool=pool, context_len=context_len))
+                        lambda self, pool, context_len=None, draft_pool=None: got.update(
+                            pool=pool, context_len=context_len, draft_pool=draft_pool))
     manager = conn.AscendOffloadKVManager.__new__(conn.AscendOffloadKVManager)
 
     def queue(**kw):
@@ -180,11 +181,11 @@ def test_pd_hooks_read_sglang_objects_strictly(monkeypatch):
                                   **kw})
 
     assert install._attach_pool_after_decode(manager, queue()) is manager
-    assert got == {"pool": "pool", "context_len": 4096}
+    assert got == {"pool": "pool", "context_len": 4096, "draft_pool": None}
     other = object()  # another backend's manager: untouched, nothing read
     assert install._attach_pool_after_prefill(other, SimpleNamespace()) is other
-    with pytest.raises(RuntimeError, match="draft"):
-        install._attach_pool_after_prefill(manager, queue(draft_token_to_kv_pool="draft pool"))
+    install._attach_pool_after_prefill(manager, queue(draft_token_to_kv_pool="draft pool"))
+    assert got["draft_pool"] == "draft pool"  # the speculative draft model's pool moves with the request
     with pytest.raises(compat.SGLangIncompatible, match=r"Scheduler has no 'model_config'"):
         install._attach_pool_after_prefill(manager, queue(scheduler=SimpleNamespace()))
     with pytest.raises(compat.SGLangIncompatible, match=r"DecodePreallocQueue has no 'scheduler'"):
