@@ -587,6 +587,8 @@ RULES: Dict[str, str] = {
     "kvpp.speculative_method": "KVPP supports only mtp or dspark speculative decoding",
     "kvpp.speculative_fixed": "KVPP supports only a fixed number of speculative tokens",
     "kvpp.group": "KVPP needs a TP x PCP group larger than 1",
+    "kvpp.layerwise_prefill": "KVPP and layerwise prefill offload each replace the KV pool; no combined pool exists",
+    "kvpp.pd_prefill": "KVPP keeps only a rank's owned layers; a P/D prefill sends every layer from one rank",
 }
 
 _BF16_NAMES = {"bf16", "bfloat16"}
@@ -618,7 +620,7 @@ def violations(config: OffloadConfig, deployment: Deployment) -> List[Violation]
     if config.pd_transfer is not None:
         _check_pd(config.pd_transfer, d, add, main_kv_offloaded=config.sparse_decode is not None)
     if config.kvpp is not None:
-        _check_kvpp(d, add)
+        _check_kvpp(d, add, layerwise=config.layerwise_prefill is not None)
     return out
 
 
@@ -781,7 +783,18 @@ def _check_pd_decode_tp(d: Deployment, add, main_kv_offloaded: bool) -> None:
             "P/D engine can write a decode rank's share of the main KV into", dp_attention)
 
 
-def _check_kvpp(d: Deployment, add) -> None:
+def _check_kvpp(d: Deployment, add, *, layerwise: bool) -> None:
+    if layerwise:
+        # shared device layer buffers saved to a host store vs. owner ranks + scratch layers
+        add("kvpp.layerwise_prefill", "KVPP and layerwise prefill offload are both on: each replaces the KV pool "
+            "with its own layer placement and no combined pool exists",
+            "enable one of them (layerwise prefill offload on a P/D prefill node, KVPP on a colocated server)")
+    if d.pd_role == "prefill":
+        # a rank's non-owned layers live in a scratch buffer the next layer overwrites, so a
+        # P/D sender (one prefill rank per decode rank, every layer) would need each layer's owner
+        add("kvpp.pd_prefill", "a P/D prefill node with KVPP: the P/D transfer backends send every layer from "
+            "the paired prefill rank, which under KVPP keeps only its owned layers",
+            "run KVPP on a colocated server, or disable KVPP on the prefill node")
     if d.dcp > 1:
         add("kvpp.dcp", f"dcp={d.dcp}", "disable decode context parallelism or KVPP")
     if d.pd_role == "decode":

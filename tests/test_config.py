@@ -77,6 +77,8 @@ CASES = {
     "kvpp.speculative_method": (KV, dict(speculative_method="eagle")),
     "kvpp.speculative_fixed": (KV, dict(speculative_method="mtp", speculative_fixed=False)),
     "kvpp.group": (KV, dict(tp=1)),
+    "kvpp.layerwise_prefill": ({**KV, **LW}, {}),
+    "kvpp.pd_prefill": (KV, dict(pd_role="prefill")),
 }
 
 
@@ -118,8 +120,12 @@ def test_good_pd_deployments_pass():
     # decode attention TP 2 with the TP-shared host pool of sparse decode offload (CPU)
     assert _run({"pd_transfer": {"engine": "mooncake"}, **SD},
                 dict(device="cpu", soc=None, pd_role="decode", tp=2, peer_tp=4)) == []
-    assert _run({**PD, **LW, **KV}, dict(pd_role="prefill", tp=8, peer_tp=2,
-                                          disaggregation_transfer_backend="ascend_offload")) == []
+    assert _run({**PD, **LW}, dict(pd_role="prefill", tp=8, peer_tp=2,
+                                   disaggregation_transfer_backend="ascend_offload")) == []
+    # KVPP on that prefill node: refused by check-config as by the server (its rule ids)
+    found = _run({**PD, **LW, **KV}, dict(pd_role="prefill", tp=8, peer_tp=2,
+                                          disaggregation_transfer_backend="ascend_offload"))
+    assert [v.rule for v in found] == ["kvpp.layerwise_prefill", "kvpp.pd_prefill"]
 
 
 def test_kvpp_piecewise_and_fixed_mtp_accepted():

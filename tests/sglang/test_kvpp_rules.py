@@ -47,9 +47,6 @@ def test_a_servable_setup_has_no_violation():
 
 @pytest.mark.parametrize("config,server,rule", [
     (KV, view(attention_backend="ascend"), "sglang.kvpp_backend"),
-    (cfg.OffloadConfig(kvpp=cfg.KVPPConfig(), layerwise_prefill=cfg.LayerwisePrefillOffloadConfig()), view(),
-     "sglang.kvpp_layerwise"),
-    (KV, view(disaggregation_mode="prefill"), "sglang.kvpp_pd_prefill"),
     (KV, view(attn_dp_size=2), "sglang.kvpp_dp_attention"),
     (KV, view(enable_dp_attention=True, dp_size=2), "sglang.kvpp_dp_attention"),
     (KV, view(enable_two_batch_overlap=True), "sglang.kvpp_tbo"),
@@ -78,8 +75,7 @@ def test_resolution_lists_every_reason(plugins_loaded, clean_state):
     with pytest.raises(cfg.ConfigError) as info:
         sa.resolve_once()
     rules = {v.rule for v in info.value.violations}
-    assert {"kvpp.group", "sglang.kvpp_backend", "sglang.kvpp_layerwise",
-            "sglang.kvpp_pd_prefill"} <= rules, rules
+    assert {"kvpp.group", "sglang.kvpp_backend", "kvpp.layerwise_prefill", "kvpp.pd_prefill"} <= rules, rules
     assert carrier.published_text() is None
 
 
