@@ -66,6 +66,13 @@ class SparseDecodeOffloadConfig:
         speculative decoding (rules ``sglang.sparse_decode_graph``,
         ``sparse_decode.score_speculative``).
     metrics_log_interval_s: period of the one-line statistics summary in the log (0 = off).
+    verify_sample_rate: shadow verification, 0 = off: the probability per layer and eager
+        decode step of recomputing one row's attention over the host pool with logical
+        indices and comparing it with the served row (bit-exact where only copies
+        happened; ``sparse_decode/shadow.py``). 1e-3 costs one row's gather and attention
+        per thousand layer steps. Not with decode graphs (rule ``sglang.sparse_decode_graph``).
+    verify_action: on a mismatch (always counted and logged with layer, row and request):
+        ``log``, or ``fail`` (the forward raises, so SGLang stops the batch with the error).
     """
 
     hot_tokens: Optional[int] = None
@@ -80,9 +87,14 @@ class SparseDecodeOffloadConfig:
     record_trace_rank_depth: int = 0
     rank_depth: int = 0
     metrics_log_interval_s: float = 30.0
+    verify_sample_rate: float = 0.0
+    verify_action: Literal["log", "fail"] = "log"
 
     def _check(self) -> List[str]:
         errs = []
+        if not 0.0 <= self.verify_sample_rate <= 1.0:
+            errs.append(f"verify_sample_rate={self.verify_sample_rate} is out of range: it must be in [0, 1] "
+                        "(0 = off; e.g. 1e-3)")
         if self.hot_tokens is not None and self.hot_tokens < 1:
             errs.append(f"hot_tokens={self.hot_tokens} is out of range: it must be >= 1 (and >= the model's "
                         "top-k, a multiple of the page size; null = 2 x top-k)")

@@ -22,6 +22,9 @@ copy time per layer measured by the backend. :class:`OffloadMetrics` turns them 
                                                                     position two verify rows select
                                                                     counts twice here, once above)
   ``sglang:ascend_offload_row_hits_total``                counter   those that were resident
+  ``sglang:ascend_offload_shadow_checks_total``           counter   rows recomputed over the host
+                                                                    pool (``verify_sample_rate``)
+  ``sglang:ascend_offload_shadow_mismatches_total``       counter   those that differed
   ``sglang:ascend_offload_hit_rate``                      gauge     hits / selected (cumulative)
   ``sglang:ascend_offload_h2d_bytes_per_step``            gauge     host->device bytes per decode
                                                                     step (a verify round with
@@ -46,7 +49,8 @@ from ..sparse_decode.stats import Counters, DecodeStats
 logger = logging.getLogger("sglang_ascend_offload.sparse_decode")
 
 METRIC_PREFIX = "sglang:ascend_offload_"
-_COUNTER_FIELDS = ("selected", "hits", "misses", "h2d_bytes", "d2h_bytes", "row_selected", "row_hits")
+_COUNTER_FIELDS = ("selected", "hits", "misses", "h2d_bytes", "d2h_bytes", "row_selected", "row_hits",
+                   "shadow_checks", "shadow_mismatches")
 
 
 def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float) -> str:
@@ -147,6 +151,8 @@ _DOCS = {
     "copy_seconds": "seconds spent copying miss rows host->device",
     "row_selected": "query rows' top-k entries (speculative verify rows of a request counted one by one)",
     "row_hits": "query rows' top-k entries already resident",
+    "shadow_checks": "rows whose served attention was recomputed over the host pool (shadow verification)",
+    "shadow_mismatches": "shadow-verified rows whose served attention differed from the recomputation",
 }
 
 

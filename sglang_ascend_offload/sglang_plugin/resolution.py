@@ -151,6 +151,15 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
                 "drop record_trace, or run decode eagerly (--disable-cuda-graph, or on a CPU without "
                 "--enable-torch-compile)",
             ))
+        if graphs_on and config.sparse_decode.verify_sample_rate > 0:
+            out.append(cfg.Violation(
+                "sglang.sparse_decode_graph",
+                f"verify_sample_rate={config.sparse_decode.verify_sample_rate} with decode graphs on (backend "
+                f"{decode_graph!r}): shadow verification recomputes a sampled row between layers on the host, "
+                "which a captured decode step cannot do",
+                "set verify_sample_rate to 0, or run decode eagerly (--disable-cuda-graph, or on a CPU without "
+                "--enable-torch-compile)",
+            ))
         if graphs_on and config.sparse_decode.rank_depth > 0:
             out.append(cfg.Violation(
                 "sglang.sparse_decode_graph",

@@ -69,6 +69,7 @@ from .host_rows import is_tensor_backed
 from .hot_buffer import HotBuffers
 from .policies import DEFAULT_POLICY, ResidencyManager, make_manager, uses_cpu_kernel
 from .request_union import RequestUnion, merge_ranked, row_slots, union_of_rows
+from .shadow import ShadowVerifier
 from .stats import DecodeStats, StatsAccumulator
 
 __all__ = ["EngineConfig", "LayerResult", "PhaseTimes", "SparseDecodeEngine", "decode_layer_step", "RequestStep", "step_requests"]
@@ -174,9 +175,15 @@ class EngineConfig:
     manage_impl: str = "auto"
     max_context: Optional[int] = None
     rows_per_request: int = 1
+    #: shadow verification (:mod:`.shadow`): probability per layer step of checking one
+    #: row against a recomputation over the host pool (0 = off), and what a mismatch does
+    verify_sample_rate: float = 0.0
+    verify_action: str = "log"
 
     def __post_init__(self):
         problems = []
+        if not 0.0 <= self.verify_sample_rate <= 1.0:
+            problems.append(f"verify_sample_rate must be in [0, 1], got {self.verify_sample_rate}")
         for name in ("layers", "rows", "hot_tokens", "top_k", "latent_dim", "rows_per_request"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
@@ -280,6 +287,9 @@ class SparseDecodeEngine:
         self._kernel_copy = self.uses_cpu_kernel and self._copy_op.rung == "reference" and \
             self.device.type == "cpu" and self._tensor_pool and pool.layer(0).device.type == "cpu"
         self.stats_acc = StatsAccumulator(config.layers, pool.shape.row_bytes, self.device)
+        self.shadow: Optional[ShadowVerifier] = (
+            ShadowVerifier(config.verify_sample_rate, config.verify_action, seed=tp_rank)
+            if config.verify_sample_rate > 0 else None)
         self.step_index = -1
         self._rows: Optional[torch.Tensor] = None
         self._req_ids: Optional[torch.Tensor] = None
@@ -397,7 +407,27 @@ class SparseDecodeEngine:
         misses = res.miss_count.sum(dtype=torch.int64)
         self.stats_acc.record_residency(layer, hits + misses, hits, misses, row_selected, row_hits)
         self.stats_acc.record_rows(layer, self._batch * n)
+        if self.shadow is not None:
+            self._shadow_check(layer, topk_dev, query, query_rope, scale, out)
         return LayerResult(output=out, residency=res, flat_indices=flat)
+
+    def _shadow_check(self, layer: int, topk: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor,
+                      scale: float, out: torch.Tensor) -> None:
+        """Shadow verification of one sampled query row of this layer step (:mod:`.shadow`;
+        a padding entry drawn is skipped)."""
+        row = self.shadow.sample(out.shape[0])
+        if row is None:
+            return
+        entry = row // self._per_request
+        engine_row, owner = int(self._rows[entry]), int(self._req_ids[entry])
+        if engine_row < 0 or owner < 0:
+            return
+        result = self.shadow.check(
+            layer=layer, batch_row=row, engine_row=engine_row, owner=owner, attention_op=self._attention_op,
+            read_rows=lambda slots: self.pool.read_rows(layer, slots), latent_dim=self.config.latent_dim,
+            topk_row=topk[row], token_row=self._token_table[engine_row], query=query[row],
+            query_rope=query_rope[row], scale=scale, served=out[row], exact=self._copy_sfa_op is None)
+        self.stats_acc.record_shadow(layer, result.ok)
 
     def copy_misses(self, layer: int, res: ResidencyStep) -> None:
         """Copy this step's misses of ``layer`` host -> hot buffer (rows form)."""

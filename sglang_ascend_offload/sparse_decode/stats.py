@@ -7,7 +7,8 @@ is proportional to this, not to the engine's row capacity), ``row_selected`` /
 ``row_hits`` (the query rows' own top-k entries and those that were resident: with
 several query rows per request, as in speculative verify, a position two rows select
 is one ``selected`` lookup but two ``row_selected`` entries; with one row per request
-the pairs are equal). Invariants: ``hits + misses == selected`` and ``h2d_bytes ==
+the pairs are equal), ``shadow_checks`` / ``shadow_mismatches`` (shadow verification's
+rows recomputed over the host pool and those that differed; host counts). Invariants: ``hits + misses == selected`` and ``h2d_bytes ==
 misses * row_bytes``.
 
 Device-side counts are accumulated in one int64 device tensor, so recording a step
@@ -36,6 +37,8 @@ class Counters:
     rows: int = 0
     row_selected: int = 0
     row_hits: int = 0
+    shadow_checks: int = 0
+    shadow_mismatches: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -80,6 +83,7 @@ class StatsAccumulator:
         self._dev = torch.zeros((layers, 5), dtype=torch.int64, device=device)
         self._d2h = [0] * layers
         self._rows = [0] * layers
+        self._shadow = [[0, 0] for _ in range(layers)]  # checks, mismatches
         self.steps = 0
 
     def record_residency(self, layer: int, selected: torch.Tensor, hits: torch.Tensor, misses: torch.Tensor,
@@ -99,6 +103,11 @@ class StatsAccumulator:
     def record_d2h(self, layer: int, nbytes: int) -> None:
         self._d2h[layer] += int(nbytes)
 
+    def record_shadow(self, layer: int, ok: bool) -> None:
+        """One shadow-verification check of ``layer`` (a host-side count)."""
+        self._shadow[layer][0] += 1
+        self._shadow[layer][1] += 0 if ok else 1
+
     def record_step(self) -> None:
         self.steps += 1
 
@@ -107,7 +116,7 @@ class StatsAccumulator:
         dev = self._dev.cpu().tolist()
         per_layer = [
             Counters(selected=s, hits=h, misses=m, h2d_bytes=m * self.row_bytes, d2h_bytes=d, rows=n,
-                     row_selected=rs, row_hits=rh)
-            for (s, h, m, rs, rh), d, n in zip(dev, self._d2h, self._rows)
+                     row_selected=rs, row_hits=rh, shadow_checks=sc, shadow_mismatches=sm)
+            for (s, h, m, rs, rh), d, n, (sc, sm) in zip(dev, self._d2h, self._rows, self._shadow)
         ]
         return DecodeStats(per_layer=per_layer, steps=self.steps)

@@ -61,8 +61,12 @@ def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec_servers")
     base = fixture_args(TINY_DSA_MTP)
     dense = ServerProcess(COMMON, log_path=root / "dense.log", base_args=base, env=SIMULATED_ACCEPT)
+    # shadow verification on every layer step (rate 1): each step recomputes one verify row
+    # over the host pool and must match bit for bit
     offload = ServerProcess(COMMON + ["--enable-metrics", "--enable-sparse-decode-offload",
-                                      "--sparse-decode-offload-config", json.dumps({"hot_tokens": HOT_TOKENS})],
+                                      "--sparse-decode-offload-config",
+                                      json.dumps({"hot_tokens": HOT_TOKENS, "verify_sample_rate": 1.0,
+                                                  "verify_action": "fail"})],
                             log_path=root / "offload.log", base_args=base, env=SIMULATED_ACCEPT)
     layerwise = ServerProcess(COMMON + LAYERWISE, log_path=root / "layerwise.log", base_args=base,
                               env=SIMULATED_ACCEPT)
@@ -114,6 +118,8 @@ def test_verify_rows_went_through_the_residency(servers):
                    if line.startswith(f"sglang:ascend_offload_{name}{{"))
 
     assert total("hits_total") > 0 and total("misses_total") > 0
+    # shadow verification checked served verify rows against the host pool, and they matched
+    assert total("shadow_checks_total") > 0 and total("shadow_mismatches_total") == 0
 
 
 def _run_layerwise(srv: ServerProcess) -> list:
