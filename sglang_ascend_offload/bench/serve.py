@@ -54,7 +54,10 @@ speculative arithmetic may legitimately differ), ``reference`` / ``identical_to_
 (the no-offload run with the same graph and speculation settings, preferring the same
 ``--max-running-requests``, and whether every output equals it). A run that cannot start
 (a configuration not supported yet) keeps its entry with ``error``: the server's own
-startup error from its log.
+startup error from its log. Offload runs whose ``--offload-config`` turns on shadow
+verification (``verify_sample_rate``) also report ``shadow_checks``,
+``shadow_mismatches``, ``shadow_ms`` and ``shadow_share_of_server_cpu`` (the checks' time
+over the server's CPU time during the rounds).
 
 ``identical_tokens`` is true when every offload run has such a no-offload counterpart
 in the selection and reproduces its greedy outputs exactly (and no run failed).
@@ -206,6 +209,13 @@ class RunResult:
     rounds_decode_tokens_per_s: List[float] = field(default_factory=list)
     server_cpu_ms_per_token: Optional[float] = None
     rounds_server_cpu_ms_per_token: List[float] = field(default_factory=list)
+    #: shadow verification (offload runs with verify_sample_rate > 0, from the server's last
+    #: summary line): rows checked, mismatches, the checks' milliseconds, and that time over
+    #: the server's CPU time during the rounds (an upper bound: it includes the warm-up's checks)
+    shadow_checks: Optional[int] = None
+    shadow_mismatches: Optional[int] = None
+    shadow_ms: Optional[float] = None
+    shadow_share_of_server_cpu: Optional[float] = None
     startup_s: Optional[float] = None
     offload_summary: Dict[str, str] = field(default_factory=dict)
     server_args: List[str] = field(default_factory=list)
@@ -354,6 +364,7 @@ class Measurement:
         self._spec_steps = 0
         self._same = True
         self._rounds = 0
+        self._server_cpu_ms = 0.0  # server CPU time during the rounds (all processes)
 
     @property
     def failed(self) -> bool:
@@ -392,6 +403,7 @@ class Measurement:
         tokens = sum(o.tokens for o in done)
         if tokens:
             result.rounds_server_cpu_ms_per_token.append(round(cpu * 1e3 / tokens, 4))
+        self._server_cpu_ms += cpu * 1e3
         result.completed += len(done)
         result.request_errors += res.errors[: max(0, 10 - len(result.request_errors))]
         tps, dtps = res.output_tokens_per_s(load.output_len), res.decode_tokens_per_s(load.output_len, sent)
@@ -429,6 +441,13 @@ class Measurement:
             result.decode_tokens_per_s = round(statistics.median(result.rounds_decode_tokens_per_s), 3)
         if result.rounds_server_cpu_ms_per_token:
             result.server_cpu_ms_per_token = round(statistics.median(result.rounds_server_cpu_ms_per_token), 4)
+        summary = result.offload_summary
+        if "shadow_checks" in summary:
+            result.shadow_checks = int(summary["shadow_checks"])
+            result.shadow_mismatches = int(summary.get("shadow_mismatches", 0))
+            result.shadow_ms = float(summary.get("shadow_ms", 0.0))
+            if self._server_cpu_ms > 0:
+                result.shadow_share_of_server_cpu = round(result.shadow_ms / self._server_cpu_ms, 5)
         result.ttft_ms_p50 = _ms(served_load.percentile(self._ttfts, 50))
         result.ttft_ms_p99 = _ms(served_load.percentile(self._ttfts, 99))
         result.itl_ms_p50 = _ms(served_load.percentile(self._itls, 50))

@@ -57,15 +57,20 @@ def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float
     """``sparse-decode-offload: steps=.. hit_rate=.. hits=.. misses=.. h2d=..MiB d2h=..MiB
     h2d/step=..KiB copy_ms/layer/step=.. rows/step=.. window=..s`` (``rows/step``: query
     rows the engine stepped per decode step, the measure of its per-step work; a step is
-    one verify round with speculation)."""
+    one verify round with speculation), then ``shadow_checks=.. shadow_mismatches=..
+    shadow_ms=..`` (cumulative) when shadow verification has checked rows."""
     total: Counters = stats.total
     layers = max(1, len(stats.per_layer))
     per_step = 1000.0 * sum(copy_seconds) / layers / max(1, stats.steps)
-    return (f"sparse-decode-offload: steps={stats.steps} hit_rate={total.hit_rate:.3f} "
+    line = (f"sparse-decode-offload: steps={stats.steps} hit_rate={total.hit_rate:.3f} "
             f"hits={total.hits} misses={total.misses} h2d={total.h2d_bytes / 2**20:.2f}MiB "
             f"d2h={total.d2h_bytes / 2**20:.2f}MiB h2d/step={total.h2d_bytes / 1024 / max(1, stats.steps):.1f}KiB "
             f"copy_ms/layer/step={per_step:.3f} "
             f"rows/step={total.rows / layers / max(1, stats.steps):.2f} window={elapsed_s:.0f}s")
+    if total.shadow_checks:
+        line += (f" shadow_checks={total.shadow_checks} shadow_mismatches={total.shadow_mismatches} "
+                 f"shadow_ms={total.shadow_us / 1000:.1f}")
+    return line
 
 
 @dataclass

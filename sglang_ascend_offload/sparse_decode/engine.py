@@ -427,7 +427,7 @@ class SparseDecodeEngine:
             read_rows=lambda slots: self.pool.read_rows(layer, slots), latent_dim=self.config.latent_dim,
             topk_row=topk[row], token_row=self._token_table[engine_row], query=query[row],
             query_rope=query_rope[row], scale=scale, served=out[row], exact=self._copy_sfa_op is None)
-        self.stats_acc.record_shadow(layer, result.ok)
+        self.stats_acc.record_shadow(layer, result.ok, result.seconds)
 
     def copy_misses(self, layer: int, res: ResidencyStep) -> None:
         """Copy this step's misses of ``layer`` host -> hot buffer (rows form)."""

@@ -63,6 +63,7 @@ class ShadowResult:
     max_abs_diff: float
     exact: bool
     ok: bool
+    seconds: float = 0.0  # what the check cost (gather, attention, comparison)
 
     def describe(self) -> str:
         how = "bit-exact comparison" if self.exact else f"tolerance atol {FUSED_ATOL} rtol {FUSED_RTOL}"
@@ -123,9 +124,10 @@ class ShadowVerifier:
         else:
             ok = torch.allclose(got.float(), ref.float(), atol=FUSED_ATOL, rtol=FUSED_RTOL)
         diff = float((got.float() - ref.float()).abs().max()) if got.numel() else 0.0
-        result = ShadowResult(layer, batch_row, engine_row, owner, diff, exact, bool(ok))
+        result = ShadowResult(layer, batch_row, engine_row, owner, diff, exact, bool(ok),
+                              time.perf_counter() - t0)
         self.checks += 1
-        self.seconds += time.perf_counter() - t0
+        self.seconds += result.seconds
         self.last = result
         if not result.ok:
             self.mismatches += 1

@@ -7,8 +7,9 @@ is proportional to this, not to the engine's row capacity), ``row_selected`` /
 ``row_hits`` (the query rows' own top-k entries and those that were resident: with
 several query rows per request, as in speculative verify, a position two rows select
 is one ``selected`` lookup but two ``row_selected`` entries; with one row per request
-the pairs are equal), ``shadow_checks`` / ``shadow_mismatches`` (shadow verification's
-rows recomputed over the host pool and those that differed; host counts). Invariants: ``hits + misses == selected`` and ``h2d_bytes ==
+the pairs are equal), ``shadow_checks`` / ``shadow_mismatches`` / ``shadow_us`` (shadow verification's
+rows recomputed over the host pool, those that differed, and the microseconds the checks
+took; host counts). Invariants: ``hits + misses == selected`` and ``h2d_bytes ==
 misses * row_bytes``.
 
 Device-side counts are accumulated in one int64 device tensor, so recording a step
@@ -39,6 +40,7 @@ class Counters:
     row_hits: int = 0
     shadow_checks: int = 0
     shadow_mismatches: int = 0
+    shadow_us: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -83,7 +85,7 @@ class StatsAccumulator:
         self._dev = torch.zeros((layers, 5), dtype=torch.int64, device=device)
         self._d2h = [0] * layers
         self._rows = [0] * layers
-        self._shadow = [[0, 0] for _ in range(layers)]  # checks, mismatches
+        self._shadow = [[0, 0, 0] for _ in range(layers)]  # checks, mismatches, microseconds
         self.steps = 0
 
     def record_residency(self, layer: int, selected: torch.Tensor, hits: torch.Tensor, misses: torch.Tensor,
@@ -103,10 +105,11 @@ class StatsAccumulator:
     def record_d2h(self, layer: int, nbytes: int) -> None:
         self._d2h[layer] += int(nbytes)
 
-    def record_shadow(self, layer: int, ok: bool) -> None:
-        """One shadow-verification check of ``layer`` (a host-side count)."""
+    def record_shadow(self, layer: int, ok: bool, seconds: float = 0.0) -> None:
+        """One shadow-verification check of ``layer`` that took ``seconds`` (host-side counts)."""
         self._shadow[layer][0] += 1
         self._shadow[layer][1] += 0 if ok else 1
+        self._shadow[layer][2] += int(round(seconds * 1e6))
 
     def record_step(self) -> None:
         self.steps += 1
@@ -116,7 +119,7 @@ class StatsAccumulator:
         dev = self._dev.cpu().tolist()
         per_layer = [
             Counters(selected=s, hits=h, misses=m, h2d_bytes=m * self.row_bytes, d2h_bytes=d, rows=n,
-                     row_selected=rs, row_hits=rh, shadow_checks=sc, shadow_mismatches=sm)
-            for (s, h, m, rs, rh), d, n, (sc, sm) in zip(dev, self._d2h, self._rows, self._shadow)
+                     row_selected=rs, row_hits=rh, shadow_checks=sc, shadow_mismatches=sm, shadow_us=su)
+            for (s, h, m, rs, rh), d, n, (sc, sm, su) in zip(dev, self._d2h, self._rows, self._shadow)
         ]
         return DecodeStats(per_layer=per_layer, steps=self.steps)

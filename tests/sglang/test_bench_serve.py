@@ -116,10 +116,12 @@ def test_cpu_server_args_per_run():
 
 @pytest.mark.slow
 def test_bench_serve_short_run_pair(tmp_path):
-    """Two servers (~1-2 min here): no offload, and offload at --max-running-requests 2048."""
+    """Two servers (~1-2 min here): no offload, and offload at --max-running-requests 2048
+    with shadow verification on every layer step (its checks and their cost reported)."""
+    offload_config = json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 1.0, "verify_sample_rate": 1.0})
     cmd = [sys.executable, "-m", "sglang_ascend_offload", "bench", "serve", "--runs",
            "no_offload_eager,offload_eager_mrr2048", "--clients", "2", "--requests", "2", "--input-len", "40",
-           "--output-len", "12", "--log-dir", str(tmp_path), "--json"]
+           "--output-len", "12", "--offload-config", offload_config, "--log-dir", str(tmp_path), "--json"]
     result = subprocess.run(cmd, cwd=REPO, env=server_env(cpu=False), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     doc = json.loads(result.stdout)  # exactly one JSON document: progress went to stderr
@@ -138,6 +140,9 @@ def test_bench_serve_short_run_pair(tmp_path):
     # the engine stepped the live rows only, not the 2049 rows its hot buffers hold
     assert 0 < float(off["offload_summary"]["rows/step"]) <= 2, off["offload_summary"]
     assert Path(off["log"]).is_file()
+    assert off["shadow_checks"] > 0 and off["shadow_mismatches"] == 0
+    assert 0 < off["shadow_share_of_server_cpu"] < 1
+    assert runs["no_offload_eager"]["shadow_checks"] is None
 
 
 class _FakeStreamingServer:
