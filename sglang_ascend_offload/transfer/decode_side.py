@@ -108,12 +108,13 @@ class _Peer:
     identity: bytes
     hs: MetaHandshake
     member: int
+    topology: PDTopology
     main_at: List[Tuple[int, List[Tuple[TensorSpec, TensorSpec]], int]] = field(default_factory=list)
     index_pairs: List[Tuple[TensorSpec, TensorSpec]] = field(default_factory=list)
     index_limit: int = 0
 
     @classmethod
-    def accepted(cls, identity: bytes, hs: MetaHandshake, member: int, dest: KVLayout) -> "_Peer":
+    def accepted(cls, identity: bytes, hs: MetaHandshake, topology: PDTopology, dest: KVLayout) -> "_Peer":
         src = hs.layout
         index_pairs = [(getattr(src, role), getattr(dest, role)) for role in ("indexer", "indexer_scale")
                        if getattr(dest, role) is not None]
@@ -123,7 +124,7 @@ class _Peer:
             group = (gid, list(zip(src_main, dest_main)), min(t.num_blocks for t in src_main))
             for layer in layers:
                 main_at[layer] = group
-        return cls(identity, hs, member, main_at, index_pairs,
+        return cls(identity, hs, topology.member_of(hs.p_rank), topology, main_at, index_pairs,
                    min((s.num_blocks for s, _ in index_pairs), default=0))
 
 
@@ -136,6 +137,10 @@ class _Track:
     finished: Set[int] = field(default_factory=set)  # members that sent their last layer
     confirmed: Set[int] = field(default_factory=set)  # members with a positive verdict
     member_peer: Dict[int, bytes] = field(default_factory=dict)
+    #: the P/D topology of the prefill instance sending this request (its first contributor's;
+    #: every contributor must agree): prefill instances of different TP sizes may feed one
+    #: decode rank, each request comes from one of them
+    topology: Optional[PDTopology] = None
     inflight: int = 0
     deadline: Optional[float] = None
     released: bool = False
@@ -183,7 +188,6 @@ class DecodeReceiver:
         self._lock = threading.Lock()
         self._peers: Dict[bytes, _Peer] = {}
         self._tracks: Dict[str, _Track] = {}
-        self._topology: Optional[PDTopology] = None
         self._closed = False
         self._endpoint = ControlEndpoint(
             "router", config.host, self.port,
@@ -331,9 +335,9 @@ class DecodeReceiver:
             release.append(t.dest)
 
     def _maybe_done_locked(self, t: _Track) -> None:
-        if t.state is not TransferState.PENDING or self._topology is None:
+        if t.state is not TransferState.PENDING or t.topology is None:
             return
-        members = set(range(self._topology.ratio))
+        members = set(range(t.topology.ratio))
         if t.finished >= members and t.confirmed >= members:
             t.state = TransferState.DONE
             t.deadline = None
@@ -384,11 +388,8 @@ class DecodeReceiver:
             problems.append(str(exc))
         problems += layout_mismatches(hs.layout, self.layout)
         with self._lock:
-            if topo is not None and self._topology is not None and topo != self._topology:
-                problems.append(f"topology {topo} differs from earlier peers' {self._topology}")
             if not problems:
-                self._topology = topo
-                self._peers[peer] = _Peer.accepted(peer, hs, topo.member_of(hs.p_rank), self.layout)
+                self._peers[peer] = _Peer.accepted(peer, hs, topo, self.layout)
         reason = "; ".join(problems)
         if problems:
             logger.warning("decode rank %d: handshake from prefill rank %d refused: %s",
@@ -453,13 +454,18 @@ class DecodeReceiver:
     def _shares(self, t: _Track, m: int) -> Tuple[int, int, int, int]:
         sh = t.shares.get(m)
         if sh is None:
-            topo = self._topology
+            topo = t.topology
             n = t.dest.num_blocks
             sh = t.shares[m] = topo.main_share(n, self.d_rank) + topo.indexer_share(n, m)
         return sh
 
     def _check_range(self, p: _Peer, t: _Track, rr: RequestRange, layer: int) -> Optional[str]:
-        topo = self._topology
+        if t.topology is None:
+            t.topology = p.topology  # the request's first contributor names its prefill instance's
+        elif p.topology != t.topology:
+            return (f"contributors disagree on the request's P/D topology: {p.topology} from prefill rank "
+                    f"{p.hs.p_rank}, {t.topology} from an earlier one")
+        topo = t.topology
         n = t.dest.num_blocks
         m = p.member
         if rr.num_blocks != n:
@@ -541,9 +547,9 @@ class DecodeReceiver:
             problem = None
             if p is None:
                 problem = "no accepted handshake from this peer"
-            elif batch.member != p.member or batch.ratio != self._topology.ratio:
+            elif batch.member != p.member or batch.ratio != p.topology.ratio:
                 problem = (f"member/ratio {batch.member}/{batch.ratio} disagree with the handshake "
-                           f"({p.member}/{self._topology.ratio})")
+                           f"({p.member}/{p.topology.ratio})")
             elif batch.layer >= self.layout.num_layers:
                 problem = f"layer {batch.layer} >= {self.layout.num_layers}"
             for rr in batch.requests:

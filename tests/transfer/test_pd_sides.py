@@ -355,6 +355,72 @@ def test_non_zero_member_must_not_send_main_and_layer_twice_and_early_finish(eng
         pre.close()
 
 
+def test_prefill_instances_of_different_tp_feed_one_decode_rank(engines):
+    """A TP-1 prefill instance (ratio 1) and a TP-2 one (ratio 2: rank 0 sends the main
+    KV and half the indexer, rank 1 the other half) both hand-shake with one decode rank
+    and each moves its own request, bit-exact; a request whose contributors come from
+    both instances is failed for it (its contributors disagree on the topology)."""
+    pe, de = engines
+    port = free_port()
+    dec = decode_side(de)
+    recv = DecodeReceiver(cfg(port), d_tp=1, d_rank=0, layout=dec.layout, engine=de)
+    recv.expect(RequestDestination("x", (5, 9, 2), (5, 9, 2)))
+    recv.expect(RequestDestination("y", (11, 12, 13, 14), (21, 22, 23, 24)))
+    recv.expect(RequestDestination("z", (30, 31), (30, 31)))
+    recv.start()
+    sides = {name: prefill_side(pe) for name in ("a", "b0", "b1")}
+    senders = {}
+    try:
+        for name, (p_tp, p_rank) in {"a": (1, 0), "b0": (2, 0), "b1": (2, 1)}.items():
+            senders[name] = PrefillSender(cfg(port), p_tp=p_tp, d_tp=1, p_rank=p_rank, layout=sides[name].layout,
+                                          engine=pe, gates=SlotGates(S), decode_host="127.0.0.1")
+            senders[name].handshake()  # all three accepted by the one decode rank
+        jobs = {"a": [("x", 3)], "b0": [("y", 4)], "b1": [("y", 4)]}
+        expected = {}
+        for layer in range(L):
+            for name, reqs in jobs.items():
+                slot = layer % S
+                senders[name].gates.wait_free(slot, 5.0)
+                fill(sides[name], slot, 100 * layer + len(name) + ord(name[-1]))
+                expected[(name, layer)] = {n: t[slot].clone() for n, t in sides[name].slots.items()}
+                for rid, n in reqs:
+                    if layer == 0:
+                        senders[name].add_request(rid, n)
+                    src = SourceBlocks(list(range(n)), list(range(4, 4 + n)))
+                    senders[name].publish_layer(layer, slot, {rid: src}, finished=[rid] if layer == L - 1 else [])
+        assert senders["a"].wait(["x"], 10.0)["x"].state is TransferState.DONE
+        for name in ("b0", "b1"):
+            assert senders[name].wait(["y"], 10.0)["y"].state is TransferState.DONE
+        assert wait_until(lambda: recv.status("x").state is TransferState.DONE)
+        assert wait_until(lambda: recv.status("y").state is TransferState.DONE)
+        for layer in range(L):
+            a, b0, b1 = (expected[(n, layer)] for n in ("a", "b0", "b1"))
+            for n in ("latent", "rope"):
+                assert torch.equal(dec.store[n][layer][[5, 9, 2]], a[n][[0, 1, 2]])
+                assert torch.equal(dec.store[n][layer][[11, 12, 13, 14]], b0[n][[0, 1, 2, 3]])  # member 0 only
+            for n in ("indexer", "indexer_scale"):
+                assert torch.equal(dec.store[n][layer][[5, 9, 2]], a[n][[4, 5, 6]])
+                assert torch.equal(dec.store[n][layer][[21, 22]], b0[n][[4, 5]])  # the split indexer
+                assert torch.equal(dec.store[n][layer][[23, 24]], b1[n][[6, 7]])
+        # "z": layer 0 from the TP-1 instance, then a contribution from the TP-2 one
+        senders["a"].add_request("z", 2)
+        senders["b1"].add_request("z", 2)
+        senders["a"].gates.wait_free(0, 5.0)
+        senders["a"].publish_layer(0, 0, {"z": SourceBlocks([0, 1], [4, 5])})
+        assert wait_until(lambda: 0 in recv._tracks["z"].delivered.get(0, set()))
+        senders["b1"].gates.wait_free(0, 5.0)
+        senders["b1"].publish_layer(0, 0, {"z": SourceBlocks([0, 1], [4, 5])})
+        assert wait_until(lambda: recv.status("z").state is TransferState.FAILED)
+        assert "contributors disagree on the request's P/D topology" in recv.status("z").reason
+    finally:
+        for sender in senders.values():
+            sender.close()
+        recv.close()
+        dec.close()
+        for side in sides.values():
+            side.close()
+
+
 def test_batch_for_unknown_request_and_without_handshake(rig):
     r = rig
     peer = RawPeer(r.port)
