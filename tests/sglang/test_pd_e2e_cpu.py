@@ -26,6 +26,8 @@ from __future__ import annotations
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -47,10 +49,23 @@ def prompt(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
 
 
+@dataclass(frozen=True)
+class PDServers:
+    """The module's servers: routers by (prefill, decode) pair, the reference, the logs."""
+
+    dense: PDRouter  # P -> D0 (device pool)
+    offload: PDRouter  # P -> D1 (sparse decode offload)
+    colocated: ServerProcess
+    root: Path  # server and router logs
+    layerwise: PDRouter  # PL -> D0
+    layerwise_offload: PDRouter  # PL -> D1
+    retract: PDRouter  # P -> D2 (offload, forced retraction)
+    retracting: ServerProcess  # D2
+
+
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
-    """(router to the device-pool decode, router to the offload decode, colocated server, logs dir,
-    routers from the layerwise prefill to the device-pool and to the offload decode)."""
+    """:class:`PDServers` (every process stopped in teardown)."""
     root = tmp_path_factory.mktemp("pd_servers")
     bootstrap, bootstrap_lw = free_port(), free_port()
     kv0, kv1, kv2 = free_port(), free_port(), free_port()
@@ -78,7 +93,7 @@ def pd(tmp_path_factory):
         deadline = time.monotonic() + ROUTER_READY_S
         for r in routers:
             r.wait_ready(prompt(5, seed=99), deadline)
-        yield routers[0], routers[1], colocated, root, routers[2], routers[3], routers[4], retracting
+        yield PDServers(*routers[:2], colocated, root, *routers[2:], retracting)
     finally:
         stop_all(*routers, *servers)
 
@@ -98,17 +113,15 @@ PROMPTS = [prompt(5, seed=1), prompt(3 * INDEX_TOPK, seed=2), prompt(150, seed=3
 
 
 def test_router_pd_with_device_decode_matches_colocated(pd):
-    dense_router, _, colocated, *_ = pd
-    _check_same(dense_router, colocated, PROMPTS, max_new_tokens=12)
+    _check_same(pd.dense, pd.colocated, PROMPTS, max_new_tokens=12)
 
 
 def test_router_pd_with_offload_decode_matches_colocated(pd):
-    _, offload_router, colocated, *_ = pd
-    _check_same(offload_router, colocated, PROMPTS, max_new_tokens=12)
+    _check_same(pd.offload, pd.colocated, PROMPTS, max_new_tokens=12)
 
 
 def test_both_decode_servers_at_once_from_one_prefill(pd):
-    dense_router, offload_router, colocated, *_ = pd
+    dense_router, offload_router, colocated = pd.dense, pd.offload, pd.colocated
     p = prompt(130, seed=7)
     with ThreadPoolExecutor(4) as ex:
         outs = list(ex.map(lambda r: r.generate(p, 16), [dense_router, offload_router] * 2))
@@ -120,7 +133,7 @@ def test_router_pd_from_layerwise_prefill_matches_colocated(pd):
     """Layerwise prefill offload on the prefill node: both layers share one buffer, each is
     read by decode during the forward; chunked prompts (> 128 tokens) load their first
     chunk back from the host store before it is published."""
-    _, _, colocated, _, layerwise_router, _ = pd
+    colocated, layerwise_router = pd.colocated, pd.layerwise
     _check_same(layerwise_router, colocated, PROMPTS, max_new_tokens=12)
     shared = prompt(140, seed=11)  # a radix-cached prefix, then concurrent requests that hit it
     layerwise_router.generate(shared, max_new_tokens=1)
@@ -132,7 +145,7 @@ def test_router_pd_from_layerwise_prefill_to_offload_decode_matches_colocated(pd
     """Layerwise prefill offload -> sparse decode offload: each layer is packed per request
     into the publisher's staging and lands in decode's host pool; concurrent requests
     share a forward (their reads of one layer go one after another)."""
-    _, _, colocated, _, _, layerwise_offload_router = pd
+    colocated, layerwise_offload_router = pd.colocated, pd.layerwise_offload
     _check_same(layerwise_offload_router, colocated, PROMPTS, max_new_tokens=12)
     shared = prompt(140, seed=12)
     layerwise_offload_router.generate(shared, max_new_tokens=1)
@@ -145,20 +158,20 @@ def test_retracted_requests_on_an_offload_decode_resume_token_identical(pd):
     KV is backed up (host rows copied, index K from the device) and restored into their
     new slots when they resume, never recomputed; tokens and logprobs equal the colocated
     server's, and the server counted the retractions."""
-    router, colocated, retracting = pd[6], pd[2], pd[7]
+    router, colocated, retracting = pd.retract, pd.colocated, pd.retracting
     prompts = [prompt(40 + 37 * i, seed=50 + i) for i in range(4)]
     _check_same(router, colocated, prompts, max_new_tokens=20)
     text = retracting.get("/metrics")
     retracted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                     if line.startswith("sglang:num_retracted_requests_total{"))
     assert retracted > 0, "no request was retracted"
-    log = (pd[3] / "decode_offload_retract.log").read_text(errors="replace")
+    log = (pd.root / "decode_offload_retract.log").read_text(errors="replace")
     assert "Testing retraction" in log and "Traceback" not in log
 
 
 def test_the_project_protocol_moved_the_kv(pd):
     """The logs show our protocol's endpoints for both layouts, and no SGLang KV engine."""
-    root = pd[3]
+    root = pd.root
     prefill_log = (root / "prefill.log").read_text(errors="replace")
     assert re.search(r"P/D link to decode rank 0 at 127\.0\.0\.1:\d+ \(split layout", prefill_log)
     assert re.search(r"P/D link to decode rank 0 at 127\.0\.0\.1:\d+ \(host_rows layout", prefill_log)
