@@ -35,8 +35,8 @@ MIB = 1 << 20
 # int32 + slot_stamp int64; plus row_req int64 per row and layer.
 RESIDENCY_BYTES_PER_SLOT = 4 + 8
 RESIDENCY_BYTES_PER_ROW = 8
-KVPP_SCRATCH_BUFFERS = 2  # seed 002 §2: current layer + next layer's prefetch
-KVPP_SCRATCH_ALIGNMENT = 2 * MIB  # seed 002 §3.3
+KVPP_SCRATCH_BUFFERS = 2  # the current non-owned layer + the next one's prefetch (broadcast ahead)
+KVPP_SCRATCH_ALIGNMENT = 2 * MIB  # default alignment of the scratch buffers (KVPPConfig)
 
 MODE_NAMES: Tuple[str, ...] = (
     "full-device",
@@ -105,7 +105,7 @@ class CapacityInputs:
 
     @property
     def kvpp_group(self) -> int:
-        """KVPP group size (seed 002 §1: tp * pcp)."""
+        """KVPP group size: the ranks that shard the layers, ``tp * pcp``."""
         return self.tp * self.pcp
 
     def hot(self, model: ModelShape) -> int:
@@ -281,12 +281,14 @@ def check_inputs(inputs: CapacityInputs, model: ModelShape) -> None:
 
 # ------------------------------------------------------------------ footprints
 def physical_layer_buffers(cache_layers: int, independent: int, shared: int) -> int:
-    """Layerwise prefill physical buffers: ``I + min(B, N - I)`` (seed 000 §3)."""
+    """Layerwise prefill physical buffers: ``I + min(B, N - I)`` (``I`` independent layers keep
+    their own buffer; the other ``N - I`` share at most ``B``)."""
     return independent + min(shared, cache_layers - independent)
 
 
 def kvpp_owned_layers(num_layers: int, group: int, rank: int) -> int:
-    """Target layers KVPP rank ``rank`` owns: contiguous balanced partition (seed 002 §3.1)."""
+    """Target layers KVPP rank ``rank`` owns: a contiguous, balanced partition of the layers
+    (the first ``layers % group`` ranks own one more)."""
     base, remainder = divmod(num_layers, group)
     return base + int(rank < remainder)
 
