@@ -143,32 +143,8 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
                     "run decode eagerly (--disable-cuda-graph, or on a CPU without --enable-torch-compile) or "
                     "use attention TP 1 (attention DP for more ranks)",
                 ))
-        if graphs_on and config.sparse_decode.record_trace:
-            out.append(cfg.Violation(
-                "sglang.sparse_decode_graph",
-                f"record_trace with decode graphs on (backend {decode_graph!r}): the trace recorder reads each "
-                "layer's top-k on the host, which a captured decode step cannot do",
-                "drop record_trace, or run decode eagerly (--disable-cuda-graph, or on a CPU without "
-                "--enable-torch-compile)",
-            ))
-        if graphs_on and config.sparse_decode.verify_sample_rate > 0:
-            out.append(cfg.Violation(
-                "sglang.sparse_decode_graph",
-                f"verify_sample_rate={config.sparse_decode.verify_sample_rate} with decode graphs on (backend "
-                f"{decode_graph!r}): shadow verification recomputes a sampled row between layers on the host, "
-                "which a captured decode step cannot do",
-                "set verify_sample_rate to 0, or run decode eagerly (--disable-cuda-graph, or on a CPU without "
-                "--enable-torch-compile)",
-            ))
-        if graphs_on and config.sparse_decode.rank_depth > 0:
-            out.append(cfg.Violation(
-                "sglang.sparse_decode_graph",
-                f"policy {config.sparse_decode.policy!r} (rank_depth={config.sparse_decode.rank_depth}) with decode "
-                f"graphs on (backend {decode_graph!r}): the graph decode path selects top-k only and does not hand "
-                "the indexer's ranking to the residency manager",
-                "run decode eagerly (--disable-cuda-graph, or on a CPU without --enable-torch-compile), or serve "
-                "lru / lru_k2_guarded with decode graphs",
-            ))
+        if graphs_on:
+            out += _host_work_under_graphs(config.sparse_decode, decode_graph)
         out += _sparse_decode_runtime_violations(config.sparse_decode)
         if compat.arg(view, "enable_hisparse"):
             out.append(cfg.Violation(
@@ -192,6 +168,29 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
 
 # Ops the offload backend resolves through the operator ladder.
 OFFLOAD_OPS = ("lightning_indexer", "sparse_mla_attention", "residency_manage", "copy_miss_rows")
+
+
+def _host_work_under_graphs(sd: cfg.SparseDecodeOffloadConfig, decode_graph: Any) -> List[cfg.Violation]:
+    """Rule ``sglang.sparse_decode_graph`` for the features that do host work between layers
+    of a decode step, which a captured step cannot do: one violation per feature that is on."""
+    eager = "run decode eagerly (--disable-cuda-graph, or on a CPU without --enable-torch-compile)"
+    refusals = [
+        (bool(sd.record_trace),
+         f"record_trace with decode graphs on (backend {decode_graph!r}): the trace recorder reads each "
+         "layer's top-k on the host, which a captured decode step cannot do",
+         f"drop record_trace, or {eager}"),
+        (sd.verify_sample_rate > 0,
+         f"verify_sample_rate={sd.verify_sample_rate} with decode graphs on (backend {decode_graph!r}): shadow "
+         "verification recomputes a sampled row between layers on the host, which a captured decode step "
+         "cannot do",
+         f"set verify_sample_rate to 0, or {eager}"),
+        (sd.rank_depth > 0,
+         f"policy {sd.policy!r} (rank_depth={sd.rank_depth}) with decode graphs on (backend {decode_graph!r}): "
+         "the graph decode path selects top-k only and does not hand the indexer's ranking to the residency "
+         "manager",
+         f"{eager}, or serve lru / lru_k2_guarded with decode graphs"),
+    ]
+    return [cfg.Violation("sglang.sparse_decode_graph", problem, fix) for on, problem, fix in refusals if on]
 
 
 def _sparse_decode_runtime_violations(sd: cfg.SparseDecodeOffloadConfig) -> List[cfg.Violation]:

@@ -124,6 +124,11 @@ def test_plugin_rules():
     tp2 = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=False, tp_size=2,
                            cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
     assert [v.rule for v in resolution.plugin_violations(plain, tp2)] == ["sglang.sparse_decode_graph"]
+    # shadow verification recomputes rows on the host between layers: refused with graphs, served eagerly
+    shadow = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(verify_sample_rate=1e-3))
+    found = resolution.plugin_violations(shadow, graphs)
+    assert [v.rule for v in found] == ["sglang.sparse_decode_graph"] and "verify_sample_rate=0.001" in found[0].problem
+    assert resolution.plugin_violations(shadow, eager) == []
     cpu_eager = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=False, device="cpu",
                                  tp_size=2, enable_torch_compile=False,
                                  cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))

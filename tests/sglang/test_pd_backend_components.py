@@ -103,6 +103,21 @@ class Pair:
                                   max_blocks=8, draft_pool=p_draft)
         self.links.note_peer("decode-session", self.sink.advert())
 
+    def transfer_all(self, jobs, check, also=None):
+        """Queue every ``room: (src pages, dst pages)`` back to back (slots and gates reused
+        across requests), then per room: both sides done, claimed, ``check(p_pool, d_pool,
+        src, dst)`` and ``also(src, dst)`` when given."""
+        for room, (src, dst) in jobs.items():
+            self.sink.expect(room, dst)
+            self.links.submit(room, ["decode-session"], src)
+        for room, (src, dst) in jobs.items():
+            p, d = self.wait(room)
+            assert p.state is TransferState.DONE and d.state is TransferState.DONE, (p, d)
+            self.sink.claim(room)
+            check(self.p_pool, self.d_pool, src, dst)
+            if also is not None:
+                also(src, dst)
+
     def transfer(self, room, src_pages, dst_pages, timeout=30.0):
         self.sink.expect(room, dst_pages)
         self.links.submit(room, ["decode-session"], src_pages)
@@ -239,15 +254,7 @@ def test_requests_arrive_bit_exact(ctx, kind):
     try:
         jobs = {11: ([3, 7, 1], [9, 4, 12]), 12: ([2, 5, 8, 10, 11, 13, 14, 15], [1, 2, 3, 5, 6, 7, 8, 10]),
                 13: ([6], [15])}
-        for room, (src, dst) in jobs.items():  # queued back to back: slots / gates reused across requests
-            pair.sink.expect(room, dst)
-            pair.links.submit(room, ["decode-session"], src)
-        for room, (src, dst) in jobs.items():
-            p, d = pair.wait(room)
-            assert p.state is TransferState.DONE and d.state is TransferState.DONE, (p, d)
-            pair.sink.claim(room)
-            check = assert_split_equal if kind == "split" else assert_host_rows_equal
-            check(pair.p_pool, pair.d_pool, src, dst)
+        pair.transfer_all(jobs, assert_split_equal if kind == "split" else assert_host_rows_equal)
         link = pair.links.links()[0]
         assert link.sender.open_batches() == 0
         assert link.gates.busy_slots() == []
@@ -276,16 +283,8 @@ def test_the_draft_layer_arrives_bit_exact_on_the_device(ctx, kind):
                 d_draft=d_draft)
     try:
         jobs = {41: ([3, 7, 1], [9, 4, 12]), 42: ([2, 5, 8, 10, 11], [1, 2, 3, 5, 6]), 43: ([6], [15])}
-        for room, (src, dst) in jobs.items():
-            pair.sink.expect(room, dst)
-            pair.links.submit(room, ["decode-session"], src)
-        for room, (src, dst) in jobs.items():
-            p, d = pair.wait(room)
-            assert p.state is TransferState.DONE and d.state is TransferState.DONE, (p, d)
-            pair.sink.claim(room)
-            check = assert_split_equal if kind == "split" else assert_host_rows_equal
-            check(pair.p_pool, pair.d_pool, src, dst)
-            assert_draft_equal(pair.p_draft, d_draft, src, dst)
+        pair.transfer_all(jobs, assert_split_equal if kind == "split" else assert_host_rows_equal,
+                          also=lambda src, dst: assert_draft_equal(pair.p_draft, d_draft, src, dst))
         untouched = sorted(set(range(1, 16)) - {b for _, dst in jobs.values() for b in dst})
         assert not d_draft.k_buffer[0][untouched].any()  # nothing else was written
         stats = pair.links.stats
