@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .ports import DP_ATTENTION_OFFSETS, log_reports_bind_failure, release_ports, reserve_port
 
-__all__ = ["REPO", "FIXTURES", "TINY_DSA", "TINY_DSA_4L", "TINY_DSA_MTP", "CPU_SERVER_ARGS", "IDLE_SLEEP",
+__all__ = ["REPO", "FIXTURES", "TINY_DSA", "TINY_DSA_4L", "TINY_DSA_MTP", "TINY_DSA_TRAINED", "CPU_SERVER_ARGS", "TRAINED_SERVER_ARGS", "IDLE_SLEEP",
            "ServerProcess", "PortInUse", "StartupWatch", "cpu_seconds", "server_env", "stop_process_group", "stop_all", "fixture_args"]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,6 +42,8 @@ FIXTURES = REPO / "tests" / "fixtures"
 TINY_DSA = FIXTURES / "tiny_dsa"
 TINY_DSA_4L = FIXTURES / "tiny_dsa_4l"
 TINY_DSA_MTP = FIXTURES / "tiny_dsa_mtp"  # tiny_dsa + one NextN (MTP) layer, for speculative decoding
+# Trained weights + BPE tokenizer (scripts/train_tiny_dsa.py): real text, real indexer rankings.
+TINY_DSA_TRAINED = FIXTURES / "tiny_dsa_trained"
 
 # What every CPU launch of a tiny DSA model needs (see docs/sglang_integration.md).
 CPU_SERVER_ARGS: List[str] = [
@@ -70,6 +72,14 @@ STARTUP_TIMEOUT_S = float(os.environ.get("SGLANG_TEST_STARTUP_TIMEOUT", "240"))
 # within the last STARTUP_STALL_S seconds), up to STARTUP_HARD_CAP_FACTOR x the timeout.
 STARTUP_STALL_S = float(os.environ.get("SGLANG_TEST_STARTUP_STALL", "60"))
 STARTUP_HARD_CAP_FACTOR = 3.0
+
+
+# The trained checkpoint: its weights are loaded (no --load-format dummy) and its tokenizer
+# serves text through the OpenAI API; the rest as CPU_SERVER_ARGS.
+TRAINED_SERVER_ARGS: List[str] = [
+    "--model-path", str(TINY_DSA_TRAINED),
+    *[a for a in CPU_SERVER_ARGS[2:] if a not in ("--load-format", "dummy", "--skip-tokenizer-init")],
+]
 
 
 def fixture_args(model: Path) -> List[str]:
