@@ -100,3 +100,27 @@ def test_profile_shape_reports_manage_per_layer_with_misses_equal_to_the_contrac
     assert r["manage_cpu_ms_per_layer_min"] <= r["manage_cpu_ms_per_layer"]
     rc, out, _ = _run(PROFILE + ["--manage-impl", "torch"], capsys)
     assert rc == 0 and "identical: yes" in out and "torch)" in out
+
+
+def test_replays_the_recorded_trace_of_the_trained_checkpoint(tmp_path, capsys):
+    """The shipped real trace (4 requests of ~2K context on tests/fixtures/tiny_dsa_trained,
+    recorded by scripts/record_trained_trace.py) replays verified; its first 48 steps here."""
+    import dataclasses
+    from pathlib import Path
+
+    from sglang_ascend_offload.sparse_decode.trace import load_trace
+
+    trace = load_trace(Path(__file__).resolve().parents[1] / "fixtures" / "traces" / "tiny_dsa_trained_decode.npz")
+    meta = json.loads(trace.meta)
+    assert meta["source"] == "sglang" and meta["top_k"] == 64 and trace.ranked is not None
+    assert int(trace.seq_lens.max()) >= 2048
+    head = dataclasses.replace(trace, topk=trace.topk[:48], seq_lens=trace.seq_lens[:48],
+                               req_ids=trace.req_ids[:48], ranked=trace.ranked[:48])
+    path = tmp_path / "head.npz"
+    save_trace(head, path)
+    rc, out, _ = _run(["--trace", str(path), "--policy", "score_rank_guarded", "--json"], capsys)
+    assert rc == 0
+    r = json.loads(out)
+    assert r["verified"] is True and r["checks"] == 48 * 2
+    assert r["hits"] + r["misses"] == r["selected"]
+    assert r["opt_misses"] <= r["misses"] < r["baselines"]["topk_cache"]["misses"]
