@@ -19,6 +19,8 @@ COMMANDS = {
     "check-config": ("sglang_ascend_offload.config_cli", "validate an offload config against a deployment"),
     "check-kernels": ("sglang_ascend_offload.kernel_check.cli",
                       "AscendC kernels on CPU: compile check against the AscendC headers + functional model"),
+    "demo": ("sglang_ascend_offload.demo",
+             "serve the trained tiny checkpoint with offload, send one request, show the answer and the offload"),
     "env": ("sglang_ascend_offload.env_cli", "what this machine can run (device, packages, op rungs)"),
     "size-hot": ("sglang_ascend_offload.size_hot_cli", "misses vs hot_tokens from a trace: curves, plot, recommended size"),
 }

@@ -26,7 +26,8 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tu
 REPO = Path(__file__).resolve().parents[1]
 PKG = "sglang_ascend_offload"
 SCAFFOLDING = f"{PKG}.testing"
-MAY_IMPORT_SCAFFOLDING = (f"{PKG}.testing", f"{PKG}.bench")
+# ``demo`` serves the checkout's trained checkpoint through the same server launcher.
+MAY_IMPORT_SCAFFOLDING = (f"{PKG}.testing", f"{PKG}.bench", f"{PKG}.demo")
 
 
 @dataclass(frozen=True)

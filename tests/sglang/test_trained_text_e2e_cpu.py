@@ -12,6 +12,10 @@ client, on a prompt long enough (> 1,500 tokens) that the 64-entry top-k and the
   0.05 nats/token: the server computes in bf16, the script in fp32 on the same bf16
   weights (measured difference 0.005-0.03).
 
+The same module runs the README's command (1), ``python -m sglang_ascend_offload demo``,
+on these servers (they are the demo's own, built by :func:`demo.build_servers`): its
+answer equals the reference server's and its offload counters add up.
+
 Two servers for the module, started together.
 """
 
@@ -23,12 +27,14 @@ import urllib.request
 
 import pytest
 
-from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
-from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED, TRAINED_SERVER_ARGS
+from conftest import REPO, start_all, stop_all
+from sglang_ascend_offload import demo
+from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED
 
 pytestmark = pytest.mark.slow
 
-HOT_TOKENS = 128  # 2 x the checkpoint's top-k (64)
+HOT_TOKENS = demo.DEFAULT_HOT_TOKENS  # 2 x the checkpoint's top-k (64)
+TOP_K = 64
 NLL_TOLERANCE = 0.05
 MIN_PROMPT_TOKENS = 1500
 
@@ -36,12 +42,7 @@ MIN_PROMPT_TOKENS = 1500
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """(offload off, offload on) servers of the trained checkpoint; the offload one exports metrics."""
-    root = tmp_path_factory.mktemp("trained_servers")
-    common = ["--max-running-requests", "2"] + IDLE_SLEEP
-    dense = ServerProcess(common, base_args=TRAINED_SERVER_ARGS, log_path=root / "dense.log")
-    offload = ServerProcess(common + ["--enable-metrics", "--enable-sparse-decode-offload",
-                                      "--sparse-decode-offload-config", json.dumps({"hot_tokens": HOT_TOKENS})],
-                            base_args=TRAINED_SERVER_ARGS, log_path=root / "offload.log")
+    dense, offload = demo.build_servers(tmp_path_factory.mktemp("trained_servers"), HOT_TOKENS)
     start_all(dense, offload)
     yield dense, offload
     stop_all(dense, offload)
@@ -113,3 +114,39 @@ def test_heldout_nll_through_the_server_matches_training_eval(servers):
     # And the checkpoint learned something: far below the unigram baseline.
     unigram = json.loads((TINY_DSA_TRAINED / "training.json").read_text())["heldout"]["unigram_nll"]
     assert got < unigram - 1.0
+
+
+def test_demo_answers_like_the_reference_and_reports_what_offload_moved(servers):
+    """README command (1)'s request and report, on the demo's own two servers."""
+    dense, offload = servers
+    r = demo.ask(dense, offload)
+    assert r.identical and r.answer == r.reference_answer and r.completion_tokens == demo.DEFAULT_MAX_TOKENS
+    assert r.prompt_tokens >= MIN_PROMPT_TOKENS
+    layers = json.loads((TINY_DSA_TRAINED / "config.json").read_text())["num_hidden_layers"]
+    # Every decode step after the first token selects the whole top-k in every layer (the
+    # context is far longer than top-k); the prefill's first token selects in prefill.
+    assert r.selected == (r.completion_tokens - 1) * layers * TOP_K
+    assert r.hits + r.misses == r.selected and 0 < r.misses < r.selected
+    # Each miss copies one latent + rope row: the byte counter agrees with the model's row size.
+    assert r.row_bytes == 2 * (512 + 64) and r.h2d_bytes == r.misses * r.row_bytes
+    assert r.topk_reload_h2d_bytes == r.selected * r.row_bytes and r.h2d_vs_topk_reload < 1.0
+    text = demo.format_result(r)
+    assert "same answer as the server without offload: yes" in text and f"hit rate {r.hit_rate:.3f}" in text
+
+
+def test_readme_command_one_is_the_demo_and_ci_runs_command_two():
+    readme = (REPO / "README.md").read_text().splitlines()
+    assert readme[0] == "```bash"
+    assert readme[1] == "bash scripts/setup_cpu_env.sh && .venv/bin/python -m sglang_ascend_offload demo"
+    assert readme[2] in (REPO / ".ci" / "run").read_text().splitlines()
+
+
+def test_demo_lists_every_bad_argument(capsys, tmp_path):
+    from sglang_ascend_offload.cli import main
+
+    rc = main(["demo", "--max-tokens", "0", "--hot-tokens", "8", "--frequency-penalty", "3",
+               "--context-file", str(tmp_path / "missing.txt")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    for flag in ("--max-tokens", "--hot-tokens", "--frequency-penalty", "--context-file"):
+        assert flag in err, err
