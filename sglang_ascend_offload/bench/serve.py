@@ -35,6 +35,15 @@ Runs are named ``[no_]offload[_eager|_graph][_spec][_mrrN]``:
   simulation must still match exactly;
 * ``mrrN``: ``--max-running-requests N`` for that run (else ``--max-running-requests``).
 
+``--trained`` serves the trained checkpoint ``tests/fixtures/tiny_dsa_trained`` on CPU
+instead (real weights and tokenizer, trained by ``scripts/train_tiny_dsa.py``, with its
+own trained NextN layer for the ``spec`` runs): prompts are cut from its held-out
+standard-library text instead of random ids, speculative runs measure SGLang's real
+acceptance (no simulation unless ``--spec-env`` asks for it), and the offload runs use
+the resolved default hot buffer (2 x top-k, or rows x top-k with verify rows) unless
+``--offload-config`` is given. Its context is 2,048 tokens: ``--input-len`` +
+``--output-len`` must fit.
+
 The default selection (:data:`DEFAULT_RUNS`) is the issue's five configurations plus
 ``no_offload_eager``, the plain no-offload run that ``token_agreement`` is measured
 against and that ``offload_eager`` must match.
@@ -93,6 +102,9 @@ DEFAULT_RUNS = ("no_offload_eager", "no_offload_graph", "offload_eager", "offloa
                 "no_offload_graph_spec")
 RUN_NAME = re.compile(r"^(no_offload|offload)(_eager|_graph)?(_spec)?(?:_mrr(\d+))?$")
 DEFAULT_OFFLOAD_CONFIG = json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 1.0})
+# --trained: no hot_tokens, so the checkpoint's top-k (64) and the verify rows size it.
+TRAINED_OFFLOAD_CONFIG = json.dumps({"metrics_log_interval_s": 1.0})
+TRAINED_CONTEXT = 2048  # --context-length of the trained checkpoint's CPU servers
 # DeepSeek-V3.2's NextN defaults in SGLang 0.5.23 (tests/sglang/test_speculative_offload_e2e_cpu.py).
 DEFAULT_SPEC_ARGS = ("--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 "
                      "--speculative-num-draft-tokens 4")
@@ -129,8 +141,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-model-path", default=None,
                    help="model of the speculative runs (default: --model-path, or the NextN fixture "
                         "tests/fixtures/tiny_dsa_mtp on CPU)")
-    p.add_argument("--offload-config", default=DEFAULT_OFFLOAD_CONFIG,
-                   help=f"--sparse-decode-offload-config of the offload runs (default {DEFAULT_OFFLOAD_CONFIG})")
+    p.add_argument("--trained", action="store_true",
+                   help="serve the trained checkpoint tests/fixtures/tiny_dsa_trained on CPU (prompts from its "
+                        "held-out text, its own NextN layer, real speculative acceptance)")
+    p.add_argument("--offload-config", default=None,
+                   help=f"--sparse-decode-offload-config of the offload runs (default {DEFAULT_OFFLOAD_CONFIG}; "
+                        f"with --trained {TRAINED_OFFLOAD_CONFIG})")
     p.add_argument("--graph-args", default=None,
                    help="server arguments of graph runs (CPU default: --enable-torch-compile "
                         "--torch-compile-max-bs C --cuda-graph-bs-decode 1 2 .. C with C = --clients)")
@@ -175,10 +191,30 @@ class LoadSpec:
     rounds: int
     seed: int
     vocab: int = served_load.VOCAB
+    #: "random": seeded random ids; "heldout": windows of the trained checkpoint's held-out text
+    prompt_source: str = "random"
 
     def prompts(self) -> List[List[int]]:
+        if self.prompt_source == "heldout":
+            return heldout_prompts(self.requests, self.input_len, self.seed)
         return [served_load.random_prompt(self.input_len, self.seed * 1_000_003 + i, self.vocab)
                 for i in range(self.requests)]
+
+
+def heldout_prompts(count: int, length: int, seed: int) -> List[List[int]]:
+    """``count`` prompts of ``length`` token ids cut from the trained checkpoint's held-out
+    evaluation text (its windows concatenated, 4,096 tokens of standard-library source),
+    each starting at a different seeded offset."""
+    import random
+
+    from ..testing.servers import TINY_DSA_TRAINED
+
+    windows = json.loads((TINY_DSA_TRAINED / "heldout_eval.json").read_text())["windows"]
+    text = [t for w in windows for t in w]
+    if length > len(text):
+        raise ValueError(f"--input-len {length} exceeds the held-out text ({len(text)} tokens)")
+    rng = random.Random(seed)
+    return [text[start:start + length] for start in (rng.randrange(len(text) - length + 1) for _ in range(count))]
 
 
 @dataclass
@@ -257,7 +293,7 @@ def default_graph_args(clients: int) -> List[str]:
 
 def server_args(spec: RunSpec, args: argparse.Namespace) -> Tuple[List[str], List[str], bool]:
     """``(base_args, extra_args, cpu)`` of ``spec``'s server."""
-    from ..testing.servers import FIXTURES, IDLE_SLEEP, TINY_DSA, fixture_args
+    from ..testing.servers import FIXTURES, IDLE_SLEEP, TINY_DSA, TRAINED_SERVER_ARGS, fixture_args
 
     cpu = args.model_path is None
     extra: List[str] = ["--max-running-requests", str(spec.max_running_requests)]
@@ -265,7 +301,7 @@ def server_args(spec: RunSpec, args: argparse.Namespace) -> Tuple[List[str], Lis
         model = TINY_DSA
         if spec.speculative:
             model = Path(args.spec_model_path) if args.spec_model_path else FIXTURES / "tiny_dsa_mtp"
-        base = fixture_args(model)
+        base = list(TRAINED_SERVER_ARGS) if getattr(args, "trained", False) else fixture_args(model)
         extra += ["--chunked-prefill-size", "128"] + IDLE_SLEEP
         if spec.graph:  # the CPU graph runner (fixture_args disables CUDA graphs, which CPU has none of)
             base = [a for a in base if a != "--disable-cuda-graph"]
@@ -278,7 +314,7 @@ def server_args(spec: RunSpec, args: argparse.Namespace) -> Tuple[List[str], Lis
         else:
             extra += ["--disable-cuda-graph"]
     if spec.offload:
-        extra += ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", args.offload_config]
+        extra += ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", offload_config(args)]
     if spec.speculative:
         extra += shlex.split(args.spec_args)
     for item in args.server_arg:
@@ -286,9 +322,18 @@ def server_args(spec: RunSpec, args: argparse.Namespace) -> Tuple[List[str], Lis
     return base, extra, cpu
 
 
+def offload_config(args: argparse.Namespace) -> str:
+    """``--sparse-decode-offload-config`` of the offload runs (``--offload-config`` or the default)."""
+    if args.offload_config is not None:
+        return args.offload_config
+    return TRAINED_OFFLOAD_CONFIG if getattr(args, "trained", False) else DEFAULT_OFFLOAD_CONFIG
+
+
 def spec_env(args: argparse.Namespace) -> Dict[str, str]:
-    """Environment of speculative runs' servers (``--spec-env``)."""
-    text = args.spec_env if args.spec_env is not None else (DEFAULT_CPU_SPEC_ENV if args.model_path is None else "")
+    """Environment of speculative runs' servers (``--spec-env``). Simulated acceptance is
+    the default only for the random-weight CPU fixture, whose draft layer never agrees."""
+    simulate = args.model_path is None and not getattr(args, "trained", False)
+    text = args.spec_env if args.spec_env is not None else (DEFAULT_CPU_SPEC_ENV if simulate else "")
     if text.strip().lower() in ("", "none"):
         return {}
     out = {}
@@ -571,9 +616,13 @@ def mrr_ratios(specs: Sequence[RunSpec], results: Dict[str, RunResult],
     return out
 
 
-def _vocab(model_path: Optional[str]) -> int:
-    if model_path is None:
+def _vocab(model_path: Optional[str], trained: bool = False) -> int:
+    if model_path is None and not trained:
         return served_load.VOCAB
+    if model_path is None:
+        from ..testing.servers import TINY_DSA_TRAINED
+
+        model_path = str(TINY_DSA_TRAINED)
     cfg = Path(model_path) / "config.json"
     try:
         return int(json.loads(cfg.read_text())["vocab_size"])
@@ -584,7 +633,8 @@ def _vocab(model_path: Optional[str]) -> int:
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     specs = parse_runs(args.runs, args.max_running_requests)
     load = LoadSpec(clients=args.clients, requests=args.requests or 2 * args.clients, input_len=args.input_len,
-                    output_len=args.output_len, rounds=args.rounds, seed=args.seed, vocab=_vocab(args.model_path))
+                    output_len=args.output_len, rounds=args.rounds, seed=args.seed,
+                    vocab=_vocab(args.model_path, args.trained), prompt_source="heldout" if args.trained else "random")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_serve_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     _progress(f"{len(specs)} runs, {load.requests} requests x {load.rounds} rounds, {load.clients} clients, "
@@ -602,7 +652,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "max_running_requests_ratios": mrr_ratios(specs, results, outputs),
         "load": asdict(load),
         "interleave": bool(args.interleave),
-        "model": args.model_path or "tests/fixtures/tiny_dsa (CPU)",
+        "model": args.model_path or ("tests/fixtures/tiny_dsa_trained (CPU)" if args.trained
+                                     else "tests/fixtures/tiny_dsa (CPU)"),
+        "offload_config": offload_config(args),
         "wall_s": round(time.monotonic() - t0, 1),
         "logs": str(log_dir),
     }
@@ -658,9 +710,19 @@ def main(args: argparse.Namespace) -> int:
     try:
         parse_runs(args.runs, max(1, args.max_running_requests))
         spec_env(args)
-        _vocab(args.model_path)
+        _vocab(args.model_path, args.trained)
     except ValueError as exc:
         problems.append(str(exc))
+    if args.trained:
+        if args.model_path is not None:
+            problems.append("--trained serves the CPU checkpoint tests/fixtures/tiny_dsa_trained: drop --model-path")
+        if args.spec_model_path is not None:
+            problems.append("--trained speculates with the checkpoint's own NextN layer: drop --spec-model-path")
+        if args.input_len + args.output_len > TRAINED_CONTEXT:
+            problems.append(f"--input-len {args.input_len} + --output-len {args.output_len} exceed the trained "
+                            f"checkpoint's context of {TRAINED_CONTEXT} tokens")
+        if args.input_len > 4096:
+            problems.append(f"--input-len {args.input_len} exceeds the held-out text (4,096 tokens)")
     if problems:
         print("bench serve: " + "; ".join(problems), file=sys.stderr)
         return 2

@@ -114,6 +114,57 @@ def test_cpu_server_args_per_run():
     assert serve.spec_env(ns) == {}
 
 
+def test_trained_server_args_prompts_and_real_acceptance():
+    ns = argparse.Namespace(model_path=None, spec_model_path=None, graph_args=None, clients=2, spec_env=None,
+                            offload_config=None, spec_args=serve.DEFAULT_SPEC_ARGS, server_arg=[], trained=True)
+    (spec,) = serve.parse_runs("offload_spec", 4)
+    base, extra, cpu = serve.server_args(spec, ns)
+    assert cpu and base[base.index("--model-path") + 1].endswith("tiny_dsa_trained")
+    assert "--load-format" not in base and "--skip-tokenizer-init" not in base  # real weights, real tokenizer
+    # the resolved default hot buffer (no hot_tokens), and no acceptance simulation
+    assert extra[extra.index("--sparse-decode-offload-config") + 1] == serve.TRAINED_OFFLOAD_CONFIG
+    assert serve.spec_env(ns) == {}
+    prompts = serve.heldout_prompts(3, 100, seed=0)
+    held = json.loads((REPO / "tests/fixtures/tiny_dsa_trained/heldout_eval.json").read_text())["windows"]
+    text = [t for w in held for t in w]
+    assert [len(p) for p in prompts] == [100] * 3 and len({tuple(p) for p in prompts}) == 3
+    for p in prompts:  # each a contiguous window of the held-out text
+        assert any(text[i:i + 100] == p for i in range(len(text) - 99))
+    assert serve.heldout_prompts(3, 100, seed=0) == prompts
+
+
+def test_trained_rejects_every_conflict(capsys):
+    from sglang_ascend_offload.cli import main
+
+    rc = main(["bench", "serve", "--trained", "--model-path", "/x", "--spec-model-path", "/y",
+               "--input-len", "2040", "--output-len", "32"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    for part in ("drop --model-path", "drop --spec-model-path", "context of 2048 tokens"):
+        assert part in err, err
+
+
+@pytest.mark.slow
+def test_bench_serve_trained_speculative_pair_measures_real_acceptance(tmp_path):
+    """The trained checkpoint's own NextN layer drafts (no simulation): two servers
+    (~1-2 min here), offload on and off, the same tokens, an accept length above 1."""
+    cmd = [sys.executable, "-m", "sglang_ascend_offload", "bench", "serve", "--trained", "--runs",
+           "no_offload_spec,offload_spec", "--clients", "2", "--requests", "2", "--input-len", "512",
+           "--output-len", "24", "--log-dir", str(tmp_path), "--json"]
+    result = subprocess.run(cmd, cwd=REPO, env=server_env(cpu=False), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    doc = json.loads(result.stdout)
+    assert doc["identical_tokens"], doc["identical_tokens_problems"]
+    assert doc["model"].startswith("tests/fixtures/tiny_dsa_trained")
+    runs = {r["name"]: r for r in doc["runs"]}
+    for r in runs.values():
+        assert r["error"] is None and r["completed"] == r["requests"] == 2
+        assert r["server_env"] == {}  # SGLANG_SIMULATE_ACC_LEN is not set: acceptance is the model's
+        assert r["accept_length"] > 1.0
+    assert runs["offload_spec"]["identical_to_reference"] and runs["offload_spec"]["reference"] == "no_offload_spec"
+    assert runs["offload_spec"]["accept_length"] == runs["no_offload_spec"]["accept_length"]
+
+
 @pytest.mark.slow
 def test_bench_serve_short_run_pair(tmp_path):
     """Two servers (~1-2 min here): no offload, and offload at --max-running-requests 2048
