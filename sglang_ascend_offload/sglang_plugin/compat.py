@@ -38,7 +38,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from .. import SUPPORTED_SGLANG_VERSION
 
 __all__ = ["SGLangIncompatible", "SERVER_ARGS", "HOOKED", "RESOLUTION_STEPS", "VALIDATION_STEP", "arg", "arg_or",
-           "problems", "require_compatible", "resolve_path", "last_resolution_step", "OBJECT_FIELDS", "field"]
+           "problems", "require_compatible", "resolve_path", "last_resolution_step", "OBJECT_FIELDS", "field",
+           "CALLED", "RESOLVE_POOL_CONFIG_CALLS", "called_names"]
 
 VALIDATION_STEP = "validate_deepep_v2_dispatch_token_budget"
 
@@ -77,7 +78,6 @@ SERVER_ARGS: Dict[str, str] = {
     "dcp_size": "DCP is rejected (KVPP, sparse decode)",
     "disaggregation_mode": "P/D role",
     "disaggregation_transfer_backend": "P/D backend",
-    "max_running_requests": "hot-buffer rows in the startup memory check",
     "max_total_tokens": "host-pool tokens in the startup memory check",
     "model_path": "trace metadata",
     "enable_metrics": "Prometheus counters",
@@ -110,6 +110,8 @@ TARGET_FROM_CLI = "sglang.srt.server_args.ServerArgs.from_cli_args"
 TARGET_POOL = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool"
 TARGET_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.forward_native"
 TARGET_CELL_SIZE = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
+TARGET_RESOLVE_POOL_CONFIG = \
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config"
 TARGET_GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 TARGET_CONFIG_STORE = "sglang.srt.managers.disagg_service.maybe_create_ascend_config_store"
 TARGET_PREFILL_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
@@ -121,6 +123,27 @@ TARGET_LAST_LOC = "sglang.srt.mem_cache.allocation.get_last_loc"
 TARGET_CPU_GRAPH_RUNNER = "sglang.srt.model_executor.cpu_graph_runner.CPUGraphRunner"
 TARGET_IS_CPU_GRAPH = "sglang.srt.model_executor.forward_batch_info.ForwardMode.is_cpu_graph"
 
+# SGLang callables the plugin calls (not wraps), with the parameters it passes.
+_KVC = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+CALLED: Tuple[Hooked, ...] = (
+    Hooked(f"{_KVC}._profile_available_bytes", ("self", "pre_model_load_memory"),
+           "sparse decode offload sizing: SGLang's KV byte budget"),
+    Hooked(f"{_KVC}.config_from_budget", ("self", "budget_bytes"),
+           "sparse decode offload sizing: the token pool from the budget less the hot buffers"),
+    Hooked(f"{_KVC}.resolve_max_num_reqs", ("self", "token_capacity"),
+           "sparse decode offload sizing: SGLang's max_running_requests for a token pool"),
+    Hooked("sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator", ("kvc",),
+           "sparse decode offload sizing: the per-token cell size and the finalize step"),
+    Hooked("sglang.srt.model_executor.pool_configurator.MemoryPoolConfigurator.finalize_with_max_running_requests",
+           ("self", "config"), "sparse decode offload sizing: SGLang's finalize step"),
+    Hooked("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_dsa_indexer_cell_size",
+           ("self", "kvc", "num_layers"), "sparse decode offload off the CPU: the device cell is the indexer's"),
+)
+# What _resolve_memory_pool_config calls, in order: the sizing hook reproduces these steps
+# around its split of the budget, so a change here must be looked at.
+RESOLVE_POOL_CONFIG_CALLS = ("_profile_available_bytes", "config_from_budget", "resolve_max_num_reqs",
+                             "create_memory_pool_configurator", "finalize_with_max_running_requests")
+
 HOOKED: Tuple[Hooked, ...] = (
     Hooked(TARGET_ADD_CLI, ("parser",), "the plugin's flags"),
     Hooked(TARGET_FROM_CLI, ("args",), "keep the plugin's flag values"),
@@ -130,6 +153,10 @@ HOOKED: Tuple[Hooked, ...] = (
            "the CPU indexer forward", signature_of=TARGET_INDEXER.replace("forward_native", "forward_cuda")),
     Hooked(TARGET_CELL_SIZE, ("self",), "per-token KV bytes of the layerwise pool"),
     Hooked(TARGET_CELL_SIZE, ("self",), "per-token KV bytes of the KVPP pool"),
+    Hooked(TARGET_CELL_SIZE, ("self", "kvc", "num_layers"), "per-token device KV bytes of sparse decode offload "
+           "(the indexer only, off the CPU)"),
+    Hooked(TARGET_RESOLVE_POOL_CONFIG, ("self", "pre_model_load_memory"),
+           "sparse decode offload: the hot buffers drawn from SGLang's KV byte budget (offload_sizing.py)"),
     Hooked(TARGET_GET_KV_CLASS, (), "the ascend_offload P/D classes"),
     Hooked(TARGET_CONFIG_STORE, (), "MemFabric config store"),
     Hooked(TARGET_PREFILL_MANAGER, ("self",), "the prefill KV manager"),
@@ -209,6 +236,9 @@ OBJECT_FIELDS: Dict[str, Dict[str, str]] = {
     "sglang.srt.configs.model_config.ModelConfig": {
         "model_path": "namespace of the layerwise prefill host store",
         "context_len": "P/D: the longest request's page count sizes the publisher's block tables",
+    },
+    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator": {
+        "_cell_size": "sparse decode offload sizing: device KV bytes per token of the token pool",
     },
     "sglang.srt.managers.scheduler.Scheduler": {
         "disagg_prefill_bootstrap_queue": "layerwise P/D prefill: the queue whose KV manager announces last chunks",
@@ -315,6 +345,14 @@ def resolve_path(path: str) -> Any:
     raise ImportError(f"no importable module in {path!r}")
 
 
+def called_names(fn: Any) -> List[str]:
+    """Names of the functions and methods ``fn``'s body calls, in source order."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    calls.sort(key=lambda n: (n.lineno, n.col_offset))
+    return [getattr(n.func, "attr", None) or getattr(n.func, "id", "") for n in calls]
+
+
 def last_resolution_step() -> str:
     """Name of the last step ``run_resolution_pipeline`` runs (from its source)."""
     from sglang.srt.arg_groups import pipeline
@@ -399,11 +437,12 @@ def problems() -> List[str]:
                 if name not in fields]
     except Exception as exc:  # noqa: BLE001
         out.append(f"cannot read ServerArgs' fields: {exc}")
-    for target in HOOKED:
+    for target in HOOKED + CALLED:
+        kind = "hook target" if target in HOOKED else "called function"
         try:
             obj = resolve_path(target.path)
         except Exception as exc:  # noqa: BLE001
-            out.append(f"hook target {target.path} not found ({type(exc).__name__}: {exc}); used for {target.why}")
+            out.append(f"{kind} {target.path} not found ({type(exc).__name__}: {exc}); used for {target.why}")
             continue
         try:
             params = set(inspect.signature(resolve_path(target.signature_of) if target.signature_of else obj).parameters)
@@ -414,8 +453,15 @@ def problems() -> List[str]:
             continue  # builtins without a signature (torch.cuda.*): existence is what we rely on
         missing = [p for p in target.params if p not in params]
         if missing:
-            out.append(f"hook target {target.path} lost parameter(s) {missing} (has {sorted(params)}); "
+            out.append(f"{kind} {target.path} lost parameter(s) {missing} (has {sorted(params)}); "
                        f"used for {target.why}")
+    try:
+        calls = called_names(resolve_path(TARGET_RESOLVE_POOL_CONFIG))
+        if [c for c in calls if c in RESOLVE_POOL_CONFIG_CALLS] != list(RESOLVE_POOL_CONFIG_CALLS):
+            out.append(f"{TARGET_RESOLVE_POOL_CONFIG} now calls {calls}, not {list(RESOLVE_POOL_CONFIG_CALLS)} in "
+                       "that order: the sparse decode offload sizing hook reproduces those steps")
+    except Exception as exc:  # noqa: BLE001
+        out.append(f"cannot inspect {TARGET_RESOLVE_POOL_CONFIG}: {exc}")
     for cls_path, wanted in OBJECT_FIELDS.items():
         try:
             declared = _declared_fields(resolve_path(cls_path), wanted)

@@ -19,8 +19,10 @@ rule                             when
                                  rows are set up on the host each round; only the plugin's CPU
                                  verify graph runner repeats that per replay), or overlap scheduling (the verify step needs each
                                  request's committed length on the host; untested)
-``memory.insufficient``          the hot buffers and the host pool do not fit in the memory
-                                 available now (:mod:`..memory_budget`)
+``memory.insufficient``          one request's hot buffers and the host pool do not fit in the
+                                 memory available now (:mod:`..memory_budget`); how many
+                                 requests get hot buffers is decided when SGLang sizes its KV
+                                 pool, from the same budget (:mod:`.offload_sizing`)
 ===============================  ==============================================================
 
 Defaults resolved here, so the published config (what every process runs) states
@@ -42,14 +44,12 @@ from . import compat
 logger = logging.getLogger(__name__)
 
 __all__ = ["resolve_defaults", "launch_violations", "sparse_decode_allocations", "RULES",
-           "DEFAULT_MAX_RUNNING_REQUESTS"]
+           "MIN_HOT_ROWS"]
 
 RULES = ("sglang.model_config", "sglang.sparse_decode_speculative", "memory.insufficient")
 
-# What SGLang 0.5.23 uses when --max-running-requests is not given on these
-# deployments (its request pool then has 2048 + 1 rows); the startup estimate of the
-# hot buffers assumes it and says so.
-DEFAULT_MAX_RUNNING_REQUESTS = 2048
+# Hot-buffer rows of the smallest server: one request and SGLang's padding request row.
+MIN_HOT_ROWS = 2
 
 # HF config fields each feature's pool reads.
 _DSA_FIELDS = ("index_topk", "index_head_dim", "index_n_heads")
@@ -180,12 +180,10 @@ def _sparse_decode_memory(sd: cfg.SparseDecodeOffloadConfig, view: Any, hf_confi
                                                   rows_per_request=verify_rows)
     if hot < 1:
         return []  # reported by the range rule
-    given = compat.arg(view, "max_running_requests")
-    if given:
-        rows, rows_source = int(given) + 1, f"--max-running-requests {given} + 1"
-    else:
-        rows = DEFAULT_MAX_RUNNING_REQUESTS + 1
-        rows_source = f"SGLang's default of {DEFAULT_MAX_RUNNING_REQUESTS} requests + 1; --max-running-requests sets it"
+    # The pool sizing caps the running requests to the hot buffers that fit SGLang's KV
+    # budget (offload_sizing.py); what must fit here is the smallest server: one request.
+    rows = MIN_HOT_ROWS
+    rows_source = "one request + its padding row: more requests get hot buffers as SGLang's KV budget allows"
     total = compat.arg(view, "max_total_tokens")
     if sd.host_pool_tokens is not None:
         host_tokens, host_source = sd.host_pool_tokens, "host_pool_tokens"

@@ -78,8 +78,7 @@ class HostMainKVPool(DeviceDSAPool):
             raise ValueError(f"host_pool_tokens={tokens} is smaller than SGLang's slot space ({slots} = "
                              f"{size} tokens + one padding page): raise host_pool_tokens or lower "
                              "--max-total-tokens")
-        hot_tokens = offload.hot_tokens if offload.hot_tokens is not None else \
-            cfg.default_hot_tokens(top_k, None, rows_per_request=rows_per_request)
+        hot_tokens = resolved_hot_tokens(offload, top_k, rows_per_request)
         _require_memory(layer_num, rows, hot_tokens, tokens, kv_lora_rank + qk_rope_head_dim, device)
         # One pool per attention-DP group: TP rank 0 allocates and appends, the others map it
         # and wait for its appends before reading (shared_host_pool.py).
@@ -209,6 +208,14 @@ class HostMainKVPool(DeviceDSAPool):
         if self._on_npu:
             return super().set_index_k_buffer(layer_id, loc, index_k)
         _scatter_rows(self.index_k_buffer[self._get_indexer_slot(layer_id)], loc, index_k)
+
+
+def resolved_hot_tokens(offload: cfg.SparseDecodeOffloadConfig, top_k: int, rows_per_request: int) -> int:
+    """Hot slots per layer and request: ``hot_tokens``, or its default for ``top_k`` and
+    the verify rows that share a request's buffer."""
+    if offload.hot_tokens is not None:
+        return int(offload.hot_tokens)
+    return cfg.default_hot_tokens(top_k, None, rows_per_request=rows_per_request)
 
 
 def _require_memory(layers: int, rows: int, hot_tokens: int, tokens: int, row_dim: int, device: str) -> None:
