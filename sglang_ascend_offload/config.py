@@ -48,7 +48,10 @@ class SparseDecodeOffloadConfig:
         ``None`` = SGLang's own token capacity (``max_total_tokens``).
     ops: operator ladder rung (see ``ops/registry.py``).
     fused_lim / fused_copy_sfa: use the AscendC LIM / Copy-SFA operators.
-        ``None`` = use them when ``ops`` resolves to ``fused``.
+        ``None`` = use them when ``ops`` resolves to ``fused``: on an Ascend NPU with
+        ``ops`` ``auto`` or ``fused`` the fused Copy-SFA is then the default and its
+        extension is required at startup (:func:`fused_copy_sfa_required`).
+        ``fused_copy_sfa: false`` runs the separate miss copy and sparse attention.
     indexer_dtype: ``bf16`` or ``int8`` (LIM-C8: Hadamard-rotated int8 + fp16 scales).
     policy: residency replacement policy; ``lru`` is the reference design.
     record_trace: path of an ``.npz`` trace to record served top-k selections into.
@@ -125,6 +128,14 @@ class SparseDecodeOffloadConfig:
             errs.append(f"metrics_log_interval_s={self.metrics_log_interval_s} is out of range: it must be >= 0 "
                         "(0 = off)")
         return errs
+
+
+def fused_copy_sfa_required(sd: "SparseDecodeOffloadConfig", device: str) -> bool:
+    """Whether serving needs the fused Copy-SFA operator: asked for (``true``), or the
+    default on an Ascend NPU (unset, with ``ops`` ``auto`` or ``fused``)."""
+    if sd.fused_copy_sfa is not None:
+        return bool(sd.fused_copy_sfa)
+    return device == "npu" and sd.ops in ("auto", "fused")
 
 
 def default_hot_tokens(top_k: int, page_size: Optional[int], factor: int = 2, rows_per_request: int = 1) -> int:

@@ -93,7 +93,8 @@ class HostMainKVPool(DeviceDSAPool):
             EngineConfig(layers=layer_num, rows=rows, hot_tokens=hot_tokens, top_k=top_k,
                          latent_dim=kv_lora_rank, rope_dim=qk_rope_head_dim, dtype=dtype,
                          policy=offload.policy, ops=offload.ops, rows_per_request=rows_per_request,
-                         verify_sample_rate=offload.verify_sample_rate, verify_action=offload.verify_action),
+                         verify_sample_rate=offload.verify_sample_rate, verify_action=offload.verify_action,
+                         fused_copy_sfa=offload.fused_copy_sfa),
             self.host_pool, device=device if not str(device).startswith("cpu") else "cpu",
             tp_rank=rank_pool.rank, gate=gate,
         )

@@ -28,6 +28,7 @@ import os
 from typing import Any, Callable, List, Optional, Tuple
 
 from .. import config as cfg
+from .. import platform
 from . import carrier, compat, flags, launch_checks
 from .cpu_capability import no_cuda_capability
 from .deployment import deployment_from_server_args, model_kind
@@ -145,7 +146,7 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
                 ))
         if graphs_on:
             out += _host_work_under_graphs(config.sparse_decode, decode_graph)
-        out += _sparse_decode_runtime_violations(config.sparse_decode)
+        out += _sparse_decode_runtime_violations(config.sparse_decode, _device_kind(view))
         if compat.arg(view, "enable_hisparse"):
             out.append(cfg.Violation(
                 "sglang.hisparse", "--enable-hisparse is on as well",
@@ -193,8 +194,15 @@ def _host_work_under_graphs(sd: cfg.SparseDecodeOffloadConfig, decode_graph: Any
     return [cfg.Violation("sglang.sparse_decode_graph", problem, fix) for on, problem, fix in refusals if on]
 
 
-def _sparse_decode_runtime_violations(sd: cfg.SparseDecodeOffloadConfig) -> List[cfg.Violation]:
-    """Settings the SGLang backend cannot honour here (checked before any process starts)."""
+def _device_kind(view: Any) -> str:
+    """The served device kind, as the deployment reads it: ``--device`` or this machine's."""
+    device = compat.arg(view, "device") or platform.device_kind()
+    return "cuda" if device in ("gpu", "rocm", "hip") else str(device)
+
+
+def _sparse_decode_runtime_violations(sd: cfg.SparseDecodeOffloadConfig, device: str) -> List[cfg.Violation]:
+    """Settings the SGLang backend cannot honour here (checked before any process starts);
+    ``device``: ``npu`` / ``cuda`` / ``cpu``."""
     from ..ops import registry
 
     out: List[cfg.Violation] = []
@@ -202,12 +210,22 @@ def _sparse_decode_runtime_violations(sd: cfg.SparseDecodeOffloadConfig) -> List
         out.append(cfg.Violation(
             "sglang.indexer_dtype", f"indexer_dtype={sd.indexer_dtype!r}: the SGLang backend keeps a bf16 "
             "index-K cache (LIM-C8 is not wired into it yet)", 'set "indexer_dtype": "bf16"'))
-    for name in ("fused_lim", "fused_copy_sfa"):
-        if getattr(sd, name) is True:
-            out.append(cfg.Violation(
-                "sglang.fused_not_wired", f"{name}=true: the SGLang backend does not call the fused "
-                "AscendC operator yet", f'drop "{name}" (ops=npu uses the torch_npu operators)'))
+    if sd.fused_lim is True:
+        out.append(cfg.Violation(
+            "sglang.fused_not_wired", "fused_lim=true: the SGLang backend does not call the fused AscendC "
+            "LIM operator yet", 'drop "fused_lim" (ops=npu uses the torch_npu operators)'))
     registry.ensure_registered()
+    if cfg.fused_copy_sfa_required(sd, device):
+        fused = registry.implementations("copy_sparse_flash_attention").get("fused")
+        reason = "no fused rung is registered" if fused is None else fused.unavailable()
+        if reason is not None:
+            why = "fused_copy_sfa=true" if sd.fused_copy_sfa else \
+                f"the fused Copy-SFA operator (the default on an Ascend NPU with ops={sd.ops!r})"
+            out.append(cfg.Violation(
+                "sglang.fused_unavailable", f"{why} cannot run: {reason}",
+                "build and install the AscendC extension (bash scripts/setup_npu_env.sh, or "
+                "ascendc_ops/build.sh --install), or set \"fused_copy_sfa\": false to run the separate miss "
+                "copy and sparse attention"))
     for op in OFFLOAD_OPS:
         try:
             registry.select(op, sd.ops)

@@ -179,6 +179,11 @@ class EngineConfig:
     #: row against a recomputation over the host pool (0 = off), and what a mismatch does
     verify_sample_rate: float = 0.0
     verify_action: str = "log"
+    #: the fused Copy-SFA operator for the step's miss copy + attention: ``True`` requires
+    #: it (an error where it cannot serve), ``False`` runs the separate copy and attention,
+    #: ``None`` uses it where ``ops`` resolves to it and it can serve (one query token per
+    #: hot-buffer row, a host pool with a tensor view)
+    fused_copy_sfa: Optional[bool] = None
 
     def __post_init__(self):
         problems = []
@@ -255,24 +260,8 @@ class SparseDecodeEngine:
         self._manage_op = registry.select("residency_manage", config.ops)
         self._copy_op = registry.select("copy_miss_rows", config.ops)
         self._attention_op = registry.select("sparse_mla_attention", config.ops)
-        copy_sfa = registry.select("copy_sparse_flash_attention", config.ops)
-        # A pool without a tensor view (MemFabric global addresses) is read through its
-        # own gather (``_gather_misses``): no kernel indexes it, so no fused Copy-SFA.
         self._tensor_pool = is_tensor_backed(pool)
-        self._copy_sfa_op = copy_sfa if copy_sfa.rung == "fused" and self._tensor_pool else None
-        if self._copy_sfa_op is not None and config.rows_per_request > 1:
-            # The AscendC Copy-SFA attends one query token per hot-buffer row; a request's
-            # verify rows share one row here.
-            if config.ops == "fused":
-                raise ValueError(f"ops='fused' selects the fused Copy-SFA operator, which attends one query token "
-                                 f"per hot-buffer row; rows_per_request={config.rows_per_request} shares a "
-                                 "request's hot buffer between its verify rows: use ops=auto, reference or "
-                                 "triton with speculative decoding")
-            logger.info("sparse decode engine: %d verify rows share each request's hot buffer, so the step runs "
-                        "the separate miss copy and sparse attention (the fused Copy-SFA operator attends one "
-                        "query token per hot-buffer row)", config.rows_per_request)
-            self._copy_sfa_op = None
-
+        self._copy_sfa_op = self._choose_copy_sfa(config)
         self.hot = HotBuffers(config.layers, config.rows, config.hot_tokens, config.row_dim,
                               config.dtype, self.device)
         self.sink_row = self.hot.sink_row
@@ -299,6 +288,46 @@ class SparseDecodeEngine:
         self._per_request = 1
 
     # ---------------------------------------------------------------------- a step
+    def _choose_copy_sfa(self, config: EngineConfig):
+        """The fused Copy-SFA op for the step's miss copy + attention, or ``None`` for the
+        separate copy and attention (``EngineConfig.fused_copy_sfa``); the choice is logged."""
+        copy_sfa = registry.select("copy_sparse_flash_attention", config.ops)
+        # Why the fused op cannot serve this engine ("" when it can): a pool without a tensor
+        # view (MemFabric global addresses) is read through its own gather, which no kernel
+        # indexes; the AscendC kernel attends one query token per hot-buffer row, and a
+        # request's verify rows share one row here.
+        if copy_sfa.rung != "fused":
+            why_not = f"ops={config.ops!r} resolves the Copy-SFA op to the {copy_sfa.rung!r} rung"
+        elif not self._tensor_pool:
+            why_not = "the host pool has no tensor view (MemFabric global addresses): it is read by its own gather"
+        elif config.rows_per_request > 1:
+            why_not = (f"{config.rows_per_request} verify rows share each request's hot buffer and the fused "
+                       "Copy-SFA operator attends one query token per hot-buffer row")
+        else:
+            why_not = ""
+        if config.fused_copy_sfa is True and why_not:
+            raise ValueError(f"fused_copy_sfa=true, but the fused Copy-SFA operator cannot serve this engine: "
+                             f"{why_not}; set fused_copy_sfa to false (separate miss copy and sparse attention) "
+                             "or leave it unset")
+        if config.ops == "fused" and config.rows_per_request > 1:
+            raise ValueError(f"ops='fused' selects the fused Copy-SFA operator, which attends one query token "
+                             f"per hot-buffer row; rows_per_request={config.rows_per_request} shares a "
+                             "request's hot buffer between its verify rows: use ops=auto, reference or "
+                             "triton with speculative decoding")
+        if config.fused_copy_sfa is False:
+            if not why_not:
+                logger.info("sparse decode engine: fused_copy_sfa=false: the step runs the separate miss copy "
+                            "and sparse attention although the fused Copy-SFA operator is available")
+            return None
+        if why_not:
+            if copy_sfa.rung == "fused":  # available, but not for this engine
+                logger.info("sparse decode engine: the step runs the separate miss copy and sparse attention: %s",
+                            why_not)
+            return None
+        logger.info("sparse decode engine: the step runs the fused Copy-SFA operator (miss copy + sparse "
+                    "attention in one kernel)")
+        return copy_sfa
+
     def begin_step(self, req_ids: torch.Tensor, token_table: torch.Tensor, stable_len: torch.Tensor,
                    step: Optional[int] = None, *, rows: Optional[torch.Tensor] = None,
                    rows_per_request: Optional[int] = None) -> int:

@@ -181,3 +181,36 @@ def test_valid_config_is_published_for_child_processes(plugins_loaded, clean_sta
     published = json.loads(carrier.published_text())
     assert published["sparse_decode"]["hot_tokens"] == 64
     assert carrier.active_config().sparse_decode.hot_tokens == 64
+
+
+def test_fused_copy_sfa_is_the_npu_default_and_its_extension_is_required_at_startup():
+    """On an Ascend NPU with ops auto (or fused) the fused Copy-SFA serves the decode step
+    unless ``fused_copy_sfa: false``; without the AscendC extension that default is refused
+    before anything starts, with the build command, never a silent fallback. This machine
+    has no extension, which is what an NPU node without the build looks like."""
+    npu = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=True, device="npu")
+
+    def rules_and_text(sd):
+        found = resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=sd), npu)
+        return [v.rule for v in found], "\n".join(f"{v.problem} -> {v.fix}" for v in found)
+
+    rules, text = rules_and_text(cfg.SparseDecodeOffloadConfig())
+    assert "sglang.fused_unavailable" in rules
+    assert "the default on an Ascend NPU" in text and "scripts/setup_npu_env.sh" in text
+    assert '"fused_copy_sfa": false' in text
+    rules, text = rules_and_text(cfg.SparseDecodeOffloadConfig(fused_copy_sfa=True))
+    assert "sglang.fused_unavailable" in rules and "fused_copy_sfa=true cannot run" in text
+    assert "sglang.fused_not_wired" not in rules  # the engine serves it; only fused_lim is not wired
+    for opted_out in (cfg.SparseDecodeOffloadConfig(fused_copy_sfa=False), cfg.SparseDecodeOffloadConfig(ops="npu")):
+        assert "sglang.fused_unavailable" not in rules_and_text(opted_out)[0]
+    cpu = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=True, device="cpu")
+    found = resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig()), cpu)
+    assert found == []  # off the NPU the default is the separate copy + attention
+
+
+def test_fused_copy_sfa_required_follows_the_setting_then_the_device():
+    sd = cfg.SparseDecodeOffloadConfig
+    assert cfg.fused_copy_sfa_required(sd(), "npu") and cfg.fused_copy_sfa_required(sd(ops="fused"), "npu")
+    assert not cfg.fused_copy_sfa_required(sd(), "cpu") and not cfg.fused_copy_sfa_required(sd(ops="npu"), "npu")
+    assert cfg.fused_copy_sfa_required(sd(fused_copy_sfa=True), "cpu")
+    assert not cfg.fused_copy_sfa_required(sd(fused_copy_sfa=False), "npu")

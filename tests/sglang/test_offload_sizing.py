@@ -12,7 +12,7 @@
 
 The capped served case (the README's ``hot_tokens: 4096`` at SGLang's default
 concurrency on the tiny fixture) fills the whole budget with hot buffers, ~9 GiB here:
-measured by hand, see docs/capacity.md, not run in the suite.
+measured by hand (docs/sglang_integration.md, "One device budget"), not run in the suite.
 """
 
 from __future__ import annotations

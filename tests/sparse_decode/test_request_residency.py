@@ -232,3 +232,42 @@ def test_fused_copy_sfa_is_not_used_for_shared_verify_rows(monkeypatch, caplog):
         shared = SparseDecodeEngine(config("auto", 2), pool, device="cpu")
     assert shared._copy_sfa_op is None and "separate miss copy" in caplog.text
     assert SparseDecodeEngine(config("auto", 1), pool, device="cpu")._copy_sfa_op is stand_in  # one row: fused
+
+
+def test_fused_copy_sfa_setting_is_honoured(monkeypatch, caplog):
+    """``fused_copy_sfa``: false runs the separate copy + attention even where the fused op
+    is available (said once); true uses it, and is an error where it cannot serve (no fused
+    rung, or verify rows sharing a hot buffer); unset uses it where available."""
+    import logging
+
+    from sglang_ascend_offload.ops.contract import OpImpl
+    from sglang_ascend_offload.sparse_decode import engine as engine_mod
+    from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
+    from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
+
+    real_select = engine_mod.registry.select
+    stand_in = OpImpl("copy_sparse_flash_attention", "fused", lambda *a, **k: None, lambda: None)
+
+    def select(op, choice):
+        if op == "copy_sparse_flash_attention" and choice == "auto":
+            return stand_in  # what an NPU with the extension resolves
+        return real_select(op, choice)
+
+    pool = HostKVPool.allocate(HostPoolShape(1, 64, 16, 8, torch.float32), "pinned")
+
+    def engine(ops, fused, rows=1):
+        return SparseDecodeEngine(EngineConfig(layers=1, rows=2, hot_tokens=8, top_k=4, latent_dim=16, rope_dim=8,
+                                               dtype=torch.float32, ops=ops, rows_per_request=rows,
+                                               fused_copy_sfa=fused), pool, device="cpu")
+
+    # no fused rung here (reference): unset and false run separately, true is an error
+    assert engine("reference", None)._copy_sfa_op is None and engine("reference", False)._copy_sfa_op is None
+    with pytest.raises(ValueError, match="fused_copy_sfa=true.*'reference' rung"):
+        engine("reference", True)
+    monkeypatch.setattr(engine_mod.registry, "select", select)
+    with caplog.at_level(logging.INFO, logger="sglang_ascend_offload.sparse_decode.engine"):
+        assert engine("auto", False)._copy_sfa_op is None
+    assert "fused_copy_sfa=false" in caplog.text
+    assert engine("auto", True)._copy_sfa_op is stand_in and engine("auto", None)._copy_sfa_op is stand_in
+    with pytest.raises(ValueError, match="verify rows share"):
+        engine("auto", True, rows=2)
