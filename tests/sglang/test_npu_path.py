@@ -81,7 +81,7 @@ def test_npu_backends_agree_with_each_other_and_the_cpu_reference():
 @pytest.mark.skipif(not os.environ.get(NPU_MODEL_ENV), reason=f"set {NPU_MODEL_ENV} to a DeepSeek-V3.2-style "
                     "checkpoint (or config dir for --load-format dummy) to serve it")
 def test_served_deepseek_v32_offload_on_equals_off(tmp_path):
-    from conftest import ServerProcess
+    from sglang_ascend_offload.testing.servers import ServerProcess
 
     model = os.environ[NPU_MODEL_ENV]
     base = ["--model-path", model, "--device", "npu", "--attention-backend", "ascend_offload",

@@ -27,6 +27,7 @@ from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.memory_budget import format_bytes
 from sglang_ascend_offload.sglang_plugin import compat, offload_sizing, speculative
 from sglang_ascend_offload.sglang_plugin.offload_sizing import hot_bytes_per_request, plan_device_budget
+from sglang_ascend_offload.testing.servers import ServerProcess
 
 MiB = 2**20
 
@@ -198,8 +199,6 @@ def test_server_refuses_hot_buffers_that_leave_no_room_for_one_request(tmp_path)
     check passes (one request + padding row: 9.3 GiB of this machine's memory), but SGLang's
     KV budget at --mem-fraction-static 0.5 (about half the free memory) holds fewer than
     the three rows one request needs, so the server stops at pool sizing."""
-    from conftest import ServerProcess
-
     if _total_memory_bytes() > 30 * 2**30:
         pytest.skip("sized for a 24 GiB machine: with more than 30 GiB SGLang's budget would hold one request")
     hot = 2_170_048  # a multiple of the page size (64)
