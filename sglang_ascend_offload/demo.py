@@ -46,7 +46,7 @@ from typing import Dict, Optional, Tuple
 from .testing.servers import IDLE_SLEEP, TINY_DSA_TRAINED, TRAINED_SERVER_ARGS, ServerProcess, start_all, stop_all
 
 __all__ = ["DEFAULT_PROMPT", "DEFAULT_HOT_TOKENS", "OffloadCounters", "DemoResult", "build_servers",
-           "ask", "held_out_source", "row_bytes", "add_arguments", "main"]
+           "ask", "held_out_source", "read_counters", "row_bytes", "add_arguments", "main"]
 
 DEFAULT_PROMPT = "\n\n    def test_"
 DEFAULT_FREQUENCY_PENALTY = 0.8

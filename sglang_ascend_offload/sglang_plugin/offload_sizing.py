@@ -161,7 +161,8 @@ def resolve_pool_config_around(original, self, pre_model_load_memory):
     budget = self._profile_available_bytes(pre_model_load_memory)
     whole = self.config_from_budget(budget)
     requested = self.resolve_max_num_reqs(whole.max_total_num_tokens)
-    cell = int(field(create_memory_pool_configurator(self), POOL_CONFIGURATOR, "_cell_size"))
+    pool_configurator = create_memory_pool_configurator(self)
+    cell = int(field(pool_configurator, POOL_CONFIGURATOR, "_cell_size"))
     user_tokens = get_schedule().max_total_tokens
     reserved_tokens = int(user_tokens) if user_tokens else int(self.model_config.context_len)
     plan = plan_device_budget(budget, _hot_bytes(self, sd), requested, reserved_tokens * cell,
@@ -169,7 +170,7 @@ def resolve_pool_config_around(original, self, pre_model_load_memory):
     config = self.config_from_budget(plan.token_budget_bytes)
     config.max_running_requests = min(plan.max_running_requests,
                                       self.resolve_max_num_reqs(config.max_total_num_tokens))
-    config = create_memory_pool_configurator(self).finalize_with_max_running_requests(config)
+    config = pool_configurator.finalize_with_max_running_requests(config)
     config.mem_fraction_static = get_schedule().mem_fraction_static
     message = ("sparse decode offload: device KV budget %s = token pool %d tokens x %d B + hot buffers %s "
                "(%d requests + %d rows x %s)")

@@ -22,7 +22,6 @@ Two servers for the module, started together.
 from __future__ import annotations
 
 import json
-import re
 import urllib.request
 
 import pytest
@@ -54,23 +53,9 @@ def client(server):
     return OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300)
 
 
-def long_prompt() -> str:
-    """About 1,600 tokens of held-out standard-library source, as text."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(TINY_DSA_TRAINED / "tokenizer.json"))
-    windows = json.loads((TINY_DSA_TRAINED / "heldout_eval.json").read_text())["windows"]
-    return tok.decode(windows[0][1:] + windows[1][:600])
-
-
-def metric(server, name: str) -> float:
-    text = urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()
-    return sum(float(v) for v in re.findall(rf"^sglang:ascend_offload_{name}_total{{[^}}]*}} (\S+)$", text, re.M))
-
-
 def test_text_completions_offload_on_equals_off(servers):
     dense, offload = servers
-    prompt = long_prompt()
+    prompt = demo.held_out_source()
     args = dict(model="tiny", prompt=prompt, max_tokens=48, temperature=0)
     ref = client(dense).completions.create(**args)
     got = client(offload).completions.create(**args)
@@ -80,13 +65,13 @@ def test_text_completions_offload_on_equals_off(servers):
     streamed = "".join(c.choices[0].text for c in client(offload).completions.create(stream=True, **args) if c.choices)
     assert streamed == ref.choices[0].text
     # The prompt is 12x the hot buffer: decode had to copy misses from the host pool.
-    assert metric(offload, "misses") > 0
-    assert metric(offload, "hits") > 0
+    counters = demo.read_counters(offload)
+    assert counters.misses > 0 and counters.hits > 0
 
 
 def test_chat_completions_offload_on_equals_off(servers):
     dense, offload = servers
-    messages = [{"role": "user", "content": long_prompt() + "\n\nWhat does this module do?"}]
+    messages = [{"role": "user", "content": demo.held_out_source() + "\n\nWhat does this module do?"}]
     args = dict(model="tiny", messages=messages, max_tokens=32, temperature=0)
     ref = client(dense).chat.completions.create(**args)
     got = client(offload).chat.completions.create(**args)
