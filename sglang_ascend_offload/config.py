@@ -299,14 +299,24 @@ class KVPPConfig:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """All features; a section that is ``None`` is off."""
+    """All features; a section that is ``None`` is off.
+
+    device_kv_budget_bytes: the most device memory SGLang's KV pool (plus the sparse
+    decode hot buffers) may take, in bytes; ``None`` = what ``--mem-fraction-static``
+    leaves (SGLang's own profile). The smaller of the two is used. On a CPU it also makes
+    the server account like a device of that size: the sparse decode host pool is host
+    memory outside the budget, as on an NPU node (``sglang_plugin/device_kv_budget.py``).
+    """
 
     sparse_decode: Optional[SparseDecodeOffloadConfig] = None
     layerwise_prefill: Optional[LayerwisePrefillOffloadConfig] = None
     pd_transfer: Optional[PDTransferConfig] = None
     kvpp: Optional[KVPPConfig] = None
+    device_kv_budget_bytes: Optional[int] = None
 
     def _check(self) -> List[str]:
+        if self.device_kv_budget_bytes is not None and self.device_kv_budget_bytes <= 0:
+            return [f"device_kv_budget_bytes={self.device_kv_budget_bytes} must be a positive number of bytes"]
         return []
 
 

@@ -19,12 +19,13 @@ Available memory:
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional
 
 from .errors import Violation
 
-__all__ = ["Allocation", "check", "host_available_bytes", "device_free_bytes", "format_bytes",
+__all__ = ["Allocation", "check", "host_available_bytes", "device_free_bytes", "format_bytes", "parse_size",
            "HEADROOM"]
 
 #: Fraction of the available memory the offload buffers may take: the rest is left to
@@ -53,6 +54,20 @@ def format_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{int(n)} B"
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
+_SCALE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of ``"1073741824"``, ``"512MiB"``, ``"1.5GiB"``, ``"64M"`` (binary units:
+    K/M/G/T = 2**10/20/30/40, with or without ``iB``). ``ValueError`` says the accepted forms."""
+    m = _SIZE.match(str(text))
+    if m is None:
+        raise ValueError(f"{text!r} is not a size: give bytes (1073741824) or a number with a binary unit "
+                         "(512MiB, 1.5GiB, 64M)")
+    return int(float(m.group(1)) * _SCALE[m.group(2).upper()])
 
 
 def _cgroup_room() -> Optional[int]:

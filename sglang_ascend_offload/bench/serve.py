@@ -96,7 +96,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from . import served_load
+from . import serve_capacity, served_load
 
 DEFAULT_RUNS = ("no_offload_eager", "no_offload_graph", "offload_eager", "offload_graph", "offload_graph_spec",
                 "no_offload_graph_spec")
@@ -120,21 +120,26 @@ ERROR_LINE = re.compile(r"^(?:\S+: )?(?:[\w.]*(?:Error|Exception|Exit)\b.*|.*\b(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--runs", default=",".join(DEFAULT_RUNS),
+    p.add_argument("--runs", default=None,
                    help="comma-separated runs, each [no_]offload[_eager|_graph][_spec][_mrrN] "
                         f"(default {','.join(DEFAULT_RUNS)})")
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
     p.add_argument("--requests", type=int, default=None, help="requests per round (default 2 x --clients)")
-    p.add_argument("--input-len", type=int, default=64, help="prompt tokens per request (default 64)")
-    p.add_argument("--output-len", type=int, default=32, help="output tokens per request (default 32)")
+    p.add_argument("--input-len", type=int, default=None,
+                   help="prompt tokens per request (default 64; --capacity: "
+                        f"{serve_capacity.DEFAULT_INPUT_LEN})")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="output tokens per request (default 32; --capacity: "
+                        f"{serve_capacity.DEFAULT_OUTPUT_LEN})")
     p.add_argument("--rounds", type=int, default=1, help="passes of the load per run (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     p.add_argument("--interleave", action="store_true",
                    help="keep every run's server up at once and send each round to each server in turn "
                         "(rotating order): the runs share the machine's load drift (for ratios such as "
                         "offload_mrr4,offload_mrr2048); default: one server at a time")
-    p.add_argument("--max-running-requests", type=int, default=4,
-                   help="--max-running-requests of every run without an _mrrN suffix (default 4)")
+    p.add_argument("--max-running-requests", type=int, default=None,
+                   help="--max-running-requests of every run without an _mrrN suffix (default 4; --capacity: "
+                        f"both servers, default {serve_capacity.DEFAULT_MAX_RUNNING})")
     p.add_argument("--model-path", default=None,
                    help="a real checkpoint (NPU node): servers run on the device with SGLang's defaults plus "
                         "--server-arg; default: the tiny DSA fixture on CPU")
@@ -163,6 +168,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     p.add_argument("--log-dir", default=None, help="server logs (default: a new temporary folder)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    serve_capacity.add_arguments(p)
+
+
+def _fill_defaults(args: argparse.Namespace) -> bool:
+    """Defaults that depend on ``--capacity``; whether ``--runs`` was given."""
+    runs_given = args.runs is not None
+    capacity = getattr(args, "capacity", False)
+    if args.runs is None:
+        args.runs = ",".join(DEFAULT_RUNS)
+    if args.input_len is None:
+        args.input_len = serve_capacity.DEFAULT_INPUT_LEN if capacity else 64
+    if args.output_len is None:
+        args.output_len = serve_capacity.DEFAULT_OUTPUT_LEN if capacity else 32
+    if args.max_running_requests is None:
+        args.max_running_requests = serve_capacity.DEFAULT_MAX_RUNNING if capacity else 4
+    return runs_given
 
 
 @dataclass(frozen=True)
@@ -698,6 +719,7 @@ def print_table(res: Dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    runs_given = _fill_defaults(args)
     problems = [m for bad, m in ((args.clients < 1, f"--clients {args.clients} must be >= 1"),
                                  (args.requests is not None and args.requests < 1,
                                   f"--requests {args.requests} must be >= 1"),
@@ -723,9 +745,13 @@ def main(args: argparse.Namespace) -> int:
                             f"checkpoint's context of {TRAINED_CONTEXT} tokens")
         if args.input_len > 4096:
             problems.append(f"--input-len {args.input_len} exceeds the held-out text (4,096 tokens)")
+    if getattr(args, "capacity", False):
+        problems += serve_capacity.problems(args, runs_given)
     if problems:
         print("bench serve: " + "; ".join(problems), file=sys.stderr)
         return 2
+    if getattr(args, "capacity", False):
+        return serve_capacity.main(args)
     res = run(args)
     if args.json:
         print(json.dumps(res, indent=2))

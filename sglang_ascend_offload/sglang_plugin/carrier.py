@@ -68,16 +68,20 @@ def section_for_served_pool(kvc: Any, section: str) -> Optional[Any]:
     worker's, and the ``ascend_offload`` backend runs); ``None`` otherwise. Used by the
     per-token sizing hooks, which must leave every other pool as SGLang sizes it."""
     value = getattr(active_config(), section)
+    return value if value is not None and serves_plugin_pool(kvc) else None
+
+
+def serves_plugin_pool(kvc: Any) -> bool:
+    """SGLang's KV cache configurator ``kvc`` builds the plugin's main MLA pool: not a
+    draft worker's, an MLA model, and the ``ascend_offload`` backend runs."""
     # is_draft_worker / use_mla_backend: configurator fields that stand-ins in tests may omit.
-    if value is None or getattr(kvc, "is_draft_worker", False) or not getattr(kvc, "use_mla_backend", False):
-        return None
+    if getattr(kvc, "is_draft_worker", False) or not getattr(kvc, "use_mla_backend", False):
+        return False
     try:
         from sglang.srt.runtime_context import get_exec
 
         from .names import BACKEND_NAME
 
-        if get_exec().kernel.attention_backend != BACKEND_NAME:
-            return None
+        return get_exec().kernel.attention_backend == BACKEND_NAME
     except Exception:  # noqa: BLE001 - no runtime context: not a served model
-        return None
-    return value
+        return False

@@ -112,6 +112,8 @@ TARGET_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.forward_na
 TARGET_CELL_SIZE = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
 TARGET_RESOLVE_POOL_CONFIG = \
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config"
+TARGET_PROFILE_BYTES = \
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
 TARGET_GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 TARGET_CONFIG_STORE = "sglang.srt.managers.disagg_service.maybe_create_ascend_config_store"
 TARGET_PREFILL_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
@@ -157,6 +159,8 @@ HOOKED: Tuple[Hooked, ...] = (
            "(the indexer only, off the CPU)"),
     Hooked(TARGET_RESOLVE_POOL_CONFIG, ("self", "pre_model_load_memory"),
            "sparse decode offload: the hot buffers drawn from SGLang's KV byte budget (offload_sizing.py)"),
+    Hooked(TARGET_PROFILE_BYTES, ("self", "pre_model_load_memory"),
+           "--device-kv-budget caps SGLang's KV byte budget (device_kv_budget.py)"),
     Hooked(TARGET_GET_KV_CLASS, (), "the ascend_offload P/D classes"),
     Hooked(TARGET_CONFIG_STORE, (), "MemFabric config store"),
     Hooked(TARGET_PREFILL_MANAGER, ("self",), "the prefill KV manager"),

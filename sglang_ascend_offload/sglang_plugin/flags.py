@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import config as cfg
+from ..memory_budget import parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +104,16 @@ class RawFlags:
 
     enabled: Dict[str, bool] = field(default_factory=dict)
     configs: Dict[str, Optional[str]] = field(default_factory=dict)
+    device_kv_budget: Optional[str] = None
 
     @property
     def any_given(self) -> bool:
-        return any(self.enabled.values()) or any(v is not None for v in self.configs.values())
+        return (any(self.enabled.values()) or any(v is not None for v in self.configs.values())
+                or self.device_kv_budget is not None)
+
+
+#: Not a feature: a cap on the device memory of the KV pool (OffloadConfig.device_kv_budget_bytes).
+DEVICE_KV_BUDGET_FLAG = "--device-kv-budget"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,13 +132,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"Settings of {feat.enable_flag} (keys of {feat.section_cls.__name__}; "
             "see docs/configuration.md). Requires the enable flag.",
         )
+    group.add_argument(
+        DEVICE_KV_BUDGET_FLAG, dest=_dest(DEVICE_KV_BUDGET_FLAG), type=str, default=None, metavar="SIZE",
+        help="The most device memory the KV pool (plus the sparse decode hot buffers) may take, e.g. 512MiB "
+        "or 8GiB; the smaller of this and what --mem-fraction-static leaves is used. On a CPU the server "
+        "then accounts like a device of that size: the sparse decode host pool is host memory outside it.",
+    )
 
 
 def take_from_namespace(namespace: argparse.Namespace) -> RawFlags:
     """Read the plugin's flag values off an argparse namespace (missing = defaults)."""
     enabled = {f.section: bool(getattr(namespace, f.enable_dest, False)) for f in FEATURES}
     configs = {f.section: getattr(namespace, f.config_dest, None) for f in FEATURES}
-    return RawFlags(enabled=enabled, configs=configs)
+    return RawFlags(enabled=enabled, configs=configs,
+                    device_kv_budget=getattr(namespace, _dest(DEVICE_KV_BUDGET_FLAG), None))
 
 
 def parse(raw: RawFlags) -> Tuple[cfg.OffloadConfig, List[cfg.Violation]]:
@@ -160,7 +174,20 @@ def parse(raw: RawFlags) -> Tuple[cfg.OffloadConfig, List[cfg.Violation]]:
         problems += [cfg.Violation(v.rule, f"{feat.config_flag}: {v.problem}", v.fix) for v in errors]
         if section is not None:  # bad keys keep their defaults: every other rule is still checked
             sections[feat.section] = section
-    return cfg.OffloadConfig(**sections), problems
+    budget = None
+    if raw.device_kv_budget is not None:
+        try:
+            budget = parse_size(raw.device_kv_budget)
+        except ValueError as exc:
+            problems.append(cfg.Violation("flags.device_kv_budget", f"{DEVICE_KV_BUDGET_FLAG}: {exc}",
+                                          f"e.g. {DEVICE_KV_BUDGET_FLAG} 512MiB"))
+        else:
+            if budget <= 0:
+                problems.append(cfg.Violation("flags.device_kv_budget",
+                                              f"{DEVICE_KV_BUDGET_FLAG} {raw.device_kv_budget} is not positive",
+                                              f"e.g. {DEVICE_KV_BUDGET_FLAG} 512MiB"))
+                budget = None
+    return cfg.OffloadConfig(**sections, device_kv_budget_bytes=budget), problems
 
 
 # ------------------------------------------------------------------ per-process state

@@ -155,9 +155,11 @@ def install_runtime() -> None:
     from .kvpp_sizing import install as install_kvpp_sizing  # KVPP: per-rank KV bytes per token
 
     install_kvpp_sizing()
+    from .device_kv_budget import install as install_device_kv_budget  # --device-kv-budget
     from .offload_sizing import install as install_offload_sizing  # sparse decode: one device budget
 
     install_offload_sizing()
+    install_device_kv_budget()
     from .speculative import install as install_speculative  # EAGLE / NextN (MTP) on the backend
 
     install_speculative()

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from .. import config as cfg
 from ..memory_budget import format_bytes
-from . import carrier
+from . import carrier, device_kv_budget
 from .compat import TARGET_CELL_SIZE, TARGET_RESOLVE_POOL_CONFIG, field
 
 POOL_CONFIGURATOR = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
@@ -125,6 +125,15 @@ def _served(kvc: Any) -> Optional[cfg.SparseDecodeOffloadConfig]:
     return carrier.section_for_served_pool(kvc, "sparse_decode")
 
 
+def _plugin_main_pool(kvc: Any) -> bool:
+    """``kvc`` builds the plugin's own main MLA pool (device KV or sparse decode offload;
+    the layerwise and KVPP pools size themselves)."""
+    active = carrier.active_config()
+    if active.layerwise_prefill is not None or active.kvpp is not None:
+        return False
+    return carrier.serves_plugin_pool(kvc)
+
+
 def _on_cpu(kvc: Any) -> bool:
     return str(getattr(kvc, "device", "cpu")).startswith("cpu")
 
@@ -191,7 +200,15 @@ def resolve_pool_config_around(original, self, pre_model_load_memory):
 def cell_size_after(cell: int, self, kvc, num_layers: int) -> Optional[int]:
     """AFTER ``DefaultPoolConfigurator._compute_cell_size``: off the CPU the device holds
     the indexer's K per token but not the main KV (it is in the host pool), so the cell is
-    SGLang's own indexer cell."""
+    SGLang's own indexer cell. A CPU server with ``--device-kv-budget`` accounts like a
+    device (:func:`.device_kv_budget.cpu_cell_bytes`), with or without offload."""
+    emulated = None
+    if device_kv_budget.emulates_device(kvc) and _plugin_main_pool(kvc):
+        emulated = device_kv_budget.cpu_cell_bytes(kvc, num_layers, offloaded=_served(kvc) is not None)
+    if emulated is not None:
+        logger.info("device KV per token %d B on this CPU accounted as a device (--device-kv-budget; SGLang's "
+                    "figure %d B)", emulated, cell)
+        return emulated
     if _served(kvc) is None or _on_cpu(kvc):
         return None
     indexer = int(self._compute_dsa_indexer_cell_size(kvc=kvc, num_layers=num_layers))
