@@ -78,3 +78,36 @@ def plot_decode_table(r: Dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_capacity(result: Dict[str, Any], path: str) -> None:
+    """``bench serve --capacity``: output tok/s (left) and peak running requests (right)
+    against concurrency, offload and no offload, with the pool-limited levels marked."""
+    plt = _pyplot()
+    fig, (tput, running) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=110)
+    servers = result["servers"]
+    for name, color in (("no_offload", "tab:gray"), ("offload", "tab:blue")):
+        levels = [r for r in result["runs"] if r["server"] == name and r.get("phase", "sweep") == "sweep"]
+        xs = [r["concurrency"] for r in levels]
+        label = f"{name.replace('_', ' ')} (max_total_num_tokens {servers[name]['max_total_num_tokens']})"
+        tput.plot(xs, [r["output_tokens_per_s"] or 0 for r in levels], marker="o", color=color, label=label)
+        running.plot(xs, [r["peak_running"] for r in levels], marker="o", color=color, label=name.replace("_", " "))
+        limited = [r for r in levels if r["pool_limited"]]
+        tput.scatter([r["concurrency"] for r in limited], [r["output_tokens_per_s"] or 0 for r in limited],
+                     s=140, facecolors="none", edgecolors="tab:red", zorder=3)
+    running.plot(xs, xs, linestyle=":", color="black", label="clients")
+    tput.scatter([], [], s=140, facecolors="none", edgecolors="tab:red", label="pool-limited")
+    for ax, ylabel in ((tput, "output tokens / s"), (running, "peak running requests")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs])
+        ax.set_xlabel("concurrency (clients)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    load = result["load"]
+    fig.suptitle(f"Same device KV budget ({result['device_kv_budget'] or 'SGLang profile'}): "
+                 f"{load['input_len']} -> {load['output_len']} tokens, {result['model']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

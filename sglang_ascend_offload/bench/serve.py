@@ -97,6 +97,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import serve_capacity, served_load
+from .served_startup import model_vocab, startup_error
 
 DEFAULT_RUNS = ("no_offload_eager", "no_offload_graph", "offload_eager", "offload_graph", "offload_graph_spec",
                 "no_offload_graph_spec")
@@ -114,9 +115,6 @@ DEFAULT_SPEC_ARGS = ("--speculative-algorithm NEXTN --speculative-num-steps 3 --
 # accepted and rejected verify rows both occur. ``--spec-env none`` turns it off.
 DEFAULT_CPU_SPEC_ENV = "SGLANG_SIMULATE_ACC_LEN=2,SGLANG_SIMULATE_ACC_TOKEN_MODE=real-draft-token"
 OFFLOAD_SUMMARY = "sparse-decode-offload:"
-# The last lines of a server log that name an error (Python exceptions, SGLang's own
-# "... failed" lines), shown as a run's ``error`` when its server does not start.
-ERROR_LINE = re.compile(r"^(?:\S+: )?(?:[\w.]*(?:Error|Exception|Exit)\b.*|.*\b(?:[Ff]ailed|refus\w+)\b.*)$")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -366,31 +364,6 @@ def spec_env(args: argparse.Namespace) -> Dict[str, str]:
     return out
 
 
-def startup_error(exc: BaseException, log_path: Optional[Path], blocks: int = 3) -> str:
-    """The launcher's exception plus the last error lines of the server log (each with
-    the indented lines that follow it, e.g. the numbered problems of a ``ConfigError``)."""
-    try:
-        lines = log_path.read_text(errors="replace").splitlines() if log_path else []
-    except OSError:
-        lines = []
-    found: List[str] = []
-    i = 0
-    while i < len(lines):
-        line = lines[i].strip()
-        if line and ERROR_LINE.match(line):
-            block = [line[:600]]
-            while i + 1 < len(lines) and lines[i + 1].startswith(("  ", "\t")) and len(block) < 8 \
-                    and not lines[i + 1].lstrip().startswith(("File ", "^")):
-                i += 1
-                block.append(lines[i].strip()[:600])
-            text = "\n    ".join(block)
-            if text not in found[-1:]:
-                found.append(text)
-        i += 1
-    tail = found[-blocks:]
-    return f"{type(exc).__name__}: {exc}" + "".join(f"\n  {t}" for t in tail)
-
-
 def _summary(log: Optional[Path]) -> Dict[str, str]:
     """``key=value`` pairs of the last offload summary line of a server log."""
     try:
@@ -637,25 +610,11 @@ def mrr_ratios(specs: Sequence[RunSpec], results: Dict[str, RunResult],
     return out
 
 
-def _vocab(model_path: Optional[str], trained: bool = False) -> int:
-    if model_path is None and not trained:
-        return served_load.VOCAB
-    if model_path is None:
-        from ..testing.servers import TINY_DSA_TRAINED
-
-        model_path = str(TINY_DSA_TRAINED)
-    cfg = Path(model_path) / "config.json"
-    try:
-        return int(json.loads(cfg.read_text())["vocab_size"])
-    except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"--model-path {model_path}: cannot read vocab_size from {cfg} ({exc})") from None
-
-
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     specs = parse_runs(args.runs, args.max_running_requests)
     load = LoadSpec(clients=args.clients, requests=args.requests or 2 * args.clients, input_len=args.input_len,
                     output_len=args.output_len, rounds=args.rounds, seed=args.seed,
-                    vocab=_vocab(args.model_path, args.trained), prompt_source="heldout" if args.trained else "random")
+                    vocab=model_vocab(args.model_path, args.trained), prompt_source="heldout" if args.trained else "random")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_serve_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     _progress(f"{len(specs)} runs, {load.requests} requests x {load.rounds} rounds, {load.clients} clients, "
@@ -732,7 +691,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         parse_runs(args.runs, max(1, args.max_running_requests))
         spec_env(args)
-        _vocab(args.model_path, args.trained)
+        model_vocab(args.model_path, args.trained)
     except ValueError as exc:
         problems.append(str(exc))
     if args.trained:

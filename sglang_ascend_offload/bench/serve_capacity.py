@@ -27,8 +27,9 @@ of offload when everything would fit.
 
 ``--json`` prints one document:
 
-* ``runs``: one entry per (server, concurrency): ``server``, ``name``, ``concurrency``,
-  ``requests``, ``completed``, ``output_tokens_per_s``, ``ttft_ms_p50`` / ``_p99``,
+* ``runs``: one entry per (server, concurrency) of the sweep and per (server, round) at
+  concurrency 1 (``phase``: ``sweep`` / ``low_concurrency``): ``server``, ``name``,
+  ``concurrency``, ``requests``, ``completed``, ``output_tokens_per_s``, ``ttft_ms_p50`` / ``_p99``,
   ``itl_ms_p50`` / ``_p99``, ``peak_running``, ``peak_queued``, ``retractions``,
   ``pool_limited``, ``server_cpu_ms_per_token``, ``identical_to_no_offload``;
 * ``servers``: per server ``max_total_num_tokens``, ``max_running_requests``, its
@@ -60,6 +61,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import served_load
+from .served_startup import model_vocab, startup_error
 
 DEFAULT_BUDGET = "6MiB"
 DEFAULT_CONCURRENCY = "2,4,8,16"
@@ -84,6 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-kv-budget", default=None, metavar="SIZE",
                    help=f"--capacity: device KV budget of both servers (default {DEFAULT_BUDGET} on CPU; "
                         "on an NPU node SGLang's --mem-fraction-static profile unless given)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="--capacity: write output tok/s and peak running requests per concurrency to this PNG")
     p.add_argument("--low-rounds", type=int, default=3,
                    help="--capacity: interleaved rounds at concurrency 1 for the CPU-per-token ratio (default 3)")
 
@@ -96,6 +100,7 @@ class LevelResult:
     name: str
     concurrency: int
     requests: int
+    phase: str = "sweep"  # or "low_concurrency": the interleaved rounds at concurrency 1
     completed: int = 0
     output_tokens_per_s: Optional[float] = None
     ttft_ms_p50: Optional[float] = None
@@ -230,7 +235,6 @@ class CapacityServer:
 
     def start(self, warmup_len: int, vocab: int) -> bool:
         from ..testing.servers import PortInUse
-        from .serve import startup_error
 
         _progress(f"{self.name}: starting ({' '.join(self.info.server_args)})")
         try:
@@ -302,9 +306,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         DEFAULT_BUDGET if args.model_path is None else None)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_capacity_"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    from .serve import _vocab
 
-    vocab = _vocab(args.model_path)
+    vocab = model_vocab(args.model_path)
     servers = [CapacityServer(name, args, budget, log_dir) for name in SERVERS]
     t0 = time.monotonic()
     runs: List[LevelResult] = []
@@ -333,6 +336,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             for k in range(args.low_rounds):
                 for s in (servers if k % 2 == 0 else servers[::-1]):
                     r, _ = s.level(prompts, args.output_len, 1, f"low{k + 1}")
+                    r.phase = "low_concurrency"
+                    runs.append(r)
                     if r.server_cpu_ms_per_token is not None:
                         low[s.name].append(r.server_cpu_ms_per_token)
     finally:
@@ -347,7 +352,7 @@ def summarize(levels: Sequence[int], runs: List[LevelResult], infos: List[Server
               identical: bool, agreement: Optional[float], budget: Optional[str], args: argparse.Namespace,
               wall_s: float, logs: str) -> Dict[str, Any]:
     """The JSON document (module docstring)."""
-    by = {(r.server, r.concurrency): r for r in runs}
+    by = {(r.server, r.concurrency): r for r in runs if r.phase == "sweep"}
     tokens = {i.name: i.max_total_num_tokens for i in infos}
     ratios = {str(c): _ratio(by[("offload", c)].output_tokens_per_s, by[("no_offload", c)].output_tokens_per_s)
               for c in levels if ("offload", c) in by and ("no_offload", c) in by}
@@ -437,6 +442,11 @@ def problems(args: argparse.Namespace, runs_given: bool) -> List[str]:
 
 def main(args: argparse.Namespace) -> int:
     res = run(args)
+    if args.plot:
+        from .plots import plot_capacity
+
+        plot_capacity(res, args.plot)
+        _progress(f"plot written to {args.plot}")
     if args.json:
         print(json.dumps(res, indent=2))
     else:

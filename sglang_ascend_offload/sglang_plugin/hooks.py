@@ -12,6 +12,11 @@ HookRegistry AROUND ``ServerArgs.add_cli_args``        the plugin's flags (:mod:
 HookRegistry AROUND ``ServerArgs.from_cli_args``       keep the flag values
 HookRegistry AROUND ``KVCacheConfigurator.             the plugin's pools when our backend
 _build_token_to_kv_pool``                              is selected
+HookRegistry AROUND ``KVCacheConfigurator.             sparse decode: hot buffers from
+_resolve_memory_pool_config``, AFTER ``DefaultPool      SGLang's KV budget, device bytes
+Configurator._compute_cell_size``                      per token (:mod:`.offload_sizing`)
+HookRegistry AFTER ``KVCacheConfigurator.              ``--device-kv-budget`` caps the
+_profile_available_bytes``                             budget (:mod:`.device_kv_budget`)
 HookRegistry AROUND ``Indexer.forward_native``         the CPU indexer forward (routes to
                                                        the backend; otherwise unchanged)
 HookRegistry AROUND ``torch.cuda.                      "no CUDA" while resolving on a CPU

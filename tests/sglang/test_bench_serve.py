@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, server_env
 
-from sglang_ascend_offload.bench import serve
+from sglang_ascend_offload.bench import serve, served_startup
 from sglang_ascend_offload.bench.served_load import StreamedOutput, percentile
 
 RUN_KEYS = {"name", "offload", "graph", "speculative", "requests", "completed", "output_tokens_per_s",
@@ -91,7 +91,7 @@ def test_startup_error_keeps_the_problem_lines(tmp_path):
                    "    raise ConfigError(problems)\n"
                    "sglang_ascend_offload.config.ConfigError: invalid configuration (1 problem(s)):\n"
                    "  1. [rule.name] the reason -> the fix\n")
-    msg = serve.startup_error(RuntimeError("server exited with 1"), log)
+    msg = served_startup.startup_error(RuntimeError("server exited with 1"), log)
     assert "server exited with 1" in msg and "ConfigError: invalid configuration" in msg
     assert "[rule.name] the reason -> the fix" in msg and "raise ConfigError" not in msg
 

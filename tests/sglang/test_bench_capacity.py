@@ -1,0 +1,135 @@
+"""``bench serve --capacity`` (``bench/serve_capacity.py``): the summary logic on made-up
+levels (fast), the refusals, and one short served run of both servers at one device
+KV budget (~2 min here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sglang_ascend_offload.bench import serve, serve_capacity
+from sglang_ascend_offload.bench.serve_capacity import LevelResult, ServerInfo
+from sglang_ascend_offload.testing.servers import REPO, server_env
+
+METRICS = """# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",model_name="m",tp_rank="0"} 3.0
+sglang:num_running_reqs{engine_type="unified",model_name="m",tp_rank="1"} 2.0
+sglang:num_queue_reqs{engine_type="unified",model_name="m",tp_rank="0"} 7.0
+sglang:num_retracted_requests_total{model_name="m"} 4.0
+sglang:num_running_reqs_offline_batch{model_name="m"} 99.0
+"""
+
+
+def test_gauges_are_summed_over_label_sets_and_other_metrics_ignored():
+    assert serve_capacity.read_gauges(METRICS) == {"sglang:num_running_reqs": 5.0, "sglang:num_queue_reqs": 7.0,
+                                                   "sglang:num_retracted_requests_total": 4.0}
+
+
+def test_concurrency_list():
+    assert serve_capacity.parse_concurrency("16, 2,4,2") == [2, 4, 16]
+    for bad in ("0", "2,x", ""):
+        with pytest.raises(ValueError):
+            serve_capacity.parse_concurrency(bad)
+
+
+def _level(server, c, tps, limited, cpu=None):
+    return LevelResult(server, f"{server}_c{c}", c, 2 * c, completed=2 * c, output_tokens_per_s=tps,
+                       pool_limited=limited, server_cpu_ms_per_token=cpu)
+
+
+def _args(**kw):
+    base = dict(input_len=256, output_len=256, seed=0, max_running_requests=16, low_rounds=3, model_path=None,
+                offload_config=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_summary_ratios_take_the_largest_pool_limited_concurrency():
+    runs = [_level("no_offload", 2, 80.0, False), _level("offload", 2, 78.0, False),
+            _level("no_offload", 8, 100.0, True), _level("offload", 8, 150.0, False),
+            _level("no_offload", 16, 100.0, True), _level("offload", 16, 170.0, True)]
+    infos = [ServerInfo("no_offload", [], "a.log", max_total_num_tokens=2176),
+             ServerInfo("offload", [], "b.log", max_total_num_tokens=7104)]
+    doc = serve_capacity.summarize([2, 8, 16], runs, infos, {"no_offload": [24.0, 26.0, 25.0],
+                                                            "offload": [25.0, 24.0, 26.5]},
+                                   True, 1.0, "6MiB", _args(), 1.0, "/tmp")
+    assert doc["max_total_tokens_ratio"] == round(7104 / 2176, 4)
+    assert doc["pool_limited_concurrency"] == 16 and doc["throughput_ratio_pool_limited"] == 1.7
+    assert doc["throughput_ratios"] == {"2": round(78 / 80, 4), "8": 1.5, "16": 1.7}
+    assert doc["low_concurrency_cpu_ratio"] == 1.0  # medians 25.0 / 25.0
+    assert doc["identical_tokens"] is True and doc["low_concurrency_residency"] == "always"
+    json.dumps(doc)  # one JSON document
+
+
+def test_no_pool_limited_concurrency_gives_no_throughput_ratio():
+    runs = [_level("no_offload", 2, 80.0, False), _level("offload", 2, 78.0, False)]
+    doc = serve_capacity.summarize([2], runs, [ServerInfo("no_offload", [], ""), ServerInfo("offload", [], "")],
+                                   {"no_offload": [], "offload": []}, True, 1.0, None, _args(), 1.0, "/tmp")
+    assert doc["pool_limited_concurrency"] is None and doc["throughput_ratio_pool_limited"] is None
+    assert doc["max_total_tokens_ratio"] is None and doc["low_concurrency_cpu_ratio"] is None
+
+
+def _parse(*argv):
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_capacity_refuses_every_conflicting_flag_at_once(capsys):
+    args = _parse("--capacity", "--runs", "offload_eager", "--trained", "--clients", "8", "--rounds", "2",
+                  "--concurrency", "4,zero", "--device-kv-budget", "big", "--low-rounds", "0")
+    assert serve.main(args) == 2
+    err = capsys.readouterr().err
+    for part in ("drop --runs", "--trained", "--clients", "--rounds", "'zero'", "--device-kv-budget", "--low-rounds"):
+        assert part in err, err
+
+
+def test_capacity_defaults_differ_from_the_plain_runs():
+    args = _parse("--capacity")
+    serve._fill_defaults(args)
+    assert (args.input_len, args.output_len, args.max_running_requests) == (
+        serve_capacity.DEFAULT_INPUT_LEN, serve_capacity.DEFAULT_OUTPUT_LEN, serve_capacity.DEFAULT_MAX_RUNNING)
+    plain = _parse()
+    serve._fill_defaults(plain)
+    assert (plain.input_len, plain.output_len, plain.max_running_requests) == (64, 32, 4)
+
+
+@pytest.mark.slow
+def test_capacity_bench_serves_both_servers_at_one_budget(tmp_path):
+    """Both servers at a 4 MiB device budget and 8 request slots; 16 requests of 256 + 32
+    tokens at concurrency 8. The budget sizes each pool exactly as accounted: no offload
+    2,816 B per token (2 layers x (latent + rope + index K) bf16); offload 512 B (index K)
+    after the hot buffers of 8 requests + 2 rows (2 layers x 64 slots x 1,152 B each).
+    No offload holds 5 such requests, so it queues; offload runs all 8; tokens agree."""
+    cmd = [sys.executable, "-m", "sglang_ascend_offload", "bench", "serve", "--capacity", "--device-kv-budget",
+           "4MiB", "--max-running-requests", "8", "--concurrency", "8", "--input-len", "256", "--output-len", "32",
+           "--low-rounds", "1", "--log-dir", str(tmp_path), "--json"]
+    result = subprocess.run(cmd, cwd=REPO, env=server_env(cpu=False), capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    doc = json.loads(result.stdout)
+    page = 64
+    budget = 4 * 2**20
+    no_off, off = doc["servers"]["no_offload"], doc["servers"]["offload"]
+    assert no_off["error"] is None and off["error"] is None
+    assert no_off["max_total_num_tokens"] == budget // 2816 // page * page
+    hot = (8 + 2) * 2 * 64 * 1152
+    assert off["max_total_num_tokens"] == (budget - hot) // 512 // page * page
+    assert doc["max_total_tokens_ratio"] >= 3
+    runs = {r["name"]: r for r in doc["runs"]}
+    assert set(runs) == {"no_offload_c8", "offload_c8", "no_offload_low1", "offload_low1"}
+    assert all(r["completed"] == r["requests"] for r in runs.values())
+    assert {r["phase"] for r in runs.values()} == {"sweep", "low_concurrency"}
+    assert runs["no_offload_c8"]["pool_limited"] and not runs["offload_c8"]["pool_limited"]
+    assert runs["offload_c8"]["peak_running"] > runs["no_offload_c8"]["peak_running"]
+    assert doc["pool_limited_concurrency"] == 8 and doc["throughput_ratio_pool_limited"] > 0
+    assert doc["identical_tokens"] and doc["token_agreement"] == 1.0
+    assert runs["offload_c8"]["identical_to_no_offload"] is True
+    assert doc["low_concurrency_cpu_ratio"] > 0
+    for key in ("max_total_tokens_ratio", "throughput_ratio_pool_limited", "low_concurrency_cpu_ratio",
+                "identical_tokens", "runs"):
+        assert key in doc
