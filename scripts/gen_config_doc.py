@@ -33,7 +33,7 @@ Each feature is configured by a JSON object, given inline or as `@path/to/file.j
 One key is not a feature: `device_kv_budget_bytes` (server flag `--device-kv-budget SIZE`, e.g. `512MiB`), the most
 device memory SGLang's KV pool plus the sparse decode hot buffers may take; the smaller of it and what
 `--mem-fraction-static` leaves is used. On a CPU the server then accounts like a device of that size: the sparse
-decode host pool is host memory outside it (`sglang_plugin/device_kv_budget.py`; `bench serve --capacity` gives both
+decode host pool is host memory outside it (`sglang_plugin/mem_cache/sizing/device_kv_budget.py`; `bench serve --capacity` gives both
 of its servers one such budget).
 
 Unknown keys, wrong types and out-of-range values are all reported at once (rules `parse.*`). Then

@@ -363,7 +363,7 @@ def footprints(model: ModelShape, inputs: CapacityInputs) -> Tuple[Dict[str, Tup
 
     rows = _decode_rows(model, inputs)
     # Sparse decode offloads the target layers only. The MTP (NextN draft) layers keep main
-    # KV + indexer on the device (draft KV placement "device", sglang_plugin/speculative.py).
+    # KV + indexer on the device (draft KV placement "device", sglang_plugin/speculative/eagle.py).
     draft = model.mtp_layers if inputs.mtp else 0
     sd_device_per_token = model.num_layers * idx + draft * bundle
     sd_host_per_token = model.num_layers * main
@@ -407,7 +407,7 @@ def host_pool_bytes_per_node(bytes_per_token: int, tokens_per_pool: int, pools: 
                              per_request: int = 0, requests_per_pool: int = 0) -> int:
     """Host bytes of a node's host KV pools: ``pools`` (one per DP rank on the node; its TP
     ranks share it) x (fixed + requests x per_request + tokens x per_token). The served
-    plugin logs the same number at startup (``sglang_plugin.shared_host_pool``)."""
+    plugin logs the same number at startup (``sglang_plugin.mem_cache.pool_host.shared``)."""
     return pools * (fixed + requests_per_pool * per_request + tokens_per_pool * bytes_per_token)
 
 

@@ -305,7 +305,7 @@ class OffloadConfig:
     decode hot buffers) may take, in bytes; ``None`` = what ``--mem-fraction-static``
     leaves (SGLang's own profile). The smaller of the two is used. On a CPU it also makes
     the server account like a device of that size: the sparse decode host pool is host
-    memory outside the budget, as on an NPU node (``sglang_plugin/device_kv_budget.py``).
+    memory outside the budget, as on an NPU node (``sglang_plugin/mem_cache/sizing/device_kv_budget.py``).
     """
 
     sparse_decode: Optional[SparseDecodeOffloadConfig] = None
@@ -796,7 +796,7 @@ def _check_pd(pd: PDTransferConfig, d: Deployment, add, main_kv_offloaded: bool 
 
 #: Devices whose sparse-decode host pool is one memory shared by an attention-DP group's
 #: TP ranks *and mapped by each of them*, so a P/D engine can write a rank's range into it
-#: (``sglang_plugin/shared_host_pool.py::allocate_rank_pool``). On Ascend the group's
+#: (``sglang_plugin/mem_cache/pool_host/shared.py::allocate_rank_pool``). On Ascend the group's
 #: MemFabric pool is reached through global addresses and has no tensor view to receive into.
 TP_SHARED_HOST_POOL_DEVICES = ("cpu", "cuda")
 

@@ -15,7 +15,7 @@ import pytest
 
 from sglang_ascend_offload import cann_install, platform
 from sglang_ascend_offload.config import Deployment, parse_config, violations
-from sglang_ascend_offload.sglang_plugin.deployment import build_deployment
+from sglang_ascend_offload.sglang_plugin.args.deployment import build_deployment
 from sglang_ascend_offload.testing.sglang_args import server_args_stub
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cann"

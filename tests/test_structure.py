@@ -52,14 +52,14 @@ FACTORY_LOOKUPS: Tuple[Factory, ...] = (
     # The attention backend factory SGLang calls for --attention-backend ascend_offload
     # returns the sparse decode subclass when the served config enables it; that
     # subclass (offload_backend.py) imports backend.py to subclass it.
-    _f("sglang_plugin.backend", "create_backend", "sglang_plugin.offload_backend",
+    _f("sglang_plugin.attention.dsa_backend", "create_backend", "sglang_plugin.attention.sparse_decode",
        "attention backend factory: picks SparseDecodeOffloadBackend, a subclass of backend's class"),
     # SGLang's draft-backend factory (hooked) and the multi-step draft backend build
     # AscendOffloadAttnBackend instances for the draft model; backend.py uses the
     # speculative helpers (verify lengths, draft runner test) at module level.
-    _f("sglang_plugin.speculative", "MultiStepDraftBackend.__init__", "sglang_plugin.backend",
+    _f("sglang_plugin.speculative.eagle", "MultiStepDraftBackend.__init__", "sglang_plugin.attention.dsa_backend",
        "draft backend factory: one AscendOffloadAttnBackend per draft step"),
-    _f("sglang_plugin.speculative", "create_backend_around", "sglang_plugin.backend",
+    _f("sglang_plugin.speculative.eagle", "create_backend_around", "sglang_plugin.attention.dsa_backend",
        "DraftBackendFactory hook: adds the ascend_offload draft backend constructors"),
     # make_store builds the host KV store the config names; each store module
     # implements store.py's HostKVStore interface.
@@ -81,9 +81,9 @@ FACTORY_LOOKUPS: Tuple[Factory, ...] = (
        "Triton rung of copy_miss_rows: loads its kernel on first call; it follows ops.contract"),
     # allocate_rank_pool's NPU attention-TP > 1 branch builds the MemFabric group pool;
     # its control block reuses shared_host_pool's AppendOrder and header.
-    _f("sglang_plugin.shared_host_pool", "open_memfabric_group", "sglang_plugin.group_rendezvous",
+    _f("sglang_plugin.mem_cache.pool_host.shared", "open_memfabric_group", "sglang_plugin.mem_cache.pool_host.group_rendezvous",
        "host pool factory: the MemFabric group's control block builds on shared_host_pool.AppendOrder"),
-    _f("sglang_plugin.shared_host_pool", "open_memfabric_group", "sglang_plugin.memfabric_shared_pool",
+    _f("sglang_plugin.mem_cache.pool_host.shared", "open_memfabric_group", "sglang_plugin.mem_cache.pool_host.npu_memfabric",
        "host pool factory: the MemFabric group pool (NPU only) uses the control block above"),
 )
 
@@ -308,10 +308,10 @@ def test_function_level_cycle_check_can_fail():
     assert any({f"{PKG}.sglang_plugin.compat", f"{PKG}.sglang_plugin.hooks"} <= set(c) for c in found), found
     assert cycles(_graph(include_lazy=False, edges=bad)) == []  # invisible to the module-level check
     # an allow-listed pair imported from another function is not excused
-    bad = _with_site(base, "sglang_plugin.backend", "AscendOffloadAttnBackend.init_forward_metadata",
-                     "sglang_plugin.offload_backend", lazy=True)
+    bad = _with_site(base, "sglang_plugin.attention.dsa_backend", "AscendOffloadAttnBackend.init_forward_metadata",
+                     "sglang_plugin.attention.sparse_decode", lazy=True)
     found = cycles(_graph(include_lazy=True, excused=FACTORY_LOOKUPS, edges=bad))
-    assert any(f"{PKG}.sglang_plugin.offload_backend" in c for c in found), found
+    assert any(f"{PKG}.sglang_plugin.attention.sparse_decode" in c for c in found), found
     # nor is the listed function's import when it moves to module level
     bad = _with_site(base, "transfer.engine", "", "transfer.engine_mooncake", lazy=False)
     found = cycles(_graph(include_lazy=True, excused=FACTORY_LOOKUPS, edges=bad))

@@ -1,6 +1,6 @@
 """``bench append-order``: what ordering TP rank 0's host-pool appends before the other
 ranks' reads costs per decode step on CPU (two independently spawned processes sharing
-one pool mapping, ``sglang_plugin.shared_host_pool``).
+one pool mapping, ``sglang_plugin.mem_cache.pool_host.shared``).
 
 Per step and layer, rank 0 writes ``--batch`` new rows and rank 1 reads ``--batch`` x
 ``--misses`` rows of the same layer. Modes, run one after the other on the same pool:
@@ -46,7 +46,7 @@ def _worker(rank: int, args: Dict, path: str, session: str, port: int, out: "mp.
     import torch
     import torch.distributed as dist
 
-    from ..sglang_plugin import shared_host_pool as shp
+    from ..sglang_plugin.mem_cache.pool_host import shared as shp
     from ..sparse_decode.host_pool import HostPoolShape
 
     torch.set_num_threads(1)
@@ -107,7 +107,7 @@ def _worker(rank: int, args: Dict, path: str, session: str, port: int, out: "mp.
 
 
 def run(args: argparse.Namespace) -> Dict:
-    from ..sglang_plugin import shared_host_pool as shp
+    from ..sglang_plugin.mem_cache.pool_host import shared as shp
     from ..sparse_decode.host_pool import HostPoolShape
     from ..testing.ports import reserve_port
 

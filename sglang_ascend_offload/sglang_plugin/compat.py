@@ -406,7 +406,7 @@ def pool_attributes_not_set(init_without_buffers: Any = None) -> List[str]:
     does not, buffers excepted (:data:`POOL_BUFFERS`)."""
     from sglang.srt.mem_cache.memory_pool import KVCache
 
-    from .pool import DeviceDSAPool
+    from .mem_cache.pool.device import DeviceDSAPool
 
     fn = init_without_buffers or DeviceDSAPool._init_without_buffers
     parent: set = set()

@@ -7,23 +7,23 @@ extension point                                        what the plugin puts ther
 ``server_args.add_attention_backend_choices``          ``ascend_offload`` as a CLI choice
 DeepSeek ``AttentionBackendRegistry.register``         handler: absorbed MLA for our backend
 ``resolution_hooks.register_resolution_hook``          backend choice, CPU probe guard,
-                                                       validation (:mod:`.resolution`)
-HookRegistry AROUND ``ServerArgs.add_cli_args``        the plugin's flags (:mod:`.flags`)
+                                                       validation (:mod:`.args.resolution`)
+HookRegistry AROUND ``ServerArgs.add_cli_args``        the plugin's flags (:mod:`.args.flags`)
 HookRegistry AROUND ``ServerArgs.from_cli_args``       keep the flag values
 HookRegistry AROUND ``KVCacheConfigurator.             the plugin's pools when our backend
 _build_token_to_kv_pool``                              is selected
 HookRegistry AROUND ``KVCacheConfigurator.             sparse decode: hot buffers from
 _resolve_memory_pool_config``, AFTER ``DefaultPool      SGLang's KV budget, device bytes
-Configurator._compute_cell_size``                      per token (:mod:`.offload_sizing`)
+Configurator._compute_cell_size``                      per token (:mod:`.mem_cache.sizing.sparse_decode`)
 HookRegistry AFTER ``KVCacheConfigurator.              ``--device-kv-budget`` caps the
-_profile_available_bytes``                             budget (:mod:`.device_kv_budget`)
+_profile_available_bytes``                             budget (:mod:`.mem_cache.sizing.device_kv_budget`)
 HookRegistry AROUND ``Indexer.forward_native``         the CPU indexer forward (routes to
                                                        the backend; otherwise unchanged)
 HookRegistry AROUND ``torch.cuda.                      "no CUDA" while resolving on a CPU
 get_device_capability``                                (:mod:`.cpu_capability`)
 HookRegistry AROUND ``DraftBackendFactory.             speculative decoding (EAGLE / NextN):
 _create_backend``, ``allocation.get_last_loc``,          draft backends, torch last-slot lookup,
-``set_embed_and_head``, ``torch.cuda.synchronize``     no CUDA sync on a CPU (:mod:`.speculative`)
+``set_embed_and_head``, ``torch.cuda.synchronize``     no CUDA sync on a CPU (:mod:`.speculative.eagle`)
 =====================================================  ==================================
 
 No SGLang file is changed and nothing is patched outside HookRegistry.
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 
-from . import carrier, flags
+from .args import carrier, flags
 from .compat import TARGET_ADD_CLI as _TARGET_ADD_CLI
 from .compat import TARGET_FROM_CLI as _TARGET_FROM_CLI
 from .compat import TARGET_INDEXER as _TARGET_INDEXER
@@ -95,20 +95,20 @@ def _build_pool_around(original, self, *, sizes, is_dsa_model, is_dsv4_model, re
             "(DeepSeek-V3.2 style); choose another backend for this model"
         )
     if carrier.active_config().layerwise_prefill is not None:  # layerwise prefill offload pool
-        from .layerwise_pool import build_layerwise_pool
+        from .mem_cache.pool.layerwise_prefill import build_layerwise_pool
 
         return build_layerwise_pool(self, max_total_num_tokens=sizes.max_total_num_tokens,
                                     is_dsa_model=is_dsa_model)
     if carrier.active_config().kvpp is not None:  # KVPP: layers sharded over the TP group
-        from .kvpp_pool import build_kvpp_pool
+        from .mem_cache.pool.kvpp import build_kvpp_pool
 
         return build_kvpp_pool(self, max_total_num_tokens=sizes.max_total_num_tokens, is_dsa_model=is_dsa_model)
     if carrier.sparse_decode_enabled():
-        from .offload_pool import build_offload_pool
+        from .mem_cache.pool.sparse_decode import build_offload_pool
 
         return build_offload_pool(self, max_total_num_tokens=sizes.max_total_num_tokens,
                                   is_dsa_model=is_dsa_model, rows=req_to_token_pool.req_to_token.shape[0])
-    from .pool import build_device_pool
+    from .mem_cache.pool.device import build_device_pool
 
     return build_device_pool(self, max_total_num_tokens=sizes.max_total_num_tokens, is_dsa_model=is_dsa_model)
 
@@ -118,7 +118,7 @@ def _indexer_forward_native_around(original, self, x, q_lora, positions, forward
                                    return_indices: bool = True, **kwargs):
     from sglang.srt.model_executor.forward_context import get_attn_backend
 
-    from .backend import AscendOffloadAttnBackend
+    from .attention.dsa_backend import AscendOffloadAttnBackend
 
     try:
         backend = get_attn_backend()
@@ -137,8 +137,8 @@ def install_runtime() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
-    from . import resolution
-    from .backend import create_backend, handle_deepseek_attention
+    from .args import resolution
+    from .attention.dsa_backend import create_backend, handle_deepseek_attention
     from .names import BACKEND_NAME
     from .cpu_capability import capability_around
 
@@ -150,24 +150,24 @@ def install_runtime() -> None:
     HookRegistry.register(_TARGET_INDEXER, _indexer_forward_native_around, HookType.AROUND)
     HookRegistry.register(_TARGET_CAPABILITY, capability_around, HookType.AROUND)
     resolution.install()
-    from .disagg.install import install as install_pd_backend  # P/D transfer backend ascend_offload
+    from .disaggregation.ascend_offload.install import install as install_pd_backend  # P/D transfer backend ascend_offload
 
     install_pd_backend()
     assert ATTENTION_BACKENDS[BACKEND_NAME] is create_backend
-    from .layerwise_sizing import install as install_layerwise_sizing  # layerwise prefill: memory profile
+    from .mem_cache.sizing.layerwise_prefill import install as install_layerwise_sizing  # layerwise prefill: memory profile
 
     install_layerwise_sizing()
-    from .kvpp_sizing import install as install_kvpp_sizing  # KVPP: per-rank KV bytes per token
+    from .mem_cache.sizing.kvpp import install as install_kvpp_sizing  # KVPP: per-rank KV bytes per token
 
     install_kvpp_sizing()
-    from .device_kv_budget import install as install_device_kv_budget  # --device-kv-budget
-    from .offload_sizing import install as install_offload_sizing  # sparse decode: one device budget
+    from .mem_cache.sizing.device_kv_budget import install as install_device_kv_budget  # --device-kv-budget
+    from .mem_cache.sizing.sparse_decode import install as install_offload_sizing  # sparse decode: one device budget
 
     install_offload_sizing()
     install_device_kv_budget()
-    from .speculative import install as install_speculative  # EAGLE / NextN (MTP) on the backend
+    from .speculative.eagle import install as install_speculative  # EAGLE / NextN (MTP) on the backend
 
     install_speculative()
-    from .cpu_spec_graph import install as install_cpu_spec_graph  # CPU verify graphs (torch.compile)
+    from .speculative.cpu_graph import install as install_cpu_spec_graph  # CPU verify graphs (torch.compile)
 
     install_cpu_spec_graph()

@@ -22,7 +22,7 @@ rows (:meth:`HostKVPool.write_rows`), then publishes ``(step, layer)`` through a
 before it reads (copies misses). The gate's lock gives the happens-before edge
 between rank 0's stores and the readers' loads; a wait has a deadline. The gate
 needs processes started by one parent; SGLang's TP schedulers are not, and use
-``sglang_plugin.shared_host_pool.AppendOrder`` instead (per-layer counters in the
+``sglang_plugin.mem_cache.pool_host.shared.AppendOrder`` instead (per-layer counters in the
 mapping's header under a process-shared semaphore, same interface via ``EngineGate``).
 """
 
@@ -125,7 +125,7 @@ class HostKVPool:
         """TP rank 0: create the mapping file (zero-filled) and map it; unlinked on :meth:`close`.
 
         File layout: ``header_bytes`` (a multiple of 4096; the caller's metadata, e.g.
-        the owner and the append-ordering counters of ``sglang_plugin.shared_host_pool``)
+        the owner and the append-ordering counters of ``sglang_plugin.mem_cache.pool_host.shared``)
         followed by the ``[layers, tokens, D]`` rows. ``reserve``: ``posix_fallocate``
         the whole file first, so a ``/dev/shm`` too small for the pool is an ``OSError``
         here instead of a ``SIGBUS`` on the first write of an unbacked page later.
@@ -296,7 +296,7 @@ def _memfabric_detail() -> str:
 class AppendTimeout(TimeoutError):
     """A reader (a TP rank > 0) waited past its deadline for TP rank 0's append of a
     layer (the CPU append gate here, the served pool's append order in
-    ``sglang_plugin/shared_host_pool.py``)."""
+    ``sglang_plugin/mem_cache/pool_host/shared.py``)."""
 
 
 class AppendGate:

@@ -6,7 +6,7 @@ Two implementations:
   tensor ``[layers, tokens, D]`` (pinned, a shared mapping, or MemFabric offload
   memory); the engine's copy kernels index it directly (``layer(l)``), which keeps the
   per-layer step graph-capturable and free of host reads;
-* ``sglang_plugin.memfabric_shared_pool.MemfabricGroupPool`` (``tensor_backed =
+* ``sglang_plugin.mem_cache.pool_host.npu_memfabric.MemfabricGroupPool`` (``tensor_backed =
   False``): the rows are rank 0's MemFabric host memory, reached through global
   addresses; there is no tensor view, so writes and gathers are MemFabric copies with
   host-side slot lists (eager only).

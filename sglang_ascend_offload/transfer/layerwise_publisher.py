@@ -10,7 +10,7 @@ device pool). Instead:
 1. before the forward that runs a request's **last chunk**, the caller says which
    ``req_to_token`` row carries which bootstrap room and decode session
    (:meth:`LayerwisePublisher.expect`; in a server the BEFORE hook on
-   ``Scheduler.run_batch`` in ``sglang_plugin/disagg/install.py`` does, after :meth:`~LayerwisePublisher.begin_batch`);
+   ``Scheduler.run_batch`` in ``sglang_plugin/disaggregation/ascend_offload/install.py`` does, after :meth:`~LayerwisePublisher.begin_batch`);
 2. when the pool opens that forward it asks :meth:`LayerwisePublisher.consumers_of`
    (``pool.set_extra_consumers``): the request is added to its decode peer's
    :class:`~sglang_ascend_offload.transfer.prefill_side.PrefillSender` and the peer's
@@ -55,7 +55,7 @@ The pool is duck-typed (the plugin's ``LayerwisePrefillPool``): ``pipelined``,
 ``fn`` receives a forward's info (``forward_id``, ``pipelined_layers``, ``requests``
 each with ``req_pool_idx`` and ``pages``) and, per written layer, an item with
 ``forward``, ``layer``, ``slot`` and ``pipelined``
-(``sglang_plugin/layerwise_runtime.py``: ``ForwardInfo``, ``LayerWritten``).
+(``sglang_plugin/mem_cache/pool/layerwise_runtime.py``: ``ForwardInfo``, ``LayerWritten``).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ max_blocks=None, staging_slots=2, draft_pool=None``) and report the same per-req
 (:class:`~.status.RequestStatus`: ``pending`` / ``done`` / ``failed`` with a reason).
 Requests are named by an integer *room* (SGLang's bootstrap room in the plugin);
 decode peers by a *session* string with their :class:`~.advert.DecodeAdvert`.
-Nothing here imports SGLang: the plugin's KV manager (``sglang_plugin/disagg/conn.py``)
+Nothing here imports SGLang: the plugin's KV manager (``sglang_plugin/disaggregation/ascend_offload/conn.py``)
 holds one publisher and calls only this interface.
 """
 

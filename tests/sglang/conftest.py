@@ -63,7 +63,7 @@ def plugins_loaded():
 @pytest.fixture
 def clean_state():
     """No remembered plugin flags and no published config before and after the test."""
-    from sglang_ascend_offload.sglang_plugin import carrier, flags
+    from sglang_ascend_offload.sglang_plugin.args import carrier, flags
 
     flags.forget()
     carrier.clear()

@@ -132,11 +132,11 @@ class Harness:
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         from sglang_ascend_offload import config as cfg
-        from sglang_ascend_offload.sglang_plugin import carrier
-        from sglang_ascend_offload.sglang_plugin.backend import AscendOffloadAttnBackend
-        from sglang_ascend_offload.sglang_plugin.offload_backend import SparseDecodeOffloadBackend
-        from sglang_ascend_offload.sglang_plugin.offload_pool import HostMainKVPool
-        from sglang_ascend_offload.sglang_plugin.pool import DeviceDSAPool
+        from sglang_ascend_offload.sglang_plugin.args import carrier
+        from sglang_ascend_offload.sglang_plugin.attention.dsa_backend import AscendOffloadAttnBackend
+        from sglang_ascend_offload.sglang_plugin.attention.sparse_decode import SparseDecodeOffloadBackend
+        from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
+        from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
 
         self.layers, self.page_size, self.device = layers, page_size, device
         self.offload_config = offload_config or cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK)

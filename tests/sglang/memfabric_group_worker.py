@@ -57,7 +57,7 @@ def shape():
 
 
 def engine_for(pool, rank: int, order=None, device: str = "cpu"):
-    from sglang_ascend_offload.sglang_plugin.shared_host_pool import EngineGate
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host.shared import EngineGate
     from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
 
     gate = EngineGate(order) if order is not None and rank > 0 else None
@@ -105,7 +105,7 @@ def reference_outputs(device: str = "cpu") -> torch.Tensor:
 
 
 def group_view(rank: int, size: int, queues, deadline_s: float):
-    from sglang_ascend_offload.sglang_plugin.shared_host_pool import GroupView
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host.shared import GroupView
 
     def broadcast(obj):
         if rank == 0:
@@ -137,7 +137,7 @@ def rank_main(rank: int, size: int, env: Dict[str, str], queues, results, die_af
         from sglang_ascend_offload import platform
 
         platform.device_kind = lambda: "npu"  # the stand-in world: an NPU whose "device" tensors are CPU tensors
-        from sglang_ascend_offload.sglang_plugin import shared_host_pool as shp
+        from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host import shared as shp
 
         rp = shp.allocate_rank_pool(shape(), "memfabric", view=group_view(rank, size, queues, 30.0))
         info.update(kind=rp.pool.kind, base=rp.pool.base, tensor_backed=rp.pool.tensor_backed)

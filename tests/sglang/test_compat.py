@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_ascend_offload import config as cfg
-from sglang_ascend_offload.sglang_plugin import compat, flags
+from sglang_ascend_offload.sglang_plugin import compat
+from sglang_ascend_offload.sglang_plugin.args import flags
 from sglang_ascend_offload.testing.sglang_args import server_args_stub
 
 from conftest import TINY_DSA
@@ -61,7 +62,7 @@ def test_validation_step_must_stay_last(monkeypatch):
 
 
 def test_pool_attribute_added_by_sglang_is_reported():
-    from sglang_ascend_offload.sglang_plugin.pool import DeviceDSAPool
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
 
     source = textwrap.dedent(inspect.getsource(DeviceDSAPool._init_without_buffers))
     assert "self.indexer_hadamard_128 = None" in source
@@ -123,8 +124,8 @@ def test_incompatibility_stops_startup_with_every_problem(plugins_loaded, clean_
 def test_layerwise_pd_prefill_without_its_publisher_fails_loudly(clean_state):
     """The run_batch hook skips servers without the layerwise P/D publisher, but on a server
     configured for it a missing queue / manager / publisher is an error naming it."""
-    from sglang_ascend_offload.sglang_plugin import carrier
-    from sglang_ascend_offload.sglang_plugin.disagg.install import _layerwise_publisher
+    from sglang_ascend_offload.sglang_plugin.args import carrier
+    from sglang_ascend_offload.sglang_plugin.disaggregation.ascend_offload.install import _layerwise_publisher
 
     scheduler = SimpleNamespace()  # SGLang renamed disagg_prefill_bootstrap_queue, say
     assert _layerwise_publisher(scheduler) == (None, None)  # nothing configured: not our server
@@ -167,7 +168,7 @@ def test_fields_set_outside_init_are_found_and_renamed_ones_reported(monkeypatch
 def test_pd_hooks_read_sglang_objects_strictly(monkeypatch):
     """The P/D hooks' reads of SGLang's queues, scheduler, batch and requests go through
     compat.field: a renamed field is an error naming it, never a default."""
-    from sglang_ascend_offload.sglang_plugin.disagg import conn, install
+    from sglang_ascend_offload.sglang_plugin.disaggregation.ascend_offload import conn, install
 
     got = {}
     monkeypatch.setattr(conn.AscendOffloadKVManager, "attach_pool",

@@ -1,4 +1,4 @@
-"""CPU verify graphs (``sglang_plugin/cpu_spec_graph.py``) without a server.
+"""CPU verify graphs (``sglang_plugin/speculative/cpu_graph.py``) without a server.
 
 * :func:`row_lens`: verify row ``j`` over committed length ``L`` sees ``L + j + 1`` positions.
 * The offload verify step of a graph bucket (:func:`begin_graph_verify` filling the
@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from sglang_ascend_offload.ops.reference import sparse_mla_attention
-from sglang_ascend_offload.sglang_plugin import cpu_spec_graph, speculative
-from sglang_ascend_offload.sglang_plugin.offload_backend import OffloadGraphBuffers, RowOwners
+from sglang_ascend_offload.sglang_plugin.speculative import cpu_graph as cpu_spec_graph, eagle as speculative
+from sglang_ascend_offload.sglang_plugin.attention.sparse_decode import OffloadGraphBuffers, RowOwners
 from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine, decode_layer_step
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
 from sglang_ascend_offload.sparse_decode.request_union import union_of_rows
@@ -156,7 +156,7 @@ def test_wrong_token_table_differs():
 
 @pytest.mark.parametrize("device, refused", [("cpu", False), ("npu", True), ("cuda", True)])
 def test_startup_rule_allows_graph_speculation_only_on_the_cpu(device, refused):
-    from sglang_ascend_offload.sglang_plugin import launch_checks
+    from sglang_ascend_offload.sglang_plugin.args import launch_checks
 
     view = SimpleNamespace(speculative_algorithm="NEXTN", speculative_eagle_topk=1, speculative_num_steps=3,
                            speculative_num_draft_tokens=4, disable_overlap_schedule=True, device=device,

@@ -1,4 +1,4 @@
-"""``--device-kv-budget`` (``sglang_plugin/device_kv_budget.py``): the flag, the cap on
+"""``--device-kv-budget`` (``sglang_plugin/mem_cache/sizing/device_kv_budget.py``): the flag, the cap on
 SGLang's profiled KV budget, and a CPU server's per-token device bytes when it accounts
 like a device. The served effect (``max_total_num_tokens`` of both servers at one
 budget) is checked by the capacity benchmark's served test (``test_bench_capacity.py``)."""
@@ -12,7 +12,9 @@ import pytest
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.memory_budget import parse_size
-from sglang_ascend_offload.sglang_plugin import carrier, compat, device_kv_budget, flags, offload_sizing
+from sglang_ascend_offload.sglang_plugin.args import carrier, flags
+from sglang_ascend_offload.sglang_plugin import compat
+from sglang_ascend_offload.sglang_plugin.mem_cache.sizing import device_kv_budget, sparse_decode as offload_sizing
 
 MiB = 2**20
 

@@ -10,8 +10,13 @@ import pytest
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload import platform
-from sglang_ascend_offload.sglang_plugin import carrier, flags, resolution
-from sglang_ascend_offload.sglang_plugin.deployment import build_deployment, graph_mode, main_kv_dtype, model_kind
+from sglang_ascend_offload.sglang_plugin.args import carrier, flags, resolution
+from sglang_ascend_offload.sglang_plugin.args.deployment import (
+    build_deployment,
+    graph_mode,
+    main_kv_dtype,
+    model_kind,
+)
 
 from sglang_ascend_offload.testing.sglang_args import server_args_stub
 

@@ -2,7 +2,7 @@
 SGLang's EAGLE worker), offload off and on (issue 10, items 3-5).
 
 SGLang's own ``CPUGraphRunner`` refuses speculative decoding; with ``ascend_offload``
-the plugin's runner (``sglang_plugin/cpu_spec_graph.py``) captures the target's
+the plugin's runner (``sglang_plugin/speculative/cpu_graph.py``) captures the target's
 ``TARGET_VERIFY`` forward per bucket with ``torch.compile`` (``bs`` requests x 4 verify
 rows); the draft (NextN) steps stay eager (SGLang's CPU engine captures no draft graphs).
 

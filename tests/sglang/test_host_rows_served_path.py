@@ -27,7 +27,8 @@ def _same(step, what):
 
 
 def test_offload_without_a_tensor_view_equals_offload_off(monkeypatch):
-    from sglang_ascend_offload.sglang_plugin import offload_pool, shared_host_pool as shp
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool import sparse_decode as offload_pool
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host import shared as shp
     from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool
 
     made = []
@@ -60,7 +61,7 @@ def test_offload_without_a_tensor_view_equals_offload_off(monkeypatch):
 
 
 def test_group_pool_merges_runs_of_consecutive_source_and_destination_rows():
-    from sglang_ascend_offload.sglang_plugin.memfabric_shared_pool import _runs
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host.npu_memfabric import _runs
 
     src = torch.tensor([3, 4, 5, 9, 10, 2, 3])
     dst = torch.tensor([0, 1, 2, 3, 7, 8, 9])
@@ -79,11 +80,11 @@ def test_a_control_block_left_by_a_killed_rank0_is_reclaimed(tmp_path):
     import sys
     import textwrap
 
-    from sglang_ascend_offload.sglang_plugin import shared_host_pool as shp
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host import shared as shp
 
     code = textwrap.dedent(f"""
         from pathlib import Path
-        from sglang_ascend_offload.sglang_plugin import group_rendezvous as gr
+        from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host import group_rendezvous as gr
         from sglang_ascend_offload.sparse_decode.host_pool import HostPoolShape
         ctl = gr._create(HostPoolShape(2, 64, 8, 4), 2, 0, Path({str(tmp_path)!r}), 5.0)
         print(ctl.path, flush=True)
@@ -102,7 +103,7 @@ def test_a_rank_whose_own_step_fails_names_the_groups_first_failure(tmp_path):
     waiting, and is ``None`` while every other rank is alive and well."""
     import mmap
 
-    from sglang_ascend_offload.sglang_plugin import group_rendezvous as gr
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host import group_rendezvous as gr
     from sglang_ascend_offload.sparse_decode.host_pool import HostPoolShape
 
     shape = HostPoolShape(2, 64, 8, 4)

@@ -55,9 +55,9 @@ class _Rank:
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         from sglang_ascend_offload import config as cfg
-        from sglang_ascend_offload.sglang_plugin.backend import AscendOffloadAttnBackend
-        from sglang_ascend_offload.sglang_plugin.kvpp_pool import KVPPGroup, KVPPPool
-        from sglang_ascend_offload.sglang_plugin.pool import DeviceDSAPool
+        from sglang_ascend_offload.sglang_plugin.attention.dsa_backend import AscendOffloadAttnBackend
+        from sglang_ascend_offload.sglang_plugin.mem_cache.pool.kvpp import KVPPGroup, KVPPPool
+        from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
 
         self.device = device
         self.gen = torch.Generator().manual_seed(1234)  # same inputs on every rank

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from sglang_ascend_offload import config as cfg
-from sglang_ascend_offload.sglang_plugin import carrier, flags
-from sglang_ascend_offload.sglang_plugin.kvpp_rules import RULES, kvpp_violations
+from sglang_ascend_offload.sglang_plugin.args import carrier, flags
+from sglang_ascend_offload.sglang_plugin.args.rules.kvpp import RULES, kvpp_violations
 
 from sglang_ascend_offload.testing.sglang_args import server_args_stub
 
@@ -91,7 +91,7 @@ def test_valid_config_is_published(plugins_loaded, clean_state):
 
 
 def test_cell_size_is_the_fullest_ranks_owned_plus_two_scratch():
-    from sglang_ascend_offload.sglang_plugin.kvpp_sizing import kvpp_cell_size, kvpp_layer_caches
+    from sglang_ascend_offload.sglang_plugin.mem_cache.sizing.kvpp import kvpp_cell_size, kvpp_layer_caches
 
     assert kvpp_layer_caches(8, 2) == 6 and kvpp_layer_caches(8, 3) == 5 and kvpp_layer_caches(61, 8) == 10
     assert kvpp_cell_size(8 * 1408, 8, 2) == 6 * 1408

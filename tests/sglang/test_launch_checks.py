@@ -16,7 +16,7 @@ import pytest
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload import memory_budget
-from sglang_ascend_offload.sglang_plugin import carrier, flags, launch_checks
+from sglang_ascend_offload.sglang_plugin.args import carrier, flags, launch_checks
 
 from conftest import TINY_DSA, run_launcher
 
@@ -191,7 +191,7 @@ def test_launcher_refuses_before_any_model_loads(case, no_indexer_model):
 def test_pool_checks_the_exact_buffers_before_allocating():
     """At pool construction the request pool's rows are known: buffers that cannot fit
     are refused with the numbers before anything is allocated."""
-    from sglang_ascend_offload.sglang_plugin.offload_pool import _require_memory
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import _require_memory
 
     _require_memory(layers=2, rows=5, hot_tokens=64, tokens=4096, row_dim=576, device="cpu")  # 1.5 MB: fits
     with pytest.raises(cfg.ConfigError) as info:

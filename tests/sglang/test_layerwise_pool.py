@@ -66,9 +66,9 @@ class LayerwiseHarness:
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-        from sglang_ascend_offload.sglang_plugin.backend import AscendOffloadAttnBackend
-        from sglang_ascend_offload.sglang_plugin.layerwise_pool import LayerwisePrefillPool
-        from sglang_ascend_offload.sglang_plugin.pool import DeviceDSAPool
+        from sglang_ascend_offload.sglang_plugin.attention.dsa_backend import AscendOffloadAttnBackend
+        from sglang_ascend_offload.sglang_plugin.mem_cache.pool.layerwise_prefill import LayerwisePrefillPool
+        from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
 
         self.device = device
         self.gen = torch.Generator().manual_seed(seed)
@@ -466,7 +466,11 @@ def test_pd_missing_answer_times_out_naming_the_consumer(ctx):
 
 # ------------------------------------------------------------------ page book
 def test_page_book_plans_loads_saves_and_stale_objects():
-    from sglang_ascend_offload.sglang_plugin.layerwise_pages import BatchRequest, PageBook, PageBookError
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.layerwise_pages import (
+        BatchRequest,
+        PageBook,
+        PageBookError,
+    )
 
     book = PageBook(page_size=4, namespace="ns")
     first = book.plan([BatchRequest(0, 0, 6, (3, 5))])  # pages 3 (full) and 5 (2 rows), both fresh
@@ -499,7 +503,11 @@ def test_page_book_loads_a_rejected_speculative_tail_that_the_forward_rewrites()
     rejected, so the next verify continues from 2 cached rows and rewrites rows 2-3:
     the 3-row object is loaded whole. Without speculation the same plan is refused, and
     a saved tail longer than what the forward rewrites is refused either way."""
-    from sglang_ascend_offload.sglang_plugin.layerwise_pages import BatchRequest, PageBook, PageBookError
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.layerwise_pages import (
+        BatchRequest,
+        PageBook,
+        PageBookError,
+    )
 
     for speculative in (True, False):
         book = PageBook(page_size=4, namespace="ns", speculative_tails=speculative)

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_ascend_offload import config as cfg
-from sglang_ascend_offload.sglang_plugin import carrier, flags
-from sglang_ascend_offload.sglang_plugin.flags import RawFlags
-from sglang_ascend_offload.sglang_plugin.layerwise_rules import RULES, layerwise_violations
+from sglang_ascend_offload.sglang_plugin.args import carrier, flags
+from sglang_ascend_offload.sglang_plugin.args.flags import RawFlags
+from sglang_ascend_offload.sglang_plugin.args.rules.layerwise_prefill import RULES, layerwise_violations
 
 from sglang_ascend_offload.testing.sglang_args import server_args_stub
 
@@ -116,7 +116,7 @@ def test_cell_size_scaled_by_physical_layer_caches(plugins_loaded, clean_state):
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_ascend_offload.sglang_plugin import layerwise_sizing as sizing
+    from sglang_ascend_offload.sglang_plugin.mem_cache.sizing import layerwise_prefill as sizing
 
     lw1 = cfg.LayerwisePrefillOffloadConfig(shared_buffers=1, store_backend="local")
     assert sizing.physical_layer_caches(lw1, 61) == 2

@@ -101,7 +101,7 @@ def test_engine_gather_path_matches_the_tensor_path_in_process():
 
 
 def test_no_private_pool_per_rank_warning_left():
-    from sglang_ascend_offload.sglang_plugin import shared_host_pool as shp
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host import shared as shp
 
     src = open(shp.__file__).read()
     assert "private MemFabric host pool per" not in src

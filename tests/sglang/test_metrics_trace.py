@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_ascend_offload.sglang_plugin.metrics import METRIC_PREFIX, OffloadMetrics, summary_line
-from sglang_ascend_offload.sglang_plugin.trace_recorder import TraceRecorder, trace_path
+from sglang_ascend_offload.sglang_plugin.observability.metrics import METRIC_PREFIX, OffloadMetrics, summary_line
+from sglang_ascend_offload.sglang_plugin.observability.trace_recorder import TraceRecorder, trace_path
 from sglang_ascend_offload.sparse_decode.stats import Counters, DecodeStats
 from sglang_ascend_offload.sparse_decode.trace import load_trace
 

@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from sglang_ascend_offload.sglang_plugin import cpu_capability, speculative
+from sglang_ascend_offload.sglang_plugin import cpu_capability
+from sglang_ascend_offload.sglang_plugin.speculative import eagle as speculative
 from sglang_ascend_offload.sglang_plugin.cpu_capability import NoCudaScope
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the scope only answers without CUDA")

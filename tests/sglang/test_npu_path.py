@@ -34,7 +34,7 @@ NPU_MODEL_ENV = "SGLANG_ASCEND_OFFLOAD_NPU_MODEL"
 def test_npu_pool_writes_equal_cpu_pool_writes():
     from types import SimpleNamespace
 
-    from sglang_ascend_offload.sglang_plugin.pool import DeviceDSAPool
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
 
     with published_context("npu"):
         common = dict(page_size=128, dtype=torch.bfloat16, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,

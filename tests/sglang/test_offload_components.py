@@ -126,7 +126,7 @@ def test_indexer_rope_matches_sglang_rotary_embedding(ctx):
     """Interleaved rope equals SGLang's own ``forward_native``; the neox variant is
     the interleaved one on de-interleaved dims (SGLang's neox forward_native is broken
     on 2-D slices, which is why the plugin computes the indexer rope itself)."""
-    from sglang_ascend_offload.sglang_plugin.indexer import apply_indexer_rope
+    from sglang_ascend_offload.sglang_plugin.attention.native_indexer import apply_indexer_rope
 
     ix = make_indexer(0, neox=False)
     rope = ix.rotary_emb
@@ -147,7 +147,7 @@ def test_indexer_rope_matches_sglang_rotary_embedding(ctx):
 def test_indexer_path_stores_keys_and_selects_the_best_causal_positions(ctx):
     """run_indexer: index K of the new tokens lands at their slots (bit-exact), and the
     top-k are the highest-scoring visible positions of ``sum_h w * relu(q.k)``."""
-    from sglang_ascend_offload.sglang_plugin.indexer import indexer_query_key_weights
+    from sglang_ascend_offload.sglang_plugin.attention.native_indexer import indexer_query_key_weights
 
     h = Harness()
     r = h.new_request("r")

@@ -1,4 +1,4 @@
-"""One device budget for sparse decode offload (``sglang_plugin/offload_sizing.py``).
+"""One device budget for sparse decode offload (``sglang_plugin/mem_cache/sizing/sparse_decode.py``).
 
 * the split itself (:func:`plan_device_budget`): the token pool's reservation first, then
   as many requests' hot buffers as fit, capped to what SGLang would run; not even one
@@ -25,8 +25,13 @@ import pytest
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.memory_budget import format_bytes
-from sglang_ascend_offload.sglang_plugin import compat, offload_sizing, speculative
-from sglang_ascend_offload.sglang_plugin.offload_sizing import hot_bytes_per_request, plan_device_budget
+from sglang_ascend_offload.sglang_plugin import compat
+from sglang_ascend_offload.sglang_plugin.mem_cache.sizing import sparse_decode as offload_sizing
+from sglang_ascend_offload.sglang_plugin.speculative import eagle as speculative
+from sglang_ascend_offload.sglang_plugin.mem_cache.sizing.sparse_decode import (
+    hot_bytes_per_request,
+    plan_device_budget,
+)
 from sglang_ascend_offload.testing.servers import ServerProcess
 
 MiB = 2**20

@@ -50,7 +50,7 @@ def _common(page=PAGE, layers=LAYERS):
 
 
 def device_pool(page=PAGE, layers=LAYERS, fill_seed=None, start_layer=None, slots=SLOTS):
-    from sglang_ascend_offload.sglang_plugin.pool import DeviceDSAPool
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
 
     pool = DeviceDSAPool(slots, index_size=slots, index_page_size=page, start_layer=start_layer,
                          **_common(page, layers))
@@ -70,7 +70,7 @@ def draft_pool(fill_seed=None, **kw):
 
 
 def host_pool(page=PAGE, layers=LAYERS):
-    from sglang_ascend_offload.sglang_plugin.offload_pool import HostMainKVPool
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
 
     return HostMainKVPool(SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK),
                           **_common(page, layers))

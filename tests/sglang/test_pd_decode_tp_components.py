@@ -45,7 +45,7 @@ def _common():
 
 
 def device_pool(fill_seed=None):
-    from sglang_ascend_offload.sglang_plugin.pool import DeviceDSAPool
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
 
     pool = DeviceDSAPool(SLOTS, index_size=SLOTS, index_page_size=PAGE, **_common())
     if fill_seed is not None:
@@ -56,7 +56,7 @@ def device_pool(fill_seed=None):
 
 
 def host_pool():
-    from sglang_ascend_offload.sglang_plugin.offload_pool import HostMainKVPool
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
 
     return HostMainKVPool(SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK),
                           **_common())
@@ -65,7 +65,8 @@ def host_pool():
 @pytest.fixture
 def shared_pools(tmp_path, monkeypatch):
     """Two decode ranks' ``HostMainKVPool`` over one shared mapping (rank 0 creates, rank 1 attaches)."""
-    from sglang_ascend_offload.sglang_plugin import offload_pool, shared_host_pool as shp
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool import sparse_decode as offload_pool
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host import shared as shp
 
     made = []
 

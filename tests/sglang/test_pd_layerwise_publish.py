@@ -209,7 +209,7 @@ def test_sends_after_the_forward_are_checked_and_stale_announcements_fail(ctx):
 def test_last_chunk_rows_picks_the_requests_this_forward_finishes():
     from types import SimpleNamespace as NS
 
-    from sglang_ascend_offload.sglang_plugin.disagg.install import last_chunk_rows
+    from sglang_ascend_offload.sglang_plugin.disaggregation.ascend_offload.install import last_chunk_rows
 
     extend = NS(is_extend=lambda: True)
 

@@ -39,8 +39,8 @@ def free_port() -> int:
 
 def _pools(kind, device):
     from sglang_ascend_offload import config as cfg
-    from sglang_ascend_offload.sglang_plugin.offload_pool import HostMainKVPool
-    from sglang_ascend_offload.sglang_plugin.pool import DeviceDSAPool
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
 
     common = dict(page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64, layer_num=LAYERS,
                   device=device, enable_memory_saver=False, index_head_dim=128)

@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_ascend_offload import config as cfg
-from sglang_ascend_offload.sglang_plugin import carrier, flags
-from sglang_ascend_offload.sglang_plugin.disagg import rules
+from sglang_ascend_offload.sglang_plugin.args import carrier, flags
+from sglang_ascend_offload.sglang_plugin.args.rules import pd_transfer as rules
 from sglang_ascend_offload.transfer.advert import (ADVERT_FRAME_INDEX, ADVERT_VERSION, DecodeAdvert,
                                                             advert_from_registration, decode_advert,
                                                             encode_advert)
@@ -53,7 +53,7 @@ def test_choice_and_hooks_are_registered(plugins_loaded):
     from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_ascend_offload.sglang_plugin.disagg import install
+    from sglang_ascend_offload.sglang_plugin.disaggregation.ascend_offload import install
 
     assert "ascend_offload" in DISAGG_TRANSFER_BACKEND_CHOICES
     for target in (install._TARGET_GET_KV_CLASS, install._TARGET_CONFIG_STORE, install._TARGET_PREFILL_MANAGER,
@@ -194,7 +194,7 @@ def test_decode_attention_tp_rule(plugins_loaded, clean_state):
 
 
 def test_attention_parallel_reads_both_spellings():
-    from sglang_ascend_offload.sglang_plugin.deployment import attention_parallel
+    from sglang_ascend_offload.sglang_plugin.args.deployment import attention_parallel
 
     def getter(**kw):
         return lambda name, default=None: kw.get(name, default)
@@ -252,7 +252,7 @@ def test_pair_rules_at_pairing(p_tp, d_tp, ok):
 def test_get_kv_class_routes_ascend_to_our_classes_only_with_the_config(plugins_loaded, clean_state):
     from sglang.srt.disaggregation import utils
 
-    from sglang_ascend_offload.sglang_plugin.disagg import conn
+    from sglang_ascend_offload.sglang_plugin.disaggregation.ascend_offload import conn
 
     ascend, kinds = utils.TransferBackend.ASCEND, utils.KVClassType
     carrier.publish(cfg.OffloadConfig(pd_transfer=cfg.PDTransferConfig(engine="mooncake")))
@@ -348,7 +348,7 @@ def _receiver(sgl_status, sink):
 
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    from sglang_ascend_offload.sglang_plugin.disagg.conn import AscendOffloadKVReceiver
+    from sglang_ascend_offload.sglang_plugin.disaggregation.ascend_offload.conn import AscendOffloadKVReceiver
 
     mgr = SimpleNamespace(sink=sink, request_status={7: sgl_status}, failure_records={},
                           failure_lock=threading.Lock(), waiting_timeout=300,

@@ -8,7 +8,8 @@ import logging
 
 import pytest
 
-from sglang_ascend_offload.sglang_plugin import entry, flags, hooks
+from sglang_ascend_offload.sglang_plugin import entry, hooks
+from sglang_ascend_offload.sglang_plugin.args import flags
 
 
 def test_entry_point_is_listed():
@@ -36,7 +37,7 @@ def test_registered_through_sglang_extension_points(plugins_loaded):
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
 
-    from sglang_ascend_offload.sglang_plugin.backend import BACKEND_NAME, create_backend
+    from sglang_ascend_offload.sglang_plugin.attention.dsa_backend import BACKEND_NAME, create_backend
 
     assert ATTENTION_BACKENDS[BACKEND_NAME] is create_backend
     assert ATTENTION_BACKEND_CHOICES.count(BACKEND_NAME) == 1

@@ -33,13 +33,13 @@ def _common():
 
 
 def _device_pool():
-    from sglang_ascend_offload.sglang_plugin.pool import DeviceDSAPool
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
 
     return DeviceDSAPool(SLOTS, index_size=SLOTS, index_page_size=PAGE, **_common())
 
 
 def _host_pool():
-    from sglang_ascend_offload.sglang_plugin.offload_pool import HostMainKVPool
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
 
     return HostMainKVPool(SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK),
                           **_common())

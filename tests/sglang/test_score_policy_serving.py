@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_ascend_offload import config as cfg
-from sglang_ascend_offload.sglang_plugin import resolution
+from sglang_ascend_offload.sglang_plugin.args import resolution
 from sglang_ascend_offload.sparse_decode.replay import simulate_policy
 from sglang_ascend_offload.sparse_decode.trace import Trace, load_trace
 from sglang_ascend_offload.testing.sglang_args import server_args_stub

@@ -1,6 +1,6 @@
 """The shared host pool between independently started processes (no SGLang server).
 
-``sglang_plugin.shared_host_pool``: rank 0 creates a named mapping with a header,
+``sglang_plugin.mem_cache.pool_host.shared``: rank 0 creates a named mapping with a header,
 others attach only what rank 0 announced; the append order (per-layer published
 counters under a process-shared semaphore) holds between processes that share no
 parent-made objects; a missing append fails with a deadline naming the rank and
@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from sglang_ascend_offload.sglang_plugin import shared_host_pool as shp
+from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host import shared as shp
 from sglang_ascend_offload.sparse_decode.host_pool import HostPoolShape
 
 SHAPE = HostPoolShape(layers=3, tokens=64, latent_dim=8, rope_dim=4)
@@ -28,7 +28,7 @@ SHAPE = HostPoolShape(layers=3, tokens=64, latent_dim=8, rope_dim=4)
 # (round, layer), waits for rank 0's append then checks the rows bit for bit.
 READER = textwrap.dedent("""
     import sys, torch
-    from sglang_ascend_offload.sglang_plugin import shared_host_pool as shp
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host import shared as shp
     from sglang_ascend_offload.sparse_decode.host_pool import HostPoolShape
     path, session, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
     shape = HostPoolShape(layers=3, tokens=64, latent_dim=8, rope_dim=4)
@@ -110,7 +110,7 @@ def test_attach_refuses_a_pool_it_was_not_told_about(tmp_path):
 KILLED_OWNER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from sglang_ascend_offload.sglang_plugin import shared_host_pool as shp
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host import shared as shp
     from sglang_ascend_offload.sparse_decode.host_pool import HostPoolShape
     sp = shp.create_pool(HostPoolShape(layers=3, tokens=64, latent_dim=8, rope_dim=4), directory=Path(sys.argv[1]))
     print(sp.path, flush=True)

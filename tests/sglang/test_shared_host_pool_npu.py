@@ -45,7 +45,7 @@ def _rank(rank: int, queues, barrier, results):
         import torch_npu  # noqa: F401 - registers the NPU device
 
         import memfabric_group_worker as w
-        from sglang_ascend_offload.sglang_plugin import shared_host_pool as shp
+        from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host import shared as shp
 
         torch.npu.set_device(rank)
         dev = f"npu:{rank}"

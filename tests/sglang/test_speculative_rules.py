@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_ascend_offload import config as cfg
-from sglang_ascend_offload.sglang_plugin import carrier, flags, launch_checks
+from sglang_ascend_offload.sglang_plugin.args import carrier, flags, launch_checks
 
 from conftest import TINY_DSA
 

@@ -1,4 +1,4 @@
-"""MTP verify rows through the sparse decode engine (``sglang_plugin/speculative.py``),
+"""MTP verify rows through the sparse decode engine (``sglang_plugin/speculative/eagle.py``),
 without a server: the plugin's ``begin_verify`` drives the real engine with an
 SGLang-shaped ``TARGET_VERIFY`` batch.
 
@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from sglang_ascend_offload.ops.reference import sparse_mla_attention
-from sglang_ascend_offload.sglang_plugin import speculative
-from sglang_ascend_offload.sglang_plugin.offload_backend import RowOwners
+from sglang_ascend_offload.sglang_plugin.speculative import eagle as speculative
+from sglang_ascend_offload.sglang_plugin.attention.sparse_decode import RowOwners
 from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
 from sglang_ascend_offload.sparse_decode.request_union import union_of_rows

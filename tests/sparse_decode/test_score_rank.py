@@ -408,7 +408,7 @@ def test_recorder_writes_ranked_and_the_row_map(tmp_path):
     a decode step is being recorded."""
     import json
 
-    from sglang_ascend_offload.sglang_plugin.trace_recorder import TraceRecorder
+    from sglang_ascend_offload.sglang_plugin.observability.trace_recorder import TraceRecorder
 
     layers, k, depth = 2, 3, 5
     rec = TraceRecorder(tmp_path / "t.npz", layers, rows=100, top_k=k, max_steps=3, meta={"x": 1}, rank_depth=depth)

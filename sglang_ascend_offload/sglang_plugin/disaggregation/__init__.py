@@ -1,0 +1,1 @@
+"""SGLang disaggregation (P/D) transfer backends of the plugin."""

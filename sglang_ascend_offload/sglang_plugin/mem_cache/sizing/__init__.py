@@ -1,0 +1,1 @@
+"""What SGLang's memory profile sees: per-feature KV cell sizes and device budgets."""

@@ -1,0 +1,176 @@
+"""Runtime statistics of sparse decode offload: Prometheus counters and a log line.
+
+Source of truth: the engine's :class:`~sglang_ascend_offload.sparse_decode.stats.DecodeStats`
+(hits, misses, selected, host->device and device->host bytes, per layer) plus the
+copy time per layer measured by the backend. :class:`OffloadMetrics` turns them into
+
+* Prometheus metrics when SGLang runs with ``--enable-metrics`` (SGLang sets
+  ``PROMETHEUS_MULTIPROC_DIR`` before it spawns its schedulers; the counters written
+  here are served by SGLang's own ``/metrics`` endpoint), labelled by ``layer`` and
+  SGLang's ``tp_rank`` / ``dp_rank``:
+
+  ======================================================  ========  ======================
+  name                                                    type      meaning
+  ======================================================  ========  ======================
+  ``sglang:ascend_offload_selected_total``                counter   valid top-k entries
+  ``sglang:ascend_offload_hits_total``                    counter   entries already resident
+  ``sglang:ascend_offload_misses_total``                  counter   entries copied host->device
+  ``sglang:ascend_offload_h2d_bytes_total``               counter   bytes host->device
+  ``sglang:ascend_offload_d2h_bytes_total``               counter   bytes device->host (appends)
+  ``sglang:ascend_offload_copy_seconds_total``            counter   miss-copy time
+  ``sglang:ascend_offload_row_selected_total``            counter   query rows' top-k entries (a
+                                                                    position two verify rows select
+                                                                    counts twice here, once above)
+  ``sglang:ascend_offload_row_hits_total``                counter   those that were resident
+  ``sglang:ascend_offload_shadow_checks_total``           counter   rows recomputed over the host
+                                                                    pool (``verify_sample_rate``)
+  ``sglang:ascend_offload_shadow_mismatches_total``       counter   those that differed
+  ``sglang:ascend_offload_hit_rate``                      gauge     hits / selected (cumulative)
+  ``sglang:ascend_offload_h2d_bytes_per_step``            gauge     host->device bytes per decode
+                                                                    step (a verify round with
+                                                                    speculation; cumulative)
+  ======================================================  ========  ======================
+
+* a one-line summary in the log every ``metrics_log_interval_s`` seconds.
+
+Reading the engine's counters is one device->host read; it happens only when a
+summary is due, or every step when Prometheus export is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+from ...sparse_decode.stats import Counters, DecodeStats
+
+logger = logging.getLogger("sglang_ascend_offload.sparse_decode")
+
+METRIC_PREFIX = "sglang:ascend_offload_"
+_COUNTER_FIELDS = ("selected", "hits", "misses", "h2d_bytes", "d2h_bytes", "row_selected", "row_hits",
+                   "shadow_checks", "shadow_mismatches")
+
+
+def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float) -> str:
+    """``sparse-decode-offload: steps=.. hit_rate=.. hits=.. misses=.. h2d=..MiB d2h=..MiB
+    h2d/step=..KiB copy_ms/layer/step=.. rows/step=.. window=..s`` (``rows/step``: query
+    rows the engine stepped per decode step, the measure of its per-step work; a step is
+    one verify round with speculation), then ``shadow_checks=.. shadow_mismatches=..
+    shadow_ms=..`` (cumulative) when shadow verification has checked rows."""
+    total: Counters = stats.total
+    layers = max(1, len(stats.per_layer))
+    per_step = 1000.0 * sum(copy_seconds) / layers / max(1, stats.steps)
+    line = (f"sparse-decode-offload: steps={stats.steps} hit_rate={total.hit_rate:.3f} "
+            f"hits={total.hits} misses={total.misses} h2d={total.h2d_bytes / 2**20:.2f}MiB "
+            f"d2h={total.d2h_bytes / 2**20:.2f}MiB h2d/step={total.h2d_bytes / 1024 / max(1, stats.steps):.1f}KiB "
+            f"copy_ms/layer/step={per_step:.3f} "
+            f"rows/step={total.rows / layers / max(1, stats.steps):.2f} window={elapsed_s:.0f}s")
+    if total.shadow_checks:
+        line += (f" shadow_checks={total.shadow_checks} shadow_mismatches={total.shadow_mismatches} "
+                 f"shadow_ms={total.shadow_us / 1000:.1f}")
+    return line
+
+
+@dataclass
+class _Exported:
+    """Values already pushed to Prometheus (counters only move by deltas)."""
+
+    per_layer: List[Dict[str, float]] = field(default_factory=list)
+
+
+class OffloadMetrics:
+    """Per-step hook of the offload backend (see module docstring).
+
+    stats_fn: returns the engine's current :class:`DecodeStats`.
+    layers: engine layers. labels: constant Prometheus labels (``tp_rank`` ...).
+    """
+
+    def __init__(self, stats_fn: Callable[[], DecodeStats], layers: int, *, prometheus: bool,
+                 log_interval_s: float, labels: Optional[Dict[str, str]] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self._stats_fn = stats_fn
+        self.layers = layers
+        self.copy_seconds = [0.0] * layers
+        self.log_interval_s = float(log_interval_s)
+        self._clock = clock
+        self._last_log = clock()
+        self._labels = dict(labels or {})
+        self._exported = _Exported(per_layer=[dict.fromkeys(_COUNTER_FIELDS + ("copy_seconds",), 0.0)
+                                              for _ in range(layers)])
+        self._prom = self._make_prometheus() if prometheus else None
+        self.last_summary: Optional[str] = None
+
+    @property
+    def needs_copy_timing(self) -> bool:
+        return self._prom is not None or self.log_interval_s > 0
+
+    def add_copy_time(self, layer: int, seconds: float) -> None:
+        self.copy_seconds[layer] += seconds
+
+    def on_step_end(self) -> None:
+        """Export deltas (Prometheus) and log the summary when due."""
+        now = self._clock()
+        due = self.log_interval_s > 0 and now - self._last_log >= self.log_interval_s
+        if self._prom is None and not due:
+            return
+        stats = self._stats_fn()
+        if self._prom is not None:
+            self._export(stats)
+        if due:
+            self.last_summary = summary_line(stats, self.copy_seconds, now - self._last_log)
+            logger.info(self.last_summary)
+            self._last_log = now
+
+    # ------------------------------------------------------------------ prometheus
+    def _make_prometheus(self):
+        key = tuple(sorted(self._labels))
+        if key not in _PROMETHEUS:  # one set of metric objects per process (registry is global)
+            _PROMETHEUS[key] = _create_prometheus(list(self._labels))
+        return _PROMETHEUS[key]
+
+    def _export(self, stats: DecodeStats) -> None:
+        counters, gauge, per_step = self._prom
+        for layer, c in enumerate(stats.per_layer):
+            done = self._exported.per_layer[layer]
+            values = {key: float(getattr(c, key)) for key in _COUNTER_FIELDS}
+            values["copy_seconds"] = self.copy_seconds[layer]
+            for key, value in values.items():
+                delta = value - done[key]
+                if delta > 0:
+                    counters[key].labels(**self._labels, layer=str(layer)).inc(delta)
+                    done[key] = value
+        gauge.labels(**self._labels).set(stats.total.hit_rate)
+        per_step.labels(**self._labels).set(stats.total.h2d_bytes / max(1, stats.steps))
+
+
+_PROMETHEUS: Dict[tuple, tuple] = {}
+
+_DOCS = {
+    "selected": "valid top-k entries seen by sparse decode offload",
+    "hits": "top-k entries already resident in the device hot buffer",
+    "misses": "top-k entries copied host->device",
+    "h2d_bytes": "bytes copied host->device (miss rows)",
+    "d2h_bytes": "bytes appended device->host (new token rows)",
+    "copy_seconds": "seconds spent copying miss rows host->device",
+    "row_selected": "query rows' top-k entries (speculative verify rows of a request counted one by one)",
+    "row_hits": "query rows' top-k entries already resident",
+    "shadow_checks": "rows whose served attention was recomputed over the host pool (shadow verification)",
+    "shadow_mismatches": "shadow-verified rows whose served attention differed from the recomputation",
+}
+
+
+def _create_prometheus(labels: List[str]):
+    """Counters (labels + ``layer``) and the hit-rate gauge, in prometheus_client's
+    default registry (multiprocess mode when SGLang set ``PROMETHEUS_MULTIPROC_DIR``)."""
+    from prometheus_client import Counter, Gauge  # after SGLang set PROMETHEUS_MULTIPROC_DIR
+
+    counters = {key: Counter(name=f"{METRIC_PREFIX}{key}", documentation=doc, labelnames=labels + ["layer"])
+                for key, doc in _DOCS.items()}
+    gauge = Gauge(name=f"{METRIC_PREFIX}hit_rate", documentation="cumulative hit rate of sparse decode offload",
+                  labelnames=labels, multiprocess_mode="mostrecent")
+    per_step = Gauge(name=f"{METRIC_PREFIX}h2d_bytes_per_step",
+                     documentation="host->device bytes per decode step of sparse decode offload (cumulative)",
+                     labelnames=labels, multiprocess_mode="mostrecent")
+    return counters, gauge, per_step
