@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
@@ -51,11 +52,11 @@ def _f(importer: str, scope: str, imported: str, why: str) -> Factory:
 FACTORY_LOOKUPS: Tuple[Factory, ...] = (
     # The attention backend factory SGLang calls for --attention-backend ascend_offload
     # returns the sparse decode subclass when the served config enables it; that
-    # subclass (offload_backend.py) imports backend.py to subclass it.
+    # subclass (attention/sparse_decode.py) imports attention/dsa_backend.py to subclass it.
     _f("sglang_plugin.attention.dsa_backend", "create_backend", "sglang_plugin.attention.sparse_decode",
        "attention backend factory: picks SparseDecodeOffloadBackend, a subclass of backend's class"),
     # SGLang's draft-backend factory (hooked) and the multi-step draft backend build
-    # AscendOffloadAttnBackend instances for the draft model; backend.py uses the
+    # AscendOffloadAttnBackend instances for the draft model; attention/dsa_backend.py uses the
     # speculative helpers (verify lengths, draft runner test) at module level.
     _f("sglang_plugin.speculative.eagle", "MultiStepDraftBackend.__init__", "sglang_plugin.attention.dsa_backend",
        "draft backend factory: one AscendOffloadAttnBackend per draft step"),
@@ -353,3 +354,49 @@ def test_transfer_never_imports_sglang():
     src = "def f():\n    from sglang.srt import server_args\n"
     assert [(t, scope) for t, _, lazy, scope in imports(src, f"{PKG}.transfer.x", False) if lazy] == \
         [("sglang.srt", "f")]
+
+
+# ---------------------------------------------------------------------------- the SGLang adapter
+CORE = ("ops", "sparse_decode", "layerwise_prefill", "transfer", "kvpp")
+PLUGIN = f"{PKG}.sglang_plugin"
+# A module of the adapter past this many lines is a family that wants to be a package
+# (sglang_plugin/README.md): split it by what its parts do.
+PLUGIN_MODULE_MAX_LINES = 600
+
+
+def _core_importers_of_the_plugin(graph: Dict[str, Set[str]]) -> List[Tuple[str, str]]:
+    return sorted((m, t) for m, targets in graph.items() for t in targets
+                  if m.startswith(tuple(f"{PKG}.{c}" for c in CORE)) and (t == PLUGIN or t.startswith(PLUGIN + ".")))
+
+
+def test_the_core_packages_never_import_the_sglang_adapter():
+    graph = _graph(include_lazy=True)
+    assert _core_importers_of_the_plugin(graph) == []
+    fake = dict(graph)
+    fake[f"{PKG}.sparse_decode.fake"] = {f"{PLUGIN}.mem_cache.pool.sparse_decode"}
+    assert _core_importers_of_the_plugin(fake) == [(f"{PKG}.sparse_decode.fake", f"{PLUGIN}.mem_cache.pool.sparse_decode")]
+
+
+def test_adapter_modules_stay_small_and_the_old_flat_layout_is_gone():
+    plugin_dir = REPO / PKG / "sglang_plugin"
+    long = {str(p.relative_to(plugin_dir)): n for p in plugin_dir.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > PLUGIN_MODULE_MAX_LINES}
+    assert long == {}, f"split these modules (over {PLUGIN_MODULE_MAX_LINES} lines): {long}"
+    top = sorted(p.name for p in plugin_dir.glob("*.py"))
+    assert top == ["__init__.py", "compat.py", "cpu_capability.py", "entry.py", "hooks.py", "names.py"], \
+        f"a new adapter module goes in its extension point's folder (sglang_plugin/README.md), not at the top: {top}"
+    folders = sorted(p.name for p in plugin_dir.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == ["args", "attention", "disaggregation", "mem_cache", "observability", "speculative"], folders
+    for folder in plugin_dir.rglob("*"):
+        if folder.is_dir() and folder.name != "__pycache__" and any(folder.glob("*.py")):
+            assert (folder / "__init__.py").exists(), f"{folder} lacks __init__.py"
+
+
+def test_every_package_is_listed_for_the_wheel():
+    """pyproject.toml lists packages explicitly: a folder missing there is missing from
+    an installed wheel (an editable install would not notice)."""
+    text = (REPO / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"(sglang_ascend_offload(?:\.\w+)*)"', text.split("packages = [", 1)[1].split("]", 1)[0]))
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / PKG).rglob("__init__.py")
+             if "__pycache__" not in p.parts}
+    assert found - listed == set(), f"add to [tool.setuptools] packages: {sorted(found - listed)}"

@@ -84,7 +84,7 @@ def main_kv_placement(pool: Any) -> str:
 
     ``tp_shared``: the sparse-decode host pool mapped from one memory by every TP rank of
     the attention-DP group (the plugin's ``HostMainKVPool`` has an ``append_order``
-    exactly when its pool is the group's: ``shared_host_pool.RankPool``) as a tensor this
+    exactly when its pool is the group's: ``mem_cache.pool_host.shared.RankPool``) as a tensor this
     rank's engine can write into; ``per_rank`` otherwise (the device pool; a private host
     pool). A group pool without a tensor view (NPU's MemFabric group pool) has no
     destination at all: :func:`host_rows_tensors` fails on it.

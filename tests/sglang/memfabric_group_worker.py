@@ -2,7 +2,7 @@
 
 Each rank installs the ``memfabric_hybrid`` stand-in (``fake_memfabric``), makes the
 platform report an NPU, and opens its host pool through the served code path
-(``shared_host_pool.allocate_rank_pool(shape, "memfabric", view=...)``) with a
+(``mem_cache.pool_host.shared.allocate_rank_pool(shape, "memfabric", view=...)``) with a
 :class:`GroupView` whose broadcast is a queue per rank (with a deadline). Then every
 rank runs the same deterministic decode workload through its own
 :class:`SparseDecodeEngine`: rank 0 appends each layer's new rows (after a random

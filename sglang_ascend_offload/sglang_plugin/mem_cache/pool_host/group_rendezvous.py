@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from ....sparse_decode.host_pool import HostPoolShape
+from . import append_order
 from . import shared as shp
 
 __all__ = ["PHASES", "GroupSetupError", "GroupRendezvous", "GroupControl", "control_bytes_for",
@@ -56,7 +57,7 @@ class GroupSetupError(RuntimeError):
 
 
 def _status_offset(layers: int) -> int:
-    end = shp.COUNTERS_OFFSET + 8 * layers
+    end = append_order.COUNTERS_OFFSET + 8 * layers
     return -(-end // 64) * 64 + 64  # 64 B for the table's own semaphore, then the entries
 
 
@@ -88,17 +89,17 @@ class GroupRendezvous:
         self._sem = ctypes.addressof(ctypes.c_char.from_buffer(mapping, self._sem_off))
         if init:
             mapping[self._entries: self._entries + ENTRY_BYTES * size] = bytes(ENTRY_BYTES * size)
-            if shp._c().sem_init(self._sem, 1, 1) != 0:
+            if append_order.libc().sem_init(self._sem, 1, 1) != 0:
                 err = ctypes.get_errno()
                 raise OSError(err, f"sem_init of the group's status lock failed: {os.strerror(err)}")
 
     # -------------------------------------------------------------- the lock
     def _locked(self, fn):
-        c = shp._c()
+        c = append_order.libc()
         deadline = time.monotonic() + max(self.timeout_s, 1.0)
         while True:
             now = time.time() + max(0.0, deadline - time.monotonic())
-            ts = shp._Timespec(int(now), int((now % 1) * 1e9))
+            ts = append_order.Timespec(int(now), int((now % 1) * 1e9))
             if c.sem_timedwait(self._sem, ctypes.byref(ts)) == 0:
                 break
             err = ctypes.get_errno()
@@ -200,7 +201,7 @@ class GroupRendezvous:
         return GroupSetupError(
             f"sparse decode offload: attention-TP rank {self.rank} of attention-DP group {self.group}: TP rank "
             f"{rank} {why} (waiting for phase {phase!r} of the group's MemFabric host pool; "
-            f"deadline {self.timeout_s:g} s, {shp.TIMEOUT_ENV})")
+            f"deadline {self.timeout_s:g} s, {append_order.TIMEOUT_ENV})")
 
 
 def _gone_reason(entry) -> Optional[str]:
@@ -220,7 +221,7 @@ class GroupControl:
     """One rank's handle on the group's control mapping: the append ordering, the
     status table, and what rank 0 announced (``announced``: its extra fields)."""
 
-    order: shp.AppendOrder
+    order: append_order.AppendOrder
     rendezvous: GroupRendezvous
     mapping: Optional[mmap.mmap]
     path: Path
@@ -257,7 +258,7 @@ def _create(shape: HostPoolShape, size: int, group: int, directory: Path, timeou
         f.truncate(nbytes)
     try:
         mm = _map(path, nbytes)
-        order = shp.AppendOrder(mm, shape.layers, rank=0, group=group, timeout_s=timeout_s, init=True)
+        order = append_order.AppendOrder(mm, shape.layers, rank=0, group=group, timeout_s=timeout_s, init=True)
         rv = GroupRendezvous(mm, shape.layers, size, rank=0, group=group, timeout_s=timeout_s, init=True)
         mm[: shp.HEADER.size] = shp.HEADER.pack(shp.MAGIC, shp.VERSION, nbytes, pid, shp.process_start_ticks(pid),
                                                 bytes.fromhex(session), group, size, shape.layers, shape.tokens,
@@ -295,7 +296,7 @@ def _attach(shape: HostPoolShape, size: int, rank: int, group: int, announced: D
     if problems:
         raise GroupSetupError(f"refusing to map the group control block {path}: " + "; ".join(problems))
     mm = _map(path, nbytes)
-    order = shp.AppendOrder(mm, shape.layers, rank=rank, group=group, timeout_s=timeout_s)
+    order = append_order.AppendOrder(mm, shape.layers, rank=rank, group=group, timeout_s=timeout_s)
     rv = GroupRendezvous(mm, shape.layers, size, rank=rank, group=group, timeout_s=timeout_s)
     return GroupControl(order, rv, mm, path, announced["session"], rank, group, announced)
 
