@@ -53,8 +53,14 @@ def render() -> str:
             kind = c._describe(hints[f.name]).replace("|", "\\|")
             out.append(f"| `{f.name}` | {kind} | `{shown}` |")
         out += ["", "```", (cls.__doc__ or "").strip(), "```", ""]
-    out += ["## Rules", "", "| rule | limit |", "|---|---|"]
-    out += [f"| `{rule}` | {text} |" for rule, text in c.RULES.items()]
+    from sglang_ascend_offload.rules import RULES
+
+    out += ["## Rules", "", "Every rule id, from `sglang_ascend_offload/rules.py`. Scope `deployment`: decided by "
+            "the config and the deployment facts, so `check-config` and the server's startup give the same "
+            "verdict; `server`: needs SGLang arguments the facts do not describe, the model files or the "
+            "machine, checked at server startup; `input`: malformed input.", "",
+            "| rule | scope | requires | usual fix |", "|---|---|---|---|"]
+    out += [f"| `{r.id}` | {r.scope} | {r.requires} | {r.fix} |".replace("\n", " ") for r in RULES.values()]
     return "\n".join(out) + "\n"
 
 

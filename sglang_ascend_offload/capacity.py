@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
+from . import rules as rule_registry
 from .errors import ConfigError, Violation
 from .model_specs import INDEXER_DTYPES, ModelShape
 
@@ -234,7 +235,7 @@ def input_problems(inputs: CapacityInputs, model: Optional[ModelShape]) -> List[
     out: List[Violation] = []
 
     def bad(rule: str, problem: str, fix: str) -> None:
-        out.append(Violation(f"capacity.{rule}", problem, fix))
+        out.append(rule_registry.violation(f"capacity.{rule}", problem, fix))
 
     if inputs.hbm_bytes <= 0:
         bad("hbm", f"HBM for KV is {inputs.hbm_bytes / GIB:g} GiB", "pass --hbm-gb > 0 (GiB per device)")

@@ -24,6 +24,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
+from . import rules as _rule_registry
 from .errors import ConfigError, Violation  # noqa: F401 - their home is errors.py; re-exported
 
 # ------------------------------------------------------------------ feature configs
@@ -341,6 +342,16 @@ class Deployment:
     speculative_method: ``None`` or e.g. ``mtp``, ``dspark``, ``eagle``;
     speculative_fixed: its number of draft tokens is fixed.
     speculative_rows: verify rows per request (``--speculative-num-draft-tokens``), where known.
+    speculative_steps: draft steps (``--speculative-num-steps``), where known; a chain has
+    ``steps + 1`` verify rows. speculative_topk: drafts per step (``--speculative-eagle-topk``;
+    > 1 is a draft tree), where known.
+    overlap_schedule: SGLang's overlap scheduler runs (on by default in SGLang;
+    ``--disable-overlap-schedule`` turns it off), where known.
+    decode_graph_mode: the mode of decode steps, where it differs from ``graph_mode``
+    (``None`` = ``graph_mode``); on a CPU, SGLang captures decode graphs only with
+    ``--enable-torch-compile``.
+    dp_attention: the ``dp`` groups are DP-attention groups (``--enable-dp-attention``
+    or ``--attn-dp-size``), which run different batches through one model.
     disaggregation_transfer_backend: SGLang's ``--disaggregation-transfer-backend``.
     """
 
@@ -369,6 +380,11 @@ class Deployment:
     speculative_method: Optional[str] = None
     speculative_fixed: bool = True
     speculative_rows: Optional[int] = None
+    speculative_steps: Optional[int] = None
+    speculative_topk: Optional[int] = None
+    overlap_schedule: Optional[bool] = None
+    decode_graph_mode: Optional[Literal["eager", "piecewise", "full"]] = None
+    dp_attention: bool = False
 
     def _check(self) -> List[str]:
         errs = []
@@ -377,8 +393,9 @@ class Deployment:
                 errs.append(f"{name} must be >= 1")
         if self.peer_tp is not None and self.peer_tp < 1:
             errs.append("peer_tp must be >= 1")
-        if self.speculative_rows is not None and self.speculative_rows < 1:
-            errs.append("speculative_rows must be >= 1")
+        for name in ("speculative_rows", "speculative_steps", "speculative_topk"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                errs.append(f"{name} must be >= 1")
         if self.attn_tp is not None and not 1 <= self.attn_tp <= self.tp:
             errs.append("attn_tp must be between 1 and tp")
         for name in ("num_layers", "index_topk", "page_size"):
@@ -391,6 +408,11 @@ class Deployment:
     def attention_tp(self) -> int:
         """Attention TP size (what the P/D protocol calls p_tp / d_tp)."""
         return self.tp if self.attn_tp is None else self.attn_tp
+
+    @property
+    def decode_graphs(self) -> bool:
+        """Decode steps run as captured graphs."""
+        return (self.decode_graph_mode or self.graph_mode) != "eager"
 
     @property
     def soc_family(self) -> Optional[str]:
@@ -568,63 +590,13 @@ def to_json(obj: Any) -> str:
 
 
 # ------------------------------------------------------------------ validation
-#: Every rule :func:`validate` enforces: id -> where it comes from.
-RULES: Dict[str, str] = {
-    # sparse decode offload (docs/sparse_decode.md)
-    "sparse_decode.model": "needs a DSA model (MLA latent KV + indexer + top-k sparse attention)",
-    "sparse_decode.main_kv_dtype": "main KV must be BF16: the host pool, the hot buffers and Copy-SFA "
-                                   "hold bf16 rows",
-    "sparse_decode.main_kv_packing": "packed C8 / TQ4 main caches are rejected: rows move between host and "
-                                     "device unpacked",
-    "sparse_decode.context_parallel": "DP and TP are supported; CP (cp, pcp, dcp) is rejected",
-    "sparse_decode.pipeline_parallel": "PP is rejected",
-    "sparse_decode.soc_950": "Ascend 950PR/950DT are rejected, keep-device-cache and overlap paths included",
-    "sparse_decode.soc_unknown": "the installed CANN build must say the SoC is not an Ascend 950 (an undecided SoC is refused)",
-    "sparse_decode.hybrid_kv": "hybrid KV cache layouts are not supported",
-    "sparse_decode.hot_tokens_topk": "hot_tokens must be >= the model's top-k",
-    "sparse_decode.hot_tokens_page": "hot_tokens must be a multiple of the KV page size",
-    "sparse_decode.hot_tokens_verify_rows": "hot_tokens must hold the union of a request's verify rows' top-k "
-                                            "(verify rows x top-k)",
-    "sparse_decode.prefill_node": "sparse decode offload is a decode-side feature",
-    "sparse_decode.fused_device": "fused LIM / Copy-SFA and npu ops need an Ascend NPU",
-    "sparse_decode.speculative": "speculative decoding must have a fixed token count (rows per request)",
-    "sparse_decode.rank_depth_topk": "rank_depth must be >= the model's top-k (the ranking starts with the top-k)",
-    "sparse_decode.score_speculative": "score-aware policies (rank_depth) are not wired for speculative verify rows",
-    "sparse_decode.kvpp": "KVPP shards the device main KV, which sparse decode offload keeps on the host",
-    # layerwise prefill offload (docs/layerwise_prefill.md)
-    "layerwise_prefill.eager": "layerwise buffer reuse needs eager mode: each layer waits for its buffer's "
-                               "gates on the host",
-    "layerwise_prefill.memcache": "layerwise buffer reuse needs the Memcache backend off CPU (the local "
-                                  "store is for CPU development)",
-    "layerwise_prefill.mooncake_layerwise": "buffer reuse cannot be combined with a layerwise Mooncake connector, "
-                                             "which has no per-buffer completion gate",
-    "layerwise_prefill.hybrid_kv": "hybrid KV cache layouts are not supported",
-    "layerwise_prefill.layers": "independent layers must exist in the model",
-    "layerwise_prefill.prefetch": "prefetch depth cannot exceed the shared buffers",
-    "layerwise_prefill.decode_node": "layerwise prefill offload is a prefill-side feature",
-    # P/D transfer (docs/pd_transfer.md)
-    "pd_transfer.role": "P/D transfer needs a prefill or decode node",
-    "pd_transfer.tp_ratio": "P/D needs p_tp >= d_tp and p_tp % d_tp == 0: each decode rank is served by "
-                            "p_tp / d_tp prefill ranks",
-    "pd_transfer.memfabric_only": "MemFabric is the only remote D2H backend on Ascend",
-    "pd_transfer.protocol_match": "prefill and decode must use the same transfer protocol",
-    "pd_transfer.protocol_soc": "sdma / device_rdma serve A2/A3 nodes, device_urma serves 950PR/950DT nodes",
-    "pd_transfer.ports": "decode control ports kv_port + dp_rank * d_tp + tp_rank must fit in 1024..65535",
-    "pd_transfer.decode_tp": "decode attention TP > 1 needs a main KV shared by the decode TP ranks "
-                             "(sparse decode offload's host pool)",
-    # KVPP (docs/kvpp.md)
-    "kvpp.dcp": "KVPP and DCP cannot be enabled at the same time",
-    "kvpp.decode_node": "KVPP must be disabled on a decode-only node",
-    "kvpp.graph_mode": "KVPP supports eager execution or PIECEWISE graphs only",
-    "kvpp.model": "KVPP supports only non-hybrid MLA models",
-    "kvpp.speculative_method": "KVPP supports only mtp or dspark speculative decoding",
-    "kvpp.speculative_fixed": "KVPP supports only a fixed number of speculative tokens",
-    "kvpp.group": "KVPP needs a TP x PCP group larger than 1",
-    "kvpp.layerwise_prefill": "KVPP and layerwise prefill offload each replace the KV pool; no combined pool exists",
-    "kvpp.pd_prefill": "KVPP keeps only a rank's owned layers; a P/D prefill sends every layer from one rank",
-}
+#: The rules :func:`violations` decides, id -> what each requires (the registry
+#: ``rules.py`` defines them; this is its ``deployment`` scope).
+RULES: Dict[str, str] = {rule_id: _rule_registry.RULES[rule_id].requires
+                         for rule_id in _rule_registry.ids_in_scope("deployment")}
 
 _BF16_NAMES = {"bf16", "bfloat16"}
+_Add = typing.Callable[[str, str, str], None]
 
 
 def validate(config: OffloadConfig, deployment: Deployment) -> None:
@@ -636,7 +608,12 @@ def validate(config: OffloadConfig, deployment: Deployment) -> None:
 
 
 def violations(config: OffloadConfig, deployment: Deployment) -> List[Violation]:
-    """All broken rules, in a stable order (see :data:`RULES`)."""
+    """All broken rules, in a stable order (see :data:`RULES`).
+
+    The one verdict on a config and its deployment facts: ``check-config`` calls it
+    on the facts it is given, the server's startup on the facts it reads from SGLang's
+    resolved arguments (``sglang_plugin/args/deployment.py``).
+    """
     out: List[Violation] = []
 
     def add(rule: str, problem: str, fix: str) -> None:
@@ -645,21 +622,33 @@ def violations(config: OffloadConfig, deployment: Deployment) -> List[Violation]
 
     d = deployment
     for msg in d._check():
-        out.append(Violation("deployment.range", msg, "fix the deployment description"))
+        out.append(_rule_registry.violation("deployment.range", msg))
     if config.sparse_decode is not None:
         _check_sparse_decode(config, d, add)
     if config.layerwise_prefill is not None:
-        _check_layerwise(config.layerwise_prefill, d, add)
+        _check_layerwise(config, d, add)
     if config.pd_transfer is not None:
-        _check_pd(config.pd_transfer, d, add, main_kv_offloaded=config.sparse_decode is not None)
+        _check_pd(config, d, add)
     if config.kvpp is not None:
         _check_kvpp(d, add, layerwise=config.layerwise_prefill is not None)
     return out
 
 
-def _check_sparse_decode(config: OffloadConfig, d: Deployment, add) -> None:
+def _check_sparse_decode(config: OffloadConfig, d: Deployment, add: _Add) -> None:
     sd = config.sparse_decode
     assert sd is not None
+    _check_sparse_decode_model(d, add)
+    _check_sparse_decode_hot_tokens(sd, d, add)
+    _check_sparse_decode_settings(sd, d, add)
+    _check_sparse_decode_speculative(d, add)
+    _check_sparse_decode_graphs(sd, d, add)
+    if config.kvpp is not None:
+        add("sparse_decode.kvpp", "sparse decode offload and KVPP are both on",
+            "enable only one of them on a node")
+
+
+def _check_sparse_decode_model(d: Deployment, add: _Add) -> None:
+    """The model, the main KV format, the parallelism and the node."""
     if d.model_kind != "dsa":
         add("sparse_decode.model", f"model kind is {d.model_kind!r}",
             "serve a DSA model (DeepSeek-V3.2 / GLM-5 style) or disable sparse decode offload")
@@ -686,6 +675,12 @@ def _check_sparse_decode(config: OffloadConfig, d: Deployment, add) -> None:
     if d.hybrid_kv:
         add("sparse_decode.hybrid_kv", "the model uses a hybrid KV cache layout",
             "use a model with a uniform MLA KV layout")
+    if d.pd_role == "prefill":
+        add("sparse_decode.prefill_node", "this is a prefill-only node",
+            "enable sparse decode offload on the decode node")
+
+
+def _check_sparse_decode_hot_tokens(sd: "SparseDecodeOffloadConfig", d: Deployment, add: _Add) -> None:
     if sd.hot_tokens is not None and d.index_topk is not None and sd.hot_tokens < d.index_topk:
         least = default_hot_tokens(d.index_topk, d.page_size, factor=1)
         add("sparse_decode.hot_tokens_topk", f"hot_tokens={sd.hot_tokens} < top-k={d.index_topk}",
@@ -703,18 +698,22 @@ def _check_sparse_decode(config: OffloadConfig, d: Deployment, add) -> None:
             f"page size {d.page_size}",
             f"round hot_tokens to a multiple of {d.page_size}, e.g. "
             f"{-(-sd.hot_tokens // d.page_size) * d.page_size}")
-    if d.pd_role == "prefill":
-        add("sparse_decode.prefill_node", "this is a prefill-only node",
-            "enable sparse decode offload on the decode node")
+
+
+def _check_sparse_decode_settings(sd: "SparseDecodeOffloadConfig", d: Deployment, add: _Add) -> None:
+    """Operators, indexer dtype and ranking depth."""
     wants_npu = [name for name, on in (("ops=" + sd.ops, sd.ops in ("npu", "fused")),
                                        ("fused_lim", sd.fused_lim is True),
                                        ("fused_copy_sfa", sd.fused_copy_sfa is True)) if on]
     if wants_npu and d.device != "npu":
         add("sparse_decode.fused_device", f"{', '.join(wants_npu)} requested on a {d.device} device",
             "use ops=auto|reference|triton off Ascend, or run on an Ascend NPU")
-    if d.speculative_method and not d.speculative_fixed:
-        add("sparse_decode.speculative", f"speculative method {d.speculative_method!r} has a variable "
-            "token count", "use a fixed number of speculative tokens")
+    if sd.indexer_dtype != "bf16":
+        add("sglang.indexer_dtype", f"indexer_dtype={sd.indexer_dtype!r}: the SGLang backend keeps a bf16 "
+            "index-K cache (LIM-C8 is not wired into it yet)", 'set "indexer_dtype": "bf16"')
+    if sd.fused_lim is True:
+        add("sglang.fused_not_wired", "fused_lim=true: the SGLang backend does not call the fused AscendC "
+            "LIM operator yet", 'drop "fused_lim" (ops=npu uses the torch_npu operators)')
     if sd.rank_depth > 0 and d.index_topk is not None and sd.rank_depth < d.index_topk:
         add("sparse_decode.rank_depth_topk", f"rank_depth={sd.rank_depth} < top-k={d.index_topk}",
             f"set rank_depth >= {d.index_topk} (e.g. {2 * d.index_topk} or 2 x hot_tokens)")
@@ -722,12 +721,87 @@ def _check_sparse_decode(config: OffloadConfig, d: Deployment, add) -> None:
         add("sparse_decode.score_speculative", f"policy {sd.policy!r} (rank_depth={sd.rank_depth}) with "
             f"speculative method {d.speculative_method!r}: verify rows get no ranking of their own",
             "serve lru / lru_k2_guarded with speculative decoding, or disable speculative decoding")
-    if config.kvpp is not None:
-        add("sparse_decode.kvpp", "sparse decode offload and KVPP are both on",
-            "enable only one of them on a node")
 
 
-def _check_layerwise(lw: LayerwisePrefillOffloadConfig, d: Deployment, add) -> None:
+#: Speculative methods (``Deployment.speculative_method``) whose drafts the sparse decode
+#: engine and the layerwise pool serve: SGLang's NextN / MTP draft (``EAGLE`` / ``NEXTN``).
+SERVED_DRAFT_METHODS = ("mtp",)
+
+
+def _check_sparse_decode_speculative(d: Deployment, add: _Add) -> None:
+    """Verify rows as the engine serves them: one fixed chain of ``steps + 1`` rows per
+    request, set up on the host each round (no overlap scheduling, no device graphs)."""
+    if not d.speculative_method:
+        return
+    rule = "sglang.sparse_decode_speculative"
+    if not d.speculative_fixed:
+        add("sparse_decode.speculative", f"speculative method {d.speculative_method!r} has a variable "
+            "token count", "use a fixed number of speculative tokens")
+    if d.speculative_method not in SERVED_DRAFT_METHODS:
+        add(rule, f"speculative method {d.speculative_method!r} with sparse decode offload: only the NextN / "
+            "MTP draft (--speculative-algorithm EAGLE / NEXTN) is served",
+            "use --speculative-algorithm NEXTN (or EAGLE), or disable sparse decode offload")
+        return
+    if d.speculative_topk is not None and d.speculative_topk != 1:
+        add(rule, f"--speculative-eagle-topk {d.speculative_topk}: a draft tree; sparse decode offload verifies "
+            "a chain (one verify row per draft position)", "use --speculative-eagle-topk 1")
+    if (d.speculative_steps is not None and d.speculative_rows is not None
+            and d.speculative_rows != d.speculative_steps + 1):
+        add(rule, f"--speculative-num-draft-tokens {d.speculative_rows} with --speculative-num-steps "
+            f"{d.speculative_steps}: sparse decode offload needs exactly steps + 1 verify rows per request "
+            "(a fixed count)", f"use --speculative-num-draft-tokens {d.speculative_steps + 1}")
+    if d.decode_graphs and d.device != "cpu":
+        add(rule, f"decode graphs ({d.decode_graph_mode or d.graph_mode}) on device {d.device!r} with "
+            "speculative decoding and sparse decode offload: the verify step sets up its engine rows on the host "
+            "every round, and only the plugin's CPU verify graph runner (--device cpu --enable-torch-compile) "
+            "repeats that before each replay; device graph runners would replay stale rows",
+            "run decode eagerly (--disable-cuda-graph), or serve on a CPU with --enable-torch-compile")
+    if d.overlap_schedule:
+        add(rule, "overlap scheduling with speculative decoding and sparse decode offload: the verify step "
+            "takes each request's committed length from the host when it starts (not tested with overlap)",
+            "add --disable-overlap-schedule")
+
+
+def _check_sparse_decode_graphs(sd: "SparseDecodeOffloadConfig", d: Deployment, add: _Add) -> None:
+    """Rule ``sglang.sparse_decode_graph``: host work between the layers of a decode step,
+    which a captured step cannot do; one violation per feature that needs it."""
+    if not d.decode_graphs:
+        return
+    mode = d.decode_graph_mode or d.graph_mode
+    eager = "run decode eagerly (--disable-cuda-graph, or on a CPU without --enable-torch-compile)"
+    refusals = [
+        (d.attention_tp > 1,
+         f"decode graphs with sparse decode offload at attention TP {d.attention_tp}: the ranks of an "
+         "attention-TP group share one host pool whose appends TP rank 0 publishes from the host per layer, "
+         "which a captured decode step cannot do",
+         f"{eager} or use attention TP 1 (attention DP for more ranks)"),
+        (bool(sd.record_trace),
+         f"record_trace with decode graphs on ({mode}): the trace recorder reads each layer's top-k on the "
+         "host, which a captured decode step cannot do",
+         f"drop record_trace, or {eager}"),
+        (sd.verify_sample_rate > 0,
+         f"verify_sample_rate={sd.verify_sample_rate} with decode graphs on ({mode}): shadow verification "
+         "recomputes a sampled row between layers on the host, which a captured decode step cannot do",
+         f"set verify_sample_rate to 0, or {eager}"),
+        (sd.rank_depth > 0,
+         f"policy {sd.policy!r} (rank_depth={sd.rank_depth}) with decode graphs on ({mode}): the graph decode "
+         "path selects top-k only and does not hand the indexer's ranking to the residency manager",
+         f"{eager}, or serve lru / lru_k2_guarded with decode graphs"),
+    ]
+    for on, problem, fix in refusals:
+        if on:
+            add("sglang.sparse_decode_graph", problem, fix)
+
+
+def _check_layerwise(config: OffloadConfig, d: Deployment, add: _Add) -> None:
+    lw = config.layerwise_prefill
+    assert lw is not None
+    _check_layerwise_buffers(lw, d, add)
+    _check_layerwise_serving(config, d, add)
+
+
+def _check_layerwise_buffers(lw: LayerwisePrefillOffloadConfig, d: Deployment, add: _Add) -> None:
+    """Buffer reuse, the store and the layer plan."""
     n = d.num_layers
     independent = (n or 0) if lw.independent_layers == "all" else len(lw.independent_layers)
     reusable = None if n is None else max(n - independent, 0)
@@ -745,9 +819,6 @@ def _check_layerwise(lw: LayerwisePrefillOffloadConfig, d: Deployment, add) -> N
         add("layerwise_prefill.mooncake_layerwise",
             f"P/D backend {d.disaggregation_transfer_backend!r} gives no per-buffer completion gate",
             "use --disaggregation-transfer-backend ascend_offload or leave shared_buffers unset")
-    if d.hybrid_kv:
-        add("layerwise_prefill.hybrid_kv", "the model uses a hybrid KV cache layout",
-            "use a model with a uniform KV layout")
     if n is not None and isinstance(lw.independent_layers, list):
         bad = [i for i in lw.independent_layers if i >= n]
         if bad:
@@ -757,12 +828,38 @@ def _check_layerwise(lw: LayerwisePrefillOffloadConfig, d: Deployment, add) -> N
             and lw.prefetch_depth > lw.shared_buffers:
         add("layerwise_prefill.prefetch", f"prefetch_depth={lw.prefetch_depth} > shared_buffers="
             f"{lw.shared_buffers}", f"set prefetch_depth <= {lw.shared_buffers}")
+    if lw.store_block_tokens is not None and d.page_size is not None and lw.store_block_tokens != d.page_size:
+        add("sglang.layerwise_block_tokens", f"store_block_tokens={lw.store_block_tokens} but the KV page "
+            f"size is {d.page_size} (the SGLang pool stores one object per page)", "drop store_block_tokens")
+
+
+def _check_layerwise_serving(config: OffloadConfig, d: Deployment, add: _Add) -> None:
+    """The node, the model, the parallelism and what else runs in the server."""
+    if d.hybrid_kv:
+        add("layerwise_prefill.hybrid_kv", "the model uses a hybrid KV cache layout",
+            "use a model with a uniform KV layout")
     if d.pd_role == "decode":
         add("layerwise_prefill.decode_node", "this is a decode-only node",
             "enable layerwise prefill offload on the prefill node")
+    if config.sparse_decode is not None:
+        add("sglang.layerwise_sparse_decode", "sparse decode offload and layerwise prefill offload are both on "
+            "in one server", "enable layerwise prefill offload on the prefill node and sparse decode offload "
+            "on the decode node")
+    if d.speculative_method and d.speculative_method not in SERVED_DRAFT_METHODS:
+        add("sglang.layerwise_speculative", f"speculative method {d.speculative_method!r} with layerwise prefill "
+            "offload: only the NextN / MTP draft (EAGLE / NEXTN) is wired (its layer gets a dedicated buffer)",
+            "use --speculative-algorithm NEXTN, or drop the speculative decoding flags")
+    if d.speculative_method and d.speculative_topk is not None and d.speculative_topk != 1:
+        add("sglang.layerwise_speculative", f"--speculative-eagle-topk {d.speculative_topk}: a draft tree; "
+            "layerwise prefill offload is served and tested with draft chains", "use --speculative-eagle-topk 1")
+    if d.pp > 1:
+        add("sglang.layerwise_pp", f"pp={d.pp}: the layer buffers are planned per model, not per pipeline stage",
+            "set --pp-size 1 with layerwise prefill offload")
 
 
-def _check_pd(pd: PDTransferConfig, d: Deployment, add, main_kv_offloaded: bool = False) -> None:
+def _check_pd(config: OffloadConfig, d: Deployment, add: _Add) -> None:
+    pd = config.pd_transfer
+    assert pd is not None
     if d.pd_role == "colocated":
         add("pd_transfer.role", "P/D transfer configured on a colocated server",
             "start the servers with --disaggregation-mode prefill|decode")
@@ -771,9 +868,36 @@ def _check_pd(pd: PDTransferConfig, d: Deployment, add, main_kv_offloaded: bool 
         if p_tp < d_tp or p_tp % d_tp:
             add("pd_transfer.tp_ratio", f"p_tp={p_tp}, d_tp={d_tp}",
                 "use a prefill TP that is a multiple of (and >=) the decode TP")
+    _check_pd_engine(pd, d, add)
+    if d.pd_role == "decode" and d.attention_tp > 1:
+        _check_pd_decode_tp(d, add, main_kv_offloaded=config.sparse_decode is not None)
+    d_tp = d.attention_tp if d.pd_role == "decode" else (d.peer_tp or 1)
+    last_port = pd.kv_port + (d.dp - 1) * d_tp + (d_tp - 1)
+    if last_port > 65535:
+        add("pd_transfer.ports", f"ports {pd.kv_port}..{last_port} exceed 65535 "
+            f"(dp={d.dp}, d_tp={d_tp})", f"lower kv_port to <= {65535 - (last_port - pd.kv_port)}")
+    parallel = {name: getattr(d, name) for name in ("pp", "cp", "pcp", "dcp") if getattr(d, name) > 1}
+    if parallel:
+        add("sglang.pd_parallel", ", ".join(f"{k}={v}" for k, v in parallel.items()),
+            "use TP (and DP) only with the ascend_offload P/D backend")
+    if d.speculative_method and d.pd_role == "prefill" and config.layerwise_prefill is not None:
+        add("sglang.pd_speculative", f"speculative method {d.speculative_method!r} with layerwise prefill offload "
+            "on the prefill: the layerwise pool's layer listener publishes the base layers, not the draft layer",
+            "drop the speculative flags on the prefill, or layerwise prefill offload")
+    if d.speculative_method and d.pd_role == "decode" and d.attention_tp > 1:
+        add("sglang.pd_speculative", f"speculative method {d.speculative_method!r} with decode attention TP "
+            f"{d.attention_tp}: the draft layer's KV is received by attention TP 1 decode servers only",
+            "use attention TP 1 on the decode (DP attention for more ranks), or drop the speculative flags")
+
+
+def _check_pd_engine(pd: PDTransferConfig, d: Deployment, add: _Add) -> None:
+    """The transfer engine and protocol for the device and the peer."""
     if d.device == "npu" and pd.engine != "memfabric":
         add("pd_transfer.memfabric_only", f"engine={pd.engine!r} on an Ascend node",
             'set "engine": "memfabric"')
+    if d.device != "npu" and pd.engine == "memfabric":
+        add("sglang.pd_engine_device", f"engine 'memfabric' on a {d.device} device",
+            'set "engine": "mooncake" in --pd-transfer-config (TCP on CPU machines)')
     if d.peer_protocol is not None and d.peer_protocol != pd.protocol:
         add("pd_transfer.protocol_match", f"protocol={pd.protocol!r} but the peer uses "
             f"{d.peer_protocol!r}", "configure the same protocol on prefill and decode")
@@ -785,13 +909,6 @@ def _check_pd(pd: PDTransferConfig, d: Deployment, add, main_kv_offloaded: bool 
         if fam in ("A2", "A3") and pd.protocol == "device_urma":
             add("pd_transfer.protocol_soc", f"protocol='device_urma' on an {fam} node",
                 'set "protocol": "sdma" (default) or "device_rdma"')
-    if d.pd_role == "decode" and d.attention_tp > 1:
-        _check_pd_decode_tp(d, add, main_kv_offloaded)
-    d_tp = d.attention_tp if d.pd_role == "decode" else (d.peer_tp or 1)
-    last_port = pd.kv_port + (d.dp - 1) * d_tp + (d_tp - 1)
-    if last_port > 65535:
-        add("pd_transfer.ports", f"ports {pd.kv_port}..{last_port} exceed 65535 "
-            f"(dp={d.dp}, d_tp={d_tp})", f"lower kv_port to <= {65535 - (last_port - pd.kv_port)}")
 
 
 #: Devices whose sparse-decode host pool is one memory shared by an attention-DP group's
@@ -846,3 +963,10 @@ def _check_kvpp(d: Deployment, add, *, layerwise: bool) -> None:
             "fix the number of speculative tokens (no adaptive verification)")
     if d.tp * d.pcp < 2:
         add("kvpp.group", f"tp x pcp = {d.tp * d.pcp}", "use tensor parallelism >= 2 or disable KVPP")
+    if d.pp > 1:
+        add("sglang.kvpp_pp", f"pp={d.pp}: per-stage KVPP groups are not wired in the SGLang plugin",
+            "set --pp-size 1 with KVPP")
+    if d.dp_attention and d.dp > 1:
+        add("sglang.kvpp_dp_attention", f"DP attention with {d.dp} attention-DP groups: the replicated domain is "
+            "the attention-TP group, and DP ranks run different batches (padding, idle forwards)",
+            "drop --enable-dp-attention / --attn-dp-size with KVPP")

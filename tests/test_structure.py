@@ -400,3 +400,40 @@ def test_every_package_is_listed_for_the_wheel():
     found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / PKG).rglob("__init__.py")
              if "__pycache__" not in p.parts}
     assert found - listed == set(), f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+
+
+# ------------------------------------------------------------------ one rule registry
+RULE_ID = re.compile(r"^(parse|deployment|flags|capacity|memory|sparse_decode|layerwise_prefill|pd_transfer|kvpp|sglang)"
+                     r"\.[a-z0-9_]+$")
+_REPORTERS = {"Violation", "violation", "_violation", "add"}
+
+
+def _rule_ids_reported() -> List[Tuple[str, int, str]]:
+    """``(file, line, id)`` of every literal rule id given to a violation constructor."""
+    found = []
+    for path in sorted((REPO / PKG).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in _REPORTERS and isinstance(node.args[0].value, str) and RULE_ID.match(node.args[0].value):
+                found.append((str(path.relative_to(REPO)), node.lineno, node.args[0].value))
+    return found
+
+
+def test_rule_ids_are_defined_once_in_the_registry():
+    """Every reported rule id is in ``rules.py``; no other module keeps a rule table
+    (``config.RULES`` is the registry's deployment scope, derived from it)."""
+    from sglang_ascend_offload.rules import RULES
+
+    reported = _rule_ids_reported()
+    unknown = [f"{f}:{line} {rule}" for f, line, rule in reported if rule not in RULES]
+    assert unknown == [], f"register these rule ids in {PKG}/rules.py: {unknown}"
+    assert len({rule for _, _, rule in reported}) > 60  # the scan sees the reporting sites
+    tables = []
+    for path in sorted((REPO / PKG).rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            if any(isinstance(t, ast.Name) and t.id == "RULES" for t in targets):
+                tables.append(str(path.relative_to(REPO)))
+    assert tables == [f"{PKG}/config.py", f"{PKG}/rules.py"], tables

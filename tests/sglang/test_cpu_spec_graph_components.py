@@ -156,13 +156,16 @@ def test_wrong_token_table_differs():
 
 @pytest.mark.parametrize("device, refused", [("cpu", False), ("npu", True), ("cuda", True)])
 def test_startup_rule_allows_graph_speculation_only_on_the_cpu(device, refused):
-    from sglang_ascend_offload.sglang_plugin.args import launch_checks
+    from startup_verdict import server_verdict
 
-    view = SimpleNamespace(speculative_algorithm="NEXTN", speculative_eagle_topk=1, speculative_num_steps=3,
-                           speculative_num_draft_tokens=4, disable_overlap_schedule=True, device=device,
-                           disable_cuda_graph=False, enable_torch_compile=True,
-                           cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
-    problems = launch_checks._speculative_violations(view)
+    from sglang_ascend_offload import config as cfg
+
+    sd = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=4 * 64))
+    server = dict(speculative_algorithm="NEXTN", speculative_eagle_topk=1, speculative_num_steps=3,
+                  speculative_num_draft_tokens=4, disable_overlap_schedule=True, device=device, page_size=64,
+                  disable_cuda_graph=False, enable_torch_compile=True, attention_backend="ascend_offload",
+                  cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
+    problems = [v for v in server_verdict(sd, **server) if v.rule == "sglang.sparse_decode_speculative"]
     assert bool(problems) == refused
     if refused:
         assert "decode graphs" in problems[0].problem and "--disable-cuda-graph" in problems[0].fix

@@ -21,6 +21,7 @@ from sglang_ascend_offload.sglang_plugin.args.deployment import (
 from sglang_ascend_offload.testing.sglang_args import server_args_stub
 
 from conftest import TINY_DSA
+from startup_verdict import server_rule_ids, server_verdict
 
 
 def raw(sparse=None, layerwise=None, sparse_on=None, layerwise_on=None):
@@ -86,58 +87,51 @@ def test_build_deployment_from_server_args_shape():
                            pp_size=1, attn_cp_size=1, enable_prefill_cp=False, dcp_size=1,
                            disaggregation_mode="decode", disaggregation_transfer_backend="ascend",
                            cuda_graph_config=None, disable_cuda_graph=True,
-                           speculative_algorithm="NEXTN", speculative_adaptive=False)
+                           speculative_algorithm="NEXTN", speculative_adaptive=False, speculative_num_steps=3,
+                           speculative_num_draft_tokens=4, speculative_eagle_topk=1, disable_overlap_schedule=True)
     hf = SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048, num_hidden_layers=61,
                          torch_dtype="bfloat16", layer_types=["indexed_attention"] * 61)
     d = build_deployment(args, hf, soc="Ascend910_9391")
     assert (d.device, d.model_kind, d.main_kv_dtype, d.index_topk, d.page_size) == ("npu", "dsa", "bf16", 2048, 128)
     assert (d.dp, d.tp, d.pd_role, d.graph_mode, d.speculative_method) == (2, 8, "decode", "eager", "mtp")
     assert d.soc_family == "A3" and d.hybrid_kv is False
-    assert cfg.violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=4096)), d) == []
+    assert (d.speculative_rows, d.speculative_steps, d.speculative_topk, d.overlap_schedule) == (4, 3, 1, False)
+    assert (d.decode_graph_mode, d.dp_attention) == ("eager", False)
+    assert cfg.violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=8192)), d) == []
 
 
-def test_plugin_rules():
-    view = server_args_stub(attention_backend="ascend", prefill_attention_backend=None,
-                           decode_attention_backend=None, enable_hisparse=True, disable_cuda_graph=False,
-                           cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
+def test_plugin_rules(monkeypatch):
+    """The server's whole startup verdict (deployment-scope and server-scope rules)."""
+    full_graph = SimpleNamespace(decode=SimpleNamespace(backend="full"))
     # decode graphs serve offload; what they cannot do is record traces (the recorder reads top-k on the host)
     config = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(record_trace="/tmp/trace.npz"),
-                               layerwise_prefill=cfg.LayerwisePrefillOffloadConfig())
-    os.environ["SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD"] = "1"
-    try:
-        rules = [v.rule for v in resolution.plugin_violations(config, view)]
-    finally:
-        del os.environ["SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD"]
-    assert "sglang.attention_backend" in rules
-    assert "sglang.hisparse" in rules
-    assert "sglang.npu_sparse_kv_offload" in rules
-    assert "sglang.sparse_decode_graph" in rules
+                               layerwise_prefill=cfg.LayerwisePrefillOffloadConfig(store_backend="local"))
+    monkeypatch.setenv("SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD", "1")
+    rules = server_rule_ids(config, attention_backend="ascend", enable_hisparse=True, disable_cuda_graph=False,
+                            enable_torch_compile=True, cuda_graph_config=full_graph, page_size=64)
+    monkeypatch.delenv("SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD")
+    assert {"sglang.attention_backend", "sglang.hisparse", "sglang.npu_sparse_kv_offload",
+            "sglang.sparse_decode_graph", "sglang.layerwise_sparse_decode"} <= set(rules), rules
     unwired = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(indexer_dtype="int8", fused_lim=True,
                                                                           ops="npu"))
-    rules2 = [v.rule for v in resolution.plugin_violations(unwired, server_args_stub(
-        attention_backend="ascend_offload", disable_cuda_graph=True))]
+    rules2 = server_rule_ids(unwired, attention_backend="ascend_offload", disable_cuda_graph=True)
     assert "sglang.indexer_dtype" in rules2 and "sglang.fused_not_wired" in rules2
     if platform.device_kind() != "npu":
         assert "sglang.ops_unavailable" in rules2  # no torch_npu operators on this machine
-    assert "sglang.layerwise_sparse_decode" in rules  # one server runs one of the two
-    eager = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=True)
-    assert resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig()), eager) == []
-    graphs = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=False,
-                              cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
     plain = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig())
-    assert resolution.plugin_violations(plain, graphs) == []  # offload with decode graphs is served
-    tp2 = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=False, tp_size=2,
-                           cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
-    assert [v.rule for v in resolution.plugin_violations(plain, tp2)] == ["sglang.sparse_decode_graph"]
+    eager = dict(attention_backend="ascend_offload", disable_cuda_graph=True, page_size=64)
+    assert server_rule_ids(plain, **eager) == []
+    graphs = dict(attention_backend="ascend_offload", disable_cuda_graph=False, enable_torch_compile=True,
+                  cuda_graph_config=full_graph, page_size=64)
+    assert server_rule_ids(plain, **graphs) == []  # offload with decode graphs is served
+    assert server_rule_ids(plain, **graphs, tp_size=2) == ["sglang.sparse_decode_graph"]
     # shadow verification recomputes rows on the host between layers: refused with graphs, served eagerly
     shadow = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(verify_sample_rate=1e-3))
-    found = resolution.plugin_violations(shadow, graphs)
+    found = server_verdict(shadow, **graphs)
     assert [v.rule for v in found] == ["sglang.sparse_decode_graph"] and "verify_sample_rate=0.001" in found[0].problem
-    assert resolution.plugin_violations(shadow, eager) == []
-    cpu_eager = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=False, device="cpu",
-                                 tp_size=2, enable_torch_compile=False,
-                                 cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
-    assert resolution.plugin_violations(plain, cpu_eager) == []  # the CPU engine captures only with torch.compile
+    assert server_rule_ids(shadow, **eager) == []
+    cpu_eager = dict(graphs, enable_torch_compile=False, tp_size=2)
+    assert server_rule_ids(plain, **cpu_eager) == []  # the CPU engine captures only with torch.compile
 
 
 # ------------------------------------------------------------------ real resolution, in process
@@ -179,7 +173,6 @@ def test_invalid_config_stops_resolution_with_every_reason(plugins_loaded, clean
 
 
 def test_valid_config_is_published_for_child_processes(plugins_loaded, clean_state, monkeypatch):
-    monkeypatch.setattr(resolution, "RUNTIME_READY", {"sparse_decode"})
     sa = _server_args()  # SGLang forces page size 64 for DSA off NPU/XPU
     flags.remember(raw(sparse='{"hot_tokens": 64}'))
     sa.resolve_once()

@@ -9,11 +9,13 @@ import pytest
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.sglang_plugin.args import carrier, flags
-from sglang_ascend_offload.sglang_plugin.args.rules.kvpp import RULES, kvpp_violations
+from sglang_ascend_offload.rules import RULES
+from sglang_ascend_offload.sglang_plugin.args.rules.kvpp import kvpp_violations
 
 from sglang_ascend_offload.testing.sglang_args import server_args_stub
 
 from conftest import REPO
+from startup_verdict import server_rule_ids
 
 TINY_DSA_8L = REPO / "tests" / "fixtures" / "tiny_dsa_8l"
 
@@ -55,8 +57,11 @@ def test_a_servable_setup_has_no_violation():
     (KV, view(pp_size=2), "sglang.kvpp_pp"),
 ])
 def test_each_rule(config, server, rule):
-    rules = [v.rule for v in kvpp_violations(config, server)]
-    assert rules == [rule]
+    """Each rule alone in the server's whole startup verdict (the DP attention and PP rules
+    are decided by the deployment facts, the others by SGLang arguments)."""
+    args = {k: getattr(server, k) for k in vars(server) if getattr(server, k) != getattr(view(), k, None)}
+    base = dict(attention_backend="ascend_offload", tp_size=2)
+    assert server_rule_ids(config, **{**base, **args}) == [rule]
     assert rule in RULES
 
 

@@ -12,11 +12,13 @@ import pytest
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.sglang_plugin.args import carrier, flags
 from sglang_ascend_offload.sglang_plugin.args.flags import RawFlags
-from sglang_ascend_offload.sglang_plugin.args.rules.layerwise_prefill import RULES, layerwise_violations
+from sglang_ascend_offload.rules import RULES
+from sglang_ascend_offload.sglang_plugin.args.rules.layerwise_prefill import layerwise_violations
 
 from sglang_ascend_offload.testing.sglang_args import server_args_stub
 
 from conftest import REPO
+from startup_verdict import server_rule_ids
 
 TINY_DSA_4L = REPO / "tests" / "fixtures" / "tiny_dsa_4l"
 
@@ -54,8 +56,11 @@ def test_a_servable_setup_has_no_violation():
     (lw(), view(pp_size=2), "sglang.layerwise_pp"),
 ])
 def test_each_rule(config, server, rule):
-    rules = [v.rule for v in layerwise_violations(config, server)]
-    assert rules == [rule]
+    """Each rule alone in the server's whole startup verdict (some are decided by the
+    deployment facts, the others by SGLang arguments)."""
+    args = {k: getattr(server, k) for k in vars(server) if getattr(server, k) != getattr(view(), k, None)}
+    base = dict(attention_backend="ascend_offload", page_size=64)
+    assert server_rule_ids(config, **{**base, **args}) == [rule]
     assert rule in RULES
 
 

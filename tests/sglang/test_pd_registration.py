@@ -149,11 +149,11 @@ def test_speculative_pd_resolves_where_the_draft_layer_is_moved(plugins_loaded, 
     assert resolve("decode").pd_transfer is not None
     with pytest.raises(cfg.ConfigError) as info:
         resolve("prefill", layerwise=LAYERWISE)
-    bad = [v for v in info.value.violations if v.rule == "sglang.pd_unsupported"]
-    assert len(bad) == 1 and "--speculative-algorithm EAGLE with layerwise prefill offload" in bad[0].problem
+    bad = [v for v in info.value.violations if v.rule == "sglang.pd_speculative"]
+    assert len(bad) == 1 and "speculative method 'mtp' with layerwise prefill offload" in bad[0].problem
     with pytest.raises(cfg.ConfigError) as info:
         resolve("decode", sparse='{"hot_tokens": 64}', tp_size=2)
-    bad = [v for v in info.value.violations if v.rule == "sglang.pd_unsupported"]
+    bad = [v for v in info.value.violations if v.rule == "sglang.pd_speculative"]
     assert len(bad) == 1 and "with decode attention TP 2" in bad[0].problem
 
 

@@ -1,5 +1,6 @@
 """Startup limits of speculative decoding with sparse decode offload (rule
-``sglang.sparse_decode_speculative``, ``launch_checks._speculative_violations``) and
+``sglang.sparse_decode_speculative``, decided by the deployment facts in
+``config.violations``) and
 what SGLang's resolution leaves for it: the NextN / MTP chain is accepted, everything
 outside it is refused with its reason.
 """
@@ -11,9 +12,13 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_ascend_offload import config as cfg
-from sglang_ascend_offload.sglang_plugin.args import carrier, flags, launch_checks
+from sglang_ascend_offload.sglang_plugin.args import carrier, flags
+
+from sglang_ascend_offload.rules import RULES
+from sglang_ascend_offload.testing.sglang_args import server_args_stub
 
 from conftest import TINY_DSA
+from startup_verdict import server_deployment, server_verdict
 
 TINY_DSA_MTP = TINY_DSA.parent / "tiny_dsa_mtp"
 RULE = "sglang.sparse_decode_speculative"
@@ -46,7 +51,14 @@ def view(**kw):
           cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full"))), None),
 ])
 def test_speculative_limits(args, expect):
-    problems = launch_checks._speculative_violations(view(**args))
+    """The server's whole startup verdict on these arguments, and ``check-config``'s on the
+    deployment facts the server read, both hold exactly this rule."""
+    sd = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=64 * 6))
+    server = dict(vars(view(**args)), page_size=64, attention_backend="ascend_offload")
+    # this machine has no fused AscendC extension: on "npu" that server-scope rule is reported too
+    problems = [v for v in server_verdict(sd, **server) if RULES[v.rule].scope != "server"]
+    deployment = server_deployment(sd, server_args_stub(**server))
+    assert [v.rule for v in cfg.violations(sd, deployment)] == [v.rule for v in problems]
     if expect is None:
         assert problems == []
     else:

@@ -108,6 +108,10 @@ def build_deployment(
         hybrid_kv = bool(_HYBRID_LAYER_KINDS & set(getattr(hf_config, "layer_types", None) or ()))
     kind = model_kind(hf_config)
     dp, attn_tp = attention_parallel(get)
+    graphs = (get("cuda_graph_config"), bool(get("disable_cuda_graph", False)))
+    decode_graphs = graph_mode(*graphs, "decode")
+    if device == "cpu" and not get("enable_torch_compile", False):
+        decode_graphs = "eager"  # SGLang's CPU engine captures decode graphs only with torch.compile
     return cfg.Deployment(
         device=device,
         soc=soc,
@@ -128,12 +132,22 @@ def build_deployment(
         dcp=int(get("dcp_size", 1) or 1),
         pd_role=pd_role,
         disaggregation_transfer_backend=get("disaggregation_transfer_backend") if pd_role != "colocated" else None,
-        graph_mode=graph_mode(get("cuda_graph_config"), bool(get("disable_cuda_graph", False)), pd_role),
+        graph_mode=graph_mode(*graphs, pd_role),
+        decode_graph_mode=decode_graphs,
         speculative_method=spec_method,
         speculative_fixed=not bool(get("speculative_adaptive", False)),
-        speculative_rows=int(get("speculative_num_draft_tokens")) if spec and get("speculative_num_draft_tokens")
-        else None,
+        speculative_rows=_spec_int(get, spec, "speculative_num_draft_tokens"),
+        speculative_steps=_spec_int(get, spec, "speculative_num_steps"),
+        speculative_topk=_spec_int(get, spec, "speculative_eagle_topk"),
+        overlap_schedule=not bool(get("disable_overlap_schedule", False)),
+        dp_attention=bool(get("enable_dp_attention", False) or int(get("attn_dp_size", 1) or 1) > 1),
     )
+
+
+def _spec_int(get, algorithm: Any, name: str) -> Optional[int]:
+    """A speculative-decoding count where speculation is on and SGLang has it, else ``None``."""
+    value = get(name) if algorithm else None
+    return int(value) if value else None
 
 
 def deployment_from_server_args(server_args: Any) -> cfg.Deployment:

@@ -10,20 +10,15 @@ rule                             when
 ``sglang.model_config``          a feature needs model facts the HF config lacks (a DSA
                                  architecture without its indexer fields, an MLA model without
                                  ``kv_lora_rank`` ...): the pools would fail after the weights load
-``sglang.sparse_decode_speculative``  speculative decoding with sparse decode offload beyond what the
-                                 engine serves: an algorithm other than the NextN / MTP draft
-                                 (``EAGLE`` / ``NEXTN``), a draft tree (``--speculative-eagle-topk``
-                                 > 1: verify rows are not a chain), a draft-token count other than
-                                 ``steps + 1`` (each request must have the same fixed number of
-                                 verify rows), decode graphs on a device other than the CPU (verify
-                                 rows are set up on the host each round; only the plugin's CPU
-                                 verify graph runner repeats that per replay), or overlap scheduling (the verify step needs each
-                                 request's committed length on the host; untested)
 ``memory.insufficient``          one request's hot buffers and the host pool do not fit in the
                                  memory available now (:mod:`...memory_budget`); how many
                                  requests get hot buffers is decided when SGLang sizes its KV
                                  pool, from the same budget (:mod:`..mem_cache.sizing.sparse_decode`)
 ===============================  ==============================================================
+
+Speculative decoding with sparse decode offload (the NextN / MTP chain of ``steps + 1``
+verify rows, eager decode off the CPU, no overlap scheduling) is decided by the deployment
+facts: rule ``sglang.sparse_decode_speculative`` in ``config.violations``.
 
 Defaults resolved here, so the published config (what every process runs) states
 them and the log shows them once: ``hot_tokens`` (2 x top-k rounded up to the page
@@ -39,14 +34,12 @@ from typing import Any, List, Optional, Tuple
 
 from ... import config as cfg
 from ... import memory_budget
+from ...rules import violation
 from .. import compat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["resolve_defaults", "launch_violations", "sparse_decode_allocations", "RULES",
-           "MIN_HOT_ROWS"]
-
-RULES = ("sglang.model_config", "sglang.sparse_decode_speculative", "memory.insufficient")
+__all__ = ["resolve_defaults", "launch_violations", "sparse_decode_allocations", "MIN_HOT_ROWS"]
 
 # Hot-buffer rows of the smallest server: one request and SGLang's padding request row.
 MIN_HOT_ROWS = 2
@@ -110,64 +103,14 @@ def launch_violations(config: cfg.OffloadConfig, view: Any, hf_config: Any,
         missing += _missing(hf_config, _DSA_FIELDS)
     if missing:
         archs = ", ".join(getattr(hf_config, "architectures", None) or ["?"])
-        out.append(cfg.Violation(
+        out.append(violation(
             "sglang.model_config",
             f"{', '.join(features)} need(s) the model config fields {', '.join(missing)}, which the model "
             f"({archs}) does not define",
             "serve a complete DeepSeek-V3.2-style (MLA + lightning indexer) config.json, or disable the feature"))
     sd = config.sparse_decode
-    if sd is not None and compat.arg(view, "speculative_algorithm"):
-        out += _speculative_violations(view)
     if sd is not None and not missing and deployment is not None:
         out += _sparse_decode_memory(sd, view, hf_config, deployment)
-    return out
-
-
-SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")  # SGLang's NextN / MTP path (NEXTN is an alias of EAGLE)
-
-
-def _speculative_violations(view: Any) -> List[cfg.Violation]:
-    """Speculative decoding with sparse decode offload: the NextN / MTP draft with a
-    fixed chain of ``steps + 1`` verify rows per request (``speculative.py``).
-    Adaptive (variable) draft counts are refused by ``sparse_decode.speculative``."""
-    rule = "sglang.sparse_decode_speculative"
-    out: List[cfg.Violation] = []
-    algo = str(compat.arg(view, "speculative_algorithm")).upper()
-    if algo not in SPECULATIVE_ALGORITHMS:
-        out.append(cfg.Violation(
-            rule, f"speculative algorithm {algo!r} with sparse decode offload: only the NextN / MTP draft "
-            "(EAGLE / NEXTN) is served",
-            "use --speculative-algorithm NEXTN (or EAGLE), or disable sparse decode offload"))
-        return out
-    topk = compat.arg(view, "speculative_eagle_topk")
-    steps = compat.arg(view, "speculative_num_steps")
-    tokens = compat.arg(view, "speculative_num_draft_tokens")
-    if topk is not None and int(topk) != 1:
-        out.append(cfg.Violation(
-            rule, f"--speculative-eagle-topk {topk}: a draft tree; sparse decode offload verifies a chain "
-            "(one verify row per draft position)", "use --speculative-eagle-topk 1"))
-    if steps is not None and tokens is not None and int(tokens) != int(steps) + 1:
-        out.append(cfg.Violation(
-            rule, f"--speculative-num-draft-tokens {tokens} with --speculative-num-steps {steps}: sparse decode "
-            "offload needs exactly steps + 1 verify rows per request (a fixed count)",
-            f"use --speculative-num-draft-tokens {int(steps) + 1}"))
-    decode_graph = getattr(getattr(compat.arg(view, "cuda_graph_config"), "decode", None), "backend", None)
-    graphs = not compat.arg(view, "disable_cuda_graph") and decode_graph not in (None, "disabled")
-    device = compat.arg(view, "device")
-    # On a CPU the plugin's verify graph runner (cpu_spec_graph.py) serves graphs + speculation: the verify
-    # step's host-side engine row setup runs before every replay. Device graph runners (NPU / CUDA) are not wired.
-    if graphs and device != "cpu":
-        out.append(cfg.Violation(
-            rule, f"decode graphs (backend {decode_graph!r}) on device {device!r} with speculative decoding and "
-            "sparse decode offload: the verify step sets up its engine rows on the host every round, and only the "
-            "plugin's CPU verify graph runner (--device cpu --enable-torch-compile) repeats that before each "
-            "replay; SGLang's device graph runners would replay stale rows",
-            "run decode eagerly (--disable-cuda-graph), or serve on a CPU with --enable-torch-compile"))
-    if not compat.arg(view, "disable_overlap_schedule"):
-        out.append(cfg.Violation(
-            rule, "overlap scheduling with speculative decoding and sparse decode offload: the verify step "
-            "takes each request's committed length from the host when it starts (not tested with overlap)",
-            "add --disable-overlap-schedule"))
     return out
 
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from ... import config as cfg
 from ... import platform
+from ...rules import violation
 from . import carrier, flags, launch_checks
 from .. import compat
 from ..cpu_capability import no_cuda_capability
@@ -38,14 +39,6 @@ from ..names import BACKEND_NAME
 logger = logging.getLogger(__name__)
 
 VALIDATION_STEP = compat.VALIDATION_STEP
-
-# Features whose runtime the SGLang plugin provides. Enabling another feature is
-# rejected at startup (a flag that silently did nothing would be worse).
-RUNTIME_READY = {"sparse_decode"}
-RUNTIME_READY.add("layerwise_prefill")  # layerwise_pool.py
-RUNTIME_READY.add("pd_transfer")  # disagg/ (transfer backend ascend_offload)
-RUNTIME_READY.add("kvpp")  # kvpp_pool.py
-
 
 # ------------------------------------------------------------------ backend choice
 def _model_is_dsa(server_args: Any) -> bool:
@@ -89,7 +82,7 @@ def _select_backend(server_args: Any, previous: Callable[[Any], None]) -> None:
         logger.info("sglang-ascend-offload: attention backend %s selected", BACKEND_NAME)
     if view.device == "cpu" and resolving_view(server_args).attention_backend == BACKEND_NAME \
             and os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
-        raise cfg.ConfigError([cfg.Violation(
+        raise cfg.ConfigError([violation(
             "sglang.cpu_engine", "--device cpu without SGLANG_USE_CPU_ENGINE=1 (SGLang then does not run its "
             "CPU platform)", "export SGLANG_USE_CPU_ENGINE=1 before starting SGLang")],
             "sglang-ascend-offload configuration")
@@ -108,53 +101,28 @@ def _model_adjustments(server_args: Any, previous: Callable[[Any], None]) -> Non
 
 # ------------------------------------------------------------------ validation
 def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violation]:
-    """Rules about SGLang's own arguments (the engine-agnostic rules live in config.py)."""
+    """The ``server``-scope rules (``rules.py``) of sparse decode offload, then of the
+    layerwise and KVPP pools: SGLang arguments the deployment facts do not describe and
+    what this machine has installed. Everything the facts decide is ``config.violations``."""
     out: List[cfg.Violation] = []
-    for section in ("sparse_decode", "layerwise_prefill", "pd_transfer", "kvpp"):
-        if getattr(config, section) is not None and section not in RUNTIME_READY:
-            out.append(cfg.Violation(
-                "sglang.feature_not_wired",
-                f"{section} is configured but the SGLang plugin does not run it yet",
-                f"remove the {section} settings; see docs/sglang_integration.md for the status",
-            ))
     if config.sparse_decode is not None:
         backends = {b for b in (compat.arg(view, "attention_backend"), compat.arg(view, "prefill_attention_backend"),
                                 compat.arg(view, "decode_attention_backend")) if b}
         if backends - {BACKEND_NAME}:
-            out.append(cfg.Violation(
+            out.append(violation(
                 "sglang.attention_backend",
                 f"attention backend(s) {sorted(backends)} cannot serve sparse decode offload",
                 f"drop --attention-backend (the plugin selects {BACKEND_NAME}) or pass "
                 f"--attention-backend {BACKEND_NAME}",
             ))
-        # cuda_graph_config is None when SGLang has not built it (graphs off): its parts are optional.
-        decode_graph = getattr(getattr(compat.arg(view, "cuda_graph_config"), "decode", None), "backend", None)
-        graphs_on = not compat.arg(view, "disable_cuda_graph") and decode_graph not in (None, "disabled")
-        if compat.arg(view, "device") == "cpu":  # SGLang's CPU engine captures decode graphs only with --enable-torch-compile
-            graphs_on = graphs_on and bool(compat.arg(view, "enable_torch_compile"))
-        if graphs_on:
-            from .deployment import attention_parallel
-
-            _, attn_tp = attention_parallel(lambda name, default=None: compat.arg_or(view, name, default))
-            if attn_tp > 1:
-                out.append(cfg.Violation(
-                    "sglang.sparse_decode_graph",
-                    f"decode graphs with sparse decode offload at attention TP {attn_tp}: the ranks of an "
-                    "attention-TP group share one host pool whose appends TP rank 0 publishes from the host "
-                    "per layer, which a captured decode step cannot do",
-                    "run decode eagerly (--disable-cuda-graph, or on a CPU without --enable-torch-compile) or "
-                    "use attention TP 1 (attention DP for more ranks)",
-                ))
-        if graphs_on:
-            out += _host_work_under_graphs(config.sparse_decode, decode_graph)
-        out += _sparse_decode_runtime_violations(config.sparse_decode, _device_kind(view))
+        out += _sparse_decode_ops_violations(config.sparse_decode, _device_kind(view))
         if compat.arg(view, "enable_hisparse"):
-            out.append(cfg.Violation(
+            out.append(violation(
                 "sglang.hisparse", "--enable-hisparse is on as well",
                 "use one sparse-attention offload: drop --enable-hisparse",
             ))
         if os.environ.get("SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD", "0") not in ("", "0", "false", "False"):
-            out.append(cfg.Violation(
+            out.append(violation(
                 "sglang.npu_sparse_kv_offload",
                 "SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD is set (SGLang's in-tree NPU offload)",
                 "unset SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD",
@@ -172,49 +140,18 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
 OFFLOAD_OPS = ("lightning_indexer", "sparse_mla_attention", "residency_manage", "copy_miss_rows")
 
 
-def _host_work_under_graphs(sd: cfg.SparseDecodeOffloadConfig, decode_graph: Any) -> List[cfg.Violation]:
-    """Rule ``sglang.sparse_decode_graph`` for the features that do host work between layers
-    of a decode step, which a captured step cannot do: one violation per feature that is on."""
-    eager = "run decode eagerly (--disable-cuda-graph, or on a CPU without --enable-torch-compile)"
-    refusals = [
-        (bool(sd.record_trace),
-         f"record_trace with decode graphs on (backend {decode_graph!r}): the trace recorder reads each "
-         "layer's top-k on the host, which a captured decode step cannot do",
-         f"drop record_trace, or {eager}"),
-        (sd.verify_sample_rate > 0,
-         f"verify_sample_rate={sd.verify_sample_rate} with decode graphs on (backend {decode_graph!r}): shadow "
-         "verification recomputes a sampled row between layers on the host, which a captured decode step "
-         "cannot do",
-         f"set verify_sample_rate to 0, or {eager}"),
-        (sd.rank_depth > 0,
-         f"policy {sd.policy!r} (rank_depth={sd.rank_depth}) with decode graphs on (backend {decode_graph!r}): "
-         "the graph decode path selects top-k only and does not hand the indexer's ranking to the residency "
-         "manager",
-         f"{eager}, or serve lru / lru_k2_guarded with decode graphs"),
-    ]
-    return [cfg.Violation("sglang.sparse_decode_graph", problem, fix) for on, problem, fix in refusals if on]
-
-
 def _device_kind(view: Any) -> str:
     """The served device kind, as the deployment reads it: ``--device`` or this machine's."""
     device = compat.arg(view, "device") or platform.device_kind()
     return "cuda" if device in ("gpu", "rocm", "hip") else str(device)
 
 
-def _sparse_decode_runtime_violations(sd: cfg.SparseDecodeOffloadConfig, device: str) -> List[cfg.Violation]:
-    """Settings the SGLang backend cannot honour here (checked before any process starts);
-    ``device``: ``npu`` / ``cuda`` / ``cpu``."""
+def _sparse_decode_ops_violations(sd: cfg.SparseDecodeOffloadConfig, device: str) -> List[cfg.Violation]:
+    """The operators this machine has for the requested rung (checked before any process
+    starts); ``device``: ``npu`` / ``cuda`` / ``cpu``."""
     from ...ops import registry
 
     out: List[cfg.Violation] = []
-    if sd.indexer_dtype != "bf16":
-        out.append(cfg.Violation(
-            "sglang.indexer_dtype", f"indexer_dtype={sd.indexer_dtype!r}: the SGLang backend keeps a bf16 "
-            "index-K cache (LIM-C8 is not wired into it yet)", 'set "indexer_dtype": "bf16"'))
-    if sd.fused_lim is True:
-        out.append(cfg.Violation(
-            "sglang.fused_not_wired", "fused_lim=true: the SGLang backend does not call the fused AscendC "
-            "LIM operator yet", 'drop "fused_lim" (ops=npu uses the torch_npu operators)'))
     registry.ensure_registered()
     if cfg.fused_copy_sfa_required(sd, device):
         fused = registry.implementations("copy_sparse_flash_attention").get("fused")
@@ -222,7 +159,7 @@ def _sparse_decode_runtime_violations(sd: cfg.SparseDecodeOffloadConfig, device:
         if reason is not None:
             why = "fused_copy_sfa=true" if sd.fused_copy_sfa else \
                 f"the fused Copy-SFA operator (the default on an Ascend NPU with ops={sd.ops!r})"
-            out.append(cfg.Violation(
+            out.append(violation(
                 "sglang.fused_unavailable", f"{why} cannot run: {reason}",
                 "build and install the AscendC extension (bash scripts/setup_npu_env.sh, or "
                 "ascendc_ops/build.sh --install), or set \"fused_copy_sfa\": false to run the separate miss "
@@ -231,8 +168,27 @@ def _sparse_decode_runtime_violations(sd: cfg.SparseDecodeOffloadConfig, device:
         try:
             registry.select(op, sd.ops)
         except (registry.OpUnavailableError, KeyError, ValueError) as exc:
-            out.append(cfg.Violation("sglang.ops_unavailable", f"ops={sd.ops!r}: {exc}",
-                                     'use "ops": "auto" or install what the message names'))
+            out.append(violation("sglang.ops_unavailable", f"ops={sd.ops!r}: {exc}",
+                                 'use "ops": "auto" or install what the message names'))
+    return out
+
+
+def startup_violations(config: cfg.OffloadConfig, deployment: Optional[cfg.Deployment], server_args: Any,
+                       view: Any, hf_config: Any) -> List[cfg.Violation]:
+    """The server's verdict: every rule ``config`` breaks on this launch.
+
+    The deployment-scope rules come from ``config.violations`` on ``deployment`` (the
+    facts read from ``view``), the same function ``check-config`` runs, so the two
+    verdicts on those rules cannot differ; then the server-scope rules (``rules.py``)
+    over ``view`` (SGLang's resolved arguments), ``hf_config`` and this machine.
+    ``deployment`` is ``None`` when it could not be read (already reported).
+    """
+    from .rules import pd_transfer as pd_rules
+
+    out = [] if deployment is None else cfg.violations(config, deployment)
+    out += plugin_violations(config, view)
+    out += pd_rules.pd_violations(config, server_args, view)
+    out += launch_checks.launch_violations(config, view, hf_config, deployment)
     return out
 
 
@@ -252,20 +208,17 @@ def check(server_args: Any) -> Optional[cfg.OffloadConfig]:
     from ... import SUPPORTED_SGLANG_VERSION
     from .rules import pd_transfer as pd_rules  # P/D backend facts and rules
 
-    problems += [cfg.Violation("sglang.compat", p, f"run SGLang {SUPPORTED_SGLANG_VERSION} "
+    problems += [violation("sglang.compat", p, f"run SGLang {SUPPORTED_SGLANG_VERSION} "
                                f"(pip install sglang=={SUPPORTED_SGLANG_VERSION}) or update the plugin's hooks")
                  for p in compat.problems()]
 
     deployment = None
     try:
         deployment = pd_rules.with_pd_facts(deployment_from_server_args(server_args), config, server_args)
-        problems += cfg.violations(config, deployment)
     except Exception as exc:  # noqa: BLE001 - reported with the rest
-        problems.append(cfg.Violation("sglang.deployment", f"cannot read the deployment: {exc}",
-                                      "check the model path and server arguments"))
-    problems += plugin_violations(config, view)
-    problems += pd_rules.pd_violations(config, server_args)
-    problems += launch_checks.launch_violations(config, view, _hf_config(server_args), deployment)
+        problems.append(violation("sglang.deployment", f"cannot read the deployment: {exc}",
+                                  "check the model path and server arguments"))
+    problems += startup_violations(config, deployment, server_args, view, _hf_config(server_args))
     if problems:
         raise cfg.ConfigError(problems, "sglang-ascend-offload configuration")
     config, notes = launch_checks.resolve_defaults(config, deployment)

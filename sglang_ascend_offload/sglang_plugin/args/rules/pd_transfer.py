@@ -12,26 +12,24 @@ rule                                    when
                                         ``--disaggregation-transfer-backend ascend_offload`` without it
 ``sglang.pd_attention_backend``         an attention backend other than ``ascend_offload`` (the
                                         backend moves that backend's DSA pools)
-``sglang.pd_engine_device``             ``engine=memfabric`` off an Ascend NPU
 ``sglang.pd_engine_unavailable``        ``engine=mooncake`` without the Mooncake transfer engine
-``sglang.pd_parallel``                  PP, attention CP or DCP > 1
 ``sglang.pd_unsupported``               a P/D feature the backend does not provide: decode radix
                                         cache, decode host receive, HiSparse, ``prefill_complete``
                                         allocation, staging buffers, role switch, optimistic prefill
-                                        with layerwise prefill offload; speculative decoding on a
-                                        prefill with layerwise prefill offload (its layer listener
-                                        publishes the base layers only) or on a decode with
-                                        attention TP > 1 (the draft layer is per-rank device KV,
-                                        while each rank pulls only its range of the main KV)
+                                        with layerwise prefill offload
 ``sglang.pd_cpu_retraction_backup``     a CPU decode server without
                                         ``--disaggregation-decode-retraction-backup cpu_tensor``
                                         (SGLang's default backup registers CUDA host memory,
                                         ``mem_cache/pool_host/common.py:147``)
 ======================================  ============================================================
 
-Decode attention TP > 1 is ``config.violations``'s ``pd_transfer.decode_tp`` (so
-``check-config`` gives the same verdict): served with sparse decode offload, whose host
-pool the decode TP ranks share; refused without it (the device main KV is per rank).
+What the deployment facts decide is ``config.violations``'s (so ``check-config`` gives the
+same verdict): decode attention TP > 1 (``pd_transfer.decode_tp``: served with sparse
+decode offload, whose host pool the decode TP ranks share; refused without it, the
+device main KV is per rank), MemFabric off an NPU (``sglang.pd_engine_device``), PP / CP /
+DCP (``sglang.pd_parallel``) and speculative decoding on a layerwise prefill or on a
+decode with attention TP > 1 (``sglang.pd_speculative``: the draft layer is per-rank
+device KV, while each rank pulls only its range of the main KV).
 
 At run time the pair is checked when the two sides meet (:func:`pair_problems`): the
 decode manager runs it on the prefill's parallel info (SGLang's ``/route`` answer)
@@ -46,25 +44,13 @@ import os
 from typing import Any, List, Optional
 
 from .... import config as cfg
+from ....rules import violation
 from ... import compat
-from ..deployment import attention_parallel
 
 BACKEND_NAME = "ascend_offload"
 #: What ``--disaggregation-transfer-backend ascend_offload`` resolves to inside SGLang
 #: (``TransferBackend`` is a closed Enum; see :mod:`...disaggregation.ascend_offload.install`).
 SGLANG_BACKEND = "ascend"
-
-RULES = {
-    "sglang.pd_backend": "P/D transfer needs --disaggregation-transfer-backend ascend_offload and "
-                         "--enable-pd-transfer together",
-    "sglang.pd_attention_backend": "P/D transfer moves the ascend_offload attention backend's pools",
-    "sglang.pd_engine_device": "engine memfabric needs an Ascend NPU",
-    "sglang.pd_engine_unavailable": "engine mooncake needs the Mooncake transfer engine",
-    "sglang.pd_parallel": "PP, attention CP and DCP are not supported by the P/D backend",
-    "sglang.pd_unsupported": "a P/D feature the backend does not provide",
-    "sglang.pd_cpu_retraction_backup": "a CPU decode server needs --disaggregation-decode-retraction-backup cpu_tensor",
-}
-
 
 def raw_transfer_backend(server_args: Any) -> Optional[str]:
     """The ``--disaggregation-transfer-backend`` the user gave (before our rewrite)."""
@@ -98,8 +84,7 @@ def with_pd_facts(deployment: cfg.Deployment, config: cfg.OffloadConfig, server_
 
 
 def _violation(rule: str, problem: str, fix: str) -> cfg.Violation:
-    assert rule in RULES, rule
-    return cfg.Violation(rule, problem, fix)
+    return violation(rule, problem, fix)
 
 
 def missing_config_violation() -> cfg.Violation:
@@ -115,11 +100,13 @@ def mooncake_available() -> bool:
     return True
 
 
-def pd_violations(config: cfg.OffloadConfig, server_args: Any) -> List[cfg.Violation]:
-    """The SGLang-side P/D rules (module table) for the resolved ``server_args``."""
-    from sglang.srt.arg_groups.model_override_base import resolving_view
+def pd_violations(config: cfg.OffloadConfig, server_args: Any, view: Any = None) -> List[cfg.Violation]:
+    """The SGLang-side P/D rules (module table) for ``server_args``; ``view``: their
+    resolved values (SGLang's resolving view; looked up when not given)."""
+    if view is None:
+        from sglang.srt.arg_groups.model_override_base import resolving_view
 
-    view = resolving_view(server_args)
+        view = resolving_view(server_args)
     out: List[cfg.Violation] = []
     pd = config.pd_transfer
     role = str(compat.arg_or(view, "disaggregation_mode", "null"))
@@ -138,18 +125,10 @@ def pd_violations(config: cfg.OffloadConfig, server_args: Any) -> List[cfg.Viola
                               f"drop --attention-backend (DSA models get {BACKEND_NAME}) or pass "
                               f"--attention-backend {BACKEND_NAME}"))
     device = str(compat.arg_or(view, "device", None) or "")
-    if pd.engine == "memfabric" and device != "npu":
-        out.append(_violation("sglang.pd_engine_device", f"engine 'memfabric' on a {device or 'non-NPU'} device",
-                              'set "engine": "mooncake" in --pd-transfer-config (TCP on CPU machines)'))
     if pd.engine == "mooncake" and not mooncake_available():
         out.append(_violation("sglang.pd_engine_unavailable", "the mooncake package is not importable",
                               "pip install mooncake-transfer-engine-non-cuda (CPU/TCP) or "
                               "mooncake-transfer-engine; on Debian apt-get install libibverbs1 librdmacm1"))
-    parallel = {name: int(compat.arg_or(view, name, 1) or 1) for name in ("pp_size", "attn_cp_size", "dcp_size")}
-    bad = {k: v for k, v in parallel.items() if v > 1}
-    if bad:
-        out.append(_violation("sglang.pd_parallel", ", ".join(f"{k}={v}" for k, v in bad.items()),
-                              "use TP (and DP) only with the ascend_offload P/D backend"))
     unsupported = []
     if role == "decode" and compat.arg_or(view, "disaggregation_decode_enable_radix_cache", False):
         unsupported.append("--disaggregation-decode-enable-radix-cache")
@@ -157,14 +136,6 @@ def pd_violations(config: cfg.OffloadConfig, server_args: Any) -> List[cfg.Viola
         unsupported.append("--disaggregation-decode-host-receive-threshold < 1")
     if compat.arg_or(view, "enable_hisparse", False):
         unsupported.append("--enable-hisparse")
-    speculative = compat.arg_or(view, "speculative_algorithm", None)
-    if speculative and role == "prefill" and config.layerwise_prefill is not None:
-        unsupported.append(f"--speculative-algorithm {speculative} with layerwise prefill offload on the "
-                           "prefill (the draft layer is not published by the layerwise pool's layer listener)")
-    _, attn_tp = attention_parallel(lambda name, default=None: compat.arg_or(view, name, default))
-    if speculative and role == "decode" and attn_tp > 1:
-        unsupported.append(f"--speculative-algorithm {speculative} with decode attention TP {attn_tp} (the "
-                           "draft layer's KV is received by attention TP 1 decode servers only)")
     if compat.arg_or(view, "disaggregation_decode_allocation_policy", "early") != "early":
         unsupported.append(f"--disaggregation-decode-allocation-policy {view.disaggregation_decode_allocation_policy}")
     if compat.arg_or(view, "enable_pd_role_switch", False):
