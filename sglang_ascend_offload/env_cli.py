@@ -7,7 +7,7 @@ operator ladder which rungs are usable here (and why not).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata as md
+from .versions import installed_version
 import json
 
 from . import SUPPORTED_SGLANG_VERSION, platform
@@ -30,10 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def collect() -> dict:
     packages = {}
     for name in _PACKAGES:
-        try:
-            packages[name] = md.version(name)
-        except md.PackageNotFoundError:
-            packages[name] = None
+        packages[name] = installed_version(name)
     ops = {}
     for op in registry.ops():
         ops[op] = {rung: (impl.unavailable() or "usable")

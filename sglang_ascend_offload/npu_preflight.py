@@ -62,12 +62,9 @@ def _guard(name: str, needed_by: str, fn: Callable[[], Check]) -> Check:
 
 
 def _dist_version(dist: str) -> str:
-    import importlib.metadata as md
+    from .versions import installed_version
 
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return "(version unknown)"
+    return installed_version(dist) or "(version unknown)"
 
 
 def _torch_npu_reason() -> Optional[str]:

@@ -437,3 +437,16 @@ def test_rule_ids_are_defined_once_in_the_registry():
             if any(isinstance(t, ast.Name) and t.id == "RULES" for t in targets):
                 tables.append(str(path.relative_to(REPO)))
     assert tables == [f"{PKG}/config.py", f"{PKG}/rules.py"], tables
+
+
+def test_installed_versions_have_one_reader():
+    """``importlib.metadata.version`` is called in ``versions.py`` only."""
+    callers = []
+    for path in sorted((REPO / PKG).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+                base = getattr(node.func, "value", None)
+                if name == "version" and (base is None or getattr(base, "id", "") in ("md", "metadata")):
+                    callers.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert callers and all(c.startswith(f"{PKG}/versions.py:") for c in callers), callers

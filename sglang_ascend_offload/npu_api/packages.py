@@ -29,6 +29,7 @@ import types
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ..versions import installed_version
 from .callsites import CALL, Use
 from .result import Finding, PackageResult, bind_problem
 
@@ -294,10 +295,7 @@ def _check_use(resolver: _Resolver, use: Use, result: PackageResult) -> None:
 def check(uses: Sequence[Use], package: str) -> PackageResult:
     """Check the uses of ``package`` (``memfabric_hybrid`` or ``memcache_hybrid``)."""
     dist = DISTRIBUTIONS[package]
-    try:
-        version: Optional[str] = md.version(dist)
-    except md.PackageNotFoundError:
-        version = None
+    version = installed_version(dist)
     spec = supported_range(dist)
     result = PackageResult(package, version, f"installed {dist} {version or '-'} (supported {spec or 'any'})")
     mine = [u for u in uses if u.package == package]
@@ -318,10 +316,4 @@ def check(uses: Sequence[Use], package: str) -> PackageResult:
 
 
 def versions() -> Dict[str, Optional[str]]:
-    out = {}
-    for pkg, dist in DISTRIBUTIONS.items():
-        try:
-            out[pkg] = md.version(dist)
-        except md.PackageNotFoundError:
-            out[pkg] = None
-    return out
+    return {pkg: installed_version(dist) for pkg, dist in DISTRIBUTIONS.items()}

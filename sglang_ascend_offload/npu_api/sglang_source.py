@@ -18,13 +18,13 @@ result of a function call, a member inherited from a base outside SGLang, a modu
 from __future__ import annotations
 
 import ast
-import importlib.metadata as md
 import importlib.util
 import inspect
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from ..versions import installed_version
 from .callsites import CALL, Use
 from .result import Finding, PackageResult, bind_problem
 
@@ -315,10 +315,7 @@ def _skip_reason(exc: _Untyped) -> str:
 def check(uses: Sequence[Use], tree: Optional[SourceTree] = None) -> PackageResult:
     """Check every ``sglang`` use (see the module docstring)."""
     tree = tree or SourceTree()
-    try:
-        version = md.version("sglang")
-    except md.PackageNotFoundError:
-        version = None
+    version = installed_version("sglang")
     result = PackageResult("sglang", version, f"source parsed from {tree.location}")
     for use in uses:
         if use.package != "sglang":

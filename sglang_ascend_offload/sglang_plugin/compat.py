@@ -184,12 +184,9 @@ class SGLangIncompatible(RuntimeError):
 
 def installed_sglang_version() -> Optional[str]:
     """The installed ``sglang`` distribution's version, ``None`` when there is none."""
-    try:
-        from importlib.metadata import version
+    from ..versions import installed_version as dist_version
 
-        return version("sglang")
-    except Exception:  # noqa: BLE001
-        return None
+    return dist_version("sglang")
 
 
 def installed_version() -> str:

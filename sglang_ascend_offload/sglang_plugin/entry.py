@@ -60,9 +60,6 @@ def is_registered() -> bool:
 
 
 def _package_version() -> str:
-    try:
-        from importlib.metadata import version
+    from ..versions import installed_version
 
-        return version("sglang-ascend-offload")
-    except Exception:  # noqa: BLE001
-        return "(unknown version)"
+    return installed_version("sglang-ascend-offload") or "(unknown version)"

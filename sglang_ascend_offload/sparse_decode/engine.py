@@ -66,7 +66,7 @@ from ..ops.contract import ResidencyStep, ResidencyTable
 from ..ops.residency import copy_miss_rows_rows
 from .host_pool import AppendGate, HostKVPool
 from .host_rows import is_tensor_backed
-from .hot_buffer import HotBuffers
+from .hot_buffer import HotBuffers, flat_hot_indices
 from .policies import DEFAULT_POLICY, ResidencyManager, make_manager, uses_cpu_kernel
 from .request_union import RequestUnion, merge_ranked, row_slots, union_of_rows
 from .shadow import ShadowVerifier
@@ -136,17 +136,22 @@ def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch
     holds). ``attention`` defaults to the reference ``sparse_mla_attention``.
     """
     req = step_requests(manager, rows, topk, req_ids, stable_len, step, rows_per_request)
-    res, slots, token_rows = req.residency, req.slots, req.token_rows
+    res = req.residency
     copy_miss_rows_rows(host, hot, rows, res.miss_tokens, res.miss_slots, res.miss_count, token_table)
-    h, d = hot.shape[1], hot.shape[2]
-    flat_idx = torch.where(slots >= 0, token_rows[:, None] * h + slots.to(torch.int64),
-                           torch.full_like(slots, -1, dtype=torch.int64)).to(torch.int32).unsqueeze(1)
-    flat = hot.view(-1, d)
+    flat_idx = flat_hot_indices(req.slots, req.token_rows, hot.shape[1])
     if attention is None:
         from ..ops.reference import sparse_mla_attention as attention
-    out = attention(query, flat[:, :latent_dim], None, flat_idx, scale, query_rope=query_rope,
-                    key_rope=flat[:, latent_dim:], layout_query="TND", layout_kv="flat")
-    return out, res
+    return attend_hot(attention, query, query_rope, hot.view(-1, hot.shape[2]), flat_idx, scale, latent_dim), res
+
+
+def attend_hot(attention: Callable, query: torch.Tensor, query_rope: torch.Tensor, flat_kv: torch.Tensor,
+               flat_idx: torch.Tensor, scale: float, latent_dim: int) -> torch.Tensor:
+    """Sparse MLA attention of ``query`` ``[B,N,latent]`` / ``query_rope`` ``[B,N,rope]``
+    over the hot-buffer rows ``flat_idx`` int32 ``[B,1,K]`` of ``flat_kv`` ``[(R+1)*H,
+    latent+rope]`` (latent columns first): the last stage of a decode layer step, eager
+    or captured. Returns ``[B,N,latent]``."""
+    return attention(query, flat_kv[:, :latent_dim], None, flat_idx, scale, query_rope=query_rope,
+                     key_rope=flat_kv[:, latent_dim:], layout_query="TND", layout_kv="flat")
 
 
 @dataclass(frozen=True)
@@ -423,9 +428,7 @@ class SparseDecodeEngine:
         else:
             self.copy_misses(layer, res)
             t2 = self._tick()
-            flat_kv = self.hot.flat(layer)
-            out = self._attention_op(query, flat_kv[:, : cfg.latent_dim], None, flat, scale, query_rope=query_rope,
-                                     key_rope=flat_kv[:, cfg.latent_dim:], layout_query="TND", layout_kv="flat")
+            out = attend_hot(self._attention_op, query, query_rope, self.hot.flat(layer), flat, scale, cfg.latent_dim)
         t3 = self._tick()
         if self.timing:
             self.times.add("manage", t1 - t0)

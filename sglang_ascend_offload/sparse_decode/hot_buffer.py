@@ -66,10 +66,18 @@ class HotBuffers:
         """
         if rows is None:
             rows = torch.arange(slots.shape[0], device=slots.device, dtype=torch.int64)
-        base = rows.to(slots.device, torch.int64)[:, None] * self.hot_tokens
-        flat = torch.where(slots >= 0, base + slots.to(torch.int64), torch.full_like(base, -1).expand_as(slots))
-        return flat.to(torch.int32).unsqueeze(1)
+        return flat_hot_indices(slots, rows, self.hot_tokens)
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
+
+
+def flat_hot_indices(slots: torch.Tensor, rows: torch.Tensor, hot_tokens: int) -> torch.Tensor:
+    """int32 ``[B, 1, K]`` rows of a flat ``[(R+1)*H, D]`` hot buffer: ``rows[b] * H +
+    slots[b, j]`` for remapped ``slots`` ``[B, K]`` and engine ``rows`` int64 ``[B]``;
+    ``-1`` (no slot) stays ``-1``, which sparse attention ignores. Static shapes, no host
+    read: the eager and the captured decode step both use it."""
+    base = rows.to(slots.device, torch.int64)[:, None] * hot_tokens
+    flat = torch.where(slots >= 0, base + slots.to(torch.int64), torch.full_like(base, -1).expand_as(slots))
+    return flat.to(torch.int32).unsqueeze(1)

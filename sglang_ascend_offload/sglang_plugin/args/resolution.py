@@ -38,8 +38,6 @@ from ..names import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 
-VALIDATION_STEP = compat.VALIDATION_STEP
-
 # ------------------------------------------------------------------ backend choice
 def _model_is_dsa(server_args: Any) -> bool:
     from sglang.srt.arg_groups.model_override_base import model_config_of
@@ -256,5 +254,5 @@ def install() -> None:
     register_resolution_hook("handle_cpu_backends")(_select_backend)
     register_resolution_hook("handle_npu_backends")(_select_backend)
     register_resolution_hook("handle_model_specific_adjustments")(_model_adjustments)
-    register_resolution_hook(VALIDATION_STEP)(_validate)
+    register_resolution_hook(compat.VALIDATION_STEP)(_validate)
     _installed = True
