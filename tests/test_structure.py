@@ -304,9 +304,9 @@ def test_function_level_cycle_check_can_fail():
     """Negative controls on the real graph plus one injected import."""
     base = _edges()
     # the cycle this check was written for: compat importing the hooks' modules to list their targets
-    bad = _with_site(base, "sglang_plugin.compat", "_hooked", "sglang_plugin.hooks", lazy=True)
+    bad = _with_site(base, "sglang_plugin.compat", "_hooked", "sglang_plugin.install", lazy=True)
     found = cycles(_graph(include_lazy=True, excused=FACTORY_LOOKUPS, edges=bad))
-    assert any({f"{PKG}.sglang_plugin.compat", f"{PKG}.sglang_plugin.hooks"} <= set(c) for c in found), found
+    assert any({f"{PKG}.sglang_plugin.compat", f"{PKG}.sglang_plugin.install"} <= set(c) for c in found), found
     assert cycles(_graph(include_lazy=False, edges=bad)) == []  # invisible to the module-level check
     # an allow-listed pair imported from another function is not excused
     bad = _with_site(base, "sglang_plugin.attention.dsa_backend", "AscendOffloadAttnBackend.init_forward_metadata",
@@ -383,7 +383,8 @@ def test_adapter_modules_stay_small_and_the_old_flat_layout_is_gone():
             if (n := len(p.read_text().splitlines())) > PLUGIN_MODULE_MAX_LINES}
     assert long == {}, f"split these modules (over {PLUGIN_MODULE_MAX_LINES} lines): {long}"
     top = sorted(p.name for p in plugin_dir.glob("*.py"))
-    assert top == ["__init__.py", "compat.py", "cpu_capability.py", "entry.py", "hooks.py", "names.py"], \
+    assert top == ["__init__.py", "compat.py", "cpu_capability.py", "entry.py", "features.py", "install.py",
+                   "names.py"], \
         f"a new adapter module goes in its extension point's folder (sglang_plugin/README.md), not at the top: {top}"
     folders = sorted(p.name for p in plugin_dir.iterdir() if p.is_dir() and p.name != "__pycache__")
     assert folders == ["args", "attention", "disaggregation", "mem_cache", "observability", "speculative"], folders
@@ -450,3 +451,25 @@ def test_installed_versions_have_one_reader():
                 if name == "version" and (base is None or getattr(base, "id", "") in ("md", "metadata")):
                     callers.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert callers and all(c.startswith(f"{PKG}/versions.py:") for c in callers), callers
+
+
+def test_hookregistry_is_called_from_install_only_and_every_target_lives_in_compat():
+    """``sglang_plugin/install.py`` is the one HookRegistry caller; each row of its hook
+    tables names a ``compat.TARGET_*`` path, and every such handler exists."""
+    from sglang_ascend_offload.sglang_plugin import compat, install
+
+    callers = []
+    for path in sorted((REPO / PKG).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register"
+                    and getattr(node.func.value, "id", "") == "HookRegistry"):
+                callers.append(str(path.relative_to(REPO)))
+    assert callers and set(callers) == {f"{PKG}/sglang_plugin/install.py"}, callers
+    targets = {value for name, value in vars(compat).items() if name.startswith("TARGET_")}
+    for hook in install.FLAG_HOOKS + install.HOOKS:
+        assert hook.target in targets, hook
+        assert hook.kind in ("AROUND", "AFTER", "BEFORE", "REPLACE"), hook
+        assert callable(install._resolve(hook.handler)), hook
+        assert hook.when is None or callable(install._resolve(hook.when)), hook
+    hooked = {h.path for h in compat.HOOKED}
+    assert {h.target for h in install.HOOKS if h.target.startswith("sglang.")} <= hooked

@@ -102,10 +102,12 @@ class Hooked:
 
 
 # Dotted paths of the SGLang callables the plugin wraps through HookRegistry. This is
-# their one home: the modules that register the hooks (hooks.py, disagg/install.py,
-# layerwise_sizing.py, kvpp_sizing.py, speculative.py) import them from here, so this
+# their one home: install.py, which registers every hook, names them from here, so this
 # module imports nothing of the plugin and every module may read it.
 TARGET_ADD_CLI = "sglang.srt.server_args.ServerArgs.add_cli_args"
+# torch callables the plugin wraps on a CPU (no CUDA): not SGLang's, so not in HOOKED
+TARGET_CAPABILITY = "torch.cuda.get_device_capability"
+TARGET_SYNC = "torch.cuda.synchronize"
 TARGET_FROM_CLI = "sglang.srt.server_args.ServerArgs.from_cli_args"
 TARGET_POOL = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool"
 TARGET_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.forward_native"

@@ -9,7 +9,7 @@ release's internal names (resolution step names, class paths). ``load_plugins()`
 catches and logs anything a plugin raises and carries on, so raising here would
 not stop a server; instead, on another SGLang version the plugin logs an error
 once, registers its flags only (so ``--help`` still documents them), and refuses
-any use of them with :class:`~.hooks.UnsupportedSGLangVersion` at argument
+any use of them with :class:`~.args.flags.UnsupportedSGLangVersion` at argument
 parsing. SGLang itself then runs exactly as without the plugin.
 """
 
@@ -42,15 +42,15 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from . import hooks
+    from . import install
 
     problem = version_problem(installed_sglang_version())
     if problem:
         logger.error("sglang-ascend-offload is inactive: %s.", problem)
-        hooks.install_flags(refuse_reason=problem)
+        install.install_flags(refuse_reason=problem)
         return
-    hooks.install_flags()
-    hooks.install_runtime()
+    install.install_flags()
+    install.install_runtime()
     logger.info("sglang-ascend-offload %s active in process %d (SGLang %s)",
                 _package_version(), os.getpid(), SUPPORTED_SGLANG)
 

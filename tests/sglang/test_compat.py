@@ -181,18 +181,18 @@ def test_pd_hooks_read_sglang_objects_strictly(monkeypatch):
                                   "scheduler": SimpleNamespace(model_config=SimpleNamespace(context_len=4096)),
                                   **kw})
 
-    assert install._attach_pool_after_decode(manager, queue()) is manager
+    assert install.attach_pool_after_decode(manager, queue()) is manager
     assert got == {"pool": "pool", "context_len": 4096, "draft_pool": None}
     other = object()  # another backend's manager: untouched, nothing read
-    assert install._attach_pool_after_prefill(other, SimpleNamespace()) is other
-    install._attach_pool_after_prefill(manager, queue(draft_token_to_kv_pool="draft pool"))
+    assert install.attach_pool_after_prefill(other, SimpleNamespace()) is other
+    install.attach_pool_after_prefill(manager, queue(draft_token_to_kv_pool="draft pool"))
     assert got["draft_pool"] == "draft pool"  # the speculative draft model's pool moves with the request
     with pytest.raises(compat.SGLangIncompatible, match=r"Scheduler has no 'model_config'"):
-        install._attach_pool_after_prefill(manager, queue(scheduler=SimpleNamespace()))
+        install.attach_pool_after_prefill(manager, queue(scheduler=SimpleNamespace()))
     with pytest.raises(compat.SGLangIncompatible, match=r"DecodePreallocQueue has no 'scheduler'"):
-        install._attach_pool_after_decode(manager, SimpleNamespace(draft_token_to_kv_pool=None))
+        install.attach_pool_after_decode(manager, SimpleNamespace(draft_token_to_kv_pool=None))
     with pytest.raises(compat.SGLangIncompatible, match=r"ModelConfig has no 'context_len'"):
-        install._attach_pool_after_decode(manager, queue(scheduler=SimpleNamespace(model_config=SimpleNamespace())))
+        install.attach_pool_after_decode(manager, queue(scheduler=SimpleNamespace(model_config=SimpleNamespace())))
 
     extend = SimpleNamespace(is_extend=lambda: True)
     req = dict(kv=SimpleNamespace(req_pool_idx=3), bootstrap_room=7, extend_end=4, origin_input_ids=[0] * 4,

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_ascend_offload import config as cfg
+from sglang_ascend_offload.sglang_plugin import compat
 from sglang_ascend_offload.sglang_plugin.args import carrier, flags
 from sglang_ascend_offload.sglang_plugin.args.flags import RawFlags
 from sglang_ascend_offload.rules import RULES
@@ -128,7 +129,7 @@ def test_cell_size_scaled_by_physical_layer_caches(plugins_loaded, clean_state):
     assert sizing.scaled_cell_size(61 * 1408, lw1, 61) == 2 * 1408
     assert sizing.scaled_cell_size(1000, cfg.LayerwisePrefillOffloadConfig(shared_buffers=2), 4) == 750
     assert sizing.scaled_cell_size(1000, cfg.LayerwisePrefillOffloadConfig(), 4) == 1000  # no reuse
-    assert sizing.TARGET in HookRegistry._hooks  # registered by the plugin's install_runtime
+    assert compat.TARGET_CELL_SIZE in HookRegistry._hooks  # registered by the plugin's install_runtime
 
     kvc = SimpleNamespace(is_draft_worker=False, use_mla_backend=True)
     original = lambda self, kvc_, n: 1408 * n  # noqa: E731 - SGLang's per-token bytes of n layers

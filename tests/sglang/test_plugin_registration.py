@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from sglang_ascend_offload.sglang_plugin import entry, hooks
+from sglang_ascend_offload.sglang_plugin import compat, entry
 from sglang_ascend_offload.sglang_plugin.args import flags
 
 
@@ -44,17 +44,17 @@ def test_registered_through_sglang_extension_points(plugins_loaded):
     handler = AttentionBackendRegistry.get_handler(BACKEND_NAME)
     assert handler is not AttentionBackendRegistry.get_handler("no-such-backend")  # not the triton fallback
     assert handler(object(), object()) == AttnForwardMethod.MLA
-    for target in (hooks._TARGET_ADD_CLI, hooks._TARGET_FROM_CLI, hooks._TARGET_POOL,
-                   hooks._TARGET_INDEXER, hooks._TARGET_CAPABILITY):
+    for target in (compat.TARGET_ADD_CLI, compat.TARGET_FROM_CLI, compat.TARGET_POOL,
+                   compat.TARGET_INDEXER, compat.TARGET_CAPABILITY):
         assert target in HookRegistry._patched, target
 
 
 def test_register_is_idempotent(plugins_loaded):
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    before = len(HookRegistry._hooks[hooks._TARGET_ADD_CLI])
+    before = len(HookRegistry._hooks[compat.TARGET_ADD_CLI])
     entry.register()
-    assert len(HookRegistry._hooks[hooks._TARGET_ADD_CLI]) == before
+    assert len(HookRegistry._hooks[compat.TARGET_ADD_CLI]) == before
 
 
 def test_flags_reach_the_parser_and_survive_from_cli_args(plugins_loaded):
@@ -83,7 +83,7 @@ def test_version_policy_messages():
 
 
 def test_unsupported_version_refuses_the_flags_but_not_sglang():
-    refuse = hooks._make_refusing_from_cli_args("SGLang 9.9 is installed")
+    refuse = flags.refusing_from_cli_args("SGLang 9.9 is installed")
     calls = []
 
     def original(cls, args):
@@ -93,6 +93,6 @@ def test_unsupported_version_refuses_the_flags_but_not_sglang():
     plain = argparse.Namespace(enable_sparse_decode_offload=False, sparse_decode_offload_config=None)
     assert refuse(original, object, plain) == "server-args"
     used = argparse.Namespace(enable_sparse_decode_offload=True, sparse_decode_offload_config=None)
-    with pytest.raises(hooks.UnsupportedSGLangVersion, match="SGLang 9.9"):
+    with pytest.raises(flags.UnsupportedSGLangVersion, match="SGLang 9.9"):
         refuse(original, object, used)
     assert calls == [plain]

@@ -208,3 +208,36 @@ def pending() -> Optional[RawFlags]:
 def forget() -> None:
     global _pending
     _pending = None
+
+
+# ------------------------------------------------------------------ SGLang's CLI hooks
+class UnsupportedSGLangVersion(RuntimeError):
+    """The plugin's flags were used with an SGLang release it does not support."""
+
+
+def add_cli_args_around(original, parser):
+    """HookRegistry AROUND ``ServerArgs.add_cli_args``: SGLang's arguments, then the plugin's."""
+    original(parser)
+    add_arguments(parser)
+
+
+def from_cli_args_around(original, cls, args):
+    """HookRegistry AROUND ``ServerArgs.from_cli_args``: keep the plugin's flag values
+    for the validation step (SGLang's ``ServerArgs`` has no field for them)."""
+    remember(take_from_namespace(args))
+    return original(cls, args)
+
+
+def refusing_from_cli_args(reason: str):
+    """An AROUND hook for ``ServerArgs.from_cli_args`` on an unsupported SGLang: the
+    plugin's flags stop startup with ``reason``; without them SGLang runs unchanged."""
+    def from_cli_args_refuse(original, cls, args):
+        raw = take_from_namespace(args)
+        if raw.any_given:
+            raise UnsupportedSGLangVersion(
+                f"sglang-ascend-offload flags were given, but {reason}. Install sglang==0.5.23 "
+                "or drop the --enable-*-offload / --*-offload-config flags."
+            )
+        return original(cls, args)
+
+    return from_cli_args_refuse

@@ -423,3 +423,19 @@ def create_backend(model_runner: Any) -> AttentionBackend:
 
         return SparseDecodeOffloadBackend(model_runner)
     return AscendOffloadAttnBackend(model_runner)
+
+
+def forward_native_around(original, self, x, q_lora, positions, forward_batch, layer_id,
+                          return_indices: bool = True, **kwargs):
+    """HookRegistry AROUND ``Indexer.forward_native``: inside a forward of the
+    ``ascend_offload`` backend, the backend's indexer (:meth:`run_indexer`); otherwise
+    SGLang's own method, unchanged."""
+    from sglang.srt.model_executor.forward_context import get_attn_backend
+
+    try:
+        backend = get_attn_backend()
+    except Exception:  # noqa: BLE001 - no forward context: not our forward
+        backend = None
+    if isinstance(backend, AscendOffloadAttnBackend):
+        return backend.run_indexer(self, x, q_lora, positions, forward_batch, layer_id, return_indices)
+    return original(self, x, q_lora, positions, forward_batch, layer_id, return_indices, **kwargs)

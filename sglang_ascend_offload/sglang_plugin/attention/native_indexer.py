@@ -5,7 +5,7 @@ forwards only: ``forward_cuda`` / ``forward_xpu`` / ``forward_npu``; its
 ``forward_native`` raises ``NotImplementedError`` (``dsa_indexer.py:1888-1891``), and
 that is what the fused-op dispatch picks on a CPU without AMX
 (``kernels/fused_op.py:567-568``). The plugin fills ``forward_native`` through a
-HookRegistry AROUND hook (see :mod:`..hooks`) that routes to the
+HookRegistry AROUND hook (``dsa_backend.forward_native_around``) that routes to the
 ``ascend_offload`` attention backend, which calls :func:`indexer_query_key_weights`
 here, then stores K in the index-K cache and runs the ``lightning_indexer`` op.
 
@@ -96,3 +96,4 @@ def indexer_query_key_weights(
 
     weights = indexer.weights_proj(x2d)[0].to(torch.float32)
     return IndexerInputs(query=query.contiguous(), key=key.contiguous(), weights=weights.contiguous())
+

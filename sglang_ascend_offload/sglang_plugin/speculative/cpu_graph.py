@@ -54,16 +54,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-from ..compat import TARGET_CPU_GRAPH_RUNNER, TARGET_IS_CPU_GRAPH  # hooked paths: home in compat
 
 _verify_graphs_active = False  # a verify runner was built in this process
-
-
-def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TARGET_CPU_GRAPH_RUNNER, _runner_class(), HookType.REPLACE)
-    HookRegistry.register(TARGET_IS_CPU_GRAPH, is_cpu_graph_around, HookType.AROUND)
 
 
 def is_cpu_graph_around(original: Callable, self) -> bool:
@@ -90,7 +82,7 @@ def serves_verify(model_runner: Any) -> bool:
 _RUNNER_CLASS = None
 
 
-def _runner_class():
+def runner_class():
     """:class:`PluginCPUGraphRunner`, built once on SGLang's ``CPUGraphRunner`` (imported
     lazily: the module imports torch.compile helpers)."""
     global _RUNNER_CLASS

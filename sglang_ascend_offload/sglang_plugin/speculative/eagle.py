@@ -45,14 +45,9 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from ..compat import TARGET_DRAFT_FACTORY as _TARGET_DRAFT_FACTORY  # hooked paths: home in compat
-from ..compat import TARGET_EMBED_HEAD as _TARGET_EMBED_HEAD
-from ..compat import TARGET_LAST_LOC as _TARGET_LAST_LOC
 from ..cpu_capability import NoCudaScope
 
 logger = logging.getLogger(__name__)
-
-_TARGET_SYNC = "torch.cuda.synchronize"
 
 _NO_CUDA_SYNC = NoCudaScope("sao_no_cuda_sync", None)  # helper shared with cpu_capability.py
 
@@ -66,15 +61,6 @@ def set_embed_and_head_around(original: Callable, self, embed, head):
     """The draft model takes the target's embedding and LM head (same tensors)."""
     with no_cuda_sync():
         return original(self, embed, head)
-
-
-def install() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(_TARGET_SYNC, synchronize_around, HookType.AROUND)
-    HookRegistry.register(_TARGET_EMBED_HEAD, set_embed_and_head_around, HookType.AROUND)
-    HookRegistry.register(_TARGET_DRAFT_FACTORY, create_backend_around, HookType.AROUND)
-    HookRegistry.register(_TARGET_LAST_LOC, get_last_loc_around, HookType.AROUND)
 
 
 # ------------------------------------------------------------------ metadata

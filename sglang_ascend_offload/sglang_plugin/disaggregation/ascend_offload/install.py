@@ -41,11 +41,6 @@ from typing import Any, Callable
 
 from .... import config as cfg
 from ... import compat
-from ...compat import TARGET_CONFIG_STORE as _TARGET_CONFIG_STORE
-from ...compat import TARGET_DECODE_MANAGER as _TARGET_DECODE_MANAGER
-from ...compat import TARGET_GET_KV_CLASS as _TARGET_GET_KV_CLASS
-from ...compat import TARGET_PREFILL_MANAGER as _TARGET_PREFILL_MANAGER
-from ...compat import TARGET_RUN_BATCH as _TARGET_RUN_BATCH
 from ...args.rules.pd_transfer import BACKEND_NAME, SGLANG_BACKEND, missing_config_violation
 
 logger = logging.getLogger(__name__)
@@ -84,7 +79,7 @@ def _pd_step(server_args: Any, previous: Callable[[Any], None]) -> None:
     previous(server_args)
 
 
-def _get_kv_class_around(original, transfer_backend, class_type):
+def get_kv_class_around(original, transfer_backend, class_type):
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
 
     if transfer_backend == TransferBackend.ASCEND and class_type != KVClassType.KVARGS and pd_active():
@@ -97,7 +92,7 @@ def _get_kv_class_around(original, transfer_backend, class_type):
     return original(transfer_backend, class_type)
 
 
-def _config_store_around(original, transfer_backend):
+def config_store_around(original, transfer_backend):
     from sglang.srt.disaggregation.utils import TransferBackend
 
     if transfer_backend != TransferBackend.ASCEND or not pd_active():
@@ -131,12 +126,12 @@ def _attach_pool(manager, queue, queue_cls: str):
     return manager
 
 
-def _attach_pool_after_prefill(manager, queue, *args, **kwargs):
+def attach_pool_after_prefill(manager, queue, *args, **kwargs):
     """AFTER ``PrefillBootstrapQueue._init_kv_manager``: give our manager the queue's KV pool."""
     return _attach_pool(manager, queue, _PREFILL_QUEUE)
 
 
-def _attach_pool_after_decode(manager, queue, *args, **kwargs):
+def attach_pool_after_decode(manager, queue, *args, **kwargs):
     """AFTER ``DecodePreallocQueue._init_kv_manager``: give our manager the queue's KV pool."""
     return _attach_pool(manager, queue, _DECODE_QUEUE)
 
@@ -206,7 +201,7 @@ def _layerwise_publisher(scheduler: Any):
     return publisher, manager
 
 
-def _announce_last_chunks_before(scheduler, *args, **kwargs):
+def announce_last_chunks_before(scheduler, *args, **kwargs):
     """BEFORE ``Scheduler.run_batch(batch, ...)``: tell the layerwise publisher what this
     forward finishes (a no-op on every server without the layerwise P/D publisher)."""
     batch = args[0] if args else kwargs.get("batch")
@@ -227,20 +222,15 @@ _installed = False
 
 
 def install() -> None:
-    """Register everything in the module table (once per process)."""
+    """Register the transfer-backend choice and the resolution step (once per process);
+    the module table's HookRegistry hooks are registered by ``sglang_plugin/install.py``."""
     global _installed
     if _installed:
         return
     from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES, add_disagg_transfer_backend_choices
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if BACKEND_NAME not in DISAGG_TRANSFER_BACKEND_CHOICES:
         add_disagg_transfer_backend_choices([BACKEND_NAME])
     register_resolution_hook("handle_pd_disaggregation")(_pd_step)
-    HookRegistry.register(_TARGET_GET_KV_CLASS, _get_kv_class_around, HookType.AROUND)
-    HookRegistry.register(_TARGET_CONFIG_STORE, _config_store_around, HookType.AROUND)
-    HookRegistry.register(_TARGET_PREFILL_MANAGER, _attach_pool_after_prefill, HookType.AFTER)
-    HookRegistry.register(_TARGET_DECODE_MANAGER, _attach_pool_after_decode, HookType.AFTER)
-    HookRegistry.register(_TARGET_RUN_BATCH, _announce_last_chunks_before, HookType.BEFORE)
     _installed = True

@@ -32,11 +32,10 @@ from typing import Any, Optional
 
 from ....memory_budget import format_bytes
 from ...args import carrier
-from ...compat import TARGET_PROFILE_BYTES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["budget_bytes", "profile_after", "emulates_device", "cpu_cell_bytes", "install"]
+__all__ = ["budget_bytes", "profile_after", "emulates_device", "cpu_cell_bytes"]
 
 BF16_BYTES = 2
 
@@ -80,17 +79,3 @@ def cpu_cell_bytes(kvc: Any, num_layers: int, offloaded: bool) -> Optional[int]:
     row_bytes = (int(mc.kv_lora_rank) + int(mc.qk_rope_head_dim)) * BF16_BYTES
     per_layer = index_bytes if offloaded else row_bytes + index_bytes
     return int(num_layers) * per_layer
-
-
-_installed = False
-
-
-def install() -> None:
-    """Register the budget hook (once per process)."""
-    global _installed
-    if _installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TARGET_PROFILE_BYTES, profile_after, HookType.AFTER)
-    _installed = True

@@ -25,11 +25,10 @@ from typing import Any, Optional
 from .... import config as cfg
 from ....kvpp.plan import SCRATCH_BUFFER_COUNT
 from ...args import carrier
-from ...compat import TARGET_CELL_SIZE as TARGET  # the hooked path's home is compat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["kvpp_layer_caches", "kvpp_cell_size", "cell_size_after", "install", "TARGET"]
+__all__ = ["kvpp_layer_caches", "kvpp_cell_size", "cell_size_after"]
 
 
 def kvpp_layer_caches(num_layers: int, group: int) -> int:
@@ -74,7 +73,6 @@ def cell_size_after(cell: int, self, kvc, num_layers: int) -> Optional[int]:
 
 # ------------------------------------------------------------------ fixed KV budget (reproducible sizing)
 BUDGET_ENV = "SGLANG_ASCEND_OFFLOAD_KV_BUDGET_BYTES"
-BUDGET_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
 
 
 def fixed_budget_around(original, self, pre_model_load_memory):
@@ -90,20 +88,12 @@ def fixed_budget_around(original, self, pre_model_load_memory):
     return budget
 
 
-_installed = False
-
-
-def install() -> None:
-    """Register the AROUND hook(s) (once per process)."""
-    global _installed
-    if _installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TARGET, cell_size_after, HookType.AFTER)
-    if os.environ.get(BUDGET_ENV):
-        if not os.environ[BUDGET_ENV].isdigit():
-            raise ValueError(f"{BUDGET_ENV}={os.environ[BUDGET_ENV]!r} is not a byte count; unset it or give an "
-                             "integer")
-        HookRegistry.register(BUDGET_TARGET, fixed_budget_around, HookType.AROUND)
-    _installed = True
+def fixed_budget_requested() -> bool:
+    """``$SGLANG_ASCEND_OFFLOAD_KV_BUDGET_BYTES`` is set (then :func:`fixed_budget_around`
+    is registered); raises ``ValueError`` when it is not a byte count."""
+    text = os.environ.get(BUDGET_ENV)
+    if not text:
+        return False
+    if not text.isdigit():
+        raise ValueError(f"{BUDGET_ENV}={text!r} is not a byte count; unset it or give an integer")
+    return True

@@ -21,11 +21,10 @@ from typing import Any, Optional
 from .... import config as cfg
 from ....layerwise_prefill.planner import TensorSpec, plan_buffers, uniform_specs
 from ...args import carrier
-from ...compat import TARGET_CELL_SIZE as TARGET  # the hooked path's home is compat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["physical_layer_caches", "scaled_cell_size", "cell_size_around", "install", "TARGET"]
+__all__ = ["physical_layer_caches", "scaled_cell_size", "cell_size_around"]
 
 
 def physical_layer_caches(lw: cfg.LayerwisePrefillOffloadConfig, num_layers: int) -> int:
@@ -54,17 +53,3 @@ def cell_size_around(original, self, kvc, num_layers: int) -> int:
     logger.info("layerwise prefill offload: device KV per token %d B instead of %d B (%d of %d layer caches)",
                 scaled, cell, physical_layer_caches(lw, int(num_layers)), num_layers)
     return scaled
-
-
-_installed = False
-
-
-def install() -> None:
-    """Register the AROUND hook (once per process)."""
-    global _installed
-    if _installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TARGET, cell_size_around, HookType.AROUND)
-    _installed = True

@@ -40,14 +40,14 @@ from .... import config as cfg
 from ....memory_budget import format_bytes
 from ...args import carrier
 from . import device_kv_budget
-from ...compat import TARGET_CELL_SIZE, TARGET_RESOLVE_POOL_CONFIG, field
+from ...compat import field
 
 POOL_CONFIGURATOR = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DeviceBudgetPlan", "plan_device_budget", "hot_bytes_per_request", "resolve_pool_config_around",
-           "cell_size_after", "install"]
+           "cell_size_after"]
 
 RULE = "memory.device_budget"
 BF16_BYTES = 2
@@ -218,18 +218,3 @@ def cell_size_after(cell: int, self, kvc, num_layers: int) -> Optional[int]:
     logger.info("sparse decode offload: device KV per token %d B (the indexer) instead of %d B (the main KV "
                 "is in the host pool)", indexer, cell)
     return indexer
-
-
-_installed = False
-
-
-def install() -> None:
-    """Register both hooks (once per process)."""
-    global _installed
-    if _installed:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TARGET_RESOLVE_POOL_CONFIG, resolve_pool_config_around, HookType.AROUND)
-    HookRegistry.register(TARGET_CELL_SIZE, cell_size_after, HookType.AFTER)
-    _installed = True
