@@ -473,3 +473,25 @@ def test_hookregistry_is_called_from_install_only_and_every_target_lives_in_comp
         assert hook.when is None or callable(install._resolve(hook.when)), hook
     hooked = {h.path for h in compat.HOOKED}
     assert {h.target for h in install.HOOKS if h.target.startswith("sglang.")} <= hooked
+
+
+#: Benchmarks, the test harness and the kernel checker: tools around the runtime.
+TOOLING = (f"{PKG}.testing", f"{PKG}.bench", f"{PKG}.kernel_check", f"{PKG}.demo")
+#: The command line and its subcommand modules (``*_cli``) dispatch to the tools.
+CLI = (f"{PKG}.cli", f"{PKG}.__main__")
+
+
+def _runtime_importers_of_tooling(graph: Dict[str, Set[str]]) -> List[Tuple[str, str]]:
+    return sorted((m, t) for m, targets in graph.items() for t in targets
+                  if t.startswith(TOOLING) and not m.startswith(TOOLING + CLI) and not m.endswith("_cli"))
+
+
+def test_runtime_packages_import_nothing_from_benchmarks_or_test_scaffolding():
+    """Runtime code (the core packages, the SGLang adapter, config, ops) never imports
+    ``bench``, ``testing``, ``kernel_check`` or ``demo``, not even lazily: what a server
+    runs does not depend on tools that read the source checkout."""
+    graph = _graph(include_lazy=True)
+    assert _runtime_importers_of_tooling(graph) == []
+    fake = dict(graph)
+    fake[f"{PKG}.sparse_decode.fake"] = {f"{PKG}.bench.serve"}
+    assert _runtime_importers_of_tooling(fake) == [(f"{PKG}.sparse_decode.fake", f"{PKG}.bench.serve")]

@@ -143,3 +143,22 @@ def test_a_hung_start_fails_once_it_stops_progressing(tmp_path):
     assert 3.0 <= took < 9.0, took  # the deadline (the stall began at ~1 s), before the hard cap
     assert "starting..." in str(info.value)  # the log tail travels with the error
     assert srv.proc.poll() is not None  # stopped, not left behind
+
+
+def test_a_missing_fixture_model_is_a_clear_error_from_the_command_line(tmp_path, monkeypatch, capsys):
+    """From an installed wheel (no ``tests/fixtures``) a CPU benchmark stops with what to
+    do, exit status 2, not a server failing on a missing model path."""
+    from sglang_ascend_offload import cli
+    from sglang_ascend_offload.bench import soak
+    from sglang_ascend_offload.testing import servers
+
+    with pytest.raises(servers.FixtureMissing, match="source checkout"):
+        servers.fixture_args(tmp_path / "tiny_dsa")
+    assert servers.require_fixture(servers.TINY_DSA) == servers.TINY_DSA  # this checkout has them
+
+    def run_without_fixtures(args):
+        return servers.fixture_args(tmp_path / "tiny_dsa")
+
+    monkeypatch.setattr(soak, "main", run_without_fixtures)
+    assert cli.main(["bench", "soak"]) == 2
+    assert "source checkout" in capsys.readouterr().err

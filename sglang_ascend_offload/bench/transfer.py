@@ -156,7 +156,7 @@ def freeze_worker_gc() -> int:
 
 
 def _pool_env(pool, name: str, value: Optional[str]) -> None:
-    from ..transfer.workers import run_tasks
+    from ..testing.workers import run_tasks
 
     run_tasks(pool, {i: (__name__, "set_worker_env", dict(name=name, value=value)) for i in range(pool.size)},
               timeout_s=60)
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, An
     from ..transfer.prefill_side import PREFILL_SPIN_US
     from ..transfer.stages import TRACE_ENV, stage_breakdown
     from ..transfer.topology import PDTopology
-    from ..transfer.workers import WorkerPool
+    from ..testing.workers import WorkerPool
 
     PDTopology(args.p_tp, args.d_tp)  # invalid pairs stop here
     if args.tokens < args.block_tokens or args.layers < 1:
@@ -239,7 +239,7 @@ def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, An
         run_scenario(pool, replace(overhead, name="warmup", num_layers=2), timeout_s=120)
         if faults:  # every worker's engines started before any deadline is timed
             run_scenario(pool, replace(overhead, name="warmup_faults", p_tp=2, d_tp=1, num_layers=2), timeout_s=120)
-        from ..transfer.workers import run_tasks
+        from ..testing.workers import run_tasks
 
         frozen = run_tasks(pool, {i: (__name__, "freeze_worker_gc", {}) for i in range(pool.size)}, timeout_s=120)
         out["worker_gc_frozen_objects"] = [frozen[i] if isinstance(frozen[i], int) else None

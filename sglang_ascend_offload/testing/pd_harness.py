@@ -524,7 +524,7 @@ def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioR
     """Run ``spec`` on ``pool`` (needs ``p_tp + d_tp`` workers) and judge it."""
     from ..transfer.status import RequestStatus, TransferState, combine_rank_statuses
     from ..transfer.topology import PDTopology
-    from ..transfer.workers import collect, run_tasks
+    from .workers import collect, run_tasks
 
     PDTopology(spec.p_tp, spec.d_tp)  # invalid pairs fail here, before any process work
     if pool.size < spec.p_tp + spec.d_tp:
@@ -563,7 +563,7 @@ def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioR
             if os.path.exists(path):
                 os.unlink(path)
         _release_ports(kv_port, spec.d_tp)
-    from ..transfer.workers import TaskTimeout
+    from .workers import TaskTimeout
 
     problems: List[str] = []
     hung = any(isinstance(v, TaskTimeout) for v in out.values())

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from .ports import DP_ATTENTION_OFFSETS, log_reports_bind_failure, release_ports, reserve_port
 
 __all__ = ["REPO", "FIXTURES", "TINY_DSA", "TINY_DSA_4L", "TINY_DSA_MTP", "TINY_DSA_TRAINED", "CPU_SERVER_ARGS", "TRAINED_SERVER_ARGS", "IDLE_SLEEP",
-           "ServerProcess", "PortInUse", "StartupWatch", "cpu_seconds", "server_env", "stop_process_group", "stop_all", "fixture_args"]
+           "ServerProcess", "PortInUse", "FixtureMissing", "require_fixture", "StartupWatch", "cpu_seconds", "server_env", "stop_process_group", "stop_all", "fixture_args"]
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -82,8 +82,24 @@ TRAINED_SERVER_ARGS: List[str] = [
 ]
 
 
+class FixtureMissing(FileNotFoundError):
+    """A CPU benchmark's tiny model is not there: they live in a source checkout's
+    ``tests/fixtures``, which an installed wheel does not carry."""
+
+
+def require_fixture(model: Path) -> Path:
+    """``model`` when its ``config.json`` exists; else :class:`FixtureMissing` saying what to do."""
+    if not (Path(model) / "config.json").is_file():
+        raise FixtureMissing(
+            f"the tiny CPU model {model} is missing: the CPU benchmarks serve the fixtures of a source checkout "
+            "(git clone the project and run from it), or pass --model-path for a model of your own where the "
+            "command accepts one")
+    return Path(model)
+
+
 def fixture_args(model: Path) -> List[str]:
-    """:data:`CPU_SERVER_ARGS` with another fixture model."""
+    """:data:`CPU_SERVER_ARGS` with another fixture model (which must exist)."""
+    require_fixture(model)
     return [str(model) if a == str(TINY_DSA) else a for a in CPU_SERVER_ARGS]
 
 

@@ -12,7 +12,7 @@ import pytest
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake logs through glog (before any engine starts)
 os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
 
-from sglang_ascend_offload.transfer.workers import WorkerPool
+from sglang_ascend_offload.testing.workers import WorkerPool
 
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 
