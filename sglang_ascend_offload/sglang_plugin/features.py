@@ -127,13 +127,15 @@ def build_pool_around(original, self, *, sizes, is_dsa_model, is_dsv4_model, req
             f"attention backend {BACKEND_NAME} serves MLA / DSA models with a uniform KV layout "
             "(DeepSeek-V3.2 style); choose another backend for this model"
         )
-    feature = pool_feature(carrier.active_config())
+    config = carrier.active_config()  # what the launcher validated and published
+    feature = pool_feature(config)
     tokens = sizes.max_total_num_tokens
     if feature is None:
         from .mem_cache.pool.device import build_device_pool
 
         return build_device_pool(self, max_total_num_tokens=tokens, is_dsa_model=is_dsa_model)
+    section = getattr(config, feature.section)
     if feature.section == "sparse_decode":  # its hot buffers have one row per request slot
-        return feature.pool_builder()(self, max_total_num_tokens=tokens, is_dsa_model=is_dsa_model,
+        return feature.pool_builder()(self, section, max_total_num_tokens=tokens, is_dsa_model=is_dsa_model,
                                       rows=req_to_token_pool.req_to_token.shape[0])
-    return feature.pool_builder()(self, max_total_num_tokens=tokens, is_dsa_model=is_dsa_model)
+    return feature.pool_builder()(self, section, max_total_num_tokens=tokens, is_dsa_model=is_dsa_model)

@@ -274,16 +274,12 @@ def tp_kvpp_group(device: str) -> KVPPGroup:
     return KVPPGroup(rank=int(tp.rank_in_group), size=len(ranks), global_ranks=ranks, process_group=pg)
 
 
-def build_kvpp_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool,
+def build_kvpp_pool(configurator: Any, kvpp: cfg.KVPPConfig, *, max_total_num_tokens: int, is_dsa_model: bool,
                     group: Optional[KVPPGroup] = None) -> DeviceDSAPool:
     """:class:`KVPPPool` for SGLang's configurator (the pool hook); a draft worker's pool
     is a plain :class:`~.device.DeviceDSAPool` (draft layers are replicated)."""
-    from ...args import carrier
     from .device import build_device_pool, pool_args
 
-    kvpp = carrier.active_config().kvpp
-    if kvpp is None:
-        raise RuntimeError("build_kvpp_pool called without a KVPP config")
     if configurator.is_draft_worker:
         logger.info("KVPP: draft worker pool replicated on this rank (not partitioned)")
         return build_device_pool(configurator, max_total_num_tokens=max_total_num_tokens, is_dsa_model=is_dsa_model)

@@ -477,14 +477,12 @@ def _namespace(offload: cfg.LayerwisePrefillOffloadConfig, model_path: str, tp_r
     return f"{base}/tp{tp_rank}"
 
 
-def build_layerwise_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool) -> LayerwisePrefillPool:
-    """:class:`LayerwisePrefillPool` for SGLang's configurator (called by the pool hook)."""
-    from ...args import carrier
+def build_layerwise_pool(configurator: Any, offload: cfg.LayerwisePrefillOffloadConfig, *, max_total_num_tokens: int,
+                         is_dsa_model: bool) -> LayerwisePrefillPool:
+    """:class:`LayerwisePrefillPool` for SGLang's configurator and the validated
+    ``offload`` section (called by the pool hook, ``features.build_pool_around``)."""
     from .device import pool_args
 
-    offload = carrier.active_config().layerwise_prefill
-    if offload is None:
-        raise RuntimeError("build_layerwise_pool called without a layerwise prefill offload config")
     from ...speculative.eagle import build_draft_pool, verify_rows_per_request
 
     if configurator.is_draft_worker:  # the NextN / MTP layer: its own dedicated buffer (speculative.py)

@@ -240,15 +240,12 @@ def _require_memory(layers: int, rows: int, hot_tokens: int, tokens: int, row_di
         raise cfg.ConfigError(problems, "sparse decode offload memory")
 
 
-def build_offload_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool,
-                       rows: int) -> HostMainKVPool:
-    """:class:`HostMainKVPool` for SGLang's configurator (called by the pool hook)."""
-    from ...args import carrier
+def build_offload_pool(configurator: Any, offload: cfg.SparseDecodeOffloadConfig, *, max_total_num_tokens: int,
+                       is_dsa_model: bool, rows: int) -> HostMainKVPool:
+    """:class:`HostMainKVPool` for SGLang's configurator and the validated ``offload``
+    section (called by the pool hook, ``features.build_pool_around``)."""
     from .device import pool_args
 
-    offload = carrier.active_config().sparse_decode
-    if offload is None:
-        raise RuntimeError("build_offload_pool called without a sparse decode offload config")
     if not is_dsa_model:
         raise ValueError("sparse decode offload needs a DSA model (DeepSeek-V3.2 style)")
     mc = configurator.model_config
