@@ -132,15 +132,19 @@ def test_cell_size_scaled_by_physical_layer_caches(plugins_loaded, clean_state):
     assert compat.TARGET_CELL_SIZE in HookRegistry._hooks  # registered by the plugin's install_runtime
 
     kvc = SimpleNamespace(is_draft_worker=False, use_mla_backend=True)
-    original = lambda self, kvc_, n: 1408 * n  # noqa: E731 - SGLang's per-token bytes of n layers
+    from sglang_ascend_offload.sglang_plugin.mem_cache.sizing import cell
+
+    sglang_cell = 4 * 1408  # SGLang's per-token bytes of 4 layers
     reset_context()
     publish(ServerArgs(model_path="dummy", device="cpu", attention_backend="ascend_offload"), role="test",
             ranks=SpawnRanks(world_rank=0, dp_rank=None))
     try:
-        assert sizing.cell_size_around(original, None, kvc, 4) == 4 * 1408  # feature off
+        assert sizing.cell_size_after(sglang_cell, None, kvc, 4) is None  # feature off: SGLang's figure
+        assert cell.cell_size_after(sglang_cell, None, kvc, 4) is None
         carrier.publish(cfg.OffloadConfig(layerwise_prefill=lw1))
-        assert sizing.cell_size_around(original, None, kvc, 4) == 2 * 1408  # 2 of 4 layer caches
+        assert sizing.cell_size_after(sglang_cell, None, kvc, 4) == 2 * 1408  # 2 of 4 layer caches
+        assert cell.cell_size_after(sglang_cell, None, kvc, 4) == 2 * 1408  # the one hook asks the feature
         draft = SimpleNamespace(is_draft_worker=True, use_mla_backend=True)
-        assert sizing.cell_size_around(original, None, draft, 4) == 4 * 1408
+        assert sizing.cell_size_after(sglang_cell, None, draft, 4) is None
     finally:
         reset_context()

@@ -55,9 +55,8 @@ def _group_size() -> int:
 
 
 def cell_size_after(cell: int, self, kvc, num_layers: int) -> Optional[int]:
-    """AFTER hook on ``_compute_cell_size`` (an AFTER hook, so it chains with the
-    layerwise AROUND hook without SGLang's multiple-AROUND warning; the two features
-    are never on together)."""
+    """Per-token device KV bytes with KVPP (a rank's owned layers plus two scratch
+    layers); ``None`` (SGLang's ``cell``) when KVPP does not serve this pool."""
     if _applies(kvc) is None:
         return None
     group = _group_size()

@@ -24,7 +24,7 @@ from ...args import carrier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["physical_layer_caches", "scaled_cell_size", "cell_size_around"]
+__all__ = ["physical_layer_caches", "scaled_cell_size", "cell_size_after"]
 
 
 def physical_layer_caches(lw: cfg.LayerwisePrefillOffloadConfig, num_layers: int) -> int:
@@ -44,11 +44,13 @@ def _applies(kvc: Any) -> Optional[cfg.LayerwisePrefillOffloadConfig]:
     return carrier.section_for_served_pool(kvc, "layerwise_prefill")
 
 
-def cell_size_around(original, self, kvc, num_layers: int) -> int:
-    cell = original(self, kvc, num_layers)
+def cell_size_after(cell: int, self, kvc, num_layers: int) -> Optional[int]:
+    """Per-token device KV bytes with layerwise prefill offload: only the physical layer
+    caches (shared buffers + independent layers) take device memory; ``None`` (SGLang's
+    ``cell``) when the feature does not serve this pool."""
     lw = _applies(kvc)
     if lw is None:
-        return cell
+        return None
     scaled = scaled_cell_size(cell, lw, int(num_layers))
     logger.info("layerwise prefill offload: device KV per token %d B instead of %d B (%d of %d layer caches)",
                 scaled, cell, physical_layer_caches(lw, int(num_layers)), num_layers)
