@@ -10,6 +10,7 @@ Two servers for the module (each launch costs ~20-60 s on 2 cores), started toge
 from __future__ import annotations
 
 import json
+import threading
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +70,33 @@ def test_greedy_generate_long_prompt_batch_and_prefix_hit(server):
     warm = server.generate(shared, max_new_tokens=8)
     assert warm["meta_info"]["cached_tokens"] >= 128
     assert warm["output_ids"] == cold["output_ids"]
+
+
+def test_a_request_larger_than_the_pools_is_refused_at_once_and_serving_goes_on(servers):
+    """Admission by capacity with sparse decode offload. The host pool holds at least
+    SGLang's slot space (``max_total_num_tokens``; the pool refuses to be built smaller),
+    and SGLang admits no request longer than ``max_req_input_len``, which is below both
+    that slot space and the context length. So a request that could not fit is refused
+    before it runs, with the reason, while a request in flight and the next one are
+    served."""
+    import urllib.error
+
+    _, offload = servers
+    info = json.loads(offload.get("/server_info"))
+    limit = int(info["max_req_input_len"])
+    assert limit < int(info["max_total_num_tokens"])  # nothing longer than the host pool's slots gets in
+    results: list = []
+    running = threading.Thread(target=lambda: results.append(offload.generate(prompt(200, seed=9),
+                                                                                max_new_tokens=8)))
+    running.start()
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        offload.generate(prompt(limit + 1, seed=8), max_new_tokens=4)
+    reason = json.loads(refused.value.read().decode())["error"]["message"]
+    assert refused.value.code == 400 and f"({limit + 1} tokens) exceeds the maximum allowed length ({limit} " \
+        "tokens)" in reason, reason
+    running.join(timeout=120)
+    assert not running.is_alive() and len(results[0]["output_ids"]) == 8
+    assert len(offload.generate(prompt(40, seed=10), max_new_tokens=4)["output_ids"]) == 4
 
 
 def test_offload_on_and_off_are_token_identical(servers):
