@@ -533,13 +533,26 @@ class DecodeReceiver:
                 len_all += n_
 
     def _serve_batch(self, peer: bytes, batch: ReadReadyBatch) -> None:
+        """One READ_READY batch: validate each request's range, read the valid ones, answer
+        (READ_DONE, or the failed requests with every reason), then record the delivery."""
         self.stats.batches += 1
         stages = self.stages
         if stages is not None:
             rx = self._endpoint.rx_stamps()
             if rx is not None:
                 stages.stamps(batch.batch_id, DECODE_STAMPS[:2], rx)
-        failed: Dict[str, str] = {}
+        failed: Dict[str, str] = {}  # request id -> why, answered to the prefill
+        p, problem, good = self._validate_batch(peer, batch, failed)
+        delivered = self._read_batch(p, batch, good, failed) if good else []
+        self._answer_batch(peer, batch, problem, failed)
+        if delivered:
+            self._record_delivered(p.member, batch.layer, delivered)
+
+    def _validate_batch(self, peer: bytes, batch: ReadReadyBatch, failed: Dict[str, str]
+                        ) -> Tuple[Optional["_Peer"], Optional[str], List[Tuple[_Track, RequestRange]]]:
+        """``(peer state, batch-level problem or None, requests to read)``; every request
+        that cannot be read gets its reason in ``failed`` (and fails here when pending).
+        The requests returned are counted in flight."""
         release: List[RequestDestination] = []
         good: List[Tuple[_Track, RequestRange]] = []
         with self._lock:
@@ -572,55 +585,62 @@ class DecodeReceiver:
                 good.append((t, rr))
         if release:
             self._release(release)
+        return p, problem, good
 
-        delivered: List[Tuple[_Track, bool]] = []  # read into, still pending: (track, finished)
-        if good:
-            dst: List[int] = []
-            src: List[int] = []
-            lengths: List[int] = []
-            layer = batch.layer
+    def _read_batch(self, p: "_Peer", batch: ReadReadyBatch, good: List[Tuple[_Track, RequestRange]],
+                    failed: Dict[str, str]) -> List[Tuple[_Track, bool]]:
+        """Read the ``good`` requests' ranges of ``batch.layer`` in one engine read (with
+        retries); returns ``(track, finished)`` of those read and still pending. A failed
+        read fails them all (never READ_DONE), and their in-flight count drops either way."""
+        dst: List[int] = []
+        src: List[int] = []
+        lengths: List[int] = []
+        layer = batch.layer
+        for t, rr in good:
+            self._plan(p, t, rr, layer, dst, src, lengths)
+        try:
+            error = self._read_with_retries(p.hs.session, layer, dst, src, lengths, good=good,
+                                            batch_id=batch.batch_id)
+        except Exception as exc:  # noqa: BLE001 - e.g. a bug in an engine adapter
+            # a read that did not finish cleanly is a failed read: never READ_DONE, and the
+            # requests' in-flight count still drops below (else their destinations stay leased)
+            logger.exception("decode rank %d: read of batch %d raised", self.d_rank, batch.batch_id)
+            error = f"decode internal error during the read of layer {layer}: {exc}"
+        delivered: List[Tuple[_Track, bool]] = []
+        release: List[RequestDestination] = []
+        with self._lock:
+            # decide the answer here; the success bookkeeping (delivered layers, progress,
+            # done) follows once READ_DONE is on its way. Safe to defer: this peer's next
+            # message (a later layer, its verdict) runs on this same thread afterwards, no
+            # other peer can act as this member (member_peer), and a deadline or abort
+            # meanwhile only fails the request (done needs a pending state)
             for t, rr in good:
-                self._plan(p, t, rr, layer, dst, src, lengths)
-            try:
-                error = self._read_with_retries(p.hs.session, layer, dst, src, lengths, good=good,
-                                                batch_id=batch.batch_id)
-            except Exception as exc:  # noqa: BLE001 - e.g. a bug in an engine adapter
-                # a read that did not finish cleanly is a failed read: never READ_DONE, and the
-                # requests' in-flight count still drops below (else their destinations stay leased)
-                logger.exception("decode rank %d: read of batch %d raised", self.d_rank, batch.batch_id)
-                error = f"decode internal error during the read of layer {layer}: {exc}"
-            member = p.member
-            with self._lock:
-                # decide the answer here; the success bookkeeping (delivered layers, progress,
-                # done) follows once READ_DONE is on its way. Safe to defer: this peer's next
-                # message (a later layer, its verdict) runs on this same thread afterwards, no
-                # other peer can act as this member (member_peer), and a deadline or abort
-                # meanwhile only fails the request (done needs a pending state)
-                for t, rr in good:
-                    t.inflight -= 1
-                    if error is not None:
-                        failed[rr.request_id] = error
-                        self._fail_locked(t, error, release)
-                    elif t.state is TransferState.PENDING:
-                        fin = rr.request_id in batch.finished
-                        if fin:
-                            missing = (set(range(self.layout.num_layers)) - t.delivered.get(member, set())
-                                       - {layer})
-                            if missing:
-                                failed[rr.request_id] = (f"member {member} finished without layers "
-                                                         f"{sorted(missing)}")
-                                self._fail_locked(t, failed[rr.request_id], release)
-                                continue
-                        delivered.append((t, fin))
-                    else:
-                        # failed while the read was in flight (abort, deadline): data unusable
-                        failed[rr.request_id] = f"request failed during the read: {t.reason}"
-                    if t.state is TransferState.FAILED and t.inflight == 0 and not t.released:
-                        t.released = True
-                        release.append(t.dest)
-            if release:
-                self._release(release)
+                t.inflight -= 1
+                if error is not None:
+                    failed[rr.request_id] = error
+                    self._fail_locked(t, error, release)
+                elif t.state is TransferState.PENDING:
+                    fin = rr.request_id in batch.finished
+                    missing = (set(range(self.layout.num_layers)) - t.delivered.get(p.member, set())
+                               - {layer}) if fin else set()
+                    if missing:
+                        failed[rr.request_id] = f"member {p.member} finished without layers {sorted(missing)}"
+                        self._fail_locked(t, failed[rr.request_id], release)
+                        continue
+                    delivered.append((t, fin))
+                else:
+                    # failed while the read was in flight (abort, deadline): data unusable
+                    failed[rr.request_id] = f"request failed during the read: {t.reason}"
+                if t.state is TransferState.FAILED and t.inflight == 0 and not t.released:
+                    t.released = True
+                    release.append(t.dest)
+        if release:
+            self._release(release)
+        return delivered
 
+    def _answer_batch(self, peer: bytes, batch: ReadReadyBatch, problem: Optional[str],
+                      failed: Dict[str, str]) -> None:
+        """READ_DONE when every request was read, else the failed ones with their reasons."""
         if problem is not None and not failed:
             self._answer_failed(peer, batch, [], f"layer {batch.layer}: {problem}")
         elif failed:
@@ -630,18 +650,21 @@ class DecodeReceiver:
         else:
             stamps = self._endpoint.send(ReadDone(version=PROTOCOL_VERSION, batch_id=batch.batch_id,
                                                   layer=batch.layer), peer)
-            if stamps is not None and stages is not None:
-                stages.stamps(batch.batch_id, DECODE_STAMPS[4:], stamps)
-        if delivered:
-            with self._lock:
-                for t, fin in delivered:
-                    if t.state is not TransferState.PENDING:
-                        continue  # failed after the answer (deadline, close): nothing to record
-                    t.delivered.setdefault(member, set()).add(layer)
-                    self._progress_locked(t)
-                    if fin:
-                        t.finished.add(member)
-                        self._maybe_done_locked(t)
+            if stamps is not None and self.stages is not None:
+                self.stages.stamps(batch.batch_id, DECODE_STAMPS[4:], stamps)
+
+    def _record_delivered(self, member: int, layer: int, delivered: List[Tuple[_Track, bool]]) -> None:
+        """After the answer: ``layer`` delivered by ``member`` for each still-pending request;
+        a finished member completes the request once every member has finished."""
+        with self._lock:
+            for t, fin in delivered:
+                if t.state is not TransferState.PENDING:
+                    continue  # failed after the answer (deadline, close): nothing to record
+                t.delivered.setdefault(member, set()).add(layer)
+                self._progress_locked(t)
+                if fin:
+                    t.finished.add(member)
+                    self._maybe_done_locked(t)
 
     def _read_with_retries(self, session: str, layer: int, dst, src, lengths,
                            good: Sequence[Tuple[_Track, RequestRange]] = (),
