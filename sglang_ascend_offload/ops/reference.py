@@ -34,7 +34,7 @@ specification and the CPU path, not the fast path on a device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -396,28 +396,11 @@ def sparse_mla_attention(
     token's result depends only on its gathered rows in index order, so gathering the
     same rows from different buffers gives bit-identical outputs.
     """
-    if attention_mode != 2:
-        raise ValueError("only attention_mode=2 (MLA absorb) is defined")
-    if sparse_block_size != 1:
-        raise ValueError("only sparse_block_size=1 (token-level indices) is defined")
-    if layout_query != "TND":
-        raise ValueError(f"layout_query={layout_query!r}: only 'TND' is implemented")
-    if query_rope is None or key_rope is None:
-        raise ValueError("attention_mode=2 needs query_rope and key_rope")
-    if value is not None and not (
-        value is key or (value.data_ptr() == key.data_ptr() and value.shape == key.shape)
-    ):
-        raise ValueError("value must be None or the key latent itself (absorbed MLA)")
-    if query.dim() != 3 or query_rope.dim() != 3 or query_rope.shape[:2] != query.shape[:2]:
-        raise ValueError(f"query [T,N,Dl] / query_rope [T,N,Dr] mismatch: {tuple(query.shape)} / {tuple(query_rope.shape)}")
+    _check_absorb_args(query, query_rope, key, key_rope, value, attention_mode=attention_mode,
+                       sparse_block_size=sparse_block_size, layout_query=layout_query)
     num_tokens = query.shape[0]
     indices = sparse_indices.reshape(num_tokens, -1).to(device=query.device, dtype=torch.int64)
-    latent = _as_rows("key", key)
-    rope = _as_rows("key_rope", key_rope)
-    if latent.shape[0] != rope.shape[0]:
-        raise ValueError(f"key has {latent.shape[0]} rows but key_rope has {rope.shape[0]}")
-    if latent.shape[1] != query.shape[2] or rope.shape[1] != query_rope.shape[2]:
-        raise ValueError("head dims of key/key_rope do not match query/query_rope")
+    latent, rope = _latent_and_rope_rows(query, query_rope, key, key_rope)
 
     if layout_kv == "PA_BSND":
         _check_paged("key", key)
@@ -445,6 +428,36 @@ def sparse_mla_attention(
     else:
         raise ValueError(f"layout_kv={layout_kv!r}: expected 'PA_BSND' or 'flat'")
     return _attend_gathered(query, query_rope, latent, rope, rows, valid, float(scale_value))
+
+
+def _check_absorb_args(query, query_rope, key, key_rope, value, *, attention_mode: int, sparse_block_size: int,
+                       layout_query: str) -> None:
+    """The argument combinations :func:`sparse_mla_attention` defines (``ValueError`` otherwise)."""
+    if attention_mode != 2:
+        raise ValueError("only attention_mode=2 (MLA absorb) is defined")
+    if sparse_block_size != 1:
+        raise ValueError("only sparse_block_size=1 (token-level indices) is defined")
+    if layout_query != "TND":
+        raise ValueError(f"layout_query={layout_query!r}: only 'TND' is implemented")
+    if query_rope is None or key_rope is None:
+        raise ValueError("attention_mode=2 needs query_rope and key_rope")
+    if value is not None and not (
+        value is key or (value.data_ptr() == key.data_ptr() and value.shape == key.shape)
+    ):
+        raise ValueError("value must be None or the key latent itself (absorbed MLA)")
+    if query.dim() != 3 or query_rope.dim() != 3 or query_rope.shape[:2] != query.shape[:2]:
+        raise ValueError(f"query [T,N,Dl] / query_rope [T,N,Dr] mismatch: {tuple(query.shape)} / {tuple(query_rope.shape)}")
+
+
+def _latent_and_rope_rows(query, query_rope, key, key_rope) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``key`` / ``key_rope`` as ``[S, Dl]`` / ``[S, Dr]`` row views, checked against the query."""
+    latent = _as_rows("key", key)
+    rope = _as_rows("key_rope", key_rope)
+    if latent.shape[0] != rope.shape[0]:
+        raise ValueError(f"key has {latent.shape[0]} rows but key_rope has {rope.shape[0]}")
+    if latent.shape[1] != query.shape[2] or rope.shape[1] != query_rope.shape[2]:
+        raise ValueError("head dims of key/key_rope do not match query/query_rope")
+    return latent, rope
 
 
 def _attend_gathered(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -141,28 +141,9 @@ def replay_trace(trace: Trace, opts: ReplayOptions,
         for req, n in zip(req_ids.tolist(), seq_lens.tolist()):
             if req != -1:
                 targets[req] = max(targets.get(req, 0), n)
-        alloc.release_missing(set(targets))
-        for req in [r for r in written if r not in targets]:
-            del written[req]
-        append_slots: List[int] = []
-        for req, n in targets.items():
-            first = req not in written
-            old = written.get(req, 0)
-            new_slots = alloc.grow(req, n)
-            if first and n > 1:  # the prompt arrives by prefill / P-D transfer, not by decode
-                prompt = torch.tensor(alloc.tables[req][: n - 1], dtype=torch.int64)
-                for layer, data in enumerate(rand_rows(prompt.numel())):
-                    pool.write_rows(layer, prompt, data)
-                prefill_bytes += layers * prompt.numel() * pool.shape.row_bytes
-                old = n - 1
-            append_slots.extend(alloc.tables[req][old:n])
-            written[req] = n
-            del new_slots
-        token_table.zero_()
-        for r, req in enumerate(req_ids.tolist()):
-            if req != -1:
-                tab = alloc.tables[req]
-                token_table[r, : len(tab)] = torch.tensor(tab, dtype=torch.int32)
+        append_slots, prompt_bytes = _grow_requests(targets, alloc, written, pool, rand_rows)
+        prefill_bytes += prompt_bytes
+        _fill_token_table(token_table, req_ids, alloc)
 
         sel_np = schedule[t]
         if sel_np.size == 0:  # nothing was or is active (a leading idle step)
@@ -188,25 +169,71 @@ def replay_trace(trace: Trace, opts: ReplayOptions,
             if not opts.verify:
                 continue
             checks += 1
-            full = engine.table(layer)
-            dev_sel = sel.to(full.slot_token.device)
-            table = ResidencyTable(full.slot_token.index_select(0, dev_sel), full.slot_stamp.index_select(0, dev_sel),
-                                   full.row_req.index_select(0, dev_sel))
-            hot_rows = engine.hot.layer(layer).index_select(0, sel.to(engine.hot.layer(layer).device))
-            bad = resident_mismatches(table, hot_rows, pool.layer(layer), sel_table)
-            if bad:
-                _fail(failures, f"step {t} layer {layer}: {bad} resident slots differ from their host rows")
-            bad = remap_mismatches(table, topk.to(table.slot_token.device), result.residency)
-            if bad:
-                _fail(failures, f"step {t} layer {layer}: {bad} remapped entries do not hold their position")
-            ref = full_kv_attention(engine._attention_op, pool, layer, topk, sel_table, query, query_rope, scale)
-            if not torch.equal(result.output.cpu(), ref):
-                _fail(failures, f"step {t} layer {layer}: attention output differs from the full-KV reference")
+            for problem in _verify_layer(engine, pool, layer, sel, sel_table, topk, result, query, query_rope, scale):
+                _fail(failures, f"step {t} layer {layer}: {problem}")
         if progress is not None:
             progress(total_steps if t == trace.steps - 1 else int(original_step[t]) + 1, total_steps)
     return ReplayResult(stats=engine.stats(), verified=opts.verify and not failures, checks=checks,
                         failures=failures, times=engine.times, wall_s=time.perf_counter() - t_start,
                         prefill_bytes=prefill_bytes, host_tokens=capacity)
+
+
+def _grow_requests(targets: Dict[int, int], alloc: "_SlotAllocator", written: Dict[int, int], pool: HostKVPool,
+                   rand_rows: Callable[[int], torch.Tensor]) -> Tuple[List[int], int]:
+    """Bring each live request to its length in ``targets`` (request -> tokens): release
+    the gone ones, write a new request's prompt into the host pool as prefill would.
+    Returns ``(host slots this step appends, prompt bytes written)``."""
+    alloc.release_missing(set(targets))
+    for req in [r for r in written if r not in targets]:
+        del written[req]
+    append_slots: List[int] = []
+    prompt_bytes = 0
+    for req, n in targets.items():
+        first = req not in written
+        old = written.get(req, 0)
+        alloc.grow(req, n)
+        if first and n > 1:  # the prompt arrives by prefill / P-D transfer, not by decode
+            prompt = torch.tensor(alloc.tables[req][: n - 1], dtype=torch.int64)
+            for layer, data in enumerate(rand_rows(prompt.numel())):
+                pool.write_rows(layer, prompt, data)
+            prompt_bytes += pool.shape.layers * prompt.numel() * pool.shape.row_bytes
+            old = n - 1
+        append_slots.extend(alloc.tables[req][old:n])
+        written[req] = n
+    return append_slots, prompt_bytes
+
+
+def _fill_token_table(token_table: torch.Tensor, req_ids: np.ndarray, alloc: "_SlotAllocator") -> None:
+    """Row ``r`` of ``token_table`` holds the host slots of the request on trace row ``r``."""
+    token_table.zero_()
+    for r, req in enumerate(req_ids.tolist()):
+        if req != -1:
+            tab = alloc.tables[req]
+            token_table[r, : len(tab)] = torch.tensor(tab, dtype=torch.int32)
+
+
+def _verify_layer(engine: SparseDecodeEngine, pool: HostKVPool, layer: int, sel: torch.Tensor,
+                  sel_table: torch.Tensor, topk: torch.Tensor, result, query: torch.Tensor,
+                  query_rope: torch.Tensor, scale: float) -> List[str]:
+    """What is wrong with one layer step of the rows ``sel``: resident slots that differ
+    from their host rows, remapped entries off their position, an attention output that
+    differs from the full-KV reference (bit for bit)."""
+    problems = []
+    full = engine.table(layer)
+    dev_sel = sel.to(full.slot_token.device)
+    table = ResidencyTable(full.slot_token.index_select(0, dev_sel), full.slot_stamp.index_select(0, dev_sel),
+                           full.row_req.index_select(0, dev_sel))
+    hot_rows = engine.hot.layer(layer).index_select(0, sel.to(engine.hot.layer(layer).device))
+    bad = resident_mismatches(table, hot_rows, pool.layer(layer), sel_table)
+    if bad:
+        problems.append(f"{bad} resident slots differ from their host rows")
+    bad = remap_mismatches(table, topk.to(table.slot_token.device), result.residency)
+    if bad:
+        problems.append(f"{bad} remapped entries do not hold their position")
+    ref = full_kv_attention(engine._attention_op, pool, layer, topk, sel_table, query, query_rope, scale)
+    if not torch.equal(result.output.cpu(), ref):
+        problems.append("attention output differs from the full-KV reference")
+    return problems
 
 
 def _fail(failures: List[str], msg: str) -> None:
