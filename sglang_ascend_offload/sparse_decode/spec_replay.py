@@ -104,22 +104,7 @@ def replay_speculative(spec: SpecTrace, design: str, hot_tokens: int, *, policy:
         if active.size == 0:
             continue
         rounds += 1
-        candidate_slots: List[int] = []
-        for i in active:
-            req, length = int(spec.req_ids[r, i]), int(spec.committed[r, i])
-            alloc.grow(req, length + n)
-            slots = alloc.tables[req]
-            if req not in seen and length > 0:  # the prompt arrives by prefill
-                prompt = torch.tensor(slots[:length], dtype=torch.int64)
-                for layer, data in enumerate(rand_rows(prompt.numel())):
-                    pool.write_rows(layer, prompt, data)
-                seen[req] = True
-            seen[req] = True
-            candidate_slots.extend(slots[length:length + n])
-            own = torch.tensor(slots, dtype=torch.int32)
-            for row in _engine_rows(design, np.array([i]), n):
-                table[row].zero_()
-                table[row, : own.numel()] = own
+        candidate_slots = _grow_round(spec, r, active, design, alloc, seen, pool, table, rand_rows)
         rows = torch.from_numpy(_engine_rows(design, active, n))
         reqs = torch.from_numpy(spec.req_ids[r, active].astype(np.int64))
         stable = torch.from_numpy(spec.committed[r, active].astype(np.int32))
@@ -139,14 +124,9 @@ def replay_speculative(spec: SpecTrace, design: str, hot_tokens: int, *, policy:
             if not verify:
                 continue
             checks += 1
-            full = engine.table(layer)  # the rows stepped now (others may name released host slots)
-            state = ResidencyTable(full.slot_token[rows], full.slot_stamp[rows], full.row_req[rows])
-            bad = resident_mismatches(state, engine.hot.layer(layer)[rows], pool.layer(layer), table[rows])
-            if bad:
-                _fail(failures, f"round {r} layer {layer}: {bad} resident slots differ from their host rows")
-            ref = full_kv_attention(engine._attention_op, pool, layer, topk, row_table, query, query_rope, scale)
-            if not torch.equal(result.output.cpu(), ref):
-                _fail(failures, f"round {r} layer {layer}: attention differs from the full-KV reference")
+            for problem in _verify_round_layer(engine, pool, layer, rows, table, row_table, topk, result, query,
+                                               query_rope, scale):
+                _fail(failures, f"round {r} layer {layer}: {problem}")
         if progress is not None:
             progress(r + 1, spec.rounds)
     return SpecReplayResult(design=design, hot_tokens=hot_tokens, stats=engine.stats(), rounds=rounds,
@@ -187,3 +167,45 @@ def opt_misses(spec: SpecTrace, design: str, hot_tokens: int) -> int:
                 u = np.unique(grouped[i][grouped[i] >= 0])
                 union[r, layer, i, : u.size] = u
     return belady_misses(union, spec.req_ids, hot_tokens)
+
+
+def _grow_round(spec: SpecTrace, r: int, active: np.ndarray, design: str, alloc: "_SlotAllocator",
+                seen: Dict[int, bool], pool: HostKVPool, table: torch.Tensor,
+                rand_rows: Callable[[int], torch.Tensor]) -> List[int]:
+    """Round ``r``'s requests grow by their ``n`` candidate tokens (a new request's prompt
+    is written to the host pool as prefill would) and their engine rows of ``table`` get
+    their host slots. Returns the candidate slots appended this round, in request order."""
+    n = spec.rows_per_request
+    candidate_slots: List[int] = []
+    for i in active:
+        req, length = int(spec.req_ids[r, i]), int(spec.committed[r, i])
+        alloc.grow(req, length + n)
+        slots = alloc.tables[req]
+        if req not in seen and length > 0:  # the prompt arrives by prefill
+            prompt = torch.tensor(slots[:length], dtype=torch.int64)
+            for layer, data in enumerate(rand_rows(prompt.numel())):
+                pool.write_rows(layer, prompt, data)
+        seen[req] = True
+        candidate_slots.extend(slots[length:length + n])
+        own = torch.tensor(slots, dtype=torch.int32)
+        for row in _engine_rows(design, np.array([i]), n):
+            table[row].zero_()
+            table[row, : own.numel()] = own
+    return candidate_slots
+
+
+def _verify_round_layer(engine: SparseDecodeEngine, pool: HostKVPool, layer: int, rows: torch.Tensor,
+                        table: torch.Tensor, row_table: torch.Tensor, topk: torch.Tensor, result,
+                        query: torch.Tensor, query_rope: torch.Tensor, scale: float) -> List[str]:
+    """What is wrong with one layer step of the engine ``rows``: resident slots that differ
+    from their host rows, an output that differs from the full-KV reference bit for bit."""
+    problems = []
+    full = engine.table(layer)  # the rows stepped now (others may name released host slots)
+    state = ResidencyTable(full.slot_token[rows], full.slot_stamp[rows], full.row_req[rows])
+    bad = resident_mismatches(state, engine.hot.layer(layer)[rows], pool.layer(layer), table[rows])
+    if bad:
+        problems.append(f"{bad} resident slots differ from their host rows")
+    ref = full_kv_attention(engine._attention_op, pool, layer, topk, row_table, query, query_rope, scale)
+    if not torch.equal(result.output.cpu(), ref):
+        problems.append("attention differs from the full-KV reference")
+    return problems
