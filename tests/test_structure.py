@@ -495,3 +495,45 @@ def test_runtime_packages_import_nothing_from_benchmarks_or_test_scaffolding():
     fake = dict(graph)
     fake[f"{PKG}.sparse_decode.fake"] = {f"{PKG}.bench.serve"}
     assert _runtime_importers_of_tooling(fake) == [(f"{PKG}.sparse_decode.fake", f"{PKG}.bench.serve")]
+
+
+RUNTIME_FUNCTION_MAX_LINES = 80
+
+
+def _long_functions(roots) -> List[str]:
+    out = []
+    for path in sorted(p for root in roots for p in root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > RUNTIME_FUNCTION_MAX_LINES:
+                    out.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
+    return out
+
+
+def test_no_runtime_function_is_longer_than_80_lines():
+    """Runtime code (everything but the tools: bench, testing, kernel_check, demo) keeps
+    functions a reader takes in at once; a longer one is split into named steps."""
+    tooling = {"bench", "testing", "kernel_check"}
+    roots = [p for p in (REPO / PKG).iterdir() if p.is_dir() and p.name not in tooling and p.name != "__pycache__"]
+    modules = [p for p in (REPO / PKG).glob("*.py") if p.name != "demo.py"]
+    long = _long_functions(roots)
+    for module in modules:
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    node.end_lineno - node.lineno + 1 > RUNTIME_FUNCTION_MAX_LINES:
+                long.append(f"{module.relative_to(REPO)}:{node.lineno} {node.name}")
+    assert long == [], f"split these functions (over {RUNTIME_FUNCTION_MAX_LINES} lines): {long}"
+    assert _long_functions([REPO / PKG / "testing"])  # the scan measures: the tools still have long ones
+
+
+DOCUMENT_REFERENCE = re.compile(r"§|\bseed\s+0\d\d\b|\b[Ii]ssue\s*#?\d+|\bstop \d+\b")
+
+
+def test_code_cites_no_document_a_reader_lacks():
+    """Comments and docstrings say what a limit is and why, not "seed 000 section x" or a
+    tracker number: a reader of the repository has neither."""
+    hits = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / PKG).rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if DOCUMENT_REFERENCE.search(line)]
+    assert hits == [], hits
+    assert DOCUMENT_REFERENCE.search("see seed 000 §3") and not DOCUMENT_REFERENCE.search("manual_seed(0)")

@@ -135,6 +135,31 @@ class ResidencyManager(abc.ABC):
     @abc.abstractmethod
     def step(self, topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
              step) -> ResidencyStep:
+        """Decide which of this step's selected tokens are resident, and where the misses go.
+
+        Args:
+            topk: int32 ``[R, K]``, the logical token positions each of the ``R`` state rows
+                attends this step (the indexer's top-k); ``-1`` entries are padding.
+            req_ids: int64 ``[R]``, the request owning each row; ``-1`` marks an idle row,
+                whose entries are all treated as padding. A row whose owner differs from
+                the one recorded in ``table.row_req`` starts empty (the previous owner's
+                slots are forgotten).
+            stable_len: int32 ``[R]``, each row's committed length: positions at or past it
+                are a speculative suffix and never counted as hits.
+            step: int or 0-d int64 tensor, a stamp that increases every step (recency).
+
+        Returns:
+            :class:`ResidencyStep` in top-k order: ``hit_mask``, ``slots`` (the remapped
+            top-k: hot-buffer slot of every real entry after the step, ``-1`` for padding),
+            and the misses compacted left (``miss_count`` ``[R]``, ``miss_tokens`` /
+            ``miss_slots`` ``[R, K]``) that the caller copies host -> hot buffer.
+
+        State: updates ``self.table`` (and any policy state) in place. Invariants the
+        tests hold every policy to: each real entry has a distinct slot in its row, a
+        hit's slot already held that position, a victim slot is never one of this
+        step's hits, and the result has static shapes with no host read of device data.
+        The exact algorithm of ``lru`` is in docs/residency_contract.md.
+        """
         ...
 
     def row_state(self) -> List[Tuple[object, str]]:
@@ -143,6 +168,21 @@ class ResidencyManager(abc.ABC):
 
     def step_rows(self, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor,
                   stable_len: torch.Tensor, step) -> ResidencyStep:
+        """:meth:`step` for the state rows ``rows`` only (the rows form).
+
+        Args:
+            rows: int64 ``[B]``, the state rows this batch uses (real rows distinct; idle
+                padding entries may share one row, with ``req_ids = -1``).
+            topk, req_ids, stable_len, step: as :meth:`step`, with ``B`` rows.
+
+        Returns:
+            :class:`ResidencyStep` with ``[B, ...]`` tensors.
+
+        State: only the ``B`` rows change. This default gathers the rows of every state
+        tensor (:meth:`row_state`), runs :meth:`step` on them and scatters them back:
+        ``O(B*H)``, static shapes, no host read; a policy with a cheaper in-place form
+        overrides it.
+        """
         refs = self.row_state()
         full = [getattr(owner, name) for owner, name in refs]
         for (owner, name), t in zip(refs, full):
