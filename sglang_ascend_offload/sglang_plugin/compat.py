@@ -222,7 +222,22 @@ def arg_or(args: Any, name: str, default: Any) -> Any:
 # SGLang objects other than the server arguments whose fields the plugin reads:
 # class path -> {field: what it is read for}. Each must be a declared field of the
 # class (dataclass / annotated) or set by one of its methods; :func:`field` reads them.
+#: ``CPUGraphRunner`` fields the plugin's verify graph runner sets before capturing
+#: (``speculative/cpu_graph.py``): SGLang's capture and replay methods read them.
+CPU_GRAPH_RUNNER_FIELDS = (
+    "bs", "capture_bs", "capture_forward_mode", "capture_hidden_mode", "captured_forward_batches",
+    "captured_forward_batches_cross", "captured_req_width", "custom_mask", "device", "disable_padding",
+    "enable_profile_cuda_graph", "enable_return_hidden_states", "enable_torch_compile", "enable_two_batch_overlap",
+    "encoder_len_fill_value", "encoder_lens", "graphs", "graphs_cross", "input_ids", "is_encoder_decoder", "max_bs",
+    "max_num_token", "model_runner", "mrope_positions", "num_dp_ranks", "num_token_non_padded", "out_cache_loc",
+    "output_buffers", "positions", "pp_size", "raw_bs", "raw_num_token", "req_pool_indices", "require_attn_tp_gather",
+    "require_gathered_buffer", "require_mlp_sync", "require_mlp_tp_gather", "return_hidden_states_mode",
+    "seq_len_fill_value", "seq_lens", "speculative_algorithm", "tp_size",
+)
+
 OBJECT_FIELDS: Dict[str, Dict[str, str]] = {
+    TARGET_CPU_GRAPH_RUNNER: {name: "set by the plugin's CPU verify graph runner before SGLang's capture"
+                              for name in CPU_GRAPH_RUNNER_FIELDS},
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch": {
         "rids": "request identity per batch row (sparse decode offload resets a row whose request changed); "
                 "None outside the scheduler and on a padded graph replay",

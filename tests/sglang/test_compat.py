@@ -222,3 +222,19 @@ def test_every_sglang_symbol_the_plugin_hooks_is_in_the_table(plugins_loaded):
                                                                     "torch.cuda.synchronize"}, ours
     assert {compat.TARGET_RUN_BATCH, compat.TARGET_CELL_SIZE, compat.TARGET_POOL} <= sglang_targets  # found them
     assert sglang_targets - {h.path for h in compat.HOOKED} == set()
+
+
+def test_every_graph_runner_field_the_plugin_sets_is_in_the_table():
+    """``speculative/cpu_graph.py`` sets SGLang's ``CPUGraphRunner`` fields by hand; each
+    one it assigns is listed in ``compat.CPU_GRAPH_RUNNER_FIELDS`` (checked against the
+    installed SGLang by ``compat.problems``) or is one of the plugin's own two."""
+    import ast
+
+    from sglang_ascend_offload.sglang_plugin.speculative import cpu_graph
+
+    tree = ast.parse(open(cpu_graph.__file__).read())
+    assigned = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                and getattr(n.value, "id", "") == "runner"}
+    assert len(assigned) > 30
+    assert assigned - set(compat.CPU_GRAPH_RUNNER_FIELDS) == {"replay_kinds_seen", "verify_width"}
+    assert not [p for p in compat.problems() if "CPUGraphRunner" in p]

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -138,12 +138,41 @@ def _init_verify_runner(runner: Any, model_runner: Any) -> None:
     ``captured_req_width = n`` and ``capture_forward_mode = TARGET_VERIFY``; then capture."""
     global _verify_graphs_active
     from sglang.srt.model_executor import cpu_graph_runner as cgr
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode, get_server_return_hidden_states_mode
-    from sglang.srt.runtime_context import get_exec, get_flags, get_lora, get_parallel, get_spec
-    from sglang.srt.utils import require_gathered_buffer, require_mlp_sync, require_mlp_tp_gather
+    from sglang.srt.runtime_context import get_spec
 
     spec = get_spec()
     n = int(spec.speculative_num_draft_tokens)
+    _refuse_unsupported_verify_graphs(model_runner, spec)
+    _set_verify_runner_state(runner, model_runner, spec, n)
+    runner.capture_bs = cgr.get_batch_sizes_to_capture(model_runner)
+    runner.max_bs = max(runner.capture_bs)
+    runner.max_num_token = runner.max_bs * n
+    backend = model_runner.attn_backend
+    backend.cpu_graph_verify_width = n  # the backend sizes its graph rows for bs x n verify rows
+    backend.init_cpu_graph_state(runner.max_bs, runner.max_num_token)
+    runner.encoder_len_fill_value = 0
+    runner.seq_len_fill_value = backend.get_cpu_graph_seq_len_fill_value()
+    if runner.enable_torch_compile:
+        cgr.register_fake_ops(runner.tp_size)
+        cgr.set_torch_compile_config()
+    _allocate_verify_inputs(runner, n)
+    logger.info("ascend_offload: capturing CPU verify graphs (TARGET_VERIFY) for batch sizes %s x %d verify rows "
+                "per request; the draft (NextN) model's steps run eagerly (SGLang's CPU engine captures no draft "
+                "graphs)", runner.capture_bs, n)
+    _verify_graphs_active = True
+    try:
+        runner.capture()
+    except RuntimeError as e:
+        raise RuntimeError(f"Capture CPU verify graph failed: {e}\n{cgr.CPU_GRAPH_CAPTURE_FAILED_MSG}") from e
+
+
+def _refuse_unsupported_verify_graphs(model_runner: Any, spec: Any) -> None:
+    """Verify graphs serve an EAGLE / NextN chain on one DP / PP rank, without LoRA,
+    two-batch overlap, gathered buffers or an encoder-decoder model; anything else is
+    an error naming every unsupported part."""
+    from sglang.srt.runtime_context import get_exec, get_lora, get_parallel
+    from sglang.srt.utils import require_gathered_buffer, require_mlp_sync, require_mlp_tp_gather
+
     if int(spec.speculative_eagle_topk) != 1:
         raise RuntimeError(f"ascend_offload CPU verify graphs serve EAGLE chains only; got --speculative-eagle-topk "
                            f"{spec.speculative_eagle_topk}")
@@ -163,6 +192,13 @@ def _init_verify_runner(runner: Any, model_runner: Any) -> None:
         raise RuntimeError("ascend_offload CPU verify graphs (--enable-torch-compile with speculative decoding) do "
                            f"not support {', '.join(problems)}; drop --enable-torch-compile to verify eagerly")
 
+
+def _set_verify_runner_state(runner: Any, model_runner: Any, spec: Any, n: int) -> None:
+    """The ``CPUGraphRunner`` attributes its capture and replay read, for ``n`` verify
+    rows per request (``TARGET_VERIFY``), none of SGLang's gathered / overlapped paths."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode, get_server_return_hidden_states_mode
+    from sglang.srt.runtime_context import get_exec, get_flags, get_parallel
+
     runner.model_runner = model_runner
     runner.device = model_runner.device
     runner.return_hidden_states_mode = get_server_return_hidden_states_mode()
@@ -177,25 +213,16 @@ def _init_verify_runner(runner: Any, model_runner: Any) -> None:
     runner.enable_two_batch_overlap = False
     runner.speculative_algorithm = spec.speculative_algorithm
     runner.enable_profile_cuda_graph = get_exec().graph.enable_profile_cuda_graph
-    runner.tp_size, runner.num_dp_ranks, runner.pp_size = par.tp_size, 1, 1
+    runner.tp_size, runner.num_dp_ranks, runner.pp_size = get_parallel().tp_size, 1, 1
     runner.capture_forward_mode = ForwardMode.TARGET_VERIFY
     runner.capture_hidden_mode = runner.return_hidden_states_mode
     runner.captured_req_width = n
     runner.verify_width = n
     runner.replay_kinds_seen = set()  # (bucket, padded) pairs logged once
 
-    runner.capture_bs = cgr.get_batch_sizes_to_capture(model_runner)
-    runner.max_bs = max(runner.capture_bs)
-    runner.max_num_token = runner.max_bs * n
-    backend = model_runner.attn_backend
-    backend.cpu_graph_verify_width = n  # the backend sizes its graph rows for bs x n verify rows
-    backend.init_cpu_graph_state(runner.max_bs, runner.max_num_token)
-    runner.encoder_len_fill_value = 0
-    runner.seq_len_fill_value = backend.get_cpu_graph_seq_len_fill_value()
-    if runner.enable_torch_compile:
-        cgr.register_fake_ops(runner.tp_size)
-        cgr.set_torch_compile_config()
 
+def _allocate_verify_inputs(runner: Any, n: int) -> None:
+    """The static input buffers every captured bucket reads (``max_bs`` requests x ``n`` rows)."""
     dev = runner.device
     runner.input_ids = torch.zeros((runner.max_num_token,), dtype=torch.int64, device=dev)
     runner.req_pool_indices = torch.zeros((runner.max_bs,), dtype=torch.int64, device=dev)
@@ -208,14 +235,6 @@ def _init_verify_runner(runner: Any, model_runner: Any) -> None:
     mask_len = (runner.max_bs * runner.seq_len_fill_value + runner.max_num_token) * n
     runner.custom_mask = torch.ones((mask_len,), dtype=torch.bool, device=dev)
     runner.encoder_lens = None
-    logger.info("ascend_offload: capturing CPU verify graphs (TARGET_VERIFY) for batch sizes %s x %d verify rows "
-                "per request; the draft (NextN) model's steps run eagerly (SGLang's CPU engine captures no draft "
-                "graphs)", runner.capture_bs, n)
-    _verify_graphs_active = True
-    try:
-        runner.capture()
-    except RuntimeError as e:
-        raise RuntimeError(f"Capture CPU verify graph failed: {e}\n{cgr.CPU_GRAPH_CAPTURE_FAILED_MSG}") from e
 
 
 def _prepare_verify_replay(runner: Any, forward_batch: Any):
