@@ -53,11 +53,11 @@ def test_choice_and_hooks_are_registered(plugins_loaded):
     from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_ascend_offload.sglang_plugin.disaggregation.ascend_offload import install
+    from sglang_ascend_offload.sglang_plugin import compat
 
     assert "ascend_offload" in DISAGG_TRANSFER_BACKEND_CHOICES
-    for target in (install._TARGET_GET_KV_CLASS, install._TARGET_CONFIG_STORE, install._TARGET_PREFILL_MANAGER,
-                   install._TARGET_DECODE_MANAGER, install._TARGET_RUN_BATCH):
+    for target in (compat.TARGET_GET_KV_CLASS, compat.TARGET_CONFIG_STORE, compat.TARGET_PREFILL_MANAGER,
+                   compat.TARGET_DECODE_MANAGER, compat.TARGET_RUN_BATCH):
         assert target in HookRegistry._patched, target
 
 
