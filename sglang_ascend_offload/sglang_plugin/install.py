@@ -107,11 +107,13 @@ HOOKS: Tuple[Hook, ...] = (
 def _register(hooks: Tuple[Hook, ...]) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    kinds = {"AROUND": HookType.AROUND, "AFTER": HookType.AFTER, "BEFORE": HookType.BEFORE,
+             "REPLACE": HookType.REPLACE}
     for hook in hooks:
         if hook.when is not None and not _resolve(hook.when)():
             continue
         handler = _resolve(hook.handler)
-        HookRegistry.register(hook.target, handler() if hook.build else handler, getattr(HookType, hook.kind))
+        HookRegistry.register(hook.target, handler() if hook.build else handler, kinds[hook.kind])
 
 
 def install_flags(refuse_reason: str = "") -> None:

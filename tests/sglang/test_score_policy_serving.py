@@ -20,10 +20,8 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_ascend_offload import config as cfg
-from sglang_ascend_offload.sglang_plugin.args import resolution
 from sglang_ascend_offload.sparse_decode.replay import simulate_policy
 from sglang_ascend_offload.sparse_decode.trace import Trace, load_trace
-from sglang_ascend_offload.testing.sglang_args import server_args_stub
 
 from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
 
@@ -56,13 +54,16 @@ def test_rank_depth_rules_against_the_deployment():
 
 
 def test_score_policy_with_decode_graphs_is_refused_at_startup():
-    graphs = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=False,
-                              cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
-    score = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(policy=POLICY, rank_depth=DEPTH))
-    found = resolution.plugin_violations(score, graphs)
+    """The server's whole startup verdict (a deployment-scope rule: check-config says the same)."""
+    from startup_verdict import server_verdict
+
+    graphs = dict(attention_backend="ascend_offload", disable_cuda_graph=False, enable_torch_compile=True,
+                  page_size=64, cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
+    score = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(policy=POLICY, rank_depth=DEPTH,
+                                                                        hot_tokens=64))
+    found = server_verdict(score, **graphs)
     assert [v.rule for v in found] == ["sglang.sparse_decode_graph"] and "rank_depth" in found[0].problem
-    eager = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=True)
-    assert resolution.plugin_violations(score, eager) == []
+    assert server_verdict(score, **dict(graphs, disable_cuda_graph=True)) == []
 
 
 # ------------------------------------------------------------------ served
