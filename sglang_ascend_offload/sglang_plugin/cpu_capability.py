@@ -8,15 +8,15 @@ the hooked function behaves exactly as before. Two scopes use it:
 
 * here, ``torch.cuda.get_device_capability``: for DeepSeek-family DSA models, SGLang
   0.5.23's argument resolution calls it on every platform that is neither NPU nor XPU
-  (``arg_groups/model_hook.py:341``, ``arg_groups/overrides.py:512`` and ``:631``); on a
-  CPU-only torch that raises ``AssertionError: Torch not compiled with CUDA enabled``.
+  (in ``arg_groups/model_hook.py`` and twice in ``arg_groups/overrides.py``; locations
+  in docs/design/sglang_hooks.md); on a CPU-only torch that raises ``AssertionError: Torch not compiled with CUDA enabled``.
   Inside :func:`no_cuda_capability` (entered by the plugin's wrapper of the
   ``handle_model_specific_adjustments`` resolution step on ``--device cpu``) it returns
   ``(0, 0)``. SGLang reads that as a pre-Hopper device: the DSA KV cache defaults to
   bfloat16 and the CUDA-only DSA kernel choices it records are never used by the
   ``ascend_offload`` backend.
-* ``speculative.py``: ``torch.cuda.synchronize`` inside ``set_embed_and_head``
-  (``speculative.no_cuda_sync``) returns ``None``.
+* ``speculative/eagle.py``: ``torch.cuda.synchronize`` inside ``set_embed_and_head``
+  (``speculative.eagle.no_cuda_sync``) returns ``None``.
 """
 
 from __future__ import annotations

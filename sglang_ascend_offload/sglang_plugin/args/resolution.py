@@ -12,8 +12,8 @@ raises stops startup there. The plugin wraps:
     a backend.
 ``handle_model_specific_adjustments``
     on a CPU, run the step under :func:`~..cpu_capability.no_cuda_capability` so its
-    CUDA capability probes (``arg_groups/model_hook.py:341``,
-    ``arg_groups/overrides.py:512`` and ``:631``) answer "no CUDA" instead of raising.
+    CUDA capability probes (in ``arg_groups/model_hook.py`` and
+    ``arg_groups/overrides.py``) answer "no CUDA" instead of raising.
 ``validate_deepep_v2_dispatch_token_budget`` (the last step)
     parse the plugin's flags, build the :class:`~sglang_ascend_offload.config.Deployment`
     from the resolved arguments, check everything, raise one

@@ -2,12 +2,12 @@
 
 SGLang 0.5.23's ``Indexer`` (``layers/attention/dsa/dsa_indexer.py``) has device
 forwards only: ``forward_cuda`` / ``forward_xpu`` / ``forward_npu``; its
-``forward_native`` raises ``NotImplementedError`` (``dsa_indexer.py:1888-1891``), and
-that is what the fused-op dispatch picks on a CPU without AMX
-(``kernels/fused_op.py:567-568``). The plugin fills ``forward_native`` through a
-HookRegistry AROUND hook (``dsa_backend.forward_native_around``) that routes to the
-``ascend_offload`` attention backend, which calls :func:`indexer_query_key_weights`
-here, then stores K in the index-K cache and runs the ``lightning_indexer`` op.
+``forward_native`` raises ``NotImplementedError``, and that is what the fused-op
+dispatch (``kernels/fused_op.py``) falls back to on a CPU without AMX. The plugin
+fills ``forward_native`` through a HookRegistry AROUND hook
+(``dsa_backend.forward_native_around``) that routes to the ``ascend_offload``
+attention backend, which calls :func:`indexer_query_key_weights` here, then stores K
+in the index-K cache and runs the ``lightning_indexer`` op.
 
 The math mirrors SGLang's NPU indexer (``dsa/dsa_npu_indexer.py::forward_npu``), the
 production target: bf16 query/key (no Hadamard rotation, which only the fp8 CUDA
@@ -16,7 +16,9 @@ constant factor does not change a top-k), and the indexer rope applied to the fi
 ``rope_head_dim`` dims. The rope is computed from ``rotary_emb.cos_sin_cache``
 directly: ``DeepseekScalingRotaryEmbedding.forward_native``'s neox branch calls
 ``cos.repeat(1, 1, 2)`` on the 2-D ``[T, d/2]`` slice and produces a ``[1, T, d]``
-tensor that broadcasts wrongly (``layers/rotary_embedding/rope_variant.py:489-491``).
+tensor that broadcasts wrongly (``layers/rotary_embedding/rope_variant.py``).
+
+See docs/design/sglang_hooks.md for where in SGLang's source these behaviours sit.
 """
 
 from __future__ import annotations

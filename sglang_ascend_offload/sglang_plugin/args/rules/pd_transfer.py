@@ -20,7 +20,7 @@ rule                                    when
 ``sglang.pd_cpu_retraction_backup``     a CPU decode server without
                                         ``--disaggregation-decode-retraction-backup cpu_tensor``
                                         (SGLang's default backup registers CUDA host memory,
-                                        ``mem_cache/pool_host/common.py:147``)
+                                        ``mem_cache/pool_host/common.py``)
 ======================================  ============================================================
 
 What the deployment facts decide is ``config.violations``'s (so ``check-config`` gives the

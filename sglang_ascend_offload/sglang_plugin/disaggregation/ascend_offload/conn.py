@@ -99,8 +99,8 @@ class AscendOffloadKVManager(MooncakeKVManager):
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False,
                  **_ascend_kwargs: Any):
-        # ``dcp_remote_decode_layout`` is passed by SGLang's prefill for TransferBackend.ASCEND
-        # (disaggregation/prefill.py:358-369); DCP is rejected at startup, so it is empty.
+        # SGLang's prefill bootstrap queue passes ``dcp_remote_decode_layout`` to every
+        # TransferBackend.ASCEND manager; DCP is rejected at startup, so it is empty.
         pd = active_pd_config()
         if pd is None:
             raise RuntimeError("the ascend_offload P/D backend is selected but no validated pd_transfer "
@@ -279,8 +279,9 @@ class AscendOffloadKVManager(MooncakeKVManager):
 class AscendOffloadKVSender(MooncakeKVSender):
     """Prefill sender: SGLang's bootstrap / aux / status plus the protocol's state."""
 
-    # False keeps disaggregation/prefill.py:1746-1760 off the pinned-memory + device-event
-    # path (a CPU has neither); the pages arrive as a host array.
+    # False keeps SGLang's prefill send (disaggregation/prefill.py) off its pinned-memory +
+    # device-event path for the page indices (a CPU has neither); the pages arrive as a
+    # host array.
     supports_host_tensor_indices = False
 
     def poll(self) -> KVPoll:

@@ -1,11 +1,12 @@
 """Registration of the ``ascend_offload`` P/D transfer backend with SGLang 0.5.23.
 
 SGLang converts ``--disaggregation-transfer-backend`` into the closed Enum
-``disaggregation/utils.py::TransferBackend`` in several places
-(``managers/scheduler.py:1513``, ``managers/multi_tokenizer_mixin.py:861``,
-``managers/disagg_service.py:24, 62``), and ``get_kv_class`` maps the Enum to classes
-with an if/elif. The plugin therefore uses SGLang's extension points as follows
-(modelled on SGLang's own ``mooncake_tcp`` alias, ``arg_groups/pd_disaggregation_hook.py:30``):
+``disaggregation/utils.py::TransferBackend`` in several places (the scheduler, the
+multi-tokenizer mixin, the disaggregation service), and ``get_kv_class`` maps the
+Enum to classes with an if/elif, so a new backend name cannot be added to it. The
+plugin therefore uses SGLang's extension points as follows (modelled on SGLang's own
+``mooncake_tcp`` alias in ``arg_groups/pd_disaggregation_hook.py``; see
+docs/design/sglang_hooks.md for the source locations):
 
 =============================================================  ======================================
 extension point                                                what is registered
