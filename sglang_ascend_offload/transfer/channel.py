@@ -1,12 +1,11 @@
 """Control-plane endpoint: length-prefixed frames over plain TCP, no hand-off threads.
 
-Why not ZMQ (which this module used before): a ZMQ socket is not thread-safe, so
-every message crossed two Python threads (caller -> our I/O loop via a pipe) and
-two ZMQ I/O threads per direction; measured on the 2-core CI machine that was
-about 290 us of the 300-520 us per-layer protocol overhead. Here a caller writes
-its frame straight into the kernel socket (one lock per connection), and one
-thread per connection blocks in ``recv`` and runs the callbacks itself: a
-publish -> READ_DONE round trip wakes exactly two threads.
+A caller writes its frame straight into the kernel socket (one lock per
+connection), and one thread per connection blocks in ``recv`` and runs the callbacks
+itself: a publish -> READ_DONE round trip wakes exactly two threads, because every
+thread hand-off is a wake-up on the per-layer critical path. See
+docs/design/pd_control_channel.md for the background (why not ZMQ, why the spin
+needs an idle core).
 
 Frame: 4-byte big-endian payload length, then the payload (one
 :mod:`~.protocol` message). Every received payload goes through
@@ -37,8 +36,7 @@ runs while the machine has an idle core (1-minute load average below the CPUs th
 process may use, checked at most once a second, :class:`IdleCores`): with every
 core taken there is no halted core to avoid waking, and a spinning thread only
 takes time slices from the work it waits for (and loses the scheduler's wake-up
-credit of a sleeping one), which showed as millisecond p99 tails on the loaded
-2-core machine.
+credit of a sleeping one), which lengthens the latency tail instead of shortening it.
 
 Threads and callbacks: ``on_message(peer, msg)`` / ``on_invalid(peer, error)``
 run on the peer's connection thread, in the order the peer sent its frames
@@ -47,7 +45,7 @@ run on the peer's connection thread, in the order the peer sent its frames
 exception escaping a callback is logged and counted in :attr:`handler_errors`;
 it never stops a thread. A failed send (peer gone, send timeout) closes that
 connection and drops the message: the deadlines above the channel turn lost
-messages into failures, as they did with ZMQ's drops.
+messages into failures.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Lifecycle:
    already did, ``begin_gate=False``) and sends the ready batch;
 4. READ_DONE releases the gate; READ_FAILED releases it with the error and fails
    the named requests; no answer within ``layer_timeout_s`` releases it with a
-   timeout error and fails the batch's requests (the reference waits forever);
+   timeout error and fails the batch's requests (no wait on a live peer is unbounded);
 5. a request whose every layer got READ_DONE is ``done`` and decode is told so
    (positive :class:`~.protocol.TransferVerdict`); a failed one is aborted at
    decode (negative verdict) so decode never uses a destination read from a

@@ -21,10 +21,9 @@ Message flow (prefill rank = DEALER, decode TP rank = ROUTER)::
       TransferVerdict(ok | abort) ----------->  request terminal on this member
                      <------------------------  Rejected(reason)  (undecodable input)
 
-``TransferVerdict`` goes beyond the reference: decode makes a request schedulable
-only after every contributor confirmed it got every READ_DONE before its own
-deadline, so a read that finished after prefill gave up (and may have reused the
-buffer) is never used.
+``TransferVerdict``: decode makes a request schedulable only after every contributor
+confirmed it got every READ_DONE before its own deadline, so a read that finished
+after prefill gave up (and may have reused the buffer) is never used.
 """
 
 from __future__ import annotations
@@ -196,7 +195,8 @@ class MetaHandshake(_Message, frozen=True, forbid_unknown_fields=True, tag="meta
     session: the prefill engine's session id (what decode passes to its reads).
     engine / data_protocol: transfer engine and data path; both sides must match.
     main_tensor_count / has_indexer / has_indexer_scale: stated explicitly and
-        cross-checked against ``layout`` (the reference's summary fields).
+        cross-checked against ``layout`` (redundant summary fields: a disagreement
+        means a broken sender and rejects the handshake).
     layer_timeout_ms: prefill's per-layer deadline (decode bounds its own waits by it).
     """
 
