@@ -54,7 +54,9 @@ class SparseDecodeOffloadConfig:
         extension is required at startup (:func:`fused_copy_sfa_required`).
         ``fused_copy_sfa: false`` runs the separate miss copy and sparse attention.
     indexer_dtype: ``bf16`` or ``int8`` (LIM-C8: Hadamard-rotated int8 + fp16 scales).
-    policy: residency replacement policy; ``lru`` is the reference design.
+    policy: residency replacement policy; ``lru`` (the default) is exact per-row LRU, the
+        specification in ``docs/residency_contract.md`` that every other policy reuses
+        with its own victim order.
     record_trace: path of an ``.npz`` trace to record served top-k selections into.
     record_trace_max_steps: bound on recorded decode steps (the file stays bounded).
     record_trace_rank_depth: 0 = off; R >= top-k = also record ``ranked`` (the first R
@@ -236,9 +238,11 @@ class PDTransferConfig:
     host: address the control sockets bind to, which is also the address peers
         connect to: a concrete interface address, never a wildcard (0.0.0.0, ::).
     store_url: MemFabric config store (``tcp://host:port``).
-    handshake_timeout_s: deadline of the metadata handshake (100 s as in the reference).
-    layer_timeout_s: deadline of every per-layer wait (the reference has none); on
-        decode it is also the no-progress deadline of a request.
+    handshake_timeout_s: deadline of the metadata handshake (default 100 s, the handshake
+        timeout of vLLM-Ascend's P/D connector, whose message set this protocol follows).
+    layer_timeout_s: deadline of every per-layer wait, so a lost answer from a live peer
+        fails the request instead of holding its slot forever; on decode it is also the
+        no-progress deadline of a request.
     read_retries: failed reads retried this many times before the request fails.
     peer_tp / peer_protocol: the other side's TP size and MemFabric protocol, where the
         operator states them; then an invalid TP pair or a protocol mismatch stops

@@ -44,9 +44,10 @@ the resolved default hot buffer (2 x top-k, or rows x top-k with verify rows) un
 ``--offload-config`` is given. Its context is 2,048 tokens: ``--input-len`` +
 ``--output-len`` must fit.
 
-The default selection (:data:`DEFAULT_RUNS`) is the issue's five configurations plus
-``no_offload_eager``, the plain no-offload run that ``token_agreement`` is measured
-against and that ``offload_eager`` must match.
+The default selection (:data:`DEFAULT_RUNS`) is offload eager, offload and no offload
+with decode graphs, and offload and no offload with graphs and speculative decoding,
+plus ``no_offload_eager``, the plain no-offload run that ``token_agreement`` is
+measured against and that ``offload_eager`` must match.
 
 Per run (``--json``: one entry of ``runs``): ``requests``, ``completed`` (requests that
 returned every asked token, summed over rounds), ``output_tokens_per_s`` (output tokens

@@ -198,11 +198,11 @@ class HostKVPool:
         return self.data[layer]
 
     def latent(self, layer: int) -> torch.Tensor:
-        """``[tokens, latent_dim]`` view (the reference's "k" part)."""
+        """``[tokens, latent_dim]`` view (what SGLang's NPU MLA pool keeps in ``k_buffer``)."""
         return self.data[layer, :, : self.shape.latent_dim]
 
     def rope(self, layer: int) -> torch.Tensor:
-        """``[tokens, rope_dim]`` view (the reference's "v" part)."""
+        """``[tokens, rope_dim]`` view (what SGLang's NPU MLA pool keeps in ``v_buffer``)."""
         return self.data[layer, :, self.shape.latent_dim:]
 
     def write_rows(self, layer: int, host_slots: torch.Tensor, rows: torch.Tensor) -> int:
