@@ -67,19 +67,45 @@ def test_speculative_limits(args, expect):
 
 
 def test_the_nextn_chain_with_offload_resolves_and_is_published(plugins_loaded, clean_state):
+    """SGLang's resolution of a NextN chain (4 draft steps, 5 verify rows) with sparse
+    decode offload: the plugin's backend, the deployment facts the rules decide on, and
+    the published config with the hot buffer default sized for the verify rows."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
     from sglang.srt.server_args import ServerArgs
 
+    from sglang_ascend_offload.sglang_plugin.args.deployment import deployment_from_server_args
+    from sglang_ascend_offload.sglang_plugin.names import BACKEND_NAME
+
+    steps, top_k = 4, 16  # top_k: the fixture's index_topk
     flags.remember(flags.RawFlags(enabled={"sparse_decode": True, "layerwise_prefill": False},
                                   configs={"sparse_decode": "{}", "layerwise_prefill": None}))
-    ServerArgs(model_path=str(TINY_DSA_MTP), device="cpu", load_format="dummy", skip_tokenizer_init=True,
-               disable_cuda_graph=True, speculative_algorithm="NEXTN", speculative_num_steps=3,
-               speculative_eagle_topk=1, speculative_num_draft_tokens=4, page_size=16).resolve_once()
+    server_args = ServerArgs(model_path=str(TINY_DSA_MTP), device="cpu", load_format="dummy",
+                             skip_tokenizer_init=True, disable_cuda_graph=True, speculative_algorithm="NEXTN",
+                             speculative_num_steps=steps, speculative_eagle_topk=1,
+                             speculative_num_draft_tokens=steps + 1, page_size=16)
+    server_args.resolve_once()
+    resolved = resolving_view(server_args)
+    assert resolved.attention_backend == BACKEND_NAME  # selected by the plugin, not given
+    assert resolved.speculative_algorithm == "EAGLE"  # SGLang's NEXTN alias
+    assert resolved.disable_overlap_schedule  # the chain is set up on the host each round
+    # The facts the speculative rules and the hot_tokens default are decided on.
+    facts = deployment_from_server_args(server_args)
+    assert (facts.speculative_method, facts.speculative_steps, facts.speculative_rows, facts.speculative_topk,
+            facts.speculative_fixed, facts.overlap_schedule, facts.decode_graph_mode) == \
+        ("mtp", steps, steps + 1, 1, True, False, "eager")
+    assert facts.index_topk == top_k
+    # SGLang resolves the page size of a DeepSeek-family model itself (page_size=16 given).
+    page = resolved.page_size
+    assert facts.page_size == page
+
     published = carrier.active_config()  # what every scheduler process will build its pools from
-    assert published.sparse_decode is not None and published.layerwise_prefill is None
-    # the default made explicit: one buffer per request holding 4 verify rows x top-k 16
-    # (without speculation it would be 2 x 16 = 32 at page size 16)
-    assert published.sparse_decode.hot_tokens == 4 * 16
-    assert published.sparse_decode.policy == "lru"
+    # The default made explicit: one hot buffer per request holds the union of its 5 verify
+    # rows' top-k, 5 x 16 = 80 rounded up to the page size. Without the verify rows it
+    # would be 2 x 16 = 32 rounded up; the guard keeps the case able to tell the two apart.
+    hot = -(-(steps + 1) * top_k // page) * page
+    assert hot != -(-2 * top_k // page) * page
+    # Everything else stays at its default: no other field is changed by the resolution.
+    assert published == cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=hot))
 
 
 def test_the_nextn_chain_with_a_small_hot_buffer_is_refused(plugins_loaded, clean_state):
