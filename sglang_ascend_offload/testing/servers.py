@@ -7,9 +7,9 @@ on a fresh port within seconds when its log reports that the port could not be b
 and stops its group (SIGTERM, then SIGKILL after a grace period).
 
 How long a start may take: a fixed deadline either fails slow-but-healthy starts on a
-loaded machine (three test suites on 2 cores took SGLang more than 240 s) or waits
-minutes for a server that hung. So the deadline is ``startup_timeout_s`` *while the
-server makes no progress*: past it, the wait goes on only as long as the server's
+loaded machine or waits minutes for a server that hung (docs/design/test_servers.md).
+So the deadline is ``startup_timeout_s`` *while the server makes no progress*: past
+it, the wait goes on only as long as the server's
 process group keeps using CPU or writing its log within the last ``STARTUP_STALL_S``,
 and never beyond ``STARTUP_HARD_CAP_FACTOR`` times the deadline.
 
@@ -54,11 +54,10 @@ CPU_SERVER_ARGS: List[str] = [
     "--disable-cuda-graph",
     "--disable-overlap-schedule",
     # SGLang on CPU sizes the KV pool from the drop in *system* available memory while the weights
-    # load (kv_cache_configurator: it refuses to start when available < (1 - fraction) x before):
-    # at 0.1, other test runs starting servers at the same moment (three suites on one machine)
-    # made a prefill server refuse. --max-total-tokens caps the pool anyway (same 4096 tokens,
-    # same RSS at 0.1 and 0.5, measured). At 0.5 it refuses only when memory really runs out:
-    # one suite peaks at ~8 GB, so three full suites at once on 24 GiB can still trip it.
+    # load (kv_cache_configurator: it refuses to start when available < (1 - fraction) x before),
+    # so a small fraction makes a server refuse when other servers start at the same moment.
+    # --max-total-tokens caps the pool anyway, so 0.5 costs no memory and refuses only when
+    # memory really runs out (docs/design/test_servers.md).
     "--mem-fraction-static", "0.5",
     "--max-total-tokens", "4096",
     "--context-length", "2048",
