@@ -537,3 +537,27 @@ def test_code_cites_no_document_a_reader_lacks():
             for i, line in enumerate(p.read_text().splitlines(), 1) if DOCUMENT_REFERENCE.search(line)]
     assert hits == [], hits
     assert DOCUMENT_REFERENCE.search("see seed 000 §3") and not DOCUMENT_REFERENCE.search("manual_seed(0)")
+
+
+# Any "seed <number>" (not only the three-digit document names), tracker words, and SGLang
+# source line numbers, which change with every release (docs/design/sglang_hooks.md keeps them).
+CODE_CITATION = re.compile(r"§|\bseed\s+#?\d+\b|\bissue\s*#?\d+|\bstop\s+\d+\b|\.py:\d+", re.IGNORECASE)
+
+
+def _citations(root: Path) -> List[str]:
+    return [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in sorted(root.rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if CODE_CITATION.search(line)]
+
+
+def test_code_names_no_design_section_tracker_item_or_sglang_line_number():
+    """No .py file of the package cites a section sign, a "seed <number>" design document,
+    a tracker item ("issue 17", "issue #4", "stop 35") or an SGLang ``file.py:<line>``: the
+    code states the rule and why; history and source locations live in docs/design/."""
+    hits = _citations(REPO / PKG)
+    assert hits == [], "cite the rule, not the document (file:line):\n" + "\n".join(hits)
+    for cited in ("seed 001 says so", "Seed 000 §3.2", "issue #17", "Issue 17", "stop 35",
+                  "(``dsa_indexer.py:1888-1891``)"):
+        assert CODE_CITATION.search(cited), cited
+    for fine in ("torch.manual_seed(0)", "seed=0", "--seed", "seeded prompts", "the seed of the request mix",
+                 "self.stop()", "issued on the stream", "127.0.0.1:5000"):
+        assert not CODE_CITATION.search(fine), fine
