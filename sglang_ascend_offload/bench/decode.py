@@ -36,7 +36,7 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -558,45 +558,63 @@ def main_mtp(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------- profile mode
-def run_profile(args) -> Dict[str, Any]:
-    """Time steady-state steps at production shape (see module docstring)."""
-    from ..sparse_decode.hot_buffer import HotBuffers
-    from ..sparse_decode.policies import make_manager, uses_cpu_kernel
-    from ..sparse_decode.trace import SyntheticTraceSpec, synthesize
+@dataclass(frozen=True)
+class _ProfileShape:
+    """What ``--profile-shape`` times: the replay's small defaults give way to production
+    shape (rows 32, top-k 2048, 61 layers, 16 heads, hot = 2 x top-k)."""
 
-    rows = args.rows if args.rows != 8 else 32
-    k = args.top_k if args.top_k != 128 else 2048
-    layers = args.layers if args.layers != 4 else 61
-    heads = args.heads if args.heads != 8 else 16
-    hot = args.hot_tokens if args.hot_tokens is not None else 2 * k
-    policy = args.policy or _default_policy()
-    repeats = args.profile_repeats
-    steps = args.profile_steps + repeats
-    context = max(args.profile_context, 4 * k)
-    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    log(f"profile: rows {rows}, top-k {k}, hot {hot}, layers {layers}, heads {heads}, policy {policy}, "
-        f"contexts {context // 4}..{context}; synthesising {steps} steps ...")
+    rows: int
+    top_k: int
+    layers: int
+    heads: int
+    hot: int  # hot-buffer slots per row
+    policy: str
+    repeats: int  # timed warm steps
+    steps: int  # synthesized steps: --profile-steps warm-up steps, then the timed ones
+    context: int  # longest prompt (tokens); the shortest is a quarter of it
+    depth: int  # rank depth of the synthesized trace (0: no ranking)
+
+
+def _profile_shape(args) -> _ProfileShape:
     from ..sparse_decode.policies import needs_ranked
 
-    depth = args.rank_depth or (2 * hot if needs_ranked(policy) else 0)
-    spec = SyntheticTraceSpec(steps=steps, layers=layers, rows=rows, top_k=k, seed=args.seed,
-                              min_prompt=context // 4, max_prompt=context, min_decode=steps + 1,
-                              max_decode=steps + 1, noise_skew=args.noise_skew, rank_depth=depth)
-    trace = synthesize(spec)
-    manage_op = registry.select("residency_manage", args.ops)
-    copy_op = registry.select("copy_miss_rows", args.ops)
-    attention = registry.select("sparse_mla_attention", args.ops)
-    req = torch.from_numpy(trace.req_ids.astype(np.int64))
-    lens = torch.from_numpy(trace.seq_lens.astype(np.int32))
-    topk = torch.from_numpy(trace.topk)
-    max_pos = int(lens.max()) + 1
-    batch_rows = torch.arange(rows, dtype=torch.int64)
-    kernel = uses_cpu_kernel(policy, args.manage_impl, None, manage_op)
-    managers = [make_manager(policy, rows, hot, None, manage_op, manage_impl=args.manage_impl,
-                             max_positions=max_pos) for _ in range(layers)]
-    reference = [make_manager(policy, rows, hot, None, manage_op, manage_impl="torch") for _ in range(layers)]
+    k = args.top_k if args.top_k != 128 else 2048
+    hot = args.hot_tokens if args.hot_tokens is not None else 2 * k
+    policy = args.policy or _default_policy()
+    return _ProfileShape(rows=args.rows if args.rows != 8 else 32, top_k=k,
+                         layers=args.layers if args.layers != 4 else 61, heads=args.heads if args.heads != 8 else 16,
+                         hot=hot, policy=policy, repeats=args.profile_repeats,
+                         steps=args.profile_steps + args.profile_repeats,
+                         context=max(args.profile_context, 4 * k),
+                         depth=args.rank_depth or (2 * hot if needs_ranked(policy) else 0))
 
-    ranked = torch.from_numpy(trace.ranked) if trace.ranked is not None else None
+
+@dataclass
+class _ProfileTrace:
+    """The synthesized trace as the residency managers take it."""
+
+    req: torch.Tensor  # [steps, rows] int64 request id of each row
+    lens: torch.Tensor  # [steps, rows] int32 sequence length of each row
+    topk: torch.Tensor  # [steps, layers, rows, top_k] selected positions (-1: none)
+    ranked: Optional[torch.Tensor]  # the trace's ranking for score policies (None: none recorded)
+
+
+def _profile_trace(shape: _ProfileShape, args) -> _ProfileTrace:
+    from ..sparse_decode.trace import SyntheticTraceSpec, synthesize
+
+    spec = SyntheticTraceSpec(steps=shape.steps, layers=shape.layers, rows=shape.rows, top_k=shape.top_k,
+                              seed=args.seed, min_prompt=shape.context // 4, max_prompt=shape.context,
+                              min_decode=shape.steps + 1, max_decode=shape.steps + 1, noise_skew=args.noise_skew,
+                              rank_depth=shape.depth)
+    trace = synthesize(spec)
+    return _ProfileTrace(torch.from_numpy(trace.req_ids.astype(np.int64)),
+                         torch.from_numpy(trace.seq_lens.astype(np.int32)), torch.from_numpy(trace.topk),
+                         torch.from_numpy(trace.ranked) if trace.ranked is not None else None)
+
+
+def _step_runner(trace: _ProfileTrace, layers: int, batch_rows: torch.Tensor):
+    """``one_step(managers, t)``: step ``t`` of the trace through every layer's manager."""
+    req, lens, topk, ranked = trace.req, trace.lens, trace.topk, trace.ranked
 
     def one_step(mgrs, t):
         """Results, wall seconds and this thread's CPU seconds of one step over all layers
@@ -609,17 +627,30 @@ def run_profile(args) -> Dict[str, Any]:
             out.append(mgrs[layer].step_rows(batch_rows, topk[t, layer].contiguous(), req[t], lens[t], t))
         return out, time.perf_counter() - t0, time.thread_time() - c0
 
-    log(f"warming residency tables ({'CPU kernel' if kernel else 'torch'} and the torch reference) ...")
-    for t in range(args.profile_steps):
-        one_step(managers, t)
-        one_step(reference, t)
-    # Timed: `repeats` warm steps, each the engine's path over every layer's state in
-    # turn (a layer's state is cold when its turn comes, as in a model), then the
-    # reference on the same step; per step the wall and CPU time per layer-call.
-    log(f"timing {repeats} warm steps x {layers} layers ...")
+    return one_step
+
+
+@dataclass
+class _ManageTiming:
+    """Residency management over the timed steps, the engine's path beside the torch reference."""
+
+    wall: List[float]  # per timed step: wall seconds per layer-call, engine's path
+    cpu: List[float]  # per timed step: this thread's CPU seconds per layer-call, engine's path
+    ref_wall: List[float]  # the same for the torch reference
+    ref_cpu: List[float]
+    misses_all: List[int]  # per timed step: misses over every layer, engine's path
+    ref_misses_all: List[int]  # the same for the torch reference
+    same: bool  # slots, miss counts and per-step misses identical to the reference
+    results: List[Any]  # the engine's results of the last timed step, one per layer
+
+
+def _time_manage(one_step, managers, reference, warm_steps: int, steps: int, layers: int) -> _ManageTiming:
+    """Time the steps after ``warm_steps``: each the engine's path over every layer's state in
+    turn (a layer's state is cold when its turn comes, as in a model), then the reference on
+    the same step; per step the wall and CPU time per layer-call."""
     wall, cpu, ref_wall, ref_cpu = [], [], [], []
     same, misses_all, ref_misses_all = True, [], []
-    for t in range(args.profile_steps, steps):
+    for t in range(warm_steps, steps):
         results, manage_s, manage_cpu_s = one_step(managers, t)
         ref_results, ref_manage_s, ref_manage_cpu_s = one_step(reference, t)
         wall.append(manage_s / layers)
@@ -630,22 +661,28 @@ def run_profile(args) -> Dict[str, Any]:
         ref_misses_all.append(int(sum(int(r.miss_count.sum()) for r in ref_results)))
         same = same and all(torch.equal(a.slots, b.slots) and torch.equal(a.miss_count, b.miss_count)
                             for a, b in zip(results, ref_results))
-    misses, ref_misses = misses_all[-1], ref_misses_all[-1]
     same = same and misses_all == ref_misses_all
-    t = steps - 1
+    return _ManageTiming(wall, cpu, ref_wall, ref_cpu, misses_all, ref_misses_all, same, results)
 
-    # One layer's worth of buffers, reused for every layer: content does not change cost.
-    # The token table maps every position to one of HOST_ROWS host rows (distinct within
-    # a row's selection): a bounded host pool, the same copy pattern.
-    max_ctx = int(lens[t].max())
-    row_dim = 512 + 64
+
+def _time_copy_and_attention(shape: _ProfileShape, lens_t: torch.Tensor, results, row_dim: int, copy_op,
+                             attention) -> Tuple[float, float]:
+    """Seconds of every layer's miss copy and sparse attention for ``results`` (one step).
+
+    One layer's worth of buffers, reused for every layer: content does not change cost.
+    The token table maps every position to one of ``_PROFILE_HOST_ROWS`` host rows
+    (distinct within a row's selection): a bounded host pool, the same copy pattern.
+    """
+    from ..sparse_decode.hot_buffer import HotBuffers
+
+    rows, hot, heads = shape.rows, shape.hot, shape.heads
+    max_ctx = int(lens_t.max())
     host = torch.randn((min(_PROFILE_HOST_ROWS, rows * max_ctx), row_dim)).to(torch.bfloat16)
     token_table = (torch.arange(rows * max_ctx, dtype=torch.int64) % host.shape[0]).to(torch.int32).view(rows, -1)
     hot_buf = HotBuffers(1, rows, hot, row_dim)
     query = torch.randn((rows, heads, 512)).to(torch.bfloat16)
     query_rope = torch.randn((rows, heads, 64)).to(torch.bfloat16)
     latent, rope = hot_buf.split_flat(0, 512)
-    log(f"timing miss copies and attention of {layers} layers ...")
     copy_s = attn_s = 0.0
     for layer, res in enumerate(results):
         c0 = time.perf_counter()
@@ -656,32 +693,74 @@ def run_profile(args) -> Dict[str, Any]:
         c2 = time.perf_counter()
         copy_s += c1 - c0
         attn_s += c2 - c1
+    return copy_s, attn_s
+
+
+def _profile_keys(shape: _ProfileShape, args, kernel: bool, m: _ManageTiming, copy_s: float, attn_s: float,
+                  topk_t: torch.Tensor, lens_t: torch.Tensor) -> Dict[str, Any]:
+    """The JSON keys of the residency, copy and attention timings."""
+    layers = shape.layers
+    misses, ref_misses = m.misses_all[-1], m.ref_misses_all[-1]
     med = lambda xs: float(np.median(xs))  # noqa: E731
-    out = {
-        "rows": rows, "top_k": k, "hot_tokens": hot, "layers": layers, "heads": heads, "policy": policy,
-        "ops": args.ops, "torch_threads": torch.get_num_threads(),
-        "step_misses": misses, "step_selected": int((topk[t] >= 0).sum()),
-        "manage_ms": 1e3 * med(wall) * layers, "copy_ms": 1e3 * copy_s, "attention_ms": 1e3 * attn_s,
-        "manage_over_attention": med(wall) * layers / attn_s if attn_s else None,
-        "manage_ms_per_layer": 1e3 * med(wall),
-        "manage_ms_per_layer_min": 1e3 * min(wall),
-        "manage_ms_per_layer_p90": 1e3 * float(np.percentile(wall, 90)),
-        "manage_cpu_ms_per_layer": 1e3 * med(cpu),
-        "manage_cpu_ms_per_layer_min": 1e3 * min(cpu),
-        "manage_timed_steps": repeats,
+    return {
+        "rows": shape.rows, "top_k": shape.top_k, "hot_tokens": shape.hot, "layers": layers, "heads": shape.heads,
+        "policy": shape.policy, "ops": args.ops, "torch_threads": torch.get_num_threads(),
+        "step_misses": misses, "step_selected": int((topk_t >= 0).sum()),
+        "manage_ms": 1e3 * med(m.wall) * layers, "copy_ms": 1e3 * copy_s, "attention_ms": 1e3 * attn_s,
+        "manage_over_attention": med(m.wall) * layers / attn_s if attn_s else None,
+        "manage_ms_per_layer": 1e3 * med(m.wall),
+        "manage_ms_per_layer_min": 1e3 * min(m.wall),
+        "manage_ms_per_layer_p90": 1e3 * float(np.percentile(m.wall, 90)),
+        "manage_cpu_ms_per_layer": 1e3 * med(m.cpu),
+        "manage_cpu_ms_per_layer_min": 1e3 * min(m.cpu),
+        "manage_timed_steps": shape.repeats,
         "manage_impl": "kernel" if kernel else "torch",
-        "reference_manage_ms_per_layer": 1e3 * med(ref_wall),
-        "reference_manage_cpu_ms_per_layer": 1e3 * med(ref_cpu),
-        "timed_step_misses": misses_all,
+        "reference_manage_ms_per_layer": 1e3 * med(m.ref_wall),
+        "reference_manage_cpu_ms_per_layer": 1e3 * med(m.ref_cpu),
+        "timed_step_misses": m.misses_all,
         "reference_step_misses": ref_misses,
-        "misses_equal_contract": bool(same and misses == ref_misses),
-        "context_max": int(lens[t].max()),
-        "rank_depth": depth,
+        "misses_equal_contract": bool(m.same and misses == ref_misses),
+        "context_max": int(lens_t.max()),
+        "rank_depth": shape.depth,
     }
-    out.update(_profile_score_kernels(log, ranked, one_step, steps, rows, hot, layers))
+
+
+def run_profile(args) -> Dict[str, Any]:
+    """Time steady-state steps at production shape (see module docstring)."""
+    from ..sparse_decode.policies import make_manager, uses_cpu_kernel
+
+    shape = _profile_shape(args)
+    rows, k, layers, hot, policy = shape.rows, shape.top_k, shape.layers, shape.hot, shape.policy
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    log(f"profile: rows {rows}, top-k {k}, hot {hot}, layers {layers}, heads {shape.heads}, policy {policy}, "
+        f"contexts {shape.context // 4}..{shape.context}; synthesising {shape.steps} steps ...")
+    trace = _profile_trace(shape, args)
+    manage_op = registry.select("residency_manage", args.ops)
+    copy_op = registry.select("copy_miss_rows", args.ops)
+    attention = registry.select("sparse_mla_attention", args.ops)
+    max_pos = int(trace.lens.max()) + 1
+    batch_rows = torch.arange(rows, dtype=torch.int64)
+    kernel = uses_cpu_kernel(policy, args.manage_impl, None, manage_op)
+    managers = [make_manager(policy, rows, hot, None, manage_op, manage_impl=args.manage_impl,
+                             max_positions=max_pos) for _ in range(layers)]
+    reference = [make_manager(policy, rows, hot, None, manage_op, manage_impl="torch") for _ in range(layers)]
+    one_step = _step_runner(trace, layers, batch_rows)
+
+    log(f"warming residency tables ({'CPU kernel' if kernel else 'torch'} and the torch reference) ...")
+    for t in range(args.profile_steps):
+        one_step(managers, t)
+        one_step(reference, t)
+    log(f"timing {shape.repeats} warm steps x {layers} layers ...")
+    timing = _time_manage(one_step, managers, reference, args.profile_steps, shape.steps, layers)
+    t = shape.steps - 1
+    row_dim = 512 + 64
+    log(f"timing miss copies and attention of {layers} layers ...")
+    copy_s, attn_s = _time_copy_and_attention(shape, trace.lens[t], timing.results, row_dim, copy_op, attention)
+    out = _profile_keys(shape, args, kernel, timing, copy_s, attn_s, trace.topk[t], trace.lens[t])
+    out.update(_profile_score_kernels(log, trace.ranked, one_step, shape.steps, rows, hot, layers))
     if args.profile_compile == "on":
-        out.update(_profile_compiled(args, log, reference[layers - 1], batch_rows, topk[t, layers - 1], req[t],
-                                     lens[t], t, row_dim, heads))
+        out.update(_profile_compiled(args, log, reference[layers - 1], batch_rows, trace.topk[t, layers - 1],
+                                     trace.req[t], trace.lens[t], t, row_dim, shape.heads))
     return out
 
 

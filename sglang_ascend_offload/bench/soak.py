@@ -55,7 +55,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .served_load import REQUEST_ERRORS, VOCAB
 
@@ -222,10 +222,9 @@ def _progress(msg: str) -> None:
     print(f"[bench soak] {msg}", file=sys.stderr, flush=True)
 
 
-def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline: bool = False,
-        server_env: Optional[Dict[str, str]] = None, shape_cache: int = DEFAULT_SHAPE_CACHE,
-        warmup_requests: int = 100) -> dict:
-    from ..testing.servers import IDLE_SLEEP, TINY_DSA, TINY_DSA_4L, ServerProcess, fixture_args, stop_all
+def _server_specs(baseline: bool) -> Dict[str, Tuple[List[str], List[str]]]:
+    """Server name -> (fixture arguments, server arguments) of every server of the soak."""
+    from ..testing.servers import IDLE_SLEEP, TINY_DSA, TINY_DSA_4L, fixture_args
 
     common = ["--max-running-requests", "4", "--chunked-prefill-size", "128"] + IDLE_SLEEP
     specs = {
@@ -237,65 +236,156 @@ def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline
     }
     if baseline:
         specs["baseline"] = (fixture_args(TINY_DSA), [])
-    import tempfile
+    return {name: (base, common + extra) for name, (base, extra) in specs.items()}
 
-    server_env = dict(server_env or {})
+
+def _servers_env(server_env: Optional[Dict[str, str]], shape_cache: int) -> Dict[str, str]:
+    """Every server's environment: ``--server-env``, and the shape-cache bound unless it sets one."""
+    env = dict(server_env or {})
     if shape_cache > 0:
         for key in SHAPE_CACHE_ENV:
-            server_env.setdefault(key, str(shape_cache))  # --server-env wins
+            env.setdefault(key, str(shape_cache))  # --server-env wins
+    return env
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """The load's timeline, ``time.monotonic`` seconds."""
+
+    t0: float  # the load starts
+    warm_min: float  # warm-up lasts at least until here: a tenth of the run, 20 s or more (half of a short run)
+    warm_max: float  # and at most until here: half of the run
+    stop_at: float  # clients start no request after this
+
+
+def _schedule(minutes: float) -> _Schedule:
+    t0 = time.monotonic()
+    duration = minutes * 60.0
+    warm_min = t0 + max(20.0, duration / 10) if duration > 40 else t0 + duration / 2
+    warm_max = t0 + max(duration / 2, warm_min - t0)
+    return _Schedule(t0, warm_min, warm_max, t0 + max(duration, 1.0))
+
+
+def _start_clients(servers, stats: Dict[str, LoadStats], clients: int, seed: int, stop_at: float,
+                   abort_fraction: float) -> List[threading.Thread]:
+    """``clients`` client threads per server, each with its own random stream drawn from ``seed``."""
+    rng = random.Random(seed)
+    threads = [threading.Thread(target=_client, args=(srv, stats[name], random.Random(rng.getrandbits(64)),
+                                                      stop_at, abort_fraction), daemon=True)
+               for name, srv in servers.items() for _ in range(clients)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+@dataclass
+class _Warm:
+    """The servers at the end of warm-up."""
+
+    seconds: float  # warm-up's length
+    done: Dict[str, int]  # server -> requests finished by then (answered or aborted)
+    status: Dict[str, Dict[int, Dict[str, float]]]  # server -> pid -> its memory (_status_mb) then
+
+
+def _warm_up(servers, stats: Dict[str, LoadStats], threads: List[threading.Thread], sched: _Schedule,
+             warmup_requests: int) -> _Warm:
+    """Wait until every server has finished ``warmup_requests`` requests and ``sched.warm_min``
+    has passed (at most until ``sched.warm_max``); read every server process's memory."""
+    time.sleep(max(0.0, sched.warm_min - time.monotonic()))
+    while (time.monotonic() < sched.warm_max and any(s.requests - s.failed < warmup_requests for s in stats.values())
+           and any(t.is_alive() for t in threads)):
+        time.sleep(1.0)
+    warmup_s = time.monotonic() - sched.t0
+    warmup_done = {name: s.requests - s.failed for name, s in stats.items()}
+    warm = {name: {pid: _status_mb(pid) for pid in srv.pids()} for name, srv in servers.items()}
+    _progress(f"warm-up done after {warmup_s:.0f} s: " + ", ".join(f"{n} {k} requests"
+                                                                   for n, k in warmup_done.items()))
+    return _Warm(warmup_s, warmup_done, warm)
+
+
+def _sample_until_done(threads: List[threading.Thread], warm: _Warm, stats: Dict[str, LoadStats], t0: float,
+                       minutes: float) -> Dict[int, List[float]]:
+    """Every warm-up process's ``VmRSS`` (MiB) every 30 s until the clients are done, with progress."""
+    last = time.monotonic()
+    samples: Dict[int, List[float]] = {pid: [] for w in warm.status.values() for pid in w}
+    while any(t.is_alive() for t in threads):
+        time.sleep(1.0)
+        if time.monotonic() - last > 30:
+            last = time.monotonic()
+            for pid in samples:
+                rss = _rss_mb(pid)
+                if rss is not None:
+                    samples[pid].append(round(rss, 1))
+            _progress(f"{(last - t0) / 60:.1f}/{minutes:g} min: "
+                      + ", ".join(f"{n} {s.requests} req {s.failed} failed" for n, s in stats.items()))
+    return samples
+
+
+def _process_memory(servers, warm: _Warm, samples: Dict[int, List[float]]) -> List[ProcessMemory]:
+    """Warm-up and end memory of every server process still alive at the end."""
+    memory: List[ProcessMemory] = []
+    for name, srv in servers.items():
+        for pid, at_warm in warm.status[name].items():
+            at_end = _status_mb(pid)
+            if "VmRSS" in at_warm and "VmRSS" in at_end:
+                parts = {f"rss_{part}_{when}_mb": round(mb.get(key, 0.0), 1)
+                         for part, key in (("anon", "RssAnon"), ("file", "RssFile"), ("shmem", "RssShmem"))
+                         for when, mb in (("warm", at_warm), ("end", at_end))}
+                memory.append(ProcessMemory(name, pid, _proc_name(pid), round(at_warm["VmRSS"], 1),
+                                            round(at_end["VmRSS"], 1), samples.get(pid, []), **parts))
+    return memory
+
+
+def _load_keys(minutes: float, stats: Dict[str, LoadStats]) -> dict:
+    """The load's totals over every server."""
+    total = LoadStats()
+    for s in stats.values():
+        for key in ("requests", "failed", "aborted", "radix_prompts", "output_tokens"):
+            setattr(total, key, getattr(total, key) + getattr(s, key))
+    return {"minutes": minutes, "requests": total.requests, "failed": total.failed, "aborted": total.aborted,
+            "radix_prompts": total.radix_prompts, "output_tokens": total.output_tokens}
+
+
+def _growth_keys(memory: List[ProcessMemory], baseline: bool) -> dict:
+    """The largest ``VmRSS`` growth of the offload servers, of the baseline, and their ratio."""
+    offload = max((m.growth_ratio for m in memory if m.server != "baseline"), default=1.0)
+    base = max((m.growth_ratio for m in memory if m.server == "baseline"), default=1.0)
+    return {"rss_growth_ratio_max": round(offload, 4),
+            "baseline_rss_growth_ratio_max": round(base, 4) if baseline else None,
+            "rss_growth_over_baseline": round(offload / base, 4) if baseline else None}
+
+
+def _leftover_keys(new_files: List[str]) -> dict:
+    """The files left in ``/dev/shm``: the plugin's (a leak) and SGLang's own."""
+    leaked = [f for f in new_files if f.startswith(PLUGIN_SHM_PREFIXES)]
+    sglang_left = [f for f in new_files if f.startswith(SGLANG_SHM_PREFIXES)]
+    return {"leaked_shm_files": len(leaked), "leaked_shm_names": leaked, "sglang_shm_files_left": len(sglang_left)}
+
+
+def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline: bool = False,
+        server_env: Optional[Dict[str, str]] = None, shape_cache: int = DEFAULT_SHAPE_CACHE,
+        warmup_requests: int = 100) -> dict:
+    import tempfile
+
+    from ..testing.servers import ServerProcess, stop_all
+
+    specs = _server_specs(baseline)
+    server_env = _servers_env(server_env, shape_cache)
     logs = Path(tempfile.mkdtemp(prefix="bench_soak_"))
     shm_before = _shm_files()
-    servers = {name: ServerProcess(common + extra, log_path=logs / f"{name}.log", base_args=base,
-                                   env=server_env)
-               for name, (base, extra) in specs.items()}
+    servers = {name: ServerProcess(args, log_path=logs / f"{name}.log", base_args=base, env=server_env)
+               for name, (base, args) in specs.items()}
     _progress(f"starting {len(servers)} servers (logs in {logs})")
     started = []
     try:
         for server in servers.values():  # one after the other: two start-ups at once starve 2 cores
             started.append(server.start())
         stats = {name: LoadStats() for name in servers}
-        t0 = time.monotonic()
-        duration = minutes * 60.0
-        warm_min = t0 + max(20.0, duration / 10) if duration > 40 else t0 + duration / 2
-        warm_max = t0 + max(duration / 2, warm_min - t0)
-        stop_at = t0 + max(duration, 1.0)
-        rng = random.Random(seed)
-        threads = [threading.Thread(target=_client, args=(srv, stats[name], random.Random(rng.getrandbits(64)),
-                                                          stop_at, abort_fraction), daemon=True)
-                   for name, srv in servers.items() for _ in range(clients)]
-        for t in threads:
-            t.start()
-        time.sleep(max(0.0, warm_min - time.monotonic()))
-        while (time.monotonic() < warm_max and any(s.requests - s.failed < warmup_requests for s in stats.values())
-               and any(t.is_alive() for t in threads)):
-            time.sleep(1.0)
-        warmup_s = time.monotonic() - t0
-        warmup_done = {name: s.requests - s.failed for name, s in stats.items()}
-        warm = {name: {pid: _status_mb(pid) for pid in srv.pids()} for name, srv in servers.items()}
-        _progress(f"warm-up done after {warmup_s:.0f} s: " + ", ".join(f"{n} {k} requests"
-                                                                       for n, k in warmup_done.items()))
-        last = time.monotonic()
-        samples: Dict[int, List[float]] = {pid: [] for w in warm.values() for pid in w}
-        while any(t.is_alive() for t in threads):
-            time.sleep(1.0)
-            if time.monotonic() - last > 30:
-                last = time.monotonic()
-                for pid in samples:
-                    rss = _rss_mb(pid)
-                    if rss is not None:
-                        samples[pid].append(round(rss, 1))
-                _progress(f"{(last - t0) / 60:.1f}/{minutes:g} min: "
-                          + ", ".join(f"{n} {s.requests} req {s.failed} failed" for n, s in stats.items()))
-        memory: List[ProcessMemory] = []
-        for name, srv in servers.items():
-            for pid, at_warm in warm[name].items():
-                at_end = _status_mb(pid)
-                if "VmRSS" in at_warm and "VmRSS" in at_end:
-                    parts = {f"rss_{part}_{when}_mb": round(mb.get(key, 0.0), 1)
-                             for part, key in (("anon", "RssAnon"), ("file", "RssFile"), ("shmem", "RssShmem"))
-                             for when, mb in (("warm", at_warm), ("end", at_end))}
-                    memory.append(ProcessMemory(name, pid, _proc_name(pid), round(at_warm["VmRSS"], 1),
-                                                round(at_end["VmRSS"], 1), samples.get(pid, []), **parts))
+        sched = _schedule(minutes)
+        threads = _start_clients(servers, stats, clients, seed, sched.stop_at, abort_fraction)
+        warm = _warm_up(servers, stats, threads, sched, warmup_requests)
+        samples = _sample_until_done(threads, warm, stats, sched.t0, minutes)
+        memory = _process_memory(servers, warm, samples)
         counters = {"sparse_decode": _summary(servers["sparse_decode"].log_path, "sparse-decode-offload:"),
                     "layerwise_prefill": _summary(servers["layerwise_prefill"].log_path, "layerwise-prefill:")}
     finally:
@@ -303,39 +393,19 @@ def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline
         stop_all(*started)
     time.sleep(1.0)
     new_files = sorted(_shm_files() - shm_before)
-    leaked = [f for f in new_files if f.startswith(PLUGIN_SHM_PREFIXES)]
-    sglang_left = [f for f in new_files if f.startswith(SGLANG_SHM_PREFIXES)]
-    total = LoadStats()
-    for s in stats.values():
-        for key in ("requests", "failed", "aborted", "radix_prompts", "output_tokens"):
-            setattr(total, key, getattr(total, key) + getattr(s, key))
     return {
-        "minutes": minutes,
-        "requests": total.requests,
-        "failed": total.failed,
-        "aborted": total.aborted,
-        "radix_prompts": total.radix_prompts,
-        "output_tokens": total.output_tokens,
-        "rss_growth_ratio_max": round(max((m.growth_ratio for m in memory if m.server != "baseline"),
-                                          default=1.0), 4),
-        "baseline_rss_growth_ratio_max": (round(max((m.growth_ratio for m in memory if m.server == "baseline"),
-                                                    default=1.0), 4) if baseline else None),
-        "rss_growth_over_baseline": (round(max((m.growth_ratio for m in memory if m.server != "baseline"),
-                                               default=1.0)
-                                           / max((m.growth_ratio for m in memory if m.server == "baseline"),
-                                                 default=1.0), 4) if baseline else None),
-        "leaked_shm_files": len(leaked),
-        "leaked_shm_names": leaked,
-        "sglang_shm_files_left": len(sglang_left),
+        **_load_keys(minutes, stats),
+        **_growth_keys(memory, baseline),
+        **_leftover_keys(new_files),
         "processes": [{**asdict(m), "growth_ratio": round(m.growth_ratio, 4)} for m in memory],
         "servers": [{"name": name, "requests": s.requests, "failed": s.failed, "aborted": s.aborted,
                      "errors": s.errors, "offload_counters": counters.get(name, {})} for name, s in stats.items()],
         "server_env": server_env,
         "shape_cache": shape_cache,
-        "warmup_s": round(warmup_s, 1),
-        "warmup_requests": warmup_done,
+        "warmup_s": round(warm.seconds, 1),
+        "warmup_requests": warm.done,
         "warmup_criterion": (f"at least {warmup_requests} finished (answered or aborted) requests per server "
-                             f"and at least {warm_min - t0:.0f} s, at most {warm_max - t0:.0f} s"),
+                             f"and at least {sched.warm_min - sched.t0:.0f} s, at most {sched.warm_max - sched.t0:.0f} s"),
         "logs": str(logs),
     }
 

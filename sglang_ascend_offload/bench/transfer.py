@@ -59,8 +59,8 @@ import shutil
 import sys
 import tempfile
 import textwrap
-from dataclasses import asdict, replace
-from typing import Any, Dict, List, Optional
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Dict, List, Optional, Tuple
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,14 +191,19 @@ def _throughput_run(t) -> tuple:
     return out, t
 
 
-def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, Any]:
-    from ..testing.pd_harness import ScenarioSpec, fault_scenarios, run_scenario
-    from ..transfer.channel import SPIN_ENV, spin_us_from_env
-    from ..transfer.decode_side import DECODE_SPIN_US
-    from ..transfer.prefill_side import PREFILL_SPIN_US
-    from ..transfer.stages import TRACE_ENV, stage_breakdown
+@dataclass(frozen=True)
+class _Scenarios:
+    """The scenarios of one ``bench transfer`` run (``testing.pd_harness.ScenarioSpec``)."""
+
+    throughput: Any  # one request of --tokens tokens, DeepSeek-V3.2 per-token sizes
+    overhead: Any  # one small block per layer through one slot
+    faults: List[Any]  # the fault table (empty with --no-faults)
+
+
+def _scenarios(args: argparse.Namespace) -> _Scenarios:
+    """Check the sizes of ``args`` (``SystemExit`` with what is wrong) and build the scenarios."""
+    from ..testing.pd_harness import ScenarioSpec, fault_scenarios
     from ..transfer.topology import PDTopology
-    from ..testing.workers import WorkerPool
 
     PDTopology(args.p_tp, args.d_tp)  # invalid pairs stop here
     if args.tokens < args.block_tokens or args.layers < 1:
@@ -223,67 +228,118 @@ def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, An
         base = ScenarioSpec(name="base", p_tp=2, d_tp=1, layer_timeout_s=args.layer_timeout,
                             handshake_timeout_s=2 * args.layer_timeout, read_retries=1, engine=args.engine)
         faults = fault_scenarios(base)
-    size = max(args.p_tp + args.d_tp, 3)
-    out: Dict[str, Any] = {"engine": args.engine, "data_protocol": "tcp", "p_tp": args.p_tp, "d_tp": args.d_tp}
+    return _Scenarios(throughput, overhead, faults)
+
+
+def _spin(args: argparse.Namespace) -> Tuple[Optional[str], Dict[str, Any]]:
+    """The receive spin given to the workers (None: their inherited environment decides) and
+    the spin each side runs with, in microseconds."""
+    from ..transfer.channel import spin_us_from_env
+    from ..transfer.decode_side import DECODE_SPIN_US
+    from ..transfer.prefill_side import PREFILL_SPIN_US
+
     if args.spin_us is not None and not 0 <= args.spin_us <= 1e6:
         raise SystemExit("--spin-us must be between 0 and 1000000")
     spin = None if args.spin_us is None else str(args.spin_us)
     if spin is None:  # the workers inherit this process's environment
-        out["control_path_spin_us"] = {"prefill": spin_us_from_env(PREFILL_SPIN_US),
-                                       "decode": spin_us_from_env(DECODE_SPIN_US)}
-    else:
-        out["control_path_spin_us"] = {"prefill": args.spin_us, "decode": args.spin_us}
+        return spin, {"prefill": spin_us_from_env(PREFILL_SPIN_US), "decode": spin_us_from_env(DECODE_SPIN_US)}
+    return spin, {"prefill": args.spin_us, "decode": args.spin_us}
+
+
+def _warm_workers(pool, sc: _Scenarios) -> List[Optional[int]]:
+    """Start every worker's engines before anything is timed, then freeze each worker's heap;
+    returns the objects each froze (None where the worker failed)."""
+    from ..testing.pd_harness import run_scenario
+    from ..testing.workers import run_tasks
+
+    run_scenario(pool, replace(sc.overhead, name="warmup", num_layers=2), timeout_s=120)
+    if sc.faults:  # every worker's engines started before any deadline is timed
+        run_scenario(pool, replace(sc.overhead, name="warmup_faults", p_tp=2, d_tp=1, num_layers=2), timeout_s=120)
+    frozen = run_tasks(pool, {i: (__name__, "freeze_worker_gc", {}) for i in range(pool.size)}, timeout_s=120)
+    return [frozen[i] if isinstance(frozen[i], int) else None for i in range(pool.size)]
+
+
+def _throughput_keys(pool, throughput, args: argparse.Namespace) -> Dict[str, Any]:
+    """``--throughput-runs`` throughput runs: the keys of the run with the median whole-run
+    ours/raw ratio, and the per-layer ratio over every run."""
+    from ..testing.pd_harness import run_scenario
+
+    out: Dict[str, Any] = {}
+    runs = [_throughput_run(run_scenario(pool, replace(throughput, engine=args.engine), timeout_s=600))
+            for _ in range(max(1, args.throughput_runs))]
+    # the run with the median ours/raw ratio (each run times ours and the raw replay back to back)
+    ranked = sorted(runs, key=lambda r: (r[0].get("engine_over_raw") is None, r[0].get("engine_over_raw") or 0))
+    keys, t = ranked[(len(ranked) - 1) // 2] if all(r[0].get("engine_over_raw") for r in runs) else ranked[-1]
+    out.update(keys)
+    out["engine_over_raw_runs"] = [r[0].get("engine_over_raw") for r in runs]
+    out["engine_over_raw_total"] = out["engine_over_raw"]
+    # robust to the other jobs' load spikes: per layer (after the first), the raw engine's
+    # time for that layer's reads over ours (read + idle gap before it), median of every
+    # layer of every run
+    ratios = [raw / ours for _, t_run in runs for r in t_run.decode.values() if isinstance(r, dict)
+              for ours, raw in zip(r["layer_seconds"], r["raw_layer_seconds"]) if ours > 0]
+    out["engine_over_raw_layers"] = len(ratios)
+    if ratios:
+        out["engine_over_raw"] = percentile(ratios, 50)
+    out["verified"] = all(r[1].verified and r[1].outcome == "done" for r in runs)
+    out["throughput_outcome"] = t.outcome
+    return out
+
+
+def _overhead_keys(pool, overhead, args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
+    """The per-layer protocol overhead run (untraced): its keys, and whether it verified."""
+    from ..testing.pd_harness import run_scenario
+
+    out: Dict[str, Any] = {}
+    o = run_scenario(pool, replace(overhead, engine=args.engine), timeout_s=300)
+    answer = _sum(o.prefill, "answer_seconds") / max(1.0, _sum(o.prefill, "batches"))
+    read = _sum(o.decode, "read_seconds") / max(1.0, _sum(o.decode, "reads"))
+    out["per_layer_answer_us"] = answer * 1e6
+    out["per_layer_read_us"] = read * 1e6
+    out["per_layer_overhead_us"] = (answer - read) * 1e6
+    samples = [x * 1e6 for x in overhead_samples(o.prefill, o.decode)]
+    out["per_layer_overhead_samples"] = len(samples)
+    out["per_layer_overhead_us_p50"] = percentile(samples, 50)
+    out["per_layer_overhead_us_p99"] = percentile(samples, 99)
+    return out, bool(o.verified and o.outcome == "done")
+
+
+def _traced_stages(pool, overhead, args: argparse.Namespace) -> Tuple[Dict[str, Any], bool]:
+    """The overhead run again with stage stamps on (a separate run: the reported numbers carry
+    no tracing): p50 / p99 of every control-path stage, and whether it verified."""
+    from ..testing.pd_harness import run_scenario
+    from ..transfer.stages import TRACE_ENV, stage_breakdown
+
+    _pool_env(pool, TRACE_ENV, "1")
+    try:
+        o = run_scenario(pool, replace(overhead, engine=args.engine), timeout_s=300)
+    finally:
+        _pool_env(pool, TRACE_ENV, None)
+    stamps = [{b: rec for r in side.values() if isinstance(r, dict) and r.get("stages")
+               for b, rec in r["stages"].items()} for side in (o.prefill, o.decode)]
+    return stage_breakdown(*stamps), bool(o.verified and o.outcome == "done")
+
+
+def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, Any]:
+    from ..testing.pd_harness import run_scenario
+    from ..testing.workers import WorkerPool
+    from ..transfer.channel import SPIN_ENV
+
+    sc = _scenarios(args)
+    size = max(args.p_tp + args.d_tp, 3)
+    out: Dict[str, Any] = {"engine": args.engine, "data_protocol": "tcp", "p_tp": args.p_tp, "d_tp": args.d_tp}
+    spin, out["control_path_spin_us"] = _spin(args)
     with WorkerPool(size, log_dir=log_dir) as pool:
         if spin is not None:
             _pool_env(pool, SPIN_ENV, spin)
-        run_scenario(pool, replace(overhead, name="warmup", num_layers=2), timeout_s=120)
-        if faults:  # every worker's engines started before any deadline is timed
-            run_scenario(pool, replace(overhead, name="warmup_faults", p_tp=2, d_tp=1, num_layers=2), timeout_s=120)
-        from ..testing.workers import run_tasks
-
-        frozen = run_tasks(pool, {i: (__name__, "freeze_worker_gc", {}) for i in range(pool.size)}, timeout_s=120)
-        out["worker_gc_frozen_objects"] = [frozen[i] if isinstance(frozen[i], int) else None
-                                           for i in range(pool.size)]
-        runs = [_throughput_run(run_scenario(pool, replace(throughput, engine=args.engine), timeout_s=600))
-                for _ in range(max(1, args.throughput_runs))]
-        # the run with the median ours/raw ratio (each run times ours and the raw replay back to back)
-        ranked = sorted(runs, key=lambda r: (r[0].get("engine_over_raw") is None, r[0].get("engine_over_raw") or 0))
-        keys, t = ranked[(len(ranked) - 1) // 2] if all(r[0].get("engine_over_raw") for r in runs) else ranked[-1]
-        out.update(keys)
-        out["engine_over_raw_runs"] = [r[0].get("engine_over_raw") for r in runs]
-        out["engine_over_raw_total"] = out["engine_over_raw"]
-        # robust to the other jobs' load spikes: per layer (after the first), the raw engine's
-        # time for that layer's reads over ours (read + idle gap before it), median of every
-        # layer of every run
-        ratios = [raw / ours for _, t_run in runs for r in t_run.decode.values() if isinstance(r, dict)
-                  for ours, raw in zip(r["layer_seconds"], r["raw_layer_seconds"]) if ours > 0]
-        out["engine_over_raw_layers"] = len(ratios)
-        if ratios:
-            out["engine_over_raw"] = percentile(ratios, 50)
-        out["verified"] = all(r[1].verified and r[1].outcome == "done" for r in runs)
-        out["throughput_outcome"] = t.outcome
-        o = run_scenario(pool, replace(overhead, engine=args.engine), timeout_s=300)
-        answer = _sum(o.prefill, "answer_seconds") / max(1.0, _sum(o.prefill, "batches"))
-        read = _sum(o.decode, "read_seconds") / max(1.0, _sum(o.decode, "reads"))
-        out["per_layer_answer_us"] = answer * 1e6
-        out["per_layer_read_us"] = read * 1e6
-        out["per_layer_overhead_us"] = (answer - read) * 1e6
-        samples = [x * 1e6 for x in overhead_samples(o.prefill, o.decode)]
-        out["per_layer_overhead_samples"] = len(samples)
-        out["per_layer_overhead_us_p50"] = percentile(samples, 50)
-        out["per_layer_overhead_us_p99"] = percentile(samples, 99)
-        out["verified"] = out["verified"] and bool(o.verified and o.outcome == "done")
-        # the same run with stage stamps (a separate run: the reported numbers above carry no tracing)
-        _pool_env(pool, TRACE_ENV, "1")
-        try:
-            o = run_scenario(pool, replace(overhead, engine=args.engine), timeout_s=300)
-        finally:
-            _pool_env(pool, TRACE_ENV, None)
-        stamps = [{b: rec for r in side.values() if isinstance(r, dict) and r.get("stages")
-                   for b, rec in r["stages"].items()} for side in (o.prefill, o.decode)]
-        out["control_path_stages_us"] = stage_breakdown(*stamps)
-        out["verified"] = out["verified"] and bool(o.verified and o.outcome == "done")
-        out["scenarios"] = [_row(run_scenario(pool, s, timeout_s=120)) for s in faults]
+        out["worker_gc_frozen_objects"] = _warm_workers(pool, sc)
+        out.update(_throughput_keys(pool, sc.throughput, args))
+        overhead, verified = _overhead_keys(pool, sc.overhead, args)
+        out.update(overhead)
+        out["verified"] = out["verified"] and verified
+        out["control_path_stages_us"], verified = _traced_stages(pool, sc.overhead, args)
+        out["verified"] = out["verified"] and verified
+        out["scenarios"] = [_row(run_scenario(pool, s, timeout_s=120)) for s in sc.faults]
     if args.served:
         from .transfer_served import ServedLoad, run_served
 

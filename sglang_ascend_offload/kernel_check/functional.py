@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -296,13 +296,33 @@ def check_lim(m: km.KernelModel, quantized: bool, *, seed: int = 0, steps: int =
 
 
 # --------------------------------------------------------------- Copy-SFA
-def _sfa_case(m: km.KernelModel, *, seed: int, heads: int, top_k: int, hot_tokens: int, rows: int,
-              tokens: int, aic: int, res: KernelResult, label: str, pad_rows_with_no_miss: bool = True) -> None:
-    """One Copy-SFA launch on LIM-like inputs built directly (slots drawn per row)."""
-    g = torch.Generator().manual_seed(seed)
-    dl, dr = 512, 64
-    d = dl + dr
-    max_ctx = hot_tokens + top_k
+_SFA_LATENT_DIM = 512
+_SFA_ROPE_DIM = 64
+
+
+@dataclass
+class _SfaInputs:
+    """One Copy-SFA launch's inputs (LIM-like, built directly): the host pool, the hot buffer
+    holding each row's resident rows, every token's selected slots and every row's misses."""
+
+    host: torch.Tensor  # [host_rows, latent + rope] bf16
+    hot: torch.Tensor  # [rows, hot_tokens, latent + rope] bf16; garbage (NaN words too) where not resident
+    token_table: torch.Tensor  # [rows, max_ctx] int32: position -> host row
+    token_rows: torch.Tensor  # [tokens] int32 row of each query token (-1: padding)
+    sparse: torch.Tensor  # [tokens, 1, top_k] int32 flat hot-buffer index (-1: none)
+    miss_tokens: torch.Tensor  # [rows, top_k] int32 positions to copy in
+    miss_slots: torch.Tensor  # [rows, top_k] int32 the slots they land in
+    miss_count: torch.Tensor  # [rows] int32
+    query: torch.Tensor  # [tokens, heads, latent] bf16
+    query_rope: torch.Tensor  # [tokens, heads, rope] bf16
+    max_ctx: int
+    scale: float
+
+
+def _sfa_resident(g: torch.Generator, rows: int, hot_tokens: int, max_ctx: int):
+    """``(host, hot, token_table)``: a host pool and a hot buffer where every resident slot
+    holds its host row (the invariant the engine keeps) and everything else is garbage."""
+    d = _SFA_LATENT_DIM + _SFA_ROPE_DIM
     host_rows = rows * max_ctx
     host = torch.randn(host_rows, d, generator=g).to(torch.bfloat16)
     # hot buffer: garbage everywhere (NaN words included) except what is resident
@@ -312,6 +332,15 @@ def _sfa_case(m: km.KernelModel, *, seed: int, heads: int, top_k: int, hot_token
     slot_pos = torch.stack([torch.randperm(max_ctx, generator=g)[:hot_tokens] for _ in range(rows)])
     for r in range(rows):
         hot[r] = host[token_table[r, slot_pos[r]].long()]
+    return host, hot, token_table
+
+
+def _sfa_selection(g: torch.Generator, *, rows: int, tokens: int, top_k: int, hot_tokens: int, max_ctx: int,
+                   pad_rows_with_no_miss: bool):
+    """``(token_rows, sparse, miss_tokens, miss_slots, miss_count)``: tokens owned by distinct
+    rows (the rest padding), each selecting some hot slots (``-1`` entries interleaved), some
+    of them misses of new positions (none for every fourth token with
+    ``pad_rows_with_no_miss``)."""
     token_rows = torch.full((tokens,), -1, dtype=torch.int32)
     owners = torch.randperm(rows, generator=g)[: min(tokens, rows)]
     token_rows[: owners.numel()] = owners.to(torch.int32)
@@ -338,37 +367,54 @@ def _sfa_case(m: km.KernelModel, *, seed: int, heads: int, top_k: int, hot_token
         miss_count[r] = n_miss
         order = torch.randperm(top_k, generator=g)[:n_valid]  # -1 entries interleaved
         sparse[t, 0, order] = (r * hot_tokens + slots).to(torch.int32)
+    return token_rows, sparse, miss_tokens, miss_slots, miss_count
+
+
+def _sfa_inputs(*, seed: int, heads: int, top_k: int, hot_tokens: int, rows: int, tokens: int,
+                pad_rows_with_no_miss: bool) -> _SfaInputs:
+    """The inputs of one Copy-SFA case, all drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    dl, dr = _SFA_LATENT_DIM, _SFA_ROPE_DIM
+    max_ctx = hot_tokens + top_k
+    host, hot, token_table = _sfa_resident(g, rows, hot_tokens, max_ctx)
+    selection = _sfa_selection(g, rows=rows, tokens=tokens, top_k=top_k, hot_tokens=hot_tokens, max_ctx=max_ctx,
+                               pad_rows_with_no_miss=pad_rows_with_no_miss)
     query = (torch.randn(tokens, heads, dl, generator=g) * 0.5).to(torch.bfloat16)
     query_rope = (torch.randn(tokens, heads, dr, generator=g) * 0.5).to(torch.bfloat16)
-    scale = float(d) ** -0.5
+    return _SfaInputs(host, hot, token_table, *selection, query, query_rope, max_ctx, float(dl + dr) ** -0.5)
 
-    hot_ref = hot.clone()
-    ref = fused.copy_sparse_flash_attention(query, host, hot_ref, sparse, scale, query_rope=query_rope,
-                                            token_rows=token_rows, miss_tokens=miss_tokens, miss_slots=miss_slots,
-                                            miss_count=miss_count, token_table=token_table)
-    # host side of torch_ops.cpp: fewer than 8 heads are zero-padded
+
+def _sfa_model_runs(m: km.KernelModel, inp: _SfaInputs, *, heads: int, top_k: int, hot_tokens: int, rows: int,
+                    tokens: int, aic: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(hot buffer, attention output)`` of the kernel model, cores in forward then reversed
+    order (``km.ModelFault`` propagates). The host side of torch_ops.cpp zero-pads fewer
+    than 8 heads; the output is cut back to ``heads``."""
+    dl, dr = _SFA_LATENT_DIM, _SFA_ROPE_DIM
     np_ = max(heads, 8)
-    q, qr = query, query_rope
+    q, qr = inp.query, inp.query_rope
     if np_ != heads:
-        q = torch.cat([query, torch.zeros(tokens, np_ - heads, dl, dtype=query.dtype)], 1).contiguous()
-        qr = torch.cat([query_rope, torch.zeros(tokens, np_ - heads, dr, dtype=query.dtype)], 1).contiguous()
+        q = torch.cat([inp.query, torch.zeros(tokens, np_ - heads, dl, dtype=inp.query.dtype)], 1).contiguous()
+        qr = torch.cat([inp.query_rope, torch.zeros(tokens, np_ - heads, dr, dtype=inp.query.dtype)], 1).contiguous()
     m.aic = aic
     outs = []
     for reverse in (False, True):
-        hot_k = hot.clone()
+        hot_k = inp.hot.clone()
         out = torch.full((tokens, np_, dl), float("nan"), dtype=torch.bfloat16)
         launch = m.tile_copy_sfa(tokens=tokens, heads=np_, latent_dim=dl, rope_dim=dr, rows=rows,
-                                 hot_tokens=hot_tokens, top_k=top_k, max_ctx=max_ctx, scale=scale)
+                                 hot_tokens=hot_tokens, top_k=top_k, max_ctx=inp.max_ctx, scale=inp.scale)
         cores = launch.block_dim * km.TASK_RATION
         order = list(reversed(range(cores))) if reverse else None
-        try:
-            m.run(km.COPY_SFA, [q, qr, host, hot_k, sparse, token_rows, miss_tokens, miss_slots, miss_count,
-                                token_table, out], launch, order)
-        except km.ModelFault as exc:
-            res.failures.append(f"{label}: model fault: {exc}")
-            res.bit_exact = False
-            return
+        m.run(km.COPY_SFA, [q, qr, inp.host, hot_k, inp.sparse, inp.token_rows, inp.miss_tokens, inp.miss_slots,
+                            inp.miss_count, inp.token_table, out], launch, order)
         outs.append((hot_k, out[:, :heads]))
+    return outs
+
+
+def _sfa_compare(outs: List[Tuple[torch.Tensor, torch.Tensor]], hot_ref: torch.Tensor, ref: torch.Tensor,
+                 res: KernelResult) -> List[str]:
+    """What differs from the reference: the hot buffer bit-exactly (as int16 words), the
+    attention output within tolerance and identical for both core orders. Records the
+    worst attention error and a bit-exactness failure in ``res``."""
     bad = []
     for (hot_k, out), tag in zip(outs, ("", "reversed core order: ")):
         if not torch.equal(hot_k.view(torch.int16), hot_ref.view(torch.int16)):
@@ -385,12 +431,33 @@ def _sfa_case(m: km.KernelModel, *, seed: int, heads: int, top_k: int, hot_token
                 bad.append(f"{tag}attention out of tolerance: max abs err {float(err.max()):.3g}")
     if not torch.equal(outs[0][1].view(torch.int16), outs[1][1].view(torch.int16)):
         bad.append("attention output depends on the core order")
-    res.failures += [f"{label}: {b}" for b in bad]
+    return bad
+
+
+def _sfa_case(m: km.KernelModel, *, seed: int, heads: int, top_k: int, hot_tokens: int, rows: int,
+              tokens: int, aic: int, res: KernelResult, label: str, pad_rows_with_no_miss: bool = True) -> None:
+    """One Copy-SFA launch on LIM-like inputs built directly (slots drawn per row)."""
+    inp = _sfa_inputs(seed=seed, heads=heads, top_k=top_k, hot_tokens=hot_tokens, rows=rows, tokens=tokens,
+                      pad_rows_with_no_miss=pad_rows_with_no_miss)
+    hot_ref = inp.hot.clone()
+    ref = fused.copy_sparse_flash_attention(inp.query, inp.host, hot_ref, inp.sparse, inp.scale,
+                                            query_rope=inp.query_rope, token_rows=inp.token_rows,
+                                            miss_tokens=inp.miss_tokens, miss_slots=inp.miss_slots,
+                                            miss_count=inp.miss_count, token_table=inp.token_table)
+    try:
+        outs = _sfa_model_runs(m, inp, heads=heads, top_k=top_k, hot_tokens=hot_tokens, rows=rows, tokens=tokens,
+                               aic=aic)
+    except km.ModelFault as exc:
+        res.failures.append(f"{label}: model fault: {exc}")
+        res.bit_exact = False
+        return
+    res.failures += [f"{label}: {b}" for b in _sfa_compare(outs, hot_ref, ref, res)]
     res.cases += 1
-    res.count("misses_copied", miss_count.sum())
-    res.count("sparse_minus_one", (sparse == -1).sum())
-    res.count("owned_rows_without_misses", ((miss_count == 0) & (torch.isin(torch.arange(rows), token_rows))).sum())
-    res.count("padding_tokens", (token_rows < 0).sum())
+    res.count("misses_copied", inp.miss_count.sum())
+    res.count("sparse_minus_one", (inp.sparse == -1).sum())
+    res.count("owned_rows_without_misses",
+              ((inp.miss_count == 0) & (torch.isin(torch.arange(rows), inp.token_rows))).sum())
+    res.count("padding_tokens", (inp.token_rows < 0).sum())
 
 
 def check_copy_sfa(m: km.KernelModel, *, seed: int = 0, largest: bool = True) -> KernelResult:

@@ -18,13 +18,14 @@ seconds per process on small machines); the parent compares with ``torch.equal``
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import tempfile
 import time
 import zlib
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -221,17 +222,19 @@ def raw_done_path(pool_path: str, d_rank: int) -> str:
     return f"{pool_path}.raw{d_rank}"
 
 
-def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: str,
-                    destinations: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]],
-                    wait_s: float, stop_path: str) -> Dict[str, Any]:
-    """Serve one decode TP rank like a long-lived server; report.
+@dataclass
+class _DecodeBuffers:
+    """One decode rank's receiving memory: main KV in the host pool shared by the decode TP
+    ranks (a shared memory file), indexer and scale in rank-local arrays."""
 
-    It stays up until the parent signals that every prefill rank has finished
-    (``stop_path`` exists) and every request is terminal here, or ``wait_s``.
-    """
-    from ..transfer.decode_side import DecodeReceiver
-    from ..transfer.destinations import RequestDestination
-    from ..transfer.errors import RequestFailed
+    pool: np.memmap  # the whole shared host pool file, mapped MAP_SHARED
+    arrays: List[np.ndarray]  # every buffer the engine registers (pool parts, then local tensors)
+    local: Dict[str, np.ndarray]  # tensor name -> [layers, pool_blocks, block_bytes] (rank-local)
+    layout: Any  # transfer.layout.KVLayout over those buffers
+
+
+def _decode_buffers(spec: ScenarioSpec, pool_path: str) -> _DecodeBuffers:
+    """Map the host pool at ``pool_path``, allocate the rank-local tensors, lay them out."""
     from ..transfer.layout import layout_from_regions
 
     specs = _tensor_specs(spec)
@@ -255,8 +258,142 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
     if spec.measure_raw or spec.measure_memcpy:
         for a in arrays:  # a serving pool is long touched: no first-touch page faults in the timing
             a[...] = 0
+    return _DecodeBuffers(pool, arrays, local, layout)
+
+
+@dataclass
+class _RawReplay:
+    """The raw-engine replay of one decode rank's reads (``measure_raw``)."""
+
+    result: Tuple[int, float]  # (bytes per repetition, best seconds): raw_engine_replay's answer
+    calls: List[float]  # seconds of each replayed read, in order
+    idle_ours: float  # engine idle before our first read
+    idle_given: float  # the idle waited before the replay (idle_ours capped at REPLAY_IDLE_CAP_S)
+    idle_seen: float  # the idle the replay really had
+
+
+def _replay_raw(base, recorder: _RecordingEngine, arrays: List[np.ndarray], previous_read_end: Optional[float],
+                done_path: str) -> _RawReplay:
+    """Replay ``recorder``'s reads through the bare engine, once every request is terminal here.
+
+    Prefill still holds its buffers for this. Its slots hold the last layers by now, so the
+    replay overwrites earlier layers' bytes: the delivered bytes are kept aside and put back
+    for the parent's verification. ``done_path`` is created at the end (prefill then lets go).
+    """
+    saved = [a.copy() for a in arrays]
+    # the same idle before the replay as before our first read (equal connection state)
+    idle_ours = (recorder.first_start - previous_read_end
+                 if recorder.first_start is not None and previous_read_end is not None
+                 else REPLAY_IDLE_CAP_S)
+    idle_given = min(max(idle_ours, 0.0), REPLAY_IDLE_CAP_S)
+    time.sleep(max(0.0, idle_given - (time.perf_counter() - (_LAST_READ_END[0] or 0.0))))
+    idle_seen = time.perf_counter() - (_LAST_READ_END[0] or 0.0)
+    calls: List[float] = []
+    try:
+        result = raw_engine_replay(base, recorder.reads, per_call=calls)
+    finally:
+        for a, keep in zip(arrays, saved):
+            a[...] = keep
+        del saved
+        open(done_path, "w").close()
+    return _RawReplay(result, calls, idle_ours, idle_given, idle_seen)
+
+
+def _serve_until_stopped(receiver, deadline: float, stop_path: str,
+                         replay: Optional[Callable[[], _RawReplay]]) -> Optional[_RawReplay]:
+    """Serve until every prefill rank has finished (``stop_path`` exists) and every request
+    is terminal here with its failed destinations released, or until ``deadline``.
+
+    ``replay`` (the raw-engine replay, when measured) runs once, as soon as no request is
+    pending; its result is returned (None without one).
+    """
+    done: Optional[_RawReplay] = None
+    while time.monotonic() < deadline:
+        if replay is not None and done is None and not receiver.pending_requests():
+            done = replay()
+        if (os.path.exists(stop_path) and not receiver.pending_requests()
+                and not receiver.unreleased_failed()):
+            break
+        time.sleep(0.005)
+    if os.environ.get("PD_HARNESS_DEBUG") and time.monotonic() >= deadline:
+        import faulthandler, sys
+        faulthandler.dump_traceback(sys.stderr, all_threads=True)
+    return done
+
+
+def _claim_all(receiver, rids) -> Dict[str, str]:
+    """Try to hand every request's destination out: ``claimed`` or ``refused: why``."""
+    from ..transfer.errors import RequestFailed
+
+    claims: Dict[str, str] = {}
+    for rid in rids:
+        try:
+            receiver.claim(rid)
+            claims[rid] = "claimed"
+        except RequestFailed as exc:
+            claims[rid] = f"refused: {exc.reason}"
+        except Exception as exc:  # noqa: BLE001 - pending: not claimable either
+            claims[rid] = f"refused: {exc}"
+    return claims
+
+
+def _decode_report(spec: ScenarioSpec, receiver, destinations, released: List[str], local: Dict[str, np.ndarray],
+                   injector, recorder: Optional[_RecordingEngine], replay: Optional[_RawReplay],
+                   t0: float) -> Dict[str, Any]:
+    """What one decode rank reports to the parent once serving is over."""
+    statuses = {rid: receiver.status(rid) for rid in destinations}
+    claims = _claim_all(receiver, destinations)
+    memcpy_bps = None
+    if spec.measure_memcpy and receiver.stats.reads:
+        memcpy_bps = _memcpy_rate(receiver.stats.read_bytes // receiver.stats.reads,
+                                  receiver.stats.reads)
+    raw = replay.result if replay is not None else None
+    raw_calls = replay.calls if replay is not None else []
+    return {
+        "statuses": {r: (s.state.value, s.reason) for r, s in statuses.items()},
+        "claims": claims,
+        "released": released,
+        "local": {k: v.copy() for k, v in local.items()},
+        "stats": asdict(receiver.stats),
+        "rejected": receiver.endpoint.rejected,
+        "handler_errors": receiver.endpoint.handler_errors,
+        "injected": dict(injector.injected) if injector else {},
+        "memcpy_bytes_per_s": memcpy_bps,
+        "timings": [(t.batch_id, t.layer, t.seconds) for t in receiver.timings],
+        "read_ranges": [t.ranges for t in receiver.timings],
+        "stages": receiver.stages.records() if receiver.stages is not None else None,
+        "read_span": ((recorder.reads and recorder.last_end - recorder.first_start) or None)
+        if recorder is not None else None,
+        "read_gaps": ([b[0] - a[1] for a, b in zip(recorder.intervals, recorder.intervals[1:])]
+                      if recorder is not None else []),
+        # per read: ours = its read plus the idle gap before it (the first: its read alone),
+        # raw = the same read replayed through the engine's own API
+        "layer_seconds": ([b[1] - a[1] for a, b in zip(recorder.intervals, recorder.intervals[1:])]
+                          if recorder is not None and recorder.intervals else []),
+        "raw_layer_seconds": raw_calls[1:],
+        "raw_bytes": raw[0] if raw else None,
+        "raw_seconds": raw[1] if raw else None,
+        # idle of this process's engine before our first read, the idle given to the raw
+        # replay (the same, capped at REPLAY_IDLE_CAP_S) and the idle it really had
+        "idle_before_reads_s": (replay.idle_ours, replay.idle_given, replay.idle_seen) if raw else None,
+        "seconds_until_terminal": time.monotonic() - t0,
+    }
+
+
+def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: str,
+                    destinations: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]],
+                    wait_s: float, stop_path: str) -> Dict[str, Any]:
+    """Serve one decode TP rank like a long-lived server; report.
+
+    It stays up until the parent signals that every prefill rank has finished
+    (``stop_path`` exists) and every request is terminal here, or ``wait_s``.
+    """
+    from ..transfer.decode_side import DecodeReceiver
+    from ..transfer.destinations import RequestDestination
+
+    bufs = _decode_buffers(spec, pool_path)
     base = _engine(spec, "decode")
-    regions = _regions(arrays)
+    regions = _regions(bufs.arrays)
     base.register(regions)
     engine, outbox, injector = _wrap(base, spec.decode_faults)
     recorder = None
@@ -265,92 +402,22 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
     if spec.measure_raw:
         engine = recorder = _RecordingEngine(engine)
     released: List[str] = []
-    receiver = DecodeReceiver(_config(spec, kv_port), d_tp=spec.d_tp, d_rank=d_rank, layout=layout,
+    receiver = DecodeReceiver(_config(spec, kv_port), d_tp=spec.d_tp, d_rank=d_rank, layout=bufs.layout,
                               engine=engine, on_release=lambda d: released.append(d.request_id),
                               send_filter=outbox)
+    replay = None if recorder is None else functools.partial(
+        _replay_raw, base, recorder, bufs.arrays, previous_read_end, raw_done_path(pool_path, d_rank))
     try:
         for rid, (main_blocks, idx_blocks) in destinations.items():
             receiver.expect(RequestDestination(rid, tuple(main_blocks), tuple(idx_blocks)))
         receiver.start()
         t0 = time.monotonic()
-        deadline = t0 + wait_s
-        raw = None
-        raw_calls: List[float] = []
-        replay_idle = idle_ours = replay_idle_seen = None
-        while time.monotonic() < deadline:
-            if recorder is not None and raw is None and not receiver.pending_requests():
-                # every request terminal here: prefill still holds its buffers for this. Its slots
-                # hold the last layers by now, so the replay overwrites earlier layers' bytes: keep
-                # the delivered bytes aside and put them back for the parent's verification
-                saved = [a.copy() for a in arrays]
-                # the same idle before the replay as before our first read (equal connection state)
-                idle_ours = (recorder.first_start - previous_read_end
-                             if recorder.first_start is not None and previous_read_end is not None
-                             else REPLAY_IDLE_CAP_S)
-                replay_idle = min(max(idle_ours, 0.0), REPLAY_IDLE_CAP_S)
-                time.sleep(max(0.0, replay_idle - (time.perf_counter() - (_LAST_READ_END[0] or 0.0))))
-                replay_idle_seen = time.perf_counter() - (_LAST_READ_END[0] or 0.0)
-                try:
-                    raw = raw_engine_replay(base, recorder.reads, per_call=raw_calls)
-                finally:
-                    for a, keep in zip(arrays, saved):
-                        a[...] = keep
-                    del saved
-                    open(raw_done_path(pool_path, d_rank), "w").close()
-            if (os.path.exists(stop_path) and not receiver.pending_requests()
-                    and not receiver.unreleased_failed()):
-                break
-            time.sleep(0.005)
-        if os.environ.get("PD_HARNESS_DEBUG") and time.monotonic() >= deadline:
-            import faulthandler, sys
-            faulthandler.dump_traceback(sys.stderr, all_threads=True)
-        statuses = {rid: receiver.status(rid) for rid in destinations}
-        claims: Dict[str, str] = {}
-        for rid in destinations:
-            try:
-                receiver.claim(rid)
-                claims[rid] = "claimed"
-            except RequestFailed as exc:
-                claims[rid] = f"refused: {exc.reason}"
-            except Exception as exc:  # noqa: BLE001 - pending: not claimable either
-                claims[rid] = f"refused: {exc}"
-        memcpy_bps = None
-        if spec.measure_memcpy and receiver.stats.reads:
-            memcpy_bps = _memcpy_rate(receiver.stats.read_bytes // receiver.stats.reads,
-                                      receiver.stats.reads)
-        return {
-            "statuses": {r: (s.state.value, s.reason) for r, s in statuses.items()},
-            "claims": claims,
-            "released": released,
-            "local": {k: v.copy() for k, v in local.items()},
-            "stats": asdict(receiver.stats),
-            "rejected": receiver.endpoint.rejected,
-            "handler_errors": receiver.endpoint.handler_errors,
-            "injected": dict(injector.injected) if injector else {},
-            "memcpy_bytes_per_s": memcpy_bps,
-            "timings": [(t.batch_id, t.layer, t.seconds) for t in receiver.timings],
-            "read_ranges": [t.ranges for t in receiver.timings],
-            "stages": receiver.stages.records() if receiver.stages is not None else None,
-            "read_span": ((recorder.reads and recorder.last_end - recorder.first_start) or None)
-            if recorder is not None else None,
-            "read_gaps": ([b[0] - a[1] for a, b in zip(recorder.intervals, recorder.intervals[1:])]
-                          if recorder is not None else []),
-            # per read: ours = its read plus the idle gap before it (the first: its read alone),
-            # raw = the same read replayed through the engine's own API
-            "layer_seconds": ([b[1] - a[1] for a, b in zip(recorder.intervals, recorder.intervals[1:])]
-                              if recorder is not None and recorder.intervals else []),
-            "raw_layer_seconds": raw_calls[1:],
-            "raw_bytes": raw[0] if raw else None,
-            "raw_seconds": raw[1] if raw else None,
-            # idle of this process's engine before our first read, the idle given to the raw
-            # replay (the same, capped at REPLAY_IDLE_CAP_S) and the idle it really had
-            "idle_before_reads_s": (idle_ours, replay_idle, replay_idle_seen) if raw else None,
-            "seconds_until_terminal": time.monotonic() - t0,
-        }
+        raw = _serve_until_stopped(receiver, t0 + wait_s, stop_path, replay)
+        return _decode_report(spec, receiver, destinations, released, bufs.local, injector, recorder, raw, t0)
     finally:
         receiver.close()
         base.unregister([a for a, _ in regions])
-        del pool
+        del bufs
 
 
 def _memcpy_rate(chunk_bytes: int, reps: int) -> float:
@@ -365,14 +432,117 @@ def _memcpy_rate(chunk_bytes: int, reps: int) -> float:
     return chunk_bytes * reps / dt if dt > 0 else float("inf")
 
 
+def _slot_images(spec: ScenarioSpec, specs: List[Tuple[str, str, int]],
+                 sources: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> Dict[Tuple[int, str], np.ndarray]:
+    """``(layer, tensor) -> the whole slot's bytes`` with every request's expected content.
+
+    Every layer's content is made before the first publish: the layer loop then only copies a
+    whole slot image (a stand-in for the forward's write), so the timed transfer does not wait
+    on random-number generation or scattered writes.
+    """
+    images: Dict[Tuple[int, str], np.ndarray] = {}
+    for layer in range(spec.num_layers):
+        for role, name, bb in specs:
+            image = images[(layer, name)] = np.zeros((spec.slot_blocks, bb), dtype=np.uint8)
+            for rid, (main_blocks, idx_blocks) in sources.items():
+                blocks = list(main_blocks if role == "main" else idx_blocks)
+                image[blocks] = expected_block_bytes(spec.seed, rid, layer, name, len(main_blocks), bb)
+    return images
+
+
+def _prefill_handshake(sender, ids: List[str], report: Dict[str, Any]) -> None:
+    """Announce the requests and connect; a failed handshake aborts every request."""
+    from ..transfer.errors import HandshakeError
+
+    try:
+        sender.handshake()
+    except HandshakeError as exc:
+        report["handshake"] = f"{type(exc).__name__}: {exc}"
+        for rid in ids:
+            sender.abort(rid, f"handshake failed: {exc}")
+
+
+@dataclass
+class _PrefillSlots:
+    """One prefill rank's reusable layer slots and what every layer writes into them."""
+
+    buffers: Dict[str, List[np.ndarray]]  # tensor name -> one [slot_blocks, block_bytes] array per slot
+    slot_of: List[int]  # layer -> its slot
+    images: Dict[Tuple[int, str], np.ndarray]  # (layer, tensor) -> the whole slot's bytes of that layer
+
+
+def _publish_layers(spec: ScenarioSpec, sender, gates, slots: _PrefillSlots,
+                    sources: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]], ids: List[str],
+                    report: Dict[str, Any]) -> None:
+    """Write and publish every layer through the reusable slots, each after its slot's gate opens.
+
+    The first layer of every slot is in place before the first publish, as a forward would
+    have written them while the handshake ran; a reused slot is rewritten only after its gate
+    opens, while decode reads another layer. A gate timeout (a hang without our deadlines)
+    stops the loop.
+    """
+    from ..layerwise_prefill.gates import GateError, GateTimeout
+    from ..transfer.prefill_side import SourceBlocks
+
+    for layer in range(min(spec.num_slots, spec.num_layers)):
+        for name, buffers in slots.buffers.items():
+            np.copyto(buffers[slots.slot_of[layer]], slots.images[(layer, name)])
+    for layer in range(spec.num_layers):
+        slot = slots.slot_of[layer]
+        try:
+            gates.wait_free(slot, spec.layer_timeout_s * 2 + 1.0)
+        except GateError:
+            report["gate_errors"] += 1  # previous content's read failed; slot is free
+        except GateTimeout:
+            report["gate_timeouts"] += 1  # would be a hang without our deadlines
+            break
+        if layer >= spec.num_slots:  # the first use of each slot was written before publishing
+            for name, buffers in slots.buffers.items():
+                np.copyto(buffers[slot], slots.images[(layer, name)])
+        sender.publish_layer(layer, slot, {rid: SourceBlocks(m, i) for rid, (m, i) in sources.items()},
+                             finished=ids if layer == spec.num_layers - 1 else ())
+
+
+def _wait_settled(spec: ScenarioSpec, sender, ids: List[str]) -> None:
+    """Wait until every batch is answered and every request is terminal, at most two layer
+    deadlines (and a second)."""
+    settle = time.monotonic() + spec.layer_timeout_s * 2 + 1.0
+    while time.monotonic() < settle and (sender.open_batches() or
+                                         any(not sender.status(r).terminal for r in ids)):
+        time.sleep(0.005)
+
+
+def _hold_buffers_for_replay(raw_done: str) -> None:
+    """Keep the buffers registered while decode replays our reads on the bare engine: until
+    it creates ``raw_done``, at most 120 s."""
+    end = time.monotonic() + 120.0
+    while time.monotonic() < end and not os.path.exists(raw_done):
+        time.sleep(0.005)
+
+
+def _prefill_report(sender, gates, injector, ids: List[str]) -> Dict[str, Any]:
+    """What one prefill rank reports to the parent once its requests are settled."""
+    statuses = {rid: sender.status(rid) for rid in ids}
+    return {
+        "statuses": {r: (s.state.value, s.reason) for r, s in statuses.items()},
+        "open_batches": sender.open_batches(),
+        "busy_slots": [(s, l, sorted(p)) for s, l, p in gates.busy_slots()],
+        "stats": asdict(sender.stats),
+        "rejected": sender.endpoint.rejected,
+        "handler_errors": sender.endpoint.handler_errors,
+        "injected": dict(injector.injected) if injector else {},
+        "timings": [(t.batch_id, t.layer, t.seconds) for t in sender.timings],
+        "stages": sender.stages.records() if sender.stages is not None else None,
+    }
+
+
 def run_prefill_rank(spec: ScenarioSpec, p_rank: int, kv_port: int,
                      sources: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]],
                      raw_done: Optional[str] = None) -> Dict[str, Any]:
     """Compute (write) and publish every layer of every request on one prefill rank; report."""
-    from ..layerwise_prefill.gates import GateError, GateTimeout, SlotGates
-    from ..transfer.errors import HandshakeError
+    from ..layerwise_prefill.gates import SlotGates
     from ..transfer.layout import layout_from_regions
-    from ..transfer.prefill_side import PrefillSender, SourceBlocks
+    from ..transfer.prefill_side import PrefillSender
 
     specs = _tensor_specs(spec)
     slots = {name: [np.zeros((spec.slot_blocks, bb), dtype=np.uint8) for _ in range(spec.num_slots)]
@@ -390,70 +560,21 @@ def run_prefill_rank(spec: ScenarioSpec, p_rank: int, kv_port: int,
                            engine=engine, gates=gates, decode_host="127.0.0.1", send_filter=outbox)
     report: Dict[str, Any] = {"handshake": "ok", "gate_errors": 0, "gate_timeouts": 0}
     ids = list(sources)
-    # every layer's content is made before the first publish: the layer loop then only copies a
-    # whole slot image (a stand-in for the forward's write), so the timed transfer does not wait on
-    # random-number generation or scattered writes
-    images: Dict[Tuple[int, str], np.ndarray] = {}  # (layer, tensor) -> the whole slot's bytes
-    for layer in range(spec.num_layers):
-        for role, name, bb in specs:
-            image = images[(layer, name)] = np.zeros((spec.slot_blocks, bb), dtype=np.uint8)
-            for rid, (main_blocks, idx_blocks) in sources.items():
-                blocks = list(main_blocks if role == "main" else idx_blocks)
-                image[blocks] = expected_block_bytes(spec.seed, rid, layer, name, len(main_blocks), bb)
+    held = _PrefillSlots(slots, slot_of, _slot_images(spec, specs, sources))
     t0 = time.monotonic()
     timings = report["timings"] = {}
     try:
         for rid, n in zip(spec.request_ids, spec.request_blocks):
             sender.add_request(rid, n)
-        try:
-            sender.handshake()
-        except HandshakeError as exc:
-            report["handshake"] = f"{type(exc).__name__}: {exc}"
-            for rid in ids:
-                sender.abort(rid, f"handshake failed: {exc}")
+        _prefill_handshake(sender, ids, report)
         if sender.connected:
-            # the first layer of every slot is in place before the first publish, as a forward
-            # would have written them while the handshake ran; a reused slot is rewritten only
-            # after its gate opens, while decode reads another layer
-            for layer in range(min(spec.num_slots, spec.num_layers)):
-                for _, name, _ in specs:
-                    np.copyto(slots[name][slot_of[layer]], images[(layer, name)])
-            for layer in range(spec.num_layers):
-                slot = slot_of[layer]
-                try:
-                    gates.wait_free(slot, spec.layer_timeout_s * 2 + 1.0)
-                except GateError:
-                    report["gate_errors"] += 1  # previous content's read failed; slot is free
-                except GateTimeout:
-                    report["gate_timeouts"] += 1  # would be a hang without our deadlines
-                    break
-                if layer >= spec.num_slots:  # the first use of each slot was written before publishing
-                    for _, name, _ in specs:
-                        np.copyto(slots[name][slot], images[(layer, name)])
-                sender.publish_layer(layer, slot, {rid: SourceBlocks(m, i) for rid, (m, i) in sources.items()},
-                                     finished=ids if layer == spec.num_layers - 1 else ())
+            _publish_layers(spec, sender, gates, held, sources, ids, report)
         timings["published"] = time.monotonic() - t0
-        settle = time.monotonic() + spec.layer_timeout_s * 2 + 1.0
-        while time.monotonic() < settle and (sender.open_batches() or
-                                             any(not sender.status(r).terminal for r in ids)):
-            time.sleep(0.005)
+        _wait_settled(spec, sender, ids)
         timings["settled"] = time.monotonic() - t0
         if raw_done is not None and sender.connected:  # the decode replays our reads: keep buffers
-            end = time.monotonic() + 120.0
-            while time.monotonic() < end and not os.path.exists(raw_done):
-                time.sleep(0.005)
-        statuses = {rid: sender.status(rid) for rid in ids}
-        report.update({
-            "statuses": {r: (s.state.value, s.reason) for r, s in statuses.items()},
-            "open_batches": sender.open_batches(),
-            "busy_slots": [(s, l, sorted(p)) for s, l, p in gates.busy_slots()],
-            "stats": asdict(sender.stats),
-            "rejected": sender.endpoint.rejected,
-            "handler_errors": sender.endpoint.handler_errors,
-            "injected": dict(injector.injected) if injector else {},
-            "timings": [(t.batch_id, t.layer, t.seconds) for t in sender.timings],
-            "stages": sender.stages.records() if sender.stages is not None else None,
-        })
+            _hold_buffers_for_replay(raw_done)
+        report.update(_prefill_report(sender, gates, injector, ids))
         return report
     finally:
         sender.close()
@@ -520,23 +641,12 @@ def plan_blocks(spec: ScenarioSpec):
     return sources, dests
 
 
-def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioResult:
-    """Run ``spec`` on ``pool`` (needs ``p_tp + d_tp`` workers) and judge it."""
-    from ..transfer.status import RequestStatus, TransferState, combine_rank_statuses
+def _rank_tasks(spec: ScenarioSpec, kv_port: int, pool_path: str, stop_path: str, sources, dests):
+    """``(decode_tasks, prefill_tasks)``: worker index -> ``(module, function, kwargs)``.
+    Prefill ranks take workers ``0 .. p_tp - 1``, decode ranks the next ``d_tp`` (none
+    when ``spec.decode_up`` is False)."""
     from ..transfer.topology import PDTopology
-    from .workers import collect, run_tasks
 
-    PDTopology(spec.p_tp, spec.d_tp)  # invalid pairs fail here, before any process work
-    if pool.size < spec.p_tp + spec.d_tp:
-        raise ValueError(f"scenario needs {spec.p_tp + spec.d_tp} workers, pool has {pool.size}")
-    sources, dests = plan_blocks(spec)
-    kv_port = _free_port_base(spec.d_tp)
-    main_bb = [w * spec.block_tokens for _, w in spec.main_tensors]
-    pool_bytes = spec.num_layers * spec.pool_blocks * sum(main_bb)
-    fd, pool_path = tempfile.mkstemp(prefix="pd_host_pool_", dir=_shm_dir())
-    os.ftruncate(fd, pool_bytes)
-    os.close(fd)
-    stop_path = pool_path + ".stop"
     wait_s = spec.layer_timeout_s * (spec.num_layers + 2) + spec.handshake_timeout_s
     decode_tasks, prefill_tasks = {}, {}
     if spec.decode_up:
@@ -549,6 +659,23 @@ def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioR
         raw_done = raw_done_path(pool_path, topo.d_rank_of(p)) if spec.measure_raw and spec.decode_up else None
         prefill_tasks[p] = (MODULE, "run_prefill_rank", dict(spec=spec, p_rank=p, kv_port=kv_port,
                                                              sources=sources, raw_done=raw_done))
+    return decode_tasks, prefill_tasks
+
+
+def _run_ranks(pool, spec: ScenarioSpec, sources, dests, timeout_s: float) -> Tuple[Dict[int, Any], float, np.ndarray]:
+    """Run every rank of ``spec`` on ``pool``: ``(worker index -> report or exception, seconds,
+    the decode host pool's bytes)``. The decode servers start first and stop once every
+    prefill rank is done; the host pool file and the control ports are given back."""
+    from .workers import collect, run_tasks
+
+    kv_port = _free_port_base(spec.d_tp)
+    main_bb = [w * spec.block_tokens for _, w in spec.main_tensors]
+    pool_bytes = spec.num_layers * spec.pool_blocks * sum(main_bb)
+    fd, pool_path = tempfile.mkstemp(prefix="pd_host_pool_", dir=_shm_dir())
+    os.ftruncate(fd, pool_bytes)
+    os.close(fd)
+    stop_path = pool_path + ".stop"
+    decode_tasks, prefill_tasks = _rank_tasks(spec, kv_port, pool_path, stop_path, sources, dests)
     t0 = time.monotonic()
     try:
         for i, (module, func, kwargs) in decode_tasks.items():
@@ -563,38 +690,48 @@ def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioR
             if os.path.exists(path):
                 os.unlink(path)
         _release_ports(kv_port, spec.d_tp)
-    from .workers import TaskTimeout
+    return out, seconds, host_pool
 
-    problems: List[str] = []
-    hung = any(isinstance(v, TaskTimeout) for v in out.values())
-    prefill = {p: out[p] for p in range(spec.p_tp)}
-    decode = {d: out[spec.p_tp + d] for d in range(spec.d_tp) if spec.p_tp + d in out}
-    for who, v in list(prefill.items()) + [(f"d{d}", v) for d, v in decode.items()]:
-        if isinstance(v, Exception):
-            problems.append(f"rank {who}: {type(v).__name__}: {str(v)[-400:]}")
 
-    leaked = 0
+def _leaked_slots_and_stuck(prefill: Dict[int, Any], decode: Dict[int, Any]) -> Tuple[int, bool]:
+    """Slots still gated (before and after close) over the prefill ranks, and whether any
+    rank timed out on a gate or left a request pending."""
+    leaked, stuck = 0, False
     for p, r in prefill.items():
         if isinstance(r, dict):
             leaked += len(r["busy_slots"]) + len(r["busy_slots_after_close"])
-            hung |= r["gate_timeouts"] > 0 or any(s == "pending" for s, _ in r["statuses"].values())
+            stuck |= r["gate_timeouts"] > 0 or any(s == "pending" for s, _ in r["statuses"].values())
     for d, r in decode.items():
         if isinstance(r, dict):
-            hung |= any(s == "pending" for s, _ in r["statuses"].values())
+            stuck |= any(s == "pending" for s, _ in r["statuses"].values())
+    return leaked, stuck
 
-    # request status across ranks: decode's combined view is what the scheduler sees
+
+def _combined_status(spec: ScenarioSpec, rid: str, prefill_states: List[Tuple[str, str]],
+                     decode_ok: Dict[int, Any]):
+    """The request's status as the scheduler sees it: decode's ranks combined, or failed
+    when a decode rank did not report (died, or none was up)."""
+    from ..transfer.status import RequestStatus, TransferState, combine_rank_statuses
+
+    if decode_ok and len(decode_ok) == spec.d_tp:
+        return combine_rank_statuses([RequestStatus(TransferState(r["statuses"][rid][0]), r["statuses"][rid][1])
+                                      for _, r in sorted(decode_ok.items())])
+    seen = "; ".join(f"prefill: {why}" for s, why in prefill_states if s == "failed")[:400]
+    return RequestStatus(TransferState.FAILED,
+                         f"{'decode rank(s) died' if spec.decode_up else 'no decode'}; {seen}")
+
+
+def _request_statuses(spec: ScenarioSpec, prefill: Dict[int, Any], decode_ok: Dict[int, Any],
+                      problems: List[str]) -> Tuple[Dict[str, Tuple[str, str]], bool]:
+    """Every request's combined ``(state, reason)``, and whether a failed request's destination
+    was handed out or never released (each such finding is added to ``problems``)."""
+    from ..transfer.status import TransferState
+
     request_status: Dict[str, Tuple[str, str]] = {}
     used_after_failure = False
-    decode_ok = {d: r for d, r in decode.items() if isinstance(r, dict)}
     for rid in spec.request_ids:
         prefill_states = [r["statuses"][rid] for r in prefill.values() if isinstance(r, dict)]
-        if decode_ok and len(decode_ok) == spec.d_tp:
-            st = combine_rank_statuses([RequestStatus(TransferState(r["statuses"][rid][0]), r["statuses"][rid][1])
-                                        for _, r in sorted(decode_ok.items())])
-        else:
-            seen = "; ".join(f"prefill: {why}" for s, why in prefill_states if s == "failed")[:400]
-            st = RequestStatus(TransferState.FAILED,
-                               f"{'decode rank(s) died' if spec.decode_up else 'no decode'}; {seen}")
+        st = _combined_status(spec, rid, prefill_states, decode_ok)
         if st.state is TransferState.DONE and any(s != "done" for s, _ in prefill_states):
             problems.append(f"{rid}: done on decode but not on every prefill rank")
         if st.state is not TransferState.DONE:
@@ -606,24 +743,56 @@ def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioR
                     used_after_failure = True
                     problems.append(f"{rid}: decode rank {d} never released a failed destination")
         request_status[rid] = (st.state.value, st.reason)
+    return request_status, used_after_failure
 
+
+def _outcome(hung: bool, request_status: Dict[str, Tuple[str, str]]) -> str:
+    """``hung``, ``done`` (every request) or ``failed: <the first failure's reason>``."""
+    states = {s for s, _ in request_status.values()}
+    if hung:
+        return "hung"
+    if states == {"done"}:
+        return "done"
+    reasons = [r for s, r in request_status.values() if s == "failed"]
+    return "failed: " + (clip_words(reasons[0], 200) if reasons else "?")
+
+
+def _judge(spec: ScenarioSpec, out: Dict[int, Any], dests, host_pool: np.ndarray, seconds: float) -> ScenarioResult:
+    """The parent's verdict on one scenario from its ranks' reports and the host pool."""
+    from .workers import TaskTimeout
+
+    problems: List[str] = []
+    hung = any(isinstance(v, TaskTimeout) for v in out.values())
+    prefill = {p: out[p] for p in range(spec.p_tp)}
+    decode = {d: out[spec.p_tp + d] for d in range(spec.d_tp) if spec.p_tp + d in out}
+    for who, v in list(prefill.items()) + [(f"d{d}", v) for d, v in decode.items()]:
+        if isinstance(v, Exception):
+            problems.append(f"rank {who}: {type(v).__name__}: {str(v)[-400:]}")
+    leaked, stuck = _leaked_slots_and_stuck(prefill, decode)
+    hung |= stuck
+    # request status across ranks: decode's combined view is what the scheduler sees
+    decode_ok = {d: r for d, r in decode.items() if isinstance(r, dict)}
+    request_status, used_after_failure = _request_statuses(spec, prefill, decode_ok, problems)
     verified = True  # every request decode calls done holds exactly prefill's bytes
     for rid, n in zip(spec.request_ids, spec.request_blocks):
         if request_status[rid][0] != "done":
             continue
         verified &= _verify_request(spec, rid, n, dests[rid], host_pool, decode_ok, problems)
     verified &= not used_after_failure
-
-    states = {s for s, _ in request_status.values()}
-    if hung:
-        outcome = "hung"
-    elif states == {"done"}:
-        outcome = "done"
-    else:
-        reasons = [r for s, r in request_status.values() if s == "failed"]
-        outcome = "failed: " + (clip_words(reasons[0], 200) if reasons else "?")
-    return ScenarioResult(spec.name, outcome, hung, used_after_failure, leaked,
+    return ScenarioResult(spec.name, _outcome(hung, request_status), hung, used_after_failure, leaked,
                           verified, prefill, decode, request_status, problems, seconds)
+
+
+def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioResult:
+    """Run ``spec`` on ``pool`` (needs ``p_tp + d_tp`` workers) and judge it."""
+    from ..transfer.topology import PDTopology
+
+    PDTopology(spec.p_tp, spec.d_tp)  # invalid pairs fail here, before any process work
+    if pool.size < spec.p_tp + spec.d_tp:
+        raise ValueError(f"scenario needs {spec.p_tp + spec.d_tp} workers, pool has {pool.size}")
+    sources, dests = plan_blocks(spec)
+    out, seconds, host_pool = _run_ranks(pool, spec, sources, dests, timeout_s)
+    return _judge(spec, out, dests, host_pool, seconds)
 
 
 def clip_words(text: str, limit: int) -> str:
