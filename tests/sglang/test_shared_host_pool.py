@@ -10,11 +10,13 @@ layer; stale pools of dead owners are reclaimed, live ones never touched.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from typing import Optional
 
 import pytest
 import torch
@@ -25,7 +27,10 @@ from sglang_ascend_offload.sparse_decode.host_pool import HostPoolShape
 SHAPE = HostPoolShape(layers=3, tokens=64, latent_dim=8, rope_dim=4)
 
 # A reader started as its own interpreter: it maps the announced file and, per
-# (round, layer), waits for rank 0's append then checks the rows bit for bit.
+# (round, layer), waits for rank 0's append then checks the rows bit for bit. On the
+# steps ``ahead(r, layer)`` rank 0 appends only after the reader has said, having seen
+# the counter not yet there, that it is about to wait ("ahead r layer"); once its wait
+# returned it says "through r layer".
 READER = textwrap.dedent("""
     import sys, torch
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host import shared as shp
@@ -37,7 +42,15 @@ READER = textwrap.dedent("""
     for r in range(rounds):
         for layer in range(3):
             sp.order.appended(layer)          # this rank's set_kv_buffer (a skip)
+            ahead = (r + layer) % 7 == 0
+            if ahead:
+                if sp.order.published(layer) > r:
+                    print(f"PUBLISHED EARLY round {r} layer {layer}", flush=True)
+                    sys.exit(4)
+                print(f"ahead {r} {layer}", flush=True)
             sp.order.wait_readable(layer, r)  # then its read
+            if ahead:
+                print(f"through {r} {layer}", flush=True)
             g = torch.Generator().manual_seed(r * 10 + layer)
             want = torch.randn((4, 12), generator=g).to(torch.bfloat16)
             slots = torch.arange(4) + 4 * (r % 16)
@@ -54,29 +67,66 @@ def _rows(r: int, layer: int) -> torch.Tensor:
     return torch.randn((4, 12), generator=g).to(torch.bfloat16)
 
 
+class _Lines:
+    """Lines of a child's unbuffered stdout, each waited for with a deadline (select)."""
+
+    def __init__(self, stream):
+        self.fd, self.buf = stream.fileno(), b""
+
+    def next(self, timeout_s: float) -> Optional[str]:
+        """The next line; ``None`` if none came within ``timeout_s``; ``""`` at EOF."""
+        end = time.monotonic() + timeout_s
+        while b"\n" not in self.buf:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                return None
+            chunk = os.read(self.fd, 4096)
+            if not chunk:
+                return ""
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode().strip()
+
+
 def test_reader_process_sees_exactly_rank0s_appends(tmp_path):
-    """Rank 0 (this process) appends with delays; an independently started reader
-    must never read a row before its append is published (bit-exact every round)."""
+    """Rank 0 (this process) appends; an independently started reader must never read a
+    row before its append is published (bit-exact every round). On every seventh step
+    rank 0 appends only once the reader is ahead of it: the reader saw the rows not yet
+    published and is about to wait; it must not get through its wait until the append."""
     rounds = 40
     sp = shp.create_pool(SHAPE, directory=tmp_path, timeout_s=30)
+    reader = None
     try:
         reader = subprocess.Popen([sys.executable, "-c", READER, str(sp.path), sp.session, str(rounds)],
-                                  stdout=subprocess.PIPE, text=True)
-        assert reader.stdout.readline().strip() == "attached"
+                                  stdout=subprocess.PIPE, bufsize=0)
+        lines = _Lines(reader.stdout)
+        assert lines.next(120) == "attached"
         sp.pool.unlink()  # the name can go once every rank mapped it
         assert not sp.path.exists()
         for r in range(rounds):
             for layer in range(3):
-                if (r + layer) % 7 == 0:
-                    time.sleep(0.01)  # the reader gets ahead and must wait
+                ahead = (r + layer) % 7 == 0
+                # The event: the reader is ahead of this append. Waiting for it also keeps rank 0
+                # within 7 steps of the reader, so it never rewrites a slot (a 16-round ring)
+                # the reader has yet to read, however slow the reader is.
+                if ahead:
+                    assert lines.next(60) == f"ahead {r} {layer}"
+                    # A correct wait never returns before the append; a wait that does is seen here.
+                    assert lines.next(0.05) is None, "the reader got through before rank 0 appended"
                 sp.pool.write_rows(layer, torch.arange(4) + 4 * (r % 16), _rows(r, layer))
                 sp.order.appended(layer)
-        out, _ = reader.communicate(timeout=60)
-        assert reader.returncode == 0, out
-        waits = int(out.strip().split("waits=")[1])
-        assert waits > 0  # the ordering was exercised, not passed by luck of timing
+                if ahead:
+                    assert lines.next(60) == f"through {r} {layer}"
+        rest = []
+        while (line := lines.next(60)) not in ("", None):
+            rest.append(line)
+        assert reader.wait(60) == 0, rest
+        assert len(rest) == 1 and rest[0].startswith("ok waits="), rest
         assert all(sp.order.published(layer) == rounds for layer in range(3))
     finally:
+        if reader is not None and reader.poll() is None:
+            reader.kill()
+            reader.wait()
         sp.pool.close()
 
 

@@ -86,8 +86,10 @@ def decode_side(engine, names=tuple(WIDTHS), blocks=32, widths=WIDTHS, block_tok
 
 
 def cfg(port, **kw):
-    base = dict(engine="mooncake", kv_port=port, host="127.0.0.1", layer_timeout_s=2.0,
-                handshake_timeout_s=5.0, read_retries=1)
+    # Deadlines no step can reach on a loaded machine unless a test is about one: those
+    # tests set their own (0.3 s) and identify the deadline by the message naming it.
+    base = dict(engine="mooncake", kv_port=port, host="127.0.0.1", layer_timeout_s=30.0,
+                handshake_timeout_s=30.0, read_retries=1)
     base.update(kw)
     return PDTransferConfig(**base)
 
@@ -737,8 +739,9 @@ def test_decode_fails_stalled_transfer_after_deadline(engines):
         assert recv.status("a").state is TransferState.PENDING  # no deadline before transfer starts
         peer.send(batch(0, [rr()]))
         assert isinstance(peer.recv(), ReadDone)
-        assert wait_until(lambda: recv.status("a").state is TransferState.FAILED, 3.0)
-        assert "no transfer progress" in recv.status("a").reason
+        # the event: the deadline fails the request (identified by its message), however late
+        assert wait_until(lambda: recv.status("a").state is TransferState.FAILED, 30.0)
+        assert "no transfer progress for 0.300s" in recv.status("a").reason
         assert len(released) == 1 and recv.stats.deadline_failures == 1
     finally:
         peer.close()
