@@ -1,70 +1,74 @@
 """The engine's fused Copy-SFA branch on an Ascend NPU (the twin of the CPU stand-in
 test ``test_engine_equivalence.py::test_engine_fused_copy_sfa_path_equals_full_kv``).
 
-With ``ops=fused`` on an NPU the engine hands copy + attention of every layer step to
-the AscendC Copy-SFA operator of the built ``_C_ascend`` extension. Over a workload with
-request churn, idle rows, padded selections and speculative suffixes rewritten every
-step (the same ``Workload`` as the CPU test):
+The same comparison (``run_against_full_kv``: the same ``Workload`` with request churn,
+idle rows, padded selections, two rows of one request and speculative suffixes rewritten
+every step, the same seed and step count) with the engine on the NPU, ``ops=fused``, and
+the real AscendC Copy-SFA operator of the built ``_C_ascend`` extension
+(``torch.ops.sglang_ascend_offload.npu_fused_scatter_copy_sparse_flash_attention``) in
+place of the stand-in, at shapes the kernel serves (``docs/fused_ops.md``: latent 512,
+rope 64, top-k a multiple of 128; 16 heads, and 4 heads, which its host code pads to 8):
 
-* every occupied hot-buffer slot holds exactly its host row (the operator's copy is
-  bit-exact);
-* each step's H2D bytes equal misses x row bytes;
+* every layer step goes through the fused operator;
+* the hot buffer after each step: every occupied slot holds exactly its host row, the
+  miss slots hold their host rows and no other slot changed (the copy is bit-exact);
+* the misses equal the LRU contract model's, and H2D bytes equal misses x row bytes;
 * the output matches the reference sparse attention over the full host KV within the
-  stated tolerance of the fused kernels (``ATTN_TOL``, bf16 accumulation order differs).
+  fused kernels' tolerance (``ATTN_TOL``: bf16 probabilities, another summation order).
 
 On a runner without an NPU it skips with its reason; on an NPU runner a missing
-extension or operator fails (``tests/npu_requirements.py``).
+torch_npu, extension or operator fails (``tests/npu_requirements.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 import pytest
-import torch
 
-from npu_requirements import npu_present, require_npu_extension, requires
+from npu_requirements import npu_present, require_npu, require_npu_extension, requires
 from sglang_ascend_offload.ops import fused, registry
-from sglang_ascend_offload.ops.contract import ResidencyTable
-from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
-from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
-from sglang_ascend_offload.sparse_decode.verify import full_kv_attention, resident_mismatches
 
-from .test_engine_equivalence import (HOT, K, LATENT, LAYERS, MAX_CTX, ROPE, ROWS, SCALE, Workload,
-                                      begin_workload_step, layer_inputs)
+from .test_engine_equivalence import (STAND_IN_SEED, STAND_IN_STEPS, Dims, pool_tokens, run_against_full_kv)
 
-ATTN_TOL = 2e-2  # the fused kernels' bf16 tolerance (tests/ops/test_fused_npu.py)
+ATTN_TOL = 2e-2  # the fused kernels' bf16 tolerance (docs/fused_ops.md, tests/ops/test_fused_npu.py)
+
+# Shapes the fused Copy-SFA serves. Contexts reach beyond top-k, so selections are both
+# whole contexts (padded with -1) and random subsets; the hot buffer holds two top-k.
+NPU_DIMS = Dims(layers=2, rows=4, k=128, hot=256, latent=512, rope=64, heads=16, max_ctx=398, first_len=300,
+                scale=(512 + 64) ** -0.5)
 
 pytestmark = [pytest.mark.npu,
               pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and torch_npu")]
 
 
-@requires(lambda: require_npu_extension(fused.COPY_SFA_KERNEL))
-def test_engine_fused_copy_sfa_on_the_npu_matches_full_kv():
-    steps = 60
-    host_tokens = ROWS * MAX_CTX + 8
-    pool = HostKVPool.allocate(HostPoolShape(LAYERS, host_tokens, LATENT, ROPE), "pinned")
-    engine = SparseDecodeEngine(EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, policy="lru", ops="fused"),
-                                pool, device="npu")
-    assert engine._copy_sfa_op is not None and engine._copy_sfa_op.rung == "fused"
-    attention = registry.select("sparse_mla_attention", "reference")
-    gen = torch.Generator().manual_seed(7)
-    work = Workload(7, host_tokens)
-    written = {}
-    row_bytes = (LATENT + ROPE) * 2
-    for step in range(steps):
-        req_ids, seq_lens, stable, table, writes = begin_workload_step(engine, work, written, step)
-        idx = torch.tensor(writes, dtype=torch.int64)
-        before = engine.stats()
-        for layer in range(LAYERS):
-            if writes:
-                engine.append(layer, idx, torch.randn((len(writes), LATENT + ROPE), generator=gen).to(torch.bfloat16))
-            topk, q, qr = layer_inputs(work, gen, seq_lens, req_ids)
-            res = engine.run_layer(layer, torch.from_numpy(topk), q.npu(), qr.npu(), SCALE)
-            ref = full_kv_attention(attention, pool, layer, torch.from_numpy(topk), table, q, qr, SCALE)
-            torch.testing.assert_close(res.output.cpu().float(), ref.float(), atol=ATTN_TOL, rtol=ATTN_TOL)
-            state = engine.table(layer)
-            cpu_state = ResidencyTable(state.slot_token.cpu(), state.slot_stamp.cpu(), state.row_req.cpu())
-            assert resident_mismatches(cpu_state, engine.hot.layer(layer).cpu(), pool.layer(layer), table) == 0
-        after = engine.stats()
-        assert after.total.h2d_bytes - before.total.h2d_bytes == (after.total.misses - before.total.misses) * row_bytes
-    assert 0 < engine.stats().total.misses < engine.stats().total.selected
-    pool.close()
+def _npu_ready():
+    require_npu()
+    require_npu_extension(fused.COPY_SFA_KERNEL)
+
+
+@requires(_npu_ready)
+@pytest.mark.parametrize("heads", [16, 4])
+def test_engine_fused_copy_sfa_on_the_npu_matches_full_kv(heads, monkeypatch):
+    importlib.import_module("torch_npu")  # lazily: only an NPU runner has it (it registers the "npu" device)
+    from sglang_ascend_offload.ops.contract import OpImpl
+    from sglang_ascend_offload.ops.registry import _REGISTRY
+
+    dims = dataclasses.replace(NPU_DIMS, heads=heads)
+    # The engine registers each layer's view of the host pool with the extension on first
+    # use; aclrtHostRegister needs 4 KiB-aligned views, as a served pool (a page-size
+    # multiple of tokens) has: rows of 1152 B, so a multiple of 32 rows per layer.
+    assert pool_tokens(dims) % 32 == 0
+    real = registry.select("copy_sparse_flash_attention", "fused")  # the AscendC operator
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real.fn(*args, **kwargs)
+
+    monkeypatch.setitem(_REGISTRY.impls, ("copy_sparse_flash_attention", "fused"),
+                        OpImpl("copy_sparse_flash_attention", "fused", counted, real.unavailable))
+    stats = run_against_full_kv("lru", STAND_IN_STEPS, seed=STAND_IN_SEED, ops="fused", dims=dims, device="npu",
+                                attention_tol=ATTN_TOL)
+    assert stats.steps == STAND_IN_STEPS and len(calls) == STAND_IN_STEPS * dims.layers
