@@ -1,4 +1,4 @@
-"""Triton kernel of the score-aware residency policy ``score_rank`` (``policies.py``).
+"""Triton kernel of the score-aware residency policy ``score_rank`` (``sparse_decode/policies/score_rank.py``).
 
 Imports ``triton``; only :mod:`.score_rank` imports it. One step of ``score_rank`` is
 four launches, three of them the LRU kernels of :mod:`.residency_kernels` unchanged:

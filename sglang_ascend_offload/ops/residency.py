@@ -43,7 +43,7 @@ specification; the CPU serving path is the kernel of ``cpu_kernel.py`` (tested
 against it), the Triton kernels are the device path.
 
 The sub-steps (:func:`reset_rows`, :func:`lookup`, :func:`assign_victims`) are public
-so replacement policies other than LRU (``sparse_decode/policies.py``) reuse the exact
+so replacement policies other than LRU (``sparse_decode/policies/``) reuse the exact
 same mechanism and only supply a different victim order.
 
 The miss copy (:func:`copy_miss_rows`, op ``copy_miss_rows``) writes, for every row

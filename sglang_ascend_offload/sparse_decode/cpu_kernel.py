@@ -14,7 +14,10 @@ opaque op:
   of the same rows (only the ``miss_count`` rows of each batch entry are touched).
 
 The torch reference (``residency.residency_manage``) is the specification; the
-kernel is tested against it bit for bit (state and outputs). Build: ``python -m
+kernel is tested against it bit for bit (state and outputs). It is not a policy of its
+own but the ``impl="kernel"`` implementation of the ``lru`` policy
+(:class:`~sglang_ascend_offload.sparse_decode.policies.lru.LRUManager`; the engine's
+``manage_impl`` chooses it). Build: ``python -m
 sglang_ascend_offload.sparse_decode.cpu_kernel --build`` (``scripts/setup_cpu_env.sh``
 runs it; idempotent: the library's file name carries a hash of the source and the
 flags). :func:`library` builds on first use when the file is missing, and raises

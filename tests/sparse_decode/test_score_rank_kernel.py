@@ -12,12 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sglang_ascend_offload.sparse_decode import score_kernel
-from sglang_ascend_offload.sparse_decode.policies import (
-    KernelScoreGuardedManager,
-    KernelScoreRankManager,
-    make_manager,
-    uses_cpu_kernel,
-)
+from sglang_ascend_offload.sparse_decode.policies import make_manager, uses_cpu_kernel
 from sglang_ascend_offload.sparse_decode.replay import simulate_policy
 from sglang_ascend_offload.sparse_decode.trace import SyntheticTraceSpec, synthesize
 
@@ -37,7 +32,7 @@ def _pair(policy, rows, hot, slack_shift=None, seed=None):
     proportional slack (a small seed makes the guard bind often)."""
     ref = make_manager(policy, rows, hot, manage_impl="torch")
     ker = make_manager(policy, rows, hot, manage_impl="kernel")
-    assert type(ker) in (KernelScoreRankManager, KernelScoreGuardedManager)
+    assert ker.impl == "kernel" and ref.impl == "torch" and type(ker) is type(ref)
     if slack_shift is not None:
         ref.slack_shift = ker.slack_shift = slack_shift
     if seed is not None:
@@ -181,7 +176,7 @@ def test_auto_picks_the_kernel_on_cpu_reference_only():
     for policy in KERNEL_POLICIES:
         assert uses_cpu_kernel(policy, "auto", "cpu", ref_op)
         assert not uses_cpu_kernel(policy, "torch", "cpu", ref_op)
-        assert type(make_manager(policy, 2, 8, "cpu", ref_op, manage_impl="auto")).__name__.startswith("Kernel")
+        assert make_manager(policy, 2, 8, "cpu", ref_op, manage_impl="auto").impl == "kernel"
     assert not uses_cpu_kernel("score_rank_smooth", "auto", "cpu", ref_op)
     with pytest.raises(ValueError, match="score_rank_smooth"):
         make_manager("score_rank_smooth", 2, 8, manage_impl="kernel")
