@@ -1,4 +1,4 @@
-"""Package structure (issue 16): one direction for every import.
+"""Package structure: one direction for every import, one home for every concept.
 
 * no runtime module imports the test/benchmark scaffolding in ``testing/`` (only
   ``testing/`` itself and the ``bench`` commands may);
@@ -574,3 +574,49 @@ def test_no_function_in_the_package_is_longer_than_80_lines(monkeypatch):
     found = _long_functions([REPO / PKG])
     assert found and all(re.fullmatch(rf"{PKG}/\S+\.py:\d+ \w+ \((2[1-9]|[3-9]\d|\d{{3,}}) lines\)", f)
                          for f in found), found[:3]
+
+
+CONFIG_READERS = {"active_config", "sparse_decode_enabled", "section_for_served_pool"}
+
+
+def _config_read_sites(root: Path) -> Set[Tuple[str, str]]:
+    """``(module relative to root, enclosing function qualname)`` of every call of a
+    reader of the published configuration outside ``args/carrier.py``."""
+    sites: Set[Tuple[str, str]] = set()
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "carrier.py":
+            continue
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+
+        def walk(node: ast.AST, scope: Tuple[str, ...]) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    walk(child, scope + (child.name,))
+                    continue
+                if isinstance(child, ast.Call):
+                    func = child.func
+                    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+                    if name in CONFIG_READERS:
+                        sites.add((module, ".".join(scope) or "<module>"))
+                walk(child, scope)
+
+        walk(ast.parse(path.read_text()), ())
+    return sites
+
+
+def test_the_published_config_is_read_at_sglang_entry_points_only(tmp_path):
+    """Runtime code gets its config passed in: the launcher's published configuration is
+    read only where SGLang hands control to the plugin (``carrier.ENTRY_POINTS``, each
+    with what SGLang calls there), never below them and never in the core packages."""
+    from sglang_ascend_offload.sglang_plugin.args import carrier
+
+    declared = {(module, function) for module, function, _why in carrier.ENTRY_POINTS}
+    found = _config_read_sites(REPO / PKG / "sglang_plugin")
+    assert found - declared == set(), ("reads of the published config outside carrier.ENTRY_POINTS: pass the "
+                                       f"config in from the entry point instead: {sorted(found - declared)}")
+    assert declared - found == set(), f"carrier.ENTRY_POINTS lists sites that no longer read it: {sorted(declared - found)}"
+    assert all(why for _m, _f, why in carrier.ENTRY_POINTS)
+    # the scan sees a read in a nested method and names its scope
+    (tmp_path / "pool").mkdir()
+    (tmp_path / "pool" / "x.py").write_text("class P:\n    def build(self):\n        return carrier.active_config().kvpp\n")
+    assert _config_read_sites(tmp_path) == {("pool.x", "P.build")}

@@ -1,4 +1,4 @@
-"""Graph decode paths of both backends with real SGLang objects (issue 10, item 3).
+"""Graph decode paths of both backends with real SGLang objects.
 
 Two harnesses with the same seed (``dsa_harness.Harness``: the plain DSA backend over
 device KV and the offload backend over the host pool): one eager, one with SGLang's

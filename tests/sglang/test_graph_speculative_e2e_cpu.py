@@ -1,5 +1,5 @@
 """Served on CPU: decode graphs together with speculative decoding (NextN / MTP through
-SGLang's EAGLE worker), offload off and on (issue 10, items 3-5).
+SGLang's EAGLE worker), offload off and on.
 
 SGLang's own ``CPUGraphRunner`` refuses speculative decoding; with ``ascend_offload``
 the plugin's runner (``sglang_plugin/speculative/cpu_graph.py``) captures the target's

@@ -1,4 +1,4 @@
-"""Served: SGLang decode graphs with sparse decode offload (issue 10, item 3).
+"""Served: SGLang decode graphs with sparse decode offload.
 
 Three servers of the tiny DSA fixture get the same request sequence:
 

@@ -1,5 +1,5 @@
 """Served: sparse decode offload's per-step engine work follows the live batch, not
-``--max-running-requests`` (issue 17, item 1).
+``--max-running-requests``.
 
 Two offload servers of the tiny DSA fixture, identical but for
 ``--max-running-requests`` (4 and 2048: engine row capacity 5 and 2049), get the same

@@ -1,4 +1,4 @@
-"""Serving a score-aware residency policy (issue 15 follow-up): the serving rank depth.
+"""Serving a score-aware residency policy: the serving rank depth.
 
 Config: ``policy`` ``score_rank*`` needs ``rank_depth`` (every problem listed at
 once); ``rank_depth`` must be >= top-k, is refused with speculative decoding and with

@@ -1,4 +1,4 @@
-"""Score-aware residency (issue 15): the ``ranked`` trace array, the latent-score model,
+"""Score-aware residency: the ``ranked`` trace array, the latent-score model,
 ``score_rank`` and its guard, the Triton kernel, the sync-free step, idle skipping."""
 
 from __future__ import annotations

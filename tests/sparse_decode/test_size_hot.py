@@ -1,4 +1,4 @@
-"""size-hot (issue 15): the one-pass LRU curve, the fast optimum, the command."""
+"""size-hot: the one-pass LRU curve, the fast optimum, the command."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The offloaded decode step is sync-free and capturable (issue 10, item 2).
+"""The offloaded decode step is sync-free and capturable.
 
 (a) CPU: the per-layer step (:func:`decode_layer_step`: residency of every serving
     policy in the rows form, miss copy, remap, sparse attention) of two layers runs

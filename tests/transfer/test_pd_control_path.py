@@ -1,4 +1,4 @@
-"""The control path's receive spin and stage stamps (issue 13 item 3).
+"""The control path's receive spin and stage stamps.
 
 No transfer engine needed: an in-process engine copies with ``ctypes.memmove``,
 so these run wherever the package imports.

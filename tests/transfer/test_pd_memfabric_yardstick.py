@@ -7,8 +7,8 @@ them into NPU destinations through the project's protocol (``PrefillSender`` /
 then replays exactly those reads through MemFabric's own ``batch_transfer_sync_read``
 (prefill keeps its buffers registered meanwhile). The test asserts bit-exactness and
 that the replay moved the same bytes; the rates and their ratio (our path over the raw
-engine, the ``engine_over_raw`` of the CPU benchmark) are printed, not asserted: the
-closing note of issue 13 asks for them from an NPU node.
+engine, the ``engine_over_raw`` of the CPU benchmark) are printed, not asserted: only an
+NPU node measures them.
 """
 
 

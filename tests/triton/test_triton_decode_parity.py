@@ -1,4 +1,4 @@
-"""Done-when of issue 4, small: ``bench decode --ops triton`` on a replayed trace is
+"""Small end-to-end check: ``bench decode --ops triton`` on a replayed trace is
 verified and moves exactly what ``--ops reference`` moves."""
 
 import json

@@ -22,6 +22,27 @@ from ... import config as cfg
 
 CONFIG_ENV = "SGLANG_ASCEND_OFFLOAD_CONFIG"
 
+#: The only places that read the published configuration (:func:`active_config` and the
+#: helpers below): each is where SGLang hands control to the plugin, an object SGLang
+#: constructs or a hook it calls, so there is no caller to pass the config in. Everything
+#: below them (pools, engines, transfer, sizing arithmetic) gets its section as an
+#: argument. ``(module under sglang_plugin, function, what SGLang calls)``;
+#: ``tests/test_structure.py`` checks that the call sites are exactly these.
+ENTRY_POINTS: Tuple[Tuple[str, str, str], ...] = (
+    ("attention.dsa_backend", "create_backend", "SGLang's attention backend factory for ascend_offload"),
+    ("attention.dsa_backend", "AscendOffloadAttnBackend.__init__", "the backend SGLang constructs per model runner"),
+    ("features", "build_pool_around", "the hook around SGLang's KV pool construction"),
+    ("mem_cache.sizing.device_kv_budget", "budget_bytes", "the hook after SGLang's memory profiling"),
+    ("mem_cache.sizing.sparse_decode", "_served", "the per-token cell-size hook"),
+    ("mem_cache.sizing.sparse_decode", "_plugin_main_pool", "the per-token cell-size hook"),
+    ("mem_cache.sizing.layerwise_prefill", "_applies", "the per-token cell-size hook"),
+    ("mem_cache.sizing.kvpp", "_applies", "the per-token cell-size hook"),
+    ("disaggregation.ascend_offload.conn", "active_pd_config",
+     "the P/D KV manager and sender/receiver classes SGLang constructs"),
+    ("disaggregation.ascend_offload.install", "_layerwise_publisher",
+     "the scheduler hook wiring layer announcements of a layerwise P/D prefill"),
+)
+
 _cache: Tuple[Optional[str], Optional[cfg.OffloadConfig]] = (None, None)
 
 

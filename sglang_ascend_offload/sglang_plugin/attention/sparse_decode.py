@@ -37,7 +37,6 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from ..args import carrier
 from .. import compat
 from ..speculative import cpu_graph as cpu_spec_graph, eagle as speculative
 from ...sparse_decode.engine import decode_layer_step
@@ -162,7 +161,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         self.engine = pool.engine
         self.rows = RowOwners(self.engine.config.rows)
         self.start_layer = pool.start_layer
-        config = carrier.active_config().sparse_decode
+        config = self.offload_config  # read once, by the base class's constructor
         server_args = model_runner.server_args
         self.ranks = rank_facts(model_runner)
         labels = {"tp_rank": str(self.ranks.tp_rank)}
