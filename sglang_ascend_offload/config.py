@@ -53,7 +53,11 @@ class SparseDecodeOffloadConfig:
         ``ops`` ``auto`` or ``fused`` the fused Copy-SFA is then the default and its
         extension is required at startup (:func:`fused_copy_sfa_required`).
         ``fused_copy_sfa: false`` runs the separate miss copy and sparse attention.
-    indexer_dtype: ``bf16`` or ``int8`` (LIM-C8: Hadamard-rotated int8 + fp16 scales).
+    indexer_dtype: ``bf16`` or ``int8`` (LIM-C8): the device index-K cache holds
+        Hadamard-rotated int8 keys + one fp16 scale per token (130 B instead of 256 B per
+        token and layer at 128 dims), and the decode indexer is the C8 lightning indexer
+        over them (``docs/sparse_decode.md``, "int8 indexer"). Served off the NPU; refused
+        on an NPU (``sglang.indexer_int8_device``) and on a P/D decode (``sglang.indexer_int8_pd``).
     policy: residency replacement policy; ``lru`` (the default) is exact per-row LRU, the
         specification in ``docs/residency_contract.md`` that every other policy reuses
         with its own victim order.
@@ -712,9 +716,8 @@ def _check_sparse_decode_settings(sd: "SparseDecodeOffloadConfig", d: Deployment
     if wants_npu and d.device != "npu":
         add("sparse_decode.fused_device", f"{', '.join(wants_npu)} requested on a {d.device} device",
             "use ops=auto|reference|triton off Ascend, or run on an Ascend NPU")
-    if sd.indexer_dtype != "bf16":
-        add("sglang.indexer_dtype", f"indexer_dtype={sd.indexer_dtype!r}: the SGLang backend keeps a bf16 "
-            "index-K cache (LIM-C8 is not wired into it yet)", 'set "indexer_dtype": "bf16"')
+    if sd.indexer_dtype == "int8":
+        _check_int8_indexer(d, add)
     if sd.fused_lim is True:
         add("sglang.fused_not_wired", "fused_lim=true: the SGLang backend does not call the fused AscendC "
             "LIM operator yet", 'drop "fused_lim" (ops=npu uses the torch_npu operators)')
@@ -725,6 +728,20 @@ def _check_sparse_decode_settings(sd: "SparseDecodeOffloadConfig", d: Deployment
         add("sparse_decode.score_speculative", f"policy {sd.policy!r} (rank_depth={sd.rank_depth}) with "
             f"speculative method {d.speculative_method!r}: verify rows get no ranking of their own",
             "serve lru / lru_k2_guarded with speculative decoding, or disable speculative decoding")
+
+
+def _check_int8_indexer(d: Deployment, add: _Add) -> None:
+    """Where the int8 (LIM-C8) index-K cache is served: the plugin's own indexer path
+    (rotate + quantise the keys into the cache, the C8 indexer over it), which runs
+    off the NPU; and not on a P/D decode, whose transfer moves bf16 index K only."""
+    if d.device == "npu":
+        add("sglang.indexer_int8_device", "indexer_dtype='int8' on an Ascend NPU: there SGLang's own NPU "
+            "indexer (forward_npu) writes bf16 index K and calls the bf16 lightning indexer, so the int8 "
+            "cache would be filled with unrotated, unscaled keys", 'set "indexer_dtype": "bf16" on an NPU')
+    if d.pd_role == "decode":
+        add("sglang.indexer_int8_pd", "indexer_dtype='int8' on a P/D decode node: the transfer moves the "
+            "prefill's bf16 index K into the decode's index-K cache and carries no int8 keys or fp16 scales "
+            "(role indexer_scale) into it", 'set "indexer_dtype": "bf16" on the P/D decode node')
 
 
 #: Speculative methods (``Deployment.speculative_method``) whose drafts the sparse decode

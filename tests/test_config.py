@@ -81,7 +81,9 @@ CASES = {
     "kvpp.pd_prefill": (KV, dict(pd_role="prefill")),
     "sglang.kvpp_pp": (KV, dict(pp=2)),
     "sglang.kvpp_dp_attention": (KV, dict(dp=2, dp_attention=True)),
-    "sglang.indexer_dtype": ({"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8"}}, {}),
+    "sglang.indexer_int8_device": ({"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8"}}, {}),
+    "sglang.indexer_int8_pd": ({"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8"}},
+                               dict(device="cpu", soc=None, pd_role="decode")),
     "sglang.fused_not_wired": ({"sparse_decode": {"hot_tokens": 4096, "fused_lim": True}}, {}),
     "sglang.sparse_decode_graph": (SD, dict(graph_mode="full", attn_tp=2)),
     "sglang.sparse_decode_speculative": ({"sparse_decode": {"hot_tokens": 8192}},
@@ -121,6 +123,20 @@ def test_rule_rejects_with_its_name(rule):
 @pytest.mark.parametrize("config", [SD, LW, KV])
 def test_good_colocated_deployment_passes(config):
     assert _run(config, {}) == []
+
+
+def test_int8_indexer_is_served_off_the_npu():
+    """indexer_dtype int8 (LIM-C8) passes on a CPU / CUDA node, colocated, with decode
+    graphs and with speculation; the NPU and a P/D decode refuse it with their own ids."""
+    int8 = {"sparse_decode": {"hot_tokens": 8192, "indexer_dtype": "int8"}}
+    for device in ("cpu", "cuda"):
+        assert _run(int8, dict(device=device, soc=None)) == []
+        assert _run(int8, dict(device=device, soc=None, graph_mode="full", attn_tp=1)) == []
+    assert _run(int8, dict(device="cpu", soc=None, speculative_method="mtp", speculative_rows=4,
+                           speculative_steps=3, speculative_topk=1, overlap_schedule=False)) == []
+    found = _run(int8, dict(device="npu", pd_role="decode"))
+    assert [v.rule for v in found] == ["sglang.indexer_int8_device", "sglang.indexer_int8_pd"]
+    assert all('"indexer_dtype": "bf16"' in v.fix for v in found)
 
 
 def test_verify_rows_bound_hot_tokens_only_with_speculation():

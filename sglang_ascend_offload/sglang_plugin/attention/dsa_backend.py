@@ -34,6 +34,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from ...ops import registry
+from ...ops.hadamard import rotate_and_quantize
 from ..args import carrier
 from ..speculative import cpu_graph as cpu_spec_graph, eagle as speculative
 from .native_indexer import indexer_query_key_weights
@@ -88,6 +89,10 @@ class AscendOffloadAttnBackend(AttentionBackend):
         self.offload_config = carrier.active_config().sparse_decode
         ops_choice = self.offload_config.ops if self.offload_config is not None else "auto"
         self.indexer_op = registry.select("lightning_indexer", ops_choice)
+        # An int8 index-K cache (indexer_dtype int8, the sparse decode pool only): LIM-C8 scoring
+        # over Hadamard-rotated int8 keys + fp16 scales; every other pool keeps bf16 keys.
+        self.index_int8 = getattr(self.token_to_kv_pool, "indexer_dtype", "bf16") == "int8"
+        self.quant_indexer_op = registry.select("quant_lightning_indexer", ops_choice) if self.index_int8 else None
         self.attention_op = registry.select("sparse_mla_attention", ops_choice)
         self.forward_metadata: Optional[DSAForwardMetadata] = None
         self.graph: Optional[GraphBuffers] = None
@@ -223,12 +228,14 @@ class AscendOffloadAttnBackend(AttentionBackend):
             return q_lora.new_full((q_lora.shape[0], indexer.index_topk), -1, dtype=torch.int32)
         inputs = indexer_query_key_weights(indexer, x, q_lora, positions)
         pool = self.token_to_kv_pool
-        pool.set_index_k_buffer(layer_id, forward_batch.out_cache_loc, inputs.key)
+        if self.index_int8:  # rotate + quantise the keys, store keys and scales
+            pool.store_index_k(layer_id, forward_batch.out_cache_loc, inputs.key)
+        else:
+            pool.set_index_k_buffer(layer_id, forward_batch.out_cache_loc, inputs.key)
         if not return_indices:
             return None
         if self._graph_batch is not None:  # graph decode: static shapes, no host reads
-            return graph_decode_topk(inputs.query, pool.get_index_k_buffer(layer_id), inputs.weights,
-                                     md.block_tables, md.seq_lens, int(indexer.index_topk))
+            return self._graph_index_topk(inputs, pool, layer_id, md, int(indexer.index_topk))
         # Rank depth D > k: the indexer selects top-D; the reference indexer returns positions in
         # descending score order, so its first k columns are the top-k the model attends to
         # (unchanged). Two readers of the ranking (offload backend only): a trace recorder with
@@ -239,19 +246,7 @@ class AscendOffloadAttnBackend(AttentionBackend):
         serve_depth = self.serving_rank_depth(md)
         k = int(indexer.index_topk)
         depth = max(record_depth, serve_depth)
-        topk = self.indexer_op(
-            inputs.query,
-            pool.get_index_k_buffer(layer_id),
-            inputs.weights,
-            actual_seq_lengths_query=md.actual_seq_lengths_q,
-            actual_seq_lengths_key=md.seq_lens,
-            block_table=md.block_tables,
-            layout_query="TND",
-            layout_key="PA_BSND",
-            sparse_count=max(k, depth),
-            sparse_mode=3,
-        )
-        topk = topk.reshape(topk.shape[0], -1)
+        topk = self._index_topk(inputs, pool, layer_id, md, max(k, depth))
         if depth > k:
             if record_depth > k:
                 recorder.record_ranked(layer_id - getattr(self, "start_layer", 0), topk)
@@ -259,6 +254,34 @@ class AscendOffloadAttnBackend(AttentionBackend):
                 self.ranking = LayerRanking(layer_id, topk[:, :serve_depth])
             topk = topk[:, :k].contiguous()
         return topk
+
+    def _index_topk(self, inputs, pool, layer_id: int, md: DSAForwardMetadata, count: int) -> torch.Tensor:
+        """The op ladder's indexer over the layer's index-K cache: int32 ``[T, count]``
+        logical positions. bf16 cache: ``lightning_indexer`` on the bf16 query ``[T, H, D]``;
+        int8 cache: the query rotated and quantised per token and head (int8 ``[T, H, D]``,
+        fp16 ``[T, H]``) and ``quant_lightning_indexer`` over the int8 keys
+        ``[pages, page, 1, D]`` with their fp16 scales ``[pages, page, 1]``."""
+        common = dict(actual_seq_lengths_query=md.actual_seq_lengths_q, actual_seq_lengths_key=md.seq_lens,
+                      block_table=md.block_tables, layout_query="TND", layout_key="PA_BSND",
+                      sparse_count=count, sparse_mode=3)
+        if self.index_int8:
+            q_values, q_scales = rotate_and_quantize(inputs.query)
+            topk = self.quant_indexer_op(q_values, pool.get_index_k_buffer(layer_id), inputs.weights, q_scales,
+                                         pool.get_index_k_scale_buffer(layer_id), **common)
+        else:
+            topk = self.indexer_op(inputs.query, pool.get_index_k_buffer(layer_id), inputs.weights, **common)
+        return topk.reshape(topk.shape[0], -1)
+
+    def _graph_index_topk(self, inputs, pool, layer_id: int, md: DSAForwardMetadata, top_k: int) -> torch.Tensor:
+        """:func:`graph_decode_topk` over the layer's cache (the int8 cache with the rotated,
+        quantised query and both scales); int32 ``[B, top_k]``."""
+        if not self.index_int8:
+            return graph_decode_topk(inputs.query, pool.get_index_k_buffer(layer_id), inputs.weights,
+                                     md.block_tables, md.seq_lens, top_k)
+        q_values, q_scales = rotate_and_quantize(inputs.query)
+        return graph_decode_topk(q_values, pool.get_index_k_buffer(layer_id), inputs.weights, md.block_tables,
+                                 md.seq_lens, top_k, query_scale=q_scales,
+                                 key_scale=pool.get_index_k_scale_buffer(layer_id))
 
     def serving_rank_depth(self, md: DSAForwardMetadata) -> int:
         """Top-D the indexer selects for a score-aware residency policy on this forward
@@ -365,7 +388,8 @@ def graph_decode_rows(topk: torch.Tensor, block_tables: torch.Tensor, seq_lens: 
 
 
 def graph_decode_topk(query: torch.Tensor, index_k: torch.Tensor, weights: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor, top_k: int) -> torch.Tensor:
+                      seq_lens: torch.Tensor, top_k: int, query_scale: Optional[torch.Tensor] = None,
+                      key_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Lightning-indexer top-k of a decode batch (one query token per request) with
     static shapes: every position the block tables can address is scored and those
     ``>= seq_lens`` are masked, so the work does not depend on the lengths (a graph
@@ -375,13 +399,20 @@ def graph_decode_topk(query: torch.Tensor, index_k: torch.Tensor, weights: torch
 
     query [B, H, D]; index_k [blocks, page, 1, D]; weights [B, H]; block_tables int32
     [B, max_blocks]; seq_lens int [B]. Returns int32 ``[B, top_k]``.
+    C8 (LIM-C8): int8 ``query`` and ``index_k`` with ``query_scale`` fp16 [B, H] and
+    ``key_scale`` fp16 [blocks, page, 1]; each logit is the exact integer dot times
+    ``query_scale * key_scale``, the arithmetic of the reference ``quant_lightning_indexer``.
     """
     from ...ops.reference import INDEXER_CONTEXT_CHUNK
 
+    if (query_scale is None) != (key_scale is None):
+        raise ValueError("graph_decode_topk: the C8 indexer needs both query_scale and key_scale")
     b, heads, dim = query.shape
     page = index_k.shape[1]
     keys = index_k.reshape(-1, dim)
     q32 = query.to(torch.float32)
+    q_scale = query_scale.to(torch.float32).unsqueeze(2) if query_scale is not None else None
+    k_scale = key_scale.reshape(-1).to(torch.float32) if key_scale is not None else None
     w32 = weights.to(torch.float32).unsqueeze(2)
     visible = seq_lens.to(torch.int64).unsqueeze(1)
     width_total = block_tables.shape[1] * page
@@ -393,6 +424,8 @@ def graph_decode_topk(query: torch.Tensor, index_k: torch.Tensor, weights: torch
         pos = torch.arange(c0, c0 + width, dtype=torch.int64, device=query.device)
         rows = tables[:, pos // page] * page + (pos % page)  # [B, width]
         logits = torch.bmm(q32, keys[rows].to(torch.float32).transpose(1, 2))  # [B, H, width]
+        if k_scale is not None:  # C8: exact integer dots, then the dequantisation scales
+            logits = logits * (q_scale * k_scale[rows].unsqueeze(1))
         score = (torch.relu(logits) * w32).sum(dim=1).masked_fill(pos.unsqueeze(0) >= visible, float("-inf"))
         cand_score = torch.cat((best_score, score), dim=1)
         cand_pos = torch.cat((best_pos, pos.expand(b, width)), dim=1)

@@ -10,7 +10,12 @@ buffer                 where     shape
 main KV (host pool)    host      ``[layers, slots, kv_lora_rank + rope]`` bf16
                                  (``sparse_decode.host_pool.HostKVPool``)
 index K                device    ``[indexer layers, pages + 1, page, 1, index_head_dim]``
-                                 (SGLang's NPU MLA layout, as in :class:`~.device.DeviceDSAPool`)
+                                 (SGLang's NPU MLA layout, as in :class:`~.device.DeviceDSAPool`);
+                                 bf16, or with ``indexer_dtype: "int8"`` (LIM-C8) int8
+                                 Hadamard-rotated keys plus
+index K scales         device    ``[indexer layers, pages + 1, page, 1]`` fp16, one
+                                 dequantisation scale per token (int8 only;
+                                 ``index_k_scale_buffer``, SGLang's NPU pool attribute)
 hot buffers            device    per layer ``[rows, hot_tokens, kv_lora_rank + rope]``
                                  (``sparse_decode.engine.SparseDecodeEngine``)
 =====================  ========  ==============================================
@@ -70,8 +75,8 @@ class HostMainKVPool(DeviceDSAPool):
         self.v_buffer = None
 
         pages = size // page_size + 1
-        self.index_k_buffer = torch.zeros((layer_num, pages, page_size, 1, index_head_dim),
-                                          dtype=self.store_dtype, device=device)
+        self.indexer_dtype = offload.indexer_dtype
+        self._allocate_index_cache(layer_num, pages, page_size, index_head_dim, device)
         slots = pages * page_size
         tokens = offload.host_pool_tokens if offload.host_pool_tokens is not None else slots
         if tokens < slots:
@@ -101,11 +106,36 @@ class HostMainKVPool(DeviceDSAPool):
         self.offload = offload
         self._finalize_allocation_log(size)
         logger.info("sparse decode offload: host pool %.1f MiB (%d slots x %d layers), hot buffers %.1f MiB "
-                    "(%d rows x %d slots x %d layers%s), index K on %s",
+                    "(%d rows x %d slots x %d layers%s), index K %s",
                     self.host_pool.shape.nbytes / 2**20, tokens, layer_num, self.engine.hot.nbytes / 2**20,
                     rows, hot_tokens, layer_num,
                     f"; one per request, shared by its {rows_per_request} verify rows" if rows_per_request > 1 else "",
-                    device)
+                    self.index_cache_summary())
+
+    def _allocate_index_cache(self, layers: int, pages: int, page_size: int, dim: int, device: str) -> None:
+        """The device index-K cache ``[layers, pages, page_size, 1, dim]``: bf16, or int8
+        (Hadamard-rotated, LIM-C8) with fp16 per-token scales ``[layers, pages, page_size, 1]``."""
+        if self.indexer_dtype == "int8":
+            if dim & (dim - 1):
+                raise ValueError(f"indexer_dtype int8 needs a power-of-two index_head_dim for the Hadamard "
+                                 f"rotation; the model has {dim}")
+            self.index_k_buffer = torch.zeros((layers, pages, page_size, 1, dim), dtype=torch.int8, device=device)
+            self.index_k_scale_buffer = torch.zeros((layers, pages, page_size, 1), dtype=torch.float16,
+                                                    device=device)
+        else:
+            self.index_k_buffer = torch.zeros((layers, pages, page_size, 1, dim), dtype=self.store_dtype,
+                                              device=device)
+
+    def index_cache_summary(self) -> str:
+        """One log phrase for the index-K cache: dtype, bytes per token and layer, MiB, device."""
+        per_token = self.index_k_buffer[0, 0, 0].nbytes
+        total = self.index_k_buffer.nbytes
+        if self.index_k_scale_buffer is not None:
+            per_token += self.index_k_scale_buffer[0, 0, 0].nbytes
+            total += self.index_k_scale_buffer.nbytes
+            return (f"int8 + fp16 scales (Hadamard-rotated, LIM-C8): {per_token} B per token and layer, "
+                    f"{total / 2**20:.1f} MiB on {self.device}")
+        return f"bf16: {per_token} B per token and layer, {total / 2**20:.1f} MiB on {self.device}"
 
     # ------------------------------------------------------------------ main KV
     def _no_device_main_kv(self, what: str):
@@ -122,7 +152,8 @@ class HostMainKVPool(DeviceDSAPool):
         self._no_device_main_kv("get_kv_buffer")
 
     def get_contiguous_buf_infos(self):
-        """P/D destination regions, in SGLang's ``(ptrs, byte lengths, item lengths)`` form.
+        """P/D destination regions (bf16 index K only: the int8 cache's scales have no
+        destination in the transfer, and P/D with it is refused at startup), in SGLang's ``(ptrs, byte lengths, item lengths)`` form.
 
         Main KV entries are the host pool's layers (one item = one page of rows,
         ``page_size * (latent + rope)`` elements); then the index-K layers (device),
@@ -130,6 +161,7 @@ class HostMainKVPool(DeviceDSAPool):
         layout from :meth:`host_page_blocks` and ``index_k_buffer`` directly; SGLang
         uses these numbers for its registration message and bookkeeping.
         """
+        self._no_int8_index_cache("a P/D transfer into this pool")
         mains = [self.host_page_blocks(lid) for lid in self.model_layer_ids]
         index = [self.index_k_buffer[self._get_indexer_slot(lid)] for lid in self.model_layer_ids]
         entries = mains + index
@@ -184,6 +216,7 @@ class HostMainKVPool(DeviceDSAPool):
         on any device) and the device index K (:class:`~..retraction.RetractedKV`)."""
         from ..retraction import RetractedKV, index_rows, slot_tensor
 
+        self._no_int8_index_cache("a retraction backup (P/D decode)")
         slots = slot_tensor(indices, "cpu")
         main = [self.read_host_rows(lid, slots).to("cpu") for lid in self.model_layer_ids]
         return RetractedKV(int(slots.numel()), main, index_rows(self, slots))
@@ -203,12 +236,40 @@ class HostMainKVPool(DeviceDSAPool):
         return None
 
     def get_kv_size_bytes(self):
-        return self.index_k_buffer.numel() * self.index_k_buffer.element_size()
+        """Device bytes of the index-K cache (and its scales with an int8 indexer)."""
+        scales = self.index_k_scale_buffer.nbytes if self.index_k_scale_buffer is not None else 0
+        return self.index_k_buffer.nbytes + scales
+
+    def _no_int8_index_cache(self, what: str) -> None:
+        if self.index_k_scale_buffer is not None:
+            raise RuntimeError(f"{what} is not wired for the int8 index-K cache (indexer_dtype int8: the fp16 "
+                               "scales would not travel with the keys); serve indexer_dtype bf16")
 
     def set_index_k_buffer(self, layer_id: int, loc: torch.Tensor, index_k: torch.Tensor):
+        """Store index-K rows ``[T, index_head_dim]`` in the cache's own dtype at ``loc``
+        (bf16 keys into a bf16 cache). An int8 cache takes its keys through
+        :meth:`store_index_k`, which also writes their scales; a bf16 key here would be
+        cast to int8 without rotation or scale, so it is refused."""
+        if self.index_k_scale_buffer is not None:
+            raise TypeError(f"layer {layer_id}: the int8 index-K cache is written by store_index_k (rotate, "
+                            f"quantise, keys + scales); set_index_k_buffer got {index_k.dtype} rows")
         if self._on_npu:
             return super().set_index_k_buffer(layer_id, loc, index_k)
         _scatter_rows(self.index_k_buffer[self._get_indexer_slot(layer_id)], loc, index_k)
+
+    def store_index_k(self, layer_id: int, loc: torch.Tensor, key: torch.Tensor) -> None:
+        """Store the new tokens' index keys ``key [T, index_head_dim]`` (bf16) at slots
+        ``loc [T]``: as they are in a bf16 cache; in an int8 cache Hadamard-rotated and
+        quantised per token (``ops.hadamard.rotate_and_quantize``: int8 ``[T, D]`` into
+        ``index_k_buffer``, fp16 ``[T]`` into ``index_k_scale_buffer``)."""
+        if self.index_k_scale_buffer is None:
+            return self.set_index_k_buffer(layer_id, loc, key)
+        from ....ops.hadamard import rotate_and_quantize
+
+        values, scales = rotate_and_quantize(key.reshape(-1, key.shape[-1]))
+        slot = self._get_indexer_slot(layer_id)
+        _scatter_rows(self.index_k_buffer[slot], loc, values)
+        _scatter_rows(self.index_k_scale_buffer[slot], loc, scales)
 
 
 def resolved_hot_tokens(offload: cfg.SparseDecodeOffloadConfig, top_k: int, rows_per_request: int) -> int:
