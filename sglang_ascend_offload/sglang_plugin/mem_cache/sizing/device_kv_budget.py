@@ -16,11 +16,14 @@ pool (ascend_offload)       device bytes per token                           hos
 ==========================  ===============================================  ==========
 device KV (no offload)      ``layers x (latent + rope + index_head_dim) x 2``  none
 sparse decode offload       ``layers x index_head_dim x 2`` (+ hot buffers,    outside B
-                            drawn from ``B`` by :mod:`.sparse_decode`)
+                            drawn from ``B`` by :mod:`.sparse_decode`);
+                            ``indexer_dtype: "int8"``: ``layers x
+                            (index_head_dim + 2)`` (int8 keys + an fp16 scale)
 ==========================  ===============================================  ==========
 
-(bf16 index K: the plugin's pools keep SGLang's NPU layout; SGLang's own CPU figure
-assumes an fp8 indexer with scales, which these pools do not allocate.) So
+(bf16 index K, or the int8 + fp16-scale cache of the sparse decode pool: the plugin's
+pools keep SGLang's NPU layout; SGLang's own CPU figure assumes an fp8 indexer with
+scales, which these pools do not allocate; :func:`index_k_bytes_per_token`.) So
 ``max_total_num_tokens`` of two such servers compares what the same device memory
 holds with and without offload.
 """
@@ -31,11 +34,12 @@ import logging
 from typing import Any, Optional
 
 from ....memory_budget import format_bytes
+from ....model_specs import INT8_SCALE_BYTES
 from ...args import carrier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["budget_bytes", "profile_after", "emulates_device", "cpu_cell_bytes"]
+__all__ = ["budget_bytes", "profile_after", "emulates_device", "cpu_cell_bytes", "index_k_bytes_per_token"]
 
 BF16_BYTES = 2
 
@@ -64,18 +68,29 @@ def emulates_device(kvc: Any) -> bool:
     return budget_bytes() is not None and str(getattr(kvc, "device", "cpu")).startswith("cpu")
 
 
-def cpu_cell_bytes(kvc: Any, num_layers: int, offloaded: bool) -> Optional[int]:
+def index_k_bytes_per_token(index_head_dim: int, indexer_dtype: str = "bf16") -> int:
+    """Device bytes of one token's index K in one layer: ``index_head_dim x 2`` (bf16), or
+    ``index_head_dim + 2`` for the int8 cache (int8 keys + one fp16 dequantisation scale)."""
+    if indexer_dtype == "bf16":
+        return int(index_head_dim) * BF16_BYTES
+    if indexer_dtype == "int8":
+        return int(index_head_dim) + INT8_SCALE_BYTES
+    raise ValueError(f"indexer dtype {indexer_dtype!r}: expected bf16 or int8")
+
+
+def cpu_cell_bytes(kvc: Any, num_layers: int, offloaded: bool, indexer_dtype: str = "bf16") -> Optional[int]:
     """Device bytes per token of the plugin's DSA pool on an emulated device (module
     table); ``None`` for a model without an indexer (SGLang's figure stands).
 
     kvc: SGLang's KV cache configurator (its ``model_config``); num_layers: the pool's
-    layers; offloaded: the main KV lives in the sparse decode host pool.
+    layers; offloaded: the main KV lives in the sparse decode host pool; indexer_dtype:
+    its index-K cache's dtype (``bf16`` / ``int8``; the device KV pool is bf16).
     """
     mc = kvc.model_config
     index_head_dim = getattr(mc.hf_config, "index_head_dim", None)
     if index_head_dim is None:
         return None
-    index_bytes = int(index_head_dim) * BF16_BYTES
+    index_bytes = index_k_bytes_per_token(index_head_dim, indexer_dtype)
     row_bytes = (int(mc.kv_lora_rank) + int(mc.qk_rope_head_dim)) * BF16_BYTES
     per_layer = index_bytes if offloaded else row_bytes + index_bytes
     return int(num_layers) * per_layer

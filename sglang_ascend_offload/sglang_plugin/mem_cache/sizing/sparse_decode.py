@@ -25,7 +25,8 @@ middle):
 
 Per-token device bytes (:func:`cell_size_after`): on an NPU the main KV lives in the
 host pool, so the device holds only the indexer's K per token and SGLang's MLA cell
-(latent + rope + indexer) shrinks to its indexer part; the same budget then holds
+(latent + rope + indexer) shrinks to its indexer part (with ``indexer_dtype: "int8"``
+the int8 keys + fp16 scales, ``index_head_dim + 2`` bytes per layer); the same budget then holds
 ``cell / indexer`` times more tokens. On a CPU host and device are one memory and the
 host pool is paid from it too, so the cell stays SGLang's.
 """
@@ -204,17 +205,22 @@ def cell_size_after(cell: int, self, kvc, num_layers: int) -> Optional[int]:
     SGLang's own indexer cell. A CPU server with ``--device-kv-budget`` accounts like a
     device (:func:`.device_kv_budget.cpu_cell_bytes`), with or without offload."""
     emulated = None
+    sd = _served(kvc)
     if device_kv_budget.emulates_device(kvc) and _plugin_main_pool(kvc):
-        emulated = device_kv_budget.cpu_cell_bytes(kvc, num_layers, offloaded=_served(kvc) is not None)
+        emulated = device_kv_budget.cpu_cell_bytes(kvc, num_layers, offloaded=sd is not None,
+                                                   indexer_dtype=sd.indexer_dtype if sd is not None else "bf16")
     if emulated is not None:
         logger.info("device KV per token %d B on this CPU accounted as a device (--device-kv-budget; SGLang's "
                     "figure %d B)", emulated, cell)
         return emulated
-    if _served(kvc) is None or _on_cpu(kvc):
+    if sd is None or _on_cpu(kvc):
         return None
     indexer = int(self._compute_dsa_indexer_cell_size(kvc=kvc, num_layers=num_layers))
     if not 0 < indexer < int(cell):
         return None  # not the MLA + indexer cell this reasons about: leave SGLang's
-    logger.info("sparse decode offload: device KV per token %d B (the indexer) instead of %d B (the main KV "
-                "is in the host pool)", indexer, cell)
+    if sd.indexer_dtype == "int8":  # the pool's int8 keys + fp16 scales, not SGLang's bf16 figure
+        dim = int(kvc.model_config.hf_config.index_head_dim)
+        indexer = int(num_layers) * device_kv_budget.index_k_bytes_per_token(dim, "int8")
+    logger.info("sparse decode offload: device KV per token %d B (the %s indexer) instead of %d B (the main KV "
+                "is in the host pool)", indexer, sd.indexer_dtype, cell)
     return indexer
