@@ -82,8 +82,22 @@ FUSED_BUILD_HINT = (
 )
 
 
-@functools.lru_cache(maxsize=1)
 def _fused_extension_unavailable() -> Optional[str]:
+    """``None`` if the fused ops' provider is usable: on CPU the functional-model ops
+    (``ops/ascendc_cpu_ops.py``) once registered, else the built AscendC extension."""
+    from . import ascendc_cpu_ops
+
+    if ascendc_cpu_ops.registered():
+        return None
+    reason = _npu_extension_unavailable()
+    if reason is not None and platform.device_kind() == "cpu":
+        reason += (" (on CPU, ops=fused runs the AscendC kernels on the functional model instead: selecting "
+                   "ops=fused, or ops.ascendc_cpu_ops.register(), builds and registers them)")
+    return reason
+
+
+@functools.lru_cache(maxsize=1)
+def _npu_extension_unavailable() -> Optional[str]:
     reason = torch_npu_unavailable()
     if reason is not None:
         return reason

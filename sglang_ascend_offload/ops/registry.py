@@ -19,7 +19,9 @@ Selection is by rung name (``auto | reference | triton | npu | fused``):
   implementation); the resolved table is logged once, so nothing is silent;
 * an explicit rung that exists for an op but is not usable here (missing package,
   wrong device) is an :class:`OpUnavailableError` naming what is missing;
-* ``auto`` picks, per op, the first usable rung in the device's preference order.
+* ``auto`` picks, per op, the first usable rung in the device's preference order;
+* ``fused`` on a CPU platform registers the AscendC kernels run on their functional
+  model (``ops/ascendc_cpu_ops.py``) as the fused ops first: a correctness path.
 
 Registration is explicit: the implementation modules only *mark* their functions
 (:func:`~sglang_ascend_offload.ops.contract.implements`, which also checks each one
@@ -117,6 +119,7 @@ def select(op: str, choice: str = "auto") -> OpImpl:
     impls = implementations(op)
     if not impls:
         raise KeyError(f"unknown op {op!r}; known ops: {', '.join(ops())}")
+    _prepare_rung(choice)
     if choice == "auto":
         for rung in _AUTO_ORDER[platform.device_kind()]:
             impl = impls.get(rung)
@@ -131,6 +134,22 @@ def select(op: str, choice: str = "auto") -> OpImpl:
     if reason is not None:
         raise OpUnavailableError(f"op {op!r} with ops={choice!r} cannot run here: {reason}")
     return _log_once(impl, choice)
+
+
+def _prepare_rung(choice: str) -> None:
+    """An explicit ``fused`` on a CPU platform is the AscendC kernels on the functional
+    model: register those ops (build on first use, logged). A failed build (or a namespace
+    owned by the extension) is an :class:`OpUnavailableError` saying what to install;
+    nothing falls back."""
+    from . import ascendc_cpu_ops
+    from .npu_impls import FUSED_BUILD_HINT
+
+    try:
+        ascendc_cpu_ops.ensure_for_choice(choice)
+    except RuntimeError as exc:  # ModelBuildError, or the namespace is not the model's to take
+        raise OpUnavailableError(f"ops={choice!r} on CPU runs the AscendC kernels on their functional model, "
+                                 f"which cannot be registered here: {exc}; on an Ascend node: "
+                                 f"{FUSED_BUILD_HINT}") from exc
 
 
 def resolve_all(choice: str = "auto") -> Dict[str, OpImpl]:

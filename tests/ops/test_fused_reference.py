@@ -259,11 +259,18 @@ def test_fused_ops_are_registered_on_both_rungs():
 
 @pytest.mark.skipif(ON_NPU, reason="checks the reasons given off Ascend")
 @pytest.mark.parametrize("op", FUSED_OPS)
-def test_fused_rung_refuses_off_ascend_with_build_instructions(op):
+def test_fused_rung_refuses_off_ascend_with_build_instructions(op, monkeypatch):
+    """Off Ascend, ops=fused runs the kernels on the functional model; where that cannot be
+    built (no compiler) it is refused naming what to install and the NPU build."""
+    from sglang_ascend_offload.ops import ascendc_cpu_ops
+
+    ascendc_cpu_ops.unregister()
+    monkeypatch.setenv("CXX", "sao-no-such-compiler")
     with pytest.raises(OpUnavailableError) as info:
         registry.select(op, "fused")
     msg = str(info.value)
-    assert "bash ascendc_ops/build.sh" in msg and "torch_npu" in msg
+    assert "bash ascendc_ops/build.sh" in msg and "torch_npu" in msg and "install g++" in msg
+    assert not ascendc_cpu_ops.registered()
     assert registry.select(op, "auto").rung == "reference"
 
 
