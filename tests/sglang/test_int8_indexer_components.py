@@ -187,3 +187,19 @@ def _both(eager, graph, rids, lens=None) -> None:
             outs.append((topk[:real], out[:real]))
         assert torch.equal(outs[0][0], outs[1][0]), f"layer {layer}: graph int8 top-k != eager"
         assert torch.equal(outs[0][1], outs[1][1]), f"layer {layer}: graph int8 attention != eager"
+
+
+def test_server_startup_serves_int8_on_cpu_and_refuses_it_on_a_pd_decode():
+    """The server's whole startup verdict: int8 passes a colocated CPU launch (eager and
+    with decode graphs); a P/D decode stops with sglang.indexer_int8_pd and its fix."""
+    from startup_verdict import server_rule_ids, server_verdict
+
+    int8 = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=64, indexer_dtype="int8"))
+    eager = dict(attention_backend="ascend_offload", disable_cuda_graph=True, page_size=64)
+    assert server_rule_ids(int8, **eager) == []
+    assert server_rule_ids(int8, attention_backend="ascend_offload", disable_cuda_graph=False,
+                           enable_torch_compile=True, page_size=64) == []
+    pd = server_verdict(int8, **eager, disaggregation_mode="decode", disaggregation_transfer_backend="ascend_offload",
+                        disaggregation_decode_retraction_backup="cpu_tensor")
+    found = [v for v in pd if v.rule == "sglang.indexer_int8_pd"]
+    assert found and "indexer_scale" in found[0].problem and '"indexer_dtype": "bf16"' in found[0].fix
