@@ -71,6 +71,12 @@ STARTUP_TIMEOUT_S = float(os.environ.get("SGLANG_TEST_STARTUP_TIMEOUT", "240"))
 # within the last STARTUP_STALL_S seconds), up to STARTUP_HARD_CAP_FACTOR x the timeout.
 STARTUP_STALL_S = float(os.environ.get("SGLANG_TEST_STARTUP_STALL", "60"))
 STARTUP_HARD_CAP_FACTOR = 3.0
+# How often a starting server's /health is polled: a start becomes visible at most this late
+# (each poll also reads the log and the process group's CPU time: cheap next to a start).
+HEALTH_POLL_S = 0.25
+# Launch accounting for the test suite (docs/testing.md): when set, every launch appends one
+# JSON line (time, pytest's current test, arguments) to this file.
+LAUNCH_LOG_ENV = "SGLANG_TEST_LAUNCH_LOG"
 
 
 # The trained checkpoint: its weights are loaded (no --load-format dummy) and its tokenizer
@@ -151,7 +157,7 @@ def process_group_cpu_seconds(pgid: int) -> float:
 class StartupWatch:
     """Decides when a server start has taken too long (the rule in the module docstring).
 
-    ``observe(now, mark)`` is called about once a second with ``time.monotonic()`` and a
+    ``observe(now, mark)`` is called every ``HEALTH_POLL_S`` with ``time.monotonic()`` and a
     progress mark (any value that changes while the server works: its process group's CPU
     seconds and log size); it returns ``None`` to keep waiting or the reason to give up.
     """
@@ -234,6 +240,7 @@ class ServerProcess:
         raise AssertionError("unreachable")
 
     def _start_once(self) -> "ServerProcess":
+        _record_launch(self.args, self.extra_env)
         with open(self.log_path, "wb") as log:
             t0 = time.monotonic()
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
@@ -262,7 +269,7 @@ class ServerProcess:
                         return self
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
-            time.sleep(1.0)
+            time.sleep(HEALTH_POLL_S)
         self.stop()
         raise TimeoutError(f"server {verdict}; log: {self.log_path}\n{self._log_tail()}")
 
@@ -330,13 +337,59 @@ class ServerProcess:
             release_ports([self.port, self.nccl_port, *(self.port + o for o in self.port_offsets)])
 
 
+def _record_launch(args: Sequence[str], env: Dict[str, str]) -> None:
+    """One JSON line per launch in ``$SGLANG_TEST_LAUNCH_LOG`` (when set): what a test run launched."""
+    path = os.environ.get(LAUNCH_LOG_ENV)
+    if not path:
+        return
+    line = json.dumps({"t": time.time(), "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+                       "args": list(args[3:]), "env": dict(env)})
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+
+def _workers(proc: subprocess.Popen) -> List[int]:
+    """Live members of ``proc``'s process group other than ``proc`` itself and
+    multiprocessing's resource tracker (which ignores SIGTERM and exits, after its
+    cleanup, once every process holding its pipe is gone); zombies are not live."""
+    out = []
+    for pid in process_group_pids(proc.pid):
+        if pid == proc.pid:
+            continue
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if state != "Z" and b"multiprocessing.resource_tracker" not in cmdline:
+            out.append(pid)
+    return out
+
+
 def stop_process_group(proc: Optional[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM a server's process group, SIGKILL it after ``grace_s``; no-op if gone."""
+    """SIGTERM a server's process group, SIGKILL it after ``grace_s``; no-op if gone.
+
+    Once every worker of the group (scheduler ranks, detokenizer, ...) has exited, the
+    launcher is SIGKILLed: on a child's exit SGLang's launcher only sleeps 5 s "to let GPU
+    activity settle" before crash diagnostics that find nothing (measured: 5.7 s of every
+    stop). Then the wait goes on until the group is empty (the resource tracker's cleanup
+    included), at most ``grace_s`` more."""
     if proc is None or proc.poll() is not None:
         return
+    had_workers = bool(_workers(proc))
+    deadline = time.monotonic() + grace_s
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(proc.args, grace_s)
+            if had_workers and not _workers(proc):
+                proc.kill()  # only the launcher is left, waiting to run its crash diagnostics
+                proc.wait(timeout=10)
+                break
+            time.sleep(0.05)
+        while process_group_pids(proc.pid) and time.monotonic() < deadline + grace_s:
+            time.sleep(0.05)  # the resource tracker (and any straggler) finishing
     except (ProcessLookupError, subprocess.TimeoutExpired):
         try:
             os.killpg(proc.pid, signal.SIGKILL)
