@@ -242,16 +242,17 @@ def _run_lim(query, key, weights, query_scale, key_scale, meta, state, layout_qu
 
 
 def _lim(query, key, weights, cu, kv_len, block_table, token_rows, req_ids, stable_len, step, slot_token,
-         slot_stamp, row_req, layout_query, layout_key, sparse_count, sparse_mode):
-    """``npu_fused_lightning_indexer_manage`` on the model (schema in :data:`SCHEMAS`)."""
+         slot_stamp, row_req, layout_query="TND", layout_key="PA_BSND", sparse_count=2048, sparse_mode=3):
+    """``npu_fused_lightning_indexer_manage`` on the model (schema in :data:`SCHEMAS`; the
+    dispatcher drops trailing arguments equal to their defaults, so the defaults are repeated)."""
     return _run_lim(query, key, weights, None, None,
                     (cu, kv_len, block_table, token_rows, req_ids, stable_len, step), (slot_token, slot_stamp, row_req),
                     layout_query, layout_key, sparse_count, sparse_mode, quantized=False)
 
 
 def _lim_c8(query, key, weights, query_scale, key_scale, cu, kv_len, block_table, token_rows, req_ids, stable_len,
-            step, slot_token, slot_stamp, row_req, query_quant_mode, key_quant_mode, layout_query, layout_key,
-            sparse_count, sparse_mode):
+            step, slot_token, slot_stamp, row_req, query_quant_mode=0, key_quant_mode=0, layout_query="TND",
+            layout_key="PA_BSND", sparse_count=2048, sparse_mode=3):
     """``npu_fused_quant_lightning_indexer_manage`` on the model (quant modes 0 only)."""
     if query_quant_mode != 0 or key_quant_mode != 0:
         raise RuntimeError("npu_fused_quant_lightning_indexer_manage: only per-token quantisation (quant mode 0)")
@@ -261,9 +262,10 @@ def _lim_c8(query, key, weights, query_scale, key_scale, cu, kv_len, block_table
 
 
 # ------------------------------------------------------------------ Copy-SFA
-def _register_host_memory(host: torch.Tensor, device_address: int) -> int:
-    """``npu_fused_register_host_memory`` on CPU: records ``host``'s region (whole pool,
-    4 KiB-aligned as ``aclrtHostRegister`` needs, unless ``device_address`` is given) and
+def _register_host_memory(host: torch.Tensor, device_address: int = 0) -> int:
+    """``npu_fused_register_host_memory`` on CPU: records ``host``'s region (whole pool, or a
+    view starting 4 KiB into its storage as ``aclrtHostRegister`` needs of page-aligned
+    pinned memory, unless ``device_address`` is given) and
     returns the address the kernel reads it at (its own address: CPU memory is the model's
     device memory, or ``device_address`` when given). A view inside a recorded region
     returns that region's address plus its offset."""
@@ -276,7 +278,9 @@ def _register_host_memory(host: torch.Tensor, device_address: int) -> int:
         for r_base, r_bytes, r_dev in _STATE.regions:
             if r_base <= base and base + nbytes <= r_base + r_bytes:
                 return r_dev + (base - r_base)
-        if device_address == 0 and base % 4096:
+        # On an NPU the pool's storage is page-aligned pinned memory, so what decides is the
+        # view's offset in its storage; CPU storage is only 64-byte aligned: check the offset.
+        if device_address == 0 and (base - host.untyped_storage().data_ptr()) % 4096:
             raise RuntimeError("npu_fused_register_host_memory: aclrtHostRegister needs 4 KiB-aligned host memory; "
                                "register the whole host pool (HostKVPool storage), not an unaligned view")
         device = int(device_address) or base
