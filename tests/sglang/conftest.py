@@ -7,6 +7,8 @@
   served benchmarks) launches ``python -m sglang.launch_server`` on 127.0.0.1 on a
   reserved port in its own session, waits for ``/health`` with a deadline, restarts on
   a fresh port if the log reports a bind failure, and stops its process group.
+* :class:`SharedServers` (fixture ``shared_servers``): a server launched with the same
+  arguments by several modules is launched once per session; see docs/testing.md.
 
 Do not add an ``__init__.py`` to this folder: a package named ``sglang`` would
 shadow the real one.
@@ -17,7 +19,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import List
+import urllib.request
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Set
 
 import pytest
 
@@ -70,3 +74,82 @@ def clean_state():
     yield
     flags.forget()
     carrier.clear()
+
+
+class SharedServers:
+    """Servers that several test modules launch with identical arguments, launched once.
+
+    A module lists the names it uses in ``SHARED_SERVERS`` (module level) and asks for
+    each with its own launch arguments: :meth:`get` returns the running server when a
+    server of that name was launched with exactly these arguments (base arguments, extra
+    arguments, environment), else a new, unstarted :class:`ServerProcess` (a name asked
+    for with other arguments is an error: the modules' settings drifted apart).
+    :meth:`start_all` starts the module's servers together, skipping the shared ones
+    already running, whose radix cache (and KV pools) it flushes instead, so each module
+    sees a server in the state a fresh one has. :meth:`stop_all` stops the module's own
+    servers and stops a shared one once no module still to run lists its name.
+    """
+
+    def __init__(self, root: Path, users: Dict[str, Set[str]]):
+        self.root = root
+        self.users = users  # name -> modules (``__name__``) still to use it
+        self.servers: Dict[str, ServerProcess] = {}
+        self.keys: Dict[str, tuple] = {}
+
+    def get(self, name: str, extra_args: Sequence[str], *, base_args: Sequence[str] = tuple(CPU_SERVER_ARGS),
+            env: Optional[Dict[str, str]] = None) -> ServerProcess:
+        key = (tuple(base_args), tuple(extra_args), tuple(sorted((env or {}).items())))
+        if name in self.keys and self.keys[name] != key:
+            raise ValueError(f"shared server {name!r} asked for with other arguments:\n{key}\nnot\n{self.keys[name]}")
+        srv = self.servers.get(name)
+        if srv is None or (srv.proc is not None and srv.proc.poll() is not None):  # none yet, or it died
+            n = sum(1 for p in self.root.glob(f"{name}*.log"))
+            srv = ServerProcess(extra_args, base_args=base_args, env=env,
+                                log_path=self.root / (f"{name}.log" if n == 0 else f"{name}.{n}.log"))
+            self.servers[name], self.keys[name] = srv, key
+        srv.shared_name = name
+        return srv
+
+    def start_all(self, *procs: ServerProcess) -> None:
+        running = [p for p in procs if p.proc is not None and p.proc.poll() is None]
+        for p in running:
+            flush_cache(p)
+        start_all(*[p for p in procs if p not in running])
+
+    def stop_all(self, module: str, *procs) -> None:
+        for users in self.users.values():
+            users.discard(module)
+        done = [s for n, s in self.servers.items() if not self.users.get(n)]
+        stop_all(*[p for p in procs if p is not None and getattr(p, "shared_name", None) is None], *done)
+        for n in [n for n, s in self.servers.items() if s in done]:
+            del self.servers[n]
+
+    def close(self) -> None:
+        stop_all(*self.servers.values())
+        self.servers.clear()
+
+
+def flush_cache(server: ServerProcess, timeout_s: float = 60.0) -> None:
+    """SGLang's ``/flush_cache`` (radix cache, request and token pools), waiting up to
+    ``timeout_s`` for the server to be idle; fails when it did not flush."""
+    req = urllib.request.Request(f"{server.url}/flush_cache?timeout={timeout_s:g}", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout_s + 30) as r:
+        assert r.status == 200, r.read()
+
+
+def pytest_collection_modifyitems(config, items):
+    users: Dict[str, Set[str]] = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        for name in getattr(module, "SHARED_SERVERS", ()):
+            users.setdefault(name, set()).add(module.__name__)
+    config._shared_server_users = users
+
+
+@pytest.fixture(scope="session")
+def shared_servers(request, tmp_path_factory):
+    """The session's :class:`SharedServers` (every one stopped at the end at the latest)."""
+    pool = SharedServers(tmp_path_factory.mktemp("shared_servers"),
+                         getattr(request.config, "_shared_server_users", {}))
+    yield pool
+    pool.close()

@@ -36,7 +36,7 @@ import re
 
 import pytest
 
-from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
+from conftest import IDLE_SLEEP, ServerProcess
 from sglang_ascend_offload.testing.servers import TINY_DSA_MTP, fixture_args
 
 pytestmark = pytest.mark.slow
@@ -58,8 +58,13 @@ def prompt(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
 
 
+# The eager reference is test_speculative_offload_e2e_cpu.py's reference server too
+# (same arguments and environment): launched once per session (docs/testing.md).
+SHARED_SERVERS = ("mtp_eager_speculation",)
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(request, tmp_path_factory, shared_servers):
     root = tmp_path_factory.mktemp("graph_spec")
     base = fixture_args(TINY_DSA_MTP)
     graph_base = [a for a in base if a != "--disable-cuda-graph"]
@@ -69,11 +74,13 @@ def servers(tmp_path_factory):
         "graph_offload": ServerProcess(COMMON + GRAPHS + OFFLOAD + ["--enable-metrics"], base_args=graph_base,
                                        log_path=root / "graph_offload.log", env=GRAPH_ENV,
                                        startup_timeout_s=GRAPH_STARTUP_S),
-        "eager": ServerProcess(COMMON, base_args=base, log_path=root / "eager.log", env=SIMULATED_ACCEPT),
+        "eager": shared_servers.get("mtp_eager_speculation", COMMON, base_args=base, env=SIMULATED_ACCEPT),
     }
-    start_all(*procs.values())
-    yield procs
-    stop_all(*procs.values())
+    try:
+        shared_servers.start_all(*procs.values())
+        yield procs
+    finally:
+        shared_servers.stop_all(request.module.__name__, *procs.values())
 
 
 def _workload(server) -> list:

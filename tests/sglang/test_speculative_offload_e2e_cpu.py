@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
+from conftest import IDLE_SLEEP, ServerProcess
 from sglang_ascend_offload.testing.servers import TINY_DSA_MTP, fixture_args
 
 pytestmark = pytest.mark.slow
@@ -56,11 +56,17 @@ def prompt(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
 
 
+# The plain (dense) server is test_graph_speculative_e2e_cpu.py's eager reference too
+# (same arguments and environment): launched once per session, its cache flushed
+# before this module uses it (docs/testing.md).
+SHARED_SERVERS = ("mtp_eager_speculation",)
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(request, tmp_path_factory, shared_servers):
     root = tmp_path_factory.mktemp("spec_servers")
     base = fixture_args(TINY_DSA_MTP)
-    dense = ServerProcess(COMMON, log_path=root / "dense.log", base_args=base, env=SIMULATED_ACCEPT)
+    dense = shared_servers.get("mtp_eager_speculation", COMMON, base_args=base, env=SIMULATED_ACCEPT)
     # shadow verification on every layer step (rate 1): each step recomputes one verify row
     # over the host pool and must match bit for bit
     offload = ServerProcess(COMMON + ["--enable-metrics", "--enable-sparse-decode-offload",
@@ -70,11 +76,13 @@ def servers(tmp_path_factory):
                             log_path=root / "offload.log", base_args=base, env=SIMULATED_ACCEPT)
     layerwise = ServerProcess(COMMON + LAYERWISE, log_path=root / "layerwise.log", base_args=base,
                               env=SIMULATED_ACCEPT)
-    start_all(dense, offload, layerwise)
-    print(f"\nstartup: dense {dense.startup_s:.1f} s, offload {offload.startup_s:.1f} s, layerwise "
-          f"{layerwise.startup_s:.1f} s (concurrent)")
-    yield dense, offload, layerwise
-    stop_all(dense, offload, layerwise)
+    try:
+        shared_servers.start_all(dense, offload, layerwise)
+        print(f"\nstartup: dense {dense.startup_s:.1f} s, offload {offload.startup_s:.1f} s, layerwise "
+              f"{layerwise.startup_s:.1f} s (concurrent; dense may have been started by an earlier module)")
+        yield dense, offload, layerwise
+    finally:
+        shared_servers.stop_all(request.module.__name__, dense, offload, layerwise)
 
 
 def _run(srv: ServerProcess) -> list:
