@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import IDLE_SLEEP, REPO, ServerProcess, run_launcher, server_env, start_all, stop_all
+from conftest import IDLE_SLEEP, REPO, ServerProcess, run_launcher, server_env
 
 pytestmark = pytest.mark.slow
 
@@ -32,21 +32,29 @@ def prompt(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
 
 
+# The offload-off server is test_score_policy_serving.py's reference too (same arguments):
+# launched once per session, its cache flushed before each module uses it (docs/testing.md).
+SHARED_SERVERS = ("tiny_dsa_mrr4",)
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(request, tmp_path_factory, shared_servers):
     """(offload off, offload on) servers; the offload one records a trace and exports metrics."""
     root = tmp_path_factory.mktemp("dsa_servers")
     offload_cfg = {"hot_tokens": HOT_TOKENS, "record_trace": str(root / "served.npz"),
                    "record_trace_max_steps": TRACE_STEPS}
-    dense = ServerProcess(COMMON, log_path=root / "dense.log")
+    dense = shared_servers.get("tiny_dsa_mrr4", COMMON)
     offload = ServerProcess(COMMON + ["--enable-metrics", "--enable-sparse-decode-offload",
                                       "--sparse-decode-offload-config", json.dumps(offload_cfg)],
                             log_path=root / "offload.log")
     offload.trace_file = root / "served.npz"
-    start_all(dense, offload)
-    print(f"\nstartup: dense {dense.startup_s:.1f} s, offload {offload.startup_s:.1f} s (concurrent)")
-    yield dense, offload
-    stop_all(dense, offload)
+    try:
+        shared_servers.start_all(dense, offload)
+        print(f"\nstartup: dense {dense.startup_s:.1f} s, offload {offload.startup_s:.1f} s (concurrent; dense "
+              "may have been started by an earlier module)")
+        yield dense, offload
+    finally:
+        shared_servers.stop_all(request.module.__name__, dense, offload)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.sparse_decode.replay import simulate_policy
 from sglang_ascend_offload.sparse_decode.trace import Trace, load_trace
 
-from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
+from conftest import IDLE_SLEEP, ServerProcess
 
 POLICY = "score_rank_guarded"
 HOT = 64  # the fixture's page size (hot_tokens must be a multiple of it); 4 x top-k
@@ -75,18 +75,28 @@ def prompt(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
 
 
+# Both servers take at most 4 requests at once (the served test sends a batch of 3, so
+# the batches are those of SGLang's default, 2048): the offload-off one is then
+# test_e2e_dsa_cpu.py's reference server, launched once per session, its cache flushed
+# before each module uses it (docs/testing.md).
+SHARED_SERVERS = ("tiny_dsa_mrr4",)
+MRR4 = ["--max-running-requests", "4"]
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(request, tmp_path_factory, shared_servers):
     root = tmp_path_factory.mktemp("score_serving")
     trace = root / "trace.npz"
     score_cfg = json.dumps({"hot_tokens": HOT, "policy": POLICY, "rank_depth": DEPTH, "metrics_log_interval_s": 0.2,
                             "record_trace": str(trace), "record_trace_rank_depth": DEPTH})
-    off = ServerProcess(IDLE_SLEEP, log_path=root / "off.log")
-    score = ServerProcess(["--enable-sparse-decode-offload", "--sparse-decode-offload-config", score_cfg] + IDLE_SLEEP,
-                          log_path=root / "score.log")
-    start_all(off, score)
-    yield off, score, trace
-    stop_all(off, score)
+    off = shared_servers.get("tiny_dsa_mrr4", MRR4 + IDLE_SLEEP)
+    score = ServerProcess(MRR4 + ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", score_cfg]
+                          + IDLE_SLEEP, log_path=root / "score.log")
+    try:
+        shared_servers.start_all(off, score)
+        yield off, score, trace
+    finally:
+        shared_servers.stop_all(request.module.__name__, off, score)
 
 
 def _prefix(trace: Trace, steps: int) -> Trace:
