@@ -25,6 +25,10 @@ build_cpu_kernel() {
   # the score-aware policies' kernel (score_rank, score_rank_guarded): same compiler, own library
   "$venv/bin/python" -m sglang_ascend_offload.sparse_decode.score_kernel --build >/dev/null \
     && echo "[setup] score-aware CPU residency kernel is built"
+  # ops=fused on CPU: the AscendC kernels compiled against their functional model (g++,
+  # ~10-30 s when the kernel sources changed; cached by a hash of them otherwise)
+  "$venv/bin/python" -m sglang_ascend_offload.ops.ascendc_model --build >/dev/null \
+    && echo "[setup] AscendC functional model (ops=fused on CPU) is built"
 }
 
 if [[ -x "$venv/bin/python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then

@@ -207,3 +207,23 @@ class KernelModel:
                                     range_arr, len(ranges) // 2, err, len(err))
         if rc != 0:
             raise ModelFault(err.value.decode())
+
+
+def main(argv=None) -> int:
+    """``python -m sglang_ascend_offload.ops.ascendc_model --build``: build the library if
+    its sources changed (cached by hash, so a no-op otherwise) and print its path."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--build", action="store_true", help="build (or find the cached) model library")
+    args = parser.parse_args(argv)
+    if not args.build:
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(build())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
