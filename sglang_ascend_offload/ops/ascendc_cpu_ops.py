@@ -129,6 +129,10 @@ def register(path=None) -> None:
         library.impl("npu_fused_quant_lightning_indexer_manage", _lim_c8, "CPU")
         library.impl("npu_fused_scatter_copy_sparse_flash_attention", _copy_sfa, "CPU")
         library.impl("npu_fused_register_host_memory", _register_host_memory, "CPU")
+        for name, fake in (("npu_fused_lightning_indexer_manage", _lim_fake),
+                           ("npu_fused_quant_lightning_indexer_manage", _lim_c8_fake),
+                           ("npu_fused_scatter_copy_sparse_flash_attention", _copy_sfa_fake)):
+            torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=library)
         _STATE.model, _STATE.library = loaded, library
         logger.info("fused ops on CPU: torch.ops.%s.{%s} run the AscendC kernels on the functional model (%s)",
                     NAMESPACE, ",".join(SCHEMAS), lib_path.name)
@@ -350,3 +354,30 @@ def _copy_sfa(query, query_rope, host, hot, sparse_indices, token_rows, miss_tok
                            f"torch.ops.{NAMESPACE}.npu_fused_register_host_memory(pool) first")
     m.run(am.COPY_SFA, [q, qr, host, hot, sparse_indices, token_rows, *miss, token_table, out], launch)
     return out if n_pad == n else out.narrow(1, 0, n).contiguous()
+
+
+# ------------------------------------------------------------------ fake (meta) impls
+# Output shapes and dtypes only, so torch.compile can trace a call of the kernels.
+def _lim_outputs_like(query: torch.Tensor, rows: int, k: int):
+    t = query.shape[0]
+    i32 = dict(dtype=torch.int32)
+    return (query.new_empty((t, 1, k), **i32), query.new_empty((t, 1, k), **i32),
+            query.new_empty((rows, k), dtype=torch.bool), query.new_empty((rows, k), **i32),
+            query.new_empty((rows,), **i32), query.new_empty((rows, k), **i32), query.new_empty((rows, k), **i32))
+
+
+def _lim_fake(query, key, weights, cu, kv_len, block_table, token_rows, req_ids, stable_len, step, slot_token,
+              slot_stamp, row_req, layout_query="TND", layout_key="PA_BSND", sparse_count=2048, sparse_mode=3):
+    return _lim_outputs_like(query, slot_token.shape[0], int(sparse_count))
+
+
+def _lim_c8_fake(query, key, weights, query_scale, key_scale, cu, kv_len, block_table, token_rows, req_ids,
+                 stable_len, step, slot_token, slot_stamp, row_req, query_quant_mode=0, key_quant_mode=0,
+                 layout_query="TND", layout_key="PA_BSND", sparse_count=2048, sparse_mode=3):
+    return _lim_outputs_like(query, slot_token.shape[0], int(sparse_count))
+
+
+def _copy_sfa_fake(query, query_rope, host, hot, sparse_indices, token_rows, miss_tokens, miss_slots, miss_count,
+                   token_table, scale_value):
+    return query.new_empty(query.shape)
+

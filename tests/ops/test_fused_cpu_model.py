@@ -153,3 +153,39 @@ def test_model_ops_are_refused_on_an_npu_platform(monkeypatch):
     monkeypatch.undo()
     if was:
         ascendc_cpu_ops.register()
+
+
+def test_model_ops_trace_under_torch_compile(fused_cpu):
+    """The ops have fake implementations: ``torch.compile(fullgraph=True)`` (aot_eager:
+    functionalised, in-place state written back) gives the eager results bit for bit."""
+    inp = _sfa_inputs(seed=7, heads=8, top_k=128, hot_tokens=128, rows=3, tokens=3, pad_rows_with_no_miss=False)
+    fused.register_host_memory(inp.host)
+    ns = torch.ops.sglang_ascend_offload
+
+    def copy_sfa(hot):
+        return ns.npu_fused_scatter_copy_sparse_flash_attention(
+            inp.query, inp.query_rope, inp.host, hot, inp.sparse, inp.token_rows, inp.miss_tokens, inp.miss_slots,
+            inp.miss_count, inp.token_table, inp.scale)
+
+    hot_e, hot_c = inp.hot.clone(), inp.hot.clone()
+    out_e = copy_sfa(hot_e)
+    out_c = torch.compile(copy_sfa, fullgraph=True, backend="aot_eager")(hot_c)
+    assert torch.equal(out_c.view(torch.int16), out_e.view(torch.int16))
+    assert torch.equal(hot_c.view(torch.int16), hot_e.view(torch.int16))
+
+    dims = LimDims(rows=3, padding_tokens=1)
+    sc = Scenario(dims, seed=3)
+    sc.advance()
+    lim_in = sc.inputs()
+
+    def lim(table: ResidencyTable):
+        return ns.npu_fused_lightning_indexer_manage(
+            lim_in.query, lim_in.key, lim_in.weights, lim_in.cu, lim_in.kv_len, lim_in.block_table,
+            lim_in.token_rows, lim_in.req_ids, lim_in.stable, torch.tensor([lim_in.step]), table.slot_token,
+            table.slot_stamp, table.row_req, "TND", "PA_BSND", dims.top_k, dims.sparse_mode)
+
+    t_e, t_c = ResidencyTable.empty(dims.rows, dims.hot_tokens), ResidencyTable.empty(dims.rows, dims.hot_tokens)
+    outs_e = lim(t_e)
+    outs_c = torch.compile(lim, fullgraph=True, backend="aot_eager")(t_c)
+    assert all(torch.equal(a, b) for a, b in zip(outs_c, outs_e))
+    assert all(torch.equal(getattr(t_c, n), getattr(t_e, n)) for n in ("slot_token", "slot_stamp", "row_req"))
