@@ -162,3 +162,51 @@ def test_a_missing_fixture_model_is_a_clear_error_from_the_command_line(tmp_path
     monkeypatch.setattr(soak, "main", run_without_fixtures)
     assert cli.main(["bench", "soak"]) == 2
     assert "source checkout" in capsys.readouterr().err
+
+
+# SGLang's launcher, in miniature: a worker child; on SIGTERM it waits for the worker to
+# exit, then sleeps before "crash diagnostics" (SGLang sleeps 5 s there). The worker
+# dies at once on SIGTERM, as SGLang's scheduler does.
+FAKE_LAUNCHER = r'''
+import signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+def on_term(*_):
+    child.wait()
+    time.sleep(float(sys.argv[1]))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+time.sleep(3600)
+'''
+
+
+def _fake_launcher(tmp_path, diagnostics_s: float):
+    import subprocess
+
+    script = tmp_path / "fake_launcher.py"
+    script.write_text(FAKE_LAUNCHER)
+    proc = subprocess.Popen([sys.executable, str(script), str(diagnostics_s)], stdout=subprocess.PIPE,
+                            start_new_session=True, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_a_stop_does_not_wait_out_the_launchers_crash_diagnostics(tmp_path):
+    from sglang_ascend_offload.testing.servers import process_group_pids, stop_process_group
+
+    proc = _fake_launcher(tmp_path, diagnostics_s=30.0)
+    t0 = time.monotonic()
+    stop_process_group(proc, grace_s=20)
+    took = time.monotonic() - t0
+    assert took < 5.0, took  # not the launcher's 30 s
+    assert proc.returncode == -9  # SIGKILLed once its worker had gone
+    assert process_group_pids(proc.pid) == []  # nothing of the group left
+
+
+def test_a_launcher_that_exits_on_its_own_after_its_workers_is_waited_for(tmp_path):
+    from sglang_ascend_offload.testing.servers import process_group_pids, stop_process_group
+
+    proc = _fake_launcher(tmp_path, diagnostics_s=0.0)
+    stop_process_group(proc, grace_s=20)
+    assert proc.returncode in (0, -9)  # exited itself, or was killed an instant before
+    assert process_group_pids(proc.pid) == []
