@@ -232,13 +232,17 @@ STAND_IN_STEPS, STAND_IN_SEED = 120, 99  # shared with the NPU twin (test_engine
 def test_engine_fused_copy_sfa_path_equals_full_kv(monkeypatch):
     """With ops=fused the engine hands copy + attention to the Copy-SFA op.
 
-    The AscendC rung cannot run here, so a stand-in ``fused`` rung (the reference
-    composition, declared usable) takes its place; the engine's fused branch must then
-    give the same bit-exact results as the separate copy + attention path. The real
-    operator on an Ascend NPU: ``test_engine_fused_npu.py``.
+    A stand-in ``fused`` rung (the reference composition, declared usable) takes the
+    AscendC rung's place, and ``ops=fused`` does not register the functional-model ops
+    here; the engine's fused branch must then give the same bit-exact results as the
+    separate copy + attention path. The real operator: on an Ascend NPU
+    ``test_engine_fused_npu.py``, on CPU's functional model ``test_engine_fused_cpu_model.py``.
     """
+    from sglang_ascend_offload.ops import ascendc_cpu_ops
     from sglang_ascend_offload.ops.contract import OpImpl
     from sglang_ascend_offload.ops.registry import _REGISTRY
+
+    monkeypatch.setattr(ascendc_cpu_ops, "ensure_for_choice", lambda choice: None)
 
     ref = registry.implementations("copy_sparse_flash_attention")["reference"]
     calls = []
