@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import IDLE_SLEEP, REPO, ServerProcess, run_launcher, server_env
+from sglang_ascend_offload.testing import pd_servers
 
 pytestmark = pytest.mark.slow
 
@@ -25,16 +26,19 @@ INDEX_TOPK = 16  # tests/fixtures/tiny_dsa/config.json
 VOCAB = 1024
 HOT_TOKENS = 64  # a multiple of the page size SGLang forces for DSA off NPU (64)
 TRACE_STEPS = 16
-COMMON = ["--max-running-requests", "4"] + IDLE_SLEEP
+# The P/D tests' settings (at most 4 requests, prefill chunks of 128 tokens), so the
+# offload-off server is their colocated reference too.
+COMMON = pd_servers.COMMON + IDLE_SLEEP
 
 
 def prompt(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
 
 
-# The offload-off server is test_score_policy_serving.py's reference too (same arguments):
-# launched once per session, its cache flushed before each module uses it (docs/testing.md).
-SHARED_SERVERS = ("tiny_dsa_mrr4",)
+# The offload-off server is test_score_policy_serving.py's and test_pd_e2e_cpu.py's
+# reference too (same arguments): launched once per session, its cache flushed before each
+# module uses it (docs/testing.md).
+SHARED_SERVERS = ("tiny_dsa_reference",)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +47,7 @@ def servers(request, tmp_path_factory, shared_servers):
     root = tmp_path_factory.mktemp("dsa_servers")
     offload_cfg = {"hot_tokens": HOT_TOKENS, "record_trace": str(root / "served.npz"),
                    "record_trace_max_steps": TRACE_STEPS}
-    dense = shared_servers.get("tiny_dsa_mrr4", COMMON)
+    dense = shared_servers.get("tiny_dsa_reference", COMMON)
     offload = ServerProcess(COMMON + ["--enable-metrics", "--enable-sparse-decode-offload",
                                       "--sparse-decode-offload-config", json.dumps(offload_cfg)],
                             log_path=root / "offload.log")

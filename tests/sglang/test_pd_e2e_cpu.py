@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IDLE_SLEEP, ServerProcess, free_port, start_all, stop_all
+from conftest import IDLE_SLEEP, ServerProcess, free_port
 
 from sglang_ascend_offload.testing import pd_servers
 from sglang_ascend_offload.testing.pd_servers import PDRouter
@@ -63,8 +63,14 @@ class PDServers:
     retracting: ServerProcess  # D2
 
 
+# The colocated reference is test_e2e_dsa_cpu.py's and test_score_policy_serving.py's
+# offload-off server too (same arguments): launched once per session, its cache flushed
+# before each module uses it (docs/testing.md).
+SHARED_SERVERS = ("tiny_dsa_reference",)
+
+
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory):
+def pd(request, tmp_path_factory, shared_servers):
     """:class:`PDServers` (every process stopped in teardown)."""
     root = tmp_path_factory.mktemp("pd_servers")
     bootstrap, bootstrap_lw = free_port(), free_port()
@@ -75,14 +81,14 @@ def pd(tmp_path_factory):
                                log_path=root / "prefill_layerwise.log")
     dense = ServerProcess(pd_servers.decode_args(kv0), log_path=root / "decode_dense.log")
     offload = ServerProcess(pd_servers.decode_args(kv1, offload=True), log_path=root / "decode_offload.log")
-    colocated = ServerProcess(pd_servers.COMMON + IDLE_SLEEP, log_path=root / "colocated.log")
+    colocated = shared_servers.get("tiny_dsa_reference", pd_servers.COMMON + IDLE_SLEEP)
     retracting = ServerProcess(pd_servers.decode_args(kv2, offload=True) + ["--enable-metrics"],
                                log_path=root / "decode_offload_retract.log", env=FORCED_RETRACTION)
     servers = [prefill, dense, offload, colocated, prefill_lw, retracting]
     routers = []
     try:
-        start_all(*servers)
-        print("\nstartup (concurrent): " + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in
+        shared_servers.start_all(*servers)
+        print("\nstartup (concurrent; colocated may have been started by an earlier module): " + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in
                                                     zip(("prefill", "dense", "offload", "colocated",
                                                          "prefill_layerwise", "offload_retract"), servers)))
         routers = [PDRouter(prefill.url, bootstrap, dense.url, root / "router_dense.log").start(),
@@ -95,7 +101,7 @@ def pd(tmp_path_factory):
             r.wait_ready(prompt(5, seed=99), deadline)
         yield PDServers(*routers[:2], colocated, root, *routers[2:], retracting)
     finally:
-        stop_all(*routers, *servers)
+        shared_servers.stop_all(request.module.__name__, *routers, *servers)
 
 
 def _check_same(router: PDRouter, colocated: ServerProcess, prompts, max_new_tokens: int) -> None:

@@ -24,6 +24,7 @@ from sglang_ascend_offload.sparse_decode.replay import simulate_policy
 from sglang_ascend_offload.sparse_decode.trace import Trace, load_trace
 
 from conftest import IDLE_SLEEP, ServerProcess
+from sglang_ascend_offload.testing import pd_servers
 
 POLICY = "score_rank_guarded"
 HOT = 64  # the fixture's page size (hot_tokens must be a multiple of it); 4 x top-k
@@ -75,12 +76,14 @@ def prompt(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
 
 
-# Both servers take at most 4 requests at once (the served test sends a batch of 3, so
-# the batches are those of SGLang's default, 2048): the offload-off one is then
-# test_e2e_dsa_cpu.py's reference server, launched once per session, its cache flushed
+# Both servers run the P/D tests' settings: at most 4 requests at once (the served test
+# sends one batch of 3, so its decode batches are those of SGLang's default, 2048) and
+# prefill chunks of 128 tokens (its three prompts are prefilled in 128-token chunks before
+# the first decode step). The offload-off one is then test_e2e_dsa_cpu.py's and
+# test_pd_e2e_cpu.py's reference server, launched once per session, its cache flushed
 # before each module uses it (docs/testing.md).
-SHARED_SERVERS = ("tiny_dsa_mrr4",)
-MRR4 = ["--max-running-requests", "4"]
+SHARED_SERVERS = ("tiny_dsa_reference",)
+SETTINGS = pd_servers.COMMON
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +92,8 @@ def servers(request, tmp_path_factory, shared_servers):
     trace = root / "trace.npz"
     score_cfg = json.dumps({"hot_tokens": HOT, "policy": POLICY, "rank_depth": DEPTH, "metrics_log_interval_s": 0.2,
                             "record_trace": str(trace), "record_trace_rank_depth": DEPTH})
-    off = shared_servers.get("tiny_dsa_mrr4", MRR4 + IDLE_SLEEP)
-    score = ServerProcess(MRR4 + ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", score_cfg]
+    off = shared_servers.get("tiny_dsa_reference", SETTINGS + IDLE_SLEEP)
+    score = ServerProcess(SETTINGS + ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", score_cfg]
                           + IDLE_SLEEP, log_path=root / "score.log")
     try:
         shared_servers.start_all(off, score)

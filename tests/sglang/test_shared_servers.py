@@ -1,0 +1,48 @@
+"""The ``shared_servers`` fixture's bookkeeping (``tests/sglang/conftest.py``,
+docs/testing.md), without launching anything: servers are reused only for identical
+arguments, and a shared server is stopped once no module still to run lists it."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import IDLE_SLEEP, SharedServers
+
+
+class Stub:
+    """Records that it was stopped (stands in for a started ServerProcess's stop)."""
+
+    def __init__(self):
+        self.stopped = False
+
+    def stop(self):
+        self.stopped = True
+
+
+def test_same_name_same_arguments_is_the_same_server_and_other_arguments_raise(tmp_path):
+    pool = SharedServers(tmp_path, {"ref": {"mod_a", "mod_b"}})
+    a = pool.get("ref", ["--max-running-requests", "4"] + IDLE_SLEEP, env={"X": "1"})
+    assert pool.get("ref", ["--max-running-requests", "4"] + IDLE_SLEEP, env={"X": "1"}) is a
+    for other in (dict(extra_args=["--max-running-requests", "8"] + IDLE_SLEEP, env={"X": "1"}),
+                  dict(extra_args=["--max-running-requests", "4"] + IDLE_SLEEP, env={"X": "2"}),
+                  dict(extra_args=["--max-running-requests", "4"] + IDLE_SLEEP, env={"X": "1"},
+                       base_args=["--model-path", "elsewhere"])):
+        with pytest.raises(ValueError, match="other arguments"):
+            pool.get("ref", **other)
+    pool.close()
+
+
+def test_a_shared_server_stops_after_the_last_module_that_lists_it(tmp_path):
+    pool = SharedServers(tmp_path, {"ref": {"mod_a", "mod_b"}, "other": {"mod_b"}})
+    ref = pool.get("ref", IDLE_SLEEP)
+    real_stop, stopped = ref.stop, []
+    ref.stop = lambda: stopped.append("ref")  # not started: record the stop instead
+    own = Stub()
+    pool.stop_all("mod_a", ref, own)
+    assert own.stopped and stopped == []  # mod_b still needs the shared one
+    assert pool.get("ref", IDLE_SLEEP) is ref
+    pool.stop_all("mod_b", ref)
+    assert stopped == ["ref"]
+    assert "ref" not in pool.servers
+    real_stop()  # its reserved ports back
+    pool.close()
