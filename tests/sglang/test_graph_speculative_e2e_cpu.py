@@ -14,7 +14,8 @@ acceptance simulation so each round accepts one draft and rejects two, as in
   padded, batches of 4 exactly);
 * ``graph_offload``: sparse decode offload (``hot_tokens`` 64: prompts evict), the same
   graphs; every verify row attends through the residency inside the graph;
-* ``eager``: no offload, eager speculative decoding (the reference for agreement).
+* ``eager``: no offload, eager speculative decoding, prefill chunks of 128 tokens (the
+  reference for agreement; a server shared with two other modules, docs/testing.md).
 
 The two graph servers must give identical greedy tokens and output logprobs (the same
 compiled arithmetic over the same rows); their agreement with eager speculation is
@@ -37,6 +38,7 @@ import re
 import pytest
 
 from conftest import IDLE_SLEEP, ServerProcess
+from sglang_ascend_offload.testing import pd_servers
 from sglang_ascend_offload.testing.servers import TINY_DSA_MTP, fixture_args
 
 pytestmark = pytest.mark.slow
@@ -58,9 +60,12 @@ def prompt(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
 
 
-# The eager reference is test_speculative_offload_e2e_cpu.py's reference server too
-# (same arguments and environment): launched once per session (docs/testing.md).
-SHARED_SERVERS = ("mtp_eager_speculation",)
+# The eager reference runs the P/D tests' settings (prefill chunks of 128 tokens, which the
+# graph servers do not set; it is only compared in the printed agreement), so it is
+# test_speculative_offload_e2e_cpu.py's and test_pd_speculative_e2e_cpu.py's reference
+# server too: launched once per session (docs/testing.md).
+SHARED_SERVERS = ("mtp_reference",)
+EAGER = pd_servers.COMMON + SPEC + IDLE_SLEEP
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +79,7 @@ def servers(request, tmp_path_factory, shared_servers):
         "graph_offload": ServerProcess(COMMON + GRAPHS + OFFLOAD + ["--enable-metrics"], base_args=graph_base,
                                        log_path=root / "graph_offload.log", env=GRAPH_ENV,
                                        startup_timeout_s=GRAPH_STARTUP_S),
-        "eager": shared_servers.get("mtp_eager_speculation", COMMON, base_args=base, env=SIMULATED_ACCEPT),
+        "eager": shared_servers.get("mtp_reference", EAGER, base_args=base, env=SIMULATED_ACCEPT),
     }
     try:
         shared_servers.start_all(*procs.values())

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import IDLE_SLEEP, ServerProcess, free_port, start_all, stop_all
+from conftest import IDLE_SLEEP, ServerProcess, free_port
 
 from sglang_ascend_offload.testing import pd_servers
 from sglang_ascend_offload.testing.pd_servers import PDRouter
@@ -50,8 +50,14 @@ def prompt(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
 
 
+# The colocated reference is test_graph_speculative_e2e_cpu.py's eager reference and
+# test_speculative_offload_e2e_cpu.py's plain server too (same arguments and environment):
+# launched once per session, its cache flushed before each module uses it (docs/testing.md).
+SHARED_SERVERS = ("mtp_reference",)
+
+
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory):
+def pd(request, tmp_path_factory, shared_servers):
     """(router to the offload decode, colocated reference, logs dir)."""
     root = tmp_path_factory.mktemp("pd_spec_servers")
     base = fixture_args(TINY_DSA_MTP)
@@ -60,19 +66,19 @@ def pd(tmp_path_factory):
                             log_path=root / "prefill.log", base_args=base, env=SIMULATED_ACCEPT)
     decode = ServerProcess(pd_servers.decode_args(kv, offload=True) + SPEC + IDLE_SLEEP + ["--enable-metrics"],
                            log_path=root / "decode.log", base_args=base, env=SIMULATED_ACCEPT)
-    colocated = ServerProcess(pd_servers.COMMON + SPEC + IDLE_SLEEP, log_path=root / "colocated.log",
-                              base_args=base, env=SIMULATED_ACCEPT)
+    colocated = shared_servers.get("mtp_reference", pd_servers.COMMON + SPEC + IDLE_SLEEP, base_args=base,
+                                   env=SIMULATED_ACCEPT)
     servers = [prefill, decode, colocated]
     router = None
     try:
-        start_all(*servers)
-        print("\nstartup (concurrent): " + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in
+        shared_servers.start_all(*servers)
+        print("\nstartup (concurrent; colocated may have been started by an earlier module): " + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in
                                                     zip(("prefill", "decode", "colocated"), servers)))
         router = PDRouter(prefill.url, bootstrap, decode.url, root / "router.log").start()
         router.wait_ready(prompt(5, seed=99), time.monotonic() + ROUTER_READY_S)
         yield router, colocated, decode, root
     finally:
-        stop_all(*([router] if router else []), *servers)
+        shared_servers.stop_all(request.module.__name__, router, *servers)
 
 
 def test_speculative_pd_decode_with_offload_matches_colocated(pd):

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import IDLE_SLEEP, ServerProcess
+from sglang_ascend_offload.testing import pd_servers
 from sglang_ascend_offload.testing.servers import TINY_DSA_MTP, fixture_args
 
 pytestmark = pytest.mark.slow
@@ -45,7 +46,9 @@ VOCAB = 1024
 HOT_TOKENS = 64  # 4 x top-k 16, one page: prompts longer than this evict
 SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
         "--speculative-num-draft-tokens", "4"]
-COMMON = ["--max-running-requests", "4"] + SPEC + IDLE_SLEEP
+# The P/D tests' settings (at most 4 requests, prefill chunks of 128 tokens) on all three
+# servers, so the plain one is test_pd_speculative_e2e_cpu.py's colocated reference too.
+COMMON = pd_servers.COMMON + SPEC + IDLE_SLEEP
 SIMULATED_ACCEPT = {"SGLANG_SIMULATE_ACC_LEN": "2", "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}
 LAYERWISE = ["--enable-layerwise-prefill-offload", "--layerwise-prefill-offload-config",
              json.dumps({"shared_buffers": 1, "independent_layers": [], "store_backend": "local",
@@ -56,17 +59,18 @@ def prompt(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
 
 
-# The plain (dense) server is test_graph_speculative_e2e_cpu.py's eager reference too
-# (same arguments and environment): launched once per session, its cache flushed
-# before this module uses it (docs/testing.md).
-SHARED_SERVERS = ("mtp_eager_speculation",)
+# The plain (dense) server is test_graph_speculative_e2e_cpu.py's eager reference and
+# test_pd_speculative_e2e_cpu.py's colocated reference too (same arguments and
+# environment): launched once per session, its cache flushed before each module uses it
+# (docs/testing.md).
+SHARED_SERVERS = ("mtp_reference",)
 
 
 @pytest.fixture(scope="module")
 def servers(request, tmp_path_factory, shared_servers):
     root = tmp_path_factory.mktemp("spec_servers")
     base = fixture_args(TINY_DSA_MTP)
-    dense = shared_servers.get("mtp_eager_speculation", COMMON, base_args=base, env=SIMULATED_ACCEPT)
+    dense = shared_servers.get("mtp_reference", COMMON, base_args=base, env=SIMULATED_ACCEPT)
     # shadow verification on every layer step (rate 1): each step recomputes one verify row
     # over the host pool and must match bit for bit
     offload = ServerProcess(COMMON + ["--enable-metrics", "--enable-sparse-decode-offload",
