@@ -158,13 +158,23 @@ def test_model_info_reports_the_tiny_model(server):
     assert "tiny_dsa" in server.get("/model_info")
 
 
-def test_launch_server_help_lists_the_flags():
-    out = run_launcher(["--help"], timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_launch_server_help_lists_the_flags(plugins_loaded, capsys):
+    """What ``python -m sglang.launch_server --help`` prints, in this process: the launcher's
+    main is ``load_plugins()`` (fixture ``plugins_loaded``) then ``prepare_server_args(argv)``,
+    which prints the help and exits 0. That the real launcher loads the plugin before it
+    parses is what every served test here relies on (argparse refuses unknown flags: the
+    offload server above passes ``--enable-sparse-decode-offload``); a subprocess for
+    ``--help`` alone cost one more SGLang import (19-48 s on 2 cores)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    with pytest.raises(SystemExit) as done:
+        prepare_server_args(["--help"])
+    assert done.value.code in (0, None)
+    out = capsys.readouterr().out
     for flag in ("--enable-sparse-decode-offload", "--sparse-decode-offload-config",
                  "--enable-layerwise-prefill-offload", "--layerwise-prefill-offload-config"):
-        assert flag in out.stdout
-    assert "ascend_offload" in out.stdout  # attention backend choice
+        assert flag in out
+    assert "ascend_offload" in out  # attention backend choice
 
 
 def test_invalid_config_stops_startup_listing_every_reason():
