@@ -46,13 +46,19 @@ class SparseDecodeOffloadConfig:
         to a multiple of the KV page size (:func:`default_hot_tokens`).
         Must be >= top-k and a multiple of the KV page size.
     host_pool_tokens: token rows of the host pool (per DP rank, all layers);
-        ``None`` = SGLang's own token capacity (``max_total_tokens``).
+        ``None`` = SGLang's own token capacity (``max_total_tokens``). Where the fused
+        Copy-SFA reads the pool, its rows per layer are rounded up to a multiple of 32
+        (each layer's slice 4 KiB-aligned for ``aclrtHostRegister``).
     ops: operator ladder rung (see ``ops/registry.py``).
-    fused_lim / fused_copy_sfa: use the AscendC LIM / Copy-SFA operators.
-        ``None`` = use them when ``ops`` resolves to ``fused``: on an Ascend NPU with
-        ``ops`` ``auto`` or ``fused`` the fused Copy-SFA is then the default and its
-        extension is required at startup (:func:`fused_copy_sfa_required`).
-        ``fused_copy_sfa: false`` runs the separate miss copy and sparse attention.
+    fused_lim / fused_copy_sfa: the AscendC LIM (LIM-C8 with an int8 indexer) / Copy-SFA
+        operators, chosen in one place (``sparse_decode/op_selection.py``, ``docs/fused_ops.md``):
+        ``true`` = fused (an error where it cannot run), ``false`` = the separate
+        operators, ``None`` = fused with ``ops`` ``fused``, and the default on an Ascend
+        NPU with ``ops`` ``auto``, where a missing extension or op is a startup error
+        (``sglang.fused_unavailable``) naming every missing op and the build command.
+        The served backend does not call the fused LIM yet: ``fused_lim: true`` is
+        refused (``sglang.fused_not_wired``) and a default fused indexer runs as the
+        separate indexer, logged.
     indexer_dtype: ``bf16`` or ``int8`` (LIM-C8): the device index-K cache holds
         Hadamard-rotated int8 keys + one fp16 scale per token (130 B instead of 256 B per
         token and layer at 128 dims), and the decode indexer is the C8 lightning indexer
@@ -137,12 +143,13 @@ class SparseDecodeOffloadConfig:
         return errs
 
 
-def fused_copy_sfa_required(sd: "SparseDecodeOffloadConfig", device: str) -> bool:
-    """Whether serving needs the fused Copy-SFA operator: asked for (``true``), or the
-    default on an Ascend NPU (unset, with ``ops`` ``auto`` or ``fused``)."""
-    if sd.fused_copy_sfa is not None:
-        return bool(sd.fused_copy_sfa)
-    return device == "npu" and sd.ops in ("auto", "fused")
+def fused_copy_sfa_required(sd: "SparseDecodeOffloadConfig", device: str, rows_per_request: int = 1) -> bool:
+    """Whether serving runs the fused Copy-SFA operator on ``device``: the attention stage
+    of the operator plan (``sparse_decode/op_selection.py``), availability aside."""
+    from .sparse_decode.op_selection import select_for_config
+
+    plan = select_for_config(sd, device, rows_per_request=rows_per_request, available=lambda op: None)
+    return plan.attention.fused
 
 
 def default_hot_tokens(top_k: int, page_size: Optional[int], factor: int = 2, rows_per_request: int = 1) -> int:

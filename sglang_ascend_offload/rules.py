@@ -198,8 +198,12 @@ _ALL = (
         ("sglang.hisparse", "one sparse-attention offload: not with --enable-hisparse", "drop --enable-hisparse"),
         ("sglang.npu_sparse_kv_offload", "SGLang's in-tree NPU sparse KV offload is off",
          "unset SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD"),
-        ("sglang.fused_unavailable", "the fused Copy-SFA operator is built and installed where it is the default "
-         "or asked for", "build the AscendC extension or set fused_copy_sfa to false"),
+        ("sglang.fused_unavailable", "the fused operators the plan selects (LIM / LIM-C8, Copy-SFA: the default on "
+         "an Ascend NPU, or asked for) are built and installed", "build the AscendC extension (ascendc_ops/build.sh "
+         "--install) or set fused_lim / fused_copy_sfa to false"),
+        ("sparse_decode.fused_copy_sfa_engine", "fused_copy_sfa=true or ops=fused only where the fused Copy-SFA "
+         "serves the engine: one query row per hot buffer (no speculative verify rows) and a host pool with a "
+         "tensor view", 'set "fused_copy_sfa": false, or ops=auto|reference|triton'),
         ("sglang.ops_unavailable", "every offload op has an implementation for the chosen ops rung",
          'use "ops": "auto" or install what the message names'),
         ("memory.insufficient", "one request's hot buffers and the host pool fit in the memory available now",

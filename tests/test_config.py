@@ -83,7 +83,7 @@ CASES = {
     "sglang.kvpp_dp_attention": (KV, dict(dp=2, dp_attention=True)),
     "sglang.indexer_int8_device": ({"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8"}}, {}),
     "sglang.indexer_int8_pd": ({"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8"}},
-                               dict(device="cpu", soc=None, pd_role="decode")),
+                               dict(device="cpu", soc=None, pd_role="decode", speculative_method="mtp")),
     "sglang.fused_not_wired": ({"sparse_decode": {"hot_tokens": 4096, "fused_lim": True}}, {}),
     "sglang.sparse_decode_graph": (SD, dict(graph_mode="full", attn_tp=2)),
     "sglang.sparse_decode_speculative": ({"sparse_decode": {"hot_tokens": 8192}},
@@ -127,14 +127,16 @@ def test_good_colocated_deployment_passes(config):
 
 def test_int8_indexer_is_served_off_the_npu():
     """indexer_dtype int8 (LIM-C8) passes on a CPU / CUDA node, colocated, with decode
-    graphs and with speculation; the NPU and a P/D decode refuse it with their own ids."""
+    graphs and with speculation, and on a P/D decode; the NPU and a P/D decode with
+    speculation refuse it with their own ids."""
     int8 = {"sparse_decode": {"hot_tokens": 8192, "indexer_dtype": "int8"}}
     for device in ("cpu", "cuda"):
         assert _run(int8, dict(device=device, soc=None)) == []
         assert _run(int8, dict(device=device, soc=None, graph_mode="full", attn_tp=1)) == []
     assert _run(int8, dict(device="cpu", soc=None, speculative_method="mtp", speculative_rows=4,
                            speculative_steps=3, speculative_topk=1, overlap_schedule=False)) == []
-    found = _run(int8, dict(device="npu", pd_role="decode"))
+    assert _run(int8, dict(device="cpu", soc=None, pd_role="decode")) == []
+    found = _run(int8, dict(device="npu", pd_role="decode", speculative_method="mtp"))
     assert [v.rule for v in found] == ["sglang.indexer_int8_device", "sglang.indexer_int8_pd"]
     assert all('"indexer_dtype": "bf16"' in v.fix for v in found)
 

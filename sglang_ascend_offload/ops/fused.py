@@ -430,7 +430,12 @@ def register_host_memory(host: torch.Tensor, device_address: Optional[int] = Non
     return _REGISTERED_HOST[key]
 
 
-@implements("copy_sparse_flash_attention", "fused", unavailable=lambda: fused_op_unavailable(COPY_SFA_KERNEL))
+def _copy_sfa_unavailable():
+    """Copy-SFA needs its kernel and the host-memory registration it calls on first use."""
+    return fused_op_unavailable(COPY_SFA_KERNEL) or fused_op_unavailable(REGISTER_HOST_KERNEL)
+
+
+@implements("copy_sparse_flash_attention", "fused", unavailable=_copy_sfa_unavailable)
 def copy_sparse_flash_attention_fused(
     query, host, hot, sparse_indices, scale_value, *, query_rope, token_rows, miss_tokens, miss_slots,
     miss_count, token_table, layout_query="TND", attention_mode=2,

@@ -14,8 +14,9 @@ One decode step, per layer ``l``:
 
 Ops are resolved once through the operator ladder (``ops`` = ``auto | reference |
 triton | npu | fused``), so ``ops=triton`` swaps in the Triton residency and copy
-kernels without touching this file. When ``copy_sparse_flash_attention`` resolves to
-the ``fused`` rung (the AscendC Copy-SFA operator), steps 3-5 run as that one op.
+kernels without touching this file. Whether steps 3-5 run as the one fused AscendC
+Copy-SFA operator is the engine's :class:`~.op_selection.OpPlan` (``self.plan``, from
+``ops`` and ``fused_copy_sfa``): the only place that decides it.
 
 Engine state (residency tables, hot buffers) is indexed by stable *engine rows*
 ``0..R-1`` (in SGLang the ``req_to_token`` row, ``req_pool_idx``), sized for the
@@ -64,6 +65,7 @@ from .. import platform
 from ..ops import registry
 from ..ops.contract import ResidencyStep, ResidencyTable
 from ..ops.residency import copy_miss_rows_rows
+from . import op_selection
 from .host_pool import AppendGate, HostKVPool
 from .host_rows import is_tensor_backed
 from .hot_buffer import HotBuffers, flat_hot_indices
@@ -186,8 +188,9 @@ class EngineConfig:
     verify_action: str = "log"
     #: the fused Copy-SFA operator for the step's miss copy + attention: ``True`` requires
     #: it (an error where it cannot serve), ``False`` runs the separate copy and attention,
-    #: ``None`` uses it where ``ops`` resolves to it and it can serve (one query token per
-    #: hot-buffer row, a host pool with a tensor view)
+    #: ``None``: fused with ``ops=fused``, and with ``ops=auto`` on an NPU where it can serve
+    #: (one query token per hot-buffer row, a host pool with a tensor view); see
+    #: :func:`.op_selection.select_ops`
     fused_copy_sfa: Optional[bool] = None
 
     def __post_init__(self):
@@ -295,43 +298,23 @@ class SparseDecodeEngine:
     # ---------------------------------------------------------------------- a step
     def _choose_copy_sfa(self, config: EngineConfig):
         """The fused Copy-SFA op for the step's miss copy + attention, or ``None`` for the
-        separate copy and attention (``EngineConfig.fused_copy_sfa``); the choice is logged."""
-        copy_sfa = registry.select("copy_sparse_flash_attention", config.ops)
-        # Why the fused op cannot serve this engine ("" when it can): a pool without a tensor
-        # view (MemFabric global addresses) is read through its own gather, which no kernel
-        # indexes; the AscendC kernel attends one query token per hot-buffer row, and a
-        # request's verify rows share one row here.
-        if copy_sfa.rung != "fused":
-            why_not = f"ops={config.ops!r} resolves the Copy-SFA op to the {copy_sfa.rung!r} rung"
-        elif not self._tensor_pool:
-            why_not = "the host pool has no tensor view (MemFabric global addresses): it is read by its own gather"
-        elif config.rows_per_request > 1:
-            why_not = (f"{config.rows_per_request} verify rows share each request's hot buffer and the fused "
-                       "Copy-SFA operator attends one query token per hot-buffer row")
-        else:
-            why_not = ""
-        if config.fused_copy_sfa is True and why_not:
-            raise ValueError(f"fused_copy_sfa=true, but the fused Copy-SFA operator cannot serve this engine: "
-                             f"{why_not}; set fused_copy_sfa to false (separate miss copy and sparse attention) "
-                             "or leave it unset")
-        if config.ops == "fused" and config.rows_per_request > 1:
-            raise ValueError(f"ops='fused' selects the fused Copy-SFA operator, which attends one query token "
-                             f"per hot-buffer row; rows_per_request={config.rows_per_request} shares a "
-                             "request's hot buffer between its verify rows: use ops=auto, reference or "
-                             "triton with speculative decoding")
-        if config.fused_copy_sfa is False:
-            if not why_not:
-                logger.info("sparse decode engine: fused_copy_sfa=false: the step runs the separate miss copy "
-                            "and sparse attention although the fused Copy-SFA operator is available")
+        separate copy and attention: what :func:`.op_selection.select_ops` plans for this
+        engine (``self.plan``; a plan with problems is an :class:`~.op_selection.OpSelectionError`)."""
+        self.plan = op_selection.select_ops(
+            op_selection.platform_of(self.device), ops=config.ops, fused_copy_sfa=config.fused_copy_sfa, rows_per_request=config.rows_per_request,
+            tensor_pool=self._tensor_pool, indexer_wired=False).check()
+        op_selection.log_plan(self.plan, "sparse decode engine")
+        if not self.plan.attention.fused:
             return None
-        if why_not:
-            if copy_sfa.rung == "fused":  # available, but not for this engine
-                logger.info("sparse decode engine: the step runs the separate miss copy and sparse attention: %s",
-                            why_not)
-            return None
-        logger.info("sparse decode engine: the step runs the fused Copy-SFA operator (miss copy + sparse "
-                    "attention in one kernel)")
-        return copy_sfa
+        shape = self.pool.shape
+        if self.plan.platform == "npu" and shape.tokens * shape.row_bytes % op_selection.HOST_ALIGN_BYTES:
+            align = op_selection.host_rows_alignment(shape.row_bytes)
+            raise ValueError(f"the fused Copy-SFA registers each layer's slice of the host pool, which must start "
+                             f"{op_selection.HOST_ALIGN_BYTES} B-aligned: {shape.tokens} rows per layer x "
+                             f"{shape.row_bytes} B is not; size the pool to a multiple of {align} rows "
+                             f"({op_selection.fused_host_pool_rows(shape.tokens, shape.row_bytes)}, "
+                             "op_selection.host_pool_rows) or set fused_copy_sfa to false")
+        return registry.implementations("copy_sparse_flash_attention")["fused"]
 
     def begin_step(self, req_ids: torch.Tensor, token_table: torch.Tensor, stable_len: torch.Tensor,
                    step: Optional[int] = None, *, rows: Optional[torch.Tensor] = None,

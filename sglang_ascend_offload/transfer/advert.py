@@ -18,7 +18,8 @@ from .errors import ProtocolError, TopologyError
 from .topology import PDTopology
 
 #: 2: ``main_kv`` (where the decode DP rank holds the main KV). 3: ``draft_layers``.
-ADVERT_VERSION = 3
+#: 4: ``indexer_dtype``.
+ADVERT_VERSION = 4
 #: Index of the advert frame in the registration message (SGLang 0.5.23 sends 20 frames).
 ADVERT_FRAME_INDEX = 20
 
@@ -29,6 +30,9 @@ LayoutKind = Literal["split", "host_rows"]
 #: ``tp_shared``: one main-KV pool per decode DP rank, shared by its TP ranks (each rank
 #: pulls its disjoint range, every rank reads all of it); ``per_rank``: each rank's own pool.
 MainKV = Literal["tp_shared", "per_rank"]
+#: The decode's index-K cache: ``bf16`` keys, or ``int8`` (LIM-C8: Hadamard-rotated int8
+#: keys + one fp16 scale per token, the layout's ``indexer`` + ``indexer_scale`` tensors).
+IndexerDtype = Literal["bf16", "int8"]
 
 _Port = Annotated[int, msgspec.Meta(ge=1024, le=65535)]
 _Rank = Annotated[int, msgspec.Meta(ge=0, lt=1024)]
@@ -52,6 +56,8 @@ class DecodeAdvert(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         after its base layers; their main KV is always device pages (``latent`` /
         ``rope``, as ``split``), whatever ``layout_kind`` says of the base layers. The
         prefill must serve the same draft layers (it sends them after its base layers).
+    indexer_dtype: the dtype of its index-K cache (see :data:`IndexerDtype`); for ``int8``
+        the prefill packs its bf16 keys into int8 + scales (``host_rows`` only).
     """
 
     version: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
@@ -66,6 +72,7 @@ class DecodeAdvert(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layout_kind: LayoutKind
     main_kv: MainKV = "per_rank"
     draft_layers: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    indexer_dtype: IndexerDtype = "bf16"
 
     def validate(self) -> None:
         if self.version != ADVERT_VERSION:
@@ -78,6 +85,9 @@ class DecodeAdvert(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ProtocolError(f"decode advert: control port {self.control_port} is not kv_port "
                                 f"{self.kv_port} + dp_rank {self.dp_rank} * d_tp {self.d_tp} + d_rank "
                                 f"{self.d_rank} = {expected}")
+        if self.indexer_dtype == "int8" and self.layout_kind != "host_rows":
+            raise ProtocolError("decode advert: an int8 index-K cache is served only by a host_rows "
+                                "(sparse decode offload) decode")
         try:
             PDTopology(self.d_tp, self.d_tp).check_main_kv(self.main_kv)
         except TopologyError as exc:

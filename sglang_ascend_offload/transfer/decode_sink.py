@@ -63,6 +63,8 @@ class DecodeSink:
                                       f"with decode attention TP 1 only (this server has {d_tp}); serve the "
                                       "decode with --tp 1 per attention-DP group, or without speculation")
         self.draft_layers = draft_pool.layer_num if draft_pool is not None else 0
+        #: the index-K cache's dtype (the sparse decode pool's int8 LIM-C8 cache: keys + scales)
+        self.indexer_dtype = getattr(pool, "indexer_dtype", "bf16")
         tensors = layouts.destination_tensors(pool, draft_pool)
         self.config = config
         self.kind = layouts.layout_kind(pool)
@@ -87,7 +89,8 @@ class DecodeSink:
                             kv_port=self.config.kv_port, dp_rank=self.dp_rank, d_tp=self.d_tp,
                             d_rank=self.d_rank, engine=self.engine.name,
                             data_protocol=self.engine.data_protocol, layout_kind=self.kind,
-                            main_kv=self.main_kv, draft_layers=self.draft_layers)
+                            main_kv=self.main_kv, draft_layers=self.draft_layers,
+                            indexer_dtype=self.indexer_dtype)
 
     def _on_release(self, dest: RequestDestination) -> None:
         with self._lock:

@@ -391,10 +391,13 @@ class LayerwisePublisher(PrefillPublisher):
                 st.router.done_without_staging(item.layer, sender.consumer)
                 continue
             try:
-                # only the contributor that sends the main KV needs it packed (member 0)
-                if sender.topology.sends_main(sender.member) and sender.status(u.rid).state is TransferState.PENDING:
-                    st.staging.pack(item.layer, u.pages)
-                sender.publish_layer(item.layer, slot, {u.rid: SourceBlocks(range(len(u.pages)), u.pages)},
+                # only the contributor that sends the main KV needs it packed (member 0); an int8
+                # peer's indexer is packed by every contributor (each sends its share of it)
+                sends_main = sender.topology.sends_main(sender.member)
+                if (sends_main or st.staging.packs_indexer) and sender.status(u.rid).state is TransferState.PENDING:
+                    st.staging.pack(item.layer, u.pages, main=sends_main)
+                sender.publish_layer(item.layer, slot, {u.rid: SourceBlocks(range(len(u.pages)),
+                                                                            st.staging.indexer_blocks(u.pages))},
                                      finished=finished)
             except Exception as exc:  # noqa: BLE001 - fail the request, answer its gates
                 sender.abort(u.rid, f"layer {item.layer}: publish failed: {exc}")
@@ -423,8 +426,8 @@ class LayerwisePublisher(PrefillPublisher):
         tensors, router = self._tensors, self.router
         if advert.layout_kind == "host_rows":
             packed = layouts.PackedStaging(self.pool, slots=self.staging_slots, max_blocks=self.max_blocks,
-                                           allow_layerwise=True)
-            regions = layouts.whole_regions([packed.buffer])
+                                           allow_layerwise=True, indexer_dtype=advert.indexer_dtype)
+            regions = layouts.whole_regions(packed.buffers())
             self.engine.register(regions)
             with self._lock:
                 self._registered.extend(addr for addr, _ in regions)

@@ -36,6 +36,14 @@ the packed pages straight into its host pool; the staging slot is a physical slo
 the protocol's sense: layer ``L`` uses slot ``L % slots`` and is rewritten only after
 decode answered for its previous content (the slot gates).
 
+A ``host_rows`` decode whose index-K cache is int8 (LIM-C8: ``indexer_dtype`` ``int8`` in
+its advert, Hadamard-rotated int8 keys + one fp16 scale per token) gets the indexer
+packed too: :class:`PackedStaging` with ``indexer_dtype="int8"`` holds per slot int8
+keys ``[max_blocks, P, 1, D]`` and fp16 scales ``[max_blocks, P, 1]``
+(``ops.hadamard.rotate_and_quantize`` of prefill's bf16 pages, bit-identical to what the
+decode's own indexer would store), sent as the ``indexer`` and ``indexer_scale`` tensors
+from the staging blocks ``0 .. n-1`` (:meth:`PackedStaging.indexer_blocks`).
+
 Pools are duck-typed (no SGLang import here): :func:`check_pool` requires the
 attributes of the plugin's DSA pools (:data:`POOL_ATTRIBUTES`); the plugin's KV
 manager checks the pool's class before it builds a publisher or sink.
@@ -237,14 +245,20 @@ class PackedStaging:
     """
 
     def __init__(self, pool: Any, *, slots: int = 2, max_blocks: Optional[int] = None,
-                 allow_layerwise: bool = False, draft_pool: Any = None):
+                 allow_layerwise: bool = False, draft_pool: Any = None, indexer_dtype: str = "bf16"):
         check_pool(pool, allow_layerwise=allow_layerwise)
         if _is_host_rows_pool(pool):
             raise LayoutError("a prefill server cannot run sparse decode offload")
         if slots < 1:
             raise ValueError("slots must be >= 1")
+        if indexer_dtype not in ("bf16", "int8"):
+            raise LayoutError(f"decode indexer dtype {indexer_dtype!r}: expected bf16 or int8")
         if draft_pool is not None:
             check_draft_pool(pool, draft_pool)
+            if indexer_dtype == "int8":
+                raise LayoutError("a decode with an int8 (LIM-C8) index-K cache and a speculative draft layer: the "
+                                  "draft's bf16 indexer cannot share the target's int8 indexer tensor; serve "
+                                  'indexer_dtype "bf16" on that decode')
         self.pool = pool
         self.draft_pool = draft_pool
         self.slots = slots
@@ -254,6 +268,32 @@ class PackedStaging:
         self.rope_dim = pool.v_buffer[0].shape[-1]
         self.buffer = torch.zeros((slots, self.max_blocks, pool.page_size, self.latent_dim + self.rope_dim),
                                   dtype=pool.k_buffer[0].dtype, device=pool.k_buffer[0].device)
+        self.index_values: Optional[torch.Tensor] = None  # int8 [slots, max_blocks, P, 1, D] (int8 peers)
+        self.index_scales: Optional[torch.Tensor] = None  # fp16 [slots, max_blocks, P, 1]
+        if indexer_dtype == "int8":
+            if getattr(pool, "index_k_scale_buffer", None) is not None:
+                raise LayoutError("the prefill pool already holds indexer scales; int8 packing quantises bf16 keys")
+            dim = pool.index_k_buffer[0].shape[-1]
+            device = pool.index_k_buffer[0].device
+            self.index_values = torch.zeros((slots, self.max_blocks, pool.page_size, 1, dim), dtype=torch.int8,
+                                            device=device)
+            self.index_scales = torch.zeros((slots, self.max_blocks, pool.page_size, 1), dtype=torch.float16,
+                                            device=device)
+
+    @property
+    def packs_indexer(self) -> bool:
+        """The indexer is packed (int8 + scales) into the staging, not read from the pool."""
+        return self.index_values is not None
+
+    def buffers(self) -> List[torch.Tensor]:
+        """Every staging tensor (to register with the transfer engine)."""
+        extra = [self.index_values, self.index_scales] if self.packs_indexer else []
+        return [self.buffer, *extra]
+
+    def indexer_blocks(self, pages: Sequence[int]) -> List[int]:
+        """Source block ids of a request's indexer: staging blocks ``0 .. n-1`` when the
+        indexer is packed, else the pool's own pages."""
+        return list(range(len(pages))) if self.packs_indexer else [int(p) for p in pages]
 
     def slot_of(self, layer_index: int) -> int:
         return layer_index % self.slots
@@ -263,13 +303,20 @@ class PackedStaging:
         draft pool's layers (not packed: their destination is device pages) straight
         from the draft pool."""
         staged = [self.buffer[self.slot_of(i)] for i in range(self.pool.layer_num)]
+        if self.packs_indexer:  # int8 peer (no draft pool: refused at construction)
+            layers = range(self.pool.layer_num)
+            return [TensorLayers("main", MAIN_ROWS, staged),
+                    TensorLayers("indexer", INDEXER, [self.index_values[self.slot_of(i)] for i in layers]),
+                    TensorLayers("indexer_scale", INDEXER_SCALE, [self.index_scales[self.slot_of(i)] for i in layers])]
         if self.draft_pool is None:
             return [TensorLayers("main", MAIN_ROWS, staged), *_indexer_tensors(self.pool)]
         return [TensorLayers("main", MAIN_ROWS, staged, list(range(self.pool.layer_num))),
                 *_draft_split(self.pool, self.draft_pool), *_indexer_tensors(self.pool, self.draft_pool)]
 
-    def pack(self, layer_index: int, pages: Sequence[int]) -> int:
-        """Copy ``pages`` of layer ``layer_index`` as ``[latent | rope]`` rows into its slot.
+    def pack(self, layer_index: int, pages: Sequence[int], main: bool = True) -> int:
+        """Copy ``pages`` of layer ``layer_index`` as ``[latent | rope]`` rows into its slot
+        (``main``), and, for an int8 peer, its index K rotated and quantised into the
+        slot's int8 keys and fp16 scales.
 
         Block ``j`` of the slot is ``pages[j]``; returns the slot. Completes before it
         returns (an event on the current stream on an accelerator), so a peer may read.
@@ -279,12 +326,26 @@ class PackedStaging:
             raise LayoutError(f"request of {n} pages exceeds the P/D staging of {self.max_blocks} pages")
         slot = self.slot_of(layer_index)
         index = torch.as_tensor(list(pages), dtype=torch.long, device=self.buffer.device)
-        dst = self.buffer[slot, :n]
-        latent = self.pool.k_buffer[layer_index].index_select(0, index)
-        rope = self.pool.v_buffer[layer_index].index_select(0, index)
-        dst[..., : self.latent_dim].copy_(latent.reshape(n, self.pool.page_size, self.latent_dim))
-        dst[..., self.latent_dim:].copy_(rope.reshape(n, self.pool.page_size, self.rope_dim))
+        if main:
+            dst = self.buffer[slot, :n]
+            latent = self.pool.k_buffer[layer_index].index_select(0, index)
+            rope = self.pool.v_buffer[layer_index].index_select(0, index)
+            dst[..., : self.latent_dim].copy_(latent.reshape(n, self.pool.page_size, self.latent_dim))
+            dst[..., self.latent_dim:].copy_(rope.reshape(n, self.pool.page_size, self.rope_dim))
+        if self.packs_indexer:
+            self._pack_indexer(layer_index, slot, index)
         event = platform.new_event()
         event.record()
         event.synchronize()
         return slot
+
+    def _pack_indexer(self, layer_index: int, slot: int, index: torch.Tensor) -> None:
+        """Pages ``index`` of the layer's bf16 index K ``[n, P, 1, D]`` -> int8 keys and
+        fp16 scales of the slot's blocks ``0 .. n-1`` (``rotate_and_quantize`` per token)."""
+        from ..ops.hadamard import rotate_and_quantize
+
+        keys = self.pool.index_k_buffer[self.pool._get_indexer_slot(self.pool.start_layer + layer_index)]
+        values, scales = rotate_and_quantize(keys.index_select(0, index.to(keys.device)))
+        n = index.numel()
+        self.index_values[slot, :n].copy_(values)
+        self.index_scales[slot, :n].copy_(scales)

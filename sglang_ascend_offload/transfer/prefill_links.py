@@ -211,12 +211,13 @@ class PeerLink:
             if sender.status(rid).state is not TransferState.PENDING:
                 break  # failed while waiting for the slot (e.g. READ_FAILED of an earlier layer)
             packed = self.packs(layer)
-            if packed and sends_main:
-                self.staging.pack(layer, job.pages)
+            if packed and (sends_main or self.staging.packs_indexer):  # int8 peer: every member packs its keys
+                self.staging.pack(layer, job.pages, main=sends_main)
                 owner.stats.packed_layers += 1
             main_blocks = range(n) if packed else job.pages
+            index_blocks = self.staging.indexer_blocks(job.pages) if packed else list(job.pages)
             try:
-                batch = sender.publish_layer(layer, slot, {rid: SourceBlocks(list(main_blocks), list(job.pages))},
+                batch = sender.publish_layer(layer, slot, {rid: SourceBlocks(list(main_blocks), index_blocks)},
                                              finished=[rid] if layer == layers - 1 else [])
             except Exception as exc:  # noqa: BLE001 - fail the request, keep the link
                 sender.abort(rid, f"layer {layer}: publish failed: {exc}")
@@ -273,8 +274,8 @@ class PrefillLinks(PrefillPublisher):
 
     def staging_for(self, link: PeerLink) -> layouts.PackedStaging:
         staging = layouts.PackedStaging(self.pool, slots=self.staging_slots, max_blocks=self.max_blocks,
-                                        draft_pool=self.draft_pool)
-        self._register(layouts.whole_regions([staging.buffer]))
+                                        draft_pool=self.draft_pool, indexer_dtype=link.advert.indexer_dtype)
+        self._register(layouts.whole_regions(staging.buffers()))
         return staging
 
     def _link(self, session: str) -> PeerLink:

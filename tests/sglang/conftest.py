@@ -103,6 +103,8 @@ class SharedServers:
             raise ValueError(f"shared server {name!r} asked for with other arguments:\n{key}\nnot\n{self.keys[name]}")
         srv = self.servers.get(name)
         if srv is None or (srv.proc is not None and srv.proc.poll() is not None):  # none yet, or it died
+            if srv is not None:
+                srv.stop()  # gives its ports back
             n = sum(1 for p in self.root.glob(f"{name}*.log"))
             srv = ServerProcess(extra_args, base_args=base_args, env=env,
                                 log_path=self.root / (f"{name}.log" if n == 0 else f"{name}.{n}.log"))

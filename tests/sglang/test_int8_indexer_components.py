@@ -116,8 +116,9 @@ def test_bf16_keys_into_the_int8_cache_are_refused(ctx):
     h = Harness(offload_config=int8_config(), page_size=PAGE)
     with pytest.raises(TypeError, match="store_index_k"):
         h.offload_pool.set_index_k_buffer(0, torch.tensor([64]), torch.ones(1, INDEX_DIM, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="int8 index-K cache"):
-        h.offload_pool.get_contiguous_buf_infos()
+    ptrs, lens, _ = h.offload_pool.get_contiguous_buf_infos()  # main, index K, then the scales
+    assert ptrs[-1] == h.offload_pool.index_k_scale_buffer[h.layers - 1].data_ptr()
+    assert len(ptrs) == 3 * h.layers and lens[-1] == h.offload_pool.index_k_scale_buffer[0].nbytes
 
 
 def test_graph_decode_topk_c8_equals_the_reference_op():
@@ -191,7 +192,8 @@ def _both(eager, graph, rids, lens=None) -> None:
 
 def test_server_startup_serves_int8_on_cpu_and_refuses_it_on_a_pd_decode():
     """The server's whole startup verdict: int8 passes a colocated CPU launch (eager and
-    with decode graphs); a P/D decode stops with sglang.indexer_int8_pd and its fix."""
+    with decode graphs) and a P/D decode; a P/D decode with speculation stops with
+    sglang.indexer_int8_pd and its fix."""
     from startup_verdict import server_rule_ids, server_verdict
 
     int8 = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=64, indexer_dtype="int8"))
@@ -199,7 +201,10 @@ def test_server_startup_serves_int8_on_cpu_and_refuses_it_on_a_pd_decode():
     assert server_rule_ids(int8, **eager) == []
     assert server_rule_ids(int8, attention_backend="ascend_offload", disable_cuda_graph=False,
                            enable_torch_compile=True, page_size=64) == []
-    pd = server_verdict(int8, **eager, disaggregation_mode="decode", disaggregation_transfer_backend="ascend_offload",
-                        disaggregation_decode_retraction_backup="cpu_tensor")
+    pd_args = dict(eager, disaggregation_mode="decode", disaggregation_transfer_backend="ascend_offload",
+                   disaggregation_decode_retraction_backup="cpu_tensor")
+    assert "sglang.indexer_int8_pd" not in server_rule_ids(int8, **pd_args)
+    pd = server_verdict(int8, **pd_args, speculative_algorithm="NEXTN", speculative_num_steps=1,
+                        speculative_eagle_topk=1, speculative_num_draft_tokens=2)
     found = [v for v in pd if v.rule == "sglang.indexer_int8_pd"]
     assert found and "indexer_scale" in found[0].problem and '"indexer_dtype": "bf16"' in found[0].fix

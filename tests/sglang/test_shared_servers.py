@@ -46,3 +46,16 @@ def test_a_shared_server_stops_after_the_last_module_that_lists_it(tmp_path):
     assert "ref" not in pool.servers
     real_stop()  # its reserved ports back
     pool.close()
+
+
+def test_a_shared_server_that_died_is_replaced_by_a_fresh_one(tmp_path):
+    import subprocess
+    import sys
+
+    pool = SharedServers(tmp_path, {"ref": {"mod_a"}})
+    ref = pool.get("ref", IDLE_SLEEP)
+    ref.proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    ref.proc.wait()  # as if the server had exited
+    fresh = pool.get("ref", IDLE_SLEEP)
+    assert fresh is not ref and fresh.proc is None
+    pool.close()

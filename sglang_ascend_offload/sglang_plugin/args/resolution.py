@@ -29,7 +29,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from ... import config as cfg
 from ... import platform
-from ...rules import violation
+from ...rules import RULES, violation
 from . import carrier, flags, launch_checks
 from .. import compat
 from ..cpu_capability import no_cuda_capability
@@ -113,7 +113,7 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
                 f"drop --attention-backend (the plugin selects {BACKEND_NAME}) or pass "
                 f"--attention-backend {BACKEND_NAME}",
             ))
-        out += _sparse_decode_ops_violations(config.sparse_decode, _device_kind(view))
+        out += _sparse_decode_ops_violations(config.sparse_decode, _device_kind(view), _verify_rows(view))
         if compat.arg(view, "enable_hisparse"):
             out.append(violation(
                 "sglang.hisparse", "--enable-hisparse is on as well",
@@ -144,24 +144,36 @@ def _device_kind(view: Any) -> str:
     return "cuda" if device in ("gpu", "rocm", "hip") else str(device)
 
 
-def _sparse_decode_ops_violations(sd: cfg.SparseDecodeOffloadConfig, device: str) -> List[cfg.Violation]:
-    """The operators this machine has for the requested rung (checked before any process
-    starts); ``device``: ``npu`` / ``cuda`` / ``cpu``."""
+def _verify_rows(view: Any) -> int:
+    """Query rows per request of a decode step: the speculative verify rows, else 1."""
+    tokens = compat.arg(view, "speculative_num_draft_tokens") if compat.arg(view, "speculative_algorithm") else None
+    return int(tokens) if tokens else 1
+
+
+#: Whether the served backend calls the fused indexer (LIM / LIM-C8): not yet, so a default
+#: fused indexer runs as the separate indexer (logged) and an explicit one is refused.
+SERVED_INDEXER_WIRED = False
+
+
+def _sparse_decode_ops_violations(sd: cfg.SparseDecodeOffloadConfig, device: str,
+                                  rows_per_request: int = 1) -> List[cfg.Violation]:
+    """The operators this machine has for the requested setup (checked before any process
+    starts): the fused-operator plan (``sparse_decode/op_selection.py``) with every problem
+    it finds, then the ladder's ops for the ``ops`` rung; ``device``: ``npu`` / ``cuda`` / ``cpu``."""
     from ...ops import registry
+    from ...sparse_decode import op_selection
 
     out: List[cfg.Violation] = []
     registry.ensure_registered()
-    if cfg.fused_copy_sfa_required(sd, device):
-        fused = registry.implementations("copy_sparse_flash_attention").get("fused")
-        reason = "no fused rung is registered" if fused is None else fused.unavailable()
-        if reason is not None:
-            why = "fused_copy_sfa=true" if sd.fused_copy_sfa else \
-                f"the fused Copy-SFA operator (the default on an Ascend NPU with ops={sd.ops!r})"
-            out.append(violation(
-                "sglang.fused_unavailable", f"{why} cannot run: {reason}",
-                "build and install the AscendC extension (bash scripts/setup_npu_env.sh, or "
-                "ascendc_ops/build.sh --install), or set \"fused_copy_sfa\": false to run the separate miss "
-                "copy and sparse attention"))
+    plan = op_selection.select_for_config(sd, device, rows_per_request=rows_per_request,
+                                          indexer_wired=SERVED_INDEXER_WIRED)
+    for p in plan.problems:
+        # The plan's deployment-scope problems (fused ops off the NPU, fused_lim=true unwired)
+        # are config.violations' to report, on the same settings, as check-config does.
+        if RULES[p.rule].scope != "deployment":
+            out.append(violation(p.rule, p.problem, p.fix))
+    if not plan.problems:
+        op_selection.log_plan(plan, "sglang-ascend-offload: sparse decode")
     for op in OFFLOAD_OPS:
         try:
             registry.select(op, sd.ops)

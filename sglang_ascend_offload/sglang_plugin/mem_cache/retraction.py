@@ -12,7 +12,9 @@ order, in host memory:
 * main KV as ``[n, kv_lora_rank + rope]`` rows (latent | rope, the host pool's row
   format). From the sparse-decode host pool this is a host-to-host copy of rows that
   are already there (no device traffic for the main KV); from a device pool a gather;
-* index K as ``[n, index_head_dim]`` rows of each indexer layer (device -> host).
+* index K as ``[n, index_head_dim]`` rows of each indexer layer (device -> host); with
+  the sparse decode pool's int8 (LIM-C8) cache, its int8 rows and their fp16 scales
+  ``[n]``, copied as they are (no re-quantisation).
 
 Restoring writes the main rows back through the pool's own write path (the host pool's
 append, in TP rank 0's append order on a TP-shared pool) and the index rows through
@@ -25,7 +27,7 @@ are bit-identical to the retracted ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -35,12 +37,14 @@ class RetractedKV:
     """One retracted request's KV in host memory (see module doc).
 
     num_tokens: ``n``, the slots backed up; main: per pool layer ``[n, latent + rope]``;
-    index_k: per indexer layer ``[n, index_head_dim]``. All in the pool's dtypes.
+    index_k: per indexer layer ``[n, index_head_dim]``; index_scale: per indexer layer
+    ``[n]`` fp16 for an int8 index-K cache, else ``None``. All in the pool's dtypes.
     """
 
     num_tokens: int
     main: List[torch.Tensor]
     index_k: List[torch.Tensor]
+    index_scale: Optional[List[torch.Tensor]] = None
 
     def check_restore(self, slots: torch.Tensor) -> None:
         if slots.numel() != self.num_tokens:
@@ -63,6 +67,22 @@ def index_rows(pool, slots: torch.Tensor) -> List[torch.Tensor]:
     return [gather_rows(pool.index_k_buffer[pool._get_indexer_slot(lid)], slots) for lid in pool.indexer_layer_ids]
 
 
+def index_scale_rows(pool, slots: torch.Tensor) -> Optional[List[torch.Tensor]]:
+    """Per indexer layer of ``pool``, the fp16 index-K scales ``[n]`` at ``slots`` (host), or
+    ``None`` when the pool's index K has no scales."""
+    scales = getattr(pool, "index_k_scale_buffer", None)
+    if scales is None:
+        return None
+    return [gather_rows(scales[pool._get_indexer_slot(lid)], slots).reshape(-1) for lid in pool.indexer_layer_ids]
+
+
 def restore_index_rows(pool, backup: RetractedKV, slots: torch.Tensor) -> None:
+    device = pool.index_k_buffer.device
+    if (backup.index_scale is None) != (getattr(pool, "index_k_scale_buffer", None) is None):
+        raise ValueError("retraction backup and pool disagree on the index-K scales (int8 vs bf16 index K)")
+    if backup.index_scale is not None:
+        for lid, rows, scales in zip(pool.indexer_layer_ids, backup.index_k, backup.index_scale):
+            pool.write_index_rows(lid, slots.to(device), rows.to(device), scales.to(device))
+        return
     for lid, rows in zip(pool.indexer_layer_ids, backup.index_k):
-        pool.set_index_k_buffer(lid, slots.to(pool.index_k_buffer.device), rows.to(pool.index_k_buffer.device))
+        pool.set_index_k_buffer(lid, slots.to(device), rows.to(device))

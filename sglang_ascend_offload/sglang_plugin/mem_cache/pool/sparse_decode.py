@@ -45,6 +45,7 @@ from .... import platform
 from ....sparse_decode.engine import EngineConfig, SparseDecodeEngine
 from ....sparse_decode.host_pool import HostPoolShape
 from ....sparse_decode.host_rows import is_tensor_backed
+from ....sparse_decode.op_selection import host_pool_rows, platform_of
 from .device import DeviceDSAPool, _scatter_rows
 from ..pool_host.shared import EngineGate, allocate_rank_pool
 from ...speculative.eagle import verify_rows_per_request
@@ -83,6 +84,9 @@ class HostMainKVPool(DeviceDSAPool):
             raise ValueError(f"host_pool_tokens={tokens} is smaller than SGLang's slot space ({slots} = "
                              f"{size} tokens + one padding page): raise host_pool_tokens or lower "
                              "--max-total-tokens")
+        # The fused Copy-SFA (NPU) registers each layer's slice: rows per layer 4 KiB-aligned.
+        tokens = host_pool_rows(offload, tokens, (kv_lora_rank + qk_rope_head_dim) * dtype.itemsize,
+                                platform_of(device), rows_per_request)
         hot_tokens = resolved_hot_tokens(offload, top_k, rows_per_request)
         _require_memory(layer_num, rows, hot_tokens, tokens, kv_lora_rank + qk_rope_head_dim, device)
         # One pool per attention-DP group: TP rank 0 allocates and appends, the others map it

@@ -1,0 +1,350 @@
+"""Which operators a sparse decode step runs: the one place the fused ops are chosen.
+
+A decode layer step has two stages that fused AscendC operators can replace:
+
+========== ============================================== ======================================
+stage      separate operators                             fused operator (``_C_ascend``)
+========== ============================================== ======================================
+indexer    lightning indexer (bf16) or quant lightning    LIM (``lightning_indexer_manage``) or
+           indexer (int8, C8), then ``residency_manage``  LIM-C8 (``quant_lightning_indexer_manage``)
+attention  ``copy_miss_rows`` then ``sparse_mla_attention`` Copy-SFA (``copy_sparse_flash_attention``)
+========== ============================================== ======================================
+
+:func:`select_ops` turns the platform (``npu`` / ``cuda`` / ``cpu``), the settings
+(``ops``, ``fused_lim``, ``fused_copy_sfa``, ``indexer_dtype``) and what the fused rung
+provides into an :class:`OpPlan`: per stage, fused or separate, and why. The rule, per
+stage (``fused_lim`` for the indexer, ``fused_copy_sfa`` for the attention):
+
+* the setting ``true``: fused, whatever ``ops`` says (``ops`` then picks the rung of the
+  other, separate ops);
+* the setting ``false``: the separate ops (on an NPU, where fused is the default, this is
+  logged once);
+* unset: fused with ``ops=fused`` on any platform, and with ``ops=auto`` on an NPU (the
+  NPU default); separate otherwise (``ops=reference|triton|npu``, or ``auto`` off the NPU).
+
+A fused stage that cannot run is a :class:`SelectionProblem` (a registered rule id, the
+problem, the fix), never a silent fallback: a fused rung missing from the extension (every
+missing op listed, with the build command), no fused rung on this platform, an explicit
+fused Copy-SFA an engine cannot serve, or an explicit fused indexer the consumer does not
+call. Only the *default* fused Copy-SFA gives way, with its reason logged, to what the
+engine's own layout excludes (verify rows sharing a hot buffer, a pool without a tensor
+view); a default fused indexer gives way, logged, where the consumer does not call it.
+
+Fused Copy-SFA reads the host pool through each layer's slice, which the extension
+registers with ``aclrtHostRegister``: each slice must start 4 KiB-aligned, so the rows per
+layer must be a multiple of :func:`host_rows_alignment` (32 for 576 bf16 columns);
+:func:`fused_host_pool_rows` rounds a pool size up to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from .. import platform as _platform
+
+__all__ = ["OpChoice", "OpPlan", "SelectionProblem", "OpSelectionError", "select_ops", "select_for_config",
+           "registry_availability", "extension_availability", "host_rows_alignment", "fused_host_pool_rows",
+           "host_pool_rows", "platform_of", "log_plan",
+           "FUSED_KERNELS_OF", "HOST_ALIGN_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+#: The extension kernels each fused op needs (``torch.ops.sglang_ascend_offload.*``).
+FUSED_KERNELS_OF: Dict[str, Tuple[str, ...]] = {
+    "lightning_indexer_manage": ("npu_fused_lightning_indexer_manage",),
+    "quant_lightning_indexer_manage": ("npu_fused_quant_lightning_indexer_manage",),
+    "copy_sparse_flash_attention": ("npu_fused_scatter_copy_sparse_flash_attention",
+                                    "npu_fused_register_host_memory"),
+}
+_SEPARATE_INDEXER = {"bf16": "lightning_indexer", "int8": "quant_lightning_indexer"}
+_FUSED_INDEXER = {"bf16": "lightning_indexer_manage", "int8": "quant_lightning_indexer_manage"}
+_LABEL = {"lightning_indexer_manage": "LIM", "quant_lightning_indexer_manage": "LIM-C8",
+          "copy_sparse_flash_attention": "Copy-SFA"}
+#: Alignment ``aclrtHostRegister`` needs of each host pool slice the extension registers.
+HOST_ALIGN_BYTES = 4096
+
+#: Why a fused op cannot run here (``None``: it can): op name -> reason.
+Availability = Callable[[str], Optional[str]]
+#: ``select_ops(extension=REGISTERED)``: ask the registry's fused rungs (the default).
+REGISTERED = "registered fused rungs"
+
+
+@dataclass(frozen=True)
+class OpChoice:
+    """One stage's operators. stage: ``indexer`` or ``attention``; fused: the fused op
+    runs; ops: the operator-ladder ops the stage runs, in order (one fused op, or the
+    separate ops); kernels: the extension kernels it needs (empty when separate); source:
+    what decided it (``setting`` = fused_lim / fused_copy_sfa, ``ops``, ``default``,
+    ``engine`` = the engine's layout, ``consumer`` = what the caller wires); reason: why,
+    in a sentence (logged)."""
+
+    stage: str
+    fused: bool
+    ops: Tuple[str, ...]
+    kernels: Tuple[str, ...]
+    source: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SelectionProblem:
+    """A fused stage that cannot run: the registered rule id (``rules.py``), the problem, the fix."""
+
+    rule: str
+    problem: str
+    fix: str
+
+
+class OpSelectionError(ValueError):
+    """The plan has problems; the message lists every one with its rule id and fix."""
+
+    def __init__(self, problems: Tuple[SelectionProblem, ...]):
+        self.problems = problems
+        super().__init__("sparse decode operator selection: " + "; ".join(
+            f"[{p.rule}] {p.problem} (fix: {p.fix})" for p in problems))
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    """The operators of one sparse decode setup.
+
+    platform: ``npu`` / ``cuda`` / ``cpu``; ops: the ``ops`` setting (the rung of the
+    separate ops); indexer / attention: the :class:`OpChoice` of each stage; problems:
+    every reason the plan cannot run (empty: it can). :meth:`check` raises them."""
+
+    platform: str
+    ops: str
+    indexer: OpChoice
+    attention: OpChoice
+    problems: Tuple[SelectionProblem, ...] = ()
+
+    def check(self) -> "OpPlan":
+        """This plan, or :class:`OpSelectionError` listing every problem."""
+        if self.problems:
+            raise OpSelectionError(self.problems)
+        return self
+
+    def describe(self) -> str:
+        return "; ".join(f"{c.stage}: {'+'.join(c.ops)} ({c.reason})" for c in (self.indexer, self.attention))
+
+
+# ------------------------------------------------------------------ availability
+def registry_availability(platform: str) -> Availability:
+    """Availability on ``platform`` of the registered ``fused`` rungs: on CPU selected as
+    the registry selects them (which registers the AscendC kernels' functional-model ops,
+    built on first use); on an NPU the built ``_C_ascend`` extension, naming every kernel
+    it lacks. A rung registered in their place (a test's stand-in) answers for itself."""
+    from ..ops import ascendc_cpu_ops, npu_impls, registry
+
+    def why_not(op: str) -> Optional[str]:
+        impl = registry.implementations(op).get("fused")
+        if impl is None:
+            return "no fused rung is registered"
+        if impl.fn.__module__ != "sglang_ascend_offload.ops.fused":
+            return impl.unavailable()
+        if platform == "cpu":
+            try:
+                registry.select(op, "fused")
+                return None
+            except registry.OpUnavailableError as exc:
+                return str(exc).split("cannot run here: ", 1)[-1]
+        if ascendc_cpu_ops.registered():
+            return f"the fused ops loaded in this process are the CPU functional model, which does not serve {platform}"
+        if platform != "npu":
+            return f"the AscendC extension {npu_impls.FUSED_EXTENSION_MODULE} serves Ascend NPUs only"
+        reason = npu_impls._npu_extension_unavailable()
+        if reason is not None:
+            return reason
+        namespace = getattr(torch.ops, npu_impls.FUSED_OP_NAMESPACE)
+        missing = [k for k in FUSED_KERNELS_OF[op] if not hasattr(namespace, k)]
+        return (f"the AscendC extension {npu_impls.FUSED_EXTENSION_MODULE} does not provide {', '.join(missing)} "
+                "(built from an older source tree)") if missing else None
+
+    return why_not
+
+
+def extension_availability(module, platform: str = "npu") -> Availability:
+    """Availability from an extension module object: its attributes are the kernels it
+    provides (``None``: the extension is not built or does not import here)."""
+    from ..ops.npu_impls import FUSED_EXTENSION_MODULE
+
+    def why_not(op: str) -> Optional[str]:
+        if module is None:
+            return f"the AscendC extension {FUSED_EXTENSION_MODULE} is not available on {platform}"
+        missing = [k for k in FUSED_KERNELS_OF[op] if not hasattr(module, k)]
+        return f"the extension does not provide {', '.join(missing)}" if missing else None
+
+    return why_not
+
+
+def _strip_hint(reason: str) -> str:
+    from ..ops.npu_impls import FUSED_BUILD_HINT
+
+    return reason.replace("; on an Ascend node: " + FUSED_BUILD_HINT, "").replace("; " + FUSED_BUILD_HINT, "")
+
+
+# ------------------------------------------------------------------ choices
+def _wanted(setting: Optional[bool], name: str, ops: str, platform: str) -> Tuple[bool, bool, str, str]:
+    """``(fused, explicit, source, reason)`` of one stage from its setting and ``ops``."""
+    if setting is True:
+        return True, True, "setting", f"{name}=true"
+    if setting is False:
+        return False, True, "setting", f"{name}=false selects the separate operators"
+    if ops == "fused":
+        return True, True, "ops", "ops=fused"
+    if ops == "auto" and platform == "npu":
+        return True, False, "default", f"the default on an Ascend NPU ({name} unset, ops=auto)"
+    if ops == "auto":
+        return False, False, "default", f"no fused default off the NPU (ops=auto on {platform})"
+    return False, False, "ops", f"ops={ops} runs the separate operators on the {ops} rung"
+
+
+def _missing(choice: OpChoice, available: Availability) -> Optional[str]:
+    """What the fused op of ``choice`` lacks here, in a sentence (``None``: nothing)."""
+    op = choice.ops[0]
+    reason = available(op)
+    if reason is None:
+        return None
+    return (f"{choice.reason} cannot run: fused {_LABEL[op]} ({op}, kernels {', '.join(FUSED_KERNELS_OF[op])}): "
+            f"{_strip_hint(reason)}")
+
+
+def select_ops(platform: Optional[str] = None, *, ops: str = "auto", fused_lim: Optional[bool] = None,
+               fused_copy_sfa: Optional[bool] = None, indexer_dtype: str = "bf16", rows_per_request: int = 1,
+               tensor_pool: bool = True, indexer_wired: bool = True, extension=REGISTERED,
+               available: Optional[Availability] = None) -> OpPlan:
+    """The :class:`OpPlan` for these settings (module docstring for the rule).
+
+    platform: default :func:`platform.device_kind`. rows_per_request: query rows sharing
+    a hot buffer (speculative verify rows). tensor_pool: the host pool has a tensor view
+    (not MemFabric global addresses). indexer_wired: the caller runs the fused indexer
+    (the served SGLang backend does not yet). extension: :data:`REGISTERED` (the default:
+    the registry's fused rungs, :func:`registry_availability`), or an extension module
+    object whose attributes are its kernels (``None``: not built); available: an
+    :data:`Availability`, which takes precedence. Problems are in ``plan.problems``; :meth:`OpPlan.check` raises.
+    """
+    platform = platform or _platform.device_kind()
+    if available is None:
+        available = (registry_availability(platform) if extension is REGISTERED
+                     else extension_availability(extension, platform))
+    problems = []
+    indexer = _indexer_choice(platform, ops, fused_lim, indexer_dtype, indexer_wired, problems)
+    attention = _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_pool, problems)
+    missing = [m for m in (_missing(c, available) for c in (indexer, attention) if c.fused) if m]
+    if missing:
+        problems.append(_missing_problem(platform, missing))
+    return OpPlan(platform, ops, indexer, attention, tuple(problems))
+
+
+def _missing_problem(platform: str, missing) -> SelectionProblem:
+    from ..ops.npu_impls import FUSED_BUILD_HINT
+
+    if platform != "npu":
+        cpu = ("on CPU the fused rung is the AscendC kernels on their functional model, built on first use "
+               "(needs g++; scripts/setup_cpu_env.sh prebuilds it); " if platform == "cpu" else "")
+        return SelectionProblem(
+            "sparse_decode.fused_device", f"no fused rung on {platform}: " + "; ".join(missing),
+            f"{cpu}or use ops=auto|reference|triton with fused_lim / fused_copy_sfa unset or false; on an Ascend "
+            f"node: {FUSED_BUILD_HINT}")
+    return SelectionProblem(
+        "sglang.fused_unavailable", "; ".join(missing),
+        f"{FUSED_BUILD_HINT} (or bash scripts/setup_npu_env.sh); or set \"fused_lim\": false / "
+        "\"fused_copy_sfa\": false for the separate torch_npu operators")
+
+
+def _indexer_choice(platform, ops, fused_lim, indexer_dtype, wired, problems) -> OpChoice:
+    fused, _, source, reason = _wanted(fused_lim, "fused_lim", ops, platform)
+    if fused and not wired:
+        # Only fused_lim=true asks this caller for the fused indexer; ops=fused asks for the
+        # fused rung of the ops that have one, and the caller's indexer op has none.
+        if source == "setting":
+            problems.append(SelectionProblem(
+                "sglang.fused_not_wired", f"{reason}: the served backend does not call the fused "
+                f"{_LABEL[_FUSED_INDEXER[indexer_dtype]]} operator yet", 'drop "fused_lim" (or set it to false)'))
+        else:
+            fused, source = False, "consumer"
+            reason = (f"{reason} would be fused {_LABEL[_FUSED_INDEXER[indexer_dtype]]}, but this caller does not "
+                      "call the fused indexer yet: the separate indexer runs")
+    if fused:
+        op = _FUSED_INDEXER[indexer_dtype]
+        return OpChoice("indexer", True, (op,), FUSED_KERNELS_OF[op], source, reason)
+    return OpChoice("indexer", False, (_SEPARATE_INDEXER[indexer_dtype], "residency_manage"), (), source, reason)
+
+
+def _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_pool, problems) -> OpChoice:
+    fused, explicit, source, reason = _wanted(fused_copy_sfa, "fused_copy_sfa", ops, platform)
+    why_not = ""
+    if not tensor_pool:
+        why_not = "the host pool has no tensor view (MemFabric global addresses): it is read by its own gather"
+    elif rows_per_request > 1:
+        why_not = (f"{rows_per_request} verify rows share each request's hot buffer and the fused Copy-SFA "
+                   "operator attends one query token per hot-buffer row")
+    if fused and why_not:
+        if explicit:
+            problems.append(SelectionProblem(
+                "sparse_decode.fused_copy_sfa_engine", f"{reason} selects the fused Copy-SFA operator, which cannot "
+                f"serve this engine: {why_not}", 'set "fused_copy_sfa": false, or ops=auto|reference|triton'))
+        else:
+            fused, source, reason = False, "engine", f"{reason}, but {why_not}: the separate operators run"
+    op = "copy_sparse_flash_attention"
+    if fused:
+        return OpChoice("attention", True, (op,), FUSED_KERNELS_OF[op], source, reason)
+    return OpChoice("attention", False, ("copy_miss_rows", "sparse_mla_attention"), (), source, reason)
+
+
+def select_for_config(sd, platform: Optional[str] = None, **kw) -> OpPlan:
+    """:func:`select_ops` for a :class:`~sglang_ascend_offload.config.SparseDecodeOffloadConfig`."""
+    return select_ops(platform, ops=sd.ops, fused_lim=sd.fused_lim, fused_copy_sfa=sd.fused_copy_sfa,
+                      indexer_dtype=sd.indexer_dtype, **kw)
+
+
+_LOGGED: set = set()
+
+
+def log_plan(plan: OpPlan, what: str = "sparse decode") -> None:
+    """Log each stage's choice once per process (the opt-out of an NPU default at INFO)."""
+    for choice in (plan.indexer, plan.attention):
+        key = (what, plan.platform, plan.ops, choice)
+        if key in _LOGGED:
+            continue
+        _LOGGED.add(key)
+        logger.info("%s %s: %s (%s)", what, choice.stage, "+".join(choice.ops), choice.reason)
+
+
+# ------------------------------------------------------------------ host pool alignment
+def host_rows_alignment(row_bytes: int) -> int:
+    """Rows per layer that make every layer slice of a host pool start 4 KiB-aligned."""
+    return HOST_ALIGN_BYTES // math.gcd(HOST_ALIGN_BYTES, int(row_bytes))
+
+
+def fused_host_pool_rows(rows: int, row_bytes: int) -> int:
+    """``rows`` rounded up to :func:`host_rows_alignment` (what fused Copy-SFA needs)."""
+    align = host_rows_alignment(row_bytes)
+    return -(-int(rows) // align) * align
+
+
+def platform_of(device) -> str:
+    """``npu`` / ``cuda`` / ``cpu`` of a device (``torch.device`` or a string like ``npu:0``)."""
+    kind = str(device).split(":")[0]
+    return kind if kind in ("npu", "cuda") else "cpu"
+
+
+def host_pool_rows(sd, rows: int, row_bytes: int, platform: str, rows_per_request: int = 1) -> int:
+    """Rows per layer of a sparse decode host pool asked to hold ``rows``: rounded up to
+    :func:`host_rows_alignment` where the plan for ``sd`` (a ``SparseDecodeOffloadConfig``)
+    runs the fused Copy-SFA on an NPU, whose extension registers each layer's slice with
+    ``aclrtHostRegister`` (logged when it rounds); ``rows`` otherwise."""
+    plan = select_for_config(sd, platform, rows_per_request=rows_per_request, available=lambda op: None)
+    if platform != "npu" or not plan.attention.fused:
+        return int(rows)
+    aligned = fused_host_pool_rows(rows, row_bytes)
+    if aligned != rows:
+        logger.info("sparse decode host pool: %d rows per layer rounded up to %d (a multiple of %d): the fused "
+                    "Copy-SFA registers each layer's slice, which must start 4 KiB-aligned", rows, aligned,
+                    host_rows_alignment(row_bytes))
+    return aligned
