@@ -1,0 +1,100 @@
+"""The server's startup verdict on the fused-operator plan (``sparse_decode/op_selection.py``),
+and the sparse decode pool's host rows where the fused Copy-SFA registers them.
+
+This machine has no AscendC extension and no torch_npu: with ``device="npu"`` in the
+server arguments it is an NPU node without the build.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_ascend_offload import config as cfg
+from sglang_ascend_offload.ops import fused
+from sglang_ascend_offload.rules import RULES
+from sglang_ascend_offload.sglang_plugin.args import resolution
+from sglang_ascend_offload.sparse_decode import op_selection
+from sglang_ascend_offload.testing.sglang_args import server_args_stub
+
+from startup_verdict import server_verdict
+
+NPU = dict(attention_backend="ascend_offload", disable_cuda_graph=True, device="npu", page_size=128)
+BUILD = "ascendc_ops/build.sh --install"
+
+
+def _verdict(soc="Ascend910_9391", **sd):
+    return server_verdict(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(**sd)), soc=soc, **NPU)
+
+
+def test_npu_defaults_need_the_extension_and_the_error_names_every_missing_op():
+    found = [v for v in _verdict() if v.rule == "sglang.fused_unavailable"]
+    assert len(found) == 1, found  # one violation listing every missing op
+    text = found[0].problem + " -> " + found[0].fix
+    assert fused.COPY_SFA_KERNEL in text and fused.REGISTER_HOST_KERNEL in text and BUILD in text
+    assert "the default on an Ascend NPU" in text
+    # the served backend does not call the fused LIM: the default indexer is the separate one, not an error
+    assert fused.LIM_KERNEL not in text
+
+
+def test_npu_opt_outs_and_explicit_requests():
+    assert "sglang.fused_unavailable" not in [v.rule for v in _verdict(fused_copy_sfa=False)]
+    assert "sglang.fused_unavailable" not in [v.rule for v in _verdict(ops="npu")]
+    explicit = [v for v in _verdict(fused_copy_sfa=True) if v.rule == "sglang.fused_unavailable"]
+    assert explicit and "fused_copy_sfa=true cannot run" in explicit[0].problem
+    # ops=fused asks for the fused rung of the ops that have one; the served indexer op has none
+    assert "sglang.fused_not_wired" not in [v.rule for v in _verdict(ops="fused")]
+    # fused_lim=true is refused once, by the deployment rule check-config shares
+    assert [v.rule for v in _verdict(fused_lim=True)].count("sglang.fused_not_wired") == 1
+
+
+def test_explicit_fused_copy_sfa_with_verify_rows_is_refused_at_startup():
+    view = server_args_stub(**NPU, speculative_algorithm="NEXTN", speculative_num_draft_tokens=2)
+    sd = cfg.SparseDecodeOffloadConfig(fused_copy_sfa=True)
+    rules = [v.rule for v in resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=sd), view)]
+    assert "sparse_decode.fused_copy_sfa_engine" in rules and RULES["sparse_decode.fused_copy_sfa_engine"].scope == "server"
+    default = cfg.SparseDecodeOffloadConfig()  # the default gives way to the verify rows: nothing fused to build
+    assert resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=default), view) == []
+
+
+def test_cpu_defaults_are_never_fused():
+    cpu = dict(NPU, device="cpu", page_size=64)
+    plain = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig())
+    assert server_verdict(plain, **cpu) == []
+
+
+# ------------------------------------------------------------------ host pool rows
+@pytest.fixture
+def ctx():
+    from dsa_harness import published_context
+
+    with published_context():
+        yield
+
+
+PAGE, SLOTS = 16, 8 * 16  # SGLang's slot space: 9 pages of 16 = 144 rows, not a multiple of 32
+
+
+def _host_pool(sd, monkeypatch, platform_kind):
+    from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool import sparse_decode as pool_mod
+
+    monkeypatch.setattr(pool_mod, "platform_of", lambda device: platform_kind)  # the pool's view of the platform
+    return pool_mod.HostMainKVPool(SLOTS, rows=4, top_k=TOPK, offload=sd, page_size=PAGE, dtype=torch.bfloat16,
+                                   kv_lora_rank=LATENT, qk_rope_head_dim=ROPE, layer_num=2, device="cpu",
+                                   enable_memory_saver=False, index_head_dim=INDEX_DIM), (LATENT + ROPE) * 2
+
+
+@pytest.mark.usefixtures("plugins_loaded", "ctx")
+def test_the_pool_rounds_its_rows_per_layer_where_the_npu_fused_copy_sfa_registers_them(monkeypatch):
+    from dsa_harness import TOPK
+
+    sd = cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK)
+    slots = (SLOTS // PAGE + 1) * PAGE
+    pool, row_bytes = _host_pool(sd, monkeypatch, "npu")
+    rows = pool.host_pool.shape.tokens
+    assert rows == op_selection.fused_host_pool_rows(slots, row_bytes) and rows > slots
+    assert rows * row_bytes % op_selection.HOST_ALIGN_BYTES == 0  # every layer slice 4 KiB-aligned
+    assert _host_pool(sd, monkeypatch, "cpu")[0].host_pool.shape.tokens == slots
+    off = cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK, fused_copy_sfa=False)
+    assert _host_pool(off, monkeypatch, "npu")[0].host_pool.shape.tokens == slots
