@@ -2,13 +2,13 @@
 
 A decode layer step has two stages that fused AscendC operators can replace:
 
-========== ============================================== ======================================
-stage      separate operators                             fused operator (``_C_ascend``)
-========== ============================================== ======================================
-indexer    lightning indexer (bf16) or quant lightning    LIM (``lightning_indexer_manage``) or
-           indexer (int8, C8), then ``residency_manage``  LIM-C8 (``quant_lightning_indexer_manage``)
-attention  ``copy_miss_rows`` then ``sparse_mla_attention`` Copy-SFA (``copy_sparse_flash_attention``)
-========== ============================================== ======================================
+========== ================================================ ============================================
+stage      separate operators                               fused operator (``_C_ascend``)
+========== ================================================ ============================================
+indexer    lightning indexer (bf16) or quant lightning      LIM (``lightning_indexer_manage``) or
+           indexer (int8, C8), then ``residency_manage``    LIM-C8 (``quant_lightning_indexer_manage``)
+attention  ``copy_miss_rows`` then ``sparse_mla_attention``   Copy-SFA (``copy_sparse_flash_attention``)
+========== ================================================ ============================================
 
 :func:`select_ops` turns the platform (``npu`` / ``cuda`` / ``cpu``), the settings
 (``ops``, ``fused_lim``, ``fused_copy_sfa``, ``indexer_dtype``) and what the fused rung
