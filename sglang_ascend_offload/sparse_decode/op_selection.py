@@ -24,16 +24,19 @@ stage (``fused_lim`` for the indexer, ``fused_copy_sfa`` for the attention):
 
 A fused stage that cannot run is a :class:`SelectionProblem` (a registered rule id, the
 problem, the fix), never a silent fallback: a fused rung missing from the extension (every
-missing op listed, with the build command), no fused rung on this platform, an explicit
-fused Copy-SFA an engine cannot serve, or an explicit fused indexer the consumer does not
-call. Only the *default* fused Copy-SFA gives way, with its reason logged, to what the
-engine's own layout excludes (verify rows sharing a hot buffer, a pool without a tensor
-view); a default fused indexer gives way, logged, where the consumer does not call it.
+missing op listed, with the build command), no fused rung on this platform, a
+``fused_copy_sfa: true`` / ``ops=fused`` Copy-SFA the engine's layout excludes, or
+``fused_lim: true`` where the caller does not call the fused indexer (``indexer_wired=False``:
+the served SGLang backend today). Only two choices give way to the separate operators,
+each with its reason in the plan (and logged): a default Copy-SFA (setting unset, ``ops``
+``auto`` on an NPU) where the engine's layout excludes it (verify rows sharing a hot buffer, a pool without a
+tensor view), and a default or ``ops=fused`` indexer where the caller does not call it.
 
 Fused Copy-SFA reads the host pool through each layer's slice, which the extension
 registers with ``aclrtHostRegister``: each slice must start 4 KiB-aligned, so the rows per
 layer must be a multiple of :func:`host_rows_alignment` (32 for 576 bf16 columns);
-:func:`fused_host_pool_rows` rounds a pool size up to it.
+:func:`fused_host_pool_rows` rounds a pool size up to it, and :func:`host_pool_rows`
+does so where the plan runs the fused Copy-SFA on an NPU.
 """
 
 from __future__ import annotations
