@@ -63,7 +63,8 @@ class SparseDecodeOffloadConfig:
         Hadamard-rotated int8 keys + one fp16 scale per token (130 B instead of 256 B per
         token and layer at 128 dims), and the decode indexer is the C8 lightning indexer
         over them (``docs/sparse_decode.md``, "int8 indexer"). Served off the NPU; refused
-        on an NPU (``sglang.indexer_int8_device``) and on a P/D decode (``sglang.indexer_int8_pd``).
+        on an NPU (``sglang.indexer_int8_device``) and on a P/D decode with speculative
+        decoding (``sglang.indexer_int8_pd``); a P/D decode receives int8 keys + scales.
     policy: residency replacement policy; ``lru`` (the default) is exact per-row LRU, the
         specification in ``docs/residency_contract.md`` that every other policy reuses
         with its own victim order.
@@ -740,15 +741,17 @@ def _check_sparse_decode_settings(sd: "SparseDecodeOffloadConfig", d: Deployment
 def _check_int8_indexer(d: Deployment, add: _Add) -> None:
     """Where the int8 (LIM-C8) index-K cache is served: the plugin's own indexer path
     (rotate + quantise the keys into the cache, the C8 indexer over it), which runs
-    off the NPU; and not on a P/D decode, whose transfer moves bf16 index K only."""
+    off the NPU. On a P/D decode the prefill packs its bf16 keys into int8 + scales for it,
+    but not next to a speculative draft layer (one indexer tensor, one dtype)."""
     if d.device == "npu":
         add("sglang.indexer_int8_device", "indexer_dtype='int8' on an Ascend NPU: there SGLang's own NPU "
             "indexer (forward_npu) writes bf16 index K and calls the bf16 lightning indexer, so the int8 "
             "cache would be filled with unrotated, unscaled keys", 'set "indexer_dtype": "bf16" on an NPU')
-    if d.pd_role == "decode":
-        add("sglang.indexer_int8_pd", "indexer_dtype='int8' on a P/D decode node: the transfer moves the "
-            "prefill's bf16 index K into the decode's index-K cache and carries no int8 keys or fp16 scales "
-            "(role indexer_scale) into it", 'set "indexer_dtype": "bf16" on the P/D decode node')
+    if d.pd_role == "decode" and d.speculative_method:
+        add("sglang.indexer_int8_pd", f"indexer_dtype='int8' on a P/D decode node with speculative method "
+            f"{d.speculative_method!r}: the draft layer's bf16 index K would share the transfer's one indexer "
+            "tensor with the target's int8 keys + scales (role indexer_scale)",
+            'set "indexer_dtype": "bf16" on the P/D decode node, or serve it without speculation')
 
 
 #: Speculative methods (``Deployment.speculative_method``) whose drafts the sparse decode

@@ -114,8 +114,9 @@ _ALL = (
          "on the host", "enable only one of them on a node"),
         ("sglang.indexer_int8_device", "an int8 indexer cache (LIM-C8) off the NPU: on an NPU SGLang's own "
          "indexer writes bf16 index K", 'set "indexer_dtype": "bf16" on an NPU'),
-        ("sglang.indexer_int8_pd", "an int8 indexer cache (LIM-C8) not on a P/D decode node: the transfer "
-         "carries bf16 index K and no scales", 'set "indexer_dtype": "bf16" on the P/D decode node'),
+        ("sglang.indexer_int8_pd", "an int8 indexer cache (LIM-C8) on a P/D decode only without a speculative "
+         "draft layer (one transferred indexer tensor, one dtype)",
+         'set "indexer_dtype": "bf16" on the P/D decode node, or drop speculative decoding there'),
         ("sglang.fused_not_wired", "fused_lim unset or false: the served backend does not call the fused LIM "
          "operator", 'drop "fused_lim"'),
         ("sglang.sparse_decode_graph", "no host work between the layers of a captured decode step: no decode "

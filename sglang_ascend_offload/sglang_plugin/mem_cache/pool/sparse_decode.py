@@ -156,18 +156,19 @@ class HostMainKVPool(DeviceDSAPool):
         self._no_device_main_kv("get_kv_buffer")
 
     def get_contiguous_buf_infos(self):
-        """P/D destination regions (bf16 index K only: the int8 cache's scales have no
-        destination in the transfer, and P/D with it is refused at startup), in SGLang's ``(ptrs, byte lengths, item lengths)`` form.
+        """P/D destination regions, in SGLang's ``(ptrs, byte lengths, item lengths)`` form.
 
         Main KV entries are the host pool's layers (one item = one page of rows,
         ``page_size * (latent + rope)`` elements); then the index-K layers (device),
-        as in SGLang's NPU MLA pool. The ``ascend_offload`` transfer backend builds its
-        layout from :meth:`host_page_blocks` and ``index_k_buffer`` directly; SGLang
-        uses these numbers for its registration message and bookkeeping.
+        then, for the int8 cache, their fp16 scales, as in SGLang's NPU MLA pool. The
+        ``ascend_offload`` transfer backend builds its layout from :meth:`host_page_blocks`,
+        ``index_k_buffer`` and ``index_k_scale_buffer`` directly; SGLang uses these
+        numbers for its registration message and bookkeeping.
         """
-        self._no_int8_index_cache("a P/D transfer into this pool")
         mains = [self.host_page_blocks(lid) for lid in self.model_layer_ids]
         index = [self.index_k_buffer[self._get_indexer_slot(lid)] for lid in self.model_layer_ids]
+        if self.index_k_scale_buffer is not None:
+            index += [self.index_k_scale_buffer[self._get_indexer_slot(lid)] for lid in self.model_layer_ids]
         entries = mains + index
         return ([t.data_ptr() for t in entries], [t.nbytes for t in entries], [t[0].nbytes for t in entries])
 
@@ -218,12 +219,11 @@ class HostMainKVPool(DeviceDSAPool):
     def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
         """Retraction backup of the KV at slots ``indices``: the host rows (a host-to-host copy;
         on any device) and the device index K (:class:`~..retraction.RetractedKV`)."""
-        from ..retraction import RetractedKV, index_rows, slot_tensor
+        from ..retraction import RetractedKV, index_rows, index_scale_rows, slot_tensor
 
-        self._no_int8_index_cache("a retraction backup (P/D decode)")
         slots = slot_tensor(indices, "cpu")
         main = [self.read_host_rows(lid, slots).to("cpu") for lid in self.model_layer_ids]
-        return RetractedKV(int(slots.numel()), main, index_rows(self, slots))
+        return RetractedKV(int(slots.numel()), main, index_rows(self, slots), index_scale_rows(self, slots))
 
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
         """Write a :meth:`get_cpu_copy` backup into slots ``indices`` through the host pool's
@@ -244,11 +244,6 @@ class HostMainKVPool(DeviceDSAPool):
         scales = self.index_k_scale_buffer.nbytes if self.index_k_scale_buffer is not None else 0
         return self.index_k_buffer.nbytes + scales
 
-    def _no_int8_index_cache(self, what: str) -> None:
-        if self.index_k_scale_buffer is not None:
-            raise RuntimeError(f"{what} is not wired for the int8 index-K cache (indexer_dtype int8: the fp16 "
-                               "scales would not travel with the keys); serve indexer_dtype bf16")
-
     def set_index_k_buffer(self, layer_id: int, loc: torch.Tensor, index_k: torch.Tensor):
         """Store index-K rows ``[T, index_head_dim]`` in the cache's own dtype at ``loc``
         (bf16 keys into a bf16 cache). An int8 cache takes its keys through
@@ -260,6 +255,16 @@ class HostMainKVPool(DeviceDSAPool):
         if self._on_npu:
             return super().set_index_k_buffer(layer_id, loc, index_k)
         _scatter_rows(self.index_k_buffer[self._get_indexer_slot(layer_id)], loc, index_k)
+
+    def write_index_rows(self, layer_id: int, loc: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
+        """Write stored int8 index-K rows ``values [n, D]`` and their fp16 ``scales [n]`` at
+        ``loc`` as they are (a retraction restore: rows this cache held before)."""
+        if self.index_k_scale_buffer is None or values.dtype != torch.int8 or scales.dtype != torch.float16:
+            raise TypeError(f"layer {layer_id}: write_index_rows takes int8 rows + fp16 scales for the int8 "
+                            f"index-K cache; got {values.dtype} / {scales.dtype}")
+        slot = self._get_indexer_slot(layer_id)
+        _scatter_rows(self.index_k_buffer[slot], loc, values)
+        _scatter_rows(self.index_k_scale_buffer[slot], loc, scales)
 
     def store_index_k(self, layer_id: int, loc: torch.Tensor, key: torch.Tensor) -> None:
         """Store the new tokens' index keys ``key [T, index_head_dim]`` (bf16) at slots
