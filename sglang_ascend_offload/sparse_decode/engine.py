@@ -192,6 +192,9 @@ class EngineConfig:
     #: (one query token per hot-buffer row, a host pool with a tensor view); see
     #: :func:`.op_selection.select_ops`
     fused_copy_sfa: Optional[bool] = None
+    #: the dtype of the index-K cache whose top-k the engine is given (``bf16`` or ``int8``,
+    #: LIM-C8); the engine does not run the indexer, it names it in its logged operator plan
+    indexer_dtype: str = "bf16"
 
     def __post_init__(self):
         problems = []
@@ -302,7 +305,7 @@ class SparseDecodeEngine:
         engine (``self.plan``; a plan with problems is an :class:`~.op_selection.OpSelectionError`)."""
         self.plan = op_selection.select_ops(
             op_selection.platform_of(self.device), ops=config.ops, fused_copy_sfa=config.fused_copy_sfa, rows_per_request=config.rows_per_request,
-            tensor_pool=self._tensor_pool, indexer_wired=False).check()
+            tensor_pool=self._tensor_pool, indexer_wired=False, indexer_dtype=config.indexer_dtype).check()
         op_selection.log_plan(self.plan, "sparse decode engine")
         if not self.plan.attention.fused:
             return None

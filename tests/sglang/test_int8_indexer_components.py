@@ -92,6 +92,7 @@ def test_served_int8_indexer_equals_reference_c8_composition(ctx):
     assert tuple(pool.index_k_scale_buffer.shape) == tuple(pool.index_k_buffer.shape[:-1])
     assert pool.get_kv_size_bytes() == pool.index_k_buffer.numel() * (INDEX_DIM + 2) // INDEX_DIM
     assert h.offload.index_int8 and not h.dense.index_int8  # the draft / device pools stay bf16
+    assert h.offload.engine.plan.indexer.ops[0] == "quant_lightning_indexer"  # the engine's logged plan says so
     a, c = h.new_request("a"), h.new_request("c")
     _check_step(h, h.extend([a, c], [80, 23]), "prefill a + c")
     b = h.new_request("b", prefix_from="a", prefix_len=64)  # a cached page of a (radix hit)

@@ -46,6 +46,7 @@ def test_int8_indexer_serves_deterministic_tokens_and_says_so(server):
     assert found, f"no int8 index-K cache line in {server.log_path}"
     assert int(found.group(1)) == 128 + 2  # int8 keys + one fp16 scale (index_head_dim 128)
     assert "op quant_lightning_indexer: using reference implementation" in text
+    assert "sparse decode engine indexer: quant_lightning_indexer" in text  # the engine's operator plan
 
     long_prompt = prompt(3 * INDEX_TOPK, seed=1)  # longer than top-k: the indexer really selects
     first = server.generate(long_prompt, max_new_tokens=12)["output_ids"]

@@ -103,7 +103,7 @@ class HostMainKVPool(DeviceDSAPool):
                          latent_dim=kv_lora_rank, rope_dim=qk_rope_head_dim, dtype=dtype,
                          policy=offload.policy, ops=offload.ops, rows_per_request=rows_per_request,
                          verify_sample_rate=offload.verify_sample_rate, verify_action=offload.verify_action,
-                         fused_copy_sfa=offload.fused_copy_sfa),
+                         fused_copy_sfa=offload.fused_copy_sfa, indexer_dtype=offload.indexer_dtype),
             self.host_pool, device=device if not str(device).startswith("cpu") else "cpu",
             tp_rank=rank_pool.rank, gate=gate,
         )
