@@ -107,3 +107,35 @@ def test_a_retraction_backup_of_the_int8_cache_restores_keys_and_scales(ctx):
         assert torch.equal(keys[new], keys[slots]) and torch.equal(scales[new], scales[slots])
     with pytest.raises(TypeError, match="int8"):
         pool.write_index_rows(0, new, keys[slots].to(torch.bfloat16), scales[slots])
+
+
+def test_a_layerwise_prefill_packs_int8_keys_and_scales_too(ctx, monkeypatch):
+    """The layerwise prefill's publisher (``test_pd_layerwise_publish.run_transfer``: a
+    request in two chunks through one shared buffer, decode reads slowed down) into an
+    int8 decode: main rows as before, the index K as int8 keys + scales of the bf16 keys a
+    prefill without layerwise offload holds; the shared buffer still waits for the reads."""
+    import test_pd_layerwise_publish as lw
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
+
+    made, seen = {}, {}
+
+    def int8_pool(page=PAGE, layers=LAYERS):
+        made["pool"] = HostMainKVPool(SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(
+            hot_tokens=2 * TOPK, indexer_dtype="int8"), **_common(page, layers))
+        return made["pool"]
+
+    def then(pub, h, src):
+        seen["keys"] = [h.dense_pool.index_k_buffer[layer][src].clone() for layer in range(lw.LAYERS)]
+        seen["src"] = src
+
+    monkeypatch.setattr(lw, "host_pool", int8_pool)
+    p, d, bad, order, busy, pipelined = lw.run_transfer(gate_reads=True, decode="host_rows", then=then)
+    assert p.state is lw.TransferState.DONE and d.state is lw.TransferState.DONE, (p, d)
+    # main rows equal; the index K is int8 here, so the bf16 comparison flags exactly it
+    assert sorted(bad) == [(layer, "index_k_buffer") for layer in range(lw.LAYERS)]
+    dst = list(range(1, len(seen["src"]) + 1))
+    for layer, keys in enumerate(seen["keys"]):
+        values, scales = rotate_and_quantize(keys)
+        assert torch.equal(made["pool"].index_k_buffer[layer][dst], values), layer
+        assert torch.equal(made["pool"].index_k_scale_buffer[layer][dst], scales), layer
+    assert sorted(e[1] for e in order if e[0] == "read_done") == sorted(pipelined) and busy == []
