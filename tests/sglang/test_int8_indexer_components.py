@@ -209,3 +209,26 @@ def test_server_startup_serves_int8_on_cpu_and_refuses_it_on_a_pd_decode():
                         speculative_eagle_topk=1, speculative_num_draft_tokens=2)
     found = [v for v in pd if v.rule == "sglang.indexer_int8_pd"]
     assert found and "indexer_scale" in found[0].problem and '"indexer_dtype": "bf16"' in found[0].fix
+
+
+def test_the_c8_graph_indexer_stage_under_torch_compile_equals_eager():
+    """What SGLang's CPU graph runner does to the decode step (``torch.compile``, not
+    fullgraph): the int8 stage (rotate + quantise the query, C8 static-width top-k) gives
+    the eager result. The quantisation's fp16-overflow check is a host read, so the stage
+    has a graph break there (docs/sparse_decode.md, "int8 indexer")."""
+    gen = torch.Generator().manual_seed(12)
+    keys = torch.randn(6, PAGE, 1, INDEX_DIM, generator=gen).to(torch.bfloat16)
+    values, scales = rotate_and_quantize(keys)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    lens = torch.tensor([150, 40], dtype=torch.int32)
+
+    def stage(query, weights):
+        q_values, q_scales = rotate_and_quantize(query)
+        return graph_decode_topk(q_values, values, weights, tables, lens, TOPK, query_scale=q_scales, key_scale=scales)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(stage, dynamic=False)
+    for _ in range(2):
+        query = torch.randn(2, INDEX_HEADS, INDEX_DIM, generator=gen).to(torch.bfloat16)
+        weights = torch.randn(2, INDEX_HEADS, generator=gen)
+        assert torch.equal(compiled(query, weights), stage(query, weights))
