@@ -12,6 +12,9 @@ from identical cloned inputs:
 and checks that the Triton results are identical to the reference's (outputs and
 state bit for bit, hot buffer bit for bit). It exits with 1 when any check fails.
 
+``--copy-sfa`` compares the fused Copy-SFA operator with the separate miss copy + sparse
+attention instead (:mod:`.kernels_copy_sfa`).
+
 On a CPU-only machine the Triton kernels run through the Triton interpreter
 (``TRITON_INTERPRET=1`` is switched on for this command when unset): its times are
 the interpreter's, far slower than torch, and only the correctness column counts.
@@ -55,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, help="timed calls per kernel (median reported; default 5, CPU 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    from . import kernels_copy_sfa
+
+    kernels_copy_sfa.add_arguments(parser)
 
 
 @dataclass
@@ -215,6 +221,26 @@ def _print_table(res: BenchResult) -> None:
               f"{kr.reference_over_triton:>10.3f}  {'yes' if kr.correct else 'NO':<7}  {kr.detail}")
 
 
+def _main_copy_sfa(args) -> int:
+    """``--copy-sfa``: the fused Copy-SFA vs the separate operators (``kernels_copy_sfa``)."""
+    from ..ops.ascendc_model import ShapeUnsupported
+    from ..ops.registry import OpUnavailableError
+    from ..sparse_decode.op_selection import OpSelectionError
+    from . import kernels_copy_sfa
+
+    try:
+        res = kernels_copy_sfa.run(args)
+    except (OpSelectionError, OpUnavailableError, ShapeUnsupported) as exc:
+        print(f"bench kernels --copy-sfa: the fused Copy-SFA cannot run here: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        payload = {"copy_sfa": asdict(res), "all_correct": res.all_correct}
+        print(json.dumps(payload, indent=2))
+    else:
+        kernels_copy_sfa.print_table(res)
+    return 0 if res.all_correct else 1
+
+
 def main(args) -> int:
     problems = [f"--{n.replace('_', '-')} must be >= 1" for n in ("rows", "top_k", "hot_tokens", "dim", "repeat")
                 if getattr(args, n) is not None and getattr(args, n) < 1]
@@ -224,9 +250,15 @@ def main(args) -> int:
         problems.append("--overlap must lie in [0, 1]")
     if args.hot_tokens is not None and args.top_k is not None and args.hot_tokens < args.top_k:
         problems.append("--hot-tokens must be >= --top-k")
+    if args.copy_sfa:
+        from . import kernels_copy_sfa
+
+        problems += kernels_copy_sfa.input_problems(args)
     if problems:
         print("bench kernels: " + "; ".join(problems), file=sys.stderr)
         return 2
+    if args.copy_sfa:
+        return _main_copy_sfa(args)
     if platform.device_kind() == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         # must happen before any kernel module is imported; announced in the output
         os.environ["TRITON_INTERPRET"] = "1"
