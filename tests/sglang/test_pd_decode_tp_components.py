@@ -89,7 +89,7 @@ def shared_pools(tmp_path, monkeypatch):
 
 def pd_config():
     return cfg.PDTransferConfig(engine="mooncake", kv_port=reserve_port(span=2), host="127.0.0.1",
-                                layer_timeout_s=5.0, handshake_timeout_s=10.0, read_retries=0)
+                                layer_timeout_s=30.0, handshake_timeout_s=10.0, read_retries=0)
 
 
 class Group:
