@@ -83,12 +83,13 @@ class CompileResult:
 
 
 def compiler() -> str:
-    cxx = os.environ.get("CXX", "g++")
-    path = shutil.which(cxx)
-    if path is None:
-        raise CompilerNotFound(f"C++ compiler {cxx!r} not found: install g++ >= 10 (scripts/setup_cpu_env.sh "
-                               "does: apt-get install g++) or set CXX")
-    return path
+    """The runtime's compiler lookup (``ops.ascendc_model.compiler``), failing as :class:`CompilerNotFound`."""
+    from ..ops.ascendc_model import ModelBuildError, compiler as find_compiler
+
+    try:
+        return find_compiler()
+    except ModelBuildError as exc:
+        raise CompilerNotFound(str(exc)) from None
 
 
 def compile_command(headers: hdr.AscendcHeaders, source: Path, variant: str,
