@@ -56,9 +56,11 @@ class SparseDecodeOffloadConfig:
         operators, ``None`` = fused with ``ops`` ``fused``, and the default on an Ascend
         NPU with ``ops`` ``auto``, where a missing extension or op is a startup error
         (``sglang.fused_unavailable``) naming every missing op and the build command.
-        The served backend does not call the fused LIM yet: ``fused_lim: true`` is
-        refused (``sglang.fused_not_wired``) and a default fused indexer runs as the
-        separate indexer, logged.
+        The fused indexer serves decode steps of policy ``lru`` with one query token per
+        request; elsewhere (another policy, speculative verify rows) ``fused_lim: true``
+        is refused (``sglang.fused_not_wired``) and a default fused indexer runs as the
+        separate indexer, logged. On CPU the fused operators are the AscendC kernels on
+        their functional model: a correctness path, not a fast one.
     indexer_dtype: ``bf16`` or ``int8`` (LIM-C8): the device index-K cache holds
         Hadamard-rotated int8 keys + one fp16 scale per token (130 B instead of 256 B per
         token and layer at 128 dims), and the decode indexer is the C8 lightning indexer
@@ -718,17 +720,25 @@ def _check_sparse_decode_hot_tokens(sd: "SparseDecodeOffloadConfig", d: Deployme
 
 def _check_sparse_decode_settings(sd: "SparseDecodeOffloadConfig", d: Deployment, add: _Add) -> None:
     """Operators, indexer dtype and ranking depth."""
-    wants_npu = [name for name, on in (("ops=" + sd.ops, sd.ops in ("npu", "fused")),
-                                       ("fused_lim", sd.fused_lim is True),
-                                       ("fused_copy_sfa", sd.fused_copy_sfa is True)) if on]
+    # The fused operators run on an Ascend NPU, and on CPU as the AscendC kernels on their
+    # functional model (a correctness path); the torch_npu rung only on an NPU.
+    wants_npu = [name for name, on in (("ops=" + sd.ops, sd.ops == "npu" or (sd.ops == "fused" and d.device != "cpu")),
+                                       ("fused_lim", sd.fused_lim is True and d.device != "cpu"),
+                                       ("fused_copy_sfa", sd.fused_copy_sfa is True and d.device != "cpu")) if on]
     if wants_npu and d.device != "npu":
         add("sparse_decode.fused_device", f"{', '.join(wants_npu)} requested on a {d.device} device",
-            "use ops=auto|reference|triton off Ascend, or run on an Ascend NPU")
+            "use ops=auto|reference|triton off Ascend (ops=fused runs the fused kernels' functional model on "
+            "CPU), or run on an Ascend NPU")
     if sd.indexer_dtype == "int8":
         _check_int8_indexer(d, add)
     if sd.fused_lim is True:
-        add("sglang.fused_not_wired", "fused_lim=true: the SGLang backend does not call the fused AscendC "
-            "LIM operator yet", 'drop "fused_lim" (ops=npu uses the torch_npu operators)')
+        from .sparse_decode.op_selection import select_for_config
+
+        rows = d.speculative_rows if d.speculative_method and d.speculative_rows else 1
+        plan = select_for_config(sd, d.device, rows_per_request=rows, available=lambda op: None)
+        for p in plan.problems:
+            if p.rule == "sglang.fused_not_wired":
+                add(p.rule, p.problem, p.fix)
     if sd.rank_depth > 0 and d.index_topk is not None and sd.rank_depth < d.index_topk:
         add("sparse_decode.rank_depth_topk", f"rank_depth={sd.rank_depth} < top-k={d.index_topk}",
             f"set rank_depth >= {d.index_topk} (e.g. {2 * d.index_topk} or 2 x hot_tokens)")

@@ -102,8 +102,8 @@ _ALL = (
          "(verify rows x top-k)", "raise hot_tokens or leave it unset"),
         ("sparse_decode.prefill_node", "a decode or colocated node: sparse decode offload is a decode-side feature",
          "enable it on the decode node"),
-        ("sparse_decode.fused_device", "fused LIM / Copy-SFA and ops=npu|fused run on an Ascend NPU",
-         "use ops=auto|reference|triton off Ascend"),
+        ("sparse_decode.fused_device", "fused LIM / Copy-SFA and ops=fused run on an Ascend NPU or on CPU (the "
+         "kernels' functional model); ops=npu on an Ascend NPU", "use ops=auto|reference|triton off Ascend"),
         ("sparse_decode.speculative", "speculative decoding with a fixed token count (rows per request)",
          "fix the number of speculative tokens"),
         ("sparse_decode.rank_depth_topk", "rank_depth >= the model's top-k (the ranking starts with the top-k)",
@@ -117,8 +117,8 @@ _ALL = (
         ("sglang.indexer_int8_pd", "an int8 indexer cache (LIM-C8) on a P/D decode only without a speculative "
          "draft layer (one transferred indexer tensor, one dtype)",
          'set "indexer_dtype": "bf16" on the P/D decode node, or drop speculative decoding there'),
-        ("sglang.fused_not_wired", "fused_lim unset or false: the served backend does not call the fused LIM "
-         "operator", 'drop "fused_lim"'),
+        ("sglang.fused_not_wired", "fused_lim=true only where the fused LIM serves: residency policy lru, one "
+         "query token per request (no speculative verify rows)", 'drop "fused_lim"'),
         ("sglang.sparse_decode_graph", "no host work between the layers of a captured decode step: no decode "
          "graphs with attention TP > 1, record_trace, shadow verification or rank_depth",
          "run decode eagerly, or drop the feature that needs host work"),

@@ -46,7 +46,7 @@ CASES = {
     # MTP-3: 4 verify rows x top-k 2048 share one buffer; 4096 holds only two rows' union
     "sparse_decode.hot_tokens_verify_rows": (SD, dict(speculative_method="mtp", speculative_rows=4)),
     "sparse_decode.prefill_node": (SD, dict(pd_role="prefill")),
-    "sparse_decode.fused_device": ({"sparse_decode": {"fused_copy_sfa": True}}, dict(device="cpu")),
+    "sparse_decode.fused_device": ({"sparse_decode": {"fused_copy_sfa": True}}, dict(device="cuda", soc=None)),
     "sparse_decode.speculative": (SD, dict(speculative_method="mtp", speculative_fixed=False)),
     "sparse_decode.kvpp": ({**SD, **KV}, {}),
     "sparse_decode.rank_depth_topk": ({"sparse_decode": {"hot_tokens": 4096, "policy": "score_rank",
@@ -84,7 +84,8 @@ CASES = {
     "sglang.indexer_int8_device": ({"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8"}}, {}),
     "sglang.indexer_int8_pd": ({"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8"}},
                                dict(device="cpu", soc=None, pd_role="decode", speculative_method="mtp")),
-    "sglang.fused_not_wired": ({"sparse_decode": {"hot_tokens": 4096, "fused_lim": True}}, {}),
+    "sglang.fused_not_wired": ({"sparse_decode": {"hot_tokens": 4096, "fused_lim": True, "policy": "lru_k2_guarded"}},
+                               {}),
     "sglang.sparse_decode_graph": (SD, dict(graph_mode="full", attn_tp=2)),
     "sglang.sparse_decode_speculative": ({"sparse_decode": {"hot_tokens": 8192}},
                                          dict(speculative_method="mtp", speculative_rows=4, speculative_topk=2)),

@@ -65,7 +65,7 @@ from .. import platform
 from ..ops import registry
 from ..ops.contract import ResidencyStep, ResidencyTable
 from ..ops.residency import copy_miss_rows_rows
-from . import op_selection
+from . import fused_indexer, op_selection
 from .host_pool import AppendGate, HostKVPool
 from .host_rows import is_tensor_backed
 from .hot_buffer import HotBuffers, flat_hot_indices
@@ -121,7 +121,8 @@ def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch
                       stable_len: torch.Tensor, step, host: torch.Tensor, hot: torch.Tensor,
                       token_table: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor, scale: float,
                       latent_dim: int, attention: Optional[Callable] = None,
-                      rows_per_request: int = 1) -> Tuple[torch.Tensor, ResidencyStep]:
+                      rows_per_request: int = 1, residency: Optional[ResidencyStep] = None,
+                      copy_attention: Optional[Callable] = None) -> Tuple[torch.Tensor, ResidencyStep]:
     """One layer of the offloaded decode step on the torch path, as a function of tensors.
 
     manager: the layer's residency manager (any policy; its :meth:`step_rows`). rows
@@ -136,11 +137,21 @@ def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch
     Static shapes, no host read of data: traceable by ``torch.compile(fullgraph=True)``
     and capturable in a device graph (what ``tests/sparse_decode/test_sync_free.py``
     holds). ``attention`` defaults to the reference ``sparse_mla_attention``.
+    ``residency``: the all-rows step a fused indexer already took (``n = 1``), used
+    instead of stepping ``manager``. ``copy_attention``: the fused Copy-SFA op, run in
+    place of the miss copy and ``attention`` (``n = 1``; :func:`fused_copy_attention`).
     """
-    req = step_requests(manager, rows, topk, req_ids, stable_len, step, rows_per_request)
+    if residency is not None:
+        stepped = fused_indexer.batch_rows_step(residency, rows)
+        req = RequestStep(stepped, stepped.slots, rows, None)
+    else:
+        req = step_requests(manager, rows, topk, req_ids, stable_len, step, rows_per_request)
     res = req.residency
-    copy_miss_rows_rows(host, hot, rows, res.miss_tokens, res.miss_slots, res.miss_count, token_table)
     flat_idx = flat_hot_indices(req.slots, req.token_rows, hot.shape[1])
+    if copy_attention is not None:
+        return fused_copy_attention(copy_attention, res, rows, req_ids, host, hot, token_table, flat_idx, query,
+                                    query_rope, scale), res
+    copy_miss_rows_rows(host, hot, rows, res.miss_tokens, res.miss_slots, res.miss_count, token_table)
     if attention is None:
         from ..ops.reference import sparse_mla_attention as attention
     return attend_hot(attention, query, query_rope, hot.view(-1, hot.shape[2]), flat_idx, scale, latent_dim), res
@@ -154,6 +165,36 @@ def attend_hot(attention: Callable, query: torch.Tensor, query_rope: torch.Tenso
     or captured. Returns ``[B,N,latent]``."""
     return attention(query, flat_kv[:, :latent_dim], None, flat_idx, scale, query_rope=query_rope,
                      key_rope=flat_kv[:, latent_dim:], layout_query="TND", layout_kv="flat")
+
+
+def full_rows_lists(res: ResidencyStep, rows: torch.Tensor, state_rows: int, token_table: torch.Tensor):
+    """Miss lists ``[R', K]`` / counts ``[R']`` / token table ``[R', max_ctx]`` over all
+    ``R'`` state rows, from the batch rows' step (entry ``b`` of ``res`` for row ``rows[b]``),
+    for ops that index the hot buffer by their own row (the Triton copy, fused Copy-SFA):
+    ``O(R)`` zeroed counts, ``O(B*K)`` scattered lists; static shapes."""
+    k = res.miss_tokens.shape[1]
+    dev = res.miss_count.device
+    count = torch.zeros((state_rows,), dtype=torch.int32, device=dev).index_copy_(0, rows, res.miss_count)
+    tokens = torch.full((state_rows, k), -1, dtype=torch.int32, device=dev).index_copy_(0, rows, res.miss_tokens)
+    slots = torch.full((state_rows, k), -1, dtype=torch.int32, device=dev).index_copy_(0, rows, res.miss_slots)
+    table = token_table
+    if table.shape[0] < state_rows:
+        table = torch.cat([table, table.new_zeros((state_rows - table.shape[0], table.shape[1]))])
+    return tokens, slots, count, table[:state_rows]
+
+
+def fused_copy_attention(copy_sfa: Callable, res: ResidencyStep, rows: torch.Tensor, req_ids: torch.Tensor,
+                         host: torch.Tensor, hot: torch.Tensor, token_table: torch.Tensor, flat: torch.Tensor,
+                         query: torch.Tensor, query_rope: torch.Tensor, scale: float) -> torch.Tensor:
+    """Miss copy + attention of one layer as the fused Copy-SFA op (one query token per
+    row): the batch rows' step ``res`` spread over all hot-buffer rows (``hot`` ``[R', H, D]``),
+    padding entries (``req_ids < 0``) owning no row. Static shapes; ``[B, N, latent]``."""
+    tokens, slots, count, table = full_rows_lists(res, rows, hot.shape[0], token_table)
+    token_rows = torch.where(req_ids >= 0, rows, torch.full_like(rows, -1)).to(torch.int32)
+    # The extension takes contiguous tensors (the served queries are slices of q)
+    return copy_sfa(query.contiguous(), host, hot, flat, scale, query_rope=query_rope.contiguous(),
+                    token_rows=token_rows, miss_tokens=tokens, miss_slots=slots, miss_count=count,
+                    token_table=table)
 
 
 @dataclass(frozen=True)
@@ -192,6 +233,14 @@ class EngineConfig:
     #: (one query token per hot-buffer row, a host pool with a tensor view); see
     #: :func:`.op_selection.select_ops`
     fused_copy_sfa: Optional[bool] = None
+    #: the fused indexer (LIM / LIM-C8) for the indexer + residency stage, chosen as
+    #: ``fused_copy_sfa`` is, where the caller runs the indexer (``caller_runs_indexer``):
+    #: the engine does not run it; its caller runs the fused op with
+    #: :meth:`SparseDecodeEngine.indexer_residency` and hands the step to
+    #: :meth:`SparseDecodeEngine.run_layer` (``residency=``). A caller that hands the
+    #: engine top-k from elsewhere (a trace replay) leaves ``caller_runs_indexer`` false.
+    fused_lim: Optional[bool] = None
+    caller_runs_indexer: bool = False
     #: the dtype of the index-K cache whose top-k the engine is given (``bf16`` or ``int8``,
     #: LIM-C8); the engine does not run the indexer, it names it in its logged operator plan
     indexer_dtype: str = "bf16"
@@ -304,20 +353,35 @@ class SparseDecodeEngine:
         separate copy and attention: what :func:`.op_selection.select_ops` plans for this
         engine (``self.plan``; a plan with problems is an :class:`~.op_selection.OpSelectionError`)."""
         self.plan = op_selection.select_ops(
-            op_selection.platform_of(self.device), ops=config.ops, fused_copy_sfa=config.fused_copy_sfa, rows_per_request=config.rows_per_request,
-            tensor_pool=self._tensor_pool, indexer_wired=False, indexer_dtype=config.indexer_dtype).check()
+            op_selection.platform_of(self.device), ops=config.ops, fused_lim=config.fused_lim,
+            fused_copy_sfa=config.fused_copy_sfa, rows_per_request=config.rows_per_request,
+            tensor_pool=self._tensor_pool, indexer_wired=config.caller_runs_indexer, policy=config.policy,
+            indexer_dtype=config.indexer_dtype).check()
         op_selection.log_plan(self.plan, "sparse decode engine")
         if not self.plan.attention.fused:
             return None
+        op = registry.implementations("copy_sparse_flash_attention")["fused"]
+        from ..ops import fused
+
+        kernels = op.fn is fused.copy_sparse_flash_attention_fused  # (not a test's stand-in)
+        if self._tensor_pool and (kernels or self.plan.platform == "npu"):
+            self._check_host_alignment()
+        if self._tensor_pool and kernels:  # register every layer's slice now, outside any captured step
+            for layer in range(config.layers):
+                fused.register_host_memory(self.pool.layer(layer))
+        return op
+
+    def _check_host_alignment(self) -> None:
+        """The extension registers each layer's host slice with ``aclrtHostRegister`` (the
+        functional model holds the same rule), which needs it to start 4 KiB-aligned."""
         shape = self.pool.shape
-        if self.plan.platform == "npu" and shape.tokens * shape.row_bytes % op_selection.HOST_ALIGN_BYTES:
+        if shape.tokens * shape.row_bytes % op_selection.HOST_ALIGN_BYTES:
             align = op_selection.host_rows_alignment(shape.row_bytes)
             raise ValueError(f"the fused Copy-SFA registers each layer's slice of the host pool, which must start "
                              f"{op_selection.HOST_ALIGN_BYTES} B-aligned: {shape.tokens} rows per layer x "
                              f"{shape.row_bytes} B is not; size the pool to a multiple of {align} rows "
                              f"({op_selection.fused_host_pool_rows(shape.tokens, shape.row_bytes)}, "
                              "op_selection.host_pool_rows) or set fused_copy_sfa to false")
-        return registry.implementations("copy_sparse_flash_attention")["fused"]
 
     def begin_step(self, req_ids: torch.Tensor, token_table: torch.Tensor, stable_len: torch.Tensor,
                    step: Optional[int] = None, *, rows: Optional[torch.Tensor] = None,
@@ -385,12 +449,27 @@ class SparseDecodeEngine:
         ranked = ranked.to(self.device, torch.int32)
         self.managers[layer].set_ranked(ranked if n == 1 else merge_ranked(ranked, n))
 
+    def indexer_residency(self, layer: int, num_tokens: int) -> fused_indexer.ResidencyArgs:
+        """The residency arguments of a fused indexer call (LIM / LIM-C8) for ``layer`` of
+        this step, over ``num_tokens`` query tokens (batch entries first). The operator
+        steps the layer's state in place; pass its all-rows step to :meth:`run_layer`."""
+        if self._req_ids is None:
+            raise RuntimeError("begin_step() must be called before indexer_residency()")
+        if self._per_request != 1:
+            raise ValueError("the fused indexer manages one query token per row: not with verify rows")
+        manager = self.managers[layer]
+        fused_indexer.check_manager(manager)
+        return fused_indexer.residency_args(manager, self._rows, self._req_ids, self._stable_len, self.step_index,
+                                            num_tokens)
+
     def run_layer(self, layer: int, topk: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor,
-                  scale: float) -> LayerResult:
+                  scale: float, residency: Optional[ResidencyStep] = None) -> LayerResult:
         """Residency, miss copy, remap and sparse attention of ``layer`` for the batch rows.
 
         topk int32 ``[B*n, K]``, query ``[B*n, N, latent]`` (``n`` = the step's
-        ``rows_per_request``, request-major); the residency step is per request."""
+        ``rows_per_request``, request-major); the residency step is per request.
+        residency: the step a fused indexer already took (its all-rows ``[R+1, ...]``
+        result, :meth:`indexer_residency`); ``None`` steps the layer's manager here."""
         if self._req_ids is None:
             raise RuntimeError("begin_step() must be called before run_layer()")
         cfg = self.config
@@ -402,8 +481,12 @@ class SparseDecodeEngine:
 
         t0 = self._tick()
         topk_dev = topk.to(self.device, torch.int32)
-        req = step_requests(self.managers[layer], self._rows, topk_dev, self._req_ids, self._stable_len,
-                            self.step_index, n)
+        if residency is not None:
+            stepped = fused_indexer.batch_rows_step(residency, self._rows)
+            req = RequestStep(stepped, stepped.slots, self._rows, None)
+        else:
+            req = step_requests(self.managers[layer], self._rows, topk_dev, self._req_ids, self._stable_len,
+                                self.step_index, n)
         res = req.residency
         row_selected, row_hits = req.row_counts()
         t1 = self._tick()
@@ -480,26 +563,11 @@ class SparseDecodeEngine:
         self.pool.gather_into(layer, host_slots, hot.view(-1, hot.shape[-1]), rows * hot.shape[1] + slots)
 
     def _full_rows(self, res: ResidencyStep):
-        """Miss lists ``[R+1, K]`` / counts ``[R+1]`` / token table ``[R+1, max_ctx]`` for ops
-        that index the hot buffer by their own row (the Triton copy, fused Copy-SFA):
-        ``O(R)`` zeroed counts, ``O(B*K)`` scattered lists."""
-        n = self.config.rows + 1
-        k = res.miss_tokens.shape[1]
-        dev = res.miss_count.device
-        count = torch.zeros((n,), dtype=torch.int32, device=dev).index_copy_(0, self._rows, res.miss_count)
-        tokens = torch.full((n, k), -1, dtype=torch.int32, device=dev).index_copy_(0, self._rows, res.miss_tokens)
-        slots = torch.full((n, k), -1, dtype=torch.int32, device=dev).index_copy_(0, self._rows, res.miss_slots)
-        table = self._token_table
-        if table.shape[0] < n:
-            table = torch.cat([table, table.new_zeros((n - table.shape[0], table.shape[1]))])
-        return tokens, slots, count, table[:n]
+        return full_rows_lists(res, self._rows, self.config.rows + 1, self._token_table)
 
     def _fused_copy_attention(self, layer, res, flat, query, query_rope, scale):
-        tokens, slots, count, table = self._full_rows(res)
-        token_rows = torch.where(self._req_ids >= 0, self._rows, torch.full_like(self._rows, -1)).to(torch.int32)
-        return self._copy_sfa_op(query, self.pool.layer(layer), self.hot.storage(layer), flat, scale,
-                                 query_rope=query_rope, token_rows=token_rows, miss_tokens=tokens,
-                                 miss_slots=slots, miss_count=count, token_table=table)
+        return fused_copy_attention(self._copy_sfa_op, res, self._rows, self._req_ids, self.pool.layer(layer),
+                                    self.hot.storage(layer), self._token_table, flat, query, query_rope, scale)
 
     def _sync_with_writer(self, layer: int) -> None:
         if self.gate is None:
@@ -516,6 +584,11 @@ class SparseDecodeEngine:
         return time.perf_counter()
 
     # ---------------------------------------------------------------------- views
+    @property
+    def copy_sfa_op(self) -> Optional[Callable]:
+        """The fused Copy-SFA op the plan runs (``None``: the separate copy and attention)."""
+        return self._copy_sfa_op
+
     @property
     def token_table(self) -> torch.Tensor:
         return self._token_table

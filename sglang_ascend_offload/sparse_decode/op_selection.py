@@ -26,11 +26,13 @@ A fused stage that cannot run is a :class:`SelectionProblem` (a registered rule 
 problem, the fix), never a silent fallback: a fused rung missing from the extension (every
 missing op listed, with the build command), no fused rung on this platform, a
 ``fused_copy_sfa: true`` / ``ops=fused`` Copy-SFA the engine's layout excludes, or
-``fused_lim: true`` where the caller does not call the fused indexer (``indexer_wired=False``:
-the served SGLang backend today). Only two choices give way to the separate operators,
-each with its reason in the plan (and logged): a default Copy-SFA (setting unset, ``ops``
-``auto`` on an NPU) where the engine's layout excludes it (verify rows sharing a hot buffer, a pool without a
-tensor view), and a default or ``ops=fused`` indexer where the caller does not call it.
+``fused_lim: true`` where the fused indexer cannot serve (``sglang.fused_not_wired``: the
+caller does not call it, a residency policy other than exact LRU, which is what the
+fused kernels implement, or verify rows sharing a hot buffer, where LIM manages one query
+token per row). Only two choices give way to the separate operators, each with its
+reason in the plan (and logged): a default Copy-SFA (setting unset, ``ops`` ``auto`` on
+an NPU) where the engine's layout excludes it (verify rows sharing a hot buffer, a pool
+without a tensor view), and a default or ``ops=fused`` indexer where it cannot serve.
 
 Fused Copy-SFA reads the host pool through each layer's slice, which the extension
 registers with ``aclrtHostRegister``: each slice must start 4 KiB-aligned, so the rows per
@@ -219,14 +221,15 @@ def _missing(choice: OpChoice, available: Availability) -> Optional[str]:
 
 def select_ops(platform: Optional[str] = None, *, ops: str = "auto", fused_lim: Optional[bool] = None,
                fused_copy_sfa: Optional[bool] = None, indexer_dtype: str = "bf16", rows_per_request: int = 1,
-               tensor_pool: bool = True, indexer_wired: bool = True, extension=REGISTERED,
-               available: Optional[Availability] = None) -> OpPlan:
+               tensor_pool: bool = True, indexer_wired: bool = True, policy: str = "lru",
+               extension=REGISTERED, available: Optional[Availability] = None) -> OpPlan:
     """The :class:`OpPlan` for these settings (module docstring for the rule).
 
     platform: default :func:`platform.device_kind`. rows_per_request: query rows sharing
     a hot buffer (speculative verify rows). tensor_pool: the host pool has a tensor view
     (not MemFabric global addresses). indexer_wired: the caller runs the fused indexer
-    (the served SGLang backend does not yet). extension: :data:`REGISTERED` (the default:
+    when the plan selects it. policy: the residency policy (the fused indexer's residency
+    step is exact LRU: ``lru`` only). extension: :data:`REGISTERED` (the default:
     the registry's fused rungs, :func:`registry_availability`), or an extension module
     object whose attributes are its kernels (``None``: not built); available: an
     :data:`Availability`, which takes precedence. Problems are in ``plan.problems``; :meth:`OpPlan.check` raises.
@@ -236,7 +239,8 @@ def select_ops(platform: Optional[str] = None, *, ops: str = "auto", fused_lim: 
         available = (registry_availability(platform) if extension is REGISTERED
                      else extension_availability(extension, platform))
     problems = []
-    indexer = _indexer_choice(platform, ops, fused_lim, indexer_dtype, indexer_wired, problems)
+    indexer = _indexer_choice(platform, ops, fused_lim, indexer_dtype, _indexer_obstacle(
+        indexer_wired, policy, rows_per_request), problems)
     attention = _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_pool, problems)
     missing = [m for m in (_missing(c, available) for c in (indexer, attention) if c.fused) if m]
     if missing:
@@ -260,19 +264,32 @@ def _missing_problem(platform: str, missing) -> SelectionProblem:
         "\"fused_copy_sfa\": false for the separate torch_npu operators")
 
 
-def _indexer_choice(platform, ops, fused_lim, indexer_dtype, wired, problems) -> OpChoice:
+def _indexer_obstacle(wired: bool, policy: str, rows_per_request: int) -> str:
+    """Why the fused indexer cannot serve this caller, in a clause ("" when it can)."""
+    if not wired:
+        return "this caller does not call the fused indexer"
+    if policy != "lru":
+        return (f"policy {policy!r}: the fused indexer's residency step is exact LRU (policy lru); the separate "
+                "indexer feeds the policy's own residency step")
+    if rows_per_request > 1:
+        return (f"{rows_per_request} verify rows share each request's hot buffer and the fused indexer manages one "
+                "query token per hot-buffer row")
+    return ""
+
+
+def _indexer_choice(platform, ops, fused_lim, indexer_dtype, why_not, problems) -> OpChoice:
     fused, _, source, reason = _wanted(fused_lim, "fused_lim", ops, platform)
-    if fused and not wired:
-        # Only fused_lim=true asks this caller for the fused indexer; ops=fused asks for the
-        # fused rung of the ops that have one, and the caller's indexer op has none.
+    label = _LABEL[_FUSED_INDEXER[indexer_dtype]]
+    if fused and why_not:
+        # Only fused_lim=true insists on the fused indexer; ops=fused asks for the fused rung
+        # of the ops that have one, and the default is the fused indexer where it can serve.
         if source == "setting":
             problems.append(SelectionProblem(
-                "sglang.fused_not_wired", f"{reason}: the served backend does not call the fused "
-                f"{_LABEL[_FUSED_INDEXER[indexer_dtype]]} operator yet", 'drop "fused_lim" (or set it to false)'))
+                "sglang.fused_not_wired", f"{reason} selects the fused {label} operator, which cannot serve here: "
+                f"{why_not}", 'drop "fused_lim" (or set it to false)'))
         else:
             fused, source = False, "consumer"
-            reason = (f"{reason} would be fused {_LABEL[_FUSED_INDEXER[indexer_dtype]]}, but this caller does not "
-                      "call the fused indexer yet: the separate indexer runs")
+            reason = f"{reason} would be fused {label}, but {why_not}: the separate indexer runs"
     if fused:
         op = _FUSED_INDEXER[indexer_dtype]
         return OpChoice("indexer", True, (op,), FUSED_KERNELS_OF[op], source, reason)
@@ -302,6 +319,7 @@ def _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_po
 
 def select_for_config(sd, platform: Optional[str] = None, **kw) -> OpPlan:
     """:func:`select_ops` for a :class:`~sglang_ascend_offload.config.SparseDecodeOffloadConfig`."""
+    kw.setdefault("policy", sd.policy)
     return select_ops(platform, ops=sd.ops, fused_lim=sd.fused_lim, fused_copy_sfa=sd.fused_copy_sfa,
                       indexer_dtype=sd.indexer_dtype, **kw)
 
@@ -340,10 +358,10 @@ def platform_of(device) -> str:
 def host_pool_rows(sd, rows: int, row_bytes: int, platform: str, rows_per_request: int = 1) -> int:
     """Rows per layer of a sparse decode host pool asked to hold ``rows``: rounded up to
     :func:`host_rows_alignment` where the plan for ``sd`` (a ``SparseDecodeOffloadConfig``)
-    runs the fused Copy-SFA on an NPU, whose extension registers each layer's slice with
+    runs the fused Copy-SFA, whose extension registers each layer's slice with
     ``aclrtHostRegister`` (logged when it rounds); ``rows`` otherwise."""
     plan = select_for_config(sd, platform, rows_per_request=rows_per_request, available=lambda op: None)
-    if platform != "npu" or not plan.attention.fused:
+    if not plan.attention.fused:  # (on CPU the kernels' functional model holds the same requirement)
         return int(rows)
     aligned = fused_host_pool_rows(rows, row_bytes)
     if aligned != rows:

@@ -40,12 +40,13 @@ def published_context(device: str = "cpu"):
         reset_context()
 
 
-def make_indexer(layer_id: int, neox: bool = True, seed: int = 0):
+def make_indexer(layer_id: int, neox: bool = True, seed: int = 0, index_heads: int = INDEX_HEADS,
+                 top_k: int = TOPK):
     """SGLang's DSA ``Indexer`` with random bf16 weights (tiny DeepSeek-V3.2 shapes)."""
     from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
 
-    ix = Indexer(hidden_size=HIDDEN, index_n_heads=INDEX_HEADS, index_head_dim=INDEX_DIM, rope_head_dim=ROPE,
-                 index_topk=TOPK, q_lora_rank=Q_LORA, max_position_embeddings=8192, rope_theta=10000,
+    ix = Indexer(hidden_size=HIDDEN, index_n_heads=index_heads, index_head_dim=INDEX_DIM, rope_head_dim=ROPE,
+                 index_topk=top_k, q_lora_rank=Q_LORA, max_position_embeddings=8192, rope_theta=10000,
                  layer_id=layer_id, scale_fmt="ue8m0", block_size=128, rope_scaling=dict(ROPE_SCALING),
                  is_neox_style=neox)
     gen = torch.Generator().manual_seed(1000 + seed)
@@ -127,7 +128,8 @@ class Harness:
     """Two backends (device KV / host KV) over one slot space; see module doc."""
 
     def __init__(self, *, layers: int = 2, rows: int = 4, page_size: int = 16, max_context: int = 256,
-                 slots: int = 1024, offload_config=None, seed: int = 0, device: str = "cpu"):
+                 slots: int = 1024, offload_config=None, seed: int = 0, device: str = "cpu",
+                 top_k: int = TOPK, index_heads: int = INDEX_HEADS):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
@@ -146,12 +148,12 @@ class Harness:
         common = dict(page_size=page_size, dtype=torch.bfloat16, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
                       layer_num=layers, device=device, enable_memory_saver=False, index_head_dim=INDEX_DIM)
         self.dense_pool = DeviceDSAPool(slots, index_size=slots, index_page_size=page_size, **common)
-        self.offload_pool = HostMainKVPool(slots, rows=self.req_to_token_pool.req_to_token.shape[0], top_k=TOPK,
+        self.offload_pool = HostMainKVPool(slots, rows=self.req_to_token_pool.req_to_token.shape[0], top_k=top_k,
                                            offload=self.offload_config, **common)
         self.allocator = PagedTokenToKVPoolAllocator(slots, page_size, torch.bfloat16, device,
                                                      self.dense_pool, need_sort=False)
         model_config = SimpleNamespace(context_len=max_context, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
-                                       hf_config=SimpleNamespace(index_topk=TOPK))
+                                       hf_config=SimpleNamespace(index_topk=top_k))
 
         def runner(pool):
             return SimpleNamespace(device=device, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=pool,
@@ -166,7 +168,8 @@ class Harness:
         finally:
             carrier.clear()
         assert isinstance(self.offload_pool, HostMainKVPool)
-        self.indexers = [make_indexer(layer, seed=layer).to(device) for layer in range(layers)]
+        self.indexers = [make_indexer(layer, seed=layer, index_heads=index_heads, top_k=top_k).to(device)
+                         for layer in range(layers)]
         self.attn_layers = [SimpleNamespace(layer_id=layer, tp_q_head_num=HEADS, scaling=0.125)
                             for layer in range(layers)]
         self.requests: Dict[str, Request] = {}

@@ -112,8 +112,8 @@ def test_plugin_rules(monkeypatch):
     monkeypatch.delenv("SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD")
     assert {"sglang.attention_backend", "sglang.hisparse", "sglang.npu_sparse_kv_offload",
             "sglang.sparse_decode_graph", "sglang.layerwise_sparse_decode"} <= set(rules), rules
-    unwired = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(indexer_dtype="int8", fused_lim=True,
-                                                                          ops="npu"))
+    unwired = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(
+        indexer_dtype="int8", fused_lim=True, ops="npu", policy="lru_k2_guarded"))
     rules2 = server_rule_ids(unwired, attention_backend="ascend_offload", disable_cuda_graph=True)
     assert "sglang.fused_not_wired" in rules2 and "sglang.indexer_dtype" not in rules2  # int8 is served
     if platform.device_kind() != "npu":
@@ -163,7 +163,7 @@ def test_cpu_serving_needs_sglang_cpu_engine(plugins_loaded, clean_state, monkey
 
 def test_invalid_config_stops_resolution_with_every_reason(plugins_loaded, clean_state):
     sa = _server_args(kv_cache_dtype="fp8_e4m3", attention_backend="torch_native")
-    flags.remember(raw(sparse='{"hot_tokens": 8, "ops": "fused"}', layerwise="{}", layerwise_on=False))
+    flags.remember(raw(sparse='{"hot_tokens": 8, "ops": "npu"}', layerwise="{}", layerwise_on=False))
     with pytest.raises(cfg.ConfigError) as info:
         sa.resolve_once()
     rules = {v.rule for v in info.value.violations}
@@ -198,8 +198,9 @@ def test_fused_copy_sfa_is_the_npu_default_and_its_extension_is_required_at_star
     assert '"fused_copy_sfa": false' in text
     rules, text = rules_and_text(cfg.SparseDecodeOffloadConfig(fused_copy_sfa=True))
     assert "sglang.fused_unavailable" in rules and "fused_copy_sfa=true cannot run" in text
-    assert "sglang.fused_not_wired" not in rules  # the engine serves it; only fused_lim is not wired
-    for opted_out in (cfg.SparseDecodeOffloadConfig(fused_copy_sfa=False), cfg.SparseDecodeOffloadConfig(ops="npu")):
+    assert "sglang.fused_not_wired" not in rules
+    for opted_out in (cfg.SparseDecodeOffloadConfig(fused_copy_sfa=False, fused_lim=False),
+                      cfg.SparseDecodeOffloadConfig(ops="npu")):
         assert "sglang.fused_unavailable" not in rules_and_text(opted_out)[0]
     cpu = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=True, device="cpu")
     found = resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig()), cpu)

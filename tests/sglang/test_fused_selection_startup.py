@@ -33,19 +33,26 @@ def test_npu_defaults_need_the_extension_and_the_error_names_every_missing_op():
     text = found[0].problem + " -> " + found[0].fix
     assert fused.COPY_SFA_KERNEL in text and fused.REGISTER_HOST_KERNEL in text and BUILD in text
     assert "the default on an Ascend NPU" in text
-    # the served backend does not call the fused LIM: the default indexer is the separate one, not an error
-    assert fused.LIM_KERNEL not in text
+    # the served backend calls the fused LIM: the NPU default needs it too
+    assert fused.LIM_KERNEL in text
+    int8 = [v for v in _verdict(indexer_dtype="int8") if v.rule == "sglang.fused_unavailable"]
+    assert int8 and fused.LIM_C8_KERNEL in int8[0].problem
 
 
 def test_npu_opt_outs_and_explicit_requests():
-    assert "sglang.fused_unavailable" not in [v.rule for v in _verdict(fused_copy_sfa=False)]
+    # opting out of one stage leaves the other's default: still fused, still needs the build
+    copy_off = [v for v in _verdict(fused_copy_sfa=False) if v.rule == "sglang.fused_unavailable"]
+    assert copy_off and fused.LIM_KERNEL in copy_off[0].problem and fused.COPY_SFA_KERNEL not in copy_off[0].problem
+    assert "sglang.fused_unavailable" not in [v.rule for v in _verdict(fused_copy_sfa=False, fused_lim=False)]
     assert "sglang.fused_unavailable" not in [v.rule for v in _verdict(ops="npu")]
     explicit = [v for v in _verdict(fused_copy_sfa=True) if v.rule == "sglang.fused_unavailable"]
     assert explicit and "fused_copy_sfa=true cannot run" in explicit[0].problem
-    # ops=fused asks for the fused rung of the ops that have one; the served indexer op has none
     assert "sglang.fused_not_wired" not in [v.rule for v in _verdict(ops="fused")]
-    # fused_lim=true is refused once, by the deployment rule check-config shares
-    assert [v.rule for v in _verdict(fused_lim=True)].count("sglang.fused_not_wired") == 1
+    assert "sglang.fused_not_wired" not in [v.rule for v in _verdict(fused_lim=True)]  # served: lru, no verify rows
+    # fused_lim=true where the fused LIM cannot serve is refused once, by the deployment rule check-config shares
+    score = _verdict(fused_lim=True, policy="score_rank", rank_depth=256)
+    assert [v.rule for v in score].count("sglang.fused_not_wired") == 1
+    assert "exact LRU" in next(v.problem for v in score if v.rule == "sglang.fused_not_wired")
 
 
 def test_explicit_fused_copy_sfa_with_verify_rows_is_refused_at_startup():

@@ -277,7 +277,8 @@ def test_host_pool_rows_are_rounded_to_4kib_aligned_layer_slices():
     assert op_selection.host_pool_rows(sd(ops="fused"), 1000, 1152, "npu") == 1024
     assert op_selection.host_pool_rows(sd(fused_copy_sfa=False), 1000, 1152, "npu") == 1000
     assert op_selection.host_pool_rows(sd(ops="npu"), 1000, 1152, "npu") == 1000
-    assert op_selection.host_pool_rows(sd(), 1000, 1152, "cpu") == 1000  # no registration off the NPU
+    assert op_selection.host_pool_rows(sd(), 1000, 1152, "cpu") == 1000  # ops=auto on CPU: separate ops
+    assert op_selection.host_pool_rows(sd(ops="fused"), 1000, 1152, "cpu") == 1024  # the functional model's rule
     assert op_selection.host_pool_rows(sd(), 1000, 1152, "npu", rows_per_request=2) == 1000  # separate ops
 
 

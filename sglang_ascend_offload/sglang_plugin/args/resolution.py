@@ -150,11 +150,6 @@ def _verify_rows(view: Any) -> int:
     return int(tokens) if tokens else 1
 
 
-#: Whether the served backend calls the fused indexer (LIM / LIM-C8): not yet, so a default
-#: fused indexer runs as the separate indexer (logged) and an explicit one is refused.
-SERVED_INDEXER_WIRED = False
-
-
 def _sparse_decode_ops_violations(sd: cfg.SparseDecodeOffloadConfig, device: str,
                                   rows_per_request: int = 1) -> List[cfg.Violation]:
     """The operators this machine has for the requested setup (checked before any process
@@ -165,8 +160,7 @@ def _sparse_decode_ops_violations(sd: cfg.SparseDecodeOffloadConfig, device: str
 
     out: List[cfg.Violation] = []
     registry.ensure_registered()
-    plan = op_selection.select_for_config(sd, device, rows_per_request=rows_per_request,
-                                          indexer_wired=SERVED_INDEXER_WIRED)
+    plan = op_selection.select_for_config(sd, device, rows_per_request=rows_per_request)
     for p in plan.problems:
         # The plan's deployment-scope problems (fused ops off the NPU, fused_lim=true unwired)
         # are config.violations' to report, on the same settings, as check-config does.

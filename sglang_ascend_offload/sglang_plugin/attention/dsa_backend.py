@@ -37,7 +37,7 @@ from ...ops import registry
 from ...ops.hadamard import rotate_and_quantize
 from ..args import carrier
 from ..speculative import cpu_graph as cpu_spec_graph, eagle as speculative
-from .native_indexer import indexer_query_key_weights
+from .native_indexer import IndexerInputs, indexer_query_key_weights
 from .dsa_metadata import DSAForwardMetadata, build_metadata, real_batch_size
 from ..names import BACKEND_NAME  # noqa: F401 - re-exported; its home is names.py
 
@@ -226,12 +226,8 @@ class AscendOffloadAttnBackend(AttentionBackend):
         md = self.forward_metadata
         if md is None:  # idle batch
             return q_lora.new_full((q_lora.shape[0], indexer.index_topk), -1, dtype=torch.int32)
-        inputs = indexer_query_key_weights(indexer, x, q_lora, positions)
+        inputs = self.store_index_inputs(indexer, x, q_lora, positions, forward_batch, layer_id)
         pool = self.token_to_kv_pool
-        if self.index_int8:  # rotate + quantise the keys, store keys and scales
-            pool.store_index_k(layer_id, forward_batch.out_cache_loc, inputs.key)
-        else:
-            pool.set_index_k_buffer(layer_id, forward_batch.out_cache_loc, inputs.key)
         if not return_indices:
             return None
         if self._graph_batch is not None:  # graph decode: static shapes, no host reads
@@ -255,33 +251,43 @@ class AscendOffloadAttnBackend(AttentionBackend):
             topk = topk[:, :k].contiguous()
         return topk
 
+    def store_index_inputs(self, indexer: Any, x, q_lora, positions, forward_batch, layer_id: int) -> IndexerInputs:
+        """The indexer's query, key and weights of the new tokens; their keys stored in the
+        layer's index-K cache (the int8 cache rotates and quantises them, with their scales)."""
+        inputs = indexer_query_key_weights(indexer, x, q_lora, positions)
+        if self.index_int8:
+            self.token_to_kv_pool.store_index_k(layer_id, forward_batch.out_cache_loc, inputs.key)
+        else:
+            self.token_to_kv_pool.set_index_k_buffer(layer_id, forward_batch.out_cache_loc, inputs.key)
+        return inputs
+
+    def index_operands(self, inputs: IndexerInputs, layer_id: int) -> Tuple[torch.Tensor, ...]:
+        """The leading operands of the layer's indexer call: ``(query, key, weights)`` for the
+        bf16 cache; ``(int8 query, int8 key, weights, query scale, key scale)`` for the int8
+        cache, the query rotated and quantised per token and head."""
+        pool = self.token_to_kv_pool
+        if not self.index_int8:
+            return inputs.query, pool.get_index_k_buffer(layer_id), inputs.weights
+        q_values, q_scales = rotate_and_quantize(inputs.query)
+        return (q_values, pool.get_index_k_buffer(layer_id), inputs.weights, q_scales,
+                pool.get_index_k_scale_buffer(layer_id))
+
     def _index_topk(self, inputs, pool, layer_id: int, md: DSAForwardMetadata, count: int) -> torch.Tensor:
         """The op ladder's indexer over the layer's index-K cache: int32 ``[T, count]``
         logical positions. bf16 cache: ``lightning_indexer`` on the bf16 query ``[T, H, D]``;
         int8 cache: the query rotated and quantised per token and head (int8 ``[T, H, D]``,
         fp16 ``[T, H]``) and ``quant_lightning_indexer`` over the int8 keys
         ``[pages, page, 1, D]`` with their fp16 scales ``[pages, page, 1]``."""
-        common = dict(actual_seq_lengths_query=md.actual_seq_lengths_q, actual_seq_lengths_key=md.seq_lens,
-                      block_table=md.block_tables, layout_query="TND", layout_key="PA_BSND",
-                      sparse_count=count, sparse_mode=3)
-        if self.index_int8:
-            q_values, q_scales = rotate_and_quantize(inputs.query)
-            topk = self.quant_indexer_op(q_values, pool.get_index_k_buffer(layer_id), inputs.weights, q_scales,
-                                         pool.get_index_k_scale_buffer(layer_id), **common)
-        else:
-            topk = self.indexer_op(inputs.query, pool.get_index_k_buffer(layer_id), inputs.weights, **common)
+        op = self.quant_indexer_op if self.index_int8 else self.indexer_op
+        topk = op(*self.index_operands(inputs, layer_id), **indexer_metadata(md), sparse_count=count)
         return topk.reshape(topk.shape[0], -1)
 
     def _graph_index_topk(self, inputs, pool, layer_id: int, md: DSAForwardMetadata, top_k: int) -> torch.Tensor:
         """:func:`graph_decode_topk` over the layer's cache (the int8 cache with the rotated,
         quantised query and both scales); int32 ``[B, top_k]``."""
-        if not self.index_int8:
-            return graph_decode_topk(inputs.query, pool.get_index_k_buffer(layer_id), inputs.weights,
-                                     md.block_tables, md.seq_lens, top_k)
-        q_values, q_scales = rotate_and_quantize(inputs.query)
-        return graph_decode_topk(q_values, pool.get_index_k_buffer(layer_id), inputs.weights, md.block_tables,
-                                 md.seq_lens, top_k, query_scale=q_scales,
-                                 key_scale=pool.get_index_k_scale_buffer(layer_id))
+        operands = self.index_operands(inputs, layer_id)
+        scales = dict(query_scale=operands[3], key_scale=operands[4]) if self.index_int8 else {}
+        return graph_decode_topk(*operands[:3], md.block_tables, md.seq_lens, top_k, **scales)
 
     def serving_rank_depth(self, md: DSAForwardMetadata) -> int:
         """Top-D the indexer selects for a score-aware residency policy on this forward
@@ -361,6 +367,12 @@ class AscendOffloadAttnBackend(AttentionBackend):
 
 
 # ---------------------------------------------------------------------- graph decode
+def indexer_metadata(md: DSAForwardMetadata) -> dict:
+    """The indexer ops' TND / PA_BSND metadata keywords of a forward (all but ``sparse_count``)."""
+    return dict(actual_seq_lengths_query=md.actual_seq_lengths_q, actual_seq_lengths_key=md.seq_lens,
+                block_table=md.block_tables, layout_query="TND", layout_key="PA_BSND", sparse_mode=3)
+
+
 def graph_seq_lens_cpu(forward_batch) -> torch.Tensor:
     """int ``[B]`` host sequence lengths of a decode batch a graph runner hands over.
 

@@ -11,8 +11,9 @@ in the index-K cache and runs the ``lightning_indexer`` op.
 
 The math mirrors SGLang's NPU indexer (``dsa/dsa_npu_indexer.py::forward_npu``), the
 production target: bf16 query/key (no Hadamard rotation, which only the fp8 CUDA
-cache uses), head weights ``weights_proj(x)`` without extra scaling (a positive
-constant factor does not change a top-k), and the indexer rope applied to the first
+cache uses), head weights ``weights_proj(x)`` rounded to bf16 as the NPU indexer hands
+them to its operators (and as the fused LIM / LIM-C8 take them), without extra scaling
+(a positive constant factor does not change a top-k), and the indexer rope applied to the first
 ``rope_head_dim`` dims. The rope is computed from ``rotary_emb.cos_sin_cache``
 directly: ``DeepseekScalingRotaryEmbedding.forward_native``'s neox branch calls
 ``cos.repeat(1, 1, 2)`` on the 2-D ``[T, d/2]`` slice and produces a ``[1, T, d]``
@@ -34,7 +35,7 @@ class IndexerInputs:
 
     query:   bf16 [T, H, D]  indexer queries (rope applied to the first R dims)
     key:     bf16 [T, D]     indexer keys of the new tokens (to store in the cache)
-    weights: fp32 [T, H]     per-head gates
+    weights: bf16 [T, H]     per-head gates (the indexers compute in fp32 from them)
     """
 
     query: torch.Tensor
@@ -96,6 +97,6 @@ def indexer_query_key_weights(
     k_rope = apply_indexer_rope(key[..., :rope_dim], positions, cache, neox)
     key = torch.cat((k_rope.to(key.dtype), key[..., rope_dim:]), dim=-1).to(torch.bfloat16)
 
-    weights = indexer.weights_proj(x2d)[0].to(torch.float32)
+    weights = indexer.weights_proj(x2d)[0].to(torch.bfloat16)
     return IndexerInputs(query=query.contiguous(), key=key.contiguous(), weights=weights.contiguous())
 

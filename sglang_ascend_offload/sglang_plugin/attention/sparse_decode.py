@@ -19,6 +19,13 @@ KV lives in :class:`~..mem_cache.pool.sparse_decode.HostMainKVPool`'s host pool:
   padding entries on the engine's sink row): residency, copies, statistics and
   trace rows cost ``O(batch)``, whatever ``--max-running-requests`` is.
 
+* **fused indexer** (the engine's plan selects LIM / LIM-C8: the NPU default, ``ops``
+  ``fused``, ``fused_lim: true``): on decode steps the indexer hook runs the fused
+  operator, which selects the top-k *and* steps the layer's residency
+  (``sparse_decode/fused_indexer.py``); attention then takes that step instead of
+  stepping the manager. Extend and verify forwards run the separate indexer (an
+  extend has no residency step; verify rows are refused with the fused indexer).
+
 * **verify** (speculative decoding, ``TARGET_VERIFY``): the same engine step; a
   request's ``n`` verify rows share its engine row and hot buffer (residency over the
   union of their top-k) with the committed length as the stable prefix
@@ -39,9 +46,11 @@ import torch
 
 from .. import compat
 from ..speculative import cpu_graph as cpu_spec_graph, eagle as speculative
+from ...ops import registry
+from ...sparse_decode import fused_indexer
 from ...sparse_decode.engine import decode_layer_step
 from ...sparse_decode.policies import needs_ranked
-from .dsa_backend import AscendOffloadAttnBackend, graph_seq_lens_cpu
+from .dsa_backend import AscendOffloadAttnBackend, graph_seq_lens_cpu, indexer_metadata
 from .dsa_metadata import FORWARD_BATCH, real_batch_size
 from ..observability.metrics import OffloadMetrics
 from ..mem_cache.pool.sparse_decode import HostMainKVPool
@@ -202,6 +211,14 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         self._graph_kinds_seen: set = set()  # (bucket, padded) pairs logged once
         self._verify = False  # this forward is a TARGET_VERIFY batch served by the engine (speculative.py)
         speculative.attach(self)
+        self.fused_indexer_op = None  # LIM / LIM-C8 when the engine's plan fuses the indexer stage
+        self._fused_step: Optional[Tuple[int, Any]] = None  # (layer, all-rows ResidencyStep) it left
+        if self.engine.plan.indexer.fused:
+            if config.record_trace_rank_depth > 0:
+                raise RuntimeError("sparse decode offload: record_trace_rank_depth needs the indexer's ranking "
+                                   "beyond the top-k, which the fused indexer does not return; drop it or set "
+                                   '"fused_lim": false')
+            self.fused_indexer_op = registry.select(self.engine.plan.indexer.ops[0], "fused")
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
@@ -321,6 +338,41 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         local = layer_id - self.start_layer
         self.engine.managers[local].set_ranked(ranking.ranked[:real].to(self.engine.device, torch.int32))
 
+    # ------------------------------------------------------------------ fused indexer
+    def run_indexer(self, indexer: Any, x, q_lora, positions, forward_batch, layer_id: int,
+                    return_indices: bool = True) -> Optional[torch.Tensor]:
+        """On a decode step with the fused indexer: LIM / LIM-C8 selects the top-k and steps
+        the layer's residency (kept for :meth:`attend`); int32 ``[T, index_topk]``.
+        Everything else: the base class's separate indexer."""
+        md = self.forward_metadata
+        if (self.fused_indexer_op is None or not return_indices or md is None or not md.is_decode
+                or self._verify):
+            return super().run_indexer(indexer, x, q_lora, positions, forward_batch, layer_id, return_indices)
+        inputs = self.store_index_inputs(indexer, x, q_lora, positions, forward_batch, layer_id)
+        local = layer_id - self.start_layer
+        tokens = inputs.query.shape[0]
+        if self._graph_batch is not None:  # the static row buffers the graph step reads
+            g, bs = self.offload_graph, self._graph_batch
+            args = fused_indexer.residency_args(self.engine.managers[local], g.rows[:bs], g.req_ids[:bs],
+                                                g.stable[:bs], g.step, tokens)
+        else:
+            args = self.engine.indexer_residency(local, tokens)
+        result = self.fused_indexer_op(*self.index_operands(inputs, layer_id), **indexer_metadata(md),
+                                       sparse_count=int(indexer.index_topk), **args.as_kwargs())
+        self._fused_step = (local, result.residency)
+        return result.topk_indices.reshape(tokens, -1)
+
+    def _take_fused_step(self, local: int):
+        """The residency step the fused indexer took for layer ``local`` this step (``None``
+        without the fused indexer); it is used once."""
+        if self.fused_indexer_op is None:
+            return None
+        if self._fused_step is None or self._fused_step[0] != local:
+            raise RuntimeError(f"layer {local}: the fused indexer left no residency step for this layer; the "
+                               "indexer hook must run before attention on every layer")
+        step, self._fused_step = self._fused_step[1], None
+        return step
+
     # ------------------------------------------------------------------ attention
     def attend(self, layer, forward_batch, q_nope, q_pe, topk_indices) -> torch.Tensor:
         if self._graph_batch is not None:
@@ -343,7 +395,8 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         self.engine.timing = self.metrics.needs_copy_timing
         if self.rank_depth > 0:
             self._feed_ranking(layer.layer_id, real)
-        result = self.engine.run_layer(local, topk_rows, q_nope[:real], q_pe[:real], layer.scaling)
+        fused = None if self._verify else self._take_fused_step(local)
+        result = self.engine.run_layer(local, topk_rows, q_nope[:real], q_pe[:real], layer.scaling, residency=fused)
         self.metrics.add_copy_time(local, self.engine.times.seconds.get("copy", 0.0) - copy_before)
         if self.recorder is not None and not self._verify:  # traces hold decode steps (one row per request)
             self.recorder.record_layer(local, topk_rows)
@@ -371,7 +424,9 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             self.engine.managers[local], g.rows[:bs], topk_indices[:, : cfg.top_k].to(torch.int32), g.req_ids[:bs],
             g.stable[:bs], g.step, self.token_to_kv_pool.host_rows(layer.layer_id), self.engine.hot.storage(local),
             self.req_to_token_pool.req_to_token, q_nope, q_pe, layer.scaling, cfg.latent_dim,
-            attention=self.attention_op, rows_per_request=n)
+            attention=self.attention_op, rows_per_request=n,
+            residency=None if self._verify else self._take_fused_step(local),
+            copy_attention=None if self._verify else self.engine.copy_sfa_op)
         hits = res.hit_mask.sum()
         misses = res.miss_count.sum(dtype=torch.int64)
         self.engine.stats_acc.record_residency(local, hits + misses, hits, misses)

@@ -45,7 +45,7 @@ from .... import platform
 from ....sparse_decode.engine import EngineConfig, SparseDecodeEngine
 from ....sparse_decode.host_pool import HostPoolShape
 from ....sparse_decode.host_rows import is_tensor_backed
-from ....sparse_decode.op_selection import host_pool_rows, platform_of
+from ....sparse_decode.op_selection import host_pool_rows, platform_of, select_for_config
 from .device import DeviceDSAPool, _scatter_rows
 from ..pool_host.shared import EngineGate, allocate_rank_pool
 from ...speculative.eagle import verify_rows_per_request
@@ -98,12 +98,17 @@ class HostMainKVPool(DeviceDSAPool):
         )
         self.host_pool, self.append_order = rank_pool.pool, rank_pool.order
         gate = EngineGate(rank_pool.order) if rank_pool.order is not None and rank_pool.rank > 0 else None
+        # The fused indexer steps the residency contract's state in place: the managers hold
+        # that state only (the torch implementation), not the CPU kernel's derived maps.
+        fused_lim = select_for_config(offload, platform_of(device), rows_per_request=rows_per_request,
+                                      available=lambda op: None).indexer.fused
         self.engine = SparseDecodeEngine(
             EngineConfig(layers=layer_num, rows=rows, hot_tokens=hot_tokens, top_k=top_k,
                          latent_dim=kv_lora_rank, rope_dim=qk_rope_head_dim, dtype=dtype,
                          policy=offload.policy, ops=offload.ops, rows_per_request=rows_per_request,
                          verify_sample_rate=offload.verify_sample_rate, verify_action=offload.verify_action,
-                         fused_copy_sfa=offload.fused_copy_sfa, indexer_dtype=offload.indexer_dtype),
+                         fused_copy_sfa=offload.fused_copy_sfa, fused_lim=offload.fused_lim, caller_runs_indexer=True,
+                         manage_impl="torch" if fused_lim else "auto", indexer_dtype=offload.indexer_dtype),
             self.host_pool, device=device if not str(device).startswith("cpu") else "cpu",
             tp_rank=rank_pool.rank, gate=gate,
         )

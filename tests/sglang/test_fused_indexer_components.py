@@ -1,0 +1,193 @@
+"""The fused indexer (LIM / LIM-C8) and Copy-SFA in the served decode, with real SGLang objects.
+
+``dsa_harness.Harness`` at shapes the fused kernels take (8 index heads x 128 dims,
+top-k 128, page 64, 256 hot slots): the offload backend with ``ops: "fused"`` runs, on
+every decode step, the AscendC kernels on their CPU functional model: LIM (or LIM-C8
+with the int8 cache) selects the top-k and steps the residency, Copy-SFA copies the
+misses and attends. A second harness with ``ops: "reference"`` takes the same inputs
+(same seed). Per step and layer:
+
+* the fused top-k equals the reference offload backend's, bit for bit (and, with the
+  bf16 cache, the device-KV backend's reference indexer);
+* the residency state (``slot_token`` / ``slot_stamp`` / ``row_req``) and the hit / miss
+  counters equal the reference engine's, bit for bit;
+* attention equals the reference engine's within the fused attention's tolerance (the
+  kernel accumulates in its own order: :data:`ATTENTION_TOL`);
+
+over prefills, a radix-prefix request, decode steps with a finished request replaced
+(churn) and DP-attention padding rows. The int8 run also checks the plan names LIM-C8.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_ascend_offload import config as cfg
+
+from dsa_harness import LATENT, Harness, published_context
+
+pytestmark = pytest.mark.usefixtures("plugins_loaded")
+
+PAGE, TOP_K, INDEX_HEADS, HOT = 64, 128, 8, 256
+#: max |fused - reference| of an attention output (bf16 outputs of softmax-weighted sums
+#: of bf16 rows; the kernel's tiling changes the fp32 summation order)
+ATTENTION_TOL = 2e-2
+
+
+def _harness(ops: str, indexer_dtype: str) -> Harness:
+    offload = cfg.SparseDecodeOffloadConfig(hot_tokens=HOT, ops=ops, indexer_dtype=indexer_dtype)
+    return Harness(offload_config=offload, page_size=PAGE, top_k=TOP_K, index_heads=INDEX_HEADS, seed=5,
+                   max_context=1024, slots=4096)
+
+
+def _same_step(fused, reference, what: str, bf16: bool = True) -> None:
+    for layer, (f_topk, r_topk) in enumerate(zip(fused.offload_topk, reference.offload_topk)):
+        assert torch.equal(f_topk, r_topk), f"{what}: layer {layer} fused top-k != reference"
+        if bf16:  # the device-KV backend's cache is bf16
+            assert torch.equal(f_topk, fused.topk[layer]), f"{what}: layer {layer} fused top-k != device-KV indexer"
+        diff = (fused.offload_out[layer].float() - reference.offload_out[layer].float()).abs().max().item()
+        assert diff <= ATTENTION_TOL, f"{what}: layer {layer} attention differs by {diff}"
+
+
+def _same_state(hf: Harness, hr: Harness, what: str) -> None:
+    for layer in range(hf.layers):
+        tf, tr = hf.offload.engine.table(layer), hr.offload.engine.table(layer)
+        for name in ("slot_token", "slot_stamp", "row_req"):
+            assert torch.equal(getattr(tf, name), getattr(tr, name)), f"{what}: layer {layer} {name} differs"
+
+
+@pytest.mark.parametrize("indexer_dtype", ["bf16", "int8"])
+def test_fused_decode_equals_the_reference_rung(indexer_dtype):
+    with published_context():
+        hf, hr = _harness("fused", indexer_dtype), _harness("reference", indexer_dtype)
+        lim = "quant_lightning_indexer_manage" if indexer_dtype == "int8" else "lightning_indexer_manage"
+        assert hf.offload.engine.plan.indexer.ops == (lim,)
+        assert hf.offload.engine.plan.attention.ops == ("copy_sparse_flash_attention",)
+        assert hf.offload.fused_indexer_op is not None and hr.offload.fused_indexer_op is None
+        assert not hr.offload.engine.plan.indexer.fused
+
+        def both(fn):
+            return fn(hf), fn(hr)
+
+        def same(pair, what):
+            _same_step(*pair, what, bf16=indexer_dtype == "bf16")
+
+        for h in (hf, hr):
+            h.new_request("a"), h.new_request("c")
+        same(both(lambda h: h.extend([h.requests["a"], h.requests["c"]], [300, 140])), "prefill a + c")
+        for h in (hf, hr):
+            h.new_request("b", prefix_from="a", prefix_len=192)  # three cached pages of a (radix hit)
+        same(both(lambda h: h.extend([h.requests["b"]], [20])), "prefill b")
+        for i in range(6):
+            live = ("a", "b", "c") if "c" in hf.requests else ("a", "b", "d")
+            pad = 4 if i == 2 else 0  # DP-attention padding rows never reach the residency
+            same(both(lambda h: h.decode([h.requests[r] for r in live], pad_to=pad)), f"decode {i}")
+            _same_state(hf, hr, f"decode {i}")
+            if i == 3:  # churn: c finishes, d takes its row
+                for h in (hf, hr):
+                    h.finish("c")
+                    h.new_request("d")
+                same(both(lambda h: h.extend([h.requests["d"]], [200])), "prefill d")
+        sf, sr = hf.offload.engine.stats().total, hr.offload.engine.stats().total
+        assert (sf.hits, sf.misses) == (sr.hits, sr.misses)
+        assert sf.hits > 0 and sf.misses > 0
+
+
+def test_fused_graph_decode_hooks_equal_the_eager_reference():
+    """SGLang's CPU graph hooks on the fused backend (bucket 4: padded entries on the sink
+    row, churn): the fused indexer reads the static row buffers. Top-k and residency of
+    the live rows == the eager reference backend's bit for bit; attention within tolerance."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from test_graph_decode_components import _graph_batch, _inputs, _pad_rows, _prepare_decode, _prepare_extend
+
+    bucket = 4
+    with published_context():
+        eager, graph = _harness("reference", "bf16"), _harness("fused", "bf16")
+        graph.offload.init_cpu_graph_state(bucket, bucket)
+        zeros = torch.zeros(bucket, dtype=torch.int64)
+        graph.offload.init_forward_metadata_capture_cpu_graph(bucket, bucket, zeros, torch.ones(bucket, dtype=torch.int64),
+                                                              zeros, None, ForwardMode.DECODE, None)
+
+        def step(rids, lens=None):
+            decode = lens is None
+            fb_e, fb_g = [(_prepare_decode(h, [h.requests[r] for r in rids]) if decode
+                           else _prepare_extend(h, [h.requests[r] for r in rids], lens)) for h in (eager, graph)]
+            gfb = _graph_batch(fb_g, bucket) if decode else fb_g
+            for h, fb in ((eager, fb_e), (graph, gfb)):
+                h.offload.init_forward_metadata(fb)
+            real = int(fb_e.batch_size)
+            for layer in range(eager.layers):
+                inp = _inputs(eager, int(fb_e.positions.numel()))
+                ginp = {k: _pad_rows(v, bucket) for k, v in inp.items()} if decode else inp
+                outs = []
+                for h, fb, x in ((eager, fb_e, inp), (graph, gfb, ginp)):
+                    run = h.offload.forward_decode if decode else h.offload.forward_extend
+                    with torch.no_grad():
+                        topk = h.offload.run_indexer(h.indexers[layer], x["x"], x["q_lora"], fb.positions, fb, layer)
+                        out = run(x["q"], x["k"], x["k"][..., :LATENT], h.attn_layers[layer], fb, topk_indices=topk)
+                    outs.append((topk[:real], out[:real]))
+                assert torch.equal(outs[0][0], outs[1][0]), f"layer {layer}: fused graph top-k != eager reference"
+                diff = (outs[0][1].float() - outs[1][1].float()).abs().max().item()
+                assert diff <= ATTENTION_TOL, f"layer {layer}: fused graph attention differs by {diff}"
+            if decode:
+                r = eager.offload.engine.config.rows
+                for layer in range(eager.layers):
+                    e, g = eager.offload.engine.table(layer), graph.offload.engine.managers[layer].table
+                    # (stamps are offset: the capture took the graph harness's step 0)
+                    assert torch.equal(g.slot_token[:r], e.slot_token) and torch.equal(g.row_req[:r], e.row_req)
+                    assert bool((g.slot_token[r] == -1).all()) and int(g.row_req[r]) == -1, "the sink row holds data"
+
+        for h in (eager, graph):
+            for rid in ("a", "b", "c"):
+                h.new_request(rid)
+        step(["a", "b", "c"], [300, 90, 140])
+        for batch in [["a", "b", "c"]] * 3 + [["a", "c"]] * 2:
+            step(batch)
+        for h in (eager, graph):
+            h.finish("b")
+            h.new_request("d")
+        step(["d"], [170])
+        for batch in [["a", "c", "d"]] * 2 + [["d"]] * 2:
+            step(batch)
+        assert graph.offload.engine.stats().total.misses > 0
+
+
+def test_the_fused_indexer_stage_under_torch_compile_equals_eager():
+    """What SGLang's CPU graph runner does to the decode step (``torch.compile``): the
+    fused indexer stage (residency arguments from static row buffers, then the LIM op on
+    the functional model, mutating the residency state) gives the eager result: the same
+    top-k, step outputs and state after each of three steps."""
+    from sglang_ascend_offload.ops import registry
+    from sglang_ascend_offload.sparse_decode import fused_indexer
+    from sglang_ascend_offload.sparse_decode.policies import make_manager
+
+    lim = registry.select("lightning_indexer_manage", "fused")
+    assert lim.rung == "fused"
+    gen = torch.Generator().manual_seed(3)
+    key = torch.randn(8, PAGE, 1, 128, generator=gen).to(torch.bfloat16)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    managers = [make_manager("lru", 4, HOT, "cpu", manage_impl="torch") for _ in range(2)]
+    rows = torch.tensor([1, 3], dtype=torch.int64)
+    owners = torch.tensor([11, 12], dtype=torch.int64)
+
+    def stage(manager, query, weights, lens, step):
+        args = fused_indexer.residency_args(manager, rows, owners, lens, step, query.shape[0])
+        out = lim(query, key, weights, actual_seq_lengths_query=torch.tensor([1, 2], dtype=torch.int32),
+                  actual_seq_lengths_key=lens, block_table=tables, sparse_count=TOP_K, **args.as_kwargs())
+        return out.topk_indices, out.residency.slots, out.residency.miss_count
+
+    torch._dynamo.reset()
+    compiled = torch.compile(stage, dynamic=False)
+    for i, lens in enumerate(([200, 150], [201, 151], [202, 152])):
+        lens = torch.tensor(lens, dtype=torch.int32)
+        query = torch.randn(2, INDEX_HEADS, 128, generator=gen).to(torch.bfloat16)
+        weights = torch.randn(2, INDEX_HEADS, generator=gen).to(torch.bfloat16)
+        step = torch.tensor(i, dtype=torch.int64)
+        got, want = compiled(managers[0], query, weights, lens, step), stage(managers[1], query, weights, lens, step)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        for name in ("slot_token", "slot_stamp", "row_req"):
+            assert torch.equal(getattr(managers[0].table, name), getattr(managers[1].table, name))
+    assert int(managers[0].table.row_req[1]) == 11 and int(managers[0].table.row_req[0]) == -1
