@@ -213,6 +213,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         speculative.attach(self)
         self.fused_indexer_op = None  # LIM / LIM-C8 when the engine's plan fuses the indexer stage
         self._fused_step: Optional[Tuple[int, Any]] = None  # (layer, all-rows ResidencyStep) it left
+        self._fused_seen = False  # the first fused decode step is logged
         if self.engine.plan.indexer.fused:
             if config.record_trace_rank_depth > 0:
                 raise RuntimeError("sparse decode offload: record_trace_rank_depth needs the indexer's ranking "
@@ -360,6 +361,10 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         result = self.fused_indexer_op(*self.index_operands(inputs, layer_id), **indexer_metadata(md),
                                        sparse_count=int(indexer.index_topk), **args.as_kwargs())
         self._fused_step = (local, result.residency)
+        if not self._fused_seen:
+            self._fused_seen = True
+            logger.info("sparse decode offload: decode steps select and manage residency with the fused %s",
+                        self.engine.plan.indexer.ops[0])
         return result.topk_indices.reshape(tokens, -1)
 
     def _take_fused_step(self, local: int):

@@ -1,0 +1,82 @@
+"""Served: sparse decode offload through the fused AscendC operators on CPU.
+
+``ops: "fused"`` on CPU runs the fused rung (LIM or LIM-C8, then Copy-SFA) as the real
+kernel sources on the AscendC functional model (``ops/ascendc_cpu_ops.py``). The tiny
+DSA fixture at shapes those kernels take (``tests/fixtures/tiny_dsa_fused``: top-k 128,
+8 index heads; 256 hot slots, page 64) serves the same greedy requests with
+``ops: "fused"`` and with ``ops: "reference"``, for each index-K dtype (bf16 with LIM,
+int8 with LIM-C8). Each pair must give the same tokens:
+
+* a prompt longer than two hot buffers (the residency evicts every step),
+* a concurrent batch (several rows in one fused call, rows finishing and being reused:
+  churn),
+* a radix-cache hit equal to its cold request,
+
+and the fused server's log must show its operator plan chose the fused operators. The
+residency state and copies are compared bit for bit in process
+(``test_fused_indexer_components.py``); outside a server only tokens can be seen. The
+logprobs of the two rungs differ within the fused attention's tolerance (the kernel's
+summation order), which the in-process test bounds.
+
+This is a correctness path: the functional model executes every vector instruction on
+the host, so it is far slower than the reference rung (``docs/fused_ops.md`` has the
+measured cost per token).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
+from sglang_ascend_offload.testing.servers import TINY_DSA_FUSED, fixture_args
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 1024
+
+
+def prompt(n: int, seed: int) -> list:
+    return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
+
+
+def _server(root, ops: str, indexer_dtype: str) -> ServerProcess:
+    offload = {"hot_tokens": 256, "ops": ops, "indexer_dtype": indexer_dtype}
+    return ServerProcess(["--max-running-requests", "3", "--enable-sparse-decode-offload",
+                          "--sparse-decode-offload-config", json.dumps(offload)] + IDLE_SLEEP,
+                         log_path=root / f"{ops}_{indexer_dtype}.log", base_args=fixture_args(TINY_DSA_FUSED))
+
+
+def _requests(server) -> dict:
+    long_prompt = prompt(600, seed=1)  # > 2 x 256 hot slots
+    batch = [prompt(n, seed=s) for s, n in ((2, 150), (3, 300), (4, 40), (5, 200))]
+    shared = prompt(330, seed=6)  # > 5 pages of 64: the radix cache matches them
+    out = {"long": server.generate(long_prompt, max_new_tokens=16)["output_ids"],
+           "batch": [o["output_ids"] for o in server.generate(batch, max_new_tokens=10)]}
+    cold = server.generate(shared, max_new_tokens=10)
+    warm = server.generate(shared, max_new_tokens=10)
+    assert warm["meta_info"]["cached_tokens"] >= 320
+    assert warm["output_ids"] == cold["output_ids"], "radix hit != cold request"
+    out["radix"] = warm["output_ids"]
+    return out
+
+
+@pytest.mark.parametrize("indexer_dtype", ["bf16", "int8"])
+def test_fused_rung_serves_the_reference_rung_tokens(tmp_path, indexer_dtype):
+    fused, reference = _server(tmp_path, "fused", indexer_dtype), _server(tmp_path, "reference", indexer_dtype)
+    start_all(fused, reference)
+    try:
+        got, want = _requests(fused), _requests(reference)
+    finally:
+        stop_all(fused, reference)
+    assert got == want
+    assert len(got["long"]) == 16 and [len(t) for t in got["batch"]] == [10] * 4
+    lim = "quant_lightning_indexer_manage" if indexer_dtype == "int8" else "lightning_indexer_manage"
+    log = fused.log_path.read_text(errors="replace")
+    assert f"sparse decode engine indexer: {lim} (ops=fused)" in log, "the fused server did not plan the fused indexer"
+    assert "sparse decode engine attention: copy_sparse_flash_attention (ops=fused)" in log
+    assert f"decode steps select and manage residency with the fused {lim}" in log
+    assert "Traceback" not in log
+    ref_log = reference.log_path.read_text(errors="replace")
+    assert "sparse decode engine attention: copy_miss_rows+sparse_mla_attention" in ref_log
