@@ -64,9 +64,10 @@ class SparseDecodeOffloadConfig:
     indexer_dtype: ``bf16`` or ``int8`` (LIM-C8): the device index-K cache holds
         Hadamard-rotated int8 keys + one fp16 scale per token (130 B instead of 256 B per
         token and layer at 128 dims), and the decode indexer is the C8 lightning indexer
-        over them (``docs/sparse_decode.md``, "int8 indexer"). Served off the NPU; refused
-        on an NPU (``sglang.indexer_int8_device``) and on a P/D decode with speculative
-        decoding (``sglang.indexer_int8_pd``); a P/D decode receives int8 keys + scales.
+        over them (``docs/sparse_decode.md``, "int8 indexer"). Served off the NPU and, on
+        an NPU, through the fused LIM-C8; refused on an NPU without it
+        (``sglang.indexer_int8_device``) and on a P/D decode with speculative decoding
+        (``sglang.indexer_int8_pd``); a P/D decode receives int8 keys + scales.
     policy: residency replacement policy; ``lru`` (the default) is exact per-row LRU, the
         specification in ``docs/residency_contract.md`` that every other policy reuses
         with its own victim order.
@@ -730,7 +731,7 @@ def _check_sparse_decode_settings(sd: "SparseDecodeOffloadConfig", d: Deployment
             "use ops=auto|reference|triton off Ascend (ops=fused runs the fused kernels' functional model on "
             "CPU), or run on an Ascend NPU")
     if sd.indexer_dtype == "int8":
-        _check_int8_indexer(d, add)
+        _check_int8_indexer(sd, d, add)
     if sd.fused_lim is True:
         from .sparse_decode.op_selection import select_for_config
 
@@ -748,15 +749,23 @@ def _check_sparse_decode_settings(sd: "SparseDecodeOffloadConfig", d: Deployment
             "serve lru / lru_k2_guarded with speculative decoding, or disable speculative decoding")
 
 
-def _check_int8_indexer(d: Deployment, add: _Add) -> None:
+def _check_int8_indexer(sd: "SparseDecodeOffloadConfig", d: Deployment, add: _Add) -> None:
     """Where the int8 (LIM-C8) index-K cache is served: the plugin's own indexer path
-    (rotate + quantise the keys into the cache, the C8 indexer over it), which runs
-    off the NPU. On a P/D decode the prefill packs its bf16 keys into int8 + scales for it,
-    but not next to a speculative draft layer (one indexer tensor, one dtype)."""
+    (rotate + quantise the keys into the cache, the C8 indexer over it), which runs off
+    the NPU, and on an NPU where the fused LIM-C8 serves (the backend then runs the
+    indexer instead of SGLang's ``forward_npu``). On a P/D decode the prefill packs its
+    bf16 keys into int8 + scales for it, but not next to a speculative draft layer (one
+    indexer tensor, one dtype)."""
     if d.device == "npu":
-        add("sglang.indexer_int8_device", "indexer_dtype='int8' on an Ascend NPU: there SGLang's own NPU "
-            "indexer (forward_npu) writes bf16 index K and calls the bf16 lightning indexer, so the int8 "
-            "cache would be filled with unrotated, unscaled keys", 'set "indexer_dtype": "bf16" on an NPU')
+        from .sparse_decode.op_selection import select_for_config
+
+        rows = d.speculative_rows if d.speculative_method and d.speculative_rows else 1
+        plan = select_for_config(sd, "npu", rows_per_request=rows, available=lambda op: None)
+        if not plan.indexer.fused:
+            add("sglang.indexer_int8_device", "indexer_dtype='int8' on an Ascend NPU without the fused LIM-C8 "
+                f"({plan.indexer.reason}): SGLang's own NPU indexer (forward_npu) would write bf16 index K and "
+                "call the bf16 lightning indexer, so the int8 cache would hold unrotated, unscaled keys",
+                'leave fused_lim unset (the NPU default serves LIM-C8), or set "indexer_dtype": "bf16"')
     if d.pd_role == "decode" and d.speculative_method:
         add("sglang.indexer_int8_pd", f"indexer_dtype='int8' on a P/D decode node with speculative method "
             f"{d.speculative_method!r}: the draft layer's bf16 index K would share the transfer's one indexer "

@@ -112,8 +112,9 @@ _ALL = (
          "serve lru / lru_k2_guarded with speculative decoding"),
         ("sparse_decode.kvpp", "not with KVPP: KVPP shards the device main KV, which sparse decode offload keeps "
          "on the host", "enable only one of them on a node"),
-        ("sglang.indexer_int8_device", "an int8 indexer cache (LIM-C8) off the NPU: on an NPU SGLang's own "
-         "indexer writes bf16 index K", 'set "indexer_dtype": "bf16" on an NPU'),
+        ("sglang.indexer_int8_device", "an int8 indexer cache (LIM-C8) off the NPU, or on an NPU with the fused "
+         "LIM-C8 (without it SGLang's own NPU indexer writes bf16 index K)",
+         'leave fused_lim unset on an NPU, or set "indexer_dtype": "bf16"'),
         ("sglang.indexer_int8_pd", "an int8 indexer cache (LIM-C8) on a P/D decode only without a speculative "
          "draft layer (one transferred indexer tensor, one dtype)",
          'set "indexer_dtype": "bf16" on the P/D decode node, or drop speculative decoding there'),

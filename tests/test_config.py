@@ -81,7 +81,8 @@ CASES = {
     "kvpp.pd_prefill": (KV, dict(pd_role="prefill")),
     "sglang.kvpp_pp": (KV, dict(pp=2)),
     "sglang.kvpp_dp_attention": (KV, dict(dp=2, dp_attention=True)),
-    "sglang.indexer_int8_device": ({"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8"}}, {}),
+    "sglang.indexer_int8_device": ({"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8", "fused_lim": False}},
+                                   {}),
     "sglang.indexer_int8_pd": ({"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8"}},
                                dict(device="cpu", soc=None, pd_role="decode", speculative_method="mtp")),
     "sglang.fused_not_wired": ({"sparse_decode": {"hot_tokens": 4096, "fused_lim": True, "policy": "lru_k2_guarded"}},
@@ -137,9 +138,13 @@ def test_int8_indexer_is_served_off_the_npu():
     assert _run(int8, dict(device="cpu", soc=None, speculative_method="mtp", speculative_rows=4,
                            speculative_steps=3, speculative_topk=1, overlap_schedule=False)) == []
     assert _run(int8, dict(device="cpu", soc=None, pd_role="decode")) == []
-    found = _run(int8, dict(device="npu", pd_role="decode", speculative_method="mtp"))
+    # on an NPU the fused LIM-C8 serves plain decode (the backend runs the indexer) ...
+    assert [v.rule for v in _run(int8, dict(device="npu"))] == []
+    # ... but not verify rows, and a P/D decode with a draft cannot carry two index-K dtypes
+    found = _run(int8, dict(device="npu", pd_role="decode", speculative_method="mtp", speculative_rows=2))
     assert [v.rule for v in found] == ["sglang.indexer_int8_device", "sglang.indexer_int8_pd"]
     assert all('"indexer_dtype": "bf16"' in v.fix for v in found)
+    assert "verify rows" in found[0].problem
 
 
 def test_verify_rows_bound_hot_tokens_only_with_speculation():

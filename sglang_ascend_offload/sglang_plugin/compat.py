@@ -111,6 +111,7 @@ TARGET_SYNC = "torch.cuda.synchronize"
 TARGET_FROM_CLI = "sglang.srt.server_args.ServerArgs.from_cli_args"
 TARGET_POOL = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool"
 TARGET_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.forward_native"
+TARGET_NPU_INDEXER = "sglang.srt.layers.attention.dsa.dsa_npu_indexer.DSANPUIndexerMixin.forward_npu"
 TARGET_CELL_SIZE = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
 TARGET_RESOLVE_POOL_CONFIG = \
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config"
@@ -155,6 +156,8 @@ HOOKED: Tuple[Hooked, ...] = (
            "build the plugin's KV pools"),
     Hooked(TARGET_INDEXER, ("x", "q_lora", "positions", "forward_batch", "layer_id", "return_indices"),
            "the CPU indexer forward", signature_of=TARGET_INDEXER.replace("forward_native", "forward_cuda")),
+    Hooked(TARGET_NPU_INDEXER, ("x", "q_lora", "positions", "forward_batch", "layer_id", "input_on_attn_tp_slices",
+                                "dynamic_scale"), "the NPU indexer forward: the fused LIM / LIM-C8 path"),
     Hooked(TARGET_CELL_SIZE, ("self",), "per-token KV bytes of the layerwise pool"),
     Hooked(TARGET_CELL_SIZE, ("self",), "per-token KV bytes of the KVPP pool"),
     Hooked(TARGET_CELL_SIZE, ("self", "kvc", "num_layers"), "per-token device KV bytes of sparse decode offload "

@@ -71,6 +71,8 @@ HOOKS: Tuple[Hook, ...] = (
          "the active feature's KV pool when the ascend_offload backend runs"),
     Hook(compat.TARGET_INDEXER, "AROUND", "attention.dsa_backend:forward_native_around",
          "the CPU indexer forward routes to the backend"),
+    Hook(compat.TARGET_NPU_INDEXER, "AROUND", "attention.dsa_backend:forward_npu_around",
+         "the NPU indexer forward routes to the backend where it runs the fused LIM / LIM-C8"),
     Hook(compat.TARGET_CAPABILITY, "AROUND", "cpu_capability:capability_around",
          '"no CUDA" while resolving on a CPU'),
     Hook(compat.TARGET_GET_KV_CLASS, "AROUND", "disaggregation.ascend_offload.install:get_kv_class_around",

@@ -191,3 +191,39 @@ def test_the_fused_indexer_stage_under_torch_compile_equals_eager():
         for name in ("slot_token", "slot_stamp", "row_req"):
             assert torch.equal(getattr(managers[0].table, name), getattr(managers[1].table, name))
     assert int(managers[0].table.row_req[1]) == 11 and int(managers[0].table.row_req[0]) == -1
+
+
+def test_the_npu_indexer_forward_routes_to_the_backend_only_where_it_runs_the_fused_indexer(monkeypatch):
+    """``forward_npu_around`` (SGLang's NPU indexer hook): a backend running the fused
+    indexer gets the call (its ``run_indexer``: on an NPU SGLang's ``forward_npu`` would
+    call the separate indexer on a bf16 cache); any other backend, or none, leaves SGLang's
+    method to run; attention-TP-sliced or dynamically quantised inputs are an error naming
+    the fix, not a silently wrong top-k."""
+    from sglang.srt.model_executor import forward_context
+
+    from sglang_ascend_offload.sglang_plugin.attention import dsa_backend
+
+    with published_context():
+        fused, plain = _harness("fused", "bf16"), _harness("reference", "bf16")
+    assert fused.offload.owns_npu_indexer() and not plain.offload.owns_npu_indexer()
+    assert not fused.dense.owns_npu_indexer()
+    calls = []
+
+    def original(self, x, q_lora, positions, forward_batch, layer_id, input_on_attn_tp_slices, dynamic_scale):
+        calls.append(("sglang", layer_id))
+        return "sglang's top-k"
+
+    def routed(indexer, x, q_lora, positions, forward_batch, layer_id, return_indices):
+        calls.append(("backend", layer_id, return_indices))
+        return "backend's top-k"
+
+    for backend, want in ((fused.offload, "backend's top-k"), (plain.offload, "sglang's top-k"),
+                          (fused.dense, "sglang's top-k"), (None, "sglang's top-k")):
+        monkeypatch.setattr(forward_context, "get_attn_backend", lambda b=backend: b)
+        if backend is not None:
+            monkeypatch.setattr(backend, "run_indexer", routed)
+        assert dsa_backend.forward_npu_around(original, object(), "x", "q", "pos", "fb", 3) == want
+    assert calls == [("backend", 3, True), ("sglang", 3), ("sglang", 3), ("sglang", 3)]
+    monkeypatch.setattr(forward_context, "get_attn_backend", lambda: fused.offload)
+    with pytest.raises(RuntimeError, match="attention-TP slices.*dynamic scale.*\"fused_lim\": false"):
+        dsa_backend.forward_npu_around(original, object(), "x", "q", "pos", "fb", 3, True, torch.ones(1))

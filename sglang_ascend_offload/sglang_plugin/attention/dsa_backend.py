@@ -11,7 +11,8 @@ One backend serves two memory layouts:
 Per layer and forward:
 
 1. the indexer (SGLang's ``Indexer`` module; on a CPU through the plugin's
-   ``forward_native`` hook, on an NPU through SGLang's own ``forward_npu``) stores
+   ``forward_native`` hook, on an NPU through SGLang's own ``forward_npu``, or the
+   plugin's where the backend owns the indexer: :meth:`owns_npu_indexer`) stores
    the new tokens' index K and returns logical top-k positions ``[T, K]`` (``-1``
    padded) with :meth:`run_indexer`;
 2. :meth:`forward_extend` / :meth:`forward_decode` store the new tokens' latent and
@@ -294,6 +295,12 @@ class AscendOffloadAttnBackend(AttentionBackend):
         (0 = top-k only). The plain backend has no residency manager: 0."""
         return 0
 
+    def owns_npu_indexer(self) -> bool:
+        """Whether this backend runs the indexer itself on an NPU (:func:`forward_npu_around`)
+        instead of SGLang's ``forward_npu``: where the fused LIM / LIM-C8 serves. The
+        plain backend: never."""
+        return False
+
     # ------------------------------------------------------------------ attention
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
@@ -484,3 +491,32 @@ def forward_native_around(original, self, x, q_lora, positions, forward_batch, l
     if isinstance(backend, AscendOffloadAttnBackend):
         return backend.run_indexer(self, x, q_lora, positions, forward_batch, layer_id, return_indices)
     return original(self, x, q_lora, positions, forward_batch, layer_id, return_indices, **kwargs)
+
+
+def forward_npu_around(original, self, x, q_lora, positions, forward_batch, layer_id,
+                       input_on_attn_tp_slices: bool = False, dynamic_scale=None, **kwargs):
+    """HookRegistry AROUND ``DSANPUIndexerMixin.forward_npu``: where the ``ascend_offload``
+    backend of this forward owns the indexer (:meth:`~AscendOffloadAttnBackend.owns_npu_indexer`:
+    the fused LIM / LIM-C8 serves its decode steps), the backend's :meth:`run_indexer`;
+    otherwise SGLang's own NPU indexer, unchanged. The backend's indexer takes whole
+    (not attention-TP-sliced) unquantised hidden states: anything else is an error naming
+    what to change, never a silent wrong top-k."""
+    from sglang.srt.model_executor.forward_context import get_attn_backend
+
+    try:
+        backend = get_attn_backend()
+    except Exception:  # noqa: BLE001 - no forward context: not our forward
+        backend = None
+    if not (isinstance(backend, AscendOffloadAttnBackend) and backend.owns_npu_indexer()):
+        return original(self, x, q_lora, positions, forward_batch, layer_id, input_on_attn_tp_slices,
+                        dynamic_scale, **kwargs)
+    problems = []
+    if input_on_attn_tp_slices:
+        problems.append("the hidden states arrive as attention-TP slices (the plugin's indexer needs them whole)")
+    if dynamic_scale is not None:
+        problems.append("the hidden states arrive quantised with a dynamic scale")
+    if problems:
+        raise RuntimeError("the fused indexer (LIM / LIM-C8) cannot take this forward: " + "; ".join(problems)
+                           + '; serve with "fused_lim": false and "indexer_dtype": "bf16" (SGLang\'s NPU indexer)')
+    return backend.run_indexer(self, x, q_lora, positions, forward_batch, layer_id, True)
+

@@ -367,6 +367,11 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
                         self.engine.plan.indexer.ops[0])
         return result.topk_indices.reshape(tokens, -1)
 
+    def owns_npu_indexer(self) -> bool:
+        """On an NPU the backend runs the indexer itself where the fused LIM / LIM-C8 serves
+        (SGLang's ``forward_npu`` calls the separate torch_npu indexer on a bf16 cache)."""
+        return self.fused_indexer_op is not None
+
     def _take_fused_step(self, local: int):
         """The residency step the fused indexer took for layer ``local`` this step (``None``
         without the fused indexer); it is used once."""
