@@ -181,7 +181,7 @@ def test_invalid_config_stops_startup_listing_every_reason():
     out = run_launcher([
         "--kv-cache-dtype", "fp8_e4m3",
         "--enable-sparse-decode-offload",
-        "--sparse-decode-offload-config", '{"hot_tokens": 8, "ops": "fused"}',
+        "--sparse-decode-offload-config", '{"hot_tokens": 8, "ops": "npu"}',
         "--layerwise-prefill-offload-config", "{}",
     ])
     assert out.returncode != 0

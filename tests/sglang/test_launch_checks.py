@@ -73,7 +73,7 @@ def test_dsa_architecture_without_indexer_fields_is_refused(plugins_loaded, clea
 
 def test_parse_error_does_not_hide_the_other_rules(plugins_loaded, clean_state):
     """One bad value (``policy: "fifo"``) next to rule violations: all are listed."""
-    flags.remember(raw(sparse='{"policy": "fifo", "hot_tokens": 40, "ops": "fused", "record_trace_max_steps": 0}'))
+    flags.remember(raw(sparse='{"policy": "fifo", "hot_tokens": 40, "ops": "npu", "record_trace_max_steps": 0}'))
     with pytest.raises(cfg.ConfigError) as info:
         _server_args(kv_cache_dtype="fp8_e4m3").resolve_once()
     rules = _rules(info)
