@@ -98,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-concurrency", type=int, default=2, help="requests in flight at once")
     parser.add_argument("--served-input-len", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--served-output-len", type=int, default=16, help="output tokens per request")
+    parser.add_argument("--served-runs", type=int, default=1,
+                        help="start and load every served configuration this many times; the served rows are "
+                             "the medians, each run's rows are in served_runs")
 
 
 def _sum(reports: Dict[int, Any], key: str) -> float:
@@ -211,6 +214,8 @@ def _scenarios(args: argparse.Namespace) -> _Scenarios:
     blocks = args.tokens // args.block_tokens
     if args.throughput_slots < 0:
         raise SystemExit("--throughput-slots must be >= 0")
+    if args.served_runs < 1:
+        raise SystemExit("--served-runs must be >= 1")
     args.throughput_slots = args.throughput_slots or args.layers
     throughput = ScenarioSpec(
         name="throughput", p_tp=args.p_tp, d_tp=args.d_tp, num_layers=args.layers, num_slots=args.throughput_slots,
@@ -341,11 +346,15 @@ def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, An
         out["verified"] = out["verified"] and verified
         out["scenarios"] = [_row(run_scenario(pool, s, timeout_s=120)) for s in sc.faults]
     if args.served:
-        from .transfer_served import ServedLoad, run_served
+        from .transfer_served import ServedLoad, median_rows, offload_over_device_ttft, run_served
 
         load = ServedLoad(requests=args.served_requests, concurrency=args.served_concurrency,
                           input_len=args.served_input_len, output_len=args.served_output_len)
-        out["served"] = [asdict(r) for r in run_served(load)]
+        runs = [run_served(load) for _ in range(args.served_runs)]
+        rows = median_rows(runs)
+        out["served"] = [asdict(r) for r in rows]
+        out["served_runs"] = [[asdict(r) for r in run] for run in runs]
+        out["pd_offload_over_device_ttft_p50"] = offload_over_device_ttft(rows)
     return out
 
 
@@ -392,6 +401,10 @@ def print_table(res: Dict[str, Any]) -> None:
         print(f"  served {r['name']:28s} TTFT p50 {_fmt(r['ttft_ms_p50'], '.1f')} ms, "
               f"p99 {_fmt(r['ttft_ms_p99'], '.1f')} ms, {_fmt(r['output_tokens_per_s'], '.1f')} output tok/s, "
               f"{r['completed']} completed")
+    if len(res.get("served_runs", [])) > 1:
+        print(f"  served rows: medians of {len(res['served_runs'])} runs")
+    if res.get("pd_offload_over_device_ttft_p50") is not None:
+        print(f"  P/D offload decode / device decode TTFT p50: {res['pd_offload_over_device_ttft_p50']:.3f}")
 
 
 def _verbose(args: argparse.Namespace) -> bool:

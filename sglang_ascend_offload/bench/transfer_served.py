@@ -161,6 +161,35 @@ def run_served(load: ServedLoad, names: Sequence[str] = CONFIG_NAMES,
     return out
 
 
+def median_rows(runs: Sequence[Sequence[ServedResult]]) -> List[ServedResult]:
+    """One row per configuration (in the first run's order) from several runs of
+    :func:`run_served`: each number the median over the runs that have it (``None`` when
+    none has), ``completed`` the fewest any run completed."""
+    import statistics
+
+    if not runs:
+        raise ValueError("median_rows: no runs")
+    out = []
+    for first in runs[0]:
+        rows = [r for run in runs for r in run if r.name == first.name]
+
+        def median(field: str) -> Optional[float]:
+            values = [getattr(r, field) for r in rows if getattr(r, field) is not None]
+            return statistics.median(values) if values else None
+
+        out.append(ServedResult(name=first.name, ttft_ms_p50=median("ttft_ms_p50"), ttft_ms_p99=median("ttft_ms_p99"),
+                                output_tokens_per_s=median("output_tokens_per_s"),
+                                completed=min(r.completed for r in rows)))
+    return out
+
+
+def offload_over_device_ttft(rows: Sequence[ServedResult]) -> Optional[float]:
+    """TTFT p50 of the P/D offload decode over the P/D device decode (``None`` without both)."""
+    by_name = {r.name: r.ttft_ms_p50 for r in rows}
+    device, offload = by_name.get("pd_device_decode"), by_name.get("pd_offload_decode")
+    return offload / device if device and offload is not None else None
+
+
 def main_argv(argv: Optional[Sequence[str]] = None) -> Dict[str, object]:  # pragma: no cover - manual use
     """``python -m sglang_ascend_offload.bench.transfer_served [NAME...]``: the rows as JSON."""
     from dataclasses import asdict
