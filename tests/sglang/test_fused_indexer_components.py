@@ -25,7 +25,7 @@ import torch
 
 from sglang_ascend_offload import config as cfg
 
-from dsa_harness import LATENT, Harness, published_context
+from dsa_harness import Harness, published_context
 
 pytestmark = pytest.mark.usefixtures("plugins_loaded")
 
@@ -100,7 +100,7 @@ def test_fused_graph_decode_hooks_equal_the_eager_reference():
     the live rows == the eager reference backend's bit for bit; attention within tolerance."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from test_graph_decode_components import _graph_batch, _inputs, _pad_rows, _prepare_decode, _prepare_extend
+    from test_graph_decode_components import eager_and_graph_layers
 
     bucket = 4
     with published_context():
@@ -112,24 +112,10 @@ def test_fused_graph_decode_hooks_equal_the_eager_reference():
 
         def step(rids, lens=None):
             decode = lens is None
-            fb_e, fb_g = [(_prepare_decode(h, [h.requests[r] for r in rids]) if decode
-                           else _prepare_extend(h, [h.requests[r] for r in rids], lens)) for h in (eager, graph)]
-            gfb = _graph_batch(fb_g, bucket) if decode else fb_g
-            for h, fb in ((eager, fb_e), (graph, gfb)):
-                h.offload.init_forward_metadata(fb)
-            real = int(fb_e.batch_size)
-            for layer in range(eager.layers):
-                inp = _inputs(eager, int(fb_e.positions.numel()))
-                ginp = {k: _pad_rows(v, bucket) for k, v in inp.items()} if decode else inp
-                outs = []
-                for h, fb, x in ((eager, fb_e, inp), (graph, gfb, ginp)):
-                    run = h.offload.forward_decode if decode else h.offload.forward_extend
-                    with torch.no_grad():
-                        topk = h.offload.run_indexer(h.indexers[layer], x["x"], x["q_lora"], fb.positions, fb, layer)
-                        out = run(x["q"], x["k"], x["k"][..., :LATENT], h.attn_layers[layer], fb, topk_indices=topk)
-                    outs.append((topk[:real], out[:real]))
-                assert torch.equal(outs[0][0], outs[1][0]), f"layer {layer}: fused graph top-k != eager reference"
-                diff = (outs[0][1].float() - outs[1][1].float()).abs().max().item()
+            for layer, (topk_e, topk_g, out_e, out_g) in enumerate(
+                    eager_and_graph_layers(eager, graph, rids, lens, bucket)):
+                assert torch.equal(topk_e, topk_g), f"layer {layer}: fused graph top-k != eager reference"
+                diff = (out_e.float() - out_g.float()).abs().max().item()
                 assert diff <= ATTENTION_TOL, f"layer {layer}: fused graph attention differs by {diff}"
             if decode:
                 r = eager.offload.engine.config.rows

@@ -177,3 +177,30 @@ def _step(eager, graph, fb_e, fb_g, decode):
                               outs["graph"]):
             assert torch.equal(e, g), f"layer {layer}: graph {what} differs from eager ({'decode' if decode else 'extend'})"
         assert torch.equal(outs["graph"][2], outs["graph"][3]), f"layer {layer}: graph offload != graph device KV"
+
+
+def eager_and_graph_layers(eager, graph, rids, lens=None, bucket: int = BUCKET):
+    """One forward of requests ``rids`` on both harnesses (an extend of ``lens`` new tokens,
+    or a decode step when ``lens`` is None, replayed in ``bucket`` on ``graph``) with the
+    same inputs; per layer ``(eager top-k, graph top-k, eager out, graph out)`` of the live rows."""
+    decode = lens is None
+    fb_e, fb_g = [(_prepare_decode(h, [h.requests[r] for r in rids]) if decode
+                   else _prepare_extend(h, [h.requests[r] for r in rids], lens)) for h in (eager, graph)]
+    gfb = _graph_batch(fb_g, bucket) if decode else fb_g
+    for h, fb in ((eager, fb_e), (graph, gfb)):
+        h.offload.init_forward_metadata(fb)
+    assert (graph.offload._graph_batch == bucket) == decode
+    real = int(fb_e.batch_size)
+    layers = []
+    for layer in range(eager.layers):
+        inp = _inputs(eager, int(fb_e.positions.numel()))
+        ginp = {k: _pad_rows(v, bucket) for k, v in inp.items()} if decode else inp
+        outs = []
+        for h, fb, x in ((eager, fb_e, inp), (graph, gfb, ginp)):
+            run = h.offload.forward_decode if decode else h.offload.forward_extend
+            with torch.no_grad():
+                topk = h.offload.run_indexer(h.indexers[layer], x["x"], x["q_lora"], fb.positions, fb, layer)
+                out = run(x["q"], x["k"], x["k"][..., :LATENT], h.attn_layers[layer], fb, topk_indices=topk)
+            outs.append((topk[:real], out[:real]))
+        layers.append((outs[0][0], outs[1][0], outs[0][1], outs[1][1]))
+    return layers

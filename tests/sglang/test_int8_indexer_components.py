@@ -28,7 +28,7 @@ from sglang_ascend_offload.sglang_plugin.attention.dsa_backend import graph_deco
 from sglang_ascend_offload.sglang_plugin.attention.native_indexer import indexer_query_key_weights
 
 from dsa_harness import INDEX_DIM, INDEX_HEADS, LATENT, TOPK, Harness, published_context
-from test_graph_decode_components import BUCKET, _graph_batch, _inputs, _pad_rows, _prepare_decode, _prepare_extend
+from test_graph_decode_components import BUCKET, eager_and_graph_layers
 
 pytestmark = pytest.mark.usefixtures("plugins_loaded")
 
@@ -168,27 +168,9 @@ def test_graph_decode_with_int8_cache_equals_eager(ctx):
 
 
 def _both(eager, graph, rids, lens=None) -> None:
-    decode = lens is None
-    batches = [(_prepare_decode(h, [h.requests[r] for r in rids]) if decode
-                else _prepare_extend(h, [h.requests[r] for r in rids], lens)) for h in (eager, graph)]
-    fb_e, fb_g = batches
-    gfb = _graph_batch(fb_g, BUCKET) if decode else fb_g
-    for h, fb in ((eager, fb_e), (graph, gfb)):
-        h.offload.init_forward_metadata(fb)
-    assert (graph.offload._graph_batch == BUCKET) == decode
-    real = int(fb_e.batch_size)
-    for layer in range(eager.layers):
-        inp = _inputs(eager, int(fb_e.positions.numel()))
-        ginp = {k: _pad_rows(v, BUCKET) for k, v in inp.items()} if decode else inp
-        outs = []
-        for h, fb, x in ((eager, fb_e, inp), (graph, gfb, ginp)):
-            run = h.offload.forward_decode if decode else h.offload.forward_extend
-            with torch.no_grad():
-                topk = h.offload.run_indexer(h.indexers[layer], x["x"], x["q_lora"], fb.positions, fb, layer)
-                out = run(x["q"], x["k"], x["k"][..., :LATENT], h.attn_layers[layer], fb, topk_indices=topk)
-            outs.append((topk[:real], out[:real]))
-        assert torch.equal(outs[0][0], outs[1][0]), f"layer {layer}: graph int8 top-k != eager"
-        assert torch.equal(outs[0][1], outs[1][1]), f"layer {layer}: graph int8 attention != eager"
+    for layer, (topk_e, topk_g, out_e, out_g) in enumerate(eager_and_graph_layers(eager, graph, rids, lens)):
+        assert torch.equal(topk_e, topk_g), f"layer {layer}: graph int8 top-k != eager"
+        assert torch.equal(out_e, out_g), f"layer {layer}: graph int8 attention != eager"
 
 
 def test_server_startup_serves_int8_on_cpu_and_refuses_it_on_a_pd_decode():
