@@ -93,6 +93,15 @@ class SparseDecodeOffloadConfig:
         per thousand layer steps. Not with decode graphs (rule ``sglang.sparse_decode_graph``).
     verify_action: on a mismatch (always counted and logged with layer, row and request):
         ``log``, or ``fail`` (the forward raises, so SGLang stops the batch with the error).
+    residency: ``always`` (every request reads its main KV through the hot buffer and
+        the residency policy) or ``adaptive``: a request whose context fits its hot
+        buffer (``hot_tokens``) is served from it directly, position ``p`` in slot
+        ``p``, with no residency lookups and no miss copies, and is demoted in place to
+        the residency the step its context outgrows the buffer
+        (``sparse_decode/direct_rows.py``). Policy ``lru`` only; the fused indexer
+        steps every row's residency, so ``adaptive`` runs the separate indexer (the
+        NPU default opts out, logged; ``fused_lim: true`` is refused). Eager and graph
+        decode, and speculative verify rows.
     """
 
     hot_tokens: Optional[int] = None
@@ -109,6 +118,7 @@ class SparseDecodeOffloadConfig:
     metrics_log_interval_s: float = 30.0
     verify_sample_rate: float = 0.0
     verify_action: Literal["log", "fail"] = "log"
+    residency: Literal["always", "adaptive"] = "always"
 
     def _check(self) -> List[str]:
         errs = []
@@ -130,6 +140,9 @@ class SparseDecodeOffloadConfig:
             errs.append("record_trace_rank_depth needs record_trace (the file to record into)")
         from .sparse_decode.policies import POLICIES as _P
 
+        if self.residency == "adaptive" and self.policy != "lru":
+            errs.append(f"residency 'adaptive' with policy {self.policy!r}: a request outgrowing its hot buffer is "
+                        "demoted into the exact-LRU state; use policy lru, or residency 'always'")
         if self.rank_depth < 0:
             errs.append(f"rank_depth={self.rank_depth} is out of range: it must be >= 0 (0 = off, else >= the "
                         "model's top-k)")

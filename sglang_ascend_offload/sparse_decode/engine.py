@@ -65,7 +65,7 @@ from .. import platform
 from ..ops import registry
 from ..ops.contract import ResidencyStep, ResidencyTable
 from ..ops.residency import copy_miss_rows_rows
-from . import fused_indexer, op_selection
+from . import direct_rows, fused_indexer, op_selection
 from .host_pool import AppendGate, HostKVPool
 from .host_rows import is_tensor_backed
 from .hot_buffer import HotBuffers, flat_hot_indices
@@ -122,7 +122,8 @@ def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch
                       token_table: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor, scale: float,
                       latent_dim: int, attention: Optional[Callable] = None,
                       rows_per_request: int = 1, residency: Optional[ResidencyStep] = None,
-                      copy_attention: Optional[Callable] = None) -> Tuple[torch.Tensor, ResidencyStep]:
+                      copy_attention: Optional[Callable] = None,
+                      direct: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, ResidencyStep]:
     """One layer of the offloaded decode step on the torch path, as a function of tensors.
 
     manager: the layer's residency manager (any policy; its :meth:`step_rows`). rows
@@ -140,10 +141,19 @@ def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch
     ``residency``: the all-rows step a fused indexer already took (``n = 1``), used
     instead of stepping ``manager``. ``copy_attention``: the fused Copy-SFA op, run in
     place of the miss copy and ``attention`` (``n = 1``; :func:`fused_copy_attention`).
+    ``direct``: ``(mask bool [B], step_pos int64 [B, n])`` of ``residency = adaptive``
+    (:class:`~.direct_rows.DirectStep` of a captured step): direct entries are idle to the
+    manager, read their slots at their positions, and get the step's new positions
+    copied into their buffers after the append.
     """
     if residency is not None:
         stepped = fused_indexer.batch_rows_step(residency, rows)
         req = RequestStep(stepped, stepped.slots, rows, None)
+    elif direct is not None:
+        query_mask, managed, owners = direct_rows.masked_step(direct[0], topk, req_ids, rows_per_request)
+        req = step_requests(manager, rows, managed, owners, stable_len, step, rows_per_request)
+        req.slots = torch.where(query_mask[:, None], topk, req.slots)
+        direct_rows.copy_step_positions(host, hot, rows, direct[1], token_table)
     else:
         req = step_requests(manager, rows, topk, req_ids, stable_len, step, rows_per_request)
     res = req.residency
@@ -244,9 +254,19 @@ class EngineConfig:
     #: the dtype of the index-K cache whose top-k the engine is given (``bf16`` or ``int8``,
     #: LIM-C8); the engine does not run the indexer, it names it in its logged operator plan
     indexer_dtype: str = "bf16"
+    #: ``always``: every request reads its main KV through the residency (hot buffer + the
+    #: policy); ``adaptive``: a request whose context fits its hot buffer is served from it
+    #: directly, with no residency lookups or miss copies, and is demoted in place the step
+    #: it outgrows it (:mod:`.direct_rows`; policy ``lru``, not with the fused indexer)
+    residency: str = "always"
 
     def __post_init__(self):
         problems = []
+        if self.residency not in direct_rows.RESIDENCY_MODES:
+            problems.append(f"residency must be one of {direct_rows.RESIDENCY_MODES}, got {self.residency!r}")
+        elif self.residency == "adaptive" and self.policy != "lru":
+            problems.append(f"residency 'adaptive' demotes a request into the exact-LRU state; policy "
+                            f"{self.policy!r} is not lru: use policy lru or residency 'always'")
         if not 0.0 <= self.verify_sample_rate <= 1.0:
             problems.append(f"verify_sample_rate must be in [0, 1], got {self.verify_sample_rate}")
         for name in ("layers", "rows", "hot_tokens", "top_k", "latent_dim", "rows_per_request"):
@@ -339,6 +359,9 @@ class SparseDecodeEngine:
         self.shadow: Optional[ShadowVerifier] = (
             ShadowVerifier(config.verify_sample_rate, config.verify_action, seed=tp_rank)
             if config.verify_sample_rate > 0 else None)
+        self.direct: Optional[direct_rows.DirectRows] = (
+            direct_rows.DirectRows(state_rows, config.hot_tokens) if config.residency == "adaptive" else None)
+        self._direct_step: Optional[direct_rows.DirectStep] = None
         self.step_index = -1
         self._rows: Optional[torch.Tensor] = None
         self._req_ids: Optional[torch.Tensor] = None
@@ -356,7 +379,7 @@ class SparseDecodeEngine:
             op_selection.platform_of(self.device), ops=config.ops, fused_lim=config.fused_lim,
             fused_copy_sfa=config.fused_copy_sfa, rows_per_request=config.rows_per_request,
             tensor_pool=self._tensor_pool, indexer_wired=config.caller_runs_indexer, policy=config.policy,
-            indexer_dtype=config.indexer_dtype).check()
+            indexer_dtype=config.indexer_dtype, residency=config.residency).check()
         op_selection.log_plan(self.plan, "sparse decode engine")
         if not self.plan.attention.fused:
             return None
@@ -385,15 +408,20 @@ class SparseDecodeEngine:
 
     def begin_step(self, req_ids: torch.Tensor, token_table: torch.Tensor, stable_len: torch.Tensor,
                    step: Optional[int] = None, *, rows: Optional[torch.Tensor] = None,
-                   rows_per_request: Optional[int] = None) -> int:
+                   rows_per_request: Optional[int] = None, context_len: Optional[torch.Tensor] = None,
+                   captured: bool = False) -> int:
         """Set the batch of the next decode step; returns its step number.
 
         rows int64 ``[B]``: engine row per batch entry (``-1`` padding); default every
         engine row. req_ids int64 ``[B]``, stable_len int32 ``[B]``; token_table int32
         ``[T, max_ctx]`` indexed by engine row. rows_per_request: query rows per entry
         this step (``1 ..`` the configured ``rows_per_request``, its default; a plain
-        decode step of a speculative server has 1). Host-side metadata: the only place
-        the step's shapes are checked.
+        decode step of a speculative server has 1). context_len int ``[B]``: the positions
+        each entry's query rows may read (``residency = adaptive`` only; default
+        ``stable_len``, or ``stable_len + n`` with ``n > 1`` verify rows). captured: the
+        step's layers run as :func:`decode_layer_step` in a device graph (with
+        ``residency = adaptive`` its direct rows' copies are split: :meth:`direct_step`).
+        Host-side metadata: the only place the step's shapes are checked.
         """
         n = self.config.rows_per_request if rows_per_request is None else int(rows_per_request)
         if not 1 <= n <= self.config.rows_per_request:
@@ -408,6 +436,8 @@ class SparseDecodeEngine:
         b = rows.shape[0]
         if tuple(req_ids.shape) != (b,) or tuple(stable_len.shape) != (b,):
             raise ValueError(f"req_ids {tuple(req_ids.shape)} / stable_len {tuple(stable_len.shape)} must be [{b}]")
+        if context_len is not None and tuple(context_len.shape) != (b,):
+            raise ValueError(f"context_len {tuple(context_len.shape)} must be [{b}]")
         if token_table.dim() != 2:
             raise ValueError(f"token_table must be [rows, max_ctx], got {tuple(token_table.shape)}")
         step = self.step_index + 1 if step is None else int(step)
@@ -429,7 +459,71 @@ class SparseDecodeEngine:
         self._token_table = token_table if token_table.dtype == torch.int32 else token_table.to(torch.int32)
         self._batch = b
         self.stats_acc.record_step()
+        self._direct_step = None
+        if self.direct is not None:
+            if context_len is not None:
+                context_len = torch.where(pad, torch.zeros_like(rows), context_len.to(torch.int64))
+            self._begin_direct(n, context_len, captured)
         return step
+
+    def _begin_direct(self, n: int, context_len: Optional[torch.Tensor], captured: bool) -> None:
+        """``residency = adaptive``: plan the step's direct rows (:mod:`.direct_rows`) and
+        demote the rows that outgrew their buffers (every layer, before the first). A
+        captured step's direct rows get the context the host pool already holds now."""
+        if context_len is None:
+            context_len = torch.from_numpy(direct_rows.context_lengths(self._stable_len.cpu().numpy(), n))
+        d = self.direct.plan(self._rows, self._req_ids, self._stable_len, context_len, self.device,
+                             captured_width=n if captured else 0)
+        self._direct_step = d
+        row_bytes = self.pool.shape.row_bytes
+        before = (d.copy_rows.numel() + d.step_copies) * row_bytes if captured else 0  # (host counts)
+        for layer in range(self.config.layers):
+            if captured:
+                self._copy_positions(layer, d.copy_rows, d.copy_pos)
+            self.stats_acc.record_direct(layer, d.direct_count, before, 0)
+        if d.demote_entries.numel():
+            self._demote(d)
+
+    @property
+    def direct_step(self) -> Optional[direct_rows.DirectStep]:
+        """The current step's direct-row plan (``residency = adaptive``; else ``None``). A
+        captured step passes ``(mask, step_pos)`` to :func:`decode_layer_step` (``direct``)."""
+        return self._direct_step
+
+    def _demote(self, d: direct_rows.DirectStep) -> None:
+        """Hand each demoted row's resident context (positions ``0 .. count - 1`` at
+        identity) to its layer managers: one manager step takes them as misses (stamped
+        with the previous step, older than this step's), and the buffer rows move on the
+        device to the slots it chose. No host read."""
+        e = d.demote_entries
+        rows, req_ids, stable = self._rows[e], self._req_ids[e], self._stable_len[e]
+        topk = direct_rows.adoption_topk(d.demote_counts, self.config.hot_tokens).to(self.device)
+        h = self.config.hot_tokens
+        for layer, manager in enumerate(self.managers):
+            res = manager.step_rows(rows, topk, req_ids, stable, self.step_index - 1)
+            live = torch.arange(h, device=self.device)[None, :] < res.miss_count[:, None].to(self.device)
+            base = (rows * h)[:, None].expand(-1, h)[live]
+            src = base + res.miss_tokens.to(self.device, torch.int64)[live]
+            dst = base + res.miss_slots.to(self.device, torch.int64)[live]
+            flat = self.hot.storage(layer).view(-1, self.config.row_dim)
+            flat.index_copy_(0, dst, flat.index_select(0, src))
+            self.stats_acc.record_direct(layer, 0, 0, int(e.numel()))
+
+    def _copy_positions(self, layer: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Host -> hot buffer at identity: ``hot[rows[i], positions[i]] = pool[token_table[rows[i],
+        positions[i]]]`` (a direct row's context)."""
+        if rows.numel() == 0:
+            return
+        table = self._token_table
+        host_slots = table[rows.to(table.device), positions.to(table.device)].to(torch.int64)
+        hot = self.hot.storage(layer)
+        dst = (rows * hot.shape[1] + positions).to(self.device)
+        flat = hot.view(-1, hot.shape[-1])
+        if self._tensor_pool:
+            host = self.pool.layer(layer)
+            flat.index_copy_(0, dst, host.index_select(0, host_slots.to(host.device)).to(self.device))
+        else:
+            self.pool.gather_into(layer, host_slots, flat, dst)
 
     def append(self, layer: int, host_slots: torch.Tensor, rows: torch.Tensor) -> None:
         """New-token rows ``[n, D]`` of ``layer`` -> host slots ``[n]`` (TP rank 0 only;
@@ -481,14 +575,26 @@ class SparseDecodeEngine:
 
         t0 = self._tick()
         topk_dev = topk.to(self.device, torch.int32)
+        d = self._direct_step
+        if d is not None and d.step_pos is not None:
+            raise RuntimeError("this step was begun as a captured step: its layers run as decode_layer_step "
+                               "with the step's direct plan (direct_step)")
         if residency is not None:
             stepped = fused_indexer.batch_rows_step(residency, self._rows)
             req = RequestStep(stepped, stepped.slots, self._rows, None)
+        elif d is not None and d.any_direct:  # direct rows: idle to the manager, slot = position
+            query_direct, managed, owners = direct_rows.masked_step(d.mask, topk_dev, self._req_ids, n)
+            req = step_requests(self.managers[layer], self._rows, managed, owners, self._stable_len,
+                                self.step_index, n)
+            req.slots = torch.where(query_direct[:, None], topk_dev, req.slots)
         else:
             req = step_requests(self.managers[layer], self._rows, topk_dev, self._req_ids, self._stable_len,
                                 self.step_index, n)
         res = req.residency
         row_selected, row_hits = req.row_counts()
+        if d is not None and d.copy_rows.numel():  # direct rows' positions not resident yet (after the append)
+            self._copy_positions(layer, d.copy_rows, d.copy_pos)
+            self.stats_acc.record_direct(layer, 0, d.copy_rows.numel() * self.pool.shape.row_bytes, 0)
         t1 = self._tick()
         flat = self.hot.flat_indices(req.slots, req.token_rows)
         if self._copy_sfa_op is not None:  # fused Copy-SFA: copy + attention in one op (full-rows ABI)

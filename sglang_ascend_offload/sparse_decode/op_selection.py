@@ -222,14 +222,16 @@ def _missing(choice: OpChoice, available: Availability) -> Optional[str]:
 def select_ops(platform: Optional[str] = None, *, ops: str = "auto", fused_lim: Optional[bool] = None,
                fused_copy_sfa: Optional[bool] = None, indexer_dtype: str = "bf16", rows_per_request: int = 1,
                tensor_pool: bool = True, indexer_wired: bool = True, policy: str = "lru",
-               extension=REGISTERED, available: Optional[Availability] = None) -> OpPlan:
+               residency: str = "always", extension=REGISTERED, available: Optional[Availability] = None) -> OpPlan:
     """The :class:`OpPlan` for these settings (module docstring for the rule).
 
     platform: default :func:`platform.device_kind`. rows_per_request: query rows sharing
     a hot buffer (speculative verify rows). tensor_pool: the host pool has a tensor view
     (not MemFabric global addresses). indexer_wired: the caller runs the fused indexer
     when the plan selects it. policy: the residency policy (the fused indexer's residency
-    step is exact LRU: ``lru`` only). extension: :data:`REGISTERED` (the default:
+    step is exact LRU: ``lru`` only). residency: ``always`` or ``adaptive`` (the fused
+    indexer steps every row's residency, so it cannot serve ``adaptive``'s direct rows).
+    extension: :data:`REGISTERED` (the default:
     the registry's fused rungs, :func:`registry_availability`), or an extension module
     object whose attributes are its kernels (``None``: not built); available: an
     :data:`Availability`, which takes precedence. Problems are in ``plan.problems``; :meth:`OpPlan.check` raises.
@@ -240,7 +242,7 @@ def select_ops(platform: Optional[str] = None, *, ops: str = "auto", fused_lim: 
                      else extension_availability(extension, platform))
     problems = []
     indexer = _indexer_choice(platform, ops, fused_lim, indexer_dtype, _indexer_obstacle(
-        indexer_wired, policy, rows_per_request), problems)
+        indexer_wired, policy, rows_per_request, residency), problems)
     attention = _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_pool, problems)
     missing = [m for m in (_missing(c, available) for c in (indexer, attention) if c.fused) if m]
     if missing:
@@ -264,7 +266,7 @@ def _missing_problem(platform: str, missing) -> SelectionProblem:
         "\"fused_copy_sfa\": false for the separate torch_npu operators")
 
 
-def _indexer_obstacle(wired: bool, policy: str, rows_per_request: int) -> str:
+def _indexer_obstacle(wired: bool, policy: str, rows_per_request: int, residency: str = "always") -> str:
     """Why the fused indexer cannot serve this caller, in a clause ("" when it can)."""
     if not wired:
         return "this caller does not call the fused indexer"
@@ -274,6 +276,9 @@ def _indexer_obstacle(wired: bool, policy: str, rows_per_request: int) -> str:
     if rows_per_request > 1:
         return (f"{rows_per_request} verify rows share each request's hot buffer and the fused indexer manages one "
                 "query token per hot-buffer row")
+    if residency == "adaptive":
+        return ("residency 'adaptive' serves the requests that fit their hot buffer outside the residency step, "
+                "and the fused indexer steps every row's residency itself")
     return ""
 
 
@@ -320,6 +325,7 @@ def _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_po
 def select_for_config(sd, platform: Optional[str] = None, **kw) -> OpPlan:
     """:func:`select_ops` for a :class:`~sglang_ascend_offload.config.SparseDecodeOffloadConfig`."""
     kw.setdefault("policy", sd.policy)
+    kw.setdefault("residency", getattr(sd, "residency", "always"))
     return select_ops(platform, ops=sd.ops, fused_lim=sd.fused_lim, fused_copy_sfa=sd.fused_copy_sfa,
                       indexer_dtype=sd.indexer_dtype, **kw)
 

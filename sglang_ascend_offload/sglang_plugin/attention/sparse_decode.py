@@ -66,13 +66,32 @@ class OffloadGraphBuffers:
 
     rows int64: engine row per entry (padding: the sink row); req_ids int64: owner id
     (``-1`` padding); stable int32: stable length (0 for padding); step int64 0-d:
-    the step number (residency stamps).
+    the step number (residency stamps). With ``residency: adaptive``: direct bool (the
+    entry is served from its hot buffer directly) and direct_pos int64 ``[max_bs, n]``
+    (its positions the step writes, ``-1`` none; ``n`` query rows per entry).
     """
 
     rows: torch.Tensor
     req_ids: torch.Tensor
     stable: torch.Tensor
     step: torch.Tensor
+    direct: Optional[torch.Tensor] = None
+    direct_pos: Optional[torch.Tensor] = None
+
+    def fill_direct(self, engine, bs: int) -> None:
+        """Copy the engine's direct plan of the step just begun into the bucket's entries."""
+        if self.direct is None:
+            return
+        d = engine.direct_step
+        n = d.step_pos.shape[1]
+        self.direct[:bs].copy_(d.mask)
+        self.direct_pos[:bs, :n].copy_(d.step_pos)
+        self.direct_pos[:bs, n:].fill_(-1)
+
+    def direct_args(self, bs: int, n: int):
+        """``(mask, step_pos)`` of the bucket's ``bs`` entries with ``n`` query rows each, for
+        :func:`~...sparse_decode.engine.decode_layer_step`, or ``None``."""
+        return None if self.direct is None else (self.direct[:bs], self.direct_pos[:bs, :n])
 
 
 @dataclass
@@ -302,12 +321,13 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         req_ids[mask] = owners
         stable = torch.where(mask, lens, torch.zeros_like(lens)).to(torch.int32)
         step = self.engine.begin_step(req_ids, self.req_to_token_pool.req_to_token, stable, rows=rows,
-                                      rows_per_request=1)
+                                      rows_per_request=1, captured=True)
         g = self.offload_graph
         g.rows[:bs].copy_(torch.where(mask, rows, torch.full_like(rows, self.engine.sink_row)))
         g.req_ids[:bs].copy_(req_ids)
         g.stable[:bs].copy_(stable)
         g.step.fill_(step)
+        g.fill_direct(self.engine, bs)
         live_count = len(rows_list)
         row_bytes = self.engine.pool.shape.row_bytes
         for layer in range(self.engine.config.layers):  # host counts: live rows stepped and appended
@@ -436,7 +456,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             self.req_to_token_pool.req_to_token, q_nope, q_pe, layer.scaling, cfg.latent_dim,
             attention=self.attention_op, rows_per_request=n,
             residency=None if self._verify else self._take_fused_step(local),
-            copy_attention=None if self._verify else self.engine.copy_sfa_op)
+            copy_attention=None if self._verify else self.engine.copy_sfa_op, direct=g.direct_args(bs, n))
         hits = res.hit_mask.sum()
         misses = res.miss_count.sum(dtype=torch.int64)
         self.engine.stats_acc.record_residency(local, hits + misses, hits, misses)
@@ -508,6 +528,10 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             stable=torch.zeros((requests,), dtype=torch.int32, device=dev),
             step=torch.zeros((), dtype=torch.int64, device=dev),
         )
+        if self.engine.direct is not None:  # residency adaptive: the direct rows' mode and step positions
+            width = max(1, cpu_spec_graph.verify_width_of(self))
+            self.offload_graph.direct = torch.zeros((requests,), dtype=torch.bool, device=dev)
+            self.offload_graph.direct_pos = torch.full((requests, width), -1, dtype=torch.int64, device=dev)
 
     def init_forward_metadata_capture_cpu_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, out_cache_loc, encoder_lens, forward_mode,

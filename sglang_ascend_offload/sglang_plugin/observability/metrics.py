@@ -25,6 +25,12 @@ copy time per layer measured by the backend. :class:`OffloadMetrics` turns them 
   ``sglang:ascend_offload_shadow_checks_total``           counter   rows recomputed over the host
                                                                     pool (``verify_sample_rate``)
   ``sglang:ascend_offload_shadow_mismatches_total``       counter   those that differed
+  ``sglang:ascend_offload_direct_rows_total``             counter   decode rows served from their hot
+                                                                    buffer with no residency step
+                                                                    (``residency: adaptive``)
+  ``sglang:ascend_offload_direct_h2d_bytes_total``        counter   bytes host->device into such rows
+  ``sglang:ascend_offload_demotions_total``               counter   direct requests demoted to the
+                                                                    residency (per layer)
   ``sglang:ascend_offload_hit_rate``                      gauge     hits / selected (cumulative)
   ``sglang:ascend_offload_h2d_bytes_per_step``            gauge     host->device bytes per decode
                                                                     step (a verify round with
@@ -50,7 +56,7 @@ logger = logging.getLogger("sglang_ascend_offload.sparse_decode")
 
 METRIC_PREFIX = "sglang:ascend_offload_"
 _COUNTER_FIELDS = ("selected", "hits", "misses", "h2d_bytes", "d2h_bytes", "row_selected", "row_hits",
-                   "shadow_checks", "shadow_mismatches")
+                   "shadow_checks", "shadow_mismatches", "direct_rows", "direct_h2d_bytes", "demotions")
 
 
 def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float) -> str:
@@ -58,7 +64,9 @@ def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float
     h2d/step=..KiB copy_ms/layer/step=.. rows/step=.. window=..s`` (``rows/step``: query
     rows the engine stepped per decode step, the measure of its per-step work; a step is
     one verify round with speculation), then ``shadow_checks=.. shadow_mismatches=..
-    shadow_ms=..`` (cumulative) when shadow verification has checked rows."""
+    shadow_ms=..`` (cumulative) when shadow verification has checked rows, and
+    ``direct_rows/step=.. direct_h2d=..MiB demotions=..`` with ``residency: adaptive``
+    (``demotions``: requests, not layer steps)."""
     total: Counters = stats.total
     layers = max(1, len(stats.per_layer))
     per_step = 1000.0 * sum(copy_seconds) / layers / max(1, stats.steps)
@@ -70,6 +78,9 @@ def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float
     if total.shadow_checks:
         line += (f" shadow_checks={total.shadow_checks} shadow_mismatches={total.shadow_mismatches} "
                  f"shadow_ms={total.shadow_us / 1000:.1f}")
+    if total.direct_rows or total.demotions:
+        line += (f" direct_rows/step={total.direct_rows / layers / max(1, stats.steps):.2f} "
+                 f"direct_h2d={total.direct_h2d_bytes / 2**20:.2f}MiB demotions={total.demotions // layers}")
     return line
 
 
@@ -158,6 +169,9 @@ _DOCS = {
     "row_hits": "query rows' top-k entries already resident",
     "shadow_checks": "rows whose served attention was recomputed over the host pool (shadow verification)",
     "shadow_mismatches": "shadow-verified rows whose served attention differed from the recomputation",
+    "direct_rows": "decode rows served from their hot buffer with no residency step (residency adaptive)",
+    "direct_h2d_bytes": "bytes copied host->device into the hot buffers of direct rows",
+    "demotions": "direct requests demoted to the residency when their context outgrew the hot buffer",
 }
 
 

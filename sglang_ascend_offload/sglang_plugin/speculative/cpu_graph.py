@@ -346,12 +346,13 @@ def begin_graph_verify(backend: Any, forward_batch: Any) -> None:
     req_ids[mask] = owners
     stable = torch.where(mask, lens, torch.zeros_like(lens)).to(torch.int32)
     step = backend.engine.begin_step(req_ids, backend.req_to_token_pool.req_to_token, stable, rows=rows,
-                                     rows_per_request=n)
+                                     rows_per_request=n, captured=True)
     g = backend.offload_graph
     g.rows[:bs].copy_(torch.where(mask, rows, torch.full_like(rows, backend.engine.sink_row)))
     g.req_ids[:bs].copy_(req_ids)
     g.stable[:bs].copy_(stable)
     g.step.fill_(step)
+    g.fill_direct(backend.engine, bs)
     live_count = len(reqs) * n
     row_bytes = backend.engine.pool.shape.row_bytes
     for layer in range(backend.engine.config.layers):  # host counts: live verify rows stepped and appended

@@ -108,18 +108,21 @@ class HostMainKVPool(DeviceDSAPool):
                          policy=offload.policy, ops=offload.ops, rows_per_request=rows_per_request,
                          verify_sample_rate=offload.verify_sample_rate, verify_action=offload.verify_action,
                          fused_copy_sfa=offload.fused_copy_sfa, fused_lim=offload.fused_lim, caller_runs_indexer=True,
-                         manage_impl="torch" if fused_lim else "auto", indexer_dtype=offload.indexer_dtype),
+                         manage_impl="torch" if fused_lim else "auto", indexer_dtype=offload.indexer_dtype,
+                         residency=offload.residency),
             self.host_pool, device=device if not str(device).startswith("cpu") else "cpu",
             tp_rank=rank_pool.rank, gate=gate,
         )
         self.offload = offload
         self._finalize_allocation_log(size)
         logger.info("sparse decode offload: host pool %.1f MiB (%d slots x %d layers), hot buffers %.1f MiB "
-                    "(%d rows x %d slots x %d layers%s), index K %s",
+                    "(%d rows x %d slots x %d layers%s), index K %s, residency %s",
                     self.host_pool.shape.nbytes / 2**20, tokens, layer_num, self.engine.hot.nbytes / 2**20,
                     rows, hot_tokens, layer_num,
                     f"; one per request, shared by its {rows_per_request} verify rows" if rows_per_request > 1 else "",
-                    self.index_cache_summary())
+                    self.index_cache_summary(),
+                    f"adaptive (a request whose context fits its {hot_tokens} slots is served from them directly)"
+                    if offload.residency == "adaptive" else "always")
 
     def _allocate_index_cache(self, layers: int, pages: int, page_size: int, dim: int, device: str) -> None:
         """The device index-K cache ``[layers, pages, page_size, 1, dim]``: bf16, or int8

@@ -1,0 +1,272 @@
+"""``residency: adaptive``: requests that fit their hot buffer are served from it directly.
+
+The same random workload (request churn, idle rows, speculative suffixes rewritten every
+step, contexts that start below the hot buffer and grow past it) runs through an
+``always`` engine and an ``adaptive`` one fed identical inputs. Every attention output
+must be bit-identical between them and to full-KV attention; direct entries must do no
+residency lookups; a demoted row must keep every resident position as a hit (its buffer
+moved on the device, nothing re-read from the host) and satisfy the LRU state's
+invariant that each resident slot holds its host row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_ascend_offload.ops import registry
+from sglang_ascend_offload.ops.contract import ResidencyTable
+from sglang_ascend_offload.sparse_decode.direct_rows import DirectRows, adoption_topk
+from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
+from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
+from sglang_ascend_offload.sparse_decode.op_selection import OpSelectionError, select_ops
+from sglang_ascend_offload.sparse_decode.verify import full_kv_attention, resident_mismatches
+
+from .test_engine_equivalence import HEADS, HOT, K, LATENT, LAYERS, MAX_CTX, ROPE, ROWS, SCALE, Workload
+
+
+def _engine(residency: str, impl: str, host_tokens: int) -> SparseDecodeEngine:
+    pool = HostKVPool.allocate(HostPoolShape(LAYERS, host_tokens, LATENT, ROPE), "pinned")
+    return SparseDecodeEngine(EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, policy="lru", ops="reference",
+                                           manage_impl=impl, max_context=MAX_CTX, residency=residency),
+                              pool, device="cpu")
+
+
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+def test_adaptive_equals_always_and_full_kv(impl):
+    host_tokens = ROWS * MAX_CTX + 8
+    always, adaptive = _engine("always", impl, host_tokens), _engine("adaptive", impl, host_tokens)
+    attention = registry.select("sparse_mla_attention", "reference")
+    gen = torch.Generator().manual_seed(5)
+    work = Workload(31, host_tokens)
+    written = {}
+    direct_seen = demoted_rows = 0
+    for step in range(400):
+        req_ids, seq_lens, stable = work.step()
+        table = torch.zeros((ROWS, MAX_CTX), dtype=torch.int32)
+        for r, req in enumerate(req_ids.tolist()):
+            if req != -1:
+                table[r] = torch.tensor(work.reqs[req]["slots"], dtype=torch.int32)
+        live = [r for r in range(ROWS) if req_ids[r] != -1]
+        work.rng.shuffle(live)
+        batch = live + [-1]  # one padding entry on the sink row
+        rows_t = torch.tensor(batch, dtype=torch.int64)
+        b_req = torch.tensor([int(req_ids[r]) if r >= 0 else -1 for r in batch])
+        b_stable = torch.tensor([int(stable[r]) if r >= 0 else 0 for r in batch], dtype=torch.int32)
+        b_ctx = torch.tensor([int(seq_lens[r]) if r >= 0 else 0 for r in batch], dtype=torch.int64)
+        before = adaptive.stats().total
+        for eng in (always, adaptive):
+            eng.begin_step(b_req, table, b_stable, step=step, rows=rows_t, context_len=b_ctx)
+        plan = adaptive._direct_step
+        direct = plan.mask.tolist()
+        writes = []
+        for req in {int(req_ids[r]) for r in live}:
+            st = work.reqs[req]
+            lo = min(written.get(req, 0), st["stable"])
+            writes += st["slots"][lo: st["seq_len"]]
+            written[req] = st["seq_len"]
+        idx = torch.tensor(writes, dtype=torch.int64)
+        for layer in range(LAYERS):
+            if writes:
+                new = torch.randn((len(writes), LATENT + ROPE), generator=gen).to(torch.bfloat16)
+                always.append(layer, idx, new)
+                adaptive.append(layer, idx, new)
+            topk = np.full((len(batch), K), -1, dtype=np.int32)
+            for i, r in enumerate(batch):
+                if r >= 0:
+                    topk[i] = work.topk(int(seq_lens[r]))
+            q = torch.randn((len(batch), HEADS, LATENT), generator=gen).to(torch.bfloat16)
+            qr = torch.randn((len(batch), HEADS, ROPE), generator=gen).to(torch.bfloat16)
+            ref_out = always.run_layer(layer, torch.from_numpy(topk), q, qr, SCALE).output
+            res = adaptive.run_layer(layer, torch.from_numpy(topk), q, qr, SCALE)
+            assert torch.equal(res.output, ref_out), f"step {step} layer {layer}: adaptive != always"
+            real = torch.tensor(live, dtype=torch.int64)
+            if live:
+                ref = full_kv_attention(attention, adaptive.pool, layer, torch.from_numpy(topk[:-1]), table[real],
+                                        q[:-1], qr[:-1], SCALE)
+                assert torch.equal(res.output[:-1], ref), f"step {step} layer {layer}: != full-KV attention"
+            hot = adaptive.hot.layer(layer)
+            host = adaptive.pool.layer(layer)
+            for i, r in enumerate(batch):
+                if r < 0:
+                    continue
+                if direct[i]:
+                    # no residency work: the manager saw an idle row, the slots are the positions
+                    assert int(res.residency.miss_count[i]) == 0 and not bool(res.residency.hit_mask[i].any())
+                    n = int(b_ctx[i])
+                    assert torch.equal(hot[r, :n], host[table[r, :n].long()]), f"step {step} row {r}: identity"
+                    sel = torch.from_numpy(topk[i])
+                    flat = res.flat_indices[i, 0]
+                    assert torch.equal(flat[sel >= 0], (r * HOT + sel[sel >= 0]).to(flat.dtype))
+            t = adaptive.table(layer)
+            managed = [r for i, r in enumerate(batch) if r >= 0 and not direct[i]]
+            if managed:
+                m = torch.tensor(managed)
+                stepped = ResidencyTable(t.slot_token[m], t.slot_stamp[m], t.row_req[m])
+                assert resident_mismatches(stepped, hot[m], host, table[m]) == 0
+        after = adaptive.stats().total
+        direct_seen += plan.direct_count
+        if plan.demote_entries.numel():
+            demoted_rows += plan.demote_entries.numel()
+            # the demoted rows' resident positions are hits in their first managed step
+            assert after.hits > before.hits
+    stats = adaptive.stats().total
+    assert direct_seen > 100 and demoted_rows > 5, (direct_seen, demoted_rows)
+    assert stats.demotions == LAYERS * demoted_rows and stats.direct_rows == LAYERS * direct_seen
+    # direct entries do no lookups: fewer selected entries than the always engine
+    assert stats.selected < always.stats().total.selected
+    assert stats.hits + stats.misses == stats.selected
+
+
+def test_demotion_moves_the_buffer_on_the_device_only():
+    """A request grows from 3 positions past the hot buffer one decode step at a time:
+    direct while it fits, then demoted; its first managed step hits every resident
+    position it selects and the host pool is not read for them (no misses but the new)."""
+    host_tokens = 64
+    eng = _engine("adaptive", "kernel", host_tokens)
+    table = torch.arange(ROWS * MAX_CTX, dtype=torch.int32).remainder(host_tokens).reshape(ROWS, MAX_CTX)
+    table[1] = torch.arange(MAX_CTX, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    pool = eng.pool
+    for layer in range(LAYERS):
+        pool.write_rows(layer, torch.arange(3), torch.randn((3, LATENT + ROPE), generator=gen).to(torch.bfloat16))
+    rows = torch.tensor([1])
+    for step, length in enumerate(range(4, HOT + 3)):
+        eng.begin_step(torch.tensor([7]), table, torch.tensor([length], dtype=torch.int32), step=step, rows=rows)
+        d = eng._direct_step
+        for layer in range(LAYERS):
+            eng.append(layer, torch.tensor([length - 1]),
+                       torch.randn((1, LATENT + ROPE), generator=gen).to(torch.bfloat16))
+            # select the most recent K positions (all resident but the new one once demoted)
+            sel = torch.arange(max(0, length - K), length, dtype=torch.int32)
+            topk = torch.full((1, K), -1, dtype=torch.int32)
+            topk[0, : sel.numel()] = sel
+            q = torch.randn((1, HEADS, LATENT), generator=gen).to(torch.bfloat16)
+            qr = torch.randn((1, HEADS, ROPE), generator=gen).to(torch.bfloat16)
+            res = eng.run_layer(layer, topk, q, qr, SCALE)
+            if length <= HOT:
+                assert bool(d.mask[0]) and int(res.residency.miss_count[0]) == 0
+            else:
+                assert not bool(d.mask[0])
+                if length == HOT + 1:  # the demotion step: every position but the new one hits
+                    assert d.demote_entries.tolist() == [0] and d.demote_counts.tolist() == [HOT]
+                    assert int(res.residency.miss_count[0]) == 1
+                    assert int(res.residency.hit_mask[0].sum()) == K - 1
+            t = eng.table(layer)
+            if length > HOT:
+                st = ResidencyTable(t.slot_token[1:2], t.slot_stamp[1:2], t.row_req[1:2])
+                assert resident_mismatches(st, eng.hot.layer(layer)[1:2], pool.layer(layer), table[1:2]) == 0
+    assert eng.stats().total.demotions == LAYERS
+
+
+def test_plan_bookkeeping_across_requests_and_verify_rows():
+    d = DirectRows(state_rows=5, hot_tokens=8)
+    rows, req = torch.tensor([0, 1, 4]), torch.tensor([10, 11, -1])
+    # verify rows (n = 3): committed 4 -> reads 7 positions, 3 of them written this step
+    plan = d.plan(rows, req, torch.tensor([4, 7, 0], dtype=torch.int32), torch.tensor([7, 10, 0]), "cpu")
+    assert plan.mask.tolist() == [True, False, False] and plan.direct_count == 1
+    assert plan.copy_rows.tolist() == [0] * 7 and plan.copy_pos.tolist() == list(range(7))
+    # next round: 2 candidates accepted -> committed 6; positions >= 6 are rewritten
+    plan = d.plan(rows[:1], req[:1], torch.tensor([6], dtype=torch.int32), torch.tensor([9]), "cpu")
+    assert plan.mask.tolist() == [False] and plan.demote_counts.tolist() == [6]
+    # a new request on row 0 starts over; the demoted one left nothing behind
+    plan = d.plan(rows[:1], torch.tensor([12]), torch.tensor([3], dtype=torch.int32), torch.tensor([3]), "cpu")
+    assert plan.copy_pos.tolist() == [0, 1, 2] and plan.demote_entries.numel() == 0
+    assert adoption_topk(torch.tensor([2, 0]), 4).tolist() == [[0, 1, -1, -1], [-1, -1, -1, -1]]
+
+
+def test_adaptive_refusals_name_the_fix():
+    with pytest.raises(ValueError, match="policy 'lru_k2_guarded' is not lru"):
+        EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, policy="lru_k2_guarded", residency="adaptive")
+    with pytest.raises(ValueError, match="residency must be one of"):
+        EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, residency="sometimes")
+    pool = HostKVPool.allocate(HostPoolShape(LAYERS, 64, LATENT, ROPE), "pinned")
+    with pytest.raises(OpSelectionError, match=r"fused_not_wired.*residency 'adaptive'"):
+        SparseDecodeEngine(EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, ops="fused", residency="adaptive",
+                                        caller_runs_indexer=True, manage_impl="torch", fused_lim=True,
+                                        fused_copy_sfa=False), pool, device="cpu")
+    # the default fused rung opts out of the fused indexer (logged) and keeps the fused Copy-SFA
+    plan = select_ops("npu", ops="auto", residency="adaptive", available=lambda op: None)
+    assert not plan.indexer.fused and "residency 'adaptive'" in plan.indexer.reason
+    assert plan.attention.fused and not plan.problems
+
+
+def _served_like_steps(seed: int, steps: int):
+    """Decode steps as a server runs them: each request's prompt is in the host pool
+    before its first decode step, every step appends one token per request, requests
+    finish and rows are reused. Yields ``(rows, req_ids, stable [B], new host slots [B],
+    table)`` with ``stable`` = the length including the token being decoded."""
+    rng = np.random.default_rng(seed)
+    table = torch.zeros((ROWS, MAX_CTX), dtype=torch.int32)
+    length, left, owner, next_req = [0] * ROWS, [0] * ROWS, [-1] * ROWS, 0
+    prompts = []  # (row, host slots of the prompt) to write before the step
+    for _ in range(steps):
+        prompts.clear()
+        for r in range(ROWS):
+            if owner[r] >= 0 and left[r] == 0:
+                owner[r] = -1
+            if owner[r] < 0 and rng.random() < 0.7:  # host slots: the row's own range, in a new order
+                table[r] = torch.from_numpy(r * MAX_CTX + rng.permutation(MAX_CTX)).to(torch.int32)
+                length[r] = int(rng.integers(1, 14))  # prompt, below or above the 10 hot slots
+                left[r] = int(rng.integers(2, MAX_CTX - 4 - length[r]))
+                owner[r], next_req = next_req, next_req + 1
+                prompts.append((r, table[r, : length[r]].long()))
+        live = [r for r in range(ROWS) if owner[r] >= 0]
+        rng.shuffle(live)
+        for r in live:
+            length[r] += 1
+            left[r] -= 1
+        new_slots = torch.tensor([int(table[r, length[r] - 1]) for r in live], dtype=torch.int64)
+        yield (torch.tensor(live + [-1]), torch.tensor([owner[r] for r in live] + [-1]),
+               torch.tensor([length[r] for r in live] + [0], dtype=torch.int32), new_slots, table.clone(), prompts)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_captured_step_equals_the_eager_step(compiled):
+    """The captured form (copies split around the step, ``decode_layer_step`` with the
+    direct plan, optionally ``torch.compile(fullgraph=True)``) gives the eager engine's
+    outputs, residency state and hot buffers bit for bit."""
+    from sglang_ascend_offload.sparse_decode.engine import decode_layer_step
+
+    host_tokens = ROWS * MAX_CTX
+    eager, captured = _engine("adaptive", "kernel", host_tokens), _engine("adaptive", "kernel", host_tokens)
+    attention = registry.select("sparse_mla_attention", "reference")
+    layer_step = torch.compile(decode_layer_step, fullgraph=True, dynamic=False) if compiled else decode_layer_step
+    gen = torch.Generator().manual_seed(3)
+    direct_steps = demotions = 0
+    for step, (rows, req_ids, stable, new_slots, table, prompts) in enumerate(_served_like_steps(11, 60)):
+        for layer in range(LAYERS):
+            for _, slots in prompts:  # the prefill wrote the prompt before the first decode step
+                kv = torch.randn((slots.numel(), LATENT + ROPE), generator=gen).to(torch.bfloat16)
+                eager.pool.write_rows(layer, slots, kv)
+                captured.pool.write_rows(layer, slots, kv)
+        eager.begin_step(req_ids, table, stable, step=step, rows=rows)
+        captured.begin_step(req_ids, table, stable, step=step, rows=rows, captured=True)
+        d = captured.direct_step
+        assert torch.equal(d.mask, eager.direct_step.mask)
+        direct_steps += d.direct_count
+        demotions += d.demote_entries.numel()
+        b = rows.numel()
+        for layer in range(LAYERS):
+            new = torch.randn((b - 1, LATENT + ROPE), generator=gen).to(torch.bfloat16)
+            eager.append(layer, new_slots, new)
+            captured.append(layer, new_slots, new)
+            topk = torch.full((b, K), -1, dtype=torch.int32)
+            for i in range(b - 1):
+                n = int(stable[i])
+                sel = torch.randperm(n, generator=gen)[:K]
+                topk[i, : sel.numel()] = sel.to(torch.int32)
+            q = torch.randn((b, HEADS, LATENT), generator=gen).to(torch.bfloat16)
+            qr = torch.randn((b, HEADS, ROPE), generator=gen).to(torch.bfloat16)
+            want = eager.run_layer(layer, topk, q, qr, SCALE).output
+            got, _ = layer_step(captured.managers[layer], captured.batch_rows, topk, captured._req_ids,
+                                captured._stable_len, torch.tensor(step), captured.pool.layer(layer),
+                                captured.hot.storage(layer), table, q, qr, SCALE, LATENT, attention=attention,
+                                direct=(d.mask, d.step_pos))
+            assert torch.equal(got, want), f"step {step} layer {layer}"
+            real = slice(0, ROWS)
+            assert torch.equal(captured.hot.storage(layer)[real], eager.hot.storage(layer)[real])
+            for name in ("slot_token", "slot_stamp", "row_req"):
+                assert torch.equal(getattr(captured.table(layer), name), getattr(eager.table(layer), name))
+    assert direct_steps > 20 and demotions > 2, (direct_steps, demotions)
