@@ -23,7 +23,11 @@ A concurrency is **pool-limited** for a server when it queued requests while few
 
 Then ``--low-rounds`` interleaved rounds at concurrency 1 (the order alternating) give
 each server's CPU ms per output token (all its processes, median over rounds): the cost
-of offload when everything would fit.
+of offload when everything would fit. Each round sends two of the sweep's long requests
+and then two short ones (``--low-short-len`` prompt and output tokens each,
+:data:`DEFAULT_LOW_SHORT_LEN`) whose whole context fits the offload server's hot buffer:
+with ``residency: adaptive`` (the offload server's default here) those are served
+from it directly, with no residency step.
 
 ``--json`` prints one document:
 
@@ -40,8 +44,13 @@ of offload when everything would fit.
   pool-limited (``None`` if it never was: sweep further); ``throughput_ratios`` has
   the ratio at every concurrency;
 * ``low_concurrency_cpu_ratio``: offload over no offload CPU ms per token at
-  concurrency 1, with ``low_concurrency_residency`` the residency the offload server
-  ran (``always``: every request's main KV is in the host pool);
+  concurrency 1 (the long requests), with ``low_concurrency_residency`` the residency
+  the offload server ran (``always``: every request's main KV is in the host pool;
+  ``adaptive``: requests that fit their hot buffer are served from it directly);
+  ``low_concurrency_short_cpu_ratio``: the same for the short requests, and
+  ``low_concurrency_short_direct_rows``: the offload server's decode rows (summed over
+  layers) served directly during them (``runs`` entries of ``phase``
+  ``low_concurrency_short``; ``direct_rows`` per entry);
 * ``identical_tokens``: every request's output is the same on both servers, at every
   concurrency; ``token_agreement``: the fraction of output tokens that agree.
 """
@@ -68,11 +77,14 @@ DEFAULT_CONCURRENCY = "2,4,8,16"
 DEFAULT_INPUT_LEN = 256
 DEFAULT_OUTPUT_LEN = 256
 DEFAULT_MAX_RUNNING = 16
-DEFAULT_OFFLOAD_CONFIG = json.dumps({"metrics_log_interval_s": 0})  # the default hot buffer: 2 x top-k
+#: the default hot buffer (2 x top-k); requests that fit it are served from it directly
+DEFAULT_OFFLOAD_CONFIG = json.dumps({"metrics_log_interval_s": 0, "residency": "adaptive"})
+DEFAULT_LOW_SHORT_LEN = 24  # 24 + 24 tokens fit the CPU fixture's 64-slot hot buffer
 CAPACITY_CONTEXT = 4096
 POLL_S = 0.2
 SERVERS = ("no_offload", "offload")
-_GAUGE = re.compile(r"^(sglang:num_running_reqs|sglang:num_queue_reqs|sglang:num_retracted_requests_total)"
+_GAUGE = re.compile(r"^(sglang:num_running_reqs|sglang:num_queue_reqs|sglang:num_retracted_requests_total|"
+                    r"sglang:ascend_offload_direct_rows_total)"
                     r"(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
@@ -90,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--capacity: write output tok/s and peak running requests per concurrency to this PNG")
     p.add_argument("--low-rounds", type=int, default=3,
                    help="--capacity: interleaved rounds at concurrency 1 for the CPU-per-token ratio (default 3)")
+    p.add_argument("--low-short-len", type=int, default=DEFAULT_LOW_SHORT_LEN,
+                   help="--capacity: prompt and output tokens of the short requests of each concurrency-1 round "
+                        f"(default {DEFAULT_LOW_SHORT_LEN}; 0 = none)")
 
 
 @dataclass
@@ -100,7 +115,7 @@ class LevelResult:
     name: str
     concurrency: int
     requests: int
-    phase: str = "sweep"  # or "low_concurrency": the interleaved rounds at concurrency 1
+    phase: str = "sweep"  # or "low_concurrency" / "low_concurrency_short": the rounds at concurrency 1
     completed: int = 0
     output_tokens_per_s: Optional[float] = None
     ttft_ms_p50: Optional[float] = None
@@ -113,6 +128,7 @@ class LevelResult:
     pool_limited: bool = False
     server_cpu_ms_per_token: Optional[float] = None
     identical_to_no_offload: Optional[bool] = None
+    direct_rows: Optional[int] = None  # offload: decode rows served directly from the hot buffer (all layers)
     request_errors: List[str] = field(default_factory=list)
 
 
@@ -142,7 +158,8 @@ def parse_concurrency(text: str) -> List[int]:
 
 
 def read_gauges(text: str) -> Dict[str, float]:
-    """Sum of each of the three sampled metrics over its label sets (``/metrics`` text)."""
+    """Sum of each sampled metric over its label sets (``/metrics`` text): running and
+    queued requests, retractions, and the offload server's direct decode rows."""
     out: Dict[str, float] = {}
     for line in text.splitlines():
         m = _GAUGE.match(line.strip())
@@ -161,8 +178,11 @@ class MetricsPoller:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="capacity-metrics", daemon=True)
 
-    def retracted(self) -> float:
-        return read_gauges(self.server.get("/metrics")).get("sglang:num_retracted_requests_total", 0.0)
+    def totals(self) -> Tuple[float, float]:
+        """``(retracted requests, direct decode rows)`` so far (one ``/metrics`` read)."""
+        g = read_gauges(self.server.get("/metrics"))
+        return (g.get("sglang:num_retracted_requests_total", 0.0),
+                g.get("sglang:ascend_offload_direct_rows_total", 0.0))
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -262,13 +282,16 @@ class CapacityServer:
         from ..testing.servers import cpu_seconds
 
         result = LevelResult(self.name, f"{self.name}_{tag}", concurrency, len(prompts))
-        retracted0 = MetricsPoller(self.server).retracted()
+        retracted0, direct0 = MetricsPoller(self.server).totals()
         cpu0 = cpu_seconds(self.server.pids())
         with MetricsPoller(self.server) as poll:
             res, _ = served_load.run_load(self.server.url, prompts, output_len, concurrency,
                                           timeout_s=self.request_timeout)
         cpu_s = sum(cpu_seconds(self.server.pids()).values()) - sum(cpu0.values())
-        result.retractions = int(MetricsPoller(self.server).retracted() - retracted0)
+        retracted1, direct1 = MetricsPoller(self.server).totals()
+        result.retractions = int(retracted1 - retracted0)
+        if self.name == "offload":
+            result.direct_rows = int(direct1 - direct0)
         done = res.completed(output_len)
         tokens = sum(o.tokens for o in done)
         result.completed = len(done)
@@ -314,6 +337,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     same_tokens = total_tokens = 0
     identical = True
     low: Dict[str, List[float]] = {name: [] for name in SERVERS}
+    short: Dict[str, List[float]] = {name: [] for name in SERVERS}
     try:
         up = all([s.start(args.input_len, vocab) for s in servers])
         if up:
@@ -333,25 +357,41 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                     r.identical_to_no_offload = level_identical if r.server == "offload" else None
             prompts = [served_load.random_prompt(args.input_len, args.seed * 1_000_003 + 7, vocab)
                        for _ in range(2)]
+            n_short = args.low_short_len
+            short_prompts = [served_load.random_prompt(n_short, args.seed * 1_000_003 + 11 + i, vocab)
+                             for i in range(2)] if n_short else []
             for k in range(args.low_rounds):
                 for s in (servers if k % 2 == 0 else servers[::-1]):
-                    r, _ = s.level(prompts, args.output_len, 1, f"low{k + 1}")
-                    r.phase = "low_concurrency"
-                    runs.append(r)
-                    if r.server_cpu_ms_per_token is not None:
-                        low[s.name].append(r.server_cpu_ms_per_token)
+                    for phase, load, out_len, into in (("low_concurrency", prompts, args.output_len, low),
+                                                       ("low_concurrency_short", short_prompts, n_short, short)):
+                        if not load:
+                            continue
+                        tag = f"low{k + 1}" if phase == "low_concurrency" else f"short{k + 1}"
+                        r, _ = s.level(load, out_len, 1, tag)
+                        r.phase = phase
+                        runs.append(r)
+                        if r.server_cpu_ms_per_token is not None:
+                            into[s.name].append(r.server_cpu_ms_per_token)
     finally:
         for s in servers:
             s.stop()
     return summarize(levels, runs, [s.info for s in servers], low, identical and bool(runs),
                      (same_tokens / total_tokens) if total_tokens else None, budget, args,
-                     round(time.monotonic() - t0, 1), str(log_dir))
+                     round(time.monotonic() - t0, 1), str(log_dir), short)
 
 
 def summarize(levels: Sequence[int], runs: List[LevelResult], infos: List[ServerInfo], low: Dict[str, List[float]],
               identical: bool, agreement: Optional[float], budget: Optional[str], args: argparse.Namespace,
-              wall_s: float, logs: str) -> Dict[str, Any]:
+              wall_s: float, logs: str, short: Optional[Dict[str, List[float]]] = None) -> Dict[str, Any]:
     """The JSON document (module docstring)."""
+    short = short or {name: [] for name in SERVERS}
+    short_med = {k: (statistics.median(v) if v else None) for k, v in short.items()}
+    config = args.offload_config if args.offload_config is not None else DEFAULT_OFFLOAD_CONFIG
+    try:
+        residency = json.loads(config).get("residency", "always")
+    except (ValueError, AttributeError):
+        residency = None  # the server refused the configuration (servers[offload].error says why)
+    direct = [r.direct_rows for r in runs if r.phase == "low_concurrency_short" and r.direct_rows is not None]
     by = {(r.server, r.concurrency): r for r in runs if r.phase == "sweep"}
     tokens = {i.name: i.max_total_num_tokens for i in infos}
     ratios = {str(c): _ratio(by[("offload", c)].output_tokens_per_s, by[("no_offload", c)].output_tokens_per_s)
@@ -369,15 +409,19 @@ def summarize(levels: Sequence[int], runs: List[LevelResult], infos: List[Server
         "low_concurrency_cpu_ratio": _ratio(low_med["offload"], low_med["no_offload"]),
         "low_concurrency_cpu_ms_per_token": {k: (round(v, 4) if v else None) for k, v in low_med.items()},
         "low_concurrency_rounds": {k: v for k, v in low.items()},
-        "low_concurrency_residency": "always",
+        "low_concurrency_residency": residency,
+        "low_concurrency_short_cpu_ratio": _ratio(short_med["offload"], short_med["no_offload"]),
+        "low_concurrency_short_cpu_ms_per_token": {k: (round(v, 4) if v else None) for k, v in short_med.items()},
+        "low_concurrency_short_rounds": {k: v for k, v in short.items()},
+        "low_concurrency_short_direct_rows": sum(direct) if direct else None,
         "identical_tokens": identical,
         "token_agreement": None if agreement is None else round(agreement, 5),
         "device_kv_budget": budget,
         "load": {"concurrency": list(levels), "requests_per_level": "2 x concurrency", "input_len": args.input_len,
                  "output_len": args.output_len, "seed": args.seed, "max_running_requests": args.max_running_requests,
-                 "low_rounds": args.low_rounds},
+                 "low_rounds": args.low_rounds, "low_short_len": getattr(args, "low_short_len", 0)},
         "model": args.model_path or "tests/fixtures/tiny_dsa (CPU)",
-        "offload_config": args.offload_config if args.offload_config is not None else DEFAULT_OFFLOAD_CONFIG,
+        "offload_config": config,
         "wall_s": wall_s,
         "logs": logs,
     }
@@ -404,7 +448,9 @@ def print_table(res: Dict[str, Any]) -> None:
     print(f"max_total_tokens_ratio {_fmt(res['max_total_tokens_ratio'], '.3f')}; throughput_ratio_pool_limited "
           f"{_fmt(res['throughput_ratio_pool_limited'], '.3f')} (c={res['pool_limited_concurrency']}); "
           f"low_concurrency_cpu_ratio {_fmt(res['low_concurrency_cpu_ratio'], '.3f')} "
-          f"(residency {res['low_concurrency_residency']}); identical_tokens {res['identical_tokens']}")
+          f"(residency {res['low_concurrency_residency']}); short requests "
+          f"{_fmt(res['low_concurrency_short_cpu_ratio'], '.3f')} ({res['low_concurrency_short_direct_rows']} "
+          f"rows served directly); identical_tokens {res['identical_tokens']}")
     print(f"server logs: {res['logs']}")
 
 
@@ -432,6 +478,8 @@ def problems(args: argparse.Namespace, runs_given: bool) -> List[str]:
                 out.append(f"--device-kv-budget {args.device_kv_budget} must be positive")
         except ValueError as exc:
             out.append(f"--device-kv-budget: {exc}")
+    if getattr(args, "low_short_len", 0) < 0:
+        out.append(f"--low-short-len {args.low_short_len} must be >= 0 (0 = no short requests)")
     if args.low_rounds < 1:
         out.append(f"--low-rounds {args.low_rounds} must be >= 1")
     if args.model_path is None and args.input_len + args.output_len > CAPACITY_CONTEXT:

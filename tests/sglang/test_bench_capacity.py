@@ -62,8 +62,13 @@ def test_summary_ratios_take_the_largest_pool_limited_concurrency():
     assert doc["pool_limited_concurrency"] == 16 and doc["throughput_ratio_pool_limited"] == 1.7
     assert doc["throughput_ratios"] == {"2": round(78 / 80, 4), "8": 1.5, "16": 1.7}
     assert doc["low_concurrency_cpu_ratio"] == 1.0  # medians 25.0 / 25.0
-    assert doc["identical_tokens"] is True and doc["low_concurrency_residency"] == "always"
+    assert doc["identical_tokens"] is True and doc["low_concurrency_residency"] == "adaptive"  # the default
+    assert doc["low_concurrency_short_cpu_ratio"] is None  # no short rounds given
     json.dumps(doc)  # one JSON document
+    always = serve_capacity.summarize([2], runs[:2], infos, {"no_offload": [], "offload": []}, True, 1.0, None,
+                                      _args(offload_config='{"hot_tokens": 128}'), 1.0, "/tmp",
+                                      {"no_offload": [10.0, 12.0], "offload": [11.0]})
+    assert always["low_concurrency_residency"] == "always" and always["low_concurrency_short_cpu_ratio"] == 1.0
 
 
 def test_no_pool_limited_concurrency_gives_no_throughput_ratio():
@@ -82,10 +87,11 @@ def _parse(*argv):
 
 def test_capacity_refuses_every_conflicting_flag_at_once(capsys):
     args = _parse("--capacity", "--runs", "offload_eager", "--trained", "--clients", "8", "--rounds", "2",
-                  "--concurrency", "4,zero", "--device-kv-budget", "big", "--low-rounds", "0")
+                  "--concurrency", "4,zero", "--device-kv-budget", "big", "--low-rounds", "0", "--low-short-len", "-1")
     assert serve.main(args) == 2
     err = capsys.readouterr().err
-    for part in ("drop --runs", "--trained", "--clients", "--rounds", "'zero'", "--device-kv-budget", "--low-rounds"):
+    for part in ("drop --runs", "--trained", "--clients", "--rounds", "'zero'", "--device-kv-budget", "--low-rounds",
+                 "--low-short-len"):
         assert part in err, err
 
 
@@ -121,9 +127,10 @@ def test_capacity_bench_serves_both_servers_at_one_budget(tmp_path):
     assert off["max_total_num_tokens"] == (budget - hot) // 512 // page * page
     assert doc["max_total_tokens_ratio"] >= 3
     runs = {r["name"]: r for r in doc["runs"]}
-    assert set(runs) == {"no_offload_c8", "offload_c8", "no_offload_low1", "offload_low1"}
+    assert set(runs) == {"no_offload_c8", "offload_c8", "no_offload_low1", "offload_low1", "no_offload_short1",
+                         "offload_short1"}
     assert all(r["completed"] == r["requests"] for r in runs.values())
-    assert {r["phase"] for r in runs.values()} == {"sweep", "low_concurrency"}
+    assert {r["phase"] for r in runs.values()} == {"sweep", "low_concurrency", "low_concurrency_short"}
     # No offload's pool holds 5 such requests: 8 clients keep it queueing. (Offload's own
     # flag is not asserted: a burst arriving at an idle server queues for one prefill, and
     # a 0.2 s sample can see that queue and miss the moment all 8 ran.)
@@ -131,7 +138,11 @@ def test_capacity_bench_serves_both_servers_at_one_budget(tmp_path):
     assert doc["pool_limited_concurrency"] == 8 and doc["throughput_ratio_pool_limited"] > 0
     assert doc["identical_tokens"] and doc["token_agreement"] == 1.0
     assert runs["offload_c8"]["identical_to_no_offload"] is True
-    assert doc["low_concurrency_cpu_ratio"] > 0
+    assert doc["low_concurrency_cpu_ratio"] > 0 and doc["low_concurrency_short_cpu_ratio"] > 0
+    # residency adaptive (the default): the short requests fit the 64-slot hot buffer and are served directly
+    # (2 requests x their decode steps x 2 layers); the long ones never fit
+    assert doc["low_concurrency_residency"] == "adaptive" and doc["low_concurrency_short_direct_rows"] > 0
+    assert runs["offload_low1"]["direct_rows"] == 0
     for key in ("max_total_tokens_ratio", "throughput_ratio_pool_limited", "low_concurrency_cpu_ratio",
                 "identical_tokens", "runs"):
         assert key in doc
