@@ -141,10 +141,10 @@ def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch
     ``residency``: the all-rows step a fused indexer already took (``n = 1``), used
     instead of stepping ``manager``. ``copy_attention``: the fused Copy-SFA op, run in
     place of the miss copy and ``attention`` (``n = 1``; :func:`fused_copy_attention`).
-    ``direct``: ``(mask bool [B], step_pos int64 [B, n])`` of ``residency = adaptive``
-    (:class:`~.direct_rows.DirectStep` of a captured step): direct entries are idle to the
-    manager, read their slots at their positions, and get the step's new positions
-    copied into their buffers after the append.
+    ``direct``: ``(mask bool [B], step_pos int64 [B, n], span_rows int64 [B, S])`` of
+    ``residency = adaptive`` (:class:`~.direct_rows.DirectStep` of a captured step):
+    direct entries are idle to the manager, read their positions through their spans,
+    and get the step's new positions copied into their spans after the append.
     """
     if residency is not None:
         stepped = fused_indexer.batch_rows_step(residency, rows)
@@ -152,12 +152,14 @@ def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch
     elif direct is not None:
         query_mask, managed, owners = direct_rows.masked_step(direct[0], topk, req_ids, rows_per_request)
         req = step_requests(manager, rows, managed, owners, stable_len, step, rows_per_request)
-        req.slots = torch.where(query_mask[:, None], topk, req.slots)
-        direct_rows.copy_step_positions(host, hot, rows, direct[1], token_table)
+        direct_rows.copy_step_positions(host, hot, rows, direct[1], token_table, direct[2])
     else:
         req = step_requests(manager, rows, topk, req_ids, stable_len, step, rows_per_request)
     res = req.residency
     flat_idx = flat_hot_indices(req.slots, req.token_rows, hot.shape[1])
+    if direct is not None:
+        flat_idx = torch.where(query_mask[:, None, None], direct_rows.direct_flat(
+            direct[2], topk, hot.shape[1], rows_per_request)[:, None, :], flat_idx)
     if copy_attention is not None:
         return fused_copy_attention(copy_attention, res, rows, req_ids, host, hot, token_table, flat_idx, query,
                                     query_rope, scale), res
@@ -409,7 +411,7 @@ class SparseDecodeEngine:
     def begin_step(self, req_ids: torch.Tensor, token_table: torch.Tensor, stable_len: torch.Tensor,
                    step: Optional[int] = None, *, rows: Optional[torch.Tensor] = None,
                    rows_per_request: Optional[int] = None, context_len: Optional[torch.Tensor] = None,
-                   captured: bool = False) -> int:
+                   captured: bool = False, free_rows: Optional[Callable[[], List[int]]] = None) -> int:
         """Set the batch of the next decode step; returns its step number.
 
         rows int64 ``[B]``: engine row per batch entry (``-1`` padding); default every
@@ -421,7 +423,9 @@ class SparseDecodeEngine:
         ``stable_len``, or ``stable_len + n`` with ``n > 1`` verify rows). captured: the
         step's layers run as :func:`decode_layer_step` in a device graph (with
         ``residency = adaptive`` its direct rows' copies are split: :meth:`direct_step`).
-        Host-side metadata: the only place the step's shapes are checked.
+        free_rows: returns the engine rows no request holds now (SGLang's free
+        ``req_to_token`` rows), whose hot buffers a direct request may borrow
+        (``residency = adaptive``; read only when needed; ``None``: none). Host-side metadata: the only place the step's shapes are checked.
         """
         n = self.config.rows_per_request if rows_per_request is None else int(rows_per_request)
         if not 1 <= n <= self.config.rows_per_request:
@@ -463,61 +467,68 @@ class SparseDecodeEngine:
         if self.direct is not None:
             if context_len is not None:
                 context_len = torch.where(pad, torch.zeros_like(rows), context_len.to(torch.int64))
-            self._begin_direct(n, context_len, captured)
+            self._begin_direct(n, context_len, captured, free_rows)
         return step
 
-    def _begin_direct(self, n: int, context_len: Optional[torch.Tensor], captured: bool) -> None:
+    def _begin_direct(self, n: int, context_len: Optional[torch.Tensor], captured: bool,
+                      free_rows: Optional[Callable[[], List[int]]]) -> None:
         """``residency = adaptive``: plan the step's direct rows (:mod:`.direct_rows`) and
-        demote the rows that outgrew their buffers (every layer, before the first). A
-        captured step's direct rows get the context the host pool already holds now."""
+        demote the requests that leave them (every layer, before the first). A captured
+        step's direct rows then get the context the host pool already holds."""
         if context_len is None:
             context_len = torch.from_numpy(direct_rows.context_lengths(self._stable_len.cpu().numpy(), n))
+        # the fused Copy-SFA reads each query token's own hot-buffer row only: no spans there
+        self.direct.max_span = 1 if self._copy_sfa_op is not None else direct_rows.span_width(
+            self._token_table.shape[1], self.config.hot_tokens)
         d = self.direct.plan(self._rows, self._req_ids, self._stable_len, context_len, self.device,
-                             captured_width=n if captured else 0)
+                             captured_width=n if captured else 0, free_rows=free_rows)
         self._direct_step = d
+        if d.demote_heads.numel():
+            self._demote(d)  # before any copy: a demoted span's rows may be refilled by their new request
         row_bytes = self.pool.shape.row_bytes
         before = (d.copy_rows.numel() + d.step_copies) * row_bytes if captured else 0  # (host counts)
         for layer in range(self.config.layers):
             if captured:
-                self._copy_positions(layer, d.copy_rows, d.copy_pos)
-            self.stats_acc.record_direct(layer, d.direct_count, before, 0)
-        if d.demote_entries.numel():
-            self._demote(d)
+                self._copy_positions(layer, d)
+            self.stats_acc.record_direct(layer, d.direct_count, before, 0, d.lent_now, d.reclaimed)
 
     @property
     def direct_step(self) -> Optional[direct_rows.DirectStep]:
         """The current step's direct-row plan (``residency = adaptive``; else ``None``). A
-        captured step passes ``(mask, step_pos)`` to :func:`decode_layer_step` (``direct``)."""
+        captured step passes ``(mask, step_pos, span_rows)`` to :func:`decode_layer_step`
+        (``direct``)."""
         return self._direct_step
 
     def _demote(self, d: direct_rows.DirectStep) -> None:
-        """Hand each demoted row's resident context (positions ``0 .. count - 1`` at
-        identity) to its layer managers: one manager step takes them as misses (stamped
-        with the previous step, older than this step's), and the buffer rows move on the
-        device to the slots it chose. No host read."""
-        e = d.demote_entries
-        rows, req_ids, stable = self._rows[e], self._req_ids[e], self._stable_len[e]
-        topk = direct_rows.adoption_topk(d.demote_counts, self.config.hot_tokens).to(self.device)
+        """Hand each demoted request's kept positions (its most recent resident ones,
+        ``demote_pos``, now at ``demote_src``) to its layer managers: one manager step on
+        its row takes them as misses (stamped with the previous step, older than this
+        step's), and the rows move on the device into the slots it chose. No host read."""
+        heads = d.demote_heads.to(self.device)
+        topk = d.demote_pos.to(self.device)
+        src_all = d.demote_src.to(self.device)
         h = self.config.hot_tokens
         for layer, manager in enumerate(self.managers):
-            res = manager.step_rows(rows, topk, req_ids, stable, self.step_index - 1)
+            res = manager.step_rows(heads, topk, d.demote_req.to(self.device), d.demote_stable.to(self.device, torch.int32),
+                                    self.step_index - 1)
+            # the row was reset (its owner was idle to the manager), so every kept position is a
+            # miss, in top-k order: miss j is demote_pos[:, j], now at demote_src[:, j]
             live = torch.arange(h, device=self.device)[None, :] < res.miss_count[:, None].to(self.device)
-            base = (rows * h)[:, None].expand(-1, h)[live]
-            src = base + res.miss_tokens.to(self.device, torch.int64)[live]
-            dst = base + res.miss_slots.to(self.device, torch.int64)[live]
+            src = src_all[live]
+            dst = ((heads * h)[:, None] + res.miss_slots.to(self.device, torch.int64))[live]
             flat = self.hot.storage(layer).view(-1, self.config.row_dim)
             flat.index_copy_(0, dst, flat.index_select(0, src))
-            self.stats_acc.record_direct(layer, 0, 0, int(e.numel()))
+            self.stats_acc.record_direct(layer, 0, 0, int(heads.numel()))
 
-    def _copy_positions(self, layer: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """Host -> hot buffer at identity: ``hot[rows[i], positions[i]] = pool[token_table[rows[i],
-        positions[i]]]`` (a direct row's context)."""
-        if rows.numel() == 0:
+    def _copy_positions(self, layer: int, d: direct_rows.DirectStep) -> None:
+        """Host -> hot buffer: ``hot[copy_dst[i]] = pool[token_table[copy_rows[i], copy_pos[i]]]``
+        (a direct request's context, into its span)."""
+        if d.copy_rows.numel() == 0:
             return
         table = self._token_table
-        host_slots = table[rows.to(table.device), positions.to(table.device)].to(torch.int64)
+        host_slots = table[d.copy_rows.to(table.device), d.copy_pos.to(table.device)].to(torch.int64)
         hot = self.hot.storage(layer)
-        dst = (rows * hot.shape[1] + positions).to(self.device)
+        dst = d.copy_dst.to(self.device)
         flat = hot.view(-1, hot.shape[-1])
         if self._tensor_pool:
             host = self.pool.layer(layer)
@@ -582,21 +593,23 @@ class SparseDecodeEngine:
         if residency is not None:
             stepped = fused_indexer.batch_rows_step(residency, self._rows)
             req = RequestStep(stepped, stepped.slots, self._rows, None)
-        elif d is not None and d.any_direct:  # direct rows: idle to the manager, slot = position
+        elif d is not None and d.any_direct:  # direct rows: idle to the manager, read through their spans
             query_direct, managed, owners = direct_rows.masked_step(d.mask, topk_dev, self._req_ids, n)
             req = step_requests(self.managers[layer], self._rows, managed, owners, self._stable_len,
                                 self.step_index, n)
-            req.slots = torch.where(query_direct[:, None], topk_dev, req.slots)
         else:
             req = step_requests(self.managers[layer], self._rows, topk_dev, self._req_ids, self._stable_len,
                                 self.step_index, n)
         res = req.residency
         row_selected, row_hits = req.row_counts()
         if d is not None and d.copy_rows.numel():  # direct rows' positions not resident yet (after the append)
-            self._copy_positions(layer, d.copy_rows, d.copy_pos)
+            self._copy_positions(layer, d)
             self.stats_acc.record_direct(layer, 0, d.copy_rows.numel() * self.pool.shape.row_bytes, 0)
         t1 = self._tick()
         flat = self.hot.flat_indices(req.slots, req.token_rows)
+        if d is not None and d.any_direct:
+            flat = torch.where(query_direct[:, None, None], direct_rows.direct_flat(
+                d.span_rows, topk_dev, cfg.hot_tokens, n)[:, None, :], flat)
         if self._copy_sfa_op is not None:  # fused Copy-SFA: copy + attention in one op (full-rows ABI)
             out = self._fused_copy_attention(layer, res, flat, query, query_rope, scale)
             t2 = t1

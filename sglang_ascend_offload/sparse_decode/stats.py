@@ -13,7 +13,9 @@ took; host counts), ``direct_rows`` / ``direct_h2d_bytes`` / ``demotions`` (with
 ``residency: adaptive``: batch entries served from their hot buffer with no residency
 step, the rows copied host -> device into such buffers (their context once, then each
 step's new tokens), and direct requests demoted to the residency; host counts; not part
-of ``selected`` / ``h2d_bytes``). Invariants: ``hits + misses == selected`` and ``h2d_bytes ==
+of ``selected`` / ``h2d_bytes``), ``lent_rows`` / ``reclaims`` (idle request slots' hot
+buffers lent to direct requests' spans, and demotions because a new request needed a
+lent one). Invariants: ``hits + misses == selected`` and ``h2d_bytes ==
 misses * row_bytes``.
 
 Device-side counts are accumulated in one int64 device tensor, so recording a step
@@ -48,6 +50,8 @@ class Counters:
     direct_rows: int = 0
     direct_h2d_bytes: int = 0
     demotions: int = 0
+    lent_rows: int = 0
+    reclaims: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -93,7 +97,7 @@ class StatsAccumulator:
         self._d2h = [0] * layers
         self._rows = [0] * layers
         self._shadow = [[0, 0, 0] for _ in range(layers)]  # checks, mismatches, microseconds
-        self._direct = [[0, 0, 0] for _ in range(layers)]  # direct rows, their H2D bytes, demotions
+        self._direct = [[0, 0, 0, 0, 0] for _ in range(layers)]  # direct rows, H2D bytes, demotions, lent, reclaims
         self.steps = 0
 
     def record_residency(self, layer: int, selected: torch.Tensor, hits: torch.Tensor, misses: torch.Tensor,
@@ -119,12 +123,12 @@ class StatsAccumulator:
         self._shadow[layer][1] += 0 if ok else 1
         self._shadow[layer][2] += int(round(seconds * 1e6))
 
-    def record_direct(self, layer: int, rows: int, h2d_bytes: int, demotions: int) -> None:
+    def record_direct(self, layer: int, rows: int, h2d_bytes: int, demotions: int, lent: int = 0,
+                      reclaims: int = 0) -> None:
         """Direct-row work of ``layer`` (``residency: adaptive``; host-side counts)."""
         acc = self._direct[layer]
-        acc[0] += int(rows)
-        acc[1] += int(h2d_bytes)
-        acc[2] += int(demotions)
+        for i, v in enumerate((rows, h2d_bytes, demotions, lent, reclaims)):
+            acc[i] += int(v)
 
     def record_step(self) -> None:
         self.steps += 1
@@ -135,8 +139,8 @@ class StatsAccumulator:
         per_layer = [
             Counters(selected=s, hits=h, misses=m, h2d_bytes=m * self.row_bytes, d2h_bytes=d, rows=n,
                      row_selected=rs, row_hits=rh, shadow_checks=sc, shadow_mismatches=sm, shadow_us=su,
-                     direct_rows=dr, direct_h2d_bytes=db, demotions=dm)
-            for (s, h, m, rs, rh), d, n, (sc, sm, su), (dr, db, dm) in zip(dev, self._d2h, self._rows, self._shadow,
+                     direct_rows=dr, direct_h2d_bytes=db, demotions=dm, lent_rows=dl, reclaims=dx)
+            for (s, h, m, rs, rh), d, n, (sc, sm, su), (dr, db, dm, dl, dx) in zip(dev, self._d2h, self._rows, self._shadow,
                                                                         self._direct)
         ]
         return DecodeStats(per_layer=per_layer, steps=self.steps)

@@ -3,13 +3,14 @@
 Two harnesses with the same seed and ``residency: adaptive`` (hot buffer 2 x top-k =
 32 slots): one eager, one through the CPU graph hooks with a bucket of 4 (padded
 replays, request churn). Requests start with contexts below the hot buffer (direct),
-grow past it (demoted in place mid-decode), or start above it (offloaded from the
-first step). Per decode step and layer, on the live rows:
+grow past it into the buffer of SGLang's free request slot (a span) or are demoted in
+place mid-decode when there is no room. Per decode step and layer, on the live rows:
 
 * the graph path's offload attention == the eager path's, and == the device-KV
   backend's on the same inputs, bit for bit (``test_graph_decode_components._step``);
 * both engines hold the same residency state;
-* direct rows and demotions happened on both, counted alike.
+* direct rows, buffers lent from SGLang's free request slots and demotions happened
+  on both, counted alike.
 """
 
 from __future__ import annotations
@@ -56,17 +57,20 @@ def test_adaptive_graph_and_eager_equal_device_kv(ctx):
     for h in (eager, graph):
         for rid in ("a", "b", "c"):
             h.new_request(rid)
-    extend(["a", "b", "c"], [26, 5, 40])  # a: demoted after 6 steps; b: direct; c: never direct
+    # b stays in its own 32 slots; a and c outgrow theirs and compete for the one free request
+    # slot's buffer (the first to need it spans it, the other is demoted)
+    extend(["a", "b", "c"], [26, 5, 40])
     for batch in [["a", "b", "c"]] * 8 + [["a", "c"]] * 2:
         decode(batch)
     for h in (eager, graph):
         h.finish("b")
         h.new_request("d")  # b's row, first decoded in a padded replay
-    extend(["d"], [30])  # direct for two steps, then demoted
+    extend(["d"], [30])
     for batch in [["a", "c", "d"]] * 4 + [["d"]] * 2:
         decode(batch)
     counts = [h.offload.engine.stats().total for h in (eager, graph)]
     for c in counts:
-        assert c.direct_rows > 0 and c.demotions == 2 * eager.layers, c
+        assert c.direct_rows > 0 and c.demotions > 0 and c.lent_rows > 0, c
         assert c.misses > 0 and c.hits > 0
-    assert counts[0].direct_rows == counts[1].direct_rows and counts[0].hits == counts[1].hits
+    for key in ("direct_rows", "demotions", "lent_rows", "reclaims", "hits", "misses"):
+        assert getattr(counts[0], key) == getattr(counts[1], key), key

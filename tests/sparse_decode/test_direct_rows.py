@@ -17,7 +17,7 @@ import torch
 
 from sglang_ascend_offload.ops import registry
 from sglang_ascend_offload.ops.contract import ResidencyTable
-from sglang_ascend_offload.sparse_decode.direct_rows import DirectRows, adoption_topk
+from sglang_ascend_offload.sparse_decode.direct_rows import DirectRows, direct_flat
 from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
 from sglang_ascend_offload.sparse_decode.op_selection import OpSelectionError, select_ops
@@ -26,23 +26,63 @@ from sglang_ascend_offload.sparse_decode.verify import full_kv_attention, reside
 from .test_engine_equivalence import HEADS, HOT, K, LATENT, LAYERS, MAX_CTX, ROPE, ROWS, SCALE, Workload
 
 
-def _engine(residency: str, impl: str, host_tokens: int) -> SparseDecodeEngine:
+def _engine(residency: str, impl: str, host_tokens: int, ops: str = "reference", device: str = "cpu",
+            fused_copy_sfa: bool = True) -> SparseDecodeEngine:
     pool = HostKVPool.allocate(HostPoolShape(LAYERS, host_tokens, LATENT, ROPE), "pinned")
-    return SparseDecodeEngine(EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, policy="lru", ops="reference",
-                                           manage_impl=impl, max_context=MAX_CTX, residency=residency),
-                              pool, device="cpu")
+    fused = {"fused_lim": False, "fused_copy_sfa": fused_copy_sfa} if ops in ("fused", "auto") else {}
+    return SparseDecodeEngine(EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, policy="lru", ops=ops,
+                                           manage_impl=impl, max_context=MAX_CTX, residency=residency, **fused),
+                              pool, device=device)
 
 
-@pytest.mark.parametrize("impl", ["kernel", "torch"])
-def test_adaptive_equals_always_and_full_kv(impl):
+def _copy_sfa_stand_in(monkeypatch) -> list:
+    """The fused Copy-SFA rung as the reference composition (declared usable), as
+    ``test_engine_equivalence.test_engine_fused_copy_sfa_path_equals_full_kv`` does: the
+    engine's fused branch (miss lists over all rows, one op for copy + attention) runs,
+    bit-exact. The kernels on their functional model: ``test_engine_fused_cpu_model.py``."""
+    from sglang_ascend_offload.ops import ascendc_cpu_ops
+    from sglang_ascend_offload.ops.contract import OpImpl
+    from sglang_ascend_offload.ops.registry import _REGISTRY
+
+    monkeypatch.setattr(ascendc_cpu_ops, "ensure_for_choice", lambda choice: None)
+    ref = registry.implementations("copy_sparse_flash_attention")["reference"]
+    calls = []
+
+    def stand_in(*args, **kwargs):
+        calls.append(1)
+        return ref.fn(*args, **kwargs)
+
+    monkeypatch.setitem(_REGISTRY.impls, ("copy_sparse_flash_attention", "fused"),
+                        OpImpl("copy_sparse_flash_attention", "fused", stand_in, lambda: None))
+    return calls
+
+
+@pytest.mark.parametrize("impl,ops,borrow", [("kernel", "reference", False), ("kernel", "reference", True),
+                                             ("torch", "reference", True), ("torch", "fused", True)])
+def test_adaptive_equals_always_and_full_kv(impl, ops, borrow, monkeypatch):
+    calls = _copy_sfa_stand_in(monkeypatch) if ops == "fused" else None
+    run_adaptive_against_always(impl, ops, borrow=borrow)
+    if calls is not None:
+        assert len(calls) == STEPS * LAYERS  # every layer step went through the fused op
+
+
+STEPS = 400
+
+
+def run_adaptive_against_always(impl: str, ops: str, device: str = "cpu", fused_copy_sfa: bool = True,
+                                borrow: bool = False) -> None:
+    """The module docstring's comparison over :data:`STEPS` steps, the engines on ``device``
+    (the ``always`` engine on the ``reference`` rung there). ``borrow``: the idle rows
+    are free, so direct requests span them and are demoted when a new request needs one."""
     host_tokens = ROWS * MAX_CTX + 8
-    always, adaptive = _engine("always", impl, host_tokens), _engine("adaptive", impl, host_tokens)
+    always = _engine("always", impl, host_tokens, device=device)
+    adaptive = _engine("adaptive", impl, host_tokens, ops, device=device, fused_copy_sfa=fused_copy_sfa)
     attention = registry.select("sparse_mla_attention", "reference")
     gen = torch.Generator().manual_seed(5)
     work = Workload(31, host_tokens)
     written = {}
-    direct_seen = demoted_rows = 0
-    for step in range(400):
+    direct_seen = demoted_rows = spanned = reclaimed = 0
+    for step in range(STEPS):
         req_ids, seq_lens, stable = work.step()
         table = torch.zeros((ROWS, MAX_CTX), dtype=torch.int32)
         for r, req in enumerate(req_ids.tolist()):
@@ -55,9 +95,10 @@ def test_adaptive_equals_always_and_full_kv(impl):
         b_req = torch.tensor([int(req_ids[r]) if r >= 0 else -1 for r in batch])
         b_stable = torch.tensor([int(stable[r]) if r >= 0 else 0 for r in batch], dtype=torch.int32)
         b_ctx = torch.tensor([int(seq_lens[r]) if r >= 0 else 0 for r in batch], dtype=torch.int64)
-        before = adaptive.stats().total
-        for eng in (always, adaptive):
-            eng.begin_step(b_req, table, b_stable, step=step, rows=rows_t, context_len=b_ctx)
+        idle = [r for r in range(ROWS) if req_ids[r] == -1]
+        always.begin_step(b_req, table, b_stable, step=step, rows=rows_t, context_len=b_ctx)
+        adaptive.begin_step(b_req, table, b_stable, step=step, rows=rows_t, context_len=b_ctx,
+                            free_rows=(lambda: idle) if borrow else None)
         plan = adaptive._direct_step
         direct = plan.mask.tolist()
         writes = []
@@ -78,41 +119,49 @@ def test_adaptive_equals_always_and_full_kv(impl):
                     topk[i] = work.topk(int(seq_lens[r]))
             q = torch.randn((len(batch), HEADS, LATENT), generator=gen).to(torch.bfloat16)
             qr = torch.randn((len(batch), HEADS, ROPE), generator=gen).to(torch.bfloat16)
-            ref_out = always.run_layer(layer, torch.from_numpy(topk), q, qr, SCALE).output
-            res = adaptive.run_layer(layer, torch.from_numpy(topk), q, qr, SCALE)
-            assert torch.equal(res.output, ref_out), f"step {step} layer {layer}: adaptive != always"
+            ref_out = always.run_layer(layer, torch.from_numpy(topk), q.to(device), qr.to(device), SCALE).output.cpu()
+            res = adaptive.run_layer(layer, torch.from_numpy(topk), q.to(device), qr.to(device), SCALE)
+            out = res.output.cpu()
+            assert torch.equal(out, ref_out), f"step {step} layer {layer}: adaptive != always"
             real = torch.tensor(live, dtype=torch.int64)
             if live:
                 ref = full_kv_attention(attention, adaptive.pool, layer, torch.from_numpy(topk[:-1]), table[real],
                                         q[:-1], qr[:-1], SCALE)
-                assert torch.equal(res.output[:-1], ref), f"step {step} layer {layer}: != full-KV attention"
-            hot = adaptive.hot.layer(layer)
+                assert torch.equal(out[:-1], ref), f"step {step} layer {layer}: != full-KV attention"
+            hot = adaptive.hot.layer(layer).cpu()
             host = adaptive.pool.layer(layer)
+            miss_count, hit_mask = res.residency.miss_count.cpu(), res.residency.hit_mask.cpu()
+            flat_all = res.flat_indices.cpu()
             for i, r in enumerate(batch):
                 if r < 0:
                     continue
                 if direct[i]:
-                    # no residency work: the manager saw an idle row, the slots are the positions
-                    assert int(res.residency.miss_count[i]) == 0 and not bool(res.residency.hit_mask[i].any())
+                    # no residency work: the manager saw an idle row; positions read through the span
+                    assert int(miss_count[i]) == 0 and not bool(hit_mask[i].any())
                     n = int(b_ctx[i])
-                    assert torch.equal(hot[r, :n], host[table[r, :n].long()]), f"step {step} row {r}: identity"
+                    where = direct_flat(plan.span_rows[i:i + 1].cpu(), torch.arange(n)[None, :], HOT)[0].long()
+                    flat_hot = hot.reshape(-1, hot.shape[-1])
+                    assert torch.equal(flat_hot[where], host[table[r, :n].long()]), f"step {step} row {r}: span"
                     sel = torch.from_numpy(topk[i])
-                    flat = res.flat_indices[i, 0]
-                    assert torch.equal(flat[sel >= 0], (r * HOT + sel[sel >= 0]).to(flat.dtype))
+                    flat = flat_all[i, 0]
+                    assert torch.equal(flat[sel >= 0], where[sel[sel >= 0].long()].to(flat.dtype))
+                    spanned += int(where.max()) >= (r + 1) * HOT or int(where.min()) < r * HOT
             t = adaptive.table(layer)
+            t = ResidencyTable(t.slot_token.cpu(), t.slot_stamp.cpu(), t.row_req.cpu())
             managed = [r for i, r in enumerate(batch) if r >= 0 and not direct[i]]
             if managed:
                 m = torch.tensor(managed)
                 stepped = ResidencyTable(t.slot_token[m], t.slot_stamp[m], t.row_req[m])
                 assert resident_mismatches(stepped, hot[m], host, table[m]) == 0
-        after = adaptive.stats().total
         direct_seen += plan.direct_count
-        if plan.demote_entries.numel():
-            demoted_rows += plan.demote_entries.numel()
-            # the demoted rows' resident positions are hits in their first managed step
-            assert after.hits > before.hits
+        demoted_rows += plan.demote_heads.numel()
+        reclaimed += plan.reclaimed
     stats = adaptive.stats().total
     assert direct_seen > 100 and demoted_rows > 5, (direct_seen, demoted_rows)
+    if borrow and adaptive.copy_sfa_op is None:  # spans over idle rows were read, new requests took some back
+        assert spanned > 0 and reclaimed > 0, (spanned, reclaimed)
+    elif borrow:  # the fused Copy-SFA reads each token's own row only: no spans
+        assert spanned == 0 and reclaimed == 0
     assert stats.demotions == LAYERS * demoted_rows and stats.direct_rows == LAYERS * direct_seen
     # direct entries do no lookups: fewer selected entries than the always engine
     assert stats.selected < always.stats().total.selected
@@ -150,7 +199,7 @@ def test_demotion_moves_the_buffer_on_the_device_only():
             else:
                 assert not bool(d.mask[0])
                 if length == HOT + 1:  # the demotion step: every position but the new one hits
-                    assert d.demote_entries.tolist() == [0] and d.demote_counts.tolist() == [HOT]
+                    assert d.demote_heads.tolist() == [1] and int((d.demote_pos[0] >= 0).sum()) == HOT
                     assert int(res.residency.miss_count[0]) == 1
                     assert int(res.residency.hit_mask[0].sum()) == K - 1
             t = eng.table(layer)
@@ -160,20 +209,35 @@ def test_demotion_moves_the_buffer_on_the_device_only():
     assert eng.stats().total.demotions == LAYERS
 
 
-def test_plan_bookkeeping_across_requests_and_verify_rows():
-    d = DirectRows(state_rows=5, hot_tokens=8)
-    rows, req = torch.tensor([0, 1, 4]), torch.tensor([10, 11, -1])
-    # verify rows (n = 3): committed 4 -> reads 7 positions, 3 of them written this step
-    plan = d.plan(rows, req, torch.tensor([4, 7, 0], dtype=torch.int32), torch.tensor([7, 10, 0]), "cpu")
-    assert plan.mask.tolist() == [True, False, False] and plan.direct_count == 1
-    assert plan.copy_rows.tolist() == [0] * 7 and plan.copy_pos.tolist() == list(range(7))
-    # next round: 2 candidates accepted -> committed 6; positions >= 6 are rewritten
-    plan = d.plan(rows[:1], req[:1], torch.tensor([6], dtype=torch.int32), torch.tensor([9]), "cpu")
-    assert plan.mask.tolist() == [False] and plan.demote_counts.tolist() == [6]
-    # a new request on row 0 starts over; the demoted one left nothing behind
-    plan = d.plan(rows[:1], torch.tensor([12]), torch.tensor([3], dtype=torch.int32), torch.tensor([3]), "cpu")
-    assert plan.copy_pos.tolist() == [0, 1, 2] and plan.demote_entries.numel() == 0
-    assert adoption_topk(torch.tensor([2, 0]), 4).tolist() == [[0, 1, -1, -1], [-1, -1, -1, -1]]
+def test_plan_spans_free_rows_and_gives_them_back_under_pressure():
+    d = DirectRows(state_rows=6, hot_tokens=8)  # rows 0-4, sink 5
+    d.max_span = 4
+
+    def plan(rows, req, ctx, free):
+        t = torch.tensor
+        return d.plan(t(rows), t(req), t(ctx, dtype=torch.int32), t(ctx), "cpu", free_rows=lambda: free)
+
+    # row 0 fits its own buffer; row 1 (10 positions) borrows the last free row, 4
+    p = plan([0, 1], [10, 11], [7, 10], [2, 3, 4])
+    assert p.mask.tolist() == [True, True] and p.span_rows[1, :2].tolist() == [1, 4]
+    assert p.copy_pos.tolist() == list(range(7)) + list(range(10))
+    assert p.copy_dst.tolist()[-2:] == [4 * 8, 4 * 8 + 1] and p.lent_rows == 1
+    # a new request on row 4: request 11 is demoted (pressure) and keeps its last 8 positions
+    p = plan([0, 1, 4], [10, 11, 12], [8, 11, 3], [2, 3])
+    assert p.reclaimed == 1 and p.demote_heads.tolist() == [1] and p.mask.tolist() == [True, False, True]
+    assert p.demote_pos[0].tolist() == list(range(2, 10))
+    assert p.demote_src[0].tolist() == [8 + i for i in range(2, 8)] + [32, 33]
+    assert p.copy_pos.tolist() == [7, 0, 1, 2] and p.copy_dst.tolist() == [7, 32, 33, 34]
+    # once demoted, a request stays under the residency
+    p = plan([1], [11], [12], [2, 3])
+    assert p.mask.tolist() == [False] and p.demote_heads.numel() == 0
+    # request 11 finished (row 1 free): row 0 grows over two free rows, taken from the end of the list
+    p = plan([0], [10], [17], [1, 2, 3])
+    assert p.mask.tolist() == [True] and p.span_rows[0, :3].tolist() == [0, 3, 2]
+    # no room to grow (and the span limit): demoted
+    p = plan([0], [10], [33], [1])
+    assert p.mask.tolist() == [False] and p.demote_heads.tolist() == [0]
+    assert p.demote_pos[0].tolist() == list(range(9, 17)) and p.lent_rows == 0
 
 
 def test_adaptive_refusals_name_the_fix():
@@ -234,19 +298,21 @@ def test_captured_step_equals_the_eager_step(compiled):
     attention = registry.select("sparse_mla_attention", "reference")
     layer_step = torch.compile(decode_layer_step, fullgraph=True, dynamic=False) if compiled else decode_layer_step
     gen = torch.Generator().manual_seed(3)
-    direct_steps = demotions = 0
+    direct_steps = demotions = spanned = 0
     for step, (rows, req_ids, stable, new_slots, table, prompts) in enumerate(_served_like_steps(11, 60)):
         for layer in range(LAYERS):
             for _, slots in prompts:  # the prefill wrote the prompt before the first decode step
                 kv = torch.randn((slots.numel(), LATENT + ROPE), generator=gen).to(torch.bfloat16)
                 eager.pool.write_rows(layer, slots, kv)
                 captured.pool.write_rows(layer, slots, kv)
-        eager.begin_step(req_ids, table, stable, step=step, rows=rows)
-        captured.begin_step(req_ids, table, stable, step=step, rows=rows, captured=True)
+        free = [r for r in range(ROWS) if r not in rows.tolist()]
+        eager.begin_step(req_ids, table, stable, step=step, rows=rows, free_rows=lambda: free)
+        captured.begin_step(req_ids, table, stable, step=step, rows=rows, captured=True, free_rows=lambda: free)
         d = captured.direct_step
         assert torch.equal(d.mask, eager.direct_step.mask)
         direct_steps += d.direct_count
-        demotions += d.demote_entries.numel()
+        demotions += d.demote_heads.numel()
+        spanned += int(((d.span_rows[:, 1] != captured.batch_rows) & d.mask).sum())
         b = rows.numel()
         for layer in range(LAYERS):
             new = torch.randn((b - 1, LATENT + ROPE), generator=gen).to(torch.bfloat16)
@@ -263,10 +329,62 @@ def test_captured_step_equals_the_eager_step(compiled):
             got, _ = layer_step(captured.managers[layer], captured.batch_rows, topk, captured._req_ids,
                                 captured._stable_len, torch.tensor(step), captured.pool.layer(layer),
                                 captured.hot.storage(layer), table, q, qr, SCALE, LATENT, attention=attention,
-                                direct=(d.mask, d.step_pos))
+                                direct=(d.mask, d.step_pos, d.span_rows))
             assert torch.equal(got, want), f"step {step} layer {layer}"
             real = slice(0, ROWS)
             assert torch.equal(captured.hot.storage(layer)[real], eager.hot.storage(layer)[real])
             for name in ("slot_token", "slot_stamp", "row_req"):
                 assert torch.equal(getattr(captured.table(layer), name), getattr(eager.table(layer), name))
-    assert direct_steps > 20 and demotions > 2, (direct_steps, demotions)
+    assert direct_steps > 20 and demotions > 2 and spanned > 0, (direct_steps, demotions, spanned)
+
+
+def test_verify_rows_adaptive_equals_always():
+    """Two verify rows per request (``rows_per_request = 2``): each round appends the two
+    candidates after the committed length ``L`` (rewriting the last round's rejected
+    ones) and accepts one or two. ``adaptive`` (with spans over free rows) equals
+    ``always`` bit for bit, direct requests reading their candidates through their spans."""
+    n, rows, hot, k = 2, 4, 12, 5
+    host_tokens = rows * MAX_CTX
+
+    def engine(residency):
+        pool = HostKVPool.allocate(HostPoolShape(LAYERS, host_tokens, LATENT, ROPE), "pinned")
+        return SparseDecodeEngine(EngineConfig(LAYERS, rows, hot, k, LATENT, ROPE, policy="lru", ops="reference",
+                                               manage_impl="torch", rows_per_request=n, residency=residency),
+                                  pool, device="cpu")
+
+    always, adaptive = engine("always"), engine("adaptive")
+    rng = np.random.default_rng(4)
+    gen = torch.Generator().manual_seed(4)
+    table = torch.from_numpy(np.arange(rows * MAX_CTX).reshape(rows, MAX_CTX)).to(torch.int32)
+    committed = {0: 5, 2: 9}  # row -> L; rows 1 and 3 are free
+    direct_seen = spanned = 0
+    for step in range(17):  # contexts stay within the token table (48)
+        live = sorted(committed)
+        free = [r for r in range(rows) if r not in committed]
+        b_rows = torch.tensor(live)
+        req = torch.tensor([100 + r for r in live])
+        stable = torch.tensor([committed[r] for r in live], dtype=torch.int32)
+        always.begin_step(req, table, stable, step=step, rows=b_rows)
+        adaptive.begin_step(req, table, stable, step=step, rows=b_rows, free_rows=lambda: free)
+        d = adaptive.direct_step
+        direct_seen += d.direct_count
+        spanned += int(((d.span_rows[:, 1] != b_rows) & d.mask).sum())
+        for layer in range(LAYERS):
+            slots = torch.cat([table[r, committed[r]:committed[r] + n].long() for r in live])
+            kv = torch.randn((slots.numel(), LATENT + ROPE), generator=gen).to(torch.bfloat16)
+            always.append(layer, slots, kv)
+            adaptive.append(layer, slots, kv)
+            topk = torch.full((len(live) * n, k), -1, dtype=torch.int32)
+            for i, r in enumerate(live):
+                for j in range(n):
+                    visible = committed[r] + j + 1
+                    sel = torch.randperm(visible, generator=gen)[:k]
+                    topk[i * n + j, : sel.numel()] = sel.to(torch.int32)
+            q = torch.randn((len(live) * n, HEADS, LATENT), generator=gen).to(torch.bfloat16)
+            qr = torch.randn((len(live) * n, HEADS, ROPE), generator=gen).to(torch.bfloat16)
+            want = always.run_layer(layer, topk, q, qr, SCALE).output
+            got = adaptive.run_layer(layer, topk, q, qr, SCALE).output
+            assert torch.equal(got, want), f"step {step} layer {layer}"
+        for r in live:
+            committed[r] += int(rng.integers(1, n + 1))
+    assert direct_seen > 10 and spanned > 0 and adaptive.stats().total.demotions > 0

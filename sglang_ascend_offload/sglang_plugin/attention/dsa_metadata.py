@@ -9,7 +9,7 @@ so SGLang's NPU indexer (``dsa_npu_indexer.py::forward_npu``), which reads
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -109,3 +109,13 @@ def build_metadata(
         req_pool_indices=req_pool_indices.to(torch.long),
         is_decode=is_decode,
     )
+
+
+def free_request_rows(engine: Any, req_to_token_pool: Any):
+    """For a sparse decode engine with ``residency: adaptive``: a callable giving the
+    ``req_to_token`` rows no request holds now (SGLang's ``free_slots``), whose hot buffers
+    a direct request may borrow (read only when the engine needs them); ``None`` without
+    adaptive residency, or where the pool does not list its free rows."""
+    if getattr(engine, "direct", None) is None or not hasattr(req_to_token_pool, "free_slots"):
+        return None
+    return lambda: req_to_token_pool.free_slots

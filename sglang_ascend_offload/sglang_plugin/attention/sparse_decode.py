@@ -47,11 +47,11 @@ import torch
 from .. import compat
 from ..speculative import cpu_graph as cpu_spec_graph, eagle as speculative
 from ...ops import registry
-from ...sparse_decode import fused_indexer
+from ...sparse_decode import direct_rows, fused_indexer
 from ...sparse_decode.engine import decode_layer_step
 from ...sparse_decode.policies import needs_ranked
 from .dsa_backend import AscendOffloadAttnBackend, graph_seq_lens_cpu, indexer_metadata
-from .dsa_metadata import FORWARD_BATCH, real_batch_size
+from .dsa_metadata import FORWARD_BATCH, free_request_rows, real_batch_size
 from ..observability.metrics import OffloadMetrics
 from ..mem_cache.pool.sparse_decode import HostMainKVPool
 from ..observability.trace_recorder import TraceRecorder, trace_path
@@ -67,8 +67,9 @@ class OffloadGraphBuffers:
     rows int64: engine row per entry (padding: the sink row); req_ids int64: owner id
     (``-1`` padding); stable int32: stable length (0 for padding); step int64 0-d:
     the step number (residency stamps). With ``residency: adaptive``: direct bool (the
-    entry is served from its hot buffer directly) and direct_pos int64 ``[max_bs, n]``
-    (its positions the step writes, ``-1`` none; ``n`` query rows per entry).
+    entry is served from its hot buffer directly), direct_pos int64 ``[max_bs, n]``
+    (its positions the step writes, ``-1`` none; ``n`` query rows per entry) and
+    direct_span int64 ``[max_bs, S]`` (the hot-buffer rows its context spans).
     """
 
     rows: torch.Tensor
@@ -77,6 +78,7 @@ class OffloadGraphBuffers:
     step: torch.Tensor
     direct: Optional[torch.Tensor] = None
     direct_pos: Optional[torch.Tensor] = None
+    direct_span: Optional[torch.Tensor] = None
 
     def fill_direct(self, engine, bs: int) -> None:
         """Copy the engine's direct plan of the step just begun into the bucket's entries."""
@@ -87,11 +89,12 @@ class OffloadGraphBuffers:
         self.direct[:bs].copy_(d.mask)
         self.direct_pos[:bs, :n].copy_(d.step_pos)
         self.direct_pos[:bs, n:].fill_(-1)
+        self.direct_span[:bs].copy_(d.span_rows)
 
     def direct_args(self, bs: int, n: int):
         """``(mask, step_pos)`` of the bucket's ``bs`` entries with ``n`` query rows each, for
         :func:`~...sparse_decode.engine.decode_layer_step`, or ``None``."""
-        return None if self.direct is None else (self.direct[:bs], self.direct_pos[:bs, :n])
+        return None if self.direct is None else (self.direct[:bs], self.direct_pos[:bs, :n], self.direct_span[:bs])
 
 
 @dataclass
@@ -273,7 +276,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         stable = forward_batch.seq_lens_cpu[:real].to(torch.int32)
         batch_rows = torch.tensor(rows_list, dtype=torch.int64)
         self.engine.begin_step(req_ids, self.req_to_token_pool.req_to_token, stable, rows=batch_rows,
-                               rows_per_request=1)
+                               rows_per_request=1, free_rows=self.free_rows())
         if self.recorder is not None:
             self.recorder.begin_step(stable, req_ids, batch_rows)
         self._batch_rows = batch_rows
@@ -321,7 +324,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         req_ids[mask] = owners
         stable = torch.where(mask, lens, torch.zeros_like(lens)).to(torch.int32)
         step = self.engine.begin_step(req_ids, self.req_to_token_pool.req_to_token, stable, rows=rows,
-                                      rows_per_request=1, captured=True)
+                                      rows_per_request=1, captured=True, free_rows=self.free_rows())
         g = self.offload_graph
         g.rows[:bs].copy_(torch.where(mask, rows, torch.full_like(rows, self.engine.sink_row)))
         g.req_ids[:bs].copy_(req_ids)
@@ -340,6 +343,10 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             logger.info("sparse decode offload: decode graph bucket %d stepped with %d live rows%s", bs,
                         live_count, " (padding entries on the sink row)" if live_count < bs else "")
         self.metrics.on_step_end()  # the previous step's totals (the graph has no host hook at its end)
+
+    def free_rows(self):
+        """The engine's source of SGLang's free request rows (:func:`.dsa_metadata.free_request_rows`)."""
+        return free_request_rows(self.engine, self.req_to_token_pool)
 
     def serving_rank_depth(self, md) -> int:
         """The serving rank depth on eager decode steps (not extend, not verify: speculative
@@ -532,6 +539,8 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             width = max(1, cpu_spec_graph.verify_width_of(self))
             self.offload_graph.direct = torch.zeros((requests,), dtype=torch.bool, device=dev)
             self.offload_graph.direct_pos = torch.full((requests, width), -1, dtype=torch.int64, device=dev)
+            spans = direct_rows.span_width(self.req_to_token_pool.req_to_token.shape[1], self.engine.config.hot_tokens)
+            self.offload_graph.direct_span = torch.zeros((requests, spans), dtype=torch.int64, device=dev)
 
     def init_forward_metadata_capture_cpu_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
                                                 seq_lens: torch.Tensor, out_cache_loc, encoder_lens, forward_mode,

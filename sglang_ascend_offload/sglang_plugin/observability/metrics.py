@@ -31,6 +31,10 @@ copy time per layer measured by the backend. :class:`OffloadMetrics` turns them 
   ``sglang:ascend_offload_direct_h2d_bytes_total``        counter   bytes host->device into such rows
   ``sglang:ascend_offload_demotions_total``               counter   direct requests demoted to the
                                                                     residency (per layer)
+  ``sglang:ascend_offload_lent_rows_total``               counter   idle request slots' hot buffers
+                                                                    lent to direct requests (per layer)
+  ``sglang:ascend_offload_reclaims_total``                counter   demotions because a new request
+                                                                    needed a lent buffer (per layer)
   ``sglang:ascend_offload_hit_rate``                      gauge     hits / selected (cumulative)
   ``sglang:ascend_offload_h2d_bytes_per_step``            gauge     host->device bytes per decode
                                                                     step (a verify round with
@@ -56,7 +60,8 @@ logger = logging.getLogger("sglang_ascend_offload.sparse_decode")
 
 METRIC_PREFIX = "sglang:ascend_offload_"
 _COUNTER_FIELDS = ("selected", "hits", "misses", "h2d_bytes", "d2h_bytes", "row_selected", "row_hits",
-                   "shadow_checks", "shadow_mismatches", "direct_rows", "direct_h2d_bytes", "demotions")
+                   "shadow_checks", "shadow_mismatches", "direct_rows", "direct_h2d_bytes", "demotions", "lent_rows",
+                   "reclaims")
 
 
 def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float) -> str:
@@ -80,7 +85,8 @@ def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float
                  f"shadow_ms={total.shadow_us / 1000:.1f}")
     if total.direct_rows or total.demotions:
         line += (f" direct_rows/step={total.direct_rows / layers / max(1, stats.steps):.2f} "
-                 f"direct_h2d={total.direct_h2d_bytes / 2**20:.2f}MiB demotions={total.demotions // layers}")
+                 f"direct_h2d={total.direct_h2d_bytes / 2**20:.2f}MiB demotions={total.demotions // layers} "
+                 f"lent_rows={total.lent_rows // layers} reclaims={total.reclaims // layers}")
     return line
 
 
@@ -171,7 +177,10 @@ _DOCS = {
     "shadow_mismatches": "shadow-verified rows whose served attention differed from the recomputation",
     "direct_rows": "decode rows served from their hot buffer with no residency step (residency adaptive)",
     "direct_h2d_bytes": "bytes copied host->device into the hot buffers of direct rows",
-    "demotions": "direct requests demoted to the residency when their context outgrew the hot buffer",
+    "demotions": "direct requests demoted to the residency (their context outgrew the room, or a lent buffer "
+                 "was needed)",
+    "lent_rows": "idle request slots' hot buffers lent to direct requests' spans",
+    "reclaims": "direct requests demoted because a new request needed a hot buffer lent to them",
 }
 
 

@@ -325,7 +325,7 @@ def begin_graph_verify(backend: Any, forward_batch: Any) -> None:
     ``begin_step``. Entries beyond the live requests (or on ``req_to_token`` row 0, the
     padding row of SGLang's graph runners) go to the sink row with owner ``-1`` and
     stable length 0: their rows select, copy and attend nothing."""
-    from ..attention.dsa_metadata import real_batch_size
+    from ..attention.dsa_metadata import free_request_rows, real_batch_size
 
     n = backend.verify_rows_per_request
     bs = backend._graph_batch // n
@@ -346,7 +346,7 @@ def begin_graph_verify(backend: Any, forward_batch: Any) -> None:
     req_ids[mask] = owners
     stable = torch.where(mask, lens, torch.zeros_like(lens)).to(torch.int32)
     step = backend.engine.begin_step(req_ids, backend.req_to_token_pool.req_to_token, stable, rows=rows,
-                                     rows_per_request=n, captured=True)
+                                     rows_per_request=n, captured=True, free_rows=free_request_rows(backend.engine, backend.req_to_token_pool))
     g = backend.offload_graph
     g.rows[:bs].copy_(torch.where(mask, rows, torch.full_like(rows, backend.engine.sink_row)))
     g.req_ids[:bs].copy_(req_ids)

@@ -225,7 +225,7 @@ def begin_verify(backend: Any, forward_batch) -> torch.Tensor:
     length, so the engine drops it from the hot buffer before the next lookup. The
     token table is ``req_to_token`` itself (it holds the draft slots).
     """
-    from ..attention.dsa_metadata import real_batch_size
+    from ..attention.dsa_metadata import free_request_rows, real_batch_size
 
     n = int(forward_batch.spec_info.draft_token_num)
     per = backend.verify_rows_per_request
@@ -243,7 +243,7 @@ def begin_verify(backend: Any, forward_batch) -> torch.Tensor:
     stable = forward_batch.seq_lens_cpu[:real].to(torch.int32)
     batch_rows = torch.tensor(reqs, dtype=torch.int64)
     backend.engine.begin_step(req_ids, backend.req_to_token_pool.req_to_token, stable, rows=batch_rows,
-                              rows_per_request=n)
+                              rows_per_request=n, free_rows=free_request_rows(backend.engine, backend.req_to_token_pool))
     return batch_rows
 
 

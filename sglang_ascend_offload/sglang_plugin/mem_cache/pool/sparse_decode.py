@@ -121,7 +121,8 @@ class HostMainKVPool(DeviceDSAPool):
                     rows, hot_tokens, layer_num,
                     f"; one per request, shared by its {rows_per_request} verify rows" if rows_per_request > 1 else "",
                     self.index_cache_summary(),
-                    f"adaptive (a request whose context fits its {hot_tokens} slots is served from them directly)"
+                    f"adaptive (a request whose context fits its {hot_tokens} slots, or those of idle request slots "
+                    "it borrows, is served from them directly)"
                     if offload.residency == "adaptive" else "always")
 
     def _allocate_index_cache(self, layers: int, pages: int, page_size: int, dim: int, device: str) -> None:
