@@ -95,13 +95,14 @@ class SparseDecodeOffloadConfig:
         ``log``, or ``fail`` (the forward raises, so SGLang stops the batch with the error).
     residency: ``always`` (every request reads its main KV through the hot buffer and
         the residency policy) or ``adaptive``: a request whose context fits its hot
-        buffer (``hot_tokens``) is served from it directly, position ``p`` in slot
-        ``p``, with no residency lookups and no miss copies, and is demoted in place to
-        the residency the step its context outgrows the buffer
-        (``sparse_decode/direct_rows.py``). Policy ``lru`` only; the fused indexer
-        steps every row's residency, so ``adaptive`` runs the separate indexer (the
-        NPU default opts out, logged; ``fused_lim: true`` is refused). Eager and graph
-        decode, and speculative verify rows.
+        buffer (``hot_tokens``), extended over the hot buffers of request slots SGLang
+        has free, is served from them directly, with no residency lookups and no miss
+        copies; it is demoted in place to the residency when a new request needs a slot
+        it borrowed or it cannot grow (``sparse_decode/direct_rows.py``). Policy ``lru``
+        only; the fused indexer steps every row's residency, so ``adaptive`` runs the
+        separate indexer (the NPU default opts out, logged; ``fused_lim: true`` is
+        refused); with the fused Copy-SFA a request fits its own buffer only. Eager and
+        graph decode, and speculative verify rows.
     """
 
     hot_tokens: Optional[int] = None
