@@ -35,10 +35,12 @@ device-side row mode (``mask``) and the copy lists. It reads only host metadata.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
+
+from ..ops.contract import ResidencyStep
 
 __all__ = ["DirectRows", "DirectStep", "RESIDENCY_MODES", "context_lengths"]
 
@@ -74,7 +76,8 @@ class DirectStep:
     rows now.
     direct_count: entries served direct; lent_rows: rows lent to spans after the step;
     lent_now: rows newly lent this step; reclaimed: demotions because a lent row was
-    needed (host ints).
+    needed (host ints). all_direct: every batch entry is direct (no padding entry): the
+    eager step can skip the residency manager.
 
     A captured step (a device graph replays it with static shapes) splits the copies:
     ``copy_*`` then lists only the positions already in the host pool when the step
@@ -99,6 +102,8 @@ class DirectStep:
     lent_rows: int = 0
     lent_now: int = 0
     reclaimed: int = 0
+    all_direct: bool = False
+    copy_host: Optional[torch.Tensor] = None  # host slots of the copies (the engine looks them up once)
 
     @property
     def any_direct(self) -> bool:
@@ -170,118 +175,122 @@ class DirectRows:
         entry writes at most ``n`` positions in the step (a ``ValueError`` otherwise).
         ``free_rows``: returns the request slots free now (called only where spans exist
         or a context outgrows its own buffer; ``None``: none can be borrowed)."""
-        h = self.hot_tokens
         lent_before = self.lent_total
-        rows_np = rows.detach().cpu().numpy().astype(np.int64)
-        req_np = req_ids.detach().cpu().numpy().astype(np.int64)
-        ctx = context_len.detach().cpu().numpy().astype(np.int64)
-        stable = stable_len.detach().cpu().numpy().astype(np.int64)
-        rewrite_from = np.maximum(np.minimum(stable, ctx - 1), 0)  # (re)written by this step
-        live = req_np >= 0
+        b = _Batch.of(rows, req_ids, stable_len, context_len)
         # the free rows, read only where spans exist or a context outgrows its own buffer
-        wants_room = bool((self.lender >= 0).any()) or bool((live & (ctx > h)).any())
+        wants_room = bool((self.lender >= 0).any()) or bool((b.live & (b.ctx > self.hot_tokens)).any())
         free = [int(r) for r in free_rows() if 0 <= r < self.sink] if free_rows is not None and wants_room else []
-        free_set = set(free)
+        demote, reclaimed = self._reclaim(b, set(free))
+        direct, resident = self._choose(b, demote, [r for r in free if self.lender[r] < 0])
+        demoted = self._demote(demote)
+        copies = self._copies(b, direct, resident, captured_width)
+        step_pos, step_copies = _step_positions(b, direct, captured_width)
+        on_device = torch.device(device).type != "cpu"
 
-        # requests that finished (their head row is free again) give their spans back
+        def dev(a: np.ndarray) -> torch.Tensor:
+            t = torch.from_numpy(a)
+            return t.to(device) if on_device else t
+
+        n_direct = int(direct.sum())
+        return DirectStep(
+            mask=dev(direct), span_rows=dev(self._span_table(b, direct)),
+            copy_rows=dev(copies[0]), copy_pos=dev(copies[1]), copy_dst=dev(copies[2]), **demoted,
+            direct_count=n_direct, step_pos=None if step_pos is None else dev(step_pos),
+            step_copies=step_copies, lent_rows=int((self.lender >= 0).sum()), lent_now=self.lent_total - lent_before,
+            reclaimed=reclaimed, all_direct=bool(n_direct == b.rows.size))
+
+    def _reclaim(self, b: "_Batch", free_set: set) -> Tuple[List[int], int]:
+        """Give back the spans of finished requests (their own row is free again), and
+        list the direct requests whose lent row a live batch entry now holds (pressure)."""
         for head in [x for x in self.span if x in free_set]:
             self._release(head)
             self.retired.pop(head, None)
-        demote: List[int] = []  # heads demoted this step
-        reclaimed = 0
-        # a live batch row lent to another request's span: that request is demoted (pressure)
-        for r in rows_np[live]:
+        demote: List[int] = []
+        for r in b.rows[b.live]:
             head = int(self.lender[r])
             if head >= 0 and head not in demote:
                 demote.append(head)
-                reclaimed += 1
-        borrowable = [r for r in free if self.lender[r] < 0 and r != self.sink]
+        return demote, len(demote)
 
-        direct = np.zeros(rows_np.shape, dtype=bool)
-        resident = np.zeros(rows_np.shape, dtype=np.int64)
-        for b in np.flatnonzero(live):
-            r, q = int(rows_np[b]), int(req_np[b])
-            if r in demote:
-                continue  # its span is needed by another request: demoted below
+    def _choose(self, b: "_Batch", demote: List[int], borrowable: List[int]) -> Tuple[np.ndarray, np.ndarray]:
+        """Which live entries are direct this step (growing spans from ``borrowable``), and
+        the positions each already holds; entries that must leave are added to ``demote``."""
+        direct = np.zeros(b.rows.shape, dtype=bool)
+        resident = np.zeros(b.rows.shape, dtype=np.int64)
+        for i in np.flatnonzero(b.live):
+            r, q = int(b.rows[i]), int(b.req[i])
+            if r in demote or self.retired.get(r) == q:
+                continue  # demoted now (its span is needed), or earlier: under the residency
             held = self.owner[r] == q
-            if self.retired.get(r) == q:
-                continue  # demoted earlier: stays under the residency
             if not held:
                 if r in self.span:
                     self._release(r)  # the row's previous request is gone
                 self.retired.pop(r, None)
-            need = -(-int(ctx[b]) // h)
+            need = -(-int(b.ctx[i]) // self.hot_tokens)
             if need <= len(self.span.setdefault(r, [r])) or self._grow(r, need, borrowable):
-                direct[b] = True
-                resident[b] = min(int(self.filled[r]), int(rewrite_from[b])) if held else 0
+                direct[i] = True
+                resident[i] = min(int(self.filled[r]), int(b.rewrite_from[i])) if held else 0
             elif held:
                 demote.append(r)
+        for i in np.flatnonzero(b.live & ~direct):  # a managed request stays managed
+            r = int(b.rows[i])
+            if r in self.span and r not in demote:
+                self._release(r)
+            if r not in demote:
+                self.owner[r] = -1
+                self.retired[r] = int(b.req[i])
+        return direct, resident
 
-        # demotions: keep the most recent resident positions, give the span back
-        d_heads, d_req, d_stable, d_pos, d_src = [], [], [], [], []
+    def _demote(self, demote: List[int]) -> Dict[str, torch.Tensor]:
+        """The ``demote_*`` fields: each demoted request keeps its most recent resident
+        positions (at most ``H``); its span goes back."""
+        h = self.hot_tokens
+        heads, reqs, stables, pos, src = [], [], [], [], []
         for head in demote:
             valid = int(min(self.filled[head], self.stable[head]))
             keep = np.arange(max(0, valid - h), valid, dtype=np.int64)
-            pos_row = np.full((h,), -1, dtype=np.int64)
-            src_row = np.full((h,), -1, dtype=np.int64)
-            pos_row[: keep.size] = keep
-            src_row[: keep.size] = self._position_rows(head, keep)
-            d_heads.append(head)
-            d_req.append(int(self.owner[head]))
-            d_stable.append(valid)
-            d_pos.append(pos_row)
-            d_src.append(src_row)
+            pos_row, src_row = np.full((h,), -1, dtype=np.int64), np.full((h,), -1, dtype=np.int64)
+            pos_row[: keep.size], src_row[: keep.size] = keep, self._position_rows(head, keep)
+            heads.append(head)
+            reqs.append(int(self.owner[head]))
+            stables.append(valid)
+            pos.append(pos_row)
+            src.append(src_row)
             self.retired[head] = int(self.owner[head])
             self._release(head)
         self.demotions += len(demote)
+        if not heads:
+            none = torch.zeros((0,), dtype=torch.int64)
+            return dict(demote_heads=none, demote_req=none, demote_stable=none,
+                        demote_pos=torch.zeros((0, h), dtype=torch.int32),
+                        demote_src=torch.zeros((0, h), dtype=torch.int64))
+        return dict(demote_heads=torch.tensor(heads, dtype=torch.int64), demote_req=torch.tensor(reqs, dtype=torch.int64),
+                    demote_stable=torch.tensor(stables, dtype=torch.int64),
+                    demote_pos=torch.from_numpy(np.stack(pos)).to(torch.int32), demote_src=torch.from_numpy(np.stack(src)))
 
-        # copies into the direct entries' spans
-        copy_end = np.maximum(resident, rewrite_from) if captured_width else ctx
-        copy_rows, copy_pos, copy_dst = [], [], []
-        for b in np.flatnonzero(direct):
-            r = int(rows_np[b])
-            pos = np.arange(resident[b], copy_end[b], dtype=np.int64)
-            copy_rows.append(np.full(pos.size, r, dtype=np.int64))
-            copy_pos.append(pos)
-            copy_dst.append(self._position_rows(r, pos))
-            self.owner[r], self.filled[r], self.stable[r] = req_np[b], ctx[b], stable[b]
-        for b in np.flatnonzero(live & ~direct):  # a managed request's row holds no direct context
-            r = int(rows_np[b])
-            if r in self.span:
-                self._release(r)
-            self.owner[r] = -1
+    def _copies(self, b: "_Batch", direct: np.ndarray, resident: np.ndarray,
+                captured_width: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(rows, positions, flat destinations)`` of the host -> span copies, and the
+        direct requests' bookkeeping update."""
+        copy_end = np.maximum(resident, b.rewrite_from) if captured_width else b.ctx
+        rows, pos, dst = [np.zeros((0,), dtype=np.int64)], [np.zeros((0,), dtype=np.int64)], \
+            [np.zeros((0,), dtype=np.int64)]
+        for i in np.flatnonzero(direct):
+            r = int(b.rows[i])
+            p = np.arange(resident[i], copy_end[i], dtype=np.int64)
+            rows.append(np.full(p.size, r, dtype=np.int64))
+            pos.append(p)
+            dst.append(self._position_rows(r, p))
+            self.owner[r], self.filled[r], self.stable[r] = b.req[i], b.ctx[i], b.stable[i]
+        return np.concatenate(rows), np.concatenate(pos), np.concatenate(dst)
 
-        width = self.max_span
-        span_np = np.repeat(rows_np[:, None], width, axis=1)
-        for b in np.flatnonzero(direct):
-            span = self.span.get(int(rows_np[b]), [int(rows_np[b])])
-            span_np[b, : len(span)] = span
-        step_pos, step_copies = None, 0
-        if captured_width:
-            wide = direct & (ctx - rewrite_from > captured_width)
-            if wide.any():
-                raise ValueError(f"a captured step writes at most {captured_width} positions per entry; entries "
-                                 f"{np.flatnonzero(wide).tolist()} write {(ctx - rewrite_from)[wide].tolist()}")
-            cols = np.arange(captured_width, dtype=np.int64)[None, :]
-            pos = rewrite_from[:, None] + cols
-            step_np = np.where(direct[:, None] & (pos < ctx[:, None]), pos, -1)
-            step_pos = torch.from_numpy(step_np).to(device)
-            step_copies = int((step_np >= 0).sum())
-
-        def cat(parts):
-            return torch.from_numpy(np.concatenate(parts) if parts else np.zeros((0,), dtype=np.int64)).to(device)
-
-        def stack(parts, cols):
-            return torch.from_numpy(np.stack(parts) if parts else np.zeros((0, cols), dtype=np.int64))
-
-        return DirectStep(
-            mask=torch.from_numpy(direct).to(device), span_rows=torch.from_numpy(span_np).to(device),
-            copy_rows=cat(copy_rows), copy_pos=cat(copy_pos), copy_dst=cat(copy_dst),
-            demote_heads=torch.tensor(d_heads, dtype=torch.int64), demote_req=torch.tensor(d_req, dtype=torch.int64),
-            demote_stable=torch.tensor(d_stable, dtype=torch.int64), demote_pos=stack(d_pos, h).to(torch.int32),
-            demote_src=stack(d_src, h), direct_count=int(direct.sum()), step_pos=step_pos,
-            step_copies=step_copies, lent_rows=int((self.lender >= 0).sum()), lent_now=self.lent_total - lent_before,
-            reclaimed=reclaimed)
+    def _span_table(self, b: "_Batch", direct: np.ndarray) -> np.ndarray:
+        """int64 ``[B, max_span]``: each direct entry's span, its own row elsewhere."""
+        table = np.repeat(b.rows[:, None], self.max_span, axis=1)
+        for i in np.flatnonzero(direct):
+            span = self.span.get(int(b.rows[i]), [int(b.rows[i])])
+            table[i, : len(span)] = span
+        return table
 
     def forget(self) -> None:
         """Drop what every row holds: the next step refills the direct requests."""
@@ -290,6 +299,49 @@ class DirectRows:
         self.owner[:] = -1
         self.filled[:] = 0
         self.retired.clear()
+
+
+@dataclass
+class _Batch:
+    """Host copies of a step's batch (int64 ``[B]``) and what follows from them."""
+
+    rows: np.ndarray
+    req: np.ndarray
+    stable: np.ndarray
+    ctx: np.ndarray
+    rewrite_from: np.ndarray  # positions from here on are (re)written by the step
+    live: np.ndarray
+
+    @classmethod
+    def of(cls, rows, req_ids, stable_len, context_len) -> "_Batch":
+        def host(t):
+            return t.detach().cpu().numpy().astype(np.int64)
+
+        req, stable, ctx = host(req_ids), host(stable_len), host(context_len)
+        return cls(host(rows), req, stable, ctx, np.maximum(np.minimum(stable, ctx - 1), 0), req >= 0)
+
+
+def _step_positions(b: _Batch, direct: np.ndarray, width: int) -> Tuple[Optional[np.ndarray], int]:
+    """A captured step's ``step_pos`` ``[B, width]`` (the positions each direct entry writes
+    in the step, ``-1`` padded) and their count; ``(None, 0)`` for an eager step."""
+    if not width:
+        return None, 0
+    wide = direct & (b.ctx - b.rewrite_from > width)
+    if wide.any():
+        raise ValueError(f"a captured step writes at most {width} positions per entry; entries "
+                         f"{np.flatnonzero(wide).tolist()} write {(b.ctx - b.rewrite_from)[wide].tolist()}")
+    pos = b.rewrite_from[:, None] + np.arange(width, dtype=np.int64)[None, :]
+    step = np.where(direct[:, None] & (pos < b.ctx[:, None]), pos, -1)
+    return step, int((step >= 0).sum())
+
+
+def empty_step(batch: int, width: int, device) -> ResidencyStep:
+    """A residency step that selected nothing (``[batch, width]``; what a batch of direct
+    entries reports)."""
+    none = torch.full((batch, width), -1, dtype=torch.int32, device=device)
+    return ResidencyStep(hit_mask=torch.zeros((batch, width), dtype=torch.bool, device=device), slots=none,
+                         miss_count=torch.zeros((batch,), dtype=torch.int32, device=device), miss_tokens=none,
+                         miss_slots=none)
 
 
 def span_width(table_width: int, hot_tokens: int) -> int:
@@ -333,8 +385,7 @@ def copy_step_positions(host: torch.Tensor, hot: torch.Tensor, rows: torch.Tenso
     table_row = torch.where(valid, row, torch.zeros_like(row))  # the sink row has no token-table row
     host_slots = token_table[table_row.to(token_table.device), pos.to(token_table.device)].to(torch.int64)
     col = (pos // h).clamp(max=span_rows.shape[1] - 1)
-    flat = span_rows.gather(1, col) * h + pos % h
-    sink = torch.full_like(pos, (hot.shape[0] - 1) * h)
-    dst = torch.where(valid, flat, sink).reshape(-1)
+    dst_row = torch.where(valid, span_rows.gather(1, col), torch.full_like(pos, hot.shape[0] - 1))
+    dst_slot = torch.where(valid, pos % h, torch.zeros_like(pos))
     values = host.index_select(0, host_slots.reshape(-1).to(host.device)).to(hot.device)
-    hot.view(-1, hot.shape[-1]).index_copy_(0, dst.to(hot.device), values)
+    hot.index_put_((dst_row.reshape(-1).to(hot.device), dst_slot.reshape(-1).to(hot.device)), values)

@@ -525,8 +525,10 @@ class SparseDecodeEngine:
         (a direct request's context, into its span)."""
         if d.copy_rows.numel() == 0:
             return
-        table = self._token_table
-        host_slots = table[d.copy_rows.to(table.device), d.copy_pos.to(table.device)].to(torch.int64)
+        if d.copy_host is None:  # the same for every layer: looked up once per step
+            table = self._token_table
+            d.copy_host = table[d.copy_rows.to(table.device), d.copy_pos.to(table.device)].to(torch.int64)
+        host_slots = d.copy_host
         hot = self.hot.storage(layer)
         dst = d.copy_dst.to(self.device)
         flat = hot.view(-1, hot.shape[-1])
@@ -590,6 +592,8 @@ class SparseDecodeEngine:
         if d is not None and d.step_pos is not None:
             raise RuntimeError("this step was begun as a captured step: its layers run as decode_layer_step "
                                "with the step's direct plan (direct_step)")
+        if d is not None and d.all_direct and residency is None:
+            return self._run_direct_layer(layer, topk_dev, query, query_rope, scale, t0)
         if residency is not None:
             stepped = fused_indexer.batch_rows_step(residency, self._rows)
             req = RequestStep(stepped, stepped.slots, self._rows, None)
@@ -629,6 +633,30 @@ class SparseDecodeEngine:
         self.stats_acc.record_rows(layer, self._batch * n)
         if self.shadow is not None:
             self._shadow_check(layer, topk_dev, query, query_rope, scale, out)
+        return LayerResult(output=out, residency=res, flat_indices=flat)
+
+    def _run_direct_layer(self, layer: int, topk: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor,
+                          scale: float, t0: float) -> LayerResult:
+        """:meth:`run_layer` when every batch entry is direct (``residency = adaptive``): no
+        residency manager at all (a direct request was never in its state), the copies into
+        the spans, attention through them. The residency step returned is empty."""
+        cfg, d, n = self.config, self._direct_step, self._per_request
+        if d.copy_rows.numel():
+            self._copy_positions(layer, d)
+            self.stats_acc.record_direct(layer, 0, d.copy_rows.numel() * self.pool.shape.row_bytes, 0)
+        t1 = self._tick()
+        flat = direct_rows.direct_flat(d.span_rows, topk, cfg.hot_tokens, n)[:, None, :]
+        res = direct_rows.empty_step(self._batch, topk.shape[1] * n, self.device)
+        if self._copy_sfa_op is not None:
+            out = self._fused_copy_attention(layer, res, flat, query, query_rope, scale)
+        else:
+            out = attend_hot(self._attention_op, query, query_rope, self.hot.flat(layer), flat, scale, cfg.latent_dim)
+        if self.timing:
+            self.times.add("copy", t1 - t0)
+            self.times.add("attention", self._tick() - t1)
+        self.stats_acc.record_rows(layer, self._batch * n)
+        if self.shadow is not None:
+            self._shadow_check(layer, topk, query, query_rope, scale, out)
         return LayerResult(output=out, residency=res, flat_indices=flat)
 
     def _shadow_check(self, layer: int, topk: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor,

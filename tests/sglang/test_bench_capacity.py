@@ -139,10 +139,10 @@ def test_capacity_bench_serves_both_servers_at_one_budget(tmp_path):
     assert doc["identical_tokens"] and doc["token_agreement"] == 1.0
     assert runs["offload_c8"]["identical_to_no_offload"] is True
     assert doc["low_concurrency_cpu_ratio"] > 0 and doc["low_concurrency_short_cpu_ratio"] > 0
-    # residency adaptive (the default): the short requests fit the 64-slot hot buffer and are served directly
-    # (2 requests x their decode steps x 2 layers); the long ones never fit
+    # residency adaptive (the default): at concurrency 1 the short requests fit their own 64-slot hot buffer,
+    # and the long ones (288 tokens) span the buffers of idle request slots: all served directly
     assert doc["low_concurrency_residency"] == "adaptive" and doc["low_concurrency_short_direct_rows"] > 0
-    assert runs["offload_low1"]["direct_rows"] == 0
+    assert runs["offload_low1"]["direct_rows"] > 0
     for key in ("max_total_tokens_ratio", "throughput_ratio_pool_limited", "low_concurrency_cpu_ratio",
                 "identical_tokens", "runs"):
         assert key in doc

@@ -259,7 +259,7 @@ def test_adaptive_refusals_name_the_fix():
 def _served_like_steps(seed: int, steps: int):
     """Decode steps as a server runs them: each request's prompt is in the host pool
     before its first decode step, every step appends one token per request, requests
-    finish and rows are reused. Yields ``(rows, req_ids, stable [B], new host slots [B],
+    finish and rows are reused (the last row never gets a request: it is free to lend). Yields ``(rows, req_ids, stable [B], new host slots [B],
     table)`` with ``stable`` = the length including the token being decoded."""
     rng = np.random.default_rng(seed)
     table = torch.zeros((ROWS, MAX_CTX), dtype=torch.int32)
@@ -270,7 +270,8 @@ def _served_like_steps(seed: int, steps: int):
         for r in range(ROWS):
             if owner[r] >= 0 and left[r] == 0:
                 owner[r] = -1
-            if owner[r] < 0 and rng.random() < 0.7:  # host slots: the row's own range, in a new order
+            if owner[r] < 0 and r < ROWS - 1 and rng.random() < 0.7:  # the last row stays free (spans use it)
+                # host slots: the row's own range, in a new order
                 table[r] = torch.from_numpy(r * MAX_CTX + rng.permutation(MAX_CTX)).to(torch.int32)
                 length[r] = int(rng.integers(1, 14))  # prompt, below or above the 10 hot slots
                 left[r] = int(rng.integers(2, MAX_CTX - 4 - length[r]))
@@ -286,11 +287,15 @@ def _served_like_steps(seed: int, steps: int):
                torch.tensor([length[r] for r in live] + [0], dtype=torch.int32), new_slots, table.clone(), prompts)
 
 
+COMPILED_TOL = 2e-2
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_captured_step_equals_the_eager_step(compiled):
     """The captured form (copies split around the step, ``decode_layer_step`` with the
     direct plan, optionally ``torch.compile(fullgraph=True)``) gives the eager engine's
-    outputs, residency state and hot buffers bit for bit."""
+    residency state and hot buffers bit for bit, and its outputs (bit for bit uncompiled,
+    within the compiled attention's tolerance compiled)."""
     from sglang_ascend_offload.sparse_decode.engine import decode_layer_step
 
     host_tokens = ROWS * MAX_CTX
@@ -330,7 +335,11 @@ def test_captured_step_equals_the_eager_step(compiled):
                                 captured._stable_len, torch.tensor(step), captured.pool.layer(layer),
                                 captured.hot.storage(layer), table, q, qr, SCALE, LATENT, attention=attention,
                                 direct=(d.mask, d.step_pos, d.span_rows))
-            assert torch.equal(got, want), f"step {step} layer {layer}"
+            if compiled:  # inductor may fuse the attention's float arithmetic differently (test_sync_free.TOL)
+                diff = (got.float() - want.float()).abs()
+                assert bool((diff <= COMPILED_TOL + COMPILED_TOL * want.float().abs()).all()), (step, layer)
+            else:
+                assert torch.equal(got, want), f"step {step} layer {layer}"
             real = slice(0, ROWS)
             assert torch.equal(captured.hot.storage(layer)[real], eager.hot.storage(layer)[real])
             for name in ("slot_token", "slot_stamp", "row_req"):
