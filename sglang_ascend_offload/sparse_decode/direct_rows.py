@@ -292,15 +292,6 @@ class DirectRows:
             table[i, : len(span)] = span
         return table
 
-    def forget(self) -> None:
-        """Drop what every row holds: the next step refills the direct requests."""
-        for head in list(self.span):
-            self._release(head)
-        self.owner[:] = -1
-        self.filled[:] = 0
-        self.retired.clear()
-
-
 @dataclass
 class _Batch:
     """Host copies of a step's batch (int64 ``[B]``) and what follows from them."""

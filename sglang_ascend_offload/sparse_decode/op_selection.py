@@ -325,7 +325,7 @@ def _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_po
 def select_for_config(sd, platform: Optional[str] = None, **kw) -> OpPlan:
     """:func:`select_ops` for a :class:`~sglang_ascend_offload.config.SparseDecodeOffloadConfig`."""
     kw.setdefault("policy", sd.policy)
-    kw.setdefault("residency", getattr(sd, "residency", "always"))
+    kw.setdefault("residency", sd.residency)
     return select_ops(platform, ops=sd.ops, fused_lim=sd.fused_lim, fused_copy_sfa=sd.fused_copy_sfa,
                       indexer_dtype=sd.indexer_dtype, **kw)
 

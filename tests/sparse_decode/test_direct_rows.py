@@ -23,7 +23,8 @@ from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolSh
 from sglang_ascend_offload.sparse_decode.op_selection import OpSelectionError, select_ops
 from sglang_ascend_offload.sparse_decode.verify import full_kv_attention, resident_mismatches
 
-from .test_engine_equivalence import HEADS, HOT, K, LATENT, LAYERS, MAX_CTX, ROPE, ROWS, SCALE, Workload
+from .test_engine_equivalence import (HEADS, HOT, K, LATENT, LAYERS, MAX_CTX, ROPE, ROWS, SCALE, Workload,
+                                      copy_sfa_stand_in)
 
 
 def _engine(residency: str, impl: str, host_tokens: int, ops: str = "reference", device: str = "cpu",
@@ -35,32 +36,10 @@ def _engine(residency: str, impl: str, host_tokens: int, ops: str = "reference",
                               pool, device=device)
 
 
-def _copy_sfa_stand_in(monkeypatch) -> list:
-    """The fused Copy-SFA rung as the reference composition (declared usable), as
-    ``test_engine_equivalence.test_engine_fused_copy_sfa_path_equals_full_kv`` does: the
-    engine's fused branch (miss lists over all rows, one op for copy + attention) runs,
-    bit-exact. The kernels on their functional model: ``test_engine_fused_cpu_model.py``."""
-    from sglang_ascend_offload.ops import ascendc_cpu_ops
-    from sglang_ascend_offload.ops.contract import OpImpl
-    from sglang_ascend_offload.ops.registry import _REGISTRY
-
-    monkeypatch.setattr(ascendc_cpu_ops, "ensure_for_choice", lambda choice: None)
-    ref = registry.implementations("copy_sparse_flash_attention")["reference"]
-    calls = []
-
-    def stand_in(*args, **kwargs):
-        calls.append(1)
-        return ref.fn(*args, **kwargs)
-
-    monkeypatch.setitem(_REGISTRY.impls, ("copy_sparse_flash_attention", "fused"),
-                        OpImpl("copy_sparse_flash_attention", "fused", stand_in, lambda: None))
-    return calls
-
-
 @pytest.mark.parametrize("impl,ops,borrow", [("kernel", "reference", False), ("kernel", "reference", True),
                                              ("torch", "reference", True), ("torch", "fused", True)])
 def test_adaptive_equals_always_and_full_kv(impl, ops, borrow, monkeypatch):
-    calls = _copy_sfa_stand_in(monkeypatch) if ops == "fused" else None
+    calls = copy_sfa_stand_in(monkeypatch) if ops == "fused" else None
     run_adaptive_against_always(impl, ops, borrow=borrow)
     if calls is not None:
         assert len(calls) == STEPS * LAYERS  # every layer step went through the fused op

@@ -229,21 +229,14 @@ def test_engine_equals_full_kv_attention(policy, steps):
 STAND_IN_STEPS, STAND_IN_SEED = 120, 99  # shared with the NPU twin (test_engine_fused_npu.py)
 
 
-def test_engine_fused_copy_sfa_path_equals_full_kv(monkeypatch):
-    """With ops=fused the engine hands copy + attention to the Copy-SFA op.
-
-    A stand-in ``fused`` rung (the reference composition, declared usable) takes the
-    AscendC rung's place, and ``ops=fused`` does not register the functional-model ops
-    here; the engine's fused branch must then give the same bit-exact results as the
-    separate copy + attention path. The real operator: on an Ascend NPU
-    ``test_engine_fused_npu.py``, on CPU's functional model ``test_engine_fused_cpu_model.py``.
-    """
+def copy_sfa_stand_in(monkeypatch) -> list:
+    """Make the reference composition the (usable) ``fused`` Copy-SFA rung for this test,
+    without registering the functional-model ops; returns the list each call appends to."""
     from sglang_ascend_offload.ops import ascendc_cpu_ops
     from sglang_ascend_offload.ops.contract import OpImpl
     from sglang_ascend_offload.ops.registry import _REGISTRY
 
     monkeypatch.setattr(ascendc_cpu_ops, "ensure_for_choice", lambda choice: None)
-
     ref = registry.implementations("copy_sparse_flash_attention")["reference"]
     calls = []
 
@@ -253,6 +246,19 @@ def test_engine_fused_copy_sfa_path_equals_full_kv(monkeypatch):
 
     monkeypatch.setitem(_REGISTRY.impls, ("copy_sparse_flash_attention", "fused"),
                         OpImpl("copy_sparse_flash_attention", "fused", fused_stand_in, lambda: None))
+    return calls
+
+
+def test_engine_fused_copy_sfa_path_equals_full_kv(monkeypatch):
+    """With ops=fused the engine hands copy + attention to the Copy-SFA op.
+
+    A stand-in ``fused`` rung (the reference composition, declared usable) takes the
+    AscendC rung's place, and ``ops=fused`` does not register the functional-model ops
+    here; the engine's fused branch must then give the same bit-exact results as the
+    separate copy + attention path. The real operator: on an Ascend NPU
+    ``test_engine_fused_npu.py``, on CPU's functional model ``test_engine_fused_cpu_model.py``.
+    """
+    calls = copy_sfa_stand_in(monkeypatch)
     stats = run_against_full_kv("lru", STAND_IN_STEPS, seed=STAND_IN_SEED, ops="fused")
     assert stats.steps == STAND_IN_STEPS and len(calls) == STAND_IN_STEPS * LAYERS
 
