@@ -292,6 +292,7 @@ class DirectRows:
             table[i, : len(span)] = span
         return table
 
+
 @dataclass
 class _Batch:
     """Host copies of a step's batch (int64 ``[B]``) and what follows from them."""
