@@ -35,7 +35,7 @@ device-side row mode (``mask``) and the copy lists. It reads only host metadata.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -121,7 +121,8 @@ class DirectRows:
 
     **Room from idle request slots.** A direct request whose context outgrows its own
     buffer borrows the buffers of request slots SGLang has free (``free_rows``, taken
-    from the end of its free list, the last it hands out), up to ``max_span`` rows. It
+    from the front of its free list: SGLang hands slots out from the tail, so the front
+    is what it hands out last), up to ``max_span`` rows. It
     is demoted when no free slot is left to grow into, and when a new request needs a
     slot it borrowed (*pressure*: the device room of idle slots is gone). A demoted
     request keeps its most recent ``H`` positions in its own buffer and continues under
@@ -140,6 +141,13 @@ class DirectRows:
         self.max_span = 1
         self.demotions = 0
         self.lent_total = 0  # rows lent so far
+        # when set and returning True, no request is direct this step: the direct ones are
+        # demoted in place, new ones start under the residency (tests force demotion with it)
+        self.hold: Optional[Callable[[], bool]] = None
+        none = torch.zeros((0,), dtype=torch.int64)
+        self._no_demotion = dict(demote_heads=none, demote_req=none, demote_stable=none,
+                                 demote_pos=torch.zeros((0, self.hot_tokens), dtype=torch.int32),
+                                 demote_src=torch.zeros((0, self.hot_tokens), dtype=torch.int64))
 
     # ------------------------------------------------------------------ spans
     def _release(self, head: int) -> None:
@@ -153,35 +161,35 @@ class DirectRows:
         span = np.asarray(self.span[head], dtype=np.int64)
         return span[positions // self.hot_tokens] * self.hot_tokens + positions % self.hot_tokens
 
-    def _grow(self, head: int, need: int, borrowable: List[int]) -> bool:
-        """Extend ``head``'s span to ``need`` rows from ``borrowable`` (popped from its end)."""
+    def _grow(self, head: int, need: int, lendable: "_Lendable") -> bool:
+        """Extend ``head``'s span to ``need`` rows taken from ``lendable``."""
         span = self.span.setdefault(head, [head])
-        if need > self.max_span or need - len(span) > len(borrowable):
+        if need > self.max_span:
             return False
-        while len(span) < need:
-            r = borrowable.pop()
+        rows = lendable.take(need - len(span))
+        if rows is None:
+            return False
+        for r in rows:
             self.lender[r] = head
             span.append(r)
-            self.lent_total += 1
+        self.lent_total += len(rows)
         return True
 
     def plan(self, rows: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
              context_len: torch.Tensor, device, captured_width: int = 0,
-             free_rows: Optional[Callable[[], Iterable[int]]] = None) -> DirectStep:
+             free_rows: Optional[Callable[[], Sequence[int]]] = None) -> DirectStep:
         """The :class:`DirectStep` of a batch (``rows`` / ``req_ids`` / ``stable_len`` /
         ``context_len`` ``[B]`` as the engine holds them: padding entries on the sink row
         with owner ``-1``) and the bookkeeping update. Reads host copies only.
         ``captured_width`` ``n > 0``: the split form of a captured step, where a direct
         entry writes at most ``n`` positions in the step (a ``ValueError`` otherwise).
-        ``free_rows``: returns the request slots free now (called only where spans exist
-        or a context outgrows its own buffer; ``None``: none can be borrowed)."""
+        ``free_rows``: returns SGLang's list of free request slots (read, never copied,
+        unless a span grows; ``None``: none can be borrowed)."""
         lent_before = self.lent_total
         b = _Batch.of(rows, req_ids, stable_len, context_len)
-        # the free rows, read only where spans exist or a context outgrows its own buffer
-        wants_room = bool((self.lender >= 0).any()) or bool((b.live & (b.ctx > self.hot_tokens)).any())
-        free = [int(r) for r in free_rows() if 0 <= r < self.sink] if free_rows is not None and wants_room else []
-        demote, reclaimed = self._reclaim(b, set(free))
-        direct, resident = self._choose(b, demote, [r for r in free if self.lender[r] < 0])
+        free = free_rows() if free_rows is not None else ()
+        demote, reclaimed = self._reclaim(b, free)
+        direct, resident = self._choose(b, demote, _Lendable(free, self.lender, self.sink))
         demoted = self._demote(demote)
         copies = self._copies(b, direct, resident, captured_width)
         step_pos, step_copies = _step_positions(b, direct, captured_width)
@@ -199,24 +207,26 @@ class DirectRows:
             step_copies=step_copies, lent_rows=int((self.lender >= 0).sum()), lent_now=self.lent_total - lent_before,
             reclaimed=reclaimed, all_direct=bool(n_direct == b.rows.size))
 
-    def _reclaim(self, b: "_Batch", free_set: set) -> Tuple[List[int], int]:
-        """Give back the spans of finished requests (their own row is free again), and
-        list the direct requests whose lent row a live batch entry now holds (pressure)."""
-        for head in [x for x in self.span if x in free_set]:
+    def _reclaim(self, b: "_Batch", free: Sequence[int]) -> Tuple[List[int], int]:
+        """Give back the borrowed rows of finished requests (their own row is free again),
+        and list the direct requests whose lent row a live batch entry now holds
+        (pressure). A request in the batch is not finished (a new request on its row is
+        found by :meth:`_choose`); ``free`` is scanned only for the others that hold
+        borrowed rows (few)."""
+        in_batch = set(b.rows[b.live].tolist())
+        for head in [x for x, span in self.span.items() if len(span) > 1 and x not in in_batch and x in free]:
             self._release(head)
             self.retired.pop(head, None)
-        demote: List[int] = []
-        for r in b.rows[b.live]:
-            head = int(self.lender[r])
-            if head >= 0 and head not in demote:
-                demote.append(head)
+        heads = self.lender[b.rows[b.live]]
+        demote = list(dict.fromkeys(int(h) for h in heads[heads >= 0]))
         return demote, len(demote)
 
-    def _choose(self, b: "_Batch", demote: List[int], borrowable: List[int]) -> Tuple[np.ndarray, np.ndarray]:
-        """Which live entries are direct this step (growing spans from ``borrowable``), and
+    def _choose(self, b: "_Batch", demote: List[int], lendable: "_Lendable") -> Tuple[np.ndarray, np.ndarray]:
+        """Which live entries are direct this step (growing spans from ``lendable``), and
         the positions each already holds; entries that must leave are added to ``demote``."""
         direct = np.zeros(b.rows.shape, dtype=bool)
         resident = np.zeros(b.rows.shape, dtype=np.int64)
+        held_back = self.hold is not None and self.hold()
         for i in np.flatnonzero(b.live):
             r, q = int(b.rows[i]), int(b.req[i])
             if r in demote or self.retired.get(r) == q:
@@ -226,8 +236,12 @@ class DirectRows:
                 if r in self.span:
                     self._release(r)  # the row's previous request is gone
                 self.retired.pop(r, None)
+            if held_back:
+                if held:
+                    demote.append(r)
+                continue
             need = -(-int(b.ctx[i]) // self.hot_tokens)
-            if need <= len(self.span.setdefault(r, [r])) or self._grow(r, need, borrowable):
+            if need <= len(self.span.setdefault(r, [r])) or self._grow(r, need, lendable):
                 direct[i] = True
                 resident[i] = min(int(self.filled[r]), int(b.rewrite_from[i])) if held else 0
             elif held:
@@ -260,10 +274,7 @@ class DirectRows:
             self._release(head)
         self.demotions += len(demote)
         if not heads:
-            none = torch.zeros((0,), dtype=torch.int64)
-            return dict(demote_heads=none, demote_req=none, demote_stable=none,
-                        demote_pos=torch.zeros((0, h), dtype=torch.int32),
-                        demote_src=torch.zeros((0, h), dtype=torch.int64))
+            return self._no_demotion
         return dict(demote_heads=torch.tensor(heads, dtype=torch.int64), demote_req=torch.tensor(reqs, dtype=torch.int64),
                     demote_stable=torch.tensor(stables, dtype=torch.int64),
                     demote_pos=torch.from_numpy(np.stack(pos)).to(torch.int32), demote_src=torch.from_numpy(np.stack(src)))
@@ -291,6 +302,28 @@ class DirectRows:
             span = self.span.get(int(b.rows[i]), [int(b.rows[i])])
             table[i, : len(span)] = span
         return table
+
+
+class _Lendable:
+    """The free request slots a span may borrow, in lending order (the front of SGLang's
+    free list first), read from ``free`` the first time a span grows in a step: most
+    steps grow nothing and never pay for the scan of a list as long as the request slots.
+    Skips the sink row, rows out of range and rows lent already."""
+
+    def __init__(self, free: Sequence[int], lender: np.ndarray, sink: int):
+        self._free, self._lender, self._sink = free, lender, sink
+        self._rows: Optional[List[int]] = None
+
+    def take(self, count: int) -> Optional[List[int]]:
+        """``count`` rows to lend (removed from this step's supply), or ``None`` (and none
+        taken) when fewer are free."""
+        if self._rows is None:
+            free = np.fromiter(self._free, dtype=np.int64, count=len(self._free))
+            free = free[(free >= 0) & (free < self._sink)]
+            self._rows = free[self._lender[free] < 0].tolist()[::-1]  # popped from the end
+        if count > len(self._rows):
+            return None
+        return [self._rows.pop() for _ in range(count)]
 
 
 @dataclass

@@ -51,13 +51,15 @@ def prefill_args(bootstrap_port: int, kv_port: int, layerwise: bool = False) -> 
     return args
 
 
-def decode_args(kv_port: int, offload: bool = False) -> List[str]:
-    """Server arguments of a P/D decode server (``offload``: with sparse decode offload)."""
+def decode_args(kv_port: int, offload: bool = False, residency: str = "always") -> List[str]:
+    """Server arguments of a P/D decode server (``offload``: with sparse decode offload,
+    64 hot slots and ``residency``)."""
     args = COMMON + ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "ascend_offload",
                      "--disaggregation-decode-retraction-backup", "cpu_tensor", "--enable-pd-transfer",
                      "--pd-transfer-config", pd_config_json(kv_port)]
     if offload:
-        args += ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", '{"hot_tokens": 64}']
+        config = '{"hot_tokens": 64}' if residency == "always" else f'{{"hot_tokens": 64, "residency": "{residency}"}}'
+        args += ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", config]
     return args
 
 

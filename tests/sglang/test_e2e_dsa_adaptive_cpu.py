@@ -11,6 +11,9 @@ same order), in each situation a request can be in:
   requests arrive and take every free slot, so the borrowed one is needed back: the
   long request is demoted mid-decode to the residency (``reclaims``), and finishes
   there;
+* **the test switch**: a request decoding direct is demoted mid-decode because the
+  server's fault-injection file appears (no pressure at all), finishes under the
+  residency, and the next request is direct again once the file is gone;
 * short requests that stay direct in their own buffer; a radix-cache hit (128 cached
   tokens) served direct over a span; a prompt longer than every free buffer together
   (offloaded from its first step); a concurrent mix of all of these.
@@ -30,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import IDLE_SLEEP, ServerProcess
+from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import FORCE_DEMOTE_ENV
 from sglang_ascend_offload.testing import pd_servers
 
 pytestmark = pytest.mark.slow
@@ -48,9 +52,11 @@ def prompt(n: int, seed: int) -> list:
 def servers(request, tmp_path_factory, shared_servers):
     root = tmp_path_factory.mktemp("adaptive_servers")
     dense = shared_servers.get("tiny_dsa_reference", COMMON)
+    hold_flag = root / "hold_direct"  # created by a test to force demotions (absent otherwise)
     adaptive = ServerProcess(COMMON + ["--enable-metrics", "--enable-sparse-decode-offload",
                                        "--sparse-decode-offload-config", json.dumps({"residency": "adaptive"})],
-                             log_path=root / "adaptive.log")
+                             log_path=root / "adaptive.log", env={FORCE_DEMOTE_ENV: str(hold_flag)})
+    adaptive.hold_flag = hold_flag
     try:
         shared_servers.start_all(dense, adaptive)
         yield dense, adaptive
@@ -122,3 +128,34 @@ def test_adaptive_residency_is_token_identical_to_no_offload(servers):
     log = adaptive.log_path.read_text(errors="replace")
     assert "residency adaptive (a request whose context fits its 64 slots, or those of idle request slots" in log
     assert "Traceback" not in log
+
+
+def test_a_forced_demotion_mid_decode_is_token_identical(servers):
+    dense, adaptive = servers
+    ids = prompt(40, seed=90)
+    want = _record(dense.generate(ids, max_new_tokens=160, return_logprob=True))
+    demotions, direct = metric(adaptive, "demotions"), metric(adaptive, "direct_rows")
+    result = {}
+    req = threading.Thread(target=lambda: result.__setitem__(
+        "out", _record(adaptive.generate(ids, max_new_tokens=160, return_logprob=True))))
+    req.start()
+    deadline = time.monotonic() + 120
+    try:
+        while metric(adaptive, "direct_rows") < direct + 10 * LAYERS:  # ten direct steps first
+            assert time.monotonic() < deadline and req.is_alive(), "the request never decoded direct"
+            time.sleep(0.02)
+        adaptive.hold_flag.touch()
+        while metric(adaptive, "demotions") < demotions + LAYERS:
+            assert time.monotonic() < deadline and req.is_alive(), "the switch demoted nothing"
+            time.sleep(0.02)
+    finally:
+        adaptive.hold_flag.unlink(missing_ok=True)
+    req.join(timeout=300)
+    assert not req.is_alive() and result["out"] == want
+    assert metric(adaptive, "demotions") == demotions + LAYERS
+    # the switch is off: a new request is direct again, token-identical too
+    direct = metric(adaptive, "direct_rows")
+    short = prompt(20, seed=91)
+    assert _record(adaptive.generate(short, max_new_tokens=12, return_logprob=True)) == \
+        _record(dense.generate(short, max_new_tokens=12, return_logprob=True))
+    assert metric(adaptive, "direct_rows") > direct

@@ -8,9 +8,11 @@ One module setup (each launch costs ~30-60 s on 2 cores, started together):
   read layer 0 (the request is published layer by layer during its last forward),
 * decode server D0 (device pool: main KV pulled into device pages),
 * decode server D1 with sparse decode offload (main KV pulled straight into its host pool),
-* decode server D2 like D1 with SGLang's forced retraction (``SGLANG_TEST_RETRACT``: every
-  third decode step retracts requests; their KV is backed up from the host pool and
-  restored into new slots, ``--disaggregation-decode-retraction-backup cpu_tensor``),
+* decode server D2 like D1 with ``residency: "adaptive"`` and SGLang's forced retraction
+  (``SGLANG_TEST_RETRACT``: every third decode step retracts requests; their KV is backed
+  up from the host pool and restored into new slots,
+  ``--disaggregation-decode-retraction-backup cpu_tensor``; a resumed request that turns
+  direct reads its whole restored context from the host pool),
 * one colocated server (the reference),
 * five routers ``sglang_router.launch_router --pd-disaggregation``: (P, D0), (P, D1), (PL, D0),
   (PL, D1), (P, D2): the fourth is the intended deployment (layerwise offload on the prefill node,
@@ -82,7 +84,7 @@ def pd(request, tmp_path_factory, shared_servers):
     dense = ServerProcess(pd_servers.decode_args(kv0), log_path=root / "decode_dense.log")
     offload = ServerProcess(pd_servers.decode_args(kv1, offload=True), log_path=root / "decode_offload.log")
     colocated = shared_servers.get("tiny_dsa_reference", pd_servers.COMMON + IDLE_SLEEP)
-    retracting = ServerProcess(pd_servers.decode_args(kv2, offload=True) + ["--enable-metrics"],
+    retracting = ServerProcess(pd_servers.decode_args(kv2, offload=True, residency="adaptive") + ["--enable-metrics"],
                                log_path=root / "decode_offload_retract.log", env=FORCED_RETRACTION)
     servers = [prefill, dense, offload, colocated, prefill_lw, retracting]
     routers = []
@@ -160,17 +162,21 @@ def test_router_pd_from_layerwise_prefill_to_offload_decode_matches_colocated(pd
 
 
 def test_retracted_requests_on_an_offload_decode_resume_token_identical(pd):
-    """Forced retraction on the P/D decode with sparse decode offload: retracted requests'
-    KV is backed up (host rows copied, index K from the device) and restored into their
-    new slots when they resume, never recomputed; tokens and logprobs equal the colocated
-    server's, and the server counted the retractions."""
+    """Forced retraction on the P/D decode with sparse decode offload (``residency:
+    adaptive``): retracted requests' KV is backed up (host rows copied, index K from the
+    device) and restored into their new slots when they resume, never recomputed; tokens
+    and logprobs equal the colocated server's, and the server counted the retractions
+    and served direct rows."""
     router, colocated, retracting = pd.retract, pd.colocated, pd.retracting
     prompts = [prompt(40 + 37 * i, seed=50 + i) for i in range(4)]
     _check_same(router, colocated, prompts, max_new_tokens=20)
     text = retracting.get("/metrics")
-    retracted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                    if line.startswith("sglang:num_retracted_requests_total{"))
-    assert retracted > 0, "no request was retracted"
+
+    def total(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    assert total("sglang:num_retracted_requests_total") > 0, "no request was retracted"
+    assert total("sglang:ascend_offload_direct_rows_total") > 0, "no request was served direct"
     log = (pd.root / "decode_offload_retract.log").read_text(errors="replace")
     assert "Testing retraction" in log and "Traceback" not in log
 

@@ -196,27 +196,54 @@ def test_plan_spans_free_rows_and_gives_them_back_under_pressure():
         t = torch.tensor
         return d.plan(t(rows), t(req), t(ctx, dtype=torch.int32), t(ctx), "cpu", free_rows=lambda: free)
 
-    # row 0 fits its own buffer; row 1 (10 positions) borrows the last free row, 4
-    p = plan([0, 1], [10, 11], [7, 10], [2, 3, 4])
+    # row 0 fits its own buffer; row 1 (10 positions) borrows the front of the free list
+    # (SGLang hands slots out from its tail), 4
+    p = plan([0, 1], [10, 11], [7, 10], [4, 3, 2])
     assert p.mask.tolist() == [True, True] and p.span_rows[1, :2].tolist() == [1, 4]
     assert p.copy_pos.tolist() == list(range(7)) + list(range(10))
     assert p.copy_dst.tolist()[-2:] == [4 * 8, 4 * 8 + 1] and p.lent_rows == 1
     # a new request on row 4: request 11 is demoted (pressure) and keeps its last 8 positions
-    p = plan([0, 1, 4], [10, 11, 12], [8, 11, 3], [2, 3])
+    p = plan([0, 1, 4], [10, 11, 12], [8, 11, 3], [3, 2])
     assert p.reclaimed == 1 and p.demote_heads.tolist() == [1] and p.mask.tolist() == [True, False, True]
     assert p.demote_pos[0].tolist() == list(range(2, 10))
     assert p.demote_src[0].tolist() == [8 + i for i in range(2, 8)] + [32, 33]
     assert p.copy_pos.tolist() == [7, 0, 1, 2] and p.copy_dst.tolist() == [7, 32, 33, 34]
     # once demoted, a request stays under the residency
-    p = plan([1], [11], [12], [2, 3])
+    p = plan([1], [11], [12], [3, 2])
     assert p.mask.tolist() == [False] and p.demote_heads.numel() == 0
-    # request 11 finished (row 1 free): row 0 grows over two free rows, taken from the end of the list
-    p = plan([0], [10], [17], [1, 2, 3])
+    # request 11 finished (row 1 free): row 0 grows over two free rows, taken from the front of the list
+    p = plan([0], [10], [17], [3, 2, 1])
     assert p.mask.tolist() == [True] and p.span_rows[0, :3].tolist() == [0, 3, 2]
     # no room to grow (and the span limit): demoted
     p = plan([0], [10], [33], [1])
     assert p.mask.tolist() == [False] and p.demote_heads.tolist() == [0]
     assert p.demote_pos[0].tolist() == list(range(9, 17)) and p.lent_rows == 0
+
+
+def test_hold_demotes_the_direct_requests_and_admits_none():
+    """The test switch (``DirectRows.hold``): while it holds, direct requests are demoted
+    in place at their next step and new ones start under the residency; afterwards new
+    requests are direct again and the demoted ones stay managed."""
+    d = DirectRows(state_rows=6, hot_tokens=8)
+    d.max_span = 4
+    holding = [False]
+    d.hold = lambda: holding[0]
+
+    def plan(rows, req, ctx, free=(4, 3, 2)):
+        t = torch.tensor
+        return d.plan(t(rows), t(req), t(ctx, dtype=torch.int32), t(ctx), "cpu", free_rows=lambda: list(free))
+
+    p = plan([0, 1], [10, 11], [5, 12])
+    assert p.mask.tolist() == [True, True] and p.span_rows[1, :2].tolist() == [1, 4]
+    holding[0] = True
+    p = plan([0, 1, 2], [10, 11, 12], [6, 13, 3])
+    assert p.mask.tolist() == [False, False, False] and p.demote_heads.tolist() == [0, 1]
+    assert p.reclaimed == 0 and p.demote_pos[1].tolist() == list(range(4, 12))
+    assert p.demote_src[1].tolist() == [8 + i for i in range(4, 8)] + [32 + i for i in range(4)]
+    holding[0] = False
+    p = plan([0, 1, 2, 3], [10, 11, 12, 13], [7, 14, 4, 2])
+    assert p.mask.tolist() == [False, False, False, True] and p.demote_heads.numel() == 0
+    assert d.demotions == 2
 
 
 def test_adaptive_refusals_name_the_fix():

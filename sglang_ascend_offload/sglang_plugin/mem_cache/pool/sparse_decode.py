@@ -35,6 +35,7 @@ asks for it gets an error naming the offload. Rows of the decode engine are
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Optional
 
 import torch
@@ -51,6 +52,10 @@ from ..pool_host.shared import EngineGate, allocate_rank_pool
 from ...speculative.eagle import verify_rows_per_request
 
 logger = logging.getLogger(__name__)
+
+# Fault injection (tests): with residency "adaptive", while the file named here exists no
+# request is direct: the direct ones are demoted in place at their next step.
+FORCE_DEMOTE_ENV = "SGLANG_ASCEND_OFFLOAD_TEST_FORCE_DEMOTE"
 
 
 class HostMainKVPool(DeviceDSAPool):
@@ -113,6 +118,11 @@ class HostMainKVPool(DeviceDSAPool):
             self.host_pool, device=device if not str(device).startswith("cpu") else "cpu",
             tp_rank=rank_pool.rank, gate=gate,
         )
+        if self.engine.direct is not None and os.environ.get(FORCE_DEMOTE_ENV):
+            flag = os.environ[FORCE_DEMOTE_ENV]
+            self.engine.direct.hold = lambda: os.path.exists(flag)
+            logger.warning("%s=%s: while that file exists no request is direct (test fault injection)",
+                           FORCE_DEMOTE_ENV, flag)
         self.offload = offload
         self._finalize_allocation_log(size)
         logger.info("sparse decode offload: host pool %.1f MiB (%d slots x %d layers), hot buffers %.1f MiB "
