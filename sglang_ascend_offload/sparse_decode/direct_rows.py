@@ -208,15 +208,17 @@ class DirectRows:
             reclaimed=reclaimed, all_direct=bool(n_direct == b.rows.size))
 
     def _reclaim(self, b: "_Batch", free: Sequence[int]) -> Tuple[List[int], int]:
-        """Give back the borrowed rows of finished requests (their own row is free again),
-        and list the direct requests whose lent row a live batch entry now holds
-        (pressure). A request in the batch is not finished (a new request on its row is
-        found by :meth:`_choose`); ``free`` is scanned only for the others that hold
-        borrowed rows (few)."""
-        in_batch = set(b.rows[b.live].tolist())
-        for head in [x for x, span in self.span.items() if len(span) > 1 and x not in in_batch and x in free]:
-            self._release(head)
-            self.retired.pop(head, None)
+        """Give back the borrowed rows of finished requests, then list the direct requests
+        whose lent row a live batch entry now holds (pressure). A request is finished when
+        its row holds another request in this batch, or is not in the batch and is free
+        (``free`` is scanned only for those, which hold borrowed rows: few). Done first,
+        so a finished request's rows are lendable again and never count as pressure."""
+        batch_req = dict(zip(b.rows[b.live].tolist(), b.req[b.live].tolist()))
+        for head in [x for x, span in self.span.items() if len(span) > 1]:
+            req = batch_req.get(head)
+            if (req is not None and req != self.owner[head]) or (req is None and head in free):
+                self._release(head)
+                self.retired.pop(head, None)
         heads = self.lender[b.rows[b.live]]
         demote = list(dict.fromkeys(int(h) for h in heads[heads >= 0]))
         return demote, len(demote)

@@ -220,6 +220,24 @@ def test_plan_spans_free_rows_and_gives_them_back_under_pressure():
     assert p.demote_pos[0].tolist() == list(range(9, 17)) and p.lent_rows == 0
 
 
+def test_a_finished_requests_borrowed_rows_are_lendable_the_step_its_row_is_reused():
+    """Request 10 on row 5 spans rows 1-3 and finishes; SGLang hands row 5 to request 12
+    (its row was never in a free list the engine saw). The same step request 11 (first in
+    the batch) grows: it must get 10's rows back, and nobody is demoted."""
+    d = DirectRows(state_rows=8, hot_tokens=8)  # rows 0-6, sink 7
+    d.max_span = 8
+
+    def plan(rows, req, ctx, free):
+        t = torch.tensor
+        return d.plan(t(rows), t(req), t(ctx, dtype=torch.int32), t(ctx), "cpu", free_rows=lambda: list(free))
+
+    p = plan([5, 6], [10, 11], [30, 8], [1, 2, 3, 4])
+    assert p.span_rows[0, :4].tolist() == [5, 1, 2, 3] and p.mask.tolist() == [True, True]
+    p = plan([6, 5], [11, 12], [30, 3], [1, 2, 3, 4])  # 10 finished, 12 took row 5; 11 needs 3 rows
+    assert p.mask.tolist() == [True, True] and p.demote_heads.numel() == 0 and p.reclaimed == 0
+    assert p.span_rows[0, :4].tolist() == [6, 1, 2, 3] and d.demotions == 0
+
+
 def test_hold_demotes_the_direct_requests_and_admits_none():
     """The test switch (``DirectRows.hold``): while it holds, direct requests are demoted
     in place at their next step and new ones start under the residency; afterwards new
