@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from ...sparse_decode.stats import Counters, DecodeStats
 
@@ -117,6 +117,8 @@ class OffloadMetrics:
         self._exported = _Exported(per_layer=[dict.fromkeys(_COUNTER_FIELDS + ("copy_seconds",), 0.0)
                                               for _ in range(layers)])
         self._prom = self._make_prometheus() if prometheus else None
+        self._children: Optional[List[Dict[str, Any]]] = None  # labelled counters per layer, made on first export
+        self._gauges: tuple = ()
         self.last_summary: Optional[str] = None
 
     @property
@@ -148,18 +150,27 @@ class OffloadMetrics:
         return _PROMETHEUS[key]
 
     def _export(self, stats: DecodeStats) -> None:
+        """Push each counter's change since the last export (runs every decode step: the
+        labelled children are looked up once and kept)."""
         counters, gauge, per_step = self._prom
+        if self._children is None:
+            self._children = [{key: counters[key].labels(**self._labels, layer=str(layer))
+                               for key in _COUNTER_FIELDS + ("copy_seconds",)} for layer in range(self.layers)]
+            self._gauges = (gauge.labels(**self._labels), per_step.labels(**self._labels))
         for layer, c in enumerate(stats.per_layer):
-            done = self._exported.per_layer[layer]
-            values = {key: float(getattr(c, key)) for key in _COUNTER_FIELDS}
-            values["copy_seconds"] = self.copy_seconds[layer]
-            for key, value in values.items():
-                delta = value - done[key]
+            done, children = self._exported.per_layer[layer], self._children[layer]
+            for key in _COUNTER_FIELDS:
+                delta = getattr(c, key) - done[key]
                 if delta > 0:
-                    counters[key].labels(**self._labels, layer=str(layer)).inc(delta)
-                    done[key] = value
-        gauge.labels(**self._labels).set(stats.total.hit_rate)
-        per_step.labels(**self._labels).set(stats.total.h2d_bytes / max(1, stats.steps))
+                    children[key].inc(delta)
+                    done[key] += delta
+            delta = self.copy_seconds[layer] - done["copy_seconds"]
+            if delta > 0:
+                children["copy_seconds"].inc(delta)
+                done["copy_seconds"] = self.copy_seconds[layer]
+        total = stats.total
+        self._gauges[0].set(total.hit_rate)
+        self._gauges[1].set(total.h2d_bytes / max(1, stats.steps))
 
 
 _PROMETHEUS: Dict[tuple, tuple] = {}
