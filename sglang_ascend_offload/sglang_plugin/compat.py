@@ -122,6 +122,7 @@ TARGET_CONFIG_STORE = "sglang.srt.managers.disagg_service.maybe_create_ascend_co
 TARGET_PREFILL_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
 TARGET_DECODE_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
 TARGET_RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+TARGET_IDLE_SLEEP = "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle"
 TARGET_EMBED_HEAD = "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_embed_and_head"
 TARGET_DRAFT_FACTORY = "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend"
 TARGET_LAST_LOC = "sglang.srt.mem_cache.allocation.get_last_loc"
@@ -171,6 +172,8 @@ HOOKED: Tuple[Hooked, ...] = (
     Hooked(TARGET_PREFILL_MANAGER, ("self",), "the prefill KV manager"),
     Hooked(TARGET_DECODE_MANAGER, ("self",), "the decode KV manager"),
     Hooked(TARGET_RUN_BATCH, ("self", "batch"), "announce last chunks to the layerwise publisher"),
+    Hooked(TARGET_IDLE_SLEEP, ("self",), "P/D servers with --sleep-on-idle sleep in short slices while "
+           "transfers are in flight"),
     Hooked(TARGET_EMBED_HEAD, ("self", "embed", "head"), "no CUDA sync when the draft shares "
            "the target's embedding and head on a CPU"),
     Hooked(TARGET_DRAFT_FACTORY, ("self", "backend_name", "backend_map", "error_template", "stamps_children"),

@@ -83,6 +83,8 @@ HOOKS: Tuple[Hook, ...] = (
          "hand the prefill queue's KV pool to the manager"),
     Hook(compat.TARGET_DECODE_MANAGER, "AFTER", "disaggregation.ascend_offload.install:attach_pool_after_decode",
          "hand the decode queue's KV pool to the manager"),
+    Hook(compat.TARGET_IDLE_SLEEP, "AROUND", "disaggregation.ascend_offload.idle:maybe_sleep_on_idle_around",
+         "--sleep-on-idle on the P/D backend: short sleeps while transfers are in flight, parked otherwise"),
     Hook(compat.TARGET_RUN_BATCH, "BEFORE", "disaggregation.ascend_offload.install:announce_last_chunks_before",
          "layerwise prefill: announce the requests whose last chunk this forward computes"),
     Hook(compat.TARGET_CELL_SIZE, "AFTER", "mem_cache.sizing.cell:cell_size_after",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from conftest import REPO, server_env
 from sglang_ascend_offload.bench import serve, served_startup
 from sglang_ascend_offload.bench.served_load import StreamedOutput, percentile
 
+HOT_LINE = re.compile(r"hot buffers [0-9.]+ MiB \((\d+) rows x (\d+) slots")  # the offload pool's startup line
 RUN_KEYS = {"name", "offload", "graph", "speculative", "requests", "completed", "output_tokens_per_s",
             "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99", "accept_length", "token_agreement"}
 
@@ -167,32 +169,37 @@ def test_bench_serve_trained_speculative_pair_measures_real_acceptance(tmp_path)
 
 @pytest.mark.slow
 def test_bench_serve_short_run_pair(tmp_path):
-    """Two servers (~1-2 min here): no offload, and offload at --max-running-requests 2048
-    with shadow verification on every layer step (its checks and their cost reported)."""
+    """Three servers, one after the other (~2 min here): no offload, and offload at
+    --max-running-requests 4 and 2048 with shadow verification on every layer step (its
+    checks and their cost reported). The offload engine's per-step work follows the live
+    batch, not the request slots: both offload servers size their hot buffers for their
+    slots (5 and 2,049 rows) and step at most the 2 live rows per step."""
     offload_config = json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 1.0, "verify_sample_rate": 1.0})
     cmd = [sys.executable, "-m", "sglang_ascend_offload", "bench", "serve", "--runs",
-           "no_offload_eager,offload_eager_mrr2048", "--clients", "2", "--requests", "2", "--input-len", "40",
+           "no_offload_eager,offload_eager,offload_eager_mrr2048", "--clients", "2", "--requests", "2", "--input-len", "40",
            "--output-len", "12", "--offload-config", offload_config, "--log-dir", str(tmp_path), "--json"]
     result = subprocess.run(cmd, cwd=REPO, env=server_env(cpu=False), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     doc = json.loads(result.stdout)  # exactly one JSON document: progress went to stderr
     assert isinstance(doc["identical_tokens"], bool) and doc["identical_tokens"], doc["identical_tokens_problems"]
     runs = {r["name"]: r for r in doc["runs"]}
-    assert list(runs) == ["no_offload_eager", "offload_eager_mrr2048"]
+    assert list(runs) == ["no_offload_eager", "offload_eager", "offload_eager_mrr2048"]
     for r in runs.values():
         assert RUN_KEYS <= set(r)
         assert r["error"] is None and r["completed"] == r["requests"] == 2
         assert r["output_tokens_per_s"] > 0 and r["ttft_ms_p50"] > 0 and r["itl_ms_p99"] >= r["itl_ms_p50"] > 0
         assert r["accept_length"] is None and r["token_agreement"] == 1.0
         assert r["server_cpu_ms_per_token"] > 0
-    off = runs["offload_eager_mrr2048"]
-    assert off["offload"] and off["reference"] == "no_offload_eager" and off["identical_to_reference"]
-    assert off["server_args"][:2] == ["--max-running-requests", "2048"]
-    # the engine stepped the live rows only, not the 2049 rows its hot buffers hold
-    assert 0 < float(off["offload_summary"]["rows/step"]) <= 2, off["offload_summary"]
-    assert Path(off["log"]).is_file()
-    assert off["shadow_checks"] > 0 and off["shadow_mismatches"] == 0
-    assert 0 < off["shadow_share_of_server_cpu"] < 1
+    for name, slots in (("offload_eager", 4), ("offload_eager_mrr2048", 2048)):
+        off = runs[name]
+        assert off["offload"] and off["reference"] == "no_offload_eager" and off["identical_to_reference"]
+        assert off["server_args"][:2] == ["--max-running-requests", str(slots)]
+        hot = HOT_LINE.search(Path(off["log"]).read_text(errors="replace"))
+        assert hot is not None and int(hot.group(1)) == slots + 1  # sized for the request slots
+        # the engine stepped the live rows only, not the rows its hot buffers hold
+        assert 0 < float(off["offload_summary"]["rows/step"]) <= 2, off["offload_summary"]
+        assert off["shadow_checks"] > 0 and off["shadow_mismatches"] == 0
+        assert 0 < off["shadow_share_of_server_cpu"] < 1
     assert runs["no_offload_eager"]["shadow_checks"] is None
 
 

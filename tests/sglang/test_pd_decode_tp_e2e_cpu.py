@@ -63,7 +63,7 @@ MAX_NEW = 8
 
 def _prefill(tp: int, kv: int, root) -> tuple:
     bootstrap = free_port()
-    return ServerProcess(["--tp-size", str(tp)] + pd_servers.prefill_args(bootstrap, kv),
+    return ServerProcess(["--tp-size", str(tp)] + pd_servers.prefill_args(bootstrap, kv) + IDLE_SLEEP,
                          log_path=root / f"prefill_tp{tp}.log", env=_bind(tp)), bootstrap
 
 
@@ -73,7 +73,7 @@ def decode_side(tmp_path_factory):
     (started with the other two: one wait instead of two)."""
     root = tmp_path_factory.mktemp("pd_decode_tp")
     kv = free_port(span=2)  # decode control ports kv .. kv + 1 (one per TP rank)
-    decode = ServerProcess(TP2 + pd_servers.decode_args(kv, offload=True), log_path=root / "decode_tp2.log",
+    decode = ServerProcess(TP2 + pd_servers.decode_args(kv, offload=True) + IDLE_SLEEP, log_path=root / "decode_tp2.log",
                            env=_bind(2))
     reference = ServerProcess(TP2 + pd_servers.COMMON + IDLE_SLEEP, log_path=root / "colocated_tp2.log",
                               env=_bind(2))

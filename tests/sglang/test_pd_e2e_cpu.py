@@ -13,18 +13,23 @@ One module setup (each launch costs ~30-60 s on 2 cores, started together):
   up from the host pool and restored into new slots,
   ``--disaggregation-decode-retraction-backup cpu_tensor``; a resumed request that turns
   direct reads its whole restored context from the host pool),
+* decode server D3 with sparse decode offload and the int8 (LIM-C8) index-K cache
+  (``indexer_dtype: "int8"``),
 * one colocated server (the reference),
-* five routers ``sglang_router.launch_router --pd-disaggregation``: (P, D0), (P, D1), (PL, D0),
-  (PL, D1), (P, D2): the fourth is the intended deployment (layerwise offload on the prefill node,
-  sparse decode offload on the decode node).
+* six routers ``sglang_router.launch_router --pd-disaggregation``: (P, D0), (P, D1), (PL, D0),
+  (PL, D1), (P, D2), (P, D3): the fourth is the intended deployment (layerwise offload on the
+  prefill node, sparse decode offload on the decode node).
 
-Every server uses the Mooncake engine over TCP on 127.0.0.1 (``pd_transfer.engine =
+Every server sleeps when idle (``--sleep-on-idle``; the P/D servers in short slices while
+a transfer is in flight, ``disaggregation/ascend_offload/idle.py``), so the idle ones
+do not take the cores from the others. Every server uses the Mooncake engine over TCP on 127.0.0.1 (``pd_transfer.engine =
 mooncake``). Greedy ``/generate`` through each router must return the colocated
 server's tokens (and logprobs). Loopback only; every process is killed in teardown.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +68,7 @@ class PDServers:
     layerwise_offload: PDRouter  # PL -> D1
     retract: PDRouter  # P -> D2 (offload, forced retraction)
     retracting: ServerProcess  # D2
+    int8: PDRouter  # P -> D3 (offload, int8 index K)
 
 
 # The colocated reference is test_e2e_dsa_cpu.py's and test_score_policy_serving.py's
@@ -76,32 +82,36 @@ def pd(request, tmp_path_factory, shared_servers):
     """:class:`PDServers` (every process stopped in teardown)."""
     root = tmp_path_factory.mktemp("pd_servers")
     bootstrap, bootstrap_lw = free_port(), free_port()
-    kv0, kv1, kv2 = free_port(), free_port(), free_port()
+    kv0, kv1, kv2, kv3 = free_port(), free_port(), free_port(), free_port()
 
-    prefill = ServerProcess(pd_servers.prefill_args(bootstrap, kv0), log_path=root / "prefill.log")
-    prefill_lw = ServerProcess(pd_servers.prefill_args(bootstrap_lw, kv0, layerwise=True),
+    prefill = ServerProcess(pd_servers.prefill_args(bootstrap, kv0) + IDLE_SLEEP, log_path=root / "prefill.log")
+    prefill_lw = ServerProcess(pd_servers.prefill_args(bootstrap_lw, kv0, layerwise=True) + IDLE_SLEEP,
                                log_path=root / "prefill_layerwise.log")
-    dense = ServerProcess(pd_servers.decode_args(kv0), log_path=root / "decode_dense.log")
-    offload = ServerProcess(pd_servers.decode_args(kv1, offload=True), log_path=root / "decode_offload.log")
+    dense = ServerProcess(pd_servers.decode_args(kv0) + IDLE_SLEEP, log_path=root / "decode_dense.log")
+    offload = ServerProcess(pd_servers.decode_args(kv1, offload=True) + IDLE_SLEEP, log_path=root / "decode_offload.log")
     colocated = shared_servers.get("tiny_dsa_reference", pd_servers.COMMON + IDLE_SLEEP)
-    retracting = ServerProcess(pd_servers.decode_args(kv2, offload=True, residency="adaptive") + ["--enable-metrics"],
+    retracting = ServerProcess(pd_servers.decode_args(kv2, offload=True, residency="adaptive") + IDLE_SLEEP + ["--enable-metrics"],
                                log_path=root / "decode_offload_retract.log", env=FORCED_RETRACTION)
-    servers = [prefill, dense, offload, colocated, prefill_lw, retracting]
+    int8 = ServerProcess(pd_servers.decode_args(kv3) + [
+        "--enable-sparse-decode-offload", "--sparse-decode-offload-config",
+        json.dumps({"hot_tokens": 64, "indexer_dtype": "int8"})] + IDLE_SLEEP, log_path=root / "decode_int8.log")
+    servers = [prefill, dense, offload, colocated, prefill_lw, retracting, int8]
     routers = []
     try:
         shared_servers.start_all(*servers)
         print("\nstartup (concurrent; colocated may have been started by an earlier module): " + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in
                                                     zip(("prefill", "dense", "offload", "colocated",
-                                                         "prefill_layerwise", "offload_retract"), servers)))
+                                                         "prefill_layerwise", "offload_retract", "int8"), servers)))
         routers = [PDRouter(prefill.url, bootstrap, dense.url, root / "router_dense.log").start(),
                    PDRouter(prefill.url, bootstrap, offload.url, root / "router_offload.log").start(),
                    PDRouter(prefill_lw.url, bootstrap_lw, dense.url, root / "router_layerwise.log").start(),
                    PDRouter(prefill_lw.url, bootstrap_lw, offload.url, root / "router_layerwise_offload.log").start(),
-                   PDRouter(prefill.url, bootstrap, retracting.url, root / "router_retract.log").start()]
+                   PDRouter(prefill.url, bootstrap, retracting.url, root / "router_retract.log").start(),
+                   PDRouter(prefill.url, bootstrap, int8.url, root / "router_int8.log").start()]
         deadline = time.monotonic() + ROUTER_READY_S
         for r in routers:
             r.wait_ready(prompt(5, seed=99), deadline)
-        yield PDServers(*routers[:2], colocated, root, *routers[2:], retracting)
+        yield PDServers(*routers[:2], colocated, root, *routers[2:5], retracting, routers[5])
     finally:
         shared_servers.stop_all(request.module.__name__, *routers, *servers)
 
@@ -179,6 +189,22 @@ def test_retracted_requests_on_an_offload_decode_resume_token_identical(pd):
     assert total("sglang:ascend_offload_direct_rows_total") > 0, "no request was served direct"
     log = (pd.root / "decode_offload_retract.log").read_text(errors="replace")
     assert "Testing retraction" in log and "Traceback" not in log
+
+
+def test_pd_into_an_int8_decode_serves_complete_repeatable_answers(pd):
+    """P/D into a decode with the int8 (LIM-C8) index-K cache: the decode says in its log
+    that its index-K cache is int8 + fp16 scales; requests of one and two prefill chunks
+    come back complete and the same when repeated (the prefill's radix cache hits the
+    second time). The bit-exact content of what arrives (int8 keys + scales ==
+    ``rotate_and_quantize`` of the prefill's bf16 keys) is held in process by
+    ``test_int8_indexer_pd.py``."""
+    text = (pd.root / "decode_int8.log").read_text(errors="replace")
+    assert "index K int8 + fp16 scales (Hadamard-rotated, LIM-C8): 130 B per token and layer" in text
+    for n, seed in ((40, 61), (200, 62)):  # one prefill chunk, two chunks of 128
+        first = pd.int8.generate(prompt(n, seed), max_new_tokens=8)["output_ids"]
+        assert len(first) == 8 and all(0 <= t < VOCAB for t in first)
+        assert pd.int8.generate(prompt(n, seed), max_new_tokens=8)["output_ids"] == first
+    assert "Traceback" not in (pd.root / "decode_int8.log").read_text(errors="replace")
 
 
 def test_the_project_protocol_moved_the_kv(pd):

@@ -57,7 +57,7 @@ def test_choice_and_hooks_are_registered(plugins_loaded):
 
     assert "ascend_offload" in DISAGG_TRANSFER_BACKEND_CHOICES
     for target in (compat.TARGET_GET_KV_CLASS, compat.TARGET_CONFIG_STORE, compat.TARGET_PREFILL_MANAGER,
-                   compat.TARGET_DECODE_MANAGER, compat.TARGET_RUN_BATCH):
+                   compat.TARGET_DECODE_MANAGER, compat.TARGET_RUN_BATCH, compat.TARGET_IDLE_SLEEP):
         assert target in HookRegistry._patched, target
 
 
