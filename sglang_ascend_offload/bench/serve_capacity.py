@@ -35,7 +35,11 @@ from it directly, with no residency step.
   concurrency 1 (``phase``: ``sweep`` / ``low_concurrency``): ``server``, ``name``,
   ``concurrency``, ``requests``, ``completed``, ``output_tokens_per_s``, ``ttft_ms_p50`` / ``_p99``,
   ``itl_ms_p50`` / ``_p99``, ``peak_running``, ``peak_queued``, ``retractions``,
-  ``pool_limited``, ``server_cpu_ms_per_token``, ``identical_to_no_offload``;
+  ``pool_limited``, ``server_cpu_ms_per_token``, ``identical_to_no_offload``; the offload
+  server's also ``direct_rows``, ``hit_rate`` (top-k entries found resident by the
+  residency, over the level; ``None`` when every row was direct) and
+  ``h2d_bytes_per_token`` (host -> device bytes per output token, all layers: miss
+  rows plus rows copied into direct spans: what an NPU node's link carries);
 * ``servers``: per server ``max_total_num_tokens``, ``max_running_requests``, its
   arguments and log;
 * ``max_total_tokens_ratio``: offload over no offload ``max_total_num_tokens``;
@@ -84,7 +88,7 @@ CAPACITY_CONTEXT = 4096
 POLL_S = 0.2
 SERVERS = ("no_offload", "offload")
 _GAUGE = re.compile(r"^(sglang:num_running_reqs|sglang:num_queue_reqs|sglang:num_retracted_requests_total|"
-                    r"sglang:ascend_offload_direct_rows_total)"
+                    r"sglang:ascend_offload_(?:direct_rows|selected|hits|h2d_bytes|direct_h2d_bytes)_total)"
                     r"(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
@@ -129,6 +133,10 @@ class LevelResult:
     server_cpu_ms_per_token: Optional[float] = None
     identical_to_no_offload: Optional[bool] = None
     direct_rows: Optional[int] = None  # offload: decode rows served directly from the hot buffer (all layers)
+    # offload, over the level (all layers): top-k hit rate of the residency, and the bytes
+    # moved host -> device per output token (miss rows + rows copied into direct spans)
+    hit_rate: Optional[float] = None
+    h2d_bytes_per_token: Optional[float] = None
     request_errors: List[str] = field(default_factory=list)
 
 
@@ -159,7 +167,8 @@ def parse_concurrency(text: str) -> List[int]:
 
 def read_gauges(text: str) -> Dict[str, float]:
     """Sum of each sampled metric over its label sets (``/metrics`` text): running and
-    queued requests, retractions, and the offload server's direct decode rows."""
+    queued requests, retractions, and the offload server's direct decode rows, top-k
+    entries selected and hit, and host -> device bytes."""
     out: Dict[str, float] = {}
     for line in text.splitlines():
         m = _GAUGE.match(line.strip())
@@ -178,11 +187,15 @@ class MetricsPoller:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="capacity-metrics", daemon=True)
 
-    def totals(self) -> Tuple[float, float]:
-        """``(retracted requests, direct decode rows)`` so far (one ``/metrics`` read)."""
+    def totals(self) -> Dict[str, float]:
+        """The counters so far (one ``/metrics`` read), by name without the
+        ``sglang:`` / ``sglang:ascend_offload_`` prefix and ``_total``: retracted
+        requests, and the offload server's direct rows, selected, hits, h2d_bytes and
+        direct_h2d_bytes (0 where absent)."""
         g = read_gauges(self.server.get("/metrics"))
-        return (g.get("sglang:num_retracted_requests_total", 0.0),
-                g.get("sglang:ascend_offload_direct_rows_total", 0.0))
+        names = ("num_retracted_requests", "ascend_offload_direct_rows", "ascend_offload_selected",
+                 "ascend_offload_hits", "ascend_offload_h2d_bytes", "ascend_offload_direct_h2d_bytes")
+        return {n.replace("ascend_offload_", ""): g.get(f"sglang:{n}_total", 0.0) for n in names}
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -282,18 +295,22 @@ class CapacityServer:
         from ..testing.servers import cpu_seconds
 
         result = LevelResult(self.name, f"{self.name}_{tag}", concurrency, len(prompts))
-        retracted0, direct0 = MetricsPoller(self.server).totals()
+        before = MetricsPoller(self.server).totals()
         cpu0 = cpu_seconds(self.server.pids())
         with MetricsPoller(self.server) as poll:
             res, _ = served_load.run_load(self.server.url, prompts, output_len, concurrency,
                                           timeout_s=self.request_timeout)
         cpu_s = sum(cpu_seconds(self.server.pids()).values()) - sum(cpu0.values())
-        retracted1, direct1 = MetricsPoller(self.server).totals()
-        result.retractions = int(retracted1 - retracted0)
-        if self.name == "offload":
-            result.direct_rows = int(direct1 - direct0)
+        after = MetricsPoller(self.server).totals()
+        moved = {k: after[k] - before[k] for k in after}
+        result.retractions = int(moved["num_retracted_requests"])
         done = res.completed(output_len)
         tokens = sum(o.tokens for o in done)
+        if self.name == "offload":
+            result.direct_rows = int(moved["direct_rows"])
+            result.hit_rate = round(moved["hits"] / moved["selected"], 4) if moved["selected"] else None
+            h2d = moved["h2d_bytes"] + moved["direct_h2d_bytes"]
+            result.h2d_bytes_per_token = round(h2d / tokens, 1) if tokens else None
         result.completed = len(done)
         result.request_errors = res.errors
         tps = res.output_tokens_per_s(output_len)

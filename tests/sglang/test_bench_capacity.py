@@ -138,6 +138,9 @@ def test_capacity_bench_serves_both_servers_at_one_budget(tmp_path):
     assert doc["pool_limited_concurrency"] == 8 and doc["throughput_ratio_pool_limited"] > 0
     assert doc["identical_tokens"] and doc["token_agreement"] == 1.0
     assert runs["offload_c8"]["identical_to_no_offload"] is True
+    # every slot is taken at c = 8, so the long requests go through the residency
+    assert 0 <= runs["offload_c8"]["hit_rate"] <= 1 and runs["offload_c8"]["h2d_bytes_per_token"] > 0
+    assert runs["no_offload_c8"]["hit_rate"] is None and runs["no_offload_c8"]["h2d_bytes_per_token"] is None
     assert doc["low_concurrency_cpu_ratio"] > 0 and doc["low_concurrency_short_cpu_ratio"] > 0
     # residency adaptive (the default): at concurrency 1 the short requests fit their own 64-slot hot buffer,
     # and the long ones (288 tokens) span the buffers of idle request slots: all served directly
