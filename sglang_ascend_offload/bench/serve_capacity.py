@@ -456,12 +456,14 @@ def print_table(res: Dict[str, Any]) -> None:
         print(f"  {name}: max_total_num_tokens {info['max_total_num_tokens']}, max_running_requests "
               f"{info['max_running_requests']}" + (f", error: {info['error']}" if info["error"] else ""))
     print(f"{'run':18s} {'c':>3s} {'done':>7s} {'out tok/s':>9s} {'TTFT p50':>8s} {'TTFT p99':>8s} {'ITL p50':>7s} "
-          f"{'ITL p99':>7s} {'run pk':>6s} {'queue pk':>8s} {'retr':>4s} {'limited':>7s} {'cpu ms/tok':>10s}")
+          f"{'ITL p99':>7s} {'run pk':>6s} {'queue pk':>8s} {'retr':>4s} {'limited':>7s} {'cpu ms/tok':>10s} "
+          f"{'hit rate':>8s} {'H2D B/tok':>9s}")
     for r in res["runs"]:
         print(f"{r['name']:18s} {r['concurrency']:3d} {r['completed']:3d}/{r['requests']:<3d} "
               f"{_fmt(r['output_tokens_per_s']):>9s} {_fmt(r['ttft_ms_p50']):>8s} {_fmt(r['ttft_ms_p99']):>8s} "
               f"{_fmt(r['itl_ms_p50']):>7s} {_fmt(r['itl_ms_p99']):>7s} {r['peak_running']:6d} {r['peak_queued']:8d} "
-              f"{r['retractions']:4d} {str(r['pool_limited']):>7s} {_fmt(r['server_cpu_ms_per_token'], '.2f'):>10s}")
+              f"{r['retractions']:4d} {str(r['pool_limited']):>7s} {_fmt(r['server_cpu_ms_per_token'], '.2f'):>10s} "
+              f"{_fmt(r.get('hit_rate'), '.3f'):>8s} {_fmt(r.get('h2d_bytes_per_token'), '.0f'):>9s}")
     print(f"max_total_tokens_ratio {_fmt(res['max_total_tokens_ratio'], '.3f')}; throughput_ratio_pool_limited "
           f"{_fmt(res['throughput_ratio_pool_limited'], '.3f')} (c={res['pool_limited_concurrency']}); "
           f"low_concurrency_cpu_ratio {_fmt(res['low_concurrency_cpu_ratio'], '.3f')} "
