@@ -751,5 +751,7 @@ class SparseDecodeEngine:
         r = self.config.rows
         return ResidencyTable(t.slot_token[:r], t.slot_stamp[:r], t.row_req[:r])
 
-    def stats(self) -> DecodeStats:
-        return self.stats_acc.snapshot()
+    def stats(self, wait: bool = True) -> DecodeStats:
+        """The counters (``wait=False``: without waiting for the device, see
+        :meth:`.stats.StatsAccumulator.snapshot`)."""
+        return self.stats_acc.snapshot(wait)

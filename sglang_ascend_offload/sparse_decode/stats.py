@@ -25,7 +25,7 @@ never synchronises the device; :meth:`StatsAccumulator.snapshot` reads them.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -99,6 +99,10 @@ class StatsAccumulator:
         self._shadow = [[0, 0, 0] for _ in range(layers)]  # checks, mismatches, microseconds
         self._direct = [[0, 0, 0, 0, 0] for _ in range(layers)]  # direct rows, H2D bytes, demotions, lent, reclaims
         self.steps = 0
+        # the no-wait read of the device counts: a host copy in flight, and the last one done
+        self._host: Optional[torch.Tensor] = None
+        self._pending = None  # event recorded after the copy in flight
+        self._seen: List[List[int]] = [[0] * 5 for _ in range(layers)]
 
     def record_residency(self, layer: int, selected: torch.Tensor, hits: torch.Tensor, misses: torch.Tensor,
                          row_selected=None, row_hits=None) -> None:
@@ -133,9 +137,13 @@ class StatsAccumulator:
     def record_step(self) -> None:
         self.steps += 1
 
-    def snapshot(self) -> DecodeStats:
-        """Current totals (one device -> host read)."""
-        dev = self._dev.cpu().tolist()
+    def snapshot(self, wait: bool = True) -> DecodeStats:
+        """Current totals (one device -> host read). ``wait=False`` never waits for the
+        device: the device counts (selected, hits, misses, row_*) are those of the last
+        asynchronous host copy that has completed, so on a device they may lag a step or
+        two behind the host counts (on CPU the copy is done at once: no lag). For an export
+        every step, which must not synchronise the device."""
+        dev = self._dev.cpu().tolist() if wait else self._device_counts_nowait()
         per_layer = [
             Counters(selected=s, hits=h, misses=m, h2d_bytes=m * self.row_bytes, d2h_bytes=d, rows=n,
                      row_selected=rs, row_hits=rh, shadow_checks=sc, shadow_mismatches=sm, shadow_us=su,
@@ -144,3 +152,22 @@ class StatsAccumulator:
                                                                         self._direct)
         ]
         return DecodeStats(per_layer=per_layer, steps=self.steps)
+
+    def _device_counts_nowait(self) -> List[List[int]]:
+        """Take the host copy in flight if the device finished it, start the next one,
+        and return the newest counts that have landed."""
+        from .. import platform
+
+        if self._pending is not None and self._pending.query():
+            self._seen, self._pending = self._host.tolist(), None
+        if self._pending is None:
+            if self._host is None:
+                self._host = platform.pinned_empty(tuple(self._dev.shape), self._dev.dtype)
+            self._host.copy_(self._dev, non_blocking=True)
+            event = platform.new_event()
+            event.record()
+            if event.query():  # done already (always on CPU)
+                self._seen = self._host.tolist()
+            else:
+                self._pending = event
+        return self._seen

@@ -28,7 +28,7 @@ class FakeStats:
             c.h2d_bytes += misses * row_bytes
             c.d2h_bytes += row_bytes
 
-    def __call__(self):
+    def __call__(self, wait: bool = True):
         self.reads += 1
         return self.stats
 
@@ -40,6 +40,18 @@ def test_summary_line_numbers():
     assert "steps=1" in line and "hit_rate=0.750" in line and "hits=12" in line and "misses=4" in line
     assert "copy_ms/layer/step=3.000" in line
     assert f"h2d/step={2 * 2 * 1152 / 1024:.1f}KiB" in line  # 2 layers x 2 misses x 1152 B in 1 step
+    assert "copy_ms/layer/step=n/a" in summary_line(fake.stats, [0.0, 0.0], elapsed_s=30, copy_timed=False)
+
+
+def test_copy_time_is_not_measured_where_it_would_synchronise_the_device():
+    """Off the CPU the backend passes ``copy_timing=False``: the engine is never asked to
+    time (it would synchronise around every layer phase), with or without reporting."""
+    for prometheus, interval in ((False, 30.0), (False, 0.0)):
+        on_cpu = OffloadMetrics(FakeStats(), 2, prometheus=prometheus, log_interval_s=interval)
+        on_device = OffloadMetrics(FakeStats(), 2, prometheus=prometheus, log_interval_s=interval,
+                                   copy_timing=False)
+        assert on_cpu.needs_copy_timing == (interval > 0) and on_cpu.reports_copy_time == (interval > 0)
+        assert not on_device.needs_copy_timing and on_device.reports_copy_time == (interval > 0)
 
 
 def test_log_line_is_periodic_and_reads_stats_only_when_due(caplog):
@@ -103,3 +115,37 @@ def test_trace_recorder_is_bounded_and_valid(tmp_path):
 def test_trace_path_per_dp_rank():
     assert str(trace_path("/x/run.npz", None, 1)) == "/x/run.npz"
     assert str(trace_path("/x/run.npz", 3, 4)) == "/x/run.dp3.npz"
+
+
+class _SlowEvent:
+    """A device event that completes only when the test says so."""
+
+    done = False
+
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return _SlowEvent.done
+
+
+def test_the_per_step_read_never_waits_for_the_device(monkeypatch):
+    """``snapshot(wait=False)`` (the per-step Prometheus export): while the device has not
+    finished the host copy, the device counts are the last ones that landed (no wait);
+    host counts are current; ``wait=True`` (the interval's log summary) is always current.
+    On CPU the copy completes at once and there is no lag."""
+    from sglang_ascend_offload import platform
+    from sglang_ascend_offload.sparse_decode.stats import StatsAccumulator
+
+    acc = StatsAccumulator(layers=1, row_bytes=8)
+    acc.record_residency(0, torch.tensor(4), torch.tensor(3), torch.tensor(1))
+    assert acc.snapshot(wait=False).per_layer[0].selected == 4  # CPU: no lag
+    monkeypatch.setattr(platform, "new_event", _SlowEvent)
+    _SlowEvent.done = False
+    acc.record_residency(0, torch.tensor(4), torch.tensor(4), torch.tensor(0))
+    acc.record_d2h(0, 16)
+    lagged = acc.snapshot(wait=False)
+    assert lagged.per_layer[0].selected == 4 and lagged.per_layer[0].d2h_bytes == 16  # device lags, host current
+    assert acc.snapshot(wait=True).per_layer[0].selected == 8
+    _SlowEvent.done = True  # the copy started by the lagged read has landed
+    assert acc.snapshot(wait=False).per_layer[0].hits == 7

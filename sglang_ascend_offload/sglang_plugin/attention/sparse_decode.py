@@ -200,7 +200,11 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             self.engine.stats, self.engine.config.layers,
             prometheus=bool(compat.arg(server_args, "enable_metrics")),
             log_interval_s=config.metrics_log_interval_s, labels=labels,
+            copy_timing=self.engine.device.type == "cpu",  # elsewhere timing would synchronise every layer
         )
+        if not self.metrics.copy_timing and self.metrics.reports_copy_time:
+            logger.info("sparse decode offload: copy time is not measured on %s (it would synchronise the device "
+                        "at every layer step); copy_seconds stays 0", self.engine.device)
         self.rank_depth = int(config.rank_depth)
         if needs_ranked(self.engine.config.policy) and self.rank_depth <= 0:
             raise RuntimeError(f"sparse decode offload: policy {self.engine.config.policy!r} needs the indexer's "

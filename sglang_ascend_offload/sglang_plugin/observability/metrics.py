@@ -64,21 +64,22 @@ _COUNTER_FIELDS = ("selected", "hits", "misses", "h2d_bytes", "d2h_bytes", "row_
                    "reclaims")
 
 
-def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float) -> str:
+def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float, copy_timed: bool = True) -> str:
     """``sparse-decode-offload: steps=.. hit_rate=.. hits=.. misses=.. h2d=..MiB d2h=..MiB
     h2d/step=..KiB copy_ms/layer/step=.. rows/step=.. window=..s`` (``rows/step``: query
     rows the engine stepped per decode step, the measure of its per-step work; a step is
     one verify round with speculation), then ``shadow_checks=.. shadow_mismatches=..
     shadow_ms=..`` (cumulative) when shadow verification has checked rows, and
     ``direct_rows/step=.. direct_h2d=..MiB demotions=..`` with ``residency: adaptive``
-    (``demotions``: requests, not layer steps)."""
+    (``demotions``: requests, not layer steps). ``copy_timed`` false (copy time not
+    measured, see :class:`OffloadMetrics`): ``copy_ms/layer/step=n/a``."""
     total: Counters = stats.total
     layers = max(1, len(stats.per_layer))
     per_step = 1000.0 * sum(copy_seconds) / layers / max(1, stats.steps)
     line = (f"sparse-decode-offload: steps={stats.steps} hit_rate={total.hit_rate:.3f} "
             f"hits={total.hits} misses={total.misses} h2d={total.h2d_bytes / 2**20:.2f}MiB "
             f"d2h={total.d2h_bytes / 2**20:.2f}MiB h2d/step={total.h2d_bytes / 1024 / max(1, stats.steps):.1f}KiB "
-            f"copy_ms/layer/step={per_step:.3f} "
+            f"copy_ms/layer/step={f'{per_step:.3f}' if copy_timed else 'n/a'} "
             f"rows/step={total.rows / layers / max(1, stats.steps):.2f} window={elapsed_s:.0f}s")
     if total.shadow_checks:
         line += (f" shadow_checks={total.shadow_checks} shadow_mismatches={total.shadow_mismatches} "
@@ -100,17 +101,23 @@ class _Exported:
 class OffloadMetrics:
     """Per-step hook of the offload backend (see module docstring).
 
-    stats_fn: returns the engine's current :class:`DecodeStats`.
+    stats_fn: ``stats_fn(wait=...)`` returns the engine's current :class:`DecodeStats`
+    (``wait=False``: device counts as of the last completed asynchronous read).
     layers: engine layers. labels: constant Prometheus labels (``tp_rank`` ...).
+    copy_timing: whether the copy time may be measured. Timing a copy on a device means
+    synchronising it around each phase of every layer step, which would stall the
+    decode: the backend passes ``False`` off the CPU, and ``copy_seconds`` then stays 0
+    (``n/a`` in the summary).
     """
 
     def __init__(self, stats_fn: Callable[[], DecodeStats], layers: int, *, prometheus: bool,
                  log_interval_s: float, labels: Optional[Dict[str, str]] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, copy_timing: bool = True):
         self._stats_fn = stats_fn
         self.layers = layers
         self.copy_seconds = [0.0] * layers
         self.log_interval_s = float(log_interval_s)
+        self.copy_timing = bool(copy_timing)
         self._clock = clock
         self._last_log = clock()
         self._labels = dict(labels or {})
@@ -122,8 +129,13 @@ class OffloadMetrics:
         self.last_summary: Optional[str] = None
 
     @property
-    def needs_copy_timing(self) -> bool:
+    def reports_copy_time(self) -> bool:
+        """Prometheus or the log summary would show a copy time."""
         return self._prom is not None or self.log_interval_s > 0
+
+    @property
+    def needs_copy_timing(self) -> bool:
+        return self.copy_timing and self.reports_copy_time
 
     def add_copy_time(self, layer: int, seconds: float) -> None:
         self.copy_seconds[layer] += seconds
@@ -134,11 +146,11 @@ class OffloadMetrics:
         due = self.log_interval_s > 0 and now - self._last_log >= self.log_interval_s
         if self._prom is None and not due:
             return
-        stats = self._stats_fn()
+        stats = self._stats_fn(wait=due)  # the per-step export never waits for the device
         if self._prom is not None:
             self._export(stats)
         if due:
-            self.last_summary = summary_line(stats, self.copy_seconds, now - self._last_log)
+            self.last_summary = summary_line(stats, self.copy_seconds, now - self._last_log, self.copy_timing)
             logger.info(self.last_summary)
             self._last_log = now
 
