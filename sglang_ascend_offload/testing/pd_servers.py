@@ -58,8 +58,8 @@ def decode_args(kv_port: int, offload: bool = False, residency: str = "always") 
                      "--disaggregation-decode-retraction-backup", "cpu_tensor", "--enable-pd-transfer",
                      "--pd-transfer-config", pd_config_json(kv_port)]
     if offload:
-        config = '{"hot_tokens": 64}' if residency == "always" else f'{{"hot_tokens": 64, "residency": "{residency}"}}'
-        args += ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", config]
+        config = {"hot_tokens": 64} if residency == "always" else {"hot_tokens": 64, "residency": residency}
+        args += ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", json.dumps(config)]
     return args
 
 

@@ -198,13 +198,14 @@ def test_pd_into_an_int8_decode_serves_complete_repeatable_answers(pd):
     second time). The bit-exact content of what arrives (int8 keys + scales ==
     ``rotate_and_quantize`` of the prefill's bf16 keys) is held in process by
     ``test_int8_indexer_pd.py``."""
-    text = (pd.root / "decode_int8.log").read_text(errors="replace")
-    assert "index K int8 + fp16 scales (Hadamard-rotated, LIM-C8): 130 B per token and layer" in text
+    log = pd.root / "decode_int8.log"
+    assert "index K int8 + fp16 scales (Hadamard-rotated, LIM-C8): 130 B per token and layer" in \
+        log.read_text(errors="replace")
     for n, seed in ((40, 61), (200, 62)):  # one prefill chunk, two chunks of 128
         first = pd.int8.generate(prompt(n, seed), max_new_tokens=8)["output_ids"]
         assert len(first) == 8 and all(0 <= t < VOCAB for t in first)
         assert pd.int8.generate(prompt(n, seed), max_new_tokens=8)["output_ids"] == first
-    assert "Traceback" not in (pd.root / "decode_int8.log").read_text(errors="replace")
+    assert "Traceback" not in log.read_text(errors="replace")  # read again: after the requests
 
 
 def test_the_project_protocol_moved_the_kv(pd):
