@@ -19,7 +19,6 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from npu_requirements import npu_present  # noqa: E402
 from sglang_ascend_offload import platform  # noqa: E402
-import worker_schedule  # noqa: E402
 
 if not npu_present():
     # SGLang on a machine without an NPU: its CPU engine paths (set before SGLang is imported).
@@ -36,34 +35,7 @@ if platform.device_kind() == "cpu":
         pass
 
 
-def pytest_xdist_auto_num_workers(config):
-    """Workers for ``-n auto`` (the suite's default, ``pyproject.toml``): two on a machine
-    without an NPU, where the served half and the unit half run side by side
-    (``tests/worker_schedule.py``); none (one serial process) on an NPU runner, whose
-    tests share the device. ``SAO_TEST_WORKERS=N`` overrides, ``-n N`` / ``-n 0`` too."""
-    override = os.environ.get("SAO_TEST_WORKERS")
-    if override is not None:
-        try:
-            return max(0, int(override))
-        except ValueError:
-            raise pytest.UsageError(f"SAO_TEST_WORKERS={override!r}: expected a whole number (0 = serial)") from None
-    if npu_present():
-        return 0
-    return min(2, os.cpu_count() or 1)
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """Under ``--dist loadscope``: a module, or the modules sharing a server, per worker,
-    longest first (``tests/worker_schedule.py``)."""
-    if config.getoption("dist") == "loadscope":
-        return worker_schedule.make_scheduler(config, log)
-    return None
-
-
 def pytest_collection_modifyitems(config, items):
-    if hasattr(config, "workerinput"):  # a pytest-xdist worker: see tests/worker_schedule.py
-        worker_schedule.order_for_workers(items, worker_schedule.units())
-    import sys; print("DBG", getattr(config.option, "loadgroup", None), [m.args for m in items[0].iter_markers("xdist_group")], items[0].nodeid, file=sys.stderr)
     if npu_present():
         return
     skip = pytest.mark.skip(reason="needs an Ascend NPU with CANN + torch_npu (run on an NPU runner: "
@@ -71,5 +43,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "npu" in item.keywords:
             item.add_marker(skip)
-
-
