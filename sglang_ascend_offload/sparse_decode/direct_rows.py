@@ -42,7 +42,7 @@ import torch
 
 from ..ops.contract import ResidencyStep
 
-__all__ = ["DirectRows", "DirectStep", "RESIDENCY_MODES", "context_lengths"]
+__all__ = ["DirectRows", "DirectStep", "RESIDENCY_MODES", "context_lengths", "position_map"]
 
 #: ``always``: every request's main KV is read through the residency (hot buffer + LRU);
 #: ``adaptive``: requests whose context fits their hot buffer are direct (this module)
@@ -104,10 +104,22 @@ class DirectStep:
     reclaimed: int = 0
     all_direct: bool = False
     copy_host: Optional[torch.Tensor] = None  # host slots of the copies (the engine looks them up once)
+    _flat_map: Optional[torch.Tensor] = None  # position_map of the step (built by the first layer)
 
     @property
     def any_direct(self) -> bool:
         return self.direct_count > 0
+
+    def flat_rows(self, positions: torch.Tensor, hot_tokens: int, rows_per_request: int = 1) -> torch.Tensor:
+        """:func:`direct_flat` of ``positions`` int ``[B*n, K]`` for an eager step: one gather
+        from the step's :func:`position_map`, built once and shared by every layer. Equal to
+        :func:`direct_flat` for every position a direct entry reads (below its span's end);
+        a managed entry's larger positions give some row of its last span column, as there
+        (a mixed step discards them)."""
+        if self._flat_map is None:
+            self._flat_map = position_map(self.span_rows, hot_tokens, rows_per_request)
+        index = (positions.to(torch.int64) + 1).clamp_(max=self._flat_map.shape[1] - 1)
+        return self._flat_map.gather(1, index)
 
 
 class DirectRows:
@@ -144,6 +156,9 @@ class DirectRows:
         # when set and returning True, no request is direct this step: the direct ones are
         # demoted in place, new ones start under the residency (tests force demotion with it)
         self.hold: Optional[Callable[[], bool]] = None
+        # the steady state: the last step's batch when every live entry of it was direct
+        # with nothing lent to a row outside it (:meth:`_steady_step`); None otherwise
+        self._steady: Optional[_Steady] = None
         none = torch.zeros((0,), dtype=torch.int64)
         self._no_demotion = dict(demote_heads=none, demote_req=none, demote_stable=none,
                                  demote_pos=torch.zeros((0, self.hot_tokens), dtype=torch.int32),
@@ -187,25 +202,52 @@ class DirectRows:
         unless a span grows; ``None``: none can be borrowed)."""
         lent_before = self.lent_total
         b = _Batch.of(rows, req_ids, stable_len, context_len)
-        free = free_rows() if free_rows is not None else ()
-        demote, reclaimed = self._reclaim(b, free)
-        direct, resident = self._choose(b, demote, _Lendable(free, self.lender, self.sink))
-        demoted = self._demote(demote)
-        copies = self._copies(b, direct, resident, captured_width)
-        step_pos, step_copies = _step_positions(b, direct, captured_width)
+        held_back = self.hold is not None and self.hold()
         on_device = torch.device(device).type != "cpu"
 
         def dev(a: np.ndarray) -> torch.Tensor:
             t = torch.from_numpy(a)
             return t.to(device) if on_device else t
 
+        steady = self._steady
+        if not held_back and steady is not None and steady.holds(b, self.max_span):
+            return self._steady_step(b, steady, captured_width, dev)
+        self._steady = None
+        free = free_rows() if free_rows is not None else ()
+        demote, reclaimed = self._reclaim(b, free)
+        direct, resident = self._choose(b, demote, _Lendable(free, self.lender, self.sink), held_back)
+        demoted = self._demote(demote)
+        span_table = self._span_table(b, direct)
+        copies = self._copies(b, direct, resident, captured_width, span_table)
+        step_pos, step_copies = _step_positions(b, direct, captured_width)
         n_direct = int(direct.sum())
+        lent_rows = int((self.lender >= 0).sum())
+        mask, spans = dev(direct), dev(span_table)
+        self._steady = _Steady.after(self, b, direct, span_table, mask, spans, lent_rows)
         return DirectStep(
-            mask=dev(direct), span_rows=dev(self._span_table(b, direct)),
+            mask=mask, span_rows=spans,
             copy_rows=dev(copies[0]), copy_pos=dev(copies[1]), copy_dst=dev(copies[2]), **demoted,
             direct_count=n_direct, step_pos=None if step_pos is None else dev(step_pos),
-            step_copies=step_copies, lent_rows=int((self.lender >= 0).sum()), lent_now=self.lent_total - lent_before,
+            step_copies=step_copies, lent_rows=lent_rows, lent_now=self.lent_total - lent_before,
             reclaimed=reclaimed, all_direct=bool(n_direct == b.rows.size))
+
+    def _steady_step(self, b: "_Batch", steady: "_Steady", captured_width: int, dev) -> DirectStep:
+        """:meth:`plan` of a step in the steady state (:class:`_Steady`): the same
+        :class:`DirectStep` the full plan gives, without its reclaim / choose / demote scans.
+        Every live entry is direct and held, no span grows or is released, nothing is lent
+        or demoted; only the copies of the positions each entry has not got yet are new."""
+        direct = b.live
+        rows = b.rows[direct]
+        resident = np.zeros(b.rows.shape, dtype=np.int64)
+        resident[direct] = np.minimum(self.filled[rows], b.rewrite_from[direct])
+        copies = self._copies(b, direct, resident, captured_width, steady.span_table)
+        step_pos, step_copies = _step_positions(b, direct, captured_width)
+        return DirectStep(
+            mask=steady.mask, span_rows=steady.span_rows,
+            copy_rows=dev(copies[0]), copy_pos=dev(copies[1]), copy_dst=dev(copies[2]), **self._no_demotion,
+            direct_count=steady.direct_count, step_pos=None if step_pos is None else dev(step_pos),
+            step_copies=step_copies, lent_rows=steady.lent_rows, lent_now=0, reclaimed=0,
+            all_direct=steady.direct_count == b.rows.size)
 
     def _reclaim(self, b: "_Batch", free: Sequence[int]) -> Tuple[List[int], int]:
         """Give back the borrowed rows of finished requests, then list the direct requests
@@ -223,12 +265,13 @@ class DirectRows:
         demote = list(dict.fromkeys(int(h) for h in heads[heads >= 0]))
         return demote, len(demote)
 
-    def _choose(self, b: "_Batch", demote: List[int], lendable: "_Lendable") -> Tuple[np.ndarray, np.ndarray]:
+    def _choose(self, b: "_Batch", demote: List[int], lendable: "_Lendable",
+                held_back: bool) -> Tuple[np.ndarray, np.ndarray]:
         """Which live entries are direct this step (growing spans from ``lendable``), and
-        the positions each already holds; entries that must leave are added to ``demote``."""
+        the positions each already holds; entries that must leave are added to ``demote``.
+        ``held_back``: the test switch (:attr:`hold`) holds this step."""
         direct = np.zeros(b.rows.shape, dtype=bool)
         resident = np.zeros(b.rows.shape, dtype=np.int64)
-        held_back = self.hold is not None and self.hold()
         for i in np.flatnonzero(b.live):
             r, q = int(b.rows[i]), int(b.req[i])
             if r in demote or self.retired.get(r) == q:
@@ -281,21 +324,22 @@ class DirectRows:
                     demote_stable=torch.tensor(stables, dtype=torch.int64),
                     demote_pos=torch.from_numpy(np.stack(pos)).to(torch.int32), demote_src=torch.from_numpy(np.stack(src)))
 
-    def _copies(self, b: "_Batch", direct: np.ndarray, resident: np.ndarray,
-                captured_width: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(rows, positions, flat destinations)`` of the host -> span copies, and the
+    def _copies(self, b: "_Batch", direct: np.ndarray, resident: np.ndarray, captured_width: int,
+                span_table: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(rows, positions, flat destinations)`` of the host -> span copies (entry by
+        entry, positions ascending; destinations through the step's ``span_table``), and the
         direct requests' bookkeeping update."""
         copy_end = np.maximum(resident, b.rewrite_from) if captured_width else b.ctx
-        rows, pos, dst = [np.zeros((0,), dtype=np.int64)], [np.zeros((0,), dtype=np.int64)], \
-            [np.zeros((0,), dtype=np.int64)]
-        for i in np.flatnonzero(direct):
-            r = int(b.rows[i])
-            p = np.arange(resident[i], copy_end[i], dtype=np.int64)
-            rows.append(np.full(p.size, r, dtype=np.int64))
-            pos.append(p)
-            dst.append(self._position_rows(r, p))
-            self.owner[r], self.filled[r], self.stable[r] = b.req[i], b.ctx[i], b.stable[i]
-        return np.concatenate(rows), np.concatenate(pos), np.concatenate(dst)
+        entries = np.flatnonzero(direct)
+        start = resident[entries]
+        counts = np.maximum(copy_end[entries] - start, 0)
+        entry = np.repeat(entries, counts)
+        pos = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(start - (np.cumsum(counts) - counts), counts)
+        h = self.hot_tokens
+        dst = span_table[entry, pos // h] * h + pos % h
+        heads = b.rows[entries]
+        self.owner[heads], self.filled[heads], self.stable[heads] = b.req[entries], b.ctx[entries], b.stable[entries]
+        return b.rows[entry], pos, dst
 
     def _span_table(self, b: "_Batch", direct: np.ndarray) -> np.ndarray:
         """int64 ``[B, max_span]``: each direct entry's span, its own row elsewhere."""
@@ -304,6 +348,50 @@ class DirectRows:
             span = self.span.get(int(b.rows[i]), [int(b.rows[i])])
             table[i, : len(span)] = span
         return table
+
+
+@dataclass
+class _Steady:
+    """A batch whose next steps need no planning beyond their copies: after a step in
+    which every live entry was direct (held at identity, nothing demoted), the same
+    batch (rows and requests, in order) at the next step is direct again as long as each
+    context still fits its span (``capacity``), provided no row lent to a span belongs to
+    a request outside the batch (that request could finish, and only the full plan looks
+    for that in SGLang's free list) and no live entry's row is lent. Its span table, mask
+    and counts are those of the step that set it. Any other step runs the full plan, which
+    sets or clears this state again."""
+
+    rows: bytes
+    req: bytes
+    max_span: int
+    capacity: np.ndarray  # int64 [B]: positions each entry's span holds (0 for padding)
+    span_table: np.ndarray  # int64 [B, max_span]: the host copy of span_rows
+    mask: torch.Tensor
+    span_rows: torch.Tensor
+    direct_count: int
+    lent_rows: int
+
+    @classmethod
+    def after(cls, rows: "DirectRows", b: "_Batch", direct: np.ndarray, span_table: np.ndarray, mask: torch.Tensor,
+              span_rows: torch.Tensor, lent_rows: int) -> Optional["_Steady"]:
+        """The steady state after a fully planned step (its ``mask`` and ``span_rows`` as
+        handed out; nothing writes them), or ``None`` if that step was not one."""
+        if not np.array_equal(direct, b.live):
+            return None
+        heads = set(b.rows[direct].tolist())
+        if any(len(span) > 1 and head not in heads for head, span in rows.span.items()):
+            return None
+        if (rows.lender[b.rows[direct]] >= 0).any():
+            return None
+        capacity = np.zeros(b.rows.shape, dtype=np.int64)
+        capacity[direct] = [len(rows.span[r]) * rows.hot_tokens for r in b.rows[direct].tolist()]
+        return cls(b.rows.tobytes(), b.req.tobytes(), rows.max_span, capacity, span_table, mask, span_rows,
+                   int(direct.sum()), lent_rows)
+
+    def holds(self, b: "_Batch", max_span: int) -> bool:
+        """Whether the step of batch ``b`` is in this steady state."""
+        return (max_span == self.max_span and b.rows.tobytes() == self.rows and b.req.tobytes() == self.req
+                and bool((b.ctx <= self.capacity).all()))
 
 
 class _Lendable:
@@ -341,7 +429,7 @@ class _Batch:
 
     @classmethod
     def of(cls, rows, req_ids, stable_len, context_len) -> "_Batch":
-        def host(t):
+        def host(t):  # a new array: nothing here aliases the caller's tensors
             return t.detach().cpu().numpy().astype(np.int64)
 
         req, stable, ctx = host(req_ids), host(stable_len), host(context_len)
@@ -386,6 +474,18 @@ def direct_flat(span_rows: torch.Tensor, positions: torch.Tensor, hot_tokens: in
     col = (pos.clamp(min=0) // hot_tokens).clamp(max=spans.shape[1] - 1)
     flat = spans.gather(1, col) * hot_tokens + pos.clamp(min=0) % hot_tokens
     return torch.where(pos >= 0, flat, torch.full_like(flat, -1)).to(torch.int32)
+
+
+def position_map(span_rows: torch.Tensor, hot_tokens: int, rows_per_request: int = 1) -> torch.Tensor:
+    """int32 ``[B*n, S*H + 1]``: column ``p + 1`` of query row ``i`` holds the flat
+    hot-buffer row of position ``p`` through the span of its entry (``span_rows``
+    ``[B, S]``, ``n`` query rows per entry), column 0 holds ``-1``. So a gather at
+    ``positions + 1`` is :func:`direct_flat` (``-1`` stays ``-1``) for every position below
+    ``S*H``, which covers every span (:meth:`DirectStep.flat_rows`)."""
+    h = int(hot_tokens)
+    spans = span_rows.repeat_interleave(int(rows_per_request), 0) if rows_per_request > 1 else span_rows
+    flat = (spans[:, :, None] * h + torch.arange(h, device=spans.device)).reshape(spans.shape[0], -1)
+    return torch.cat((flat.new_full((flat.shape[0], 1), -1), flat), dim=1).to(torch.int32)
 
 
 def masked_step(mask: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor, rows_per_request: int):

@@ -364,6 +364,7 @@ class SparseDecodeEngine:
         self.direct: Optional[direct_rows.DirectRows] = (
             direct_rows.DirectRows(state_rows, config.hot_tokens) if config.residency == "adaptive" else None)
         self._direct_step: Optional[direct_rows.DirectStep] = None
+        self._empty_steps: Dict[Tuple[int, int], ResidencyStep] = {}
         self.step_index = -1
         self._rows: Optional[torch.Tensor] = None
         self._req_ids: Optional[torch.Tensor] = None
@@ -612,8 +613,7 @@ class SparseDecodeEngine:
         t1 = self._tick()
         flat = self.hot.flat_indices(req.slots, req.token_rows)
         if d is not None and d.any_direct:
-            flat = torch.where(query_direct[:, None, None], direct_rows.direct_flat(
-                d.span_rows, topk_dev, cfg.hot_tokens, n)[:, None, :], flat)
+            flat = torch.where(query_direct[:, None, None], d.flat_rows(topk_dev, cfg.hot_tokens, n)[:, None, :], flat)
         if self._copy_sfa_op is not None:  # fused Copy-SFA: copy + attention in one op (full-rows ABI)
             out = self._fused_copy_attention(layer, res, flat, query, query_rope, scale)
             t2 = t1
@@ -645,8 +645,8 @@ class SparseDecodeEngine:
             self._copy_positions(layer, d)
             self.stats_acc.record_direct(layer, 0, d.copy_rows.numel() * self.pool.shape.row_bytes, 0)
         t1 = self._tick()
-        flat = direct_rows.direct_flat(d.span_rows, topk, cfg.hot_tokens, n)[:, None, :]
-        res = direct_rows.empty_step(self._batch, topk.shape[1] * n, self.device)
+        flat = d.flat_rows(topk, cfg.hot_tokens, n)[:, None, :]
+        res = self._empty_step(self._batch, topk.shape[1] * n)
         if self._copy_sfa_op is not None:
             out = self._fused_copy_attention(layer, res, flat, query, query_rope, scale)
         else:
@@ -658,6 +658,17 @@ class SparseDecodeEngine:
         if self.shadow is not None:
             self._shadow_check(layer, topk, query, query_rope, scale, out)
         return LayerResult(output=out, residency=res, flat_indices=flat)
+
+    def _empty_step(self, batch: int, width: int) -> ResidencyStep:
+        """:func:`.direct_rows.empty_step` of this shape, made once (nothing writes it) and
+        shared by the layers and steps of an all-direct batch of that shape."""
+        key = (batch, width)
+        step = self._empty_steps.get(key)
+        if step is None:
+            if len(self._empty_steps) >= 64:  # batch sizes vary: keep the few in use
+                self._empty_steps.clear()
+            step = self._empty_steps[key] = direct_rows.empty_step(batch, width, self.device)
+        return step
 
     def _shadow_check(self, layer: int, topk: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor,
                       scale: float, out: torch.Tensor) -> None:

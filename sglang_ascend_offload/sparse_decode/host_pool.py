@@ -71,7 +71,7 @@ class HostPoolShape:
     @property
     def row_bytes(self) -> int:
         """Bytes of one token row of one layer (1152 for 576 bf16)."""
-        return self.row_dim * torch.empty((), dtype=self.dtype).element_size()
+        return self.row_dim * self.dtype.itemsize
 
     @property
     def numel(self) -> int:

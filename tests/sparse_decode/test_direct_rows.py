@@ -421,3 +421,91 @@ def test_verify_rows_adaptive_equals_always():
         for r in live:
             committed[r] += int(rng.integers(1, n + 1))
     assert direct_seen > 10 and spanned > 0 and adaptive.stats().total.demotions > 0
+
+
+def _plan_fields(p) -> dict:
+    """Every field of a :class:`DirectStep` as host values (for comparing two plans)."""
+    out = {}
+    for name in ("mask", "span_rows", "copy_rows", "copy_pos", "copy_dst", "demote_heads", "demote_req",
+                 "demote_stable", "demote_pos", "demote_src", "step_pos"):
+        t = getattr(p, name)
+        out[name] = None if t is None else t.cpu().tolist()
+    for name in ("direct_count", "step_copies", "lent_rows", "lent_now", "reclaimed", "all_direct"):
+        out[name] = getattr(p, name)
+    return out
+
+
+@pytest.mark.parametrize("captured", [0, 2])
+def test_steady_state_plan_equals_the_full_plan(captured):
+    """The steady-state shortcut of ``DirectRows.plan`` (the same batch as the last step,
+    every entry direct and within its span) gives the full plan's step and bookkeeping,
+    over a workload with long steady stretches broken by arrivals, finishes, a request
+    out of the batch for a while (its span's rows must not be lent), span growth, the
+    hold switch and demotions."""
+    import numpy as np
+
+    from sglang_ascend_offload.sparse_decode import direct_rows as dr
+
+    rows_n, hot = 10, 8
+    fast, full = dr.DirectRows(rows_n + 1, hot), dr.DirectRows(rows_n + 1, hot)
+    fast.max_span = full.max_span = 4
+    rng = np.random.default_rng(11)
+    owner, length = {}, {}
+    next_req, shortcuts, holding, away = 100, 0, [False], set()
+    fast.hold = full.hold = lambda: holding[0]
+    for step in range(600):
+        if rng.random() < 0.04 or not owner:  # an arrival on a free row
+            free = [r for r in range(rows_n) if r not in owner and fast.lender[r] < 0]
+            if free:
+                r = int(rng.choice(free))
+                owner[r], length[r], next_req = next_req, int(rng.integers(1, 20)), next_req + 1
+        if owner and rng.random() < 0.03:  # a finish
+            del owner[int(rng.choice(list(owner)))]
+        if owner and rng.random() < 0.02:  # a request leaves the batch for a while (e.g. retracted)
+            away.add(int(rng.choice(list(owner))))
+        if away and rng.random() < 0.1:
+            away.pop()
+        holding[0] = rng.random() < 0.01
+        batch = sorted(r for r in owner if r not in away)
+        for r in batch:  # a captured step writes its width; an eager one sometimes jumps (a radix hit)
+            length[r] += captured or (1 if rng.random() < 0.97 else 3)
+        free_now = [r for r in range(rows_n) if r not in owner]
+        rows = torch.tensor(batch + [-1], dtype=torch.int64)
+        rows = torch.where(rows < 0, torch.full_like(rows, rows_n), rows)
+        req = torch.tensor([owner[r] for r in batch] + [-1], dtype=torch.int64)
+        ctx = torch.tensor([length[r] for r in batch] + [0], dtype=torch.int64)
+        stable = torch.clamp(ctx - (captured or 1), min=0).to(torch.int32)
+        was_steady = fast._steady is not None and fast._steady.holds(dr._Batch.of(rows, req, stable, ctx),
+                                                                       fast.max_span)
+        a = fast.plan(rows, req, stable, ctx, "cpu", captured_width=captured, free_rows=lambda: free_now)
+        full._steady = None  # the full plan every step
+        b = full.plan(rows, req, stable, ctx, "cpu", captured_width=captured, free_rows=lambda: free_now)
+        shortcuts += was_steady and not holding[0]
+        assert _plan_fields(a) == _plan_fields(b), f"step {step}"
+        for name in ("owner", "filled", "stable", "lender"):
+            assert np.array_equal(getattr(fast, name), getattr(full, name)), f"step {step}: {name}"
+        assert fast.span == full.span and fast.retired == full.retired and fast.demotions == full.demotions
+        for r in [r for r in owner if fast.retired.get(r) == owner[r]]:  # demoted: the test keeps it short
+            del owner[r]
+    assert shortcuts > 200 and fast.demotions > 3, (shortcuts, fast.demotions)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_position_map_gather_equals_direct_flat(n):
+    """The eager step's remap (one gather from the step's position map) gives
+    :func:`direct_flat` bit for bit for every position a span covers, ``-1`` included."""
+    from sglang_ascend_offload.sparse_decode.direct_rows import DirectStep
+
+    gen = torch.Generator().manual_seed(2)
+    hot, spans, entries = 8, 5, 4
+    span_rows = torch.randint(0, 30, (entries, spans), generator=gen)
+    positions = torch.randint(-1, hot * spans, (entries * n, 16), generator=gen, dtype=torch.int32)
+    positions[:, -1] = -1  # unused top-k entries
+    none = torch.zeros((0,), dtype=torch.int64)
+    step = DirectStep(mask=torch.ones(entries, dtype=torch.bool), span_rows=span_rows, copy_rows=none,
+                      copy_pos=none, copy_dst=none, demote_heads=none, demote_req=none, demote_stable=none,
+                      demote_pos=none, demote_src=none, direct_count=entries)
+    for _ in range(2):  # the map is built once and reused (every layer of the step)
+        got = step.flat_rows(positions, hot, n)
+        assert got.dtype == torch.int32 and torch.equal(got, direct_flat(span_rows, positions, hot, n))
+    assert bool((positions == -1).any())

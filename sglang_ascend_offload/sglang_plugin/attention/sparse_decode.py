@@ -117,20 +117,20 @@ class RowOwners:
 
     def __init__(self, rows: int):
         self._rid: List[Optional[str]] = [None] * rows
-        self._ids = torch.full((rows,), -1, dtype=torch.int64)
+        self._ids: List[int] = [-1] * rows
         self._next = 0
 
     def ids_for(self, rows: List[int], rids: Optional[List[str]]) -> torch.Tensor:
         """int64 ``[len(rows)]``: the owner id of each batch row (the batch order)."""
-        out = torch.empty(len(rows), dtype=torch.int64)
+        out: List[int] = []
         for i, row in enumerate(rows):
             rid = rids[i] if rids is not None else self._rid[row]
             if rid is None or rid != self._rid[row] or self._ids[row] < 0:
                 self._rid[row] = rid
                 self._ids[row] = self._next
                 self._next += 1
-            out[i] = self._ids[row]
-        return out
+            out.append(self._ids[row])
+        return torch.tensor(out, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
