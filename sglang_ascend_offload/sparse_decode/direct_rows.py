@@ -104,7 +104,9 @@ class DirectStep:
     reclaimed: int = 0
     all_direct: bool = False
     copy_host: Optional[torch.Tensor] = None  # host slots of the copies (the engine looks them up once)
-    _flat_map: Optional[torch.Tensor] = None  # position_map of the step (built by the first layer)
+    # position_map of the step and its rows_per_request (built by the first layer; a steady
+    # step takes the previous step's, as its spans are the same)
+    _flat_map: Optional[Tuple[int, torch.Tensor]] = None
 
     @property
     def any_direct(self) -> bool:
@@ -116,10 +118,11 @@ class DirectStep:
         :func:`direct_flat` for every position a direct entry reads (below its span's end);
         a managed entry's larger positions give some row of its last span column, as there
         (a mixed step discards them)."""
-        if self._flat_map is None:
-            self._flat_map = position_map(self.span_rows, hot_tokens, rows_per_request)
-        index = (positions.to(torch.int64) + 1).clamp_(max=self._flat_map.shape[1] - 1)
-        return self._flat_map.gather(1, index)
+        if self._flat_map is None or self._flat_map[0] != rows_per_request:
+            self._flat_map = (rows_per_request, position_map(self.span_rows, hot_tokens, rows_per_request))
+        flat_map = self._flat_map[1]
+        index = (positions.to(torch.int64) + 1).clamp_(max=flat_map.shape[1] - 1)
+        return flat_map.gather(1, index)
 
 
 class DirectRows:
@@ -223,13 +226,16 @@ class DirectRows:
         n_direct = int(direct.sum())
         lent_rows = int((self.lender >= 0).sum())
         mask, spans = dev(direct), dev(span_table)
-        self._steady = _Steady.after(self, b, direct, span_table, mask, spans, lent_rows)
-        return DirectStep(
+        step = DirectStep(
             mask=mask, span_rows=spans,
             copy_rows=dev(copies[0]), copy_pos=dev(copies[1]), copy_dst=dev(copies[2]), **demoted,
             direct_count=n_direct, step_pos=None if step_pos is None else dev(step_pos),
             step_copies=step_copies, lent_rows=lent_rows, lent_now=self.lent_total - lent_before,
             reclaimed=reclaimed, all_direct=bool(n_direct == b.rows.size))
+        self._steady = _Steady.after(self, b, direct, span_table, mask, spans, lent_rows)
+        if self._steady is not None:
+            self._steady.last = step
+        return step
 
     def _steady_step(self, b: "_Batch", steady: "_Steady", captured_width: int, dev) -> DirectStep:
         """:meth:`plan` of a step in the steady state (:class:`_Steady`): the same
@@ -242,12 +248,14 @@ class DirectRows:
         resident[direct] = np.minimum(self.filled[rows], b.rewrite_from[direct])
         copies = self._copies(b, direct, resident, captured_width, steady.span_table)
         step_pos, step_copies = _step_positions(b, direct, captured_width)
-        return DirectStep(
+        step = DirectStep(
             mask=steady.mask, span_rows=steady.span_rows,
             copy_rows=dev(copies[0]), copy_pos=dev(copies[1]), copy_dst=dev(copies[2]), **self._no_demotion,
             direct_count=steady.direct_count, step_pos=None if step_pos is None else dev(step_pos),
             step_copies=step_copies, lent_rows=steady.lent_rows, lent_now=0, reclaimed=0,
-            all_direct=steady.direct_count == b.rows.size)
+            all_direct=steady.direct_count == b.rows.size, _flat_map=steady.last._flat_map)
+        steady.last = step
+        return step
 
     def _reclaim(self, b: "_Batch", free: Sequence[int]) -> Tuple[List[int], int]:
         """Give back the borrowed rows of finished requests, then list the direct requests
@@ -370,6 +378,7 @@ class _Steady:
     span_rows: torch.Tensor
     direct_count: int
     lent_rows: int
+    last: Optional[DirectStep] = None  # the newest step of this state (its position map is shared)
 
     @classmethod
     def after(cls, rows: "DirectRows", b: "_Batch", direct: np.ndarray, span_table: np.ndarray, mask: torch.Tensor,

@@ -482,6 +482,10 @@ def test_steady_state_plan_equals_the_full_plan(captured):
         b = full.plan(rows, req, stable, ctx, "cpu", captured_width=captured, free_rows=lambda: free_now)
         shortcuts += was_steady and not holding[0]
         assert _plan_fields(a) == _plan_fields(b), f"step {step}"
+        # the remap through the step's position map (a steady step reuses the last one's)
+        pos = torch.from_numpy(rng.integers(0, np.maximum(ctx.numpy(), 1)[:, None], (ctx.numel(), 6)))
+        pos = torch.where(a.mask[:, None], pos, torch.full_like(pos, -1)).to(torch.int32)
+        assert torch.equal(a.flat_rows(pos, hot), dr.direct_flat(a.span_rows, pos, hot)), f"step {step}"
         for name in ("owner", "filled", "stable", "lender"):
             assert np.array_equal(getattr(fast, name), getattr(full, name)), f"step {step}: {name}"
         assert fast.span == full.span and fast.retired == full.retired and fast.demotions == full.demotions
