@@ -194,11 +194,12 @@ class DirectRows:
         return True
 
     def plan(self, rows: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
-             context_len: torch.Tensor, device, captured_width: int = 0,
+             context_len, device, captured_width: int = 0,
              free_rows: Optional[Callable[[], Sequence[int]]] = None) -> DirectStep:
         """The :class:`DirectStep` of a batch (``rows`` / ``req_ids`` / ``stable_len`` /
         ``context_len`` ``[B]`` as the engine holds them: padding entries on the sink row
-        with owner ``-1``) and the bookkeeping update. Reads host copies only.
+        with owner ``-1``; ``context_len`` a tensor or an int64 array) and the bookkeeping
+        update. Reads host copies only.
         ``captured_width`` ``n > 0``: the split form of a captured step, where a direct
         entry writes at most ``n`` positions in the step (a ``ValueError`` otherwise).
         ``free_rows``: returns SGLang's list of free request slots (read, never copied,
@@ -341,8 +342,11 @@ class DirectRows:
         entries = np.flatnonzero(direct)
         start = resident[entries]
         counts = np.maximum(copy_end[entries] - start, 0)
-        entry = np.repeat(entries, counts)
-        pos = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(start - (np.cumsum(counts) - counts), counts)
+        if (counts == 1).all():  # the usual decode step: each entry's new token
+            entry, pos = entries, start
+        else:
+            entry = np.repeat(entries, counts)
+            pos = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(start - (np.cumsum(counts) - counts), counts)
         h = self.hot_tokens
         dst = span_table[entry, pos // h] * h + pos % h
         heads = b.rows[entries]
@@ -439,7 +443,7 @@ class _Batch:
     @classmethod
     def of(cls, rows, req_ids, stable_len, context_len) -> "_Batch":
         def host(t):  # a new array: nothing here aliases the caller's tensors
-            return t.detach().cpu().numpy().astype(np.int64)
+            return (t if isinstance(t, np.ndarray) else t.detach().cpu().numpy()).astype(np.int64)
 
         req, stable, ctx = host(req_ids), host(stable_len), host(context_len)
         return cls(host(rows), req, stable, ctx, np.maximum(np.minimum(stable, ctx - 1), 0), req >= 0)

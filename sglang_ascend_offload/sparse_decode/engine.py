@@ -457,16 +457,21 @@ class SparseDecodeEngine:
         self.step_index = step
         rows = rows.to(torch.int64)
         pad = rows < 0
-        self._rows = torch.where(pad, torch.full_like(rows, self.sink_row), rows).to(self.device)
-        self._req_ids = torch.where(pad, torch.full_like(rows, -1), req_ids.to(torch.int64)).to(self.device)
-        self._stable_len = torch.where(pad, torch.zeros_like(rows), stable_len.to(torch.int64)).to(
-            self.device, torch.int32)
+        if bool(pad.any()):  # padding entries: the sink row, no owner, nothing stable
+            self._rows = torch.where(pad, torch.full_like(rows, self.sink_row), rows).to(self.device)
+            self._req_ids = torch.where(pad, torch.full_like(rows, -1), req_ids.to(torch.int64)).to(self.device)
+            self._stable_len = torch.where(pad, torch.zeros_like(rows), stable_len.to(torch.int64)).to(
+                self.device, torch.int32)
+        else:
+            self._rows = rows.to(self.device)
+            self._req_ids = req_ids.to(self.device, torch.int64)
+            self._stable_len = stable_len.to(self.device, torch.int32)
         self._token_table = token_table if token_table.dtype == torch.int32 else token_table.to(torch.int32)
         self._batch = b
         self.stats_acc.record_step()
         self._direct_step = None
         if self.direct is not None:
-            if context_len is not None:
+            if context_len is not None and bool(pad.any()):
                 context_len = torch.where(pad, torch.zeros_like(rows), context_len.to(torch.int64))
             self._begin_direct(n, context_len, captured, free_rows)
         return step
@@ -477,7 +482,7 @@ class SparseDecodeEngine:
         demote the requests that leave them (every layer, before the first). A captured
         step's direct rows then get the context the host pool already holds."""
         if context_len is None:
-            context_len = torch.from_numpy(direct_rows.context_lengths(self._stable_len.cpu().numpy(), n))
+            context_len = direct_rows.context_lengths(self._stable_len.cpu().numpy(), n)
         # the fused Copy-SFA reads each query token's own hot-buffer row only: no spans there
         self.direct.max_span = 1 if self._copy_sfa_op is not None else direct_rows.span_width(
             self._token_table.shape[1], self.config.hot_tokens)
