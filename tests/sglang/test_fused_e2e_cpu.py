@@ -5,7 +5,10 @@ kernel sources on the AscendC functional model (``ops/ascendc_cpu_ops.py``). The
 DSA fixture at shapes those kernels take (``tests/fixtures/tiny_dsa_fused``: top-k 128,
 8 index heads; 256 hot slots, page 64) serves the same greedy requests with
 ``ops: "fused"`` and with ``ops: "reference"``, for each index-K dtype (bf16 with LIM,
-int8 with LIM-C8). Each pair must give the same tokens:
+int8 with LIM-C8). The bf16 fused server decodes eagerly; the int8 one on SGLang's CPU
+graph runner (``--enable-torch-compile``, one bucket of 3 replayed exactly and with
+padding entries: the fused ops inside the captured step, reading the static row buffers). The
+reference servers decode eagerly. Each pair must give the same tokens:
 
 * a prompt longer than two hot buffers (the residency evicts every step),
 * a concurrent batch (several rows in one fused call, rows finishing and being reused:
@@ -26,6 +29,7 @@ measured cost per token).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -41,11 +45,22 @@ def prompt(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
 
 
-def _server(root, ops: str, indexer_dtype: str) -> ServerProcess:
+#: SGLang's CPU graph runner (``--enable-torch-compile``): one decode bucket of 3 (SGLang
+#: captures no bucket above ``--max-running-requests``), so batches of 3 replay it exactly
+#: and batches of 1-2 with padding entries
+GRAPHS = ["--enable-torch-compile", "--cuda-graph-bs-decode", "3", "--torch-compile-max-bs", "3"]
+GRAPH_STARTUP_S = 900.0  # torch.compile on a loaded 2-core machine
+
+
+def _server(root, ops: str, indexer_dtype: str, graphs: bool = False) -> ServerProcess:
     offload = {"hot_tokens": 256, "ops": ops, "indexer_dtype": indexer_dtype}
-    return ServerProcess(["--max-running-requests", "3", "--enable-sparse-decode-offload",
-                          "--sparse-decode-offload-config", json.dumps(offload)] + IDLE_SLEEP,
-                         log_path=root / f"{ops}_{indexer_dtype}.log", base_args=fixture_args(TINY_DSA_FUSED))
+    base = fixture_args(TINY_DSA_FUSED)
+    extra = ["--max-running-requests", "3", "--enable-sparse-decode-offload",
+             "--sparse-decode-offload-config", json.dumps(offload)] + IDLE_SLEEP
+    if not graphs:
+        return ServerProcess(extra, log_path=root / f"{ops}_{indexer_dtype}.log", base_args=base)
+    return ServerProcess(extra + GRAPHS, log_path=root / f"{ops}_{indexer_dtype}_graphs.log",
+                         base_args=[a for a in base if a != "--disable-cuda-graph"], startup_timeout_s=GRAPH_STARTUP_S)
 
 
 def _requests(server) -> dict:
@@ -62,9 +77,10 @@ def _requests(server) -> dict:
     return out
 
 
-@pytest.mark.parametrize("indexer_dtype", ["bf16", "int8"])
-def test_fused_rung_serves_the_reference_rung_tokens(tmp_path, indexer_dtype):
-    fused, reference = _server(tmp_path, "fused", indexer_dtype), _server(tmp_path, "reference", indexer_dtype)
+@pytest.mark.parametrize("indexer_dtype,graphs", [("bf16", False), ("int8", True)])
+def test_fused_rung_serves_the_reference_rung_tokens(tmp_path, indexer_dtype, graphs):
+    fused = _server(tmp_path, "fused", indexer_dtype, graphs)
+    reference = _server(tmp_path, "reference", indexer_dtype)
     start_all(fused, reference)
     try:
         got, want = _requests(fused), _requests(reference)
@@ -78,5 +94,10 @@ def test_fused_rung_serves_the_reference_rung_tokens(tmp_path, indexer_dtype):
     assert "sparse decode engine attention: copy_sparse_flash_attention (ops=fused)" in log
     assert f"decode steps select and manage residency with the fused {lim}" in log
     assert "Traceback" not in log
+    if graphs:  # the decode steps ran as captured graphs, replayed with padding entries
+        assert re.search(r"Capture target decode CPU graph end\. bs=\[3\]", log), "no decode graph was captured"
+        assert "decode graph bucket 3 stepped with 3 live rows\n" in log, "no exact replay of the decode graph"
+        assert re.search(r"decode graph bucket 3 stepped with [12] live rows \(padding entries", log), \
+            "no padded replay of the decode graph"
     ref_log = reference.log_path.read_text(errors="replace")
     assert "sparse decode engine attention: copy_miss_rows+sparse_mla_attention" in ref_log
