@@ -24,7 +24,7 @@ never synchronises the device; :meth:`StatsAccumulator.snapshot` reads them.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Dict, List, Optional
 
 import torch
@@ -63,13 +63,18 @@ class Counters:
         return self.row_hits / self.row_selected if self.row_selected else 0.0
 
     def __add__(self, other: "Counters") -> "Counters":
-        return Counters(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values())))
+        # field by field (``dataclasses.asdict`` deep-copies: ~40 us a call, and the
+        # per-step Prometheus export sums every layer)
+        return Counters(*(getattr(self, name) + getattr(other, name) for name in _COUNTER_NAMES))
 
     def as_dict(self) -> Dict[str, float]:
         d = asdict(self)
         d["hit_rate"] = self.hit_rate
         d["row_hit_rate"] = self.row_hit_rate
         return d
+
+
+_COUNTER_NAMES = tuple(f.name for f in fields(Counters))
 
 
 @dataclass

@@ -149,3 +149,14 @@ def test_the_per_step_read_never_waits_for_the_device(monkeypatch):
     assert acc.snapshot(wait=True).per_layer[0].selected == 8
     _SlowEvent.done = True  # the copy started by the lagged read has landed
     assert acc.snapshot(wait=False).per_layer[0].hits == 7
+
+
+def test_total_sums_every_counter_field():
+    """``DecodeStats.total`` (read by every per-step export) adds each field of every layer."""
+    from dataclasses import fields
+
+    names = [f.name for f in fields(Counters)]
+    layers = [Counters(*(10 * layer + i + 1 for i in range(len(names)))) for layer in range(3)]
+    total = DecodeStats(per_layer=layers, steps=4).total
+    for i, name in enumerate(names):
+        assert getattr(total, name) == sum(10 * layer + i + 1 for layer in range(3)), name
