@@ -226,16 +226,13 @@ class DirectRows:
         step_pos, step_copies = _step_positions(b, direct, captured_width)
         n_direct = int(direct.sum())
         lent_rows = int((self.lender >= 0).sum())
-        mask, spans = dev(direct), dev(span_table)
         step = DirectStep(
-            mask=mask, span_rows=spans,
+            mask=dev(direct), span_rows=dev(span_table),
             copy_rows=dev(copies[0]), copy_pos=dev(copies[1]), copy_dst=dev(copies[2]), **demoted,
             direct_count=n_direct, step_pos=None if step_pos is None else dev(step_pos),
             step_copies=step_copies, lent_rows=lent_rows, lent_now=self.lent_total - lent_before,
             reclaimed=reclaimed, all_direct=bool(n_direct == b.rows.size))
-        self._steady = _Steady.after(self, b, direct, span_table, mask, spans, lent_rows)
-        if self._steady is not None:
-            self._steady.last = step
+        self._steady = _Steady.after(self, b, direct, span_table, step)
         return step
 
     def _steady_step(self, b: "_Batch", steady: "_Steady", captured_width: int, dev) -> DirectStep:
@@ -249,12 +246,13 @@ class DirectRows:
         resident[direct] = np.minimum(self.filled[rows], b.rewrite_from[direct])
         copies = self._copies(b, direct, resident, captured_width, steady.span_table)
         step_pos, step_copies = _step_positions(b, direct, captured_width)
+        last = steady.last
         step = DirectStep(
-            mask=steady.mask, span_rows=steady.span_rows,
+            mask=last.mask, span_rows=last.span_rows,
             copy_rows=dev(copies[0]), copy_pos=dev(copies[1]), copy_dst=dev(copies[2]), **self._no_demotion,
-            direct_count=steady.direct_count, step_pos=None if step_pos is None else dev(step_pos),
-            step_copies=step_copies, lent_rows=steady.lent_rows, lent_now=0, reclaimed=0,
-            all_direct=steady.direct_count == b.rows.size, _flat_map=steady.last._flat_map)
+            direct_count=last.direct_count, step_pos=None if step_pos is None else dev(step_pos),
+            step_copies=step_copies, lent_rows=last.lent_rows, lent_now=0, reclaimed=0,
+            all_direct=last.all_direct, _flat_map=last._flat_map)
         steady.last = step
         return step
 
@@ -369,37 +367,30 @@ class _Steady:
     batch (rows and requests, in order) at the next step is direct again as long as each
     context still fits its span (``capacity``), provided no row lent to a span belongs to
     a request outside the batch (that request could finish, and only the full plan looks
-    for that in SGLang's free list) and no live entry's row is lent. Its span table, mask
-    and counts are those of the step that set it. Any other step runs the full plan, which
-    sets or clears this state again."""
+    for that in SGLang's free list). No live entry's row is lent then: the full plan
+    demoted any span holding one, and spans borrow only SGLang's free slots. Its steps
+    reuse the mask, span table, counts and position map of the newest one (``last``). Any
+    other step runs the full plan, which sets or clears this state again."""
 
     rows: bytes
     req: bytes
     max_span: int
     capacity: np.ndarray  # int64 [B]: positions each entry's span holds (0 for padding)
-    span_table: np.ndarray  # int64 [B, max_span]: the host copy of span_rows
-    mask: torch.Tensor
-    span_rows: torch.Tensor
-    direct_count: int
-    lent_rows: int
-    last: Optional[DirectStep] = None  # the newest step of this state (its position map is shared)
+    span_table: np.ndarray  # int64 [B, max_span]: the host copy of last.span_rows
+    last: DirectStep  # the newest step of this state (nothing writes its tensors)
 
     @classmethod
-    def after(cls, rows: "DirectRows", b: "_Batch", direct: np.ndarray, span_table: np.ndarray, mask: torch.Tensor,
-              span_rows: torch.Tensor, lent_rows: int) -> Optional["_Steady"]:
-        """The steady state after a fully planned step (its ``mask`` and ``span_rows`` as
-        handed out; nothing writes them), or ``None`` if that step was not one."""
+    def after(cls, rows: "DirectRows", b: "_Batch", direct: np.ndarray, span_table: np.ndarray,
+              step: DirectStep) -> Optional["_Steady"]:
+        """The steady state after a fully planned ``step``, or ``None`` if it was not one."""
         if not np.array_equal(direct, b.live):
             return None
         heads = set(b.rows[direct].tolist())
         if any(len(span) > 1 and head not in heads for head, span in rows.span.items()):
             return None
-        if (rows.lender[b.rows[direct]] >= 0).any():
-            return None
         capacity = np.zeros(b.rows.shape, dtype=np.int64)
         capacity[direct] = [len(rows.span[r]) * rows.hot_tokens for r in b.rows[direct].tolist()]
-        return cls(b.rows.tobytes(), b.req.tobytes(), rows.max_span, capacity, span_table, mask, span_rows,
-                   int(direct.sum()), lent_rows)
+        return cls(b.rows.tobytes(), b.req.tobytes(), rows.max_span, capacity, span_table, step)
 
     def holds(self, b: "_Batch", max_span: int) -> bool:
         """Whether the step of batch ``b`` is in this steady state."""

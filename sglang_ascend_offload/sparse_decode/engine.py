@@ -457,7 +457,8 @@ class SparseDecodeEngine:
         self.step_index = step
         rows = rows.to(torch.int64)
         pad = rows < 0
-        if bool(pad.any()):  # padding entries: the sink row, no owner, nothing stable
+        padded = bool(pad.any())
+        if padded:  # padding entries: the sink row, no owner, nothing stable
             self._rows = torch.where(pad, torch.full_like(rows, self.sink_row), rows).to(self.device)
             self._req_ids = torch.where(pad, torch.full_like(rows, -1), req_ids.to(torch.int64)).to(self.device)
             self._stable_len = torch.where(pad, torch.zeros_like(rows), stable_len.to(torch.int64)).to(
@@ -471,7 +472,7 @@ class SparseDecodeEngine:
         self.stats_acc.record_step()
         self._direct_step = None
         if self.direct is not None:
-            if context_len is not None and bool(pad.any()):
+            if context_len is not None and padded:
                 context_len = torch.where(pad, torch.zeros_like(rows), context_len.to(torch.int64))
             self._begin_direct(n, context_len, captured, free_rows)
         return step
