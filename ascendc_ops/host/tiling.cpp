@@ -100,10 +100,10 @@ uint32_t LimIndexerUbBytes(const LimTiling &t)
 
 uint32_t LimResidencyUbBytes(const LimTiling &t)
 {
-    uint32_t k = t.topK;
+    uint32_t w = t.unionWidth != 0 ? t.unionWidth : t.topK;  // entries per row step
     uint32_t hot = t.hotTokens;
-    return A32(hot * 4) + A32(hot * 8) + A32((1u << t.hashBits) * 2) + A32(hot * 2) + 6 * A32(k * 4) +
-           A32(A32(k)) + 2 * 32;
+    return A32(hot * 4) + A32(hot * 8) + A32((1u << t.hashBits) * 2) + A32(hot * 2) + 4 * A32(w * 4) +
+           A32(A32(w)) + 2 * 32;
 }
 
 std::string CheckLim(const LimShape &s)
@@ -122,6 +122,11 @@ std::string CheckLim(const LimShape &s)
     if (s.hotTokens < s.topK || s.hotTokens % kSortGroup != 0 || s.hotTokens > kMaxHotTokens)
         e << "hot_tokens must be >= sparse_count, a multiple of " << kSortGroup << ", up to " << kMaxHotTokens
           << " (got " << s.hotTokens << "); ";
+    if (s.rowTokens == 0 || s.rowTokens > kMaxRowTokens)
+        e << "tokens_per_row must be 1.." << kMaxRowTokens << " (got " << s.rowTokens << "); ";
+    else if (s.rowTokens > 1 && static_cast<uint64_t>(s.rowTokens) * s.topK > s.hotTokens)
+        e << "hot_tokens must hold the union of a row's tokens' top-k: >= tokens_per_row x sparse_count = "
+          << s.rowTokens << " x " << s.topK << " (got " << s.hotTokens << "); ";
     if (static_cast<uint64_t>(s.maxBlocks) * s.blockSize > kMaxPosition)
         e << "block_table covers more than 2^24 positions; ";
     if (s.sparseMode != 0 && s.sparseMode != 3) e << "sparse_mode must be 0 or 3 (got " << s.sparseMode << "); ";
@@ -134,6 +139,7 @@ std::string CheckLim(const LimShape &s)
         t.hashBits = HashBits(s.hotTokens);
         t.chunk = AlignTo(s.topK, s.blockSize);
         t.quantized = s.quantized ? 1 : 0;
+        t.unionWidth = s.rowTokens * s.topK;
         uint32_t need = std::max(LimIndexerUbBytes(t), LimResidencyUbBytes(t));
         if (need > kLimPoolBytes) e << "UB pool too small for this shape (" << need << " bytes needed); ";
     }
@@ -157,6 +163,8 @@ Launch TileLim(const LimShape &s)
     t.sparseMode = s.sparseMode;
     t.quantized = s.quantized ? 1 : 0;
     t.chunk = AlignTo(s.topK, s.blockSize);
+    t.rowTokens = s.rowTokens;
+    t.unionWidth = s.rowTokens * s.topK;
     t.cubeTilings = 1;
     t.logitsBytes = AlignTo(static_cast<uint64_t>(s.indexHeads) * s.blockSize * 4, kScratchAlign);
 
@@ -187,6 +195,10 @@ std::string CheckCopySfa(const CopySfaShape &s)
         e << "sparse_indices K must be a multiple of " << kKvTile << " up to " << kMaxTopK << " (got " << s.topK
           << "); ";
     if (static_cast<uint64_t>(s.rows) * s.hotTokens >= (1ull << 31)) e << "R * Hh must fit int32; ";
+    uint32_t w = s.missWidth != 0 ? s.missWidth : s.topK;
+    if (s.topK != 0 && (w % s.topK != 0 || w / s.topK > kMaxRowTokens))
+        e << "miss lists must be n x K wide with n = tokens per row in 1.." << kMaxRowTokens << " (got " << w
+          << " for K " << s.topK << "); ";
     return e.str();
 }
 
@@ -204,6 +216,7 @@ Launch TileCopySfa(const CopySfaShape &s)
     t.hotTokens = s.hotTokens;
     t.topK = s.topK;
     t.maxCtx = s.maxCtx;
+    t.missWidth = s.missWidth != 0 ? s.missWidth : s.topK;
     t.scaleValue = s.scaleValue;
     t.cubeTilings = 3;
     uint64_t g = t.headGroup;

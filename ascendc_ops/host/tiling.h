@@ -29,12 +29,14 @@ struct LimShape {
     uint32_t numTokens, numRequests, indexHeads, indexDim, blockSize, maxBlocks;
     uint32_t rows, hotTokens, topK, sparseMode;
     bool quantized;
+    uint32_t rowTokens = 1;  // query tokens per row: 1, or a request's verify rows (<= kMaxRowTokens)
 };
 
 // Shapes and attributes of one Copy-SFA call (heads already padded to >= kMinHeads).
 struct CopySfaShape {
     uint32_t numTokens, heads, latentDim, ropeDim, rows, hotTokens, topK, maxCtx;
     float scaleValue;
+    uint32_t missWidth = 0;  // miss_tokens / miss_slots columns; 0 means topK
 };
 
 // Empty string when the kernel supports the shape, else the violated limit.

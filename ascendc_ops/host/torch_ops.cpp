@@ -94,7 +94,7 @@ std::string LimKey(const host::LimShape &s)
     std::ostringstream k;
     k << (s.quantized ? "limc8:" : "lim:") << s.numTokens << ',' << s.numRequests << ',' << s.indexHeads << ','
       << s.indexDim << ',' << s.blockSize << ',' << s.maxBlocks << ',' << s.rows << ',' << s.hotTokens << ','
-      << s.topK << ',' << s.sparseMode;
+      << s.topK << ',' << s.sparseMode << ',' << s.rowTokens;
     return k.str();
 }
 
@@ -102,7 +102,7 @@ std::string CopySfaKey(const host::CopySfaShape &s)
 {
     std::ostringstream k;
     k << "copysfa:" << s.numTokens << ',' << s.heads << ',' << s.latentDim << ',' << s.ropeDim << ',' << s.rows
-      << ',' << s.hotTokens << ',' << s.topK << ',' << s.maxCtx << ',' << s.scaleValue;
+      << ',' << s.hotTokens << ',' << s.topK << ',' << s.maxCtx << ',' << s.scaleValue << ',' << s.missWidth;
     return k.str();
 }
 
@@ -169,7 +169,7 @@ struct LimTensors {
 };
 
 LimOutputs RunLim(const LimTensors &in, c10::string_view layoutQuery, c10::string_view layoutKey,
-                  int64_t sparseCount, int64_t sparseMode, bool quantized)
+                  int64_t sparseCount, int64_t sparseMode, bool quantized, int64_t tokensPerRow)
 {
     const char *op = quantized ? "npu_fused_quant_lightning_indexer_manage" : "npu_fused_lightning_indexer_manage";
     TORCH_CHECK(layoutQuery == "TND" && layoutKey == "PA_BSND", op, ": layouts must be TND / PA_BSND");
@@ -213,20 +213,22 @@ LimOutputs RunLim(const LimTensors &in, c10::string_view layoutQuery, c10::strin
                          static_cast<uint32_t>(Di), static_cast<uint32_t>(bs),
                          static_cast<uint32_t>(in.blockTable.size(1)), static_cast<uint32_t>(R),
                          static_cast<uint32_t>(Hh), static_cast<uint32_t>(sparseCount),
-                         static_cast<uint32_t>(sparseMode), quantized};
+                         static_cast<uint32_t>(sparseMode), quantized, static_cast<uint32_t>(tokensPerRow)};
     std::string problem = host::CheckLim(shape);
     TORCH_CHECK(problem.empty(), op, ": shape not supported by the fused kernel: ", problem,
                 "use ops=reference (or npu) for this shape");
 
+    TORCH_CHECK(tokensPerRow >= 1, op, ": tokens_per_row must be >= 1");
     const int64_t K = sparseCount;
+    const int64_t W = tokensPerRow * K;  // entries of a row's residency step
     auto i32 = in.query.options().dtype(at::kInt);
     at::Tensor topk = at::empty({T, 1, K}, i32);
     at::Tensor sparse = at::empty({T, 1, K}, i32);
-    at::Tensor hitMask = at::empty({R, K}, in.query.options().dtype(at::kBool));
-    at::Tensor slots = at::empty({R, K}, i32);
+    at::Tensor hitMask = at::empty({R, W}, in.query.options().dtype(at::kBool));
+    at::Tensor slots = at::empty({R, W}, i32);
     at::Tensor missCount = at::empty({R}, i32);
-    at::Tensor missTokens = at::empty({R, K}, i32);
-    at::Tensor missSlots = at::empty({R, K}, i32);
+    at::Tensor missTokens = at::empty({R, W}, i32);
+    at::Tensor missSlots = at::empty({R, W}, i32);
     if (T == 0 && R == 0) {
         return {topk, sparse, hitMask, slots, missCount, missTokens, missSlots};
     }
@@ -268,12 +270,13 @@ LimOutputs LightningIndexerManage(const at::Tensor &query, const at::Tensor &key
                                   const at::Tensor &token_rows, const at::Tensor &req_ids,
                                   const at::Tensor &stable_len, const at::Tensor &step, at::Tensor &slot_token,
                                   at::Tensor &slot_stamp, at::Tensor &row_req, c10::string_view layout_query,
-                                  c10::string_view layout_key, int64_t sparse_count, int64_t sparse_mode)
+                                  c10::string_view layout_key, int64_t sparse_count, int64_t sparse_mode,
+                                  int64_t tokens_per_row)
 {
     LimTensors in{query, key, weights, at::Tensor(), at::Tensor(), actual_seq_lengths_query,
                   actual_seq_lengths_key, block_table, token_rows, req_ids, stable_len, step,
                   slot_token, slot_stamp, row_req};
-    return RunLim(in, layout_query, layout_key, sparse_count, sparse_mode, false);
+    return RunLim(in, layout_query, layout_key, sparse_count, sparse_mode, false, tokens_per_row);
 }
 
 LimOutputs QuantLightningIndexerManage(const at::Tensor &query, const at::Tensor &key, const at::Tensor &weights,
@@ -285,14 +288,14 @@ LimOutputs QuantLightningIndexerManage(const at::Tensor &query, const at::Tensor
                                        at::Tensor &slot_token, at::Tensor &slot_stamp, at::Tensor &row_req,
                                        int64_t query_quant_mode, int64_t key_quant_mode,
                                        c10::string_view layout_query, c10::string_view layout_key,
-                                       int64_t sparse_count, int64_t sparse_mode)
+                                       int64_t sparse_count, int64_t sparse_mode, int64_t tokens_per_row)
 {
     TORCH_CHECK(query_quant_mode == 0 && key_quant_mode == 0,
                 "npu_fused_quant_lightning_indexer_manage: only per-token quantisation (quant mode 0)");
     LimTensors in{query, key, weights, query_dequant_scale, key_dequant_scale, actual_seq_lengths_query,
                   actual_seq_lengths_key, block_table, token_rows, req_ids, stable_len, step,
                   slot_token, slot_stamp, row_req};
-    return RunLim(in, layout_query, layout_key, sparse_count, sparse_mode, true);
+    return RunLim(in, layout_query, layout_key, sparse_count, sparse_mode, true, tokens_per_row);
 }
 
 // ------------------------------------------------------------------ Copy-SFA
@@ -319,9 +322,10 @@ at::Tensor ScatterCopySparseFlashAttention(const at::Tensor &query, const at::Te
     CheckTensor(token_rows, "token_rows", at::kInt, 1, dev);
     CheckShape(token_rows, "token_rows", {T});
     CheckTensor(miss_tokens, "miss_tokens", at::kInt, 2, dev);
-    CheckShape(miss_tokens, "miss_tokens", {R, K});
+    int64_t W = miss_tokens.size(1);  // K, or n x K with n tokens per row
+    CheckShape(miss_tokens, "miss_tokens", {R, W});
     CheckTensor(miss_slots, "miss_slots", at::kInt, 2, dev);
-    CheckShape(miss_slots, "miss_slots", {R, K});
+    CheckShape(miss_slots, "miss_slots", {R, W});
     CheckTensor(miss_count, "miss_count", at::kInt, 1, dev);
     CheckShape(miss_count, "miss_count", {R});
     CheckTensor(token_table, "token_table", at::kInt, 2, dev);
@@ -337,7 +341,7 @@ at::Tensor ScatterCopySparseFlashAttention(const at::Tensor &query, const at::Te
     host::CopySfaShape shape{static_cast<uint32_t>(T), static_cast<uint32_t>(Np), static_cast<uint32_t>(Dl),
                              static_cast<uint32_t>(Dr), static_cast<uint32_t>(R), static_cast<uint32_t>(Hh),
                              static_cast<uint32_t>(K), static_cast<uint32_t>(token_table.size(1)),
-                             static_cast<float>(scale_value)};
+                             static_cast<float>(scale_value), static_cast<uint32_t>(W)};
     std::string problem = host::CheckCopySfa(shape);
     TORCH_CHECK(problem.empty(), "npu_fused_scatter_copy_sparse_flash_attention: shape not supported by the fused "
                 "kernel: ", problem, "use ops=reference (or npu) for this shape");
@@ -390,11 +394,14 @@ at::Tensor ScatterCopySparseFlashAttention(const at::Tensor &query, const at::Te
 //   in/out  slot_token                int32 [R, Hh]    position per slot, -1 empty
 //   in/out  slot_stamp                int64 [R, Hh]    recency, 0 empty
 //   in/out  row_req                   int64 [R]        request owning the row's content
-//   attr    layout_query "TND", layout_key "PA_BSND", sparse_count K, sparse_mode 0|3
+//   attr    layout_query "TND", layout_key "PA_BSND", sparse_count K, sparse_mode 0|3,
+//           tokens_per_row n (1: a row is one token; n > 1: up to n tokens share a row, the
+//           row steps on the union of their top-k, W = n * K entries; n <= 14, Hh >= n * K)
 //   out     topk_indices int32 [T, 1, K]  logical top-k (indexer output, -1 padding)
 //   out     sparse_indices int32 [T, 1, K] rows of hot.view(R*Hh, D): row*Hh + slot, -1
-//   out     hit_mask bool [R, K]; slots int32 [R, K]; miss_count int32 [R];
-//           miss_tokens int32 [R, K]; miss_slots int32 [R, K]   (docs/residency_contract.md)
+//   out     hit_mask bool [R, W]; slots int32 [R, W]; miss_count int32 [R];
+//           miss_tokens int32 [R, W]; miss_slots int32 [R, W]   (W = K for n = 1;
+//           docs/residency_contract.md)
 //
 // npu_fused_quant_lightning_indexer_manage (LIM-C8): as LIM with
 //   in      query int8 [T, Hi, Di], key int8 [blocks, block_size, 1, Di] (Hadamard-rotated)
@@ -408,7 +415,8 @@ at::Tensor ScatterCopySparseFlashAttention(const at::Tensor &query, const at::Te
 //   in/out  hot            bf16  [R, Hh, D]     this layer's hot buffer; the misses land in it
 //   in      sparse_indices int32 [T, 1, K]      LIM's sparse_indices
 //   in      token_rows     int32 [T]
-//   in      miss_tokens    int32 [R, K], miss_slots int32 [R, K], miss_count int32 [R] (LIM's)
+//   in      miss_tokens    int32 [R, W], miss_slots int32 [R, W], miss_count int32 [R] (LIM's;
+//                          W = n * K: a row with misses may serve up to n tokens)
 //   in      token_table    int32 [R, max_ctx]   logical position -> host row, per row
 //   attr    scale_value    float
 //   out     attention out  bf16  [T, N, Dl]
@@ -419,8 +427,8 @@ at::Tensor ScatterCopySparseFlashAttention(const at::Tensor &query, const at::Te
 //   out     int            device address of host.data_ptr()
 TORCH_LIBRARY(sglang_ascend_offload, m)
 {
-    m.def("npu_fused_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, str layout_query=\"TND\", str layout_key=\"PA_BSND\", int sparse_count=2048, int sparse_mode=3) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)");
-    m.def("npu_fused_quant_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor query_dequant_scale, Tensor key_dequant_scale, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, int query_quant_mode=0, int key_quant_mode=0, str layout_query=\"TND\", str layout_key=\"PA_BSND\", int sparse_count=2048, int sparse_mode=3) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)");
+    m.def("npu_fused_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, str layout_query=\"TND\", str layout_key=\"PA_BSND\", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)");
+    m.def("npu_fused_quant_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor query_dequant_scale, Tensor key_dequant_scale, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, int query_quant_mode=0, int key_quant_mode=0, str layout_query=\"TND\", str layout_key=\"PA_BSND\", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)");
     m.def("npu_fused_scatter_copy_sparse_flash_attention(Tensor query, Tensor query_rope, Tensor host, Tensor(a!) hot, Tensor sparse_indices, Tensor token_rows, Tensor miss_tokens, Tensor miss_slots, Tensor miss_count, Tensor token_table, float scale_value) -> Tensor");
     m.def("npu_fused_register_host_memory(Tensor host, int device_address=0) -> int");
 }

@@ -31,6 +31,7 @@ constexpr uint32_t kMaxBlockSize = 128;      // chunks of AlignUp(K, block_size)
 constexpr uint32_t kSortGroup = 32;          // Sort works on groups of 32 (score, index) pairs
 constexpr uint32_t kMaxTopK = 2048;          // K (MrgSort lists are < 4096 long)
 constexpr uint32_t kMaxHotTokens = 4096;     // Hh (UB budget of the residency step)
+constexpr uint32_t kMaxRowTokens = 14;       // query tokens sharing one row (speculative verify rows)
 constexpr uint32_t kMaxPosition = 1u << 24;  // logical positions stay exact as float sort payload
 constexpr uint32_t kLatentDim = 512;         // Dl of Copy-SFA
 constexpr uint32_t kRopeDim = 64;            // Dr of Copy-SFA
@@ -67,6 +68,8 @@ struct LimTiling {
     uint32_t logitsBytes;    // GM scratch per vector core for one block's [Hi, blockSize] logits
     uint32_t cubeTilings;    // 1: the [Hi, Di] x [blockSize, Di]^T matmul
     uint32_t chunk;          // positions merged into the running top-K at once: AlignUp(K, blockSize)
+    uint32_t rowTokens;      // n: query tokens a row may serve (1, or the verify rows of a request)
+    uint32_t unionWidth;     // W = n * K: entries of a row's residency step (the union of its tokens' top-K)
 };
 
 // --------------------------------------------------------------------- Copy-SFA
@@ -85,7 +88,8 @@ struct CopySfaTiling {
     uint32_t scratchBytes;   // GM scratch per vector core (key tiles, logits, probabilities)
     float scaleValue;
     uint32_t cubeTilings;    // 3: q_lat.k_lat^T, q_rope.k_rope^T, p.v
-    uint32_t reserved[2];
+    uint32_t missWidth;      // columns of miss_tokens / miss_slots (K, or n * K with n tokens per row)
+    uint32_t reserved[1];
 };
 
 static_assert(sizeof(LimTiling) <= kCubeTilingOffset, "LimTiling overlaps the cube tiling");

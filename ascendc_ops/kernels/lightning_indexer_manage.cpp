@@ -8,8 +8,16 @@
  *     writes the token's flat hot-buffer indices;
  *   - rows r = v, v + V, ... that no token owns are stepped by core v with an all-padding
  *     top-K (reset when the request changed, speculative drop; no hits, no misses).
- * A row is owned by at most one token (ABI precondition), so every row is written by
- * exactly one core.
+ * With one token per row (tokens_per_row = 1) a row is owned by at most one token (ABI
+ * precondition), so every row is written by exactly one core.
+ *
+ * With n = tokens_per_row > 1 (a request's speculative verify rows sharing its hot
+ * buffer) up to n tokens own a row, and the row's step runs on the entries of the union
+ * of their top-K (W = n * K wide, distinct positions ascending). The row belongs to the
+ * core of its first token (lowest t): that core computes the top-K of every token of the
+ * row (each lands in topk_indices), builds the union from them, steps the row once and
+ * then writes each token's flat indices (the slot now holding each of its positions).
+ * Tokens of a row whose first token is elsewhere are skipped; no row is written twice.
  *
  * Kernel arguments are GM addresses in the order of the torch op (host/torch_ops.cpp),
  * followed by the workspace and the tiling buffer (include/fused_tiling.h).
@@ -78,7 +86,7 @@ public:
             return;
         }
         pipe_.InitBuffer(pool_, kLimPoolBytes);  // vector-core UB
-        pipe_.InitBuffer(topkBuf_, AlignUp(t_.topK * sizeof(int32_t), 32));
+        pipe_.InitBuffer(topkBuf_, AlignUp(t_.topK * sizeof(int32_t), 32));  // a token's top-K
         uint32_t v = VectorCoreIndex();
         uint32_t cores = VectorCoreCount();
         GM_ADDR user = AscendC::GetUserWorkspace(a.workspace);
@@ -112,11 +120,19 @@ public:
         int64_t step = Gm<int64_t>(a.step).GetValue(0);
         tokenRows_ = Gm<int32_t>(a.tokenRows);
         sparseOut_ = Gm<int32_t>(a.sparseOut);
+        topkOut_ = Gm<int32_t>(a.topkOut);
+        reqIds_ = Gm<int64_t>(a.reqIds);
 
         IndexerTopK<QUANT> indexer;
         RowResidency residency;
         indexer.Init(ig, t_, pool, &mm_);
-        residency.Init(rg, pool, t_.hotTokens, t_.topK, t_.hashBits, step);  // same pool: used after the indexer
+        // same pool: used after the indexer; steps of W entries (K with one token per row)
+        residency.Init(rg, pool, t_.hotTokens, t_.unionWidth, t_.hashBits, step);
+        if (t_.rowTokens > 1) {
+            RunSharedRows(indexer, residency, topk, v, cores);
+            mm_.End();
+            return;
+        }
 
         for (uint32_t token = v; token < t_.numTokens; token += cores) {
             indexer.Run(token, topk);
@@ -140,6 +156,91 @@ public:
     }
 
 private:
+    // Rows served by up to n tokens each (see the file comment).
+    __aicore__ inline void RunSharedRows(IndexerTopK<QUANT> &indexer, RowResidency &residency,
+                                         const AscendC::LocalTensor<int32_t> &topk, uint32_t v, uint32_t cores)
+    {
+        for (uint32_t token = v; token < t_.numTokens; token += cores) {
+            int32_t row = tokenRows_.GetValue(token);
+            if (row < 0) {  // unmanaged: its top-K only, no flat indices
+                indexer.Run(token, topk);
+                AscendC::PipeBarrier<PIPE_ALL>();
+                WriteSparseIndices(token, row, residency, topk);
+                AscendC::PipeBarrier<PIPE_ALL>();
+                continue;
+            }
+            if (FirstToken(static_cast<uint32_t>(row)) != token) {
+                continue;  // the row's first token's core serves it
+            }
+            for (uint32_t t = token; t < t_.numTokens; ++t) {  // every token of the row: top-K to GM
+                if (tokenRows_.GetValue(t) == row) {
+                    indexer.Run(t, topk);
+                    AscendC::PipeBarrier<PIPE_ALL>();
+                }
+            }
+            StepUnion(static_cast<uint32_t>(row), token, residency, topk);
+        }
+        for (uint32_t row = v; row < t_.rows; row += cores) {
+            if (!OwnedByToken(row)) {
+                StepUnion(row, t_.numTokens, residency, topk);  // no token: an all-padding union
+            }
+        }
+    }
+
+    // The row's step over the union of the top-K of its tokens (those from `first` on),
+    // then each token's flat indices. The top-K are read back from topk_indices in GM.
+    __aicore__ inline void StepUnion(uint32_t row, uint32_t first, RowResidency &residency,
+                                     const AscendC::LocalTensor<int32_t> &staging)
+    {
+        residency.BeginUnion();
+        for (uint32_t t = first; t < t_.numTokens; ++t) {
+            if (tokenRows_.GetValue(t) == static_cast<int32_t>(row)) {
+                LoadTopK(t, staging);
+                residency.AddToUnion(staging, t_.topK);
+            }
+        }
+        residency.FinishUnion();
+        residency.Step(row, residency.UnionEntries());
+        AscendC::PipeBarrier<PIPE_ALL>();
+        if (first >= t_.numTokens) {
+            return;
+        }
+        residency.RebuildTable();
+        bool idle = reqIds_.GetValue(row) == -1;  // an idle row resolves nothing
+        int32_t base = static_cast<int32_t>(row) * static_cast<int32_t>(t_.hotTokens);
+        for (uint32_t t = first; t < t_.numTokens; ++t) {
+            if (tokenRows_.GetValue(t) != static_cast<int32_t>(row)) {
+                continue;
+            }
+            LoadTopK(t, staging);
+            for (uint32_t j = 0; j < t_.topK; ++j) {
+                int32_t slot = idle ? -1 : residency.SlotOf(staging.GetValue(j));
+                staging.SetValue(j, slot >= 0 ? base + slot : -1);
+            }
+            WaitPipe<AscendC::HardEvent::S_MTE3>();
+            StoreExact(sparseOut_[t * t_.topK], staging, t_.topK);
+            WaitPipe<AscendC::HardEvent::MTE3_MTE2>();
+            WaitPipe<AscendC::HardEvent::MTE3_S>();
+        }
+    }
+
+    // topk_indices[t] (written by this core's indexer runs) into UB.
+    __aicore__ inline void LoadTopK(uint32_t token, const AscendC::LocalTensor<int32_t> &dst)
+    {
+        AscendC::DataCopy(dst, topkOut_[token * t_.topK], t_.topK);  // K is a multiple of 8 int32
+        WaitPipe<AscendC::HardEvent::MTE2_S>();
+    }
+
+    __aicore__ inline uint32_t FirstToken(uint32_t row) const
+    {
+        for (uint32_t t = 0; t < t_.numTokens; ++t) {
+            if (tokenRows_.GetValue(t) == static_cast<int32_t>(row)) {
+                return t;
+            }
+        }
+        return t_.numTokens;
+    }
+
     __aicore__ inline bool OwnedByToken(uint32_t row) const
     {
         for (uint32_t t = 0; t < t_.numTokens; ++t) {
@@ -172,6 +273,8 @@ private:
     IndexerMatmul<QUANT> mm_;
     AscendC::GlobalTensor<int32_t> tokenRows_;
     AscendC::GlobalTensor<int32_t> sparseOut_;
+    AscendC::GlobalTensor<int32_t> topkOut_;
+    AscendC::GlobalTensor<int64_t> reqIds_;
 };
 
 }  // namespace sao

@@ -18,8 +18,16 @@
  *     the oldest occupied ones by (stamp, slot) through a bounded max-heap over the
  *     int64 stamps (exact order, no float keys).
  *
- * Most of the work is scalar over UB-resident arrays (Hh <= 4096, K <= 2048); the bulk
- * fills are vector instructions. Correctness first: vectorising the lookup and the
+ * The entries of a step are a top-K (one query token per row) or, with several query
+ * tokens per row (speculative verify rows of one request), the union of their top-K:
+ * their distinct positions ascending, -1 after (BuildUnion), W = n * K entries wide. A
+ * position several tokens select is one lookup; each token then reads its slots back
+ * from the row's positions after the step (RebuildTable + SlotOf).
+ *
+ * Most of the work is scalar over UB-resident arrays (Hh <= 4096, W <= Hh); the bulk
+ * fills are vector instructions. UB: the entry-sized arrays share buffers where one is
+ * consumed before the other is written at the same or a lower index (hit slot -> miss
+ * position, victim -> miss slot), so a step of W = Hh = 4096 fits the pool. Correctness first: vectorising the lookup and the
  * victim selection is future work (see ascendc_ops/README.md).
  *
  * Stamps are int64 in GM; they are moved as pairs of uint32 words (lo, hi) so only
@@ -42,25 +50,26 @@ struct ResidencyGm {
     AscendC::GlobalTensor<int64_t> rowReq;       // [R]       in/out
     AscendC::GlobalTensor<int64_t> reqIds;       // [R]
     AscendC::GlobalTensor<int32_t> stableLen;    // [R]
-    AscendC::GlobalTensor<uint8_t> hitMask;      // [R, K]    out (bool)
-    AscendC::GlobalTensor<int32_t> slots;        // [R, K]    out
+    AscendC::GlobalTensor<uint8_t> hitMask;      // [R, W]    out (bool); W = entries per step
+    AscendC::GlobalTensor<int32_t> slots;        // [R, W]    out
     AscendC::GlobalTensor<int32_t> missCount;    // [R]       out
-    AscendC::GlobalTensor<int32_t> missTokens;   // [R, K]    out
-    AscendC::GlobalTensor<int32_t> missSlots;    // [R, K]    out
+    AscendC::GlobalTensor<int32_t> missTokens;   // [R, W]    out
+    AscendC::GlobalTensor<int32_t> missSlots;    // [R, W]    out
 };
 
-// UB bytes the row step needs (the caller carves them out of its pool).
+// UB bytes the row step needs for steps of `k` entries (the caller carves them out of its
+// pool; host/tiling.cpp mirrors this).
 __aicore__ inline uint32_t ResidencyUbBytes(uint32_t hot, uint32_t k, uint32_t hashBits)
 {
     return AlignUp(hot * 4, 32) + AlignUp(hot * 8, 32) + AlignUp((1u << hashBits) * 2, 32) +
-           AlignUp(hot * 2, 32) + 6 * AlignUp(k * 4, 32) + AlignUp(k, 32) + 2 * 32;
+           AlignUp(hot * 2, 32) + 4 * AlignUp(k * 4, 32) + AlignUp(k, 32) + 2 * 32;
 }
 
 class RowResidency {
 public:
     __aicore__ inline RowResidency() {}
 
-    // pool: at least ResidencyUbBytes() bytes of VECCALC UB.
+    // pool: at least ResidencyUbBytes() bytes of VECCALC UB; k: entries per step.
     __aicore__ inline void Init(const ResidencyGm &gm, const AscendC::LocalTensor<uint8_t> &pool, uint32_t hot,
                                 uint32_t k, uint32_t hashBits, int64_t step)
     {
@@ -76,10 +85,10 @@ public:
         table_ = Carve<int16_t>(pool, off, 1u << hashBits);
         slotHit_ = Carve<int16_t>(pool, off, hot);
         hitSlot_ = Carve<int32_t>(pool, off, k);
+        missTokens_ = hitSlot_;  // entry j's hit slot is read before miss i <= j is written
         slots_ = Carve<int32_t>(pool, off, k);
-        missTokens_ = Carve<int32_t>(pool, off, k);
-        missSlots_ = Carve<int32_t>(pool, off, k);
         victims_ = Carve<int32_t>(pool, off, k);
+        missSlots_ = victims_;  // victim i is read, then miss slot i written with it
         heap_ = Carve<int32_t>(pool, off, k);
         hitBytes_ = Carve<uint8_t>(pool, off, AlignUp(k, 32));
         rowReqOut_ = Carve<int64_t>(pool, off, 1);  // each scalar on its own 32-byte line:
@@ -102,6 +111,68 @@ public:
 
     // Hot slot of each top-k entry after the last Step (UB int32 [K], -1 = padding).
     __aicore__ inline const AscendC::LocalTensor<int32_t> &Slots() const { return slots_; }
+
+    // ------------------------------------------------ several query tokens per row
+    // The union is built in the slots buffer and passed to Step as its entries: Step reads
+    // entry j before it writes slot j, so the two may share the buffer.
+    __aicore__ inline const AscendC::LocalTensor<int32_t> &UnionEntries() const { return slots_; }
+
+    // Start an empty union (positions are added with AddToUnion, then FinishUnion).
+    __aicore__ inline void BeginUnion()
+    {
+        AscendC::Duplicate(table_, static_cast<int16_t>(-1), 1u << hashBits_);
+        WaitPipe<AscendC::HardEvent::V_S>();
+        unionSize_ = 0;
+    }
+
+    // Add a token's top-K (UB int32 [K], -1 = padding; its valid entries distinct).
+    __aicore__ inline void AddToUnion(const AscendC::LocalTensor<int32_t> &topk, uint32_t count)
+    {
+        uint32_t mask = (1u << hashBits_) - 1;
+        for (uint32_t j = 0; j < count; ++j) {
+            int32_t pos = topk.GetValue(j);
+            if (pos < 0) {
+                continue;
+            }
+            uint32_t h = Hash(pos);
+            bool seen = false;
+            for (int16_t e = table_.GetValue(h); e != -1; e = table_.GetValue(h)) {
+                if (slots_.GetValue(static_cast<uint32_t>(e)) == pos) {
+                    seen = true;
+                    break;
+                }
+                h = (h + 1) & mask;
+            }
+            if (!seen) {  // at most W <= Hh distinct positions: load factor <= 1/2
+                table_.SetValue(h, static_cast<int16_t>(unionSize_));
+                slots_.SetValue(unionSize_++, pos);
+            }
+        }
+    }
+
+    // Sort the union ascending (heap sort on the scalar unit) and pad it with -1 to k entries.
+    __aicore__ inline void FinishUnion()
+    {
+        uint32_t n = unionSize_;
+        for (uint32_t i = n / 2; i > 0; --i) {
+            SiftPositions(i - 1, n);
+        }
+        for (uint32_t end = n; end > 1; --end) {
+            int32_t top = slots_.GetValue(0);
+            slots_.SetValue(0, slots_.GetValue(end - 1));
+            slots_.SetValue(end - 1, top);
+            SiftPositions(0, end - 1);
+        }
+        for (uint32_t j = n; j < k_; ++j) {
+            slots_.SetValue(j, -1);
+        }
+    }
+
+    // After a Step: the position -> slot table of the row as it now stands (SlotOf).
+    __aicore__ inline void RebuildTable() { BuildTable(); }
+
+    // Slot holding `pos` after the last Step (RebuildTable first), -1 when none does.
+    __aicore__ inline int32_t SlotOf(int32_t pos) const { return pos < 0 ? -1 : Find(pos); }
 
 private:
     template <typename T>
@@ -137,10 +208,6 @@ private:
 
     __aicore__ inline void StoreRow(uint32_t row, uint32_t misses)
     {
-        // hit flags as bytes (bool) for the [R, K] output
-        for (uint32_t j = 0; j < k_; ++j) {
-            hitBytes_.SetValue(j, static_cast<uint8_t>(hitSlot_.GetValue(j) >= 0 ? 1 : 0));
-        }
         // compacted miss lists: -1 after the misses
         for (uint32_t i = misses; i < k_; ++i) {
             missTokens_.SetValue(i, -1);
@@ -195,7 +262,7 @@ private:
         uint32_t misses = 0;
         for (uint32_t j = 0; j < k_; ++j) {
             int32_t tok = topk.GetValue(j);
-            hitSlot_.SetValue(j, -1);
+            hitBytes_.SetValue(j, 0);
             if (idle || tok == -1) {
                 slots_.SetValue(j, -1);
                 continue;
@@ -349,6 +416,7 @@ private:
         for (uint32_t j = 0; j < k_; ++j) {  // assignment + step 5
             int32_t tok = topk.GetValue(j);
             int32_t hit = hitSlot_.GetValue(j);
+            hitBytes_.SetValue(j, static_cast<uint8_t>(hit >= 0 ? 1 : 0));
             if (hit >= 0) {
                 slots_.SetValue(j, hit);
                 SetStamp(static_cast<uint32_t>(hit), hitStamp_);
@@ -367,7 +435,30 @@ private:
         return misses;
     }
 
+    // Max-heap sift over the union positions in slots_[0..n).
+    __aicore__ inline void SiftPositions(uint32_t i, uint32_t n)
+    {
+        while (true) {
+            uint32_t l = 2 * i + 1;
+            if (l >= n) {
+                return;
+            }
+            uint32_t c = l;
+            if (l + 1 < n && slots_.GetValue(l) < slots_.GetValue(l + 1)) {
+                c = l + 1;
+            }
+            if (slots_.GetValue(i) >= slots_.GetValue(c)) {
+                return;
+            }
+            int32_t t = slots_.GetValue(i);
+            slots_.SetValue(i, slots_.GetValue(c));
+            slots_.SetValue(c, t);
+            i = c;
+        }
+    }
+
     ResidencyGm gm_;
+    uint32_t unionSize_ = 0;
     uint32_t hot_ = 0;
     uint32_t k_ = 0;
     uint32_t hashBits_ = 0;

@@ -11,6 +11,10 @@
  *      memory: the same launch serves first fills (up to K rows) and steady steps.
  *      Every row with misses is owned by a token (ABI precondition), so every miss is
  *      copied by the core that then attends over that row: no cross-core barrier.
+ *      With several tokens per row (a request's verify rows; the miss lists are then
+ *      n * K wide) the row goes to the core of its first token (lowest t), which copies
+ *      the misses once and then attends for every token of the row; the other cores
+ *      skip those tokens.
  *   2. gather the K selected rows of the hot buffer into this core's GM scratch as two
  *      contiguous matrices, latent [K, Dl] and rope [K, Dr] (zero rows for -1);
  *   3. per group of heads and per tile of kKvTile rows (cube: Matmul API, GM operands):
@@ -86,16 +90,21 @@ public:
         InitBuffers();  // vector-core UB
         BindGm(a);
         uint32_t cores = VectorCoreCount();
+        bool shared = t_.missWidth > t_.topK;  // rows served by several tokens
         for (uint32_t token = VectorCoreIndex(); token < t_.numTokens; token += cores) {
             int32_t row = tokenRows_.GetValue(token);
             if (row >= 0) {
+                if (shared && FirstToken(row) != token) {
+                    continue;  // the row's first token's core copies and attends for it
+                }
                 CopyMisses(static_cast<uint32_t>(row));
                 AscendC::PipeBarrier<PIPE_ALL>();  // the misses have landed before the gather reads them
             }
-            Gather(token);
-            AscendC::PipeBarrier<PIPE_ALL>();
-            for (uint32_t h0 = 0; h0 < t_.heads; h0 += t_.headGroup) {
-                AttendHeads(token, h0);
+            Attend(token);
+            for (uint32_t t = token + 1; shared && row >= 0 && t < t_.numTokens; ++t) {
+                if (tokenRows_.GetValue(t) == row) {
+                    Attend(t);
+                }
             }
         }
         qkLat_.End();
@@ -104,6 +113,26 @@ public:
     }
 
 private:
+    __aicore__ inline void Attend(uint32_t token)
+    {
+        Gather(token);
+        AscendC::PipeBarrier<PIPE_ALL>();
+        for (uint32_t h0 = 0; h0 < t_.heads; h0 += t_.headGroup) {
+            AttendHeads(token, h0);
+        }
+        AscendC::PipeBarrier<PIPE_ALL>();  // the next token's gather reuses the scratch
+    }
+
+    __aicore__ inline uint32_t FirstToken(int32_t row) const
+    {
+        for (uint32_t t = 0; t < t_.numTokens; ++t) {
+            if (tokenRows_.GetValue(t) == row) {
+                return t;
+            }
+        }
+        return t_.numTokens;
+    }
+
     // ------------------------------------------------------------------ set-up
     __aicore__ inline void InitBuffers()
     {
@@ -161,14 +190,14 @@ private:
             uint32_t batch = n - i0 < kMissBatch ? n - i0 : kMissBatch;
             AscendC::LocalTensor<bfloat16_t> buf = rowQueue_.AllocTensor<bfloat16_t>();
             for (uint32_t b = 0; b < batch; ++b) {
-                int32_t pos = missTokens_.GetValue(row * t_.topK + i0 + b);
+                int32_t pos = missTokens_.GetValue(row * t_.missWidth + i0 + b);
                 int64_t src = tokenTable_.GetValue(static_cast<uint64_t>(row) * t_.maxCtx + pos);
                 AscendC::DataCopyPad(buf[b * t_.rowDim], host_[src * t_.rowDim], one, noPad);
             }
             rowQueue_.EnQue(buf);
             buf = rowQueue_.DeQue<bfloat16_t>();
             for (uint32_t b = 0; b < batch; ++b) {
-                int64_t dst = static_cast<int64_t>(row) * t_.hotTokens + missSlots_.GetValue(row * t_.topK + i0 + b);
+                int64_t dst = static_cast<int64_t>(row) * t_.hotTokens + missSlots_.GetValue(row * t_.missWidth + i0 + b);
                 AscendC::DataCopyPad(hot_[dst * t_.rowDim], buf[b * t_.rowDim], one);
             }
             rowQueue_.FreeTensor(buf);

@@ -18,7 +18,9 @@ the same state, and compares:
   summation order; ``max_abs_err`` is reported).
 
 Scenarios: several steps of rows that churn between requests, go idle, keep a
-speculative last position, with padding query tokens (``token_rows == -1`` and tokens
+speculative last position, rows shared by up to ``n`` query tokens (a request's
+speculative verify rows: the row steps on the union of their top-k; Copy-SFA copies the
+row's misses once for all of them), with padding query tokens (``token_rows == -1`` and tokens
 past the last cumulative length), a repeated step (rows with no misses), ``sparse_mode``
 0 and 3, a few simulated core counts (cores taking several tokens / rows) and vector
 cores run in forward and reversed order (the result must not change), and one case per
@@ -79,6 +81,7 @@ class LimDims:
     padding_tokens: int = 2
     quantized: bool = False
     sparse_mode: int = 3
+    tokens_per_row: int = 1  # n > 1: each request has up to n query tokens (verify rows) sharing its row
 
 
 @dataclass
@@ -157,10 +160,41 @@ class Scenario:
         # negative weights too: negative scores are real positions (only the sentinel is not)
         weights = (torch.randint(-4, 9, (n_tok, hi), generator=self.g).to(torch.float32) / 8).to(torch.bfloat16)
         req_ids, stable, token_table = self.rows.row_state()
-        return LimInputs(query=query, key=self.key, weights=weights, query_scale=query_scale,
-                         key_scale=self.key_scale, cu=lay.cu, kv_len=lay.kv_len, block_table=lay.block_table,
-                         token_rows=lay.token_rows, req_ids=req_ids, stable=stable, step=self.step,
-                         token_table=token_table)
+        inp = LimInputs(query=query, key=self.key, weights=weights, query_scale=query_scale,
+                        key_scale=self.key_scale, cu=lay.cu, kv_len=lay.kv_len, block_table=lay.block_table,
+                        token_rows=lay.token_rows, req_ids=req_ids, stable=stable, step=self.step,
+                        token_table=token_table)
+        return self._verify_rows(inp, len(order)) if d.tokens_per_row > 1 else inp
+
+    def _verify_rows(self, inp: LimInputs, n_real: int) -> LimInputs:
+        """The step with speculative verify rows: request ``b`` gets ``c_b`` query tokens
+        (``n``, one random request ``n - 1``, at least 1), all owning its row, the last one
+        seeing the whole context and each earlier one a position less (``sparse_mode`` 3);
+        the row's committed length leaves its last ``c_b - 1`` positions speculative (one
+        more, sometimes). Queries and weights are drawn again for the new tokens."""
+        d, n = self.d, self.d.tokens_per_row
+        counts = [n] * n_real
+        if n_real:
+            counts[int(torch.randint(n_real, (), generator=self.g))] = max(1, n - 1)
+        rows_of = inp.token_rows[:n_real].tolist()
+        token_rows = [r for r, c in zip(rows_of, counts) for _ in range(c)] + [-1] * d.padding_tokens
+        n_tok = len(token_rows)
+        cu = torch.cumsum(torch.tensor(counts or [0], dtype=torch.int32), 0).to(torch.int32)
+        hi, di = d.index_heads, d.index_dim
+        if d.quantized:
+            query = torch.randint(-15, 16, (n_tok, hi, di), generator=self.g, dtype=torch.int8)
+            exp = torch.randint(-7, -2, (n_tok, hi), generator=self.g)
+            query_scale = torch.pow(2.0, exp.to(torch.float32)).to(torch.float16)
+        else:
+            query = (torch.randint(-4, 5, (n_tok, hi, di), generator=self.g).to(torch.float32) / 4).to(torch.bfloat16)
+            query_scale = None
+        weights = (torch.randint(-4, 9, (n_tok, hi), generator=self.g).to(torch.float32) / 8).to(torch.bfloat16)
+        stable = inp.stable.clone()
+        for b, (r, c) in enumerate(zip(rows_of, counts)):
+            length = int(inp.kv_len[b])
+            stable[r] = max(0, length - (c - 1) - int(torch.rand((), generator=self.g) < 0.3))
+        return dataclasses.replace(inp, query=query, weights=weights, query_scale=query_scale, cu=cu,
+                                   token_rows=torch.tensor(token_rows, dtype=torch.int32), stable=stable)
 
 
 # ------------------------------------------------------------------- LIM
@@ -169,7 +203,7 @@ def _reference_lim(inp: LimInputs, table: ResidencyTable, dims: LimDims) -> Inde
                   block_table=inp.block_table, token_rows=inp.token_rows, req_ids=inp.req_ids,
                   stable_len=inp.stable, step=inp.step, slot_token=table.slot_token,
                   slot_stamp=table.slot_stamp, row_req=table.row_req, sparse_count=dims.top_k,
-                  sparse_mode=dims.sparse_mode)
+                  sparse_mode=dims.sparse_mode, tokens_per_row=dims.tokens_per_row)
     if dims.quantized:
         return fused.quant_lightning_indexer_manage(inp.query, inp.key, inp.weights, inp.query_scale,
                                                     inp.key_scale, **common)
@@ -183,16 +217,16 @@ def _model_lim(m: km.KernelModel, inp: LimInputs, table: ResidencyTable, dims: L
                core_order: Optional[List[int]] = None) -> Tuple[Dict[str, torch.Tensor], km.Launch]:
     t = inp.token_rows.shape[0]
     r, hh = table.slot_token.shape
-    k = dims.top_k
+    k, w = dims.top_k, dims.tokens_per_row * dims.top_k
     launch = m.tile_lim(tokens=t, requests=inp.cu.shape[0], index_heads=dims.index_heads,
                         index_dim=dims.index_dim, block_size=dims.block_size,
                         max_blocks=inp.block_table.shape[1], rows=r, hot_tokens=hh, top_k=k,
-                        sparse_mode=dims.sparse_mode, quantized=dims.quantized)
+                        sparse_mode=dims.sparse_mode, quantized=dims.quantized, tokens_per_row=dims.tokens_per_row)
     i32 = torch.int32
     out = dict(topk=torch.full((t, 1, k), _POISON, dtype=i32), sparse=torch.full((t, 1, k), _POISON, dtype=i32),
-               hit_mask=torch.full((r, k), 7, dtype=torch.uint8), slots=torch.full((r, k), _POISON, dtype=i32),
-               miss_count=torch.full((r,), _POISON, dtype=i32), miss_tokens=torch.full((r, k), _POISON, dtype=i32),
-               miss_slots=torch.full((r, k), _POISON, dtype=i32))
+               hit_mask=torch.full((r, w), 7, dtype=torch.uint8), slots=torch.full((r, w), _POISON, dtype=i32),
+               miss_count=torch.full((r,), _POISON, dtype=i32), miss_tokens=torch.full((r, w), _POISON, dtype=i32),
+               miss_slots=torch.full((r, w), _POISON, dtype=i32))
     step = torch.tensor([inp.step], dtype=torch.int64)
     head = [inp.query, inp.key, inp.weights]
     if dims.quantized:
@@ -238,10 +272,17 @@ def check_lim(m: km.KernelModel, quantized: bool, *, seed: int = 0, steps: int =
         (LimDims(quantized=quantized, sparse_mode=0, block_size=64, hot_tokens=128), 1, seed + 1),  # 2 cores
         (LimDims(quantized=quantized, top_k=32, hot_tokens=64, block_size=32, rows=5, max_len=120,
                  index_heads=16), 2, seed + 2),
+        # verify rows: up to n query tokens share a row, which steps on the union of their top-k
+        (LimDims(quantized=quantized, tokens_per_row=2, hot_tokens=256), 24, seed + 4),
+        (LimDims(quantized=quantized, tokens_per_row=3, top_k=32, hot_tokens=128, rows=5, max_len=120,
+                 sparse_mode=0), 2, seed + 5),
     ]
     if largest:
         configs.append((LimDims(quantized=quantized, rows=2, hot_tokens=4096, top_k=2048, index_heads=64,
                                 block_size=128, max_len=6144, padding_tokens=1), 1, seed + 3))
+        # DeepSeek-V3.2 with one draft token: two verify rows per request, union 4096 = Hh
+        configs.append((LimDims(quantized=quantized, rows=2, hot_tokens=4096, top_k=2048, index_heads=64,
+                                block_size=128, max_len=6144, padding_tokens=1, tokens_per_row=2), 1, seed + 6))
     for dims, aic, s in configs:
         big = dims.top_k == 2048
         m.aic = aic
@@ -273,6 +314,9 @@ def check_lim(m: km.KernelModel, quantized: bool, *, seed: int = 0, steps: int =
             res.count("owned_rows_without_misses", (owned & (rr.miss_count == 0)).sum())
             res.count("unowned_rows", (~owned).sum())
             res.count("padding_tokens", (inp.token_rows < 0).sum())
+            if dims.tokens_per_row > 1:
+                res.count("shared_rows", (torch.bincount(inp.token_rows[inp.token_rows >= 0].long(),
+                                                         minlength=dims.rows) > 1).sum())
             label = f"{'C8 ' if quantized else ''}dims={dims} aic={aic} step={inp.step}"
             try:
                 got, launch = _model_lim(m, inp, t_fwd, dims)
@@ -370,15 +414,54 @@ def _sfa_selection(g: torch.Generator, *, rows: int, tokens: int, top_k: int, ho
     return token_rows, sparse, miss_tokens, miss_slots, miss_count
 
 
+def _sfa_shared_selection(g: torch.Generator, *, rows: int, tokens: int, top_k: int, hot_tokens: int,
+                          max_ctx: int, tokens_per_row: int):
+    """As :func:`_sfa_selection` with up to ``n = tokens_per_row`` tokens per row (a request's
+    verify rows): row ``r``'s step selects up to ``n * K`` of its slots, some of them misses
+    (miss lists ``[R, n * K]``), and each of its tokens attends to a random ``K``-subset of
+    them, so a token other than the row's first reads rows copied for the row."""
+    n = tokens_per_row
+    width = n * top_k
+    # the first row gets n - 1 tokens (a row with fewer than n), the others n; one token or
+    # more is left as padding
+    owners = torch.randperm(rows, generator=g)[: max(1, min(rows, tokens // n))].tolist()
+    token_rows = [r for i, r in enumerate(owners) for _ in range(max(1, n - 1) if i == 0 else n)][: tokens - 1]
+    owners = sorted(set(token_rows), key=owners.index)
+    token_rows += [-1] * (tokens - len(token_rows))
+    token_rows = torch.tensor(token_rows, dtype=torch.int32)[torch.randperm(tokens, generator=g)]
+    sparse = torch.full((tokens, 1, top_k), -1, dtype=torch.int32)
+    miss_tokens = torch.full((rows, width), -1, dtype=torch.int32)
+    miss_slots = torch.full((rows, width), -1, dtype=torch.int32)
+    miss_count = torch.zeros(rows, dtype=torch.int32)
+    for r in owners:
+        selected = torch.randperm(hot_tokens, generator=g)[: int(torch.randint(top_k, width + 1, (), generator=g))]
+        n_miss = int(torch.randint(1, selected.numel() + 1, (), generator=g))
+        new_pos = torch.arange(hot_tokens, max_ctx)[torch.randperm(max_ctx - hot_tokens, generator=g)][:n_miss]
+        n_miss = new_pos.numel()
+        miss_tokens[r, :n_miss] = new_pos.to(torch.int32)
+        miss_slots[r, :n_miss] = selected[:n_miss].to(torch.int32)
+        miss_count[r] = n_miss
+        for t in torch.nonzero(token_rows == r).flatten().tolist():
+            n_valid = int(torch.randint(1, top_k + 1, (), generator=g))
+            picks = selected[torch.randperm(selected.numel(), generator=g)[:n_valid]]
+            order = torch.randperm(top_k, generator=g)[: picks.numel()]  # -1 entries interleaved
+            sparse[t, 0, order] = (r * hot_tokens + picks).to(torch.int32)
+    return token_rows, sparse, miss_tokens, miss_slots, miss_count
+
+
 def _sfa_inputs(*, seed: int, heads: int, top_k: int, hot_tokens: int, rows: int, tokens: int,
-                pad_rows_with_no_miss: bool) -> _SfaInputs:
+                pad_rows_with_no_miss: bool, tokens_per_row: int = 1) -> _SfaInputs:
     """The inputs of one Copy-SFA case, all drawn from ``seed``."""
     g = torch.Generator().manual_seed(seed)
     dl, dr = _SFA_LATENT_DIM, _SFA_ROPE_DIM
-    max_ctx = hot_tokens + top_k
+    max_ctx = hot_tokens + tokens_per_row * top_k
     host, hot, token_table = _sfa_resident(g, rows, hot_tokens, max_ctx)
-    selection = _sfa_selection(g, rows=rows, tokens=tokens, top_k=top_k, hot_tokens=hot_tokens, max_ctx=max_ctx,
-                               pad_rows_with_no_miss=pad_rows_with_no_miss)
+    if tokens_per_row > 1:
+        selection = _sfa_shared_selection(g, rows=rows, tokens=tokens, top_k=top_k, hot_tokens=hot_tokens,
+                                          max_ctx=max_ctx, tokens_per_row=tokens_per_row)
+    else:
+        selection = _sfa_selection(g, rows=rows, tokens=tokens, top_k=top_k, hot_tokens=hot_tokens, max_ctx=max_ctx,
+                                   pad_rows_with_no_miss=pad_rows_with_no_miss)
     query = (torch.randn(tokens, heads, dl, generator=g) * 0.5).to(torch.bfloat16)
     query_rope = (torch.randn(tokens, heads, dr, generator=g) * 0.5).to(torch.bfloat16)
     return _SfaInputs(host, hot, token_table, *selection, query, query_rope, max_ctx, float(dl + dr) ** -0.5)
@@ -401,7 +484,8 @@ def _sfa_model_runs(m: km.KernelModel, inp: _SfaInputs, *, heads: int, top_k: in
         hot_k = inp.hot.clone()
         out = torch.full((tokens, np_, dl), float("nan"), dtype=torch.bfloat16)
         launch = m.tile_copy_sfa(tokens=tokens, heads=np_, latent_dim=dl, rope_dim=dr, rows=rows,
-                                 hot_tokens=hot_tokens, top_k=top_k, max_ctx=inp.max_ctx, scale=inp.scale)
+                                 hot_tokens=hot_tokens, top_k=top_k, max_ctx=inp.max_ctx, scale=inp.scale,
+                                 miss_width=inp.miss_tokens.shape[1])
         cores = launch.block_dim * km.TASK_RATION
         order = list(reversed(range(cores))) if reverse else None
         m.run(km.COPY_SFA, [q, qr, inp.host, hot_k, inp.sparse, inp.token_rows, inp.miss_tokens, inp.miss_slots,
@@ -435,10 +519,11 @@ def _sfa_compare(outs: List[Tuple[torch.Tensor, torch.Tensor]], hot_ref: torch.T
 
 
 def _sfa_case(m: km.KernelModel, *, seed: int, heads: int, top_k: int, hot_tokens: int, rows: int,
-              tokens: int, aic: int, res: KernelResult, label: str, pad_rows_with_no_miss: bool = True) -> None:
+              tokens: int, aic: int, res: KernelResult, label: str, pad_rows_with_no_miss: bool = True,
+              tokens_per_row: int = 1) -> None:
     """One Copy-SFA launch on LIM-like inputs built directly (slots drawn per row)."""
     inp = _sfa_inputs(seed=seed, heads=heads, top_k=top_k, hot_tokens=hot_tokens, rows=rows, tokens=tokens,
-                      pad_rows_with_no_miss=pad_rows_with_no_miss)
+                      pad_rows_with_no_miss=pad_rows_with_no_miss, tokens_per_row=tokens_per_row)
     hot_ref = inp.hot.clone()
     ref = fused.copy_sparse_flash_attention(inp.query, inp.host, hot_ref, inp.sparse, inp.scale,
                                             query_rope=inp.query_rope, token_rows=inp.token_rows,
@@ -458,6 +543,8 @@ def _sfa_case(m: km.KernelModel, *, seed: int, heads: int, top_k: int, hot_token
     res.count("owned_rows_without_misses",
               ((inp.miss_count == 0) & (torch.isin(torch.arange(rows), inp.token_rows))).sum())
     res.count("padding_tokens", (inp.token_rows < 0).sum())
+    if tokens_per_row > 1:
+        res.count("shared_rows", (torch.bincount(inp.token_rows[inp.token_rows >= 0].long(), minlength=rows) > 1).sum())
 
 
 def check_copy_sfa(m: km.KernelModel, *, seed: int = 0, largest: bool = True) -> KernelResult:
@@ -468,6 +555,9 @@ def check_copy_sfa(m: km.KernelModel, *, seed: int = 0, largest: bool = True) ->
         dict(heads=16, top_k=256, hot_tokens=256, rows=4, tokens=5, aic=1),   # 2 cores: several tokens each
         dict(heads=4, top_k=128, hot_tokens=128, rows=3, tokens=3, aic=2),    # heads padded to 8 on the host
         dict(heads=32, top_k=128, hot_tokens=192, rows=3, tokens=4, aic=24),  # two head groups
+        # verify rows: up to n tokens per row, the row's misses copied once before any attends
+        dict(heads=8, top_k=128, hot_tokens=256, rows=4, tokens=7, aic=24, tokens_per_row=2),
+        dict(heads=16, top_k=128, hot_tokens=384, rows=3, tokens=6, aic=1, tokens_per_row=3),
     ]
     if largest:
         cases.append(dict(heads=128, top_k=2048, hot_tokens=2048, rows=1, tokens=1, aic=24))

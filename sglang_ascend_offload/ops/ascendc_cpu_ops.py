@@ -52,8 +52,8 @@ _EXTENSION_MODULE = "sglang_ascend_offload._C_ascend"
 #: The extension's schemas, verbatim from ``TORCH_LIBRARY(sglang_ascend_offload)`` in
 #: ``ascendc_ops/host/torch_ops.cpp`` (a test holds the two equal).
 SCHEMAS = {
-    "npu_fused_lightning_indexer_manage": "npu_fused_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, str layout_query=\"TND\", str layout_key=\"PA_BSND\", int sparse_count=2048, int sparse_mode=3) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)",  # noqa: E501
-    "npu_fused_quant_lightning_indexer_manage": "npu_fused_quant_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor query_dequant_scale, Tensor key_dequant_scale, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, int query_quant_mode=0, int key_quant_mode=0, str layout_query=\"TND\", str layout_key=\"PA_BSND\", int sparse_count=2048, int sparse_mode=3) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)",  # noqa: E501
+    "npu_fused_lightning_indexer_manage": "npu_fused_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, str layout_query=\"TND\", str layout_key=\"PA_BSND\", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)",  # noqa: E501
+    "npu_fused_quant_lightning_indexer_manage": "npu_fused_quant_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor query_dequant_scale, Tensor key_dequant_scale, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, int query_quant_mode=0, int key_quant_mode=0, str layout_query=\"TND\", str layout_key=\"PA_BSND\", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)",  # noqa: E501
     "npu_fused_scatter_copy_sparse_flash_attention": "npu_fused_scatter_copy_sparse_flash_attention(Tensor query, Tensor query_rope, Tensor host, Tensor(a!) hot, Tensor sparse_indices, Tensor token_rows, Tensor miss_tokens, Tensor miss_slots, Tensor miss_count, Tensor token_table, float scale_value) -> Tensor",  # noqa: E501
     "npu_fused_register_host_memory": "npu_fused_register_host_memory(Tensor host, int device_address=0) -> int",
 }
@@ -218,26 +218,26 @@ def _check_lim(query, key, weights, query_scale, key_scale, meta, state, quantiz
 
 
 def _run_lim(query, key, weights, query_scale, key_scale, meta, state, layout_query: str, layout_key: str,
-             sparse_count: int, sparse_mode: int, quantized: bool):
+             sparse_count: int, sparse_mode: int, quantized: bool, tokens_per_row: int = 1):
     """One LIM / LIM-C8 launch on the model. Outputs as the schema: topk_indices and
-    sparse_indices int32 ``[T, 1, K]``, hit_mask bool ``[R, K]``, slots int32 ``[R, K]``,
-    miss_count int32 ``[R]``, miss_tokens / miss_slots int32 ``[R, K]``; the state tensors
-    are updated in place by the kernel."""
+    sparse_indices int32 ``[T, 1, K]``, hit_mask bool ``[R, W]``, slots int32 ``[R, W]``,
+    miss_count int32 ``[R]``, miss_tokens / miss_slots int32 ``[R, W]`` with
+    ``W = tokens_per_row * K``; the state tensors are updated in place by the kernel."""
     op = "npu_fused_quant_lightning_indexer_manage" if quantized else "npu_fused_lightning_indexer_manage"
     if layout_query != "TND" or layout_key != "PA_BSND":
         raise RuntimeError(f"{op}: layouts must be TND / PA_BSND")
     t, b, hi, di, bs, r, hh = _check_lim(query, key, weights, query_scale, key_scale, meta, state, quantized)
-    m, k = model(), int(sparse_count)
+    m, k, n = model(), int(sparse_count), int(tokens_per_row)
     try:
         launch = m.tile_lim(tokens=t, requests=b, index_heads=hi, index_dim=di, block_size=bs,
                             max_blocks=meta[2].shape[1], rows=r, hot_tokens=hh, top_k=k, sparse_mode=int(sparse_mode),
-                            quantized=quantized)
+                            quantized=quantized, tokens_per_row=n)
     except am.ShapeUnsupported as exc:
         raise _unsupported(op, exc) from None
-    i32 = torch.int32
-    outs = (torch.empty((t, 1, k), dtype=i32), torch.empty((t, 1, k), dtype=i32), torch.empty((r, k), dtype=torch.bool),
-            torch.empty((r, k), dtype=i32), torch.empty((r,), dtype=i32), torch.empty((r, k), dtype=i32),
-            torch.empty((r, k), dtype=i32))
+    i32, w = torch.int32, n * k
+    outs = (torch.empty((t, 1, k), dtype=i32), torch.empty((t, 1, k), dtype=i32), torch.empty((r, w), dtype=torch.bool),
+            torch.empty((r, w), dtype=i32), torch.empty((r,), dtype=i32), torch.empty((r, w), dtype=i32),
+            torch.empty((r, w), dtype=i32))
     if t == 0 and r == 0:
         return outs
     head = [query, key, weights] + ([query_scale, key_scale] if quantized else [])
@@ -246,23 +246,24 @@ def _run_lim(query, key, weights, query_scale, key_scale, meta, state, layout_qu
 
 
 def _lim(query, key, weights, cu, kv_len, block_table, token_rows, req_ids, stable_len, step, slot_token,
-         slot_stamp, row_req, layout_query="TND", layout_key="PA_BSND", sparse_count=2048, sparse_mode=3):
+         slot_stamp, row_req, layout_query="TND", layout_key="PA_BSND", sparse_count=2048, sparse_mode=3,
+         tokens_per_row=1):
     """``npu_fused_lightning_indexer_manage`` on the model (schema in :data:`SCHEMAS`; the
     dispatcher drops trailing arguments equal to their defaults, so the defaults are repeated)."""
     return _run_lim(query, key, weights, None, None,
                     (cu, kv_len, block_table, token_rows, req_ids, stable_len, step), (slot_token, slot_stamp, row_req),
-                    layout_query, layout_key, sparse_count, sparse_mode, quantized=False)
+                    layout_query, layout_key, sparse_count, sparse_mode, quantized=False, tokens_per_row=tokens_per_row)
 
 
 def _lim_c8(query, key, weights, query_scale, key_scale, cu, kv_len, block_table, token_rows, req_ids, stable_len,
             step, slot_token, slot_stamp, row_req, query_quant_mode=0, key_quant_mode=0, layout_query="TND",
-            layout_key="PA_BSND", sparse_count=2048, sparse_mode=3):
+            layout_key="PA_BSND", sparse_count=2048, sparse_mode=3, tokens_per_row=1):
     """``npu_fused_quant_lightning_indexer_manage`` on the model (quant modes 0 only)."""
     if query_quant_mode != 0 or key_quant_mode != 0:
         raise RuntimeError("npu_fused_quant_lightning_indexer_manage: only per-token quantisation (quant mode 0)")
     return _run_lim(query, key, weights, query_scale, key_scale,
                     (cu, kv_len, block_table, token_rows, req_ids, stable_len, step), (slot_token, slot_stamp, row_req),
-                    layout_query, layout_key, sparse_count, sparse_mode, quantized=True)
+                    layout_query, layout_key, sparse_count, sparse_mode, quantized=True, tokens_per_row=tokens_per_row)
 
 
 # ------------------------------------------------------------------ Copy-SFA
@@ -299,8 +300,8 @@ def _is_registered_host(host: torch.Tensor) -> bool:
 
 
 def _check_copy_sfa(query, query_rope, host, hot, sparse_indices, token_rows, miss, token_table) -> Tuple[int, ...]:
-    """The extension's argument checks of Copy-SFA; returns ``(T, N, Dl, Dr, R, Hh, K)``.
-    ``miss``: miss_tokens, miss_slots, miss_count."""
+    """The extension's argument checks of Copy-SFA; returns ``(T, N, Dl, Dr, R, Hh, K, W)``.
+    ``miss``: miss_tokens, miss_slots, miss_count (the lists ``[R, W]``, ``W`` = K or n x K)."""
     _check(query, "query", torch.bfloat16, 3)
     _check(query_rope, "query_rope", torch.bfloat16, 3)
     t, n, dl = query.shape
@@ -318,13 +319,14 @@ def _check_copy_sfa(query, query_rope, host, hot, sparse_indices, token_rows, mi
     _shape(sparse_indices, "sparse_indices", (t, 1, k))
     _check(token_rows, "token_rows", torch.int32, 1)
     _shape(token_rows, "token_rows", (t,))
-    for tensor, name, shape in zip(miss, ("miss_tokens", "miss_slots", "miss_count"), ((r, k), (r, k), (r,))):
+    w = miss[0].shape[1] if miss[0].dim() == 2 else k
+    for tensor, name, shape in zip(miss, ("miss_tokens", "miss_slots", "miss_count"), ((r, w), (r, w), (r,))):
         _check(tensor, name, torch.int32, len(shape))
         _shape(tensor, name, shape)
     _check(token_table, "token_table", torch.int32, 2)
     if token_table.shape[0] != r:
         raise RuntimeError("token_table must be [R, max_ctx]")
-    return t, n, dl, dr, r, hh, k
+    return t, n, dl, dr, r, hh, k, w
 
 
 def _copy_sfa(query, query_rope, host, hot, sparse_indices, token_rows, miss_tokens, miss_slots, miss_count,
@@ -333,7 +335,7 @@ def _copy_sfa(query, query_rope, host, hot, sparse_indices, token_rows, miss_tok
     ``hot`` (in place), attention output bf16 ``[T, N, Dl]``."""
     op = "npu_fused_scatter_copy_sparse_flash_attention"
     miss = (miss_tokens, miss_slots, miss_count)
-    t, n, dl, dr, r, hh, k = _check_copy_sfa(query, query_rope, host, hot, sparse_indices, token_rows, miss,
+    t, n, dl, dr, r, hh, k, w = _check_copy_sfa(query, query_rope, host, hot, sparse_indices, token_rows, miss,
                                              token_table)
     n_pad = max(n, MIN_HEADS)
     q, qr = query, query_rope
@@ -343,7 +345,7 @@ def _copy_sfa(query, query_rope, host, hot, sparse_indices, token_rows, miss_tok
     m = model()
     try:
         launch = m.tile_copy_sfa(tokens=t, heads=n_pad, latent_dim=dl, rope_dim=dr, rows=r, hot_tokens=hh, top_k=k,
-                                 max_ctx=token_table.shape[1], scale=float(scale_value))
+                                 max_ctx=token_table.shape[1], scale=float(scale_value), miss_width=w)
     except am.ShapeUnsupported as exc:
         raise _unsupported(op, exc) from None
     out = torch.empty((t, n_pad, dl), dtype=query.dtype)
@@ -358,23 +360,24 @@ def _copy_sfa(query, query_rope, host, hot, sparse_indices, token_rows, miss_tok
 
 # ------------------------------------------------------------------ fake (meta) impls
 # Output shapes and dtypes only, so torch.compile can trace a call of the kernels.
-def _lim_outputs_like(query: torch.Tensor, rows: int, k: int):
-    t = query.shape[0]
+def _lim_outputs_like(query: torch.Tensor, rows: int, k: int, n: int = 1):
+    t, w = query.shape[0], n * k
     i32 = dict(dtype=torch.int32)
     return (query.new_empty((t, 1, k), **i32), query.new_empty((t, 1, k), **i32),
-            query.new_empty((rows, k), dtype=torch.bool), query.new_empty((rows, k), **i32),
-            query.new_empty((rows,), **i32), query.new_empty((rows, k), **i32), query.new_empty((rows, k), **i32))
+            query.new_empty((rows, w), dtype=torch.bool), query.new_empty((rows, w), **i32),
+            query.new_empty((rows,), **i32), query.new_empty((rows, w), **i32), query.new_empty((rows, w), **i32))
 
 
 def _lim_fake(query, key, weights, cu, kv_len, block_table, token_rows, req_ids, stable_len, step, slot_token,
-              slot_stamp, row_req, layout_query="TND", layout_key="PA_BSND", sparse_count=2048, sparse_mode=3):
-    return _lim_outputs_like(query, slot_token.shape[0], int(sparse_count))
+              slot_stamp, row_req, layout_query="TND", layout_key="PA_BSND", sparse_count=2048, sparse_mode=3,
+              tokens_per_row=1):
+    return _lim_outputs_like(query, slot_token.shape[0], int(sparse_count), int(tokens_per_row))
 
 
 def _lim_c8_fake(query, key, weights, query_scale, key_scale, cu, kv_len, block_table, token_rows, req_ids,
                  stable_len, step, slot_token, slot_stamp, row_req, query_quant_mode=0, key_quant_mode=0,
-                 layout_query="TND", layout_key="PA_BSND", sparse_count=2048, sparse_mode=3):
-    return _lim_outputs_like(query, slot_token.shape[0], int(sparse_count))
+                 layout_query="TND", layout_key="PA_BSND", sparse_count=2048, sparse_mode=3, tokens_per_row=1):
+    return _lim_outputs_like(query, slot_token.shape[0], int(sparse_count), int(tokens_per_row))
 
 
 def _copy_sfa_fake(query, query_rope, host, hot, sparse_indices, token_rows, miss_tokens, miss_slots, miss_count,

@@ -166,16 +166,17 @@ class KernelModel:
         return Launch(tiling, int(ws.value), int(bd.value))
 
     def tile_lim(self, *, tokens, requests, index_heads, index_dim, block_size, max_blocks, rows, hot_tokens,
-                 top_k, sparse_mode, quantized) -> Launch:
+                 top_k, sparse_mode, quantized, tokens_per_row=1) -> Launch:
         """Host tiling of LIM / LIM-C8 for this shape (:class:`ShapeUnsupported` outside the limits)."""
         return self._tile(self.lib.sao_model_tile_lim,
                           [tokens, requests, index_heads, index_dim, block_size, max_blocks, rows, hot_tokens,
-                           top_k, sparse_mode, int(quantized)])
+                           top_k, sparse_mode, int(quantized), int(tokens_per_row)])
 
     def tile_copy_sfa(self, *, tokens, heads, latent_dim, rope_dim, rows, hot_tokens, top_k, max_ctx,
-                      scale) -> Launch:
-        """Host tiling of Copy-SFA for this shape (``heads`` already padded to >= 8)."""
-        shape = [tokens, heads, latent_dim, rope_dim, rows, hot_tokens, top_k, max_ctx]
+                      scale, miss_width=0) -> Launch:
+        """Host tiling of Copy-SFA for this shape (``heads`` already padded to >= 8; ``miss_width``:
+        columns of the miss lists, ``0`` = ``top_k``)."""
+        shape = [tokens, heads, latent_dim, rope_dim, rows, hot_tokens, top_k, max_ctx, miss_width]
         return self._tile(self.lib.sao_model_tile_copy_sfa, shape, ctypes.c_float(scale))
 
     # --------------------------------------------------------------------- run

@@ -208,7 +208,8 @@ def _lightning_indexer_manage(query: _T, key: _T, weights: _T, *, actual_seq_len
                               actual_seq_lengths_key: _T, block_table: _T, token_rows: _T, req_ids: _T,
                               stable_len: _T, step: Step, slot_token: _T, slot_stamp: _T, row_req: _T,
                               layout_query: str = "TND", layout_key: str = "PA_BSND",
-                              sparse_count: int = 2048, sparse_mode: int = 3) -> IndexerManageResult:
+                              sparse_count: int = 2048, sparse_mode: int = 3,
+                              tokens_per_row: int = 1) -> IndexerManageResult:
     """LIM: ``lightning_indexer`` then ``residency_manage`` per row."""
 
 
@@ -219,7 +220,7 @@ def _quant_lightning_indexer_manage(query: _T, key: _T, weights: _T, query_dequa
                                     slot_stamp: _T, row_req: _T, query_quant_mode: int = 0,
                                     key_quant_mode: int = 0, layout_query: str = "TND",
                                     layout_key: str = "PA_BSND", sparse_count: int = 2048,
-                                    sparse_mode: int = 3) -> IndexerManageResult:
+                                    sparse_mode: int = 3, tokens_per_row: int = 1) -> IndexerManageResult:
     """LIM-C8: ``quant_lightning_indexer`` then ``residency_manage`` per row."""
 
 

@@ -17,8 +17,12 @@ The ABI follows this project's residency contract (``docs/residency_contract.md`
 state is **per row** (a row is one decode query token with its own hot buffer), not
 per request. Query tokens are TND (``[T, ...]``); ``token_rows`` int32 ``[T]`` says
 which residency row each query token owns (``-1``: the token is not managed, e.g.
-graph padding); a row is owned by at most one token. Everything is documented
-argument by argument in ``docs/fused_ops.md``.
+graph padding); a row is owned by at most one token, or with ``tokens_per_row = n > 1``
+(a request's speculative verify rows sharing its hot buffer) by up to ``n`` tokens, and
+then the row's residency step runs once on the union of their top-k
+(``sparse_decode/request_union.py``: distinct positions ascending, ``W = n * K`` wide)
+and each token reads its slots back from it. Everything is documented argument by
+argument in ``docs/fused_ops.md``.
 
 LIM (one layer, one decode step)::
 
@@ -54,6 +58,7 @@ from .contract import IndexerManageResult, ResidencyStep, Step, implements
 from .npu_impls import fused_op, fused_op_unavailable
 from .reference import lightning_indexer, quant_lightning_indexer, sparse_mla_attention
 from .residency import copy_miss_rows, residency_manage
+from ..sparse_decode.request_union import row_slots, union_of_rows
 
 __all__ = [
     "lightning_indexer_manage",
@@ -76,8 +81,9 @@ REGISTER_HOST_KERNEL = "npu_fused_register_host_memory"
 
 
 # ----------------------------------------------------------------------- helpers
-def _check_token_rows(token_rows: torch.Tensor, num_tokens: int, rows: int) -> torch.Tensor:
-    """Validate ``token_rows`` (int ``[T]``, values in ``[-1, R)``, rows unique); int64 copy."""
+def _check_token_rows(token_rows: torch.Tensor, num_tokens: int, rows: int, tokens_per_row: int = 1) -> torch.Tensor:
+    """Validate ``token_rows`` (int ``[T]``, values in ``[-1, R)``, each row owned by at most
+    ``tokens_per_row`` tokens); int64 copy."""
     if token_rows.dim() != 1 or token_rows.shape[0] != num_tokens:
         raise ValueError(f"token_rows must be [T] = [{num_tokens}], got {tuple(token_rows.shape)}")
     if token_rows.dtype not in (torch.int32, torch.int64):
@@ -87,9 +93,45 @@ def _check_token_rows(token_rows: torch.Tensor, num_tokens: int, rows: int) -> t
     if bool(bad.any()):
         raise ValueError(f"token_rows holds values outside [-1, {rows}): {tr[bad][:8].tolist()}")
     owned = tr[tr >= 0]
-    if torch.unique(owned).numel() != owned.numel():
-        raise ValueError("token_rows maps two query tokens to one row: a row is one query token")
+    if tokens_per_row == 1 and torch.unique(owned).numel() != owned.numel():
+        raise ValueError("token_rows maps two query tokens to one row: a row is one query token "
+                         "(tokens_per_row > 1 lets a request's verify rows share one)")
+    if tokens_per_row > 1 and owned.numel():
+        most = int(torch.bincount(owned).max())
+        if most > tokens_per_row:
+            raise ValueError(f"token_rows maps {most} query tokens to one row; tokens_per_row is {tokens_per_row}")
     return tr
+
+
+def _check_tokens_per_row(tokens_per_row: int, sparse_count: int, hot_tokens: int) -> int:
+    n = int(tokens_per_row)
+    if n < 1:
+        raise ValueError(f"tokens_per_row must be >= 1, got {n}")
+    if n > 1 and hot_tokens < n * sparse_count:
+        raise ValueError(f"hot_tokens {hot_tokens} must hold the union of a row's tokens' top-k: >= tokens_per_row x "
+                         f"sparse_count = {n} x {sparse_count}")
+    return n
+
+
+def _row_form(topk: torch.Tensor, token_rows: torch.Tensor, rows: int, tokens_per_row: int):
+    """Top-k of the tokens sharing each row, request-major as ``request_union`` takes it.
+
+    Returns int32 ``[R * n, K]`` (row ``r``'s tokens, in token order, at ``r * n ..``;
+    ``-1`` where a row has fewer than ``n`` tokens) and int64 ``[T]``: each token's line
+    in it (``-1`` for unmanaged tokens).
+    """
+    n = tokens_per_row
+    per_token = topk.reshape(topk.shape[0], -1).to(torch.int32)
+    out = torch.full((rows * n, per_token.shape[1]), -1, dtype=torch.int32, device=per_token.device)
+    line = torch.full((per_token.shape[0],), -1, dtype=torch.int64)
+    seen = [0] * rows
+    for t, r in enumerate(token_rows.tolist()):
+        if r >= 0:
+            line[t] = r * n + seen[r]
+            seen[r] += 1
+    managed = line >= 0
+    out[line[managed].to(out.device)] = per_token[managed.to(per_token.device)]
+    return out, line
 
 
 def _step_value(step: Step) -> int:
@@ -136,10 +178,14 @@ def token_hot_indices(slots: torch.Tensor, token_rows: torch.Tensor, hot_tokens:
 
 
 def _manage_after_indexer(topk: torch.Tensor, *, slot_token, slot_stamp, row_req, token_rows, req_ids,
-                          stable_len, step: Step) -> IndexerManageResult:
+                          stable_len, step: Step, tokens_per_row: int = 1) -> IndexerManageResult:
     """The residency half of LIM (shared by the bf16 and C8 compositions)."""
     rows, hot_tokens = slot_token.shape
-    tr = _check_token_rows(token_rows, topk.shape[0], rows)
+    n = _check_tokens_per_row(tokens_per_row, topk.reshape(topk.shape[0], -1).shape[1], hot_tokens)
+    tr = _check_token_rows(token_rows, topk.shape[0], rows, n)
+    if n > 1:
+        return _manage_union(topk, tr, n, slot_token=slot_token, slot_stamp=slot_stamp, row_req=row_req,
+                             req_ids=req_ids, stable_len=stable_len, step=step)
     topk_rows = scatter_token_topk(topk, tr, rows).to(slot_token.device)
     manage = residency_manage
     res = manage(slot_token, slot_stamp, row_req, topk_rows, req_ids.to(slot_token.device),
@@ -149,6 +195,24 @@ def _manage_after_indexer(topk: torch.Tensor, *, slot_token, slot_stamp, row_req
         sparse_indices=token_hot_indices(res.slots, tr, hot_tokens),
         residency=res,
     )
+
+
+def _manage_union(topk: torch.Tensor, tr: torch.Tensor, n: int, *, slot_token, slot_stamp, row_req, req_ids,
+                  stable_len, step: Step) -> IndexerManageResult:
+    """LIM's residency half with up to ``n`` tokens per row: one step per row on the union
+    of its tokens' top-k (``[R, n*K]``), each token's slots read back from it."""
+    rows, hot_tokens = slot_token.shape
+    lines, line_of_token = _row_form(topk, tr, rows, n)
+    union = union_of_rows(lines.to(slot_token.device), n)
+    res = residency_manage(slot_token, slot_stamp, row_req, union.positions, req_ids.to(slot_token.device),
+                           stable_len.to(slot_token.device), _step_value(step))
+    per_line = row_slots(union, res.slots).to(torch.int64)  # [R*n, K]
+    managed = line_of_token >= 0
+    picked = per_line[line_of_token.clamp(min=0).to(per_line.device)]
+    owner = tr.clamp(min=0).to(per_line.device)[:, None]
+    keep = (picked >= 0) & managed.to(per_line.device)[:, None]
+    flat = torch.where(keep, owner * hot_tokens + picked, torch.full_like(picked, -1))
+    return IndexerManageResult(topk_indices=topk, sparse_indices=flat.to(torch.int32).unsqueeze(1), residency=res)
 
 
 # ------------------------------------------------------------------ LIM (bf16)
@@ -172,6 +236,7 @@ def lightning_indexer_manage(
     layout_key: str = "PA_BSND",
     sparse_count: int = 2048,
     sparse_mode: int = 3,
+    tokens_per_row: int = 1,
 ) -> IndexerManageResult:
     """LIM: lightning indexer + residency manage of one layer (reference composition).
 
@@ -182,7 +247,9 @@ def lightning_indexer_manage(
     ``row_req`` int64 ``[R]`` (mutated in place); ``req_ids`` int64 ``[R]``,
     ``stable_len`` int32 ``[R]``, ``step`` (int or a one-element int64 tensor), plus
     ``token_rows`` int32 ``[T]``: the row each query token owns (``-1`` = none).
-    ``sparse_count`` (= K) must be ``<= Hh``.
+    ``sparse_count`` (= K) must be ``<= Hh``. ``tokens_per_row`` = n: up to ``n`` tokens
+    may own one row (a request's verify rows); then the residency outputs are
+    ``[R, n*K]``, over each row's union, and ``Hh >= n * K``.
     """
     indexer = lightning_indexer
     topk = indexer(query, key, weights, actual_seq_lengths_query=actual_seq_lengths_query,
@@ -190,7 +257,8 @@ def lightning_indexer_manage(
                    layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count,
                    sparse_mode=sparse_mode)
     return _manage_after_indexer(topk, slot_token=slot_token, slot_stamp=slot_stamp, row_req=row_req,
-                                 token_rows=token_rows, req_ids=req_ids, stable_len=stable_len, step=step)
+                                 token_rows=token_rows, req_ids=req_ids, stable_len=stable_len, step=step,
+                                 tokens_per_row=tokens_per_row)
 
 
 # -------------------------------------------------------------------- LIM-C8
@@ -218,6 +286,7 @@ def quant_lightning_indexer_manage(
     layout_key: str = "PA_BSND",
     sparse_count: int = 2048,
     sparse_mode: int = 3,
+    tokens_per_row: int = 1,
 ) -> IndexerManageResult:
     """LIM-C8: the C8 (Hadamard-rotated int8) indexer + residency manage (reference).
 
@@ -235,7 +304,8 @@ def quant_lightning_indexer_manage(
                    layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count,
                    sparse_mode=sparse_mode)
     return _manage_after_indexer(topk, slot_token=slot_token, slot_stamp=slot_stamp, row_req=row_req,
-                                 token_rows=token_rows, req_ids=req_ids, stable_len=stable_len, step=step)
+                                 token_rows=token_rows, req_ids=req_ids, stable_len=stable_len, step=step,
+                                 tokens_per_row=tokens_per_row)
 
 
 # ------------------------------------------------------------------- Copy-SFA
@@ -259,6 +329,14 @@ def _check_copy_sfa(query, query_rope, host, hot, sparse_indices, miss_count):
     if tuple(miss_count.shape) != (hot.shape[0],):
         raise ValueError(f"miss_count must be [R] = [{hot.shape[0]}], got {tuple(miss_count.shape)}")
     return num_tokens, sparse_indices.reshape(num_tokens, -1).shape[1], d_latent, d_rope
+
+
+def _miss_tokens_per_row(miss_tokens: torch.Tensor, k: int) -> int:
+    """Tokens a row may serve, from the miss lists' width ``n * K``."""
+    width = miss_tokens.shape[-1]
+    if k <= 0 or width % k:
+        raise ValueError(f"miss_tokens must be [R, n * K] with K = {k}, got {tuple(miss_tokens.shape)}")
+    return width // k
 
 
 def _check_row_ownership(sparse_indices: torch.Tensor, token_rows: torch.Tensor, miss_count: torch.Tensor,
@@ -309,7 +387,8 @@ def copy_sparse_flash_attention(
     layer's host rows; hot ``[R, Hh, Dl+Dr]`` this layer's hot buffer (contiguous,
     mutated: the misses land in it); sparse_indices int32 ``[T, 1, K]`` flat hot rows
     (LIM's ``sparse_indices``); token_rows int32 ``[T]``; miss_tokens / miss_slots
-    int32 ``[R, K]``, miss_count int32 ``[R]`` (LIM's residency step); token_table
+    int32 ``[R, W]`` (``W = K``, or ``n * K`` when up to ``n`` tokens share a row),
+    miss_count int32 ``[R]`` (LIM's residency step); token_table
     int32 ``[R, max_ctx]`` (logical position -> host slot per row). Returns
     ``[T, N, Dl]`` in query's dtype.
 
@@ -321,7 +400,8 @@ def copy_sparse_flash_attention(
         raise ValueError("copy_sparse_flash_attention is defined for attention_mode=2 (MLA absorb) and TND queries")
     _check_copy_sfa(query, query_rope, host, hot, sparse_indices, miss_count)
     rows, hot_tokens, dim = hot.shape
-    tr = _check_token_rows(token_rows, query.shape[0], rows)
+    k = sparse_indices.reshape(query.shape[0], -1).shape[1]
+    tr = _check_token_rows(token_rows, query.shape[0], rows, _miss_tokens_per_row(miss_tokens, k))
     _check_row_ownership(sparse_indices, tr, miss_count, hot_tokens)
 
     copy = copy_miss_rows
@@ -357,34 +437,35 @@ def _lim_result(outputs) -> IndexerManageResult:
     )
 
 
-def _check_state_shapes(slot_token, slot_stamp, row_req, sparse_count) -> None:
+def _check_state_shapes(slot_token, slot_stamp, row_req, sparse_count, tokens_per_row=1) -> None:
     if slot_token.dim() != 2 or slot_stamp.shape != slot_token.shape or tuple(row_req.shape) != (slot_token.shape[0],):
         raise ValueError("residency state must be slot_token int32 [R, Hh], slot_stamp int64 [R, Hh], row_req int64 [R]")
     if slot_token.dtype != torch.int32 or slot_stamp.dtype != torch.int64 or row_req.dtype != torch.int64:
         raise ValueError("residency state dtypes: slot_token int32, slot_stamp int64, row_req int64")
     if slot_token.shape[1] < sparse_count:
         raise ValueError(f"hot_tokens {slot_token.shape[1]} < sparse_count {sparse_count}")
+    _check_tokens_per_row(tokens_per_row, sparse_count, slot_token.shape[1])
 
 
 @implements("lightning_indexer_manage", "fused", unavailable=lambda: fused_op_unavailable(LIM_KERNEL))
 def lightning_indexer_manage_fused(
     query, key, weights, *, actual_seq_lengths_query, actual_seq_lengths_key, block_table, token_rows,
     req_ids, stable_len, step: Step, slot_token, slot_stamp, row_req, layout_query="TND",
-    layout_key="PA_BSND", sparse_count=2048, sparse_mode=3,
+    layout_key="PA_BSND", sparse_count=2048, sparse_mode=3, tokens_per_row=1,
 ) -> IndexerManageResult:
     """AscendC LIM (``npu_fused_lightning_indexer_manage``); arguments as the reference.
 
     Shape checks only (no device reads): data preconditions are the caller's, as for
     the torch_npu operators.
     """
-    _check_state_shapes(slot_token, slot_stamp, row_req, sparse_count)
+    _check_state_shapes(slot_token, slot_stamp, row_req, sparse_count, tokens_per_row)
     dev = query.device
     outputs = fused_op(LIM_KERNEL)(
         query, key, weights,
         _i32(actual_seq_lengths_query, dev), _i32(actual_seq_lengths_key, dev), _i32(block_table, dev),
         _i32(token_rows, dev), req_ids.to(device=dev, dtype=torch.int64), _i32(stable_len, dev),
         _step_tensor(step, dev), slot_token, slot_stamp, row_req,
-        layout_query, layout_key, int(sparse_count), int(sparse_mode),
+        layout_query, layout_key, int(sparse_count), int(sparse_mode), int(tokens_per_row),
     )
     return _lim_result(outputs)
 
@@ -394,13 +475,13 @@ def quant_lightning_indexer_manage_fused(
     query, key, weights, query_dequant_scale, key_dequant_scale, *, actual_seq_lengths_query,
     actual_seq_lengths_key, block_table, token_rows, req_ids, stable_len, step: Step, slot_token,
     slot_stamp, row_req, query_quant_mode=0, key_quant_mode=0, layout_query="TND", layout_key="PA_BSND",
-    sparse_count=2048, sparse_mode=3,
+    sparse_count=2048, sparse_mode=3, tokens_per_row=1,
 ) -> IndexerManageResult:
     """AscendC LIM-C8 (``npu_fused_quant_lightning_indexer_manage``); arguments as the reference.
 
     A ``[blocks, block_size, 1, 1]`` key scale is reshaped to ``[blocks, block_size, 1]``.
     """
-    _check_state_shapes(slot_token, slot_stamp, row_req, sparse_count)
+    _check_state_shapes(slot_token, slot_stamp, row_req, sparse_count, tokens_per_row)
     if key_dequant_scale.dim() == 4:
         key_dequant_scale = key_dequant_scale.reshape(key_dequant_scale.shape[:3])
     dev = query.device
@@ -410,6 +491,7 @@ def quant_lightning_indexer_manage_fused(
         _i32(token_rows, dev), req_ids.to(device=dev, dtype=torch.int64), _i32(stable_len, dev),
         _step_tensor(step, dev), slot_token, slot_stamp, row_req,
         int(query_quant_mode), int(key_quant_mode), layout_query, layout_key, int(sparse_count), int(sparse_mode),
+        int(tokens_per_row),
     )
     return _lim_result(outputs)
 

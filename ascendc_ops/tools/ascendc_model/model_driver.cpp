@@ -78,7 +78,7 @@ extern "C" {
 uint32_t sao_model_tiling_bytes() { return sao::kTilingBytes; }
 
 // shape: numTokens, numRequests, indexHeads, indexDim, blockSize, maxBlocks, rows, hotTokens,
-// topK, sparseMode, quantized. Returns 0, 1 (shape unsupported: err says why) or 2 (error).
+// topK, sparseMode, quantized, rowTokens. Returns 0, 1 (shape unsupported: err says why) or 2 (error).
 int sao_model_tile_lim(const uint32_t *shape, uint32_t aic, uint32_t aiv, uint8_t *tiling, uint64_t *workspace,
                        uint32_t *blockDim, char *err, int errLen)
 {
@@ -86,7 +86,7 @@ int sao_model_tile_lim(const uint32_t *shape, uint32_t aic, uint32_t aiv, uint8_
         sao_model_host::g_aicCores = aic;
         sao_model_host::g_aivCores = aiv;
         sao::host::LimShape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5],
-                              shape[6], shape[7], shape[8], shape[9], shape[10] != 0};
+                              shape[6], shape[7], shape[8], shape[9], shape[10] != 0, shape[11]};
         std::string problem = sao::host::CheckLim(s);
         if (!problem.empty()) {
             Error(err, errLen, problem);
@@ -101,14 +101,15 @@ int sao_model_tile_lim(const uint32_t *shape, uint32_t aic, uint32_t aiv, uint8_
     }
 }
 
-// shape: numTokens, heads, latentDim, ropeDim, rows, hotTokens, topK, maxCtx; scale separately.
+// shape: numTokens, heads, latentDim, ropeDim, rows, hotTokens, topK, maxCtx, missWidth; scale separately.
 int sao_model_tile_copy_sfa(const uint32_t *shape, float scale, uint32_t aic, uint32_t aiv, uint8_t *tiling,
                             uint64_t *workspace, uint32_t *blockDim, char *err, int errLen)
 {
     try {
         sao_model_host::g_aicCores = aic;
         sao_model_host::g_aivCores = aiv;
-        sao::host::CopySfaShape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], shape[7], scale};
+        sao::host::CopySfaShape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], shape[7], scale,
+                                  shape[8]};
         std::string problem = sao::host::CheckCopySfa(s);
         if (!problem.empty()) {
             Error(err, errLen, problem);
