@@ -20,7 +20,7 @@ which residency row each query token owns (``-1``: the token is not managed, e.g
 graph padding); a row is owned by at most one token, or with ``tokens_per_row = n > 1``
 (a request's speculative verify rows sharing its hot buffer) by up to ``n`` tokens, and
 then the row's residency step runs once on the union of their top-k
-(``sparse_decode/request_union.py``: distinct positions ascending, ``W = n * K`` wide)
+(``ops/request_union.py``: distinct positions ascending, ``W = n * K`` wide)
 and each token reads its slots back from it. Everything is documented argument by
 argument in ``docs/fused_ops.md``.
 
@@ -58,7 +58,7 @@ from .contract import IndexerManageResult, ResidencyStep, Step, implements
 from .npu_impls import fused_op, fused_op_unavailable
 from .reference import lightning_indexer, quant_lightning_indexer, sparse_mla_attention
 from .residency import copy_miss_rows, residency_manage
-from ..sparse_decode.request_union import row_slots, union_of_rows
+from .request_union import row_slots, union_of_rows
 
 __all__ = [
     "lightning_indexer_manage",
@@ -70,6 +70,10 @@ __all__ = [
     "LIM_C8_KERNEL",
     "COPY_SFA_KERNEL",
 ]
+
+#: Query tokens that may share one row in the fused kernels (``kMaxRowTokens`` of
+#: ``ascendc_ops/include/fused_tiling.h``): a request's speculative verify rows.
+MAX_TOKENS_PER_ROW = 14
 
 LIM_KERNEL = "npu_fused_lightning_indexer_manage"
 LIM_C8_KERNEL = "npu_fused_quant_lightning_indexer_manage"
@@ -105,8 +109,8 @@ def _check_token_rows(token_rows: torch.Tensor, num_tokens: int, rows: int, toke
 
 def _check_tokens_per_row(tokens_per_row: int, sparse_count: int, hot_tokens: int) -> int:
     n = int(tokens_per_row)
-    if n < 1:
-        raise ValueError(f"tokens_per_row must be >= 1, got {n}")
+    if not 1 <= n <= MAX_TOKENS_PER_ROW:
+        raise ValueError(f"tokens_per_row must be in 1..{MAX_TOKENS_PER_ROW}, got {n}")
     if n > 1 and hot_tokens < n * sparse_count:
         raise ValueError(f"hot_tokens {hot_tokens} must hold the union of a row's tokens' top-k: >= tokens_per_row x "
                          f"sparse_count = {n} x {sparse_count}")

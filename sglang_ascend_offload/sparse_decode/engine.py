@@ -47,7 +47,7 @@ and one residency state per layer shared by its ``n`` query rows. ``begin_step``
 the ``G`` requests (``rows``, ``req_ids``, ``stable_len`` ``[G]``, the committed
 length as the stable prefix), ``run_layer`` their ``G * n`` query rows request-major
 (``topk`` ``[G*n, K]``, ``query`` ``[G*n, N, latent]``). The residency step runs on the
-union of each request's rows' top-k (``request_union.py``): a position several rows
+union of each request's rows' top-k (``ops/request_union.py``): a position several rows
 select is one lookup and at most one copy, and each row's remapped indices follow its
 own top-k order. ``hot_tokens >= n * top_k`` holds every union.
 """
@@ -70,7 +70,7 @@ from .host_pool import AppendGate, HostKVPool
 from .host_rows import is_tensor_backed
 from .hot_buffer import HotBuffers, flat_hot_indices
 from .policies import DEFAULT_POLICY, ResidencyManager, make_manager, uses_cpu_kernel
-from .request_union import RequestUnion, merge_ranked, row_slots, union_of_rows
+from ..ops.request_union import RequestUnion, merge_ranked, row_slots, union_of_rows
 from .shadow import ShadowVerifier
 from .stats import DecodeStats, StatsAccumulator
 
@@ -117,6 +117,21 @@ def step_requests(manager: ResidencyManager, rows: torch.Tensor, topk: torch.Ten
     return RequestStep(res, row_slots(union, res.slots), rows.repeat_interleave(n), union)
 
 
+def fused_request_step(residency: ResidencyStep, rows: torch.Tensor, topk: torch.Tensor,
+                       rows_per_request: int = 1) -> RequestStep:
+    """The batch's :class:`RequestStep` from the all-rows step a fused indexer took
+    (``[R', ...]``; over each row's union with ``n > 1``, as the operator steps a row
+    shared by ``n`` tokens): the batch rows' part, and with ``n > 1`` each query row's
+    slots read back from the union of the batch's ``topk`` ``[B*n, K]`` (the same union
+    the operator stepped on: distinct positions ascending)."""
+    stepped = fused_indexer.batch_rows_step(residency, rows)
+    n = int(rows_per_request)
+    if n == 1:
+        return RequestStep(stepped, stepped.slots, rows, None)
+    union = union_of_rows(topk, n)
+    return RequestStep(stepped, row_slots(union, stepped.slots), rows.repeat_interleave(n), union)
+
+
 def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor,
                       stable_len: torch.Tensor, step, host: torch.Tensor, hot: torch.Tensor,
                       token_table: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor, scale: float,
@@ -138,17 +153,16 @@ def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch
     Static shapes, no host read of data: traceable by ``torch.compile(fullgraph=True)``
     and capturable in a device graph (what ``tests/sparse_decode/test_sync_free.py``
     holds). ``attention`` defaults to the reference ``sparse_mla_attention``.
-    ``residency``: the all-rows step a fused indexer already took (``n = 1``), used
-    instead of stepping ``manager``. ``copy_attention``: the fused Copy-SFA op, run in
-    place of the miss copy and ``attention`` (``n = 1``; :func:`fused_copy_attention`).
+    ``residency``: the all-rows step a fused indexer already took, used instead of
+    stepping ``manager``. ``copy_attention``: the fused Copy-SFA op, run in place of the
+    miss copy and ``attention`` (:func:`fused_copy_attention`).
     ``direct``: ``(mask bool [B], step_pos int64 [B, n], span_rows int64 [B, S])`` of
     ``residency = adaptive`` (:class:`~.direct_rows.DirectStep` of a captured step):
     direct entries are idle to the manager, read their positions through their spans,
     and get the step's new positions copied into their spans after the append.
     """
     if residency is not None:
-        stepped = fused_indexer.batch_rows_step(residency, rows)
-        req = RequestStep(stepped, stepped.slots, rows, None)
+        req = fused_request_step(residency, rows, topk, rows_per_request)
     elif direct is not None:
         query_mask, managed, owners = direct_rows.masked_step(direct[0], topk, req_ids, rows_per_request)
         req = step_requests(manager, rows, managed, owners, stable_len, step, rows_per_request)
@@ -198,11 +212,15 @@ def full_rows_lists(res: ResidencyStep, rows: torch.Tensor, state_rows: int, tok
 def fused_copy_attention(copy_sfa: Callable, res: ResidencyStep, rows: torch.Tensor, req_ids: torch.Tensor,
                          host: torch.Tensor, hot: torch.Tensor, token_table: torch.Tensor, flat: torch.Tensor,
                          query: torch.Tensor, query_rope: torch.Tensor, scale: float) -> torch.Tensor:
-    """Miss copy + attention of one layer as the fused Copy-SFA op (one query token per
-    row): the batch rows' step ``res`` spread over all hot-buffer rows (``hot`` ``[R', H, D]``),
-    padding entries (``req_ids < 0``) owning no row. Static shapes; ``[B, N, latent]``."""
+    """Miss copy + attention of one layer as the fused Copy-SFA op: the batch rows' step
+    ``res`` spread over all hot-buffer rows (``hot`` ``[R', H, D]``), padding entries
+    (``req_ids < 0``) owning no row; with ``n = B*n / B`` query rows per entry (verify
+    rows) all ``n`` own the entry's row. Static shapes; ``[B*n, N, latent]``."""
     tokens, slots, count, table = full_rows_lists(res, rows, hot.shape[0], token_table)
     token_rows = torch.where(req_ids >= 0, rows, torch.full_like(rows, -1)).to(torch.int32)
+    n = query.shape[0] // max(1, rows.shape[0])
+    if n > 1:
+        token_rows = token_rows.repeat_interleave(n)
     # The extension takes contiguous tensors (the served queries are slices of q)
     return copy_sfa(query.contiguous(), host, hot, flat, scale, query_rope=query_rope.contiguous(),
                     token_rows=token_rows, miss_tokens=tokens, miss_slots=slots, miss_count=count,
@@ -569,12 +587,10 @@ class SparseDecodeEngine:
         steps the layer's state in place; pass its all-rows step to :meth:`run_layer`."""
         if self._req_ids is None:
             raise RuntimeError("begin_step() must be called before indexer_residency()")
-        if self._per_request != 1:
-            raise ValueError("the fused indexer manages one query token per row: not with verify rows")
         manager = self.managers[layer]
         fused_indexer.check_manager(manager)
         return fused_indexer.residency_args(manager, self._rows, self._req_ids, self._stable_len, self.step_index,
-                                            num_tokens)
+                                            num_tokens, self._per_request)
 
     def run_layer(self, layer: int, topk: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor,
                   scale: float, residency: Optional[ResidencyStep] = None) -> LayerResult:
@@ -602,8 +618,7 @@ class SparseDecodeEngine:
         if d is not None and d.all_direct and residency is None:
             return self._run_direct_layer(layer, topk_dev, query, query_rope, scale, t0)
         if residency is not None:
-            stepped = fused_indexer.batch_rows_step(residency, self._rows)
-            req = RequestStep(stepped, stepped.slots, self._rows, None)
+            req = fused_request_step(residency, self._rows, topk_dev, n)
         elif d is not None and d.any_direct:  # direct rows: idle to the manager, read through their spans
             query_direct, managed, owners = direct_rows.masked_step(d.mask, topk_dev, self._req_ids, n)
             req = step_requests(self.managers[layer], self._rows, managed, owners, self._stable_len,

@@ -20,6 +20,11 @@ the manager itself. Rows outside the batch must come out untouched, so they get:
 * no query token (``token_rows`` never names them: an all-padding top-k, so no hit,
   no miss and no new stamp).
 
+With ``n > 1`` speculative verify rows per request (``rows_per_request``), a batch entry
+is a request whose ``n`` query tokens (request-major) all name its engine row, and the
+operator steps that row once on the union of their top-k (``tokens_per_row = n``), as
+the engine's own step does (``ops/request_union.py``).
+
 The residency step inside the operator is exact LRU, the contract itself, so the layer's
 manager must be policy ``lru`` holding the contract's state only (``impl="torch"``: the
 CPU kernel's derived position map would go stale under the operator's writes);
@@ -49,6 +54,7 @@ class ResidencyArgs:
     token_rows: int32 ``[T]`` the engine row of each query token (``-1``: none, padding).
     req_ids: int64 ``[R']``; stable_len: int32 ``[R']``; step: int64 ``[1]``.
     slot_token / slot_stamp / row_req: the layer's state (the manager's own tensors).
+    tokens_per_row: ``n``, the query tokens of one batch entry (its verify rows).
     """
 
     token_rows: torch.Tensor
@@ -58,10 +64,12 @@ class ResidencyArgs:
     slot_token: torch.Tensor
     slot_stamp: torch.Tensor
     row_req: torch.Tensor
+    tokens_per_row: int = 1
 
     def as_kwargs(self) -> dict:
         return dict(token_rows=self.token_rows, req_ids=self.req_ids, stable_len=self.stable_len, step=self.step,
-                    slot_token=self.slot_token, slot_stamp=self.slot_stamp, row_req=self.row_req)
+                    slot_token=self.slot_token, slot_stamp=self.slot_stamp, row_req=self.row_req,
+                    tokens_per_row=self.tokens_per_row)
 
 
 def check_manager(manager: ResidencyManager) -> None:
@@ -76,7 +84,7 @@ def check_manager(manager: ResidencyManager) -> None:
 
 
 def residency_args(manager: ResidencyManager, rows: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
-                   step, num_tokens: int) -> ResidencyArgs:
+                   step, num_tokens: int, rows_per_request: int = 1) -> ResidencyArgs:
     """The operator's residency arguments for one layer of a step.
 
     manager: the layer's manager (:func:`check_manager`). rows int64 ``[B]``: the engine
@@ -84,25 +92,28 @@ def residency_args(manager: ResidencyManager, rows: torch.Tensor, req_ids: torch
     req_ids int64 ``[B]``, stable_len int32 ``[B]``: the step's (the engine's
     :meth:`~.engine.SparseDecodeEngine.begin_step`); step: int or 0-d / ``[1]`` int64
     tensor. num_tokens: ``T``, the query tokens of the layer call, batch entries first
-    (``T >= B``; tokens past ``B`` are padding).
+    (``T >= B * n``; tokens past them are padding). rows_per_request: ``n``, query tokens
+    per batch entry (request-major).
     """
     table = manager.table
     device = table.row_req.device
-    b = rows.shape[0]
-    if num_tokens < b:
-        raise ValueError(f"{num_tokens} query tokens for {b} batch entries: one token per entry")
+    b, n = rows.shape[0], int(rows_per_request)
+    if num_tokens < b * n:
+        raise ValueError(f"{num_tokens} query tokens for {b} batch entries x {n} rows")
     rows = rows.to(device, torch.int64)
     owners = req_ids.to(device, torch.int64)
     live = owners >= 0
     token_rows = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
-    token_rows[:b] = torch.where(live, rows, torch.full_like(rows, -1)).to(torch.int32)
+    entry_rows = torch.where(live, rows, torch.full_like(rows, -1)).to(torch.int32)
+    token_rows[:b * n] = entry_rows.repeat_interleave(n) if n > 1 else entry_rows
     all_req = table.row_req.clone()
     all_req.index_copy_(0, rows, owners)  # padding entries write -1 on the sink row: it stays idle
     all_stable = torch.full_like(table.row_req, INT32_MAX, dtype=torch.int32)
     all_stable.index_copy_(0, rows, stable_len.to(device, torch.int32))
     step_t = step.reshape(1).to(device, torch.int64) if isinstance(step, torch.Tensor) else \
         torch.tensor([int(step)], dtype=torch.int64, device=device)
-    return ResidencyArgs(token_rows, all_req, all_stable, step_t, table.slot_token, table.slot_stamp, table.row_req)
+    return ResidencyArgs(token_rows, all_req, all_stable, step_t, table.slot_token, table.slot_stamp, table.row_req,
+                         n)
 
 
 def batch_rows_step(full: ResidencyStep, rows: torch.Tensor) -> ResidencyStep:

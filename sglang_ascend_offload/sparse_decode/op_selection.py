@@ -28,11 +28,12 @@ missing op listed, with the build command), no fused rung on this platform, a
 ``fused_copy_sfa: true`` / ``ops=fused`` Copy-SFA the engine's layout excludes, or
 ``fused_lim: true`` where the fused indexer cannot serve (``sglang.fused_not_wired``: the
 caller does not call it, a residency policy other than exact LRU, which is what the
-fused kernels implement, or verify rows sharing a hot buffer, where LIM manages one query
-token per row). Only two choices give way to the separate operators, each with its
-reason in the plan (and logged): a default Copy-SFA (setting unset, ``ops`` ``auto`` on
-an NPU) where the engine's layout excludes it (verify rows sharing a hot buffer, a pool
-without a tensor view), and a default or ``ops=fused`` indexer where it cannot serve.
+fused kernels implement, or more than ``MAX_TOKENS_PER_ROW`` (14) verify rows sharing a
+request's hot buffer, more than the kernels step as one row). Only two choices give way
+to the separate operators, each with its reason in the plan (and logged): a default
+Copy-SFA (setting unset, ``ops`` ``auto`` on an NPU) where the engine's layout excludes it
+(more than 14 verify rows per request, a pool without a tensor view), and a default or
+``ops=fused`` indexer where it cannot serve.
 
 Fused Copy-SFA reads the host pool through each layer's slice, which the extension
 registers with ``aclrtHostRegister``: each slice must start 4 KiB-aligned, so the rows per
@@ -51,6 +52,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .. import platform as _platform
+from ..ops.fused import MAX_TOKENS_PER_ROW
 
 __all__ = ["OpChoice", "OpPlan", "SelectionProblem", "OpSelectionError", "select_ops", "select_for_config",
            "registry_availability", "extension_availability", "host_rows_alignment", "fused_host_pool_rows",
@@ -273,9 +275,9 @@ def _indexer_obstacle(wired: bool, policy: str, rows_per_request: int, residency
     if policy != "lru":
         return (f"policy {policy!r}: the fused indexer's residency step is exact LRU (policy lru); the separate "
                 "indexer feeds the policy's own residency step")
-    if rows_per_request > 1:
-        return (f"{rows_per_request} verify rows share each request's hot buffer and the fused indexer manages one "
-                "query token per hot-buffer row")
+    if rows_per_request > MAX_TOKENS_PER_ROW:
+        return (f"{rows_per_request} verify rows share each request's hot buffer and the fused indexer steps a row "
+                f"shared by at most {MAX_TOKENS_PER_ROW} query tokens")
     if residency == "adaptive":
         return ("residency 'adaptive' serves the requests that fit their hot buffer outside the residency step, "
                 "and the fused indexer steps every row's residency itself")
@@ -306,9 +308,9 @@ def _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_po
     why_not = ""
     if not tensor_pool:
         why_not = "the host pool has no tensor view (MemFabric global addresses): it is read by its own gather"
-    elif rows_per_request > 1:
+    elif rows_per_request > MAX_TOKENS_PER_ROW:
         why_not = (f"{rows_per_request} verify rows share each request's hot buffer and the fused Copy-SFA "
-                   "operator attends one query token per hot-buffer row")
+                   f"operator serves a row shared by at most {MAX_TOKENS_PER_ROW} query tokens")
     if fused and why_not:
         if explicit:
             problems.append(SelectionProblem(

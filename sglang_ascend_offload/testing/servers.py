@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .ports import DP_ATTENTION_OFFSETS, log_reports_bind_failure, release_ports, reserve_port
 
-__all__ = ["REPO", "FIXTURES", "TINY_DSA", "TINY_DSA_4L", "TINY_DSA_MTP", "TINY_DSA_FUSED", "TINY_DSA_TRAINED", "CPU_SERVER_ARGS", "TRAINED_SERVER_ARGS", "IDLE_SLEEP",
+__all__ = ["REPO", "FIXTURES", "TINY_DSA", "TINY_DSA_4L", "TINY_DSA_MTP", "TINY_DSA_FUSED", "TINY_DSA_FUSED_MTP", "TINY_DSA_TRAINED", "CPU_SERVER_ARGS", "TRAINED_SERVER_ARGS", "IDLE_SLEEP",
            "ServerProcess", "PortInUse", "FixtureMissing", "require_fixture", "StartupWatch", "cpu_seconds", "server_env", "stop_process_group", "stop_all", "fixture_args"]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,6 +44,7 @@ TINY_DSA_4L = FIXTURES / "tiny_dsa_4l"
 TINY_DSA_MTP = FIXTURES / "tiny_dsa_mtp"  # tiny_dsa + one NextN (MTP) layer, for speculative decoding
 # tiny_dsa at shapes the fused AscendC kernels take (top-k 128, 8 index heads)
 TINY_DSA_FUSED = FIXTURES / "tiny_dsa_fused"
+TINY_DSA_FUSED_MTP = FIXTURES / "tiny_dsa_fused_mtp"  # tiny_dsa_fused + one NextN layer: verify rows, fused
 # Trained weights + BPE tokenizer (scripts/train_tiny_dsa.py): real text, real indexer rankings.
 TINY_DSA_TRAINED = FIXTURES / "tiny_dsa_trained"
 

@@ -145,6 +145,34 @@ def test_functional_check_catches_mutated_kernels(tmp_path):
     assert not sfa.ok and any("attention out of tolerance" in f for f in sfa.failures), sfa.failures[:3]
 
 
+def _union_mutated_kernels(tmp: Path) -> Path:
+    """The union of a shared row keeps duplicates (a position two verify tokens select is
+    looked up twice) and Copy-SFA attends only a shared row's first token."""
+    dst = tmp / "kernels"
+    shutil.copytree(compile_check.KERNELS_DIR, dst)
+    res_h = dst / "residency_manage.h"
+    text = res_h.read_text()
+    old = "seen = true;\n"
+    assert text.count(old) == 1
+    res_h.write_text(text.replace(old, "seen = false;\n"))
+    sfa = dst / "scatter_copy_sparse_flash_attention.cpp"
+    text = sfa.read_text()
+    old = "for (uint32_t t = token + 1; shared && row >= 0 && t < t_.numTokens; ++t) {"
+    assert old in text
+    sfa.write_text(text.replace(old, "for (uint32_t t = token + 1; false && t < t_.numTokens; ++t) {"))
+    return dst
+
+
+def test_functional_check_catches_union_mutations_in_the_verify_row_cases_only(tmp_path):
+    m = km.KernelModel(km.build(kernels=_union_mutated_kernels(tmp_path)))
+    lim = functional.check_lim(m, False, steps=2, largest=False)
+    assert not lim.ok and lim.failures
+    assert all("tokens_per_row=1)" not in f for f in lim.failures), lim.failures[:3]  # one token per row: unchanged
+    assert any("tokens_per_row=2" in f for f in lim.failures) and any("tokens_per_row=3" in f for f in lim.failures)
+    sfa = functional.check_copy_sfa(m, largest=False)
+    assert not sfa.ok and all("tokens_per_row" in f for f in sfa.failures), sfa.failures[:3]
+
+
 @pytest.mark.parametrize("seed", [11, 12])
 def test_functional_model_on_more_random_scenarios(seed):
     m = km.KernelModel()
@@ -154,9 +182,10 @@ def test_functional_model_on_more_random_scenarios(seed):
         assert r.coverage["hits"] > 0 and r.coverage["misses"] > 0 and r.coverage["topk_minus_one"] > 0
         assert r.coverage["first_fill_rows"] > 0 and r.coverage["steady_rows"] > 0
         assert r.coverage["owned_rows_without_misses"] > 0 and r.coverage["padding_tokens"] > 0
+        assert r.coverage["shared_rows"] > 0
     r = functional.check_copy_sfa(m, seed=seed, largest=False)
     assert r.ok, r.failures[:3]
-    assert r.coverage["misses_copied"] > 0 and r.coverage["sparse_minus_one"] > 0
+    assert r.coverage["misses_copied"] > 0 and r.coverage["sparse_minus_one"] > 0 and r.coverage["shared_rows"] > 0
 
 
 def test_model_faults_on_out_of_bounds_gm_write():

@@ -105,6 +105,51 @@ def test_lim_fused_rung_on_cpu_equals_the_composition(fused_cpu, quantized, dims
     assert misses > 0 and hits > 0  # both paths of the residency step ran
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["LIM", "LIM-C8"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_lim_fused_rung_serves_rows_shared_by_verify_tokens(fused_cpu, quantized, n):
+    """``tokens_per_row = n``: each request's ``n`` query tokens (one request ``n - 1``) own
+    its row; the kernel steps the row on the union of their top-k. Bit-exact against the
+    reference composition over steps with churn, idle rows and speculative positions, and
+    every token's flat index names a slot that now holds the position it selected."""
+    dims = LimDims(quantized=quantized, tokens_per_row=n, hot_tokens=n * 128)
+    op = "quant_lightning_indexer_manage" if quantized else "lightning_indexer_manage"
+    sc = Scenario(dims, seed=20 + n)
+    table = ResidencyTable.empty(dims.rows, dims.hot_tokens)
+    shared = hits = 0
+    for step in range(4):
+        sc.advance()
+        inp = sc.inputs()
+        t_ref, t_got = table.clone(), table.clone()
+        common = dict(actual_seq_lengths_query=inp.cu, actual_seq_lengths_key=inp.kv_len,
+                      block_table=inp.block_table, token_rows=inp.token_rows, req_ids=inp.req_ids,
+                      stable_len=inp.stable, step=inp.step, sparse_count=dims.top_k, sparse_mode=dims.sparse_mode,
+                      tokens_per_row=n)
+        head = (inp.query, inp.key, inp.weights) + ((inp.query_scale, inp.key_scale) if quantized else ())
+        ref = registry.select(op, "reference").fn(*head, slot_token=t_ref.slot_token, slot_stamp=t_ref.slot_stamp,
+                                                  row_req=t_ref.row_req, **common)
+        got = registry.select(op, "fused").fn(*head, slot_token=t_got.slot_token, slot_stamp=t_got.slot_stamp,
+                                              row_req=t_got.row_req, **common)
+        _assert_lim_equal(got, ref, t_got, t_ref, f"{op} n={n} step {step}")
+        assert got.residency.slots.shape == (dims.rows, n * dims.top_k)
+        owned = inp.token_rows >= 0
+        shared += int((torch.bincount(inp.token_rows[owned].long(), minlength=dims.rows) > 1).sum())
+        flat = got.sparse_indices.reshape(inp.token_rows.shape[0], -1)
+        topk = got.topk_indices.reshape(flat.shape)
+        for t in torch.nonzero(owned).flatten().tolist():
+            r = int(inp.token_rows[t])
+            if int(inp.req_ids[r]) < 0:
+                continue
+            sel = flat[t] >= 0
+            assert torch.equal(sel, topk[t] >= 0)
+            slots = flat[t][sel] - r * dims.hot_tokens
+            assert bool(((slots >= 0) & (slots < dims.hot_tokens)).all())
+            assert torch.equal(t_got.slot_token[r, slots.long()], topk[t][sel]), (step, t)
+        hits += int(ref.residency.hit_mask.sum())
+        table = t_ref
+    assert shared > 0 and hits > 0
+
+
 # ------------------------------------------------------------------ Copy-SFA
 @pytest.mark.parametrize("heads", [16, 4])
 def test_copy_sfa_fused_rung_on_cpu_copies_bit_exact_and_attends_within_tolerance(fused_cpu, heads):
@@ -121,6 +166,29 @@ def test_copy_sfa_fused_rung_on_cpu_copies_bit_exact_and_attends_within_toleranc
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape == (5, heads, 512)
     err = (got.float() - ref.float()).abs()
     assert bool((err <= ATTN_ATOL + ATTN_RTOL * ref.float().abs()).all()), f"max abs err {float(err.max()):.3g}"
+
+
+def test_copy_sfa_fused_rung_serves_rows_shared_by_verify_tokens(fused_cpu):
+    """Miss lists ``[R, 3 * K]``: up to three tokens attend over a row whose misses are
+    copied once; tokens other than a row's first read rows copied for the row."""
+    inp = _sfa_inputs(seed=9, heads=16, top_k=128, hot_tokens=384, rows=3, tokens=7, pad_rows_with_no_miss=False,
+                      tokens_per_row=3)
+    owned = inp.token_rows[inp.token_rows >= 0].long()
+    assert int(torch.bincount(owned).max()) == 3 and inp.miss_tokens.shape == (3, 384)
+    kw = dict(query_rope=inp.query_rope, token_rows=inp.token_rows, miss_tokens=inp.miss_tokens,
+              miss_slots=inp.miss_slots, miss_count=inp.miss_count, token_table=inp.token_table)
+    hot_ref, hot_got = inp.hot.clone(), inp.hot.clone()
+    ref = registry.select("copy_sparse_flash_attention", "reference").fn(inp.query, inp.host, hot_ref, inp.sparse,
+                                                                         inp.scale, **kw)
+    got = registry.select("copy_sparse_flash_attention", "fused").fn(inp.query, inp.host, hot_got, inp.sparse,
+                                                                     inp.scale, **kw)
+    assert torch.equal(hot_got.view(torch.int16), hot_ref.view(torch.int16)), "miss copies differ"
+    err = (got.float() - ref.float()).abs()
+    assert bool((err <= ATTN_ATOL + ATTN_RTOL * ref.float().abs()).all()), f"max abs err {float(err.max()):.3g}"
+    with pytest.raises(ValueError, match="maps 3 query tokens to one row"):  # miss lists one token wide
+        registry.select("copy_sparse_flash_attention", "reference").fn(
+            inp.query, inp.host, inp.hot.clone(), inp.sparse, inp.scale,
+            **dict(kw, miss_tokens=inp.miss_tokens[:, :256], miss_slots=inp.miss_slots[:, :256]))
 
 
 def test_copy_sfa_refuses_shapes_the_kernel_does_not_serve_and_unregistered_host(fused_cpu):

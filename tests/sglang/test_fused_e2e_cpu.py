@@ -15,7 +15,14 @@ reference servers decode eagerly. Each pair must give the same tokens:
   churn),
 * a radix-cache hit equal to its cold request,
 
-and the fused server's log must show its operator plan chose the fused operators. The
+and the fused server's log must show its operator plan chose the fused operators.
+
+Speculative decoding (NextN through SGLang's EAGLE worker, two verify rows per request,
+``tests/fixtures/tiny_dsa_fused_mtp``): the verify rows of a request share its hot buffer,
+and the fused LIM steps that row once on the union of the two rows' top-k, then Copy-SFA
+copies its misses once and attends both rows. ``ops: "fused"`` and ``ops: "reference"``
+servers run SGLang's acceptance simulation (the first draft accepted, so committed and
+rejected rows both occur) and must give the same tokens. The
 residency state and copies are compared bit for bit in process
 (``test_fused_indexer_components.py``); outside a server only tokens can be seen. The
 logprobs of the two rungs differ within the fused attention's tolerance (the kernel's
@@ -34,7 +41,7 @@ import re
 import pytest
 
 from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
-from sglang_ascend_offload.testing.servers import TINY_DSA_FUSED, fixture_args
+from sglang_ascend_offload.testing.servers import TINY_DSA_FUSED, TINY_DSA_FUSED_MTP, fixture_args
 
 pytestmark = pytest.mark.slow
 
@@ -99,5 +106,38 @@ def test_fused_rung_serves_the_reference_rung_tokens(tmp_path, indexer_dtype, gr
         assert "decode graph bucket 3 stepped with 3 live rows\n" in log, "no exact replay of the decode graph"
         assert re.search(r"decode graph bucket 3 stepped with [12] live rows \(padding entries", log), \
             "no padded replay of the decode graph"
+    ref_log = reference.log_path.read_text(errors="replace")
+    assert "sparse decode engine attention: copy_miss_rows+sparse_mla_attention" in ref_log
+
+
+SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", "2"]
+SIMULATED_ACCEPT = {"SGLANG_SIMULATE_ACC_LEN": "2", "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}
+
+
+def _spec_server(root, ops: str) -> ServerProcess:
+    offload = {"hot_tokens": 256, "ops": ops}  # 2 verify rows x top-k 128: the union fits
+    extra = ["--max-running-requests", "3", "--enable-sparse-decode-offload",
+             "--sparse-decode-offload-config", json.dumps(offload)] + SPEC + IDLE_SLEEP
+    return ServerProcess(extra, log_path=root / f"spec_{ops}.log", base_args=fixture_args(TINY_DSA_FUSED_MTP),
+                         env=SIMULATED_ACCEPT)
+
+
+def test_fused_rung_serves_nextn_verify_rows_with_the_reference_rung_tokens(tmp_path):
+    fused = _spec_server(tmp_path, "fused")
+    reference = _spec_server(tmp_path, "reference")
+    start_all(fused, reference)
+    try:
+        got, want = _requests(fused), _requests(reference)
+    finally:
+        stop_all(fused, reference)
+    assert got == want
+    assert len(got["long"]) == 16 and [len(t) for t in got["batch"]] == [10] * 4
+    log = fused.log_path.read_text(errors="replace")
+    assert "sparse decode engine indexer: lightning_indexer_manage (ops=fused)" in log, log[-3000:]
+    assert "sparse decode engine attention: copy_sparse_flash_attention (ops=fused)" in log
+    # every target decode step of a speculative server is a verify step: the fused LIM ran them
+    assert "decode steps select and manage residency with the fused lightning_indexer_manage" in log
+    assert "Traceback" not in log
     ref_log = reference.log_path.read_text(errors="replace")
     assert "sparse decode engine attention: copy_miss_rows+sparse_mla_attention" in ref_log

@@ -55,13 +55,22 @@ def test_npu_opt_outs_and_explicit_requests():
     assert "exact LRU" in next(v.problem for v in score if v.rule == "sglang.fused_not_wired")
 
 
-def test_explicit_fused_copy_sfa_with_verify_rows_is_refused_at_startup():
-    view = server_args_stub(**NPU, speculative_algorithm="NEXTN", speculative_num_draft_tokens=2)
+def test_verify_rows_serve_fused_up_to_14_per_request_and_more_are_refused_at_startup():
     sd = cfg.SparseDecodeOffloadConfig(fused_copy_sfa=True)
-    rules = [v.rule for v in resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=sd), view)]
-    assert "sparse_decode.fused_copy_sfa_engine" in rules and RULES["sparse_decode.fused_copy_sfa_engine"].scope == "server"
-    default = cfg.SparseDecodeOffloadConfig()  # the default gives way to the verify rows: nothing fused to build
-    assert resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=default), view) == []
+    two = server_args_stub(**NPU, speculative_algorithm="NEXTN", speculative_num_draft_tokens=2,
+                           speculative_num_steps=1)
+    rules = [v.rule for v in resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=sd), two)]
+    assert "sparse_decode.fused_copy_sfa_engine" not in rules  # a request's 2 verify rows share its row, fused
+    assert "sglang.fused_unavailable" in rules  # ... which needs the extension this machine lacks
+    many = server_args_stub(**NPU, speculative_algorithm="NEXTN", speculative_num_draft_tokens=15,
+                            speculative_num_steps=14)
+    found = [v for v in resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=sd), many)
+             if v.rule == "sparse_decode.fused_copy_sfa_engine"]
+    assert found and "at most 14" in found[0].problem
+    assert RULES["sparse_decode.fused_copy_sfa_engine"].scope == "server"
+    default = cfg.SparseDecodeOffloadConfig()  # the default gives way to 15 verify rows: nothing fused to build
+    assert [v.rule for v in resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=default), many)
+            if v.rule.startswith(("sglang.fused", "sparse_decode.fused"))] == []
 
 
 def test_cpu_defaults_are_never_fused():

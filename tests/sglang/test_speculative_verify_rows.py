@@ -29,7 +29,7 @@ from sglang_ascend_offload.sglang_plugin.speculative import eagle as speculative
 from sglang_ascend_offload.sglang_plugin.attention.sparse_decode import RowOwners
 from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
-from sglang_ascend_offload.sparse_decode.request_union import union_of_rows
+from sglang_ascend_offload.ops.request_union import union_of_rows
 
 REQ_ROWS, N, K, LATENT, ROPE, HEADS, WIDTH = 3, 4, 6, 16, 8, 2, 64
 HOT = N * K  # the request's hot buffer holds the union of its rows' top-k

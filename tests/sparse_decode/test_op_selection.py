@@ -158,13 +158,17 @@ def test_fused_off_the_npu_only_where_the_platform_has_the_rung(monkeypatch):
 
 def test_the_engine_layout_and_the_caller_decide_only_defaults():
     ext = extension(*ALL_KERNELS)
-    shared = select_ops("npu", rows_per_request=2, extension=ext).check()
+    verify = select_ops("npu", rows_per_request=2, extension=ext).check()  # verify rows: fused, up to 14
+    assert verify.attention.fused and verify.indexer.fused
+    assert select_ops("npu", rows_per_request=14, extension=ext).check().attention.fused
+    shared = select_ops("npu", rows_per_request=15, extension=ext).check()
     assert not shared.attention.fused and shared.attention.source == "engine"
-    assert "verify rows" in shared.attention.reason
+    assert "verify rows" in shared.attention.reason and "at most 14" in shared.attention.reason
+    assert not shared.indexer.fused and "at most 14" in shared.indexer.reason
     gather = select_ops("npu", tensor_pool=False, extension=ext).check()
     assert not gather.attention.fused and "tensor view" in gather.attention.reason
     for explicit in (dict(fused_copy_sfa=True), dict(ops="fused")):
-        plan = select_ops("npu", rows_per_request=2, extension=ext, **explicit)
+        plan = select_ops("npu", rows_per_request=15, extension=ext, **explicit)
         assert [p.rule for p in plan.problems] == ["sparse_decode.fused_copy_sfa_engine"]
     served = select_ops("npu", indexer_wired=False, extension=ext).check()
     assert not served.indexer.fused and served.indexer.source == "consumer" and served.attention.fused
@@ -177,7 +181,7 @@ def test_every_problem_rule_is_registered():
     from sglang_ascend_offload.rules import RULES
 
     plans = [select_ops("npu", extension=None), select_ops("cpu", ops="fused", extension=None),
-             select_ops("npu", fused_copy_sfa=True, rows_per_request=3, fused_lim=True, indexer_wired=False,
+             select_ops("npu", fused_copy_sfa=True, rows_per_request=15, fused_lim=True, indexer_wired=False,
                         extension=None)]
     rules = {p.rule for plan in plans for p in plan.problems}
     assert rules == {"sglang.fused_unavailable", "sparse_decode.fused_device", "sparse_decode.fused_copy_sfa_engine",
@@ -261,9 +265,10 @@ def test_engine_errors_name_the_rule_and_false_is_honoured(monkeypatch):
     assert _engine(pool, ops="fused")._copy_sfa_op is not None
     assert _engine(pool, ops="fused", fused_copy_sfa=False)._copy_sfa_op is None
     assert _engine(pool, ops="auto")._copy_sfa_op is None  # no fused default off the NPU
+    assert _engine(pool, ops="fused", hot_tokens=8, rows_per_request=2)._copy_sfa_op is not None  # verify rows
     with pytest.raises(OpSelectionError, match="fused_copy_sfa_engine.*verify rows share"):
-        _engine(pool, ops="fused", hot_tokens=8, rows_per_request=2)
-    assert _engine(pool, ops="fused", fused_copy_sfa=False, rows_per_request=2).plan.problems == ()
+        _engine(pool, ops="fused", hot_tokens=60, rows_per_request=15)
+    assert _engine(pool, ops="fused", fused_copy_sfa=False, rows_per_request=15, hot_tokens=60).plan.problems == ()
 
 
 # ------------------------------------------------------------------ host pool rows for the fused path
@@ -279,7 +284,8 @@ def test_host_pool_rows_are_rounded_to_4kib_aligned_layer_slices():
     assert op_selection.host_pool_rows(sd(ops="npu"), 1000, 1152, "npu") == 1000
     assert op_selection.host_pool_rows(sd(), 1000, 1152, "cpu") == 1000  # ops=auto on CPU: separate ops
     assert op_selection.host_pool_rows(sd(ops="fused"), 1000, 1152, "cpu") == 1024  # the functional model's rule
-    assert op_selection.host_pool_rows(sd(), 1000, 1152, "npu", rows_per_request=2) == 1000  # separate ops
+    assert op_selection.host_pool_rows(sd(), 1000, 1152, "npu", rows_per_request=2) == 1024  # verify rows: fused
+    assert op_selection.host_pool_rows(sd(), 1000, 1152, "npu", rows_per_request=15) == 1000  # separate ops
 
 
 def test_the_engine_refuses_an_unaligned_pool_for_the_npu_fused_copy_sfa(monkeypatch):

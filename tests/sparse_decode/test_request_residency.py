@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from sglang_ascend_offload.ops import registry
 from sglang_ascend_offload.sparse_decode.policies import POLICIES, make_manager, needs_ranked
-from sglang_ascend_offload.sparse_decode.request_union import (RequestUnion, merge_ranked, row_slots,
+from sglang_ascend_offload.ops.request_union import (RequestUnion, merge_ranked, row_slots,
                                                                union_of_rows)
 
 HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -20,11 +20,12 @@ KV lives in :class:`~..mem_cache.pool.sparse_decode.HostMainKVPool`'s host pool:
   trace rows cost ``O(batch)``, whatever ``--max-running-requests`` is.
 
 * **fused indexer** (the engine's plan selects LIM / LIM-C8: the NPU default, ``ops``
-  ``fused``, ``fused_lim: true``): on decode steps the indexer hook runs the fused
-  operator, which selects the top-k *and* steps the layer's residency
-  (``sparse_decode/fused_indexer.py``); attention then takes that step instead of
-  stepping the manager. Extend and verify forwards run the separate indexer (an
-  extend has no residency step; verify rows are refused with the fused indexer).
+  ``fused``, ``fused_lim: true``): on decode and verify steps the indexer hook runs the
+  fused operator, which selects the top-k *and* steps the layer's residency
+  (``sparse_decode/fused_indexer.py``; a request's verify rows share its row, stepped
+  once on the union of their top-k); attention then takes that step instead of
+  stepping the manager. Extend forwards run the separate indexer (an extend has no
+  residency step).
 
 * **verify** (speculative decoding, ``TARGET_VERIFY``): the same engine step; a
   request's ``n`` verify rows share its engine row and hot buffer (residency over the
@@ -373,20 +374,23 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
     # ------------------------------------------------------------------ fused indexer
     def run_indexer(self, indexer: Any, x, q_lora, positions, forward_batch, layer_id: int,
                     return_indices: bool = True) -> Optional[torch.Tensor]:
-        """On a decode step with the fused indexer: LIM / LIM-C8 selects the top-k and steps
-        the layer's residency (kept for :meth:`attend`); int32 ``[T, index_topk]``.
-        Everything else: the base class's separate indexer."""
+        """On a decode or verify step with the fused indexer: LIM / LIM-C8 selects the top-k
+        and steps the layer's residency (kept for :meth:`attend`); int32 ``[T, index_topk]``.
+        A request's ``n`` verify rows share its row: the operator steps it once on the
+        union of their top-k (``tokens_per_row = n``). Everything else: the base class's
+        separate indexer."""
         md = self.forward_metadata
-        if (self.fused_indexer_op is None or not return_indices or md is None or not md.is_decode
-                or self._verify):
+        if (self.fused_indexer_op is None or not return_indices or md is None
+                or not (md.is_decode or self._verify)):
             return super().run_indexer(indexer, x, q_lora, positions, forward_batch, layer_id, return_indices)
         inputs = self.store_index_inputs(indexer, x, q_lora, positions, forward_batch, layer_id)
         local = layer_id - self.start_layer
         tokens = inputs.query.shape[0]
         if self._graph_batch is not None:  # the static row buffers the graph step reads
-            g, bs = self.offload_graph, self._graph_batch
+            n = self.verify_rows_per_request if self._verify else 1
+            g, bs = self.offload_graph, self._graph_batch // n  # a verify graph: bs requests x n rows
             args = fused_indexer.residency_args(self.engine.managers[local], g.rows[:bs], g.req_ids[:bs],
-                                                g.stable[:bs], g.step, tokens)
+                                                g.stable[:bs], g.step, tokens, n)
         else:
             args = self.engine.indexer_residency(local, tokens)
         result = self.fused_indexer_op(*self.index_operands(inputs, layer_id), **indexer_metadata(md),
@@ -436,7 +440,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         self.engine.timing = self.metrics.needs_copy_timing
         if self.rank_depth > 0:
             self._feed_ranking(layer.layer_id, real)
-        fused = None if self._verify else self._take_fused_step(local)
+        fused = self._take_fused_step(local)
         result = self.engine.run_layer(local, topk_rows, q_nope[:real], q_pe[:real], layer.scaling, residency=fused)
         self.metrics.add_copy_time(local, self.engine.times.seconds.get("copy", 0.0) - copy_before)
         if self.recorder is not None and not self._verify:  # traces hold decode steps (one row per request)
@@ -466,8 +470,8 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             g.stable[:bs], g.step, self.token_to_kv_pool.host_rows(layer.layer_id), self.engine.hot.storage(local),
             self.req_to_token_pool.req_to_token, q_nope, q_pe, layer.scaling, cfg.latent_dim,
             attention=self.attention_op, rows_per_request=n,
-            residency=None if self._verify else self._take_fused_step(local),
-            copy_attention=None if self._verify else self.engine.copy_sfa_op, direct=g.direct_args(bs, n))
+            residency=self._take_fused_step(local), copy_attention=self.engine.copy_sfa_op,
+            direct=g.direct_args(bs, n))
         hits = res.hit_mask.sum()
         misses = res.miss_count.sum(dtype=torch.int64)
         self.engine.stats_acc.record_residency(local, hits + misses, hits, misses)

@@ -11,7 +11,7 @@ tokens (``ForwardMode.DRAFT_EXTEND_V2``). Only chains are served
 
 With sparse decode offload (:func:`begin_verify`): a request's ``n`` verify rows share
 its engine row (its ``req_to_token`` row), one hot buffer and one residency state per
-layer, looked up with the union of the rows' top-k (``sparse_decode/request_union.py``);
+layer, looked up with the union of the rows' top-k (``ops/request_union.py``);
 the stable prefix is the committed length, so draft positions are never hits, accepted
 ones hit in later rounds and rejected ones are dropped; the draft (NextN) layer keeps its KV on the device
 (:data:`DRAFT_KV_PLACEMENT`, :func:`build_draft_pool`). Startup limits: rule
