@@ -529,12 +529,15 @@ def copy_sparse_flash_attention_fused(
     """AscendC Copy-SFA (``npu_fused_scatter_copy_sparse_flash_attention``); arguments as the reference.
 
     ``host`` may be a CPU tensor over registered host memory (it is registered with
-    the extension on first use) or a device-visible tensor.
+    the extension on first eager use; under ``torch.compile`` it must already be) or a
+    device-visible tensor.
     """
     if attention_mode != 2 or layout_query != "TND":
         raise ValueError("copy_sparse_flash_attention is defined for attention_mode=2 (MLA absorb) and TND queries")
     num_tokens, k, _, _ = _check_copy_sfa(query, query_rope, host, hot, sparse_indices, miss_count)
-    if host.device.type == "cpu":
+    if host.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Traced code cannot read an address: a compiled step relies on the registration
+        # its eager steps (or the engine at build time) made; the op refuses an unregistered host.
         register_host_memory(host)
     dev = query.device
     return fused_op(COPY_SFA_KERNEL)(
