@@ -150,6 +150,15 @@ def test_lim_fused_rung_serves_rows_shared_by_verify_tokens(fused_cpu, quantized
     assert shared > 0 and hits > 0
 
 
+def test_lim_verify_rows_at_production_shapes_the_npu_test_on_the_model(fused_cpu):
+    """The NPU test of verify rows (``test_fused_npu.check_lim_verify_rows``: 64 x 128
+    index heads, block 128, top-k 2048, 4096 hot slots, two tokens per row, 5K-16K
+    contexts) with the kernels on their functional model."""
+    from .test_fused_npu import check_lim_verify_rows
+
+    check_lim_verify_rows("cpu")
+
+
 # ------------------------------------------------------------------ Copy-SFA
 @pytest.mark.parametrize("heads", [16, 4])
 def test_copy_sfa_fused_rung_on_cpu_copies_bit_exact_and_attends_within_tolerance(fused_cpu, heads):

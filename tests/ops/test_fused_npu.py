@@ -137,6 +137,60 @@ def test_fused_lim_c8_matches_reference_over_steps():
     _check_lim_run(quant=True)
 
 
+def _verify_rows(query, weights, meta, rows):
+    """The step as speculative verify rows: two query tokens per request (the second a draft,
+    seeing one position more), both owning the request's row, which steps on the union of
+    their top-k; the committed length leaves the draft's position speculative."""
+    tokens = query.shape[0]
+    gen = torch.Generator().manual_seed(int(rows["step"]) + 50)
+    query2 = torch.randn(2 * tokens, INDEX_HEADS, INDEX_DIM, generator=gen).to(torch.bfloat16)
+    weights2 = (torch.rand(2 * tokens, INDEX_HEADS, generator=gen) * 0.2).to(torch.bfloat16)
+    meta2 = dict(meta, actual_seq_lengths_query=torch.arange(2, 2 * tokens + 1, 2, dtype=torch.int32),
+                 actual_seq_lengths_key=meta["actual_seq_lengths_key"] + 1)
+    rows2 = dict(rows, token_rows=rows["token_rows"].repeat_interleave(2))
+    return query2, weights2, meta2, rows2
+
+
+def check_lim_verify_rows(device: str) -> None:
+    """``tokens_per_row = 2`` at DeepSeek-V3.2's shapes (union 2 x 2048 = the 4096 hot slots):
+    the manage half bit-exact against the reference union step fed with the kernel's own
+    top-k, over steps with churn and a speculative position. ``device``: ``npu`` (the built
+    extension) or ``cpu`` (the kernels on their functional model,
+    ``tests/ops/test_fused_cpu_model.py``)."""
+    lim = registry.select("lightning_indexer_manage", "fused")
+    run = DecodeRun(seed=31)
+    dev_table = ResidencyTable.empty(ROWS, HOT, device=device)
+    ref_table = ResidencyTable.empty(ROWS, HOT)
+    hits = 0
+
+    def on(d):
+        return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+
+    for step in range(3):
+        query, weights, meta, rows = _verify_rows(*run.step(step))
+        got = lim(query.to(device), run.cache.to(device), weights.to(device), **on(meta), **on(rows),
+                  **_state(dev_table), sparse_count=TOP_K, tokens_per_row=2)
+        scores = reference.indexer_scores_dense(query, run.cache, weights, **meta)
+        assert_indexer_close(got.topk_indices, scores, TOP_K)
+        topk = got.topk_indices.cpu()
+        want = fused._manage_after_indexer(topk, **_state(ref_table), token_rows=rows["token_rows"],
+                                           req_ids=rows["req_ids"], stable_len=rows["stable_len"], step=step,
+                                           tokens_per_row=2)
+        assert got.residency.slots.shape == (ROWS, 2 * TOP_K)
+        for name in ("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots"):
+            assert torch.equal(getattr(got.residency, name).cpu(), getattr(want.residency, name)), (step, name)
+        assert torch.equal(got.sparse_indices.cpu(), want.sparse_indices), step
+        for name in ("slot_token", "slot_stamp", "row_req"):
+            assert torch.equal(getattr(dev_table, name).cpu(), getattr(ref_table, name)), (step, name)
+        hits += int(want.residency.hit_mask.sum())
+    assert hits > 0
+
+
+@_needs_extension(fused.LIM_KERNEL)
+def test_fused_lim_serves_verify_rows_sharing_a_row():
+    check_lim_verify_rows("npu")
+
+
 # --------------------------------------------------------------------- Copy-SFA
 @_needs_extension(fused.COPY_SFA_KERNEL)
 @pytest.mark.parametrize("heads", [16, 4])
