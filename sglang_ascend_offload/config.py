@@ -56,10 +56,12 @@ class SparseDecodeOffloadConfig:
         operators, ``None`` = fused with ``ops`` ``fused``, and the default on an Ascend
         NPU with ``ops`` ``auto``, where a missing extension or op is a startup error
         (``sglang.fused_unavailable``) naming every missing op and the build command.
-        The fused indexer serves decode steps of policy ``lru`` with one query token per
-        request; elsewhere (another policy, speculative verify rows) ``fused_lim: true``
-        is refused (``sglang.fused_not_wired``) and a default fused indexer runs as the
-        separate indexer, logged. On CPU the fused operators are the AscendC kernels on
+        The fused indexer serves decode and verify steps of policy ``lru`` (up to 14
+        verify rows per request, sharing its row) where the kernels take the residency
+        shape (``hot_tokens`` up to 4096, the union of the verify rows' top-k within it);
+        elsewhere (another policy, more verify rows, a larger hot buffer) ``fused_lim:
+        true`` is refused (``sglang.fused_not_wired``) and a default fused indexer runs as
+        the separate indexer, logged. On CPU the fused operators are the AscendC kernels on
         their functional model: a correctness path, not a fast one.
     indexer_dtype: ``bf16`` or ``int8`` (LIM-C8): the device index-K cache holds
         Hadamard-rotated int8 keys + one fp16 scale per token (130 B instead of 256 B per
@@ -750,7 +752,7 @@ def _check_sparse_decode_settings(sd: "SparseDecodeOffloadConfig", d: Deployment
         from .sparse_decode.op_selection import select_for_config
 
         rows = d.speculative_rows if d.speculative_method and d.speculative_rows else 1
-        plan = select_for_config(sd, d.device, rows_per_request=rows, available=lambda op: None)
+        plan = select_for_config(sd, d.device, rows_per_request=rows, top_k=d.index_topk, available=lambda op: None)
         for p in plan.problems:
             if p.rule == "sglang.fused_not_wired":
                 add(p.rule, p.problem, p.fix)
@@ -774,7 +776,7 @@ def _check_int8_indexer(sd: "SparseDecodeOffloadConfig", d: Deployment, add: _Ad
         from .sparse_decode.op_selection import select_for_config
 
         rows = d.speculative_rows if d.speculative_method and d.speculative_rows else 1
-        plan = select_for_config(sd, "npu", rows_per_request=rows, available=lambda op: None)
+        plan = select_for_config(sd, "npu", rows_per_request=rows, top_k=d.index_topk, available=lambda op: None)
         if not plan.indexer.fused:
             add("sglang.indexer_int8_device", "indexer_dtype='int8' on an Ascend NPU without the fused LIM-C8 "
                 f"({plan.indexer.reason}): SGLang's own NPU indexer (forward_npu) would write bf16 index K and "

@@ -118,8 +118,8 @@ _ALL = (
         ("sglang.indexer_int8_pd", "an int8 indexer cache (LIM-C8) on a P/D decode only without a speculative "
          "draft layer (one transferred indexer tensor, one dtype)",
          'set "indexer_dtype": "bf16" on the P/D decode node, or drop speculative decoding there'),
-        ("sglang.fused_not_wired", "fused_lim=true only where the fused LIM serves: residency policy lru, one "
-         "query token per request (no speculative verify rows)", 'drop "fused_lim"'),
+        ("sglang.fused_not_wired", "fused_lim=true only where the fused LIM serves: residency policy lru, at most "
+         "14 verify rows per request, a residency shape the kernels take (hot_tokens <= 4096)", 'drop "fused_lim"'),
         ("sglang.sparse_decode_graph", "no host work between the layers of a captured decode step: no decode "
          "graphs with attention TP > 1, record_trace, shadow verification or rank_depth",
          "run decode eagerly, or drop the feature that needs host work"),
@@ -204,8 +204,9 @@ _ALL = (
          "an Ascend NPU, or asked for) are built and installed", "build the AscendC extension (ascendc_ops/build.sh "
          "--install) or set fused_lim / fused_copy_sfa to false"),
         ("sparse_decode.fused_copy_sfa_engine", "fused_copy_sfa=true or ops=fused only where the fused Copy-SFA "
-         "serves the engine: one query row per hot buffer (no speculative verify rows) and a host pool with a "
-         "tensor view", 'set "fused_copy_sfa": false, or ops=auto|reference|triton'),
+         "serves the engine: at most 14 query rows per hot buffer (a request's verify rows), a top-k it takes "
+         "(a multiple of 128 up to 2048) and a host pool with a tensor view",
+         'set "fused_copy_sfa": false, or ops=auto|reference|triton'),
         ("sglang.ops_unavailable", "every offload op has an implementation for the chosen ops rung",
          'use "ops": "auto" or install what the message names'),
         ("memory.insufficient", "one request's hot buffers and the host pool fit in the memory available now",

@@ -138,13 +138,20 @@ def test_int8_indexer_is_served_off_the_npu():
     assert _run(int8, dict(device="cpu", soc=None, speculative_method="mtp", speculative_rows=4,
                            speculative_steps=3, speculative_topk=1, overlap_schedule=False)) == []
     assert _run(int8, dict(device="cpu", soc=None, pd_role="decode")) == []
-    # on an NPU the fused LIM-C8 serves plain decode (the backend runs the indexer) ...
-    assert [v.rule for v in _run(int8, dict(device="npu"))] == []
-    # ... but not verify rows, and a P/D decode with a draft cannot carry two index-K dtypes
-    found = _run(int8, dict(device="npu", pd_role="decode", speculative_method="mtp", speculative_rows=2))
-    assert [v.rule for v in found] == ["sglang.indexer_int8_device", "sglang.indexer_int8_pd"]
+    # on an NPU the fused LIM-C8 serves plain decode and verify rows (the backend runs the
+    # indexer) where its residency step takes the shape: 4096 hot slots, 2 rows x top-k 2048 ...
+    int8_4k = {"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8"}}
+    assert [v.rule for v in _run(int8_4k, dict(device="npu"))] == []
+    assert [v.rule for v in _run(int8_4k, dict(device="npu", speculative_method="mtp", speculative_rows=2,
+                                               speculative_steps=1, speculative_topk=1))] == []
+    # ... not 8192 slots (above the kernels' 4096), and a P/D decode with a draft cannot
+    # carry two index-K dtypes
+    big = _run(int8, dict(device="npu"))
+    assert [v.rule for v in big] == ["sglang.indexer_int8_device"] and "hot_tokens 8192" in big[0].problem
+    found = _run(int8_4k, dict(device="npu", pd_role="decode", speculative_method="mtp", speculative_rows=2,
+                               speculative_steps=1, speculative_topk=1))
+    assert [v.rule for v in found] == ["sglang.indexer_int8_pd"]
     assert all('"indexer_dtype": "bf16"' in v.fix for v in found)
-    assert "verify rows" in found[0].problem
 
 
 def test_verify_rows_bound_hot_tokens_only_with_speculation():

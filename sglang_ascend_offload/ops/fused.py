@@ -74,6 +74,50 @@ __all__ = [
 #: Query tokens that may share one row in the fused kernels (``kMaxRowTokens`` of
 #: ``ascendc_ops/include/fused_tiling.h``): a request's speculative verify rows.
 MAX_TOKENS_PER_ROW = 14
+# The other residency-shape limits of the kernels' host tiling (fused_tiling.h, tiling.cpp;
+# a test holds them equal to the header and to the host tiling's verdicts).
+MAX_HOT_TOKENS = 4096  # kMaxHotTokens: the residency step keeps a row's state in UB
+MAX_TOP_K = 2048  # kMaxTopK
+TOP_K_ALIGN_LIM = 32  # kSortGroup: LIM's sort groups
+TOP_K_ALIGN_COPY_SFA = 128  # kKvTile: Copy-SFA's key tiles
+LIM_POOL_BYTES = 144 * 1024  # kLimPoolBytes: the UB the residency step is carved from
+
+
+def _a32(n: int) -> int:
+    return (n + 31) // 32 * 32
+
+
+def residency_ub_bytes(hot_tokens: int, width: int) -> int:
+    """UB bytes of the kernels' residency step for ``hot_tokens`` slots and ``width``
+    entries per step (``LimResidencyUbBytes`` of ``ascendc_ops/host/tiling.cpp``)."""
+    table = 2
+    while table < 2 * hot_tokens:
+        table *= 2
+    return (_a32(hot_tokens * 4) + _a32(hot_tokens * 8) + _a32(table * 2) + _a32(hot_tokens * 2)
+            + 4 * _a32(width * 4) + _a32(_a32(width)) + 64)
+
+
+def fused_shape_obstacles(hot_tokens: int, top_k: int, tokens_per_row: int = 1):
+    """Why the fused kernels cannot serve this residency shape, as ``(lim, copy_sfa)``
+    clauses (``""``: they can): the host tiling's limits on the hot buffer, the top-k and
+    the rows shared by verify tokens, checked before a server starts instead of at its
+    first decode step."""
+    n, lim, sfa = int(tokens_per_row), [], []
+    if hot_tokens > MAX_HOT_TOKENS or hot_tokens % TOP_K_ALIGN_LIM:
+        lim.append(f"hot_tokens {hot_tokens} is not a multiple of {TOP_K_ALIGN_LIM} up to {MAX_HOT_TOKENS} (the "
+                   "kernels keep a row's residency state in the vector core's buffer)")
+    if top_k > MAX_TOP_K or top_k % TOP_K_ALIGN_LIM:
+        lim.append(f"top-k {top_k} is not a multiple of {TOP_K_ALIGN_LIM} up to {MAX_TOP_K}")
+    if n > MAX_TOKENS_PER_ROW:
+        lim.append(f"{n} verify rows per request share a row; the kernels take at most {MAX_TOKENS_PER_ROW}")
+    elif not lim and residency_ub_bytes(hot_tokens, n * top_k) > LIM_POOL_BYTES:
+        lim.append(f"a step of {n} x {top_k} entries over {hot_tokens} slots needs "
+                   f"{residency_ub_bytes(hot_tokens, n * top_k)} B of the vector core's {LIM_POOL_BYTES} B buffer")
+    if top_k > MAX_TOP_K or top_k % TOP_K_ALIGN_COPY_SFA:
+        sfa.append(f"top-k {top_k} is not a multiple of {TOP_K_ALIGN_COPY_SFA} up to {MAX_TOP_K}")
+    if n > MAX_TOKENS_PER_ROW:
+        sfa.append(f"{n} verify rows per request share a row; the kernel takes at most {MAX_TOKENS_PER_ROW}")
+    return "; ".join(lim), "; ".join(sfa)
 
 LIM_KERNEL = "npu_fused_lightning_indexer_manage"
 LIM_C8_KERNEL = "npu_fused_quant_lightning_indexer_manage"

@@ -396,18 +396,20 @@ class SparseDecodeEngine:
         """The fused Copy-SFA op for the step's miss copy + attention, or ``None`` for the
         separate copy and attention: what :func:`.op_selection.select_ops` plans for this
         engine (``self.plan``; a plan with problems is an :class:`~.op_selection.OpSelectionError`)."""
+        from ..ops import fused
+
+        op = registry.implementations("copy_sparse_flash_attention")["fused"]
+        kernels = op.fn is fused.copy_sparse_flash_attention_fused  # (not a test's stand-in)
+        # the kernels' residency-shape limits (a stand-in registered in their place has its own)
+        shape = dict(hot_tokens=config.hot_tokens, top_k=config.top_k) if kernels else {}
         self.plan = op_selection.select_ops(
             op_selection.platform_of(self.device), ops=config.ops, fused_lim=config.fused_lim,
             fused_copy_sfa=config.fused_copy_sfa, rows_per_request=config.rows_per_request,
             tensor_pool=self._tensor_pool, indexer_wired=config.caller_runs_indexer, policy=config.policy,
-            indexer_dtype=config.indexer_dtype, residency=config.residency).check()
+            indexer_dtype=config.indexer_dtype, residency=config.residency, **shape).check()
         op_selection.log_plan(self.plan, "sparse decode engine")
         if not self.plan.attention.fused:
             return None
-        op = registry.implementations("copy_sparse_flash_attention")["fused"]
-        from ..ops import fused
-
-        kernels = op.fn is fused.copy_sparse_flash_attention_fused  # (not a test's stand-in)
         if self._tensor_pool and (kernels or self.plan.platform == "npu"):
             self._check_host_alignment()
         if self._tensor_pool and kernels:  # register every layer's slice now, outside any captured step

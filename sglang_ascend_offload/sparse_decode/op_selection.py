@@ -52,7 +52,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .. import platform as _platform
-from ..ops.fused import MAX_TOKENS_PER_ROW
+from ..ops.fused import MAX_TOKENS_PER_ROW, fused_shape_obstacles
 
 __all__ = ["OpChoice", "OpPlan", "SelectionProblem", "OpSelectionError", "select_ops", "select_for_config",
            "registry_availability", "extension_availability", "host_rows_alignment", "fused_host_pool_rows",
@@ -224,7 +224,8 @@ def _missing(choice: OpChoice, available: Availability) -> Optional[str]:
 def select_ops(platform: Optional[str] = None, *, ops: str = "auto", fused_lim: Optional[bool] = None,
                fused_copy_sfa: Optional[bool] = None, indexer_dtype: str = "bf16", rows_per_request: int = 1,
                tensor_pool: bool = True, indexer_wired: bool = True, policy: str = "lru",
-               residency: str = "always", extension=REGISTERED, available: Optional[Availability] = None) -> OpPlan:
+               residency: str = "always", extension=REGISTERED, available: Optional[Availability] = None,
+               hot_tokens: Optional[int] = None, top_k: Optional[int] = None) -> OpPlan:
     """The :class:`OpPlan` for these settings (module docstring for the rule).
 
     platform: default :func:`platform.device_kind`. rows_per_request: query rows sharing
@@ -233,7 +234,9 @@ def select_ops(platform: Optional[str] = None, *, ops: str = "auto", fused_lim: 
     when the plan selects it. policy: the residency policy (the fused indexer's residency
     step is exact LRU: ``lru`` only). residency: ``always`` or ``adaptive`` (the fused
     indexer steps every row's residency, so it cannot serve ``adaptive``'s direct rows).
-    extension: :data:`REGISTERED` (the default:
+    hot_tokens, top_k: the residency shape, when known (the engine, the served pool): a
+    shape outside the fused kernels' limits (:func:`~..ops.fused.fused_shape_obstacles`)
+    is one more reason a stage cannot run fused. extension: :data:`REGISTERED` (the default:
     the registry's fused rungs, :func:`registry_availability`), or an extension module
     object whose attributes are its kernels (``None``: not built); available: an
     :data:`Availability`, which takes precedence. Problems are in ``plan.problems``; :meth:`OpPlan.check` raises.
@@ -243,9 +246,12 @@ def select_ops(platform: Optional[str] = None, *, ops: str = "auto", fused_lim: 
         available = (registry_availability(platform) if extension is REGISTERED
                      else extension_availability(extension, platform))
     problems = []
+    shape_lim, shape_sfa = ("", "") if hot_tokens is None or top_k is None else \
+        fused_shape_obstacles(int(hot_tokens), int(top_k), rows_per_request)
     indexer = _indexer_choice(platform, ops, fused_lim, indexer_dtype, _indexer_obstacle(
-        indexer_wired, policy, rows_per_request, residency), problems)
-    attention = _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_pool, problems)
+        indexer_wired, policy, rows_per_request, residency) or shape_lim, problems)
+    attention = _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_pool, problems,
+                                  shape_sfa)
     missing = [m for m in (_missing(c, available) for c in (indexer, attention) if c.fused) if m]
     if missing:
         problems.append(_missing_problem(platform, missing))
@@ -303,9 +309,10 @@ def _indexer_choice(platform, ops, fused_lim, indexer_dtype, why_not, problems) 
     return OpChoice("indexer", False, (_SEPARATE_INDEXER[indexer_dtype], "residency_manage"), (), source, reason)
 
 
-def _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_pool, problems) -> OpChoice:
+def _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_pool, problems,
+                      shape_obstacle: str = "") -> OpChoice:
     fused, explicit, source, reason = _wanted(fused_copy_sfa, "fused_copy_sfa", ops, platform)
-    why_not = ""
+    why_not = shape_obstacle
     if not tensor_pool:
         why_not = "the host pool has no tensor view (MemFabric global addresses): it is read by its own gather"
     elif rows_per_request > MAX_TOKENS_PER_ROW:
@@ -325,7 +332,15 @@ def _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_po
 
 
 def select_for_config(sd, platform: Optional[str] = None, **kw) -> OpPlan:
-    """:func:`select_ops` for a :class:`~sglang_ascend_offload.config.SparseDecodeOffloadConfig`."""
+    """:func:`select_ops` for a :class:`~sglang_ascend_offload.config.SparseDecodeOffloadConfig`.
+
+    With ``top_k`` (the model's) and no ``hot_tokens``, the hot buffer is the config's, or
+    its default for ``top_k`` and the verify rows, as the served pool sizes it."""
+    if kw.get("top_k") is not None and kw.get("hot_tokens") is None:
+        from ..config import default_hot_tokens
+
+        kw["hot_tokens"] = sd.hot_tokens or default_hot_tokens(
+            int(kw["top_k"]), None, rows_per_request=int(kw.get("rows_per_request", 1)))
     kw.setdefault("policy", sd.policy)
     kw.setdefault("residency", sd.residency)
     return select_ops(platform, ops=sd.ops, fused_lim=sd.fused_lim, fused_copy_sfa=sd.fused_copy_sfa,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -221,3 +222,43 @@ def test_host_tiling_refuses_shapes_outside_the_kernel_limits():
     with pytest.raises(km.ShapeUnsupported, match="multiple of 128"):
         m.tile_copy_sfa(tokens=1, heads=8, latent_dim=512, rope_dim=64, rows=1, hot_tokens=128, top_k=96,
                         max_ctx=256, scale=0.04)
+
+
+def test_the_python_shape_limits_are_the_host_tilings():
+    """``ops.fused.fused_shape_obstacles`` (what the server checks before it starts) says
+    "cannot serve" exactly where the kernels' own host tiling refuses the shape, over hot
+    buffers, top-k and verify rows around every limit; its constants are the header's."""
+    from sglang_ascend_offload.ops import fused
+
+    header = (compile_check.KERNELS_DIR.parent / "include" / "fused_tiling.h").read_text()
+    for name, value in (("kMaxRowTokens", fused.MAX_TOKENS_PER_ROW), ("kMaxHotTokens", fused.MAX_HOT_TOKENS),
+                        ("kMaxTopK", fused.MAX_TOP_K), ("kSortGroup", fused.TOP_K_ALIGN_LIM),
+                        ("kKvTile", fused.TOP_K_ALIGN_COPY_SFA)):
+        assert re.search(rf"constexpr uint32_t {name} = {value};", header), name
+    assert re.search(r"constexpr uint32_t kLimPoolBytes = 144 \* 1024;", header)
+    m = km.KernelModel()
+    checked = refused = 0
+    for hot in (96, 128, 1000, 2048, 3072, 4096, 4128, 8192):
+        for top_k in (32, 64, 96, 128, 1024, 2048, 4096):
+            for n in (1, 2, 3, 4, 14, 15):
+                if hot < n * top_k or hot < top_k:
+                    continue  # the engine refuses these before any kernel (hot buffer < union)
+                lim_says, sfa_says = fused.fused_shape_obstacles(hot, top_k, n)
+                try:
+                    m.tile_lim(tokens=n, requests=1, index_heads=8, index_dim=128, block_size=64, max_blocks=4,
+                               rows=2, hot_tokens=hot, top_k=top_k, sparse_mode=3, quantized=False,
+                               tokens_per_row=n)
+                    lim_ok = True
+                except km.ShapeUnsupported:
+                    lim_ok = False
+                try:
+                    m.tile_copy_sfa(tokens=n, heads=8, latent_dim=512, rope_dim=64, rows=2, hot_tokens=hot,
+                                    top_k=top_k, max_ctx=256, scale=0.04, miss_width=n * top_k)
+                    sfa_ok = True
+                except km.ShapeUnsupported:
+                    sfa_ok = False
+                assert lim_ok == (lim_says == ""), (hot, top_k, n, lim_says)
+                assert sfa_ok == (sfa_says == ""), (hot, top_k, n, sfa_says)
+                checked += 1
+                refused += (not lim_ok) + (not sfa_ok)
+    assert checked > 60 and refused > 20

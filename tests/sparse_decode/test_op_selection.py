@@ -306,3 +306,22 @@ def test_the_engine_refuses_an_unaligned_pool_for_the_npu_fused_copy_sfa(monkeyp
     aligned = HostKVPool.allocate(HostPoolShape(2, op_selection.fused_host_pool_rows(align + 8, row_bytes), 16, 8,
                                                 torch.float32), "pinned")
     assert _engine(aligned, layers=2).plan.attention.fused
+
+
+def test_shapes_outside_the_kernels_limits_give_way_or_are_refused():
+    """DeepSeek-V3.2 with SGLang's default MTP (4 verify rows, top-k 2048: the default hot
+    buffer 4 x 2048 = 8192 slots) is outside the kernels' 4096-slot residency step: the NPU
+    defaults give way to the separate operators with that reason, and an explicit request
+    is a startup problem; one draft token (2 rows, 4096 slots) is served fused."""
+    ext = extension(*ALL_KERNELS)
+    one_draft = select_ops("npu", rows_per_request=2, hot_tokens=4096, top_k=2048, extension=ext).check()
+    assert one_draft.indexer.fused and one_draft.attention.fused
+    mtp = select_ops("npu", rows_per_request=4, hot_tokens=8192, top_k=2048, extension=ext).check()
+    assert not mtp.indexer.fused and "hot_tokens 8192" in mtp.indexer.reason
+    assert mtp.attention.fused  # Copy-SFA has no hot-buffer limit of its own: it stays fused
+    explicit = select_ops("npu", fused_lim=True, rows_per_request=4, hot_tokens=8192, top_k=2048, extension=ext)
+    assert [p.rule for p in explicit.problems] == ["sglang.fused_not_wired"]
+    odd_k = select_ops("npu", fused_copy_sfa=True, hot_tokens=256, top_k=64, extension=ext)
+    assert [p.rule for p in odd_k.problems] == ["sparse_decode.fused_copy_sfa_engine"]
+    assert "top-k 64" in odd_k.problems[0].problem
+    assert select_ops("npu", hot_tokens=256, top_k=64, extension=ext).check().indexer.fused  # LIM takes K = 64

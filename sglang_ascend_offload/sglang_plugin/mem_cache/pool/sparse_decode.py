@@ -106,7 +106,7 @@ class HostMainKVPool(DeviceDSAPool):
         # The fused indexer steps the residency contract's state in place: the managers hold
         # that state only (the torch implementation), not the CPU kernel's derived maps.
         fused_lim = select_for_config(offload, platform_of(device), rows_per_request=rows_per_request,
-                                      available=lambda op: None).indexer.fused
+                                      hot_tokens=hot_tokens, top_k=top_k, available=lambda op: None).indexer.fused
         self.engine = SparseDecodeEngine(
             EngineConfig(layers=layer_num, rows=rows, hot_tokens=hot_tokens, top_k=top_k,
                          latent_dim=kv_lora_rank, rope_dim=qk_rope_head_dim, dtype=dtype,
