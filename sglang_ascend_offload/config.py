@@ -172,6 +172,14 @@ def fused_copy_sfa_required(sd: "SparseDecodeOffloadConfig", device: str, rows_p
     return plan.attention.fused
 
 
+def _residency_shape(sd: "SparseDecodeOffloadConfig", top_k: Optional[int], rows: int) -> dict:
+    """``hot_tokens`` / ``top_k`` of the served pool for the fused-kernel shape check (as the
+    pool sizes it: the configured hot buffer or its default), or nothing without the top-k."""
+    if top_k is None:
+        return {}
+    return dict(hot_tokens=sd.hot_tokens or default_hot_tokens(top_k, None, rows_per_request=rows), top_k=top_k)
+
+
 def default_hot_tokens(top_k: int, page_size: Optional[int], factor: int = 2, rows_per_request: int = 1) -> int:
     """``max(factor, rows_per_request)`` x ``top_k`` rounded up to a multiple of
     ``page_size`` (the served default of ``hot_tokens`` with ``factor=2``; the smallest
@@ -752,7 +760,7 @@ def _check_sparse_decode_settings(sd: "SparseDecodeOffloadConfig", d: Deployment
         from .sparse_decode.op_selection import select_for_config
 
         rows = d.speculative_rows if d.speculative_method and d.speculative_rows else 1
-        plan = select_for_config(sd, d.device, rows_per_request=rows, top_k=d.index_topk, available=lambda op: None)
+        plan = select_for_config(sd, d.device, rows_per_request=rows, **_residency_shape(sd, d.index_topk, rows), available=lambda op: None)
         for p in plan.problems:
             if p.rule == "sglang.fused_not_wired":
                 add(p.rule, p.problem, p.fix)
@@ -776,7 +784,7 @@ def _check_int8_indexer(sd: "SparseDecodeOffloadConfig", d: Deployment, add: _Ad
         from .sparse_decode.op_selection import select_for_config
 
         rows = d.speculative_rows if d.speculative_method and d.speculative_rows else 1
-        plan = select_for_config(sd, "npu", rows_per_request=rows, top_k=d.index_topk, available=lambda op: None)
+        plan = select_for_config(sd, "npu", rows_per_request=rows, **_residency_shape(sd, d.index_topk, rows), available=lambda op: None)
         if not plan.indexer.fused:
             add("sglang.indexer_int8_device", "indexer_dtype='int8' on an Ascend NPU without the fused LIM-C8 "
                 f"({plan.indexer.reason}): SGLang's own NPU indexer (forward_npu) would write bf16 index K and "

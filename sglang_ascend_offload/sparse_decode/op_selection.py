@@ -332,15 +332,8 @@ def _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_po
 
 
 def select_for_config(sd, platform: Optional[str] = None, **kw) -> OpPlan:
-    """:func:`select_ops` for a :class:`~sglang_ascend_offload.config.SparseDecodeOffloadConfig`.
-
-    With ``top_k`` (the model's) and no ``hot_tokens``, the hot buffer is the config's, or
-    its default for ``top_k`` and the verify rows, as the served pool sizes it."""
-    if kw.get("top_k") is not None and kw.get("hot_tokens") is None:
-        from ..config import default_hot_tokens
-
-        kw["hot_tokens"] = sd.hot_tokens or default_hot_tokens(
-            int(kw["top_k"]), None, rows_per_request=int(kw.get("rows_per_request", 1)))
+    """:func:`select_ops` for a :class:`~sglang_ascend_offload.config.SparseDecodeOffloadConfig`
+    (``hot_tokens`` / ``top_k``: the residency shape, where the caller knows it)."""
     kw.setdefault("policy", sd.policy)
     kw.setdefault("residency", sd.residency)
     return select_ops(platform, ops=sd.ops, fused_lim=sd.fused_lim, fused_copy_sfa=sd.fused_copy_sfa,

@@ -17,14 +17,17 @@ from sglang_ascend_offload.sglang_plugin.args import resolution
 from sglang_ascend_offload.sparse_decode import op_selection
 from sglang_ascend_offload.testing.sglang_args import server_args_stub
 
-from startup_verdict import server_verdict
+from startup_verdict import dsa_hf_config, server_verdict
 
 NPU = dict(attention_backend="ascend_offload", disable_cuda_graph=True, device="npu", page_size=128)
 BUILD = "ascendc_ops/build.sh --install"
 
 
-def _verdict(soc="Ascend910_9391", **sd):
-    return server_verdict(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(**sd)), soc=soc, **NPU)
+def _verdict(soc="Ascend910_9391", top_k=2048, **sd):
+    """The startup verdict on an NPU node serving a model with DeepSeek-V3.2's top-k (the
+    fused kernels take it; the tiny fixture's 16 they do not, see the last test)."""
+    return server_verdict(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(**sd)),
+                          hf_config=dsa_hf_config(index_topk=top_k), soc=soc, **NPU)
 
 
 def test_npu_defaults_need_the_extension_and_the_error_names_every_missing_op():
@@ -114,3 +117,9 @@ def test_the_pool_rounds_its_rows_per_layer_where_the_npu_fused_copy_sfa_registe
     assert _host_pool(sd, monkeypatch, "cpu")[0].host_pool.shape.tokens == slots
     off = cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK, fused_copy_sfa=False)
     assert _host_pool(off, monkeypatch, "npu")[0].host_pool.shape.tokens == slots
+
+
+def test_a_top_k_the_kernels_do_not_take_is_refused_when_asked_for_and_a_default_gives_way():
+    explicit = [v for v in _verdict(top_k=16, fused_lim=True) if v.rule == "sglang.fused_not_wired"]
+    assert len(explicit) == 1 and "top-k 16 is not a multiple of 32" in explicit[0].problem
+    assert "sglang.fused_not_wired" not in [v.rule for v in _verdict(top_k=16)]  # the default gives way
