@@ -149,6 +149,19 @@ class Scenario:
         n_tok = len(order) + d.padding_tokens
         # padding tokens: unmanaged tokens past the last cumulative length (token_rows == -1)
         lay = self.rows.layout(order, d.padding_tokens)
+        query, query_scale, weights = self._draw_queries(n_tok)
+        req_ids, stable, token_table = self.rows.row_state()
+        inp = LimInputs(query=query, key=self.key, weights=weights, query_scale=query_scale,
+                        key_scale=self.key_scale, cu=lay.cu, kv_len=lay.kv_len, block_table=lay.block_table,
+                        token_rows=lay.token_rows, req_ids=req_ids, stable=stable, step=self.step,
+                        token_table=token_table)
+        return self._verify_rows(inp, len(order)) if d.tokens_per_row > 1 else inp
+
+    def _draw_queries(self, n_tok: int):
+        """``(query, query_scale, weights)`` of ``n_tok`` tokens on the exact-arithmetic grid
+        (module docstring); ``query_scale`` is ``None`` for the bf16 indexer. Negative
+        weights too: negative scores are real positions (only the sentinel is not)."""
+        d = self.d
         hi, di = d.index_heads, d.index_dim
         if d.quantized:
             query = torch.randint(-15, 16, (n_tok, hi, di), generator=self.g, dtype=torch.int8)
@@ -157,14 +170,8 @@ class Scenario:
         else:
             query = (torch.randint(-4, 5, (n_tok, hi, di), generator=self.g).to(torch.float32) / 4).to(torch.bfloat16)
             query_scale = None
-        # negative weights too: negative scores are real positions (only the sentinel is not)
         weights = (torch.randint(-4, 9, (n_tok, hi), generator=self.g).to(torch.float32) / 8).to(torch.bfloat16)
-        req_ids, stable, token_table = self.rows.row_state()
-        inp = LimInputs(query=query, key=self.key, weights=weights, query_scale=query_scale,
-                        key_scale=self.key_scale, cu=lay.cu, kv_len=lay.kv_len, block_table=lay.block_table,
-                        token_rows=lay.token_rows, req_ids=req_ids, stable=stable, step=self.step,
-                        token_table=token_table)
-        return self._verify_rows(inp, len(order)) if d.tokens_per_row > 1 else inp
+        return query, query_scale, weights
 
     def _verify_rows(self, inp: LimInputs, n_real: int) -> LimInputs:
         """The step with speculative verify rows: request ``b`` gets ``c_b`` query tokens
@@ -180,15 +187,7 @@ class Scenario:
         token_rows = [r for r, c in zip(rows_of, counts) for _ in range(c)] + [-1] * d.padding_tokens
         n_tok = len(token_rows)
         cu = torch.cumsum(torch.tensor(counts or [0], dtype=torch.int32), 0).to(torch.int32)
-        hi, di = d.index_heads, d.index_dim
-        if d.quantized:
-            query = torch.randint(-15, 16, (n_tok, hi, di), generator=self.g, dtype=torch.int8)
-            exp = torch.randint(-7, -2, (n_tok, hi), generator=self.g)
-            query_scale = torch.pow(2.0, exp.to(torch.float32)).to(torch.float16)
-        else:
-            query = (torch.randint(-4, 5, (n_tok, hi, di), generator=self.g).to(torch.float32) / 4).to(torch.bfloat16)
-            query_scale = None
-        weights = (torch.randint(-4, 9, (n_tok, hi), generator=self.g).to(torch.float32) / 8).to(torch.bfloat16)
+        query, query_scale, weights = self._draw_queries(n_tok)
         stable = inp.stable.clone()
         for b, (r, c) in enumerate(zip(rows_of, counts)):
             length = int(inp.kv_len[b])
