@@ -79,7 +79,7 @@ from .served_startup import model_vocab, startup_error
 DEFAULT_BUDGET = "6MiB"
 DEFAULT_CONCURRENCY = "2,4,8,16"
 DEFAULT_INPUT_LEN = 256
-DEFAULT_OUTPUT_LEN = 256
+DEFAULT_OUTPUT_LEN = 512  # decode-heavy: prefill costs the same on both servers and would dilute the ratio
 DEFAULT_MAX_RUNNING = 16
 #: the default hot buffer (2 x top-k); requests that fit it are served from it directly
 DEFAULT_OFFLOAD_CONFIG = json.dumps({"metrics_log_interval_s": 0, "residency": "adaptive"})
