@@ -21,9 +21,14 @@ streamed, ``c`` in flight. While a load runs, ``/metrics`` is sampled every
 A concurrency is **pool-limited** for a server when it queued requests while fewer than
 ``c`` ran, or retracted any: its KV pool, not the clients, set the concurrency.
 
-Then ``--low-rounds`` interleaved rounds at concurrency 1 (the order alternating) give
-each server's CPU ms per output token (all its processes, median over rounds): the cost
-of offload when everything would fit. Each round sends two of the sweep's long requests
+Then ``--low-rounds`` rounds at concurrency 1 give each server's CPU ms per output token
+(all its processes): the cost of offload when everything would fit. By default
+(``--low-schedule side-by-side``) both servers serve a round's requests at the same
+time, one stream each, so both see the same machine: on a shared VM the speed of a
+core drifts by 10-20 % between windows of a few seconds, which swamps a 5 % difference
+when the servers take turns (``--low-schedule alternating``, the order alternating per
+round). The ratio is the median over rounds of each round's offload over no offload
+CPU ms per token. Each round sends two of the sweep's long requests
 and then two short ones (``--low-short-len`` prompt and output tokens each,
 :data:`DEFAULT_LOW_SHORT_LEN`) whose whole context fits the offload server's hot buffer:
 with ``residency: adaptive`` (the offload server's default here) those are served
@@ -48,7 +53,9 @@ from it directly, with no residency step.
   pool-limited (``None`` if it never was: sweep further); ``throughput_ratios`` has
   the ratio at every concurrency;
 * ``low_concurrency_cpu_ratio``: offload over no offload CPU ms per token at
-  concurrency 1 (the long requests), with ``low_concurrency_residency`` the residency
+  concurrency 1 (the long requests; the median of ``low_concurrency_round_ratios``, one
+  per round, under ``low_concurrency_schedule``; ``low_concurrency_cpu_ms_per_token``
+  has each server's median), with ``low_concurrency_residency`` the residency
   the offload server ran (``always``: every request's main KV is in the host pool;
   ``adaptive``: requests that fit their hot buffer are served from it directly);
   ``low_concurrency_short_cpu_ratio``: the same for the short requests, and
@@ -71,7 +78,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import served_load
 from .served_startup import model_vocab, startup_error
@@ -86,6 +93,7 @@ DEFAULT_OFFLOAD_CONFIG = json.dumps({"metrics_log_interval_s": 0, "residency": "
 #: rounds of one server on this 2-core VM spread by up to 1.6x; three rounds left the median
 #: at the mercy of one slow round
 DEFAULT_LOW_ROUNDS = 5
+LOW_SCHEDULES = ("side-by-side", "alternating")
 DEFAULT_LOW_SHORT_LEN = 24  # 24 + 24 tokens fit the CPU fixture's 64-slot hot buffer
 CAPACITY_CONTEXT = 4096
 POLL_S = 0.2
@@ -110,6 +118,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--low-rounds", type=int, default=DEFAULT_LOW_ROUNDS,
                    help="--capacity: interleaved rounds at concurrency 1 for the CPU-per-token ratio "
                         f"(default {DEFAULT_LOW_ROUNDS})")
+    p.add_argument("--low-schedule", choices=LOW_SCHEDULES, default=LOW_SCHEDULES[0],
+                   help="--capacity: the concurrency-1 rounds load both servers at the same time "
+                        "(side-by-side, the default: both see the same machine) or one after the other, "
+                        "the order alternating per round")
     p.add_argument("--low-short-len", type=int, default=DEFAULT_LOW_SHORT_LEN,
                    help="--capacity: prompt and output tokens of the short requests of each concurrency-1 round "
                         f"(default {DEFAULT_LOW_SHORT_LEN}; 0 = none)")
@@ -381,18 +393,19 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             n_short = args.low_short_len
             short_prompts = [served_load.random_prompt(n_short, args.seed * 1_000_003 + 11 + i, vocab)
                              for i in range(2)] if n_short else []
+            side_by_side = getattr(args, "low_schedule", LOW_SCHEDULES[0]) == "side-by-side"
             for k in range(args.low_rounds):
-                for s in (servers if k % 2 == 0 else servers[::-1]):
-                    for phase, load, out_len, into in (("low_concurrency", prompts, args.output_len, low),
-                                                       ("low_concurrency_short", short_prompts, n_short, short)):
-                        if not load:
-                            continue
-                        tag = f"low{k + 1}" if phase == "low_concurrency" else f"short{k + 1}"
-                        r, _ = s.level(load, out_len, 1, tag)
+                for phase, load, out_len, into in (("low_concurrency", prompts, args.output_len, low),
+                                                   ("low_concurrency_short", short_prompts, n_short, short)):
+                    if not load:
+                        continue
+                    tag = f"low{k + 1}" if phase == "low_concurrency" else f"short{k + 1}"
+                    order = servers if k % 2 == 0 else servers[::-1]
+                    results = serve_round(order, lambda s: s.level(load, out_len, 1, tag)[0], side_by_side)
+                    for r in sorted(results, key=lambda r: SERVERS.index(r.server)):
                         r.phase = phase
                         runs.append(r)
-                        if r.server_cpu_ms_per_token is not None:
-                            into[s.name].append(r.server_cpu_ms_per_token)
+                        into[r.server].append(r.server_cpu_ms_per_token)
     finally:
         for s in servers:
             s.stop()
@@ -401,12 +414,53 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                      round(time.monotonic() - t0, 1), str(log_dir), short)
 
 
+def serve_round(servers: Sequence[Any], serve: Callable[[Any], LevelResult], side_by_side: bool) -> List[LevelResult]:
+    """``serve(server)`` for each of ``servers``: all at the same time (one thread each)
+    when ``side_by_side``, else one after the other in the given order. Results in the
+    order given; an exception in any is raised once all are done."""
+    if not side_by_side:
+        return [serve(s) for s in servers]
+    results: List[Optional[LevelResult]] = [None] * len(servers)
+    errors: List[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            results[i] = serve(servers[i])
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"capacity-round-{i}") for i in range(len(servers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [r for r in results if r is not None]
+
+
+def round_ratios(rounds: Dict[str, List[Optional[float]]]) -> List[Optional[float]]:
+    """Offload over no offload per round (``rounds[name][k]``: round ``k``'s CPU ms per
+    token; ``None`` where a server produced no token that round)."""
+    return [_ratio(o, n) for o, n in zip(rounds.get("offload", []), rounds.get("no_offload", []))]
+
+
+def _median_ratio(ratios: Sequence[Optional[float]]) -> Optional[float]:
+    valid = [r for r in ratios if r is not None]
+    return round(statistics.median(valid), 4) if valid else None
+
+
+def _median(values: Sequence[Optional[float]]) -> Optional[float]:
+    valid = [v for v in values if v is not None]
+    return statistics.median(valid) if valid else None
+
+
 def summarize(levels: Sequence[int], runs: List[LevelResult], infos: List[ServerInfo], low: Dict[str, List[float]],
               identical: bool, agreement: Optional[float], budget: Optional[str], args: argparse.Namespace,
               wall_s: float, logs: str, short: Optional[Dict[str, List[float]]] = None) -> Dict[str, Any]:
     """The JSON document (module docstring)."""
     short = short or {name: [] for name in SERVERS}
-    short_med = {k: (statistics.median(v) if v else None) for k, v in short.items()}
+    short_med = {k: _median(v) for k, v in short.items()}
     config = args.offload_config if args.offload_config is not None else DEFAULT_OFFLOAD_CONFIG
     try:
         residency = json.loads(config).get("residency", "always")
@@ -419,7 +473,8 @@ def summarize(levels: Sequence[int], runs: List[LevelResult], infos: List[Server
               for c in levels if ("offload", c) in by and ("no_offload", c) in by}
     limited = [c for c in levels if ("no_offload", c) in by and by[("no_offload", c)].pool_limited]
     pool_c = max(limited) if limited else None
-    low_med = {k: (statistics.median(v) if v else None) for k, v in low.items()}
+    low_med = {k: _median(v) for k, v in low.items()}
+    low_ratios, short_ratios = round_ratios(low), round_ratios(short)
     return {
         "runs": [asdict(r) for r in runs],
         "servers": {i.name: asdict(i) for i in infos},
@@ -427,11 +482,14 @@ def summarize(levels: Sequence[int], runs: List[LevelResult], infos: List[Server
         "throughput_ratio_pool_limited": ratios.get(str(pool_c)) if pool_c is not None else None,
         "pool_limited_concurrency": pool_c,
         "throughput_ratios": ratios,
-        "low_concurrency_cpu_ratio": _ratio(low_med["offload"], low_med["no_offload"]),
+        "low_concurrency_cpu_ratio": _median_ratio(low_ratios),
+        "low_concurrency_round_ratios": low_ratios,
+        "low_concurrency_schedule": getattr(args, "low_schedule", LOW_SCHEDULES[0]),
         "low_concurrency_cpu_ms_per_token": {k: (round(v, 4) if v else None) for k, v in low_med.items()},
         "low_concurrency_rounds": {k: v for k, v in low.items()},
         "low_concurrency_residency": residency,
-        "low_concurrency_short_cpu_ratio": _ratio(short_med["offload"], short_med["no_offload"]),
+        "low_concurrency_short_cpu_ratio": _median_ratio(short_ratios),
+        "low_concurrency_short_round_ratios": short_ratios,
         "low_concurrency_short_cpu_ms_per_token": {k: (round(v, 4) if v else None) for k, v in short_med.items()},
         "low_concurrency_short_rounds": {k: v for k, v in short.items()},
         "low_concurrency_short_direct_rows": sum(direct) if direct else None,
@@ -440,7 +498,8 @@ def summarize(levels: Sequence[int], runs: List[LevelResult], infos: List[Server
         "device_kv_budget": budget,
         "load": {"concurrency": list(levels), "requests_per_level": "2 x concurrency", "input_len": args.input_len,
                  "output_len": args.output_len, "seed": args.seed, "max_running_requests": args.max_running_requests,
-                 "low_rounds": args.low_rounds, "low_short_len": getattr(args, "low_short_len", 0)},
+                 "low_rounds": args.low_rounds, "low_short_len": getattr(args, "low_short_len", 0),
+                 "low_schedule": getattr(args, "low_schedule", LOW_SCHEDULES[0])},
         "model": args.model_path or "tests/fixtures/tiny_dsa (CPU)",
         "offload_config": config,
         "wall_s": wall_s,
@@ -471,7 +530,7 @@ def print_table(res: Dict[str, Any]) -> None:
     print(f"max_total_tokens_ratio {_fmt(res['max_total_tokens_ratio'], '.3f')}; throughput_ratio_pool_limited "
           f"{_fmt(res['throughput_ratio_pool_limited'], '.3f')} (c={res['pool_limited_concurrency']}); "
           f"low_concurrency_cpu_ratio {_fmt(res['low_concurrency_cpu_ratio'], '.3f')} "
-          f"(residency {res['low_concurrency_residency']}); short requests "
+          f"(residency {res['low_concurrency_residency']}, {res['low_concurrency_schedule']} rounds); short requests "
           f"{_fmt(res['low_concurrency_short_cpu_ratio'], '.3f')} ({res['low_concurrency_short_direct_rows']} "
           f"rows served directly); identical_tokens {res['identical_tokens']}")
     print(f"server logs: {res['logs']}")

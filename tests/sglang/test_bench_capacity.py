@@ -8,6 +8,8 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -61,14 +63,74 @@ def test_summary_ratios_take_the_largest_pool_limited_concurrency():
     assert doc["max_total_tokens_ratio"] == round(7104 / 2176, 4)
     assert doc["pool_limited_concurrency"] == 16 and doc["throughput_ratio_pool_limited"] == 1.7
     assert doc["throughput_ratios"] == {"2": round(78 / 80, 4), "8": 1.5, "16": 1.7}
-    assert doc["low_concurrency_cpu_ratio"] == 1.0  # medians 25.0 / 25.0
+    # per round 25/24, 24/26, 26.5/25: the median of the round ratios, not the ratio of medians (1.0)
+    assert doc["low_concurrency_round_ratios"] == [round(25 / 24, 4), round(24 / 26, 4), 1.06]
+    assert doc["low_concurrency_cpu_ratio"] == round(25 / 24, 4)
+    assert doc["low_concurrency_cpu_ms_per_token"] == {"no_offload": 25.0, "offload": 25.0}
+    assert doc["low_concurrency_schedule"] == "side-by-side" == doc["load"]["low_schedule"]
     assert doc["identical_tokens"] is True and doc["low_concurrency_residency"] == "adaptive"  # the default
     assert doc["low_concurrency_short_cpu_ratio"] is None  # no short rounds given
     json.dumps(doc)  # one JSON document
     always = serve_capacity.summarize([2], runs[:2], infos, {"no_offload": [], "offload": []}, True, 1.0, None,
                                       _args(offload_config='{"hot_tokens": 128}'), 1.0, "/tmp",
                                       {"no_offload": [10.0, 12.0], "offload": [11.0]})
-    assert always["low_concurrency_residency"] == "always" and always["low_concurrency_short_cpu_ratio"] == 1.0
+    assert always["low_concurrency_residency"] == "always"
+    assert always["low_concurrency_short_cpu_ratio"] == 1.1 and always["low_concurrency_short_round_ratios"] == [1.1]
+
+
+def test_a_round_without_tokens_drops_out_of_the_ratio_but_keeps_the_pairing():
+    doc = serve_capacity.summarize([], [], [ServerInfo("no_offload", [], ""), ServerInfo("offload", [], "")],
+                                   {"no_offload": [10.0, None, 20.0], "offload": [11.0, 12.0, 30.0]}, True, 1.0,
+                                   None, _args(low_schedule="alternating"), 1.0, "/tmp")
+    assert doc["low_concurrency_round_ratios"] == [1.1, None, 1.5]
+    assert doc["low_concurrency_cpu_ratio"] == 1.3  # median of 1.1 and 1.5
+    assert doc["low_concurrency_schedule"] == "alternating"
+
+
+class _RoundServer:
+    """Stands in for a CapacityServer in serve_round: records when it serves."""
+
+    def __init__(self, name, barrier, log):
+        self.name, self.barrier, self.log = name, barrier, log
+
+    def serve(self):
+        self.log.append(("start", self.name))
+        try:
+            self.barrier.wait(timeout=2.0)  # passes only when the other server serves at the same time
+            met = True
+        except threading.BrokenBarrierError:
+            met = False
+        self.log.append(("end", self.name))
+        return LevelResult(self.name, f"{self.name}_low1", 1, 2, server_cpu_ms_per_token=1.0 if met else 2.0)
+
+
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_serve_round_serves_both_servers_at_once_only_side_by_side(side_by_side):
+    barrier, log = threading.Barrier(2), []
+    servers = [_RoundServer("offload", barrier, log), _RoundServer("no_offload", barrier, log)]
+    results = serve_capacity.serve_round(servers, lambda s: s.serve(), side_by_side)
+    assert [r.server for r in results] == ["offload", "no_offload"]  # the order given
+    if side_by_side:
+        assert [r.server_cpu_ms_per_token for r in results] == [1.0, 1.0]
+        assert [e for e, _ in log[:2]] == ["start", "start"]
+    else:  # one after the other: the first waits alone, breaks the barrier; the second finds it broken
+        assert [r.server_cpu_ms_per_token for r in results] == [2.0, 2.0]
+        assert log == [("start", "offload"), ("end", "offload"), ("start", "no_offload"), ("end", "no_offload")]
+
+
+def test_serve_round_raises_what_a_server_raised_after_all_are_done():
+    done = []
+
+    def serve(s):
+        if s == "bad":
+            raise RuntimeError("server bad failed")
+        time.sleep(0.2)
+        done.append(s)
+        return LevelResult(s, s, 1, 1)
+
+    with pytest.raises(RuntimeError, match="server bad failed"):
+        serve_capacity.serve_round(["bad", "good"], serve, True)
+    assert done == ["good"]
 
 
 def test_no_pool_limited_concurrency_gives_no_throughput_ratio():
