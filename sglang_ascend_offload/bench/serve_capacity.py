@@ -116,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="--capacity: write output tok/s and peak running requests per concurrency to this PNG")
     p.add_argument("--low-rounds", type=int, default=DEFAULT_LOW_ROUNDS,
-                   help="--capacity: interleaved rounds at concurrency 1 for the CPU-per-token ratio "
+                   help="--capacity: rounds at concurrency 1 for the CPU-per-token ratio (see --low-schedule) "
                         f"(default {DEFAULT_LOW_ROUNDS})")
     p.add_argument("--low-schedule", choices=LOW_SCHEDULES, default=LOW_SCHEDULES[0],
                    help="--capacity: the concurrency-1 rounds load both servers at the same time "
