@@ -76,6 +76,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -241,6 +242,10 @@ def _ms(v: Optional[float]) -> Optional[float]:
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return round(a / b, 4) if a and b else None
+
+
+def _round4(v: Optional[float]) -> Optional[float]:
+    return None if v is None else round(v, 4)
 
 
 def server_args(name: str, args: argparse.Namespace, budget: Optional[str]) -> Tuple[List[str], List[str], bool]:
@@ -420,23 +425,9 @@ def serve_round(servers: Sequence[Any], serve: Callable[[Any], LevelResult], sid
     order given; an exception in any is raised once all are done."""
     if not side_by_side:
         return [serve(s) for s in servers]
-    results: List[Optional[LevelResult]] = [None] * len(servers)
-    errors: List[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            results[i] = serve(servers[i])
-        except BaseException as exc:  # re-raised in the caller's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,), name=f"capacity-round-{i}") for i in range(len(servers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return [r for r in results if r is not None]
+    with ThreadPoolExecutor(len(servers), thread_name_prefix="capacity-round") as pool:
+        futures = [pool.submit(serve, s) for s in servers]
+    return [f.result() for f in futures]  # the pool has waited for every server
 
 
 def round_ratios(rounds: Dict[str, List[Optional[float]]]) -> List[Optional[float]]:
@@ -445,12 +436,8 @@ def round_ratios(rounds: Dict[str, List[Optional[float]]]) -> List[Optional[floa
     return [_ratio(o, n) for o, n in zip(rounds.get("offload", []), rounds.get("no_offload", []))]
 
 
-def _median_ratio(ratios: Sequence[Optional[float]]) -> Optional[float]:
-    valid = [r for r in ratios if r is not None]
-    return round(statistics.median(valid), 4) if valid else None
-
-
 def _median(values: Sequence[Optional[float]]) -> Optional[float]:
+    """The median of the values that are not ``None`` (``None`` if none is)."""
     valid = [v for v in values if v is not None]
     return statistics.median(valid) if valid else None
 
@@ -475,6 +462,7 @@ def summarize(levels: Sequence[int], runs: List[LevelResult], infos: List[Server
     pool_c = max(limited) if limited else None
     low_med = {k: _median(v) for k, v in low.items()}
     low_ratios, short_ratios = round_ratios(low), round_ratios(short)
+    schedule = getattr(args, "low_schedule", LOW_SCHEDULES[0])
     return {
         "runs": [asdict(r) for r in runs],
         "servers": {i.name: asdict(i) for i in infos},
@@ -482,13 +470,13 @@ def summarize(levels: Sequence[int], runs: List[LevelResult], infos: List[Server
         "throughput_ratio_pool_limited": ratios.get(str(pool_c)) if pool_c is not None else None,
         "pool_limited_concurrency": pool_c,
         "throughput_ratios": ratios,
-        "low_concurrency_cpu_ratio": _median_ratio(low_ratios),
+        "low_concurrency_cpu_ratio": _round4(_median(low_ratios)),
         "low_concurrency_round_ratios": low_ratios,
-        "low_concurrency_schedule": getattr(args, "low_schedule", LOW_SCHEDULES[0]),
+        "low_concurrency_schedule": schedule,
         "low_concurrency_cpu_ms_per_token": {k: (round(v, 4) if v else None) for k, v in low_med.items()},
         "low_concurrency_rounds": {k: v for k, v in low.items()},
         "low_concurrency_residency": residency,
-        "low_concurrency_short_cpu_ratio": _median_ratio(short_ratios),
+        "low_concurrency_short_cpu_ratio": _round4(_median(short_ratios)),
         "low_concurrency_short_round_ratios": short_ratios,
         "low_concurrency_short_cpu_ms_per_token": {k: (round(v, 4) if v else None) for k, v in short_med.items()},
         "low_concurrency_short_rounds": {k: v for k, v in short.items()},
@@ -499,7 +487,7 @@ def summarize(levels: Sequence[int], runs: List[LevelResult], infos: List[Server
         "load": {"concurrency": list(levels), "requests_per_level": "2 x concurrency", "input_len": args.input_len,
                  "output_len": args.output_len, "seed": args.seed, "max_running_requests": args.max_running_requests,
                  "low_rounds": args.low_rounds, "low_short_len": getattr(args, "low_short_len", 0),
-                 "low_schedule": getattr(args, "low_schedule", LOW_SCHEDULES[0])},
+                 "low_schedule": schedule},
         "model": args.model_path or "tests/fixtures/tiny_dsa (CPU)",
         "offload_config": config,
         "wall_s": wall_s,
