@@ -123,6 +123,9 @@ TARGET_PREFILL_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueu
 TARGET_DECODE_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager"
 TARGET_RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 TARGET_IDLE_SLEEP = "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle"
+TARGET_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
+TARGET_STREAM_OUTPUT = \
+    "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output"
 TARGET_EMBED_HEAD = "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_embed_and_head"
 TARGET_DRAFT_FACTORY = "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend"
 TARGET_LAST_LOC = "sglang.srt.mem_cache.allocation.get_last_loc"
@@ -174,6 +177,9 @@ HOOKED: Tuple[Hooked, ...] = (
     Hooked(TARGET_RUN_BATCH, ("self", "batch"), "announce last chunks to the layerwise publisher"),
     Hooked(TARGET_IDLE_SLEEP, ("self",), "P/D servers with --sleep-on-idle sleep in short slices while "
            "transfers are in flight"),
+    Hooked(TARGET_ON_IDLE, ("self",), "export the offload counters the decode interval held back"),
+    Hooked(TARGET_STREAM_OUTPUT, ("self", "reqs", "return_logprob", "skip_req"),
+           "export the offload counters before a finished request's output is sent"),
     Hooked(TARGET_EMBED_HEAD, ("self", "embed", "head"), "no CUDA sync when the draft shares "
            "the target's embedding and head on a CPU"),
     Hooked(TARGET_DRAFT_FACTORY, ("self", "backend_name", "backend_map", "error_template", "stamps_children"),

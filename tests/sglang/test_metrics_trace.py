@@ -73,7 +73,8 @@ def test_log_line_is_periodic_and_reads_stats_only_when_due(caplog):
 def test_prometheus_counters_follow_the_engine():
     prometheus_client = pytest.importorskip("prometheus_client")
     fake = FakeStats()
-    m = OffloadMetrics(fake, layers=2, prometheus=True, log_interval_s=0, labels={"tp_rank": "0"})
+    m = OffloadMetrics(fake, layers=2, prometheus=True, log_interval_s=0, labels={"tp_rank": "0"},
+                       export_interval_s=0)  # every step
     fake.step(hits=5, misses=3)
     m.add_copy_time(1, 0.25)
     m.on_step_end()
@@ -87,6 +88,81 @@ def test_prometheus_counters_follow_the_engine():
     assert get(f"{METRIC_PREFIX}copy_seconds_total", labels) == 0.25
     assert get(f"{METRIC_PREFIX}hit_rate", {"tp_rank": "0"}) == pytest.approx(6 / 9)
     assert get(f"{METRIC_PREFIX}h2d_bytes_per_step", {"tp_rank": "0"}) == pytest.approx(2 * 3 * 1152 / 2)
+
+
+def test_prometheus_export_is_held_back_by_the_interval_and_flushed():
+    """During decode the counters are exported at most every ``export_interval_s``: the
+    first step exports, the steps within the interval wait, the next step past it exports
+    them all; ``flush`` exports the held-back steps at once and only when there are some."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    now = [100.0]
+    fake = FakeStats()
+    m = OffloadMetrics(fake, layers=2, prometheus=True, log_interval_s=0, labels={"tp_rank": "5"},
+                       clock=lambda: now[0], export_interval_s=1.0)
+    hits = lambda: prometheus_client.REGISTRY.get_sample_value(  # noqa: E731
+        f"{METRIC_PREFIX}hits_total", {"tp_rank": "5", "layer": "0"})
+    for t in (100.0, 100.3, 100.6):
+        now[0] = t
+        fake.step(hits=2, misses=1)
+        m.on_step_end()
+    assert hits() == 2 and fake.reads == 1  # steps 2 and 3 held back, their stats not even read
+    assert m.flush() and hits() == 6 and fake.reads == 2
+    assert not m.flush() and fake.reads == 2  # nothing held back: no read, no export
+    now[0] = 100.9
+    fake.step(hits=2, misses=1)
+    m.on_step_end()  # 0.3 s after the flush: held back
+    assert hits() == 6
+    now[0] = 101.7
+    fake.step(hits=2, misses=1)
+    m.on_step_end()
+    assert hits() == 10
+
+
+def test_scheduler_hooks_flush_before_a_finish_is_streamed_and_when_idle():
+    """The plugin's hooks on SGLang's scheduler: a step's outputs with a finished request
+    flush the held-back counters before they are sent, one without does not; the idle
+    hook flushes (reading the device counts as of now)."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from sglang_ascend_offload.sglang_plugin.observability import export_hooks
+
+    now = [0.0]
+    fake = FakeStats()
+    waits = []
+    stats = lambda wait=True: (waits.append(wait), fake(wait))[1]  # noqa: E731
+    m = OffloadMetrics(stats, layers=2, prometheus=True, log_interval_s=0, labels={"tp_rank": "6"},
+                       clock=lambda: now[0], export_interval_s=60.0)
+    misses = lambda: prometheus_client.REGISTRY.get_sample_value(  # noqa: E731
+        f"{METRIC_PREFIX}misses_total", {"tp_rank": "6", "layer": "1"})
+
+    class Req:
+        def __init__(self, done):
+            self.done = done
+
+        def finished(self):
+            return self.done
+
+    fake.step(hits=0, misses=4)
+    m.on_step_end()
+    fake.step(hits=0, misses=3)
+    m.on_step_end()
+    assert misses() == 4
+    export_hooks.flush_before_stream_output(object(), [Req(False), Req(False)], False)
+    assert misses() == 4  # nothing finished: the interval still holds
+    export_hooks.flush_before_stream_output(object(), reqs=[Req(False), Req(True)], return_logprob=False)
+    assert misses() == 7 and waits[-1] is False
+    fake.step(hits=0, misses=5)
+    m.on_step_end()
+    export_hooks.flush_after_idle(None, object())
+    assert misses() == 12 and waits[-1] is True
+
+
+def test_scheduler_hooks_are_registered(plugins_loaded):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_ascend_offload.sglang_plugin import compat
+
+    for target in (compat.TARGET_ON_IDLE, compat.TARGET_STREAM_OUTPUT):
+        assert target in HookRegistry._patched, target
 
 
 def test_trace_recorder_is_bounded_and_valid(tmp_path):
