@@ -28,7 +28,9 @@ time, one stream each, so both see the same machine: on a shared VM the speed of
 core drifts by 10-20 % between windows of a few seconds, which swamps a 5 % difference
 when the servers take turns (``--low-schedule alternating``, the order alternating per
 round). The ratio is the median over rounds of each round's offload over no offload
-CPU ms per token. Each round sends two of the sweep's long requests
+CPU ms per token (``/metrics`` is sampled every :data:`LOW_POLL_S` there, not every
+:data:`POLL_S`: each scrape costs the server CPU that is not serving). Each round sends
+two of the sweep's long requests
 and then two short ones (``--low-short-len`` prompt and output tokens each,
 :data:`DEFAULT_LOW_SHORT_LEN`) whose whole context fits the offload server's hot buffer:
 with ``residency: adaptive`` (the offload server's default here) those are served
@@ -92,12 +94,15 @@ DEFAULT_MAX_RUNNING = 16
 #: the default hot buffer (2 x top-k); requests that fit it are served from it directly
 DEFAULT_OFFLOAD_CONFIG = json.dumps({"metrics_log_interval_s": 0, "residency": "adaptive"})
 #: rounds of one server on this 2-core VM spread by up to 1.6x; three rounds left the median
-#: at the mercy of one slow round
-DEFAULT_LOW_ROUNDS = 5
+#: at the mercy of one slow round, and side-by-side rounds still spread by +-5-10 % under load
+DEFAULT_LOW_ROUNDS = 7
 LOW_SCHEDULES = ("side-by-side", "alternating")
 DEFAULT_LOW_SHORT_LEN = 24  # 24 + 24 tokens fit the CPU fixture's 64-slot hot buffer
 CAPACITY_CONTEXT = 4096
 POLL_S = 0.2
+#: /metrics sampling of the concurrency-1 rounds: a scrape costs the server ~15 ms of CPU,
+#: which at POLL_S would add ~6 % to both servers' CPU per token and pull their ratio towards 1
+LOW_POLL_S = 2.0
 SERVERS = ("no_offload", "offload")
 _GAUGE = re.compile(r"^(sglang:num_running_reqs|sglang:num_queue_reqs|sglang:num_retracted_requests_total|"
                     r"sglang:ascend_offload_(?:direct_rows|selected|hits|h2d_bytes|direct_h2d_bytes)_total)"
@@ -195,10 +200,11 @@ def read_gauges(text: str) -> Dict[str, float]:
 
 
 class MetricsPoller:
-    """Samples a server's ``/metrics`` every :data:`POLL_S` on a thread; keeps the peaks."""
+    """Samples a server's ``/metrics`` every ``poll_s`` on a thread; keeps the peaks."""
 
-    def __init__(self, server: Any):
+    def __init__(self, server: Any, poll_s: float = POLL_S):
         self.server = server
+        self.poll_s = float(poll_s)
         self.peak_running = 0
         self.peak_queued = 0
         self._stop = threading.Event()
@@ -215,7 +221,7 @@ class MetricsPoller:
         return {n.replace("ascend_offload_", ""): g.get(f"sglang:{n}_total", 0.0) for n in names}
 
     def _run(self) -> None:
-        while not self._stop.wait(POLL_S):
+        while not self._stop.wait(self.poll_s):
             try:
                 g = read_gauges(self.server.get("/metrics", timeout=5.0))
             except served_load.REQUEST_ERRORS:
@@ -311,14 +317,15 @@ class CapacityServer:
         return True
 
     def level(self, prompts: Sequence[List[int]], output_len: int, concurrency: int,
-              tag: str) -> Tuple[LevelResult, List[Optional[List[int]]]]:
-        """One load at ``concurrency``; the result and every request's output ids."""
+              tag: str, poll_s: float = POLL_S) -> Tuple[LevelResult, List[Optional[List[int]]]]:
+        """One load at ``concurrency``; the result and every request's output ids
+        (``poll_s``: how often ``/metrics`` is sampled for the peaks meanwhile)."""
         from ..testing.servers import cpu_seconds
 
         result = LevelResult(self.name, f"{self.name}_{tag}", concurrency, len(prompts))
         before = MetricsPoller(self.server).totals()
         cpu0 = cpu_seconds(self.server.pids())
-        with MetricsPoller(self.server) as poll:
+        with MetricsPoller(self.server, poll_s) as poll:
             res, _ = served_load.run_load(self.server.url, prompts, output_len, concurrency,
                                           timeout_s=self.request_timeout)
         cpu_s = sum(cpu_seconds(self.server.pids()).values()) - sum(cpu0.values())
@@ -406,7 +413,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                         continue
                     tag = f"low{k + 1}" if phase == "low_concurrency" else f"short{k + 1}"
                     order = servers if k % 2 == 0 else servers[::-1]
-                    results = serve_round(order, lambda s: s.level(load, out_len, 1, tag)[0], side_by_side)
+                    results = serve_round(order, lambda s: s.level(load, out_len, 1, tag, LOW_POLL_S)[0],
+                                          side_by_side)
                     for r in sorted(results, key=lambda r: SERVERS.index(r.server)):
                         r.phase = phase
                         runs.append(r)
@@ -487,7 +495,7 @@ def summarize(levels: Sequence[int], runs: List[LevelResult], infos: List[Server
         "load": {"concurrency": list(levels), "requests_per_level": "2 x concurrency", "input_len": args.input_len,
                  "output_len": args.output_len, "seed": args.seed, "max_running_requests": args.max_running_requests,
                  "low_rounds": args.low_rounds, "low_short_len": getattr(args, "low_short_len", 0),
-                 "low_schedule": schedule},
+                 "low_schedule": schedule, "poll_s": POLL_S, "low_poll_s": LOW_POLL_S},
         "model": args.model_path or "tests/fixtures/tiny_dsa (CPU)",
         "offload_config": config,
         "wall_s": wall_s,

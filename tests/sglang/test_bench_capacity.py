@@ -133,6 +133,31 @@ def test_serve_round_raises_what_a_server_raised_after_all_are_done():
     assert done == ["good"]
 
 
+def test_metrics_poller_samples_at_its_own_interval():
+    """The concurrency-1 rounds sample ``/metrics`` every ``LOW_POLL_S``: within a shorter
+    load no scrape reaches the server (each costs it CPU that is not serving); the sweep's
+    interval samples it repeatedly and keeps the peaks."""
+    class FakeServer:
+        def __init__(self):
+            self.gets = 0
+            self.sampled = threading.Event()
+
+        def get(self, path, timeout=None):
+            self.gets += 1
+            if self.gets >= 3:
+                self.sampled.set()
+            return "sglang:num_running_reqs 2\nsglang:num_queue_reqs 1\n"
+
+    slow = FakeServer()
+    with serve_capacity.MetricsPoller(slow, serve_capacity.LOW_POLL_S) as poll:
+        time.sleep(0.3)
+    assert slow.gets == 0 and poll.peak_running == 0
+    fast = FakeServer()
+    with serve_capacity.MetricsPoller(fast, 0.01) as poll:
+        assert fast.sampled.wait(30)
+    assert fast.gets >= 3 and (poll.peak_running, poll.peak_queued) == (2, 1)
+
+
 def test_no_pool_limited_concurrency_gives_no_throughput_ratio():
     runs = [_level("no_offload", 2, 80.0, False), _level("offload", 2, 78.0, False)]
     doc = serve_capacity.summarize([2], runs, [ServerInfo("no_offload", [], ""), ServerInfo("offload", [], "")],
@@ -211,3 +236,4 @@ def test_capacity_bench_serves_both_servers_at_one_budget(tmp_path):
     for key in ("max_total_tokens_ratio", "throughput_ratio_pool_limited", "low_concurrency_cpu_ratio",
                 "identical_tokens", "runs"):
         assert key in doc
+    assert doc["load"]["low_poll_s"] == serve_capacity.LOW_POLL_S > doc["load"]["poll_s"] == serve_capacity.POLL_S
