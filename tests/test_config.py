@@ -237,6 +237,14 @@ def test_range_checks_and_nested_sections():
     assert "lease_ttl_ms" in text
 
 
+def test_metrics_intervals_must_not_be_negative():
+    with pytest.raises(ConfigError) as err:
+        parse_section(SparseDecodeOffloadConfig, '{"metrics_export_interval_s": -1, "metrics_log_interval_s": -2}')
+    text = str(err.value)
+    assert "metrics_export_interval_s=-1" in text and "metrics_log_interval_s=-2" in text
+    assert parse_section(SparseDecodeOffloadConfig, '{"metrics_export_interval_s": 0}').metrics_export_interval_s == 0
+
+
 def test_parse_from_file_and_roundtrip(tmp_path):
     path = tmp_path / "sd.json"
     path.write_text(json.dumps({"hot_tokens": 4096, "policy": "lru", "indexer_dtype": "int8"}))

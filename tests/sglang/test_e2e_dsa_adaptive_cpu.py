@@ -54,7 +54,8 @@ def servers(request, tmp_path_factory, shared_servers):
     dense = shared_servers.get("tiny_dsa_reference", COMMON)
     hold_flag = root / "hold_direct"  # created by a test to force demotions (absent otherwise)
     adaptive = ServerProcess(COMMON + ["--enable-metrics", "--enable-sparse-decode-offload",
-                                       "--sparse-decode-offload-config", json.dumps({"residency": "adaptive"})],
+                                       "--sparse-decode-offload-config", json.dumps({"residency": "adaptive",
+                                                                                "metrics_export_interval_s": 0})],
                              log_path=root / "adaptive.log", env={FORCE_DEMOTE_ENV: str(hold_flag)})
     adaptive.hold_flag = hold_flag
     try:

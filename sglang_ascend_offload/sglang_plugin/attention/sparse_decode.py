@@ -201,6 +201,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             self.engine.stats, self.engine.config.layers,
             prometheus=bool(compat.arg(server_args, "enable_metrics")),
             log_interval_s=config.metrics_log_interval_s, labels=labels,
+            export_interval_s=config.metrics_export_interval_s,
             copy_timing=self.engine.device.type == "cpu",  # elsewhere timing would synchronise every layer
         )
         if not self.metrics.copy_timing and self.metrics.reports_copy_time:

@@ -9,19 +9,19 @@ what the interval held back:
   client cannot see the finish before the counters of its last step);
 * when the scheduler is idle (nothing runs: the device counts are read as of now).
 
-Both are no-ops in a process without an exporting offload backend.
+Both are no-ops unless an offload backend of the process holds steps back.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .metrics import flush_exports, has_exporters
+from .metrics import flush_exports, held_back
 
 
 def flush_before_stream_output(streamer: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE ``SchedulerOutputStreamer.stream_output(reqs, return_logprob, ...)``."""
-    if not has_exporters():
+    if not held_back():  # nothing to flush: skip the scan of the batch
         return None
     reqs = args[0] if args else kwargs.get("reqs")
     if reqs and any(req.finished() for req in reqs):
@@ -31,6 +31,5 @@ def flush_before_stream_output(streamer: Any, *args: Any, **kwargs: Any) -> None
 
 def flush_after_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER ``Scheduler.on_idle()``."""
-    if has_exporters():
-        flush_exports(wait=True)
+    flush_exports(wait=True)  # a no-op unless steps are held back
     return None
