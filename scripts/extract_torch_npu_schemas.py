@@ -43,9 +43,20 @@ def pinned_version() -> str:
 
 
 def download(version: str, dest: str) -> str:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--python-version", f"{sys.version_info.major}{sys.version_info.minor}",
-           f"torch-npu=={version}", "-d", dest]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--python-version",
+        f"{sys.version_info.major}{sys.version_info.minor}",
+        f"torch-npu=={version}",
+        "-d",
+        dest,
+    ]
     subprocess.run(cmd, check=True)
     wheels = glob.glob(os.path.join(dest, f"torch_npu-{version}-*.whl"))
     if not wheels:
@@ -75,8 +86,10 @@ def main(argv=None) -> int:
         return 1 if stale else 0
     with open(args.out, "w", encoding="utf-8") as f:
         f.write(text)
-    print(f"wrote {args.out}: {len(data['ops'])} op(s) from {data['wheel']}; missing {data['missing']}; "
-          f"lib/yaml disagreements {sorted(data['lib_yaml_disagreements'])}")
+    print(
+        f"wrote {args.out}: {len(data['ops'])} op(s) from {data['wheel']}; missing {data['missing']}; "
+        f"lib/yaml disagreements {sorted(data['lib_yaml_disagreements'])}"
+    )
     return 0
 
 

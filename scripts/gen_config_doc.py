@@ -26,15 +26,16 @@ Generated from `sglang_ascend_offload/config.py` by `scripts/gen_config_doc.py`.
 
 Each feature is configured by a JSON object, given inline or as `@path/to/file.json`:
 
-* on a server: `--sparse-decode-offload-config`, `--layerwise-prefill-offload-config` (each with its `--enable-...` flag);
+* on a server: `--sparse-decode-offload-config`, `--layerwise-prefill-offload-config` (each with its
+  `--enable-...` flag);
 * for `python -m sglang_ascend_offload check-config --config ... --deployment ...`: one object with a section per
   feature (`sparse_decode`, `layerwise_prefill`, `pd_transfer`, `kvpp`); a missing section means the feature is off.
 
 One key is not a feature: `device_kv_budget_bytes` (server flag `--device-kv-budget SIZE`, e.g. `512MiB`), the most
 device memory SGLang's KV pool plus the sparse decode hot buffers may take; the smaller of it and what
 `--mem-fraction-static` leaves is used. On a CPU the server then accounts like a device of that size: the sparse
-decode host pool is host memory outside it (`sglang_plugin/mem_cache/sizing/device_kv_budget.py`; `bench serve --capacity` gives both
-of its servers one such budget).
+decode host pool is host memory outside it (`sglang_plugin/mem_cache/sizing/device_kv_budget.py`;
+`bench serve --capacity` gives both of its servers one such budget).
 
 Unknown keys, wrong types and out-of-range values are all reported at once (rules `parse.*`). Then
 `config.validate(config, deployment)` checks the config against the deployment and reports every broken rule
@@ -55,11 +56,17 @@ def render() -> str:
         out += ["", "```", (cls.__doc__ or "").strip(), "```", ""]
     from sglang_ascend_offload.rules import RULES
 
-    out += ["## Rules", "", "Every rule id, from `sglang_ascend_offload/rules.py`. Scope `deployment`: decided by "
-            "the config and the deployment facts, so `check-config` and the server's startup give the same "
-            "verdict; `server`: needs SGLang arguments the facts do not describe, the model files or the "
-            "machine, checked at server startup; `input`: malformed input.", "",
-            "| rule | scope | requires | usual fix |", "|---|---|---|---|"]
+    out += [
+        "## Rules",
+        "",
+        "Every rule id, from `sglang_ascend_offload/rules.py`. Scope `deployment`: decided by "
+        "the config and the deployment facts, so `check-config` and the server's startup give the same "
+        "verdict; `server`: needs SGLang arguments the facts do not describe, the model files or the "
+        "machine, checked at server startup; `input`: malformed input.",
+        "",
+        "| rule | scope | requires | usual fix |",
+        "|---|---|---|---|",
+    ]
     out += [f"| `{r.id}` | {r.scope} | {r.requires} | {r.fix} |".replace("\n", " ") for r in RULES.values()]
     return "\n".join(out) + "\n"
 

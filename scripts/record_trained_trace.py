@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED, TRAINED_SERVER_ARGS, ServerProcess  # noqa: E402
-
 import train_tiny_dsa  # noqa: E402
+
+from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED, TRAINED_SERVER_ARGS, ServerProcess  # noqa: E402
 
 
 def server_args(context: int, pool_tokens: int):
@@ -50,27 +50,44 @@ def main() -> int:
     tok = Tokenizer.from_file(str(TINY_DSA_TRAINED / "tokenizer.json"))
     texts = sorted(train_tiny_dsa.read_corpus().heldout, key=len, reverse=True)[: args.requests]
     prompts = [tok.encode(t).ids[: args.prompt_tokens] for t in texts]
-    cfg = {"hot_tokens": 128, "record_trace": str(args.out.resolve()), "record_trace_max_steps": 1024,
-           "record_trace_rank_depth": 256}
+    cfg = {
+        "hot_tokens": 128,
+        "record_trace": str(args.out.resolve()),
+        "record_trace_max_steps": 1024,
+        "record_trace_rank_depth": 256,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     server = ServerProcess(
-        ["--max-running-requests", str(args.requests), "--sleep-on-idle", "--enable-sparse-decode-offload",
-         "--sparse-decode-offload-config", json.dumps(cfg)],
-        base_args=server_args(4096, args.requests * (args.prompt_tokens + args.new_tokens) + 4096))
+        [
+            "--max-running-requests",
+            str(args.requests),
+            "--sleep-on-idle",
+            "--enable-sparse-decode-offload",
+            "--sparse-decode-offload-config",
+            json.dumps(cfg),
+        ],
+        base_args=server_args(4096, args.requests * (args.prompt_tokens + args.new_tokens) + 4096),
+    )
     server.start()
     try:
+
         def generate(ids):
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": 0,
-                                                          "ignore_eos": True}}
-            req = urllib.request.Request(server.url + "/generate", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True},
+            }
+            req = urllib.request.Request(
+                server.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
             return json.load(urllib.request.urlopen(req, timeout=900))
 
         start = time.monotonic()
         with ThreadPoolExecutor(len(prompts)) as pool:
             answers = list(pool.map(generate, prompts))
-        print(f"decoded {[len(a['output_ids']) for a in answers]} tokens in {time.monotonic() - start:.0f} s",
-              file=sys.stderr)
+        print(
+            f"decoded {[len(a['output_ids']) for a in answers]} tokens in {time.monotonic() - start:.0f} s",
+            file=sys.stderr,
+        )
     finally:
         server.stop()
     print(f"trace: {args.out}", file=sys.stderr)

@@ -50,7 +50,7 @@ def latent_oracle_ranking():
             return out
         u = row.score[layer].copy()
         u[: min(n_sink, n)] = np.inf
-        u[max(0, n - n_window):] = np.inf
+        u[max(0, n - n_window) :] = np.inf
         rest = np.setdiff1d(np.arange(n), out[:k])
         rest = rest[np.argsort(-u[rest], kind="stable")]
         return np.concatenate([out[:k], rest])[: min(n, spec.rank_depth)].astype(np.int64)
@@ -64,16 +64,24 @@ def latent_oracle_ranking():
 
 def spec_for(shape: str, top_k: int, seed: int) -> SyntheticTraceSpec:
     # noise_skew 1.5 is bench decode's default (the latent model does not read it)
-    return SyntheticTraceSpec(steps=160, layers=4, rows=8, top_k=top_k, shape=shape, seed=seed,
-                              noise_skew=1.5, rank_depth=4 * top_k)
+    return SyntheticTraceSpec(
+        steps=160, layers=4, rows=8, top_k=top_k, shape=shape, seed=seed, noise_skew=1.5, rank_depth=4 * top_k
+    )
 
 
 def study(shape: str, top_k: int, seed: int, oracle: bool) -> dict:
     hot = 2 * top_k
     trace = synthesize(spec_for(shape, top_k, seed))
     lru = simulate_policy(trace, "lru", hot, manage_impl="auto").misses
-    row = {"shape": shape, "top_k": top_k, "hot_tokens": hot, "rank_depth": 4 * top_k, "seed": seed,
-           "lru_misses": lru, "optimum": belady_misses(trace.topk, trace.req_ids, hot) / lru}
+    row = {
+        "shape": shape,
+        "top_k": top_k,
+        "hot_tokens": hot,
+        "rank_depth": 4 * top_k,
+        "seed": seed,
+        "lru_misses": lru,
+        "optimum": belady_misses(trace.topk, trace.req_ids, hot) / lru,
+    }
     for policy in POLICIES:
         row[policy] = simulate_policy(trace, policy, hot).misses / lru
     if oracle and shape == "locality":
@@ -99,8 +107,7 @@ def main(argv=None) -> int:
             for seed in (int(s) for s in args.seeds.split(",")):
                 t0 = time.perf_counter()
                 rows.append(study(shape, k, seed, args.oracle))
-                print(f"{shape} top-k {k} seed {seed}: {time.perf_counter() - t0:.1f} s", file=sys.stderr,
-                      flush=True)
+                print(f"{shape} top-k {k} seed {seed}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     print(json.dumps({"rows": rows, "columns_over": "lru_misses"}, indent=1))
     return 0
 

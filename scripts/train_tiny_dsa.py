@@ -93,8 +93,10 @@ class Plan:
 
 def default_phases(scale: float = 1.0) -> List[Phase]:
     """The committed checkpoint's schedule; ``scale`` shrinks the step counts (smoke runs)."""
+
     def steps(n: int) -> int:
         return max(1, int(round(n * scale)))
+
     return [
         Phase("lm", steps(360), 512, 8, 2e-3, None),
         Phase("warmup", steps(30), 2048, 1, 1e-3, None),
@@ -103,6 +105,7 @@ def default_phases(scale: float = 1.0) -> List[Phase]:
 
 
 # ----------------------------------------------------------------------------- corpus
+
 
 @dataclass(frozen=True)
 class Corpus:
@@ -120,10 +123,7 @@ def read_corpus(max_bytes: int = 0) -> Corpus:
     digest always cover every file.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    paths = sorted(
-        p for p in root.rglob("*.py")
-        if not (EXCLUDED_DIRS & set(p.relative_to(root).parts[:-1]))
-    )
+    paths = sorted(p for p in root.rglob("*.py") if not (EXCLUDED_DIRS & set(p.relative_to(root).parts[:-1])))
     digest = hashlib.sha256()
     train, heldout, total = [], [], 0
     for path in paths:
@@ -146,7 +146,9 @@ def train_tokenizer(texts: List[str]):
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer=trainer)
@@ -167,16 +169,30 @@ def encode_stream(tok, texts: List[str]):
 
 # ----------------------------------------------------------------------------- model
 
+
 def model_config(topk: int = INDEX_TOPK):
     from transformers import DeepseekV32Config
 
     raw = json.loads(BASE_CONFIG.read_text())
     # YaRN at factor 1 is plain RoPE (no interpolation, mscale 1); it is spelled out
     # because SGLang's CPU rope factory requires a rope_scaling entry.
-    raw["rope_scaling"] = {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096,
-                           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-    raw.update(vocab_size=VOCAB_SIZE, index_topk=topk, max_position_embeddings=4096,
-               bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    raw["rope_scaling"] = {
+        "type": "yarn",
+        "factor": 1.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
+    raw.update(
+        vocab_size=VOCAB_SIZE,
+        index_topk=topk,
+        max_position_embeddings=4096,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
     cfg = DeepseekV32Config(**raw)
     cfg._attn_implementation = "eager"
     return cfg, raw
@@ -190,8 +206,7 @@ def build_nextn(cfg):
     and the LM head are shared with the target model.
     """
     import torch.nn as nn
-    from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
-        DeepseekV32DecoderLayer, DeepseekV32RMSNorm)
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32DecoderLayer, DeepseekV32RMSNorm
 
     ext = copy.deepcopy(cfg)
     ext.num_hidden_layers = cfg.num_hidden_layers + 1
@@ -237,6 +252,7 @@ def set_topk(modules, topk: int) -> None:
 
 # ----------------------------------------------------------------------------- indexer loss
 
+
 class IndexerKL:
     """Captures each attention's inputs and probabilities and forms the indexer's KL loss.
 
@@ -264,15 +280,16 @@ class IndexerKL:
 
     def _pre(self, module, args, kwargs):
         if self.enabled:
-            self._inputs[id(module)] = (kwargs["hidden_states"], kwargs["position_embeddings"],
-                                        kwargs["attention_mask"])
+            self._inputs[id(module)] = (
+                kwargs["hidden_states"],
+                kwargs["position_embeddings"],
+                kwargs["attention_mask"],
+            )
 
     def _post(self, module, args, output):
         if not self.enabled:
             return
         import torch
-        import torch.nn.functional as F
-        from transformers.models.deepseek_v32.modeling_deepseek_v32 import apply_rotary_pos_emb
 
         hidden, (cos, sin), mask = self._inputs.pop(id(module))
         with torch.enable_grad():
@@ -297,7 +314,7 @@ class IndexerKL:
         q = torch.cat([q_rot, q_pass], -1)
         k = torch.cat([k_rot, k_pass], -1).squeeze(2)
         scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * idx.softmax_scale)
-        weights = idx.weights_proj(x).float() * (idx.n_heads ** -0.5)
+        weights = idx.weights_proj(x).float() * (idx.n_heads**-0.5)
         index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, S, T]
         visible = mask[:, 0] == 0  # [B or 1, S, T]
         visible = visible.expand_as(index_scores)
@@ -318,6 +335,7 @@ class IndexerKL:
 
 
 # ----------------------------------------------------------------------------- training
+
 
 def forward_losses(model, nextn, ids, mask):
     """LM and MTP cross-entropy for a batch ``ids [B, S]``."""
@@ -346,7 +364,7 @@ def sample_batch(stream, seq: int, batch: int, gen):
     import torch
 
     starts = torch.randint(0, stream.numel() - seq - 1, (batch,), generator=gen)
-    return torch.stack([stream[i: i + seq] for i in starts.tolist()])
+    return torch.stack([stream[i : i + seq] for i in starts.tolist()])
 
 
 def run_phase(phase: Phase, model, nextn, stream, gen, curve: List[dict], log) -> None:
@@ -366,7 +384,11 @@ def run_phase(phase: Phase, model, nextn, stream, gen, curve: List[dict], log) -
     opt = torch.optim.AdamW(params, lr=phase.lr, betas=(0.9, 0.95), weight_decay=0.01)
     warm = max(1, phase.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, phase.steps) / phase.steps))))
+        opt,
+        lambda i: (
+            min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, phase.steps) / phase.steps)))
+        ),
+    )
     kl_hook = IndexerKL(attentions, phase.topk) if train_indexer else None
     mask = causal_mask(phase.seq, torch.float32)
     t0 = time.monotonic()
@@ -391,9 +413,11 @@ def run_phase(phase: Phase, model, nextn, stream, gen, curve: List[dict], log) -
         if step == 0 or (step + 1) % 10 == 0 or step + 1 == phase.steps:
             rate = (step + 1) / (time.monotonic() - t0)
             eta = (phase.steps - step - 1) / rate
-            log(f"[{phase.name}] {step + 1}/{phase.steps}  lm {row['lm']:.3f}  mtp {row['mtp']:.3f}"
+            log(
+                f"[{phase.name}] {step + 1}/{phase.steps}  lm {row['lm']:.3f}  mtp {row['mtp']:.3f}"
                 + (f"  indexer_kl {row['indexer_kl']:.3f}" if kl is not None else "")
-                + f"  ({rate:.2f} steps/s, {eta:.0f} s left)")
+                + f"  ({rate:.2f} steps/s, {eta:.0f} s left)"
+            )
     if kl_hook:
         kl_hook.remove()
     for p in main_params:
@@ -402,7 +426,8 @@ def run_phase(phase: Phase, model, nextn, stream, gen, curve: List[dict], log) -
 
 # ----------------------------------------------------------------------------- export + eval
 
-def export_state(model, nextn) -> Dict[str, "torch.Tensor"]:
+
+def export_state(model, nextn) -> Dict[str, "torch.Tensor"]:  # noqa: F821 - torch is imported lazily
     """The DeepSeek checkpoint layout SGLang reads (bf16; the router bias stays fp32)."""
     import torch
 
@@ -419,7 +444,7 @@ def export_state(model, nextn) -> Dict[str, "torch.Tensor"]:
     for name, t in sd.items():
         if not name.startswith("decoder."):
             continue
-        rest = name[len("decoder."):]
+        rest = name[len("decoder.") :]
         if rest == "mlp.experts.gate_up_proj":
             inter = t.shape[1] // 2
             for e in range(t.shape[0]):
@@ -430,15 +455,18 @@ def export_state(model, nextn) -> Dict[str, "torch.Tensor"]:
                 out[f"{layer}.mlp.experts.{e}.down_proj.weight"] = t[e]
         else:
             out[f"{layer}.{rest}"] = t
-    return {k: (v.detach().float() if k.endswith("e_score_correction_bias") else v.detach().to(torch.bfloat16)).contiguous()
-            for k, v in out.items()}
+    return {
+        k: (v.detach().float() if k.endswith("e_score_correction_bias") else v.detach().to(torch.bfloat16)).contiguous()
+        for k, v in out.items()
+    }
 
 
 def heldout_windows(stream, count: int, length: int) -> List[List[int]]:
     """``count`` evenly spaced, non-overlapping windows of the held-out stream."""
     stride = max(length, (stream.numel() - length) // max(1, count))
-    return [stream[i * stride: i * stride + length].tolist() for i in range(count)
-            if i * stride + length <= stream.numel()]
+    return [
+        stream[i * stride : i * stride + length].tolist() for i in range(count) if i * stride + length <= stream.numel()
+    ]
 
 
 def evaluate(out_dir: Path, windows: List[List[int]]) -> Tuple[float, List[float]]:
@@ -485,23 +513,38 @@ def write_fixture(out_dir: Path, tok, raw_cfg: dict, state, meta: dict) -> None:
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>",
-        "add_bos_token": True, "model_max_length": 4096, "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    }, indent=2) + "\n")
-    (out_dir / "special_tokens_map.json").write_text(json.dumps({
-        "bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}, indent=2) + "\n")
-    (out_dir / "generation_config.json").write_text(json.dumps({
-        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}, indent=2) + "\n")
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<|bos|>",
+                "eos_token": "<|eos|>",
+                "pad_token": "<|pad|>",
+                "add_bos_token": True,
+                "model_max_length": 4096,
+                "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    (out_dir / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"}, indent=2) + "\n"
+    )
+    (out_dir / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}, indent=2) + "\n"
+    )
     (out_dir / "training.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
 # glibc hands every large block back to the kernel and faults it in again on the next
 # step; keeping freed memory in the process halves the step time here (same numbers).
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34),
-              "MALLOC_TOP_PAD_": str(1 << 30)}
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 34),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 34),
+    "MALLOC_TOP_PAD_": str(1 << 30),
+}
 
 
 def reexec_with_malloc_env() -> None:
@@ -513,15 +556,21 @@ def reexec_with_malloc_env() -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="fixture directory to write")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (the result depends on it)")
-    ap.add_argument("--scale", type=float, default=1.0,
-                    help="multiply every phase's step count (e.g. 0.01 for a smoke run)")
-    ap.add_argument("--max-corpus-mb", type=float, default=0.0,
-                    help="train on only this much of the corpus (0: all of it); for smoke runs")
+    ap.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every phase's step count (e.g. 0.01 for a smoke run)"
+    )
+    ap.add_argument(
+        "--max-corpus-mb",
+        type=float,
+        default=0.0,
+        help="train on only this much of the corpus (0: all of it); for smoke runs",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -538,8 +587,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     tok = train_tokenizer(corpus.train)
     train_stream = encode_stream(tok, corpus.train)
     heldout_stream = encode_stream(tok, corpus.heldout)
-    log(f"tokenizer: {tok.get_vocab_size()} tokens; {train_stream.numel():,} training and "
-        f"{heldout_stream.numel():,} held-out tokens ({time.monotonic() - start:.0f} s)")
+    log(
+        f"tokenizer: {tok.get_vocab_size()} tokens; {train_stream.numel():,} training and "
+        f"{heldout_stream.numel():,} held-out tokens ({time.monotonic() - start:.0f} s)"
+    )
 
     from transformers import DeepseekV32ForCausalLM
 
@@ -549,8 +600,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     nextn = build_nextn(cfg)
     init_nextn(nextn, cfg.initializer_range)
     nextn.train()
-    log(f"model: {sum(p.numel() for p in model.parameters()):,} parameters + "
-        f"{sum(p.numel() for p in nextn.parameters()):,} in the NextN layer")
+    log(
+        f"model: {sum(p.numel() for p in model.parameters()):,} parameters + "
+        f"{sum(p.numel() for p in nextn.parameters()):,} in the NextN layer"
+    )
 
     phases = default_phases(args.scale)
     curve: List[dict] = []
@@ -562,29 +615,49 @@ def main(argv: Optional[List[str]] = None) -> int:
     windows = heldout_windows(heldout_stream, EVAL_WINDOWS, EVAL_WINDOW)
     meta = {
         "command": "python scripts/train_tiny_dsa.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "seed": args.seed, "threads": args.threads, "phases": [asdict(p) for p in phases],
-        "corpus": {"name": "Python standard library source (*.py, without site-packages and test suites)",
-                   "licence": "PSF-2.0", "python": sys.version.split()[0], "files": corpus.files,
-                   "train_files": len(corpus.train), "heldout_files": len(corpus.heldout),
-                   "sha256": corpus.sha256, "train_tokens": int(train_stream.numel()),
-                   "heldout_tokens": int(heldout_stream.numel())},
-        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
-                     "tokenizers": __import__("tokenizers").__version__},
+        "seed": args.seed,
+        "threads": args.threads,
+        "phases": [asdict(p) for p in phases],
+        "corpus": {
+            "name": "Python standard library source (*.py, without site-packages and test suites)",
+            "licence": "PSF-2.0",
+            "python": sys.version.split()[0],
+            "files": corpus.files,
+            "train_files": len(corpus.train),
+            "heldout_files": len(corpus.heldout),
+            "sha256": corpus.sha256,
+            "train_tokens": int(train_stream.numel()),
+            "heldout_tokens": int(heldout_stream.numel()),
+        },
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__,
+            "tokenizers": __import__("tokenizers").__version__,
+        },
         "train_seconds": round(train_s, 1),
         "curve": curve,
     }
     write_fixture(args.out, tok, raw_cfg, state, meta)
     nll, per_window = evaluate(args.out, windows)
     uni = unigram_nll(train_stream, heldout_stream)
-    meta["heldout"] = {"window": EVAL_WINDOW, "windows": len(windows), "nll": round(nll, 4),
-                       "perplexity": round(math.exp(nll), 3), "unigram_nll": round(uni, 4),
-                       "unigram_perplexity": round(math.exp(uni), 3), "per_window_nll": [round(x, 4) for x in per_window]}
+    meta["heldout"] = {
+        "window": EVAL_WINDOW,
+        "windows": len(windows),
+        "nll": round(nll, 4),
+        "perplexity": round(math.exp(nll), 3),
+        "unigram_nll": round(uni, 4),
+        "unigram_perplexity": round(math.exp(uni), 3),
+        "per_window_nll": [round(x, 4) for x in per_window],
+    }
     (args.out / "training.json").write_text(json.dumps(meta, indent=1) + "\n")
-    (args.out / "heldout_eval.json").write_text(json.dumps(
-        {"index_topk": INDEX_TOPK, "nll": per_window, "windows": windows}) + "\n")
+    (args.out / "heldout_eval.json").write_text(
+        json.dumps({"index_topk": INDEX_TOPK, "nll": per_window, "windows": windows}) + "\n"
+    )
     size_mb = sum(f.stat().st_size for f in args.out.iterdir()) / 1e6
-    log(f"held-out NLL {nll:.3f} nats/token (perplexity {math.exp(nll):.1f}) vs unigram {uni:.3f} "
-        f"({math.exp(uni):.1f}); fixture {size_mb:.1f} MB in {args.out}; {time.monotonic() - start:.0f} s in all")
+    log(
+        f"held-out NLL {nll:.3f} nats/token (perplexity {math.exp(nll):.1f}) vs unigram {uni:.3f} "
+        f"({math.exp(uni):.1f}); fixture {size_mb:.1f} MB in {args.out}; {time.monotonic() - start:.0f} s in all"
+    )
     return 0
 
 

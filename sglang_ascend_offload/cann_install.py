@@ -55,8 +55,10 @@ KERNEL_DIRS: Tuple[Tuple[str, str, str], ...] = (
 TOOLKIT_ONLY_ENTRIES = frozenset({"ops_oam", "config"})
 DEFAULT_ROOTS = ("/usr/local/Ascend/cann", "/usr/local/Ascend/ascend-toolkit/latest")
 KERNEL_SUBDIR = Path("built-in/op_impl/ai_core/tbe/kernel")
-SET_ENV_HINT = ("source the CANN environment first: source /usr/local/Ascend/ascend-toolkit/set_env.sh "
-                "(or <install>/cann/set_env.sh), which sets ASCEND_HOME_PATH")
+SET_ENV_HINT = (
+    "source the CANN environment first: source /usr/local/Ascend/ascend-toolkit/set_env.sh "
+    "(or <install>/cann/set_env.sh), which sets ASCEND_HOME_PATH"
+)
 
 
 @dataclass(frozen=True)
@@ -114,8 +116,12 @@ def read_key_values(path: Path) -> Dict[str, str]:
 
 
 def _version(root: Path, arch: str) -> Tuple[Optional[str], Optional[str], Tuple[str, ...]]:
-    candidates = (root / f"{arch}-linux" / "ascend_toolkit_install.info", root / "ascend_toolkit_install.info",
-                  root / "version.info", root / "toolkit" / "version.info")
+    candidates = (
+        root / f"{arch}-linux" / "ascend_toolkit_install.info",
+        root / "ascend_toolkit_install.info",
+        root / "version.info",
+        root / "toolkit" / "version.info",
+    )
     problems = []
     for path in candidates:
         if not path.is_file():
@@ -163,20 +169,37 @@ def detect(env: Optional[Mapping[str, str]] = None, arch: Optional[str] = None) 
     arch = arch or _py_platform.machine() or "x86_64"
     root = cann_root(env)
     if root is None:
-        return CannInstall(None, None, None, None, None,
-                           reason=f"no CANN install found (ASCEND_HOME_PATH unset, none of {', '.join(DEFAULT_ROOTS)}); "
-                                  + SET_ENV_HINT)
+        return CannInstall(
+            None,
+            None,
+            None,
+            None,
+            None,
+            reason=f"no CANN install found (ASCEND_HOME_PATH unset, none of {', '.join(DEFAULT_ROOTS)}); "
+            + SET_ENV_HINT,
+        )
     if not root.is_dir():
-        return CannInstall(str(root), None, None, None, None,
-                           reason=f"the CANN install directory {root} does not exist; " + SET_ENV_HINT)
+        return CannInstall(
+            str(root),
+            None,
+            None,
+            None,
+            None,
+            reason=f"the CANN install directory {root} does not exist; " + SET_ENV_HINT,
+        )
     version, version_file, version_notes = _version(root, arch)
     opp = Path(env.get("ASCEND_OPP_PATH") or root / "opp")
     kernel_root = opp / KERNEL_SUBDIR
     base = dict(root=str(root), version=version, version_file=version_file)
     if not kernel_root.is_dir():
-        return CannInstall(**base, soc=None, family=None, notes=version_notes,
-                           reason=f"{kernel_root} does not exist: no CANN operator package is installed, so the "
-                                  "build does not say which SoC it serves; install the A2 / A3 operator package")
+        return CannInstall(
+            **base,
+            soc=None,
+            family=None,
+            notes=version_notes,
+            reason=f"{kernel_root} does not exist: no CANN operator package is installed, so the "
+            "build does not say which SoC it serves; install the A2 / A3 operator package",
+        )
     dirs, problem = _installed_kernel_dirs(kernel_root)
     if problem:
         return CannInstall(**base, soc=None, family=None, notes=version_notes, reason=problem)
@@ -193,23 +216,30 @@ def detect(env: Optional[Mapping[str, str]] = None, arch: Optional[str] = None) 
     if "950" in known:
         extra = tuple(f for f in families if f != "950")
         if extra:
-            notes += (f"the build also carries {', '.join(extra)} kernels; a build with Ascend 950 kernels is "
-                      "treated as a 950 node",)
+            notes += (
+                f"the build also carries {', '.join(extra)} kernels; a build with Ascend 950 kernels is "
+                "treated as a 950 node",
+            )
         return CannInstall(**base, soc=known["950"], family="950", installed_families=families, notes=notes)
     if len(known) == 1:
-        (family, soc), = known.items()
+        ((family, soc),) = known.items()
         return CannInstall(**base, soc=soc, family=family, installed_families=families, notes=notes)
     if not known:
-        reason = (f"no operator kernels of a known SoC under {kernel_root} (found: {', '.join(dirs) or 'none'}); "
-                  "install the CANN operator package of this node's SoC (A2 or A3)")
+        reason = (
+            f"no operator kernels of a known SoC under {kernel_root} (found: {', '.join(dirs) or 'none'}); "
+            "install the CANN operator package of this node's SoC (A2 or A3)"
+        )
     else:
-        reason = (f"the build carries kernels of several SoC families ({', '.join(families)}) under {kernel_root}, "
-                  "so it does not say which one this node is")
+        reason = (
+            f"the build carries kernels of several SoC families ({', '.join(families)}) under {kernel_root}, "
+            "so it does not say which one this node is"
+        )
     return CannInstall(**base, soc=None, family=None, installed_families=families, notes=notes, reason=reason)
 
 
-def deployment_soc(runtime_soc: Optional[str] = None,
-                   env: Optional[Mapping[str, str]] = None) -> Tuple[Optional[str], Optional[str]]:
+def deployment_soc(
+    runtime_soc: Optional[str] = None, env: Optional[Mapping[str, str]] = None
+) -> Tuple[Optional[str], Optional[str]]:
     """``(soc, soc_unknown)`` for an NPU deployment: the installed build's SoC, or
     ``None`` and the reason it is undecided.
 
@@ -223,8 +253,10 @@ def deployment_soc(runtime_soc: Optional[str] = None,
     runtime_family = soc_family(runtime_soc) if runtime_soc else None
     if info.decided:
         if runtime_family and info.family != "950" and runtime_family != info.family:
-            return None, (f"the installed CANN build serves {info.family} ({info.soc}) but the device reports "
-                          f"{runtime_soc!r} ({runtime_family}); install the operator package of this SoC")
+            return None, (
+                f"the installed CANN build serves {info.family} ({info.soc}) but the device reports "
+                f"{runtime_soc!r} ({runtime_family}); install the operator package of this SoC"
+            )
         return info.soc, None
     if runtime_family and runtime_family in info.installed_families and runtime_family != "950":
         return runtime_soc, None

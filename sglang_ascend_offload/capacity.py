@@ -225,8 +225,9 @@ class CapacityReport:
         for m in self.modes:
             if m.name == name:
                 return m
-        raise KeyError(f"no mode {name!r} in this report (skipped: "
-                       f"{', '.join(s.name for s in self.skipped) or 'none'})")
+        raise KeyError(
+            f"no mode {name!r} in this report (skipped: {', '.join(s.name for s in self.skipped) or 'none'})"
+        )
 
 
 # ------------------------------------------------------------------ validation
@@ -244,8 +245,11 @@ def input_problems(inputs: CapacityInputs, model: Optional[ModelShape]) -> List[
     if inputs.weights_bytes < 0:
         bad("weights", f"weights take {inputs.weights_bytes / GIB:g} GiB", "pass --weights-gb >= 0")
     elif inputs.hbm_bytes > 0 and inputs.weights_bytes >= inputs.hbm_bytes:
-        bad("weights", f"--weights-gb {inputs.weights_bytes / GIB:g} leaves no HBM of "
-            f"--hbm-gb {inputs.hbm_bytes / GIB:g}", "--weights-gb must be below --hbm-gb")
+        bad(
+            "weights",
+            f"--weights-gb {inputs.weights_bytes / GIB:g} leaves no HBM of --hbm-gb {inputs.hbm_bytes / GIB:g}",
+            "--weights-gb must be below --hbm-gb",
+        )
     for name in ("tp", "dp", "pcp", "context", "page_size", "shared_buffers"):
         if getattr(inputs, name) < 1:
             bad(name, f"{name} is {getattr(inputs, name)}", f"--{name.replace('_', '-')} must be >= 1")
@@ -254,20 +258,32 @@ def input_problems(inputs: CapacityInputs, model: Optional[ModelShape]) -> List[
         if value is not None and value < 1:
             bad(name, f"{name} is {value}", f"--{name.replace('_', '-')} must be >= 1 (or left out)")
     if inputs.independent_layers < 0:
-        bad("independent_layers", f"independent_layers is {inputs.independent_layers}",
-            "--independent-layers must be >= 0")
+        bad(
+            "independent_layers",
+            f"independent_layers is {inputs.independent_layers}",
+            "--independent-layers must be >= 0",
+        )
     if inputs.indexer_dtype not in INDEXER_DTYPES:
-        bad("indexer_dtype", f"indexer dtype {inputs.indexer_dtype!r}",
-            f"--indexer-dtype must be one of {', '.join(INDEXER_DTYPES)}")
+        bad(
+            "indexer_dtype",
+            f"indexer dtype {inputs.indexer_dtype!r}",
+            f"--indexer-dtype must be one of {', '.join(INDEXER_DTYPES)}",
+        )
     if model is None:
         return out
     if inputs.hot_tokens is not None and 1 <= inputs.hot_tokens < model.index_topk:
-        bad("hot_tokens", f"hot_tokens {inputs.hot_tokens} < top-k {model.index_topk} of {model.name}",
-            f"--hot-tokens must be >= {model.index_topk} (every selected row needs a slot)")
+        bad(
+            "hot_tokens",
+            f"hot_tokens {inputs.hot_tokens} < top-k {model.index_topk} of {model.name}",
+            f"--hot-tokens must be >= {model.index_topk} (every selected row needs a slot)",
+        )
     n_cache = model.cache_layers(inputs.mtp)
     if inputs.independent_layers > n_cache:
-        bad("independent_layers", f"independent_layers {inputs.independent_layers} > the "
-            f"{n_cache} cache-bearing layers of {model.name}", f"--independent-layers must be <= {n_cache}")
+        bad(
+            "independent_layers",
+            f"independent_layers {inputs.independent_layers} > the {n_cache} cache-bearing layers of {model.name}",
+            f"--independent-layers must be <= {n_cache}",
+        )
     if inputs.mtp and model.mtp_layers == 0:
         bad("mtp", f"{model.name} has no MTP layers (num_nextn_predict_layers = 0)", "drop --mtp")
     return out
@@ -306,10 +322,14 @@ def hot_buffer_plan(model: ModelShape, inputs: CapacityInputs) -> HotBufferPlan:
     """The request's hot buffer: one engine row per request, shared by its verify rows."""
     n, hot = inputs.rows_per_req(model), inputs.hot(model)
     per_request = inputs.hot_per_request(model)
-    return HotBufferPlan(rows_per_request=n, hot_tokens_per_row=hot, hot_tokens_per_request=per_request,
-                         verify_rows_share_buffer=n > 1,
-                         device_bytes_per_request=_residency_row_bytes(model, per_request),
-                         per_row_hot_tokens_per_request=n * hot)
+    return HotBufferPlan(
+        rows_per_request=n,
+        hot_tokens_per_row=hot,
+        hot_tokens_per_request=per_request,
+        verify_rows_share_buffer=n > 1,
+        device_bytes_per_request=_residency_row_bytes(model, per_request),
+        per_row_hot_tokens_per_request=n * hot,
+    )
 
 
 def _decode_rows(model: ModelShape, inputs: CapacityInputs) -> Dict[str, Optional[int]]:
@@ -326,12 +346,13 @@ def _hot_description(model: ModelShape, inputs: CapacityInputs) -> str:
     hb = hot_buffer_plan(model, inputs)
     if not hb.verify_rows_share_buffer:
         return f"{hb.hot_tokens_per_request} hot rows/layer/decode row"
-    return (f"{hb.hot_tokens_per_request} hot rows/layer/request, one buffer shared by its {hb.rows_per_request} "
-            f"verify rows (max({hb.hot_tokens_per_row}, {hb.rows_per_request} x top-k {model.index_topk}))")
+    return (
+        f"{hb.hot_tokens_per_request} hot rows/layer/request, one buffer shared by its {hb.rows_per_request} "
+        f"verify rows (max({hb.hot_tokens_per_row}, {hb.rows_per_request} x top-k {model.index_topk}))"
+    )
 
 
-def footprints(model: ModelShape, inputs: CapacityInputs) -> Tuple[Dict[str, Tuple[Footprint, str]],
-                                                                     List[SkippedMode]]:
+def footprints(model: ModelShape, inputs: CapacityInputs) -> Tuple[Dict[str, Tuple[Footprint, str]], List[SkippedMode]]:
     """Footprint and one-line description of every applicable mode; the skipped ones with why."""
     n = model.cache_layers(inputs.mtp)
     main = model.main_bytes_per_layer
@@ -342,8 +363,10 @@ def footprints(model: ModelShape, inputs: CapacityInputs) -> Tuple[Dict[str, Tup
     out: Dict[str, Tuple[Footprint, str]] = {}
     skipped: List[SkippedMode] = []
 
-    out["full-device"] = (Footprint(device_per_token=n * bundle),
-                          f"main KV + indexer of all {n} layers on every device")
+    out["full-device"] = (
+        Footprint(device_per_token=n * bundle),
+        f"main KV + indexer of all {n} layers on every device",
+    )
 
     # SGLang 0.5.23 sparsity_driven_kv_offload (manager.py): per request slot (max
     # running requests + 1 padding slot) and layer, a device cache of top-k rows and a
@@ -355,12 +378,17 @@ def footprints(model: ModelShape, inputs: CapacityInputs) -> Tuple[Dict[str, Tup
     slot_map_row = n * 4 * ((c // 8 + 1) * 8)
     slot_host = inputs.tp * n * c * main
     out["sglang-npu-offload"] = (
-        Footprint(device_per_token=n * peer_idx,
-                  device_per_request=slot_dev + slot_map_row,
-                  device_fixed=slot_dev + 2 * slot_map_row,
-                  host_per_request=slot_host, host_fixed=slot_host, slotted=True),
+        Footprint(
+            device_per_token=n * peer_idx,
+            device_per_request=slot_dev + slot_map_row,
+            device_fixed=slot_dev + 2 * slot_map_row,
+            host_per_request=slot_host,
+            host_fixed=slot_host,
+            slotted=True,
+        ),
         "SGLang in-tree NPU offload: device top-k cache + slot map per request, host slot of "
-        "max context per request and TP rank, bf16 indexer pool on device")
+        "max context per request and TP rank, bf16 indexer pool on device",
+    )
 
     rows = _decode_rows(model, inputs)
     # Sparse decode offloads the target layers only. The MTP (NextN draft) layers keep main
@@ -370,42 +398,67 @@ def footprints(model: ModelShape, inputs: CapacityInputs) -> Tuple[Dict[str, Tup
     sd_host_per_token = model.num_layers * main
     draft_note = f"; {draft} MTP layer(s): main KV + indexer on device" if draft else ""
     out["sparse-decode"] = (
-        Footprint(device_per_token=sd_device_per_token, device_per_request=rows["per_request"] or 0,
-                  device_fixed=rows["fixed"] or 0, host_per_token=sd_host_per_token,
-                  max_requests=rows["max_requests"]),
-        f"indexer on device, {_hot_description(model, inputs)}, main KV in the DP rank's host pool{draft_note}")
+        Footprint(
+            device_per_token=sd_device_per_token,
+            device_per_request=rows["per_request"] or 0,
+            device_fixed=rows["fixed"] or 0,
+            host_per_token=sd_host_per_token,
+            max_requests=rows["max_requests"],
+        ),
+        f"indexer on device, {_hot_description(model, inputs)}, main KV in the DP rank's host pool{draft_note}",
+    )
 
     p = physical_layer_buffers(n, inputs.independent_layers, inputs.shared_buffers)
     out["layerwise-prefill"] = (
         Footprint(device_per_token=p * bundle, host_per_token=n * bundle),
         f"{p} physical layer buffers (I={inputs.independent_layers} + min(B={inputs.shared_buffers}, "
-        f"{n - inputs.independent_layers})) on device, every layer in the host KV pool")
+        f"{n - inputs.independent_layers})) on device, every layer in the host KV pool",
+    )
 
     g = inputs.kvpp_group
     if g < 2:
-        skipped.append(SkippedMode("kvpp", f"needs a group of >= 2 ranks (tp * pcp = {g}); "
-                                           "with one rank it would only add two scratch layers"))
+        skipped.append(
+            SkippedMode(
+                "kvpp",
+                f"needs a group of >= 2 ranks (tp * pcp = {g}); with one rank it would only add two scratch layers",
+            )
+        )
     else:
         owned = kvpp_owned_layers(model.num_layers, g, 0)  # rank 0 owns the most
         mtp_local = model.mtp_layers if inputs.mtp else 0
         out["kvpp"] = (
-            Footprint(device_per_token=(owned + mtp_local + KVPP_SCRATCH_BUFFERS) * bundle,
-                      device_fixed=KVPP_SCRATCH_BUFFERS * KVPP_SCRATCH_ALIGNMENT),
+            Footprint(
+                device_per_token=(owned + mtp_local + KVPP_SCRATCH_BUFFERS) * bundle,
+                device_fixed=KVPP_SCRATCH_BUFFERS * KVPP_SCRATCH_ALIGNMENT,
+            ),
             f"per rank of {g}: {owned} owned layers + {mtp_local} MTP + {KVPP_SCRATCH_BUFFERS} scratch "
-            "bundles (main + indexer)")
+            "bundles (main + indexer)",
+        )
 
     out["sparse-decode+layerwise-prefill"] = (
-        Footprint(device_per_token=sd_device_per_token, device_per_request=rows["per_request"] or 0,
-                  device_fixed=(rows["fixed"] or 0) + p * main * inputs.paged(inputs.prefill_tok()),
-                  host_per_token=sd_host_per_token, max_requests=rows["max_requests"]),
+        Footprint(
+            device_per_token=sd_device_per_token,
+            device_per_request=rows["per_request"] or 0,
+            device_fixed=(rows["fixed"] or 0) + p * main * inputs.paged(inputs.prefill_tok()),
+            host_per_token=sd_host_per_token,
+            max_requests=rows["max_requests"],
+        ),
         f"colocated: sparse decode + {p} main-KV layer buffers of {inputs.prefill_tok()} prefill tokens; "
-        "one host copy of the main KV serves both")
+        "one host copy of the main KV serves both",
+    )
     return out, skipped
 
 
 # ------------------------------------------------------------------ solving
-def host_pool_bytes_per_node(bytes_per_token: int, tokens_per_pool: int, pools: int, *, fixed: int = 0,
-                             per_request: int = 0, requests_per_pool: int = 0) -> int:
+def host_pool_bytes_per_node(
+    bytes_per_token: int,
+    tokens_per_pool: int,
+    pools: int,
+    *,
+    fixed: int = 0,
+    per_request: int = 0,
+    requests_per_pool: int = 0,
+) -> int:
     """Host bytes of a node's host KV pools: ``pools`` (one per DP rank on the node; its TP
     ranks share it) x (fixed + requests x per_request + tokens x per_token). The served
     plugin logs the same number at startup (``sglang_plugin.mem_cache.pool_host.shared``)."""
@@ -418,8 +471,7 @@ def _fit_requests(budget: int, fixed: int, per_request: int) -> Optional[int]:
     return max(0, (budget - fixed) // per_request)
 
 
-def _fit_tokens(budget: int, fixed: int, per_request: int, per_token: int, requests: int,
-                page: int) -> Optional[int]:
+def _fit_tokens(budget: int, fixed: int, per_request: int, per_token: int, requests: int, page: int) -> Optional[int]:
     if per_token == 0:
         return None
     left = budget - fixed - requests * per_request
@@ -439,24 +491,42 @@ def solve(name: str, description: str, fp: Footprint, inputs: CapacityInputs) ->
         "rows": fp.max_requests,
     }
     limited_by, requests = min(((k, v) for k, v in bounds.items() if v is not None), key=lambda kv: kv[1])
-    token_bounds = [t for t in (
-        _fit_tokens(hbm, fp.device_fixed, fp.device_per_request, fp.device_per_token, requests, inputs.page_size),
-        _fit_tokens(host, fp.host_fixed, fp.host_per_request, fp.host_per_token, requests, inputs.page_size),
-    ) if t is not None]
+    token_bounds = [
+        t
+        for t in (
+            _fit_tokens(hbm, fp.device_fixed, fp.device_per_request, fp.device_per_token, requests, inputs.page_size),
+            _fit_tokens(host, fp.host_fixed, fp.host_per_request, fp.host_per_token, requests, inputs.page_size),
+        )
+        if t is not None
+    ]
     tokens = min(token_bounds)
     if fp.slotted:
         tokens = min(tokens, requests * inputs.context)
     return ModeCapacity(
-        name=name, description=description,
-        device_bytes_per_token=fp.device_per_token, host_bytes_per_token=fp.host_per_token,
-        device_bytes_per_request=fp.device_per_request, host_bytes_per_request=fp.host_per_request,
-        device_fixed_bytes=fp.device_fixed, host_fixed_bytes=fp.host_fixed,
+        name=name,
+        description=description,
+        device_bytes_per_token=fp.device_per_token,
+        host_bytes_per_token=fp.host_per_token,
+        device_bytes_per_request=fp.device_per_request,
+        host_bytes_per_request=fp.host_per_request,
+        device_fixed_bytes=fp.device_fixed,
+        host_fixed_bytes=fp.host_fixed,
         device_bytes_per_context_token=round(dev_req / inputs.context, 1),
         host_bytes_per_context_token=round(host_req / inputs.context, 1),
-        tokens=tokens * inputs.dp, requests=requests * inputs.dp,
-        tokens_per_dp_rank=tokens, requests_per_dp_rank=requests, limited_by=limited_by,
-        host_bytes_per_node=host_pool_bytes_per_node(fp.host_per_token, tokens, inputs.dp, fixed=fp.host_fixed,
-                                                     per_request=fp.host_per_request, requests_per_pool=requests))
+        tokens=tokens * inputs.dp,
+        requests=requests * inputs.dp,
+        tokens_per_dp_rank=tokens,
+        requests_per_dp_rank=requests,
+        limited_by=limited_by,
+        host_bytes_per_node=host_pool_bytes_per_node(
+            fp.host_per_token,
+            tokens,
+            inputs.dp,
+            fixed=fp.host_fixed,
+            per_request=fp.host_per_request,
+            requests_per_pool=requests,
+        ),
+    )
 
 
 def plan(model: ModelShape, inputs: CapacityInputs) -> CapacityReport:
@@ -468,8 +538,13 @@ def plan(model: ModelShape, inputs: CapacityInputs) -> CapacityReport:
     modes = [_with_ratio(m, full) for m in modes]
     order = {name: i for i, name in enumerate(MODE_NAMES)}
     modes.sort(key=lambda m: order[m.name])
-    return CapacityReport(model=model, inputs=inputs, modes=tuple(modes), skipped=tuple(skipped),
-                          hot_buffer=hot_buffer_plan(model, inputs))
+    return CapacityReport(
+        model=model,
+        inputs=inputs,
+        modes=tuple(modes),
+        skipped=tuple(skipped),
+        hot_buffer=hot_buffer_plan(model, inputs),
+    )
 
 
 def _with_ratio(m: ModeCapacity, full_requests: int) -> ModeCapacity:
@@ -477,6 +552,22 @@ def _with_ratio(m: ModeCapacity, full_requests: int) -> ModeCapacity:
     return replace(m, requests_vs_full=ratio)
 
 
-__all__ = ["CapacityInputs", "CapacityReport", "Footprint", "HotBufferPlan", "ModeCapacity", "SkippedMode",
-           "MODE_NAMES", "GIB", "check_inputs", "footprints", "hot_buffer_plan", "input_problems", "kvpp_owned_layers",
-           "physical_layer_buffers", "plan", "solve", "host_pool_bytes_per_node"]
+__all__ = [
+    "CapacityInputs",
+    "CapacityReport",
+    "Footprint",
+    "HotBufferPlan",
+    "ModeCapacity",
+    "SkippedMode",
+    "MODE_NAMES",
+    "GIB",
+    "check_inputs",
+    "footprints",
+    "hot_buffer_plan",
+    "input_problems",
+    "kvpp_owned_layers",
+    "physical_layer_buffers",
+    "plan",
+    "solve",
+    "host_pool_bytes_per_node",
+]

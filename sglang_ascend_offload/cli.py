@@ -17,23 +17,37 @@ from typing import List, Optional
 COMMANDS = {
     "capacity": ("sglang_ascend_offload.capacity_cli", "KV capacity per mode for a model and a machine"),
     "check-config": ("sglang_ascend_offload.config_cli", "validate an offload config against a deployment"),
-    "check-kernels": ("sglang_ascend_offload.kernel_check.cli",
-                      "AscendC kernels on CPU: compile check against the AscendC headers + functional model"),
-    "demo": ("sglang_ascend_offload.demo",
-             "serve the trained tiny checkpoint with offload, send one request, show the answer and the offload"),
+    "check-kernels": (
+        "sglang_ascend_offload.kernel_check.cli",
+        "AscendC kernels on CPU: compile check against the AscendC headers + functional model",
+    ),
+    "demo": (
+        "sglang_ascend_offload.demo",
+        "serve the trained tiny checkpoint with offload, send one request, show the answer and the offload",
+    ),
     "env": ("sglang_ascend_offload.env_cli", "what this machine can run (device, packages, op rungs)"),
-    "size-hot": ("sglang_ascend_offload.size_hot_cli", "misses vs hot_tokens from a trace: curves, plot, recommended size"),
+    "size-hot": (
+        "sglang_ascend_offload.size_hot_cli",
+        "misses vs hot_tokens from a trace: curves, plot, recommended size",
+    ),
 }
 BENCH_COMMANDS = {
-    "append-order": ("sglang_ascend_offload.bench.append_order",
-                     "TP-shared host pool: cost of ordering rank 0's appends before the other ranks' reads"),
+    "append-order": (
+        "sglang_ascend_offload.bench.append_order",
+        "TP-shared host pool: cost of ordering rank 0's appends before the other ranks' reads",
+    ),
     "decode": ("sglang_ascend_offload.bench.decode", "replay a top-k trace through the sparse decode engine"),
     "kvpp": ("sglang_ascend_offload.bench.kvpp", "KVPP broadcast + prefetch over gloo: full-layer vs active-block"),
     "kernels": ("sglang_ascend_offload.bench.kernels", "Triton vs reference, per residency/copy kernel"),
     "prefill": ("sglang_ascend_offload.bench.prefill", "layerwise prefill pipeline: footprint and overlap"),
-    "serve": ("sglang_ascend_offload.bench.serve",
-              "served tok/s and latency: offload on/off x eager/graph x speculation, side by side"),
-    "soak": ("sglang_ascend_offload.bench.soak", "served offload under churn for minutes: memory growth, leaks, failures"),
+    "serve": (
+        "sglang_ascend_offload.bench.serve",
+        "served tok/s and latency: offload on/off x eager/graph x speculation, side by side",
+    ),
+    "soak": (
+        "sglang_ascend_offload.bench.soak",
+        "served offload under churn for minutes: memory growth, leaks, failures",
+    ),
     "transfer": ("sglang_ascend_offload.bench.transfer", "P/D transfer engine throughput, overhead and faults"),
 }
 
@@ -71,8 +85,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     module = getattr(args, "_module", None)
     if module is None:
         parser.print_help()

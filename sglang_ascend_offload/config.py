@@ -131,43 +131,61 @@ class SparseDecodeOffloadConfig:
     def _check(self) -> List[str]:
         errs = []
         if not 0.0 <= self.verify_sample_rate <= 1.0:
-            errs.append(f"verify_sample_rate={self.verify_sample_rate} is out of range: it must be in [0, 1] "
-                        "(0 = off; e.g. 1e-3)")
+            errs.append(
+                f"verify_sample_rate={self.verify_sample_rate} is out of range: it must be in [0, 1] "
+                "(0 = off; e.g. 1e-3)"
+            )
         if self.hot_tokens is not None and self.hot_tokens < 1:
-            errs.append(f"hot_tokens={self.hot_tokens} is out of range: it must be >= 1 (and >= the model's "
-                        "top-k, a multiple of the page size; null = 2 x top-k)")
+            errs.append(
+                f"hot_tokens={self.hot_tokens} is out of range: it must be >= 1 (and >= the model's "
+                "top-k, a multiple of the page size; null = 2 x top-k)"
+            )
         if self.host_pool_tokens is not None and self.host_pool_tokens < 1:
-            errs.append(f"host_pool_tokens={self.host_pool_tokens} is out of range: it must be >= 1 "
-                        "(null = SGLang's token capacity)")
+            errs.append(
+                f"host_pool_tokens={self.host_pool_tokens} is out of range: it must be >= 1 "
+                "(null = SGLang's token capacity)"
+            )
         if self.record_trace_max_steps < 1:
             errs.append(f"record_trace_max_steps={self.record_trace_max_steps} is out of range: it must be >= 1")
         if self.record_trace_rank_depth < 0:
-            errs.append(f"record_trace_rank_depth={self.record_trace_rank_depth} is out of range: it must be >= 0 "
-                        "(0 = off, else >= the model's top-k)")
+            errs.append(
+                f"record_trace_rank_depth={self.record_trace_rank_depth} is out of range: it must be >= 0 "
+                "(0 = off, else >= the model's top-k)"
+            )
         if self.record_trace_rank_depth > 0 and not self.record_trace:
             errs.append("record_trace_rank_depth needs record_trace (the file to record into)")
         from .sparse_decode.policies import POLICIES as _P
 
         if self.residency == "adaptive" and self.policy != "lru":
-            errs.append(f"residency 'adaptive' with policy {self.policy!r}: a request outgrowing its hot buffer is "
-                        "demoted into the exact-LRU state; use policy lru, or residency 'always'")
+            errs.append(
+                f"residency 'adaptive' with policy {self.policy!r}: a request outgrowing its hot buffer is "
+                "demoted into the exact-LRU state; use policy lru, or residency 'always'"
+            )
         if self.rank_depth < 0:
-            errs.append(f"rank_depth={self.rank_depth} is out of range: it must be >= 0 (0 = off, else >= the "
-                        "model's top-k)")
+            errs.append(
+                f"rank_depth={self.rank_depth} is out of range: it must be >= 0 (0 = off, else >= the model's top-k)"
+            )
         if _P[self.policy].needs_ranked and self.rank_depth <= 0:
-            errs.append(f"policy={self.policy!r} needs the indexer's ranking every step: set rank_depth to D >= the "
-                        "model's top-k (e.g. 2 x hot_tokens; the indexer then selects top-D per layer and decode "
-                        "step), or serve a policy that needs only the top-k (lru, lru_k2, lru_k2_guarded)")
+            errs.append(
+                f"policy={self.policy!r} needs the indexer's ranking every step: set rank_depth to D >= the "
+                "model's top-k (e.g. 2 x hot_tokens; the indexer then selects top-D per layer and decode "
+                "step), or serve a policy that needs only the top-k (lru, lru_k2, lru_k2_guarded)"
+            )
         if self.rank_depth > 0 and not _P[self.policy].needs_ranked:
-            errs.append(f"rank_depth={self.rank_depth} with policy={self.policy!r}, which does not read the ranking "
-                        "(it would only cost a top-D selection per layer and step): drop rank_depth or choose a "
-                        "score policy (" + ", ".join(p for p in _P if _P[p].needs_ranked) + ")")
+            errs.append(
+                f"rank_depth={self.rank_depth} with policy={self.policy!r}, which does not read the ranking "
+                "(it would only cost a top-D selection per layer and step): drop rank_depth or choose a "
+                "score policy (" + ", ".join(p for p in _P if _P[p].needs_ranked) + ")"
+            )
         if self.metrics_log_interval_s < 0:
-            errs.append(f"metrics_log_interval_s={self.metrics_log_interval_s} is out of range: it must be >= 0 "
-                        "(0 = off)")
+            errs.append(
+                f"metrics_log_interval_s={self.metrics_log_interval_s} is out of range: it must be >= 0 (0 = off)"
+            )
         if self.metrics_export_interval_s < 0:
-            errs.append(f"metrics_export_interval_s={self.metrics_export_interval_s} is out of range: it must be "
-                        ">= 0 (0 = every decode step)")
+            errs.append(
+                f"metrics_export_interval_s={self.metrics_export_interval_s} is out of range: it must be "
+                ">= 0 (0 = every decode step)"
+            )
         return errs
 
 
@@ -212,9 +230,7 @@ class MemcacheConfig:
     meta_config: Optional[str] = None
     local_config: Optional[str] = None
     start_meta_service: bool = False
-    protocol: Literal[
-        "host_rdma", "host_urma", "host_tcp", "host_shm", "device_rdma", "device_sdma"
-    ] = "host_shm"
+    protocol: Literal["host_rdma", "host_urma", "host_tcp", "host_shm", "device_rdma", "device_sdma"] = "host_shm"
     lease_ttl_ms: int = 60_000
     device_id: Optional[int] = None
 
@@ -490,18 +506,21 @@ def load_json_arg(value: Union[str, dict, None], example: str = '{"sparse_decode
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except OSError as exc:
-            raise ConfigError([Violation("parse.file", f"cannot read {path}: {exc.strerror}",
-                                         "pass an existing JSON file as @path")]) from exc
+            raise ConfigError(
+                [Violation("parse.file", f"cannot read {path}: {exc.strerror}", "pass an existing JSON file as @path")]
+            ) from exc
         except UnicodeDecodeError as exc:
-            raise ConfigError([Violation("parse.file", f"{path} is not UTF-8 text ({exc.reason})",
-                                         "pass a JSON text file as @path")]) from exc
+            raise ConfigError(
+                [Violation("parse.file", f"{path} is not UTF-8 text ({exc.reason})", "pass a JSON text file as @path")]
+            ) from exc
     if not text:
         return {}
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError([Violation("parse.json", f"{source} is not valid JSON: {exc}",
-                                     f"pass a JSON object, e.g. '{example}'")]) from exc
+        raise ConfigError(
+            [Violation("parse.json", f"{source} is not valid JSON: {exc}", f"pass a JSON object, e.g. '{example}'")]
+        ) from exc
 
 
 def _type_ok(value: Any, tp: Any) -> bool:
@@ -553,15 +572,21 @@ def _is_dataclass_type(tp: Any) -> Optional[type]:
 
 def _build(cls: type, data: Any, path: str, errors: List[Violation]):
     if not isinstance(data, dict):
-        errors.append(Violation("parse.type", f"{path or 'config'} must be a JSON object, got "
-                                f"{type(data).__name__}", "wrap the settings in {...}"))
+        errors.append(
+            Violation(
+                "parse.type",
+                f"{path or 'config'} must be a JSON object, got {type(data).__name__}",
+                "wrap the settings in {...}",
+            )
+        )
         return None
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
-            errors.append(Violation("parse.unknown_key", f"unknown key '{path}{key}'",
-                                    f"known keys: {', '.join(sorted(names))}"))
+            errors.append(
+                Violation("parse.unknown_key", f"unknown key '{path}{key}'", f"known keys: {', '.join(sorted(names))}")
+            )
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name not in data:
@@ -577,8 +602,13 @@ def _build(cls: type, data: Any, path: str, errors: List[Violation]):
             kwargs[f.name] = None
             continue
         if not _type_ok(value, tp):
-            errors.append(Violation("parse.type", f"{path}{f.name}={json.dumps(value)} has the wrong "
-                                    "type or value", f"expected {_describe(tp)}"))
+            errors.append(
+                Violation(
+                    "parse.type",
+                    f"{path}{f.name}={json.dumps(value)} has the wrong type or value",
+                    f"expected {_describe(tp)}",
+                )
+            )
             continue
         kwargs[f.name] = float(value) if tp is float else value
     try:
@@ -594,8 +624,16 @@ def _build(cls: type, data: Any, path: str, errors: List[Violation]):
 def _example_of(cls: type) -> str:
     if cls is OffloadConfig:
         return '{"sparse_decode": {"hot_tokens": 4096}}'
-    first = next((f for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
-                  and isinstance(f.default, (int, str)) and not isinstance(f.default, bool)), None)
+    first = next(
+        (
+            f
+            for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING
+            and isinstance(f.default, (int, str))
+            and not isinstance(f.default, bool)
+        ),
+        None,
+    )
     return "{}" if first is None else json.dumps({first.name: first.default})
 
 
@@ -643,8 +681,9 @@ def to_json(obj: Any) -> str:
 # ------------------------------------------------------------------ validation
 #: The rules :func:`violations` decides, id -> what each requires (the registry
 #: ``rules.py`` defines them; this is its ``deployment`` scope).
-RULES: Dict[str, str] = {rule_id: _rule_registry.RULES[rule_id].requires
-                         for rule_id in _rule_registry.ids_in_scope("deployment")}
+RULES: Dict[str, str] = {
+    rule_id: _rule_registry.RULES[rule_id].requires for rule_id in _rule_registry.ids_in_scope("deployment")
+}
 
 _BF16_NAMES = {"bf16", "bfloat16"}
 _Add = typing.Callable[[str, str, str], None]
@@ -694,91 +733,142 @@ def _check_sparse_decode(config: OffloadConfig, d: Deployment, add: _Add) -> Non
     _check_sparse_decode_speculative(d, add)
     _check_sparse_decode_graphs(sd, d, add)
     if config.kvpp is not None:
-        add("sparse_decode.kvpp", "sparse decode offload and KVPP are both on",
-            "enable only one of them on a node")
+        add("sparse_decode.kvpp", "sparse decode offload and KVPP are both on", "enable only one of them on a node")
 
 
 def _check_sparse_decode_model(d: Deployment, add: _Add) -> None:
     """The model, the main KV format, the parallelism and the node."""
     if d.model_kind != "dsa":
-        add("sparse_decode.model", f"model kind is {d.model_kind!r}",
-            "serve a DSA model (DeepSeek-V3.2 / GLM-5 style) or disable sparse decode offload")
+        add(
+            "sparse_decode.model",
+            f"model kind is {d.model_kind!r}",
+            "serve a DSA model (DeepSeek-V3.2 / GLM-5 style) or disable sparse decode offload",
+        )
     if d.main_kv_dtype.lower() not in _BF16_NAMES:
-        add("sparse_decode.main_kv_dtype", f"main KV dtype is {d.main_kv_dtype!r}",
-            "use a bfloat16 KV cache (--kv-cache-dtype bfloat16)")
+        add(
+            "sparse_decode.main_kv_dtype",
+            f"main KV dtype is {d.main_kv_dtype!r}",
+            "use a bfloat16 KV cache (--kv-cache-dtype bfloat16)",
+        )
     if d.main_kv_packing != "none":
-        add("sparse_decode.main_kv_packing", f"main KV is packed as {d.main_kv_packing!r}",
-            "use an unpacked BF16 main KV cache")
+        add(
+            "sparse_decode.main_kv_packing",
+            f"main KV is packed as {d.main_kv_packing!r}",
+            "use an unpacked BF16 main KV cache",
+        )
     cps = {k: getattr(d, k) for k in ("cp", "pcp", "dcp") if getattr(d, k) > 1}
     if cps:
-        add("sparse_decode.context_parallel", "context parallelism is on ("
-            + ", ".join(f"{k}={v}" for k, v in cps.items()) + ")",
-            "set every context-parallel size to 1 (DP and TP are supported)")
+        add(
+            "sparse_decode.context_parallel",
+            "context parallelism is on (" + ", ".join(f"{k}={v}" for k, v in cps.items()) + ")",
+            "set every context-parallel size to 1 (DP and TP are supported)",
+        )
     if d.pp > 1:
         add("sparse_decode.pipeline_parallel", f"pp={d.pp}", "set the pipeline-parallel size to 1")
     if d.soc_family == "950":
-        add("sparse_decode.soc_950", f"SoC {d.soc!r} is Ascend 950PR/950DT series",
-            "run sparse decode offload on A2/A3 nodes")
+        add(
+            "sparse_decode.soc_950",
+            f"SoC {d.soc!r} is Ascend 950PR/950DT series",
+            "run sparse decode offload on A2/A3 nodes",
+        )
     if d.soc_unknown and d.device == "npu" and d.soc_family is None:
-        add("sparse_decode.soc_unknown", f"the SoC is undecided: {d.soc_unknown}",
+        add(
+            "sparse_decode.soc_unknown",
+            f"the SoC is undecided: {d.soc_unknown}",
             "install the A2/A3 CANN operator package this node serves and source its set_env.sh "
-            "(python -m sglang_ascend_offload env --npu-check shows what the build says)")
+            "(python -m sglang_ascend_offload env --npu-check shows what the build says)",
+        )
     if d.hybrid_kv:
-        add("sparse_decode.hybrid_kv", "the model uses a hybrid KV cache layout",
-            "use a model with a uniform MLA KV layout")
+        add(
+            "sparse_decode.hybrid_kv",
+            "the model uses a hybrid KV cache layout",
+            "use a model with a uniform MLA KV layout",
+        )
     if d.pd_role == "prefill":
-        add("sparse_decode.prefill_node", "this is a prefill-only node",
-            "enable sparse decode offload on the decode node")
+        add(
+            "sparse_decode.prefill_node",
+            "this is a prefill-only node",
+            "enable sparse decode offload on the decode node",
+        )
 
 
 def _check_sparse_decode_hot_tokens(sd: "SparseDecodeOffloadConfig", d: Deployment, add: _Add) -> None:
     if sd.hot_tokens is not None and d.index_topk is not None and sd.hot_tokens < d.index_topk:
         least = default_hot_tokens(d.index_topk, d.page_size, factor=1)
-        add("sparse_decode.hot_tokens_topk", f"hot_tokens={sd.hot_tokens} < top-k={d.index_topk}",
+        add(
+            "sparse_decode.hot_tokens_topk",
+            f"hot_tokens={sd.hot_tokens} < top-k={d.index_topk}",
             f"set hot_tokens >= {least} ({default_hot_tokens(d.index_topk, d.page_size)} recommended: "
-            "2 x top-k rounded up to the page size)")
+            "2 x top-k rounded up to the page size)",
+        )
     verify_rows = d.speculative_rows if d.speculative_method and d.speculative_rows else 1
-    if (verify_rows > 1 and sd.hot_tokens is not None and d.index_topk is not None
-            and sd.hot_tokens < verify_rows * d.index_topk):
+    if (
+        verify_rows > 1
+        and sd.hot_tokens is not None
+        and d.index_topk is not None
+        and sd.hot_tokens < verify_rows * d.index_topk
+    ):
         least = default_hot_tokens(d.index_topk, d.page_size, factor=1, rows_per_request=verify_rows)
-        add("sparse_decode.hot_tokens_verify_rows", f"hot_tokens={sd.hot_tokens} < {verify_rows} verify rows x "
+        add(
+            "sparse_decode.hot_tokens_verify_rows",
+            f"hot_tokens={sd.hot_tokens} < {verify_rows} verify rows x "
             f"top-k {d.index_topk}: a request's verify rows share one hot buffer, which must hold the union of "
-            "their top-k", f"set hot_tokens >= {least}, or leave it unset (the default is that with speculation)")
+            "their top-k",
+            f"set hot_tokens >= {least}, or leave it unset (the default is that with speculation)",
+        )
     if sd.hot_tokens is not None and d.page_size is not None and sd.hot_tokens % d.page_size:
-        add("sparse_decode.hot_tokens_page", f"hot_tokens={sd.hot_tokens} is not a multiple of the "
-            f"page size {d.page_size}",
-            f"round hot_tokens to a multiple of {d.page_size}, e.g. "
-            f"{-(-sd.hot_tokens // d.page_size) * d.page_size}")
+        add(
+            "sparse_decode.hot_tokens_page",
+            f"hot_tokens={sd.hot_tokens} is not a multiple of the page size {d.page_size}",
+            f"round hot_tokens to a multiple of {d.page_size}, e.g. {-(-sd.hot_tokens // d.page_size) * d.page_size}",
+        )
 
 
 def _check_sparse_decode_settings(sd: "SparseDecodeOffloadConfig", d: Deployment, add: _Add) -> None:
     """Operators, indexer dtype and ranking depth."""
     # The fused operators run on an Ascend NPU, and on CPU as the AscendC kernels on their
     # functional model (a correctness path); the torch_npu rung only on an NPU.
-    wants_npu = [name for name, on in (("ops=" + sd.ops, sd.ops == "npu" or (sd.ops == "fused" and d.device != "cpu")),
-                                       ("fused_lim", sd.fused_lim is True and d.device != "cpu"),
-                                       ("fused_copy_sfa", sd.fused_copy_sfa is True and d.device != "cpu")) if on]
+    wants_npu = [
+        name
+        for name, on in (
+            ("ops=" + sd.ops, sd.ops == "npu" or (sd.ops == "fused" and d.device != "cpu")),
+            ("fused_lim", sd.fused_lim is True and d.device != "cpu"),
+            ("fused_copy_sfa", sd.fused_copy_sfa is True and d.device != "cpu"),
+        )
+        if on
+    ]
     if wants_npu and d.device != "npu":
-        add("sparse_decode.fused_device", f"{', '.join(wants_npu)} requested on a {d.device} device",
+        add(
+            "sparse_decode.fused_device",
+            f"{', '.join(wants_npu)} requested on a {d.device} device",
             "use ops=auto|reference|triton off Ascend (ops=fused runs the fused kernels' functional model on "
-            "CPU), or run on an Ascend NPU")
+            "CPU), or run on an Ascend NPU",
+        )
     if sd.indexer_dtype == "int8":
         _check_int8_indexer(sd, d, add)
     if sd.fused_lim is True:
         from .sparse_decode.op_selection import select_for_config
 
         rows = d.speculative_rows if d.speculative_method and d.speculative_rows else 1
-        plan = select_for_config(sd, d.device, rows_per_request=rows, **_residency_shape(sd, d.index_topk, rows), available=lambda op: None)
+        plan = select_for_config(
+            sd, d.device, rows_per_request=rows, **_residency_shape(sd, d.index_topk, rows), available=lambda op: None
+        )
         for p in plan.problems:
             if p.rule == "sglang.fused_not_wired":
                 add(p.rule, p.problem, p.fix)
     if sd.rank_depth > 0 and d.index_topk is not None and sd.rank_depth < d.index_topk:
-        add("sparse_decode.rank_depth_topk", f"rank_depth={sd.rank_depth} < top-k={d.index_topk}",
-            f"set rank_depth >= {d.index_topk} (e.g. {2 * d.index_topk} or 2 x hot_tokens)")
+        add(
+            "sparse_decode.rank_depth_topk",
+            f"rank_depth={sd.rank_depth} < top-k={d.index_topk}",
+            f"set rank_depth >= {d.index_topk} (e.g. {2 * d.index_topk} or 2 x hot_tokens)",
+        )
     if sd.rank_depth > 0 and d.speculative_method:
-        add("sparse_decode.score_speculative", f"policy {sd.policy!r} (rank_depth={sd.rank_depth}) with "
+        add(
+            "sparse_decode.score_speculative",
+            f"policy {sd.policy!r} (rank_depth={sd.rank_depth}) with "
             f"speculative method {d.speculative_method!r}: verify rows get no ranking of their own",
-            "serve lru / lru_k2_guarded with speculative decoding, or disable speculative decoding")
+            "serve lru / lru_k2_guarded with speculative decoding, or disable speculative decoding",
+        )
 
 
 def _check_int8_indexer(sd: "SparseDecodeOffloadConfig", d: Deployment, add: _Add) -> None:
@@ -792,17 +882,25 @@ def _check_int8_indexer(sd: "SparseDecodeOffloadConfig", d: Deployment, add: _Ad
         from .sparse_decode.op_selection import select_for_config
 
         rows = d.speculative_rows if d.speculative_method and d.speculative_rows else 1
-        plan = select_for_config(sd, "npu", rows_per_request=rows, **_residency_shape(sd, d.index_topk, rows), available=lambda op: None)
+        plan = select_for_config(
+            sd, "npu", rows_per_request=rows, **_residency_shape(sd, d.index_topk, rows), available=lambda op: None
+        )
         if not plan.indexer.fused:
-            add("sglang.indexer_int8_device", "indexer_dtype='int8' on an Ascend NPU without the fused LIM-C8 "
+            add(
+                "sglang.indexer_int8_device",
+                "indexer_dtype='int8' on an Ascend NPU without the fused LIM-C8 "
                 f"({plan.indexer.reason}): SGLang's own NPU indexer (forward_npu) would write bf16 index K and "
                 "call the bf16 lightning indexer, so the int8 cache would hold unrotated, unscaled keys",
-                'leave fused_lim unset (the NPU default serves LIM-C8), or set "indexer_dtype": "bf16"')
+                'leave fused_lim unset (the NPU default serves LIM-C8), or set "indexer_dtype": "bf16"',
+            )
     if d.pd_role == "decode" and d.speculative_method:
-        add("sglang.indexer_int8_pd", f"indexer_dtype='int8' on a P/D decode node with speculative method "
+        add(
+            "sglang.indexer_int8_pd",
+            f"indexer_dtype='int8' on a P/D decode node with speculative method "
             f"{d.speculative_method!r}: the draft layer's bf16 index K would share the transfer's one indexer "
             "tensor with the target's int8 keys + scales (role indexer_scale)",
-            'set "indexer_dtype": "bf16" on the P/D decode node, or serve it without speculation')
+            'set "indexer_dtype": "bf16" on the P/D decode node, or serve it without speculation',
+        )
 
 
 #: Speculative methods (``Deployment.speculative_method``) whose drafts the sparse decode
@@ -817,31 +915,54 @@ def _check_sparse_decode_speculative(d: Deployment, add: _Add) -> None:
         return
     rule = "sglang.sparse_decode_speculative"
     if not d.speculative_fixed:
-        add("sparse_decode.speculative", f"speculative method {d.speculative_method!r} has a variable "
-            "token count", "use a fixed number of speculative tokens")
+        add(
+            "sparse_decode.speculative",
+            f"speculative method {d.speculative_method!r} has a variable token count",
+            "use a fixed number of speculative tokens",
+        )
     if d.speculative_method not in SERVED_DRAFT_METHODS:
-        add(rule, f"speculative method {d.speculative_method!r} with sparse decode offload: only the NextN / "
+        add(
+            rule,
+            f"speculative method {d.speculative_method!r} with sparse decode offload: only the NextN / "
             "MTP draft (--speculative-algorithm EAGLE / NEXTN) is served",
-            "use --speculative-algorithm NEXTN (or EAGLE), or disable sparse decode offload")
+            "use --speculative-algorithm NEXTN (or EAGLE), or disable sparse decode offload",
+        )
         return
     if d.speculative_topk is not None and d.speculative_topk != 1:
-        add(rule, f"--speculative-eagle-topk {d.speculative_topk}: a draft tree; sparse decode offload verifies "
-            "a chain (one verify row per draft position)", "use --speculative-eagle-topk 1")
-    if (d.speculative_steps is not None and d.speculative_rows is not None
-            and d.speculative_rows != d.speculative_steps + 1):
-        add(rule, f"--speculative-num-draft-tokens {d.speculative_rows} with --speculative-num-steps "
+        add(
+            rule,
+            f"--speculative-eagle-topk {d.speculative_topk}: a draft tree; sparse decode offload verifies "
+            "a chain (one verify row per draft position)",
+            "use --speculative-eagle-topk 1",
+        )
+    if (
+        d.speculative_steps is not None
+        and d.speculative_rows is not None
+        and d.speculative_rows != d.speculative_steps + 1
+    ):
+        add(
+            rule,
+            f"--speculative-num-draft-tokens {d.speculative_rows} with --speculative-num-steps "
             f"{d.speculative_steps}: sparse decode offload needs exactly steps + 1 verify rows per request "
-            "(a fixed count)", f"use --speculative-num-draft-tokens {d.speculative_steps + 1}")
+            "(a fixed count)",
+            f"use --speculative-num-draft-tokens {d.speculative_steps + 1}",
+        )
     if d.decode_graphs and d.device != "cpu":
-        add(rule, f"decode graphs ({d.decode_graph_mode or d.graph_mode}) on device {d.device!r} with "
+        add(
+            rule,
+            f"decode graphs ({d.decode_graph_mode or d.graph_mode}) on device {d.device!r} with "
             "speculative decoding and sparse decode offload: the verify step sets up its engine rows on the host "
             "every round, and only the plugin's CPU verify graph runner (--device cpu --enable-torch-compile) "
             "repeats that before each replay; device graph runners would replay stale rows",
-            "run decode eagerly (--disable-cuda-graph), or serve on a CPU with --enable-torch-compile")
+            "run decode eagerly (--disable-cuda-graph), or serve on a CPU with --enable-torch-compile",
+        )
     if d.overlap_schedule:
-        add(rule, "overlap scheduling with speculative decoding and sparse decode offload: the verify step "
+        add(
+            rule,
+            "overlap scheduling with speculative decoding and sparse decode offload: the verify step "
             "takes each request's committed length from the host when it starts (not tested with overlap)",
-            "add --disable-overlap-schedule")
+            "add --disable-overlap-schedule",
+        )
 
 
 def _check_sparse_decode_graphs(sd: "SparseDecodeOffloadConfig", d: Deployment, add: _Add) -> None:
@@ -852,23 +973,31 @@ def _check_sparse_decode_graphs(sd: "SparseDecodeOffloadConfig", d: Deployment, 
     mode = d.decode_graph_mode or d.graph_mode
     eager = "run decode eagerly (--disable-cuda-graph, or on a CPU without --enable-torch-compile)"
     refusals = [
-        (d.attention_tp > 1,
-         f"decode graphs with sparse decode offload at attention TP {d.attention_tp}: the ranks of an "
-         "attention-TP group share one host pool whose appends TP rank 0 publishes from the host per layer, "
-         "which a captured decode step cannot do",
-         f"{eager} or use attention TP 1 (attention DP for more ranks)"),
-        (bool(sd.record_trace),
-         f"record_trace with decode graphs on ({mode}): the trace recorder reads each layer's top-k on the "
-         "host, which a captured decode step cannot do",
-         f"drop record_trace, or {eager}"),
-        (sd.verify_sample_rate > 0,
-         f"verify_sample_rate={sd.verify_sample_rate} with decode graphs on ({mode}): shadow verification "
-         "recomputes a sampled row between layers on the host, which a captured decode step cannot do",
-         f"set verify_sample_rate to 0, or {eager}"),
-        (sd.rank_depth > 0,
-         f"policy {sd.policy!r} (rank_depth={sd.rank_depth}) with decode graphs on ({mode}): the graph decode "
-         "path selects top-k only and does not hand the indexer's ranking to the residency manager",
-         f"{eager}, or serve lru / lru_k2_guarded with decode graphs"),
+        (
+            d.attention_tp > 1,
+            f"decode graphs with sparse decode offload at attention TP {d.attention_tp}: the ranks of an "
+            "attention-TP group share one host pool whose appends TP rank 0 publishes from the host per layer, "
+            "which a captured decode step cannot do",
+            f"{eager} or use attention TP 1 (attention DP for more ranks)",
+        ),
+        (
+            bool(sd.record_trace),
+            f"record_trace with decode graphs on ({mode}): the trace recorder reads each layer's top-k on the "
+            "host, which a captured decode step cannot do",
+            f"drop record_trace, or {eager}",
+        ),
+        (
+            sd.verify_sample_rate > 0,
+            f"verify_sample_rate={sd.verify_sample_rate} with decode graphs on ({mode}): shadow verification "
+            "recomputes a sampled row between layers on the host, which a captured decode step cannot do",
+            f"set verify_sample_rate to 0, or {eager}",
+        ),
+        (
+            sd.rank_depth > 0,
+            f"policy {sd.policy!r} (rank_depth={sd.rank_depth}) with decode graphs on ({mode}): the graph decode "
+            "path selects top-k only and does not hand the indexer's ranking to the residency manager",
+            f"{eager}, or serve lru / lru_k2_guarded with decode graphs",
+        ),
     ]
     for on, problem, fix in refusals:
         if on:
@@ -889,108 +1018,169 @@ def _check_layerwise_buffers(lw: LayerwisePrefillOffloadConfig, d: Deployment, a
     reusable = None if n is None else max(n - independent, 0)
     reuse = lw.shared_buffers is not None and (reusable is None or lw.shared_buffers < reusable)
     if reuse and d.graph_mode != "eager":
-        add("layerwise_prefill.eager", f"graph mode is {d.graph_mode!r} with shared_buffers="
-            f"{lw.shared_buffers}", "run the prefill node in eager mode (--disable-cuda-graph) "
-            "or leave shared_buffers unset")
+        add(
+            "layerwise_prefill.eager",
+            f"graph mode is {d.graph_mode!r} with shared_buffers={lw.shared_buffers}",
+            "run the prefill node in eager mode (--disable-cuda-graph) or leave shared_buffers unset",
+        )
     if reuse and lw.effective_store_backend(d.device) != "memcache" and d.device != "cpu":
-        add("layerwise_prefill.memcache", f"store_backend={lw.store_backend!r} with buffer reuse "
-            f"on {d.device}", 'set "store_backend": "memcache" (the local backend is for CPU '
-            "development)")
-    if (reuse and d.pd_role == "prefill"
-            and (d.disaggregation_transfer_backend or "") not in ("", "ascend_offload")):
-        add("layerwise_prefill.mooncake_layerwise",
+        add(
+            "layerwise_prefill.memcache",
+            f"store_backend={lw.store_backend!r} with buffer reuse on {d.device}",
+            'set "store_backend": "memcache" (the local backend is for CPU development)',
+        )
+    if reuse and d.pd_role == "prefill" and (d.disaggregation_transfer_backend or "") not in ("", "ascend_offload"):
+        add(
+            "layerwise_prefill.mooncake_layerwise",
             f"P/D backend {d.disaggregation_transfer_backend!r} gives no per-buffer completion gate",
-            "use --disaggregation-transfer-backend ascend_offload or leave shared_buffers unset")
+            "use --disaggregation-transfer-backend ascend_offload or leave shared_buffers unset",
+        )
     if n is not None and isinstance(lw.independent_layers, list):
         bad = [i for i in lw.independent_layers if i >= n]
         if bad:
-            add("layerwise_prefill.layers", f"independent_layers {bad} do not exist (model has {n})",
-                f"use layer indices in 0..{n - 1}")
-    if lw.prefetch_depth is not None and lw.shared_buffers is not None \
-            and lw.prefetch_depth > lw.shared_buffers:
-        add("layerwise_prefill.prefetch", f"prefetch_depth={lw.prefetch_depth} > shared_buffers="
-            f"{lw.shared_buffers}", f"set prefetch_depth <= {lw.shared_buffers}")
+            add(
+                "layerwise_prefill.layers",
+                f"independent_layers {bad} do not exist (model has {n})",
+                f"use layer indices in 0..{n - 1}",
+            )
+    if lw.prefetch_depth is not None and lw.shared_buffers is not None and lw.prefetch_depth > lw.shared_buffers:
+        add(
+            "layerwise_prefill.prefetch",
+            f"prefetch_depth={lw.prefetch_depth} > shared_buffers={lw.shared_buffers}",
+            f"set prefetch_depth <= {lw.shared_buffers}",
+        )
     if lw.store_block_tokens is not None and d.page_size is not None and lw.store_block_tokens != d.page_size:
-        add("sglang.layerwise_block_tokens", f"store_block_tokens={lw.store_block_tokens} but the KV page "
-            f"size is {d.page_size} (the SGLang pool stores one object per page)", "drop store_block_tokens")
+        add(
+            "sglang.layerwise_block_tokens",
+            f"store_block_tokens={lw.store_block_tokens} but the KV page "
+            f"size is {d.page_size} (the SGLang pool stores one object per page)",
+            "drop store_block_tokens",
+        )
 
 
 def _check_layerwise_serving(config: OffloadConfig, d: Deployment, add: _Add) -> None:
     """The node, the model, the parallelism and what else runs in the server."""
     if d.hybrid_kv:
-        add("layerwise_prefill.hybrid_kv", "the model uses a hybrid KV cache layout",
-            "use a model with a uniform KV layout")
+        add(
+            "layerwise_prefill.hybrid_kv",
+            "the model uses a hybrid KV cache layout",
+            "use a model with a uniform KV layout",
+        )
     if d.pd_role == "decode":
-        add("layerwise_prefill.decode_node", "this is a decode-only node",
-            "enable layerwise prefill offload on the prefill node")
+        add(
+            "layerwise_prefill.decode_node",
+            "this is a decode-only node",
+            "enable layerwise prefill offload on the prefill node",
+        )
     if config.sparse_decode is not None:
-        add("sglang.layerwise_sparse_decode", "sparse decode offload and layerwise prefill offload are both on "
-            "in one server", "enable layerwise prefill offload on the prefill node and sparse decode offload "
-            "on the decode node")
+        add(
+            "sglang.layerwise_sparse_decode",
+            "sparse decode offload and layerwise prefill offload are both on in one server",
+            "enable layerwise prefill offload on the prefill node and sparse decode offload on the decode node",
+        )
     if d.speculative_method and d.speculative_method not in SERVED_DRAFT_METHODS:
-        add("sglang.layerwise_speculative", f"speculative method {d.speculative_method!r} with layerwise prefill "
+        add(
+            "sglang.layerwise_speculative",
+            f"speculative method {d.speculative_method!r} with layerwise prefill "
             "offload: only the NextN / MTP draft (EAGLE / NEXTN) is wired (its layer gets a dedicated buffer)",
-            "use --speculative-algorithm NEXTN, or drop the speculative decoding flags")
+            "use --speculative-algorithm NEXTN, or drop the speculative decoding flags",
+        )
     if d.speculative_method and d.speculative_topk is not None and d.speculative_topk != 1:
-        add("sglang.layerwise_speculative", f"--speculative-eagle-topk {d.speculative_topk}: a draft tree; "
-            "layerwise prefill offload is served and tested with draft chains", "use --speculative-eagle-topk 1")
+        add(
+            "sglang.layerwise_speculative",
+            f"--speculative-eagle-topk {d.speculative_topk}: a draft tree; "
+            "layerwise prefill offload is served and tested with draft chains",
+            "use --speculative-eagle-topk 1",
+        )
     if d.pp > 1:
-        add("sglang.layerwise_pp", f"pp={d.pp}: the layer buffers are planned per model, not per pipeline stage",
-            "set --pp-size 1 with layerwise prefill offload")
+        add(
+            "sglang.layerwise_pp",
+            f"pp={d.pp}: the layer buffers are planned per model, not per pipeline stage",
+            "set --pp-size 1 with layerwise prefill offload",
+        )
 
 
 def _check_pd(config: OffloadConfig, d: Deployment, add: _Add) -> None:
     pd = config.pd_transfer
     assert pd is not None
     if d.pd_role == "colocated":
-        add("pd_transfer.role", "P/D transfer configured on a colocated server",
-            "start the servers with --disaggregation-mode prefill|decode")
+        add(
+            "pd_transfer.role",
+            "P/D transfer configured on a colocated server",
+            "start the servers with --disaggregation-mode prefill|decode",
+        )
     if d.pd_role in ("prefill", "decode") and d.peer_tp is not None:
         p_tp, d_tp = (d.attention_tp, d.peer_tp) if d.pd_role == "prefill" else (d.peer_tp, d.attention_tp)
         if p_tp < d_tp or p_tp % d_tp:
-            add("pd_transfer.tp_ratio", f"p_tp={p_tp}, d_tp={d_tp}",
-                "use a prefill TP that is a multiple of (and >=) the decode TP")
+            add(
+                "pd_transfer.tp_ratio",
+                f"p_tp={p_tp}, d_tp={d_tp}",
+                "use a prefill TP that is a multiple of (and >=) the decode TP",
+            )
     _check_pd_engine(pd, d, add)
     if d.pd_role == "decode" and d.attention_tp > 1:
         _check_pd_decode_tp(d, add, main_kv_offloaded=config.sparse_decode is not None)
     d_tp = d.attention_tp if d.pd_role == "decode" else (d.peer_tp or 1)
     last_port = pd.kv_port + (d.dp - 1) * d_tp + (d_tp - 1)
     if last_port > 65535:
-        add("pd_transfer.ports", f"ports {pd.kv_port}..{last_port} exceed 65535 "
-            f"(dp={d.dp}, d_tp={d_tp})", f"lower kv_port to <= {65535 - (last_port - pd.kv_port)}")
+        add(
+            "pd_transfer.ports",
+            f"ports {pd.kv_port}..{last_port} exceed 65535 (dp={d.dp}, d_tp={d_tp})",
+            f"lower kv_port to <= {65535 - (last_port - pd.kv_port)}",
+        )
     parallel = {name: getattr(d, name) for name in ("pp", "cp", "pcp", "dcp") if getattr(d, name) > 1}
     if parallel:
-        add("sglang.pd_parallel", ", ".join(f"{k}={v}" for k, v in parallel.items()),
-            "use TP (and DP) only with the ascend_offload P/D backend")
+        add(
+            "sglang.pd_parallel",
+            ", ".join(f"{k}={v}" for k, v in parallel.items()),
+            "use TP (and DP) only with the ascend_offload P/D backend",
+        )
     if d.speculative_method and d.pd_role == "prefill" and config.layerwise_prefill is not None:
-        add("sglang.pd_speculative", f"speculative method {d.speculative_method!r} with layerwise prefill offload "
+        add(
+            "sglang.pd_speculative",
+            f"speculative method {d.speculative_method!r} with layerwise prefill offload "
             "on the prefill: the layerwise pool's layer listener publishes the base layers, not the draft layer",
-            "drop the speculative flags on the prefill, or layerwise prefill offload")
+            "drop the speculative flags on the prefill, or layerwise prefill offload",
+        )
     if d.speculative_method and d.pd_role == "decode" and d.attention_tp > 1:
-        add("sglang.pd_speculative", f"speculative method {d.speculative_method!r} with decode attention TP "
+        add(
+            "sglang.pd_speculative",
+            f"speculative method {d.speculative_method!r} with decode attention TP "
             f"{d.attention_tp}: the draft layer's KV is received by attention TP 1 decode servers only",
-            "use attention TP 1 on the decode (DP attention for more ranks), or drop the speculative flags")
+            "use attention TP 1 on the decode (DP attention for more ranks), or drop the speculative flags",
+        )
 
 
 def _check_pd_engine(pd: PDTransferConfig, d: Deployment, add: _Add) -> None:
     """The transfer engine and protocol for the device and the peer."""
     if d.device == "npu" and pd.engine != "memfabric":
-        add("pd_transfer.memfabric_only", f"engine={pd.engine!r} on an Ascend node",
-            'set "engine": "memfabric"')
+        add("pd_transfer.memfabric_only", f"engine={pd.engine!r} on an Ascend node", 'set "engine": "memfabric"')
     if d.device != "npu" and pd.engine == "memfabric":
-        add("sglang.pd_engine_device", f"engine 'memfabric' on a {d.device} device",
-            'set "engine": "mooncake" in --pd-transfer-config (TCP on CPU machines)')
+        add(
+            "sglang.pd_engine_device",
+            f"engine 'memfabric' on a {d.device} device",
+            'set "engine": "mooncake" in --pd-transfer-config (TCP on CPU machines)',
+        )
     if d.peer_protocol is not None and d.peer_protocol != pd.protocol:
-        add("pd_transfer.protocol_match", f"protocol={pd.protocol!r} but the peer uses "
-            f"{d.peer_protocol!r}", "configure the same protocol on prefill and decode")
+        add(
+            "pd_transfer.protocol_match",
+            f"protocol={pd.protocol!r} but the peer uses {d.peer_protocol!r}",
+            "configure the same protocol on prefill and decode",
+        )
     fam = d.soc_family
     if pd.engine == "memfabric" and fam is not None:
         if fam == "950" and pd.protocol != "device_urma":
-            add("pd_transfer.protocol_soc", f"protocol={pd.protocol!r} on a 950 series node",
-                'set "protocol": "device_urma"')
+            add(
+                "pd_transfer.protocol_soc",
+                f"protocol={pd.protocol!r} on a 950 series node",
+                'set "protocol": "device_urma"',
+            )
         if fam in ("A2", "A3") and pd.protocol == "device_urma":
-            add("pd_transfer.protocol_soc", f"protocol='device_urma' on an {fam} node",
-                'set "protocol": "sdma" (default) or "device_rdma"')
+            add(
+                "pd_transfer.protocol_soc",
+                f"protocol='device_urma' on an {fam} node",
+                'set "protocol": "sdma" (default) or "device_rdma"',
+            )
 
 
 #: Devices whose sparse-decode host pool is one memory shared by an attention-DP group's
@@ -1005,50 +1195,79 @@ def _check_pd_decode_tp(d: Deployment, add, main_kv_offloaded: bool) -> None:
     decode DP rank's TP-shared pool (``transfer/topology.py``)."""
     dp_attention = "run decode with attention TP 1 instead: DP attention (--tp N --dp N --enable-dp-attention)"
     if not main_kv_offloaded:
-        add("pd_transfer.decode_tp", f"decode attention TP {d.attention_tp} without sparse decode offload: the "
+        add(
+            "pd_transfer.decode_tp",
+            f"decode attention TP {d.attention_tp} without sparse decode offload: the "
             "device main KV is per TP rank, and the protocol sends each decode rank only its share of a "
-            "request's main KV", "enable sparse decode offload on the decode node (--enable-sparse-decode-"
-            f"offload: one host pool shared by the TP ranks), or {dp_attention}")
+            "request's main KV",
+            "enable sparse decode offload on the decode node (--enable-sparse-decode-"
+            f"offload: one host pool shared by the TP ranks), or {dp_attention}",
+        )
     elif d.device not in TP_SHARED_HOST_POOL_DEVICES:
-        add("pd_transfer.decode_tp", f"decode attention TP {d.attention_tp} on {d.device}: the attention-DP "
+        add(
+            "pd_transfer.decode_tp",
+            f"decode attention TP {d.attention_tp} on {d.device}: the attention-DP "
             "group's sparse-decode host pool is reached through global addresses there and has no mapping a "
-            "P/D engine can write a decode rank's share of the main KV into", dp_attention)
+            "P/D engine can write a decode rank's share of the main KV into",
+            dp_attention,
+        )
 
 
 def _check_kvpp(d: Deployment, add, *, layerwise: bool) -> None:
     if layerwise:
         # shared device layer buffers saved to a host store vs. owner ranks + scratch layers
-        add("kvpp.layerwise_prefill", "KVPP and layerwise prefill offload are both on: each replaces the KV pool "
+        add(
+            "kvpp.layerwise_prefill",
+            "KVPP and layerwise prefill offload are both on: each replaces the KV pool "
             "with its own layer placement and no combined pool exists",
-            "enable one of them (layerwise prefill offload on a P/D prefill node, KVPP on a colocated server)")
+            "enable one of them (layerwise prefill offload on a P/D prefill node, KVPP on a colocated server)",
+        )
     if d.pd_role == "prefill":
         # a rank's non-owned layers live in a scratch buffer the next layer overwrites, so a
         # P/D sender (one prefill rank per decode rank, every layer) would need each layer's owner
-        add("kvpp.pd_prefill", "a P/D prefill node with KVPP: the P/D transfer backends send every layer from "
+        add(
+            "kvpp.pd_prefill",
+            "a P/D prefill node with KVPP: the P/D transfer backends send every layer from "
             "the paired prefill rank, which under KVPP keeps only its owned layers",
-            "run KVPP on a colocated server, or disable KVPP on the prefill node")
+            "run KVPP on a colocated server, or disable KVPP on the prefill node",
+        )
     if d.dcp > 1:
         add("kvpp.dcp", f"dcp={d.dcp}", "disable decode context parallelism or KVPP")
     if d.pd_role == "decode":
         add("kvpp.decode_node", "this is a decode-only node", "disable KVPP on decode nodes")
     if d.graph_mode not in ("eager", "piecewise"):
-        add("kvpp.graph_mode", f"graph mode is {d.graph_mode!r}",
-            "run eagerly (--disable-cuda-graph) or with piecewise graphs")
+        add(
+            "kvpp.graph_mode",
+            f"graph mode is {d.graph_mode!r}",
+            "run eagerly (--disable-cuda-graph) or with piecewise graphs",
+        )
     if d.model_kind not in ("mla", "dsa") or d.hybrid_kv:
         kind = "hybrid " + d.model_kind if d.hybrid_kv else d.model_kind
         add("kvpp.model", f"model kind is {kind!r}", "use KVPP only with non-hybrid MLA models")
     if d.speculative_method and d.speculative_method.lower() not in ("mtp", "dspark"):
-        add("kvpp.speculative_method", f"speculative method {d.speculative_method!r}",
-            "use mtp or dspark, or disable speculative decoding")
+        add(
+            "kvpp.speculative_method",
+            f"speculative method {d.speculative_method!r}",
+            "use mtp or dspark, or disable speculative decoding",
+        )
     if d.speculative_method and not d.speculative_fixed:
-        add("kvpp.speculative_fixed", "the number of speculative tokens varies",
-            "fix the number of speculative tokens (no adaptive verification)")
+        add(
+            "kvpp.speculative_fixed",
+            "the number of speculative tokens varies",
+            "fix the number of speculative tokens (no adaptive verification)",
+        )
     if d.tp * d.pcp < 2:
         add("kvpp.group", f"tp x pcp = {d.tp * d.pcp}", "use tensor parallelism >= 2 or disable KVPP")
     if d.pp > 1:
-        add("sglang.kvpp_pp", f"pp={d.pp}: per-stage KVPP groups are not wired in the SGLang plugin",
-            "set --pp-size 1 with KVPP")
+        add(
+            "sglang.kvpp_pp",
+            f"pp={d.pp}: per-stage KVPP groups are not wired in the SGLang plugin",
+            "set --pp-size 1 with KVPP",
+        )
     if d.dp_attention and d.dp > 1:
-        add("sglang.kvpp_dp_attention", f"DP attention with {d.dp} attention-DP groups: the replicated domain is "
+        add(
+            "sglang.kvpp_dp_attention",
+            f"DP attention with {d.dp} attention-DP groups: the replicated domain is "
             "the attention-TP group, and DP ranks run different batches (padding, idle forwards)",
-            "drop --enable-dp-attention / --attn-dp-size with KVPP")
+            "drop --enable-dp-attention / --attn-dp-size with KVPP",
+        )

@@ -15,12 +15,19 @@ from .config import ConfigError, parse_config, parse_deployment, to_dict, valida
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True,
-                        help='offload config: JSON or @file, e.g. \'{"sparse_decode": {"hot_tokens": 4096}}\'')
-    parser.add_argument("--deployment", required=True,
-                        help='deployment facts: JSON or @file, e.g. \'{"device": "npu", "soc": "A3", "tp": 8}\'')
-    parser.add_argument("--json", action="store_true",
-                        help='print {"ok": bool, "violations": [{"rule", "problem", "fix"}]}')
+    parser.add_argument(
+        "--config",
+        required=True,
+        help='offload config: JSON or @file, e.g. \'{"sparse_decode": {"hot_tokens": 4096}}\'',
+    )
+    parser.add_argument(
+        "--deployment",
+        required=True,
+        help='deployment facts: JSON or @file, e.g. \'{"device": "npu", "soc": "A3", "tp": 8}\'',
+    )
+    parser.add_argument(
+        "--json", action="store_true", help='print {"ok": bool, "violations": [{"rule", "problem", "fix"}]}'
+    )
 
 
 def main(args: argparse.Namespace) -> int:

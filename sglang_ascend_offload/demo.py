@@ -45,8 +45,19 @@ from typing import Dict, Optional, Tuple
 
 from .testing.servers import IDLE_SLEEP, TINY_DSA_TRAINED, TRAINED_SERVER_ARGS, ServerProcess, start_all, stop_all
 
-__all__ = ["DEFAULT_PROMPT", "DEFAULT_HOT_TOKENS", "OffloadCounters", "DemoResult", "build_servers",
-           "ask", "held_out_source", "read_counters", "row_bytes", "add_arguments", "main"]
+__all__ = [
+    "DEFAULT_PROMPT",
+    "DEFAULT_HOT_TOKENS",
+    "OffloadCounters",
+    "DemoResult",
+    "build_servers",
+    "ask",
+    "held_out_source",
+    "read_counters",
+    "row_bytes",
+    "add_arguments",
+    "main",
+]
 
 DEFAULT_PROMPT = "\n\n    def test_"
 DEFAULT_FREQUENCY_PENALTY = 0.8
@@ -113,9 +124,17 @@ def build_servers(log_dir: Path, hot_tokens: int = DEFAULT_HOT_TOKENS) -> Tuple[
     """(reference, offload) servers of the trained checkpoint, not started yet."""
     common = ["--max-running-requests", "2"] + IDLE_SLEEP
     reference = ServerProcess(common, base_args=TRAINED_SERVER_ARGS, log_path=log_dir / "reference.log")
-    offload = ServerProcess(common + ["--enable-metrics", "--enable-sparse-decode-offload",
-                                      "--sparse-decode-offload-config", json.dumps({"hot_tokens": hot_tokens})],
-                            base_args=TRAINED_SERVER_ARGS, log_path=log_dir / "offload.log")
+    offload = ServerProcess(
+        common
+        + [
+            "--enable-metrics",
+            "--enable-sparse-decode-offload",
+            "--sparse-decode-offload-config",
+            json.dumps({"hot_tokens": hot_tokens}),
+        ],
+        base_args=TRAINED_SERVER_ARGS,
+        log_path=log_dir / "offload.log",
+    )
     return reference, offload
 
 
@@ -133,13 +152,20 @@ def _complete(server: ServerProcess, prompt: str, max_tokens: int, frequency_pen
     from openai import OpenAI
 
     client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=600)
-    return client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                     frequency_penalty=frequency_penalty)
+    return client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, frequency_penalty=frequency_penalty
+    )
 
 
-def ask(reference: ServerProcess, offload: ServerProcess, prompt: str = DEFAULT_PROMPT,
-        context: Optional[str] = None, max_tokens: int = DEFAULT_MAX_TOKENS,
-        hot_tokens: int = DEFAULT_HOT_TOKENS, frequency_penalty: float = DEFAULT_FREQUENCY_PENALTY) -> DemoResult:
+def ask(
+    reference: ServerProcess,
+    offload: ServerProcess,
+    prompt: str = DEFAULT_PROMPT,
+    context: Optional[str] = None,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    hot_tokens: int = DEFAULT_HOT_TOKENS,
+    frequency_penalty: float = DEFAULT_FREQUENCY_PENALTY,
+) -> DemoResult:
     """Send ``context`` + ``prompt`` to both started servers; the offload server's counters
     are read before and after, so only this request's decode steps are counted."""
     context = held_out_source() if context is None else context
@@ -154,12 +180,23 @@ def ask(reference: ServerProcess, offload: ServerProcess, prompt: str = DEFAULT_
     rb = row_bytes()
     reload_bytes = used.selected * rb
     return DemoResult(
-        prompt=prompt, prompt_tokens=got.usage.prompt_tokens, completion_tokens=got.usage.completion_tokens,
-        answer=answer, reference_answer=reference_answer, identical=answer == reference_answer and bool(answer),
-        hot_tokens=hot_tokens, selected=used.selected, hits=used.hits, misses=used.misses,
-        hit_rate=used.hits / used.selected if used.selected else 0.0, row_bytes=rb, h2d_bytes=used.h2d_bytes,
+        prompt=prompt,
+        prompt_tokens=got.usage.prompt_tokens,
+        completion_tokens=got.usage.completion_tokens,
+        answer=answer,
+        reference_answer=reference_answer,
+        identical=answer == reference_answer and bool(answer),
+        hot_tokens=hot_tokens,
+        selected=used.selected,
+        hits=used.hits,
+        misses=used.misses,
+        hit_rate=used.hits / used.selected if used.selected else 0.0,
+        row_bytes=rb,
+        h2d_bytes=used.h2d_bytes,
         topk_reload_h2d_bytes=reload_bytes,
-        h2d_vs_topk_reload=used.h2d_bytes / reload_bytes if reload_bytes else None, answer_s=round(answer_s, 3))
+        h2d_vs_topk_reload=used.h2d_bytes / reload_bytes if reload_bytes else None,
+        answer_s=round(answer_s, 3),
+    )
 
 
 def format_result(r: DemoResult) -> str:
@@ -182,17 +219,36 @@ def format_result(r: DemoResult) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", default=DEFAULT_PROMPT,
-                   help=f"text after the held-out source, for the model to continue (default {DEFAULT_PROMPT!r})")
-    p.add_argument("--context-file", type=Path, default=None,
-                   help="text to put before --prompt (default: held-out standard-library source, "
-                        "~1,600 tokens; the server's context is 2,048 tokens)")
-    p.add_argument("--frequency-penalty", type=float, default=DEFAULT_FREQUENCY_PENALTY,
-                   help=f"OpenAI frequency_penalty of the request (default {DEFAULT_FREQUENCY_PENALTY})")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                   help=f"answer length in tokens (default {DEFAULT_MAX_TOKENS})")
-    p.add_argument("--hot-tokens", type=int, default=DEFAULT_HOT_TOKENS,
-                   help=f"hot buffer slots per layer of the offload server (default {DEFAULT_HOT_TOKENS})")
+    p.add_argument(
+        "--prompt",
+        default=DEFAULT_PROMPT,
+        help=f"text after the held-out source, for the model to continue (default {DEFAULT_PROMPT!r})",
+    )
+    p.add_argument(
+        "--context-file",
+        type=Path,
+        default=None,
+        help="text to put before --prompt (default: held-out standard-library source, "
+        "~1,600 tokens; the server's context is 2,048 tokens)",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=DEFAULT_FREQUENCY_PENALTY,
+        help=f"OpenAI frequency_penalty of the request (default {DEFAULT_FREQUENCY_PENALTY})",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"answer length in tokens (default {DEFAULT_MAX_TOKENS})",
+    )
+    p.add_argument(
+        "--hot-tokens",
+        type=int,
+        default=DEFAULT_HOT_TOKENS,
+        help=f"hot buffer slots per layer of the offload server (default {DEFAULT_HOT_TOKENS})",
+    )
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
 
@@ -214,22 +270,26 @@ def _problems(args) -> list:
 def main(args) -> int:
     problems = _problems(args)
     if problems:
-        print("demo: invalid arguments:\n" + "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1)),
-              file=sys.stderr)
+        print(
+            "demo: invalid arguments:\n" + "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1)), file=sys.stderr
+        )
         return 2
     context = args.context_file.read_text() if args.context_file is not None else None
     with tempfile.TemporaryDirectory(prefix="sao_demo_") as tmp:
         reference, offload = build_servers(Path(tmp), args.hot_tokens)
-        print("[demo] starting two servers of tests/fixtures/tiny_dsa_trained on CPU "
-              f"(offload with hot_tokens {args.hot_tokens}, and a reference without), about a minute",
-              file=sys.stderr)
+        print(
+            "[demo] starting two servers of tests/fixtures/tiny_dsa_trained on CPU "
+            f"(offload with hot_tokens {args.hot_tokens}, and a reference without), about a minute",
+            file=sys.stderr,
+        )
         start = time.monotonic()
         try:
             start_all(reference, offload)
             startup_s = time.monotonic() - start
             print(f"[demo] servers up in {startup_s:.0f} s; asking", file=sys.stderr)
-            result = ask(reference, offload, args.prompt, context, args.max_tokens, args.hot_tokens,
-                         args.frequency_penalty)
+            result = ask(
+                reference, offload, args.prompt, context, args.max_tokens, args.hot_tokens, args.frequency_penalty
+            )
             result.startup_s = round(startup_s, 1)
         finally:
             stop_all(reference, offload)

@@ -7,24 +7,40 @@ operator ladder which rungs are usable here (and why not).
 from __future__ import annotations
 
 import argparse
-from .versions import installed_version
 import json
 
 from . import SUPPORTED_SGLANG_VERSION, platform
 from .ops import registry
+from .versions import installed_version
 
-_PACKAGES = ("torch", "torch-npu", "triton", "triton-ascend", "sglang", "memfabric-hybrid",
-             "memcache-hybrid", "mooncake-transfer-engine-non-cuda", "msgspec", "pyzmq")
+_PACKAGES = (
+    "torch",
+    "torch-npu",
+    "triton",
+    "triton-ascend",
+    "sglang",
+    "memfabric-hybrid",
+    "memcache-hybrid",
+    "mooncake-transfer-engine-non-cuda",
+    "msgspec",
+    "pyzmq",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--npu-check", action="store_true",
-                        help="pre-flight of an Ascend node: each capability the features need, pass/fail and the fix "
-                             "(exit 1 when any fails)")
-    parser.add_argument("--npu-api", action="store_true",
-                        help="check every memfabric/memcache/torch_npu/SGLang-NPU call in the source against "
-                             "the real APIs (exit 1 when any use is unknown)")
+    parser.add_argument(
+        "--npu-check",
+        action="store_true",
+        help="pre-flight of an Ascend node: each capability the features need, pass/fail and the fix "
+        "(exit 1 when any fails)",
+    )
+    parser.add_argument(
+        "--npu-api",
+        action="store_true",
+        help="check every memfabric/memcache/torch_npu/SGLang-NPU call in the source against "
+        "the real APIs (exit 1 when any use is unknown)",
+    )
 
 
 def collect() -> dict:
@@ -33,8 +49,9 @@ def collect() -> dict:
         packages[name] = installed_version(name)
     ops = {}
     for op in registry.ops():
-        ops[op] = {rung: (impl.unavailable() or "usable")
-                   for rung, impl in sorted(registry.implementations(op).items())}
+        ops[op] = {
+            rung: (impl.unavailable() or "usable") for rung, impl in sorted(registry.implementations(op).items())
+        }
     info = platform.describe()
     info["packages"] = packages
     info["sglang_supported"] = SUPPORTED_SGLANG_VERSION

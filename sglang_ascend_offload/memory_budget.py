@@ -25,8 +25,7 @@ from typing import Dict, Iterable, List, Optional
 
 from .errors import Violation
 
-__all__ = ["Allocation", "check", "host_available_bytes", "device_free_bytes", "format_bytes", "parse_size",
-           "HEADROOM"]
+__all__ = ["Allocation", "check", "host_available_bytes", "device_free_bytes", "format_bytes", "parse_size", "HEADROOM"]
 
 #: Fraction of the available memory the offload buffers may take: the rest is left to
 #: SGLang's own pools, activations and the rest of the process.
@@ -65,8 +64,9 @@ def parse_size(text: str) -> int:
     K/M/G/T = 2**10/20/30/40, with or without ``iB``). ``ValueError`` says the accepted forms."""
     m = _SIZE.match(str(text))
     if m is None:
-        raise ValueError(f"{text!r} is not a size: give bytes (1073741824) or a number with a binary unit "
-                         "(512MiB, 1.5GiB, 64M)")
+        raise ValueError(
+            f"{text!r} is not a size: give bytes (1073741824) or a number with a binary unit (512MiB, 1.5GiB, 64M)"
+        )
     return int(float(m.group(1)) * _SCALE[m.group(2).upper()])
 
 
@@ -119,8 +119,13 @@ def device_free_bytes(device: str) -> Optional[int]:
     return None
 
 
-def check(items: Iterable[Allocation], device: str, *, rule: str = "memory.insufficient",
-          available: Optional[Dict[str, Optional[int]]] = None) -> List[Violation]:
+def check(
+    items: Iterable[Allocation],
+    device: str,
+    *,
+    rule: str = "memory.insufficient",
+    available: Optional[Dict[str, Optional[int]]] = None,
+) -> List[Violation]:
     """One :class:`Violation` per memory whose planned allocations exceed
     ``HEADROOM`` x what is available. ``device``: ``npu`` / ``cuda`` / ``cpu``.
     ``available``: override (``{"device": bytes, "host": bytes}``), for tests.
@@ -129,8 +134,7 @@ def check(items: Iterable[Allocation], device: str, *, rule: str = "memory.insuf
     if device == "cpu":  # the device *is* host memory: one budget for both
         items = [Allocation(i.name, "host", i.nbytes, i.formula, i.knob) for i in items]
     if available is None:
-        available = {"host": host_available_bytes(),
-                     "device": None if device == "cpu" else device_free_bytes(device)}
+        available = {"host": host_available_bytes(), "device": None if device == "cpu" else device_free_bytes(device)}
     out: List[Violation] = []
     for where in ("device", "host"):
         mine = [i for i in items if i.where == where]
@@ -144,12 +148,14 @@ def check(items: Iterable[Allocation], device: str, *, rule: str = "memory.insuf
         memory = "host memory" if where == "host" else f"{device} device memory"
         parts = "; ".join(f"{i.name} {format_bytes(i.nbytes)} = {i.formula}" for i in mine)
         knobs = ", ".join(dict.fromkeys(i.knob for i in mine))
-        out.append(Violation(
-            rule,
-            f"the offload buffers need {format_bytes(need)} of {memory} but {format_bytes(have)} is available "
-            f"({format_bytes(budget)} usable at {HEADROOM:.0%}): {parts}",
-            f"lower {knobs} so the total fits in {format_bytes(budget)}",
-        ))
+        out.append(
+            Violation(
+                rule,
+                f"the offload buffers need {format_bytes(need)} of {memory} but {format_bytes(have)} is available "
+                f"({format_bytes(budget)} usable at {HEADROOM:.0%}): {parts}",
+                f"lower {knobs} so the total fits in {format_bytes(budget)}",
+            )
+        )
     return out
 
 

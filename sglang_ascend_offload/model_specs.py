@@ -86,37 +86,67 @@ class ModelShape:
         return replace(self, indexer_dtype=dtype)  # type: ignore[arg-type]
 
 
-_DSV32_SOURCE = ("deepseek-ai/DeepSeek-V3.2 config.json (DeepseekV32ForCausalLM): num_hidden_layers 61, "
-                 "kv_lora_rank 512, qk_rope_head_dim 64, index_head_dim 128, index_n_heads 64, "
-                 "index_topk 2048, num_nextn_predict_layers 1; indexer cache bf16 in SGLang's NPU MLA pool")
-_GLM5_SOURCE = ("zai-org/GLM-5 config.json (GlmMoeDsaForCausalLM, model_type glm_moe_dsa) as mirrored by "
-                "transformers' GlmMoeDsaConfig defaults: num_hidden_layers 78, kv_lora_rank 512, "
-                "qk_rope_head_dim 64, index_head_dim 128, index_n_heads 32, index_topk 2048, "
-                "num_nextn_predict_layers 1")
+_DSV32_SOURCE = (
+    "deepseek-ai/DeepSeek-V3.2 config.json (DeepseekV32ForCausalLM): num_hidden_layers 61, "
+    "kv_lora_rank 512, qk_rope_head_dim 64, index_head_dim 128, index_n_heads 64, "
+    "index_topk 2048, num_nextn_predict_layers 1; indexer cache bf16 in SGLang's NPU MLA pool"
+)
+_GLM5_SOURCE = (
+    "zai-org/GLM-5 config.json (GlmMoeDsaForCausalLM, model_type glm_moe_dsa) as mirrored by "
+    "transformers' GlmMoeDsaConfig defaults: num_hidden_layers 78, kv_lora_rank 512, "
+    "qk_rope_head_dim 64, index_head_dim 128, index_n_heads 32, index_topk 2048, "
+    "num_nextn_predict_layers 1"
+)
 
 PRESETS: Dict[str, ModelShape] = {
     "deepseek-v3.2": ModelShape(
-        name="deepseek-v3.2", num_layers=61, kv_lora_rank=512, qk_rope_head_dim=64,
-        index_head_dim=128, index_n_heads=64, index_topk=2048, mtp_layers=1,
-        indexer_dtype="bf16", source=_DSV32_SOURCE),
+        name="deepseek-v3.2",
+        num_layers=61,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        index_head_dim=128,
+        index_n_heads=64,
+        index_topk=2048,
+        mtp_layers=1,
+        indexer_dtype="bf16",
+        source=_DSV32_SOURCE,
+    ),
     "glm-5": ModelShape(
-        name="glm-5", num_layers=78, kv_lora_rank=512, qk_rope_head_dim=64,
-        index_head_dim=128, index_n_heads=32, index_topk=2048, mtp_layers=1,
-        indexer_dtype="bf16", source=_GLM5_SOURCE,
+        name="glm-5",
+        num_layers=78,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        index_head_dim=128,
+        index_n_heads=32,
+        index_topk=2048,
+        mtp_layers=1,
+        indexer_dtype="bf16",
+        source=_GLM5_SOURCE,
         notes="indexer dtype on Ascend assumed bf16 (as SGLang's NPU MLA pool stores it); not checked "
-              "against a GLM-5 Ascend deployment"),
+        "against a GLM-5 Ascend deployment",
+    ),
     "glm-5.1": ModelShape(
-        name="glm-5.1", num_layers=78, kv_lora_rank=512, qk_rope_head_dim=64,
-        index_head_dim=128, index_n_heads=32, index_topk=2048, mtp_layers=1,
+        name="glm-5.1",
+        num_layers=78,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        index_head_dim=128,
+        index_n_heads=32,
+        index_topk=2048,
+        mtp_layers=1,
         indexer_dtype="bf16",
         source="zai-org/GLM-5.1: same glm_moe_dsa architecture and shapes as GLM-5 (NVIDIA NeMo model "
-               "coverage: 78 layers, kv_lora_rank 512; indexer 32 x 128, top-k 2048)",
+        "coverage: 78 layers, kv_lora_rank 512; indexer 32 x 128, top-k 2048)",
         notes="index_topk and num_nextn_predict_layers taken from GLM-5 (same architecture), not read "
-              "from the GLM-5.1 config.json itself; pass --model-config to be exact"),
+        "from the GLM-5.1 config.json itself; pass --model-config to be exact",
+    ),
 }
 ALIASES: Dict[str, str] = {
-    "deepseek-v32": "deepseek-v3.2", "dsv32": "deepseek-v3.2", "deepseek-v3.2-exp": "deepseek-v3.2",
-    "glm5": "glm-5", "glm5.1": "glm-5.1",
+    "deepseek-v32": "deepseek-v3.2",
+    "dsv32": "deepseek-v3.2",
+    "deepseek-v3.2-exp": "deepseek-v3.2",
+    "glm5": "glm-5",
+    "glm5.1": "glm-5.1",
 }
 
 # HuggingFace config.json key -> ModelShape field, and the smallest valid value.
@@ -139,14 +169,22 @@ def preset(name: str) -> ModelShape:
     """The preset called ``name`` (case-insensitive, aliases accepted); ConfigError otherwise."""
     key = ALIASES.get(name.lower(), name.lower())
     if key not in PRESETS:
-        raise ConfigError([Violation("capacity.model", f"unknown model preset {name!r}",
-                                     f"use one of {', '.join(sorted(PRESETS))}, or --model-config "
-                                     "path/config.json")], "model")
+        raise ConfigError(
+            [
+                Violation(
+                    "capacity.model",
+                    f"unknown model preset {name!r}",
+                    f"use one of {', '.join(sorted(PRESETS))}, or --model-config path/config.json",
+                )
+            ],
+            "model",
+        )
     return PRESETS[key]
 
 
-def shape_from_hf_dict(config: Mapping[str, Any], name: str = "model-config",
-                       indexer_dtype: IndexerDtype = "bf16") -> ModelShape:
+def shape_from_hf_dict(
+    config: Mapping[str, Any], name: str = "model-config", indexer_dtype: IndexerDtype = "bf16"
+) -> ModelShape:
     """A :class:`ModelShape` from a parsed HuggingFace config; every bad key in one error.
 
     Keys read: those of :data:`HF_KEYS` (integers; all required but those of
@@ -154,8 +192,10 @@ def shape_from_hf_dict(config: Mapping[str, Any], name: str = "model-config",
     with the language model under ``text_config`` is read from there.
     """
     if not isinstance(config, Mapping):
-        raise ConfigError([Violation("capacity.model_config", f"{name} is not a JSON object",
-                                     "pass a HuggingFace config.json")], "model config")
+        raise ConfigError(
+            [Violation("capacity.model_config", f"{name} is not a JSON object", "pass a HuggingFace config.json")],
+            "model config",
+        )
     if "num_hidden_layers" not in config and isinstance(config.get("text_config"), Mapping):
         config = config["text_config"]
     problems: List[Violation] = []
@@ -164,23 +204,31 @@ def shape_from_hf_dict(config: Mapping[str, Any], name: str = "model-config",
         config = {**OPTIONAL_HF_KEYS, **config}
     missing = [key for key, _, _ in HF_KEYS if key not in config]
     if missing:
-        problems.append(Violation(
-            "capacity.model_config", f"{name} lacks {', '.join(missing)}",
-            "the capacity planner needs a DSA (MLA + lightning indexer) config with every key of: "
-            + ", ".join(k for k, _, _ in HF_KEYS)))
+        problems.append(
+            Violation(
+                "capacity.model_config",
+                f"{name} lacks {', '.join(missing)}",
+                "the capacity planner needs a DSA (MLA + lightning indexer) config with every key of: "
+                + ", ".join(k for k, _, _ in HF_KEYS),
+            )
+        )
     for key, field_name, minimum in HF_KEYS:
         if key not in config:
             continue
         value = config[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            problems.append(Violation("capacity.model_config", f"{name}: {key}={json.dumps(value)}",
-                                      f"{key} must be an integer >= {minimum}"))
+            problems.append(
+                Violation(
+                    "capacity.model_config",
+                    f"{name}: {key}={json.dumps(value)}",
+                    f"{key} must be an integer >= {minimum}",
+                )
+            )
         else:
             values[field_name] = value
     if problems:
         raise ConfigError(problems, "model config")
-    return ModelShape(name=name, indexer_dtype=indexer_dtype, source=f"HuggingFace config {name}",
-                      **values)
+    return ModelShape(name=name, indexer_dtype=indexer_dtype, source=f"HuggingFace config {name}", **values)
 
 
 def load_hf_config(path: str, indexer_dtype: IndexerDtype = "bf16") -> ModelShape:
@@ -191,9 +239,19 @@ def load_hf_config(path: str, indexer_dtype: IndexerDtype = "bf16") -> ModelShap
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except OSError as exc:
-        raise ConfigError([Violation("capacity.model_config", f"cannot read {path}: {exc.strerror}",
-                                     "pass the path of a HuggingFace config.json")], "model config") from exc
+        raise ConfigError(
+            [
+                Violation(
+                    "capacity.model_config",
+                    f"cannot read {path}: {exc.strerror}",
+                    "pass the path of a HuggingFace config.json",
+                )
+            ],
+            "model config",
+        ) from exc
     except json.JSONDecodeError as exc:
-        raise ConfigError([Violation("capacity.model_config", f"{path} is not valid JSON: {exc}",
-                                     "pass a HuggingFace config.json")], "model config") from exc
+        raise ConfigError(
+            [Violation("capacity.model_config", f"{path} is not valid JSON: {exc}", "pass a HuggingFace config.json")],
+            "model config",
+        ) from exc
     return shape_from_hf_dict(data, name=path, indexer_dtype=indexer_dtype)

@@ -82,16 +82,29 @@ def check_cann() -> Check:
     where = f"CANN at {info.root}" if info.root else "no CANN install"
     notes = "".join(f"; {n}" for n in info.notes)
     if not info.decided:
-        return Check("cann", False, f"{where}, version {version}; SoC undecided: {info.reason}{notes}",
-                     "install the CANN toolkit and the operator package of this node's SoC (A2/A3), "
-                     "then source its set_env.sh", need)
-    detail = f"{where}, version {version} ({info.version_file or 'no version file'}), SoC {info.soc} ({info.family}){notes}"
+        return Check(
+            "cann",
+            False,
+            f"{where}, version {version}; SoC undecided: {info.reason}{notes}",
+            "install the CANN toolkit and the operator package of this node's SoC (A2/A3), then source its set_env.sh",
+            need,
+        )
+    detail = (
+        f"{where}, version {version} ({info.version_file or 'no version file'}), SoC {info.soc} ({info.family}){notes}"
+    )
     if info.family == "950":
-        return Check("cann", False, detail, "sparse decode offload is refused on the Ascend 950 series: "
-                     "run it on an A2/A3 node (P/D and layerwise prefill still serve)", need)
+        return Check(
+            "cann",
+            False,
+            detail,
+            "sparse decode offload is refused on the Ascend 950 series: "
+            "run it on an A2/A3 node (P/D and layerwise prefill still serve)",
+            need,
+        )
     if info.version is None:
-        return Check("cann", False, detail, "the toolkit install info has no version= line: reinstall the CANN toolkit",
-                     need)
+        return Check(
+            "cann", False, detail, "the toolkit install info has no version= line: reinstall the CANN toolkit", need
+        )
     return Check("cann", True, detail, "", need)
 
 
@@ -130,14 +143,20 @@ def check_torch_npu_op(op: str, needed_by: str, expected: Optional[dict], note: 
     name = f"torch_npu.{op}"
     reason = _torch_npu_reason()
     if reason is not None:
-        return Check(name, False, f"not checked: {reason}", "install torch_npu on an Ascend node (" + SETUP_HINT + ")",
-                     needed_by)
+        return Check(
+            name, False, f"not checked: {reason}", "install torch_npu on an Ascend node (" + SETUP_HINT + ")", needed_by
+        )
     import torch
 
     if not hasattr(torch.ops.npu, op):
         version = getattr(importlib.import_module("torch_npu"), "__version__", "?")
-        return Check(name, False, f"torch.ops.npu has no {op} (torch_npu {version})",
-                     "install a torch_npu / CANN release that ships it, or use ops=reference|triton", needed_by)
+        return Check(
+            name,
+            False,
+            f"torch.ops.npu has no {op} (torch_npu {version})",
+            "install a torch_npu / CANN release that ships it, or use ops=reference|triton",
+            needed_by,
+        )
     try:
         got = str(getattr(torch.ops.npu, op).default._schema)
     except Exception as exc:  # noqa: BLE001
@@ -146,12 +165,18 @@ def check_torch_npu_op(op: str, needed_by: str, expected: Optional[dict], note: 
         return Check(name, True, f"registered: {got}; {note}", "", needed_by)
     want = expected.get(op)
     if want is None:
-        return Check(name, True, f"registered: {got}; no expected schema for {op} in {SCHEMAS_FILE.name}", "",
-                     needed_by)
+        return Check(
+            name, True, f"registered: {got}; no expected schema for {op} in {SCHEMAS_FILE.name}", "", needed_by
+        )
     if _norm(want) != _norm(got):
-        return Check(name, False, f"schema differs: installed {got!r}, expected {want!r}",
-                     "install the torch_npu release the plugin was written against (pyproject [npu] extra), "
-                     "or update the call and npu_api/torch_npu_ops.json", needed_by)
+        return Check(
+            name,
+            False,
+            f"schema differs: installed {got!r}, expected {want!r}",
+            "install the torch_npu release the plugin was written against (pyproject [npu] extra), "
+            "or update the call and npu_api/torch_npu_ops.json",
+            needed_by,
+        )
     return Check(name, True, f"registered, schema matches ({note})", "", needed_by)
 
 
@@ -161,8 +186,13 @@ def check_fused_op(kernel: str) -> Check:
     need = "fused LIM / LIM-C8 / Copy-SFA (ops=fused, fused_lim, fused_copy_sfa)"
     reason = fused_op_unavailable(kernel)
     if reason is not None:
-        return Check(f"_C_ascend.{kernel}", False, reason,
-                     "bash ascendc_ops/build.sh --install (scripts/setup_npu_env.sh does it)", need)
+        return Check(
+            f"_C_ascend.{kernel}",
+            False,
+            reason,
+            "bash ascendc_ops/build.sh --install (scripts/setup_npu_env.sh does it)",
+            need,
+        )
     return Check(f"_C_ascend.{kernel}", True, f"torch.ops.sglang_ascend_offload.{kernel} registered", "", need)
 
 
@@ -174,16 +204,28 @@ def check_memfabric() -> Check:
     try:
         mf = importlib.import_module("memfabric_hybrid")
     except Exception as exc:  # noqa: BLE001
-        return Check(name, False, f"memfabric_hybrid fails to import: {exc!r}", "source CANN's set_env.sh; " + fix, need)
+        return Check(
+            name, False, f"memfabric_hybrid fails to import: {exc!r}", "source CANN's set_env.sh; " + fix, need
+        )
     version = _dist_version("memfabric-hybrid")
     if _torch_npu_reason() is not None:
-        return Check(name, False, f"memfabric_hybrid {version} imports; initialisation not tried: "
-                     f"{_torch_npu_reason()}", "run on an Ascend node with torch_npu", need)
+        return Check(
+            name,
+            False,
+            f"memfabric_hybrid {version} imports; initialisation not tried: {_torch_npu_reason()}",
+            "run on an Ascend node with torch_npu",
+            need,
+        )
     rc = mf.initialize()
     if rc != 0:
         err = getattr(mf, "get_last_err_msg", lambda: "")()
-        return Check(name, False, f"memfabric_hybrid.initialize() returned {rc}: {err}",
-                     "check the Ascend driver and that mfcli kernel install has run", need)
+        return Check(
+            name,
+            False,
+            f"memfabric_hybrid.initialize() returned {rc}: {err}",
+            "check the Ascend driver and that mfcli kernel install has run",
+            need,
+        )
     getattr(mf, "uninitialize", lambda: None)()
     return Check(name, True, f"memfabric_hybrid {version} initialises", "", need)
 
@@ -194,14 +236,25 @@ def check_memcache() -> Check:
 
     need = "layerwise prefill offload with buffer reuse (store_backend=memcache)"
     try:
-        mod = _memcache()
+        _memcache()
     except StoreUnavailable as exc:
         return Check("memcache", False, str(exc), "pip install -e '.[npu]' (memcache-hybrid) on the Ascend node", need)
     if _torch_npu_reason() is not None:
-        return Check("memcache", False, f"memcache_hybrid imports; no device to serve: {_torch_npu_reason()}",
-                     "run on an Ascend node with torch_npu", need)
-    return Check("memcache", True, f"memcache_hybrid {_dist_version('memcache-hybrid')} imports, copy directions "
-                 "match; the store connects at serve time (mmc-local.conf)", "", need)
+        return Check(
+            "memcache",
+            False,
+            f"memcache_hybrid imports; no device to serve: {_torch_npu_reason()}",
+            "run on an Ascend node with torch_npu",
+            need,
+        )
+    return Check(
+        "memcache",
+        True,
+        f"memcache_hybrid {_dist_version('memcache-hybrid')} imports, copy directions "
+        "match; the store connects at serve time (mmc-local.conf)",
+        "",
+        need,
+    )
 
 
 def check_host_register() -> Check:
@@ -211,28 +264,39 @@ def check_host_register() -> Check:
     name, need = "host_register", "Copy-SFA reading the host KV pool (fused_copy_sfa)"
     reason = fused_op_unavailable(fused.REGISTER_HOST_KERNEL)
     if reason is not None:
-        return Check(name, False, f"not tried: {reason}",
-                     "build the AscendC extension: bash ascendc_ops/build.sh --install", need)
+        return Check(
+            name,
+            False,
+            f"not tried: {reason}",
+            "build the AscendC extension: bash ascendc_ops/build.sh --install",
+            need,
+        )
     import torch
 
     host = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
     address = fused.register_host_memory(host)
     if not address:
-        return Check(name, False, "registration returned a null device address",
-                     "check the driver's host-register support (aclrtHostRegister)", need)
+        return Check(
+            name,
+            False,
+            "registration returned a null device address",
+            "check the driver's host-register support (aclrtHostRegister)",
+            need,
+        )
     return Check(name, True, f"1 MiB pinned host tensor registered at device address {address:#x}", "", need)
 
 
 def run_checks() -> List[Check]:
     """Every check, in report order; never raises."""
-    out = [_guard("cann", "every NPU feature", check_cann),
-           _guard("torch_npu", "every NPU feature", check_torch_npu)]
+    out = [_guard("cann", "every NPU feature", check_cann), _guard("torch_npu", "every NPU feature", check_torch_npu)]
     try:
         expected, note = expected_schemas()
     except Exception as exc:  # noqa: BLE001 - a malformed file is reported, the checks go on
         expected, note = None, f"schema comparison skipped: {SCHEMAS_FILE.name} unreadable ({exc!r})"
     for op, need in TORCH_NPU_OPS:
-        out.append(_guard(f"torch_npu.{op}", need, lambda op=op, need=need: check_torch_npu_op(op, need, expected, note)))
+        out.append(
+            _guard(f"torch_npu.{op}", need, lambda op=op, need=need: check_torch_npu_op(op, need, expected, note))
+        )
     from .ops.npu_impls import FUSED_KERNELS
 
     for kernel in FUSED_KERNELS:
@@ -260,6 +324,5 @@ def main(as_json: bool = False) -> int:
                 print(f"       fix: {c.fix}")
                 print(f"       needed by: {c.needed_by}")
         failed = sum(not c.ok for c in checks)
-        print(f"npu-check: {len(checks) - failed}/{len(checks)} passed"
-              + ("" if doc["ok"] else f", {failed} failed"))
+        print(f"npu-check: {len(checks) - failed}/{len(checks)} passed" + ("" if doc["ok"] else f", {failed} failed"))
     return 0 if doc["ok"] else 1

@@ -43,9 +43,7 @@ def device_kind() -> str:
     forced = os.environ.get("SGLANG_ASCEND_OFFLOAD_DEVICE")
     if forced:
         if forced not in DEVICE_KINDS:
-            raise ValueError(
-                f"SGLANG_ASCEND_OFFLOAD_DEVICE={forced!r}: expected one of {DEVICE_KINDS}"
-            )
+            raise ValueError(f"SGLANG_ASCEND_OFFLOAD_DEVICE={forced!r}: expected one of {DEVICE_KINDS}")
         return forced
     npu = _torch_npu()
     if npu is not None and hasattr(torch, "npu") and torch.npu.is_available():

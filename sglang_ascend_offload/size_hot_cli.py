@@ -19,13 +19,24 @@ from typing import List
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .sparse_decode.policies import POLICIES
 
-    parser.add_argument("--trace", metavar="FILE", required=True, help=".npz trace (record_trace, or bench decode --save-trace)")
-    parser.add_argument("--policy", action="append", choices=sorted(POLICIES), default=None,
-                        help="also replay this policy at the sampled sizes (repeatable; default none: the LRU "
-                             "curve, the engine's LRU and the optimum only)")
+    parser.add_argument(
+        "--trace", metavar="FILE", required=True, help=".npz trace (record_trace, or bench decode --save-trace)"
+    )
+    parser.add_argument(
+        "--policy",
+        action="append",
+        choices=sorted(POLICIES),
+        default=None,
+        help="also replay this policy at the sampled sizes (repeatable; default none: the LRU "
+        "curve, the engine's LRU and the optimum only)",
+    )
     parser.add_argument("--max-hot", type=int, help="largest size (default 8 x top-k)")
-    parser.add_argument("--samples", type=int, default=4, help="sampled sizes for the replayed policies and the optimum")
-    parser.add_argument("--target-hit-rate", type=float, help="recommend the smallest hot_tokens reaching this hit rate")
+    parser.add_argument(
+        "--samples", type=int, default=4, help="sampled sizes for the replayed policies and the optimum"
+    )
+    parser.add_argument(
+        "--target-hit-rate", type=float, help="recommend the smallest hot_tokens reaching this hit rate"
+    )
     parser.add_argument("--model", default="deepseek-v3.2", help="model preset for the device bytes per request")
     parser.add_argument("--no-optimum", action="store_true", help="skip the Belady optimum")
     parser.add_argument("--plot", metavar="FILE.png", help="write the curves as a PNG figure (matplotlib)")
@@ -48,8 +59,15 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         trace = load_trace(args.trace)
-        res = size_hot(trace, _policies(args, trace), max_hot=args.max_hot, samples=args.samples,
-                       target_hit_rate=args.target_hit_rate, model=args.model, optimum=not args.no_optimum)
+        res = size_hot(
+            trace,
+            _policies(args, trace),
+            max_hot=args.max_hot,
+            samples=args.samples,
+            target_hit_rate=args.target_hit_rate,
+            model=args.model,
+            optimum=not args.no_optimum,
+        )
     except (TraceError, RankedInputError, ValueError, KeyError) as exc:
         print(f"size-hot: {exc}", file=sys.stderr)
         return 2
@@ -69,9 +87,11 @@ def main(args: argparse.Namespace) -> int:
 
 def _print(r) -> None:
     k = r["top_k"]
-    print(f"trace {r['trace']}: {r['steps']} steps ({r['active_steps']} with work), {r['layers']} layers, "
-          f"{r['rows']} rows ({r['active_rows']} ever active), top-k {k}, rank depth {r['rank_depth']}; "
-          f"{r['selected']} selections")
+    print(
+        f"trace {r['trace']}: {r['steps']} steps ({r['active_steps']} with work), {r['layers']} layers, "
+        f"{r['rows']} rows ({r['active_rows']} ever active), top-k {k}, rank depth {r['rank_depth']}; "
+        f"{r['selected']} selections"
+    )
     sampled = r["sampled"]
     names = list(sampled)
     print(f"\n{'hot_tokens':>10}{'LRU curve':>12}{'hit rate':>10}" + "".join(f"{n:>20}" for n in names))
@@ -85,10 +105,15 @@ def _print(r) -> None:
     rec = r.get("recommended")
     if rec:
         if rec.get("hot_tokens"):
-            print(f"\nrecommended hot_tokens for hit rate >= {rec['target_hit_rate']}: {rec['hot_tokens']} "
-                  f"(LRU hit rate {rec['hit_rate']:.4f}); device bytes per request ({rec['model']}): "
-                  f"{rec['device_bytes_per_request'] / 2**20:.1f} MiB")
+            print(
+                f"\nrecommended hot_tokens for hit rate >= {rec['target_hit_rate']}: {rec['hot_tokens']} "
+                f"(LRU hit rate {rec['hit_rate']:.4f}); device bytes per request ({rec['model']}): "
+                f"{rec['device_bytes_per_request'] / 2**20:.1f} MiB"
+            )
         else:
             print(f"\nno recommendation: {rec['reason']}")
-    print("\nwall seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in r["seconds"].items())
-          + f"; CPU seconds (this process) {r['cpu_seconds']:.1f}")
+    print(
+        "\nwall seconds: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in r["seconds"].items())
+        + f"; CPU seconds (this process) {r['cpu_seconds']:.1f}"
+    )

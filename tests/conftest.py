@@ -18,6 +18,7 @@ import pytest
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from npu_requirements import npu_present  # noqa: E402
+
 from sglang_ascend_offload import platform  # noqa: E402
 
 if not npu_present():
@@ -38,8 +39,10 @@ if platform.device_kind() == "cpu":
 def pytest_collection_modifyitems(config, items):
     if npu_present():
         return
-    skip = pytest.mark.skip(reason="needs an Ascend NPU with CANN + torch_npu (run on an NPU runner: "
-                                   "bash scripts/setup_npu_env.sh && python -m pytest -m npu)")
+    skip = pytest.mark.skip(
+        reason="needs an Ascend NPU with CANN + torch_npu (run on an NPU runner: "
+        "bash scripts/setup_npu_env.sh && python -m pytest -m npu)"
+    )
     for item in items:
         if "npu" in item.keywords:
             item.add_marker(skip)

@@ -58,10 +58,13 @@ def require_npu_extension(kernel: str) -> None:
 def requires(check: Callable[[], None]) -> Callable:
     """Decorator form: run ``check()`` when the test starts (pytest sees the test's
     own signature, so fixtures still resolve)."""
+
     def wrap(test):
         @functools.wraps(test)
         def run(*args, **kwargs):
             check()
             return test(*args, **kwargs)
+
         return run
+
     return wrap

@@ -14,8 +14,10 @@ from sglang_ascend_offload.bench.transfer_served import ServedResult, median_row
 
 
 def _run(device_ms, offload_ms, done=8, tok=50.0):
-    return [ServedResult("pd_device_decode", device_ms, device_ms * 2, tok, 8),
-            ServedResult("pd_offload_decode", offload_ms, None, tok + 1, done)]
+    return [
+        ServedResult("pd_device_decode", device_ms, device_ms * 2, tok, 8),
+        ServedResult("pd_offload_decode", offload_ms, None, tok + 1, done),
+    ]
 
 
 def test_medians_over_runs_and_the_ratio():

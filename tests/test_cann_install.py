@@ -27,13 +27,22 @@ def _env(name: str) -> dict:
 
 
 def _rules(soc, soc_unknown, device="npu"):
-    d = Deployment(device=device, soc=soc, soc_unknown=soc_unknown, model_kind="dsa", num_layers=61,
-                   index_topk=2048, page_size=128, tp=8)
+    d = Deployment(
+        device=device,
+        soc=soc,
+        soc_unknown=soc_unknown,
+        model_kind="dsa",
+        num_layers=61,
+        index_topk=2048,
+        page_size=128,
+        tp=8,
+    )
     return [v.rule for v in violations(SD, d)]
 
 
-@pytest.mark.parametrize("name, soc, family", [("a2", "Ascend910B", "A2"), ("a3", "Ascend910_93", "A3"),
-                                               ("950", "Ascend910_95", "950")])
+@pytest.mark.parametrize(
+    "name, soc, family", [("a2", "Ascend910B", "A2"), ("a3", "Ascend910_93", "A3"), ("950", "Ascend910_95", "950")]
+)
 def test_single_soc_builds_are_read(name, soc, family):
     info = cann_install.detect(_env(name), arch="x86_64")
     assert (info.soc, info.family, info.version) == (soc, family, "8.5.0")
@@ -57,12 +66,15 @@ def test_950_kernels_next_to_a3_still_refuse():
     assert _rules(*cann_install.deployment_soc(env=_env("a3_950"))) == ["sparse_decode.soc_950"]
 
 
-@pytest.mark.parametrize("env, words", [
-    ({}, "no CANN install found"),
-    ({"ASCEND_HOME_PATH": "/nonexistent/cann"}, "does not exist"),
-    (_env("toolkit_only"), "no operator kernels of a known SoC"),
-    (_env("a2_a3"), "several SoC families"),
-])
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({}, "no CANN install found"),
+        ({"ASCEND_HOME_PATH": "/nonexistent/cann"}, "does not exist"),
+        (_env("toolkit_only"), "no operator kernels of a known SoC"),
+        (_env("a2_a3"), "several SoC families"),
+    ],
+)
 def test_undecidable_refuses_with_its_rule(env, words, monkeypatch):
     monkeypatch.setattr(cann_install, "DEFAULT_ROOTS", ())
     soc, unknown = cann_install.deployment_soc(env=env)

@@ -7,8 +7,15 @@ import json
 import pytest
 
 from sglang_ascend_offload import cli
-from sglang_ascend_offload.capacity import (GIB, CapacityInputs, check_inputs, footprints, kvpp_owned_layers,
-                                            physical_layer_buffers, plan)
+from sglang_ascend_offload.capacity import (
+    GIB,
+    CapacityInputs,
+    check_inputs,
+    footprints,
+    kvpp_owned_layers,
+    physical_layer_buffers,
+    plan,
+)
 from sglang_ascend_offload.config import ConfigError
 from sglang_ascend_offload.model_specs import HF_KEYS, PRESETS, load_hf_config, preset, shape_from_hf_dict
 
@@ -69,8 +76,15 @@ def test_mtp_and_int8_indexer_change_the_per_token_bytes():
 def test_glm5_presets_have_verified_shapes():
     for name in ("glm-5", "glm-5.1"):
         m = preset(name)
-        assert (m.num_layers, m.kv_lora_rank, m.qk_rope_head_dim, m.index_head_dim, m.index_n_heads,
-                m.index_topk, m.mtp_layers) == (78, 512, 64, 128, 32, 2048, 1)
+        assert (
+            m.num_layers,
+            m.kv_lora_rank,
+            m.qk_rope_head_dim,
+            m.index_head_dim,
+            m.index_n_heads,
+            m.index_topk,
+            m.mtp_layers,
+        ) == (78, 512, 64, 128, 32, 2048, 1)
     assert preset("GLM5") is PRESETS["glm-5"]
 
 
@@ -85,8 +99,14 @@ def test_layer_partition_and_buffer_formulas():
 
 
 # ------------------------------------------------------------------ fitting properties
-BUDGET_CASES = [dict(), dict(tp=4, dp=2), dict(rows=3), dict(hbm_bytes=8 * GIB, context=4096, mtp=True, tp=2),
-                dict(host_bytes=16 * GIB, hot_tokens=2048), dict(context=1000, page_size=64, pcp=2)]
+BUDGET_CASES = [
+    dict(),
+    dict(tp=4, dp=2),
+    dict(rows=3),
+    dict(hbm_bytes=8 * GIB, context=4096, mtp=True, tp=2),
+    dict(host_bytes=16 * GIB, hot_tokens=2048),
+    dict(context=1000, page_size=64, pcp=2),
+]
 
 
 @pytest.mark.parametrize("kw", BUDGET_CASES)
@@ -123,8 +143,10 @@ def test_monotone_in_memory_and_context():
     def caps(**kw):
         return {m.name: (m.tokens, m.requests) for m in plan(DSV32, inputs(tp=8, **kw)).modes}
 
-    for small, big in [(dict(hbm_bytes=16 * GIB), dict(hbm_bytes=32 * GIB)),
-                       (dict(host_bytes=64 * GIB), dict(host_bytes=256 * GIB))]:
+    for small, big in [
+        (dict(hbm_bytes=16 * GIB), dict(hbm_bytes=32 * GIB)),
+        (dict(host_bytes=64 * GIB), dict(host_bytes=256 * GIB)),
+    ]:
         a, b = caps(**small), caps(**big)
         for name in a:
             assert b[name][0] >= a[name][0] and b[name][1] >= a[name][1], name
@@ -180,14 +202,31 @@ def test_offload_beats_full_device_and_kvpp_is_skipped_without_a_group():
 
 # ------------------------------------------------------------------ input checking
 def test_check_inputs_lists_every_problem():
-    bad = CapacityInputs(hbm_bytes=0, host_bytes=-1, tp=0, dp=0, context=0, hot_tokens=100,
-                         independent_layers=70, indexer_dtype="fp8", weights_bytes=-1)
+    bad = CapacityInputs(
+        hbm_bytes=0,
+        host_bytes=-1,
+        tp=0,
+        dp=0,
+        context=0,
+        hot_tokens=100,
+        independent_layers=70,
+        indexer_dtype="fp8",
+        weights_bytes=-1,
+    )
     with pytest.raises(ConfigError) as exc:
         check_inputs(bad, DSV32)
     rules = {v.rule for v in exc.value.violations}
-    assert {"capacity.hbm", "capacity.host", "capacity.tp", "capacity.dp", "capacity.context",
-            "capacity.hot_tokens", "capacity.independent_layers", "capacity.indexer_dtype",
-            "capacity.weights"} <= rules
+    assert {
+        "capacity.hbm",
+        "capacity.host",
+        "capacity.tp",
+        "capacity.dp",
+        "capacity.context",
+        "capacity.hot_tokens",
+        "capacity.independent_layers",
+        "capacity.indexer_dtype",
+        "capacity.weights",
+    } <= rules
 
 
 def run_cli(capsys, *argv):
@@ -197,22 +236,47 @@ def run_cli(capsys, *argv):
 
 
 def test_cli_reports_all_problems_at_once(capsys):
-    rc, out, err = run_cli(capsys, "--hbm-gb", "abc", "--tp", "0", "--context", "1.5", "--hot-tokens", "16",
-                           "--weights-gb", "-2")
+    rc, out, err = run_cli(
+        capsys, "--hbm-gb", "abc", "--tp", "0", "--context", "1.5", "--hot-tokens", "16", "--weights-gb", "-2"
+    )
     assert rc == 2 and out == ""
-    for needle in ("--hbm-gb 'abc'", "--host-gb is missing", "tp is 0", "--context '1.5'",
-                   "hot_tokens 16 < top-k 2048", "weights take -2"):
+    for needle in (
+        "--hbm-gb 'abc'",
+        "--host-gb is missing",
+        "tp is 0",
+        "--context '1.5'",
+        "hot_tokens 16 < top-k 2048",
+        "weights take -2",
+    ):
         assert needle in err, needle
 
 
 def test_cli_json_contract(capsys):
-    rc, out, _ = run_cli(capsys, "--model", "deepseek-v3.2", "--hbm-gb", "64", "--host-gb", "512",
-                         "--context", "128k", "--tp", "8", "--json")
+    rc, out, _ = run_cli(
+        capsys,
+        "--model",
+        "deepseek-v3.2",
+        "--hbm-gb",
+        "64",
+        "--host-gb",
+        "512",
+        "--context",
+        "128k",
+        "--tp",
+        "8",
+        "--json",
+    )
     assert rc == 0
     data = json.loads(out)
     required = {"name", "device_bytes_per_token", "host_bytes_per_token", "tokens", "requests", "limited_by"}
-    assert [m["name"] for m in data["modes"]] == ["full-device", "sglang-npu-offload", "sparse-decode",
-                                                  "layerwise-prefill", "kvpp", "sparse-decode+layerwise-prefill"]
+    assert [m["name"] for m in data["modes"]] == [
+        "full-device",
+        "sglang-npu-offload",
+        "sparse-decode",
+        "layerwise-prefill",
+        "kvpp",
+        "sparse-decode+layerwise-prefill",
+    ]
     for m in data["modes"]:
         assert required <= set(m)
         assert all(isinstance(m[k], int) for k in required - {"name", "limited_by"})
@@ -235,22 +299,38 @@ def test_cli_table(capsys):
 
 
 # ------------------------------------------------------------------ model configs
-HF_DSV32 = {"architectures": ["DeepseekV32ForCausalLM"], "num_hidden_layers": 61, "kv_lora_rank": 512,
-            "qk_rope_head_dim": 64, "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048,
-            "num_nextn_predict_layers": 1, "hidden_size": 7168}
+HF_DSV32 = {
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "num_hidden_layers": 61,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "index_topk": 2048,
+    "num_nextn_predict_layers": 1,
+    "hidden_size": 7168,
+}
 
 
 def test_model_config_reads_the_hf_keys(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(HF_DSV32))
     for path in (tmp_path / "config.json", tmp_path):
         shape = load_hf_config(str(path))
-        for field in ("num_layers", "kv_lora_rank", "qk_rope_head_dim", "index_head_dim", "index_n_heads",
-                      "index_topk", "mtp_layers"):
+        for field in (
+            "num_layers",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "index_head_dim",
+            "index_n_heads",
+            "index_topk",
+            "mtp_layers",
+        ):
             assert getattr(shape, field) == getattr(DSV32, field), field
     nested = shape_from_hf_dict({"text_config": dict(HF_DSV32, num_hidden_layers=3)})
     assert nested.num_layers == 3
-    rc, out, _ = run_cli(capsys, "--model-config", str(tmp_path / "config.json"), "--hbm-gb", "64",
-                         "--host-gb", "512", "--json")
+    rc, out, _ = run_cli(
+        capsys, "--model-config", str(tmp_path / "config.json"), "--hbm-gb", "64", "--host-gb", "512", "--json"
+    )
     from_file = json.loads(out)["modes"]
     rc2, out2, _ = run_cli(capsys, "--hbm-gb", "64", "--host-gb", "512", "--json")
     assert rc == rc2 == 0 and from_file == json.loads(out2)["modes"]
@@ -269,26 +349,38 @@ def test_model_config_errors_list_every_key(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{not json")
     rc, _, err = run_cli(capsys, "--model-config", str(tmp_path / "bad.json"), "--hbm-gb", "1", "--host-gb", "1")
     assert rc == 2 and "not valid JSON" in err
-    rc, _, err = run_cli(capsys, "--model-config", str(tmp_path / "none.json"), "--model", "glm-5",
-                         "--hbm-gb", "1", "--host-gb", "1")
+    rc, _, err = run_cli(
+        capsys, "--model-config", str(tmp_path / "none.json"), "--model", "glm-5", "--hbm-gb", "1", "--host-gb", "1"
+    )
     assert rc == 2 and "both --model and --model-config" in err
 
 
 # ------------------------------------------------------------------ agreement with the real allocators
-TINY = shape_from_hf_dict(dict(HF_DSV32, num_hidden_layers=3, kv_lora_rank=8, qk_rope_head_dim=4,
-                               index_head_dim=16, index_topk=4, num_nextn_predict_layers=1), name="tiny")
+TINY = shape_from_hf_dict(
+    dict(
+        HF_DSV32,
+        num_hidden_layers=3,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        index_head_dim=16,
+        index_topk=4,
+        num_nextn_predict_layers=1,
+    ),
+    name="tiny",
+)
 
 
 def test_sparse_decode_row_bytes_match_hot_buffers_and_residency_tables():
     torch = pytest.importorskip("torch")
-    from sglang_ascend_offload.sparse_decode.hot_buffer import HotBuffers
     from sglang_ascend_offload.ops.contract import ResidencyTable
+    from sglang_ascend_offload.sparse_decode.hot_buffer import HotBuffers
 
     layers = TINY.num_layers  # hot buffers of the target layers only (MTP KV stays on device)
 
     def hot_bytes(rows, slots):
-        return HotBuffers(layers=layers, rows=rows, hot_tokens=slots, row_dim=TINY.main_kv_dim,
-                          dtype=torch.bfloat16).nbytes
+        return HotBuffers(
+            layers=layers, rows=rows, hot_tokens=slots, row_dim=TINY.main_kv_dim, dtype=torch.bfloat16
+        ).nbytes
 
     def table_bytes(rows, slots):
         table = ResidencyTable.empty(rows=rows, hot_tokens=slots)
@@ -299,14 +391,22 @@ def test_sparse_decode_row_bytes_match_hot_buffers_and_residency_tables():
         return hot_bytes(2, slots) - hot_bytes(1, slots) + layers * (table_bytes(2, slots) - table_bytes(1, slots))
 
     for mtp in (False, True):
-        inp = CapacityInputs(hbm_bytes=GIB, host_bytes=GIB, context=64, page_size=16, hot_tokens=8, mtp=mtp,
-                             rows_per_request=1)
+        inp = CapacityInputs(
+            hbm_bytes=GIB, host_bytes=GIB, context=64, page_size=16, hot_tokens=8, mtp=mtp, rows_per_request=1
+        )
         assert by_name(plan(TINY, inp))["sparse-decode"].device_bytes_per_request == engine_row(8)
     # With MTP a request decodes 1 + MTP-layers verify rows by default (here 2); they share one
     # engine row whose buffer holds max(hot, rows x top-k) slots: 8 = max(8, 2 x 4), 16 = max(8, 4 x 4).
     for rows_per_request, slots in ((None, 8), (2, 8), (4, 16)):
-        inp = CapacityInputs(hbm_bytes=GIB, host_bytes=GIB, context=64, page_size=16, hot_tokens=8, mtp=True,
-                             rows_per_request=rows_per_request)
+        inp = CapacityInputs(
+            hbm_bytes=GIB,
+            host_bytes=GIB,
+            context=64,
+            page_size=16,
+            hot_tokens=8,
+            mtp=True,
+            rows_per_request=rows_per_request,
+        )
         assert inp.hot_per_request(TINY) == slots
         sd = by_name(plan(TINY, inp))["sparse-decode"]
         assert sd.device_bytes_per_request == engine_row(slots), rows_per_request
@@ -343,11 +443,15 @@ def test_verify_rows_share_one_hot_buffer_per_request():
         hb = report.hot_buffer
         slots = max(2 * m.index_topk, rows_per_request * m.index_topk)
         assert (hb.rows_per_request, hb.hot_tokens_per_row, hb.hot_tokens_per_request) == (
-            rows_per_request, 2 * m.index_topk, slots)
+            rows_per_request,
+            2 * m.index_topk,
+            slots,
+        )
         assert hb.verify_rows_share_buffer and hb.per_row_hot_tokens_per_request == rows_per_request * 2 * m.index_topk
         sd = by_name(report)["sparse-decode"]
-        assert sd.device_bytes_per_request == hb.device_bytes_per_request == m.num_layers * (
-            slots * 1152 + slots * 12 + 8)
+        assert (
+            sd.device_bytes_per_request == hb.device_bytes_per_request == m.num_layers * (slots * 1152 + slots * 12 + 8)
+        )
         assert f"{slots} hot rows/layer/request" in sd.description
         old = _per_row_design(m, inp)
         assert sd.requests >= old.requests
@@ -366,14 +470,32 @@ def test_verify_rows_share_one_hot_buffer_per_request():
 
 
 def test_cli_mtp_reports_the_shared_buffer(capsys):
-    argv = ["--model", "deepseek-v3.2", "--hbm-gb", "64", "--host-gb", "512", "--context", "131072",
-            "--indexer-dtype", "int8", "--mtp", "--rows-per-request", "4"]
+    argv = [
+        "--model",
+        "deepseek-v3.2",
+        "--hbm-gb",
+        "64",
+        "--host-gb",
+        "512",
+        "--context",
+        "131072",
+        "--indexer-dtype",
+        "int8",
+        "--mtp",
+        "--rows-per-request",
+        "4",
+    ]
     rc, out, _ = run_cli(capsys, *argv, "--json")
     assert rc == 0
     data = json.loads(out)
-    assert data["hot_buffer"] == {"rows_per_request": 4, "hot_tokens_per_row": 4096, "hot_tokens_per_request": 8192,
-                                  "verify_rows_share_buffer": True, "per_row_hot_tokens_per_request": 16384,
-                                  "device_bytes_per_request": 61 * (8192 * 1152 + 8192 * 12 + 8)}
+    assert data["hot_buffer"] == {
+        "rows_per_request": 4,
+        "hot_tokens_per_row": 4096,
+        "hot_tokens_per_request": 8192,
+        "verify_rows_share_buffer": True,
+        "per_row_hot_tokens_per_request": 16384,
+        "device_bytes_per_request": 61 * (8192 * 1152 + 8192 * 12 + 8),
+    }
     modes = {m_["name"]: m_ for m_ in data["modes"]}
     assert modes["sparse-decode"]["requests"] >= modes["sglang-npu-offload"]["requests"]
     rc, out, _ = run_cli(capsys, *argv)

@@ -23,8 +23,17 @@ from sglang_ascend_offload.config import (
 )
 
 # A deployment every feature accepts in its own role (facts of a DeepSeek-V3.2 node).
-GOOD = dict(device="npu", soc="Ascend910_9391", model_kind="dsa", main_kv_dtype="bf16",
-            num_layers=61, index_topk=2048, page_size=128, tp=8, dp=1)
+GOOD = dict(
+    device="npu",
+    soc="Ascend910_9391",
+    model_kind="dsa",
+    main_kv_dtype="bf16",
+    num_layers=61,
+    index_topk=2048,
+    page_size=128,
+    tp=8,
+    dp=1,
+)
 
 SD = {"sparse_decode": {"hot_tokens": 4096}}
 LW = {"layerwise_prefill": {"shared_buffers": 6, "store_backend": "memcache"}}
@@ -49,10 +58,14 @@ CASES = {
     "sparse_decode.fused_device": ({"sparse_decode": {"fused_copy_sfa": True}}, dict(device="cuda", soc=None)),
     "sparse_decode.speculative": (SD, dict(speculative_method="mtp", speculative_fixed=False)),
     "sparse_decode.kvpp": ({**SD, **KV}, {}),
-    "sparse_decode.rank_depth_topk": ({"sparse_decode": {"hot_tokens": 4096, "policy": "score_rank",
-                                                         "rank_depth": 1024}}, {}),
-    "sparse_decode.score_speculative": ({"sparse_decode": {"hot_tokens": 4096, "policy": "score_rank_guarded",
-                                                           "rank_depth": 8192}}, dict(speculative_method="mtp")),
+    "sparse_decode.rank_depth_topk": (
+        {"sparse_decode": {"hot_tokens": 4096, "policy": "score_rank", "rank_depth": 1024}},
+        {},
+    ),
+    "sparse_decode.score_speculative": (
+        {"sparse_decode": {"hot_tokens": 4096, "policy": "score_rank_guarded", "rank_depth": 8192}},
+        dict(speculative_method="mtp"),
+    ),
     "layerwise_prefill.eager": (LW, dict(graph_mode="piecewise")),
     "layerwise_prefill.memcache": ({"layerwise_prefill": {"shared_buffers": 6, "store_backend": "local"}}, {}),
     "layerwise_prefill.mooncake_layerwise": (LW, dict(pd_role="prefill", disaggregation_transfer_backend="mooncake")),
@@ -62,12 +75,15 @@ CASES = {
     "layerwise_prefill.decode_node": (LW, dict(pd_role="decode")),
     "pd_transfer.role": (PD, {}),
     "pd_transfer.tp_ratio": (PD, dict(pd_role="prefill", tp=3, peer_tp=2)),
-    "pd_transfer.memfabric_only": ({"pd_transfer": {"engine": "mooncake"}}, dict(pd_role="decode", peer_tp=8,
-                                                                                  attn_tp=1, dp=8)),
-    "pd_transfer.protocol_match": (PD, dict(pd_role="decode", peer_tp=8, peer_protocol="device_rdma", attn_tp=1,
-                                            dp=8)),
-    "pd_transfer.protocol_soc": ({"pd_transfer": {"protocol": "device_urma"}}, dict(pd_role="decode", peer_tp=8,
-                                                                                    attn_tp=1, dp=8)),
+    "pd_transfer.memfabric_only": (
+        {"pd_transfer": {"engine": "mooncake"}},
+        dict(pd_role="decode", peer_tp=8, attn_tp=1, dp=8),
+    ),
+    "pd_transfer.protocol_match": (PD, dict(pd_role="decode", peer_tp=8, peer_protocol="device_rdma", attn_tp=1, dp=8)),
+    "pd_transfer.protocol_soc": (
+        {"pd_transfer": {"protocol": "device_urma"}},
+        dict(pd_role="decode", peer_tp=8, attn_tp=1, dp=8),
+    ),
     "pd_transfer.ports": ({"pd_transfer": {"kv_port": 65530}}, dict(pd_role="decode", peer_tp=8, attn_tp=1, dp=8)),
     "pd_transfer.decode_tp": (PD, dict(pd_role="decode", peer_tp=8)),  # attention TP 8, device main KV
     "kvpp.dcp": (KV, dict(dcp=2)),
@@ -81,25 +97,39 @@ CASES = {
     "kvpp.pd_prefill": (KV, dict(pd_role="prefill")),
     "sglang.kvpp_pp": (KV, dict(pp=2)),
     "sglang.kvpp_dp_attention": (KV, dict(dp=2, dp_attention=True)),
-    "sglang.indexer_int8_device": ({"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8", "fused_lim": False}},
-                                   {}),
-    "sglang.indexer_int8_pd": ({"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8"}},
-                               dict(device="cpu", soc=None, pd_role="decode", speculative_method="mtp")),
-    "sglang.fused_not_wired": ({"sparse_decode": {"hot_tokens": 4096, "fused_lim": True, "policy": "lru_k2_guarded"}},
-                               {}),
+    "sglang.indexer_int8_device": (
+        {"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8", "fused_lim": False}},
+        {},
+    ),
+    "sglang.indexer_int8_pd": (
+        {"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8"}},
+        dict(device="cpu", soc=None, pd_role="decode", speculative_method="mtp"),
+    ),
+    "sglang.fused_not_wired": (
+        {"sparse_decode": {"hot_tokens": 4096, "fused_lim": True, "policy": "lru_k2_guarded"}},
+        {},
+    ),
     "sglang.sparse_decode_graph": (SD, dict(graph_mode="full", attn_tp=2)),
-    "sglang.sparse_decode_speculative": ({"sparse_decode": {"hot_tokens": 8192}},
-                                         dict(speculative_method="mtp", speculative_rows=4, speculative_topk=2)),
+    "sglang.sparse_decode_speculative": (
+        {"sparse_decode": {"hot_tokens": 8192}},
+        dict(speculative_method="mtp", speculative_rows=4, speculative_topk=2),
+    ),
     "sglang.layerwise_sparse_decode": ({**SD, **LW}, {}),
     "sglang.layerwise_speculative": (LW, dict(speculative_method="standalone")),
     "sglang.layerwise_pp": (LW, dict(pp=2)),
-    "sglang.layerwise_block_tokens": ({"layerwise_prefill": {"shared_buffers": 6, "store_backend": "memcache",
-                                                             "store_block_tokens": 64}}, {}),
-    "sglang.pd_engine_device": ({"pd_transfer": {"engine": "memfabric"}},
-                                dict(device="cpu", soc=None, pd_role="decode", peer_tp=8, attn_tp=1, dp=8)),
+    "sglang.layerwise_block_tokens": (
+        {"layerwise_prefill": {"shared_buffers": 6, "store_backend": "memcache", "store_block_tokens": 64}},
+        {},
+    ),
+    "sglang.pd_engine_device": (
+        {"pd_transfer": {"engine": "memfabric"}},
+        dict(device="cpu", soc=None, pd_role="decode", peer_tp=8, attn_tp=1, dp=8),
+    ),
     "sglang.pd_parallel": (PD, dict(pd_role="prefill", pp=2, peer_tp=8)),
-    "sglang.pd_speculative": ({**PD, **LW}, dict(pd_role="prefill", peer_tp=8, speculative_method="mtp",
-                                                 disaggregation_transfer_backend="ascend_offload")),
+    "sglang.pd_speculative": (
+        {**PD, **LW},
+        dict(pd_role="prefill", peer_tp=8, speculative_method="mtp", disaggregation_transfer_backend="ascend_offload"),
+    ),
 }
 
 
@@ -135,21 +165,48 @@ def test_int8_indexer_is_served_off_the_npu():
     for device in ("cpu", "cuda"):
         assert _run(int8, dict(device=device, soc=None)) == []
         assert _run(int8, dict(device=device, soc=None, graph_mode="full", attn_tp=1)) == []
-    assert _run(int8, dict(device="cpu", soc=None, speculative_method="mtp", speculative_rows=4,
-                           speculative_steps=3, speculative_topk=1, overlap_schedule=False)) == []
+    assert (
+        _run(
+            int8,
+            dict(
+                device="cpu",
+                soc=None,
+                speculative_method="mtp",
+                speculative_rows=4,
+                speculative_steps=3,
+                speculative_topk=1,
+                overlap_schedule=False,
+            ),
+        )
+        == []
+    )
     assert _run(int8, dict(device="cpu", soc=None, pd_role="decode")) == []
     # on an NPU the fused LIM-C8 serves plain decode and verify rows (the backend runs the
     # indexer) where its residency step takes the shape: 4096 hot slots, 2 rows x top-k 2048 ...
     int8_4k = {"sparse_decode": {"hot_tokens": 4096, "indexer_dtype": "int8"}}
     assert [v.rule for v in _run(int8_4k, dict(device="npu"))] == []
-    assert [v.rule for v in _run(int8_4k, dict(device="npu", speculative_method="mtp", speculative_rows=2,
-                                               speculative_steps=1, speculative_topk=1))] == []
+    assert [
+        v.rule
+        for v in _run(
+            int8_4k,
+            dict(device="npu", speculative_method="mtp", speculative_rows=2, speculative_steps=1, speculative_topk=1),
+        )
+    ] == []
     # ... not 8192 slots (above the kernels' 4096), and a P/D decode with a draft cannot
     # carry two index-K dtypes
     big = _run(int8, dict(device="npu"))
     assert [v.rule for v in big] == ["sglang.indexer_int8_device"] and "hot_tokens 8192" in big[0].problem
-    found = _run(int8_4k, dict(device="npu", pd_role="decode", speculative_method="mtp", speculative_rows=2,
-                               speculative_steps=1, speculative_topk=1))
+    found = _run(
+        int8_4k,
+        dict(
+            device="npu",
+            pd_role="decode",
+            speculative_method="mtp",
+            speculative_rows=2,
+            speculative_steps=1,
+            speculative_topk=1,
+        ),
+    )
     assert [v.rule for v in found] == ["sglang.indexer_int8_pd"]
     assert all('"indexer_dtype": "bf16"' in v.fix for v in found)
 
@@ -166,13 +223,21 @@ def test_verify_rows_bound_hot_tokens_only_with_speculation():
 def test_good_pd_deployments_pass():
     assert _run({**PD, **SD}, dict(pd_role="decode", tp=2, attn_tp=1, dp=2, peer_tp=8)) == []
     # decode attention TP 2 with the TP-shared host pool of sparse decode offload (CPU)
-    assert _run({"pd_transfer": {"engine": "mooncake"}, **SD},
-                dict(device="cpu", soc=None, pd_role="decode", tp=2, peer_tp=4)) == []
-    assert _run({**PD, **LW}, dict(pd_role="prefill", tp=8, peer_tp=2,
-                                   disaggregation_transfer_backend="ascend_offload")) == []
+    assert (
+        _run(
+            {"pd_transfer": {"engine": "mooncake"}, **SD},
+            dict(device="cpu", soc=None, pd_role="decode", tp=2, peer_tp=4),
+        )
+        == []
+    )
+    assert (
+        _run({**PD, **LW}, dict(pd_role="prefill", tp=8, peer_tp=2, disaggregation_transfer_backend="ascend_offload"))
+        == []
+    )
     # KVPP on that prefill node: refused by check-config as by the server (its rule ids)
-    found = _run({**PD, **LW, **KV}, dict(pd_role="prefill", tp=8, peer_tp=2,
-                                          disaggregation_transfer_backend="ascend_offload"))
+    found = _run(
+        {**PD, **LW, **KV}, dict(pd_role="prefill", tp=8, peer_tp=2, disaggregation_transfer_backend="ascend_offload")
+    )
     assert [v.rule for v in found] == ["kvpp.layerwise_prefill", "kvpp.pd_prefill"]
 
 
@@ -198,15 +263,24 @@ def test_protocol_matches_soc_family():
 
 def test_several_violations_all_listed():
     config = {**SD, **KV, "pd_transfer": {"engine": "mooncake"}}
-    overrides = dict(main_kv_dtype="fp8", pp=2, soc="Ascend950PR", pd_role="decode", tp=2, peer_tp=3,
-                     dcp=2, graph_mode="full")
+    overrides = dict(
+        main_kv_dtype="fp8", pp=2, soc="Ascend950PR", pd_role="decode", tp=2, peer_tp=3, dcp=2, graph_mode="full"
+    )
     with pytest.raises(ConfigError) as err:
         validate(parse_config(config), parse_deployment({**GOOD, **overrides}))
     rules = {v.rule for v in err.value.violations}
-    expected = {"sparse_decode.main_kv_dtype", "sparse_decode.pipeline_parallel", "sparse_decode.soc_950",
-                "sparse_decode.context_parallel", "sparse_decode.kvpp", "pd_transfer.tp_ratio",
-                "pd_transfer.memfabric_only", "kvpp.dcp", "kvpp.decode_node",
-                "kvpp.graph_mode"}
+    expected = {
+        "sparse_decode.main_kv_dtype",
+        "sparse_decode.pipeline_parallel",
+        "sparse_decode.soc_950",
+        "sparse_decode.context_parallel",
+        "sparse_decode.kvpp",
+        "pd_transfer.tp_ratio",
+        "pd_transfer.memfabric_only",
+        "kvpp.dcp",
+        "kvpp.decode_node",
+        "kvpp.graph_mode",
+    }
     assert expected <= rules
     text = str(err.value)
     assert f"({len(err.value.violations)} problem(s))" in text
@@ -229,8 +303,10 @@ def test_parse_reports_every_problem():
 
 def test_range_checks_and_nested_sections():
     with pytest.raises(ConfigError) as err:
-        parse_section(LayerwisePrefillOffloadConfig,
-                      '{"shared_buffers": 0, "independent_layers": [1, 1], "memcache": {"lease_ttl_ms": -1}}')
+        parse_section(
+            LayerwisePrefillOffloadConfig,
+            '{"shared_buffers": 0, "independent_layers": [1, 1], "memcache": {"lease_ttl_ms": -1}}',
+        )
     text = str(err.value)
     assert "shared_buffers must be >= 1" in text
     assert "duplicates" in text
@@ -250,9 +326,14 @@ def test_parse_from_file_and_roundtrip(tmp_path):
     path.write_text(json.dumps({"hot_tokens": 4096, "policy": "lru", "indexer_dtype": "int8"}))
     sd = parse_section(SparseDecodeOffloadConfig, f"@{path}")
     assert sd == SparseDecodeOffloadConfig(hot_tokens=4096, indexer_dtype="int8")
-    full = OffloadConfig(sparse_decode=sd, layerwise_prefill=LayerwisePrefillOffloadConfig(),
-                         pd_transfer=PDTransferConfig(), kvpp=KVPPConfig())
+    full = OffloadConfig(
+        sparse_decode=sd,
+        layerwise_prefill=LayerwisePrefillOffloadConfig(),
+        pd_transfer=PDTransferConfig(),
+        kvpp=KVPPConfig(),
+    )
     import dataclasses
+
     assert parse_config(dataclasses.asdict(full)) == full
     with pytest.raises(ConfigError, match="cannot read"):
         parse_section(SparseDecodeOffloadConfig, f"@{tmp_path}/missing.json")
@@ -269,8 +350,12 @@ def test_deployment_soc_family():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "sglang_ascend_offload", "check-config", *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "sglang_ascend_offload", "check-config", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_check_config_cli_ok_and_violations(tmp_path):
@@ -280,8 +365,7 @@ def test_check_config_cli_ok_and_violations(tmp_path):
     assert ok.returncode == 0 and ok.stdout.strip() == "ok", ok.stderr
     bad = _cli("--config", json.dumps({**SD, **KV}), "--deployment", json.dumps({**GOOD, "pp": 2, "dcp": 2}))
     assert bad.returncode == 1
-    for rule in ("sparse_decode.pipeline_parallel", "sparse_decode.context_parallel", "sparse_decode.kvpp",
-                 "kvpp.dcp"):
+    for rule in ("sparse_decode.pipeline_parallel", "sparse_decode.context_parallel", "sparse_decode.kvpp", "kvpp.dcp"):
         assert f"[{rule}]" in bad.stderr
     js = _cli("--config", '{"sparse_decode": {"foo": 1}}', "--deployment", '{"tp": 0}', "--json")
     assert js.returncode == 1
@@ -298,5 +382,6 @@ def test_configuration_doc_is_current():
     spec = importlib.util.spec_from_file_location("gen_config_doc", root / "scripts" / "gen_config_doc.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    assert (root / "docs" / "configuration.md").read_text() == gen.render(), \
+    assert (root / "docs" / "configuration.md").read_text() == gen.render(), (
         "docs/configuration.md is stale: run scripts/gen_config_doc.py"
+    )

@@ -16,8 +16,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(),
-                                reason="needs a git checkout of the project")
+pytestmark = pytest.mark.skipif(
+    shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs a git checkout of the project"
+)
 
 
 def _git(*args: str) -> subprocess.CompletedProcess:
@@ -32,8 +33,15 @@ def test_no_fixture_file_is_hidden_by_an_ignore_rule():
     assert hidden == [], f"fixture files that git ignores (they would be missing in a fresh clone): {hidden}"
 
 
-@pytest.mark.parametrize("name", ["traces/some_trace.npz", "some_model/model.safetensors",
-                                  "some_model/tokenizer.json", "cann/x/ascend_toolkit_install.info"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "traces/some_trace.npz",
+        "some_model/model.safetensors",
+        "some_model/tokenizer.json",
+        "cann/x/ascend_toolkit_install.info",
+    ],
+)
 def test_fixture_kinds_are_not_ignored(name):
     """The kinds of file the fixtures hold are committable wherever they are added, also
     before the file exists (``check-ignore --no-index`` evaluates the rules alone)."""

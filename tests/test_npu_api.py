@@ -54,15 +54,17 @@ def test_checked_calls_cover_every_distinct_npu_use(project_report, project_scan
 
 def test_finder_types_returned_objects(project_scan):
     dotted = {u.dotted for u in project_scan.uses}
-    for expected in ("memfabric_hybrid.bm.create2().peer_rank_ptr",       # result of a pybind call
-                     "memfabric_hybrid.offload.OffloadConfig().flags",     # attribute set on a config
-                     "memfabric_hybrid.TransferEngine().batch_register_memory",  # via the base class's self._engine
-                     "memcache_hybrid.DistributedObjectStore().batch_alloc",     # via self._ok()
-                     "memfabric_hybrid.bm.BmDataOpType.DEVICE_RDMA",       # getattr of a dataclass default
-                     "memfabric_hybrid.TransDataOpType.DEVICE_URMA",       # getattr guarded by `in PROTOCOLS`
-                     "memcache_hybrid.H2G",                                # getattr over a literal tuple
-                     "torch_npu.npu_sparse_flash_attention",               # _torch_npu_op("...")(...)
-                     "sglang.srt.hardware_backend.npu.memory_pool_npu.NPUMLATokenToKVPool().set_kv_buffer"):
+    for expected in (
+        "memfabric_hybrid.bm.create2().peer_rank_ptr",  # result of a pybind call
+        "memfabric_hybrid.offload.OffloadConfig().flags",  # attribute set on a config
+        "memfabric_hybrid.TransferEngine().batch_register_memory",  # via the base class's self._engine
+        "memcache_hybrid.DistributedObjectStore().batch_alloc",  # via self._ok()
+        "memfabric_hybrid.bm.BmDataOpType.DEVICE_RDMA",  # getattr of a dataclass default
+        "memfabric_hybrid.TransDataOpType.DEVICE_URMA",  # getattr guarded by `in PROTOCOLS`
+        "memcache_hybrid.H2G",  # getattr over a literal tuple
+        "torch_npu.npu_sparse_flash_attention",  # _torch_npu_op("...")(...)
+        "sglang.srt.hardware_backend.npu.memory_pool_npu.NPUMLATokenToKVPool().set_kv_buffer",
+    ):
         assert expected in dotted, expected
 
 
@@ -191,8 +193,10 @@ def test_report_fails_on_a_tree_with_the_old_flag(tmp_path):
 
 
 def test_pybind_signature_parser():
-    doc = ("create2(id: typing.SupportsInt, data_op_type: _pymf_hybrid.bm.BmDataOpType = <BmDataOpType.SDMA: 1>, "
-           "tag: str = '') -> (anonymous namespace)::BigMemory\n\nCreate...")
+    doc = (
+        "create2(id: typing.SupportsInt, data_op_type: _pymf_hybrid.bm.BmDataOpType = <BmDataOpType.SDMA: 1>, "
+        "tag: str = '') -> (anonymous namespace)::BigMemory\n\nCreate..."
+    )
     (sig,) = packages.parse_pybind_signatures(doc, "create2")
     assert list(sig.signature.parameters) == ["id", "data_op_type", "tag"]
     assert sig.returns == "(anonymous namespace)::BigMemory"
@@ -201,8 +205,13 @@ def test_pybind_signature_parser():
 
 # ---------------------------------------------------------------------------- CLI
 def test_env_npu_api_json_is_one_document():
-    proc = subprocess.run([sys.executable, "-m", "sglang_ascend_offload", "env", "--npu-api", "--json"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_ascend_offload", "env", "--npu-api", "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     doc = json.loads(proc.stdout)  # exactly one JSON document: extra text would not parse
     assert {"packages", "checked_calls", "unknown"} <= set(doc)
     assert doc["unknown"] == [] and proc.returncode == 0, doc["unknown"]

@@ -20,8 +20,13 @@ def test_every_capability_is_listed_and_fails_with_a_fix_off_ascend():
     names = [c.name for c in checks]
     assert names[:2] == ["cann", "torch_npu"]
     assert {f"torch_npu.{op}" for op, _ in npu_preflight.TORCH_NPU_OPS} <= set(names)
-    assert {"_C_ascend.npu_fused_lightning_indexer_manage", "_C_ascend.npu_fused_scatter_copy_sparse_flash_attention",
-            "memfabric", "memcache", "host_register"} <= set(names)
+    assert {
+        "_C_ascend.npu_fused_lightning_indexer_manage",
+        "_C_ascend.npu_fused_scatter_copy_sparse_flash_attention",
+        "memfabric",
+        "memcache",
+        "host_register",
+    } <= set(names)
     for c in checks:
         assert isinstance(c, npu_preflight.Check)
         assert not c.ok and c.detail and c.fix and c.needed_by, c
@@ -29,8 +34,13 @@ def test_every_capability_is_listed_and_fails_with_a_fix_off_ascend():
 
 def test_json_is_one_document_and_the_exit_code_says_failure():
     env = {**os.environ, "ASCEND_HOME_PATH": "/nonexistent/cann"}
-    run = subprocess.run([sys.executable, "-m", "sglang_ascend_offload", "env", "--npu-check", "--json"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "sglang_ascend_offload", "env", "--npu-check", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 1, run.stderr
     doc = json.loads(run.stdout)  # exactly one JSON document
     assert doc["ok"] is False and len(doc["checks"]) == len(npu_preflight.run_checks())

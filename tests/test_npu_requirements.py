@@ -1,8 +1,7 @@
 """``tests/npu_requirements.py``: a missing piece fails on an NPU runner, skips elsewhere."""
 
-import pytest
-
 import npu_requirements as req
+import pytest
 
 
 def test_missing_piece_skips_without_an_npu(monkeypatch):

@@ -53,39 +53,83 @@ FACTORY_LOOKUPS: Tuple[Factory, ...] = (
     # The attention backend factory SGLang calls for --attention-backend ascend_offload
     # returns the sparse decode subclass when the served config enables it; that
     # subclass (attention/sparse_decode.py) imports attention/dsa_backend.py to subclass it.
-    _f("sglang_plugin.attention.dsa_backend", "create_backend", "sglang_plugin.attention.sparse_decode",
-       "attention backend factory: picks SparseDecodeOffloadBackend, a subclass of backend's class"),
+    _f(
+        "sglang_plugin.attention.dsa_backend",
+        "create_backend",
+        "sglang_plugin.attention.sparse_decode",
+        "attention backend factory: picks SparseDecodeOffloadBackend, a subclass of backend's class",
+    ),
     # SGLang's draft-backend factory (hooked) and the multi-step draft backend build
     # AscendOffloadAttnBackend instances for the draft model; attention/dsa_backend.py uses the
     # speculative helpers (verify lengths, draft runner test) at module level.
-    _f("sglang_plugin.speculative.eagle", "MultiStepDraftBackend.__init__", "sglang_plugin.attention.dsa_backend",
-       "draft backend factory: one AscendOffloadAttnBackend per draft step"),
-    _f("sglang_plugin.speculative.eagle", "create_backend_around", "sglang_plugin.attention.dsa_backend",
-       "DraftBackendFactory hook: adds the ascend_offload draft backend constructors"),
+    _f(
+        "sglang_plugin.speculative.eagle",
+        "MultiStepDraftBackend.__init__",
+        "sglang_plugin.attention.dsa_backend",
+        "draft backend factory: one AscendOffloadAttnBackend per draft step",
+    ),
+    _f(
+        "sglang_plugin.speculative.eagle",
+        "create_backend_around",
+        "sglang_plugin.attention.dsa_backend",
+        "DraftBackendFactory hook: adds the ascend_offload draft backend constructors",
+    ),
     # make_store builds the host KV store the config names; each store module
     # implements store.py's HostKVStore interface.
-    _f("layerwise_prefill.store", "make_store", "layerwise_prefill.store_local",
-       "host KV store factory: the local store implements store.HostKVStore"),
-    _f("layerwise_prefill.store", "make_store", "layerwise_prefill.store_memcache",
-       "host KV store factory: the MemCache store implements store.HostKVStore (optional dependency)"),
+    _f(
+        "layerwise_prefill.store",
+        "make_store",
+        "layerwise_prefill.store_local",
+        "host KV store factory: the local store implements store.HostKVStore",
+    ),
+    _f(
+        "layerwise_prefill.store",
+        "make_store",
+        "layerwise_prefill.store_memcache",
+        "host KV store factory: the MemCache store implements store.HostKVStore (optional dependency)",
+    ),
     # create_engine starts the P/D transfer engine the config names; each engine
     # module implements engine.py's TransferEngine interface.
-    _f("transfer.engine", "create_engine", "transfer.engine_mooncake",
-       "transfer engine factory: Mooncake implements engine.TransferEngine (optional dependency)"),
-    _f("transfer.engine", "create_engine", "transfer.engine_memfabric",
-       "transfer engine factory: MemFabric implements engine.TransferEngine (optional dependency)"),
+    _f(
+        "transfer.engine",
+        "create_engine",
+        "transfer.engine_mooncake",
+        "transfer engine factory: Mooncake implements engine.TransferEngine (optional dependency)",
+    ),
+    _f(
+        "transfer.engine",
+        "create_engine",
+        "transfer.engine_memfabric",
+        "transfer engine factory: MemFabric implements engine.TransferEngine (optional dependency)",
+    ),
     # The Triton rung's ops load their kernels when called (Triton is optional; the
     # registry only marks them); the kernel modules implement ops/contract.py's types.
-    _f("ops.triton_impls", "residency_manage", "triton_ops.residency",
-       "Triton rung of residency_manage: loads its kernels on first call; they return ops.contract types"),
-    _f("ops.triton_impls", "copy_miss_rows", "triton_ops.copy_rows",
-       "Triton rung of copy_miss_rows: loads its kernel on first call; it follows ops.contract"),
+    _f(
+        "ops.triton_impls",
+        "residency_manage",
+        "triton_ops.residency",
+        "Triton rung of residency_manage: loads its kernels on first call; they return ops.contract types",
+    ),
+    _f(
+        "ops.triton_impls",
+        "copy_miss_rows",
+        "triton_ops.copy_rows",
+        "Triton rung of copy_miss_rows: loads its kernel on first call; it follows ops.contract",
+    ),
     # allocate_rank_pool's NPU attention-TP > 1 branch builds the MemFabric group pool;
     # its control block reuses shared_host_pool's AppendOrder and header.
-    _f("sglang_plugin.mem_cache.pool_host.shared", "open_memfabric_group", "sglang_plugin.mem_cache.pool_host.group_rendezvous",
-       "host pool factory: the MemFabric group's control block builds on shared_host_pool.AppendOrder"),
-    _f("sglang_plugin.mem_cache.pool_host.shared", "open_memfabric_group", "sglang_plugin.mem_cache.pool_host.npu_memfabric",
-       "host pool factory: the MemFabric group pool (NPU only) uses the control block above"),
+    _f(
+        "sglang_plugin.mem_cache.pool_host.shared",
+        "open_memfabric_group",
+        "sglang_plugin.mem_cache.pool_host.group_rendezvous",
+        "host pool factory: the MemFabric group's control block builds on shared_host_pool.AppendOrder",
+    ),
+    _f(
+        "sglang_plugin.mem_cache.pool_host.shared",
+        "open_memfabric_group",
+        "sglang_plugin.mem_cache.pool_host.npu_memfabric",
+        "host pool factory: the MemFabric group pool (NPU only) uses the control block above",
+    ),
 )
 
 
@@ -105,8 +149,9 @@ def _modules() -> Dict[str, Path]:
 
 
 def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 class Import(NamedTuple):
@@ -134,7 +179,7 @@ def imports(source: str, module: str, is_package: bool) -> Iterator[Import]:
                     base = module.split(".")
                     if not is_package:
                         base = base[:-1]
-                    base = base[:len(base) - (node.level - 1)]
+                    base = base[: len(base) - (node.level - 1)]
                     target = ".".join(base + ([node.module] if node.module else []))
                 else:
                     target = node.module or ""
@@ -171,25 +216,29 @@ def _edges() -> Dict[str, Dict[str, Set[Site]]]:
     return edges
 
 
-def _with_site(edges: Dict[str, Dict[str, Set[Site]]], importer: str, scope: str, imported: str,
-               lazy: bool) -> Dict[str, Dict[str, Set[Site]]]:
+def _with_site(
+    edges: Dict[str, Dict[str, Set[Site]]], importer: str, scope: str, imported: str, lazy: bool
+) -> Dict[str, Dict[str, Set[Site]]]:
     """A copy of ``edges`` with one more import (negative controls)."""
     out = {m: {t: set(s) for t, s in targets.items()} for m, targets in edges.items()}
     out.setdefault(f"{PKG}.{importer}", {}).setdefault(f"{PKG}.{imported}", set()).add((scope, lazy))
     return out
 
 
-def _graph(include_lazy: bool, excused: Sequence[Factory] = (),
-           edges: Optional[Dict[str, Dict[str, Set[Site]]]] = None) -> Dict[str, Set[str]]:
+def _graph(
+    include_lazy: bool, excused: Sequence[Factory] = (), edges: Optional[Dict[str, Dict[str, Set[Site]]]] = None
+) -> Dict[str, Set[str]]:
     """importer -> imported modules. Module-level imports always count; imports inside
     functions count with ``include_lazy``, except those ``excused`` lists (an edge whose
     every site is excused is dropped)."""
     ok = {(f.importer, f.scope, f.imported) for f in excused}
     graph: Dict[str, Set[str]] = {}
     for name, out in (_edges() if edges is None else edges).items():
-        graph[name] = {target for target, sites in out.items()
-                       if any(not lazy or (include_lazy and (name, scope, target) not in ok)
-                              for scope, lazy in sites)}
+        graph[name] = {
+            target
+            for target, sites in out.items()
+            if any(not lazy or (include_lazy and (name, scope, target) not in ok) for scope, lazy in sites)
+        }
     return graph
 
 
@@ -199,7 +248,7 @@ def _collapse(graph: Dict[str, Set[str]]) -> Dict[str, Set[str]]:
     ...) its own."""
 
     def part(mod: str) -> str:
-        rest = mod[len(PKG) + 1:].split(".") if mod.startswith(PKG + ".") else [""]
+        rest = mod[len(PKG) + 1 :].split(".") if mod.startswith(PKG + ".") else [""]
         return rest[0]
 
     out: Dict[str, Set[str]] = {}
@@ -255,9 +304,12 @@ def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
 
 
 def _scaffolding_importers(graph: Dict[str, Set[str]]) -> List[Tuple[str, str]]:
-    return sorted((m, t) for m, targets in graph.items() for t in targets
-                  if (t == SCAFFOLDING or t.startswith(SCAFFOLDING + "."))
-                  and not m.startswith(MAY_IMPORT_SCAFFOLDING))
+    return sorted(
+        (m, t)
+        for m, targets in graph.items()
+        for t in targets
+        if (t == SCAFFOLDING or t.startswith(SCAFFOLDING + ".")) and not m.startswith(MAY_IMPORT_SCAFFOLDING)
+    )
 
 
 # ---------------------------------------------------------------------------- the checks
@@ -296,8 +348,9 @@ def test_every_factory_lookup_is_a_lazy_import_that_is_needed():
     for f in FACTORY_LOOKUPS:
         sites = edges.get(f.importer, {}).get(f.imported, set())
         assert (f.scope, True) in sites, f"stale FACTORY_LOOKUPS entry {f}: no such import inside {f.scope}"
-        assert _cycles_everywhere(_graph(include_lazy=True, excused=[g for g in FACTORY_LOOKUPS if g != f])), \
+        assert _cycles_everywhere(_graph(include_lazy=True, excused=[g for g in FACTORY_LOOKUPS if g != f])), (
             f"FACTORY_LOOKUPS entry {f} closes no cycle: remove it"
+        )
 
 
 def test_function_level_cycle_check_can_fail():
@@ -309,8 +362,13 @@ def test_function_level_cycle_check_can_fail():
     assert any({f"{PKG}.sglang_plugin.compat", f"{PKG}.sglang_plugin.install"} <= set(c) for c in found), found
     assert cycles(_graph(include_lazy=False, edges=bad)) == []  # invisible to the module-level check
     # an allow-listed pair imported from another function is not excused
-    bad = _with_site(base, "sglang_plugin.attention.dsa_backend", "AscendOffloadAttnBackend.init_forward_metadata",
-                     "sglang_plugin.attention.sparse_decode", lazy=True)
+    bad = _with_site(
+        base,
+        "sglang_plugin.attention.dsa_backend",
+        "AscendOffloadAttnBackend.init_forward_metadata",
+        "sglang_plugin.attention.sparse_decode",
+        lazy=True,
+    )
     found = cycles(_graph(include_lazy=True, excused=FACTORY_LOOKUPS, edges=bad))
     assert any(f"{PKG}.sglang_plugin.attention.sparse_decode" in c for c in found), found
     # nor is the listed function's import when it moves to module level
@@ -325,18 +383,24 @@ def test_function_level_cycle_check_can_fail():
 
 
 def test_import_sites_know_their_function():
-    src = ("import a\nclass C:\n    import b\n    def m(self):\n        def inner():\n"
-           "            from . import c\n        return inner\nasync def g():\n    from .d import x\n")
+    src = (
+        "import a\nclass C:\n    import b\n    def m(self):\n        def inner():\n"
+        "            from . import c\n        return inner\nasync def g():\n    from .d import x\n"
+    )
     got = [(i.target, i.lazy, i.scope) for i in imports(src, f"{PKG}.pkg.mod", False)]
-    assert got == [("a", False, ""), ("b", False, "C"), (f"{PKG}.pkg", True, "C.m.inner"),
-                   (f"{PKG}.pkg.d", True, "g")]
+    assert got == [("a", False, ""), ("b", False, "C"), (f"{PKG}.pkg", True, "C.m.inner"), (f"{PKG}.pkg.d", True, "g")]
 
 
 def test_ops_sit_below_sparse_decode_and_the_contract_imports_nothing_of_the_package():
     graph = _graph(include_lazy=True)
     lower = (f"{PKG}.ops", f"{PKG}.triton_ops")
-    up = sorted((m, t) for m, targets in graph.items() if m.startswith(lower)
-                for t in targets if t.startswith(f"{PKG}.sparse_decode"))
+    up = sorted(
+        (m, t)
+        for m, targets in graph.items()
+        if m.startswith(lower)
+        for t in targets
+        if t.startswith(f"{PKG}.sparse_decode")
+    )
     assert up == []
     assert graph[f"{PKG}.ops.contract"] == set()
 
@@ -352,8 +416,9 @@ def test_transfer_never_imports_sglang():
                 found.append((name, target))
     assert found == []
     src = "def f():\n    from sglang.srt import server_args\n"
-    assert [(t, scope) for t, _, lazy, scope in imports(src, f"{PKG}.transfer.x", False) if lazy] == \
-        [("sglang.srt", "f")]
+    assert [(t, scope) for t, _, lazy, scope in imports(src, f"{PKG}.transfer.x", False) if lazy] == [
+        ("sglang.srt", "f")
+    ]
 
 
 # ---------------------------------------------------------------------------- the SGLang adapter
@@ -365,8 +430,12 @@ PLUGIN_MODULE_MAX_LINES = 600
 
 
 def _core_importers_of_the_plugin(graph: Dict[str, Set[str]]) -> List[Tuple[str, str]]:
-    return sorted((m, t) for m, targets in graph.items() for t in targets
-                  if m.startswith(tuple(f"{PKG}.{c}" for c in CORE)) and (t == PLUGIN or t.startswith(PLUGIN + ".")))
+    return sorted(
+        (m, t)
+        for m, targets in graph.items()
+        for t in targets
+        if m.startswith(tuple(f"{PKG}.{c}" for c in CORE)) and (t == PLUGIN or t.startswith(PLUGIN + "."))
+    )
 
 
 def test_the_core_packages_never_import_the_sglang_adapter():
@@ -374,18 +443,29 @@ def test_the_core_packages_never_import_the_sglang_adapter():
     assert _core_importers_of_the_plugin(graph) == []
     fake = dict(graph)
     fake[f"{PKG}.sparse_decode.fake"] = {f"{PLUGIN}.mem_cache.pool.sparse_decode"}
-    assert _core_importers_of_the_plugin(fake) == [(f"{PKG}.sparse_decode.fake", f"{PLUGIN}.mem_cache.pool.sparse_decode")]
+    assert _core_importers_of_the_plugin(fake) == [
+        (f"{PKG}.sparse_decode.fake", f"{PLUGIN}.mem_cache.pool.sparse_decode")
+    ]
 
 
 def test_adapter_modules_stay_small_and_the_old_flat_layout_is_gone():
     plugin_dir = REPO / PKG / "sglang_plugin"
-    long = {str(p.relative_to(plugin_dir)): n for p in plugin_dir.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > PLUGIN_MODULE_MAX_LINES}
+    long = {
+        str(p.relative_to(plugin_dir)): n
+        for p in plugin_dir.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > PLUGIN_MODULE_MAX_LINES
+    }
     assert long == {}, f"split these modules (over {PLUGIN_MODULE_MAX_LINES} lines): {long}"
     top = sorted(p.name for p in plugin_dir.glob("*.py"))
-    assert top == ["__init__.py", "compat.py", "cpu_capability.py", "entry.py", "features.py", "install.py",
-                   "names.py"], \
-        f"a new adapter module goes in its extension point's folder (sglang_plugin/README.md), not at the top: {top}"
+    assert top == [
+        "__init__.py",
+        "compat.py",
+        "cpu_capability.py",
+        "entry.py",
+        "features.py",
+        "install.py",
+        "names.py",
+    ], f"a new adapter module goes in its extension point's folder (sglang_plugin/README.md), not at the top: {top}"
     folders = sorted(p.name for p in plugin_dir.iterdir() if p.is_dir() and p.name != "__pycache__")
     assert folders == ["args", "attention", "disaggregation", "mem_cache", "observability", "speculative"], folders
     for folder in plugin_dir.rglob("*"):
@@ -398,14 +478,19 @@ def test_every_package_is_listed_for_the_wheel():
     an installed wheel (an editable install would not notice)."""
     text = (REPO / "pyproject.toml").read_text()
     listed = set(re.findall(r'"(sglang_ascend_offload(?:\.\w+)*)"', text.split("packages = [", 1)[1].split("]", 1)[0]))
-    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / PKG).rglob("__init__.py")
-             if "__pycache__" not in p.parts}
+    found = {
+        ".".join(p.parent.relative_to(REPO).parts)
+        for p in (REPO / PKG).rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
     assert found - listed == set(), f"add to [tool.setuptools] packages: {sorted(found - listed)}"
 
 
 # ------------------------------------------------------------------ one rule registry
-RULE_ID = re.compile(r"^(parse|deployment|flags|capacity|memory|sparse_decode|layerwise_prefill|pd_transfer|kvpp|sglang)"
-                     r"\.[a-z0-9_]+$")
+RULE_ID = re.compile(
+    r"^(parse|deployment|flags|capacity|memory|sparse_decode|layerwise_prefill|pd_transfer|kvpp|sglang)"
+    r"\.[a-z0-9_]+$"
+)
 _REPORTERS = {"Violation", "violation", "_violation", "add"}
 
 
@@ -461,8 +546,12 @@ def test_hookregistry_is_called_from_install_only_and_every_target_lives_in_comp
     callers = []
     for path in sorted((REPO / PKG).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register"
-                    and getattr(node.func.value, "id", "") == "HookRegistry"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "register"
+                and getattr(node.func.value, "id", "") == "HookRegistry"
+            ):
                 callers.append(str(path.relative_to(REPO)))
     assert callers and set(callers) == {f"{PKG}/sglang_plugin/install.py"}, callers
     targets = {value for name, value in vars(compat).items() if name.startswith("TARGET_")}
@@ -482,8 +571,12 @@ CLI = (f"{PKG}.cli", f"{PKG}.__main__")
 
 
 def _runtime_importers_of_tooling(graph: Dict[str, Set[str]]) -> List[Tuple[str, str]]:
-    return sorted((m, t) for m, targets in graph.items() for t in targets
-                  if t.startswith(TOOLING) and not m.startswith(TOOLING + CLI) and not m.endswith("_cli"))
+    return sorted(
+        (m, t)
+        for m, targets in graph.items()
+        for t in targets
+        if t.startswith(TOOLING) and not m.startswith(TOOLING + CLI) and not m.endswith("_cli")
+    )
 
 
 def test_runtime_packages_import_nothing_from_benchmarks_or_test_scaffolding():
@@ -520,8 +613,10 @@ def test_no_runtime_function_is_longer_than_80_lines():
     long = _long_functions(roots)
     for module in modules:
         for node in ast.walk(ast.parse(module.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
-                    node.end_lineno - node.lineno + 1 > RUNTIME_FUNCTION_MAX_LINES:
+            if (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.end_lineno - node.lineno + 1 > RUNTIME_FUNCTION_MAX_LINES
+            ):
                 long.append(f"{module.relative_to(REPO)}:{node.lineno} {node.name}")
     assert long == [], f"split these functions (over {RUNTIME_FUNCTION_MAX_LINES} lines): {long}"
 
@@ -532,8 +627,12 @@ DOCUMENT_REFERENCE = re.compile(r"§|\bseed\s+0\d\d\b|\b[Ii]ssue\s*#?\d+|\bstop 
 def test_code_cites_no_document_a_reader_lacks():
     """Comments and docstrings say what a limit is and why, not "seed 000 section x" or a
     tracker number: a reader of the repository has neither."""
-    hits = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / PKG).rglob("*.py"))
-            for i, line in enumerate(p.read_text().splitlines(), 1) if DOCUMENT_REFERENCE.search(line)]
+    hits = [
+        f"{p.relative_to(REPO)}:{i}"
+        for p in sorted((REPO / PKG).rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if DOCUMENT_REFERENCE.search(line)
+    ]
     assert hits == [], hits
     assert DOCUMENT_REFERENCE.search("see seed 000 §3") and not DOCUMENT_REFERENCE.search("manual_seed(0)")
 
@@ -544,8 +643,12 @@ CODE_CITATION = re.compile(r"§|\bseed\s+#?\d+\b|\bissue\s*#?\d+|\bstop\s+\d+\b|
 
 
 def _citations(root: Path) -> List[str]:
-    return [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in sorted(root.rglob("*.py"))
-            for i, line in enumerate(p.read_text().splitlines(), 1) if CODE_CITATION.search(line)]
+    return [
+        f"{p.relative_to(REPO)}:{i}: {line.strip()}"
+        for p in sorted(root.rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if CODE_CITATION.search(line)
+    ]
 
 
 def test_code_names_no_design_section_tracker_item_or_sglang_line_number():
@@ -554,11 +657,25 @@ def test_code_names_no_design_section_tracker_item_or_sglang_line_number():
     code states the rule and why; history and source locations live in docs/design/."""
     hits = _citations(REPO / PKG)
     assert hits == [], "cite the rule, not the document (file:line):\n" + "\n".join(hits)
-    for cited in ("seed 001 says so", "Seed 000 §3.2", "issue #17", "Issue 17", "stop 35",
-                  "(``dsa_indexer.py:1888-1891``)"):
+    for cited in (
+        "seed 001 says so",
+        "Seed 000 §3.2",
+        "issue #17",
+        "Issue 17",
+        "stop 35",
+        "(``dsa_indexer.py:1888-1891``)",
+    ):
         assert CODE_CITATION.search(cited), cited
-    for fine in ("torch.manual_seed(0)", "seed=0", "--seed", "seeded prompts", "the seed of the request mix",
-                 "self.stop()", "issued on the stream", "127.0.0.1:5000"):
+    for fine in (
+        "torch.manual_seed(0)",
+        "seed=0",
+        "--seed",
+        "seeded prompts",
+        "the seed of the request mix",
+        "self.stop()",
+        "issued on the stream",
+        "127.0.0.1:5000",
+    ):
         assert not CODE_CITATION.search(fine), fine
 
 
@@ -572,8 +689,9 @@ def test_no_function_in_the_package_is_longer_than_80_lines(monkeypatch):
     # the scan measures: with a lower limit it finds functions and names each one
     monkeypatch.setitem(globals(), "RUNTIME_FUNCTION_MAX_LINES", 20)
     found = _long_functions([REPO / PKG])
-    assert found and all(re.fullmatch(rf"{PKG}/\S+\.py:\d+ \w+ \((2[1-9]|[3-9]\d|\d{{3,}}) lines\)", f)
-                         for f in found), found[:3]
+    assert found and all(
+        re.fullmatch(rf"{PKG}/\S+\.py:\d+ \w+ \((2[1-9]|[3-9]\d|\d{{3,}}) lines\)", f) for f in found
+    ), found[:3]
 
 
 CONFIG_READERS = {"active_config", "sparse_decode_enabled", "section_for_served_pool"}
@@ -612,11 +730,17 @@ def test_the_published_config_is_read_at_sglang_entry_points_only(tmp_path):
 
     declared = {(module, function) for module, function, _why in carrier.ENTRY_POINTS}
     found = _config_read_sites(REPO / PKG / "sglang_plugin")
-    assert found - declared == set(), ("reads of the published config outside carrier.ENTRY_POINTS: pass the "
-                                       f"config in from the entry point instead: {sorted(found - declared)}")
-    assert declared - found == set(), f"carrier.ENTRY_POINTS lists sites that no longer read it: {sorted(declared - found)}"
+    assert found - declared == set(), (
+        "reads of the published config outside carrier.ENTRY_POINTS: pass the "
+        f"config in from the entry point instead: {sorted(found - declared)}"
+    )
+    assert declared - found == set(), (
+        f"carrier.ENTRY_POINTS lists sites that no longer read it: {sorted(declared - found)}"
+    )
     assert all(why for _m, _f, why in carrier.ENTRY_POINTS)
     # the scan sees a read in a nested method and names its scope
     (tmp_path / "pool").mkdir()
-    (tmp_path / "pool" / "x.py").write_text("class P:\n    def build(self):\n        return carrier.active_config().kvpp\n")
+    (tmp_path / "pool" / "x.py").write_text(
+        "class P:\n    def build(self):\n        return carrier.active_config().kvpp\n"
+    )
     assert _config_read_sites(tmp_path) == {("pool.x", "P.build")}

@@ -60,6 +60,7 @@ def test_startup_failure_message_carries_the_log_tail(tmp_path):
 
 # --- how long a start may take (StartupWatch, ServerProcess._start_once) ---------------
 
+
 def test_startup_watch_waits_past_the_deadline_only_while_the_server_progresses():
     watch = StartupWatch(start=0.0, timeout_s=10, stall_s=3, hard_cap_s=30)
     assert watch.observe(1.0, mark=1) is None
@@ -86,7 +87,7 @@ def test_startup_watch_stalled_server_fails_at_the_deadline_not_later():
     assert watch.observe(10.0, mark=1) is not None  # silent since 0.5 s: fails at once
 
 
-FAKE_SERVER = r'''
+FAKE_SERVER = r"""
 import http.server, sys, time
 port, busy_s = int(sys.argv[1]), float(sys.argv[2])
 end = time.monotonic() + busy_s
@@ -102,7 +103,7 @@ class Health(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
 http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
-'''
+"""
 
 
 class FakeLaunch(ServerProcess):
@@ -120,8 +121,9 @@ class FakeLaunch(ServerProcess):
 def test_a_slow_but_working_start_outlives_the_deadline(tmp_path):
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
-    srv = FakeLaunch(script, busy_s=5.0, mode="serve", log_path=tmp_path / "slow.log",
-                     startup_timeout_s=3.0, startup_stall_s=3.0)  # hard cap 3 x 3 s
+    srv = FakeLaunch(
+        script, busy_s=5.0, mode="serve", log_path=tmp_path / "slow.log", startup_timeout_s=3.0, startup_stall_s=3.0
+    )  # hard cap 3 x 3 s
     try:
         srv.start()
         assert srv.startup_s is not None and srv.startup_s > 4.5  # healthy only after its 5 s of work
@@ -134,8 +136,9 @@ def test_a_slow_but_working_start_outlives_the_deadline(tmp_path):
 def test_a_hung_start_fails_once_it_stops_progressing(tmp_path):
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
-    srv = FakeLaunch(script, busy_s=1.0, mode="hang", log_path=tmp_path / "hung.log",
-                     startup_timeout_s=3.0, startup_stall_s=2.0)  # hard cap 3 x 3 s
+    srv = FakeLaunch(
+        script, busy_s=1.0, mode="hang", log_path=tmp_path / "hung.log", startup_timeout_s=3.0, startup_stall_s=2.0
+    )  # hard cap 3 x 3 s
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="no CPU time or log output") as info:
         srv.start()
@@ -167,7 +170,7 @@ def test_a_missing_fixture_model_is_a_clear_error_from_the_command_line(tmp_path
 # SGLang's launcher, in miniature: a worker child; on SIGTERM it waits for the worker to
 # exit, then sleeps before "crash diagnostics" (SGLang sleeps 5 s there). The worker
 # dies at once on SIGTERM, as SGLang's scheduler does.
-FAKE_LAUNCHER = r'''
+FAKE_LAUNCHER = r"""
 import signal, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
 def on_term(*_):
@@ -177,7 +180,7 @@ def on_term(*_):
 signal.signal(signal.SIGTERM, on_term)
 print("ready", flush=True)
 time.sleep(3600)
-'''
+"""
 
 
 def _fake_launcher(tmp_path, diagnostics_s: float):
@@ -185,8 +188,9 @@ def _fake_launcher(tmp_path, diagnostics_s: float):
 
     script = tmp_path / "fake_launcher.py"
     script.write_text(FAKE_LAUNCHER)
-    proc = subprocess.Popen([sys.executable, str(script), str(diagnostics_s)], stdout=subprocess.PIPE,
-                            start_new_session=True, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(diagnostics_s)], stdout=subprocess.PIPE, start_new_session=True, text=True
+    )
     assert proc.stdout.readline().strip() == "ready"
     return proc
 

@@ -25,9 +25,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def smoke_checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_dsa_smoke")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--scale", "0.01",
-                           "--max-corpus-mb", "0.5", "--threads", "1"],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), "--scale", "0.01", "--max-corpus-mb", "0.5", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == ""  # progress goes to stderr
     return out
@@ -38,16 +41,29 @@ def test_smoke_run_writes_a_loadable_fixture(smoke_checkpoint):
     from transformers import AutoTokenizer
 
     files = {p.name for p in smoke_checkpoint.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "training.json", "heldout_eval.json"} <= files
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "training.json",
+        "heldout_eval.json",
+    } <= files
     cfg = json.loads((smoke_checkpoint / "config.json").read_text())
     assert cfg["architectures"] == ["DeepseekV32ForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
     with safe_open(str(smoke_checkpoint / "model.safetensors"), "pt") as f:
         names = set(f.keys())
         nextn = f"model.layers.{cfg['num_hidden_layers']}"
-        for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                     "self_attn.indexer.wk.weight", "mlp.gate.weight", "mlp.gate.e_score_correction_bias",
-                     "mlp.shared_experts.down_proj.weight"):
+        for name in (
+            "enorm.weight",
+            "hnorm.weight",
+            "eh_proj.weight",
+            "shared_head.norm.weight",
+            "self_attn.indexer.wk.weight",
+            "mlp.gate.weight",
+            "mlp.gate.e_score_correction_bias",
+            "mlp.shared_experts.down_proj.weight",
+        ):
             assert f"{nextn}.{name}" in names, name
         for e in range(cfg["n_routed_experts"]):
             assert f"{nextn}.mlp.experts.{e}.gate_proj.weight" in names

@@ -37,8 +37,10 @@ def check_pow2(name: str, value: int) -> None:
 def device_unusable(device: torch.device) -> Optional[str]:
     """Why Triton cannot run kernels on tensors of ``device``, or ``None``."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return ("tensors are on the CPU: set TRITON_INTERPRET=1 to run Triton kernels on CPU "
-                "through the interpreter (slow; correctness only)")
+        return (
+            "tensors are on the CPU: set TRITON_INTERPRET=1 to run Triton kernels on CPU "
+            "through the interpreter (slow; correctness only)"
+        )
     return None
 
 

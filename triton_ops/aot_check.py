@@ -36,36 +36,93 @@ class KernelSpec:
 
 
 def kernel_specs() -> List[KernelSpec]:
+    from ._launch import next_pow2
     from .copy_rows import DEFAULT_CONFIG as COPY
     from .residency import DEFAULT_CONFIG as RES
-    from ._launch import next_pow2
 
     ptr = {"i32": "*i32", "i64": "*i64", "i8": "*i8", "i16": "*i16"}
     return [
-        KernelSpec("residency_kernels", "_lookup_kernel", dict(
-            topk_ptr=ptr["i32"], req_ids_ptr=ptr["i64"], stable_len_ptr=ptr["i32"], row_req_ptr=ptr["i64"],
-            slot_token_ptr=ptr["i32"], slot_stamp_ptr=ptr["i64"], hit_mask_ptr=ptr["i8"], slots_ptr=ptr["i32"],
-            miss_count_ptr=ptr["i32"], miss_tokens_ptr=ptr["i32"], miss_slots_ptr=ptr["i32"],
-            miss_entry_ptr=ptr["i32"], evict_min_ptr=ptr["i64"], K="i32", H="i32",
-            KP="constexpr", BLOCK_H="constexpr"),
-            dict(KP=next_pow2(PROD_K), BLOCK_H=RES.lookup_block_h(PROD_K, PROD_H))),
-        KernelSpec("residency_kernels", "_victim_kernel", dict(
-            slot_stamp_ptr=ptr["i64"], miss_count_ptr=ptr["i32"], evict_min_ptr=ptr["i64"],
-            miss_slots_ptr=ptr["i32"], req_ids_ptr=ptr["i64"], row_req_ptr=ptr["i64"], K="i32", H="i32",
-            BLOCK_H="constexpr"),
-            dict(BLOCK_H=RES.victim_block_h(PROD_H))),
-        KernelSpec("residency_kernels", "_apply_kernel", dict(
-            slot_token_ptr=ptr["i32"], slot_stamp_ptr=ptr["i64"], hit_mask_ptr=ptr["i8"], slots_ptr=ptr["i32"],
-            miss_count_ptr=ptr["i32"], miss_tokens_ptr=ptr["i32"], miss_slots_ptr=ptr["i32"],
-            miss_entry_ptr=ptr["i32"], stamps_ptr=ptr["i64"], K="i32", H="i32",
-            BLOCK_K="constexpr"),
-            dict(BLOCK_K=RES.apply_block_k(PROD_K))),
-        KernelSpec("copy_kernels", "_copy_miss_rows_kernel", dict(
-            host_ptr=ptr["i16"], hot_ptr=ptr["i16"], miss_tokens_ptr=ptr["i32"], miss_slots_ptr=ptr["i32"],
-            miss_count_ptr=ptr["i32"], token_table_ptr=ptr["i32"], K="i32", H="i32", D="i32",
-            host_rows="i32", host_stride="i32", max_ctx="i32", table_stride="i32",
-            BLOCK_I="constexpr", BLOCK_D="constexpr"),
-            dict(BLOCK_I=COPY.block_i, BLOCK_D=COPY.block_d_for(PROD_D))),
+        KernelSpec(
+            "residency_kernels",
+            "_lookup_kernel",
+            dict(
+                topk_ptr=ptr["i32"],
+                req_ids_ptr=ptr["i64"],
+                stable_len_ptr=ptr["i32"],
+                row_req_ptr=ptr["i64"],
+                slot_token_ptr=ptr["i32"],
+                slot_stamp_ptr=ptr["i64"],
+                hit_mask_ptr=ptr["i8"],
+                slots_ptr=ptr["i32"],
+                miss_count_ptr=ptr["i32"],
+                miss_tokens_ptr=ptr["i32"],
+                miss_slots_ptr=ptr["i32"],
+                miss_entry_ptr=ptr["i32"],
+                evict_min_ptr=ptr["i64"],
+                K="i32",
+                H="i32",
+                KP="constexpr",
+                BLOCK_H="constexpr",
+            ),
+            dict(KP=next_pow2(PROD_K), BLOCK_H=RES.lookup_block_h(PROD_K, PROD_H)),
+        ),
+        KernelSpec(
+            "residency_kernels",
+            "_victim_kernel",
+            dict(
+                slot_stamp_ptr=ptr["i64"],
+                miss_count_ptr=ptr["i32"],
+                evict_min_ptr=ptr["i64"],
+                miss_slots_ptr=ptr["i32"],
+                req_ids_ptr=ptr["i64"],
+                row_req_ptr=ptr["i64"],
+                K="i32",
+                H="i32",
+                BLOCK_H="constexpr",
+            ),
+            dict(BLOCK_H=RES.victim_block_h(PROD_H)),
+        ),
+        KernelSpec(
+            "residency_kernels",
+            "_apply_kernel",
+            dict(
+                slot_token_ptr=ptr["i32"],
+                slot_stamp_ptr=ptr["i64"],
+                hit_mask_ptr=ptr["i8"],
+                slots_ptr=ptr["i32"],
+                miss_count_ptr=ptr["i32"],
+                miss_tokens_ptr=ptr["i32"],
+                miss_slots_ptr=ptr["i32"],
+                miss_entry_ptr=ptr["i32"],
+                stamps_ptr=ptr["i64"],
+                K="i32",
+                H="i32",
+                BLOCK_K="constexpr",
+            ),
+            dict(BLOCK_K=RES.apply_block_k(PROD_K)),
+        ),
+        KernelSpec(
+            "copy_kernels",
+            "_copy_miss_rows_kernel",
+            dict(
+                host_ptr=ptr["i16"],
+                hot_ptr=ptr["i16"],
+                miss_tokens_ptr=ptr["i32"],
+                miss_slots_ptr=ptr["i32"],
+                miss_count_ptr=ptr["i32"],
+                token_table_ptr=ptr["i32"],
+                K="i32",
+                H="i32",
+                D="i32",
+                host_rows="i32",
+                host_stride="i32",
+                max_ctx="i32",
+                table_stride="i32",
+                BLOCK_I="constexpr",
+                BLOCK_D="constexpr",
+            ),
+            dict(BLOCK_I=COPY.block_i, BLOCK_D=COPY.block_d_for(PROD_D)),
+        ),
     ]
 
 

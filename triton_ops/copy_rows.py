@@ -48,9 +48,14 @@ class CopyKernelConfig:
 DEFAULT_CONFIG = CopyKernelConfig()
 
 
-def copy_miss_rows(host: torch.Tensor, hot: torch.Tensor, miss_tokens: torch.Tensor,
-                   miss_slots: torch.Tensor, miss_count: torch.Tensor,
-                   token_table: torch.Tensor) -> None:
+def copy_miss_rows(
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    miss_tokens: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    token_table: torch.Tensor,
+) -> None:
     """Copy the miss rows of one layer from ``host`` ``[S, D]`` into ``hot`` ``[R, H, D]``.
 
     miss_tokens / miss_slots int32 ``[R, K]``, miss_count int32 ``[R]``, token_table
@@ -59,16 +64,23 @@ def copy_miss_rows(host: torch.Tensor, hot: torch.Tensor, miss_tokens: torch.Ten
     launch_copy_miss_rows(host, hot, miss_tokens, miss_slots, miss_count, token_table)
 
 
-def launch_copy_miss_rows(host: torch.Tensor, hot: torch.Tensor, miss_tokens: torch.Tensor,
-                          miss_slots: torch.Tensor, miss_count: torch.Tensor, token_table: torch.Tensor,
-                          config: CopyKernelConfig = DEFAULT_CONFIG) -> None:
+def launch_copy_miss_rows(
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    miss_tokens: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    token_table: torch.Tensor,
+    config: CopyKernelConfig = DEFAULT_CONFIG,
+) -> None:
     """:func:`copy_miss_rows` with explicit tile sizes and optional index validation."""
     if hot.dim() != 3 or not hot.is_contiguous():
         raise ValueError(f"hot must be a contiguous [R, H, D] tensor, got shape {tuple(hot.shape)}")
     rows, hot_tokens, dim = hot.shape
     if host.dim() != 2 or host.shape[1] != dim or host.stride(1) != 1:
-        raise ValueError(f"host must be [S, {dim}] with unit column stride, got shape {tuple(host.shape)} "
-                         f"strides {host.stride()}")
+        raise ValueError(
+            f"host must be [S, {dim}] with unit column stride, got shape {tuple(host.shape)} strides {host.stride()}"
+        )
     if host.dtype != hot.dtype:
         raise ValueError(f"host dtype {host.dtype} != hot dtype {hot.dtype} (the copy is bit-exact, no casts)")
     device = hot.device
@@ -77,8 +89,9 @@ def launch_copy_miss_rows(host: torch.Tensor, hot: torch.Tensor, miss_tokens: to
     if reason is not None:
         raise RuntimeError(f"copy_miss_rows (triton): {reason}")
     if miss_tokens.shape != miss_slots.shape or miss_tokens.dim() != 2 or miss_tokens.shape[0] != rows:
-        raise ValueError(f"miss_tokens {tuple(miss_tokens.shape)} / miss_slots {tuple(miss_slots.shape)} "
-                         f"must both be [R={rows}, K]")
+        raise ValueError(
+            f"miss_tokens {tuple(miss_tokens.shape)} / miss_slots {tuple(miss_slots.shape)} must both be [R={rows}, K]"
+        )
     if token_table.dim() != 2 or token_table.shape[0] != rows:
         raise ValueError(f"token_table must be [R={rows}, max_ctx], got {tuple(token_table.shape)}")
     k = miss_tokens.shape[1]
@@ -96,9 +109,21 @@ def launch_copy_miss_rows(host: torch.Tensor, hot: torch.Tensor, miss_tokens: to
     from .copy_kernels import _copy_miss_rows_kernel  # imports triton
 
     _copy_miss_rows_kernel[(rows, _launch.cdiv(k, config.block_i))](
-        _launch.int_view(host), _launch.int_view(hot), tokens, slots, count, table,
-        k, hot_tokens, dim, host.shape[0], host.stride(0), table.shape[1], table.stride(0),
-        BLOCK_I=config.block_i, BLOCK_D=config.block_d_for(dim),
+        _launch.int_view(host),
+        _launch.int_view(hot),
+        tokens,
+        slots,
+        count,
+        table,
+        k,
+        hot_tokens,
+        dim,
+        host.shape[0],
+        host.stride(0),
+        table.shape[1],
+        table.stride(0),
+        BLOCK_I=config.block_i,
+        BLOCK_D=config.block_d_for(dim),
     )
 
 
@@ -110,7 +135,8 @@ def _check_host_addressable(host: torch.Tensor, device: torch.device) -> None:
     raise ValueError(
         f"copy_miss_rows (triton) reads host rows through a device pointer, but host is on {host.device} "
         f"{'(pageable)' if host.device.type == 'cpu' else ''} and hot on {device}: allocate the host pool "
-        "pinned / device-registered, or use ops=reference (index_copy_) or ops=npu")
+        "pinned / device-registered, or use ops=reference (index_copy_) or ops=npu"
+    )
 
 
 def _validate(host, hot, tokens, slots, count, table) -> None:

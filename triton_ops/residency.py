@@ -23,7 +23,6 @@ from sglang_ascend_offload.ops.contract import INT64_MAX, ResidencyStep
 
 from . import _launch
 
-
 __all__ = ["ResidencyKernelConfig", "residency_manage", "launch_residency_manage"]
 
 
@@ -61,9 +60,15 @@ class ResidencyKernelConfig:
 DEFAULT_CONFIG = ResidencyKernelConfig()
 
 
-def residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req: torch.Tensor,
-                     topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
-                     step: int) -> ResidencyStep:
+def residency_manage(
+    slot_token: torch.Tensor,
+    slot_stamp: torch.Tensor,
+    row_req: torch.Tensor,
+    topk: torch.Tensor,
+    req_ids: torch.Tensor,
+    stable_len: torch.Tensor,
+    step: int,
+) -> ResidencyStep:
     """One exact-LRU step of one layer on the Triton kernels (same contract as the reference).
 
     slot_token int32 ``[R,H]``, slot_stamp int64 ``[R,H]``, row_req int64 ``[R]``:
@@ -75,9 +80,16 @@ def residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req
     return launch_residency_manage(slot_token, slot_stamp, row_req, topk, req_ids, stable_len, step)
 
 
-def launch_residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req: torch.Tensor,
-                            topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
-                            step: int, config: ResidencyKernelConfig = DEFAULT_CONFIG) -> ResidencyStep:
+def launch_residency_manage(
+    slot_token: torch.Tensor,
+    slot_stamp: torch.Tensor,
+    row_req: torch.Tensor,
+    topk: torch.Tensor,
+    req_ids: torch.Tensor,
+    stable_len: torch.Tensor,
+    step: int,
+    config: ResidencyKernelConfig = DEFAULT_CONFIG,
+) -> ResidencyStep:
     """:func:`residency_manage` with explicit tile sizes (tests use tiny tiles to
     exercise every chunking path on small shapes)."""
     rows, hot = _check_state(slot_token, slot_stamp, row_req)
@@ -87,11 +99,11 @@ def launch_residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, 
     req_ids = _input("req_ids", req_ids, torch.int64, device, (rows,))
     stable_len = _input("stable_len", stable_len, torch.int32, device, (rows,))
     if hot < k:
-        raise ValueError(f"hot_tokens {hot} < top_k {k}: the hot buffer must hold at least one "
-                         "top-k selection per row")
+        raise ValueError(f"hot_tokens {hot} < top_k {k}: the hot buffer must hold at least one top-k selection per row")
     if isinstance(step, torch.Tensor):  # device-side step: nothing read on the host (graph capture)
-        stamps = step.reshape(1).to(device=device, dtype=torch.int64) * 2 + \
-            torch.arange(1, 3, dtype=torch.int64, device=device)
+        stamps = step.reshape(1).to(device=device, dtype=torch.int64) * 2 + torch.arange(
+            1, 3, dtype=torch.int64, device=device
+        )
     else:
         step = int(step)
         if step < 0 or 2 * step + 2 > INT64_MAX:
@@ -106,8 +118,9 @@ def launch_residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, 
     miss_count = torch.empty((rows,), dtype=torch.int32, device=device)
     miss_tokens = torch.empty((rows, k), dtype=torch.int32, device=device)
     miss_slots = torch.empty((rows, k), dtype=torch.int32, device=device)
-    out = ResidencyStep(hit_mask=hit_mask, slots=slots, miss_count=miss_count,
-                        miss_tokens=miss_tokens, miss_slots=miss_slots)
+    out = ResidencyStep(
+        hit_mask=hit_mask, slots=slots, miss_count=miss_count, miss_tokens=miss_tokens, miss_slots=miss_slots
+    )
     if rows == 0:
         return out
     miss_entry = torch.empty((rows, k), dtype=torch.int32, device=device)
@@ -115,28 +128,57 @@ def launch_residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, 
 
     block_h = config.lookup_block_h(k, hot)
     if _launch.next_pow2(k) * block_h > _launch.MAX_BLOCK_ELEMS:
-        raise ValueError(f"top_k {k}: the lookup tile [{_launch.next_pow2(k)}, {block_h}] exceeds Triton's "
-                         f"{_launch.MAX_BLOCK_ELEMS}-element block limit")
+        raise ValueError(
+            f"top_k {k}: the lookup tile [{_launch.next_pow2(k)}, {block_h}] exceeds Triton's "
+            f"{_launch.MAX_BLOCK_ELEMS}-element block limit"
+        )
 
     from . import residency_kernels as kern  # imports triton
 
     kern._lookup_kernel[(rows,)](
-        topk, req_ids, stable_len, row_req, slot_token, slot_stamp,
-        hit_mask.view(torch.int8), slots, miss_count, miss_tokens, miss_slots, miss_entry, evict_min,
-        k, hot,
-        KP=_launch.next_pow2(k), BLOCK_H=block_h,
+        topk,
+        req_ids,
+        stable_len,
+        row_req,
+        slot_token,
+        slot_stamp,
+        hit_mask.view(torch.int8),
+        slots,
+        miss_count,
+        miss_tokens,
+        miss_slots,
+        miss_entry,
+        evict_min,
+        k,
+        hot,
+        KP=_launch.next_pow2(k),
+        BLOCK_H=block_h,
     )
     kern._victim_kernel[(rows,)](
-        slot_stamp, miss_count, evict_min, miss_slots, req_ids, row_req,
-        k, hot,
+        slot_stamp,
+        miss_count,
+        evict_min,
+        miss_slots,
+        req_ids,
+        row_req,
+        k,
+        hot,
         BLOCK_H=config.victim_block_h(hot),
     )
     if k > 0:
         block_k = config.apply_block_k(k)
         kern._apply_kernel[(rows, _launch.cdiv(k, block_k))](
-            slot_token, slot_stamp, hit_mask.view(torch.int8), slots, miss_count,
-            miss_tokens, miss_slots, miss_entry, stamps,
-            k, hot,
+            slot_token,
+            slot_stamp,
+            hit_mask.view(torch.int8),
+            slots,
+            miss_count,
+            miss_tokens,
+            miss_slots,
+            miss_entry,
+            stamps,
+            k,
+            hot,
             BLOCK_K=block_k,
         )
     return out
@@ -145,15 +187,21 @@ def launch_residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, 
 # ---------------------------------------------------------------------------- checks
 def _check_state(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req: torch.Tensor):
     """State is mutated in place: exact dtypes, contiguous, one device, or an error."""
-    for name, t, dtype, dim in (("slot_token", slot_token, torch.int32, 2),
-                                ("slot_stamp", slot_stamp, torch.int64, 2),
-                                ("row_req", row_req, torch.int64, 1)):
+    for name, t, dtype, dim in (
+        ("slot_token", slot_token, torch.int32, 2),
+        ("slot_stamp", slot_stamp, torch.int64, 2),
+        ("row_req", row_req, torch.int64, 1),
+    ):
         if t.dtype != dtype or t.dim() != dim or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous {dim}-D {dtype} tensor (it is updated in place), "
-                             f"got {t.dtype} shape {tuple(t.shape)} contiguous={t.is_contiguous()}")
+            raise ValueError(
+                f"{name} must be a contiguous {dim}-D {dtype} tensor (it is updated in place), "
+                f"got {t.dtype} shape {tuple(t.shape)} contiguous={t.is_contiguous()}"
+            )
     if slot_stamp.shape != slot_token.shape or row_req.shape[0] != slot_token.shape[0]:
-        raise ValueError(f"state shapes disagree: slot_token {tuple(slot_token.shape)}, "
-                         f"slot_stamp {tuple(slot_stamp.shape)}, row_req {tuple(row_req.shape)}")
+        raise ValueError(
+            f"state shapes disagree: slot_token {tuple(slot_token.shape)}, "
+            f"slot_stamp {tuple(slot_stamp.shape)}, row_req {tuple(row_req.shape)}"
+        )
     if not (slot_token.device == slot_stamp.device == row_req.device):
         raise ValueError("slot_token, slot_stamp and row_req must be on one device")
     return slot_token.shape

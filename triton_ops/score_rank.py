@@ -48,9 +48,17 @@ class ScoreRankKernelConfig:
 DEFAULT_SCORE_CONFIG = ScoreRankKernelConfig()
 
 
-def score_rank_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req: torch.Tensor,
-                      topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor, step,
-                      ranked: torch.Tensor, config: ScoreRankKernelConfig = DEFAULT_SCORE_CONFIG) -> ResidencyStep:
+def score_rank_manage(
+    slot_token: torch.Tensor,
+    slot_stamp: torch.Tensor,
+    row_req: torch.Tensor,
+    topk: torch.Tensor,
+    req_ids: torch.Tensor,
+    stable_len: torch.Tensor,
+    step,
+    ranked: torch.Tensor,
+    config: ScoreRankKernelConfig = DEFAULT_SCORE_CONFIG,
+) -> ResidencyStep:
     """One ``score_rank`` step of one layer on Triton kernels.
 
     State (mutated in place) and ``topk`` / ``req_ids`` / ``stable_len`` / ``step`` as
@@ -73,8 +81,9 @@ def score_rank_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_re
     if depth < k:
         raise ValueError(f"ranked depth {depth} < top_k {k}: ranked starts with the step's top-k")
     if isinstance(step, torch.Tensor):
-        stamps = step.reshape(1).to(device=device, dtype=torch.int64) * 2 + \
-            torch.arange(1, 3, dtype=torch.int64, device=device)
+        stamps = step.reshape(1).to(device=device, dtype=torch.int64) * 2 + torch.arange(
+            1, 3, dtype=torch.int64, device=device
+        )
     else:
         step = int(step)
         if not 0 <= step <= _MAX_STEP:
@@ -84,11 +93,13 @@ def score_rank_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_re
     if reason is not None:
         raise RuntimeError(f"score_rank (triton): {reason}")
 
-    out = ResidencyStep(hit_mask=torch.empty((rows, k), dtype=torch.bool, device=device),
-                        slots=torch.empty((rows, k), dtype=torch.int32, device=device),
-                        miss_count=torch.empty((rows,), dtype=torch.int32, device=device),
-                        miss_tokens=torch.empty((rows, k), dtype=torch.int32, device=device),
-                        miss_slots=torch.empty((rows, k), dtype=torch.int32, device=device))
+    out = ResidencyStep(
+        hit_mask=torch.empty((rows, k), dtype=torch.bool, device=device),
+        slots=torch.empty((rows, k), dtype=torch.int32, device=device),
+        miss_count=torch.empty((rows,), dtype=torch.int32, device=device),
+        miss_tokens=torch.empty((rows, k), dtype=torch.int32, device=device),
+        miss_slots=torch.empty((rows, k), dtype=torch.int32, device=device),
+    )
     if rows == 0:
         return out
     cfg = config.residency
@@ -100,19 +111,45 @@ def score_rank_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_re
     if _launch.next_pow2(k) * block_h > _launch.MAX_BLOCK_ELEMS:
         raise ValueError(f"top_k {k}: lookup tile exceeds Triton's {_launch.MAX_BLOCK_ELEMS}-element block limit")
     lru._lookup_kernel[(rows,)](
-        topk, req_ids, stable_len, row_req, slot_token, slot_stamp,
-        out.hit_mask.view(torch.int8), out.slots, out.miss_count, out.miss_tokens, out.miss_slots, miss_entry,
-        stamp_min, k, hot, KP=_launch.next_pow2(k), BLOCK_H=block_h,
+        topk,
+        req_ids,
+        stable_len,
+        row_req,
+        slot_token,
+        slot_stamp,
+        out.hit_mask.view(torch.int8),
+        out.slots,
+        out.miss_count,
+        out.miss_tokens,
+        out.miss_slots,
+        miss_entry,
+        stamp_min,
+        k,
+        hot,
+        KP=_launch.next_pow2(k),
+        BLOCK_H=block_h,
     )
     bd, bh = config.blocks(depth, hot)
-    kern._rank_key_kernel[(rows,)](slot_token, slot_stamp, ranked, stable_len, key, key_min, depth, hot,
-                                   BLOCK_D=bd, BLOCK_H=bh)
-    lru._victim_kernel[(rows,)](key, out.miss_count, key_min, out.miss_slots, req_ids, row_req, k, hot,
-                                BLOCK_H=cfg.victim_block_h(hot))
+    kern._rank_key_kernel[(rows,)](
+        slot_token, slot_stamp, ranked, stable_len, key, key_min, depth, hot, BLOCK_D=bd, BLOCK_H=bh
+    )
+    lru._victim_kernel[(rows,)](
+        key, out.miss_count, key_min, out.miss_slots, req_ids, row_req, k, hot, BLOCK_H=cfg.victim_block_h(hot)
+    )
     if k > 0:
         block_k = cfg.apply_block_k(k)
         lru._apply_kernel[(rows, _launch.cdiv(k, block_k))](
-            slot_token, slot_stamp, out.hit_mask.view(torch.int8), out.slots, out.miss_count,
-            out.miss_tokens, out.miss_slots, miss_entry, stamps, k, hot, BLOCK_K=block_k,
+            slot_token,
+            slot_stamp,
+            out.hit_mask.view(torch.int8),
+            out.slots,
+            out.miss_count,
+            out.miss_tokens,
+            out.miss_slots,
+            miss_entry,
+            stamps,
+            k,
+            hot,
+            BLOCK_K=block_k,
         )
     return out

@@ -119,8 +119,9 @@ def run(args: argparse.Namespace) -> Dict:
             ctx = mp.get_context("spawn")
             out = ctx.Queue()
             port = reserve_port()
-            procs = [ctx.Process(target=_worker, args=(r, params, str(owner.path), owner.session, port, out))
-                     for r in (0, 1)]
+            procs = [
+                ctx.Process(target=_worker, args=(r, params, str(owner.path), owner.session, port, out)) for r in (0, 1)
+            ]
             for p in procs:
                 p.start()
             got = {}
@@ -133,11 +134,22 @@ def run(args: argparse.Namespace) -> Dict:
             owner.pool.close()
     med = {rank: {mode: statistics.median(v) for mode, v in got[rank][0].items()} for rank in got}
     base = med[1]["none"]
-    modes = {mode: {"rank0_s_per_step": med[0][mode], "rank1_s_per_step": med[1][mode],
-                    "ordering_us_per_step": (med[1][mode] - base) * 1e6,
-                    "rank1_vs_none": med[1][mode] / base if base else None} for mode in MODES}
-    return {"params": params, "modes": modes, "publish_us": got[0][1], "check_us": got[1][1],
-            "ordering_ops_us_per_step": (got[0][1] + got[1][1]) * args.layers}
+    modes = {
+        mode: {
+            "rank0_s_per_step": med[0][mode],
+            "rank1_s_per_step": med[1][mode],
+            "ordering_us_per_step": (med[1][mode] - base) * 1e6,
+            "rank1_vs_none": med[1][mode] / base if base else None,
+        }
+        for mode in MODES
+    }
+    return {
+        "params": params,
+        "modes": modes,
+        "publish_us": got[0][1],
+        "check_us": got[1][1],
+        "ordering_ops_us_per_step": (got[0][1] + got[1][1]) * args.layers,
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -146,14 +158,20 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
         return 0
     p = report["params"]
-    print(f"append ordering, {p['layers']} layers, batch {p['batch']}, {p['misses']} reads/row "
-          f"(median of {p['repeats']} x {p['steps']} steps)")
+    print(
+        f"append ordering, {p['layers']} layers, batch {p['batch']}, {p['misses']} reads/row "
+        f"(median of {p['repeats']} x {p['steps']} steps)"
+    )
     for mode, r in report["modes"].items():
-        print(f"  {mode:13s} rank0 {r['rank0_s_per_step'] * 1e3:8.3f} ms/step  rank1 "
-              f"{r['rank1_s_per_step'] * 1e3:8.3f} ms/step  x{r['rank1_vs_none']:.2f} of none  "
-              f"(+{r['ordering_us_per_step']:.0f} us/step)")
-    print(f"  uncontended: publish {report['publish_us']:.2f} us, check {report['check_us']:.2f} us "
-          f"-> {report['ordering_ops_us_per_step']:.0f} us/step over {p['layers']} layers")
+        print(
+            f"  {mode:13s} rank0 {r['rank0_s_per_step'] * 1e3:8.3f} ms/step  rank1 "
+            f"{r['rank1_s_per_step'] * 1e3:8.3f} ms/step  x{r['rank1_vs_none']:.2f} of none  "
+            f"(+{r['ordering_us_per_step']:.0f} us/step)"
+        )
+    print(
+        f"  uncontended: publish {report['publish_us']:.2f} us, check {report['check_us']:.2f} us "
+        f"-> {report['ordering_ops_us_per_step']:.0f} us/step over {p['layers']} layers"
+    )
     return 0
 
 

@@ -58,10 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..sparse_decode.policies import POLICIES
 
     parser.add_argument("--trace", metavar="FILE", help=".npz trace (default: synthesise one)")
-    parser.add_argument("--hot-tokens", type=int, help="hot slots per layer and row (default: the value a recorded trace was served with, else 2 x top-k)")
+    parser.add_argument(
+        "--hot-tokens",
+        type=int,
+        help="hot slots per layer and row (default: the value a recorded trace was served with, else 2 x top-k)",
+    )
     parser.add_argument("--ops", default="auto", choices=contract.CHOICES, help="operator ladder rung")
-    parser.add_argument("--policy", choices=sorted(POLICIES),
-                        help="residency policy of the engine run (default: the config default)")
+    parser.add_argument(
+        "--policy", choices=sorted(POLICIES), help="residency policy of the engine run (default: the config default)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     syn = parser.add_argument_group("synthetic trace (without --trace)")
     syn.add_argument("--steps", type=int, default=160, help="decode steps")
@@ -69,40 +74,83 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     syn.add_argument("--rows", type=int, default=8, help="decode rows")
     syn.add_argument("--top-k", type=int, default=128, help="top-k per row")
     syn.add_argument("--shape", choices=_SHAPES, default="locality", help="trace shape")
-    syn.add_argument("--noise-skew", type=float, default=1.5,
-                     help="skew of the noise positions' persistent weights (0 = uniform noise)")
-    syn.add_argument("--rank-depth", type=int, default=0,
-                     help="latent-score model with a 'ranked' array of this depth (>= top-k; 0 = the selection "
-                          "model without ranking; required by score_rank* policies and --shape bursty)")
+    syn.add_argument(
+        "--noise-skew",
+        type=float,
+        default=1.5,
+        help="skew of the noise positions' persistent weights (0 = uniform noise)",
+    )
+    syn.add_argument(
+        "--rank-depth",
+        type=int,
+        default=0,
+        help="latent-score model with a 'ranked' array of this depth (>= top-k; 0 = the selection "
+        "model without ranking; required by score_rank* policies and --shape bursty)",
+    )
     syn.add_argument("--seed", type=int, default=0, help="trace and KV content seed")
     syn.add_argument("--save-trace", metavar="FILE", help="also write the synthetic trace to FILE (.npz)")
     parser.add_argument("--heads", type=int, default=8, help="attention heads per query row")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw the side-by-side table as a figure (matplotlib)")
     mtp = parser.add_argument_group("speculative verify rows (--mtp): per-row vs per-request residency")
-    mtp.add_argument("--mtp", type=int, metavar="N",
-                     help="MTP with N draft tokens: rounds of N + 1 verify rows per request derived from the trace; "
-                          "replays one hot buffer per verify row (per_row, --hot-tokens each) and one per request "
-                          "(per_request, --mtp-hot-tokens) side by side")
-    mtp.add_argument("--mtp-accept", type=float, metavar="P",
-                     help=f"per-draft acceptance probability of the rounds (default {_MTP_ACCEPT}; seeded by --seed)")
-    mtp.add_argument("--mtp-hot-tokens", type=int, metavar="H",
-                     help="hot slots per layer and request of the per_request design (>= (N + 1) x top-k; "
-                          "default max(2, N + 1) x top-k)")
+    mtp.add_argument(
+        "--mtp",
+        type=int,
+        metavar="N",
+        help="MTP with N draft tokens: rounds of N + 1 verify rows per request derived from the trace; "
+        "replays one hot buffer per verify row (per_row, --hot-tokens each) and one per request "
+        "(per_request, --mtp-hot-tokens) side by side",
+    )
+    mtp.add_argument(
+        "--mtp-accept",
+        type=float,
+        metavar="P",
+        help=f"per-draft acceptance probability of the rounds (default {_MTP_ACCEPT}; seeded by --seed)",
+    )
+    mtp.add_argument(
+        "--mtp-hot-tokens",
+        type=int,
+        metavar="H",
+        help="hot slots per layer and request of the per_request design (>= (N + 1) x top-k; "
+        "default max(2, N + 1) x top-k)",
+    )
     prof = parser.add_argument_group("production-shape timing (--profile-shape)")
-    prof.add_argument("--profile-shape", action="store_true",
-                      help="time warm steps' residency management vs sparse attention at production shape "
-                           "(overrides the synthetic defaults: rows 32, top-k 2048, hot 4096, 61 layers, 16 heads)")
-    prof.add_argument("--profile-steps", type=int, default=4,
-                      help="warm-up steps before the timed ones (the hot buffers are full after 3)")
-    prof.add_argument("--profile-repeats", type=int, default=4,
-                      help="timed warm steps, each over every layer's state in turn (cache-cold state, as in a "
-                           "model); manage times are their median, with min and p90")
-    prof.add_argument("--profile-context", type=int, default=131072,
-                      help="longest prompt of the profile's synthetic trace (tokens; prompts are 1/4 .. 1 of it)")
-    prof.add_argument("--manage-impl", choices=("auto", "kernel", "torch"), default="auto",
-                      help="residency implementation timed as the engine's (auto: the CPU kernel for lru on CPU)")
-    prof.add_argument("--profile-compile", choices=("on", "off"), default="on",
-                      help="also time one layer step of the reference rung compiled with torch.compile")
+    prof.add_argument(
+        "--profile-shape",
+        action="store_true",
+        help="time warm steps' residency management vs sparse attention at production shape "
+        "(overrides the synthetic defaults: rows 32, top-k 2048, hot 4096, 61 layers, 16 heads)",
+    )
+    prof.add_argument(
+        "--profile-steps",
+        type=int,
+        default=4,
+        help="warm-up steps before the timed ones (the hot buffers are full after 3)",
+    )
+    prof.add_argument(
+        "--profile-repeats",
+        type=int,
+        default=4,
+        help="timed warm steps, each over every layer's state in turn (cache-cold state, as in a "
+        "model); manage times are their median, with min and p90",
+    )
+    prof.add_argument(
+        "--profile-context",
+        type=int,
+        default=131072,
+        help="longest prompt of the profile's synthetic trace (tokens; prompts are 1/4 .. 1 of it)",
+    )
+    prof.add_argument(
+        "--manage-impl",
+        choices=("auto", "kernel", "torch"),
+        default="auto",
+        help="residency implementation timed as the engine's (auto: the CPU kernel for lru on CPU)",
+    )
+    prof.add_argument(
+        "--profile-compile",
+        choices=("on", "off"),
+        default="on",
+        help="also time one layer step of the reference rung compiled with torch.compile",
+    )
 
 
 # ------------------------------------------------------------------------ helpers
@@ -118,8 +166,7 @@ def _progress(enabled: bool, label: str = "replay: step"):
             now = time.monotonic()
             if now - state["last"] > 0.5 or done == total:
                 state["last"] = now
-                print(f"\r  {label} {done}/{total}", end="\n" if done == total else "",
-                      file=sys.stderr, flush=True)
+                print(f"\r  {label} {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
         elif done * 10 // total > state["tenth"]:
             state["tenth"] = done * 10 // total
             print(f"  {label} {done}/{total}", file=sys.stderr, flush=True)
@@ -132,9 +179,16 @@ def _load_or_synthesize(args):
 
     if args.trace:
         return load_trace(args.trace), {"source": args.trace}
-    spec = SyntheticTraceSpec(steps=args.steps, layers=args.layers, rows=args.rows, top_k=args.top_k,
-                              shape=args.shape, seed=args.seed, noise_skew=args.noise_skew,
-                              rank_depth=args.rank_depth)
+    spec = SyntheticTraceSpec(
+        steps=args.steps,
+        layers=args.layers,
+        rows=args.rows,
+        top_k=args.top_k,
+        shape=args.shape,
+        seed=args.seed,
+        noise_skew=args.noise_skew,
+        rank_depth=args.rank_depth,
+    )
     trace = synthesize(spec)
     if args.save_trace:
         save_trace(trace, args.save_trace)
@@ -182,10 +236,16 @@ def run_replay(args) -> Dict[str, Any]:
     policy = args.policy or _default_policy()
     check_ranked(trace, policy)
     if not args.json:
-        print(f"trace: {trace.steps} steps x {trace.layers} layers x {trace.rows} rows, top-k {k}; "
-              f"hot_tokens {hot}; policy {policy}; ops {args.ops}", file=sys.stderr)
-    result = replay_trace(trace, ReplayOptions(hot_tokens=hot, policy=policy, ops=args.ops, heads=args.heads,
-                                               seed=args.seed), progress=_progress(not args.json))
+        print(
+            f"trace: {trace.steps} steps x {trace.layers} layers x {trace.rows} rows, top-k {k}; "
+            f"hot_tokens {hot}; policy {policy}; ops {args.ops}",
+            file=sys.stderr,
+        )
+    result = replay_trace(
+        trace,
+        ReplayOptions(hot_tokens=hot, policy=policy, ops=args.ops, heads=args.heads, seed=args.seed),
+        progress=_progress(not args.json),
+    )
     total = result.stats.total
     row_bytes = HostPoolShape(1, 1).row_bytes
     selected = total.selected
@@ -226,9 +286,14 @@ def run_replay(args) -> Dict[str, Any]:
         "layers": trace.layers,
         "rows": trace.rows,
         "row_bytes": row_bytes,
-        "policies": {name: {"misses": s.misses, "misses_over_opt": s.misses / opt.misses if opt.misses else None,
-                            "misses_over_lru": s.misses / sims["lru"].misses if sims["lru"].misses else None}
-                     for name, s in sims.items()},
+        "policies": {
+            name: {
+                "misses": s.misses,
+                "misses_over_opt": s.misses / opt.misses if opt.misses else None,
+                "misses_over_lru": s.misses / sims["lru"].misses if sims["lru"].misses else None,
+            }
+            for name, s in sims.items()
+        },
         "policies_skipped": skipped,
         "rank_depth": trace.rank_depth,
         "per_layer": [c.as_dict() for c in result.stats.per_layer],
@@ -252,33 +317,52 @@ def _ratio(x: Optional[float]) -> str:
 
 def _print_replay(r: Dict[str, Any]) -> None:
     mib = 1 / 2**20
-    print(f"\nsparse decode replay: {r['steps']} steps x {r['layers']} layers x {r['rows']} rows, "
-          f"top-k {r['top_k']}, hot_tokens {r['hot_tokens']}, policy {r['policy']}, ops {r['ops']}")
-    print(f"verified: {'yes' if r['verified'] else 'NO'} ({r['checks']} layer steps: resident rows == host rows, "
-          "attention == full-KV reference)")
+    print(
+        f"\nsparse decode replay: {r['steps']} steps x {r['layers']} layers x {r['rows']} rows, "
+        f"top-k {r['top_k']}, hot_tokens {r['hot_tokens']}, policy {r['policy']}, ops {r['ops']}"
+    )
+    print(
+        f"verified: {'yes' if r['verified'] else 'NO'} ({r['checks']} layer steps: resident rows == host rows, "
+        "attention == full-KV reference)"
+    )
     for f in r["failures"]:
         print(f"  FAILED: {f}")
     rows = [
         ("this engine", r["misses"], r["h2d_bytes"], r["hit_rate"]),
-        ("topk_cache (hot = top-k)", r["baselines"]["topk_cache"]["misses"],
-         r["baselines"]["topk_cache"]["h2d_bytes"], 1 - r["baselines"]["topk_cache"]["misses"] / max(1, r["selected"])),
-        ("topk_reload (no hot buffer)", r["baselines"]["topk_reload"]["misses"],
-         r["baselines"]["topk_reload"]["h2d_bytes"], 0.0),
-        ("Belady optimum", r["opt_misses"], r["opt_misses"] * r["row_bytes"],
-         1 - r["opt_misses"] / max(1, r["selected"])),
+        (
+            "topk_cache (hot = top-k)",
+            r["baselines"]["topk_cache"]["misses"],
+            r["baselines"]["topk_cache"]["h2d_bytes"],
+            1 - r["baselines"]["topk_cache"]["misses"] / max(1, r["selected"]),
+        ),
+        (
+            "topk_reload (no hot buffer)",
+            r["baselines"]["topk_reload"]["misses"],
+            r["baselines"]["topk_reload"]["h2d_bytes"],
+            0.0,
+        ),
+        (
+            "Belady optimum",
+            r["opt_misses"],
+            r["opt_misses"] * r["row_bytes"],
+            1 - r["opt_misses"] / max(1, r["selected"]),
+        ),
     ]
     print(f"\n{'strategy':<30}{'misses':>12}{'H2D MiB':>12}{'hit rate':>10}{'vs engine':>11}")
     for name, misses, nbytes, hr in rows:
         ratio = misses / r["misses"] if r["misses"] else float("nan")
         print(f"{name:<30}{misses:>12}{nbytes * mib:>12.1f}{hr:>10.3f}{ratio:>10.2f}x")
-    print(f"\nselected {r['selected']}, D2H (new-token appends) {r['d2h_bytes'] * mib:.2f} MiB, "
-          f"misses / optimum {_ratio(r['misses_over_opt'])}")
+    print(
+        f"\nselected {r['selected']}, D2H (new-token appends) {r['d2h_bytes'] * mib:.2f} MiB, "
+        f"misses / optimum {_ratio(r['misses_over_opt'])}"
+    )
     print(f"\n{'policy (same capacity)':<30}{'misses':>12}{'/ optimum':>11}{'/ lru':>9}")
     for name, p in r["policies"].items():
         print(f"{name:<30}{p['misses']:>12}{_ratio(p['misses_over_opt']):>11}{_ratio(p['misses_over_lru']):>9}")
     t = r["timing_ms_per_step"]
-    print("\nper step (ms, this CPU): " + ", ".join(f"{k} {v:.2f}" for k, v in t.items())
-          + f"; wall {r['wall_s']:.1f} s")
+    print(
+        "\nper step (ms, this CPU): " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()) + f"; wall {r['wall_s']:.1f} s"
+    )
 
 
 # ------------------------------------------------------------------------ MTP mode
@@ -340,8 +424,9 @@ def _mtp_static_problems(args) -> List[str]:
     policy = args.policy or _default_policy()
     if needs_ranked(policy):
         usable = ", ".join(sorted(p for p in POLICIES if not needs_ranked(p)))
-        problems.append(f"--policy {policy} needs the indexer's ranking; speculative rounds carry top-k only "
-                        f"(use one of {usable})")
+        problems.append(
+            f"--policy {policy} needs the indexer's ranking; speculative rounds carry top-k only (use one of {usable})"
+        )
     if args.mtp_hot_tokens is not None and args.mtp_hot_tokens < 1:
         problems.append("--mtp-hot-tokens must be >= 1")
     if args.profile_shape:
@@ -359,11 +444,15 @@ def _mtp_topk_problems(args, top_k: int) -> List[str]:
     hot = _mtp_hot_tokens(args, top_k)
     problems = []
     if args.hot_tokens is not None and 1 <= hot["per_row"] < top_k:
-        problems.append(f"--hot-tokens {hot['per_row']} < the trace's top-k {top_k}: a verify row's selection "
-                        "must fit its buffer (per_row design)")
+        problems.append(
+            f"--hot-tokens {hot['per_row']} < the trace's top-k {top_k}: a verify row's selection "
+            "must fit its buffer (per_row design)"
+        )
     if args.mtp_hot_tokens is not None and 1 <= hot["per_request"] < n * top_k:
-        problems.append(f"--mtp-hot-tokens {hot['per_request']} < {n} verify rows x top-k {top_k} = {n * top_k}: "
-                        "the union of a request's rows' top-k must fit its buffer (per_request design)")
+        problems.append(
+            f"--mtp-hot-tokens {hot['per_request']} < {n} verify rows x top-k {top_k} = {n * top_k}: "
+            "the union of a request's rows' top-k must fit its buffer (per_request design)"
+        )
     return problems
 
 
@@ -379,8 +468,10 @@ def _mtp_trace(args):
     accept = args.mtp_accept if args.mtp_accept is not None else _MTP_ACCEPT
     spec = speculative_from_trace(base, _mtp_rows(args), accept, seed=args.seed, source=source["source"])
     if spec.rounds == 0:
-        raise ValueError(f"the trace has no request with {spec.rows_per_request} consecutive decode positions: "
-                         "no verify round to replay (a longer trace, or a smaller --mtp)")
+        raise ValueError(
+            f"the trace has no request with {spec.rows_per_request} consecutive decode positions: "
+            "no verify round to replay (a longer trace, or a smaller --mtp)"
+        )
     return spec, source
 
 
@@ -396,19 +487,41 @@ def _mtp_design(spec, design: str, hot_tokens: int, args, policy: str, row_bytes
     and its Belady optimum at the same capacity."""
     from ..sparse_decode.spec_replay import opt_misses, replay_speculative
 
-    res = replay_speculative(spec, design, hot_tokens, policy=policy, ops=args.ops, heads=args.heads,
-                             seed=args.seed, verify=True, progress=_progress(True, f"{design}: round"))
+    res = replay_speculative(
+        spec,
+        design,
+        hot_tokens,
+        policy=policy,
+        ops=args.ops,
+        heads=args.heads,
+        seed=args.seed,
+        verify=True,
+        progress=_progress(True, f"{design}: round"),
+    )
     total = res.stats.total
     opt = opt_misses(spec, design, hot_tokens)
     n = spec.rows_per_request
     return MtpDesignResult(
-        design=design, hot_tokens=hot_tokens, engine_rows=spec.requests * (n if design == "per_row" else 1),
-        h2d_bytes=total.h2d_bytes, h2d_bytes_per_round=total.h2d_bytes / res.rounds if res.rounds else None,
+        design=design,
+        hot_tokens=hot_tokens,
+        engine_rows=spec.requests * (n if design == "per_row" else 1),
+        h2d_bytes=total.h2d_bytes,
+        h2d_bytes_per_round=total.h2d_bytes / res.rounds if res.rounds else None,
         device_hot_bytes_per_request=_mtp_device_hot_bytes(design, hot_tokens, n, spec.layers, row_bytes),
-        hit_rate=total.row_hit_rate, unique_hit_rate=total.hit_rate, selected=total.selected, hits=total.hits,
-        misses=total.misses, row_selected=total.row_selected, row_hits=total.row_hits, opt_misses=opt,
-        misses_over_opt=total.misses / opt if opt else None, verified=res.verified, checks=res.checks,
-        failures=list(res.failures), wall_s=res.wall_s)
+        hit_rate=total.row_hit_rate,
+        unique_hit_rate=total.hit_rate,
+        selected=total.selected,
+        hits=total.hits,
+        misses=total.misses,
+        row_selected=total.row_selected,
+        row_hits=total.row_hits,
+        opt_misses=opt,
+        misses_over_opt=total.misses / opt if opt else None,
+        verified=res.verified,
+        checks=res.checks,
+        failures=list(res.failures),
+        wall_s=res.wall_s,
+    )
 
 
 def _over(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -449,9 +562,13 @@ def run_mtp(args) -> Dict[str, Any]:
     row_bytes = HostPoolShape(1, 1).row_bytes
     live = spec.req_ids >= 0
     accept = args.mtp_accept if args.mtp_accept is not None else _MTP_ACCEPT
-    print(f"speculative trace: {spec.rounds} rounds x {spec.layers} layers x {spec.requests} requests x {n} "
-          f"verify rows, top-k {k}; hot_tokens {hot['per_row']} per row, {hot['per_request']} per request; "
-          f"policy {policy}; ops {args.ops}", file=sys.stderr, flush=True)
+    print(
+        f"speculative trace: {spec.rounds} rounds x {spec.layers} layers x {spec.requests} requests x {n} "
+        f"verify rows, top-k {k}; hot_tokens {hot['per_row']} per row, {hot['per_request']} per request; "
+        f"policy {policy}; ops {args.ops}",
+        file=sys.stderr,
+        flush=True,
+    )
     results = {d: _mtp_design(spec, d, hot[d], args, policy, row_bytes) for d in ("per_row", "per_request")}
     row, req = results["per_row"], results["per_request"]
     cross = _mtp_cross_failures(row, req)
@@ -489,8 +606,13 @@ def _union_stats(spec) -> Dict[str, Optional[float]]:
     sizes = union_sizes(spec) / float(spec.top_k)
     if sizes.size == 0:
         return {"mean": None, "p50": None, "p99": None, "max": None, "bound": float(spec.rows_per_request)}
-    return {"mean": float(sizes.mean()), "p50": float(np.percentile(sizes, 50)),
-            "p99": float(np.percentile(sizes, 99)), "max": float(sizes.max()), "bound": float(spec.rows_per_request)}
+    return {
+        "mean": float(sizes.mean()),
+        "p50": float(np.percentile(sizes, 50)),
+        "p99": float(np.percentile(sizes, 99)),
+        "max": float(sizes.max()),
+        "bound": float(spec.rows_per_request),
+    }
 
 
 def _scaled(x: Optional[float], factor: float) -> Optional[float]:
@@ -504,22 +626,38 @@ def _fmt(x: Optional[float], spec: str) -> str:
 def _print_mtp(r: Dict[str, Any]) -> None:
     mib = 1 / 2**20
     row, req, ratio = r["per_row"], r["per_request"], r["ratios"]
-    print(f"\nspeculative verify replay, MTP {r['mtp']} ({r['rows_per_request']} verify rows per request): "
-          f"{r['rounds']} rounds x {r['layers']} layers x {r['requests']} requests, top-k {r['top_k']}, accept "
-          f"{r['accept_rate']:g} per draft (mean accept length {r['mean_accept_length']:.2f}), policy {r['policy']}, "
-          f"ops {r['ops']}")
-    print(f"verified: {'yes' if r['verified'] else 'NO'} (per_row {row['checks']}, per_request {req['checks']} "
-          "layer steps: resident rows == host rows, attention == full-KV reference)")
+    print(
+        f"\nspeculative verify replay, MTP {r['mtp']} ({r['rows_per_request']} verify rows per request): "
+        f"{r['rounds']} rounds x {r['layers']} layers x {r['requests']} requests, top-k {r['top_k']}, accept "
+        f"{r['accept_rate']:g} per draft (mean accept length {r['mean_accept_length']:.2f}), policy {r['policy']}, "
+        f"ops {r['ops']}"
+    )
+    print(
+        f"verified: {'yes' if r['verified'] else 'NO'} (per_row {row['checks']}, per_request {req['checks']} "
+        "layer steps: resident rows == host rows, attention == full-KV reference)"
+    )
     for f in row["failures"] + req["failures"] + r["failures"]:
         print(f"  FAILED: {f}")
     lines = [
         ("hot_tokens (per engine row)", f"{row['hot_tokens']}", f"{req['hot_tokens']}", ""),
-        ("device hot MiB per request", f"{row['device_hot_bytes_per_request'] * mib:.2f}",
-         f"{req['device_hot_bytes_per_request'] * mib:.2f}", _fmt(ratio["device_hot_bytes_per_request"], ".3f")),
-        ("H2D MiB per round", _fmt(_scaled(row["h2d_bytes_per_round"], mib), ".3f"),
-         _fmt(_scaled(req["h2d_bytes_per_round"], mib), ".3f"), _fmt(ratio["h2d_bytes_per_round"], ".3f")),
-        ("hit rate (rows' top-k resident)", f"{row['hit_rate']:.3f}", f"{req['hit_rate']:.3f}",
-         f"{ratio['hit_rate_delta']:+.3f}"),
+        (
+            "device hot MiB per request",
+            f"{row['device_hot_bytes_per_request'] * mib:.2f}",
+            f"{req['device_hot_bytes_per_request'] * mib:.2f}",
+            _fmt(ratio["device_hot_bytes_per_request"], ".3f"),
+        ),
+        (
+            "H2D MiB per round",
+            _fmt(_scaled(row["h2d_bytes_per_round"], mib), ".3f"),
+            _fmt(_scaled(req["h2d_bytes_per_round"], mib), ".3f"),
+            _fmt(ratio["h2d_bytes_per_round"], ".3f"),
+        ),
+        (
+            "hit rate (rows' top-k resident)",
+            f"{row['hit_rate']:.3f}",
+            f"{req['hit_rate']:.3f}",
+            f"{ratio['hit_rate_delta']:+.3f}",
+        ),
         ("unique hit rate (lookups)", f"{row['unique_hit_rate']:.3f}", f"{req['unique_hit_rate']:.3f}", ""),
         ("misses", f"{row['misses']}", f"{req['misses']}", _fmt(ratio["misses"], ".3f")),
         ("Belady optimum misses", f"{row['opt_misses']}", f"{req['opt_misses']}", ""),
@@ -530,8 +668,10 @@ def _print_mtp(r: Dict[str, Any]) -> None:
         print(f"{name:<34}{a:>12}{b:>14}{c:>22}")
     u = r["union_over_top_k"]
     if u["mean"] is not None:
-        print(f"\nunion of a request's verify rows' top-k / top-k (what one shared buffer holds): mean {u['mean']:.2f}, "
-              f"p50 {u['p50']:.2f}, p99 {u['p99']:.2f}, max {u['max']:.2f} (bound {u['bound']:g})")
+        print(
+            f"\nunion of a request's verify rows' top-k / top-k (what one shared buffer holds): mean {u['mean']:.2f}, "
+            f"p50 {u['p50']:.2f}, p99 {u['p99']:.2f}, max {u['max']:.2f} (bound {u['bound']:g})"
+        )
     print(f"\nlast column: per_request / per_row (hit rate: per_request - per_row); replay wall {r['wall_s']:.1f} s")
 
 
@@ -581,12 +721,18 @@ def _profile_shape(args) -> _ProfileShape:
     k = args.top_k if args.top_k != 128 else 2048
     hot = args.hot_tokens if args.hot_tokens is not None else 2 * k
     policy = args.policy or _default_policy()
-    return _ProfileShape(rows=args.rows if args.rows != 8 else 32, top_k=k,
-                         layers=args.layers if args.layers != 4 else 61, heads=args.heads if args.heads != 8 else 16,
-                         hot=hot, policy=policy, repeats=args.profile_repeats,
-                         steps=args.profile_steps + args.profile_repeats,
-                         context=max(args.profile_context, 4 * k),
-                         depth=args.rank_depth or (2 * hot if needs_ranked(policy) else 0))
+    return _ProfileShape(
+        rows=args.rows if args.rows != 8 else 32,
+        top_k=k,
+        layers=args.layers if args.layers != 4 else 61,
+        heads=args.heads if args.heads != 8 else 16,
+        hot=hot,
+        policy=policy,
+        repeats=args.profile_repeats,
+        steps=args.profile_steps + args.profile_repeats,
+        context=max(args.profile_context, 4 * k),
+        depth=args.rank_depth or (2 * hot if needs_ranked(policy) else 0),
+    )
 
 
 @dataclass
@@ -602,14 +748,26 @@ class _ProfileTrace:
 def _profile_trace(shape: _ProfileShape, args) -> _ProfileTrace:
     from ..sparse_decode.trace import SyntheticTraceSpec, synthesize
 
-    spec = SyntheticTraceSpec(steps=shape.steps, layers=shape.layers, rows=shape.rows, top_k=shape.top_k,
-                              seed=args.seed, min_prompt=shape.context // 4, max_prompt=shape.context,
-                              min_decode=shape.steps + 1, max_decode=shape.steps + 1, noise_skew=args.noise_skew,
-                              rank_depth=shape.depth)
+    spec = SyntheticTraceSpec(
+        steps=shape.steps,
+        layers=shape.layers,
+        rows=shape.rows,
+        top_k=shape.top_k,
+        seed=args.seed,
+        min_prompt=shape.context // 4,
+        max_prompt=shape.context,
+        min_decode=shape.steps + 1,
+        max_decode=shape.steps + 1,
+        noise_skew=args.noise_skew,
+        rank_depth=shape.depth,
+    )
     trace = synthesize(spec)
-    return _ProfileTrace(torch.from_numpy(trace.req_ids.astype(np.int64)),
-                         torch.from_numpy(trace.seq_lens.astype(np.int32)), torch.from_numpy(trace.topk),
-                         torch.from_numpy(trace.ranked) if trace.ranked is not None else None)
+    return _ProfileTrace(
+        torch.from_numpy(trace.req_ids.astype(np.int64)),
+        torch.from_numpy(trace.seq_lens.astype(np.int32)),
+        torch.from_numpy(trace.topk),
+        torch.from_numpy(trace.ranked) if trace.ranked is not None else None,
+    )
 
 
 def _step_runner(trace: _ProfileTrace, layers: int, batch_rows: torch.Tensor):
@@ -659,14 +817,17 @@ def _time_manage(one_step, managers, reference, warm_steps: int, steps: int, lay
         ref_cpu.append(ref_manage_cpu_s / layers)
         misses_all.append(int(sum(int(r.miss_count.sum()) for r in results)))
         ref_misses_all.append(int(sum(int(r.miss_count.sum()) for r in ref_results)))
-        same = same and all(torch.equal(a.slots, b.slots) and torch.equal(a.miss_count, b.miss_count)
-                            for a, b in zip(results, ref_results))
+        same = same and all(
+            torch.equal(a.slots, b.slots) and torch.equal(a.miss_count, b.miss_count)
+            for a, b in zip(results, ref_results)
+        )
     same = same and misses_all == ref_misses_all
     return _ManageTiming(wall, cpu, ref_wall, ref_cpu, misses_all, ref_misses_all, same, results)
 
 
-def _time_copy_and_attention(shape: _ProfileShape, lens_t: torch.Tensor, results, row_dim: int, copy_op,
-                             attention) -> Tuple[float, float]:
+def _time_copy_and_attention(
+    shape: _ProfileShape, lens_t: torch.Tensor, results, row_dim: int, copy_op, attention
+) -> Tuple[float, float]:
     """Seconds of every layer's miss copy and sparse attention for ``results`` (one step).
 
     One layer's worth of buffers, reused for every layer: content does not change cost.
@@ -688,25 +849,51 @@ def _time_copy_and_attention(shape: _ProfileShape, lens_t: torch.Tensor, results
         c0 = time.perf_counter()
         copy_op(host, hot_buf.layer(0), res.miss_tokens, res.miss_slots, res.miss_count, token_table)
         c1 = time.perf_counter()
-        attention(query, latent[: rows * hot], None, hot_buf.flat_indices(res.slots), 1 / 24.0, query_rope=query_rope,
-                  key_rope=rope[: rows * hot], layout_query="TND", layout_kv="flat")
+        attention(
+            query,
+            latent[: rows * hot],
+            None,
+            hot_buf.flat_indices(res.slots),
+            1 / 24.0,
+            query_rope=query_rope,
+            key_rope=rope[: rows * hot],
+            layout_query="TND",
+            layout_kv="flat",
+        )
         c2 = time.perf_counter()
         copy_s += c1 - c0
         attn_s += c2 - c1
     return copy_s, attn_s
 
 
-def _profile_keys(shape: _ProfileShape, args, kernel: bool, m: _ManageTiming, copy_s: float, attn_s: float,
-                  topk_t: torch.Tensor, lens_t: torch.Tensor) -> Dict[str, Any]:
+def _profile_keys(
+    shape: _ProfileShape,
+    args,
+    kernel: bool,
+    m: _ManageTiming,
+    copy_s: float,
+    attn_s: float,
+    topk_t: torch.Tensor,
+    lens_t: torch.Tensor,
+) -> Dict[str, Any]:
     """The JSON keys of the residency, copy and attention timings."""
     layers = shape.layers
     misses, ref_misses = m.misses_all[-1], m.ref_misses_all[-1]
     med = lambda xs: float(np.median(xs))  # noqa: E731
     return {
-        "rows": shape.rows, "top_k": shape.top_k, "hot_tokens": shape.hot, "layers": layers, "heads": shape.heads,
-        "policy": shape.policy, "ops": args.ops, "torch_threads": torch.get_num_threads(),
-        "step_misses": misses, "step_selected": int((topk_t >= 0).sum()),
-        "manage_ms": 1e3 * med(m.wall) * layers, "copy_ms": 1e3 * copy_s, "attention_ms": 1e3 * attn_s,
+        "rows": shape.rows,
+        "top_k": shape.top_k,
+        "hot_tokens": shape.hot,
+        "layers": layers,
+        "heads": shape.heads,
+        "policy": shape.policy,
+        "ops": args.ops,
+        "torch_threads": torch.get_num_threads(),
+        "step_misses": misses,
+        "step_selected": int((topk_t >= 0).sum()),
+        "manage_ms": 1e3 * med(m.wall) * layers,
+        "copy_ms": 1e3 * copy_s,
+        "attention_ms": 1e3 * attn_s,
         "manage_over_attention": med(m.wall) * layers / attn_s if attn_s else None,
         "manage_ms_per_layer": 1e3 * med(m.wall),
         "manage_ms_per_layer_min": 1e3 * min(m.wall),
@@ -732,8 +919,10 @@ def run_profile(args) -> Dict[str, Any]:
     shape = _profile_shape(args)
     rows, k, layers, hot, policy = shape.rows, shape.top_k, shape.layers, shape.hot, shape.policy
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    log(f"profile: rows {rows}, top-k {k}, hot {hot}, layers {layers}, heads {shape.heads}, policy {policy}, "
-        f"contexts {shape.context // 4}..{shape.context}; synthesising {shape.steps} steps ...")
+    log(
+        f"profile: rows {rows}, top-k {k}, hot {hot}, layers {layers}, heads {shape.heads}, policy {policy}, "
+        f"contexts {shape.context // 4}..{shape.context}; synthesising {shape.steps} steps ..."
+    )
     trace = _profile_trace(shape, args)
     manage_op = registry.select("residency_manage", args.ops)
     copy_op = registry.select("copy_miss_rows", args.ops)
@@ -741,8 +930,10 @@ def run_profile(args) -> Dict[str, Any]:
     max_pos = int(trace.lens.max()) + 1
     batch_rows = torch.arange(rows, dtype=torch.int64)
     kernel = uses_cpu_kernel(policy, args.manage_impl, None, manage_op)
-    managers = [make_manager(policy, rows, hot, None, manage_op, manage_impl=args.manage_impl,
-                             max_positions=max_pos) for _ in range(layers)]
+    managers = [
+        make_manager(policy, rows, hot, None, manage_op, manage_impl=args.manage_impl, max_positions=max_pos)
+        for _ in range(layers)
+    ]
     reference = [make_manager(policy, rows, hot, None, manage_op, manage_impl="torch") for _ in range(layers)]
     one_step = _step_runner(trace, layers, batch_rows)
 
@@ -759,8 +950,20 @@ def run_profile(args) -> Dict[str, Any]:
     out = _profile_keys(shape, args, kernel, timing, copy_s, attn_s, trace.topk[t], trace.lens[t])
     out.update(_profile_score_kernels(log, trace.ranked, one_step, shape.steps, rows, hot, layers))
     if args.profile_compile == "on":
-        out.update(_profile_compiled(args, log, reference[layers - 1], batch_rows, trace.topk[t, layers - 1],
-                                     trace.req[t], trace.lens[t], t, row_dim, shape.heads))
+        out.update(
+            _profile_compiled(
+                args,
+                log,
+                reference[layers - 1],
+                batch_rows,
+                trace.topk[t, layers - 1],
+                trace.req[t],
+                trace.lens[t],
+                t,
+                row_dim,
+                shape.heads,
+            )
+        )
     return out
 
 
@@ -770,8 +973,9 @@ def _profile_score_kernels(log, ranked, one_step, steps, rows, hot, layers) -> D
     trace has no ranking (give ``--rank-depth``, or profile a score policy)."""
     from ..sparse_decode.policies import make_manager
 
-    out: Dict[str, Any] = {f"{p}_manage{c}_ms_per_layer": None for p in ("score_rank", "score_rank_guarded")
-                           for c in ("", "_cpu")}
+    out: Dict[str, Any] = {
+        f"{p}_manage{c}_ms_per_layer": None for p in ("score_rank", "score_rank_guarded") for c in ("", "_cpu")
+    }
     if ranked is None:
         return out
     for policy in ("score_rank", "score_rank_guarded"):
@@ -806,8 +1010,21 @@ def _profile_compiled(args, log, warm_manager, rows, topk, req_ids, stable_len, 
             m = _copy.deepcopy(manager)
             hot_buf = torch.zeros((r, hot, row_dim), dtype=torch.bfloat16)
             t0 = time.perf_counter()
-            fn(m, rows, topk.contiguous(), req_ids, stable_len, step_t, host, hot_buf, table, query, query_rope,
-               1 / 24.0, 512)
+            fn(
+                m,
+                rows,
+                topk.contiguous(),
+                req_ids,
+                stable_len,
+                step_t,
+                host,
+                hot_buf,
+                table,
+                query,
+                query_rope,
+                1 / 24.0,
+                512,
+            )
             best = min(best, time.perf_counter() - t0)
         return best
 
@@ -818,34 +1035,49 @@ def _profile_compiled(args, log, warm_manager, rows, topk, req_ids, stable_len, 
     timed(compiled, warm_manager, repeats=1)
     compile_s = time.perf_counter() - c0
     compiled_s = timed(compiled, warm_manager)
-    return {"reference_step_eager_ms_per_layer": 1e3 * eager_s,
-            "reference_step_compiled_ms_per_layer": 1e3 * compiled_s,
-            "reference_compile_s": compile_s}
+    return {
+        "reference_step_eager_ms_per_layer": 1e3 * eager_s,
+        "reference_step_compiled_ms_per_layer": 1e3 * compiled_s,
+        "reference_compile_s": compile_s,
+    }
 
 
 def _print_profile(r: Dict[str, Any]) -> None:
-    print(f"\none decode step at rows {r['rows']}, top-k {r['top_k']}, hot {r['hot_tokens']}, "
-          f"{r['layers']} layers, {r['heads']} heads, contexts up to {r['context_max']}, policy {r['policy']}, "
-          f"ops {r['ops']} ({r['torch_threads']} torch threads)")
-    print(f"  selected {r['step_selected']}, misses {r['step_misses']} "
-          f"(torch reference: {r['reference_step_misses']}, identical: {'yes' if r['misses_equal_contract'] else 'NO'})")
-    print(f"  {'residency management':<34}{r['manage_ms']:>10.1f} ms  ({r['manage_ms_per_layer']:.3f} ms/layer, "
-          f"CPU time {r['manage_cpu_ms_per_layer']:.3f} ms/layer; median of {r['manage_timed_steps']} steps x "
-          f"{r['layers']} layers, min {r['manage_ms_per_layer_min']:.3f}, p90 {r['manage_ms_per_layer_p90']:.3f} "
-          f"ms/layer; {r['manage_impl']})")
-    print(f"  {'  torch reference (the contract)':<34}{r['reference_manage_ms_per_layer'] * r['layers']:>10.1f} ms  "
-          f"({r['reference_manage_ms_per_layer']:.3f} ms/layer, CPU time "
-          f"{r['reference_manage_cpu_ms_per_layer']:.3f} ms/layer)")
+    print(
+        f"\none decode step at rows {r['rows']}, top-k {r['top_k']}, hot {r['hot_tokens']}, "
+        f"{r['layers']} layers, {r['heads']} heads, contexts up to {r['context_max']}, policy {r['policy']}, "
+        f"ops {r['ops']} ({r['torch_threads']} torch threads)"
+    )
+    print(
+        f"  selected {r['step_selected']}, misses {r['step_misses']} "
+        f"(torch reference: {r['reference_step_misses']}, identical: {'yes' if r['misses_equal_contract'] else 'NO'})"
+    )
+    print(
+        f"  {'residency management':<34}{r['manage_ms']:>10.1f} ms  ({r['manage_ms_per_layer']:.3f} ms/layer, "
+        f"CPU time {r['manage_cpu_ms_per_layer']:.3f} ms/layer; median of {r['manage_timed_steps']} steps x "
+        f"{r['layers']} layers, min {r['manage_ms_per_layer_min']:.3f}, p90 {r['manage_ms_per_layer_p90']:.3f} "
+        f"ms/layer; {r['manage_impl']})"
+    )
+    print(
+        f"  {'  torch reference (the contract)':<34}{r['reference_manage_ms_per_layer'] * r['layers']:>10.1f} ms  "
+        f"({r['reference_manage_ms_per_layer']:.3f} ms/layer, CPU time "
+        f"{r['reference_manage_cpu_ms_per_layer']:.3f} ms/layer)"
+    )
     if r.get("score_rank_manage_ms_per_layer") is not None:
-        print(f"  {'  score_rank / guarded, CPU kernel':<34}{r['score_rank_manage_ms_per_layer'] * r['layers']:>10.1f} ms  "
-              f"({r['score_rank_manage_ms_per_layer']:.3f} / {r['score_rank_guarded_manage_ms_per_layer']:.3f} ms/layer)")
+        score_rank_ms = r["score_rank_manage_ms_per_layer"] * r["layers"]
+        print(
+            f"  {'  score_rank / guarded, CPU kernel':<34}{score_rank_ms:>10.1f} ms  "
+            f"({r['score_rank_manage_ms_per_layer']:.3f} / {r['score_rank_guarded_manage_ms_per_layer']:.3f} ms/layer)"
+        )
     print(f"  {'miss copy host->device':<34}{r['copy_ms']:>10.1f} ms")
     print(f"  {'sparse attention (reference)':<34}{r['attention_ms']:>10.1f} ms")
     print(f"  management / attention = {r['manage_over_attention']:.3f}")
     if "reference_step_compiled_ms_per_layer" in r:
-        print(f"  one layer step, reference rung: eager {r['reference_step_eager_ms_per_layer']:.1f} ms, "
-              f"torch.compile {r['reference_step_compiled_ms_per_layer']:.1f} ms "
-              f"(compiled in {r['reference_compile_s']:.0f} s)")
+        print(
+            f"  one layer step, reference rung: eager {r['reference_step_eager_ms_per_layer']:.1f} ms, "
+            f"torch.compile {r['reference_step_compiled_ms_per_layer']:.1f} ms "
+            f"(compiled in {r['reference_compile_s']:.0f} s)"
+        )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -35,8 +35,10 @@ import torch
 
 from .. import platform
 
-INTERPRETER_NOTE = ("Triton kernels ran in the Triton interpreter on CPU: the times are the interpreter's "
-                    "(Python/numpy), not a kernel's; only the correctness column counts")
+INTERPRETER_NOTE = (
+    "Triton kernels ran in the Triton interpreter on CPU: the times are the interpreter's "
+    "(Python/numpy), not a kernel's; only the correctness column counts"
+)
 
 # defaults per device kind: production shape on a device, an interpreter-sized one on CPU
 _DEFAULTS = {
@@ -50,10 +52,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, help="top-k K (default 2048 on a device, 64 on CPU)")
     parser.add_argument("--hot-tokens", type=int, help="hot slots H per row (default 2 x top-k)")
     parser.add_argument("--dim", type=int, help="elements per KV row D (default 576 = 512 latent + 64 rope)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                        help="KV row dtype for the copy")
-    parser.add_argument("--overlap", type=float, default=0.75,
-                        help="fraction of each step's top-k re-selected from the previous step (hit rate driver)")
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="KV row dtype for the copy"
+    )
+    parser.add_argument(
+        "--overlap",
+        type=float,
+        default=0.75,
+        help="fraction of each step's top-k re-selected from the previous step (hit rate driver)",
+    )
     parser.add_argument("--warmup-steps", type=int, default=4, help="decode steps that build the timed state")
     parser.add_argument("--repeat", type=int, help="timed calls per kernel (median reported; default 5, CPU 2)")
     parser.add_argument("--seed", type=int, default=0)
@@ -91,15 +98,19 @@ class BenchResult:
 
 
 # ------------------------------------------------------------------------ workload
-def _next_topk(gen: torch.Generator, prev: Optional[torch.Tensor], rows: int, k: int, ctx: int,
-               overlap: float) -> torch.Tensor:
+def _next_topk(
+    gen: torch.Generator, prev: Optional[torch.Tensor], rows: int, k: int, ctx: int, overlap: float
+) -> torch.Tensor:
     """int32 ``[rows, k]``: ``overlap * k`` positions kept from ``prev``, the rest fresh
     distinct positions from ``[0, ctx)``, in random order."""
     out = torch.empty((rows, k), dtype=torch.int32)
     keep_n = 0 if prev is None else int(round(overlap * k))
     for r in range(rows):
-        keep = prev[r][torch.randperm(k, generator=gen)[:keep_n]].to(torch.int64) if keep_n else \
-            torch.empty(0, dtype=torch.int64)
+        keep = (
+            prev[r][torch.randperm(k, generator=gen)[:keep_n]].to(torch.int64)
+            if keep_n
+            else torch.empty(0, dtype=torch.int64)
+        )
         pool = torch.randperm(ctx, generator=gen)
         fresh = pool[~torch.isin(pool, keep)][: k - keep.numel()]
         sel = torch.cat([keep, fresh])
@@ -129,7 +140,8 @@ def _ratio(ref_ms: float, tri_ms: float) -> float:
 def run(args) -> BenchResult:
     from ..ops import residency
     from ..ops.contract import ResidencyTable
-    from ..triton_ops import copy_rows, residency as tri_residency
+    from ..triton_ops import copy_rows
+    from ..triton_ops import residency as tri_residency
 
     kind = platform.device_kind()
     defaults = _DEFAULTS["cpu" if kind == "cpu" else "device"]
@@ -150,13 +162,15 @@ def run(args) -> BenchResult:
     topk = None
     for step in range(args.warmup_steps):
         topk = _next_topk(gen, topk, rows, k, ctx, args.overlap)
-        residency.residency_manage(state.slot_token, state.slot_stamp, state.row_req, topk.to(device),
-                                   req, stable, step)
+        residency.residency_manage(
+            state.slot_token, state.slot_stamp, state.row_req, topk.to(device), req, stable, step
+        )
     topk = _next_topk(gen, topk, rows, k, ctx, args.overlap).to(device)
     step = args.warmup_steps
 
     result = BenchResult(
-        device=str(device), triton_mode="interpreter" if kind == "cpu" else "compiled",
+        device=str(device),
+        triton_mode="interpreter" if kind == "cpu" else "compiled",
         note=INTERPRETER_NOTE if kind == "cpu" else "compiled Triton kernels vs torch reference on the same device",
         shape=dict(rows=rows, top_k=k, hot_tokens=hot, dim=dim, dtype=args.dtype),
         workload=dict(overlap=args.overlap, warmup_steps=args.warmup_steps, repeat=repeat, seed=args.seed),
@@ -168,20 +182,35 @@ def run(args) -> BenchResult:
     def manage_with(fn, name):
         def call(table):
             outs[name] = (fn(table.slot_token, table.slot_stamp, table.row_req, topk, req, stable, step), table)
+
         return call
 
     ref_ms = _time(manage_with(residency.residency_manage, "reference"), state.clone, repeat)
     tri_ms = _time(manage_with(tri_residency.residency_manage, "triton"), state.clone, repeat)
     (want, want_state), (got, got_state) = outs["reference"], outs["triton"]
-    mismatched = [f for f in ("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots")
-                  if not torch.equal(getattr(want, f), getattr(got, f))]
-    mismatched += [f for f in ("slot_token", "slot_stamp", "row_req")
-                   if not torch.equal(getattr(want_state, f), getattr(got_state, f))]
+    mismatched = [
+        f
+        for f in ("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots")
+        if not torch.equal(getattr(want, f), getattr(got, f))
+    ]
+    mismatched += [
+        f
+        for f in ("slot_token", "slot_stamp", "row_req")
+        if not torch.equal(getattr(want_state, f), getattr(got_state, f))
+    ]
     hits, misses = int(want.hit_mask.sum()), int(want.miss_count.sum())
     result.workload.update(hits=hits, misses=misses)
-    result.kernels.append(KernelResult(
-        "residency_manage", 3, ref_ms, tri_ms, _ratio(ref_ms, tri_ms), not mismatched,
-        f"hits {hits}, misses {misses}" + (f"; differs: {', '.join(mismatched)}" if mismatched else "")))
+    result.kernels.append(
+        KernelResult(
+            "residency_manage",
+            3,
+            ref_ms,
+            tri_ms,
+            _ratio(ref_ms, tri_ms),
+            not mismatched,
+            f"hits {hits}, misses {misses}" + (f"; differs: {', '.join(mismatched)}" if mismatched else ""),
+        )
+    )
 
     # --- copy_miss_rows (host pool pinned where a device exists, as in production)
     host_rows = rows * ctx
@@ -195,30 +224,45 @@ def run(args) -> BenchResult:
         def call(buf):
             fn(host, buf, want.miss_tokens, want.miss_slots, want.miss_count, token_table)
             bufs[name] = buf
+
         return call
 
     ref_ms = _time(copy_with(residency.copy_miss_rows, "reference"), hot_init.clone, repeat)
     tri_ms = _time(copy_with(copy_rows.copy_miss_rows, "triton"), hot_init.clone, repeat)
-    same = torch.equal(bufs["reference"].view(torch.int16 if dtype != torch.float32 else torch.int32),
-                       bufs["triton"].view(torch.int16 if dtype != torch.float32 else torch.int32))
+    same = torch.equal(
+        bufs["reference"].view(torch.int16 if dtype != torch.float32 else torch.int32),
+        bufs["triton"].view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )
     moved = misses * dim * host.element_size()
-    result.kernels.append(KernelResult(
-        "copy_miss_rows", 1, ref_ms, tri_ms, _ratio(ref_ms, tri_ms), same,
-        f"{misses} rows, {moved} bytes host->device" + ("" if same else "; hot buffers differ")))
+    result.kernels.append(
+        KernelResult(
+            "copy_miss_rows",
+            1,
+            ref_ms,
+            tri_ms,
+            _ratio(ref_ms, tri_ms),
+            same,
+            f"{misses} rows, {moved} bytes host->device" + ("" if same else "; hot buffers differ"),
+        )
+    )
     return result
 
 
 def _print_table(res: BenchResult) -> None:
     s = res.shape
-    print(f"device {res.device}, Triton {res.triton_mode}; R={s['rows']} K={s['top_k']} H={s['hot_tokens']} "
-          f"D={s['dim']} {s['dtype']}; overlap {res.workload['overlap']}, median of {res.workload['repeat']}")
+    print(
+        f"device {res.device}, Triton {res.triton_mode}; R={s['rows']} K={s['top_k']} H={s['hot_tokens']} "
+        f"D={s['dim']} {s['dtype']}; overlap {res.workload['overlap']}, median of {res.workload['repeat']}"
+    )
     print(f"note: {res.note}")
     head = f"{'kernel':<18} {'launches':>8} {'reference ms':>13} {'triton ms':>11} {'ref/triton':>10}  correct  detail"
     print(head)
     print("-" * len(head))
     for kr in res.kernels:
-        print(f"{kr.name:<18} {kr.triton_launches:>8} {kr.reference_ms:>13.3f} {kr.triton_ms:>11.3f} "
-              f"{kr.reference_over_triton:>10.3f}  {'yes' if kr.correct else 'NO':<7}  {kr.detail}")
+        print(
+            f"{kr.name:<18} {kr.triton_launches:>8} {kr.reference_ms:>13.3f} {kr.triton_ms:>11.3f} "
+            f"{kr.reference_over_triton:>10.3f}  {'yes' if kr.correct else 'NO':<7}  {kr.detail}"
+        )
 
 
 def _main_copy_sfa(args) -> int:
@@ -242,8 +286,11 @@ def _main_copy_sfa(args) -> int:
 
 
 def main(args) -> int:
-    problems = [f"--{n.replace('_', '-')} must be >= 1" for n in ("rows", "top_k", "hot_tokens", "dim", "repeat")
-                if getattr(args, n) is not None and getattr(args, n) < 1]
+    problems = [
+        f"--{n.replace('_', '-')} must be >= 1"
+        for n in ("rows", "top_k", "hot_tokens", "dim", "repeat")
+        if getattr(args, n) is not None and getattr(args, n) < 1
+    ]
     if args.warmup_steps < 0:
         problems.append("--warmup-steps must be >= 0")
     if not 0.0 <= args.overlap <= 1.0:

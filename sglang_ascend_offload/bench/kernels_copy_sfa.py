@@ -31,8 +31,10 @@ from typing import Any, Dict, List, Optional
 
 from .. import platform
 
-CPU_MODEL_NOTE = ("fused Copy-SFA ran on the CPU functional model of the AscendC API: its time is the "
-                  "model's, not a kernel's; only the correctness columns count")
+CPU_MODEL_NOTE = (
+    "fused Copy-SFA ran on the CPU functional model of the AscendC API: its time is the "
+    "model's, not a kernel's; only the correctness columns count"
+)
 DEVICE_NOTE = "fused Copy-SFA ran as the AscendC extension; separate = the rungs ops=auto resolves to"
 
 # defaults per device kind: more steps on a device, few on the (slow) CPU model
@@ -41,8 +43,11 @@ _STEPS = {"device": 32, "cpu": 4}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("fused Copy-SFA vs separate operators (--copy-sfa)")
-    group.add_argument("--copy-sfa", action="store_true",
-                       help="compare fused Copy-SFA with the separate copy + attention (instead of the Triton kernels)")
+    group.add_argument(
+        "--copy-sfa",
+        action="store_true",
+        help="compare fused Copy-SFA with the separate copy + attention (instead of the Triton kernels)",
+    )
     group.add_argument("--heads", type=int, default=16, help="attention heads per query row (default 16)")
     group.add_argument("--layers", type=int, default=2, help="layers of the replayed workload (default 2)")
     group.add_argument("--steps", type=int, help="decode steps of the replayed workload (default 32; CPU 4)")
@@ -84,8 +89,11 @@ class CopySfaResult:
 
 def input_problems(args: argparse.Namespace) -> List[str]:
     """Every bad ``--copy-sfa`` argument (all of them, not the first)."""
-    problems = [f"--{name.replace('_', '-')} must be >= 1" for name in ("heads", "layers", "steps")
-                if getattr(args, name) is not None and getattr(args, name) < 1]
+    problems = [
+        f"--{name.replace('_', '-')} must be >= 1"
+        for name in ("heads", "layers", "steps")
+        if getattr(args, name) is not None and getattr(args, name) < 1
+    ]
     return problems
 
 
@@ -101,18 +109,27 @@ def _runs_for(kind: str) -> List[tuple]:
 def _one_run(trace, name: str, ops: str, fused: bool, hot_tokens: int, heads: int, seed: int) -> CopySfaRun:
     from ..sparse_decode.replay import ReplayOptions, replay_trace
 
-    print(f"bench kernels --copy-sfa: {name} run (ops={ops}, fused_copy_sfa={str(fused).lower()}) ...",
-          file=sys.stderr)
-    result = replay_trace(trace, ReplayOptions(hot_tokens=hot_tokens, ops=ops, heads=heads, seed=seed,
-                                               fused_copy_sfa=fused))
+    print(f"bench kernels --copy-sfa: {name} run (ops={ops}, fused_copy_sfa={str(fused).lower()}) ...", file=sys.stderr)
+    result = replay_trace(
+        trace, ReplayOptions(hot_tokens=hot_tokens, ops=ops, heads=heads, seed=seed, fused_copy_sfa=fused)
+    )
     steps = max(1, result.checks)
     sec = result.times.seconds
     copy_ms, attn_ms = 1e3 * sec.get("copy", 0.0) / steps, 1e3 * sec.get("attention", 0.0) / steps
     total = result.stats.total
-    return CopySfaRun(run=name, ops=ops, fused_copy_sfa=fused, layer_steps=result.checks,
-                      copy_ms_per_layer_step=copy_ms, attention_ms_per_layer_step=attn_ms,
-                      copy_attention_ms_per_layer_step=copy_ms + attn_ms, misses=total.misses,
-                      h2d_bytes=total.h2d_bytes, verified=result.verified, failures=list(result.failures))
+    return CopySfaRun(
+        run=name,
+        ops=ops,
+        fused_copy_sfa=fused,
+        layer_steps=result.checks,
+        copy_ms_per_layer_step=copy_ms,
+        attention_ms_per_layer_step=attn_ms,
+        copy_attention_ms_per_layer_step=copy_ms + attn_ms,
+        misses=total.misses,
+        h2d_bytes=total.h2d_bytes,
+        verified=result.verified,
+        failures=list(result.failures),
+    )
 
 
 def run(args: argparse.Namespace) -> CopySfaResult:
@@ -125,36 +142,68 @@ def run(args: argparse.Namespace) -> CopySfaResult:
     hot = args.hot_tokens or 2 * top_k
     rows = args.rows or 4
     steps = args.steps or _STEPS["cpu" if kind == "cpu" else "device"]
-    spec = SyntheticTraceSpec(steps=steps, layers=args.layers, rows=rows, top_k=top_k, seed=args.seed,
-                              min_prompt=top_k + 16, max_prompt=2 * hot, min_decode=2, max_decode=max(4, steps // 2),
-                              mean_idle=1.0)
+    spec = SyntheticTraceSpec(
+        steps=steps,
+        layers=args.layers,
+        rows=rows,
+        top_k=top_k,
+        seed=args.seed,
+        min_prompt=top_k + 16,
+        max_prompt=2 * hot,
+        min_decode=2,
+        max_decode=max(4, steps // 2),
+        mean_idle=1.0,
+    )
     trace = synthesize(spec)
     runs = [_one_run(trace, name, ops, fused, hot, args.heads, args.seed) for name, ops, fused in _runs_for(kind)]
     separate, fused = runs
-    ratio = (separate.copy_attention_ms_per_layer_step / fused.copy_attention_ms_per_layer_step
-             if fused.copy_attention_ms_per_layer_step > 0 else None)
+    ratio = (
+        separate.copy_attention_ms_per_layer_step / fused.copy_attention_ms_per_layer_step
+        if fused.copy_attention_ms_per_layer_step > 0
+        else None
+    )
     return CopySfaResult(
-        device=str(platform.default_device()), fused_backend="AscendC extension" if kind == "npu" else "CPU functional model",
+        device=str(platform.default_device()),
+        fused_backend="AscendC extension" if kind == "npu" else "CPU functional model",
         note=DEVICE_NOTE if kind == "npu" else CPU_MODEL_NOTE,
-        shape=dict(rows=rows, top_k=top_k, hot_tokens=hot, heads=args.heads, layers=args.layers, steps=steps,
-                   latent_dim=512, rope_dim=64, dtype="bfloat16"),
-        runs=runs, separate_over_fused=ratio,
-        same_traffic=(separate.misses, separate.h2d_bytes) == (fused.misses, fused.h2d_bytes))
+        shape=dict(
+            rows=rows,
+            top_k=top_k,
+            hot_tokens=hot,
+            heads=args.heads,
+            layers=args.layers,
+            steps=steps,
+            latent_dim=512,
+            rope_dim=64,
+            dtype="bfloat16",
+        ),
+        runs=runs,
+        separate_over_fused=ratio,
+        same_traffic=(separate.misses, separate.h2d_bytes) == (fused.misses, fused.h2d_bytes),
+    )
 
 
 def print_table(res: CopySfaResult) -> None:
     s = res.shape
-    print(f"device {res.device}, fused Copy-SFA: {res.fused_backend}; R={s['rows']} K={s['top_k']} "
-          f"H={s['hot_tokens']} heads={s['heads']} layers={s['layers']} steps={s['steps']}")
+    print(
+        f"device {res.device}, fused Copy-SFA: {res.fused_backend}; R={s['rows']} K={s['top_k']} "
+        f"H={s['hot_tokens']} heads={s['heads']} layers={s['layers']} steps={s['steps']}"
+    )
     print(f"note: {res.note}")
-    head = (f"{'run':<9} {'ops':<9} {'layer steps':>11} {'copy ms':>9} {'attn ms':>9} {'copy+attn ms':>12} "
-            f"{'misses':>8} {'H2D bytes':>11}  verified")
+    head = (
+        f"{'run':<9} {'ops':<9} {'layer steps':>11} {'copy ms':>9} {'attn ms':>9} {'copy+attn ms':>12} "
+        f"{'misses':>8} {'H2D bytes':>11}  verified"
+    )
     print(head)
     print("-" * len(head))
     for r in res.runs:
-        print(f"{r.run:<9} {r.ops:<9} {r.layer_steps:>11} {r.copy_ms_per_layer_step:>9.3f} "
-              f"{r.attention_ms_per_layer_step:>9.3f} {r.copy_attention_ms_per_layer_step:>12.3f} {r.misses:>8} "
-              f"{r.h2d_bytes:>11}  {'yes' if r.verified else 'NO: ' + '; '.join(r.failures[:2])}")
+        print(
+            f"{r.run:<9} {r.ops:<9} {r.layer_steps:>11} {r.copy_ms_per_layer_step:>9.3f} "
+            f"{r.attention_ms_per_layer_step:>9.3f} {r.copy_attention_ms_per_layer_step:>12.3f} {r.misses:>8} "
+            f"{r.h2d_bytes:>11}  {'yes' if r.verified else 'NO: ' + '; '.join(r.failures[:2])}"
+        )
     ratio = "n/a" if res.separate_over_fused is None else f"{res.separate_over_fused:.3f}"
-    print(f"separate / fused (copy + attention per layer step): {ratio}; same traffic: "
-          f"{'yes' if res.same_traffic else 'NO'}")
+    print(
+        f"separate / fused (copy + attention per layer step): {ratio}; same traffic: "
+        f"{'yes' if res.same_traffic else 'NO'}"
+    )

@@ -43,8 +43,18 @@ from typing import List
 
 import torch
 
-RUN_KEYS = ("group", "layers", "mode", "pool_blocks", "active_blocks", "bytes_per_forward", "wall_s",
-            "compute_s", "broadcast_s", "wall_over_max")
+RUN_KEYS = (
+    "group",
+    "layers",
+    "mode",
+    "pool_blocks",
+    "active_blocks",
+    "bytes_per_forward",
+    "wall_s",
+    "compute_s",
+    "broadcast_s",
+    "wall_over_max",
+)
 
 
 @dataclass(frozen=True)
@@ -78,11 +88,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=8, help="target layers (default 8)")
     parser.add_argument("--pool-blocks", type=int, default=256, help="KV blocks in the pool (default 256)")
     parser.add_argument("--block-tokens", type=int, default=32, help="tokens per block (default 32)")
-    parser.add_argument("--fill", type=_float_list, default=[0.125, 0.5, 1.0],
-                        help="fractions of the pool's blocks the forward reads (default 0.125,0.5,1.0)")
+    parser.add_argument(
+        "--fill",
+        type=_float_list,
+        default=[0.125, 0.5, 1.0],
+        help="fractions of the pool's blocks the forward reads (default 0.125,0.5,1.0)",
+    )
     parser.add_argument("--modes", default="full,active", help="broadcast modes (default full,active)")
-    parser.add_argument("--compute", choices=("sleep", "matmul"), default="sleep",
-                        help="per-layer compute stand-in (default sleep; see the module doc)")
+    parser.add_argument(
+        "--compute",
+        choices=("sleep", "matmul"),
+        default="sleep",
+        help="per-layer compute stand-in (default sleep; see the module doc)",
+    )
     parser.add_argument("--compute-ms", type=float, default=4.0, help="compute per layer in ms (default 4)")
     parser.add_argument("--repeats", type=int, default=15, help="timed forwards per run (default 15)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
@@ -179,8 +197,20 @@ def _worker(rank: int, args: argparse.Namespace, port: int, q) -> None:
                     wall.append(forward(prefetching, blocks, True))
                     ratio.append(wall[-1] / max(bc[-1], cp[-1]))
                 b, c, w = statistics.median(bc), statistics.median(cp), statistics.median(wall)
-                rows.append(KVPPRun(args.group, args.layers, mode, args.pool_blocks, active, per_forward,
-                                    round(w, 6), round(c, 6), round(b, 6), round(statistics.median(ratio), 4)))
+                rows.append(
+                    KVPPRun(
+                        args.group,
+                        args.layers,
+                        mode,
+                        args.pool_blocks,
+                        active,
+                        per_forward,
+                        round(w, 6),
+                        round(c, 6),
+                        round(b, 6),
+                        round(statistics.median(ratio), 4),
+                    )
+                )
                 if rank == 0:
                     print(f"kvpp bench: fill {fill} mode {mode} done", file=sys.stderr, flush=True)
         prefetching.close()
@@ -214,9 +244,11 @@ def run(args: argparse.Namespace) -> List[dict]:
 
 
 def main(args) -> int:
-    problems = [f"--{n.replace('_', '-')} must be >= {m}" for n, m in
-                (("group", 2), ("layers", 1), ("pool_blocks", 1), ("block_tokens", 1), ("repeats", 1))
-                if getattr(args, n) < m]
+    problems = [
+        f"--{n.replace('_', '-')} must be >= {m}"
+        for n, m in (("group", 2), ("layers", 1), ("pool_blocks", 1), ("block_tokens", 1), ("repeats", 1))
+        if getattr(args, n) < m
+    ]
     bad_modes = set(args.modes.split(",")) - {"full", "active"}
     if bad_modes:
         problems.append(f"--modes: unknown {sorted(bad_modes)} (use full,active)")
@@ -228,14 +260,23 @@ def main(args) -> int:
     if args.json:
         print(json.dumps({"runs": runs}, indent=1))
         return 0
-    print(f"KVPP broadcast + prefetch, CPU gloo: group {args.group}, {args.layers} layers, pool {args.pool_blocks} "
-          f"blocks x {args.block_tokens} tokens, compute {args.compute} {args.compute_ms} ms/layer, "
-          f"median of {args.repeats} forwards (slowest rank)")
+    print(
+        f"KVPP broadcast + prefetch, CPU gloo: group {args.group}, {args.layers} layers, pool {args.pool_blocks} "
+        f"blocks x {args.block_tokens} tokens, compute {args.compute} {args.compute_ms} ms/layer, "
+        f"median of {args.repeats} forwards (slowest rank)"
+    )
     head = ("mode", "active", "MiB/fwd", "bcast ms/layer", "compute_s", "broadcast_s", "wall_s", "wall/max")
     print("  ".join(f"{h:>14}" for h in head))
     for r in runs:
-        cells = (r["mode"], f"{r['active_blocks']}/{r['pool_blocks']}", f"{r['bytes_per_forward'] / 2**20:.2f}",
-                 f"{1e3 * r['broadcast_s'] / r['layers']:.2f}", f"{r['compute_s']:.4f}", f"{r['broadcast_s']:.4f}",
-                 f"{r['wall_s']:.4f}", f"{r['wall_over_max']:.2f}")
+        cells = (
+            r["mode"],
+            f"{r['active_blocks']}/{r['pool_blocks']}",
+            f"{r['bytes_per_forward'] / 2**20:.2f}",
+            f"{1e3 * r['broadcast_s'] / r['layers']:.2f}",
+            f"{r['compute_s']:.4f}",
+            f"{r['broadcast_s']:.4f}",
+            f"{r['wall_s']:.4f}",
+            f"{r['wall_over_max']:.2f}",
+        )
         print("  ".join(f"{c:>14}" for c in cells))
     return 0

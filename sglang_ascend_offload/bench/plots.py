@@ -16,7 +16,9 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:  # pragma: no cover - matplotlib is in requirements-cpu.txt
-        raise RuntimeError("--plot needs matplotlib: pip install matplotlib (scripts/requirements-cpu.txt has it)") from exc
+        raise RuntimeError(
+            "--plot needs matplotlib: pip install matplotlib (scripts/requirements-cpu.txt has it)"
+        ) from exc
     return plt
 
 
@@ -37,16 +39,23 @@ def plot_size_hot(result: Dict[str, Any], path: str, title: str = "") -> None:
         ax.plot(xs, ys, linestyle="--" if name != "lru" else "none", marker=m, color=c, label=label)
     rec = result.get("recommended")
     if rec and rec.get("hot_tokens"):
-        ax.axvline(rec["hot_tokens"], color="tab:red", linestyle=":",
-                   label=f"recommended {rec['hot_tokens']} (target {rec['target_hit_rate']:.3f})")
+        ax.axvline(
+            rec["hot_tokens"],
+            color="tab:red",
+            linestyle=":",
+            label=f"recommended {rec['hot_tokens']} (target {rec['target_hit_rate']:.3f})",
+        )
     k = result["top_k"]
     ax.axvline(2 * k, color="grey", linewidth=0.6)
     ax.set_xlabel(f"hot_tokens (top-k = {k}; grey line: 2 x top-k)")
     ax.set_ylabel("hit rate")
     ax.set_xscale("log", base=2)
     ax.grid(True, which="both", alpha=0.3)
-    ax.set_title(title or f"hit rate vs hot-buffer size ({result['steps']} steps, {result['layers']} layers, "
-                          f"{result['active_rows']} active rows)")
+    ax.set_title(
+        title
+        or f"hit rate vs hot-buffer size ({result['steps']} steps, {result['layers']} layers, "
+        f"{result['active_rows']} active rows)"
+    )
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
@@ -58,8 +67,12 @@ def plot_decode_table(r: Dict[str, Any], path: str) -> None:
     baselines, the optimum and every policy at the same capacity."""
     plt = _pyplot()
     names = ["this engine", "topk_reload", "topk_cache", "optimum"]
-    values = [r["misses"], r["baselines"]["topk_reload"]["misses"], r["baselines"]["topk_cache"]["misses"],
-              r["opt_misses"]]
+    values = [
+        r["misses"],
+        r["baselines"]["topk_reload"]["misses"],
+        r["baselines"]["topk_cache"]["misses"],
+        r["opt_misses"],
+    ]
     for name, p in r["policies"].items():
         names.append(name)
         values.append(p["misses"])
@@ -72,8 +85,11 @@ def plot_decode_table(r: Dict[str, Any], path: str) -> None:
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("misses (rows copied host -> device)")
-    ax.set_title(f"bench decode: {r['steps']} steps x {r['layers']} layers x {r['rows']} rows, top-k {r['top_k']}, "
-                 f"hot {r['hot_tokens']}, engine policy {r['policy']}", fontsize=9)
+    ax.set_title(
+        f"bench decode: {r['steps']} steps x {r['layers']} layers x {r['rows']} rows, top-k {r['top_k']}, "
+        f"hot {r['hot_tokens']}, engine policy {r['policy']}",
+        fontsize=9,
+    )
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
@@ -93,8 +109,14 @@ def plot_capacity(result: Dict[str, Any], path: str) -> None:
         tput.plot(xs, [r["output_tokens_per_s"] or 0 for r in levels], marker="o", color=color, label=label)
         running.plot(xs, [r["peak_running"] for r in levels], marker="o", color=color, label=name.replace("_", " "))
         limited = [r for r in levels if r["pool_limited"]]
-        tput.scatter([r["concurrency"] for r in limited], [r["output_tokens_per_s"] or 0 for r in limited],
-                     s=140, facecolors="none", edgecolors="tab:red", zorder=3)
+        tput.scatter(
+            [r["concurrency"] for r in limited],
+            [r["output_tokens_per_s"] or 0 for r in limited],
+            s=140,
+            facecolors="none",
+            edgecolors="tab:red",
+            zorder=3,
+        )
     running.plot(xs, xs, linestyle=":", color="black", label="clients")
     tput.scatter([], [], s=140, facecolors="none", edgecolors="tab:red", label="pool-limited")
     for ax, ylabel in ((tput, "output tokens / s"), (running, "peak running requests")):
@@ -106,8 +128,11 @@ def plot_capacity(result: Dict[str, Any], path: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     load = result["load"]
-    fig.suptitle(f"Same device KV budget ({result['device_kv_budget'] or 'SGLang profile'}): "
-                 f"{load['input_len']} -> {load['output_len']} tokens, {result['model']}", fontsize=10)
+    fig.suptitle(
+        f"Same device KV budget ({result['device_kv_budget'] or 'SGLang profile'}): "
+        f"{load['input_len']} -> {load['output_len']} tokens, {result['model']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

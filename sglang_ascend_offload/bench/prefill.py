@@ -28,8 +28,17 @@ from sglang_ascend_offload.layerwise_prefill.store import block_keys, object_key
 from sglang_ascend_offload.layerwise_prefill.store_local import LocalHostKVStore
 from sglang_ascend_offload.testing.tiny_attention_model import TinyAttentionModel
 
-RUN_KEYS = ("shared_buffers", "layers", "physical_buffers", "footprint_ratio", "wall_s",
-            "compute_s", "transfer_s", "wall_over_max", "wall_over_sum")
+RUN_KEYS = (
+    "shared_buffers",
+    "layers",
+    "physical_buffers",
+    "footprint_ratio",
+    "wall_s",
+    "compute_s",
+    "transfer_s",
+    "wall_over_max",
+    "wall_over_sum",
+)
 
 
 def _int_list(text: str) -> List[int]:
@@ -43,18 +52,19 @@ def _int_list(text: str) -> List[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shared-buffers", type=_int_list, default=[1, 2, 4],
-                        help="comma-separated B values (default 1,2,4)")
+    parser.add_argument(
+        "--shared-buffers", type=_int_list, default=[1, 2, 4], help="comma-separated B values (default 1,2,4)"
+    )
     parser.add_argument("--layers", type=int, default=12, help="cache-bearing layers (default 12)")
     parser.add_argument("--dim", type=int, default=576, help="K and V width per token (default 576)")
-    parser.add_argument("--prefix-tokens", type=int, default=4096,
-                        help="cached prefix loaded per layer (default 4096)")
+    parser.add_argument("--prefix-tokens", type=int, default=4096, help="cached prefix loaded per layer (default 4096)")
     parser.add_argument("--new-tokens", type=int, default=8, help="tokens computed per forward (default 8)")
     parser.add_argument("--block-tokens", type=int, default=256, help="tokens per host store object")
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards per B (default 3)")
     parser.add_argument("--prefetch-depth", type=int, default=None, help="default min(B, 8)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads for compute (default 1: the other core copies)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads for compute (default 1: the other core copies)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -86,16 +96,16 @@ def run_one(b: int, args) -> Dict[str, float]:
 
     wall = transfer = 0.0
     loaded = saved = 0
-    with LayerwisePrefillPipeline(plan, store, block_tokens=args.block_tokens,
-                                  prefetch_depth=args.prefetch_depth) as pipe:
+    with LayerwisePrefillPipeline(
+        plan, store, block_tokens=args.block_tokens, prefetch_depth=args.prefetch_depth
+    ) as pipe:
         for rep in range(args.repeats + 1):  # the first forward warms up and is not counted
             new = tuple(50_000 + rep * args.new_tokens + i for i in range(args.new_tokens))
             req = PrefillRequest(f"r{rep}", prefix + new)
             if rep == 1:
                 compute_s = 0.0
             t0 = time.perf_counter()
-            stats = run_forward(pipe, [req], compute,
-                                on_begin=lambda lay, req=req: model.start([req], lay))
+            stats = run_forward(pipe, [req], compute, on_begin=lambda lay, req=req: model.start([req], lay))
             if rep == 0:
                 continue
             if stats.prefix_tokens != args.prefix_tokens - args.prefix_tokens % args.block_tokens:
@@ -130,14 +140,23 @@ def main(args) -> int:
     if args.json:
         print(json.dumps({"runs": runs}, indent=1))
         return 0
-    print(f"layerwise prefill, CPU: {args.layers} layers, K/V width {args.dim}, prefix "
-          f"{args.prefix_tokens} tok loaded + {args.new_tokens} new tok per forward, "
-          f"{args.repeats} forwards per row, I=[0]")
+    print(
+        f"layerwise prefill, CPU: {args.layers} layers, K/V width {args.dim}, prefix "
+        f"{args.prefix_tokens} tok loaded + {args.new_tokens} new tok per forward, "
+        f"{args.repeats} forwards per row, I=[0]"
+    )
     head = ("B", "phys", "footprint", "wall_s", "compute_s", "transfer_s", "wall/max", "wall/sum")
     print("  ".join(f"{h:>10}" for h in head))
     for r in runs:
-        cells = (r["shared_buffers"], r["physical_buffers"], f"{r['footprint_ratio']:.3f}",
-                 f"{r['wall_s']:.3f}", f"{r['compute_s']:.3f}", f"{r['transfer_s']:.3f}",
-                 f"{r['wall_over_max']:.2f}", f"{r['wall_over_sum']:.2f}")
+        cells = (
+            r["shared_buffers"],
+            r["physical_buffers"],
+            f"{r['footprint_ratio']:.3f}",
+            f"{r['wall_s']:.3f}",
+            f"{r['compute_s']:.3f}",
+            f"{r['transfer_s']:.3f}",
+            f"{r['wall_over_max']:.2f}",
+            f"{r['wall_over_sum']:.2f}",
+        )
         print("  ".join(f"{c:>10}" for c in cells))
     return 0

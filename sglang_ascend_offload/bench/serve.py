@@ -100,16 +100,24 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from . import serve_capacity, served_load
 from .served_startup import model_vocab, startup_error
 
-DEFAULT_RUNS = ("no_offload_eager", "no_offload_graph", "offload_eager", "offload_graph", "offload_graph_spec",
-                "no_offload_graph_spec")
+DEFAULT_RUNS = (
+    "no_offload_eager",
+    "no_offload_graph",
+    "offload_eager",
+    "offload_graph",
+    "offload_graph_spec",
+    "no_offload_graph_spec",
+)
 RUN_NAME = re.compile(r"^(no_offload|offload)(_eager|_graph)?(_spec)?(?:_mrr(\d+))?$")
 DEFAULT_OFFLOAD_CONFIG = json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 1.0})
 # --trained: no hot_tokens, so the checkpoint's top-k (64) and the verify rows size it.
 TRAINED_OFFLOAD_CONFIG = json.dumps({"metrics_log_interval_s": 1.0})
 TRAINED_CONTEXT = 2048  # --context-length of the trained checkpoint's CPU servers
 # DeepSeek-V3.2's NextN defaults in SGLang 0.5.23 (tests/sglang/test_speculative_offload_e2e_cpu.py).
-DEFAULT_SPEC_ARGS = ("--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 "
-                     "--speculative-num-draft-tokens 4")
+DEFAULT_SPEC_ARGS = (
+    "--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 "
+    "--speculative-num-draft-tokens 4"
+)
 # The fixture's dummy NextN layer never agrees with its target (accept length 1.0): on
 # CPU, speculative runs use SGLang's own acceptance simulation by default (the first
 # draft of each round accepted, the bonus token the target's own prediction), so
@@ -119,51 +127,97 @@ OFFLOAD_SUMMARY = "sparse-decode-offload:"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--runs", default=None,
-                   help="comma-separated runs, each [no_]offload[_eager|_graph][_spec][_mrrN] "
-                        f"(default {','.join(DEFAULT_RUNS)})")
+    p.add_argument(
+        "--runs",
+        default=None,
+        help=f"comma-separated runs, each [no_]offload[_eager|_graph][_spec][_mrrN] (default {','.join(DEFAULT_RUNS)})",
+    )
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
     p.add_argument("--requests", type=int, default=None, help="requests per round (default 2 x --clients)")
-    p.add_argument("--input-len", type=int, default=None,
-                   help="prompt tokens per request (default 64; --capacity: "
-                        f"{serve_capacity.DEFAULT_INPUT_LEN})")
-    p.add_argument("--output-len", type=int, default=None,
-                   help="output tokens per request (default 32; --capacity: "
-                        f"{serve_capacity.DEFAULT_OUTPUT_LEN})")
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=None,
+        help=f"prompt tokens per request (default 64; --capacity: {serve_capacity.DEFAULT_INPUT_LEN})",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help=f"output tokens per request (default 32; --capacity: {serve_capacity.DEFAULT_OUTPUT_LEN})",
+    )
     p.add_argument("--rounds", type=int, default=1, help="passes of the load per run (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
-    p.add_argument("--interleave", action="store_true",
-                   help="keep every run's server up at once and send each round to each server in turn "
-                        "(rotating order): the runs share the machine's load drift (for ratios such as "
-                        "offload_mrr4,offload_mrr2048); default: one server at a time")
-    p.add_argument("--max-running-requests", type=int, default=None,
-                   help="--max-running-requests of every run without an _mrrN suffix (default 4; --capacity: "
-                        f"both servers, default {serve_capacity.DEFAULT_MAX_RUNNING})")
-    p.add_argument("--model-path", default=None,
-                   help="a real checkpoint (NPU node): servers run on the device with SGLang's defaults plus "
-                        "--server-arg; default: the tiny DSA fixture on CPU")
-    p.add_argument("--spec-model-path", default=None,
-                   help="model of the speculative runs (default: --model-path, or the NextN fixture "
-                        "tests/fixtures/tiny_dsa_mtp on CPU)")
-    p.add_argument("--trained", action="store_true",
-                   help="serve the trained checkpoint tests/fixtures/tiny_dsa_trained on CPU (prompts from its "
-                        "held-out text, its own NextN layer, real speculative acceptance)")
-    p.add_argument("--offload-config", default=None,
-                   help=f"--sparse-decode-offload-config of the offload runs (default {DEFAULT_OFFLOAD_CONFIG}; "
-                        f"with --trained {TRAINED_OFFLOAD_CONFIG})")
-    p.add_argument("--graph-args", default=None,
-                   help="server arguments of graph runs (CPU default: --enable-torch-compile "
-                        "--torch-compile-max-bs C --cuda-graph-bs-decode 1 2 .. C with C = --clients)")
-    p.add_argument("--spec-args", default=DEFAULT_SPEC_ARGS,
-                   help=f"server arguments of speculative runs (default {DEFAULT_SPEC_ARGS!r})")
-    p.add_argument("--spec-env", default=None, metavar="KEY=VALUE,...",
-                   help="environment of speculative runs' servers (CPU default: SGLang's acceptance simulation "
-                        f"{DEFAULT_CPU_SPEC_ENV}; 'none': real acceptance)")
-    p.add_argument("--server-arg", action="append", default=[], metavar="ARGS",
-                   help="extra server arguments for every run (repeatable; split like a shell)")
-    p.add_argument("--startup-timeout", type=float, default=900.0,
-                   help="seconds a server may take to become healthy (graph capture compiles: minutes on a "
-                        "loaded 2-core machine; default 900)")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="keep every run's server up at once and send each round to each server in turn "
+        "(rotating order): the runs share the machine's load drift (for ratios such as "
+        "offload_mrr4,offload_mrr2048); default: one server at a time",
+    )
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=None,
+        help="--max-running-requests of every run without an _mrrN suffix (default 4; --capacity: "
+        f"both servers, default {serve_capacity.DEFAULT_MAX_RUNNING})",
+    )
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="a real checkpoint (NPU node): servers run on the device with SGLang's defaults plus "
+        "--server-arg; default: the tiny DSA fixture on CPU",
+    )
+    p.add_argument(
+        "--spec-model-path",
+        default=None,
+        help="model of the speculative runs (default: --model-path, or the NextN fixture "
+        "tests/fixtures/tiny_dsa_mtp on CPU)",
+    )
+    p.add_argument(
+        "--trained",
+        action="store_true",
+        help="serve the trained checkpoint tests/fixtures/tiny_dsa_trained on CPU (prompts from its "
+        "held-out text, its own NextN layer, real speculative acceptance)",
+    )
+    p.add_argument(
+        "--offload-config",
+        default=None,
+        help=f"--sparse-decode-offload-config of the offload runs (default {DEFAULT_OFFLOAD_CONFIG}; "
+        f"with --trained {TRAINED_OFFLOAD_CONFIG})",
+    )
+    p.add_argument(
+        "--graph-args",
+        default=None,
+        help="server arguments of graph runs (CPU default: --enable-torch-compile "
+        "--torch-compile-max-bs C --cuda-graph-bs-decode 1 2 .. C with C = --clients)",
+    )
+    p.add_argument(
+        "--spec-args",
+        default=DEFAULT_SPEC_ARGS,
+        help=f"server arguments of speculative runs (default {DEFAULT_SPEC_ARGS!r})",
+    )
+    p.add_argument(
+        "--spec-env",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="environment of speculative runs' servers (CPU default: SGLang's acceptance simulation "
+        f"{DEFAULT_CPU_SPEC_ENV}; 'none': real acceptance)",
+    )
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="extra server arguments for every run (repeatable; split like a shell)",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900.0,
+        help="seconds a server may take to become healthy (graph capture compiles: minutes on a "
+        "loaded 2-core machine; default 900)",
+    )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     p.add_argument("--log-dir", default=None, help="server logs (default: a new temporary folder)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
@@ -217,8 +271,10 @@ class LoadSpec:
     def prompts(self) -> List[List[int]]:
         if self.prompt_source == "heldout":
             return heldout_prompts(self.requests, self.input_len, self.seed)
-        return [served_load.random_prompt(self.input_len, self.seed * 1_000_003 + i, self.vocab)
-                for i in range(self.requests)]
+        return [
+            served_load.random_prompt(self.input_len, self.seed * 1_000_003 + i, self.vocab)
+            for i in range(self.requests)
+        ]
 
 
 def heldout_prompts(count: int, length: int, seed: int) -> List[List[int]]:
@@ -234,7 +290,7 @@ def heldout_prompts(count: int, length: int, seed: int) -> List[List[int]]:
     if length > len(text):
         raise ValueError(f"--input-len {length} exceeds the held-out text ({len(text)} tokens)")
     rng = random.Random(seed)
-    return [text[start:start + length] for start in (rng.randrange(len(text) - length + 1) for _ in range(count))]
+    return [text[start : start + length] for start in (rng.randrange(len(text) - length + 1) for _ in range(count))]
 
 
 @dataclass
@@ -286,8 +342,10 @@ def parse_runs(text: str, default_mrr: int) -> List[RunSpec]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     bad = [n for n in names if not RUN_NAME.match(n)]
     if bad:
-        raise ValueError(f"unknown runs {bad}: each is [no_]offload[_eager|_graph][_spec][_mrrN], "
-                         f"e.g. {','.join(DEFAULT_RUNS)},offload_mrr2048")
+        raise ValueError(
+            f"unknown runs {bad}: each is [no_]offload[_eager|_graph][_spec][_mrrN], "
+            f"e.g. {','.join(DEFAULT_RUNS)},offload_mrr2048"
+        )
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"runs named more than once: {dup}")
@@ -307,8 +365,13 @@ def default_graph_args(clients: int) -> List[str]:
     """CPU decode graphs: SGLang's CPU graph runner (``--enable-torch-compile``), one
     captured batch size per power of two up to ``clients`` (and ``clients`` itself)."""
     sizes = sorted({1 << i for i in range(max(1, clients).bit_length()) if 1 << i <= clients} | {max(1, clients)})
-    return ["--enable-torch-compile", "--torch-compile-max-bs", str(max(sizes)),
-            "--cuda-graph-bs-decode", *map(str, sizes)]
+    return [
+        "--enable-torch-compile",
+        "--torch-compile-max-bs",
+        str(max(sizes)),
+        "--cuda-graph-bs-decode",
+        *map(str, sizes),
+    ]
 
 
 def server_args(spec: RunSpec, args: argparse.Namespace) -> Tuple[List[str], List[str], bool]:
@@ -390,13 +453,26 @@ class Measurement:
 
         base, extra, cpu = server_args(spec, args)
         self.spec, self.load, self.request_timeout = spec, load, args.request_timeout
-        self.result = RunResult(spec.name, spec.offload, spec.graph, spec.speculative, spec.max_running_requests,
-                                requests=load.requests * load.rounds, server_args=extra,
-                                log=str(log_dir / f"{spec.name}.log"))
+        self.result = RunResult(
+            spec.name,
+            spec.offload,
+            spec.graph,
+            spec.speculative,
+            spec.max_running_requests,
+            requests=load.requests * load.rounds,
+            server_args=extra,
+            log=str(log_dir / f"{spec.name}.log"),
+        )
         env = spec_env(args) if spec.speculative else {}
         self.result.server_env = env
-        self.server = ServerProcess(extra, log_path=Path(self.result.log), base_args=base, cpu=cpu, env=env,
-                                    startup_timeout_s=args.startup_timeout)
+        self.server = ServerProcess(
+            extra,
+            log_path=Path(self.result.log),
+            base_args=base,
+            cpu=cpu,
+            env=env,
+            startup_timeout_s=args.startup_timeout,
+        )
         self.outputs: Optional[List[Optional[List[int]]]] = None  # round 1's output ids per prompt
         self._ttfts: List[float] = []
         self._itls: List[float] = []
@@ -419,9 +495,12 @@ class Measurement:
         try:
             self.server.start()
             self.result.startup_s = round(self.server.startup_s or 0.0, 1)
-            served_load.stream_generate(self.server.url, served_load.random_prompt(self.load.input_len, -1,
-                                                                                    self.load.vocab),
-                                        self.load.output_len, timeout_s=self.request_timeout)
+            served_load.stream_generate(
+                self.server.url,
+                served_load.random_prompt(self.load.input_len, -1, self.load.vocab),
+                self.load.output_len,
+                timeout_s=self.request_timeout,
+            )
         except (RuntimeError, TimeoutError, PortInUse, *served_load.REQUEST_ERRORS) as exc:
             self.result.error = startup_error(exc, self.server.log_path)
             _progress(f"{self.spec.name}: did not start: {self.result.error}")
@@ -436,8 +515,9 @@ class Measurement:
 
         load, result = self.load, self.result
         cpu0 = cpu_seconds(self.server.pids())
-        res, sent = served_load.run_load(self.server.url, prompts, load.output_len, load.clients,
-                                         timeout_s=self.request_timeout)
+        res, sent = served_load.run_load(
+            self.server.url, prompts, load.output_len, load.clients, timeout_s=self.request_timeout
+        )
         cpu = sum(cpu_seconds(self.server.pids()).values()) - sum(cpu0.values())
         done = res.completed(load.output_len)
         tokens = sum(o.tokens for o in done)
@@ -464,8 +544,10 @@ class Measurement:
         else:
             self._same = self._same and ids == self.outputs
         self._rounds += 1
-        _progress(f"{self.spec.name}: round {self._rounds}/{load.rounds}: {len(done)}/{len(prompts)} completed, "
-                  f"{tps or 0:.1f} output tok/s, {dtps or 0:.1f} decode tok/s")
+        _progress(
+            f"{self.spec.name}: round {self._rounds}/{load.rounds}: {len(done)}/{len(prompts)} completed, "
+            f"{tps or 0:.1f} output tok/s, {dtps or 0:.1f} decode tok/s"
+        )
 
     def stop(self) -> None:
         self.server.stop()
@@ -501,8 +583,9 @@ class Measurement:
         return result
 
 
-def run_all(specs: Sequence[RunSpec], load: LoadSpec, prompts: Sequence[List[int]], args: argparse.Namespace,
-            log_dir: Path) -> List[Measurement]:
+def run_all(
+    specs: Sequence[RunSpec], load: LoadSpec, prompts: Sequence[List[int]], args: argparse.Namespace, log_dir: Path
+) -> List[Measurement]:
     """Every run: one after another (start, rounds, stop), or with ``--interleave`` all
     servers up together (started one after another) and each round sent to every
     server in turn, the order rotating by one per round."""
@@ -544,13 +627,20 @@ def agreement(ours: Sequence[Optional[List[int]]], ref: Sequence[Optional[List[i
     return equal / total
 
 
-def compare(specs: Sequence[RunSpec], results: Dict[str, RunResult],
-            outputs: Dict[str, Optional[List[Optional[List[int]]]]]) -> Tuple[bool, List[str]]:
+def compare(
+    specs: Sequence[RunSpec], results: Dict[str, RunResult], outputs: Dict[str, Optional[List[Optional[List[int]]]]]
+) -> Tuple[bool, List[str]]:
     """Fill ``token_agreement`` / ``reference`` / ``identical_to_reference``; returns
     ``(identical_tokens, problems)``."""
     problems: List[str] = []
-    plain = next((s.name for s in specs if not s.offload and not s.graph and not s.speculative
-                  and outputs.get(s.name) is not None), None)
+    plain = next(
+        (
+            s.name
+            for s in specs
+            if not s.offload and not s.graph and not s.speculative and outputs.get(s.name) is not None
+        ),
+        None,
+    )
     for s in specs:
         res = results[s.name]
         if plain is not None and outputs.get(s.name) is not None:
@@ -563,16 +653,17 @@ def compare(specs: Sequence[RunSpec], results: Dict[str, RunResult],
         candidates = [c for c in specs if not c.offload and c.settings == s.settings]
         candidates.sort(key=lambda c: c.max_running_requests != s.max_running_requests)
         if not candidates:
-            problems.append(f"{s.name}: no no-offload run with graph={s.graph}, speculative={s.speculative} "
-                            "selected to compare with")
+            problems.append(
+                f"{s.name}: no no-offload run with graph={s.graph}, speculative={s.speculative} "
+                "selected to compare with"
+            )
             continue
         ref = candidates[0].name
         res.reference = ref
         if outputs.get(s.name) is None or outputs.get(ref) is None:
             problems.append(f"{s.name}: cannot compare with {ref} (a run failed)")
             continue
-        res.identical_to_reference = (outputs[s.name] == outputs[ref]
-                                      and all(o is not None for o in outputs[s.name]))
+        res.identical_to_reference = outputs[s.name] == outputs[ref] and all(o is not None for o in outputs[s.name])
         if not res.identical_to_reference:
             problems.append(f"{s.name}: greedy outputs differ from {ref}")
     offload_runs = [s for s in specs if s.offload]
@@ -582,8 +673,9 @@ def compare(specs: Sequence[RunSpec], results: Dict[str, RunResult],
     return identical, problems
 
 
-def mrr_ratios(specs: Sequence[RunSpec], results: Dict[str, RunResult],
-               outputs: Dict[str, Optional[List[Optional[List[int]]]]]) -> List[Dict[str, Any]]:
+def mrr_ratios(
+    specs: Sequence[RunSpec], results: Dict[str, RunResult], outputs: Dict[str, Optional[List[Optional[List[int]]]]]
+) -> List[Dict[str, Any]]:
     """Smallest over largest ``--max-running-requests`` of runs equal in everything else."""
     groups: Dict[Tuple[bool, bool, bool], List[RunSpec]] = {}
     for s in specs:
@@ -599,27 +691,40 @@ def mrr_ratios(specs: Sequence[RunSpec], results: Dict[str, RunResult],
         def ratio(x, y):
             return round(x / y, 4) if x and y else None
 
-        out.append({"runs": [lo.name, hi.name], "max_running_requests": [lo.max_running_requests,
-                                                                          hi.max_running_requests],
-                    "decode_tokens_per_s_ratio": ratio(a.decode_tokens_per_s, b.decode_tokens_per_s),
-                    "output_tokens_per_s_ratio": ratio(a.output_tokens_per_s, b.output_tokens_per_s),
-                    "server_cpu_per_token_ratio": ratio(b.server_cpu_ms_per_token, a.server_cpu_ms_per_token),
-                    "rounds_decode_tokens_per_s_ratio": [ratio(x, y) for x, y in zip(a.rounds_decode_tokens_per_s,
-                                                                                     b.rounds_decode_tokens_per_s)],
-                    "identical_tokens": (outputs.get(lo.name) is not None
-                                         and outputs.get(lo.name) == outputs.get(hi.name))})
+        out.append(
+            {
+                "runs": [lo.name, hi.name],
+                "max_running_requests": [lo.max_running_requests, hi.max_running_requests],
+                "decode_tokens_per_s_ratio": ratio(a.decode_tokens_per_s, b.decode_tokens_per_s),
+                "output_tokens_per_s_ratio": ratio(a.output_tokens_per_s, b.output_tokens_per_s),
+                "server_cpu_per_token_ratio": ratio(b.server_cpu_ms_per_token, a.server_cpu_ms_per_token),
+                "rounds_decode_tokens_per_s_ratio": [
+                    ratio(x, y) for x, y in zip(a.rounds_decode_tokens_per_s, b.rounds_decode_tokens_per_s)
+                ],
+                "identical_tokens": (outputs.get(lo.name) is not None and outputs.get(lo.name) == outputs.get(hi.name)),
+            }
+        )
     return out
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     specs = parse_runs(args.runs, args.max_running_requests)
-    load = LoadSpec(clients=args.clients, requests=args.requests or 2 * args.clients, input_len=args.input_len,
-                    output_len=args.output_len, rounds=args.rounds, seed=args.seed,
-                    vocab=model_vocab(args.model_path, args.trained), prompt_source="heldout" if args.trained else "random")
+    load = LoadSpec(
+        clients=args.clients,
+        requests=args.requests or 2 * args.clients,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        rounds=args.rounds,
+        seed=args.seed,
+        vocab=model_vocab(args.model_path, args.trained),
+        prompt_source="heldout" if args.trained else "random",
+    )
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_serve_"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    _progress(f"{len(specs)} runs, {load.requests} requests x {load.rounds} rounds, {load.clients} clients, "
-              f"{load.input_len} -> {load.output_len} tokens; server logs in {log_dir}")
+    _progress(
+        f"{len(specs)} runs, {load.requests} requests x {load.rounds} rounds, {load.clients} clients, "
+        f"{load.input_len} -> {load.output_len} tokens; server logs in {log_dir}"
+    )
     prompts = load.prompts()
     t0 = time.monotonic()
     measured = run_all(specs, load, prompts, args, log_dir)
@@ -633,8 +738,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         "max_running_requests_ratios": mrr_ratios(specs, results, outputs),
         "load": asdict(load),
         "interleave": bool(args.interleave),
-        "model": args.model_path or ("tests/fixtures/tiny_dsa_trained (CPU)" if args.trained
-                                     else "tests/fixtures/tiny_dsa (CPU)"),
+        "model": args.model_path
+        or ("tests/fixtures/tiny_dsa_trained (CPU)" if args.trained else "tests/fixtures/tiny_dsa (CPU)"),
         "offload_config": offload_config(args),
         "wall_s": round(time.monotonic() - t0, 1),
         "logs": str(log_dir),
@@ -647,17 +752,23 @@ def _fmt(v, spec: str = ".1f") -> str:
 
 def print_table(res: Dict[str, Any]) -> None:
     load = res["load"]
-    print(f"bench serve: {load['clients']} clients, {load['requests']} requests x {load['rounds']} rounds, "
-          f"{load['input_len']} -> {load['output_len']} tokens, greedy; model {res['model']}")
-    print(f"{'run':26s} {'mrr':>5s} {'done':>7s} {'out tok/s':>9s} {'dec tok/s':>9s} {'TTFT p50':>8s} "
-          f"{'ITL p50':>7s} {'ITL p99':>7s} {'cpu ms/tok':>10s} {'accept':>6s} {'agree':>6s} {'= ref':>5s}")
+    print(
+        f"bench serve: {load['clients']} clients, {load['requests']} requests x {load['rounds']} rounds, "
+        f"{load['input_len']} -> {load['output_len']} tokens, greedy; model {res['model']}"
+    )
+    print(
+        f"{'run':26s} {'mrr':>5s} {'done':>7s} {'out tok/s':>9s} {'dec tok/s':>9s} {'TTFT p50':>8s} "
+        f"{'ITL p50':>7s} {'ITL p99':>7s} {'cpu ms/tok':>10s} {'accept':>6s} {'agree':>6s} {'= ref':>5s}"
+    )
     for r in res["runs"]:
         same = {True: "yes", False: "NO", None: "-"}[r["identical_to_reference"]]
-        print(f"{r['name']:26s} {r['max_running_requests']:5d} {r['completed']:3d}/{r['requests']:<3d} "
-              f"{_fmt(r['output_tokens_per_s']):>9s} {_fmt(r['decode_tokens_per_s']):>9s} "
-              f"{_fmt(r['ttft_ms_p50']):>8s} {_fmt(r['itl_ms_p50']):>7s} {_fmt(r['itl_ms_p99']):>7s} "
-              f"{_fmt(r['server_cpu_ms_per_token'], '.2f'):>10s} "
-              f"{_fmt(r['accept_length'], '.2f'):>6s} {_fmt(r['token_agreement'], '.3f'):>6s} {same:>5s}")
+        print(
+            f"{r['name']:26s} {r['max_running_requests']:5d} {r['completed']:3d}/{r['requests']:<3d} "
+            f"{_fmt(r['output_tokens_per_s']):>9s} {_fmt(r['decode_tokens_per_s']):>9s} "
+            f"{_fmt(r['ttft_ms_p50']):>8s} {_fmt(r['itl_ms_p50']):>7s} {_fmt(r['itl_ms_p99']):>7s} "
+            f"{_fmt(r['server_cpu_ms_per_token'], '.2f'):>10s} "
+            f"{_fmt(r['accept_length'], '.2f'):>6s} {_fmt(r['token_agreement'], '.3f'):>6s} {same:>5s}"
+        )
     for r in res["runs"]:
         if r["error"]:
             print(f"  {r['name']}: {r['error']}")
@@ -665,13 +776,17 @@ def print_table(res: Dict[str, Any]) -> None:
     for name in ("offload_graph", "offload_eager"):
         ref = base.get("no_offload_graph" if name == "offload_graph" else "no_offload_eager")
         if name in base and ref and base[name]["output_tokens_per_s"] and ref["output_tokens_per_s"]:
-            print(f"{name} / {ref['name']} output tok/s: "
-                  f"{base[name]['output_tokens_per_s'] / ref['output_tokens_per_s']:.3f}")
+            print(
+                f"{name} / {ref['name']} output tok/s: "
+                f"{base[name]['output_tokens_per_s'] / ref['output_tokens_per_s']:.3f}"
+            )
     for m in res["max_running_requests_ratios"]:
-        print(f"{m['runs'][0]} / {m['runs'][1]} decode tok/s: {_fmt(m['decode_tokens_per_s_ratio'], '.3f')} "
-              f"(output tok/s {_fmt(m['output_tokens_per_s_ratio'], '.3f')}; server CPU per token "
-              f"{m['runs'][1]} / {m['runs'][0]} {_fmt(m['server_cpu_per_token_ratio'], '.3f')}; identical tokens "
-              f"{m['identical_tokens']})")
+        print(
+            f"{m['runs'][0]} / {m['runs'][1]} decode tok/s: {_fmt(m['decode_tokens_per_s_ratio'], '.3f')} "
+            f"(output tok/s {_fmt(m['output_tokens_per_s_ratio'], '.3f')}; server CPU per token "
+            f"{m['runs'][1]} / {m['runs'][0]} {_fmt(m['server_cpu_per_token_ratio'], '.3f')}; identical tokens "
+            f"{m['identical_tokens']})"
+        )
     print(f"identical_tokens: {res['identical_tokens']}")
     for p in res["identical_tokens_problems"]:
         print(f"  {p}")
@@ -680,15 +795,21 @@ def print_table(res: Dict[str, Any]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     runs_given = _fill_defaults(args)
-    problems = [m for bad, m in ((args.clients < 1, f"--clients {args.clients} must be >= 1"),
-                                 (args.requests is not None and args.requests < 1,
-                                  f"--requests {args.requests} must be >= 1"),
-                                 (args.input_len < 1, f"--input-len {args.input_len} must be >= 1"),
-                                 (args.output_len < 2, f"--output-len {args.output_len} must be >= 2 "
-                                                       "(inter-token latency needs two tokens)"),
-                                 (args.rounds < 1, f"--rounds {args.rounds} must be >= 1"),
-                                 (args.max_running_requests < 1,
-                                  f"--max-running-requests {args.max_running_requests} must be >= 1")) if bad]
+    problems = [
+        m
+        for bad, m in (
+            (args.clients < 1, f"--clients {args.clients} must be >= 1"),
+            (args.requests is not None and args.requests < 1, f"--requests {args.requests} must be >= 1"),
+            (args.input_len < 1, f"--input-len {args.input_len} must be >= 1"),
+            (
+                args.output_len < 2,
+                f"--output-len {args.output_len} must be >= 2 (inter-token latency needs two tokens)",
+            ),
+            (args.rounds < 1, f"--rounds {args.rounds} must be >= 1"),
+            (args.max_running_requests < 1, f"--max-running-requests {args.max_running_requests} must be >= 1"),
+        )
+        if bad
+    ]
     try:
         parse_runs(args.runs, max(1, args.max_running_requests))
         spec_env(args)
@@ -701,8 +822,10 @@ def main(args: argparse.Namespace) -> int:
         if args.spec_model_path is not None:
             problems.append("--trained speculates with the checkpoint's own NextN layer: drop --spec-model-path")
         if args.input_len + args.output_len > TRAINED_CONTEXT:
-            problems.append(f"--input-len {args.input_len} + --output-len {args.output_len} exceed the trained "
-                            f"checkpoint's context of {TRAINED_CONTEXT} tokens")
+            problems.append(
+                f"--input-len {args.input_len} + --output-len {args.output_len} exceed the trained "
+                f"checkpoint's context of {TRAINED_CONTEXT} tokens"
+            )
         if args.input_len > 4096:
             problems.append(f"--input-len {args.input_len} exceeds the held-out text (4,096 tokens)")
     if getattr(args, "capacity", False):

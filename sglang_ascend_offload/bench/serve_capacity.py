@@ -104,33 +104,62 @@ POLL_S = 0.2
 #: which at POLL_S would add ~6 % to both servers' CPU per token and pull their ratio towards 1
 LOW_POLL_S = 2.0
 SERVERS = ("no_offload", "offload")
-_GAUGE = re.compile(r"^(sglang:num_running_reqs|sglang:num_queue_reqs|sglang:num_retracted_requests_total|"
-                    r"sglang:ascend_offload_(?:direct_rows|selected|hits|h2d_bytes|direct_h2d_bytes)_total)"
-                    r"(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+_GAUGE = re.compile(
+    r"^(sglang:num_running_reqs|sglang:num_queue_reqs|sglang:num_retracted_requests_total|"
+    r"sglang:ascend_offload_(?:direct_rows|selected|hits|h2d_bytes|direct_h2d_bytes)_total)"
+    r"(?:\{[^}]*\})?\s+([0-9.eE+-]+)$"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``bench serve`` flags that only ``--capacity`` reads (the shared ones are serve's)."""
-    p.add_argument("--capacity", action="store_true",
-                   help="the capacity benchmark: offload vs no offload at the same device KV budget, "
-                        "concurrency swept (--concurrency) until no offload is pool-limited")
-    p.add_argument("--concurrency", default=None, metavar="C1,C2,...",
-                   help=f"--capacity: concurrencies to sweep (default {DEFAULT_CONCURRENCY})")
-    p.add_argument("--device-kv-budget", default=None, metavar="SIZE",
-                   help=f"--capacity: device KV budget of both servers (default {DEFAULT_BUDGET} on CPU; "
-                        "on an NPU node SGLang's --mem-fraction-static profile unless given)")
-    p.add_argument("--plot", default=None, metavar="PNG",
-                   help="--capacity: write output tok/s and peak running requests per concurrency to this PNG")
-    p.add_argument("--low-rounds", type=int, default=DEFAULT_LOW_ROUNDS,
-                   help="--capacity: rounds at concurrency 1 for the CPU-per-token ratio (see --low-schedule) "
-                        f"(default {DEFAULT_LOW_ROUNDS})")
-    p.add_argument("--low-schedule", choices=LOW_SCHEDULES, default=LOW_SCHEDULES[0],
-                   help="--capacity: the concurrency-1 rounds load both servers at the same time "
-                        "(side-by-side, the default: both see the same machine) or one after the other, "
-                        "the order alternating per round")
-    p.add_argument("--low-short-len", type=int, default=DEFAULT_LOW_SHORT_LEN,
-                   help="--capacity: prompt and output tokens of the short requests of each concurrency-1 round "
-                        f"(default {DEFAULT_LOW_SHORT_LEN}; 0 = none)")
+    p.add_argument(
+        "--capacity",
+        action="store_true",
+        help="the capacity benchmark: offload vs no offload at the same device KV budget, "
+        "concurrency swept (--concurrency) until no offload is pool-limited",
+    )
+    p.add_argument(
+        "--concurrency",
+        default=None,
+        metavar="C1,C2,...",
+        help=f"--capacity: concurrencies to sweep (default {DEFAULT_CONCURRENCY})",
+    )
+    p.add_argument(
+        "--device-kv-budget",
+        default=None,
+        metavar="SIZE",
+        help=f"--capacity: device KV budget of both servers (default {DEFAULT_BUDGET} on CPU; "
+        "on an NPU node SGLang's --mem-fraction-static profile unless given)",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="--capacity: write output tok/s and peak running requests per concurrency to this PNG",
+    )
+    p.add_argument(
+        "--low-rounds",
+        type=int,
+        default=DEFAULT_LOW_ROUNDS,
+        help="--capacity: rounds at concurrency 1 for the CPU-per-token ratio (see --low-schedule) "
+        f"(default {DEFAULT_LOW_ROUNDS})",
+    )
+    p.add_argument(
+        "--low-schedule",
+        choices=LOW_SCHEDULES,
+        default=LOW_SCHEDULES[0],
+        help="--capacity: the concurrency-1 rounds load both servers at the same time "
+        "(side-by-side, the default: both see the same machine) or one after the other, "
+        "the order alternating per round",
+    )
+    p.add_argument(
+        "--low-short-len",
+        type=int,
+        default=DEFAULT_LOW_SHORT_LEN,
+        help="--capacity: prompt and output tokens of the short requests of each concurrency-1 round "
+        f"(default {DEFAULT_LOW_SHORT_LEN}; 0 = none)",
+    )
 
 
 @dataclass
@@ -216,8 +245,14 @@ class MetricsPoller:
         requests, and the offload server's direct rows, selected, hits, h2d_bytes and
         direct_h2d_bytes (0 where absent)."""
         g = read_gauges(self.server.get("/metrics"))
-        names = ("num_retracted_requests", "ascend_offload_direct_rows", "ascend_offload_selected",
-                 "ascend_offload_hits", "ascend_offload_h2d_bytes", "ascend_offload_direct_h2d_bytes")
+        names = (
+            "num_retracted_requests",
+            "ascend_offload_direct_rows",
+            "ascend_offload_selected",
+            "ascend_offload_hits",
+            "ascend_offload_h2d_bytes",
+            "ascend_offload_direct_h2d_bytes",
+        )
         return {n.replace("ascend_offload_", ""): g.get(f"sglang:{n}_total", 0.0) for n in names}
 
     def _run(self) -> None:
@@ -265,7 +300,7 @@ def server_args(name: str, args: argparse.Namespace, budget: Optional[str]) -> T
     if cpu:
         base = list(CPU_SERVER_ARGS)
         i = base.index("--max-total-tokens")  # the budget sizes the pool, not a token cap
-        del base[i:i + 2]
+        del base[i : i + 2]
         base[base.index("--context-length") + 1] = str(CAPACITY_CONTEXT)
         extra += IDLE_SLEEP
     else:
@@ -289,8 +324,9 @@ class CapacityServer:
         base, extra, cpu = server_args(name, args, budget)
         self.name = name
         self.info = ServerInfo(name, extra, str(log_dir / f"capacity_{name}.log"))
-        self.server = ServerProcess(extra, log_path=Path(self.info.log), base_args=base, cpu=cpu,
-                                    startup_timeout_s=args.startup_timeout)
+        self.server = ServerProcess(
+            extra, log_path=Path(self.info.log), base_args=base, cpu=cpu, startup_timeout_s=args.startup_timeout
+        )
         self.request_timeout = args.request_timeout
 
     def start(self, warmup_len: int, vocab: int) -> bool:
@@ -301,14 +337,25 @@ class CapacityServer:
             self.server.start()
             state = json.loads(self.server.get("/server_info"))
             internal = (state.get("internal_states") or [{}])[0]
-            self.info.max_total_num_tokens = int(state.get("max_total_num_tokens") or
-                                                 internal.get("memory_usage", {}).get("token_capacity"))
-            self.info.max_running_requests = int(internal.get("effective_max_running_requests_per_dp")
-                                                 or state.get("max_running_requests") or 0) or None
-            served_load.stream_generate(self.server.url, served_load.random_prompt(warmup_len, -1, vocab), 4,
-                                        timeout_s=self.request_timeout)
-        except (RuntimeError, TimeoutError, PortInUse, KeyError, TypeError, ValueError,
-                *served_load.REQUEST_ERRORS) as exc:
+            self.info.max_total_num_tokens = int(
+                state.get("max_total_num_tokens") or internal.get("memory_usage", {}).get("token_capacity")
+            )
+            self.info.max_running_requests = (
+                int(internal.get("effective_max_running_requests_per_dp") or state.get("max_running_requests") or 0)
+                or None
+            )
+            served_load.stream_generate(
+                self.server.url, served_load.random_prompt(warmup_len, -1, vocab), 4, timeout_s=self.request_timeout
+            )
+        except (
+            RuntimeError,
+            TimeoutError,
+            PortInUse,
+            KeyError,
+            TypeError,
+            ValueError,
+            *served_load.REQUEST_ERRORS,
+        ) as exc:
             self.info.error = startup_error(exc, self.server.log_path)
             _progress(f"{self.name}: did not start: {self.info.error}")
             self.server.stop()
@@ -316,8 +363,9 @@ class CapacityServer:
         _progress(f"{self.name}: up, max_total_num_tokens {self.info.max_total_num_tokens}")
         return True
 
-    def level(self, prompts: Sequence[List[int]], output_len: int, concurrency: int,
-              tag: str, poll_s: float = POLL_S) -> Tuple[LevelResult, List[Optional[List[int]]]]:
+    def level(
+        self, prompts: Sequence[List[int]], output_len: int, concurrency: int, tag: str, poll_s: float = POLL_S
+    ) -> Tuple[LevelResult, List[Optional[List[int]]]]:
         """One load at ``concurrency``; the result and every request's output ids
         (``poll_s``: how often ``/metrics`` is sampled for the peaks meanwhile)."""
         from ..testing.servers import cpu_seconds
@@ -326,8 +374,9 @@ class CapacityServer:
         before = MetricsPoller(self.server).totals()
         cpu0 = cpu_seconds(self.server.pids())
         with MetricsPoller(self.server, poll_s) as poll:
-            res, _ = served_load.run_load(self.server.url, prompts, output_len, concurrency,
-                                          timeout_s=self.request_timeout)
+            res, _ = served_load.run_load(
+                self.server.url, prompts, output_len, concurrency, timeout_s=self.request_timeout
+            )
         cpu_s = sum(cpu_seconds(self.server.pids()).values()) - sum(cpu0.values())
         after = MetricsPoller(self.server).totals()
         moved = {k: after[k] - before[k] for k in after}
@@ -350,8 +399,10 @@ class CapacityServer:
         result.itl_ms_p50, result.itl_ms_p99 = (_ms(served_load.percentile(itls, q)) for q in (50, 99))
         result.peak_running, result.peak_queued = poll.peak_running, poll.peak_queued
         result.pool_limited = result.retractions > 0 or (poll.peak_queued > 0 and poll.peak_running < concurrency)
-        _progress(f"{result.name}: {result.completed}/{len(prompts)} done, {tps or 0:.1f} output tok/s, peak "
-                  f"running {poll.peak_running} queued {poll.peak_queued}, retractions {result.retractions}")
+        _progress(
+            f"{result.name}: {result.completed}/{len(prompts)} done, {tps or 0:.1f} output tok/s, peak "
+            f"running {poll.peak_running} queued {poll.peak_queued}, retractions {result.retractions}"
+        )
         return result, [o.output_ids if o is not None else None for o in res.outputs]
 
     def stop(self) -> None:
@@ -370,8 +421,11 @@ def _agreement(a: Sequence[Optional[List[int]]], b: Sequence[Optional[List[int]]
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     levels = parse_concurrency(args.concurrency or DEFAULT_CONCURRENCY)
-    budget = args.device_kv_budget if args.device_kv_budget is not None else (
-        DEFAULT_BUDGET if args.model_path is None else None)
+    budget = (
+        args.device_kv_budget
+        if args.device_kv_budget is not None
+        else (DEFAULT_BUDGET if args.model_path is None else None)
+    )
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_capacity_"))
     log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -387,8 +441,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         up = all([s.start(args.input_len, vocab) for s in servers])
         if up:
             for c in levels:
-                prompts = [served_load.random_prompt(args.input_len, args.seed * 1_000_003 + 1000 * c + i, vocab)
-                           for i in range(2 * c)]
+                prompts = [
+                    served_load.random_prompt(args.input_len, args.seed * 1_000_003 + 1000 * c + i, vocab)
+                    for i in range(2 * c)
+                ]
                 outs = {}
                 order = servers if c % 2 == 0 else servers[::-1]
                 for s in order:
@@ -400,21 +456,24 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 identical = identical and level_identical
                 for r in runs[-2:]:
                     r.identical_to_no_offload = level_identical if r.server == "offload" else None
-            prompts = [served_load.random_prompt(args.input_len, args.seed * 1_000_003 + 7, vocab)
-                       for _ in range(2)]
+            prompts = [served_load.random_prompt(args.input_len, args.seed * 1_000_003 + 7, vocab) for _ in range(2)]
             n_short = args.low_short_len
-            short_prompts = [served_load.random_prompt(n_short, args.seed * 1_000_003 + 11 + i, vocab)
-                             for i in range(2)] if n_short else []
+            short_prompts = (
+                [served_load.random_prompt(n_short, args.seed * 1_000_003 + 11 + i, vocab) for i in range(2)]
+                if n_short
+                else []
+            )
             side_by_side = getattr(args, "low_schedule", LOW_SCHEDULES[0]) == "side-by-side"
             for k in range(args.low_rounds):
-                for phase, load, out_len, into in (("low_concurrency", prompts, args.output_len, low),
-                                                   ("low_concurrency_short", short_prompts, n_short, short)):
+                for phase, load, out_len, into in (
+                    ("low_concurrency", prompts, args.output_len, low),
+                    ("low_concurrency_short", short_prompts, n_short, short),
+                ):
                     if not load:
                         continue
                     tag = f"low{k + 1}" if phase == "low_concurrency" else f"short{k + 1}"
                     order = servers if k % 2 == 0 else servers[::-1]
-                    results = serve_round(order, lambda s: s.level(load, out_len, 1, tag, LOW_POLL_S)[0],
-                                          side_by_side)
+                    results = serve_round(order, lambda s: s.level(load, out_len, 1, tag, LOW_POLL_S)[0], side_by_side)
                     for r in sorted(results, key=lambda r: SERVERS.index(r.server)):
                         r.phase = phase
                         runs.append(r)
@@ -422,9 +481,19 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     finally:
         for s in servers:
             s.stop()
-    return summarize(levels, runs, [s.info for s in servers], low, identical and bool(runs),
-                     (same_tokens / total_tokens) if total_tokens else None, budget, args,
-                     round(time.monotonic() - t0, 1), str(log_dir), short)
+    return summarize(
+        levels,
+        runs,
+        [s.info for s in servers],
+        low,
+        identical and bool(runs),
+        (same_tokens / total_tokens) if total_tokens else None,
+        budget,
+        args,
+        round(time.monotonic() - t0, 1),
+        str(log_dir),
+        short,
+    )
 
 
 def serve_round(servers: Sequence[Any], serve: Callable[[Any], LevelResult], side_by_side: bool) -> List[LevelResult]:
@@ -450,9 +519,19 @@ def _median(values: Sequence[Optional[float]]) -> Optional[float]:
     return statistics.median(valid) if valid else None
 
 
-def summarize(levels: Sequence[int], runs: List[LevelResult], infos: List[ServerInfo], low: Dict[str, List[float]],
-              identical: bool, agreement: Optional[float], budget: Optional[str], args: argparse.Namespace,
-              wall_s: float, logs: str, short: Optional[Dict[str, List[float]]] = None) -> Dict[str, Any]:
+def summarize(
+    levels: Sequence[int],
+    runs: List[LevelResult],
+    infos: List[ServerInfo],
+    low: Dict[str, List[float]],
+    identical: bool,
+    agreement: Optional[float],
+    budget: Optional[str],
+    args: argparse.Namespace,
+    wall_s: float,
+    logs: str,
+    short: Optional[Dict[str, List[float]]] = None,
+) -> Dict[str, Any]:
     """The JSON document (module docstring)."""
     short = short or {name: [] for name in SERVERS}
     short_med = {k: _median(v) for k, v in short.items()}
@@ -464,8 +543,11 @@ def summarize(levels: Sequence[int], runs: List[LevelResult], infos: List[Server
     direct = [r.direct_rows for r in runs if r.phase == "low_concurrency_short" and r.direct_rows is not None]
     by = {(r.server, r.concurrency): r for r in runs if r.phase == "sweep"}
     tokens = {i.name: i.max_total_num_tokens for i in infos}
-    ratios = {str(c): _ratio(by[("offload", c)].output_tokens_per_s, by[("no_offload", c)].output_tokens_per_s)
-              for c in levels if ("offload", c) in by and ("no_offload", c) in by}
+    ratios = {
+        str(c): _ratio(by[("offload", c)].output_tokens_per_s, by[("no_offload", c)].output_tokens_per_s)
+        for c in levels
+        if ("offload", c) in by and ("no_offload", c) in by
+    }
     limited = [c for c in levels if ("no_offload", c) in by and by[("no_offload", c)].pool_limited]
     pool_c = max(limited) if limited else None
     low_med = {k: _median(v) for k, v in low.items()}
@@ -492,10 +574,19 @@ def summarize(levels: Sequence[int], runs: List[LevelResult], infos: List[Server
         "identical_tokens": identical,
         "token_agreement": None if agreement is None else round(agreement, 5),
         "device_kv_budget": budget,
-        "load": {"concurrency": list(levels), "requests_per_level": "2 x concurrency", "input_len": args.input_len,
-                 "output_len": args.output_len, "seed": args.seed, "max_running_requests": args.max_running_requests,
-                 "low_rounds": args.low_rounds, "low_short_len": getattr(args, "low_short_len", 0),
-                 "low_schedule": schedule, "poll_s": POLL_S, "low_poll_s": LOW_POLL_S},
+        "load": {
+            "concurrency": list(levels),
+            "requests_per_level": "2 x concurrency",
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "seed": args.seed,
+            "max_running_requests": args.max_running_requests,
+            "low_rounds": args.low_rounds,
+            "low_short_len": getattr(args, "low_short_len", 0),
+            "low_schedule": schedule,
+            "poll_s": POLL_S,
+            "low_poll_s": LOW_POLL_S,
+        },
         "model": args.model_path or "tests/fixtures/tiny_dsa (CPU)",
         "offload_config": config,
         "wall_s": wall_s,
@@ -509,26 +600,36 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
 
 def print_table(res: Dict[str, Any]) -> None:
     load = res["load"]
-    print(f"bench serve --capacity: device KV budget {res['device_kv_budget'] or 'SGLang profile'}, "
-          f"{load['input_len']} -> {load['output_len']} tokens, 2 x c requests per level; model {res['model']}")
+    print(
+        f"bench serve --capacity: device KV budget {res['device_kv_budget'] or 'SGLang profile'}, "
+        f"{load['input_len']} -> {load['output_len']} tokens, 2 x c requests per level; model {res['model']}"
+    )
     for name, info in res["servers"].items():
-        print(f"  {name}: max_total_num_tokens {info['max_total_num_tokens']}, max_running_requests "
-              f"{info['max_running_requests']}" + (f", error: {info['error']}" if info["error"] else ""))
-    print(f"{'run':18s} {'c':>3s} {'done':>7s} {'out tok/s':>9s} {'TTFT p50':>8s} {'TTFT p99':>8s} {'ITL p50':>7s} "
-          f"{'ITL p99':>7s} {'run pk':>6s} {'queue pk':>8s} {'retr':>4s} {'limited':>7s} {'cpu ms/tok':>10s} "
-          f"{'hit rate':>8s} {'H2D B/tok':>9s}")
+        print(
+            f"  {name}: max_total_num_tokens {info['max_total_num_tokens']}, max_running_requests "
+            f"{info['max_running_requests']}" + (f", error: {info['error']}" if info["error"] else "")
+        )
+    print(
+        f"{'run':18s} {'c':>3s} {'done':>7s} {'out tok/s':>9s} {'TTFT p50':>8s} {'TTFT p99':>8s} {'ITL p50':>7s} "
+        f"{'ITL p99':>7s} {'run pk':>6s} {'queue pk':>8s} {'retr':>4s} {'limited':>7s} {'cpu ms/tok':>10s} "
+        f"{'hit rate':>8s} {'H2D B/tok':>9s}"
+    )
     for r in res["runs"]:
-        print(f"{r['name']:18s} {r['concurrency']:3d} {r['completed']:3d}/{r['requests']:<3d} "
-              f"{_fmt(r['output_tokens_per_s']):>9s} {_fmt(r['ttft_ms_p50']):>8s} {_fmt(r['ttft_ms_p99']):>8s} "
-              f"{_fmt(r['itl_ms_p50']):>7s} {_fmt(r['itl_ms_p99']):>7s} {r['peak_running']:6d} {r['peak_queued']:8d} "
-              f"{r['retractions']:4d} {str(r['pool_limited']):>7s} {_fmt(r['server_cpu_ms_per_token'], '.2f'):>10s} "
-              f"{_fmt(r.get('hit_rate'), '.3f'):>8s} {_fmt(r.get('h2d_bytes_per_token'), '.0f'):>9s}")
-    print(f"max_total_tokens_ratio {_fmt(res['max_total_tokens_ratio'], '.3f')}; throughput_ratio_pool_limited "
-          f"{_fmt(res['throughput_ratio_pool_limited'], '.3f')} (c={res['pool_limited_concurrency']}); "
-          f"low_concurrency_cpu_ratio {_fmt(res['low_concurrency_cpu_ratio'], '.3f')} "
-          f"(residency {res['low_concurrency_residency']}, {res['low_concurrency_schedule']} rounds); short requests "
-          f"{_fmt(res['low_concurrency_short_cpu_ratio'], '.3f')} ({res['low_concurrency_short_direct_rows']} "
-          f"rows served directly); identical_tokens {res['identical_tokens']}")
+        print(
+            f"{r['name']:18s} {r['concurrency']:3d} {r['completed']:3d}/{r['requests']:<3d} "
+            f"{_fmt(r['output_tokens_per_s']):>9s} {_fmt(r['ttft_ms_p50']):>8s} {_fmt(r['ttft_ms_p99']):>8s} "
+            f"{_fmt(r['itl_ms_p50']):>7s} {_fmt(r['itl_ms_p99']):>7s} {r['peak_running']:6d} {r['peak_queued']:8d} "
+            f"{r['retractions']:4d} {str(r['pool_limited']):>7s} {_fmt(r['server_cpu_ms_per_token'], '.2f'):>10s} "
+            f"{_fmt(r.get('hit_rate'), '.3f'):>8s} {_fmt(r.get('h2d_bytes_per_token'), '.0f'):>9s}"
+        )
+    print(
+        f"max_total_tokens_ratio {_fmt(res['max_total_tokens_ratio'], '.3f')}; throughput_ratio_pool_limited "
+        f"{_fmt(res['throughput_ratio_pool_limited'], '.3f')} (c={res['pool_limited_concurrency']}); "
+        f"low_concurrency_cpu_ratio {_fmt(res['low_concurrency_cpu_ratio'], '.3f')} "
+        f"(residency {res['low_concurrency_residency']}, {res['low_concurrency_schedule']} rounds); short requests "
+        f"{_fmt(res['low_concurrency_short_cpu_ratio'], '.3f')} ({res['low_concurrency_short_direct_rows']} "
+        f"rows served directly); identical_tokens {res['identical_tokens']}"
+    )
     print(f"server logs: {res['logs']}")
 
 
@@ -537,11 +638,14 @@ def problems(args: argparse.Namespace, runs_given: bool) -> List[str]:
     out = []
     if runs_given:
         out.append("--capacity runs its own pair of servers (no_offload, offload): drop --runs")
-    for flag, bad in (("--trained", args.trained), ("--interleave", args.interleave),
-                      ("--spec-model-path", args.spec_model_path is not None),
-                      ("--clients (use --concurrency)", args.clients != 4),
-                      ("--requests (each level sends 2 x its concurrency)", args.requests is not None),
-                      ("--rounds (use --low-rounds for the concurrency-1 rounds)", args.rounds != 1)):
+    for flag, bad in (
+        ("--trained", args.trained),
+        ("--interleave", args.interleave),
+        ("--spec-model-path", args.spec_model_path is not None),
+        ("--clients (use --concurrency)", args.clients != 4),
+        ("--requests (each level sends 2 x its concurrency)", args.requests is not None),
+        ("--rounds (use --low-rounds for the concurrency-1 rounds)", args.rounds != 1),
+    ):
         if bad:
             out.append(f"--capacity does not take {flag}")
     try:
@@ -561,8 +665,10 @@ def problems(args: argparse.Namespace, runs_given: bool) -> List[str]:
     if args.low_rounds < 1:
         out.append(f"--low-rounds {args.low_rounds} must be >= 1")
     if args.model_path is None and args.input_len + args.output_len > CAPACITY_CONTEXT:
-        out.append(f"--input-len {args.input_len} + --output-len {args.output_len} exceed the CPU servers' "
-                   f"context of {CAPACITY_CONTEXT} tokens")
+        out.append(
+            f"--input-len {args.input_len} + --output-len {args.output_len} exceed the CPU servers' "
+            f"context of {CAPACITY_CONTEXT} tokens"
+        )
     return out
 
 
@@ -577,6 +683,9 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(res, indent=2))
     else:
         print_table(res)
-    ok = res["identical_tokens"] and not any(i["error"] for i in res["servers"].values()) and all(
-        r["completed"] == r["requests"] for r in res["runs"])
+    ok = (
+        res["identical_tokens"]
+        and not any(i["error"] for i in res["servers"].values())
+        and all(r["completed"] == r["requests"] for r in res["runs"])
+    )
     return 0 if ok else 1

@@ -60,9 +60,12 @@ def post_json(url: str, body: Dict[str, Any], timeout_s: float = 120.0) -> Any:
 
 def generate_body(input_ids, max_new_tokens: int, stream: bool = False, **extra: Any) -> Dict[str, Any]:
     """Greedy ``/generate`` body for token ids (one prompt or a batch), ``ignore_eos``."""
-    return {"input_ids": input_ids, "stream": stream,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
-            **extra}
+    return {
+        "input_ids": input_ids,
+        "stream": stream,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+        **extra,
+    }
 
 
 @dataclass
@@ -104,8 +107,9 @@ class StreamedOutput:
         return out
 
 
-def stream_generate(url: str, input_ids: List[int], max_new_tokens: int, timeout_s: float = 300.0,
-                    **extra: Any) -> StreamedOutput:
+def stream_generate(
+    url: str, input_ids: List[int], max_new_tokens: int, timeout_s: float = 300.0, **extra: Any
+) -> StreamedOutput:
     """Streamed greedy ``/generate`` to the server at ``url`` (``http://host:port``).
 
     SGLang streams cumulative ``output_ids`` by default and deltas with
@@ -113,8 +117,9 @@ def stream_generate(url: str, input_ids: List[int], max_new_tokens: int, timeout
     tells which).
     """
     body = generate_body(input_ids, max_new_tokens, stream=True, **extra)
-    req = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     t0 = time.monotonic()
     ttft: Optional[float] = None
     ids: List[int] = []
@@ -134,7 +139,7 @@ def stream_generate(url: str, input_ids: List[int], max_new_tokens: int, timeout
             chunk_ids = [int(t) for t in chunk.get("output_ids", []) or []]
             total = int(meta.get("completion_tokens", len(ids) + len(chunk_ids)))
             if len(chunk_ids) == total and total >= len(ids):  # cumulative
-                new = chunk_ids[len(ids):]
+                new = chunk_ids[len(ids) :]
             else:  # incremental
                 new = chunk_ids
             if new and ttft is None:
@@ -168,8 +173,11 @@ class LoadResult:
     def decode_tokens_per_s(self, output_len: int, t_sent: Sequence[float]) -> Optional[float]:
         """Tokens after each request's first, over the decode window (first request's
         first token to last request's last token, on the load's clock)."""
-        done = [(o, t) for o, t in zip(self.outputs, t_sent)
-                if o is not None and o.tokens >= output_len and o.ttft_s is not None]
+        done = [
+            (o, t)
+            for o, t in zip(self.outputs, t_sent)
+            if o is not None and o.tokens >= output_len and o.ttft_s is not None
+        ]
         if not done:
             return None
         start = min(t + o.ttft_s for o, t in done)
@@ -178,8 +186,9 @@ class LoadResult:
         return tokens / (end - start) if end > start else None
 
 
-def run_load(url: str, prompts: Sequence[List[int]], output_len: int, concurrency: int,
-             timeout_s: float = 300.0, on_error=None) -> "tuple[LoadResult, List[float]]":
+def run_load(
+    url: str, prompts: Sequence[List[int]], output_len: int, concurrency: int, timeout_s: float = 300.0, on_error=None
+) -> "tuple[LoadResult, List[float]]":
     """Send every prompt (``concurrency`` in flight at once, in order); returns the
     result and each request's send time (seconds since the load started)."""
     outputs: List[Optional[StreamedOutput]] = [None] * len(prompts)

@@ -29,8 +29,12 @@ def startup_error(exc: BaseException, log_path: Optional[Path], blocks: int = 3)
         line = lines[i].strip()
         if line and ERROR_LINE.match(line):
             block = [line[:600]]
-            while i + 1 < len(lines) and lines[i + 1].startswith(("  ", "\t")) and len(block) < 8 \
-                    and not lines[i + 1].lstrip().startswith(("File ", "^")):
+            while (
+                i + 1 < len(lines)
+                and lines[i + 1].startswith(("  ", "\t"))
+                and len(block) < 8
+                and not lines[i + 1].lstrip().startswith(("File ", "^"))
+            ):
                 i += 1
                 block.append(lines[i].strip()[:600])
             text = "\n    ".join(block)

@@ -74,21 +74,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=3, help="concurrent clients per server (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
     p.add_argument("--abort-fraction", type=float, default=0.1, help="fraction of requests aborted mid-flight")
-    p.add_argument("--no-baseline", dest="baseline", action="store_false",
-                   help="do not serve the model without offload beside the offload servers (by default it runs "
-                        "under the same load: SGLang's own memory growth is the yardstick, "
-                        "baseline_rss_growth_ratio_max)")
-    p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="environment of every server (repeatable), e.g. LD_PRELOAD=/usr/lib/x86_64-linux-gnu/"
-                        "libjemalloc.so.2")
-    p.add_argument("--shape-cache", type=int, default=DEFAULT_SHAPE_CACHE, metavar="N",
-                   help="entries of torch's two per-input-shape CPU matmul caches in every server "
-                        f"({SHAPE_CACHE_ENV[0]}, {SHAPE_CACHE_ENV[1]}; default {DEFAULT_SHAPE_CACHE}); 0 keeps torch's "
-                        "defaults (1024 each, about 0.4 MB per entry here: SGLang's scheduler then grows for tens of "
-                        "minutes as new prompt lengths arrive, see docs/benchmarks.md)")
-    p.add_argument("--warmup-requests", type=int, default=100, metavar="N",
-                   help="warm-up lasts until every server has finished N requests (and at least a tenth of the "
-                        "run, 20 s or more; at most half of it); default 100")
+    p.add_argument(
+        "--no-baseline",
+        dest="baseline",
+        action="store_false",
+        help="do not serve the model without offload beside the offload servers (by default it runs "
+        "under the same load: SGLang's own memory growth is the yardstick, "
+        "baseline_rss_growth_ratio_max)",
+    )
+    p.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of every server (repeatable), e.g. LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    )
+    p.add_argument(
+        "--shape-cache",
+        type=int,
+        default=DEFAULT_SHAPE_CACHE,
+        metavar="N",
+        help="entries of torch's two per-input-shape CPU matmul caches in every server "
+        f"({SHAPE_CACHE_ENV[0]}, {SHAPE_CACHE_ENV[1]}; default {DEFAULT_SHAPE_CACHE}); 0 keeps torch's "
+        "defaults (1024 each, about 0.4 MB per entry here: SGLang's scheduler then grows for tens of "
+        "minutes as new prompt lengths arrive, see docs/benchmarks.md)",
+    )
+    p.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=100,
+        metavar="N",
+        help="warm-up lasts until every server has finished N requests (and at least a tenth of the "
+        "run, 20 s or more; at most half of it); default 100",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
 
 
@@ -228,11 +246,22 @@ def _server_specs(baseline: bool) -> Dict[str, Tuple[List[str], List[str]]]:
 
     common = ["--max-running-requests", "4", "--chunked-prefill-size", "128"] + IDLE_SLEEP
     specs = {
-        "sparse_decode": (fixture_args(TINY_DSA), ["--enable-sparse-decode-offload", "--sparse-decode-offload-config",
-                                                   json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 5})]),
-        "layerwise_prefill": (fixture_args(TINY_DSA_4L), ["--enable-layerwise-prefill-offload",
-                                                          "--layerwise-prefill-offload-config",
-                                                          json.dumps({"shared_buffers": 1})]),
+        "sparse_decode": (
+            fixture_args(TINY_DSA),
+            [
+                "--enable-sparse-decode-offload",
+                "--sparse-decode-offload-config",
+                json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 5}),
+            ],
+        ),
+        "layerwise_prefill": (
+            fixture_args(TINY_DSA_4L),
+            [
+                "--enable-layerwise-prefill-offload",
+                "--layerwise-prefill-offload-config",
+                json.dumps({"shared_buffers": 1}),
+            ],
+        ),
     }
     if baseline:
         specs["baseline"] = (fixture_args(TINY_DSA), [])
@@ -266,13 +295,20 @@ def _schedule(minutes: float) -> _Schedule:
     return _Schedule(t0, warm_min, warm_max, t0 + max(duration, 1.0))
 
 
-def _start_clients(servers, stats: Dict[str, LoadStats], clients: int, seed: int, stop_at: float,
-                   abort_fraction: float) -> List[threading.Thread]:
+def _start_clients(
+    servers, stats: Dict[str, LoadStats], clients: int, seed: int, stop_at: float, abort_fraction: float
+) -> List[threading.Thread]:
     """``clients`` client threads per server, each with its own random stream drawn from ``seed``."""
     rng = random.Random(seed)
-    threads = [threading.Thread(target=_client, args=(srv, stats[name], random.Random(rng.getrandbits(64)),
-                                                      stop_at, abort_fraction), daemon=True)
-               for name, srv in servers.items() for _ in range(clients)]
+    threads = [
+        threading.Thread(
+            target=_client,
+            args=(srv, stats[name], random.Random(rng.getrandbits(64)), stop_at, abort_fraction),
+            daemon=True,
+        )
+        for name, srv in servers.items()
+        for _ in range(clients)
+    ]
     for t in threads:
         t.start()
     return threads
@@ -287,24 +323,28 @@ class _Warm:
     status: Dict[str, Dict[int, Dict[str, float]]]  # server -> pid -> its memory (_status_mb) then
 
 
-def _warm_up(servers, stats: Dict[str, LoadStats], threads: List[threading.Thread], sched: _Schedule,
-             warmup_requests: int) -> _Warm:
+def _warm_up(
+    servers, stats: Dict[str, LoadStats], threads: List[threading.Thread], sched: _Schedule, warmup_requests: int
+) -> _Warm:
     """Wait until every server has finished ``warmup_requests`` requests and ``sched.warm_min``
     has passed (at most until ``sched.warm_max``); read every server process's memory."""
     time.sleep(max(0.0, sched.warm_min - time.monotonic()))
-    while (time.monotonic() < sched.warm_max and any(s.requests - s.failed < warmup_requests for s in stats.values())
-           and any(t.is_alive() for t in threads)):
+    while (
+        time.monotonic() < sched.warm_max
+        and any(s.requests - s.failed < warmup_requests for s in stats.values())
+        and any(t.is_alive() for t in threads)
+    ):
         time.sleep(1.0)
     warmup_s = time.monotonic() - sched.t0
     warmup_done = {name: s.requests - s.failed for name, s in stats.items()}
     warm = {name: {pid: _status_mb(pid) for pid in srv.pids()} for name, srv in servers.items()}
-    _progress(f"warm-up done after {warmup_s:.0f} s: " + ", ".join(f"{n} {k} requests"
-                                                                   for n, k in warmup_done.items()))
+    _progress(f"warm-up done after {warmup_s:.0f} s: " + ", ".join(f"{n} {k} requests" for n, k in warmup_done.items()))
     return _Warm(warmup_s, warmup_done, warm)
 
 
-def _sample_until_done(threads: List[threading.Thread], warm: _Warm, stats: Dict[str, LoadStats], t0: float,
-                       minutes: float) -> Dict[int, List[float]]:
+def _sample_until_done(
+    threads: List[threading.Thread], warm: _Warm, stats: Dict[str, LoadStats], t0: float, minutes: float
+) -> Dict[int, List[float]]:
     """Every warm-up process's ``VmRSS`` (MiB) every 30 s until the clients are done, with progress."""
     last = time.monotonic()
     samples: Dict[int, List[float]] = {pid: [] for w in warm.status.values() for pid in w}
@@ -316,8 +356,10 @@ def _sample_until_done(threads: List[threading.Thread], warm: _Warm, stats: Dict
                 rss = _rss_mb(pid)
                 if rss is not None:
                     samples[pid].append(round(rss, 1))
-            _progress(f"{(last - t0) / 60:.1f}/{minutes:g} min: "
-                      + ", ".join(f"{n} {s.requests} req {s.failed} failed" for n, s in stats.items()))
+            _progress(
+                f"{(last - t0) / 60:.1f}/{minutes:g} min: "
+                + ", ".join(f"{n} {s.requests} req {s.failed} failed" for n, s in stats.items())
+            )
     return samples
 
 
@@ -328,11 +370,22 @@ def _process_memory(servers, warm: _Warm, samples: Dict[int, List[float]]) -> Li
         for pid, at_warm in warm.status[name].items():
             at_end = _status_mb(pid)
             if "VmRSS" in at_warm and "VmRSS" in at_end:
-                parts = {f"rss_{part}_{when}_mb": round(mb.get(key, 0.0), 1)
-                         for part, key in (("anon", "RssAnon"), ("file", "RssFile"), ("shmem", "RssShmem"))
-                         for when, mb in (("warm", at_warm), ("end", at_end))}
-                memory.append(ProcessMemory(name, pid, _proc_name(pid), round(at_warm["VmRSS"], 1),
-                                            round(at_end["VmRSS"], 1), samples.get(pid, []), **parts))
+                parts = {
+                    f"rss_{part}_{when}_mb": round(mb.get(key, 0.0), 1)
+                    for part, key in (("anon", "RssAnon"), ("file", "RssFile"), ("shmem", "RssShmem"))
+                    for when, mb in (("warm", at_warm), ("end", at_end))
+                }
+                memory.append(
+                    ProcessMemory(
+                        name,
+                        pid,
+                        _proc_name(pid),
+                        round(at_warm["VmRSS"], 1),
+                        round(at_end["VmRSS"], 1),
+                        samples.get(pid, []),
+                        **parts,
+                    )
+                )
     return memory
 
 
@@ -342,17 +395,25 @@ def _load_keys(minutes: float, stats: Dict[str, LoadStats]) -> dict:
     for s in stats.values():
         for key in ("requests", "failed", "aborted", "radix_prompts", "output_tokens"):
             setattr(total, key, getattr(total, key) + getattr(s, key))
-    return {"minutes": minutes, "requests": total.requests, "failed": total.failed, "aborted": total.aborted,
-            "radix_prompts": total.radix_prompts, "output_tokens": total.output_tokens}
+    return {
+        "minutes": minutes,
+        "requests": total.requests,
+        "failed": total.failed,
+        "aborted": total.aborted,
+        "radix_prompts": total.radix_prompts,
+        "output_tokens": total.output_tokens,
+    }
 
 
 def _growth_keys(memory: List[ProcessMemory], baseline: bool) -> dict:
     """The largest ``VmRSS`` growth of the offload servers, of the baseline, and their ratio."""
     offload = max((m.growth_ratio for m in memory if m.server != "baseline"), default=1.0)
     base = max((m.growth_ratio for m in memory if m.server == "baseline"), default=1.0)
-    return {"rss_growth_ratio_max": round(offload, 4),
-            "baseline_rss_growth_ratio_max": round(base, 4) if baseline else None,
-            "rss_growth_over_baseline": round(offload / base, 4) if baseline else None}
+    return {
+        "rss_growth_ratio_max": round(offload, 4),
+        "baseline_rss_growth_ratio_max": round(base, 4) if baseline else None,
+        "rss_growth_over_baseline": round(offload / base, 4) if baseline else None,
+    }
 
 
 def _leftover_keys(new_files: List[str]) -> dict:
@@ -362,9 +423,16 @@ def _leftover_keys(new_files: List[str]) -> dict:
     return {"leaked_shm_files": len(leaked), "leaked_shm_names": leaked, "sglang_shm_files_left": len(sglang_left)}
 
 
-def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline: bool = False,
-        server_env: Optional[Dict[str, str]] = None, shape_cache: int = DEFAULT_SHAPE_CACHE,
-        warmup_requests: int = 100) -> dict:
+def run(
+    minutes: float,
+    clients: int,
+    seed: int,
+    abort_fraction: float,
+    baseline: bool = False,
+    server_env: Optional[Dict[str, str]] = None,
+    shape_cache: int = DEFAULT_SHAPE_CACHE,
+    warmup_requests: int = 100,
+) -> dict:
     import tempfile
 
     from ..testing.servers import ServerProcess, stop_all
@@ -373,8 +441,10 @@ def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline
     server_env = _servers_env(server_env, shape_cache)
     logs = Path(tempfile.mkdtemp(prefix="bench_soak_"))
     shm_before = _shm_files()
-    servers = {name: ServerProcess(args, log_path=logs / f"{name}.log", base_args=base, env=server_env)
-               for name, (base, args) in specs.items()}
+    servers = {
+        name: ServerProcess(args, log_path=logs / f"{name}.log", base_args=base, env=server_env)
+        for name, (base, args) in specs.items()
+    }
     _progress(f"starting {len(servers)} servers (logs in {logs})")
     started = []
     try:
@@ -386,8 +456,10 @@ def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline
         warm = _warm_up(servers, stats, threads, sched, warmup_requests)
         samples = _sample_until_done(threads, warm, stats, sched.t0, minutes)
         memory = _process_memory(servers, warm, samples)
-        counters = {"sparse_decode": _summary(servers["sparse_decode"].log_path, "sparse-decode-offload:"),
-                    "layerwise_prefill": _summary(servers["layerwise_prefill"].log_path, "layerwise-prefill:")}
+        counters = {
+            "sparse_decode": _summary(servers["sparse_decode"].log_path, "sparse-decode-offload:"),
+            "layerwise_prefill": _summary(servers["layerwise_prefill"].log_path, "layerwise-prefill:"),
+        }
     finally:
         _progress("stopping servers (SIGTERM to each process group)")
         stop_all(*started)
@@ -398,24 +470,40 @@ def run(minutes: float, clients: int, seed: int, abort_fraction: float, baseline
         **_growth_keys(memory, baseline),
         **_leftover_keys(new_files),
         "processes": [{**asdict(m), "growth_ratio": round(m.growth_ratio, 4)} for m in memory],
-        "servers": [{"name": name, "requests": s.requests, "failed": s.failed, "aborted": s.aborted,
-                     "errors": s.errors, "offload_counters": counters.get(name, {})} for name, s in stats.items()],
+        "servers": [
+            {
+                "name": name,
+                "requests": s.requests,
+                "failed": s.failed,
+                "aborted": s.aborted,
+                "errors": s.errors,
+                "offload_counters": counters.get(name, {}),
+            }
+            for name, s in stats.items()
+        ],
         "server_env": server_env,
         "shape_cache": shape_cache,
         "warmup_s": round(warm.seconds, 1),
         "warmup_requests": warm.done,
-        "warmup_criterion": (f"at least {warmup_requests} finished (answered or aborted) requests per server "
-                             f"and at least {sched.warm_min - sched.t0:.0f} s, at most {sched.warm_max - sched.t0:.0f} s"),
+        "warmup_criterion": (
+            f"at least {warmup_requests} finished (answered or aborted) requests per server "
+            f"and at least {sched.warm_min - sched.t0:.0f} s, at most {sched.warm_max - sched.t0:.0f} s"
+        ),
         "logs": str(logs),
     }
 
 
 def main(args: argparse.Namespace) -> int:
     if args.minutes <= 0 or args.clients < 1 or not 0 <= args.abort_fraction <= 1:
-        problems = [m for bad, m in ((args.minutes <= 0, f"--minutes {args.minutes} must be > 0"),
-                                     (args.clients < 1, f"--clients {args.clients} must be >= 1"),
-                                     (not 0 <= args.abort_fraction <= 1,
-                                      f"--abort-fraction {args.abort_fraction} must be in [0, 1]")) if bad]
+        problems = [
+            m
+            for bad, m in (
+                (args.minutes <= 0, f"--minutes {args.minutes} must be > 0"),
+                (args.clients < 1, f"--clients {args.clients} must be >= 1"),
+                (not 0 <= args.abort_fraction <= 1, f"--abort-fraction {args.abort_fraction} must be in [0, 1]"),
+            )
+            if bad
+        ]
         print("bench soak: " + "; ".join(problems), file=sys.stderr)
         return 2
     env = {}
@@ -428,22 +516,38 @@ def main(args: argparse.Namespace) -> int:
     if args.shape_cache < 0 or args.warmup_requests < 0:
         print("bench soak: --shape-cache and --warmup-requests must be >= 0", file=sys.stderr)
         return 2
-    result = run(args.minutes, args.clients, args.seed, args.abort_fraction, args.baseline, env,
-                 args.shape_cache, args.warmup_requests)
+    result = run(
+        args.minutes,
+        args.clients,
+        args.seed,
+        args.abort_fraction,
+        args.baseline,
+        env,
+        args.shape_cache,
+        args.warmup_requests,
+    )
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"soak {result['minutes']:g} min: {result['requests']} requests ({result['aborted']} aborted, "
-              f"{result['radix_prompts']} radix-hit prompts), {result['failed']} failed")
+        print(
+            f"soak {result['minutes']:g} min: {result['requests']} requests ({result['aborted']} aborted, "
+            f"{result['radix_prompts']} radix-hit prompts), {result['failed']} failed"
+        )
         print(f"{'server':18s} {'pid':>7s} {'process':16s} {'rss warm MB':>11s} {'rss end MB':>10s} {'growth':>7s}")
         for p in result["processes"]:
-            print(f"{p['server']:18s} {p['pid']:7d} {p['name']:16s} {p['rss_warm_mb']:11.1f} "
-                  f"{p['rss_end_mb']:10.1f} {p['growth_ratio']:7.3f}")
+            print(
+                f"{p['server']:18s} {p['pid']:7d} {p['name']:16s} {p['rss_warm_mb']:11.1f} "
+                f"{p['rss_end_mb']:10.1f} {p['growth_ratio']:7.3f}"
+            )
         if result["baseline_rss_growth_ratio_max"] is not None:
-            print(f"baseline (no offload) rss growth {result['baseline_rss_growth_ratio_max']:.3f}; offload "
-                  f"servers' growth over it {result['rss_growth_over_baseline']:.3f}")
-        print(f"rss_growth_ratio_max {result['rss_growth_ratio_max']:.3f}; plugin shm files left "
-              f"{result['leaked_shm_files']}; SGLang's own shm files left {result['sglang_shm_files_left']}")
+            print(
+                f"baseline (no offload) rss growth {result['baseline_rss_growth_ratio_max']:.3f}; offload "
+                f"servers' growth over it {result['rss_growth_over_baseline']:.3f}"
+            )
+        print(
+            f"rss_growth_ratio_max {result['rss_growth_ratio_max']:.3f}; plugin shm files left "
+            f"{result['leaked_shm_files']}; SGLang's own shm files left {result['sglang_shm_files_left']}"
+        )
         for s in result["servers"]:
             print(f"{s['name']}: " + " ".join(f"{k}={v}" for k, v in s["offload_counters"].items()))
     return 0 if result["failed"] == 0 and result["leaked_shm_files"] == 0 else 1

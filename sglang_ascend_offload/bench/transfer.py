@@ -65,42 +65,74 @@ from typing import Any, Dict, List, Optional, Tuple
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable results")
-    parser.add_argument("-v", "--verbose", dest="transfer_verbose", action="store_true",
-                        help="show the worker processes' logs (injected faults log every failure they cause)")
-    parser.add_argument("--engine", choices=["mooncake"], default="mooncake",
-                        help="transfer engine (mooncake over TCP; the memfabric engine needs NPU buffers "
-                             "and is measured by the npu tests)")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        dest="transfer_verbose",
+        action="store_true",
+        help="show the worker processes' logs (injected faults log every failure they cause)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["mooncake"],
+        default="mooncake",
+        help="transfer engine (mooncake over TCP; the memfabric engine needs NPU buffers "
+        "and is measured by the npu tests)",
+    )
     parser.add_argument("--p-tp", type=int, default=1, help="prefill TP of the throughput run")
     parser.add_argument("--d-tp", type=int, default=1, help="decode TP of the throughput run")
     parser.add_argument("--layers", type=int, default=8, help="layers of the throughput run")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of the request")
     parser.add_argument("--block-tokens", type=int, default=128, help="tokens per KV block")
-    parser.add_argument("--throughput-slots", type=int, default=0,
-                        help="prefill slots of the throughput run (0 = one per layer: every layer is written "
-                             "before the first publish, so the harness's host-memcpy stand-in for the forward does "
-                             "not compete with the engine for the CPU while it is timed; 2 = slot reuse as in "
-                             "layerwise prefill)")
-    parser.add_argument("--throughput-runs", type=int, default=5,
-                        help="throughput runs (ours, then the raw replay, each time); the run with the median "
-                             "ratio is reported")
-    parser.add_argument("--overhead-layers", type=int, default=256,
-                        help="layers of the single-block overhead run (samples of the percentiles)")
-    parser.add_argument("--layer-timeout", type=float, default=2.0,
-                        help="per-layer deadline (s) in the fault scenarios")
+    parser.add_argument(
+        "--throughput-slots",
+        type=int,
+        default=0,
+        help="prefill slots of the throughput run (0 = one per layer: every layer is written "
+        "before the first publish, so the harness's host-memcpy stand-in for the forward does "
+        "not compete with the engine for the CPU while it is timed; 2 = slot reuse as in "
+        "layerwise prefill)",
+    )
+    parser.add_argument(
+        "--throughput-runs",
+        type=int,
+        default=5,
+        help="throughput runs (ours, then the raw replay, each time); the run with the median ratio is reported",
+    )
+    parser.add_argument(
+        "--overhead-layers",
+        type=int,
+        default=256,
+        help="layers of the single-block overhead run (samples of the percentiles)",
+    )
+    parser.add_argument(
+        "--layer-timeout", type=float, default=2.0, help="per-layer deadline (s) in the fault scenarios"
+    )
     parser.add_argument("--no-faults", action="store_true", help="skip the fault table")
-    parser.add_argument("--spin-us", type=float, default=None,
-                        help="receive spin of both control endpoints in microseconds (0 = off; default: each "
-                             "side's own, see transfer/channel.py); for A/B runs of the control-path overhead")
-    parser.add_argument("--served", action="store_true",
-                        help="also serve the tiny DSA fixture (router + prefill/decode servers on CPU) and "
-                             "compare TTFT with colocated serving (minutes)")
+    parser.add_argument(
+        "--spin-us",
+        type=float,
+        default=None,
+        help="receive spin of both control endpoints in microseconds (0 = off; default: each "
+        "side's own, see transfer/channel.py); for A/B runs of the control-path overhead",
+    )
+    parser.add_argument(
+        "--served",
+        action="store_true",
+        help="also serve the tiny DSA fixture (router + prefill/decode servers on CPU) and "
+        "compare TTFT with colocated serving (minutes)",
+    )
     parser.add_argument("--served-requests", type=int, default=8, help="requests per served configuration")
     parser.add_argument("--served-concurrency", type=int, default=2, help="requests in flight at once")
     parser.add_argument("--served-input-len", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--served-output-len", type=int, default=16, help="output tokens per request")
-    parser.add_argument("--served-runs", type=int, default=1,
-                        help="start and load every served configuration this many times; the served rows are "
-                             "the medians, each run's rows are in served_runs")
+    parser.add_argument(
+        "--served-runs",
+        type=int,
+        default=1,
+        help="start and load every served configuration this many times; the served rows are "
+        "the medians, each run's rows are in served_runs",
+    )
 
 
 def _sum(reports: Dict[int, Any], key: str) -> float:
@@ -108,9 +140,15 @@ def _sum(reports: Dict[int, Any], key: str) -> float:
 
 
 def _row(r) -> Dict[str, Any]:
-    return {"name": r.name, "outcome": r.outcome, "hung": r.hung,
-            "destination_used_after_failure": r.destination_used_after_failure,
-            "leaked_slots": r.leaked_slots, "verified": r.verified, "seconds": round(r.seconds, 3)}
+    return {
+        "name": r.name,
+        "outcome": r.outcome,
+        "hung": r.hung,
+        "destination_used_after_failure": r.destination_used_after_failure,
+        "leaked_slots": r.leaked_slots,
+        "verified": r.verified,
+        "seconds": round(r.seconds, 3),
+    }
 
 
 def percentile(values: List[float], q: float) -> Optional[float]:
@@ -161,8 +199,9 @@ def freeze_worker_gc() -> int:
 def _pool_env(pool, name: str, value: Optional[str]) -> None:
     from ..testing.workers import run_tasks
 
-    run_tasks(pool, {i: (__name__, "set_worker_env", dict(name=name, value=value)) for i in range(pool.size)},
-              timeout_s=60)
+    run_tasks(
+        pool, {i: (__name__, "set_worker_env", dict(name=name, value=value)) for i in range(pool.size)}, timeout_s=60
+    )
 
 
 def _throughput_run(t) -> tuple:
@@ -181,8 +220,11 @@ def _throughput_run(t) -> tuple:
     raw_s = [r["raw_seconds"] for r in decode_ok if r["raw_seconds"]]
     raw_b = sum(r["raw_bytes"] or 0 for r in decode_ok)
     out["raw_engine_bytes_per_s"] = raw_b / max(raw_s) if raw_s else None
-    out["engine_over_raw"] = (out["transfer_bytes_per_s"] / out["raw_engine_bytes_per_s"]
-                              if out["transfer_bytes_per_s"] and out["raw_engine_bytes_per_s"] else None)
+    out["engine_over_raw"] = (
+        out["transfer_bytes_per_s"] / out["raw_engine_bytes_per_s"]
+        if out["transfer_bytes_per_s"] and out["raw_engine_bytes_per_s"]
+        else None
+    )
     idles = [r.get("idle_before_reads_s") for r in decode_ok if r.get("idle_before_reads_s")]
     # (before our first read, given to the raw replay, the raw replay really had)
     out["idle_before_reads_s"] = list(idles[0]) if idles else None
@@ -218,20 +260,49 @@ def _scenarios(args: argparse.Namespace) -> _Scenarios:
         raise SystemExit("--served-runs must be >= 1")
     args.throughput_slots = args.throughput_slots or args.layers
     throughput = ScenarioSpec(
-        name="throughput", p_tp=args.p_tp, d_tp=args.d_tp, num_layers=args.layers, num_slots=args.throughput_slots,
-        block_tokens=args.block_tokens, main_tensors=(("latent", 512 * 2), ("rope", 64 * 2)),
-        indexer_bytes=128 * 2, scale_bytes=0, request_blocks=(blocks,), slot_blocks=blocks,
-        pool_blocks=blocks, layer_timeout_s=30.0, handshake_timeout_s=30.0, measure_memcpy=True,
-        measure_raw=True)
+        name="throughput",
+        p_tp=args.p_tp,
+        d_tp=args.d_tp,
+        num_layers=args.layers,
+        num_slots=args.throughput_slots,
+        block_tokens=args.block_tokens,
+        main_tensors=(("latent", 512 * 2), ("rope", 64 * 2)),
+        indexer_bytes=128 * 2,
+        scale_bytes=0,
+        request_blocks=(blocks,),
+        slot_blocks=blocks,
+        pool_blocks=blocks,
+        layer_timeout_s=30.0,
+        handshake_timeout_s=30.0,
+        measure_memcpy=True,
+        measure_raw=True,
+    )
     # one slot: every layer waits for the previous answer, so no batch queues behind another
     overhead = ScenarioSpec(
-        name="overhead", num_layers=args.overhead_layers, num_slots=1, block_tokens=1,
-        main_tensors=(("latent", 64), ("rope", 8)), indexer_bytes=16, scale_bytes=4,
-        request_blocks=(1,), slot_blocks=1, pool_blocks=1, layer_timeout_s=30.0, handshake_timeout_s=30.0)
+        name="overhead",
+        num_layers=args.overhead_layers,
+        num_slots=1,
+        block_tokens=1,
+        main_tensors=(("latent", 64), ("rope", 8)),
+        indexer_bytes=16,
+        scale_bytes=4,
+        request_blocks=(1,),
+        slot_blocks=1,
+        pool_blocks=1,
+        layer_timeout_s=30.0,
+        handshake_timeout_s=30.0,
+    )
     faults: List = []
     if not args.no_faults:
-        base = ScenarioSpec(name="base", p_tp=2, d_tp=1, layer_timeout_s=args.layer_timeout,
-                            handshake_timeout_s=2 * args.layer_timeout, read_retries=1, engine=args.engine)
+        base = ScenarioSpec(
+            name="base",
+            p_tp=2,
+            d_tp=1,
+            layer_timeout_s=args.layer_timeout,
+            handshake_timeout_s=2 * args.layer_timeout,
+            read_retries=1,
+            engine=args.engine,
+        )
         faults = fault_scenarios(base)
     return _Scenarios(throughput, overhead, faults)
 
@@ -270,8 +341,10 @@ def _throughput_keys(pool, throughput, args: argparse.Namespace) -> Dict[str, An
     from ..testing.pd_harness import run_scenario
 
     out: Dict[str, Any] = {}
-    runs = [_throughput_run(run_scenario(pool, replace(throughput, engine=args.engine), timeout_s=600))
-            for _ in range(max(1, args.throughput_runs))]
+    runs = [
+        _throughput_run(run_scenario(pool, replace(throughput, engine=args.engine), timeout_s=600))
+        for _ in range(max(1, args.throughput_runs))
+    ]
     # the run with the median ours/raw ratio (each run times ours and the raw replay back to back)
     ranked = sorted(runs, key=lambda r: (r[0].get("engine_over_raw") is None, r[0].get("engine_over_raw") or 0))
     keys, t = ranked[(len(ranked) - 1) // 2] if all(r[0].get("engine_over_raw") for r in runs) else ranked[-1]
@@ -281,8 +354,14 @@ def _throughput_keys(pool, throughput, args: argparse.Namespace) -> Dict[str, An
     # robust to the other jobs' load spikes: per layer (after the first), the raw engine's
     # time for that layer's reads over ours (read + idle gap before it), median of every
     # layer of every run
-    ratios = [raw / ours for _, t_run in runs for r in t_run.decode.values() if isinstance(r, dict)
-              for ours, raw in zip(r["layer_seconds"], r["raw_layer_seconds"]) if ours > 0]
+    ratios = [
+        raw / ours
+        for _, t_run in runs
+        for r in t_run.decode.values()
+        if isinstance(r, dict)
+        for ours, raw in zip(r["layer_seconds"], r["raw_layer_seconds"])
+        if ours > 0
+    ]
     out["engine_over_raw_layers"] = len(ratios)
     if ratios:
         out["engine_over_raw"] = percentile(ratios, 50)
@@ -320,8 +399,10 @@ def _traced_stages(pool, overhead, args: argparse.Namespace) -> Tuple[Dict[str, 
         o = run_scenario(pool, replace(overhead, engine=args.engine), timeout_s=300)
     finally:
         _pool_env(pool, TRACE_ENV, None)
-    stamps = [{b: rec for r in side.values() if isinstance(r, dict) and r.get("stages")
-               for b, rec in r["stages"].items()} for side in (o.prefill, o.decode)]
+    stamps = [
+        {b: rec for r in side.values() if isinstance(r, dict) and r.get("stages") for b, rec in r["stages"].items()}
+        for side in (o.prefill, o.decode)
+    ]
     return stage_breakdown(*stamps), bool(o.verified and o.outcome == "done")
 
 
@@ -348,8 +429,12 @@ def run(args: argparse.Namespace, log_dir: Optional[str] = None) -> Dict[str, An
     if args.served:
         from .transfer_served import ServedLoad, median_rows, offload_over_device_ttft, run_served
 
-        load = ServedLoad(requests=args.served_requests, concurrency=args.served_concurrency,
-                          input_len=args.served_input_len, output_len=args.served_output_len)
+        load = ServedLoad(
+            requests=args.served_requests,
+            concurrency=args.served_concurrency,
+            input_len=args.served_input_len,
+            output_len=args.served_output_len,
+        )
         runs = [run_served(load) for _ in range(args.served_runs)]
         rows = median_rows(runs)
         out["served"] = [asdict(r) for r in rows]
@@ -367,8 +452,10 @@ def _fmt(v, spec: str = ".0f") -> str:
 
 
 def print_table(res: Dict[str, Any]) -> None:
-    print(f"P/D transfer, engine {res['engine']} ({res['data_protocol']}), prefill TP {res['p_tp']} -> "
-          f"decode TP {res['d_tp']}")
+    print(
+        f"P/D transfer, engine {res['engine']} ({res['data_protocol']}), prefill TP {res['p_tp']} -> "
+        f"decode TP {res['d_tp']}"
+    )
     print(f"  bytes moved                 {res['bytes_moved']:>14,d}   verified: {res['verified']}")
     print(f"  P/D transfer (read span)    {_fmt_rate(res.get('transfer_bytes_per_s')):>14}")
     print(f"  raw engine, same chunks     {_fmt_rate(res.get('raw_engine_bytes_per_s')):>14}")
@@ -377,15 +464,19 @@ def print_table(res: Dict[str, Any]) -> None:
     print(f"  plain memcpy (same sizes)   {_fmt_rate(res['memcpy_bytes_per_s']):>14}")
     if res.get("engine_vs_memcpy"):
         print(f"  engine / memcpy             {res['engine_vs_memcpy']:>14.3f}")
-    print(f"  per layer: answer {res['per_layer_answer_us']:.0f} us, engine read {res['per_layer_read_us']:.0f} us, "
-          f"protocol overhead mean {res['per_layer_overhead_us']:.0f} us, "
-          f"p50 {_fmt(res.get('per_layer_overhead_us_p50'))} us, p99 {_fmt(res.get('per_layer_overhead_us_p99'))} us "
-          f"({res.get('per_layer_overhead_samples', 0)} layers)")
+    print(
+        f"  per layer: answer {res['per_layer_answer_us']:.0f} us, engine read {res['per_layer_read_us']:.0f} us, "
+        f"protocol overhead mean {res['per_layer_overhead_us']:.0f} us, "
+        f"p50 {_fmt(res.get('per_layer_overhead_us_p50'))} us, p99 {_fmt(res.get('per_layer_overhead_us_p99'))} us "
+        f"({res.get('per_layer_overhead_samples', 0)} layers)"
+    )
     stages = res.get("control_path_stages_us") or {}
     if stages:
         spin = res.get("control_path_spin_us") or {}
-        print(f"  control path by stage (traced run; receive spin prefill {spin.get('prefill')} us, "
-              f"decode {spin.get('decode')} us):")
+        print(
+            f"  control path by stage (traced run; receive spin prefill {spin.get('prefill')} us, "
+            f"decode {spin.get('decode')} us):"
+        )
         for name, v in stages.items():
             print(f"    {name:24s} p50 {_fmt(v['p50'], '.1f'):>8} us  p99 {_fmt(v['p99'], '.1f'):>8} us")
     if res["scenarios"]:
@@ -393,14 +484,18 @@ def print_table(res: Dict[str, Any]) -> None:
         print(f"  {'fault scenario':{width}s} {'hung':5s} {'used-after-fail':15s} {'leaked':6s} {'s':>6s}  outcome")
         for s in res["scenarios"]:
             lines = textwrap.wrap(s["outcome"], 72, break_long_words=False, break_on_hyphens=False) or [""]
-            print(f"  {s['name']:{width}s} {str(s['hung']):5s} {str(s['destination_used_after_failure']):15s} "
-                  f"{s['leaked_slots']:<6d} {s['seconds']:6.2f}  {lines[0]}")
+            print(
+                f"  {s['name']:{width}s} {str(s['hung']):5s} {str(s['destination_used_after_failure']):15s} "
+                f"{s['leaked_slots']:<6d} {s['seconds']:6.2f}  {lines[0]}"
+            )
             for more in lines[1:]:
                 print(f"  {'':{width + 38}s}  {more}")
     for r in res.get("served", []):
-        print(f"  served {r['name']:28s} TTFT p50 {_fmt(r['ttft_ms_p50'], '.1f')} ms, "
-              f"p99 {_fmt(r['ttft_ms_p99'], '.1f')} ms, {_fmt(r['output_tokens_per_s'], '.1f')} output tok/s, "
-              f"{r['completed']} completed")
+        print(
+            f"  served {r['name']:28s} TTFT p50 {_fmt(r['ttft_ms_p50'], '.1f')} ms, "
+            f"p99 {_fmt(r['ttft_ms_p99'], '.1f')} ms, {_fmt(r['output_tokens_per_s'], '.1f')} output tok/s, "
+            f"{r['completed']} completed"
+        )
     if len(res.get("served_runs", [])) > 1:
         print(f"  served rows: medians of {len(res['served_runs'])} runs")
     if res.get("pd_offload_over_device_ttft_p50") is not None:
@@ -419,8 +514,11 @@ def main(args: argparse.Namespace) -> int:
         print()
     else:
         print_table(res)
-    bad = [s for s in res["scenarios"] if s["hung"] or s["leaked_slots"] or s["destination_used_after_failure"]
-           or not s["verified"]]
+    bad = [
+        s
+        for s in res["scenarios"]
+        if s["hung"] or s["leaked_slots"] or s["destination_used_after_failure"] or not s["verified"]
+    ]
     served_bad = [r for r in res.get("served", []) if not r["completed"]]
     ok = res["verified"] and not bad and not served_bad
     if log_dir is not None:

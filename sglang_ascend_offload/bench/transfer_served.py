@@ -70,8 +70,7 @@ class ServedResult:
     completed: int
 
 
-def stream_generate(url: str, input_ids: List[int], max_new_tokens: int,
-                    timeout_s: float = 300.0) -> tuple:
+def stream_generate(url: str, input_ids: List[int], max_new_tokens: int, timeout_s: float = 300.0) -> tuple:
     """Streamed greedy ``/generate``: ``(ttft_s or None, output tokens, wall_s)``."""
     out = served_load.stream_generate(url, input_ids, max_new_tokens, timeout_s=timeout_s)
     return out.ttft_s, out.tokens, out.wall_s
@@ -90,13 +89,14 @@ def _launch(name: str, root: Path):
     bootstrap, kv = reserve_port(), reserve_port()
     prefill = pd_servers.prefill_args(bootstrap, kv, layerwise=name == "pd_layerwise_prefill_offload_decode")
     decode = pd_servers.decode_args(kv, offload=name != "pd_device_decode")
-    servers = [ServerProcess(prefill, log_path=root / f"{name}.prefill.log"),
-               ServerProcess(decode, log_path=root / f"{name}.decode.log")]
+    servers = [
+        ServerProcess(prefill, log_path=root / f"{name}.prefill.log"),
+        ServerProcess(decode, log_path=root / f"{name}.decode.log"),
+    ]
     stoppable: list = list(servers)
     try:
         start_all(*servers)
-        router = pd_servers.PDRouter(servers[0].url, bootstrap, servers[1].url,
-                                     root / f"{name}.router.log").start()
+        router = pd_servers.PDRouter(servers[0].url, bootstrap, servers[1].url, root / f"{name}.router.log").start()
         stoppable.append(router)
         router.wait_ready(prompt(5, seed=99), time.monotonic() + ROUTER_READY_S)
         return router.url, stoppable
@@ -114,20 +114,29 @@ def _stop(procs) -> None:
 def run_load(url: str, load: ServedLoad, name: str) -> ServedResult:
     """Send the load (after one warm-up request) and summarise it."""
     stream_generate(url, prompt(load.input_len, seed=10_000), load.output_len)  # warm-up
-    res, _ = served_load.run_load(url, [prompt(load.input_len, seed=i) for i in range(load.requests)],
-                                  load.output_len, load.concurrency,
-                                  on_error=lambda i, exc: logger.warning("%s: request %d failed: %s", name, i, exc))
+    res, _ = served_load.run_load(
+        url,
+        [prompt(load.input_len, seed=i) for i in range(load.requests)],
+        load.output_len,
+        load.concurrency,
+        on_error=lambda i, exc: logger.warning("%s: request %d failed: %s", name, i, exc),
+    )
     done = res.completed(load.output_len)
     ttfts = [o.ttft_s for o in done]
     p50, p99 = served_load.percentile(ttfts, 50), served_load.percentile(ttfts, 99)
     tokens = sum(o.tokens for o in done)
-    return ServedResult(name=name, ttft_ms_p50=None if p50 is None else p50 * 1e3,
-                        ttft_ms_p99=None if p99 is None else p99 * 1e3,
-                        output_tokens_per_s=tokens / res.wall_s if res.wall_s > 0 else None, completed=len(done))
+    return ServedResult(
+        name=name,
+        ttft_ms_p50=None if p50 is None else p50 * 1e3,
+        ttft_ms_p99=None if p99 is None else p99 * 1e3,
+        output_tokens_per_s=tokens / res.wall_s if res.wall_s > 0 else None,
+        completed=len(done),
+    )
 
 
-def run_served(load: ServedLoad, names: Sequence[str] = CONFIG_NAMES,
-               log_dir: Optional[str] = None, attempts: int = 3) -> List[ServedResult]:
+def run_served(
+    load: ServedLoad, names: Sequence[str] = CONFIG_NAMES, log_dir: Optional[str] = None, attempts: int = 3
+) -> List[ServedResult]:
     """Each configuration in turn: start, load, stop. Logs under ``log_dir`` (a temp dir by default)."""
     from ..testing.servers import PortInUse
 
@@ -155,8 +164,7 @@ def run_served(load: ServedLoad, names: Sequence[str] = CONFIG_NAMES,
             res = run_load(url, load, name)
         finally:
             _stop(procs)
-        print(f"served: {name}: started in {started:.0f} s, {res.completed}/{load.requests} completed",
-              file=sys.stderr)
+        print(f"served: {name}: started in {started:.0f} s, {res.completed}/{load.requests} completed", file=sys.stderr)
         out.append(res)
     return out
 
@@ -177,9 +185,15 @@ def median_rows(runs: Sequence[Sequence[ServedResult]]) -> List[ServedResult]:
             values = [getattr(r, field) for r in rows if getattr(r, field) is not None]
             return statistics.median(values) if values else None
 
-        out.append(ServedResult(name=first.name, ttft_ms_p50=median("ttft_ms_p50"), ttft_ms_p99=median("ttft_ms_p99"),
-                                output_tokens_per_s=median("output_tokens_per_s"),
-                                completed=min(r.completed for r in rows)))
+        out.append(
+            ServedResult(
+                name=first.name,
+                ttft_ms_p50=median("ttft_ms_p50"),
+                ttft_ms_p99=median("ttft_ms_p99"),
+                output_tokens_per_s=median("output_tokens_per_s"),
+                completed=min(r.completed for r in rows),
+            )
+        )
     return out
 
 

@@ -25,13 +25,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from . import compile_check, functional, headers as hdr
+from . import compile_check, functional
+from . import headers as hdr
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document")
-    parser.add_argument("--jobs", type=int, default=compile_check.MAX_JOBS,
-                        help=f"parallel compiles (at most {compile_check.MAX_JOBS})")
+    parser.add_argument(
+        "--jobs", type=int, default=compile_check.MAX_JOBS, help=f"parallel compiles (at most {compile_check.MAX_JOBS})"
+    )
     parser.add_argument("--no-cache", action="store_true", help="recompile even when the cache has the result")
     parser.add_argument("--seed", type=int, default=0, help="seed of the functional scenarios")
     parser.add_argument("--quick", action="store_true", help="skip the largest-shape functional cases")
@@ -62,8 +64,14 @@ def _log(msg: str) -> None:
     print(f"[check-kernels] {msg}", file=sys.stderr, flush=True)
 
 
-def run_checks(jobs: int = compile_check.MAX_JOBS, use_cache: bool = True, seed: int = 0, largest: bool = True,
-               do_compile: bool = True, do_functional: bool = True) -> CheckReport:
+def run_checks(
+    jobs: int = compile_check.MAX_JOBS,
+    use_cache: bool = True,
+    seed: int = 0,
+    largest: bool = True,
+    do_compile: bool = True,
+    do_functional: bool = True,
+) -> CheckReport:
     report = CheckReport(headers="not found")
     compiled: Dict[tuple, Optional[bool]] = {}
     if do_compile:
@@ -72,8 +80,10 @@ def run_checks(jobs: int = compile_check.MAX_JOBS, use_cache: bool = True, seed:
             headers = hdr.locate()
             report.headers = headers.version
             report.headers_path = f"{headers.root} ({headers.layout}, from {headers.source})"
-            _log(f"compiling {len(compile_check.KERNEL_UNITS)} kernel units x {len(compile_check.VARIANTS)} "
-                 f"variants + negative control against {report.headers_path}")
+            _log(
+                f"compiling {len(compile_check.KERNEL_UNITS)} kernel units x {len(compile_check.VARIANTS)} "
+                f"variants + negative control against {report.headers_path}"
+            )
             cr = compile_check.run(jobs=jobs, use_cache=use_cache, headers=headers)
             for r in cr.results:
                 compiled[(r.unit, r.variant)] = r.ok
@@ -82,8 +92,10 @@ def run_checks(jobs: int = compile_check.MAX_JOBS, use_cache: bool = True, seed:
             report.failures += [f"header name clash: {x}" for x in cr.shadowing]
             report.negative_control_failed = cr.negative is not None and not cr.negative.ok
             if not report.negative_control_failed:
-                report.failures.append("negative control: a kernel copy with a wrong AscendC call COMPILED; the "
-                                       "compile check cannot be trusted")
+                report.failures.append(
+                    "negative control: a kernel copy with a wrong AscendC call COMPILED; the "
+                    "compile check cannot be trusted"
+                )
         except (hdr.HeadersNotFound, compile_check.CompilerNotFound) as exc:
             report.failures.append(str(exc))
         report.compile_seconds = time.monotonic() - t0
@@ -105,15 +117,17 @@ def run_checks(jobs: int = compile_check.MAX_JOBS, use_cache: bool = True, seed:
         for entry in entries:
             for variant in compile_check.VARIANTS:
                 fr = results.get(entry)
-                report.rows.append({
-                    "name": entry,
-                    "variant": variant,
-                    "compiled": bool(compiled.get((unit, variant), False)),
-                    "functional_checked": bool(fr is not None and fr.ok),
-                    "cases": fr.cases if fr else 0,
-                    "bit_exact": bool(fr is not None and fr.cases > 0 and fr.bit_exact),
-                    "max_abs_err": float(fr.max_abs_err) if fr else None,
-                })
+                report.rows.append(
+                    {
+                        "name": entry,
+                        "variant": variant,
+                        "compiled": bool(compiled.get((unit, variant), False)),
+                        "functional_checked": bool(fr is not None and fr.ok),
+                        "cases": fr.cases if fr else 0,
+                        "bit_exact": bool(fr is not None and fr.cases > 0 and fr.bit_exact),
+                        "max_abs_err": float(fr.max_abs_err) if fr else None,
+                    }
+                )
     return report
 
 
@@ -126,8 +140,10 @@ def _table(report: CheckReport) -> str:
     lines.append("")
     lines.append(f"headers: {report.headers} {report.headers_path}")
     if report.negative_control_failed is not None:
-        lines.append("negative control (wrong AscendC call): " +
-                     ("failed to compile, as it must" if report.negative_control_failed else "COMPILED (bad)"))
+        lines.append(
+            "negative control (wrong AscendC call): "
+            + ("failed to compile, as it must" if report.negative_control_failed else "COMPILED (bad)")
+        )
     lines.append(f"time: compile {report.compile_seconds:.1f} s, functional {report.functional_seconds:.1f} s")
     for name, cov in report.coverage.items():
         lines.append(f"coverage {name}: " + ", ".join(f"{k}={v}" for k, v in sorted(cov.items())))

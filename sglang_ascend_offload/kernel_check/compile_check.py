@@ -46,10 +46,16 @@ MAX_JOBS = 2
 
 # (name in reports, translation unit, kernel entry points it defines)
 KERNEL_UNITS = (
-    ("lightning_indexer_manage", "lightning_indexer_manage.cpp",
-     ("sao_lightning_indexer_manage", "sao_quant_lightning_indexer_manage")),
-    ("scatter_copy_sparse_flash_attention", "scatter_copy_sparse_flash_attention.cpp",
-     ("sao_scatter_copy_sparse_flash_attention",)),
+    (
+        "lightning_indexer_manage",
+        "lightning_indexer_manage.cpp",
+        ("sao_lightning_indexer_manage", "sao_quant_lightning_indexer_manage"),
+    ),
+    (
+        "scatter_copy_sparse_flash_attention",
+        "scatter_copy_sparse_flash_attention.cpp",
+        ("sao_scatter_copy_sparse_flash_attention",),
+    ),
 )
 # variant name -> extra defines (what the toolkit's MIX build defines per core type on A2/A3)
 VARIANTS = {"vec": ["-D__DAV_C220_VEC__"], "cube": ["-D__DAV_C220_CUBE__"]}
@@ -84,7 +90,8 @@ class CompileResult:
 
 def compiler() -> str:
     """The runtime's compiler lookup (``ops.ascendc_model.compiler``), failing as :class:`CompilerNotFound`."""
-    from ..ops.ascendc_model import ModelBuildError, compiler as find_compiler
+    from ..ops.ascendc_model import ModelBuildError
+    from ..ops.ascendc_model import compiler as find_compiler
 
     try:
         return find_compiler()
@@ -92,10 +99,22 @@ def compiler() -> str:
         raise CompilerNotFound(str(exc)) from None
 
 
-def compile_command(headers: hdr.AscendcHeaders, source: Path, variant: str,
-                    include_dirs: Sequence[Path] = ()) -> List[str]:
-    cmd = [compiler(), "-std=c++17", "-fsyntax-only", "-w", "-D__NPU_ARCH__=2201",
-           "-DASCENDC_DUMP=0", *VARIANTS[variant], "-include", str(STUB_DIR / "stub_def.h"), "-I", str(STUB_DIR)]
+def compile_command(
+    headers: hdr.AscendcHeaders, source: Path, variant: str, include_dirs: Sequence[Path] = ()
+) -> List[str]:
+    cmd = [
+        compiler(),
+        "-std=c++17",
+        "-fsyntax-only",
+        "-w",
+        "-D__NPU_ARCH__=2201",
+        "-DASCENDC_DUMP=0",
+        *VARIANTS[variant],
+        "-include",
+        str(STUB_DIR / "stub_def.h"),
+        "-I",
+        str(STUB_DIR),
+    ]
     for d in include_dirs:
         cmd += ["-I", str(d)]
     for d in headers.include_dirs:
@@ -152,8 +171,9 @@ def _store_deps(cmd: List[str], deps: List[str]) -> None:
     _write_atomic(f, json.dumps(deps))
 
 
-def compile_one(headers: hdr.AscendcHeaders, source: Path, variant: str, unit: str,
-                use_cache: bool = True) -> CompileResult:
+def compile_one(
+    headers: hdr.AscendcHeaders, source: Path, variant: str, unit: str, use_cache: bool = True
+) -> CompileResult:
     cmd = compile_command(headers, source, variant, _kernel_includes())
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     deps = _cached_deps(cmd) if use_cache else None
@@ -198,8 +218,10 @@ def negative_control_source() -> Path:
         text = common.read_text()
         if NEGATIVE_FROM not in text:
             shutil.rmtree(tmp)
-            raise RuntimeError(f"negative control: {NEGATIVE_FROM!r} not found in kernels/{NEGATIVE_FILE}; "
-                               "update NEGATIVE_FROM in kernel_check/compile_check.py")
+            raise RuntimeError(
+                f"negative control: {NEGATIVE_FROM!r} not found in kernels/{NEGATIVE_FILE}; "
+                "update NEGATIVE_FROM in kernel_check/compile_check.py"
+            )
         common.write_text(text.replace(NEGATIVE_FROM, NEGATIVE_TO, 1))
         try:
             tmp.rename(neg)
@@ -227,8 +249,10 @@ def shadowed_headers(headers: hdr.AscendcHeaders, folders: Sequence[Path] = ()) 
     for folder in folders:
         for f in sorted(folder.glob("*.h")):
             if f.name in theirs:
-                found.append(f"{f.relative_to(folder.parent)} has the name of the AscendC header {theirs[f.name]}: "
-                             "rename it (the headers' quoted includes would find ours instead)")
+                found.append(
+                    f"{f.relative_to(folder.parent)} has the name of the AscendC header {theirs[f.name]}: "
+                    "rename it (the headers' quoted includes would find ours instead)"
+                )
     return found
 
 
@@ -245,12 +269,17 @@ class CompileReport:
 
     @property
     def ok(self) -> bool:
-        return (all(r.ok for r in self.results) and self.negative is not None and not self.negative.ok
-                and not self.shadowing)
+        return (
+            all(r.ok for r in self.results)
+            and self.negative is not None
+            and not self.negative.ok
+            and not self.shadowing
+        )
 
 
-def run(jobs: int = MAX_JOBS, use_cache: bool = True, negative: bool = True,
-        headers: Optional[hdr.AscendcHeaders] = None) -> CompileReport:
+def run(
+    jobs: int = MAX_JOBS, use_cache: bool = True, negative: bool = True, headers: Optional[hdr.AscendcHeaders] = None
+) -> CompileReport:
     """Compile every (kernel unit, variant), plus the negative control; at most ``jobs`` at once."""
     t0 = time.monotonic()
     headers = headers or hdr.locate()

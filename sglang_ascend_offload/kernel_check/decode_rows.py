@@ -62,10 +62,22 @@ class DecodeRows:
     ``first_rid + 1``.
     """
 
-    def __init__(self, gen: torch.Generator, *, rows: int, max_len: int, block_size: int, n_blocks: int,
-                 host_slots: int, churn: float, idle: float, spec: float,
-                 draw_length: Callable[[torch.Generator], int],
-                 draw_extra: Optional[Callable[[torch.Generator], Any]] = None, first_rid: int = 0):
+    def __init__(
+        self,
+        gen: torch.Generator,
+        *,
+        rows: int,
+        max_len: int,
+        block_size: int,
+        n_blocks: int,
+        host_slots: int,
+        churn: float,
+        idle: float,
+        spec: float,
+        draw_length: Callable[[torch.Generator], int],
+        draw_extra: Optional[Callable[[torch.Generator], Any]] = None,
+        first_rid: int = 0,
+    ):
         self.gen = gen
         self.num_rows, self.max_len, self.block_size = rows, max_len, block_size
         self.blocks_per_request = -(-max_len // block_size)

@@ -115,8 +115,15 @@ class Scenario:
     """Multi-step decode scenario with exact-arithmetic indexer inputs (module docstring);
     the rows churn as :class:`~.decode_rows.DecodeRows` does."""
 
-    def __init__(self, dims: LimDims, seed: int, churn: float = 0.25, idle: float = 0.2, spec: float = 0.3,
-                 min_len: Optional[int] = None):
+    def __init__(
+        self,
+        dims: LimDims,
+        seed: int,
+        churn: float = 0.25,
+        idle: float = 0.2,
+        spec: float = 0.3,
+        min_len: Optional[int] = None,
+    ):
         self.d = dims
         self.g = torch.Generator().manual_seed(seed)
         min_len = min_len if min_len is not None else max(1, dims.top_k // 2)
@@ -132,10 +139,18 @@ class Scenario:
             self.key_scale = None
         self.host_rows = 4 * dims.rows * dims.max_len
         self.rows = DecodeRows(
-            self.g, rows=dims.rows, max_len=dims.max_len, block_size=dims.block_size, n_blocks=n_blocks,
-            host_slots=self.host_rows, churn=churn, idle=idle, spec=spec, first_rid=10,
-            draw_length=lambda g: int(torch.randint(min_len, max(min_len + 1, dims.max_len * 2 // 3), (),
-                                                    generator=g)))
+            self.g,
+            rows=dims.rows,
+            max_len=dims.max_len,
+            block_size=dims.block_size,
+            n_blocks=n_blocks,
+            host_slots=self.host_rows,
+            churn=churn,
+            idle=idle,
+            spec=spec,
+            first_rid=10,
+            draw_length=lambda g: int(torch.randint(min_len, max(min_len + 1, dims.max_len * 2 // 3), (), generator=g)),
+        )
         self.step = -1
 
     def advance(self) -> None:
@@ -151,10 +166,21 @@ class Scenario:
         lay = self.rows.layout(order, d.padding_tokens)
         query, query_scale, weights = self._draw_queries(n_tok)
         req_ids, stable, token_table = self.rows.row_state()
-        inp = LimInputs(query=query, key=self.key, weights=weights, query_scale=query_scale,
-                        key_scale=self.key_scale, cu=lay.cu, kv_len=lay.kv_len, block_table=lay.block_table,
-                        token_rows=lay.token_rows, req_ids=req_ids, stable=stable, step=self.step,
-                        token_table=token_table)
+        inp = LimInputs(
+            query=query,
+            key=self.key,
+            weights=weights,
+            query_scale=query_scale,
+            key_scale=self.key_scale,
+            cu=lay.cu,
+            kv_len=lay.kv_len,
+            block_table=lay.block_table,
+            token_rows=lay.token_rows,
+            req_ids=req_ids,
+            stable=stable,
+            step=self.step,
+            token_table=token_table,
+        )
         return self._verify_rows(inp, len(order)) if d.tokens_per_row > 1 else inp
 
     def _draw_queries(self, n_tok: int):
@@ -192,101 +218,199 @@ class Scenario:
         for b, (r, c) in enumerate(zip(rows_of, counts)):
             length = int(inp.kv_len[b])
             stable[r] = max(0, length - (c - 1) - int(torch.rand((), generator=self.g) < 0.3))
-        return dataclasses.replace(inp, query=query, weights=weights, query_scale=query_scale, cu=cu,
-                                   token_rows=torch.tensor(token_rows, dtype=torch.int32), stable=stable)
+        return dataclasses.replace(
+            inp,
+            query=query,
+            weights=weights,
+            query_scale=query_scale,
+            cu=cu,
+            token_rows=torch.tensor(token_rows, dtype=torch.int32),
+            stable=stable,
+        )
 
 
 # ------------------------------------------------------------------- LIM
 def _reference_lim(inp: LimInputs, table: ResidencyTable, dims: LimDims) -> IndexerManageResult:
-    common = dict(actual_seq_lengths_query=inp.cu, actual_seq_lengths_key=inp.kv_len,
-                  block_table=inp.block_table, token_rows=inp.token_rows, req_ids=inp.req_ids,
-                  stable_len=inp.stable, step=inp.step, slot_token=table.slot_token,
-                  slot_stamp=table.slot_stamp, row_req=table.row_req, sparse_count=dims.top_k,
-                  sparse_mode=dims.sparse_mode, tokens_per_row=dims.tokens_per_row)
+    common = dict(
+        actual_seq_lengths_query=inp.cu,
+        actual_seq_lengths_key=inp.kv_len,
+        block_table=inp.block_table,
+        token_rows=inp.token_rows,
+        req_ids=inp.req_ids,
+        stable_len=inp.stable,
+        step=inp.step,
+        slot_token=table.slot_token,
+        slot_stamp=table.slot_stamp,
+        row_req=table.row_req,
+        sparse_count=dims.top_k,
+        sparse_mode=dims.sparse_mode,
+        tokens_per_row=dims.tokens_per_row,
+    )
     if dims.quantized:
-        return fused.quant_lightning_indexer_manage(inp.query, inp.key, inp.weights, inp.query_scale,
-                                                    inp.key_scale, **common)
+        return fused.quant_lightning_indexer_manage(
+            inp.query, inp.key, inp.weights, inp.query_scale, inp.key_scale, **common
+        )
     return fused.lightning_indexer_manage(inp.query, inp.key, inp.weights, **common)
 
 
 _POISON = -7  # outputs start as this; a value the kernel forgot to write shows up
 
 
-def _model_lim(m: km.KernelModel, inp: LimInputs, table: ResidencyTable, dims: LimDims,
-               core_order: Optional[List[int]] = None) -> Tuple[Dict[str, torch.Tensor], km.Launch]:
+def _model_lim(
+    m: km.KernelModel, inp: LimInputs, table: ResidencyTable, dims: LimDims, core_order: Optional[List[int]] = None
+) -> Tuple[Dict[str, torch.Tensor], km.Launch]:
     t = inp.token_rows.shape[0]
     r, hh = table.slot_token.shape
     k, w = dims.top_k, dims.tokens_per_row * dims.top_k
-    launch = m.tile_lim(tokens=t, requests=inp.cu.shape[0], index_heads=dims.index_heads,
-                        index_dim=dims.index_dim, block_size=dims.block_size,
-                        max_blocks=inp.block_table.shape[1], rows=r, hot_tokens=hh, top_k=k,
-                        sparse_mode=dims.sparse_mode, quantized=dims.quantized, tokens_per_row=dims.tokens_per_row)
+    launch = m.tile_lim(
+        tokens=t,
+        requests=inp.cu.shape[0],
+        index_heads=dims.index_heads,
+        index_dim=dims.index_dim,
+        block_size=dims.block_size,
+        max_blocks=inp.block_table.shape[1],
+        rows=r,
+        hot_tokens=hh,
+        top_k=k,
+        sparse_mode=dims.sparse_mode,
+        quantized=dims.quantized,
+        tokens_per_row=dims.tokens_per_row,
+    )
     i32 = torch.int32
-    out = dict(topk=torch.full((t, 1, k), _POISON, dtype=i32), sparse=torch.full((t, 1, k), _POISON, dtype=i32),
-               hit_mask=torch.full((r, w), 7, dtype=torch.uint8), slots=torch.full((r, w), _POISON, dtype=i32),
-               miss_count=torch.full((r,), _POISON, dtype=i32), miss_tokens=torch.full((r, w), _POISON, dtype=i32),
-               miss_slots=torch.full((r, w), _POISON, dtype=i32))
+    out = dict(
+        topk=torch.full((t, 1, k), _POISON, dtype=i32),
+        sparse=torch.full((t, 1, k), _POISON, dtype=i32),
+        hit_mask=torch.full((r, w), 7, dtype=torch.uint8),
+        slots=torch.full((r, w), _POISON, dtype=i32),
+        miss_count=torch.full((r,), _POISON, dtype=i32),
+        miss_tokens=torch.full((r, w), _POISON, dtype=i32),
+        miss_slots=torch.full((r, w), _POISON, dtype=i32),
+    )
     step = torch.tensor([inp.step], dtype=torch.int64)
     head = [inp.query, inp.key, inp.weights]
     if dims.quantized:
         head += [inp.query_scale.contiguous(), inp.key_scale.contiguous()]
-    args = head + [inp.cu, inp.kv_len, inp.block_table, inp.token_rows, inp.req_ids, inp.stable,
-                   step, table.slot_token, table.slot_stamp, table.row_req, out["topk"], out["sparse"],
-                   out["hit_mask"], out["slots"], out["miss_count"], out["miss_tokens"], out["miss_slots"]]
+    args = head + [
+        inp.cu,
+        inp.kv_len,
+        inp.block_table,
+        inp.token_rows,
+        inp.req_ids,
+        inp.stable,
+        step,
+        table.slot_token,
+        table.slot_stamp,
+        table.row_req,
+        out["topk"],
+        out["sparse"],
+        out["hit_mask"],
+        out["slots"],
+        out["miss_count"],
+        out["miss_tokens"],
+        out["miss_slots"],
+    ]
     m.run(km.LIM_C8 if dims.quantized else km.LIM, args, launch, core_order)
     return out, launch
 
 
-def _compare_lim(got: Dict[str, torch.Tensor], ref: IndexerManageResult, t_got: ResidencyTable,
-                 t_ref: ResidencyTable) -> List[str]:
+def _compare_lim(
+    got: Dict[str, torch.Tensor], ref: IndexerManageResult, t_got: ResidencyTable, t_ref: ResidencyTable
+) -> List[str]:
     bad = []
-    pairs = [("topk_indices", got["topk"], ref.topk_indices), ("sparse_indices", got["sparse"], ref.sparse_indices),
-             ("hit_mask", got["hit_mask"].to(torch.bool) if got["hit_mask"].max() <= 1 else got["hit_mask"],
-              ref.residency.hit_mask),
-             ("slots", got["slots"], ref.residency.slots), ("miss_count", got["miss_count"], ref.residency.miss_count),
-             ("miss_tokens", got["miss_tokens"], ref.residency.miss_tokens),
-             ("miss_slots", got["miss_slots"], ref.residency.miss_slots),
-             ("slot_token", t_got.slot_token, t_ref.slot_token), ("slot_stamp", t_got.slot_stamp, t_ref.slot_stamp),
-             ("row_req", t_got.row_req, t_ref.row_req)]
+    pairs = [
+        ("topk_indices", got["topk"], ref.topk_indices),
+        ("sparse_indices", got["sparse"], ref.sparse_indices),
+        (
+            "hit_mask",
+            got["hit_mask"].to(torch.bool) if got["hit_mask"].max() <= 1 else got["hit_mask"],
+            ref.residency.hit_mask,
+        ),
+        ("slots", got["slots"], ref.residency.slots),
+        ("miss_count", got["miss_count"], ref.residency.miss_count),
+        ("miss_tokens", got["miss_tokens"], ref.residency.miss_tokens),
+        ("miss_slots", got["miss_slots"], ref.residency.miss_slots),
+        ("slot_token", t_got.slot_token, t_ref.slot_token),
+        ("slot_stamp", t_got.slot_stamp, t_ref.slot_stamp),
+        ("row_req", t_got.row_req, t_ref.row_req),
+    ]
     for name, a, b in pairs:
         if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
             where = ""
             if a.shape == b.shape and a.dtype == b.dtype:
                 idx = torch.nonzero(a != b)
-                where = f" first difference at {idx[0].tolist()}: kernel {a[tuple(idx[0])].item()} vs " \
-                        f"reference {b[tuple(idx[0])].item()} ({idx.shape[0]} entries differ)"
+                where = (
+                    f" first difference at {idx[0].tolist()}: kernel {a[tuple(idx[0])].item()} vs "
+                    f"reference {b[tuple(idx[0])].item()} ({idx.shape[0]} entries differ)"
+                )
             else:
                 where = f" kernel {a.dtype}{tuple(a.shape)} vs reference {b.dtype}{tuple(b.shape)}"
             bad.append(f"{name} differs:{where}")
     return bad
 
 
-def check_lim(m: km.KernelModel, quantized: bool, *, seed: int = 0, steps: int = 4,
-              largest: bool = True) -> KernelResult:
+def check_lim(
+    m: km.KernelModel, quantized: bool, *, seed: int = 0, steps: int = 4, largest: bool = True
+) -> KernelResult:
     """LIM (or LIM-C8) over the scenarios of the module docstring."""
     res = KernelResult("sao_quant_lightning_indexer_manage" if quantized else "sao_lightning_indexer_manage")
     t0 = time.monotonic()
     configs = [
-        (LimDims(quantized=quantized), 24, seed),                                   # many cores: one token each
+        (LimDims(quantized=quantized), 24, seed),  # many cores: one token each
         (LimDims(quantized=quantized, sparse_mode=0, block_size=64, hot_tokens=128), 1, seed + 1),  # 2 cores
-        (LimDims(quantized=quantized, top_k=32, hot_tokens=64, block_size=32, rows=5, max_len=120,
-                 index_heads=16), 2, seed + 2),
+        (
+            LimDims(quantized=quantized, top_k=32, hot_tokens=64, block_size=32, rows=5, max_len=120, index_heads=16),
+            2,
+            seed + 2,
+        ),
         # verify rows: up to n query tokens share a row, which steps on the union of their top-k
         (LimDims(quantized=quantized, tokens_per_row=2, hot_tokens=256), 24, seed + 4),
-        (LimDims(quantized=quantized, tokens_per_row=3, top_k=32, hot_tokens=128, rows=5, max_len=120,
-                 sparse_mode=0), 2, seed + 5),
+        (
+            LimDims(
+                quantized=quantized, tokens_per_row=3, top_k=32, hot_tokens=128, rows=5, max_len=120, sparse_mode=0
+            ),
+            2,
+            seed + 5,
+        ),
     ]
     if largest:
-        configs.append((LimDims(quantized=quantized, rows=2, hot_tokens=4096, top_k=2048, index_heads=64,
-                                block_size=128, max_len=6144, padding_tokens=1), 1, seed + 3))
+        configs.append(
+            (
+                LimDims(
+                    quantized=quantized,
+                    rows=2,
+                    hot_tokens=4096,
+                    top_k=2048,
+                    index_heads=64,
+                    block_size=128,
+                    max_len=6144,
+                    padding_tokens=1,
+                ),
+                1,
+                seed + 3,
+            )
+        )
         # DeepSeek-V3.2 with one draft token: two verify rows per request, union 4096 = Hh
-        configs.append((LimDims(quantized=quantized, rows=2, hot_tokens=4096, top_k=2048, index_heads=64,
-                                block_size=128, max_len=6144, padding_tokens=1, tokens_per_row=2), 1, seed + 6))
+        configs.append(
+            (
+                LimDims(
+                    quantized=quantized,
+                    rows=2,
+                    hot_tokens=4096,
+                    top_k=2048,
+                    index_heads=64,
+                    block_size=128,
+                    max_len=6144,
+                    padding_tokens=1,
+                    tokens_per_row=2,
+                ),
+                1,
+                seed + 6,
+            )
+        )
     for dims, aic, s in configs:
         big = dims.top_k == 2048
         m.aic = aic
-        sc = Scenario(dims, s, churn=0.0 if big else 0.25, idle=0.0 if big else 0.2,
-                      min_len=4200 if big else None)
+        sc = Scenario(dims, s, churn=0.0 if big else 0.25, idle=0.0 if big else 0.2, min_len=4200 if big else None)
         table = ResidencyTable.empty(dims.rows, dims.hot_tokens)
         n_steps = 2 if big else steps
         prev = None
@@ -296,8 +420,10 @@ def check_lim(m: km.KernelModel, quantized: bool, *, seed: int = 0, steps: int =
                 inp = sc.inputs()
             else:  # the same step again (next step id), nothing speculative: every selected position hits
                 inp = dataclasses.replace(
-                    prev, step=prev.step + 1,
-                    stable=torch.tensor([r.length if r is not None else 0 for r in sc.rows.rows], dtype=torch.int32))
+                    prev,
+                    step=prev.step + 1,
+                    stable=torch.tensor([r.length if r is not None else 0 for r in sc.rows.rows], dtype=torch.int32),
+                )
             prev = inp
             t_ref, t_fwd, t_rev = table.clone(), table.clone(), table.clone()
             fresh = (inp.req_ids != table.row_req) & (inp.req_ids >= 0)
@@ -314,8 +440,10 @@ def check_lim(m: km.KernelModel, quantized: bool, *, seed: int = 0, steps: int =
             res.count("unowned_rows", (~owned).sum())
             res.count("padding_tokens", (inp.token_rows < 0).sum())
             if dims.tokens_per_row > 1:
-                res.count("shared_rows", (torch.bincount(inp.token_rows[inp.token_rows >= 0].long(),
-                                                         minlength=dims.rows) > 1).sum())
+                res.count(
+                    "shared_rows",
+                    (torch.bincount(inp.token_rows[inp.token_rows >= 0].long(), minlength=dims.rows) > 1).sum(),
+                )
             label = f"{'C8 ' if quantized else ''}dims={dims} aic={aic} step={inp.step}"
             try:
                 got, launch = _model_lim(m, inp, t_fwd, dims)
@@ -378,8 +506,16 @@ def _sfa_resident(g: torch.Generator, rows: int, hot_tokens: int, max_ctx: int):
     return host, hot, token_table
 
 
-def _sfa_selection(g: torch.Generator, *, rows: int, tokens: int, top_k: int, hot_tokens: int, max_ctx: int,
-                   pad_rows_with_no_miss: bool):
+def _sfa_selection(
+    g: torch.Generator,
+    *,
+    rows: int,
+    tokens: int,
+    top_k: int,
+    hot_tokens: int,
+    max_ctx: int,
+    pad_rows_with_no_miss: bool,
+):
     """``(token_rows, sparse, miss_tokens, miss_slots, miss_count)``: tokens owned by distinct
     rows (the rest padding), each selecting some hot slots (``-1`` entries interleaved), some
     of them misses of new positions (none for every fourth token with
@@ -413,8 +549,9 @@ def _sfa_selection(g: torch.Generator, *, rows: int, tokens: int, top_k: int, ho
     return token_rows, sparse, miss_tokens, miss_slots, miss_count
 
 
-def _sfa_shared_selection(g: torch.Generator, *, rows: int, tokens: int, top_k: int, hot_tokens: int,
-                          max_ctx: int, tokens_per_row: int):
+def _sfa_shared_selection(
+    g: torch.Generator, *, rows: int, tokens: int, top_k: int, hot_tokens: int, max_ctx: int, tokens_per_row: int
+):
     """As :func:`_sfa_selection` with up to ``n = tokens_per_row`` tokens per row (a request's
     verify rows): row ``r``'s step selects up to ``n * K`` of its slots, some of them misses
     (miss lists ``[R, n * K]``), and each of its tokens attends to a random ``K``-subset of
@@ -448,26 +585,50 @@ def _sfa_shared_selection(g: torch.Generator, *, rows: int, tokens: int, top_k: 
     return token_rows, sparse, miss_tokens, miss_slots, miss_count
 
 
-def _sfa_inputs(*, seed: int, heads: int, top_k: int, hot_tokens: int, rows: int, tokens: int,
-                pad_rows_with_no_miss: bool, tokens_per_row: int = 1) -> _SfaInputs:
+def _sfa_inputs(
+    *,
+    seed: int,
+    heads: int,
+    top_k: int,
+    hot_tokens: int,
+    rows: int,
+    tokens: int,
+    pad_rows_with_no_miss: bool,
+    tokens_per_row: int = 1,
+) -> _SfaInputs:
     """The inputs of one Copy-SFA case, all drawn from ``seed``."""
     g = torch.Generator().manual_seed(seed)
     dl, dr = _SFA_LATENT_DIM, _SFA_ROPE_DIM
     max_ctx = hot_tokens + tokens_per_row * top_k
     host, hot, token_table = _sfa_resident(g, rows, hot_tokens, max_ctx)
     if tokens_per_row > 1:
-        selection = _sfa_shared_selection(g, rows=rows, tokens=tokens, top_k=top_k, hot_tokens=hot_tokens,
-                                          max_ctx=max_ctx, tokens_per_row=tokens_per_row)
+        selection = _sfa_shared_selection(
+            g,
+            rows=rows,
+            tokens=tokens,
+            top_k=top_k,
+            hot_tokens=hot_tokens,
+            max_ctx=max_ctx,
+            tokens_per_row=tokens_per_row,
+        )
     else:
-        selection = _sfa_selection(g, rows=rows, tokens=tokens, top_k=top_k, hot_tokens=hot_tokens, max_ctx=max_ctx,
-                                   pad_rows_with_no_miss=pad_rows_with_no_miss)
+        selection = _sfa_selection(
+            g,
+            rows=rows,
+            tokens=tokens,
+            top_k=top_k,
+            hot_tokens=hot_tokens,
+            max_ctx=max_ctx,
+            pad_rows_with_no_miss=pad_rows_with_no_miss,
+        )
     query = (torch.randn(tokens, heads, dl, generator=g) * 0.5).to(torch.bfloat16)
     query_rope = (torch.randn(tokens, heads, dr, generator=g) * 0.5).to(torch.bfloat16)
     return _SfaInputs(host, hot, token_table, *selection, query, query_rope, max_ctx, float(dl + dr) ** -0.5)
 
 
-def _sfa_model_runs(m: km.KernelModel, inp: _SfaInputs, *, heads: int, top_k: int, hot_tokens: int, rows: int,
-                    tokens: int, aic: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def _sfa_model_runs(
+    m: km.KernelModel, inp: _SfaInputs, *, heads: int, top_k: int, hot_tokens: int, rows: int, tokens: int, aic: int
+) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """``(hot buffer, attention output)`` of the kernel model, cores in forward then reversed
     order (``km.ModelFault`` propagates). The host side of torch_ops.cpp zero-pads fewer
     than 8 heads; the output is cut back to ``heads``."""
@@ -482,19 +643,45 @@ def _sfa_model_runs(m: km.KernelModel, inp: _SfaInputs, *, heads: int, top_k: in
     for reverse in (False, True):
         hot_k = inp.hot.clone()
         out = torch.full((tokens, np_, dl), float("nan"), dtype=torch.bfloat16)
-        launch = m.tile_copy_sfa(tokens=tokens, heads=np_, latent_dim=dl, rope_dim=dr, rows=rows,
-                                 hot_tokens=hot_tokens, top_k=top_k, max_ctx=inp.max_ctx, scale=inp.scale,
-                                 miss_width=inp.miss_tokens.shape[1])
+        launch = m.tile_copy_sfa(
+            tokens=tokens,
+            heads=np_,
+            latent_dim=dl,
+            rope_dim=dr,
+            rows=rows,
+            hot_tokens=hot_tokens,
+            top_k=top_k,
+            max_ctx=inp.max_ctx,
+            scale=inp.scale,
+            miss_width=inp.miss_tokens.shape[1],
+        )
         cores = launch.block_dim * km.TASK_RATION
         order = list(reversed(range(cores))) if reverse else None
-        m.run(km.COPY_SFA, [q, qr, inp.host, hot_k, inp.sparse, inp.token_rows, inp.miss_tokens, inp.miss_slots,
-                            inp.miss_count, inp.token_table, out], launch, order)
+        m.run(
+            km.COPY_SFA,
+            [
+                q,
+                qr,
+                inp.host,
+                hot_k,
+                inp.sparse,
+                inp.token_rows,
+                inp.miss_tokens,
+                inp.miss_slots,
+                inp.miss_count,
+                inp.token_table,
+                out,
+            ],
+            launch,
+            order,
+        )
         outs.append((hot_k, out[:, :heads]))
     return outs
 
 
-def _sfa_compare(outs: List[Tuple[torch.Tensor, torch.Tensor]], hot_ref: torch.Tensor, ref: torch.Tensor,
-                 res: KernelResult) -> List[str]:
+def _sfa_compare(
+    outs: List[Tuple[torch.Tensor, torch.Tensor]], hot_ref: torch.Tensor, ref: torch.Tensor, res: KernelResult
+) -> List[str]:
     """What differs from the reference: the hot buffer bit-exactly (as int16 words), the
     attention output within tolerance and identical for both core orders. Records the
     worst attention error and a bit-exactness failure in ``res``."""
@@ -517,20 +704,50 @@ def _sfa_compare(outs: List[Tuple[torch.Tensor, torch.Tensor]], hot_ref: torch.T
     return bad
 
 
-def _sfa_case(m: km.KernelModel, *, seed: int, heads: int, top_k: int, hot_tokens: int, rows: int,
-              tokens: int, aic: int, res: KernelResult, label: str, pad_rows_with_no_miss: bool = True,
-              tokens_per_row: int = 1) -> None:
+def _sfa_case(
+    m: km.KernelModel,
+    *,
+    seed: int,
+    heads: int,
+    top_k: int,
+    hot_tokens: int,
+    rows: int,
+    tokens: int,
+    aic: int,
+    res: KernelResult,
+    label: str,
+    pad_rows_with_no_miss: bool = True,
+    tokens_per_row: int = 1,
+) -> None:
     """One Copy-SFA launch on LIM-like inputs built directly (slots drawn per row)."""
-    inp = _sfa_inputs(seed=seed, heads=heads, top_k=top_k, hot_tokens=hot_tokens, rows=rows, tokens=tokens,
-                      pad_rows_with_no_miss=pad_rows_with_no_miss, tokens_per_row=tokens_per_row)
+    inp = _sfa_inputs(
+        seed=seed,
+        heads=heads,
+        top_k=top_k,
+        hot_tokens=hot_tokens,
+        rows=rows,
+        tokens=tokens,
+        pad_rows_with_no_miss=pad_rows_with_no_miss,
+        tokens_per_row=tokens_per_row,
+    )
     hot_ref = inp.hot.clone()
-    ref = fused.copy_sparse_flash_attention(inp.query, inp.host, hot_ref, inp.sparse, inp.scale,
-                                            query_rope=inp.query_rope, token_rows=inp.token_rows,
-                                            miss_tokens=inp.miss_tokens, miss_slots=inp.miss_slots,
-                                            miss_count=inp.miss_count, token_table=inp.token_table)
+    ref = fused.copy_sparse_flash_attention(
+        inp.query,
+        inp.host,
+        hot_ref,
+        inp.sparse,
+        inp.scale,
+        query_rope=inp.query_rope,
+        token_rows=inp.token_rows,
+        miss_tokens=inp.miss_tokens,
+        miss_slots=inp.miss_slots,
+        miss_count=inp.miss_count,
+        token_table=inp.token_table,
+    )
     try:
-        outs = _sfa_model_runs(m, inp, heads=heads, top_k=top_k, hot_tokens=hot_tokens, rows=rows, tokens=tokens,
-                               aic=aic)
+        outs = _sfa_model_runs(
+            m, inp, heads=heads, top_k=top_k, hot_tokens=hot_tokens, rows=rows, tokens=tokens, aic=aic
+        )
     except km.ModelFault as exc:
         res.failures.append(f"{label}: model fault: {exc}")
         res.bit_exact = False
@@ -539,8 +756,9 @@ def _sfa_case(m: km.KernelModel, *, seed: int, heads: int, top_k: int, hot_token
     res.cases += 1
     res.count("misses_copied", inp.miss_count.sum())
     res.count("sparse_minus_one", (inp.sparse == -1).sum())
-    res.count("owned_rows_without_misses",
-              ((inp.miss_count == 0) & (torch.isin(torch.arange(rows), inp.token_rows))).sum())
+    res.count(
+        "owned_rows_without_misses", ((inp.miss_count == 0) & (torch.isin(torch.arange(rows), inp.token_rows))).sum()
+    )
     res.count("padding_tokens", (inp.token_rows < 0).sum())
     if tokens_per_row > 1:
         res.count("shared_rows", (torch.bincount(inp.token_rows[inp.token_rows >= 0].long(), minlength=rows) > 1).sum())
@@ -550,9 +768,9 @@ def check_copy_sfa(m: km.KernelModel, *, seed: int = 0, largest: bool = True) ->
     res = KernelResult("sao_scatter_copy_sparse_flash_attention")
     t0 = time.monotonic()
     cases = [
-        dict(heads=8, top_k=128, hot_tokens=160, rows=5, tokens=6, aic=24),   # padding token, one token per core
-        dict(heads=16, top_k=256, hot_tokens=256, rows=4, tokens=5, aic=1),   # 2 cores: several tokens each
-        dict(heads=4, top_k=128, hot_tokens=128, rows=3, tokens=3, aic=2),    # heads padded to 8 on the host
+        dict(heads=8, top_k=128, hot_tokens=160, rows=5, tokens=6, aic=24),  # padding token, one token per core
+        dict(heads=16, top_k=256, hot_tokens=256, rows=4, tokens=5, aic=1),  # 2 cores: several tokens each
+        dict(heads=4, top_k=128, hot_tokens=128, rows=3, tokens=3, aic=2),  # heads padded to 8 on the host
         dict(heads=32, top_k=128, hot_tokens=192, rows=3, tokens=4, aic=24),  # two head groups
         # verify rows: up to n tokens per row, the row's misses copied once before any attends
         dict(heads=8, top_k=128, hot_tokens=256, rows=4, tokens=7, aic=24, tokens_per_row=2),
@@ -566,9 +784,13 @@ def check_copy_sfa(m: km.KernelModel, *, seed: int = 0, largest: bool = True) ->
     return res
 
 
-def run(seed: int = 0, largest: bool = True, use_cache: bool = True,
-        model: Optional[km.KernelModel] = None) -> List[KernelResult]:
+def run(
+    seed: int = 0, largest: bool = True, use_cache: bool = True, model: Optional[km.KernelModel] = None
+) -> List[KernelResult]:
     """All three kernels; ``model`` defaults to the model built from ``ascendc_ops/kernels``."""
     m = model or km.KernelModel(km.build(use_cache))
-    return [check_lim(m, False, seed=seed, largest=largest), check_lim(m, True, seed=seed, largest=largest),
-            check_copy_sfa(m, seed=seed, largest=largest)]
+    return [
+        check_lim(m, False, seed=seed, largest=largest),
+        check_lim(m, True, seed=seed, largest=largest),
+        check_copy_sfa(m, seed=seed, largest=largest),
+    ]

@@ -97,13 +97,23 @@ def locate() -> AscendcHeaders:
     raise HeadersNotFound(
         "AscendC headers not found (tried " + ", ".join(tried) + "). Set "
         f"{ENV_VAR} to an asc-devkit tree (include/, impl/) or to a CANN toolkit root, or "
-        "put the asc-devkit 8.5.0 headers at ../shared/third_party/asc-devkit-8.5.0.")
+        "put the asc-devkit 8.5.0 headers at ../shared/third_party/asc-devkit-8.5.0."
+    )
 
 
 def _devkit_dirs(root: Path) -> List[Path]:
     gen = generated_dir(root)
-    return [gen, root, root / "include", root / "include" / "basic_api", root / "include" / "adv_api",
-            root / "impl", root / "impl" / "basic_api", root / "impl" / "micro_api", root / "impl" / "micro_api_inc"]
+    return [
+        gen,
+        root,
+        root / "include",
+        root / "include" / "basic_api",
+        root / "include" / "adv_api",
+        root / "impl",
+        root / "impl" / "basic_api",
+        root / "impl" / "micro_api",
+        root / "impl" / "micro_api_inc",
+    ]
 
 
 def generated_dir(root: Path) -> Path:
@@ -120,8 +130,12 @@ def prepare(headers: AscendcHeaders) -> None:
         tiling.parent.mkdir(parents=True, exist_ok=True)
         script = headers.root / "impl" / "adv_api" / "cmake" / "scripts" / "gen_kernel_tiling_data_def.py"
         tmp = tiling.with_suffix(".tmp")
-        subprocess.run([sys.executable, str(script), str(headers.root / "include" / "adv_api"), str(tmp)],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        subprocess.run(
+            [sys.executable, str(script), str(headers.root / "include" / "adv_api"), str(tmp)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         tmp.replace(tiling)
     # tikcfw/lib -> the high-level API folder; lib/matmul_intf.h -> matmul/matmul_intf.h
     # (impl/adv_api/cmake/kernel_directory.cmake and kernel_headers.cmake). A forwarding

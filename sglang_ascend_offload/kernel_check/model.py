@@ -9,9 +9,33 @@ and is re-exported here under the names this package has always used (``km.build
 from __future__ import annotations
 
 from ..ops.ascendc_model import (  # noqa: F401 - re-exported for kernel_check and its tests
-    COPY_SFA, KERNELS, LIM, LIM_C8, MODEL_DIR, OUT_DIR, TASK_RATION, KernelModel, Launch, ModelBuildError,
-    ModelFault, ShapeUnsupported, build,
+    COPY_SFA,
+    KERNELS,
+    LIM,
+    LIM_C8,
+    MODEL_DIR,
+    OUT_DIR,
+    TASK_RATION,
+    KernelModel,
+    Launch,
+    ModelBuildError,
+    ModelFault,
+    ShapeUnsupported,
+    build,
 )
 
-__all__ = ["COPY_SFA", "KERNELS", "LIM", "LIM_C8", "MODEL_DIR", "OUT_DIR", "TASK_RATION", "KernelModel", "Launch",
-           "ModelBuildError", "ModelFault", "ShapeUnsupported", "build"]
+__all__ = [
+    "COPY_SFA",
+    "KERNELS",
+    "LIM",
+    "LIM_C8",
+    "MODEL_DIR",
+    "OUT_DIR",
+    "TASK_RATION",
+    "KernelModel",
+    "Launch",
+    "ModelBuildError",
+    "ModelFault",
+    "ShapeUnsupported",
+    "build",
+]

@@ -39,8 +39,7 @@ class LayerOwnership:
         return self.target_layers.index(layer)
 
 
-def assign_owners(layers: Iterable[int], group_size: int,
-                  draft_layers: Sequence[int] = ()) -> LayerOwnership:
+def assign_owners(layers: Iterable[int], group_size: int, draft_layers: Sequence[int] = ()) -> LayerOwnership:
     """Contiguous balanced partition of ``layers`` (minus drafts) over ``group_size`` ranks."""
     if group_size < 1:
         raise ValueError(f"KVPP group size must be >= 1, got {group_size}")
@@ -53,7 +52,7 @@ def assign_owners(layers: Iterable[int], group_size: int,
     cursor = 0
     for rank in range(group_size):
         size = base + (1 if rank < extra else 0)
-        for layer in targets[cursor:cursor + size]:
+        for layer in targets[cursor : cursor + size]:
             owner_of[layer] = rank
         cursor += size
     return LayerOwnership(group_size=group_size, owner_of=owner_of, draft_layers=drafts)

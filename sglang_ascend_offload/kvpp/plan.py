@@ -109,15 +109,17 @@ class KVPPPlan:
             ranges.append(ComponentRange(comp.name, cursor, size))
             cursor += size
         if owner is None or owner == self.rank:
-            return LayerPlacement(layer, "persistent", layer, self.rank if owner is None else owner,
-                                  tuple(ranges))
+            return LayerPlacement(layer, "persistent", layer, self.rank if owner is None else owner, tuple(ranges))
         scratch = self.ownership.execution_ordinal(layer) % SCRATCH_BUFFER_COUNT
         return LayerPlacement(layer, "scratch", scratch, owner, tuple(ranges))
 
 
-def plan_rank(rank: int, ownership: LayerOwnership,
-              bundles: Mapping[int, Tuple[ComponentSpec, ...]],
-              alignment: int = 2 * 1024 * 1024) -> KVPPPlan:
+def plan_rank(
+    rank: int,
+    ownership: LayerOwnership,
+    bundles: Mapping[int, Tuple[ComponentSpec, ...]],
+    alignment: int = 2 * 1024 * 1024,
+) -> KVPPPlan:
     """Check that every layer has a bundle and build ``rank``'s plan."""
     problems = []
     if not 0 <= rank < ownership.group_size:
@@ -135,12 +137,20 @@ def plan_rank(rank: int, ownership: LayerOwnership,
     return KVPPPlan(rank=rank, ownership=ownership, bundles=dict(bundles), alignment=alignment)
 
 
-def mla_bundle(kv_lora_rank: int = 512, rope_dim: int = 64, index_head_dim: int = 128,
-               block_size: int = 128, kv_bytes: int = 2, index_bytes: int = 2,
-               index_scale_bytes: int = 0) -> Tuple[ComponentSpec, ...]:
+def mla_bundle(
+    kv_lora_rank: int = 512,
+    rope_dim: int = 64,
+    index_head_dim: int = 128,
+    block_size: int = 128,
+    kv_bytes: int = 2,
+    index_bytes: int = 2,
+    index_scale_bytes: int = 0,
+) -> Tuple[ComponentSpec, ...]:
     """Components of one DSA/MLA layer per block: latent, rope, indexer K (+ scales)."""
-    comps = [ComponentSpec("kv_latent", kv_lora_rank * kv_bytes * block_size),
-             ComponentSpec("kv_rope", rope_dim * kv_bytes * block_size)]
+    comps = [
+        ComponentSpec("kv_latent", kv_lora_rank * kv_bytes * block_size),
+        ComponentSpec("kv_rope", rope_dim * kv_bytes * block_size),
+    ]
     if index_head_dim:
         comps.append(ComponentSpec("index_k", index_head_dim * index_bytes * block_size))
     if index_scale_bytes:

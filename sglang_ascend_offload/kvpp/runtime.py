@@ -44,13 +44,15 @@ class KVPPStorage:
         self.device = device
         own = plan.ownership.owned_by(plan.rank) + plan.ownership.draft_layers
         self.persistent: Dict[int, torch.Tensor] = {
-            layer: torch.zeros(bundle_bytes_per_block(plan.bundles[layer]) * num_blocks,
-                               dtype=torch.uint8, device=device)
+            layer: torch.zeros(
+                bundle_bytes_per_block(plan.bundles[layer]) * num_blocks, dtype=torch.uint8, device=device
+            )
             for layer in own
         }
         scratch_bytes = plan.scratch_buffer_bytes(num_blocks)
-        self.scratch: List[torch.Tensor] = [torch.zeros(scratch_bytes, dtype=torch.uint8, device=device)
-                                            for _ in range(SCRATCH_BUFFER_COUNT)]
+        self.scratch: List[torch.Tensor] = [
+            torch.zeros(scratch_bytes, dtype=torch.uint8, device=device) for _ in range(SCRATCH_BUFFER_COUNT)
+        ]
 
     @property
     def allocated_bytes(self) -> int:
@@ -70,7 +72,7 @@ class KVPPStorage:
         rng = next((c for c in place.components if c.name == name), None)
         if rng is None:
             raise KeyError(f"layer {layer} has no component {name!r}")
-        raw = self.bundle(layer)[rng.offset:rng.offset + rng.size]
+        raw = self.bundle(layer)[rng.offset : rng.offset + rng.size]
         return raw.view(dtype).view(*shape)
 
 
@@ -130,7 +132,7 @@ class BroadcastTransport:
         """Each component of ``layer``'s bundle as uint8 ``[num_blocks, bytes_per_block]``."""
         buf = self.storage.bundle(layer)
         place = self.storage.plan.placement(layer, self.storage.num_blocks)
-        return [buf[r.offset:r.offset + r.size].view(self.storage.num_blocks, -1) for r in place.components]
+        return [buf[r.offset : r.offset + r.size].view(self.storage.num_blocks, -1) for r in place.components]
 
     def broadcast(self, layer: int, cache_ready=None) -> None:
         import torch.distributed as dist
@@ -158,7 +160,7 @@ class BroadcastTransport:
                 buf = self._staging_buffer(sum(v.shape[1] for v in views) * nb)
                 pieces, cursor = [], 0
                 for v in views:
-                    pieces.append(buf[cursor:cursor + v.shape[1] * nb].view(nb, v.shape[1]))
+                    pieces.append(buf[cursor : cursor + v.shape[1] * nb].view(nb, v.shape[1]))
                     cursor += v.shape[1] * nb
                 if is_owner:  # gather the active blocks of every component into the staging buffer
                     for v, piece in zip(views, pieces):
@@ -186,15 +188,14 @@ def _bind_device(device: torch.device) -> None:
 class KVPPScheduler:
     """Per-forward prefetch driver; ``layers`` are target layers in execution order."""
 
-    def __init__(self, transport: BroadcastTransport, layers: Optional[Sequence[int]] = None,
-                 prefetch: bool = True):
+    def __init__(self, transport: BroadcastTransport, layers: Optional[Sequence[int]] = None, prefetch: bool = True):
         self.transport = transport
-        self.layers = list(layers) if layers is not None else list(
-            transport.storage.plan.ownership.target_layers)
+        self.layers = list(layers) if layers is not None else list(transport.storage.plan.ownership.target_layers)
         self.prefetch_enabled = prefetch
         device = transport.storage.device
-        self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpp-prefetch",
-                                               initializer=_bind_device, initargs=(device,))
+        self._executor = cf.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kvpp-prefetch", initializer=_bind_device, initargs=(device,)
+        )
         self._futures: Dict[int, cf.Future] = {}
         self._has_history = False
         self._next = 0

@@ -121,7 +121,8 @@ class SlotGates:
                 raise SlotBusyError(
                     f"slot {slot} still holds layer {self._layer[slot]} with pending consumers "
                     f"{sorted(self._pending[slot])}; cannot begin layer {layer} "
-                    "(call wait_free first)")
+                    "(call wait_free first)"
+                )
             self._layer[slot] = layer
             self._pending[slot] = set(names)
             self._errors[slot] = {}
@@ -148,7 +149,8 @@ class SlotGates:
                     extra = f"; errors so far: {dict(sorted(errs.items()))}" if errs else ""
                     raise GateTimeout(
                         f"slot {slot} (layer {self._layer[slot]}) not free after {timeout_s:.3f}s: "
-                        f"pending consumers {sorted(self._pending[slot])}{extra}")
+                        f"pending consumers {sorted(self._pending[slot])}{extra}"
+                    )
                 cond.wait(left)
             if self._errors[slot]:
                 raise GateError(slot, self._layer[slot], self._errors[slot])
@@ -165,7 +167,8 @@ class SlotGates:
             if self._layer[slot] != layer or consumer not in self._pending[slot]:
                 raise ValueError(
                     f"unknown completion: slot {slot} layer {layer} consumer {consumer!r} "
-                    f"(slot holds layer {self._layer[slot]}, pending {sorted(self._pending[slot])})")
+                    f"(slot holds layer {self._layer[slot]}, pending {sorted(self._pending[slot])})"
+                )
             self._pending[slot].discard(consumer)
             if error is not None:
                 self._errors[slot][consumer] = str(error)
@@ -189,8 +192,9 @@ class SlotGates:
         """Consistent snapshot of one slot."""
         self._check_slot(slot)
         with self._lock:
-            return SlotState(self._layer[slot], frozenset(self._pending[slot]),
-                             dict(self._errors[slot]), self._generation[slot])
+            return SlotState(
+                self._layer[slot], frozenset(self._pending[slot]), dict(self._errors[slot]), self._generation[slot]
+            )
 
     def busy_slots(self) -> List[Tuple[int, Optional[int], frozenset]]:
         """``(slot, layer, pending)`` for every slot with pending consumers."""

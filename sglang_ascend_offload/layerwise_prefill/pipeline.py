@@ -47,13 +47,21 @@ import torch
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.layerwise_prefill.gates import GateError, GateTimeout, SlotGates
 from sglang_ascend_offload.layerwise_prefill.planner import BufferPlan, torch_dtype
-from sglang_ascend_offload.layerwise_prefill.store import (
-    BlockKey, HostKVStore, block_keys, object_key)
+from sglang_ascend_offload.layerwise_prefill.store import BlockKey, HostKVStore, block_keys, object_key
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PrefillRequest", "RequestRows", "ForwardLayout", "ForwardStats", "ForwardError",
-           "LayerwisePrefillPipeline", "run_forward", "COMPUTE", "SAVE"]
+__all__ = [
+    "PrefillRequest",
+    "RequestRows",
+    "ForwardLayout",
+    "ForwardStats",
+    "ForwardError",
+    "LayerwisePrefillPipeline",
+    "run_forward",
+    "COMPUTE",
+    "SAVE",
+]
 
 COMPUTE = "compute"
 SAVE = "save"
@@ -108,7 +116,7 @@ class ForwardStats:
     layers: int = 0
     load_s: float = 0.0
     save_s: float = 0.0
-    gate_wait_s: float = 0.0   # loader time blocked on slot gates
+    gate_wait_s: float = 0.0  # loader time blocked on slot gates
     ready_wait_s: float = 0.0  # compute time blocked in wait_until_ready
     bytes_loaded: int = 0
     bytes_saved: int = 0
@@ -157,11 +165,19 @@ class LayerwisePrefillPipeline:
     allocated on ``device`` when not given.
     """
 
-    def __init__(self, plan: BufferPlan, store: HostKVStore, *, block_tokens: int,
-                 prefetch_depth: Optional[int] = None, wait_timeout_s: float = 60.0,
-                 device: Optional[torch.device] = None,
-                 buffers: Optional[Sequence[Sequence[torch.Tensor]]] = None,
-                 lease_ttl_ms: int = 60_000, namespace: str = ""):
+    def __init__(
+        self,
+        plan: BufferPlan,
+        store: HostKVStore,
+        *,
+        block_tokens: int,
+        prefetch_depth: Optional[int] = None,
+        wait_timeout_s: float = 60.0,
+        device: Optional[torch.device] = None,
+        buffers: Optional[Sequence[Sequence[torch.Tensor]]] = None,
+        lease_ttl_ms: int = 60_000,
+        namespace: str = "",
+    ):
         if block_tokens < 1:
             raise ValueError("block_tokens must be >= 1")
         self.plan = plan
@@ -188,8 +204,10 @@ class LayerwisePrefillPipeline:
         self._load_stream = platform.new_stream()
         self._save_stream = platform.new_stream()
         self._closed = False
-        self._threads = [threading.Thread(target=self._loader, name="lwp-loader", daemon=True),
-                         threading.Thread(target=self._saver, name="lwp-saver", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._loader, name="lwp-loader", daemon=True),
+            threading.Thread(target=self._saver, name="lwp-saver", daemon=True),
+        ]
         for t in self._threads:
             t.start()
         store.register([t for buf in self.buffers for t in buf])
@@ -197,8 +215,10 @@ class LayerwisePrefillPipeline:
     # ------------------------------------------------------------------ setup
     def _make_buffers(self, given) -> List[List[torch.Tensor]]:
         if given is None:
-            return [[torch.zeros(t.shape, dtype=torch_dtype(t.dtype), device=self.device)
-                     for t in pb.spec.tensors] for pb in self.plan.buffers]
+            return [
+                [torch.zeros(t.shape, dtype=torch_dtype(t.dtype), device=self.device) for t in pb.spec.tensors]
+                for pb in self.plan.buffers
+            ]
         bufs = [list(b) for b in given]
         errs = []
         if len(bufs) != self.plan.num_physical:
@@ -233,8 +253,7 @@ class LayerwisePrefillPipeline:
         """Tokens of ``token_ids`` whose KV is in the store for every layer (whole blocks),
         leaving at least one token to compute."""
         layers = tuple(layers or self.plan.order)
-        blocks = [b for b in block_keys(token_ids, self.block_tokens, self.namespace)
-                  if b.tokens == self.block_tokens]
+        blocks = [b for b in block_keys(token_ids, self.block_tokens, self.namespace) if b.tokens == self.block_tokens]
         usable = min(len(blocks), max(0, len(token_ids) - 1) // self.block_tokens)
         if usable == 0:
             return 0
@@ -242,15 +261,19 @@ class LayerwisePrefillPipeline:
         present = self.store.exists(keys)
         n = 0
         for i in range(usable):
-            if all(present[i * len(layers):(i + 1) * len(layers)]):
+            if all(present[i * len(layers) : (i + 1) * len(layers)]):
                 n += 1
             else:
                 break
         return n * self.block_tokens
 
     # ------------------------------------------------------------------ forward API
-    def begin_forward(self, requests: Sequence[PrefillRequest], layers: Optional[Sequence[int]] = None,
-                      extra_consumers: Optional[Dict[int, Sequence[str]]] = None) -> ForwardLayout:
+    def begin_forward(
+        self,
+        requests: Sequence[PrefillRequest],
+        layers: Optional[Sequence[int]] = None,
+        extra_consumers: Optional[Dict[int, Sequence[str]]] = None,
+    ) -> ForwardLayout:
         """Open a forward: match cached prefixes, lay out rows, start prefetching.
 
         extra_consumers: layer -> further consumers of that layer's slot content
@@ -274,17 +297,19 @@ class LayerwisePrefillPipeline:
                 raise ValueError(f"request {req.rid}: no tokens")
             prefix = self.match_prefix(toks, layers)
             blocks = tuple(block_keys(toks, self.block_tokens, self.namespace))
-            rows.append(RequestRows(req.rid, row0, prefix, len(toks) - prefix, blocks,
-                                    prefix // self.block_tokens))
+            rows.append(RequestRows(req.rid, row0, prefix, len(toks) - prefix, blocks, prefix // self.block_tokens))
             row0 += len(toks)
         if row0 > self.capacity_rows:
-            raise ValueError(f"forward needs {row0} token rows but the layer buffers hold "
-                             f"{self.capacity_rows}; split the batch (chunked prefill) or plan "
-                             "larger buffers")
+            raise ValueError(
+                f"forward needs {row0} token rows but the layer buffers hold "
+                f"{self.capacity_rows}; split the batch (chunked prefill) or plan "
+                "larger buffers"
+            )
         return self.open_forward(ForwardLayout(tuple(rows), layers), extra_consumers)
 
-    def open_forward(self, layout: ForwardLayout,
-                     extra_consumers: Optional[Dict[int, Sequence[str]]] = None) -> ForwardLayout:
+    def open_forward(
+        self, layout: ForwardLayout, extra_consumers: Optional[Dict[int, Sequence[str]]] = None
+    ) -> ForwardLayout:
         """Open a forward over a caller-made ``layout`` (rows already placed; blocks
         ``[:cached_blocks]`` of each row are loaded, the rest saved): lease the cached
         blocks and start prefetching. :meth:`begin_forward` builds the layout from
@@ -308,7 +333,7 @@ class LayerwisePrefillPipeline:
             fwd.stats.prefix_tokens = sum(r.prefix_len for r in rows)
             fwd.stats.new_tokens = sum(r.new_len for r in rows)
             self._fwd = fwd
-        leased = [k for r in rows for l in layers for k in self._layer_keys(r.blocks[:r.cached_blocks], l)]
+        leased = [k for r in rows for l in layers for k in self._layer_keys(r.blocks[: r.cached_blocks], l)]
         if leased:
             self.store.add_lease(leased, self.lease_ttl_ms)
             fwd.leased = leased
@@ -345,7 +370,8 @@ class LayerwisePrefillPipeline:
                     raise GateTimeout(
                         f"layer {layer} not ready after {timeout:.3f}s: slot {slot} holds layer "
                         f"{self.gates.layer(slot)} with pending consumers "
-                        f"{sorted(self.gates.pending(slot))}")
+                        f"{sorted(self.gates.pending(slot))}"
+                    )
                 self._cv.wait(left)
             fwd.stats.ready_wait_s += time.perf_counter() - t0
             if layer in fwd.layer_error:
@@ -433,9 +459,11 @@ class LayerwisePrefillPipeline:
                 while len(fwd.saved) < len(fwd.written):
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise GateTimeout(f"forward {fwd.fid}: saves of layers "
-                                          f"{sorted(fwd.written - fwd.saved)} not finished after "
-                                          f"{timeout:.3f}s")
+                        raise GateTimeout(
+                            f"forward {fwd.fid}: saves of layers "
+                            f"{sorted(fwd.written - fwd.saved)} not finished after "
+                            f"{timeout:.3f}s"
+                        )
                     self._cv.wait(left)
                 errors += fwd.errors
                 if fwd in self._unfinished:
@@ -472,7 +500,7 @@ class LayerwisePrefillPipeline:
 
     # ------------------------------------------------------------------ workers
     def _views(self, slot: int, row0: int, nrows: int) -> List[torch.Tensor]:
-        return [t[row0:row0 + nrows] for t in self.buffers[slot]]
+        return [t[row0 : row0 + nrows] for t in self.buffers[slot]]
 
     def _block_views(self, slot: int, r: RequestRows, blocks: Sequence[BlockKey]) -> List[List[torch.Tensor]]:
         return [self._views(slot, r.row0 + b.start, b.tokens) for b in blocks]
@@ -493,8 +521,7 @@ class LayerwisePrefillPipeline:
     def _acquire_and_load(self, fwd: _Forward, layer: int) -> None:
         with self._cv:  # prefetch throttle: at most prefetch_depth layers ahead of compute
             # (no deadline: this waits for the caller's compute, not for a consumer)
-            while (fwd.pos[layer] - fwd.compute_pos > self.prefetch_depth
-                   and not fwd.aborted and not self._closed):
+            while fwd.pos[layer] - fwd.compute_pos > self.prefetch_depth and not fwd.aborted and not self._closed:
                 self._cv.wait(0.5)
             if fwd.aborted or self._closed:
                 return
@@ -512,8 +539,9 @@ class LayerwisePrefillPipeline:
             if foreign:
                 with self._cv:
                     target = owner[0] if owner else fwd
-                    target.errors += [f"slot {slot} layer {exc.layer}: consumer {c} failed: {e}"
-                                      for c, e in sorted(foreign.items())]
+                    target.errors += [
+                        f"slot {slot} layer {exc.layer}: consumer {c} failed: {e}" for c, e in sorted(foreign.items())
+                    ]
                 logger.warning("layerwise prefill: %s", exc)
         gate_s = time.perf_counter() - t0
         with self._cv:
@@ -530,7 +558,7 @@ class LayerwisePrefillPipeline:
         keys: List[str] = []
         dst: List[List[torch.Tensor]] = []
         for r in fwd.layout.requests:
-            cached = r.blocks[:r.cached_blocks]
+            cached = r.blocks[: r.cached_blocks]
             keys += self._layer_keys(cached, layer)
             dst += self._block_views(slot, r, cached)
         event = None
@@ -563,7 +591,7 @@ class LayerwisePrefillPipeline:
                 keys: List[str] = []
                 src: List[List[torch.Tensor]] = []
                 for r in fwd.layout.requests:
-                    new_blocks = r.blocks[r.cached_blocks:]
+                    new_blocks = r.blocks[r.cached_blocks :]
                     keys += self._layer_keys(new_blocks, layer)
                     src += self._block_views(slot, r, new_blocks)
                 with platform.stream_context(self._save_stream):
@@ -601,11 +629,15 @@ class LayerwisePrefillPipeline:
         self.close()
 
 
-def run_forward(pipe: LayerwisePrefillPipeline, requests: Sequence[PrefillRequest],
-                compute_layer: Callable[[int, List[torch.Tensor], ForwardLayout], None],
-                layers: Optional[Sequence[int]] = None, wait_saves: bool = True,
-                extra_consumers: Optional[Dict[int, Sequence[str]]] = None,
-                on_begin: Optional[Callable[[ForwardLayout], None]] = None) -> ForwardStats:
+def run_forward(
+    pipe: LayerwisePrefillPipeline,
+    requests: Sequence[PrefillRequest],
+    compute_layer: Callable[[int, List[torch.Tensor], ForwardLayout], None],
+    layers: Optional[Sequence[int]] = None,
+    wait_saves: bool = True,
+    extra_consumers: Optional[Dict[int, Sequence[str]]] = None,
+    on_begin: Optional[Callable[[ForwardLayout], None]] = None,
+) -> ForwardStats:
     """Drive one forward: ``on_begin(layout)``, then for each layer wait ->
     ``compute_layer(layer, buffer, layout)`` (writes the new rows and attends) ->
     written -> attended; then :meth:`~LayerwisePrefillPipeline.end_forward`."""

@@ -32,8 +32,15 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 __all__ = [
-    "TensorSpec", "LayerKVSpec", "PhysicalBuffer", "BufferPlan", "LayoutError",
-    "plan_buffers", "plan_from_config", "uniform_specs", "torch_dtype",
+    "TensorSpec",
+    "LayerKVSpec",
+    "PhysicalBuffer",
+    "BufferPlan",
+    "LayoutError",
+    "plan_buffers",
+    "plan_from_config",
+    "uniform_specs",
+    "torch_dtype",
 ]
 
 
@@ -43,8 +50,7 @@ class LayoutError(ValueError):
     def __init__(self, reasons: Sequence[str]):
         self.reasons = list(reasons)
         lines = "\n".join(f"  {i + 1}. {r}" for i, r in enumerate(self.reasons))
-        super().__init__(f"invalid layerwise prefill buffer layout ({len(self.reasons)} "
-                         f"problem(s)):\n{lines}")
+        super().__init__(f"invalid layerwise prefill buffer layout ({len(self.reasons)} problem(s)):\n{lines}")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -186,13 +192,16 @@ class BufferPlan:
         return self.main_bytes_physical / self.main_bytes_logical
 
     def summary(self) -> str:
-        return (f"{self.num_layers} layers -> {self.num_physical} physical buffers "
-                f"(B={self.shared_buffers}, independent={list(self.independent_layers)}), "
-                f"main-KV footprint ratio {self.footprint_ratio:.3f}")
+        return (
+            f"{self.num_layers} layers -> {self.num_physical} physical buffers "
+            f"(B={self.shared_buffers}, independent={list(self.independent_layers)}), "
+            f"main-KV footprint ratio {self.footprint_ratio:.3f}"
+        )
 
 
-def _validate(specs: Sequence[LayerKVSpec], shared_buffers: Optional[int],
-              independent: Union[Sequence[int], str]) -> List[str]:
+def _validate(
+    specs: Sequence[LayerKVSpec], shared_buffers: Optional[int], independent: Union[Sequence[int], str]
+) -> List[str]:
     errs: List[str] = []
     if not specs:
         errs.append("no cache-bearing layers given")
@@ -205,8 +214,7 @@ def _validate(specs: Sequence[LayerKVSpec], shared_buffers: Optional[int],
     base = [s.layer for s in specs if not s.mtp]
     mtp = [s.layer for s in specs if s.mtp]
     if base and mtp and min(mtp) <= max(base):
-        errs.append(f"MTP layers {sorted(mtp)} must be numbered after the base layers "
-                    f"(last base layer is {max(base)})")
+        errs.append(f"MTP layers {sorted(mtp)} must be numbered after the base layers (last base layer is {max(base)})")
     for s in specs:
         where = f"layer {s.layer}"
         if not s.main:
@@ -224,8 +232,10 @@ def _validate(specs: Sequence[LayerKVSpec], shared_buffers: Optional[int],
         known = set(ids)
         unknown = sorted(i for i in independent if i not in known)
         if unknown:
-            errs.append(f"independent layers {unknown} are not cache-bearing layers "
-                        f"(known: {sorted(known)[:8]}{'...' if len(known) > 8 else ''})")
+            errs.append(
+                f"independent layers {unknown} are not cache-bearing layers "
+                f"(known: {sorted(known)[:8]}{'...' if len(known) > 8 else ''})"
+            )
         if len(set(independent)) != len(list(independent)):
             errs.append("independent_layers has duplicates")
     elif not isinstance(independent, str):
@@ -233,8 +243,11 @@ def _validate(specs: Sequence[LayerKVSpec], shared_buffers: Optional[int],
     return errs
 
 
-def plan_buffers(specs: Sequence[LayerKVSpec], shared_buffers: Optional[int] = None,
-                 independent_layers: Union[Sequence[int], str] = (0,)) -> BufferPlan:
+def plan_buffers(
+    specs: Sequence[LayerKVSpec],
+    shared_buffers: Optional[int] = None,
+    independent_layers: Union[Sequence[int], str] = (0,),
+) -> BufferPlan:
     """Plan physical buffers; raises :class:`LayoutError` with every reason if invalid."""
     if independent_layers != "all":
         independent_layers = list(independent_layers)
@@ -242,8 +255,7 @@ def plan_buffers(specs: Sequence[LayerKVSpec], shared_buffers: Optional[int] = N
     if errs:
         raise LayoutError(errs)
     by_id = {s.layer: s for s in specs}
-    order = tuple(sorted(s.layer for s in specs if not s.mtp)) + \
-        tuple(sorted(s.layer for s in specs if s.mtp))
+    order = tuple(sorted(s.layer for s in specs if not s.mtp)) + tuple(sorted(s.layer for s in specs if s.mtp))
     indep = set(order) if independent_layers == "all" else set(independent_layers)
 
     buffers: List[PhysicalBuffer] = []
@@ -269,8 +281,7 @@ def plan_buffers(specs: Sequence[LayerKVSpec], shared_buffers: Optional[int] = N
             layer_buffer[layer] = buf.index
             predecessor[layer] = prev
             prev = layer
-    return BufferPlan(tuple(buffers), layer_buffer, predecessor, order, by_id, shared_buffers,
-                      tuple(sorted(indep)))
+    return BufferPlan(tuple(buffers), layer_buffer, predecessor, order, by_id, shared_buffers, tuple(sorted(indep)))
 
 
 def plan_from_config(cfg, specs: Sequence[LayerKVSpec]) -> BufferPlan:
@@ -278,9 +289,9 @@ def plan_from_config(cfg, specs: Sequence[LayerKVSpec]) -> BufferPlan:
     return plan_buffers(specs, cfg.shared_buffers, cfg.independent_layers)
 
 
-def uniform_specs(num_layers: int, main: Sequence[TensorSpec], indexer: Sequence[TensorSpec] = (),
-                  num_mtp_layers: int = 0) -> List[LayerKVSpec]:
+def uniform_specs(
+    num_layers: int, main: Sequence[TensorSpec], indexer: Sequence[TensorSpec] = (), num_mtp_layers: int = 0
+) -> List[LayerKVSpec]:
     """``num_layers`` base layers then ``num_mtp_layers`` MTP layers, all with one spec."""
     main_t, idx_t = tuple(main), tuple(indexer)
-    return [LayerKVSpec(i, main_t, idx_t, mtp=i >= num_layers)
-            for i in range(num_layers + num_mtp_layers)]
+    return [LayerKVSpec(i, main_t, idx_t, mtp=i >= num_layers) for i in range(num_layers + num_mtp_layers)]

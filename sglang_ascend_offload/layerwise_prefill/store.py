@@ -25,8 +25,15 @@ from typing import List, Sequence
 import torch
 
 __all__ = [
-    "StoreError", "StoreUnavailable", "BlockKey", "block_keys", "object_key",
-    "HostKVStore", "StoreStats", "parts_nbytes", "make_store",
+    "StoreError",
+    "StoreUnavailable",
+    "BlockKey",
+    "block_keys",
+    "object_key",
+    "HostKVStore",
+    "StoreStats",
+    "parts_nbytes",
+    "make_store",
 ]
 
 
@@ -60,7 +67,7 @@ def block_keys(token_ids: Sequence[int], block_tokens: int, namespace: str = "")
     prev = hashlib.blake2b(namespace.encode(), digest_size=16).digest()
     ids = [int(t) for t in token_ids]
     for start in range(0, len(ids), block_tokens):
-        chunk = ids[start:start + block_tokens]
+        chunk = ids[start : start + block_tokens]
         h = hashlib.blake2b(prev, digest_size=16)
         h.update(len(chunk).to_bytes(4, "little"))
         h.update(b"".join(t.to_bytes(8, "little", signed=True) for t in chunk))
@@ -151,8 +158,10 @@ def make_store(cfg, device_id=None) -> HostKVStore:
     backend = cfg.effective_store_backend(platform.device_kind())
     if backend == "local":
         from sglang_ascend_offload.layerwise_prefill.store_local import LocalHostKVStore
+
         return LocalHostKVStore()
     if backend == "memcache":
         from sglang_ascend_offload.layerwise_prefill.store_memcache import MemcacheHostKVStore
+
         return MemcacheHostKVStore(cfg.memcache, device_id)
     raise ValueError(f"unknown store_backend {backend!r}: expected 'memcache' or 'local'")

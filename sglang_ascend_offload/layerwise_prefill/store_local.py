@@ -16,8 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sglang_ascend_offload import platform
-from sglang_ascend_offload.layerwise_prefill.store import (
-    HostKVStore, StoreError, StoreStats, parts_nbytes)
+from sglang_ascend_offload.layerwise_prefill.store import HostKVStore, StoreError, StoreStats, parts_nbytes
 
 __all__ = ["LocalHostKVStore"]
 
@@ -66,8 +65,10 @@ class LocalHostKVStore(HostKVStore):
             self._used -= parts_nbytes(self._objects.pop(key))
             self._stats.evictions += 1
         if self._used + need > self._capacity:
-            raise StoreError(f"local host KV store full: {self._used}/{self._capacity} B used, "
-                             f"{need} B needed and the rest is leased; raise capacity_bytes")
+            raise StoreError(
+                f"local host KV store full: {self._used}/{self._capacity} B used, "
+                f"{need} B needed and the rest is leased; raise capacity_bytes"
+            )
 
     # ------------------------------------------------------------------ interface
     def exists(self, keys: Sequence[str]) -> List[bool]:
@@ -103,18 +104,19 @@ class LocalHostKVStore(HostKVStore):
             self._check_open()
             missing = [k for k in keys if k not in self._objects]
             if missing:
-                raise StoreError(f"local host KV store: {len(missing)} key(s) missing, e.g. "
-                                 f"{missing[:3]} (evicted or never saved)")
+                raise StoreError(
+                    f"local host KV store: {len(missing)} key(s) missing, e.g. {missing[:3]} (evicted or never saved)"
+                )
             found = []
             for k in keys:
                 self._objects.move_to_end(k)
                 found.append(self._objects[k])
         for key, src, dst in zip(keys, found, parts):
-            if len(src) != len(dst) or any(s.shape != d.shape or s.dtype != d.dtype
-                                            for s, d in zip(src, dst)):
+            if len(src) != len(dst) or any(s.shape != d.shape or s.dtype != d.dtype for s, d in zip(src, dst)):
                 raise StoreError(
                     f"key {key}: stored parts {[(tuple(s.shape), s.dtype) for s in src]} do not "
-                    f"match destination {[(tuple(d.shape), d.dtype) for d in dst]}")
+                    f"match destination {[(tuple(d.shape), d.dtype) for d in dst]}"
+                )
             for d, s in zip(dst, src):
                 d.copy_(s)
         with self._lock:

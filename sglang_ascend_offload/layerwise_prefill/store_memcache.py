@@ -37,18 +37,31 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sglang_ascend_offload.layerwise_prefill.store import (
-    HostKVStore, StoreError, StoreStats, StoreUnavailable, parts_nbytes)
+    HostKVStore,
+    StoreError,
+    StoreStats,
+    StoreUnavailable,
+    parts_nbytes,
+)
 
-__all__ = ["read_mmc_conf", "write_mmc_conf", "shipped_config", "MetaServiceProcess",
-           "MemcacheClient", "MemcacheHostKVStore", "UNSET_SERVICE_ID", "local_config_from_conf"]
+__all__ = [
+    "read_mmc_conf",
+    "write_mmc_conf",
+    "shipped_config",
+    "MetaServiceProcess",
+    "MemcacheClient",
+    "MemcacheHostKVStore",
+    "UNSET_SERVICE_ID",
+    "local_config_from_conf",
+]
 
-UNSET_SERVICE_ID = 2 ** 32 - 1  # what get_local_service_id() answers before a successful init
-_INSTALL_HINT = ("install memcache-hybrid (pip install memcache-hybrid memfabric-hybrid) on the "
-                 "Ascend node, or use store_backend 'local'")
+UNSET_SERVICE_ID = 2**32 - 1  # what get_local_service_id() answers before a successful init
+_INSTALL_HINT = (
+    "install memcache-hybrid (pip install memcache-hybrid memfabric-hybrid) on the "
+    "Ascend node, or use store_backend 'local'"
+)
 _ENV_LOCK = threading.Lock()
-_META_MAIN = ("import sys, memcache_hybrid as m\n"
-              "rc = m.MetaService.main()\n"
-              "sys.exit(int(rc or 0))\n")
+_META_MAIN = "import sys, memcache_hybrid as m\nrc = m.MetaService.main()\nsys.exit(int(rc or 0))\n"
 
 # Memcache copy directions (memcache_hybrid.{L2G,G2L,G2H,H2G}); checked against the package.
 L2G, G2L, G2H, H2G = 0, 1, 2, 3
@@ -63,8 +76,10 @@ def _memcache():
         raise StoreUnavailable(f"memcache_hybrid failed to import ({exc}): {_INSTALL_HINT}") from exc
     got = tuple(int(getattr(mod, n)) for n in ("L2G", "G2L", "G2H", "H2G"))
     if got != (L2G, G2L, G2H, H2G):
-        raise StoreUnavailable(f"memcache_hybrid copy directions {got} differ from the ones this "
-                               "plugin was written for; check the memcache-hybrid version")
+        raise StoreUnavailable(
+            f"memcache_hybrid copy directions {got} differ from the ones this "
+            "plugin was written for; check the memcache-hybrid version"
+        )
     return mod
 
 
@@ -102,7 +117,7 @@ def local_config_from_conf(local, conf: Dict[str, str]):
         name = key
         for prefix in ("ock.mmc.", "local_service."):
             if name.startswith(prefix):
-                name = name[len(prefix):]
+                name = name[len(prefix) :]
         name = name.replace(".", "_")
         if not hasattr(local, name):
             unknown.append(key)
@@ -116,8 +131,10 @@ def local_config_from_conf(local, conf: Dict[str, str]):
             parsed = value
         setattr(local, name, parsed)
     if unknown:
-        raise StoreError(f"mmc-local.conf keys with no LocalConfig field: {unknown}; remove them "
-                         "or start the process with MMC_LOCAL_CONFIG_PATH set instead")
+        raise StoreError(
+            f"mmc-local.conf keys with no LocalConfig field: {unknown}; remove them "
+            "or start the process with MMC_LOCAL_CONFIG_PATH set instead"
+        )
     return local
 
 
@@ -149,8 +166,7 @@ class MetaServiceProcess:
     of its log) if it exits or does not listen within ``start_timeout_s``.
     """
 
-    def __init__(self, meta_config: Optional[str] = None, start_timeout_s: float = 30.0,
-                 stop_grace_s: float = 10.0):
+    def __init__(self, meta_config: Optional[str] = None, start_timeout_s: float = 30.0, stop_grace_s: float = 10.0):
         self.config_path = meta_config or shipped_config("mmc-meta.conf")
         conf = read_mmc_conf(self.config_path)
         self.url = conf.get("ock.mmc.meta_service_url", "tcp://127.0.0.1:5000")
@@ -177,23 +193,29 @@ class MetaServiceProcess:
             raise StoreUnavailable(f"memcache_hybrid is not installed: {_INSTALL_HINT}")
         self._log = tempfile.NamedTemporaryFile("w+", prefix="mmc-meta-", suffix=".log", delete=False)
         env = dict(os.environ, MMC_META_CONFIG_PATH=os.path.abspath(self.config_path))
-        self._proc = subprocess.Popen([sys.executable, "-c", _META_MAIN], env=env,
-                                      stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _META_MAIN],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 rc = self._proc.returncode
-                raise StoreUnavailable(f"memcache meta service exited with {rc} "
-                                       f"(config {self.config_path}):\n{self._log_tail()}")
+                raise StoreUnavailable(
+                    f"memcache meta service exited with {rc} (config {self.config_path}):\n{self._log_tail()}"
+                )
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2):
                     return self
             except OSError:
                 time.sleep(0.1)
         self.stop()
-        raise StoreUnavailable(f"memcache meta service not listening on {self.url} after "
-                               f"{self.start_timeout_s:.0f}s:\n{self._log_tail()}")
+        raise StoreUnavailable(
+            f"memcache meta service not listening on {self.url} after {self.start_timeout_s:.0f}s:\n{self._log_tail()}"
+        )
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -225,8 +247,13 @@ class MemcacheClient:
     data path (needs the Ascend driver), ``False`` for a metadata-only client.
     """
 
-    def __init__(self, local_config: Optional[str] = None, protocol: Optional[str] = None,
-                 device_id: int = 0, init_bm: bool = True):
+    def __init__(
+        self,
+        local_config: Optional[str] = None,
+        protocol: Optional[str] = None,
+        device_id: int = 0,
+        init_bm: bool = True,
+    ):
         mh = _memcache()
         conf = read_mmc_conf(local_config or shipped_config("mmc-local.conf"))
         if protocol:
@@ -244,12 +271,12 @@ class MemcacheClient:
         rc = self._raw.init(int(device_id), bool(init_bm))
         sid = self._raw.get_local_service_id() if rc == 0 else UNSET_SERVICE_ID
         if rc != 0 or sid == UNSET_SERVICE_ID:
-            need = ("the Ascend driver (CANN) on this node for the data path (init_bm=True), and "
-                    if init_bm else "")
+            need = "the Ascend driver (CANN) on this node for the data path (init_bm=True), and " if init_bm else ""
             raise StoreUnavailable(
                 f"memcache client init failed (rc={rc}, local service id={sid}) for device "
                 f"{device_id}, protocol {conf.get('ock.mmc.local_service.protocol')}: it needs "
-                f"{need}a meta service reachable at {self.meta_url}; see the memcache log lines above")
+                f"{need}a meta service reachable at {self.meta_url}; see the memcache log lines above"
+            )
         self.service_id = sid
 
     def _ok(self):
@@ -261,18 +288,23 @@ class MemcacheClient:
     def _check_codes(op: str, keys: Sequence[str], codes: Sequence[int]) -> None:
         bad = [(k, c) for k, c in zip(keys, codes) if c != 0]
         if bad or len(codes) != len(keys):
-            raise StoreError(f"memcache {op} failed for {len(bad)}/{len(keys)} key(s), e.g. {bad[:3]}"
-                             + ("" if len(codes) == len(keys) else f" ({len(codes)} results)"))
+            raise StoreError(
+                f"memcache {op} failed for {len(bad)}/{len(keys)} key(s), e.g. {bad[:3]}"
+                + ("" if len(codes) == len(keys) else f" ({len(codes)} results)")
+            )
 
-    def batch_alloc(self, keys: Sequence[str], sizes: Sequence[int], media: int = 1,
-                    lease_ttl_ms: int = 0) -> List[int]:
+    def batch_alloc(
+        self, keys: Sequence[str], sizes: Sequence[int], media: int = 1, lease_ttl_ms: int = 0
+    ) -> List[int]:
         """Allocate objects; their global addresses. A 0 address (what a storage-less or
         uninitialised client answers) raises StoreError."""
         addrs = list(self._ok().batch_alloc(list(keys), [int(s) for s in sizes], media, lease_ttl_ms))
         null = [k for k, a in zip(keys, addrs) if not a]
         if null or len(addrs) != len(keys):
-            raise StoreError(f"memcache batch_alloc returned null addresses for {len(null)}/"
-                             f"{len(keys)} key(s), e.g. {null[:3]} (no storage behind the client?)")
+            raise StoreError(
+                f"memcache batch_alloc returned null addresses for {len(null)}/"
+                f"{len(keys)} key(s), e.g. {null[:3]} (no storage behind the client?)"
+            )
         return addrs
 
     def exists(self, keys: Sequence[str]) -> List[bool]:
@@ -283,12 +315,14 @@ class MemcacheClient:
         return [c == 1 for c in codes]
 
     def put_layers(self, keys, ptrs, sizes, direct: int) -> None:
-        self._check_codes("batch_put_from_layers", keys,
-                          list(self._ok().batch_put_from_layers(list(keys), ptrs, sizes, direct)))
+        self._check_codes(
+            "batch_put_from_layers", keys, list(self._ok().batch_put_from_layers(list(keys), ptrs, sizes, direct))
+        )
 
     def get_layers(self, keys, ptrs, sizes, direct: int) -> None:
-        self._check_codes("batch_get_into_layers", keys,
-                          list(self._ok().batch_get_into_layers(list(keys), ptrs, sizes, direct)))
+        self._check_codes(
+            "batch_get_into_layers", keys, list(self._ok().batch_get_into_layers(list(keys), ptrs, sizes, direct))
+        )
 
     def add_lease(self, keys: Sequence[str], ttl_ms: int) -> None:
         self._check_codes("batch_add_lease", keys, list(self._ok().batch_add_lease(list(keys), ttl_ms)))

@@ -125,8 +125,11 @@ class _Module:
 def _str_tuple(node: ast.AST) -> Optional[Tuple[str, ...]]:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return (node.value,)
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts and all(
-            isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+    if (
+        isinstance(node, (ast.Tuple, ast.List, ast.Set))
+        and node.elts
+        and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts)
+    ):
         return tuple(e.value for e in node.elts)
     return None
 
@@ -151,8 +154,11 @@ class _Project:
                 self.classes.setdefault(name, []).append((m, cls))
                 if _is_dataclass(cls):
                     for stmt in cls.body:
-                        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                                and stmt.value is not None):
+                        if (
+                            isinstance(stmt, ast.AnnAssign)
+                            and isinstance(stmt.target, ast.Name)
+                            and stmt.value is not None
+                        ):
                             lits = _str_tuple(stmt.value)
                             if lits and len(lits) == 1:
                                 self.field_values.setdefault((name, stmt.target.id), set()).add(lits[0])
@@ -202,8 +208,9 @@ def _stores_or_returns(fn: ast.FunctionDef) -> bool:
             return True
         if isinstance(n, (ast.Assign, ast.AnnAssign)):
             targets = n.targets if isinstance(n, ast.Assign) else [n.target]
-            if any(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
-                   for t in targets):
+            if any(
+                isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" for t in targets
+            ):
                 return True
     return False
 
@@ -216,9 +223,15 @@ def _methods(cls: ast.ClassDef) -> List[ast.FunctionDef]:
 class _Eval:
     """Types names in one function (or module) body; records uses when ``sink`` is set."""
 
-    def __init__(self, project: _Project, module: _Module, sink: Optional["_Sink"],
-                 cls: Optional[Tuple[_Module, ast.ClassDef]] = None,
-                 self_types: Optional[Dict[str, Path]] = None, depth: int = 0):
+    def __init__(
+        self,
+        project: _Project,
+        module: _Module,
+        sink: Optional["_Sink"],
+        cls: Optional[Tuple[_Module, ast.ClassDef]] = None,
+        self_types: Optional[Dict[str, Path]] = None,
+        depth: int = 0,
+    ):
         self.p, self.m, self.sink, self.cls = project, module, sink, cls
         self.self_types = self_types if self_types is not None else {}
         self.depth = depth
@@ -254,10 +267,15 @@ class _Eval:
             if lits:
                 self.lits[name] = lits
         for node in ast.walk(fn):  # membership guards: `if name not in CONSTANT`
-            if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and len(node.ops) == 1
-                    and isinstance(node.ops[0], (ast.In, ast.NotIn))
-                    and isinstance(node.comparators[0], ast.Name)
-                    and node.comparators[0].id in self.m.str_consts and node.left.id not in self.lits):
+            if (
+                isinstance(node, ast.Compare)
+                and isinstance(node.left, ast.Name)
+                and len(node.ops) == 1
+                and isinstance(node.ops[0], (ast.In, ast.NotIn))
+                and isinstance(node.comparators[0], ast.Name)
+                and node.comparators[0].id in self.m.str_consts
+                and node.left.id not in self.lits
+            ):
                 self.lits[node.left.id] = self.m.str_consts[node.comparators[0].id]
         self.run(fn.body)
 
@@ -275,13 +293,18 @@ class _Eval:
                 bound[kw.arg] = (self.typeof(kw.value), self.strings_of(kw.value))
         return bound
 
-    def _summary(self, fn: ast.FunctionDef, call: ast.Call, module: _Module,
-                 cls: Optional[Tuple[_Module, ast.ClassDef]]) -> Optional[Path]:
+    def _summary(
+        self, fn: ast.FunctionDef, call: ast.Call, module: _Module, cls: Optional[Tuple[_Module, ast.ClassDef]]
+    ) -> Optional[Path]:
         if self.depth >= _MAX_DEPTH:
             return None
         bound = self._bind_call(fn, call, skip_self=cls is not None)
-        key = (id(fn), id(cls[1]) if cls else 0, tuple(sorted(bound.items())),
-               tuple(sorted(self.self_types.items())) if cls else ())
+        key = (
+            id(fn),
+            id(cls[1]) if cls else 0,
+            tuple(sorted(bound.items())),
+            tuple(sorted(self.self_types.items())) if cls else (),
+        )
         if key in self.p.memo:
             return self.p.memo[key]
         self.p.memo[key] = None  # recursion guard
@@ -323,8 +346,9 @@ class _Eval:
                 self.env[a.asname or a.name] = path
                 self._rec(node, path, "import")
 
-    def _assign(self, target: ast.AST, value: Optional[ast.AST], typ: Optional[Path],
-                lits: Optional[Tuple[str, ...]]) -> None:
+    def _assign(
+        self, target: ast.AST, value: Optional[ast.AST], typ: Optional[Path], lits: Optional[Tuple[str, ...]]
+    ) -> None:
         if isinstance(target, ast.Name):
             if typ:
                 self.env[target.id] = typ
@@ -338,8 +362,9 @@ class _Eval:
             vals = value.elts if isinstance(value, (ast.Tuple, ast.List)) else None
             for i, t in enumerate(target.elts):
                 v = vals[i] if vals and i < len(vals) else None
-                self._assign(t, v, self.typeof(v) if v is not None else None,
-                             self.strings_of(v) if v is not None else None)
+                self._assign(
+                    t, v, self.typeof(v) if v is not None else None, self.strings_of(v) if v is not None else None
+                )
         elif isinstance(target, ast.Attribute):
             if isinstance(target.value, ast.Name) and target.value.id == "self" and self.cls:
                 if typ:
@@ -454,8 +479,13 @@ class _Eval:
     def _guarded(self, obj: ast.AST, name: ast.AST) -> bool:
         key = (ast.dump(obj), ast.dump(name))
         for n in ast.walk(self.fn) if self.fn is not None else ():
-            if (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "hasattr"
-                    and len(n.args) == 2 and (ast.dump(n.args[0]), ast.dump(n.args[1])) == key):
+            if (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Name)
+                and n.func.id == "hasattr"
+                and len(n.args) == 2
+                and (ast.dump(n.args[0]), ast.dump(n.args[1])) == key
+            ):
                 return True
         return False
 
@@ -472,8 +502,11 @@ class _Eval:
         elif isinstance(name, ast.Name) and self._is_param(name.id):
             pass  # resolved where the function is called with a literal (see _summary)
         elif not self._guarded(obj, name):
-            self._unresolved(node, f"{node.func.id}({'.'.join(base)}, {ast.unparse(name)})",
-                             "the attribute name is computed at run time and not guarded by hasattr")
+            self._unresolved(
+                node,
+                f"{node.func.id}({'.'.join(base)}, {ast.unparse(name)})",
+                "the attribute name is computed at run time and not guarded by hasattr",
+            )
 
     def _call(self, node: ast.Call) -> None:
         func = node.func
@@ -483,11 +516,22 @@ class _Eval:
             typ = self.typeof(func)
             if typ and typ[0] in TRACKED:
                 starred = any(isinstance(a, ast.Starred) for a in node.args) or any(
-                    k.arg is None for k in node.keywords)
-                self._rec(node, typ, "call", positional=sum(not isinstance(a, ast.Starred) for a in node.args),
-                          keywords=tuple(k.arg for k in node.keywords if k.arg), starred=starred)
-        if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"
-                and any(self.typeof(a) for a in node.args)):
+                    k.arg is None for k in node.keywords
+                )
+                self._rec(
+                    node,
+                    typ,
+                    "call",
+                    positional=sum(not isinstance(a, ast.Starred) for a in node.args),
+                    keywords=tuple(k.arg for k in node.keywords if k.arg),
+                    starred=starred,
+                )
+        if (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and func.value.id == "self"
+            and any(self.typeof(a) for a in node.args)
+        ):
             self._call_type(node)  # a self method may store its typed arguments in self.<attr>
         if isinstance(func, ast.Attribute):
             self._visit_chain(func)
@@ -537,7 +581,8 @@ class _Eval:
                 return self._summary(found[2], node, found[0], self.cls)
         typ = self.typeof(func)
         if typ in (("importlib", "import_module"), ("builtins", "__import__")) or (
-                isinstance(func, ast.Name) and func.id == "__import__"):
+            isinstance(func, ast.Name) and func.id == "__import__"
+        ):
             lits = self.strings_of(node.args[0]) if node.args else None
             return tuple(lits[0].split(".")) if lits and len(lits) == 1 else None
         return typ + (CALL,) if typ else None
@@ -550,8 +595,12 @@ class _Eval:
             return lits
         if isinstance(node, ast.Name):
             return self.lits.get(node.id) or self.m.str_consts.get(node.id)
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("upper", "lower") and not node.args):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("upper", "lower")
+            and not node.args
+        ):
             inner = self.strings_of(node.func.value)
             if inner:
                 return tuple(s.upper() if node.func.attr == "upper" else s.lower() for s in inner)

@@ -96,7 +96,7 @@ def parse_pybind_signatures(doc: Optional[str], name: str) -> List[PybindSignatu
             continue
         params: List[inspect.Parameter] = []
         kind = P.POSITIONAL_OR_KEYWORD
-        for raw in _split_top(doc[open_at + 1:close]):
+        for raw in _split_top(doc[open_at + 1 : close]):
             if raw == "*":
                 kind = P.KEYWORD_ONLY
                 continue
@@ -110,7 +110,7 @@ def parse_pybind_signatures(doc: Optional[str], name: str) -> List[PybindSignatu
             pname = re.split(r"[:=]", raw, maxsplit=1)[0].strip()
             has_default = bool(re.search(r"\s=\s", raw)) or ("=" in raw and ":" not in raw)
             params.append(P(pname, kind, default=None if has_default else P.empty))
-        rest = doc[close + 1:].split("\n", 1)[0]
+        rest = doc[close + 1 :].split("\n", 1)[0]
         returns = rest.split("->", 1)[1].strip() if "->" in rest else ""
         try:
             out.append(PybindSignature(name, inspect.Signature(params), returns))
@@ -122,8 +122,9 @@ def parse_pybind_signatures(doc: Optional[str], name: str) -> List[PybindSignatu
 def _npu_requirements() -> List[str]:
     """The ``[npu]`` extra: from the checkout's pyproject.toml when there is one (it is
     newer than an editable install's metadata), else from the installed metadata."""
-    pyproject = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                             "pyproject.toml")
+    pyproject = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "pyproject.toml"
+    )
     if os.path.isfile(pyproject):
         try:
             import tomllib  # noqa: PLC0415 - Python 3.11+
@@ -171,7 +172,8 @@ class _Obj:
 
 def _is_pybind(obj: Any) -> bool:
     return isinstance(obj, (types.BuiltinFunctionType, types.BuiltinMethodType)) or (
-        type(obj).__name__ == "instancemethod")
+        type(obj).__name__ == "instancemethod"
+    )
 
 
 def _find_class(root: types.ModuleType, spelled: str) -> Optional[type]:
@@ -188,10 +190,15 @@ def _find_class(root: types.ModuleType, spelled: str) -> Optional[type]:
                 val = getattr(obj, name)
             except Exception:  # noqa: BLE001 - a property that needs a driver
                 continue
-            if isinstance(val, type) and val.__name__ == want and val.__module__.split(".")[0].lstrip("_") != "builtins":
+            if (
+                isinstance(val, type)
+                and val.__name__ == want
+                and val.__module__.split(".")[0].lstrip("_") != "builtins"
+            ):
                 return val
             if isinstance(val, types.ModuleType) and getattr(val, "__name__", "").lstrip("_").startswith(
-                    ("pymf", "pymmc", root.__name__)):
+                ("pymf", "pymmc", root.__name__)
+            ):
                 todo.append(val)
             elif isinstance(val, type) and not name.startswith("_"):
                 todo.append(val)
@@ -215,8 +222,7 @@ def _signatures(obj: _Obj, attr_name: str) -> Tuple[List[inspect.Signature], str
         if not sigs:
             raise _Untyped("pybind11 function without a signature in __doc__")
         bound = obj.instance or any(p == "self" for s in sigs for p in list(s.signature.parameters)[:1])
-        return [_drop_first(s.signature) if bound and obj.instance else s.signature for s in sigs], \
-            "pybind11 doc"
+        return [_drop_first(s.signature) if bound and obj.instance else s.signature for s in sigs], "pybind11 doc"
     if callable(value):
         try:
             sig = inspect.signature(value)
@@ -246,8 +252,10 @@ class _Resolver:
                 continue
             if not hasattr(cur.value, part):
                 owner = getattr(cur.value, "__name__", type(cur.value).__name__)
-                raise LookupError(f"{owner} has no attribute {part!r}; it has "
-                                  f"{sorted(n for n in dir(cur.value) if not n.startswith('_'))}")
+                raise LookupError(
+                    f"{owner} has no attribute {part!r}; it has "
+                    f"{sorted(n for n in dir(cur.value) if not n.startswith('_'))}"
+                )
             parent, last = cur, part
             try:
                 val = getattr(cur.value, part)
@@ -305,9 +313,15 @@ def check(uses: Sequence[Use], package: str) -> PackageResult:
         return result
     if not _in_range(version, spec):
         first = mine[0] if mine else None
-        result.findings.append(Finding(first.file if first else "pyproject.toml", first.line if first else 0,
-                                       package, f"{dist} {version}",
-                                       f"outside the supported range {spec}: the check says nothing about it"))
+        result.findings.append(
+            Finding(
+                first.file if first else "pyproject.toml",
+                first.line if first else 0,
+                package,
+                f"{dist} {version}",
+                f"outside the supported range {spec}: the check says nothing about it",
+            )
+        )
     module = importlib.import_module(package)
     resolver = _Resolver(module)
     for use in mine:

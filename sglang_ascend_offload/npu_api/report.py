@@ -54,8 +54,12 @@ def _test_tree_torch_npu(scan: callsites.Scan) -> None:
     scan.files += extra.files
 
 
-def collect(roots: Optional[Sequence[str]] = None, *, torch_npu_data: Optional[dict] = None,
-            sglang_tree: Optional[sglang_source.SourceTree] = None) -> NpuApiReport:
+def collect(
+    roots: Optional[Sequence[str]] = None,
+    *,
+    torch_npu_data: Optional[dict] = None,
+    sglang_tree: Optional[sglang_source.SourceTree] = None,
+) -> NpuApiReport:
     """Scan ``roots`` (default: the project, plus the ``torch_npu`` calls of ``tests/``)
     and check every use (module docstring)."""
     scan = callsites.scan(roots)
@@ -67,8 +71,10 @@ def collect(roots: Optional[Sequence[str]] = None, *, torch_npu_data: Optional[d
     details["torch_npu"] = torch_npu_schemas.check(scan.uses, torch_npu_data)
     details["sglang"] = sglang_source.check(scan.uses, sglang_tree)
     unknown = [f for r in details.values() for f in r.findings]
-    unknown += [Finding(u.file, u.line, u.what.split("(", 1)[-1].split(",")[0].split(".")[0], u.what, u.why)
-                for u in scan.unresolved]
+    unknown += [
+        Finding(u.file, u.line, u.what.split("(", 1)[-1].split(",")[0].split(".")[0], u.what, u.why)
+        for u in scan.unresolved
+    ]
     unknown.sort(key=lambda f: (f.file, f.line, f.what))
     return NpuApiReport(
         packages={name: r.version for name, r in details.items()},
@@ -81,12 +87,16 @@ def collect(roots: Optional[Sequence[str]] = None, *, torch_npu_data: Optional[d
 
 
 def format_human(report: NpuApiReport) -> str:
-    lines = [f"NPU API conformance: {report.uses} uses in {report.files} files, "
-             f"{report.checked_calls} checked, {len(report.unknown)} unknown"]
+    lines = [
+        f"NPU API conformance: {report.uses} uses in {report.files} files, "
+        f"{report.checked_calls} checked, {len(report.unknown)} unknown"
+    ]
     for name, r in report.details.items():
         skipped = sum(r.skipped.values())
-        lines.append(f"  {name:18s} {r.version or '-':10s} checked {r.checked:4d}  skipped {skipped:3d}  "
-                     f"findings {len(r.findings)}  ({r.source})")
+        lines.append(
+            f"  {name:18s} {r.version or '-':10s} checked {r.checked:4d}  skipped {skipped:3d}  "
+            f"findings {len(r.findings)}  ({r.source})"
+        )
     for f in report.unknown:
         lines.append(f"  UNKNOWN {f.file}:{f.line}: {f.what}: {f.why}")
     return "\n".join(lines)

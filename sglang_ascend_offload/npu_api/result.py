@@ -21,8 +21,7 @@ class Finding:
     why: str
 
     def as_dict(self) -> Dict[str, object]:
-        return {"where": f"{self.file}:{self.line}", "package": self.package, "what": self.what,
-                "why": self.why}
+        return {"where": f"{self.file}:{self.line}", "package": self.package, "what": self.what, "why": self.why}
 
 
 @dataclass
@@ -41,13 +40,18 @@ class PackageResult:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
     def as_dict(self) -> Dict[str, object]:
-        return {"version": self.version, "source": self.source, "checked": self.checked,
-                "skipped": dict(sorted(self.skipped.items())),
-                "findings": [f.as_dict() for f in self.findings]}
+        return {
+            "version": self.version,
+            "source": self.source,
+            "checked": self.checked,
+            "skipped": dict(sorted(self.skipped.items())),
+            "findings": [f.as_dict() for f in self.findings],
+        }
 
 
-def bind_problem(sig: inspect.Signature, positional: int, keywords: Sequence[str],
-                 starred: bool = False) -> Optional[str]:
+def bind_problem(
+    sig: inspect.Signature, positional: int, keywords: Sequence[str], starred: bool = False
+) -> Optional[str]:
     """Why a call with ``positional`` arguments and ``keywords`` does not fit ``sig``
     (``None`` if it does). With ``starred`` (``*args`` / ``**kw`` at the call) only the
     keyword names are checked."""

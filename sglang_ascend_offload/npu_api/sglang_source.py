@@ -30,10 +30,34 @@ from .result import Finding, PackageResult, bind_problem
 
 __all__ = ["SourceTree", "check"]
 
-_NEUTRAL_BASES = {"object", "ABC", "Generic", "Protocol", "NamedTuple", "Exception", "RuntimeError",
-                  "ValueError", "TypeError", "KeyError", "IntEnum", "Enum", "str", "int", "dict"}
-_ALWAYS = {"__init__", "__class__", "__dict__", "__name__", "__mro__", "__doc__", "__module__",
-           "__call__", "__qualname__"}
+_NEUTRAL_BASES = {
+    "object",
+    "ABC",
+    "Generic",
+    "Protocol",
+    "NamedTuple",
+    "Exception",
+    "RuntimeError",
+    "ValueError",
+    "TypeError",
+    "KeyError",
+    "IntEnum",
+    "Enum",
+    "str",
+    "int",
+    "dict",
+}
+_ALWAYS = {
+    "__init__",
+    "__class__",
+    "__dict__",
+    "__name__",
+    "__mro__",
+    "__doc__",
+    "__module__",
+    "__call__",
+    "__qualname__",
+}
 
 
 class _Untyped(Exception):
@@ -247,9 +271,13 @@ class SourceTree:
                 if isinstance(fn, (ast.Assign, ast.AnnAssign)):
                     targets = fn.targets if isinstance(fn, ast.Assign) else [fn.target]
                     for t in targets:
-                        for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
-                            if (isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name)
-                                    and e.value.id == "self" and e.attr == name):
+                        for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                            if (
+                                isinstance(e, ast.Attribute)
+                                and isinstance(e.value, ast.Name)
+                                and e.value.id == "self"
+                                and e.attr == name
+                            ):
                                 return _Val("an instance attribute value")
         outside = []
         for b in cls.node.bases:

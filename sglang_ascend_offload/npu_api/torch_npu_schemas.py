@@ -123,8 +123,11 @@ def extract_from_wheel(wheel: str, ops: Sequence[str]) -> Dict[str, object]:
         schema = parse_schema(m.group(1))
         if schema and schema.name in wanted:
             yaml_schemas.setdefault(schema.name, []).append(schema.text)
-    disagree = {n: {"lib": found.get(n, []), "yaml": v} for n, v in yaml_schemas.items()
-                if sorted(v) != sorted(found.get(n, []))}
+    disagree = {
+        n: {"lib": found.get(n, []), "yaml": v}
+        for n, v in yaml_schemas.items()
+        if sorted(v) != sorted(found.get(n, []))
+    }
     version = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", version_src)
     return {
         "torch_npu_version": version.group(1) if version else None,
@@ -174,8 +177,10 @@ def check(uses: Sequence[Use], data: Optional[Dict[str, object]] = None) -> Pack
         if len(use.path) == 2 and use.kind == "call":
             result.checked += 1
             if name not in ops:
-                why = (f"no registered schema named {name!r} in torch_npu {result.version} "
-                       f"(run scripts/extract_torch_npu_schemas.py if it is a new call)")
+                why = (
+                    f"no registered schema named {name!r} in torch_npu {result.version} "
+                    f"(run scripts/extract_torch_npu_schemas.py if it is a new call)"
+                )
                 result.findings.append(Finding(use.file, use.line, "torch_npu", f"torch_npu.{name}(...)", why))
                 continue
             why = _call_problem(ops[name], use)
@@ -186,13 +191,20 @@ def check(uses: Sequence[Use], data: Optional[Dict[str, object]] = None) -> Pack
         elif len(use.path) >= 3 and name == "npu" and use.path[2] != "()":
             result.checked += 1
             if use.path[2] not in set(data.get("npu_module_names", [])):
-                result.findings.append(Finding(use.file, use.line, "torch_npu", f"torch.npu.{use.path[2]}",
-                                               f"torch_npu {result.version}'s torch.npu module has no "
-                                               f"{use.path[2]!r} ({_NPU_INIT})"))
+                result.findings.append(
+                    Finding(
+                        use.file,
+                        use.line,
+                        "torch_npu",
+                        f"torch.npu.{use.path[2]}",
+                        f"torch_npu {result.version}'s torch.npu module has no {use.path[2]!r} ({_NPU_INIT})",
+                    )
+                )
         elif len(use.path) == 2 and name.startswith("npu_"):
             result.checked += 1
-            result.findings.append(Finding(use.file, use.line, "torch_npu", f"torch_npu.{name}",
-                                           "no registered schema of that name"))
+            result.findings.append(
+                Finding(use.file, use.line, "torch_npu", f"torch_npu.{name}", "no registered schema of that name")
+            )
         else:
             result.skip("a torch_npu Python attribute (only op schemas and top-level names are extracted)")
     return result
@@ -200,5 +212,8 @@ def check(uses: Sequence[Use], data: Optional[Dict[str, object]] = None) -> Pack
 
 def project_ops(uses: Iterable[Use]) -> Tuple[str, ...]:
     """The op names the project's ``torch_npu`` uses reach (what the extractor keeps)."""
-    return tuple(sorted({u.path[1] for u in uses if u.package == "torch_npu" and len(u.path) == 2
-                         and u.path[1].startswith("npu_")}))
+    return tuple(
+        sorted(
+            {u.path[1] for u in uses if u.package == "torch_npu" and len(u.path) == 2 and u.path[1].startswith("npu_")}
+        )
+    )

@@ -52,8 +52,8 @@ _EXTENSION_MODULE = "sglang_ascend_offload._C_ascend"
 #: The extension's schemas, verbatim from ``TORCH_LIBRARY(sglang_ascend_offload)`` in
 #: ``ascendc_ops/host/torch_ops.cpp`` (a test holds the two equal).
 SCHEMAS = {
-    "npu_fused_lightning_indexer_manage": "npu_fused_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, str layout_query=\"TND\", str layout_key=\"PA_BSND\", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)",  # noqa: E501
-    "npu_fused_quant_lightning_indexer_manage": "npu_fused_quant_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor query_dequant_scale, Tensor key_dequant_scale, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, int query_quant_mode=0, int key_quant_mode=0, str layout_query=\"TND\", str layout_key=\"PA_BSND\", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)",  # noqa: E501
+    "npu_fused_lightning_indexer_manage": 'npu_fused_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, str layout_query="TND", str layout_key="PA_BSND", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)',  # noqa: E501
+    "npu_fused_quant_lightning_indexer_manage": 'npu_fused_quant_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor query_dequant_scale, Tensor key_dequant_scale, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, int query_quant_mode=0, int key_quant_mode=0, str layout_query="TND", str layout_key="PA_BSND", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)',  # noqa: E501
     "npu_fused_scatter_copy_sparse_flash_attention": "npu_fused_scatter_copy_sparse_flash_attention(Tensor query, Tensor query_rope, Tensor host, Tensor(a!) hot, Tensor sparse_indices, Tensor token_rows, Tensor miss_tokens, Tensor miss_slots, Tensor miss_count, Tensor token_table, float scale_value) -> Tensor",  # noqa: E501
     "npu_fused_register_host_memory": "npu_fused_register_host_memory(Tensor host, int device_address=0) -> int",
 }
@@ -94,8 +94,10 @@ def model() -> am.KernelModel:
 def _refusal() -> Optional[str]:
     """Why the model ops must not take the namespace here (``None``: they may)."""
     if platform.device_kind() == "npu":
-        return ("on an Ascend NPU the built AscendC extension serves the fused ops "
-                f"({_EXTENSION_MODULE}); the CPU functional model is for machines without one")
+        return (
+            "on an Ascend NPU the built AscendC extension serves the fused ops "
+            f"({_EXTENSION_MODULE}); the CPU functional model is for machines without one"
+        )
     if _EXTENSION_MODULE in sys.modules:
         return f"the AscendC extension {_EXTENSION_MODULE} is loaded and owns the op namespace"
     namespace = getattr(torch.ops, NAMESPACE)
@@ -118,8 +120,10 @@ def register(path=None) -> None:
             raise RuntimeError(f"the CPU functional-model fused ops are not registered: {reason}")
         lib_path = path or am.library_path()
         if not lib_path.is_file():
-            logger.info("ops=fused on CPU: building the AscendC kernels against the functional model "
-                        "(first use, ~10-30 s; scripts/setup_cpu_env.sh prebuilds it)")
+            logger.info(
+                "ops=fused on CPU: building the AscendC kernels against the functional model "
+                "(first use, ~10-30 s; scripts/setup_cpu_env.sh prebuilds it)"
+            )
             lib_path = am.build()
         loaded = am.KernelModel(lib_path)
         library = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -129,13 +133,19 @@ def register(path=None) -> None:
         library.impl("npu_fused_quant_lightning_indexer_manage", _lim_c8, "CPU")
         library.impl("npu_fused_scatter_copy_sparse_flash_attention", _copy_sfa, "CPU")
         library.impl("npu_fused_register_host_memory", _register_host_memory, "CPU")
-        for name, fake in (("npu_fused_lightning_indexer_manage", _lim_fake),
-                           ("npu_fused_quant_lightning_indexer_manage", _lim_c8_fake),
-                           ("npu_fused_scatter_copy_sparse_flash_attention", _copy_sfa_fake)):
+        for name, fake in (
+            ("npu_fused_lightning_indexer_manage", _lim_fake),
+            ("npu_fused_quant_lightning_indexer_manage", _lim_c8_fake),
+            ("npu_fused_scatter_copy_sparse_flash_attention", _copy_sfa_fake),
+        ):
             torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=library)
         _STATE.model, _STATE.library = loaded, library
-        logger.info("fused ops on CPU: torch.ops.%s.{%s} run the AscendC kernels on the functional model (%s)",
-                    NAMESPACE, ",".join(SCHEMAS), lib_path.name)
+        logger.info(
+            "fused ops on CPU: torch.ops.%s.{%s} run the AscendC kernels on the functional model (%s)",
+            NAMESPACE,
+            ",".join(SCHEMAS),
+            lib_path.name,
+        )
 
 
 def unregister() -> None:
@@ -173,8 +183,9 @@ def _shape(t: torch.Tensor, name: str, shape) -> None:
 
 
 def _unsupported(op: str, exc: am.ShapeUnsupported) -> RuntimeError:
-    return RuntimeError(f"{op}: shape not supported by the fused kernel: {exc}use ops=reference (or npu) for this "
-                        "shape")
+    return RuntimeError(
+        f"{op}: shape not supported by the fused kernel: {exc}use ops=reference (or npu) for this shape"
+    )
 
 
 # ------------------------------------------------------------------ LIM, LIM-C8
@@ -209,16 +220,33 @@ def _check_lim(query, key, weights, query_scale, key_scale, meta, state, quantiz
     _shape(token_rows, "token_rows", (t,))
     _check(slot_token, "slot_token", torch.int32, 2)
     r, hh = slot_token.shape
-    for tensor, name, dtype, shape in ((slot_stamp, "slot_stamp", torch.int64, (r, hh)),
-                                       (row_req, "row_req", torch.int64, (r,)), (req_ids, "req_ids", torch.int64, (r,)),
-                                       (stable_len, "stable_len", torch.int32, (r,)), (step, "step", torch.int64, (1,))):
+    for tensor, name, dtype, shape in (
+        (slot_stamp, "slot_stamp", torch.int64, (r, hh)),
+        (row_req, "row_req", torch.int64, (r,)),
+        (req_ids, "req_ids", torch.int64, (r,)),
+        (stable_len, "stable_len", torch.int32, (r,)),
+        (step, "step", torch.int64, (1,)),
+    ):
         _check(tensor, name, dtype, len(shape))
         _shape(tensor, name, shape)
     return t, b, hi, di, bs, r, hh
 
 
-def _run_lim(query, key, weights, query_scale, key_scale, meta, state, layout_query: str, layout_key: str,
-             sparse_count: int, sparse_mode: int, quantized: bool, tokens_per_row: int = 1):
+def _run_lim(
+    query,
+    key,
+    weights,
+    query_scale,
+    key_scale,
+    meta,
+    state,
+    layout_query: str,
+    layout_key: str,
+    sparse_count: int,
+    sparse_mode: int,
+    quantized: bool,
+    tokens_per_row: int = 1,
+):
     """One LIM / LIM-C8 launch on the model. Outputs as the schema: topk_indices and
     sparse_indices int32 ``[T, 1, K]``, hit_mask bool ``[R, W]``, slots int32 ``[R, W]``,
     miss_count int32 ``[R]``, miss_tokens / miss_slots int32 ``[R, W]`` with
@@ -229,15 +257,32 @@ def _run_lim(query, key, weights, query_scale, key_scale, meta, state, layout_qu
     t, b, hi, di, bs, r, hh = _check_lim(query, key, weights, query_scale, key_scale, meta, state, quantized)
     m, k, n = model(), int(sparse_count), int(tokens_per_row)
     try:
-        launch = m.tile_lim(tokens=t, requests=b, index_heads=hi, index_dim=di, block_size=bs,
-                            max_blocks=meta[2].shape[1], rows=r, hot_tokens=hh, top_k=k, sparse_mode=int(sparse_mode),
-                            quantized=quantized, tokens_per_row=n)
+        launch = m.tile_lim(
+            tokens=t,
+            requests=b,
+            index_heads=hi,
+            index_dim=di,
+            block_size=bs,
+            max_blocks=meta[2].shape[1],
+            rows=r,
+            hot_tokens=hh,
+            top_k=k,
+            sparse_mode=int(sparse_mode),
+            quantized=quantized,
+            tokens_per_row=n,
+        )
     except am.ShapeUnsupported as exc:
         raise _unsupported(op, exc) from None
     i32, w = torch.int32, n * k
-    outs = (torch.empty((t, 1, k), dtype=i32), torch.empty((t, 1, k), dtype=i32), torch.empty((r, w), dtype=torch.bool),
-            torch.empty((r, w), dtype=i32), torch.empty((r,), dtype=i32), torch.empty((r, w), dtype=i32),
-            torch.empty((r, w), dtype=i32))
+    outs = (
+        torch.empty((t, 1, k), dtype=i32),
+        torch.empty((t, 1, k), dtype=i32),
+        torch.empty((r, w), dtype=torch.bool),
+        torch.empty((r, w), dtype=i32),
+        torch.empty((r,), dtype=i32),
+        torch.empty((r, w), dtype=i32),
+        torch.empty((r, w), dtype=i32),
+    )
     if t == 0 and r == 0:
         return outs
     head = [query, key, weights] + ([query_scale, key_scale] if quantized else [])
@@ -245,25 +290,87 @@ def _run_lim(query, key, weights, query_scale, key_scale, meta, state, layout_qu
     return outs
 
 
-def _lim(query, key, weights, cu, kv_len, block_table, token_rows, req_ids, stable_len, step, slot_token,
-         slot_stamp, row_req, layout_query="TND", layout_key="PA_BSND", sparse_count=2048, sparse_mode=3,
-         tokens_per_row=1):
+def _lim(
+    query,
+    key,
+    weights,
+    cu,
+    kv_len,
+    block_table,
+    token_rows,
+    req_ids,
+    stable_len,
+    step,
+    slot_token,
+    slot_stamp,
+    row_req,
+    layout_query="TND",
+    layout_key="PA_BSND",
+    sparse_count=2048,
+    sparse_mode=3,
+    tokens_per_row=1,
+):
     """``npu_fused_lightning_indexer_manage`` on the model (schema in :data:`SCHEMAS`; the
     dispatcher drops trailing arguments equal to their defaults, so the defaults are repeated)."""
-    return _run_lim(query, key, weights, None, None,
-                    (cu, kv_len, block_table, token_rows, req_ids, stable_len, step), (slot_token, slot_stamp, row_req),
-                    layout_query, layout_key, sparse_count, sparse_mode, quantized=False, tokens_per_row=tokens_per_row)
+    return _run_lim(
+        query,
+        key,
+        weights,
+        None,
+        None,
+        (cu, kv_len, block_table, token_rows, req_ids, stable_len, step),
+        (slot_token, slot_stamp, row_req),
+        layout_query,
+        layout_key,
+        sparse_count,
+        sparse_mode,
+        quantized=False,
+        tokens_per_row=tokens_per_row,
+    )
 
 
-def _lim_c8(query, key, weights, query_scale, key_scale, cu, kv_len, block_table, token_rows, req_ids, stable_len,
-            step, slot_token, slot_stamp, row_req, query_quant_mode=0, key_quant_mode=0, layout_query="TND",
-            layout_key="PA_BSND", sparse_count=2048, sparse_mode=3, tokens_per_row=1):
+def _lim_c8(
+    query,
+    key,
+    weights,
+    query_scale,
+    key_scale,
+    cu,
+    kv_len,
+    block_table,
+    token_rows,
+    req_ids,
+    stable_len,
+    step,
+    slot_token,
+    slot_stamp,
+    row_req,
+    query_quant_mode=0,
+    key_quant_mode=0,
+    layout_query="TND",
+    layout_key="PA_BSND",
+    sparse_count=2048,
+    sparse_mode=3,
+    tokens_per_row=1,
+):
     """``npu_fused_quant_lightning_indexer_manage`` on the model (quant modes 0 only)."""
     if query_quant_mode != 0 or key_quant_mode != 0:
         raise RuntimeError("npu_fused_quant_lightning_indexer_manage: only per-token quantisation (quant mode 0)")
-    return _run_lim(query, key, weights, query_scale, key_scale,
-                    (cu, kv_len, block_table, token_rows, req_ids, stable_len, step), (slot_token, slot_stamp, row_req),
-                    layout_query, layout_key, sparse_count, sparse_mode, quantized=True, tokens_per_row=tokens_per_row)
+    return _run_lim(
+        query,
+        key,
+        weights,
+        query_scale,
+        key_scale,
+        (cu, kv_len, block_table, token_rows, req_ids, stable_len, step),
+        (slot_token, slot_stamp, row_req),
+        layout_query,
+        layout_key,
+        sparse_count,
+        sparse_mode,
+        quantized=True,
+        tokens_per_row=tokens_per_row,
+    )
 
 
 # ------------------------------------------------------------------ Copy-SFA
@@ -286,8 +393,10 @@ def _register_host_memory(host: torch.Tensor, device_address: int = 0) -> int:
         # On an NPU the pool's storage is page-aligned pinned memory, so what decides is the
         # view's offset in its storage; CPU storage is only 64-byte aligned: check the offset.
         if device_address == 0 and (base - host.untyped_storage().data_ptr()) % 4096:
-            raise RuntimeError("npu_fused_register_host_memory: aclrtHostRegister needs 4 KiB-aligned host memory; "
-                               "register the whole host pool (HostKVPool storage), not an unaligned view")
+            raise RuntimeError(
+                "npu_fused_register_host_memory: aclrtHostRegister needs 4 KiB-aligned host memory; "
+                "register the whole host pool (HostKVPool storage), not an unaligned view"
+            )
         device = int(device_address) or base
         _STATE.regions.append((base, nbytes, device))
         return device
@@ -329,14 +438,26 @@ def _check_copy_sfa(query, query_rope, host, hot, sparse_indices, token_rows, mi
     return t, n, dl, dr, r, hh, k, w
 
 
-def _copy_sfa(query, query_rope, host, hot, sparse_indices, token_rows, miss_tokens, miss_slots, miss_count,
-              token_table, scale_value):
+def _copy_sfa(
+    query,
+    query_rope,
+    host,
+    hot,
+    sparse_indices,
+    token_rows,
+    miss_tokens,
+    miss_slots,
+    miss_count,
+    token_table,
+    scale_value,
+):
     """``npu_fused_scatter_copy_sparse_flash_attention`` on the model: misses copied into
     ``hot`` (in place), attention output bf16 ``[T, N, Dl]``."""
     op = "npu_fused_scatter_copy_sparse_flash_attention"
     miss = (miss_tokens, miss_slots, miss_count)
-    t, n, dl, dr, r, hh, k, w = _check_copy_sfa(query, query_rope, host, hot, sparse_indices, token_rows, miss,
-                                             token_table)
+    t, n, dl, dr, r, hh, k, w = _check_copy_sfa(
+        query, query_rope, host, hot, sparse_indices, token_rows, miss, token_table
+    )
     n_pad = max(n, MIN_HEADS)
     q, qr = query, query_rope
     if n_pad != n:
@@ -344,16 +465,28 @@ def _copy_sfa(query, query_rope, host, hot, sparse_indices, token_rows, miss_tok
         qr = torch.cat([query_rope, torch.zeros((t, n_pad - n, dr), dtype=query.dtype)], 1).contiguous()
     m = model()
     try:
-        launch = m.tile_copy_sfa(tokens=t, heads=n_pad, latent_dim=dl, rope_dim=dr, rows=r, hot_tokens=hh, top_k=k,
-                                 max_ctx=token_table.shape[1], scale=float(scale_value), miss_width=w)
+        launch = m.tile_copy_sfa(
+            tokens=t,
+            heads=n_pad,
+            latent_dim=dl,
+            rope_dim=dr,
+            rows=r,
+            hot_tokens=hh,
+            top_k=k,
+            max_ctx=token_table.shape[1],
+            scale=float(scale_value),
+            miss_width=w,
+        )
     except am.ShapeUnsupported as exc:
         raise _unsupported(op, exc) from None
     out = torch.empty((t, n_pad, dl), dtype=query.dtype)
     if t == 0:
         return out.narrow(1, 0, n)
     if not _is_registered_host(host):
-        raise RuntimeError("Copy-SFA: the host tensor is not in registered host memory; call "
-                           f"torch.ops.{NAMESPACE}.npu_fused_register_host_memory(pool) first")
+        raise RuntimeError(
+            "Copy-SFA: the host tensor is not in registered host memory; call "
+            f"torch.ops.{NAMESPACE}.npu_fused_register_host_memory(pool) first"
+        )
     m.run(am.COPY_SFA, [q, qr, host, hot, sparse_indices, token_rows, *miss, token_table, out], launch)
     return out if n_pad == n else out.narrow(1, 0, n).contiguous()
 
@@ -363,24 +496,78 @@ def _copy_sfa(query, query_rope, host, hot, sparse_indices, token_rows, miss_tok
 def _lim_outputs_like(query: torch.Tensor, rows: int, k: int, n: int = 1):
     t, w = query.shape[0], n * k
     i32 = dict(dtype=torch.int32)
-    return (query.new_empty((t, 1, k), **i32), query.new_empty((t, 1, k), **i32),
-            query.new_empty((rows, w), dtype=torch.bool), query.new_empty((rows, w), **i32),
-            query.new_empty((rows,), **i32), query.new_empty((rows, w), **i32), query.new_empty((rows, w), **i32))
+    return (
+        query.new_empty((t, 1, k), **i32),
+        query.new_empty((t, 1, k), **i32),
+        query.new_empty((rows, w), dtype=torch.bool),
+        query.new_empty((rows, w), **i32),
+        query.new_empty((rows,), **i32),
+        query.new_empty((rows, w), **i32),
+        query.new_empty((rows, w), **i32),
+    )
 
 
-def _lim_fake(query, key, weights, cu, kv_len, block_table, token_rows, req_ids, stable_len, step, slot_token,
-              slot_stamp, row_req, layout_query="TND", layout_key="PA_BSND", sparse_count=2048, sparse_mode=3,
-              tokens_per_row=1):
+def _lim_fake(
+    query,
+    key,
+    weights,
+    cu,
+    kv_len,
+    block_table,
+    token_rows,
+    req_ids,
+    stable_len,
+    step,
+    slot_token,
+    slot_stamp,
+    row_req,
+    layout_query="TND",
+    layout_key="PA_BSND",
+    sparse_count=2048,
+    sparse_mode=3,
+    tokens_per_row=1,
+):
     return _lim_outputs_like(query, slot_token.shape[0], int(sparse_count), int(tokens_per_row))
 
 
-def _lim_c8_fake(query, key, weights, query_scale, key_scale, cu, kv_len, block_table, token_rows, req_ids,
-                 stable_len, step, slot_token, slot_stamp, row_req, query_quant_mode=0, key_quant_mode=0,
-                 layout_query="TND", layout_key="PA_BSND", sparse_count=2048, sparse_mode=3, tokens_per_row=1):
+def _lim_c8_fake(
+    query,
+    key,
+    weights,
+    query_scale,
+    key_scale,
+    cu,
+    kv_len,
+    block_table,
+    token_rows,
+    req_ids,
+    stable_len,
+    step,
+    slot_token,
+    slot_stamp,
+    row_req,
+    query_quant_mode=0,
+    key_quant_mode=0,
+    layout_query="TND",
+    layout_key="PA_BSND",
+    sparse_count=2048,
+    sparse_mode=3,
+    tokens_per_row=1,
+):
     return _lim_outputs_like(query, slot_token.shape[0], int(sparse_count), int(tokens_per_row))
 
 
-def _copy_sfa_fake(query, query_rope, host, hot, sparse_indices, token_rows, miss_tokens, miss_slots, miss_count,
-                   token_table, scale_value):
+def _copy_sfa_fake(
+    query,
+    query_rope,
+    host,
+    hot,
+    sparse_indices,
+    token_rows,
+    miss_tokens,
+    miss_slots,
+    miss_count,
+    token_table,
+    scale_value,
+):
     return query.new_empty(query.shape)
-

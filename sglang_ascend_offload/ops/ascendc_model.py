@@ -61,29 +61,57 @@ def compiler() -> str:
     cxx = os.environ.get("CXX", "g++")
     path = shutil.which(cxx)
     if path is None:
-        raise ModelBuildError(f"C++ compiler {cxx!r} not found: install g++ >= 10 (scripts/setup_cpu_env.sh "
-                              "does: apt-get install g++) or set CXX")
+        raise ModelBuildError(
+            f"C++ compiler {cxx!r} not found: install g++ >= 10 (scripts/setup_cpu_env.sh "
+            "does: apt-get install g++) or set CXX"
+        )
     return path
 
 
 def _sources(kernels: Path) -> List[Path]:
-    return [MODEL_DIR / "model_driver.cpp", kernels / "lightning_indexer_manage.cpp",
-            kernels / "scatter_copy_sparse_flash_attention.cpp", ASCENDC_OPS / "host" / "tiling.cpp"]
+    return [
+        MODEL_DIR / "model_driver.cpp",
+        kernels / "lightning_indexer_manage.cpp",
+        kernels / "scatter_copy_sparse_flash_attention.cpp",
+        ASCENDC_OPS / "host" / "tiling.cpp",
+    ]
 
 
 def _all_sources(kernels: Path) -> List[Path]:
     files = _sources(kernels)
-    for folder, pattern in ((MODEL_DIR, "**/*.h"), (kernels, "*.h"),
-                            (ASCENDC_OPS / "include", "*.h"), (ASCENDC_OPS / "host", "*.h")):
+    for folder, pattern in (
+        (MODEL_DIR, "**/*.h"),
+        (kernels, "*.h"),
+        (ASCENDC_OPS / "include", "*.h"),
+        (ASCENDC_OPS / "host", "*.h"),
+    ):
         files += sorted(folder.glob(pattern))
     return files
 
 
 def _command(cxx: str, out: Path, kernels: Path) -> List[str]:
-    return [cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Werror=return-type",
-            "-I", str(MODEL_DIR), "-I", str(MODEL_DIR / "host"), "-I", str(ASCENDC_OPS / "include"),
-            "-I", str(kernels), "-I", str(ASCENDC_OPS / "host"),
-            *[str(s) for s in _sources(kernels)], "-o", str(out)]
+    return [
+        cxx,
+        "-std=c++17",
+        "-O2",
+        "-shared",
+        "-fPIC",
+        "-Wall",
+        "-Werror=return-type",
+        "-I",
+        str(MODEL_DIR),
+        "-I",
+        str(MODEL_DIR / "host"),
+        "-I",
+        str(ASCENDC_OPS / "include"),
+        "-I",
+        str(kernels),
+        "-I",
+        str(ASCENDC_OPS / "host"),
+        *[str(s) for s in _sources(kernels)],
+        "-o",
+        str(out),
+    ]
 
 
 def library_path(kernels: Path = KERNELS) -> Path:
@@ -91,8 +119,10 @@ def library_path(kernels: Path = KERNELS) -> Path:
     carries a hash of the compile command and of every source file."""
     missing = [str(f) for f in _sources(kernels) if not f.is_file()]
     if missing:
-        raise ModelBuildError(f"functional model sources missing: {', '.join(missing)} (the AscendC model is "
-                              "built from the repository's ascendc_ops/ tree)")
+        raise ModelBuildError(
+            f"functional model sources missing: {', '.join(missing)} (the AscendC model is "
+            "built from the repository's ascendc_ops/ tree)"
+        )
     h = hashlib.sha256()
     h.update(" ".join(_command(compiler(), Path("x"), kernels)).encode())
     for f in _all_sources(kernels):
@@ -138,15 +168,40 @@ class KernelModel:
         self.aic = aic_cores
         u32p, u8p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint8)
         self.lib.sao_model_tiling_bytes.restype = ctypes.c_uint32
-        self.lib.sao_model_tile_lim.argtypes = [u32p, ctypes.c_uint32, ctypes.c_uint32, u8p,
-                                                ctypes.POINTER(ctypes.c_uint64), u32p, ctypes.c_char_p, ctypes.c_int]
-        self.lib.sao_model_tile_copy_sfa.argtypes = [u32p, ctypes.c_float, ctypes.c_uint32, ctypes.c_uint32, u8p,
-                                                     ctypes.POINTER(ctypes.c_uint64), u32p, ctypes.c_char_p,
-                                                     ctypes.c_int]
-        self.lib.sao_model_run.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
-                                           ctypes.c_uint32, ctypes.c_uint32, u32p, ctypes.c_int,
-                                           ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.c_char_p,
-                                           ctypes.c_int]
+        self.lib.sao_model_tile_lim.argtypes = [
+            u32p,
+            ctypes.c_uint32,
+            ctypes.c_uint32,
+            u8p,
+            ctypes.POINTER(ctypes.c_uint64),
+            u32p,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
+        self.lib.sao_model_tile_copy_sfa.argtypes = [
+            u32p,
+            ctypes.c_float,
+            ctypes.c_uint32,
+            ctypes.c_uint32,
+            u8p,
+            ctypes.POINTER(ctypes.c_uint64),
+            u32p,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
+        self.lib.sao_model_run.argtypes = [
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_int,
+            ctypes.c_uint32,
+            ctypes.c_uint32,
+            u32p,
+            ctypes.c_int,
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.c_int,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
         self.tiling_bytes = int(self.lib.sao_model_tiling_bytes())
 
     # ------------------------------------------------------------------ tiling
@@ -156,32 +211,74 @@ class KernelModel:
         ws = ctypes.c_uint64(0)
         bd = ctypes.c_uint32(0)
         err = ctypes.create_string_buffer(1024)
-        rc = fn(arr, *extra, self.aic, self.aic * TASK_RATION,
-                ctypes.cast(tiling.data_ptr(), ctypes.POINTER(ctypes.c_uint8)), ctypes.byref(ws), ctypes.byref(bd),
-                err, len(err))
+        rc = fn(
+            arr,
+            *extra,
+            self.aic,
+            self.aic * TASK_RATION,
+            ctypes.cast(tiling.data_ptr(), ctypes.POINTER(ctypes.c_uint8)),
+            ctypes.byref(ws),
+            ctypes.byref(bd),
+            err,
+            len(err),
+        )
         if rc == 1:
             raise ShapeUnsupported(err.value.decode())
         if rc != 0:
             raise RuntimeError("host tiling failed: " + err.value.decode())
         return Launch(tiling, int(ws.value), int(bd.value))
 
-    def tile_lim(self, *, tokens, requests, index_heads, index_dim, block_size, max_blocks, rows, hot_tokens,
-                 top_k, sparse_mode, quantized, tokens_per_row=1) -> Launch:
+    def tile_lim(
+        self,
+        *,
+        tokens,
+        requests,
+        index_heads,
+        index_dim,
+        block_size,
+        max_blocks,
+        rows,
+        hot_tokens,
+        top_k,
+        sparse_mode,
+        quantized,
+        tokens_per_row=1,
+    ) -> Launch:
         """Host tiling of LIM / LIM-C8 for this shape (:class:`ShapeUnsupported` outside the limits)."""
-        return self._tile(self.lib.sao_model_tile_lim,
-                          [tokens, requests, index_heads, index_dim, block_size, max_blocks, rows, hot_tokens,
-                           top_k, sparse_mode, int(quantized), int(tokens_per_row)])
+        return self._tile(
+            self.lib.sao_model_tile_lim,
+            [
+                tokens,
+                requests,
+                index_heads,
+                index_dim,
+                block_size,
+                max_blocks,
+                rows,
+                hot_tokens,
+                top_k,
+                sparse_mode,
+                int(quantized),
+                int(tokens_per_row),
+            ],
+        )
 
-    def tile_copy_sfa(self, *, tokens, heads, latent_dim, rope_dim, rows, hot_tokens, top_k, max_ctx,
-                      scale, miss_width=0) -> Launch:
+    def tile_copy_sfa(
+        self, *, tokens, heads, latent_dim, rope_dim, rows, hot_tokens, top_k, max_ctx, scale, miss_width=0
+    ) -> Launch:
         """Host tiling of Copy-SFA for this shape (``heads`` already padded to >= 8; ``miss_width``:
         columns of the miss lists, ``0`` = ``top_k``)."""
         shape = [tokens, heads, latent_dim, rope_dim, rows, hot_tokens, top_k, max_ctx, miss_width]
         return self._tile(self.lib.sao_model_tile_copy_sfa, shape, ctypes.c_float(scale))
 
     # --------------------------------------------------------------------- run
-    def run(self, kernel: int, args: Sequence[Optional[torch.Tensor]], launch: Launch,
-            core_order: Optional[Sequence[int]] = None) -> None:
+    def run(
+        self,
+        kernel: int,
+        args: Sequence[Optional[torch.Tensor]],
+        launch: Launch,
+        core_order: Optional[Sequence[int]] = None,
+    ) -> None:
         """One launch: ``args`` are the kernel's GM arguments in order (``None`` = nullptr),
         the workspace and tiling are appended here. Every tensor must be contiguous."""
         workspace = torch.empty(launch.workspace_bytes, dtype=torch.uint8)
@@ -204,8 +301,19 @@ class KernelModel:
         order_arr = (ctypes.c_uint32 * cores)(*order)
         range_arr = (ctypes.c_uint64 * len(ranges))(*ranges)
         err = ctypes.create_string_buffer(2048)
-        rc = self.lib.sao_model_run(kernel, ptrs, len(tensors), launch.block_dim, TASK_RATION, order_arr, cores,
-                                    range_arr, len(ranges) // 2, err, len(err))
+        rc = self.lib.sao_model_run(
+            kernel,
+            ptrs,
+            len(tensors),
+            launch.block_dim,
+            TASK_RATION,
+            order_arr,
+            cores,
+            range_arr,
+            len(ranges) // 2,
+            err,
+            len(err),
+        )
         if rc != 0:
             raise ModelFault(err.value.decode())
 

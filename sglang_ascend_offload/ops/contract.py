@@ -161,28 +161,60 @@ _T = torch.Tensor
 _OT = Optional[torch.Tensor]
 
 
-def _lightning_indexer(query: _T, key: _T, weights: _T, *, actual_seq_lengths_query: _T,
-                       actual_seq_lengths_key: _T, block_table: _T, layout_query: str = "TND",
-                       layout_key: str = "PA_BSND", sparse_count: int = 2048,
-                       sparse_mode: int = 3) -> _T:
+def _lightning_indexer(
+    query: _T,
+    key: _T,
+    weights: _T,
+    *,
+    actual_seq_lengths_query: _T,
+    actual_seq_lengths_key: _T,
+    block_table: _T,
+    layout_query: str = "TND",
+    layout_key: str = "PA_BSND",
+    sparse_count: int = 2048,
+    sparse_mode: int = 3,
+) -> _T:
     """int32 ``[T, 1, K]`` logical top-k positions per query token (``-1`` padding)."""
 
 
-def _quant_lightning_indexer(query: _T, key: _T, weights: _T, query_dequant_scale: _T,
-                             key_dequant_scale: _T, *, actual_seq_lengths_query: _T,
-                             actual_seq_lengths_key: _T, block_table: _T, query_quant_mode: int = 0,
-                             key_quant_mode: int = 0, layout_query: str = "TND",
-                             layout_key: str = "PA_BSND", sparse_count: int = 2048,
-                             sparse_mode: int = 3) -> _T:
+def _quant_lightning_indexer(
+    query: _T,
+    key: _T,
+    weights: _T,
+    query_dequant_scale: _T,
+    key_dequant_scale: _T,
+    *,
+    actual_seq_lengths_query: _T,
+    actual_seq_lengths_key: _T,
+    block_table: _T,
+    query_quant_mode: int = 0,
+    key_quant_mode: int = 0,
+    layout_query: str = "TND",
+    layout_key: str = "PA_BSND",
+    sparse_count: int = 2048,
+    sparse_mode: int = 3,
+) -> _T:
     """As ``lightning_indexer`` over int8 Hadamard-rotated query/key with fp16 scales."""
 
 
-def _sparse_mla_attention(query: _T, key: _T, value: _OT, sparse_indices: _T, scale_value: float, *,
-                          block_table: _OT = None, actual_seq_lengths_query: _OT = None,
-                          actual_seq_lengths_kv: _OT = None, query_rope: _OT = None,
-                          key_rope: _OT = None, sparse_block_size: int = 1, layout_query: str = "TND",
-                          layout_kv: str = "PA_BSND", sparse_mode: int = 3,
-                          attention_mode: int = 2) -> _T:
+def _sparse_mla_attention(
+    query: _T,
+    key: _T,
+    value: _OT,
+    sparse_indices: _T,
+    scale_value: float,
+    *,
+    block_table: _OT = None,
+    actual_seq_lengths_query: _OT = None,
+    actual_seq_lengths_kv: _OT = None,
+    query_rope: _OT = None,
+    key_rope: _OT = None,
+    sparse_block_size: int = 1,
+    layout_query: str = "TND",
+    layout_kv: str = "PA_BSND",
+    sparse_mode: int = 3,
+    attention_mode: int = 2,
+) -> _T:
     """Absorbed-MLA attention over the selected latent rows; ``[T, N, D_latent]``."""
 
 
@@ -194,40 +226,84 @@ def _scatter_rows(dst: _T, index: _T, rows: _T) -> _T:
     """``dst[index] = rows`` in place, returns ``dst`` (bit-exact; unique indices)."""
 
 
-def _residency_manage(slot_token: _T, slot_stamp: _T, row_req: _T, topk: _T, req_ids: _T,
-                      stable_len: _T, step) -> ResidencyStep:
+def _residency_manage(
+    slot_token: _T, slot_stamp: _T, row_req: _T, topk: _T, req_ids: _T, stable_len: _T, step
+) -> ResidencyStep:
     """One exact-LRU step of one layer; mutates the three state tensors in place."""
 
 
-def _copy_miss_rows(host: _T, hot: _T, miss_tokens: _T, miss_slots: _T, miss_count: _T,
-                    token_table: _T) -> None:
+def _copy_miss_rows(host: _T, hot: _T, miss_tokens: _T, miss_slots: _T, miss_count: _T, token_table: _T) -> None:
     """Copy the miss rows of one layer host -> hot buffer (bit-exact)."""
 
 
-def _lightning_indexer_manage(query: _T, key: _T, weights: _T, *, actual_seq_lengths_query: _T,
-                              actual_seq_lengths_key: _T, block_table: _T, token_rows: _T, req_ids: _T,
-                              stable_len: _T, step: Step, slot_token: _T, slot_stamp: _T, row_req: _T,
-                              layout_query: str = "TND", layout_key: str = "PA_BSND",
-                              sparse_count: int = 2048, sparse_mode: int = 3,
-                              tokens_per_row: int = 1) -> IndexerManageResult:
+def _lightning_indexer_manage(
+    query: _T,
+    key: _T,
+    weights: _T,
+    *,
+    actual_seq_lengths_query: _T,
+    actual_seq_lengths_key: _T,
+    block_table: _T,
+    token_rows: _T,
+    req_ids: _T,
+    stable_len: _T,
+    step: Step,
+    slot_token: _T,
+    slot_stamp: _T,
+    row_req: _T,
+    layout_query: str = "TND",
+    layout_key: str = "PA_BSND",
+    sparse_count: int = 2048,
+    sparse_mode: int = 3,
+    tokens_per_row: int = 1,
+) -> IndexerManageResult:
     """LIM: ``lightning_indexer`` then ``residency_manage`` per row."""
 
 
-def _quant_lightning_indexer_manage(query: _T, key: _T, weights: _T, query_dequant_scale: _T,
-                                    key_dequant_scale: _T, *, actual_seq_lengths_query: _T,
-                                    actual_seq_lengths_key: _T, block_table: _T, token_rows: _T,
-                                    req_ids: _T, stable_len: _T, step: Step, slot_token: _T,
-                                    slot_stamp: _T, row_req: _T, query_quant_mode: int = 0,
-                                    key_quant_mode: int = 0, layout_query: str = "TND",
-                                    layout_key: str = "PA_BSND", sparse_count: int = 2048,
-                                    sparse_mode: int = 3, tokens_per_row: int = 1) -> IndexerManageResult:
+def _quant_lightning_indexer_manage(
+    query: _T,
+    key: _T,
+    weights: _T,
+    query_dequant_scale: _T,
+    key_dequant_scale: _T,
+    *,
+    actual_seq_lengths_query: _T,
+    actual_seq_lengths_key: _T,
+    block_table: _T,
+    token_rows: _T,
+    req_ids: _T,
+    stable_len: _T,
+    step: Step,
+    slot_token: _T,
+    slot_stamp: _T,
+    row_req: _T,
+    query_quant_mode: int = 0,
+    key_quant_mode: int = 0,
+    layout_query: str = "TND",
+    layout_key: str = "PA_BSND",
+    sparse_count: int = 2048,
+    sparse_mode: int = 3,
+    tokens_per_row: int = 1,
+) -> IndexerManageResult:
     """LIM-C8: ``quant_lightning_indexer`` then ``residency_manage`` per row."""
 
 
-def _copy_sparse_flash_attention(query: _T, host: _T, hot: _T, sparse_indices: _T, scale_value: float, *,
-                                 query_rope: _T, token_rows: _T, miss_tokens: _T, miss_slots: _T,
-                                 miss_count: _T, token_table: _T, layout_query: str = "TND",
-                                 attention_mode: int = 2) -> _T:
+def _copy_sparse_flash_attention(
+    query: _T,
+    host: _T,
+    hot: _T,
+    sparse_indices: _T,
+    scale_value: float,
+    *,
+    query_rope: _T,
+    token_rows: _T,
+    miss_tokens: _T,
+    miss_slots: _T,
+    miss_count: _T,
+    token_table: _T,
+    layout_query: str = "TND",
+    attention_mode: int = 2,
+) -> _T:
     """Copy-SFA: ``copy_miss_rows`` then ``sparse_mla_attention`` over the flat hot buffer."""
 
 
@@ -235,9 +311,16 @@ def _copy_sparse_flash_attention(query: _T, host: _T, hot: _T, sparse_indices: _
 OP_SIGNATURES: Dict[str, inspect.Signature] = {
     fn.__name__[1:]: inspect.signature(fn)
     for fn in (
-        _lightning_indexer, _quant_lightning_indexer, _sparse_mla_attention, _gather_rows,
-        _scatter_rows, _residency_manage, _copy_miss_rows, _lightning_indexer_manage,
-        _quant_lightning_indexer_manage, _copy_sparse_flash_attention,
+        _lightning_indexer,
+        _quant_lightning_indexer,
+        _sparse_mla_attention,
+        _gather_rows,
+        _scatter_rows,
+        _residency_manage,
+        _copy_miss_rows,
+        _lightning_indexer_manage,
+        _quant_lightning_indexer_manage,
+        _copy_sparse_flash_attention,
     )
 }
 
@@ -257,11 +340,13 @@ def signature_mismatch(op: str, fn: Callable) -> Optional[str]:
         w = want[i] if i < len(want) else None
         g = got[i] if i < len(got) else None
         if w != g:
+
             def fmt(p):
                 if p is None:
                     return "nothing"
                 default = "" if p[2] is inspect.Parameter.empty else f"={p[2]!r}"
                 return f"{p[0]}{default} ({p[1].description})"
+
             return f"parameter {i}: contract has {fmt(w)}, implementation has {fmt(g)}"
     return None
 

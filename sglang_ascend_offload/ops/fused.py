@@ -57,8 +57,8 @@ import torch
 from .contract import IndexerManageResult, ResidencyStep, Step, implements
 from .npu_impls import fused_op, fused_op_unavailable
 from .reference import lightning_indexer, quant_lightning_indexer, sparse_mla_attention
-from .residency import copy_miss_rows, residency_manage
 from .request_union import row_slots, union_of_rows
+from .residency import copy_miss_rows, residency_manage
 
 __all__ = [
     "lightning_indexer_manage",
@@ -93,8 +93,15 @@ def residency_ub_bytes(hot_tokens: int, width: int) -> int:
     table = 2
     while table < 2 * hot_tokens:
         table *= 2
-    return (_a32(hot_tokens * 4) + _a32(hot_tokens * 8) + _a32(table * 2) + _a32(hot_tokens * 2)
-            + 4 * _a32(width * 4) + _a32(_a32(width)) + 64)
+    return (
+        _a32(hot_tokens * 4)
+        + _a32(hot_tokens * 8)
+        + _a32(table * 2)
+        + _a32(hot_tokens * 2)
+        + 4 * _a32(width * 4)
+        + _a32(_a32(width))
+        + 64
+    )
 
 
 def fused_shape_obstacles(hot_tokens: int, top_k: int, tokens_per_row: int = 1):
@@ -104,20 +111,25 @@ def fused_shape_obstacles(hot_tokens: int, top_k: int, tokens_per_row: int = 1):
     first decode step."""
     n, lim, sfa = int(tokens_per_row), [], []
     if hot_tokens > MAX_HOT_TOKENS or hot_tokens % TOP_K_ALIGN_LIM:
-        lim.append(f"hot_tokens {hot_tokens} is not a multiple of {TOP_K_ALIGN_LIM} up to {MAX_HOT_TOKENS} (the "
-                   "kernels keep a row's residency state in the vector core's buffer)")
+        lim.append(
+            f"hot_tokens {hot_tokens} is not a multiple of {TOP_K_ALIGN_LIM} up to {MAX_HOT_TOKENS} (the "
+            "kernels keep a row's residency state in the vector core's buffer)"
+        )
     if top_k > MAX_TOP_K or top_k % TOP_K_ALIGN_LIM:
         lim.append(f"top-k {top_k} is not a multiple of {TOP_K_ALIGN_LIM} up to {MAX_TOP_K}")
     if n > MAX_TOKENS_PER_ROW:
         lim.append(f"{n} verify rows per request share a row; the kernels take at most {MAX_TOKENS_PER_ROW}")
     elif not lim and residency_ub_bytes(hot_tokens, n * top_k) > LIM_POOL_BYTES:
-        lim.append(f"a step of {n} x {top_k} entries over {hot_tokens} slots needs "
-                   f"{residency_ub_bytes(hot_tokens, n * top_k)} B of the vector core's {LIM_POOL_BYTES} B buffer")
+        lim.append(
+            f"a step of {n} x {top_k} entries over {hot_tokens} slots needs "
+            f"{residency_ub_bytes(hot_tokens, n * top_k)} B of the vector core's {LIM_POOL_BYTES} B buffer"
+        )
     if top_k > MAX_TOP_K or top_k % TOP_K_ALIGN_COPY_SFA:
         sfa.append(f"top-k {top_k} is not a multiple of {TOP_K_ALIGN_COPY_SFA} up to {MAX_TOP_K}")
     if n > MAX_TOKENS_PER_ROW:
         sfa.append(f"{n} verify rows per request share a row; the kernel takes at most {MAX_TOKENS_PER_ROW}")
     return "; ".join(lim), "; ".join(sfa)
+
 
 LIM_KERNEL = "npu_fused_lightning_indexer_manage"
 LIM_C8_KERNEL = "npu_fused_quant_lightning_indexer_manage"
@@ -142,8 +154,10 @@ def _check_token_rows(token_rows: torch.Tensor, num_tokens: int, rows: int, toke
         raise ValueError(f"token_rows holds values outside [-1, {rows}): {tr[bad][:8].tolist()}")
     owned = tr[tr >= 0]
     if tokens_per_row == 1 and torch.unique(owned).numel() != owned.numel():
-        raise ValueError("token_rows maps two query tokens to one row: a row is one query token "
-                         "(tokens_per_row > 1 lets a request's verify rows share one)")
+        raise ValueError(
+            "token_rows maps two query tokens to one row: a row is one query token "
+            "(tokens_per_row > 1 lets a request's verify rows share one)"
+        )
     if tokens_per_row > 1 and owned.numel():
         most = int(torch.bincount(owned).max())
         if most > tokens_per_row:
@@ -156,8 +170,10 @@ def _check_tokens_per_row(tokens_per_row: int, sparse_count: int, hot_tokens: in
     if not 1 <= n <= MAX_TOKENS_PER_ROW:
         raise ValueError(f"tokens_per_row must be in 1..{MAX_TOKENS_PER_ROW}, got {n}")
     if n > 1 and hot_tokens < n * sparse_count:
-        raise ValueError(f"hot_tokens {hot_tokens} must hold the union of a row's tokens' top-k: >= tokens_per_row x "
-                         f"sparse_count = {n} x {sparse_count}")
+        raise ValueError(
+            f"hot_tokens {hot_tokens} must hold the union of a row's tokens' top-k: >= tokens_per_row x "
+            f"sparse_count = {n} x {sparse_count}"
+        )
     return n
 
 
@@ -225,19 +241,45 @@ def token_hot_indices(slots: torch.Tensor, token_rows: torch.Tensor, hot_tokens:
     return flat.to(torch.int32).unsqueeze(1)
 
 
-def _manage_after_indexer(topk: torch.Tensor, *, slot_token, slot_stamp, row_req, token_rows, req_ids,
-                          stable_len, step: Step, tokens_per_row: int = 1) -> IndexerManageResult:
+def _manage_after_indexer(
+    topk: torch.Tensor,
+    *,
+    slot_token,
+    slot_stamp,
+    row_req,
+    token_rows,
+    req_ids,
+    stable_len,
+    step: Step,
+    tokens_per_row: int = 1,
+) -> IndexerManageResult:
     """The residency half of LIM (shared by the bf16 and C8 compositions)."""
     rows, hot_tokens = slot_token.shape
     n = _check_tokens_per_row(tokens_per_row, topk.reshape(topk.shape[0], -1).shape[1], hot_tokens)
     tr = _check_token_rows(token_rows, topk.shape[0], rows, n)
     if n > 1:
-        return _manage_union(topk, tr, n, slot_token=slot_token, slot_stamp=slot_stamp, row_req=row_req,
-                             req_ids=req_ids, stable_len=stable_len, step=step)
+        return _manage_union(
+            topk,
+            tr,
+            n,
+            slot_token=slot_token,
+            slot_stamp=slot_stamp,
+            row_req=row_req,
+            req_ids=req_ids,
+            stable_len=stable_len,
+            step=step,
+        )
     topk_rows = scatter_token_topk(topk, tr, rows).to(slot_token.device)
     manage = residency_manage
-    res = manage(slot_token, slot_stamp, row_req, topk_rows, req_ids.to(slot_token.device),
-                 stable_len.to(slot_token.device), _step_value(step))
+    res = manage(
+        slot_token,
+        slot_stamp,
+        row_req,
+        topk_rows,
+        req_ids.to(slot_token.device),
+        stable_len.to(slot_token.device),
+        _step_value(step),
+    )
     return IndexerManageResult(
         topk_indices=topk,
         sparse_indices=token_hot_indices(res.slots, tr, hot_tokens),
@@ -245,15 +287,23 @@ def _manage_after_indexer(topk: torch.Tensor, *, slot_token, slot_stamp, row_req
     )
 
 
-def _manage_union(topk: torch.Tensor, tr: torch.Tensor, n: int, *, slot_token, slot_stamp, row_req, req_ids,
-                  stable_len, step: Step) -> IndexerManageResult:
+def _manage_union(
+    topk: torch.Tensor, tr: torch.Tensor, n: int, *, slot_token, slot_stamp, row_req, req_ids, stable_len, step: Step
+) -> IndexerManageResult:
     """LIM's residency half with up to ``n`` tokens per row: one step per row on the union
     of its tokens' top-k (``[R, n*K]``), each token's slots read back from it."""
     rows, hot_tokens = slot_token.shape
     lines, line_of_token = _row_form(topk, tr, rows, n)
     union = union_of_rows(lines.to(slot_token.device), n)
-    res = residency_manage(slot_token, slot_stamp, row_req, union.positions, req_ids.to(slot_token.device),
-                           stable_len.to(slot_token.device), _step_value(step))
+    res = residency_manage(
+        slot_token,
+        slot_stamp,
+        row_req,
+        union.positions,
+        req_ids.to(slot_token.device),
+        stable_len.to(slot_token.device),
+        _step_value(step),
+    )
     per_line = row_slots(union, res.slots).to(torch.int64)  # [R*n, K]
     managed = line_of_token >= 0
     picked = per_line[line_of_token.clamp(min=0).to(per_line.device)]
@@ -300,13 +350,29 @@ def lightning_indexer_manage(
     ``[R, n*K]``, over each row's union, and ``Hh >= n * K``.
     """
     indexer = lightning_indexer
-    topk = indexer(query, key, weights, actual_seq_lengths_query=actual_seq_lengths_query,
-                   actual_seq_lengths_key=actual_seq_lengths_key, block_table=block_table,
-                   layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count,
-                   sparse_mode=sparse_mode)
-    return _manage_after_indexer(topk, slot_token=slot_token, slot_stamp=slot_stamp, row_req=row_req,
-                                 token_rows=token_rows, req_ids=req_ids, stable_len=stable_len, step=step,
-                                 tokens_per_row=tokens_per_row)
+    topk = indexer(
+        query,
+        key,
+        weights,
+        actual_seq_lengths_query=actual_seq_lengths_query,
+        actual_seq_lengths_key=actual_seq_lengths_key,
+        block_table=block_table,
+        layout_query=layout_query,
+        layout_key=layout_key,
+        sparse_count=sparse_count,
+        sparse_mode=sparse_mode,
+    )
+    return _manage_after_indexer(
+        topk,
+        slot_token=slot_token,
+        slot_stamp=slot_stamp,
+        row_req=row_req,
+        token_rows=token_rows,
+        req_ids=req_ids,
+        stable_len=stable_len,
+        step=step,
+        tokens_per_row=tokens_per_row,
+    )
 
 
 # -------------------------------------------------------------------- LIM-C8
@@ -345,15 +411,33 @@ def quant_lightning_indexer_manage(
     are :func:`lightning_indexer_manage`'s.
     """
     indexer = quant_lightning_indexer
-    topk = indexer(query, key, weights, query_dequant_scale, key_dequant_scale,
-                   actual_seq_lengths_query=actual_seq_lengths_query,
-                   actual_seq_lengths_key=actual_seq_lengths_key, block_table=block_table,
-                   query_quant_mode=query_quant_mode, key_quant_mode=key_quant_mode,
-                   layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count,
-                   sparse_mode=sparse_mode)
-    return _manage_after_indexer(topk, slot_token=slot_token, slot_stamp=slot_stamp, row_req=row_req,
-                                 token_rows=token_rows, req_ids=req_ids, stable_len=stable_len, step=step,
-                                 tokens_per_row=tokens_per_row)
+    topk = indexer(
+        query,
+        key,
+        weights,
+        query_dequant_scale,
+        key_dequant_scale,
+        actual_seq_lengths_query=actual_seq_lengths_query,
+        actual_seq_lengths_key=actual_seq_lengths_key,
+        block_table=block_table,
+        query_quant_mode=query_quant_mode,
+        key_quant_mode=key_quant_mode,
+        layout_query=layout_query,
+        layout_key=layout_key,
+        sparse_count=sparse_count,
+        sparse_mode=sparse_mode,
+    )
+    return _manage_after_indexer(
+        topk,
+        slot_token=slot_token,
+        slot_stamp=slot_stamp,
+        row_req=row_req,
+        token_rows=token_rows,
+        req_ids=req_ids,
+        stable_len=stable_len,
+        step=step,
+        tokens_per_row=tokens_per_row,
+    )
 
 
 # ------------------------------------------------------------------- Copy-SFA
@@ -372,8 +456,9 @@ def _check_copy_sfa(query, query_rope, host, hot, sparse_indices, miss_count):
     if host.dtype != hot.dtype:
         raise ValueError(f"host dtype {host.dtype} != hot dtype {hot.dtype}: miss copies are bit copies")
     if sparse_indices.shape[0] != num_tokens or sparse_indices.dim() not in (2, 3):
-        raise ValueError(f"sparse_indices must be [T, 1, K] (or [T, K]) with T={num_tokens}, "
-                         f"got {tuple(sparse_indices.shape)}")
+        raise ValueError(
+            f"sparse_indices must be [T, 1, K] (or [T, K]) with T={num_tokens}, got {tuple(sparse_indices.shape)}"
+        )
     if tuple(miss_count.shape) != (hot.shape[0],):
         raise ValueError(f"miss_count must be [R] = [{hot.shape[0]}], got {tuple(miss_count.shape)}")
     return num_tokens, sparse_indices.reshape(num_tokens, -1).shape[1], d_latent, d_rope
@@ -387,8 +472,9 @@ def _miss_tokens_per_row(miss_tokens: torch.Tensor, k: int) -> int:
     return width // k
 
 
-def _check_row_ownership(sparse_indices: torch.Tensor, token_rows: torch.Tensor, miss_count: torch.Tensor,
-                         hot_tokens: int) -> None:
+def _check_row_ownership(
+    sparse_indices: torch.Tensor, token_rows: torch.Tensor, miss_count: torch.Tensor, hot_tokens: int
+) -> None:
     """The fused kernel's work split, made a checked precondition of the op.
 
     Each token copies its own row's misses before attending, so: every row with
@@ -402,14 +488,18 @@ def _check_row_ownership(sparse_indices: torch.Tensor, token_rows: torch.Tensor,
     outside = valid & ((tr[:, None] < 0) | (idx < lo) | (idx >= lo + hot_tokens))
     if bool(outside.any()):
         t = int(torch.nonzero(outside)[0, 0])
-        raise ValueError(f"query token {t} (row {int(tr[t])}) attends to hot rows outside its own row's "
-                         f"slots [row*Hh, (row+1)*Hh): sparse_indices must come from LIM for these token_rows")
+        raise ValueError(
+            f"query token {t} (row {int(tr[t])}) attends to hot rows outside its own row's "
+            f"slots [row*Hh, (row+1)*Hh): sparse_indices must come from LIM for these token_rows"
+        )
     owned = torch.zeros(miss_count.shape[0], dtype=torch.bool, device=tr.device)
     owned[tr[tr >= 0]] = True
     orphan = (miss_count.to(tr.device) > 0) & ~owned
     if bool(orphan.any()):
-        raise ValueError(f"rows {torch.nonzero(orphan).flatten()[:8].tolist()} have misses but no query token "
-                         "in token_rows: every row with misses must be owned by a token")
+        raise ValueError(
+            f"rows {torch.nonzero(orphan).flatten()[:8].tolist()} have misses but no query token "
+            "in token_rows: every row with misses must be owned by a token"
+        )
 
 
 @implements("copy_sparse_flash_attention", "reference")
@@ -457,8 +547,18 @@ def copy_sparse_flash_attention(
     flat = hot.view(rows * hot_tokens, dim)
     d_latent = query.shape[2]
     attend = sparse_mla_attention
-    return attend(query, flat[:, :d_latent], None, sparse_indices, scale_value, query_rope=query_rope,
-                  key_rope=flat[:, d_latent:], layout_query="TND", layout_kv="flat", attention_mode=2)
+    return attend(
+        query,
+        flat[:, :d_latent],
+        None,
+        sparse_indices,
+        scale_value,
+        query_rope=query_rope,
+        key_rope=flat[:, d_latent:],
+        layout_query="TND",
+        layout_kv="flat",
+        attention_mode=2,
+    )
 
 
 # ------------------------------------------------------------------ fused rung
@@ -480,14 +580,17 @@ def _lim_result(outputs) -> IndexerManageResult:
     return IndexerManageResult(
         topk_indices=topk,
         sparse_indices=sparse,
-        residency=ResidencyStep(hit_mask=hit_mask, slots=slots, miss_count=miss_count,
-                                miss_tokens=miss_tokens, miss_slots=miss_slots),
+        residency=ResidencyStep(
+            hit_mask=hit_mask, slots=slots, miss_count=miss_count, miss_tokens=miss_tokens, miss_slots=miss_slots
+        ),
     )
 
 
 def _check_state_shapes(slot_token, slot_stamp, row_req, sparse_count, tokens_per_row=1) -> None:
     if slot_token.dim() != 2 or slot_stamp.shape != slot_token.shape or tuple(row_req.shape) != (slot_token.shape[0],):
-        raise ValueError("residency state must be slot_token int32 [R, Hh], slot_stamp int64 [R, Hh], row_req int64 [R]")
+        raise ValueError(
+            "residency state must be slot_token int32 [R, Hh], slot_stamp int64 [R, Hh], row_req int64 [R]"
+        )
     if slot_token.dtype != torch.int32 or slot_stamp.dtype != torch.int64 or row_req.dtype != torch.int64:
         raise ValueError("residency state dtypes: slot_token int32, slot_stamp int64, row_req int64")
     if slot_token.shape[1] < sparse_count:
@@ -497,9 +600,25 @@ def _check_state_shapes(slot_token, slot_stamp, row_req, sparse_count, tokens_pe
 
 @implements("lightning_indexer_manage", "fused", unavailable=lambda: fused_op_unavailable(LIM_KERNEL))
 def lightning_indexer_manage_fused(
-    query, key, weights, *, actual_seq_lengths_query, actual_seq_lengths_key, block_table, token_rows,
-    req_ids, stable_len, step: Step, slot_token, slot_stamp, row_req, layout_query="TND",
-    layout_key="PA_BSND", sparse_count=2048, sparse_mode=3, tokens_per_row=1,
+    query,
+    key,
+    weights,
+    *,
+    actual_seq_lengths_query,
+    actual_seq_lengths_key,
+    block_table,
+    token_rows,
+    req_ids,
+    stable_len,
+    step: Step,
+    slot_token,
+    slot_stamp,
+    row_req,
+    layout_query="TND",
+    layout_key="PA_BSND",
+    sparse_count=2048,
+    sparse_mode=3,
+    tokens_per_row=1,
 ) -> IndexerManageResult:
     """AscendC LIM (``npu_fused_lightning_indexer_manage``); arguments as the reference.
 
@@ -509,21 +628,53 @@ def lightning_indexer_manage_fused(
     _check_state_shapes(slot_token, slot_stamp, row_req, sparse_count, tokens_per_row)
     dev = query.device
     outputs = fused_op(LIM_KERNEL)(
-        query, key, weights,
-        _i32(actual_seq_lengths_query, dev), _i32(actual_seq_lengths_key, dev), _i32(block_table, dev),
-        _i32(token_rows, dev), req_ids.to(device=dev, dtype=torch.int64), _i32(stable_len, dev),
-        _step_tensor(step, dev), slot_token, slot_stamp, row_req,
-        layout_query, layout_key, int(sparse_count), int(sparse_mode), int(tokens_per_row),
+        query,
+        key,
+        weights,
+        _i32(actual_seq_lengths_query, dev),
+        _i32(actual_seq_lengths_key, dev),
+        _i32(block_table, dev),
+        _i32(token_rows, dev),
+        req_ids.to(device=dev, dtype=torch.int64),
+        _i32(stable_len, dev),
+        _step_tensor(step, dev),
+        slot_token,
+        slot_stamp,
+        row_req,
+        layout_query,
+        layout_key,
+        int(sparse_count),
+        int(sparse_mode),
+        int(tokens_per_row),
     )
     return _lim_result(outputs)
 
 
 @implements("quant_lightning_indexer_manage", "fused", unavailable=lambda: fused_op_unavailable(LIM_C8_KERNEL))
 def quant_lightning_indexer_manage_fused(
-    query, key, weights, query_dequant_scale, key_dequant_scale, *, actual_seq_lengths_query,
-    actual_seq_lengths_key, block_table, token_rows, req_ids, stable_len, step: Step, slot_token,
-    slot_stamp, row_req, query_quant_mode=0, key_quant_mode=0, layout_query="TND", layout_key="PA_BSND",
-    sparse_count=2048, sparse_mode=3, tokens_per_row=1,
+    query,
+    key,
+    weights,
+    query_dequant_scale,
+    key_dequant_scale,
+    *,
+    actual_seq_lengths_query,
+    actual_seq_lengths_key,
+    block_table,
+    token_rows,
+    req_ids,
+    stable_len,
+    step: Step,
+    slot_token,
+    slot_stamp,
+    row_req,
+    query_quant_mode=0,
+    key_quant_mode=0,
+    layout_query="TND",
+    layout_key="PA_BSND",
+    sparse_count=2048,
+    sparse_mode=3,
+    tokens_per_row=1,
 ) -> IndexerManageResult:
     """AscendC LIM-C8 (``npu_fused_quant_lightning_indexer_manage``); arguments as the reference.
 
@@ -534,11 +685,27 @@ def quant_lightning_indexer_manage_fused(
         key_dequant_scale = key_dequant_scale.reshape(key_dequant_scale.shape[:3])
     dev = query.device
     outputs = fused_op(LIM_C8_KERNEL)(
-        query, key, weights, query_dequant_scale, key_dequant_scale,
-        _i32(actual_seq_lengths_query, dev), _i32(actual_seq_lengths_key, dev), _i32(block_table, dev),
-        _i32(token_rows, dev), req_ids.to(device=dev, dtype=torch.int64), _i32(stable_len, dev),
-        _step_tensor(step, dev), slot_token, slot_stamp, row_req,
-        int(query_quant_mode), int(key_quant_mode), layout_query, layout_key, int(sparse_count), int(sparse_mode),
+        query,
+        key,
+        weights,
+        query_dequant_scale,
+        key_dequant_scale,
+        _i32(actual_seq_lengths_query, dev),
+        _i32(actual_seq_lengths_key, dev),
+        _i32(block_table, dev),
+        _i32(token_rows, dev),
+        req_ids.to(device=dev, dtype=torch.int64),
+        _i32(stable_len, dev),
+        _step_tensor(step, dev),
+        slot_token,
+        slot_stamp,
+        row_req,
+        int(query_quant_mode),
+        int(key_quant_mode),
+        layout_query,
+        layout_key,
+        int(sparse_count),
+        int(sparse_mode),
         int(tokens_per_row),
     )
     return _lim_result(outputs)
@@ -567,8 +734,20 @@ def _copy_sfa_unavailable():
 
 @implements("copy_sparse_flash_attention", "fused", unavailable=_copy_sfa_unavailable)
 def copy_sparse_flash_attention_fused(
-    query, host, hot, sparse_indices, scale_value, *, query_rope, token_rows, miss_tokens, miss_slots,
-    miss_count, token_table, layout_query="TND", attention_mode=2,
+    query,
+    host,
+    hot,
+    sparse_indices,
+    scale_value,
+    *,
+    query_rope,
+    token_rows,
+    miss_tokens,
+    miss_slots,
+    miss_count,
+    token_table,
+    layout_query="TND",
+    attention_mode=2,
 ) -> torch.Tensor:
     """AscendC Copy-SFA (``npu_fused_scatter_copy_sparse_flash_attention``); arguments as the reference.
 
@@ -585,7 +764,15 @@ def copy_sparse_flash_attention_fused(
         register_host_memory(host)
     dev = query.device
     return fused_op(COPY_SFA_KERNEL)(
-        query, query_rope, host, hot, _i32(sparse_indices.reshape(num_tokens, 1, k), dev), _i32(token_rows, dev),
-        _i32(miss_tokens, dev), _i32(miss_slots, dev), _i32(miss_count, dev), _i32(token_table, dev),
+        query,
+        query_rope,
+        host,
+        hot,
+        _i32(sparse_indices.reshape(num_tokens, 1, k), dev),
+        _i32(token_rows, dev),
+        _i32(miss_tokens, dev),
+        _i32(miss_slots, dev),
+        _i32(miss_count, dev),
+        _i32(token_table, dev),
         float(scale_value),
     )

@@ -118,6 +118,4 @@ def prepare_quant_indexer_inputs(query: torch.Tensor, key: torch.Tensor) -> Quan
         raise ValueError(f"query dim {query.shape[-1]} != key dim {key.shape[-1]}")
     q_values, q_scales = rotate_and_quantize(query)
     k_values, k_scales = rotate_and_quantize(key)
-    return QuantIndexerInputs(
-        query=q_values, query_dequant_scale=q_scales, key=k_values, key_dequant_scale=k_scales
-    )
+    return QuantIndexerInputs(query=q_values, query_dequant_scale=q_scales, key=k_values, key_dequant_scale=k_scales)

@@ -91,8 +91,10 @@ def _fused_extension_unavailable() -> Optional[str]:
         return None
     reason = _npu_extension_unavailable()
     if reason is not None and platform.device_kind() == "cpu":
-        reason += (" (on CPU, ops=fused runs the AscendC kernels on the functional model instead: selecting "
-                   "ops=fused, or ops.ascendc_cpu_ops.register(), builds and registers them)")
+        reason += (
+            " (on CPU, ops=fused runs the AscendC kernels on the functional model instead: selecting "
+            "ops=fused, or ops.ascendc_cpu_ops.register(), builds and registers them)"
+        )
     return reason
 
 
@@ -119,8 +121,10 @@ def fused_op_unavailable(kernel: str) -> Optional[str]:
     if reason is None:
         namespace = getattr(torch.ops, FUSED_OP_NAMESPACE)
         if not hasattr(namespace, kernel):
-            reason = (f"the AscendC extension {FUSED_EXTENSION_MODULE} does not provide {kernel} "
-                      "(built from an older source tree)")
+            reason = (
+                f"the AscendC extension {FUSED_EXTENSION_MODULE} does not provide {kernel} "
+                "(built from an older source tree)"
+            )
     if reason is None:
         return None
     return f"fused kernel {kernel}: {reason}; {FUSED_BUILD_HINT}"

@@ -246,9 +246,7 @@ def lightning_indexer(
         keys = key_flat[rows].to(torch.float32)  # [n, c, D]
         return torch.bmm(q32[tok], keys.transpose(1, 2))
 
-    return _indexer_topk(
-        score_fn, weights, layout, block_table.to(device), key.shape[1], key.shape[-1], sparse_count
-    )
+    return _indexer_topk(score_fn, weights, layout, block_table.to(device), key.shape[1], key.shape[-1], sparse_count)
 
 
 @implements("quant_lightning_indexer", "reference")
@@ -308,9 +306,7 @@ def quant_lightning_indexer(
         dots = torch.bmm(q_int[tok], key_flat[rows].to(torch.float32).transpose(1, 2))  # exact
         return dots * (q_scale[tok].unsqueeze(2) * k_scale[rows].unsqueeze(1))
 
-    return _indexer_topk(
-        score_fn, weights, layout, block_table.to(device), key.shape[1], key.shape[-1], sparse_count
-    )
+    return _indexer_topk(score_fn, weights, layout, block_table.to(device), key.shape[1], key.shape[-1], sparse_count)
 
 
 def indexer_scores_dense(
@@ -396,8 +392,16 @@ def sparse_mla_attention(
     token's result depends only on its gathered rows in index order, so gathering the
     same rows from different buffers gives bit-identical outputs.
     """
-    _check_absorb_args(query, query_rope, key, key_rope, value, attention_mode=attention_mode,
-                       sparse_block_size=sparse_block_size, layout_query=layout_query)
+    _check_absorb_args(
+        query,
+        query_rope,
+        key,
+        key_rope,
+        value,
+        attention_mode=attention_mode,
+        sparse_block_size=sparse_block_size,
+        layout_query=layout_query,
+    )
     num_tokens = query.shape[0]
     indices = sparse_indices.reshape(num_tokens, -1).to(device=query.device, dtype=torch.int64)
     latent, rope = _latent_and_rope_rows(query, query_rope, key, key_rope)
@@ -407,9 +411,7 @@ def sparse_mla_attention(
         _check_paged("key_rope", key_rope)
         if block_table is None:
             raise ValueError("layout_kv='PA_BSND' needs block_table")
-        layout = token_layout(
-            actual_seq_lengths_query, actual_seq_lengths_kv, num_tokens, sparse_mode, query.device
-        )
+        layout = token_layout(actual_seq_lengths_query, actual_seq_lengths_kv, num_tokens, sparse_mode, query.device)
         valid = (indices >= 0) & (indices < layout.visible.unsqueeze(1))
         safe = torch.where(valid, indices, torch.zeros_like(indices))
         if not bool((layout.visible > 0).any()):
@@ -420,8 +422,11 @@ def sparse_mla_attention(
         # Checked in CPU eager runs only: on a device (or while tracing for a graph) the
         # check would be a host read of device data; an out-of-range row then fails in
         # the gather itself.
-        if indices.device.type == "cpu" and not torch.compiler.is_compiling() and \
-                bool((indices >= latent.shape[0]).any()):
+        if (
+            indices.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+            and bool((indices >= latent.shape[0]).any())
+        ):
             raise ValueError(f"sparse_indices hold rows >= {latent.shape[0]} (the buffer's row count)")
         valid = indices >= 0
         rows = torch.where(valid, indices, torch.zeros_like(indices))
@@ -430,8 +435,9 @@ def sparse_mla_attention(
     return _attend_gathered(query, query_rope, latent, rope, rows, valid, float(scale_value))
 
 
-def _check_absorb_args(query, query_rope, key, key_rope, value, *, attention_mode: int, sparse_block_size: int,
-                       layout_query: str) -> None:
+def _check_absorb_args(
+    query, query_rope, key, key_rope, value, *, attention_mode: int, sparse_block_size: int, layout_query: str
+) -> None:
     """The argument combinations :func:`sparse_mla_attention` defines (``ValueError`` otherwise)."""
     if attention_mode != 2:
         raise ValueError("only attention_mode=2 (MLA absorb) is defined")
@@ -441,12 +447,12 @@ def _check_absorb_args(query, query_rope, key, key_rope, value, *, attention_mod
         raise ValueError(f"layout_query={layout_query!r}: only 'TND' is implemented")
     if query_rope is None or key_rope is None:
         raise ValueError("attention_mode=2 needs query_rope and key_rope")
-    if value is not None and not (
-        value is key or (value.data_ptr() == key.data_ptr() and value.shape == key.shape)
-    ):
+    if value is not None and not (value is key or (value.data_ptr() == key.data_ptr() and value.shape == key.shape)):
         raise ValueError("value must be None or the key latent itself (absorbed MLA)")
     if query.dim() != 3 or query_rope.dim() != 3 or query_rope.shape[:2] != query.shape[:2]:
-        raise ValueError(f"query [T,N,Dl] / query_rope [T,N,Dr] mismatch: {tuple(query.shape)} / {tuple(query_rope.shape)}")
+        raise ValueError(
+            f"query [T,N,Dl] / query_rope [T,N,Dr] mismatch: {tuple(query.shape)} / {tuple(query_rope.shape)}"
+        )
 
 
 def _latent_and_rope_rows(query, query_rope, key, key_rope) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -95,8 +95,10 @@ def ensure_registered() -> None:
             key = (impl.op, impl.rung)
             other = impls.get(key)
             if other is not None and other.fn is not fn:
-                raise RuntimeError(f"op {impl.op!r} rung {impl.rung!r} implemented twice: "
-                                   f"{other.fn.__module__}.{other.fn.__qualname__} and {name}.{fn.__qualname__}")
+                raise RuntimeError(
+                    f"op {impl.op!r} rung {impl.rung!r} implemented twice: "
+                    f"{other.fn.__module__}.{other.fn.__qualname__} and {name}.{fn.__qualname__}"
+                )
             impls[key] = impl
     _REGISTRY.impls.update(impls)
     _REGISTRY.loaded = True
@@ -147,9 +149,11 @@ def _prepare_rung(choice: str) -> None:
     try:
         ascendc_cpu_ops.ensure_for_choice(choice)
     except RuntimeError as exc:  # ModelBuildError, or the namespace is not the model's to take
-        raise OpUnavailableError(f"ops={choice!r} on CPU runs the AscendC kernels on their functional model, "
-                                 f"which cannot be registered here: {exc}; on an Ascend node: "
-                                 f"{FUSED_BUILD_HINT}") from exc
+        raise OpUnavailableError(
+            f"ops={choice!r} on CPU runs the AscendC kernels on their functional model, "
+            f"which cannot be registered here: {exc}; on an Ascend node: "
+            f"{FUSED_BUILD_HINT}"
+        ) from exc
 
 
 def resolve_all(choice: str = "auto") -> Dict[str, OpImpl]:

@@ -74,7 +74,9 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------- sub-steps
-def reset_rows(table: ResidencyTable, req_ids: torch.Tensor, stable_len: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def reset_rows(
+    table: ResidencyTable, req_ids: torch.Tensor, stable_len: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Contract steps 1-2, in place.
 
     Returns ``(reset [R] bool, dropped [R,H] bool)``: rows reset because their
@@ -90,8 +92,13 @@ def reset_rows(table: ResidencyTable, req_ids: torch.Tensor, stable_len: torch.T
     return reset, dropped
 
 
-def lookup(table: ResidencyTable, topk: torch.Tensor, req_ids: torch.Tensor,
-           stable_len: torch.Tensor, max_position: Optional[int] = None) -> Lookup:
+def lookup(
+    table: ResidencyTable,
+    topk: torch.Tensor,
+    req_ids: torch.Tensor,
+    stable_len: torch.Tensor,
+    max_position: Optional[int] = None,
+) -> Lookup:
     """Contract step 3 (after :func:`reset_rows`): which entries are resident, where.
 
     Finds each top-k entry among the row's slots with :func:`find_slots` (a dense
@@ -113,8 +120,7 @@ def lookup(table: ResidencyTable, topk: torch.Tensor, req_ids: torch.Tensor,
 DENSE_MAP_LIMIT = 1 << 24
 
 
-def find_slots(slot_token: torch.Tensor, positions: torch.Tensor,
-               max_position: Optional[int] = None) -> torch.Tensor:
+def find_slots(slot_token: torch.Tensor, positions: torch.Tensor, max_position: Optional[int] = None) -> torch.Tensor:
     """int64 ``[R, K]``: the slot of row ``r`` holding ``positions[r, k]``, ``-1`` if none
     (or if the position is negative). ``slot_token`` int ``[R, H]`` with unique
     non-negative entries per row (``-1`` = empty).
@@ -175,8 +181,9 @@ def _stamp_like(like: torch.Tensor, step, add: int) -> torch.Tensor:
     return torch.full_like(like, 2 * int(step) + add)
 
 
-def assign_victims(table: ResidencyTable, look: Lookup, victim_order: torch.Tensor,
-                   topk: torch.Tensor, step) -> ResidencyStep:
+def assign_victims(
+    table: ResidencyTable, look: Lookup, victim_order: torch.Tensor, topk: torch.Tensor, step
+) -> ResidencyStep:
     """Contract steps 4-5 given a victim order; updates ``table`` in place.
 
     ``victim_order`` int64 ``[R, W]``: each row's evictable (non-hit) slots in eviction
@@ -228,9 +235,15 @@ def _scatter_flags(rows: int, hot: int, col: torch.Tensor, mask: torch.Tensor, d
 
 # --------------------------------------------------------------------- the contract op
 @implements("residency_manage", "reference")
-def residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req: torch.Tensor,
-                     topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
-                     step) -> ResidencyStep:
+def residency_manage(
+    slot_token: torch.Tensor,
+    slot_stamp: torch.Tensor,
+    row_req: torch.Tensor,
+    topk: torch.Tensor,
+    req_ids: torch.Tensor,
+    stable_len: torch.Tensor,
+    step,
+) -> ResidencyStep:
     """One exact-LRU step of one layer (op ``residency_manage``, rung ``reference``).
 
     Mutates ``slot_token`` / ``slot_stamp`` / ``row_req`` in place (the state of
@@ -238,8 +251,10 @@ def residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req
     Requires ``H >= K`` and ``step >= 0`` (an int, or a 0-d int64 tensor).
     """
     if slot_token.shape[1] < topk.shape[1]:
-        raise ValueError(f"hot_tokens {slot_token.shape[1]} < top_k {topk.shape[1]}: "
-                         "the hot buffer must hold at least one top-k selection per row")
+        raise ValueError(
+            f"hot_tokens {slot_token.shape[1]} < top_k {topk.shape[1]}: "
+            "the hot buffer must hold at least one top-k selection per row"
+        )
     table = ResidencyTable(slot_token, slot_stamp, row_req)
     reset_rows(table, req_ids, stable_len)
     look = lookup(table, topk, req_ids, stable_len)
@@ -248,9 +263,14 @@ def residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req
 
 # ------------------------------------------------------------------ the miss copy
 @implements("copy_miss_rows", "reference")
-def copy_miss_rows(host: torch.Tensor, hot: torch.Tensor, miss_tokens: torch.Tensor,
-                   miss_slots: torch.Tensor, miss_count: torch.Tensor,
-                   token_table: torch.Tensor) -> None:
+def copy_miss_rows(
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    miss_tokens: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    token_table: torch.Tensor,
+) -> None:
     """Copy the miss rows of one layer from the host pool into the hot buffer.
 
     host: ``[S, D]`` host rows of this layer (indexed by host slot).
@@ -273,8 +293,15 @@ def copy_miss_rows(host: torch.Tensor, hot: torch.Tensor, miss_tokens: torch.Ten
     hot.view(rows * hot_tokens, dim).index_copy_(0, dest, staged.to(hot.device, non_blocking=True))
 
 
-def copy_miss_rows_rows(host: torch.Tensor, hot: torch.Tensor, rows: torch.Tensor, miss_tokens: torch.Tensor,
-                        miss_slots: torch.Tensor, miss_count: torch.Tensor, token_table: torch.Tensor) -> None:
+def copy_miss_rows_rows(
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    rows: torch.Tensor,
+    miss_tokens: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    token_table: torch.Tensor,
+) -> None:
     """Rows form of :func:`copy_miss_rows`, static shapes and no host read (torch).
 
     hot ``[R', H, D]`` (all engine rows); rows int64 ``[B]`` the engine row of each

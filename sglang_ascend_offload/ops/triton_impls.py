@@ -22,15 +22,16 @@ import torch
 from .. import platform
 from .contract import implements
 
-INTERPRET_HINT = ("set TRITON_INTERPRET=1 to run Triton kernels on CPU through the interpreter "
-                  "(slow; correctness only)")
+INTERPRET_HINT = "set TRITON_INTERPRET=1 to run Triton kernels on CPU through the interpreter (slow; correctness only)"
 
 
 def triton_unavailable() -> Optional[str]:
     """``None`` if the Triton kernels can run here, else what is missing and what to do."""
     if importlib.util.find_spec("triton") is None:
-        return ("triton is not importable: install triton-ascend on Ascend NPU nodes (the [npu] extra) "
-                "or triton on CUDA/CPU machines")
+        return (
+            "triton is not importable: install triton-ascend on Ascend NPU nodes (the [npu] extra) "
+            "or triton on CUDA/CPU machines"
+        )
     # Checked before importing triton: triton's own @jit library functions (tl.cumsum,
     # tl.max, ...) are built in the mode in force at its first import, so importing it
     # here without the interpreter would break every later interpreted launch.
@@ -44,8 +45,15 @@ def triton_unavailable() -> Optional[str]:
 
 
 @implements("residency_manage", "triton", unavailable=triton_unavailable)
-def residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req: torch.Tensor,
-                     topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor, step: int):
+def residency_manage(
+    slot_token: torch.Tensor,
+    slot_stamp: torch.Tensor,
+    row_req: torch.Tensor,
+    topk: torch.Tensor,
+    req_ids: torch.Tensor,
+    stable_len: torch.Tensor,
+    step: int,
+):
     """Exact-LRU residency step on Triton kernels; see ``triton_ops/residency.py``.
 
     Same arguments, in-place state update and ``ResidencyStep`` result as the reference.
@@ -56,8 +64,14 @@ def residency_manage(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req
 
 
 @implements("copy_miss_rows", "triton", unavailable=triton_unavailable)
-def copy_miss_rows(host: torch.Tensor, hot: torch.Tensor, miss_tokens: torch.Tensor,
-                   miss_slots: torch.Tensor, miss_count: torch.Tensor, token_table: torch.Tensor) -> None:
+def copy_miss_rows(
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    miss_tokens: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    token_table: torch.Tensor,
+) -> None:
     """Fused gather (host) + scatter (hot slots) of the miss rows; see ``triton_ops/copy_rows.py``."""
     from ..triton_ops.copy_rows import copy_miss_rows as impl
 

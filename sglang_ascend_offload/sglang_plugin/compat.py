@@ -37,15 +37,34 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .. import SUPPORTED_SGLANG_VERSION
 
-__all__ = ["SGLangIncompatible", "SERVER_ARGS", "HOOKED", "RESOLUTION_STEPS", "VALIDATION_STEP", "arg", "arg_or",
-           "problems", "require_compatible", "resolve_path", "last_resolution_step", "OBJECT_FIELDS", "field",
-           "CALLED", "RESOLVE_POOL_CONFIG_CALLS", "called_names"]
+__all__ = [
+    "SGLangIncompatible",
+    "SERVER_ARGS",
+    "HOOKED",
+    "RESOLUTION_STEPS",
+    "VALIDATION_STEP",
+    "arg",
+    "arg_or",
+    "problems",
+    "require_compatible",
+    "resolve_path",
+    "last_resolution_step",
+    "OBJECT_FIELDS",
+    "field",
+    "CALLED",
+    "RESOLVE_POOL_CONFIG_CALLS",
+    "called_names",
+]
 
 VALIDATION_STEP = "validate_deepep_v2_dispatch_token_budget"
 
 # The resolution steps the plugin wraps (resolution.py), all overridable by name.
-RESOLUTION_STEPS: Tuple[str, ...] = ("handle_cpu_backends", "handle_npu_backends",
-                                     "handle_model_specific_adjustments", VALIDATION_STEP)
+RESOLUTION_STEPS: Tuple[str, ...] = (
+    "handle_cpu_backends",
+    "handle_npu_backends",
+    "handle_model_specific_adjustments",
+    VALIDATION_STEP,
+)
 
 # Server argument -> what the plugin reads it for.
 SERVER_ARGS: Dict[str, str] = {
@@ -113,10 +132,10 @@ TARGET_POOL = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._b
 TARGET_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.forward_native"
 TARGET_NPU_INDEXER = "sglang.srt.layers.attention.dsa.dsa_npu_indexer.DSANPUIndexerMixin.forward_npu"
 TARGET_CELL_SIZE = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
-TARGET_RESOLVE_POOL_CONFIG = \
+TARGET_RESOLVE_POOL_CONFIG = (
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._resolve_memory_pool_config"
-TARGET_PROFILE_BYTES = \
-    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
+)
+TARGET_PROFILE_BYTES = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
 TARGET_GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 TARGET_CONFIG_STORE = "sglang.srt.managers.disagg_service.maybe_create_ascend_config_store"
 TARGET_PREFILL_MANAGER = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager"
@@ -124,8 +143,7 @@ TARGET_DECODE_MANAGER = "sglang.srt.disaggregation.decode.DecodePreallocQueue._i
 TARGET_RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 TARGET_IDLE_SLEEP = "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle"
 TARGET_ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
-TARGET_STREAM_OUTPUT = \
-    "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output"
+TARGET_STREAM_OUTPUT = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output"
 TARGET_EMBED_HEAD = "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_embed_and_head"
 TARGET_DRAFT_FACTORY = "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend"
 TARGET_LAST_LOC = "sglang.srt.mem_cache.allocation.get_last_loc"
@@ -135,59 +153,115 @@ TARGET_IS_CPU_GRAPH = "sglang.srt.model_executor.forward_batch_info.ForwardMode.
 # SGLang callables the plugin calls (not wraps), with the parameters it passes.
 _KVC = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 CALLED: Tuple[Hooked, ...] = (
-    Hooked(f"{_KVC}._profile_available_bytes", ("self", "pre_model_load_memory"),
-           "sparse decode offload sizing: SGLang's KV byte budget"),
-    Hooked(f"{_KVC}.config_from_budget", ("self", "budget_bytes"),
-           "sparse decode offload sizing: the token pool from the budget less the hot buffers"),
-    Hooked(f"{_KVC}.resolve_max_num_reqs", ("self", "token_capacity"),
-           "sparse decode offload sizing: SGLang's max_running_requests for a token pool"),
-    Hooked("sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator", ("kvc",),
-           "sparse decode offload sizing: the per-token cell size and the finalize step"),
-    Hooked("sglang.srt.model_executor.pool_configurator.MemoryPoolConfigurator.finalize_with_max_running_requests",
-           ("self", "config"), "sparse decode offload sizing: SGLang's finalize step"),
-    Hooked("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_dsa_indexer_cell_size",
-           ("self", "kvc", "num_layers"), "sparse decode offload off the CPU: the device cell is the indexer's"),
+    Hooked(
+        f"{_KVC}._profile_available_bytes",
+        ("self", "pre_model_load_memory"),
+        "sparse decode offload sizing: SGLang's KV byte budget",
+    ),
+    Hooked(
+        f"{_KVC}.config_from_budget",
+        ("self", "budget_bytes"),
+        "sparse decode offload sizing: the token pool from the budget less the hot buffers",
+    ),
+    Hooked(
+        f"{_KVC}.resolve_max_num_reqs",
+        ("self", "token_capacity"),
+        "sparse decode offload sizing: SGLang's max_running_requests for a token pool",
+    ),
+    Hooked(
+        "sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator",
+        ("kvc",),
+        "sparse decode offload sizing: the per-token cell size and the finalize step",
+    ),
+    Hooked(
+        "sglang.srt.model_executor.pool_configurator.MemoryPoolConfigurator.finalize_with_max_running_requests",
+        ("self", "config"),
+        "sparse decode offload sizing: SGLang's finalize step",
+    ),
+    Hooked(
+        "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_dsa_indexer_cell_size",
+        ("self", "kvc", "num_layers"),
+        "sparse decode offload off the CPU: the device cell is the indexer's",
+    ),
 )
 # What _resolve_memory_pool_config calls, in order: the sizing hook reproduces these steps
 # around its split of the budget, so a change here must be looked at.
-RESOLVE_POOL_CONFIG_CALLS = ("_profile_available_bytes", "config_from_budget", "resolve_max_num_reqs",
-                             "create_memory_pool_configurator", "finalize_with_max_running_requests")
+RESOLVE_POOL_CONFIG_CALLS = (
+    "_profile_available_bytes",
+    "config_from_budget",
+    "resolve_max_num_reqs",
+    "create_memory_pool_configurator",
+    "finalize_with_max_running_requests",
+)
 
 HOOKED: Tuple[Hooked, ...] = (
     Hooked(TARGET_ADD_CLI, ("parser",), "the plugin's flags"),
     Hooked(TARGET_FROM_CLI, ("args",), "keep the plugin's flag values"),
-    Hooked(TARGET_POOL, ("sizes", "is_dsa_model", "is_dsv4_model", "req_to_token_pool"),
-           "build the plugin's KV pools"),
-    Hooked(TARGET_INDEXER, ("x", "q_lora", "positions", "forward_batch", "layer_id", "return_indices"),
-           "the CPU indexer forward", signature_of=TARGET_INDEXER.replace("forward_native", "forward_cuda")),
-    Hooked(TARGET_NPU_INDEXER, ("x", "q_lora", "positions", "forward_batch", "layer_id", "input_on_attn_tp_slices",
-                                "dynamic_scale"), "the NPU indexer forward: the fused LIM / LIM-C8 path"),
+    Hooked(TARGET_POOL, ("sizes", "is_dsa_model", "is_dsv4_model", "req_to_token_pool"), "build the plugin's KV pools"),
+    Hooked(
+        TARGET_INDEXER,
+        ("x", "q_lora", "positions", "forward_batch", "layer_id", "return_indices"),
+        "the CPU indexer forward",
+        signature_of=TARGET_INDEXER.replace("forward_native", "forward_cuda"),
+    ),
+    Hooked(
+        TARGET_NPU_INDEXER,
+        ("x", "q_lora", "positions", "forward_batch", "layer_id", "input_on_attn_tp_slices", "dynamic_scale"),
+        "the NPU indexer forward: the fused LIM / LIM-C8 path",
+    ),
     Hooked(TARGET_CELL_SIZE, ("self",), "per-token KV bytes of the layerwise pool"),
     Hooked(TARGET_CELL_SIZE, ("self",), "per-token KV bytes of the KVPP pool"),
-    Hooked(TARGET_CELL_SIZE, ("self", "kvc", "num_layers"), "per-token device KV bytes of sparse decode offload "
-           "(the indexer only, off the CPU)"),
-    Hooked(TARGET_RESOLVE_POOL_CONFIG, ("self", "pre_model_load_memory"),
-           "sparse decode offload: the hot buffers drawn from SGLang's KV byte budget (offload_sizing.py)"),
-    Hooked(TARGET_PROFILE_BYTES, ("self", "pre_model_load_memory"),
-           "--device-kv-budget caps SGLang's KV byte budget (device_kv_budget.py)"),
+    Hooked(
+        TARGET_CELL_SIZE,
+        ("self", "kvc", "num_layers"),
+        "per-token device KV bytes of sparse decode offload (the indexer only, off the CPU)",
+    ),
+    Hooked(
+        TARGET_RESOLVE_POOL_CONFIG,
+        ("self", "pre_model_load_memory"),
+        "sparse decode offload: the hot buffers drawn from SGLang's KV byte budget (offload_sizing.py)",
+    ),
+    Hooked(
+        TARGET_PROFILE_BYTES,
+        ("self", "pre_model_load_memory"),
+        "--device-kv-budget caps SGLang's KV byte budget (device_kv_budget.py)",
+    ),
     Hooked(TARGET_GET_KV_CLASS, (), "the ascend_offload P/D classes"),
     Hooked(TARGET_CONFIG_STORE, (), "MemFabric config store"),
     Hooked(TARGET_PREFILL_MANAGER, ("self",), "the prefill KV manager"),
     Hooked(TARGET_DECODE_MANAGER, ("self",), "the decode KV manager"),
     Hooked(TARGET_RUN_BATCH, ("self", "batch"), "announce last chunks to the layerwise publisher"),
-    Hooked(TARGET_IDLE_SLEEP, ("self",), "P/D servers with --sleep-on-idle sleep in short slices while "
-           "transfers are in flight"),
+    Hooked(
+        TARGET_IDLE_SLEEP,
+        ("self",),
+        "P/D servers with --sleep-on-idle sleep in short slices while transfers are in flight",
+    ),
     Hooked(TARGET_ON_IDLE, ("self",), "export the offload counters the decode interval held back"),
-    Hooked(TARGET_STREAM_OUTPUT, ("self", "reqs", "return_logprob", "skip_req"),
-           "export the offload counters before a finished request's output is sent"),
-    Hooked(TARGET_EMBED_HEAD, ("self", "embed", "head"), "no CUDA sync when the draft shares "
-           "the target's embedding and head on a CPU"),
-    Hooked(TARGET_DRAFT_FACTORY, ("self", "backend_name", "backend_map", "error_template", "stamps_children"),
-           "draft backends for ascend_offload"),
-    Hooked(TARGET_LAST_LOC, ("req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"),
-           "torch last-slot lookup for EAGLE draft slots"),
-    Hooked(TARGET_CPU_GRAPH_RUNNER, ("model_runner",), "CPU verify graphs of speculative decoding "
-           "(REPLACE by a subclass; cpu_spec_graph.py)"),
+    Hooked(
+        TARGET_STREAM_OUTPUT,
+        ("self", "reqs", "return_logprob", "skip_req"),
+        "export the offload counters before a finished request's output is sent",
+    ),
+    Hooked(
+        TARGET_EMBED_HEAD,
+        ("self", "embed", "head"),
+        "no CUDA sync when the draft shares the target's embedding and head on a CPU",
+    ),
+    Hooked(
+        TARGET_DRAFT_FACTORY,
+        ("self", "backend_name", "backend_map", "error_template", "stamps_children"),
+        "draft backends for ascend_offload",
+    ),
+    Hooked(
+        TARGET_LAST_LOC,
+        ("req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"),
+        "torch last-slot lookup for EAGLE draft slots",
+    ),
+    Hooked(
+        TARGET_CPU_GRAPH_RUNNER,
+        ("model_runner",),
+        "CPU verify graphs of speculative decoding (REPLACE by a subclass; cpu_spec_graph.py)",
+    ),
     Hooked(TARGET_IS_CPU_GRAPH, ("self",), "TARGET_VERIFY replays a CPU verify graph"),
 )
 
@@ -209,8 +283,10 @@ def installed_version() -> str:
 
 
 def _incompatible(what: str) -> SGLangIncompatible:
-    return SGLangIncompatible(f"{what} (SGLang {installed_version()} is installed; sglang-ascend-offload "
-                              f"was written against SGLang {SUPPORTED_SGLANG_VERSION})")
+    return SGLangIncompatible(
+        f"{what} (SGLang {installed_version()} is installed; sglang-ascend-offload "
+        f"was written against SGLang {SUPPORTED_SGLANG_VERSION})"
+    )
 
 
 def arg(args: Any, name: str) -> Any:
@@ -237,22 +313,57 @@ def arg_or(args: Any, name: str, default: Any) -> Any:
 #: ``CPUGraphRunner`` fields the plugin's verify graph runner sets before capturing
 #: (``speculative/cpu_graph.py``): SGLang's capture and replay methods read them.
 CPU_GRAPH_RUNNER_FIELDS = (
-    "bs", "capture_bs", "capture_forward_mode", "capture_hidden_mode", "captured_forward_batches",
-    "captured_forward_batches_cross", "captured_req_width", "custom_mask", "device", "disable_padding",
-    "enable_profile_cuda_graph", "enable_return_hidden_states", "enable_torch_compile", "enable_two_batch_overlap",
-    "encoder_len_fill_value", "encoder_lens", "graphs", "graphs_cross", "input_ids", "is_encoder_decoder", "max_bs",
-    "max_num_token", "model_runner", "mrope_positions", "num_dp_ranks", "num_token_non_padded", "out_cache_loc",
-    "output_buffers", "positions", "pp_size", "raw_bs", "raw_num_token", "req_pool_indices", "require_attn_tp_gather",
-    "require_gathered_buffer", "require_mlp_sync", "require_mlp_tp_gather", "return_hidden_states_mode",
-    "seq_len_fill_value", "seq_lens", "speculative_algorithm", "tp_size",
+    "bs",
+    "capture_bs",
+    "capture_forward_mode",
+    "capture_hidden_mode",
+    "captured_forward_batches",
+    "captured_forward_batches_cross",
+    "captured_req_width",
+    "custom_mask",
+    "device",
+    "disable_padding",
+    "enable_profile_cuda_graph",
+    "enable_return_hidden_states",
+    "enable_torch_compile",
+    "enable_two_batch_overlap",
+    "encoder_len_fill_value",
+    "encoder_lens",
+    "graphs",
+    "graphs_cross",
+    "input_ids",
+    "is_encoder_decoder",
+    "max_bs",
+    "max_num_token",
+    "model_runner",
+    "mrope_positions",
+    "num_dp_ranks",
+    "num_token_non_padded",
+    "out_cache_loc",
+    "output_buffers",
+    "positions",
+    "pp_size",
+    "raw_bs",
+    "raw_num_token",
+    "req_pool_indices",
+    "require_attn_tp_gather",
+    "require_gathered_buffer",
+    "require_mlp_sync",
+    "require_mlp_tp_gather",
+    "return_hidden_states_mode",
+    "seq_len_fill_value",
+    "seq_lens",
+    "speculative_algorithm",
+    "tp_size",
 )
 
 OBJECT_FIELDS: Dict[str, Dict[str, str]] = {
-    TARGET_CPU_GRAPH_RUNNER: {name: "set by the plugin's CPU verify graph runner before SGLang's capture"
-                              for name in CPU_GRAPH_RUNNER_FIELDS},
+    TARGET_CPU_GRAPH_RUNNER: {
+        name: "set by the plugin's CPU verify graph runner before SGLang's capture" for name in CPU_GRAPH_RUNNER_FIELDS
+    },
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch": {
         "rids": "request identity per batch row (sparse decode offload resets a row whose request changed); "
-                "None outside the scheduler and on a padded graph replay",
+        "None outside the scheduler and on a padded graph replay",
         "_original_num_tokens": "DP-attention padding: the real decode rows before padding (None unpadded)",
     },
     "sglang.srt.disaggregation.base.conn.KVArgs": {
@@ -307,8 +418,9 @@ def field(obj: Any, cls_path: str, name: str) -> Any:
     :class:`SGLangIncompatible` naming the class, the field and the SGLang version."""
     why = OBJECT_FIELDS.get(cls_path, {}).get(name)
     if why is None:
-        raise KeyError(f"compat.field({cls_path!r}, {name!r}): add it to compat.OBJECT_FIELDS with the reason "
-                       "it is read")
+        raise KeyError(
+            f"compat.field({cls_path!r}, {name!r}): add it to compat.OBJECT_FIELDS with the reason it is read"
+        )
     try:
         return getattr(obj, name)
     except AttributeError:
@@ -388,12 +500,22 @@ def last_resolution_step() -> str:
     from sglang.srt.arg_groups import pipeline
 
     tree = ast.parse(textwrap.dedent(inspect.getsource(pipeline.run_resolution_pipeline)))
-    names = [node.args[0].id for node in ast.walk(tree)
-             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "run_hook"
-             and node.args and isinstance(node.args[0], ast.Name)]
-    linenos = {node.args[0].id: node.lineno for node in ast.walk(tree)
-               if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "run_hook"
-               and node.args and isinstance(node.args[0], ast.Name)}
+    names = [
+        node.args[0].id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "run_hook"
+        and node.args
+        and isinstance(node.args[0], ast.Name)
+    ]
+    linenos = {
+        node.args[0].id: node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "run_hook"
+        and node.args
+        and isinstance(node.args[0], ast.Name)
+    }
     if not names:
         raise _incompatible("run_resolution_pipeline calls no run_hook(step, ...)")
     return max(linenos, key=linenos.get)
@@ -463,8 +585,11 @@ def problems() -> List[str]:
     out: List[str] = []
     try:
         fields = _server_arg_fields()
-        out += [f"ServerArgs has no field {name!r} (read for: {why})" for name, why in SERVER_ARGS.items()
-                if name not in fields]
+        out += [
+            f"ServerArgs has no field {name!r} (read for: {why})"
+            for name, why in SERVER_ARGS.items()
+            if name not in fields
+        ]
     except Exception as exc:  # noqa: BLE001
         out.append(f"cannot read ServerArgs' fields: {exc}")
     for target in HOOKED + CALLED:
@@ -475,7 +600,9 @@ def problems() -> List[str]:
             out.append(f"{kind} {target.path} not found ({type(exc).__name__}: {exc}); used for {target.why}")
             continue
         try:
-            params = set(inspect.signature(resolve_path(target.signature_of) if target.signature_of else obj).parameters)
+            params = set(
+                inspect.signature(resolve_path(target.signature_of) if target.signature_of else obj).parameters
+            )
         except (AttributeError, ImportError) as exc:
             out.append(f"{target.signature_of} not found ({exc}); it declares the parameters of {target.path}")
             continue
@@ -483,13 +610,16 @@ def problems() -> List[str]:
             continue  # builtins without a signature (torch.cuda.*): existence is what we rely on
         missing = [p for p in target.params if p not in params]
         if missing:
-            out.append(f"{kind} {target.path} lost parameter(s) {missing} (has {sorted(params)}); "
-                       f"used for {target.why}")
+            out.append(
+                f"{kind} {target.path} lost parameter(s) {missing} (has {sorted(params)}); used for {target.why}"
+            )
     try:
         calls = called_names(resolve_path(TARGET_RESOLVE_POOL_CONFIG))
         if [c for c in calls if c in RESOLVE_POOL_CONFIG_CALLS] != list(RESOLVE_POOL_CONFIG_CALLS):
-            out.append(f"{TARGET_RESOLVE_POOL_CONFIG} now calls {calls}, not {list(RESOLVE_POOL_CONFIG_CALLS)} in "
-                       "that order: the sparse decode offload sizing hook reproduces those steps")
+            out.append(
+                f"{TARGET_RESOLVE_POOL_CONFIG} now calls {calls}, not {list(RESOLVE_POOL_CONFIG_CALLS)} in "
+                "that order: the sparse decode offload sizing hook reproduces those steps"
+            )
     except Exception as exc:  # noqa: BLE001
         out.append(f"cannot inspect {TARGET_RESOLVE_POOL_CONFIG}: {exc}")
     for cls_path, wanted in OBJECT_FIELDS.items():
@@ -498,26 +628,34 @@ def problems() -> List[str]:
         except Exception as exc:  # noqa: BLE001
             out.append(f"{cls_path} not found ({type(exc).__name__}: {exc}); the plugin reads {sorted(wanted)}")
             continue
-        out += [f"{cls_path} has no field {name!r} (read for: {why})" for name, why in wanted.items()
-                if name not in declared]
+        out += [
+            f"{cls_path} has no field {name!r} (read for: {why})"
+            for name, why in wanted.items()
+            if name not in declared
+        ]
     try:
         from sglang.srt.arg_groups import resolution_hooks
 
         allowed = getattr(resolution_hooks, "_OVERRIDABLE_HOOKS", None)
         if allowed is not None:
-            out += [f"resolution step {name!r} is no longer overridable" for name in RESOLUTION_STEPS
-                    if name not in allowed]
+            out += [
+                f"resolution step {name!r} is no longer overridable" for name in RESOLUTION_STEPS if name not in allowed
+            ]
         last = last_resolution_step()
         if last != VALIDATION_STEP:
-            out.append(f"the last resolution step is {last!r}, not {VALIDATION_STEP!r}: the plugin would "
-                       "validate arguments that later steps still change")
+            out.append(
+                f"the last resolution step is {last!r}, not {VALIDATION_STEP!r}: the plugin would "
+                "validate arguments that later steps still change"
+            )
     except Exception as exc:  # noqa: BLE001
         out.append(f"cannot inspect SGLang's resolution pipeline: {exc}")
     try:
         missing = pool_attributes_not_set()
         if missing:
-            out.append(f"SGLang's NPU MLA pool now sets {missing} in __init__, which "
-                       "DeviceDSAPool._init_without_buffers does not: the plugin's pools would lack them")
+            out.append(
+                f"SGLang's NPU MLA pool now sets {missing} in __init__, which "
+                "DeviceDSAPool._init_without_buffers does not: the plugin's pools would lack them"
+            )
     except Exception as exc:  # noqa: BLE001
         out.append(f"cannot inspect SGLang's NPU MLA pool: {exc}")
     return out

@@ -9,7 +9,8 @@ the hooked function behaves exactly as before. Two scopes use it:
 * here, ``torch.cuda.get_device_capability``: for DeepSeek-family DSA models, SGLang
   0.5.23's argument resolution calls it on every platform that is neither NPU nor XPU
   (in ``arg_groups/model_hook.py`` and twice in ``arg_groups/overrides.py``; locations
-  in docs/design/sglang_hooks.md); on a CPU-only torch that raises ``AssertionError: Torch not compiled with CUDA enabled``.
+  in docs/design/sglang_hooks.md); on a CPU-only torch that raises ``AssertionError: Torch not compiled with CUDA
+  enabled``.
   Inside :func:`no_cuda_capability` (entered by the plugin's wrapper of the
   ``handle_model_specific_adjustments`` resolution step on ``--device cpu``) it returns
   ``(0, 0)``. SGLang reads that as a pre-Hopper device: the DSA KV cache defaults to

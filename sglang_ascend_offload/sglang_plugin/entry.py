@@ -19,10 +19,10 @@ import logging
 import os
 from typing import Optional
 
-logger = logging.getLogger("sglang_ascend_offload")
-
 from .. import SUPPORTED_SGLANG_VERSION as SUPPORTED_SGLANG  # the one version constant
 from .compat import installed_sglang_version
+
+logger = logging.getLogger("sglang_ascend_offload")
 
 _registered = False
 
@@ -51,8 +51,9 @@ def register() -> None:
         return
     install.install_flags()
     install.install_runtime()
-    logger.info("sglang-ascend-offload %s active in process %d (SGLang %s)",
-                _package_version(), os.getpid(), SUPPORTED_SGLANG)
+    logger.info(
+        "sglang-ascend-offload %s active in process %d (SGLang %s)", _package_version(), os.getpid(), SUPPORTED_SGLANG
+    )
 
 
 def is_registered() -> bool:

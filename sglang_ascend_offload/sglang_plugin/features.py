@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
 from .. import config as cfg
-from .args.flags import FEATURES as FLAGS, FeatureFlags
+from .args.flags import FEATURES as FLAGS
+from .args.flags import FeatureFlags
 
 __all__ = ["Feature", "FEATURES", "by_section", "pool_feature", "build_pool_around"]
 
@@ -80,14 +81,27 @@ def _flags(section: str) -> FeatureFlags:
 
 
 FEATURES: Tuple[Feature, ...] = (
-    Feature("sparse_decode", _flags("sparse_decode"), pool="mem_cache.pool.sparse_decode:build_offload_pool",
-            server_rules=None, sizing="mem_cache.sizing.sparse_decode"),
-    Feature("layerwise_prefill", _flags("layerwise_prefill"),
-            pool="mem_cache.pool.layerwise_prefill:build_layerwise_pool",
-            server_rules="args.rules.layerwise_prefill:layerwise_violations",
-            sizing="mem_cache.sizing.layerwise_prefill"),
-    Feature("kvpp", _flags("kvpp"), pool="mem_cache.pool.kvpp:build_kvpp_pool",
-            server_rules="args.rules.kvpp:kvpp_violations", sizing="mem_cache.sizing.kvpp"),
+    Feature(
+        "sparse_decode",
+        _flags("sparse_decode"),
+        pool="mem_cache.pool.sparse_decode:build_offload_pool",
+        server_rules=None,
+        sizing="mem_cache.sizing.sparse_decode",
+    ),
+    Feature(
+        "layerwise_prefill",
+        _flags("layerwise_prefill"),
+        pool="mem_cache.pool.layerwise_prefill:build_layerwise_pool",
+        server_rules="args.rules.layerwise_prefill:layerwise_violations",
+        sizing="mem_cache.sizing.layerwise_prefill",
+    ),
+    Feature(
+        "kvpp",
+        _flags("kvpp"),
+        pool="mem_cache.pool.kvpp:build_kvpp_pool",
+        server_rules="args.rules.kvpp:kvpp_violations",
+        sizing="mem_cache.sizing.kvpp",
+    ),
     Feature("pd_transfer", _flags("pd_transfer"), pool=None, server_rules=None, sizing=None),
 )
 
@@ -105,8 +119,10 @@ def pool_feature(config: cfg.OffloadConfig) -> Optional[Feature]:
     ``kvpp.layerwise_prefill``, ``sparse_decode.kvpp``), so a second one is a bug here."""
     found = [f for f in FEATURES if f.pool is not None and f.enabled(config)]
     if len(found) > 1:
-        raise RuntimeError(f"features {[f.section for f in found]} each replace the KV pool; startup validation "
-                           "refuses that combination, so this config was not validated")
+        raise RuntimeError(
+            f"features {[f.section for f in found]} each replace the KV pool; startup validation "
+            "refuses that combination, so this config was not validated"
+        )
     return found[0] if found else None
 
 
@@ -120,8 +136,13 @@ def build_pool_around(original, self, *, sizes, is_dsa_model, is_dsv4_model, req
     from .names import BACKEND_NAME
 
     if get_exec().kernel.attention_backend != BACKEND_NAME:
-        return original(self, sizes=sizes, is_dsa_model=is_dsa_model, is_dsv4_model=is_dsv4_model,
-                        req_to_token_pool=req_to_token_pool)
+        return original(
+            self,
+            sizes=sizes,
+            is_dsa_model=is_dsa_model,
+            is_dsv4_model=is_dsv4_model,
+            req_to_token_pool=req_to_token_pool,
+        )
     if not self.use_mla_backend or is_dsv4_model or self.is_hybrid_swa or self.mambaish_config:
         raise ValueError(
             f"attention backend {BACKEND_NAME} serves MLA / DSA models with a uniform KV layout "
@@ -136,6 +157,11 @@ def build_pool_around(original, self, *, sizes, is_dsa_model, is_dsv4_model, req
         return build_device_pool(self, max_total_num_tokens=tokens, is_dsa_model=is_dsa_model)
     section = getattr(config, feature.section)
     if feature.section == "sparse_decode":  # its hot buffers have one row per request slot
-        return feature.pool_builder()(self, section, max_total_num_tokens=tokens, is_dsa_model=is_dsa_model,
-                                      rows=req_to_token_pool.req_to_token.shape[0])
+        return feature.pool_builder()(
+            self,
+            section,
+            max_total_num_tokens=tokens,
+            is_dsa_model=is_dsa_model,
+            rows=req_to_token_pool.req_to_token.shape[0],
+        )
     return feature.pool_builder()(self, section, max_total_num_tokens=tokens, is_dsa_model=is_dsa_model)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .policies import RankedManager
 from ..ops.contract import INT64_MAX, Lookup, ResidencyStep
+from .policies import RankedManager
 
 __all__ = ["NEVER", "next_use_table", "BeladyManager", "belady_misses"]
 
@@ -44,8 +44,7 @@ def next_use_table(topk: np.ndarray, req_ids: np.ndarray) -> np.ndarray:
     same[-1:] = False
     if order.size > 1:
         a, b = order[:-1], order[1:]
-        same[:-1] = ((layer_ix[a] == layer_ix[b]) & (row_ix[a] == row_ix[b])
-                     & (req[a] == req[b]) & (tok[a] == tok[b]))
+        same[:-1] = (layer_ix[a] == layer_ix[b]) & (row_ix[a] == row_ix[b]) & (req[a] == req[b]) & (tok[a] == tok[b])
     nxt = np.full(order.size, NEVER, dtype=np.int64)
     if order.size > 1:
         nxt[:-1] = np.where(same[:-1], step_ix[order[1:]], NEVER)

@@ -43,8 +43,16 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CPUKernelUnavailable", "KernelLRUState", "library", "library_path", "build",
-           "lru_manage_rows", "copy_miss_rows_rows", "set_simd"]
+__all__ = [
+    "CPUKernelUnavailable",
+    "KernelLRUState",
+    "library",
+    "library_path",
+    "build",
+    "lru_manage_rows",
+    "copy_miss_rows_rows",
+    "set_simd",
+]
 
 _SRC = Path(__file__).with_name("csrc") / "lru_cpu.cpp"
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-exceptions"]
@@ -83,7 +91,8 @@ def build(force: bool = False) -> Path:
         raise CPUKernelUnavailable(
             "the CPU residency kernel needs a C++ compiler (g++/clang++; set CXX to choose one): install one "
             "(apt-get install g++) and run `python -m sglang_ascend_offload.sparse_decode.cpu_kernel --build` "
-            "(scripts/setup_cpu_env.sh does it), or run the engine with manage_impl='torch'")
+            "(scripts/setup_cpu_env.sh does it), or run the engine with manage_impl='torch'"
+        )
     return compile_library(cxx, _SRC, out, "the CPU residency kernel", CPUKernelUnavailable)
 
 
@@ -136,8 +145,10 @@ def _ptr(t: torch.Tensor) -> int:
 
 def _need(name: str, t: torch.Tensor, dtype: torch.dtype, dim: int) -> None:
     if t.dtype != dtype or t.dim() != dim or not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError(f"{name} must be a contiguous {dim}-D {dtype} CPU tensor, got {t.dtype} "
-                         f"{tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
+        raise ValueError(
+            f"{name} must be a contiguous {dim}-D {dtype} CPU tensor, got {t.dtype} "
+            f"{tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})"
+        )
 
 
 # ------------------------------------------------------------------ state
@@ -164,7 +175,8 @@ class KernelLRUState:
     by ``(slot_stamp, slot)``. Position map, persistent: ``map_kind == 0`` dense,
     hkeys = slot_of ``[R,P]`` (``P`` = the token table's width; ``R*P <=
     DENSE_MAP_LIMIT``; int16 when ``H <= 32767``, else int32: the map is the cold
-    memory a step's lookups touch, so the narrower type halves its cache lines), written only at fills and never cleared (an entry counts only
+    memory a step's lookups touch, so the narrower type halves its cache lines), written only at fills and never
+    cleared (an entry counts only
     if ``slot_token[r, slot_of[r, p]] == p``); ``map_kind == 1`` hash, hkeys / hvals
     int32 ``[R,C]``, ``C`` the power of two ``>= 2H``, updated at fills, evictions and
     resets (memory bounded by ``H`` whatever the context). maxpos int32 ``[R]``: an upper bound of the
@@ -182,8 +194,9 @@ class KernelLRUState:
     map_kind: int = 1
 
     @classmethod
-    def empty(cls, rows: int, hot_tokens: int, max_positions: Optional[int] = None,
-              dense_dtype: Optional[torch.dtype] = None) -> "KernelLRUState":
+    def empty(
+        cls, rows: int, hot_tokens: int, max_positions: Optional[int] = None, dense_dtype: Optional[torch.dtype] = None
+    ) -> "KernelLRUState":
         """Empty state; a dense map when ``max_positions`` (every position is below it)
         is given and ``rows * max_positions <= DENSE_MAP_LIMIT``, else a hash map.
         ``dense_dtype`` (int16 / int32) overrides the dense map's slot type (default:
@@ -193,18 +206,25 @@ class KernelLRUState:
         if dense_dtype not in (torch.int16, torch.int32) or (dense_dtype == torch.int16 and hot_tokens > _INT16_MAX):
             raise ValueError(f"dense_dtype {dense_dtype} cannot hold slots of hot_tokens {hot_tokens}")
         if max_positions is not None and rows * max(1, max_positions) <= DENSE_MAP_LIMIT:
-            kind, hkeys, hvals = 0, torch.full((rows, max(1, max_positions)), -1, dtype=dense_dtype), \
-                torch.zeros((1,), dtype=torch.int32)
+            kind, hkeys, hvals = (
+                0,
+                torch.full((rows, max(1, max_positions)), -1, dtype=dense_dtype),
+                torch.zeros((1,), dtype=torch.int32),
+            )
         else:
             cap = _hash_capacity(hot_tokens)
-            kind, hkeys, hvals = 1, torch.full((rows, cap), -1, dtype=torch.int32), \
-                torch.zeros((rows, cap), dtype=torch.int32)
+            kind, hkeys, hvals = (
+                1,
+                torch.full((rows, cap), -1, dtype=torch.int32),
+                torch.zeros((rows, cap), dtype=torch.int32),
+            )
         return cls(
             slot_token=torch.full((rows, hot_tokens), -1, dtype=torch.int32),
             slot_stamp=torch.zeros((rows, hot_tokens), dtype=torch.int64),
             row_req=torch.full((rows,), -1, dtype=torch.int64),
             order=torch.arange(hot_tokens, dtype=torch.int32).repeat(rows, 1),
-            hkeys=hkeys, hvals=hvals,
+            hkeys=hkeys,
+            hvals=hvals,
             maxpos=torch.full((rows,), -1, dtype=torch.int32),
             map_kind=kind,
         )
@@ -218,20 +238,58 @@ class KernelLRUState:
 
 
 # ------------------------------------------------------------------ custom ops
-@torch.library.custom_op("sglang_ascend_offload::lru_manage_rows",
-                         mutates_args=("slot_token", "slot_stamp", "row_req", "order", "hkeys", "hvals", "maxpos"),
-                         device_types="cpu")
-def _lru_manage_rows_op(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req: torch.Tensor,
-                        order: torch.Tensor, hkeys: torch.Tensor, hvals: torch.Tensor, maxpos: torch.Tensor,
-                        rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
-                        step: torch.Tensor, map_kind: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                    torch.Tensor, torch.Tensor]:
-    return _lru_manage_rows_raw(slot_token, slot_stamp, row_req, order, hkeys, hvals, maxpos, rows, topk, req_ids,
-                                stable_len, int(step), map_kind)
+@torch.library.custom_op(
+    "sglang_ascend_offload::lru_manage_rows",
+    mutates_args=("slot_token", "slot_stamp", "row_req", "order", "hkeys", "hvals", "maxpos"),
+    device_types="cpu",
+)
+def _lru_manage_rows_op(
+    slot_token: torch.Tensor,
+    slot_stamp: torch.Tensor,
+    row_req: torch.Tensor,
+    order: torch.Tensor,
+    hkeys: torch.Tensor,
+    hvals: torch.Tensor,
+    maxpos: torch.Tensor,
+    rows: torch.Tensor,
+    topk: torch.Tensor,
+    req_ids: torch.Tensor,
+    stable_len: torch.Tensor,
+    step: torch.Tensor,
+    map_kind: int,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _lru_manage_rows_raw(
+        slot_token,
+        slot_stamp,
+        row_req,
+        order,
+        hkeys,
+        hvals,
+        maxpos,
+        rows,
+        topk,
+        req_ids,
+        stable_len,
+        int(step),
+        map_kind,
+    )
 
 
-def _lru_manage_rows_raw(slot_token, slot_stamp, row_req, order, hkeys, hvals, maxpos, rows, topk, req_ids,
-                         stable_len, step: int, map_kind: int):
+def _lru_manage_rows_raw(
+    slot_token,
+    slot_stamp,
+    row_req,
+    order,
+    hkeys,
+    hvals,
+    maxpos,
+    rows,
+    topk,
+    req_ids,
+    stable_len,
+    step: int,
+    map_kind: int,
+):
     r, h = slot_token.shape
     b, k = topk.shape
     hit_mask = torch.empty((b, k), dtype=torch.bool)
@@ -241,17 +299,42 @@ def _lru_manage_rows_raw(slot_token, slot_stamp, row_req, order, hkeys, hvals, m
     miss_slots = torch.empty((b, k), dtype=torch.int32)
     kind = 2 if map_kind == 0 and hkeys.dtype == torch.int16 else map_kind  # the kernel's dense int16 map
     rc = library().sao_lru_manage_rows(
-        _ptr(slot_token), _ptr(slot_stamp), _ptr(row_req), _ptr(order), _ptr(hkeys), _ptr(hvals), _ptr(maxpos),
-        r, h, hkeys.shape[1], _ptr(rows), _ptr(topk), _ptr(req_ids), _ptr(stable_len), b, k, step,
-        _ptr(hit_mask), _ptr(slots), _ptr(miss_count), _ptr(miss_tokens), _ptr(miss_slots), kind)
+        _ptr(slot_token),
+        _ptr(slot_stamp),
+        _ptr(row_req),
+        _ptr(order),
+        _ptr(hkeys),
+        _ptr(hvals),
+        _ptr(maxpos),
+        r,
+        h,
+        hkeys.shape[1],
+        _ptr(rows),
+        _ptr(topk),
+        _ptr(req_ids),
+        _ptr(stable_len),
+        b,
+        k,
+        step,
+        _ptr(hit_mask),
+        _ptr(slots),
+        _ptr(miss_count),
+        _ptr(miss_tokens),
+        _ptr(miss_slots),
+        kind,
+    )
     if rc == 1:
         raise IndexError(f"lru_manage_rows: a batch row is outside the {r} state rows")
     if rc == 2:
-        raise RuntimeError("lru_manage_rows: the kernel's position map disagrees with slot_token "
-                           "(the state was changed outside the kernel)")
+        raise RuntimeError(
+            "lru_manage_rows: the kernel's position map disagrees with slot_token "
+            "(the state was changed outside the kernel)"
+        )
     if rc == 3:
-        raise IndexError(f"lru_manage_rows: a top-k position is >= the dense map's width {hkeys.shape[1]} "
-                         "(positions index the token table, whose width sized the map)")
+        raise IndexError(
+            f"lru_manage_rows: a top-k position is >= the dense map's width {hkeys.shape[1]} "
+            "(positions index the token table, whose width sized the map)"
+        )
     if rc == 4:
         raise ValueError(f"lru_manage_rows: an int16 dense map needs hot_tokens <= 32767, got {h}")
     return hit_mask, slots, miss_count, miss_tokens, miss_slots
@@ -260,14 +343,25 @@ def _lru_manage_rows_raw(slot_token, slot_stamp, row_req, order, hkeys, hvals, m
 @_lru_manage_rows_op.register_fake
 def _(slot_token, slot_stamp, row_req, order, hkeys, hvals, maxpos, rows, topk, req_ids, stable_len, step, map_kind):
     b, k = topk.shape
-    return (topk.new_empty((b, k), dtype=torch.bool), topk.new_empty((b, k), dtype=torch.int32),
-            topk.new_empty((b,), dtype=torch.int32), topk.new_empty((b, k), dtype=torch.int32),
-            topk.new_empty((b, k), dtype=torch.int32))
+    return (
+        topk.new_empty((b, k), dtype=torch.bool),
+        topk.new_empty((b, k), dtype=torch.int32),
+        topk.new_empty((b,), dtype=torch.int32),
+        topk.new_empty((b, k), dtype=torch.int32),
+        topk.new_empty((b, k), dtype=torch.int32),
+    )
 
 
 @torch.library.custom_op("sglang_ascend_offload::copy_miss_rows_rows", mutates_args=("hot",), device_types="cpu")
-def _copy_miss_rows_op(host: torch.Tensor, hot: torch.Tensor, rows: torch.Tensor, miss_tokens: torch.Tensor,
-                       miss_slots: torch.Tensor, miss_count: torch.Tensor, token_table: torch.Tensor) -> None:
+def _copy_miss_rows_op(
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    rows: torch.Tensor,
+    miss_tokens: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    token_table: torch.Tensor,
+) -> None:
     _copy_miss_rows_raw(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table)
 
 
@@ -275,9 +369,22 @@ def _copy_miss_rows_raw(host, hot, rows, miss_tokens, miss_slots, miss_count, to
     r, h, d = hot.shape
     b, k = miss_tokens.shape
     rc = library().sao_copy_miss_rows(
-        _ptr(host), host.shape[0], _ptr(hot), r, h, d * hot.element_size(), _ptr(token_table),
-        token_table.shape[0], token_table.shape[1], _ptr(rows), _ptr(miss_tokens), _ptr(miss_slots),
-        _ptr(miss_count), b, k)
+        _ptr(host),
+        host.shape[0],
+        _ptr(hot),
+        r,
+        h,
+        d * hot.element_size(),
+        _ptr(token_table),
+        token_table.shape[0],
+        token_table.shape[1],
+        _ptr(rows),
+        _ptr(miss_tokens),
+        _ptr(miss_slots),
+        _ptr(miss_count),
+        b,
+        k,
+    )
     if rc != 0:
         raise IndexError("copy_miss_rows_rows: a row, miss position, slot or host slot is out of range")
 
@@ -288,8 +395,9 @@ def _(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table):
 
 
 # ------------------------------------------------------------------ python entry points
-def lru_manage_rows(state: KernelLRUState, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor,
-                    stable_len: torch.Tensor, step) -> Tuple[torch.Tensor, ...]:
+def lru_manage_rows(
+    state: KernelLRUState, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor, step
+) -> Tuple[torch.Tensor, ...]:
     """One exact-LRU step of the batch rows (rows form of the contract).
 
     rows int64 ``[B]`` (state rows; real rows distinct, padding rows idle),
@@ -298,8 +406,12 @@ def lru_manage_rows(state: KernelLRUState, rows: torch.Tensor, topk: torch.Tenso
     ``(hit_mask, slots, miss_count, miss_tokens, miss_slots)`` ``[B,...]``.
     """
     if not torch.compiler.is_compiling():
-        for name, t, dtype, dim in (("rows", rows, torch.int64, 1), ("topk", topk, torch.int32, 2),
-                                    ("req_ids", req_ids, torch.int64, 1), ("stable_len", stable_len, torch.int32, 1)):
+        for name, t, dtype, dim in (
+            ("rows", rows, torch.int64, 1),
+            ("topk", topk, torch.int32, 2),
+            ("req_ids", req_ids, torch.int64, 1),
+            ("stable_len", stable_len, torch.int32, 1),
+        ):
             _need(name, t, dtype, dim)
         if state.slot_token.shape[1] < topk.shape[1]:
             raise ValueError(f"hot_tokens {state.slot_token.shape[1]} < top_k {topk.shape[1]}")
@@ -310,8 +422,15 @@ def lru_manage_rows(state: KernelLRUState, rows: torch.Tensor, topk: torch.Tenso
     return _lru_manage_rows_op(*state.tensors(), rows, topk, req_ids, stable_len, step, state.map_kind)
 
 
-def copy_miss_rows_rows(host: torch.Tensor, hot: torch.Tensor, rows: torch.Tensor, miss_tokens: torch.Tensor,
-                        miss_slots: torch.Tensor, miss_count: torch.Tensor, token_table: torch.Tensor) -> None:
+def copy_miss_rows_rows(
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    rows: torch.Tensor,
+    miss_tokens: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    token_table: torch.Tensor,
+) -> None:
     """hot ``[R,H,D]``: ``hot[rows[b], miss_slots[b,i]] = host[token_table[rows[b], miss_tokens[b,i]]]``
     for ``i < miss_count[b]`` (host ``[S,D]``, same dtype; token_table int32 ``[>R_real, max_ctx]``)."""
     if not torch.compiler.is_compiling():

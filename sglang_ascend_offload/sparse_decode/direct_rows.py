@@ -163,9 +163,13 @@ class DirectRows:
         # with nothing lent to a row outside it (:meth:`_steady_step`); None otherwise
         self._steady: Optional[_Steady] = None
         none = torch.zeros((0,), dtype=torch.int64)
-        self._no_demotion = dict(demote_heads=none, demote_req=none, demote_stable=none,
-                                 demote_pos=torch.zeros((0, self.hot_tokens), dtype=torch.int32),
-                                 demote_src=torch.zeros((0, self.hot_tokens), dtype=torch.int64))
+        self._no_demotion = dict(
+            demote_heads=none,
+            demote_req=none,
+            demote_stable=none,
+            demote_pos=torch.zeros((0, self.hot_tokens), dtype=torch.int32),
+            demote_src=torch.zeros((0, self.hot_tokens), dtype=torch.int64),
+        )
 
     # ------------------------------------------------------------------ spans
     def _release(self, head: int) -> None:
@@ -193,9 +197,16 @@ class DirectRows:
         self.lent_total += len(rows)
         return True
 
-    def plan(self, rows: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
-             context_len, device, captured_width: int = 0,
-             free_rows: Optional[Callable[[], Sequence[int]]] = None) -> DirectStep:
+    def plan(
+        self,
+        rows: torch.Tensor,
+        req_ids: torch.Tensor,
+        stable_len: torch.Tensor,
+        context_len,
+        device,
+        captured_width: int = 0,
+        free_rows: Optional[Callable[[], Sequence[int]]] = None,
+    ) -> DirectStep:
         """The :class:`DirectStep` of a batch (``rows`` / ``req_ids`` / ``stable_len`` /
         ``context_len`` ``[B]`` as the engine holds them: padding entries on the sink row
         with owner ``-1``; ``context_len`` a tensor or an int64 array) and the bookkeeping
@@ -227,11 +238,20 @@ class DirectRows:
         n_direct = int(direct.sum())
         lent_rows = int((self.lender >= 0).sum())
         step = DirectStep(
-            mask=dev(direct), span_rows=dev(span_table),
-            copy_rows=dev(copies[0]), copy_pos=dev(copies[1]), copy_dst=dev(copies[2]), **demoted,
-            direct_count=n_direct, step_pos=None if step_pos is None else dev(step_pos),
-            step_copies=step_copies, lent_rows=lent_rows, lent_now=self.lent_total - lent_before,
-            reclaimed=reclaimed, all_direct=bool(n_direct == b.rows.size))
+            mask=dev(direct),
+            span_rows=dev(span_table),
+            copy_rows=dev(copies[0]),
+            copy_pos=dev(copies[1]),
+            copy_dst=dev(copies[2]),
+            **demoted,
+            direct_count=n_direct,
+            step_pos=None if step_pos is None else dev(step_pos),
+            step_copies=step_copies,
+            lent_rows=lent_rows,
+            lent_now=self.lent_total - lent_before,
+            reclaimed=reclaimed,
+            all_direct=bool(n_direct == b.rows.size),
+        )
         self._steady = _Steady.after(self, b, direct, span_table, step)
         return step
 
@@ -248,11 +268,21 @@ class DirectRows:
         step_pos, step_copies = _step_positions(b, direct, captured_width)
         last = steady.last
         step = DirectStep(
-            mask=last.mask, span_rows=last.span_rows,
-            copy_rows=dev(copies[0]), copy_pos=dev(copies[1]), copy_dst=dev(copies[2]), **self._no_demotion,
-            direct_count=last.direct_count, step_pos=None if step_pos is None else dev(step_pos),
-            step_copies=step_copies, lent_rows=last.lent_rows, lent_now=0, reclaimed=0,
-            all_direct=last.all_direct, _flat_map=last._flat_map)
+            mask=last.mask,
+            span_rows=last.span_rows,
+            copy_rows=dev(copies[0]),
+            copy_pos=dev(copies[1]),
+            copy_dst=dev(copies[2]),
+            **self._no_demotion,
+            direct_count=last.direct_count,
+            step_pos=None if step_pos is None else dev(step_pos),
+            step_copies=step_copies,
+            lent_rows=last.lent_rows,
+            lent_now=0,
+            reclaimed=0,
+            all_direct=last.all_direct,
+            _flat_map=last._flat_map,
+        )
         steady.last = step
         return step
 
@@ -272,8 +302,9 @@ class DirectRows:
         demote = list(dict.fromkeys(int(h) for h in heads[heads >= 0]))
         return demote, len(demote)
 
-    def _choose(self, b: "_Batch", demote: List[int], lendable: "_Lendable",
-                held_back: bool) -> Tuple[np.ndarray, np.ndarray]:
+    def _choose(
+        self, b: "_Batch", demote: List[int], lendable: "_Lendable", held_back: bool
+    ) -> Tuple[np.ndarray, np.ndarray]:
         """Which live entries are direct this step (growing spans from ``lendable``), and
         the positions each already holds; entries that must leave are added to ``demote``.
         ``held_back``: the test switch (:attr:`hold`) holds this step."""
@@ -327,12 +358,17 @@ class DirectRows:
         self.demotions += len(demote)
         if not heads:
             return self._no_demotion
-        return dict(demote_heads=torch.tensor(heads, dtype=torch.int64), demote_req=torch.tensor(reqs, dtype=torch.int64),
-                    demote_stable=torch.tensor(stables, dtype=torch.int64),
-                    demote_pos=torch.from_numpy(np.stack(pos)).to(torch.int32), demote_src=torch.from_numpy(np.stack(src)))
+        return dict(
+            demote_heads=torch.tensor(heads, dtype=torch.int64),
+            demote_req=torch.tensor(reqs, dtype=torch.int64),
+            demote_stable=torch.tensor(stables, dtype=torch.int64),
+            demote_pos=torch.from_numpy(np.stack(pos)).to(torch.int32),
+            demote_src=torch.from_numpy(np.stack(src)),
+        )
 
-    def _copies(self, b: "_Batch", direct: np.ndarray, resident: np.ndarray, captured_width: int,
-                span_table: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _copies(
+        self, b: "_Batch", direct: np.ndarray, resident: np.ndarray, captured_width: int, span_table: np.ndarray
+    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(rows, positions, flat destinations)`` of the host -> span copies (entry by
         entry, positions ascending; destinations through the step's ``span_table``), and the
         direct requests' bookkeeping update."""
@@ -380,8 +416,9 @@ class _Steady:
     last: DirectStep  # the newest step of this state (nothing writes its tensors)
 
     @classmethod
-    def after(cls, rows: "DirectRows", b: "_Batch", direct: np.ndarray, span_table: np.ndarray,
-              step: DirectStep) -> Optional["_Steady"]:
+    def after(
+        cls, rows: "DirectRows", b: "_Batch", direct: np.ndarray, span_table: np.ndarray, step: DirectStep
+    ) -> Optional["_Steady"]:
         """The steady state after a fully planned ``step``, or ``None`` if it was not one."""
         if not np.array_equal(direct, b.live):
             return None
@@ -394,8 +431,12 @@ class _Steady:
 
     def holds(self, b: "_Batch", max_span: int) -> bool:
         """Whether the step of batch ``b`` is in this steady state."""
-        return (max_span == self.max_span and b.rows.tobytes() == self.rows and b.req.tobytes() == self.req
-                and bool((b.ctx <= self.capacity).all()))
+        return (
+            max_span == self.max_span
+            and b.rows.tobytes() == self.rows
+            and b.req.tobytes() == self.req
+            and bool((b.ctx <= self.capacity).all())
+        )
 
 
 class _Lendable:
@@ -447,8 +488,10 @@ def _step_positions(b: _Batch, direct: np.ndarray, width: int) -> Tuple[Optional
         return None, 0
     wide = direct & (b.ctx - b.rewrite_from > width)
     if wide.any():
-        raise ValueError(f"a captured step writes at most {width} positions per entry; entries "
-                         f"{np.flatnonzero(wide).tolist()} write {(b.ctx - b.rewrite_from)[wide].tolist()}")
+        raise ValueError(
+            f"a captured step writes at most {width} positions per entry; entries "
+            f"{np.flatnonzero(wide).tolist()} write {(b.ctx - b.rewrite_from)[wide].tolist()}"
+        )
     pos = b.rewrite_from[:, None] + np.arange(width, dtype=np.int64)[None, :]
     step = np.where(direct[:, None] & (pos < b.ctx[:, None]), pos, -1)
     return step, int((step >= 0).sum())
@@ -458,9 +501,13 @@ def empty_step(batch: int, width: int, device) -> ResidencyStep:
     """A residency step that selected nothing (``[batch, width]``; what a batch of direct
     entries reports)."""
     none = torch.full((batch, width), -1, dtype=torch.int32, device=device)
-    return ResidencyStep(hit_mask=torch.zeros((batch, width), dtype=torch.bool, device=device), slots=none,
-                         miss_count=torch.zeros((batch,), dtype=torch.int32, device=device), miss_tokens=none,
-                         miss_slots=none)
+    return ResidencyStep(
+        hit_mask=torch.zeros((batch, width), dtype=torch.bool, device=device),
+        slots=none,
+        miss_count=torch.zeros((batch,), dtype=torch.int32, device=device),
+        miss_tokens=none,
+        miss_slots=none,
+    )
 
 
 def span_width(table_width: int, hot_tokens: int) -> int:
@@ -469,8 +516,9 @@ def span_width(table_width: int, hot_tokens: int) -> int:
     return max(1, -(-int(table_width) // int(hot_tokens)))
 
 
-def direct_flat(span_rows: torch.Tensor, positions: torch.Tensor, hot_tokens: int,
-                rows_per_request: int = 1) -> torch.Tensor:
+def direct_flat(
+    span_rows: torch.Tensor, positions: torch.Tensor, hot_tokens: int, rows_per_request: int = 1
+) -> torch.Tensor:
     """Flat hot-buffer rows (int32, like ``positions`` ``[B*n, K]``; ``-1`` stays ``-1``) of
     direct entries' positions through their spans (``span_rows`` ``[B, S]``). Static shapes."""
     spans = span_rows.repeat_interleave(int(rows_per_request), 0) if rows_per_request > 1 else span_rows
@@ -503,8 +551,14 @@ def masked_step(mask: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor, r
     return query_mask, managed, owners
 
 
-def copy_step_positions(host: torch.Tensor, hot: torch.Tensor, rows: torch.Tensor, step_pos: torch.Tensor,
-                        token_table: torch.Tensor, span_rows: torch.Tensor) -> None:
+def copy_step_positions(
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    rows: torch.Tensor,
+    step_pos: torch.Tensor,
+    token_table: torch.Tensor,
+    span_rows: torch.Tensor,
+) -> None:
     """``hot[flat(p)] = host[token_table[rows[b], p]]`` for every ``p = step_pos[b, i] >= 0``
     (host ``[S, D]``, hot ``[R', H, D]`` with the sink row last, rows int64 ``[B]``,
     step_pos int64 ``[B, n]``, ``flat`` through the entry's span ``span_rows`` ``[B, S]``).

@@ -64,17 +64,25 @@ import torch
 from .. import platform
 from ..ops import registry
 from ..ops.contract import ResidencyStep, ResidencyTable
+from ..ops.request_union import RequestUnion, merge_ranked, row_slots, union_of_rows
 from ..ops.residency import copy_miss_rows_rows
 from . import direct_rows, fused_indexer, op_selection
 from .host_pool import AppendGate, HostKVPool
 from .host_rows import is_tensor_backed
 from .hot_buffer import HotBuffers, flat_hot_indices
 from .policies import DEFAULT_POLICY, ResidencyManager, make_manager, uses_cpu_kernel
-from ..ops.request_union import RequestUnion, merge_ranked, row_slots, union_of_rows
 from .shadow import ShadowVerifier
 from .stats import DecodeStats, StatsAccumulator
 
-__all__ = ["EngineConfig", "LayerResult", "PhaseTimes", "SparseDecodeEngine", "decode_layer_step", "RequestStep", "step_requests"]
+__all__ = [
+    "EngineConfig",
+    "LayerResult",
+    "PhaseTimes",
+    "SparseDecodeEngine",
+    "decode_layer_step",
+    "RequestStep",
+    "step_requests",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +112,15 @@ class RequestStep:
         return u.valid.sum(dtype=torch.int64), (row_hit.reshape_as(u.valid) & u.valid).sum(dtype=torch.int64)
 
 
-def step_requests(manager: ResidencyManager, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor,
-                  stable_len: torch.Tensor, step, rows_per_request: int = 1) -> RequestStep:
+def step_requests(
+    manager: ResidencyManager,
+    rows: torch.Tensor,
+    topk: torch.Tensor,
+    req_ids: torch.Tensor,
+    stable_len: torch.Tensor,
+    step,
+    rows_per_request: int = 1,
+) -> RequestStep:
     """The residency step of ``rows`` (``[B]``) for their ``B * n`` query rows' ``topk``:
     the plain per-row step for ``n = 1``, else one step per request over the union."""
     n = int(rows_per_request)
@@ -117,8 +132,9 @@ def step_requests(manager: ResidencyManager, rows: torch.Tensor, topk: torch.Ten
     return RequestStep(res, row_slots(union, res.slots), rows.repeat_interleave(n), union)
 
 
-def fused_request_step(residency: ResidencyStep, rows: torch.Tensor, topk: torch.Tensor,
-                       rows_per_request: int = 1) -> RequestStep:
+def fused_request_step(
+    residency: ResidencyStep, rows: torch.Tensor, topk: torch.Tensor, rows_per_request: int = 1
+) -> RequestStep:
     """The batch's :class:`RequestStep` from the all-rows step a fused indexer took
     (``[R', ...]``; over each row's union with ``n > 1``, as the operator steps a row
     shared by ``n`` tokens): the batch rows' part, and with ``n > 1`` each query row's
@@ -132,13 +148,26 @@ def fused_request_step(residency: ResidencyStep, rows: torch.Tensor, topk: torch
     return RequestStep(stepped, row_slots(union, stepped.slots), rows.repeat_interleave(n), union)
 
 
-def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor,
-                      stable_len: torch.Tensor, step, host: torch.Tensor, hot: torch.Tensor,
-                      token_table: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor, scale: float,
-                      latent_dim: int, attention: Optional[Callable] = None,
-                      rows_per_request: int = 1, residency: Optional[ResidencyStep] = None,
-                      copy_attention: Optional[Callable] = None,
-                      direct: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> Tuple[torch.Tensor, ResidencyStep]:
+def decode_layer_step(
+    manager: ResidencyManager,
+    rows: torch.Tensor,
+    topk: torch.Tensor,
+    req_ids: torch.Tensor,
+    stable_len: torch.Tensor,
+    step,
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    token_table: torch.Tensor,
+    query: torch.Tensor,
+    query_rope: torch.Tensor,
+    scale: float,
+    latent_dim: int,
+    attention: Optional[Callable] = None,
+    rows_per_request: int = 1,
+    residency: Optional[ResidencyStep] = None,
+    copy_attention: Optional[Callable] = None,
+    direct: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, ResidencyStep]:
     """One layer of the offloaded decode step on the torch path, as a function of tensors.
 
     manager: the layer's residency manager (any policy; its :meth:`step_rows`). rows
@@ -172,25 +201,45 @@ def decode_layer_step(manager: ResidencyManager, rows: torch.Tensor, topk: torch
     res = req.residency
     flat_idx = flat_hot_indices(req.slots, req.token_rows, hot.shape[1])
     if direct is not None:
-        flat_idx = torch.where(query_mask[:, None, None], direct_rows.direct_flat(
-            direct[2], topk, hot.shape[1], rows_per_request)[:, None, :], flat_idx)
+        flat_idx = torch.where(
+            query_mask[:, None, None],
+            direct_rows.direct_flat(direct[2], topk, hot.shape[1], rows_per_request)[:, None, :],
+            flat_idx,
+        )
     if copy_attention is not None:
-        return fused_copy_attention(copy_attention, res, rows, req_ids, host, hot, token_table, flat_idx, query,
-                                    query_rope, scale), res
+        return fused_copy_attention(
+            copy_attention, res, rows, req_ids, host, hot, token_table, flat_idx, query, query_rope, scale
+        ), res
     copy_miss_rows_rows(host, hot, rows, res.miss_tokens, res.miss_slots, res.miss_count, token_table)
     if attention is None:
         from ..ops.reference import sparse_mla_attention as attention
     return attend_hot(attention, query, query_rope, hot.view(-1, hot.shape[2]), flat_idx, scale, latent_dim), res
 
 
-def attend_hot(attention: Callable, query: torch.Tensor, query_rope: torch.Tensor, flat_kv: torch.Tensor,
-               flat_idx: torch.Tensor, scale: float, latent_dim: int) -> torch.Tensor:
+def attend_hot(
+    attention: Callable,
+    query: torch.Tensor,
+    query_rope: torch.Tensor,
+    flat_kv: torch.Tensor,
+    flat_idx: torch.Tensor,
+    scale: float,
+    latent_dim: int,
+) -> torch.Tensor:
     """Sparse MLA attention of ``query`` ``[B,N,latent]`` / ``query_rope`` ``[B,N,rope]``
     over the hot-buffer rows ``flat_idx`` int32 ``[B,1,K]`` of ``flat_kv`` ``[(R+1)*H,
     latent+rope]`` (latent columns first): the last stage of a decode layer step, eager
     or captured. Returns ``[B,N,latent]``."""
-    return attention(query, flat_kv[:, :latent_dim], None, flat_idx, scale, query_rope=query_rope,
-                     key_rope=flat_kv[:, latent_dim:], layout_query="TND", layout_kv="flat")
+    return attention(
+        query,
+        flat_kv[:, :latent_dim],
+        None,
+        flat_idx,
+        scale,
+        query_rope=query_rope,
+        key_rope=flat_kv[:, latent_dim:],
+        layout_query="TND",
+        layout_kv="flat",
+    )
 
 
 def full_rows_lists(res: ResidencyStep, rows: torch.Tensor, state_rows: int, token_table: torch.Tensor):
@@ -209,9 +258,19 @@ def full_rows_lists(res: ResidencyStep, rows: torch.Tensor, state_rows: int, tok
     return tokens, slots, count, table[:state_rows]
 
 
-def fused_copy_attention(copy_sfa: Callable, res: ResidencyStep, rows: torch.Tensor, req_ids: torch.Tensor,
-                         host: torch.Tensor, hot: torch.Tensor, token_table: torch.Tensor, flat: torch.Tensor,
-                         query: torch.Tensor, query_rope: torch.Tensor, scale: float) -> torch.Tensor:
+def fused_copy_attention(
+    copy_sfa: Callable,
+    res: ResidencyStep,
+    rows: torch.Tensor,
+    req_ids: torch.Tensor,
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    token_table: torch.Tensor,
+    flat: torch.Tensor,
+    query: torch.Tensor,
+    query_rope: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Miss copy + attention of one layer as the fused Copy-SFA op: the batch rows' step
     ``res`` spread over all hot-buffer rows (``hot`` ``[R', H, D]``), padding entries
     (``req_ids < 0``) owning no row; with ``n = B*n / B`` query rows per entry (verify
@@ -222,9 +281,19 @@ def fused_copy_attention(copy_sfa: Callable, res: ResidencyStep, rows: torch.Ten
     if n > 1:
         token_rows = token_rows.repeat_interleave(n)
     # The extension takes contiguous tensors (the served queries are slices of q)
-    return copy_sfa(query.contiguous(), host, hot, flat, scale, query_rope=query_rope.contiguous(),
-                    token_rows=token_rows, miss_tokens=tokens, miss_slots=slots, miss_count=count,
-                    token_table=table)
+    return copy_sfa(
+        query.contiguous(),
+        host,
+        hot,
+        flat,
+        scale,
+        query_rope=query_rope.contiguous(),
+        token_rows=token_rows,
+        miss_tokens=tokens,
+        miss_slots=slots,
+        miss_count=count,
+        token_table=table,
+    )
 
 
 @dataclass(frozen=True)
@@ -285,8 +354,10 @@ class EngineConfig:
         if self.residency not in direct_rows.RESIDENCY_MODES:
             problems.append(f"residency must be one of {direct_rows.RESIDENCY_MODES}, got {self.residency!r}")
         elif self.residency == "adaptive" and self.policy != "lru":
-            problems.append(f"residency 'adaptive' demotes a request into the exact-LRU state; policy "
-                            f"{self.policy!r} is not lru: use policy lru or residency 'always'")
+            problems.append(
+                f"residency 'adaptive' demotes a request into the exact-LRU state; policy "
+                f"{self.policy!r} is not lru: use policy lru or residency 'always'"
+            )
         if not 0.0 <= self.verify_sample_rate <= 1.0:
             problems.append(f"verify_sample_rate must be in [0, 1], got {self.verify_sample_rate}")
         for name in ("layers", "rows", "hot_tokens", "top_k", "latent_dim", "rows_per_request"):
@@ -295,9 +366,11 @@ class EngineConfig:
         if self.rows_per_request == 1 and self.hot_tokens < self.top_k:
             problems.append(f"hot_tokens {self.hot_tokens} must be >= top_k {self.top_k}")
         elif self.hot_tokens < self.rows_per_request * self.top_k:
-            problems.append(f"hot_tokens {self.hot_tokens} must be >= rows_per_request x top_k = "
-                            f"{self.rows_per_request} x {self.top_k} (the request's rows share one hot buffer, "
-                            "which must hold the union of their top-k)")
+            problems.append(
+                f"hot_tokens {self.hot_tokens} must be >= rows_per_request x top_k = "
+                f"{self.rows_per_request} x {self.top_k} (the request's rows share one hot buffer, "
+                "which must hold the union of their top-k)"
+            )
         if problems:
             raise ValueError("invalid sparse decode engine config: " + "; ".join(problems))
 
@@ -323,8 +396,9 @@ class LayerResult:
 class PhaseTimes:
     """Wall seconds spent per phase (only measured when ``timing=True``)."""
 
-    seconds: Dict[str, float] = field(default_factory=lambda: {"append": 0.0, "manage": 0.0,
-                                                                "copy": 0.0, "attention": 0.0})
+    seconds: Dict[str, float] = field(
+        default_factory=lambda: {"append": 0.0, "manage": 0.0, "copy": 0.0, "attention": 0.0}
+    )
 
     def add(self, phase: str, dt: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + dt
@@ -339,8 +413,17 @@ class SparseDecodeEngine:
     ``tp_rank > 0``) before reading the host pool.
     """
 
-    def __init__(self, config: EngineConfig, pool: HostKVPool, device=None, *, tp_rank: int = 0,
-                 gate: Optional[AppendGate] = None, gate_timeout_s: float = 30.0, timing: bool = False):
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: HostKVPool,
+        device=None,
+        *,
+        tp_rank: int = 0,
+        gate: Optional[AppendGate] = None,
+        gate_timeout_s: float = 30.0,
+        timing: bool = False,
+    ):
         if pool.shape.layers != config.layers or pool.shape.row_dim != config.row_dim:
             raise ValueError(f"host pool {pool.shape} does not match engine config {config}")
         if pool.shape.dtype != config.dtype:
@@ -362,25 +445,39 @@ class SparseDecodeEngine:
         self._attention_op = registry.select("sparse_mla_attention", config.ops)
         self._tensor_pool = is_tensor_backed(pool)
         self._copy_sfa_op = self._choose_copy_sfa(config)
-        self.hot = HotBuffers(config.layers, config.rows, config.hot_tokens, config.row_dim,
-                              config.dtype, self.device)
+        self.hot = HotBuffers(config.layers, config.rows, config.hot_tokens, config.row_dim, config.dtype, self.device)
         self.sink_row = self.hot.sink_row
         state_rows = config.rows + 1
         self.uses_cpu_kernel = uses_cpu_kernel(config.policy, config.manage_impl, self.device, self._manage_op)
         self.managers: List[ResidencyManager] = [
-            make_manager(config.policy, state_rows, config.hot_tokens, self.device, self._manage_op,
-                         manage_impl=config.manage_impl, max_positions=config.max_context)
+            make_manager(
+                config.policy,
+                state_rows,
+                config.hot_tokens,
+                self.device,
+                self._manage_op,
+                manage_impl=config.manage_impl,
+                max_positions=config.max_context,
+            )
             for _ in range(config.layers)
         ]
         # The CPU kernel copies exactly the misses; other rungs copy in the rows form.
-        self._kernel_copy = self.uses_cpu_kernel and self._copy_op.rung == "reference" and \
-            self.device.type == "cpu" and self._tensor_pool and pool.layer(0).device.type == "cpu"
+        self._kernel_copy = (
+            self.uses_cpu_kernel
+            and self._copy_op.rung == "reference"
+            and self.device.type == "cpu"
+            and self._tensor_pool
+            and pool.layer(0).device.type == "cpu"
+        )
         self.stats_acc = StatsAccumulator(config.layers, pool.shape.row_bytes, self.device)
         self.shadow: Optional[ShadowVerifier] = (
             ShadowVerifier(config.verify_sample_rate, config.verify_action, seed=tp_rank)
-            if config.verify_sample_rate > 0 else None)
+            if config.verify_sample_rate > 0
+            else None
+        )
         self.direct: Optional[direct_rows.DirectRows] = (
-            direct_rows.DirectRows(state_rows, config.hot_tokens) if config.residency == "adaptive" else None)
+            direct_rows.DirectRows(state_rows, config.hot_tokens) if config.residency == "adaptive" else None
+        )
         self._direct_step: Optional[direct_rows.DirectStep] = None
         self._empty_steps: Dict[Tuple[int, int], ResidencyStep] = {}
         self.step_index = -1
@@ -403,10 +500,18 @@ class SparseDecodeEngine:
         # the kernels' residency-shape limits (a stand-in registered in their place has its own)
         shape = dict(hot_tokens=config.hot_tokens, top_k=config.top_k) if kernels else {}
         self.plan = op_selection.select_ops(
-            op_selection.platform_of(self.device), ops=config.ops, fused_lim=config.fused_lim,
-            fused_copy_sfa=config.fused_copy_sfa, rows_per_request=config.rows_per_request,
-            tensor_pool=self._tensor_pool, indexer_wired=config.caller_runs_indexer, policy=config.policy,
-            indexer_dtype=config.indexer_dtype, residency=config.residency, **shape).check()
+            op_selection.platform_of(self.device),
+            ops=config.ops,
+            fused_lim=config.fused_lim,
+            fused_copy_sfa=config.fused_copy_sfa,
+            rows_per_request=config.rows_per_request,
+            tensor_pool=self._tensor_pool,
+            indexer_wired=config.caller_runs_indexer,
+            policy=config.policy,
+            indexer_dtype=config.indexer_dtype,
+            residency=config.residency,
+            **shape,
+        ).check()
         op_selection.log_plan(self.plan, "sparse decode engine")
         if not self.plan.attention.fused:
             return None
@@ -423,16 +528,27 @@ class SparseDecodeEngine:
         shape = self.pool.shape
         if shape.tokens * shape.row_bytes % op_selection.HOST_ALIGN_BYTES:
             align = op_selection.host_rows_alignment(shape.row_bytes)
-            raise ValueError(f"the fused Copy-SFA registers each layer's slice of the host pool, which must start "
-                             f"{op_selection.HOST_ALIGN_BYTES} B-aligned: {shape.tokens} rows per layer x "
-                             f"{shape.row_bytes} B is not; size the pool to a multiple of {align} rows "
-                             f"({op_selection.fused_host_pool_rows(shape.tokens, shape.row_bytes)}, "
-                             "op_selection.host_pool_rows) or set fused_copy_sfa to false")
+            raise ValueError(
+                f"the fused Copy-SFA registers each layer's slice of the host pool, which must start "
+                f"{op_selection.HOST_ALIGN_BYTES} B-aligned: {shape.tokens} rows per layer x "
+                f"{shape.row_bytes} B is not; size the pool to a multiple of {align} rows "
+                f"({op_selection.fused_host_pool_rows(shape.tokens, shape.row_bytes)}, "
+                "op_selection.host_pool_rows) or set fused_copy_sfa to false"
+            )
 
-    def begin_step(self, req_ids: torch.Tensor, token_table: torch.Tensor, stable_len: torch.Tensor,
-                   step: Optional[int] = None, *, rows: Optional[torch.Tensor] = None,
-                   rows_per_request: Optional[int] = None, context_len: Optional[torch.Tensor] = None,
-                   captured: bool = False, free_rows: Optional[Callable[[], List[int]]] = None) -> int:
+    def begin_step(
+        self,
+        req_ids: torch.Tensor,
+        token_table: torch.Tensor,
+        stable_len: torch.Tensor,
+        step: Optional[int] = None,
+        *,
+        rows: Optional[torch.Tensor] = None,
+        rows_per_request: Optional[int] = None,
+        context_len: Optional[torch.Tensor] = None,
+        captured: bool = False,
+        free_rows: Optional[Callable[[], List[int]]] = None,
+    ) -> int:
         """Set the batch of the next decode step; returns its step number.
 
         rows int64 ``[B]``: engine row per batch entry (``-1`` padding); default every
@@ -446,12 +562,15 @@ class SparseDecodeEngine:
         ``residency = adaptive`` its direct rows' copies are split: :meth:`direct_step`).
         free_rows: returns the engine rows no request holds now (SGLang's free
         ``req_to_token`` rows), whose hot buffers a direct request may borrow
-        (``residency = adaptive``; read only when needed; ``None``: none). Host-side metadata: the only place the step's shapes are checked.
+        (``residency = adaptive``; read only when needed; ``None``: none). Host-side metadata: the only place the
+        step's shapes are checked.
         """
         n = self.config.rows_per_request if rows_per_request is None else int(rows_per_request)
         if not 1 <= n <= self.config.rows_per_request:
-            raise ValueError(f"rows_per_request {n} is outside 1..{self.config.rows_per_request} (the engine's "
-                             "hot buffers hold the union of at most that many rows' top-k)")
+            raise ValueError(
+                f"rows_per_request {n} is outside 1..{self.config.rows_per_request} (the engine's "
+                "hot buffers hold the union of at most that many rows' top-k)"
+            )
         self._per_request = n
         r = self.config.rows
         if rows is None:
@@ -471,9 +590,18 @@ class SparseDecodeEngine:
         if self.step_index < 0 and self.uses_cpu_kernel and self.config.max_context is None:
             # Nothing is resident yet: size the kernel's dense position map from the token
             # table's width (its positions' bound) now that it is known.
-            self.managers = [make_manager(self.config.policy, self.config.rows + 1, self.config.hot_tokens,
-                                          self.device, self._manage_op, manage_impl=self.config.manage_impl,
-                                          max_positions=token_table.shape[1]) for _ in range(self.config.layers)]
+            self.managers = [
+                make_manager(
+                    self.config.policy,
+                    self.config.rows + 1,
+                    self.config.hot_tokens,
+                    self.device,
+                    self._manage_op,
+                    manage_impl=self.config.manage_impl,
+                    max_positions=token_table.shape[1],
+                )
+                for _ in range(self.config.layers)
+            ]
         self.step_index = step
         rows = rows.to(torch.int64)
         pad = rows < 0
@@ -482,7 +610,8 @@ class SparseDecodeEngine:
             self._rows = torch.where(pad, torch.full_like(rows, self.sink_row), rows).to(self.device)
             self._req_ids = torch.where(pad, torch.full_like(rows, -1), req_ids.to(torch.int64)).to(self.device)
             self._stable_len = torch.where(pad, torch.zeros_like(rows), stable_len.to(torch.int64)).to(
-                self.device, torch.int32)
+                self.device, torch.int32
+            )
         else:
             self._rows = rows.to(self.device)
             self._req_ids = req_ids.to(self.device, torch.int64)
@@ -497,18 +626,29 @@ class SparseDecodeEngine:
             self._begin_direct(n, context_len, captured, free_rows)
         return step
 
-    def _begin_direct(self, n: int, context_len: Optional[torch.Tensor], captured: bool,
-                      free_rows: Optional[Callable[[], List[int]]]) -> None:
+    def _begin_direct(
+        self, n: int, context_len: Optional[torch.Tensor], captured: bool, free_rows: Optional[Callable[[], List[int]]]
+    ) -> None:
         """``residency = adaptive``: plan the step's direct rows (:mod:`.direct_rows`) and
         demote the requests that leave them (every layer, before the first). A captured
         step's direct rows then get the context the host pool already holds."""
         if context_len is None:
             context_len = direct_rows.context_lengths(self._stable_len.cpu().numpy(), n)
         # the fused Copy-SFA reads each query token's own hot-buffer row only: no spans there
-        self.direct.max_span = 1 if self._copy_sfa_op is not None else direct_rows.span_width(
-            self._token_table.shape[1], self.config.hot_tokens)
-        d = self.direct.plan(self._rows, self._req_ids, self._stable_len, context_len, self.device,
-                             captured_width=n if captured else 0, free_rows=free_rows)
+        self.direct.max_span = (
+            1
+            if self._copy_sfa_op is not None
+            else direct_rows.span_width(self._token_table.shape[1], self.config.hot_tokens)
+        )
+        d = self.direct.plan(
+            self._rows,
+            self._req_ids,
+            self._stable_len,
+            context_len,
+            self.device,
+            captured_width=n if captured else 0,
+            free_rows=free_rows,
+        )
         self._direct_step = d
         if d.demote_heads.numel():
             self._demote(d)  # before any copy: a demoted span's rows may be refilled by their new request
@@ -536,8 +676,13 @@ class SparseDecodeEngine:
         src_all = d.demote_src.to(self.device)
         h = self.config.hot_tokens
         for layer, manager in enumerate(self.managers):
-            res = manager.step_rows(heads, topk, d.demote_req.to(self.device), d.demote_stable.to(self.device, torch.int32),
-                                    self.step_index - 1)
+            res = manager.step_rows(
+                heads,
+                topk,
+                d.demote_req.to(self.device),
+                d.demote_stable.to(self.device, torch.int32),
+                self.step_index - 1,
+            )
             # the row was reset (its owner was idle to the manager), so every kept position is a
             # miss, in top-k order: miss j is demote_pos[:, j], now at demote_src[:, j]
             live = torch.arange(h, device=self.device)[None, :] < res.miss_count[:, None].to(self.device)
@@ -591,11 +736,19 @@ class SparseDecodeEngine:
             raise RuntimeError("begin_step() must be called before indexer_residency()")
         manager = self.managers[layer]
         fused_indexer.check_manager(manager)
-        return fused_indexer.residency_args(manager, self._rows, self._req_ids, self._stable_len, self.step_index,
-                                            num_tokens, self._per_request)
+        return fused_indexer.residency_args(
+            manager, self._rows, self._req_ids, self._stable_len, self.step_index, num_tokens, self._per_request
+        )
 
-    def run_layer(self, layer: int, topk: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor,
-                  scale: float, residency: Optional[ResidencyStep] = None) -> LayerResult:
+    def run_layer(
+        self,
+        layer: int,
+        topk: torch.Tensor,
+        query: torch.Tensor,
+        query_rope: torch.Tensor,
+        scale: float,
+        residency: Optional[ResidencyStep] = None,
+    ) -> LayerResult:
         """Residency, miss copy, remap and sparse attention of ``layer`` for the batch rows.
 
         topk int32 ``[B*n, K]``, query ``[B*n, N, latent]`` (``n`` = the step's
@@ -607,27 +760,31 @@ class SparseDecodeEngine:
         cfg = self.config
         n = self._per_request
         if tuple(topk.shape) != (self._batch * n, cfg.top_k):
-            raise ValueError(f"topk must be [{self._batch * n}, {cfg.top_k}] ({self._batch} requests x {n} rows), "
-                             f"got {tuple(topk.shape)}")
+            raise ValueError(
+                f"topk must be [{self._batch * n}, {cfg.top_k}] ({self._batch} requests x {n} rows), "
+                f"got {tuple(topk.shape)}"
+            )
         self._sync_with_writer(layer)
 
         t0 = self._tick()
         topk_dev = topk.to(self.device, torch.int32)
         d = self._direct_step
         if d is not None and d.step_pos is not None:
-            raise RuntimeError("this step was begun as a captured step: its layers run as decode_layer_step "
-                               "with the step's direct plan (direct_step)")
+            raise RuntimeError(
+                "this step was begun as a captured step: its layers run as decode_layer_step "
+                "with the step's direct plan (direct_step)"
+            )
         if d is not None and d.all_direct and residency is None:
             return self._run_direct_layer(layer, topk_dev, query, query_rope, scale, t0)
         if residency is not None:
             req = fused_request_step(residency, self._rows, topk_dev, n)
         elif d is not None and d.any_direct:  # direct rows: idle to the manager, read through their spans
             query_direct, managed, owners = direct_rows.masked_step(d.mask, topk_dev, self._req_ids, n)
-            req = step_requests(self.managers[layer], self._rows, managed, owners, self._stable_len,
-                                self.step_index, n)
+            req = step_requests(self.managers[layer], self._rows, managed, owners, self._stable_len, self.step_index, n)
         else:
-            req = step_requests(self.managers[layer], self._rows, topk_dev, self._req_ids, self._stable_len,
-                                self.step_index, n)
+            req = step_requests(
+                self.managers[layer], self._rows, topk_dev, self._req_ids, self._stable_len, self.step_index, n
+            )
         res = req.residency
         row_selected, row_hits = req.row_counts()
         if d is not None and d.copy_rows.numel():  # direct rows' positions not resident yet (after the append)
@@ -658,8 +815,9 @@ class SparseDecodeEngine:
             self._shadow_check(layer, topk_dev, query, query_rope, scale, out)
         return LayerResult(output=out, residency=res, flat_indices=flat)
 
-    def _run_direct_layer(self, layer: int, topk: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor,
-                          scale: float, t0: float) -> LayerResult:
+    def _run_direct_layer(
+        self, layer: int, topk: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor, scale: float, t0: float
+    ) -> LayerResult:
         """:meth:`run_layer` when every batch entry is direct (``residency = adaptive``): no
         residency manager at all (a direct request was never in its state), the copies into
         the spans, attention through them. The residency step returned is empty."""
@@ -693,8 +851,15 @@ class SparseDecodeEngine:
             step = self._empty_steps[key] = direct_rows.empty_step(batch, width, self.device)
         return step
 
-    def _shadow_check(self, layer: int, topk: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor,
-                      scale: float, out: torch.Tensor) -> None:
+    def _shadow_check(
+        self,
+        layer: int,
+        topk: torch.Tensor,
+        query: torch.Tensor,
+        query_rope: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
         """Shadow verification of one sampled query row of this layer step (:mod:`.shadow`;
         a padding entry drawn is skipped)."""
         row = self.shadow.sample(out.shape[0])
@@ -705,10 +870,21 @@ class SparseDecodeEngine:
         if engine_row < 0 or owner < 0:
             return
         result = self.shadow.check(
-            layer=layer, batch_row=row, engine_row=engine_row, owner=owner, attention_op=self._attention_op,
-            read_rows=lambda slots: self.pool.read_rows(layer, slots), latent_dim=self.config.latent_dim,
-            topk_row=topk[row], token_row=self._token_table[engine_row], query=query[row],
-            query_rope=query_rope[row], scale=scale, served=out[row], exact=self._copy_sfa_op is None)
+            layer=layer,
+            batch_row=row,
+            engine_row=engine_row,
+            owner=owner,
+            attention_op=self._attention_op,
+            read_rows=lambda slots: self.pool.read_rows(layer, slots),
+            latent_dim=self.config.latent_dim,
+            topk_row=topk[row],
+            token_row=self._token_table[engine_row],
+            query=query[row],
+            query_rope=query_rope[row],
+            scale=scale,
+            served=out[row],
+            exact=self._copy_sfa_op is None,
+        )
         self.stats_acc.record_shadow(layer, result.ok, result.seconds)
 
     def copy_misses(self, layer: int, res: ResidencyStep) -> None:
@@ -721,8 +897,9 @@ class SparseDecodeEngine:
 
             kernel_copy(host, hot, self._rows, res.miss_tokens, res.miss_slots, res.miss_count, self._token_table)
         elif self._copy_op.rung == "reference":
-            copy_miss_rows_rows(host, hot, self._rows, res.miss_tokens, res.miss_slots, res.miss_count,
-                                self._token_table)
+            copy_miss_rows_rows(
+                host, hot, self._rows, res.miss_tokens, res.miss_slots, res.miss_count, self._token_table
+            )
         else:  # a rung without the rows form: full-rows miss lists (counts of other rows zero)
             tokens, slots, count, table = self._full_rows(res)
             self._copy_op(host, hot, tokens, slots, count, table)
@@ -747,8 +924,19 @@ class SparseDecodeEngine:
         return full_rows_lists(res, self._rows, self.config.rows + 1, self._token_table)
 
     def _fused_copy_attention(self, layer, res, flat, query, query_rope, scale):
-        return fused_copy_attention(self._copy_sfa_op, res, self._rows, self._req_ids, self.pool.layer(layer),
-                                    self.hot.storage(layer), self._token_table, flat, query, query_rope, scale)
+        return fused_copy_attention(
+            self._copy_sfa_op,
+            res,
+            self._rows,
+            self._req_ids,
+            self.pool.layer(layer),
+            self.hot.storage(layer),
+            self._token_table,
+            flat,
+            query,
+            query_rope,
+            scale,
+        )
 
     def _sync_with_writer(self, layer: int) -> None:
         if self.gate is None:

@@ -67,24 +67,42 @@ class ResidencyArgs:
     tokens_per_row: int = 1
 
     def as_kwargs(self) -> dict:
-        return dict(token_rows=self.token_rows, req_ids=self.req_ids, stable_len=self.stable_len, step=self.step,
-                    slot_token=self.slot_token, slot_stamp=self.slot_stamp, row_req=self.row_req,
-                    tokens_per_row=self.tokens_per_row)
+        return dict(
+            token_rows=self.token_rows,
+            req_ids=self.req_ids,
+            stable_len=self.stable_len,
+            step=self.step,
+            slot_token=self.slot_token,
+            slot_stamp=self.slot_stamp,
+            row_req=self.row_req,
+            tokens_per_row=self.tokens_per_row,
+        )
 
 
 def check_manager(manager: ResidencyManager) -> None:
     """Refuse a manager the fused indexer cannot step (see the module docstring)."""
     if manager.policy != "lru":
-        raise ValueError(f"the fused indexer's residency step is exact LRU: policy {manager.policy!r} cannot be "
-                         "stepped by it (serve policy lru, or set fused_lim to false)")
+        raise ValueError(
+            f"the fused indexer's residency step is exact LRU: policy {manager.policy!r} cannot be "
+            "stepped by it (serve policy lru, or set fused_lim to false)"
+        )
     if getattr(manager, "impl", "torch") != "torch":
-        raise ValueError("the fused indexer writes the residency contract's state in place; the CPU kernel's "
-                         "manager keeps derived state it would not update (build the engine with "
-                         "manage_impl='torch')")
+        raise ValueError(
+            "the fused indexer writes the residency contract's state in place; the CPU kernel's "
+            "manager keeps derived state it would not update (build the engine with "
+            "manage_impl='torch')"
+        )
 
 
-def residency_args(manager: ResidencyManager, rows: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
-                   step, num_tokens: int, rows_per_request: int = 1) -> ResidencyArgs:
+def residency_args(
+    manager: ResidencyManager,
+    rows: torch.Tensor,
+    req_ids: torch.Tensor,
+    stable_len: torch.Tensor,
+    step,
+    num_tokens: int,
+    rows_per_request: int = 1,
+) -> ResidencyArgs:
     """The operator's residency arguments for one layer of a step.
 
     manager: the layer's manager (:func:`check_manager`). rows int64 ``[B]``: the engine
@@ -105,15 +123,17 @@ def residency_args(manager: ResidencyManager, rows: torch.Tensor, req_ids: torch
     live = owners >= 0
     token_rows = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
     entry_rows = torch.where(live, rows, torch.full_like(rows, -1)).to(torch.int32)
-    token_rows[:b * n] = entry_rows.repeat_interleave(n) if n > 1 else entry_rows
+    token_rows[: b * n] = entry_rows.repeat_interleave(n) if n > 1 else entry_rows
     all_req = table.row_req.clone()
     all_req.index_copy_(0, rows, owners)  # padding entries write -1 on the sink row: it stays idle
     all_stable = torch.full_like(table.row_req, INT32_MAX, dtype=torch.int32)
     all_stable.index_copy_(0, rows, stable_len.to(device, torch.int32))
-    step_t = step.reshape(1).to(device, torch.int64) if isinstance(step, torch.Tensor) else \
-        torch.tensor([int(step)], dtype=torch.int64, device=device)
-    return ResidencyArgs(token_rows, all_req, all_stable, step_t, table.slot_token, table.slot_stamp, table.row_req,
-                         n)
+    step_t = (
+        step.reshape(1).to(device, torch.int64)
+        if isinstance(step, torch.Tensor)
+        else torch.tensor([int(step)], dtype=torch.int64, device=device)
+    )
+    return ResidencyArgs(token_rows, all_req, all_stable, step_t, table.slot_token, table.slot_stamp, table.row_req, n)
 
 
 def batch_rows_step(full: ResidencyStep, rows: torch.Tensor) -> ResidencyStep:
@@ -121,10 +141,13 @@ def batch_rows_step(full: ResidencyStep, rows: torch.Tensor) -> ResidencyStep:
     for engine row ``rows[b]``), the form :meth:`~.engine.SparseDecodeEngine.run_layer`
     and the graph step take."""
     idx = rows.to(full.slots.device, torch.int64)
-    return ResidencyStep(hit_mask=full.hit_mask.index_select(0, idx), slots=full.slots.index_select(0, idx),
-                         miss_count=full.miss_count.index_select(0, idx),
-                         miss_tokens=full.miss_tokens.index_select(0, idx),
-                         miss_slots=full.miss_slots.index_select(0, idx))
+    return ResidencyStep(
+        hit_mask=full.hit_mask.index_select(0, idx),
+        slots=full.slots.index_select(0, idx),
+        miss_count=full.miss_count.index_select(0, idx),
+        miss_tokens=full.miss_tokens.index_select(0, idx),
+        miss_slots=full.miss_slots.index_select(0, idx),
+    )
 
 
 #: A fused indexer op as the registry returns it: (query, key, weights, [scales,] **kwargs)

@@ -91,8 +91,14 @@ class HostKVPool:
 
     tensor_backed = True
 
-    def __init__(self, shape: HostPoolShape, storage: torch.Tensor, kind: PoolKind,
-                 path: Optional[Path] = None, owner: bool = True):
+    def __init__(
+        self,
+        shape: HostPoolShape,
+        storage: torch.Tensor,
+        kind: PoolKind,
+        path: Optional[Path] = None,
+        owner: bool = True,
+    ):
         if tuple(storage.shape) != shape.dims() or storage.dtype != shape.dtype:
             raise ValueError(f"storage {tuple(storage.shape)} {storage.dtype} does not match {shape}")
         self.shape = shape
@@ -115,13 +121,16 @@ class HostKVPool:
         if kind == "memfabric":
             return cls(shape, _memfabric_empty(shape, device_id), kind)
         if kind == "shared":
-            raise ValueError("kind='shared' pools are made with HostKVPool.create_shared(path) on TP rank 0 "
-                             "and HostKVPool.attach_shared(path) on the other TP ranks")
+            raise ValueError(
+                "kind='shared' pools are made with HostKVPool.create_shared(path) on TP rank 0 "
+                "and HostKVPool.attach_shared(path) on the other TP ranks"
+            )
         raise ValueError(f"unknown host pool kind {kind!r}; expected pinned | shared | memfabric")
 
     @classmethod
-    def create_shared(cls, shape: HostPoolShape, path: Optional[os.PathLike] = None, *,
-                      header_bytes: int = 0, reserve: bool = False) -> "HostKVPool":
+    def create_shared(
+        cls, shape: HostPoolShape, path: Optional[os.PathLike] = None, *, header_bytes: int = 0, reserve: bool = False
+    ) -> "HostKVPool":
         """TP rank 0: create the mapping file (zero-filled) and map it; unlinked on :meth:`close`.
 
         File layout: ``header_bytes`` (a multiple of 4096; the caller's metadata, e.g.
@@ -142,9 +151,12 @@ class HostKVPool:
                     os.posix_fallocate(f.fileno(), 0, total)
                 except OSError as exc:
                     os.unlink(path)
-                    raise OSError(exc.errno, f"cannot reserve {total / 2**20:.1f} MiB for the host pool {path} "
-                                             f"({exc.strerror}): make {path.parent} larger or lower the pool "
-                                             "size (host_pool_tokens / --max-total-tokens)") from exc
+                    raise OSError(
+                        exc.errno,
+                        f"cannot reserve {total / 2**20:.1f} MiB for the host pool {path} "
+                        f"({exc.strerror}): make {path.parent} larger or lower the pool "
+                        "size (host_pool_tokens / --max-total-tokens)",
+                    ) from exc
         return cls._map(shape, path, header_bytes, owner=True)
 
     @classmethod
@@ -155,11 +167,14 @@ class HostKVPool:
         try:
             size = path.stat().st_size
         except FileNotFoundError as exc:
-            raise FileNotFoundError(f"host pool {path} does not exist: TP rank 0 must create_shared() it "
-                                    "before the other ranks attach") from exc
+            raise FileNotFoundError(
+                f"host pool {path} does not exist: TP rank 0 must create_shared() it before the other ranks attach"
+            ) from exc
         if size != header_bytes + shape.nbytes:
-            raise ValueError(f"host pool {path} has {size} bytes but {shape} needs {shape.nbytes} "
-                             f"(+ {header_bytes} header): every TP rank must use the same pool shape")
+            raise ValueError(
+                f"host pool {path} has {size} bytes but {shape} needs {shape.nbytes} "
+                f"(+ {header_bytes} header): every TP rank must use the same pool shape"
+            )
         return cls._map(shape, path, header_bytes, owner=False)
 
     @classmethod
@@ -168,8 +183,12 @@ class HostKVPool:
         # MAP_POPULATE: resident from the start, as a pinned pool is (no RSS growth as
         # the pool fills; shared pages, so still no private copy per rank).
         with open(path, "r+b") as f:
-            mm = mmap.mmap(f.fileno(), header_bytes + shape.nbytes, flags=mmap.MAP_SHARED | _MAP_POPULATE,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(
+                f.fileno(),
+                header_bytes + shape.nbytes,
+                flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            )
         data = torch.frombuffer(mm, dtype=shape.dtype, count=shape.numel, offset=header_bytes).view(shape.dims())
         pool = cls(shape, data, "shared", path, owner=owner)
         pool.mapping = mm
@@ -203,7 +222,7 @@ class HostKVPool:
 
     def rope(self, layer: int) -> torch.Tensor:
         """``[tokens, rope_dim]`` view (what SGLang's NPU MLA pool keeps in ``v_buffer``)."""
-        return self.data[layer, :, self.shape.latent_dim:]
+        return self.data[layer, :, self.shape.latent_dim :]
 
     def write_rows(self, layer: int, host_slots: torch.Tensor, rows: torch.Tensor) -> int:
         """Device -> host append: ``pool[layer, host_slots[i]] = rows[i]``; returns bytes moved.
@@ -211,8 +230,10 @@ class HostKVPool:
         host_slots: int ``[n]`` (unique); rows: ``[n, D]`` of the pool dtype, any device.
         """
         if rows.dim() != 2 or rows.shape[0] != host_slots.shape[0] or rows.shape[1] != self.shape.row_dim:
-            raise ValueError(f"write_rows: rows {tuple(rows.shape)} / slots {tuple(host_slots.shape)} "
-                             f"do not fit [n, {self.shape.row_dim}]")
+            raise ValueError(
+                f"write_rows: rows {tuple(rows.shape)} / slots {tuple(host_slots.shape)} "
+                f"do not fit [n, {self.shape.row_dim}]"
+            )
         if rows.dtype != self.shape.dtype:
             raise ValueError(f"write_rows: rows dtype {rows.dtype} != pool dtype {self.shape.dtype}")
         self.data[layer].index_copy_(0, host_slots.to(torch.int64).cpu(), rows.to("cpu"))
@@ -222,8 +243,9 @@ class HostKVPool:
         """``[n, D]`` copy of rows ``host_slots`` of ``layer``."""
         return self.data[layer].index_select(0, host_slots.to(torch.int64).cpu())
 
-    def gather_into(self, layer: int, host_slots: torch.Tensor, dst: torch.Tensor,
-                    dst_rows: Optional[torch.Tensor] = None) -> int:
+    def gather_into(
+        self, layer: int, host_slots: torch.Tensor, dst: torch.Tensor, dst_rows: Optional[torch.Tensor] = None
+    ) -> int:
         """``dst[dst_rows[i]] = pool[layer, host_slots[i]]`` (dst ``[M, D]``, any device;
         ``dst_rows`` default ``0..n-1``); returns bytes moved."""
         rows = self.read_rows(layer, host_slots).to(dst.device)
@@ -236,20 +258,26 @@ class HostKVPool:
 
 def _check_header_bytes(header_bytes: int) -> None:
     if header_bytes < 0 or header_bytes % mmap.PAGESIZE:
-        raise ValueError(f"header_bytes={header_bytes} must be a non-negative multiple of the page size "
-                         f"{mmap.PAGESIZE} (the rows stay page-aligned)")
+        raise ValueError(
+            f"header_bytes={header_bytes} must be a non-negative multiple of the page size "
+            f"{mmap.PAGESIZE} (the rows stay page-aligned)"
+        )
 
 
 def _memfabric_empty(shape: HostPoolShape, device_id: int) -> torch.Tensor:
     """Allocate the pool in MemFabric-registered host memory (NPU only)."""
     if platform.device_kind() != "npu":
-        raise RuntimeError("host pool kind 'memfabric' needs an Ascend NPU with CANN and memfabric-hybrid; "
-                           "use kind='pinned' (or 'shared' for TP sharing) elsewhere")
+        raise RuntimeError(
+            "host pool kind 'memfabric' needs an Ascend NPU with CANN and memfabric-hybrid; "
+            "use kind='pinned' (or 'shared' for TP sharing) elsewhere"
+        )
     try:
         from memfabric_hybrid import offload  # noqa: PLC0415 - NPU-only, imported lazily
     except ImportError as exc:
-        raise RuntimeError("host pool kind 'memfabric' needs memfabric_hybrid.offload: "
-                           "pip install 'sglang-ascend-offload[npu]' and run `mfcli kernel install`") from exc
+        raise RuntimeError(
+            "host pool kind 'memfabric' needs memfabric_hybrid.offload: "
+            "pip install 'sglang-ascend-offload[npu]' and run `mfcli kernel install`"
+        ) from exc
     cfg = offload.OffloadConfig()
     cfg.device_id = device_id
     cfg.reserve_size = shape.nbytes
@@ -257,28 +285,36 @@ def _memfabric_empty(shape: HostPoolShape, device_id: int) -> torch.Tensor:
     cfg.world_size = 1
     cfg.rank_id = 0
     cfg.scene = offload.Scene.LOCAL
-    cfg.flags = offload.OFFLOAD_FLAG_GIANT_PAGE  # the one flag memfabric-hybrid 1.3 has (SGLang's npu_memfabric uses it)
+    cfg.flags = (
+        offload.OFFLOAD_FLAG_GIANT_PAGE
+    )  # the one flag memfabric-hybrid 1.3 has (SGLang's npu_memfabric uses it)
     what = f"a {shape.nbytes / 2**20:.1f} MiB MemFabric host pool on device {device_id}"
     try:
         ret = offload.initialize(cfg)
     except Exception as exc:  # noqa: BLE001 - the native layer raises plain exceptions
-        raise RuntimeError(f"memfabric_hybrid.offload.initialize raised {exc!r} for {what}: "
-                           f"{_memfabric_detail()}{_MEMFABRIC_NEEDS}") from exc
+        raise RuntimeError(
+            f"memfabric_hybrid.offload.initialize raised {exc!r} for {what}: {_memfabric_detail()}{_MEMFABRIC_NEEDS}"
+        ) from exc
     if ret != 0:
-        raise RuntimeError(f"memfabric_hybrid.offload.initialize returned {ret} for {what}: "
-                           f"{_memfabric_detail()}{_MEMFABRIC_NEEDS}")
+        raise RuntimeError(
+            f"memfabric_hybrid.offload.initialize returned {ret} for {what}: {_memfabric_detail()}{_MEMFABRIC_NEEDS}"
+        )
     try:
         data = offload.empty(list(shape.dims()), dtype=shape.dtype)
     except Exception as exc:  # noqa: BLE001 - offload.empty raises Exception("malloc failed")
-        raise RuntimeError(f"memfabric_hybrid.offload.empty failed ({exc}) for {what} after a successful "
-                           f"initialize: {_memfabric_detail()}; lower host_pool_tokens / --max-total-tokens "
-                           "or free host memory") from exc
+        raise RuntimeError(
+            f"memfabric_hybrid.offload.empty failed ({exc}) for {what} after a successful "
+            f"initialize: {_memfabric_detail()}; lower host_pool_tokens / --max-total-tokens "
+            "or free host memory"
+        ) from exc
     data.zero_()
     return data
 
 
-_MEMFABRIC_NEEDS = ("; a MemFabric host pool needs an Ascend NPU with its driver and CANN (source set_env.sh, "
-                    "run `mfcli kernel install`); without one use host pool kind 'pinned'")
+_MEMFABRIC_NEEDS = (
+    "; a MemFabric host pool needs an Ascend NPU with its driver and CANN (source set_env.sh, "
+    "run `mfcli kernel install`); without one use host pool kind 'pinned'"
+)
 
 
 def _memfabric_detail() -> str:
@@ -335,8 +371,10 @@ class AppendGate:
             while self._done.value < unit:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise AppendTimeout(f"no append of step {step} layer {layer} from TP rank 0 within "
-                                        f"{timeout_s} s (last published unit {self._done.value})")
+                    raise AppendTimeout(
+                        f"no append of step {step} layer {layer} from TP rank 0 within "
+                        f"{timeout_s} s (last published unit {self._done.value})"
+                    )
                 self._cond.wait(left)
 
     def published(self) -> int:

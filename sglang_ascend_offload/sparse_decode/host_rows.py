@@ -36,8 +36,9 @@ class HostRows(Protocol):
     def write_rows(self, layer: int, host_slots: torch.Tensor, rows: torch.Tensor) -> int:
         """``pool[layer, host_slots[i]] = rows[i]``; rows ``[n, D]``; returns bytes moved."""
 
-    def gather_into(self, layer: int, host_slots: torch.Tensor, dst: torch.Tensor,
-                    dst_rows: Optional[torch.Tensor] = None) -> int:
+    def gather_into(
+        self, layer: int, host_slots: torch.Tensor, dst: torch.Tensor, dst_rows: Optional[torch.Tensor] = None
+    ) -> int:
         """``dst[dst_rows[i]] = pool[layer, host_slots[i]]``; dst contiguous ``[M, D]``
         (``dst_rows`` default ``0..n-1``); returns bytes moved."""
 

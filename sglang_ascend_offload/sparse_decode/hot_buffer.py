@@ -28,8 +28,9 @@ class HotBuffers:
     table says the slot holds a position; initial content is zero.
     """
 
-    def __init__(self, layers: int, rows: int, hot_tokens: int, row_dim: int,
-                 dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(
+        self, layers: int, rows: int, hot_tokens: int, row_dim: int, dtype: torch.dtype = torch.bfloat16, device=None
+    ):
         self.rows = rows
         self.hot_tokens = hot_tokens
         self.row_dim = row_dim

@@ -54,10 +54,23 @@ import torch
 from .. import platform as _platform
 from ..ops.fused import MAX_TOKENS_PER_ROW, fused_shape_obstacles
 
-__all__ = ["OpChoice", "OpPlan", "SelectionProblem", "OpSelectionError", "select_ops", "select_for_config",
-           "registry_availability", "extension_availability", "host_rows_alignment", "fused_host_pool_rows",
-           "host_pool_rows", "platform_of", "log_plan",
-           "FUSED_KERNELS_OF", "HOST_ALIGN_BYTES"]
+__all__ = [
+    "OpChoice",
+    "OpPlan",
+    "SelectionProblem",
+    "OpSelectionError",
+    "select_ops",
+    "select_for_config",
+    "registry_availability",
+    "extension_availability",
+    "host_rows_alignment",
+    "fused_host_pool_rows",
+    "host_pool_rows",
+    "platform_of",
+    "log_plan",
+    "FUSED_KERNELS_OF",
+    "HOST_ALIGN_BYTES",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +78,15 @@ logger = logging.getLogger(__name__)
 FUSED_KERNELS_OF: Dict[str, Tuple[str, ...]] = {
     "lightning_indexer_manage": ("npu_fused_lightning_indexer_manage",),
     "quant_lightning_indexer_manage": ("npu_fused_quant_lightning_indexer_manage",),
-    "copy_sparse_flash_attention": ("npu_fused_scatter_copy_sparse_flash_attention",
-                                    "npu_fused_register_host_memory"),
+    "copy_sparse_flash_attention": ("npu_fused_scatter_copy_sparse_flash_attention", "npu_fused_register_host_memory"),
 }
 _SEPARATE_INDEXER = {"bf16": "lightning_indexer", "int8": "quant_lightning_indexer"}
 _FUSED_INDEXER = {"bf16": "lightning_indexer_manage", "int8": "quant_lightning_indexer_manage"}
-_LABEL = {"lightning_indexer_manage": "LIM", "quant_lightning_indexer_manage": "LIM-C8",
-          "copy_sparse_flash_attention": "Copy-SFA"}
+_LABEL = {
+    "lightning_indexer_manage": "LIM",
+    "quant_lightning_indexer_manage": "LIM-C8",
+    "copy_sparse_flash_attention": "Copy-SFA",
+}
 #: Alignment ``aclrtHostRegister`` needs of each host pool slice the extension registers.
 HOST_ALIGN_BYTES = 4096
 
@@ -112,8 +127,9 @@ class OpSelectionError(ValueError):
 
     def __init__(self, problems: Tuple[SelectionProblem, ...]):
         self.problems = problems
-        super().__init__("sparse decode operator selection: " + "; ".join(
-            f"[{p.rule}] {p.problem} (fix: {p.fix})" for p in problems))
+        super().__init__(
+            "sparse decode operator selection: " + "; ".join(f"[{p.rule}] {p.problem} (fix: {p.fix})" for p in problems)
+        )
 
 
 @dataclass(frozen=True)
@@ -169,8 +185,14 @@ def registry_availability(platform: str) -> Availability:
             return reason
         namespace = getattr(torch.ops, npu_impls.FUSED_OP_NAMESPACE)
         missing = [k for k in FUSED_KERNELS_OF[op] if not hasattr(namespace, k)]
-        return (f"the AscendC extension {npu_impls.FUSED_EXTENSION_MODULE} does not provide {', '.join(missing)} "
-                "(built from an older source tree)") if missing else None
+        return (
+            (
+                f"the AscendC extension {npu_impls.FUSED_EXTENSION_MODULE} does not provide {', '.join(missing)} "
+                "(built from an older source tree)"
+            )
+            if missing
+            else None
+        )
 
     return why_not
 
@@ -217,15 +239,29 @@ def _missing(choice: OpChoice, available: Availability) -> Optional[str]:
     reason = available(op)
     if reason is None:
         return None
-    return (f"{choice.reason} cannot run: fused {_LABEL[op]} ({op}, kernels {', '.join(FUSED_KERNELS_OF[op])}): "
-            f"{_strip_hint(reason)}")
+    return (
+        f"{choice.reason} cannot run: fused {_LABEL[op]} ({op}, kernels {', '.join(FUSED_KERNELS_OF[op])}): "
+        f"{_strip_hint(reason)}"
+    )
 
 
-def select_ops(platform: Optional[str] = None, *, ops: str = "auto", fused_lim: Optional[bool] = None,
-               fused_copy_sfa: Optional[bool] = None, indexer_dtype: str = "bf16", rows_per_request: int = 1,
-               tensor_pool: bool = True, indexer_wired: bool = True, policy: str = "lru",
-               residency: str = "always", extension=REGISTERED, available: Optional[Availability] = None,
-               hot_tokens: Optional[int] = None, top_k: Optional[int] = None) -> OpPlan:
+def select_ops(
+    platform: Optional[str] = None,
+    *,
+    ops: str = "auto",
+    fused_lim: Optional[bool] = None,
+    fused_copy_sfa: Optional[bool] = None,
+    indexer_dtype: str = "bf16",
+    rows_per_request: int = 1,
+    tensor_pool: bool = True,
+    indexer_wired: bool = True,
+    policy: str = "lru",
+    residency: str = "always",
+    extension=REGISTERED,
+    available: Optional[Availability] = None,
+    hot_tokens: Optional[int] = None,
+    top_k: Optional[int] = None,
+) -> OpPlan:
     """The :class:`OpPlan` for these settings (module docstring for the rule).
 
     platform: default :func:`platform.device_kind`. rows_per_request: query rows sharing
@@ -243,15 +279,24 @@ def select_ops(platform: Optional[str] = None, *, ops: str = "auto", fused_lim: 
     """
     platform = platform or _platform.device_kind()
     if available is None:
-        available = (registry_availability(platform) if extension is REGISTERED
-                     else extension_availability(extension, platform))
+        available = (
+            registry_availability(platform) if extension is REGISTERED else extension_availability(extension, platform)
+        )
     problems = []
-    shape_lim, shape_sfa = ("", "") if hot_tokens is None or top_k is None else \
-        fused_shape_obstacles(int(hot_tokens), int(top_k), rows_per_request)
-    indexer = _indexer_choice(platform, ops, fused_lim, indexer_dtype, _indexer_obstacle(
-        indexer_wired, policy, rows_per_request, residency) or shape_lim, problems)
-    attention = _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_pool, problems,
-                                  shape_sfa)
+    shape_lim, shape_sfa = (
+        ("", "")
+        if hot_tokens is None or top_k is None
+        else fused_shape_obstacles(int(hot_tokens), int(top_k), rows_per_request)
+    )
+    indexer = _indexer_choice(
+        platform,
+        ops,
+        fused_lim,
+        indexer_dtype,
+        _indexer_obstacle(indexer_wired, policy, rows_per_request, residency) or shape_lim,
+        problems,
+    )
+    attention = _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_pool, problems, shape_sfa)
     missing = [m for m in (_missing(c, available) for c in (indexer, attention) if c.fused) if m]
     if missing:
         problems.append(_missing_problem(platform, missing))
@@ -262,16 +307,24 @@ def _missing_problem(platform: str, missing) -> SelectionProblem:
     from ..ops.npu_impls import FUSED_BUILD_HINT
 
     if platform != "npu":
-        cpu = ("on CPU the fused rung is the AscendC kernels on their functional model, built on first use "
-               "(needs g++; scripts/setup_cpu_env.sh prebuilds it); " if platform == "cpu" else "")
+        cpu = (
+            "on CPU the fused rung is the AscendC kernels on their functional model, built on first use "
+            "(needs g++; scripts/setup_cpu_env.sh prebuilds it); "
+            if platform == "cpu"
+            else ""
+        )
         return SelectionProblem(
-            "sparse_decode.fused_device", f"no fused rung on {platform}: " + "; ".join(missing),
+            "sparse_decode.fused_device",
+            f"no fused rung on {platform}: " + "; ".join(missing),
             f"{cpu}or use ops=auto|reference|triton with fused_lim / fused_copy_sfa unset or false; on an Ascend "
-            f"node: {FUSED_BUILD_HINT}")
+            f"node: {FUSED_BUILD_HINT}",
+        )
     return SelectionProblem(
-        "sglang.fused_unavailable", "; ".join(missing),
-        f"{FUSED_BUILD_HINT} (or bash scripts/setup_npu_env.sh); or set \"fused_lim\": false / "
-        "\"fused_copy_sfa\": false for the separate torch_npu operators")
+        "sglang.fused_unavailable",
+        "; ".join(missing),
+        f'{FUSED_BUILD_HINT} (or bash scripts/setup_npu_env.sh); or set "fused_lim": false / '
+        '"fused_copy_sfa": false for the separate torch_npu operators',
+    )
 
 
 def _indexer_obstacle(wired: bool, policy: str, rows_per_request: int, residency: str = "always") -> str:
@@ -279,14 +332,20 @@ def _indexer_obstacle(wired: bool, policy: str, rows_per_request: int, residency
     if not wired:
         return "this caller does not call the fused indexer"
     if policy != "lru":
-        return (f"policy {policy!r}: the fused indexer's residency step is exact LRU (policy lru); the separate "
-                "indexer feeds the policy's own residency step")
+        return (
+            f"policy {policy!r}: the fused indexer's residency step is exact LRU (policy lru); the separate "
+            "indexer feeds the policy's own residency step"
+        )
     if rows_per_request > MAX_TOKENS_PER_ROW:
-        return (f"{rows_per_request} verify rows share each request's hot buffer and the fused indexer steps a row "
-                f"shared by at most {MAX_TOKENS_PER_ROW} query tokens")
+        return (
+            f"{rows_per_request} verify rows share each request's hot buffer and the fused indexer steps a row "
+            f"shared by at most {MAX_TOKENS_PER_ROW} query tokens"
+        )
     if residency == "adaptive":
-        return ("residency 'adaptive' serves the requests that fit their hot buffer outside the residency step, "
-                "and the fused indexer steps every row's residency itself")
+        return (
+            "residency 'adaptive' serves the requests that fit their hot buffer outside the residency step, "
+            "and the fused indexer steps every row's residency itself"
+        )
     return ""
 
 
@@ -297,9 +356,13 @@ def _indexer_choice(platform, ops, fused_lim, indexer_dtype, why_not, problems) 
         # Only fused_lim=true insists on the fused indexer; ops=fused asks for the fused rung
         # of the ops that have one, and the default is the fused indexer where it can serve.
         if source == "setting":
-            problems.append(SelectionProblem(
-                "sglang.fused_not_wired", f"{reason} selects the fused {label} operator, which cannot serve here: "
-                f"{why_not}", 'drop "fused_lim" (or set it to false)'))
+            problems.append(
+                SelectionProblem(
+                    "sglang.fused_not_wired",
+                    f"{reason} selects the fused {label} operator, which cannot serve here: {why_not}",
+                    'drop "fused_lim" (or set it to false)',
+                )
+            )
         else:
             fused, source = False, "consumer"
             reason = f"{reason} would be fused {label}, but {why_not}: the separate indexer runs"
@@ -309,20 +372,27 @@ def _indexer_choice(platform, ops, fused_lim, indexer_dtype, why_not, problems) 
     return OpChoice("indexer", False, (_SEPARATE_INDEXER[indexer_dtype], "residency_manage"), (), source, reason)
 
 
-def _attention_choice(platform, ops, fused_copy_sfa, rows_per_request, tensor_pool, problems,
-                      shape_obstacle: str = "") -> OpChoice:
+def _attention_choice(
+    platform, ops, fused_copy_sfa, rows_per_request, tensor_pool, problems, shape_obstacle: str = ""
+) -> OpChoice:
     fused, explicit, source, reason = _wanted(fused_copy_sfa, "fused_copy_sfa", ops, platform)
     why_not = shape_obstacle
     if not tensor_pool:
         why_not = "the host pool has no tensor view (MemFabric global addresses): it is read by its own gather"
     elif rows_per_request > MAX_TOKENS_PER_ROW:
-        why_not = (f"{rows_per_request} verify rows share each request's hot buffer and the fused Copy-SFA "
-                   f"operator serves a row shared by at most {MAX_TOKENS_PER_ROW} query tokens")
+        why_not = (
+            f"{rows_per_request} verify rows share each request's hot buffer and the fused Copy-SFA "
+            f"operator serves a row shared by at most {MAX_TOKENS_PER_ROW} query tokens"
+        )
     if fused and why_not:
         if explicit:
-            problems.append(SelectionProblem(
-                "sparse_decode.fused_copy_sfa_engine", f"{reason} selects the fused Copy-SFA operator, which cannot "
-                f"serve this engine: {why_not}", 'set "fused_copy_sfa": false, or ops=auto|reference|triton'))
+            problems.append(
+                SelectionProblem(
+                    "sparse_decode.fused_copy_sfa_engine",
+                    f"{reason} selects the fused Copy-SFA operator, which cannot serve this engine: {why_not}",
+                    'set "fused_copy_sfa": false, or ops=auto|reference|triton',
+                )
+            )
         else:
             fused, source, reason = False, "engine", f"{reason}, but {why_not}: the separate operators run"
     op = "copy_sparse_flash_attention"
@@ -336,8 +406,14 @@ def select_for_config(sd, platform: Optional[str] = None, **kw) -> OpPlan:
     (``hot_tokens`` / ``top_k``: the residency shape, where the caller knows it)."""
     kw.setdefault("policy", sd.policy)
     kw.setdefault("residency", sd.residency)
-    return select_ops(platform, ops=sd.ops, fused_lim=sd.fused_lim, fused_copy_sfa=sd.fused_copy_sfa,
-                      indexer_dtype=sd.indexer_dtype, **kw)
+    return select_ops(
+        platform,
+        ops=sd.ops,
+        fused_lim=sd.fused_lim,
+        fused_copy_sfa=sd.fused_copy_sfa,
+        indexer_dtype=sd.indexer_dtype,
+        **kw,
+    )
 
 
 _LOGGED: set = set()
@@ -381,7 +457,11 @@ def host_pool_rows(sd, rows: int, row_bytes: int, platform: str, rows_per_reques
         return int(rows)
     aligned = fused_host_pool_rows(rows, row_bytes)
     if aligned != rows:
-        logger.info("sparse decode host pool: %d rows per layer rounded up to %d (a multiple of %d): the fused "
-                    "Copy-SFA registers each layer's slice, which must start 4 KiB-aligned", rows, aligned,
-                    host_rows_alignment(row_bytes))
+        logger.info(
+            "sparse decode host pool: %d rows per layer rounded up to %d (a multiple of %d): the fused "
+            "Copy-SFA registers each layer's slice, which must start 4 KiB-aligned",
+            rows,
+            aligned,
+            host_rows_alignment(row_bytes),
+        )
     return aligned

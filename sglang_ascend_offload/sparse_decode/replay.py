@@ -24,19 +24,28 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..ops.contract import ResidencyTable
+from ..ops.residency import residency_manage
 from .belady import BeladyManager, next_use_table
 from .engine import EngineConfig, PhaseTimes, SparseDecodeEngine
 from .host_pool import HostKVPool, HostPoolShape
 from .op_selection import fused_host_pool_rows
 from .policies import DEFAULT_POLICY, RankedInputError, make_manager, needs_ranked
-from ..ops.contract import ResidencyTable
-from ..ops.residency import residency_manage
 from .stats import DecodeStats
 from .trace import Trace
 from .verify import full_kv_attention, remap_mismatches, resident_mismatches
 
-__all__ = ["ReplayOptions", "ReplayResult", "replay_trace", "simulate_policy", "SimResult",
-           "host_tokens_needed", "compact_trace", "step_schedule", "check_ranked"]
+__all__ = [
+    "ReplayOptions",
+    "ReplayResult",
+    "replay_trace",
+    "simulate_policy",
+    "SimResult",
+    "host_tokens_needed",
+    "compact_trace",
+    "step_schedule",
+    "check_ranked",
+]
 
 _MAX_FAILURES = 10
 
@@ -109,8 +118,9 @@ class _SlotAllocator:
             self.free.extend(self.tables.pop(req))
 
 
-def replay_trace(trace: Trace, opts: ReplayOptions,
-                 progress: Optional[Callable[[int, int], None]] = None) -> ReplayResult:
+def replay_trace(
+    trace: Trace, opts: ReplayOptions, progress: Optional[Callable[[int, int], None]] = None
+) -> ReplayResult:
     """Replay ``trace`` through the engine with verification (see module docstring).
 
     Idle work is skipped (:func:`compact_trace`, :func:`step_schedule`): the engine
@@ -130,9 +140,17 @@ def replay_trace(trace: Trace, opts: ReplayOptions,
     # rows per layer a multiple of the fused Copy-SFA's host alignment, whichever path runs
     capacity = fused_host_pool_rows(host_tokens_needed(trace), row_bytes)
     pool = HostKVPool.allocate(HostPoolShape(layers, capacity, opts.latent_dim, opts.rope_dim), "pinned")
-    cfg = EngineConfig(layers=layers, rows=rows, hot_tokens=opts.hot_tokens, top_k=k,
-                       latent_dim=opts.latent_dim, rope_dim=opts.rope_dim, policy=opts.policy, ops=opts.ops,
-                       fused_copy_sfa=opts.fused_copy_sfa)
+    cfg = EngineConfig(
+        layers=layers,
+        rows=rows,
+        hot_tokens=opts.hot_tokens,
+        top_k=k,
+        latent_dim=opts.latent_dim,
+        rope_dim=opts.rope_dim,
+        policy=opts.policy,
+        ops=opts.ops,
+        fused_copy_sfa=opts.fused_copy_sfa,
+    )
     engine = SparseDecodeEngine(cfg, pool, timing=True)
     row_dim = cfg.row_dim
     scale = 1.0 / float(row_dim) ** 0.5
@@ -164,8 +182,13 @@ def replay_trace(trace: Trace, opts: ReplayOptions,
                 progress(total_steps if t == trace.steps - 1 else int(original_step[t]) + 1, total_steps)
             continue
         sel = torch.from_numpy(sel_np)
-        engine.begin_step(torch.from_numpy(req_ids[sel_np].astype(np.int64)), token_table,
-                          torch.from_numpy(seq_lens[sel_np].astype(np.int32)), step=t, rows=sel)
+        engine.begin_step(
+            torch.from_numpy(req_ids[sel_np].astype(np.int64)),
+            token_table,
+            torch.from_numpy(seq_lens[sel_np].astype(np.int32)),
+            step=t,
+            rows=sel,
+        )
         sel_table = token_table.index_select(0, sel)
         new_rows = rand_rows(len(append_slots))
         append_idx = torch.tensor(append_slots, dtype=torch.int64)
@@ -186,13 +209,25 @@ def replay_trace(trace: Trace, opts: ReplayOptions,
                 _fail(failures, f"step {t} layer {layer}: {problem}")
         if progress is not None:
             progress(total_steps if t == trace.steps - 1 else int(original_step[t]) + 1, total_steps)
-    return ReplayResult(stats=engine.stats(), verified=opts.verify and not failures, checks=checks,
-                        failures=failures, times=engine.times, wall_s=time.perf_counter() - t_start,
-                        prefill_bytes=prefill_bytes, host_tokens=capacity)
+    return ReplayResult(
+        stats=engine.stats(),
+        verified=opts.verify and not failures,
+        checks=checks,
+        failures=failures,
+        times=engine.times,
+        wall_s=time.perf_counter() - t_start,
+        prefill_bytes=prefill_bytes,
+        host_tokens=capacity,
+    )
 
 
-def _grow_requests(targets: Dict[int, int], alloc: "_SlotAllocator", written: Dict[int, int], pool: HostKVPool,
-                   rand_rows: Callable[[int], torch.Tensor]) -> Tuple[List[int], int]:
+def _grow_requests(
+    targets: Dict[int, int],
+    alloc: "_SlotAllocator",
+    written: Dict[int, int],
+    pool: HostKVPool,
+    rand_rows: Callable[[int], torch.Tensor],
+) -> Tuple[List[int], int]:
     """Bring each live request to its length in ``targets`` (request -> tokens): release
     the gone ones, write a new request's prompt into the host pool as prefill would.
     Returns ``(host slots this step appends, prompt bytes written)``."""
@@ -225,17 +260,29 @@ def _fill_token_table(token_table: torch.Tensor, req_ids: np.ndarray, alloc: "_S
             token_table[r, : len(tab)] = torch.tensor(tab, dtype=torch.int32)
 
 
-def _verify_layer(engine: SparseDecodeEngine, pool: HostKVPool, layer: int, sel: torch.Tensor,
-                  sel_table: torch.Tensor, topk: torch.Tensor, result, query: torch.Tensor,
-                  query_rope: torch.Tensor, scale: float) -> List[str]:
+def _verify_layer(
+    engine: SparseDecodeEngine,
+    pool: HostKVPool,
+    layer: int,
+    sel: torch.Tensor,
+    sel_table: torch.Tensor,
+    topk: torch.Tensor,
+    result,
+    query: torch.Tensor,
+    query_rope: torch.Tensor,
+    scale: float,
+) -> List[str]:
     """What is wrong with one layer step of the rows ``sel``: resident slots that differ
     from their host rows, remapped entries off their position, an attention output that
     differs from the full-KV reference (bit for bit)."""
     problems = []
     full = engine.table(layer)
     dev_sel = sel.to(full.slot_token.device)
-    table = ResidencyTable(full.slot_token.index_select(0, dev_sel), full.slot_stamp.index_select(0, dev_sel),
-                           full.row_req.index_select(0, dev_sel))
+    table = ResidencyTable(
+        full.slot_token.index_select(0, dev_sel),
+        full.slot_stamp.index_select(0, dev_sel),
+        full.row_req.index_select(0, dev_sel),
+    )
     hot_rows = engine.hot.layer(layer).index_select(0, sel.to(engine.hot.layer(layer).device))
     bad = resident_mismatches(table, hot_rows, pool.layer(layer), sel_table)
     if bad:
@@ -248,8 +295,10 @@ def _verify_layer(engine: SparseDecodeEngine, pool: HostKVPool, layer: int, sel:
     if engine.plan.attention.fused:
         err = (got.float() - ref.float()).abs()
         if got.shape != ref.shape or bool((err > FUSED_ATTENTION_TOL * (1 + ref.float().abs())).any()):
-            problems.append(f"fused attention output off the full-KV reference by more than {FUSED_ATTENTION_TOL} "
-                            f"(max abs err {float(err.max()) if err.numel() else 0.0:.3g})")
+            problems.append(
+                f"fused attention output off the full-KV reference by more than {FUSED_ATTENTION_TOL} "
+                f"(max abs err {float(err.max()) if err.numel() else 0.0:.3g})"
+            )
     elif not torch.equal(got, ref):
         problems.append("attention output differs from the full-KV reference")
     return problems
@@ -283,7 +332,8 @@ def check_ranked(trace: Trace, policy: str) -> None:
         raise RankedInputError(
             f"policy {policy!r} needs the trace's 'ranked' array (positions in indexer-score order) and this "
             "trace has none: record with record_trace_rank_depth > 0 in --sparse-decode-offload-config, "
-            "synthesise with --rank-depth, or pick a policy that needs only the top-k")
+            "synthesise with --rank-depth, or pick a policy that needs only the top-k"
+        )
 
 
 def _kept(trace: Trace):
@@ -307,8 +357,13 @@ def compact_trace(trace: Trace) -> Trace:
         return trace
     ix = np.ix_(keep_steps, np.arange(trace.layers), keep_rows)
     ranked = None if trace.ranked is None else trace.ranked[ix]
-    return Trace(trace.topk[ix], trace.seq_lens[np.ix_(keep_steps, keep_rows)],
-                 trace.req_ids[np.ix_(keep_steps, keep_rows)], trace.meta, ranked)
+    return Trace(
+        trace.topk[ix],
+        trace.seq_lens[np.ix_(keep_steps, keep_rows)],
+        trace.req_ids[np.ix_(keep_steps, keep_rows)],
+        trace.meta,
+        ranked,
+    )
 
 
 def step_schedule(trace: Trace) -> List[np.ndarray]:
@@ -320,8 +375,14 @@ def step_schedule(trace: Trace) -> List[np.ndarray]:
     return [np.flatnonzero(a | b).astype(np.int64) for a, b in zip(active, before)]
 
 
-def simulate_policy(trace: Trace, policy: str, hot_tokens: int, manage_op=residency_manage,
-                    compact: bool = True, manage_impl: str = "torch") -> SimResult:
+def simulate_policy(
+    trace: Trace,
+    policy: str,
+    hot_tokens: int,
+    manage_op=residency_manage,
+    compact: bool = True,
+    manage_impl: str = "torch",
+) -> SimResult:
     """Residency decisions only. ``policy`` is a policy name or ``"belady"`` (optimum).
 
     Steps only the rows of :func:`step_schedule` (rows form) of :func:`compact_trace`
@@ -339,8 +400,10 @@ def simulate_policy(trace: Trace, policy: str, hot_tokens: int, manage_op=reside
         nxt = torch.from_numpy(next_use_table(trace.topk, trace.req_ids))
     else:
         max_pos = int(trace.seq_lens.max()) + 1 if trace.seq_lens.size else 1
-        managers = [make_manager(policy, rows, hot_tokens, None, manage_op, manage_impl=manage_impl,
-                                 max_positions=max_pos) for _ in range(layers)]
+        managers = [
+            make_manager(policy, rows, hot_tokens, None, manage_op, manage_impl=manage_impl, max_positions=max_pos)
+            for _ in range(layers)
+        ]
         nxt = None
     ranked_all = torch.from_numpy(trace.ranked) if needs_ranked(policy) and policy != "belady" else None
     misses = torch.zeros(layers, dtype=torch.int64)

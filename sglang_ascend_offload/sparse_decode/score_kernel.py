@@ -52,8 +52,10 @@ def library_path() -> Path:
     return root / f"libsao_score_rank_cpu_{digest}.so"
 
 
-_HOW = ("run `bash scripts/setup_cpu_env.sh` (or `python -m sglang_ascend_offload.sparse_decode.score_kernel "
-        "--build`), or choose manage_impl='torch' for the torch policy")
+_HOW = (
+    "run `bash scripts/setup_cpu_env.sh` (or `python -m sglang_ascend_offload.sparse_decode.score_kernel "
+    "--build`), or choose manage_impl='torch' for the torch policy"
+)
 
 
 def build(force: bool = False) -> Path:
@@ -63,8 +65,9 @@ def build(force: bool = False) -> Path:
         return out
     cxx = _compiler()
     if cxx is None:
-        raise ScoreKernelUnavailable("the score-aware CPU kernel needs a C++ compiler (g++/clang++; set CXX): "
-                                     "apt-get install g++, then " + _HOW)
+        raise ScoreKernelUnavailable(
+            "the score-aware CPU kernel needs a C++ compiler (g++/clang++; set CXX): apt-get install g++, then " + _HOW
+        )
     return compile_library(cxx, _SRC, out, "the score-aware CPU kernel", ScoreKernelUnavailable)
 
 
@@ -74,8 +77,10 @@ def library() -> ctypes.CDLL:
     if _LIB is None:
         path = library_path()
         if not path.exists():
-            raise ScoreKernelUnavailable(f"the score-aware CPU kernel is not built ({path.name} is missing for the "
-                                         f"current source {_SRC.name}): {_HOW}")
+            raise ScoreKernelUnavailable(
+                f"the score-aware CPU kernel is not built ({path.name} is missing for the "
+                f"current source {_SRC.name}): {_HOW}"
+            )
         lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.sao_score_rank_rows.argtypes = [p, p, p, i64, i64] + [p] * 5 + [i64] * 4 + [p] * 5 + [p] * 5 + [i64] * 2
@@ -86,14 +91,26 @@ def library() -> ctypes.CDLL:
 
 def _need(name: str, t: torch.Tensor, dtype: torch.dtype, shape: Tuple[int, ...]) -> None:
     if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor of shape {shape}, got {t.dtype} "
-                         f"{tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
+        raise ValueError(
+            f"{name} must be a contiguous {dtype} CPU tensor of shape {shape}, got {t.dtype} "
+            f"{tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})"
+        )
 
 
-def score_rank_manage_rows(slot_token: torch.Tensor, slot_stamp: torch.Tensor, row_req: torch.Tensor,
-                           rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
-                           ranked: torch.Tensor, step: int, guard: Optional[Tuple[torch.Tensor, ...]] = None,
-                           seed: int = 0, slack_shift: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
+def score_rank_manage_rows(
+    slot_token: torch.Tensor,
+    slot_stamp: torch.Tensor,
+    row_req: torch.Tensor,
+    rows: torch.Tensor,
+    topk: torch.Tensor,
+    req_ids: torch.Tensor,
+    stable_len: torch.Tensor,
+    ranked: torch.Tensor,
+    step: int,
+    guard: Optional[Tuple[torch.Tensor, ...]] = None,
+    seed: int = 0,
+    slack_shift: Optional[int] = None,
+) -> Tuple[torch.Tensor, ...]:
     """One ``score_rank`` step (``guard is None``) or ``score_rank_guarded`` step of the batch rows.
 
     State, mutated in place: slot_token int32 ``[R,H]``, slot_stamp int64 ``[R,H]``,
@@ -106,8 +123,10 @@ def score_rank_manage_rows(slot_token: torch.Tensor, slot_stamp: torch.Tensor, r
     ``(hit_mask bool, slots int32, miss_count int32 [B], miss_tokens int32, miss_slots int32)``.
     """
     if torch.compiler.is_compiling():
-        raise RuntimeError("the score-aware CPU kernel is eager-only (the score policies are served eager); "
-                           "use manage_impl='torch' under torch.compile")
+        raise RuntimeError(
+            "the score-aware CPU kernel is eager-only (the score policies are served eager); "
+            "use manage_impl='torch' under torch.compile"
+        )
     r, h = slot_token.shape
     b, k = topk.shape
     d = ranked.shape[1] if ranked.dim() == 2 else -1
@@ -141,10 +160,29 @@ def score_rank_manage_rows(slot_token: torch.Tensor, slot_stamp: torch.Tensor, r
             _need(name, t, torch.int64, (r,))
         gp = [t.data_ptr() for t in guard]
     rc = library().sao_score_rank_rows(
-        slot_token.data_ptr(), slot_stamp.data_ptr(), row_req.data_ptr(), r, h, rows.data_ptr(), topk.data_ptr(),
-        req_ids.data_ptr(), stable_len.data_ptr(), ranked.data_ptr(), b, k, d, step, hit_mask.data_ptr(),
-        slots.data_ptr(), miss_count.data_ptr(), miss_tokens.data_ptr(), miss_slots.data_ptr(), *gp, int(seed),
-        -1 if slack_shift is None else int(slack_shift))
+        slot_token.data_ptr(),
+        slot_stamp.data_ptr(),
+        row_req.data_ptr(),
+        r,
+        h,
+        rows.data_ptr(),
+        topk.data_ptr(),
+        req_ids.data_ptr(),
+        stable_len.data_ptr(),
+        ranked.data_ptr(),
+        b,
+        k,
+        d,
+        step,
+        hit_mask.data_ptr(),
+        slots.data_ptr(),
+        miss_count.data_ptr(),
+        miss_tokens.data_ptr(),
+        miss_slots.data_ptr(),
+        *gp,
+        int(seed),
+        -1 if slack_shift is None else int(slack_shift),
+    )
     if rc == 1:
         raise IndexError(f"score_rank_manage_rows: a batch row is outside the {r} state rows")
     if rc != 0:

@@ -67,9 +67,11 @@ class ShadowResult:
 
     def describe(self) -> str:
         how = "bit-exact comparison" if self.exact else f"tolerance atol {FUSED_ATOL} rtol {FUSED_RTOL}"
-        return (f"layer {self.layer}, batch row {self.batch_row} (engine row {self.engine_row}, request "
-                f"{self.owner}): served attention differs from the host-pool recomputation by up to "
-                f"{self.max_abs_diff:.3g} ({how})")
+        return (
+            f"layer {self.layer}, batch row {self.batch_row} (engine row {self.engine_row}, request "
+            f"{self.owner}): served attention differs from the host-pool recomputation by up to "
+            f"{self.max_abs_diff:.3g} ({how})"
+        )
 
 
 class ShadowVerifier:
@@ -98,10 +100,24 @@ class ShadowVerifier:
             return None
         return self._rng.randrange(query_rows)
 
-    def check(self, *, layer: int, batch_row: int, engine_row: int, owner: int, attention_op: Callable,
-              read_rows: Callable[[torch.Tensor], torch.Tensor], latent_dim: int, topk_row: torch.Tensor,
-              token_row: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor, scale: float,
-              served: torch.Tensor, exact: bool) -> ShadowResult:
+    def check(
+        self,
+        *,
+        layer: int,
+        batch_row: int,
+        engine_row: int,
+        owner: int,
+        attention_op: Callable,
+        read_rows: Callable[[torch.Tensor], torch.Tensor],
+        latent_dim: int,
+        topk_row: torch.Tensor,
+        token_row: torch.Tensor,
+        query: torch.Tensor,
+        query_rope: torch.Tensor,
+        scale: float,
+        served: torch.Tensor,
+        exact: bool,
+    ) -> ShadowResult:
         """Recompute one row and compare it with ``served`` ``[N, latent]``.
 
         read_rows(host slots int64 ``[K]``) -> ``[K, latent + rope]`` host rows of the
@@ -115,17 +131,24 @@ class ShadowVerifier:
         rows = read_rows(slots.clamp(min=0).to(torch.int64))
         k = slots.numel()
         indices = torch.where(valid, torch.arange(k, dtype=torch.int32), torch.full((k,), -1, dtype=torch.int32))
-        ref = attention_op(query.cpu().unsqueeze(0), rows[:, :latent_dim].contiguous(), None,
-                           indices.view(1, 1, k), scale, query_rope=query_rope.cpu().unsqueeze(0),
-                           key_rope=rows[:, latent_dim:].contiguous(), layout_query="TND", layout_kv="flat")[0]
+        ref = attention_op(
+            query.cpu().unsqueeze(0),
+            rows[:, :latent_dim].contiguous(),
+            None,
+            indices.view(1, 1, k),
+            scale,
+            query_rope=query_rope.cpu().unsqueeze(0),
+            key_rope=rows[:, latent_dim:].contiguous(),
+            layout_query="TND",
+            layout_kv="flat",
+        )[0]
         got = served.cpu()
         if exact:
             ok = torch.equal(got, ref)
         else:
             ok = torch.allclose(got.float(), ref.float(), atol=FUSED_ATOL, rtol=FUSED_RTOL)
         diff = float((got.float() - ref.float()).abs().max()) if got.numel() else 0.0
-        result = ShadowResult(layer, batch_row, engine_row, owner, diff, exact, bool(ok),
-                              time.perf_counter() - t0)
+        result = ShadowResult(layer, batch_row, engine_row, owner, diff, exact, bool(ok), time.perf_counter() - t0)
         self.checks += 1
         self.seconds += result.seconds
         self.last = result

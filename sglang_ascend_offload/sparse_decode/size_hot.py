@@ -80,7 +80,7 @@ def lru_stack_curve(trace: Trace, max_hot: int) -> np.ndarray:
                 held += int((~present).sum())
                 prio[sel] = t * k + col
     deeper = np.cumsum(hist[::-1])[::-1]  # deeper[d] = lookups with depth >= d
-    return deeper[1:max_hot + 2].copy()  # misses(h) = lookups with depth > h
+    return deeper[1 : max_hot + 2].copy()  # misses(h) = lookups with depth > h
 
 
 def stack_lru_misses(trace: Trace, hot: int) -> int:
@@ -165,9 +165,15 @@ class SizeHotResult:
         return d
 
 
-def size_hot(trace: Trace, policies: Sequence[str] = (), max_hot: Optional[int] = None, samples: int = 4,
-             target_hit_rate: Optional[float] = None, model: str = "deepseek-v3.2",
-             optimum: bool = True) -> SizeHotResult:
+def size_hot(
+    trace: Trace,
+    policies: Sequence[str] = (),
+    max_hot: Optional[int] = None,
+    samples: int = 4,
+    target_hit_rate: Optional[float] = None,
+    model: str = "deepseek-v3.2",
+    optimum: bool = True,
+) -> SizeHotResult:
     """Miss curves of ``trace`` (see module docstring). ``policies``: names besides LRU
     replayed at the sampled sizes (``lru`` is always replayed there: the engine's own
     tie order, next to the stack curve)."""
@@ -185,9 +191,20 @@ def size_hot(trace: Trace, policies: Sequence[str] = (), max_hot: Optional[int] 
     curve = lru_stack_curve(compact, max_hot)
     seconds["lru_curve"] = time.perf_counter() - t0
     sizes = list(range(k, max_hot + 1))
-    res = SizeHotResult(top_k=k, max_hot=max_hot, selected=selected, steps=trace.steps, active_steps=compact.steps,
-                        rows=trace.rows, active_rows=compact.rows, layers=trace.layers, rank_depth=trace.rank_depth,
-                        hot_tokens=sizes, lru_misses=[int(curve[h]) for h in sizes], seconds=seconds)
+    res = SizeHotResult(
+        top_k=k,
+        max_hot=max_hot,
+        selected=selected,
+        steps=trace.steps,
+        active_steps=compact.steps,
+        rows=trace.rows,
+        active_rows=compact.rows,
+        layers=trace.layers,
+        rank_depth=trace.rank_depth,
+        hot_tokens=sizes,
+        lru_misses=[int(curve[h]) for h in sizes],
+        seconds=seconds,
+    )
     folded = fold_layers(compact)
     grid = sampled_sizes(k, max_hot, samples)
     t0 = time.perf_counter()
@@ -197,8 +214,9 @@ def size_hot(trace: Trace, policies: Sequence[str] = (), max_hot: Optional[int] 
         t0 = time.perf_counter()
         nxt = next_use_table(compact.topk, compact.req_ids)
         # at hot = top-k there is nothing to choose: every policy, the optimum included, is the curve's value
-        res.sampled["belady"] = {str(h): (int(curve[h]) if h == k else belady_misses(compact.topk, compact.req_ids, h, nxt))
-                                 for h in grid}
+        res.sampled["belady"] = {
+            str(h): (int(curve[h]) if h == k else belady_misses(compact.topk, compact.req_ids, h, nxt)) for h in grid
+        }
         seconds["belady"] = time.perf_counter() - t0
     for name in [p for p in policies if p not in ("lru", "belady")]:
         t0 = time.perf_counter()
@@ -221,14 +239,20 @@ def recommend(res: SizeHotResult, target: float, model: str) -> Dict[str, object
     hot = next((h for h, m in zip(res.hot_tokens, res.lru_misses) if res.hit_rate(m) >= target), None)
     out: Dict[str, object] = {"target_hit_rate": target, "policy": "lru", "model": model}
     if hot is None:
-        out.update(hot_tokens=None, reason=f"no size up to {res.max_hot} reaches the target; best hit rate "
-                                           f"{res.hit_rate(res.lru_misses[-1]):.4f} at {res.max_hot}")
+        out.update(
+            hot_tokens=None,
+            reason=f"no size up to {res.max_hot} reaches the target; best hit rate "
+            f"{res.hit_rate(res.lru_misses[-1]):.4f} at {res.max_hot}",
+        )
         return out
     shape = preset(model)
     modes, _ = footprints(shape, CapacityInputs(hbm_bytes=1, host_bytes=1, hot_tokens=hot))
     fp, _ = modes["sparse-decode"]
-    out.update(hot_tokens=hot, hit_rate=res.hit_rate(res.lru_misses[hot - res.top_k]),
-               device_bytes_per_request=fp.device_per_request,
-               note=f"device bytes: hot buffer + residency table of every layer of {shape.name} for one decode row "
-                    f"at hot_tokens {hot} (capacity.footprints, sparse-decode)")
+    out.update(
+        hot_tokens=hot,
+        hit_rate=res.hit_rate(res.lru_misses[hot - res.top_k]),
+        device_bytes_per_request=fp.device_per_request,
+        note=f"device bytes: hot buffer + residency table of every layer of {shape.name} for one decode row "
+        f"at hot_tokens {hot} (capacity.footprints, sparse-decode)",
+    )
     return out

@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
+from ..ops.contract import ResidencyTable
 from .belady import belady_misses
 from .engine import EngineConfig, SparseDecodeEngine
 from .host_pool import HostKVPool, HostPoolShape
@@ -34,7 +35,6 @@ from .policies import DEFAULT_POLICY, needs_ranked
 from .replay import _SlotAllocator
 from .spec_trace import SpecTrace
 from .stats import DecodeStats
-from ..ops.contract import ResidencyTable
 from .verify import full_kv_attention, resident_mismatches
 
 __all__ = ["DESIGNS", "SpecReplayResult", "replay_speculative", "opt_misses"]
@@ -61,10 +61,20 @@ def _engine_rows(design: str, active: np.ndarray, n: int) -> np.ndarray:
     return (active[:, None] * n + np.arange(n)[None, :]).reshape(-1).astype(np.int64)
 
 
-def replay_speculative(spec: SpecTrace, design: str, hot_tokens: int, *, policy: str = DEFAULT_POLICY,
-                       ops: str = "auto", heads: int = 4, latent_dim: int = 512, rope_dim: int = 64,
-                       seed: int = 0, verify: bool = True,
-                       progress: Optional[Callable[[int, int], None]] = None) -> SpecReplayResult:
+def replay_speculative(
+    spec: SpecTrace,
+    design: str,
+    hot_tokens: int,
+    *,
+    policy: str = DEFAULT_POLICY,
+    ops: str = "auto",
+    heads: int = 4,
+    latent_dim: int = 512,
+    rope_dim: int = 64,
+    seed: int = 0,
+    verify: bool = True,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> SpecReplayResult:
     """Replay ``spec`` in ``design`` (see the module docstring) with random KV content."""
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
@@ -80,9 +90,18 @@ def replay_speculative(spec: SpecTrace, design: str, hot_tokens: int, *, policy:
     live_tokens = int(np.where(spec.req_ids >= 0, spec.committed + n, 0).sum(axis=1).max(initial=1))
     capacity = max(1, live_tokens)
     pool = HostKVPool.allocate(HostPoolShape(layers, capacity, latent_dim, rope_dim), "pinned")
-    cfg = EngineConfig(layers=layers, rows=engine_rows, hot_tokens=hot_tokens, top_k=k, latent_dim=latent_dim,
-                       rope_dim=rope_dim, policy=policy, ops=ops, max_context=max_ctx,
-                       rows_per_request=n if per_request else 1)
+    cfg = EngineConfig(
+        layers=layers,
+        rows=engine_rows,
+        hot_tokens=hot_tokens,
+        top_k=k,
+        latent_dim=latent_dim,
+        rope_dim=rope_dim,
+        policy=policy,
+        ops=ops,
+        max_context=max_ctx,
+        rows_per_request=n if per_request else 1,
+    )
     engine = SparseDecodeEngine(cfg, pool)
     row_dim = cfg.row_dim
     scale = 1.0 / float(row_dim) ** 0.5
@@ -124,14 +143,22 @@ def replay_speculative(spec: SpecTrace, design: str, hot_tokens: int, *, policy:
             if not verify:
                 continue
             checks += 1
-            for problem in _verify_round_layer(engine, pool, layer, rows, table, row_table, topk, result, query,
-                                               query_rope, scale):
+            for problem in _verify_round_layer(
+                engine, pool, layer, rows, table, row_table, topk, result, query, query_rope, scale
+            ):
                 _fail(failures, f"round {r} layer {layer}: {problem}")
         if progress is not None:
             progress(r + 1, spec.rounds)
-    return SpecReplayResult(design=design, hot_tokens=hot_tokens, stats=engine.stats(), rounds=rounds,
-                            verified=verify and not failures, checks=checks, failures=failures,
-                            wall_s=time.perf_counter() - t0)
+    return SpecReplayResult(
+        design=design,
+        hot_tokens=hot_tokens,
+        stats=engine.stats(),
+        rounds=rounds,
+        verified=verify and not failures,
+        checks=checks,
+        failures=failures,
+        wall_s=time.perf_counter() - t0,
+    )
 
 
 def _fail(failures: List[str], msg: str) -> None:
@@ -169,9 +196,17 @@ def opt_misses(spec: SpecTrace, design: str, hot_tokens: int) -> int:
     return belady_misses(union, spec.req_ids, hot_tokens)
 
 
-def _grow_round(spec: SpecTrace, r: int, active: np.ndarray, design: str, alloc: "_SlotAllocator",
-                seen: Dict[int, bool], pool: HostKVPool, table: torch.Tensor,
-                rand_rows: Callable[[int], torch.Tensor]) -> List[int]:
+def _grow_round(
+    spec: SpecTrace,
+    r: int,
+    active: np.ndarray,
+    design: str,
+    alloc: "_SlotAllocator",
+    seen: Dict[int, bool],
+    pool: HostKVPool,
+    table: torch.Tensor,
+    rand_rows: Callable[[int], torch.Tensor],
+) -> List[int]:
     """Round ``r``'s requests grow by their ``n`` candidate tokens (a new request's prompt
     is written to the host pool as prefill would) and their engine rows of ``table`` get
     their host slots. Returns the candidate slots appended this round, in request order."""
@@ -186,7 +221,7 @@ def _grow_round(spec: SpecTrace, r: int, active: np.ndarray, design: str, alloc:
             for layer, data in enumerate(rand_rows(prompt.numel())):
                 pool.write_rows(layer, prompt, data)
         seen[req] = True
-        candidate_slots.extend(slots[length:length + n])
+        candidate_slots.extend(slots[length : length + n])
         own = torch.tensor(slots, dtype=torch.int32)
         for row in _engine_rows(design, np.array([i]), n):
             table[row].zero_()
@@ -194,9 +229,19 @@ def _grow_round(spec: SpecTrace, r: int, active: np.ndarray, design: str, alloc:
     return candidate_slots
 
 
-def _verify_round_layer(engine: SparseDecodeEngine, pool: HostKVPool, layer: int, rows: torch.Tensor,
-                        table: torch.Tensor, row_table: torch.Tensor, topk: torch.Tensor, result,
-                        query: torch.Tensor, query_rope: torch.Tensor, scale: float) -> List[str]:
+def _verify_round_layer(
+    engine: SparseDecodeEngine,
+    pool: HostKVPool,
+    layer: int,
+    rows: torch.Tensor,
+    table: torch.Tensor,
+    row_table: torch.Tensor,
+    topk: torch.Tensor,
+    result,
+    query: torch.Tensor,
+    query_rope: torch.Tensor,
+    scale: float,
+) -> List[str]:
     """What is wrong with one layer step of the engine ``rows``: resident slots that differ
     from their host rows, an output that differs from the full-KV reference bit for bit."""
     problems = []

@@ -94,8 +94,9 @@ def _segments(trace: Trace, row: int) -> List[Tuple[int, Dict[int, int]]]:
     return out
 
 
-def speculative_from_trace(trace: Trace, rows_per_request: int, accept_rate: float = 0.8,
-                           seed: int = 0, source: str = "") -> SpecTrace:
+def speculative_from_trace(
+    trace: Trace, rows_per_request: int, accept_rate: float = 0.8, seed: int = 0, source: str = ""
+) -> SpecTrace:
     """Rounds of ``rows_per_request`` verify rows over ``trace``'s decode positions.
 
     Each base row is a request row; its requests run one after another. A request ends
@@ -130,8 +131,9 @@ def speculative_from_trace(trace: Trace, rows_per_request: int, accept_rate: flo
             committed[i, row], req_ids[i, row], accepted[i, row] = length, req, a
             for j, t in enumerate(steps):
                 topk[i, :, row * n + j] = trace.topk[t, :, row]
-    return SpecTrace(topk=topk, committed=committed, req_ids=req_ids, accepted=accepted,
-                     rows_per_request=n, source=source)
+    return SpecTrace(
+        topk=topk, committed=committed, req_ids=req_ids, accepted=accepted, rows_per_request=n, source=source
+    )
 
 
 def union_sizes(spec: SpecTrace) -> np.ndarray:
@@ -144,6 +146,7 @@ def union_sizes(spec: SpecTrace) -> np.ndarray:
     grouped = np.where(grouped >= 0, grouped, -1)
     ordered = np.sort(grouped, axis=-1)
     distinct = (ordered >= 0) & np.concatenate(
-        [np.ones(ordered.shape[:-1] + (1,), dtype=bool), ordered[..., 1:] != ordered[..., :-1]], axis=-1)
+        [np.ones(ordered.shape[:-1] + (1,), dtype=bool), ordered[..., 1:] != ordered[..., :-1]], axis=-1
+    )
     counts = distinct.sum(axis=-1)  # [R, layers, G]
     return counts.transpose(0, 2, 1)[live].reshape(-1)

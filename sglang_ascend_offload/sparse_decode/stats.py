@@ -109,8 +109,15 @@ class StatsAccumulator:
         self._pending = None  # event recorded after the copy in flight
         self._seen: List[List[int]] = [[0] * 5 for _ in range(layers)]
 
-    def record_residency(self, layer: int, selected: torch.Tensor, hits: torch.Tensor, misses: torch.Tensor,
-                         row_selected=None, row_hits=None) -> None:
+    def record_residency(
+        self,
+        layer: int,
+        selected: torch.Tensor,
+        hits: torch.Tensor,
+        misses: torch.Tensor,
+        row_selected=None,
+        row_hits=None,
+    ) -> None:
         """Add 0-d device counts of one layer step (``row_*`` default to the lookups'
         own: one query row per request)."""
         self._dev[layer, 0] += selected
@@ -132,8 +139,9 @@ class StatsAccumulator:
         self._shadow[layer][1] += 0 if ok else 1
         self._shadow[layer][2] += int(round(seconds * 1e6))
 
-    def record_direct(self, layer: int, rows: int, h2d_bytes: int, demotions: int, lent: int = 0,
-                      reclaims: int = 0) -> None:
+    def record_direct(
+        self, layer: int, rows: int, h2d_bytes: int, demotions: int, lent: int = 0, reclaims: int = 0
+    ) -> None:
         """Direct-row work of ``layer`` (``residency: adaptive``; host-side counts)."""
         acc = self._direct[layer]
         for i, v in enumerate((rows, h2d_bytes, demotions, lent, reclaims)):
@@ -150,11 +158,27 @@ class StatsAccumulator:
         every step, which must not synchronise the device."""
         dev = self._dev.cpu().tolist() if wait else self._device_counts_nowait()
         per_layer = [
-            Counters(selected=s, hits=h, misses=m, h2d_bytes=m * self.row_bytes, d2h_bytes=d, rows=n,
-                     row_selected=rs, row_hits=rh, shadow_checks=sc, shadow_mismatches=sm, shadow_us=su,
-                     direct_rows=dr, direct_h2d_bytes=db, demotions=dm, lent_rows=dl, reclaims=dx)
-            for (s, h, m, rs, rh), d, n, (sc, sm, su), (dr, db, dm, dl, dx) in zip(dev, self._d2h, self._rows, self._shadow,
-                                                                        self._direct)
+            Counters(
+                selected=s,
+                hits=h,
+                misses=m,
+                h2d_bytes=m * self.row_bytes,
+                d2h_bytes=d,
+                rows=n,
+                row_selected=rs,
+                row_hits=rh,
+                shadow_checks=sc,
+                shadow_mismatches=sm,
+                shadow_us=su,
+                direct_rows=dr,
+                direct_h2d_bytes=db,
+                demotions=dm,
+                lent_rows=dl,
+                reclaims=dx,
+            )
+            for (s, h, m, rs, rh), d, n, (sc, sm, su), (dr, db, dm, dl, dx) in zip(
+                dev, self._d2h, self._rows, self._shadow, self._direct
+            )
         ]
         return DecodeStats(per_layer=per_layer, steps=self.steps)
 

@@ -163,13 +163,16 @@ def validate_trace(topk, seq_lens, req_ids, ranked=None) -> List[str]:
     dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
     bad = dup.any(axis=-1)
     if bad.any():
-        problems.append(f"{int(bad.sum())} (step, layer, row) selections with a repeated position, "
-                        f"e.g. {_where(bad, names4[:3])}")
+        problems.append(
+            f"{int(bad.sum())} (step, layer, row) selections with a repeated position, e.g. {_where(bad, names4[:3])}"
+        )
     same = (req_ids[1:] == req_ids[:-1]) & (req_ids[1:] != -1)
     bad = same & (seq_lens[1:] < seq_lens[:-1])
     if bad.any():
-        problems.append(f"{int(bad.sum())} steps where a request's seq_len shrinks in its row, e.g. "
-                        f"{_where(bad, names2)} (step counted from 1)")
+        problems.append(
+            f"{int(bad.sum())} steps where a request's seq_len shrinks in its row, e.g. "
+            f"{_where(bad, names2)} (step counted from 1)"
+        )
     if ranked is not None:
         problems.extend(_validate_ranked(ranked, topk, seq_lens, idle))
     return problems
@@ -198,8 +201,10 @@ def _validate_ranked(ranked, topk: np.ndarray, seq_lens: np.ndarray, idle: np.nd
     pad = ranked == -1
     bad = (pad[..., :-1] & ~pad[..., 1:]).any(axis=-1)
     if bad.any():
-        problems.append(f"{int(bad.sum())} ranked rows with a position after -1 padding (padding is a suffix), "
-                        f"e.g. {_where(bad, names4[:3])}")
+        problems.append(
+            f"{int(bad.sum())} ranked rows with a position after -1 padding (padding is a suffix), "
+            f"e.g. {_where(bad, names4[:3])}"
+        )
     srt = np.sort(ranked, axis=-1)
     bad = ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any(axis=-1)
     if bad.any():
@@ -208,8 +213,10 @@ def _validate_ranked(ranked, topk: np.ndarray, seq_lens: np.ndarray, idle: np.nd
     sel = np.sort(topk, axis=-1)
     bad = (head != sel).any(axis=-1)
     if bad.any():
-        problems.append(f"{int(bad.sum())} (step, layer, row) whose first top-k ranked entries are not the "
-                        f"top-k selection as a set, e.g. {_where(bad, names4[:3])}")
+        problems.append(
+            f"{int(bad.sum())} (step, layer, row) whose first top-k ranked entries are not the "
+            f"top-k selection as a set, e.g. {_where(bad, names4[:3])}"
+        )
     return problems
 
 
@@ -229,8 +236,13 @@ def load_trace(path: Union[str, Path]) -> Trace:
     except OSError as exc:
         raise TraceError([f"cannot read {path}: {exc.strerror}"], str(path)) from exc
     if magic != b"PK\x03\x04":  # every .npz is a zip archive
-        raise TraceError([f"{path} is not an .npz trace (a zip archive of arrays; the file starts with "
-                          f"{magic!r}): record one with record_trace or write it with save_trace"], str(path))
+        raise TraceError(
+            [
+                f"{path} is not an .npz trace (a zip archive of arrays; the file starts with "
+                f"{magic!r}): record one with record_trace or write it with save_trace"
+            ],
+            str(path),
+        )
     try:
         with np.load(path, allow_pickle=False) as npz:
             data = {key: npz[key] for key in npz.files}
@@ -259,8 +271,9 @@ def save_trace(trace: Trace, path: Union[str, Path]) -> None:
     """Validate and write ``trace`` (compressed ``.npz``)."""
     _check(trace, "trace to save")
     extra = {} if trace.ranked is None else {"ranked": trace.ranked}
-    np.savez_compressed(Path(path), topk=trace.topk, seq_lens=trace.seq_lens,
-                        req_ids=trace.req_ids, meta=np.array(trace.meta), **extra)
+    np.savez_compressed(
+        Path(path), topk=trace.topk, seq_lens=trace.seq_lens, req_ids=trace.req_ids, meta=np.array(trace.meta), **extra
+    )
 
 
 # ------------------------------------------------------------------ synthetic model
@@ -413,8 +426,9 @@ def synthesize(spec: SyntheticTraceSpec = SyntheticTraceSpec()) -> Trace:
                 row.seq_len = int(rng.integers(spec.min_prompt, spec.max_prompt + 1))
                 row.left = int(rng.integers(spec.min_decode, spec.max_decode + 1))
                 row.cursor = int(rng.integers(0, row.seq_len))
-                row.heavy = [_pick_unique(rng, 0, row.seq_len, n_heavy, np.empty(0, np.int64))
-                             for _ in range(spec.layers)]
+                row.heavy = [
+                    _pick_unique(rng, 0, row.seq_len, n_heavy, np.empty(0, np.int64)) for _ in range(spec.layers)
+                ]
                 row.log_weight = [np.empty(0) for _ in range(spec.layers)]
                 row.score = [np.empty(0) for _ in range(spec.layers)]
                 row.burst = [np.empty(0) for _ in range(spec.layers)]
@@ -471,7 +485,7 @@ def _latent_select(rng, spec: SyntheticTraceSpec, row: _Row, layer: int, n_sink:
             score = score + b
     score = score.copy()
     score[: min(n_sink, n)] = np.inf
-    score[max(0, n - n_window):] = np.inf
+    score[max(0, n - n_window) :] = np.inf
     m = min(n, depth)
     top = np.argpartition(-score, m - 1)[:m] if m < n else np.arange(n)
     return top[np.argsort(-score[top], kind="stable")].astype(np.int64)

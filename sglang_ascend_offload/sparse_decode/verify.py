@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .host_pool import HostKVPool
 from ..ops.contract import ResidencyStep, ResidencyTable
+from .host_pool import HostKVPool
 
 __all__ = ["resident_mismatches", "full_kv_attention", "remap_mismatches", "logical_to_host"]
 
@@ -25,8 +25,9 @@ def logical_to_host(topk: torch.Tensor, token_table: torch.Tensor) -> torch.Tens
     return torch.where(topk >= 0, slots, torch.full_like(slots, -1)).to(torch.int32)
 
 
-def resident_mismatches(table: ResidencyTable, hot_layer: torch.Tensor, host_layer: torch.Tensor,
-                        token_table: torch.Tensor) -> int:
+def resident_mismatches(
+    table: ResidencyTable, hot_layer: torch.Tensor, host_layer: torch.Tensor, token_table: torch.Tensor
+) -> int:
     """Number of occupied slots whose ``[D]`` content differs from their host row.
 
     table: one layer's residency; hot_layer ``[R, H, D]``; host_layer ``[S, D]``;
@@ -51,10 +52,26 @@ def remap_mismatches(table: ResidencyTable, topk: torch.Tensor, res: ResidencySt
     return int(bad_valid.sum() + bad_pad.sum())
 
 
-def full_kv_attention(attention_op, pool: HostKVPool, layer: int, topk: torch.Tensor,
-                      token_table: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+def full_kv_attention(
+    attention_op,
+    pool: HostKVPool,
+    layer: int,
+    topk: torch.Tensor,
+    token_table: torch.Tensor,
+    query: torch.Tensor,
+    query_rope: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The attention op over the full host KV of ``layer`` with logical indices."""
     indices = logical_to_host(topk.cpu(), token_table.cpu()).unsqueeze(1)
-    return attention_op(query.cpu(), pool.latent(layer), None, indices, scale, query_rope=query_rope.cpu(),
-                        key_rope=pool.rope(layer), layout_query="TND", layout_kv="flat")
+    return attention_op(
+        query.cpu(),
+        pool.latent(layer),
+        None,
+        indices,
+        scale,
+        query_rope=query_rope.cpu(),
+        key_rope=pool.rope(layer),
+        layout_query="TND",
+        layout_kv="flat",
+    )

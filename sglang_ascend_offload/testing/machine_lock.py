@@ -65,6 +65,7 @@ def _acquire(path, timeout_s: float, poll_s: float) -> int:
         except BlockingIOError:
             if time.monotonic() >= deadline:
                 os.close(fd)
-                raise TimeoutError(f"machine lock {path} still held by another process after "
-                                   f"{timeout_s:.0f} s") from None
+                raise TimeoutError(
+                    f"machine lock {path} still held by another process after {timeout_s:.0f} s"
+                ) from None
             time.sleep(poll_s)

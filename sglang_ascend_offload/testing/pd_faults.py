@@ -56,8 +56,13 @@ class FaultPlan:
 
     @property
     def active(self) -> bool:
-        return bool(self.fail_reads or self.read_delay_s or self.drop_kinds or self.truncate_kinds
-                    or self.exit_on_layer is not None)
+        return bool(
+            self.fail_reads
+            or self.read_delay_s
+            or self.drop_kinds
+            or self.truncate_kinds
+            or self.exit_on_layer is not None
+        )
 
 
 class FaultInjector:

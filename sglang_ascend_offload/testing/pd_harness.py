@@ -33,6 +33,7 @@ from .pd_faults import FaultPlan
 
 MODULE = __name__
 
+
 # ------------------------------------------------------------------ spec
 @dataclass(frozen=True)
 class ScenarioSpec:
@@ -79,8 +80,7 @@ class ScenarioSpec:
         return [f"r{i}" for i in range(len(self.request_blocks))]
 
 
-def expected_block_bytes(seed: int, rid: str, layer: int, tensor: str, num_blocks: int,
-                         block_bytes: int) -> np.ndarray:
+def expected_block_bytes(seed: int, rid: str, layer: int, tensor: str, num_blocks: int, block_bytes: int) -> np.ndarray:
     """Deterministic ``[num_blocks, block_bytes]`` uint8 content (same in every process)."""
     key = zlib.crc32(f"{seed}/{rid}/{layer}/{tensor}".encode())
     return np.random.default_rng(key).integers(0, 256, size=(num_blocks, block_bytes), dtype=np.uint8)
@@ -89,8 +89,7 @@ def expected_block_bytes(seed: int, rid: str, layer: int, tensor: str, num_block
 def _raw(role: str, name: str, per_layer: List[np.ndarray]):
     from ..transfer.layout import RawTensor
 
-    return RawTensor(role, name, per_layer[0].shape[1], per_layer[0].shape[0],
-                     [a.ctypes.data for a in per_layer])
+    return RawTensor(role, name, per_layer[0].shape[1], per_layer[0].shape[0], [a.ctypes.data for a in per_layer])
 
 
 def _regions(arrays: List[np.ndarray]) -> List[Tuple[int, int]]:
@@ -126,9 +125,14 @@ def _engine(spec: ScenarioSpec, role: str):
 def _config(spec: ScenarioSpec, kv_port: int):
     from ..config import PDTransferConfig
 
-    return PDTransferConfig(engine=spec.engine, kv_port=kv_port, host="127.0.0.1",
-                            handshake_timeout_s=spec.handshake_timeout_s,
-                            layer_timeout_s=spec.layer_timeout_s, read_retries=spec.read_retries)
+    return PDTransferConfig(
+        engine=spec.engine,
+        kv_port=kv_port,
+        host="127.0.0.1",
+        handshake_timeout_s=spec.handshake_timeout_s,
+        layer_timeout_s=spec.layer_timeout_s,
+        read_retries=spec.read_retries,
+    )
 
 
 def _wrap(engine, plan: FaultPlan):
@@ -187,8 +191,7 @@ class _RecordingEngine:
         self.intervals.append((t0, self.last_end))
 
 
-def raw_engine_replay(base, reads, reps: int = 1,
-                      per_call: Optional[List[float]] = None) -> Tuple[int, float]:
+def raw_engine_replay(base, reads, reps: int = 1, per_call: Optional[List[float]] = None) -> Tuple[int, float]:
     """Issue ``reads`` again through the engine's own batch read API, in order, ``reps`` times.
 
     Returns ``(bytes per repetition, best seconds)``: the bare engine's time for exactly
@@ -244,9 +247,9 @@ def _decode_buffers(spec: ScenarioSpec, pool_path: str) -> _DecodeBuffers:
     raws, arrays, offset = [], [], 0
     for role, name, bb in main_specs:
         n = spec.num_layers * spec.pool_blocks * bb
-        view = pool[offset:offset + n].reshape(spec.num_layers, spec.pool_blocks, bb)
+        view = pool[offset : offset + n].reshape(spec.num_layers, spec.pool_blocks, bb)
         raws.append(_raw(role, name, [view[l] for l in range(spec.num_layers)]))
-        arrays.append(pool[offset:offset + n])
+        arrays.append(pool[offset : offset + n])
         offset += n
     local: Dict[str, np.ndarray] = {}
     for role, name, bb in specs:
@@ -272,8 +275,9 @@ class _RawReplay:
     idle_seen: float  # the idle the replay really had
 
 
-def _replay_raw(base, recorder: _RecordingEngine, arrays: List[np.ndarray], previous_read_end: Optional[float],
-                done_path: str) -> _RawReplay:
+def _replay_raw(
+    base, recorder: _RecordingEngine, arrays: List[np.ndarray], previous_read_end: Optional[float], done_path: str
+) -> _RawReplay:
     """Replay ``recorder``'s reads through the bare engine, once every request is terminal here.
 
     Prefill still holds its buffers for this. Its slots hold the last layers by now, so the
@@ -282,9 +286,11 @@ def _replay_raw(base, recorder: _RecordingEngine, arrays: List[np.ndarray], prev
     """
     saved = [a.copy() for a in arrays]
     # the same idle before the replay as before our first read (equal connection state)
-    idle_ours = (recorder.first_start - previous_read_end
-                 if recorder.first_start is not None and previous_read_end is not None
-                 else REPLAY_IDLE_CAP_S)
+    idle_ours = (
+        recorder.first_start - previous_read_end
+        if recorder.first_start is not None and previous_read_end is not None
+        else REPLAY_IDLE_CAP_S
+    )
     idle_given = min(max(idle_ours, 0.0), REPLAY_IDLE_CAP_S)
     time.sleep(max(0.0, idle_given - (time.perf_counter() - (_LAST_READ_END[0] or 0.0))))
     idle_seen = time.perf_counter() - (_LAST_READ_END[0] or 0.0)
@@ -299,8 +305,9 @@ def _replay_raw(base, recorder: _RecordingEngine, arrays: List[np.ndarray], prev
     return _RawReplay(result, calls, idle_ours, idle_given, idle_seen)
 
 
-def _serve_until_stopped(receiver, deadline: float, stop_path: str,
-                         replay: Optional[Callable[[], _RawReplay]]) -> Optional[_RawReplay]:
+def _serve_until_stopped(
+    receiver, deadline: float, stop_path: str, replay: Optional[Callable[[], _RawReplay]]
+) -> Optional[_RawReplay]:
     """Serve until every prefill rank has finished (``stop_path`` exists) and every request
     is terminal here with its failed destinations released, or until ``deadline``.
 
@@ -311,12 +318,13 @@ def _serve_until_stopped(receiver, deadline: float, stop_path: str,
     while time.monotonic() < deadline:
         if replay is not None and done is None and not receiver.pending_requests():
             done = replay()
-        if (os.path.exists(stop_path) and not receiver.pending_requests()
-                and not receiver.unreleased_failed()):
+        if os.path.exists(stop_path) and not receiver.pending_requests() and not receiver.unreleased_failed():
             break
         time.sleep(0.005)
     if os.environ.get("PD_HARNESS_DEBUG") and time.monotonic() >= deadline:
-        import faulthandler, sys
+        import faulthandler
+        import sys
+
         faulthandler.dump_traceback(sys.stderr, all_threads=True)
     return done
 
@@ -337,16 +345,23 @@ def _claim_all(receiver, rids) -> Dict[str, str]:
     return claims
 
 
-def _decode_report(spec: ScenarioSpec, receiver, destinations, released: List[str], local: Dict[str, np.ndarray],
-                   injector, recorder: Optional[_RecordingEngine], replay: Optional[_RawReplay],
-                   t0: float) -> Dict[str, Any]:
+def _decode_report(
+    spec: ScenarioSpec,
+    receiver,
+    destinations,
+    released: List[str],
+    local: Dict[str, np.ndarray],
+    injector,
+    recorder: Optional[_RecordingEngine],
+    replay: Optional[_RawReplay],
+    t0: float,
+) -> Dict[str, Any]:
     """What one decode rank reports to the parent once serving is over."""
     statuses = {rid: receiver.status(rid) for rid in destinations}
     claims = _claim_all(receiver, destinations)
     memcpy_bps = None
     if spec.measure_memcpy and receiver.stats.reads:
-        memcpy_bps = _memcpy_rate(receiver.stats.read_bytes // receiver.stats.reads,
-                                  receiver.stats.reads)
+        memcpy_bps = _memcpy_rate(receiver.stats.read_bytes // receiver.stats.reads, receiver.stats.reads)
     raw = replay.result if replay is not None else None
     raw_calls = replay.calls if replay is not None else []
     return {
@@ -363,13 +378,18 @@ def _decode_report(spec: ScenarioSpec, receiver, destinations, released: List[st
         "read_ranges": [t.ranges for t in receiver.timings],
         "stages": receiver.stages.records() if receiver.stages is not None else None,
         "read_span": ((recorder.reads and recorder.last_end - recorder.first_start) or None)
-        if recorder is not None else None,
-        "read_gaps": ([b[0] - a[1] for a, b in zip(recorder.intervals, recorder.intervals[1:])]
-                      if recorder is not None else []),
+        if recorder is not None
+        else None,
+        "read_gaps": (
+            [b[0] - a[1] for a, b in zip(recorder.intervals, recorder.intervals[1:])] if recorder is not None else []
+        ),
         # per read: ours = its read plus the idle gap before it (the first: its read alone),
         # raw = the same read replayed through the engine's own API
-        "layer_seconds": ([b[1] - a[1] for a, b in zip(recorder.intervals, recorder.intervals[1:])]
-                          if recorder is not None and recorder.intervals else []),
+        "layer_seconds": (
+            [b[1] - a[1] for a, b in zip(recorder.intervals, recorder.intervals[1:])]
+            if recorder is not None and recorder.intervals
+            else []
+        ),
         "raw_layer_seconds": raw_calls[1:],
         "raw_bytes": raw[0] if raw else None,
         "raw_seconds": raw[1] if raw else None,
@@ -380,9 +400,15 @@ def _decode_report(spec: ScenarioSpec, receiver, destinations, released: List[st
     }
 
 
-def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: str,
-                    destinations: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]],
-                    wait_s: float, stop_path: str) -> Dict[str, Any]:
+def run_decode_rank(
+    spec: ScenarioSpec,
+    d_rank: int,
+    kv_port: int,
+    pool_path: str,
+    destinations: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]],
+    wait_s: float,
+    stop_path: str,
+) -> Dict[str, Any]:
     """Serve one decode TP rank like a long-lived server; report.
 
     It stays up until the parent signals that every prefill rank has finished
@@ -402,11 +428,22 @@ def run_decode_rank(spec: ScenarioSpec, d_rank: int, kv_port: int, pool_path: st
     if spec.measure_raw:
         engine = recorder = _RecordingEngine(engine)
     released: List[str] = []
-    receiver = DecodeReceiver(_config(spec, kv_port), d_tp=spec.d_tp, d_rank=d_rank, layout=bufs.layout,
-                              engine=engine, on_release=lambda d: released.append(d.request_id),
-                              send_filter=outbox)
-    replay = None if recorder is None else functools.partial(
-        _replay_raw, base, recorder, bufs.arrays, previous_read_end, raw_done_path(pool_path, d_rank))
+    receiver = DecodeReceiver(
+        _config(spec, kv_port),
+        d_tp=spec.d_tp,
+        d_rank=d_rank,
+        layout=bufs.layout,
+        engine=engine,
+        on_release=lambda d: released.append(d.request_id),
+        send_filter=outbox,
+    )
+    replay = (
+        None
+        if recorder is None
+        else functools.partial(
+            _replay_raw, base, recorder, bufs.arrays, previous_read_end, raw_done_path(pool_path, d_rank)
+        )
+    )
     try:
         for rid, (main_blocks, idx_blocks) in destinations.items():
             receiver.expect(RequestDestination(rid, tuple(main_blocks), tuple(idx_blocks)))
@@ -432,8 +469,9 @@ def _memcpy_rate(chunk_bytes: int, reps: int) -> float:
     return chunk_bytes * reps / dt if dt > 0 else float("inf")
 
 
-def _slot_images(spec: ScenarioSpec, specs: List[Tuple[str, str, int]],
-                 sources: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> Dict[Tuple[int, str], np.ndarray]:
+def _slot_images(
+    spec: ScenarioSpec, specs: List[Tuple[str, str, int]], sources: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]]
+) -> Dict[Tuple[int, str], np.ndarray]:
     """``(layer, tensor) -> the whole slot's bytes`` with every request's expected content.
 
     Every layer's content is made before the first publish: the layer loop then only copies a
@@ -471,9 +509,15 @@ class _PrefillSlots:
     images: Dict[Tuple[int, str], np.ndarray]  # (layer, tensor) -> the whole slot's bytes of that layer
 
 
-def _publish_layers(spec: ScenarioSpec, sender, gates, slots: _PrefillSlots,
-                    sources: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]], ids: List[str],
-                    report: Dict[str, Any]) -> None:
+def _publish_layers(
+    spec: ScenarioSpec,
+    sender,
+    gates,
+    slots: _PrefillSlots,
+    sources: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]],
+    ids: List[str],
+    report: Dict[str, Any],
+) -> None:
     """Write and publish every layer through the reusable slots, each after its slot's gate opens.
 
     The first layer of every slot is in place before the first publish, as a forward would
@@ -499,16 +543,19 @@ def _publish_layers(spec: ScenarioSpec, sender, gates, slots: _PrefillSlots,
         if layer >= spec.num_slots:  # the first use of each slot was written before publishing
             for name, buffers in slots.buffers.items():
                 np.copyto(buffers[slot], slots.images[(layer, name)])
-        sender.publish_layer(layer, slot, {rid: SourceBlocks(m, i) for rid, (m, i) in sources.items()},
-                             finished=ids if layer == spec.num_layers - 1 else ())
+        sender.publish_layer(
+            layer,
+            slot,
+            {rid: SourceBlocks(m, i) for rid, (m, i) in sources.items()},
+            finished=ids if layer == spec.num_layers - 1 else (),
+        )
 
 
 def _wait_settled(spec: ScenarioSpec, sender, ids: List[str]) -> None:
     """Wait until every batch is answered and every request is terminal, at most two layer
     deadlines (and a second)."""
     settle = time.monotonic() + spec.layer_timeout_s * 2 + 1.0
-    while time.monotonic() < settle and (sender.open_batches() or
-                                         any(not sender.status(r).terminal for r in ids)):
+    while time.monotonic() < settle and (sender.open_batches() or any(not sender.status(r).terminal for r in ids)):
         time.sleep(0.005)
 
 
@@ -536,28 +583,44 @@ def _prefill_report(sender, gates, injector, ids: List[str]) -> Dict[str, Any]:
     }
 
 
-def run_prefill_rank(spec: ScenarioSpec, p_rank: int, kv_port: int,
-                     sources: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]],
-                     raw_done: Optional[str] = None) -> Dict[str, Any]:
+def run_prefill_rank(
+    spec: ScenarioSpec,
+    p_rank: int,
+    kv_port: int,
+    sources: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]],
+    raw_done: Optional[str] = None,
+) -> Dict[str, Any]:
     """Compute (write) and publish every layer of every request on one prefill rank; report."""
     from ..layerwise_prefill.gates import SlotGates
     from ..transfer.layout import layout_from_regions
     from ..transfer.prefill_side import PrefillSender
 
     specs = _tensor_specs(spec)
-    slots = {name: [np.zeros((spec.slot_blocks, bb), dtype=np.uint8) for _ in range(spec.num_slots)]
-             for _, name, bb in specs}
+    slots = {
+        name: [np.zeros((spec.slot_blocks, bb), dtype=np.uint8) for _ in range(spec.num_slots)] for _, name, bb in specs
+    }
     slot_of = [layer % spec.num_slots for layer in range(spec.num_layers)]
-    layout = layout_from_regions(spec.block_tokens, [
-        _raw(role, name, [slots[name][slot_of[l]] for l in range(spec.num_layers)]) for role, name, _ in specs])
+    layout = layout_from_regions(
+        spec.block_tokens,
+        [_raw(role, name, [slots[name][slot_of[l]] for l in range(spec.num_layers)]) for role, name, _ in specs],
+    )
     base = _engine(spec, "prefill")
     regions = _regions([a for arrs in slots.values() for a in arrs])
     base.register(regions)
     engine, outbox, injector = _wrap(base, spec.prefill_faults)
     gates = SlotGates(spec.num_slots)
     cfg = _config(spec, kv_port)
-    sender = PrefillSender(cfg, p_tp=spec.p_tp, d_tp=spec.d_tp, p_rank=p_rank, layout=layout,
-                           engine=engine, gates=gates, decode_host="127.0.0.1", send_filter=outbox)
+    sender = PrefillSender(
+        cfg,
+        p_tp=spec.p_tp,
+        d_tp=spec.d_tp,
+        p_rank=p_rank,
+        layout=layout,
+        engine=engine,
+        gates=gates,
+        decode_host="127.0.0.1",
+        send_filter=outbox,
+    )
     report: Dict[str, Any] = {"handshake": "ok", "gate_errors": 0, "gate_timeouts": 0}
     ids = list(sources)
     held = _PrefillSlots(slots, slot_of, _slot_images(spec, specs, sources))
@@ -635,7 +698,7 @@ def plan_blocks(spec: ScenarioSpec):
     sources, dests, k = {}, {}, 0
     has_idx = bool(spec.indexer_bytes)
     for rid, n in zip(spec.request_ids, spec.request_blocks):
-        sources[rid] = (tuple(src_main[k:k + n]), tuple(src_idx[k:k + n]) if has_idx else ())
+        sources[rid] = (tuple(src_main[k : k + n]), tuple(src_idx[k : k + n]) if has_idx else ())
         dests[rid] = (main_pool.allocate(n), idx_pool.allocate(n) if has_idx else ())
         k += n
     return sources, dests
@@ -651,14 +714,27 @@ def _rank_tasks(spec: ScenarioSpec, kv_port: int, pool_path: str, stop_path: str
     decode_tasks, prefill_tasks = {}, {}
     if spec.decode_up:
         for d in range(spec.d_tp):
-            decode_tasks[spec.p_tp + d] = (MODULE, "run_decode_rank", dict(
-                spec=spec, d_rank=d, kv_port=kv_port, pool_path=pool_path, destinations=dests,
-                wait_s=wait_s, stop_path=stop_path))
+            decode_tasks[spec.p_tp + d] = (
+                MODULE,
+                "run_decode_rank",
+                dict(
+                    spec=spec,
+                    d_rank=d,
+                    kv_port=kv_port,
+                    pool_path=pool_path,
+                    destinations=dests,
+                    wait_s=wait_s,
+                    stop_path=stop_path,
+                ),
+            )
     topo = PDTopology(spec.p_tp, spec.d_tp)
     for p in range(spec.p_tp):
         raw_done = raw_done_path(pool_path, topo.d_rank_of(p)) if spec.measure_raw and spec.decode_up else None
-        prefill_tasks[p] = (MODULE, "run_prefill_rank", dict(spec=spec, p_rank=p, kv_port=kv_port,
-                                                             sources=sources, raw_done=raw_done))
+        prefill_tasks[p] = (
+            MODULE,
+            "run_prefill_rank",
+            dict(spec=spec, p_rank=p, kv_port=kv_port, sources=sources, raw_done=raw_done),
+        )
     return decode_tasks, prefill_tasks
 
 
@@ -707,22 +783,25 @@ def _leaked_slots_and_stuck(prefill: Dict[int, Any], decode: Dict[int, Any]) -> 
     return leaked, stuck
 
 
-def _combined_status(spec: ScenarioSpec, rid: str, prefill_states: List[Tuple[str, str]],
-                     decode_ok: Dict[int, Any]):
+def _combined_status(spec: ScenarioSpec, rid: str, prefill_states: List[Tuple[str, str]], decode_ok: Dict[int, Any]):
     """The request's status as the scheduler sees it: decode's ranks combined, or failed
     when a decode rank did not report (died, or none was up)."""
     from ..transfer.status import RequestStatus, TransferState, combine_rank_statuses
 
     if decode_ok and len(decode_ok) == spec.d_tp:
-        return combine_rank_statuses([RequestStatus(TransferState(r["statuses"][rid][0]), r["statuses"][rid][1])
-                                      for _, r in sorted(decode_ok.items())])
+        return combine_rank_statuses(
+            [
+                RequestStatus(TransferState(r["statuses"][rid][0]), r["statuses"][rid][1])
+                for _, r in sorted(decode_ok.items())
+            ]
+        )
     seen = "; ".join(f"prefill: {why}" for s, why in prefill_states if s == "failed")[:400]
-    return RequestStatus(TransferState.FAILED,
-                         f"{'decode rank(s) died' if spec.decode_up else 'no decode'}; {seen}")
+    return RequestStatus(TransferState.FAILED, f"{'decode rank(s) died' if spec.decode_up else 'no decode'}; {seen}")
 
 
-def _request_statuses(spec: ScenarioSpec, prefill: Dict[int, Any], decode_ok: Dict[int, Any],
-                      problems: List[str]) -> Tuple[Dict[str, Tuple[str, str]], bool]:
+def _request_statuses(
+    spec: ScenarioSpec, prefill: Dict[int, Any], decode_ok: Dict[int, Any], problems: List[str]
+) -> Tuple[Dict[str, Tuple[str, str]], bool]:
     """Every request's combined ``(state, reason)``, and whether a failed request's destination
     was handed out or never released (each such finding is added to ``problems``)."""
     from ..transfer.status import TransferState
@@ -779,8 +858,19 @@ def _judge(spec: ScenarioSpec, out: Dict[int, Any], dests, host_pool: np.ndarray
             continue
         verified &= _verify_request(spec, rid, n, dests[rid], host_pool, decode_ok, problems)
     verified &= not used_after_failure
-    return ScenarioResult(spec.name, _outcome(hung, request_status), hung, used_after_failure, leaked,
-                          verified, prefill, decode, request_status, problems, seconds)
+    return ScenarioResult(
+        spec.name,
+        _outcome(hung, request_status),
+        hung,
+        used_after_failure,
+        leaked,
+        verified,
+        prefill,
+        decode,
+        request_status,
+        problems,
+        seconds,
+    )
 
 
 def run_scenario(pool, spec: ScenarioSpec, timeout_s: float = 60.0) -> ScenarioResult:
@@ -800,7 +890,7 @@ def clip_words(text: str, limit: int) -> str:
     text = " ".join(text.split())
     if len(text) <= limit:
         return text
-    cut = text[:limit - 3]
+    cut = text[: limit - 3]
     space = cut.rfind(" ")
     return (cut[:space] if space > limit // 2 else cut).rstrip(" ;:,") + "..."
 
@@ -818,7 +908,7 @@ def _verify_request(spec, rid, n, dest, host_pool, decode_ok, problems) -> bool:
     for name, width in spec.main_tensors:
         bb = width * spec.block_tokens
         size = spec.num_layers * spec.pool_blocks * bb
-        view = host_pool[offset:offset + size].reshape(spec.num_layers, spec.pool_blocks, bb)
+        view = host_pool[offset : offset + size].reshape(spec.num_layers, spec.pool_blocks, bb)
         offset += size
         for layer in range(spec.num_layers):
             want = expected_block_bytes(spec.seed, rid, layer, name, n, bb)
@@ -848,25 +938,30 @@ def fault_scenarios(base: Optional[ScenarioSpec] = None) -> List[ScenarioSpec]:
     2-core CI machine: with 0.5 s a slow layer 0 made prefill give up before the fault
     at layer 1 was ever reached, and the scenario tested nothing.
     """
-    b = base or ScenarioSpec(name="base", p_tp=2, d_tp=1, layer_timeout_s=2.0, handshake_timeout_s=4.0,
-                             read_retries=1)
+    b = base or ScenarioSpec(name="base", p_tp=2, d_tp=1, layer_timeout_s=2.0, handshake_timeout_s=4.0, read_retries=1)
     r = b.read_retries
     return [
         # recovery, not a deadline, is under test here: a loaded machine must not turn
         # the retried read (or a decode worker's first engine start) into a deadline miss,
         # so this scenario gets roomy deadlines
-        replace(b, name="read_retry_recovers", layer_timeout_s=max(b.layer_timeout_s, 10.0),
-                handshake_timeout_s=max(b.handshake_timeout_s, 20.0),
-                decode_faults=FaultPlan(fail_reads=r, fail_layers=(1,))),
+        replace(
+            b,
+            name="read_retry_recovers",
+            layer_timeout_s=max(b.layer_timeout_s, 10.0),
+            handshake_timeout_s=max(b.handshake_timeout_s, 20.0),
+            decode_faults=FaultPlan(fail_reads=r, fail_layers=(1,)),
+        ),
         # every read of layer 1 fails (contributors read concurrently, a small budget could be
         # spread over them and absorbed by their retries)
         replace(b, name="read_failure", decode_faults=FaultPlan(fail_reads=1 << 20, fail_layers=(1,))),
         replace(b, name="dropped_answer", decode_faults=FaultPlan(drop_kinds=("read_done",), fault_layer=1)),
-        replace(b, name="decode_slower_than_deadline",
-                decode_faults=FaultPlan(read_delay_s=b.layer_timeout_s * 2, delay_layers=(1,))),
+        replace(
+            b,
+            name="decode_slower_than_deadline",
+            decode_faults=FaultPlan(read_delay_s=b.layer_timeout_s * 2, delay_layers=(1,)),
+        ),
         replace(b, name="malformed_ready", prefill_faults=FaultPlan(truncate_kinds=("ready",), fault_layer=1)),
-        replace(b, name="malformed_answer",
-                decode_faults=FaultPlan(truncate_kinds=("read_done",), fault_layer=1)),
+        replace(b, name="malformed_answer", decode_faults=FaultPlan(truncate_kinds=("read_done",), fault_layer=1)),
         replace(b, name="dead_decode", decode_faults=FaultPlan(exit_on_layer=1)),
         replace(b, name="decode_never_up", decode_up=False),
     ]

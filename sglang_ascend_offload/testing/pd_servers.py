@@ -31,21 +31,35 @@ __all__ = ["COMMON", "LAYERWISE", "pd_config_json", "prefill_args", "decode_args
 COMMON = ["--max-running-requests", "4", "--chunked-prefill-size", "128"]
 
 #: Layerwise prefill offload with one shared buffer for every reusable layer.
-LAYERWISE = json.dumps({"shared_buffers": 1, "independent_layers": [], "store_backend": "local",
-                        "wait_timeout_s": 60})
+LAYERWISE = json.dumps({"shared_buffers": 1, "independent_layers": [], "store_backend": "local", "wait_timeout_s": 60})
 
 
 def pd_config_json(kv_port: int) -> str:
     """``--pd-transfer-config`` of a CPU P/D server (Mooncake over TCP on 127.0.0.1)."""
-    return json.dumps({"engine": "mooncake", "kv_port": kv_port, "host": "127.0.0.1",
-                       "layer_timeout_s": 20, "handshake_timeout_s": 30})
+    return json.dumps(
+        {
+            "engine": "mooncake",
+            "kv_port": kv_port,
+            "host": "127.0.0.1",
+            "layer_timeout_s": 20,
+            "handshake_timeout_s": 30,
+        }
+    )
 
 
 def prefill_args(bootstrap_port: int, kv_port: int, layerwise: bool = False) -> List[str]:
     """Server arguments of a P/D prefill server (``layerwise``: with layerwise prefill offload)."""
-    args = COMMON + ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "ascend_offload",
-                     "--disaggregation-bootstrap-port", str(bootstrap_port), "--enable-pd-transfer",
-                     "--pd-transfer-config", pd_config_json(kv_port)]
+    args = COMMON + [
+        "--disaggregation-mode",
+        "prefill",
+        "--disaggregation-transfer-backend",
+        "ascend_offload",
+        "--disaggregation-bootstrap-port",
+        str(bootstrap_port),
+        "--enable-pd-transfer",
+        "--pd-transfer-config",
+        pd_config_json(kv_port),
+    ]
     if layerwise:
         args += ["--enable-layerwise-prefill-offload", "--layerwise-prefill-offload-config", LAYERWISE]
     return args
@@ -54,9 +68,17 @@ def prefill_args(bootstrap_port: int, kv_port: int, layerwise: bool = False) -> 
 def decode_args(kv_port: int, offload: bool = False, residency: str = "always") -> List[str]:
     """Server arguments of a P/D decode server (``offload``: with sparse decode offload,
     64 hot slots and ``residency``)."""
-    args = COMMON + ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "ascend_offload",
-                     "--disaggregation-decode-retraction-backup", "cpu_tensor", "--enable-pd-transfer",
-                     "--pd-transfer-config", pd_config_json(kv_port)]
+    args = COMMON + [
+        "--disaggregation-mode",
+        "decode",
+        "--disaggregation-transfer-backend",
+        "ascend_offload",
+        "--disaggregation-decode-retraction-backup",
+        "cpu_tensor",
+        "--enable-pd-transfer",
+        "--pd-transfer-config",
+        pd_config_json(kv_port),
+    ]
     if offload:
         config = {"hot_tokens": 64} if residency == "always" else {"hot_tokens": 64, "residency": residency}
         args += ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", json.dumps(config)]
@@ -78,21 +100,47 @@ class PDRouter:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "PDRouter":
-        args = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                "--prefill", self.prefill_url, str(self.bootstrap_port), "--decode", self.decode_url,
-                "--host", "127.0.0.1", "--port", str(self.port),
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port)]
-        self.proc = subprocess.Popen(args, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT,
-                                     env=server_env(), cwd=REPO, start_new_session=True)
+        args = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--prefill",
+            self.prefill_url,
+            str(self.bootstrap_port),
+            "--decode",
+            self.decode_url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(self.metrics_port),
+        ]
+        self.proc = subprocess.Popen(
+            args,
+            stdout=open(self.log_path, "wb"),
+            stderr=subprocess.STDOUT,
+            env=server_env(),
+            cwd=REPO,
+            start_new_session=True,
+        )
         return self
 
-    def generate(self, input_ids: Sequence[int], max_new_tokens: int = 8, timeout: float = 120.0,
-                 return_logprob: bool = False) -> Any:
+    def generate(
+        self, input_ids: Sequence[int], max_new_tokens: int = 8, timeout: float = 120.0, return_logprob: bool = False
+    ) -> Any:
         """Greedy ``/generate`` through the router (``ignore_eos``); the JSON answer."""
-        body = {"input_ids": list(input_ids), "return_logprob": return_logprob,
-                "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
-        req = urllib.request.Request(f"{self.url}/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        body = {
+            "input_ids": list(input_ids),
+            "return_logprob": return_logprob,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+        }
+        req = urllib.request.Request(
+            f"{self.url}/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
@@ -100,8 +148,10 @@ class PDRouter:
         """Until a one-token request for ``probe`` goes through (the router adds its workers
         in the background: 503 means not yet). ``deadline``: ``time.monotonic()`` value."""
         while True:
-            if log_reports_bind_failure(self.log_path.read_text(errors="replace"),
-                                        [self.port, self.metrics_port]) is not None:
+            if (
+                log_reports_bind_failure(self.log_path.read_text(errors="replace"), [self.port, self.metrics_port])
+                is not None
+            ):
                 raise PortInUse(f"router port {self.port} in use; log: {self.log_path}")
             if self.proc.poll() is not None:
                 raise RuntimeError(f"router exited with {self.proc.returncode}; log: {self.log_path}")

@@ -42,8 +42,17 @@ import threading
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-__all__ = ["PORT_RANGE", "BIND_FAILURE_MARKERS", "reserve_port", "reserve_ports", "release", "release_all",
-           "log_reports_bind_failure", "DP_ATTENTION_OFFSETS", "release_ports"]
+__all__ = [
+    "PORT_RANGE",
+    "BIND_FAILURE_MARKERS",
+    "reserve_port",
+    "reserve_ports",
+    "release",
+    "release_all",
+    "log_reports_bind_failure",
+    "DP_ATTENTION_OFFSETS",
+    "release_ports",
+]
 
 
 def _range_from_env() -> Tuple[int, int]:
@@ -73,8 +82,7 @@ _held: Dict[int, int] = {}  # port -> fd of its lock file, kept open for the pro
 
 
 def _lock_dir() -> Path:
-    path = Path(os.environ.get("SAO_TEST_PORT_LOCK_DIR",
-                               Path(tempfile.gettempdir()) / "sglang_ascend_offload_ports"))
+    path = Path(os.environ.get("SAO_TEST_PORT_LOCK_DIR", Path(tempfile.gettempdir()) / "sglang_ascend_offload_ports"))
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -144,8 +152,10 @@ def reserve_ports(count: int = 1, span: int = 1, offsets: Sequence[int] = ()) ->
                 _unlock(port)
     for block in out:
         release_ports(block)
-    raise RuntimeError(f"no block of {span} free port(s) (offsets {tuple(offsets)}) in {low}-{high} "
-                       "(SAO_TEST_PORT_RANGE); another run may hold them: check for lingering servers")
+    raise RuntimeError(
+        f"no block of {span} free port(s) (offsets {tuple(offsets)}) in {low}-{high} "
+        "(SAO_TEST_PORT_RANGE); another run may hold them: check for lingering servers"
+    )
 
 
 def reserve_port(span: int = 1, offsets: Sequence[int] = ()) -> int:
@@ -171,8 +181,9 @@ def release_all() -> None:
             _unlock(port)
 
 
-def log_reports_bind_failure(text: str, ports: Iterable[int],
-                             markers: Sequence[str] = BIND_FAILURE_MARKERS) -> Optional[int]:
+def log_reports_bind_failure(
+    text: str, ports: Iterable[int], markers: Sequence[str] = BIND_FAILURE_MARKERS
+) -> Optional[int]:
     """The first of ``ports`` that a log line reports as impossible to bind, else ``None``.
 
     Only lines that carry a bind-failure marker *and* the port number count: libraries

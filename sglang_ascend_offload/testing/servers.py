@@ -34,8 +34,29 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .ports import DP_ATTENTION_OFFSETS, log_reports_bind_failure, release_ports, reserve_port
 
-__all__ = ["REPO", "FIXTURES", "TINY_DSA", "TINY_DSA_4L", "TINY_DSA_MTP", "TINY_DSA_FUSED", "TINY_DSA_FUSED_MTP", "TINY_DSA_TRAINED", "CPU_SERVER_ARGS", "TRAINED_SERVER_ARGS", "IDLE_SLEEP",
-           "ServerProcess", "PortInUse", "FixtureMissing", "require_fixture", "StartupWatch", "cpu_seconds", "server_env", "stop_process_group", "stop_all", "fixture_args"]
+__all__ = [
+    "REPO",
+    "FIXTURES",
+    "TINY_DSA",
+    "TINY_DSA_4L",
+    "TINY_DSA_MTP",
+    "TINY_DSA_FUSED",
+    "TINY_DSA_FUSED_MTP",
+    "TINY_DSA_TRAINED",
+    "CPU_SERVER_ARGS",
+    "TRAINED_SERVER_ARGS",
+    "IDLE_SLEEP",
+    "ServerProcess",
+    "PortInUse",
+    "FixtureMissing",
+    "require_fixture",
+    "StartupWatch",
+    "cpu_seconds",
+    "server_env",
+    "stop_process_group",
+    "stop_all",
+    "fixture_args",
+]
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -50,10 +71,13 @@ TINY_DSA_TRAINED = FIXTURES / "tiny_dsa_trained"
 
 # What every CPU launch of a tiny DSA model needs (see docs/sglang_integration.md).
 CPU_SERVER_ARGS: List[str] = [
-    "--model-path", str(TINY_DSA),
-    "--load-format", "dummy",
+    "--model-path",
+    str(TINY_DSA),
+    "--load-format",
+    "dummy",
     "--skip-tokenizer-init",
-    "--device", "cpu",
+    "--device",
+    "cpu",
     "--disable-cuda-graph",
     "--disable-overlap-schedule",
     # SGLang on CPU sizes the KV pool from the drop in *system* available memory while the weights
@@ -61,9 +85,12 @@ CPU_SERVER_ARGS: List[str] = [
     # so a small fraction makes a server refuse when other servers start at the same moment.
     # --max-total-tokens caps the pool anyway, so 0.5 costs no memory and refuses only when
     # memory really runs out (docs/design/test_servers.md).
-    "--mem-fraction-static", "0.5",
-    "--max-total-tokens", "4096",
-    "--context-length", "2048",
+    "--mem-fraction-static",
+    "0.5",
+    "--max-total-tokens",
+    "4096",
+    "--context-length",
+    "2048",
 ]
 # Colocated servers sleep when idle (SGLang's IdleSleeper waits on the tokenizer
 # socket instead of spinning), so several servers on 2 cores do not starve each other.
@@ -85,7 +112,8 @@ LAUNCH_LOG_ENV = "SGLANG_TEST_LAUNCH_LOG"
 # The trained checkpoint: its weights are loaded (no --load-format dummy) and its tokenizer
 # serves text through the OpenAI API; the rest as CPU_SERVER_ARGS.
 TRAINED_SERVER_ARGS: List[str] = [
-    "--model-path", str(TINY_DSA_TRAINED),
+    "--model-path",
+    str(TINY_DSA_TRAINED),
     *[a for a in CPU_SERVER_ARGS[2:] if a not in ("--load-format", "dummy", "--skip-tokenizer-init")],
 ]
 
@@ -101,7 +129,8 @@ def require_fixture(model: Path) -> Path:
         raise FixtureMissing(
             f"the tiny CPU model {model} is missing: the CPU benchmarks serve the fixtures of a source checkout "
             "(git clone the project and run from it), or pass --model-path for a model of your own where the "
-            "command accepts one")
+            "command accepts one"
+        )
     return Path(model)
 
 
@@ -165,8 +194,9 @@ class StartupWatch:
     seconds and log size); it returns ``None`` to keep waiting or the reason to give up.
     """
 
-    def __init__(self, start: float, timeout_s: float, stall_s: float = STARTUP_STALL_S,
-                 hard_cap_s: Optional[float] = None):
+    def __init__(
+        self, start: float, timeout_s: float, stall_s: float = STARTUP_STALL_S, hard_cap_s: Optional[float] = None
+    ):
         self.start, self.timeout_s, self.stall_s = start, float(timeout_s), float(stall_s)
         self.hard_cap_s = STARTUP_HARD_CAP_FACTOR * self.timeout_s if hard_cap_s is None else float(hard_cap_s)
         self.last_mark: Any = None
@@ -180,12 +210,16 @@ class StartupWatch:
         if waited < self.timeout_s:
             return None
         if waited >= self.hard_cap_s:
-            return (f"not healthy after {waited:.0f} s (the hard cap: {self.hard_cap_s:.0f} s, "
-                    f"although it was still working)")
+            return (
+                f"not healthy after {waited:.0f} s (the hard cap: {self.hard_cap_s:.0f} s, "
+                f"although it was still working)"
+            )
         idle = now - self.last_progress
         if idle >= self.stall_s:
-            return (f"not healthy after {waited:.0f} s, and no CPU time or log output for the last "
-                    f"{idle:.0f} s (deadline {self.timeout_s:.0f} s while not progressing)")
+            return (
+                f"not healthy after {waited:.0f} s, and no CPU time or log output for the last "
+                f"{idle:.0f} s (deadline {self.timeout_s:.0f} s while not progressing)"
+            )
         self.extended = True
         return None
 
@@ -193,10 +227,16 @@ class StartupWatch:
 class ServerProcess:
     """One ``sglang.launch_server`` subprocess (own session; stopped as a group)."""
 
-    def __init__(self, extra_args: Sequence[str] = (), log_path: Optional[Path] = None,
-                 base_args: Sequence[str] = tuple(CPU_SERVER_ARGS), cpu: bool = True,
-                 env: Optional[Dict[str, str]] = None, startup_timeout_s: Optional[float] = None,
-                 startup_stall_s: float = STARTUP_STALL_S):
+    def __init__(
+        self,
+        extra_args: Sequence[str] = (),
+        log_path: Optional[Path] = None,
+        base_args: Sequence[str] = tuple(CPU_SERVER_ARGS),
+        cpu: bool = True,
+        env: Optional[Dict[str, str]] = None,
+        startup_timeout_s: Optional[float] = None,
+        startup_stall_s: float = STARTUP_STALL_S,
+    ):
         self.base_args = list(base_args)
         self.startup_timeout_s = STARTUP_TIMEOUT_S if startup_timeout_s is None else float(startup_timeout_s)
         self.startup_stall_s = float(startup_stall_s)
@@ -217,8 +257,18 @@ class ServerProcess:
         # A reserved port closes that race too, unless the caller chose one.
         given = set(self.base_args) | set(self.extra_args)
         nccl = [] if "--nccl-port" in given else ["--nccl-port", str(self.nccl_port)]
-        return [sys.executable, "-m", "sglang.launch_server", *self.base_args,
-                "--host", "127.0.0.1", "--port", str(self.port), *nccl, *self.extra_args]
+        return [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            *self.base_args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *nccl,
+            *self.extra_args,
+        ]
 
     @property
     def url(self) -> str:
@@ -246,9 +296,14 @@ class ServerProcess:
         _record_launch(self.args, self.extra_env)
         with open(self.log_path, "wb") as log:
             t0 = time.monotonic()
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**server_env(self.cpu), **self.extra_env}, cwd=REPO,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**server_env(self.cpu), **self.extra_env},
+                cwd=REPO,
+                start_new_session=True,
+            )
         watch = StartupWatch(t0, self.startup_timeout_s, self.startup_stall_s)
         while True:
             now = time.monotonic()
@@ -260,15 +315,19 @@ class ServerProcess:
                 self.stop()
                 raise PortInUse(f"port {failed} is in use (server port {self.port}); log: {self.log_path}")
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}\n"
-                                   f"{self._log_tail()}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}; log: {self.log_path}\n{self._log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
                     if r.status == 200:
                         self.startup_s = time.monotonic() - t0
                         if watch.extended:
-                            print(f"[servers] {self.url} took {self.startup_s:.0f} s to start (past the "
-                                  f"{self.startup_timeout_s:.0f} s deadline, still progressing)", file=sys.stderr)
+                            print(
+                                f"[servers] {self.url} took {self.startup_s:.0f} s to start (past the "
+                                f"{self.startup_timeout_s:.0f} s deadline, still progressing)",
+                                file=sys.stderr,
+                            )
                         return self
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
@@ -304,17 +363,20 @@ class ServerProcess:
         return log_reports_bind_failure(text, ports)
 
     def post(self, path: str, body: Dict[str, Any], timeout: float = 120.0) -> Any:
-        req = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{self.url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             text = r.read()
         return json.loads(text) if text.strip() else None
 
-    def generate(self, input_ids, max_new_tokens: int = 8, timeout: float = 120.0, return_logprob: bool = False,
-                 **extra: Any):
+    def generate(
+        self, input_ids, max_new_tokens: int = 8, timeout: float = 120.0, return_logprob: bool = False, **extra: Any
+    ):
         """Greedy ``/generate`` for one prompt (list of ids) or a batch (list of lists).
 
         For a batch, ``max_new_tokens`` may be a list (one length per prompt)."""
+
         def greedy(n: int) -> dict:
             return {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}
 
@@ -345,8 +407,9 @@ def _record_launch(args: Sequence[str], env: Dict[str, str]) -> None:
     path = os.environ.get(LAUNCH_LOG_ENV)
     if not path:
         return
-    line = json.dumps({"t": time.time(), "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
-                       "args": list(args[3:]), "env": dict(env)})
+    line = json.dumps(
+        {"t": time.time(), "test": os.environ.get("PYTEST_CURRENT_TEST", ""), "args": list(args[3:]), "env": dict(env)}
+    )
     with open(path, "a", encoding="utf-8") as f:
         f.write(line + "\n")
 

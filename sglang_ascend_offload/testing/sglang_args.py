@@ -15,7 +15,7 @@ def server_args_stub(**overrides: Any) -> SimpleNamespace:
     from ..sglang_plugin import compat
 
     fields = ServerArgs.__struct_fields__
-    defaults = dict(zip(fields[len(fields) - len(ServerArgs.__struct_defaults__):], ServerArgs.__struct_defaults__))
+    defaults = dict(zip(fields[len(fields) - len(ServerArgs.__struct_defaults__) :], ServerArgs.__struct_defaults__))
     unknown = sorted(set(overrides) - set(fields))
     if unknown:
         raise TypeError(f"not SGLang server arguments: {unknown}")

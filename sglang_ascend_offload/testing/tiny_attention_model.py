@@ -29,14 +29,16 @@ __all__ = ["TinyAttentionModel", "FullCacheRunner"]
 class TinyAttentionModel:
     """``num_layers`` attention layers of width ``dim``; deterministic weights from ``seed``."""
 
-    def __init__(self, num_layers: int, dim: int = 16, vocab: int = 101, seed: int = 0,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, num_layers: int, dim: int = 16, vocab: int = 101, seed: int = 0, dtype: torch.dtype = torch.float32
+    ):
         g = torch.Generator().manual_seed(seed)
         s = 1.0 / math.sqrt(dim)
         self.num_layers, self.dim, self.dtype = num_layers, dim, dtype
         self.embedding = torch.randn(vocab, dim, generator=g).to(dtype)
-        self.w = [tuple((torch.randn(dim, dim, generator=g) * s).to(dtype) for _ in range(4))
-                  for _ in range(num_layers)]
+        self.w = [
+            tuple((torch.randn(dim, dim, generator=g) * s).to(dtype) for _ in range(4)) for _ in range(num_layers)
+        ]
         self.hidden: Dict[str, torch.Tensor] = {}
         self.rows_computed = 0
 
@@ -49,15 +51,16 @@ class TinyAttentionModel:
         """Embed the new tokens of every request (call before the first layer)."""
         self.hidden = {}
         for req, rows in zip(requests, layout.requests):
-            self.hidden[rows.rid] = self.embed(req.token_ids[rows.prefix_len:])
+            self.hidden[rows.rid] = self.embed(req.token_ids[rows.prefix_len :])
 
     def embed(self, token_ids) -> torch.Tensor:
         """``[n, dim]`` embeddings (token ids taken modulo the vocabulary)."""
         ids = torch.tensor(token_ids, dtype=torch.long) % self.embedding.shape[0]
         return self.embedding[ids].clone()
 
-    def attend(self, layer: int, h: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-               prefix_len: int) -> torch.Tensor:
+    def attend(
+        self, layer: int, h: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, prefix_len: int
+    ) -> torch.Tensor:
         """New hidden states; ``k_all``/``v_all`` hold prefix + new rows (new rows already written)."""
         wq, _, _, wo = self.w[layer]
         q = h @ wq
@@ -106,15 +109,16 @@ class FullCacheRunner:
         for layer in range(m.num_layers):
             k_all = torch.empty(total, m.dim, dtype=m.dtype)
             v_all = torch.empty(total, m.dim, dtype=m.dtype)
-            for b in blocks[:prefix_len // bt]:
-                k_all[b.start:b.start + b.tokens], v_all[b.start:b.start + b.tokens] = \
-                    self.cache[(b.digest, layer)]
+            for b in blocks[: prefix_len // bt]:
+                k_all[b.start : b.start + b.tokens], v_all[b.start : b.start + b.tokens] = self.cache[(b.digest, layer)]
             k, v = m.new_kv(layer, h)
             k_all[prefix_len:], v_all[prefix_len:] = k, v
             h = m.attend(layer, h, k_all, v_all, prefix_len)
-            for b in blocks[prefix_len // bt:]:
-                self.cache[(b.digest, layer)] = (k_all[b.start:b.start + b.tokens].clone(),
-                                                 v_all[b.start:b.start + b.tokens].clone())
+            for b in blocks[prefix_len // bt :]:
+                self.cache[(b.digest, layer)] = (
+                    k_all[b.start : b.start + b.tokens].clone(),
+                    v_all[b.start : b.start + b.tokens].clone(),
+                )
         return h
 
 

@@ -101,8 +101,7 @@ class WorkerPool:
         os.environ.update({k: os.environ.get(k) or v for k, v in _WORKER_ENV.items()})
         try:
             log_path = os.path.join(self.log_dir, f"worker-{i}.log") if self.log_dir else None
-            p = self._ctx.Process(target=_worker_main, args=(child, log_path), daemon=True,
-                                  name=f"pd-worker-{i}")
+            p = self._ctx.Process(target=_worker_main, args=(child, log_path), daemon=True, name=f"pd-worker-{i}")
             p.start()
         finally:
             for k, v in saved.items():

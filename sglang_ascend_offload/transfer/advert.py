@@ -76,18 +76,23 @@ class DecodeAdvert(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def validate(self) -> None:
         if self.version != ADVERT_VERSION:
-            raise ProtocolError(f"decode advert version {self.version}, this side speaks {ADVERT_VERSION}: "
-                                "run the same sglang-ascend-offload version on prefill and decode")
+            raise ProtocolError(
+                f"decode advert version {self.version}, this side speaks {ADVERT_VERSION}: "
+                "run the same sglang-ascend-offload version on prefill and decode"
+            )
         if self.d_rank >= self.d_tp:
             raise ProtocolError(f"decode advert: d_rank {self.d_rank} >= d_tp {self.d_tp}")
         expected = self.kv_port + self.dp_rank * self.d_tp + self.d_rank
         if expected != self.control_port:
-            raise ProtocolError(f"decode advert: control port {self.control_port} is not kv_port "
-                                f"{self.kv_port} + dp_rank {self.dp_rank} * d_tp {self.d_tp} + d_rank "
-                                f"{self.d_rank} = {expected}")
+            raise ProtocolError(
+                f"decode advert: control port {self.control_port} is not kv_port "
+                f"{self.kv_port} + dp_rank {self.dp_rank} * d_tp {self.d_tp} + d_rank "
+                f"{self.d_rank} = {expected}"
+            )
         if self.indexer_dtype == "int8" and self.layout_kind != "host_rows":
-            raise ProtocolError("decode advert: an int8 index-K cache is served only by a host_rows "
-                                "(sparse decode offload) decode")
+            raise ProtocolError(
+                "decode advert: an int8 index-K cache is served only by a host_rows (sparse decode offload) decode"
+            )
         try:
             PDTopology(self.d_tp, self.d_tp).check_main_kv(self.main_kv)
         except TopologyError as exc:

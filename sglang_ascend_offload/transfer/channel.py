@@ -60,8 +60,7 @@ import time
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from .errors import ProtocolError, TransferError
-from .protocol import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Message, Rejected, decode_message,
-                       encode_message)
+from .protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Message, Rejected, decode_message, encode_message
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +121,9 @@ class IdleCores:
         return self._idle
 
 
-def spin_recv(sock: socket.socket, spin_ns: int, stop: Optional[threading.Event] = None,
-              nbytes: int = _RECV_BYTES) -> Optional[bytes]:
+def spin_recv(
+    sock: socket.socket, spin_ns: int, stop: Optional[threading.Event] = None, nbytes: int = _RECV_BYTES
+) -> Optional[bytes]:
     """Poll ``sock`` without blocking for at most ``spin_ns`` nanoseconds.
 
     Returns the bytes received (``b""`` at EOF), or None when nothing arrived within
@@ -161,8 +161,7 @@ def _tune(sock: socket.socket) -> None:
     # a blocking socket (no Python timeout) so recv and send may run on different threads;
     # the send timeout is the kernel's and does not affect the reader
     sec = int(SEND_TIMEOUT_S)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                    struct.pack("ll", sec, int((SEND_TIMEOUT_S - sec) * 1e6)))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, int((SEND_TIMEOUT_S - sec) * 1e6)))
 
 
 class _Conn:
@@ -202,11 +201,22 @@ class _Conn:
 class ControlEndpoint:
     """A listening (``router``) or connecting (``dealer``) framed-TCP endpoint."""
 
-    def __init__(self, mode: str, host: str, port: int, *, expect: Tuple[type, ...],
-                 on_message: OnMessage, on_invalid: Optional[OnInvalid] = None,
-                 on_tick: Optional[OnTick] = None, tick_s: float = 0.02,
-                 send_filter: Optional[SendFilter] = None, name: str = "pd-endpoint",
-                 trace: bool = False, spin_us: Optional[float] = None):
+    def __init__(
+        self,
+        mode: str,
+        host: str,
+        port: int,
+        *,
+        expect: Tuple[type, ...],
+        on_message: OnMessage,
+        on_invalid: Optional[OnInvalid] = None,
+        on_tick: Optional[OnTick] = None,
+        tick_s: float = 0.02,
+        send_filter: Optional[SendFilter] = None,
+        name: str = "pd-endpoint",
+        trace: bool = False,
+        spin_us: Optional[float] = None,
+    ):
         if mode not in ("router", "dealer"):
             raise ValueError(f"mode must be 'router' or 'dealer', got {mode!r}")
         self.mode = mode
@@ -252,11 +262,14 @@ class ControlEndpoint:
                 lsock.settimeout(0.1)  # accept wakes up to notice close
             except OSError as exc:
                 lsock.close()
-                raise TransferError(f"cannot bind control socket {self.address}: {exc} (is the port in use? "
-                                    "change pd_transfer.kv_port or pd_transfer.host)") from exc
+                raise TransferError(
+                    f"cannot bind control socket {self.address}: {exc} (is the port in use? "
+                    "change pd_transfer.kv_port or pd_transfer.host)"
+                ) from exc
             self._listener = lsock
-        self._main = threading.Thread(target=self._accept_loop if mode == "router" else self._connect_loop,
-                                      name=name, daemon=True)
+        self._main = threading.Thread(
+            target=self._accept_loop if mode == "router" else self._connect_loop, name=name, daemon=True
+        )
 
     # ------------------------------------------------------------------ public
     def start(self) -> "ControlEndpoint":
@@ -353,8 +366,9 @@ class ControlEndpoint:
                 if self.mode == "dealer":
                     if len(self._pending) >= SEND_QUEUE_LIMIT:
                         self.dropped += 1
-                        logger.warning("%s: not connected and %d messages queued: message dropped",
-                                       self.address, SEND_QUEUE_LIMIT)
+                        logger.warning(
+                            "%s: not connected and %d messages queued: message dropped", self.address, SEND_QUEUE_LIMIT
+                        )
                     else:
                         self._pending.append(data)
                     return
@@ -366,8 +380,7 @@ class ControlEndpoint:
             self.sent += 1
         except OSError as exc:
             self.dropped += 1
-            logger.warning("%s: send to %r failed (%s): connection closed, message dropped",
-                           self.address, peer, exc)
+            logger.warning("%s: send to %r failed (%s): connection closed, message dropped", self.address, peer, exc)
             self._drop_conn(conn)
 
     def _drop_conn(self, conn: _Conn) -> None:
@@ -396,8 +409,9 @@ class ControlEndpoint:
                 ident = b"peer-%d" % self._next_id
                 self._next_id += 1
                 conn = self._conns[ident] = _Conn(sock, ident)
-            conn.thread = threading.Thread(target=self._serve_conn, args=(conn,),
-                                           name=f"{self.name}-{ident.decode()}", daemon=True)
+            conn.thread = threading.Thread(
+                target=self._serve_conn, args=(conn,), name=f"{self.name}-{ident.decode()}", daemon=True
+            )
             conn.thread.start()
 
     def _connect_loop(self) -> None:
@@ -469,7 +483,7 @@ class ControlEndpoint:
                     # from the received bytes (no copies through ``buf``)
                     (n,) = HEADER.unpack_from(data)
                     if len(data) == HEADER.size + n and n <= MAX_MESSAGE_BYTES:
-                        armed = self._dispatch_frame(conn, memoryview(data)[HEADER.size:], t_rx) or armed
+                        armed = self._dispatch_frame(conn, memoryview(data)[HEADER.size :], t_rx) or armed
                         continue
                 buf += data
                 while len(buf) >= HEADER.size:
@@ -477,13 +491,15 @@ class ControlEndpoint:
                     if n > MAX_MESSAGE_BYTES:
                         self.received += 1
                         if not self._stop.is_set():
-                            self._reject(conn.identity, ProtocolError(
-                                f"frame of {n} bytes exceeds {MAX_MESSAGE_BYTES} (connection closed)"))
+                            self._reject(
+                                conn.identity,
+                                ProtocolError(f"frame of {n} bytes exceeds {MAX_MESSAGE_BYTES} (connection closed)"),
+                            )
                         return
                     if len(buf) < HEADER.size + n:
                         break
-                    payload = bytes(buf[HEADER.size:HEADER.size + n])
-                    del buf[:HEADER.size + n]
+                    payload = bytes(buf[HEADER.size : HEADER.size + n])
+                    del buf[: HEADER.size + n]
                     armed = self._dispatch_frame(conn, payload, t_rx) or armed
         finally:
             self._drop_conn(conn)

@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from ..config import PDTransferConfig
 from .channel import ControlEndpoint, SendFilter
@@ -48,9 +48,20 @@ from .destinations import RequestDestination
 from .engine import TransferEngine
 from .errors import EngineReadError, ProtocolError, RequestFailed, TopologyError, TransferError
 from .layout import coalesce, layout_mismatches
+from .protocol import (
+    PROTOCOL_VERSION,
+    KVLayout,
+    MetaAck,
+    MetaHandshake,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    Rejected,
+    RequestRange,
+    TensorSpec,
+    TransferVerdict,
+)
 from .stages import DECODE_STAMPS, StageLog, trace_from_env
-from .protocol import (PROTOCOL_VERSION, KVLayout, MetaAck, MetaHandshake, ReadDone, ReadFailed,
-                       ReadReadyBatch, Rejected, RequestRange, TensorSpec, TransferVerdict)
 from .status import DONE, PENDING, RequestStatus, TransferState
 from .topology import PDTopology, decode_port
 
@@ -116,16 +127,26 @@ class _Peer:
     @classmethod
     def accepted(cls, identity: bytes, hs: MetaHandshake, topology: PDTopology, dest: KVLayout) -> "_Peer":
         src = hs.layout
-        index_pairs = [(getattr(src, role), getattr(dest, role)) for role in ("indexer", "indexer_scale")
-                       if getattr(dest, role) is not None]
+        index_pairs = [
+            (getattr(src, role), getattr(dest, role))
+            for role in ("indexer", "indexer_scale")
+            if getattr(dest, role) is not None
+        ]
         main_at: List[Tuple[int, List[Tuple[TensorSpec, TensorSpec]], int]] = [None] * dest.num_layers
         for gid, (layers, dest_main) in enumerate(dest.main_groups()):
             src_main = src.main_at(layers[0])
             group = (gid, list(zip(src_main, dest_main)), min(t.num_blocks for t in src_main))
             for layer in layers:
                 main_at[layer] = group
-        return cls(identity, hs, topology.member_of(hs.p_rank), topology, main_at, index_pairs,
-                   min((s.num_blocks for s, _ in index_pairs), default=0))
+        return cls(
+            identity,
+            hs,
+            topology.member_of(hs.p_rank),
+            topology,
+            main_at,
+            index_pairs,
+            min((s.num_blocks for s, _ in index_pairs), default=0),
+        )
 
 
 @dataclass
@@ -164,10 +185,21 @@ class DecodeReceiver:
         destination once nothing writes into it any more.
     """
 
-    def __init__(self, config: PDTransferConfig, *, d_tp: int, d_rank: int, layout: KVLayout,
-                 engine: TransferEngine, dp_rank: int = 0, on_release: Optional[OnRelease] = None,
-                 send_filter: Optional[SendFilter] = None, tick_s: float = 0.02,
-                 trace: Optional[bool] = None, spin_us: Optional[float] = None):
+    def __init__(
+        self,
+        config: PDTransferConfig,
+        *,
+        d_tp: int,
+        d_rank: int,
+        layout: KVLayout,
+        engine: TransferEngine,
+        dp_rank: int = 0,
+        on_release: Optional[OnRelease] = None,
+        send_filter: Optional[SendFilter] = None,
+        tick_s: float = 0.02,
+        trace: Optional[bool] = None,
+        spin_us: Optional[float] = None,
+    ):
         if not 0 <= d_rank < d_tp:
             raise TopologyError(f"decode rank {d_rank} out of range 0..{d_tp - 1}")
         layout.validate()
@@ -190,11 +222,19 @@ class DecodeReceiver:
         self._tracks: Dict[str, _Track] = {}
         self._closed = False
         self._endpoint = ControlEndpoint(
-            "router", config.host, self.port,
+            "router",
+            config.host,
+            self.port,
             expect=(MetaHandshake, ReadReadyBatch, TransferVerdict, Rejected),
-            on_message=self._on_message, on_invalid=self._on_invalid, on_tick=self._on_tick,
-            tick_s=tick_s, send_filter=send_filter, name=f"pd-decode-{d_rank}",
-            trace=self.stages is not None, spin_us=DECODE_SPIN_US if spin_us is None else spin_us)
+            on_message=self._on_message,
+            on_invalid=self._on_invalid,
+            on_tick=self._on_tick,
+            tick_s=tick_s,
+            send_filter=send_filter,
+            name=f"pd-decode-{d_rank}",
+            trace=self.stages is not None,
+            spin_us=DECODE_SPIN_US if spin_us is None else spin_us,
+        )
 
     # ------------------------------------------------------------------ API
     def start(self) -> "DecodeReceiver":
@@ -281,8 +321,7 @@ class DecodeReceiver:
     def unreleased_failed(self) -> List[str]:
         """Failed requests whose destination is not released yet (reads still in flight)."""
         with self._lock:
-            return [r for r, t in self._tracks.items()
-                    if t.state is TransferState.FAILED and not t.released]
+            return [r for r, t in self._tracks.items() if t.state is TransferState.FAILED and not t.released]
 
     @property
     def endpoint(self) -> ControlEndpoint:
@@ -303,8 +342,9 @@ class DecodeReceiver:
         with self._lock:
             still_reading = any(t.inflight for t in self._tracks.values())
         if still_reading:
-            logger.error("decode rank %d: an engine read is still running at close; its destinations "
-                         "stay leased", self.d_rank)
+            logger.error(
+                "decode rank %d: an engine read is still running at close; its destinations stay leased", self.d_rank
+            )
         with self._lock:  # reads are over: release whatever waited for them
             for t in self._tracks.values():
                 if t.inflight:
@@ -374,16 +414,19 @@ class DecodeReceiver:
         if hs.engine != self.engine.name:
             problems.append(f"engine: prefill {hs.engine!r}, decode {self.engine.name!r}")
         if hs.data_protocol != self.engine.data_protocol:
-            problems.append(f"data protocol: prefill {hs.data_protocol!r}, decode "
-                            f"{self.engine.data_protocol!r} (both sides must match)")
+            problems.append(
+                f"data protocol: prefill {hs.data_protocol!r}, decode "
+                f"{self.engine.data_protocol!r} (both sides must match)"
+            )
         topo = None
         try:
             topo = PDTopology(hs.p_tp, hs.d_tp)
             if hs.d_tp != self.d_tp:
                 problems.append(f"decode TP: prefill assumes {hs.d_tp}, decode has {self.d_tp}")
             elif topo.d_rank_of(hs.p_rank) != self.d_rank:
-                problems.append(f"prefill rank {hs.p_rank} belongs to decode rank "
-                                f"{topo.d_rank_of(hs.p_rank)}, not {self.d_rank}")
+                problems.append(
+                    f"prefill rank {hs.p_rank} belongs to decode rank {topo.d_rank_of(hs.p_rank)}, not {self.d_rank}"
+                )
         except TopologyError as exc:
             problems.append(str(exc))
         problems += layout_mismatches(hs.layout, self.layout)
@@ -392,10 +435,10 @@ class DecodeReceiver:
                 self._peers[peer] = _Peer.accepted(peer, hs, topo, self.layout)
         reason = "; ".join(problems)
         if problems:
-            logger.warning("decode rank %d: handshake from prefill rank %d refused: %s",
-                           self.d_rank, hs.p_rank, reason)
-        self._endpoint.send(MetaAck(version=PROTOCOL_VERSION, accepted=not problems, reason=reason[:4000],
-                                    d_rank=self.d_rank), peer)
+            logger.warning("decode rank %d: handshake from prefill rank %d refused: %s", self.d_rank, hs.p_rank, reason)
+        self._endpoint.send(
+            MetaAck(version=PROTOCOL_VERSION, accepted=not problems, reason=reason[:4000], d_rank=self.d_rank), peer
+        )
 
     def _on_verdict(self, peer: bytes, v: TransferVerdict) -> None:
         release: List[RequestDestination] = []
@@ -423,8 +466,7 @@ class DecodeReceiver:
                 return
             for t in self._tracks.values():
                 if t.member_peer.get(p.member) == peer:
-                    self._fail_locked(t, f"prefill rank {p.hs.p_rank} rejected our message: {msg.reason}",
-                                      release)
+                    self._fail_locked(t, f"prefill rank {p.hs.p_rank} rejected our message: {msg.reason}", release)
         self._release(release)
 
     def _on_tick(self, now: float) -> None:
@@ -433,8 +475,11 @@ class DecodeReceiver:
             for t in self._tracks.values():
                 if t.state is TransferState.PENDING and t.deadline is not None and now > t.deadline:
                     self.stats.deadline_failures += 1
-                    self._fail_locked(t, f"no transfer progress for {self.config.layer_timeout_s:.3f}s "
-                                         "(prefill dead or stuck)", release)
+                    self._fail_locked(
+                        t,
+                        f"no transfer progress for {self.config.layer_timeout_s:.3f}s (prefill dead or stuck)",
+                        release,
+                    )
         self._release(release)
 
     # ------------------------------------------------------------------ connection thread (reads)
@@ -444,12 +489,19 @@ class DecodeReceiver:
             self._serve_batch(peer, batch)
         except Exception as exc:  # noqa: BLE001 - answer rather than leave prefill waiting
             logger.exception("decode rank %d: batch %d failed unexpectedly", self.d_rank, batch.batch_id)
-            self._answer_failed(peer, batch, [r.request_id for r in batch.requests],
-                                f"decode internal error: {exc}")
+            self._answer_failed(peer, batch, [r.request_id for r in batch.requests], f"decode internal error: {exc}")
 
     def _answer_failed(self, peer: bytes, batch: ReadReadyBatch, ids: List[str], reason: str) -> None:
-        self._endpoint.send(ReadFailed(version=PROTOCOL_VERSION, batch_id=batch.batch_id, layer=batch.layer,
-                                       reason=reason[:4000], request_ids=ids), peer)
+        self._endpoint.send(
+            ReadFailed(
+                version=PROTOCOL_VERSION,
+                batch_id=batch.batch_id,
+                layer=batch.layer,
+                reason=reason[:4000],
+                request_ids=ids,
+            ),
+            peer,
+        )
 
     def _shares(self, t: _Track, m: int) -> Tuple[int, int, int, int]:
         sh = t.shares.get(m)
@@ -463,8 +515,10 @@ class DecodeReceiver:
         if t.topology is None:
             t.topology = p.topology  # the request's first contributor names its prefill instance's
         elif p.topology != t.topology:
-            return (f"contributors disagree on the request's P/D topology: {p.topology} from prefill rank "
-                    f"{p.hs.p_rank}, {t.topology} from an earlier one")
+            return (
+                f"contributors disagree on the request's P/D topology: {p.topology} from prefill rank "
+                f"{p.hs.p_rank}, {t.topology} from an earlier one"
+            )
         topo = t.topology
         n = t.dest.num_blocks
         m = p.member
@@ -478,8 +532,7 @@ class DecodeReceiver:
         main = rr.main_src_blocks
         if topo.sends_main(m):
             if rr.main_offset != start or len(main) != count:
-                return (f"main range {rr.main_offset}+{len(main)} is not this rank's share "
-                        f"{start}+{count}")
+                return f"main range {rr.main_offset}+{len(main)} is not this rank's share {start}+{count}"
         elif main:
             return f"member {m} sent main blocks (only member 0 does)"
         if main and max(main) >= p.main_at[layer][2]:
@@ -487,16 +540,23 @@ class DecodeReceiver:
         index = rr.indexer_src_blocks
         if p.index_pairs:
             if rr.indexer_offset != i_start or len(index) != i_count:
-                return (f"indexer range {rr.indexer_offset}+{len(index)} is not member "
-                        f"{m}'s share {i_start}+{i_count}")
+                return f"indexer range {rr.indexer_offset}+{len(index)} is not member {m}'s share {i_start}+{i_count}"
             if index and max(index) >= p.index_limit:
                 return "indexer source block out of the prefill buffer"
         elif index:
             return "indexer blocks sent but this model has no indexer"
         return None
 
-    def _plan(self, p: _Peer, t: _Track, rr: RequestRange, layer: int, dst_all: List[int],
-              src_all: List[int], len_all: List[int]) -> None:
+    def _plan(
+        self,
+        p: _Peer,
+        t: _Track,
+        rr: RequestRange,
+        layer: int,
+        dst_all: List[int],
+        src_all: List[int],
+        len_all: List[int],
+    ) -> None:
         """Append one request's share of one layer (coalesced per tensor) to the read lists.
 
         Coalescing depends only on block offsets within a layer (every address of a
@@ -510,11 +570,12 @@ class DecodeReceiver:
         if cached is None or cached[0] != main or cached[1] != index:
             rel = []
             for pairs, src_blocks, dst_blocks, offset in (
-                    (main_pairs, main, t.dest.main_blocks, rr.main_offset),
-                    (p.index_pairs, index, t.dest.indexer_blocks, rr.indexer_offset)):
+                (main_pairs, main, t.dest.main_blocks, rr.main_offset),
+                (p.index_pairs, index, t.dest.indexer_blocks, rr.indexer_offset),
+            ):
                 if not src_blocks:
                     continue
-                dst_ids = dst_blocks[offset:offset + len(src_blocks)]
+                dst_ids = dst_blocks[offset : offset + len(src_blocks)]
                 for s_spec, d_spec in pairs:
                     bb = d_spec.block_bytes
                     d_, s_, n_ = coalesce([b * bb for b in dst_ids], [b * bb for b in src_blocks], bb)
@@ -548,8 +609,9 @@ class DecodeReceiver:
         if delivered:
             self._record_delivered(p.member, batch.layer, delivered)
 
-    def _validate_batch(self, peer: bytes, batch: ReadReadyBatch, failed: Dict[str, str]
-                        ) -> Tuple[Optional["_Peer"], Optional[str], List[Tuple[_Track, RequestRange]]]:
+    def _validate_batch(
+        self, peer: bytes, batch: ReadReadyBatch, failed: Dict[str, str]
+    ) -> Tuple[Optional["_Peer"], Optional[str], List[Tuple[_Track, RequestRange]]]:
         """``(peer state, batch-level problem or None, requests to read)``; every request
         that cannot be read gets its reason in ``failed`` (and fails here when pending).
         The requests returned are counted in flight."""
@@ -561,8 +623,10 @@ class DecodeReceiver:
             if p is None:
                 problem = "no accepted handshake from this peer"
             elif batch.member != p.member or batch.ratio != p.topology.ratio:
-                problem = (f"member/ratio {batch.member}/{batch.ratio} disagree with the handshake "
-                           f"({p.member}/{p.topology.ratio})")
+                problem = (
+                    f"member/ratio {batch.member}/{batch.ratio} disagree with the handshake "
+                    f"({p.member}/{p.topology.ratio})"
+                )
             elif batch.layer >= self.layout.num_layers:
                 problem = f"layer {batch.layer} >= {self.layout.num_layers}"
             for rr in batch.requests:
@@ -587,8 +651,9 @@ class DecodeReceiver:
             self._release(release)
         return p, problem, good
 
-    def _read_batch(self, p: "_Peer", batch: ReadReadyBatch, good: List[Tuple[_Track, RequestRange]],
-                    failed: Dict[str, str]) -> List[Tuple[_Track, bool]]:
+    def _read_batch(
+        self, p: "_Peer", batch: ReadReadyBatch, good: List[Tuple[_Track, RequestRange]], failed: Dict[str, str]
+    ) -> List[Tuple[_Track, bool]]:
         """Read the ``good`` requests' ranges of ``batch.layer`` in one engine read (with
         retries); returns ``(track, finished)`` of those read and still pending. A failed
         read fails them all (never READ_DONE), and their in-flight count drops either way."""
@@ -599,8 +664,7 @@ class DecodeReceiver:
         for t, rr in good:
             self._plan(p, t, rr, layer, dst, src, lengths)
         try:
-            error = self._read_with_retries(p.hs.session, layer, dst, src, lengths, good=good,
-                                            batch_id=batch.batch_id)
+            error = self._read_with_retries(p.hs.session, layer, dst, src, lengths, good=good, batch_id=batch.batch_id)
         except Exception as exc:  # noqa: BLE001 - e.g. a bug in an engine adapter
             # a read that did not finish cleanly is a failed read: never READ_DONE, and the
             # requests' in-flight count still drops below (else their destinations stay leased)
@@ -621,8 +685,11 @@ class DecodeReceiver:
                     self._fail_locked(t, error, release)
                 elif t.state is TransferState.PENDING:
                     fin = rr.request_id in batch.finished
-                    missing = (set(range(self.layout.num_layers)) - t.delivered.get(p.member, set())
-                               - {layer}) if fin else set()
+                    missing = (
+                        (set(range(self.layout.num_layers)) - t.delivered.get(p.member, set()) - {layer})
+                        if fin
+                        else set()
+                    )
                     if missing:
                         failed[rr.request_id] = f"member {p.member} finished without layers {sorted(missing)}"
                         self._fail_locked(t, failed[rr.request_id], release)
@@ -638,8 +705,7 @@ class DecodeReceiver:
             self._release(release)
         return delivered
 
-    def _answer_batch(self, peer: bytes, batch: ReadReadyBatch, problem: Optional[str],
-                      failed: Dict[str, str]) -> None:
+    def _answer_batch(self, peer: bytes, batch: ReadReadyBatch, problem: Optional[str], failed: Dict[str, str]) -> None:
         """READ_DONE when every request was read, else the failed ones with their reasons."""
         if problem is not None and not failed:
             self._answer_failed(peer, batch, [], f"layer {batch.layer}: {problem}")
@@ -648,8 +714,9 @@ class DecodeReceiver:
             reason = "; ".join(f"{r}: {w}" for r, w in sorted(failed.items()))
             self._answer_failed(peer, batch, sorted(failed) if len(failed) < len(ids) else [], reason)
         else:
-            stamps = self._endpoint.send(ReadDone(version=PROTOCOL_VERSION, batch_id=batch.batch_id,
-                                                  layer=batch.layer), peer)
+            stamps = self._endpoint.send(
+                ReadDone(version=PROTOCOL_VERSION, batch_id=batch.batch_id, layer=batch.layer), peer
+            )
             if stamps is not None and self.stages is not None:
                 self.stages.stamps(batch.batch_id, DECODE_STAMPS[4:], stamps)
 
@@ -666,9 +733,16 @@ class DecodeReceiver:
                     t.finished.add(member)
                     self._maybe_done_locked(t)
 
-    def _read_with_retries(self, session: str, layer: int, dst, src, lengths,
-                           good: Sequence[Tuple[_Track, RequestRange]] = (),
-                           batch_id: int = -1) -> Optional[str]:
+    def _read_with_retries(
+        self,
+        session: str,
+        layer: int,
+        dst,
+        src,
+        lengths,
+        good: Sequence[Tuple[_Track, RequestRange]] = (),
+        batch_id: int = -1,
+    ) -> Optional[str]:
         """None on success, else the last error after ``1 + read_retries`` attempts.
 
         No retry once every request of ``good`` (the batch's validated requests) has

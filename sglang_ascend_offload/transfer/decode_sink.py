@@ -49,8 +49,17 @@ class DecodeSink:
     registered or listened on.
     """
 
-    def __init__(self, config: cfg.PDTransferConfig, *, d_tp: int, d_rank: int, dp_rank: int, pool: Any,
-                 engine: TransferEngine, draft_pool: Any = None):
+    def __init__(
+        self,
+        config: cfg.PDTransferConfig,
+        *,
+        d_tp: int,
+        d_rank: int,
+        dp_rank: int,
+        pool: Any,
+        engine: TransferEngine,
+        draft_pool: Any = None,
+    ):
         self.main_kv = layouts.main_kv_placement(pool)
         try:
             PDTopology(d_tp, d_tp).check_main_kv(self.main_kv)
@@ -59,9 +68,11 @@ class DecodeSink:
         if draft_pool is not None and d_tp > 1:
             # the draft layer's main KV is per-rank device memory, but with d_tp > 1 each
             # rank pulls only its range of a request's main KV (into the shared host pool)
-            raise layouts.LayoutError(f"P/D decode rank {d_rank}: a speculative draft (NextN) layer is received "
-                                      f"with decode attention TP 1 only (this server has {d_tp}); serve the "
-                                      "decode with --tp 1 per attention-DP group, or without speculation")
+            raise layouts.LayoutError(
+                f"P/D decode rank {d_rank}: a speculative draft (NextN) layer is received "
+                f"with decode attention TP 1 only (this server has {d_tp}); serve the "
+                "decode with --tp 1 per attention-DP group, or without speculation"
+            )
         self.draft_layers = draft_pool.layer_num if draft_pool is not None else 0
         #: the index-K cache's dtype (the sparse decode pool's int8 LIM-C8 cache: keys + scales)
         self.indexer_dtype = getattr(pool, "indexer_dtype", "bf16")
@@ -78,19 +89,42 @@ class DecodeSink:
         self._released: Set[str] = set()
         self._claimed: Set[str] = set()
         self._prefill_done_at = {}
-        self.receiver = DecodeReceiver(config, d_tp=d_tp, d_rank=d_rank, layout=self.layout, engine=engine,
-                                       dp_rank=dp_rank, on_release=self._on_release).start()
-        logger.info("P/D decode rank %d of %d listening on %s:%d (%s destinations, %s main KV%s)", d_rank, d_tp,
-                    config.host, self.port, self.kind, self.main_kv,
-                    f", {self.draft_layers} draft layer(s) on the device" if self.draft_layers else "")
+        self.receiver = DecodeReceiver(
+            config,
+            d_tp=d_tp,
+            d_rank=d_rank,
+            layout=self.layout,
+            engine=engine,
+            dp_rank=dp_rank,
+            on_release=self._on_release,
+        ).start()
+        logger.info(
+            "P/D decode rank %d of %d listening on %s:%d (%s destinations, %s main KV%s)",
+            d_rank,
+            d_tp,
+            config.host,
+            self.port,
+            self.kind,
+            self.main_kv,
+            f", {self.draft_layers} draft layer(s) on the device" if self.draft_layers else "",
+        )
 
     def advert(self) -> DecodeAdvert:
-        return DecodeAdvert(version=ADVERT_VERSION, host=self.config.host, control_port=self.port,
-                            kv_port=self.config.kv_port, dp_rank=self.dp_rank, d_tp=self.d_tp,
-                            d_rank=self.d_rank, engine=self.engine.name,
-                            data_protocol=self.engine.data_protocol, layout_kind=self.kind,
-                            main_kv=self.main_kv, draft_layers=self.draft_layers,
-                            indexer_dtype=self.indexer_dtype)
+        return DecodeAdvert(
+            version=ADVERT_VERSION,
+            host=self.config.host,
+            control_port=self.port,
+            kv_port=self.config.kv_port,
+            dp_rank=self.dp_rank,
+            d_tp=self.d_tp,
+            d_rank=self.d_rank,
+            engine=self.engine.name,
+            data_protocol=self.engine.data_protocol,
+            layout_kind=self.kind,
+            main_kv=self.main_kv,
+            draft_layers=self.draft_layers,
+            indexer_dtype=self.indexer_dtype,
+        )
 
     def _on_release(self, dest: RequestDestination) -> None:
         with self._lock:
@@ -146,8 +180,12 @@ class DecodeSink:
             if rid not in self.receiver.unreleased_failed():
                 break
             if time.monotonic() >= deadline:
-                logger.error("P/D decode rank %d: a read into request %s's pages is still running after %.1fs",
-                             self.d_rank, room, timeout_s)
+                logger.error(
+                    "P/D decode rank %d: a read into request %s's pages is still running after %.1fs",
+                    self.d_rank,
+                    room,
+                    timeout_s,
+                )
                 return False
             time.sleep(0.005)
         self.receiver.forget(rid)  # drops the record once drained

@@ -48,8 +48,9 @@ class TransferEngine(abc.ABC):
         """Undo :meth:`register` for regions starting at ``addresses``."""
 
     @abc.abstractmethod
-    def read(self, peer_session: str, dst_addrs: Sequence[int], src_addrs: Sequence[int],
-             lengths: Sequence[int]) -> None:
+    def read(
+        self, peer_session: str, dst_addrs: Sequence[int], src_addrs: Sequence[int], lengths: Sequence[int]
+    ) -> None:
         """Pull ``lengths[i]`` bytes from the peer's ``src_addrs[i]`` to local ``dst_addrs[i]``."""
 
     @abc.abstractmethod
@@ -124,18 +125,22 @@ class BatchEngineAdapter(TransferEngine):
     def _read_error_detail(self) -> str:
         return ""
 
-    def read(self, peer_session: str, dst_addrs: Sequence[int], src_addrs: Sequence[int],
-             lengths: Sequence[int]) -> None:
+    def read(
+        self, peer_session: str, dst_addrs: Sequence[int], src_addrs: Sequence[int], lengths: Sequence[int]
+    ) -> None:
         check_read_args(dst_addrs, src_addrs, lengths)
         if not lengths:
             return
         if self._closed:
             raise EngineReadError(f"{self.name} engine is closed")
-        rc = self._engine.batch_transfer_sync_read(peer_session, list(map(int, dst_addrs)),
-                                                   list(map(int, src_addrs)), list(map(int, lengths)))
+        rc = self._engine.batch_transfer_sync_read(
+            peer_session, list(map(int, dst_addrs)), list(map(int, src_addrs)), list(map(int, lengths))
+        )
         if rc != 0:
-            raise EngineReadError(f"{self.name} batch read of {len(lengths)} ranges ({sum(lengths)} bytes) "
-                                  f"from {peer_session} returned {rc}{self._read_error_detail()}")
+            raise EngineReadError(
+                f"{self.name} batch read of {len(lengths)} ranges ({sum(lengths)} bytes) "
+                f"from {peer_session} returned {rc}{self._read_error_detail()}"
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -157,14 +162,14 @@ class BatchEngineAdapter(TransferEngine):
 def check_read_args(dst_addrs: Sequence[int], src_addrs: Sequence[int], lengths: Sequence[int]) -> None:
     """Shared argument check of :meth:`TransferEngine.read` implementations."""
     if not len(dst_addrs) == len(src_addrs) == len(lengths):
-        raise ValueError(f"read: {len(dst_addrs)} destinations, {len(src_addrs)} sources, "
-                         f"{len(lengths)} lengths")
+        raise ValueError(f"read: {len(dst_addrs)} destinations, {len(src_addrs)} sources, {len(lengths)} lengths")
     if len(lengths) and min(lengths) <= 0:
         raise ValueError("read: every length must be > 0")
 
 
-def create_engine(config: PDTransferConfig, role: str, *, device_id: int = 0,
-                  mooncake_protocol: Optional[str] = None) -> TransferEngine:
+def create_engine(
+    config: PDTransferConfig, role: str, *, device_id: int = 0, mooncake_protocol: Optional[str] = None
+) -> TransferEngine:
     """Start the engine named by ``config.engine`` for ``role`` (``prefill`` / ``decode``).
 
     mooncake: data path from the ``mooncake_protocol`` argument, else
@@ -183,11 +188,11 @@ def create_engine(config: PDTransferConfig, role: str, *, device_id: int = 0,
         from .engine_mooncake import MooncakeEngine
 
         protocol = mooncake_protocol or config.mooncake_protocol
-        return MooncakeEngine(hostname=config.host, protocol=protocol,
-                              device_name=config.mooncake_device_name)
+        return MooncakeEngine(hostname=config.host, protocol=protocol, device_name=config.mooncake_device_name)
     if config.engine == "memfabric":
         from .engine_memfabric import MemFabricEngine
 
-        return MemFabricEngine(hostname=config.host, store_url=config.store_url,
-                               protocol=config.protocol, role=role, device_id=device_id)
+        return MemFabricEngine(
+            hostname=config.host, store_url=config.store_url, protocol=config.protocol, role=role, device_id=device_id
+        )
     raise EngineError(f"unknown transfer engine {config.engine!r}: use 'memfabric' or 'mooncake'")

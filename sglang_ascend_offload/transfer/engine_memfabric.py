@@ -31,7 +31,8 @@ def _import_memfabric():
         raise EngineUnavailable(
             "the memfabric engine needs memfabric-hybrid (pip install 'sglang-ascend-offload[npu]' "
             "on an Ascend node with CANN); on machines without an NPU use "
-            f"pd_transfer.engine='mooncake' ({exc})") from exc
+            f"pd_transfer.engine='mooncake' ({exc})"
+        ) from exc
     return memfabric_hybrid
 
 
@@ -42,8 +43,10 @@ def create_config_store(store_url: str) -> None:
     mf = _import_memfabric()
     rc = mf.create_config_store(store_url)
     if rc != 0:
-        raise EngineError(f"memfabric create_config_store({store_url!r}) returned {rc}: "
-                          f"{mf.get_last_err_msg() or 'no detail'} (is the port free?)")
+        raise EngineError(
+            f"memfabric create_config_store({store_url!r}) returned {rc}: "
+            f"{mf.get_last_err_msg() or 'no detail'} (is the port free?)"
+        )
 
 
 class MemFabricEngine(BatchEngineAdapter):
@@ -56,20 +59,23 @@ class MemFabricEngine(BatchEngineAdapter):
 
     name = "memfabric"
 
-    def __init__(self, hostname: str, store_url: Optional[str], protocol: str, role: str,
-                 device_id: int = 0):
+    def __init__(self, hostname: str, store_url: Optional[str], protocol: str, role: str, device_id: int = 0):
         if protocol not in PROTOCOLS:
             raise EngineError(f"memfabric protocol {protocol!r} not supported: use one of {PROTOCOLS}")
         if not store_url:
-            raise EngineError("the memfabric engine needs pd_transfer.store_url (tcp://host:port of "
-                              "the config store, created by prefill node 0)")
+            raise EngineError(
+                "the memfabric engine needs pd_transfer.store_url (tcp://host:port of "
+                "the config store, created by prefill node 0)"
+            )
         mf = _import_memfabric()
         self._mf = mf
         engine = mf.TransferEngine()
         op_type = getattr(mf.TransDataOpType, protocol.upper(), None)
         if op_type is None:
-            raise EngineUnavailable(f"installed memfabric_hybrid has no data protocol {protocol!r}; "
-                                    "upgrade memfabric-hybrid or choose another pd_transfer.protocol")
+            raise EngineUnavailable(
+                f"installed memfabric_hybrid has no data protocol {protocol!r}; "
+                "upgrade memfabric-hybrid or choose another pd_transfer.protocol"
+            )
         # as SGLang's Ascend engine does: the RPC port is 0 until initialize picks one
         port = engine.get_rpc_port()
         session = f"{hostname}:{port}"
@@ -79,7 +85,8 @@ class MemFabricEngine(BatchEngineAdapter):
                 f"memfabric TransferEngine.initialize(store {store_url}, session {session}, "
                 f"{role}, device {device_id}, {protocol}) returned {rc}: "
                 f"{mf.get_last_err_msg() or 'no detail'} (needs an Ascend driver/CANN and a running "
-                "config store)")
+                "config store)"
+            )
         if port == 0:
             session = f"{hostname}:{engine.get_rpc_port()}"
         self._started(engine, session, protocol)

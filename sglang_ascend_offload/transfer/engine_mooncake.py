@@ -28,20 +28,23 @@ class MooncakeEngine(BatchEngineAdapter):
 
     def __init__(self, hostname: str, protocol: str = "tcp", device_name: str = ""):
         if protocol not in _SUPPORTED:
-            raise EngineError(f"mooncake protocol {protocol!r} not supported: use one of {_SUPPORTED} "
-                              "(pd_transfer.mooncake_protocol)")
+            raise EngineError(
+                f"mooncake protocol {protocol!r} not supported: use one of {_SUPPORTED} (pd_transfer.mooncake_protocol)"
+            )
         try:
             from mooncake.engine import TransferEngine as _MC
         except ImportError as exc:
             raise EngineUnavailable(
                 "the mooncake engine needs the Mooncake transfer engine: pip install "
                 "mooncake-transfer-engine-non-cuda (CPU/TCP) or mooncake-transfer-engine, and on "
-                f"Debian apt-get install libibverbs1 librdmacm1 ({exc})") from exc
+                f"Debian apt-get install libibverbs1 librdmacm1 ({exc})"
+            ) from exc
         engine = _MC()
         rc = engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
-            raise EngineError(f"mooncake TransferEngine.initialize({hostname!r}, P2PHANDSHAKE, "
-                              f"{protocol!r}) returned {rc}")
+            raise EngineError(
+                f"mooncake TransferEngine.initialize({hostname!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}"
+            )
         self._started(engine, f"{hostname}:{engine.get_rpc_port()}", protocol)
 
     def _unregister(self, addrs: List[int]) -> int:

@@ -10,7 +10,8 @@ device pool). Instead:
 1. before the forward that runs a request's **last chunk**, the caller says which
    ``req_to_token`` row carries which bootstrap room and decode session
    (:meth:`LayerwisePublisher.expect`; in a server the BEFORE hook on
-   ``Scheduler.run_batch`` in ``sglang_plugin/disaggregation/ascend_offload/install.py`` does, after :meth:`~LayerwisePublisher.begin_batch`);
+   ``Scheduler.run_batch`` in ``sglang_plugin/disaggregation/ascend_offload/install.py`` does, after
+   :meth:`~LayerwisePublisher.begin_batch`);
 2. when the pool opens that forward it asks :meth:`LayerwisePublisher.consumers_of`
    (``pool.set_extra_consumers``): the request is added to its decode peer's
    :class:`~sglang_ascend_offload.transfer.prefill_side.PrefillSender` and the peer's
@@ -185,17 +186,35 @@ class LayerwisePublisher(PrefillPublisher):
 
     publishes_during_forward = True
 
-    def __init__(self, config: cfg.PDTransferConfig, *, p_tp: int, p_rank: int, pool: Any,
-                 engine: TransferEngine, max_blocks: Optional[int] = None, staging_slots: int = 2,
-                 draft_pool: Any = None):
+    def __init__(
+        self,
+        config: cfg.PDTransferConfig,
+        *,
+        p_tp: int,
+        p_rank: int,
+        pool: Any,
+        engine: TransferEngine,
+        max_blocks: Optional[int] = None,
+        staging_slots: int = 2,
+        draft_pool: Any = None,
+    ):
         if draft_pool is not None:
             # the layer listener publishes the base layers during the forward; the draft
             # model's extend runs after it, on a pool this publisher never sees
-            raise layouts.LayoutError("P/D prefill with layerwise prefill offload does not publish the "
-                                      "speculative draft (NextN) layer: serve the prefill without "
-                                      "--speculative-algorithm, or without layerwise prefill offload")
-        super().__init__(config, p_tp=p_tp, p_rank=p_rank, pool=pool, engine=engine, max_blocks=max_blocks,
-                         staging_slots=staging_slots)
+            raise layouts.LayoutError(
+                "P/D prefill with layerwise prefill offload does not publish the "
+                "speculative draft (NextN) layer: serve the prefill without "
+                "--speculative-algorithm, or without layerwise prefill offload"
+            )
+        super().__init__(
+            config,
+            p_tp=p_tp,
+            p_rank=p_rank,
+            pool=pool,
+            engine=engine,
+            max_blocks=max_blocks,
+            staging_slots=staging_slots,
+        )
         self.router = PoolGateRouter(pool)
         self._tensors = layouts.split_tensors(pool, allow_layerwise=True)
         regions = layouts.tensors_regions(self._tensors)
@@ -252,16 +271,20 @@ class LayerwisePublisher(PrefillPublisher):
             entry = self._rooms.get(room)
             published = self._published_pages.get(room)
         if entry is None:
-            self._fail_local(room, "sent outside the forward that computed its last chunk (optimistic prefill "
-                                   "or a requeued request): with layerwise prefill offload the shared layer "
-                                   "buffers no longer hold its KV; run prefill with --optimistic-prefill-attempts 0")
+            self._fail_local(
+                room,
+                "sent outside the forward that computed its last chunk (optimistic prefill "
+                "or a requeued request): with layerwise prefill offload the shared layer "
+                "buffers no longer hold its KV; run prefill with --optimistic-prefill-attempts 0",
+            )
             return
         if published is not None and published != pages:
-            self.cancel(room, f"SGLang sends {len(pages)} pages but {len(published)} other pages were published "
-                              "from the forward")
+            self.cancel(
+                room,
+                f"SGLang sends {len(pages)} pages but {len(published)} other pages were published from the forward",
+            )
 
-    def last_chunk_sent(self, room: int, sessions: Sequence[str], pages: Sequence[int],
-                        wait_event: Any = None) -> None:
+    def last_chunk_sent(self, room: int, sessions: Sequence[str], pages: Sequence[int], wait_event: Any = None) -> None:
         """:class:`~.publisher.PrefillPublisher`: ``room`` was published during its forward;
         check the pages (:meth:`check_sent`)."""
         self.check_sent(room, pages)
@@ -396,9 +419,12 @@ class LayerwisePublisher(PrefillPublisher):
                 sends_main = sender.topology.sends_main(sender.member)
                 if (sends_main or st.staging.packs_indexer) and sender.status(u.rid).state is TransferState.PENDING:
                     st.staging.pack(item.layer, u.pages, main=sends_main)
-                sender.publish_layer(item.layer, slot, {u.rid: SourceBlocks(range(len(u.pages)),
-                                                                            st.staging.indexer_blocks(u.pages))},
-                                     finished=finished)
+                sender.publish_layer(
+                    item.layer,
+                    slot,
+                    {u.rid: SourceBlocks(range(len(u.pages)), st.staging.indexer_blocks(u.pages))},
+                    finished=finished,
+                )
             except Exception as exc:  # noqa: BLE001 - fail the request, answer its gates
                 sender.abort(u.rid, f"layer {item.layer}: publish failed: {exc}")
                 try:
@@ -425,8 +451,13 @@ class LayerwisePublisher(PrefillPublisher):
         staging = None
         tensors, router = self._tensors, self.router
         if advert.layout_kind == "host_rows":
-            packed = layouts.PackedStaging(self.pool, slots=self.staging_slots, max_blocks=self.max_blocks,
-                                           allow_layerwise=True, indexer_dtype=advert.indexer_dtype)
+            packed = layouts.PackedStaging(
+                self.pool,
+                slots=self.staging_slots,
+                max_blocks=self.max_blocks,
+                allow_layerwise=True,
+                indexer_dtype=advert.indexer_dtype,
+            )
             regions = layouts.whole_regions(packed.buffers())
             self.engine.register(regions)
             with self._lock:
@@ -437,10 +468,19 @@ class LayerwisePublisher(PrefillPublisher):
             raise TransferError(f"decode layout {advert.layout_kind!r} is not served by layerwise prefill offload")
         layout = layouts.layout_of(self.pool, tensors)
         config = dataclasses.replace(self.config, kv_port=advert.kv_port)
-        sender = PrefillSender(config, p_tp=self.p_tp, d_tp=advert.d_tp, p_rank=self.p_rank, layout=layout,
-                               engine=self.engine, gates=router, decode_host=advert.host,
-                               decode_dp_rank=advert.dp_rank, consumer=CONSUMER_PREFIX + session,
-                               begin_gate=False)
+        sender = PrefillSender(
+            config,
+            p_tp=self.p_tp,
+            d_tp=advert.d_tp,
+            p_rank=self.p_rank,
+            layout=layout,
+            engine=self.engine,
+            gates=router,
+            decode_host=advert.host,
+            decode_dp_rank=advert.dp_rank,
+            consumer=CONSUMER_PREFIX + session,
+            begin_gate=False,
+        )
         try:
             sender.handshake()
         except TransferError as exc:
@@ -452,10 +492,16 @@ class LayerwisePublisher(PrefillPublisher):
             self._senders[session] = sender
             if staging is not None:
                 self._stagings[id(sender)] = staging
-        logger.info("P/D layerwise publisher: link to decode rank %d at %s:%d (%s layout, ratio %d) ready; "
-                    "layers %s are published from shared buffers, gated by decode's reads", advert.d_rank,
-                    advert.host, advert.control_port, advert.layout_kind, sender.topology.ratio,
-                    list(self.pool.pipelined))
+        logger.info(
+            "P/D layerwise publisher: link to decode rank %d at %s:%d (%s layout, ratio %d) ready; "
+            "layers %s are published from shared buffers, gated by decode's reads",
+            advert.d_rank,
+            advert.host,
+            advert.control_port,
+            advert.layout_kind,
+            sender.topology.ratio,
+            list(self.pool.pipelined),
+        )
         return sender
 
     def close(self) -> None:

@@ -58,10 +58,17 @@ def layout_from_regions(block_tokens: int, tensors: Sequence[RawTensor]) -> KVLa
     if len(counts) > 1:
         raise ValueError(f"tensors disagree on the layer count: {sorted(counts)}")
     num_layers = counts.pop() if counts else max(max(t.layers) for t in tensors) + 1
-    specs = [TensorSpec(role=t.role, name=t.name, block_bytes=int(t.block_bytes),
-                        num_blocks=int(t.num_blocks), layer_base_addrs=[int(a) for a in t.layer_addrs],
-                        layers=None if t.layers is None else [int(x) for x in t.layers])
-             for t in tensors]
+    specs = [
+        TensorSpec(
+            role=t.role,
+            name=t.name,
+            block_bytes=int(t.block_bytes),
+            num_blocks=int(t.num_blocks),
+            layer_base_addrs=[int(a) for a in t.layer_addrs],
+            layers=None if t.layers is None else [int(x) for x in t.layers],
+        )
+        for t in tensors
+    ]
     layout = KVLayout(num_layers=num_layers, block_tokens=block_tokens, tensors=specs)
     layout.validate()
     return layout
@@ -88,8 +95,9 @@ def build_layout(block_tokens: int, tensors: Sequence[TensorLayers]) -> KVLayout
             if not x.is_contiguous():
                 raise ValueError(f"tensor {t.name!r}: layer buffers must be contiguous")
         block_bytes = first[0].numel() * first.element_size()
-        raw.append(RawTensor(t.role, t.name, block_bytes, first.shape[0],
-                             [x.data_ptr() for x in t.per_layer], t.layers))
+        raw.append(
+            RawTensor(t.role, t.name, block_bytes, first.shape[0], [x.data_ptr() for x in t.per_layer], t.layers)
+        )
     return layout_from_regions(block_tokens, raw)
 
 
@@ -110,8 +118,10 @@ def layout_mismatches(source: KVLayout, dest: KVLayout) -> List[str]:
     """
     out = []
     if source.num_layers != dest.num_layers:
-        out.append(f"layers: prefill {source.num_layers}, decode {dest.num_layers} (both servers need the "
-                   "same model and the same speculative draft layers)")
+        out.append(
+            f"layers: prefill {source.num_layers}, decode {dest.num_layers} (both servers need the "
+            "same model and the same speculative draft layers)"
+        )
     if source.block_tokens != dest.block_tokens:
         out.append(f"tokens per block: prefill {source.block_tokens}, decode {dest.block_tokens}")
     common = min(source.num_layers, dest.num_layers)  # main tensors compared on the layers both have
@@ -121,16 +131,19 @@ def layout_mismatches(source: KVLayout, dest: KVLayout) -> List[str]:
             sm = source.main_at(layers[0])
             where = "" if len(layers) == common else f"layers {_span(layers)}: "
             if any(source.main_at(x) != sm for x in layers):
-                out.append(f"{where}prefill's main tensors differ within decode's group "
-                           f"(prefill {[t.name for t in sm]} at layer {layers[0]})")
+                out.append(
+                    f"{where}prefill's main tensors differ within decode's group "
+                    f"(prefill {[t.name for t in sm]} at layer {layers[0]})"
+                )
             if len(sm) != len(dm):
                 out.append(f"{where}main tensor count: prefill {len(sm)}, decode {len(dm)}")
             for s, d in zip(sm, dm):
                 if s.name != d.name:
                     out.append(f"{where}main tensor order: prefill {s.name!r}, decode {d.name!r}")
                 if s.block_bytes != d.block_bytes:
-                    out.append(f"{where}main tensor {s.name!r} block bytes: prefill {s.block_bytes}, "
-                               f"decode {d.block_bytes}")
+                    out.append(
+                        f"{where}main tensor {s.name!r} block bytes: prefill {s.block_bytes}, decode {d.block_bytes}"
+                    )
     for role, label in (("indexer", "indexer"), ("indexer_scale", "LIC8 scale")):
         s = getattr(source, role)
         d = getattr(dest, role)

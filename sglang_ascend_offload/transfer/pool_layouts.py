@@ -99,8 +99,11 @@ def main_kv_placement(pool: Any) -> str:
     """
     from ..sparse_decode.host_rows import is_tensor_backed
 
-    if (_is_host_rows_pool(pool) and getattr(pool, "append_order", None) is not None
-            and is_tensor_backed(pool.host_pool)):
+    if (
+        _is_host_rows_pool(pool)
+        and getattr(pool, "append_order", None) is not None
+        and is_tensor_backed(pool.host_pool)
+    ):
         return "tp_shared"
     return "per_rank"
 
@@ -117,24 +120,30 @@ def check_pool(pool: Any, *, allow_layerwise: bool = False) -> None:
     (:mod:`.layerwise_publisher`), so its aliased layer buffers are valid sources."""
     missing = [name for name in POOL_ATTRIBUTES if not hasattr(pool, name)]
     if missing:
-        raise LayoutError(f"P/D transfer backend ascend_offload moves the ascend_offload attention backend's "
-                          f"DSA pools; got {type(pool).__name__} without {', '.join(missing)} (serve a "
-                          "DeepSeek-V3.2-style model with --attention-backend ascend_offload)")
+        raise LayoutError(
+            f"P/D transfer backend ascend_offload moves the ascend_offload attention backend's "
+            f"DSA pools; got {type(pool).__name__} without {', '.join(missing)} (serve a "
+            "DeepSeek-V3.2-style model with --attention-backend ascend_offload)"
+        )
     if is_layerwise_pool(pool) and not allow_layerwise:
-        raise LayoutError("the layerwise prefill offload pool is served only by transfer/layerwise_publisher.py "
-                          "on a prefill server (its pipelined layers are not in device memory after the "
-                          "forward; they are published during it)")
+        raise LayoutError(
+            "the layerwise prefill offload pool is served only by transfer/layerwise_publisher.py "
+            "on a prefill server (its pipelined layers are not in device memory after the "
+            "forward; they are published during it)"
+        )
     if getattr(pool, "index_head_dim", None) is None:
         raise LayoutError("P/D transfer backend ascend_offload needs a DSA model (an indexer cache)")
     if getattr(pool, "dsa_kv_cache_store_fp8", False):
-        raise LayoutError("packed fp8 DSA KV storage is not supported by the P/D backend: use "
-                          "--kv-cache-dtype bfloat16")
+        raise LayoutError(
+            "packed fp8 DSA KV storage is not supported by the P/D backend: use --kv-cache-dtype bfloat16"
+        )
     if getattr(pool, "use_fia_nz", False):
         raise LayoutError("the FIA NZ KV layout is not supported by the P/D backend: unset SGLANG_USE_FIA_NZ")
     missing = [lid for lid in _layer_ids(pool) if lid not in pool.indexer_layer_id_to_slot]
     if missing:
-        raise LayoutError(f"layers {missing} have no indexer cache (shared top-k layers): not supported "
-                          "by the P/D backend yet")
+        raise LayoutError(
+            f"layers {missing} have no indexer cache (shared top-k layers): not supported by the P/D backend yet"
+        )
 
 
 def check_draft_pool(pool: Any, draft_pool: Any) -> None:
@@ -155,8 +164,9 @@ def check_draft_pool(pool: Any, draft_pool: Any) -> None:
     if draft_pages != target_pages:
         problems.append(f"pages: draft {draft_pages}, target {target_pages}")
     if not _is_host_rows_pool(pool) and tuple(draft_pool.k_buffer[0].shape) != tuple(pool.k_buffer[0].shape):
-        problems.append(f"main KV pages: draft {tuple(draft_pool.k_buffer[0].shape)}, target "
-                        f"{tuple(pool.k_buffer[0].shape)}")
+        problems.append(
+            f"main KV pages: draft {tuple(draft_pool.k_buffer[0].shape)}, target {tuple(pool.k_buffer[0].shape)}"
+        )
     if problems:
         raise LayoutError("the draft (NextN) KV pool cannot be moved with the target's: " + "; ".join(problems))
 
@@ -168,16 +178,23 @@ def _indexer_tensors(pool: Any, draft_pool: Any = None) -> List[TensorLayers]:
     if getattr(pool, "index_k_scale_buffer", None) is not None:
         if draft_pool is not None and getattr(draft_pool, "index_k_scale_buffer", None) is None:
             raise LayoutError("the target's indexer has LIC8 scales but the draft's has none")
-        out.append(TensorLayers("indexer_scale", INDEXER_SCALE,
-                                [p.index_k_scale_buffer[p._get_indexer_slot(i)] for p in pools for i in _layer_ids(p)]))
+        out.append(
+            TensorLayers(
+                "indexer_scale",
+                INDEXER_SCALE,
+                [p.index_k_scale_buffer[p._get_indexer_slot(i)] for p in pools for i in _layer_ids(p)],
+            )
+        )
     return out
 
 
 def _draft_split(pool: Any, draft_pool: Any) -> List[TensorLayers]:
     """The draft layers' device main KV, as logical layers after ``pool``'s."""
     layers = list(range(pool.layer_num, pool.layer_num + draft_pool.layer_num))
-    return [TensorLayers("main", MAIN_SPLIT[0], [draft_pool.k_buffer[i] for i in range(draft_pool.layer_num)], layers),
-            TensorLayers("main", MAIN_SPLIT[1], [draft_pool.v_buffer[i] for i in range(draft_pool.layer_num)], layers)]
+    return [
+        TensorLayers("main", MAIN_SPLIT[0], [draft_pool.k_buffer[i] for i in range(draft_pool.layer_num)], layers),
+        TensorLayers("main", MAIN_SPLIT[1], [draft_pool.v_buffer[i] for i in range(draft_pool.layer_num)], layers),
+    ]
 
 
 def split_tensors(pool: Any, draft_pool: Any = None, *, allow_layerwise: bool = False) -> List[TensorLayers]:
@@ -190,9 +207,11 @@ def split_tensors(pool: Any, draft_pool: Any = None, *, allow_layerwise: bool = 
     if draft_pool is not None:
         check_draft_pool(pool, draft_pool)
     pools = [pool] if draft_pool is None else [pool, draft_pool]
-    return [TensorLayers("main", MAIN_SPLIT[0], [p.k_buffer[i] for p in pools for i in range(p.layer_num)]),
-            TensorLayers("main", MAIN_SPLIT[1], [p.v_buffer[i] for p in pools for i in range(p.layer_num)]),
-            *_indexer_tensors(pool, draft_pool)]
+    return [
+        TensorLayers("main", MAIN_SPLIT[0], [p.k_buffer[i] for p in pools for i in range(p.layer_num)]),
+        TensorLayers("main", MAIN_SPLIT[1], [p.v_buffer[i] for p in pools for i in range(p.layer_num)]),
+        *_indexer_tensors(pool, draft_pool),
+    ]
 
 
 def host_rows_tensors(pool: Any, draft_pool: Any = None) -> List[TensorLayers]:
@@ -205,8 +224,11 @@ def host_rows_tensors(pool: Any, draft_pool: Any = None) -> List[TensorLayers]:
     if draft_pool is None:
         return [TensorLayers("main", MAIN_ROWS, rows), *_indexer_tensors(pool)]
     check_draft_pool(pool, draft_pool)
-    return [TensorLayers("main", MAIN_ROWS, rows, list(range(pool.layer_num))), *_draft_split(pool, draft_pool),
-            *_indexer_tensors(pool, draft_pool)]
+    return [
+        TensorLayers("main", MAIN_ROWS, rows, list(range(pool.layer_num))),
+        *_draft_split(pool, draft_pool),
+        *_indexer_tensors(pool, draft_pool),
+    ]
 
 
 def destination_tensors(pool: Any, draft_pool: Any = None) -> List[TensorLayers]:
@@ -244,8 +266,16 @@ class PackedStaging:
     of the ``host_rows`` layout (main from the staging, indexer from the pool).
     """
 
-    def __init__(self, pool: Any, *, slots: int = 2, max_blocks: Optional[int] = None,
-                 allow_layerwise: bool = False, draft_pool: Any = None, indexer_dtype: str = "bf16"):
+    def __init__(
+        self,
+        pool: Any,
+        *,
+        slots: int = 2,
+        max_blocks: Optional[int] = None,
+        allow_layerwise: bool = False,
+        draft_pool: Any = None,
+        indexer_dtype: str = "bf16",
+    ):
         check_pool(pool, allow_layerwise=allow_layerwise)
         if _is_host_rows_pool(pool):
             raise LayoutError("a prefill server cannot run sparse decode offload")
@@ -256,9 +286,11 @@ class PackedStaging:
         if draft_pool is not None:
             check_draft_pool(pool, draft_pool)
             if indexer_dtype == "int8":
-                raise LayoutError("a decode with an int8 (LIM-C8) index-K cache and a speculative draft layer: the "
-                                  "draft's bf16 indexer cannot share the target's int8 indexer tensor; serve "
-                                  'indexer_dtype "bf16" on that decode')
+                raise LayoutError(
+                    "a decode with an int8 (LIM-C8) index-K cache and a speculative draft layer: the "
+                    "draft's bf16 indexer cannot share the target's int8 indexer tensor; serve "
+                    'indexer_dtype "bf16" on that decode'
+                )
         self.pool = pool
         self.draft_pool = draft_pool
         self.slots = slots
@@ -266,8 +298,11 @@ class PackedStaging:
         self.max_blocks = min(pages, max_blocks) if max_blocks else pages
         self.latent_dim = pool.k_buffer[0].shape[-1]
         self.rope_dim = pool.v_buffer[0].shape[-1]
-        self.buffer = torch.zeros((slots, self.max_blocks, pool.page_size, self.latent_dim + self.rope_dim),
-                                  dtype=pool.k_buffer[0].dtype, device=pool.k_buffer[0].device)
+        self.buffer = torch.zeros(
+            (slots, self.max_blocks, pool.page_size, self.latent_dim + self.rope_dim),
+            dtype=pool.k_buffer[0].dtype,
+            device=pool.k_buffer[0].device,
+        )
         self.index_values: Optional[torch.Tensor] = None  # int8 [slots, max_blocks, P, 1, D] (int8 peers)
         self.index_scales: Optional[torch.Tensor] = None  # fp16 [slots, max_blocks, P, 1]
         if indexer_dtype == "int8":
@@ -275,10 +310,12 @@ class PackedStaging:
                 raise LayoutError("the prefill pool already holds indexer scales; int8 packing quantises bf16 keys")
             dim = pool.index_k_buffer[0].shape[-1]
             device = pool.index_k_buffer[0].device
-            self.index_values = torch.zeros((slots, self.max_blocks, pool.page_size, 1, dim), dtype=torch.int8,
-                                            device=device)
-            self.index_scales = torch.zeros((slots, self.max_blocks, pool.page_size, 1), dtype=torch.float16,
-                                            device=device)
+            self.index_values = torch.zeros(
+                (slots, self.max_blocks, pool.page_size, 1, dim), dtype=torch.int8, device=device
+            )
+            self.index_scales = torch.zeros(
+                (slots, self.max_blocks, pool.page_size, 1), dtype=torch.float16, device=device
+            )
 
     @property
     def packs_indexer(self) -> bool:
@@ -305,13 +342,18 @@ class PackedStaging:
         staged = [self.buffer[self.slot_of(i)] for i in range(self.pool.layer_num)]
         if self.packs_indexer:  # int8 peer (no draft pool: refused at construction)
             layers = range(self.pool.layer_num)
-            return [TensorLayers("main", MAIN_ROWS, staged),
-                    TensorLayers("indexer", INDEXER, [self.index_values[self.slot_of(i)] for i in layers]),
-                    TensorLayers("indexer_scale", INDEXER_SCALE, [self.index_scales[self.slot_of(i)] for i in layers])]
+            return [
+                TensorLayers("main", MAIN_ROWS, staged),
+                TensorLayers("indexer", INDEXER, [self.index_values[self.slot_of(i)] for i in layers]),
+                TensorLayers("indexer_scale", INDEXER_SCALE, [self.index_scales[self.slot_of(i)] for i in layers]),
+            ]
         if self.draft_pool is None:
             return [TensorLayers("main", MAIN_ROWS, staged), *_indexer_tensors(self.pool)]
-        return [TensorLayers("main", MAIN_ROWS, staged, list(range(self.pool.layer_num))),
-                *_draft_split(self.pool, self.draft_pool), *_indexer_tensors(self.pool, self.draft_pool)]
+        return [
+            TensorLayers("main", MAIN_ROWS, staged, list(range(self.pool.layer_num))),
+            *_draft_split(self.pool, self.draft_pool),
+            *_indexer_tensors(self.pool, self.draft_pool),
+        ]
 
     def pack(self, layer_index: int, pages: Sequence[int], main: bool = True) -> int:
         """Copy ``pages`` of layer ``layer_index`` as ``[latent | rope]`` rows into its slot
@@ -331,7 +373,7 @@ class PackedStaging:
             latent = self.pool.k_buffer[layer_index].index_select(0, index)
             rope = self.pool.v_buffer[layer_index].index_select(0, index)
             dst[..., : self.latent_dim].copy_(latent.reshape(n, self.pool.page_size, self.latent_dim))
-            dst[..., self.latent_dim:].copy_(rope.reshape(n, self.pool.page_size, self.rope_dim))
+            dst[..., self.latent_dim :].copy_(rope.reshape(n, self.pool.page_size, self.rope_dim))
         if self.packs_indexer:
             self._pack_indexer(layer_index, slot, index)
         event = platform.new_event()

@@ -43,8 +43,9 @@ class PrefillFanout:
         self._senders: Dict[DecodeAddress, PrefillSender] = {}
         self._route: Dict[str, PrefillSender] = {}
 
-    def connect(self, decode_host: str, decode_dp_rank: int = 0,
-                handshake_timeout_s: Optional[float] = None) -> PrefillSender:
+    def connect(
+        self, decode_host: str, decode_dp_rank: int = 0, handshake_timeout_s: Optional[float] = None
+    ) -> PrefillSender:
         """The sender for that decode rank, created and handshaken on first use (blocking)."""
         key = (decode_host, decode_dp_rank)
         with self._lock:
@@ -91,9 +92,15 @@ class PrefillFanout:
                 out.append(sender.consumer)
         return sorted(out)
 
-    def publish_layer(self, layer: int, slot: int, sources: Mapping[str, SourceBlocks],
-                      finished: Iterable[str] = (), begin_gate: bool = True,
-                      consumers: Optional[List[str]] = None) -> Dict[str, Optional[int]]:
+    def publish_layer(
+        self,
+        layer: int,
+        slot: int,
+        sources: Mapping[str, SourceBlocks],
+        finished: Iterable[str] = (),
+        begin_gate: bool = True,
+        consumers: Optional[List[str]] = None,
+    ) -> Dict[str, Optional[int]]:
         """Publish ``layer`` of every request in ``sources`` to its decode rank.
 
         begin_gate: open the slot's gate here with :meth:`consumers`; pass ``False``
@@ -114,7 +121,8 @@ class PrefillFanout:
         for i, (sender, rids) in enumerate(todo):
             try:
                 out[sender.consumer] = sender.publish_layer(
-                    layer, slot, {r: sources[r] for r in rids}, finished=[r for r in rids if r in finished])
+                    layer, slot, {r: sources[r] for r in rids}, finished=[r for r in rids if r in finished]
+                )
             except Exception as exc:
                 # the gate was opened for senders that will now never answer: release them
                 for s, _ in todo[i:]:

@@ -127,25 +127,38 @@ class PeerLink:
         owner, a = self.owner, self.advert
         own_draft = owner.num_layers - self.base_layers
         if a.draft_layers != own_draft:
-            self.error = (f"decode {a.host}:{a.control_port} serves {a.draft_layers} speculative draft layer(s), "
-                          f"this prefill {own_draft}: run both servers with the same --speculative-algorithm "
-                          "(and draft model)")
+            self.error = (
+                f"decode {a.host}:{a.control_port} serves {a.draft_layers} speculative draft layer(s), "
+                f"this prefill {own_draft}: run both servers with the same --speculative-algorithm "
+                "(and draft model)"
+            )
             raise TransferError(self.error)
-        tensors = self.staging.tensors() if self.staging is not None \
-            else layouts.split_tensors(owner.pool, owner.draft_pool)
+        tensors = (
+            self.staging.tensors() if self.staging is not None else layouts.split_tensors(owner.pool, owner.draft_pool)
+        )
         layout = layouts.layout_of(owner.pool, tensors)
         config = dataclasses.replace(owner.config, kv_port=a.kv_port)
         try:
-            sender = PrefillSender(config, p_tp=owner.p_tp, d_tp=a.d_tp, p_rank=owner.p_rank, layout=layout,
-                                   engine=owner.engine, gates=self.gates, decode_host=a.host,
-                                   decode_dp_rank=a.dp_rank)
+            sender = PrefillSender(
+                config,
+                p_tp=owner.p_tp,
+                d_tp=a.d_tp,
+                p_rank=owner.p_rank,
+                layout=layout,
+                engine=owner.engine,
+                gates=self.gates,
+                decode_host=a.host,
+                decode_dp_rank=a.dp_rank,
+            )
         except (TransferError, ValueError) as exc:
             self.error = f"decode {a.host}:{a.control_port}: {exc}"
             raise TransferError(self.error) from exc
         problems = []
         if sender.d_rank != a.d_rank:
-            problems.append(f"prefill rank {owner.p_rank} of {owner.p_tp} sends to decode rank {sender.d_rank} of "
-                            f"{a.d_tp}, but SGLang paired it with decode rank {a.d_rank}")
+            problems.append(
+                f"prefill rank {owner.p_rank} of {owner.p_tp} sends to decode rank {sender.d_rank} of "
+                f"{a.d_tp}, but SGLang paired it with decode rank {a.d_rank}"
+            )
         if sender.port != a.control_port:
             problems.append(f"decode control port {sender.port} != advertised {a.control_port}")
         try:
@@ -160,8 +173,14 @@ class PeerLink:
             self.error = "; ".join(problems)
             raise TransferError(self.error)
         self.sender = sender
-        logger.info("P/D link to decode rank %d at %s:%d (%s layout, ratio %d) ready", a.d_rank, a.host,
-                    a.control_port, a.layout_kind, sender.topology.ratio)
+        logger.info(
+            "P/D link to decode rank %d at %s:%d (%s layout, ratio %d) ready",
+            a.d_rank,
+            a.host,
+            a.control_port,
+            a.layout_kind,
+            sender.topology.ratio,
+        )
         return sender
 
     def _loop(self) -> None:
@@ -217,8 +236,12 @@ class PeerLink:
             main_blocks = range(n) if packed else job.pages
             index_blocks = self.staging.indexer_blocks(job.pages) if packed else list(job.pages)
             try:
-                batch = sender.publish_layer(layer, slot, {rid: SourceBlocks(list(main_blocks), index_blocks)},
-                                             finished=[rid] if layer == layers - 1 else [])
+                batch = sender.publish_layer(
+                    layer,
+                    slot,
+                    {rid: SourceBlocks(list(main_blocks), index_blocks)},
+                    finished=[rid] if layer == layers - 1 else [],
+                )
             except Exception as exc:  # noqa: BLE001 - fail the request, keep the link
                 sender.abort(rid, f"layer {layer}: publish failed: {exc}")
                 break
@@ -238,11 +261,28 @@ class PrefillLinks(PrefillPublisher):
     layers, read from its pages for every peer).
     """
 
-    def __init__(self, config: cfg.PDTransferConfig, *, p_tp: int, p_rank: int, pool: Any,
-                 engine: TransferEngine, max_blocks: Optional[int] = None, staging_slots: int = 2,
-                 draft_pool: Any = None):
-        super().__init__(config, p_tp=p_tp, p_rank=p_rank, pool=pool, engine=engine, max_blocks=max_blocks,
-                         staging_slots=staging_slots, draft_pool=draft_pool)
+    def __init__(
+        self,
+        config: cfg.PDTransferConfig,
+        *,
+        p_tp: int,
+        p_rank: int,
+        pool: Any,
+        engine: TransferEngine,
+        max_blocks: Optional[int] = None,
+        staging_slots: int = 2,
+        draft_pool: Any = None,
+    ):
+        super().__init__(
+            config,
+            p_tp=p_tp,
+            p_rank=p_rank,
+            pool=pool,
+            engine=engine,
+            max_blocks=max_blocks,
+            staging_slots=staging_slots,
+            draft_pool=draft_pool,
+        )
         self.stats = LinkStats()
         self._lock = threading.Lock()
         self._links: Dict[str, PeerLink] = {}
@@ -273,8 +313,13 @@ class PrefillLinks(PrefillPublisher):
                     threading.Thread(target=stale.close, daemon=True).start()
 
     def staging_for(self, link: PeerLink) -> layouts.PackedStaging:
-        staging = layouts.PackedStaging(self.pool, slots=self.staging_slots, max_blocks=self.max_blocks,
-                                        draft_pool=self.draft_pool, indexer_dtype=link.advert.indexer_dtype)
+        staging = layouts.PackedStaging(
+            self.pool,
+            slots=self.staging_slots,
+            max_blocks=self.max_blocks,
+            draft_pool=self.draft_pool,
+            indexer_dtype=link.advert.indexer_dtype,
+        )
         self._register(layouts.whole_regions(staging.buffers()))
         return staging
 
@@ -285,9 +330,13 @@ class PrefillLinks(PrefillPublisher):
                 return link
             advert = self._adverts.get(session)
             if advert is None:
-                raise TransferError(self._advert_errors.get(
-                    session, f"decode session {session} never registered an ascend_offload advert (is the "
-                             "decode server running --disaggregation-transfer-backend ascend_offload?)"))
+                raise TransferError(
+                    self._advert_errors.get(
+                        session,
+                        f"decode session {session} never registered an ascend_offload advert (is the "
+                        "decode server running --disaggregation-transfer-backend ascend_offload?)",
+                    )
+                )
         link = PeerLink(self, session, advert)  # outside the lock: may allocate staging
         with self._lock:
             return self._links.setdefault(session, link)
@@ -303,8 +352,10 @@ class PrefillLinks(PrefillPublisher):
             self.stats.requests += 1
         problems = []
         if len(sessions) != 1:
-            problems.append(f"{len(sessions)} decode ranks target prefill rank {self.p_rank} for this request; "
-                            "the P/D protocol pairs each prefill rank with one decode rank (p_tp >= d_tp)")
+            problems.append(
+                f"{len(sessions)} decode ranks target prefill rank {self.p_rank} for this request; "
+                "the P/D protocol pairs each prefill rank with one decode rank (p_tp >= d_tp)"
+            )
         if not pages:
             problems.append("no pages to send")
         if len(set(pages)) != len(pages):
@@ -321,8 +372,7 @@ class PrefillLinks(PrefillPublisher):
             self._units[room].link = link
         link.put(_Job(room=room, pages=pages, wait_event=wait_event))
 
-    def last_chunk_sent(self, room: int, sessions: Sequence[str], pages: Sequence[int],
-                        wait_event: Any = None) -> None:
+    def last_chunk_sent(self, room: int, sessions: Sequence[str], pages: Sequence[int], wait_event: Any = None) -> None:
         """:class:`~.publisher.PrefillPublisher`: publish ``room`` now (:meth:`submit`)."""
         self.submit(room, sessions, pages, wait_event=wait_event)
 

@@ -28,21 +28,31 @@ pending request: nothing is left locked on any exit path.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
-import collections
 from dataclasses import dataclass, field
-from typing import NamedTuple, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Deque, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
 from ..config import PDTransferConfig
 from ..layerwise_prefill.gates import SlotGates
 from .channel import ControlEndpoint, SendFilter
 from .engine import TransferEngine
 from .errors import HandshakeError, HandshakeTimeout, TransferError
+from .protocol import (
+    PROTOCOL_VERSION,
+    KVLayout,
+    MetaAck,
+    MetaHandshake,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    Rejected,
+    RequestRange,
+    TransferVerdict,
+)
 from .stages import PREFILL_STAMPS, StageLog, trace_from_env
-from .protocol import (PROTOCOL_VERSION, KVLayout, MetaAck, MetaHandshake, ReadDone, ReadFailed,
-                       ReadReadyBatch, Rejected, RequestRange, TransferVerdict)
 from .status import DONE, PENDING, RequestStatus, TransferState
 from .topology import PDTopology, decode_port
 
@@ -125,11 +135,25 @@ class PrefillSender:
         follows from ``config.kv_port``).
     """
 
-    def __init__(self, config: PDTransferConfig, *, p_tp: int, d_tp: int, p_rank: int,
-                 layout: KVLayout, engine: TransferEngine, gates: SlotGates, decode_host: str,
-                 decode_dp_rank: int = 0, consumer: str = PD_CONSUMER, begin_gate: bool = True,
-                 send_filter: Optional[SendFilter] = None, tick_s: float = 0.02,
-                 trace: Optional[bool] = None, spin_us: Optional[float] = None):
+    def __init__(
+        self,
+        config: PDTransferConfig,
+        *,
+        p_tp: int,
+        d_tp: int,
+        p_rank: int,
+        layout: KVLayout,
+        engine: TransferEngine,
+        gates: SlotGates,
+        decode_host: str,
+        decode_dp_rank: int = 0,
+        consumer: str = PD_CONSUMER,
+        begin_gate: bool = True,
+        send_filter: Optional[SendFilter] = None,
+        tick_s: float = 0.02,
+        trace: Optional[bool] = None,
+        spin_us: Optional[float] = None,
+    ):
         self.topology = PDTopology(p_tp, d_tp)
         self.p_rank = p_rank
         self.d_rank = self.topology.d_rank_of(p_rank)
@@ -156,10 +180,19 @@ class PrefillSender:
         self._ack_event = threading.Event()
         self._closed = False
         self._endpoint = ControlEndpoint(
-            "dealer", decode_host, self.port, expect=(MetaAck, ReadDone, ReadFailed, Rejected),
-            on_message=self._on_message, on_invalid=self._on_invalid, on_tick=self._on_tick,
-            tick_s=tick_s, send_filter=send_filter, name=f"pd-prefill-{p_rank}",
-            trace=self.stages is not None, spin_us=PREFILL_SPIN_US if spin_us is None else spin_us)
+            "dealer",
+            decode_host,
+            self.port,
+            expect=(MetaAck, ReadDone, ReadFailed, Rejected),
+            on_message=self._on_message,
+            on_invalid=self._on_invalid,
+            on_tick=self._on_tick,
+            tick_s=tick_s,
+            send_filter=send_filter,
+            name=f"pd-prefill-{p_rank}",
+            trace=self.stages is not None,
+            spin_us=PREFILL_SPIN_US if spin_us is None else spin_us,
+        )
         self._endpoint.start()
 
     # ------------------------------------------------------------------ API
@@ -172,17 +205,28 @@ class PrefillSender:
         """
         timeout_s = self.config.handshake_timeout_s if timeout_s is None else timeout_s
         self._ack_event.clear()
-        self._endpoint.send(MetaHandshake(
-            version=PROTOCOL_VERSION, session=self.engine.session_id, engine=self.engine.name,
-            data_protocol=self.engine.data_protocol, p_tp=self.topology.p_tp, p_rank=self.p_rank,
-            d_tp=self.topology.d_tp, main_tensor_count=len(self.layout.main),
-            has_indexer=self.layout.indexer is not None,
-            has_indexer_scale=self.layout.indexer_scale is not None,
-            layer_timeout_ms=max(1, int(self.config.layer_timeout_s * 1000)), layout=self.layout))
+        self._endpoint.send(
+            MetaHandshake(
+                version=PROTOCOL_VERSION,
+                session=self.engine.session_id,
+                engine=self.engine.name,
+                data_protocol=self.engine.data_protocol,
+                p_tp=self.topology.p_tp,
+                p_rank=self.p_rank,
+                d_tp=self.topology.d_tp,
+                main_tensor_count=len(self.layout.main),
+                has_indexer=self.layout.indexer is not None,
+                has_indexer_scale=self.layout.indexer_scale is not None,
+                layer_timeout_ms=max(1, int(self.config.layer_timeout_s * 1000)),
+                layout=self.layout,
+            )
+        )
         if not self._ack_event.wait(timeout_s):
-            raise HandshakeTimeout(f"decode rank {self.d_rank} at {self._endpoint.address} did not answer "
-                                   f"the metadata handshake within {timeout_s:.3f}s (is the decode server "
-                                   "up, and pd_transfer.kv_port / host the same on both sides?)")
+            raise HandshakeTimeout(
+                f"decode rank {self.d_rank} at {self._endpoint.address} did not answer "
+                f"the metadata handshake within {timeout_s:.3f}s (is the decode server "
+                "up, and pd_transfer.kv_port / host the same on both sides?)"
+            )
         ack = self._ack
         if not ack.accepted:
             raise HandshakeError(f"decode rank {self.d_rank} refused the handshake: {ack.reason}")
@@ -205,8 +249,9 @@ class PrefillSender:
             i_share = topo.indexer_share(num_blocks, self.member) if self._has_indexer else (0, 0)
             self._reqs[request_id] = _Req(num_blocks=num_blocks, shares=m_share + i_share)
 
-    def publish_layer(self, layer: int, slot: int, sources: Mapping[str, SourceBlocks],
-                      finished: Iterable[str] = ()) -> Optional[int]:
+    def publish_layer(
+        self, layer: int, slot: int, sources: Mapping[str, SourceBlocks], finished: Iterable[str] = ()
+    ) -> Optional[int]:
         """Layer ``layer`` of the requests in ``sources`` is written in ``slot``: send it.
 
         Requests already failed are skipped. ``finished`` names requests for which
@@ -243,15 +288,21 @@ class PrefillSender:
                 if layer in r.published:
                     raise ValueError(f"request {rid!r}: layer {layer} published twice")
                 if rid in finished and len(r.published) + 1 != self.layout.num_layers:
-                    raise ValueError(f"request {rid!r} finished after {len(r.published) + 1} of "
-                                     f"{self.layout.num_layers} layers")
+                    raise ValueError(
+                        f"request {rid!r} finished after {len(r.published) + 1} of {self.layout.num_layers} layers"
+                    )
                 m_off, m_cnt, i_off, i_cnt = r.shares
                 reqs.append(r)
-                ranges.append(RequestRange(
-                    request_id=rid, num_blocks=n, main_offset=m_off,
-                    main_src_blocks=[int(b) for b in src.main_blocks[m_off:m_off + m_cnt]],
-                    indexer_offset=i_off,
-                    indexer_src_blocks=[int(b) for b in src.indexer_blocks[i_off:i_off + i_cnt]]))
+                ranges.append(
+                    RequestRange(
+                        request_id=rid,
+                        num_blocks=n,
+                        main_offset=m_off,
+                        main_src_blocks=[int(b) for b in src.main_blocks[m_off : m_off + m_cnt]],
+                        indexer_offset=i_off,
+                        indexer_src_blocks=[int(b) for b in src.indexer_blocks[i_off : i_off + i_cnt]],
+                    )
+                )
             if not ranges:
                 if not self.begin_gate:
                     self.gates.done(slot, layer, self.consumer)
@@ -264,15 +315,28 @@ class PrefillSender:
                     r.finished = True
             batch_id = self._next_batch
             self._next_batch += 1
-            self._batches[batch_id] = _Batch(batch_id, layer, slot, [r.request_id for r in ranges], t_publish,
-                                             t_publish + self.config.layer_timeout_s)
+            self._batches[batch_id] = _Batch(
+                batch_id,
+                layer,
+                slot,
+                [r.request_id for r in ranges],
+                t_publish,
+                t_publish + self.config.layer_timeout_s,
+            )
             self.stats.batches += 1
             if self.stages is not None:
                 self.stages.stamp(batch_id, "publish", t_ns)
-        stamps = self._endpoint.send(ReadReadyBatch(
-            version=PROTOCOL_VERSION, batch_id=batch_id, layer=layer, member=self.member,
-            ratio=self.topology.ratio, requests=ranges,
-            finished=[r.request_id for r in ranges if r.request_id in finished] if finished else []))
+        stamps = self._endpoint.send(
+            ReadReadyBatch(
+                version=PROTOCOL_VERSION,
+                batch_id=batch_id,
+                layer=layer,
+                member=self.member,
+                ratio=self.topology.ratio,
+                requests=ranges,
+                finished=[r.request_id for r in ranges if r.request_id in finished] if finished else [],
+            )
+        )
         if stamps is not None and self.stages is not None:
             self.stages.stamps(batch_id, PREFILL_STAMPS[1:4], stamps)
         return batch_id
@@ -340,8 +404,7 @@ class PrefillSender:
         try:
             self.gates.done(b.slot, b.layer, self.consumer, error=error)
         except ValueError:
-            logger.exception("prefill rank %d: gate of slot %d layer %d already released",
-                             self.p_rank, b.slot, b.layer)
+            logger.exception("prefill rank %d: gate of slot %d layer %d already released", self.p_rank, b.slot, b.layer)
 
     def _fail_locked(self, rid: str, r: _Req, reason: str) -> None:
         if r.state is not TransferState.PENDING:
@@ -350,8 +413,9 @@ class PrefillSender:
         r.reason = reason
         self.stats.requests_failed += 1
         logger.warning("prefill rank %d: request %s failed: %s", self.p_rank, rid, reason)
-        self._endpoint.send(TransferVerdict(version=PROTOCOL_VERSION, request_ids=[rid], ok=False,
-                                            reason=reason[:4000]))
+        self._endpoint.send(
+            TransferVerdict(version=PROTOCOL_VERSION, request_ids=[rid], ok=False, reason=reason[:4000])
+        )
 
     def _ack_layer_locked(self, rid: str, layer: int) -> None:
         r = self._reqs.get(rid)
@@ -361,8 +425,7 @@ class PrefillSender:
         if r.finished and len(r.acked) == self.layout.num_layers:
             r.state = TransferState.DONE
             self.stats.requests_done += 1
-            self._endpoint.send(TransferVerdict(version=PROTOCOL_VERSION, request_ids=[rid], ok=True,
-                                                reason=""))
+            self._endpoint.send(TransferVerdict(version=PROTOCOL_VERSION, request_ids=[rid], ok=True, reason=""))
 
     # ------------------------------------------------------------------ I/O thread
     def _on_message(self, peer: bytes, msg) -> None:
@@ -419,5 +482,7 @@ class PrefillSender:
             for b in [b for b in self._batches.values() if now > b.deadline]:
                 self.stats.timeouts += 1
                 self._finish_batch_locked(
-                    b, f"no answer from decode rank {self.d_rank} within {self.config.layer_timeout_s:.3f}s",
-                    b.request_ids)
+                    b,
+                    f"no answer from decode rank {self.d_rank} within {self.config.layer_timeout_s:.3f}s",
+                    b.request_ids,
+                )

@@ -73,9 +73,11 @@ class _Message(_Base, frozen=True, forbid_unknown_fields=True, tag_field="kind")
 
     def validate(self) -> None:
         if self.version != PROTOCOL_VERSION:
-            raise ProtocolError(f"{type(self).__name__}: unsupported protocol version {self.version} "
-                                f"(this side speaks {PROTOCOL_VERSION}); run the same "
-                                "sglang-ascend-offload version on prefill and decode")
+            raise ProtocolError(
+                f"{type(self).__name__}: unsupported protocol version {self.version} "
+                f"(this side speaks {PROTOCOL_VERSION}); run the same "
+                "sglang-ascend-offload version on prefill and decode"
+            )
 
 
 # ------------------------------------------------------------------ layout
@@ -148,12 +150,12 @@ class KVLayout(_Base, frozen=True, forbid_unknown_fields=True):
                 if t.role != "main":
                     raise ProtocolError(f"tensor {t.name!r}: only main tensors may hold a subset of the layers")
                 if list(t.layers) != sorted(set(t.layers)) or t.layers[-1] >= self.num_layers:
-                    raise ProtocolError(f"tensor {t.name!r}: layers must be ascending, distinct and below "
-                                        f"{self.num_layers}")
+                    raise ProtocolError(
+                        f"tensor {t.name!r}: layers must be ascending, distinct and below {self.num_layers}"
+                    )
             held = self.num_layers if t.layers is None else len(t.layers)
             if len(t.layer_base_addrs) != held:
-                raise ProtocolError(f"tensor {t.name!r}: {len(t.layer_base_addrs)} base addresses "
-                                    f"for {held} layers")
+                raise ProtocolError(f"tensor {t.name!r}: {len(t.layer_base_addrs)} base addresses for {held} layers")
         if any(t.layers is not None for t in self.main):
             held = set()
             for t in self.main:
@@ -218,8 +220,10 @@ class MetaHandshake(_Message, frozen=True, forbid_unknown_fields=True, tag="meta
         if self.p_rank >= self.p_tp:
             raise ProtocolError(f"handshake: p_rank {self.p_rank} >= p_tp {self.p_tp}")
         if self.main_tensor_count != len(self.layout.main):
-            raise ProtocolError(f"handshake: main_tensor_count {self.main_tensor_count} but layout "
-                                f"has {len(self.layout.main)} main tensors")
+            raise ProtocolError(
+                f"handshake: main_tensor_count {self.main_tensor_count} but layout "
+                f"has {len(self.layout.main)} main tensors"
+            )
         if self.has_indexer != (self.layout.indexer is not None):
             raise ProtocolError("handshake: has_indexer disagrees with the layout")
         if self.has_indexer_scale != (self.layout.indexer_scale is not None):
@@ -260,8 +264,9 @@ class RequestRange(_Base, frozen=True, forbid_unknown_fields=True):
             self._exceeds("indexer", self.indexer_offset, self.indexer_src_blocks)
 
     def _exceeds(self, what: str, off: int, blocks: List[int]) -> None:
-        raise ProtocolError(f"request {self.request_id!r}: {what} range {off}+{len(blocks)} "
-                            f"exceeds its {self.num_blocks} blocks")
+        raise ProtocolError(
+            f"request {self.request_id!r}: {what} range {off}+{len(blocks)} exceeds its {self.num_blocks} blocks"
+        )
 
 
 class ReadReadyBatch(_Message, frozen=True, forbid_unknown_fields=True, tag="ready"):
@@ -333,8 +338,15 @@ class Rejected(_Message, frozen=True, forbid_unknown_fields=True, tag="rejected"
 
 
 Message = Union[MetaHandshake, MetaAck, ReadReadyBatch, ReadDone, ReadFailed, TransferVerdict, Rejected]
-MESSAGE_TYPES: Tuple[type, ...] = (MetaHandshake, MetaAck, ReadReadyBatch, ReadDone, ReadFailed,
-                                   TransferVerdict, Rejected)
+MESSAGE_TYPES: Tuple[type, ...] = (
+    MetaHandshake,
+    MetaAck,
+    ReadReadyBatch,
+    ReadDone,
+    ReadFailed,
+    TransferVerdict,
+    Rejected,
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -56,9 +56,18 @@ class PrefillPublisher(abc.ABC):
 
     publishes_during_forward: ClassVar[bool] = False
 
-    def __init__(self, config: cfg.PDTransferConfig, *, p_tp: int, p_rank: int, pool: Any,
-                 engine: TransferEngine, max_blocks: Optional[int] = None, staging_slots: int = 2,
-                 draft_pool: Any = None):
+    def __init__(
+        self,
+        config: cfg.PDTransferConfig,
+        *,
+        p_tp: int,
+        p_rank: int,
+        pool: Any,
+        engine: TransferEngine,
+        max_blocks: Optional[int] = None,
+        staging_slots: int = 2,
+        draft_pool: Any = None,
+    ):
         """Check ``pool`` (:func:`~.pool_layouts.check_pool`; the layerwise pool only for a
         publisher that publishes during the forward) and keep the arguments.
 
@@ -98,8 +107,7 @@ class PrefillPublisher(abc.ABC):
         raise RuntimeError(f"{type(self).__name__} publishes after the forward; nothing is announced to it")
 
     @abc.abstractmethod
-    def last_chunk_sent(self, room: int, sessions: Sequence[str], pages: Sequence[int],
-                        wait_event: Any = None) -> None:
+    def last_chunk_sent(self, room: int, sessions: Sequence[str], pages: Sequence[int], wait_event: Any = None) -> None:
         """The scheduler sends ``room``'s last chunk: ``pages`` are all of the request's
         pages in order, ``sessions`` its decode peers (exactly one is supported);
         ``wait_event`` (optional) completes when the forward that wrote them did."""

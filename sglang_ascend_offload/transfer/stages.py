@@ -23,21 +23,25 @@ TRACE_ENV = "SGLANG_ASCEND_OFFLOAD_PD_TRACE"
 TRACE_LIMIT = 4096  # batches kept per side (most recent)
 
 #: prefill-side stamps of one batch, in path order
-PREFILL_STAMPS = ("publish",  # publish_layer entry
-                  "send_start",  # validation, ranges, slot gate done; endpoint.send entered
-                  "encoded",  # ReadReadyBatch validated and MessagePack-encoded
-                  "sent",  # sendall returned
-                  "answer_rx",  # the answer's bytes returned from recv() on the connection thread
-                  "answer_decoded",  # answer decoded and validated
-                  "handled")  # batch finished: gate released, request bookkeeping done
+PREFILL_STAMPS = (
+    "publish",  # publish_layer entry
+    "send_start",  # validation, ranges, slot gate done; endpoint.send entered
+    "encoded",  # ReadReadyBatch validated and MessagePack-encoded
+    "sent",  # sendall returned
+    "answer_rx",  # the answer's bytes returned from recv() on the connection thread
+    "answer_decoded",  # answer decoded and validated
+    "handled",
+)  # batch finished: gate released, request bookkeeping done
 #: decode-side stamps of one batch, in path order
-DECODE_STAMPS = ("rx",  # the batch's bytes returned from recv() on the connection thread
-                 "decoded",  # decoded and validated (msgspec + semantic checks)
-                 "read_start",  # ranges checked against the handshake, reads planned: engine call
-                 "read_end",  # the engine read returned
-                 "answer_start",  # bookkeeping after the read; endpoint.send entered
-                 "answer_encoded",  # READ_DONE encoded
-                 "answer_sent")  # sendall returned
+DECODE_STAMPS = (
+    "rx",  # the batch's bytes returned from recv() on the connection thread
+    "decoded",  # decoded and validated (msgspec + semantic checks)
+    "read_start",  # ranges checked against the handshake, reads planned: engine call
+    "read_end",  # the engine read returned
+    "answer_start",  # bookkeeping after the read; endpoint.send entered
+    "answer_encoded",  # READ_DONE encoded
+    "answer_sent",
+)  # sendall returned
 
 #: (stage name, (side, from stamp), (side, to stamp)) in path order; ``read`` is the engine read
 STAGES: Tuple[Tuple[str, Tuple[str, str], Tuple[str, str]], ...] = (
@@ -98,8 +102,9 @@ def _percentile(xs: List[float], q: float) -> Optional[float]:
     return xs[max(0, math.ceil(q / 100.0 * len(xs)) - 1)]
 
 
-def stage_breakdown(prefill: Mapping[int, Mapping[str, int]],
-                    decode: Mapping[int, Mapping[str, int]]) -> Dict[str, Dict[str, Optional[float]]]:
+def stage_breakdown(
+    prefill: Mapping[int, Mapping[str, int]], decode: Mapping[int, Mapping[str, int]]
+) -> Dict[str, Dict[str, Optional[float]]]:
     """Per stage of ``STAGES``: ``{"p50", "p99", "n"}`` in microseconds over the batches
     both sides stamped completely (matched by batch id; one prefill and one decode rank).
 
@@ -116,8 +121,7 @@ def stage_breakdown(prefill: Mapping[int, Mapping[str, int]],
         sides = {"p": p, "d": d}
         for name, (s0, k0), (s1, k1) in STAGES:
             samples[name].append((sides[s1][k1] - sides[s0][k0]) / 1e3)
-        samples["total_minus_read"].append(
-            ((p["handled"] - p["publish"]) - (d["read_end"] - d["read_start"])) / 1e3)
+        samples["total_minus_read"].append(((p["handled"] - p["publish"]) - (d["read_end"] - d["read_start"])) / 1e3)
     for name, xs in samples.items():
         out[name] = {"p50": _percentile(xs, 50), "p99": _percentile(xs, 99), "n": len(xs)}
     return out

@@ -73,13 +73,13 @@ class PDTopology:
                 problems.append(f"{name}={v!r} must be a positive int")
         if not problems:
             if self.p_tp < self.d_tp:
-                problems.append(f"prefill TP {self.p_tp} < decode TP {self.d_tp}: "
-                                "P/D transfer needs p_tp >= d_tp")
+                problems.append(f"prefill TP {self.p_tp} < decode TP {self.d_tp}: P/D transfer needs p_tp >= d_tp")
             elif self.p_tp % self.d_tp:
                 problems.append(f"prefill TP {self.p_tp} is not a multiple of decode TP {self.d_tp}")
         if problems:
-            raise TopologyError("invalid P/D topology: " + "; ".join(problems)
-                                + " -> choose tensor-parallel sizes with p_tp = k * d_tp")
+            raise TopologyError(
+                "invalid P/D topology: " + "; ".join(problems) + " -> choose tensor-parallel sizes with p_tp = k * d_tp"
+            )
 
     @property
     def ratio(self) -> int:
@@ -134,14 +134,16 @@ class PDTopology:
                 f"decode attention TP {self.d_tp} with a per-rank main-KV pool: the P/D protocol writes each "
                 "main-KV block once, into the decode DP rank's TP-shared pool, so every other decode rank would "
                 "miss it -> enable sparse decode offload on the decode node (its host pool is shared by the "
-                "TP ranks) or run decode with attention TP 1 (DP attention: --tp N --dp N --enable-dp-attention)")
+                "TP ranks) or run decode with attention TP 1 (DP attention: --tp N --dp N --enable-dp-attention)"
+            )
 
     def contribution(self, p_rank: int, num_blocks: int) -> "Contribution":
         """What prefill rank ``p_rank`` sends for a request of ``num_blocks`` blocks."""
         d_rank, member = self.d_rank_of(p_rank), self.member_of(p_rank)
         main = self.main_share(num_blocks, d_rank) if self.sends_main(member) else (0, 0)
-        return Contribution(p_rank=p_rank, d_rank=d_rank, member=member, main=main,
-                            indexer=self.indexer_share(num_blocks, member))
+        return Contribution(
+            p_rank=p_rank, d_rank=d_rank, member=member, main=main, indexer=self.indexer_share(num_blocks, member)
+        )
 
     def plan(self, num_blocks: int) -> List["Contribution"]:
         """Every prefill rank's :class:`Contribution` for a request of ``num_blocks`` blocks,
@@ -197,8 +199,9 @@ def check_plan(topology: PDTopology, num_blocks: int, plan: List[Contribution]) 
     for d in range(topology.d_tp):
         got = {b: n for (dr, b), n in indexer.items() if dr == d}
         if sorted(got) != list(range(num_blocks)) or any(n != 1 for n in got.values()):
-            problems.append(f"decode rank {d}'s indexer blocks written {sorted(got.items())}, want each of "
-                            f"0..{num_blocks - 1} once")
+            problems.append(
+                f"decode rank {d}'s indexer blocks written {sorted(got.items())}, want each of 0..{num_blocks - 1} once"
+            )
     return problems
 
 
@@ -212,7 +215,9 @@ def decode_port(kv_port: int, dp_rank: int, tp_rank: int, d_tp: int) -> int:
         raise TopologyError(f"decode port: bad ranks dp_rank={dp_rank} tp_rank={tp_rank} d_tp={d_tp}")
     port = kv_port + dp_rank * d_tp + tp_rank
     if not MIN_PORT <= port <= MAX_PORT:
-        raise TopologyError(f"decode control port {port} (kv_port {kv_port} + dp_rank {dp_rank} * "
-                            f"d_tp {d_tp} + tp_rank {tp_rank}) is outside {MIN_PORT}..{MAX_PORT} "
-                            "-> lower pd_transfer.kv_port")
+        raise TopologyError(
+            f"decode control port {port} (kv_port {kv_port} + dp_rank {dp_rank} * "
+            f"d_tp {d_tp} + tp_rank {tp_rank}) is outside {MIN_PORT}..{MAX_PORT} "
+            "-> lower pd_transfer.kv_port"
+        )
     return port

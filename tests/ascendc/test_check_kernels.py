@@ -29,13 +29,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_ascend_offload.kernel_check import compile_check, functional, headers as hdr, model as km
+from sglang_ascend_offload.kernel_check import compile_check, functional
+from sglang_ascend_offload.kernel_check import headers as hdr
+from sglang_ascend_offload.kernel_check import model as km
 from sglang_ascend_offload.ops.contract import ResidencyTable
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"name", "variant", "compiled", "functional_checked", "cases", "bit_exact", "max_abs_err"}
-ENTRIES = {"sao_lightning_indexer_manage", "sao_quant_lightning_indexer_manage",
-           "sao_scatter_copy_sparse_flash_attention"}
+ENTRIES = {
+    "sao_lightning_indexer_manage",
+    "sao_quant_lightning_indexer_manage",
+    "sao_scatter_copy_sparse_flash_attention",
+}
 
 
 @pytest.fixture(scope="session")
@@ -44,13 +49,20 @@ def check_kernels():
     env = dict(os.environ)
     env.pop(hdr.ENV_VAR, None)
     env.pop("ASCEND_HOME_PATH", None)
-    res = subprocess.run([sys.executable, "-m", "sglang_ascend_offload", "check-kernels", "--json"],
-                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    res = subprocess.run(
+        [sys.executable, "-m", "sglang_ascend_offload", "check-kernels", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=900,
+    )
     try:
         doc = json.loads(res.stdout)
     except ValueError:
-        pytest.fail(f"check-kernels --json did not print one JSON document:\n{res.stdout[-3000:]}\n"
-                    f"{res.stderr[-3000:]}")
+        pytest.fail(
+            f"check-kernels --json did not print one JSON document:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        )
     return res.returncode, doc, res.stderr
 
 
@@ -199,17 +211,44 @@ def test_model_faults_on_out_of_bounds_gm_write():
     out, _ = functional._model_lim(m, inp, table.clone(), dims)  # fine as built
     assert int(out["miss_count"].min()) >= 0
     # the same launch with miss_slots one row short: the last row's store leaves the buffer
-    launch = m.tile_lim(tokens=inp.token_rows.shape[0], requests=inp.cu.shape[0], index_heads=8,
-                        index_dim=128, block_size=32, max_blocks=inp.block_table.shape[1], rows=3,
-                        hot_tokens=64, top_k=32, sparse_mode=3, quantized=False)
+    launch = m.tile_lim(
+        tokens=inp.token_rows.shape[0],
+        requests=inp.cu.shape[0],
+        index_heads=8,
+        index_dim=128,
+        block_size=32,
+        max_blocks=inp.block_table.shape[1],
+        rows=3,
+        hot_tokens=64,
+        top_k=32,
+        sparse_mode=3,
+        quantized=False,
+    )
     t, r, k = inp.token_rows.shape[0], 3, 32
     i32 = torch.int32
     tab = table.clone()
-    args = [inp.query, inp.key, inp.weights, inp.cu, inp.kv_len, inp.block_table,
-            inp.token_rows, inp.req_ids, inp.stable, torch.tensor([inp.step]), tab.slot_token,
-            tab.slot_stamp, tab.row_req, torch.empty(t, 1, k, dtype=i32), torch.empty(t, 1, k, dtype=i32),
-            torch.empty(r, k, dtype=torch.uint8), torch.empty(r, k, dtype=i32), torch.empty(r, dtype=i32),
-            torch.empty(r, k, dtype=i32), torch.empty(r - 1, k, dtype=i32)]
+    args = [
+        inp.query,
+        inp.key,
+        inp.weights,
+        inp.cu,
+        inp.kv_len,
+        inp.block_table,
+        inp.token_rows,
+        inp.req_ids,
+        inp.stable,
+        torch.tensor([inp.step]),
+        tab.slot_token,
+        tab.slot_stamp,
+        tab.row_req,
+        torch.empty(t, 1, k, dtype=i32),
+        torch.empty(t, 1, k, dtype=i32),
+        torch.empty(r, k, dtype=torch.uint8),
+        torch.empty(r, k, dtype=i32),
+        torch.empty(r, dtype=i32),
+        torch.empty(r, k, dtype=i32),
+        torch.empty(r - 1, k, dtype=i32),
+    ]
     with pytest.raises(km.ModelFault, match="outside every registered buffer"):
         m.run(km.LIM, args, launch)
 
@@ -217,11 +256,23 @@ def test_model_faults_on_out_of_bounds_gm_write():
 def test_host_tiling_refuses_shapes_outside_the_kernel_limits():
     m = km.KernelModel()
     with pytest.raises(km.ShapeUnsupported, match="index head dim must be 128"):
-        m.tile_lim(tokens=1, requests=1, index_heads=8, index_dim=64, block_size=32, max_blocks=4, rows=1,
-                   hot_tokens=64, top_k=32, sparse_mode=3, quantized=False)
+        m.tile_lim(
+            tokens=1,
+            requests=1,
+            index_heads=8,
+            index_dim=64,
+            block_size=32,
+            max_blocks=4,
+            rows=1,
+            hot_tokens=64,
+            top_k=32,
+            sparse_mode=3,
+            quantized=False,
+        )
     with pytest.raises(km.ShapeUnsupported, match="multiple of 128"):
-        m.tile_copy_sfa(tokens=1, heads=8, latent_dim=512, rope_dim=64, rows=1, hot_tokens=128, top_k=96,
-                        max_ctx=256, scale=0.04)
+        m.tile_copy_sfa(
+            tokens=1, heads=8, latent_dim=512, rope_dim=64, rows=1, hot_tokens=128, top_k=96, max_ctx=256, scale=0.04
+        )
 
 
 def test_the_python_shape_limits_are_the_host_tilings():
@@ -231,9 +282,13 @@ def test_the_python_shape_limits_are_the_host_tilings():
     from sglang_ascend_offload.ops import fused
 
     header = (compile_check.KERNELS_DIR.parent / "include" / "fused_tiling.h").read_text()
-    for name, value in (("kMaxRowTokens", fused.MAX_TOKENS_PER_ROW), ("kMaxHotTokens", fused.MAX_HOT_TOKENS),
-                        ("kMaxTopK", fused.MAX_TOP_K), ("kSortGroup", fused.TOP_K_ALIGN_LIM),
-                        ("kKvTile", fused.TOP_K_ALIGN_COPY_SFA)):
+    for name, value in (
+        ("kMaxRowTokens", fused.MAX_TOKENS_PER_ROW),
+        ("kMaxHotTokens", fused.MAX_HOT_TOKENS),
+        ("kMaxTopK", fused.MAX_TOP_K),
+        ("kSortGroup", fused.TOP_K_ALIGN_LIM),
+        ("kKvTile", fused.TOP_K_ALIGN_COPY_SFA),
+    ):
         assert re.search(rf"constexpr uint32_t {name} = {value};", header), name
     assert re.search(r"constexpr uint32_t kLimPoolBytes = 144 \* 1024;", header)
     m = km.KernelModel()
@@ -245,15 +300,36 @@ def test_the_python_shape_limits_are_the_host_tilings():
                     continue  # the engine refuses these before any kernel (hot buffer < union)
                 lim_says, sfa_says = fused.fused_shape_obstacles(hot, top_k, n)
                 try:
-                    m.tile_lim(tokens=n, requests=1, index_heads=8, index_dim=128, block_size=64, max_blocks=4,
-                               rows=2, hot_tokens=hot, top_k=top_k, sparse_mode=3, quantized=False,
-                               tokens_per_row=n)
+                    m.tile_lim(
+                        tokens=n,
+                        requests=1,
+                        index_heads=8,
+                        index_dim=128,
+                        block_size=64,
+                        max_blocks=4,
+                        rows=2,
+                        hot_tokens=hot,
+                        top_k=top_k,
+                        sparse_mode=3,
+                        quantized=False,
+                        tokens_per_row=n,
+                    )
                     lim_ok = True
                 except km.ShapeUnsupported:
                     lim_ok = False
                 try:
-                    m.tile_copy_sfa(tokens=n, heads=8, latent_dim=512, rope_dim=64, rows=2, hot_tokens=hot,
-                                    top_k=top_k, max_ctx=256, scale=0.04, miss_width=n * top_k)
+                    m.tile_copy_sfa(
+                        tokens=n,
+                        heads=8,
+                        latent_dim=512,
+                        rope_dim=64,
+                        rows=2,
+                        hot_tokens=hot,
+                        top_k=top_k,
+                        max_ctx=256,
+                        scale=0.04,
+                        miss_width=n * top_k,
+                    )
                     sfa_ok = True
                 except km.ShapeUnsupported:
                     sfa_ok = False

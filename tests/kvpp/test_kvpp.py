@@ -6,11 +6,9 @@ import time
 
 import pytest
 import torch
-
-from npu_requirements import npu_present
-from sglang_ascend_offload import platform
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from npu_requirements import npu_present
 
 from sglang_ascend_offload.kvpp.ownership import assign_owners
 from sglang_ascend_offload.kvpp.plan import ComponentSpec, bundles_for, mla_bundle, plan_rank
@@ -215,16 +213,47 @@ def test_bench_kvpp_json_keys_and_active_bytes():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "sglang_ascend_offload", "bench", "kvpp", "--json", "--layers", "3",
-                          "--pool-blocks", "16", "--block-tokens", "4", "--fill", "0.25,1", "--repeats", "1",
-                          "--compute-ms", "0.5"], capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sglang_ascend_offload",
+            "bench",
+            "kvpp",
+            "--json",
+            "--layers",
+            "3",
+            "--pool-blocks",
+            "16",
+            "--block-tokens",
+            "4",
+            "--fill",
+            "0.25,1",
+            "--repeats",
+            "1",
+            "--compute-ms",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     runs = json.loads(out.stdout)["runs"]
-    keys = ["group", "layers", "mode", "pool_blocks", "active_blocks", "bytes_per_forward", "wall_s", "compute_s",
-            "broadcast_s", "wall_over_max"]
+    keys = [
+        "group",
+        "layers",
+        "mode",
+        "pool_blocks",
+        "active_blocks",
+        "bytes_per_forward",
+        "wall_s",
+        "compute_s",
+        "broadcast_s",
+        "wall_over_max",
+    ]
     assert all(list(r) == keys for r in runs)
-    assert [(r["mode"], r["active_blocks"]) for r in runs] == [("full", 4), ("active", 4), ("full", 16),
-                                                                ("active", 16)]
+    assert [(r["mode"], r["active_blocks"]) for r in runs] == [("full", 4), ("active", 4), ("full", 16), ("active", 16)]
     per_block = sum(c.bytes_per_block for c in mla_bundle(block_size=4))
     for r in runs:
         blocks = r["pool_blocks"] if r["mode"] == "full" else r["active_blocks"]

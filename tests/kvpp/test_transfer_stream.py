@@ -135,8 +135,9 @@ def test_broadcasts_run_on_the_transfer_stream_after_cache_ready_and_complete_be
     assert created == [transport.stream] and transport.stream is not rec.compute  # its own stream
     sched = KVPPScheduler(transport)
     layers = sched.layers
-    sched.schedule_forward(has_history=True,
-                           active_blocks=None if active is None else torch.tensor(active, dtype=torch.long))
+    sched.schedule_forward(
+        has_history=True, active_blocks=None if active is None else torch.tensor(active, dtype=torch.long)
+    )
     for layer in layers:
         sched.wait_for_layer(layer)
         rec.add("layer_ready", layer=layer)
@@ -151,7 +152,7 @@ def test_broadcasts_run_on_the_transfer_stream_after_cache_ready_and_complete_be
         # the transfer stream waits for cache_ready, which the compute stream recorded first,
         # on the thread that runs the forward
         assert wait["stream"] is transport.stream
-        ready = [e for e in log[:log.index(wait)] if e["what"] == "record" and e["event"] is wait["event"]]
+        ready = [e for e in log[: log.index(wait)] if e["what"] == "record" and e["event"] is wait["event"]]
         assert len(ready) == 1 and ready[0]["stream"] is rec.compute
         assert ready[0]["thread"] == threading.current_thread().name
         # every broadcast of the layer is issued on the transfer stream

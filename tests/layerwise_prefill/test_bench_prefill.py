@@ -9,9 +9,27 @@ from sglang_ascend_offload.bench.prefill import RUN_KEYS
 
 
 def test_bench_prefill_json(capsys):
-    rc = cli.main(["bench", "prefill", "--json", "--shared-buffers", "1,2,4", "--layers", "5",
-                   "--dim", "32", "--prefix-tokens", "64", "--new-tokens", "4",
-                   "--block-tokens", "16", "--repeats", "1"])
+    rc = cli.main(
+        [
+            "bench",
+            "prefill",
+            "--json",
+            "--shared-buffers",
+            "1,2,4",
+            "--layers",
+            "5",
+            "--dim",
+            "32",
+            "--prefix-tokens",
+            "64",
+            "--new-tokens",
+            "4",
+            "--block-tokens",
+            "16",
+            "--repeats",
+            "1",
+        ]
+    )
     assert rc == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
     assert [r["shared_buffers"] for r in runs] == [1, 2, 4]
@@ -28,8 +46,28 @@ def test_bench_prefill_json(capsys):
 
 
 def test_bench_prefill_table(capsys):
-    assert cli.main(["bench", "prefill", "--shared-buffers", "2", "--layers", "3", "--dim", "16",
-                     "--prefix-tokens", "32", "--new-tokens", "2", "--block-tokens", "16",
-                     "--repeats", "1"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "prefill",
+                "--shared-buffers",
+                "2",
+                "--layers",
+                "3",
+                "--dim",
+                "16",
+                "--prefix-tokens",
+                "32",
+                "--new-tokens",
+                "2",
+                "--block-tokens",
+                "16",
+                "--repeats",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "wall/max" in out and "wall/sum" in out

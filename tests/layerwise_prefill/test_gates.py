@@ -5,8 +5,7 @@ import time
 
 import pytest
 
-from sglang_ascend_offload.layerwise_prefill.gates import (
-    GateError, GateTimeout, SlotBusyError, SlotGates)
+from sglang_ascend_offload.layerwise_prefill.gates import GateError, GateTimeout, SlotBusyError, SlotGates
 
 
 def test_fresh_slot_is_free_and_empty_consumers_free_at_once():
@@ -39,14 +38,14 @@ def test_unknown_completion_raises_value_error():
     g = SlotGates(1)
     g.begin(0, 1, ["save"])
     with pytest.raises(ValueError):
-        g.done(0, 2, "save")          # wrong layer
+        g.done(0, 2, "save")  # wrong layer
     with pytest.raises(ValueError):
-        g.done(0, 1, "decode")        # unknown consumer
+        g.done(0, 1, "decode")  # unknown consumer
     g.done(0, 1, "save")
     with pytest.raises(ValueError):
-        g.done(0, 1, "save")          # reported twice
+        g.done(0, 1, "save")  # reported twice
     with pytest.raises(ValueError):
-        g.done(5, 1, "save")          # bad slot
+        g.done(5, 1, "save")  # bad slot
 
 
 def test_timeout_names_slot_layer_and_pending():
@@ -73,9 +72,9 @@ def test_error_raised_only_after_all_consumers_finished():
         g.wait_free(0, 1.0)
     assert ei.value.slot == 0 and ei.value.layer == 4
     assert ei.value.errors == {"decode0": "READ_FAILED: link down"}
-    with pytest.raises(GateError):      # sticky until the next begin
+    with pytest.raises(GateError):  # sticky until the next begin
         g.wait_free(0, 1.0)
-    g.begin(0, 5, [])                   # the slot itself is free
+    g.begin(0, 5, [])  # the slot itself is free
     g.wait_free(0, 0.0)
 
 

@@ -8,7 +8,11 @@ import torch
 
 from sglang_ascend_offload.layerwise_prefill.gates import GateTimeout
 from sglang_ascend_offload.layerwise_prefill.pipeline import (
-    ForwardError, LayerwisePrefillPipeline, PrefillRequest, run_forward)
+    ForwardError,
+    LayerwisePrefillPipeline,
+    PrefillRequest,
+    run_forward,
+)
 from sglang_ascend_offload.layerwise_prefill.planner import plan_buffers
 from sglang_ascend_offload.layerwise_prefill.store import StoreError, block_keys, object_key
 from sglang_ascend_offload.layerwise_prefill.store_local import LocalHostKVStore
@@ -19,8 +23,7 @@ ROWS = 48
 
 
 def _forward(pipe, model, reqs, **kw):
-    stats = run_forward(pipe, reqs, model.compute_layer,
-                        on_begin=lambda lay: model.start(reqs, lay), **kw)
+    stats = run_forward(pipe, reqs, model.compute_layer, on_begin=lambda lay: model.start(reqs, lay), **kw)
     return stats, {rid: h.clone() for rid, h in model.hidden.items()}
 
 
@@ -108,11 +111,14 @@ def test_remote_consumer_gates_reuse_and_sees_complete_layer():
     plan = plan_buffers(model.specs(ROWS), 2, [0])
     seen = {}
     with LayerwisePrefillPipeline(plan, LocalHostKVStore(), block_tokens=BT) as pipe:
+
         def on_written(layer, slot):
             def read():
                 seen[layer] = [t[:6].clone() for t in pipe.buffers[slot]]
                 pipe.gates.done(slot, layer, "decode:0")
+
             threading.Timer(0.01, read).start()
+
         pipe.add_written_listener(on_written)
         req = PrefillRequest("a", (5, 4, 3, 2, 1, 0))
         _forward(pipe, model, [req], extra_consumers={l: ["decode:0"] for l in range(5)})
@@ -130,8 +136,9 @@ def test_buffers_and_capacity_are_checked():
     model = TinyAttentionModel(num_layers=3)
     plan = plan_buffers(model.specs(8), 1, [0])
     with pytest.raises(ValueError, match="do not match the plan"):
-        LayerwisePrefillPipeline(plan, LocalHostKVStore(), block_tokens=BT,
-                                 buffers=[[torch.zeros(8, 16)] * 2, [torch.zeros(8, 15)] * 2])
+        LayerwisePrefillPipeline(
+            plan, LocalHostKVStore(), block_tokens=BT, buffers=[[torch.zeros(8, 16)] * 2, [torch.zeros(8, 15)] * 2]
+        )
     with LayerwisePrefillPipeline(plan, LocalHostKVStore(), block_tokens=BT) as pipe:
         with pytest.raises(ValueError, match="needs 9 token rows"):
             pipe.begin_forward([PrefillRequest("a", tuple(range(9)))])

@@ -4,7 +4,13 @@ import pytest
 
 from sglang_ascend_offload.config import LayerwisePrefillOffloadConfig
 from sglang_ascend_offload.layerwise_prefill.planner import (
-    LayerKVSpec, LayoutError, TensorSpec, plan_buffers, plan_from_config, uniform_specs)
+    LayerKVSpec,
+    LayoutError,
+    TensorSpec,
+    plan_buffers,
+    plan_from_config,
+    uniform_specs,
+)
 
 T = 64
 MAIN = (TensorSpec((T, 512), "bfloat16"), TensorSpec((T, 64), "bfloat16"))
@@ -62,8 +68,7 @@ def test_mixed_specs_never_share():
 
 
 def test_mtp_layers_take_part_numbered_after_base():
-    plan = plan_buffers(uniform_specs(6, MAIN, IDX, num_mtp_layers=1), shared_buffers=2,
-                        independent_layers=[0])
+    plan = plan_buffers(uniform_specs(6, MAIN, IDX, num_mtp_layers=1), shared_buffers=2, independent_layers=[0])
     assert plan.order == (0, 1, 2, 3, 4, 5, 6)
     assert plan.specs[6].mtp
     assert plan.layers_of(1) == (1, 3, 5) and plan.layers_of(2) == (2, 4, 6)
@@ -75,17 +80,25 @@ def test_mtp_layers_take_part_numbered_after_base():
 def test_invalid_layouts_list_every_reason():
     specs = [
         LayerKVSpec(0, MAIN),
-        LayerKVSpec(1, (TensorSpec((T, 0), "bfloat16"),)),          # bad dim
-        LayerKVSpec(2, (TensorSpec((T, 8), "bfloat17"),)),          # bad dtype
+        LayerKVSpec(1, (TensorSpec((T, 0), "bfloat16"),)),  # bad dim
+        LayerKVSpec(2, (TensorSpec((T, 8), "bfloat17"),)),  # bad dtype
         LayerKVSpec(3, MAIN, (TensorSpec((T + 1, 128), "bfloat16"),)),  # indexer rows mismatch
-        LayerKVSpec(3, MAIN),                                       # duplicate
-        LayerKVSpec(2, (), mtp=True),                               # mtp before base + no main (+dup)
+        LayerKVSpec(3, MAIN),  # duplicate
+        LayerKVSpec(2, (), mtp=True),  # mtp before base + no main (+dup)
     ]
     with pytest.raises(LayoutError) as ei:
         plan_buffers(specs, shared_buffers=0, independent_layers=[0, 42])
     text = "\n".join(ei.value.reasons)
-    for needle in ("positive int dims", "unknown dtype", "token rows", "duplicate layer ids",
-                   "MTP layers", "no main-KV", "shared_buffers=0", "independent layers [42]"):
+    for needle in (
+        "positive int dims",
+        "unknown dtype",
+        "token rows",
+        "duplicate layer ids",
+        "MTP layers",
+        "no main-KV",
+        "shared_buffers=0",
+        "independent layers [42]",
+    ):
         assert needle in text, needle
     assert len(ei.value.reasons) >= 8
 

@@ -24,8 +24,7 @@ import pytest
 import torch
 
 from sglang_ascend_offload.layerwise_prefill.gates import SlotGates
-from sglang_ascend_offload.layerwise_prefill.pipeline import (
-    LayerwisePrefillPipeline, PrefillRequest, run_forward)
+from sglang_ascend_offload.layerwise_prefill.pipeline import LayerwisePrefillPipeline, PrefillRequest, run_forward
 from sglang_ascend_offload.layerwise_prefill.planner import plan_buffers
 from sglang_ascend_offload.layerwise_prefill.store_local import LocalHostKVStore
 from sglang_ascend_offload.testing.tiny_attention_model import FullCacheRunner, TinyAttentionModel
@@ -41,7 +40,7 @@ class Checker:
 
     def __init__(self, num_slots):
         self.lock = threading.Lock()
-        self.current = [None] * num_slots          # (instance id, layer)
+        self.current = [None] * num_slots  # (instance id, layer)
         self.finished = [set() for _ in range(num_slots)]
         self.instances = 0
         self.violations = []
@@ -51,8 +50,10 @@ class Checker:
             if self.current[slot] is not None:
                 missing = set(READERS) - self.finished[slot]
                 if missing:
-                    self.violations.append(f"slot {slot} reused for layer {layer} while readers "
-                                           f"{sorted(missing)} of layer {self.current[slot][1]} run")
+                    self.violations.append(
+                        f"slot {slot} reused for layer {layer} while readers "
+                        f"{sorted(missing)} of layer {self.current[slot][1]} run"
+                    )
             self.instances += 1
             self.current[slot] = (self.instances, layer)
             self.finished[slot] = set()
@@ -73,8 +74,7 @@ class Checker:
     def read_end(self, slot, inst, who):
         with self.lock:
             if self.current[slot] != inst:
-                self.violations.append(f"{who} of {inst} on slot {slot} ended after reuse "
-                                       f"({self.current[slot]})")
+                self.violations.append(f"{who} of {inst} on slot {slot} ended after reuse ({self.current[slot]})")
             else:
                 self.finished[slot].add(who)
 
@@ -153,12 +153,10 @@ def _run_seed(seed, gates_cls=InstrumentedGates, max_delay=0.002, tolerate_error
         raise AssertionError("tensor outside the layer buffers")
 
     store = DelayStore(rng, max_delay, slot_of_ptr, checker)
-    pipe = LayerwisePrefillPipeline(plan, store, block_tokens=BT, prefetch_depth=depth,
-                                    wait_timeout_s=10.0)
+    pipe = LayerwisePrefillPipeline(plan, store, block_tokens=BT, prefetch_depth=depth, wait_timeout_s=10.0)
     pipe.gates = gates_cls(plan.num_physical, checker)
     pipe_holder["pipe"] = pipe
     reader_errors = []
-    snapshots = {}
     timers = []
 
     def on_written(layer, slot):
@@ -176,6 +174,7 @@ def _run_seed(seed, gates_cls=InstrumentedGates, max_delay=0.002, tolerate_error
                 pipe.gates.done(slot, layer, "decode")
             except ValueError as exc:  # only possible when the slot was reused under us
                 reader_errors.append(str(exc))
+
         t = threading.Timer(d, read)
         timers.append(t)
         t.start()
@@ -211,8 +210,14 @@ def _run_seed(seed, gates_cls=InstrumentedGates, max_delay=0.002, tolerate_error
     try:
         for i, reqs in enumerate(batches):
             waited = rng.random() < 0.5
-            run_forward(pipe, reqs, compute, extra_consumers=extra, wait_saves=waited,
-                                on_begin=lambda lay, reqs=reqs: on_begin(lay, reqs))
+            run_forward(
+                pipe,
+                reqs,
+                compute,
+                extra_consumers=extra,
+                wait_saves=waited,
+                on_begin=lambda lay, reqs=reqs: on_begin(lay, reqs),
+            )
             prefix = {r.rid: r.prefix_len for r in layouts[-1].requests}
             if i > 0 and all_saved:
                 # everything earlier was saved: the pipeline must reuse every cached block
@@ -237,12 +242,14 @@ def _run_seed(seed, gates_cls=InstrumentedGates, max_delay=0.002, tolerate_error
 
 def _prefix_of(req, batches, current):
     """Whole blocks of ``req`` already saved by earlier batches (what the pipeline matches)."""
-    earlier = [r for b in batches[:batches.index(current)] for r in b]
+    earlier = [r for b in batches[: batches.index(current)] for r in b]
     best = 0
     for other in earlier:
         n = 0
-        while (n + BT <= min(len(other.token_ids), len(req.token_ids) - 1)
-               and other.token_ids[n:n + BT] == req.token_ids[n:n + BT]):
+        while (
+            n + BT <= min(len(other.token_ids), len(req.token_ids) - 1)
+            and other.token_ids[n : n + BT] == req.token_ids[n : n + BT]
+        ):
             n += BT
         best = max(best, n)
     return best
@@ -260,8 +267,7 @@ def test_checker_catches_reuse_without_gates():
     """Negative control: bypassing the gates produces detected violations."""
     found = []
     for seed in range(6):
-        violations, _, _ = _run_seed(seed, gates_cls=BrokenGates, max_delay=0.004,
-                                     tolerate_errors=True)
+        violations, _, _ = _run_seed(seed, gates_cls=BrokenGates, max_delay=0.004, tolerate_errors=True)
         found += violations
         if found:
             break

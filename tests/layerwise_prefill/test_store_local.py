@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from sglang_ascend_offload.layerwise_prefill.store import (
-    StoreError, block_keys, object_key)
+from sglang_ascend_offload.layerwise_prefill.store import StoreError, block_keys, object_key
 from sglang_ascend_offload.layerwise_prefill.store_local import LocalHostKVStore
 
 

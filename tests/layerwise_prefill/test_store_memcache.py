@@ -10,22 +10,28 @@ import socket
 
 import pytest
 import torch
-
 from npu_requirements import npu_present, require_package
+
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.config import LayerwisePrefillOffloadConfig, MemcacheConfig
 from sglang_ascend_offload.layerwise_prefill.store import StoreError, StoreUnavailable, make_store
+from sglang_ascend_offload.layerwise_prefill.store_memcache import (
+    MemcacheClient,
+    MemcacheHostKVStore,
+    MetaServiceProcess,
+    read_mmc_conf,
+    shipped_config,
+    write_mmc_conf,
+)
 from sglang_ascend_offload.testing.machine_lock import machine_lock
 from sglang_ascend_offload.testing.ports import reserve_port
-from sglang_ascend_offload.layerwise_prefill.store_memcache import (
-    MemcacheClient, MemcacheHostKVStore, MetaServiceProcess, read_mmc_conf, shipped_config,
-    write_mmc_conf)
 
 HAVE_MEMCACHE = importlib.util.find_spec("memcache_hybrid") is not None
-needs_memcache = pytest.mark.skipif(not HAVE_MEMCACHE and not npu_present(), reason="memcache-hybrid not installed "
-                                    "(pip install memcache-hybrid memfabric-hybrid)")
-npu_only = [pytest.mark.npu, pytest.mark.skipif(not npu_present(),
-                                                reason="needs an Ascend NPU with CANN")]
+needs_memcache = pytest.mark.skipif(
+    not HAVE_MEMCACHE and not npu_present(),
+    reason="memcache-hybrid not installed (pip install memcache-hybrid memfabric-hybrid)",
+)
+npu_only = [pytest.mark.npu, pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN")]
 
 
 def _free_ports(n):
@@ -41,22 +47,28 @@ def mmc_conf(tmp_path_factory):
     d = tmp_path_factory.mktemp("mmc")
     meta_port, store_port, metrics_port = _free_ports(3)
     meta = d / "mmc-meta.conf"
-    write_mmc_conf(str(meta), {
-        "ock.mmc.meta_service_url": f"tcp://127.0.0.1:{meta_port}",
-        "ock.mmc.meta_service.config_store_url": f"tcp://127.0.0.1:{store_port}",
-        "ock.mmc.meta_service.metrics_url": f"http://127.0.0.1:{metrics_port}",
-        "ock.mmc.log_level": "error",
-        "ock.mmc.log_path": str(d / "logs"),
-    })
+    write_mmc_conf(
+        str(meta),
+        {
+            "ock.mmc.meta_service_url": f"tcp://127.0.0.1:{meta_port}",
+            "ock.mmc.meta_service.config_store_url": f"tcp://127.0.0.1:{store_port}",
+            "ock.mmc.meta_service.metrics_url": f"http://127.0.0.1:{metrics_port}",
+            "ock.mmc.log_level": "error",
+            "ock.mmc.log_path": str(d / "logs"),
+        },
+    )
     local = d / "mmc-local.conf"
-    write_mmc_conf(str(local), {
-        "ock.mmc.meta_service_url": f"tcp://127.0.0.1:{meta_port}",
-        "ock.mmc.local_service.config_store_url": f"tcp://127.0.0.1:{store_port}",
-        "ock.mmc.log_level": "error",
-        "ock.mmc.local_service.world_size": "4",
-        "ock.mmc.local_service.protocol": "host_rdma",
-        "ock.mmc.local_service.dram.size": "64MB",
-    })
+    write_mmc_conf(
+        str(local),
+        {
+            "ock.mmc.meta_service_url": f"tcp://127.0.0.1:{meta_port}",
+            "ock.mmc.local_service.config_store_url": f"tcp://127.0.0.1:{store_port}",
+            "ock.mmc.log_level": "error",
+            "ock.mmc.local_service.world_size": "4",
+            "ock.mmc.local_service.protocol": "host_rdma",
+            "ock.mmc.local_service.dram.size": "64MB",
+        },
+    )
     return str(meta), str(local)
 
 
@@ -98,13 +110,14 @@ def test_meta_service_runs_on_cpu_from_config_file(meta_service):
 @needs_memcache
 def test_uninitialised_client_allocation_looks_like_success_but_is_rejected(meta_service, mmc_conf):
     import memcache_hybrid
+
     raw = memcache_hybrid.DistributedObjectStore()
     # The pitfall this backend guards against: no init, yet a "0" per key.
     assert list(raw.batch_alloc(["k"], [4096], 1, 0)) == [0]
     # A metadata-only client (no Ascend driver needed) initialises against the meta service ...
     client = MemcacheClient(mmc_conf[1], protocol="host_rdma", device_id=0, init_bm=False)
     try:
-        assert client.service_id != 2 ** 32 - 1
+        assert client.service_id != 2**32 - 1
         assert client.exists(["nothing-here"]) == [False]
         # ... but has no storage: allocation answers null addresses, which we reject.
         with pytest.raises(StoreError, match="null addresses"):
@@ -118,8 +131,9 @@ def test_uninitialised_client_allocation_looks_like_success_but_is_rejected(meta
 @needs_memcache
 @pytest.mark.skipif(platform.device_kind() == "npu", reason="checks the CPU failure path")
 def test_data_path_client_without_driver_fails_clearly(meta_service, mmc_conf):
-    cfg = LayerwisePrefillOffloadConfig(store_backend="memcache", memcache=MemcacheConfig(
-        local_config=mmc_conf[1], protocol="host_rdma"))
+    cfg = LayerwisePrefillOffloadConfig(
+        store_backend="memcache", memcache=MemcacheConfig(local_config=mmc_conf[1], protocol="host_rdma")
+    )
     with pytest.raises(StoreUnavailable, match="Ascend driver"):
         make_store(cfg)
 
@@ -166,6 +180,7 @@ def test_npu_pipeline_on_memcache_equals_local(npu_store):
     from sglang_ascend_offload.layerwise_prefill.pipeline import LayerwisePrefillPipeline, PrefillRequest, run_forward
     from sglang_ascend_offload.layerwise_prefill.planner import LayerKVSpec, TensorSpec, plan_buffers
     from sglang_ascend_offload.layerwise_prefill.store_local import LocalHostKVStore
+
     main = (TensorSpec((64, 512), "bfloat16"), TensorSpec((64, 64), "bfloat16"))
     plan = plan_buffers([LayerKVSpec(i, main) for i in range(6)], 2, [0])
     req = PrefillRequest("a", tuple(range(40)))

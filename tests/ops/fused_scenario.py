@@ -75,11 +75,20 @@ class Scenario:
         self.index_key = torch.randn(n_blocks, d.block_size, 1, d.index_dim, generator=self.gen).to(torch.bfloat16)
         self.host = torch.randn(d.host_tokens, d.d_latent + d.d_rope, generator=self.gen).to(torch.bfloat16)
         self.rows = DecodeRows(
-            self.gen, rows=d.rows, max_len=d.max_len, block_size=d.block_size, n_blocks=n_blocks,
-            host_slots=d.host_tokens, churn=self.churn, idle=self.idle, spec=self.speculative, first_rid=100,
+            self.gen,
+            rows=d.rows,
+            max_len=d.max_len,
+            block_size=d.block_size,
+            n_blocks=n_blocks,
+            host_slots=d.host_tokens,
+            churn=self.churn,
+            idle=self.idle,
+            spec=self.speculative,
+            first_rid=100,
             draw_length=lambda g: int(torch.randint(d.top_k - 2, d.max_len // 2, (), generator=g)),
             # per-request query direction [Hi, Di]: makes selections recur
-            draw_extra=lambda g: torch.randn(d.index_heads, d.index_dim, generator=g))
+            draw_extra=lambda g: torch.randn(d.index_heads, d.index_dim, generator=g),
+        )
 
     def next_step(self) -> StepInputs:
         d = self.dims
@@ -96,10 +105,18 @@ class Scenario:
         attn_query = torch.randn(n_tok, d.heads, d.d_latent, generator=self.gen).to(torch.bfloat16)
         attn_rope = torch.randn(n_tok, d.heads, d.d_rope, generator=self.gen).to(torch.bfloat16)
         return StepInputs(
-            query=query.to(torch.bfloat16), weights=weights, actual_seq_lengths_query=lay.cu,
-            actual_seq_lengths_key=lay.kv_len, block_table=lay.block_table, token_rows=lay.token_rows,
-            req_ids=req_ids, stable_len=stable, token_table=token_table, attn_query=attn_query,
-            attn_query_rope=attn_rope, step=self.step,
+            query=query.to(torch.bfloat16),
+            weights=weights,
+            actual_seq_lengths_query=lay.cu,
+            actual_seq_lengths_key=lay.kv_len,
+            block_table=lay.block_table,
+            token_rows=lay.token_rows,
+            req_ids=req_ids,
+            stable_len=stable,
+            token_table=token_table,
+            attn_query=attn_query,
+            attn_query_rope=attn_rope,
+            step=self.step,
         )
 
     def resident_rows_expected(self, slot_token: torch.Tensor, token_table: torch.Tensor) -> Dict[tuple, torch.Tensor]:

@@ -38,15 +38,34 @@ def _copy_extra(host, hot, miss_tokens, miss_slots, miss_count, token_table, str
     return None
 
 
-def _indexer_wrong_default(query, key, weights, *, actual_seq_lengths_query, actual_seq_lengths_key,
-                           block_table, layout_query="TND", layout_key="PA_BSND", sparse_count=1024,
-                           sparse_mode=3):
+def _indexer_wrong_default(
+    query,
+    key,
+    weights,
+    *,
+    actual_seq_lengths_query,
+    actual_seq_lengths_key,
+    block_table,
+    layout_query="TND",
+    layout_key="PA_BSND",
+    sparse_count=1024,
+    sparse_mode=3,
+):
     return None
 
 
-def _indexer_positional(query, key, weights, actual_seq_lengths_query, actual_seq_lengths_key,
-                        block_table, layout_query="TND", layout_key="PA_BSND", sparse_count=2048,
-                        sparse_mode=3):
+def _indexer_positional(
+    query,
+    key,
+    weights,
+    actual_seq_lengths_query,
+    actual_seq_lengths_key,
+    block_table,
+    layout_query="TND",
+    layout_key="PA_BSND",
+    sparse_count=2048,
+    sparse_mode=3,
+):
     return None
 
 

@@ -67,11 +67,14 @@ def test_lim_schema_returns_are_the_residency_step_fields():
     assert SCHEMAS["npu_fused_quant_lightning_indexer_manage"].rsplit("->", 1)[1] == returns
 
 
-@pytest.mark.parametrize("op,kernel", [
-    ("lightning_indexer_manage", fused.LIM_KERNEL),
-    ("quant_lightning_indexer_manage", fused.LIM_C8_KERNEL),
-    ("copy_sparse_flash_attention", fused.COPY_SFA_KERNEL),
-])
+@pytest.mark.parametrize(
+    "op,kernel",
+    [
+        ("lightning_indexer_manage", fused.LIM_KERNEL),
+        ("quant_lightning_indexer_manage", fused.LIM_C8_KERNEL),
+        ("copy_sparse_flash_attention", fused.COPY_SFA_KERNEL),
+    ],
+)
 def test_wrappers_take_the_reference_arguments_and_the_schema_covers_them(op, kernel):
     impls = registry.implementations(op)
     ref = inspect.signature(impls["reference"].fn).parameters
@@ -83,8 +86,19 @@ def test_wrappers_take_the_reference_arguments_and_the_schema_covers_them(op, ke
 
 # ----------------------------------------------------------------- stand-ins
 def _check_abi_dtypes(kw: dict) -> None:
-    for name in ("actual_seq_lengths_query", "actual_seq_lengths_key", "block_table", "token_rows", "stable_len",
-                 "slot_token", "sparse_indices", "miss_tokens", "miss_slots", "miss_count", "token_table"):
+    for name in (
+        "actual_seq_lengths_query",
+        "actual_seq_lengths_key",
+        "block_table",
+        "token_rows",
+        "stable_len",
+        "slot_token",
+        "sparse_indices",
+        "miss_tokens",
+        "miss_slots",
+        "miss_count",
+        "token_table",
+    ):
         if name in kw:
             assert kw[name].dtype == torch.int32, name
     for name in ("req_ids", "slot_stamp", "row_req"):
@@ -98,14 +112,22 @@ def _lim_impl(schema_names, reference):
     def impl(*args):
         kw = dict(zip(schema_names, args))
         _check_abi_dtypes(kw)
-        positional = [kw.pop(n) for n in ("query", "key", "weights", "query_dequant_scale", "key_dequant_scale")
-                      if n in kw]
+        positional = [
+            kw.pop(n) for n in ("query", "key", "weights", "query_dequant_scale", "key_dequant_scale") if n in kw
+        ]
         res = reference(*positional, **kw)
         step = res.residency
-        values = dict(topk_indices=res.topk_indices, sparse_indices=res.sparse_indices, hit_mask=step.hit_mask,
-                      slots=step.slots, miss_count=step.miss_count, miss_tokens=step.miss_tokens,
-                      miss_slots=step.miss_slots)
+        values = dict(
+            topk_indices=res.topk_indices,
+            sparse_indices=res.sparse_indices,
+            hit_mask=step.hit_mask,
+            slots=step.slots,
+            miss_count=step.miss_count,
+            miss_tokens=step.miss_tokens,
+            miss_slots=step.miss_slots,
+        )
         return tuple(values[n].clone() for n in LIM_RETURNS)
+
     return impl
 
 
@@ -114,8 +136,10 @@ def _copy_sfa_impl(schema_names):
         kw = dict(zip(schema_names, args))
         _check_abi_dtypes(kw)
         assert kw["sparse_indices"].dim() == 3 and kw["sparse_indices"].shape[1] == 1
-        return fused.copy_sparse_flash_attention(kw.pop("query"), kw.pop("host"), kw.pop("hot"),
-                                                 kw.pop("sparse_indices"), kw.pop("scale_value"), **kw)
+        return fused.copy_sparse_flash_attention(
+            kw.pop("query"), kw.pop("host"), kw.pop("hot"), kw.pop("sparse_indices"), kw.pop("scale_value"), **kw
+        )
+
     return impl
 
 
@@ -124,8 +148,9 @@ def stand_in_library():
     lib = torch.library.Library(NAMESPACE, "DEF")
     impls = {
         fused.LIM_KERNEL: _lim_impl(argument_names(SCHEMAS[fused.LIM_KERNEL]), fused.lightning_indexer_manage),
-        fused.LIM_C8_KERNEL: _lim_impl(argument_names(SCHEMAS[fused.LIM_C8_KERNEL]),
-                                       fused.quant_lightning_indexer_manage),
+        fused.LIM_C8_KERNEL: _lim_impl(
+            argument_names(SCHEMAS[fused.LIM_C8_KERNEL]), fused.quant_lightning_indexer_manage
+        ),
         fused.COPY_SFA_KERNEL: _copy_sfa_impl(argument_names(SCHEMAS[fused.COPY_SFA_KERNEL])),
         fused.REGISTER_HOST_KERNEL: lambda host, device_address=0: int(host.data_ptr()),
     }
@@ -173,14 +198,22 @@ def test_fused_copy_sfa_wrapper_matches_the_reference_through_the_schema(fused_v
     hot_fus = hot_ref.clone()
     for _ in range(4):
         inp = sc.next_step()
-        step = fused.lightning_indexer_manage(inp.query, sc.index_key, inp.weights, **indexer_meta(inp),
-                                              **residency_args(inp, t), sparse_count=dims.top_k)
+        step = fused.lightning_indexer_manage(
+            inp.query, sc.index_key, inp.weights, **indexer_meta(inp), **residency_args(inp, t), sparse_count=dims.top_k
+        )
         res = step.residency
-        kw = dict(query_rope=inp.attn_query_rope, token_rows=inp.token_rows, miss_tokens=res.miss_tokens,
-                  miss_slots=res.miss_slots, miss_count=res.miss_count, token_table=inp.token_table)
+        kw = dict(
+            query_rope=inp.attn_query_rope,
+            token_rows=inp.token_rows,
+            miss_tokens=res.miss_tokens,
+            miss_slots=res.miss_slots,
+            miss_count=res.miss_count,
+            token_table=inp.token_table,
+        )
         want = fused.copy_sparse_flash_attention(inp.attn_query, sc.host, hot_ref, step.sparse_indices, 0.125, **kw)
-        got = fused.copy_sparse_flash_attention_fused(inp.attn_query, sc.host, hot_fus,
-                                                      step.sparse_indices.reshape(-1, dims.top_k), 0.125, **kw)
+        got = fused.copy_sparse_flash_attention_fused(
+            inp.attn_query, sc.host, hot_fus, step.sparse_indices.reshape(-1, dims.top_k), 0.125, **kw
+        )
         assert torch.equal(got, want)
         assert torch.equal(hot_fus.view(torch.int16), hot_ref.view(torch.int16))
     assert fused._REGISTERED_HOST == {(sc.host.data_ptr(), sc.host.numel() * 2): sc.host.data_ptr()}

@@ -59,10 +59,20 @@ def test_schemas_are_the_extensions():
 
 # ------------------------------------------------------------------ LIM, LIM-C8
 def _lim_call(op: str, inp, table: ResidencyTable, dims: LimDims, rung: str):
-    common = dict(actual_seq_lengths_query=inp.cu, actual_seq_lengths_key=inp.kv_len, block_table=inp.block_table,
-                  token_rows=inp.token_rows, req_ids=inp.req_ids, stable_len=inp.stable, step=inp.step,
-                  slot_token=table.slot_token, slot_stamp=table.slot_stamp, row_req=table.row_req,
-                  sparse_count=dims.top_k, sparse_mode=dims.sparse_mode)
+    common = dict(
+        actual_seq_lengths_query=inp.cu,
+        actual_seq_lengths_key=inp.kv_len,
+        block_table=inp.block_table,
+        token_rows=inp.token_rows,
+        req_ids=inp.req_ids,
+        stable_len=inp.stable,
+        step=inp.step,
+        slot_token=table.slot_token,
+        slot_stamp=table.slot_stamp,
+        row_req=table.row_req,
+        sparse_count=dims.top_k,
+        sparse_mode=dims.sparse_mode,
+    )
     fn = registry.select(op, rung).fn
     if dims.quantized:
         return fn(inp.query, inp.key, inp.weights, inp.query_scale, inp.key_scale, **common)
@@ -70,18 +80,23 @@ def _lim_call(op: str, inp, table: ResidencyTable, dims: LimDims, rung: str):
 
 
 def _assert_lim_equal(got, ref, t_got: ResidencyTable, t_ref: ResidencyTable, label: str) -> None:
-    pairs = [("topk_indices", got.topk_indices, ref.topk_indices),
-             ("sparse_indices", got.sparse_indices, ref.sparse_indices)]
-    pairs += [(f.name, getattr(got.residency, f.name), getattr(ref.residency, f.name))
-              for f in dataclasses.fields(ref.residency)]
+    pairs = [
+        ("topk_indices", got.topk_indices, ref.topk_indices),
+        ("sparse_indices", got.sparse_indices, ref.sparse_indices),
+    ]
+    pairs += [
+        (f.name, getattr(got.residency, f.name), getattr(ref.residency, f.name))
+        for f in dataclasses.fields(ref.residency)
+    ]
     pairs += [(name, getattr(t_got, name), getattr(t_ref, name)) for name in ("slot_token", "slot_stamp", "row_req")]
     for name, a, b in pairs:
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{label}: {name} differs"
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["LIM", "LIM-C8"])
-@pytest.mark.parametrize("dims", [LimDims(), LimDims(sparse_mode=0, block_size=64, hot_tokens=128, rows=4)],
-                         ids=["mode3", "mode0"])
+@pytest.mark.parametrize(
+    "dims", [LimDims(), LimDims(sparse_mode=0, block_size=64, hot_tokens=128, rows=4)], ids=["mode3", "mode0"]
+)
 def test_lim_fused_rung_on_cpu_equals_the_composition(fused_cpu, quantized, dims):
     dims = dataclasses.replace(dims, quantized=quantized)
     op = "quant_lightning_indexer_manage" if quantized else "lightning_indexer_manage"
@@ -121,15 +136,25 @@ def test_lim_fused_rung_serves_rows_shared_by_verify_tokens(fused_cpu, quantized
         sc.advance()
         inp = sc.inputs()
         t_ref, t_got = table.clone(), table.clone()
-        common = dict(actual_seq_lengths_query=inp.cu, actual_seq_lengths_key=inp.kv_len,
-                      block_table=inp.block_table, token_rows=inp.token_rows, req_ids=inp.req_ids,
-                      stable_len=inp.stable, step=inp.step, sparse_count=dims.top_k, sparse_mode=dims.sparse_mode,
-                      tokens_per_row=n)
+        common = dict(
+            actual_seq_lengths_query=inp.cu,
+            actual_seq_lengths_key=inp.kv_len,
+            block_table=inp.block_table,
+            token_rows=inp.token_rows,
+            req_ids=inp.req_ids,
+            stable_len=inp.stable,
+            step=inp.step,
+            sparse_count=dims.top_k,
+            sparse_mode=dims.sparse_mode,
+            tokens_per_row=n,
+        )
         head = (inp.query, inp.key, inp.weights) + ((inp.query_scale, inp.key_scale) if quantized else ())
-        ref = registry.select(op, "reference").fn(*head, slot_token=t_ref.slot_token, slot_stamp=t_ref.slot_stamp,
-                                                  row_req=t_ref.row_req, **common)
-        got = registry.select(op, "fused").fn(*head, slot_token=t_got.slot_token, slot_stamp=t_got.slot_stamp,
-                                              row_req=t_got.row_req, **common)
+        ref = registry.select(op, "reference").fn(
+            *head, slot_token=t_ref.slot_token, slot_stamp=t_ref.slot_stamp, row_req=t_ref.row_req, **common
+        )
+        got = registry.select(op, "fused").fn(
+            *head, slot_token=t_got.slot_token, slot_stamp=t_got.slot_stamp, row_req=t_got.row_req, **common
+        )
         _assert_lim_equal(got, ref, t_got, t_ref, f"{op} n={n} step {step}")
         assert got.residency.slots.shape == (dims.rows, n * dims.top_k)
         owned = inp.token_rows >= 0
@@ -164,13 +189,21 @@ def test_lim_verify_rows_at_production_shapes_the_npu_test_on_the_model(fused_cp
 def test_copy_sfa_fused_rung_on_cpu_copies_bit_exact_and_attends_within_tolerance(fused_cpu, heads):
     inp = _sfa_inputs(seed=5, heads=heads, top_k=128, hot_tokens=160, rows=4, tokens=5, pad_rows_with_no_miss=True)
     assert int(inp.miss_count.sum()) > 0
-    kw = dict(query_rope=inp.query_rope, token_rows=inp.token_rows, miss_tokens=inp.miss_tokens,
-              miss_slots=inp.miss_slots, miss_count=inp.miss_count, token_table=inp.token_table)
+    kw = dict(
+        query_rope=inp.query_rope,
+        token_rows=inp.token_rows,
+        miss_tokens=inp.miss_tokens,
+        miss_slots=inp.miss_slots,
+        miss_count=inp.miss_count,
+        token_table=inp.token_table,
+    )
     hot_ref, hot_got = inp.hot.clone(), inp.hot.clone()
-    ref = registry.select("copy_sparse_flash_attention", "reference").fn(inp.query, inp.host, hot_ref, inp.sparse,
-                                                                         inp.scale, **kw)
-    got = registry.select("copy_sparse_flash_attention", "fused").fn(inp.query, inp.host, hot_got, inp.sparse,
-                                                                     inp.scale, **kw)
+    ref = registry.select("copy_sparse_flash_attention", "reference").fn(
+        inp.query, inp.host, hot_ref, inp.sparse, inp.scale, **kw
+    )
+    got = registry.select("copy_sparse_flash_attention", "fused").fn(
+        inp.query, inp.host, hot_got, inp.sparse, inp.scale, **kw
+    )
     assert torch.equal(hot_got.view(torch.int16), hot_ref.view(torch.int16)), "miss copies differ"
     assert got.dtype == torch.bfloat16 and got.shape == ref.shape == (5, heads, 512)
     err = (got.float() - ref.float()).abs()
@@ -180,31 +213,56 @@ def test_copy_sfa_fused_rung_on_cpu_copies_bit_exact_and_attends_within_toleranc
 def test_copy_sfa_fused_rung_serves_rows_shared_by_verify_tokens(fused_cpu):
     """Miss lists ``[R, 3 * K]``: up to three tokens attend over a row whose misses are
     copied once; tokens other than a row's first read rows copied for the row."""
-    inp = _sfa_inputs(seed=9, heads=16, top_k=128, hot_tokens=384, rows=3, tokens=7, pad_rows_with_no_miss=False,
-                      tokens_per_row=3)
+    inp = _sfa_inputs(
+        seed=9, heads=16, top_k=128, hot_tokens=384, rows=3, tokens=7, pad_rows_with_no_miss=False, tokens_per_row=3
+    )
     owned = inp.token_rows[inp.token_rows >= 0].long()
     assert int(torch.bincount(owned).max()) == 3 and inp.miss_tokens.shape == (3, 384)
-    kw = dict(query_rope=inp.query_rope, token_rows=inp.token_rows, miss_tokens=inp.miss_tokens,
-              miss_slots=inp.miss_slots, miss_count=inp.miss_count, token_table=inp.token_table)
+    kw = dict(
+        query_rope=inp.query_rope,
+        token_rows=inp.token_rows,
+        miss_tokens=inp.miss_tokens,
+        miss_slots=inp.miss_slots,
+        miss_count=inp.miss_count,
+        token_table=inp.token_table,
+    )
     hot_ref, hot_got = inp.hot.clone(), inp.hot.clone()
-    ref = registry.select("copy_sparse_flash_attention", "reference").fn(inp.query, inp.host, hot_ref, inp.sparse,
-                                                                         inp.scale, **kw)
-    got = registry.select("copy_sparse_flash_attention", "fused").fn(inp.query, inp.host, hot_got, inp.sparse,
-                                                                     inp.scale, **kw)
+    ref = registry.select("copy_sparse_flash_attention", "reference").fn(
+        inp.query, inp.host, hot_ref, inp.sparse, inp.scale, **kw
+    )
+    got = registry.select("copy_sparse_flash_attention", "fused").fn(
+        inp.query, inp.host, hot_got, inp.sparse, inp.scale, **kw
+    )
     assert torch.equal(hot_got.view(torch.int16), hot_ref.view(torch.int16)), "miss copies differ"
     err = (got.float() - ref.float()).abs()
     assert bool((err <= ATTN_ATOL + ATTN_RTOL * ref.float().abs()).all()), f"max abs err {float(err.max()):.3g}"
     with pytest.raises(ValueError, match="maps 3 query tokens to one row"):  # miss lists one token wide
         registry.select("copy_sparse_flash_attention", "reference").fn(
-            inp.query, inp.host, inp.hot.clone(), inp.sparse, inp.scale,
-            **dict(kw, miss_tokens=inp.miss_tokens[:, :256], miss_slots=inp.miss_slots[:, :256]))
+            inp.query,
+            inp.host,
+            inp.hot.clone(),
+            inp.sparse,
+            inp.scale,
+            **dict(kw, miss_tokens=inp.miss_tokens[:, :256], miss_slots=inp.miss_slots[:, :256]),
+        )
 
 
 def test_copy_sfa_refuses_shapes_the_kernel_does_not_serve_and_unregistered_host(fused_cpu):
     inp = _sfa_inputs(seed=6, heads=8, top_k=128, hot_tokens=128, rows=2, tokens=2, pad_rows_with_no_miss=False)
     op = getattr(torch.ops.sglang_ascend_offload, fused.COPY_SFA_KERNEL)
-    args = [inp.query, inp.query_rope, inp.host, inp.hot, inp.sparse, inp.token_rows, inp.miss_tokens,
-            inp.miss_slots, inp.miss_count, inp.token_table, inp.scale]
+    args = [
+        inp.query,
+        inp.query_rope,
+        inp.host,
+        inp.hot,
+        inp.sparse,
+        inp.token_rows,
+        inp.miss_tokens,
+        inp.miss_slots,
+        inp.miss_count,
+        inp.token_table,
+        inp.scale,
+    ]
     unregistered, kept = inp.host.clone(), []
     while ascendc_cpu_ops._is_registered_host(unregistered):  # memory of a host registered earlier
         kept.append(unregistered)
@@ -241,8 +299,18 @@ def test_model_ops_trace_under_torch_compile(fused_cpu):
 
     def copy_sfa(hot):
         return ns.npu_fused_scatter_copy_sparse_flash_attention(
-            inp.query, inp.query_rope, inp.host, hot, inp.sparse, inp.token_rows, inp.miss_tokens, inp.miss_slots,
-            inp.miss_count, inp.token_table, inp.scale)
+            inp.query,
+            inp.query_rope,
+            inp.host,
+            hot,
+            inp.sparse,
+            inp.token_rows,
+            inp.miss_tokens,
+            inp.miss_slots,
+            inp.miss_count,
+            inp.token_table,
+            inp.scale,
+        )
 
     hot_e, hot_c = inp.hot.clone(), inp.hot.clone()
     out_e = copy_sfa(hot_e)
@@ -257,9 +325,24 @@ def test_model_ops_trace_under_torch_compile(fused_cpu):
 
     def lim(table: ResidencyTable):
         return ns.npu_fused_lightning_indexer_manage(
-            lim_in.query, lim_in.key, lim_in.weights, lim_in.cu, lim_in.kv_len, lim_in.block_table,
-            lim_in.token_rows, lim_in.req_ids, lim_in.stable, torch.tensor([lim_in.step]), table.slot_token,
-            table.slot_stamp, table.row_req, "TND", "PA_BSND", dims.top_k, dims.sparse_mode)
+            lim_in.query,
+            lim_in.key,
+            lim_in.weights,
+            lim_in.cu,
+            lim_in.kv_len,
+            lim_in.block_table,
+            lim_in.token_rows,
+            lim_in.req_ids,
+            lim_in.stable,
+            torch.tensor([lim_in.step]),
+            table.slot_token,
+            table.slot_stamp,
+            table.row_req,
+            "TND",
+            "PA_BSND",
+            dims.top_k,
+            dims.sparse_mode,
+        )
 
     t_e, t_c = ResidencyTable.empty(dims.rows, dims.hot_tokens), ResidencyTable.empty(dims.rows, dims.hot_tokens)
     outs_e = lim(t_e)

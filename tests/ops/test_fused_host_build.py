@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "ascendc_ops" / "tools" / "host_check_cpu.sh"
 
 CHECKS = textwrap.dedent(
-    r'''
+    r"""
     import importlib.util, sys, torch
     spec = importlib.util.spec_from_file_location("_C_ascend", sys.argv[1])
     module = importlib.util.module_from_spec(spec)
@@ -91,19 +91,25 @@ CHECKS = textwrap.dedent(
     raises(lambda: ns.npu_fused_scatter_copy_sparse_flash_attention(*sfa_args(heads=12)), "heads must be 8")
     raises(lambda: ns.npu_fused_scatter_copy_sparse_flash_attention(*sfa_args(k=200)), "multiple of 128")
     print("host checks passed")
-    '''
+    """
 )
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to compile the host code")
 def test_host_code_compiles_registers_and_checks_on_cpu(tmp_path):
-    build = subprocess.run(["bash", str(SCRIPT), str(tmp_path), sys.executable], capture_output=True, text=True,
-                           timeout=600)
+    build = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path), sys.executable], capture_output=True, text=True, timeout=600
+    )
     assert build.returncode == 0, build.stderr[-4000:]
     check = tmp_path / "checks.py"
     check.write_text(CHECKS)
-    run = subprocess.run([sys.executable, str(check), str(tmp_path / "_C_ascend.so")], capture_output=True,
-                         text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    run = subprocess.run(
+        [sys.executable, str(check), str(tmp_path / "_C_ascend.so")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     assert "host checks passed" in run.stdout

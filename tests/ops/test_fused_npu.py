@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from npu_requirements import npu_present, require_npu_extension, requires
+
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.ops import fused, hadamard, reference, registry
-from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
 from sglang_ascend_offload.ops.contract import ResidencyTable
 from sglang_ascend_offload.ops.residency import residency_manage
+from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
 
 from .test_npu_ops import assert_indexer_close, paged_identity_free
 
@@ -79,8 +79,12 @@ class DecodeRun:
         stable = torch.tensor(self.lens, dtype=torch.int32)
         if step == 1:
             stable[3] -= 1  # its newest position may still be rewritten
-        rows = dict(token_rows=torch.tensor(order, dtype=torch.int32),
-                    req_ids=torch.tensor(self.req, dtype=torch.int64), stable_len=stable, step=step)
+        rows = dict(
+            token_rows=torch.tensor(order, dtype=torch.int32),
+            req_ids=torch.tensor(self.req, dtype=torch.int64),
+            stable_len=stable,
+            step=step,
+        )
         return query, weights, meta, rows
 
 
@@ -115,9 +119,15 @@ def _check_lim_run(quant: bool):
 
         # the manage half is bit-exact given the kernel's own top-k
         topk = got.topk_indices.cpu()
-        want = residency_manage(ref_table.slot_token, ref_table.slot_stamp, ref_table.row_req,
-                                fused.scatter_token_topk(topk, rows["token_rows"], ROWS), rows["req_ids"],
-                                rows["stable_len"], step)
+        want = residency_manage(
+            ref_table.slot_token,
+            ref_table.slot_stamp,
+            ref_table.row_req,
+            fused.scatter_token_topk(topk, rows["token_rows"], ROWS),
+            rows["req_ids"],
+            rows["stable_len"],
+            step,
+        )
         for name in ("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots"):
             assert torch.equal(getattr(got.residency, name).cpu(), getattr(want, name)), (step, name)
         assert torch.equal(got.sparse_indices.cpu(), fused.token_hot_indices(want.slots, rows["token_rows"], HOT))
@@ -145,8 +155,11 @@ def _verify_rows(query, weights, meta, rows):
     gen = torch.Generator().manual_seed(int(rows["step"]) + 50)
     query2 = torch.randn(2 * tokens, INDEX_HEADS, INDEX_DIM, generator=gen).to(torch.bfloat16)
     weights2 = (torch.rand(2 * tokens, INDEX_HEADS, generator=gen) * 0.2).to(torch.bfloat16)
-    meta2 = dict(meta, actual_seq_lengths_query=torch.arange(2, 2 * tokens + 1, 2, dtype=torch.int32),
-                 actual_seq_lengths_key=meta["actual_seq_lengths_key"] + 1)
+    meta2 = dict(
+        meta,
+        actual_seq_lengths_query=torch.arange(2, 2 * tokens + 1, 2, dtype=torch.int32),
+        actual_seq_lengths_key=meta["actual_seq_lengths_key"] + 1,
+    )
     rows2 = dict(rows, token_rows=rows["token_rows"].repeat_interleave(2))
     return query2, weights2, meta2, rows2
 
@@ -168,14 +181,28 @@ def check_lim_verify_rows(device: str) -> None:
 
     for step in range(3):
         query, weights, meta, rows = _verify_rows(*run.step(step))
-        got = lim(query.to(device), run.cache.to(device), weights.to(device), **on(meta), **on(rows),
-                  **_state(dev_table), sparse_count=TOP_K, tokens_per_row=2)
+        got = lim(
+            query.to(device),
+            run.cache.to(device),
+            weights.to(device),
+            **on(meta),
+            **on(rows),
+            **_state(dev_table),
+            sparse_count=TOP_K,
+            tokens_per_row=2,
+        )
         scores = reference.indexer_scores_dense(query, run.cache, weights, **meta)
         assert_indexer_close(got.topk_indices, scores, TOP_K)
         topk = got.topk_indices.cpu()
-        want = fused._manage_after_indexer(topk, **_state(ref_table), token_rows=rows["token_rows"],
-                                           req_ids=rows["req_ids"], stable_len=rows["stable_len"], step=step,
-                                           tokens_per_row=2)
+        want = fused._manage_after_indexer(
+            topk,
+            **_state(ref_table),
+            token_rows=rows["token_rows"],
+            req_ids=rows["req_ids"],
+            stable_len=rows["stable_len"],
+            step=step,
+            tokens_per_row=2,
+        )
         assert got.residency.slots.shape == (ROWS, 2 * TOP_K)
         for name in ("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots"):
             assert torch.equal(getattr(got.residency, name).cpu(), getattr(want.residency, name)), (step, name)
@@ -214,15 +241,26 @@ def test_fused_copy_sfa_matches_reference(heads):
         # fresh random selections: about K / context of them repeat (hits), the rest miss
         topk = torch.stack([torch.randperm(int(lens[r]) + step, generator=gen)[:TOP_K] for r in token_rows.tolist()])
         topk = topk.to(torch.int32).unsqueeze(1)
-        topk[0, 0, TOP_K // 2:] = -1  # a token with fewer selected positions
-        res = residency_manage(table.slot_token, table.slot_stamp, table.row_req,
-                               fused.scatter_token_topk(topk, token_rows, ROWS), torch.arange(ROWS, dtype=torch.int64),
-                               (lens + step).to(torch.int32), step)
+        topk[0, 0, TOP_K // 2 :] = -1  # a token with fewer selected positions
+        res = residency_manage(
+            table.slot_token,
+            table.slot_stamp,
+            table.row_req,
+            fused.scatter_token_topk(topk, token_rows, ROWS),
+            torch.arange(ROWS, dtype=torch.int64),
+            (lens + step).to(torch.int32),
+            step,
+        )
         sparse = fused.token_hot_indices(res.slots, token_rows, HOT)
         query = torch.randn(ROWS, heads, LATENT, generator=gen).to(torch.bfloat16)
         query_rope = torch.randn(ROWS, heads, ROPE, generator=gen).to(torch.bfloat16)
-        kw = dict(token_rows=token_rows, miss_tokens=res.miss_tokens, miss_slots=res.miss_slots,
-                  miss_count=res.miss_count, token_table=token_table)
+        kw = dict(
+            token_rows=token_rows,
+            miss_tokens=res.miss_tokens,
+            miss_slots=res.miss_slots,
+            miss_count=res.miss_count,
+            token_table=token_table,
+        )
         want = fused.copy_sparse_flash_attention(query, host, hot_ref, sparse, scale, query_rope=query_rope, **kw)
         got = copy_sfa(query.npu(), host, hot_dev, sparse.npu(), scale, query_rope=query_rope.npu(), **_dev(kw))
         assert torch.equal(hot_dev.cpu().view(torch.int16), hot_ref.view(torch.int16)), step

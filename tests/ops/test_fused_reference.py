@@ -24,8 +24,8 @@ import torch
 
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.ops import fused, hadamard, registry
-from sglang_ascend_offload.ops.registry import OpUnavailableError
 from sglang_ascend_offload.ops.contract import IndexerManageResult, ResidencyTable
+from sglang_ascend_offload.ops.registry import OpUnavailableError
 
 from .fused_scenario import Dims, Scenario, StepInputs
 
@@ -35,13 +35,23 @@ ON_NPU = platform.device_kind() == "npu"
 
 # ------------------------------------------------------------------ helpers
 def indexer_meta(inp: StepInputs) -> dict:
-    return dict(actual_seq_lengths_query=inp.actual_seq_lengths_query,
-                actual_seq_lengths_key=inp.actual_seq_lengths_key, block_table=inp.block_table)
+    return dict(
+        actual_seq_lengths_query=inp.actual_seq_lengths_query,
+        actual_seq_lengths_key=inp.actual_seq_lengths_key,
+        block_table=inp.block_table,
+    )
 
 
 def residency_args(inp: StepInputs, table: ResidencyTable) -> dict:
-    return dict(token_rows=inp.token_rows, req_ids=inp.req_ids, stable_len=inp.stable_len, step=inp.step,
-                slot_token=table.slot_token, slot_stamp=table.slot_stamp, row_req=table.row_req)
+    return dict(
+        token_rows=inp.token_rows,
+        req_ids=inp.req_ids,
+        stable_len=inp.stable_len,
+        step=inp.step,
+        slot_token=table.slot_token,
+        slot_stamp=table.slot_stamp,
+        row_req=table.row_req,
+    )
 
 
 def separate_steps(topk: torch.Tensor, inp: StepInputs, table: ResidencyTable, k: int):
@@ -52,8 +62,7 @@ def separate_steps(topk: torch.Tensor, inp: StepInputs, table: ResidencyTable, k
         if r >= 0:
             topk_rows[r] = topk[t, 0]
     manage = registry.select("residency_manage", "reference")
-    res = manage(table.slot_token, table.slot_stamp, table.row_req, topk_rows, inp.req_ids, inp.stable_len,
-                 inp.step)
+    res = manage(table.slot_token, table.slot_stamp, table.row_req, topk_rows, inp.req_ids, inp.stable_len, inp.step)
     flat = torch.full((topk.shape[0], 1, k), -1, dtype=torch.int32)
     for t, r in enumerate(inp.token_rows.tolist()):
         for j in range(k):
@@ -87,8 +96,14 @@ def test_lim_equals_indexer_then_residency_manage_over_steps():
     for _ in range(STEPS):
         inp = sc.next_step()
         before = sep_table.row_req.clone()
-        got = lim(inp.query, sc.index_key, inp.weights, **indexer_meta(inp), **residency_args(inp, fused_table),
-                  sparse_count=dims.top_k)
+        got = lim(
+            inp.query,
+            sc.index_key,
+            inp.weights,
+            **indexer_meta(inp),
+            **residency_args(inp, fused_table),
+            sparse_count=dims.top_k,
+        )
         topk = indexer(inp.query, sc.index_key, inp.weights, **indexer_meta(inp), sparse_count=dims.top_k)
         res, flat = separate_steps(topk, inp, sep_table, dims.top_k)
         assert_same_step(got, topk, res, flat)
@@ -129,8 +144,14 @@ def test_lim_accepts_step_as_a_device_tensor():
     t_ten = ResidencyTable.empty(dims.rows, dims.hot_tokens)
     for _ in range(3):
         inp = sc.next_step()
-        a = lim(inp.query, sc.index_key, inp.weights, **indexer_meta(inp), **residency_args(inp, t_int),
-                sparse_count=dims.top_k)
+        a = lim(
+            inp.query,
+            sc.index_key,
+            inp.weights,
+            **indexer_meta(inp),
+            **residency_args(inp, t_int),
+            sparse_count=dims.top_k,
+        )
         kw = residency_args(inp, t_ten)
         kw["step"] = torch.tensor([inp.step], dtype=torch.int64)
         b = lim(inp.query, sc.index_key, inp.weights, **indexer_meta(inp), **kw, sparse_count=dims.top_k)
@@ -147,16 +168,34 @@ def test_lim_rejects_two_tokens_on_one_row_and_bad_rows():
     dup = inp.token_rows.clone()
     dup[1] = dup[0]
     with pytest.raises(ValueError, match="two query tokens"):
-        lim(inp.query, sc.index_key, inp.weights, **indexer_meta(inp),
-            **{**residency_args(inp, table), "token_rows": dup}, sparse_count=dims.top_k)
+        lim(
+            inp.query,
+            sc.index_key,
+            inp.weights,
+            **indexer_meta(inp),
+            **{**residency_args(inp, table), "token_rows": dup},
+            sparse_count=dims.top_k,
+        )
     bad = inp.token_rows.clone()
     bad[0] = dims.rows
     with pytest.raises(ValueError, match="outside"):
-        lim(inp.query, sc.index_key, inp.weights, **indexer_meta(inp),
-            **{**residency_args(inp, table), "token_rows": bad}, sparse_count=dims.top_k)
+        lim(
+            inp.query,
+            sc.index_key,
+            inp.weights,
+            **indexer_meta(inp),
+            **{**residency_args(inp, table), "token_rows": bad},
+            sparse_count=dims.top_k,
+        )
     with pytest.raises(ValueError, match="hot_tokens"):
-        lim(inp.query, sc.index_key, inp.weights, **indexer_meta(inp), **residency_args(inp, table),
-            sparse_count=dims.hot_tokens + 1)
+        lim(
+            inp.query,
+            sc.index_key,
+            inp.weights,
+            **indexer_meta(inp),
+            **residency_args(inp, table),
+            sparse_count=dims.hot_tokens + 1,
+        )
 
 
 # ----------------------------------------------------------------- Copy-SFA
@@ -166,7 +205,7 @@ def full_kv_attention(sc: Scenario, inp: StepInputs, topk: torch.Tensor, scale: 
     real = [r for r in inp.token_rows.tolist() if r >= 0]
     host = sc.host
     latent = host[:, : d.d_latent].reshape(host.shape[0], 1, 1, d.d_latent)
-    rope = host[:, d.d_latent:].reshape(host.shape[0], 1, 1, d.d_rope)
+    rope = host[:, d.d_latent :].reshape(host.shape[0], 1, 1, d.d_rope)
     n = max(len(real), 1)
     block_table = torch.zeros(n, d.max_len, dtype=torch.int32)
     kv_len = torch.zeros(n, dtype=torch.int32)
@@ -175,9 +214,20 @@ def full_kv_attention(sc: Scenario, inp: StepInputs, topk: torch.Tensor, scale: 
         kv_len[b] = int(inp.actual_seq_lengths_key[b])
     cu = torch.arange(1, n + 1, dtype=torch.int32) if real else torch.zeros(1, dtype=torch.int32)
     attend = registry.select("sparse_mla_attention", "reference")
-    return attend(inp.attn_query, latent, None, topk, scale, block_table=block_table,
-                  actual_seq_lengths_query=cu, actual_seq_lengths_kv=kv_len, query_rope=inp.attn_query_rope,
-                  key_rope=rope, layout_kv="PA_BSND", sparse_mode=3)
+    return attend(
+        inp.attn_query,
+        latent,
+        None,
+        topk,
+        scale,
+        block_table=block_table,
+        actual_seq_lengths_query=cu,
+        actual_seq_lengths_kv=kv_len,
+        query_rope=inp.attn_query_rope,
+        key_rope=rope,
+        layout_kv="PA_BSND",
+        sparse_mode=3,
+    )
 
 
 def test_copy_sfa_equals_full_kv_attention_with_logical_indices():
@@ -191,13 +241,29 @@ def test_copy_sfa_equals_full_kv_attention_with_logical_indices():
     copied = 0
     for _ in range(STEPS):
         inp = sc.next_step()
-        step = lim(inp.query, sc.index_key, inp.weights, **indexer_meta(inp), **residency_args(inp, table),
-                   sparse_count=dims.top_k)
+        step = lim(
+            inp.query,
+            sc.index_key,
+            inp.weights,
+            **indexer_meta(inp),
+            **residency_args(inp, table),
+            sparse_count=dims.top_k,
+        )
         res = step.residency
         hot_before = hot.clone()
-        out = copy_sfa(inp.attn_query, sc.host, hot, step.sparse_indices, scale, query_rope=inp.attn_query_rope,
-                       token_rows=inp.token_rows, miss_tokens=res.miss_tokens, miss_slots=res.miss_slots,
-                       miss_count=res.miss_count, token_table=inp.token_table)
+        out = copy_sfa(
+            inp.attn_query,
+            sc.host,
+            hot,
+            step.sparse_indices,
+            scale,
+            query_rope=inp.attn_query_rope,
+            token_rows=inp.token_rows,
+            miss_tokens=res.miss_tokens,
+            miss_slots=res.miss_slots,
+            miss_count=res.miss_count,
+            token_table=inp.token_table,
+        )
         expected = full_kv_attention(sc, inp, step.topk_indices, scale)
         assert torch.equal(out, expected)
         assert not bool(torch.isnan(out.float()).any())
@@ -220,12 +286,18 @@ def _one_copy_sfa_step(seed=6):
     inp = sc.next_step()
     table = ResidencyTable.empty(dims.rows, dims.hot_tokens)
     step = registry.select("lightning_indexer_manage", "reference")(
-        inp.query, sc.index_key, inp.weights, **indexer_meta(inp), **residency_args(inp, table),
-        sparse_count=dims.top_k)
+        inp.query, sc.index_key, inp.weights, **indexer_meta(inp), **residency_args(inp, table), sparse_count=dims.top_k
+    )
     hot = torch.zeros(dims.rows, dims.hot_tokens, dims.d_latent + dims.d_rope, dtype=torch.bfloat16)
     res = step.residency
-    kw = dict(query_rope=inp.attn_query_rope, token_rows=inp.token_rows, miss_tokens=res.miss_tokens,
-              miss_slots=res.miss_slots, miss_count=res.miss_count, token_table=inp.token_table)
+    kw = dict(
+        query_rope=inp.attn_query_rope,
+        token_rows=inp.token_rows,
+        miss_tokens=res.miss_tokens,
+        miss_slots=res.miss_slots,
+        miss_count=res.miss_count,
+        token_table=inp.token_table,
+    )
     return sc, inp, step, hot, kw
 
 
@@ -236,8 +308,9 @@ def test_copy_sfa_rejects_rows_it_would_not_copy_and_foreign_slots():
     orphan = inp.token_rows.clone()
     orphan[0] = -1  # its row has misses (first step: everything misses) but no token
     with pytest.raises(ValueError, match="no query token"):
-        copy_sfa(inp.attn_query, sc.host, hot, torch.full_like(step.sparse_indices, -1), 0.1,
-                 **{**kw, "token_rows": orphan})
+        copy_sfa(
+            inp.attn_query, sc.host, hot, torch.full_like(step.sparse_indices, -1), 0.1, **{**kw, "token_rows": orphan}
+        )
     foreign = step.sparse_indices.clone()
     other = (owner + 1) % sc.dims.rows
     foreign[0, 0, 0] = other * sc.dims.hot_tokens

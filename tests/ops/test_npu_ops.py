@@ -25,8 +25,8 @@ import types
 
 import pytest
 import torch
-
 from npu_requirements import npu_present
+
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.ops import hadamard, npu_impls, reference, registry
 
@@ -136,8 +136,15 @@ def test_npu_quant_lightning_indexer_matches_reference():
     prep = hadamard.prepare_quant_indexer_inputs(query, cache)
     weights16 = weights.to(torch.float16)  # the kernel documents fp16 weights
     impl = registry.select("quant_lightning_indexer", "npu")
-    out = impl(prep.query.npu(), prep.key.npu(), weights16.npu(), prep.query_dequant_scale.npu(),
-               prep.key_dequant_scale.npu(), sparse_count=2048, **to("npu", meta))
+    out = impl(
+        prep.query.npu(),
+        prep.key.npu(),
+        weights16.npu(),
+        prep.query_dequant_scale.npu(),
+        prep.key_dequant_scale.npu(),
+        sparse_count=2048,
+        **to("npu", meta),
+    )
     assert out.dtype == torch.int32 and tuple(out.shape) == (4, 1, 2048)
     q_deq = hadamard.dequantize_int8(prep.query, prep.query_dequant_scale)
     k_deq = hadamard.dequantize_int8(prep.key, prep.key_dequant_scale)
@@ -153,8 +160,19 @@ def test_npu_sparse_attention_paged_matches_reference(heads):
     scale = (512 + 64) ** -0.5
     impl = registry.select("sparse_mla_attention", "npu")
     key_npu = key.npu()
-    out = impl(query.npu(), key_npu, key_npu, idx.npu(), scale, query_rope=query_rope.npu(),
-               key_rope=key_rope.npu(), layout_query="TND", layout_kv="PA_BSND", sparse_mode=3, **to("npu", meta))
+    out = impl(
+        query.npu(),
+        key_npu,
+        key_npu,
+        idx.npu(),
+        scale,
+        query_rope=query_rope.npu(),
+        key_rope=key_rope.npu(),
+        layout_query="TND",
+        layout_kv="PA_BSND",
+        sparse_mode=3,
+        **to("npu", meta),
+    )
     ref = reference.sparse_mla_attention(query, key, None, idx, scale, query_rope=query_rope, key_rope=key_rope, **meta)
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     torch.testing.assert_close(out.cpu().float(), ref.float(), atol=ATTN_TOL, rtol=ATTN_TOL)
@@ -174,10 +192,19 @@ def test_npu_sparse_attention_flat_hot_buffer_matches_reference():
     idx = idx.unsqueeze(1)
     scale = 0.04
     impl = registry.select("sparse_mla_attention", "npu")
-    out = impl(query.npu(), latent.npu(), None, idx.npu(), scale, query_rope=query_rope.npu(),
-               key_rope=rope.npu(), layout_kv="flat")
-    ref = reference.sparse_mla_attention(query, latent, None, idx, scale, query_rope=query_rope,
-                                         key_rope=rope, layout_kv="flat")
+    out = impl(
+        query.npu(),
+        latent.npu(),
+        None,
+        idx.npu(),
+        scale,
+        query_rope=query_rope.npu(),
+        key_rope=rope.npu(),
+        layout_kv="flat",
+    )
+    ref = reference.sparse_mla_attention(
+        query, latent, None, idx, scale, query_rope=query_rope, key_rope=rope, layout_kv="flat"
+    )
     torch.testing.assert_close(out.cpu().float(), ref.float(), atol=ATTN_TOL, rtol=ATTN_TOL)
 
 
@@ -203,44 +230,115 @@ def _stand_in_torch_npu(calls):
     """A module with torch_npu's documented signatures, computing with the reference."""
     mod = types.ModuleType("torch_npu")
 
-    def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None,
-                              actual_seq_lengths_key=None, block_table=None, layout_query="BSND",
-                              layout_key="BSND", sparse_count=2048, sparse_mode=3,
-                              pre_tokens=2**63 - 1, next_tokens=2**63 - 1, return_value=False):
+    def npu_lightning_indexer(
+        query,
+        key,
+        weights,
+        *,
+        actual_seq_lengths_query=None,
+        actual_seq_lengths_key=None,
+        block_table=None,
+        layout_query="BSND",
+        layout_key="BSND",
+        sparse_count=2048,
+        sparse_mode=3,
+        pre_tokens=2**63 - 1,
+        next_tokens=2**63 - 1,
+        return_value=False,
+    ):
         calls.append("npu_lightning_indexer")
         assert block_table.dtype == torch.int32 and actual_seq_lengths_key.dtype == torch.int32
         idx = reference.lightning_indexer(
-            query, key, weights, actual_seq_lengths_query=actual_seq_lengths_query,
-            actual_seq_lengths_key=actual_seq_lengths_key, block_table=block_table,
-            layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count, sparse_mode=sparse_mode)
+            query,
+            key,
+            weights,
+            actual_seq_lengths_query=actual_seq_lengths_query,
+            actual_seq_lengths_key=actual_seq_lengths_key,
+            block_table=block_table,
+            layout_query=layout_query,
+            layout_key=layout_key,
+            sparse_count=sparse_count,
+            sparse_mode=sparse_mode,
+        )
         return idx, torch.zeros(idx.shape, dtype=query.dtype)
 
-    def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, *,
-                                    actual_seq_lengths_query=None, actual_seq_lengths_key=None,
-                                    block_table=None, query_quant_mode=0, key_quant_mode=0,
-                                    layout_query="BSND", layout_key="BSND", sparse_count=2048, sparse_mode=3):
+    def npu_quant_lightning_indexer(
+        query,
+        key,
+        weights,
+        query_dequant_scale,
+        key_dequant_scale,
+        *,
+        actual_seq_lengths_query=None,
+        actual_seq_lengths_key=None,
+        block_table=None,
+        query_quant_mode=0,
+        key_quant_mode=0,
+        layout_query="BSND",
+        layout_key="BSND",
+        sparse_count=2048,
+        sparse_mode=3,
+    ):
         calls.append("npu_quant_lightning_indexer")
         assert key_dequant_scale.dim() == 3, "PA_BSND key scale is [blocks, block_size, N2]"
         return reference.quant_lightning_indexer(
-            query, key, weights, query_dequant_scale, key_dequant_scale,
-            actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_key=actual_seq_lengths_key,
-            block_table=block_table, query_quant_mode=query_quant_mode, key_quant_mode=key_quant_mode,
-            layout_query=layout_query, layout_key=layout_key, sparse_count=sparse_count, sparse_mode=sparse_mode)
+            query,
+            key,
+            weights,
+            query_dequant_scale,
+            key_dequant_scale,
+            actual_seq_lengths_query=actual_seq_lengths_query,
+            actual_seq_lengths_key=actual_seq_lengths_key,
+            block_table=block_table,
+            query_quant_mode=query_quant_mode,
+            key_quant_mode=key_quant_mode,
+            layout_query=layout_query,
+            layout_key=layout_key,
+            sparse_count=sparse_count,
+            sparse_mode=sparse_mode,
+        )
 
-    def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, block_table=None,
-                                   actual_seq_lengths_query=None, actual_seq_lengths_kv=None,
-                                   query_rope=None, key_rope=None, sparse_block_size=1,
-                                   layout_query="BSND", layout_kv="BSND", sparse_mode=3,
-                                   pre_tokens=2**63 - 1, next_tokens=2**63 - 1, attention_mode=0,
-                                   return_softmax_lse=False):
+    def npu_sparse_flash_attention(
+        query,
+        key,
+        value,
+        sparse_indices,
+        scale_value,
+        *,
+        block_table=None,
+        actual_seq_lengths_query=None,
+        actual_seq_lengths_kv=None,
+        query_rope=None,
+        key_rope=None,
+        sparse_block_size=1,
+        layout_query="BSND",
+        layout_kv="BSND",
+        sparse_mode=3,
+        pre_tokens=2**63 - 1,
+        next_tokens=2**63 - 1,
+        attention_mode=0,
+        return_softmax_lse=False,
+    ):
         calls.append("npu_sparse_flash_attention")
         assert layout_kv == "PA_BSND" and attention_mode == 2 and value is key
         assert sparse_indices.dtype == torch.int32 and sparse_indices.dim() == 3
         out = reference.sparse_mla_attention(
-            query, key, None, sparse_indices, scale_value, block_table=block_table,
-            actual_seq_lengths_query=actual_seq_lengths_query, actual_seq_lengths_kv=actual_seq_lengths_kv,
-            query_rope=query_rope, key_rope=key_rope, sparse_block_size=sparse_block_size,
-            layout_query=layout_query, layout_kv=layout_kv, sparse_mode=sparse_mode, attention_mode=attention_mode)
+            query,
+            key,
+            None,
+            sparse_indices,
+            scale_value,
+            block_table=block_table,
+            actual_seq_lengths_query=actual_seq_lengths_query,
+            actual_seq_lengths_kv=actual_seq_lengths_kv,
+            query_rope=query_rope,
+            key_rope=key_rope,
+            sparse_block_size=sparse_block_size,
+            layout_query=layout_query,
+            layout_kv=layout_kv,
+            sparse_mode=sparse_mode,
+            attention_mode=attention_mode,
+        )
         return out, torch.empty(0), torch.empty(0)
 
     mod.npu_lightning_indexer = npu_lightning_indexer
@@ -264,19 +362,24 @@ def test_indexer_wrappers_plumb_arguments(stand_in):
     prep = hadamard.prepare_quant_indexer_inputs(query, cache)
     for key_scale in (prep.key_dequant_scale, prep.key_dequant_scale.unsqueeze(-1)):
         got = npu_impls.quant_lightning_indexer_npu(
-            prep.query, prep.key, weights, prep.query_dequant_scale, key_scale, sparse_count=8, **meta)
+            prep.query, prep.key, weights, prep.query_dequant_scale, key_scale, sparse_count=8, **meta
+        )
         expected = reference.quant_lightning_indexer(
-            prep.query, prep.key, weights, prep.query_dequant_scale, prep.key_dequant_scale, sparse_count=8, **meta)
+            prep.query, prep.key, weights, prep.query_dequant_scale, prep.key_dequant_scale, sparse_count=8, **meta
+        )
         assert torch.equal(got, expected)
     assert stand_in == ["npu_lightning_indexer"] + ["npu_quant_lightning_indexer"] * 2
 
 
 def test_attention_wrapper_paged_and_flat_mapping(stand_in):
     query, query_rope, key, key_rope, idx, meta = attention_inputs(7, [2, 1], [50, 20], 4, 32, 8, 16, 24)
-    paged = npu_impls.sparse_mla_attention_npu(query, key, key, idx, 0.1, query_rope=query_rope,
-                                               key_rope=key_rope, **meta)
-    assert torch.equal(paged, reference.sparse_mla_attention(
-        query, key, None, idx, 0.1, query_rope=query_rope, key_rope=key_rope, **meta))
+    paged = npu_impls.sparse_mla_attention_npu(
+        query, key, key, idx, 0.1, query_rope=query_rope, key_rope=key_rope, **meta
+    )
+    assert torch.equal(
+        paged,
+        reference.sparse_mla_attention(query, key, None, idx, 0.1, query_rope=query_rope, key_rope=key_rope, **meta),
+    )
     # flat: a 96-row buffer (block 32) and a 48-row one (block 16), as [S, D] and [S, 1, D]
     gen = torch.Generator().manual_seed(8)
     for rows, shape in ((96, lambda x: x), (48, lambda x: x.unsqueeze(1))):
@@ -285,14 +388,24 @@ def test_attention_wrapper_paged_and_flat_mapping(stand_in):
         flat_idx = torch.stack([torch.randperm(rows, generator=gen)[:24] for _ in range(3)]).to(torch.int32)
         flat_idx[0, 5:] = -1
         flat_idx = flat_idx.unsqueeze(1)
-        got = npu_impls.sparse_mla_attention_npu(query, shape(latent), None, flat_idx, 0.1,
-                                                 query_rope=query_rope, key_rope=shape(rope), layout_kv="flat")
-        expected = reference.sparse_mla_attention(query, latent, None, flat_idx, 0.1, query_rope=query_rope,
-                                                  key_rope=rope, layout_kv="flat")
+        got = npu_impls.sparse_mla_attention_npu(
+            query, shape(latent), None, flat_idx, 0.1, query_rope=query_rope, key_rope=shape(rope), layout_kv="flat"
+        )
+        expected = reference.sparse_mla_attention(
+            query, latent, None, flat_idx, 0.1, query_rope=query_rope, key_rope=rope, layout_kv="flat"
+        )
         assert torch.equal(got, expected)
     with pytest.raises(ValueError, match="divisible by 16"):
-        npu_impls.sparse_mla_attention_npu(query, torch.zeros(40, 32), None, flat_idx, 0.1,
-                                           query_rope=query_rope, key_rope=torch.zeros(40, 8), layout_kv="flat")
+        npu_impls.sparse_mla_attention_npu(
+            query,
+            torch.zeros(40, 32),
+            None,
+            flat_idx,
+            0.1,
+            query_rope=query_rope,
+            key_rope=torch.zeros(40, 8),
+            layout_kv="flat",
+        )
 
 
 def test_copy_wrappers_are_bit_exact_on_cpu_tensors():

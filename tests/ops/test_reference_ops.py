@@ -64,8 +64,9 @@ class IndexerCase:
     """Three requests: a chunked prefill over a prefix, a decode token, an MTP-style
     three-token verify; index keys laid out in a shuffled paged cache."""
 
-    def __init__(self, seed=0, q_lens=(5, 1, 3), kv_lens=(13, 9, 6), heads=4, dim=16,
-                 block_size=4, dtype=torch.bfloat16):
+    def __init__(
+        self, seed=0, q_lens=(5, 1, 3), kv_lens=(13, 9, 6), heads=4, dim=16, block_size=4, dtype=torch.bfloat16
+    ):
         gen = torch.Generator().manual_seed(seed)
         self.q_lens, self.kv_lens, self.block_size = list(q_lens), list(kv_lens), block_size
         self.keys = [torch.randn(n, dim, generator=gen).to(dtype) for n in kv_lens]
@@ -78,8 +79,14 @@ class IndexerCase:
         self.kv = torch.tensor(kv_lens, dtype=torch.int32)
 
     def kwargs(self, **over):
-        kw = dict(actual_seq_lengths_query=self.cu_q, actual_seq_lengths_key=self.kv,
-                  block_table=self.table, layout_query="TND", layout_key="PA_BSND", sparse_mode=3)
+        kw = dict(
+            actual_seq_lengths_query=self.cu_q,
+            actual_seq_lengths_key=self.kv,
+            block_table=self.table,
+            layout_query="TND",
+            layout_key="PA_BSND",
+            sparse_mode=3,
+        )
         kw.update(over)
         return kw
 
@@ -191,9 +198,15 @@ def test_indexer_batch_equals_per_request_calls():
     start = 0
     for b, q in enumerate(case.q_lens):
         single = reference.lightning_indexer(
-            case.query[start : start + q], case.cache, case.weights[start : start + q], sparse_count=5,
-            **case.kwargs(actual_seq_lengths_query=torch.tensor([q], dtype=torch.int32),
-                          actual_seq_lengths_key=case.kv[b : b + 1], block_table=case.table[b : b + 1]),
+            case.query[start : start + q],
+            case.cache,
+            case.weights[start : start + q],
+            sparse_count=5,
+            **case.kwargs(
+                actual_seq_lengths_query=torch.tensor([q], dtype=torch.int32),
+                actual_seq_lengths_key=case.kv[b : b + 1],
+                block_table=case.table[b : b + 1],
+            ),
         )
         assert torch.equal(batched[start : start + q], single), b
         start += q
@@ -220,8 +233,13 @@ def test_indexer_ties_go_to_lower_position(monkeypatch, chunk):
     weights = torch.ones(1, heads)
     cache, table = make_paged([keys], 4, 6, gen)
     out = reference.lightning_indexer(
-        query, cache, weights, actual_seq_lengths_query=torch.tensor([1], dtype=torch.int32),
-        actual_seq_lengths_key=torch.tensor([kv], dtype=torch.int32), block_table=table, sparse_count=8,
+        query,
+        cache,
+        weights,
+        actual_seq_lengths_query=torch.tensor([1], dtype=torch.int32),
+        actual_seq_lengths_key=torch.tensor([kv], dtype=torch.int32),
+        block_table=table,
+        sparse_count=8,
     )
     strong_pos = [s for s in range(kv) if is_strong[s]]
     weak_pos = [s for s in range(kv) if not is_strong[s]]
@@ -230,8 +248,12 @@ def test_indexer_ties_go_to_lower_position(monkeypatch, chunk):
 
 def test_indexer_dense_scores_helper_agrees_with_topk():
     case = IndexerCase(seed=10, dtype=torch.float32)
-    dense = reference.indexer_scores_dense(case.query, case.cache, case.weights, **{
-        k: v for k, v in case.kwargs().items() if k not in ("layout_query", "layout_key")})
+    dense = reference.indexer_scores_dense(
+        case.query,
+        case.cache,
+        case.weights,
+        **{k: v for k, v in case.kwargs().items() if k not in ("layout_query", "layout_key")},
+    )
     out = reference.lightning_indexer(case.query, case.cache, case.weights, sparse_count=4, **case.kwargs())
     assert torch.equal(torch.topk(dense, 4).indices.to(torch.int32), out[:, 0])
 
@@ -239,14 +261,19 @@ def test_indexer_dense_scores_helper_agrees_with_topk():
 def test_indexer_rejects_bad_metadata():
     case = IndexerCase(seed=11)
     with pytest.raises(ValueError, match="kv length"):
-        reference.lightning_indexer(case.query, case.cache, case.weights, sparse_count=4,
-                                    **case.kwargs(actual_seq_lengths_key=torch.tensor([2, 9, 6], dtype=torch.int32)))
+        reference.lightning_indexer(
+            case.query,
+            case.cache,
+            case.weights,
+            sparse_count=4,
+            **case.kwargs(actual_seq_lengths_key=torch.tensor([2, 9, 6], dtype=torch.int32)),
+        )
     with pytest.raises(ValueError, match="layout"):
-        reference.lightning_indexer(case.query, case.cache, case.weights, sparse_count=4,
-                                    **case.kwargs(layout_key="BSND"))
+        reference.lightning_indexer(
+            case.query, case.cache, case.weights, sparse_count=4, **case.kwargs(layout_key="BSND")
+        )
     with pytest.raises(ValueError, match="sparse_mode"):
-        reference.lightning_indexer(case.query, case.cache, case.weights, sparse_count=4,
-                                    **case.kwargs(sparse_mode=1))
+        reference.lightning_indexer(case.query, case.cache, case.weights, sparse_count=4, **case.kwargs(sparse_mode=1))
 
 
 # ------------------------------------------------------------ Hadamard + C8 indexer
@@ -291,9 +318,12 @@ class QuantCase:
         self.query = (direction + 0.05 * torch.randn(2, heads, dim, generator=gen)).to(torch.bfloat16)
         self.weights = (0.5 + torch.rand(2, heads, generator=gen)).to(torch.bfloat16)
         self.cache, self.table = make_paged([self.keys], block_size, 4, gen, fill=0.0)
-        self.kw = dict(actual_seq_lengths_query=cumulative(q_lens),
-                       actual_seq_lengths_key=torch.tensor([kv], dtype=torch.int32),
-                       block_table=self.table, sparse_count=12)
+        self.kw = dict(
+            actual_seq_lengths_query=cumulative(q_lens),
+            actual_seq_lengths_key=torch.tensor([kv], dtype=torch.int32),
+            block_table=self.table,
+            sparse_count=12,
+        )
 
 
 def test_c8_indexer_matches_bf16_on_well_separated_scores():
@@ -302,16 +332,20 @@ def test_c8_indexer_matches_bf16_on_well_separated_scores():
     assert prep.query.dtype == torch.int8 and prep.query_dequant_scale.shape == case.query.shape[:2]
     assert prep.key_dequant_scale.shape == case.cache.shape[:3]
     c8 = reference.quant_lightning_indexer(
-        prep.query, prep.key, case.weights, prep.query_dequant_scale, prep.key_dequant_scale, **case.kw)
+        prep.query, prep.key, case.weights, prep.query_dequant_scale, prep.key_dequant_scale, **case.kw
+    )
     exact = reference.lightning_indexer(case.query, case.cache, case.weights, **case.kw)
     # precondition that makes the comparison meaningful: adjacent top-k score gaps
     # exceed twice the largest C8 scoring error
-    dense = reference.indexer_scores_dense(case.query, case.cache, case.weights, **{
-        k: v for k, v in case.kw.items() if k != "sparse_count"})
+    dense = reference.indexer_scores_dense(
+        case.query, case.cache, case.weights, **{k: v for k, v in case.kw.items() if k != "sparse_count"}
+    )
     deq = reference.indexer_scores_dense(
         hadamard.dequantize_int8(prep.query, prep.query_dequant_scale),
-        hadamard.dequantize_int8(prep.key, prep.key_dequant_scale), case.weights,
-        **{k: v for k, v in case.kw.items() if k != "sparse_count"})
+        hadamard.dequantize_int8(prep.key, prep.key_dequant_scale),
+        case.weights,
+        **{k: v for k, v in case.kw.items() if k != "sparse_count"},
+    )
     visible = torch.isfinite(dense)
     max_err = (deq[visible] - dense[visible]).abs().max()
     top = torch.sort(dense, dim=1, descending=True).values[:, :13]
@@ -347,16 +381,28 @@ def test_c8_op_equals_float_indexer_on_dequantised_inputs():
     case = IndexerCase(seed=16, heads=4, dim=32, dtype=torch.bfloat16)
     prep = hadamard.prepare_quant_indexer_inputs(case.query, case.cache.nan_to_num(0.0))
     c8 = reference.quant_lightning_indexer(
-        prep.query, prep.key, case.weights, prep.query_dequant_scale, prep.key_dequant_scale,
-        sparse_count=5, **case.kwargs())
+        prep.query,
+        prep.key,
+        case.weights,
+        prep.query_dequant_scale,
+        prep.key_dequant_scale,
+        sparse_count=5,
+        **case.kwargs(),
+    )
     q_deq = hadamard.dequantize_int8(prep.query, prep.query_dequant_scale)
     k_deq = hadamard.dequantize_int8(prep.key, prep.key_dequant_scale)
     as_float = reference.lightning_indexer(q_deq, k_deq, case.weights, sparse_count=5, **case.kwargs())
     assert torch.equal(c8, as_float)
     # a [blocks, block_size, 1, 1] scale is accepted too
     c8_4d = reference.quant_lightning_indexer(
-        prep.query, prep.key, case.weights, prep.query_dequant_scale, prep.key_dequant_scale.unsqueeze(-1),
-        sparse_count=5, **case.kwargs())
+        prep.query,
+        prep.key,
+        case.weights,
+        prep.query_dequant_scale,
+        prep.key_dequant_scale.unsqueeze(-1),
+        sparse_count=5,
+        **case.kwargs(),
+    )
     assert torch.equal(c8, c8_4d)
 
 
@@ -364,8 +410,17 @@ def test_c8_op_equals_float_indexer_on_dequantised_inputs():
 class AttnCase:
     """Paged MLA latent/rope caches for three requests and their query tokens."""
 
-    def __init__(self, seed=20, q_lens=(3, 1, 2), kv_lens=(9, 6, 11), heads=4, d_latent=32, d_rope=8,
-                 block_size=4, dtype=torch.float32):
+    def __init__(
+        self,
+        seed=20,
+        q_lens=(3, 1, 2),
+        kv_lens=(9, 6, 11),
+        heads=4,
+        d_latent=32,
+        d_rope=8,
+        block_size=4,
+        dtype=torch.float32,
+    ):
         gen = torch.Generator().manual_seed(seed)
         self.q_lens, self.kv_lens, self.block_size = list(q_lens), list(kv_lens), block_size
         self.latent = [torch.randn(n, d_latent, generator=gen).to(dtype) for n in kv_lens]
@@ -388,9 +443,16 @@ class AttnCase:
         return out
 
     def paged(self, indices, **over):
-        kw = dict(query_rope=self.query_rope, key_rope=self.key_rope, block_table=self.table,
-                  actual_seq_lengths_query=self.cu_q, actual_seq_lengths_kv=self.kv,
-                  layout_query="TND", layout_kv="PA_BSND", sparse_mode=3)
+        kw = dict(
+            query_rope=self.query_rope,
+            key_rope=self.key_rope,
+            block_table=self.table,
+            actual_seq_lengths_query=self.cu_q,
+            actual_seq_lengths_kv=self.kv,
+            layout_query="TND",
+            layout_kv="PA_BSND",
+            sparse_mode=3,
+        )
         kw.update(over)
         return reference.sparse_mla_attention(self.query, self.key, None, indices, self.scale, **kw)
 
@@ -441,12 +503,21 @@ def test_attention_ignores_minus_one_and_garbage_rows():
     for t, (b, _pos) in enumerate(case.positions()):
         torch.testing.assert_close(out[t].double(), case.dense(t, b, chosen[t]), atol=2e-5, rtol=2e-5)
     # flat buffer whose row 0 (where ignored entries are clamped for the gather) is NaN
-    flat_idx = torch.tensor([[r + 1 if r >= 0 else -1 for r in case.physical_rows(t, idx[t, 0].tolist())]
-                             for t in range(idx.shape[0])], dtype=torch.int32).unsqueeze(1)
+    flat_idx = torch.tensor(
+        [[r + 1 if r >= 0 else -1 for r in case.physical_rows(t, idx[t, 0].tolist())] for t in range(idx.shape[0])],
+        dtype=torch.int32,
+    ).unsqueeze(1)
     nan_row = lambda x: torch.cat((torch.full_like(x[:1], float("nan")), x))  # noqa: E731
     flat = reference.sparse_mla_attention(
-        case.query, nan_row(case.key.reshape(-1, 32)), None, flat_idx, case.scale,
-        query_rope=case.query_rope, key_rope=nan_row(case.key_rope.reshape(-1, 8)), layout_kv="flat")
+        case.query,
+        nan_row(case.key.reshape(-1, 32)),
+        None,
+        flat_idx,
+        case.scale,
+        query_rope=case.query_rope,
+        key_rope=nan_row(case.key_rope.reshape(-1, 8)),
+        layout_kv="flat",
+    )
     assert torch.equal(flat, out)
 
 
@@ -466,8 +537,15 @@ def test_attention_all_minus_one_gives_zeros():
     out = case.paged(idx)
     assert torch.equal(out, torch.zeros_like(out))
     flat = reference.sparse_mla_attention(
-        case.query, torch.full((8, 32), float("nan")), None, idx, case.scale,
-        query_rope=case.query_rope, key_rope=torch.full((8, 8), float("nan")), layout_kv="flat")
+        case.query,
+        torch.full((8, 32), float("nan")),
+        None,
+        idx,
+        case.scale,
+        query_rope=case.query_rope,
+        key_rope=torch.full((8, 8), float("nan")),
+        layout_kv="flat",
+    )
     assert torch.equal(flat, torch.zeros_like(flat))
 
 
@@ -476,11 +554,19 @@ def test_attention_flat_equals_paged_bitwise():
     idx = all_visible_indices(case, 12, case.gen)
     idx[0, 0, 2] = -1
     paged = case.paged(idx)
-    flat_idx = torch.tensor([case.physical_rows(t, idx[t, 0].tolist()) for t in range(idx.shape[0])],
-                            dtype=torch.int32).unsqueeze(1)
+    flat_idx = torch.tensor(
+        [case.physical_rows(t, idx[t, 0].tolist()) for t in range(idx.shape[0])], dtype=torch.int32
+    ).unsqueeze(1)
     flat = reference.sparse_mla_attention(
-        case.query, case.key.reshape(-1, 32), None, flat_idx, case.scale,
-        query_rope=case.query_rope, key_rope=case.key_rope.reshape(-1, 8), layout_kv="flat")
+        case.query,
+        case.key.reshape(-1, 32),
+        None,
+        flat_idx,
+        case.scale,
+        query_rope=case.query_rope,
+        key_rope=case.key_rope.reshape(-1, 8),
+        layout_kv="flat",
+    )
     assert torch.equal(paged, flat)
 
 
@@ -507,8 +593,15 @@ def test_attention_hot_buffer_gather_is_bit_identical_to_full_kv():
             hot_rope[slots[j]] = case.rope[b][p]
             remapped[t, 0, j] = slots[j]
     hot = reference.sparse_mla_attention(
-        case.query, hot_latent.view(-1, 1, 32), hot_latent.view(-1, 1, 32), remapped, case.scale,
-        query_rope=case.query_rope, key_rope=hot_rope, layout_kv="flat")
+        case.query,
+        hot_latent.view(-1, 1, 32),
+        hot_latent.view(-1, 1, 32),
+        remapped,
+        case.scale,
+        query_rope=case.query_rope,
+        key_rope=hot_rope,
+        layout_kv="flat",
+    )
     assert torch.equal(full, hot)
 
 
@@ -519,18 +612,42 @@ def test_attention_padding_tokens_and_argument_checks():
     idx = all_visible_indices(case, 12, case.gen)
     idx = torch.cat((idx, torch.zeros(2, 1, 12, dtype=torch.int32)))
     out = reference.sparse_mla_attention(
-        query, case.key, None, idx, case.scale, query_rope=query_rope, key_rope=case.key_rope,
-        block_table=case.table, actual_seq_lengths_query=case.cu_q, actual_seq_lengths_kv=case.kv)
+        query,
+        case.key,
+        None,
+        idx,
+        case.scale,
+        query_rope=query_rope,
+        key_rope=case.key_rope,
+        block_table=case.table,
+        actual_seq_lengths_query=case.cu_q,
+        actual_seq_lengths_kv=case.kv,
+    )
     assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))
     with pytest.raises(ValueError, match="value"):
         reference.sparse_mla_attention(
-            case.query, case.key, case.key.clone(), idx[:-2], case.scale, query_rope=case.query_rope,
-            key_rope=case.key_rope, block_table=case.table, actual_seq_lengths_query=case.cu_q,
-            actual_seq_lengths_kv=case.kv)
+            case.query,
+            case.key,
+            case.key.clone(),
+            idx[:-2],
+            case.scale,
+            query_rope=case.query_rope,
+            key_rope=case.key_rope,
+            block_table=case.table,
+            actual_seq_lengths_query=case.cu_q,
+            actual_seq_lengths_kv=case.kv,
+        )
     with pytest.raises(ValueError, match="rows >="):
         reference.sparse_mla_attention(
-            case.query, torch.zeros(4, 32), None, torch.full((6, 1, 2), 4, dtype=torch.int32), 1.0,
-            query_rope=case.query_rope, key_rope=torch.zeros(4, 8), layout_kv="flat")
+            case.query,
+            torch.zeros(4, 32),
+            None,
+            torch.full((6, 1, 2), 4, dtype=torch.int32),
+            1.0,
+            query_rope=case.query_rope,
+            key_rope=torch.zeros(4, 8),
+            layout_kv="flat",
+        )
 
 
 def test_attention_token_grouping_does_not_change_result(monkeypatch):
@@ -579,8 +696,18 @@ def test_registry_reference_selection_runs():
     case = AttnCase(seed=40)
     idx = all_visible_indices(case, 12, case.gen)
     assert torch.equal(
-        impl(case.query, case.key, None, idx, case.scale, query_rope=case.query_rope, key_rope=case.key_rope,
-             block_table=case.table, actual_seq_lengths_query=case.cu_q, actual_seq_lengths_kv=case.kv),
+        impl(
+            case.query,
+            case.key,
+            None,
+            idx,
+            case.scale,
+            query_rope=case.query_rope,
+            key_rope=case.key_rope,
+            block_table=case.table,
+            actual_seq_lengths_query=case.cu_q,
+            actual_seq_lengths_kv=case.kv,
+        ),
         case.paged(idx),
     )
 

@@ -34,8 +34,18 @@ if not npu_present():  # an NPU runner tests SGLang's NPU platform; servers set 
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 from sglang_ascend_offload.testing.servers import (  # noqa: E402,F401 - re-exported for the test modules
-    CPU_SERVER_ARGS, IDLE_SLEEP, REPO, STARTUP_TIMEOUT_S, TINY_DSA, PortInUse, ServerProcess, server_env, start_all,
-    stop_all, stop_process_group)
+    CPU_SERVER_ARGS,
+    IDLE_SLEEP,
+    REPO,
+    STARTUP_TIMEOUT_S,
+    TINY_DSA,
+    PortInUse,
+    ServerProcess,
+    server_env,
+    start_all,
+    stop_all,
+    stop_process_group,
+)
 
 
 def free_port(span: int = 1) -> int:
@@ -47,8 +57,17 @@ def free_port(span: int = 1) -> int:
 def run_launcher(extra_args: List[str], timeout: float = 180.0) -> subprocess.CompletedProcess:
     """Run ``launch_server`` to completion (for --help and startup failures)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "sglang.launch_server", *CPU_SERVER_ARGS,
-           "--host", "127.0.0.1", "--port", str(port), *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        *CPU_SERVER_ARGS,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra_args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=server_env(), cwd=REPO)
 
 
@@ -96,8 +115,14 @@ class SharedServers:
         self.servers: Dict[str, ServerProcess] = {}
         self.keys: Dict[str, tuple] = {}
 
-    def get(self, name: str, extra_args: Sequence[str], *, base_args: Sequence[str] = tuple(CPU_SERVER_ARGS),
-            env: Optional[Dict[str, str]] = None) -> ServerProcess:
+    def get(
+        self,
+        name: str,
+        extra_args: Sequence[str],
+        *,
+        base_args: Sequence[str] = tuple(CPU_SERVER_ARGS),
+        env: Optional[Dict[str, str]] = None,
+    ) -> ServerProcess:
         key = (tuple(base_args), tuple(extra_args), tuple(sorted((env or {}).items())))
         if name in self.keys and self.keys[name] != key:
             raise ValueError(f"shared server {name!r} asked for with other arguments:\n{key}\nnot\n{self.keys[name]}")
@@ -106,8 +131,12 @@ class SharedServers:
             if srv is not None:
                 srv.stop()  # gives its ports back
             n = sum(1 for p in self.root.glob(f"{name}*.log"))
-            srv = ServerProcess(extra_args, base_args=base_args, env=env,
-                                log_path=self.root / (f"{name}.log" if n == 0 else f"{name}.{n}.log"))
+            srv = ServerProcess(
+                extra_args,
+                base_args=base_args,
+                env=env,
+                log_path=self.root / (f"{name}.log" if n == 0 else f"{name}.{n}.log"),
+            )
             self.servers[name], self.keys[name] = srv, key
         srv.shared_name = name
         return srv
@@ -151,7 +180,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def shared_servers(request, tmp_path_factory):
     """The session's :class:`SharedServers` (every one stopped at the end at the latest)."""
-    pool = SharedServers(tmp_path_factory.mktemp("shared_servers"),
-                         getattr(request.config, "_shared_server_users", {}))
+    pool = SharedServers(tmp_path_factory.mktemp("shared_servers"), getattr(request.config, "_shared_server_users", {}))
     yield pool
     pool.close()

@@ -20,9 +20,16 @@ import torch
 
 HIDDEN, Q_LORA, HEADS, LATENT, ROPE = 256, 128, 4, 512, 64
 INDEX_HEADS, INDEX_DIM, TOPK = 4, 128, 16
-ROPE_SCALING = {"type": "yarn", "rope_type": "deepseek_yarn", "factor": 4.0,
-                "original_max_position_embeddings": 2048, "beta_fast": 32, "beta_slow": 1,
-                "mscale": 1.0, "mscale_all_dim": 1.0}
+ROPE_SCALING = {
+    "type": "yarn",
+    "rope_type": "deepseek_yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 2048,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 
 @contextlib.contextmanager
@@ -40,15 +47,25 @@ def published_context(device: str = "cpu"):
         reset_context()
 
 
-def make_indexer(layer_id: int, neox: bool = True, seed: int = 0, index_heads: int = INDEX_HEADS,
-                 top_k: int = TOPK):
+def make_indexer(layer_id: int, neox: bool = True, seed: int = 0, index_heads: int = INDEX_HEADS, top_k: int = TOPK):
     """SGLang's DSA ``Indexer`` with random bf16 weights (tiny DeepSeek-V3.2 shapes)."""
     from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
 
-    ix = Indexer(hidden_size=HIDDEN, index_n_heads=index_heads, index_head_dim=INDEX_DIM, rope_head_dim=ROPE,
-                 index_topk=top_k, q_lora_rank=Q_LORA, max_position_embeddings=8192, rope_theta=10000,
-                 layer_id=layer_id, scale_fmt="ue8m0", block_size=128, rope_scaling=dict(ROPE_SCALING),
-                 is_neox_style=neox)
+    ix = Indexer(
+        hidden_size=HIDDEN,
+        index_n_heads=index_heads,
+        index_head_dim=INDEX_DIM,
+        rope_head_dim=ROPE,
+        index_topk=top_k,
+        q_lora_rank=Q_LORA,
+        max_position_embeddings=8192,
+        rope_theta=10000,
+        layer_id=layer_id,
+        scale_fmt="ue8m0",
+        block_size=128,
+        rope_scaling=dict(ROPE_SCALING),
+        is_neox_style=neox,
+    )
     gen = torch.Generator().manual_seed(1000 + seed)
     with torch.no_grad():
         for name, p in ix.named_parameters():
@@ -90,11 +107,15 @@ def forward_batch(mode, reqs, out_cache_loc, positions, seq, prefix, new_tokens,
 
     extend = new_tokens is not None
     return ForwardBatch(
-        forward_mode=mode, batch_size=len(reqs),
+        forward_mode=mode,
+        batch_size=len(reqs),
         input_ids=torch.zeros(int(positions.numel()), dtype=torch.int64, device=device),
         req_pool_indices=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=device),
-        seq_lens=seq.to(device), out_cache_loc=out_cache_loc.to(device, torch.int64), seq_lens_sum=int(seq.sum()),
-        seq_lens_cpu=seq.cpu().clone(), positions=positions.to(device),
+        seq_lens=seq.to(device),
+        out_cache_loc=out_cache_loc.to(device, torch.int64),
+        seq_lens_sum=int(seq.sum()),
+        seq_lens_cpu=seq.cpu().clone(),
+        positions=positions.to(device),
         extend_seq_lens_cpu=list(new_tokens) if extend else None,
         extend_prefix_lens_cpu=prefix.tolist() if extend else None,
         extend_seq_lens=torch.tensor(new_tokens, device=device) if extend else None,
@@ -127,9 +148,20 @@ def pad_like_dp_attention(fb, pad_to: int, pad_row: int = 0):
 class Harness:
     """Two backends (device KV / host KV) over one slot space; see module doc."""
 
-    def __init__(self, *, layers: int = 2, rows: int = 4, page_size: int = 16, max_context: int = 256,
-                 slots: int = 1024, offload_config=None, seed: int = 0, device: str = "cpu",
-                 top_k: int = TOPK, index_heads: int = INDEX_HEADS):
+    def __init__(
+        self,
+        *,
+        layers: int = 2,
+        rows: int = 4,
+        page_size: int = 16,
+        max_context: int = 256,
+        slots: int = 1024,
+        offload_config=None,
+        seed: int = 0,
+        device: str = "cpu",
+        top_k: int = TOPK,
+        index_heads: int = INDEX_HEADS,
+    ):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
@@ -137,29 +169,50 @@ class Harness:
         from sglang_ascend_offload.sglang_plugin.args import carrier
         from sglang_ascend_offload.sglang_plugin.attention.dsa_backend import AscendOffloadAttnBackend
         from sglang_ascend_offload.sglang_plugin.attention.sparse_decode import SparseDecodeOffloadBackend
-        from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
         from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
+        from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
 
         self.layers, self.page_size, self.device = layers, page_size, device
         self.offload_config = offload_config or cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK)
         self.gen = torch.Generator().manual_seed(seed)
-        self.req_to_token_pool = ReqToTokenPool(size=rows, max_context_len=max_context, device=device,
-                                                enable_memory_saver=False)
-        common = dict(page_size=page_size, dtype=torch.bfloat16, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
-                      layer_num=layers, device=device, enable_memory_saver=False, index_head_dim=INDEX_DIM)
+        self.req_to_token_pool = ReqToTokenPool(
+            size=rows, max_context_len=max_context, device=device, enable_memory_saver=False
+        )
+        common = dict(
+            page_size=page_size,
+            dtype=torch.bfloat16,
+            kv_lora_rank=LATENT,
+            qk_rope_head_dim=ROPE,
+            layer_num=layers,
+            device=device,
+            enable_memory_saver=False,
+            index_head_dim=INDEX_DIM,
+        )
         self.dense_pool = DeviceDSAPool(slots, index_size=slots, index_page_size=page_size, **common)
-        self.offload_pool = HostMainKVPool(slots, rows=self.req_to_token_pool.req_to_token.shape[0], top_k=top_k,
-                                           offload=self.offload_config, **common)
-        self.allocator = PagedTokenToKVPoolAllocator(slots, page_size, torch.bfloat16, device,
-                                                     self.dense_pool, need_sort=False)
-        model_config = SimpleNamespace(context_len=max_context, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
-                                       hf_config=SimpleNamespace(index_topk=top_k))
+        self.offload_pool = HostMainKVPool(
+            slots, rows=self.req_to_token_pool.req_to_token.shape[0], top_k=top_k, offload=self.offload_config, **common
+        )
+        self.allocator = PagedTokenToKVPoolAllocator(
+            slots, page_size, torch.bfloat16, device, self.dense_pool, need_sort=False
+        )
+        model_config = SimpleNamespace(
+            context_len=max_context,
+            kv_lora_rank=LATENT,
+            qk_rope_head_dim=ROPE,
+            hf_config=SimpleNamespace(index_topk=top_k),
+        )
 
         def runner(pool):
-            return SimpleNamespace(device=device, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=pool,
-                                   page_size=page_size, model_config=model_config, tp_rank=0, dp_rank=None,
-                                   server_args=SimpleNamespace(enable_metrics=False, dp_size=1,
-                                                               model_path="tiny"))
+            return SimpleNamespace(
+                device=device,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool=pool,
+                page_size=page_size,
+                model_config=model_config,
+                tp_rank=0,
+                dp_rank=None,
+                server_args=SimpleNamespace(enable_metrics=False, dp_size=1, model_path="tiny"),
+            )
 
         carrier.publish(cfg.OffloadConfig(sparse_decode=self.offload_config))
         try:
@@ -168,10 +221,12 @@ class Harness:
         finally:
             carrier.clear()
         assert isinstance(self.offload_pool, HostMainKVPool)
-        self.indexers = [make_indexer(layer, seed=layer, index_heads=index_heads, top_k=top_k).to(device)
-                         for layer in range(layers)]
-        self.attn_layers = [SimpleNamespace(layer_id=layer, tp_q_head_num=HEADS, scaling=0.125)
-                            for layer in range(layers)]
+        self.indexers = [
+            make_indexer(layer, seed=layer, index_heads=index_heads, top_k=top_k).to(device) for layer in range(layers)
+        ]
+        self.attn_layers = [
+            SimpleNamespace(layer_id=layer, tp_q_head_num=HEADS, scaling=0.125) for layer in range(layers)
+        ]
         self.requests: Dict[str, Request] = {}
 
     # ------------------------------------------------------------------ requests
@@ -200,16 +255,16 @@ class Harness:
         table = self.req_to_token_pool.req_to_token
         prefix = torch.tensor([r.length for r in reqs], dtype=torch.int64)
         seq = prefix + torch.tensor(new_tokens, dtype=torch.int64)
-        last_loc = torch.tensor([int(table[r.row, r.length - 1]) if r.length else -1 for r in reqs],
-                                dtype=torch.int64)
+        last_loc = torch.tensor([int(table[r.row, r.length - 1]) if r.length else -1 for r in reqs], dtype=torch.int64)
         dev = self.device
-        out = self.allocator.alloc_extend(prefix.to(dev), prefix, seq.to(dev), seq, last_loc.to(dev),
-                                          int(sum(new_tokens)))
+        out = self.allocator.alloc_extend(
+            prefix.to(dev), prefix, seq.to(dev), seq, last_loc.to(dev), int(sum(new_tokens))
+        )
         assert out is not None, "allocator ran out of pages"
         offset = 0
         positions = []
         for r, n in zip(reqs, new_tokens):
-            table[r.row, r.length:r.length + n] = out[offset:offset + n].to(torch.int32)
+            table[r.row, r.length : r.length + n] = out[offset : offset + n].to(torch.int32)
             positions.append(torch.arange(r.length, r.length + n, device=self.device))
             offset += n
             r.length += n

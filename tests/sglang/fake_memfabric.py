@@ -299,16 +299,18 @@ class BigMemory:
     def _is_gva(addr: int) -> bool:
         return GVA_BASE <= addr < GVA_BASE + 64 * GVA_STRIDE
 
-    def copy_data(self, src_ptr: int, dst_ptr: int, size: int, type: BmCopyType, flags: int = 0,
-                  stream: int = 0) -> int:
+    def copy_data(
+        self, src_ptr: int, dst_ptr: int, size: int, type: BmCopyType, flags: int = 0, stream: int = 0
+    ) -> int:
         if not self._joined:
             return _set_err("fake bm copy_data: the entity was not joined")
         kind = BmCopyType(type)
         want_src = kind in _FROM_GLOBAL or kind == BmCopyType.G2G
         want_dst = kind in _TO_GLOBAL or kind == BmCopyType.G2G
         if kind != BmCopyType.AUTO and (self._is_gva(src_ptr) != want_src or self._is_gva(dst_ptr) != want_dst):
-            return _set_err(f"fake bm copy_data: copy type {kind.name} does not match src {src_ptr:#x} / "
-                            f"dst {dst_ptr:#x}")
+            return _set_err(
+                f"fake bm copy_data: copy type {kind.name} does not match src {src_ptr:#x} / dst {dst_ptr:#x}"
+            )
         src = self._local(src_ptr, size) if self._is_gva(src_ptr) else src_ptr
         dst = self._local(dst_ptr, size) if self._is_gva(dst_ptr) else dst_ptr
         if not src or not dst:
@@ -316,8 +318,16 @@ class BigMemory:
         ctypes.memmove(dst, src, size)
         return 0
 
-    def copy_data_batch(self, src_addrs: Sequence[int], dst_addrs: Sequence[int], sizes: Sequence[int],
-                        count: int, type: BmCopyType, flags: int = 0, stream: int = 0) -> int:
+    def copy_data_batch(
+        self,
+        src_addrs: Sequence[int],
+        dst_addrs: Sequence[int],
+        sizes: Sequence[int],
+        count: int,
+        type: BmCopyType,
+        flags: int = 0,
+        stream: int = 0,
+    ) -> int:
         if not len(src_addrs) == len(dst_addrs) == len(sizes) >= count:
             return _set_err("fake bm copy_data_batch: address / size lists shorter than count")
         for i in range(count):
@@ -330,9 +340,19 @@ class BigMemory:
         return 0  # copies above are synchronous
 
 
-def _create2(id: int, local_dram_size: int, max_dram_size: int, local_hbm_size: int = 0, max_hbm_size: int = 0,
-             data_op_type: BmDataOpType = BmDataOpType.SDMA, enable_56bits_gva: bool = False, flags: int = 0,
-             shm_fd: int = -1, tag: str = "", tag_op_info: str = "") -> BigMemory:
+def _create2(
+    id: int,
+    local_dram_size: int,
+    max_dram_size: int,
+    local_hbm_size: int = 0,
+    max_hbm_size: int = 0,
+    data_op_type: BmDataOpType = BmDataOpType.SDMA,
+    enable_56bits_gva: bool = False,
+    flags: int = 0,
+    shm_fd: int = -1,
+    tag: str = "",
+    tag_op_info: str = "",
+) -> BigMemory:
     if _state.store is None:
         raise RuntimeError("fake bm.create2: bm.initialize() was not called")
     if local_dram_size > max_dram_size:
@@ -353,18 +373,43 @@ bm.create2 = _create2
 bm.bm_rank_id = _bm_rank_id
 # the real functions are called by their own names
 _initialize.__name__, _uninitialize.__name__, _create2.__name__, _bm_rank_id.__name__ = (
-    "initialize", "uninitialize", "create2", "bm_rank_id")
+    "initialize",
+    "uninitialize",
+    "create2",
+    "bm_rank_id",
+)
 
 #: names of the stand-in, for the conformance test: top-level functions, bm functions,
 #: bm classes with the methods / attributes this stand-in defines
 TOP_FUNCTIONS = ("initialize", "uninitialize", "get_last_err_msg", "get_and_clear_last_err_msg")
 BM_FUNCTIONS = ("initialize", "uninitialize", "create2", "bm_rank_id")
-BM_METHODS = {"BigMemory": ("join", "leave", "destroy", "peer_rank_ptr", "local_mem_size", "copy_data",
-                            "copy_data_batch", "wait"),
-              "BmConfig": ("set_nic",)}
-BM_ATTRIBUTES = {"BmConfig": ("auto_ranking", "create_timeout", "dynamic_world_size", "flags", "init_timeout",
-                              "operation_timeout", "rank_id", "start_store", "start_store_only",
-                              "unified_address_space")}
+BM_METHODS = {
+    "BigMemory": (
+        "join",
+        "leave",
+        "destroy",
+        "peer_rank_ptr",
+        "local_mem_size",
+        "copy_data",
+        "copy_data_batch",
+        "wait",
+    ),
+    "BmConfig": ("set_nic",),
+}
+BM_ATTRIBUTES = {
+    "BmConfig": (
+        "auto_ranking",
+        "create_timeout",
+        "dynamic_world_size",
+        "flags",
+        "init_timeout",
+        "operation_timeout",
+        "rank_id",
+        "start_store",
+        "start_store_only",
+        "unified_address_space",
+    )
+}
 BM_ENUMS = ("BmCopyType", "BmDataOpType", "BmMemType", "BmGroupEvent")
 
 

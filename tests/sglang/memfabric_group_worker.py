@@ -61,12 +61,16 @@ def engine_for(pool, rank: int, order=None, device: str = "cpu"):
     from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
 
     gate = EngineGate(order) if order is not None and rank > 0 else None
-    return SparseDecodeEngine(EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, policy="lru", ops="reference"),
-                              pool, device=device, tp_rank=rank, gate=gate)
+    return SparseDecodeEngine(
+        EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, policy="lru", ops="reference"),
+        pool,
+        device=device,
+        tp_rank=rank,
+        gate=gate,
+    )
 
 
-def workload(engine, rank: int, order=None, die_after_step: Optional[int] = None,
-             device: str = "cpu") -> torch.Tensor:
+def workload(engine, rank: int, order=None, die_after_step: Optional[int] = None, device: str = "cpu") -> torch.Tensor:
     """Outputs ``[STEPS * LAYERS, ROWS, HEADS, LATENT]`` (on the host) of the fixed
     workload; rows and queries are made on the host and moved to ``device``."""
     rng = np.random.default_rng(7)  # the same on every rank
@@ -88,8 +92,9 @@ def workload(engine, rank: int, order=None, die_after_step: Optional[int] = None
             engine.append(layer, slots, rows.to(device))  # a no-op on ranks > 0
             if order is not None:
                 order.appended(layer)  # what set_kv_buffer does after the append
-            topk = np.stack([np.concatenate([[seq - 1], rng.choice(seq - 1, K - 1, replace=False)])
-                             for _ in range(ROWS)]).astype(np.int32)
+            topk = np.stack(
+                [np.concatenate([[seq - 1], rng.choice(seq - 1, K - 1, replace=False)]) for _ in range(ROWS)]
+            ).astype(np.int32)
             q = torch.randn((ROWS, HEADS, LATENT), generator=gen).to(torch.bfloat16)
             qr = torch.randn((ROWS, HEADS, ROPE), generator=gen).to(torch.bfloat16)
             res = engine.run_layer(layer, torch.from_numpy(topk), q.to(device), qr.to(device), 0.25)
@@ -159,8 +164,7 @@ def run_group(size: int, env: Dict[str, str], timeout_s: float = 120.0, die_afte
     ctx = mp.get_context("spawn")
     queues = [ctx.Queue() for _ in range(size)]
     results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, size, env, queues, results, die_after_step))
-             for r in range(size)]
+    procs = [ctx.Process(target=rank_main, args=(r, size, env, queues, results, die_after_step)) for r in range(size)]
     for p in procs:
         p.start()
     got: Dict[int, tuple] = {}

@@ -19,21 +19,30 @@ from sglang_ascend_offload.testing.sglang_args import server_args_stub
 
 def dsa_hf_config(**overrides: Any) -> SimpleNamespace:
     """The HF config fields of the tiny DSA fixture (``tests/fixtures/tiny_dsa``)."""
-    fields = dict(architectures=["DeepseekV32ForCausalLM"], num_hidden_layers=2, kv_lora_rank=512,
-                  qk_rope_head_dim=64, index_topk=16, index_head_dim=128, index_n_heads=4,
-                  torch_dtype="bfloat16")
+    fields = dict(
+        architectures=["DeepseekV32ForCausalLM"],
+        num_hidden_layers=2,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        index_topk=16,
+        index_head_dim=128,
+        index_n_heads=4,
+        torch_dtype="bfloat16",
+    )
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
 
-def server_deployment(config: cfg.OffloadConfig, view: Any, hf_config: Any = None,
-                      soc: Optional[str] = None) -> cfg.Deployment:
+def server_deployment(
+    config: cfg.OffloadConfig, view: Any, hf_config: Any = None, soc: Optional[str] = None
+) -> cfg.Deployment:
     """The deployment facts the server reads from ``view`` (P/D facts included)."""
     return with_pd_facts(build_deployment(view, hf_config or dsa_hf_config(), soc), config, view)
 
 
-def server_verdict(config: cfg.OffloadConfig, hf_config: Any = None, soc: Optional[str] = None,
-                   **server_args: Any) -> List[cfg.Violation]:
+def server_verdict(
+    config: cfg.OffloadConfig, hf_config: Any = None, soc: Optional[str] = None, **server_args: Any
+) -> List[cfg.Violation]:
     """Every violation the server's startup reports for ``config`` with these arguments
     (each other argument at SGLang's default)."""
     view = server_args_stub(**server_args)

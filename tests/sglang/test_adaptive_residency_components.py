@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dsa_harness import Harness, published_context
 from test_graph_decode_components import BUCKET, _assert_same_residency, _prepare_decode, _prepare_extend, _step
 
@@ -42,8 +41,9 @@ def test_adaptive_graph_and_eager_equal_device_kv(ctx):
         backend.init_cpu_graph_state(BUCKET, BUCKET)
     zeros = torch.zeros(BUCKET, dtype=torch.int64)
     for backend in (graph.dense, graph.offload):
-        backend.init_forward_metadata_capture_cpu_graph(BUCKET, BUCKET, zeros, torch.ones(BUCKET, dtype=torch.int64),
-                                                        zeros, None, ForwardMode.DECODE, None)
+        backend.init_forward_metadata_capture_cpu_graph(
+            BUCKET, BUCKET, zeros, torch.ones(BUCKET, dtype=torch.int64), zeros, None, ForwardMode.DECODE, None
+        )
 
     def extend(reqs, lens):
         fb_e, fb_g = (_prepare_extend(h, [h.requests[r] for r in reqs], lens) for h in (eager, graph))

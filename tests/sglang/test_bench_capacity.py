@@ -28,8 +28,11 @@ sglang:num_running_reqs_offline_batch{model_name="m"} 99.0
 
 
 def test_gauges_are_summed_over_label_sets_and_other_metrics_ignored():
-    assert serve_capacity.read_gauges(METRICS) == {"sglang:num_running_reqs": 5.0, "sglang:num_queue_reqs": 7.0,
-                                                   "sglang:num_retracted_requests_total": 4.0}
+    assert serve_capacity.read_gauges(METRICS) == {
+        "sglang:num_running_reqs": 5.0,
+        "sglang:num_queue_reqs": 7.0,
+        "sglang:num_retracted_requests_total": 4.0,
+    }
 
 
 def test_concurrency_list():
@@ -40,26 +43,57 @@ def test_concurrency_list():
 
 
 def _level(server, c, tps, limited, cpu=None):
-    return LevelResult(server, f"{server}_c{c}", c, 2 * c, completed=2 * c, output_tokens_per_s=tps,
-                       pool_limited=limited, server_cpu_ms_per_token=cpu)
+    return LevelResult(
+        server,
+        f"{server}_c{c}",
+        c,
+        2 * c,
+        completed=2 * c,
+        output_tokens_per_s=tps,
+        pool_limited=limited,
+        server_cpu_ms_per_token=cpu,
+    )
 
 
 def _args(**kw):
-    base = dict(input_len=256, output_len=256, seed=0, max_running_requests=16, low_rounds=3, model_path=None,
-                offload_config=None)
+    base = dict(
+        input_len=256,
+        output_len=256,
+        seed=0,
+        max_running_requests=16,
+        low_rounds=3,
+        model_path=None,
+        offload_config=None,
+    )
     base.update(kw)
     return argparse.Namespace(**base)
 
 
 def test_summary_ratios_take_the_largest_pool_limited_concurrency():
-    runs = [_level("no_offload", 2, 80.0, False), _level("offload", 2, 78.0, False),
-            _level("no_offload", 8, 100.0, True), _level("offload", 8, 150.0, False),
-            _level("no_offload", 16, 100.0, True), _level("offload", 16, 170.0, True)]
-    infos = [ServerInfo("no_offload", [], "a.log", max_total_num_tokens=2176),
-             ServerInfo("offload", [], "b.log", max_total_num_tokens=7104)]
-    doc = serve_capacity.summarize([2, 8, 16], runs, infos, {"no_offload": [24.0, 26.0, 25.0],
-                                                            "offload": [25.0, 24.0, 26.5]},
-                                   True, 1.0, "6MiB", _args(), 1.0, "/tmp")
+    runs = [
+        _level("no_offload", 2, 80.0, False),
+        _level("offload", 2, 78.0, False),
+        _level("no_offload", 8, 100.0, True),
+        _level("offload", 8, 150.0, False),
+        _level("no_offload", 16, 100.0, True),
+        _level("offload", 16, 170.0, True),
+    ]
+    infos = [
+        ServerInfo("no_offload", [], "a.log", max_total_num_tokens=2176),
+        ServerInfo("offload", [], "b.log", max_total_num_tokens=7104),
+    ]
+    doc = serve_capacity.summarize(
+        [2, 8, 16],
+        runs,
+        infos,
+        {"no_offload": [24.0, 26.0, 25.0], "offload": [25.0, 24.0, 26.5]},
+        True,
+        1.0,
+        "6MiB",
+        _args(),
+        1.0,
+        "/tmp",
+    )
     assert doc["max_total_tokens_ratio"] == round(7104 / 2176, 4)
     assert doc["pool_limited_concurrency"] == 16 and doc["throughput_ratio_pool_limited"] == 1.7
     assert doc["throughput_ratios"] == {"2": round(78 / 80, 4), "8": 1.5, "16": 1.7}
@@ -71,17 +105,36 @@ def test_summary_ratios_take_the_largest_pool_limited_concurrency():
     assert doc["identical_tokens"] is True and doc["low_concurrency_residency"] == "adaptive"  # the default
     assert doc["low_concurrency_short_cpu_ratio"] is None  # no short rounds given
     json.dumps(doc)  # one JSON document
-    always = serve_capacity.summarize([2], runs[:2], infos, {"no_offload": [], "offload": []}, True, 1.0, None,
-                                      _args(offload_config='{"hot_tokens": 128}'), 1.0, "/tmp",
-                                      {"no_offload": [10.0, 12.0], "offload": [11.0]})
+    always = serve_capacity.summarize(
+        [2],
+        runs[:2],
+        infos,
+        {"no_offload": [], "offload": []},
+        True,
+        1.0,
+        None,
+        _args(offload_config='{"hot_tokens": 128}'),
+        1.0,
+        "/tmp",
+        {"no_offload": [10.0, 12.0], "offload": [11.0]},
+    )
     assert always["low_concurrency_residency"] == "always"
     assert always["low_concurrency_short_cpu_ratio"] == 1.1 and always["low_concurrency_short_round_ratios"] == [1.1]
 
 
 def test_a_round_without_tokens_drops_out_of_the_ratio_but_keeps_the_pairing():
-    doc = serve_capacity.summarize([], [], [ServerInfo("no_offload", [], ""), ServerInfo("offload", [], "")],
-                                   {"no_offload": [10.0, None, 20.0], "offload": [11.0, 12.0, 30.0]}, True, 1.0,
-                                   None, _args(low_schedule="alternating"), 1.0, "/tmp")
+    doc = serve_capacity.summarize(
+        [],
+        [],
+        [ServerInfo("no_offload", [], ""), ServerInfo("offload", [], "")],
+        {"no_offload": [10.0, None, 20.0], "offload": [11.0, 12.0, 30.0]},
+        True,
+        1.0,
+        None,
+        _args(low_schedule="alternating"),
+        1.0,
+        "/tmp",
+    )
     assert doc["low_concurrency_round_ratios"] == [1.1, None, 1.5]
     assert doc["low_concurrency_cpu_ratio"] == 1.3  # median of 1.1 and 1.5
     assert doc["low_concurrency_schedule"] == "alternating"
@@ -137,6 +190,7 @@ def test_metrics_poller_samples_at_its_own_interval():
     """The concurrency-1 rounds sample ``/metrics`` every ``LOW_POLL_S``: within a shorter
     load no scrape reaches the server (each costs it CPU that is not serving); the sweep's
     interval samples it repeatedly and keeps the peaks."""
+
     class FakeServer:
         def __init__(self):
             self.gets = 0
@@ -160,8 +214,18 @@ def test_metrics_poller_samples_at_its_own_interval():
 
 def test_no_pool_limited_concurrency_gives_no_throughput_ratio():
     runs = [_level("no_offload", 2, 80.0, False), _level("offload", 2, 78.0, False)]
-    doc = serve_capacity.summarize([2], runs, [ServerInfo("no_offload", [], ""), ServerInfo("offload", [], "")],
-                                   {"no_offload": [], "offload": []}, True, 1.0, None, _args(), 1.0, "/tmp")
+    doc = serve_capacity.summarize(
+        [2],
+        runs,
+        [ServerInfo("no_offload", [], ""), ServerInfo("offload", [], "")],
+        {"no_offload": [], "offload": []},
+        True,
+        1.0,
+        None,
+        _args(),
+        1.0,
+        "/tmp",
+    )
     assert doc["pool_limited_concurrency"] is None and doc["throughput_ratio_pool_limited"] is None
     assert doc["max_total_tokens_ratio"] is None and doc["low_concurrency_cpu_ratio"] is None
 
@@ -173,12 +237,36 @@ def _parse(*argv):
 
 
 def test_capacity_refuses_every_conflicting_flag_at_once(capsys):
-    args = _parse("--capacity", "--runs", "offload_eager", "--trained", "--clients", "8", "--rounds", "2",
-                  "--concurrency", "4,zero", "--device-kv-budget", "big", "--low-rounds", "0", "--low-short-len", "-1")
+    args = _parse(
+        "--capacity",
+        "--runs",
+        "offload_eager",
+        "--trained",
+        "--clients",
+        "8",
+        "--rounds",
+        "2",
+        "--concurrency",
+        "4,zero",
+        "--device-kv-budget",
+        "big",
+        "--low-rounds",
+        "0",
+        "--low-short-len",
+        "-1",
+    )
     assert serve.main(args) == 2
     err = capsys.readouterr().err
-    for part in ("drop --runs", "--trained", "--clients", "--rounds", "'zero'", "--device-kv-budget", "--low-rounds",
-                 "--low-short-len"):
+    for part in (
+        "drop --runs",
+        "--trained",
+        "--clients",
+        "--rounds",
+        "'zero'",
+        "--device-kv-budget",
+        "--low-rounds",
+        "--low-short-len",
+    ):
         assert part in err, err
 
 
@@ -186,7 +274,10 @@ def test_capacity_defaults_differ_from_the_plain_runs():
     args = _parse("--capacity")
     serve._fill_defaults(args)
     assert (args.input_len, args.output_len, args.max_running_requests) == (
-        serve_capacity.DEFAULT_INPUT_LEN, serve_capacity.DEFAULT_OUTPUT_LEN, serve_capacity.DEFAULT_MAX_RUNNING)
+        serve_capacity.DEFAULT_INPUT_LEN,
+        serve_capacity.DEFAULT_OUTPUT_LEN,
+        serve_capacity.DEFAULT_MAX_RUNNING,
+    )
     plain = _parse()
     serve._fill_defaults(plain)
     assert (plain.input_len, plain.output_len, plain.max_running_requests) == (64, 32, 4)
@@ -199,9 +290,29 @@ def test_capacity_bench_serves_both_servers_at_one_budget(tmp_path):
     2,816 B per token (2 layers x (latent + rope + index K) bf16); offload 512 B (index K)
     after the hot buffers of 8 requests + 2 rows (2 layers x 64 slots x 1,152 B each).
     No offload holds 5 such requests, so it queues; offload runs all 8; tokens agree."""
-    cmd = [sys.executable, "-m", "sglang_ascend_offload", "bench", "serve", "--capacity", "--device-kv-budget",
-           "4MiB", "--max-running-requests", "8", "--concurrency", "8", "--input-len", "256", "--output-len", "32",
-           "--low-rounds", "1", "--log-dir", str(tmp_path), "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_ascend_offload",
+        "bench",
+        "serve",
+        "--capacity",
+        "--device-kv-budget",
+        "4MiB",
+        "--max-running-requests",
+        "8",
+        "--concurrency",
+        "8",
+        "--input-len",
+        "256",
+        "--output-len",
+        "32",
+        "--low-rounds",
+        "1",
+        "--log-dir",
+        str(tmp_path),
+        "--json",
+    ]
     result = subprocess.run(cmd, cwd=REPO, env=server_env(cpu=False), capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
     doc = json.loads(result.stdout)
@@ -214,8 +325,14 @@ def test_capacity_bench_serves_both_servers_at_one_budget(tmp_path):
     assert off["max_total_num_tokens"] == (budget - hot) // 512 // page * page
     assert doc["max_total_tokens_ratio"] >= 3
     runs = {r["name"]: r for r in doc["runs"]}
-    assert set(runs) == {"no_offload_c8", "offload_c8", "no_offload_low1", "offload_low1", "no_offload_short1",
-                         "offload_short1"}
+    assert set(runs) == {
+        "no_offload_c8",
+        "offload_c8",
+        "no_offload_low1",
+        "offload_low1",
+        "no_offload_short1",
+        "offload_short1",
+    }
     assert all(r["completed"] == r["requests"] for r in runs.values())
     assert {r["phase"] for r in runs.values()} == {"sweep", "low_concurrency", "low_concurrency_short"}
     # No offload's pool holds 5 such requests: 8 clients keep it queueing. (Offload's own
@@ -233,7 +350,12 @@ def test_capacity_bench_serves_both_servers_at_one_budget(tmp_path):
     # and the long ones (288 tokens) span the buffers of idle request slots: all served directly
     assert doc["low_concurrency_residency"] == "adaptive" and doc["low_concurrency_short_direct_rows"] > 0
     assert runs["offload_low1"]["direct_rows"] > 0
-    for key in ("max_total_tokens_ratio", "throughput_ratio_pool_limited", "low_concurrency_cpu_ratio",
-                "identical_tokens", "runs"):
+    for key in (
+        "max_total_tokens_ratio",
+        "throughput_ratio_pool_limited",
+        "low_concurrency_cpu_ratio",
+        "identical_tokens",
+        "runs",
+    ):
         assert key in doc
     assert doc["load"]["low_poll_s"] == serve_capacity.LOW_POLL_S > doc["load"]["poll_s"] == serve_capacity.POLL_S

@@ -13,26 +13,41 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, server_env
 
 from sglang_ascend_offload.bench import serve, served_startup
 from sglang_ascend_offload.bench.served_load import StreamedOutput, percentile
 
 HOT_LINE = re.compile(r"hot buffers [0-9.]+ MiB \((\d+) rows x (\d+) slots")  # the offload pool's startup line
-RUN_KEYS = {"name", "offload", "graph", "speculative", "requests", "completed", "output_tokens_per_s",
-            "ttft_ms_p50", "itl_ms_p50", "itl_ms_p99", "accept_length", "token_agreement"}
+RUN_KEYS = {
+    "name",
+    "offload",
+    "graph",
+    "speculative",
+    "requests",
+    "completed",
+    "output_tokens_per_s",
+    "ttft_ms_p50",
+    "itl_ms_p50",
+    "itl_ms_p99",
+    "accept_length",
+    "token_agreement",
+}
 
 
 def _result(spec, **kw):
-    return serve.RunResult(spec.name, spec.offload, spec.graph, spec.speculative, spec.max_running_requests,
-                           requests=2, **kw)
+    return serve.RunResult(
+        spec.name, spec.offload, spec.graph, spec.speculative, spec.max_running_requests, requests=2, **kw
+    )
 
 
 def test_run_names_parse_and_reject():
     specs = serve.parse_runs("no_offload_eager,offload_graph_spec,offload_mrr2048", 4)
     assert [(s.offload, s.graph, s.speculative, s.max_running_requests) for s in specs] == [
-        (False, False, False, 4), (True, True, True, 4), (True, False, False, 2048)]
+        (False, False, False, 4),
+        (True, True, True, 4),
+        (True, False, False, 2048),
+    ]
     with pytest.raises(ValueError, match="unknown runs"):
         serve.parse_runs("offload,offload_fast", 4)
     with pytest.raises(ValueError, match="more than once"):
@@ -42,9 +57,13 @@ def test_run_names_parse_and_reject():
 def test_compare_pairs_offload_runs_with_their_no_offload_counterpart():
     specs = serve.parse_runs("no_offload_eager,offload_eager,no_offload_graph,offload_graph,offload_mrr2048", 4)
     ref = [[5, 6, 7, 8], [9, 10, 11, 12]]
-    outputs = {"no_offload_eager": ref, "offload_eager": [list(r) for r in ref],
-               "no_offload_graph": [[5, 6, 7, 9], [9, 10, 11, 12]],  # compiled arithmetic: one token differs
-               "offload_graph": [[5, 6, 7, 9], [9, 10, 11, 12]], "offload_mrr2048": [list(r) for r in ref]}
+    outputs = {
+        "no_offload_eager": ref,
+        "offload_eager": [list(r) for r in ref],
+        "no_offload_graph": [[5, 6, 7, 9], [9, 10, 11, 12]],  # compiled arithmetic: one token differs
+        "offload_graph": [[5, 6, 7, 9], [9, 10, 11, 12]],
+        "offload_mrr2048": [list(r) for r in ref],
+    }
     results = {s.name: _result(s) for s in specs}
     identical, problems = serve.compare(specs, results, outputs)
     assert identical, problems
@@ -89,25 +108,35 @@ def test_inter_token_latency_splits_multi_token_chunks():
 
 def test_startup_error_keeps_the_problem_lines(tmp_path):
     log = tmp_path / "server.log"
-    log.write_text("INFO loading\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
-                   "    raise ConfigError(problems)\n"
-                   "sglang_ascend_offload.config.ConfigError: invalid configuration (1 problem(s)):\n"
-                   "  1. [rule.name] the reason -> the fix\n")
+    log.write_text(
+        'INFO loading\nTraceback (most recent call last):\n  File "x.py", line 1\n'
+        "    raise ConfigError(problems)\n"
+        "sglang_ascend_offload.config.ConfigError: invalid configuration (1 problem(s)):\n"
+        "  1. [rule.name] the reason -> the fix\n"
+    )
     msg = served_startup.startup_error(RuntimeError("server exited with 1"), log)
     assert "server exited with 1" in msg and "ConfigError: invalid configuration" in msg
     assert "[rule.name] the reason -> the fix" in msg and "raise ConfigError" not in msg
 
 
 def test_cpu_server_args_per_run():
-    ns = argparse.Namespace(model_path=None, spec_model_path=None, graph_args=None, clients=4, spec_env=None,
-                            offload_config='{"hot_tokens": 64}', spec_args=serve.DEFAULT_SPEC_ARGS, server_arg=[])
+    ns = argparse.Namespace(
+        model_path=None,
+        spec_model_path=None,
+        graph_args=None,
+        clients=4,
+        spec_env=None,
+        offload_config='{"hot_tokens": 64}',
+        spec_args=serve.DEFAULT_SPEC_ARGS,
+        server_arg=[],
+    )
     (spec,) = serve.parse_runs("offload_graph_spec_mrr2048", 4)
     base, extra, cpu = serve.server_args(spec, ns)
     assert cpu and base[base.index("--model-path") + 1].endswith("tiny_dsa_mtp")
     assert extra[:2] == ["--max-running-requests", "2048"]
     for flag in ("--enable-torch-compile", "--enable-sparse-decode-offload", "--speculative-algorithm"):
         assert flag in extra
-    assert extra[extra.index("--cuda-graph-bs-decode") + 1:][:3] == ["1", "2", "4"]
+    assert extra[extra.index("--cuda-graph-bs-decode") + 1 :][:3] == ["1", "2", "4"]
     assert "--disable-cuda-graph" not in base  # the CPU graph runner must not be switched off
     assert serve.spec_env(ns)["SGLANG_SIMULATE_ACC_LEN"] == "2"
     (eager,) = serve.parse_runs("offload_eager", 4)
@@ -117,8 +146,17 @@ def test_cpu_server_args_per_run():
 
 
 def test_trained_server_args_prompts_and_real_acceptance():
-    ns = argparse.Namespace(model_path=None, spec_model_path=None, graph_args=None, clients=2, spec_env=None,
-                            offload_config=None, spec_args=serve.DEFAULT_SPEC_ARGS, server_arg=[], trained=True)
+    ns = argparse.Namespace(
+        model_path=None,
+        spec_model_path=None,
+        graph_args=None,
+        clients=2,
+        spec_env=None,
+        offload_config=None,
+        spec_args=serve.DEFAULT_SPEC_ARGS,
+        server_arg=[],
+        trained=True,
+    )
     (spec,) = serve.parse_runs("offload_spec", 4)
     base, extra, cpu = serve.server_args(spec, ns)
     assert cpu and base[base.index("--model-path") + 1].endswith("tiny_dsa_trained")
@@ -131,15 +169,28 @@ def test_trained_server_args_prompts_and_real_acceptance():
     text = [t for w in held for t in w]
     assert [len(p) for p in prompts] == [100] * 3 and len({tuple(p) for p in prompts}) == 3
     for p in prompts:  # each a contiguous window of the held-out text
-        assert any(text[i:i + 100] == p for i in range(len(text) - 99))
+        assert any(text[i : i + 100] == p for i in range(len(text) - 99))
     assert serve.heldout_prompts(3, 100, seed=0) == prompts
 
 
 def test_trained_rejects_every_conflict(capsys):
     from sglang_ascend_offload.cli import main
 
-    rc = main(["bench", "serve", "--trained", "--model-path", "/x", "--spec-model-path", "/y",
-               "--input-len", "2040", "--output-len", "32"])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--trained",
+            "--model-path",
+            "/x",
+            "--spec-model-path",
+            "/y",
+            "--input-len",
+            "2040",
+            "--output-len",
+            "32",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     for part in ("drop --model-path", "drop --spec-model-path", "context of 2048 tokens"):
@@ -150,9 +201,27 @@ def test_trained_rejects_every_conflict(capsys):
 def test_bench_serve_trained_speculative_pair_measures_real_acceptance(tmp_path):
     """The trained checkpoint's own NextN layer drafts (no simulation): two servers
     (~1-2 min here), offload on and off, the same tokens, an accept length above 1."""
-    cmd = [sys.executable, "-m", "sglang_ascend_offload", "bench", "serve", "--trained", "--runs",
-           "no_offload_spec,offload_spec", "--clients", "2", "--requests", "2", "--input-len", "512",
-           "--output-len", "24", "--log-dir", str(tmp_path), "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_ascend_offload",
+        "bench",
+        "serve",
+        "--trained",
+        "--runs",
+        "no_offload_spec,offload_spec",
+        "--clients",
+        "2",
+        "--requests",
+        "2",
+        "--input-len",
+        "512",
+        "--output-len",
+        "24",
+        "--log-dir",
+        str(tmp_path),
+        "--json",
+    ]
     result = subprocess.run(cmd, cwd=REPO, env=server_env(cpu=False), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     doc = json.loads(result.stdout)
@@ -175,9 +244,28 @@ def test_bench_serve_short_run_pair(tmp_path):
     batch, not the request slots: both offload servers size their hot buffers for their
     slots (5 and 2,049 rows) and step at most the 2 live rows per step."""
     offload_config = json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 1.0, "verify_sample_rate": 1.0})
-    cmd = [sys.executable, "-m", "sglang_ascend_offload", "bench", "serve", "--runs",
-           "no_offload_eager,offload_eager,offload_eager_mrr2048", "--clients", "2", "--requests", "2", "--input-len", "40",
-           "--output-len", "12", "--offload-config", offload_config, "--log-dir", str(tmp_path), "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_ascend_offload",
+        "bench",
+        "serve",
+        "--runs",
+        "no_offload_eager,offload_eager,offload_eager_mrr2048",
+        "--clients",
+        "2",
+        "--requests",
+        "2",
+        "--input-len",
+        "40",
+        "--output-len",
+        "12",
+        "--offload-config",
+        offload_config,
+        "--log-dir",
+        str(tmp_path),
+        "--json",
+    ]
     result = subprocess.run(cmd, cwd=REPO, env=server_env(cpu=False), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     doc = json.loads(result.stdout)  # exactly one JSON document: progress went to stderr

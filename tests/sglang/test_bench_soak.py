@@ -9,19 +9,44 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, server_env
 
 pytestmark = pytest.mark.slow
 
-KEYS = {"minutes", "requests", "failed", "rss_growth_ratio_max", "leaked_shm_files", "sglang_shm_files_left",
-        "processes"}
+KEYS = {
+    "minutes",
+    "requests",
+    "failed",
+    "rss_growth_ratio_max",
+    "leaked_shm_files",
+    "sglang_shm_files_left",
+    "processes",
+}
 
 
 def test_bench_soak_short_run():
-    result = subprocess.run([sys.executable, "-m", "sglang_ascend_offload", "bench", "soak", "--minutes", "0.3",
-                             "--clients", "2", "--abort-fraction", "0.25", "--no-baseline", "--json"],
-                            cwd=REPO, env=server_env(cpu=False), capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sglang_ascend_offload",
+            "bench",
+            "soak",
+            "--minutes",
+            "0.3",
+            "--clients",
+            "2",
+            "--abort-fraction",
+            "0.25",
+            "--no-baseline",
+            "--json",
+        ],
+        cwd=REPO,
+        env=server_env(cpu=False),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     doc = json.loads(result.stdout)  # exactly one JSON document: progress went to stderr
     assert KEYS <= set(doc)
@@ -29,8 +54,11 @@ def test_bench_soak_short_run():
     assert doc["leaked_shm_files"] == 0, doc["leaked_shm_names"]
     assert {p["server"] for p in doc["processes"]} == {"sparse_decode", "layerwise_prefill"}
     assert all(p["rss_warm_mb"] > 0 and p["rss_end_mb"] > 0 for p in doc["processes"])
-    assert all(abs(p[f"rss_anon_{w}_mb"] + p[f"rss_file_{w}_mb"] + p[f"rss_shmem_{w}_mb"] - p[f"rss_{w}_mb"]) < 0.5
-               for p in doc["processes"] for w in ("warm", "end"))
+    assert all(
+        abs(p[f"rss_anon_{w}_mb"] + p[f"rss_file_{w}_mb"] + p[f"rss_shmem_{w}_mb"] - p[f"rss_{w}_mb"]) < 0.5
+        for p in doc["processes"]
+        for w in ("warm", "end")
+    )
     # The shared host pool (2 layers x 4160 slots x 1152 B = 9.1 MiB) is resident from
     # its allocation (populated mapping), before the warm-up reading.
     sched = [p for p in doc["processes"] if p["server"] == "sparse_decode" and p["name"].startswith("sglang::sched")]

@@ -12,15 +12,25 @@ import pytest
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.memory_budget import parse_size
-from sglang_ascend_offload.sglang_plugin.args import carrier, flags
 from sglang_ascend_offload.sglang_plugin import compat
-from sglang_ascend_offload.sglang_plugin.mem_cache.sizing import device_kv_budget, sparse_decode as offload_sizing
+from sglang_ascend_offload.sglang_plugin.args import carrier, flags
+from sglang_ascend_offload.sglang_plugin.mem_cache.sizing import device_kv_budget
+from sglang_ascend_offload.sglang_plugin.mem_cache.sizing import sparse_decode as offload_sizing
 
 MiB = 2**20
 
 
-@pytest.mark.parametrize("text,expected", [("1048576", MiB), ("512MiB", 512 * MiB), ("1.5GiB", 3 * 2**29),
-                                           ("64M", 64 * MiB), ("2 KiB", 2048), ("3g", 3 * 2**30)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("1048576", MiB),
+        ("512MiB", 512 * MiB),
+        ("1.5GiB", 3 * 2**29),
+        ("64M", 64 * MiB),
+        ("2 KiB", 2048),
+        ("3g", 3 * 2**30),
+    ],
+)
 def test_sizes_in_bytes_or_binary_units(text, expected):
     assert parse_size(text) == expected
 
@@ -48,8 +58,7 @@ def test_the_flag_reaches_the_typed_config():
 
 @pytest.mark.parametrize("value", ["plenty", "0"])
 def test_a_bad_budget_is_listed_with_the_other_problems(value):
-    raw = flags.take_from_namespace(_namespace("--device-kv-budget", value,
-                                               "--sparse-decode-offload-config", "{}"))
+    raw = flags.take_from_namespace(_namespace("--device-kv-budget", value, "--sparse-decode-offload-config", "{}"))
     config, problems = flags.parse(raw)
     assert sorted(p.rule for p in problems) == ["flags.config_without_enable", "flags.device_kv_budget"]
     assert config.device_kv_budget_bytes is None
@@ -64,8 +73,10 @@ def test_a_non_positive_budget_in_json_is_a_range_problem():
 @pytest.fixture
 def published(monkeypatch):
     """Publish an OffloadConfig for this process (as the launcher does) and forget it after."""
+
     def publish(config: cfg.OffloadConfig) -> None:
         monkeypatch.setenv(carrier.CONFIG_ENV, cfg.to_json(config))
+
     yield publish
     monkeypatch.delenv(carrier.CONFIG_ENV, raising=False)
 
@@ -81,8 +92,9 @@ def _kvc(device="cpu", index_head_dim=128):
     hf = types.SimpleNamespace(index_topk=16)
     if index_head_dim is not None:
         hf.index_head_dim = index_head_dim
-    return types.SimpleNamespace(device=device, model_config=types.SimpleNamespace(
-        hf_config=hf, kv_lora_rank=512, qk_rope_head_dim=64))
+    return types.SimpleNamespace(
+        device=device, model_config=types.SimpleNamespace(hf_config=hf, kv_lora_rank=512, qk_rope_head_dim=64)
+    )
 
 
 def test_device_bytes_per_token_of_the_plugin_pools():

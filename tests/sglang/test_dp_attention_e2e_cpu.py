@@ -18,7 +18,6 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
 
 pytestmark = pytest.mark.slow
@@ -37,8 +36,11 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp_servers")
     off = ServerProcess(DP_ARGS, log_path=root / "off.log", env=BIND)
     offload = {"hot_tokens": 64, "record_trace": str(root / "served.npz"), "record_trace_max_steps": 12}
-    on = ServerProcess(DP_ARGS + ["--enable-sparse-decode-offload", "--sparse-decode-offload-config",
-                                  json.dumps(offload)], log_path=root / "on.log", env=BIND)
+    on = ServerProcess(
+        DP_ARGS + ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", json.dumps(offload)],
+        log_path=root / "on.log",
+        env=BIND,
+    )
     start_all(off, on)
     try:
         yield off, on, root

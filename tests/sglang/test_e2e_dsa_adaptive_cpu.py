@@ -31,8 +31,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import IDLE_SLEEP, ServerProcess
+
 from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import FORCE_DEMOTE_ENV
 from sglang_ascend_offload.testing import pd_servers
 
@@ -53,10 +53,17 @@ def servers(request, tmp_path_factory, shared_servers):
     root = tmp_path_factory.mktemp("adaptive_servers")
     dense = shared_servers.get("tiny_dsa_reference", COMMON)
     hold_flag = root / "hold_direct"  # created by a test to force demotions (absent otherwise)
-    adaptive = ServerProcess(COMMON + ["--enable-metrics", "--enable-sparse-decode-offload",
-                                       "--sparse-decode-offload-config", json.dumps({"residency": "adaptive",
-                                                                                "metrics_export_interval_s": 0})],
-                             log_path=root / "adaptive.log", env={FORCE_DEMOTE_ENV: str(hold_flag)})
+    adaptive = ServerProcess(
+        COMMON
+        + [
+            "--enable-metrics",
+            "--enable-sparse-decode-offload",
+            "--sparse-decode-offload-config",
+            json.dumps({"residency": "adaptive", "metrics_export_interval_s": 0}),
+        ],
+        log_path=root / "adaptive.log",
+        env={FORCE_DEMOTE_ENV: str(hold_flag)},
+    )
     adaptive.hold_flag = hold_flag
     try:
         shared_servers.start_all(dense, adaptive)
@@ -67,8 +74,7 @@ def servers(request, tmp_path_factory, shared_servers):
 
 def metric(server, name: str) -> float:
     text = server.get("/metrics")
-    values = [float(v) for v in re.findall(rf"^sglang:ascend_offload_{name}_total{{[^}}]*}} ([0-9.e+]+)$", text,
-                                            re.M)]
+    values = [float(v) for v in re.findall(rf"^sglang:ascend_offload_{name}_total{{[^}}]*}} ([0-9.e+]+)$", text, re.M)]
     return sum(values)
 
 
@@ -80,8 +86,11 @@ def _pressure(server, wait_for_lend: bool) -> list:
     """The long request, then (once it holds a lent buffer, on the offload server) three
     short ones that take every free request slot."""
     results = {}
-    long_req = threading.Thread(target=lambda: results.__setitem__(
-        "long", _record(server.generate(prompt(100, seed=80), max_new_tokens=120, return_logprob=True))))
+    long_req = threading.Thread(
+        target=lambda: results.__setitem__(
+            "long", _record(server.generate(prompt(100, seed=80), max_new_tokens=120, return_logprob=True))
+        )
+    )
     long_req.start()
     deadline = time.monotonic() + 120
     if wait_for_lend:
@@ -89,8 +98,12 @@ def _pressure(server, wait_for_lend: bool) -> list:
             assert time.monotonic() < deadline and long_req.is_alive(), "the long request never borrowed a buffer"
             time.sleep(0.05)
     with ThreadPoolExecutor(3) as ex:
-        shorts = list(ex.map(lambda n: _record(server.generate(prompt(n, seed=81 + n), max_new_tokens=20,
-                                                               return_logprob=True)), (30, 40, 50)))
+        shorts = list(
+            ex.map(
+                lambda n: _record(server.generate(prompt(n, seed=81 + n), max_new_tokens=20, return_logprob=True)),
+                (30, 40, 50),
+            )
+        )
     long_req.join(timeout=300)
     assert not long_req.is_alive()
     return [results["long"]] + shorts
@@ -104,8 +117,14 @@ def _rest(server) -> dict:
     long_prompt = _record(server.generate(prompt(300, seed=71), max_new_tokens=16, return_logprob=True))
     shapes = [(20, 30), (100, 40), (170, 40), (180, 24)]
     with ThreadPoolExecutor(len(shapes)) as ex:
-        mix = list(ex.map(lambda s: _record(server.generate(prompt(s[0], seed=60 + s[0]), max_new_tokens=s[1],
-                                                            return_logprob=True)), shapes))
+        mix = list(
+            ex.map(
+                lambda s: _record(
+                    server.generate(prompt(s[0], seed=60 + s[0]), max_new_tokens=s[1], return_logprob=True)
+                ),
+                shapes,
+            )
+        )
     return {"cold": cold, "warm": _record(warm), "long_prompt": long_prompt, "mix": mix}
 
 
@@ -137,8 +156,11 @@ def test_a_forced_demotion_mid_decode_is_token_identical(servers):
     want = _record(dense.generate(ids, max_new_tokens=160, return_logprob=True))
     demotions, direct = metric(adaptive, "demotions"), metric(adaptive, "direct_rows")
     result = {}
-    req = threading.Thread(target=lambda: result.__setitem__(
-        "out", _record(adaptive.generate(ids, max_new_tokens=160, return_logprob=True))))
+    req = threading.Thread(
+        target=lambda: result.__setitem__(
+            "out", _record(adaptive.generate(ids, max_new_tokens=160, return_logprob=True))
+        )
+    )
     req.start()
     deadline = time.monotonic() + 120
     try:
@@ -157,6 +179,7 @@ def test_a_forced_demotion_mid_decode_is_token_identical(servers):
     # the switch is off: a new request is direct again, token-identical too
     direct = metric(adaptive, "direct_rows")
     short = prompt(20, seed=91)
-    assert _record(adaptive.generate(short, max_new_tokens=12, return_logprob=True)) == \
-        _record(dense.generate(short, max_new_tokens=12, return_logprob=True))
+    assert _record(adaptive.generate(short, max_new_tokens=12, return_logprob=True)) == _record(
+        dense.generate(short, max_new_tokens=12, return_logprob=True)
+    )
     assert metric(adaptive, "direct_rows") > direct

@@ -10,14 +10,14 @@ Two servers for the module (each launch costs ~20-60 s on 2 cores), started toge
 from __future__ import annotations
 
 import json
-import threading
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import IDLE_SLEEP, REPO, ServerProcess, run_launcher, server_env
+
 from sglang_ascend_offload.testing import pd_servers
 
 pytestmark = pytest.mark.slow
@@ -45,17 +45,29 @@ SHARED_SERVERS = ("tiny_dsa_reference",)
 def servers(request, tmp_path_factory, shared_servers):
     """(offload off, offload on) servers; the offload one records a trace and exports metrics."""
     root = tmp_path_factory.mktemp("dsa_servers")
-    offload_cfg = {"hot_tokens": HOT_TOKENS, "record_trace": str(root / "served.npz"),
-                   "record_trace_max_steps": TRACE_STEPS}
+    offload_cfg = {
+        "hot_tokens": HOT_TOKENS,
+        "record_trace": str(root / "served.npz"),
+        "record_trace_max_steps": TRACE_STEPS,
+    }
     dense = shared_servers.get("tiny_dsa_reference", COMMON)
-    offload = ServerProcess(COMMON + ["--enable-metrics", "--enable-sparse-decode-offload",
-                                      "--sparse-decode-offload-config", json.dumps(offload_cfg)],
-                            log_path=root / "offload.log")
+    offload = ServerProcess(
+        COMMON
+        + [
+            "--enable-metrics",
+            "--enable-sparse-decode-offload",
+            "--sparse-decode-offload-config",
+            json.dumps(offload_cfg),
+        ],
+        log_path=root / "offload.log",
+    )
     offload.trace_file = root / "served.npz"
     try:
         shared_servers.start_all(dense, offload)
-        print(f"\nstartup: dense {dense.startup_s:.1f} s, offload {offload.startup_s:.1f} s (concurrent; dense "
-              "may have been started by an earlier module)")
+        print(
+            f"\nstartup: dense {dense.startup_s:.1f} s, offload {offload.startup_s:.1f} s (concurrent; dense "
+            "may have been started by an earlier module)"
+        )
         yield dense, offload
     finally:
         shared_servers.stop_all(request.module.__name__, dense, offload)
@@ -98,14 +110,15 @@ def test_a_request_larger_than_the_pools_is_refused_at_once_and_serving_goes_on(
     limit = int(info["max_req_input_len"])
     assert limit < int(info["max_total_num_tokens"])  # nothing longer than the host pool's slots gets in
     results: list = []
-    running = threading.Thread(target=lambda: results.append(offload.generate(prompt(200, seed=9),
-                                                                                max_new_tokens=8)))
+    running = threading.Thread(target=lambda: results.append(offload.generate(prompt(200, seed=9), max_new_tokens=8)))
     running.start()
     with pytest.raises(urllib.error.HTTPError) as refused:
         offload.generate(prompt(limit + 1, seed=8), max_new_tokens=4)
     reason = json.loads(refused.value.read().decode())["error"]["message"]
-    assert refused.value.code == 400 and f"({limit + 1} tokens) exceeds the maximum allowed length ({limit} " \
-        "tokens)" in reason, reason
+    assert (
+        refused.value.code == 400
+        and f"({limit + 1} tokens) exceeds the maximum allowed length ({limit} tokens)" in reason
+    ), reason
     running.join(timeout=120)
     assert not running.is_alive() and len(results[0]["output_ids"]) == 8
     assert len(offload.generate(prompt(40, seed=10), max_new_tokens=4)["output_ids"]) == 4
@@ -134,9 +147,25 @@ def test_served_trace_replays_verified(servers):
     for i in range(3):  # enough decode steps for the bounded recording to finish
         offload.generate(prompt(70, seed=40 + i), max_new_tokens=TRACE_STEPS + 2)
     assert offload.trace_file.exists()
-    out = subprocess.run([sys.executable, "-m", "sglang_ascend_offload", "bench", "decode", "--trace",
-                          str(offload.trace_file), "--hot-tokens", str(HOT_TOKENS), "--json"],
-                         capture_output=True, text=True, timeout=180, env=server_env(), cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sglang_ascend_offload",
+            "bench",
+            "decode",
+            "--trace",
+            str(offload.trace_file),
+            "--hot-tokens",
+            str(HOT_TOKENS),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=server_env(),
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["verified"] is True, report["failures"]
@@ -149,8 +178,11 @@ def test_offload_metrics_in_sglang_prometheus_endpoint(servers):
     text = offload.get("/metrics")
     for name in ("hits_total", "misses_total", "h2d_bytes_total", "d2h_bytes_total", "copy_seconds_total"):
         assert f"sglang:ascend_offload_{name}" in text, name
-    hits = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith("sglang:ascend_offload_selected_total{")]
+    hits = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("sglang:ascend_offload_selected_total{")
+    ]
     assert sum(hits) > 0
 
 
@@ -171,23 +203,37 @@ def test_launch_server_help_lists_the_flags(plugins_loaded, capsys):
         prepare_server_args(["--help"])
     assert done.value.code in (0, None)
     out = capsys.readouterr().out
-    for flag in ("--enable-sparse-decode-offload", "--sparse-decode-offload-config",
-                 "--enable-layerwise-prefill-offload", "--layerwise-prefill-offload-config"):
+    for flag in (
+        "--enable-sparse-decode-offload",
+        "--sparse-decode-offload-config",
+        "--enable-layerwise-prefill-offload",
+        "--layerwise-prefill-offload-config",
+    ):
         assert flag in out
     assert "ascend_offload" in out  # attention backend choice
 
 
 def test_invalid_config_stops_startup_listing_every_reason():
-    out = run_launcher([
-        "--kv-cache-dtype", "fp8_e4m3",
-        "--enable-sparse-decode-offload",
-        "--sparse-decode-offload-config", '{"hot_tokens": 8, "ops": "npu"}',
-        "--layerwise-prefill-offload-config", "{}",
-    ])
+    out = run_launcher(
+        [
+            "--kv-cache-dtype",
+            "fp8_e4m3",
+            "--enable-sparse-decode-offload",
+            "--sparse-decode-offload-config",
+            '{"hot_tokens": 8, "ops": "npu"}',
+            "--layerwise-prefill-offload-config",
+            "{}",
+        ]
+    )
     assert out.returncode != 0
     text = out.stdout + out.stderr
     assert "invalid sglang-ascend-offload configuration" in text
-    for rule in ("flags.config_without_enable", "sparse_decode.hot_tokens_topk",
-                 "sparse_decode.hot_tokens_page", "sparse_decode.main_kv_dtype", "sparse_decode.fused_device"):
+    for rule in (
+        "flags.config_without_enable",
+        "sparse_decode.hot_tokens_topk",
+        "sparse_decode.hot_tokens_page",
+        "sparse_decode.main_kv_dtype",
+        "sparse_decode.fused_device",
+    ):
         assert f"[{rule}]" in text, rule
     assert "KV Cache is allocated" not in text  # stopped before any memory was allocated

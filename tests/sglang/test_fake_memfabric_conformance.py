@@ -17,11 +17,10 @@ from __future__ import annotations
 import enum
 import inspect
 import re
-from typing import Dict, List, Optional, Tuple
-
-import pytest
+from typing import List, Optional, Tuple
 
 import fake_memfabric as fake
+import pytest
 
 real = pytest.importorskip("memfabric_hybrid")
 real_bm = real.bm
@@ -108,8 +107,9 @@ def all_problems(fake_mod=fake) -> List[str]:
             if not hasattr(real_obj, a):
                 problems.append(f"memfabric_hybrid.bm.{cls}.{a} does not exist")
             elif getattr(real_obj, a) != getattr(fake_obj, a):
-                problems.append(f"{cls}.{a}: stand-in default {getattr(fake_obj, a)!r} != real "
-                                f"{getattr(real_obj, a)!r}")
+                problems.append(
+                    f"{cls}.{a}: stand-in default {getattr(fake_obj, a)!r} != real {getattr(real_obj, a)!r}"
+                )
     for name in fake_mod.BM_ENUMS:
         if not hasattr(real_bm, name):
             problems.append(f"memfabric_hybrid.bm.{name} does not exist")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from types import SimpleNamespace
 
 import pytest
+from conftest import TINY_DSA
+from startup_verdict import server_rule_ids, server_verdict
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload import platform
@@ -17,17 +18,15 @@ from sglang_ascend_offload.sglang_plugin.args.deployment import (
     main_kv_dtype,
     model_kind,
 )
-
 from sglang_ascend_offload.testing.sglang_args import server_args_stub
-
-from conftest import TINY_DSA
-from startup_verdict import server_rule_ids, server_verdict
 
 
 def raw(sparse=None, layerwise=None, sparse_on=None, layerwise_on=None):
     return flags.RawFlags(
-        enabled={"sparse_decode": sparse is not None if sparse_on is None else sparse_on,
-                 "layerwise_prefill": layerwise is not None if layerwise_on is None else layerwise_on},
+        enabled={
+            "sparse_decode": sparse is not None if sparse_on is None else sparse_on,
+            "layerwise_prefill": layerwise is not None if layerwise_on is None else layerwise_on,
+        },
         configs={"sparse_decode": sparse, "layerwise_prefill": layerwise},
     )
 
@@ -50,10 +49,13 @@ def test_enable_without_config_uses_defaults():
 
 
 def test_parse_lists_every_problem_of_every_section(tmp_path):
-    config, problems = flags.parse(raw(
-        sparse='{"hot_tokens": "many", "bogus": 1}',
-        layerwise=f"@{tmp_path / 'missing.json'}", layerwise_on=False,
-    ))
+    config, problems = flags.parse(
+        raw(
+            sparse='{"hot_tokens": "many", "bogus": 1}',
+            layerwise=f"@{tmp_path / 'missing.json'}",
+            layerwise_on=False,
+        )
+    )
     rules = sorted(p.rule for p in problems)
     assert rules == ["flags.config_without_enable", "parse.type", "parse.unknown_key"]
     assert all(p.problem.startswith("--") for p in problems)  # names the flag
@@ -83,14 +85,34 @@ def test_graph_mode_per_role():
 
 
 def test_build_deployment_from_server_args_shape():
-    args = server_args_stub(device="npu", kv_cache_dtype="auto", page_size=128, dp_size=2, tp_size=8,
-                           pp_size=1, attn_cp_size=1, enable_prefill_cp=False, dcp_size=1,
-                           disaggregation_mode="decode", disaggregation_transfer_backend="ascend",
-                           cuda_graph_config=None, disable_cuda_graph=True,
-                           speculative_algorithm="NEXTN", speculative_adaptive=False, speculative_num_steps=3,
-                           speculative_num_draft_tokens=4, speculative_eagle_topk=1, disable_overlap_schedule=True)
-    hf = SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048, num_hidden_layers=61,
-                         torch_dtype="bfloat16", layer_types=["indexed_attention"] * 61)
+    args = server_args_stub(
+        device="npu",
+        kv_cache_dtype="auto",
+        page_size=128,
+        dp_size=2,
+        tp_size=8,
+        pp_size=1,
+        attn_cp_size=1,
+        enable_prefill_cp=False,
+        dcp_size=1,
+        disaggregation_mode="decode",
+        disaggregation_transfer_backend="ascend",
+        cuda_graph_config=None,
+        disable_cuda_graph=True,
+        speculative_algorithm="NEXTN",
+        speculative_adaptive=False,
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=4,
+        speculative_eagle_topk=1,
+        disable_overlap_schedule=True,
+    )
+    hf = SimpleNamespace(
+        architectures=["DeepseekV32ForCausalLM"],
+        index_topk=2048,
+        num_hidden_layers=61,
+        torch_dtype="bfloat16",
+        layer_types=["indexed_attention"] * 61,
+    )
     d = build_deployment(args, hf, soc="Ascend910_9391")
     assert (d.device, d.model_kind, d.main_kv_dtype, d.index_topk, d.page_size) == ("npu", "dsa", "bf16", 2048, 128)
     assert (d.dp, d.tp, d.pd_role, d.graph_mode, d.speculative_method) == (2, 8, "decode", "eager", "mtp")
@@ -104,16 +126,33 @@ def test_plugin_rules(monkeypatch):
     """The server's whole startup verdict (deployment-scope and server-scope rules)."""
     full_graph = SimpleNamespace(decode=SimpleNamespace(backend="full"))
     # decode graphs serve offload; what they cannot do is record traces (the recorder reads top-k on the host)
-    config = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(record_trace="/tmp/trace.npz"),
-                               layerwise_prefill=cfg.LayerwisePrefillOffloadConfig(store_backend="local"))
+    config = cfg.OffloadConfig(
+        sparse_decode=cfg.SparseDecodeOffloadConfig(record_trace="/tmp/trace.npz"),
+        layerwise_prefill=cfg.LayerwisePrefillOffloadConfig(store_backend="local"),
+    )
     monkeypatch.setenv("SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD", "1")
-    rules = server_rule_ids(config, attention_backend="ascend", enable_hisparse=True, disable_cuda_graph=False,
-                            enable_torch_compile=True, cuda_graph_config=full_graph, page_size=64)
+    rules = server_rule_ids(
+        config,
+        attention_backend="ascend",
+        enable_hisparse=True,
+        disable_cuda_graph=False,
+        enable_torch_compile=True,
+        cuda_graph_config=full_graph,
+        page_size=64,
+    )
     monkeypatch.delenv("SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD")
-    assert {"sglang.attention_backend", "sglang.hisparse", "sglang.npu_sparse_kv_offload",
-            "sglang.sparse_decode_graph", "sglang.layerwise_sparse_decode"} <= set(rules), rules
-    unwired = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(
-        indexer_dtype="int8", fused_lim=True, ops="npu", policy="lru_k2_guarded"))
+    assert {
+        "sglang.attention_backend",
+        "sglang.hisparse",
+        "sglang.npu_sparse_kv_offload",
+        "sglang.sparse_decode_graph",
+        "sglang.layerwise_sparse_decode",
+    } <= set(rules), rules
+    unwired = cfg.OffloadConfig(
+        sparse_decode=cfg.SparseDecodeOffloadConfig(
+            indexer_dtype="int8", fused_lim=True, ops="npu", policy="lru_k2_guarded"
+        )
+    )
     rules2 = server_rule_ids(unwired, attention_backend="ascend_offload", disable_cuda_graph=True)
     assert "sglang.fused_not_wired" in rules2 and "sglang.indexer_dtype" not in rules2  # int8 is served
     if platform.device_kind() != "npu":
@@ -121,8 +160,13 @@ def test_plugin_rules(monkeypatch):
     plain = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig())
     eager = dict(attention_backend="ascend_offload", disable_cuda_graph=True, page_size=64)
     assert server_rule_ids(plain, **eager) == []
-    graphs = dict(attention_backend="ascend_offload", disable_cuda_graph=False, enable_torch_compile=True,
-                  cuda_graph_config=full_graph, page_size=64)
+    graphs = dict(
+        attention_backend="ascend_offload",
+        disable_cuda_graph=False,
+        enable_torch_compile=True,
+        cuda_graph_config=full_graph,
+        page_size=64,
+    )
     assert server_rule_ids(plain, **graphs) == []  # offload with decode graphs is served
     assert server_rule_ids(plain, **graphs, tp_size=2) == ["sglang.sparse_decode_graph"]
     # shadow verification recomputes rows on the host between layers: refused with graphs, served eagerly
@@ -138,8 +182,14 @@ def test_plugin_rules(monkeypatch):
 def _server_args(**kw):
     from sglang.srt.server_args import ServerArgs
 
-    return ServerArgs(model_path=str(TINY_DSA), device="cpu", load_format="dummy",
-                      skip_tokenizer_init=True, disable_cuda_graph=True, **kw)
+    return ServerArgs(
+        model_path=str(TINY_DSA),
+        device="cpu",
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        disable_cuda_graph=True,
+        **kw,
+    )
 
 
 def test_resolution_selects_the_backend_and_bf16_on_cpu(plugins_loaded, clean_state):
@@ -167,8 +217,14 @@ def test_invalid_config_stops_resolution_with_every_reason(plugins_loaded, clean
     with pytest.raises(cfg.ConfigError) as info:
         sa.resolve_once()
     rules = {v.rule for v in info.value.violations}
-    assert {"flags.config_without_enable", "sparse_decode.hot_tokens_topk", "sparse_decode.hot_tokens_page",
-            "sparse_decode.main_kv_dtype", "sparse_decode.fused_device", "sglang.attention_backend"} <= rules
+    assert {
+        "flags.config_without_enable",
+        "sparse_decode.hot_tokens_topk",
+        "sparse_decode.hot_tokens_page",
+        "sparse_decode.main_kv_dtype",
+        "sparse_decode.fused_device",
+        "sglang.attention_backend",
+    } <= rules
     assert carrier.published_text() is None
 
 
@@ -199,8 +255,10 @@ def test_fused_copy_sfa_is_the_npu_default_and_its_extension_is_required_at_star
     rules, text = rules_and_text(cfg.SparseDecodeOffloadConfig(fused_copy_sfa=True))
     assert "sglang.fused_unavailable" in rules and "fused_copy_sfa=true cannot run" in text
     assert "sglang.fused_not_wired" not in rules
-    for opted_out in (cfg.SparseDecodeOffloadConfig(fused_copy_sfa=False, fused_lim=False),
-                      cfg.SparseDecodeOffloadConfig(ops="npu")):
+    for opted_out in (
+        cfg.SparseDecodeOffloadConfig(fused_copy_sfa=False, fused_lim=False),
+        cfg.SparseDecodeOffloadConfig(ops="npu"),
+    ):
         assert "sglang.fused_unavailable" not in rules_and_text(opted_out)[0]
     cpu = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=True, device="cpu")
     found = resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig()), cpu)

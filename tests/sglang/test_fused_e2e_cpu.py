@@ -39,8 +39,8 @@ import json
 import re
 
 import pytest
-
 from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
+
 from sglang_ascend_offload.testing.servers import TINY_DSA_FUSED, TINY_DSA_FUSED_MTP, fixture_args
 
 pytestmark = pytest.mark.slow
@@ -62,20 +62,31 @@ GRAPH_STARTUP_S = 900.0  # torch.compile on a loaded 2-core machine
 def _server(root, ops: str, indexer_dtype: str, graphs: bool = False) -> ServerProcess:
     offload = {"hot_tokens": 256, "ops": ops, "indexer_dtype": indexer_dtype}
     base = fixture_args(TINY_DSA_FUSED)
-    extra = ["--max-running-requests", "3", "--enable-sparse-decode-offload",
-             "--sparse-decode-offload-config", json.dumps(offload)] + IDLE_SLEEP
+    extra = [
+        "--max-running-requests",
+        "3",
+        "--enable-sparse-decode-offload",
+        "--sparse-decode-offload-config",
+        json.dumps(offload),
+    ] + IDLE_SLEEP
     if not graphs:
         return ServerProcess(extra, log_path=root / f"{ops}_{indexer_dtype}.log", base_args=base)
-    return ServerProcess(extra + GRAPHS, log_path=root / f"{ops}_{indexer_dtype}_graphs.log",
-                         base_args=[a for a in base if a != "--disable-cuda-graph"], startup_timeout_s=GRAPH_STARTUP_S)
+    return ServerProcess(
+        extra + GRAPHS,
+        log_path=root / f"{ops}_{indexer_dtype}_graphs.log",
+        base_args=[a for a in base if a != "--disable-cuda-graph"],
+        startup_timeout_s=GRAPH_STARTUP_S,
+    )
 
 
 def _requests(server) -> dict:
     long_prompt = prompt(600, seed=1)  # > 2 x 256 hot slots
     batch = [prompt(n, seed=s) for s, n in ((2, 150), (3, 300), (4, 40), (5, 200))]
     shared = prompt(330, seed=6)  # > 5 pages of 64: the radix cache matches them
-    out = {"long": server.generate(long_prompt, max_new_tokens=16)["output_ids"],
-           "batch": [o["output_ids"] for o in server.generate(batch, max_new_tokens=10)]}
+    out = {
+        "long": server.generate(long_prompt, max_new_tokens=16)["output_ids"],
+        "batch": [o["output_ids"] for o in server.generate(batch, max_new_tokens=10)],
+    }
     cold = server.generate(shared, max_new_tokens=10)
     warm = server.generate(shared, max_new_tokens=10)
     assert warm["meta_info"]["cached_tokens"] >= 320
@@ -104,23 +115,42 @@ def test_fused_rung_serves_the_reference_rung_tokens(tmp_path, indexer_dtype, gr
     if graphs:  # the decode steps ran as captured graphs, replayed with padding entries
         assert re.search(r"Capture target decode CPU graph end\. bs=\[3\]", log), "no decode graph was captured"
         assert "decode graph bucket 3 stepped with 3 live rows\n" in log, "no exact replay of the decode graph"
-        assert re.search(r"decode graph bucket 3 stepped with [12] live rows \(padding entries", log), \
+        assert re.search(r"decode graph bucket 3 stepped with [12] live rows \(padding entries", log), (
             "no padded replay of the decode graph"
+        )
     ref_log = reference.log_path.read_text(errors="replace")
     assert "sparse decode engine attention: copy_miss_rows+sparse_mla_attention" in ref_log
 
 
-SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", "2"]
+SPEC = [
+    "--speculative-algorithm",
+    "NEXTN",
+    "--speculative-num-steps",
+    "1",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "2",
+]
 SIMULATED_ACCEPT = {"SGLANG_SIMULATE_ACC_LEN": "2", "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}
 
 
 def _spec_server(root, ops: str) -> ServerProcess:
     offload = {"hot_tokens": 256, "ops": ops}  # 2 verify rows x top-k 128: the union fits
-    extra = ["--max-running-requests", "3", "--enable-sparse-decode-offload",
-             "--sparse-decode-offload-config", json.dumps(offload)] + SPEC + IDLE_SLEEP
-    return ServerProcess(extra, log_path=root / f"spec_{ops}.log", base_args=fixture_args(TINY_DSA_FUSED_MTP),
-                         env=SIMULATED_ACCEPT)
+    extra = (
+        [
+            "--max-running-requests",
+            "3",
+            "--enable-sparse-decode-offload",
+            "--sparse-decode-offload-config",
+            json.dumps(offload),
+        ]
+        + SPEC
+        + IDLE_SLEEP
+    )
+    return ServerProcess(
+        extra, log_path=root / f"spec_{ops}.log", base_args=fixture_args(TINY_DSA_FUSED_MTP), env=SIMULATED_ACCEPT
+    )
 
 
 def test_fused_rung_serves_nextn_verify_rows_with_the_reference_rung_tokens(tmp_path):

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dsa_harness import Harness, published_context
 
 from sglang_ascend_offload import config as cfg
-
-from dsa_harness import Harness, published_context
 
 pytestmark = pytest.mark.usefixtures("plugins_loaded")
 
@@ -37,8 +36,15 @@ ATTENTION_TOL = 2e-2
 
 def _harness(ops: str, indexer_dtype: str) -> Harness:
     offload = cfg.SparseDecodeOffloadConfig(hot_tokens=HOT, ops=ops, indexer_dtype=indexer_dtype)
-    return Harness(offload_config=offload, page_size=PAGE, top_k=TOP_K, index_heads=INDEX_HEADS, seed=5,
-                   max_context=1024, slots=4096)
+    return Harness(
+        offload_config=offload,
+        page_size=PAGE,
+        top_k=TOP_K,
+        index_heads=INDEX_HEADS,
+        seed=5,
+        max_context=1024,
+        slots=4096,
+    )
 
 
 def _same_step(fused, reference, what: str, bf16: bool = True) -> None:
@@ -99,7 +105,6 @@ def test_fused_graph_decode_hooks_equal_the_eager_reference():
     row, churn): the fused indexer reads the static row buffers. Top-k and residency of
     the live rows == the eager reference backend's bit for bit; attention within tolerance."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
     from test_graph_decode_components import eager_and_graph_layers
 
     bucket = 4
@@ -107,13 +112,15 @@ def test_fused_graph_decode_hooks_equal_the_eager_reference():
         eager, graph = _harness("reference", "bf16"), _harness("fused", "bf16")
         graph.offload.init_cpu_graph_state(bucket, bucket)
         zeros = torch.zeros(bucket, dtype=torch.int64)
-        graph.offload.init_forward_metadata_capture_cpu_graph(bucket, bucket, zeros, torch.ones(bucket, dtype=torch.int64),
-                                                              zeros, None, ForwardMode.DECODE, None)
+        graph.offload.init_forward_metadata_capture_cpu_graph(
+            bucket, bucket, zeros, torch.ones(bucket, dtype=torch.int64), zeros, None, ForwardMode.DECODE, None
+        )
 
         def step(rids, lens=None):
             decode = lens is None
             for layer, (topk_e, topk_g, out_e, out_g) in enumerate(
-                    eager_and_graph_layers(eager, graph, rids, lens, bucket)):
+                eager_and_graph_layers(eager, graph, rids, lens, bucket)
+            ):
                 assert torch.equal(topk_e, topk_g), f"layer {layer}: fused graph top-k != eager reference"
                 diff = (out_e.float() - out_g.float()).abs().max().item()
                 assert diff <= ATTENTION_TOL, f"layer {layer}: fused graph attention differs by {diff}"
@@ -160,8 +167,16 @@ def test_the_fused_indexer_stage_under_torch_compile_equals_eager():
 
     def stage(manager, query, weights, lens, step):
         args = fused_indexer.residency_args(manager, rows, owners, lens, step, query.shape[0])
-        out = lim(query, key, weights, actual_seq_lengths_query=torch.tensor([1, 2], dtype=torch.int32),
-                  actual_seq_lengths_key=lens, block_table=tables, sparse_count=TOP_K, **args.as_kwargs())
+        out = lim(
+            query,
+            key,
+            weights,
+            actual_seq_lengths_query=torch.tensor([1, 2], dtype=torch.int32),
+            actual_seq_lengths_key=lens,
+            block_table=tables,
+            sparse_count=TOP_K,
+            **args.as_kwargs(),
+        )
         return out.topk_indices, out.residency.slots, out.residency.miss_count
 
     torch._dynamo.reset()
@@ -203,13 +218,17 @@ def test_the_npu_indexer_forward_routes_to_the_backend_only_where_it_runs_the_fu
         calls.append(("backend", layer_id, return_indices))
         return "backend's top-k"
 
-    for backend, want in ((fused.offload, "backend's top-k"), (plain.offload, "sglang's top-k"),
-                          (fused.dense, "sglang's top-k"), (None, "sglang's top-k")):
+    for backend, want in (
+        (fused.offload, "backend's top-k"),
+        (plain.offload, "sglang's top-k"),
+        (fused.dense, "sglang's top-k"),
+        (None, "sglang's top-k"),
+    ):
         monkeypatch.setattr(forward_context, "get_attn_backend", lambda b=backend: b)
         if backend is not None:
             monkeypatch.setattr(backend, "run_indexer", routed)
         assert dsa_backend.forward_npu_around(original, object(), "x", "q", "pos", "fb", 3) == want
     assert calls == [("backend", 3, True), ("sglang", 3), ("sglang", 3), ("sglang", 3)]
     monkeypatch.setattr(forward_context, "get_attn_backend", lambda: fused.offload)
-    with pytest.raises(RuntimeError, match="attention-TP slices.*dynamic scale.*\"fused_lim\": false"):
+    with pytest.raises(RuntimeError, match='attention-TP slices.*dynamic scale.*"fused_lim": false'):
         dsa_backend.forward_npu_around(original, object(), "x", "q", "pos", "fb", 3, True, torch.ones(1))

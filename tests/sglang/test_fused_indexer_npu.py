@@ -17,15 +17,17 @@ import importlib
 
 import pytest
 import torch
-
+from dsa_harness import Harness, published_context
 from npu_requirements import npu_present, require_npu, require_npu_extension, requires
+
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.ops import fused
 
-from dsa_harness import Harness, published_context
-
-pytestmark = [pytest.mark.npu, pytest.mark.usefixtures("plugins_loaded"),
-              pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and torch_npu")]
+pytestmark = [
+    pytest.mark.npu,
+    pytest.mark.usefixtures("plugins_loaded"),
+    pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and torch_npu"),
+]
 
 ATTENTION_TOL = 2e-2
 
@@ -41,9 +43,19 @@ def _ready():
 def test_npu_default_fused_decode_equals_the_separate_torch_npu_ops(indexer_dtype):
     importlib.import_module("torch_npu")
     with published_context("npu"):
-        hs = [Harness(offload_config=cfg.SparseDecodeOffloadConfig(hot_tokens=256, ops=ops, indexer_dtype=indexer_dtype),
-                      page_size=128, top_k=128, index_heads=8, seed=5, max_context=1024, slots=4096, device="npu")
-              for ops in ("auto", "npu")]
+        hs = [
+            Harness(
+                offload_config=cfg.SparseDecodeOffloadConfig(hot_tokens=256, ops=ops, indexer_dtype=indexer_dtype),
+                page_size=128,
+                top_k=128,
+                index_heads=8,
+                seed=5,
+                max_context=1024,
+                slots=4096,
+                device="npu",
+            )
+            for ops in ("auto", "npu")
+        ]
         fused_h, separate = hs
         assert fused_h.offload.engine.plan.indexer.fused and fused_h.offload.engine.plan.attention.fused
         assert not separate.offload.engine.plan.indexer.fused

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from startup_verdict import dsa_hf_config, server_verdict
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.ops import fused
@@ -17,8 +18,6 @@ from sglang_ascend_offload.sglang_plugin.args import resolution
 from sglang_ascend_offload.sparse_decode import op_selection
 from sglang_ascend_offload.testing.sglang_args import server_args_stub
 
-from startup_verdict import dsa_hf_config, server_verdict
-
 NPU = dict(attention_backend="ascend_offload", disable_cuda_graph=True, device="npu", page_size=128)
 BUILD = "ascendc_ops/build.sh --install"
 
@@ -26,8 +25,12 @@ BUILD = "ascendc_ops/build.sh --install"
 def _verdict(soc="Ascend910_9391", top_k=2048, **sd):
     """The startup verdict on an NPU node serving a model with DeepSeek-V3.2's top-k (the
     fused kernels take it; the tiny fixture's 16 they do not, see the last test)."""
-    return server_verdict(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(**sd)),
-                          hf_config=dsa_hf_config(index_topk=top_k), soc=soc, **NPU)
+    return server_verdict(
+        cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(**sd)),
+        hf_config=dsa_hf_config(index_topk=top_k),
+        soc=soc,
+        **NPU,
+    )
 
 
 def test_npu_defaults_need_the_extension_and_the_error_names_every_missing_op():
@@ -60,20 +63,28 @@ def test_npu_opt_outs_and_explicit_requests():
 
 def test_verify_rows_serve_fused_up_to_14_per_request_and_more_are_refused_at_startup():
     sd = cfg.SparseDecodeOffloadConfig(fused_copy_sfa=True)
-    two = server_args_stub(**NPU, speculative_algorithm="NEXTN", speculative_num_draft_tokens=2,
-                           speculative_num_steps=1)
+    two = server_args_stub(
+        **NPU, speculative_algorithm="NEXTN", speculative_num_draft_tokens=2, speculative_num_steps=1
+    )
     rules = [v.rule for v in resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=sd), two)]
     assert "sparse_decode.fused_copy_sfa_engine" not in rules  # a request's 2 verify rows share its row, fused
     assert "sglang.fused_unavailable" in rules  # ... which needs the extension this machine lacks
-    many = server_args_stub(**NPU, speculative_algorithm="NEXTN", speculative_num_draft_tokens=15,
-                            speculative_num_steps=14)
-    found = [v for v in resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=sd), many)
-             if v.rule == "sparse_decode.fused_copy_sfa_engine"]
+    many = server_args_stub(
+        **NPU, speculative_algorithm="NEXTN", speculative_num_draft_tokens=15, speculative_num_steps=14
+    )
+    found = [
+        v
+        for v in resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=sd), many)
+        if v.rule == "sparse_decode.fused_copy_sfa_engine"
+    ]
     assert found and "at most 14" in found[0].problem
     assert RULES["sparse_decode.fused_copy_sfa_engine"].scope == "server"
     default = cfg.SparseDecodeOffloadConfig()  # the default gives way to 15 verify rows: nothing fused to build
-    assert [v.rule for v in resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=default), many)
-            if v.rule.startswith(("sglang.fused", "sparse_decode.fused"))] == []
+    assert [
+        v.rule
+        for v in resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=default), many)
+        if v.rule.startswith(("sglang.fused", "sparse_decode.fused"))
+    ] == []
 
 
 def test_cpu_defaults_are_never_fused():
@@ -96,12 +107,24 @@ PAGE, SLOTS = 16, 8 * 16  # SGLang's slot space: 9 pages of 16 = 144 rows, not a
 
 def _host_pool(sd, monkeypatch, platform_kind):
     from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK
+
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool import sparse_decode as pool_mod
 
     monkeypatch.setattr(pool_mod, "platform_of", lambda device: platform_kind)  # the pool's view of the platform
-    return pool_mod.HostMainKVPool(SLOTS, rows=4, top_k=TOPK, offload=sd, page_size=PAGE, dtype=torch.bfloat16,
-                                   kv_lora_rank=LATENT, qk_rope_head_dim=ROPE, layer_num=2, device="cpu",
-                                   enable_memory_saver=False, index_head_dim=INDEX_DIM), (LATENT + ROPE) * 2
+    return pool_mod.HostMainKVPool(
+        SLOTS,
+        rows=4,
+        top_k=TOPK,
+        offload=sd,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        kv_lora_rank=LATENT,
+        qk_rope_head_dim=ROPE,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
+        index_head_dim=INDEX_DIM,
+    ), (LATENT + ROPE) * 2
 
 
 @pytest.mark.usefixtures("plugins_loaded", "ctx")

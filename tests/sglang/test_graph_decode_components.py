@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dsa_harness import HEADS, HIDDEN, LATENT, Q_LORA, ROPE, Harness, published_context
 
 pytestmark = pytest.mark.usefixtures("plugins_loaded")
@@ -49,15 +48,25 @@ def _graph_batch(fb, bucket: int):
     def pad(t, value=0):
         return torch.cat((t, torch.full((n,), value, dtype=t.dtype)))
 
-    return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bucket, input_ids=pad(fb.input_ids),
-                        req_pool_indices=pad(fb.req_pool_indices), seq_lens=pad(fb.seq_lens, 1),
-                        out_cache_loc=pad(fb.out_cache_loc), seq_lens_sum=int(fb.seq_lens.sum()) + n,
-                        positions=pad(fb.positions))
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=bucket,
+        input_ids=pad(fb.input_ids),
+        req_pool_indices=pad(fb.req_pool_indices),
+        seq_lens=pad(fb.seq_lens, 1),
+        out_cache_loc=pad(fb.out_cache_loc),
+        seq_lens_sum=int(fb.seq_lens.sum()) + n,
+        positions=pad(fb.positions),
+    )
 
 
 def _inputs(h, tokens):
-    return dict(x=h._rand(tokens, HIDDEN), q_lora=h._rand(tokens, Q_LORA), q=h._rand(tokens, HEADS, LATENT + ROPE),
-                k=h._rand(tokens, 1, LATENT + ROPE))
+    return dict(
+        x=h._rand(tokens, HIDDEN),
+        q_lora=h._rand(tokens, Q_LORA),
+        q=h._rand(tokens, HEADS, LATENT + ROPE),
+        k=h._rand(tokens, 1, LATENT + ROPE),
+    )
 
 
 def _pad_rows(t, bucket):
@@ -81,8 +90,9 @@ def test_graph_decode_equals_eager_with_padding_and_churn(ctx):
         backend.init_cpu_graph_state(BUCKET, BUCKET)
     zeros = torch.zeros(BUCKET, dtype=torch.int64)
     for backend in (graph.dense, graph.offload):  # the runner's capture call: every entry padding
-        backend.init_forward_metadata_capture_cpu_graph(BUCKET, BUCKET, zeros, torch.ones(BUCKET, dtype=torch.int64),
-                                                        zeros, None, ForwardMode.DECODE, None)
+        backend.init_forward_metadata_capture_cpu_graph(
+            BUCKET, BUCKET, zeros, torch.ones(BUCKET, dtype=torch.int64), zeros, None, ForwardMode.DECODE, None
+        )
     assert graph.offload.offload_graph.rows.tolist() == [graph.offload.engine.sink_row] * BUCKET
 
     def extend(reqs, lens):  # both harnesses allocate the same slots
@@ -126,7 +136,7 @@ def _prepare_extend(h, reqs, lens):
     out = h.allocator.alloc_extend(prefix, prefix, seq, seq, last, int(sum(lens)))
     offset, positions = 0, []
     for r, n in zip(reqs, lens):
-        table[r.row, r.length:r.length + n] = out[offset:offset + n].to(torch.int32)
+        table[r.row, r.length : r.length + n] = out[offset : offset + n].to(torch.int32)
         positions.append(torch.arange(r.length, r.length + n))
         offset += n
         r.length += n
@@ -173,9 +183,12 @@ def _step(eager, graph, fb_e, fb_g, decode):
                 dense = run_d(x["q"], x["k"], x["k"][..., :LATENT], att, batch, topk_indices=topk)
                 off = run_o(x["q"], x["k"], x["k"][..., :LATENT], att, batch, topk_indices=topk_off)
             outs[name] = (topk[:real], topk_off[:real], dense[:real], off[:real])
-        for what, e, g in zip(("top-k", "offload top-k", "attention", "offload attention"), outs["eager"],
-                              outs["graph"]):
-            assert torch.equal(e, g), f"layer {layer}: graph {what} differs from eager ({'decode' if decode else 'extend'})"
+        for what, e, g in zip(
+            ("top-k", "offload top-k", "attention", "offload attention"), outs["eager"], outs["graph"]
+        ):
+            assert torch.equal(e, g), (
+                f"layer {layer}: graph {what} differs from eager ({'decode' if decode else 'extend'})"
+            )
         assert torch.equal(outs["graph"][2], outs["graph"][3]), f"layer {layer}: graph offload != graph device KV"
 
 
@@ -184,8 +197,14 @@ def eager_and_graph_layers(eager, graph, rids, lens=None, bucket: int = BUCKET):
     or a decode step when ``lens`` is None, replayed in ``bucket`` on ``graph``) with the
     same inputs; per layer ``(eager top-k, graph top-k, eager out, graph out)`` of the live rows."""
     decode = lens is None
-    fb_e, fb_g = [(_prepare_decode(h, [h.requests[r] for r in rids]) if decode
-                   else _prepare_extend(h, [h.requests[r] for r in rids], lens)) for h in (eager, graph)]
+    fb_e, fb_g = [
+        (
+            _prepare_decode(h, [h.requests[r] for r in rids])
+            if decode
+            else _prepare_extend(h, [h.requests[r] for r in rids], lens)
+        )
+        for h in (eager, graph)
+    ]
     gfb = _graph_batch(fb_g, bucket) if decode else fb_g
     for h, fb in ((eager, fb_e), (graph, gfb)):
         h.offload.init_forward_metadata(fb)

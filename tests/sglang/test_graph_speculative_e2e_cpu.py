@@ -36,23 +36,34 @@ import json
 import re
 
 import pytest
-
 from conftest import IDLE_SLEEP, ServerProcess
+
 from sglang_ascend_offload.testing import pd_servers
 from sglang_ascend_offload.testing.servers import TINY_DSA_MTP, fixture_args
 
 pytestmark = pytest.mark.slow
 
 VOCAB = 1024
-SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", "4"]
+SPEC = [
+    "--speculative-algorithm",
+    "NEXTN",
+    "--speculative-num-steps",
+    "3",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "4",
+]
 SIMULATED_ACCEPT = {"SGLANG_SIMULATE_ACC_LEN": "2", "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}
 GRAPH_ENV = {**SIMULATED_ACCEPT, "TORCH_LOGS": "recompiles,graph_breaks"}
 PLUGIN = re.compile(r"sglang_ascend_offload/(sglang_plugin|sparse_decode|ops)/")  # the plugin's runtime code
 COMMON = ["--max-running-requests", "4"] + SPEC + IDLE_SLEEP
 GRAPHS = ["--enable-torch-compile", "--cuda-graph-bs-decode", "4", "--torch-compile-max-bs", "4"]
-OFFLOAD = ["--enable-sparse-decode-offload", "--sparse-decode-offload-config",
-           json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 0})]
+OFFLOAD = [
+    "--enable-sparse-decode-offload",
+    "--sparse-decode-offload-config",
+    json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 0}),
+]
 GRAPH_STARTUP_S = 900.0  # torch.compile on a loaded 2-core machine
 
 
@@ -74,11 +85,20 @@ def servers(request, tmp_path_factory, shared_servers):
     base = fixture_args(TINY_DSA_MTP)
     graph_base = [a for a in base if a != "--disable-cuda-graph"]
     procs = {
-        "graph": ServerProcess(COMMON + GRAPHS, base_args=graph_base, log_path=root / "graph.log",
-                               env=GRAPH_ENV, startup_timeout_s=GRAPH_STARTUP_S),
-        "graph_offload": ServerProcess(COMMON + GRAPHS + OFFLOAD + ["--enable-metrics"], base_args=graph_base,
-                                       log_path=root / "graph_offload.log", env=GRAPH_ENV,
-                                       startup_timeout_s=GRAPH_STARTUP_S),
+        "graph": ServerProcess(
+            COMMON + GRAPHS,
+            base_args=graph_base,
+            log_path=root / "graph.log",
+            env=GRAPH_ENV,
+            startup_timeout_s=GRAPH_STARTUP_S,
+        ),
+        "graph_offload": ServerProcess(
+            COMMON + GRAPHS + OFFLOAD + ["--enable-metrics"],
+            base_args=graph_base,
+            log_path=root / "graph_offload.log",
+            env=GRAPH_ENV,
+            startup_timeout_s=GRAPH_STARTUP_S,
+        ),
         "eager": shared_servers.get("mtp_reference", EAGER, base_args=base, env=SIMULATED_ACCEPT),
     }
     try:
@@ -126,8 +146,10 @@ def test_graph_speculation_offload_on_and_off_are_token_identical(outputs):
     for out in graph + offload:
         meta = out["meta_info"]
         assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 1.0
-    print(f"\ntoken agreement with eager speculation: graph {_agreement(graph, eager):.3f}, "
-          f"graph_offload {_agreement(offload, eager):.3f}")
+    print(
+        f"\ntoken agreement with eager speculation: graph {_agreement(graph, eager):.3f}, "
+        f"graph_offload {_agreement(offload, eager):.3f}"
+    )
 
 
 def test_verify_ran_in_captured_graphs(servers, outputs):
@@ -137,18 +159,22 @@ def test_verify_ran_in_captured_graphs(servers, outputs):
         log = servers[name].log_path.read_text(errors="replace")
         assert "capturing CPU verify graphs (TARGET_VERIFY)" in log, name
         assert "CPU verify graph bucket 4 replayed for 4 request(s) x 4 verify rows" in log, log[-3000:]
-        assert re.search(r"CPU verify graph bucket 4 replayed for [123] request\(s\) x 4 verify rows \(padding",
-                         log), log[-3000:]
+        assert re.search(r"CPU verify graph bucket 4 replayed for [123] request\(s\) x 4 verify rows \(padding", log), (
+            log[-3000:]
+        )
         breaks = [line for line in log.splitlines() if "Graph break in user code at" in line and PLUGIN.search(line)]
         assert not breaks, breaks[:3]
-        after = log[log.index("The server is fired up and ready to roll"):]
+        after = log[log.index("The server is fired up and ready to roll") :]
         recompiles = [line for line in after.splitlines() if "[__recompiles]" in line]
         assert not [line for line in recompiles if PLUGIN.search(line)], recompiles[:3]
         print(f"\n{name}: {len(recompiles)} recompile log line(s) after startup")
     text = servers["graph_offload"].get("/metrics")
 
     def total(name):
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(f"sglang:ascend_offload_{name}{{"))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(f"sglang:ascend_offload_{name}{{")
+        )
 
     assert total("hits_total") > 0 and total("misses_total") > 0  # verify rows went through the residency

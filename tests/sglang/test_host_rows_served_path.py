@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from sglang_ascend_offload import config as cfg
-
 from dsa_harness import TOPK, Harness, published_context
 from memfabric_group_worker import NoViewPool
+
+from sglang_ascend_offload import config as cfg
 
 pytestmark = pytest.mark.usefixtures("plugins_loaded")
 
@@ -67,8 +66,11 @@ def test_group_pool_merges_runs_of_consecutive_source_and_destination_rows():
     dst = torch.tensor([0, 1, 2, 3, 7, 8, 9])
     first, at, count = _runs(src, dst)
     assert first.tolist() == [3, 9, 10, 2] and at.tolist() == [0, 3, 7, 8] and count.tolist() == [3, 1, 1, 2]
-    assert [t.numel() for t in _runs(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64))] \
-        == [0, 0, 0]
+    assert [t.numel() for t in _runs(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64))] == [
+        0,
+        0,
+        0,
+    ]
     one = _runs(torch.tensor([5]), torch.tensor([0]))
     assert [t.tolist() for t in one] == [[5], [0], [1]]
 

@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dsa_harness import INDEX_DIM, INDEX_HEADS, LATENT, TOPK, Harness, published_context
+from test_graph_decode_components import BUCKET, eager_and_graph_layers
 
 from sglang_ascend_offload import config as cfg
-from sglang_ascend_offload.ops.hadamard import prepare_quant_indexer_inputs, quantize_per_token_int8, rotate_and_quantize
+from sglang_ascend_offload.ops.hadamard import (
+    prepare_quant_indexer_inputs,
+    quantize_per_token_int8,
+    rotate_and_quantize,
+)
 from sglang_ascend_offload.ops.reference import quant_lightning_indexer
 from sglang_ascend_offload.sglang_plugin.attention.dsa_backend import graph_decode_topk
 from sglang_ascend_offload.sglang_plugin.attention.native_indexer import indexer_query_key_weights
-
-from dsa_harness import INDEX_DIM, INDEX_HEADS, LATENT, TOPK, Harness, published_context
-from test_graph_decode_components import BUCKET, eager_and_graph_layers
 
 pytestmark = pytest.mark.usefixtures("plugins_loaded")
 
@@ -47,7 +50,7 @@ def int8_config(**extra) -> cfg.SparseDecodeOffloadConfig:
 
 def _used_slots(h) -> torch.Tensor:
     table = h.req_to_token_pool.req_to_token
-    return torch.cat([table[r.row, :r.length].long() for r in h.requests.values()]).unique()
+    return torch.cat([table[r.row, : r.length].long() for r in h.requests.values()]).unique()
 
 
 def _check_cache(h) -> None:
@@ -72,10 +75,17 @@ def _check_step(h, step, what: str) -> None:
         with torch.no_grad():
             ref_in = indexer_query_key_weights(h.indexers[layer], inp["x"], inp["q_lora"], fb.positions)
         quant = prepare_quant_indexer_inputs(ref_in.query, h.dense_pool.get_index_k_buffer(layer))
-        ref = quant_lightning_indexer(quant.query, quant.key, ref_in.weights, quant.query_dequant_scale,
-                                      quant.key_dequant_scale, actual_seq_lengths_query=md.actual_seq_lengths_q,
-                                      actual_seq_lengths_key=md.seq_lens, block_table=md.block_tables,
-                                      sparse_count=TOPK).reshape(-1, TOPK)
+        ref = quant_lightning_indexer(
+            quant.query,
+            quant.key,
+            ref_in.weights,
+            quant.query_dequant_scale,
+            quant.key_dequant_scale,
+            actual_seq_lengths_query=md.actual_seq_lengths_q,
+            actual_seq_lengths_key=md.seq_lens,
+            block_table=md.block_tables,
+            sparse_count=TOPK,
+        ).reshape(-1, TOPK)
         served = step.offload_topk[layer]
         assert served.dtype == torch.int32 and served.shape == ref.shape
         assert torch.equal(served, ref), f"{what}: layer {layer} int8 top-k != reference C8 composition"
@@ -133,11 +143,27 @@ def test_graph_decode_topk_c8_equals_the_reference_op():
     quant = prepare_quant_indexer_inputs(query, keys)
     tables = torch.stack([torch.randperm(blocks, generator=gen)[:max_blocks] for _ in range(b)]).to(torch.int32)
     lens = torch.tensor([1, 15, 130, 192], dtype=torch.int32)
-    got = graph_decode_topk(quant.query, quant.key, weights, tables, lens, TOPK, query_scale=quant.query_dequant_scale,
-                            key_scale=quant.key_dequant_scale)
-    ref = quant_lightning_indexer(quant.query, quant.key, weights, quant.query_dequant_scale, quant.key_dequant_scale,
-                                  actual_seq_lengths_query=torch.arange(1, b + 1, dtype=torch.int32),
-                                  actual_seq_lengths_key=lens, block_table=tables, sparse_count=TOPK)
+    got = graph_decode_topk(
+        quant.query,
+        quant.key,
+        weights,
+        tables,
+        lens,
+        TOPK,
+        query_scale=quant.query_dequant_scale,
+        key_scale=quant.key_dequant_scale,
+    )
+    ref = quant_lightning_indexer(
+        quant.query,
+        quant.key,
+        weights,
+        quant.query_dequant_scale,
+        quant.key_dequant_scale,
+        actual_seq_lengths_query=torch.arange(1, b + 1, dtype=torch.int32),
+        actual_seq_lengths_key=lens,
+        block_table=tables,
+        sparse_count=TOPK,
+    )
     assert torch.equal(got, ref.reshape(b, TOPK))
     with pytest.raises(ValueError, match="both"):
         graph_decode_topk(quant.query, quant.key, weights, tables, lens, TOPK, query_scale=quant.query_dequant_scale)
@@ -151,8 +177,9 @@ def test_graph_decode_with_int8_cache_equals_eager(ctx):
     eager, graph = (Harness(offload_config=int8_config(), page_size=PAGE, seed=7) for _ in range(2))
     graph.offload.init_cpu_graph_state(BUCKET, BUCKET)
     zeros = torch.zeros(BUCKET, dtype=torch.int64)
-    graph.offload.init_forward_metadata_capture_cpu_graph(BUCKET, BUCKET, zeros, torch.ones(BUCKET, dtype=torch.int64),
-                                                          zeros, None, ForwardMode.DECODE, None)
+    graph.offload.init_forward_metadata_capture_cpu_graph(
+        BUCKET, BUCKET, zeros, torch.ones(BUCKET, dtype=torch.int64), zeros, None, ForwardMode.DECODE, None
+    )
     for h in (eager, graph):
         for rid in ("a", "b", "c"):
             h.new_request(rid)
@@ -182,13 +209,27 @@ def test_server_startup_serves_int8_on_cpu_and_refuses_it_on_a_pd_decode():
     int8 = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=64, indexer_dtype="int8"))
     eager = dict(attention_backend="ascend_offload", disable_cuda_graph=True, page_size=64)
     assert server_rule_ids(int8, **eager) == []
-    assert server_rule_ids(int8, attention_backend="ascend_offload", disable_cuda_graph=False,
-                           enable_torch_compile=True, page_size=64) == []
-    pd_args = dict(eager, disaggregation_mode="decode", disaggregation_transfer_backend="ascend_offload",
-                   disaggregation_decode_retraction_backup="cpu_tensor")
+    assert (
+        server_rule_ids(
+            int8, attention_backend="ascend_offload", disable_cuda_graph=False, enable_torch_compile=True, page_size=64
+        )
+        == []
+    )
+    pd_args = dict(
+        eager,
+        disaggregation_mode="decode",
+        disaggregation_transfer_backend="ascend_offload",
+        disaggregation_decode_retraction_backup="cpu_tensor",
+    )
     assert "sglang.indexer_int8_pd" not in server_rule_ids(int8, **pd_args)
-    pd = server_verdict(int8, **pd_args, speculative_algorithm="NEXTN", speculative_num_steps=1,
-                        speculative_eagle_topk=1, speculative_num_draft_tokens=2)
+    pd = server_verdict(
+        int8,
+        **pd_args,
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=1,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=2,
+    )
     found = [v for v in pd if v.rule == "sglang.indexer_int8_pd"]
     assert found and "indexer_scale" in found[0].problem and '"indexer_dtype": "bf16"' in found[0].fix
 

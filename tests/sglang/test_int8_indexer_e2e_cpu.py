@@ -14,7 +14,6 @@ import json
 import re
 
 import pytest
-
 from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
 
 pytestmark = pytest.mark.slow
@@ -32,9 +31,17 @@ def prompt(n: int, seed: int) -> list:
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("int8_indexer")
     offload_cfg = {"hot_tokens": 64, "indexer_dtype": "int8", "metrics_log_interval_s": 0.5}
-    proc = ServerProcess(["--max-running-requests", "4", "--enable-sparse-decode-offload",
-                          "--sparse-decode-offload-config", json.dumps(offload_cfg)] + IDLE_SLEEP,
-                         log_path=root / "int8.log")
+    proc = ServerProcess(
+        [
+            "--max-running-requests",
+            "4",
+            "--enable-sparse-decode-offload",
+            "--sparse-decode-offload-config",
+            json.dumps(offload_cfg),
+        ]
+        + IDLE_SLEEP,
+        log_path=root / "int8.log",
+    )
     start_all(proc)
     yield proc
     stop_all(proc)

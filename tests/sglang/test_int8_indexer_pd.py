@@ -16,18 +16,21 @@ import importlib.util
 
 import pytest
 import torch
+from dsa_harness import INDEX_DIM, TOPK, published_context
+from test_pd_backend_components import LATENT, LAYERS, PAGE, ROPE, SLOTS, Pair, _common, device_pool
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.ops.hadamard import rotate_and_quantize
 from sglang_ascend_offload.transfer import pool_layouts as layouts
 
-from dsa_harness import INDEX_DIM, TOPK, published_context
-from test_pd_backend_components import LATENT, LAYERS, PAGE, ROPE, SLOTS, Pair, _common, device_pool
-
-pytestmark = [pytest.mark.usefixtures("plugins_loaded"),
-              pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
-                                 reason="needs mooncake-transfer-engine-non-cuda (scripts/requirements-cpu.txt)"),
-              pytest.mark.timeout(120)]
+pytestmark = [
+    pytest.mark.usefixtures("plugins_loaded"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("mooncake") is None,
+        reason="needs mooncake-transfer-engine-non-cuda (scripts/requirements-cpu.txt)",
+    ),
+    pytest.mark.timeout(120),
+]
 
 
 @pytest.fixture
@@ -39,8 +42,13 @@ def ctx():
 def int8_host_pool():
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
 
-    return HostMainKVPool(SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(
-        hot_tokens=2 * TOPK, indexer_dtype="int8"), **_common())
+    return HostMainKVPool(
+        SLOTS,
+        rows=4,
+        top_k=TOPK,
+        offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK, indexer_dtype="int8"),
+        **_common(),
+    )
 
 
 def assert_int8_index_equal(p_pool, d_pool, src, dst):
@@ -61,16 +69,18 @@ def test_the_int8_cache_is_advertised_and_laid_out_with_its_scales(ctx):
     assert src.indexer_scale.block_bytes == dst.indexer_scale.block_bytes == PAGE * 2
     assert staging.indexer_blocks([7, 3]) == [0, 1]
     with pytest.raises(layouts.LayoutError, match="draft"):
-        layouts.PackedStaging(device_pool(), indexer_dtype="int8",
-                              draft_pool=device_pool(layers=1, start_layer=LAYERS))
+        layouts.PackedStaging(device_pool(), indexer_dtype="int8", draft_pool=device_pool(layers=1, start_layer=LAYERS))
 
 
 def test_requests_arrive_as_int8_keys_and_scales(ctx):
     pair = Pair(int8_host_pool())
     try:
         assert pair.sink.advert().indexer_dtype == "int8"
-        jobs = {21: ([3, 7, 1], [9, 4, 12]), 22: ([2, 5, 8, 10, 11, 13, 14, 15], [1, 2, 3, 5, 6, 7, 8, 10]),
-                23: ([6], [15])}
+        jobs = {
+            21: ([3, 7, 1], [9, 4, 12]),
+            22: ([2, 5, 8, 10, 11, 13, 14, 15], [1, 2, 3, 5, 6, 7, 8, 10]),
+            23: ([6], [15]),
+        }
 
         def check(p_pool, d_pool, src, dst):
             _assert_main_rows(p_pool, d_pool, src, dst)
@@ -85,8 +95,13 @@ def test_requests_arrive_as_int8_keys_and_scales(ctx):
 
 def _assert_main_rows(p_pool, d_pool, src, dst):
     for layer in range(LAYERS):
-        want = torch.cat((p_pool.k_buffer[layer][src].reshape(len(src), PAGE, LATENT),
-                          p_pool.v_buffer[layer][src].reshape(len(src), PAGE, ROPE)), dim=-1)
+        want = torch.cat(
+            (
+                p_pool.k_buffer[layer][src].reshape(len(src), PAGE, LATENT),
+                p_pool.v_buffer[layer][src].reshape(len(src), PAGE, ROPE),
+            ),
+            dim=-1,
+        )
         assert torch.equal(d_pool.host_page_blocks(layer)[dst], want), layer
 
 
@@ -115,13 +130,19 @@ def test_a_layerwise_prefill_packs_int8_keys_and_scales_too(ctx, monkeypatch):
     int8 decode: main rows as before, the index K as int8 keys + scales of the bf16 keys a
     prefill without layerwise offload holds; the shared buffer still waits for the reads."""
     import test_pd_layerwise_publish as lw
+
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
 
     made, seen = {}, {}
 
     def int8_pool(page=PAGE, layers=LAYERS):
-        made["pool"] = HostMainKVPool(SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(
-            hot_tokens=2 * TOPK, indexer_dtype="int8"), **_common(page, layers))
+        made["pool"] = HostMainKVPool(
+            SLOTS,
+            rows=4,
+            top_k=TOPK,
+            offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK, indexer_dtype="int8"),
+            **_common(page, layers),
+        )
         return made["pool"]
 
     def then(pub, h, src):

@@ -8,22 +8,23 @@ import types
 
 import pytest
 import torch
+from dsa_harness import INDEX_DIM, TOPK, Harness, published_context
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.model_specs import load_hf_config
 from sglang_ascend_offload.sglang_plugin.args import carrier
-from sglang_ascend_offload.sglang_plugin.mem_cache.sizing import device_kv_budget, sparse_decode as offload_sizing
+from sglang_ascend_offload.sglang_plugin.mem_cache.sizing import device_kv_budget
+from sglang_ascend_offload.sglang_plugin.mem_cache.sizing import sparse_decode as offload_sizing
 from sglang_ascend_offload.testing.servers import TINY_DSA
-
-from dsa_harness import INDEX_DIM, TOPK, Harness, published_context
 
 pytestmark = pytest.mark.usefixtures("plugins_loaded")
 
 
 def _kvc(device="cpu"):
     hf = types.SimpleNamespace(index_topk=16, index_head_dim=INDEX_DIM)
-    return types.SimpleNamespace(device=device, model_config=types.SimpleNamespace(
-        hf_config=hf, kv_lora_rank=512, qk_rope_head_dim=64))
+    return types.SimpleNamespace(
+        device=device, model_config=types.SimpleNamespace(hf_config=hf, kv_lora_rank=512, qk_rope_head_dim=64)
+    )
 
 
 def test_index_k_bytes_per_token():
@@ -41,8 +42,9 @@ def test_the_served_pool_and_the_capacity_planner_count_the_same_bytes():
     fixture's config (and its bf16 figure for a bf16 pool)."""
     with published_context():
         for dtype in ("bf16", "int8"):
-            h = Harness(offload_config=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK, indexer_dtype=dtype),
-                        page_size=64)
+            h = Harness(
+                offload_config=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK, indexer_dtype=dtype), page_size=64
+            )
             pool = h.offload_pool
             per_token = pool.index_k_buffer[0, 0, 0].nbytes
             if pool.index_k_scale_buffer is not None:
@@ -67,7 +69,8 @@ def test_sglang_cell_counts_the_int8_cache(served_int8, monkeypatch):
     a CPU that accounts like a device (--device-kv-budget), index_head_dim + 2 per layer."""
     configurator = types.SimpleNamespace(_compute_dsa_indexer_cell_size=lambda kvc, num_layers: 132 * num_layers)
     assert offload_sizing.cell_size_after(1284 * 61, configurator, _kvc("npu"), 61) == 130 * 61
-    monkeypatch.setenv(carrier.CONFIG_ENV, cfg.to_json(cfg.OffloadConfig(sparse_decode=served_int8,
-                                                                         device_kv_budget_bytes=2**20)))
+    monkeypatch.setenv(
+        carrier.CONFIG_ENV, cfg.to_json(cfg.OffloadConfig(sparse_decode=served_int8, device_kv_budget_bytes=2**20))
+    )
     assert offload_sizing.cell_size_after(2816, configurator, _kvc("cpu"), 2) == 2 * 130
     assert torch.int8.itemsize * INDEX_DIM + torch.float16.itemsize == 130

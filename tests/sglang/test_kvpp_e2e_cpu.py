@@ -37,7 +37,6 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import CPU_SERVER_ARGS, IDLE_SLEEP, REPO, ServerProcess, start_all, stop_all
 
 pytestmark = pytest.mark.slow
@@ -50,8 +49,10 @@ BUDGET = 64 * 2**20  # KV bytes per rank (fixed: SGLang would size from free hos
 
 
 def _env(tp: int) -> dict:
-    return {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % 2) for r in range(tp)),
-            "SGLANG_ASCEND_OFFLOAD_KV_BUDGET_BYTES": str(BUDGET)}
+    return {
+        "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % 2) for r in range(tp)),
+        "SGLANG_ASCEND_OFFLOAD_KV_BUDGET_BYTES": str(BUDGET),
+    }
 
 
 def _base_args(tp: int) -> list:
@@ -76,8 +77,12 @@ TP3_ENV = "SGLANG_TEST_KVPP_TP3"
 
 def _start_pair(tp: int, root):
     off = ServerProcess(log_path=root / f"tp{tp}_off.log", base_args=_base_args(tp), env=_env(tp))
-    on = ServerProcess(["--enable-kvpp", "--kvpp-config", json.dumps({"broadcast": "active"})],
-                       log_path=root / f"tp{tp}_on.log", base_args=_base_args(tp), env=_env(tp))
+    on = ServerProcess(
+        ["--enable-kvpp", "--kvpp-config", json.dumps({"broadcast": "active"})],
+        log_path=root / f"tp{tp}_on.log",
+        base_args=_base_args(tp),
+        env=_env(tp),
+    )
     start_all(off, on)
     print(f"\nstartup tp {tp} (2 servers launched together): off {off.startup_s:.1f} s, on {on.startup_s:.1f} s")
     return off, on
@@ -94,9 +99,11 @@ def pair2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair3(tmp_path_factory):
     if os.environ.get(TP3_ENV) != "1":
-        pytest.skip(f"TP 3 servers (6 ranks on this machine's 2 cores) start in ~1.5-4 min, beyond the default "
-                    f"suite's time budget for KVPP; run with {TP3_ENV}=1 (odd groups are covered by "
-                    "test_kvpp_pool.py in every run)")
+        pytest.skip(
+            f"TP 3 servers (6 ranks on this machine's 2 cores) start in ~1.5-4 min, beyond the default "
+            f"suite's time budget for KVPP; run with {TP3_ENV}=1 (odd groups are covered by "
+            "test_kvpp_pool.py in every run)"
+        )
     root = tmp_path_factory.mktemp("kvpp_tp3")
     off, on = _start_pair(3, root)
     yield off, on, root
@@ -104,8 +111,10 @@ def pair3(tmp_path_factory):
 
 
 def run_workload(srv: ServerProcess) -> dict:
-    out = {"short": srv.generate(prompt(40, 1), max_new_tokens=8, return_logprob=True),
-           "chunked": srv.generate(prompt(150, 2), max_new_tokens=8, return_logprob=True)}
+    out = {
+        "short": srv.generate(prompt(40, 1), max_new_tokens=8, return_logprob=True),
+        "chunked": srv.generate(prompt(150, 2), max_new_tokens=8, return_logprob=True),
+    }
     prefix = prompt(130, 3)
     srv.generate(prefix, max_new_tokens=1)  # two pages of the prefix are now in the radix cache
     jobs = [(prefix + prompt(5 + 9 * i, 10 + i), 4 + 3 * i) for i in range(4)]
@@ -147,16 +156,22 @@ def test_kvpp_equals_replicated_pool_and_allocates_owned_plus_scratch(request, t
     planned = planner["kvpp"][0].device_per_token * slot_rows + planner["kvpp"][0].device_fixed
     allocations = []
     for rank, owned in enumerate(OWNED[tp]):
-        m = re.search(rf"KVPP rank {rank}/{tp}: owns layers \[([0-9, ]*)\] of {layers}; allocated (\d+) bytes.*"
-                      r"slot rows (\d+)", log)
+        m = re.search(
+            rf"KVPP rank {rank}/{tp}: owns layers \[([0-9, ]*)\] of {layers}; allocated (\d+) bytes.*"
+            r"slot rows (\d+)",
+            log,
+        )
         assert m, f"rank {rank} did not log its KVPP allocation"
         assert [int(x) for x in m.group(1).split(",")] == owned
         assert int(m.group(3)) == slot_rows
         measured = int(m.group(2))
         assert measured == len(owned) * row * slot_rows + 2 * scratch, (rank, measured)
         allocations.append(measured)
-        stats = re.findall(rf"KVPP rank {rank} stats: forwards=\d+ with_history=(\d+) active_pages=\d+ of \d+ "
-                           r"broadcasts=(\d+) broadcast_bytes=(\d+) received_bytes=(\d+)", log)
+        stats = re.findall(
+            rf"KVPP rank {rank} stats: forwards=\d+ with_history=(\d+) active_pages=\d+ of \d+ "
+            r"broadcasts=(\d+) broadcast_bytes=(\d+) received_bytes=(\d+)",
+            log,
+        )
         assert stats, f"rank {rank} logged no KVPP stats"
         _, broadcasts, sent, received = (int(v) for v in stats[-1])
         assert broadcasts >= layers and broadcasts % layers == 0, (rank, broadcasts)  # every layer, per forward
@@ -166,9 +181,11 @@ def test_kvpp_equals_replicated_pool_and_allocates_owned_plus_scratch(request, t
     assert max(allocations) == allocations[0] <= planned < allocations[0] + 2 * align
     ratio = tokens["on"] / tokens["off"]
     fullest = len(OWNED[tp][0])
-    print(f"\ntp {tp}: max_total_num_tokens from {BUDGET} B per rank: off {tokens['off']}, KVPP {tokens['on']} "
-          f"(x{ratio:.4f}; plan formula {layers} / ({fullest} + 2) = x{layers / (fullest + 2):.4f}); "
-          f"per-rank KVPP allocation {allocations} B")
+    print(
+        f"\ntp {tp}: max_total_num_tokens from {BUDGET} B per rank: off {tokens['off']}, KVPP {tokens['on']} "
+        f"(x{ratio:.4f}; plan formula {layers} / ({fullest} + 2) = x{layers / (fullest + 2):.4f}); "
+        f"per-rank KVPP allocation {allocations} B"
+    )
     cell_off = int(re.search(r"KVPP: device KV per token \d+ B instead of (\d+) B", log).group(1))
     assert cell_off % layers == 0  # SGLang's cost of uniform layers
     page_floor = lambda n: n // PAGE * PAGE  # noqa: E731 - SGLang keeps whole pages

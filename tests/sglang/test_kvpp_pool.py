@@ -1,6 +1,7 @@
 """KVPP pool in SGLang, across real processes over gloo, without a server.
 
-Every rank of a group of ``N`` (3 with active-block broadcast, then 2 with full-layer broadcast) builds, like :mod:`dsa_harness`, SGLang's
+Every rank of a group of ``N`` (3 with active-block broadcast, then 2 with full-layer broadcast) builds, like
+:mod:`dsa_harness`, SGLang's
 ``ReqToTokenPool`` / paged allocator / ``ForwardBatch``, the DSA ``Indexer`` and the
 plugin's backend twice: over the plain :class:`DeviceDSAPool` (the reference: every
 layer on every rank) and over :class:`KVPPPool` (owned layers + two scratch buffers,
@@ -27,11 +28,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from npu_requirements import npu_present
-from sglang_ascend_offload import platform
-
 from dsa_harness import HEADS, HIDDEN, INDEX_DIM, LATENT, Q_LORA, ROPE, TOPK, forward_batch, make_indexer
+from npu_requirements import npu_present
 
 LAYERS, PAGE, SLOTS, ROWS, MAX_CONTEXT = 5, 16, 512, 6, 256
 
@@ -56,25 +54,39 @@ class _Rank:
 
         from sglang_ascend_offload import config as cfg
         from sglang_ascend_offload.sglang_plugin.attention.dsa_backend import AscendOffloadAttnBackend
-        from sglang_ascend_offload.sglang_plugin.mem_cache.pool.kvpp import KVPPGroup, KVPPPool
         from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
+        from sglang_ascend_offload.sglang_plugin.mem_cache.pool.kvpp import KVPPGroup, KVPPPool
 
         self.device = device
         self.gen = torch.Generator().manual_seed(1234)  # same inputs on every rank
         self.rtp = ReqToTokenPool(size=ROWS, max_context_len=MAX_CONTEXT, device=device, enable_memory_saver=False)
-        common = dict(page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
-                      layer_num=LAYERS, device=device, enable_memory_saver=False, index_head_dim=INDEX_DIM)
+        common = dict(
+            page_size=PAGE,
+            dtype=torch.bfloat16,
+            kv_lora_rank=LATENT,
+            qk_rope_head_dim=ROPE,
+            layer_num=LAYERS,
+            device=device,
+            enable_memory_saver=False,
+            index_head_dim=INDEX_DIM,
+        )
         self.ref_pool = DeviceDSAPool(SLOTS, index_size=SLOTS, index_page_size=PAGE, **common)
         group = KVPPGroup(rank, group_size, tuple(range(group_size)), process_group)
         self.pool = KVPPPool(SLOTS, kvpp=cfg.KVPPConfig(broadcast=broadcast), group=group, **common)
-        self.allocator = PagedTokenToKVPoolAllocator(SLOTS, PAGE, torch.bfloat16, device, self.ref_pool,
-                                                     need_sort=False)
-        mc = SimpleNamespace(context_len=MAX_CONTEXT, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
-                             hf_config=SimpleNamespace(index_topk=TOPK))
+        self.allocator = PagedTokenToKVPoolAllocator(
+            SLOTS, PAGE, torch.bfloat16, device, self.ref_pool, need_sort=False
+        )
+        mc = SimpleNamespace(
+            context_len=MAX_CONTEXT,
+            kv_lora_rank=LATENT,
+            qk_rope_head_dim=ROPE,
+            hf_config=SimpleNamespace(index_topk=TOPK),
+        )
 
         def runner(pool):
-            return SimpleNamespace(device=device, req_to_token_pool=self.rtp, token_to_kv_pool=pool, page_size=PAGE,
-                                   model_config=mc)
+            return SimpleNamespace(
+                device=device, req_to_token_pool=self.rtp, token_to_kv_pool=pool, page_size=PAGE, model_config=mc
+            )
 
         self.ref = AscendOffloadAttnBackend(runner(self.ref_pool))
         self.kvpp = AscendOffloadAttnBackend(runner(self.pool))
@@ -94,7 +106,7 @@ class _Rank:
 
     def finish(self, rid):
         req = self.reqs.pop(rid)
-        slots = self.rtp.req_to_token[req.row, :req.length].to(torch.int64)
+        slots = self.rtp.req_to_token[req.row, : req.length].to(torch.int64)
         self.allocator.free(slots[slots % PAGE == 0])
         self.rtp.free_rows([req.row])
 
@@ -109,17 +121,17 @@ class _Rank:
         seq = prefix + torch.tensor(new_tokens, dtype=torch.int64)
         last = torch.tensor([int(t[r.row, r.length - 1]) if r.length else -1 for r in reqs], dtype=torch.int64)
         dev = self.device
-        out = self.allocator.alloc_extend(prefix.to(dev), prefix, seq.to(dev), seq, last.to(dev),
-                                          int(sum(new_tokens)))
+        out = self.allocator.alloc_extend(prefix.to(dev), prefix, seq.to(dev), seq, last.to(dev), int(sum(new_tokens)))
         assert out is not None
         off, pos = 0, []
         for r, n in zip(reqs, new_tokens):
-            t[r.row, r.length:r.length + n] = out[off:off + n].to(torch.int32)
+            t[r.row, r.length : r.length + n] = out[off : off + n].to(torch.int32)
             pos.append(torch.arange(r.length, r.length + n))
             off += n
             r.length += n
-        return self._forward(forward_batch(ForwardMode.EXTEND, reqs, out, torch.cat(pos), seq, prefix, new_tokens,
-                                           self.device))
+        return self._forward(
+            forward_batch(ForwardMode.EXTEND, reqs, out, torch.cat(pos), seq, prefix, new_tokens, self.device)
+        )
 
     def decode(self, reqs):
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -159,8 +171,14 @@ class _Rank:
         self.pool.scheduler.complete_forward()
         md = self.kvpp.forward_metadata
         blocks = self.pool.history_blocks(md, self.rtp.req_to_token)
-        self.log.append((blocks is not None, 0 if blocks is None else int(blocks.numel()),
-                         self.pool.transport.bytes_broadcast - before, bad))
+        self.log.append(
+            (
+                blocks is not None,
+                0 if blocks is None else int(blocks.numel()),
+                self.pool.transport.bytes_broadcast - before,
+                bad,
+            )
+        )
 
 
 def _scenario(r: _Rank) -> None:
@@ -185,13 +203,15 @@ def _run(rank, group_size, broadcast, process_group, device) -> dict:
     _scenario(r)
     pool = r.pool
     # the owner keeps the updated KV: persistent rows == reference rows of every live slot
-    live = torch.cat([r.rtp.req_to_token[q_.row, :q_.length].long() for q_ in r.reqs.values()]).to(device)
+    live = torch.cat([r.rtp.req_to_token[q_.row, : q_.length].long() for q_ in r.reqs.values()]).to(device)
     owner_ok = all(
         torch.equal(pool.k_buffer[l].view(-1, LATENT)[live], r.ref_pool.k_buffer[l].view(-1, LATENT)[live])
         and torch.equal(pool.v_buffer[l].view(-1, ROPE)[live], r.ref_pool.v_buffer[l].view(-1, ROPE)[live])
-        and torch.equal(pool.index_k_buffer[l].view(-1, INDEX_DIM)[live],
-                        r.ref_pool.index_k_buffer[l].view(-1, INDEX_DIM)[live])
-        for l in pool.owned_layers)
+        and torch.equal(
+            pool.index_k_buffer[l].view(-1, INDEX_DIM)[live], r.ref_pool.index_k_buffer[l].view(-1, INDEX_DIM)[live]
+        )
+        for l in pool.owned_layers
+    )
     # negative control: suppress the broadcast (every rank, so the collectives stay paired)
     # after clearing the scratch buffers (as another layer's use would)
     for buf in pool.storage.scratch:
@@ -200,9 +220,16 @@ def _run(rank, group_size, broadcast, process_group, device) -> dict:
     r.decode([r.reqs["a"], r.reqs["c"]])
     control_bad = r.log.pop()[3]
     pool.close()
-    return dict(rank=rank, log=r.log, owner_ok=owner_ok, owned=list(pool.owned_layers),
-                allocated=pool.allocated_bytes, slot_rows=pool.slot_rows, control_bad=control_bad,
-                num_blocks=pool.num_blocks)
+    return dict(
+        rank=rank,
+        log=r.log,
+        owner_ok=owner_ok,
+        owned=list(pool.owned_layers),
+        allocated=pool.allocated_bytes,
+        slot_rows=pool.slot_rows,
+        control_bad=control_bad,
+        num_blocks=pool.num_blocks,
+    )
 
 
 def _worker(rank, world, port, runs, q, device_kind="cpu"):
@@ -212,9 +239,8 @@ def _worker(rank, world, port, runs, q, device_kind="cpu"):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SGLANG_USE_CPU_ENGINE="1")
         torch.set_num_threads(1)
         import torch.distributed as dist
-        from sglang.srt.plugins import load_plugins
-
         from dsa_harness import published_context
+        from sglang.srt.plugins import load_plugins
 
         load_plugins()
         device = "cpu"

@@ -6,24 +6,32 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from sglang_ascend_offload import config as cfg
-from sglang_ascend_offload.sglang_plugin.args import carrier, flags
-from sglang_ascend_offload.rules import RULES
-from sglang_ascend_offload.sglang_plugin.args.rules.kvpp import kvpp_violations
-
-from sglang_ascend_offload.testing.sglang_args import server_args_stub
-
 from conftest import REPO
 from startup_verdict import server_rule_ids
+
+from sglang_ascend_offload import config as cfg
+from sglang_ascend_offload.rules import RULES
+from sglang_ascend_offload.sglang_plugin.args import carrier, flags
+from sglang_ascend_offload.sglang_plugin.args.rules.kvpp import kvpp_violations
+from sglang_ascend_offload.testing.sglang_args import server_args_stub
 
 TINY_DSA_8L = REPO / "tests" / "fixtures" / "tiny_dsa_8l"
 
 
 def view(**kw):
-    base = dict(attention_backend="ascend_offload", prefill_attention_backend=None, decode_attention_backend=None,
-                enable_two_batch_overlap=False, enable_pdmux=False, enable_hierarchical_cache=False,
-                disaggregation_mode="null", tp_size=2, dp_size=1, attn_dp_size=1, enable_dp_attention=False)
+    base = dict(
+        attention_backend="ascend_offload",
+        prefill_attention_backend=None,
+        decode_attention_backend=None,
+        enable_two_batch_overlap=False,
+        enable_pdmux=False,
+        enable_hierarchical_cache=False,
+        disaggregation_mode="null",
+        tp_size=2,
+        dp_size=1,
+        attn_dp_size=1,
+        enable_dp_attention=False,
+    )
     base.update(kw)
     return server_args_stub(**base)  # every other server argument at SGLang's default
 
@@ -47,15 +55,18 @@ def test_a_servable_setup_has_no_violation():
     assert kvpp_violations(cfg.OffloadConfig(), view(attention_backend="torch_native")) == []
 
 
-@pytest.mark.parametrize("config,server,rule", [
-    (KV, view(attention_backend="ascend"), "sglang.kvpp_backend"),
-    (KV, view(attn_dp_size=2), "sglang.kvpp_dp_attention"),
-    (KV, view(enable_dp_attention=True, dp_size=2), "sglang.kvpp_dp_attention"),
-    (KV, view(enable_two_batch_overlap=True), "sglang.kvpp_tbo"),
-    (KV, view(enable_pdmux=True), "sglang.kvpp_tbo"),
-    (KV, view(enable_hierarchical_cache=True), "sglang.kvpp_hicache"),
-    (KV, view(pp_size=2), "sglang.kvpp_pp"),
-])
+@pytest.mark.parametrize(
+    "config,server,rule",
+    [
+        (KV, view(attention_backend="ascend"), "sglang.kvpp_backend"),
+        (KV, view(attn_dp_size=2), "sglang.kvpp_dp_attention"),
+        (KV, view(enable_dp_attention=True, dp_size=2), "sglang.kvpp_dp_attention"),
+        (KV, view(enable_two_batch_overlap=True), "sglang.kvpp_tbo"),
+        (KV, view(enable_pdmux=True), "sglang.kvpp_tbo"),
+        (KV, view(enable_hierarchical_cache=True), "sglang.kvpp_hicache"),
+        (KV, view(pp_size=2), "sglang.kvpp_pp"),
+    ],
+)
 def test_each_rule(config, server, rule):
     """Each rule alone in the server's whole startup verdict (the DP attention and PP rules
     are decided by the deployment facts, the others by SGLang arguments)."""
@@ -68,15 +79,18 @@ def test_each_rule(config, server, rule):
 def _server_args(**kw):
     from sglang.srt.server_args import ServerArgs
 
-    return ServerArgs(model_path=str(TINY_DSA_8L), device="cpu", load_format="dummy",
-                      skip_tokenizer_init=True, **kw)
+    return ServerArgs(model_path=str(TINY_DSA_8L), device="cpu", load_format="dummy", skip_tokenizer_init=True, **kw)
 
 
 def test_resolution_lists_every_reason(plugins_loaded, clean_state):
     """tp 1 (no group), another backend, layerwise prefill offload and a P/D prefill node at once."""
     sa = _server_args(tp_size=1, disaggregation_mode="prefill", attention_backend="torch_native")
-    flags.remember(flags.RawFlags(enabled={"kvpp": True, "layerwise_prefill": True},
-                                  configs={"kvpp": None, "layerwise_prefill": '{"store_backend": "local"}'}))
+    flags.remember(
+        flags.RawFlags(
+            enabled={"kvpp": True, "layerwise_prefill": True},
+            configs={"kvpp": None, "layerwise_prefill": '{"store_backend": "local"}'},
+        )
+    )
     with pytest.raises(cfg.ConfigError) as info:
         sa.resolve_once()
     rules = {v.rule for v in info.value.violations}

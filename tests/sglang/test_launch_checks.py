@@ -13,12 +13,11 @@ import re
 import shutil
 
 import pytest
+from conftest import TINY_DSA, run_launcher
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload import memory_budget
-from sglang_ascend_offload.sglang_plugin.args import carrier, flags, launch_checks
-
-from conftest import TINY_DSA, run_launcher
+from sglang_ascend_offload.sglang_plugin.args import carrier, flags
 
 
 def raw(sparse=None, layerwise=None):
@@ -29,8 +28,14 @@ def raw(sparse=None, layerwise=None):
 def _server_args(model=TINY_DSA, **kw):
     from sglang.srt.server_args import ServerArgs
 
-    return ServerArgs(model_path=str(model), device="cpu", load_format="dummy", skip_tokenizer_init=True,
-                      disable_cuda_graph=True, **kw)
+    return ServerArgs(
+        model_path=str(model),
+        device="cpu",
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        disable_cuda_graph=True,
+        **kw,
+    )
 
 
 def _rules(exc_info):
@@ -55,8 +60,13 @@ def test_speculative_algorithm_other_than_nextn_with_offload_is_refused(plugins_
     itself is served (tests/sglang/test_speculative_offload.py)."""
     flags.remember(raw(sparse="{}"))
     with pytest.raises(cfg.ConfigError) as info:
-        _server_args(speculative_algorithm="STANDALONE", speculative_draft_model_path=str(TINY_DSA),
-                     speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4).resolve_once()
+        _server_args(
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=str(TINY_DSA),
+            speculative_num_steps=3,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=4,
+        ).resolve_once()
     assert "sglang.sparse_decode_speculative" in _rules(info)
     assert "'standalone'" in str(info.value)  # the method the deployment facts name
     assert carrier.published_text() is None
@@ -77,15 +87,21 @@ def test_parse_error_does_not_hide_the_other_rules(plugins_loaded, clean_state):
     with pytest.raises(cfg.ConfigError) as info:
         _server_args(kv_cache_dtype="fp8_e4m3").resolve_once()
     rules = _rules(info)
-    assert {"parse.type", "parse.range", "sparse_decode.hot_tokens_page", "sparse_decode.main_kv_dtype",
-            "sparse_decode.fused_device"} <= set(rules), rules
+    assert {
+        "parse.type",
+        "parse.range",
+        "sparse_decode.hot_tokens_page",
+        "sparse_decode.main_kv_dtype",
+        "sparse_decode.fused_device",
+    } <= set(rules), rules
     text = str(info.value)
     assert "fifo" in text and "record_trace_max_steps=0" in text and ">= 1" in text  # the range is stated
     assert carrier.published_text() is None  # a config that came with problems never runs
 
 
-def test_startup_checks_one_request_and_leaves_concurrency_to_the_device_budget(plugins_loaded, clean_state,
-                                                                                 monkeypatch):
+def test_startup_checks_one_request_and_leaves_concurrency_to_the_device_budget(
+    plugins_loaded, clean_state, monkeypatch
+):
     """The README's ``hot_tokens: 4096`` at SGLang's default request count passes the startup
     check: the pool sizing caps the running requests to the hot buffers that fit SGLang's
     KV budget (test_offload_sizing.py). What the startup check refuses is a hot buffer that
@@ -106,8 +122,10 @@ def test_startup_checks_one_request_and_leaves_concurrency_to_the_device_budget(
 
 
 def test_memory_check_sums_each_memory():
-    items = [memory_budget.Allocation("hot buffers", "device", 6 * 2**30, "f1", "hot_tokens"),
-             memory_budget.Allocation("host pool", "host", 5 * 2**30, "f2", "host_pool_tokens")]
+    items = [
+        memory_budget.Allocation("hot buffers", "device", 6 * 2**30, "f1", "hot_tokens"),
+        memory_budget.Allocation("host pool", "host", 5 * 2**30, "f2", "host_pool_tokens"),
+    ]
     # NPU: device and host are separate budgets.
     assert memory_budget.check(items, "npu", available={"device": 7 * 2**30, "host": 6 * 2**30}) == []
     low = memory_budget.check(items, "npu", available={"device": 6 * 2**30, "host": 6 * 2**30})
@@ -135,14 +153,18 @@ def test_defaults_obey_the_rules_and_are_published(plugins_loaded, clean_state):
         _server_args(max_running_requests=4).resolve_once()
     page = next(v for v in info.value.violations if v.rule == "sparse_decode.hot_tokens_page")
     assert "e.g. 64" in page.fix
-    hint = cfg.violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=8)),
-                          cfg.Deployment(index_topk=16, page_size=64))
+    hint = cfg.violations(
+        cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=8)),
+        cfg.Deployment(index_topk=16, page_size=64),
+    )
     topk_rule = next(v for v in hint if v.rule == "sparse_decode.hot_tokens_topk")
     assert "set hot_tokens >= 64" in topk_rule.fix and "(64 recommended" in topk_rule.fix
     # Every number the hint recommends is itself accepted.
     for value in map(int, re.findall(r"\d+", topk_rule.fix.split("(")[0] + topk_rule.fix.split("(")[1][:6])):
-        ok = cfg.violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=value)),
-                            cfg.Deployment(index_topk=16, page_size=64))
+        ok = cfg.violations(
+            cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=value)),
+            cfg.Deployment(index_topk=16, page_size=64),
+        )
         assert [v.rule for v in ok if v.rule.startswith("sparse_decode.hot_tokens")] == [], value
 
 
@@ -175,8 +197,18 @@ def test_config_file_errors_name_the_file(tmp_path):
 def test_launcher_refuses_before_any_model_loads(case, no_indexer_model):
     args = ["--enable-sparse-decode-offload", "--max-running-requests", "4"]
     if case == "speculative":
-        args += ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(TINY_DSA),
-                 "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+        args += [
+            "--speculative-algorithm",
+            "STANDALONE",
+            "--speculative-draft-model-path",
+            str(TINY_DSA),
+            "--speculative-num-steps",
+            "3",
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            "4",
+        ]
         rule = "sglang.sparse_decode_speculative"
     else:
         args += ["--model-path", str(no_indexer_model)]

@@ -19,15 +19,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import CPU_SERVER_ARGS, IDLE_SLEEP, REPO, ServerProcess, start_all, stop_all
 
 pytestmark = pytest.mark.slow
 
 VOCAB = 1024
 TINY_DSA_4L = str(REPO / "tests" / "fixtures" / "tiny_dsa_4l")
-BASE_ARGS = ([TINY_DSA_4L if a.endswith("tiny_dsa") else a for a in CPU_SERVER_ARGS]
-             + ["--max-running-requests", "4"] + IDLE_SLEEP)
+BASE_ARGS = (
+    [TINY_DSA_4L if a.endswith("tiny_dsa") else a for a in CPU_SERVER_ARGS]
+    + ["--max-running-requests", "4"]
+    + IDLE_SLEEP
+)
 
 
 def prompt(n: int, seed: int) -> list:
@@ -42,12 +44,13 @@ def layerwise_args(shared_buffers: int) -> list:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("layerwise_servers")
-    procs = {"off": ServerProcess(log_path=root / "off.log", base_args=BASE_ARGS),
-             "B1": ServerProcess(layerwise_args(1), log_path=root / "b1.log", base_args=BASE_ARGS),
-             "B2": ServerProcess(layerwise_args(2), log_path=root / "b2.log", base_args=BASE_ARGS)}
+    procs = {
+        "off": ServerProcess(log_path=root / "off.log", base_args=BASE_ARGS),
+        "B1": ServerProcess(layerwise_args(1), log_path=root / "b1.log", base_args=BASE_ARGS),
+        "B2": ServerProcess(layerwise_args(2), log_path=root / "b2.log", base_args=BASE_ARGS),
+    }
     start_all(*procs.values())
-    print("\nstartup (3 servers launched together): " +
-          ", ".join(f"{k} {p.startup_s:.1f} s" for k, p in procs.items()))
+    print("\nstartup (3 servers launched together): " + ", ".join(f"{k} {p.startup_s:.1f} s" for k, p in procs.items()))
     yield procs
     stop_all(*procs.values())
 
@@ -57,15 +60,17 @@ def run_workload(srv: ServerProcess) -> dict:
     out = {}
     for name, n in (("short", 5), ("one_page", 40), ("pages", 150)):
         out[name] = srv.generate(prompt(n, seed=n), max_new_tokens=12, return_logprob=True)
-    out["batch"] = srv.generate([prompt(n, seed=s) for s, n in ((2, 9), (3, 70), (4, 33))], max_new_tokens=10,
-                                return_logprob=True)
+    out["batch"] = srv.generate(
+        [prompt(n, seed=s) for s, n in ((2, 9), (3, 70), (4, 33))], max_new_tokens=10, return_logprob=True
+    )
     prefix = prompt(140, seed=11)
     srv.generate(prefix, max_new_tokens=1)  # two pages of the prefix are now in the radix cache
     prompts = [prefix + prompt(10 + 7 * i, seed=20 + i) for i in range(4)]
     with ThreadPoolExecutor(len(prompts)) as ex:
         out["shared"] = list(ex.map(lambda p: srv.generate(p, max_new_tokens=16, return_logprob=True), prompts))
-    out["repeat"] = srv.generate(prompt(150, seed=150) + out["pages"]["output_ids"][:8], max_new_tokens=12,
-                                 return_logprob=True)
+    out["repeat"] = srv.generate(
+        prompt(150, seed=150) + out["pages"]["output_ids"][:8], max_new_tokens=12, return_logprob=True
+    )
     return out
 
 

@@ -27,16 +27,26 @@ from typing import Callable, Dict, List, Optional
 
 import pytest
 import torch
-
+from dsa_harness import (
+    HEADS,
+    HIDDEN,
+    INDEX_DIM,
+    LATENT,
+    Q_LORA,
+    ROPE,
+    TOPK,
+    forward_batch,
+    make_indexer,
+    pad_like_dp_attention,
+    published_context,
+)
 from npu_requirements import npu_present, require_package, requires
+
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.layerwise_prefill.gates import GateTimeout
 from sglang_ascend_offload.layerwise_prefill.store import object_key
 from sglang_ascend_offload.layerwise_prefill.store_local import LocalHostKVStore
-
-from dsa_harness import (HEADS, HIDDEN, INDEX_DIM, LATENT, Q_LORA, ROPE, TOPK, forward_batch, make_indexer,
-                         pad_like_dp_attention, published_context)
 
 pytestmark = pytest.mark.usefixtures("plugins_loaded")
 
@@ -61,31 +71,57 @@ class LayerwiseHarness:
     one (the reference pool then holds the layer's final rows of this forward).
     """
 
-    def __init__(self, lw: cfg.LayerwisePrefillOffloadConfig, *, store=None, device: str = "cpu",
-                 seed: int = 0, between: Optional[Callable[[int, "LayerwiseHarness"], None]] = None):
+    def __init__(
+        self,
+        lw: cfg.LayerwisePrefillOffloadConfig,
+        *,
+        store=None,
+        device: str = "cpu",
+        seed: int = 0,
+        between: Optional[Callable[[int, "LayerwiseHarness"], None]] = None,
+    ):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         from sglang_ascend_offload.sglang_plugin.attention.dsa_backend import AscendOffloadAttnBackend
-        from sglang_ascend_offload.sglang_plugin.mem_cache.pool.layerwise_prefill import LayerwisePrefillPool
         from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
+        from sglang_ascend_offload.sglang_plugin.mem_cache.pool.layerwise_prefill import LayerwisePrefillPool
 
         self.device = device
         self.gen = torch.Generator().manual_seed(seed)
-        self.req_to_token_pool = ReqToTokenPool(size=ROWS, max_context_len=MAX_CONTEXT, device=device,
-                                                enable_memory_saver=False)
-        common = dict(page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
-                      layer_num=LAYERS, device=device, enable_memory_saver=False, index_head_dim=INDEX_DIM)
+        self.req_to_token_pool = ReqToTokenPool(
+            size=ROWS, max_context_len=MAX_CONTEXT, device=device, enable_memory_saver=False
+        )
+        common = dict(
+            page_size=PAGE,
+            dtype=torch.bfloat16,
+            kv_lora_rank=LATENT,
+            qk_rope_head_dim=ROPE,
+            layer_num=LAYERS,
+            device=device,
+            enable_memory_saver=False,
+            index_head_dim=INDEX_DIM,
+        )
         self.dense_pool = DeviceDSAPool(SLOTS, index_size=SLOTS, index_page_size=PAGE, **common)
         self.pool = LayerwisePrefillPool(SLOTS, offload=lw, store=store, namespace="test", **common)
-        self.allocator = PagedTokenToKVPoolAllocator(SLOTS, PAGE, torch.bfloat16, device, self.dense_pool,
-                                                     need_sort=False)
-        model_config = SimpleNamespace(context_len=MAX_CONTEXT, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
-                                       hf_config=SimpleNamespace(index_topk=TOPK))
+        self.allocator = PagedTokenToKVPoolAllocator(
+            SLOTS, PAGE, torch.bfloat16, device, self.dense_pool, need_sort=False
+        )
+        model_config = SimpleNamespace(
+            context_len=MAX_CONTEXT,
+            kv_lora_rank=LATENT,
+            qk_rope_head_dim=ROPE,
+            hf_config=SimpleNamespace(index_topk=TOPK),
+        )
 
         def runner(pool):
-            return SimpleNamespace(device=device, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=pool,
-                                   page_size=PAGE, model_config=model_config)
+            return SimpleNamespace(
+                device=device,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool=pool,
+                page_size=PAGE,
+                model_config=model_config,
+            )
 
         self.dense = AscendOffloadAttnBackend(runner(self.dense_pool))
         self.layerwise = AscendOffloadAttnBackend(runner(self.pool))
@@ -107,7 +143,7 @@ class LayerwiseHarness:
     def finish(self, rid: str, free_pages: bool = True) -> None:
         req = self.requests.pop(rid)
         if free_pages:
-            slots = self.req_to_token_pool.req_to_token[req.row, :req.length].to(torch.int64)
+            slots = self.req_to_token_pool.req_to_token[req.row, : req.length].to(torch.int64)
             self.allocator.free(slots[slots % PAGE == 0])  # page-aligned free, as SGLang does
         self.req_to_token_pool.free_rows([req.row])
 
@@ -123,17 +159,15 @@ class LayerwiseHarness:
         seq = prefix + torch.tensor(new_tokens, dtype=torch.int64)
         last = torch.tensor([int(table[r.row, r.length - 1]) if r.length else -1 for r in reqs], dtype=torch.int64)
         dev = self.device
-        out = self.allocator.alloc_extend(prefix.to(dev), prefix, seq.to(dev), seq, last.to(dev),
-                                          int(sum(new_tokens)))
+        out = self.allocator.alloc_extend(prefix.to(dev), prefix, seq.to(dev), seq, last.to(dev), int(sum(new_tokens)))
         assert out is not None, "allocator ran out of pages"
         offset, positions = 0, []
         for r, n in zip(reqs, new_tokens):
-            table[r.row, r.length:r.length + n] = out[offset:offset + n].to(torch.int32)
+            table[r.row, r.length : r.length + n] = out[offset : offset + n].to(torch.int32)
             positions.append(torch.arange(r.length, r.length + n))
             offset += n
             r.length += n
-        return self._forward(self._batch(ForwardMode.EXTEND, reqs, out, torch.cat(positions), seq, prefix,
-                                         new_tokens))
+        return self._forward(self._batch(ForwardMode.EXTEND, reqs, out, torch.cat(positions), seq, prefix, new_tokens))
 
     def decode(self, reqs: List[Req], pad_to: int = 0, pad_row: int = 0):
         """One decode step; ``pad_to`` > len(reqs): ``dsa_harness.pad_like_dp_attention``."""
@@ -187,14 +221,17 @@ def assert_same(pairs, what: str) -> None:
 def reference_rows(h: LayerwiseHarness, layer: int, page: int, rows: int) -> List[torch.Tensor]:
     """The reference pool's [latent, rope, index K] rows of ``page`` for ``layer``."""
     lo = page * PAGE
-    return [h.dense_pool.k_buffer[layer].view(-1, LATENT)[lo:lo + rows],
-            h.dense_pool.v_buffer[layer].view(-1, ROPE)[lo:lo + rows],
-            h.dense_pool.index_k_buffer[layer].view(-1, INDEX_DIM)[lo:lo + rows]]
+    return [
+        h.dense_pool.k_buffer[layer].view(-1, LATENT)[lo : lo + rows],
+        h.dense_pool.v_buffer[layer].view(-1, ROPE)[lo : lo + rows],
+        h.dense_pool.index_k_buffer[layer].view(-1, INDEX_DIM)[lo : lo + rows],
+    ]
 
 
 def lw_config(shared_buffers, **kw) -> cfg.LayerwisePrefillOffloadConfig:
-    return cfg.LayerwisePrefillOffloadConfig(shared_buffers=shared_buffers, store_backend="local",
-                                             wait_timeout_s=kw.pop("wait_timeout_s", 20.0), **kw)
+    return cfg.LayerwisePrefillOffloadConfig(
+        shared_buffers=shared_buffers, store_backend="local", wait_timeout_s=kw.pop("wait_timeout_s", 20.0), **kw
+    )
 
 
 def run_scenario(h: LayerwiseHarness, decode_steps: int = 12) -> None:
@@ -230,7 +267,7 @@ def test_results_equal_device_pool_with_prefix_chunks_and_decode(ctx, shared_buf
         store, book = h.pool.store, h.pool.pagebook
         checked = 0
         for req in h.requests.values():
-            pages = (h.req_to_token_pool.req_to_token[req.row, :req.length:PAGE] // PAGE).tolist()
+            pages = (h.req_to_token_pool.req_to_token[req.row, : req.length : PAGE] // PAGE).tolist()
             for page in pages:
                 gen, n = book.state(page)
                 for layer in h.pool.pipelined:
@@ -287,8 +324,10 @@ def test_cached_prefix_is_loaded_not_recomputed(ctx):
         h.pool.close()
 
 
-@pytest.mark.parametrize("shared_buffers,independent,expected", [
-    (1, [0], 2), (2, [0], 3), (3, [0], 4), (None, [0], 4), (1, [0, 3], 3), (1, "all", 4)])
+@pytest.mark.parametrize(
+    "shared_buffers,independent,expected",
+    [(1, [0], 2), (2, [0], 3), (3, [0], 4), (None, [0], 4), (1, [0, 3], 3), (1, "all", 4)],
+)
 def test_device_main_kv_footprint_is_independent_plus_shared(ctx, shared_buffers, independent, expected):
     h = LayerwiseHarness(lw_config(shared_buffers, independent_layers=independent))
     try:
@@ -355,15 +394,18 @@ def record_expected(store: CheckingStore):
         for e in fwd.pages.entries:
             if e.save is not None:
                 store.expected[object_key(e.save, layer)] = [
-                    t.clone() for t in reference_rows(h, layer, e.page, e.save.tokens)]
+                    t.clone() for t in reference_rows(h, layer, e.page, e.save.tokens)
+                ]
+
     return between
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_reuse_never_overwrites_unsaved_content(ctx, seed):
     store = CheckingStore(seed)
-    h = LayerwiseHarness(lw_config(1 + seed % 2, prefetch_depth=1), store=store, seed=seed,
-                         between=record_expected(store))
+    h = LayerwiseHarness(
+        lw_config(1 + seed % 2, prefetch_depth=1), store=store, seed=seed, between=record_expected(store)
+    )
     try:
         run_scenario(h, decode_steps=4)
         h.pool.flush()
@@ -421,11 +463,13 @@ def test_pd_hooks_listener_and_extra_consumers_gate_reuse(ctx):
         with lock:
             events.append(("written", item.forward.forward_id, item.layer, item.pipelined))
         if item.pipelined:  # the decode reads the rows later and then answers
+
             def answer():
                 time.sleep(0.02)
                 with lock:
                     events.append(("read_done", item.forward.forward_id, item.layer))
                 pool.gates.done(item.slot, item.layer, "decode:0")
+
             threading.Thread(target=answer, daemon=True).start()
 
     pool.add_layer_listener(listener)
@@ -536,17 +580,31 @@ def test_npu_memcache_store_inside_the_pool(ctx, tmp_path):
 
     ports = [reserve_port() for _ in range(3)]
     meta, local = tmp_path / "mmc-meta.conf", tmp_path / "mmc-local.conf"
-    write_mmc_conf(str(meta), {"ock.mmc.meta_service_url": f"tcp://127.0.0.1:{ports[0]}",
-                               "ock.mmc.meta_service.config_store_url": f"tcp://127.0.0.1:{ports[1]}",
-                               "ock.mmc.meta_service.metrics_url": f"http://127.0.0.1:{ports[2]}",
-                               "ock.mmc.log_path": str(tmp_path / "logs")})
-    write_mmc_conf(str(local), {"ock.mmc.meta_service_url": f"tcp://127.0.0.1:{ports[0]}",
-                                "ock.mmc.local_service.config_store_url": f"tcp://127.0.0.1:{ports[1]}",
-                                "ock.mmc.local_service.dram.size": "256MB"})
+    write_mmc_conf(
+        str(meta),
+        {
+            "ock.mmc.meta_service_url": f"tcp://127.0.0.1:{ports[0]}",
+            "ock.mmc.meta_service.config_store_url": f"tcp://127.0.0.1:{ports[1]}",
+            "ock.mmc.meta_service.metrics_url": f"http://127.0.0.1:{ports[2]}",
+            "ock.mmc.log_path": str(tmp_path / "logs"),
+        },
+    )
+    write_mmc_conf(
+        str(local),
+        {
+            "ock.mmc.meta_service_url": f"tcp://127.0.0.1:{ports[0]}",
+            "ock.mmc.local_service.config_store_url": f"tcp://127.0.0.1:{ports[1]}",
+            "ock.mmc.local_service.dram.size": "256MB",
+        },
+    )
     lw = cfg.LayerwisePrefillOffloadConfig(
-        shared_buffers=1, store_backend="memcache", wait_timeout_s=60.0,
-        memcache=cfg.MemcacheConfig(meta_config=str(meta), local_config=str(local), start_meta_service=True,
-                                    protocol="device_sdma"))
+        shared_buffers=1,
+        store_backend="memcache",
+        wait_timeout_s=60.0,
+        memcache=cfg.MemcacheConfig(
+            meta_config=str(meta), local_config=str(local), start_meta_service=True, protocol="device_sdma"
+        ),
+    )
     device = str(platform.default_device())
     h = LayerwiseHarness(lw, device=device)
     try:

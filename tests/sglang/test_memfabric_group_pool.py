@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import os
 
+import memfabric_group_worker as w
 import pytest
 import torch
-
-import memfabric_group_worker as w
 
 pytestmark = pytest.mark.slow
 
@@ -33,14 +32,20 @@ NEVER_S = 600.0
 def _env(tmp_path, fail: str = "", deadline_s: float = DEADLINE_S) -> dict:
     (tmp_path / "fake").mkdir(exist_ok=True)
     (tmp_path / "shm").mkdir(exist_ok=True)
-    return {"FAKE_MEMFABRIC_DIR": str(tmp_path / "fake"), "FAKE_MEMFABRIC_FAIL": fail,
-            "SGLANG_ASCEND_OFFLOAD_SHM_DIR": str(tmp_path / "shm"),
-            "SGLANG_ASCEND_OFFLOAD_APPEND_TIMEOUT_S": str(deadline_s)}
+    return {
+        "FAKE_MEMFABRIC_DIR": str(tmp_path / "fake"),
+        "FAKE_MEMFABRIC_FAIL": fail,
+        "SGLANG_ASCEND_OFFLOAD_SHM_DIR": str(tmp_path / "shm"),
+        "SGLANG_ASCEND_OFFLOAD_APPEND_TIMEOUT_S": str(deadline_s),
+    }
 
 
 def _leftovers(tmp_path) -> list:
-    return sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() or
-                  (p.is_dir() and p.name.startswith("store.")))
+    return sorted(
+        str(p.relative_to(tmp_path))
+        for p in tmp_path.rglob("*")
+        if p.is_file() or (p.is_dir() and p.name.startswith("store."))
+    )
 
 
 @pytest.mark.parametrize("size", [2, 3])

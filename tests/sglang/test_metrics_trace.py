@@ -48,8 +48,7 @@ def test_copy_time_is_not_measured_where_it_would_synchronise_the_device():
     time (it would synchronise around every layer phase), with or without reporting."""
     for prometheus, interval in ((False, 30.0), (False, 0.0)):
         on_cpu = OffloadMetrics(FakeStats(), 2, prometheus=prometheus, log_interval_s=interval)
-        on_device = OffloadMetrics(FakeStats(), 2, prometheus=prometheus, log_interval_s=interval,
-                                   copy_timing=False)
+        on_device = OffloadMetrics(FakeStats(), 2, prometheus=prometheus, log_interval_s=interval, copy_timing=False)
         assert on_cpu.needs_copy_timing == (interval > 0) and on_cpu.reports_copy_time == (interval > 0)
         assert not on_device.needs_copy_timing and on_device.reports_copy_time == (interval > 0)
 
@@ -73,8 +72,9 @@ def test_log_line_is_periodic_and_reads_stats_only_when_due(caplog):
 def test_prometheus_counters_follow_the_engine():
     prometheus_client = pytest.importorskip("prometheus_client")
     fake = FakeStats()
-    m = OffloadMetrics(fake, layers=2, prometheus=True, log_interval_s=0, labels={"tp_rank": "0"},
-                       export_interval_s=0)  # every step
+    m = OffloadMetrics(
+        fake, layers=2, prometheus=True, log_interval_s=0, labels={"tp_rank": "0"}, export_interval_s=0
+    )  # every step
     fake.step(hits=5, misses=3)
     m.add_copy_time(1, 0.25)
     m.on_step_end()
@@ -97,10 +97,18 @@ def test_prometheus_export_is_held_back_by_the_interval_and_flushed():
     prometheus_client = pytest.importorskip("prometheus_client")
     now = [100.0]
     fake = FakeStats()
-    m = OffloadMetrics(fake, layers=2, prometheus=True, log_interval_s=0, labels={"tp_rank": "5"},
-                       clock=lambda: now[0], export_interval_s=1.0)
+    m = OffloadMetrics(
+        fake,
+        layers=2,
+        prometheus=True,
+        log_interval_s=0,
+        labels={"tp_rank": "5"},
+        clock=lambda: now[0],
+        export_interval_s=1.0,
+    )
     hits = lambda: prometheus_client.REGISTRY.get_sample_value(  # noqa: E731
-        f"{METRIC_PREFIX}hits_total", {"tp_rank": "5", "layer": "0"})
+        f"{METRIC_PREFIX}hits_total", {"tp_rank": "5", "layer": "0"}
+    )
     for t in (100.0, 100.3, 100.6):
         now[0] = t
         fake.step(hits=2, misses=1)
@@ -129,10 +137,18 @@ def test_scheduler_hooks_flush_before_a_finish_is_streamed_and_when_idle():
     fake = FakeStats()
     waits = []
     stats = lambda wait=True: (waits.append(wait), fake(wait))[1]  # noqa: E731
-    m = OffloadMetrics(stats, layers=2, prometheus=True, log_interval_s=0, labels={"tp_rank": "6"},
-                       clock=lambda: now[0], export_interval_s=60.0)
+    m = OffloadMetrics(
+        stats,
+        layers=2,
+        prometheus=True,
+        log_interval_s=0,
+        labels={"tp_rank": "6"},
+        clock=lambda: now[0],
+        export_interval_s=60.0,
+    )
     misses = lambda: prometheus_client.REGISTRY.get_sample_value(  # noqa: E731
-        f"{METRIC_PREFIX}misses_total", {"tp_rank": "6", "layer": "1"})
+        f"{METRIC_PREFIX}misses_total", {"tp_rank": "6", "layer": "1"}
+    )
 
     class Req:
         def __init__(self, done):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sglang_ascend_offload.sglang_plugin import cpu_capability
-from sglang_ascend_offload.sglang_plugin.speculative import eagle as speculative
 from sglang_ascend_offload.sglang_plugin.cpu_capability import NoCudaScope
+from sglang_ascend_offload.sglang_plugin.speculative import eagle as speculative
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the scope only answers without CUDA")
 
@@ -33,7 +33,7 @@ def test_scope_answers_only_inside_and_restores_on_exit():
     assert scope.around(_original) == ("called", (), {})
     with pytest.raises(ZeroDivisionError):
         with scope.active():
-            1 / 0
+            _ = 1 / 0
     assert not scope.is_active()  # restored after an exception too
 
 

@@ -15,12 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-
-from npu_requirements import npu_present
-from sglang_ascend_offload import config as cfg
-from sglang_ascend_offload import platform
-
 from dsa_harness import LATENT, ROPE, TOPK, Harness, published_context
+from npu_requirements import npu_present
+
+from sglang_ascend_offload import config as cfg
 
 pytestmark = [
     pytest.mark.npu,
@@ -37,9 +35,17 @@ def test_npu_pool_writes_equal_cpu_pool_writes():
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
 
     with published_context("npu"):
-        common = dict(page_size=128, dtype=torch.bfloat16, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
-                      layer_num=2, enable_memory_saver=False, index_head_dim=128, index_size=2048,
-                      index_page_size=128)
+        common = dict(
+            page_size=128,
+            dtype=torch.bfloat16,
+            kv_lora_rank=LATENT,
+            qk_rope_head_dim=ROPE,
+            layer_num=2,
+            enable_memory_saver=False,
+            index_head_dim=128,
+            index_size=2048,
+            index_page_size=128,
+        )
         npu = DeviceDSAPool(2048, device="npu", **common)
         cpu = DeviceDSAPool(2048, device="cpu", **common)
         loc = torch.randperm(2048)[:300] + 128
@@ -60,37 +66,56 @@ def test_npu_backends_agree_with_each_other_and_the_cpu_reference():
     with published_context("npu"):
         conf = cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK, ops="npu")
         npu = Harness(device="npu", offload_config=conf, page_size=128, seed=3)
-        ref = Harness(device="cpu", offload_config=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK), page_size=128,
-                      seed=3)
+        ref = Harness(
+            device="cpu", offload_config=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK), page_size=128, seed=3
+        )
         for h in (npu, ref):
             reqs = [h.new_request("a"), h.new_request("b")]
             h.extend(reqs, [40, 70])
-        steps = [(npu.decode(list(npu.requests.values())), ref.decode(list(ref.requests.values())))
-                 for _ in range(8)]
+        steps = [(npu.decode(list(npu.requests.values())), ref.decode(list(ref.requests.values()))) for _ in range(8)]
         for dev, cpu in steps:
             for layer in range(npu.layers):
                 assert torch.equal(dev.topk[layer].cpu(), dev.offload_topk[layer].cpu())
-                torch.testing.assert_close(dev.offload_out[layer].cpu(), dev.dense_out[layer].cpu(),
-                                           rtol=2e-2, atol=2e-2)
+                torch.testing.assert_close(
+                    dev.offload_out[layer].cpu(), dev.dense_out[layer].cpu(), rtol=2e-2, atol=2e-2
+                )
                 torch.testing.assert_close(dev.dense_out[layer].cpu(), cpu.dense_out[layer], rtol=5e-2, atol=5e-2)
         stats = npu.offload.engine.stats().total
         assert stats.hits + stats.misses == stats.selected > 0
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get(NPU_MODEL_ENV), reason=f"set {NPU_MODEL_ENV} to a DeepSeek-V3.2-style "
-                    "checkpoint (or config dir for --load-format dummy) to serve it")
+@pytest.mark.skipif(
+    not os.environ.get(NPU_MODEL_ENV),
+    reason=f"set {NPU_MODEL_ENV} to a DeepSeek-V3.2-style "
+    "checkpoint (or config dir for --load-format dummy) to serve it",
+)
 def test_served_deepseek_v32_offload_on_equals_off(tmp_path):
     from sglang_ascend_offload.testing.servers import ServerProcess
 
     model = os.environ[NPU_MODEL_ENV]
-    base = ["--model-path", model, "--device", "npu", "--attention-backend", "ascend_offload",
-            "--disable-cuda-graph", "--max-running-requests", "8", "--kv-cache-dtype", "bfloat16"]
+    base = [
+        "--model-path",
+        model,
+        "--device",
+        "npu",
+        "--attention-backend",
+        "ascend_offload",
+        "--disable-cuda-graph",
+        "--max-running-requests",
+        "8",
+        "--kv-cache-dtype",
+        "bfloat16",
+    ]
     if not os.path.exists(os.path.join(model, "model.safetensors.index.json")):
         base += ["--load-format", "dummy"]
     off = ServerProcess([], log_path=tmp_path / "off.log", base_args=base, cpu=False)
-    on = ServerProcess(["--enable-sparse-decode-offload", "--sparse-decode-offload-config", json.dumps({"ops": "npu"})],
-                       log_path=tmp_path / "on.log", base_args=base, cpu=False)
+    on = ServerProcess(
+        ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", json.dumps({"ops": "npu"})],
+        log_path=tmp_path / "on.log",
+        base_args=base,
+        cpu=False,
+    )
     try:
         off.start()
         on.start()

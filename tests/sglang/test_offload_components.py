@@ -9,11 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from dsa_harness import LATENT, ROPE, TOPK, Harness, make_indexer, published_context
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.sparse_decode.trace import load_trace
-
-from dsa_harness import LATENT, ROPE, TOPK, Harness, make_indexer, published_context
 
 pytestmark = pytest.mark.usefixtures("plugins_loaded")
 
@@ -33,8 +32,11 @@ def assert_same(step, what):
 
 def test_prefill_and_decode_bit_exact_with_shared_prefix_and_churn(ctx, tmp_path):
     trace_file = tmp_path / "trace.npz"
-    h = Harness(offload_config=cfg.SparseDecodeOffloadConfig(
-        hot_tokens=2 * TOPK, record_trace=str(trace_file), record_trace_max_steps=12))
+    h = Harness(
+        offload_config=cfg.SparseDecodeOffloadConfig(
+            hot_tokens=2 * TOPK, record_trace=str(trace_file), record_trace_max_steps=12
+        )
+    )
     a = h.new_request("a")
     assert_same(h.extend([a], [40]), "prefill a")
     b = h.new_request("b", prefix_from="a", prefix_len=32)  # two cached pages of a
@@ -45,8 +47,10 @@ def test_prefill_and_decode_bit_exact_with_shared_prefix_and_churn(ctx, tmp_path
     assert torch.equal(table[b.row, :32], table[a.row, :32])  # the prefix is stored once
     for layer in range(h.layers):
         slots = table[a.row, :40].long()
-        dense_rows = torch.cat((h.dense_pool.k_buffer[layer].view(-1, LATENT)[slots],
-                                h.dense_pool.v_buffer[layer].view(-1, ROPE)[slots]), dim=1)
+        dense_rows = torch.cat(
+            (h.dense_pool.k_buffer[layer].view(-1, LATENT)[slots], h.dense_pool.v_buffer[layer].view(-1, ROPE)[slots]),
+            dim=1,
+        )
         assert torch.equal(h.offload_pool.host_rows(layer)[slots], dense_rows)
     assert h.offload_pool.k_buffer is None and h.offload_pool.v_buffer is None  # no device main KV
 
@@ -117,8 +121,16 @@ def test_decode_output_equals_full_kv_reference(ctx):
         res = h.decode(reqs)
         for layer in range(h.layers):
             q = res.inputs[layer]["q"]
-            expected = full_kv_attention(op, h.offload_pool.host_pool, layer, res.topk[layer], table[rows],
-                                         q[..., :LATENT], q[..., LATENT:], 0.125)
+            expected = full_kv_attention(
+                op,
+                h.offload_pool.host_pool,
+                layer,
+                res.topk[layer],
+                table[rows],
+                q[..., :LATENT],
+                q[..., LATENT:],
+                0.125,
+            )
             assert torch.equal(res.offload_out[layer], expected.reshape(len(rows), -1))
 
 
@@ -183,8 +195,15 @@ def test_graph_hooks_match_eager_metadata(ctx):
     h.decode(reqs)
     eager = h.dense.forward_metadata
     h.dense.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
-    fb = h._batch(ForwardMode.DECODE, reqs, torch.tensor([0, 0]), torch.tensor([r.length - 1 for r in reqs]),
-                  torch.tensor([r.length for r in reqs]), None, None)
+    fb = h._batch(
+        ForwardMode.DECODE,
+        reqs,
+        torch.tensor([0, 0]),
+        torch.tensor([r.length - 1 for r in reqs]),
+        torch.tensor([r.length for r in reqs]),
+        None,
+        None,
+    )
     h.dense.init_forward_metadata_out_graph(fb, in_capture=True)
     h.dense.init_forward_metadata_in_graph(fb)
     graph = h.dense.forward_metadata

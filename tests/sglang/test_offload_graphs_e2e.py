@@ -36,8 +36,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import IDLE_SLEEP, TINY_DSA, ServerProcess, start_all, stop_all
+
 from sglang_ascend_offload.testing.servers import fixture_args
 
 pytestmark = pytest.mark.slow
@@ -45,8 +45,11 @@ pytestmark = pytest.mark.slow
 VOCAB = 1024
 LOGPROB_TOL = 2e-2
 BUCKETS = ("4",)  # one bucket: batches of 1-3 replay it padded, batches of 4 exactly
-OFFLOAD = ["--enable-sparse-decode-offload", "--sparse-decode-offload-config",
-           json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 0})]
+OFFLOAD = [
+    "--enable-sparse-decode-offload",
+    "--sparse-decode-offload-config",
+    json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 0}),
+]
 COMMON = ["--max-running-requests", "8"] + IDLE_SLEEP
 GRAPH_STARTUP_S = 900.0  # torch.compile on a loaded 2-core machine
 GRAPHS = ["--enable-torch-compile", "--cuda-graph-bs-decode", *BUCKETS, "--torch-compile-max-bs", BUCKETS[-1]]
@@ -63,11 +66,21 @@ def servers(tmp_path_factory):
     base = fixture_args(TINY_DSA)
     graph_base = [a for a in base if a != "--disable-cuda-graph"]
     procs = {
-        "graph": ServerProcess(COMMON + OFFLOAD + GRAPHS, base_args=graph_base, log_path=root / "graph.log",
-                               env=TORCH_LOGS, startup_timeout_s=GRAPH_STARTUP_S),
+        "graph": ServerProcess(
+            COMMON + OFFLOAD + GRAPHS,
+            base_args=graph_base,
+            log_path=root / "graph.log",
+            env=TORCH_LOGS,
+            startup_timeout_s=GRAPH_STARTUP_S,
+        ),
         "eager": ServerProcess(COMMON + OFFLOAD, base_args=base, log_path=root / "eager.log"),
-        "plain": ServerProcess(COMMON + GRAPHS, base_args=graph_base, log_path=root / "plain.log",
-                               env=TORCH_LOGS, startup_timeout_s=GRAPH_STARTUP_S),
+        "plain": ServerProcess(
+            COMMON + GRAPHS,
+            base_args=graph_base,
+            log_path=root / "plain.log",
+            env=TORCH_LOGS,
+            startup_timeout_s=GRAPH_STARTUP_S,
+        ),
     }
     start_all(*procs.values())
     yield procs
@@ -76,10 +89,13 @@ def servers(tmp_path_factory):
 
 def _workload(server):
     """The request sequence of the module docstring; returns one record per request."""
+
     def gen(prompts, lengths):
         with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: they share decode batches
-            futures = [pool.submit(server.generate, p, max_new_tokens=n, return_logprob=True, timeout=600)
-                       for p, n in zip(prompts, lengths)]
+            futures = [
+                pool.submit(server.generate, p, max_new_tokens=n, return_logprob=True, timeout=600)
+                for p, n in zip(prompts, lengths)
+            ]
             return [f.result() for f in futures]
 
     first = prompt(100, seed=1)
@@ -104,21 +120,23 @@ def test_graph_offload_eager_offload_and_no_offload_agree(servers):
     tokens = {name: _tokens(r) for name, r in results.items()}
     assert tokens["graph"] == tokens["plain"], "offload with decode graphs changed greedy tokens"
     assert tokens["eager"] == tokens["plain"], "eager offload differs from decode graphs without offload"
-    assert all(len(t) == n for t, n in zip(tokens["plain"], [12, 6, 12, 18, 10, 10, 14, 8,
-                                                             16, 8, 12, 20, 6, 10]))
+    assert all(len(t) == n for t, n in zip(tokens["plain"], [12, 6, 12, 18, 10, 10, 14, 8, 16, 8, 12, 20, 6, 10]))
     # the extension of the first prompt hit the radix cache (its first page) on every server
     for name, recs in results.items():
         assert recs[4]["meta_info"]["cached_tokens"] >= 64, (name, recs[4]["meta_info"]["cached_tokens"])
 
     diffs = {}
     for name in ("graph", "eager"):
-        pairs = [(a, b) for la, lb in zip(_logprobs(results[name]), _logprobs(results["plain"]))
-                 for a, b in zip(la, lb)]
+        pairs = [
+            (a, b) for la, lb in zip(_logprobs(results[name]), _logprobs(results["plain"])) for a, b in zip(la, lb)
+        ]
         diffs[name] = max(abs(a - b) for a, b in pairs)
         assert diffs[name] <= LOGPROB_TOL, (name, diffs[name])
-    print(f"\nmax |logprob - no offload (graphs)|: offload graph {diffs['graph']:.3g}, offload eager "
-          f"{diffs['eager']:.3g}; startup (s): offload graph {servers['graph'].startup_s:.0f}, no offload graph "
-          f"{servers['plain'].startup_s:.0f} (torch.compile), offload eager {servers['eager'].startup_s:.0f}")
+    print(
+        f"\nmax |logprob - no offload (graphs)|: offload graph {diffs['graph']:.3g}, offload eager "
+        f"{diffs['eager']:.3g}; startup (s): offload graph {servers['graph'].startup_s:.0f}, no offload graph "
+        f"{servers['plain'].startup_s:.0f} (torch.compile), offload eager {servers['eager'].startup_s:.0f}"
+    )
 
     for name in ("graph", "plain"):
         _check_graph_log(servers[name].log_path.read_text(errors="replace"), offload=name == "graph")
@@ -133,8 +151,9 @@ def _check_graph_log(text: str, offload: bool) -> None:
     assert capture.group(1).replace(" ", "") == ",".join(BUCKETS)
     if offload:
         assert "decode graph bucket 4 stepped with 4 live rows\n" in text, "no exact replay of bucket 4"
-        assert re.search(r"decode graph bucket 4 stepped with [1-3] live rows \(padding entries", text), \
+        assert re.search(r"decode graph bucket 4 stepped with [1-3] live rows \(padding entries", text), (
             "no padded replay of bucket 4"
+        )
     breaks = [line for line in text.splitlines() if "Graph break in user code at" in line and PLUGIN.search(line)]
     assert not breaks, breaks[:3]
     ready = text.index("The server is fired up and ready to roll")

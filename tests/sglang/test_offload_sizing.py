@@ -27,11 +27,11 @@ from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.memory_budget import format_bytes
 from sglang_ascend_offload.sglang_plugin import compat
 from sglang_ascend_offload.sglang_plugin.mem_cache.sizing import sparse_decode as offload_sizing
-from sglang_ascend_offload.sglang_plugin.speculative import eagle as speculative
 from sglang_ascend_offload.sglang_plugin.mem_cache.sizing.sparse_decode import (
     hot_bytes_per_request,
     plan_device_budget,
 )
+from sglang_ascend_offload.sglang_plugin.speculative import eagle as speculative
 from sglang_ascend_offload.testing.servers import ServerProcess
 
 MiB = 2**20
@@ -52,8 +52,10 @@ def test_too_many_requests_are_capped_to_the_hot_buffers_that_fit():
     assert plan.token_budget_bytes >= plan.reserved_token_bytes
 
 
-@pytest.mark.parametrize("budget,h,reserved", [(10 * MiB, 1 * MiB, 0), (64 * MiB, 5 * MiB, 30 * MiB),
-                                               (1000, 7, 333), (2**40, 3 * 2**30, 2**30)])
+@pytest.mark.parametrize(
+    "budget,h,reserved",
+    [(10 * MiB, 1 * MiB, 0), (64 * MiB, 5 * MiB, 30 * MiB), (1000, 7, 333), (2**40, 3 * 2**30, 2**30)],
+)
 def test_plan_invariants(budget, h, reserved):
     for requested in (1, 2, 7, 2048):
         try:
@@ -65,8 +67,7 @@ def test_plan_invariants(budget, h, reserved):
         assert plan.hot_buffer_bytes + plan.token_budget_bytes == budget
         assert plan.token_budget_bytes >= min(reserved, budget)
         # one more request would not have fit, unless none was cut
-        assert plan.max_running_requests == requested or \
-            plan.hot_buffer_bytes + h > budget - min(reserved, budget)
+        assert plan.max_running_requests == requested or plan.hot_buffer_bytes + h > budget - min(reserved, budget)
 
 
 def test_not_even_one_request_is_refused_with_the_numbers():
@@ -92,8 +93,11 @@ class _StandInConfigurator:
         self.budget, self.cell = budget, cell
         self.max_total_tokens, self.max_running_requests = max_total_tokens, max_running_requests
         self.model_config = types.SimpleNamespace(
-            hf_config=types.SimpleNamespace(index_topk=16), kv_lora_rank=512, qk_rope_head_dim=64,
-            context_len=context_len)
+            hf_config=types.SimpleNamespace(index_topk=16),
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            context_len=context_len,
+        )
         self.layer_info = types.SimpleNamespace(start_layer=0, end_layer=2)
         self.device = "cpu"
         self.budgets_sized = []
@@ -123,12 +127,23 @@ def sizing_env(monkeypatch):
     state = types.SimpleNamespace(sd=cfg.SparseDecodeOffloadConfig(hot_tokens=4096), kvc=None)
     monkeypatch.setattr(offload_sizing, "_served", lambda kvc: state.sd)
     monkeypatch.setattr(speculative, "verify_rows_per_request", lambda: 1)  # no speculative decoding
-    monkeypatch.setattr(runtime_context, "get_schedule", lambda: types.SimpleNamespace(
-        max_total_tokens=state.kvc.max_total_tokens, mem_fraction_static=0.5))
-    monkeypatch.setattr(runtime_context, "get_disagg", lambda: types.SimpleNamespace(
-        disaggregation_mode="null", disaggregation_decode_extra_slots=0))
-    monkeypatch.setattr(pool_configurator, "create_memory_pool_configurator", lambda kvc: types.SimpleNamespace(
-        _cell_size=kvc.cell, finalize_with_max_running_requests=lambda config: config))
+    monkeypatch.setattr(
+        runtime_context,
+        "get_schedule",
+        lambda: types.SimpleNamespace(max_total_tokens=state.kvc.max_total_tokens, mem_fraction_static=0.5),
+    )
+    monkeypatch.setattr(
+        runtime_context,
+        "get_disagg",
+        lambda: types.SimpleNamespace(disaggregation_mode="null", disaggregation_decode_extra_slots=0),
+    )
+    monkeypatch.setattr(
+        pool_configurator,
+        "create_memory_pool_configurator",
+        lambda kvc: types.SimpleNamespace(
+            _cell_size=kvc.cell, finalize_with_max_running_requests=lambda config: config
+        ),
+    )
     return state
 
 
@@ -185,9 +200,17 @@ def test_device_cell_is_the_indexer_off_the_cpu(monkeypatch):
 
 def test_compat_notices_when_sglang_resolves_its_pool_differently(monkeypatch):
     assert not [p for p in compat.problems() if "_resolve_memory_pool_config" in p]
-    monkeypatch.setattr(compat, "RESOLVE_POOL_CONFIG_CALLS",
-                        ("config_from_budget", "_profile_available_bytes", "resolve_max_num_reqs",
-                         "create_memory_pool_configurator", "finalize_with_max_running_requests"))
+    monkeypatch.setattr(
+        compat,
+        "RESOLVE_POOL_CONFIG_CALLS",
+        (
+            "config_from_budget",
+            "_profile_available_bytes",
+            "resolve_max_num_reqs",
+            "create_memory_pool_configurator",
+            "finalize_with_max_running_requests",
+        ),
+    )
     found = [p for p in compat.problems() if "_resolve_memory_pool_config" in p]
     assert found and "reproduces those steps" in found[0]
 
@@ -207,9 +230,17 @@ def test_server_refuses_hot_buffers_that_leave_no_room_for_one_request(tmp_path)
     if _total_memory_bytes() > 30 * 2**30:
         pytest.skip("sized for a 24 GiB machine: with more than 30 GiB SGLang's budget would hold one request")
     hot = 2_170_048  # a multiple of the page size (64)
-    server = ServerProcess(["--max-running-requests", "2", "--enable-sparse-decode-offload",
-                            "--sparse-decode-offload-config", json.dumps({"hot_tokens": hot})],
-                           log_path=tmp_path / "server.log", startup_timeout_s=300)
+    server = ServerProcess(
+        [
+            "--max-running-requests",
+            "2",
+            "--enable-sparse-decode-offload",
+            "--sparse-decode-offload-config",
+            json.dumps({"hot_tokens": hot}),
+        ],
+        log_path=tmp_path / "server.log",
+        startup_timeout_s=300,
+    )
     with pytest.raises(RuntimeError):
         server.start()
     server.stop()

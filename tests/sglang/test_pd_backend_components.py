@@ -16,18 +16,21 @@ import time
 
 import pytest
 import torch
+from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK, published_context
 
 from sglang_ascend_offload import config as cfg
+from sglang_ascend_offload.testing.ports import reserve_port
 from sglang_ascend_offload.transfer.layout import layout_mismatches
 from sglang_ascend_offload.transfer.status import TransferState
 
-from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK, published_context
-from sglang_ascend_offload.testing.ports import reserve_port
-
-pytestmark = [pytest.mark.usefixtures("plugins_loaded"),
-              pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
-                                 reason="needs mooncake-transfer-engine-non-cuda (scripts/requirements-cpu.txt)"),
-              pytest.mark.timeout(120)]
+pytestmark = [
+    pytest.mark.usefixtures("plugins_loaded"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("mooncake") is None,
+        reason="needs mooncake-transfer-engine-non-cuda (scripts/requirements-cpu.txt)",
+    ),
+    pytest.mark.timeout(120),
+]
 
 PAGE = 16
 SLOTS = 16 * PAGE  # 16 pages (+ SGLang's padding page)
@@ -45,15 +48,24 @@ def ctx():
 
 
 def _common(page=PAGE, layers=LAYERS):
-    return dict(page_size=page, dtype=torch.bfloat16, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
-                layer_num=layers, device="cpu", enable_memory_saver=False, index_head_dim=INDEX_DIM)
+    return dict(
+        page_size=page,
+        dtype=torch.bfloat16,
+        kv_lora_rank=LATENT,
+        qk_rope_head_dim=ROPE,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+        index_head_dim=INDEX_DIM,
+    )
 
 
 def device_pool(page=PAGE, layers=LAYERS, fill_seed=None, start_layer=None, slots=SLOTS):
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
 
-    pool = DeviceDSAPool(slots, index_size=slots, index_page_size=page, start_layer=start_layer,
-                         **_common(page, layers))
+    pool = DeviceDSAPool(
+        slots, index_size=slots, index_page_size=page, start_layer=start_layer, **_common(page, layers)
+    )
     if fill_seed is not None:
         gen = torch.Generator().manual_seed(fill_seed)
         for buf in (pool.k_buffer, pool.v_buffer, pool.index_k_buffer):
@@ -72,15 +84,22 @@ def draft_pool(fill_seed=None, **kw):
 def host_pool(page=PAGE, layers=LAYERS):
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
 
-    return HostMainKVPool(SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK),
-                          **_common(page, layers))
+    return HostMainKVPool(
+        SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK), **_common(page, layers)
+    )
 
 
 def pd_config(**kw):
     """A CPU P/D config; the 30 s layer deadline only fires when a test stalls a transfer
     (tests of the deadline pass their own): a loaded machine's slow answer is no failure."""
-    base = dict(engine="mooncake", kv_port=free_port(), host="127.0.0.1", layer_timeout_s=30.0,
-                handshake_timeout_s=10.0, read_retries=1)
+    base = dict(
+        engine="mooncake",
+        kv_port=free_port(),
+        host="127.0.0.1",
+        layer_timeout_s=30.0,
+        handshake_timeout_s=10.0,
+        read_retries=1,
+    )
     base.update(kw)
     return cfg.PDTransferConfig(**base)
 
@@ -89,9 +108,9 @@ class Pair:
     """One prefill rank and one decode rank, each with its own engine."""
 
     def __init__(self, decode_pool, prefill_pool=None, config=None, p_draft=None, d_draft=None):
-        from sglang_ascend_offload.transfer.prefill_links import PrefillLinks
         from sglang_ascend_offload.transfer.decode_sink import DecodeSink
         from sglang_ascend_offload.transfer.engine import create_engine
+        from sglang_ascend_offload.transfer.prefill_links import PrefillLinks
 
         self.config = config or pd_config()
         self.p_pool = prefill_pool if prefill_pool is not None else device_pool(fill_seed=1)
@@ -99,10 +118,12 @@ class Pair:
         self.p_draft, self.d_draft = p_draft, d_draft
         self.p_engine = create_engine(self.config, "prefill")
         self.d_engine = create_engine(self.config, "decode")
-        self.sink = DecodeSink(self.config, d_tp=1, d_rank=0, dp_rank=0, pool=decode_pool, engine=self.d_engine,
-                               draft_pool=d_draft)
-        self.links = PrefillLinks(self.config, p_tp=1, p_rank=0, pool=self.p_pool, engine=self.p_engine,
-                                  max_blocks=8, draft_pool=p_draft)
+        self.sink = DecodeSink(
+            self.config, d_tp=1, d_rank=0, dp_rank=0, pool=decode_pool, engine=self.d_engine, draft_pool=d_draft
+        )
+        self.links = PrefillLinks(
+            self.config, p_tp=1, p_rank=0, pool=self.p_pool, engine=self.p_engine, max_blocks=8, draft_pool=p_draft
+        )
         self.links.note_peer("decode-session", self.sink.advert())
 
     def transfer_all(self, jobs, check, also=None):
@@ -133,8 +154,10 @@ class Pair:
             if p is not None and p.terminal and (not decode or d is None or d.terminal):
                 return p, d
             time.sleep(0.01)
-        raise AssertionError(f"room {room} not terminal after {timeout}s: prefill {self.links.status(room)}, "
-                             f"decode {self.sink.status(room)}")
+        raise AssertionError(
+            f"room {room} not terminal after {timeout}s: prefill {self.links.status(room)}, "
+            f"decode {self.sink.status(room)}"
+        )
 
     def close(self):
         self.links.close()
@@ -162,8 +185,13 @@ def assert_split_equal(p_pool, d_pool, src, dst):
 
 def assert_host_rows_equal(p_pool, d_pool, src, dst):
     for layer in range(LAYERS):
-        want = torch.cat((p_pool.k_buffer[layer][src].reshape(len(src), PAGE, LATENT),
-                          p_pool.v_buffer[layer][src].reshape(len(src), PAGE, ROPE)), dim=-1)
+        want = torch.cat(
+            (
+                p_pool.k_buffer[layer][src].reshape(len(src), PAGE, LATENT),
+                p_pool.v_buffer[layer][src].reshape(len(src), PAGE, ROPE),
+            ),
+            dim=-1,
+        )
         assert torch.equal(d_pool.host_page_blocks(layer)[dst], want), layer
         slots = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in dst])
         assert torch.equal(d_pool.host_rows(layer)[slots], want.reshape(-1, LATENT + ROPE)), layer
@@ -204,8 +232,9 @@ def test_packing_is_a_bit_exact_gather(ctx):
     for layer in range(LAYERS):
         slot = staging.pack(layer, pages)
         assert slot == layer % 2
-        want = torch.cat((p.k_buffer[layer][pages].reshape(3, PAGE, LATENT),
-                          p.v_buffer[layer][pages].reshape(3, PAGE, ROPE)), dim=-1)
+        want = torch.cat(
+            (p.k_buffer[layer][pages].reshape(3, PAGE, LATENT), p.v_buffer[layer][pages].reshape(3, PAGE, ROPE)), dim=-1
+        )
         assert torch.equal(staging.buffer[slot, :3], want)
     with pytest.raises(LayoutError, match="exceeds the P/D staging"):
         staging.pack(0, [1, 2, 3, 4, 5])
@@ -245,8 +274,12 @@ def test_draft_layer_layouts_say_where_the_draft_kv_lands(ctx):
     assert any(w.startswith(f"layers 0-{LAYERS - 1}: main tensor count") for w in why), why
     assert not any(w.startswith(f"layers {LAYERS}:") for w in why), why  # the draft layers agree
     # a prefill without the draft layer: the layer count says it
-    assert any("layers: prefill 3, decode 4" in w for w in layout_mismatches(
-        layouts.layout_of(p, layouts.PackedStaging(p, slots=2, max_blocks=8).tensors()), rows_d))
+    assert any(
+        "layers: prefill 3, decode 4" in w
+        for w in layout_mismatches(
+            layouts.layout_of(p, layouts.PackedStaging(p, slots=2, max_blocks=8).tensors()), rows_d
+        )
+    )
 
 
 # ------------------------------------------------------------------ data path
@@ -254,8 +287,11 @@ def test_draft_layer_layouts_say_where_the_draft_kv_lands(ctx):
 def test_requests_arrive_bit_exact(ctx, kind):
     pair = Pair(device_pool() if kind == "split" else host_pool())
     try:
-        jobs = {11: ([3, 7, 1], [9, 4, 12]), 12: ([2, 5, 8, 10, 11, 13, 14, 15], [1, 2, 3, 5, 6, 7, 8, 10]),
-                13: ([6], [15])}
+        jobs = {
+            11: ([3, 7, 1], [9, 4, 12]),
+            12: ([2, 5, 8, 10, 11, 13, 14, 15], [1, 2, 3, 5, 6, 7, 8, 10]),
+            13: ([6], [15]),
+        }
         pair.transfer_all(jobs, assert_split_equal if kind == "split" else assert_host_rows_equal)
         link = pair.links.links()[0]
         assert link.sender.open_batches() == 0
@@ -281,12 +317,14 @@ def test_the_draft_layer_arrives_bit_exact_on_the_device(ctx, kind):
     layer into the decode's device draft pool, packed for nothing (host_rows packs the
     base layers only)."""
     d_draft = draft_pool()
-    pair = Pair(device_pool() if kind == "split" else host_pool(), p_draft=draft_pool(fill_seed=7),
-                d_draft=d_draft)
+    pair = Pair(device_pool() if kind == "split" else host_pool(), p_draft=draft_pool(fill_seed=7), d_draft=d_draft)
     try:
         jobs = {41: ([3, 7, 1], [9, 4, 12]), 42: ([2, 5, 8, 10, 11], [1, 2, 3, 5, 6]), 43: ([6], [15])}
-        pair.transfer_all(jobs, assert_split_equal if kind == "split" else assert_host_rows_equal,
-                          also=lambda src, dst: assert_draft_equal(pair.p_draft, d_draft, src, dst))
+        pair.transfer_all(
+            jobs,
+            assert_split_equal if kind == "split" else assert_host_rows_equal,
+            also=lambda src, dst: assert_draft_equal(pair.p_draft, d_draft, src, dst),
+        )
         untouched = sorted(set(range(1, 16)) - {b for _, dst in jobs.values() for b in dst})
         assert not d_draft.k_buffer[0][untouched].any()  # nothing else was written
         stats = pair.links.stats
@@ -300,15 +338,21 @@ def test_the_draft_layer_arrives_bit_exact_on_the_device(ctx, kind):
 
 @pytest.mark.parametrize("prefill_draft", [True, False])
 def test_a_draft_layer_on_one_side_only_fails_with_the_reason(ctx, prefill_draft):
-    pair = Pair(host_pool(), p_draft=draft_pool(fill_seed=7) if prefill_draft else None,
-                d_draft=None if prefill_draft else draft_pool())
+    pair = Pair(
+        host_pool(),
+        p_draft=draft_pool(fill_seed=7) if prefill_draft else None,
+        d_draft=None if prefill_draft else draft_pool(),
+    )
     try:
         pair.sink.expect(51, [1, 2])
         pair.links.submit(51, ["decode-session"], [3, 4])
         p, _ = pair.wait(51, decode=False)
         assert p.state is TransferState.FAILED
-        assert f"serves {0 if prefill_draft else 1} speculative draft layer(s), this prefill " \
-               f"{1 if prefill_draft else 0}" in p.reason and "--speculative-algorithm" in p.reason
+        assert (
+            f"serves {0 if prefill_draft else 1} speculative draft layer(s), this prefill {1 if prefill_draft else 0}"
+            in p.reason
+            and "--speculative-algorithm" in p.reason
+        )
         assert pair.links.stats.handshakes == 0  # refused before any handshake
         assert pair.sink.forget(51, "test done")
     finally:

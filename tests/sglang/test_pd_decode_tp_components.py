@@ -22,17 +22,20 @@ import time
 
 import pytest
 import torch
+from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK, published_context
 
 from sglang_ascend_offload import config as cfg
+from sglang_ascend_offload.testing.ports import reserve_port
 from sglang_ascend_offload.transfer.status import TransferState, combine_rank_statuses
 
-from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK, published_context
-from sglang_ascend_offload.testing.ports import reserve_port
-
-pytestmark = [pytest.mark.usefixtures("plugins_loaded"),
-              pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
-                                 reason="needs mooncake-transfer-engine-non-cuda (scripts/requirements-cpu.txt)"),
-              pytest.mark.timeout(180)]
+pytestmark = [
+    pytest.mark.usefixtures("plugins_loaded"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("mooncake") is None,
+        reason="needs mooncake-transfer-engine-non-cuda (scripts/requirements-cpu.txt)",
+    ),
+    pytest.mark.timeout(180),
+]
 
 PAGE = 16
 SLOTS = 16 * PAGE
@@ -40,8 +43,16 @@ LAYERS = 3
 
 
 def _common():
-    return dict(page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
-                layer_num=LAYERS, device="cpu", enable_memory_saver=False, index_head_dim=INDEX_DIM)
+    return dict(
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        kv_lora_rank=LATENT,
+        qk_rope_head_dim=ROPE,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        index_head_dim=INDEX_DIM,
+    )
 
 
 def device_pool(fill_seed=None):
@@ -58,8 +69,9 @@ def device_pool(fill_seed=None):
 def host_pool():
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
 
-    return HostMainKVPool(SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK),
-                          **_common())
+    return HostMainKVPool(
+        SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK), **_common()
+    )
 
 
 @pytest.fixture
@@ -88,8 +100,14 @@ def shared_pools(tmp_path, monkeypatch):
 
 
 def pd_config():
-    return cfg.PDTransferConfig(engine="mooncake", kv_port=reserve_port(span=2), host="127.0.0.1",
-                                layer_timeout_s=30.0, handshake_timeout_s=10.0, read_retries=0)
+    return cfg.PDTransferConfig(
+        engine="mooncake",
+        kv_port=reserve_port(span=2),
+        host="127.0.0.1",
+        layer_timeout_s=30.0,
+        handshake_timeout_s=10.0,
+        read_retries=0,
+    )
 
 
 class Group:
@@ -159,8 +177,10 @@ def test_each_decode_rank_sees_the_whole_request(shared_pools, p_tp):
             s.claim(42)
         pp = g.p_pool
         for layer in range(LAYERS):
-            want = torch.cat((pp.k_buffer[layer][src].reshape(5, PAGE, LATENT),
-                              pp.v_buffer[layer][src].reshape(5, PAGE, ROPE)), dim=-1)
+            want = torch.cat(
+                (pp.k_buffer[layer][src].reshape(5, PAGE, LATENT), pp.v_buffer[layer][src].reshape(5, PAGE, ROPE)),
+                dim=-1,
+            )
             for rank, pool in enumerate(shared_pools):  # each rank's mapping: every page, both ranges
                 assert torch.equal(pool.host_page_blocks(layer)[dst], want), (rank, layer)
                 assert torch.equal(pool.index_k_buffer[layer][dst], pp.index_k_buffer[layer][src]), (rank, layer)

@@ -28,7 +28,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import IDLE_SLEEP, ServerProcess, free_port, start_all, stop_all
 
 from sglang_ascend_offload.testing import pd_servers
@@ -63,8 +62,11 @@ MAX_NEW = 8
 
 def _prefill(tp: int, kv: int, root) -> tuple:
     bootstrap = free_port()
-    return ServerProcess(["--tp-size", str(tp)] + pd_servers.prefill_args(bootstrap, kv) + IDLE_SLEEP,
-                         log_path=root / f"prefill_tp{tp}.log", env=_bind(tp)), bootstrap
+    return ServerProcess(
+        ["--tp-size", str(tp)] + pd_servers.prefill_args(bootstrap, kv) + IDLE_SLEEP,
+        log_path=root / f"prefill_tp{tp}.log",
+        env=_bind(tp),
+    ), bootstrap
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +75,17 @@ def decode_side(tmp_path_factory):
     (started with the other two: one wait instead of two)."""
     root = tmp_path_factory.mktemp("pd_decode_tp")
     kv = free_port(span=2)  # decode control ports kv .. kv + 1 (one per TP rank)
-    decode = ServerProcess(TP2 + pd_servers.decode_args(kv, offload=True) + IDLE_SLEEP, log_path=root / "decode_tp2.log",
-                           env=_bind(2))
-    reference = ServerProcess(TP2 + pd_servers.COMMON + IDLE_SLEEP, log_path=root / "colocated_tp2.log",
-                              env=_bind(2))
+    decode = ServerProcess(
+        TP2 + pd_servers.decode_args(kv, offload=True) + IDLE_SLEEP, log_path=root / "decode_tp2.log", env=_bind(2)
+    )
+    reference = ServerProcess(TP2 + pd_servers.COMMON + IDLE_SLEEP, log_path=root / "colocated_tp2.log", env=_bind(2))
     prefill2 = _prefill(2, kv, root)
     try:
         start_all(decode, reference, prefill2[0])
-        print("\nstartup (concurrent): decode %.0f s, colocated %.0f s, prefill TP 2 %.0f s"
-              % (decode.startup_s, reference.startup_s, prefill2[0].startup_s))
+        print(
+            "\nstartup (concurrent): decode %.0f s, colocated %.0f s, prefill TP 2 %.0f s"
+            % (decode.startup_s, reference.startup_s, prefill2[0].startup_s)
+        )
         tokens = [reference.generate(p, max_new_tokens=MAX_NEW)["output_ids"] for p in PROMPTS]
         reference.stop()  # its tokens are all it was needed for: free the cores for the prefill
         yield {"decode": decode, "tokens": tokens, "root": root, "kv": kv, "prefill2": prefill2}
@@ -93,14 +97,22 @@ def decode_side(tmp_path_factory):
 # prefill after a TP-2 one is served (4 passed in 283 s with the variable set, 2026-12-03).
 # Its four ranks on two cores start in 3-8 minutes, past what the default suite spends on
 # one case; the TP-4 plan is also covered by test_pd_decode_tp_components.py in every run.
-_P4_REASON = ("a served TP-4 prefill (four ranks on two cores) starts in 3-8 min, beyond the default suite's "
-              "time budget (set SGLANG_TEST_PD_DECODE_TP_P4=1 to run it)")
+_P4_REASON = (
+    "a served TP-4 prefill (four ranks on two cores) starts in 3-8 min, beyond the default suite's "
+    "time budget (set SGLANG_TEST_PD_DECODE_TP_P4=1 to run it)"
+)
 
 
-@pytest.fixture(scope="module", params=[
-    2, pytest.param(4, marks=pytest.mark.skipif(os.environ.get("SGLANG_TEST_PD_DECODE_TP_P4") != "1",
-                                                reason=_P4_REASON))],
-    ids=["prefill_tp2", "prefill_tp4"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        2,
+        pytest.param(
+            4, marks=pytest.mark.skipif(os.environ.get("SGLANG_TEST_PD_DECODE_TP_P4") != "1", reason=_P4_REASON)
+        ),
+    ],
+    ids=["prefill_tp2", "prefill_tp4"],
+)
 def pd(request, decode_side):
     """(router, prefill TP size, prefill log path) for one prefill TP size."""
     decode, root, kv = decode_side["decode"], decode_side["root"], decode_side["kv"]
@@ -140,13 +152,19 @@ def test_each_prefill_rank_linked_to_its_decode_rank(pd, decode_side):
     prefill_log = prefill_log_path.read_text(errors="replace")
     ratio = tp // 2
     for d in (0, 1):
-        links = re.findall(rf"P/D link to decode rank {d} at 127\.0\.0\.1:{kv + d} \(host_rows layout, "
-                           rf"ratio {ratio}\) ready", prefill_log)
+        links = re.findall(
+            rf"P/D link to decode rank {d} at 127\.0\.0\.1:{kv + d} \(host_rows layout, "
+            rf"ratio {ratio}\) ready",
+            prefill_log,
+        )
         assert len(links) == ratio, (d, links)
     decode_log = (root / "decode_tp2.log").read_text(errors="replace")
     for d in (0, 1):
-        assert re.search(rf"P/D decode rank {d} of 2 listening on 127\.0\.0\.1:{kv + d} \(host_rows "
-                         r"destinations, tp_shared main KV\)", decode_log)
+        assert re.search(
+            rf"P/D decode rank {d} of 2 listening on 127\.0\.0\.1:{kv + d} \(host_rows "
+            r"destinations, tp_shared main KV\)",
+            decode_log,
+        )
     for log in (prefill_log, decode_log):
         assert "Traceback" not in log
         assert not re.search(r"(prefill|decode) rank \d+: request \S+ failed", log)

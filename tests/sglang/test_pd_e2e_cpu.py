@@ -22,7 +22,8 @@ One module setup (each launch costs ~30-60 s on 2 cores, started together):
 
 Every server sleeps when idle (``--sleep-on-idle``; the P/D servers in short slices while
 a transfer is in flight, ``disaggregation/ascend_offload/idle.py``), so the idle ones
-do not take the cores from the others. Every server uses the Mooncake engine over TCP on 127.0.0.1 (``pd_transfer.engine =
+do not take the cores from the others. Every server uses the Mooncake engine over TCP on 127.0.0.1
+(``pd_transfer.engine =
 mooncake``). Greedy ``/generate`` through each router must return the colocated
 server's tokens (and logprobs). Loopback only; every process is killed in teardown.
 """
@@ -37,7 +38,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from conftest import IDLE_SLEEP, ServerProcess, free_port
 
 from sglang_ascend_offload.testing import pd_servers
@@ -85,29 +85,51 @@ def pd(request, tmp_path_factory, shared_servers):
     kv0, kv1, kv2, kv3 = free_port(), free_port(), free_port(), free_port()
 
     prefill = ServerProcess(pd_servers.prefill_args(bootstrap, kv0) + IDLE_SLEEP, log_path=root / "prefill.log")
-    prefill_lw = ServerProcess(pd_servers.prefill_args(bootstrap_lw, kv0, layerwise=True) + IDLE_SLEEP,
-                               log_path=root / "prefill_layerwise.log")
+    prefill_lw = ServerProcess(
+        pd_servers.prefill_args(bootstrap_lw, kv0, layerwise=True) + IDLE_SLEEP, log_path=root / "prefill_layerwise.log"
+    )
     dense = ServerProcess(pd_servers.decode_args(kv0) + IDLE_SLEEP, log_path=root / "decode_dense.log")
-    offload = ServerProcess(pd_servers.decode_args(kv1, offload=True) + IDLE_SLEEP, log_path=root / "decode_offload.log")
+    offload = ServerProcess(
+        pd_servers.decode_args(kv1, offload=True) + IDLE_SLEEP, log_path=root / "decode_offload.log"
+    )
     colocated = shared_servers.get("tiny_dsa_reference", pd_servers.COMMON + IDLE_SLEEP)
-    retracting = ServerProcess(pd_servers.decode_args(kv2, offload=True, residency="adaptive") + IDLE_SLEEP + ["--enable-metrics"],
-                               log_path=root / "decode_offload_retract.log", env=FORCED_RETRACTION)
-    int8 = ServerProcess(pd_servers.decode_args(kv3) + [
-        "--enable-sparse-decode-offload", "--sparse-decode-offload-config",
-        json.dumps({"hot_tokens": 64, "indexer_dtype": "int8"})] + IDLE_SLEEP, log_path=root / "decode_int8.log")
+    retracting = ServerProcess(
+        pd_servers.decode_args(kv2, offload=True, residency="adaptive") + IDLE_SLEEP + ["--enable-metrics"],
+        log_path=root / "decode_offload_retract.log",
+        env=FORCED_RETRACTION,
+    )
+    int8 = ServerProcess(
+        pd_servers.decode_args(kv3)
+        + [
+            "--enable-sparse-decode-offload",
+            "--sparse-decode-offload-config",
+            json.dumps({"hot_tokens": 64, "indexer_dtype": "int8"}),
+        ]
+        + IDLE_SLEEP,
+        log_path=root / "decode_int8.log",
+    )
     servers = [prefill, dense, offload, colocated, prefill_lw, retracting, int8]
     routers = []
     try:
         shared_servers.start_all(*servers)
-        print("\nstartup (concurrent; colocated may have been started by an earlier module): " + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in
-                                                    zip(("prefill", "dense", "offload", "colocated",
-                                                         "prefill_layerwise", "offload_retract", "int8"), servers)))
-        routers = [PDRouter(prefill.url, bootstrap, dense.url, root / "router_dense.log").start(),
-                   PDRouter(prefill.url, bootstrap, offload.url, root / "router_offload.log").start(),
-                   PDRouter(prefill_lw.url, bootstrap_lw, dense.url, root / "router_layerwise.log").start(),
-                   PDRouter(prefill_lw.url, bootstrap_lw, offload.url, root / "router_layerwise_offload.log").start(),
-                   PDRouter(prefill.url, bootstrap, retracting.url, root / "router_retract.log").start(),
-                   PDRouter(prefill.url, bootstrap, int8.url, root / "router_int8.log").start()]
+        print(
+            "\nstartup (concurrent; colocated may have been started by an earlier module): "
+            + ", ".join(
+                f"{n} {s.startup_s:.0f} s"
+                for n, s in zip(
+                    ("prefill", "dense", "offload", "colocated", "prefill_layerwise", "offload_retract", "int8"),
+                    servers,
+                )
+            )
+        )
+        routers = [
+            PDRouter(prefill.url, bootstrap, dense.url, root / "router_dense.log").start(),
+            PDRouter(prefill.url, bootstrap, offload.url, root / "router_offload.log").start(),
+            PDRouter(prefill_lw.url, bootstrap_lw, dense.url, root / "router_layerwise.log").start(),
+            PDRouter(prefill_lw.url, bootstrap_lw, offload.url, root / "router_layerwise_offload.log").start(),
+            PDRouter(prefill.url, bootstrap, retracting.url, root / "router_retract.log").start(),
+            PDRouter(prefill.url, bootstrap, int8.url, root / "router_int8.log").start(),
+        ]
         deadline = time.monotonic() + ROUTER_READY_S
         for r in routers:
             r.wait_ready(prompt(5, seed=99), deadline)
@@ -155,8 +177,9 @@ def test_router_pd_from_layerwise_prefill_matches_colocated(pd):
     _check_same(layerwise_router, colocated, PROMPTS, max_new_tokens=12)
     shared = prompt(140, seed=11)  # a radix-cached prefix, then concurrent requests that hit it
     layerwise_router.generate(shared, max_new_tokens=1)
-    _check_same(layerwise_router, colocated, [shared + prompt(10 + 7 * i, seed=20 + i) for i in range(3)],
-                max_new_tokens=8)
+    _check_same(
+        layerwise_router, colocated, [shared + prompt(10 + 7 * i, seed=20 + i) for i in range(3)], max_new_tokens=8
+    )
 
 
 def test_router_pd_from_layerwise_prefill_to_offload_decode_matches_colocated(pd):
@@ -167,8 +190,12 @@ def test_router_pd_from_layerwise_prefill_to_offload_decode_matches_colocated(pd
     _check_same(layerwise_offload_router, colocated, PROMPTS, max_new_tokens=12)
     shared = prompt(140, seed=12)
     layerwise_offload_router.generate(shared, max_new_tokens=1)
-    _check_same(layerwise_offload_router, colocated, [shared + prompt(9 + 5 * i, seed=30 + i) for i in range(3)],
-                max_new_tokens=8)
+    _check_same(
+        layerwise_offload_router,
+        colocated,
+        [shared + prompt(9 + 5 * i, seed=30 + i) for i in range(3)],
+        max_new_tokens=8,
+    )
 
 
 def test_retracted_requests_on_an_offload_decode_resume_token_identical(pd):
@@ -199,8 +226,9 @@ def test_pd_into_an_int8_decode_serves_complete_repeatable_answers(pd):
     ``rotate_and_quantize`` of the prefill's bf16 keys) is held in process by
     ``test_int8_indexer_pd.py``."""
     log = pd.root / "decode_int8.log"
-    assert "index K int8 + fp16 scales (Hadamard-rotated, LIM-C8): 130 B per token and layer" in \
-        log.read_text(errors="replace")
+    assert "index K int8 + fp16 scales (Hadamard-rotated, LIM-C8): 130 B per token and layer" in log.read_text(
+        errors="replace"
+    )
     for n, seed in ((40, 61), (200, 62)):  # one prefill chunk, two chunks of 128
         first = pd.int8.generate(prompt(n, seed), max_new_tokens=8)["output_ids"]
         assert len(first) == 8 and all(0 <= t < VOCAB for t in first)
@@ -220,10 +248,16 @@ def test_the_project_protocol_moved_the_kv(pd):
     assert re.search(r"P/D decode rank 0 of 1 listening on 127\.0\.0\.1:\d+ \(split destinations, ", dense_log)
     assert re.search(r"P/D decode rank 0 of 1 listening on 127\.0\.0\.1:\d+ \(host_rows destinations, ", offload_log)
     layerwise_log = (root / "prefill_layerwise.log").read_text(errors="replace")
-    assert re.search(r"P/D layerwise publisher: link to decode rank 0 at 127\.0\.0\.1:\d+ \(split layout, "
-                     r"ratio 1\) ready; layers \[0, 1\] are published from shared buffers", layerwise_log)
-    assert re.search(r"P/D layerwise publisher: link to decode rank 0 at 127\.0\.0\.1:\d+ \(host_rows layout, "
-                     r"ratio 1\) ready", layerwise_log)
+    assert re.search(
+        r"P/D layerwise publisher: link to decode rank 0 at 127\.0\.0\.1:\d+ \(split layout, "
+        r"ratio 1\) ready; layers \[0, 1\] are published from shared buffers",
+        layerwise_log,
+    )
+    assert re.search(
+        r"P/D layerwise publisher: link to decode rank 0 at 127\.0\.0\.1:\d+ \(host_rows layout, "
+        r"ratio 1\) ready",
+        layerwise_log,
+    )
     for log in (prefill_log, dense_log, offload_log, layerwise_log):
         assert "Traceback" not in log
         assert not re.search(r"(prefill|decode) rank \d+: request \S+ failed", log)  # no P/D request failed

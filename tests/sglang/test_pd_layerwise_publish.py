@@ -16,16 +16,19 @@ import time
 
 import pytest
 import torch
-
-from sglang_ascend_offload.transfer.status import TransferState
-
 from test_layerwise_pool import LAYERS, PAGE, LayerwiseHarness, lw_config, published_context
 from test_pd_backend_components import device_pool, host_pool, pd_config
 
-pytestmark = [pytest.mark.usefixtures("plugins_loaded"),
-              pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
-                                 reason="needs mooncake-transfer-engine-non-cuda (scripts/requirements-cpu.txt)"),
-              pytest.mark.timeout(120)]
+from sglang_ascend_offload.transfer.status import TransferState
+
+pytestmark = [
+    pytest.mark.usefixtures("plugins_loaded"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("mooncake") is None,
+        reason="needs mooncake-transfer-engine-non-cuda (scripts/requirements-cpu.txt)",
+    ),
+    pytest.mark.timeout(120),
+]
 
 SESSION = "decode-session"
 
@@ -55,9 +58,9 @@ def run_transfer(gate_reads: bool, decode_expects: bool = True, then=None, decod
     ``decode="host_rows"``: decode runs sparse decode offload (main KV into its host pool,
     packed through the publisher's staging); read answers are then recorded where they
     release the shared buffer (``pool.gates.done``)."""
-    from sglang_ascend_offload.transfer.layerwise_publisher import LayerwisePublisher
     from sglang_ascend_offload.transfer.decode_sink import DecodeSink
     from sglang_ascend_offload.transfer.engine import create_engine
+    from sglang_ascend_offload.transfer.layerwise_publisher import LayerwisePublisher
 
     h = LayerwiseHarness(lw_config(1))  # one shared buffer for all reusable layers
     pool = h.pool
@@ -125,7 +128,7 @@ def run_transfer(gate_reads: bool, decode_expects: bool = True, then=None, decod
         h.extend([a], [21])
         pool.flush()
         forward_over.set()
-        src = h.req_to_token_pool.req_to_token[a.row, :n_pages * PAGE:PAGE].long() // PAGE
+        src = h.req_to_token_pool.req_to_token[a.row, : n_pages * PAGE : PAGE].long() // PAGE
         if not decode_expects:
             deadline = time.monotonic() + 30
             while not (pub.status(7).terminal and pool.gates.busy_slots() == []) and time.monotonic() < deadline:
@@ -134,13 +137,22 @@ def run_transfer(gate_reads: bool, decode_expects: bool = True, then=None, decod
         p, d = _wait(pub, sink, 7)
         dense = h.dense_pool  # what a prefill without layerwise offload holds
         if decode == "split":
-            bad = [(layer, buf) for layer in range(LAYERS) for buf in ("k_buffer", "v_buffer", "index_k_buffer")
-                   if not torch.equal(getattr(d_pool, buf)[layer][dst], getattr(dense, buf)[layer][src])]
+            bad = [
+                (layer, buf)
+                for layer in range(LAYERS)
+                for buf in ("k_buffer", "v_buffer", "index_k_buffer")
+                if not torch.equal(getattr(d_pool, buf)[layer][dst], getattr(dense, buf)[layer][src])
+            ]
         else:
             bad = []
             for layer in range(LAYERS):
-                want = torch.cat((dense.k_buffer[layer][src].reshape(len(src), PAGE, -1),
-                                  dense.v_buffer[layer][src].reshape(len(src), PAGE, -1)), dim=-1)
+                want = torch.cat(
+                    (
+                        dense.k_buffer[layer][src].reshape(len(src), PAGE, -1),
+                        dense.v_buffer[layer][src].reshape(len(src), PAGE, -1),
+                    ),
+                    dim=-1,
+                )
                 if not torch.equal(d_pool.host_page_blocks(layer)[dst], want):
                     bad.append((layer, "host_rows"))
                 if not torch.equal(d_pool.index_k_buffer[layer][dst], dense.index_k_buffer[layer][src]):
@@ -214,17 +226,27 @@ def test_last_chunk_rows_picks_the_requests_this_forward_finishes():
     extend = NS(is_extend=lambda: True)
 
     def req(row, room, end, n=100, pending=False, sender=True):
-        return NS(kv=NS(req_pool_idx=row), bootstrap_room=room, extend_end=end, origin_input_ids=[0] * n,
-                  pending_bootstrap=pending, disagg_kv_sender=object() if sender else None)
+        return NS(
+            kv=NS(req_pool_idx=row),
+            bootstrap_room=room,
+            extend_end=end,
+            origin_input_ids=[0] * n,
+            pending_bootstrap=pending,
+            disagg_kv_sender=object() if sender else None,
+        )
 
-    batch = NS(forward_mode=extend, req_pool_indices_cpu=None, reqs=[
-        req(0, 10, 100),                # last chunk
-        req(1, 11, 64),                 # middle chunk: its KV is published with the last one
-        req(2, 12, 100, pending=True),  # optimistic, decode not bootstrapped: no peer yet
-        req(3, None, 100),              # not a P/D request
-        req(4, 14, 100, sender=False),
-        req(5, 15, 120, n=120),
-    ])
+    batch = NS(
+        forward_mode=extend,
+        req_pool_indices_cpu=None,
+        reqs=[
+            req(0, 10, 100),  # last chunk
+            req(1, 11, 64),  # middle chunk: its KV is published with the last one
+            req(2, 12, 100, pending=True),  # optimistic, decode not bootstrapped: no peer yet
+            req(3, None, 100),  # not a P/D request
+            req(4, 14, 100, sender=False),
+            req(5, 15, 120, n=120),
+        ],
+    )
     assert last_chunk_rows(batch) == [(0, 10), (5, 15)]
     # SGLang's batch carries the rows in request order; they win over the requests' own
     batch.req_pool_indices_cpu = torch.tensor([20, 21, 22, 23, 24, 25])

@@ -9,17 +9,17 @@ offload); the decode checks the pulled pages bit for bit against the prefill pag
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from npu_requirements import npu_present, require_npu, require_package
-from sglang_ascend_offload import platform
+
 from sglang_ascend_offload.testing.ports import reserve_port
 
-pytestmark = [pytest.mark.npu,
-              pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN, torch_npu and memfabric-hybrid"),
-              pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.npu,
+    pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN, torch_npu and memfabric-hybrid"),
+    pytest.mark.timeout(300),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -39,28 +39,41 @@ def free_port() -> int:
 
 def _pools(kind, device):
     from sglang_ascend_offload import config as cfg
-    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
 
-    common = dict(page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64, layer_num=LAYERS,
-                  device=device, enable_memory_saver=False, index_head_dim=128)
+    common = dict(
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        layer_num=LAYERS,
+        device=device,
+        enable_memory_saver=False,
+        index_head_dim=128,
+    )
     if kind == "host_rows":
-        return HostMainKVPool(SLOTS, rows=4, top_k=2048, offload=cfg.SparseDecodeOffloadConfig(hot_tokens=4096),
-                              host_pool_kind="memfabric", **common)
+        return HostMainKVPool(
+            SLOTS,
+            rows=4,
+            top_k=2048,
+            offload=cfg.SparseDecodeOffloadConfig(hot_tokens=4096),
+            host_pool_kind="memfabric",
+            **common,
+        )
     return DeviceDSAPool(SLOTS, index_size=SLOTS, index_page_size=PAGE, **common)
 
 
 def _peer(role, kind, config_json, device, q_out, q_in):
     import torch_npu  # noqa: F401
-
     from dsa_harness import published_context
 
     from sglang_ascend_offload import config as cfg
+    from sglang_ascend_offload.transfer.advert import decode_advert, encode_advert
+    from sglang_ascend_offload.transfer.decode_sink import DecodeSink
+    from sglang_ascend_offload.transfer.engine import create_engine
     from sglang_ascend_offload.transfer.prefill_links import PrefillLinks
     from sglang_ascend_offload.transfer.publisher import wait_terminal
-    from sglang_ascend_offload.transfer.decode_sink import DecodeSink
-    from sglang_ascend_offload.transfer.advert import decode_advert, encode_advert
-    from sglang_ascend_offload.transfer.engine import create_engine
 
     torch.npu.set_device(device)
     config = cfg.parse_section(cfg.PDTransferConfig, config_json)
@@ -76,8 +89,13 @@ def _peer(role, kind, config_json, device, q_out, q_in):
             links.note_peer("decode", advert)
             links.submit(1, ["decode"], SRC)
             st = wait_terminal(links, 1, 120)
-            q_out.put((st.state.value, st.reason, [pool.k_buffer.cpu()[:, SRC], pool.v_buffer.cpu()[:, SRC],
-                                                   pool.index_k_buffer.cpu()[:, SRC]]))
+            q_out.put(
+                (
+                    st.state.value,
+                    st.reason,
+                    [pool.k_buffer.cpu()[:, SRC], pool.v_buffer.cpu()[:, SRC], pool.index_k_buffer.cpu()[:, SRC]],
+                )
+            )
             q_in.get(timeout=120)
             links.close()
         else:
@@ -108,8 +126,16 @@ def test_memfabric_pd_backend_bit_exact(kind, plugins_loaded):
 
     url = f"tcp://127.0.0.1:{free_port()}"
     create_config_store(url)
-    config = json.dumps({"engine": "memfabric", "protocol": "sdma", "store_url": url, "kv_port": free_port(),
-                         "host": "127.0.0.1", "layer_timeout_s": 30})
+    config = json.dumps(
+        {
+            "engine": "memfabric",
+            "protocol": "sdma",
+            "store_url": url,
+            "kv_port": free_port(),
+            "host": "127.0.0.1",
+            "layer_timeout_s": 30,
+        }
+    )
     ctx = mp.get_context("spawn")
     qp_out, qp_in, qd_out, qd_in = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     ndev = torch.npu.device_count()

@@ -17,35 +17,49 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
+from conftest import TINY_DSA
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.sglang_plugin.args import carrier, flags
 from sglang_ascend_offload.sglang_plugin.args.rules import pd_transfer as rules
-from sglang_ascend_offload.transfer.advert import (ADVERT_FRAME_INDEX, ADVERT_VERSION, DecodeAdvert,
-                                                            advert_from_registration, decode_advert,
-                                                            encode_advert)
+from sglang_ascend_offload.transfer.advert import (
+    ADVERT_FRAME_INDEX,
+    ADVERT_VERSION,
+    DecodeAdvert,
+    advert_from_registration,
+    decode_advert,
+    encode_advert,
+)
 from sglang_ascend_offload.transfer.errors import ProtocolError
 from sglang_ascend_offload.transfer.status import DONE, PENDING, RequestStatus, TransferState
-
-from conftest import TINY_DSA
 
 PD = {"engine": "mooncake", "kv_port": 31000}
 
 
 def raw(pd=None, pd_on=None, sparse=None, layerwise=None):
     return flags.RawFlags(
-        enabled={"pd_transfer": pd is not None if pd_on is None else pd_on, "sparse_decode": sparse is not None,
-                 "layerwise_prefill": layerwise is not None},
-        configs={"pd_transfer": pd, "sparse_decode": sparse, "layerwise_prefill": layerwise})
+        enabled={
+            "pd_transfer": pd is not None if pd_on is None else pd_on,
+            "sparse_decode": sparse is not None,
+            "layerwise_prefill": layerwise is not None,
+        },
+        configs={"pd_transfer": pd, "sparse_decode": sparse, "layerwise_prefill": layerwise},
+    )
 
 
 def _server_args(**kw):
     from sglang.srt.server_args import ServerArgs
 
-    return ServerArgs(model_path=str(TINY_DSA), device="cpu", load_format="dummy", skip_tokenizer_init=True,
-                      disable_cuda_graph=True, **kw)
+    return ServerArgs(
+        model_path=str(TINY_DSA),
+        device="cpu",
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        disable_cuda_graph=True,
+        **kw,
+    )
 
 
 # ------------------------------------------------------------------ startup (real resolution)
@@ -56,8 +70,14 @@ def test_choice_and_hooks_are_registered(plugins_loaded):
     from sglang_ascend_offload.sglang_plugin import compat
 
     assert "ascend_offload" in DISAGG_TRANSFER_BACKEND_CHOICES
-    for target in (compat.TARGET_GET_KV_CLASS, compat.TARGET_CONFIG_STORE, compat.TARGET_PREFILL_MANAGER,
-                   compat.TARGET_DECODE_MANAGER, compat.TARGET_RUN_BATCH, compat.TARGET_IDLE_SLEEP):
+    for target in (
+        compat.TARGET_GET_KV_CLASS,
+        compat.TARGET_CONFIG_STORE,
+        compat.TARGET_PREFILL_MANAGER,
+        compat.TARGET_DECODE_MANAGER,
+        compat.TARGET_RUN_BATCH,
+        compat.TARGET_IDLE_SLEEP,
+    ):
         assert target in HookRegistry._patched, target
 
 
@@ -72,8 +92,11 @@ def test_prefill_resolves_to_ascend_and_publishes_the_config(plugins_loaded, cle
 
 
 def test_decode_with_sparse_decode_offload_resolves(plugins_loaded, clean_state):
-    sa = _server_args(disaggregation_mode="decode", disaggregation_transfer_backend="ascend_offload",
-                      disaggregation_decode_retraction_backup="cpu_tensor")
+    sa = _server_args(
+        disaggregation_mode="decode",
+        disaggregation_transfer_backend="ascend_offload",
+        disaggregation_decode_retraction_backup="cpu_tensor",
+    )
     flags.remember(raw(pd=json.dumps(PD), sparse='{"hot_tokens": 64}'))
     sa.resolve_once()
     published = carrier.active_config()
@@ -90,14 +113,23 @@ def test_backend_without_enable_flag_stops_startup(plugins_loaded, clean_state):
 
 
 def test_invalid_pd_settings_stop_startup_listing_every_reason(plugins_loaded, clean_state):
-    sa = _server_args(disaggregation_mode="decode", disaggregation_transfer_backend="mooncake",
-                      disaggregation_decode_enable_radix_cache=True, tp_size=2)
+    sa = _server_args(
+        disaggregation_mode="decode",
+        disaggregation_transfer_backend="mooncake",
+        disaggregation_decode_enable_radix_cache=True,
+        tp_size=2,
+    )
     flags.remember(raw(pd=json.dumps({"engine": "memfabric", "kv_port": 31000})))
     with pytest.raises(cfg.ConfigError) as info:
         sa.resolve_once()
     found = {v.rule for v in info.value.violations}
-    assert {"sglang.pd_backend", "sglang.pd_engine_device", "sglang.pd_unsupported",
-            "sglang.pd_cpu_retraction_backup", "pd_transfer.decode_tp"} <= found, found
+    assert {
+        "sglang.pd_backend",
+        "sglang.pd_engine_device",
+        "sglang.pd_unsupported",
+        "sglang.pd_cpu_retraction_backup",
+        "pd_transfer.decode_tp",
+    } <= found, found
     text = str(info.value)
     assert "--disaggregation-transfer-backend ascend_offload" in text and "cpu_tensor" in text
     assert carrier.published_text() is None
@@ -115,8 +147,9 @@ def test_layerwise_prefill_with_pd_resolves(plugins_loaded, clean_state):
 
 
 def test_layerwise_prefill_with_optimistic_prefill_stops_startup(plugins_loaded, clean_state):
-    sa = _server_args(disaggregation_mode="prefill", disaggregation_transfer_backend="ascend_offload",
-                      optimistic_prefill_attempts=2)
+    sa = _server_args(
+        disaggregation_mode="prefill", disaggregation_transfer_backend="ascend_offload", optimistic_prefill_attempts=2
+    )
     flags.remember(raw(pd=json.dumps(PD), layerwise=LAYERWISE))
     with pytest.raises(cfg.ConfigError) as info:
         sa.resolve_once()
@@ -125,8 +158,14 @@ def test_layerwise_prefill_with_optimistic_prefill_stops_startup(plugins_loaded,
     assert carrier.published_text() is None
 
 
-SPEC = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=1,
-            speculative_num_draft_tokens=4, disable_overlap_schedule=True, page_size=16)
+SPEC = dict(
+    speculative_algorithm="NEXTN",
+    speculative_num_steps=3,
+    speculative_eagle_topk=1,
+    speculative_num_draft_tokens=4,
+    disable_overlap_schedule=True,
+    page_size=16,
+)
 
 
 def test_speculative_pd_resolves_where_the_draft_layer_is_moved(plugins_loaded, clean_state):
@@ -134,6 +173,7 @@ def test_speculative_pd_resolves_where_the_draft_layer_is_moved(plugins_loaded, 
     sparse decode offload) resolve; a layerwise prefill, and a decode whose attention TP
     ranks would each need the whole per-rank draft layer, are refused with their reasons,
     both at once."""
+
     def resolve(role, sparse=None, layerwise=None, **kw):
         flags.forget()
         carrier.clear()
@@ -163,8 +203,12 @@ def test_decode_attention_tp_rule(plugins_loaded, clean_state):
     ``--tp 2`` is attention TP 2: served with sparse decode offload (TP-shared host pool),
     refused without it (per-rank device main KV), with the same verdict as ``config.violations``
     (what ``check-config`` runs)."""
-    decode = dict(disaggregation_mode="decode", disaggregation_transfer_backend="ascend_offload",
-                  disaggregation_decode_retraction_backup="cpu_tensor", tp_size=2)
+    decode = dict(
+        disaggregation_mode="decode",
+        disaggregation_transfer_backend="ascend_offload",
+        disaggregation_decode_retraction_backup="cpu_tensor",
+        tp_size=2,
+    )
 
     def resolve(sparse, **kw):
         flags.forget()
@@ -188,8 +232,11 @@ def test_decode_attention_tp_rule(plugins_loaded, clean_state):
     assert cfg.violations(cfg.OffloadConfig(pd_transfer=pd, sparse_decode=sd), d) == []
     npu = cfg.Deployment(device="npu", soc="A3", pd_role="decode", tp=2, attn_tp=2)
     pd_npu = cfg.PDTransferConfig(**{**PD, "engine": "memfabric"})
-    bad = [v for v in cfg.violations(cfg.OffloadConfig(pd_transfer=pd_npu, sparse_decode=sd), npu)
-           if v.rule == "pd_transfer.decode_tp"]
+    bad = [
+        v
+        for v in cfg.violations(cfg.OffloadConfig(pd_transfer=pd_npu, sparse_decode=sd), npu)
+        if v.rule == "pd_transfer.decode_tp"
+    ]
     assert len(bad) == 1 and "has no mapping a P/D engine can write" in bad[0].problem
 
 
@@ -235,8 +282,9 @@ def test_pd_facts_reach_config_violations():
     assert "pd_transfer.tp_ratio" in {v.rule for v in cfg.violations(cfg_pd, with_peer)}  # p_tp 2 < d_tp 4
 
 
-@pytest.mark.parametrize("p_tp,d_tp,ok", [(1, 1, True), (2, 1, True), (4, 2, True), (1, 2, False), (3, 2, False),
-                                          (2, 4, False)])
+@pytest.mark.parametrize(
+    "p_tp,d_tp,ok", [(1, 1, True), (2, 1, True), (4, 2, True), (1, 2, False), (3, 2, False), (2, 4, False)]
+)
 def test_pair_rules_at_pairing(p_tp, d_tp, ok):
     pd = cfg.PDTransferConfig(engine="mooncake")
     problems = rules.pair_problems(pd, role="decode", own_tp=d_tp, peer_tp=p_tp, device="cpu")
@@ -244,8 +292,10 @@ def test_pair_rules_at_pairing(p_tp, d_tp, ok):
     if not ok:
         assert all("pd_transfer.tp_ratio" in p and "->" in p for p in problems)
     assert rules.pair_problems(pd, role="prefill", own_tp=p_tp, peer_tp=d_tp, device="cpu") == problems
-    assert any("sglang.pd_parallel" in p for p in
-               rules.pair_problems(pd, role="decode", own_tp=1, peer_tp=1, device="cpu", peer_pp=2))
+    assert any(
+        "sglang.pd_parallel" in p
+        for p in rules.pair_problems(pd, role="decode", own_tp=1, peer_tp=1, device="cpu", peer_pp=2)
+    )
 
 
 # ------------------------------------------------------------------ get_kv_class routing
@@ -272,9 +322,19 @@ def test_get_kv_class_routes_ascend_to_our_classes_only_with_the_config(plugins_
 
 # ------------------------------------------------------------------ decode advert
 def advert(**kw):
-    base = dict(version=ADVERT_VERSION, host="127.0.0.1", control_port=31005, kv_port=31000, dp_rank=1,
-                d_tp=4, d_rank=1, engine="mooncake", data_protocol="tcp", layout_kind="host_rows",
-                main_kv="tp_shared")
+    base = dict(
+        version=ADVERT_VERSION,
+        host="127.0.0.1",
+        control_port=31005,
+        kv_port=31000,
+        dp_rank=1,
+        d_tp=4,
+        d_rank=1,
+        engine="mooncake",
+        data_protocol="tcp",
+        layout_kind="host_rows",
+        main_kv="tp_shared",
+    )
     base.update(kw)
     return DecodeAdvert(**base)
 
@@ -284,16 +344,24 @@ def test_advert_round_trip_and_validation():
     frames = [b"x"] * ADVERT_FRAME_INDEX
     assert advert_from_registration(frames) is None  # a decode without the backend
     assert advert_from_registration(frames + [encode_advert(a)]) == a
-    for bad, msg in ((advert(control_port=31004), "control port"), (advert(d_rank=4), "d_rank"),
-                     (advert(version=ADVERT_VERSION + 1), "version"),
-                     (advert(main_kv="per_rank"), "decode attention TP 4 with a per-rank main-KV pool")):
+    for bad, msg in (
+        (advert(control_port=31004), "control port"),
+        (advert(d_rank=4), "d_rank"),
+        (advert(version=ADVERT_VERSION + 1), "version"),
+        (advert(main_kv="per_rank"), "decode attention TP 4 with a per-rank main-KV pool"),
+    ):
         with pytest.raises(ProtocolError, match=msg):
             decode_advert(msgspec.msgpack.encode(bad))
-    for junk in (b"", b"\x80", msgspec.msgpack.encode({"host": "h"}),
-                 msgspec.msgpack.encode({**msgspec.structs.asdict(a), "extra": 1}),
-                 msgspec.msgpack.encode({**msgspec.structs.asdict(a), "layout_kind": "other"}),
-                 msgspec.msgpack.encode({**msgspec.structs.asdict(a), "main_kv": "device"}),
-                 msgspec.msgpack.encode({**msgspec.structs.asdict(a), "control_port": 80}), b"x" * 5000):
+    for junk in (
+        b"",
+        b"\x80",
+        msgspec.msgpack.encode({"host": "h"}),
+        msgspec.msgpack.encode({**msgspec.structs.asdict(a), "extra": 1}),
+        msgspec.msgpack.encode({**msgspec.structs.asdict(a), "layout_kind": "other"}),
+        msgspec.msgpack.encode({**msgspec.structs.asdict(a), "main_kv": "device"}),
+        msgspec.msgpack.encode({**msgspec.structs.asdict(a), "control_port": 80}),
+        b"x" * 5000,
+    ):
         with pytest.raises(ProtocolError):
             decode_advert(junk)
 
@@ -350,13 +418,19 @@ def _receiver(sgl_status, sink):
 
     from sglang_ascend_offload.sglang_plugin.disaggregation.ascend_offload.conn import AscendOffloadKVReceiver
 
-    mgr = SimpleNamespace(sink=sink, request_status={7: sgl_status}, failure_records={},
-                          failure_lock=threading.Lock(), waiting_timeout=300,
-                          pd_config=cfg.PDTransferConfig(engine="mooncake", handshake_timeout_s=1.0,
-                                                         layer_timeout_s=1.0),
-                          check_status=lambda room: mgr.request_status[room], defer_decode_allocation=False,
-                          required_prefill_response_num_table={}, prefill_response_tracker={},
-                          addr_to_rooms_tracker={"p:1": {7}})
+    mgr = SimpleNamespace(
+        sink=sink,
+        request_status={7: sgl_status},
+        failure_records={},
+        failure_lock=threading.Lock(),
+        waiting_timeout=300,
+        pd_config=cfg.PDTransferConfig(engine="mooncake", handshake_timeout_s=1.0, layer_timeout_s=1.0),
+        check_status=lambda room: mgr.request_status[room],
+        defer_decode_allocation=False,
+        required_prefill_response_num_table={},
+        prefill_response_tracker={},
+        addr_to_rooms_tracker={"p:1": {7}},
+    )
     r = AscendOffloadKVReceiver.__new__(AscendOffloadKVReceiver)
     r.kv_mgr, r.bootstrap_room, r.bootstrap_addr, r.conclude_state = mgr, 7, "p:1", None
     r._prefill_wait_start, r.init_time, r._lifecycle_lock = None, None, nullcontext()

@@ -24,13 +24,11 @@ still matched). The bytes are proven bit for bit through real engines by
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import IDLE_SLEEP, ServerProcess, free_port
 
 from sglang_ascend_offload.testing import pd_servers
@@ -41,8 +39,16 @@ pytestmark = pytest.mark.slow
 
 VOCAB = 1024
 ROUTER_READY_S = 120.0
-SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", "4"]
+SPEC = [
+    "--speculative-algorithm",
+    "NEXTN",
+    "--speculative-num-steps",
+    "3",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "4",
+]
 SIMULATED_ACCEPT = {"SGLANG_SIMULATE_ACC_LEN": "2", "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}
 
 
@@ -62,18 +68,29 @@ def pd(request, tmp_path_factory, shared_servers):
     root = tmp_path_factory.mktemp("pd_spec_servers")
     base = fixture_args(TINY_DSA_MTP)
     bootstrap, kv = free_port(), free_port()
-    prefill = ServerProcess(pd_servers.prefill_args(bootstrap, kv) + SPEC + IDLE_SLEEP,
-                            log_path=root / "prefill.log", base_args=base, env=SIMULATED_ACCEPT)
-    decode = ServerProcess(pd_servers.decode_args(kv, offload=True) + SPEC + IDLE_SLEEP + ["--enable-metrics"],
-                           log_path=root / "decode.log", base_args=base, env=SIMULATED_ACCEPT)
-    colocated = shared_servers.get("mtp_reference", pd_servers.COMMON + SPEC + IDLE_SLEEP, base_args=base,
-                                   env=SIMULATED_ACCEPT)
+    prefill = ServerProcess(
+        pd_servers.prefill_args(bootstrap, kv) + SPEC + IDLE_SLEEP,
+        log_path=root / "prefill.log",
+        base_args=base,
+        env=SIMULATED_ACCEPT,
+    )
+    decode = ServerProcess(
+        pd_servers.decode_args(kv, offload=True) + SPEC + IDLE_SLEEP + ["--enable-metrics"],
+        log_path=root / "decode.log",
+        base_args=base,
+        env=SIMULATED_ACCEPT,
+    )
+    colocated = shared_servers.get(
+        "mtp_reference", pd_servers.COMMON + SPEC + IDLE_SLEEP, base_args=base, env=SIMULATED_ACCEPT
+    )
     servers = [prefill, decode, colocated]
     router = None
     try:
         shared_servers.start_all(*servers)
-        print("\nstartup (concurrent; colocated may have been started by an earlier module): " + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in
-                                                    zip(("prefill", "decode", "colocated"), servers)))
+        print(
+            "\nstartup (concurrent; colocated may have been started by an earlier module): "
+            + ", ".join(f"{n} {s.startup_s:.0f} s" for n, s in zip(("prefill", "decode", "colocated"), servers))
+        )
         router = PDRouter(prefill.url, bootstrap, decode.url, root / "router.log").start()
         router.wait_ready(prompt(5, seed=99), time.monotonic() + ROUTER_READY_S)
         yield router, colocated, decode, root
@@ -100,15 +117,21 @@ def test_speculative_pd_decode_with_offload_matches_colocated(pd):
 def test_the_draft_layer_went_to_the_decode_device_and_verify_used_the_residency(pd):
     router, _, decode, root = pd
     decode_log = (root / "decode.log").read_text(errors="replace")
-    assert re.search(r"P/D decode rank 0 of 1 listening on 127\.0\.0\.1:\d+ \(host_rows destinations, "
-                     r"\w+ main KV, 1 draft layer\(s\) on the device\)", decode_log), decode_log[-3000:]
+    assert re.search(
+        r"P/D decode rank 0 of 1 listening on 127\.0\.0\.1:\d+ \(host_rows destinations, "
+        r"\w+ main KV, 1 draft layer\(s\) on the device\)",
+        decode_log,
+    ), decode_log[-3000:]
     prefill_log = (root / "prefill.log").read_text(errors="replace")
     assert re.search(r"P/D link to decode rank 0 at 127\.0\.0\.1:\d+ \(host_rows layout", prefill_log)
     text = decode.get("/metrics")
 
     def total(name):
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(f"sglang:ascend_offload_{name}{{"))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(f"sglang:ascend_offload_{name}{{")
+        )
 
     # every verify round: 4 rows per request, their top-k entries counted one by one
     assert total("row_selected_total") > total("selected_total") > 0

@@ -44,8 +44,13 @@ def test_registered_through_sglang_extension_points(plugins_loaded):
     handler = AttentionBackendRegistry.get_handler(BACKEND_NAME)
     assert handler is not AttentionBackendRegistry.get_handler("no-such-backend")  # not the triton fallback
     assert handler(object(), object()) == AttnForwardMethod.MLA
-    for target in (compat.TARGET_ADD_CLI, compat.TARGET_FROM_CLI, compat.TARGET_POOL,
-                   compat.TARGET_INDEXER, compat.TARGET_CAPABILITY):
+    for target in (
+        compat.TARGET_ADD_CLI,
+        compat.TARGET_FROM_CLI,
+        compat.TARGET_POOL,
+        compat.TARGET_INDEXER,
+        compat.TARGET_CAPABILITY,
+    ):
         assert target in HookRegistry._patched, target
 
 
@@ -65,8 +70,9 @@ def test_flags_reach_the_parser_and_survive_from_cli_args(plugins_loaded):
     help_text = parser.format_help()
     for feat in flags.FEATURES:
         assert feat.enable_flag in help_text and feat.config_flag in help_text
-    ns = parser.parse_args(["--model-path", "x", "--enable-sparse-decode-offload",
-                            "--sparse-decode-offload-config", '{"hot_tokens": 64}'])
+    ns = parser.parse_args(
+        ["--model-path", "x", "--enable-sparse-decode-offload", "--sparse-decode-offload-config", '{"hot_tokens": 64}']
+    )
     flags.forget()
     ServerArgs.from_cli_args(ns)
     raw = flags.pending()

@@ -14,20 +14,18 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import REPO, free_port, server_env
 
 pytestmark = pytest.mark.slow
 
 BLOCK = re.compile(r"<!-- try-it: (?P<name>[\w-]+) -->\s*```bash\n(?P<code>.*?)```", re.S)
 # What each block's server log must show: the feature really planned something.
-PLANNED = {"sparse-decode": "sparse decode offload: host pool",
-           "layerwise-prefill": "layerwise prefill offload:"}
+PLANNED = {"sparse-decode": "sparse decode offload: host pool", "layerwise-prefill": "layerwise prefill offload:"}
 
 
 def readme_blocks() -> dict:
     text = (REPO / "README.md").read_text()
-    section = text[text.index("## Try it on CPU"):]
+    section = text[text.index("## Try it on CPU") :]
     section = section[: section.index("\n## ", 5)]
     return {m["name"]: m["code"] for m in BLOCK.finditer(section)}
 
@@ -37,8 +35,9 @@ def test_every_block_is_checked():
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in server_env().items()
-           if k not in ("SGLANG_USE_CPU_ENGINE", "OMP_NUM_THREADS")}  # the block sets them itself
+    env = {
+        k: v for k, v in server_env().items() if k not in ("SGLANG_USE_CPU_ENGINE", "OMP_NUM_THREADS")
+    }  # the block sets them itself
     env["PORT"] = str(free_port())
     return subprocess.run(["bash", "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
 

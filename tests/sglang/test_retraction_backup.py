@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK, published_context
 
 from sglang_ascend_offload import config as cfg
-
-from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK, published_context
 
 pytestmark = pytest.mark.usefixtures("plugins_loaded")
 
@@ -28,8 +27,16 @@ def ctx():
 
 
 def _common():
-    return dict(page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=LATENT, qk_rope_head_dim=ROPE,
-                layer_num=LAYERS, device="cpu", enable_memory_saver=False, index_head_dim=INDEX_DIM)
+    return dict(
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        kv_lora_rank=LATENT,
+        qk_rope_head_dim=ROPE,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+        index_head_dim=INDEX_DIM,
+    )
 
 
 def _device_pool():
@@ -41,8 +48,9 @@ def _device_pool():
 def _host_pool():
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
 
-    return HostMainKVPool(SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK),
-                          **_common())
+    return HostMainKVPool(
+        SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK), **_common()
+    )
 
 
 class _Layer:

@@ -18,12 +18,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from conftest import IDLE_SLEEP, ServerProcess
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.sparse_decode.replay import simulate_policy
 from sglang_ascend_offload.sparse_decode.trace import Trace, load_trace
-
-from conftest import IDLE_SLEEP, ServerProcess
 from sglang_ascend_offload.testing import pd_servers
 
 POLICY = "score_rank_guarded"
@@ -47,8 +46,12 @@ def test_score_policy_needs_rank_depth_and_lists_every_problem():
 
 def test_rank_depth_rules_against_the_deployment():
     sd = cfg.SparseDecodeOffloadConfig(policy="score_rank", rank_depth=8)
-    rules = [v.rule for v in cfg.violations(cfg.OffloadConfig(sparse_decode=sd), cfg.Deployment(
-        index_topk=16, speculative_method="mtp"))]
+    rules = [
+        v.rule
+        for v in cfg.violations(
+            cfg.OffloadConfig(sparse_decode=sd), cfg.Deployment(index_topk=16, speculative_method="mtp")
+        )
+    ]
     assert rules == ["sparse_decode.rank_depth_topk", "sparse_decode.score_speculative"]
     good = cfg.SparseDecodeOffloadConfig(policy="score_rank", rank_depth=16)
     assert cfg.violations(cfg.OffloadConfig(sparse_decode=good), cfg.Deployment(index_topk=16)) == []
@@ -58,10 +61,16 @@ def test_score_policy_with_decode_graphs_is_refused_at_startup():
     """The server's whole startup verdict (a deployment-scope rule: check-config says the same)."""
     from startup_verdict import server_verdict
 
-    graphs = dict(attention_backend="ascend_offload", disable_cuda_graph=False, enable_torch_compile=True,
-                  page_size=64, cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")))
-    score = cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(policy=POLICY, rank_depth=DEPTH,
-                                                                        hot_tokens=64))
+    graphs = dict(
+        attention_backend="ascend_offload",
+        disable_cuda_graph=False,
+        enable_torch_compile=True,
+        page_size=64,
+        cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")),
+    )
+    score = cfg.OffloadConfig(
+        sparse_decode=cfg.SparseDecodeOffloadConfig(policy=POLICY, rank_depth=DEPTH, hot_tokens=64)
+    )
     found = server_verdict(score, **graphs)
     assert [v.rule for v in found] == ["sglang.sparse_decode_graph"] and "rank_depth" in found[0].problem
     assert server_verdict(score, **dict(graphs, disable_cuda_graph=True)) == []
@@ -90,11 +99,21 @@ SETTINGS = pd_servers.COMMON
 def servers(request, tmp_path_factory, shared_servers):
     root = tmp_path_factory.mktemp("score_serving")
     trace = root / "trace.npz"
-    score_cfg = json.dumps({"hot_tokens": HOT, "policy": POLICY, "rank_depth": DEPTH, "metrics_log_interval_s": 0.2,
-                            "record_trace": str(trace), "record_trace_rank_depth": DEPTH})
+    score_cfg = json.dumps(
+        {
+            "hot_tokens": HOT,
+            "policy": POLICY,
+            "rank_depth": DEPTH,
+            "metrics_log_interval_s": 0.2,
+            "record_trace": str(trace),
+            "record_trace_rank_depth": DEPTH,
+        }
+    )
     off = shared_servers.get("tiny_dsa_reference", SETTINGS + IDLE_SLEEP)
-    score = ServerProcess(SETTINGS + ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", score_cfg]
-                          + IDLE_SLEEP, log_path=root / "score.log")
+    score = ServerProcess(
+        SETTINGS + ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", score_cfg] + IDLE_SLEEP,
+        log_path=root / "score.log",
+    )
     try:
         shared_servers.start_all(off, score)
         yield off, score, trace
@@ -103,8 +122,13 @@ def servers(request, tmp_path_factory, shared_servers):
 
 
 def _prefix(trace: Trace, steps: int) -> Trace:
-    return Trace(topk=trace.topk[:steps], seq_lens=trace.seq_lens[:steps], req_ids=trace.req_ids[:steps],
-                 meta=trace.meta, ranked=trace.ranked[:steps])
+    return Trace(
+        topk=trace.topk[:steps],
+        seq_lens=trace.seq_lens[:steps],
+        req_ids=trace.req_ids[:steps],
+        meta=trace.meta,
+        ranked=trace.ranked[:steps],
+    )
 
 
 @pytest.mark.slow

@@ -97,8 +97,9 @@ def test_reader_process_sees_exactly_rank0s_appends(tmp_path):
     sp = shp.create_pool(SHAPE, directory=tmp_path, timeout_s=30)
     reader = None
     try:
-        reader = subprocess.Popen([sys.executable, "-c", READER, str(sp.path), sp.session, str(rounds)],
-                                  stdout=subprocess.PIPE, bufsize=0)
+        reader = subprocess.Popen(
+            [sys.executable, "-c", READER, str(sp.path), sp.session, str(rounds)], stdout=subprocess.PIPE, bufsize=0
+        )
         lines = _Lines(reader.stdout)
         assert lines.next(120) == "attached"
         sp.pool.unlink()  # the name can go once every rank mapped it
@@ -138,8 +139,11 @@ def test_missing_append_fails_with_rank_and_layer_after_the_deadline(tmp_path):
     reader.order.wait_readable(0, step=0)  # published: no wait
     reader.order.appended(2)
     t0 = time.monotonic()
-    with pytest.raises(shp.AppendTimeout, match=r"rank 1 of attention-DP group 3 .* append #1 of layer 2 "
-                                                r"\(decode step 7, rank 0 has published 0"):
+    with pytest.raises(
+        shp.AppendTimeout,
+        match=r"rank 1 of attention-DP group 3 .* append #1 of layer 2 "
+        r"\(decode step 7, rank 0 has published 0",
+    ):
         reader.order.wait_readable(2, step=7)
     assert time.monotonic() - t0 >= 0.2  # waited out the reader's deadline (the message names the append)
     owner.pool.close()
@@ -198,7 +202,14 @@ def test_header_identity_and_layout(tmp_path):
     sp = shp.create_pool(SHAPE, directory=tmp_path, group=2, group_size=4)
     h = shp.read_header(sp.path)
     assert (h.owner_pid, h.group, h.group_size, h.layers, h.tokens, h.row_dim, h.element_size) == (
-        os.getpid(), 2, 4, 3, 64, 12, 2)
+        os.getpid(),
+        2,
+        4,
+        3,
+        64,
+        12,
+        2,
+    )
     assert h.session == sp.session and h.owner_alive() and h.matches(SHAPE)
     assert sp.path.stat().st_size == shp.header_bytes_for(3) + SHAPE.nbytes
     assert sp.pool.data.data_ptr() % 4096 == 0  # rows start page-aligned after the header

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
-
 from conftest import IDLE_SLEEP, TINY_DSA, ServerProcess, start_all, stop_all
 
 pytestmark = pytest.mark.slow
@@ -41,8 +40,11 @@ VOCAB = 1024
 POOL_TOKENS = 65536
 LAYERS, ROW_BYTES = 2, 1152  # tiny_dsa: 2 layers, 512 latent + 64 rope bf16
 POOL_BYTES = LAYERS * POOL_TOKENS * ROW_BYTES
-OFFLOAD = ["--enable-sparse-decode-offload", "--sparse-decode-offload-config",
-           json.dumps({"hot_tokens": 64, "host_pool_tokens": POOL_TOKENS})]
+OFFLOAD = [
+    "--enable-sparse-decode-offload",
+    "--sparse-decode-offload-config",
+    json.dumps({"hot_tokens": 64, "host_pool_tokens": POOL_TOKENS}),
+]
 TP2 = ["--tp-size", "2", "--max-running-requests", "4"] + IDLE_SLEEP
 DP2 = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--max-running-requests", "4"] + IDLE_SLEEP
 # The stuck-rank test waits for this deadline; only the server it destroys gets it. It must
@@ -61,9 +63,15 @@ def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("shared_pool")
     hold = root / "hold_appends"  # created by the stuck-rank test
     off = ServerProcess(TP2, log_path=root / "off.log", env=ENV)
-    on = ServerProcess(TP2 + OFFLOAD, log_path=root / "on.log",
-                       env={**ENV, "SGLANG_ASCEND_OFFLOAD_TEST_HOLD_APPENDS": str(hold),
-                            "SGLANG_ASCEND_OFFLOAD_APPEND_TIMEOUT_S": str(DEADLINE_S)})
+    on = ServerProcess(
+        TP2 + OFFLOAD,
+        log_path=root / "on.log",
+        env={
+            **ENV,
+            "SGLANG_ASCEND_OFFLOAD_TEST_HOLD_APPENDS": str(hold),
+            "SGLANG_ASCEND_OFFLOAD_APPEND_TIMEOUT_S": str(DEADLINE_S),
+        },
+    )
     dp = ServerProcess(DP2 + OFFLOAD, log_path=root / "dp.log", env=ENV)
     start_all(off, on, dp)
     try:
@@ -147,8 +155,11 @@ def test_the_pool_exists_once_and_ranks_do_not_hold_private_copies(servers):
 
 
 def _node_line(log: str, group: int) -> Tuple[int, int, int]:
-    m = re.search(rf"host pool of attention-DP group {group}: (\d+) B = .* host bytes per node: (\d+) B "
-                  rf"\([\d.]+ MiB\) = (\d+) pool", log)
+    m = re.search(
+        rf"host pool of attention-DP group {group}: (\d+) B = .* host bytes per node: (\d+) B "
+        rf"\([\d.]+ MiB\) = (\d+) pool",
+        log,
+    )
     assert m, f"no startup line for group {group}"
     return int(m.group(1)), int(m.group(2)), int(m.group(3))
 
@@ -158,8 +169,11 @@ def test_startup_log_states_pool_and_host_bytes_per_node_with_the_planner_formul
     from sglang_ascend_offload.model_specs import load_hf_config
 
     model = load_hf_config(TINY_DSA)
-    per_token = plan(model, CapacityInputs(hbm_bytes=GIB, host_bytes=GIB, context=256, page_size=64,
-                                           hot_tokens=64)).mode("sparse-decode").host_bytes_per_token
+    per_token = (
+        plan(model, CapacityInputs(hbm_bytes=GIB, host_bytes=GIB, context=256, page_size=64, hot_tokens=64))
+        .mode("sparse-decode")
+        .host_bytes_per_token
+    )
     assert per_token == LAYERS * ROW_BYTES
     tp_log = (servers["root"] / "on.log").read_text(errors="replace")
     assert _node_line(tp_log, 0) == (POOL_BYTES, host_pool_bytes_per_node(per_token, POOL_TOKENS, 1), 1)
@@ -217,9 +231,12 @@ def test_stuck_tp_rank0_fails_the_step_at_the_deadline_naming_rank_and_layer(ser
     _, waited = _request_then_wait_for_exit(on, hold.touch)
     assert waited >= DEADLINE_S
     log = (servers["root"] / "on.log").read_text(errors="replace")
-    assert re.search(rf"AppendTimeout: sparse decode offload: attention-TP rank 1 of attention-DP group 0 waited "
-                     rf"{DEADLINE_S} s for TP rank 0's append #\d+ of layer [01] \(decode step \d+, rank 0 has "
-                     rf"published \d+", log), log[-4000:]
+    assert re.search(
+        rf"AppendTimeout: sparse decode offload: attention-TP rank 1 of attention-DP group 0 waited "
+        rf"{DEADLINE_S} s for TP rank 0's append #\d+ of layer [01] \(decode step \d+, rank 0 has "
+        rf"published \d+",
+        log,
+    ), log[-4000:]
 
 
 def test_killing_a_tp_rank_fails_the_server_and_leaves_no_pool_file(servers):

@@ -41,10 +41,10 @@ def _expected(layer: int):
 def _rank(rank: int, queues, barrier, results):
     rp = None
     try:
+        import memfabric_group_worker as w
         import torch
         import torch_npu  # noqa: F401 - registers the NPU device
 
-        import memfabric_group_worker as w
         from sglang_ascend_offload.sglang_plugin.mem_cache.pool_host import shared as shp
 
         torch.npu.set_device(rank)

@@ -5,7 +5,6 @@ arguments, and a shared server is stopped once no module still to run lists it."
 from __future__ import annotations
 
 import pytest
-
 from conftest import IDLE_SLEEP, SharedServers
 
 
@@ -23,10 +22,15 @@ def test_same_name_same_arguments_is_the_same_server_and_other_arguments_raise(t
     pool = SharedServers(tmp_path, {"ref": {"mod_a", "mod_b"}})
     a = pool.get("ref", ["--max-running-requests", "4"] + IDLE_SLEEP, env={"X": "1"})
     assert pool.get("ref", ["--max-running-requests", "4"] + IDLE_SLEEP, env={"X": "1"}) is a
-    for other in (dict(extra_args=["--max-running-requests", "8"] + IDLE_SLEEP, env={"X": "1"}),
-                  dict(extra_args=["--max-running-requests", "4"] + IDLE_SLEEP, env={"X": "2"}),
-                  dict(extra_args=["--max-running-requests", "4"] + IDLE_SLEEP, env={"X": "1"},
-                       base_args=["--model-path", "elsewhere"])):
+    for other in (
+        dict(extra_args=["--max-running-requests", "8"] + IDLE_SLEEP, env={"X": "1"}),
+        dict(extra_args=["--max-running-requests", "4"] + IDLE_SLEEP, env={"X": "2"}),
+        dict(
+            extra_args=["--max-running-requests", "4"] + IDLE_SLEEP,
+            env={"X": "1"},
+            base_args=["--model-path", "elsewhere"],
+        ),
+    ):
         with pytest.raises(ValueError, match="other arguments"):
             pool.get("ref", **other)
     pool.close()

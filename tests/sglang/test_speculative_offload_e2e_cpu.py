@@ -35,8 +35,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import IDLE_SLEEP, ServerProcess
+
 from sglang_ascend_offload.testing import pd_servers
 from sglang_ascend_offload.testing.servers import TINY_DSA_MTP, fixture_args
 
@@ -44,15 +44,25 @@ pytestmark = pytest.mark.slow
 
 VOCAB = 1024
 HOT_TOKENS = 64  # 4 x top-k 16, one page: prompts longer than this evict
-SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", "4"]
+SPEC = [
+    "--speculative-algorithm",
+    "NEXTN",
+    "--speculative-num-steps",
+    "3",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "4",
+]
 # The P/D tests' settings (at most 4 requests, prefill chunks of 128 tokens) on all three
 # servers, so the plain one is test_pd_speculative_e2e_cpu.py's colocated reference too.
 COMMON = pd_servers.COMMON + SPEC + IDLE_SLEEP
 SIMULATED_ACCEPT = {"SGLANG_SIMULATE_ACC_LEN": "2", "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}
-LAYERWISE = ["--enable-layerwise-prefill-offload", "--layerwise-prefill-offload-config",
-             json.dumps({"shared_buffers": 1, "independent_layers": [], "store_backend": "local",
-                         "wait_timeout_s": 60})]
+LAYERWISE = [
+    "--enable-layerwise-prefill-offload",
+    "--layerwise-prefill-offload-config",
+    json.dumps({"shared_buffers": 1, "independent_layers": [], "store_backend": "local", "wait_timeout_s": 60}),
+]
 
 
 def prompt(n: int, seed: int) -> list:
@@ -73,17 +83,25 @@ def servers(request, tmp_path_factory, shared_servers):
     dense = shared_servers.get("mtp_reference", COMMON, base_args=base, env=SIMULATED_ACCEPT)
     # shadow verification on every layer step (rate 1): each step recomputes one verify row
     # over the host pool and must match bit for bit
-    offload = ServerProcess(COMMON + ["--enable-metrics", "--enable-sparse-decode-offload",
-                                      "--sparse-decode-offload-config",
-                                      json.dumps({"hot_tokens": HOT_TOKENS, "verify_sample_rate": 1.0,
-                                                  "verify_action": "fail"})],
-                            log_path=root / "offload.log", base_args=base, env=SIMULATED_ACCEPT)
-    layerwise = ServerProcess(COMMON + LAYERWISE, log_path=root / "layerwise.log", base_args=base,
-                              env=SIMULATED_ACCEPT)
+    offload = ServerProcess(
+        COMMON
+        + [
+            "--enable-metrics",
+            "--enable-sparse-decode-offload",
+            "--sparse-decode-offload-config",
+            json.dumps({"hot_tokens": HOT_TOKENS, "verify_sample_rate": 1.0, "verify_action": "fail"}),
+        ],
+        log_path=root / "offload.log",
+        base_args=base,
+        env=SIMULATED_ACCEPT,
+    )
+    layerwise = ServerProcess(COMMON + LAYERWISE, log_path=root / "layerwise.log", base_args=base, env=SIMULATED_ACCEPT)
     try:
         shared_servers.start_all(dense, offload, layerwise)
-        print(f"\nstartup: dense {dense.startup_s:.1f} s, offload {offload.startup_s:.1f} s, layerwise "
-              f"{layerwise.startup_s:.1f} s (concurrent; dense may have been started by an earlier module)")
+        print(
+            f"\nstartup: dense {dense.startup_s:.1f} s, offload {offload.startup_s:.1f} s, layerwise "
+            f"{layerwise.startup_s:.1f} s (concurrent; dense may have been started by an earlier module)"
+        )
         yield dense, offload, layerwise
     finally:
         shared_servers.stop_all(request.module.__name__, dense, offload, layerwise)
@@ -94,8 +112,10 @@ def _run(srv: ServerProcess) -> list:
     sharing a cached prefix, prompts longer than ``hot_tokens``."""
     prefix = prompt(100, seed=11)
     srv.generate(prefix, max_new_tokens=1)  # the shared prefix is now in the radix cache
-    waves = [[prefix + prompt(20 + i, seed=20 + i) for i in range(4)],
-             [prompt(70 + 9 * i, seed=40 + i) for i in range(3)]]
+    waves = [
+        [prefix + prompt(20 + i, seed=20 + i) for i in range(4)],
+        [prompt(70 + 9 * i, seed=40 + i) for i in range(3)],
+    ]
     outs = []
     for wave in waves:
         with ThreadPoolExecutor(len(wave)) as ex:
@@ -126,8 +146,11 @@ def test_verify_rows_went_through_the_residency(servers):
     text = offload.get("/metrics")
 
     def total(name):
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(f"sglang:ascend_offload_{name}{{"))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(f"sglang:ascend_offload_{name}{{")
+        )
 
     assert total("hits_total") > 0 and total("misses_total") > 0
     # shadow verification checked served verify rows against the host pool, and they matched

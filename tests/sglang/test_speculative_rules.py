@@ -10,46 +10,79 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
-from sglang_ascend_offload import config as cfg
-from sglang_ascend_offload.sglang_plugin.args import carrier, flags
-
-from sglang_ascend_offload.rules import RULES
-from sglang_ascend_offload.testing.sglang_args import server_args_stub
-
 from conftest import TINY_DSA
 from startup_verdict import server_deployment, server_verdict
+
+from sglang_ascend_offload import config as cfg
+from sglang_ascend_offload.rules import RULES
+from sglang_ascend_offload.sglang_plugin.args import carrier, flags
+from sglang_ascend_offload.testing.sglang_args import server_args_stub
 
 TINY_DSA_MTP = TINY_DSA.parent / "tiny_dsa_mtp"
 RULE = "sglang.sparse_decode_speculative"
 
 
 def view(**kw):
-    base = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=3,
-                speculative_num_draft_tokens=4, disable_overlap_schedule=True, device="cpu",
-                disable_cuda_graph=True, cuda_graph_config=None, enable_torch_compile=False)
+    base = dict(
+        speculative_algorithm="EAGLE",
+        speculative_eagle_topk=1,
+        speculative_num_steps=3,
+        speculative_num_draft_tokens=4,
+        disable_overlap_schedule=True,
+        device="cpu",
+        disable_cuda_graph=True,
+        cuda_graph_config=None,
+        enable_torch_compile=False,
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
 
-@pytest.mark.parametrize("args, expect", [
-    (dict(), None),
-    (dict(speculative_algorithm="NEXTN", speculative_num_steps=1, speculative_num_draft_tokens=2), None),
-    (dict(speculative_algorithm="EAGLE3"), "only the NextN / MTP draft"),
-    (dict(speculative_algorithm="NGRAM"), "only the NextN / MTP draft"),
-    (dict(speculative_eagle_topk=4), "--speculative-eagle-topk 4"),
-    (dict(speculative_num_draft_tokens=6), "exactly steps + 1 verify rows"),
-    (dict(disable_overlap_schedule=False), "overlap scheduling"),
-    (dict(device="npu", disable_cuda_graph=False,
-          cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full"))), "decode graphs"),
-    (dict(device="cuda", disable_cuda_graph=False,
-          cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full"))), "decode graphs"),
-    # CPU + torch.compile: the plugin's CPU verify graph runner serves it (cpu_spec_graph.py)
-    (dict(disable_cuda_graph=False, enable_torch_compile=True,
-          cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full"))), None),
-    (dict(disable_cuda_graph=False, enable_torch_compile=False,  # CPU without torch.compile: eager decode
-          cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full"))), None),
-])
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (dict(), None),
+        (dict(speculative_algorithm="NEXTN", speculative_num_steps=1, speculative_num_draft_tokens=2), None),
+        (dict(speculative_algorithm="EAGLE3"), "only the NextN / MTP draft"),
+        (dict(speculative_algorithm="NGRAM"), "only the NextN / MTP draft"),
+        (dict(speculative_eagle_topk=4), "--speculative-eagle-topk 4"),
+        (dict(speculative_num_draft_tokens=6), "exactly steps + 1 verify rows"),
+        (dict(disable_overlap_schedule=False), "overlap scheduling"),
+        (
+            dict(
+                device="npu",
+                disable_cuda_graph=False,
+                cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")),
+            ),
+            "decode graphs",
+        ),
+        (
+            dict(
+                device="cuda",
+                disable_cuda_graph=False,
+                cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")),
+            ),
+            "decode graphs",
+        ),
+        # CPU + torch.compile: the plugin's CPU verify graph runner serves it (cpu_spec_graph.py)
+        (
+            dict(
+                disable_cuda_graph=False,
+                enable_torch_compile=True,
+                cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")),
+            ),
+            None,
+        ),
+        (
+            dict(
+                disable_cuda_graph=False,
+                enable_torch_compile=False,  # CPU without torch.compile: eager decode
+                cuda_graph_config=SimpleNamespace(decode=SimpleNamespace(backend="full")),
+            ),
+            None,
+        ),
+    ],
+)
 def test_speculative_limits(args, expect):
     """The server's whole startup verdict on these arguments, and ``check-config``'s on the
     deployment facts the server read, both hold exactly this rule."""
@@ -77,12 +110,24 @@ def test_the_nextn_chain_with_offload_resolves_and_is_published(plugins_loaded, 
     from sglang_ascend_offload.sglang_plugin.names import BACKEND_NAME
 
     steps, top_k = 4, 16  # top_k: the fixture's index_topk
-    flags.remember(flags.RawFlags(enabled={"sparse_decode": True, "layerwise_prefill": False},
-                                  configs={"sparse_decode": "{}", "layerwise_prefill": None}))
-    server_args = ServerArgs(model_path=str(TINY_DSA_MTP), device="cpu", load_format="dummy",
-                             skip_tokenizer_init=True, disable_cuda_graph=True, speculative_algorithm="NEXTN",
-                             speculative_num_steps=steps, speculative_eagle_topk=1,
-                             speculative_num_draft_tokens=steps + 1, page_size=16)
+    flags.remember(
+        flags.RawFlags(
+            enabled={"sparse_decode": True, "layerwise_prefill": False},
+            configs={"sparse_decode": "{}", "layerwise_prefill": None},
+        )
+    )
+    server_args = ServerArgs(
+        model_path=str(TINY_DSA_MTP),
+        device="cpu",
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        disable_cuda_graph=True,
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=steps,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=steps + 1,
+        page_size=16,
+    )
     server_args.resolve_once()
     resolved = resolving_view(server_args)
     assert resolved.attention_backend == BACKEND_NAME  # selected by the plugin, not given
@@ -90,9 +135,15 @@ def test_the_nextn_chain_with_offload_resolves_and_is_published(plugins_loaded, 
     assert resolved.disable_overlap_schedule  # the chain is set up on the host each round
     # The facts the speculative rules and the hot_tokens default are decided on.
     facts = deployment_from_server_args(server_args)
-    assert (facts.speculative_method, facts.speculative_steps, facts.speculative_rows, facts.speculative_topk,
-            facts.speculative_fixed, facts.overlap_schedule, facts.decode_graph_mode) == \
-        ("mtp", steps, steps + 1, 1, True, False, "eager")
+    assert (
+        facts.speculative_method,
+        facts.speculative_steps,
+        facts.speculative_rows,
+        facts.speculative_topk,
+        facts.speculative_fixed,
+        facts.overlap_schedule,
+        facts.decode_graph_mode,
+    ) == ("mtp", steps, steps + 1, 1, True, False, "eager")
     assert facts.index_topk == top_k
     # SGLang resolves the page size of a DeepSeek-family model itself (page_size=16 given).
     page = resolved.page_size
@@ -113,12 +164,25 @@ def test_the_nextn_chain_with_a_small_hot_buffer_is_refused(plugins_loaded, clea
     union, so the launch stops with the rule (and nothing is published)."""
     from sglang.srt.server_args import ServerArgs
 
-    flags.remember(flags.RawFlags(enabled={"sparse_decode": True, "layerwise_prefill": False},
-                                  configs={"sparse_decode": '{"hot_tokens": 32}', "layerwise_prefill": None}))
+    flags.remember(
+        flags.RawFlags(
+            enabled={"sparse_decode": True, "layerwise_prefill": False},
+            configs={"sparse_decode": '{"hot_tokens": 32}', "layerwise_prefill": None},
+        )
+    )
     with pytest.raises(cfg.ConfigError) as info:
-        ServerArgs(model_path=str(TINY_DSA_MTP), device="cpu", load_format="dummy", skip_tokenizer_init=True,
-                   disable_cuda_graph=True, speculative_algorithm="NEXTN", speculative_num_steps=3,
-                   speculative_eagle_topk=1, speculative_num_draft_tokens=4, page_size=16).resolve_once()
+        ServerArgs(
+            model_path=str(TINY_DSA_MTP),
+            device="cpu",
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            disable_cuda_graph=True,
+            speculative_algorithm="NEXTN",
+            speculative_num_steps=3,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=4,
+            page_size=16,
+        ).resolve_once()
     assert "sparse_decode.hot_tokens_verify_rows" in [v.rule for v in info.value.violations]
     assert carrier.published_text() is None
 
@@ -126,12 +190,25 @@ def test_the_nextn_chain_with_a_small_hot_buffer_is_refused(plugins_loaded, clea
 def test_adaptive_draft_counts_with_offload_are_refused(plugins_loaded, clean_state):
     from sglang.srt.server_args import ServerArgs
 
-    flags.remember(flags.RawFlags(enabled={"sparse_decode": True, "layerwise_prefill": False},
-                                  configs={"sparse_decode": "{}", "layerwise_prefill": None}))
+    flags.remember(
+        flags.RawFlags(
+            enabled={"sparse_decode": True, "layerwise_prefill": False},
+            configs={"sparse_decode": "{}", "layerwise_prefill": None},
+        )
+    )
     with pytest.raises(cfg.ConfigError) as info:
-        ServerArgs(model_path=str(TINY_DSA_MTP), device="cpu", load_format="dummy", skip_tokenizer_init=True,
-                   disable_cuda_graph=True, speculative_algorithm="NEXTN", speculative_num_steps=3,
-                   speculative_eagle_topk=1, speculative_num_draft_tokens=4, speculative_adaptive=True).resolve_once()
+        ServerArgs(
+            model_path=str(TINY_DSA_MTP),
+            device="cpu",
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            disable_cuda_graph=True,
+            speculative_algorithm="NEXTN",
+            speculative_num_steps=3,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=4,
+            speculative_adaptive=True,
+        ).resolve_once()
     assert "sparse_decode.speculative" in [v.rule for v in info.value.violations]
 
 

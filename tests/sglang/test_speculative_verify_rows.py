@@ -25,11 +25,11 @@ import pytest
 import torch
 
 from sglang_ascend_offload.ops.reference import sparse_mla_attention
-from sglang_ascend_offload.sglang_plugin.speculative import eagle as speculative
+from sglang_ascend_offload.ops.request_union import union_of_rows
 from sglang_ascend_offload.sglang_plugin.attention.sparse_decode import RowOwners
+from sglang_ascend_offload.sglang_plugin.speculative import eagle as speculative
 from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
-from sglang_ascend_offload.ops.request_union import union_of_rows
 
 REQ_ROWS, N, K, LATENT, ROPE, HEADS, WIDTH = 3, 4, 6, 16, 8, 2, 64
 HOT = N * K  # the request's hot buffer holds the union of its rows' top-k
@@ -49,22 +49,42 @@ class _Mode:
 
 
 def _batch(committed: int) -> SimpleNamespace:
-    return SimpleNamespace(forward_mode=_Mode(), spec_info=SimpleNamespace(draft_token_num=N),
-                           req_pool_indices=torch.tensor([REQ_ROW]), rids=["req-a"],
-                           seq_lens_cpu=torch.tensor([committed]), batch_size=1,
-                           _original_num_tokens=None)  # set by SGLang only for DP-attention padding
+    return SimpleNamespace(
+        forward_mode=_Mode(),
+        spec_info=SimpleNamespace(draft_token_num=N),
+        req_pool_indices=torch.tensor([REQ_ROW]),
+        rids=["req-a"],
+        seq_lens_cpu=torch.tensor([committed]),
+        batch_size=1,
+        _original_num_tokens=None,
+    )  # set by SGLang only for DP-attention padding
 
 
 def _setup(manage_impl: str):
     torch.manual_seed(0)
     pool = HostKVPool.allocate(HostPoolShape(1, 256, LATENT, ROPE, torch.float32), "pinned")
-    engine = SparseDecodeEngine(EngineConfig(layers=1, rows=REQ_ROWS, hot_tokens=HOT, top_k=K, latent_dim=LATENT,
-                                             rope_dim=ROPE, dtype=torch.float32, manage_impl=manage_impl,
-                                             rows_per_request=N),
-                                pool, device="cpu")
+    engine = SparseDecodeEngine(
+        EngineConfig(
+            layers=1,
+            rows=REQ_ROWS,
+            hot_tokens=HOT,
+            top_k=K,
+            latent_dim=LATENT,
+            rope_dim=ROPE,
+            dtype=torch.float32,
+            manage_impl=manage_impl,
+            rows_per_request=N,
+        ),
+        pool,
+        device="cpu",
+    )
     r2t = torch.zeros((REQ_ROWS, WIDTH), dtype=torch.int32)
-    backend = SimpleNamespace(engine=engine, rows=RowOwners(REQ_ROWS),
-                              req_to_token_pool=SimpleNamespace(req_to_token=r2t), verify_rows_per_request=N)
+    backend = SimpleNamespace(
+        engine=engine,
+        rows=RowOwners(REQ_ROWS),
+        req_to_token_pool=SimpleNamespace(req_to_token=r2t),
+        verify_rows_per_request=N,
+    )
     return pool, engine, r2t, backend
 
 
@@ -77,8 +97,17 @@ def _write(pool, r2t, positions, slots):
 def _reference(pool, r2t, topk, q, q_rope):
     flat = pool.layer(0)
     idx = torch.where(topk >= 0, r2t[REQ_ROW][topk.clamp(min=0).long()], torch.full_like(topk, -1))
-    return sparse_mla_attention(q, flat[:, :LATENT], None, idx.to(torch.int32).unsqueeze(1), 0.5, query_rope=q_rope,
-                                key_rope=flat[:, LATENT:], layout_query="TND", layout_kv="flat")
+    return sparse_mla_attention(
+        q,
+        flat[:, :LATENT],
+        None,
+        idx.to(torch.int32).unsqueeze(1),
+        0.5,
+        query_rope=q_rope,
+        key_rope=flat[:, LATENT:],
+        layout_query="TND",
+        layout_kv="flat",
+    )
 
 
 def _verify_round(backend, pool, r2t, committed, topk, stable_override=None):

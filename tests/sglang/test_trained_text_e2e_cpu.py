@@ -25,8 +25,8 @@ import json
 import urllib.request
 
 import pytest
-
 from conftest import REPO, start_all, stop_all
+
 from sglang_ascend_offload import demo
 from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED
 
@@ -85,10 +85,15 @@ def test_heldout_nll_through_the_server_matches_training_eval(servers):
     held = json.loads((TINY_DSA_TRAINED / "heldout_eval.json").read_text())
     served = []
     for window in held["windows"]:
-        body = {"input_ids": window, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                "return_logprob": True, "logprob_start_len": 0}
-        req = urllib.request.Request(offload.url + "/generate", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+        body = {
+            "input_ids": window,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        req = urllib.request.Request(
+            offload.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         out = json.load(urllib.request.urlopen(req, timeout=300))
         logprobs = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"] if lp is not None]
         assert len(logprobs) == len(window) - 1
@@ -129,8 +134,19 @@ def test_readme_command_one_is_the_demo_and_ci_runs_command_two():
 def test_demo_lists_every_bad_argument(capsys, tmp_path):
     from sglang_ascend_offload.cli import main
 
-    rc = main(["demo", "--max-tokens", "0", "--hot-tokens", "8", "--frequency-penalty", "3",
-               "--context-file", str(tmp_path / "missing.txt")])
+    rc = main(
+        [
+            "demo",
+            "--max-tokens",
+            "0",
+            "--hot-tokens",
+            "8",
+            "--frequency-penalty",
+            "3",
+            "--context-file",
+            str(tmp_path / "missing.txt"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2
     for flag in ("--max-tokens", "--hot-tokens", "--frequency-penalty", "--context-file"):

@@ -20,13 +20,12 @@ from types import SimpleNamespace
 from typing import Any, Dict, List, Tuple
 
 import pytest
+from startup_verdict import dsa_hf_config, server_deployment, server_verdict
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload import config_cli
 from sglang_ascend_offload.rules import RULES, ids_in_scope
 from sglang_ascend_offload.testing.sglang_args import server_args_stub
-
-from startup_verdict import dsa_hf_config, server_deployment, server_verdict
 
 CASES = 300
 
@@ -42,24 +41,35 @@ def _server_args(rng: random.Random) -> Dict[str, Any]:
     role = rng.choice(["null", "null", "prefill", "decode"])
     args: Dict[str, Any] = dict(
         device=rng.choice(["cpu", "cpu", "npu", "cuda"]),
-        tp_size=rng.choice([1, 2, 4]), dp_size=rng.choice([1, 1, 2]), enable_dp_attention=rng.random() < 0.3,
-        pp_size=rng.choice([1, 1, 1, 2]), dcp_size=rng.choice([1, 1, 1, 2]), attn_cp_size=rng.choice([1, 1, 1, 2]),
-        disaggregation_mode=role, page_size=rng.choice([16, 64]),
+        tp_size=rng.choice([1, 2, 4]),
+        dp_size=rng.choice([1, 1, 2]),
+        enable_dp_attention=rng.random() < 0.3,
+        pp_size=rng.choice([1, 1, 1, 2]),
+        dcp_size=rng.choice([1, 1, 1, 2]),
+        attn_cp_size=rng.choice([1, 1, 1, 2]),
+        disaggregation_mode=role,
+        page_size=rng.choice([16, 64]),
         kv_cache_dtype=rng.choice(["auto", "auto", "fp8_e4m3"]),
-        disable_cuda_graph=rng.random() < 0.5, cuda_graph_config=_graph_config(rng),
-        enable_torch_compile=rng.random() < 0.3, disable_overlap_schedule=rng.random() < 0.7,
+        disable_cuda_graph=rng.random() < 0.5,
+        cuda_graph_config=_graph_config(rng),
+        enable_torch_compile=rng.random() < 0.3,
+        disable_overlap_schedule=rng.random() < 0.7,
         attention_backend=rng.choice([None, "ascend_offload", "ascend_offload", "torch_native"]),
-        enable_hierarchical_cache=rng.random() < 0.05, enable_hisparse=rng.random() < 0.05,
+        enable_hierarchical_cache=rng.random() < 0.05,
+        enable_hisparse=rng.random() < 0.05,
     )
     if role != "null":
         args["disaggregation_transfer_backend"] = rng.choice(["ascend_offload", "ascend_offload", "mooncake"])
         args["disaggregation_decode_retraction_backup"] = rng.choice(["cpu_tensor", "cpu_tensor", None])
     if rng.random() < 0.4:
         steps = rng.choice([1, 2, 3])
-        args.update(speculative_algorithm=rng.choice(["NEXTN", "NEXTN", "EAGLE", "EAGLE3", "STANDALONE"]),
-                    speculative_num_steps=steps, speculative_eagle_topk=rng.choice([1, 1, 1, 2]),
-                    speculative_num_draft_tokens=steps + rng.choice([1, 1, 1, 2]),
-                    speculative_adaptive=rng.random() < 0.15)
+        args.update(
+            speculative_algorithm=rng.choice(["NEXTN", "NEXTN", "EAGLE", "EAGLE3", "STANDALONE"]),
+            speculative_num_steps=steps,
+            speculative_eagle_topk=rng.choice([1, 1, 1, 2]),
+            speculative_num_draft_tokens=steps + rng.choice([1, 1, 1, 2]),
+            speculative_adaptive=rng.random() < 0.15,
+        )
     return args
 
 
@@ -76,17 +86,23 @@ def _config(rng: random.Random) -> cfg.OffloadConfig:
     sections: Dict[str, Any] = {}
     if rng.random() < 0.6:
         sections["sparse_decode"] = cfg.SparseDecodeOffloadConfig(
-            hot_tokens=rng.choice([None, 8, 32, 64, 100, 256]), ops=rng.choice(["auto", "auto", "reference", "npu"]),
-            indexer_dtype=rng.choice(["bf16", "bf16", "bf16", "int8"]), fused_lim=rng.choice([None, None, True]),
+            hot_tokens=rng.choice([None, 8, 32, 64, 100, 256]),
+            ops=rng.choice(["auto", "auto", "reference", "npu"]),
+            indexer_dtype=rng.choice(["bf16", "bf16", "bf16", "int8"]),
+            fused_lim=rng.choice([None, None, True]),
             record_trace=rng.choice([None, None, None, "/tmp/trace.npz"]),
-            verify_sample_rate=rng.choice([0.0, 0.0, 1e-3]))
+            verify_sample_rate=rng.choice([0.0, 0.0, 1e-3]),
+        )
     if rng.random() < 0.35:
         sections["layerwise_prefill"] = cfg.LayerwisePrefillOffloadConfig(
-            shared_buffers=rng.choice([None, 1]), store_backend=rng.choice([None, "local", "memcache"]),
-            store_block_tokens=rng.choice([None, None, 16]))
+            shared_buffers=rng.choice([None, 1]),
+            store_backend=rng.choice([None, "local", "memcache"]),
+            store_block_tokens=rng.choice([None, None, 16]),
+        )
     if rng.random() < 0.35:
-        sections["pd_transfer"] = cfg.PDTransferConfig(engine=rng.choice(["memfabric", "mooncake"]),
-                                                       peer_tp=rng.choice([None, 1, 2, 3]))
+        sections["pd_transfer"] = cfg.PDTransferConfig(
+            engine=rng.choice(["memfabric", "mooncake"]), peer_tp=rng.choice([None, 1, 2, 3])
+        )
     if rng.random() < 0.25:
         sections["kvpp"] = cfg.KVPPConfig()
     return cfg.OffloadConfig(**sections)
@@ -96,8 +112,9 @@ def _check_config_ids(config: cfg.OffloadConfig, deployment: cfg.Deployment) -> 
     """``python -m sglang_ascend_offload check-config --json`` on these two documents."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = config_cli.main(argparse.Namespace(config=cfg.to_json(config), deployment=cfg.to_json(deployment),
-                                                  json=True))
+        code = config_cli.main(
+            argparse.Namespace(config=cfg.to_json(config), deployment=cfg.to_json(deployment), json=True)
+        )
     answer = json.loads(out.getvalue())
     assert (code == 0) == answer["ok"]
     return [v["rule"] for v in answer["violations"]]
@@ -137,8 +154,9 @@ def test_check_config_and_the_server_agree_on_every_generated_launch(monkeypatch
 def test_kvpp_with_layerwise_prefill_is_refused_by_both_with_one_rule_id():
     """On one colocated node: ``check-config`` and the server refuse it with
     ``kvpp.layerwise_prefill``, and the server's reason is that same violation."""
-    config = cfg.OffloadConfig(kvpp=cfg.KVPPConfig(),
-                               layerwise_prefill=cfg.LayerwisePrefillOffloadConfig(store_backend="local"))
+    config = cfg.OffloadConfig(
+        kvpp=cfg.KVPPConfig(), layerwise_prefill=cfg.LayerwisePrefillOffloadConfig(store_backend="local")
+    )
     args = dict(device="cpu", tp_size=2, attention_backend="ascend_offload", page_size=64)
     server = server_verdict(config, **args)
     deployment = server_deployment(config, server_args_stub(**args))

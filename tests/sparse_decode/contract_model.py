@@ -23,8 +23,9 @@ class RowModel:
         self.stamp = [0] * self.hot
 
 
-def model_step(row: RowModel, topk: List[int], req: int, stable: int, step: int
-               ) -> Tuple[List[bool], List[int], List[int], List[int]]:
+def model_step(
+    row: RowModel, topk: List[int], req: int, stable: int, step: int
+) -> Tuple[List[bool], List[int], List[int], List[int]]:
     """One contract step of one row: (hit_mask, slots, miss_tokens, miss_slots)."""
     k = len(topk)
     if req != row.req:  # 1. reset

@@ -61,8 +61,20 @@ def test_next_use_is_per_row_and_request():
 
 
 def test_belady_is_a_lower_bound_for_every_policy_and_capacity():
-    trace = synthesize(SyntheticTraceSpec(steps=60, layers=2, rows=3, top_k=16, min_prompt=8, max_prompt=200,
-                                          min_decode=5, max_decode=40, noise_skew=1.0, seed=5))
+    trace = synthesize(
+        SyntheticTraceSpec(
+            steps=60,
+            layers=2,
+            rows=3,
+            top_k=16,
+            min_prompt=8,
+            max_prompt=200,
+            min_decode=5,
+            max_decode=40,
+            noise_skew=1.0,
+            seed=5,
+        )
+    )
     for hot in (16, 24, 40):
         opt = simulate_policy(trace, "belady", hot).misses
         for policy in (p for p in POLICIES if not POLICIES[p].needs_ranked):  # ranked ones: test_score_rank.py

@@ -16,16 +16,16 @@ import shutil
 
 import pytest
 import torch
+from npu_requirements import npu_present, require_npu, require_npu_extension
 
 from sglang_ascend_offload import cli
 from sglang_ascend_offload.ops import ascendc_cpu_ops, registry
 from sglang_ascend_offload.ops.contract import OpImpl
 from sglang_ascend_offload.ops.registry import _REGISTRY
 
-from npu_requirements import npu_present, require_npu, require_npu_extension
-
-needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
-                               reason="needs g++ to build the AscendC functional model")
+needs_cxx = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs g++ to build the AscendC functional model"
+)
 KEY = ("copy_sparse_flash_attention", "fused")
 ARGS = ["bench", "kernels", "--copy-sfa", "--rows", "3", "--steps", "3", "--heads", "8", "--json"]
 
@@ -58,8 +58,12 @@ def test_copy_sfa_side_by_side_on_the_cpu_model(capsys, monkeypatch, model_ops_r
     assert rc == 0 and out["all_correct"] is True
     res = out["copy_sfa"]
     separate, fused = res["runs"]
-    assert (separate["run"], separate["fused_copy_sfa"], fused["run"], fused["fused_copy_sfa"]) == \
-        ("separate", False, "fused", True)
+    assert (separate["run"], separate["fused_copy_sfa"], fused["run"], fused["fused_copy_sfa"]) == (
+        "separate",
+        False,
+        "fused",
+        True,
+    )
     assert res["fused_backend"] == "CPU functional model" and "only the correctness" in res["note"]
     # every fused layer step ran the fused operator, the separate run never did
     assert fused["layer_steps"] == separate["layer_steps"] == len(calls) > 0
@@ -67,7 +71,8 @@ def test_copy_sfa_side_by_side_on_the_cpu_model(capsys, monkeypatch, model_ops_r
     assert separate["verified"] and fused["verified"] and res["same_traffic"]
     assert fused["misses"] == separate["misses"] > 0
     assert res["separate_over_fused"] == pytest.approx(
-        separate["copy_attention_ms_per_layer_step"] / fused["copy_attention_ms_per_layer_step"])
+        separate["copy_attention_ms_per_layer_step"] / fused["copy_attention_ms_per_layer_step"]
+    )
     assert res["shape"]["top_k"] == 128 and res["shape"]["heads"] == 8
 
 
@@ -98,7 +103,16 @@ def test_copy_sfa_side_by_side_on_the_npu(capsys):
     print(f"NPU Copy-SFA separate / fused: {res['separate_over_fused']} (reference design: 1.15-1.24 on A3)")
     assert rc == 0 and out["all_correct"] is True
     assert res["fused_backend"] == "AscendC extension" and res["same_traffic"]
-    assert res["shape"] == {"rows": 4, "top_k": 128, "hot_tokens": 256, "heads": 16, "layers": 2, "steps": 32,
-                            "latent_dim": 512, "rope_dim": 64, "dtype": "bfloat16"}
+    assert res["shape"] == {
+        "rows": 4,
+        "top_k": 128,
+        "hot_tokens": 256,
+        "heads": 16,
+        "layers": 2,
+        "steps": 32,
+        "latent_dim": 512,
+        "rope_dim": 64,
+        "dtype": "bfloat16",
+    }
     assert res["separate_over_fused"] is not None and res["separate_over_fused"] > 0
     assert torch.npu.is_available()

@@ -40,8 +40,11 @@ def test_json_has_the_contract_keys_and_consistent_numbers(capsys):
 
 
 def test_replays_a_trace_file_and_prints_a_table(tmp_path, capsys):
-    trace = synthesize(SyntheticTraceSpec(steps=12, layers=1, rows=2, top_k=8, min_prompt=4, max_prompt=40,
-                                          min_decode=2, max_decode=6, seed=2))
+    trace = synthesize(
+        SyntheticTraceSpec(
+            steps=12, layers=1, rows=2, top_k=8, min_prompt=4, max_prompt=40, min_decode=2, max_decode=6, seed=2
+        )
+    )
     path = tmp_path / "t.npz"
     save_trace(trace, path)
     rc, out, err = _run(["--trace", str(path), "--heads", "2"], capsys)
@@ -67,8 +70,11 @@ def test_hot_smaller_than_topk_is_an_input_error(capsys):
 def test_recorded_hot_tokens_is_the_default(tmp_path, capsys):
     import dataclasses
 
-    trace = synthesize(SyntheticTraceSpec(steps=6, layers=1, rows=2, top_k=8, min_prompt=4, max_prompt=30,
-                                          min_decode=2, max_decode=4, seed=3))
+    trace = synthesize(
+        SyntheticTraceSpec(
+            steps=6, layers=1, rows=2, top_k=8, min_prompt=4, max_prompt=30, min_decode=2, max_decode=4, seed=3
+        )
+    )
     path = tmp_path / "served.npz"
     save_trace(dataclasses.replace(trace, meta=json.dumps({"hot_tokens": 24, "top_k": 8})), path)
     rc, out, _ = _run(["--trace", str(path), "--heads", "2", "--json"], capsys)
@@ -77,8 +83,23 @@ def test_recorded_hot_tokens_is_the_default(tmp_path, capsys):
     assert rc == 0 and json.loads(out)["hot_tokens"] == 16
 
 
-PROFILE = ["--profile-shape", "--rows", "3", "--top-k", "16", "--layers", "2", "--heads", "2",
-           "--profile-context", "300", "--profile-steps", "4", "--profile-compile", "off"]
+PROFILE = [
+    "--profile-shape",
+    "--rows",
+    "3",
+    "--top-k",
+    "16",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--profile-context",
+    "300",
+    "--profile-steps",
+    "4",
+    "--profile-compile",
+    "off",
+]
 
 
 def test_profile_shape_reports_manage_per_layer_with_misses_equal_to_the_contract(capsys):
@@ -89,8 +110,15 @@ def test_profile_shape_reports_manage_per_layer_with_misses_equal_to_the_contrac
     r = json.loads(out)
     assert r["manage_impl"] == "kernel" and r["misses_equal_contract"] is True
     assert r["step_misses"] == r["reference_step_misses"] > 0
-    for key in ("manage_ms", "copy_ms", "attention_ms", "manage_over_attention", "manage_ms_per_layer",
-                "manage_cpu_ms_per_layer", "reference_manage_ms_per_layer"):
+    for key in (
+        "manage_ms",
+        "copy_ms",
+        "attention_ms",
+        "manage_over_attention",
+        "manage_ms_per_layer",
+        "manage_cpu_ms_per_layer",
+        "reference_manage_ms_per_layer",
+    ):
         assert r[key] >= 0
     assert abs(r["manage_ms_per_layer"] * r["layers"] - r["manage_ms"]) < 1e-6 * max(1.0, r["manage_ms"])
     # the median of the timed warm steps, each over every layer
@@ -114,8 +142,9 @@ def test_replays_the_recorded_trace_of_the_trained_checkpoint(tmp_path, capsys):
     meta = json.loads(trace.meta)
     assert meta["source"] == "sglang" and meta["top_k"] == 64 and trace.ranked is not None
     assert int(trace.seq_lens.max()) >= 2048
-    head = dataclasses.replace(trace, topk=trace.topk[:48], seq_lens=trace.seq_lens[:48],
-                               req_ids=trace.req_ids[:48], ranked=trace.ranked[:48])
+    head = dataclasses.replace(
+        trace, topk=trace.topk[:48], seq_lens=trace.seq_lens[:48], req_ids=trace.req_ids[:48], ranked=trace.ranked[:48]
+    )
     path = tmp_path / "head.npz"
     save_trace(head, path)
     rc, out, _ = _run(["--trace", str(path), "--policy", "score_rank_guarded", "--json"], capsys)

@@ -16,10 +16,33 @@ from .test_bench_decode import _run  # the CLI in-process: (rc, stdout, stderr)
 
 TINY = ["--steps", "40", "--layers", "2", "--rows", "3", "--top-k", "16", "--heads", "2"]
 ROW_BYTES = (512 + 64) * 2  # bf16 latent + rope
-DESIGN_KEYS = {"h2d_bytes_per_round", "device_hot_bytes_per_request", "hit_rate", "unique_hit_rate", "misses",
-               "opt_misses", "misses_over_opt", "hot_tokens", "verified", "failures"}
-TOP_KEYS = {"per_row", "per_request", "verified", "ratios", "mtp", "rows_per_request", "accept_rate",
-            "mean_accept_length", "rounds", "top_k", "layers", "requests", "trace"}
+DESIGN_KEYS = {
+    "h2d_bytes_per_round",
+    "device_hot_bytes_per_request",
+    "hit_rate",
+    "unique_hit_rate",
+    "misses",
+    "opt_misses",
+    "misses_over_opt",
+    "hot_tokens",
+    "verified",
+    "failures",
+}
+TOP_KEYS = {
+    "per_row",
+    "per_request",
+    "verified",
+    "ratios",
+    "mtp",
+    "rows_per_request",
+    "accept_rate",
+    "mean_accept_length",
+    "rounds",
+    "top_k",
+    "layers",
+    "requests",
+    "trace",
+}
 
 
 def _one_json_document(text: str):
@@ -49,7 +72,13 @@ def test_json_is_one_document_with_the_contract_keys(mtp3):
         assert DESIGN_KEYS <= set(r[design]), design
     assert {"h2d_bytes_per_round", "device_hot_bytes_per_request", "hit_rate_delta"} <= set(r["ratios"])
     assert (r["mtp"], r["rows_per_request"], r["accept_rate"], r["top_k"], r["layers"], r["requests"]) == (
-        3, 4, 0.8, 16, 2, 3)
+        3,
+        4,
+        0.8,
+        16,
+        2,
+        3,
+    )
     assert r["trace"]["source"] == "synthetic"
     assert r["verified"] is True and r["per_row"]["verified"] is True and r["per_request"]["verified"] is True
     assert r["failures"] == r["per_row"]["failures"] == r["per_request"]["failures"] == []
@@ -79,7 +108,8 @@ def test_sections_follow_the_designs_and_the_ratios_follow_the_sections(mtp3):
     assert row["hit_rate"] == row["unique_hit_rate"]
     assert ratio["h2d_bytes_per_round"] == pytest.approx(req["h2d_bytes_per_round"] / row["h2d_bytes_per_round"])
     assert ratio["device_hot_bytes_per_request"] == pytest.approx(
-        req["device_hot_bytes_per_request"] / row["device_hot_bytes_per_request"])
+        req["device_hot_bytes_per_request"] / row["device_hot_bytes_per_request"]
+    )
     assert ratio["hit_rate_delta"] == pytest.approx(req["hit_rate"] - row["hit_rate"])
     # one shared buffer of half the slots moves less and hits more on this trace
     assert ratio["device_hot_bytes_per_request"] == 0.5
@@ -91,12 +121,27 @@ def test_sections_follow_the_designs_and_the_ratios_follow_the_sections(mtp3):
 
 
 def test_trace_file_explicit_sizes_and_table(tmp_path, capsys):
-    trace = synthesize(SyntheticTraceSpec(steps=16, layers=1, rows=2, top_k=8, min_prompt=4, max_prompt=40,
-                                          min_decode=6, max_decode=10, seed=2))
+    trace = synthesize(
+        SyntheticTraceSpec(
+            steps=16, layers=1, rows=2, top_k=8, min_prompt=4, max_prompt=40, min_decode=6, max_decode=10, seed=2
+        )
+    )
     path = tmp_path / "t.npz"
     save_trace(trace, path)
-    argv = ["--trace", str(path), "--heads", "2", "--mtp", "1", "--mtp-accept", "0.5",
-            "--hot-tokens", "12", "--mtp-hot-tokens", "20"]
+    argv = [
+        "--trace",
+        str(path),
+        "--heads",
+        "2",
+        "--mtp",
+        "1",
+        "--mtp-accept",
+        "0.5",
+        "--hot-tokens",
+        "12",
+        "--mtp-hot-tokens",
+        "20",
+    ]
     rc, out, _ = _run(argv + ["--json"], capsys)
     assert rc == 0
     r = _one_json_document(out)
@@ -111,24 +156,38 @@ def test_trace_file_explicit_sizes_and_table(tmp_path, capsys):
 
 
 def test_bad_input_lists_every_problem(tmp_path, capsys):
-    rc, out, err = _run(TINY + ["--mtp", "0", "--mtp-accept", "1.5", "--policy", "score_rank",
-                                "--profile-shape", "--json"], capsys)
+    rc, out, err = _run(
+        TINY + ["--mtp", "0", "--mtp-accept", "1.5", "--policy", "score_rank", "--profile-shape", "--json"], capsys
+    )
     assert rc == 2 and out == ""
-    for needle in ("--mtp 0", "--mtp-accept 1.5 must be in [0, 1]", "--policy score_rank needs the indexer's ranking",
-                   "--profile-shape and --mtp"):
+    for needle in (
+        "--mtp 0",
+        "--mtp-accept 1.5 must be in [0, 1]",
+        "--policy score_rank needs the indexer's ranking",
+        "--profile-shape and --mtp",
+    ):
         assert needle in err, needle
-    rc, out, err = _run(TINY + ["--mtp", "3", "--mtp-accept", "-0.1", "--hot-tokens", "8",
-                                "--mtp-hot-tokens", "32", "--layers", "0"], capsys)
+    rc, out, err = _run(
+        TINY + ["--mtp", "3", "--mtp-accept", "-0.1", "--hot-tokens", "8", "--mtp-hot-tokens", "32", "--layers", "0"],
+        capsys,
+    )
     assert rc == 2 and out == ""
-    for needle in ("--layers must be >= 1", "--mtp-accept -0.1", "--hot-tokens 8 < the trace's top-k 16",
-                   "--mtp-hot-tokens 32 < 4 verify rows x top-k 16 = 64"):
+    for needle in (
+        "--layers must be >= 1",
+        "--mtp-accept -0.1",
+        "--hot-tokens 8 < the trace's top-k 16",
+        "--mtp-hot-tokens 32 < 4 verify rows x top-k 16 = 64",
+    ):
         assert needle in err, needle
     # the speculative flags need --mtp
     rc, _, err = _run(TINY + ["--mtp-accept", "0.5", "--mtp-hot-tokens", "64"], capsys)
     assert rc == 2 and "--mtp-accept needs --mtp" in err and "--mtp-hot-tokens needs --mtp" in err
     # against a recorded trace the sizes are checked with its top-k; a trace too short for a round
-    trace = synthesize(SyntheticTraceSpec(steps=8, layers=1, rows=2, top_k=8, min_prompt=4, max_prompt=20,
-                                          min_decode=2, max_decode=3, seed=1))
+    trace = synthesize(
+        SyntheticTraceSpec(
+            steps=8, layers=1, rows=2, top_k=8, min_prompt=4, max_prompt=20, min_decode=2, max_decode=3, seed=1
+        )
+    )
     path = tmp_path / "short.npz"
     save_trace(trace, path)
     rc, _, err = _run(["--trace", str(path), "--mtp", "1", "--hot-tokens", "4", "--mtp-hot-tokens", "8"], capsys)

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang_ascend_offload.sparse_decode import cpu_kernel
 from sglang_ascend_offload.ops.contract import ResidencyTable
 from sglang_ascend_offload.ops.residency import copy_miss_rows, residency_manage
+from sglang_ascend_offload.sparse_decode import cpu_kernel
 
 from .test_residency import scenarios
 
@@ -46,8 +47,11 @@ def _lookup(impl: str):
 LOOKUPS = pytest.mark.parametrize("impl", ["simd", "scalar"])
 
 
-@pytest.mark.parametrize("dense", [False, "int16", "int16_scalar", "int32"],
-                         ids=["hash_map", "dense_map_int16", "dense_map_int16_scalar_lookup", "dense_map_int32"])
+@pytest.mark.parametrize(
+    "dense",
+    [False, "int16", "int16_scalar", "int32"],
+    ids=["hash_map", "dense_map_int16", "dense_map_int16_scalar_lookup", "dense_map_int32"],
+)
 @HYP
 @given(scn=scenarios())
 def test_kernel_equals_reference_on_all_rows(dense, scn):
@@ -98,20 +102,33 @@ def test_kernel_on_a_subset_of_rows_leaves_the_others_alone(scn, rnd):
         out = _as_dict(cpu_kernel.lru_manage_rows(state, batch_rows, b_topk, b_req, b_stable, step))
         if chosen:
             idx = torch.tensor(chosen)
-            sub = ResidencyTable(table.slot_token[idx].clone(), table.slot_stamp[idx].clone(), table.row_req[idx].clone())
-            ref = residency_manage(sub.slot_token, sub.slot_stamp, sub.row_req, b_topk[:len(chosen)],
-                                   b_req[:len(chosen)], b_stable[:len(chosen)], step)
-            table.slot_token[idx], table.slot_stamp[idx], table.row_req[idx] = sub.slot_token, sub.slot_stamp, sub.row_req
+            sub = ResidencyTable(
+                table.slot_token[idx].clone(), table.slot_stamp[idx].clone(), table.row_req[idx].clone()
+            )
+            ref = residency_manage(
+                sub.slot_token,
+                sub.slot_stamp,
+                sub.row_req,
+                b_topk[: len(chosen)],
+                b_req[: len(chosen)],
+                b_stable[: len(chosen)],
+                step,
+            )
+            table.slot_token[idx], table.slot_stamp[idx], table.row_req[idx] = (
+                sub.slot_token,
+                sub.slot_stamp,
+                sub.row_req,
+            )
             for name in ("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots"):
-                assert torch.equal(out[name][:len(chosen)], getattr(ref, name)), name
+                assert torch.equal(out[name][: len(chosen)], getattr(ref, name)), name
         assert torch.equal(state.slot_token, table.slot_token)
         assert torch.equal(state.slot_stamp, table.slot_stamp)
         assert torch.equal(state.row_req, table.row_req)
         untouched = [r for r in range(rows + 1) if r not in chosen]
         for t_now, t_before in zip((state.slot_token, state.slot_stamp, state.row_req), before):
             assert torch.equal(t_now[untouched], t_before[untouched])
-        assert int(out["miss_count"][len(chosen):].abs().sum()) == 0
-        assert bool((out["slots"][len(chosen):] == -1).all())
+        assert int(out["miss_count"][len(chosen) :].abs().sum()) == 0
+        assert bool((out["slots"][len(chosen) :] == -1).all())
 
 
 def test_kernel_at_a_larger_shape_with_locality_equals_reference():
@@ -130,9 +147,17 @@ def test_kernel_at_a_larger_shape_with_locality_equals_reference():
     for step in range(12):
         stable = torch.full((rows,), 2000 + 3 * step, dtype=torch.int32)
         base = torch.randperm(600, generator=gen)[: k - 8].to(torch.int32)
-        topk = torch.stack([torch.cat([base[torch.randperm(k - 8, generator=gen)],
-                                       torch.arange(int(stable[0]) - 4, int(stable[0]) + 4, dtype=torch.int32)])
-                            for _ in range(rows)])
+        topk = torch.stack(
+            [
+                torch.cat(
+                    [
+                        base[torch.randperm(k - 8, generator=gen)],
+                        torch.arange(int(stable[0]) - 4, int(stable[0]) + 4, dtype=torch.int32),
+                    ]
+                )
+                for _ in range(rows)
+            ]
+        )
         if step == 7:
             req[1] = 9  # churn
             history[1] = []
@@ -190,8 +215,9 @@ def _check_dense16_larger():
         stable = torch.full((rows,), width - 1 - (step % 3), dtype=torch.int32)
         topk = torch.full((rows, k), -1, dtype=torch.int32)
         for r in range(rows):
-            pos = torch.cat([torch.tensor([0, width - 1]),
-                             1 + torch.randperm(width - 2, generator=gen)[: k - 12]]).to(torch.int32)
+            pos = torch.cat([torch.tensor([0, width - 1]), 1 + torch.randperm(width - 2, generator=gen)[: k - 12]]).to(
+                torch.int32
+            )
             topk[r, : pos.numel()] = pos[torch.randperm(pos.numel(), generator=gen)]
         if step == 6:
             req[2] = 7  # churn
@@ -212,8 +238,14 @@ def _check_rejects_beyond_width():
     topk = torch.arange(20, dtype=torch.int32).view(1, 20).clone()
     topk[0, 17] = 40
     with pytest.raises(IndexError, match="dense map's width 40"):
-        cpu_kernel.lru_manage_rows(state, torch.tensor([1]), topk, torch.zeros(1, dtype=torch.int64),
-                                   torch.full((1,), 41, dtype=torch.int32), 0)
+        cpu_kernel.lru_manage_rows(
+            state,
+            torch.tensor([1]),
+            topk,
+            torch.zeros(1, dtype=torch.int64),
+            torch.full((1,), 41, dtype=torch.int32),
+            0,
+        )
 
 
 def test_kernel_copy_equals_reference_copy():
@@ -239,8 +271,14 @@ def test_kernel_copy_equals_reference_copy():
 def test_kernel_rejects_rows_out_of_range():
     state = cpu_kernel.KernelLRUState.empty(2, 4)
     try:
-        cpu_kernel.lru_manage_rows(state, torch.tensor([5]), torch.zeros((1, 2), dtype=torch.int32),
-                                   torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int32), 0)
+        cpu_kernel.lru_manage_rows(
+            state,
+            torch.tensor([5]),
+            torch.zeros((1, 2), dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int64),
+            torch.ones(1, dtype=torch.int32),
+            0,
+        )
     except IndexError as exc:
         assert "outside the 2 state rows" in str(exc)
     else:

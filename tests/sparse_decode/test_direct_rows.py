@@ -23,21 +23,60 @@ from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolSh
 from sglang_ascend_offload.sparse_decode.op_selection import OpSelectionError, select_ops
 from sglang_ascend_offload.sparse_decode.verify import full_kv_attention, resident_mismatches
 
-from .test_engine_equivalence import (HEADS, HOT, K, LATENT, LAYERS, MAX_CTX, ROPE, ROWS, SCALE, Workload,
-                                      copy_sfa_stand_in)
+from .test_engine_equivalence import (
+    HEADS,
+    HOT,
+    LATENT,
+    LAYERS,
+    MAX_CTX,
+    ROPE,
+    ROWS,
+    SCALE,
+    K,
+    Workload,
+    copy_sfa_stand_in,
+)
 
 
-def _engine(residency: str, impl: str, host_tokens: int, ops: str = "reference", device: str = "cpu",
-            fused_copy_sfa: bool = True) -> SparseDecodeEngine:
+def _engine(
+    residency: str,
+    impl: str,
+    host_tokens: int,
+    ops: str = "reference",
+    device: str = "cpu",
+    fused_copy_sfa: bool = True,
+) -> SparseDecodeEngine:
     pool = HostKVPool.allocate(HostPoolShape(LAYERS, host_tokens, LATENT, ROPE), "pinned")
     fused = {"fused_lim": False, "fused_copy_sfa": fused_copy_sfa} if ops in ("fused", "auto") else {}
-    return SparseDecodeEngine(EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, policy="lru", ops=ops,
-                                           manage_impl=impl, max_context=MAX_CTX, residency=residency, **fused),
-                              pool, device=device)
+    return SparseDecodeEngine(
+        EngineConfig(
+            LAYERS,
+            ROWS,
+            HOT,
+            K,
+            LATENT,
+            ROPE,
+            policy="lru",
+            ops=ops,
+            manage_impl=impl,
+            max_context=MAX_CTX,
+            residency=residency,
+            **fused,
+        ),
+        pool,
+        device=device,
+    )
 
 
-@pytest.mark.parametrize("impl,ops,borrow", [("kernel", "reference", False), ("kernel", "reference", True),
-                                             ("torch", "reference", True), ("torch", "fused", True)])
+@pytest.mark.parametrize(
+    "impl,ops,borrow",
+    [
+        ("kernel", "reference", False),
+        ("kernel", "reference", True),
+        ("torch", "reference", True),
+        ("torch", "fused", True),
+    ],
+)
 def test_adaptive_equals_always_and_full_kv(impl, ops, borrow, monkeypatch):
     calls = copy_sfa_stand_in(monkeypatch) if ops == "fused" else None
     run_adaptive_against_always(impl, ops, borrow=borrow)
@@ -48,8 +87,9 @@ def test_adaptive_equals_always_and_full_kv(impl, ops, borrow, monkeypatch):
 STEPS = 400
 
 
-def run_adaptive_against_always(impl: str, ops: str, device: str = "cpu", fused_copy_sfa: bool = True,
-                                borrow: bool = False) -> None:
+def run_adaptive_against_always(
+    impl: str, ops: str, device: str = "cpu", fused_copy_sfa: bool = True, borrow: bool = False
+) -> None:
     """The module docstring's comparison over :data:`STEPS` steps, the engines on ``device``
     (the ``always`` engine on the ``reference`` rung there). ``borrow``: the idle rows
     are free, so direct requests span them and are demoted when a new request needs one."""
@@ -76,15 +116,22 @@ def run_adaptive_against_always(impl: str, ops: str, device: str = "cpu", fused_
         b_ctx = torch.tensor([int(seq_lens[r]) if r >= 0 else 0 for r in batch], dtype=torch.int64)
         idle = [r for r in range(ROWS) if req_ids[r] == -1]
         always.begin_step(b_req, table, b_stable, step=step, rows=rows_t, context_len=b_ctx)
-        adaptive.begin_step(b_req, table, b_stable, step=step, rows=rows_t, context_len=b_ctx,
-                            free_rows=(lambda: idle) if borrow else None)
+        adaptive.begin_step(
+            b_req,
+            table,
+            b_stable,
+            step=step,
+            rows=rows_t,
+            context_len=b_ctx,
+            free_rows=(lambda: idle) if borrow else None,
+        )
         plan = adaptive._direct_step
         direct = plan.mask.tolist()
         writes = []
         for req in {int(req_ids[r]) for r in live}:
             st = work.reqs[req]
             lo = min(written.get(req, 0), st["stable"])
-            writes += st["slots"][lo: st["seq_len"]]
+            writes += st["slots"][lo : st["seq_len"]]
             written[req] = st["seq_len"]
         idx = torch.tensor(writes, dtype=torch.int64)
         for layer in range(LAYERS):
@@ -104,8 +151,9 @@ def run_adaptive_against_always(impl: str, ops: str, device: str = "cpu", fused_
             assert torch.equal(out, ref_out), f"step {step} layer {layer}: adaptive != always"
             real = torch.tensor(live, dtype=torch.int64)
             if live:
-                ref = full_kv_attention(attention, adaptive.pool, layer, torch.from_numpy(topk[:-1]), table[real],
-                                        q[:-1], qr[:-1], SCALE)
+                ref = full_kv_attention(
+                    attention, adaptive.pool, layer, torch.from_numpy(topk[:-1]), table[real], q[:-1], qr[:-1], SCALE
+                )
                 assert torch.equal(out[:-1], ref), f"step {step} layer {layer}: != full-KV attention"
             hot = adaptive.hot.layer(layer).cpu()
             host = adaptive.pool.layer(layer)
@@ -118,7 +166,7 @@ def run_adaptive_against_always(impl: str, ops: str, device: str = "cpu", fused_
                     # no residency work: the manager saw an idle row; positions read through the span
                     assert int(miss_count[i]) == 0 and not bool(hit_mask[i].any())
                     n = int(b_ctx[i])
-                    where = direct_flat(plan.span_rows[i:i + 1].cpu(), torch.arange(n)[None, :], HOT)[0].long()
+                    where = direct_flat(plan.span_rows[i : i + 1].cpu(), torch.arange(n)[None, :], HOT)[0].long()
                     flat_hot = hot.reshape(-1, hot.shape[-1])
                     assert torch.equal(flat_hot[where], host[table[r, :n].long()]), f"step {step} row {r}: span"
                     sel = torch.from_numpy(topk[i])
@@ -164,8 +212,9 @@ def test_demotion_moves_the_buffer_on_the_device_only():
         eng.begin_step(torch.tensor([7]), table, torch.tensor([length], dtype=torch.int32), step=step, rows=rows)
         d = eng._direct_step
         for layer in range(LAYERS):
-            eng.append(layer, torch.tensor([length - 1]),
-                       torch.randn((1, LATENT + ROPE), generator=gen).to(torch.bfloat16))
+            eng.append(
+                layer, torch.tensor([length - 1]), torch.randn((1, LATENT + ROPE), generator=gen).to(torch.bfloat16)
+            )
             # select the most recent K positions (all resident but the new one once demoted)
             sel = torch.arange(max(0, length - K), length, dtype=torch.int32)
             topk = torch.full((1, K), -1, dtype=torch.int32)
@@ -271,9 +320,24 @@ def test_adaptive_refusals_name_the_fix():
         EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, residency="sometimes")
     pool = HostKVPool.allocate(HostPoolShape(LAYERS, 64, LATENT, ROPE), "pinned")
     with pytest.raises(OpSelectionError, match=r"fused_not_wired.*residency 'adaptive'"):
-        SparseDecodeEngine(EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, ops="fused", residency="adaptive",
-                                        caller_runs_indexer=True, manage_impl="torch", fused_lim=True,
-                                        fused_copy_sfa=False), pool, device="cpu")
+        SparseDecodeEngine(
+            EngineConfig(
+                LAYERS,
+                ROWS,
+                HOT,
+                K,
+                LATENT,
+                ROPE,
+                ops="fused",
+                residency="adaptive",
+                caller_runs_indexer=True,
+                manage_impl="torch",
+                fused_lim=True,
+                fused_copy_sfa=False,
+            ),
+            pool,
+            device="cpu",
+        )
     # the default fused rung opts out of the fused indexer (logged) and keeps the fused Copy-SFA
     plan = select_ops("npu", ops="auto", residency="adaptive", available=lambda op: None)
     assert not plan.indexer.fused and "residency 'adaptive'" in plan.indexer.reason
@@ -283,7 +347,8 @@ def test_adaptive_refusals_name_the_fix():
 def _served_like_steps(seed: int, steps: int):
     """Decode steps as a server runs them: each request's prompt is in the host pool
     before its first decode step, every step appends one token per request, requests
-    finish and rows are reused (the last row never gets a request: it is free to lend). Yields ``(rows, req_ids, stable [B], new host slots [B],
+    finish and rows are reused (the last row never gets a request: it is free to lend). Yields ``(rows, req_ids,
+    stable [B], new host slots [B],
     table)`` with ``stable`` = the length including the token being decoded."""
     rng = np.random.default_rng(seed)
     table = torch.zeros((ROWS, MAX_CTX), dtype=torch.int32)
@@ -307,8 +372,14 @@ def _served_like_steps(seed: int, steps: int):
             length[r] += 1
             left[r] -= 1
         new_slots = torch.tensor([int(table[r, length[r] - 1]) for r in live], dtype=torch.int64)
-        yield (torch.tensor(live + [-1]), torch.tensor([owner[r] for r in live] + [-1]),
-               torch.tensor([length[r] for r in live] + [0], dtype=torch.int32), new_slots, table.clone(), prompts)
+        yield (
+            torch.tensor(live + [-1]),
+            torch.tensor([owner[r] for r in live] + [-1]),
+            torch.tensor([length[r] for r in live] + [0], dtype=torch.int32),
+            new_slots,
+            table.clone(),
+            prompts,
+        )
 
 
 COMPILED_TOL = 2e-2
@@ -355,10 +426,23 @@ def test_captured_step_equals_the_eager_step(compiled):
             q = torch.randn((b, HEADS, LATENT), generator=gen).to(torch.bfloat16)
             qr = torch.randn((b, HEADS, ROPE), generator=gen).to(torch.bfloat16)
             want = eager.run_layer(layer, topk, q, qr, SCALE).output
-            got, _ = layer_step(captured.managers[layer], captured.batch_rows, topk, captured._req_ids,
-                                captured._stable_len, torch.tensor(step), captured.pool.layer(layer),
-                                captured.hot.storage(layer), table, q, qr, SCALE, LATENT, attention=attention,
-                                direct=(d.mask, d.step_pos, d.span_rows))
+            got, _ = layer_step(
+                captured.managers[layer],
+                captured.batch_rows,
+                topk,
+                captured._req_ids,
+                captured._stable_len,
+                torch.tensor(step),
+                captured.pool.layer(layer),
+                captured.hot.storage(layer),
+                table,
+                q,
+                qr,
+                SCALE,
+                LATENT,
+                attention=attention,
+                direct=(d.mask, d.step_pos, d.span_rows),
+            )
             if compiled:  # inductor may fuse the attention's float arithmetic differently (test_sync_free.TOL)
                 diff = (got.float() - want.float()).abs()
                 assert bool((diff <= COMPILED_TOL + COMPILED_TOL * want.float().abs()).all()), (step, layer)
@@ -381,9 +465,23 @@ def test_verify_rows_adaptive_equals_always():
 
     def engine(residency):
         pool = HostKVPool.allocate(HostPoolShape(LAYERS, host_tokens, LATENT, ROPE), "pinned")
-        return SparseDecodeEngine(EngineConfig(LAYERS, rows, hot, k, LATENT, ROPE, policy="lru", ops="reference",
-                                               manage_impl="torch", rows_per_request=n, residency=residency),
-                                  pool, device="cpu")
+        return SparseDecodeEngine(
+            EngineConfig(
+                LAYERS,
+                rows,
+                hot,
+                k,
+                LATENT,
+                ROPE,
+                policy="lru",
+                ops="reference",
+                manage_impl="torch",
+                rows_per_request=n,
+                residency=residency,
+            ),
+            pool,
+            device="cpu",
+        )
 
     always, adaptive = engine("always"), engine("adaptive")
     rng = np.random.default_rng(4)
@@ -403,7 +501,7 @@ def test_verify_rows_adaptive_equals_always():
         direct_seen += d.direct_count
         spanned += int(((d.span_rows[:, 1] != b_rows) & d.mask).sum())
         for layer in range(LAYERS):
-            slots = torch.cat([table[r, committed[r]:committed[r] + n].long() for r in live])
+            slots = torch.cat([table[r, committed[r] : committed[r] + n].long() for r in live])
             kv = torch.randn((slots.numel(), LATENT + ROPE), generator=gen).to(torch.bfloat16)
             always.append(layer, slots, kv)
             adaptive.append(layer, slots, kv)
@@ -426,8 +524,19 @@ def test_verify_rows_adaptive_equals_always():
 def _plan_fields(p) -> dict:
     """Every field of a :class:`DirectStep` as host values (for comparing two plans)."""
     out = {}
-    for name in ("mask", "span_rows", "copy_rows", "copy_pos", "copy_dst", "demote_heads", "demote_req",
-                 "demote_stable", "demote_pos", "demote_src", "step_pos"):
+    for name in (
+        "mask",
+        "span_rows",
+        "copy_rows",
+        "copy_pos",
+        "copy_dst",
+        "demote_heads",
+        "demote_req",
+        "demote_stable",
+        "demote_pos",
+        "demote_src",
+        "step_pos",
+    ):
         t = getattr(p, name)
         out[name] = None if t is None else t.cpu().tolist()
     for name in ("direct_count", "step_copies", "lent_rows", "lent_now", "reclaimed", "all_direct"):
@@ -475,8 +584,9 @@ def test_steady_state_plan_equals_the_full_plan(captured):
         req = torch.tensor([owner[r] for r in batch] + [-1], dtype=torch.int64)
         ctx = torch.tensor([length[r] for r in batch] + [0], dtype=torch.int64)
         stable = torch.clamp(ctx - (captured or 1), min=0).to(torch.int32)
-        was_steady = fast._steady is not None and fast._steady.holds(dr._Batch.of(rows, req, stable, ctx),
-                                                                       fast.max_span)
+        was_steady = fast._steady is not None and fast._steady.holds(
+            dr._Batch.of(rows, req, stable, ctx), fast.max_span
+        )
         a = fast.plan(rows, req, stable, ctx, "cpu", captured_width=captured, free_rows=lambda: free_now)
         full._steady = None  # the full plan every step
         b = full.plan(rows, req, stable, ctx, "cpu", captured_width=captured, free_rows=lambda: free_now)
@@ -506,9 +616,19 @@ def test_position_map_gather_equals_direct_flat(n):
     positions = torch.randint(-1, hot * spans, (entries * n, 16), generator=gen, dtype=torch.int32)
     positions[:, -1] = -1  # unused top-k entries
     none = torch.zeros((0,), dtype=torch.int64)
-    step = DirectStep(mask=torch.ones(entries, dtype=torch.bool), span_rows=span_rows, copy_rows=none,
-                      copy_pos=none, copy_dst=none, demote_heads=none, demote_req=none, demote_stable=none,
-                      demote_pos=none, demote_src=none, direct_count=entries)
+    step = DirectStep(
+        mask=torch.ones(entries, dtype=torch.bool),
+        span_rows=span_rows,
+        copy_rows=none,
+        copy_pos=none,
+        copy_dst=none,
+        demote_heads=none,
+        demote_req=none,
+        demote_stable=none,
+        demote_pos=none,
+        demote_src=none,
+        direct_count=entries,
+    )
     for _ in range(2):  # the map is built once and reused (every layer of the step)
         got = step.flat_rows(positions, hot, n)
         assert got.dtype == torch.int32 and torch.equal(got, direct_flat(span_rows, positions, hot, n))

@@ -10,13 +10,14 @@ from __future__ import annotations
 import importlib
 
 import pytest
-
 from npu_requirements import npu_present, require_npu, requires
 
 from .test_direct_rows import run_adaptive_against_always
 
-pytestmark = [pytest.mark.npu,
-              pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and torch_npu")]
+pytestmark = [
+    pytest.mark.npu,
+    pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and torch_npu"),
+]
 
 
 @requires(require_npu)

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from sglang_ascend_offload.ops import registry
+from sglang_ascend_offload.ops.contract import ResidencyTable
 from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
 from sglang_ascend_offload.sparse_decode.policies import DEFAULT_POLICY
-from sglang_ascend_offload.ops.contract import ResidencyTable
 from sglang_ascend_offload.sparse_decode.verify import full_kv_attention, resident_mismatches
 
 from .contract_model import RowModel, model_step
@@ -73,8 +73,13 @@ class Workload:
     def _new_request(self, length: int) -> int:
         req = self.next_req
         self.next_req += 1
-        self.reqs[req] = {"slots": [self.free.pop() for _ in range(self.dims.max_ctx)], "seq_len": length,
-                          "stable": length, "left": int(self.rng.integers(5, 60)), "fresh": True}
+        self.reqs[req] = {
+            "slots": [self.free.pop() for _ in range(self.dims.max_ctx)],
+            "seq_len": length,
+            "stable": length,
+            "left": int(self.rng.integers(5, 60)),
+            "fresh": True,
+        }
         return req
 
     def step(self):
@@ -141,7 +146,7 @@ def begin_workload_step(engine, work: Workload, written: dict, step: int):
     writes = []
     for req, st in work.reqs.items():
         lo = min(written.get(req, 0), st["stable"])
-        writes += st["slots"][lo: st["seq_len"]]
+        writes += st["slots"][lo : st["seq_len"]]
         written[req] = st["seq_len"]
     return req_ids, seq_lens, stable, table, writes
 
@@ -156,8 +161,15 @@ def layer_inputs(work: Workload, gen: torch.Generator, seq_lens, req_ids):
     return topk, q, qr
 
 
-def run_against_full_kv(policy: str, steps: int, seed: int, ops: str = "reference", dims: Dims = CPU_DIMS,
-                        device: str = "cpu", attention_tol: float = 0.0):
+def run_against_full_kv(
+    policy: str,
+    steps: int,
+    seed: int,
+    ops: str = "reference",
+    dims: Dims = CPU_DIMS,
+    device: str = "cpu",
+    attention_tol: float = 0.0,
+):
     """The engine on ``device`` against full-KV attention on the CPU. Outputs
     ``torch.equal`` (``attention_tol`` 0) or within ``attention_tol`` (absolute and
     relative: a fused kernel's own accumulation order); hot-buffer rows, miss lists and
@@ -165,8 +177,9 @@ def run_against_full_kv(policy: str, steps: int, seed: int, ops: str = "referenc
     d = dims
     host_tokens = pool_tokens(d)
     pool = HostKVPool.allocate(HostPoolShape(d.layers, host_tokens, d.latent, d.rope), "pinned")
-    engine = SparseDecodeEngine(EngineConfig(d.layers, d.rows, d.hot, d.k, d.latent, d.rope, policy=policy, ops=ops),
-                                pool, device=device)
+    engine = SparseDecodeEngine(
+        EngineConfig(d.layers, d.rows, d.hot, d.k, d.latent, d.rope, policy=policy, ops=ops), pool, device=device
+    )
     attention = registry.select("sparse_mla_attention", "reference")
     gen = torch.Generator().manual_seed(seed)
     work = Workload(seed, host_tokens, d)
@@ -180,21 +193,31 @@ def run_against_full_kv(policy: str, steps: int, seed: int, ops: str = "referenc
         before = engine.stats()
         for layer in range(d.layers):
             if writes:
-                engine.append(layer, idx, torch.randn((len(writes), d.latent + d.rope), generator=gen).to(torch.bfloat16))
+                engine.append(
+                    layer, idx, torch.randn((len(writes), d.latent + d.rope), generator=gen).to(torch.bfloat16)
+                )
             topk, q, qr = layer_inputs(work, gen, seq_lens, req_ids)
             hot_before = engine.hot.layer(layer).cpu().clone()
             res = engine.run_layer(layer, torch.from_numpy(topk), q.to(device), qr.to(device), d.scale)
             state = engine.table(layer)
             state = ResidencyTable(state.slot_token.cpu(), state.slot_stamp.cpu(), state.row_req.cpu())
             hot_after = engine.hot.layer(layer).cpu()
-            miss_count, miss_slots, miss_tokens = (res.residency.miss_count.cpu(), res.residency.miss_slots.cpu(),
-                                                   res.residency.miss_tokens.cpu())
+            miss_count, miss_slots, miss_tokens = (
+                res.residency.miss_count.cpu(),
+                res.residency.miss_slots.cpu(),
+                res.residency.miss_tokens.cpu(),
+            )
 
             ref = full_kv_attention(attention, pool, layer, torch.from_numpy(topk), table, q, qr, d.scale)
             out = res.output.cpu()
             if attention_tol:
-                torch.testing.assert_close(out.float(), ref.float(), atol=attention_tol, rtol=attention_tol,
-                                           msg=lambda m: f"step {step} layer {layer}: {m}")
+                torch.testing.assert_close(
+                    out.float(),
+                    ref.float(),
+                    atol=attention_tol,
+                    rtol=attention_tol,
+                    msg=lambda m: f"step {step} layer {layer}: {m}",
+                )
             else:
                 assert torch.equal(out, ref), f"step {step} layer {layer}: output != full-KV reference"
             assert resident_mismatches(state, hot_after, pool.layer(layer), table) == 0
@@ -244,8 +267,11 @@ def copy_sfa_stand_in(monkeypatch) -> list:
         calls.append(1)
         return ref.fn(*args, **kwargs)
 
-    monkeypatch.setitem(_REGISTRY.impls, ("copy_sparse_flash_attention", "fused"),
-                        OpImpl("copy_sparse_flash_attention", "fused", fused_stand_in, lambda: None))
+    monkeypatch.setitem(
+        _REGISTRY.impls,
+        ("copy_sparse_flash_attention", "fused"),
+        OpImpl("copy_sparse_flash_attention", "fused", fused_stand_in, lambda: None),
+    )
     return calls
 
 
@@ -270,8 +296,22 @@ def _run_rows_form(policy: str, manage_impl: str, steps: int, seed: int):
     state and hot rows, and the engine counts exactly ``B`` rows per layer step."""
     host_tokens = ROWS * MAX_CTX + 8
     pool = HostKVPool.allocate(HostPoolShape(LAYERS, host_tokens, LATENT, ROPE), "pinned")
-    engine = SparseDecodeEngine(EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, policy=policy, ops="reference",
-                                             manage_impl=manage_impl, max_context=MAX_CTX), pool, device="cpu")
+    engine = SparseDecodeEngine(
+        EngineConfig(
+            LAYERS,
+            ROWS,
+            HOT,
+            K,
+            LATENT,
+            ROPE,
+            policy=policy,
+            ops="reference",
+            manage_impl=manage_impl,
+            max_context=MAX_CTX,
+        ),
+        pool,
+        device="cpu",
+    )
     assert engine.uses_cpu_kernel == (manage_impl == "kernel")
     attention = registry.select("sparse_mla_attention", "reference")
     gen = torch.Generator().manual_seed(seed)
@@ -298,7 +338,7 @@ def _run_rows_form(policy: str, manage_impl: str, steps: int, seed: int):
         for req in {int(req_ids[r]) for r in live}:
             st = work.reqs[req]
             lo = min(written.get(req, 0), st["stable"])
-            writes += st["slots"][lo: st["seq_len"]]
+            writes += st["slots"][lo : st["seq_len"]]
             written[req] = st["seq_len"]
         idx = torch.tensor(writes, dtype=torch.int64)
         for layer in range(LAYERS):
@@ -317,8 +357,9 @@ def _run_rows_form(policy: str, manage_impl: str, steps: int, seed: int):
             assert res.output.shape == (b, HEADS, LATENT)
             real = torch.tensor(live, dtype=torch.int64)
             if live:
-                ref = full_kv_attention(attention, pool, layer, torch.from_numpy(topk[:-1]), table[real],
-                                        q[:-1], qr[:-1], SCALE)
+                ref = full_kv_attention(
+                    attention, pool, layer, torch.from_numpy(topk[:-1]), table[real], q[:-1], qr[:-1], SCALE
+                )
                 assert torch.equal(res.output[:-1], ref), f"step {step} layer {layer}"
             assert bool((res.output[-1] == 0).all()) and int(res.residency.miss_count[-1]) == 0
             # rows that skipped the step may still hold speculative positions rewritten

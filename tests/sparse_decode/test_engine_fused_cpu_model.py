@@ -31,8 +31,9 @@ from .test_engine_fused_npu import NPU_DIMS
 ATTN_TOL = 2e-2  # docs/fused_ops.md: the fused Copy-SFA tolerance
 STEPS = 12
 
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
-                                reason="needs g++ to build the AscendC functional model")
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs g++ to build the AscendC functional model"
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,6 @@ def test_engine_with_ops_fused_on_cpu_equals_ops_reference(fused_cpu, heads, mon
     from sglang_ascend_offload.ops.contract import OpImpl
     from sglang_ascend_offload.ops.registry import _REGISTRY
 
-
     dims = dataclasses.replace(NPU_DIMS, heads=heads)
     steps = STEPS
     reference = run_against_full_kv("lru", steps, seed=99, ops="reference", dims=dims)
@@ -61,8 +61,11 @@ def test_engine_with_ops_fused_on_cpu_equals_ops_reference(fused_cpu, heads, mon
         calls.append(1)
         return real.fn(*args, **kwargs)
 
-    monkeypatch.setitem(_REGISTRY.impls, ("copy_sparse_flash_attention", "fused"),
-                        OpImpl("copy_sparse_flash_attention", "fused", counted, real.unavailable))
+    monkeypatch.setitem(
+        _REGISTRY.impls,
+        ("copy_sparse_flash_attention", "fused"),
+        OpImpl("copy_sparse_flash_attention", "fused", counted, real.unavailable),
+    )
     got = run_against_full_kv("lru", steps, seed=99, ops="fused", dims=dims, attention_tol=ATTN_TOL)
     assert len(calls) == steps * dims.layers  # every layer step ran the model's Copy-SFA
     for field in ("selected", "hits", "misses", "h2d_bytes", "d2h_bytes", "rows"):

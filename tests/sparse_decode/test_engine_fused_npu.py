@@ -26,21 +26,33 @@ import dataclasses
 import importlib
 
 import pytest
-
 from npu_requirements import npu_present, require_npu, require_npu_extension, requires
+
 from sglang_ascend_offload.ops import fused, registry
 
-from .test_engine_equivalence import (STAND_IN_SEED, STAND_IN_STEPS, Dims, pool_tokens, run_against_full_kv)
+from .test_engine_equivalence import STAND_IN_SEED, STAND_IN_STEPS, Dims, pool_tokens, run_against_full_kv
 
 ATTN_TOL = 2e-2  # the fused kernels' bf16 tolerance (docs/fused_ops.md, tests/ops/test_fused_npu.py)
 
 # Shapes the fused Copy-SFA serves. Contexts reach beyond top-k, so selections are both
 # whole contexts (padded with -1) and random subsets; the hot buffer holds two top-k.
-NPU_DIMS = Dims(layers=2, rows=4, k=128, hot=256, latent=512, rope=64, heads=16, max_ctx=398, first_len=300,
-                scale=(512 + 64) ** -0.5)
+NPU_DIMS = Dims(
+    layers=2,
+    rows=4,
+    k=128,
+    hot=256,
+    latent=512,
+    rope=64,
+    heads=16,
+    max_ctx=398,
+    first_len=300,
+    scale=(512 + 64) ** -0.5,
+)
 
-pytestmark = [pytest.mark.npu,
-              pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and torch_npu")]
+pytestmark = [
+    pytest.mark.npu,
+    pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and torch_npu"),
+]
 
 
 def _npu_ready():
@@ -67,8 +79,12 @@ def test_engine_fused_copy_sfa_on_the_npu_matches_full_kv(heads, monkeypatch):
         calls.append(1)
         return real.fn(*args, **kwargs)
 
-    monkeypatch.setitem(_REGISTRY.impls, ("copy_sparse_flash_attention", "fused"),
-                        OpImpl("copy_sparse_flash_attention", "fused", counted, real.unavailable))
-    stats = run_against_full_kv("lru", STAND_IN_STEPS, seed=STAND_IN_SEED, ops="fused", dims=dims, device="npu",
-                                attention_tol=ATTN_TOL)
+    monkeypatch.setitem(
+        _REGISTRY.impls,
+        ("copy_sparse_flash_attention", "fused"),
+        OpImpl("copy_sparse_flash_attention", "fused", counted, real.unavailable),
+    )
+    stats = run_against_full_kv(
+        "lru", STAND_IN_STEPS, seed=STAND_IN_SEED, ops="fused", dims=dims, device="npu", attention_tol=ATTN_TOL
+    )
     assert stats.steps == STAND_IN_STEPS and len(calls) == STAND_IN_STEPS * dims.layers

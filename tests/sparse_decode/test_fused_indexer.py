@@ -38,8 +38,12 @@ def _indexer_inputs(gen, lens, tables):
     b = lens.shape[0]
     query = torch.randn(b, HEADS, DIM, generator=gen).to(torch.bfloat16)
     weights = torch.randn(b, HEADS, generator=gen).to(torch.bfloat16)
-    meta = dict(actual_seq_lengths_query=torch.arange(1, b + 1, dtype=torch.int32), actual_seq_lengths_key=lens,
-                block_table=tables, sparse_count=K)
+    meta = dict(
+        actual_seq_lengths_query=torch.arange(1, b + 1, dtype=torch.int32),
+        actual_seq_lengths_key=lens,
+        block_table=tables,
+        sparse_count=K,
+    )
     return query, weights, meta
 
 
@@ -66,7 +70,9 @@ def test_all_rows_arguments_step_the_batch_rows_and_leave_the_others_alone():
         seq = torch.tensor([lens[r] if r >= 0 else 1 for r in padded], dtype=torch.int32)
         table_rows = tables[torch.tensor([max(r, 0) for r in padded])]
         query, weights, meta = _indexer_inputs(gen, seq, table_rows)
-        before = [t.clone() for t in (fused_side.table.slot_token, fused_side.table.slot_stamp, fused_side.table.row_req)]
+        before = [
+            t.clone() for t in (fused_side.table.slot_token, fused_side.table.slot_stamp, fused_side.table.row_req)
+        ]
         args = fused_indexer.residency_args(fused_side, rows, req_ids, stable, step, query.shape[0])
         assert args.token_rows.tolist() == batch + [-1]
         result = lightning_indexer_manage(query, key, weights, **meta, **args.as_kwargs())
@@ -98,20 +104,45 @@ def test_managers_the_fused_indexer_cannot_step_are_refused():
         fused_indexer.check_manager(kernel)
     fused_indexer.check_manager(make_manager("lru", 3, HOT, "cpu", manage_impl="torch"))
     with pytest.raises(ValueError, match="2 batch entries x 1 rows"):
-        fused_indexer.residency_args(make_manager("lru", 3, HOT, "cpu", manage_impl="torch"),
-                                     torch.tensor([0, 1]), torch.tensor([1, 2]), torch.tensor([5, 5]), 0, 1)
+        fused_indexer.residency_args(
+            make_manager("lru", 3, HOT, "cpu", manage_impl="torch"),
+            torch.tensor([0, 1]),
+            torch.tensor([1, 2]),
+            torch.tensor([5, 5]),
+            0,
+            1,
+        )
     with pytest.raises(ValueError, match="2 batch entries x 2 rows"):
-        fused_indexer.residency_args(make_manager("lru", 3, HOT, "cpu", manage_impl="torch"),
-                                     torch.tensor([0, 1]), torch.tensor([1, 2]), torch.tensor([5, 5]), 0, 3, 2)
+        fused_indexer.residency_args(
+            make_manager("lru", 3, HOT, "cpu", manage_impl="torch"),
+            torch.tensor([0, 1]),
+            torch.tensor([1, 2]),
+            torch.tensor([5, 5]),
+            0,
+            3,
+            2,
+        )
 
 
-@pytest.mark.parametrize("obstacle, words", [(dict(policy="lru_k2_guarded"), "exact LRU"),
-                                             (dict(rows_per_request=15), "at most 14 query tokens"),
-                                             (dict(indexer_wired=False), "does not call")])
+@pytest.mark.parametrize(
+    "obstacle, words",
+    [
+        (dict(policy="lru_k2_guarded"), "exact LRU"),
+        (dict(rows_per_request=15), "at most 14 query tokens"),
+        (dict(indexer_wired=False), "does not call"),
+    ],
+)
 def test_where_the_fused_indexer_cannot_serve(obstacle, words):
-    ext = SimpleNamespace(**{k: object() for k in ("npu_fused_lightning_indexer_manage",
-                                                   "npu_fused_scatter_copy_sparse_flash_attention",
-                                                   "npu_fused_register_host_memory")})
+    ext = SimpleNamespace(
+        **{
+            k: object()
+            for k in (
+                "npu_fused_lightning_indexer_manage",
+                "npu_fused_scatter_copy_sparse_flash_attention",
+                "npu_fused_register_host_memory",
+            )
+        }
+    )
     default = select_ops("npu", extension=ext, **obstacle).check()  # the NPU default gives way, with the reason
     assert not default.indexer.fused and default.indexer.source == "consumer" and words in default.indexer.reason
     assert default.indexer.ops[-1] == "residency_manage"
@@ -152,9 +183,12 @@ def test_verify_rows_step_their_shared_row_once_as_the_engine_does(n):
         b = len(padded)
         query = torch.randn(b * n, HEADS, DIM, generator=gen).to(torch.bfloat16)
         weights = torch.randn(b * n, HEADS, generator=gen).to(torch.bfloat16)
-        meta = dict(actual_seq_lengths_query=torch.arange(n, b * n + 1, n, dtype=torch.int32),
-                    actual_seq_lengths_key=seq, block_table=tables[torch.tensor([max(r, 0) for r in padded])],
-                    sparse_count=K)
+        meta = dict(
+            actual_seq_lengths_query=torch.arange(n, b * n + 1, n, dtype=torch.int32),
+            actual_seq_lengths_key=seq,
+            block_table=tables[torch.tensor([max(r, 0) for r in padded])],
+            sparse_count=K,
+        )
         before = [t.clone() for t in (fused_side.table.slot_token, fused_side.table.slot_stamp)]
         args = fused_indexer.residency_args(fused_side, rows, req_ids, stable, step, b * n, n)
         assert args.token_rows.tolist() == [r for r in batch for _ in range(n)] + [-1] * n
@@ -171,8 +205,11 @@ def test_verify_rows_step_their_shared_row_once_as_the_engine_does(n):
         assert torch.equal(got.token_rows, want.token_rows)
         # the operator's own flat indices are the same slots
         flat = result.sparse_indices.reshape(b * n, K)[row_live]
-        expect = torch.where(want.slots[row_live] >= 0, got.token_rows[row_live, None] * hot + want.slots[row_live],
-                             torch.full_like(want.slots[row_live], -1))
+        expect = torch.where(
+            want.slots[row_live] >= 0,
+            got.token_rows[row_live, None] * hot + want.slots[row_live],
+            torch.full_like(want.slots[row_live], -1),
+        )
         assert torch.equal(flat.to(torch.int64), expect.to(torch.int64)), step
         for r in range(ROWS - 1):
             if r not in batch:

@@ -30,8 +30,9 @@ from sglang_ascend_offload.sparse_decode import fused_indexer
 from sglang_ascend_offload.sparse_decode.engine import decode_layer_step
 from sglang_ascend_offload.sparse_decode.policies import make_manager
 
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
-                                reason="needs g++ to build the AscendC functional model")
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs g++ to build the AscendC functional model"
+)
 
 N, K, HOT, PAGE, IH, ID, HEADS, DL, DR = 2, 128, 256, 64, 8, 128, 8, 512, 64
 ROWS = 3  # two engine rows + the sink
@@ -61,8 +62,9 @@ class _World:
         # index K on the exact-arithmetic grid: both rungs' scores and ties agree exactly
         self.key = (torch.randint(-4, 5, (pages, PAGE, 1, ID), generator=g).float() / 4).to(torch.bfloat16)
         self.table = (torch.arange(ROWS)[:, None] * MAX_CTX + torch.arange(MAX_CTX)[None, :]).to(torch.int32)
-        self.blocks = (torch.arange(ROWS)[:, None] * (MAX_CTX // PAGE)
-                       + torch.arange(MAX_CTX // PAGE)[None, :]).to(torch.int32)
+        self.blocks = (torch.arange(ROWS)[:, None] * (MAX_CTX // PAGE) + torch.arange(MAX_CTX // PAGE)[None, :]).to(
+            torch.int32
+        )
 
     def step_inputs(self, rows, owners, lens):
         """One verify step: ``rows`` entries (engine rows, the sink for padding), ``n`` query
@@ -74,30 +76,68 @@ class _World:
         q_lat = (torch.randn(b * N, HEADS, DL, generator=g) * 0.5).to(torch.bfloat16)
         q_rope = (torch.randn(b * N, HEADS, DR, generator=g) * 0.5).to(torch.bfloat16)
         seq = torch.tensor([lens[i] + N for i in range(b)], dtype=torch.int32)
-        meta = dict(actual_seq_lengths_query=torch.arange(N, b * N + 1, N, dtype=torch.int32),
-                    actual_seq_lengths_key=seq, block_table=self.blocks[torch.tensor(rows)], sparse_count=K)
-        return dict(rows=torch.tensor(rows, dtype=torch.int64), req_ids=torch.tensor(owners, dtype=torch.int64),
-                    stable=torch.tensor(lens, dtype=torch.int32), index=(query, self.key, weights), meta=meta,
-                    q_lat=q_lat, q_rope=q_rope)
+        meta = dict(
+            actual_seq_lengths_query=torch.arange(N, b * N + 1, N, dtype=torch.int32),
+            actual_seq_lengths_key=seq,
+            block_table=self.blocks[torch.tensor(rows)],
+            sparse_count=K,
+        )
+        return dict(
+            rows=torch.tensor(rows, dtype=torch.int64),
+            req_ids=torch.tensor(owners, dtype=torch.int64),
+            stable=torch.tensor(lens, dtype=torch.int32),
+            index=(query, self.key, weights),
+            meta=meta,
+            q_lat=q_lat,
+            q_rope=q_rope,
+        )
 
 
 def _fused_stage(manager, hot, world, s, step):
     lim = registry.select("lightning_indexer_manage", "fused").fn
     copy_sfa = registry.select("copy_sparse_flash_attention", "fused").fn
-    args = fused_indexer.residency_args(manager, s["rows"], s["req_ids"], s["stable"], step,
-                                        s["q_lat"].shape[0], N)
+    args = fused_indexer.residency_args(manager, s["rows"], s["req_ids"], s["stable"], step, s["q_lat"].shape[0], N)
     result = lim(*s["index"], **s["meta"], **args.as_kwargs())
     topk = result.topk_indices.reshape(-1, K)
-    out, res = decode_layer_step(manager, s["rows"], topk, s["req_ids"], s["stable"], step, world.host, hot,
-                                 world.table, s["q_lat"], s["q_rope"], DL ** -0.5, DL, rows_per_request=N,
-                                 residency=result.residency, copy_attention=copy_sfa)
+    out, res = decode_layer_step(
+        manager,
+        s["rows"],
+        topk,
+        s["req_ids"],
+        s["stable"],
+        step,
+        world.host,
+        hot,
+        world.table,
+        s["q_lat"],
+        s["q_rope"],
+        DL**-0.5,
+        DL,
+        rows_per_request=N,
+        residency=result.residency,
+        copy_attention=copy_sfa,
+    )
     return out, res, topk
 
 
 def _separate_stage(manager, hot, world, s, step):
     topk = registry.select("lightning_indexer", "reference").fn(*s["index"], **s["meta"]).reshape(-1, K)
-    out, res = decode_layer_step(manager, s["rows"], topk, s["req_ids"], s["stable"], step, world.host, hot,
-                                 world.table, s["q_lat"], s["q_rope"], DL ** -0.5, DL, rows_per_request=N)
+    out, res = decode_layer_step(
+        manager,
+        s["rows"],
+        topk,
+        s["req_ids"],
+        s["stable"],
+        step,
+        world.host,
+        hot,
+        world.table,
+        s["q_lat"],
+        s["q_rope"],
+        DL**-0.5,
+        DL,
+        rows_per_request=N,
+    )
     return out, res, topk
 
 

@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 import torch
-
 from npu_requirements import npu_present, require_package, requires
+
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.sparse_decode.host_pool import AppendGate, AppendTimeout, HostKVPool, HostPoolShape
 
@@ -72,8 +72,9 @@ def test_two_tp_ranks_share_one_pool_and_rank1_reads_rank0_appends():
     gate = AppendGate(tp_worker.LAYERS, ctx)
     created, finished = ctx.Event(), ctx.Event()
     results = ctx.Queue()
-    procs = [ctx.Process(target=tp_worker.rank_main, args=(rank, path, gate, created, finished, results))
-             for rank in (0, 1)]
+    procs = [
+        ctx.Process(target=tp_worker.rank_main, args=(rank, path, gate, created, finished, results)) for rank in (0, 1)
+    ]
     for p in procs:
         p.start()
     try:

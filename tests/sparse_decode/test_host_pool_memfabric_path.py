@@ -45,8 +45,12 @@ def test_memfabric_host_pool_fails_at_the_driver_with_a_clear_error(real_memfabr
     shape = HostPoolShape(2, 256)
     with pytest.raises(RuntimeError) as err:
         HostKVPool.allocate(shape, "memfabric")
-    assert seen == {"flags": offload.OFFLOAD_FLAG_GIANT_PAGE, "scene": offload.Scene.LOCAL,
-                    "reserve": shape.nbytes, "device": 0}
+    assert seen == {
+        "flags": offload.OFFLOAD_FLAG_GIANT_PAGE,
+        "scene": offload.Scene.LOCAL,
+        "reserve": shape.nbytes,
+        "device": 0,
+    }
     msg = str(err.value)
     assert "offload.initialize returned -1" in msg
     assert "Ascend NPU" in msg and "driver" in msg and "'pinned'" in msg

@@ -12,8 +12,10 @@ import pytest
 
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MAP_POPULATE"),
-                                reason="MAP_POPULATE and /proc/self/smaps are Linux-only")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not hasattr(mmap, "MAP_POPULATE"),
+    reason="MAP_POPULATE and /proc/self/smaps are Linux-only",
+)
 
 
 def _mapping_rss_kib(path) -> int:

@@ -152,8 +152,9 @@ def test_fused_off_the_npu_only_where_the_platform_has_the_rung(monkeypatch):
     assert "g++" in real.problems[0].fix and BUILD in real.problems[0].fix
     built = select_ops("cpu", ops="fused", extension=extension(*ALL_KERNELS)).check()  # the CPU rung exists
     assert built.indexer.fused and built.attention.fused
-    assert [p.rule for p in select_ops("cuda", fused_copy_sfa=True, extension=None).problems] == \
-        ["sparse_decode.fused_device"]
+    assert [p.rule for p in select_ops("cuda", fused_copy_sfa=True, extension=None).problems] == [
+        "sparse_decode.fused_device"
+    ]
 
 
 def test_the_engine_layout_and_the_caller_decide_only_defaults():
@@ -180,12 +181,20 @@ def test_the_engine_layout_and_the_caller_decide_only_defaults():
 def test_every_problem_rule_is_registered():
     from sglang_ascend_offload.rules import RULES
 
-    plans = [select_ops("npu", extension=None), select_ops("cpu", ops="fused", extension=None),
-             select_ops("npu", fused_copy_sfa=True, rows_per_request=15, fused_lim=True, indexer_wired=False,
-                        extension=None)]
+    plans = [
+        select_ops("npu", extension=None),
+        select_ops("cpu", ops="fused", extension=None),
+        select_ops(
+            "npu", fused_copy_sfa=True, rows_per_request=15, fused_lim=True, indexer_wired=False, extension=None
+        ),
+    ]
     rules = {p.rule for plan in plans for p in plan.problems}
-    assert rules == {"sglang.fused_unavailable", "sparse_decode.fused_device", "sparse_decode.fused_copy_sfa_engine",
-                     "sglang.fused_not_wired"}
+    assert rules == {
+        "sglang.fused_unavailable",
+        "sparse_decode.fused_device",
+        "sparse_decode.fused_copy_sfa_engine",
+        "sglang.fused_not_wired",
+    }
     assert rules <= set(RULES)
     assert len(plans[2].problems) == 3  # every problem, not the first
 
@@ -199,8 +208,11 @@ def _counting_stand_in(monkeypatch):
         calls.append(1)
         return fused.copy_sparse_flash_attention(*args, **kwargs)
 
-    monkeypatch.setitem(_REGISTRY.impls, ("copy_sparse_flash_attention", "fused"),
-                        OpImpl("copy_sparse_flash_attention", "fused", stand_in, lambda: None))
+    monkeypatch.setitem(
+        _REGISTRY.impls,
+        ("copy_sparse_flash_attention", "fused"),
+        OpImpl("copy_sparse_flash_attention", "fused", stand_in, lambda: None),
+    )
     return calls
 
 
@@ -241,8 +253,12 @@ def test_the_engine_step_runs_the_separate_ops_when_its_plan_says_so(monkeypatch
 def test_no_other_engine_code_path_chooses_copy_sfa():
     source = inspect.getsource(engine_mod)
     tree = ast.parse(source)
-    assigned = [node for node in ast.walk(tree) if isinstance(node, ast.Assign)
-                and any(isinstance(t, ast.Attribute) and t.attr == "_copy_sfa_op" for t in node.targets)]
+    assigned = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Attribute) and t.attr == "_copy_sfa_op" for t in node.targets)
+    ]
     assert len(assigned) == 1 and "_choose_copy_sfa" in ast.unparse(assigned[0].value)
     chooser = inspect.getsource(SparseDecodeEngine._choose_copy_sfa)
     assert "op_selection.select_ops(" in chooser and "registry.select(" not in chooser
@@ -276,7 +292,9 @@ def test_host_pool_rows_are_rounded_to_4kib_aligned_layer_slices():
     from sglang_ascend_offload import config as cfg
 
     assert op_selection.host_rows_alignment(576 * 2) == 32  # DeepSeek-V3.2: 512 + 64 bf16 columns
-    assert op_selection.fused_host_pool_rows(1000, 1152) == 1024 and op_selection.fused_host_pool_rows(1024, 1152) == 1024
+    assert (
+        op_selection.fused_host_pool_rows(1000, 1152) == 1024 and op_selection.fused_host_pool_rows(1024, 1152) == 1024
+    )
     sd = cfg.SparseDecodeOffloadConfig
     assert op_selection.host_pool_rows(sd(), 1000, 1152, "npu") == 1024  # NPU default: fused Copy-SFA
     assert op_selection.host_pool_rows(sd(ops="fused"), 1000, 1152, "npu") == 1024
@@ -303,8 +321,9 @@ def test_the_engine_refuses_an_unaligned_pool_for_the_npu_fused_copy_sfa(monkeyp
     odd = HostKVPool.allocate(HostPoolShape(2, align + 8, 16, 8, torch.float32), "pinned")
     with pytest.raises(ValueError, match=f"multiple of {align} rows"):
         _engine(odd, layers=2)
-    aligned = HostKVPool.allocate(HostPoolShape(2, op_selection.fused_host_pool_rows(align + 8, row_bytes), 16, 8,
-                                                torch.float32), "pinned")
+    aligned = HostKVPool.allocate(
+        HostPoolShape(2, op_selection.fused_host_pool_rows(align + 8, row_bytes), 16, 8, torch.float32), "pinned"
+    )
     assert _engine(aligned, layers=2).plan.attention.fused
 
 

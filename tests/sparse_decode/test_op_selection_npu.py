@@ -8,13 +8,15 @@ torch_npu, extension or kernel fails (``tests/npu_requirements.py``).
 from __future__ import annotations
 
 import pytest
-
 from npu_requirements import npu_present, require_npu, require_npu_extension, requires
+
 from sglang_ascend_offload.ops import fused
 from sglang_ascend_offload.sparse_decode import op_selection
 
-pytestmark = [pytest.mark.npu,
-              pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and torch_npu")]
+pytestmark = [
+    pytest.mark.npu,
+    pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and torch_npu"),
+]
 
 
 def _extension_built():
@@ -24,8 +26,9 @@ def _extension_built():
 
 
 @requires(_extension_built)
-@pytest.mark.parametrize("indexer_dtype, indexer_op", [("bf16", "lightning_indexer_manage"),
-                                                       ("int8", "quant_lightning_indexer_manage")])
+@pytest.mark.parametrize(
+    "indexer_dtype, indexer_op", [("bf16", "lightning_indexer_manage"), ("int8", "quant_lightning_indexer_manage")]
+)
 def test_the_defaults_select_fused_on_an_npu_with_the_built_extension(indexer_dtype, indexer_op):
     plan = op_selection.select_ops(indexer_dtype=indexer_dtype).check()  # platform and extension detected
     assert plan.platform == "npu"

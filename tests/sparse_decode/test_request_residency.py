@@ -28,9 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang_ascend_offload.ops import registry
+from sglang_ascend_offload.ops.request_union import RequestUnion, merge_ranked, row_slots, union_of_rows
 from sglang_ascend_offload.sparse_decode.policies import POLICIES, make_manager, needs_ranked
-from sglang_ascend_offload.ops.request_union import (RequestUnion, merge_ranked, row_slots,
-                                                               union_of_rows)
 
 HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -43,9 +42,17 @@ def _triton_available() -> bool:
 
 IMPLEMENTATIONS = [(policy, "torch", "reference") for policy in POLICIES]
 IMPLEMENTATIONS += [(policy, "kernel", "reference") for policy in ("lru", "score_rank", "score_rank_guarded")]
-IMPLEMENTATIONS += [pytest.param(policy, "torch", "triton", marks=pytest.mark.skipif(
-    not _triton_available(), reason="the triton rung needs triton (TRITON_INTERPRET=1 on CPU)"))
-    for policy in ("lru", "score_rank")]
+IMPLEMENTATIONS += [
+    pytest.param(
+        policy,
+        "torch",
+        "triton",
+        marks=pytest.mark.skipif(
+            not _triton_available(), reason="the triton rung needs triton (TRITON_INTERPRET=1 on CPU)"
+        ),
+    )
+    for policy in ("lru", "score_rank")
+]
 
 
 @st.composite
@@ -118,14 +125,15 @@ def _run(policy, impl, rung, g, n, k, steps, union_fn=union_of_rows):
 
 def _check(g, n, topk, req, stable, before_token, before_req, after_token, res, slots, step):
     for i in range(g):
-        rows = topk[i * n:(i + 1) * n]
+        rows = topk[i * n : (i + 1) * n]
         wanted = sorted({int(p) for p in rows.reshape(-1).tolist() if p >= 0}) if req[i] >= 0 else []
         kept = before_token[i] if int(before_req[i]) == int(req[i]) else torch.full_like(before_token[i], -1)
         resident = {int(p): s for s, p in enumerate(kept.tolist()) if 0 <= p < int(stable[i])}
         want_misses = [p for p in wanted if p not in resident]
         where = f"step {step} request row {i}"
-        assert int(res.miss_count[i]) == len(want_misses), f"{where}: misses {int(res.miss_count[i])} " \
-            f"!= distinct non-resident selected positions {len(want_misses)}"
+        assert int(res.miss_count[i]) == len(want_misses), (
+            f"{where}: misses {int(res.miss_count[i])} != distinct non-resident selected positions {len(want_misses)}"
+        )
         held = after_token[i].tolist()
         assert len([p for p in held if p >= 0]) == len({p for p in held if p >= 0}), f"{where}: a position twice"
         for p in wanted:
@@ -144,8 +152,9 @@ def _check(g, n, topk, req, stable, before_token, before_req, after_token, res, 
         for j in range(res.hit_mask.shape[1]):
             if bool(res.hit_mask[i, j]):
                 s = int(res.slots[i, j])
-                assert after_token[i, s] < stable[i], f"step {step}: hit on position {int(after_token[i, s])} " \
-                    f">= committed length {int(stable[i])}"
+                assert after_token[i, s] < stable[i], (
+                    f"step {step}: hit on position {int(after_token[i, s])} >= committed length {int(stable[i])}"
+                )
 
 
 @pytest.mark.parametrize("policy,impl,rung", IMPLEMENTATIONS)

@@ -9,6 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sglang_ascend_offload.ops import registry
+from sglang_ascend_offload.ops.contract import ResidencyTable
+from sglang_ascend_offload.ops.residency import residency_manage
 from sglang_ascend_offload.sparse_decode.policies import (
     DEFAULT_POLICY,
     POLICIES,
@@ -16,8 +18,6 @@ from sglang_ascend_offload.sparse_decode.policies import (
     LRUManager,
     make_manager,
 )
-from sglang_ascend_offload.ops.contract import ResidencyTable
-from sglang_ascend_offload.ops.residency import residency_manage
 
 from .contract_model import RowModel, model_step
 
@@ -223,8 +223,15 @@ def test_lru2_beats_lru_when_reuse_frequency_matters():
 def test_hot_smaller_than_topk_is_rejected():
     t = ResidencyTable.empty(1, 2)
     with pytest.raises(ValueError, match="hot_tokens 2 < top_k 3"):
-        residency_manage(t.slot_token, t.slot_stamp, t.row_req, torch.zeros((1, 3), dtype=torch.int32),
-                         torch.tensor([0]), torch.tensor([5], dtype=torch.int32), 0)
+        residency_manage(
+            t.slot_token,
+            t.slot_stamp,
+            t.row_req,
+            torch.zeros((1, 3), dtype=torch.int32),
+            torch.tensor([0]),
+            torch.tensor([5], dtype=torch.int32),
+            0,
+        )
     with pytest.raises(ValueError, match="unknown residency policy"):
         make_manager("nope", 1, 2)
 

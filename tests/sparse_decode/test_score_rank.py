@@ -49,8 +49,9 @@ def test_latent_traces_are_valid_deterministic_and_round_trip(shape, tmp_path):
     assert np.array_equal(head, np.sort(a.topk, axis=-1))
     lens = a.seq_lens[:, None, :].repeat(2, axis=1)
     valid = (a.ranked >= 0).sum(axis=-1)
-    assert np.array_equal(valid[active[:, None, :].repeat(2, axis=1)],
-                          np.minimum(lens, 20)[active[:, None, :].repeat(2, axis=1)])
+    assert np.array_equal(
+        valid[active[:, None, :].repeat(2, axis=1)], np.minimum(lens, 20)[active[:, None, :].repeat(2, axis=1)]
+    )
     path = tmp_path / "t.npz"
     save_trace(a, path)
     c = load_trace(path)
@@ -60,8 +61,21 @@ def test_latent_traces_are_valid_deterministic_and_round_trip(shape, tmp_path):
 def test_latent_locality_ranking_predicts_the_next_selection():
     """The model's point: a position ranked just below the cut is far more likely to be
     selected next step than one outside the ranking."""
-    t = synthesize(SyntheticTraceSpec(steps=60, layers=1, rows=2, top_k=32, rank_depth=128, min_prompt=1500,
-                                      max_prompt=1500, min_decode=70, max_decode=70, mean_idle=0, seed=1))
+    t = synthesize(
+        SyntheticTraceSpec(
+            steps=60,
+            layers=1,
+            rows=2,
+            top_k=32,
+            rank_depth=128,
+            min_prompt=1500,
+            max_prompt=1500,
+            min_decode=70,
+            max_decode=70,
+            mean_idle=0,
+            seed=1,
+        )
+    )
     near = far = near_n = far_n = 0
     for s in range(59):
         for r in range(2):
@@ -197,8 +211,9 @@ def test_score_rank_victim_order_by_rank_then_recency():
         held[policy] = (sorted(mgr.table.slot_token[0].tolist()), out.miss_slots[0].tolist())
     assert held["score_rank"] == ([10, 12, 30, 31, 32], [0, 3, 4])
     assert held["lru"] == ([11, 20, 30, 31, 32], [0, 1, 2])
-    assert slot_ranks(torch.tensor([[13, 12, 10, 11, 20]], dtype=torch.int32), ranked,
-                      stable).tolist() == [[7, 3, 5, 7, 7]]
+    assert slot_ranks(torch.tensor([[13, 12, 10, 11, 20]], dtype=torch.int32), ranked, stable).tolist() == [
+        [7, 3, 5, 7, 7]
+    ]
 
 
 def test_a_policy_needing_ranked_is_a_clear_error():
@@ -208,8 +223,9 @@ def test_a_policy_needing_ranked_is_a_clear_error():
             simulate_policy(t, policy, 16)
         mgr = make_manager(policy, 2, 4)
         with pytest.raises(RankedInputError, match="record_trace_rank_depth"):
-            mgr.step(torch.zeros((2, 2), dtype=torch.int32), torch.tensor([1, 2]),
-                     torch.tensor([5, 5], dtype=torch.int32), 0)
+            mgr.step(
+                torch.zeros((2, 2), dtype=torch.int32), torch.tensor([1, 2]), torch.tensor([5, 5], dtype=torch.int32), 0
+            )
 
 
 # ------------------------------------------------------------------ the guard
@@ -276,8 +292,9 @@ def test_guard_bounds_a_ranking_that_lies():
         for t, pos in enumerate(seq):
             if mgr.needs_ranked:
                 mgr.set_ranked(torch.tensor([[pos, last_fresh if pos != last_fresh else 98]], dtype=torch.int32))
-            out = mgr.step(torch.tensor([[pos]], dtype=torch.int32), torch.tensor([1]),
-                           torch.tensor([1000], dtype=torch.int32), t)
+            out = mgr.step(
+                torch.tensor([[pos]], dtype=torch.int32), torch.tensor([1]), torch.tensor([1000], dtype=torch.int32), t
+            )
             total += int(out.miss_count.sum())
             if pos >= 100:
                 last_fresh = pos
@@ -301,11 +318,11 @@ def test_compacting_idle_rows_and_steps_changes_no_policys_misses():
     req = np.full((s + idle_steps, rows + pad_rows), -1, np.int64)
     half = s // 2
     for dst, src in ((slice(0, half), slice(0, half)), (slice(half + idle_steps, None), slice(half, None))):
-        topk[dst, :, 2:2 + rows] = t.topk[src]
-        ranked[dst, :, 2:2 + rows] = t.ranked[src]
-        seq[dst, 2:2 + rows] = t.seq_lens[src]
+        topk[dst, :, 2 : 2 + rows] = t.topk[src]
+        ranked[dst, :, 2 : 2 + rows] = t.ranked[src]
+        seq[dst, 2 : 2 + rows] = t.seq_lens[src]
         ids = t.req_ids[src]
-        req[dst, 2:2 + rows] = np.where(ids >= 0, ids + 1000 * (dst.start > 0), -1)  # new requests after the gap
+        req[dst, 2 : 2 + rows] = np.where(ids >= 0, ids + 1000 * (dst.start > 0), -1)  # new requests after the gap
     big = Trace(topk, seq, req, t.meta, ranked)
     assert validate_trace(big.topk, big.seq_lens, big.req_ids, big.ranked) == []
     small = compact_trace(big)
@@ -323,14 +340,26 @@ def test_triton_score_rank_equals_the_reference_bit_for_bit():
 
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py on CPU) or a GPU")
-    from sglang_ascend_offload.triton_ops.score_rank import ScoreRankKernelConfig, score_rank_manage
     from sglang_ascend_offload.triton_ops.residency import ResidencyKernelConfig
+    from sglang_ascend_offload.triton_ops.score_rank import ScoreRankKernelConfig, score_rank_manage
 
-    tiny = ScoreRankKernelConfig(residency=ResidencyKernelConfig(lookup_tile=8, max_lookup_block_h=2,
-                                                                 victim_block=2, apply_block=2),
-                                 rank_tile=8, rank_block_d=4)
-    spec = SyntheticTraceSpec(steps=10, layers=1, rows=3, top_k=6, rank_depth=13, min_prompt=4, max_prompt=40,
-                              min_decode=3, max_decode=8, seed=3)
+    tiny = ScoreRankKernelConfig(
+        residency=ResidencyKernelConfig(lookup_tile=8, max_lookup_block_h=2, victim_block=2, apply_block=2),
+        rank_tile=8,
+        rank_block_d=4,
+    )
+    spec = SyntheticTraceSpec(
+        steps=10,
+        layers=1,
+        rows=3,
+        top_k=6,
+        rank_depth=13,
+        min_prompt=4,
+        max_prompt=40,
+        min_decode=3,
+        max_decode=8,
+        seed=3,
+    )
     t = synthesize(spec)
     for config, steps in ((ScoreRankKernelConfig(), t.steps), (tiny, 6)):  # tiny tiles: slow in the interpreter
         ref = ScoreRankManager(t.rows, 9)
@@ -344,11 +373,22 @@ def test_triton_score_rank_equals_the_reference_bit_for_bit():
             ranked = torch.from_numpy(t.ranked[s, 0])
             ref.set_ranked(ranked)
             a = ref.step(topk, req, stable, s)
-            b = score_rank_manage(tri.slot_token, tri.slot_stamp, tri.row_req, topk, req, stable,
-                                  torch.tensor(s) if s % 2 else s, ranked, config)
+            b = score_rank_manage(
+                tri.slot_token,
+                tri.slot_stamp,
+                tri.row_req,
+                topk,
+                req,
+                stable,
+                torch.tensor(s) if s % 2 else s,
+                ranked,
+                config,
+            )
             for name in ("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots"):
                 assert torch.equal(getattr(a, name), getattr(b, name)), (s, name)
-            assert torch.equal(ref.table.slot_token, tri.slot_token) and torch.equal(ref.table.slot_stamp, tri.slot_stamp)
+            assert torch.equal(ref.table.slot_token, tri.slot_token) and torch.equal(
+                ref.table.slot_stamp, tri.slot_stamp
+            )
             assert torch.equal(ref.table.row_req, tri.row_req)
             misses += int(a.miss_count.sum())
         assert misses > 5
@@ -356,7 +396,8 @@ def test_triton_score_rank_equals_the_reference_bit_for_bit():
 
 # ------------------------------------------------------------------ sync-free step
 def test_score_rank_step_compiles_fullgraph_and_equals_eager():
-    """The rows-form step of score_rank's guarded version (its base's victim order + the ghost) under torch.compile(fullgraph)
+    """The rows-form step of score_rank's guarded version (its base's victim order + the ghost) under
+    torch.compile(fullgraph)
     through churn, padding and speculative suffixes, equal to eager bit for bit; no
     recompilation after the first step (the ranking is a static input buffer)."""
     from sglang_ascend_offload.sparse_decode.engine import decode_layer_step

@@ -54,8 +54,7 @@ def _drive(ref, ker, steps, rows_subsets=None):
     """Step both managers; ``rows_subsets[i]``: the rows form with those state rows (in
     that order) at step ``i``, else every row."""
     for i, (topk, req, stable, ranked) in enumerate(steps):
-        t, q, s, r = (torch.from_numpy(topk), torch.from_numpy(req), torch.from_numpy(stable),
-                      torch.from_numpy(ranked))
+        t, q, s, r = (torch.from_numpy(topk), torch.from_numpy(req), torch.from_numpy(stable), torch.from_numpy(ranked))
         if rows_subsets is None:
             for m in (ref, ker):
                 m.set_ranked(r)
@@ -121,9 +120,9 @@ def _random_steps(rng, rows, k, depth, steps, universe, huge=0):
             order = np.argsort(-score, kind="stable")
             pos = order[:n]
             topk[r, :n] = rng.permutation(pos) + huge
-            tail = order[n: depth] if n == min(k, lens[r]) else order[:0]
+            tail = order[n:depth] if n == min(k, lens[r]) else order[:0]
             ranked[r, :n] = pos + huge
-            ranked[r, n: n + len(tail)] = tail + huge
+            ranked[r, n : n + len(tail)] = tail + huge
         out.append((topk, reqs.astype(np.int64).copy(), stable, ranked))
     return out
 
@@ -140,8 +139,15 @@ def test_kernel_equals_torch_randomized(policy, huge):
     # the rows form over the same kind of traffic, random subsets
     ref, ker = _pair(policy, rows + 1, hot, **guard)
     subsets = [list(rng.permutation(rows + 1)[: rng.integers(1, rows + 2)]) for _ in steps]
-    pad = [(np.vstack([t, np.full((1, k), -1, np.int32)]), np.append(q, -1), np.append(s, 0),
-            np.vstack([r, np.full((1, depth), -1, np.int32)])) for t, q, s, r in steps]
+    pad = [
+        (
+            np.vstack([t, np.full((1, k), -1, np.int32)]),
+            np.append(q, -1),
+            np.append(s, 0),
+            np.vstack([r, np.full((1, depth), -1, np.int32)]),
+        )
+        for t, q, s, r in steps
+    ]
     _drive(ref, ker, pad, subsets)
 
 
@@ -161,8 +167,20 @@ def test_guarded_kernel_equals_torch_where_the_allowance_binds():
 @pytest.mark.parametrize("policy", KERNEL_POLICIES)
 def test_replay_misses_equal_torch_on_a_latent_trace(policy):
     """The replay path (``simulate_policy``) with ``manage_impl`` kernel vs torch."""
-    trace = synthesize(SyntheticTraceSpec(steps=30, layers=1, rows=4, top_k=32, rank_depth=128, seed=3,
-                                          min_prompt=200, max_prompt=600, min_decode=10, max_decode=40))
+    trace = synthesize(
+        SyntheticTraceSpec(
+            steps=30,
+            layers=1,
+            rows=4,
+            top_k=32,
+            rank_depth=128,
+            seed=3,
+            min_prompt=200,
+            max_prompt=600,
+            min_decode=10,
+            max_decode=40,
+        )
+    )
     a = simulate_policy(trace, policy, 64, manage_impl="torch")
     b = simulate_policy(trace, policy, 64, manage_impl="kernel")
     assert a.misses == b.misses and a.misses > 0
@@ -221,8 +239,24 @@ def test_profile_shape_reports_the_score_kernels(capsys):
         decode.add_arguments(parser)
         return decode.main(parser.parse_args(argv))
 
-    base = ["--profile-shape", "--rows", "3", "--top-k", "16", "--layers", "2", "--heads", "2",
-            "--profile-context", "300", "--profile-steps", "4", "--profile-compile", "off", "--json"]
+    base = [
+        "--profile-shape",
+        "--rows",
+        "3",
+        "--top-k",
+        "16",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--profile-context",
+        "300",
+        "--profile-steps",
+        "4",
+        "--profile-compile",
+        "off",
+        "--json",
+    ]
     assert main(base + ["--policy", "score_rank_guarded"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["manage_impl"] == "kernel" and r["misses_equal_contract"] is True

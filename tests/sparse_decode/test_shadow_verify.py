@@ -21,18 +21,44 @@ from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecod
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
 from sglang_ascend_offload.sparse_decode.shadow import ShadowMismatch, ShadowVerifier
 
-from .test_engine_equivalence import (HOT, K, LATENT, LAYERS, MAX_CTX, ROPE, ROWS, SCALE, Workload,
-                                      begin_workload_step, layer_inputs)
+from .test_engine_equivalence import (
+    HOT,
+    LATENT,
+    LAYERS,
+    MAX_CTX,
+    ROPE,
+    ROWS,
+    SCALE,
+    K,
+    Workload,
+    begin_workload_step,
+    layer_inputs,
+)
 
 
 def _engine(rate, action="log", manage_impl="torch", rows_per_request=1):
     host_tokens = ROWS * MAX_CTX + 8
     pool = HostKVPool.allocate(HostPoolShape(LAYERS, host_tokens, LATENT, ROPE), "pinned")
     hot = max(HOT, rows_per_request * K)
-    engine = SparseDecodeEngine(EngineConfig(LAYERS, ROWS, hot, K, LATENT, ROPE, policy="lru", ops="reference",
-                                             manage_impl=manage_impl, max_context=MAX_CTX,
-                                             verify_sample_rate=rate, verify_action=action,
-                                             rows_per_request=rows_per_request), pool, device="cpu")
+    engine = SparseDecodeEngine(
+        EngineConfig(
+            LAYERS,
+            ROWS,
+            hot,
+            K,
+            LATENT,
+            ROPE,
+            policy="lru",
+            ops="reference",
+            manage_impl=manage_impl,
+            max_context=MAX_CTX,
+            verify_sample_rate=rate,
+            verify_action=action,
+            rows_per_request=rows_per_request,
+        ),
+        pool,
+        device="cpu",
+    )
     return engine, pool, host_tokens
 
 
@@ -105,8 +131,22 @@ def test_verify_rows_of_a_request_are_checked_in_the_shared_buffer():
     sampled row's output still equals its own recomputation."""
     host_tokens = ROWS * MAX_CTX + 8
     pool = HostKVPool.allocate(HostPoolShape(LAYERS, host_tokens, LATENT, ROPE), "pinned")
-    engine = SparseDecodeEngine(EngineConfig(LAYERS, ROWS, 2 * K, K, LATENT, ROPE, policy="lru", ops="reference",
-                                             rows_per_request=2, verify_sample_rate=1.0), pool, device="cpu")
+    engine = SparseDecodeEngine(
+        EngineConfig(
+            LAYERS,
+            ROWS,
+            2 * K,
+            K,
+            LATENT,
+            ROPE,
+            policy="lru",
+            ops="reference",
+            rows_per_request=2,
+            verify_sample_rate=1.0,
+        ),
+        pool,
+        device="cpu",
+    )
     gen = torch.Generator().manual_seed(3)
     work = Workload(3, host_tokens)
     written = {}

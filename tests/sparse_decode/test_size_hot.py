@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
-import numpy as np
+
 import pytest
 
 from sglang_ascend_offload.sparse_decode.belady import belady_misses
 from sglang_ascend_offload.sparse_decode.replay import simulate_policy
-from sglang_ascend_offload.sparse_decode.size_hot import fold_layers, lru_stack_curve, sampled_sizes, size_hot, stack_lru_misses
+from sglang_ascend_offload.sparse_decode.size_hot import (
+    fold_layers,
+    lru_stack_curve,
+    sampled_sizes,
+    size_hot,
+    stack_lru_misses,
+)
 from sglang_ascend_offload.sparse_decode.trace import SyntheticTraceSpec, save_trace, synthesize
 
 SMALL = dict(steps=50, layers=2, rows=3, top_k=12, min_prompt=6, max_prompt=200, min_decode=4, max_decode=30)
@@ -19,8 +25,9 @@ def test_lru_curve_equals_per_size_replays_at_sampled_sizes(shape, depth):
     """The one-pass curve equals a per-size simulation of the stack order at every
     sampled size, exactly; the engine's LRU (slot-index ties) equals it at hot = top-k
     and beyond the working set, and stays within 2 % in between."""
-    t = synthesize(SyntheticTraceSpec(shape=shape, seed=5, rank_depth=depth, noise_skew=1.0 if not depth else 0.0,
-                                      **SMALL))
+    t = synthesize(
+        SyntheticTraceSpec(shape=shape, seed=5, rank_depth=depth, noise_skew=1.0 if not depth else 0.0, **SMALL)
+    )
     curve = lru_stack_curve(t, 96)
     assert all(curve[h] >= curve[h + 1] for h in range(12, 96))  # inclusion: never more misses with more room
     for h in (12, 13, 17, 24, 40, 96):
@@ -60,9 +67,24 @@ def test_size_hot_command_json_and_plot(tmp_path, capsys):
     path = tmp_path / "t.npz"
     save_trace(synthesize(SyntheticTraceSpec(seed=3, rank_depth=16, **SMALL)), path)
     png = tmp_path / "curve.png"
-    rc = cli.main(["size-hot", "--trace", str(path), "--json", "--max-hot", "36", "--samples", "2",
-                   "--policy", "score_rank_guarded",
-                   "--target-hit-rate", "0.5", "--plot", str(png)])
+    rc = cli.main(
+        [
+            "size-hot",
+            "--trace",
+            str(path),
+            "--json",
+            "--max-hot",
+            "36",
+            "--samples",
+            "2",
+            "--policy",
+            "score_rank_guarded",
+            "--target-hit-rate",
+            "0.5",
+            "--plot",
+            str(png),
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     out = json.loads(captured.out)  # exactly one JSON document
@@ -85,8 +107,21 @@ def test_bench_decode_replays_a_trace_with_the_named_policy_and_plots(tmp_path, 
     spec = dict(steps=14, layers=2, rows=2, top_k=8, min_prompt=6, max_prompt=60, min_decode=4, max_decode=10)
     save_trace(synthesize(SyntheticTraceSpec(seed=4, rank_depth=24, **spec)), path)
     png = tmp_path / "table.png"
-    rc = cli.main(["bench", "decode", "--trace", str(path), "--policy", "score_rank", "--json", "--plot", str(png),
-                   "--heads", "1"])
+    rc = cli.main(
+        [
+            "bench",
+            "decode",
+            "--trace",
+            str(path),
+            "--policy",
+            "score_rank",
+            "--json",
+            "--plot",
+            str(png),
+            "--heads",
+            "1",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     out = json.loads(captured.out)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import importlib
 
 import pytest
-
 from npu_requirements import npu_present, require_npu, requires
 
-pytestmark = [pytest.mark.npu,
-              pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and torch_npu")]
+pytestmark = [
+    pytest.mark.npu,
+    pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and torch_npu"),
+]
 
 
 @requires(require_npu)

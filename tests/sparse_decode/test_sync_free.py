@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from npu_requirements import npu_present
+
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.sparse_decode.engine import decode_layer_step
 from sglang_ascend_offload.sparse_decode.policies import make_manager
@@ -55,10 +55,22 @@ def scenario(device="cpu", seed=0):
                 reach = int(stable[b]) + 2  # two speculative positions
                 t[b] = torch.randperm(reach, generator=g)[:K].to(torch.int32)
             topk.append(t)
-        q = [(torch.randn((BATCH, HEADS, LATENT), generator=g).to(torch.bfloat16),
-              torch.randn((BATCH, HEADS, ROPE), generator=g).to(torch.bfloat16)) for _ in range(LAYERS)]
-        steps.append((rows.to(device), req.to(device), stable.to(device), [t.to(device) for t in topk],
-                      [(a.to(device), b.to(device)) for a, b in q]))
+        q = [
+            (
+                torch.randn((BATCH, HEADS, LATENT), generator=g).to(torch.bfloat16),
+                torch.randn((BATCH, HEADS, ROPE), generator=g).to(torch.bfloat16),
+            )
+            for _ in range(LAYERS)
+        ]
+        steps.append(
+            (
+                rows.to(device),
+                req.to(device),
+                stable.to(device),
+                [t.to(device) for t in topk],
+                [(a.to(device), b.to(device)) for a, b in q],
+            )
+        )
     host = torch.randn((200, LATENT + ROPE), generator=g).to(torch.bfloat16).to(device)
     return host, host_slots.to(device), steps
 
@@ -68,18 +80,25 @@ class Run:
 
     def __init__(self, policy, impl, device="cpu", manage_op=None):
         kw = {} if manage_op is None else {"manage_op": manage_op}
-        self.managers = [make_manager(policy, ROWS + 1, HOT, device, manage_impl=impl, max_positions=CTX, **kw)
-                         for _ in range(LAYERS)]
-        self.hot = [torch.zeros((ROWS + 1, HOT, LATENT + ROPE), dtype=torch.bfloat16, device=device)
-                    for _ in range(LAYERS)]
+        self.managers = [
+            make_manager(policy, ROWS + 1, HOT, device, manage_impl=impl, max_positions=CTX, **kw)
+            for _ in range(LAYERS)
+        ]
+        self.hot = [
+            torch.zeros((ROWS + 1, HOT, LATENT + ROPE), dtype=torch.bfloat16, device=device) for _ in range(LAYERS)
+        ]
 
 
 def _state(mgr):
     return {k: v.clone() for k, v in mgr.state().items()}
 
 
-CASES = [("lru", "torch", "inductor"), ("lru_k2", "torch", "aot_eager"),
-         ("lru_k2_guarded", "torch", "aot_eager"), ("lru", "kernel", "aot_eager")]
+CASES = [
+    ("lru", "torch", "inductor"),
+    ("lru_k2", "torch", "aot_eager"),
+    ("lru_k2_guarded", "torch", "aot_eager"),
+    ("lru", "kernel", "aot_eager"),
+]
 
 
 @pytest.mark.parametrize("policy,impl,backend", CASES, ids=[f"{p}-{i}-{b}" for p, i, b in CASES])
@@ -157,8 +176,20 @@ def test_decode_step_captured_in_an_npu_graph_replays_like_eager():  # pragma: n
     st = Static(steps, dev)
 
     def layer_step(run, layer):
-        return decode_layer_step(run.managers[layer], st.rows, st.topk[layer], st.req, st.stable, st.step, host,
-                                 run.hot[layer], table, *st.q[layer], SCALE, LATENT)
+        return decode_layer_step(
+            run.managers[layer],
+            st.rows,
+            st.topk[layer],
+            st.req,
+            st.stable,
+            st.step,
+            host,
+            run.hot[layer],
+            table,
+            *st.q[layer],
+            SCALE,
+            LATENT,
+        )
 
     for layer in range(LAYERS):  # warm-up outside the capture, on throw-away state
         layer_step(warm, layer)
@@ -174,9 +205,20 @@ def test_decode_step_captured_in_an_npu_graph_replays_like_eager():  # pragma: n
         rows, req, stable, topks, qs = inputs
         for layer in range(LAYERS):
             graphs[layer].replay()
-            out_e, res_e = decode_layer_step(eager.managers[layer], rows, topks[layer], req, stable,
-                                             torch.tensor(step, device=dev), host, eager.hot[layer], table,
-                                             *qs[layer], SCALE, LATENT)
+            out_e, res_e = decode_layer_step(
+                eager.managers[layer],
+                rows,
+                topks[layer],
+                req,
+                stable,
+                torch.tensor(step, device=dev),
+                host,
+                eager.hot[layer],
+                table,
+                *qs[layer],
+                SCALE,
+                LATENT,
+            )
             out_g, res_g = outs[layer]
             for name in ("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots"):
                 assert torch.equal(getattr(res_g, name), getattr(res_e, name)), (step, layer, name)
@@ -184,7 +226,9 @@ def test_decode_step_captured_in_an_npu_graph_replays_like_eager():  # pragma: n
             assert bool(((out_g.float() - out_e.float()).abs() <= TOL + TOL * out_e.float().abs()).all())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (captures the Triton rung in a CUDA graph)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (captures the Triton rung in a CUDA graph)"
+)
 def test_triton_step_captured_in_a_cuda_graph_is_sync_free_and_bit_exact():  # pragma: no cover - CUDA only
     from sglang_ascend_offload.ops import registry
 

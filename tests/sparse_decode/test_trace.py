@@ -41,8 +41,9 @@ def test_synthetic_traces_are_valid_and_deterministic(shape, tmp_path):
 
 
 def test_locality_model_has_the_documented_structure():
-    spec = SyntheticTraceSpec(steps=30, layers=1, rows=1, top_k=64, min_prompt=2000, max_prompt=2000,
-                              min_decode=100, max_decode=100, seed=1)
+    spec = SyntheticTraceSpec(
+        steps=30, layers=1, rows=1, top_k=64, min_prompt=2000, max_prompt=2000, min_decode=100, max_decode=100, seed=1
+    )
     t = synthesize(spec)
     for step in range(30):
         sel = set(t.topk[step, 0, 0].tolist())

@@ -37,8 +37,14 @@ def rank_main(rank: int, path: str, gate, created, finished, results) -> None:
             if not created.wait(60):
                 raise TimeoutError("rank 0 never created the pool")
             pool = HostKVPool.attach_shared(shape(), path)
-        engine = SparseDecodeEngine(EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, policy="lru", ops="reference"),
-                                    pool, device="cpu", tp_rank=rank, gate=gate, gate_timeout_s=60)
+        engine = SparseDecodeEngine(
+            EngineConfig(LAYERS, ROWS, HOT, K, LATENT, ROPE, policy="lru", ops="reference"),
+            pool,
+            device="cpu",
+            tp_rank=rank,
+            gate=gate,
+            gate_timeout_s=60,
+        )
         rng = np.random.default_rng(7)  # same workload on both ranks
         gen = torch.Generator().manual_seed(7)
         table = torch.arange(ROWS * CTX, dtype=torch.int32).view(ROWS, CTX).flip(1).contiguous()
@@ -55,8 +61,9 @@ def rank_main(rank: int, path: str, gate, created, finished, results) -> None:
                 else:
                     rng.random()
                 engine.append(layer, slots, rows)  # a no-op on rank 1
-                topk = np.stack([np.concatenate([[seq - 1], rng.choice(seq - 1, K - 1, replace=False)])
-                                 for _ in range(ROWS)]).astype(np.int32)
+                topk = np.stack(
+                    [np.concatenate([[seq - 1], rng.choice(seq - 1, K - 1, replace=False)]) for _ in range(ROWS)]
+                ).astype(np.int32)
                 q = torch.randn((ROWS, HEADS, LATENT), generator=gen).to(torch.bfloat16)
                 qr = torch.randn((ROWS, HEADS, ROPE), generator=gen).to(torch.bfloat16)
                 res = engine.run_layer(layer, torch.from_numpy(topk), q, qr, 0.25)

@@ -7,20 +7,46 @@ import pytest
 
 from sglang_ascend_offload import cli
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
-                                 reason="needs mooncake-transfer-engine-non-cuda"),
-              pytest.mark.timeout(180)]
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="needs mooncake-transfer-engine-non-cuda"),
+    pytest.mark.timeout(180),
+]
 
 
 def test_bench_transfer_json(capfd):
-    rc = cli.main(["bench", "transfer", "--json", "--layers", "2", "--tokens", "256", "--block-tokens", "64",
-                   "--overhead-layers", "8", "--layer-timeout", "0.3", "--throughput-runs", "1"])
+    rc = cli.main(
+        [
+            "bench",
+            "transfer",
+            "--json",
+            "--layers",
+            "2",
+            "--tokens",
+            "256",
+            "--block-tokens",
+            "64",
+            "--overhead-layers",
+            "8",
+            "--layer-timeout",
+            "0.3",
+            "--throughput-runs",
+            "1",
+        ]
+    )
     captured = capfd.readouterr()
     out = json.loads(captured.out)
     assert rc == 0
-    for key in ("engine_bytes_per_s", "memcpy_bytes_per_s", "per_layer_overhead_us", "verified", "scenarios",
-                "raw_engine_bytes_per_s", "engine_over_raw", "per_layer_overhead_us_p50",
-                "per_layer_overhead_us_p99"):
+    for key in (
+        "engine_bytes_per_s",
+        "memcpy_bytes_per_s",
+        "per_layer_overhead_us",
+        "verified",
+        "scenarios",
+        "raw_engine_bytes_per_s",
+        "engine_over_raw",
+        "per_layer_overhead_us_p50",
+        "per_layer_overhead_us_p99",
+    ):
         assert key in out
     assert "served" not in out  # only with --served
     # the raw engine replayed exactly the bytes our path moved; the ratio is ours over it
@@ -35,8 +61,15 @@ def test_bench_transfer_json(capfd):
     assert out["per_layer_overhead_us_p50"] <= out["per_layer_overhead_us_p99"]
     # the traced rerun of the overhead run: every stage of every layer, on both sides' stamps
     stages = out["control_path_stages_us"]
-    assert {"prefill_encode", "to_decode_wakeup", "decode_validate_plan", "read", "to_prefill_wakeup",
-            "prefill_handle", "total_minus_read"} <= set(stages)
+    assert {
+        "prefill_encode",
+        "to_decode_wakeup",
+        "decode_validate_plan",
+        "read",
+        "to_prefill_wakeup",
+        "prefill_handle",
+        "total_minus_read",
+    } <= set(stages)
     assert all(v["n"] == 8 and v["p50"] <= v["p99"] for v in stages.values())
     # every worker froze its start-up heap before the timed runs (gc.freeze returns what it froze)
     assert len(out["worker_gc_frozen_objects"]) == 3 and all(n > 0 for n in out["worker_gc_frozen_objects"])
@@ -44,8 +77,10 @@ def test_bench_transfer_json(capfd):
     from sglang_ascend_offload.transfer.decode_side import DECODE_SPIN_US
     from sglang_ascend_offload.transfer.prefill_side import PREFILL_SPIN_US
 
-    assert out["control_path_spin_us"] == {"prefill": spin_us_from_env(PREFILL_SPIN_US),
-                                           "decode": spin_us_from_env(DECODE_SPIN_US)}
+    assert out["control_path_spin_us"] == {
+        "prefill": spin_us_from_env(PREFILL_SPIN_US),
+        "decode": spin_us_from_env(DECODE_SPIN_US),
+    }
     # injected faults log to a file unless -v: nothing of theirs on the terminal
     assert "injected read failure" not in captured.err and "request r0 failed" not in captured.err
     assert out["verified"] is True
@@ -53,8 +88,7 @@ def test_bench_transfer_json(capfd):
     # 2 layers x 4 blocks x 64 tokens x (1024 + 128 + 256) bytes
     assert out["bytes_moved"] == 2 * 4 * 64 * (1024 + 128 + 256)
     names = {s["name"] for s in out["scenarios"]}
-    assert {"read_failure", "dropped_answer", "dead_decode", "decode_slower_than_deadline",
-            "malformed_ready"} <= names
+    assert {"read_failure", "dropped_answer", "dead_decode", "decode_slower_than_deadline", "malformed_ready"} <= names
     for s in out["scenarios"]:
         assert set(s) >= {"name", "outcome", "hung", "destination_used_after_failure", "leaked_slots"}
         assert s["hung"] is False and s["leaked_slots"] == 0 and s["destination_used_after_failure"] is False

@@ -21,10 +21,15 @@ from sglang_ascend_offload.transfer.destinations import RequestDestination
 from sglang_ascend_offload.transfer.errors import TransferError
 from sglang_ascend_offload.transfer.layout import RawTensor, layout_from_regions
 from sglang_ascend_offload.transfer.prefill_side import PrefillSender, SourceBlocks
-from sglang_ascend_offload.transfer.protocol import (PROTOCOL_VERSION, MetaAck, Rejected,
-                                                     TransferVerdict)
-from sglang_ascend_offload.transfer.stages import (DECODE_STAMPS, PREFILL_STAMPS, STAGES, TRACE_ENV, StageLog,
-                                                   stage_breakdown)
+from sglang_ascend_offload.transfer.protocol import PROTOCOL_VERSION, MetaAck, Rejected, TransferVerdict
+from sglang_ascend_offload.transfer.stages import (
+    DECODE_STAMPS,
+    PREFILL_STAMPS,
+    STAGES,
+    TRACE_ENV,
+    StageLog,
+    stage_breakdown,
+)
 from sglang_ascend_offload.transfer.status import TransferState
 
 pytestmark = pytest.mark.timeout(60)
@@ -136,12 +141,20 @@ def test_endpoint_receives_messages_during_and_after_the_spin(caught):
     spin_us = WINDOW_NS // 1000 if caught else 1_000
     port = free_port()
     router_got = _Collect()
-    router = ControlEndpoint("router", "127.0.0.1", port, expect=(TransferVerdict,), on_message=router_got,
-                             spin_us=spin_us, name="spin-router")
+    router = ControlEndpoint(
+        "router",
+        "127.0.0.1",
+        port,
+        expect=(TransferVerdict,),
+        on_message=router_got,
+        spin_us=spin_us,
+        name="spin-router",
+    )
     router._idle_cores = lambda: True  # as on a machine with an idle core (this one may be loaded)
     router.start()
-    dealer = ControlEndpoint("dealer", "127.0.0.1", port, expect=(Rejected,), on_message=lambda p, m: None,
-                             spin_us=0).start()
+    dealer = ControlEndpoint(
+        "dealer", "127.0.0.1", port, expect=(Rejected,), on_message=lambda p, m: None, spin_us=0
+    ).start()
     try:
         assert router.spin_us == spin_us and dealer.spin_us == 0
         for i in range(3):
@@ -166,8 +179,7 @@ def test_endpoint_receives_messages_during_and_after_the_spin(caught):
 def test_no_spin_without_an_idle_core():
     port = free_port()
     got = _Collect()
-    router = ControlEndpoint("router", "127.0.0.1", port, expect=(TransferVerdict,), on_message=got,
-                             spin_us=5_000_000)
+    router = ControlEndpoint("router", "127.0.0.1", port, expect=(TransferVerdict,), on_message=got, spin_us=5_000_000)
     router._idle_cores = lambda: False  # every core busy: block at once
     router.start()
     dealer = ControlEndpoint("dealer", "127.0.0.1", port, expect=(Rejected,), on_message=lambda p, m: None).start()
@@ -202,8 +214,15 @@ def test_frames_whole_split_batched_and_invalid_over_a_raw_socket():
 
     port = free_port()
     got, invalid = _Collect(), []
-    router = ControlEndpoint("router", "127.0.0.1", port, expect=(TransferVerdict,), on_message=got,
-                             on_invalid=lambda peer, err: invalid.append(str(err)), spin_us=0).start()
+    router = ControlEndpoint(
+        "router",
+        "127.0.0.1",
+        port,
+        expect=(TransferVerdict,),
+        on_message=got,
+        on_invalid=lambda peer, err: invalid.append(str(err)),
+        spin_us=0,
+    ).start()
     sock = socket.create_connection(("127.0.0.1", port), timeout=5.0)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
@@ -251,8 +270,9 @@ ROLES = {"latent": "main", "rope": "main", "indexer": "indexer", "indexer_scale"
 
 
 def _layout(per_layer):
-    return layout_from_regions(1, [RawTensor(ROLES[n], n, WIDTHS[n], a[0].shape[0], [x.ctypes.data for x in a])
-                                   for n, a in per_layer.items()])
+    return layout_from_regions(
+        1, [RawTensor(ROLES[n], n, WIDTHS[n], a[0].shape[0], [x.ctypes.data for x in a]) for n, a in per_layer.items()]
+    )
 
 
 @pytest.mark.parametrize("trace", [True, False])
@@ -265,15 +285,25 @@ def test_layers_through_one_slot_with_and_without_stage_stamps(trace):
     port = free_port()
     # deadlines no step of this test can reach on a loaded machine: it is about the bytes and
     # the stamps, not about how fast they move (the deadlines have their own tests)
-    cfg = PDTransferConfig(engine="mooncake", kv_port=port, host="127.0.0.1", layer_timeout_s=30.0,
-                           handshake_timeout_s=30.0)
+    cfg = PDTransferConfig(
+        engine="mooncake", kv_port=port, host="127.0.0.1", layer_timeout_s=30.0, handshake_timeout_s=30.0
+    )
     engine = MemmoveEngine()
     recv = DecodeReceiver(cfg, d_tp=1, d_rank=0, layout=dst_layout, engine=engine, trace=trace)
     recv.expect(RequestDestination("a", (5, 1, 6), (2, 7, 0)))
     recv.start()
     gates = SlotGates(1)
-    sender = PrefillSender(cfg, p_tp=1, d_tp=1, p_rank=0, layout=src_layout, engine=engine, gates=gates,
-                           decode_host="127.0.0.1", trace=trace)
+    sender = PrefillSender(
+        cfg,
+        p_tp=1,
+        d_tp=1,
+        p_rank=0,
+        layout=src_layout,
+        engine=engine,
+        gates=gates,
+        decode_host="127.0.0.1",
+        trace=trace,
+    )
     rng = np.random.default_rng(0)
     want = {n: rng.integers(0, 256, (layers, blocks, w), dtype=np.uint8) for n, w in WIDTHS.items()}
     try:
@@ -284,8 +314,9 @@ def test_layers_through_one_slot_with_and_without_stage_stamps(trace):
             gates.wait_free(0, 30.0)  # the previous layer's answer (the event), within the layer deadline
             for n in WIDTHS:
                 slot[n][...] = want[n][layer]
-            sender.publish_layer(layer, 0, {"a": SourceBlocks([0, 1, 2], [0, 1, 2])},
-                                 finished=["a"] if layer == layers - 1 else ())
+            sender.publish_layer(
+                layer, 0, {"a": SourceBlocks([0, 1, 2], [0, 1, 2])}, finished=["a"] if layer == layers - 1 else ()
+            )
         assert sender.wait(["a"], 10.0)["a"].state is TransferState.DONE
         end = time.monotonic() + 10.0
         while recv.status("a").state is TransferState.PENDING and time.monotonic() < end:
@@ -318,8 +349,10 @@ def test_layers_through_one_slot_with_and_without_stage_stamps(trace):
 
 def test_stage_breakdown_arithmetic():
     p = {0: dict(zip(PREFILL_STAMPS, [0, 10_000, 12_000, 15_000, 95_000, 97_000, 100_000]))}
-    d = {0: dict(zip(DECODE_STAMPS, [20_000, 22_000, 30_000, 80_000, 84_000, 85_000, 90_000])),
-         1: dict(zip(DECODE_STAMPS, range(7)))}  # no prefill record: not matched
+    d = {
+        0: dict(zip(DECODE_STAMPS, [20_000, 22_000, 30_000, 80_000, 84_000, 85_000, 90_000])),
+        1: dict(zip(DECODE_STAMPS, range(7))),
+    }  # no prefill record: not matched
     br = stage_breakdown(p, d)
     assert br["prefill_prepare"]["p50"] == 10.0 and br["to_decode_wakeup"]["p50"] == 5.0
     assert br["read"]["p50"] == 50.0 and br["to_prefill_wakeup"]["p50"] == 5.0

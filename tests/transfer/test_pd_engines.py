@@ -16,20 +16,19 @@ from typing import List, NamedTuple
 
 import pytest
 import torch
-
 from npu_requirements import npu_present
+
 from sglang_ascend_offload import platform
 from sglang_ascend_offload.config import PDTransferConfig
+from sglang_ascend_offload.testing.pd_faults import FaultInjector, FaultPlan, FaultyEngine, FaultyOutbox
 from sglang_ascend_offload.transfer.engine import check_read_args, create_engine
 from sglang_ascend_offload.transfer.errors import EngineError, EngineReadError
-from sglang_ascend_offload.testing.pd_faults import FaultInjector, FaultPlan, FaultyEngine, FaultyOutbox
 from sglang_ascend_offload.transfer.protocol import PROTOCOL_VERSION, ReadDone, ReadReadyBatch
 
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 HAVE_MEMFABRIC = importlib.util.find_spec("memfabric_hybrid") is not None
 needs_mooncake = pytest.mark.skipif(not HAVE_MOONCAKE, reason="needs mooncake-transfer-engine-non-cuda")
-on_npu = pytest.mark.skipif(not npu_present(),
-                            reason="needs an Ascend NPU with CANN, torch_npu and memfabric-hybrid")
+on_npu = pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN, torch_npu and memfabric-hybrid")
 
 
 def free_port():
@@ -60,8 +59,12 @@ def test_mooncake_batched_read_is_bit_exact(pair):
         assert src_engine.name == "mooncake" and src_engine.data_protocol == "tcp"
         assert src_engine.session_id.startswith("127.0.0.1:")
         # two disjoint ranges, swapped
-        dst_engine.read(src_engine.session_id, [dst.data_ptr(), dst.data_ptr() + 1024],
-                        [src.data_ptr() + 1024, src.data_ptr()], [1024, 1024])
+        dst_engine.read(
+            src_engine.session_id,
+            [dst.data_ptr(), dst.data_ptr() + 1024],
+            [src.data_ptr() + 1024, src.data_ptr()],
+            [1024, 1024],
+        )
         assert torch.equal(dst[:1024], src[1024:2048]) and torch.equal(dst[1024:2048], src[:1024])
         assert int(dst[2048:].count_nonzero()) == 0
         with pytest.raises(EngineReadError, match="returned"):
@@ -131,8 +134,13 @@ def _run(code: str, timeout: float = 60.0) -> _Child:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "results.txt")
         env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", SAO_TEST_RESULTS=path)
-        proc = subprocess.run([sys.executable, "-c", _RESULT_PREAMBLE + textwrap.dedent(code)],
-                              capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-c", _RESULT_PREAMBLE + textwrap.dedent(code)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
         results = open(path).read().splitlines() if os.path.exists(path) else []
     return _Child(proc, results)
 
@@ -190,8 +198,16 @@ def test_fault_wrappers_count_what_they_inject():
         def close(self):
             pass
 
-    inj = FaultInjector(FaultPlan(fail_reads=2, fail_layers=(1,), drop_kinds=("read_done",),
-                                  truncate_kinds=("ready",), fault_layer=1, max_message_faults=1))
+    inj = FaultInjector(
+        FaultPlan(
+            fail_reads=2,
+            fail_layers=(1,),
+            drop_kinds=("read_done",),
+            truncate_kinds=("ready",),
+            fault_layer=1,
+            max_message_faults=1,
+        )
+    )
     eng = FaultyEngine(Null(), inj)
     eng.set_context(0)
     eng.read("p", [1], [1], [1])
@@ -202,12 +218,13 @@ def test_fault_wrappers_count_what_they_inject():
     eng.read("p", [1], [1], [1])  # budget of failures spent
     assert Null.reads == 2 and inj.injected["fail_read"] == 2
     out = FaultyOutbox(inj)
-    done0, done1 = ReadDone(version=PROTOCOL_VERSION, batch_id=0, layer=0), ReadDone(
-        version=PROTOCOL_VERSION, batch_id=1, layer=1)
+    done0, done1 = (
+        ReadDone(version=PROTOCOL_VERSION, batch_id=0, layer=0),
+        ReadDone(version=PROTOCOL_VERSION, batch_id=1, layer=1),
+    )
     assert out(done0, b"abc") == b"abc"  # other layer untouched
     assert out(done1, b"abc") is None and out(done1, b"abc") == b"abc"  # dropped once
-    ready = ReadReadyBatch(version=PROTOCOL_VERSION, batch_id=1, layer=1, member=0, ratio=1, requests=[],
-                           finished=[])
+    ready = ReadReadyBatch(version=PROTOCOL_VERSION, batch_id=1, layer=1, member=0, ratio=1, requests=[], finished=[])
     assert out(ready, b"abcdef") == b"abc"
     assert inj.injected == {"fail_read": 2, "drop": 1, "truncate": 1}
 
@@ -221,8 +238,11 @@ def _npu_peer(role, store_url, device, q_out, q_in):
     torch.npu.set_device(device)
     engine = MemFabricEngine("127.0.0.1", store_url, "sdma", role, device_id=device)
     g = torch.Generator().manual_seed(7)
-    t = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g).npu() if role == "prefill" \
+    t = (
+        torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g).npu()
+        if role == "prefill"
         else torch.zeros(1 << 20, dtype=torch.uint8, device="npu")
+    )
     engine.register([(t.data_ptr(), t.numel())])
     q_out.put((engine.session_id, t.data_ptr()))
     cmd = q_in.get(timeout=120)

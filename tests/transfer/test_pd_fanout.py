@@ -8,17 +8,18 @@ import torch
 
 from sglang_ascend_offload.config import PDTransferConfig
 from sglang_ascend_offload.layerwise_prefill.gates import GateError, SlotGates
+from sglang_ascend_offload.testing.pd_faults import FaultInjector, FaultPlan, FaultyEngine
 from sglang_ascend_offload.transfer.decode_side import DecodeReceiver
 from sglang_ascend_offload.transfer.destinations import RequestDestination
-from sglang_ascend_offload.testing.pd_faults import FaultInjector, FaultPlan, FaultyEngine
 from sglang_ascend_offload.transfer.layout import TensorLayers, build_layout, registration_regions
 from sglang_ascend_offload.transfer.prefill_fanout import PrefillFanout
 from sglang_ascend_offload.transfer.prefill_side import PrefillSender, SourceBlocks
 from sglang_ascend_offload.transfer.status import TransferState
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
-                                 reason="needs mooncake-transfer-engine-non-cuda"),
-              pytest.mark.timeout(60)]
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("mooncake") is None, reason="needs mooncake-transfer-engine-non-cuda"),
+    pytest.mark.timeout(60),
+]
 
 L, S = 3, 1  # three layers through ONE slot: every layer waits for both decodes
 
@@ -38,7 +39,7 @@ def world():
     slot = torch.zeros(8, 32, dtype=torch.uint8)
     pre = [TensorLayers("main", "latent", [slot] * L)]
     pe.register(registration_regions(pre))
-    decodes, regions = [], []
+    decodes = []
     for eng in (d1e, d2e):
         store = torch.zeros(L, 16, 32, dtype=torch.uint8)
         t = [TensorLayers("main", "latent", [store[i] for i in range(L)])]
@@ -64,8 +65,18 @@ def test_slot_released_only_after_every_decode_instance_answered(world):
         receivers.append(r.start())
 
     def make(host, dp):
-        return PrefillSender(cfg, p_tp=1, d_tp=1, p_rank=0, layout=pre_layout, engine=pe, gates=gates,
-                             decode_host=host, decode_dp_rank=dp, begin_gate=False)
+        return PrefillSender(
+            cfg,
+            p_tp=1,
+            d_tp=1,
+            p_rank=0,
+            layout=pre_layout,
+            engine=pe,
+            gates=gates,
+            decode_host=host,
+            decode_dp_rank=dp,
+            begin_gate=False,
+        )
 
     fan = PrefillFanout(gates, make)
     try:
@@ -80,8 +91,9 @@ def test_slot_released_only_after_every_decode_instance_answered(world):
             gates.wait_free(0, 5.0)
             if layer:
                 seen.append(time.monotonic() - t0)
-            slot.copy_(torch.randint(0, 256, slot.shape, dtype=torch.uint8,
-                                     generator=torch.Generator().manual_seed(layer)))
+            slot.copy_(
+                torch.randint(0, 256, slot.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(layer))
+            )
             want = slot.clone()
             fan.publish_layer(layer, 0, srcs, finished=list(srcs) if layer == L - 1 else [])
             gates.wait_free(0, 5.0)  # both decodes have read this layer
@@ -113,9 +125,21 @@ def test_one_failing_decode_fails_only_its_requests_and_frees_the_slot(world):
         r = DecodeReceiver(cfg, d_tp=1, d_rank=0, dp_rank=dp, layout=lay, engine=engine)
         r.expect(RequestDestination(f"q{dp}", (3 + dp, 9)))
         receivers.append(r.start())
-    fan = PrefillFanout(gates, lambda host, dp: PrefillSender(
-        cfg, p_tp=1, d_tp=1, p_rank=0, layout=pre_layout, engine=pe, gates=gates, decode_host=host,
-        decode_dp_rank=dp, begin_gate=False))
+    fan = PrefillFanout(
+        gates,
+        lambda host, dp: PrefillSender(
+            cfg,
+            p_tp=1,
+            d_tp=1,
+            p_rank=0,
+            layout=pre_layout,
+            engine=pe,
+            gates=gates,
+            decode_host=host,
+            decode_dp_rank=dp,
+            begin_gate=False,
+        ),
+    )
     try:
         fan.add_request("q0", 2, "127.0.0.1", 0)
         fan.add_request("q1", 2, "127.0.0.1", 1)
@@ -131,8 +155,9 @@ def test_one_failing_decode_fails_only_its_requests_and_frees_the_slot(world):
         gates.wait_free(0, 30.0)
         # a caller-opened gate with a stale P/D consumer does not keep the slot
         gates.begin(0, 2, ["save"] + sorted(c.consumer for c in fan.senders()))
-        fan.publish_layer(2, 0, srcs, finished=list(srcs), begin_gate=False,
-                          consumers=sorted(c.consumer for c in fan.senders()))
+        fan.publish_layer(
+            2, 0, srcs, finished=list(srcs), begin_gate=False, consumers=sorted(c.consumer for c in fan.senders())
+        )
         gates.done(0, 2, "save")
         gates.wait_free(0, 30.0)
         assert fan.status("q0").state is TransferState.DONE

@@ -9,8 +9,8 @@ contributors). The parent checks every byte with torch.equal.
 
 import pytest
 
-from sglang_ascend_offload.transfer.errors import TopologyError
 from sglang_ascend_offload.testing.pd_harness import ScenarioSpec, run_scenario, valid_pairs
+from sglang_ascend_offload.transfer.errors import TopologyError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,9 +28,11 @@ def test_valid_pairs_are_exactly_the_divisible_ones():
 
 @pytest.mark.parametrize("p_tp,d_tp", PAIRS, ids=[f"p{p}d{d}" for p, d in PAIRS])
 def test_every_layer_moves_bit_exactly(pd_pool, p_tp, d_tp):
-    r = run_scenario(pd_pool, ScenarioSpec(name=f"p{p_tp}d{d_tp}", p_tp=p_tp, d_tp=d_tp, seed=p_tp * 10 + d_tp,
-                                           **PATIENT),
-                     timeout_s=100)
+    r = run_scenario(
+        pd_pool,
+        ScenarioSpec(name=f"p{p_tp}d{d_tp}", p_tp=p_tp, d_tp=d_tp, seed=p_tp * 10 + d_tp, **PATIENT),
+        timeout_s=100,
+    )
     assert r.problems == []
     assert r.outcome == "done" and r.verified
     assert not r.hung and r.leaked_slots == 0
@@ -47,9 +49,9 @@ def test_every_layer_moves_bit_exactly(pd_pool, p_tp, d_tp):
 
 
 def test_no_indexer_model_moves_main_only(pd_pool):
-    r = run_scenario(pd_pool, ScenarioSpec(name="mla_only", p_tp=2, d_tp=1, indexer_bytes=0, scale_bytes=0,
-                                           **PATIENT),
-                     timeout_s=100)
+    r = run_scenario(
+        pd_pool, ScenarioSpec(name="mla_only", p_tp=2, d_tp=1, indexer_bytes=0, scale_bytes=0, **PATIENT), timeout_s=100
+    )
     assert r.outcome == "done" and r.verified and r.problems == []
     assert all(rep["local"] == {} for rep in r.decode.values())
 

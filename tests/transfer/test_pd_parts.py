@@ -4,17 +4,28 @@ import pytest
 import torch
 
 from sglang_ascend_offload.transfer.destinations import BlockPool
-from sglang_ascend_offload.transfer.layout import (RawTensor, TensorLayers, build_layout, coalesce,
-                                                   layout_from_regions, layout_mismatches, registration_regions)
-from sglang_ascend_offload.transfer.status import (DONE, PENDING, RequestStatus, TransferState,
-                                                   combine_rank_statuses)
+from sglang_ascend_offload.transfer.layout import (
+    RawTensor,
+    TensorLayers,
+    build_layout,
+    coalesce,
+    layout_from_regions,
+    layout_mismatches,
+    registration_regions,
+)
+from sglang_ascend_offload.transfer.status import DONE, PENDING, RequestStatus, TransferState, combine_rank_statuses
 
 
 def test_build_layout_from_aliased_slots():
     slots = [torch.zeros(8, 4, 16, dtype=torch.bfloat16) for _ in range(2)]
     idx = [torch.zeros(8, 4, 128, dtype=torch.uint8) for _ in range(2)]
-    lay = build_layout(4, [TensorLayers("main", "latent", [slots[i % 2] for i in range(5)]),
-                           TensorLayers("indexer", "indexer", [idx[i % 2] for i in range(5)])])
+    lay = build_layout(
+        4,
+        [
+            TensorLayers("main", "latent", [slots[i % 2] for i in range(5)]),
+            TensorLayers("indexer", "indexer", [idx[i % 2] for i in range(5)]),
+        ],
+    )
     assert lay.num_layers == 5
     latent = lay.main[0]
     assert latent.block_bytes == 4 * 16 * 2 and latent.num_blocks == 8
@@ -46,8 +57,13 @@ def test_layout_mismatches_lists_every_difference():
     assert layout_mismatches(lay(), lay()) == []
     got = layout_mismatches(lay(), lay(layers=3, bt=8, main=(("rope", 16), ("latent", 64)), idx=0, scale=0))
     text = "\n".join(got)
-    for want in ("layers: prefill 2, decode 3", "tokens per block", "main tensor order",
-                 "indexer presence", "LIC8 scale presence"):
+    for want in (
+        "layers: prefill 2, decode 3",
+        "tokens per block",
+        "main tensor order",
+        "indexer presence",
+        "LIC8 scale presence",
+    ):
         assert want in text
     assert layout_mismatches(lay(), lay(scale=4)) == ["LIC8 scale block bytes: prefill 8, decode 4"]
     assert layout_mismatches(lay(main=(("latent", 64),)), lay()) == ["main tensor count: prefill 1, decode 2"]

@@ -7,48 +7,116 @@ from hypothesis import strategies as st
 
 from sglang_ascend_offload.transfer.errors import ProtocolError
 from sglang_ascend_offload.transfer.protocol import (
-    PROTOCOL_VERSION, KVLayout, MetaAck, MetaHandshake, ReadDone, ReadFailed, ReadReadyBatch, Rejected,
-    RequestRange, TensorSpec, TransferVerdict, decode_message, encode_message, message_kind)
+    PROTOCOL_VERSION,
+    KVLayout,
+    MetaAck,
+    MetaHandshake,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    Rejected,
+    RequestRange,
+    TensorSpec,
+    TransferVerdict,
+    decode_message,
+    encode_message,
+    message_kind,
+)
 
 V = PROTOCOL_VERSION
 
 
 def layout(num_layers=2, indexer=True, scale=True):
-    t = [TensorSpec(role="main", name="latent", block_bytes=64, num_blocks=8,
-                    layer_base_addrs=[0x1000 * (i + 1) for i in range(num_layers)]),
-         TensorSpec(role="main", name="rope", block_bytes=16, num_blocks=8,
-                    layer_base_addrs=[0x9000 * (i + 1) for i in range(num_layers)])]
+    t = [
+        TensorSpec(
+            role="main",
+            name="latent",
+            block_bytes=64,
+            num_blocks=8,
+            layer_base_addrs=[0x1000 * (i + 1) for i in range(num_layers)],
+        ),
+        TensorSpec(
+            role="main",
+            name="rope",
+            block_bytes=16,
+            num_blocks=8,
+            layer_base_addrs=[0x9000 * (i + 1) for i in range(num_layers)],
+        ),
+    ]
     if indexer:
-        t.append(TensorSpec(role="indexer", name="indexer", block_bytes=32, num_blocks=8,
-                            layer_base_addrs=[0x20000 + i for i in range(num_layers)]))
+        t.append(
+            TensorSpec(
+                role="indexer",
+                name="indexer",
+                block_bytes=32,
+                num_blocks=8,
+                layer_base_addrs=[0x20000 + i for i in range(num_layers)],
+            )
+        )
     if scale:
-        t.append(TensorSpec(role="indexer_scale", name="scale", block_bytes=8, num_blocks=8,
-                            layer_base_addrs=[0x30000 + i for i in range(num_layers)]))
+        t.append(
+            TensorSpec(
+                role="indexer_scale",
+                name="scale",
+                block_bytes=8,
+                num_blocks=8,
+                layer_base_addrs=[0x30000 + i for i in range(num_layers)],
+            )
+        )
     return KVLayout(num_layers=num_layers, block_tokens=4, tensors=t)
 
 
 def handshake(**kw):
-    base = dict(version=V, session="127.0.0.1:1234", engine="mooncake", data_protocol="tcp", p_tp=2,
-                p_rank=1, d_tp=1, main_tensor_count=2, has_indexer=True, has_indexer_scale=True,
-                layer_timeout_ms=1000, layout=layout())
+    base = dict(
+        version=V,
+        session="127.0.0.1:1234",
+        engine="mooncake",
+        data_protocol="tcp",
+        p_tp=2,
+        p_rank=1,
+        d_tp=1,
+        main_tensor_count=2,
+        has_indexer=True,
+        has_indexer_scale=True,
+        layer_timeout_ms=1000,
+        layout=layout(),
+    )
     base.update(kw)
     return MetaHandshake(**base)
 
 
 def ready(**kw):
-    base = dict(version=V, batch_id=7, layer=1, member=0, ratio=2,
-                requests=[RequestRange(request_id="a", num_blocks=3, main_offset=0, main_src_blocks=[1, 2, 3],
-                                       indexer_offset=0, indexer_src_blocks=[4, 5])],
-                finished=["a"])
+    base = dict(
+        version=V,
+        batch_id=7,
+        layer=1,
+        member=0,
+        ratio=2,
+        requests=[
+            RequestRange(
+                request_id="a",
+                num_blocks=3,
+                main_offset=0,
+                main_src_blocks=[1, 2, 3],
+                indexer_offset=0,
+                indexer_src_blocks=[4, 5],
+            )
+        ],
+        finished=["a"],
+    )
     base.update(kw)
     return ReadReadyBatch(**base)
 
 
-ALL = [handshake(), MetaAck(version=V, accepted=False, reason="x", d_rank=0), ready(),
-       ReadDone(version=V, batch_id=1, layer=0),
-       ReadFailed(version=V, batch_id=1, layer=0, reason="boom", request_ids=["a"]),
-       TransferVerdict(version=V, request_ids=["a", "b"], ok=True, reason=""),
-       Rejected(version=V, reason="bad")]
+ALL = [
+    handshake(),
+    MetaAck(version=V, accepted=False, reason="x", d_rank=0),
+    ready(),
+    ReadDone(version=V, batch_id=1, layer=0),
+    ReadFailed(version=V, batch_id=1, layer=0, reason="boom", request_ids=["a"]),
+    TransferVerdict(version=V, request_ids=["a", "b"], ok=True, reason=""),
+    Rejected(version=V, reason="bad"),
+]
 
 
 @pytest.mark.parametrize("msg", ALL, ids=lambda m: type(m).__name__)
@@ -64,25 +132,28 @@ def raw(msg, **changes):
     return msgspec.msgpack.encode(d)
 
 
-@pytest.mark.parametrize("data,match", [
-    (b"", "malformed"),
-    (b"\xc1", "malformed"),
-    (msgspec.msgpack.encode([1, 2, 3]), "malformed"),
-    (msgspec.msgpack.encode({"kind": "exec", "version": 1}), "malformed"),
-    (raw(ReadDone(version=V, batch_id=1, layer=0), extra=1), "unknown field"),
-    (raw(ReadDone(version=V, batch_id=1, layer=0), batch_id=-1), ">= 0"),
-    (raw(ReadDone(version=V, batch_id=1, layer=0), layer="1"), "int"),
-    (raw(ReadDone(version=V, batch_id=1, layer=0), version=2), "unsupported protocol version 2"),
-    (raw(handshake(), p_rank=2), "p_rank 2 >= p_tp 2"),
-    (raw(handshake(), main_tensor_count=3), "main_tensor_count"),
-    (raw(handshake(), has_indexer=False), "has_indexer"),
-    (raw(handshake(), has_indexer_scale=False), "has_indexer_scale"),
-    (raw(handshake(), layout=msgspec.to_builtins(layout(scale=False)) | {"num_layers": 3}), "base addresses"),
-    (raw(ready(), member=2), "member 2 >= ratio 2"),
-    (raw(ready(), finished=["zzz"]), "finished"),
-    (raw(ready(), requests=msgspec.to_builtins(ready().requests) * 2), "duplicate"),
-    (raw(ready(), requests=[msgspec.to_builtins(ready().requests[0]) | {"main_offset": 1}]), "exceeds"),
-])
+@pytest.mark.parametrize(
+    "data,match",
+    [
+        (b"", "malformed"),
+        (b"\xc1", "malformed"),
+        (msgspec.msgpack.encode([1, 2, 3]), "malformed"),
+        (msgspec.msgpack.encode({"kind": "exec", "version": 1}), "malformed"),
+        (raw(ReadDone(version=V, batch_id=1, layer=0), extra=1), "unknown field"),
+        (raw(ReadDone(version=V, batch_id=1, layer=0), batch_id=-1), ">= 0"),
+        (raw(ReadDone(version=V, batch_id=1, layer=0), layer="1"), "int"),
+        (raw(ReadDone(version=V, batch_id=1, layer=0), version=2), "unsupported protocol version 2"),
+        (raw(handshake(), p_rank=2), "p_rank 2 >= p_tp 2"),
+        (raw(handshake(), main_tensor_count=3), "main_tensor_count"),
+        (raw(handshake(), has_indexer=False), "has_indexer"),
+        (raw(handshake(), has_indexer_scale=False), "has_indexer_scale"),
+        (raw(handshake(), layout=msgspec.to_builtins(layout(scale=False)) | {"num_layers": 3}), "base addresses"),
+        (raw(ready(), member=2), "member 2 >= ratio 2"),
+        (raw(ready(), finished=["zzz"]), "finished"),
+        (raw(ready(), requests=msgspec.to_builtins(ready().requests) * 2), "duplicate"),
+        (raw(ready(), requests=[msgspec.to_builtins(ready().requests[0]) | {"main_offset": 1}]), "exceeds"),
+    ],
+)
 def test_malformed_or_invalid_is_rejected(data, match):
     with pytest.raises(ProtocolError, match=match):
         decode_message(data)
@@ -110,15 +181,43 @@ def test_layout_rules():
 def draft_layout(num_layers=3):
     """Base layers 0..n-2 as host rows, the draft layer n-1 as latent / rope pages."""
     base = list(range(num_layers - 1))
-    return KVLayout(num_layers=num_layers, block_tokens=4, tensors=[
-        TensorSpec(role="main", name="latent_rope", block_bytes=80, num_blocks=8,
-                   layer_base_addrs=[0x1000 * (i + 1) for i in base], layers=base),
-        TensorSpec(role="main", name="latent", block_bytes=64, num_blocks=8, layer_base_addrs=[0x50000],
-                   layers=[num_layers - 1]),
-        TensorSpec(role="main", name="rope", block_bytes=16, num_blocks=8, layer_base_addrs=[0x60000],
-                   layers=[num_layers - 1]),
-        TensorSpec(role="indexer", name="indexer", block_bytes=32, num_blocks=8,
-                   layer_base_addrs=[0x20000 + i for i in range(num_layers)])])
+    return KVLayout(
+        num_layers=num_layers,
+        block_tokens=4,
+        tensors=[
+            TensorSpec(
+                role="main",
+                name="latent_rope",
+                block_bytes=80,
+                num_blocks=8,
+                layer_base_addrs=[0x1000 * (i + 1) for i in base],
+                layers=base,
+            ),
+            TensorSpec(
+                role="main",
+                name="latent",
+                block_bytes=64,
+                num_blocks=8,
+                layer_base_addrs=[0x50000],
+                layers=[num_layers - 1],
+            ),
+            TensorSpec(
+                role="main",
+                name="rope",
+                block_bytes=16,
+                num_blocks=8,
+                layer_base_addrs=[0x60000],
+                layers=[num_layers - 1],
+            ),
+            TensorSpec(
+                role="indexer",
+                name="indexer",
+                block_bytes=32,
+                num_blocks=8,
+                layer_base_addrs=[0x20000 + i for i in range(num_layers)],
+            ),
+        ],
+    )
 
 
 def test_layers_held_by_a_subset_of_main_tensors():
@@ -178,13 +277,37 @@ def test_fuzz_arbitrary_bytes_never_crash(data):
 
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=True)
-    | st.text(max_size=8) | st.binary(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
-    max_leaves=8)
-field_names = st.sampled_from(["kind", "version", "batch_id", "layer", "member", "ratio", "requests", "finished",
-                               "reason", "request_ids", "ok", "accepted", "d_rank", "layout", "session",
-                               "num_blocks", "main_offset", "main_src_blocks"])
+    max_leaves=8,
+)
+field_names = st.sampled_from(
+    [
+        "kind",
+        "version",
+        "batch_id",
+        "layer",
+        "member",
+        "ratio",
+        "requests",
+        "finished",
+        "reason",
+        "request_ids",
+        "ok",
+        "accepted",
+        "d_rank",
+        "layout",
+        "session",
+        "num_blocks",
+        "main_offset",
+        "main_src_blocks",
+    ]
+)
 kinds = st.sampled_from(["meta", "meta_ack", "ready", "read_done", "read_failed", "verdict", "rejected", "x"])
 
 

@@ -20,18 +20,37 @@ from sglang_ascend_offload.layerwise_prefill.gates import GateError, SlotGates
 from sglang_ascend_offload.transfer.channel import HEADER, frame
 from sglang_ascend_offload.transfer.decode_side import DecodeReceiver
 from sglang_ascend_offload.transfer.destinations import RequestDestination
-from sglang_ascend_offload.transfer.errors import (HandshakeError, HandshakeTimeout, RequestFailed,
-                                                   TopologyError, TransferError)
+from sglang_ascend_offload.transfer.errors import (
+    HandshakeError,
+    HandshakeTimeout,
+    RequestFailed,
+    TopologyError,
+    TransferError,
+)
 from sglang_ascend_offload.transfer.layout import TensorLayers, build_layout, registration_regions
 from sglang_ascend_offload.transfer.prefill_side import PrefillSender, SourceBlocks
-from sglang_ascend_offload.transfer.protocol import (PROTOCOL_VERSION, MetaAck, MetaHandshake, ReadDone,
-                                                     ReadFailed, ReadReadyBatch, Rejected, RequestRange,
-                                                     TransferVerdict, decode_message, encode_message)
+from sglang_ascend_offload.transfer.protocol import (
+    PROTOCOL_VERSION,
+    MetaAck,
+    MetaHandshake,
+    ReadDone,
+    ReadFailed,
+    ReadReadyBatch,
+    Rejected,
+    RequestRange,
+    TransferVerdict,
+    decode_message,
+    encode_message,
+)
 from sglang_ascend_offload.transfer.status import TransferState
 
-pytestmark = [pytest.mark.skipif(importlib.util.find_spec("mooncake") is None,
-                                 reason="needs mooncake-transfer-engine-non-cuda (scripts/requirements-cpu.txt)"),
-              pytest.mark.timeout(60)]
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("mooncake") is None,
+        reason="needs mooncake-transfer-engine-non-cuda (scripts/requirements-cpu.txt)",
+    ),
+    pytest.mark.timeout(60),
+]
 
 V = PROTOCOL_VERSION
 L = 4  # layers
@@ -88,8 +107,14 @@ def decode_side(engine, names=tuple(WIDTHS), blocks=32, widths=WIDTHS, block_tok
 def cfg(port, **kw):
     # Deadlines no step can reach on a loaded machine unless a test is about one: those
     # tests set their own (0.3 s) and identify the deadline by the message naming it.
-    base = dict(engine="mooncake", kv_port=port, host="127.0.0.1", layer_timeout_s=30.0,
-                handshake_timeout_s=30.0, read_retries=1)
+    base = dict(
+        engine="mooncake",
+        kv_port=port,
+        host="127.0.0.1",
+        layer_timeout_s=30.0,
+        handshake_timeout_s=30.0,
+        read_retries=1,
+    )
     base.update(kw)
     return PDTransferConfig(**base)
 
@@ -101,8 +126,7 @@ def rig(engines):
     port = free_port()
     dec_side, pre_side = decode_side(de), prefill_side(pe)
     released = []
-    recv = DecodeReceiver(cfg(port), d_tp=1, d_rank=0, layout=dec_side.layout, engine=de,
-                          on_release=released.append)
+    recv = DecodeReceiver(cfg(port), d_tp=1, d_rank=0, layout=dec_side.layout, engine=de, on_release=released.append)
     dest = RequestDestination("a", (5, 9, 2), (7, 1, 3))
     recv.expect(dest)
     recv.start()
@@ -145,7 +169,7 @@ class FramedSocket:
             assert data, "connection closed by the endpoint"
             self.buf += data
         n = HEADER.unpack_from(self.buf)[0]
-        payload, self.buf = self.buf[4:4 + n], self.buf[4 + n:]
+        payload, self.buf = self.buf[4 : 4 + n], self.buf[4 + n :]
         return payload
 
     def recv(self, timeout_s=5.0):
@@ -164,20 +188,43 @@ class RawPeer(FramedSocket):
 
 def handshake_msg(pre, engine, p_tp=1, p_rank=0, d_tp=1):
     lay = pre.layout
-    return MetaHandshake(version=V, session=engine.session_id, engine="mooncake", data_protocol="tcp",
-                         p_tp=p_tp, p_rank=p_rank, d_tp=d_tp, main_tensor_count=len(lay.main),
-                         has_indexer=lay.indexer is not None, has_indexer_scale=lay.indexer_scale is not None,
-                         layer_timeout_ms=2000, layout=lay)
+    return MetaHandshake(
+        version=V,
+        session=engine.session_id,
+        engine="mooncake",
+        data_protocol="tcp",
+        p_tp=p_tp,
+        p_rank=p_rank,
+        d_tp=d_tp,
+        main_tensor_count=len(lay.main),
+        has_indexer=lay.indexer is not None,
+        has_indexer_scale=lay.indexer_scale is not None,
+        layer_timeout_ms=2000,
+        layout=lay,
+    )
 
 
 def rr(rid="a", n=3, main=(0, 1, 2), main_off=0, idx=(4, 5, 6), idx_off=0):
-    return RequestRange(request_id=rid, num_blocks=n, main_offset=main_off, main_src_blocks=list(main),
-                        indexer_offset=idx_off, indexer_src_blocks=list(idx))
+    return RequestRange(
+        request_id=rid,
+        num_blocks=n,
+        main_offset=main_off,
+        main_src_blocks=list(main),
+        indexer_offset=idx_off,
+        indexer_src_blocks=list(idx),
+    )
 
 
 def batch(layer, reqs, batch_id=None, finished=(), member=0, ratio=1):
-    return ReadReadyBatch(version=V, batch_id=layer if batch_id is None else batch_id, layer=layer,
-                          member=member, ratio=ratio, requests=reqs, finished=list(finished))
+    return ReadReadyBatch(
+        version=V,
+        batch_id=layer if batch_id is None else batch_id,
+        layer=layer,
+        member=member,
+        ratio=ratio,
+        requests=reqs,
+        finished=list(finished),
+    )
 
 
 def wait_until(pred, timeout_s=5.0):
@@ -203,8 +250,9 @@ def dest_untouched(r):
 def test_every_layer_bit_exact_and_slots_reused_only_after_read(rig):
     r = rig
     gates = SlotGates(S)
-    sender = PrefillSender(cfg(r.port), p_tp=1, d_tp=1, p_rank=0, layout=r.pre.layout, engine=r.pe,
-                           gates=gates, decode_host="127.0.0.1")
+    sender = PrefillSender(
+        cfg(r.port), p_tp=1, d_tp=1, p_rank=0, layout=r.pre.layout, engine=r.pe, gates=gates, decode_host="127.0.0.1"
+    )
     try:
         sender.handshake()
         sender.add_request("a", 3)
@@ -374,8 +422,16 @@ def test_prefill_instances_of_different_tp_feed_one_decode_rank(engines):
     senders = {}
     try:
         for name, (p_tp, p_rank) in {"a": (1, 0), "b0": (2, 0), "b1": (2, 1)}.items():
-            senders[name] = PrefillSender(cfg(port), p_tp=p_tp, d_tp=1, p_rank=p_rank, layout=sides[name].layout,
-                                          engine=pe, gates=SlotGates(S), decode_host="127.0.0.1")
+            senders[name] = PrefillSender(
+                cfg(port),
+                p_tp=p_tp,
+                d_tp=1,
+                p_rank=p_rank,
+                layout=sides[name].layout,
+                engine=pe,
+                gates=SlotGates(S),
+                decode_host="127.0.0.1",
+            )
             senders[name].handshake()  # all three accepted by the one decode rank
         jobs = {"a": [("x", 3)], "b0": [("y", 4)], "b1": [("y", 4)]}
         expected = {}
@@ -456,8 +512,9 @@ def test_handshake_refused_on_layout_mismatch(engines, label, kw, match):
     port = free_port()
     dec, pre = decode_side(de, **kw), prefill_side(pe)
     recv = DecodeReceiver(cfg(port), d_tp=1, d_rank=0, layout=dec.layout, engine=de).start()
-    sender = PrefillSender(cfg(port), p_tp=1, d_tp=1, p_rank=0, layout=pre.layout, engine=pe,
-                           gates=SlotGates(S), decode_host="127.0.0.1")
+    sender = PrefillSender(
+        cfg(port), p_tp=1, d_tp=1, p_rank=0, layout=pre.layout, engine=pe, gates=SlotGates(S), decode_host="127.0.0.1"
+    )
     try:
         with pytest.raises(HandshakeError, match=match):
             sender.handshake()
@@ -491,8 +548,16 @@ def test_invalid_topology_rejected_when_configuring_sender(engines):
     pre = prefill_side(pe)
     try:
         with pytest.raises(TopologyError):
-            PrefillSender(cfg(free_port()), p_tp=2, d_tp=4, p_rank=0, layout=pre.layout, engine=pe,
-                          gates=SlotGates(S), decode_host="127.0.0.1")
+            PrefillSender(
+                cfg(free_port()),
+                p_tp=2,
+                d_tp=4,
+                p_rank=0,
+                layout=pre.layout,
+                engine=pe,
+                gates=SlotGates(S),
+                decode_host="127.0.0.1",
+            )
     finally:
         pre.close()
 
@@ -500,8 +565,16 @@ def test_invalid_topology_rejected_when_configuring_sender(engines):
 def test_handshake_timeout_when_nobody_listens(engines):
     pe, _ = engines
     pre = prefill_side(pe)
-    sender = PrefillSender(cfg(free_port(), handshake_timeout_s=0.3), p_tp=1, d_tp=1, p_rank=0,
-                           layout=pre.layout, engine=pe, gates=SlotGates(S), decode_host="127.0.0.1")
+    sender = PrefillSender(
+        cfg(free_port(), handshake_timeout_s=0.3),
+        p_tp=1,
+        d_tp=1,
+        p_rank=0,
+        layout=pre.layout,
+        engine=pe,
+        gates=SlotGates(S),
+        decode_host="127.0.0.1",
+    )
     try:
         with pytest.raises(HandshakeTimeout, match="did not answer the metadata handshake within 0.300s"):
             sender.handshake()  # the message names the configured deadline that fired
@@ -626,8 +699,16 @@ def sender_rig(engines, request):
     # a deadline long enough that no answer the test sends at once can miss it on a loaded machine;
     # the deadline test asks for 0.3 s itself
     layer_timeout = getattr(request, "param", 10.0)
-    sender = PrefillSender(cfg(port, layer_timeout_s=layer_timeout), p_tp=1, d_tp=1, p_rank=0, layout=pre.layout,
-                           engine=pe, gates=gates, decode_host="127.0.0.1")
+    sender = PrefillSender(
+        cfg(port, layer_timeout_s=layer_timeout),
+        p_tp=1,
+        d_tp=1,
+        p_rank=0,
+        layout=pre.layout,
+        engine=pe,
+        gates=gates,
+        decode_host="127.0.0.1",
+    )
     _handshake(sender, fake)
     sender.add_request("a", 3)
     yield sender, gates, fake
@@ -727,8 +808,9 @@ def test_decode_fails_stalled_transfer_after_deadline(engines):
     port = free_port()
     dec, pre = decode_side(de), prefill_side(pe)
     released = []
-    recv = DecodeReceiver(cfg(port, layer_timeout_s=0.3), d_tp=1, d_rank=0, layout=dec.layout, engine=de,
-                          on_release=released.append)
+    recv = DecodeReceiver(
+        cfg(port, layer_timeout_s=0.3), d_tp=1, d_rank=0, layout=dec.layout, engine=de, on_release=released.append
+    )
     recv.expect(RequestDestination("a", (5, 9, 2), (7, 1, 3)))
     recv.start()
     peer = RawPeer(port)
@@ -757,8 +839,9 @@ def accepted_peer(engines, engine, on_release=None, **cfg_kw):
     pe, de = engines
     port = free_port()
     dec, pre = decode_side(de), prefill_side(pe)
-    recv = DecodeReceiver(cfg(port, **cfg_kw), d_tp=1, d_rank=0, layout=dec.layout, engine=engine,
-                          on_release=on_release)
+    recv = DecodeReceiver(
+        cfg(port, **cfg_kw), d_tp=1, d_rank=0, layout=dec.layout, engine=engine, on_release=on_release
+    )
     dest = RequestDestination("a", (5, 9, 2), (7, 1, 3))
     recv.expect(dest)
     recv.start()

@@ -5,8 +5,14 @@ import dataclasses
 import pytest
 
 from sglang_ascend_offload.transfer.errors import TopologyError
-from sglang_ascend_offload.transfer.topology import (PER_RANK, TP_SHARED, PDTopology, check_plan, decode_port,
-                                                     split_range)
+from sglang_ascend_offload.transfer.topology import (
+    PER_RANK,
+    TP_SHARED,
+    PDTopology,
+    check_plan,
+    decode_port,
+    split_range,
+)
 
 VALID = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (8, 4), (6, 3)]
 INVALID = [(1, 2), (2, 4), (3, 2), (4, 3), (6, 4), (0, 1), (1, 0)]

@@ -10,8 +10,25 @@ from sglang_ascend_offload import cli  # noqa: E402
 
 
 def test_bench_kernels_json_reports_both_kernels_correct(capsys):
-    rc = cli.main(["bench", "kernels", "--rows", "2", "--top-k", "8", "--hot-tokens", "12", "--dim", "10",
-                   "--repeat", "1", "--warmup-steps", "3", "--json"])
+    rc = cli.main(
+        [
+            "bench",
+            "kernels",
+            "--rows",
+            "2",
+            "--top-k",
+            "8",
+            "--hot-tokens",
+            "12",
+            "--dim",
+            "10",
+            "--repeat",
+            "1",
+            "--warmup-steps",
+            "3",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert out["all_correct"] is True

@@ -23,8 +23,13 @@ def test_all_kernels_compile_for_cuda_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
-    out = subprocess.run([sys.executable, "-m", "sglang_ascend_offload.triton_ops.aot_check", "--arch", "90"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang_ascend_offload.triton_ops.aot_check", "--arch", "90"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     for name in ("_lookup_kernel", "_victim_kernel", "_apply_kernel", "_copy_miss_rows_kernel"):
         assert f"compiled {name} for cuda:90" in out.stdout

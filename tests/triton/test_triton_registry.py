@@ -8,8 +8,7 @@ import sys
 import pytest
 import torch
 
-from sglang_ascend_offload.ops import registry, triton_impls
-from sglang_ascend_offload.ops import residency
+from sglang_ascend_offload.ops import registry, residency, triton_impls
 
 
 def _reference_ops():
@@ -27,8 +26,10 @@ def test_triton_rung_has_the_reference_signature(op):
 
 
 def test_importing_the_rung_imports_no_triton():
-    code = ("import sys; import sglang_ascend_offload.ops.triton_impls, sglang_ascend_offload.triton_ops; "
-            "print('triton' in sys.modules)")
+    code = (
+        "import sys; import sglang_ascend_offload.ops.triton_impls, sglang_ascend_offload.triton_ops; "
+        "print('triton' in sys.modules)"
+    )
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -47,8 +48,11 @@ def test_unavailable_without_interpreter_on_cpu(monkeypatch):
 
 def test_unavailable_without_triton(monkeypatch):
     real_find_spec = triton_impls.importlib.util.find_spec
-    monkeypatch.setattr(triton_impls.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        triton_impls.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "triton" else real_find_spec(name, *a),
+    )
     reason = triton_impls.triton_unavailable()
     assert reason is not None and "triton is not importable" in reason
 

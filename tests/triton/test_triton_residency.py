@@ -11,12 +11,18 @@ import pytest
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
+from triton_case_gen import (  # noqa: E402
+    DEFAULT,
+    TINY,
+    drifting_trace,
+    random_state,
+    random_topk,
+    run_both,
+    step_input,
+)
 
 from sglang_ascend_offload.ops.contract import ResidencyTable  # noqa: E402
 from sglang_ascend_offload.triton_ops.residency import launch_residency_manage  # noqa: E402
-
-from triton_case_gen import (DEFAULT, TINY, drifting_trace, random_state, random_topk, run_both,  # noqa: E402
-                             step_input)
 
 CONFIGS = pytest.mark.parametrize("config", [DEFAULT, TINY], ids=["default_tiles", "tiny_tiles"])
 INT32_MAX = 2**31 - 1
@@ -53,7 +59,7 @@ def test_arbitrary_states_victim_order(config):
         tri = ref.clone()
         # select half from what the row holds (hits) and half from anywhere
         topk = random_topk(gen, rows, k, 0, max_pos)
-        held = ref.slot_token[:, :k // 2].clone()
+        held = ref.slot_token[:, : k // 2].clone()
         topk[:, : k // 2] = torch.where(held >= 0, held, topk[:, : k // 2])
         for r in range(rows):  # keep valid entries distinct after the overwrite
             seen = set()
@@ -69,7 +75,7 @@ def test_arbitrary_states_victim_order(config):
 
 @CONFIGS
 def test_empty_rows_and_idle_rows(config):
-    rows, hot, k = 3, 8, 4
+    rows, hot = 3, 8
     ref, tri = tables(rows, hot)
     run_both(ref, tri, step_input([[0, 1, 2, 3], [5, 6, -1, -1], [1, 2, 3, 4]], [10, 11, 12], [9, 9, 9], 0), config)
     # row 0: active but nothing selected; row 1: becomes idle (reset, outputs all padding)
@@ -81,14 +87,15 @@ def test_empty_rows_and_idle_rows(config):
 
 @CONFIGS
 def test_all_hits_then_all_misses(config):
-    rows, hot, k = 2, 12, 6
+    rows, hot = 2, 12
     ref, tri = tables(rows, hot)
     first = [[0, 1, 2, 3, 4, 5], [10, 20, 30, 40, 50, 60]]
     run_both(ref, tri, step_input(first, [1, 2], [100, 100], 0), config)
     out = run_both(ref, tri, step_input([list(reversed(first[0])), first[1]], [1, 2], [100, 100], 1), config)
     assert bool(out.hit_mask.all()) and out.miss_count.tolist() == [0, 0]
-    out = run_both(ref, tri, step_input([[6, 7, 8, 9, 10, 11], [61, 62, 63, 64, 65, 66]], [1, 2], [100, 100], 2),
-                   config)
+    out = run_both(
+        ref, tri, step_input([[6, 7, 8, 9, 10, 11], [61, 62, 63, 64, 65, 66]], [1, 2], [100, 100], 2), config
+    )
     assert not bool(out.hit_mask.any()) and out.miss_count.tolist() == [6, 6]
 
 
@@ -105,18 +112,23 @@ def test_capacity_exactly_top_k(config):
 
 @CONFIGS
 def test_padding_interleaved(config):
-    rows, hot, k = 2, 10, 8
+    rows, hot = 2, 10
     ref, tri = tables(rows, hot)
-    run_both(ref, tri, step_input([[-1, 3, -1, 5, 7, -1, 9, -1], [0, -1, -1, -1, -1, -1, -1, 2]], [0, 1], [20, 20], 0),
-             config)
-    out = run_both(ref, tri, step_input([[5, -1, 4, -1, -1, 3, -1, 8], [-1, 2, 1, -1, 0, -1, -1, -1]], [0, 1], [20, 20],
-                                        1), config)
+    run_both(
+        ref,
+        tri,
+        step_input([[-1, 3, -1, 5, 7, -1, 9, -1], [0, -1, -1, -1, -1, -1, -1, 2]], [0, 1], [20, 20], 0),
+        config,
+    )
+    out = run_both(
+        ref, tri, step_input([[5, -1, 4, -1, -1, 3, -1, 8], [-1, 2, 1, -1, 0, -1, -1, -1]], [0, 1], [20, 20], 1), config
+    )
     assert out.slots[0].tolist()[1] == -1 and out.miss_count.tolist() == [2, 1]
 
 
 @CONFIGS
 def test_request_reset(config):
-    rows, hot, k = 2, 8, 4
+    rows, hot = 2, 8
     ref, tri = tables(rows, hot)
     sel = [[1, 2, 3, 4], [1, 2, 3, 4]]
     run_both(ref, tri, step_input(sel, [5, 6], [10, 10], 0), config)
@@ -128,7 +140,7 @@ def test_request_reset(config):
 @CONFIGS
 def test_speculative_suffix(config):
     """Positions >= stable_len are never hits and empty their slots."""
-    rows, hot, k = 2, 10, 5
+    rows, hot = 2, 10
     ref, tri = tables(rows, hot)
     run_both(ref, tri, step_input([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], [0, 1], [5, 10], 0), config)
     # row 0: positions 3, 4 are speculative now; row 1: 8, 9 speculative
@@ -140,7 +152,7 @@ def test_speculative_suffix(config):
 
 @CONFIGS
 def test_positions_and_steps_near_integer_limits(config):
-    rows, hot, k = 2, 8, 4
+    rows, hot = 2, 8
     ref, tri = tables(rows, hot)
     top = INT32_MAX
     big_step = 2**60
@@ -171,8 +183,9 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="step=-1"):
         launch_residency_manage(ref.slot_token, ref.slot_stamp, ref.row_req, topk[:, :2], req, stable, -1)
     with pytest.raises(ValueError, match="slot_stamp must be a contiguous"):
-        launch_residency_manage(ref.slot_token, ref.slot_stamp.to(torch.int32), ref.row_req, topk[:, :2],
-                                req, stable, 0)
+        launch_residency_manage(
+            ref.slot_token, ref.slot_stamp.to(torch.int32), ref.row_req, topk[:, :2], req, stable, 0
+        )
     with pytest.raises(ValueError, match="slot_token must be a contiguous"):
         launch_residency_manage(ref.slot_token.t(), ref.slot_stamp, ref.row_req, topk[:, :2], req, stable, 0)
     with pytest.raises(ValueError, match="req_ids must be an integer tensor"):

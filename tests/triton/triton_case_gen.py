@@ -34,20 +34,29 @@ class StepInput:
 
 
 def step_input(topk, req_ids, stable_len, step: int) -> StepInput:
-    return StepInput(torch.as_tensor(topk, dtype=torch.int32), torch.as_tensor(req_ids, dtype=torch.int64),
-                     torch.as_tensor(stable_len, dtype=torch.int32), step)
+    return StepInput(
+        torch.as_tensor(topk, dtype=torch.int32),
+        torch.as_tensor(req_ids, dtype=torch.int64),
+        torch.as_tensor(stable_len, dtype=torch.int32),
+        step,
+    )
 
 
-def run_both(ref: ResidencyTable, tri: ResidencyTable, inp: StepInput,
-             config: ResidencyKernelConfig = DEFAULT, where: str = ""):
+def run_both(
+    ref: ResidencyTable, tri: ResidencyTable, inp: StepInput, config: ResidencyKernelConfig = DEFAULT, where: str = ""
+):
     """One step on both implementations; asserts identical outputs and state."""
-    want = reference_manage(ref.slot_token, ref.slot_stamp, ref.row_req,
-                            inp.topk, inp.req_ids, inp.stable_len, inp.step)
-    got = launch_residency_manage(tri.slot_token, tri.slot_stamp, tri.row_req,
-                                  inp.topk, inp.req_ids, inp.stable_len, inp.step, config)
+    want = reference_manage(
+        ref.slot_token, ref.slot_stamp, ref.row_req, inp.topk, inp.req_ids, inp.stable_len, inp.step
+    )
+    got = launch_residency_manage(
+        tri.slot_token, tri.slot_stamp, tri.row_req, inp.topk, inp.req_ids, inp.stable_len, inp.step, config
+    )
     for name in STEP_FIELDS:
         a, b = getattr(want, name), getattr(got, name)
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where} {name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{where} {name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        )
         assert torch.equal(a, b), f"{where} {name} differs:\nreference {a}\ntriton    {b}"
     for name in ("slot_token", "slot_stamp", "row_req"):
         a, b = getattr(ref, name), getattr(tri, name)
@@ -55,8 +64,15 @@ def run_both(ref: ResidencyTable, tri: ResidencyTable, inp: StepInput,
     return want
 
 
-def random_topk(gen: torch.Generator, rows: int, k: int, lo: int, hi: int,
-                fill: Optional[List[int]] = None, shuffle_padding: bool = True) -> torch.Tensor:
+def random_topk(
+    gen: torch.Generator,
+    rows: int,
+    k: int,
+    lo: int,
+    hi: int,
+    fill: Optional[List[int]] = None,
+    shuffle_padding: bool = True,
+) -> torch.Tensor:
     """int32 ``[rows, k]``: per row ``fill[r]`` distinct positions from ``[lo, hi)``, rest ``-1``.
 
     With ``shuffle_padding`` the ``-1`` entries are interleaved with the real ones.
@@ -73,8 +89,17 @@ def random_topk(gen: torch.Generator, rows: int, k: int, lo: int, hi: int,
     return out
 
 
-def drifting_trace(gen: torch.Generator, rows: int, k: int, steps: int, *, churn: float = 0.15,
-                   idle: float = 0.1, spec: float = 0.3, window: int = 3):
+def drifting_trace(
+    gen: torch.Generator,
+    rows: int,
+    k: int,
+    steps: int,
+    *,
+    churn: float = 0.15,
+    idle: float = 0.1,
+    spec: float = 0.3,
+    window: int = 3,
+):
     """A multi-step trace with locality (hits), request churn, idle rows, speculative tails.
 
     Each row's context grows by one position per step; the top-k mixes positions

@@ -50,9 +50,14 @@ def assign_req_to_token_pool_cpu(
         offset += n
 
 
-from .speculative_cpu import (  # noqa: E402 - EAGLE (NextN / MTP) chain kernels in plain torch
-    assign_draft_cache_locs_contiguous_cpu, assign_extend_cache_locs_cpu, build_tree_kernel_efficient_cpu,
-    fill_accept_out_cache_loc_cpu, fill_bonus_tokens_cpu, verify_tree_greedy_cpu)
+from .speculative_cpu import (  # noqa: E402, F401 - EAGLE (NextN / MTP) chain kernels in plain torch, re-exported
+    assign_draft_cache_locs_contiguous_cpu,
+    assign_extend_cache_locs_cpu,
+    build_tree_kernel_efficient_cpu,
+    fill_accept_out_cache_loc_cpu,
+    fill_bonus_tokens_cpu,
+    verify_tree_greedy_cpu,
+)
 
 
 class _MissingKernel:
@@ -92,20 +97,61 @@ def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc) -> None:
 # ``cpu_has_amx_support()`` probes, and the names other SGLang code probes with
 # ``hasattr`` are deliberately not among them).
 COMPILE_FAKE_OPS = (
-    "shm_allreduce", "bmm_cpu", "fused_add_rmsnorm_cpu", "decode_attention_cpu", "extend_attention_cpu",
-    "gemma_fused_add_rmsnorm_cpu", "layernorm_cpu", "fused_add_layernorm_cpu", "multimodal_rotary_embedding_cpu",
-    "apply_multidimensional_rope_cpu", "fused_sigmoid_mul_cpu", "rmsnorm_cpu", "l2norm_cpu", "fused_experts_cpu",
-    "fused_rmsnorm_gated_cpu", "shared_expert_cpu", "causal_conv1d_update_cpu", "causal_conv1d_fwd_cpu",
-    "gemma_rmsnorm_cpu", "gemma3_rmsnorm_cpu", "gemma4_rmsnorm_cpu", "apply_rotary_pos_emb_cpu",
-    "biased_grouped_topk_cpu", "chunk_gated_delta_rule_cpu", "fp8_per_tensor_scaled_mm_cpu", "fp8_scaled_mm_cpu",
-    "fused_dual_residual_rmsnorm_cpu", "fused_gdn_gating_cpu", "fused_input_proj_cpu", "fused_linear_sigmoid_mul",
-    "fused_moe_router_cpu", "fused_qk_gemma_rmsnorm_cpu", "fused_qk_gemma_rmsnorm_with_gate_cpu",
-    "fused_qk_rmsnorm_apply_from_stats_cpu", "fused_qk_rmsnorm_cpu", "fused_qk_rmsnorm_sumsq_cpu",
-    "fused_qkvzba_split_reshape_cat_contiguous_cpu", "fused_qkvzba_split_reshape_cat_cpu",
-    "fused_sigmoid_gating_delta_rule_update_cpu", "grouped_topk_cpu", "int4_scaled_mm_cpu", "int8_scaled_mm_cpu",
-    "int8_scaled_mm_with_quant", "mxfp4_scaled_mm_cpu", "per_token_quant_int8_cpu", "qkv_proj_with_rope",
-    "qkv_proj_with_rope_fused_weight", "rotary_embedding_cpu", "shm_allgather", "topk_sigmoid_cpu",
-    "topk_softmax_cpu", "weight_packed_linear", "silu_and_mul_cpu", "gelu_tanh_and_mul_cpu", "gelu_and_mul_cpu",
+    "shm_allreduce",
+    "bmm_cpu",
+    "fused_add_rmsnorm_cpu",
+    "decode_attention_cpu",
+    "extend_attention_cpu",
+    "gemma_fused_add_rmsnorm_cpu",
+    "layernorm_cpu",
+    "fused_add_layernorm_cpu",
+    "multimodal_rotary_embedding_cpu",
+    "apply_multidimensional_rope_cpu",
+    "fused_sigmoid_mul_cpu",
+    "rmsnorm_cpu",
+    "l2norm_cpu",
+    "fused_experts_cpu",
+    "fused_rmsnorm_gated_cpu",
+    "shared_expert_cpu",
+    "causal_conv1d_update_cpu",
+    "causal_conv1d_fwd_cpu",
+    "gemma_rmsnorm_cpu",
+    "gemma3_rmsnorm_cpu",
+    "gemma4_rmsnorm_cpu",
+    "apply_rotary_pos_emb_cpu",
+    "biased_grouped_topk_cpu",
+    "chunk_gated_delta_rule_cpu",
+    "fp8_per_tensor_scaled_mm_cpu",
+    "fp8_scaled_mm_cpu",
+    "fused_dual_residual_rmsnorm_cpu",
+    "fused_gdn_gating_cpu",
+    "fused_input_proj_cpu",
+    "fused_linear_sigmoid_mul",
+    "fused_moe_router_cpu",
+    "fused_qk_gemma_rmsnorm_cpu",
+    "fused_qk_gemma_rmsnorm_with_gate_cpu",
+    "fused_qk_rmsnorm_apply_from_stats_cpu",
+    "fused_qk_rmsnorm_cpu",
+    "fused_qk_rmsnorm_sumsq_cpu",
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu",
+    "fused_qkvzba_split_reshape_cat_cpu",
+    "fused_sigmoid_gating_delta_rule_update_cpu",
+    "grouped_topk_cpu",
+    "int4_scaled_mm_cpu",
+    "int8_scaled_mm_cpu",
+    "int8_scaled_mm_with_quant",
+    "mxfp4_scaled_mm_cpu",
+    "per_token_quant_int8_cpu",
+    "qkv_proj_with_rope",
+    "qkv_proj_with_rope_fused_weight",
+    "rotary_embedding_cpu",
+    "shm_allgather",
+    "topk_sigmoid_cpu",
+    "topk_softmax_cpu",
+    "weight_packed_linear",
+    "silu_and_mul_cpu",
+    "gelu_tanh_and_mul_cpu",
+    "gelu_and_mul_cpu",
 )
 
 
@@ -117,8 +163,10 @@ def _define_compile_fake_ops() -> None:
         lib.define(f"{name}(Tensor[] args) -> ()")
 
         def _raise(*args, _name=name, **kwargs):
-            raise NotImplementedError(f"torch.ops.sgl_kernel.{_name} is a schema-only placeholder of the CPU "
-                                      "test environment's sgl_kernel stand-in (cpu_env/stubs/sgl_kernel)")
+            raise NotImplementedError(
+                f"torch.ops.sgl_kernel.{_name} is a schema-only placeholder of the CPU "
+                "test environment's sgl_kernel stand-in (cpu_env/stubs/sgl_kernel)"
+            )
 
         lib.impl(name, _raise, "CompositeExplicitAutograd")
     globals()["_COMPILE_FAKE_LIB"] = lib

@@ -37,10 +37,16 @@ ENTRY_POINTS: Tuple[Tuple[str, str, str], ...] = (
     ("mem_cache.sizing.sparse_decode", "_plugin_main_pool", "the per-token cell-size hook"),
     ("mem_cache.sizing.layerwise_prefill", "_applies", "the per-token cell-size hook"),
     ("mem_cache.sizing.kvpp", "_applies", "the per-token cell-size hook"),
-    ("disaggregation.ascend_offload.conn", "active_pd_config",
-     "the P/D KV manager and sender/receiver classes SGLang constructs"),
-    ("disaggregation.ascend_offload.install", "_layerwise_publisher",
-     "the scheduler hook wiring layer announcements of a layerwise P/D prefill"),
+    (
+        "disaggregation.ascend_offload.conn",
+        "active_pd_config",
+        "the P/D KV manager and sender/receiver classes SGLang constructs",
+    ),
+    (
+        "disaggregation.ascend_offload.install",
+        "_layerwise_publisher",
+        "the scheduler hook wiring layer announcements of a layerwise P/D prefill",
+    ),
 )
 
 _cache: Tuple[Optional[str], Optional[cfg.OffloadConfig]] = (None, None)

@@ -40,8 +40,9 @@ def main_kv_dtype(kv_cache_dtype: Optional[str], hf_config: Any) -> str:
     """The main KV dtype name; ``auto`` means the model's own dtype."""
     name = (kv_cache_dtype or "auto").lower()
     if name == "auto":
-        model_dtype = str(getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
-                          or "bfloat16").replace("torch.", "")
+        model_dtype = str(
+            getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or "bfloat16"
+        ).replace("torch.", "")
         name = model_dtype.lower()
     return "bf16" if name in _BF16 else name
 
@@ -84,7 +85,10 @@ def attention_parallel(get) -> Tuple[int, int]:
 
 
 def build_deployment(
-    args: Any, hf_config: Any, soc: Optional[str] = None, hybrid_kv: Optional[bool] = None,
+    args: Any,
+    hf_config: Any,
+    soc: Optional[str] = None,
+    hybrid_kv: Optional[bool] = None,
     soc_unknown: Optional[str] = None,
 ) -> cfg.Deployment:
     """Deployment facts from resolved server arguments and the model's HF config.
@@ -92,14 +96,15 @@ def build_deployment(
     hybrid_kv: SGLang's own verdict where known (``ModelConfig.is_hybrid_swa`` or a
     Mamba-like config); otherwise inferred from ``hf_config.layer_types``.
     """
+
     def get(name: str, default: Any = None) -> Any:
         value = compat.arg(args, name)  # strict: a renamed SGLang field stops startup
         return default if value is None else value
+
     device = get("device") or platform.device_kind()
     if device not in ("npu", "cuda", "cpu"):
         device = "cuda" if device in ("gpu", "rocm", "hip") else device
-    pd_role = {"prefill": "prefill", "decode": "decode"}.get(str(get("disaggregation_mode", "null")),
-                                                           "colocated")
+    pd_role = {"prefill": "prefill", "decode": "decode"}.get(str(get("disaggregation_mode", "null")), "colocated")
     attn_cp = int(get("attn_cp_size", 1) or 1)
     prefill_cp = bool(get("enable_prefill_cp", False))
     spec = get("speculative_algorithm")
@@ -157,8 +162,7 @@ def deployment_from_server_args(server_args: Any) -> cfg.Deployment:
     view = resolving_view(server_args)
     model_config = model_config_of(server_args)
     # NPU: the SoC the installed CANN build declares (undecided -> soc_unknown refuses)
-    soc, soc_unknown = (platform.installed_soc() if (view.device or platform.device_kind()) == "npu"
-                        else (None, None))
+    soc, soc_unknown = platform.installed_soc() if (view.device or platform.device_kind()) == "npu" else (None, None)
     hybrid = bool(getattr(model_config, "is_hybrid_swa", False)) or bool(
         getattr(model_config, "mambaish_config", None) or getattr(model_config, "hybrid_gdn_config", None)
     )

@@ -75,7 +75,9 @@ FEATURES: Tuple[FeatureFlags, ...] = (
         help="Layerwise prefill offload: cache-bearing layers share a few device KV "
         "buffers; each layer's KV is saved to a host KV pool.",
     ),
-    FeatureFlags(  # P/D transfer backend (sglang_plugin/disaggregation/ascend_offload/); with --disaggregation-transfer-backend ascend_offload
+    # P/D transfer backend (sglang_plugin/disaggregation/ascend_offload/);
+    # with --disaggregation-transfer-backend ascend_offload
+    FeatureFlags(
         section="pd_transfer",
         section_cls=cfg.PDTransferConfig,
         enable_flag="--enable-pd-transfer",
@@ -108,8 +110,11 @@ class RawFlags:
 
     @property
     def any_given(self) -> bool:
-        return (any(self.enabled.values()) or any(v is not None for v in self.configs.values())
-                or self.device_kv_budget is not None)
+        return (
+            any(self.enabled.values())
+            or any(v is not None for v in self.configs.values())
+            or self.device_kv_budget is not None
+        )
 
 
 #: Not a feature: a cap on the device memory of the KV pool (OffloadConfig.device_kv_budget_bytes).
@@ -125,15 +130,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "are inline JSON or @path/to/file.json.",
     )
     for feat in FEATURES:
-        group.add_argument(feat.enable_flag, dest=feat.enable_dest, action="store_true",
-                           default=False, help=feat.help)
+        group.add_argument(feat.enable_flag, dest=feat.enable_dest, action="store_true", default=False, help=feat.help)
         group.add_argument(
-            feat.config_flag, dest=feat.config_dest, type=str, default=None, metavar="JSON|@FILE",
+            feat.config_flag,
+            dest=feat.config_dest,
+            type=str,
+            default=None,
+            metavar="JSON|@FILE",
             help=f"Settings of {feat.enable_flag} (keys of {feat.section_cls.__name__}; "
             "see docs/configuration.md). Requires the enable flag.",
         )
     group.add_argument(
-        DEVICE_KV_BUDGET_FLAG, dest=_dest(DEVICE_KV_BUDGET_FLAG), type=str, default=None, metavar="SIZE",
+        DEVICE_KV_BUDGET_FLAG,
+        dest=_dest(DEVICE_KV_BUDGET_FLAG),
+        type=str,
+        default=None,
+        metavar="SIZE",
         help="The most device memory the KV pool (plus the sparse decode hot buffers) may take, e.g. 512MiB "
         "or 8GiB; the smaller of this and what --mem-fraction-static leaves is used. On a CPU the server "
         "then accounts like a device of that size: the sparse decode host pool is host memory outside it.",
@@ -144,8 +156,9 @@ def take_from_namespace(namespace: argparse.Namespace) -> RawFlags:
     """Read the plugin's flag values off an argparse namespace (missing = defaults)."""
     enabled = {f.section: bool(getattr(namespace, f.enable_dest, False)) for f in FEATURES}
     configs = {f.section: getattr(namespace, f.config_dest, None) for f in FEATURES}
-    return RawFlags(enabled=enabled, configs=configs,
-                    device_kv_budget=getattr(namespace, _dest(DEVICE_KV_BUDGET_FLAG), None))
+    return RawFlags(
+        enabled=enabled, configs=configs, device_kv_budget=getattr(namespace, _dest(DEVICE_KV_BUDGET_FLAG), None)
+    )
 
 
 def parse(raw: RawFlags) -> Tuple[cfg.OffloadConfig, List[cfg.Violation]]:
@@ -162,11 +175,13 @@ def parse(raw: RawFlags) -> Tuple[cfg.OffloadConfig, List[cfg.Violation]]:
         on = raw.enabled.get(feat.section, False)
         text = raw.configs.get(feat.section)
         if text is not None and not on:
-            problems.append(cfg.Violation(
-                "flags.config_without_enable",
-                f"{feat.config_flag} given without {feat.enable_flag}",
-                f"add {feat.enable_flag} (or drop {feat.config_flag})",
-            ))
+            problems.append(
+                cfg.Violation(
+                    "flags.config_without_enable",
+                    f"{feat.config_flag} given without {feat.enable_flag}",
+                    f"add {feat.enable_flag} (or drop {feat.config_flag})",
+                )
+            )
             continue
         if not on:
             continue
@@ -179,13 +194,20 @@ def parse(raw: RawFlags) -> Tuple[cfg.OffloadConfig, List[cfg.Violation]]:
         try:
             budget = parse_size(raw.device_kv_budget)
         except ValueError as exc:
-            problems.append(cfg.Violation("flags.device_kv_budget", f"{DEVICE_KV_BUDGET_FLAG}: {exc}",
-                                          f"e.g. {DEVICE_KV_BUDGET_FLAG} 512MiB"))
+            problems.append(
+                cfg.Violation(
+                    "flags.device_kv_budget", f"{DEVICE_KV_BUDGET_FLAG}: {exc}", f"e.g. {DEVICE_KV_BUDGET_FLAG} 512MiB"
+                )
+            )
         else:
             if budget <= 0:
-                problems.append(cfg.Violation("flags.device_kv_budget",
-                                              f"{DEVICE_KV_BUDGET_FLAG} {raw.device_kv_budget} is not positive",
-                                              f"e.g. {DEVICE_KV_BUDGET_FLAG} 512MiB"))
+                problems.append(
+                    cfg.Violation(
+                        "flags.device_kv_budget",
+                        f"{DEVICE_KV_BUDGET_FLAG} {raw.device_kv_budget} is not positive",
+                        f"e.g. {DEVICE_KV_BUDGET_FLAG} 512MiB",
+                    )
+                )
                 budget = None
     return cfg.OffloadConfig(**sections, device_kv_budget_bytes=budget), problems
 
@@ -231,6 +253,7 @@ def from_cli_args_around(original, cls, args):
 def refusing_from_cli_args(reason: str):
     """An AROUND hook for ``ServerArgs.from_cli_args`` on an unsupported SGLang: the
     plugin's flags stop startup with ``reason``; without them SGLang runs unchanged."""
+
     def from_cli_args_refuse(original, cls, args):
         raw = take_from_namespace(args)
         if raw.any_given:

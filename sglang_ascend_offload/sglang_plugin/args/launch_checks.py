@@ -57,8 +57,10 @@ def resolve_defaults(config: cfg.OffloadConfig, deployment: cfg.Deployment) -> T
         rows = deployment.speculative_rows if deployment.speculative_method and deployment.speculative_rows else 1
         hot = cfg.default_hot_tokens(deployment.index_topk, deployment.page_size, rows_per_request=rows)
         factor = "2" if rows <= 2 else f"{rows} verify rows"
-        notes.append(f"sparse_decode.hot_tokens = {hot} ({factor} x top-k {deployment.index_topk}, rounded up to "
-                     f"the page size {deployment.page_size or 1})")
+        notes.append(
+            f"sparse_decode.hot_tokens = {hot} ({factor} x top-k {deployment.index_topk}, rounded up to "
+            f"the page size {deployment.page_size or 1})"
+        )
         config = dataclasses.replace(config, sparse_decode=dataclasses.replace(sd, hot_tokens=hot))
     lw = config.layerwise_prefill
     if lw is not None and lw.store_backend is None:
@@ -73,26 +75,45 @@ def _missing(hf_config: Any, names) -> List[str]:
     return [n for n in names if getattr(hf_config, n, None) is None]
 
 
-def sparse_decode_allocations(hf_config: Any, sd: cfg.SparseDecodeOffloadConfig, *, hot_tokens: int,
-                              rows: int, rows_source: str, host_tokens: Optional[int],
-                              host_tokens_source: str, device: str) -> List[memory_budget.Allocation]:
+def sparse_decode_allocations(
+    hf_config: Any,
+    sd: cfg.SparseDecodeOffloadConfig,
+    *,
+    hot_tokens: int,
+    rows: int,
+    rows_source: str,
+    host_tokens: Optional[int],
+    host_tokens_source: str,
+    device: str,
+) -> List[memory_budget.Allocation]:
     """The hot buffers (device) and the host pool (host) of sparse decode offload."""
     layers = int(hf_config.num_hidden_layers)
     row_bytes = (int(hf_config.kv_lora_rank) + int(hf_config.qk_rope_head_dim)) * 2  # bf16
-    items = [memory_budget.Allocation(
-        "hot buffers", "device", layers * rows * hot_tokens * row_bytes,
-        f"{layers} layers x {rows} rows ({rows_source}) x {hot_tokens} hot_tokens x {row_bytes} B",
-        "hot_tokens or --max-running-requests")]
+    items = [
+        memory_budget.Allocation(
+            "hot buffers",
+            "device",
+            layers * rows * hot_tokens * row_bytes,
+            f"{layers} layers x {rows} rows ({rows_source}) x {hot_tokens} hot_tokens x {row_bytes} B",
+            "hot_tokens or --max-running-requests",
+        )
+    ]
     if host_tokens is not None:
-        items.append(memory_budget.Allocation(
-            "host pool", "host", layers * host_tokens * row_bytes,
-            f"{layers} layers x {host_tokens} tokens ({host_tokens_source}) x {row_bytes} B",
-            "host_pool_tokens or --max-total-tokens"))
+        items.append(
+            memory_budget.Allocation(
+                "host pool",
+                "host",
+                layers * host_tokens * row_bytes,
+                f"{layers} layers x {host_tokens} tokens ({host_tokens_source}) x {row_bytes} B",
+                "host_pool_tokens or --max-total-tokens",
+            )
+        )
     return items
 
 
-def launch_violations(config: cfg.OffloadConfig, view: Any, hf_config: Any,
-                      deployment: Optional[cfg.Deployment]) -> List[cfg.Violation]:
+def launch_violations(
+    config: cfg.OffloadConfig, view: Any, hf_config: Any, deployment: Optional[cfg.Deployment]
+) -> List[cfg.Violation]:
     """Every rule of the module docstring that this launch breaks."""
     out: List[cfg.Violation] = []
     features = [name for name in ("sparse_decode", "layerwise_prefill", "kvpp") if getattr(config, name) is not None]
@@ -103,24 +124,30 @@ def launch_violations(config: cfg.OffloadConfig, view: Any, hf_config: Any,
         missing += _missing(hf_config, _DSA_FIELDS)
     if missing:
         archs = ", ".join(getattr(hf_config, "architectures", None) or ["?"])
-        out.append(violation(
-            "sglang.model_config",
-            f"{', '.join(features)} need(s) the model config fields {', '.join(missing)}, which the model "
-            f"({archs}) does not define",
-            "serve a complete DeepSeek-V3.2-style (MLA + lightning indexer) config.json, or disable the feature"))
+        out.append(
+            violation(
+                "sglang.model_config",
+                f"{', '.join(features)} need(s) the model config fields {', '.join(missing)}, which the model "
+                f"({archs}) does not define",
+                "serve a complete DeepSeek-V3.2-style (MLA + lightning indexer) config.json, or disable the feature",
+            )
+        )
     sd = config.sparse_decode
     if sd is not None and not missing and deployment is not None:
         out += _sparse_decode_memory(sd, view, hf_config, deployment)
     return out
 
 
-def _sparse_decode_memory(sd: cfg.SparseDecodeOffloadConfig, view: Any, hf_config: Any,
-                          deployment: cfg.Deployment) -> List[cfg.Violation]:
-    spec_tokens = compat.arg(view, "speculative_num_draft_tokens") if compat.arg(view, "speculative_algorithm") \
-        else None
+def _sparse_decode_memory(
+    sd: cfg.SparseDecodeOffloadConfig, view: Any, hf_config: Any, deployment: cfg.Deployment
+) -> List[cfg.Violation]:
+    spec_tokens = (
+        compat.arg(view, "speculative_num_draft_tokens") if compat.arg(view, "speculative_algorithm") else None
+    )
     verify_rows = int(spec_tokens) if spec_tokens else 1
-    hot = sd.hot_tokens or cfg.default_hot_tokens(int(hf_config.index_topk), deployment.page_size,
-                                                  rows_per_request=verify_rows)
+    hot = sd.hot_tokens or cfg.default_hot_tokens(
+        int(hf_config.index_topk), deployment.page_size, rows_per_request=verify_rows
+    )
     if hot < 1:
         return []  # reported by the range rule
     # The pool sizing caps the running requests to the hot buffers that fit SGLang's KV
@@ -134,15 +161,24 @@ def _sparse_decode_memory(sd: cfg.SparseDecodeOffloadConfig, view: Any, hf_confi
         host_tokens, host_source = int(total), "--max-total-tokens"
     else:
         host_tokens, host_source = None, ""
-    items = sparse_decode_allocations(hf_config, sd, hot_tokens=hot, rows=rows, rows_source=rows_source,
-                                      host_tokens=host_tokens, host_tokens_source=host_source,
-                                      device=deployment.device)
+    items = sparse_decode_allocations(
+        hf_config,
+        sd,
+        hot_tokens=hot,
+        rows=rows,
+        rows_source=rows_source,
+        host_tokens=host_tokens,
+        host_tokens_source=host_source,
+        device=deployment.device,
+    )
     available = None
     pinned_host = memory_budget.env_override("SAO_AVAILABLE_HOST_BYTES")
     if pinned_host is not None:
         available = {"host": pinned_host, "device": memory_budget.env_override("SAO_AVAILABLE_DEVICE_BYTES")}
     found = memory_budget.check(items, deployment.device, available=available)
     if not found:
-        logger.info("sglang-ascend-offload: sparse decode offload plans %s",
-                    "; ".join(f"{i.name} {memory_budget.format_bytes(i.nbytes)} ({i.where})" for i in items))
+        logger.info(
+            "sglang-ascend-offload: sparse decode offload plans %s",
+            "; ".join(f"{i.name} {memory_budget.format_bytes(i.nbytes)} ({i.where})" for i in items),
+        )
     return found

@@ -30,13 +30,14 @@ from typing import Any, Callable, List, Optional, Tuple
 from ... import config as cfg
 from ... import platform
 from ...rules import RULES, violation
-from . import carrier, flags, launch_checks
 from .. import compat
 from ..cpu_capability import no_cuda_capability
-from .deployment import deployment_from_server_args, model_kind
 from ..names import BACKEND_NAME
+from . import carrier, flags, launch_checks
+from .deployment import deployment_from_server_args, model_kind
 
 logger = logging.getLogger(__name__)
+
 
 # ------------------------------------------------------------------ backend choice
 def _model_is_dsa(server_args: Any) -> bool:
@@ -78,12 +79,21 @@ def _select_backend(server_args: Any, previous: Callable[[Any], None]) -> None:
     if wants and is_attention_backend_not_set(view):
         declare_resolution(server_args, "sglang_ascend_offload", attention_backend=BACKEND_NAME)
         logger.info("sglang-ascend-offload: attention backend %s selected", BACKEND_NAME)
-    if view.device == "cpu" and resolving_view(server_args).attention_backend == BACKEND_NAME \
-            and os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
-        raise cfg.ConfigError([violation(
-            "sglang.cpu_engine", "--device cpu without SGLANG_USE_CPU_ENGINE=1 (SGLang then does not run its "
-            "CPU platform)", "export SGLANG_USE_CPU_ENGINE=1 before starting SGLang")],
-            "sglang-ascend-offload configuration")
+    if (
+        view.device == "cpu"
+        and resolving_view(server_args).attention_backend == BACKEND_NAME
+        and os.environ.get("SGLANG_USE_CPU_ENGINE") != "1"
+    ):
+        raise cfg.ConfigError(
+            [
+                violation(
+                    "sglang.cpu_engine",
+                    "--device cpu without SGLANG_USE_CPU_ENGINE=1 (SGLang then does not run its CPU platform)",
+                    "export SGLANG_USE_CPU_ENGINE=1 before starting SGLang",
+                )
+            ],
+            "sglang-ascend-offload configuration",
+        )
     previous(server_args)
 
 
@@ -104,27 +114,41 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
     what this machine has installed. Everything the facts decide is ``config.violations``."""
     out: List[cfg.Violation] = []
     if config.sparse_decode is not None:
-        backends = {b for b in (compat.arg(view, "attention_backend"), compat.arg(view, "prefill_attention_backend"),
-                                compat.arg(view, "decode_attention_backend")) if b}
+        backends = {
+            b
+            for b in (
+                compat.arg(view, "attention_backend"),
+                compat.arg(view, "prefill_attention_backend"),
+                compat.arg(view, "decode_attention_backend"),
+            )
+            if b
+        }
         if backends - {BACKEND_NAME}:
-            out.append(violation(
-                "sglang.attention_backend",
-                f"attention backend(s) {sorted(backends)} cannot serve sparse decode offload",
-                f"drop --attention-backend (the plugin selects {BACKEND_NAME}) or pass "
-                f"--attention-backend {BACKEND_NAME}",
-            ))
+            out.append(
+                violation(
+                    "sglang.attention_backend",
+                    f"attention backend(s) {sorted(backends)} cannot serve sparse decode offload",
+                    f"drop --attention-backend (the plugin selects {BACKEND_NAME}) or pass "
+                    f"--attention-backend {BACKEND_NAME}",
+                )
+            )
         out += _sparse_decode_ops_violations(config.sparse_decode, _device_kind(view), _verify_rows(view))
         if compat.arg(view, "enable_hisparse"):
-            out.append(violation(
-                "sglang.hisparse", "--enable-hisparse is on as well",
-                "use one sparse-attention offload: drop --enable-hisparse",
-            ))
+            out.append(
+                violation(
+                    "sglang.hisparse",
+                    "--enable-hisparse is on as well",
+                    "use one sparse-attention offload: drop --enable-hisparse",
+                )
+            )
         if os.environ.get("SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD", "0") not in ("", "0", "false", "False"):
-            out.append(violation(
-                "sglang.npu_sparse_kv_offload",
-                "SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD is set (SGLang's in-tree NPU offload)",
-                "unset SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD",
-            ))
+            out.append(
+                violation(
+                    "sglang.npu_sparse_kv_offload",
+                    "SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD is set (SGLang's in-tree NPU offload)",
+                    "unset SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD",
+                )
+            )
     from .rules.layerwise_prefill import layerwise_violations
 
     out += layerwise_violations(config, view)
@@ -150,8 +174,9 @@ def _verify_rows(view: Any) -> int:
     return int(tokens) if tokens else 1
 
 
-def _sparse_decode_ops_violations(sd: cfg.SparseDecodeOffloadConfig, device: str,
-                                  rows_per_request: int = 1) -> List[cfg.Violation]:
+def _sparse_decode_ops_violations(
+    sd: cfg.SparseDecodeOffloadConfig, device: str, rows_per_request: int = 1
+) -> List[cfg.Violation]:
     """The operators this machine has for the requested setup (checked before any process
     starts): the fused-operator plan (``sparse_decode/op_selection.py``) with every problem
     it finds, then the ladder's ops for the ``ops`` rung; ``device``: ``npu`` / ``cuda`` / ``cpu``."""
@@ -172,13 +197,19 @@ def _sparse_decode_ops_violations(sd: cfg.SparseDecodeOffloadConfig, device: str
         try:
             registry.select(op, sd.ops)
         except (registry.OpUnavailableError, KeyError, ValueError) as exc:
-            out.append(violation("sglang.ops_unavailable", f"ops={sd.ops!r}: {exc}",
-                                 'use "ops": "auto" or install what the message names'))
+            out.append(
+                violation(
+                    "sglang.ops_unavailable",
+                    f"ops={sd.ops!r}: {exc}",
+                    'use "ops": "auto" or install what the message names',
+                )
+            )
     return out
 
 
-def startup_violations(config: cfg.OffloadConfig, deployment: Optional[cfg.Deployment], server_args: Any,
-                       view: Any, hf_config: Any) -> List[cfg.Violation]:
+def startup_violations(
+    config: cfg.OffloadConfig, deployment: Optional[cfg.Deployment], server_args: Any, view: Any, hf_config: Any
+) -> List[cfg.Violation]:
     """The server's verdict: every rule ``config`` breaks on this launch.
 
     The deployment-scope rules come from ``config.violations`` on ``deployment`` (the
@@ -212,16 +243,25 @@ def check(server_args: Any) -> Optional[cfg.OffloadConfig]:
     from ... import SUPPORTED_SGLANG_VERSION
     from .rules import pd_transfer as pd_rules  # P/D backend facts and rules
 
-    problems += [violation("sglang.compat", p, f"run SGLang {SUPPORTED_SGLANG_VERSION} "
-                               f"(pip install sglang=={SUPPORTED_SGLANG_VERSION}) or update the plugin's hooks")
-                 for p in compat.problems()]
+    problems += [
+        violation(
+            "sglang.compat",
+            p,
+            f"run SGLang {SUPPORTED_SGLANG_VERSION} "
+            f"(pip install sglang=={SUPPORTED_SGLANG_VERSION}) or update the plugin's hooks",
+        )
+        for p in compat.problems()
+    ]
 
     deployment = None
     try:
         deployment = pd_rules.with_pd_facts(deployment_from_server_args(server_args), config, server_args)
     except Exception as exc:  # noqa: BLE001 - reported with the rest
-        problems.append(violation("sglang.deployment", f"cannot read the deployment: {exc}",
-                                  "check the model path and server arguments"))
+        problems.append(
+            violation(
+                "sglang.deployment", f"cannot read the deployment: {exc}", "check the model path and server arguments"
+            )
+        )
     problems += startup_violations(config, deployment, server_args, view, _hf_config(server_args))
     if problems:
         raise cfg.ConfigError(problems, "sglang-ascend-offload configuration")

@@ -37,10 +37,11 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from ...ops import registry
 from ...ops.hadamard import rotate_and_quantize
 from ..args import carrier
-from ..speculative import cpu_graph as cpu_spec_graph, eagle as speculative
-from .native_indexer import IndexerInputs, indexer_query_key_weights
-from .dsa_metadata import DSAForwardMetadata, build_metadata, real_batch_size
 from ..names import BACKEND_NAME  # noqa: F401 - re-exported; its home is names.py
+from ..speculative import cpu_graph as cpu_spec_graph
+from ..speculative import eagle as speculative
+from .dsa_metadata import DSAForwardMetadata, build_metadata, real_batch_size
+from .native_indexer import IndexerInputs, indexer_query_key_weights
 
 logger = logging.getLogger(__name__)
 
@@ -192,9 +193,17 @@ class AscendOffloadAttnBackend(AttentionBackend):
         rows = max_num_tokens if cpu_spec_graph.verify_width_of(self) else max_bs
         self.init_cuda_graph_state(rows, max_num_tokens)
 
-    def init_forward_metadata_capture_cpu_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor, out_cache_loc, encoder_lens, forward_mode,
-                                                spec_info):
+    def init_forward_metadata_capture_cpu_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        out_cache_loc,
+        encoder_lens,
+        forward_mode,
+        spec_info,
+    ):
         """Metadata of the CPU graph runner's capture batch (``bs`` decode rows on the
         reserved ``req_to_token`` row 0 with the fill length): static views, as at replay.
         ``TARGET_VERIFY`` buckets (``bs`` requests x ``n`` rows) with :mod:`..speculative.cpu_graph`."""
@@ -204,8 +213,10 @@ class AscendOffloadAttnBackend(AttentionBackend):
             cpu_spec_graph.fill_verify_graph_buffers(self, req_pool_indices, seq_lens)
             return
         if not forward_mode.is_decode() or num_tokens != bs:
-            raise RuntimeError(f"ascend_offload captures decode graphs only (one token per request); got "
-                               f"{forward_mode} with {num_tokens} tokens for {bs} requests")
+            raise RuntimeError(
+                f"ascend_offload captures decode graphs only (one token per request); got "
+                f"{forward_mode} with {num_tokens} tokens for {bs} requests"
+            )
         self._graph_decode_metadata(bs, seq_lens.to("cpu"))
         self._fill_graph_buffers(bs, req_pool_indices, seq_lens)
 
@@ -220,8 +231,9 @@ class AscendOffloadAttnBackend(AttentionBackend):
         return False
 
     # ------------------------------------------------------------------ indexer
-    def run_indexer(self, indexer: Any, x, q_lora, positions, forward_batch, layer_id: int,
-                    return_indices: bool = True) -> Optional[torch.Tensor]:
+    def run_indexer(
+        self, indexer: Any, x, q_lora, positions, forward_batch, layer_id: int, return_indices: bool = True
+    ) -> Optional[torch.Tensor]:
         """Store the new tokens' index K and return int32 ``[T, index_topk]`` logical
         positions (``-1`` padded), or ``None`` when ``return_indices`` is False."""
         md = self.forward_metadata
@@ -270,8 +282,13 @@ class AscendOffloadAttnBackend(AttentionBackend):
         if not self.index_int8:
             return inputs.query, pool.get_index_k_buffer(layer_id), inputs.weights
         q_values, q_scales = rotate_and_quantize(inputs.query)
-        return (q_values, pool.get_index_k_buffer(layer_id), inputs.weights, q_scales,
-                pool.get_index_k_scale_buffer(layer_id))
+        return (
+            q_values,
+            pool.get_index_k_buffer(layer_id),
+            inputs.weights,
+            q_scales,
+            pool.get_index_k_scale_buffer(layer_id),
+        )
 
     def _index_topk(self, inputs, pool, layer_id: int, md: DSAForwardMetadata, count: int) -> torch.Tensor:
         """The op ladder's indexer over the layer's index-K cache: int32 ``[T, count]``
@@ -326,8 +343,9 @@ class AscendOffloadAttnBackend(AttentionBackend):
                 k_nope, k_pe = k_full[:, :dl], k_full[:, dl:]
         return q_nope, q_rope, k_nope, k_pe
 
-    def _forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool, topk_indices=None,
-                 q_rope=None, k_rope=None, **unused):
+    def _forward(
+        self, q, k, v, layer, forward_batch, save_kv_cache: bool, topk_indices=None, q_rope=None, k_rope=None, **unused
+    ):
         q_nope, q_pe, k_nope, k_pe = self._split_inputs(q, k, layer, q_rope, k_rope)
         if save_kv_cache and k_nope is not None:
             self.store_kv(layer, forward_batch, k_nope, k_pe)
@@ -353,9 +371,17 @@ class AscendOffloadAttnBackend(AttentionBackend):
         if self._graph_batch is not None:  # graph decode: flat rows from the static block tables
             latent, rope = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
             rows = graph_decode_rows(topk_indices, md.block_tables, md.seq_lens, latent.shape[1])
-            return self.attention_op(q_nope, latent.reshape(-1, latent.shape[-1]), None, rows, layer.scaling,
-                                     query_rope=q_pe, key_rope=rope.reshape(-1, rope.shape[-1]),
-                                     layout_query="TND", layout_kv="flat")
+            return self.attention_op(
+                q_nope,
+                latent.reshape(-1, latent.shape[-1]),
+                None,
+                rows,
+                layer.scaling,
+                query_rope=q_pe,
+                key_rope=rope.reshape(-1, rope.shape[-1]),
+                layout_query="TND",
+                layout_kv="flat",
+            )
         return self.attention_op(
             q_nope,
             pool.get_key_buffer(layer.layer_id),
@@ -376,8 +402,14 @@ class AscendOffloadAttnBackend(AttentionBackend):
 # ---------------------------------------------------------------------- graph decode
 def indexer_metadata(md: DSAForwardMetadata) -> dict:
     """The indexer ops' TND / PA_BSND metadata keywords of a forward (all but ``sparse_count``)."""
-    return dict(actual_seq_lengths_query=md.actual_seq_lengths_q, actual_seq_lengths_key=md.seq_lens,
-                block_table=md.block_tables, layout_query="TND", layout_key="PA_BSND", sparse_mode=3)
+    return dict(
+        actual_seq_lengths_query=md.actual_seq_lengths_q,
+        actual_seq_lengths_key=md.seq_lens,
+        block_table=md.block_tables,
+        layout_query="TND",
+        layout_key="PA_BSND",
+        sparse_mode=3,
+    )
 
 
 def graph_seq_lens_cpu(forward_batch) -> torch.Tensor:
@@ -391,8 +423,9 @@ def graph_seq_lens_cpu(forward_batch) -> torch.Tensor:
     return lens if lens is not None else forward_batch.seq_lens.to("cpu")
 
 
-def graph_decode_rows(topk: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                      page_size: int) -> torch.Tensor:
+def graph_decode_rows(
+    topk: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int
+) -> torch.Tensor:
     """int64 ``[B, 1, K]`` flat rows (``page * page_size + offset``) of the logical top-k
     ``[B, K]`` (or ``[B, 1, K]``) of a decode batch; ``-1`` where an entry is padding or
     beyond the request's length ``seq_lens [B]``. Static shapes, no host reads: the
@@ -406,9 +439,16 @@ def graph_decode_rows(topk: torch.Tensor, block_tables: torch.Tensor, seq_lens: 
     return torch.where(valid, rows, torch.full_like(rows, -1)).unsqueeze(1)
 
 
-def graph_decode_topk(query: torch.Tensor, index_k: torch.Tensor, weights: torch.Tensor, block_tables: torch.Tensor,
-                      seq_lens: torch.Tensor, top_k: int, query_scale: Optional[torch.Tensor] = None,
-                      key_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def graph_decode_topk(
+    query: torch.Tensor,
+    index_k: torch.Tensor,
+    weights: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    top_k: int,
+    query_scale: Optional[torch.Tensor] = None,
+    key_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Lightning-indexer top-k of a decode batch (one query token per request) with
     static shapes: every position the block tables can address is scored and those
     ``>= seq_lens`` are masked, so the work does not depend on the lengths (a graph
@@ -477,8 +517,9 @@ def create_backend(model_runner: Any) -> AttentionBackend:
     return AscendOffloadAttnBackend(model_runner)
 
 
-def forward_native_around(original, self, x, q_lora, positions, forward_batch, layer_id,
-                          return_indices: bool = True, **kwargs):
+def forward_native_around(
+    original, self, x, q_lora, positions, forward_batch, layer_id, return_indices: bool = True, **kwargs
+):
     """HookRegistry AROUND ``Indexer.forward_native``: inside a forward of the
     ``ascend_offload`` backend, the backend's indexer (:meth:`run_indexer`); otherwise
     SGLang's own method, unchanged."""
@@ -493,8 +534,18 @@ def forward_native_around(original, self, x, q_lora, positions, forward_batch, l
     return original(self, x, q_lora, positions, forward_batch, layer_id, return_indices, **kwargs)
 
 
-def forward_npu_around(original, self, x, q_lora, positions, forward_batch, layer_id,
-                       input_on_attn_tp_slices: bool = False, dynamic_scale=None, **kwargs):
+def forward_npu_around(
+    original,
+    self,
+    x,
+    q_lora,
+    positions,
+    forward_batch,
+    layer_id,
+    input_on_attn_tp_slices: bool = False,
+    dynamic_scale=None,
+    **kwargs,
+):
     """HookRegistry AROUND ``DSANPUIndexerMixin.forward_npu``: where the ``ascend_offload``
     backend of this forward owns the indexer (:meth:`~AscendOffloadAttnBackend.owns_npu_indexer`:
     the fused LIM / LIM-C8 serves its decode steps), the backend's :meth:`run_indexer`;
@@ -508,15 +559,18 @@ def forward_npu_around(original, self, x, q_lora, positions, forward_batch, laye
     except Exception:  # noqa: BLE001 - no forward context: not our forward
         backend = None
     if not (isinstance(backend, AscendOffloadAttnBackend) and backend.owns_npu_indexer()):
-        return original(self, x, q_lora, positions, forward_batch, layer_id, input_on_attn_tp_slices,
-                        dynamic_scale, **kwargs)
+        return original(
+            self, x, q_lora, positions, forward_batch, layer_id, input_on_attn_tp_slices, dynamic_scale, **kwargs
+        )
     problems = []
     if input_on_attn_tp_slices:
         problems.append("the hidden states arrive as attention-TP slices (the plugin's indexer needs them whole)")
     if dynamic_scale is not None:
         problems.append("the hidden states arrive quantised with a dynamic scale")
     if problems:
-        raise RuntimeError("the fused indexer (LIM / LIM-C8) cannot take this forward: " + "; ".join(problems)
-                           + '; serve with "fused_lim": false and "indexer_dtype": "bf16" (SGLang\'s NPU indexer)')
+        raise RuntimeError(
+            "the fused indexer (LIM / LIM-C8) cannot take this forward: "
+            + "; ".join(problems)
+            + '; serve with "fused_lim": false and "indexer_dtype": "bf16" (SGLang\'s NPU indexer)'
+        )
     return backend.run_indexer(self, x, q_lora, positions, forward_batch, layer_id, True)
-

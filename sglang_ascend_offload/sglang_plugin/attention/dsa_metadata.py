@@ -18,6 +18,7 @@ from .. import compat
 # SGLang's per-forward batch (its fields are read through compat.field)
 FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
 
+
 @dataclass
 class DSAForwardMetadata:
     """Metadata of one forward batch of ``B`` requests and ``T`` query tokens.

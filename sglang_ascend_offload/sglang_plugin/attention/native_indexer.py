@@ -99,4 +99,3 @@ def indexer_query_key_weights(
 
     weights = indexer.weights_proj(x2d)[0].to(torch.bfloat16)
     return IndexerInputs(query=query.contiguous(), key=key.contiguous(), weights=weights.contiguous())
-

@@ -45,17 +45,18 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from .. import compat
-from ..speculative import cpu_graph as cpu_spec_graph, eagle as speculative
 from ...ops import registry
 from ...sparse_decode import direct_rows, fused_indexer
 from ...sparse_decode.engine import decode_layer_step
 from ...sparse_decode.policies import needs_ranked
+from .. import compat
+from ..mem_cache.pool.sparse_decode import HostMainKVPool
+from ..observability.metrics import OffloadMetrics
+from ..observability.trace_recorder import TraceRecorder, trace_path
+from ..speculative import cpu_graph as cpu_spec_graph
+from ..speculative import eagle as speculative
 from .dsa_backend import AscendOffloadAttnBackend, graph_seq_lens_cpu, indexer_metadata
 from .dsa_metadata import FORWARD_BATCH, free_request_rows, real_batch_size
-from ..observability.metrics import OffloadMetrics
-from ..mem_cache.pool.sparse_decode import HostMainKVPool
-from ..observability.trace_recorder import TraceRecorder, trace_path
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +162,14 @@ def rank_facts(model_runner: Any) -> RankFacts:
         tp_rank = int(par.tp_rank)
     except RuntimeError:  # no published parallel context: not a server process
         return RankFacts(int(model_runner.tp_rank), 0, 1, 0, 1, 0)
-    return RankFacts(tp_rank, int(par.attn_tp_rank), int(par.attn_tp_size), int(par.attn_dp_rank),
-                     int(par.attn_dp_size), int(par.dp_rank) if par.dp_rank is not None else 0)
+    return RankFacts(
+        tp_rank,
+        int(par.attn_tp_rank),
+        int(par.attn_tp_size),
+        int(par.attn_dp_rank),
+        int(par.attn_dp_size),
+        int(par.dp_rank) if par.dp_rank is not None else 0,
+    )
 
 
 def engine_identity(model_runner: Any) -> Tuple[bool, int, int]:
@@ -177,8 +184,7 @@ def engine_identity(model_runner: Any) -> Tuple[bool, int, int]:
     ranks = rank_facts(model_runner)
     replicas = int(compat.arg_or(model_runner.server_args, "dp_size", 1))
     replica = ranks.replica if ranks.attn_dp_size == 1 else 0
-    return (ranks.attn_tp_rank == 0, replica * ranks.attn_dp_size + ranks.attn_dp_rank,
-            replicas * ranks.attn_dp_size)
+    return (ranks.attn_tp_rank == 0, replica * ranks.attn_dp_size + ranks.attn_dp_rank, replicas * ranks.attn_dp_size)
 
 
 class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
@@ -188,8 +194,10 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         super().__init__(model_runner)
         pool = self.token_to_kv_pool
         if not isinstance(pool, HostMainKVPool):
-            raise RuntimeError("sparse decode offload needs the HostMainKVPool (the plugin's pool hook did "
-                               f"not run: got {type(pool).__name__})")
+            raise RuntimeError(
+                "sparse decode offload needs the HostMainKVPool (the plugin's pool hook did "
+                f"not run: got {type(pool).__name__})"
+            )
         self.engine = pool.engine
         self.rows = RowOwners(self.engine.config.rows)
         self.start_layer = pool.start_layer
@@ -198,41 +206,69 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         self.ranks = rank_facts(model_runner)
         labels = {"tp_rank": str(self.ranks.tp_rank)}
         self.metrics = OffloadMetrics(
-            self.engine.stats, self.engine.config.layers,
+            self.engine.stats,
+            self.engine.config.layers,
             prometheus=bool(compat.arg(server_args, "enable_metrics")),
-            log_interval_s=config.metrics_log_interval_s, labels=labels,
+            log_interval_s=config.metrics_log_interval_s,
+            labels=labels,
             export_interval_s=config.metrics_export_interval_s,
             copy_timing=self.engine.device.type == "cpu",  # elsewhere timing would synchronise every layer
         )
         if not self.metrics.copy_timing and self.metrics.reports_copy_time:
-            logger.info("sparse decode offload: copy time is not measured on %s (it would synchronise the device "
-                        "at every layer step); copy_seconds stays 0", self.engine.device)
+            logger.info(
+                "sparse decode offload: copy time is not measured on %s (it would synchronise the device "
+                "at every layer step); copy_seconds stays 0",
+                self.engine.device,
+            )
         self.rank_depth = int(config.rank_depth)
         if needs_ranked(self.engine.config.policy) and self.rank_depth <= 0:
-            raise RuntimeError(f"sparse decode offload: policy {self.engine.config.policy!r} needs the indexer's "
-                               "ranking every step: set rank_depth (>= the model's top-k) in "
-                               "--sparse-decode-offload-config")
+            raise RuntimeError(
+                f"sparse decode offload: policy {self.engine.config.policy!r} needs the indexer's "
+                "ranking every step: set rank_depth (>= the model's top-k) in "
+                "--sparse-decode-offload-config"
+            )
         if 0 < self.rank_depth < self.engine.config.top_k:
-            raise RuntimeError(f"sparse decode offload: rank_depth {self.rank_depth} < the model's top-k "
-                               f"{self.engine.config.top_k}: the ranking starts with the top-k")
+            raise RuntimeError(
+                f"sparse decode offload: rank_depth {self.rank_depth} < the model's top-k "
+                f"{self.engine.config.top_k}: the ranking starts with the top-k"
+            )
         if self.rank_depth > 0:
-            logger.info("sparse decode offload: policy %s reads the indexer's top-%d ranking (rank_depth %d, top-k "
-                        "%d) every decode step", self.engine.config.policy, self.rank_depth, self.rank_depth,
-                        self.engine.config.top_k)
+            logger.info(
+                "sparse decode offload: policy %s reads the indexer's top-%d ranking (rank_depth %d, top-k "
+                "%d) every decode step",
+                self.engine.config.policy,
+                self.rank_depth,
+                self.rank_depth,
+                self.engine.config.top_k,
+            )
         self.recorder: Optional[TraceRecorder] = None
         leader, engine_index, engines = engine_identity(model_runner)
         if config.record_trace and leader:
             path = trace_path(config.record_trace, engine_index, engines)
             cfg = self.engine.config
             self.recorder = TraceRecorder(
-                path, cfg.layers, cfg.rows, cfg.top_k, config.record_trace_max_steps,
+                path,
+                cfg.layers,
+                cfg.rows,
+                cfg.top_k,
+                config.record_trace_max_steps,
                 rank_depth=config.record_trace_rank_depth,
-                meta={"source": "sglang", "model": str(compat.arg(server_args, "model_path")),
-                      "hot_tokens": cfg.hot_tokens, "top_k": cfg.top_k, "layers": cfg.layers,
-                      "rows": cfg.rows, "page_size": self.page_size, "policy": cfg.policy},
+                meta={
+                    "source": "sglang",
+                    "model": str(compat.arg(server_args, "model_path")),
+                    "hot_tokens": cfg.hot_tokens,
+                    "top_k": cfg.top_k,
+                    "layers": cfg.layers,
+                    "rows": cfg.rows,
+                    "page_size": self.page_size,
+                    "policy": cfg.policy,
+                },
             )
-            logger.info("sparse decode offload: recording top-k traces to %s (at most %d steps)",
-                        path, config.record_trace_max_steps)
+            logger.info(
+                "sparse decode offload: recording top-k traces to %s (at most %d steps)",
+                path,
+                config.record_trace_max_steps,
+            )
         self._batch_rows: Optional[torch.Tensor] = None
         self._padding_seen = False
         self.offload_graph: Optional[OffloadGraphBuffers] = None
@@ -244,9 +280,11 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         self._fused_seen = False  # the first fused decode step is logged
         if self.engine.plan.indexer.fused:
             if config.record_trace_rank_depth > 0:
-                raise RuntimeError("sparse decode offload: record_trace_rank_depth needs the indexer's ranking "
-                                   "beyond the top-k, which the fused indexer does not return; drop it or set "
-                                   '"fused_lim": false')
+                raise RuntimeError(
+                    "sparse decode offload: record_trace_rank_depth needs the indexer's ranking "
+                    "beyond the top-k, which the fused indexer does not return; drop it or set "
+                    '"fused_lim": false'
+                )
             self.fused_indexer_op = registry.select(self.engine.plan.indexer.ops[0], "fused")
 
     # ------------------------------------------------------------------ metadata
@@ -271,9 +309,12 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         real = real_batch_size(forward_batch)  # DP-attention padding rows alias row 0: never engine rows
         if real < int(forward_batch.batch_size) and not self._padding_seen:
             self._padding_seen = True
-            logger.info("sparse decode offload: DP-attention padding seen (%d of %d decode rows are padding; "
-                        "they never reach the engine)", int(forward_batch.batch_size) - real,
-                        int(forward_batch.batch_size))
+            logger.info(
+                "sparse decode offload: DP-attention padding seen (%d of %d decode rows are padding; "
+                "they never reach the engine)",
+                int(forward_batch.batch_size) - real,
+                int(forward_batch.batch_size),
+            )
         rows_list = [int(r) for r in forward_batch.req_pool_indices[:real].tolist()]
         if len(set(rows_list)) != len(rows_list):
             raise RuntimeError(f"decode batch names req_to_token rows {rows_list} more than once")
@@ -281,8 +322,14 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         req_ids = self.rows.ids_for(rows_list, list(rids[:real]) if rids is not None else None)
         stable = forward_batch.seq_lens_cpu[:real].to(torch.int32)
         batch_rows = torch.tensor(rows_list, dtype=torch.int64)
-        self.engine.begin_step(req_ids, self.req_to_token_pool.req_to_token, stable, rows=batch_rows,
-                               rows_per_request=1, free_rows=self.free_rows())
+        self.engine.begin_step(
+            req_ids,
+            self.req_to_token_pool.req_to_token,
+            stable,
+            rows=batch_rows,
+            rows_per_request=1,
+            free_rows=self.free_rows(),
+        )
         if self.recorder is not None:
             self.recorder.begin_step(stable, req_ids, batch_rows)
         self._batch_rows = batch_rows
@@ -329,8 +376,15 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         rows[mask] = torch.tensor(rows_list, dtype=torch.int64)
         req_ids[mask] = owners
         stable = torch.where(mask, lens, torch.zeros_like(lens)).to(torch.int32)
-        step = self.engine.begin_step(req_ids, self.req_to_token_pool.req_to_token, stable, rows=rows,
-                                      rows_per_request=1, captured=True, free_rows=self.free_rows())
+        step = self.engine.begin_step(
+            req_ids,
+            self.req_to_token_pool.req_to_token,
+            stable,
+            rows=rows,
+            rows_per_request=1,
+            captured=True,
+            free_rows=self.free_rows(),
+        )
         g = self.offload_graph
         g.rows[:bs].copy_(torch.where(mask, rows, torch.full_like(rows, self.engine.sink_row)))
         g.req_ids[:bs].copy_(req_ids)
@@ -346,8 +400,12 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         kind = (bs, live_count < bs)
         if not isinstance(forward_batch, _CaptureBatch) and kind not in self._graph_kinds_seen:
             self._graph_kinds_seen.add(kind)
-            logger.info("sparse decode offload: decode graph bucket %d stepped with %d live rows%s", bs,
-                        live_count, " (padding entries on the sink row)" if live_count < bs else "")
+            logger.info(
+                "sparse decode offload: decode graph bucket %d stepped with %d live rows%s",
+                bs,
+                live_count,
+                " (padding entries on the sink row)" if live_count < bs else "",
+            )
         self.metrics.on_step_end()  # the previous step's totals (the graph has no host hook at its end)
 
     def free_rows(self):
@@ -365,24 +423,26 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         batch's real rows in batch order (the rows of the engine step)."""
         ranking = self.ranking
         if ranking is None or ranking.layer_id != layer_id:
-            raise RuntimeError(f"layer {layer_id}: policy {self.engine.config.policy!r} needs this step's indexer "
-                               "ranking, but the indexer did not leave one for this layer (rank_depth "
-                               f"{self.rank_depth}); the indexer hook must run before attention on every layer")
+            raise RuntimeError(
+                f"layer {layer_id}: policy {self.engine.config.policy!r} needs this step's indexer "
+                "ranking, but the indexer did not leave one for this layer (rank_depth "
+                f"{self.rank_depth}); the indexer hook must run before attention on every layer"
+            )
         self.ranking = None
         local = layer_id - self.start_layer
         self.engine.managers[local].set_ranked(ranking.ranked[:real].to(self.engine.device, torch.int32))
 
     # ------------------------------------------------------------------ fused indexer
-    def run_indexer(self, indexer: Any, x, q_lora, positions, forward_batch, layer_id: int,
-                    return_indices: bool = True) -> Optional[torch.Tensor]:
+    def run_indexer(
+        self, indexer: Any, x, q_lora, positions, forward_batch, layer_id: int, return_indices: bool = True
+    ) -> Optional[torch.Tensor]:
         """On a decode or verify step with the fused indexer: LIM / LIM-C8 selects the top-k
         and steps the layer's residency (kept for :meth:`attend`); int32 ``[T, index_topk]``.
         A request's ``n`` verify rows share its row: the operator steps it once on the
         union of their top-k (``tokens_per_row = n``). Everything else: the base class's
         separate indexer."""
         md = self.forward_metadata
-        if (self.fused_indexer_op is None or not return_indices or md is None
-                or not (md.is_decode or self._verify)):
+        if self.fused_indexer_op is None or not return_indices or md is None or not (md.is_decode or self._verify):
             return super().run_indexer(indexer, x, q_lora, positions, forward_batch, layer_id, return_indices)
         inputs = self.store_index_inputs(indexer, x, q_lora, positions, forward_batch, layer_id)
         local = layer_id - self.start_layer
@@ -390,17 +450,24 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         if self._graph_batch is not None:  # the static row buffers the graph step reads
             n = self.verify_rows_per_request if self._verify else 1
             g, bs = self.offload_graph, self._graph_batch // n  # a verify graph: bs requests x n rows
-            args = fused_indexer.residency_args(self.engine.managers[local], g.rows[:bs], g.req_ids[:bs],
-                                                g.stable[:bs], g.step, tokens, n)
+            args = fused_indexer.residency_args(
+                self.engine.managers[local], g.rows[:bs], g.req_ids[:bs], g.stable[:bs], g.step, tokens, n
+            )
         else:
             args = self.engine.indexer_residency(local, tokens)
-        result = self.fused_indexer_op(*self.index_operands(inputs, layer_id), **indexer_metadata(md),
-                                       sparse_count=int(indexer.index_topk), **args.as_kwargs())
+        result = self.fused_indexer_op(
+            *self.index_operands(inputs, layer_id),
+            **indexer_metadata(md),
+            sparse_count=int(indexer.index_topk),
+            **args.as_kwargs(),
+        )
         self._fused_step = (local, result.residency)
         if not self._fused_seen:
             self._fused_seen = True
-            logger.info("sparse decode offload: decode steps select and manage residency with the fused %s",
-                        self.engine.plan.indexer.ops[0])
+            logger.info(
+                "sparse decode offload: decode steps select and manage residency with the fused %s",
+                self.engine.plan.indexer.ops[0],
+            )
         return result.topk_indices.reshape(tokens, -1)
 
     def owns_npu_indexer(self) -> bool:
@@ -414,8 +481,10 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         if self.fused_indexer_op is None:
             return None
         if self._fused_step is None or self._fused_step[0] != local:
-            raise RuntimeError(f"layer {local}: the fused indexer left no residency step for this layer; the "
-                               "indexer hook must run before attention on every layer")
+            raise RuntimeError(
+                f"layer {local}: the fused indexer left no residency step for this layer; the "
+                "indexer hook must run before attention on every layer"
+            )
         step, self._fused_step = self._fused_step[1], None
         return step
 
@@ -429,8 +498,10 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
 
     def _attend_decode(self, layer, q_nope, q_pe, topk_indices) -> torch.Tensor:
         if topk_indices is None:
-            raise RuntimeError(f"layer {layer.layer_id}: sparse decode offload needs the indexer's top-k "
-                               "on every layer (dense layers cannot be served from the hot buffer)")
+            raise RuntimeError(
+                f"layer {layer.layer_id}: sparse decode offload needs the indexer's top-k "
+                "on every layer (dense layers cannot be served from the hot buffer)"
+            )
         cfg = self.engine.config
         # the batch's first ``real`` query rows (n per request when verifying); the rest is DP-attention padding
         real = self._batch_rows.numel() * (self.verify_rows_per_request if self._verify else 1)
@@ -459,20 +530,35 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         over the static row buffers (static shapes, no host reads; the same residency,
         copies and attention arithmetic as the eager step). ``[bs, N, Dl]``."""
         if topk_indices is None:
-            raise RuntimeError(f"layer {layer.layer_id}: sparse decode offload needs the indexer's top-k "
-                               "on every layer (dense layers cannot be served from the hot buffer)")
+            raise RuntimeError(
+                f"layer {layer.layer_id}: sparse decode offload needs the indexer's top-k "
+                "on every layer (dense layers cannot be served from the hot buffer)"
+            )
         cfg = self.engine.config
         g = self.offload_graph
         n = self.verify_rows_per_request if self._verify else 1  # query rows per entry
         bs = q_nope.shape[0] // n
         local = layer.layer_id - self.start_layer
         out, res = decode_layer_step(
-            self.engine.managers[local], g.rows[:bs], topk_indices[:, : cfg.top_k].to(torch.int32), g.req_ids[:bs],
-            g.stable[:bs], g.step, self.token_to_kv_pool.host_rows(layer.layer_id), self.engine.hot.storage(local),
-            self.req_to_token_pool.req_to_token, q_nope, q_pe, layer.scaling, cfg.latent_dim,
-            attention=self.attention_op, rows_per_request=n,
-            residency=self._take_fused_step(local), copy_attention=self.engine.copy_sfa_op,
-            direct=g.direct_args(bs, n))
+            self.engine.managers[local],
+            g.rows[:bs],
+            topk_indices[:, : cfg.top_k].to(torch.int32),
+            g.req_ids[:bs],
+            g.stable[:bs],
+            g.step,
+            self.token_to_kv_pool.host_rows(layer.layer_id),
+            self.engine.hot.storage(local),
+            self.req_to_token_pool.req_to_token,
+            q_nope,
+            q_pe,
+            layer.scaling,
+            cfg.latent_dim,
+            attention=self.attention_op,
+            rows_per_request=n,
+            residency=self._take_fused_step(local),
+            copy_attention=self.engine.copy_sfa_op,
+            direct=g.direct_args(bs, n),
+        )
         hits = res.hit_mask.sum()
         misses = res.miss_count.sum(dtype=torch.int64)
         self.engine.stats_acc.record_residency(local, hits + misses, hits, misses)
@@ -512,8 +598,15 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         flat[valid] = inverse
         dl = self.kv_lora_rank
         return self.attention_op(
-            q_nope, staged[:, :dl], None, flat.to(torch.int32).unsqueeze(1), layer.scaling,
-            query_rope=q_pe, key_rope=staged[:, dl:], layout_query="TND", layout_kv="flat",
+            q_nope,
+            staged[:, :dl],
+            None,
+            flat.to(torch.int32).unsqueeze(1),
+            layer.scaling,
+            query_rope=q_pe,
+            key_rope=staged[:, dl:],
+            layout_query="TND",
+            layout_kv="flat",
         )
 
     # ------------------------------------------------------------------ graphs
@@ -521,21 +614,29 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         """Static buffers of decode graphs of up to ``max_bs`` requests: the base
         backend's metadata buffers plus the engine's row buffers (:class:`OffloadGraphBuffers`)."""
         if self.recorder is not None:
-            raise RuntimeError("sparse decode offload: record_trace needs eager decode (the recorder reads "
-                               "each layer's top-k on the host); drop record_trace or run decode eagerly")
+            raise RuntimeError(
+                "sparse decode offload: record_trace needs eager decode (the recorder reads "
+                "each layer's top-k on the host); drop record_trace or run decode eagerly"
+            )
         if self.rank_depth > 0:
-            raise RuntimeError(f"sparse decode offload: policy {self.engine.config.policy!r} (rank_depth "
-                               f"{self.rank_depth}) needs the indexer's ranking, which the graph decode path does "
-                               "not produce; run decode eagerly or serve lru / lru_k2_guarded with decode graphs")
+            raise RuntimeError(
+                f"sparse decode offload: policy {self.engine.config.policy!r} (rank_depth "
+                f"{self.rank_depth}) needs the indexer's ranking, which the graph decode path does "
+                "not produce; run decode eagerly or serve lru / lru_k2_guarded with decode graphs"
+            )
         if self.ranks.attn_tp_size > 1:
-            raise RuntimeError("sparse decode offload: decode graphs with a host pool shared by several TP ranks "
-                               "are not wired (TP rank 0 publishes each layer's appends from the host); run "
-                               "decode eagerly or with attention TP 1")
+            raise RuntimeError(
+                "sparse decode offload: decode graphs with a host pool shared by several TP ranks "
+                "are not wired (TP rank 0 publishes each layer's appends from the host); run "
+                "decode eagerly or with attention TP 1"
+            )
         # A verify graph's entries are requests (their n verify rows share one engine row).
         requests = max_bs // max(1, cpu_spec_graph.verify_width_of(self))
         if requests > self.engine.config.rows:
-            raise RuntimeError(f"decode graphs up to batch {requests} but the engine has {self.engine.config.rows} "
-                               "rows (--max-running-requests + 1): lower the graph batch sizes")
+            raise RuntimeError(
+                f"decode graphs up to batch {requests} but the engine has {self.engine.config.rows} "
+                "rows (--max-running-requests + 1): lower the graph batch sizes"
+            )
         super().init_cuda_graph_state(max_bs, max_num_tokens)
         dev = self.engine.device
         self.offload_graph = OffloadGraphBuffers(
@@ -551,13 +652,22 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
             spans = direct_rows.span_width(self.req_to_token_pool.req_to_token.shape[1], self.engine.config.hot_tokens)
             self.offload_graph.direct_span = torch.zeros((requests, spans), dtype=torch.int64, device=dev)
 
-    def init_forward_metadata_capture_cpu_graph(self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor,
-                                                seq_lens: torch.Tensor, out_cache_loc, encoder_lens, forward_mode,
-                                                spec_info):
+    def init_forward_metadata_capture_cpu_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        out_cache_loc,
+        encoder_lens,
+        forward_mode,
+        spec_info,
+    ):
         """The CPU graph runner's capture batch: every entry is padding (row 0), so the
         capture runs the step on the sink row only."""
-        super().init_forward_metadata_capture_cpu_graph(bs, num_tokens, req_pool_indices, seq_lens, out_cache_loc,
-                                                        encoder_lens, forward_mode, spec_info)
+        super().init_forward_metadata_capture_cpu_graph(
+            bs, num_tokens, req_pool_indices, seq_lens, out_cache_loc, encoder_lens, forward_mode, spec_info
+        )
         self._verify = forward_mode.is_target_verify()
         if self._verify:  # a CPU verify graph bucket (cpu_spec_graph): bs x n rows, all padding
             cpu_spec_graph.begin_graph_verify(self, _CaptureBatch(bs, req_pool_indices, seq_lens, forward_mode))

@@ -70,9 +70,22 @@ METRIC_PREFIX = "sglang:ascend_offload_"
 #: ``metrics_export_interval_s`` key). Scrapers poll every few seconds; a finished request
 #: and an idle scheduler flush at once regardless.
 EXPORT_INTERVAL_S = 1.0
-_COUNTER_FIELDS = ("selected", "hits", "misses", "h2d_bytes", "d2h_bytes", "row_selected", "row_hits",
-                   "shadow_checks", "shadow_mismatches", "direct_rows", "direct_h2d_bytes", "demotions", "lent_rows",
-                   "reclaims")
+_COUNTER_FIELDS = (
+    "selected",
+    "hits",
+    "misses",
+    "h2d_bytes",
+    "d2h_bytes",
+    "row_selected",
+    "row_hits",
+    "shadow_checks",
+    "shadow_mismatches",
+    "direct_rows",
+    "direct_h2d_bytes",
+    "demotions",
+    "lent_rows",
+    "reclaims",
+)
 
 
 def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float, copy_timed: bool = True) -> str:
@@ -87,18 +100,24 @@ def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float
     total: Counters = stats.total
     layers = max(1, len(stats.per_layer))
     per_step = 1000.0 * sum(copy_seconds) / layers / max(1, stats.steps)
-    line = (f"sparse-decode-offload: steps={stats.steps} hit_rate={total.hit_rate:.3f} "
-            f"hits={total.hits} misses={total.misses} h2d={total.h2d_bytes / 2**20:.2f}MiB "
-            f"d2h={total.d2h_bytes / 2**20:.2f}MiB h2d/step={total.h2d_bytes / 1024 / max(1, stats.steps):.1f}KiB "
-            f"copy_ms/layer/step={f'{per_step:.3f}' if copy_timed else 'n/a'} "
-            f"rows/step={total.rows / layers / max(1, stats.steps):.2f} window={elapsed_s:.0f}s")
+    line = (
+        f"sparse-decode-offload: steps={stats.steps} hit_rate={total.hit_rate:.3f} "
+        f"hits={total.hits} misses={total.misses} h2d={total.h2d_bytes / 2**20:.2f}MiB "
+        f"d2h={total.d2h_bytes / 2**20:.2f}MiB h2d/step={total.h2d_bytes / 1024 / max(1, stats.steps):.1f}KiB "
+        f"copy_ms/layer/step={f'{per_step:.3f}' if copy_timed else 'n/a'} "
+        f"rows/step={total.rows / layers / max(1, stats.steps):.2f} window={elapsed_s:.0f}s"
+    )
     if total.shadow_checks:
-        line += (f" shadow_checks={total.shadow_checks} shadow_mismatches={total.shadow_mismatches} "
-                 f"shadow_ms={total.shadow_us / 1000:.1f}")
+        line += (
+            f" shadow_checks={total.shadow_checks} shadow_mismatches={total.shadow_mismatches} "
+            f"shadow_ms={total.shadow_us / 1000:.1f}"
+        )
     if total.direct_rows or total.demotions:
-        line += (f" direct_rows/step={total.direct_rows / layers / max(1, stats.steps):.2f} "
-                 f"direct_h2d={total.direct_h2d_bytes / 2**20:.2f}MiB demotions={total.demotions // layers} "
-                 f"lent_rows={total.lent_rows // layers} reclaims={total.reclaims // layers}")
+        line += (
+            f" direct_rows/step={total.direct_rows / layers / max(1, stats.steps):.2f} "
+            f"direct_h2d={total.direct_h2d_bytes / 2**20:.2f}MiB demotions={total.demotions // layers} "
+            f"lent_rows={total.lent_rows // layers} reclaims={total.reclaims // layers}"
+        )
     return line
 
 
@@ -122,10 +141,18 @@ class OffloadMetrics:
     the engine during decode (the first step exports at once; :meth:`flush` any time).
     """
 
-    def __init__(self, stats_fn: Callable[[], DecodeStats], layers: int, *, prometheus: bool,
-                 log_interval_s: float, labels: Optional[Dict[str, str]] = None,
-                 clock: Callable[[], float] = time.monotonic, copy_timing: bool = True,
-                 export_interval_s: float = EXPORT_INTERVAL_S):
+    def __init__(
+        self,
+        stats_fn: Callable[[], DecodeStats],
+        layers: int,
+        *,
+        prometheus: bool,
+        log_interval_s: float,
+        labels: Optional[Dict[str, str]] = None,
+        clock: Callable[[], float] = time.monotonic,
+        copy_timing: bool = True,
+        export_interval_s: float = EXPORT_INTERVAL_S,
+    ):
         self._stats_fn = stats_fn
         self.layers = layers
         self.copy_seconds = [0.0] * layers
@@ -134,8 +161,9 @@ class OffloadMetrics:
         self._clock = clock
         self._last_log = clock()
         self._labels = dict(labels or {})
-        self._exported = _Exported(per_layer=[dict.fromkeys(_COUNTER_FIELDS + ("copy_seconds",), 0.0)
-                                              for _ in range(layers)])
+        self._exported = _Exported(
+            per_layer=[dict.fromkeys(_COUNTER_FIELDS + ("copy_seconds",), 0.0) for _ in range(layers)]
+        )
         self._prom = self._make_prometheus() if prometheus else None
         self._children: Optional[List[Dict[str, Any]]] = None  # labelled counters per layer, made on first export
         self._gauges: tuple = ()
@@ -163,7 +191,8 @@ class OffloadMetrics:
         now = self._clock()
         due = self.log_interval_s > 0 and now - self._last_log >= self.log_interval_s
         export = self._prom is not None and (
-            due or self._last_export is None or now - self._last_export >= self.export_interval_s)
+            due or self._last_export is None or now - self._last_export >= self.export_interval_s
+        )
         if not export and not due:
             self._unexported = self._prom is not None
             return
@@ -196,8 +225,13 @@ class OffloadMetrics:
         self._last_export, self._unexported = now, False
         counters, gauge, per_step = self._prom
         if self._children is None:
-            self._children = [{key: counters[key].labels(**self._labels, layer=str(layer))
-                               for key in _COUNTER_FIELDS + ("copy_seconds",)} for layer in range(self.layers)]
+            self._children = [
+                {
+                    key: counters[key].labels(**self._labels, layer=str(layer))
+                    for key in _COUNTER_FIELDS + ("copy_seconds",)
+                }
+                for layer in range(self.layers)
+            ]
             self._gauges = (gauge.labels(**self._labels), per_step.labels(**self._labels))
         for layer, c in enumerate(stats.per_layer):
             done, children = self._exported.per_layer[layer], self._children[layer]
@@ -230,6 +264,7 @@ def flush_exports(wait: bool = False) -> int:
     this process (``wait``: see :meth:`OffloadMetrics.flush`); how many exported."""
     return sum(m.flush(wait) for m in list(_EXPORTING))
 
+
 _DOCS = {
     "selected": "valid top-k entries seen by sparse decode offload",
     "hits": "top-k entries already resident in the device hot buffer",
@@ -244,7 +279,7 @@ _DOCS = {
     "direct_rows": "decode rows served from their hot buffer with no residency step (residency adaptive)",
     "direct_h2d_bytes": "bytes copied host->device into the hot buffers of direct rows",
     "demotions": "direct requests demoted to the residency (their context outgrew the room, or a lent buffer "
-                 "was needed)",
+    "was needed)",
     "lent_rows": "idle request slots' hot buffers lent to direct requests' spans",
     "reclaims": "direct requests demoted because a new request needed a hot buffer lent to them",
 }
@@ -255,11 +290,20 @@ def _create_prometheus(labels: List[str]):
     default registry (multiprocess mode when SGLang set ``PROMETHEUS_MULTIPROC_DIR``)."""
     from prometheus_client import Counter, Gauge  # after SGLang set PROMETHEUS_MULTIPROC_DIR
 
-    counters = {key: Counter(name=f"{METRIC_PREFIX}{key}", documentation=doc, labelnames=labels + ["layer"])
-                for key, doc in _DOCS.items()}
-    gauge = Gauge(name=f"{METRIC_PREFIX}hit_rate", documentation="cumulative hit rate of sparse decode offload",
-                  labelnames=labels, multiprocess_mode="mostrecent")
-    per_step = Gauge(name=f"{METRIC_PREFIX}h2d_bytes_per_step",
-                     documentation="host->device bytes per decode step of sparse decode offload (cumulative)",
-                     labelnames=labels, multiprocess_mode="mostrecent")
+    counters = {
+        key: Counter(name=f"{METRIC_PREFIX}{key}", documentation=doc, labelnames=labels + ["layer"])
+        for key, doc in _DOCS.items()
+    }
+    gauge = Gauge(
+        name=f"{METRIC_PREFIX}hit_rate",
+        documentation="cumulative hit rate of sparse decode offload",
+        labelnames=labels,
+        multiprocess_mode="mostrecent",
+    )
+    per_step = Gauge(
+        name=f"{METRIC_PREFIX}h2d_bytes_per_step",
+        documentation="host->device bytes per decode step of sparse decode offload (cumulative)",
+        labelnames=labels,
+        multiprocess_mode="mostrecent",
+    )
     return counters, gauge, per_step

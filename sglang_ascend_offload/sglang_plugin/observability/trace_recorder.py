@@ -66,11 +66,22 @@ class TraceRecorder:
     many as were used.
     """
 
-    def __init__(self, path: Path, layers: int, rows: int, top_k: int, max_steps: int,
-                 meta: dict, flush_every: int = 32, rank_depth: int = 0):
+    def __init__(
+        self,
+        path: Path,
+        layers: int,
+        rows: int,
+        top_k: int,
+        max_steps: int,
+        meta: dict,
+        flush_every: int = 32,
+        rank_depth: int = 0,
+    ):
         if rank_depth and rank_depth < top_k:
-            raise ValueError(f"record_trace_rank_depth {rank_depth} < the model's top-k {top_k}: the ranking starts "
-                             "with the top-k (use 0 to record no ranking)")
+            raise ValueError(
+                f"record_trace_rank_depth {rank_depth} < the model's top-k {top_k}: the ranking starts "
+                "with the top-k (use 0 to record no ranking)"
+            )
         self.rank_depth = int(rank_depth)
         self._ranked: List[np.ndarray] = []
         self._ranked_current: Optional[np.ndarray] = None
@@ -103,8 +114,9 @@ class TraceRecorder:
         """Top-``R`` the indexer should select for the step being recorded (0 = just top-k)."""
         return self.rank_depth if (self.rank_depth and not self.done and self._current is not None) else 0
 
-    def begin_step(self, seq_lens: torch.Tensor, req_ids: torch.Tensor,
-                   engine_rows: Optional[torch.Tensor] = None) -> None:
+    def begin_step(
+        self, seq_lens: torch.Tensor, req_ids: torch.Tensor, engine_rows: Optional[torch.Tensor] = None
+    ) -> None:
         """Start a step: ``seq_lens`` int ``[B]``, ``req_ids`` int64 ``[B]`` of the batch
         entries (``-1`` = padding / idle), ``engine_rows`` int ``[B]`` their engine rows
         (kept in ``meta['row_map']``)."""
@@ -173,8 +185,11 @@ class TraceRecorder:
         if self.steps >= self.max_steps:
             self.flush()
             self.done = True
-            logger.info("sparse decode trace: %d steps recorded in %s (record_trace_max_steps reached; "
-                        "recording stopped)", self.steps, self.path)
+            logger.info(
+                "sparse decode trace: %d steps recorded in %s (record_trace_max_steps reached; recording stopped)",
+                self.steps,
+                self.path,
+            )
         elif self.steps % self.flush_every == 0:
             self.flush()
 
@@ -188,8 +203,9 @@ class TraceRecorder:
         reqs = np.stack([np.pad(x, (0, w - x.shape[0]), constant_values=-1) for x in self._req_ids])
         ranked = None
         if self.rank_depth:
-            ranked = np.stack([np.pad(t, [(0, 0), (0, w - t.shape[1]), (0, 0)], constant_values=-1)
-                               for t in self._ranked])
+            ranked = np.stack(
+                [np.pad(t, [(0, 0), (0, w - t.shape[1]), (0, 0)], constant_values=-1) for t in self._ranked]
+            )
         trace = Trace(topk=topk, seq_lens=lens, req_ids=reqs, meta=self.meta, ranked=ranked)
         tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}.npz")
         save_trace(trace, tmp)

@@ -75,8 +75,9 @@ def serves_verify(model_runner: Any) -> bool:
 
     spec = model_runner.spec_algorithm
     _, decode = attention_backends()
-    return bool(spec.is_speculative() and spec.is_eagle() and not model_runner.is_draft_worker
-                and decode == BACKEND_NAME)
+    return bool(
+        spec.is_speculative() and spec.is_eagle() and not model_runner.is_draft_worker and decode == BACKEND_NAME
+    )
 
 
 _RUNNER_CLASS = None
@@ -156,9 +157,13 @@ def _init_verify_runner(runner: Any, model_runner: Any) -> None:
         cgr.register_fake_ops(runner.tp_size)
         cgr.set_torch_compile_config()
     _allocate_verify_inputs(runner, n)
-    logger.info("ascend_offload: capturing CPU verify graphs (TARGET_VERIFY) for batch sizes %s x %d verify rows "
-                "per request; the draft (NextN) model's steps run eagerly (SGLang's CPU engine captures no draft "
-                "graphs)", runner.capture_bs, n)
+    logger.info(
+        "ascend_offload: capturing CPU verify graphs (TARGET_VERIFY) for batch sizes %s x %d verify rows "
+        "per request; the draft (NextN) model's steps run eagerly (SGLang's CPU engine captures no draft "
+        "graphs)",
+        runner.capture_bs,
+        n,
+    )
     _verify_graphs_active = True
     try:
         runner.capture()
@@ -174,8 +179,10 @@ def _refuse_unsupported_verify_graphs(model_runner: Any, spec: Any) -> None:
     from sglang.srt.utils import require_gathered_buffer, require_mlp_sync, require_mlp_tp_gather
 
     if int(spec.speculative_eagle_topk) != 1:
-        raise RuntimeError(f"ascend_offload CPU verify graphs serve EAGLE chains only; got --speculative-eagle-topk "
-                           f"{spec.speculative_eagle_topk}")
+        raise RuntimeError(
+            f"ascend_offload CPU verify graphs serve EAGLE chains only; got --speculative-eagle-topk "
+            f"{spec.speculative_eagle_topk}"
+        )
     problems = []
     if get_lora().enable_lora:
         problems.append("LoRA")
@@ -189,8 +196,10 @@ def _refuse_unsupported_verify_graphs(model_runner: Any, spec: Any) -> None:
     if model_runner.model_config.is_encoder_decoder:
         problems.append("an encoder-decoder model")
     if problems:
-        raise RuntimeError("ascend_offload CPU verify graphs (--enable-torch-compile with speculative decoding) do "
-                           f"not support {', '.join(problems)}; drop --enable-torch-compile to verify eagerly")
+        raise RuntimeError(
+            "ascend_offload CPU verify graphs (--enable-torch-compile with speculative decoding) do "
+            f"not support {', '.join(problems)}; drop --enable-torch-compile to verify eagerly"
+        )
 
 
 def _set_verify_runner_state(runner: Any, model_runner: Any, spec: Any, n: int) -> None:
@@ -273,8 +282,13 @@ def _prepare_verify_replay(runner: Any, forward_batch: Any):
     kind = (bs, raw_bs < bs)
     if kind not in runner.replay_kinds_seen:
         runner.replay_kinds_seen.add(kind)
-        logger.info("ascend_offload: CPU verify graph bucket %d replayed for %d request(s) x %d verify rows%s", bs,
-                    raw_bs, n, " (padding entries)" if raw_bs < bs else "")
+        logger.info(
+            "ascend_offload: CPU verify graph bucket %d replayed for %d request(s) x %d verify rows%s",
+            bs,
+            raw_bs,
+            n,
+            " (padding entries)" if raw_bs < bs else "",
+        )
     return cfb
 
 
@@ -287,8 +301,12 @@ def verify_width_of(backend: Any) -> int:
 def verify_graph_fits(backend: Any, forward_batch: Any) -> bool:
     """A ``TARGET_VERIFY`` batch the backend's graph buffers serve (static views)."""
     n = verify_width_of(backend)
-    return bool(n and backend.graph is not None and forward_batch.forward_mode.is_target_verify()
-                and int(forward_batch.batch_size) * n <= backend.graph.max_bs)
+    return bool(
+        n
+        and backend.graph is not None
+        and forward_batch.forward_mode.is_target_verify()
+        and int(forward_batch.batch_size) * n <= backend.graph.max_bs
+    )
 
 
 def verify_graph_metadata(backend: Any, bs: int, seq_lens_cpu: torch.Tensor) -> None:
@@ -345,8 +363,15 @@ def begin_graph_verify(backend: Any, forward_batch: Any) -> None:
     rows[mask] = torch.tensor(reqs, dtype=torch.int64)
     req_ids[mask] = owners
     stable = torch.where(mask, lens, torch.zeros_like(lens)).to(torch.int32)
-    step = backend.engine.begin_step(req_ids, backend.req_to_token_pool.req_to_token, stable, rows=rows,
-                                     rows_per_request=n, captured=True, free_rows=free_request_rows(backend.engine, backend.req_to_token_pool))
+    step = backend.engine.begin_step(
+        req_ids,
+        backend.req_to_token_pool.req_to_token,
+        stable,
+        rows=rows,
+        rows_per_request=n,
+        captured=True,
+        free_rows=free_request_rows(backend.engine, backend.req_to_token_pool),
+    )
     g = backend.offload_graph
     g.rows[:bs].copy_(torch.where(mask, rows, torch.full_like(rows, backend.engine.sink_row)))
     g.req_ids[:bs].copy_(req_ids)

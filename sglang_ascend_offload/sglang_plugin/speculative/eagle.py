@@ -64,8 +64,9 @@ def set_embed_and_head_around(original: Callable, self, embed, head):
 
 
 # ------------------------------------------------------------------ metadata
-def speculative_lens(forward_batch, draft_step: Optional[int] = None
-                     ) -> Optional[Tuple[Optional[List[int]], torch.Tensor]]:
+def speculative_lens(
+    forward_batch, draft_step: Optional[int] = None
+) -> Optional[Tuple[Optional[List[int]], torch.Tensor]]:
     """``(query rows per request or None for one, KV length per request after the
     forward)`` of a speculative batch, else ``None``.
 
@@ -130,8 +131,9 @@ def _attention_backends():
     return attention_backends()
 
 
-def create_backend_around(original: Callable, self, backend_name: str, backend_map: dict, error_template: str,
-                          stamps_children: bool = False):
+def create_backend_around(
+    original: Callable, self, backend_name: str, backend_map: dict, error_template: str, stamps_children: bool = False
+):
     """HookRegistry AROUND hook for ``DraftBackendFactory._create_backend``: SGLang's
     table of draft backends has no entry for plugin backends; this adds
     ``ascend_offload`` (draft extend: one backend; draft decode: :class:`MultiStepDraftBackend`).
@@ -143,8 +145,10 @@ def create_backend_around(original: Callable, self, backend_name: str, backend_m
     runner = self.draft_model_runner
     prefill, decode = _attention_backends()
     if BACKEND_NAME in (self.draft_attn_backend, prefill, decode) and int(self.topk) != 1:
-        raise ValueError(f"attention backend {BACKEND_NAME} verifies EAGLE chains only (causal verify rows): "
-                         f"--speculative-eagle-topk {self.topk} builds a draft tree; use --speculative-eagle-topk 1")
+        raise ValueError(
+            f"attention backend {BACKEND_NAME} verifies EAGLE chains only (causal verify rows): "
+            f"--speculative-eagle-topk {self.topk} builds a draft tree; use --speculative-eagle-topk 1"
+        )
     if stamps_children:
         factory = lambda: (BACKEND_NAME, MultiStepDraftBackend(runner, self.topk, self.speculative_num_steps))
     else:
@@ -183,8 +187,9 @@ def verify_rows_per_request() -> int:
     return int(spec.speculative_num_draft_tokens)
 
 
-def build_draft_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool,
-                     feature: str = "sparse decode offload"):
+def build_draft_pool(
+    configurator: Any, *, max_total_num_tokens: int, is_dsa_model: bool, feature: str = "sparse decode offload"
+):
     """The draft (NextN / MTP) model's KV pool with an offload feature on (``feature``:
     sparse decode offload, or layerwise prefill offload, whose plan takes the draft
     layer as an independent layer).
@@ -200,9 +205,14 @@ def build_draft_pool(configurator: Any, *, max_total_num_tokens: int, is_dsa_mod
 
     pool = build_device_pool(configurator, max_total_num_tokens=max_total_num_tokens, is_dsa_model=is_dsa_model)
     layers = configurator.layer_info.num_effective_layers
-    logger.info("%s: draft (NextN) KV placement %s: %d layer(s) x %d tokens on %s "
-                "(the target's layers are offloaded)", feature, DRAFT_KV_PLACEMENT, layers, max_total_num_tokens,
-                configurator.device)
+    logger.info(
+        "%s: draft (NextN) KV placement %s: %d layer(s) x %d tokens on %s (the target's layers are offloaded)",
+        feature,
+        DRAFT_KV_PLACEMENT,
+        layers,
+        max_total_num_tokens,
+        configurator.device,
+    )
     return pool
 
 
@@ -230,9 +240,11 @@ def begin_verify(backend: Any, forward_batch) -> torch.Tensor:
     n = int(forward_batch.spec_info.draft_token_num)
     per = backend.verify_rows_per_request
     if n != per:
-        raise RuntimeError(f"verify batch with {n} draft tokens per request; the sparse decode engine was sized "
-                           f"for a fixed {per} (--speculative-num-draft-tokens): variable draft counts are not "
-                           "supported with sparse decode offload")
+        raise RuntimeError(
+            f"verify batch with {n} draft tokens per request; the sparse decode engine was sized "
+            f"for a fixed {per} (--speculative-num-draft-tokens): variable draft counts are not "
+            "supported with sparse decode offload"
+        )
     real = real_batch_size(forward_batch)
     reqs = [int(r) for r in forward_batch.req_pool_indices[:real].tolist()]
     if len(set(reqs)) != len(reqs):
@@ -242,8 +254,14 @@ def begin_verify(backend: Any, forward_batch) -> torch.Tensor:
     req_ids = backend.rows.ids_for(reqs, rids if rids and rids[0] is not None else None)
     stable = forward_batch.seq_lens_cpu[:real].to(torch.int32)
     batch_rows = torch.tensor(reqs, dtype=torch.int64)
-    backend.engine.begin_step(req_ids, backend.req_to_token_pool.req_to_token, stable, rows=batch_rows,
-                              rows_per_request=n, free_rows=free_request_rows(backend.engine, backend.req_to_token_pool))
+    backend.engine.begin_step(
+        req_ids,
+        backend.req_to_token_pool.req_to_token,
+        stable,
+        rows=batch_rows,
+        rows_per_request=n,
+        free_rows=free_request_rows(backend.engine, backend.req_to_token_pool),
+    )
     return batch_rows
 
 

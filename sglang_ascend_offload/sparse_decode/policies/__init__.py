@@ -59,8 +59,7 @@ __all__ = [
 #: CPU kernel (``has_cpu_kernel``).
 POLICIES: Dict[str, Type[ResidencyManager]] = {
     cls.policy: cls
-    for cls in (LRUManager, LRU2Manager, GuardedManager, ScoreRankManager, ScoreGuardedManager,
-                SmoothScoreRankManager)
+    for cls in (LRUManager, LRU2Manager, GuardedManager, ScoreRankManager, ScoreGuardedManager, SmoothScoreRankManager)
 }
 
 #: The contract itself (``docs/residency_contract.md``): the policy of the ``residency_manage``
@@ -89,17 +88,24 @@ def uses_cpu_kernel(policy: str, manage_impl: str, device, manage_op: ManageOp) 
     has_kernel = getattr(POLICIES.get(policy), "has_cpu_kernel", False)
     if manage_impl == "kernel":
         if not has_kernel:
-            raise ValueError(f"the CPU residency kernels implement policies {', '.join(_kernel_policies())} only, "
-                             f"not {policy!r}")
+            raise ValueError(
+                f"the CPU residency kernels implement policies {', '.join(_kernel_policies())} only, not {policy!r}"
+            )
         return True
     cpu = device is None or torch.device(device).type == "cpu"
-    return (manage_impl == "auto" and has_kernel and cpu
-            and getattr(manage_op, "rung", "reference") == "reference")
+    return manage_impl == "auto" and has_kernel and cpu and getattr(manage_op, "rung", "reference") == "reference"
 
 
-def make_manager(policy: str, rows: int, hot_tokens: int, device=None,
-                 manage_op: ManageOp = residency_manage, *, manage_impl: str = "torch",
-                 max_positions: Optional[int] = None) -> ResidencyManager:
+def make_manager(
+    policy: str,
+    rows: int,
+    hot_tokens: int,
+    device=None,
+    manage_op: ManageOp = residency_manage,
+    *,
+    manage_impl: str = "torch",
+    max_positions: Optional[int] = None,
+) -> ResidencyManager:
     """A fresh manager of ``policy`` for one layer; unknown names list the known ones.
 
     ``manage_impl``: ``torch`` (default here: the op ladder / torch policies), ``kernel``

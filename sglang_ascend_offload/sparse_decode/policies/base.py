@@ -24,8 +24,7 @@ import torch
 from ...ops.contract import Lookup, ResidencyStep, ResidencyTable
 from ...ops.residency import assign_victims, find_slots, lookup, reset_rows, residency_manage
 
-__all__ = ["ManageOp", "IMPLS", "ResidencyManager", "RankedManager", "STAMP_BITS", "MAX_STEP", "member",
-           "slot_flags"]
+__all__ = ["ManageOp", "IMPLS", "ResidencyManager", "RankedManager", "STAMP_BITS", "MAX_STEP", "member", "slot_flags"]
 
 ManageOp = Callable[..., ResidencyStep]
 
@@ -71,8 +70,16 @@ class ResidencyManager(abc.ABC):
     #: the policy has a compiled CPU kernel (``impl="kernel"``)
     has_cpu_kernel: ClassVar[bool] = False
 
-    def __init__(self, rows: int, hot_tokens: int, device=None, manage_op: ManageOp = residency_manage, *,
-                 impl: str = "torch", max_positions: Optional[int] = None):
+    def __init__(
+        self,
+        rows: int,
+        hot_tokens: int,
+        device=None,
+        manage_op: ManageOp = residency_manage,
+        *,
+        impl: str = "torch",
+        max_positions: Optional[int] = None,
+    ):
         """Empty state: every row unowned, every slot empty.
 
         Args:
@@ -132,8 +139,7 @@ class ResidencyManager(abc.ABC):
         return torch.arange(self.table.rows, dtype=torch.int64, device=self.table.row_req.device)
 
     @abc.abstractmethod
-    def step(self, topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor,
-             step) -> ResidencyStep:
+    def step(self, topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor, step) -> ResidencyStep:
         """Decide which of this step's selected tokens are resident, and where the misses go.
 
         Args:
@@ -182,8 +188,9 @@ class ResidencyManager(abc.ABC):
         """
         return [(self.table, "slot_token"), (self.table, "slot_stamp"), (self.table, "row_req")]
 
-    def step_rows(self, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor,
-                  stable_len: torch.Tensor, step) -> ResidencyStep:
+    def step_rows(
+        self, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor, step
+    ) -> ResidencyStep:
         """:meth:`step` for the state rows ``rows`` only (the rows form the engine calls).
 
         Args:
@@ -216,8 +223,9 @@ class ResidencyManager(abc.ABC):
                 setattr(owner, name, t)
         return out
 
-    def kernel_step_rows(self, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor,
-                         stable_len: torch.Tensor, step) -> ResidencyStep:
+    def kernel_step_rows(
+        self, rows: torch.Tensor, topk: torch.Tensor, req_ids: torch.Tensor, stable_len: torch.Tensor, step
+    ) -> ResidencyStep:
         """:meth:`step_rows` on the policy's CPU kernel (``impl="kernel"``): same arguments,
         result and state change, bit for bit with the torch reference."""
         raise NotImplementedError(f"policy {self.policy!r} has no CPU kernel")

@@ -50,9 +50,17 @@ class GuardedManager(ResidencyManager):
 
     policy = "lru_k2_guarded"
 
-    def __init__(self, rows, hot_tokens, device=None, manage_op=residency_manage,
-                 base: Optional[RankedManager] = None, seed: int = 16, slack_shift: Optional[int] = None,
-                 **kwargs):
+    def __init__(
+        self,
+        rows,
+        hot_tokens,
+        device=None,
+        manage_op=residency_manage,
+        base: Optional[RankedManager] = None,
+        seed: int = 16,
+        slack_shift: Optional[int] = None,
+        **kwargs,
+    ):
         super().__init__(rows, hot_tokens, device, manage_op, **kwargs)
         self.base = base if base is not None else self.make_base(rows, hot_tokens, device, manage_op)
         self.base.table = self.table  # one table: the base policy ranks our own slots
@@ -92,8 +100,7 @@ class GuardedManager(ResidencyManager):
         protected = member(table.slot_token, ghost.slot_token) & ~look.slot_hit
         prot_in_order = torch.gather(protected, 1, base_order)
         over = torch.cumsum(prot_in_order.to(torch.int64), dim=1) > allowance[:, None]
-        group = torch.where(torch.gather(look.slot_hit, 1, base_order), 2,
-                            (prot_in_order & over).to(torch.int64))
+        group = torch.where(torch.gather(look.slot_hit, 1, base_order), 2, (prot_in_order & over).to(torch.int64))
         # stable partition of base_order by group; only the first K entries can be used
         width = min(hot, max(1, look.miss.shape[1]))
         key = group * hot + torch.arange(hot, device=group.device)
@@ -110,12 +117,21 @@ class GuardedManager(ResidencyManager):
     def row_state(self):
         g = self.ghost
         base_extra = self.base.row_state()[3:]  # the base shares our table: its extra state only
-        return (super().row_state() + base_extra + [(g, "slot_token"), (g, "slot_stamp"),
-                                                    (g, "row_req"), (self, "ghost_misses"), (self, "own_misses")])
+        return (
+            super().row_state()
+            + base_extra
+            + [(g, "slot_token"), (g, "slot_stamp"), (g, "row_req"), (self, "ghost_misses"), (self, "own_misses")]
+        )
 
     def state(self):
         s = self.base.state()
-        s.update({"ghost_slot_token": self.ghost.slot_token, "ghost_slot_stamp": self.ghost.slot_stamp,
-                  "ghost_row_req": self.ghost.row_req, "ghost_misses": self.ghost_misses,
-                  "own_misses": self.own_misses})
+        s.update(
+            {
+                "ghost_slot_token": self.ghost.slot_token,
+                "ghost_slot_stamp": self.ghost.slot_stamp,
+                "ghost_row_req": self.ghost.row_req,
+                "ghost_misses": self.ghost_misses,
+                "own_misses": self.own_misses,
+            }
+        )
         return s

@@ -66,7 +66,13 @@ class LRUManager(ResidencyManager):
         from ..cpu_kernel import lru_manage_rows
 
         hit_mask, slots, miss_count, miss_tokens, miss_slots = lru_manage_rows(
-            self.kernel_state, rows.to(torch.int64), topk.to(torch.int32).contiguous(), req_ids.to(torch.int64),
-            stable_len.to(torch.int32), step)
-        return ResidencyStep(hit_mask=hit_mask, slots=slots, miss_count=miss_count, miss_tokens=miss_tokens,
-                             miss_slots=miss_slots)
+            self.kernel_state,
+            rows.to(torch.int64),
+            topk.to(torch.int32).contiguous(),
+            req_ids.to(torch.int64),
+            stable_len.to(torch.int32),
+            step,
+        )
+        return ResidencyStep(
+            hit_mask=hit_mask, slots=slots, miss_count=miss_count, miss_tokens=miss_tokens, miss_slots=miss_slots
+        )

@@ -63,18 +63,28 @@ def load_score_kernel() -> None:
     library()
 
 
-def score_kernel_step_rows(manager, rows, topk, req_ids, stable_len, step, guard=None, seed: int = 0,
-                           slack_shift: Optional[int] = None) -> ResidencyStep:
+def score_kernel_step_rows(
+    manager, rows, topk, req_ids, stable_len, step, guard=None, seed: int = 0, slack_shift: Optional[int] = None
+) -> ResidencyStep:
     """One step of ``manager``'s rows on the score-aware CPU kernel, in place on its table
     (and on ``guard``, the guarded policy's ghost table and counters)."""
     from ..score_kernel import score_rank_manage_rows
 
     t = manager.table
     out = score_rank_manage_rows(
-        t.slot_token, t.slot_stamp, t.row_req, rows.to(torch.int64).contiguous(),
-        topk.to(torch.int32).contiguous(), req_ids.to(torch.int64).contiguous(),
-        stable_len.to(torch.int32).contiguous(), manager.ranked_for(topk).to(torch.int32).contiguous(),
-        int(step), guard, seed, slack_shift)
+        t.slot_token,
+        t.slot_stamp,
+        t.row_req,
+        rows.to(torch.int64).contiguous(),
+        topk.to(torch.int32).contiguous(),
+        req_ids.to(torch.int64).contiguous(),
+        stable_len.to(torch.int32).contiguous(),
+        manager.ranked_for(topk).to(torch.int32).contiguous(),
+        int(step),
+        guard,
+        seed,
+        slack_shift,
+    )
     return ResidencyStep(*out)
 
 
@@ -118,9 +128,12 @@ class ScoreRankManager(RankedManager):
                 f"policy {self.policy!r} needs the indexer's ranking (ranked [rows, D >= top-k]) every step: "
                 "replay a trace that has a 'ranked' array (record it with record_trace_rank_depth > 0, or "
                 "synthesise one with rank_depth > 0), or choose a policy that needs only the top-k (lru, lru_k2, "
-                "lru_k2_guarded)")
+                "lru_k2_guarded)"
+            )
         if r.dim() != 2 or r.shape[0] != topk.shape[0] or r.shape[1] < topk.shape[1]:
-            raise RankedInputError(f"ranked has shape {tuple(r.shape)}; expected [{topk.shape[0]}, D >= {topk.shape[1]}]")
+            raise RankedInputError(
+                f"ranked has shape {tuple(r.shape)}; expected [{topk.shape[0]}, D >= {topk.shape[1]}]"
+            )
         return r
 
     def row_state(self):
@@ -137,8 +150,9 @@ class ScoreRankManager(RankedManager):
             from ...triton_ops.score_rank import score_rank_manage
 
             t = self.table
-            return score_rank_manage(t.slot_token, t.slot_stamp, t.row_req, topk, req_ids, stable_len, step,
-                                     self.ranked_for(topk))
+            return score_rank_manage(
+                t.slot_token, t.slot_stamp, t.row_req, topk, req_ids, stable_len, step, self.ranked_for(topk)
+            )
         return super().step(topk, req_ids, stable_len, step)
 
     def kernel_step_rows(self, rows, topk, req_ids, stable_len, step):

@@ -50,5 +50,4 @@ class ScoreGuardedManager(GuardedManager):
     def kernel_step_rows(self, rows, topk, req_ids, stable_len, step):
         g = self.ghost
         guard = (g.slot_token, g.slot_stamp, g.row_req, self.ghost_misses, self.own_misses)
-        return score_kernel_step_rows(self, rows, topk, req_ids, stable_len, step, guard, self.seed,
-                                      self.slack_shift)
+        return score_kernel_step_rows(self, rows, topk, req_ids, stable_len, step, guard, self.seed, self.slack_shift)

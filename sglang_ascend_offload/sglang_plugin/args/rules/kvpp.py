@@ -42,19 +42,33 @@ def kvpp_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violation]
     def add(rule: str, problem: str, fix: str) -> None:
         out.append(violation(rule, problem, fix))
 
-    backends = {b for b in (compat.arg_or(view, "attention_backend", None),
-                            compat.arg_or(view, "prefill_attention_backend", None),
-                            compat.arg_or(view, "decode_attention_backend", None)) if b}
+    backends = {
+        b
+        for b in (
+            compat.arg_or(view, "attention_backend", None),
+            compat.arg_or(view, "prefill_attention_backend", None),
+            compat.arg_or(view, "decode_attention_backend", None),
+        )
+        if b
+    }
     if backends - {BACKEND_NAME}:
-        add("sglang.kvpp_backend", f"attention backend(s) {sorted(backends)} cannot serve KVPP",
-            f"drop --attention-backend (the plugin selects {BACKEND_NAME}) or pass --attention-backend "
-            f"{BACKEND_NAME}")
+        add(
+            "sglang.kvpp_backend",
+            f"attention backend(s) {sorted(backends)} cannot serve KVPP",
+            f"drop --attention-backend (the plugin selects {BACKEND_NAME}) or pass --attention-backend {BACKEND_NAME}",
+        )
     get = lambda name, default=None: compat.arg_or(view, name, default)  # noqa: E731
     for flag in ("enable_two_batch_overlap", "enable_pdmux"):
         if get(flag, False):
-            add("sglang.kvpp_tbo", f"--{flag.replace('_', '-')} interleaves forwards layer by layer",
-                f"drop --{flag.replace('_', '-')}")
+            add(
+                "sglang.kvpp_tbo",
+                f"--{flag.replace('_', '-')} interleaves forwards layer by layer",
+                f"drop --{flag.replace('_', '-')}",
+            )
     if get("enable_hierarchical_cache", False):
-        add("sglang.kvpp_hicache", "--enable-hierarchical-cache is on (HiCache drives the pool's layer counter)",
-            "drop --enable-hierarchical-cache")
+        add(
+            "sglang.kvpp_hicache",
+            "--enable-hierarchical-cache is on (HiCache drives the pool's layer counter)",
+            "drop --enable-hierarchical-cache",
+        )
     return out

@@ -41,25 +41,40 @@ def layerwise_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Viola
     def add(rule: str, problem: str, fix: str) -> None:
         out.append(violation(rule, problem, fix))
 
-    backends = {b for b in (compat.arg(view, "attention_backend"),
-                            compat.arg(view, "prefill_attention_backend"),
-                            compat.arg(view, "decode_attention_backend")) if b}
+    backends = {
+        b
+        for b in (
+            compat.arg(view, "attention_backend"),
+            compat.arg(view, "prefill_attention_backend"),
+            compat.arg(view, "decode_attention_backend"),
+        )
+        if b
+    }
     if backends - {BACKEND_NAME}:
-        add("sglang.layerwise_backend", f"attention backend(s) {sorted(backends)} cannot serve layerwise "
-            "prefill offload", f"drop --attention-backend (the plugin selects {BACKEND_NAME}) or pass "
-            f"--attention-backend {BACKEND_NAME}")
+        add(
+            "sglang.layerwise_backend",
+            f"attention backend(s) {sorted(backends)} cannot serve layerwise prefill offload",
+            f"drop --attention-backend (the plugin selects {BACKEND_NAME}) or pass --attention-backend {BACKEND_NAME}",
+        )
     for flag in ("enable_two_batch_overlap", "enable_pdmux"):
         if compat.arg(view, flag):
-            add("sglang.layerwise_tbo", f"--{flag.replace('_', '-')} interleaves forwards layer by layer",
-                f"drop --{flag.replace('_', '-')}")
+            add(
+                "sglang.layerwise_tbo",
+                f"--{flag.replace('_', '-')} interleaves forwards layer by layer",
+                f"drop --{flag.replace('_', '-')}",
+            )
     if compat.arg(view, "enable_hierarchical_cache"):
-        add("sglang.layerwise_hicache", "--enable-hierarchical-cache is on (HiCache drives the pool's layer "
-            "counter)", "drop --enable-hierarchical-cache")
+        add(
+            "sglang.layerwise_hicache",
+            "--enable-hierarchical-cache is on (HiCache drives the pool's layer counter)",
+            "drop --enable-hierarchical-cache",
+        )
     store = lw.effective_store_backend(str(compat.arg(view, "device") or "cpu"))
-    if (lw.shared_buffers is not None and store == "memcache"
-            and importlib.util.find_spec("memcache_hybrid") is None):
+    if lw.shared_buffers is not None and store == "memcache" and importlib.util.find_spec("memcache_hybrid") is None:
         how = "" if lw.store_backend else " (the default on an Ascend NPU)"
-        add("sglang.layerwise_store", f"store_backend 'memcache'{how} but memcache-hybrid is not installed",
-            "pip install memcache-hybrid memfabric-hybrid on the Ascend node, or use \"store_backend\": "
-            "\"local\" on a CPU")
+        add(
+            "sglang.layerwise_store",
+            f"store_backend 'memcache'{how} but memcache-hybrid is not installed",
+            'pip install memcache-hybrid memfabric-hybrid on the Ascend node, or use "store_backend": "local" on a CPU',
+        )
     return out

@@ -52,6 +52,7 @@ BACKEND_NAME = "ascend_offload"
 #: (``TransferBackend`` is a closed Enum; see :mod:`...disaggregation.ascend_offload.install`).
 SGLANG_BACKEND = "ascend"
 
+
 def raw_transfer_backend(server_args: Any) -> Optional[str]:
     """The ``--disaggregation-transfer-backend`` the user gave (before our rewrite)."""
     raw = getattr(server_args, "_raw_input", None) or {}
@@ -88,8 +89,11 @@ def _violation(rule: str, problem: str, fix: str) -> cfg.Violation:
 
 
 def missing_config_violation() -> cfg.Violation:
-    return _violation("sglang.pd_backend", "--disaggregation-transfer-backend ascend_offload without "
-                      "--enable-pd-transfer", "add --enable-pd-transfer (settings: --pd-transfer-config)")
+    return _violation(
+        "sglang.pd_backend",
+        "--disaggregation-transfer-backend ascend_offload without --enable-pd-transfer",
+        "add --enable-pd-transfer (settings: --pd-transfer-config)",
+    )
 
 
 def mooncake_available() -> bool:
@@ -116,19 +120,40 @@ def pd_violations(config: cfg.OffloadConfig, server_args: Any, view: Any = None)
         return out
     backend = raw_transfer_backend(server_args)
     if role in ("prefill", "decode") and backend != BACKEND_NAME:
-        out.append(_violation("sglang.pd_backend", f"--enable-pd-transfer with --disaggregation-transfer-backend "
-                              f"{backend!r}", f"pass --disaggregation-transfer-backend {BACKEND_NAME}"))
-    backends = {b for b in (view.attention_backend, compat.arg_or(view, "prefill_attention_backend", None),
-                            compat.arg_or(view, "decode_attention_backend", None)) if b}
+        out.append(
+            _violation(
+                "sglang.pd_backend",
+                f"--enable-pd-transfer with --disaggregation-transfer-backend {backend!r}",
+                f"pass --disaggregation-transfer-backend {BACKEND_NAME}",
+            )
+        )
+    backends = {
+        b
+        for b in (
+            view.attention_backend,
+            compat.arg_or(view, "prefill_attention_backend", None),
+            compat.arg_or(view, "decode_attention_backend", None),
+        )
+        if b
+    }
     if backends != {BACKEND_NAME}:
-        out.append(_violation("sglang.pd_attention_backend", f"attention backend(s) {sorted(backends)}",
-                              f"drop --attention-backend (DSA models get {BACKEND_NAME}) or pass "
-                              f"--attention-backend {BACKEND_NAME}"))
+        out.append(
+            _violation(
+                "sglang.pd_attention_backend",
+                f"attention backend(s) {sorted(backends)}",
+                f"drop --attention-backend (DSA models get {BACKEND_NAME}) or pass --attention-backend {BACKEND_NAME}",
+            )
+        )
     device = str(compat.arg_or(view, "device", None) or "")
     if pd.engine == "mooncake" and not mooncake_available():
-        out.append(_violation("sglang.pd_engine_unavailable", "the mooncake package is not importable",
-                              "pip install mooncake-transfer-engine-non-cuda (CPU/TCP) or "
-                              "mooncake-transfer-engine; on Debian apt-get install libibverbs1 librdmacm1"))
+        out.append(
+            _violation(
+                "sglang.pd_engine_unavailable",
+                "the mooncake package is not importable",
+                "pip install mooncake-transfer-engine-non-cuda (CPU/TCP) or "
+                "mooncake-transfer-engine; on Debian apt-get install libibverbs1 librdmacm1",
+            )
+        )
     unsupported = []
     if role == "decode" and compat.arg_or(view, "disaggregation_decode_enable_radix_cache", False):
         unsupported.append("--disaggregation-decode-enable-radix-cache")
@@ -142,34 +167,72 @@ def pd_violations(config: cfg.OffloadConfig, server_args: Any, view: Any = None)
         unsupported.append("--enable-pd-role-switch")
     if os.environ.get("SGLANG_DISAGG_STAGING_BUFFER", "").lower() in ("1", "true", "yes"):
         unsupported.append("SGLANG_DISAGG_STAGING_BUFFER")
-    if config.layerwise_prefill is not None and role == "prefill" \
-            and int(compat.arg_or(view, "optimistic_prefill_attempts", 0) or 0) > 0:
-        unsupported.append(f"--optimistic-prefill-attempts {view.optimistic_prefill_attempts} with layerwise "
-                           "prefill offload (a request computed before its decode bootstrapped is sent after "
-                           "the forward, when its shared layer buffers hold other layers)")
+    if (
+        config.layerwise_prefill is not None
+        and role == "prefill"
+        and int(compat.arg_or(view, "optimistic_prefill_attempts", 0) or 0) > 0
+    ):
+        unsupported.append(
+            f"--optimistic-prefill-attempts {view.optimistic_prefill_attempts} with layerwise "
+            "prefill offload (a request computed before its decode bootstrapped is sent after "
+            "the forward, when its shared layer buffers hold other layers)"
+        )
     if unsupported:
-        out.append(_violation("sglang.pd_unsupported", "not supported with the ascend_offload P/D backend: "
-                              + "; ".join(unsupported), "drop these settings"))
-    if role == "decode" and device == "cpu" and compat.arg_or(view, "disaggregation_decode_retraction_backup", None) != "cpu_tensor":
-        out.append(_violation("sglang.pd_cpu_retraction_backup",
-                              f"retraction backup {compat.arg(view, 'disaggregation_decode_retraction_backup')!r} "
-                              "on a CPU decode server", "pass --disaggregation-decode-retraction-backup cpu_tensor"))
+        out.append(
+            _violation(
+                "sglang.pd_unsupported",
+                "not supported with the ascend_offload P/D backend: " + "; ".join(unsupported),
+                "drop these settings",
+            )
+        )
+    if (
+        role == "decode"
+        and device == "cpu"
+        and compat.arg_or(view, "disaggregation_decode_retraction_backup", None) != "cpu_tensor"
+    ):
+        out.append(
+            _violation(
+                "sglang.pd_cpu_retraction_backup",
+                f"retraction backup {compat.arg(view, 'disaggregation_decode_retraction_backup')!r} "
+                "on a CPU decode server",
+                "pass --disaggregation-decode-retraction-backup cpu_tensor",
+            )
+        )
     return out
 
 
-def pair_problems(pd: cfg.PDTransferConfig, *, role: str, own_tp: int, peer_tp: int, device: str,
-                  dp: int = 1, soc: Optional[str] = None, peer_cp: int = 1, peer_pp: int = 1) -> List[str]:
+def pair_problems(
+    pd: cfg.PDTransferConfig,
+    *,
+    role: str,
+    own_tp: int,
+    peer_tp: int,
+    device: str,
+    dp: int = 1,
+    soc: Optional[str] = None,
+    peer_cp: int = 1,
+    peer_pp: int = 1,
+) -> List[str]:
     """Every reason why this server cannot pair with a peer of ``peer_tp`` (empty = fine).
 
     Runs ``config.violations``'s ``pd_transfer`` rules with the peer's facts, plus
     the peer's PP / CP, which the backend does not support.
     """
-    deployment = cfg.Deployment(device=device if device in ("npu", "cuda", "cpu") else "cpu", soc=soc,
-                                tp=own_tp, dp=dp, pd_role=role, peer_tp=peer_tp)
+    deployment = cfg.Deployment(
+        device=device if device in ("npu", "cuda", "cpu") else "cpu",
+        soc=soc,
+        tp=own_tp,
+        dp=dp,
+        pd_role=role,
+        peer_tp=peer_tp,
+    )
     # pd_transfer.decode_tp is this server's own startup rule (it needs its sparse decode
     # config, which the pair check does not have), not a property of the pair
-    found = [v for v in cfg.violations(cfg.OffloadConfig(pd_transfer=pd), deployment)
-             if v.rule.startswith("pd_transfer.") and v.rule != "pd_transfer.decode_tp"]
+    found = [
+        v
+        for v in cfg.violations(cfg.OffloadConfig(pd_transfer=pd), deployment)
+        if v.rule.startswith("pd_transfer.") and v.rule != "pd_transfer.decode_tp"
+    ]
     out = [f"[{v.rule}] {v.problem} -> {v.fix}" for v in found]
     if peer_cp > 1 or peer_pp > 1:
         out.append(f"[sglang.pd_parallel] peer has attention CP {peer_cp}, PP {peer_pp} -> use TP only")

@@ -42,8 +42,12 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll, StateType
 from sglang.srt.disaggregation.common.conn import KVTransferError
-from sglang.srt.disaggregation.mooncake.conn import (MooncakeKVBootstrapServer, MooncakeKVManager,
-                                                      MooncakeKVReceiver, MooncakeKVSender)
+from sglang.srt.disaggregation.mooncake.conn import (
+    MooncakeKVBootstrapServer,
+    MooncakeKVManager,
+    MooncakeKVReceiver,
+    MooncakeKVSender,
+)
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from .... import config as cfg
@@ -56,10 +60,10 @@ from ....transfer.layerwise_publisher import LayerwisePublisher
 from ....transfer.prefill_links import PrefillLinks
 from ....transfer.publisher import PrefillPublisher
 from ....transfer.status import TransferState
-from ...args import carrier
 from ... import compat
-from ...mem_cache.pool.device import DeviceDSAPool
+from ...args import carrier
 from ...args.rules import pd_transfer as rules
+from ...mem_cache.pool.device import DeviceDSAPool
 
 logger = logging.getLogger(__name__)
 
@@ -97,18 +101,23 @@ class AscendOffloadKVManager(MooncakeKVManager):
     supports_deferred_decode_kv_release = False
     supports_host_destination = False
 
-    def __init__(self, args, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False,
-                 **_ascend_kwargs: Any):
+    def __init__(
+        self, args, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False, **_ascend_kwargs: Any
+    ):
         # SGLang's prefill bootstrap queue passes ``dcp_remote_decode_layout`` to every
         # TransferBackend.ASCEND manager; DCP is rejected at startup, so it is empty.
         pd = active_pd_config()
         if pd is None:
-            raise RuntimeError("the ascend_offload P/D backend is selected but no validated pd_transfer "
-                               "config is published (start the server with --enable-pd-transfer)")
+            raise RuntimeError(
+                "the ascend_offload P/D backend is selected but no validated pd_transfer "
+                "config is published (start the server with --enable-pd-transfer)"
+            )
         unsupported = [st for st in (compat.field(args, _KV_ARGS, "state_types") or []) if st != StateType.DSA]
         if unsupported:
-            raise RuntimeError(f"the ascend_offload P/D backend moves main KV and the DSA indexer only; "
-                               f"this pool also has state {[str(s) for s in unsupported]}")
+            raise RuntimeError(
+                f"the ascend_offload P/D backend moves main KV and the DSA indexer only; "
+                f"this pool also has state {[str(s) for s in unsupported]}"
+            )
         self.pd_config = pd
         self.publisher: Optional[PrefillPublisher] = None
         self.sink: Optional[DecodeSink] = None
@@ -137,20 +146,35 @@ class AscendOffloadKVManager(MooncakeKVManager):
         after the base layers (``None`` without speculation)."""
         for what, p in (("KV", pool), ("draft KV", draft_pool)):
             if p is not None and not isinstance(p, DeviceDSAPool):
-                raise layouts.LayoutError(f"P/D transfer backend ascend_offload moves the ascend_offload attention "
-                                          f"backend's DSA pools; got {type(p).__name__} as the {what} pool (serve "
-                                          "a DeepSeek-V3.2-style model with --attention-backend ascend_offload)")
+                raise layouts.LayoutError(
+                    f"P/D transfer backend ascend_offload moves the ascend_offload attention "
+                    f"backend's DSA pools; got {type(p).__name__} as the {what} pool (serve "
+                    "a DeepSeek-V3.2-style model with --attention-backend ascend_offload)"
+                )
         layerwise = layouts.is_layerwise_pool(pool)
         layouts.check_pool(pool, allow_layerwise=layerwise and self.disaggregation_mode == DisaggregationMode.PREFILL)
         max_blocks = math.ceil(context_len / pool.page_size) + 1 if context_len else None
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             kind = LayerwisePublisher if layerwise else PrefillLinks
-            self.publisher = kind(self.pd_config, p_tp=self.attn_tp_size, p_rank=self.attn_tp_rank,
-                                  pool=pool, engine=self.pd_engine, max_blocks=max_blocks, draft_pool=draft_pool)
+            self.publisher = kind(
+                self.pd_config,
+                p_tp=self.attn_tp_size,
+                p_rank=self.attn_tp_rank,
+                pool=pool,
+                engine=self.pd_engine,
+                max_blocks=max_blocks,
+                draft_pool=draft_pool,
+            )
         else:
-            self.sink = DecodeSink(self.pd_config, d_tp=self.attn_tp_size, d_rank=self.attn_tp_rank,
-                                   dp_rank=self.attn_dp_rank, pool=pool, engine=self.pd_engine,
-                                   draft_pool=draft_pool)
+            self.sink = DecodeSink(
+                self.pd_config,
+                d_tp=self.attn_tp_size,
+                d_rank=self.attn_tp_rank,
+                dp_rank=self.attn_dp_rank,
+                pool=pool,
+                engine=self.pd_engine,
+                draft_pool=draft_pool,
+            )
 
     def close_pd(self) -> None:
         """Stop the P/D side and the engine (tests; SGLang kills its processes)."""
@@ -165,8 +189,10 @@ class AscendOffloadKVManager(MooncakeKVManager):
     def build_receiver_registration_message(self) -> List[bytes]:
         frames = super().build_receiver_registration_message()
         if len(frames) != ADVERT_FRAME_INDEX:
-            raise RuntimeError(f"SGLang's registration message has {len(frames)} frames, the backend expects "
-                               f"{ADVERT_FRAME_INDEX} (SGLang 0.5.23)")
+            raise RuntimeError(
+                f"SGLang's registration message has {len(frames)} frames, the backend expects "
+                f"{ADVERT_FRAME_INDEX} (SGLang 0.5.23)"
+            )
         if self.sink is None:
             raise RuntimeError("decode P/D side not attached to a KV pool")
         return frames + [encode_advert(self.sink.advert())]
@@ -204,17 +230,32 @@ class AscendOffloadKVManager(MooncakeKVManager):
         row ``row`` (called by the ``Scheduler.run_batch`` hook before the forward)."""
         sessions = list(self.transfer_infos.get(room, {}).keys())
         if len(sessions) != 1:
-            self.fail_prefill_room(room, f"{len(sessions)} decode ranks target prefill rank {self.attn_tp_rank} "
-                                         "for this request; the P/D protocol pairs each prefill rank with one "
-                                         "decode rank (p_tp >= d_tp)")
+            self.fail_prefill_room(
+                room,
+                f"{len(sessions)} decode ranks target prefill rank {self.attn_tp_rank} "
+                "for this request; the P/D protocol pairs each prefill rank with one "
+                "decode rank (p_tp >= d_tp)",
+            )
             return
         self.publisher.expect(row, room, sessions[0])
 
     # ------------------------------------------------------------------ prefill: KV path
-    def add_transfer_request(self, bootstrap_room, kv_indices, index_slice, is_last_chunk, aux_index=None,
-                             state_indices=None, num_kv_tokens=None, **kwargs):
-        if self.publisher is not None and bootstrap_room in self.request_status \
-                and self.check_status(bootstrap_room) != KVPoll.Failed:
+    def add_transfer_request(
+        self,
+        bootstrap_room,
+        kv_indices,
+        index_slice,
+        is_last_chunk,
+        aux_index=None,
+        state_indices=None,
+        num_kv_tokens=None,
+        **kwargs,
+    ):
+        if (
+            self.publisher is not None
+            and bootstrap_room in self.request_status
+            and self.check_status(bootstrap_room) != KVPoll.Failed
+        ):
             # SGLang hands the pages as a host tensor or an ndarray (supports_host_tensor_indices=False)
             pages = np.asarray(kv_indices.numpy() if hasattr(kv_indices, "numpy") else kv_indices, dtype=np.int64)
             self._room_pages.setdefault(bootstrap_room, []).append(pages.copy())
@@ -222,8 +263,9 @@ class AscendOffloadKVManager(MooncakeKVManager):
                 chunks = np.concatenate(self._room_pages.pop(bootstrap_room)).tolist()
                 sessions = list(self.transfer_infos.get(bootstrap_room, {}).keys())
                 self.publisher.last_chunk_sent(bootstrap_room, sessions, chunks, wait_event=kwargs.get("wait_event"))
-        super().add_transfer_request(bootstrap_room, kv_indices, index_slice, is_last_chunk, aux_index,
-                                     state_indices, num_kv_tokens, **kwargs)
+        super().add_transfer_request(
+            bootstrap_room, kv_indices, index_slice, is_last_chunk, aux_index, state_indices, num_kv_tokens, **kwargs
+        )
 
     def send_kvcache(self, *args, **kwargs) -> int:
         """SGLang's per-chunk KV write: the protocol moves the KV (see module doc)."""
@@ -262,14 +304,22 @@ class AscendOffloadKVManager(MooncakeKVManager):
         if ok and not known:
             info = self.prefill_info_table[bootstrap_addr]
             problems = rules.pair_problems(
-                self.pd_config, role="decode", own_tp=self.attn_tp_size, peer_tp=int(info.attn_tp_size),
-                device=str(compat.arg(self.server_args, "device")), dp=int(self.attn_dp_size or 1),
+                self.pd_config,
+                role="decode",
+                own_tp=self.attn_tp_size,
+                peer_tp=int(info.attn_tp_size),
+                device=str(compat.arg(self.server_args, "device")),
+                dp=int(self.attn_dp_size or 1),
                 peer_cp=int(compat.field(info, _PREFILL_INFO, "attn_cp_size") or 1),
-                peer_pp=int(compat.field(info, _PREFILL_INFO, "pp_size") or 1))
+                peer_pp=int(compat.field(info, _PREFILL_INFO, "pp_size") or 1),
+            )
             self._pair_problems[bootstrap_addr] = problems
             if problems:
-                logger.error("P/D: prefill %s cannot pair with this decode server (every request to it fails): %s",
-                             bootstrap_addr, "; ".join(problems))
+                logger.error(
+                    "P/D: prefill %s cannot pair with this decode server (every request to it fails): %s",
+                    bootstrap_addr,
+                    "; ".join(problems),
+                )
         return ok
 
     def pair_problems(self, bootstrap_addr: str) -> List[str]:
@@ -334,8 +384,9 @@ class AscendOffloadKVReceiver(MooncakeKVReceiver):
         if self.conclude_state == KVPoll.Failed or self.kv_mgr.sink is None:
             return super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len, **kwargs)
         if decode_prefix_len:
-            self._fail(f"decode prefix reuse ({decode_prefix_len} tokens) is not supported by the "
-                       "ascend_offload P/D backend")
+            self._fail(
+                f"decode prefix reuse ({decode_prefix_len} tokens) is not supported by the ascend_offload P/D backend"
+            )
             return None
         try:
             self.kv_mgr.sink.expect(self.bootstrap_room, np.asarray(kv_indices).tolist())
@@ -353,8 +404,7 @@ class AscendOffloadKVReceiver(MooncakeKVReceiver):
         ours = sink.status(room)
         if ours is None:
             return base
-        hold = KVPoll.Transferring if base in (KVPoll.Transferring, KVPoll.Success, KVPoll.Failed) \
-            else base
+        hold = KVPoll.Transferring if base in (KVPoll.Transferring, KVPoll.Success, KVPoll.Failed) else base
         if ours.state is TransferState.FAILED:
             return KVPoll.Failed if sink.released(room) else hold
         if base == KVPoll.Failed:

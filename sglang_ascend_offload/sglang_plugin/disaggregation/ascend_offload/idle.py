@@ -29,8 +29,10 @@ def pd_work_in_flight(scheduler: Any) -> bool:
         queue = getattr(scheduler, name, None)
         if queue is not None and (queue.queue or getattr(queue, "retracted_queue", None)):
             return True
-    return bool(getattr(scheduler, "disagg_prefill_inflight_queue", None)
-                or getattr(scheduler, "disagg_prefill_pending_chunk_rids", None))
+    return bool(
+        getattr(scheduler, "disagg_prefill_inflight_queue", None)
+        or getattr(scheduler, "disagg_prefill_pending_chunk_rids", None)
+    )
 
 
 def maybe_sleep_on_idle_around(original: Callable, self: Any) -> None:

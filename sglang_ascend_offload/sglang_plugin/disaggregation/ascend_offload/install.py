@@ -86,10 +86,12 @@ def get_kv_class_around(original, transfer_backend, class_type):
     if transfer_backend == TransferBackend.ASCEND and class_type != KVClassType.KVARGS and pd_active():
         from . import conn
 
-        return {KVClassType.MANAGER: conn.AscendOffloadKVManager,
-                KVClassType.SENDER: conn.AscendOffloadKVSender,
-                KVClassType.RECEIVER: conn.AscendOffloadKVReceiver,
-                KVClassType.BOOTSTRAP_SERVER: conn.AscendOffloadKVBootstrapServer}.get(class_type)
+        return {
+            KVClassType.MANAGER: conn.AscendOffloadKVManager,
+            KVClassType.SENDER: conn.AscendOffloadKVSender,
+            KVClassType.RECEIVER: conn.AscendOffloadKVReceiver,
+            KVClassType.BOOTSTRAP_SERVER: conn.AscendOffloadKVBootstrapServer,
+        }.get(class_type)
     return original(transfer_backend, class_type)
 
 
@@ -105,9 +107,16 @@ def config_store_around(original, transfer_backend):
     pd = active_pd_config()
     if pd.engine == "memfabric" and get_parallel().node_rank == 0:
         if not pd.store_url:
-            raise cfg.ConfigError([cfg.Violation("sglang.pd_engine_device", "engine 'memfabric' without store_url",
-                                                 'set "store_url": "tcp://HOST:PORT" in --pd-transfer-config')],
-                                  "sglang-ascend-offload configuration")
+            raise cfg.ConfigError(
+                [
+                    cfg.Violation(
+                        "sglang.pd_engine_device",
+                        "engine 'memfabric' without store_url",
+                        'set "store_url": "tcp://HOST:PORT" in --pd-transfer-config',
+                    )
+                ],
+                "sglang-ascend-offload configuration",
+            )
         from ....transfer.engine_memfabric import create_config_store
 
         create_config_store(pd.store_url)
@@ -193,12 +202,18 @@ def _layerwise_publisher(scheduler: Any):
     # wiring is right; any other manager has no publisher, which is the error raised below.
     publisher = getattr(manager, "publisher", None)
     if publisher is None or not publisher.publishes_during_forward:
-        what = ("Scheduler.disagg_prefill_bootstrap_queue" if queue is None else
-                "PrefillBootstrapQueue.kv_manager" if manager is None else "the layerwise P/D publisher")
+        what = (
+            "Scheduler.disagg_prefill_bootstrap_queue"
+            if queue is None
+            else "PrefillBootstrapQueue.kv_manager"
+            if manager is None
+            else "the layerwise P/D publisher"
+        )
         raise compat.SGLangIncompatible(
             f"P/D prefill with layerwise prefill offload: {what} is missing when the scheduler runs a batch "
             f"(SGLang {compat.installed_version()}; the plugin was written against "
-            f"SGLang {compat.SUPPORTED_SGLANG_VERSION})")
+            f"SGLang {compat.SUPPORTED_SGLANG_VERSION})"
+        )
     return publisher, manager
 
 

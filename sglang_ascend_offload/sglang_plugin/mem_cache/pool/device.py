@@ -66,18 +66,36 @@ class DeviceDSAPool(NPUMLATokenToKVPool):
                 "use --kv-cache-dtype bfloat16 and unset SGLANG_USE_FIA_NZ"
             )
 
-    def _init_without_buffers(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int,
-                              qk_rope_head_dim: int, layer_num: int, device: str, enable_memory_saver: bool,
-                              index_head_dim: Optional[int], start_layer: Optional[int],
-                              end_layer: Optional[int]) -> None:
+    def _init_without_buffers(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str,
+        enable_memory_saver: bool,
+        index_head_dim: Optional[int],
+        start_layer: Optional[int],
+        end_layer: Optional[int],
+    ) -> None:
         """Set every attribute SGLang reads on an NPU MLA/DSA pool, allocating nothing.
 
         For subclasses that place the main KV themselves (host pool, shared layer
         buffers) and so must not run the parent's allocating ``__init__``.
         """
-        KVCache.__init__(self, size=size, page_size=page_size, dtype=dtype, layer_num=layer_num,
-                         device=device, enable_memory_saver=enable_memory_saver,
-                         start_layer=start_layer, end_layer=end_layer)
+        KVCache.__init__(
+            self,
+            size=size,
+            page_size=page_size,
+            dtype=dtype,
+            layer_num=layer_num,
+            device=device,
+            enable_memory_saver=enable_memory_saver,
+            start_layer=start_layer,
+            end_layer=end_layer,
+        )
         self._on_npu = str(device).startswith("npu")
         self.use_fia_nz = False
         self.dsa_kv_cache_store_fp8 = False
@@ -130,8 +148,10 @@ class DeviceDSAPool(NPUMLATokenToKVPool):
         from ..retraction import RetractedKV, gather_rows, index_rows, slot_tensor
 
         slots = slot_tensor(indices, self.device)
-        main = [torch.cat((gather_rows(self.k_buffer[i], slots), gather_rows(self.v_buffer[i], slots)), dim=-1)
-                for i in range(self.layer_num)]
+        main = [
+            torch.cat((gather_rows(self.k_buffer[i], slots), gather_rows(self.v_buffer[i], slots)), dim=-1)
+            for i in range(self.layer_num)
+        ]
         return RetractedKV(int(slots.numel()), main, index_rows(self, slots))
 
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):

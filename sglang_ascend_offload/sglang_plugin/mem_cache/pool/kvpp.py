@@ -50,7 +50,7 @@ import atexit
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -92,11 +92,14 @@ class KVPPStats:
     history_flags: List[bool] = field(default_factory=list)  # last forwards (debug / tests)
 
 
-def kvpp_components(page_size: int, kv_lora_rank: int, qk_rope_head_dim: int, index_head_dim: Optional[int],
-                    itemsize: int) -> Tuple[ComponentSpec, ...]:
+def kvpp_components(
+    page_size: int, kv_lora_rank: int, qk_rope_head_dim: int, index_head_dim: Optional[int], itemsize: int
+) -> Tuple[ComponentSpec, ...]:
     """One layer's bundle per block (= KV page): latent, rope, indexer K (bytes)."""
-    comps = [ComponentSpec("kv_latent", page_size * kv_lora_rank * itemsize),
-             ComponentSpec("kv_rope", page_size * qk_rope_head_dim * itemsize)]
+    comps = [
+        ComponentSpec("kv_latent", page_size * kv_lora_rank * itemsize),
+        ComponentSpec("kv_rope", page_size * qk_rope_head_dim * itemsize),
+    ]
     if index_head_dim:
         comps.append(ComponentSpec("index_k", page_size * index_head_dim * itemsize))
     return tuple(comps)
@@ -106,12 +109,36 @@ class KVPPPool(DeviceDSAPool):
     """KVPP pool (see module doc). Constructor arguments as SGLang's NPU MLA pool, plus
     ``kvpp`` (the feature config) and ``group`` (this rank's KVPP group)."""
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int,
-                 qk_rope_head_dim: int, layer_num: int, device: str, enable_memory_saver: bool,
-                 index_head_dim: Optional[int], *, kvpp: cfg.KVPPConfig, group: KVPPGroup,
-                 start_layer: Optional[int] = None, end_layer: Optional[int] = None):
-        self._init_without_buffers(size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device,
-                                   enable_memory_saver, index_head_dim, start_layer, end_layer)
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str,
+        enable_memory_saver: bool,
+        index_head_dim: Optional[int],
+        *,
+        kvpp: cfg.KVPPConfig,
+        group: KVPPGroup,
+        start_layer: Optional[int] = None,
+        end_layer: Optional[int] = None,
+    ):
+        self._init_without_buffers(
+            size,
+            page_size,
+            dtype,
+            kv_lora_rank,
+            qk_rope_head_dim,
+            layer_num,
+            device,
+            enable_memory_saver,
+            index_head_dim,
+            start_layer,
+            end_layer,
+        )
         self.kvpp = kvpp
         self.group = group
         pages = size // page_size + 1
@@ -120,16 +147,20 @@ class KVPPPool(DeviceDSAPool):
         itemsize = torch.tensor([], dtype=self.store_dtype).element_size()
         comps = kvpp_components(page_size, kv_lora_rank, qk_rope_head_dim, index_head_dim, itemsize)
         ownership = assign_owners(range(layer_num), group.size)
-        self.plan: KVPPPlan = plan_rank(group.rank, ownership, {l: comps for l in range(layer_num)},
-                                        alignment=kvpp.scratch_alignment_bytes)
+        self.plan: KVPPPlan = plan_rank(
+            group.rank, ownership, {l: comps for l in range(layer_num)}, alignment=kvpp.scratch_alignment_bytes
+        )
         self.storage = KVPPStorage(self.plan, pages, torch.device(device))
-        self.transport = BroadcastTransport(self.storage, group=group.process_group,
-                                            group_ranks=list(group.global_ranks))
+        self.transport = BroadcastTransport(
+            self.storage, group=group.process_group, group_ranks=list(group.global_ranks)
+        )
         self.scheduler = KVPPScheduler(self.transport, layers=list(range(layer_num)), prefetch=kvpp.prefetch)
 
         def views(name: str, width: int) -> List[torch.Tensor]:
-            return [self.storage.component(l, name, self.store_dtype, (pages, page_size, 1, width))
-                    for l in range(layer_num)]
+            return [
+                self.storage.component(l, name, self.store_dtype, (pages, page_size, 1, width))
+                for l in range(layer_num)
+            ]
 
         self.k_buffer = views("kv_latent", kv_lora_rank)
         self.v_buffer = views("kv_rope", qk_rope_head_dim)
@@ -141,10 +172,20 @@ class KVPPPool(DeviceDSAPool):
         self._entered = -1
         self._closed = False
         self._last_log = time.monotonic()
-        logger.info("KVPP rank %d/%d: owns layers %s of %d; allocated %d bytes (persistent %d, scratch 2 x %d); "
-                    "broadcast=%s prefetch=%s; slot rows %d", group.rank, group.size, list(self.owned_layers),
-                    layer_num, self.allocated_bytes, sum(t.numel() for t in self.storage.persistent.values()),
-                    self.storage.scratch[0].numel(), kvpp.broadcast, kvpp.prefetch, self.slot_rows)
+        logger.info(
+            "KVPP rank %d/%d: owns layers %s of %d; allocated %d bytes (persistent %d, scratch 2 x %d); "
+            "broadcast=%s prefetch=%s; slot rows %d",
+            group.rank,
+            group.size,
+            list(self.owned_layers),
+            layer_num,
+            self.allocated_bytes,
+            sum(t.numel() for t in self.storage.persistent.values()),
+            self.storage.scratch[0].numel(),
+            kvpp.broadcast,
+            kvpp.prefetch,
+            self.slot_rows,
+        )
         atexit.register(self.close)
 
     # ------------------------------------------------------------------ sizes
@@ -170,8 +211,10 @@ class KVPPPool(DeviceDSAPool):
             return None, None
         backend = get_attn_backend()
         if getattr(backend, "token_to_kv_pool", None) is not self:
-            raise RuntimeError("KVPP pool accessed inside a forward of another attention backend "
-                               f"({type(backend).__name__}); the pool serves only its own backend")
+            raise RuntimeError(
+                "KVPP pool accessed inside a forward of another attention backend "
+                f"({type(backend).__name__}); the pool serves only its own backend"
+            )
         return getattr(backend, "forward_metadata", None), backend
 
     def history_blocks(self, md, req_to_token: torch.Tensor) -> Optional[torch.Tensor]:
@@ -208,9 +251,18 @@ class KVPPPool(DeviceDSAPool):
             return
         self._last_log = now
         s, t = self.stats, self.transport
-        logger.info("KVPP rank %d stats: forwards=%d with_history=%d active_pages=%d of %d broadcasts=%d "
-                    "broadcast_bytes=%d received_bytes=%d", self.group.rank, s.forwards, s.forwards_with_history,
-                    s.active_blocks, self.num_blocks, t.broadcasts, t.bytes_broadcast, t.bytes_received)
+        logger.info(
+            "KVPP rank %d stats: forwards=%d with_history=%d active_pages=%d of %d broadcasts=%d "
+            "broadcast_bytes=%d received_bytes=%d",
+            self.group.rank,
+            s.forwards,
+            s.forwards_with_history,
+            s.active_blocks,
+            self.num_blocks,
+            t.broadcasts,
+            t.bytes_broadcast,
+            t.bytes_received,
+        )
 
     def enter_layer(self, layer: int) -> None:
         """``layer`` (local id) is about to be read or written (``wait_until`` hook)."""
@@ -223,14 +275,19 @@ class KVPPPool(DeviceDSAPool):
         if layer == self._entered:
             return
         if layer < self._entered:
-            raise RuntimeError(f"KVPP pool: layer {layer} accessed after layer {self._entered} in one forward; "
-                               "layers must run in order (its scratch buffer may already hold a later layer)")
+            raise RuntimeError(
+                f"KVPP pool: layer {layer} accessed after layer {self._entered} in one forward; "
+                "layers must run in order (its scratch buffer may already hold a later layer)"
+            )
         for skipped in range(self._entered + 1, layer + 1):  # keep the broadcast order on every rank
             self.scheduler.wait_for_layer(skipped)
         self._entered = layer
         t = self.transport
         self.stats.broadcasts, self.stats.bytes_broadcast, self.stats.bytes_received = (
-            t.broadcasts, t.bytes_broadcast, t.bytes_received)
+            t.broadcasts,
+            t.bytes_broadcast,
+            t.bytes_received,
+        )
 
     # ------------------------------------------------------------------ writes
     def set_kv_buffer(self, layer, loc_info, cache_k: torch.Tensor, cache_v: Optional[torch.Tensor]):
@@ -242,8 +299,9 @@ class KVPPPool(DeviceDSAPool):
         return super().set_index_k_buffer(layer_id, loc, index_k)
 
     def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
-        raise NotImplementedError("KVPP keeps each layer on its owner rank; retraction to CPU copies is not "
-                                  "supported by this pool")
+        raise NotImplementedError(
+            "KVPP keeps each layer on its owner rank; retraction to CPU copies is not supported by this pool"
+        )
 
     def load_cpu_copy(self, *args, **kwargs):
         raise NotImplementedError("KVPP: load_cpu_copy is not supported")
@@ -274,8 +332,14 @@ def tp_kvpp_group(device: str) -> KVPPGroup:
     return KVPPGroup(rank=int(tp.rank_in_group), size=len(ranks), global_ranks=ranks, process_group=pg)
 
 
-def build_kvpp_pool(configurator: Any, kvpp: cfg.KVPPConfig, *, max_total_num_tokens: int, is_dsa_model: bool,
-                    group: Optional[KVPPGroup] = None) -> DeviceDSAPool:
+def build_kvpp_pool(
+    configurator: Any,
+    kvpp: cfg.KVPPConfig,
+    *,
+    max_total_num_tokens: int,
+    is_dsa_model: bool,
+    group: Optional[KVPPGroup] = None,
+) -> DeviceDSAPool:
     """:class:`KVPPPool` for SGLang's configurator (the pool hook); a draft worker's pool
     is a plain :class:`~.device.DeviceDSAPool` (draft layers are replicated)."""
     from .device import build_device_pool, pool_args
@@ -288,5 +352,11 @@ def build_kvpp_pool(configurator: Any, kvpp: cfg.KVPPConfig, *, max_total_num_to
         group = tp_kvpp_group(args["device"])
     if group.size < 2:
         raise ValueError(f"KVPP needs a TP group of >= 2 ranks, this one has {group.size}")
-    return KVPPPool(max_total_num_tokens, **args, kvpp=kvpp, group=group,
-                    start_layer=configurator.layer_info.start_layer, end_layer=configurator.layer_info.end_layer)
+    return KVPPPool(
+        max_total_num_tokens,
+        **args,
+        kvpp=kvpp,
+        group=group,
+        start_layer=configurator.layer_info.start_layer,
+        end_layer=configurator.layer_info.end_layer,
+    )

@@ -88,9 +88,14 @@ class PageEntry:
         blocks = tuple(b for b in (self.load, self.save) if b is not None)
         prefix = self.load.tokens if self.load else 0
         new = (self.save.tokens - prefix) if self.save else 0
-        return RequestRows(rid=f"r{self.req_pool_idx}@p{self.page}", row0=self.page * page_size,
-                           prefix_len=prefix, new_len=new, blocks=blocks,
-                           cached_blocks=1 if self.load is not None else 0)
+        return RequestRows(
+            rid=f"r{self.req_pool_idx}@p{self.page}",
+            row0=self.page * page_size,
+            prefix_len=prefix,
+            new_len=new,
+            blocks=blocks,
+            cached_blocks=1 if self.load is not None else 0,
+        )
 
 
 @dataclass(frozen=True)
@@ -163,7 +168,8 @@ class PageBook:
             raise PageBookError(
                 f"request in req_to_token row {req.req_pool_idx}: page {page} should hold {rows} cached "
                 f"token rows but the layerwise pool saved {have} for it; the page's KV was not "
-                "written through this pool (radix reuse of foreign pages is not supported)")
+                "written through this pool (radix reuse of foreign pages is not supported)"
+            )
         return BlockKey(self.digest(page, st[0]), 0, rows)
 
     def plan(self, requests: Sequence[BatchRequest]) -> ForwardPages:
@@ -174,11 +180,14 @@ class PageBook:
         stale: List[BlockKey] = []
         for req in requests:
             if not 0 <= req.prefix_len < req.seq_len:
-                raise ValueError(f"req_to_token row {req.req_pool_idx}: prefix {req.prefix_len} must be "
-                                 f"< seq_len {req.seq_len}")
+                raise ValueError(
+                    f"req_to_token row {req.req_pool_idx}: prefix {req.prefix_len} must be < seq_len {req.seq_len}"
+                )
             if len(req.pages) != -(-req.seq_len // P):
-                raise ValueError(f"req_to_token row {req.req_pool_idx}: {len(req.pages)} pages for "
-                                 f"{req.seq_len} tokens of page size {P}")
+                raise ValueError(
+                    f"req_to_token row {req.req_pool_idx}: {len(req.pages)} pages for "
+                    f"{req.seq_len} tokens of page size {P}"
+                )
             for j, page in enumerate(req.pages):
                 n_prefix = min(P, max(0, req.prefix_len - j * P))
                 n_total = min(P, req.seq_len - j * P)
@@ -187,14 +196,18 @@ class PageBook:
                     key = self._cached_key(page, n_prefix, req)
                     if seen is not None:
                         if seen.save is not None or seen.load != key:
-                            raise PageBookError(f"page {page} is cached for row {req.req_pool_idx} but "
-                                                f"written by row {seen.req_pool_idx} in the same forward")
+                            raise PageBookError(
+                                f"page {page} is cached for row {req.req_pool_idx} but "
+                                f"written by row {seen.req_pool_idx} in the same forward"
+                            )
                         continue
                     entries[page] = PageEntry(page, req.req_pool_idx, key, None)
                     continue
                 if seen is not None:
-                    raise PageBookError(f"page {page} gets new rows from row {req.req_pool_idx} but is "
-                                        f"also used by row {seen.req_pool_idx} in the same forward")
+                    raise PageBookError(
+                        f"page {page} gets new rows from row {req.req_pool_idx} but is "
+                        f"also used by row {seen.req_pool_idx} in the same forward"
+                    )
                 old = self._state.get(page)
                 if n_prefix == 0:  # fresh page: a new owner
                     gen = next(self._gen)

@@ -83,9 +83,9 @@ from ....layerwise_prefill.pipeline import ForwardStats
 from ....layerwise_prefill.planner import BufferPlan, LayerKVSpec, TensorSpec, plan_buffers
 from ....layerwise_prefill.store import HostKVStore, make_store, object_key
 from ... import compat
+from .device import DeviceDSAPool, LayerCounter
 from .layerwise_pages import BatchRequest, ForwardPages, PageBook
 from .layerwise_runtime import ForwardInfo, LayerListener, LayerWritten, SlotPipeline, WrittenNotifier
-from .device import DeviceDSAPool, LayerCounter
 
 logger = logging.getLogger(__name__)
 
@@ -145,37 +145,66 @@ class LayerwisePrefillPool(DeviceDSAPool):
     speculative drafts (a continued page may hold rejected candidate rows).
     """
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int,
-                 qk_rope_head_dim: int, layer_num: int, device: str, enable_memory_saver: bool,
-                 index_head_dim: Optional[int], *, offload: cfg.LayerwisePrefillOffloadConfig,
-                 store: Optional[HostKVStore] = None, namespace: str = "sglang",
-                 start_layer: Optional[int] = None, end_layer: Optional[int] = None, speculative: bool = False):
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str,
+        enable_memory_saver: bool,
+        index_head_dim: Optional[int],
+        *,
+        offload: cfg.LayerwisePrefillOffloadConfig,
+        store: Optional[HostKVStore] = None,
+        namespace: str = "sglang",
+        start_layer: Optional[int] = None,
+        end_layer: Optional[int] = None,
+        speculative: bool = False,
+    ):
         if offload.store_block_tokens not in (None, page_size):
-            raise ValueError(f"store_block_tokens={offload.store_block_tokens}: the SGLang pool stores one "
-                             f"object per KV page ({page_size} tokens); leave it unset")
-        self._init_without_buffers(size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device,
-                                   enable_memory_saver, index_head_dim, start_layer, end_layer)
+            raise ValueError(
+                f"store_block_tokens={offload.store_block_tokens}: the SGLang pool stores one "
+                f"object per KV page ({page_size} tokens); leave it unset"
+            )
+        self._init_without_buffers(
+            size,
+            page_size,
+            dtype,
+            kv_lora_rank,
+            qk_rope_head_dim,
+            layer_num,
+            device,
+            enable_memory_saver,
+            index_head_dim,
+            start_layer,
+            end_layer,
+        )
         self.offload = offload
 
         pages = size // page_size + 1
         self.slot_rows = pages * page_size
-        self.plan: BufferPlan = plan_buffers(self._layer_specs(), offload.shared_buffers,
-                                             offload.independent_layers)
+        self.plan: BufferPlan = plan_buffers(self._layer_specs(), offload.shared_buffers, offload.independent_layers)
         self.physical: List[List[torch.Tensor]] = [
             [torch.zeros(t.shape, dtype=self.store_dtype, device=device) for t in pb.spec.tensors]
-            for pb in self.plan.buffers]
+            for pb in self.plan.buffers
+        ]
         shapes = [kv_lora_rank, qk_rope_head_dim] + ([index_head_dim] if index_head_dim else [])
 
         def views(k: int) -> List[torch.Tensor]:
-            return [self.physical[self.plan.buffer_of(l)][k].view(pages, page_size, 1, shapes[k])
-                    for l in range(layer_num)]
+            return [
+                self.physical[self.plan.buffer_of(l)][k].view(pages, page_size, 1, shapes[k]) for l in range(layer_num)
+            ]
 
         self.k_buffer = views(0)
         self.v_buffer = views(1)
         self.index_k_buffer = views(2) if index_head_dim is not None else None
 
         self.pipelined: Tuple[int, ...] = tuple(
-            l for l in self.plan.order if len(self.plan.layers_of(self.plan.buffer_of(l))) > 1)
+            l for l in self.plan.order if len(self.plan.layers_of(self.plan.buffer_of(l))) > 1
+        )
         self._pipelined_set = frozenset(self.pipelined)
         self._pos = {l: i for i, l in enumerate(self.plan.order)}
         self.namespace = f"{namespace}/{uuid.uuid4().hex[:12]}"
@@ -184,11 +213,17 @@ class LayerwisePrefillPool(DeviceDSAPool):
         self.pipe: Optional[SlotPipeline] = None
         if self.pipelined:
             self.store = store if store is not None else make_store(offload, _device_index(device))
-            self.pipe = SlotPipeline(self.plan, self.store, block_tokens=page_size,
-                                     prefetch_depth=offload.prefetch_depth,
-                                     wait_timeout_s=offload.wait_timeout_s, device=torch.device(device),
-                                     buffers=self.physical, lease_ttl_ms=offload.memcache.lease_ttl_ms,
-                                     namespace=self.namespace)
+            self.pipe = SlotPipeline(
+                self.plan,
+                self.store,
+                block_tokens=page_size,
+                prefetch_depth=offload.prefetch_depth,
+                wait_timeout_s=offload.wait_timeout_s,
+                device=torch.device(device),
+                buffers=self.physical,
+                lease_ttl_ms=offload.memcache.lease_ttl_ms,
+                namespace=self.namespace,
+            )
             self.pipe.add_written_listener(self._on_pipeline_written)
         self.layer_transfer_counter = LayerCounter(self)
         self._fwd: Optional[_PoolForward] = None
@@ -203,18 +238,26 @@ class LayerwisePrefillPool(DeviceDSAPool):
         self._last_log = time.monotonic()
         self._closed = False
         self._finalize_allocation_log(size)
-        logger.info("layerwise prefill offload: %s; pipelined layers %s (host store %s), dedicated %s; "
-                    "main KV %.1f MiB on %s instead of %.1f MiB",
-                    self.plan.summary(), list(self.pipelined), self.store.name if self.store is not None else "-",
-                    [l for l in self.plan.order if l not in self._pipelined_set],
-                    self.plan.main_bytes_physical / 2**20, device, self.plan.main_bytes_logical / 2**20)
+        logger.info(
+            "layerwise prefill offload: %s; pipelined layers %s (host store %s), dedicated %s; "
+            "main KV %.1f MiB on %s instead of %.1f MiB",
+            self.plan.summary(),
+            list(self.pipelined),
+            self.store.name if self.store is not None else "-",
+            [l for l in self.plan.order if l not in self._pipelined_set],
+            self.plan.main_bytes_physical / 2**20,
+            device,
+            self.plan.main_bytes_logical / 2**20,
+        )
         atexit.register(self.close)
 
     # ------------------------------------------------------------------ layout
     def _layer_specs(self) -> List[LayerKVSpec]:
         dt = str(self.store_dtype).replace("torch.", "")
-        main = (TensorSpec((self.slot_rows, self.kv_lora_rank), dt),
-                TensorSpec((self.slot_rows, self.qk_rope_head_dim), dt))
+        main = (
+            TensorSpec((self.slot_rows, self.kv_lora_rank), dt),
+            TensorSpec((self.slot_rows, self.qk_rope_head_dim), dt),
+        )
         index = (TensorSpec((self.slot_rows, self.index_head_dim), dt),) if self.index_head_dim else ()
         return [LayerKVSpec(l, main, index) for l in range(self.layer_num)]
 
@@ -252,8 +295,10 @@ class LayerwisePrefillPool(DeviceDSAPool):
         if isinstance(got, dict):
             bad = [l for l in got if l not in self._pipelined_set]
             if bad:
-                raise ValueError(f"extra consumers for layers {bad}, which have dedicated buffers (no gate); "
-                                 f"pipelined layers: {list(self.pipelined)}")
+                raise ValueError(
+                    f"extra consumers for layers {bad}, which have dedicated buffers (no gate); "
+                    f"pipelined layers: {list(self.pipelined)}"
+                )
             return {l: tuple(c) for l, c in got.items()}
         return {l: tuple(got) for l in self.pipelined}
 
@@ -284,8 +329,10 @@ class LayerwisePrefillPool(DeviceDSAPool):
         # getattr with a default on purpose: this identifies the backend, and another
         # backend (SGLang's own, or none) need not have the attribute at all.
         if getattr(backend, "token_to_kv_pool", None) is not self:
-            raise RuntimeError("layerwise prefill pool accessed inside a forward of another attention backend "
-                               f"({type(backend).__name__}); the pool serves only its own backend")
+            raise RuntimeError(
+                "layerwise prefill pool accessed inside a forward of another attention backend "
+                f"({type(backend).__name__}); the pool serves only its own backend"
+            )
         return backend.forward_metadata, backend  # ours: set in its __init__
 
     def _current_forward(self) -> Optional[_PoolForward]:
@@ -310,8 +357,9 @@ class LayerwisePrefillPool(DeviceDSAPool):
         cols = torch.arange(0, max(seqs), P, device=table.device)
         idx = torch.tensor(rows, dtype=torch.long, device=table.device)
         pages = torch.div(table[idx][:, cols], P, rounding_mode="floor").cpu().tolist()
-        return tuple(BatchRequest(r, s - q, s, tuple(pages[i][:-(-s // P)]))
-                     for i, (r, s, q) in enumerate(zip(rows, seqs, qs)))
+        return tuple(
+            BatchRequest(r, s - q, s, tuple(pages[i][: -(-s // P)])) for i, (r, s, q) in enumerate(zip(rows, seqs, qs))
+        )
 
     def _begin(self, md, backend) -> _PoolForward:
         reqs = self._batch_requests(md, backend)
@@ -331,9 +379,11 @@ class LayerwisePrefillPool(DeviceDSAPool):
             return
         pos = self._pos[layer]
         if pos < fwd.entered_pos:
-            raise RuntimeError(f"layerwise prefill pool: layer {layer} accessed after layer "
-                               f"{self.plan.order[fwd.entered_pos]} in forward {fwd.info.forward_id}; layers "
-                               "must run in order (a shared buffer already holds a later layer)")
+            raise RuntimeError(
+                f"layerwise prefill pool: layer {layer} accessed after layer "
+                f"{self.plan.order[fwd.entered_pos]} in forward {fwd.info.forward_id}; layers "
+                "must run in order (a shared buffer already holds a later layer)"
+            )
         if pos > fwd.entered_pos:
             fwd.entered_pos = pos
             for prev in self.pipelined:  # earlier layers' attention has been issued
@@ -341,8 +391,10 @@ class LayerwisePrefillPool(DeviceDSAPool):
                     break
                 if prev not in fwd.attended:
                     if prev not in fwd.written:
-                        raise RuntimeError(f"layerwise prefill pool: layer {layer} started before layer "
-                                           f"{prev}'s KV was written (set_kv_buffer)")
+                        raise RuntimeError(
+                            f"layerwise prefill pool: layer {layer} started before layer "
+                            f"{prev}'s KV was written (set_kv_buffer)"
+                        )
                     self.pipe.on_layer_attended(prev)
                     fwd.attended.add(prev)
         if layer in self._pipelined_set and layer not in fwd.ready:
@@ -364,8 +416,9 @@ class LayerwisePrefillPool(DeviceDSAPool):
             event = platform.new_event()
             event.record(platform.current_stream())
             slot = self.plan.buffer_of(layer)
-            self._notifier.submit(event, LayerWritten(fwd.info, layer, slot, tuple(self.physical[slot]), False),
-                                  self._listeners)
+            self._notifier.submit(
+                event, LayerWritten(fwd.info, layer, slot, tuple(self.physical[slot]), False), self._listeners
+            )
 
     def finish_forward(self, wait_saves: bool = False) -> None:
         """End the open forward (done automatically by the next forward's first access).
@@ -377,8 +430,11 @@ class LayerwisePrefillPool(DeviceDSAPool):
             return
         missing = [l for l in self.pipelined if l not in fwd.written]
         if missing:
-            logger.error("layerwise prefill: forward %d ended with layers %s not written; aborting it",
-                         fwd.info.forward_id, missing)
+            logger.error(
+                "layerwise prefill: forward %d ended with layers %s not written; aborting it",
+                fwd.info.forward_id,
+                missing,
+            )
             if self.pipe.has_open_forward:
                 self.pipe.abort_forward()
             return
@@ -424,10 +480,17 @@ class LayerwisePrefillPool(DeviceDSAPool):
         if now - self._last_log < _STATS_LOG_INTERVAL_S or not self.stats.forwards:
             return
         s, n = self.stats, self.stats.forwards
-        logger.info("layerwise-prefill: forwards=%d prefix_rows=%d new_rows=%d loaded=%.1fMiB saved=%.1fMiB "
-                    "ready_wait_ms/forward=%.2f gate_wait_ms/forward=%.2f", n, s.prefix_rows, s.new_rows,
-                    s.bytes_loaded / 2**20, s.bytes_saved / 2**20, 1e3 * s.ready_wait_s / n,
-                    1e3 * s.gate_wait_s / n)
+        logger.info(
+            "layerwise-prefill: forwards=%d prefix_rows=%d new_rows=%d loaded=%.1fMiB saved=%.1fMiB "
+            "ready_wait_ms/forward=%.2f gate_wait_ms/forward=%.2f",
+            n,
+            s.prefix_rows,
+            s.new_rows,
+            s.bytes_loaded / 2**20,
+            s.bytes_saved / 2**20,
+            1e3 * s.ready_wait_s / n,
+            1e3 * s.gate_wait_s / n,
+        )
         self._last_log = now
 
     # ------------------------------------------------------------------ writes
@@ -443,8 +506,10 @@ class LayerwisePrefillPool(DeviceDSAPool):
         return super().set_index_k_buffer(layer_id, loc, index_k)
 
     def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
-        raise NotImplementedError("layerwise prefill offload keeps most layers' KV in the host store; "
-                                  "retraction to CPU copies is not supported by this pool")
+        raise NotImplementedError(
+            "layerwise prefill offload keeps most layers' KV in the host store; "
+            "retraction to CPU copies is not supported by this pool"
+        )
 
     def load_cpu_copy(self, *args, **kwargs):
         raise NotImplementedError("layerwise prefill offload: load_cpu_copy is not supported")
@@ -477,17 +542,21 @@ def _namespace(offload: cfg.LayerwisePrefillOffloadConfig, model_path: str, tp_r
     return f"{base}/tp{tp_rank}"
 
 
-def build_layerwise_pool(configurator: Any, offload: cfg.LayerwisePrefillOffloadConfig, *, max_total_num_tokens: int,
-                         is_dsa_model: bool) -> LayerwisePrefillPool:
+def build_layerwise_pool(
+    configurator: Any, offload: cfg.LayerwisePrefillOffloadConfig, *, max_total_num_tokens: int, is_dsa_model: bool
+) -> LayerwisePrefillPool:
     """:class:`LayerwisePrefillPool` for SGLang's configurator and the validated
     ``offload`` section (called by the pool hook, ``features.build_pool_around``)."""
+    from ...speculative.eagle import build_draft_pool, verify_rows_per_request
     from .device import pool_args
 
-    from ...speculative.eagle import build_draft_pool, verify_rows_per_request
-
     if configurator.is_draft_worker:  # the NextN / MTP layer: its own dedicated buffer (speculative.py)
-        return build_draft_pool(configurator, max_total_num_tokens=max_total_num_tokens, is_dsa_model=is_dsa_model,
-                                feature="layerwise prefill offload")
+        return build_draft_pool(
+            configurator,
+            max_total_num_tokens=max_total_num_tokens,
+            is_dsa_model=is_dsa_model,
+            feature="layerwise prefill offload",
+        )
     from sglang.srt.runtime_context import get_parallel
 
     mc = configurator.model_config
@@ -498,17 +567,20 @@ def build_layerwise_pool(configurator: Any, offload: cfg.LayerwisePrefillOffload
         max_total_num_tokens,
         **pool_args(configurator, is_dsa_model=is_dsa_model),
         offload=offload,
-        namespace=_namespace(offload, compat.field(mc, "sglang.srt.configs.model_config.ModelConfig", "model_path"),
-                             tp_rank),
+        namespace=_namespace(
+            offload, compat.field(mc, "sglang.srt.configs.model_config.ModelConfig", "model_path"), tp_rank
+        ),
         start_layer=configurator.layer_info.start_layer,
         end_layer=configurator.layer_info.end_layer,
         speculative=verify_rows_per_request() > 1,
     )
     if pool.pipelined and _disaggregation_mode() != "prefill":
-        logger.warning("layerwise prefill offload on a colocated server: decode steps reload every request's "
-                       "whole context for each shared layer (%s) from the host store -- correct but slow, a "
-                       "debug path; run it on a P/D prefill node (--disaggregation-mode prefill)",
-                       list(pool.pipelined))
+        logger.warning(
+            "layerwise prefill offload on a colocated server: decode steps reload every request's "
+            "whole context for each shared layer (%s) from the host store -- correct but slow, a "
+            "debug path; run it on a P/D prefill node (--disaggregation-mode prefill)",
+            list(pool.pipelined),
+        )
     return pool
 
 

@@ -15,7 +15,8 @@ Hooks for the P/D sender (``sglang_plugin/disaggregation/ascend_offload/``), all
     the pipeline's saver thread, just before the host save; for layers with a
     dedicated buffer in the pool's notifier thread. The P/D sender publishes "layer
     ready" here. A listener that raises is logged and skipped (the save goes on); it
-    must answer its gate consumers itself (with an error) or the slot times out. Buffer rows are SGLang slots, so the source pages of a request are
+    must answer its gate consumers itself (with an error) or the slot times out. Buffer rows are SGLang slots, so
+    the source pages of a request are
     its ``req_to_token`` pages, at the layer's (aliased) buffer addresses
     (``pool.get_contiguous_buf_infos()``).
 ``pool.set_extra_consumers(fn)``
@@ -43,8 +44,7 @@ from .layerwise_pages import BatchRequest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SlotPipeline", "ForwardInfo", "LayerWritten", "ExtraConsumers", "LayerListener",
-           "WrittenNotifier"]
+__all__ = ["SlotPipeline", "ForwardInfo", "LayerWritten", "ExtraConsumers", "LayerListener", "WrittenNotifier"]
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,12 @@ LayerListener = Callable[[LayerWritten], None]
 class SlotPipeline(LayerwisePrefillPipeline):
     """The pipeline with caller-made layouts (see module doc)."""
 
-    def begin_forward_rows(self, rows: Sequence[RequestRows], layers: Sequence[int],
-                           extra_consumers: Optional[Dict[int, Sequence[str]]] = None) -> ForwardLayout:
+    def begin_forward_rows(
+        self,
+        rows: Sequence[RequestRows],
+        layers: Sequence[int],
+        extra_consumers: Optional[Dict[int, Sequence[str]]] = None,
+    ) -> ForwardLayout:
         """Open a forward over ``layers`` with the given rows (blocks ``[:cached_blocks]``
         are loaded into ``row0 + start``, the rest saved from there). Same contract as
         :meth:`begin_forward` otherwise (leases, prefetch, one open forward)."""

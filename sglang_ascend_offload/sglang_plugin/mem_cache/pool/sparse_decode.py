@@ -47,9 +47,9 @@ from ....sparse_decode.engine import EngineConfig, SparseDecodeEngine
 from ....sparse_decode.host_pool import HostPoolShape
 from ....sparse_decode.host_rows import is_tensor_backed
 from ....sparse_decode.op_selection import host_pool_rows, platform_of, select_for_config
-from .device import DeviceDSAPool, _scatter_rows
-from ..pool_host.shared import EngineGate, allocate_rank_pool
 from ...speculative.eagle import verify_rows_per_request
+from ..pool_host.shared import EngineGate, allocate_rank_pool
+from .device import DeviceDSAPool, _scatter_rows
 
 logger = logging.getLogger(__name__)
 
@@ -65,18 +65,43 @@ class HostMainKVPool(DeviceDSAPool):
     SGLang's pools. rows: decode engine rows (``req_to_token`` rows).
     """
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int,
-                 qk_rope_head_dim: int, layer_num: int, device: str, enable_memory_saver: bool,
-                 index_head_dim: Optional[int], *, rows: int, top_k: int,
-                 offload: cfg.SparseDecodeOffloadConfig, start_layer: Optional[int] = None,
-                 end_layer: Optional[int] = None, host_pool_kind: str = "pinned", rows_per_request: int = 1):
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str,
+        enable_memory_saver: bool,
+        index_head_dim: Optional[int],
+        *,
+        rows: int,
+        top_k: int,
+        offload: cfg.SparseDecodeOffloadConfig,
+        start_layer: Optional[int] = None,
+        end_layer: Optional[int] = None,
+        host_pool_kind: str = "pinned",
+        rows_per_request: int = 1,
+    ):
         if index_head_dim is None:
             raise ValueError("sparse decode offload needs a DSA model (an indexer cache)")
         if dtype != torch.bfloat16:
-            raise ValueError(f"sparse decode offload keeps a bf16 main KV; got {dtype} "
-                             "(use --kv-cache-dtype bfloat16)")
-        self._init_without_buffers(size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device,
-                                   enable_memory_saver, index_head_dim, start_layer, end_layer)
+            raise ValueError(f"sparse decode offload keeps a bf16 main KV; got {dtype} (use --kv-cache-dtype bfloat16)")
+        self._init_without_buffers(
+            size,
+            page_size,
+            dtype,
+            kv_lora_rank,
+            qk_rope_head_dim,
+            layer_num,
+            device,
+            enable_memory_saver,
+            index_head_dim,
+            start_layer,
+            end_layer,
+        )
         self.k_buffer = None
         self.v_buffer = None
 
@@ -86,68 +111,102 @@ class HostMainKVPool(DeviceDSAPool):
         slots = pages * page_size
         tokens = offload.host_pool_tokens if offload.host_pool_tokens is not None else slots
         if tokens < slots:
-            raise ValueError(f"host_pool_tokens={tokens} is smaller than SGLang's slot space ({slots} = "
-                             f"{size} tokens + one padding page): raise host_pool_tokens or lower "
-                             "--max-total-tokens")
+            raise ValueError(
+                f"host_pool_tokens={tokens} is smaller than SGLang's slot space ({slots} = "
+                f"{size} tokens + one padding page): raise host_pool_tokens or lower "
+                "--max-total-tokens"
+            )
         # The fused Copy-SFA (NPU) registers each layer's slice: rows per layer 4 KiB-aligned.
-        tokens = host_pool_rows(offload, tokens, (kv_lora_rank + qk_rope_head_dim) * dtype.itemsize,
-                                platform_of(device), rows_per_request)
+        tokens = host_pool_rows(
+            offload, tokens, (kv_lora_rank + qk_rope_head_dim) * dtype.itemsize, platform_of(device), rows_per_request
+        )
         hot_tokens = resolved_hot_tokens(offload, top_k, rows_per_request)
         _require_memory(layer_num, rows, hot_tokens, tokens, kv_lora_rank + qk_rope_head_dim, device)
         # One pool per attention-DP group: TP rank 0 allocates and appends, the others map it
         # and wait for its appends before reading (shared_host_pool.py).
         rank_pool = allocate_rank_pool(
-            HostPoolShape(layers=layer_num, tokens=tokens, latent_dim=kv_lora_rank,
-                          rope_dim=qk_rope_head_dim, dtype=dtype),
+            HostPoolShape(
+                layers=layer_num, tokens=tokens, latent_dim=kv_lora_rank, rope_dim=qk_rope_head_dim, dtype=dtype
+            ),
             host_pool_kind,
         )
         self.host_pool, self.append_order = rank_pool.pool, rank_pool.order
         gate = EngineGate(rank_pool.order) if rank_pool.order is not None and rank_pool.rank > 0 else None
         # The fused indexer steps the residency contract's state in place: the managers hold
         # that state only (the torch implementation), not the CPU kernel's derived maps.
-        fused_lim = select_for_config(offload, platform_of(device), rows_per_request=rows_per_request,
-                                      hot_tokens=hot_tokens, top_k=top_k, available=lambda op: None).indexer.fused
+        fused_lim = select_for_config(
+            offload,
+            platform_of(device),
+            rows_per_request=rows_per_request,
+            hot_tokens=hot_tokens,
+            top_k=top_k,
+            available=lambda op: None,
+        ).indexer.fused
         self.engine = SparseDecodeEngine(
-            EngineConfig(layers=layer_num, rows=rows, hot_tokens=hot_tokens, top_k=top_k,
-                         latent_dim=kv_lora_rank, rope_dim=qk_rope_head_dim, dtype=dtype,
-                         policy=offload.policy, ops=offload.ops, rows_per_request=rows_per_request,
-                         verify_sample_rate=offload.verify_sample_rate, verify_action=offload.verify_action,
-                         fused_copy_sfa=offload.fused_copy_sfa, fused_lim=offload.fused_lim, caller_runs_indexer=True,
-                         manage_impl="torch" if fused_lim else "auto", indexer_dtype=offload.indexer_dtype,
-                         residency=offload.residency),
-            self.host_pool, device=device if not str(device).startswith("cpu") else "cpu",
-            tp_rank=rank_pool.rank, gate=gate,
+            EngineConfig(
+                layers=layer_num,
+                rows=rows,
+                hot_tokens=hot_tokens,
+                top_k=top_k,
+                latent_dim=kv_lora_rank,
+                rope_dim=qk_rope_head_dim,
+                dtype=dtype,
+                policy=offload.policy,
+                ops=offload.ops,
+                rows_per_request=rows_per_request,
+                verify_sample_rate=offload.verify_sample_rate,
+                verify_action=offload.verify_action,
+                fused_copy_sfa=offload.fused_copy_sfa,
+                fused_lim=offload.fused_lim,
+                caller_runs_indexer=True,
+                manage_impl="torch" if fused_lim else "auto",
+                indexer_dtype=offload.indexer_dtype,
+                residency=offload.residency,
+            ),
+            self.host_pool,
+            device=device if not str(device).startswith("cpu") else "cpu",
+            tp_rank=rank_pool.rank,
+            gate=gate,
         )
         if self.engine.direct is not None and os.environ.get(FORCE_DEMOTE_ENV):
             flag = os.environ[FORCE_DEMOTE_ENV]
             self.engine.direct.hold = lambda: os.path.exists(flag)
-            logger.warning("%s=%s: while that file exists no request is direct (test fault injection)",
-                           FORCE_DEMOTE_ENV, flag)
+            logger.warning(
+                "%s=%s: while that file exists no request is direct (test fault injection)", FORCE_DEMOTE_ENV, flag
+            )
         self.offload = offload
         self._finalize_allocation_log(size)
-        logger.info("sparse decode offload: host pool %.1f MiB (%d slots x %d layers), hot buffers %.1f MiB "
-                    "(%d rows x %d slots x %d layers%s), index K %s, residency %s",
-                    self.host_pool.shape.nbytes / 2**20, tokens, layer_num, self.engine.hot.nbytes / 2**20,
-                    rows, hot_tokens, layer_num,
-                    f"; one per request, shared by its {rows_per_request} verify rows" if rows_per_request > 1 else "",
-                    self.index_cache_summary(),
-                    f"adaptive (a request whose context fits its {hot_tokens} slots, or those of idle request slots "
-                    "it borrows, is served from them directly)"
-                    if offload.residency == "adaptive" else "always")
+        logger.info(
+            "sparse decode offload: host pool %.1f MiB (%d slots x %d layers), hot buffers %.1f MiB "
+            "(%d rows x %d slots x %d layers%s), index K %s, residency %s",
+            self.host_pool.shape.nbytes / 2**20,
+            tokens,
+            layer_num,
+            self.engine.hot.nbytes / 2**20,
+            rows,
+            hot_tokens,
+            layer_num,
+            f"; one per request, shared by its {rows_per_request} verify rows" if rows_per_request > 1 else "",
+            self.index_cache_summary(),
+            f"adaptive (a request whose context fits its {hot_tokens} slots, or those of idle request slots "
+            "it borrows, is served from them directly)"
+            if offload.residency == "adaptive"
+            else "always",
+        )
 
     def _allocate_index_cache(self, layers: int, pages: int, page_size: int, dim: int, device: str) -> None:
         """The device index-K cache ``[layers, pages, page_size, 1, dim]``: bf16, or int8
         (Hadamard-rotated, LIM-C8) with fp16 per-token scales ``[layers, pages, page_size, 1]``."""
         if self.indexer_dtype == "int8":
             if dim & (dim - 1):
-                raise ValueError(f"indexer_dtype int8 needs a power-of-two index_head_dim for the Hadamard "
-                                 f"rotation; the model has {dim}")
+                raise ValueError(
+                    f"indexer_dtype int8 needs a power-of-two index_head_dim for the Hadamard "
+                    f"rotation; the model has {dim}"
+                )
             self.index_k_buffer = torch.zeros((layers, pages, page_size, 1, dim), dtype=torch.int8, device=device)
-            self.index_k_scale_buffer = torch.zeros((layers, pages, page_size, 1), dtype=torch.float16,
-                                                    device=device)
+            self.index_k_scale_buffer = torch.zeros((layers, pages, page_size, 1), dtype=torch.float16, device=device)
         else:
-            self.index_k_buffer = torch.zeros((layers, pages, page_size, 1, dim), dtype=self.store_dtype,
-                                              device=device)
+            self.index_k_buffer = torch.zeros((layers, pages, page_size, 1, dim), dtype=self.store_dtype, device=device)
 
     def index_cache_summary(self) -> str:
         """One log phrase for the index-K cache: dtype, bytes per token and layer, MiB, device."""
@@ -156,14 +215,18 @@ class HostMainKVPool(DeviceDSAPool):
         if self.index_k_scale_buffer is not None:
             per_token += self.index_k_scale_buffer[0, 0, 0].nbytes
             total += self.index_k_scale_buffer.nbytes
-            return (f"int8 + fp16 scales (Hadamard-rotated, LIM-C8): {per_token} B per token and layer, "
-                    f"{total / 2**20:.1f} MiB on {self.device}")
+            return (
+                f"int8 + fp16 scales (Hadamard-rotated, LIM-C8): {per_token} B per token and layer, "
+                f"{total / 2**20:.1f} MiB on {self.device}"
+            )
         return f"bf16: {per_token} B per token and layer, {total / 2**20:.1f} MiB on {self.device}"
 
     # ------------------------------------------------------------------ main KV
     def _no_device_main_kv(self, what: str):
-        raise RuntimeError(f"{what}: sparse decode offload keeps the main KV in the host pool "
-                           "(HostMainKVPool.host_pool); there is no device main KV cache")
+        raise RuntimeError(
+            f"{what}: sparse decode offload keeps the main KV in the host pool "
+            "(HostMainKVPool.host_pool); there is no device main KV cache"
+        )
 
     def get_key_buffer(self, layer_id: int):
         self._no_device_main_kv("get_key_buffer")
@@ -208,8 +271,9 @@ class HostMainKVPool(DeviceDSAPool):
         if cache_v is None:
             rows = cache_k.reshape(-1, self.kv_lora_rank + self.qk_rope_head_dim)
         else:
-            rows = torch.cat((cache_k.reshape(-1, self.kv_lora_rank),
-                              cache_v.reshape(-1, self.qk_rope_head_dim)), dim=-1)
+            rows = torch.cat(
+                (cache_k.reshape(-1, self.kv_lora_rank), cache_v.reshape(-1, self.qk_rope_head_dim)), dim=-1
+            )
         self.engine.append(layer.layer_id - self.start_layer, loc, rows.to(self.dtype))  # TP rank 0 only
         if self.append_order is not None:  # rank 0: publish the rows; others: count the append
             self.append_order.appended(layer.layer_id - self.start_layer)
@@ -220,9 +284,11 @@ class HostMainKVPool(DeviceDSAPool):
         A pool without a tensor view (NPU, attention TP > 1: the MemFabric group pool)
         has none: use :meth:`read_host_rows`."""
         if not is_tensor_backed(self.host_pool):
-            raise RuntimeError(f"layer {layer_id}: the MemFabric group host pool (NPU, attention TP > 1) is reached "
-                               "through global addresses and has no tensor view; this path needs one (decode "
-                               "graphs, a P/D transfer into the host pool) and is not served with it")
+            raise RuntimeError(
+                f"layer {layer_id}: the MemFabric group host pool (NPU, attention TP > 1) is reached "
+                "through global addresses and has no tensor view; this path needs one (decode "
+                "graphs, a P/D transfer into the host pool) and is not served with it"
+            )
         if self.append_order is not None:
             self.append_order.wait_readable(layer_id - self.start_layer)
         return self.host_pool.layer(layer_id - self.start_layer)
@@ -269,8 +335,10 @@ class HostMainKVPool(DeviceDSAPool):
         :meth:`store_index_k`, which also writes their scales; a bf16 key here would be
         cast to int8 without rotation or scale, so it is refused."""
         if self.index_k_scale_buffer is not None:
-            raise TypeError(f"layer {layer_id}: the int8 index-K cache is written by store_index_k (rotate, "
-                            f"quantise, keys + scales); set_index_k_buffer got {index_k.dtype} rows")
+            raise TypeError(
+                f"layer {layer_id}: the int8 index-K cache is written by store_index_k (rotate, "
+                f"quantise, keys + scales); set_index_k_buffer got {index_k.dtype} rows"
+            )
         if self._on_npu:
             return super().set_index_k_buffer(layer_id, loc, index_k)
         _scatter_rows(self.index_k_buffer[self._get_indexer_slot(layer_id)], loc, index_k)
@@ -279,8 +347,10 @@ class HostMainKVPool(DeviceDSAPool):
         """Write stored int8 index-K rows ``values [n, D]`` and their fp16 ``scales [n]`` at
         ``loc`` as they are (a retraction restore: rows this cache held before)."""
         if self.index_k_scale_buffer is None or values.dtype != torch.int8 or scales.dtype != torch.float16:
-            raise TypeError(f"layer {layer_id}: write_index_rows takes int8 rows + fp16 scales for the int8 "
-                            f"index-K cache; got {values.dtype} / {scales.dtype}")
+            raise TypeError(
+                f"layer {layer_id}: write_index_rows takes int8 rows + fp16 scales for the int8 "
+                f"index-K cache; got {values.dtype} / {scales.dtype}"
+            )
         slot = self._get_indexer_slot(layer_id)
         _scatter_rows(self.index_k_buffer[slot], loc, values)
         _scatter_rows(self.index_k_scale_buffer[slot], loc, scales)
@@ -316,12 +386,20 @@ def _require_memory(layers: int, rows: int, hot_tokens: int, tokens: int, row_di
 
     row_bytes = row_dim * 2  # bf16
     items = [
-        memory_budget.Allocation("hot buffers", "device", layers * (rows + 1) * hot_tokens * row_bytes,
-                                 f"{layers} layers x ({rows} rows + 1 padding row) x {hot_tokens} hot_tokens x "
-                                 f"{row_bytes} B", "hot_tokens or --max-running-requests"),
-        memory_budget.Allocation("host pool", "host", layers * tokens * row_bytes,
-                                 f"{layers} layers x {tokens} tokens x {row_bytes} B",
-                                 "host_pool_tokens or --max-total-tokens"),
+        memory_budget.Allocation(
+            "hot buffers",
+            "device",
+            layers * (rows + 1) * hot_tokens * row_bytes,
+            f"{layers} layers x ({rows} rows + 1 padding row) x {hot_tokens} hot_tokens x {row_bytes} B",
+            "hot_tokens or --max-running-requests",
+        ),
+        memory_budget.Allocation(
+            "host pool",
+            "host",
+            layers * tokens * row_bytes,
+            f"{layers} layers x {tokens} tokens x {row_bytes} B",
+            "host_pool_tokens or --max-total-tokens",
+        ),
     ]
     kind = "cpu" if str(device).startswith("cpu") else str(device).split(":")[0]
     problems = memory_budget.check(items, kind)
@@ -329,8 +407,14 @@ def _require_memory(layers: int, rows: int, hot_tokens: int, tokens: int, row_di
         raise cfg.ConfigError(problems, "sparse decode offload memory")
 
 
-def build_offload_pool(configurator: Any, offload: cfg.SparseDecodeOffloadConfig, *, max_total_num_tokens: int,
-                       is_dsa_model: bool, rows: int) -> HostMainKVPool:
+def build_offload_pool(
+    configurator: Any,
+    offload: cfg.SparseDecodeOffloadConfig,
+    *,
+    max_total_num_tokens: int,
+    is_dsa_model: bool,
+    rows: int,
+) -> HostMainKVPool:
     """:class:`HostMainKVPool` for SGLang's configurator and the validated ``offload``
     section (called by the pool hook, ``features.build_pool_around``)."""
     from .device import pool_args

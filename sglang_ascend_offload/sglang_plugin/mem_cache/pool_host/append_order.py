@@ -77,8 +77,16 @@ class AppendOrder:
     layer's host rows. See the module docstring for the memory-ordering argument.
     """
 
-    def __init__(self, mapping: mmap.mmap, layers: int, *, rank: int, group: int = 0,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, init: bool = False):
+    def __init__(
+        self,
+        mapping: mmap.mmap,
+        layers: int,
+        *,
+        rank: int,
+        group: int = 0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        init: bool = False,
+    ):
         self.layers = layers
         self.rank = rank
         self.group = group
@@ -185,13 +193,17 @@ class AppendOrder:
 
     def _timeout(self, layer: int, want: int, step: Optional[int], holding: bool, have: Optional[int] = None):
         what = f"decode step {step}, " if step is not None else ""
-        state = ("the pool's append lock stayed held (rank 0 died or stalled inside publish)" if holding
-                 else f"rank 0 has published {have} for that layer")
+        state = (
+            "the pool's append lock stayed held (rank 0 died or stalled inside publish)"
+            if holding
+            else f"rank 0 has published {have} for that layer"
+        )
         return AppendTimeout(
             f"sparse decode offload: attention-TP rank {self.rank} of attention-DP group {self.group} waited "
             f"{self.timeout_s:g} s for TP rank 0's append #{want} of layer {layer} ({what}{state}). TP rank 0 "
             "is dead or stuck; failing this step instead of reading stale host rows "
-            f"(deadline: {TIMEOUT_ENV})")
+            f"(deadline: {TIMEOUT_ENV})"
+        )
 
 
 class EngineGate:

@@ -41,8 +41,7 @@ from ....sparse_decode.host_pool import HostPoolShape
 from . import append_order
 from . import shared as shp
 
-__all__ = ["PHASES", "GroupSetupError", "GroupRendezvous", "GroupControl", "control_bytes_for",
-           "open_group_control"]
+__all__ = ["PHASES", "GroupSetupError", "GroupRendezvous", "GroupControl", "control_bytes_for", "open_group_control"]
 
 #: setup and teardown phases, in order (``phase_index(name)`` = position + 1)
 PHASES = ("mapped", "bm initialized", "joined", "addressed", "left")
@@ -80,15 +79,16 @@ class GroupRendezvous:
     announces the mapping.
     """
 
-    def __init__(self, mapping: mmap.mmap, layers: int, size: int, *, rank: int, group: int, timeout_s: float,
-                 init: bool = False):
+    def __init__(
+        self, mapping: mmap.mmap, layers: int, size: int, *, rank: int, group: int, timeout_s: float, init: bool = False
+    ):
         self.size, self.rank, self.group, self.timeout_s = size, rank, group, timeout_s
         self._mapping = mapping
         self._sem_off = _status_offset(layers) - 64
         self._entries = _status_offset(layers)
         self._sem = ctypes.addressof(ctypes.c_char.from_buffer(mapping, self._sem_off))
         if init:
-            mapping[self._entries: self._entries + ENTRY_BYTES * size] = bytes(ENTRY_BYTES * size)
+            mapping[self._entries : self._entries + ENTRY_BYTES * size] = bytes(ENTRY_BYTES * size)
             if append_order.libc().sem_init(self._sem, 1, 1) != 0:
                 err = ctypes.get_errno()
                 raise OSError(err, f"sem_init of the group's status lock failed: {os.strerror(err)}")
@@ -106,8 +106,10 @@ class GroupRendezvous:
             if err == errno.EINTR:
                 continue
             if err == errno.ETIMEDOUT:
-                raise GroupSetupError(f"sparse decode offload: the status lock of attention-DP group {self.group} "
-                                      f"stayed held for {self.timeout_s:g} s (a rank died inside it)")
+                raise GroupSetupError(
+                    f"sparse decode offload: the status lock of attention-DP group {self.group} "
+                    f"stayed held for {self.timeout_s:g} s (a rank died inside it)"
+                )
             raise OSError(err, f"sem_timedwait on the group's status lock: {os.strerror(err)}")
         try:
             return fn()
@@ -117,7 +119,7 @@ class GroupRendezvous:
     def _entry(self, rank: int):
         off = self._entries + rank * ENTRY_BYTES
         pid, start, phase, failed, value = ENTRY.unpack_from(self._mapping, off)
-        raw = bytes(self._mapping[off + ENTRY.size: off + ENTRY_BYTES])
+        raw = bytes(self._mapping[off + ENTRY.size : off + ENTRY_BYTES])
         return pid, start, phase, failed, value, raw.split(b"\0", 1)[0].decode("utf-8", "replace")
 
     def _put(self, phase: int, failed: int, value: int, message: str = "") -> None:
@@ -128,7 +130,7 @@ class GroupRendezvous:
         def write():
             ENTRY.pack_into(self._mapping, off, pid, start, phase, failed, value)
             text = message.encode("utf-8")[: MESSAGE_BYTES - 1]
-            self._mapping[off + ENTRY.size: off + ENTRY_BYTES] = text + bytes(MESSAGE_BYTES - len(text))
+            self._mapping[off + ENTRY.size : off + ENTRY_BYTES] = text + bytes(MESSAGE_BYTES - len(text))
 
         self._locked(write)
 
@@ -201,7 +203,8 @@ class GroupRendezvous:
         return GroupSetupError(
             f"sparse decode offload: attention-TP rank {self.rank} of attention-DP group {self.group}: TP rank "
             f"{rank} {why} (waiting for phase {phase!r} of the group's MemFabric host pool; "
-            f"deadline {self.timeout_s:g} s, {append_order.TIMEOUT_ENV})")
+            f"deadline {self.timeout_s:g} s, {append_order.TIMEOUT_ENV})"
+        )
 
 
 def _gone_reason(entry) -> Optional[str]:
@@ -260,24 +263,37 @@ def _create(shape: HostPoolShape, size: int, group: int, directory: Path, timeou
         mm = _map(path, nbytes)
         order = append_order.AppendOrder(mm, shape.layers, rank=0, group=group, timeout_s=timeout_s, init=True)
         rv = GroupRendezvous(mm, shape.layers, size, rank=0, group=group, timeout_s=timeout_s, init=True)
-        mm[: shp.HEADER.size] = shp.HEADER.pack(shp.MAGIC, shp.VERSION, nbytes, pid, shp.process_start_ticks(pid),
-                                                bytes.fromhex(session), group, size, shape.layers, shape.tokens,
-                                                shape.row_dim, shape.row_bytes // shape.row_dim)
+        mm[: shp.HEADER.size] = shp.HEADER.pack(
+            shp.MAGIC,
+            shp.VERSION,
+            nbytes,
+            pid,
+            shp.process_start_ticks(pid),
+            bytes.fromhex(session),
+            group,
+            size,
+            shape.layers,
+            shape.tokens,
+            shape.row_dim,
+            shape.row_bytes // shape.row_dim,
+        )
     except BaseException:
         path.unlink()
         raise
     return GroupControl(order, rv, mm, path, session, 0, group, {})
 
 
-def _attach(shape: HostPoolShape, size: int, rank: int, group: int, announced: Dict[str, Any],
-            timeout_s: float) -> GroupControl:
+def _attach(
+    shape: HostPoolShape, size: int, rank: int, group: int, announced: Dict[str, Any], timeout_s: float
+) -> GroupControl:
     path = Path(announced["path"])
     if announced.get("host") != socket.gethostname():
         raise GroupSetupError(
             f"sparse decode offload: attention-TP rank {rank} of attention-DP group {group} runs on "
             f"{socket.gethostname()!r} but TP rank 0 on {announced.get('host')!r}: the MemFabric group host pool "
             "orders appends through a mapping on one node; keep each attention-TP group on one node "
-            "(attention DP across nodes)")
+            "(attention DP across nodes)"
+        )
     header = shp.read_header(path)
     nbytes = control_bytes_for(shape.layers, size)
     problems = []
@@ -289,8 +305,10 @@ def _attach(shape: HostPoolShape, size: int, rank: int, group: int, announced: D
         if not header.owner_alive():
             problems.append(f"its owner pid {header.owner_pid} is gone")
         if not header.matches(shape) or header.header_bytes != nbytes or header.group_size != size:
-            problems.append(f"geometry {header.layers}x{header.tokens}x{header.row_dim} of a group of "
-                            f"{header.group_size} != this rank's {shape} in a group of {size}")
+            problems.append(
+                f"geometry {header.layers}x{header.tokens}x{header.row_dim} of a group of "
+                f"{header.group_size} != this rank's {shape} in a group of {size}"
+            )
         if header.group != group:
             problems.append(f"group {header.group} != {group}")
     if problems:
@@ -301,8 +319,14 @@ def _attach(shape: HostPoolShape, size: int, rank: int, group: int, announced: D
     return GroupControl(order, rv, mm, path, announced["session"], rank, group, announced)
 
 
-def open_group_control(shape: HostPoolShape, view: "shp.GroupView", *, extra: Optional[Dict[str, Any]] = None,
-                       directory: Optional[Path] = None, timeout_s: Optional[float] = None) -> GroupControl:
+def open_group_control(
+    shape: HostPoolShape,
+    view: "shp.GroupView",
+    *,
+    extra: Optional[Dict[str, Any]] = None,
+    directory: Optional[Path] = None,
+    timeout_s: Optional[float] = None,
+) -> GroupControl:
     """Rank 0 creates the control mapping and broadcasts ``{path, session, host}`` plus
     ``extra`` (one collective); the others map it; all meet at phase ``mapped``, after
     which rank 0 removes the name. Every other rendezvous goes through the table."""
@@ -311,8 +335,12 @@ def open_group_control(shape: HostPoolShape, view: "shp.GroupView", *, extra: Op
     if view.rank == 0:
         ctl = _create(shape, view.size, view.group, directory, timeout_s)
         try:
-            ctl.announced = {"path": str(ctl.path), "session": ctl.session, "host": socket.gethostname(),
-                             **(extra or {})}
+            ctl.announced = {
+                "path": str(ctl.path),
+                "session": ctl.session,
+                "host": socket.gethostname(),
+                **(extra or {}),
+            }
             view.broadcast_object(ctl.announced)
             ctl.rendezvous.reach("mapped")
         finally:

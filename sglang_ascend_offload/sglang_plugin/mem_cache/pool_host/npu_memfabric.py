@@ -98,14 +98,23 @@ class MemfabricGroupPool:
     kind = "memfabric_gva"
     tensor_backed = False
 
-    def __init__(self, shape: HostPoolShape, rank: int, size: int, config: MemfabricPoolConfig, store_url: str,
-                 rendezvous: GroupRendezvous):
+    def __init__(
+        self,
+        shape: HostPoolShape,
+        rank: int,
+        size: int,
+        config: MemfabricPoolConfig,
+        store_url: str,
+        rendezvous: GroupRendezvous,
+    ):
         try:
             import memfabric_hybrid as mf  # noqa: PLC0415 - NPU only
             from memfabric_hybrid import bm  # noqa: PLC0415
         except ImportError as exc:
-            raise RuntimeError("the MemFabric shared host pool needs memfabric_hybrid: pip install "
-                               "'sglang-ascend-offload[npu]' on an Ascend machine") from exc
+            raise RuntimeError(
+                "the MemFabric shared host pool needs memfabric_hybrid: pip install "
+                "'sglang-ascend-offload[npu]' on an Ascend machine"
+            ) from exc
         self.shape, self.rank, self.size = shape, rank, size
         self.store_url = store_url
         self._mf, self._bm, self._rv = mf, bm, rendezvous
@@ -127,8 +136,12 @@ class MemfabricGroupPool:
             phase = "joined"
             reserve = _aligned(shape.nbytes)
             nbytes = reserve if rank == 0 else 0  # only rank 0 backs the pool
-            self._handle = bm.create2(id=config.entity_id, local_dram_size=nbytes, max_dram_size=reserve,
-                                      data_op_type=getattr(bm.BmDataOpType, config.data_op_type))
+            self._handle = bm.create2(
+                id=config.entity_id,
+                local_dram_size=nbytes,
+                max_dram_size=reserve,
+                data_op_type=getattr(bm.BmDataOpType, config.data_op_type),
+            )
             self._check(self._handle.join(), "bm join")
             self._joined = True
             rendezvous.reach(phase)
@@ -162,8 +175,10 @@ class MemfabricGroupPool:
         return self.base + (layer * self.shape.tokens + slot) * self.shape.row_bytes
 
     def layer(self, layer: int) -> torch.Tensor:
-        raise RuntimeError("the MemFabric group host pool has no tensor view (its rows are reached through "
-                           "global addresses): use write_rows / gather_into / read_rows")
+        raise RuntimeError(
+            "the MemFabric group host pool has no tensor view (its rows are reached through "
+            "global addresses): use write_rows / gather_into / read_rows"
+        )
 
     def _copy_type(self, tensor: torch.Tensor, to_global: bool):
         on_device = tensor.device.type != "cpu"
@@ -189,25 +204,39 @@ class MemfabricGroupPool:
         if not slots.numel():
             return 0
         first, at, count = _runs(slots, torch.arange(slots.numel(), dtype=torch.int64))
-        self._batch(rows.data_ptr() + at * rb, self.gva(layer, 0) + first * rb, count * rb,
-                    self._copy_type(rows, to_global=True), f"append to layer {layer}")
+        self._batch(
+            rows.data_ptr() + at * rb,
+            self.gva(layer, 0) + first * rb,
+            count * rb,
+            self._copy_type(rows, to_global=True),
+            f"append to layer {layer}",
+        )
         return slots.numel() * rb
 
-    def gather_into(self, layer: int, host_slots: torch.Tensor, dst: torch.Tensor,
-                    dst_rows: Optional[torch.Tensor] = None) -> int:
+    def gather_into(
+        self, layer: int, host_slots: torch.Tensor, dst: torch.Tensor, dst_rows: Optional[torch.Tensor] = None
+    ) -> int:
         """``dst[dst_rows[i]] = pool[layer, host_slots[i]]`` (``dst`` contiguous ``[M, D]``
         of the pool dtype, on the NPU or the host; ``dst_rows`` default ``0..n-1``);
         returns bytes moved. Complete on return."""
-        if dst.dim() != 2 or dst.shape[1] != self.shape.row_dim or dst.dtype != self.shape.dtype \
-                or not dst.is_contiguous():
-            raise ValueError(f"gather_into: dst {tuple(dst.shape)} {dst.dtype} must be a contiguous "
-                             f"[M, {self.shape.row_dim}] {self.shape.dtype} tensor")
+        if (
+            dst.dim() != 2
+            or dst.shape[1] != self.shape.row_dim
+            or dst.dtype != self.shape.dtype
+            or not dst.is_contiguous()
+        ):
+            raise ValueError(
+                f"gather_into: dst {tuple(dst.shape)} {dst.dtype} must be a contiguous "
+                f"[M, {self.shape.row_dim}] {self.shape.dtype} tensor"
+            )
         slots = _host_index(host_slots)
         rows = _host_index(dst_rows) if dst_rows is not None else torch.arange(slots.numel(), dtype=torch.int64)
         n = slots.numel()
         if rows.numel() != n or (n and not (0 <= int(rows.min()) and int(rows.max()) < dst.shape[0])):
-            raise ValueError(f"gather_into: {n} slots / {rows.numel()} destination rows do not fit "
-                             f"dst [{dst.shape[0]}, {self.shape.row_dim}]")
+            raise ValueError(
+                f"gather_into: {n} slots / {rows.numel()} destination rows do not fit "
+                f"dst [{dst.shape[0]}, {self.shape.row_dim}]"
+            )
         if n and not (0 <= int(slots.min()) and int(slots.max()) < self.shape.tokens):
             raise ValueError(f"gather_into: slots outside the pool's {self.shape.tokens} tokens")
         if not n:
@@ -216,8 +245,13 @@ class MemfabricGroupPool:
             platform.synchronize()  # earlier kernels on the compute stream may still read dst
         rb = self.shape.row_bytes
         first, at, count = _runs(slots, rows)
-        self._batch(self.gva(layer, 0) + first * rb, dst.data_ptr() + at * rb, count * rb,
-                    self._copy_type(dst, to_global=False), f"read of layer {layer}")
+        self._batch(
+            self.gva(layer, 0) + first * rb,
+            dst.data_ptr() + at * rb,
+            count * rb,
+            self._copy_type(dst, to_global=False),
+            f"read of layer {layer}",
+        )
         return n * rb
 
     def read_rows(self, layer: int, host_slots: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
@@ -230,8 +264,10 @@ class MemfabricGroupPool:
         """One ``copy_data_batch`` of int64 ``[runs]`` addresses / byte counts, then ``wait()``."""
         if self._handle is None or not self._joined:
             raise RuntimeError(f"MemFabric group host pool {what}: the pool is closed")
-        self._check(self._handle.copy_data_batch(src.tolist(), dst.tolist(), sizes.tolist(), sizes.numel(), kind, 0),
-                    f"copy_data_batch ({what})")
+        self._check(
+            self._handle.copy_data_batch(src.tolist(), dst.tolist(), sizes.tolist(), sizes.numel(), kind, 0),
+            f"copy_data_batch ({what})",
+        )
         self._check(self._handle.wait(), f"wait after {what}")
 
     # ------------------------------------------------------------------ teardown
@@ -244,8 +280,9 @@ class MemfabricGroupPool:
             try:
                 gone = self._rv.wait_all("left", others_only=True, tolerate_gone=True)
                 for r, why in gone.items():
-                    logger.warning("sparse decode offload: TP rank %d %s before the MemFabric group pool closed",
-                                   r, why)
+                    logger.warning(
+                        "sparse decode offload: TP rank %d %s before the MemFabric group pool closed", r, why
+                    )
             except GroupSetupError as exc:
                 logger.warning("%s; freeing the MemFabric group pool anyway", exc)
         self._release()
@@ -279,8 +316,9 @@ def _aligned(nbytes: int) -> int:
 
 def _check_rows(shape: HostPoolShape, host_slots: torch.Tensor, rows: torch.Tensor) -> None:
     if rows.dim() != 2 or rows.shape[0] != host_slots.numel() or rows.shape[1] != shape.row_dim:
-        raise ValueError(f"write_rows: rows {tuple(rows.shape)} / slots {tuple(host_slots.shape)} "
-                         f"do not fit [n, {shape.row_dim}]")
+        raise ValueError(
+            f"write_rows: rows {tuple(rows.shape)} / slots {tuple(host_slots.shape)} do not fit [n, {shape.row_dim}]"
+        )
     if rows.dtype != shape.dtype:
         raise ValueError(f"write_rows: rows dtype {rows.dtype} != pool dtype {shape.dtype}")
 

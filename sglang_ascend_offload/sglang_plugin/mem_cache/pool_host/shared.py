@@ -40,16 +40,36 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from ....sparse_decode.host_pool import AppendTimeout, HostKVPool, HostPoolShape
-from .append_order import (COUNTERS_OFFSET, DEFAULT_TIMEOUT_S, HOLD_ENV, TIMEOUT_ENV, AppendOrder,
-                           EngineGate)
+from .append_order import COUNTERS_OFFSET, DEFAULT_TIMEOUT_S, HOLD_ENV, TIMEOUT_ENV, AppendOrder, EngineGate
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SHM_DIR_ENV", "TIMEOUT_ENV", "HOLD_ENV", "DEFAULT_TIMEOUT_S", "PREFIX", "AppendTimeout", "AppendOrder",
-           "GroupView", "PoolHeader", "SharedPool", "header_bytes_for", "pool_dir", "append_timeout_s",
-           "create_pool", "attach_pool", "open_group_pool", "read_header", "reclaim_stale", "sglang_group",
-           "process_start_ticks", "EngineGate", "RankPool", "allocate_rank_pool",
-           "open_memfabric_group"]
+__all__ = [
+    "SHM_DIR_ENV",
+    "TIMEOUT_ENV",
+    "HOLD_ENV",
+    "DEFAULT_TIMEOUT_S",
+    "PREFIX",
+    "AppendTimeout",
+    "AppendOrder",
+    "GroupView",
+    "PoolHeader",
+    "SharedPool",
+    "header_bytes_for",
+    "pool_dir",
+    "append_timeout_s",
+    "create_pool",
+    "attach_pool",
+    "open_group_pool",
+    "read_header",
+    "reclaim_stale",
+    "sglang_group",
+    "process_start_ticks",
+    "EngineGate",
+    "RankPool",
+    "allocate_rank_pool",
+    "open_memfabric_group",
+]
 
 SHM_DIR_ENV = "SGLANG_ASCEND_OFFLOAD_SHM_DIR"
 PREFIX = "sao_hostpool"
@@ -89,7 +109,7 @@ def process_start_ticks(pid: int) -> Optional[int]:
         text = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
     return int(fields[19])  # field 22 overall: state is field 3 = fields[0]
 
 
@@ -114,7 +134,11 @@ class PoolHeader:
 
     def matches(self, shape: HostPoolShape) -> bool:
         return (self.layers, self.tokens, self.row_dim, self.element_size) == (
-            shape.layers, shape.tokens, shape.row_dim, shape.row_bytes // shape.row_dim)
+            shape.layers,
+            shape.tokens,
+            shape.row_dim,
+            shape.row_bytes // shape.row_dim,
+        )
 
 
 def read_header(path: os.PathLike) -> Optional[PoolHeader]:
@@ -168,12 +192,22 @@ def reclaim_stale(directory: Optional[os.PathLike] = None) -> List[Path]:
             except FileNotFoundError:
                 continue
             except OSError as exc:  # e.g. another user's file: leave it, say so
-                logger.warning("sparse decode offload: cannot remove the stale host pool %s of dead owner pid %s "
-                               "(%s); remove it by hand", path, owner, exc)
+                logger.warning(
+                    "sparse decode offload: cannot remove the stale host pool %s of dead owner pid %s "
+                    "(%s); remove it by hand",
+                    path,
+                    owner,
+                    exc,
+                )
                 continue
             removed.append(path)
-            logger.warning("sparse decode offload: reclaimed a stale host pool %s (%.1f MiB) of a server that "
-                           "is gone (owner pid %s)", path, size / 2**20, owner)
+            logger.warning(
+                "sparse decode offload: reclaimed a stale host pool %s (%.1f MiB) of a server that "
+                "is gone (owner pid %s)",
+                path,
+                size / 2**20,
+                owner,
+            )
     return removed
 
 
@@ -195,8 +229,15 @@ def _session_bytes(session: str) -> bytes:
     return bytes.fromhex(session)
 
 
-def create_pool(shape: HostPoolShape, *, group: int = 0, group_size: int = 1, directory: Optional[Path] = None,
-                session: Optional[str] = None, timeout_s: Optional[float] = None) -> SharedPool:
+def create_pool(
+    shape: HostPoolShape,
+    *,
+    group: int = 0,
+    group_size: int = 1,
+    directory: Optional[Path] = None,
+    session: Optional[str] = None,
+    timeout_s: Optional[float] = None,
+) -> SharedPool:
     """Rank 0: reclaim stale pools, create + reserve + map a new one, write its header."""
     directory = Path(directory) if directory is not None else pool_dir()
     reclaim_stale(directory)
@@ -206,41 +247,63 @@ def create_pool(shape: HostPoolShape, *, group: int = 0, group_size: int = 1, di
     hb = header_bytes_for(shape.layers)
     pool = HostKVPool.create_shared(shape, path, header_bytes=hb, reserve=True)
     try:
-        order = AppendOrder(pool.mapping, shape.layers, rank=0, group=group,
-                            timeout_s=timeout_s or append_timeout_s(), init=True)
+        order = AppendOrder(
+            pool.mapping, shape.layers, rank=0, group=group, timeout_s=timeout_s or append_timeout_s(), init=True
+        )
         start = process_start_ticks(pid)
-        pool.mapping[: HEADER.size] = HEADER.pack(MAGIC, VERSION, hb, pid, start, _session_bytes(session), group,
-                                                  group_size, shape.layers, shape.tokens, shape.row_dim,
-                                                  shape.row_bytes // shape.row_dim)
+        pool.mapping[: HEADER.size] = HEADER.pack(
+            MAGIC,
+            VERSION,
+            hb,
+            pid,
+            start,
+            _session_bytes(session),
+            group,
+            group_size,
+            shape.layers,
+            shape.tokens,
+            shape.row_dim,
+            shape.row_bytes // shape.row_dim,
+        )
     except BaseException:
         pool.close()
         raise
     return SharedPool(pool, order, path, session, group, group_size, 0)
 
 
-def attach_pool(shape: HostPoolShape, path: os.PathLike, session: str, *, rank: int, group: int = 0,
-                timeout_s: Optional[float] = None) -> SharedPool:
+def attach_pool(
+    shape: HostPoolShape,
+    path: os.PathLike,
+    session: str,
+    *,
+    rank: int,
+    group: int = 0,
+    timeout_s: Optional[float] = None,
+) -> SharedPool:
     """Ranks > 0: map ``path`` after checking that it is the pool rank 0 just announced."""
     path = Path(path)
     header = read_header(path)
     if header is None:
-        raise RuntimeError(f"host pool {path} is missing or has no valid header: attention-TP rank 0 of group "
-                           f"{group} announced it but it cannot be read")
+        raise RuntimeError(
+            f"host pool {path} is missing or has no valid header: attention-TP rank 0 of group "
+            f"{group} announced it but it cannot be read"
+        )
     problems = []
     if header.session != session:
         problems.append(f"session {header.session} != announced {session}")
     if not header.owner_alive():
         problems.append(f"its owner pid {header.owner_pid} is gone")
     if not header.matches(shape):
-        problems.append(f"geometry {header.layers}x{header.tokens}x{header.row_dim} (elem {header.element_size} B) "
-                        f"!= this rank's {shape}")
+        problems.append(
+            f"geometry {header.layers}x{header.tokens}x{header.row_dim} (elem {header.element_size} B) "
+            f"!= this rank's {shape}"
+        )
     if header.group != group:
         problems.append(f"group {header.group} != {group}")
     if problems:
         raise RuntimeError(f"refusing to map host pool {path}: " + "; ".join(problems))
     pool = HostKVPool.attach_shared(shape, path, header_bytes=header.header_bytes)
-    order = AppendOrder(pool.mapping, shape.layers, rank=rank, group=group,
-                        timeout_s=timeout_s or append_timeout_s())
+    order = AppendOrder(pool.mapping, shape.layers, rank=rank, group=group, timeout_s=timeout_s or append_timeout_s())
     return SharedPool(pool, order, path, session, group, header.group_size, rank)
 
 
@@ -274,14 +337,14 @@ def populate(pool: HostKVPool, write: bool) -> None:
             pool.data.zero_()
 
 
-def open_group_pool(shape: HostPoolShape, view: GroupView, *, directory: Optional[Path] = None,
-                    timeout_s: Optional[float] = None) -> SharedPool:
+def open_group_pool(
+    shape: HostPoolShape, view: GroupView, *, directory: Optional[Path] = None, timeout_s: Optional[float] = None
+) -> SharedPool:
     """Rank 0 creates, broadcasts ``(path, session)``, the others attach; after a barrier
     rank 0 unlinks the name (see the module docstring). Every rank populates its
     mapping (:func:`populate`)."""
     if view.rank == 0:
-        shared = create_pool(shape, group=view.group, group_size=view.size, directory=directory,
-                             timeout_s=timeout_s)
+        shared = create_pool(shape, group=view.group, group_size=view.size, directory=directory, timeout_s=timeout_s)
         try:
             populate(shared.pool, write=True)
             view.broadcast_object({"path": str(shared.path), "session": shared.session})
@@ -290,8 +353,9 @@ def open_group_pool(shape: HostPoolShape, view: GroupView, *, directory: Optiona
             shared.pool.unlink()
         return shared
     announced: Dict[str, str] = view.broadcast_object(None)
-    shared = attach_pool(shape, announced["path"], announced["session"], rank=view.rank, group=view.group,
-                         timeout_s=timeout_s)
+    shared = attach_pool(
+        shape, announced["path"], announced["session"], rank=view.rank, group=view.group, timeout_s=timeout_s
+    )
     populate(shared.pool, write=False)
     view.barrier()
     return shared
@@ -320,10 +384,15 @@ def sglang_group() -> Optional[GroupView]:
     except Exception:  # noqa: BLE001
         replica = 0
     groups = replicas * attn_dp
-    return GroupView(rank=rank, size=size, group=replica * attn_dp + attn_dp_rank, groups=groups,
-                     broadcast_object=lambda obj: coord.broadcast_object(obj, src=0),
-                     barrier=lambda: torch_barrier(coord),
-                     groups_per_node=max(1, groups // nnodes))
+    return GroupView(
+        rank=rank,
+        size=size,
+        group=replica * attn_dp + attn_dp_rank,
+        groups=groups,
+        broadcast_object=lambda obj: coord.broadcast_object(obj, src=0),
+        barrier=lambda: torch_barrier(coord),
+        groups_per_node=max(1, groups // nnodes),
+    )
 
 
 def torch_barrier(coord) -> None:
@@ -359,8 +428,14 @@ def _npu_device_index(view: GroupView) -> int:
         return view.rank
 
 
-def open_memfabric_group(shape: HostPoolShape, view: GroupView, *, directory: Optional[Path] = None,
-                         timeout_s: Optional[float] = None, device_id: Optional[int] = None) -> RankPool:
+def open_memfabric_group(
+    shape: HostPoolShape,
+    view: GroupView,
+    *,
+    directory: Optional[Path] = None,
+    timeout_s: Optional[float] = None,
+    device_id: Optional[int] = None,
+) -> RankPool:
     """NPU, attention TP > 1: one MemFabric host pool for the group. Rank 0 creates the
     control block (append counters + rank status table, :mod:`.group_rendezvous`) and
     broadcasts it with its BM store URL; every rank opens
@@ -374,14 +449,16 @@ def open_memfabric_group(shape: HostPoolShape, view: GroupView, *, directory: Op
     extra = {"store_url": free_store_url()} if view.rank == 0 else None
     ctl = open_group_control(shape, view, extra=extra, directory=directory, timeout_s=timeout_s)
     dev = device_id if device_id is not None else _npu_device_index(view)
-    pool = MemfabricGroupPool(shape, view.rank, view.size, MemfabricPoolConfig(device_id=dev),
-                              ctl.announced["store_url"], ctl.rendezvous)
+    pool = MemfabricGroupPool(
+        shape, view.rank, view.size, MemfabricPoolConfig(device_id=dev), ctl.announced["store_url"], ctl.rendezvous
+    )
     atexit.register(pool.close)
     return RankPool(pool, ctl.order, view.rank, view, None, ctl)
 
 
-def allocate_rank_pool(shape: HostPoolShape, kind: str, *, view: Optional[GroupView] = None,
-                       directory: Optional[Path] = None) -> RankPool:
+def allocate_rank_pool(
+    shape: HostPoolShape, kind: str, *, view: Optional[GroupView] = None, directory: Optional[Path] = None
+) -> RankPool:
     """The host pool of this rank inside SGLang: one pool per attention-DP group.
 
     ``kind`` is what the platform asks for (``pinned`` off NPU, ``memfabric`` on NPU).
@@ -411,12 +488,24 @@ def allocate_rank_pool(shape: HostPoolShape, kind: str, *, view: Optional[GroupV
         if rp.shared is not None:
             where = f"shared mapping {rp.shared.path} (name removed once all {view.size} TP ranks mapped it)"
         elif rp.control is not None:
-            where = (f"MemFabric host memory of TP rank 0 at global address {rp.pool.base:#x}, read by all "
-                     f"{view.size} TP ranks")
+            where = (
+                f"MemFabric host memory of TP rank 0 at global address {rp.pool.base:#x}, read by all "
+                f"{view.size} TP ranks"
+            )
         else:
             where = f"{rp.pool.kind} memory"
-        logger.info("sparse decode offload: host pool of attention-DP group %d: %d B = %d layers x %d tokens x %d B "
-                    "in %s; host bytes per node: %d B (%.1f MiB) = %d pool(s) (one per DP rank, shared by its TP "
-                    "ranks)", view.group, shape.nbytes, shape.layers, shape.tokens, shape.row_bytes, where, node,
-                    node / 2**20, view.groups_per_node)
+        logger.info(
+            "sparse decode offload: host pool of attention-DP group %d: %d B = %d layers x %d tokens x %d B "
+            "in %s; host bytes per node: %d B (%.1f MiB) = %d pool(s) (one per DP rank, shared by its TP "
+            "ranks)",
+            view.group,
+            shape.nbytes,
+            shape.layers,
+            shape.tokens,
+            shape.row_bytes,
+            where,
+            node,
+            node / 2**20,
+            view.groups_per_node,
+        )
     return rp

@@ -55,11 +55,17 @@ def profile_after(available: int, self: Any, pre_model_load_memory: Any) -> Opti
     if cap is None:
         return None
     if int(available) <= cap:
-        logger.info("device KV budget: --mem-fraction-static leaves %s, under --device-kv-budget %s: using it",
-                    format_bytes(int(available)), format_bytes(cap))
+        logger.info(
+            "device KV budget: --mem-fraction-static leaves %s, under --device-kv-budget %s: using it",
+            format_bytes(int(available)),
+            format_bytes(cap),
+        )
         return None
-    logger.info("device KV budget: %s (--device-kv-budget; --mem-fraction-static would leave %s)",
-                format_bytes(cap), format_bytes(int(available)))
+    logger.info(
+        "device KV budget: %s (--device-kv-budget; --mem-fraction-static would leave %s)",
+        format_bytes(cap),
+        format_bytes(int(available)),
+    )
     return int(cap)
 
 

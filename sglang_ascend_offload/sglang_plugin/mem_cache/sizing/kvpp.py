@@ -62,11 +62,22 @@ def cell_size_after(cell: int, self, kvc, num_layers: int) -> Optional[int]:
     group = _group_size()
     scaled = kvpp_cell_size(cell, int(num_layers), group)
     if scaled > cell:
-        logger.warning("KVPP with %d layers over %d ranks holds %d owned + 2 scratch layer bundles per rank, more "
-                       "than the %d of the replicated pool: it lowers the token capacity", num_layers, group,
-                       kvpp_layer_caches(int(num_layers), group) - 2, num_layers)
-    logger.info("KVPP: device KV per token %d B instead of %d B (%d of %d layer bundles per rank, group %d)",
-                scaled, cell, kvpp_layer_caches(int(num_layers), group), num_layers, group)
+        logger.warning(
+            "KVPP with %d layers over %d ranks holds %d owned + 2 scratch layer bundles per rank, more "
+            "than the %d of the replicated pool: it lowers the token capacity",
+            num_layers,
+            group,
+            kvpp_layer_caches(int(num_layers), group) - 2,
+            num_layers,
+        )
+    logger.info(
+        "KVPP: device KV per token %d B instead of %d B (%d of %d layer bundles per rank, group %d)",
+        scaled,
+        cell,
+        kvpp_layer_caches(int(num_layers), group),
+        num_layers,
+        group,
+    )
     return scaled
 
 

@@ -52,6 +52,11 @@ def cell_size_after(cell: int, self, kvc, num_layers: int) -> Optional[int]:
     if lw is None:
         return None
     scaled = scaled_cell_size(cell, lw, int(num_layers))
-    logger.info("layerwise prefill offload: device KV per token %d B instead of %d B (%d of %d layer caches)",
-                scaled, cell, physical_layer_caches(lw, int(num_layers)), num_layers)
+    logger.info(
+        "layerwise prefill offload: device KV per token %d B instead of %d B (%d of %d layer caches)",
+        scaled,
+        cell,
+        physical_layer_caches(lw, int(num_layers)),
+        num_layers,
+    )
     return scaled

@@ -40,15 +40,20 @@ from typing import Any, Optional
 from .... import config as cfg
 from ....memory_budget import format_bytes
 from ...args import carrier
-from . import device_kv_budget
 from ...compat import field
+from . import device_kv_budget
 
 POOL_CONFIGURATOR = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeviceBudgetPlan", "plan_device_budget", "hot_bytes_per_request", "resolve_pool_config_around",
-           "cell_size_after"]
+__all__ = [
+    "DeviceBudgetPlan",
+    "plan_device_budget",
+    "hot_bytes_per_request",
+    "resolve_pool_config_around",
+    "cell_size_after",
+]
 
 RULE = "memory.device_budget"
 BF16_BYTES = 2
@@ -86,8 +91,13 @@ def hot_bytes_per_request(layers: int, hot_tokens: int, row_dim: int) -> int:
     return int(layers) * int(hot_tokens) * int(row_dim) * BF16_BYTES
 
 
-def plan_device_budget(budget_bytes: int, hot_bytes_per_request: int, requested_requests: int,
-                       reserved_token_bytes: int, extra_rows: int = 2) -> DeviceBudgetPlan:
+def plan_device_budget(
+    budget_bytes: int,
+    hot_bytes_per_request: int,
+    requested_requests: int,
+    reserved_token_bytes: int,
+    extra_rows: int = 2,
+) -> DeviceBudgetPlan:
     """Split ``budget_bytes`` between the token pool and the hot buffers (module docstring).
 
     The token pool keeps ``reserved_token_bytes`` (capped at the budget); of the rest,
@@ -95,26 +105,40 @@ def plan_device_budget(budget_bytes: int, hot_bytes_per_request: int, requested_
     :class:`ConfigError` when not even one request's hot buffers fit.
     """
     if hot_bytes_per_request <= 0 or requested_requests < 1 or extra_rows < 0:
-        raise ValueError(f"plan_device_budget: hot_bytes_per_request={hot_bytes_per_request}, "
-                         f"requested_requests={requested_requests}, extra_rows={extra_rows}")
+        raise ValueError(
+            f"plan_device_budget: hot_bytes_per_request={hot_bytes_per_request}, "
+            f"requested_requests={requested_requests}, extra_rows={extra_rows}"
+        )
     budget = max(int(budget_bytes), 0)
     reserved = min(max(int(reserved_token_bytes), 0), budget)
     fitting = (budget - reserved) // hot_bytes_per_request - extra_rows
     granted = min(int(requested_requests), int(fitting))
     if granted < 1:
         need = (1 + extra_rows) * hot_bytes_per_request
-        raise cfg.ConfigError([cfg.Violation(
-            RULE,
-            f"not even one request's hot buffers fit the device KV budget: {format_bytes(budget)} budget "
-            f"- {format_bytes(reserved)} kept for the token pool leaves {format_bytes(budget - reserved)}, "
-            f"and one request needs {format_bytes(need)} ({1 + extra_rows} rows incl. padding x "
-            f"{format_bytes(hot_bytes_per_request)} of hot buffers per row)",
-            "lower hot_tokens, raise --mem-fraction-static, or lower --max-total-tokens")],
-            "sparse decode offload device budget")
+        raise cfg.ConfigError(
+            [
+                cfg.Violation(
+                    RULE,
+                    f"not even one request's hot buffers fit the device KV budget: {format_bytes(budget)} budget "
+                    f"- {format_bytes(reserved)} kept for the token pool leaves {format_bytes(budget - reserved)}, "
+                    f"and one request needs {format_bytes(need)} ({1 + extra_rows} rows incl. padding x "
+                    f"{format_bytes(hot_bytes_per_request)} of hot buffers per row)",
+                    "lower hot_tokens, raise --mem-fraction-static, or lower --max-total-tokens",
+                )
+            ],
+            "sparse decode offload device budget",
+        )
     hot = (granted + extra_rows) * hot_bytes_per_request
-    return DeviceBudgetPlan(budget_bytes=budget, hot_bytes_per_request=hot_bytes_per_request, extra_rows=extra_rows,
-                            requested_requests=int(requested_requests), max_running_requests=granted,
-                            hot_buffer_bytes=hot, token_budget_bytes=budget - hot, reserved_token_bytes=reserved)
+    return DeviceBudgetPlan(
+        budget_bytes=budget,
+        hot_bytes_per_request=hot_bytes_per_request,
+        extra_rows=extra_rows,
+        requested_requests=int(requested_requests),
+        max_running_requests=granted,
+        hot_buffer_bytes=hot,
+        token_budget_bytes=budget - hot,
+        reserved_token_bytes=reserved,
+    )
 
 
 # ------------------------------------------------------------------ SGLang side
@@ -141,8 +165,8 @@ def _on_cpu(kvc: Any) -> bool:
 
 
 def _hot_bytes(kvc: Any, sd: cfg.SparseDecodeOffloadConfig) -> int:
-    from ..pool.sparse_decode import resolved_hot_tokens
     from ...speculative.eagle import verify_rows_per_request
+    from ..pool.sparse_decode import resolved_hot_tokens
 
     mc = kvc.model_config
     layers = kvc.layer_info.end_layer - kvc.layer_info.start_layer
@@ -176,26 +200,38 @@ def resolve_pool_config_around(original, self, pre_model_load_memory):
     cell = int(field(pool_configurator, POOL_CONFIGURATOR, "_cell_size"))
     user_tokens = get_schedule().max_total_tokens
     reserved_tokens = int(user_tokens) if user_tokens else int(self.model_config.context_len)
-    plan = plan_device_budget(budget, _hot_bytes(self, sd), requested, reserved_tokens * cell,
-                              extra_rows=_extra_rows(self))
+    plan = plan_device_budget(
+        budget, _hot_bytes(self, sd), requested, reserved_tokens * cell, extra_rows=_extra_rows(self)
+    )
     config = self.config_from_budget(plan.token_budget_bytes)
-    config.max_running_requests = min(plan.max_running_requests,
-                                      self.resolve_max_num_reqs(config.max_total_num_tokens))
+    config.max_running_requests = min(plan.max_running_requests, self.resolve_max_num_reqs(config.max_total_num_tokens))
     config = pool_configurator.finalize_with_max_running_requests(config)
     config.mem_fraction_static = get_schedule().mem_fraction_static
-    message = ("sparse decode offload: device KV budget %s = token pool %d tokens x %d B + hot buffers %s "
-               "(%d requests + %d rows x %s)")
-    values = (format_bytes(plan.budget_bytes), config.max_total_num_tokens, cell,
-              format_bytes(plan.hot_buffer_bytes), plan.max_running_requests, plan.extra_rows,
-              format_bytes(plan.hot_bytes_per_request))
+    message = (
+        "sparse decode offload: device KV budget %s = token pool %d tokens x %d B + hot buffers %s "
+        "(%d requests + %d rows x %s)"
+    )
+    values = (
+        format_bytes(plan.budget_bytes),
+        config.max_total_num_tokens,
+        cell,
+        format_bytes(plan.hot_buffer_bytes),
+        plan.max_running_requests,
+        plan.extra_rows,
+        format_bytes(plan.hot_bytes_per_request),
+    )
     logger.info(message, *values)
     if plan.capped:
-        logger.warning("sparse decode offload: max_running_requests capped from %d to %d: the hot buffers of "
-                       "%d requests (%s) do not fit the device KV budget (%s) next to the token pool; lower "
-                       "hot_tokens or raise --mem-fraction-static to run more",
-                       plan.requested_requests, plan.max_running_requests, plan.requested_requests,
-                       format_bytes((plan.requested_requests + plan.extra_rows) * plan.hot_bytes_per_request),
-                       format_bytes(plan.budget_bytes))
+        logger.warning(
+            "sparse decode offload: max_running_requests capped from %d to %d: the hot buffers of "
+            "%d requests (%s) do not fit the device KV budget (%s) next to the token pool; lower "
+            "hot_tokens or raise --mem-fraction-static to run more",
+            plan.requested_requests,
+            plan.max_running_requests,
+            plan.requested_requests,
+            format_bytes((plan.requested_requests + plan.extra_rows) * plan.hot_bytes_per_request),
+            format_bytes(plan.budget_bytes),
+        )
     return config
 
 
@@ -207,11 +243,15 @@ def cell_size_after(cell: int, self, kvc, num_layers: int) -> Optional[int]:
     emulated = None
     sd = _served(kvc)
     if device_kv_budget.emulates_device(kvc) and _plugin_main_pool(kvc):
-        emulated = device_kv_budget.cpu_cell_bytes(kvc, num_layers, offloaded=sd is not None,
-                                                   indexer_dtype=sd.indexer_dtype if sd is not None else "bf16")
+        emulated = device_kv_budget.cpu_cell_bytes(
+            kvc, num_layers, offloaded=sd is not None, indexer_dtype=sd.indexer_dtype if sd is not None else "bf16"
+        )
     if emulated is not None:
-        logger.info("device KV per token %d B on this CPU accounted as a device (--device-kv-budget; SGLang's "
-                    "figure %d B)", emulated, cell)
+        logger.info(
+            "device KV per token %d B on this CPU accounted as a device (--device-kv-budget; SGLang's figure %d B)",
+            emulated,
+            cell,
+        )
         return emulated
     if sd is None or _on_cpu(kvc):
         return None
@@ -221,6 +261,11 @@ def cell_size_after(cell: int, self, kvc, num_layers: int) -> Optional[int]:
     if sd.indexer_dtype == "int8":  # the pool's int8 keys + fp16 scales, not SGLang's bf16 figure
         dim = int(kvc.model_config.hf_config.index_head_dim)
         indexer = int(num_layers) * device_kv_budget.index_k_bytes_per_token(dim, "int8")
-    logger.info("sparse decode offload: device KV per token %d B (the %s indexer) instead of %d B (the main KV "
-                "is in the host pool)", indexer, sd.indexer_dtype, cell)
+    logger.info(
+        "sparse decode offload: device KV per token %d B (the %s indexer) instead of %d B (the main KV "
+        "is in the host pool)",
+        indexer,
+        sd.indexer_dtype,
+        cell,
+    )
     return indexer
