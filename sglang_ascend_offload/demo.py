@@ -17,7 +17,7 @@ really evicts) followed by ``--prompt`` (default: the start of the next test met
 greedy with ``--frequency-penalty`` (default 0.8: without it this 4M-parameter model,
 trained on code only, repeats one line; the penalty is deterministic, so both servers
 must still agree token for token). The model continues Python; it does not chat
-(``tests/sglang/test_trained_text_e2e_cpu.py`` covers chat completions).
+(``tests/sglang/e2e/test_trained_text_e2e_cpu.py`` covers chat completions).
 
 Reported (``--json``: one document on stdout, progress on stderr): the answer, whether it
 equals the reference server's (``identical``), and the offload counters of this request

@@ -1,7 +1,7 @@
 """``bench transfer --served --served-runs N``: the served rows are per-configuration
 medians over the runs, ``completed`` the fewest any run completed, and the P/D offload
 over device TTFT ratio comes from the medians. (The runs themselves start real servers:
-``tests/sglang/test_bench_serve.py`` exercises the load path.)"""
+``tests/sglang/e2e/test_bench_serve.py`` exercises the load path.)"""
 
 from __future__ import annotations
 

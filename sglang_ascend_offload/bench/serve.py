@@ -113,7 +113,7 @@ DEFAULT_OFFLOAD_CONFIG = json.dumps({"hot_tokens": 64, "metrics_log_interval_s":
 # --trained: no hot_tokens, so the checkpoint's top-k (64) and the verify rows size it.
 TRAINED_OFFLOAD_CONFIG = json.dumps({"metrics_log_interval_s": 1.0})
 TRAINED_CONTEXT = 2048  # --context-length of the trained checkpoint's CPU servers
-# DeepSeek-V3.2's NextN defaults in SGLang 0.5.23 (tests/sglang/test_speculative_offload_e2e_cpu.py).
+# DeepSeek-V3.2's NextN defaults in SGLang 0.5.23 (tests/sglang/e2e/test_speculative_offload_e2e_cpu.py).
 DEFAULT_SPEC_ARGS = (
     "--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 "
     "--speculative-num-draft-tokens 4"

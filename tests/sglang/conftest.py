@@ -168,7 +168,37 @@ def flush_cache(server: ServerProcess, timeout_s: float = 60.0) -> None:
         assert r.status == 200, r.read()
 
 
+def group_shared_server_users(items: List) -> List:
+    """``items`` reordered so that the modules sharing a server run back to back.
+
+    A module that lists a shared server (``SHARED_SERVERS``) is moved up to run right after
+    the last module collected before it that shares one of its servers; everything else
+    keeps its collection order, and a module's own items stay together and in order. A
+    shared server therefore stays up only while the modules that use it run, whatever the
+    files are named or where they live.
+    """
+    modules: List = []  # modules in collection order, each with its items
+    by_module: Dict[int, List] = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        key = id(module)
+        if key not in by_module:
+            by_module[key] = []
+            modules.append(module)
+        by_module[key].append(item)
+    ordered: List = []
+    for module in modules:
+        names = set(getattr(module, "SHARED_SERVERS", ()))
+        after = max(
+            (i for i, m in enumerate(ordered) if names & set(getattr(m, "SHARED_SERVERS", ()))),
+            default=len(ordered) - 1,
+        )
+        ordered.insert(after + 1, module)
+    return [item for module in ordered for item in by_module[id(module)]]
+
+
 def pytest_collection_modifyitems(config, items):
+    items[:] = group_shared_server_users(items)
     users: Dict[str, Set[str]] = {}
     for item in items:
         module = getattr(item, "module", None)

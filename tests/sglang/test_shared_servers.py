@@ -63,3 +63,28 @@ def test_a_shared_server_that_died_is_replaced_by_a_fresh_one(tmp_path):
     fresh = pool.get("ref", IDLE_SLEEP)
     assert fresh is not ref and fresh.proc is None
     pool.close()
+
+
+class _Module:
+    def __init__(self, name, shared=()):
+        self.__name__ = name
+        self.SHARED_SERVERS = shared
+
+
+class _Item:
+    def __init__(self, module, name):
+        self.module, self.name = module, name
+
+
+def test_modules_sharing_a_server_are_run_back_to_back():
+    """Collection order a, b(ref), c, d(other), e(ref), f(other, ref): e joins b, f joins the
+    last module sharing either of its servers; the others keep their order and items."""
+    from conftest import group_shared_server_users
+
+    a, b, c = _Module("a"), _Module("b", ("ref",)), _Module("c")
+    d, e, f = _Module("d", ("other",)), _Module("e", ("ref",)), _Module("f", ("other", "ref"))
+    items = [_Item(m, f"{m.__name__}{i}") for m in (a, b, c, d, e, f) for i in range(2)]
+    order = [i.name for i in group_shared_server_users(items)]
+    assert order == ["a0", "a1", "b0", "b1", "e0", "e1", "c0", "c1", "d0", "d1", "f0", "f1"]
+    # negative control: collection order itself would keep b and e apart
+    assert [i.name for i in items].index("e0") - [i.name for i in items].index("b1") > 1

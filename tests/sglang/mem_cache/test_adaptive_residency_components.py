@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dsa_harness import Harness, published_context
-from test_graph_decode_components import BUCKET, _assert_same_residency, _prepare_decode, _prepare_extend, _step
+from graph_harness import BUCKET, _assert_same_residency, _prepare_decode, _prepare_extend, _step
 
 pytestmark = pytest.mark.usefixtures("plugins_loaded")
 

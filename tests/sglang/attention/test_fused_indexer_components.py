@@ -104,8 +104,8 @@ def test_fused_graph_decode_hooks_equal_the_eager_reference():
     """SGLang's CPU graph hooks on the fused backend (bucket 4: padded entries on the sink
     row, churn): the fused indexer reads the static row buffers. Top-k and residency of
     the live rows == the eager reference backend's bit for bit; attention within tolerance."""
+    from graph_harness import eager_and_graph_layers
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from test_graph_decode_components import eager_and_graph_layers
 
     bucket = 4
     with published_context():

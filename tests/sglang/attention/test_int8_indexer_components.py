@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dsa_harness import INDEX_DIM, INDEX_HEADS, LATENT, TOPK, Harness, published_context
-from test_graph_decode_components import BUCKET, eager_and_graph_layers
+from graph_harness import BUCKET, eager_and_graph_layers
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.ops.hadamard import (

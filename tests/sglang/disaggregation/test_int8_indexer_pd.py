@@ -17,7 +17,7 @@ import importlib.util
 import pytest
 import torch
 from dsa_harness import INDEX_DIM, TOPK, published_context
-from test_pd_backend_components import LATENT, LAYERS, PAGE, ROPE, SLOTS, Pair, _common, device_pool
+from pd_components_harness import LATENT, LAYERS, PAGE, ROPE, SLOTS, Pair, _common, device_pool
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.ops.hadamard import rotate_and_quantize

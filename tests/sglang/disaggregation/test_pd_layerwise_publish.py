@@ -16,8 +16,9 @@ import time
 
 import pytest
 import torch
-from test_layerwise_pool import LAYERS, PAGE, LayerwiseHarness, lw_config, published_context
-from test_pd_backend_components import device_pool, host_pool, pd_config
+from dsa_harness import published_context
+from layerwise_harness import LAYERS, PAGE, LayerwiseHarness, lw_config
+from pd_components_harness import device_pool, host_pool, pd_config
 
 from sglang_ascend_offload.transfer.status import TransferState
 
