@@ -133,25 +133,11 @@ def replay_trace(
     trace = compact_trace(trace)
     schedule = step_schedule(trace)
     wants_ranked = needs_ranked(opts.policy)
-    rows, layers, k = trace.rows, trace.layers, trace.top_k
+    rows, layers = trace.rows, trace.layers
     gen = torch.Generator().manual_seed(opts.seed)
     rng = np.random.default_rng(opts.seed)
-    row_bytes = HostPoolShape(1, 1, opts.latent_dim, opts.rope_dim).row_bytes
-    # rows per layer a multiple of the fused Copy-SFA's host alignment, whichever path runs
-    capacity = fused_host_pool_rows(host_tokens_needed(trace), row_bytes)
-    pool = HostKVPool.allocate(HostPoolShape(layers, capacity, opts.latent_dim, opts.rope_dim), "pinned")
-    cfg = EngineConfig(
-        layers=layers,
-        rows=rows,
-        hot_tokens=opts.hot_tokens,
-        top_k=k,
-        latent_dim=opts.latent_dim,
-        rope_dim=opts.rope_dim,
-        policy=opts.policy,
-        ops=opts.ops,
-        fused_copy_sfa=opts.fused_copy_sfa,
-    )
-    engine = SparseDecodeEngine(cfg, pool, timing=True)
+    engine, pool = _build_engine(trace, opts)
+    cfg, capacity = engine.config, pool.shape.tokens
     row_dim = cfg.row_dim
     scale = 1.0 / float(row_dim) ** 0.5
     alloc = _SlotAllocator(capacity, rng)
@@ -219,6 +205,27 @@ def replay_trace(
         prefill_bytes=prefill_bytes,
         host_tokens=capacity,
     )
+
+
+def _build_engine(trace: Trace, opts: ReplayOptions) -> Tuple[SparseDecodeEngine, HostKVPool]:
+    """The engine for ``trace`` under ``opts`` over a pinned host pool holding every token the
+    trace ever has live (rows per layer a multiple of the fused Copy-SFA's host alignment,
+    whichever path runs)."""
+    row_bytes = HostPoolShape(1, 1, opts.latent_dim, opts.rope_dim).row_bytes
+    capacity = fused_host_pool_rows(host_tokens_needed(trace), row_bytes)
+    pool = HostKVPool.allocate(HostPoolShape(trace.layers, capacity, opts.latent_dim, opts.rope_dim), "pinned")
+    cfg = EngineConfig(
+        layers=trace.layers,
+        rows=trace.rows,
+        hot_tokens=opts.hot_tokens,
+        top_k=trace.top_k,
+        latent_dim=opts.latent_dim,
+        rope_dim=opts.rope_dim,
+        policy=opts.policy,
+        ops=opts.ops,
+        fused_copy_sfa=opts.fused_copy_sfa,
+    )
+    return SparseDecodeEngine(cfg, pool, timing=True), pool
 
 
 def _grow_requests(

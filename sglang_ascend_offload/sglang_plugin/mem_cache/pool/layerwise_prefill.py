@@ -183,10 +183,34 @@ class LayerwisePrefillPool(DeviceDSAPool):
             end_layer,
         )
         self.offload = offload
+        self._build_buffers(size, page_size, kv_lora_rank, qk_rope_head_dim, index_head_dim, layer_num, device)
+        self.namespace = f"{namespace}/{uuid.uuid4().hex[:12]}"
+        self.pagebook = PageBook(page_size, self.namespace, speculative_tails=speculative)
+        self._build_pipeline(store, page_size, device)
+        self._init_forward_state()
+        self._finalize_allocation_log(size)
+        logger.info(
+            "layerwise prefill offload: %s; pipelined layers %s (host store %s), dedicated %s; "
+            "main KV %.1f MiB on %s instead of %.1f MiB",
+            self.plan.summary(),
+            list(self.pipelined),
+            self.store.name if self.store is not None else "-",
+            [l for l in self.plan.order if l not in self._pipelined_set],
+            self.plan.main_bytes_physical / 2**20,
+            device,
+            self.plan.main_bytes_logical / 2**20,
+        )
+        atexit.register(self.close)
 
+    def _build_buffers(self, size, page_size, kv_lora_rank, qk_rope_head_dim, index_head_dim, layer_num, device):
+        """The physical layer buffers of the plan, and SGLang's per-layer views onto them
+        (``k_buffer`` / ``v_buffer`` / ``index_k_buffer``: ``[pages, page_size, 1, dim]``;
+        layers that share a buffer share its storage)."""
         pages = size // page_size + 1
         self.slot_rows = pages * page_size
-        self.plan: BufferPlan = plan_buffers(self._layer_specs(), offload.shared_buffers, offload.independent_layers)
+        self.plan: BufferPlan = plan_buffers(
+            self._layer_specs(), self.offload.shared_buffers, self.offload.independent_layers
+        )
         self.physical: List[List[torch.Tensor]] = [
             [torch.zeros(t.shape, dtype=self.store_dtype, device=device) for t in pb.spec.tensors]
             for pb in self.plan.buffers
@@ -201,30 +225,35 @@ class LayerwisePrefillPool(DeviceDSAPool):
         self.k_buffer = views(0)
         self.v_buffer = views(1)
         self.index_k_buffer = views(2) if index_head_dim is not None else None
-
         self.pipelined: Tuple[int, ...] = tuple(
             l for l in self.plan.order if len(self.plan.layers_of(self.plan.buffer_of(l))) > 1
         )
         self._pipelined_set = frozenset(self.pipelined)
         self._pos = {l: i for i, l in enumerate(self.plan.order)}
-        self.namespace = f"{namespace}/{uuid.uuid4().hex[:12]}"
-        self.pagebook = PageBook(page_size, self.namespace, speculative_tails=speculative)
+
+    def _build_pipeline(self, store: Optional[HostKVStore], page_size: int, device: str) -> None:
+        """The host store and the slot pipeline, only where some buffer is shared."""
         self.store: Optional[HostKVStore] = None
         self.pipe: Optional[SlotPipeline] = None
-        if self.pipelined:
-            self.store = store if store is not None else make_store(offload, _device_index(device))
-            self.pipe = SlotPipeline(
-                self.plan,
-                self.store,
-                block_tokens=page_size,
-                prefetch_depth=offload.prefetch_depth,
-                wait_timeout_s=offload.wait_timeout_s,
-                device=torch.device(device),
-                buffers=self.physical,
-                lease_ttl_ms=offload.memcache.lease_ttl_ms,
-                namespace=self.namespace,
-            )
-            self.pipe.add_written_listener(self._on_pipeline_written)
+        if not self.pipelined:
+            return
+        offload = self.offload
+        self.store = store if store is not None else make_store(offload, _device_index(device))
+        self.pipe = SlotPipeline(
+            self.plan,
+            self.store,
+            block_tokens=page_size,
+            prefetch_depth=offload.prefetch_depth,
+            wait_timeout_s=offload.wait_timeout_s,
+            device=torch.device(device),
+            buffers=self.physical,
+            lease_ttl_ms=offload.memcache.lease_ttl_ms,
+            namespace=self.namespace,
+        )
+        self.pipe.add_written_listener(self._on_pipeline_written)
+
+    def _init_forward_state(self) -> None:
+        """Per-forward bookkeeping, listeners and statistics (empty at start)."""
         self.layer_transfer_counter = LayerCounter(self)
         self._fwd: Optional[_PoolForward] = None
         self._next_forward_id = 0
@@ -237,19 +266,6 @@ class LayerwisePrefillPool(DeviceDSAPool):
         self.stats = LayerwisePoolStats()
         self._last_log = time.monotonic()
         self._closed = False
-        self._finalize_allocation_log(size)
-        logger.info(
-            "layerwise prefill offload: %s; pipelined layers %s (host store %s), dedicated %s; "
-            "main KV %.1f MiB on %s instead of %.1f MiB",
-            self.plan.summary(),
-            list(self.pipelined),
-            self.store.name if self.store is not None else "-",
-            [l for l in self.plan.order if l not in self._pipelined_set],
-            self.plan.main_bytes_physical / 2**20,
-            device,
-            self.plan.main_bytes_logical / 2**20,
-        )
-        atexit.register(self.close)
 
     # ------------------------------------------------------------------ layout
     def _layer_specs(self) -> List[LayerKVSpec]:
