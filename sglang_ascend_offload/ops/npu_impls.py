@@ -222,6 +222,8 @@ def quant_lightning_indexer_npu(
 # Block sizes tried, largest first, when a "flat" buffer is presented to the paged
 # kernel as one sequence per query token.
 _FLAT_BLOCK_SIZES = (128, 64, 32, 16)
+#: A flat buffer handed to the npu attention rung has a multiple of this many rows.
+FLAT_ROWS_MULTIPLE = _FLAT_BLOCK_SIZES[-1]
 
 
 def _flat_as_paged(key: torch.Tensor, key_rope: torch.Tensor, num_tokens: int):

@@ -8,22 +8,34 @@ attention with the same attention op over the *host pool*, with the row's logica
 top-k mapped through the token table: what the served output over the hot buffer
 must equal.
 
+* **Where it recomputes: on the device, with the engine's own attention op.** The
+  row's ``top_k`` host rows are gathered on the host (the pool lives there) and copied
+  to the device of the served row, and the op the engine attends with (the plan's
+  ``sparse_mla_attention`` rung: torch_npu on an NPU, the reference on a CPU) runs
+  there on the row's query. Not on the host: on an NPU the engine's op is the torch_npu
+  kernel, which takes device tensors only, and the host-side reference op would
+  compare two different kernels' arithmetic, so a check could only hold a tolerance
+  (which hides a small corruption) where the same op over the same rows gives a
+  bit-exact answer. The staging buffer holds ``top_k`` rows rounded up to
+  :data:`~..ops.npu_impls.FLAT_ROWS_MULTIPLE` (the npu rung's flat layout); the extra
+  rows are never indexed.
 * **What is compared.** The served ``[N, latent]`` output row against the
   recomputation. Where the served output came from the same op over copied rows (the
   torch, CPU-kernel and Triton residency paths all end in the engine's attention op),
   the two read the same values in the same order: they must be bit-identical
   (``exact``). A fused copy-and-attention kernel computes differently: then within
   ``atol + rtol * |reference|`` (bf16 inputs: :data:`FUSED_ATOL` / :data:`FUSED_RTOL`).
-* **Cost.** One row's gather of ``top_k`` host rows and one row's attention, on the
-  sampled (layer, step) only: the sampling is a host random draw, so unsampled steps
-  read nothing from the device. A sampled check reads its rows back (a device sync).
+* **Cost.** One row's gather of ``top_k`` host rows, one host->device copy of them and
+  one row's attention, on the sampled (layer, step) only: the sampling is a host random
+  draw, so unsampled steps read nothing from the device. A sampled check reads the
+  row's top-k and token table back (a device sync) and the comparison's verdict.
 * **On a mismatch** the counters record it, the log names the layer, batch row,
   engine row and request, and with ``action="fail"`` the forward raises
   :class:`ShadowMismatch` with the same facts.
 
-The engine calls :meth:`ShadowVerifier.after_layer` from its eager layer step; a
-device-graph step has no host code between layers, so the served backends refuse a
-sample rate with decode graphs (rule ``sparse_decode.verify_graphs``).
+The engine draws (:meth:`ShadowVerifier.sample`) and checks (:meth:`ShadowVerifier.check`)
+from its eager layer step; a device-graph step has no host code between layers, so the
+served backends refuse a sample rate with decode graphs (rule ``sglang.sparse_decode_graph``).
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..ops.npu_impls import FLAT_ROWS_MULTIPLE
 from .verify import logical_to_host
 
 __all__ = ["ShadowMismatch", "ShadowResult", "ShadowVerifier", "FUSED_ATOL", "FUSED_RTOL", "ACTIONS"]
@@ -118,36 +131,37 @@ class ShadowVerifier:
         served: torch.Tensor,
         exact: bool,
     ) -> ShadowResult:
-        """Recompute one row and compare it with ``served`` ``[N, latent]``.
+        """Recompute one row on ``served``'s device and compare it with ``served`` ``[N, latent]``.
 
         read_rows(host slots int64 ``[K]``) -> ``[K, latent + rope]`` host rows of the
         layer; topk_row int32 ``[K]`` logical positions (``-1`` = none); token_row int32
         ``[max_ctx]`` the row's token table; query ``[N, latent]`` / query_rope
-        ``[N, rope]`` the row's query.
+        ``[N, rope]`` the row's query, on the engine's device; attention_op: the op the
+        engine attends with (it receives device tensors only).
         """
         t0 = time.perf_counter()
+        device = served.device
         slots = logical_to_host(topk_row.reshape(1, -1).cpu(), token_row.reshape(1, -1).cpu())[0]
         valid = slots >= 0
-        rows = read_rows(slots.clamp(min=0).to(torch.int64))
         k = slots.numel()
+        staged = _stage_rows(read_rows(slots.clamp(min=0).to(torch.int64)), device)
         indices = torch.where(valid, torch.arange(k, dtype=torch.int32), torch.full((k,), -1, dtype=torch.int32))
         ref = attention_op(
-            query.cpu().unsqueeze(0),
-            rows[:, :latent_dim].contiguous(),
+            query.unsqueeze(0),
+            staged[:, :latent_dim],
             None,
-            indices.view(1, 1, k),
+            indices.view(1, 1, k).to(device),
             scale,
-            query_rope=query_rope.cpu().unsqueeze(0),
-            key_rope=rows[:, latent_dim:].contiguous(),
+            query_rope=query_rope.unsqueeze(0),
+            key_rope=staged[:, latent_dim:],
             layout_query="TND",
             layout_kv="flat",
         )[0]
-        got = served.cpu()
         if exact:
-            ok = torch.equal(got, ref)
+            ok = torch.equal(served, ref)
         else:
-            ok = torch.allclose(got.float(), ref.float(), atol=FUSED_ATOL, rtol=FUSED_RTOL)
-        diff = float((got.float() - ref.float()).abs().max()) if got.numel() else 0.0
+            ok = torch.allclose(served.float(), ref.float(), atol=FUSED_ATOL, rtol=FUSED_RTOL)
+        diff = float((served.float() - ref.float()).abs().max()) if served.numel() else 0.0
         result = ShadowResult(layer, batch_row, engine_row, owner, diff, exact, bool(ok), time.perf_counter() - t0)
         self.checks += 1
         self.seconds += result.seconds
@@ -158,3 +172,12 @@ class ShadowVerifier:
             if self.action == "fail":
                 raise ShadowMismatch(f"sparse decode offload: {result.describe()} (verify_action 'fail')")
         return result
+
+
+def _stage_rows(host_rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``[K', D]`` device copy of the ``[K, D]`` host rows, ``K' = K`` rounded up to
+    :data:`FLAT_ROWS_MULTIPLE` (rows past ``K`` are zero and never indexed)."""
+    k, dim = host_rows.shape
+    staged = torch.zeros((-(-k // FLAT_ROWS_MULTIPLE) * FLAT_ROWS_MULTIPLE, dim), dtype=host_rows.dtype, device=device)
+    staged[:k].copy_(host_rows)
+    return staged

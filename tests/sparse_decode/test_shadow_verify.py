@@ -174,3 +174,60 @@ def test_sampling_is_a_host_draw_at_the_rate():
         ShadowVerifier(0.0)
     with pytest.raises(ValueError, match="verify_action must be one of"):
         ShadowVerifier(0.5, action="abort")
+
+
+class _ReachedTheOp(Exception):
+    """Raised by :func:`_device_only_op` once it has checked its arguments (``meta``
+    tensors carry no values, so the comparison after the op cannot run)."""
+
+
+def _device_only_op(seen):
+    """An attention op that, like a device kernel (torch_npu's), refuses host tensors."""
+
+    def op(query, key, value, sparse_indices, scale_value, *, query_rope=None, key_rope=None, **kw):
+        tensors = {"query": query, "key": key, "sparse_indices": sparse_indices}
+        tensors.update(query_rope=query_rope, key_rope=key_rope)
+        seen.update({name: t.device.type for name, t in tensors.items()})
+        seen["key_rows"] = key.shape[0]
+        host = [name for name, t in tensors.items() if t.device.type == "cpu"]
+        if host:
+            raise RuntimeError(f"device op given host tensors: {host}")
+        raise _ReachedTheOp
+
+    return op
+
+
+def test_the_recomputation_runs_on_the_served_rows_device():
+    """On an NPU the engine's attention op is torch_npu's kernel: the check must hand it
+    the row's query, the staged host rows and the indices on the served row's device
+    (``meta`` here), never host copies. The host rows are read on the host (the pool's
+    own read) and the top-k / token table are read back there to find them."""
+    latent, rope, heads = 8, 4, 2
+    host = torch.randn(32, latent + rope).to(torch.bfloat16)
+    reads = []
+
+    def read_rows(slots):
+        reads.append(slots.device.type)
+        return host.index_select(0, slots)
+
+    seen = {}
+    with pytest.raises(_ReachedTheOp):
+        ShadowVerifier(1.0).check(
+            layer=0,
+            batch_row=0,
+            engine_row=0,
+            owner=7,
+            attention_op=_device_only_op(seen),
+            read_rows=read_rows,
+            latent_dim=latent,
+            topk_row=torch.tensor([3, 0, -1, 2, 1], dtype=torch.int32),
+            token_row=torch.tensor([10, 11, 12, 13, 14, 15], dtype=torch.int32),
+            query=torch.empty(heads, latent, dtype=torch.bfloat16, device="meta"),
+            query_rope=torch.empty(heads, rope, dtype=torch.bfloat16, device="meta"),
+            scale=0.5,
+            served=torch.empty(heads, latent, dtype=torch.bfloat16, device="meta"),
+            exact=True,
+        )
+    assert seen.pop("key_rows") == 16  # 5 rows staged in a buffer the npu rung's flat layout takes
+    assert seen == dict.fromkeys(("query", "key", "sparse_indices", "query_rope", "key_rope"), "meta")
+    assert reads == ["cpu"]
