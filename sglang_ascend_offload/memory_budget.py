@@ -18,7 +18,6 @@ Available memory:
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional
@@ -134,7 +133,7 @@ def check(
     if device == "cpu":  # the device *is* host memory: one budget for both
         items = [Allocation(i.name, "host", i.nbytes, i.formula, i.knob) for i in items]
     if available is None:
-        available = {"host": host_available_bytes(), "device": None if device == "cpu" else device_free_bytes(device)}
+        available = available_bytes(device)
     out: List[Violation] = []
     for where in ("device", "host"):
         mine = [i for i in items if i.where == where]
@@ -159,7 +158,7 @@ def check(
     return out
 
 
-def env_override(name: str) -> Optional[int]:
-    """An integer byte count from the environment (tests pin available memory with it)."""
-    text = os.environ.get(name)
-    return None if not text else int(text)
+def available_bytes(device: str) -> Dict[str, Optional[int]]:
+    """``{"host": bytes, "device": bytes}`` free now (``None``: unknown; on a CPU the device
+    is host memory, so ``device`` is ``None`` and the host figure is the one budget)."""
+    return {"host": host_available_bytes(), "device": None if device == "cpu" else device_free_bytes(device)}

@@ -32,6 +32,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from . import harness
 from .ports import DP_ATTENTION_OFFSETS, log_reports_bind_failure, release_ports, reserve_port
 
 __all__ = [
@@ -148,6 +149,8 @@ def server_env(cpu: bool = True) -> Dict[str, str]:
         env.pop("SGLANG_USE_CPU_ENGINE", None)
         env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
     env.pop("SGLANG_ASCEND_OFFLOAD_CONFIG", None)
+    # the test harness's SGLang plugin (inert unless a seam is asked for: testing/harness.py)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(harness.PLUGIN_PATH), env.get("PYTHONPATH")) if p)
     return env
 
 

@@ -171,11 +171,7 @@ def _sparse_decode_memory(
         host_tokens_source=host_source,
         device=deployment.device,
     )
-    available = None
-    pinned_host = memory_budget.env_override("SAO_AVAILABLE_HOST_BYTES")
-    if pinned_host is not None:
-        available = {"host": pinned_host, "device": memory_budget.env_override("SAO_AVAILABLE_DEVICE_BYTES")}
-    found = memory_budget.check(items, deployment.device, available=available)
+    found = memory_budget.check(items, deployment.device)
     if not found:
         logger.info(
             "sglang-ascend-offload: sparse decode offload plans %s",

@@ -106,7 +106,7 @@ def test_startup_checks_one_request_and_leaves_concurrency_to_the_device_budget(
     check: the pool sizing caps the running requests to the hot buffers that fit SGLang's
     KV budget (test_offload_sizing.py). What the startup check refuses is a hot buffer that
     does not fit even for one request and its padding row, with the numbers."""
-    monkeypatch.setenv("SAO_AVAILABLE_HOST_BYTES", str(16 * 2**30))
+    monkeypatch.setattr(memory_budget, "available_bytes", lambda device: {"host": 16 * 2**30, "device": None})
     flags.remember(raw(sparse='{"hot_tokens": 4096}'))
     _server_args(max_total_tokens=4096).resolve_once()
     assert json.loads(carrier.published_text())["sparse_decode"]["hot_tokens"] == 4096

@@ -33,8 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from conftest import IDLE_SLEEP, ServerProcess
 
-from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import FORCE_DEMOTE_ENV
-from sglang_ascend_offload.testing import pd_servers
+from sglang_ascend_offload.testing import harness, pd_servers
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +61,7 @@ def servers(request, tmp_path_factory, shared_servers):
             json.dumps({"residency": "adaptive", "metrics_export_interval_s": 0}),
         ],
         log_path=root / "adaptive.log",
-        env={FORCE_DEMOTE_ENV: str(hold_flag)},
+        env=harness.environment({"force_demote": str(hold_flag)}),
     )
     adaptive.hold_flag = hold_flag
     try:

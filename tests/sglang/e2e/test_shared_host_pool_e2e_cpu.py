@@ -34,6 +34,8 @@ from typing import Dict, List, Tuple
 import pytest
 from conftest import IDLE_SLEEP, TINY_DSA, ServerProcess, start_all, stop_all
 
+from sglang_ascend_offload.testing import harness
+
 pytestmark = pytest.mark.slow
 
 VOCAB = 1024
@@ -68,7 +70,7 @@ def servers(tmp_path_factory):
         log_path=root / "on.log",
         env={
             **ENV,
-            "SGLANG_ASCEND_OFFLOAD_TEST_HOLD_APPENDS": str(hold),
+            **harness.environment({"hold_appends": str(hold)}),
             "SGLANG_ASCEND_OFFLOAD_APPEND_TIMEOUT_S": str(DEADLINE_S),
         },
     )

@@ -33,18 +33,19 @@ import errno
 import mmap
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from ....sparse_decode.host_pool import AppendTimeout
 
 TIMEOUT_ENV = "SGLANG_ASCEND_OFFLOAD_APPEND_TIMEOUT_S"
-# Fault injection (tests): while the file named here exists, TP rank 0 writes its rows but
-# stops publishing them -- what a stuck rank 0 looks like to the readers.
-HOLD_ENV = "SGLANG_ASCEND_OFFLOAD_TEST_HOLD_APPENDS"
 DEFAULT_TIMEOUT_S = 120.0
 SEM_OFFSET = 256  # sem_t (32 B on 64-bit Linux, x86-64 and aarch64); 64 B reserved
 SEM_BYTES = 64
 COUNTERS_OFFSET = 512  # int64 [layers] published append counts
+
+
+def _never() -> bool:
+    return False
 
 
 class Timespec(ctypes.Structure):
@@ -96,7 +97,10 @@ class AppendOrder:
         self._trywait, self._post = libc().sem_trywait, libc().sem_post
         self._published = (ctypes.c_int64 * layers).from_buffer(mapping, COUNTERS_OFFSET)
         self._local = [0] * layers
-        self._hold = os.environ.get(HOLD_ENV) if rank == 0 else None
+        #: ``() -> bool``: while true, rank 0 writes its rows but does not publish them (what a
+        #: stuck rank 0 looks like to the readers). Always false in service; the test harness
+        #: (``testing/harness.py``, seam ``hold_appends``) sets it.
+        self.hold: Callable[[], bool] = _never
         self.waits = 0  # reads that found the rows not yet published
         self.wait_s = 0.0
         self.checks = 0
@@ -150,8 +154,8 @@ class AppendOrder:
         self._local[layer] += 1
         if self.rank != 0:
             return
-        if self._hold and os.path.exists(self._hold):
-            return  # fault injection: rank 0 "stuck" (see HOLD_ENV)
+        if self.hold():
+            return  # rank 0 "stuck" (see ``hold``)
         if self._trywait(self._sem_arg) == 0:  # fast path: the lock is free
             self._published[layer] = self._local[layer]
             self._post(self._sem_arg)

@@ -40,14 +40,13 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from ....sparse_decode.host_pool import AppendTimeout, HostKVPool, HostPoolShape
-from .append_order import COUNTERS_OFFSET, DEFAULT_TIMEOUT_S, HOLD_ENV, TIMEOUT_ENV, AppendOrder, EngineGate
+from .append_order import COUNTERS_OFFSET, DEFAULT_TIMEOUT_S, TIMEOUT_ENV, AppendOrder, EngineGate
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "SHM_DIR_ENV",
     "TIMEOUT_ENV",
-    "HOLD_ENV",
     "DEFAULT_TIMEOUT_S",
     "PREFIX",
     "AppendTimeout",

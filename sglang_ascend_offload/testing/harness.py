@@ -1,0 +1,106 @@
+"""Test seams of the served plugin: fault injection and resource pins, installed from outside.
+
+Runtime modules read no test switches. A test that needs a server to misbehave (a request
+demoted, TP rank 0 stuck, less memory than the machine has) asks the test launcher for a
+*seam*; the launcher (:class:`~sglang_ascend_offload.testing.servers.ServerProcess`) puts
+this module's SGLang plugin on the server's path and passes the seams as JSON in
+:data:`HARNESS_ENV`. SGLang's ``load_plugins()`` runs :func:`register` in every server
+process (launcher, schedulers, detokenizer); it turns each seam into a HookRegistry hook on
+the plugin's own code. A server started any other way never sees this plugin: its entry
+point lives in ``harness_plugin/`` (a ``.dist-info`` only the launcher adds to
+``PYTHONPATH``), not in the package's metadata.
+
+==================  ==========================  ===========================================
+seam                value                       effect
+==================  ==========================  ===========================================
+``force_demote``    path of a flag file         adaptive residency: while the file exists no
+                                                request is direct (each is demoted in place
+                                                at its next step)
+``hold_appends``    path of a flag file         TP rank 0 of a shared host pool writes its
+                                                rows but stops publishing them while the
+                                                file exists (a stuck rank 0, seen by readers)
+``available_bytes`` ``{"host": n, "device": m}``  the launch memory check sees these free bytes
+                                                instead of probing the machine
+==================  ==========================  ===========================================
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Callable, Dict
+
+logger = logging.getLogger(__name__)
+
+#: JSON object ``{seam: value}`` set by the test launcher for one server.
+HARNESS_ENV = "SGLANG_ASCEND_OFFLOAD_TEST_HARNESS"
+#: The folder holding the harness plugin's entry point (added to a test server's PYTHONPATH).
+PLUGIN_PATH = Path(__file__).resolve().with_name("harness_plugin")
+
+_POOL = "sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode.HostMainKVPool.__init__"
+_APPEND_ORDER = "sglang_ascend_offload.sglang_plugin.mem_cache.pool_host.append_order.AppendOrder.__init__"
+_AVAILABLE = "sglang_ascend_offload.memory_budget.available_bytes"
+
+
+def _flag(path: str) -> Callable[[], bool]:
+    return lambda: os.path.exists(path)
+
+
+def _force_demote(path: str) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def after_pool_init(_result, pool, *args, **kwargs):
+        if pool.engine.direct is not None:
+            pool.engine.direct.hold = _flag(path)
+            logger.warning("test harness: while %s exists no request is direct", path)
+
+    HookRegistry.register(_POOL, after_pool_init, HookType.AFTER)
+
+
+def _hold_appends(path: str) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def after_order_init(_result, order, *args, **kwargs):
+        if order.rank == 0:
+            order.hold = _flag(path)
+            logger.warning("test harness: TP rank 0 stops publishing appends while %s exists", path)
+
+    HookRegistry.register(_APPEND_ORDER, after_order_init, HookType.AFTER)
+
+
+def _available_bytes(pinned: Dict[str, int]) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def pinned_bytes(_original, *args, **kwargs):
+        return {"host": int(pinned["host"]), "device": pinned.get("device")}
+
+    HookRegistry.register(_AVAILABLE, pinned_bytes, HookType.AROUND)
+    logger.warning("test harness: the launch memory check sees %s free bytes", pinned)
+
+
+SEAMS: Dict[str, Callable] = {
+    "force_demote": _force_demote,
+    "hold_appends": _hold_appends,
+    "available_bytes": _available_bytes,
+}
+
+
+def environment(seams: Dict[str, object]) -> Dict[str, str]:
+    """The environment a test server needs for ``seams`` (unknown names are an error)."""
+    unknown = sorted(set(seams) - set(SEAMS))
+    if unknown:
+        raise ValueError(f"unknown test seams {unknown}; known: {sorted(SEAMS)}")
+    return {HARNESS_ENV: json.dumps(seams)}
+
+
+def register() -> None:
+    """SGLang general-plugin entry point: install the seams named in :data:`HARNESS_ENV`."""
+    text = os.environ.get(HARNESS_ENV)
+    if not text:
+        return
+    seams = json.loads(text)
+    for name, value in seams.items():
+        SEAMS[name](value)
+    logger.warning("test harness installed: %s", ", ".join(sorted(seams)))
