@@ -3,9 +3,11 @@ SGLang-NPU uses against the real packages, and negative controls showing each ch
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -44,12 +46,24 @@ def test_project_source_conforms(project_report):
     assert project_report.packages["torch_npu"] == "2.13.0"
 
 
-def test_checked_calls_cover_every_distinct_npu_use(project_report, project_scan):
-    distinct = {(u.path, u.kind) for u in project_scan.uses if u.package in NPU_PACKAGES}
-    checked = sum(project_report.details[p].checked for p in NPU_PACKAGES)
+def test_every_use_has_exactly_one_outcome(project_report):
+    """checked + unverified + skipped + findings == the uses, per package and in all."""
+    distinct = {(u.path, u.kind) for u in project_report_uses() if u.package in NPU_PACKAGES}
     assert len(distinct) >= 40  # the finder really sees the MemFabric / Memcache / torch_npu code
-    assert checked >= len(distinct)
-    assert project_report.checked_calls >= len({(u.path, u.kind) for u in project_scan.uses})
+    outcomes = 0
+    for r in project_report.details.values():
+        outcomes += r.checked + len(r.unverified) + len(r.skipped) + len(r.findings)
+    assert outcomes == project_report.uses
+    assert project_report.checked_calls == sum(r.checked for r in project_report.details.values())
+    assert project_report.checked_calls + len(project_report.unverified) + len(project_report.skipped) == outcomes
+    for entry in project_report.unverified + project_report.skipped:  # each listed with where and why
+        assert entry.file and entry.line > 0 and entry.what and entry.why
+
+
+def project_report_uses():
+    scan = callsites.scan()
+    report._test_tree_torch_npu(scan)
+    return scan.uses
 
 
 def test_finder_types_returned_objects(project_scan):
@@ -189,7 +203,8 @@ def test_report_fails_on_a_tree_with_the_old_flag(tmp_path):
     (pkg / "pool.py").write_text("from memfabric_hybrid import offload\nFLAG = offload.OFFLOAD_FLAG_URMA_POOL\n")
     rep = report.collect([str(pkg)])
     assert [f.what for f in rep.unknown] == ["memfabric_hybrid.offload.OFFLOAD_FLAG_URMA_POOL"]
-    assert rep.checked_calls == 2  # the import and the attribute
+    assert rep.checked_calls == 1  # the import; the attribute is unknown, not checked
+    assert rep.summary() == "1 checked / 0 unverified / 0 skipped / 1 unknown"
 
 
 def test_pybind_signature_parser():
@@ -203,6 +218,67 @@ def test_pybind_signature_parser():
     assert sig.signature.parameters["id"].default is sig.signature.parameters["id"].empty
 
 
+def _outcomes(source: str):
+    """Each checker's :class:`PackageResult` over one in-memory module, by package."""
+    scan = callsites.scan_source({"snippet.py": textwrap.dedent(source)})
+    results = [packages.check(scan.uses, p) for p in packages.DISTRIBUTIONS]
+    results += [torch_npu_schemas.check(scan.uses), sglang_source.check(scan.uses)]
+    return {r.package: r for r in results}
+
+
+def test_a_call_without_a_readable_signature_is_unverified_not_checked():
+    """torch.npu's names are extracted, not its signatures; an SGLang name bound to a value
+    has no ``def`` to bind against: both calls resolve, neither is checked."""
+    by_pkg = _outcomes("""
+        import torch
+
+        def sync():
+            torch.npu.synchronize(no_such_argument=1)
+            return torch.npu.current_stream
+
+        def register():
+            from sglang.srt.server_args import add_attention_backend_choices
+            add_attention_backend_choices(["x"])
+    """)
+    tnpu, sgl = by_pkg["torch_npu"], by_pkg["sglang"]
+    assert [(f.what, f.why) for f in tnpu.unverified] == [
+        ("torch_npu.npu.synchronize(...)", "torch.npu.synchronize exists; torch.npu's signatures are not extracted")
+    ]
+    assert tnpu.checked == 1 and tnpu.findings == []  # the torch.npu.current_stream read
+    assert [(f.what, f.why) for f in sgl.unverified] == [
+        ("sglang.srt.server_args.add_attention_backend_choices(...)", "a call of a module-level value")
+    ]
+    assert sgl.checked == 1  # the import; the call is not counted as checked too
+
+
+def test_a_pybind_function_without_a_signature_is_unverified():
+    """The memfabric / memcache checker reads pybind11 signatures from ``__doc__``: a
+    builtin whose doc has none (``len`` here, on a stand-in module) resolves, unverified."""
+    module = types.ModuleType("memfabric_hybrid")
+    module.no_doc_fn = len
+    use = callsites.Use("snippet.py", 3, ("memfabric_hybrid", "no_doc_fn"), "call", positional=1)
+    result = packages.PackageResult("memfabric_hybrid", "1.3.0", "stand-in module")
+    packages._check_use(packages._Resolver(module), use, result)
+    assert result.checked == 0 and result.skipped == [] and result.findings == []
+    assert [(f.what, f.why) for f in result.unverified] == [
+        ("memfabric_hybrid.no_doc_fn(...)", "pybind11 function without a signature in __doc__")
+    ]
+
+
+def test_every_skipped_use_is_listed_with_its_reason():
+    by_pkg = _outcomes("""
+        from sglang.srt.runtime_context import get_parallel
+
+        def rank():
+            return get_parallel().tp_rank
+    """)
+    sgl = by_pkg["sglang"]
+    assert [(f.file, f.line, f.what, f.why) for f in sgl.skipped] == [
+        ("snippet.py", 5, "sglang.srt.runtime_context.get_parallel().tp_rank", "the result of a function call")
+    ]
+    assert sgl.as_dict()["skipped"] == 1 and sgl.unverified == []
+
+
 # ---------------------------------------------------------------------------- CLI
 def test_env_npu_api_json_is_one_document():
     proc = subprocess.run(
@@ -213,6 +289,24 @@ def test_env_npu_api_json_is_one_document():
         timeout=300,
     )
     doc = json.loads(proc.stdout)  # exactly one JSON document: extra text would not parse
-    assert {"packages", "checked_calls", "unknown"} <= set(doc)
+    assert {"packages", "checked_calls", "unverified", "skipped", "unknown"} <= set(doc)
     assert doc["unknown"] == [] and proc.returncode == 0, doc["unknown"]
     assert doc["checked_calls"] > 0 and doc["packages"]["memcache_hybrid"] == "1.3.0"
+    for key in ("unverified", "skipped"):
+        assert doc[key] and all(set(e) == {"where", "package", "what", "why"} for e in doc[key]), key
+    assert len(doc["skipped"]) == sum(d["skipped"] for d in doc["details"].values())
+
+
+def test_env_npu_api_summary_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_ascend_offload", "env", "--npu-api"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    first = proc.stdout.splitlines()[0]
+    assert re.fullmatch(
+        r"NPU API conformance: \d+ uses in \d+ files: \d+ checked / \d+ unverified / \d+ skipped / 0 unknown", first
+    ), first
+    assert "  SKIPPED " in proc.stdout and "  UNVERIFIED " in proc.stdout

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..versions import installed_version
 from .callsites import CALL, Use
-from .result import Finding, PackageResult, bind_problem
+from .result import Finding, PackageResult, bind_problem, use_what
 
 __all__ = ["DISTRIBUTIONS", "PybindSignature", "parse_pybind_signatures", "supported_range", "check"]
 
@@ -277,6 +277,8 @@ class _Resolver:
 
 
 def _check_use(resolver: _Resolver, use: Use, result: PackageResult) -> None:
+    """One use's outcome (``result.py``): a name that does not resolve is a finding, one
+    that cannot be typed is skipped, a call whose signature cannot be read unverified."""
     try:
         obj, parent, last = resolver.walk(use.path)
         if use.kind == "store" and parent is not None:
@@ -284,20 +286,23 @@ def _check_use(resolver: _Resolver, use: Use, result: PackageResult) -> None:
             if isinstance(attr, property) and attr.fset is None:
                 raise LookupError(f"{last} is a read-only property")
         if use.kind == "call":
-            sigs, _ = _signatures(obj, last)
+            try:
+                sigs, origin = _signatures(obj, last)
+            except _Untyped as exc:
+                return result.unverify(use, str(exc))
+            if not sigs:
+                return result.unverify(use, f"no signature could be read from its {origin}")
             problems = [bind_problem(s, use.positional, use.keywords, use.starred) for s in sigs]
-            if problems and all(problems):
+            if all(problems):
                 raise LookupError(problems[0] if len(problems) == 1 else "; ".join(problems))
         result.checked += 1
     except LookupError as exc:
-        result.checked += 1
-        what = use.dotted + ("(...)" if use.kind == "call" else " = ..." if use.kind == "store" else "")
         why = str(exc).strip("'\"")
         if use.note:
             why += f" ({use.note})"
-        result.findings.append(Finding(use.file, use.line, use.package, what, why))
+        result.findings.append(Finding(use.file, use.line, use.package, use_what(use), why))
     except _Untyped as exc:
-        result.skip(str(exc))
+        result.skip(use, str(exc))
 
 
 def check(uses: Sequence[Use], package: str) -> PackageResult:

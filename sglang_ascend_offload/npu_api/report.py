@@ -1,10 +1,14 @@
 """One report over every checker: :func:`collect` and its human / JSON forms.
 
 Contract: :func:`collect` scans the project (or ``roots``), checks each package's uses
-and returns an :class:`NpuApiReport`. ``unknown`` holds every use that does not conform
-plus every dynamic reference the finder could not resolve; it is empty when the
-source is clean. ``checked_calls`` counts uses checked against a package (attribute
-reads and stores, calls, imports, SGLang patch targets).
+and returns an :class:`NpuApiReport`. Every use has one outcome (``result.py``):
+``checked_calls`` counts the uses that conform (the name resolves in the real package
+and a call binds to a signature read from it); ``unverified`` lists the calls of names
+that resolve but whose signature could not be read; ``skipped`` lists the uses the
+checkers cannot type, each with its reason; ``unknown`` holds every use that does not
+conform plus every dynamic reference the finder could not resolve, and is empty when
+the source is clean. The human form's first line reads
+``checked / unverified / skipped / unknown``; ``--json`` has the same four keys.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ __all__ = ["NpuApiReport", "collect", "format_human"]
 @dataclass
 class NpuApiReport:
     """``packages``: checked package -> version; ``details``: per-package results;
-    ``uses``: distinct uses found; ``files``: source files scanned."""
+    ``uses``: distinct uses found; ``files``: source files scanned; ``checked_calls``,
+    ``unverified``, ``skipped``, ``unknown``: the outcomes (module docstring)."""
 
     packages: Dict[str, Optional[str]]
     checked_calls: int
     unknown: List[Finding]
+    unverified: List[Finding] = field(default_factory=list)
+    skipped: List[Finding] = field(default_factory=list)
     details: Dict[str, PackageResult] = field(default_factory=dict)
     uses: int = 0
     files: int = 0
@@ -35,11 +42,20 @@ class NpuApiReport:
         return {
             "packages": self.packages,
             "checked_calls": self.checked_calls,
+            "unverified": [f.as_dict() for f in self.unverified],
+            "skipped": [f.as_dict() for f in self.skipped],
             "unknown": [f.as_dict() for f in self.unknown],
             "uses": self.uses,
             "files": self.files,
             "details": {name: r.as_dict() for name, r in self.details.items()},
         }
+
+    def summary(self) -> str:
+        """``N checked / N unverified / N skipped / N unknown``."""
+        return (
+            f"{self.checked_calls} checked / {len(self.unverified)} unverified / {len(self.skipped)} skipped / "
+            f"{len(self.unknown)} unknown"
+        )
 
 
 def _test_tree_torch_npu(scan: callsites.Scan) -> None:
@@ -80,23 +96,26 @@ def collect(
         packages={name: r.version for name, r in details.items()},
         checked_calls=sum(r.checked for r in details.values()),
         unknown=unknown,
+        unverified=_in_order(f for r in details.values() for f in r.unverified),
+        skipped=_in_order(f for r in details.values() for f in r.skipped),
         details=details,
         uses=len(scan.uses),
         files=scan.files,
     )
 
 
+def _in_order(findings) -> List[Finding]:
+    return sorted(findings, key=lambda f: (f.file, f.line, f.what))
+
+
 def format_human(report: NpuApiReport) -> str:
-    lines = [
-        f"NPU API conformance: {report.uses} uses in {report.files} files, "
-        f"{report.checked_calls} checked, {len(report.unknown)} unknown"
-    ]
+    lines = [f"NPU API conformance: {report.uses} uses in {report.files} files: {report.summary()}"]
     for name, r in report.details.items():
-        skipped = sum(r.skipped.values())
         lines.append(
-            f"  {name:18s} {r.version or '-':10s} checked {r.checked:4d}  skipped {skipped:3d}  "
-            f"findings {len(r.findings)}  ({r.source})"
+            f"  {name:18s} {r.version or '-':10s} {r.checked:4d} checked / {len(r.unverified):3d} unverified / "
+            f"{len(r.skipped):3d} skipped / {len(r.findings)} findings  ({r.source})"
         )
-    for f in report.unknown:
-        lines.append(f"  UNKNOWN {f.file}:{f.line}: {f.what}: {f.why}")
+    for label, entries in (("UNVERIFIED", report.unverified), ("SKIPPED", report.skipped), ("UNKNOWN", report.unknown)):
+        for f in entries:
+            lines.append(f"  {label} {f.file}:{f.line}: {f.what}: {f.why}")
     return "\n".join(lines)

@@ -12,7 +12,8 @@ classes resolved through the defining module's names). A name that does not exis
 a :class:`~.result.Finding`; a call is bound against the ``def``'s parameters
 (``self`` dropped for instances and ``super()``). What the source cannot type (the
 result of a function call, a member inherited from a base outside SGLang, a module
-``__getattr__``) is counted as skipped with the reason, not reported.
+``__getattr__``) is skipped, listed with the reason; a call of a name that resolves to
+something without a ``def`` in the source (a module-level value) is unverified.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from ..versions import installed_version
 from .callsites import CALL, Use
-from .result import Finding, PackageResult, bind_problem
+from .result import Finding, PackageResult, bind_problem, use_what
 
 __all__ = ["SourceTree", "check"]
 
@@ -336,12 +337,9 @@ class SourceTree:
         raise _Untyped(f"a call of {node.what}" if isinstance(node, _Val) else "not a function or class")
 
 
-def _skip_reason(exc: _Untyped) -> str:
-    return str(exc)
-
-
 def check(uses: Sequence[Use], tree: Optional[SourceTree] = None) -> PackageResult:
-    """Check every ``sglang`` use (see the module docstring)."""
+    """Check every ``sglang`` use (see the module docstring): a path that cannot be typed
+    is skipped, a call whose signature cannot be read from the source unverified."""
     tree = tree or SourceTree()
     version = installed_version("sglang")
     result = PackageResult("sglang", version, f"source parsed from {tree.location}")
@@ -350,15 +348,21 @@ def check(uses: Sequence[Use], tree: Optional[SourceTree] = None) -> PackageResu
             continue
         try:
             node = tree.walk(use.path)
-            result.checked += 1
-            if use.kind == "call":
-                why = bind_problem(tree.call_signature(node), use.positional, use.keywords, use.starred)
-                if why:
-                    result.findings.append(Finding(use.file, use.line, "sglang", use.dotted + "(...)", why))
         except _Missing as exc:
-            result.checked += 1
-            what = use.dotted + ("(...)" if use.kind == "call" else "")
-            result.findings.append(Finding(use.file, use.line, "sglang", what, str(exc).strip("'\"")))
+            result.findings.append(Finding(use.file, use.line, "sglang", use_what(use), str(exc).strip("'\"")))
+            continue
         except _Untyped as exc:
-            result.skip(_skip_reason(exc))
+            result.skip(use, str(exc))
+            continue
+        if use.kind == "call":
+            try:
+                sig = tree.call_signature(node)
+            except _Untyped as exc:
+                result.unverify(use, str(exc))
+                continue
+            why = bind_problem(sig, use.positional, use.keywords, use.starred)
+            if why:
+                result.findings.append(Finding(use.file, use.line, "sglang", use.dotted + "(...)", why))
+                continue
+        result.checked += 1
     return result

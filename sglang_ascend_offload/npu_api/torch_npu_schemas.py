@@ -162,52 +162,56 @@ def _call_problem(overloads: List[OpSchema], use: Use) -> Optional[str]:
 
 def check(uses: Sequence[Use], data: Optional[Dict[str, object]] = None) -> PackageResult:
     """Check every ``torch_npu`` use: an op call must name an extracted schema and bind
-    to it (keyword names, positional arity, required parameters)."""
+    to it (keyword names, positional arity, required parameters); a ``torch.npu.*`` name
+    must be one ``torch_npu/npu/__init__.py`` binds, and a call of it is unverified (its
+    signature is not extracted)."""
     data = data or load()
     ops = schemas(data)
     names = set(data.get("module_names", []))
     result = PackageResult("torch_npu", data.get("torch_npu_version"), str(data.get("source")))
     for use in uses:
-        if use.package != "torch_npu":
-            continue
-        if len(use.path) < 2:
-            result.checked += 1
-            continue
-        name = use.path[1]
-        if len(use.path) == 2 and use.kind == "call":
-            result.checked += 1
-            if name not in ops:
-                why = (
-                    f"no registered schema named {name!r} in torch_npu {result.version} "
-                    f"(run scripts/extract_torch_npu_schemas.py if it is a new call)"
-                )
-                result.findings.append(Finding(use.file, use.line, "torch_npu", f"torch_npu.{name}(...)", why))
-                continue
-            why = _call_problem(ops[name], use)
-            if why:
-                result.findings.append(Finding(use.file, use.line, "torch_npu", f"torch_npu.{name}(...)", why))
-        elif len(use.path) == 2 and (name in ops or name in names):
-            result.checked += 1
-        elif len(use.path) >= 3 and name == "npu" and use.path[2] != "()":
-            result.checked += 1
-            if use.path[2] not in set(data.get("npu_module_names", [])):
-                result.findings.append(
-                    Finding(
-                        use.file,
-                        use.line,
-                        "torch_npu",
-                        f"torch.npu.{use.path[2]}",
-                        f"torch_npu {result.version}'s torch.npu module has no {use.path[2]!r} ({_NPU_INIT})",
-                    )
-                )
-        elif len(use.path) == 2 and name.startswith("npu_"):
-            result.checked += 1
-            result.findings.append(
-                Finding(use.file, use.line, "torch_npu", f"torch_npu.{name}", "no registered schema of that name")
-            )
-        else:
-            result.skip("a torch_npu Python attribute (only op schemas and top-level names are extracted)")
+        if use.package == "torch_npu":
+            _check_use(use, ops, names, set(data.get("npu_module_names", [])), result)
     return result
+
+
+def _check_use(use: Use, ops: Dict[str, List[OpSchema]], names, npu_names, result: PackageResult) -> None:
+    """One use's outcome (``result.py``)."""
+    if len(use.path) < 2:
+        result.checked += 1
+        return
+    name = use.path[1]
+    if len(use.path) == 2 and use.kind == "call":
+        if name not in ops:
+            why = (
+                f"no registered schema named {name!r} in torch_npu {result.version} "
+                f"(run scripts/extract_torch_npu_schemas.py if it is a new call)"
+            )
+            result.findings.append(Finding(use.file, use.line, "torch_npu", f"torch_npu.{name}(...)", why))
+            return
+        why = _call_problem(ops[name], use)
+        if why:
+            result.findings.append(Finding(use.file, use.line, "torch_npu", f"torch_npu.{name}(...)", why))
+            return
+        result.checked += 1
+    elif len(use.path) == 2 and (name in ops or name in names):
+        result.checked += 1
+    elif len(use.path) >= 3 and name == "npu" and use.path[2] != "()":
+        if use.path[2] not in npu_names:
+            why = f"torch_npu {result.version}'s torch.npu module has no {use.path[2]!r} ({_NPU_INIT})"
+            result.findings.append(Finding(use.file, use.line, "torch_npu", f"torch.npu.{use.path[2]}", why))
+        elif len(use.path) > 3:
+            result.skip(use, f"torch.npu.{use.path[2]} exists; what follows it is not extracted")
+        elif use.kind == "call":
+            result.unverify(use, f"torch.npu.{use.path[2]} exists; torch.npu's signatures are not extracted")
+        else:
+            result.checked += 1
+    elif len(use.path) == 2 and name.startswith("npu_"):
+        result.findings.append(
+            Finding(use.file, use.line, "torch_npu", f"torch_npu.{name}", "no registered schema of that name")
+        )
+    else:
+        result.skip(use, "a torch_npu Python attribute (only op schemas and top-level names are extracted)")
 
 
 def project_ops(uses: Iterable[Use]) -> Tuple[str, ...]:
