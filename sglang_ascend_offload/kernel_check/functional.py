@@ -42,8 +42,8 @@ from ..ops.contract import IndexerManageResult, ResidencyTable
 from . import model as km
 from .decode_rows import DecodeRows
 
-ATTN_ATOL = 2e-2
-ATTN_RTOL = 2e-2
+ATTN_ATOL = fused.ATTENTION_ATOL  # the fused attention's stated tolerance (one home: ops/fused.py)
+ATTN_RTOL = fused.ATTENTION_RTOL
 
 
 @dataclass

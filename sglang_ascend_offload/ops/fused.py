@@ -66,6 +66,9 @@ __all__ = [
     "copy_sparse_flash_attention",
     "scatter_token_topk",
     "token_hot_indices",
+    "residency_after_indexer",
+    "ATTENTION_ATOL",
+    "ATTENTION_RTOL",
     "LIM_KERNEL",
     "LIM_C8_KERNEL",
     "COPY_SFA_KERNEL",
@@ -130,6 +133,12 @@ def fused_shape_obstacles(hot_tokens: int, top_k: int, tokens_per_row: int = 1):
         sfa.append(f"{n} verify rows per request share a row; the kernel takes at most {MAX_TOKENS_PER_ROW}")
     return "; ".join(lim), "; ".join(sfa)
 
+
+#: The stated tolerance of the fused attention against a separate composition (bf16
+#: probabilities before P.V, another summation order): ``|fused - ref| <= ATOL + RTOL * |ref|``
+#: (docs/fused_ops.md; check-kernels and the kernel qualification at startup hold it).
+ATTENTION_ATOL = 2e-2
+ATTENTION_RTOL = 2e-2
 
 LIM_KERNEL = "npu_fused_lightning_indexer_manage"
 LIM_C8_KERNEL = "npu_fused_quant_lightning_indexer_manage"
@@ -284,6 +293,35 @@ def _manage_after_indexer(
         topk_indices=topk,
         sparse_indices=token_hot_indices(res.slots, tr, hot_tokens),
         residency=res,
+    )
+
+
+def residency_after_indexer(
+    topk: torch.Tensor,
+    *,
+    slot_token,
+    slot_stamp,
+    row_req,
+    token_rows,
+    req_ids,
+    stable_len,
+    step: Step,
+    tokens_per_row: int = 1,
+) -> IndexerManageResult:
+    """LIM's residency half on a given per-token ``topk`` (int32 ``[T, 1, K]``, from any
+    rung's indexer): the reference ``residency_manage`` per row (on the union of a row's
+    tokens' top-k with ``tokens_per_row > 1``) and each token's flat hot rows. Arguments and
+    results as :func:`lightning_indexer_manage`; the state tensors are mutated in place."""
+    return _manage_after_indexer(
+        topk,
+        slot_token=slot_token,
+        slot_stamp=slot_stamp,
+        row_req=row_req,
+        token_rows=token_rows,
+        req_ids=req_ids,
+        stable_len=stable_len,
+        step=step,
+        tokens_per_row=tokens_per_row,
     )
 
 
