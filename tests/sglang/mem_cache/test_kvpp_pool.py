@@ -232,11 +232,21 @@ def _run(rank, group_size, broadcast, process_group, device) -> dict:
     )
 
 
+def _worker_env(port: int, device_kind: str) -> dict:
+    """What a worker adds to its environment before it imports SGLang: the rendezvous, and
+    on CPU SGLang's CPU engine; an NPU worker keeps what it inherits, so SGLang takes its
+    NPU branches with the NPU tensors."""
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device_kind == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    return env
+
+
 def _worker(rank, world, port, runs, q, device_kind="cpu"):
     """``runs``: (group size, broadcast mode); a group is ranks ``0..size-1`` of the world.
     ``device_kind`` ``npu``: rank ``r`` on ``npu:r``, HCCL instead of gloo."""
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SGLANG_USE_CPU_ENGINE="1")
+        os.environ.update(_worker_env(port, device_kind))
         torch.set_num_threads(1)
         import torch.distributed as dist
         from dsa_harness import published_context
@@ -290,6 +300,13 @@ def test_kvpp_pool_equals_replicated_pool_across_ranks():
     0-1 as a group of 2 with full-layer broadcast."""
     replies = _spawn(3, [(3, "active"), (2, "full")])
     assert len(replies[2]["results"]) == 1  # rank 2 is outside the group of 2
+
+
+def test_npu_workers_do_not_force_sglangs_cpu_engine():
+    """``SGLANG_USE_CPU_ENGINE=1`` makes SGLang take its CPU branches: an NPU worker must not
+    set it (its NPU tensors would go through them); a CPU worker needs it."""
+    assert "SGLANG_USE_CPU_ENGINE" not in _worker_env(1, "npu")
+    assert _worker_env(1, "cpu")["SGLANG_USE_CPU_ENGINE"] == "1"
 
 
 @pytest.mark.npu
