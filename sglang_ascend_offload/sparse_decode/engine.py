@@ -61,7 +61,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import platform
+from .. import platform, startup_phases
 from ..ops import registry
 from ..ops.contract import ResidencyStep, ResidencyTable
 from ..ops.request_union import RequestUnion, merge_ranked, row_slots, union_of_rows
@@ -518,9 +518,24 @@ class SparseDecodeEngine:
         if self._tensor_pool and (kernels or self.plan.platform == "npu"):
             self._check_host_alignment()
         if self._tensor_pool and kernels:  # register every layer's slice now, outside any captured step
-            for layer in range(config.layers):
-                fused.register_host_memory(self.pool.layer(layer))
+            self._register_host_layers()
         return op
+
+    def _register_host_layers(self) -> None:
+        """Register each layer's host slice with the fused Copy-SFA's extension (startup
+        phase ``host-pool registration``: ``aclrtHostRegister`` on an NPU, with progress)."""
+        from ..ops import fused
+
+        shape = self.pool.shape
+        with startup_phases.phase(
+            "host-pool registration",
+            total_bytes=shape.nbytes,
+            detail=f"{shape.layers} layer slices for the fused Copy-SFA",
+            fix='check host registration (env --npu-check: host_register) or set "fused_copy_sfa": false',
+        ) as progress:
+            for layer in range(shape.layers):
+                fused.register_host_memory(self.pool.layer(layer))
+                progress.add(shape.tokens * shape.row_bytes)
 
     def _check_host_alignment(self) -> None:
         """The extension registers each layer's host slice with ``aclrtHostRegister`` (the

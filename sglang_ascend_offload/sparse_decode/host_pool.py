@@ -40,11 +40,17 @@ from typing import Literal, Optional
 import torch
 
 from .. import platform
+from ..startup_phases import phase
 
-__all__ = ["HostPoolShape", "HostKVPool", "AppendGate", "AppendTimeout"]
+__all__ = ["HostPoolShape", "HostKVPool", "AppendGate", "AppendTimeout", "populate_mapping"]
 
 PoolKind = Literal["pinned", "shared", "memfabric"]
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first touch
+MADV_POPULATE_READ = 22  # Linux >= 5.14: fault a range in now (readers)
+MADV_POPULATE_WRITE = 23  # ... writable (the creator)
+#: Bytes per step of a pool's allocation and population: the progress granularity of
+#: those startup phases (``startup_phases``; a line about every 10 s of a large pool).
+CHUNK_BYTES = 256 << 20
+_SIZE_FIX = "lower the pool (host_pool_tokens / --max-total-tokens) or free host memory"
 
 
 @dataclass(frozen=True)
@@ -115,11 +121,14 @@ class HostKVPool:
         """A private pool (``pinned`` or ``memfabric``); ``shared`` goes through
         :meth:`create_shared` / :meth:`attach_shared`."""
         if kind == "pinned":
-            data = platform.pinned_empty(shape.dims(), shape.dtype)
-            data.zero_()
+            with phase("host-pool allocation", total_bytes=shape.nbytes, detail="pinned host memory", fix=_SIZE_FIX):
+                data = platform.pinned_empty(shape.dims(), shape.dtype)
+            _zero_fill(data)
             return cls(shape, data, kind)
         if kind == "memfabric":
-            return cls(shape, _memfabric_empty(shape, device_id), kind)
+            data = _memfabric_empty(shape, device_id)
+            _zero_fill(data)
+            return cls(shape, data, kind)
         if kind == "shared":
             raise ValueError(
                 "kind='shared' pools are made with HostKVPool.create_shared(path) on TP rank 0 "
@@ -144,19 +153,12 @@ class HostKVPool:
         path = Path(path)
         _check_header_bytes(header_bytes)
         total = header_bytes + shape.nbytes
-        with open(path, "xb") as f:  # fails if it exists: never map someone else's pool by accident
-            f.truncate(total)
-            if reserve:
-                try:
-                    os.posix_fallocate(f.fileno(), 0, total)
-                except OSError as exc:
-                    os.unlink(path)
-                    raise OSError(
-                        exc.errno,
-                        f"cannot reserve {total / 2**20:.1f} MiB for the host pool {path} "
-                        f"({exc.strerror}): make {path.parent} larger or lower the pool "
-                        "size (host_pool_tokens / --max-total-tokens)",
-                    ) from exc
+        fix = f"make {path.parent} larger or lower the pool size (host_pool_tokens / --max-total-tokens)"
+        with phase("host-pool allocation", total_bytes=total, detail=f"shared mapping {path}", fix=fix) as progress:
+            with open(path, "xb") as f:  # fails if it exists: never map someone else's pool by accident
+                f.truncate(total)
+                if reserve:
+                    _reserve(f.fileno(), total, path, fix, progress.add)
         return cls._map(shape, path, header_bytes, owner=True)
 
     @classmethod
@@ -179,16 +181,18 @@ class HostKVPool:
 
     @classmethod
     def _map(cls, shape: HostPoolShape, path: Path, header_bytes: int, owner: bool) -> "HostKVPool":
-        """``MAP_SHARED`` mapping of the whole file; ``data`` views the rows after the header."""
-        # MAP_POPULATE: resident from the start, as a pinned pool is (no RSS growth as
-        # the pool fills; shared pages, so still no private copy per rank).
+        """``MAP_SHARED`` mapping of the whole file, populated (:func:`populate_mapping`:
+        resident from the start, as a pinned pool is, so RSS does not grow as the pool
+        fills; shared pages, so still no private copy per rank); ``data`` views the rows
+        after the header."""
         with open(path, "r+b") as f:
             mm = mmap.mmap(
                 f.fileno(),
                 header_bytes + shape.nbytes,
-                flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                flags=mmap.MAP_SHARED,
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
             )
+        populate_mapping(mm, write=owner)
         data = torch.frombuffer(mm, dtype=shape.dtype, count=shape.numel, offset=header_bytes).view(shape.dims())
         pool = cls(shape, data, "shared", path, owner=owner)
         pool.mapping = mm
@@ -256,6 +260,58 @@ class HostKVPool:
         return rows.shape[0] * self.shape.row_bytes
 
 
+def _reserve(fd: int, total: int, path: Path, fix: str, done) -> None:
+    """``posix_fallocate`` the file in :data:`CHUNK_BYTES` steps (``done(nbytes)`` after
+    each): a too-small file system fails here, naming the size and the fix, and the file
+    is removed."""
+    for start in range(0, total, CHUNK_BYTES):
+        length = min(CHUNK_BYTES, total - start)
+        try:
+            os.posix_fallocate(fd, start, length)
+        except OSError as exc:
+            os.unlink(path)
+            raise OSError(
+                exc.errno,
+                f"cannot reserve {total / 2**20:.1f} MiB for the host pool {path} ({exc.strerror}, "
+                f"{start / 2**20:.1f} MiB reserved): {fix}",
+            ) from exc
+        done(length)
+
+
+def populate_mapping(mm: mmap.mmap, *, write: bool) -> None:
+    """Fault the whole mapping into this process's page tables now, in :data:`CHUNK_BYTES`
+    steps (startup phase ``host-pool population``, with progress): ``write`` (the creator)
+    makes the pages writable; readers map the existing ones. Kernels before 5.14 lack
+    ``MADV_POPULATE_*``: one byte per page is then touched (a read, or for the creator a
+    write of the same byte)."""
+    total = len(mm)
+    advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+    with phase("host-pool population", total_bytes=total, fix=_SIZE_FIX) as progress:
+        for start in range(0, total, CHUNK_BYTES):
+            length = min(CHUNK_BYTES, total - start)
+            try:
+                mm.madvise(advice, start, length)
+            except OSError:
+                pages = torch.frombuffer(mm, dtype=torch.uint8, count=length, offset=start)[:: mmap.PAGESIZE]
+                if write:
+                    pages.add_(0)
+                else:
+                    int(pages.sum())
+            progress.add(length)
+
+
+def _zero_fill(data: torch.Tensor) -> None:
+    """Zero a freshly allocated pool in :data:`CHUNK_BYTES` steps: its pages are faulted in
+    now (startup phase ``host-pool population``, with progress), not on the decode path."""
+    flat = data.view(-1)
+    step = max(1, CHUNK_BYTES // flat.element_size())
+    with phase("host-pool population", total_bytes=flat.numel() * flat.element_size(), fix=_SIZE_FIX) as progress:
+        for start in range(0, flat.numel(), step):
+            chunk = flat[start : start + step]
+            chunk.zero_()
+            progress.add(chunk.numel() * chunk.element_size())
+
+
 def _check_header_bytes(header_bytes: int) -> None:
     if header_bytes < 0 or header_bytes % mmap.PAGESIZE:
         raise ValueError(
@@ -289,26 +345,32 @@ def _memfabric_empty(shape: HostPoolShape, device_id: int) -> torch.Tensor:
         offload.OFFLOAD_FLAG_GIANT_PAGE
     )  # the one flag memfabric-hybrid 1.3 has (SGLang's npu_memfabric uses it)
     what = f"a {shape.nbytes / 2**20:.1f} MiB MemFabric host pool on device {device_id}"
-    try:
-        ret = offload.initialize(cfg)
-    except Exception as exc:  # noqa: BLE001 - the native layer raises plain exceptions
-        raise RuntimeError(
-            f"memfabric_hybrid.offload.initialize raised {exc!r} for {what}: {_memfabric_detail()}{_MEMFABRIC_NEEDS}"
-        ) from exc
-    if ret != 0:
-        raise RuntimeError(
-            f"memfabric_hybrid.offload.initialize returned {ret} for {what}: {_memfabric_detail()}{_MEMFABRIC_NEEDS}"
-        )
-    try:
-        data = offload.empty(list(shape.dims()), dtype=shape.dtype)
-    except Exception as exc:  # noqa: BLE001 - offload.empty raises Exception("malloc failed")
-        raise RuntimeError(
-            f"memfabric_hybrid.offload.empty failed ({exc}) for {what} after a successful "
-            f"initialize: {_memfabric_detail()}; lower host_pool_tokens / --max-total-tokens "
-            "or free host memory"
-        ) from exc
-    data.zero_()
-    return data
+    with phase(
+        "host-pool allocation",
+        total_bytes=shape.nbytes,
+        detail=f"MemFabric host memory, device {device_id}",
+        fix=f"the MemFabric error above; {_SIZE_FIX}",
+    ):
+        try:
+            ret = offload.initialize(cfg)
+        except Exception as exc:  # noqa: BLE001 - the native layer raises plain exceptions
+            raise RuntimeError(
+                f"memfabric_hybrid.offload.initialize raised {exc!r} for {what}: "
+                f"{_memfabric_detail()}{_MEMFABRIC_NEEDS}"
+            ) from exc
+        if ret != 0:
+            raise RuntimeError(
+                f"memfabric_hybrid.offload.initialize returned {ret} for {what}: "
+                f"{_memfabric_detail()}{_MEMFABRIC_NEEDS}"
+            )
+        try:
+            return offload.empty(list(shape.dims()), dtype=shape.dtype)
+        except Exception as exc:  # noqa: BLE001 - offload.empty raises Exception("malloc failed")
+            raise RuntimeError(
+                f"memfabric_hybrid.offload.empty failed ({exc}) for {what} after a successful "
+                f"initialize: {_memfabric_detail()}; lower host_pool_tokens / --max-total-tokens "
+                "or free host memory"
+            ) from exc
 
 
 _MEMFABRIC_NEEDS = (

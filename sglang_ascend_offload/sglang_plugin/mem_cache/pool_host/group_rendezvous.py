@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from ....sparse_decode.host_pool import HostPoolShape
+from ....startup_phases import phase
 from . import append_order
 from . import shared as shp
 
@@ -332,21 +333,26 @@ def open_group_control(
     which rank 0 removes the name. Every other rendezvous goes through the table."""
     directory = Path(directory) if directory is not None else shp.pool_dir()
     timeout_s = timeout_s or shp.append_timeout_s()
-    if view.rank == 0:
-        ctl = _create(shape, view.size, view.group, directory, timeout_s)
-        try:
-            ctl.announced = {
-                "path": str(ctl.path),
-                "session": ctl.session,
-                "host": socket.gethostname(),
-                **(extra or {}),
-            }
-            view.broadcast_object(ctl.announced)
-            ctl.rendezvous.reach("mapped")
-        finally:
-            ctl.unlink()
+    with phase(
+        "group rendezvous",
+        detail=f"attention-TP rank {view.rank} of {view.size}, group {view.group}: the control block",
+        fix=shp.RENDEZVOUS_FIX,
+    ):
+        if view.rank == 0:
+            ctl = _create(shape, view.size, view.group, directory, timeout_s)
+            try:
+                ctl.announced = {
+                    "path": str(ctl.path),
+                    "session": ctl.session,
+                    "host": socket.gethostname(),
+                    **(extra or {}),
+                }
+                view.broadcast_object(ctl.announced)
+                ctl.rendezvous.reach("mapped")
+            finally:
+                ctl.unlink()
+            return ctl
+        announced = view.broadcast_object(None)
+        ctl = _attach(shape, view.size, view.rank, view.group, announced, timeout_s)
+        ctl.rendezvous.reach("mapped")
         return ctl
-    announced = view.broadcast_object(None)
-    ctl = _attach(shape, view.size, view.rank, view.group, announced, timeout_s)
-    ctl.rendezvous.reach("mapped")
-    return ctl

@@ -56,6 +56,7 @@ import torch
 
 from .... import platform
 from ....sparse_decode.host_pool import HostPoolShape
+from ....startup_phases import phase as startup_phase
 from .group_rendezvous import GroupRendezvous, GroupSetupError
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,19 @@ class MemfabricGroupPool:
         self._handle = None
         self._bm_up = self._mf_up = self._joined = False
         self.base = 0
+        with startup_phase(
+            "host-pool allocation",
+            total_bytes=shape.nbytes if rank == 0 else None,
+            detail=f"MemFabric BM host memory of attention-TP rank 0, rank {rank} of {size}, device {config.device_id}",
+            fix="the MemFabric error above (run mfcli kernel install; env --npu-check: memfabric); lower "
+            "host_pool_tokens / --max-total-tokens or free host memory",
+        ):
+            self._set_up(config, store_url)
+
+    def _set_up(self, config: MemfabricPoolConfig, store_url: str) -> None:
+        """Initialise MemFabric and BM, create and join the group's segment (rank 0 backs
+        it), and agree on rank 0's host GVA; each step a rendezvous of the group."""
+        mf, bm, rendezvous, shape, rank, size = self._mf, self._bm, self._rv, self.shape, self.rank, self.size
         phase = "bm initialized"
         try:
             self._check(mf.initialize(), "memfabric_hybrid.initialize")

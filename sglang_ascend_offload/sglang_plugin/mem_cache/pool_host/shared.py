@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from ....sparse_decode.host_pool import AppendTimeout, HostKVPool, HostPoolShape
+from ....startup_phases import phase
 from .append_order import COUNTERS_OFFSET, DEFAULT_TIMEOUT_S, TIMEOUT_ENV, AppendOrder, EngineGate
 
 logger = logging.getLogger(__name__)
@@ -320,43 +321,36 @@ class GroupView:
     groups_per_node: int = 1
 
 
-MADV_POPULATE_READ = 22  # Linux >= 5.14
-MADV_POPULATE_WRITE = 23
-
-
-def populate(pool: HostKVPool, write: bool) -> None:
-    """Fault the whole mapping into this process's page tables now (no page faults on the
-    decode path later). ``write`` (the creator): allocate the pages; readers map the
-    existing ones. Kernels before 5.14 lack ``MADV_POPULATE_*``: the creator then writes
-    zeros (what the private pinned pool did), readers fault pages in as they read."""
-    try:
-        pool.mapping.madvise(MADV_POPULATE_WRITE if write else MADV_POPULATE_READ)
-    except OSError:
-        if write:
-            pool.data.zero_()
+#: What an operator does when a group rendezvous fails or hangs (startup phase logs).
+RENDEZVOUS_FIX = (
+    "every attention-TP rank of the group must reach it: read the other ranks' logs for their own "
+    "startup error (a rank that failed or died earlier leaves the others waiting)"
+)
 
 
 def open_group_pool(
     shape: HostPoolShape, view: GroupView, *, directory: Optional[Path] = None, timeout_s: Optional[float] = None
 ) -> SharedPool:
     """Rank 0 creates, broadcasts ``(path, session)``, the others attach; after a barrier
-    rank 0 unlinks the name (see the module docstring). Every rank populates its
-    mapping (:func:`populate`)."""
+    rank 0 unlinks the name (see the module docstring). Every rank's mapping is populated
+    as it is mapped (``HostKVPool`` create / attach: startup phase ``host-pool population``)."""
+    meet = dict(detail=f"attention-TP rank {view.rank} of {view.size}, group {view.group}", fix=RENDEZVOUS_FIX)
     if view.rank == 0:
         shared = create_pool(shape, group=view.group, group_size=view.size, directory=directory, timeout_s=timeout_s)
         try:
-            populate(shared.pool, write=True)
-            view.broadcast_object({"path": str(shared.path), "session": shared.session})
-            view.barrier()
+            with phase("group rendezvous", **meet):
+                view.broadcast_object({"path": str(shared.path), "session": shared.session})
+                view.barrier()
         finally:
             shared.pool.unlink()
         return shared
-    announced: Dict[str, str] = view.broadcast_object(None)
+    with phase("group rendezvous", **meet):
+        announced: Dict[str, str] = view.broadcast_object(None)
     shared = attach_pool(
         shape, announced["path"], announced["session"], rank=view.rank, group=view.group, timeout_s=timeout_s
     )
-    populate(shared.pool, write=False)
-    view.barrier()
+    with phase("group rendezvous", **meet):
+        view.barrier()
     return shared
 
 
