@@ -1,0 +1,24 @@
+"""``torch_npu`` of a stand-in process (``tests/npu_standin``): importing it installs the
+CPU-backed ``npu`` device, as importing the real torch_npu registers the NPU. This
+directory is on ``sys.path`` only where ``SAO_NPU_STANDIN=1`` put it there."""
+
+import os
+import sys
+
+import torch
+
+_TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+
+import npu_standin  # noqa: E402
+from npu_standin import torch_npu_ops  # noqa: E402
+
+npu_standin.install()
+
+__version__ = "2.13.0+standin"
+npu = torch.npu
+
+for _name in torch_npu_ops.KERNELS:
+    globals()[_name] = getattr(torch.ops.npu, _name)
+del _name
