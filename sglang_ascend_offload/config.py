@@ -109,6 +109,15 @@ class SparseDecodeOffloadConfig:
         separate indexer (the NPU default opts out, logged; ``fused_lim: true`` is
         refused); with the fused Copy-SFA a request fits its own buffer only. Eager and
         graph decode, and speculative verify rows.
+    qualify_kernels: before the server accepts requests, every fused operator the plan
+        selects (LIM / LIM-C8, Copy-SFA) runs once at the served shapes on a small
+        deterministic problem and is compared with the separate operators on the same
+        inputs (``ops/qualify.py``; indices, residency state and miss copies exact,
+        attention within the stated tolerance); a difference stops startup naming the op,
+        the shape, the first differing element and the fix. ``false`` skips it (logged as
+        a warning). Costs well under a second at DeepSeek-V3.2 shapes on an NPU (target
+        < 2 s); on CPU the kernels run on their functional model (``docs/fused_ops.md``,
+        "Qualification at startup"). Without a fused operator it does nothing.
     """
 
     hot_tokens: Optional[int] = None
@@ -127,6 +136,7 @@ class SparseDecodeOffloadConfig:
     verify_sample_rate: float = 0.0
     verify_action: Literal["log", "fail"] = "log"
     residency: Literal["always", "adaptive"] = "always"
+    qualify_kernels: bool = True
 
     def _check(self) -> List[str]:
         errs = []

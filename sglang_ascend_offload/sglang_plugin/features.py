@@ -84,7 +84,7 @@ FEATURES: Tuple[Feature, ...] = (
     Feature(
         "sparse_decode",
         _flags("sparse_decode"),
-        pool="mem_cache.pool.sparse_decode:build_offload_pool",
+        pool="mem_cache.sparse_decode_startup:build_offload_pool",  # the pool, its startup phases, kernel qualification
         server_rules=None,
         sizing="mem_cache.sizing.sparse_decode",
     ),

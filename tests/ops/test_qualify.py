@@ -1,0 +1,228 @@
+"""Kernel qualification (``ops/qualify.py``) with the AscendC kernels on their CPU
+functional model: the function a server calls before it accepts requests.
+
+* the real kernels qualify, for every fused op a plan can select (LIM, LIM-C8,
+  Copy-SFA; one verify row per request and several), and the problem exercised what it
+  claims (first fill, hits, misses, evictions);
+* the problem's selection is unique: every candidate score of a query token is distinct
+  and exact, so the fused and separate top-k must agree element by element (a problem
+  with a tie is detected by the same check: negative control);
+* a planted faulty kernel -- a mutated kernel source built on the functional model, as
+  ``check-kernels``' mutation tests do -- stops startup: one faulty LIM (victim tie order
+  reversed) and one faulty Copy-SFA (the rope part gathered from the latent's offset),
+  each a :class:`KernelQualificationError` naming the op, the shape, the first differing
+  element with both values and the fix; the other op of the plan still qualifies;
+* a fused op that raises fails its qualification; ``qualify_kernels: false`` runs
+  nothing and says so; a plan without fused ops runs nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_ascend_offload.kernel_check import compile_check
+from sglang_ascend_offload.ops import ascendc_cpu_ops, ascendc_model, fused, qualify
+from sglang_ascend_offload.ops.qualify_problem import STEPS, Problem, ServedShape
+from sglang_ascend_offload.sparse_decode.op_selection import select_ops
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the AscendC functional model")
+
+TINY = dict(hot_tokens=256, top_k=128, page_size=64, index_heads=8, heads=4)
+
+
+def _plan(shape: ServedShape):
+    return select_ops(
+        "cpu",
+        ops="fused",
+        indexer_dtype=shape.indexer_dtype,
+        rows_per_request=shape.rows_per_request,
+        hot_tokens=shape.hot_tokens,
+        top_k=shape.top_k,
+    ).check()
+
+
+@pytest.fixture
+def model_library():
+    """Run a test with the fused ops backed by a given model library; restore the default after."""
+    was = ascendc_cpu_ops.registered()
+
+    def use(path: Path) -> None:
+        ascendc_cpu_ops.unregister()
+        ascendc_cpu_ops.register(path=path)
+
+    yield use
+    ascendc_cpu_ops.unregister()
+    if was:
+        ascendc_cpu_ops.register()
+
+
+def _mutated(tmp: Path, file: str, old: str, new: str) -> Path:
+    """The model library of a copy of ``ascendc_ops/kernels`` with one line changed."""
+    dst = tmp / "kernels"
+    shutil.copytree(compile_check.KERNELS_DIR, dst)
+    src = dst / file
+    text = src.read_text()
+    assert text.count(old) == 1, old
+    src.write_text(text.replace(old, new))
+    return ascendc_model.build(kernels=dst)
+
+
+# ------------------------------------------------------------------ the real kernels
+@pytest.mark.parametrize(
+    "shape",
+    [
+        ServedShape(**TINY),
+        ServedShape(**TINY, indexer_dtype="int8"),
+        ServedShape(**{**TINY, "hot_tokens": 384, "index_heads": 16, "heads": 16}, rows_per_request=3),
+    ],
+    ids=["lim-bf16", "lim-c8", "verify-rows-3"],
+)
+def test_the_real_kernels_qualify_on_the_functional_model(shape, caplog):
+    plan = _plan(shape)
+    with caplog.at_level(logging.INFO, logger="sglang_ascend_offload.ops.qualify"):
+        results = qualify.qualify_at_startup(plan, shape)
+    labels = ["LIM-C8" if shape.indexer_dtype == "int8" else "LIM", "Copy-SFA"]
+    assert [r.label for r in results] == labels
+    for r in results:
+        assert r.qualified and r.difference is None and r.steps == STEPS and r.seconds > 0, r
+        cov = r.coverage
+        assert cov["first_fill_rows"] == 1 and cov["hits"] > 0 and cov["misses"] > 0 and cov["evictions"] > 0, cov
+        assert "reference" in r.against
+    sfa = results[1]
+    assert 0 < sfa.max_abs_err <= fused.ATTENTION_ATOL
+    text = caplog.text
+    assert f"kernel qualification: {', '.join(labels)} qualified in" in text
+    assert shape.describe() in text
+
+
+def _scores(problem: Problem, inp, token: int):
+    """float64 scores of one query token over its visible positions (what the indexers
+    compute: sum over heads of weight x relu(q . k)), and those positions."""
+    s, n = problem.shape, problem.shape.rows_per_request
+    req, i = divmod(token, n)
+    visible = int(inp.kv_len[req]) - n + i + 1
+    pos = torch.arange(visible)
+    blocks = problem.block_table[req].long().cpu()[pos // s.page_size]
+    keys = problem.key.reshape(-1, s.index_dim).double().cpu()[blocks * s.page_size + pos % s.page_size]
+    q = inp.query[token].double().cpu()
+    w = inp.weights[token].double().cpu()
+    return (torch.relu(keys @ q.T) * w).sum(1), pos
+
+
+@pytest.mark.parametrize("indexer_dtype", ["bf16", "int8"])
+def test_the_problem_has_one_answer(indexer_dtype):
+    problem = Problem(ServedShape(**TINY, indexer_dtype=indexer_dtype))
+    for step in range(STEPS):
+        inp = problem.step(step)
+        for token in range(inp.query.shape[0]):
+            scores, _ = _scores(problem, inp, token)
+            positive = scores[scores > 0]
+            assert positive.numel() >= problem.shape.top_k
+            assert torch.unique(positive).numel() == positive.numel()  # no ties among candidates
+            assert bool((positive == positive.round()).all()) and float(positive.max()) < 2**24  # exact in fp32
+    # negative control: two candidates of one token given the same key row tie, and the check sees it
+    inp = problem.step(0)
+    scores, pos = _scores(problem, inp, 0)
+    first, second = pos[scores > 0][:2].tolist()
+    flat = problem.key.reshape(-1, problem.shape.index_dim)
+    page = problem.shape.page_size
+    rows = [int(problem.block_table[0, p // page]) * page + p % page for p in (first, second)]
+    flat[rows[1]] = flat[rows[0]]
+    scores, _ = _scores(problem, inp, 0)
+    positive = scores[scores > 0]
+    assert torch.unique(positive).numel() == positive.numel() - 1
+
+
+# ------------------------------------------------------------------ planted faults
+def test_a_faulty_lim_stops_startup(tmp_path, model_library, caplog):
+    model_library(
+        _mutated(
+            tmp_path,
+            "residency_manage.h",
+            "return sa < sb || (sa == sb && a < b);",
+            "return sa < sb || (sa == sb && a > b);",  # LRU victims among equal stamps: highest slot first
+        )
+    )
+    shape = ServedShape(**TINY)
+    with caplog.at_level(logging.INFO), pytest.raises(qualify.KernelQualificationError) as err:
+        qualify.qualify_at_startup(_plan(shape), shape)
+    msg = str(err.value)
+    assert "fused LIM (lightning_indexer_manage, kernel npu_fused_lightning_indexer_manage)" in msg
+    assert shape.describe() in msg and f"of {STEPS}:" in msg
+    assert "fused " in msg and ", separate " in msg  # both values of the first differing element
+    assert '"fused_lim": false' in msg and "bash ascendc_ops/build.sh --install" in msg
+    assert "Copy-SFA" not in msg  # the other op of the plan qualified
+    (failed,) = err.value.failures
+    diff = failed.difference
+    assert diff.tensor in ("sparse_indices", "slots", "slot_token", "miss_slots") and diff.index, diff
+    assert diff.fused != diff.separate and diff.count >= 1
+    assert "DIFFERS FROM" in caplog.text
+
+
+def test_a_faulty_copy_sfa_stops_startup(tmp_path, model_library):
+    model_library(
+        _mutated(
+            tmp_path,
+            "scatter_copy_sparse_flash_attention.cpp",
+            "AscendC::DataCopyPad(kRope_[j * t_.ropeDim], buf[b * t_.rowDim + t_.latentDim], rope);",
+            "AscendC::DataCopyPad(kRope_[j * t_.ropeDim], buf[b * t_.rowDim], rope);",  # rope read at the latent
+        )
+    )
+    shape = ServedShape(**TINY, indexer_dtype="int8")
+    with pytest.raises(qualify.KernelQualificationError) as err:
+        qualify.qualify_at_startup(_plan(shape), shape)
+    msg = str(err.value)
+    assert "fused Copy-SFA (copy_sparse_flash_attention, kernel npu_fused_scatter_copy_sparse_flash_attention)" in msg
+    assert "attention output[" in msg and "tolerance 0.02 + 0.02 x |separate|" in msg
+    assert '"fused_copy_sfa": false' in msg and "LIM-C8" not in msg
+    (failed,) = err.value.failures
+    assert failed.difference.step == 0 and failed.difference.count > 1
+
+
+def test_a_fused_op_that_raises_fails_its_qualification(monkeypatch):
+    shape = ServedShape(**TINY)
+    plan = _plan(shape)
+    real = qualify.registry.select
+
+    def select(op, rung="auto"):
+        impl = real(op, rung)
+        if op == "copy_sparse_flash_attention" and rung == "fused":
+
+            def broken(*args, **kwargs):
+                raise RuntimeError("aclnn error 561103")
+
+            return dataclasses.replace(impl, fn=broken)
+        return impl
+
+    monkeypatch.setattr(qualify.registry, "select", select)
+    results = qualify.qualify_plan(plan, shape)
+    assert [r.qualified for r in results] == [True, False]
+    diff = results[1].difference
+    assert diff.tensor == "the fused op raised" and "aclnn error 561103" in diff.note
+
+
+def test_qualify_kernels_false_runs_nothing_and_warns(caplog, monkeypatch):
+    shape = ServedShape(**TINY)
+    monkeypatch.setattr(qualify, "qualify_plan", lambda *a, **k: pytest.fail("qualification ran"))
+    with caplog.at_level(logging.WARNING, logger="sglang_ascend_offload.ops.qualify"):
+        assert qualify.qualify_at_startup(_plan(shape), shape, enabled=False) == []
+    assert "kernel qualification is off (qualify_kernels: false): the fused LIM, Copy-SFA serve" in caplog.text
+
+
+def test_a_plan_without_fused_ops_runs_nothing(caplog):
+    shape = ServedShape(**TINY)
+    plan = select_ops("cpu", ops="reference", hot_tokens=256, top_k=128).check()
+    with caplog.at_level(logging.INFO, logger="sglang_ascend_offload.ops.qualify"):
+        assert qualify.qualify_at_startup(plan, shape) == [] and qualify.qualify_plan(plan, shape) == []
+    assert caplog.text == ""
+
+
+def test_a_shape_the_problem_cannot_hold_is_refused():
+    with pytest.raises(ValueError, match="must hold the union"):
+        ServedShape(hot_tokens=128, top_k=128, rows_per_request=2)
