@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from .... import SUPPORTED_SGLANG_VERSION
 from ....sparse_decode.host_pool import AppendTimeout, HostKVPool, HostPoolShape
 from ....startup_phases import phase
 from .append_order import COUNTERS_OFFSET, DEFAULT_TIMEOUT_S, TIMEOUT_ENV, AppendOrder, EngineGate
@@ -64,6 +65,7 @@ __all__ = [
     "read_header",
     "reclaim_stale",
     "sglang_group",
+    "GroupDiscoveryError",
     "process_start_ticks",
     "EngineGate",
     "RankPool",
@@ -354,28 +356,53 @@ def open_group_pool(
     return shared
 
 
+class GroupDiscoveryError(RuntimeError):
+    """SGLang's parallel state says the host pool is shared by several ranks (attention TP
+    > 1) or names several DP replicas, and the group (or the replica) cannot be read."""
+
+
 def sglang_group() -> Optional[GroupView]:
-    """This process's attention-TP group inside a served SGLang process; None outside
-    one (component tests build pools without distributed state)."""
+    """This process's attention-TP group inside a served SGLang process.
+
+    ``None`` (a private pool for this rank, the reason logged) where there is nothing to
+    share with: no SGLang parallel configuration in this process (component use), or an
+    attention TP of 1 whose group is not built (component tests publish a context without
+    process groups). A :class:`GroupDiscoveryError` with the reason where the published
+    configuration asks for a pool shared by attention TP > 1 ranks and the group cannot be
+    read (never one private pool per rank, the host memory times the TP), or where it
+    names several DP replicas and this one's index cannot be read (group ids would
+    collide across replicas)."""
     try:
-        from sglang.srt.runtime_context import get_parallel, get_server_args
+        from sglang.srt.runtime_context import get_parallel
 
         par = get_parallel()
+        expected = int(par.attn_tp_size)
+    except Exception as exc:  # noqa: BLE001 - nothing published: not a served process
+        logger.info(
+            "sparse decode offload: no SGLang parallel configuration in this process (%s): this rank's host "
+            "pool is private",
+            exc,
+        )
+        return None
+    try:
         coord = par.attn_tp_group
         rank, size = int(coord.rank_in_group), int(coord.world_size)
         attn_dp_rank, attn_dp = int(par.attn_dp_rank), int(par.attn_dp_size)
-    except Exception:  # noqa: BLE001 - no parallel state: not a served process
+    except Exception as exc:  # noqa: BLE001 - the group is not built (or SGLang renamed it)
+        if expected > 1:
+            raise GroupDiscoveryError(
+                f"sparse decode offload: attention TP is {expected}, so the {expected} ranks of each attention-DP "
+                f"group share one host pool, but SGLang's attention-TP group cannot be read ({exc!r}); refusing "
+                f"to allocate a private pool per rank ({expected} x the host memory). The plugin supports "
+                f"SGLang {SUPPORTED_SGLANG_VERSION} (python -m sglang_ascend_offload env shows the installed one)"
+            ) from exc
+        logger.info(
+            "sparse decode offload: SGLang's attention-TP group is not built in this process (%s); attention TP "
+            "is 1, so this rank's host pool is private, as a group of one's is",
+            exc,
+        )
         return None
-    try:
-        args = get_server_args()
-        replicas = int(getattr(args, "dp_size", 1) or 1) if attn_dp == 1 else 1
-        nnodes = int(getattr(args, "nnodes", 1) or 1)
-    except Exception:  # noqa: BLE001
-        replicas, nnodes = 1, 1
-    try:
-        replica = int(par.dp_rank or 0) if attn_dp == 1 else 0
-    except Exception:  # noqa: BLE001
-        replica = 0
+    replica, replicas, nnodes = _replica(par, attn_dp)
     groups = replicas * attn_dp
     return GroupView(
         rank=rank,
@@ -386,6 +413,36 @@ def sglang_group() -> Optional[GroupView]:
         barrier=lambda: torch_barrier(coord),
         groups_per_node=max(1, groups // nnodes),
     )
+
+
+def _replica(par, attn_dp: int):
+    """``(replica, replicas, nnodes)``: this server replica's index among the DP replicas
+    that run without DP attention (``--dp N`` alone: one scheduler and one attention-DP
+    group per replica; with DP attention the groups are the attention-DP ranks, one
+    replica), and the nodes. Group ids are ``replica * attn_dp + attn_dp_rank``: distinct
+    over the server, so a replica index that cannot be read is a :class:`GroupDiscoveryError`."""
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        args = get_server_args()
+    except Exception as exc:  # noqa: BLE001
+        raise GroupDiscoveryError(
+            f"sparse decode offload: SGLang's parallel state is built but its server args cannot be read ({exc!r}): "
+            "cannot tell the DP replicas apart"
+        ) from exc
+    replicas = int(getattr(args, "dp_size", 1) or 1) if attn_dp == 1 else 1
+    nnodes = int(getattr(args, "nnodes", 1) or 1)
+    if replicas == 1:
+        return 0, 1, nnodes
+    try:
+        replica = int(par.dp_rank)
+    except Exception as exc:  # noqa: BLE001 - None or unreadable
+        raise GroupDiscoveryError(
+            f"sparse decode offload: --dp {replicas} without DP attention runs {replicas} replicas, each with "
+            f"its own host pool, but this replica's DP rank cannot be read ({exc!r}): their group ids would "
+            "collide"
+        ) from exc
+    return replica, replicas, nnodes
 
 
 def torch_barrier(coord) -> None:
@@ -413,11 +470,20 @@ class RankPool:
 
 
 def _npu_device_index(view: GroupView) -> int:
+    """The NPU this rank's MemFabric pool registers; without ``torch.npu`` (CPU runs of the
+    group logic) the attention-TP rank, logged."""
     try:
         import torch
 
         return int(torch.npu.current_device())
-    except Exception:  # noqa: BLE001 - no torch_npu (CPU runs of the group logic)
+    except Exception as exc:  # noqa: BLE001
+        logger.warning(
+            "sparse decode offload: torch.npu.current_device() failed (%r): the MemFabric group pool of rank %d "
+            "uses device %d (its attention-TP rank)",
+            exc,
+            view.rank,
+            view.rank,
+        )
         return view.rank
 
 
