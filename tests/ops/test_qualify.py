@@ -21,13 +21,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
+from kernel_mutations import COPY_SFA_ROPE_OFFSET, LIM_VICTIM_ORDER, fused_ops_from, mutated_library
 
-from sglang_ascend_offload.kernel_check import compile_check
-from sglang_ascend_offload.ops import ascendc_cpu_ops, ascendc_model, fused, qualify
+from sglang_ascend_offload.ops import fused, qualify
 from sglang_ascend_offload.ops.qualify_problem import STEPS, Problem, ServedShape
 from sglang_ascend_offload.sparse_decode.op_selection import select_ops
 
@@ -45,32 +44,6 @@ def _plan(shape: ServedShape):
         hot_tokens=shape.hot_tokens,
         top_k=shape.top_k,
     ).check()
-
-
-@pytest.fixture
-def model_library():
-    """Run a test with the fused ops backed by a given model library; restore the default after."""
-    was = ascendc_cpu_ops.registered()
-
-    def use(path: Path) -> None:
-        ascendc_cpu_ops.unregister()
-        ascendc_cpu_ops.register(path=path)
-
-    yield use
-    ascendc_cpu_ops.unregister()
-    if was:
-        ascendc_cpu_ops.register()
-
-
-def _mutated(tmp: Path, file: str, old: str, new: str) -> Path:
-    """The model library of a copy of ``ascendc_ops/kernels`` with one line changed."""
-    dst = tmp / "kernels"
-    shutil.copytree(compile_check.KERNELS_DIR, dst)
-    src = dst / file
-    text = src.read_text()
-    assert text.count(old) == 1, old
-    src.write_text(text.replace(old, new))
-    return ascendc_model.build(kernels=dst)
 
 
 # ------------------------------------------------------------------ the real kernels
@@ -140,18 +113,11 @@ def test_the_problem_has_one_answer(indexer_dtype):
 
 
 # ------------------------------------------------------------------ planted faults
-def test_a_faulty_lim_stops_startup(tmp_path, model_library, caplog):
-    model_library(
-        _mutated(
-            tmp_path,
-            "residency_manage.h",
-            "return sa < sb || (sa == sb && a < b);",
-            "return sa < sb || (sa == sb && a > b);",  # LRU victims among equal stamps: highest slot first
-        )
-    )
+def test_a_faulty_lim_stops_startup(tmp_path, caplog):
     shape = ServedShape(**TINY)
-    with caplog.at_level(logging.INFO), pytest.raises(qualify.KernelQualificationError) as err:
-        qualify.qualify_at_startup(_plan(shape), shape)
+    with fused_ops_from(mutated_library(tmp_path, LIM_VICTIM_ORDER)), caplog.at_level(logging.INFO):
+        with pytest.raises(qualify.KernelQualificationError) as err:
+            qualify.qualify_at_startup(_plan(shape), shape)
     msg = str(err.value)
     assert "fused LIM (lightning_indexer_manage, kernel npu_fused_lightning_indexer_manage)" in msg
     assert shape.describe() in msg and f"of {STEPS}:" in msg
@@ -165,18 +131,11 @@ def test_a_faulty_lim_stops_startup(tmp_path, model_library, caplog):
     assert "DIFFERS FROM" in caplog.text
 
 
-def test_a_faulty_copy_sfa_stops_startup(tmp_path, model_library):
-    model_library(
-        _mutated(
-            tmp_path,
-            "scatter_copy_sparse_flash_attention.cpp",
-            "AscendC::DataCopyPad(kRope_[j * t_.ropeDim], buf[b * t_.rowDim + t_.latentDim], rope);",
-            "AscendC::DataCopyPad(kRope_[j * t_.ropeDim], buf[b * t_.rowDim], rope);",  # rope read at the latent
-        )
-    )
+def test_a_faulty_copy_sfa_stops_startup(tmp_path):
     shape = ServedShape(**TINY, indexer_dtype="int8")
-    with pytest.raises(qualify.KernelQualificationError) as err:
-        qualify.qualify_at_startup(_plan(shape), shape)
+    with fused_ops_from(mutated_library(tmp_path, COPY_SFA_ROPE_OFFSET)):
+        with pytest.raises(qualify.KernelQualificationError) as err:
+            qualify.qualify_at_startup(_plan(shape), shape)
     msg = str(err.value)
     assert "fused Copy-SFA (copy_sparse_flash_attention, kernel npu_fused_scatter_copy_sparse_flash_attention)" in msg
     assert "attention output[" in msg and "tolerance 0.02 + 0.02 x |separate|" in msg

@@ -45,11 +45,17 @@ def build_offload_pool(configurator: Any, offload: cfg.SparseDecodeOffloadConfig
         pool = pool_module.build_offload_pool(configurator, offload, **kwargs)
         engine = getattr(pool, "engine", None)
         if engine is not None and fused_ops_of(engine.plan):
-            with phase("kernel qualification", fix=QUALIFY_FIX):
-                qualify_at_startup(
-                    engine.plan, served_shape(configurator, pool), device=engine.device, enabled=offload.qualify_kernels
-                )
+            _qualify(engine, served_shape(configurator, pool), offload.qualify_kernels)
     return pool
+
+
+def _qualify(engine: Any, shape: ServedShape, enabled: bool) -> None:
+    """The kernel qualification phase (with ``enabled`` false: only the warning, no phase)."""
+    if not enabled:
+        qualify_at_startup(engine.plan, shape, device=engine.device, enabled=False)
+        return
+    with phase("kernel qualification", fix=QUALIFY_FIX):
+        qualify_at_startup(engine.plan, shape, device=engine.device)
 
 
 def served_shape(configurator: Any, pool: Any) -> ServedShape:
