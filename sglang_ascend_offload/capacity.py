@@ -29,13 +29,10 @@ from typing import Dict, List, Optional, Tuple
 from . import rules as rule_registry
 from .errors import ConfigError, Violation
 from .model_specs import INDEXER_DTYPES, ModelShape
+from .sparse_decode import sizing as hot_sizing
 
 GIB = 1 << 30
 MIB = 1 << 20
-# Residency metadata per hot-buffer slot (docs/residency_contract.md): slot_token
-# int32 + slot_stamp int64; plus row_req int64 per row and layer.
-RESIDENCY_BYTES_PER_SLOT = 4 + 8
-RESIDENCY_BYTES_PER_ROW = 8
 KVPP_SCRATCH_BUFFERS = 2  # the current non-owned layer + the next one's prefetch (broadcast ahead)
 KVPP_SCRATCH_ALIGNMENT = 2 * MIB  # default alignment of the scratch buffers (KVPPConfig)
 
@@ -65,13 +62,16 @@ class CapacityInputs:
     page_size: KV page size; token pools hold whole pages.
     indexer_dtype: ``bf16`` (256 B / token / layer for 128 dims) or ``int8`` (LIM-C8).
     mtp: speculative decoding with the model's MTP layers (they carry KV too).
-    hot_tokens: sparse decode hot-buffer slots per layer and decode row; None = 2 x top-k.
-        With several verify rows per request they share one buffer per request of
-        ``max(hot_tokens, rows_per_request x top-k)`` slots (:meth:`hot_per_request`).
-    rows: engine rows with a hot buffer (fixed), one request each; None = one per
-        request, sized with the request count. rows_per_request: query tokens per
-        request in a decode step (speculative verify rows); None = 1, or 1 + MTP
-        layers with ``mtp``.
+    hot_tokens: sparse decode hot-buffer slots per layer and request, shared by its verify
+        rows; None = the served default (``sparse_decode.sizing.default_hot_tokens``:
+        max(2, rows_per_request) x top-k rounded up to the page size). Must hold the
+        union of the verify rows' top-k (rows_per_request x top-k), as the server requires.
+    rows: requests with a hot row (fixed); None = sized with the request count. Either
+        way the engine adds its fixed rows (SGLang's padding slot and the sink row:
+        :meth:`hot_plan`). rows_per_request: query tokens per request in a decode step
+        (speculative verify rows); None = 1, or 1 + MTP layers with ``mtp``.
+    decode_extra_slots: a P/D decode's extra request slots (SGLang's
+        ``--disaggregation-decode-extra-slots``): each has a hot row, fixed.
     shared_buffers / independent_layers: layerwise prefill B and I.
     prefill_tokens: tokens the layerwise buffers hold in the colocated combination
         (the prefill in flight, prefix included); None = ``context``.
@@ -90,6 +90,7 @@ class CapacityInputs:
     hot_tokens: Optional[int] = None
     rows: Optional[int] = None
     rows_per_request: Optional[int] = None
+    decode_extra_slots: int = 0
     shared_buffers: int = 4
     independent_layers: int = 1
     prefill_tokens: Optional[int] = None
@@ -110,19 +111,33 @@ class CapacityInputs:
         return self.tp * self.pcp
 
     def hot(self, model: ModelShape) -> int:
-        return self.hot_tokens if self.hot_tokens is not None else 2 * model.index_topk
+        """Hot-buffer slots per layer of one query row (plain decode): ``hot_tokens`` or
+        the served default for one row."""
+        return hot_sizing.resolve_hot_tokens(self.hot_tokens, model.index_topk, self.page_size)
 
     def rows_per_req(self, model: ModelShape) -> int:
         if self.rows_per_request is not None:
             return self.rows_per_request
         return 1 + (model.mtp_layers if self.mtp else 0)
 
+    def hot_plan(self, model: ModelShape, running_requests: int = 1) -> hot_sizing.HotBufferPlan:
+        """The served hot-buffer plan of one DP rank's engine (its target layers; the MTP
+        layers keep their KV on the device) for ``running_requests``: one hot row per
+        request shared by its verify rows, plus the padding slot and the sink row."""
+        return hot_sizing.HotBufferPlan.build(
+            configured_hot_tokens=self.hot_tokens,
+            top_k=model.index_topk,
+            page_size=self.page_size,
+            verify_rows=self.rows_per_req(model),
+            layers=model.num_layers,
+            row_dim=model.main_kv_dim,
+            running_requests=running_requests,
+            pre_alloc_slots=self.decode_extra_slots,
+        )
+
     def hot_per_request(self, model: ModelShape) -> int:
-        """Hot-buffer slots per layer and request: the request's verify rows share one
-        buffer that holds the union of their top-k, ``max(hot, rows_per_request x top-k)``
-        (``hot`` alone with one row per request)."""
-        n = self.rows_per_req(model)
-        return self.hot(model) if n == 1 else max(self.hot(model), n * model.index_topk)
+        """Hot-buffer slots per layer and request (the plan's ``hot_tokens``)."""
+        return self.hot_plan(model).hot_tokens
 
     def prefill_tok(self) -> int:
         return self.prefill_tokens if self.prefill_tokens is not None else self.context
@@ -186,17 +201,19 @@ class ModeCapacity:
 
 
 @dataclass(frozen=True)
-class HotBufferPlan:
-    """Sparse decode hot buffers of one request (all target layers).
+class HotBufferReport:
+    """Sparse decode hot buffers of the plan (``sparse_decode.sizing.HotBufferPlan``) in
+    the planner's terms.
 
     rows_per_request: query rows per request and decode step (speculative verify rows).
-    hot_tokens_per_row: the per-row size (``--hot-tokens``, default 2 x top-k).
-    hot_tokens_per_request: slots per layer of the request's one buffer,
-    ``max(hot_tokens_per_row, rows_per_request x top-k)``; verify_rows_share_buffer:
-    several rows look up the union of their top-k in it. device_bytes_per_request:
-    that buffer + its residency table on every target layer. per_row_hot_tokens_per_request:
-    what one buffer per verify row would take (``rows_per_request x hot_tokens_per_row``),
-    for comparison.
+    hot_tokens_per_row: the plain-decode size (``--hot-tokens``, default 2 x top-k).
+    hot_tokens_per_request: slots per layer of the request's one buffer (the plan's
+    ``hot_tokens``); verify_rows_share_buffer: several rows look up the union of their
+    top-k in it. device_bytes_per_request: that buffer + its residency table on every
+    target layer (one hot row). per_row_hot_tokens_per_request: what one buffer per
+    verify row would take (``rows_per_request x hot_tokens_per_row``), for comparison.
+    fixed_hot_rows: hot rows that serve no request (SGLang's padding slot, the engine's
+    sink row, a P/D decode's extra slots); device_fixed_bytes: their bytes.
     """
 
     rows_per_request: int
@@ -205,6 +222,8 @@ class HotBufferPlan:
     verify_rows_share_buffer: bool
     device_bytes_per_request: int
     per_row_hot_tokens_per_request: int
+    fixed_hot_rows: int
+    device_fixed_bytes: int
 
 
 @dataclass(frozen=True)
@@ -219,7 +238,7 @@ class CapacityReport:
     inputs: CapacityInputs
     modes: Tuple[ModeCapacity, ...]
     skipped: Tuple[SkippedMode, ...] = field(default_factory=tuple)
-    hot_buffer: Optional[HotBufferPlan] = None
+    hot_buffer: Optional[HotBufferReport] = None
 
     def mode(self, name: str) -> ModeCapacity:
         for m in self.modes:
@@ -257,6 +276,12 @@ def input_problems(inputs: CapacityInputs, model: Optional[ModelShape]) -> List[
         value = getattr(inputs, name)
         if value is not None and value < 1:
             bad(name, f"{name} is {value}", f"--{name.replace('_', '-')} must be >= 1 (or left out)")
+    if inputs.decode_extra_slots < 0:
+        bad(
+            "decode_extra_slots",
+            f"decode_extra_slots is {inputs.decode_extra_slots}",
+            "--decode-extra-slots must be >= 0",
+        )
     if inputs.independent_layers < 0:
         bad(
             "independent_layers",
@@ -271,12 +296,18 @@ def input_problems(inputs: CapacityInputs, model: Optional[ModelShape]) -> List[
         )
     if model is None:
         return out
-    if inputs.hot_tokens is not None and 1 <= inputs.hot_tokens < model.index_topk:
-        bad(
-            "hot_tokens",
-            f"hot_tokens {inputs.hot_tokens} < top-k {model.index_topk} of {model.name}",
-            f"--hot-tokens must be >= {model.index_topk} (every selected row needs a slot)",
-        )
+    verify_rows = inputs.rows_per_req(model)
+    if inputs.hot_tokens is not None and verify_rows >= 1:
+        need = hot_sizing.required_hot_tokens(model.index_topk, verify_rows)
+        if 1 <= inputs.hot_tokens < need:
+            rows = f"{verify_rows} verify rows x " if verify_rows > 1 else ""
+            least = hot_sizing.least_hot_tokens(model.index_topk, inputs.page_size, verify_rows)
+            bad(
+                "hot_tokens",
+                f"hot_tokens {inputs.hot_tokens} < {rows}top-k {model.index_topk} of {model.name}",
+                f"--hot-tokens must be >= {least} (every row a request's verify rows select needs a slot; the "
+                "server refuses less), or leave it out",
+            )
     n_cache = model.cache_layers(inputs.mtp)
     if inputs.independent_layers > n_cache:
         bad(
@@ -310,45 +341,47 @@ def kvpp_owned_layers(num_layers: int, group: int, rank: int) -> int:
     return base + int(rank < remainder)
 
 
-def _residency_row_bytes(model: ModelShape, hot: int) -> int:
-    """Device bytes of one engine row in sparse decode with ``hot`` slots per layer: hot
-    buffer + residency table of every target layer (the MTP / draft layers keep their KV
-    on the device: no hot buffer)."""
-    per_layer = hot * model.main_bytes_per_layer + hot * RESIDENCY_BYTES_PER_SLOT + RESIDENCY_BYTES_PER_ROW
-    return model.num_layers * per_layer
-
-
-def hot_buffer_plan(model: ModelShape, inputs: CapacityInputs) -> HotBufferPlan:
-    """The request's hot buffer: one engine row per request, shared by its verify rows."""
-    n, hot = inputs.rows_per_req(model), inputs.hot(model)
-    per_request = inputs.hot_per_request(model)
-    return HotBufferPlan(
+def hot_buffer_report(model: ModelShape, inputs: CapacityInputs) -> HotBufferReport:
+    """The request's hot buffer: one hot row per request, shared by its verify rows."""
+    hot_plan = inputs.hot_plan(model)
+    n, per_row = hot_plan.verify_rows, inputs.hot(model)
+    return HotBufferReport(
         rows_per_request=n,
-        hot_tokens_per_row=hot,
-        hot_tokens_per_request=per_request,
+        hot_tokens_per_row=per_row,
+        hot_tokens_per_request=hot_plan.hot_tokens,
         verify_rows_share_buffer=n > 1,
-        device_bytes_per_request=_residency_row_bytes(model, per_request),
-        per_row_hot_tokens_per_request=n * hot,
+        device_bytes_per_request=hot_plan.device_bytes_per_row,
+        per_row_hot_tokens_per_request=n * per_row,
+        fixed_hot_rows=hot_plan.fixed_hot_rows,
+        device_fixed_bytes=hot_plan.fixed_hot_rows * hot_plan.device_bytes_per_row,
     )
 
 
 def _decode_rows(model: ModelShape, inputs: CapacityInputs) -> Dict[str, Optional[int]]:
-    """Per-request or fixed device bytes of the sparse decode engine rows (one per
-    request, its verify rows included), and the request cap of fixed rows."""
-    row = hot_buffer_plan(model, inputs).device_bytes_per_request
+    """Device bytes of the sparse decode engine's hot rows: per request (its verify rows
+    share its row) and fixed (padding slot, sink row, P/D extra slots; all rows with ``--rows``), and
+    the request cap of fixed rows."""
+    hot_plan = inputs.hot_plan(model)
     if inputs.rows is None:
-        return {"per_request": row, "fixed": 0, "max_requests": None}
-    return {"per_request": 0, "fixed": inputs.rows * row, "max_requests": inputs.rows}
+        fixed = hot_plan.fixed_hot_rows * hot_plan.device_bytes_per_row
+        return {"per_request": hot_plan.device_bytes_per_row, "fixed": fixed, "max_requests": None}
+    return {
+        "per_request": 0,
+        "fixed": hot_plan.with_running_requests(inputs.rows).device_bytes,
+        "max_requests": inputs.rows,
+    }
 
 
 def _hot_description(model: ModelShape, inputs: CapacityInputs) -> str:
     """The sparse decode hot buffers in words."""
-    hb = hot_buffer_plan(model, inputs)
+    hb = hot_buffer_report(model, inputs)
+    extra = ", P/D extra slots" if inputs.decode_extra_slots else ""
+    fixed = f" (+ {hb.fixed_hot_rows} fixed rows: padding slot, sink{extra})"
     if not hb.verify_rows_share_buffer:
-        return f"{hb.hot_tokens_per_request} hot rows/layer/decode row"
+        return f"{hb.hot_tokens_per_request} hot rows/layer/decode row{fixed}"
     return (
         f"{hb.hot_tokens_per_request} hot rows/layer/request, one buffer shared by its {hb.rows_per_request} "
-        f"verify rows (max({hb.hot_tokens_per_row}, {hb.rows_per_request} x top-k {model.index_topk}))"
+        f"verify rows{fixed}"
     )
 
 
@@ -543,7 +576,7 @@ def plan(model: ModelShape, inputs: CapacityInputs) -> CapacityReport:
         inputs=inputs,
         modes=tuple(modes),
         skipped=tuple(skipped),
-        hot_buffer=hot_buffer_plan(model, inputs),
+        hot_buffer=hot_buffer_report(model, inputs),
     )
 
 
@@ -556,14 +589,14 @@ __all__ = [
     "CapacityInputs",
     "CapacityReport",
     "Footprint",
-    "HotBufferPlan",
+    "HotBufferReport",
     "ModeCapacity",
     "SkippedMode",
     "MODE_NAMES",
     "GIB",
     "check_inputs",
     "footprints",
-    "hot_buffer_plan",
+    "hot_buffer_report",
     "input_problems",
     "kvpp_owned_layers",
     "physical_layer_buffers",

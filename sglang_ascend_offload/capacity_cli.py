@@ -33,6 +33,7 @@ _NUMBERS: Dict[str, str] = {
     "hot_tokens": "tokens",
     "rows": "int",
     "rows_per_request": "int",
+    "decode_extra_slots": "int",
     "shared_buffers": "int",
     "independent_layers": "int",
     "prefill_tokens": "tokens",
@@ -72,15 +73,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--page-size", default="128", help="KV page size in tokens")
     work.add_argument(
         "--hot-tokens",
-        help="sparse decode hot slots per layer and decode row (default 2 x top-k); "
-        "with several verify rows per request they share one buffer of "
-        "max(this, rows per request x top-k) slots",
+        help="sparse decode hot slots per layer and request, shared by its verify rows (default "
+        "max(2, rows per request) x top-k rounded up to the page size, as the server resolves it); "
+        "at least rows per request x top-k",
     )
-    work.add_argument("--rows", help="fixed engine rows with hot buffers, one request each (default: one per request)")
+    work.add_argument(
+        "--rows",
+        help="fixed requests with a hot row (default: one per request); the engine adds its "
+        "padding slot and sink row either way",
+    )
     work.add_argument(
         "--rows-per-request",
         help="decode (verify) rows per request (default 1, 1 + MTP layers with "
         "--mtp; e.g. 4 for MTP with 3 draft tokens)",
+    )
+    work.add_argument(
+        "--decode-extra-slots",
+        help="a P/D decode's --disaggregation-decode-extra-slots: request slots with a hot row each (default 0)",
     )
     work.add_argument("--shared-buffers", default="4", help="layerwise prefill shared buffers B")
     work.add_argument("--independent-layers", default="1", help="layerwise prefill independent layers I")
@@ -166,7 +175,7 @@ def inputs_from_args(args: argparse.Namespace):
 def report_to_json(report: CapacityReport) -> Dict[str, Any]:
     """``{"model", "inputs", "modes": [...], "skipped": [...], "hot_buffer": {...}}`` with the mode keys of
     the CLI contract; ``hot_buffer``: the sparse decode hot buffer of one request (shared by its
-    verify rows with speculation)."""
+    verify rows with speculation) and the engine's fixed rows (:class:`~.capacity.HotBufferReport`)."""
     return {
         "model": dataclasses.asdict(report.model),
         "inputs": dataclasses.asdict(report.inputs),

@@ -31,6 +31,7 @@ from .errors import ConfigError, Violation  # noqa: F401 - their home is errors.
 # The accepted names come from their registries (one home each): the operator
 # ladder's choices and the residency policies.
 from .ops.contract import CHOICES as _OPS_CHOICES  # noqa: E402
+from .sparse_decode import sizing as _hot_sizing  # noqa: E402
 from .sparse_decode.policies import POLICIES as _POLICIES  # noqa: E402
 
 OpsChoice = Literal[_OPS_CHOICES]
@@ -42,9 +43,10 @@ class SparseDecodeOffloadConfig:
     """Sparse decode offload: the main KV stays in a host pool; each decode step moves to
     the device hot buffers only the top-k rows not yet resident (docs/sparse_decode.md).
 
-    hot_tokens: device slots per layer and decode row; ``None`` = 2 x top-k rounded up
-        to a multiple of the KV page size (:func:`default_hot_tokens`).
-        Must be >= top-k and a multiple of the KV page size.
+    hot_tokens: device slots per layer and request (a request's speculative verify rows
+        share them); ``None`` = max(2, verify rows) x top-k rounded up to a multiple of
+        the KV page size (``sparse_decode/sizing.py``, the hot-buffer plan). Must be >=
+        verify rows x top-k and a multiple of the KV page size.
     host_pool_tokens: token rows of the host pool (per DP rank, all layers);
         ``None`` = SGLang's own token capacity (``max_total_tokens``). Where the fused
         Copy-SFA reads the pool, its rows per layer are rounded up to a multiple of 32
@@ -208,22 +210,14 @@ def fused_copy_sfa_required(sd: "SparseDecodeOffloadConfig", device: str, rows_p
     return plan.attention.fused
 
 
-def _residency_shape(sd: "SparseDecodeOffloadConfig", top_k: Optional[int], rows: int) -> dict:
-    """``hot_tokens`` / ``top_k`` of the served pool for the fused-kernel shape check (as the
-    pool sizes it: the configured hot buffer or its default), or nothing without the top-k."""
-    if top_k is None:
+def _residency_shape(sd: "SparseDecodeOffloadConfig", d: "Deployment") -> dict:
+    """``hot_tokens`` / ``top_k`` of the served pool for the fused-kernel shape check (the
+    configured hot buffer or its default, resolved as the hot-buffer plan resolves it), or
+    nothing without the top-k."""
+    if d.index_topk is None:
         return {}
-    return dict(hot_tokens=sd.hot_tokens or default_hot_tokens(top_k, None, rows_per_request=rows), top_k=top_k)
-
-
-def default_hot_tokens(top_k: int, page_size: Optional[int], factor: int = 2, rows_per_request: int = 1) -> int:
-    """``max(factor, rows_per_request)`` x ``top_k`` rounded up to a multiple of
-    ``page_size`` (the served default of ``hot_tokens`` with ``factor=2``; the smallest
-    valid value with ``factor=1``). ``rows_per_request``: speculative verify rows per
-    request, which share one hot buffer that must hold the union of their top-k."""
-    want = max(factor, rows_per_request) * top_k
-    page = page_size or 1
-    return -(-want // page) * page
+    hot = _hot_sizing.resolve_hot_tokens(sd.hot_tokens, d.index_topk, d.page_size, d.verify_rows)
+    return dict(hot_tokens=hot, top_k=d.index_topk)
 
 
 @dataclass(frozen=True)
@@ -485,6 +479,12 @@ class Deployment:
     def attention_tp(self) -> int:
         """Attention TP size (what the P/D protocol calls p_tp / d_tp)."""
         return self.tp if self.attn_tp is None else self.attn_tp
+
+    @property
+    def verify_rows(self) -> int:
+        """Query rows per request in a decode step: :attr:`speculative_rows` with a
+        speculative method, else 1 (``sparse_decode.sizing.verify_rows``)."""
+        return _hot_sizing.verify_rows(self.speculative_method, self.speculative_rows)
 
     @property
     def decode_graphs(self) -> bool:
@@ -804,33 +804,34 @@ def _check_sparse_decode_model(d: Deployment, add: _Add) -> None:
 
 def _check_sparse_decode_hot_tokens(sd: "SparseDecodeOffloadConfig", d: Deployment, add: _Add) -> None:
     if sd.hot_tokens is not None and d.index_topk is not None and sd.hot_tokens < d.index_topk:
-        least = default_hot_tokens(d.index_topk, d.page_size, factor=1)
         add(
             "sparse_decode.hot_tokens_topk",
             f"hot_tokens={sd.hot_tokens} < top-k={d.index_topk}",
-            f"set hot_tokens >= {least} ({default_hot_tokens(d.index_topk, d.page_size)} recommended: "
+            f"set hot_tokens >= {_hot_sizing.least_hot_tokens(d.index_topk, d.page_size)} "
+            f"({_hot_sizing.default_hot_tokens(d.index_topk, d.page_size)} recommended: "
             "2 x top-k rounded up to the page size)",
         )
-    verify_rows = d.speculative_rows if d.speculative_method and d.speculative_rows else 1
+    verify_rows = d.verify_rows
     if (
         verify_rows > 1
         and sd.hot_tokens is not None
         and d.index_topk is not None
-        and sd.hot_tokens < verify_rows * d.index_topk
+        and sd.hot_tokens < _hot_sizing.required_hot_tokens(d.index_topk, verify_rows)
     ):
-        least = default_hot_tokens(d.index_topk, d.page_size, factor=1, rows_per_request=verify_rows)
         add(
             "sparse_decode.hot_tokens_verify_rows",
             f"hot_tokens={sd.hot_tokens} < {verify_rows} verify rows x "
             f"top-k {d.index_topk}: a request's verify rows share one hot buffer, which must hold the union of "
             "their top-k",
-            f"set hot_tokens >= {least}, or leave it unset (the default is that with speculation)",
+            f"set hot_tokens >= {_hot_sizing.least_hot_tokens(d.index_topk, d.page_size, verify_rows)}, or leave "
+            "it unset (the default is that with speculation)",
         )
     if sd.hot_tokens is not None and d.page_size is not None and sd.hot_tokens % d.page_size:
         add(
             "sparse_decode.hot_tokens_page",
             f"hot_tokens={sd.hot_tokens} is not a multiple of the page size {d.page_size}",
-            f"round hot_tokens to a multiple of {d.page_size}, e.g. {-(-sd.hot_tokens // d.page_size) * d.page_size}",
+            f"round hot_tokens to a multiple of {d.page_size}, "
+            f"e.g. {_hot_sizing.round_to_page(sd.hot_tokens, d.page_size)}",
         )
 
 
@@ -859,9 +860,8 @@ def _check_sparse_decode_settings(sd: "SparseDecodeOffloadConfig", d: Deployment
     if sd.fused_lim is True:
         from .sparse_decode.op_selection import select_for_config
 
-        rows = d.speculative_rows if d.speculative_method and d.speculative_rows else 1
         plan = select_for_config(
-            sd, d.device, rows_per_request=rows, **_residency_shape(sd, d.index_topk, rows), available=lambda op: None
+            sd, d.device, rows_per_request=d.verify_rows, **_residency_shape(sd, d), available=lambda op: None
         )
         for p in plan.problems:
             if p.rule == "sglang.fused_not_wired":
@@ -891,9 +891,8 @@ def _check_int8_indexer(sd: "SparseDecodeOffloadConfig", d: Deployment, add: _Ad
     if d.device == "npu":
         from .sparse_decode.op_selection import select_for_config
 
-        rows = d.speculative_rows if d.speculative_method and d.speculative_rows else 1
         plan = select_for_config(
-            sd, "npu", rows_per_request=rows, **_residency_shape(sd, d.index_topk, rows), available=lambda op: None
+            sd, "npu", rows_per_request=d.verify_rows, **_residency_shape(sd, d), available=lambda op: None
         )
         if not plan.indexer.fused:
             add(

@@ -100,6 +100,13 @@ _ALL = (
             "pass a count within the model",
         ),
         ("capacity.indexer_dtype", "an indexer dtype the planner knows (bf16, int8)", "pass bf16 or int8"),
+        ("capacity.decode_extra_slots", "--decode-extra-slots >= 0", "pass --decode-extra-slots >= 0"),
+        (
+            "check_config.model",
+            "check-config's --model / --model-config has the deployment's num_layers and index_topk, where given",
+            "drop them from the deployment or pass the deployment's model",
+        ),
+        ("check_config.count", "check-config's --requests >= 1 and --decode-extra-slots >= 0", "pass such counts"),
         ("capacity.mtp", "--mtp only for a model with MTP layers", "drop --mtp"),
     ),
     *_rules(

@@ -43,6 +43,8 @@ def test_deepseek_v32_per_token_bytes_by_hand():
     assert modes["sparse-decode"].host_bytes_per_token == 61 * main
     # hot buffer 2 x top-k rows of 1152 B + residency (int32 token + int64 stamp per slot, int64 per row)
     assert modes["sparse-decode"].device_bytes_per_request == 61 * (4096 * main + 4096 * 12 + 8)
+    # and the engine's two fixed rows (SGLang's padding slot, the sink row) once
+    assert modes["sparse-decode"].device_fixed_bytes == 2 * 61 * (4096 * main + 4096 * 12 + 8)
     assert modes["layerwise-prefill"].device_bytes_per_token == (1 + min(4, 60)) * (main + idx)
     assert modes["layerwise-prefill"].host_bytes_per_token == 61 * (main + idx)
     # KVPP over 8 ranks: rank 0 owns ceil(61 / 8) = 8 layers, + 2 scratch bundles
@@ -176,11 +178,12 @@ def test_limiting_resource_switches():
     assert by_name(plan(DSV32, inputs()))[sd].limited_by == "hbm"
     tight_host = by_name(plan(DSV32, inputs(host_bytes=20 * GIB)))[sd]
     assert tight_host.limited_by == "host" and tight_host.requests == (20 * GIB) // (CTX * 61 * 1152)
-    # fixed engine rows are requests: a request's verify rows share its row (one hot buffer)
+    # fixed rows are requests: a request's verify rows share its row (one hot buffer); the
+    # engine's padding slot and sink row come on top
     few = inputs(rows=4, rows_per_request=2)
     few_rows = by_name(plan(DSV32, few))[sd]
     assert few_rows.limited_by == "rows" and few_rows.requests == few.rows
-    assert few_rows.device_fixed_bytes == few.rows * plan(DSV32, few).hot_buffer.device_bytes_per_request
+    assert few_rows.device_fixed_bytes == (few.rows + 2) * plan(DSV32, few).hot_buffer.device_bytes_per_request
     # a host pool split over more DP ranks can flip the limit from hbm to host
     assert by_name(plan(DSV32, inputs(dp=8)))[sd].limited_by == "host"
     # the in-tree peer keeps one host slot per TP rank: more TP ranks, host-bound
@@ -196,7 +199,7 @@ def test_offload_beats_full_device_and_kvpp_is_skipped_without_a_group():
         assert modes[name].requests > modes["full-device"].requests, name
     # the colocated combination pays for the prefill buffers on top of sparse decode
     combo, sd = modes["sparse-decode+layerwise-prefill"], modes["sparse-decode"]
-    assert combo.device_fixed_bytes == 5 * 1152 * CTX
+    assert combo.device_fixed_bytes == 5 * 1152 * CTX + sd.device_fixed_bytes
     assert combo.tokens < sd.tokens and combo.requests <= sd.requests
 
 
@@ -396,14 +399,14 @@ def test_sparse_decode_row_bytes_match_hot_buffers_and_residency_tables():
         )
         assert by_name(plan(TINY, inp))["sparse-decode"].device_bytes_per_request == engine_row(8)
     # With MTP a request decodes 1 + MTP-layers verify rows by default (here 2); they share one
-    # engine row whose buffer holds max(hot, rows x top-k) slots: 8 = max(8, 2 x 4), 16 = max(8, 4 x 4).
-    for rows_per_request, slots in ((None, 8), (2, 8), (4, 16)):
+    # engine row of hot_tokens slots, by default max(2, rows) x top-k rounded up to the page (16).
+    for rows_per_request, hot_tokens, slots in ((None, 8, 8), (2, 8, 8), (4, None, 16), (4, 32, 32)):
         inp = CapacityInputs(
             hbm_bytes=GIB,
             host_bytes=GIB,
             context=64,
             page_size=16,
-            hot_tokens=8,
+            hot_tokens=hot_tokens,
             mtp=True,
             rows_per_request=rows_per_request,
         )
@@ -441,7 +444,7 @@ def test_verify_rows_share_one_hot_buffer_per_request():
         inp = inputs(mtp=True, indexer_dtype="int8", rows_per_request=rows_per_request)
         report = plan(m, inp)
         hb = report.hot_buffer
-        slots = max(2 * m.index_topk, rows_per_request * m.index_topk)
+        slots = max(2 * m.index_topk, rows_per_request * m.index_topk)  # the served default
         assert (hb.rows_per_request, hb.hot_tokens_per_row, hb.hot_tokens_per_request) == (
             rows_per_request,
             2 * m.index_topk,
@@ -452,6 +455,9 @@ def test_verify_rows_share_one_hot_buffer_per_request():
         assert (
             sd.device_bytes_per_request == hb.device_bytes_per_request == m.num_layers * (slots * 1152 + slots * 12 + 8)
         )
+        assert (
+            hb.fixed_hot_rows == 2 and sd.device_fixed_bytes == hb.device_fixed_bytes == 2 * sd.device_bytes_per_request
+        )
         assert f"{slots} hot rows/layer/request" in sd.description
         old = _per_row_design(m, inp)
         assert sd.requests >= old.requests
@@ -461,9 +467,12 @@ def test_verify_rows_share_one_hot_buffer_per_request():
     peer = by_name(plan(m, inp))["sglang-npu-offload"]
     assert plan(m, inp).hot_buffer.hot_tokens_per_request == 8192
     assert new.requests >= 1.3 * old.requests and new.requests >= peer.requests
-    # a larger --hot-tokens is kept; one below rows x top-k is raised to it
+    # a larger --hot-tokens is kept; one below rows x top-k is refused, as the server refuses it
     assert inputs(mtp=True, rows_per_request=4, hot_tokens=12288).hot_per_request(m) == 12288
-    assert inputs(mtp=True, rows_per_request=4, hot_tokens=2048).hot_per_request(m) == 8192
+    with pytest.raises(ConfigError) as info:
+        plan(m, inputs(mtp=True, rows_per_request=4, hot_tokens=4096))
+    (v,) = info.value.violations
+    assert v.rule == "capacity.hot_tokens" and "4 verify rows x top-k 2048" in v.problem and ">= 8192" in v.fix
     # without speculation nothing changes: one row per request, --hot-tokens slots
     plain = plan(m, inputs(indexer_dtype="int8")).hot_buffer
     assert (plain.rows_per_request, plain.hot_tokens_per_request, plain.verify_rows_share_buffer) == (1, 4096, False)
@@ -495,6 +504,8 @@ def test_cli_mtp_reports_the_shared_buffer(capsys):
         "verify_rows_share_buffer": True,
         "per_row_hot_tokens_per_request": 16384,
         "device_bytes_per_request": 61 * (8192 * 1152 + 8192 * 12 + 8),
+        "fixed_hot_rows": 2,
+        "device_fixed_bytes": 2 * 61 * (8192 * 1152 + 8192 * 12 + 8),
     }
     modes = {m_["name"]: m_ for m_ in data["modes"]}
     assert modes["sparse-decode"]["requests"] >= modes["sglang-npu-offload"]["requests"]

@@ -96,6 +96,7 @@ SERVER_ARGS: Dict[str, str] = {
     "enable_prefill_cp": "prefill context parallelism is rejected",
     "dcp_size": "DCP is rejected (KVPP, sparse decode)",
     "disaggregation_mode": "P/D role",
+    "disaggregation_decode_extra_slots": "a P/D decode's extra request slots each have a hot row (hot-buffer plan)",
     "disaggregation_transfer_backend": "P/D backend",
     "max_total_tokens": "host-pool tokens in the startup memory check",
     "model_path": "trace metadata",

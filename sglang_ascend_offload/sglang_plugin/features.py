@@ -162,6 +162,6 @@ def build_pool_around(original, self, *, sizes, is_dsa_model, is_dsv4_model, req
             section,
             max_total_num_tokens=tokens,
             is_dsa_model=is_dsa_model,
-            rows=req_to_token_pool.req_to_token.shape[0],
+            req_to_token_pool=req_to_token_pool,
         )
     return feature.pool_builder()(self, section, max_total_num_tokens=tokens, is_dsa_model=is_dsa_model)

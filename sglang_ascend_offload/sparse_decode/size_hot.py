@@ -230,9 +230,9 @@ def size_hot(
 
 def recommend(res: SizeHotResult, target: float, model: str) -> Dict[str, object]:
     """Smallest size whose stack-LRU hit rate reaches ``target``, with its device bytes
-    per request (capacity planner, ``sparse-decode`` mode, one decode row per request)."""
-    from ..capacity import CapacityInputs, footprints
+    per request (the hot-buffer plan's bytes of one hot row: one decode row per request)."""
     from ..model_specs import preset
+    from .sizing import HotBufferPlan
 
     if not 0.0 <= target <= 1.0:
         raise ValueError(f"--target-hit-rate {target} must be in [0, 1]")
@@ -246,13 +246,19 @@ def recommend(res: SizeHotResult, target: float, model: str) -> Dict[str, object
         )
         return out
     shape = preset(model)
-    modes, _ = footprints(shape, CapacityInputs(hbm_bytes=1, host_bytes=1, hot_tokens=hot))
-    fp, _ = modes["sparse-decode"]
+    hot_plan = HotBufferPlan(
+        layers=shape.num_layers,
+        row_dim=shape.main_kv_dim,
+        top_k=shape.index_topk,
+        hot_tokens=hot,
+        verify_rows=1,
+        running_requests=1,
+    )
     out.update(
         hot_tokens=hot,
         hit_rate=res.hit_rate(res.lru_misses[hot - res.top_k]),
-        device_bytes_per_request=fp.device_per_request,
+        device_bytes_per_request=hot_plan.device_bytes_per_row,
         note=f"device bytes: hot buffer + residency table of every layer of {shape.name} for one decode row "
-        f"at hot_tokens {hot} (capacity.footprints, sparse-decode)",
+        f"at hot_tokens {hot} (the hot-buffer plan, sparse_decode/sizing.py)",
     )
     return out

@@ -33,12 +33,13 @@ ROPE_SCALING = {
 
 
 @contextlib.contextmanager
-def published_context(device: str = "cpu"):
-    """SGLang's runtime context for one rank (what pools and modules read)."""
+def published_context(device: str = "cpu", **server_args_kw):
+    """SGLang's runtime context for one rank (what pools and modules read), published from
+    ``ServerArgs(model_path="dummy", device=device, **server_args_kw)``."""
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
-    server_args = ServerArgs(model_path="dummy", device=device)
+    server_args = ServerArgs(model_path="dummy", device=device, **server_args_kw)
     reset_context()
     publish(server_args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
     try:
@@ -78,6 +79,23 @@ def make_indexer(layer_id: int, neox: bool = True, seed: int = 0, index_heads: i
         ix.wq_b.weight.data = ix.wq_b.weight.data.to(torch.bfloat16)
         ix.wk.weight.data = ix.wk.weight.data.to(torch.bfloat16)
     return ix
+
+
+def hot_plan_for(pool_kwargs: dict, offload, *, top_k: int, req_slots: int, verify_rows: int = 1):
+    """The hot-buffer plan of a ``HostMainKVPool`` built with ``pool_kwargs`` (SGLang's pool
+    arguments: page size, layers, MLA widths) whose request pool has ``req_slots`` rows
+    (``req_to_token`` rows, SGLang's padding row included), as the served pool hook builds it."""
+    from sglang_ascend_offload.sparse_decode.sizing import PADDING_REQ_SLOTS, HotBufferPlan
+
+    return HotBufferPlan.build(
+        configured_hot_tokens=offload.hot_tokens,
+        top_k=top_k,
+        page_size=pool_kwargs["page_size"],
+        verify_rows=verify_rows,
+        layers=pool_kwargs["layer_num"],
+        row_dim=pool_kwargs["kv_lora_rank"] + pool_kwargs["qk_rope_head_dim"],
+        running_requests=req_slots - PADDING_REQ_SLOTS,
+    )
 
 
 @dataclass
@@ -189,9 +207,10 @@ class Harness:
             index_head_dim=INDEX_DIM,
         )
         self.dense_pool = DeviceDSAPool(slots, index_size=slots, index_page_size=page_size, **common)
-        self.offload_pool = HostMainKVPool(
-            slots, rows=self.req_to_token_pool.req_to_token.shape[0], top_k=top_k, offload=self.offload_config, **common
+        self.hot_plan = hot_plan_for(
+            common, self.offload_config, top_k=top_k, req_slots=self.req_to_token_pool.req_to_token.shape[0]
         )
+        self.offload_pool = HostMainKVPool(slots, hot_plan=self.hot_plan, offload=self.offload_config, **common)
         self.allocator = PagedTokenToKVPoolAllocator(
             slots, page_size, torch.bfloat16, device, self.dense_pool, need_sort=False
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import torch
-from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK
+from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK, hot_plan_for
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.testing.ports import reserve_port
@@ -63,9 +63,9 @@ def draft_pool(fill_seed=None, **kw):
 def host_pool(page=PAGE, layers=LAYERS):
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
 
-    return HostMainKVPool(
-        SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK), **_common(page, layers)
-    )
+    sd = cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK)
+    common = _common(page, layers)
+    return HostMainKVPool(SLOTS, hot_plan=hot_plan_for(common, sd, top_k=TOPK, req_slots=4), offload=sd, **common)
 
 
 def pd_config(**kw):

@@ -10,10 +10,13 @@ rule                             when
 ``sglang.model_config``          a feature needs model facts the HF config lacks (a DSA
                                  architecture without its indexer fields, an MLA model without
                                  ``kv_lora_rank`` ...): the pools would fail after the weights load
-``memory.insufficient``          one request's hot buffers and the host pool do not fit in the
-                                 memory available now (:mod:`...memory_budget`); how many
-                                 requests get hot buffers is decided when SGLang sizes its KV
-                                 pool, from the same budget (:mod:`..mem_cache.sizing.sparse_decode`)
+``memory.insufficient``          the smallest server's hot buffers (the hot-buffer plan for one
+                                 request: its hot row, the padding slot, the sink row, a P/D
+                                 decode's pre-allocation slots, with their residency tables)
+                                 and the host pool do not fit in the memory available now
+                                 (:mod:`...memory_budget`); how many requests get hot buffers
+                                 is decided when SGLang sizes its KV pool, from the same plan
+                                 (:mod:`..mem_cache.sizing.sparse_decode`)
 ===============================  ==============================================================
 
 Speculative decoding with sparse decode offload (the NextN / MTP chain of ``steps + 1``
@@ -21,9 +24,9 @@ verify rows, eager decode off the CPU, no overlap scheduling) is decided by the 
 facts: rule ``sglang.sparse_decode_speculative`` in ``config.violations``.
 
 Defaults resolved here, so the published config (what every process runs) states
-them and the log shows them once: ``hot_tokens`` (2 x top-k rounded up to the page
-size), ``layerwise_prefill.store_backend`` (``memcache`` on an Ascend NPU, ``local``
-elsewhere).
+them and the log shows them once: ``hot_tokens`` (the hot-buffer plan's default,
+``sparse_decode.sizing.default_hot_tokens``), ``layerwise_prefill.store_backend``
+(``memcache`` on an Ascend NPU, ``local`` elsewhere).
 """
 
 from __future__ import annotations
@@ -35,14 +38,14 @@ from typing import Any, List, Optional, Tuple
 from ... import config as cfg
 from ... import memory_budget
 from ...rules import violation
+from ...sparse_decode import sizing as hot_sizing
+from ...sparse_decode.sizing import HotBufferPlan, pre_alloc_slots
 from .. import compat
+from ..mem_cache.sizing.sparse_decode import memory_allocations
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["resolve_defaults", "launch_violations", "sparse_decode_allocations", "MIN_HOT_ROWS"]
-
-# Hot-buffer rows of the smallest server: one request and SGLang's padding request row.
-MIN_HOT_ROWS = 2
+__all__ = ["resolve_defaults", "launch_violations", "smallest_hot_plan"]
 
 # HF config fields each feature's pool reads.
 _DSA_FIELDS = ("index_topk", "index_head_dim", "index_n_heads")
@@ -54,9 +57,9 @@ def resolve_defaults(config: cfg.OffloadConfig, deployment: cfg.Deployment) -> T
     notes: List[str] = []
     sd = config.sparse_decode
     if sd is not None and sd.hot_tokens is None and deployment.index_topk is not None:
-        rows = deployment.speculative_rows if deployment.speculative_method and deployment.speculative_rows else 1
-        hot = cfg.default_hot_tokens(deployment.index_topk, deployment.page_size, rows_per_request=rows)
-        factor = "2" if rows <= 2 else f"{rows} verify rows"
+        verify_rows = deployment.verify_rows
+        hot = hot_sizing.resolve_hot_tokens(None, deployment.index_topk, deployment.page_size, verify_rows)
+        factor = "2" if verify_rows <= 2 else f"{verify_rows} verify rows"
         notes.append(
             f"sparse_decode.hot_tokens = {hot} ({factor} x top-k {deployment.index_topk}, rounded up to "
             f"the page size {deployment.page_size or 1})"
@@ -73,42 +76,6 @@ def resolve_defaults(config: cfg.OffloadConfig, deployment: cfg.Deployment) -> T
 def _missing(hf_config: Any, names) -> List[str]:
     # HF config fields are optional by nature: absence is exactly what this reports.
     return [n for n in names if getattr(hf_config, n, None) is None]
-
-
-def sparse_decode_allocations(
-    hf_config: Any,
-    sd: cfg.SparseDecodeOffloadConfig,
-    *,
-    hot_tokens: int,
-    rows: int,
-    rows_source: str,
-    host_tokens: Optional[int],
-    host_tokens_source: str,
-    device: str,
-) -> List[memory_budget.Allocation]:
-    """The hot buffers (device) and the host pool (host) of sparse decode offload."""
-    layers = int(hf_config.num_hidden_layers)
-    row_bytes = (int(hf_config.kv_lora_rank) + int(hf_config.qk_rope_head_dim)) * 2  # bf16
-    items = [
-        memory_budget.Allocation(
-            "hot buffers",
-            "device",
-            layers * rows * hot_tokens * row_bytes,
-            f"{layers} layers x {rows} rows ({rows_source}) x {hot_tokens} hot_tokens x {row_bytes} B",
-            "hot_tokens or --max-running-requests",
-        )
-    ]
-    if host_tokens is not None:
-        items.append(
-            memory_budget.Allocation(
-                "host pool",
-                "host",
-                layers * host_tokens * row_bytes,
-                f"{layers} layers x {host_tokens} tokens ({host_tokens_source}) x {row_bytes} B",
-                "host_pool_tokens or --max-total-tokens",
-            )
-        )
-    return items
 
 
 def launch_violations(
@@ -138,22 +105,32 @@ def launch_violations(
     return out
 
 
+def smallest_hot_plan(
+    sd: cfg.SparseDecodeOffloadConfig, view: Any, hf_config: Any, deployment: cfg.Deployment
+) -> HotBufferPlan:
+    """The hot-buffer plan of the smallest server this launch can be: one running request
+    (the device-budget split decides how many more fit), with this launch's hot_tokens,
+    verify rows, page size and P/D pre-allocation slots."""
+    return HotBufferPlan.build(
+        configured_hot_tokens=sd.hot_tokens,
+        top_k=int(hf_config.index_topk),
+        page_size=deployment.page_size,
+        verify_rows=deployment.verify_rows,
+        layers=int(hf_config.num_hidden_layers),
+        row_dim=int(hf_config.kv_lora_rank) + int(hf_config.qk_rope_head_dim),
+        running_requests=1,
+        pre_alloc_slots=pre_alloc_slots(
+            compat.arg(view, "disaggregation_mode"), compat.arg(view, "disaggregation_decode_extra_slots")
+        ),
+    )
+
+
 def _sparse_decode_memory(
     sd: cfg.SparseDecodeOffloadConfig, view: Any, hf_config: Any, deployment: cfg.Deployment
 ) -> List[cfg.Violation]:
-    spec_tokens = (
-        compat.arg(view, "speculative_num_draft_tokens") if compat.arg(view, "speculative_algorithm") else None
-    )
-    verify_rows = int(spec_tokens) if spec_tokens else 1
-    hot = sd.hot_tokens or cfg.default_hot_tokens(
-        int(hf_config.index_topk), deployment.page_size, rows_per_request=verify_rows
-    )
-    if hot < 1:
+    if sd.hot_tokens is not None and sd.hot_tokens < 1:
         return []  # reported by the range rule
-    # The pool sizing caps the running requests to the hot buffers that fit SGLang's KV
-    # budget (offload_sizing.py); what must fit here is the smallest server: one request.
-    rows = MIN_HOT_ROWS
-    rows_source = "one request + its padding row: more requests get hot buffers as SGLang's KV budget allows"
+    hot_plan = smallest_hot_plan(sd, view, hf_config, deployment)
     total = compat.arg(view, "max_total_tokens")
     if sd.host_pool_tokens is not None:
         host_tokens, host_source = sd.host_pool_tokens, "host_pool_tokens"
@@ -161,16 +138,7 @@ def _sparse_decode_memory(
         host_tokens, host_source = int(total), "--max-total-tokens"
     else:
         host_tokens, host_source = None, ""
-    items = sparse_decode_allocations(
-        hf_config,
-        sd,
-        hot_tokens=hot,
-        rows=rows,
-        rows_source=rows_source,
-        host_tokens=host_tokens,
-        host_tokens_source=host_source,
-        device=deployment.device,
-    )
+    items = memory_allocations(hot_plan, host_tokens, host_source)
     found = memory_budget.check(items, deployment.device)
     if not found:
         logger.info(

@@ -30,6 +30,7 @@ from typing import Any, Callable, List, Optional, Tuple
 from ... import config as cfg
 from ... import platform
 from ...rules import RULES, violation
+from ...sparse_decode.sizing import verify_rows
 from .. import compat
 from ..cpu_capability import no_cuda_capability
 from ..names import BACKEND_NAME
@@ -170,8 +171,7 @@ def _device_kind(view: Any) -> str:
 
 def _verify_rows(view: Any) -> int:
     """Query rows per request of a decode step: the speculative verify rows, else 1."""
-    tokens = compat.arg(view, "speculative_num_draft_tokens") if compat.arg(view, "speculative_algorithm") else None
-    return int(tokens) if tokens else 1
+    return verify_rows(compat.arg(view, "speculative_algorithm"), compat.arg(view, "speculative_num_draft_tokens"))
 
 
 def _sparse_decode_ops_violations(

@@ -176,15 +176,16 @@ DRAFT_KV_PLACEMENT = "device"
 
 
 def verify_rows_per_request() -> int:
-    """Decode query rows per request of the target model: ``speculative_num_draft_tokens``
-    (``n``) with a speculative algorithm, else 1. The rows of a request share its hot
-    buffer, which holds the union of their top-k (``hot_tokens >= n x top-k``)."""
+    """Decode query rows per request of the target model in this process:
+    ``speculative_num_draft_tokens`` (``n``) with a speculative algorithm, else 1
+    (``sparse_decode.sizing.verify_rows``, the rule the launcher's deployment facts use
+    too). The rows of a request share its hot row; the hot-buffer plan sizes it."""
     from sglang.srt.runtime_context import get_spec
 
+    from ...sparse_decode.sizing import verify_rows
+
     spec = get_spec()
-    if not getattr(spec, "speculative_algorithm", None):
-        return 1
-    return int(spec.speculative_num_draft_tokens)
+    return verify_rows(spec.speculative_algorithm, spec.speculative_num_draft_tokens)
 
 
 def build_draft_pool(

@@ -106,16 +106,12 @@ PAGE, SLOTS = 16, 8 * 16  # SGLang's slot space: 9 pages of 16 = 144 rows, not a
 
 
 def _host_pool(sd, monkeypatch, platform_kind):
-    from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK
+    from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK, hot_plan_for
 
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool import sparse_decode as pool_mod
 
     monkeypatch.setattr(pool_mod, "platform_of", lambda device: platform_kind)  # the pool's view of the platform
-    return pool_mod.HostMainKVPool(
-        SLOTS,
-        rows=4,
-        top_k=TOPK,
-        offload=sd,
+    common = dict(
         page_size=PAGE,
         dtype=torch.bfloat16,
         kv_lora_rank=LATENT,
@@ -124,7 +120,9 @@ def _host_pool(sd, monkeypatch, platform_kind):
         device="cpu",
         enable_memory_saver=False,
         index_head_dim=INDEX_DIM,
-    ), (LATENT + ROPE) * 2
+    )
+    plan = hot_plan_for(common, sd, top_k=TOPK, req_slots=4)
+    return pool_mod.HostMainKVPool(SLOTS, hot_plan=plan, offload=sd, **common), (LATENT + ROPE) * 2
 
 
 @pytest.mark.usefixtures("plugins_loaded", "ctx")

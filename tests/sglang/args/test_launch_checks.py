@@ -105,20 +105,21 @@ def test_startup_checks_one_request_and_leaves_concurrency_to_the_device_budget(
     """The README's ``hot_tokens: 4096`` at SGLang's default request count passes the startup
     check: the pool sizing caps the running requests to the hot buffers that fit SGLang's
     KV budget (test_offload_sizing.py). What the startup check refuses is a hot buffer that
-    does not fit even for one request and its padding row, with the numbers."""
+    does not fit even for one request: its hot row, SGLang's padding slot and the engine's
+    sink row (hot buffers and residency tables), with the numbers."""
     monkeypatch.setattr(memory_budget, "available_bytes", lambda device: {"host": 16 * 2**30, "device": None})
     flags.remember(raw(sparse='{"hot_tokens": 4096}'))
     _server_args(max_total_tokens=4096).resolve_once()
     assert json.loads(carrier.published_text())["sparse_decode"]["hot_tokens"] == 4096
     carrier.clear()
-    hot = 4096 * 1024  # 2 layers x 2 rows x 4M slots x 1152 B = 18 GiB > 16 GiB
+    hot = 4096 * 1024  # 3 rows x 2 layers x 4M slots x (1152 B + 12 B) = 27.3 GiB > 16 GiB
     flags.remember(raw(sparse=json.dumps({"hot_tokens": hot})))
     with pytest.raises(cfg.ConfigError) as info:
         _server_args(max_total_tokens=4096, max_running_requests=4).resolve_once()
     problem = next(v for v in info.value.violations if v.rule == "memory.insufficient")
-    assert memory_budget.format_bytes(2 * 2 * hot * 1152) in problem.problem
-    assert "2 rows" in problem.problem and f"{hot} hot_tokens" in problem.problem
-    assert "hot_tokens" in problem.fix
+    assert memory_budget.format_bytes(3 * 2 * (hot * (1152 + 12) + 8)) in problem.problem
+    assert "3 hot rows (1 request + 1 padding slot + 1 sink row)" in problem.problem
+    assert f"{hot} hot_tokens" in problem.problem and "hot_tokens" in problem.fix
 
 
 def test_memory_check_sums_each_memory():
@@ -224,10 +225,16 @@ def test_pool_checks_the_exact_buffers_before_allocating():
     """At pool construction the request pool's rows are known: buffers that cannot fit
     are refused with the numbers before anything is allocated."""
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import _require_memory
+    from sglang_ascend_offload.sparse_decode.sizing import HotBufferPlan
 
-    _require_memory(layers=2, rows=5, hot_tokens=64, tokens=4096, row_dim=576, device="cpu")  # 1.5 MB: fits
+    small = HotBufferPlan(layers=2, row_dim=576, top_k=32, hot_tokens=64, verify_rows=1, running_requests=4)
+    _require_memory(small, 4096, device="cpu")  # 1.5 MB: fits
+    large = HotBufferPlan(layers=61, row_dim=576, top_k=2048, hot_tokens=4096, verify_rows=1, running_requests=2048)
     with pytest.raises(cfg.ConfigError) as info:
-        _require_memory(layers=61, rows=2049, hot_tokens=4096, tokens=4096, row_dim=576, device="cpu")
+        _require_memory(large, 4096, device="cpu")
     problem = info.value.violations[0]
     assert problem.rule == "memory.insufficient"
-    assert "61 layers x (2049 rows + 1 padding row) x 4096 hot_tokens x 1152 B" in problem.problem
+    assert "2050 hot rows (2048 requests + 1 padding slot + 1 sink row) x 61 layers x 4096 hot_tokens" in (
+        problem.problem
+    )
+    assert memory_budget.format_bytes(2050 * 61 * (4096 * (1152 + 12) + 8)) in problem.problem

@@ -110,11 +110,12 @@ def _config(rng: random.Random) -> cfg.OffloadConfig:
 
 def _check_config_ids(config: cfg.OffloadConfig, deployment: cfg.Deployment) -> List[str]:
     """``python -m sglang_ascend_offload check-config --json`` on these two documents."""
+    parser = argparse.ArgumentParser()
+    config_cli.add_arguments(parser)
+    args = parser.parse_args(["--config", cfg.to_json(config), "--deployment", cfg.to_json(deployment), "--json"])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = config_cli.main(
-            argparse.Namespace(config=cfg.to_json(config), deployment=cfg.to_json(deployment), json=True)
-        )
+        code = config_cli.main(args)
     answer = json.loads(out.getvalue())
     assert (code == 0) == answer["ok"]
     return [v["rule"] for v in answer["violations"]]

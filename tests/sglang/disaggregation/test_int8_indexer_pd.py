@@ -16,7 +16,7 @@ import importlib.util
 
 import pytest
 import torch
-from dsa_harness import INDEX_DIM, TOPK, published_context
+from dsa_harness import INDEX_DIM, TOPK, hot_plan_for, published_context
 from pd_components_harness import LATENT, LAYERS, PAGE, ROPE, SLOTS, Pair, _common, device_pool
 
 from sglang_ascend_offload import config as cfg
@@ -42,13 +42,8 @@ def ctx():
 def int8_host_pool():
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
 
-    return HostMainKVPool(
-        SLOTS,
-        rows=4,
-        top_k=TOPK,
-        offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK, indexer_dtype="int8"),
-        **_common(),
-    )
+    sd = cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK, indexer_dtype="int8")
+    return HostMainKVPool(SLOTS, hot_plan=hot_plan_for(_common(), sd, top_k=TOPK, req_slots=4), offload=sd, **_common())
 
 
 def assert_int8_index_equal(p_pool, d_pool, src, dst):
@@ -136,12 +131,10 @@ def test_a_layerwise_prefill_packs_int8_keys_and_scales_too(ctx, monkeypatch):
     made, seen = {}, {}
 
     def int8_pool(page=PAGE, layers=LAYERS):
+        sd = cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK, indexer_dtype="int8")
+        common = _common(page, layers)
         made["pool"] = HostMainKVPool(
-            SLOTS,
-            rows=4,
-            top_k=TOPK,
-            offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK, indexer_dtype="int8"),
-            **_common(page, layers),
+            SLOTS, hot_plan=hot_plan_for(common, sd, top_k=TOPK, req_slots=4), offload=sd, **common
         )
         return made["pool"]
 

@@ -53,11 +53,13 @@ def _pools(kind, device):
         index_head_dim=128,
     )
     if kind == "host_rows":
+        from dsa_harness import hot_plan_for
+
+        sd = cfg.SparseDecodeOffloadConfig(hot_tokens=4096)
         return HostMainKVPool(
             SLOTS,
-            rows=4,
-            top_k=2048,
-            offload=cfg.SparseDecodeOffloadConfig(hot_tokens=4096),
+            hot_plan=hot_plan_for(common, sd, top_k=2048, req_slots=4),
+            offload=sd,
             host_pool_kind="memfabric",
             **common,
         )

@@ -27,60 +27,80 @@ from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.memory_budget import format_bytes
 from sglang_ascend_offload.sglang_plugin import compat
 from sglang_ascend_offload.sglang_plugin.mem_cache.sizing import sparse_decode as offload_sizing
-from sglang_ascend_offload.sglang_plugin.mem_cache.sizing.sparse_decode import (
-    hot_bytes_per_request,
-    plan_device_budget,
-)
+from sglang_ascend_offload.sglang_plugin.mem_cache.sizing.sparse_decode import plan_device_budget
 from sglang_ascend_offload.sglang_plugin.speculative import eagle as speculative
+from sglang_ascend_offload.sparse_decode.sizing import HotBufferPlan
 from sglang_ascend_offload.testing.servers import ServerProcess
 
 MiB = 2**20
 
 
+def hot_plan(requests: int = 1, hot_tokens: int = 4096, layers: int = 2, pre_alloc: int = 0) -> HotBufferPlan:
+    """The tiny fixture's hot-buffer plan (2 layers, 576-element rows, top-k 16)."""
+    return HotBufferPlan(
+        layers=layers,
+        row_dim=576,
+        top_k=16,
+        hot_tokens=hot_tokens,
+        verify_rows=1,
+        running_requests=requests,
+        pre_alloc_slots=pre_alloc,
+    )
+
+
 # ------------------------------------------------------------------ the split
 def test_everything_fits_nothing_is_capped():
-    plan = plan_device_budget(100 * MiB, 1 * MiB, requested_requests=4, reserved_token_bytes=10 * MiB)
+    h = hot_plan().device_bytes_per_row
+    plan = plan_device_budget(100 * h, hot_plan(4), reserved_token_bytes=10 * h)
     assert not plan.capped and plan.max_running_requests == 4
-    assert plan.hot_buffer_bytes == (4 + 2) * MiB and plan.token_budget_bytes == 94 * MiB
+    assert plan.hot.device_bytes == (4 + 2) * h and plan.token_budget_bytes == 94 * h
 
 
 def test_too_many_requests_are_capped_to_the_hot_buffers_that_fit():
-    plan = plan_device_budget(100 * MiB, 3 * MiB, requested_requests=2048, reserved_token_bytes=10 * MiB)
-    # (100 - 10) // 3 = 30 hot buffers, 2 of them padding and sink rows
-    assert plan.capped and plan.max_running_requests == 28 and plan.requested_requests == 2048
-    assert plan.hot_buffer_bytes == 30 * 3 * MiB and plan.token_budget_bytes == 10 * MiB
+    h = hot_plan().device_bytes_per_row
+    plan = plan_device_budget(100 * h, hot_plan(2048), reserved_token_bytes=10 * h)
+    # (100 - 10) hot rows fit, 2 of them SGLang's padding slot and the engine's sink row
+    assert plan.capped and plan.max_running_requests == 88 and plan.requested_requests == 2048
+    assert plan.hot.device_bytes == 90 * h and plan.token_budget_bytes == 10 * h
     assert plan.token_budget_bytes >= plan.reserved_token_bytes
 
 
+def test_a_pd_decodes_pre_allocation_slots_are_fixed_rows():
+    h = hot_plan().device_bytes_per_row
+    plan = plan_device_budget(100 * h, hot_plan(2048, pre_alloc=8), reserved_token_bytes=10 * h)
+    assert plan.max_running_requests == 90 - (8 + 2) and plan.hot.device_bytes == 90 * h
+
+
 @pytest.mark.parametrize(
-    "budget,h,reserved",
-    [(10 * MiB, 1 * MiB, 0), (64 * MiB, 5 * MiB, 30 * MiB), (1000, 7, 333), (2**40, 3 * 2**30, 2**30)],
+    "budget_rows,hot_tokens,reserved_rows",
+    [(10, 64, 0), (64, 4096, 30), (3, 7, 1), (4000, 128, 1000), (7, 64, 2)],
 )
-def test_plan_invariants(budget, h, reserved):
+def test_plan_invariants(budget_rows, hot_tokens, reserved_rows):
+    h = hot_plan(hot_tokens=hot_tokens).device_bytes_per_row
+    budget, reserved = budget_rows * h + h // 3, reserved_rows * h
     for requested in (1, 2, 7, 2048):
         try:
-            plan = plan_device_budget(budget, h, requested, reserved)
+            plan = plan_device_budget(budget, hot_plan(requested, hot_tokens), reserved)
         except cfg.ConfigError:
             assert (budget - min(reserved, budget)) // h - 2 < 1
             continue
         assert 1 <= plan.max_running_requests <= requested
-        assert plan.hot_buffer_bytes + plan.token_budget_bytes == budget
+        assert plan.hot.device_bytes + plan.token_budget_bytes == budget
         assert plan.token_budget_bytes >= min(reserved, budget)
         # one more request would not have fit, unless none was cut
-        assert plan.max_running_requests == requested or plan.hot_buffer_bytes + h > budget - min(reserved, budget)
+        assert plan.max_running_requests == requested or plan.hot.device_bytes + h > budget - min(reserved, budget)
 
 
 def test_not_even_one_request_is_refused_with_the_numbers():
+    h = hot_plan().device_bytes_per_row
     with pytest.raises(cfg.ConfigError) as info:
-        plan_device_budget(8 * MiB, 3 * MiB, requested_requests=4, reserved_token_bytes=1 * MiB)
+        plan_device_budget(3 * h + h // 2, hot_plan(4), reserved_token_bytes=h)
     (v,) = info.value.violations
     assert v.rule == "memory.device_budget" and "not even one request" in v.problem
-    assert "8.0 MiB budget" in v.problem and "9.0 MiB" in v.problem  # 3 rows x 3 MiB needed
+    assert f"one request needs {format_bytes(3 * h)} (3 hot rows (1 request + 1 padding slot + 1 sink row)" in (
+        v.problem
+    )
     assert "hot_tokens" in v.fix and "--mem-fraction-static" in v.fix
-
-
-def test_hot_bytes_per_request_is_layers_slots_and_a_bf16_row():
-    assert hot_bytes_per_request(2, 4096, 512 + 64) == 2 * 4096 * 576 * 2
 
 
 # ------------------------------------------------------------------ the resolution hook
@@ -98,7 +118,7 @@ class _StandInConfigurator:
             qk_rope_head_dim=64,
             context_len=context_len,
         )
-        self.layer_info = types.SimpleNamespace(start_layer=0, end_layer=2)
+        self.layer_info = types.SimpleNamespace(start_layer=0, end_layer=2, num_effective_layers=2)
         self.device = "cpu"
         self.budgets_sized = []
 
@@ -130,7 +150,9 @@ def sizing_env(monkeypatch):
     monkeypatch.setattr(
         runtime_context,
         "get_schedule",
-        lambda: types.SimpleNamespace(max_total_tokens=state.kvc.max_total_tokens, mem_fraction_static=0.5),
+        lambda: types.SimpleNamespace(
+            max_total_tokens=state.kvc.max_total_tokens, mem_fraction_static=0.5, page_size=64
+        ),
     )
     monkeypatch.setattr(
         runtime_context,
@@ -152,7 +174,7 @@ def _original_must_not_run(self, pre):
 
 
 def test_hook_caps_requests_and_sizes_tokens_from_the_rest(sizing_env, caplog):
-    h = hot_bytes_per_request(2, 4096, 576)  # 9 MiB: the README's hot_tokens 4096 on the tiny fixture
+    h = hot_plan().device_bytes_per_row  # 9 MiB: the README's hot_tokens 4096 on the tiny fixture
     kvc = sizing_env.kvc = _StandInConfigurator(budget=200 * h, cell=2568, max_total_tokens=4096)
     with caplog.at_level(logging.INFO, logger=offload_sizing.__name__):
         config = offload_sizing.resolve_pool_config_around(_original_must_not_run, kvc, 0)
@@ -166,7 +188,7 @@ def test_hook_caps_requests_and_sizes_tokens_from_the_rest(sizing_env, caplog):
 
 
 def test_hook_leaves_a_fitting_server_alone_but_sizes_tokens_from_the_rest(sizing_env, caplog):
-    h = hot_bytes_per_request(2, 4096, 576)
+    h = hot_plan().device_bytes_per_row
     kvc = sizing_env.kvc = _StandInConfigurator(budget=200 * h, cell=2568, max_running_requests=4)
     with caplog.at_level(logging.INFO, logger=offload_sizing.__name__):
         config = offload_sizing.resolve_pool_config_around(_original_must_not_run, kvc, 0)
@@ -181,7 +203,7 @@ def test_hook_passes_through_when_the_offload_pool_is_not_served(sizing_env):
 
 
 def test_hook_refuses_when_one_request_cannot_fit(sizing_env):
-    h = hot_bytes_per_request(2, 4096, 576)
+    h = hot_plan().device_bytes_per_row
     kvc = sizing_env.kvc = _StandInConfigurator(budget=3 * h, cell=2568, max_total_tokens=4096)
     with pytest.raises(cfg.ConfigError, match="not even one request"):
         offload_sizing.resolve_pool_config_around(_original_must_not_run, kvc, 0)
@@ -223,10 +245,11 @@ def _total_memory_bytes() -> int:
 
 @pytest.mark.slow
 def test_server_refuses_hot_buffers_that_leave_no_room_for_one_request(tmp_path):
-    """4.7 GiB of hot buffers per request (2 layers x 2,170,048 slots x 1,152 B): the startup
-    check passes (one request + padding row: 9.3 GiB of this machine's memory), but SGLang's
-    KV budget at --mem-fraction-static 0.5 (about half the free memory) holds fewer than
-    the three rows one request needs, so the server stops at pool sizing."""
+    """4.7 GiB of hot buffers per hot row (2 layers x 2,170,048 slots x 1,164 B with the
+    residency table): the startup check passes (one request's row + padding slot + sink
+    row: 14.1 GiB of this machine's memory), but SGLang's KV budget at
+    --mem-fraction-static 0.5 (about half the free memory) holds fewer than those three
+    rows, so the server stops at pool sizing."""
     if _total_memory_bytes() > 30 * 2**30:
         pytest.skip("sized for a 24 GiB machine: with more than 30 GiB SGLang's budget would hold one request")
     hot = 2_170_048  # a multiple of the page size (64)
@@ -246,7 +269,7 @@ def test_server_refuses_hot_buffers_that_leave_no_room_for_one_request(tmp_path)
     server.stop()
     log = (tmp_path / "server.log").read_text(errors="replace")
     assert "memory.device_budget" in log and "not even one request" in log, log[-3000:]
-    per_row = format_bytes(hot_bytes_per_request(2, hot, 576))
-    assert f"one request needs {format_bytes(3 * hot_bytes_per_request(2, hot, 576))} (3 rows" in log, log[-3000:]
-    assert f"x {per_row} of hot buffers per row" in log
+    one = hot_plan(1, hot_tokens=hot)
+    assert f"one request needs {format_bytes(one.device_bytes)} (3 hot rows" in log, log[-3000:]
+    assert f"x {format_bytes(one.device_bytes_per_row)} of hot buffers and residency tables per row" in log
     assert "sparse decode offload: host pool" not in log  # refused before any pool was allocated

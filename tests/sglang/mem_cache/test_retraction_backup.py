@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK, published_context
+from dsa_harness import INDEX_DIM, LATENT, ROPE, TOPK, hot_plan_for, published_context
 
 from sglang_ascend_offload import config as cfg
 
@@ -48,9 +48,8 @@ def _device_pool():
 def _host_pool():
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
 
-    return HostMainKVPool(
-        SLOTS, rows=4, top_k=TOPK, offload=cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK), **_common()
-    )
+    sd = cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK)
+    return HostMainKVPool(SLOTS, hot_plan=hot_plan_for(_common(), sd, top_k=TOPK, req_slots=4), offload=sd, **_common())
 
 
 class _Layer:

@@ -16,8 +16,9 @@ index K                device    ``[indexer layers, pages + 1, page, 1, index_he
 index K scales         device    ``[indexer layers, pages + 1, page, 1]`` fp16, one
                                  dequantisation scale per token (int8 only;
                                  ``index_k_scale_buffer``, SGLang's NPU pool attribute)
-hot buffers            device    per layer ``[rows, hot_tokens, kv_lora_rank + rope]``
-                                 (``sparse_decode.engine.SparseDecodeEngine``)
+hot buffers            device    per layer ``[hot_rows, hot_tokens, kv_lora_rank + rope]``
+                                 and their residency tables, as the hot-buffer plan says
+                                 (``sparse_decode/sizing.py``; ``engine.SparseDecodeEngine``)
 =====================  ========  ==============================================
 
 The host pool is one per attention-DP group (``shared_host_pool.allocate_rank_pool``):
@@ -28,8 +29,8 @@ and wait for rank 0's appends of a layer before reading it (:meth:`HostMainKVPoo
 (component tests) the pool is private.
 
 There is no device main KV (``k_buffer`` / ``v_buffer`` are ``None``); code that
-asks for it gets an error naming the offload. Rows of the decode engine are
-``req_to_token`` rows (``req_pool_idx``), stable per request across steps.
+asks for it gets an error naming the offload. The decode engine's hot rows are the
+``req_to_token`` rows (``req_pool_idx``, stable per request across steps) and one sink row.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ from ....sparse_decode.engine import EngineConfig, SparseDecodeEngine
 from ....sparse_decode.host_pool import HostPoolShape
 from ....sparse_decode.host_rows import is_tensor_backed
 from ....sparse_decode.op_selection import host_pool_rows, platform_of, select_for_config
-from ...speculative.eagle import verify_rows_per_request
+from ....sparse_decode.sizing import HotBufferPlan
 from ..pool_host.shared import EngineGate, allocate_rank_pool
+from ..sizing.sparse_decode import memory_allocations, served_hot_plan
 from .device import DeviceDSAPool, _scatter_rows
 
 logger = logging.getLogger(__name__)
@@ -62,7 +64,10 @@ class HostMainKVPool(DeviceDSAPool):
     """Main KV in a :class:`HostKVPool`, index K on the device (see module doc).
 
     size / page_size / dtype / layer_num / device / start_layer / end_layer: as in
-    SGLang's pools. rows: decode engine rows (``req_to_token`` rows).
+    SGLang's pools. hot_plan: the resolved hot-buffer plan (``sparse_decode/sizing.py``):
+    its ``hot_rows`` (one per ``req_to_token`` row + the sink row) x ``hot_tokens`` are
+    what the engine allocates; the pool never sizes them itself. Its ``layers`` and
+    ``row_dim`` are this pool's ``layer_num`` and ``kv_lora_rank + qk_rope_head_dim``.
     """
 
     def __init__(
@@ -77,18 +82,13 @@ class HostMainKVPool(DeviceDSAPool):
         enable_memory_saver: bool,
         index_head_dim: Optional[int],
         *,
-        rows: int,
-        top_k: int,
+        hot_plan: HotBufferPlan,
         offload: cfg.SparseDecodeOffloadConfig,
         start_layer: Optional[int] = None,
         end_layer: Optional[int] = None,
         host_pool_kind: str = "pinned",
-        rows_per_request: int = 1,
     ):
-        if index_head_dim is None:
-            raise ValueError("sparse decode offload needs a DSA model (an indexer cache)")
-        if dtype != torch.bfloat16:
-            raise ValueError(f"sparse decode offload keeps a bf16 main KV; got {dtype} (use --kv-cache-dtype bfloat16)")
+        _check_pool_inputs(index_head_dim, dtype, hot_plan, layer_num, kv_lora_rank + qk_rope_head_dim)
         self._init_without_buffers(
             size,
             page_size,
@@ -104,93 +104,48 @@ class HostMainKVPool(DeviceDSAPool):
         )
         self.k_buffer = None
         self.v_buffer = None
-
+        self.hot_plan = hot_plan
+        self.offload = offload
         pages = size // page_size + 1
         self.indexer_dtype = offload.indexer_dtype
         self._allocate_index_cache(layer_num, pages, page_size, index_head_dim, device)
-        slots = pages * page_size
-        tokens = offload.host_pool_tokens if offload.host_pool_tokens is not None else slots
-        if tokens < slots:
-            raise ValueError(
-                f"host_pool_tokens={tokens} is smaller than SGLang's slot space ({slots} = "
-                f"{size} tokens + one padding page): raise host_pool_tokens or lower "
-                "--max-total-tokens"
-            )
-        # The fused Copy-SFA (NPU) registers each layer's slice: rows per layer 4 KiB-aligned.
-        tokens = host_pool_rows(
-            offload, tokens, (kv_lora_rank + qk_rope_head_dim) * dtype.itemsize, platform_of(device), rows_per_request
-        )
-        hot_tokens = resolved_hot_tokens(offload, top_k, rows_per_request)
-        _require_memory(layer_num, rows, hot_tokens, tokens, kv_lora_rank + qk_rope_head_dim, device)
+        row_bytes = hot_plan.row_dim * dtype.itemsize
+        host_slots = _host_pool_slots(offload, pages * page_size, size, row_bytes, device, hot_plan.verify_rows)
+        _require_memory(hot_plan, host_slots, device)
         # One pool per attention-DP group: TP rank 0 allocates and appends, the others map it
         # and wait for its appends before reading (shared_host_pool.py).
         rank_pool = allocate_rank_pool(
             HostPoolShape(
-                layers=layer_num, tokens=tokens, latent_dim=kv_lora_rank, rope_dim=qk_rope_head_dim, dtype=dtype
+                layers=layer_num, tokens=host_slots, latent_dim=kv_lora_rank, rope_dim=qk_rope_head_dim, dtype=dtype
             ),
             host_pool_kind,
         )
         self.host_pool, self.append_order = rank_pool.pool, rank_pool.order
-        gate = EngineGate(rank_pool.order) if rank_pool.order is not None and rank_pool.rank > 0 else None
-        # The fused indexer steps the residency contract's state in place: the managers hold
-        # that state only (the torch implementation), not the CPU kernel's derived maps.
-        fused_lim = select_for_config(
-            offload,
-            platform_of(device),
-            rows_per_request=rows_per_request,
-            hot_tokens=hot_tokens,
-            top_k=top_k,
-            available=lambda op: None,
-        ).indexer.fused
-        self.engine = SparseDecodeEngine(
-            EngineConfig(
-                layers=layer_num,
-                rows=rows,
-                hot_tokens=hot_tokens,
-                top_k=top_k,
-                latent_dim=kv_lora_rank,
-                rope_dim=qk_rope_head_dim,
-                dtype=dtype,
-                policy=offload.policy,
-                ops=offload.ops,
-                rows_per_request=rows_per_request,
-                verify_sample_rate=offload.verify_sample_rate,
-                verify_action=offload.verify_action,
-                fused_copy_sfa=offload.fused_copy_sfa,
-                fused_lim=offload.fused_lim,
-                caller_runs_indexer=True,
-                manage_impl="torch" if fused_lim else "auto",
-                indexer_dtype=offload.indexer_dtype,
-                residency=offload.residency,
-            ),
-            self.host_pool,
-            device=device if not str(device).startswith("cpu") else "cpu",
-            tp_rank=rank_pool.rank,
-            gate=gate,
-        )
+        self.engine = _build_engine(hot_plan, offload, self.host_pool, device, rank_pool)
         if self.engine.direct is not None and os.environ.get(FORCE_DEMOTE_ENV):
             flag = os.environ[FORCE_DEMOTE_ENV]
             self.engine.direct.hold = lambda: os.path.exists(flag)
             logger.warning(
                 "%s=%s: while that file exists no request is direct (test fault injection)", FORCE_DEMOTE_ENV, flag
             )
-        self.offload = offload
         self._finalize_allocation_log(size)
+        self._log_allocation(host_slots)
+
+    def _log_allocation(self, host_slots: int) -> None:
+        """One log line: the host pool, the hot buffers as planned, the index-K cache, the residency."""
+        plan = self.hot_plan
         logger.info(
-            "sparse decode offload: host pool %.1f MiB (%d slots x %d layers), hot buffers %.1f MiB "
-            "(%d rows x %d slots x %d layers%s), index K %s, residency %s",
+            "sparse decode offload: host pool %.1f MiB (%d slots x %d layers), hot buffers and residency "
+            "tables %.1f MiB (%s), index K %s, residency %s",
             self.host_pool.shape.nbytes / 2**20,
-            tokens,
-            layer_num,
-            self.engine.hot.nbytes / 2**20,
-            rows,
-            hot_tokens,
-            layer_num,
-            f"; one per request, shared by its {rows_per_request} verify rows" if rows_per_request > 1 else "",
+            host_slots,
+            plan.layers,
+            plan.device_bytes / 2**20,
+            plan.formula(),
             self.index_cache_summary(),
-            f"adaptive (a request whose context fits its {hot_tokens} slots, or those of idle request slots "
-            "it borrows, is served from them directly)"
-            if offload.residency == "adaptive"
+            f"adaptive (a request whose context fits its {plan.hot_tokens} slots, or those of idle request "
+            "slots it borrows, is served from them directly)"
+            if self.offload.residency == "adaptive"
             else "always",
         )
 
@@ -261,20 +216,20 @@ class HostMainKVPool(DeviceDSAPool):
         i.e. SGLang's page ``b``: a P/D transfer writes a whole page of a layer's main
         KV into the host pool as one contiguous block (no device copy on the way).
         """
-        rows = self.host_rows(layer_id)
-        blocks = rows.shape[0] // self.page_size
-        return rows[: blocks * self.page_size].view(blocks, self.page_size, rows.shape[-1])
+        layer_rows = self.host_rows(layer_id)
+        blocks = layer_rows.shape[0] // self.page_size
+        return layer_rows[: blocks * self.page_size].view(blocks, self.page_size, layer_rows.shape[-1])
 
     def set_kv_buffer(self, layer, loc_info, cache_k: torch.Tensor, cache_v: Optional[torch.Tensor]):
         """Append the new tokens' rows ``[T, latent + rope]`` to the host pool at their slots."""
         loc, _, _ = unwrap_write_loc(loc_info)
         if cache_v is None:
-            rows = cache_k.reshape(-1, self.kv_lora_rank + self.qk_rope_head_dim)
+            kv_rows = cache_k.reshape(-1, self.kv_lora_rank + self.qk_rope_head_dim)
         else:
-            rows = torch.cat(
+            kv_rows = torch.cat(
                 (cache_k.reshape(-1, self.kv_lora_rank), cache_v.reshape(-1, self.qk_rope_head_dim)), dim=-1
             )
-        self.engine.append(layer.layer_id - self.start_layer, loc, rows.to(self.dtype))  # TP rank 0 only
+        self.engine.append(layer.layer_id - self.start_layer, loc, kv_rows.to(self.dtype))  # TP rank 0 only
         if self.append_order is not None:  # rank 0: publish the rows; others: count the append
             self.append_order.appended(layer.layer_id - self.start_layer)
 
@@ -317,8 +272,8 @@ class HostMainKVPool(DeviceDSAPool):
 
         slots = slot_tensor(indices, "cpu")
         kv_cache_cpu.check_restore(slots)
-        for layer, rows in enumerate(kv_cache_cpu.main):
-            self.engine.append(layer, slots, rows.to(self.dtype))
+        for layer, kv_rows in enumerate(kv_cache_cpu.main):
+            self.engine.append(layer, slots, kv_rows.to(self.dtype))
             if self.append_order is not None:
                 self.append_order.appended(layer)
         restore_index_rows(self, kv_cache_cpu, slots)
@@ -370,37 +325,87 @@ class HostMainKVPool(DeviceDSAPool):
         _scatter_rows(self.index_k_scale_buffer[slot], loc, scales)
 
 
-def resolved_hot_tokens(offload: cfg.SparseDecodeOffloadConfig, top_k: int, rows_per_request: int) -> int:
-    """Hot slots per layer and request: ``hot_tokens``, or its default for ``top_k`` and
-    the verify rows that share a request's buffer."""
-    if offload.hot_tokens is not None:
-        return int(offload.hot_tokens)
-    return cfg.default_hot_tokens(top_k, None, rows_per_request=rows_per_request)
+def _check_pool_inputs(
+    index_head_dim: Optional[int], dtype: torch.dtype, hot_plan: HotBufferPlan, layers: int, row_dim: int
+) -> None:
+    """A DSA model's bf16 main KV, and a hot-buffer plan made for this pool's shape."""
+    if index_head_dim is None:
+        raise ValueError("sparse decode offload needs a DSA model (an indexer cache)")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"sparse decode offload keeps a bf16 main KV; got {dtype} (use --kv-cache-dtype bfloat16)")
+    if (hot_plan.layers, hot_plan.row_dim) != (layers, row_dim):
+        raise ValueError(
+            f"hot-buffer plan for {hot_plan.layers} layers x {hot_plan.row_dim}-element rows given to a pool of "
+            f"{layers} layers x {row_dim}: the plan must be built for this pool (sizing.sparse_decode.served_hot_plan)"
+        )
 
 
-def _require_memory(layers: int, rows: int, hot_tokens: int, tokens: int, row_dim: int, device: str) -> None:
-    """The exact hot buffers and host pool against the memory available now, before
-    either is allocated (the startup check estimated them from the arguments; here the
-    request pool's rows are known). Raises :class:`ConfigError` with the numbers."""
+def _host_pool_slots(
+    offload: cfg.SparseDecodeOffloadConfig, slot_space: int, size: int, row_bytes: int, device: str, verify_rows: int
+) -> int:
+    """Token slots of the host pool per layer: ``host_pool_tokens`` or SGLang's slot space
+    (``slot_space`` = its tokens + one padding page), rounded up where the fused Copy-SFA
+    registers each layer's slice (4 KiB-aligned)."""
+    host_slots = offload.host_pool_tokens if offload.host_pool_tokens is not None else slot_space
+    if host_slots < slot_space:
+        raise ValueError(
+            f"host_pool_tokens={host_slots} is smaller than SGLang's slot space ({slot_space} = "
+            f"{size} tokens + one padding page): raise host_pool_tokens or lower --max-total-tokens"
+        )
+    return host_pool_rows(offload, host_slots, row_bytes, platform_of(device), verify_rows)
+
+
+def _build_engine(
+    hot_plan: HotBufferPlan, offload: cfg.SparseDecodeOffloadConfig, host_pool: Any, device: str, rank_pool: Any
+) -> SparseDecodeEngine:
+    """The decode engine over ``host_pool`` with the plan's hot rows and slots. Off TP rank 0
+    it waits for rank 0's appends through the shared order (``EngineGate``)."""
+    gate = EngineGate(rank_pool.order) if rank_pool.order is not None and rank_pool.rank > 0 else None
+    # The fused indexer steps the residency contract's state in place: the managers hold
+    # that state only (the torch implementation), not the CPU kernel's derived maps.
+    fused_lim = select_for_config(
+        offload,
+        platform_of(device),
+        rows_per_request=hot_plan.verify_rows,
+        hot_tokens=hot_plan.hot_tokens,
+        top_k=hot_plan.top_k,
+        available=lambda op: None,
+    ).indexer.fused
+    return SparseDecodeEngine(
+        EngineConfig(
+            layers=hot_plan.layers,
+            rows=hot_plan.req_slots,  # the engine adds the sink row: hot_plan.hot_rows in all
+            hot_tokens=hot_plan.hot_tokens,
+            top_k=hot_plan.top_k,
+            latent_dim=host_pool.shape.latent_dim,
+            rope_dim=host_pool.shape.rope_dim,
+            dtype=host_pool.shape.dtype,
+            policy=offload.policy,
+            ops=offload.ops,
+            rows_per_request=hot_plan.verify_rows,
+            verify_sample_rate=offload.verify_sample_rate,
+            verify_action=offload.verify_action,
+            fused_copy_sfa=offload.fused_copy_sfa,
+            fused_lim=offload.fused_lim,
+            caller_runs_indexer=True,
+            manage_impl="torch" if fused_lim else "auto",
+            indexer_dtype=offload.indexer_dtype,
+            residency=offload.residency,
+        ),
+        host_pool,
+        device=device if not str(device).startswith("cpu") else "cpu",
+        tp_rank=rank_pool.rank,
+        gate=gate,
+    )
+
+
+def _require_memory(hot_plan: HotBufferPlan, host_slots: int, device: str) -> None:
+    """The planned hot buffers and the host pool against the memory available now, before
+    either is allocated (the startup check planned the smallest server; here the request
+    slots are known). Raises :class:`ConfigError` with the numbers."""
     from .... import memory_budget
 
-    row_bytes = row_dim * 2  # bf16
-    items = [
-        memory_budget.Allocation(
-            "hot buffers",
-            "device",
-            layers * (rows + 1) * hot_tokens * row_bytes,
-            f"{layers} layers x ({rows} rows + 1 padding row) x {hot_tokens} hot_tokens x {row_bytes} B",
-            "hot_tokens or --max-running-requests",
-        ),
-        memory_budget.Allocation(
-            "host pool",
-            "host",
-            layers * tokens * row_bytes,
-            f"{layers} layers x {tokens} tokens x {row_bytes} B",
-            "host_pool_tokens or --max-total-tokens",
-        ),
-    ]
+    items = memory_allocations(hot_plan, host_slots, "the host pool's slots")
     kind = "cpu" if str(device).startswith("cpu") else str(device).split(":")[0]
     problems = memory_budget.check(items, kind)
     if problems:
@@ -413,26 +418,36 @@ def build_offload_pool(
     *,
     max_total_num_tokens: int,
     is_dsa_model: bool,
-    rows: int,
+    req_to_token_pool: Any,
 ) -> HostMainKVPool:
     """:class:`HostMainKVPool` for SGLang's configurator and the validated ``offload``
-    section (called by the pool hook, ``features.build_pool_around``)."""
+    section (called by the pool hook, ``features.build_pool_around``), with the hot-buffer
+    plan of SGLang's request pool ``req_to_token_pool`` (one hot row per request slot)."""
     from .device import pool_args
 
     if not is_dsa_model:
         raise ValueError("sparse decode offload needs a DSA model (DeepSeek-V3.2 style)")
-    mc = configurator.model_config
     if configurator.is_draft_worker:  # the NextN / MTP draft layer: device KV (speculative.py)
         from ...speculative.eagle import build_draft_pool
 
         return build_draft_pool(configurator, max_total_num_tokens=max_total_num_tokens, is_dsa_model=is_dsa_model)
+    hot_plan = served_hot_plan(
+        configurator,
+        offload,
+        running_requests=req_to_token_pool.size,
+        pre_alloc_slots=req_to_token_pool.pre_alloc_size,
+    )
+    req_slots = int(req_to_token_pool.req_to_token.shape[0])
+    if hot_plan.req_slots != req_slots:
+        raise RuntimeError(
+            f"SGLang's request pool has {req_slots} rows, the hot-buffer plan {hot_plan.rows_in_words()} "
+            f"counts {hot_plan.req_slots} request slots: SGLang's ReqToTokenPool layout changed"
+        )
     kind = "pinned" if platform.device_kind() != "npu" else "memfabric"
     return HostMainKVPool(
         max_total_num_tokens,
         **pool_args(configurator, is_dsa_model=True),
-        rows=rows,
-        rows_per_request=verify_rows_per_request(),  # MTP verify rows share their request's hot buffer
-        top_k=int(mc.hf_config.index_topk),
+        hot_plan=hot_plan,
         offload=offload,
         start_layer=configurator.layer_info.start_layer,
         end_layer=configurator.layer_info.end_layer,

@@ -4,9 +4,11 @@ SGLang sizes its KV pool from a byte budget ``B``: the device memory free after 
 weights, less the slack that ``--mem-fraction-static`` leaves for activations and graphs
 (``KVCacheConfigurator._resolve_memory_pool_config``: profile, size the token pool from
 ``B``, derive ``max_running_requests`` from the tokens, finalize). Sparse decode offload
-adds, per request slot, a hot buffer of ``layers x hot_tokens x row bytes`` on the device.
+adds, per request slot, a hot row on the device: ``layers x hot_tokens`` slots of hot
+buffer and residency table, plus the fixed rows (padding slot, sink row, a P/D decode's
+pre-allocation slots), all counted by the hot-buffer plan (``sparse_decode/sizing.py``).
 Sized as ``max_running_requests x hot_tokens`` outside ``B`` they can take far more than
-the machine has (2,049 default rows x 4,096 slots x 2 layers x 1,152 B = 18 GiB on the
+the machine has (2,051 default rows x 4,096 slots x 2 layers x 1,164 B = 18 GiB on the
 tiny fixture) and, on an NPU, the HBM SGLang keeps for activations.
 
 So the plugin resolves the pool config itself when its sparse decode pool is served
@@ -17,8 +19,9 @@ middle):
 2. the requests SGLang would run: ``--max-running-requests`` (per attention-DP worker)
    or SGLang's own default for a pool sized from the whole ``B``;
 3. :func:`plan_device_budget`: the token pool keeps what it needs first (the user's
-   ``--max-total-tokens``, else one full context), the hot buffers of as many of those
-   requests as fit take the rest, and ``max_running_requests`` is capped to them
+   ``--max-total-tokens``, else one full context), the hot rows of as many of those
+   requests as fit (:func:`served_hot_plan`, the plan the pool then allocates) and the
+   fixed rows take the rest, and ``max_running_requests`` is capped to them
    (logged, as SGLang logs its own caps); not even one request fitting is a
    :class:`~sglang_ascend_offload.config.ConfigError` with the numbers;
 4. SGLang sizes the token pool from ``B`` less the hot buffers and finalizes.
@@ -35,10 +38,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from .... import config as cfg
+from .... import memory_budget
 from ....memory_budget import format_bytes
+from ....sparse_decode.sizing import HotBufferPlan, pre_alloc_slots
 from ...args import carrier
 from ...compat import field
 from . import device_kv_budget
@@ -50,95 +55,103 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DeviceBudgetPlan",
     "plan_device_budget",
-    "hot_bytes_per_request",
+    "served_hot_plan",
+    "memory_allocations",
     "resolve_pool_config_around",
     "cell_size_after",
 ]
 
 RULE = "memory.device_budget"
-BF16_BYTES = 2
 
 
 @dataclass(frozen=True)
 class DeviceBudgetPlan:
     """How SGLang's KV byte budget is split between its token pool and the hot buffers.
 
-    budget_bytes: ``B``. hot_bytes_per_request: one request slot's hot buffers over all
-    layers. extra_rows: hot buffers beyond the running requests (SGLang's padding request
-    row, the engine's sink row, a P/D decode's pre-allocation rows). requested_requests:
-    what SGLang would run. max_running_requests: what gets hot buffers (<= requested).
-    hot_buffer_bytes: ``(max_running_requests + extra_rows) x hot_bytes_per_request``.
-    token_budget_bytes: ``B - hot_buffer_bytes``, what SGLang sizes its token pool from.
-    reserved_token_bytes: what the token pool was guaranteed before the hot buffers.
+    budget_bytes: ``B``. requested_requests: what SGLang would run. hot: the hot-buffer
+    plan of the requests that get hot rows (``hot.running_requests <= requested``; its
+    ``device_bytes``: their hot rows and the fixed ones, hot buffers and residency
+    tables). token_budget_bytes: ``B - hot.device_bytes``, what SGLang sizes its token
+    pool from. reserved_token_bytes: what the token pool was guaranteed before the hot buffers.
     """
 
     budget_bytes: int
-    hot_bytes_per_request: int
-    extra_rows: int
     requested_requests: int
-    max_running_requests: int
-    hot_buffer_bytes: int
+    hot: HotBufferPlan
     token_budget_bytes: int
     reserved_token_bytes: int
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.hot.running_requests
 
     @property
     def capped(self) -> bool:
         return self.max_running_requests < self.requested_requests
 
 
-def hot_bytes_per_request(layers: int, hot_tokens: int, row_dim: int) -> int:
-    """Bytes of one request slot's hot buffers: ``layers x hot_tokens x row_dim`` bf16."""
-    return int(layers) * int(hot_tokens) * int(row_dim) * BF16_BYTES
-
-
-def plan_device_budget(
-    budget_bytes: int,
-    hot_bytes_per_request: int,
-    requested_requests: int,
-    reserved_token_bytes: int,
-    extra_rows: int = 2,
-) -> DeviceBudgetPlan:
+def plan_device_budget(budget_bytes: int, wanted: HotBufferPlan, reserved_token_bytes: int) -> DeviceBudgetPlan:
     """Split ``budget_bytes`` between the token pool and the hot buffers (module docstring).
 
-    The token pool keeps ``reserved_token_bytes`` (capped at the budget); of the rest,
-    the hot buffers of ``min(requested, fitting)`` requests plus ``extra_rows``. Raises
-    :class:`ConfigError` when not even one request's hot buffers fit.
+    ``wanted``: the hot-buffer plan of the requests SGLang would run. The token pool keeps
+    ``reserved_token_bytes`` (capped at the budget); of the rest, the hot rows of
+    ``min(requested, fitting)`` requests and the plan's fixed rows. Raises
+    :class:`ConfigError` when not even one request's hot rows fit.
     """
-    if hot_bytes_per_request <= 0 or requested_requests < 1 or extra_rows < 0:
-        raise ValueError(
-            f"plan_device_budget: hot_bytes_per_request={hot_bytes_per_request}, "
-            f"requested_requests={requested_requests}, extra_rows={extra_rows}"
-        )
     budget = max(int(budget_bytes), 0)
     reserved = min(max(int(reserved_token_bytes), 0), budget)
-    fitting = (budget - reserved) // hot_bytes_per_request - extra_rows
-    granted = min(int(requested_requests), int(fitting))
+    granted = min(wanted.running_requests, wanted.running_requests_fitting(budget - reserved))
     if granted < 1:
-        need = (1 + extra_rows) * hot_bytes_per_request
+        one = wanted.with_running_requests(1)
         raise cfg.ConfigError(
             [
                 cfg.Violation(
                     RULE,
                     f"not even one request's hot buffers fit the device KV budget: {format_bytes(budget)} budget "
                     f"- {format_bytes(reserved)} kept for the token pool leaves {format_bytes(budget - reserved)}, "
-                    f"and one request needs {format_bytes(need)} ({1 + extra_rows} rows incl. padding x "
-                    f"{format_bytes(hot_bytes_per_request)} of hot buffers per row)",
+                    f"and one request needs {format_bytes(one.device_bytes)} ({one.rows_in_words()} x "
+                    f"{format_bytes(one.device_bytes_per_row)} of hot buffers and residency tables per row)",
                     "lower hot_tokens, raise --mem-fraction-static, or lower --max-total-tokens",
                 )
             ],
             "sparse decode offload device budget",
         )
-    hot = (granted + extra_rows) * hot_bytes_per_request
+    hot = wanted.with_running_requests(granted)
     return DeviceBudgetPlan(
         budget_bytes=budget,
-        hot_bytes_per_request=hot_bytes_per_request,
-        extra_rows=extra_rows,
-        requested_requests=int(requested_requests),
-        max_running_requests=granted,
-        hot_buffer_bytes=hot,
-        token_budget_bytes=budget - hot,
+        requested_requests=wanted.running_requests,
+        hot=hot,
+        token_budget_bytes=budget - hot.device_bytes,
         reserved_token_bytes=reserved,
     )
+
+
+def memory_allocations(
+    hot_plan: HotBufferPlan, host_tokens: Optional[int], host_tokens_source: str
+) -> List[memory_budget.Allocation]:
+    """The hot buffers with their residency tables (device) and the host pool (host) of
+    ``hot_plan``, for the memory check at launch (the smallest server) and in the pool."""
+    items = [
+        memory_budget.Allocation(
+            "hot buffers",
+            "device",
+            hot_plan.device_bytes,
+            hot_plan.formula(),
+            "hot_tokens or --max-running-requests",
+        )
+    ]
+    if host_tokens is not None:
+        items.append(
+            memory_budget.Allocation(
+                "host pool",
+                "host",
+                int(host_tokens) * hot_plan.host_bytes_per_token,
+                f"{hot_plan.layers} layers x {host_tokens} tokens ({host_tokens_source}) x "
+                f"{hot_plan.host_bytes_per_token // hot_plan.layers} B",
+                "host_pool_tokens or --max-total-tokens",
+            )
+        )
+    return items
 
 
 # ------------------------------------------------------------------ SGLang side
@@ -164,24 +177,35 @@ def _on_cpu(kvc: Any) -> bool:
     return str(getattr(kvc, "device", "cpu")).startswith("cpu")
 
 
-def _hot_bytes(kvc: Any, sd: cfg.SparseDecodeOffloadConfig) -> int:
+def served_hot_plan(
+    kvc: Any, sd: cfg.SparseDecodeOffloadConfig, *, running_requests: int, pre_alloc_slots: int
+) -> HotBufferPlan:
+    """The hot-buffer plan of the offload pool SGLang's configurator ``kvc`` builds: the
+    section's ``hot_tokens``, the model's top-k and main-KV row, the pool's layers, this
+    server's verify rows and page size, for ``running_requests`` and the P/D
+    ``pre_alloc_slots``. The device-budget split and the pool both build it here."""
+    from sglang.srt.runtime_context import get_schedule
+
     from ...speculative.eagle import verify_rows_per_request
-    from ..pool.sparse_decode import resolved_hot_tokens
 
     mc = kvc.model_config
-    layers = kvc.layer_info.end_layer - kvc.layer_info.start_layer
-    hot = resolved_hot_tokens(sd, int(mc.hf_config.index_topk), verify_rows_per_request())
-    return hot_bytes_per_request(layers, hot, int(mc.kv_lora_rank) + int(mc.qk_rope_head_dim))
+    return HotBufferPlan.build(
+        configured_hot_tokens=sd.hot_tokens,
+        top_k=int(mc.hf_config.index_topk),
+        page_size=get_schedule().page_size,
+        verify_rows=verify_rows_per_request(),
+        layers=kvc.layer_info.num_effective_layers,
+        row_dim=int(mc.kv_lora_rank) + int(mc.qk_rope_head_dim),
+        running_requests=running_requests,
+        pre_alloc_slots=pre_alloc_slots,
+    )
 
 
-def _extra_rows(kvc: Any) -> int:
-    """Hot buffers beyond the running requests: SGLang's request pool has one padding row
-    (and, on a P/D decode, its pre-allocation rows); the engine adds one sink row."""
+def _served_pre_alloc_slots() -> int:
     from sglang.srt.runtime_context import get_disagg
 
     disagg = get_disagg()
-    extra = disagg.disaggregation_decode_extra_slots if disagg.disaggregation_mode == "decode" else 0
-    return 1 + int(extra) + 1
+    return pre_alloc_slots(disagg.disaggregation_mode, disagg.disaggregation_decode_extra_slots)
 
 
 def resolve_pool_config_around(original, self, pre_model_load_memory):
@@ -200,28 +224,29 @@ def resolve_pool_config_around(original, self, pre_model_load_memory):
     cell = int(field(pool_configurator, POOL_CONFIGURATOR, "_cell_size"))
     user_tokens = get_schedule().max_total_tokens
     reserved_tokens = int(user_tokens) if user_tokens else int(self.model_config.context_len)
-    plan = plan_device_budget(
-        budget, _hot_bytes(self, sd), requested, reserved_tokens * cell, extra_rows=_extra_rows(self)
-    )
+    wanted = served_hot_plan(self, sd, running_requests=requested, pre_alloc_slots=_served_pre_alloc_slots())
+    plan = plan_device_budget(budget, wanted, reserved_tokens * cell)
     config = self.config_from_budget(plan.token_budget_bytes)
     config.max_running_requests = min(plan.max_running_requests, self.resolve_max_num_reqs(config.max_total_num_tokens))
     config = pool_configurator.finalize_with_max_running_requests(config)
     config.mem_fraction_static = get_schedule().mem_fraction_static
-    message = (
-        "sparse decode offload: device KV budget %s = token pool %d tokens x %d B + hot buffers %s "
-        "(%d requests + %d rows x %s)"
-    )
-    values = (
+    _log_split(plan, config.max_total_num_tokens, cell)
+    return config
+
+
+def _log_split(plan: DeviceBudgetPlan, tokens: int, cell: int) -> None:
+    logger.info(
+        "sparse decode offload: device KV budget %s = token pool %d tokens x %d B + hot buffers and residency "
+        "tables %s (%s x %s)",
         format_bytes(plan.budget_bytes),
-        config.max_total_num_tokens,
+        tokens,
         cell,
-        format_bytes(plan.hot_buffer_bytes),
-        plan.max_running_requests,
-        plan.extra_rows,
-        format_bytes(plan.hot_bytes_per_request),
+        format_bytes(plan.hot.device_bytes),
+        plan.hot.rows_in_words(),
+        format_bytes(plan.hot.device_bytes_per_row),
     )
-    logger.info(message, *values)
     if plan.capped:
+        wanted = plan.hot.with_running_requests(plan.requested_requests)
         logger.warning(
             "sparse decode offload: max_running_requests capped from %d to %d: the hot buffers of "
             "%d requests (%s) do not fit the device KV budget (%s) next to the token pool; lower "
@@ -229,10 +254,9 @@ def resolve_pool_config_around(original, self, pre_model_load_memory):
             plan.requested_requests,
             plan.max_running_requests,
             plan.requested_requests,
-            format_bytes((plan.requested_requests + plan.extra_rows) * plan.hot_bytes_per_request),
+            format_bytes(wanted.device_bytes),
             format_bytes(plan.budget_bytes),
         )
-    return config
 
 
 def cell_size_after(cell: int, self, kvc, num_layers: int) -> Optional[int]:

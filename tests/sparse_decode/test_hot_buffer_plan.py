@@ -1,0 +1,89 @@
+"""The hot-buffer plan (``sparse_decode/sizing.py``): the hot_tokens rules, the rows and the
+bytes, computed by hand here; that every user of the plan agrees with the pool's real
+allocation is ``tests/sglang/mem_cache/test_hot_buffer_agreement.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_ascend_offload.sparse_decode import sizing
+from sglang_ascend_offload.sparse_decode.sizing import HotBufferPlan
+
+
+def test_the_default_is_twice_top_k_or_the_verify_rows_rounded_to_the_page():
+    assert sizing.default_hot_tokens(2048, 128) == 4096
+    assert sizing.default_hot_tokens(2048, 128, verify_rows=2) == 4096  # max(2, 2) x top-k
+    assert sizing.default_hot_tokens(2048, 128, verify_rows=4) == 8192
+    assert sizing.default_hot_tokens(100, 64) == 256  # 200 rounded up to whole pages
+    assert sizing.default_hot_tokens(100, None) == 200
+    assert sizing.resolve_hot_tokens(None, 16, 64, 1) == 64
+    assert sizing.resolve_hot_tokens(48, 16, 64, 4) == 48  # a configured value stands (the rules judge it)
+
+
+def test_the_least_valid_value_holds_the_verify_rows_union():
+    assert sizing.required_hot_tokens(2048) == 2048
+    assert sizing.required_hot_tokens(2048, verify_rows=4) == 8192
+    assert sizing.least_hot_tokens(100, 64, verify_rows=3) == 320  # 300 rounded up to whole pages
+
+
+def test_verify_rows_need_a_speculative_algorithm_and_a_count():
+    assert sizing.verify_rows(None, 4) == 1
+    assert sizing.verify_rows("EAGLE", None) == 1
+    assert sizing.verify_rows("EAGLE", 4) == 4
+    assert sizing.verify_rows("mtp", 2) == 2
+
+
+def test_pre_allocation_slots_only_on_a_pd_decode():
+    assert sizing.pre_alloc_slots("decode", 8) == 8
+    assert sizing.pre_alloc_slots("decode", None) == 0
+    assert sizing.pre_alloc_slots("prefill", 8) == 0 and sizing.pre_alloc_slots("null", 8) == 0
+
+
+def test_rows_and_bytes_by_hand():
+    plan = HotBufferPlan.build(
+        configured_hot_tokens=None,
+        top_k=2048,
+        page_size=128,
+        verify_rows=4,
+        layers=61,
+        row_dim=576,
+        running_requests=32,
+        pre_alloc_slots=8,
+    )
+    assert plan.hot_tokens == 8192
+    assert plan.req_slots == 32 + 8 + 1  # SGLang's req_to_token rows: running, pre-allocated, padding
+    assert plan.hot_rows == 42 and plan.fixed_hot_rows == 10  # + the engine's sink row
+    row = 61 * 8192 * 576 * 2
+    table = 61 * (8192 * (4 + 8) + 8)
+    assert plan.hot_bytes_per_row == row and plan.residency_bytes_per_row == table
+    assert plan.device_bytes_per_row == row + table
+    assert plan.hot_buffer_bytes == 42 * row and plan.residency_table_bytes == 42 * table
+    assert plan.device_bytes == 42 * (row + table)
+    assert plan.host_bytes_per_token == 61 * 576 * 2
+    assert plan.with_running_requests(1).hot_rows == 11
+    # what fits: every fixed row first, then one row per request
+    assert plan.running_requests_fitting(20 * (row + table)) == 10
+    assert plan.running_requests_fitting(10 * (row + table) + row) == 0
+    d = plan.to_dict()
+    assert d["hot_rows"] == 42 and d["device_bytes"] == plan.device_bytes and d["verify_rows"] == 4
+
+
+def test_words_name_every_row():
+    plan = HotBufferPlan(layers=2, row_dim=576, top_k=16, hot_tokens=64, verify_rows=4, running_requests=1)
+    assert plan.rows_in_words() == "3 hot rows (1 request + 1 padding slot + 1 sink row)"
+    assert "one per request shared by its 4 verify rows" in plan.formula()
+    pd = HotBufferPlan(
+        layers=2, row_dim=576, top_k=16, hot_tokens=64, verify_rows=1, running_requests=5, pre_alloc_slots=2
+    )
+    assert pd.rows_in_words() == "9 hot rows (5 requests + 2 P/D pre-allocation slots + 1 padding slot + 1 sink row)"
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("layers", 0), ("hot_tokens", 0), ("verify_rows", 0), ("running_requests", 0), ("pre_alloc_slots", -1)],
+)
+def test_a_plan_out_of_range_is_refused(field, value):
+    kw = dict(layers=2, row_dim=576, top_k=16, hot_tokens=64, verify_rows=1, running_requests=1, pre_alloc_slots=0)
+    kw[field] = value
+    with pytest.raises(ValueError, match="HotBufferPlan"):
+        HotBufferPlan(**kw)
