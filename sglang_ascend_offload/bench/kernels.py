@@ -13,7 +13,8 @@ and checks that the Triton results are identical to the reference's (outputs and
 state bit for bit, hot buffer bit for bit). It exits with 1 when any check fails.
 
 ``--copy-sfa`` compares the fused Copy-SFA operator with the separate miss copy + sparse
-attention instead (:mod:`.kernels_copy_sfa`).
+attention instead (:mod:`.kernels_copy_sfa`); ``--qualify`` runs the kernel qualification a
+server runs at startup, one entry per fused op (:mod:`.kernels_qualify`).
 
 On a CPU-only machine the Triton kernels run through the Triton interpreter
 (``TRITON_INTERPRET=1`` is switched on for this command when unset): its times are
@@ -29,7 +30,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -65,9 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, help="timed calls per kernel (median reported; default 5, CPU 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    from . import kernels_copy_sfa
+    from . import kernels_copy_sfa, kernels_qualify
 
     kernels_copy_sfa.add_arguments(parser)
+    kernels_qualify.add_arguments(parser)
 
 
 @dataclass
@@ -137,56 +139,75 @@ def _ratio(ref_ms: float, tri_ms: float) -> float:
 
 
 # ------------------------------------------------------------------------ the bench
-def run(args) -> BenchResult:
+@dataclass
+class _Workload:
+    """The timed inputs: a warmed residency ``state`` and the next step's ``topk``."""
+
+    rows: int
+    k: int
+    hot: int
+    dim: int
+    repeat: int
+    dtype: torch.dtype
+    device: torch.device
+    ctx: int
+    gen: torch.Generator
+    state: Any = None
+    req: Any = None
+    stable: Any = None
+    topk: Any = None
+    step: int = 0
+
+
+def _workload(args) -> _Workload:
+    """The shape from the arguments (per-device defaults) and a residency state warmed by
+    ``--warmup-steps`` reference steps."""
     from ..ops import residency
     from ..ops.contract import ResidencyTable
-    from ..triton_ops import copy_rows
-    from ..triton_ops import residency as tri_residency
 
-    kind = platform.device_kind()
-    defaults = _DEFAULTS["cpu" if kind == "cpu" else "device"]
-    rows = args.rows or defaults["rows"]
+    defaults = _DEFAULTS["cpu" if platform.device_kind() == "cpu" else "device"]
     k = args.top_k or defaults["top_k"]
     hot = args.hot_tokens or 2 * k
-    dim = args.dim or defaults["dim"]
-    repeat = args.repeat or defaults["repeat"]
-    dtype = getattr(torch, args.dtype)
-    device = platform.default_device()
-    ctx = 4 * hot
-    gen = torch.Generator().manual_seed(args.seed)
-
-    # warm state: a few steps through the reference
-    state = ResidencyTable.empty(rows, hot, device=device)
-    req = torch.arange(rows, dtype=torch.int64, device=device)
-    stable = torch.full((rows,), ctx, dtype=torch.int32, device=device)
+    w = _Workload(
+        rows=args.rows or defaults["rows"],
+        k=k,
+        hot=hot,
+        dim=args.dim or defaults["dim"],
+        repeat=args.repeat or defaults["repeat"],
+        dtype=getattr(torch, args.dtype),
+        device=platform.default_device(),
+        ctx=4 * hot,
+        gen=torch.Generator().manual_seed(args.seed),
+    )
+    w.state = ResidencyTable.empty(w.rows, hot, device=w.device)
+    w.req = torch.arange(w.rows, dtype=torch.int64, device=w.device)
+    w.stable = torch.full((w.rows,), w.ctx, dtype=torch.int32, device=w.device)
     topk = None
     for step in range(args.warmup_steps):
-        topk = _next_topk(gen, topk, rows, k, ctx, args.overlap)
+        topk = _next_topk(w.gen, topk, w.rows, k, w.ctx, args.overlap)
         residency.residency_manage(
-            state.slot_token, state.slot_stamp, state.row_req, topk.to(device), req, stable, step
+            w.state.slot_token, w.state.slot_stamp, w.state.row_req, topk.to(w.device), w.req, w.stable, step
         )
-    topk = _next_topk(gen, topk, rows, k, ctx, args.overlap).to(device)
-    step = args.warmup_steps
+    w.topk = _next_topk(w.gen, topk, w.rows, k, w.ctx, args.overlap).to(w.device)
+    w.step = args.warmup_steps
+    return w
 
-    result = BenchResult(
-        device=str(device),
-        triton_mode="interpreter" if kind == "cpu" else "compiled",
-        note=INTERPRETER_NOTE if kind == "cpu" else "compiled Triton kernels vs torch reference on the same device",
-        shape=dict(rows=rows, top_k=k, hot_tokens=hot, dim=dim, dtype=args.dtype),
-        workload=dict(overlap=args.overlap, warmup_steps=args.warmup_steps, repeat=repeat, seed=args.seed),
-    )
 
-    # --- residency_manage
+def _bench_residency(w: _Workload) -> Tuple[KernelResult, Any]:
+    """``residency_manage``: Triton vs reference from the same state; the reference's step."""
+    from ..ops import residency
+    from ..triton_ops import residency as tri_residency
+
     outs: Dict[str, Any] = {}
 
     def manage_with(fn, name):
         def call(table):
-            outs[name] = (fn(table.slot_token, table.slot_stamp, table.row_req, topk, req, stable, step), table)
+            outs[name] = (fn(table.slot_token, table.slot_stamp, table.row_req, w.topk, w.req, w.stable, w.step), table)
 
         return call
 
-    ref_ms = _time(manage_with(residency.residency_manage, "reference"), state.clone, repeat)
-    tri_ms = _time(manage_with(tri_residency.residency_manage, "triton"), state.clone, repeat)
+    ref_ms = _time(manage_with(residency.residency_manage, "reference"), w.state.clone, w.repeat)
+    tri_ms = _time(manage_with(tri_residency.residency_manage, "triton"), w.state.clone, w.repeat)
     (want, want_state), (got, got_state) = outs["reference"], outs["triton"]
     mismatched = [
         f
@@ -199,25 +220,21 @@ def run(args) -> BenchResult:
         if not torch.equal(getattr(want_state, f), getattr(got_state, f))
     ]
     hits, misses = int(want.hit_mask.sum()), int(want.miss_count.sum())
-    result.workload.update(hits=hits, misses=misses)
-    result.kernels.append(
-        KernelResult(
-            "residency_manage",
-            3,
-            ref_ms,
-            tri_ms,
-            _ratio(ref_ms, tri_ms),
-            not mismatched,
-            f"hits {hits}, misses {misses}" + (f"; differs: {', '.join(mismatched)}" if mismatched else ""),
-        )
-    )
+    detail = f"hits {hits}, misses {misses}" + (f"; differs: {', '.join(mismatched)}" if mismatched else "")
+    return KernelResult("residency_manage", 3, ref_ms, tri_ms, _ratio(ref_ms, tri_ms), not mismatched, detail), want
 
-    # --- copy_miss_rows (host pool pinned where a device exists, as in production)
-    host_rows = rows * ctx
-    host = platform.pinned_empty((host_rows, dim), dtype)
-    host.copy_(torch.randn(host_rows, dim, generator=gen).to(dtype))
-    token_table = torch.randperm(host_rows, generator=gen).to(torch.int32).reshape(rows, ctx).to(device)
-    hot_init = torch.zeros((rows, hot, dim), dtype=dtype, device=device)
+
+def _bench_copy(w: _Workload, want) -> KernelResult:
+    """``copy_miss_rows`` of the reference step's misses (host pool pinned where a device
+    exists, as in production): Triton vs reference, hot buffers bit for bit."""
+    from ..ops import residency
+    from ..triton_ops import copy_rows
+
+    host_rows = w.rows * w.ctx
+    host = platform.pinned_empty((host_rows, w.dim), w.dtype)
+    host.copy_(torch.randn(host_rows, w.dim, generator=w.gen).to(w.dtype))
+    token_table = torch.randperm(host_rows, generator=w.gen).to(torch.int32).reshape(w.rows, w.ctx).to(w.device)
+    hot_init = torch.zeros((w.rows, w.hot, w.dim), dtype=w.dtype, device=w.device)
     bufs: Dict[str, torch.Tensor] = {}
 
     def copy_with(fn, name):
@@ -227,24 +244,30 @@ def run(args) -> BenchResult:
 
         return call
 
-    ref_ms = _time(copy_with(residency.copy_miss_rows, "reference"), hot_init.clone, repeat)
-    tri_ms = _time(copy_with(copy_rows.copy_miss_rows, "triton"), hot_init.clone, repeat)
-    same = torch.equal(
-        bufs["reference"].view(torch.int16 if dtype != torch.float32 else torch.int32),
-        bufs["triton"].view(torch.int16 if dtype != torch.float32 else torch.int32),
+    ref_ms = _time(copy_with(residency.copy_miss_rows, "reference"), hot_init.clone, w.repeat)
+    tri_ms = _time(copy_with(copy_rows.copy_miss_rows, "triton"), hot_init.clone, w.repeat)
+    words = torch.int16 if w.dtype != torch.float32 else torch.int32
+    same = torch.equal(bufs["reference"].view(words), bufs["triton"].view(words))
+    misses = int(want.miss_count.sum())
+    moved = misses * w.dim * host.element_size()
+    detail = f"{misses} rows, {moved} bytes host->device" + ("" if same else "; hot buffers differ")
+    return KernelResult("copy_miss_rows", 1, ref_ms, tri_ms, _ratio(ref_ms, tri_ms), same, detail)
+
+
+def run(args) -> BenchResult:
+    """Triton vs reference for ``residency_manage`` and ``copy_miss_rows`` (module docstring)."""
+    kind = platform.device_kind()
+    w = _workload(args)
+    result = BenchResult(
+        device=str(w.device),
+        triton_mode="interpreter" if kind == "cpu" else "compiled",
+        note=INTERPRETER_NOTE if kind == "cpu" else "compiled Triton kernels vs torch reference on the same device",
+        shape=dict(rows=w.rows, top_k=w.k, hot_tokens=w.hot, dim=w.dim, dtype=args.dtype),
+        workload=dict(overlap=args.overlap, warmup_steps=args.warmup_steps, repeat=w.repeat, seed=args.seed),
     )
-    moved = misses * dim * host.element_size()
-    result.kernels.append(
-        KernelResult(
-            "copy_miss_rows",
-            1,
-            ref_ms,
-            tri_ms,
-            _ratio(ref_ms, tri_ms),
-            same,
-            f"{misses} rows, {moved} bytes host->device" + ("" if same else "; hot buffers differ"),
-        )
-    )
+    manage, want = _bench_residency(w)
+    result.workload.update(hits=int(want.hit_mask.sum()), misses=int(want.miss_count.sum()))
+    result.kernels += [manage, _bench_copy(w, want)]
     return result
 
 
@@ -301,9 +324,17 @@ def main(args) -> int:
         from . import kernels_copy_sfa
 
         problems += kernels_copy_sfa.input_problems(args)
+    if args.qualify:
+        from . import kernels_qualify
+
+        problems += kernels_qualify.input_problems(args)
+        if args.copy_sfa:
+            problems.append("--qualify and --copy-sfa are separate runs: pick one")
     if problems:
         print("bench kernels: " + "; ".join(problems), file=sys.stderr)
         return 2
+    if args.qualify:
+        return kernels_qualify.main(args)
     if args.copy_sfa:
         return _main_copy_sfa(args)
     if platform.device_kind() == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -348,120 +348,96 @@ def _compare_lim(
     return bad
 
 
+def _lim_configs(quantized: bool, seed: int, largest: bool) -> List[Tuple[LimDims, int, int]]:
+    """``(dims, cube cores, seed)`` of every LIM / LIM-C8 scenario (module docstring)."""
+    q = quantized
+    configs = [
+        (LimDims(quantized=q), 24, seed),  # many cores: one token each
+        (LimDims(quantized=q, sparse_mode=0, block_size=64, hot_tokens=128), 1, seed + 1),  # 2 cores
+        (LimDims(quantized=q, top_k=32, hot_tokens=64, rows=5, max_len=120, index_heads=16), 2, seed + 2),
+        # verify rows: up to n query tokens share a row, which steps on the union of their top-k
+        (LimDims(quantized=q, tokens_per_row=2, hot_tokens=256), 24, seed + 4),
+        (
+            LimDims(quantized=q, tokens_per_row=3, top_k=32, hot_tokens=128, rows=5, max_len=120, sparse_mode=0),
+            2,
+            seed + 5,
+        ),
+    ]
+    if largest:
+        big = dict(quantized=q, rows=2, hot_tokens=4096, top_k=2048, index_heads=64, block_size=128, max_len=6144)
+        configs.append((LimDims(**big, padding_tokens=1), 1, seed + 3))
+        # DeepSeek-V3.2 with one draft token: two verify rows per request, union 4096 = Hh
+        configs.append((LimDims(**big, padding_tokens=1, tokens_per_row=2), 1, seed + 6))
+    return configs
+
+
+def _count_lim_step(res: KernelResult, inp: LimInputs, table: ResidencyTable, ref: IndexerManageResult, dims) -> None:
+    """What one step exercised (``res.coverage``), from the reference's result."""
+    fresh = (inp.req_ids != table.row_req) & (inp.req_ids >= 0)
+    owned = torch.zeros(dims.rows, dtype=torch.bool)
+    owned[inp.token_rows[inp.token_rows >= 0].long()] = True
+    rr = ref.residency
+    res.count("hits", rr.hit_mask.sum())
+    res.count("misses", rr.miss_count.clamp(min=0).sum())
+    res.count("topk_minus_one", (ref.topk_indices == -1).sum())
+    res.count("first_fill_rows", (fresh & owned).sum())
+    res.count("steady_rows", (~fresh & owned & (inp.req_ids >= 0)).sum())
+    res.count("owned_rows_without_misses", (owned & (rr.miss_count == 0)).sum())
+    res.count("unowned_rows", (~owned).sum())
+    res.count("padding_tokens", (inp.token_rows < 0).sum())
+    if dims.tokens_per_row > 1:
+        shared = torch.bincount(inp.token_rows[inp.token_rows >= 0].long(), minlength=dims.rows) > 1
+        res.count("shared_rows", shared.sum())
+
+
+def _lim_scenario(m: km.KernelModel, res: KernelResult, dims: LimDims, aic: int, seed: int, steps: int) -> None:
+    """One scenario: ``steps`` steps (2 at the largest shape) and the last one repeated, each
+    launched with the vector cores in forward and reversed order against the reference."""
+    big = dims.top_k == 2048
+    m.aic = aic
+    sc = Scenario(dims, seed, churn=0.0 if big else 0.25, idle=0.0 if big else 0.2, min_len=4200 if big else None)
+    table = ResidencyTable.empty(dims.rows, dims.hot_tokens)
+    n_steps = 2 if big else steps
+    prev = None
+    for st in range(n_steps + 1):
+        if st < n_steps:
+            sc.advance()
+            inp = sc.inputs()
+        else:  # the same step again (next step id), nothing speculative: every selected position hits
+            stable = torch.tensor([r.length if r is not None else 0 for r in sc.rows.rows], dtype=torch.int32)
+            inp = dataclasses.replace(prev, step=prev.step + 1, stable=stable)
+        prev = inp
+        t_ref, t_fwd, t_rev = table.clone(), table.clone(), table.clone()
+        ref = _reference_lim(inp, t_ref, dims)
+        _count_lim_step(res, inp, table, ref, dims)
+        label = f"{'C8 ' if dims.quantized else ''}dims={dims} aic={aic} step={inp.step}"
+        try:
+            got, launch = _model_lim(m, inp, t_fwd, dims)
+            cores = launch.block_dim * km.TASK_RATION
+            got_rev, _ = _model_lim(m, inp, t_rev, dims, list(reversed(range(cores))))
+        except km.ModelFault as exc:
+            res.failures.append(f"{label}: model fault: {exc}")
+            res.bit_exact = False
+            return
+        bad = _compare_lim(got, ref, t_fwd, t_ref)
+        bad += [f"reversed core order: {b}" for b in _compare_lim(got_rev, ref, t_rev, t_ref)]
+        if st == n_steps and int(ref.residency.miss_count.clamp(min=0).sum()) != 0:
+            bad.append("repeated step still has misses (scenario error)")
+        if bad:
+            res.bit_exact = False
+            res.failures += [f"{label}: {b}" for b in bad[:4]]
+        res.cases += 1
+        table = t_ref
+
+
 def check_lim(
     m: km.KernelModel, quantized: bool, *, seed: int = 0, steps: int = 4, largest: bool = True
 ) -> KernelResult:
     """LIM (or LIM-C8) over the scenarios of the module docstring."""
     res = KernelResult("sao_quant_lightning_indexer_manage" if quantized else "sao_lightning_indexer_manage")
     t0 = time.monotonic()
-    configs = [
-        (LimDims(quantized=quantized), 24, seed),  # many cores: one token each
-        (LimDims(quantized=quantized, sparse_mode=0, block_size=64, hot_tokens=128), 1, seed + 1),  # 2 cores
-        (
-            LimDims(quantized=quantized, top_k=32, hot_tokens=64, block_size=32, rows=5, max_len=120, index_heads=16),
-            2,
-            seed + 2,
-        ),
-        # verify rows: up to n query tokens share a row, which steps on the union of their top-k
-        (LimDims(quantized=quantized, tokens_per_row=2, hot_tokens=256), 24, seed + 4),
-        (
-            LimDims(
-                quantized=quantized, tokens_per_row=3, top_k=32, hot_tokens=128, rows=5, max_len=120, sparse_mode=0
-            ),
-            2,
-            seed + 5,
-        ),
-    ]
-    if largest:
-        configs.append(
-            (
-                LimDims(
-                    quantized=quantized,
-                    rows=2,
-                    hot_tokens=4096,
-                    top_k=2048,
-                    index_heads=64,
-                    block_size=128,
-                    max_len=6144,
-                    padding_tokens=1,
-                ),
-                1,
-                seed + 3,
-            )
-        )
-        # DeepSeek-V3.2 with one draft token: two verify rows per request, union 4096 = Hh
-        configs.append(
-            (
-                LimDims(
-                    quantized=quantized,
-                    rows=2,
-                    hot_tokens=4096,
-                    top_k=2048,
-                    index_heads=64,
-                    block_size=128,
-                    max_len=6144,
-                    padding_tokens=1,
-                    tokens_per_row=2,
-                ),
-                1,
-                seed + 6,
-            )
-        )
-    for dims, aic, s in configs:
-        big = dims.top_k == 2048
-        m.aic = aic
-        sc = Scenario(dims, s, churn=0.0 if big else 0.25, idle=0.0 if big else 0.2, min_len=4200 if big else None)
-        table = ResidencyTable.empty(dims.rows, dims.hot_tokens)
-        n_steps = 2 if big else steps
-        prev = None
-        for st in range(n_steps + 1):
-            if st < n_steps:
-                sc.advance()
-                inp = sc.inputs()
-            else:  # the same step again (next step id), nothing speculative: every selected position hits
-                inp = dataclasses.replace(
-                    prev,
-                    step=prev.step + 1,
-                    stable=torch.tensor([r.length if r is not None else 0 for r in sc.rows.rows], dtype=torch.int32),
-                )
-            prev = inp
-            t_ref, t_fwd, t_rev = table.clone(), table.clone(), table.clone()
-            fresh = (inp.req_ids != table.row_req) & (inp.req_ids >= 0)
-            ref = _reference_lim(inp, t_ref, dims)
-            owned = torch.zeros(dims.rows, dtype=torch.bool)
-            owned[inp.token_rows[inp.token_rows >= 0].long()] = True
-            rr = ref.residency
-            res.count("hits", rr.hit_mask.sum())
-            res.count("misses", rr.miss_count.clamp(min=0).sum())
-            res.count("topk_minus_one", (ref.topk_indices == -1).sum())
-            res.count("first_fill_rows", (fresh & owned).sum())
-            res.count("steady_rows", (~fresh & owned & (inp.req_ids >= 0)).sum())
-            res.count("owned_rows_without_misses", (owned & (rr.miss_count == 0)).sum())
-            res.count("unowned_rows", (~owned).sum())
-            res.count("padding_tokens", (inp.token_rows < 0).sum())
-            if dims.tokens_per_row > 1:
-                res.count(
-                    "shared_rows",
-                    (torch.bincount(inp.token_rows[inp.token_rows >= 0].long(), minlength=dims.rows) > 1).sum(),
-                )
-            label = f"{'C8 ' if quantized else ''}dims={dims} aic={aic} step={inp.step}"
-            try:
-                got, launch = _model_lim(m, inp, t_fwd, dims)
-                cores = launch.block_dim * km.TASK_RATION
-                got_rev, _ = _model_lim(m, inp, t_rev, dims, list(reversed(range(cores))))
-            except km.ModelFault as exc:
-                res.failures.append(f"{label}: model fault: {exc}")
-                res.bit_exact = False
-                break
-            bad = _compare_lim(got, ref, t_fwd, t_ref)
-            bad += [f"reversed core order: {b}" for b in _compare_lim(got_rev, ref, t_rev, t_ref)]
-            if st == n_steps and int(ref.residency.miss_count.clamp(min=0).sum()) != 0:
-                bad.append("repeated step still has misses (scenario error)")
-            if bad:
-                res.bit_exact = False
-                res.failures += [f"{label}: {b}" for b in bad[:4]]
-            res.cases += 1
-            table = t_ref
+    for dims, aic, s in _lim_configs(quantized, seed, largest):
+        _lim_scenario(m, res, dims, aic, s, steps)
     res.seconds = time.monotonic() - t0
     return res
 
