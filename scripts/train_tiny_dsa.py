@@ -3,6 +3,12 @@
 Run from the repository root with the CPU environment::
 
     .venv/bin/python scripts/train_tiny_dsa.py            # about 25 min on 2 CPU cores
+    .venv/bin/python scripts/train_tiny_dsa.py --shape k128   # tests/fixtures/tiny_dsa_trained_k128
+
+``--shape`` picks the architecture (see :data:`SHAPES`): ``k64`` (the default) is
+``tests/fixtures/tiny_dsa_trained``; ``k128`` is the shape the fused kernels serve
+(index top-k 128, 8 index heads), ``tests/fixtures/tiny_dsa_trained_k128``. Both use
+the same corpus, tokenizer, schedule, seed and threads.
 
 What it builds, in order:
 
@@ -13,8 +19,9 @@ What it builds, in order:
 2. **Tokenizer**: a byte-level BPE (``tokenizers``) with 4,096 tokens, trained on the
    training files, with a chat template in ``tokenizer_config.json``.
 3. **Model**: transformers' own ``DeepseekV32ForCausalLM`` with the architecture of
-   ``tests/fixtures/tiny_dsa_mtp`` (2 MLA layers, kv_lora 512, rope 64, lightning
-   indexer with 4 heads of 128) at index top-k 64, plus one NextN (MTP) layer built
+   the shape's base config (``k64``: ``tests/fixtures/tiny_dsa_mtp``, 2 MLA layers,
+   kv_lora 512, rope 64, lightning indexer with 4 heads of 128, at index top-k 64;
+   ``k128``: ``tests/fixtures/tiny_dsa_fused_mtp``, 8 index heads, top-k 128), plus one NextN (MTP) layer built
    from transformers' ``DeepseekV32DecoderLayer`` (a MoE layer, as SGLang's NextN
    loader expects), trained to predict token t+2 from the target's final hidden
    state at t and the embedding of token t+1.
@@ -23,7 +30,7 @@ What it builds, in order:
      windows;
    - ``warmup``: main model frozen, indexer trained by KL divergence to the dense
      attention distribution (summed over heads), 2,048-token windows;
-   - ``sparse``: top-k 64 sparse attention, LM + MTP loss, and the indexer trained by
+   - ``sparse``: top-k sparse attention (the shape's top-k), LM + MTP loss, and the indexer trained by
      KL to the attention over its selected set (its inputs detached, so it never
      moves the main model).
 5. **Evaluation and export**: bf16 safetensors in the DeepSeek checkpoint layout
@@ -54,11 +61,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "tests" / "fixtures" / "tiny_dsa_trained"
-BASE_CONFIG = REPO / "tests" / "fixtures" / "tiny_dsa_mtp" / "config.json"
+FIXTURES = REPO / "tests" / "fixtures"
 
 VOCAB_SIZE = 4096
-INDEX_TOPK = 64
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 CHAT_TEMPLATE = (
@@ -69,6 +74,39 @@ HELDOUT_MODULUS = 20
 EVAL_WINDOW = 1024
 EVAL_WINDOWS = 4
 EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """An architecture the script trains: its base config, index top-k and default output.
+
+    The base config supplies every dimension (the index heads included); the script
+    overrides only the vocabulary, positions, RoPE spelling and ``index_topk``.
+    """
+
+    name: str
+    base_config: Path
+    index_topk: int
+    default_out: Path
+
+
+SHAPES = {
+    # The first trained checkpoint: top-k 64, 4 index heads (the reference and npu rungs).
+    "k64": Shape("k64", FIXTURES / "tiny_dsa_mtp" / "config.json", 64, FIXTURES / "tiny_dsa_trained"),
+    # The shape LIM / LIM-C8 / Copy-SFA accept: top-k a multiple of 128, index heads a
+    # multiple of 8 (the base config has 8).
+    "k128": Shape("k128", FIXTURES / "tiny_dsa_fused_mtp" / "config.json", 128, FIXTURES / "tiny_dsa_trained_k128"),
+}
+DEFAULT_SHAPE = "k64"
+
+
+def shape_of(out_dir: Path) -> Shape:
+    """The shape a written fixture was trained at (matched by its ``index_topk``)."""
+    topk = json.loads((Path(out_dir) / "config.json").read_text())["index_topk"]
+    found = [s for s in SHAPES.values() if s.index_topk == topk]
+    if len(found) != 1:
+        raise ValueError(f"{out_dir}: index_topk {topk} matches no single shape of {sorted(SHAPES)}")
+    return found[0]
 
 
 @dataclass(frozen=True)
@@ -91,8 +129,8 @@ class Plan:
     max_corpus_bytes: int = 0  # 0: the whole corpus
 
 
-def default_phases(scale: float = 1.0) -> List[Phase]:
-    """The committed checkpoint's schedule; ``scale`` shrinks the step counts (smoke runs)."""
+def default_phases(scale: float = 1.0, topk: int = SHAPES[DEFAULT_SHAPE].index_topk) -> List[Phase]:
+    """The committed checkpoints' schedule; ``scale`` shrinks the step counts (smoke runs)."""
 
     def steps(n: int) -> int:
         return max(1, int(round(n * scale)))
@@ -100,7 +138,7 @@ def default_phases(scale: float = 1.0) -> List[Phase]:
     return [
         Phase("lm", steps(360), 512, 8, 2e-3, None),
         Phase("warmup", steps(30), 2048, 1, 1e-3, None),
-        Phase("sparse", steps(100), 2048, 1, 5e-4, INDEX_TOPK),
+        Phase("sparse", steps(100), 2048, 1, 5e-4, topk),
     ]
 
 
@@ -170,10 +208,10 @@ def encode_stream(tok, texts: List[str]):
 # ----------------------------------------------------------------------------- model
 
 
-def model_config(topk: int = INDEX_TOPK):
+def model_config(shape: Shape = SHAPES[DEFAULT_SHAPE]):
     from transformers import DeepseekV32Config
 
-    raw = json.loads(BASE_CONFIG.read_text())
+    raw = json.loads(shape.base_config.read_text())
     # YaRN at factor 1 is plain RoPE (no interpolation, mscale 1); it is spelled out
     # because SGLang's CPU rope factory requires a rope_scaling entry.
     raw["rope_scaling"] = {
@@ -187,7 +225,7 @@ def model_config(topk: int = INDEX_TOPK):
     }
     raw.update(
         vocab_size=VOCAB_SIZE,
-        index_topk=topk,
+        index_topk=shape.index_topk,
         max_position_embeddings=4096,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
@@ -480,7 +518,7 @@ def evaluate(out_dir: Path, windows: List[List[int]]) -> Tuple[float, List[float
     from safetensors.torch import load_file
     from transformers import DeepseekV32ForCausalLM
 
-    cfg, _ = model_config()
+    cfg, _ = model_config(shape_of(out_dir))
     model = DeepseekV32ForCausalLM(cfg).eval()
     state = load_file(str(out_dir / "model.safetensors"))
     missing, _ = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
@@ -559,7 +597,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="fixture directory to write")
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default=DEFAULT_SHAPE,
+        help="architecture: k64 (tiny_dsa_trained) or k128 (tiny_dsa_trained_k128, the fused kernels' shape)",
+    )
+    ap.add_argument("--out", type=Path, default=None, help="fixture directory to write (default: the shape's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (the result depends on it)")
     ap.add_argument(
@@ -572,6 +616,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="train on only this much of the corpus (0: all of it); for smoke runs",
     )
     args = ap.parse_args(argv)
+    shape = SHAPES[args.shape]
+    if args.out is None:
+        args.out = shape.default_out
 
     import torch
 
@@ -594,7 +641,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from transformers import DeepseekV32ForCausalLM
 
-    cfg, raw_cfg = model_config()
+    cfg, raw_cfg = model_config(shape)
     model = DeepseekV32ForCausalLM(cfg)
     model.train()
     nextn = build_nextn(cfg)
@@ -605,7 +652,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"{sum(p.numel() for p in nextn.parameters()):,} in the NextN layer"
     )
 
-    phases = default_phases(args.scale)
+    phases = default_phases(args.scale, shape.index_topk)
     curve: List[dict] = []
     for phase in phases:
         run_phase(phase, model, nextn, train_stream, gen, curve, log)
@@ -651,7 +698,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     }
     (args.out / "training.json").write_text(json.dumps(meta, indent=1) + "\n")
     (args.out / "heldout_eval.json").write_text(
-        json.dumps({"index_topk": INDEX_TOPK, "nll": per_window, "windows": windows}) + "\n"
+        json.dumps({"index_topk": shape.index_topk, "nll": per_window, "windows": windows}) + "\n"
     )
     size_mb = sum(f.stat().st_size for f in args.out.iterdir()) / 1e6
     log(

@@ -21,7 +21,12 @@ seam                value                       effect
                                                 file exists (a stuck rank 0, seen by readers)
 ``available_bytes`` ``{"host": n, "device": m}``  the launch memory check sees these free bytes
                                                 instead of probing the machine
+``fault``           a fault name, or            a planted fault of :mod:`.faults` (always on,
+                    ``{"name": n, "flag": p}``  or only while the flag file exists)
 ==================  ==========================  ===========================================
+
+While ``SGLANG_ASCEND_OFFLOAD_PLANTED_FAULT`` names a fault (``scripts/plant_faults.py``),
+the launcher adds the ``fault`` seam to every server it starts (:func:`merge`).
 """
 
 from __future__ import annotations
@@ -80,10 +85,20 @@ def _available_bytes(pinned: Dict[str, int]) -> None:
     logger.warning("test harness: the launch memory check sees %s free bytes", pinned)
 
 
+def _fault(value) -> None:
+    from . import faults
+
+    if isinstance(value, str):
+        faults.register(value)
+    else:
+        faults.register(value["name"], value.get("flag"))
+
+
 SEAMS: Dict[str, Callable] = {
     "force_demote": _force_demote,
     "hold_appends": _hold_appends,
     "available_bytes": _available_bytes,
+    "fault": _fault,
 }
 
 
@@ -93,6 +108,22 @@ def environment(seams: Dict[str, object]) -> Dict[str, str]:
     if unknown:
         raise ValueError(f"unknown test seams {unknown}; known: {sorted(SEAMS)}")
     return {HARNESS_ENV: json.dumps(seams)}
+
+
+def merge(env: Dict[str, str], extra: Dict[str, str]) -> Dict[str, str]:
+    """``{**env, **extra}`` with the seams of both (and of a planted run's fault, from
+    ``env``) in one :data:`HARNESS_ENV`: a test's own seams win over the planted fault's."""
+    from . import faults
+
+    seams = {**faults.seams_from_environment(env)}
+    for source in (env, extra):
+        if source.get(HARNESS_ENV):
+            seams.update(json.loads(source[HARNESS_ENV]))
+    out = {**env, **extra}
+    out.pop(HARNESS_ENV, None)
+    if seams:
+        out.update(environment(seams))
+    return out
 
 
 def register() -> None:

@@ -303,7 +303,7 @@ class ServerProcess:
                 self.args,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**server_env(self.cpu), **self.extra_env},
+                env=harness.merge(server_env(self.cpu), self.extra_env),
                 cwd=REPO,
                 start_new_session=True,
             )
