@@ -300,11 +300,11 @@ def input_problems(inputs: CapacityInputs, model: Optional[ModelShape]) -> List[
     if inputs.hot_tokens is not None and verify_rows >= 1:
         need = hot_sizing.required_hot_tokens(model.index_topk, verify_rows)
         if 1 <= inputs.hot_tokens < need:
-            rows = f"{verify_rows} verify rows x " if verify_rows > 1 else ""
+            shared = f"{verify_rows} verify rows x " if verify_rows > 1 else ""
             least = hot_sizing.least_hot_tokens(model.index_topk, inputs.page_size, verify_rows)
             bad(
                 "hot_tokens",
-                f"hot_tokens {inputs.hot_tokens} < {rows}top-k {model.index_topk} of {model.name}",
+                f"hot_tokens {inputs.hot_tokens} < {shared}top-k {model.index_topk} of {model.name}",
                 f"--hot-tokens must be >= {least} (every row a request's verify rows select needs a slot; the "
                 "server refuses less), or leave it out",
             )
@@ -423,7 +423,7 @@ def footprints(model: ModelShape, inputs: CapacityInputs) -> Tuple[Dict[str, Tup
         "max context per request and TP rank, bf16 indexer pool on device",
     )
 
-    rows = _decode_rows(model, inputs)
+    hot_rows = _decode_rows(model, inputs)
     # Sparse decode offloads the target layers only. The MTP (NextN draft) layers keep main
     # KV + indexer on the device (draft KV placement "device", sglang_plugin/speculative/eagle.py).
     draft = model.mtp_layers if inputs.mtp else 0
@@ -433,10 +433,10 @@ def footprints(model: ModelShape, inputs: CapacityInputs) -> Tuple[Dict[str, Tup
     out["sparse-decode"] = (
         Footprint(
             device_per_token=sd_device_per_token,
-            device_per_request=rows["per_request"] or 0,
-            device_fixed=rows["fixed"] or 0,
+            device_per_request=hot_rows["per_request"] or 0,
+            device_fixed=hot_rows["fixed"] or 0,
             host_per_token=sd_host_per_token,
-            max_requests=rows["max_requests"],
+            max_requests=hot_rows["max_requests"],
         ),
         f"indexer on device, {_hot_description(model, inputs)}, main KV in the DP rank's host pool{draft_note}",
     )
@@ -471,10 +471,10 @@ def footprints(model: ModelShape, inputs: CapacityInputs) -> Tuple[Dict[str, Tup
     out["sparse-decode+layerwise-prefill"] = (
         Footprint(
             device_per_token=sd_device_per_token,
-            device_per_request=rows["per_request"] or 0,
-            device_fixed=(rows["fixed"] or 0) + p * main * inputs.paged(inputs.prefill_tok()),
+            device_per_request=hot_rows["per_request"] or 0,
+            device_fixed=(hot_rows["fixed"] or 0) + p * main * inputs.paged(inputs.prefill_tok()),
             host_per_token=sd_host_per_token,
-            max_requests=rows["max_requests"],
+            max_requests=hot_rows["max_requests"],
         ),
         f"colocated: sparse decode + {p} main-KV layer buffers of {inputs.prefill_tok()} prefill tokens; "
         "one host copy of the main KV serves both",

@@ -190,7 +190,7 @@ def header(report: CapacityReport) -> str:
     n = m.cache_layers(i.mtp)
     mtp = f"+{m.mtp_layers} MTP {'on' if i.mtp else 'off'}"
     weights = f" ({i.hbm_bytes / GIB:g} - weights {i.weights_bytes / GIB:g})" if i.weights_bytes else ""
-    rows = (f"{i.rows} fixed" if i.rows is not None else "1 set per request") + f", {i.rows_per_req(m)}/request"
+    hot_rows = (f"{i.rows} fixed" if i.rows is not None else "1 set per request") + f", {i.rows_per_req(m)}/request"
     hot = f"{i.hot(m)}"
     if i.rows_per_req(m) > 1:
         hot = f"{i.hot_per_request(m)}/request (shared by its verify rows)"
@@ -199,7 +199,7 @@ def header(report: CapacityReport) -> str:
         f"B/layer, indexer {i.indexer_dtype} {m.indexer_bytes_per_layer(i.indexer_dtype)} B/layer, "
         f"top-k {m.index_topk} | HBM for KV {i.kv_hbm_bytes / GIB:g} GiB/device{weights} | host "
         f"{i.host_bytes / GIB:g} GiB/node | tp {i.tp} dp {i.dp} pcp {i.pcp} | context {i.context} | "
-        f"page {i.page_size} | hot {hot} | rows {rows} | layerwise B={i.shared_buffers} "
+        f"page {i.page_size} | hot {hot} | rows {hot_rows} | layerwise B={i.shared_buffers} "
         f"I={i.independent_layers}"
     )
 
@@ -219,9 +219,9 @@ def format_table(report: CapacityReport) -> str:
         "x full",
         "limited by",
     ]
-    rows = [cols]
+    table = [cols]
     for mc in report.modes:
-        rows.append(
+        table.append(
             [
                 mc.name,
                 f"{mc.device_bytes_per_token:,}",
@@ -237,9 +237,9 @@ def format_table(report: CapacityReport) -> str:
                 mc.limited_by,
             ]
         )
-    widths = [max(len(r[c]) for r in rows) for c in range(len(cols))]
+    widths = [max(len(r[c]) for r in table) for c in range(len(cols))]
     lines = []
-    for k, r in enumerate(rows):
+    for k, r in enumerate(table):
         cells = [r[0].ljust(widths[0])] + [r[c].rjust(widths[c]) for c in range(1, len(cols) - 1)]
         lines.append("  ".join(cells + [r[-1]]).rstrip())
         if k == 0:

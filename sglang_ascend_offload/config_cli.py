@@ -18,7 +18,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from .config import ConfigError, Deployment, OffloadConfig, parse_config, parse_deployment, to_dict, validate
 from .errors import Violation
@@ -101,20 +101,21 @@ def hot_buffer_plan(
     )
 
 
+def _read(read: Callable[[], Any], problems: List[Violation]) -> Any:
+    """``read()``, or ``None`` with its problems added to ``problems``."""
+    try:
+        return read()
+    except ConfigError as exc:
+        problems += exc.violations
+        return None
+
+
 def _parse(args: argparse.Namespace):
     """``(config, deployment, model, problems)`` from the flags (``None`` where unreadable)."""
     problems: List[Violation] = []
-    config = deployment = model = None
-    for what in ("config", "deployment", "model"):
-        try:
-            if what == "config":
-                config = parse_config(args.config)
-            elif what == "deployment":
-                deployment = parse_deployment(args.deployment)
-            else:
-                model = _model(args)
-        except ConfigError as exc:
-            problems += exc.violations
+    config = _read(lambda: parse_config(args.config), problems)
+    deployment = _read(lambda: parse_deployment(args.deployment), problems)
+    model = _read(lambda: _model(args), problems)
     if args.requests < 1 or args.decode_extra_slots < 0:
         problems.append(
             violation(

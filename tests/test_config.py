@@ -385,3 +385,32 @@ def test_configuration_doc_is_current():
     assert (root / "docs" / "configuration.md").read_text() == gen.render(), (
         "docs/configuration.md is stale: run scripts/gen_config_doc.py"
     )
+
+
+def test_check_config_states_the_hot_buffer_plan_for_a_model():
+    """With a model, check-config states the hot buffers the server would allocate (the
+    hot-buffer plan; that they equal the pool's is test_hot_buffer_agreement.py)."""
+    dep = json.dumps({"device": "cpu", "page_size": 64, "pd_role": "decode"})
+    text = _cli("--config", '{"sparse_decode": {}}', "--deployment", dep, "--model", "deepseek-v3.2")
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.splitlines()[0] == "ok"
+    assert (
+        "832.1 MiB = 3 hot rows (1 request + 1 padding slot + 1 sink row) x 61 layers x 4096 hot_tokens" in text.stdout
+    )
+    js = _cli(
+        *("--config", '{"sparse_decode": {}}', "--deployment", dep, "--model", "deepseek-v3.2", "--json"),
+        *("--requests", "4", "--decode-extra-slots", "8"),
+    )
+    plan = json.loads(js.stdout)["hot_buffer"]
+    assert plan["hot_tokens"] == 4096 and plan["hot_rows"] == 4 + 8 + 2
+    assert plan["device_bytes"] == 14 * 61 * (4096 * (1152 + 12) + 8)
+    # without a model (or with violations) there is no plan
+    no_model = _cli("--config", '{"sparse_decode": {}}', "--deployment", dep, "--json")
+    assert json.loads(no_model.stdout)["hot_buffer"] is None
+    bad = _cli(
+        *("--config", '{"sparse_decode": {}}', "--deployment", json.dumps({"device": "cpu", "index_topk": 64})),
+        *("--model", "deepseek-v3.2", "--requests", "0", "--json"),
+    )
+    out = json.loads(bad.stdout)
+    assert bad.returncode == 1 and out["hot_buffer"] is None
+    assert {v["rule"] for v in out["violations"]} == {"check_config.model", "check_config.count"}

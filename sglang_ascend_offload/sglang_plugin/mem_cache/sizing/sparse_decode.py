@@ -8,8 +8,9 @@ adds, per request slot, a hot row on the device: ``layers x hot_tokens`` slots o
 buffer and residency table, plus the fixed rows (padding slot, sink row, a P/D decode's
 pre-allocation slots), all counted by the hot-buffer plan (``sparse_decode/sizing.py``).
 Sized as ``max_running_requests x hot_tokens`` outside ``B`` they can take far more than
-the machine has (2,051 default rows x 4,096 slots x 2 layers x 1,164 B = 18 GiB on the
-tiny fixture) and, on an NPU, the HBM SGLang keeps for activations.
+the machine has (2,050 hot rows for SGLang's default 2,048 requests x 4,096 slots x 2
+layers x 1,164 B = 18 GiB on the tiny fixture) and, on an NPU, the HBM SGLang keeps for
+activations.
 
 So the plugin resolves the pool config itself when its sparse decode pool is served
 (:func:`resolve_pool_config_around`, the same four steps as SGLang with the split in the
