@@ -73,12 +73,13 @@ def run(args) -> dict:
     """The JSON document: device, what ran the fused ops, the shape, one entry per fused op."""
     from ..ops import qualify
     from ..ops.qualify_problem import ServedShape
+    from ..sparse_decode.sizing import resolve_hot_tokens
 
     top_k = args.top_k or 2048
 
     def shape_of(dtype: str) -> ServedShape:
         return ServedShape(
-            hot_tokens=args.hot_tokens or max(2, args.verify_rows) * top_k,
+            hot_tokens=resolve_hot_tokens(args.hot_tokens, top_k, args.page_size, args.verify_rows),
             top_k=top_k,
             rows_per_request=args.verify_rows,
             indexer_dtype=dtype,

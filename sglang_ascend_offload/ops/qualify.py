@@ -53,6 +53,7 @@ __all__ = [
     "separate_rung",
     "qualify_plan",
     "qualify_at_startup",
+    "fix_for",
     "LABELS",
 ]
 
@@ -142,8 +143,7 @@ class KernelQualificationError(RuntimeError):
         parts = [
             f"fused {f.label} ({f.op}, kernel {f.kernel}) at {shape.describe()}: "
             f"{f.difference.describe() if f.difference else 'failed'} (separate = {f.against}); "
-            f'fix: set "{_SETTING[f.op]}": false in the sparse decode config (the separate '
-            f"{' + '.join(_SEPARATE[f.op])} serve), or {REBUILD_HINT}"
+            f"fix: {fix_for(f.op)}"
             for f in failures
         ]
         super().__init__(
@@ -151,6 +151,14 @@ class KernelQualificationError(RuntimeError):
             + " | ".join(parts)
             + ". The separate operators are not substituted: the server does not start."
         )
+
+
+def fix_for(op: str) -> str:
+    """What an operator does when the fused ``op`` fails its qualification."""
+    return (
+        f'set "{_SETTING[op]}": false in the sparse decode config (the separate '
+        f"{' + '.join(_SEPARATE[op])} serve), or {REBUILD_HINT}"
+    )
 
 
 def _backend(platform: str) -> str:
