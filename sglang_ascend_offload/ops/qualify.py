@@ -20,8 +20,11 @@ Copy-SFA    ``copy_miss_rows`` + ``sparse_mla_attention``    hot buffer after th
 
 The separate operators run on the rung the node would serve them on (:func:`separate_rung`:
 ``auto`` on an NPU, the torch_npu ops first; ``reference`` elsewhere, where the fused rung is
-the kernels on their functional model); the residency half is the reference
-``residency_manage`` (the contract; it has no arithmetic). A fused op that differs, or
+the kernels on their functional model); the separate indexer's top-k is put in the
+contract's order (score descending: torch_npu's indexer need not sort its selection, and
+the problem knows every score exactly), so the fused top-k must equal its set in that
+order; the residency half is the reference ``residency_manage`` (the contract; it has no
+arithmetic). A fused op that differs, or
 raises, fails; :func:`qualify_at_startup` then raises :class:`KernelQualificationError`
 naming the op, the shape, the step, the first differing element with both values, and the
 fix. Nothing is substituted: the server does not start.
@@ -310,9 +313,11 @@ class _Run:
         )
 
     def _separate_indexer(self, inp: StepInputs, table: ResidencyTable) -> IndexerManageResult:
-        """The separate indexer stage, in place on ``table``."""
+        """The separate indexer stage, in place on ``table``: the separate indexer's top-k,
+        put in the contract's score order (:meth:`~.qualify_problem.Problem.in_score_order`),
+        then the reference residency step."""
         head, kwargs = self._indexer_args(inp)
-        topk = registry.select(self.indexer_op, self.rung).fn(*head, **kwargs)
+        topk = self.problem.in_score_order(registry.select(self.indexer_op, self.rung).fn(*head, **kwargs))
         return fused.residency_after_indexer(topk, **self._state_args(inp, table))
 
     def _fused_indexer(self, inp, before: ResidencyTable, want, t_want: ResidencyTable, spent: float) -> None:

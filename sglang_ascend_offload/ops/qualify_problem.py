@@ -254,6 +254,20 @@ class Problem:
             attn_rope=(torch.randn(*attn, s.rope_dim, generator=g) * 0.5).to(torch.bfloat16).to(dev),
         )
 
+    def in_score_order(self, topk: torch.Tensor) -> torch.Tensor:
+        """``topk`` (int32 ``[T, 1, K]``, one request's ``n`` tokens after another) with each
+        token's positions in the contract's order, score descending: an indexer that returns
+        the right set in another order (torch_npu's need not sort) is compared by its set,
+        and the residency step that follows sees the order the fused kernel must produce.
+        Scores are known exactly here (``index_heads x code``); ``-1`` entries stay last."""
+        n = self.shape.rows_per_request
+        codes = torch.stack(self.codes).to(topk.device)  # [2, max_len]
+        flat = topk.reshape(topk.shape[0], -1).long()
+        request = (torch.arange(flat.shape[0], device=topk.device) // n)[:, None].expand_as(flat)
+        score = torch.where(flat >= 0, codes[request, flat.clamp(min=0)], torch.full_like(flat, -1))
+        order = torch.argsort(score, dim=1, descending=True, stable=True)
+        return torch.gather(flat, 1, order).to(topk.dtype).reshape(topk.shape)
+
     def _check_candidates(self, request: int, on: torch.Tensor, visible: int) -> None:
         """Every query token of ``request`` sees at least ``K`` positions on its on clusters
         (its first token sees ``visible``), so its top-k holds positive, distinct scores only."""

@@ -26,7 +26,7 @@ import pytest
 import torch
 from kernel_mutations import COPY_SFA_ROPE_OFFSET, LIM_VICTIM_ORDER, fused_ops_from, mutated_library
 
-from sglang_ascend_offload.ops import fused, qualify
+from sglang_ascend_offload.ops import fused, qualify, registry
 from sglang_ascend_offload.ops.qualify_problem import STEPS, Problem, ServedShape
 from sglang_ascend_offload.sparse_decode.op_selection import select_ops
 
@@ -110,6 +110,26 @@ def test_the_problem_has_one_answer(indexer_dtype):
     scores, _ = _scores(problem, inp, 0)
     positive = scores[scores > 0]
     assert torch.unique(positive).numel() == positive.numel() - 1
+
+
+def test_the_separate_top_k_is_compared_in_the_contracts_score_order():
+    """The reference indexer already returns the contract's order (``in_score_order`` keeps
+    it); a separate indexer returning the same set in another order (torch_npu's need not
+    sort) is put back in that order, so only a wrong set or a wrong fused order differs."""
+    problem = Problem(ServedShape(**TINY))
+    inp = problem.step(0)
+    topk = registry.select("lightning_indexer", "reference").fn(
+        inp.query,
+        problem.key,
+        inp.weights,
+        actual_seq_lengths_query=inp.cu,
+        actual_seq_lengths_key=inp.kv_len,
+        block_table=problem.block_table,
+        sparse_count=problem.shape.top_k,
+    )
+    assert torch.equal(problem.in_score_order(topk), topk)
+    shuffled = topk[:, :, torch.randperm(topk.shape[-1], generator=torch.Generator().manual_seed(3))]
+    assert not torch.equal(shuffled, topk) and torch.equal(problem.in_score_order(shuffled), topk)
 
 
 # ------------------------------------------------------------------ planted faults
