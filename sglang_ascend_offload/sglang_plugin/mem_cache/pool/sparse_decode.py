@@ -36,7 +36,6 @@ asks for it gets an error naming the offload. The decode engine's hot rows are t
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Optional
 
 import torch
@@ -54,10 +53,6 @@ from ..sizing.sparse_decode import memory_allocations, served_hot_plan
 from .device import DeviceDSAPool, _scatter_rows
 
 logger = logging.getLogger(__name__)
-
-# Fault injection (tests): with residency "adaptive", while the file named here exists no
-# request is direct: the direct ones are demoted in place at their next step.
-FORCE_DEMOTE_ENV = "SGLANG_ASCEND_OFFLOAD_TEST_FORCE_DEMOTE"
 
 
 class HostMainKVPool(DeviceDSAPool):
@@ -122,12 +117,6 @@ class HostMainKVPool(DeviceDSAPool):
         )
         self.host_pool, self.append_order = rank_pool.pool, rank_pool.order
         self.engine = _build_engine(hot_plan, offload, self.host_pool, device, rank_pool)
-        if self.engine.direct is not None and os.environ.get(FORCE_DEMOTE_ENV):
-            flag = os.environ[FORCE_DEMOTE_ENV]
-            self.engine.direct.hold = lambda: os.path.exists(flag)
-            logger.warning(
-                "%s=%s: while that file exists no request is direct (test fault injection)", FORCE_DEMOTE_ENV, flag
-            )
         self._finalize_allocation_log(size)
         self._log_allocation(host_slots)
 
