@@ -58,8 +58,9 @@ class PhaseRecord:
     def describe(self) -> str:
         size = ""
         if self.total_bytes:
-            rate = self.total_bytes / self.seconds / 2**30 if self.seconds > 0 else float("inf")
-            size = f" ({gib(self.total_bytes)}, {rate:.2f} GiB/s)"
+            # a rate over a few milliseconds says nothing (e.g. registration on CPU)
+            rate = f", {self.total_bytes / self.seconds / 2**30:.2f} GiB/s" if self.seconds >= 0.05 else ""
+            size = f" ({gib(self.total_bytes)}{rate})"
         return f"{self.name} {self.seconds:.2f} s{size}{' FAILED' if self.failed else ''}"
 
 
