@@ -15,7 +15,10 @@ reference servers decode eagerly. Each pair must give the same tokens:
   churn),
 * a radix-cache hit equal to its cold request,
 
-and the fused server's log must show its operator plan chose the fused operators.
+and the fused server's log must show its operator plan chose the fused operators, and that
+they qualified (``ops/qualify.py``: each fused op against the separate operators at the
+served shapes) before the server accepted requests; the reference server has nothing to
+qualify.
 
 Speculative decoding (NextN through SGLang's EAGLE worker, two verify rows per request,
 ``tests/fixtures/tiny_dsa_fused_mtp``): the verify rows of a request share its hot buffer,
@@ -111,6 +114,10 @@ def test_fused_rung_serves_the_reference_rung_tokens(tmp_path, indexer_dtype, gr
     assert f"sparse decode engine indexer: {lim} (ops=fused)" in log, "the fused server did not plan the fused indexer"
     assert "sparse decode engine attention: copy_sparse_flash_attention (ops=fused)" in log
     assert f"decode steps select and manage residency with the fused {lim}" in log
+    # before serving, the fused kernels qualified against the separate operators at the served shapes
+    label = "LIM-C8" if indexer_dtype == "int8" else "LIM"
+    assert f"kernel qualification: {label}, Copy-SFA qualified in" in log
+    assert re.search(r"sparse decode offload startup: [\d.]+ s: host-pool allocation .* kernel qualification", log)
     assert "Traceback" not in log
     if graphs:  # the decode steps ran as captured graphs, replayed with padding entries
         assert re.search(r"Capture target decode CPU graph end\. bs=\[3\]", log), "no decode graph was captured"
@@ -120,6 +127,8 @@ def test_fused_rung_serves_the_reference_rung_tokens(tmp_path, indexer_dtype, gr
         )
     ref_log = reference.log_path.read_text(errors="replace")
     assert "sparse decode engine attention: copy_miss_rows+sparse_mla_attention" in ref_log
+    assert "kernel qualification" not in ref_log  # no fused op, nothing to qualify
+    assert re.search(r"sparse decode offload startup: [\d.]+ s: host-pool allocation", ref_log)
 
 
 SPEC = [
@@ -168,6 +177,8 @@ def test_fused_rung_serves_nextn_verify_rows_with_the_reference_rung_tokens(tmp_
     assert "sparse decode engine attention: copy_sparse_flash_attention (ops=fused)" in log
     # every target decode step of a speculative server is a verify step: the fused LIM ran them
     assert "decode steps select and manage residency with the fused lightning_indexer_manage" in log
+    assert "kernel qualification: LIM, Copy-SFA qualified in" in log
+    assert "2 verify rows per request" in log  # qualified at the served verify-row shape
     assert "Traceback" not in log
     ref_log = reference.log_path.read_text(errors="replace")
     assert "sparse decode engine attention: copy_miss_rows+sparse_mla_attention" in ref_log
