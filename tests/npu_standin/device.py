@@ -22,11 +22,11 @@ the 70-line hooks file, built once with ``torch.utils.cpp_extension`` (~15 s, ca
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Dict, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
 from . import graphs, rules, transfers
 
@@ -35,6 +35,8 @@ aten = torch.ops.aten
 
 #: stand-in kernels of non-aten ops (torch_npu, AscendC): OpOverload -> function of CPU tensors
 KERNELS: Dict[object, object] = {}
+#: arguments of such an op that live on the host on a node too (Copy-SFA's registered ``host``)
+HOST_OPERANDS: Dict[object, frozenset] = {}
 
 _local = threading.local()
 
@@ -140,6 +142,27 @@ def _h2d(what: str, src: torch.Tensor) -> transfers.Transfer:
     return transfers.record("h2d", what, _nbytes(src), pinned)
 
 
+def _tree_map(fn, x):
+    """``fn`` over the leaves of an op's arguments / results (tuples, lists, dicts)."""
+    if type(x) in (tuple, list):
+        return type(x)(_tree_map(fn, v) for v in x)
+    if type(x) is dict:
+        return {k: _tree_map(fn, v) for k, v in x.items()}
+    return fn(x)
+
+
+def _leaves(x, out: list) -> list:
+    if type(x) in (tuple, list):
+        for v in x:
+            _leaves(v, out)
+    elif type(x) is dict:
+        for v in x.values():
+            _leaves(v, out)
+    else:
+        out.append(x)
+    return out
+
+
 def _unwrap(x):
     if isinstance(x, NpuTensor):
         return x._cpu
@@ -152,7 +175,7 @@ def _unwrap(x):
 def _check_operands(func, name: str, args, kwargs) -> Optional[int]:
     """The device index of the op's ``npu`` operands, after torch_npu's checks; CPU index
     tensors of indexing ops are counted as the host->device copies torch_npu makes."""
-    flat, _ = tree_flatten((args, kwargs))
+    flat = _leaves((args, kwargs), [])
     indices = {t.device.index for t in flat if isinstance(t, NpuTensor)}
     if len(indices) > 1:
         a, b = sorted(indices)[:2]
@@ -161,8 +184,9 @@ def _check_operands(func, name: str, args, kwargs) -> Optional[int]:
             f"({func})"
         )
     index_operands = args[1] if name in rules.INDEX_OPS and len(args) > 1 else ()
+    host_operands = _host_operands(func, args, kwargs)
     for t in flat:
-        if not isinstance(t, torch.Tensor) or isinstance(t, NpuTensor):
+        if not isinstance(t, torch.Tensor) or isinstance(t, NpuTensor) or id(t) in host_operands:
             continue
         if any(t is i for i in index_operands if i is not None):
             _h2d(f"{func} (a cpu index tensor moved to the device)", t)
@@ -171,6 +195,20 @@ def _check_operands(func, name: str, args, kwargs) -> Optional[int]:
             continue
         raise RuntimeError(f"{rules.SAME_DEVICE_ERROR} ({func}: an operand of shape {tuple(t.shape)} is on {t.device})")
     return min(indices) if indices else None
+
+
+def _host_operands(func, args, kwargs) -> set:
+    """ids of the arguments :data:`HOST_OPERANDS` lets stay on the host."""
+    names = HOST_OPERANDS.get(func)
+    if not names:
+        return set()
+    found = set()
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name in names:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if value is not None:
+                found.add(id(value))
+    return found
 
 
 def _bool_index(name: str, args) -> bool:
@@ -195,12 +233,12 @@ def dispatch(func, args, kwargs):
         out_device = torch.device(out_device)
         index = _index_of(out_device) if out_device.type == NAME else None
     if name in rules.HOST_RESULT_OPS:
-        _read(str(func), next(t for t in tree_flatten(args)[0] if isinstance(t, NpuTensor)))
-        return func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        _read(str(func), next(t for t in _leaves(args, []) if isinstance(t, NpuTensor)))
+        return func(*_tree_map(_unwrap, args), **_tree_map(_unwrap, kwargs))
     if name in rules.DATA_DEPENDENT_SHAPE or _bool_index(name, args):
         _read(f"{func} (output shape read from the device)", args[0])
     kernel = KERNELS.get(func, func)
-    cpu_args, cpu_kwargs = tree_map(_unwrap, args), tree_map(_unwrap, kwargs)
+    cpu_args, cpu_kwargs = _tree_map(_unwrap, args), _tree_map(_unwrap, kwargs)
 
     def run():
         return kernel(*cpu_args, **cpu_kwargs)
@@ -208,6 +246,7 @@ def dispatch(func, args, kwargs):
     out = run()
     if index is None:  # an npu operand asked for a CPU result (device="cpu")
         return out
+    _check_not_resized(func, args, kwargs)
     result = _wrap_outputs(func, args, kwargs, out, index)
     capture = graphs.active()
     if capture is not None:
@@ -215,16 +254,37 @@ def dispatch(func, args, kwargs):
     return result
 
 
+@functools.lru_cache(maxsize=None)
+def _write_args(func):
+    """``(position, name, alias sets)`` of the arguments an op writes in place (``Tensor(a!)``)."""
+    return tuple(
+        (i, arg.name, tuple(arg.alias_info.before_set))
+        for i, arg in enumerate(func._schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    )
+
+
 def _write_targets(func, args, kwargs) -> Dict[object, object]:
-    """alias set -> the argument object an op writes in place (``Tensor(a!)``)."""
+    """alias set -> the argument object an op writes in place."""
     targets = {}
-    for i, arg in enumerate(func._schema.arguments):
-        info = arg.alias_info
-        if info is not None and info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            for alias in info.before_set:
-                targets[alias] = value
+    for i, name, aliases in _write_args(func):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        for alias in aliases:
+            targets[alias] = value
     return targets
+
+
+def _check_not_resized(func, args, kwargs) -> None:
+    """A wrapper's shape is fixed at creation: an op that resized the CPU memory of an
+    ``npu`` tensor it writes (``out=`` of another size, ``resize_``) is refused loudly."""
+    for target in _write_targets(func, args, kwargs).values():
+        if isinstance(target, NpuTensor) and (
+            target._cpu.shape != target.shape or target._cpu.stride() != target.stride()
+        ):
+            raise RuntimeError(
+                f"npu stand-in: {func} resized an npu tensor in place ({tuple(target.shape)} -> "
+                f"{tuple(target._cpu.shape)}); allocate the output at its size"
+            )
 
 
 def _wrap_outputs(func, args, kwargs, out, index: int):
@@ -239,7 +299,7 @@ def _wrap_outputs(func, args, kwargs, out, index: int):
             for alias in info.before_set:
                 if alias in targets:
                     return targets[alias]
-        return tree_map(lambda x: NpuTensor(x, index) if isinstance(x, torch.Tensor) else x, value)
+        return _tree_map(lambda x: NpuTensor(x, index) if isinstance(x, torch.Tensor) else x, value)
 
     if len(returns) == 1:
         return one(returns[0], out)
@@ -316,6 +376,31 @@ def _empty_strided(size, stride, *, dtype=None, layout=None, device=None, pin_me
     return NpuTensor(torch.empty_strided(size, stride, dtype=dtype, layout=layout), _index_of(device))
 
 
+#: factories whose composite kernel allocates an empty tensor and resizes it through an
+#: ``out=`` op (a wrapper cannot be resized): computed on the host and wrapped instead
+SIZED_BY_DATA = (
+    "arange",
+    "arange.start",
+    "arange.start_step",
+    "randperm",
+    "randperm.generator",
+    "linspace",
+    "logspace",
+    "tril_indices",
+    "triu_indices",
+)
+
+
+def _on_host_then_wrapped(name: str):
+    base, _, overload = name.partition(".")
+    op = getattr(getattr(aten, base), overload or "default")
+
+    def factory(*args, device=None, pin_memory=None, **kwargs):
+        return NpuTensor(op(*args, device=torch.device("cpu"), **kwargs), _index_of(device))
+
+    return factory
+
+
 _library: Optional[torch.library.Library] = None
 
 
@@ -329,4 +414,6 @@ def register_factories() -> None:
     lib.impl("empty.memory_format", _empty, "PrivateUse1")
     lib.impl("empty_strided", _empty_strided, "PrivateUse1")
     lib.impl("_to_copy", _to_copy_from_host, "PrivateUse1")
+    for name in SIZED_BY_DATA:
+        lib.impl(name, _on_host_then_wrapped(name), "PrivateUse1")
     _library = lib

@@ -271,6 +271,42 @@ KERNELS = {
     "npu_sparse_flash_attention": npu_sparse_flash_attention,
 }
 
+
+def python_binding(name: str):
+    """``torch_npu.<name>``: binds its arguments to the recorded schema first (a wrong
+    keyword, a missing argument or a positional past ``*`` is a ``TypeError``, as from
+    torch_npu's generated Python bindings), then calls ``torch.ops.npu.<name>``."""
+    signature = torch_npu_schemas.parse_schema(recorded_schemas()[name]).signature
+    op = getattr(getattr(torch.ops, NAMESPACE), name)
+
+    def call(*args, **kwargs):
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{name}(): {exc}") from None
+        return op(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__signature__ = signature
+    return call
+
+
+#: torch_npu ops that third-party import paths bind by name but the project never calls:
+#: present so those imports succeed, refusing when called
+UNMODELLED = ("npu_fusion_attention",)
+
+
+def unmodelled(name: str):
+    def refuse(*args, **kwargs):
+        raise NotImplementedError(
+            f"torch_npu.{name}: the npu stand-in does not model this operator (it runs the project's NPU ops; "
+            "SGLang's and transformers' own NPU kernels run on an NPU runner)"
+        )
+
+    refuse.__name__ = name
+    return refuse
+
+
 _library: Optional[torch.library.Library] = None
 
 

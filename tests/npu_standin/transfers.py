@@ -68,11 +68,13 @@ _lock = threading.Lock()
 
 
 def call_site() -> str:
-    """``path:line`` of the innermost frame outside torch, the stdlib and the stand-in."""
+    """``path:line`` of the innermost frame outside torch, the stdlib and the stand-in
+    (its own tests count as callers)."""
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
-        if not (path.startswith(_TORCH_DIR) or path.startswith(_STANDIN_DIR) or path.startswith(_STDLIB_DIR)):
+        standin = path.startswith(_STANDIN_DIR) and not os.path.basename(path).startswith("test_")
+        if not (path.startswith(_TORCH_DIR) or standin or path.startswith(_STDLIB_DIR)):
             shown = path[len(_REPO) :] if path.startswith(_REPO) else path
             return f"{shown}:{frame.f_lineno}"
         frame = frame.f_back
