@@ -12,8 +12,8 @@ does not depend on SGLang's configurator.
   population and registration with progress lines (GiB done / total, the rate) at the
   progress interval the test sets, the group rendezvous, the kernel qualification -- and
   one summary line names them all in order;
-* a planted faulty LIM stops the same startup: the qualification error, the failed phase
-  with its fix, and the summary line marking it FAILED;
+* a planted faulty LIM, and a planted faulty Copy-SFA, each stop the same startup: the
+  qualification error, the failed phase with its fix, and the summary line marking it FAILED;
 * a host pool the file system cannot hold fails in the allocation phase, naming the size
   and the fix;
 * ``qualify_kernels: false`` logs the warning and no qualification phase (negative
@@ -29,7 +29,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
-from kernel_mutations import LIM_VICTIM_ORDER, fused_ops_from, mutated_library
+from kernel_mutations import COPY_SFA_ROPE_OFFSET, LIM_VICTIM_ORDER, fused_ops_from, mutated_library
 
 from sglang_ascend_offload.config import SparseDecodeOffloadConfig
 from sglang_ascend_offload.ops.qualify import KernelQualificationError
@@ -96,14 +96,21 @@ def test_a_multi_gib_startup_logs_every_phase_with_progress_and_one_summary(serv
     assert "host-pool allocation" in summary and "(2.00 GiB," in summary and "FAILED" not in summary
 
 
-def test_a_faulty_kernel_stops_the_startup_in_the_qualification_phase(served_builder, caplog, tmp_path):
+@pytest.mark.parametrize(
+    "mutation,op,setting",
+    [(LIM_VICTIM_ORDER, "LIM", "fused_lim"), (COPY_SFA_ROPE_OFFSET, "Copy-SFA", "fused_copy_sfa")],
+    ids=["faulty-lim", "faulty-copy-sfa"],
+)
+def test_a_faulty_kernel_stops_the_startup_in_the_qualification_phase(
+    served_builder, caplog, tmp_path, mutation, op, setting
+):
     served_builder(_tokens_for(0.01))
-    with fused_ops_from(mutated_library(tmp_path, LIM_VICTIM_ORDER)), caplog.at_level(logging.INFO):
-        with pytest.raises(KernelQualificationError, match='fused LIM .* fix: set "fused_lim": false'):
+    with fused_ops_from(mutated_library(tmp_path, mutation)), caplog.at_level(logging.INFO):
+        with pytest.raises(KernelQualificationError, match=f'fused {op} .* fix: set "{setting}": false'):
             startup.build_offload_pool(CONFIGURATOR, SparseDecodeOffloadConfig(ops="fused"))
     lines = _messages(caplog)
     assert any(
-        line.startswith("startup phase kernel qualification failed after") and '"fused_lim": false' in line
+        line.startswith("startup phase kernel qualification failed after") and f'"{setting}": false' in line
         for line in lines
     ), lines
     (summary,) = [line for line in lines if line.startswith(startup.STARTUP + ":")]
