@@ -9,6 +9,7 @@ starts gets the same fault through the harness's ``fault`` seam
 
 from __future__ import annotations
 
+import json
 import os
 
 from . import faults
@@ -23,3 +24,16 @@ def pytest_configure(config) -> None:
 def pytest_report_header(config):
     name = os.environ.get(faults.PLANTED_FAULT_ENV)
     return f"planted fault: {name}" if name else None
+
+
+#: ``scripts/plant_faults.py``: a file to which each test phase's outcome is appended (JSON lines)
+REPORT_ENV = "SGLANG_ASCEND_OFFLOAD_PLANTED_REPORT"
+
+
+def pytest_runtest_logreport(report) -> None:
+    path = os.environ.get(REPORT_ENV)
+    if not path:
+        return
+    row = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome}
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")

@@ -45,7 +45,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -268,34 +267,49 @@ _COPY_SFA_TO = (
 
 def mutated_copy_sfa_kernels(root: Optional[Path] = None) -> Path:
     """A copy of the AscendC kernel sources with Copy-SFA attending before its row's copy
-    (the mutation technique of ``tests/ascendc/test_check_kernels.py``); returns its folder."""
+    (the mutation technique of ``tests/ascendc/test_check_kernels.py``); returns its folder
+    (default: a fixed folder beside the model library cache, so every process shares one build)."""
     from ..ops import ascendc_model as am
 
     dst = Path(root) if root is not None else am.OUT_DIR.parent / "planted_faults" / "copy_sfa_before_copy"
-    if dst.exists():
-        shutil.rmtree(dst)
-    shutil.copytree(am.KERNELS, dst)
-    src = dst / _COPY_SFA_SOURCE
-    text = src.read_text()
+    text = (am.KERNELS / _COPY_SFA_SOURCE).read_text()
     if text.count(_COPY_SFA_FROM) != 1:
         raise RuntimeError(f"the Copy-SFA kernel changed: {_COPY_SFA_SOURCE} no longer holds the copy-then-attend step")
-    src.write_text(text.replace(_COPY_SFA_FROM, _COPY_SFA_TO))
+    dst.mkdir(parents=True, exist_ok=True)
+    for src in am.KERNELS.iterdir():
+        if src.is_file():
+            body = src.read_text()
+            if src.name == _COPY_SFA_SOURCE:
+                body = body.replace(_COPY_SFA_FROM, _COPY_SFA_TO)
+            target = dst / src.name
+            if not target.exists() or target.read_text() != body:
+                target.write_text(body)
     return dst
+
+
+def mutated_copy_sfa_library() -> Path:
+    """The functional-model library built from :func:`mutated_copy_sfa_kernels` (cached by
+    source hash; built once however many processes ask at the same time)."""
+    import fcntl
+
+    from ..ops import ascendc_model as am
+
+    lock = am.OUT_DIR.parent / "planted_faults" / "copy_sfa_before_copy.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        return am.build(kernels=mutated_copy_sfa_kernels())
 
 
 _MUTATED_MODEL: List = []
 
 
 def _mutated_model():
-    """The functional model built from :func:`mutated_copy_sfa_kernels` (built once per process)."""
+    """The mutated functional model, loaded once per process."""
     if not _MUTATED_MODEL:
         from ..ops import ascendc_model as am
 
-        kernels = mutated_copy_sfa_kernels(am.OUT_DIR.parent / "planted_faults" / f"copy_sfa_before_copy.{os.getpid()}")
-        try:
-            _MUTATED_MODEL.append(am.KernelModel(am.build(kernels=kernels)))
-        finally:
-            shutil.rmtree(kernels, ignore_errors=True)
+        _MUTATED_MODEL.append(am.KernelModel(mutated_copy_sfa_library()))
     return _MUTATED_MODEL[0]
 
 

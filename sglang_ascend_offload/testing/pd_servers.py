@@ -65,9 +65,10 @@ def prefill_args(bootstrap_port: int, kv_port: int, layerwise: bool = False) -> 
     return args
 
 
-def decode_args(kv_port: int, offload: bool = False, residency: str = "always") -> List[str]:
+def decode_args(kv_port: int, offload: bool = False, residency: str = "always", **offload_config: Any) -> List[str]:
     """Server arguments of a P/D decode server (``offload``: with sparse decode offload,
-    64 hot slots and ``residency``)."""
+    64 hot slots and ``residency``; ``offload_config`` adds or overrides config keys,
+    e.g. ``hot_tokens=256`` for the trained checkpoint's top-k 64 x 4 verify rows)."""
     args = COMMON + [
         "--disaggregation-mode",
         "decode",
@@ -81,6 +82,7 @@ def decode_args(kv_port: int, offload: bool = False, residency: str = "always") 
     ]
     if offload:
         config = {"hot_tokens": 64} if residency == "always" else {"hot_tokens": 64, "residency": residency}
+        config.update(offload_config)
         args += ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", json.dumps(config)]
     return args
 

@@ -44,6 +44,7 @@ __all__ = [
     "TINY_DSA_FUSED",
     "TINY_DSA_FUSED_MTP",
     "TINY_DSA_TRAINED",
+    "TINY_DSA_TRAINED_K128",
     "CPU_SERVER_ARGS",
     "TRAINED_SERVER_ARGS",
     "IDLE_SLEEP",
@@ -57,6 +58,7 @@ __all__ = [
     "stop_process_group",
     "stop_all",
     "fixture_args",
+    "trained_args",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,6 +71,8 @@ TINY_DSA_FUSED = FIXTURES / "tiny_dsa_fused"
 TINY_DSA_FUSED_MTP = FIXTURES / "tiny_dsa_fused_mtp"  # tiny_dsa_fused + one NextN layer: verify rows, fused
 # Trained weights + BPE tokenizer (scripts/train_tiny_dsa.py): real text, real indexer rankings.
 TINY_DSA_TRAINED = FIXTURES / "tiny_dsa_trained"
+# The same training at the fused kernels' shape (top-k 128, 8 index heads; --shape k128).
+TINY_DSA_TRAINED_K128 = FIXTURES / "tiny_dsa_trained_k128"
 
 # What every CPU launch of a tiny DSA model needs (see docs/sglang_integration.md).
 CPU_SERVER_ARGS: List[str] = [
@@ -139,6 +143,15 @@ def fixture_args(model: Path) -> List[str]:
     """:data:`CPU_SERVER_ARGS` with another fixture model (which must exist)."""
     require_fixture(model)
     return [str(model) if a == str(TINY_DSA) else a for a in CPU_SERVER_ARGS]
+
+
+def trained_args(model: Path = TINY_DSA_TRAINED) -> List[str]:
+    """:data:`CPU_SERVER_ARGS` serving a trained fixture's real weights (no ``--load-format
+    dummy``), token ids in and out (``--skip-tokenizer-init``, as the dummy-weight tests)."""
+    require_fixture(model)
+    args = [str(model) if a == str(TINY_DSA) else a for a in CPU_SERVER_ARGS]
+    at = args.index("--load-format")
+    return args[:at] + args[at + 2 :]
 
 
 def server_env(cpu: bool = True) -> Dict[str, str]:

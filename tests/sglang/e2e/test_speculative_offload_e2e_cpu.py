@@ -1,22 +1,20 @@
 """End to end on CPU: speculative decoding (NextN / MTP through SGLang's EAGLE worker)
-with sparse decode offload off and on, served from ``tests/fixtures/tiny_dsa_mtp`` (the
-tiny DSA model with one NextN layer); greedy outputs are token-identical and SGLang
-reports the accept length.
+with sparse decode offload off and on, served from the trained checkpoint
+``tests/fixtures/tiny_dsa_trained`` (real weights, its trained NextN layer; held-out
+source as prompts); greedy outputs are token-identical and SGLang reports the accept
+length.
 
 Speculation: ``--speculative-algorithm NEXTN --speculative-num-steps 3
 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4`` (DeepSeek-V3.2's defaults
 in SGLang 0.5.23): each round verifies 4 rows per request through the residency with
-the committed length as the stable prefix.
+the committed length as the stable prefix (``hot_tokens`` 256 = 4 rows x top-k 64).
 
-Acceptance. With random (dummy) weights the draft layer never agrees with the target
-(accept length 1.0: every draft rejected, measured). To exercise accepted *and*
-rejected rows every round, both servers run SGLang's own acceptance simulation
-``SGLANG_SIMULATE_ACC_LEN=2`` with ``SGLANG_SIMULATE_ACC_TOKEN_MODE=real-draft-token``:
-the first draft of each round is accepted (its KV row becomes committed and is a hit
-in later rounds), the other two are rejected (their slots are rewritten next round
-and must never hit), and the bonus token is the target's prediction after the
-accepted row, so the output still depends on every verify row's attention. The
-verify-row residency itself is checked bit for bit in ``test_speculative_verify_rows.py``.
+Acceptance is real: the trained draft layer agrees with the target often enough
+(accept length > 1) that every round has accepted rows (committed: hits in later rounds)
+and most have rejected ones (their slots are rewritten next round and must never hit).
+On real weights the target's argmax depends on its attention, so a misplaced row moves
+the tokens, not only the logprobs. The verify-row residency itself is checked bit for bit
+in ``test_speculative_verify_rows.py``.
 
 The same speculation with layerwise prefill offload (``shared_buffers 1,
 independent_layers []``: both base layers share one device buffer, so every target
@@ -38,12 +36,12 @@ import pytest
 from conftest import IDLE_SLEEP, ServerProcess
 
 from sglang_ascend_offload.testing import pd_servers
-from sglang_ascend_offload.testing.servers import TINY_DSA_MTP, fixture_args
+from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED, trained_args
+from sglang_ascend_offload.testing.teacher_forcing import heldout_prompt
 
 pytestmark = pytest.mark.slow
 
-VOCAB = 1024
-HOT_TOKENS = 64  # 4 x top-k 16, one page: prompts longer than this evict
+HOT_TOKENS = 256  # 4 verify rows x top-k 64: prompts longer than this evict
 SPEC = [
     "--speculative-algorithm",
     "NEXTN",
@@ -57,7 +55,6 @@ SPEC = [
 # The P/D tests' settings (at most 4 requests, prefill chunks of 128 tokens) on all three
 # servers, so the plain one is test_pd_speculative_e2e_cpu.py's colocated reference too.
 COMMON = pd_servers.COMMON + SPEC + IDLE_SLEEP
-SIMULATED_ACCEPT = {"SGLANG_SIMULATE_ACC_LEN": "2", "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}
 LAYERWISE = [
     "--enable-layerwise-prefill-offload",
     "--layerwise-prefill-offload-config",
@@ -66,7 +63,7 @@ LAYERWISE = [
 
 
 def prompt(n: int, seed: int) -> list:
-    return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
+    return heldout_prompt(TINY_DSA_TRAINED, n, seed)
 
 
 # The plain (dense) server is test_graph_speculative_e2e_cpu.py's eager reference and
@@ -79,8 +76,8 @@ SHARED_SERVERS = ("mtp_reference",)
 @pytest.fixture(scope="module")
 def servers(request, tmp_path_factory, shared_servers):
     root = tmp_path_factory.mktemp("spec_servers")
-    base = fixture_args(TINY_DSA_MTP)
-    dense = shared_servers.get("mtp_reference", COMMON, base_args=base, env=SIMULATED_ACCEPT)
+    base = trained_args(TINY_DSA_TRAINED)
+    dense = shared_servers.get("mtp_reference", COMMON, base_args=base)
     # shadow verification on every layer step (rate 1): each step recomputes one verify row
     # over the host pool and must match bit for bit
     offload = ServerProcess(
@@ -93,9 +90,8 @@ def servers(request, tmp_path_factory, shared_servers):
         ],
         log_path=root / "offload.log",
         base_args=base,
-        env=SIMULATED_ACCEPT,
     )
-    layerwise = ServerProcess(COMMON + LAYERWISE, log_path=root / "layerwise.log", base_args=base, env=SIMULATED_ACCEPT)
+    layerwise = ServerProcess(COMMON + LAYERWISE, log_path=root / "layerwise.log", base_args=base)
     try:
         shared_servers.start_all(dense, offload, layerwise)
         print(
@@ -110,11 +106,11 @@ def servers(request, tmp_path_factory, shared_servers):
 def _run(srv: ServerProcess) -> list:
     """Two waves of concurrent requests (the second takes the rows the first freed),
     sharing a cached prefix, prompts longer than ``hot_tokens``."""
-    prefix = prompt(100, seed=11)
+    prefix = prompt(280, seed=11)
     srv.generate(prefix, max_new_tokens=1)  # the shared prefix is now in the radix cache
     waves = [
         [prefix + prompt(20 + i, seed=20 + i) for i in range(4)],
-        [prompt(70 + 9 * i, seed=40 + i) for i in range(3)],
+        [prompt(270 + 9 * i, seed=40 + i) for i in range(3)],
     ]
     outs = []
     for wave in waves:
@@ -142,7 +138,7 @@ def test_verify_rows_went_through_the_residency(servers):
     """With speculation every target decode forward is a verify; the offload server's
     engine counters show its rows hit and missed (hits: accepted rows and the prefix)."""
     _, offload, _ = servers
-    offload.generate(prompt(90, seed=60), max_new_tokens=8)
+    offload.generate(prompt(300, seed=60), max_new_tokens=8)
     text = offload.get("/metrics")
 
     def total(name):
@@ -159,7 +155,7 @@ def test_verify_rows_went_through_the_residency(servers):
 
 def _run_layerwise(srv: ServerProcess) -> list:
     """A cached prefix shared by a concurrent wave, then prompts across pages."""
-    prefix = prompt(90, seed=5)
+    prefix = prompt(90, seed=5)  # (layerwise: pages, not the hot buffer, matter here)
     srv.generate(prefix, max_new_tokens=1)
     wave = [prefix + prompt(10 + 3 * i, seed=30 + i) for i in range(3)]
     with ThreadPoolExecutor(len(wave)) as ex:
