@@ -54,10 +54,13 @@ class PhaseRecord:
     seconds: float
     total_bytes: Optional[int] = None
     failed: bool = False
+    done_bytes: int = 0  # of a failed phase: how far it got
 
     def describe(self) -> str:
         size = ""
-        if self.total_bytes:
+        if self.total_bytes and self.failed:
+            size = f" ({gib(self.done_bytes)} of {gib(self.total_bytes)})"
+        elif self.total_bytes:
             # a rate over a few milliseconds says nothing (e.g. registration on CPU)
             rate = f", {self.total_bytes / self.seconds / 2**30:.2f} GiB/s" if self.seconds >= 0.05 else ""
             size = f" ({gib(self.total_bytes)}{rate})"
@@ -85,6 +88,7 @@ class StartupLog:
             if p.total_bytes:
                 m.total_bytes = (m.total_bytes or 0) + p.total_bytes
             m.failed = m.failed or p.failed
+            m.done_bytes += p.done_bytes if p.failed else p.total_bytes or 0
         return list(out.values())
 
     def summary(self) -> str:
@@ -169,8 +173,9 @@ def phase(name: str, *, total_bytes: Optional[int] = None, fix: str = "", detail
     except BaseException as exc:
         seconds = time.monotonic() - progress.started
         if log is not None:
-            log.phases.append(PhaseRecord(name, seconds, total_bytes, failed=True))
-        what = f"startup phase {name}{size} failed after {seconds:.1f} s" + (f"; fix: {fix}" if fix else "")
+            log.phases.append(PhaseRecord(name, seconds, total_bytes, failed=True, done_bytes=progress.done_bytes))
+        done = f" ({gib(progress.done_bytes)} done)" if total_bytes else ""
+        what = f"startup phase {name}{size} failed after {seconds:.1f} s{done}" + (f"; fix: {fix}" if fix else "")
         logger.error("%s: %s: %s", what, type(exc).__name__, exc)
         if isinstance(exc, Exception):
             exc.add_note(what)
