@@ -1,6 +1,8 @@
 """Served: SGLang decode graphs with sparse decode offload.
 
-Three servers of the tiny DSA fixture get the same request sequence:
+Three servers of the trained checkpoint ``tests/fixtures/tiny_dsa_trained`` (real
+weights: a misplaced or stale KV row moves the argmax, not only the logprobs; held-out
+source as prompts) get the same request sequence:
 
 * ``graph``: offload, decode graphs (on SGLang's CPU engine: ``--enable-torch-compile``,
   which makes its CPU graph runner compile ``model.forward`` per batch bucket; one
@@ -36,19 +38,21 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import IDLE_SLEEP, TINY_DSA, ServerProcess, start_all, stop_all
+from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
 
-from sglang_ascend_offload.testing.servers import fixture_args
+from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED, trained_args
+from sglang_ascend_offload.testing.teacher_forcing import heldout_prompt
 
 pytestmark = pytest.mark.slow
 
-VOCAB = 1024
-LOGPROB_TOL = 2e-2
+#: nats; compiled vs eager arithmetic on the trained weights' logits (bf16 rounding of logits
+#: of magnitude ~10-20 is a few hundredths; measured 0.03 eager vs graph)
+LOGPROB_TOL = 6e-2
 BUCKETS = ("4",)  # one bucket: batches of 1-3 replay it padded, batches of 4 exactly
 OFFLOAD = [
     "--enable-sparse-decode-offload",
     "--sparse-decode-offload-config",
-    json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 0}),
+    json.dumps({"hot_tokens": 128, "metrics_log_interval_s": 0}),  # 2 x top-k 64
 ]
 COMMON = ["--max-running-requests", "8"] + IDLE_SLEEP
 GRAPH_STARTUP_S = 900.0  # torch.compile on a loaded 2-core machine
@@ -57,13 +61,13 @@ TORCH_LOGS = {"TORCH_LOGS": "recompiles,graph_breaks"}
 
 
 def prompt(n: int, seed: int) -> list:
-    return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
+    return heldout_prompt(TINY_DSA_TRAINED, n, seed)
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("offload_graphs")
-    base = fixture_args(TINY_DSA)
+    base = trained_args(TINY_DSA_TRAINED)
     graph_base = [a for a in base if a != "--disable-cuda-graph"]
     procs = {
         "graph": ServerProcess(
@@ -98,11 +102,11 @@ def _workload(server):
             ]
             return [f.result() for f in futures]
 
-    first = prompt(100, seed=1)
+    first = prompt(300, seed=1)  # longer than the 128 hot slots: every step evicts
     out = gen([first], [12])
-    out += gen([prompt(40 + 9 * s, seed=10 + s) for s in range(3)], [6, 12, 18])
-    out += gen([first + prompt(20, seed=2)] + [prompt(30 + 5 * s, seed=20 + s) for s in range(3)], [10, 10, 14, 8])
-    out += gen([prompt(25 + 4 * s, seed=30 + s) for s in range(6)], [16, 8, 12, 20, 6, 10])
+    out += gen([prompt(140 + 9 * s, seed=10 + s) for s in range(3)], [6, 12, 18])
+    out += gen([first + prompt(20, seed=2)] + [prompt(130 + 5 * s, seed=20 + s) for s in range(3)], [10, 10, 14, 8])
+    out += gen([prompt(125 + 4 * s, seed=30 + s) for s in range(6)], [16, 8, 12, 20, 6, 10])
     return out
 
 
@@ -131,12 +135,12 @@ def test_graph_offload_eager_offload_and_no_offload_agree(servers):
             (a, b) for la, lb in zip(_logprobs(results[name]), _logprobs(results["plain"])) for a, b in zip(la, lb)
         ]
         diffs[name] = max(abs(a - b) for a, b in pairs)
-        assert diffs[name] <= LOGPROB_TOL, (name, diffs[name])
     print(
         f"\nmax |logprob - no offload (graphs)|: offload graph {diffs['graph']:.3g}, offload eager "
         f"{diffs['eager']:.3g}; startup (s): offload graph {servers['graph'].startup_s:.0f}, no offload graph "
         f"{servers['plain'].startup_s:.0f} (torch.compile), offload eager {servers['eager'].startup_s:.0f}"
     )
+    assert diffs["graph"] <= LOGPROB_TOL and diffs["eager"] <= LOGPROB_TOL, diffs
 
     for name in ("graph", "plain"):
         _check_graph_log(servers[name].log_path.read_text(errors="replace"), offload=name == "graph")
