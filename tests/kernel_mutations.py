@@ -5,6 +5,8 @@ serves the fused ops from such a library for one test.
 * :data:`LIM_VICTIM_ORDER`: the residency step evicts, among slots of equal stamp, the
   highest slot first (the contract: the lowest), a fault of the fused LIM / LIM-C8;
 * :data:`COPY_SFA_ROPE_OFFSET`: Copy-SFA gathers a key's rope part from its latent's offset.
+
+:func:`registration_left_as_found` wraps a test module that selects the fused rung on CPU.
 """
 
 from __future__ import annotations
@@ -55,3 +57,16 @@ def fused_ops_from(library: Path) -> Iterator[None]:
         ascendc_cpu_ops.unregister()
         if was:
             ascendc_cpu_ops.register()
+
+
+@contextlib.contextmanager
+def registration_left_as_found() -> Iterator[None]:
+    """Whatever registers the fused ops on their functional model inside (selecting ``ops=fused``
+    does), they are unregistered after it unless they were registered before: later tests
+    see the state they would have seen (e.g. the pre-flight's "nothing fused here")."""
+    was = ascendc_cpu_ops.registered()
+    try:
+        yield
+    finally:
+        if not was:
+            ascendc_cpu_ops.unregister()

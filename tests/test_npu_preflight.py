@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from kernel_mutations import LIM_VICTIM_ORDER, fused_ops_from, mutated_library
+from kernel_mutations import LIM_VICTIM_ORDER, fused_ops_from, mutated_library, registration_left_as_found
 
 from sglang_ascend_offload import npu_preflight, platform
 from sglang_ascend_offload.ops.qualify_problem import ServedShape
@@ -162,6 +162,12 @@ def test_schema_comparison(monkeypatch, tmp_path):
 # ------------------------------------------------------------------ kernel qualification
 TINY = dict(hot_tokens=256, top_k=128, page_size=64, index_heads=8, heads=4)
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the AscendC functional model")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fused_ops_left_as_found():
+    with registration_left_as_found():
+        yield
 
 
 def test_qualification_is_not_run_off_the_npu_and_not_asked_without_sparse_decode():

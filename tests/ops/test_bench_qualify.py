@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from kernel_mutations import COPY_SFA_ROPE_OFFSET, fused_ops_from, mutated_library
+from kernel_mutations import COPY_SFA_ROPE_OFFSET, fused_ops_from, mutated_library, registration_left_as_found
 
 from sglang_ascend_offload.bench import kernels as bench_kernels
 
@@ -21,6 +21,12 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ t
 
 SMALL = ["--top-k", "128", "--hot-tokens", "256", "--index-heads", "8", "--page-size", "64", "--heads", "4"]
 KEYS = {"op", "label", "kernel", "qualified", "seconds", "steps", "against", "max_abs_err", "coverage", "difference"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fused_ops_left_as_found():
+    with registration_left_as_found():
+        yield
 
 
 def _args(*extra: str) -> argparse.Namespace:

@@ -24,7 +24,13 @@ import shutil
 
 import pytest
 import torch
-from kernel_mutations import COPY_SFA_ROPE_OFFSET, LIM_VICTIM_ORDER, fused_ops_from, mutated_library
+from kernel_mutations import (
+    COPY_SFA_ROPE_OFFSET,
+    LIM_VICTIM_ORDER,
+    fused_ops_from,
+    mutated_library,
+    registration_left_as_found,
+)
 
 from sglang_ascend_offload.ops import fused, qualify, registry
 from sglang_ascend_offload.ops.qualify_problem import STEPS, Problem, ServedShape
@@ -33,6 +39,12 @@ from sglang_ascend_offload.sparse_decode.op_selection import select_ops
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the AscendC functional model")
 
 TINY = dict(hot_tokens=256, top_k=128, page_size=64, index_heads=8, heads=4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fused_ops_left_as_found():
+    with registration_left_as_found():
+        yield
 
 
 def _plan(shape: ServedShape):

@@ -29,7 +29,13 @@ import re
 from types import SimpleNamespace
 
 import pytest
-from kernel_mutations import COPY_SFA_ROPE_OFFSET, LIM_VICTIM_ORDER, fused_ops_from, mutated_library
+from kernel_mutations import (
+    COPY_SFA_ROPE_OFFSET,
+    LIM_VICTIM_ORDER,
+    fused_ops_from,
+    mutated_library,
+    registration_left_as_found,
+)
 
 from sglang_ascend_offload.config import SparseDecodeOffloadConfig
 from sglang_ascend_offload.ops.qualify import KernelQualificationError
@@ -45,6 +51,12 @@ CONFIGURATOR = SimpleNamespace(
     model_config=SimpleNamespace(hf_config=SimpleNamespace(index_n_heads=8, index_head_dim=128, num_attention_heads=4))
 )
 PHASES = ["host-pool allocation", "host-pool population", "group rendezvous", "host-pool registration"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fused_ops_left_as_found():
+    with registration_left_as_found():
+        yield
 
 
 def _tokens_for(gib: float) -> int:
