@@ -41,7 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..ops import contract, registry
+from ..ops import contract
+from ..sparse_decode import op_selection
 
 _SHAPES = ("locality", "random", "scan", "bursty")
 _PROFILE_HOST_ROWS = 1 << 18  # host rows of the profile's copy timing (a 288 MiB bf16 pool)
@@ -924,9 +925,12 @@ def run_profile(args) -> Dict[str, Any]:
         f"contexts {shape.context // 4}..{shape.context}; synthesising {shape.steps} steps ..."
     )
     trace = _profile_trace(shape, args)
-    manage_op = registry.select("residency_manage", args.ops)
-    copy_op = registry.select("copy_miss_rows", args.ops)
-    attention = registry.select("sparse_mla_attention", args.ops)
+    # the separate ops on the rungs the operator plan names for --ops (op_selection / op_rungs)
+    plan = op_selection.select_ops(ops=args.ops, fused_lim=False, fused_copy_sfa=False, policy=policy)
+    manage_op, copy_op, attention = (
+        plan.impl(op) for op in ("residency_manage", "copy_miss_rows", "sparse_mla_attention")
+    )
+    log("rungs: " + ", ".join(r.label() for r in plan.rungs if r.stage != "indexer"))
     max_pos = int(trace.lens.max()) + 1
     batch_rows = torch.arange(rows, dtype=torch.int64)
     kernel = uses_cpu_kernel(policy, args.manage_impl, None, manage_op)

@@ -361,13 +361,17 @@ class OpImpl:
     """One implementation of one op.
 
     ``unavailable`` returns ``None`` when the implementation can run here, else a
-    sentence saying what is missing and how to get it.
+    sentence saying what is missing and how to get it. ``rows_form``: the same op over a
+    batch of engine rows, where the rung has one (``copy_miss_rows``: ``(host, hot, rows,
+    miss_tokens, miss_slots, miss_count, token_table)`` with ``[B, K]`` miss lists of the
+    rows ``rows`` int64 ``[B]``, static shapes); ``None``: callers pass every row's lists.
     """
 
     op: str
     rung: str
     fn: Callable
     unavailable: Callable[[], Optional[str]]
+    rows_form: Optional[Callable] = None
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
@@ -377,8 +381,14 @@ class OpImpl:
 IMPL_ATTR = "__op_impl__"
 
 
-def implements(op: str, rung: str, unavailable: Callable[[], Optional[str]] = _always_available):
-    """Mark ``fn`` as the ``rung`` implementation of ``op`` (no global state changes).
+def implements(
+    op: str,
+    rung: str,
+    unavailable: Callable[[], Optional[str]] = _always_available,
+    rows_form: Optional[Callable] = None,
+):
+    """Mark ``fn`` as the ``rung`` implementation of ``op`` (no global state changes);
+    ``rows_form``: its form over a batch of rows (:class:`OpImpl`).
 
     Raises :class:`ValueError` for an unknown rung and :class:`TypeError` when ``fn``'s
     parameters differ from ``op``'s contract signature.
@@ -390,7 +400,7 @@ def implements(op: str, rung: str, unavailable: Callable[[], Optional[str]] = _a
         problem = signature_mismatch(op, fn)
         if problem is not None:
             raise TypeError(f"op {op!r}, rung {rung!r} ({fn.__module__}.{fn.__qualname__}): {problem}")
-        setattr(fn, IMPL_ATTR, OpImpl(op=op, rung=rung, fn=fn, unavailable=unavailable))
+        setattr(fn, IMPL_ATTR, OpImpl(op=op, rung=rung, fn=fn, unavailable=unavailable, rows_form=rows_form))
         return fn
 
     return deco

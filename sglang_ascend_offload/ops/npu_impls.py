@@ -1,5 +1,11 @@
 """The ``npu`` rung: thin wrappers over torch_npu's built-in operators.
 
+The residency step and the miss copy have no torch_npu operator of their own: their
+``npu`` rung is the static-shape torch composition of ``ops/residency.py`` run on the NPU
+(torch_npu's aten kernels: sort, gather, scatter, index_copy), registered as a rung of
+its own so that an operator plan on an NPU names it (never the reference rung, which
+runs there only with ``ops: "reference"``) and it is usable only where an NPU is.
+
 ``torch_npu`` is imported lazily inside the wrappers and the availability checks, so
 importing this module (which the registry does everywhere) never touches it. Every
 wrapper takes exactly the reference op's arguments (see ``reference.py``) and
@@ -30,7 +36,9 @@ from typing import Callable, Optional
 import torch
 
 from .. import platform
-from .contract import implements
+from .contract import ResidencyStep, implements
+from .residency import copy_miss_rows_rows as _copy_rows_composition
+from .residency import residency_manage as _lru_composition
 
 INSTALL_HINT = "install the [npu] extra on an Ascend node with CANN"
 
@@ -320,3 +328,48 @@ def scatter_rows_npu(dst: torch.Tensor, index: torch.Tensor, rows: torch.Tensor)
     if rows.dtype != dst.dtype:
         raise ValueError(f"scatter_rows: rows dtype {rows.dtype} != dst dtype {dst.dtype}")
     return dst.index_copy_(0, index.to(device=dst.device, dtype=torch.int64), rows.to(dst.device))
+
+
+# ---------------------------------------------------------------- residency and copy
+@implements("residency_manage", "npu", unavailable=torch_npu_unavailable)
+def residency_manage_npu(
+    slot_token: torch.Tensor,
+    slot_stamp: torch.Tensor,
+    row_req: torch.Tensor,
+    topk: torch.Tensor,
+    req_ids: torch.Tensor,
+    stable_len: torch.Tensor,
+    step,
+) -> ResidencyStep:
+    """The exact-LRU step of ``ops/residency.py`` on the NPU's tensors (static shapes, no
+    host read); bit-exact with the reference."""
+    return _lru_composition(slot_token, slot_stamp, row_req, topk, req_ids, stable_len, step)
+
+
+def copy_miss_rows_rows_npu(
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    rows: torch.Tensor,
+    miss_tokens: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    token_table: torch.Tensor,
+) -> None:
+    """The rows form of the ``npu`` miss copy: ``residency.copy_miss_rows_rows`` on the NPU
+    (static shapes, no host read, graph-capturable)."""
+    _copy_rows_composition(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table)
+
+
+@implements("copy_miss_rows", "npu", unavailable=torch_npu_unavailable, rows_form=copy_miss_rows_rows_npu)
+def copy_miss_rows_npu(
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    miss_tokens: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    token_table: torch.Tensor,
+) -> None:
+    """Every row's miss copy on the NPU: the rows form over all rows ``0..R-1`` (static
+    shapes; a caller with a batch of rows calls :func:`copy_miss_rows_rows_npu`)."""
+    rows = torch.arange(hot.shape[0], dtype=torch.int64, device=miss_count.device)
+    copy_miss_rows_rows_npu(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table)

@@ -14,12 +14,15 @@ fused      this project's AscendC operators (LIM, LIM-C8, Copy-SFA)
 
 Selection is by rung name (``auto | reference | triton | npu | fused``):
 
-* an explicit rung uses that rung for every op that *has* it, and the reference for
-  ops that have no implementation on that rung at all (e.g. attention has no Triton
-  implementation); the resolved table is logged once, so nothing is silent;
+* an explicit rung is that rung's implementation of the op; a rung without one (e.g.
+  attention has no Triton implementation) is an :class:`OpUnavailableError`: nothing is
+  substituted here. Which rung runs an op that the configured ``ops`` rung lacks is the
+  decode step's operator plan's decision (``sparse_decode/op_selection.py``), which
+  names it per stage and logs it;
 * an explicit rung that exists for an op but is not usable here (missing package,
   wrong device) is an :class:`OpUnavailableError` naming what is missing;
-* ``auto`` picks, per op, the first usable rung in the device's preference order;
+* ``auto`` picks, per op, the first usable rung in the device's preference order
+  (:data:`AUTO_ORDER`);
 * ``fused`` on a CPU platform registers the AscendC kernels run on their functional
   model (``ops/ascendc_cpu_ops.py``) as the fused ops first: a correctness path.
 
@@ -57,7 +60,7 @@ IMPL_MODULES = (
 
 # Fastest first, per device kind. The Triton interpreter on CPU is far slower than
 # torch, so ``auto`` never picks it there.
-_AUTO_ORDER = {
+AUTO_ORDER = {
     "npu": ("fused", "npu", "triton", "reference"),
     "cuda": ("triton", "reference"),
     "cpu": ("reference",),
@@ -123,15 +126,17 @@ def select(op: str, choice: str = "auto") -> OpImpl:
         raise KeyError(f"unknown op {op!r}; known ops: {', '.join(ops())}")
     _prepare_rung(choice)
     if choice == "auto":
-        for rung in _AUTO_ORDER[platform.device_kind()]:
+        for rung in AUTO_ORDER[platform.device_kind()]:
             impl = impls.get(rung)
             if impl is not None and impl.unavailable() is None:
                 return _log_once(impl, choice)
         raise OpUnavailableError(f"op {op!r}: no implementation usable on this machine")
     impl = impls.get(choice)
     if impl is None:
-        # This rung has no implementation of this op at all: the reference is the op.
-        return _log_once(impls["reference"], choice)
+        raise OpUnavailableError(
+            f"op {op!r} has no {choice!r} implementation (it has: {', '.join(sorted(impls))}); a decode "
+            "setup's operator plan (sparse_decode/op_selection.py) names the rung each of its ops runs on"
+        )
     reason = impl.unavailable()
     if reason is not None:
         raise OpUnavailableError(f"op {op!r} with ops={choice!r} cannot run here: {reason}")
@@ -154,20 +159,6 @@ def _prepare_rung(choice: str) -> None:
             f"which cannot be registered here: {exc}; on an Ascend node: "
             f"{FUSED_BUILD_HINT}"
         ) from exc
-
-
-def resolve_all(choice: str = "auto") -> Dict[str, OpImpl]:
-    """Resolve every op; collects *all* unavailable ones into one error."""
-    resolved: Dict[str, OpImpl] = {}
-    problems = []
-    for op in ops():
-        try:
-            resolved[op] = select(op, choice)
-        except OpUnavailableError as exc:
-            problems.append(str(exc))
-    if problems:
-        raise OpUnavailableError("; ".join(problems))
-    return resolved
 
 
 def _log_once(impl: OpImpl, choice: str) -> OpImpl:

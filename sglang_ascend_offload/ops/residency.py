@@ -262,37 +262,6 @@ def residency_manage(
 
 
 # ------------------------------------------------------------------ the miss copy
-@implements("copy_miss_rows", "reference")
-def copy_miss_rows(
-    host: torch.Tensor,
-    hot: torch.Tensor,
-    miss_tokens: torch.Tensor,
-    miss_slots: torch.Tensor,
-    miss_count: torch.Tensor,
-    token_table: torch.Tensor,
-) -> None:
-    """Copy the miss rows of one layer from the host pool into the hot buffer.
-
-    host: ``[S, D]`` host rows of this layer (indexed by host slot).
-    hot: ``[R, H, D]`` contiguous hot buffer of this layer (device).
-    miss_tokens / miss_slots: int32 ``[R, K]`` from the residency step.
-    miss_count: int32 ``[R]``. token_table: int32 ``[R, max_ctx]``, logical
-    position -> host slot of each row. Bit-exact; returns nothing.
-    """
-    rows, hot_tokens, dim = hot.shape
-    k = miss_tokens.shape[1]
-    ctrl = token_table.device
-    count = miss_count.to(ctrl, torch.int64)
-    take = torch.arange(k, device=ctrl)[None, :] < count[:, None]
-    row_of = torch.arange(rows, device=ctrl)[:, None].expand(rows, k)[take]
-    tokens = miss_tokens.to(ctrl, torch.int64)[take]
-    slots = miss_slots.to(ctrl, torch.int64)[take]
-    host_slots = token_table[row_of, tokens].to(torch.int64)
-    staged = host.index_select(0, host_slots.to(host.device))
-    dest = (row_of * hot_tokens + slots).to(hot.device)
-    hot.view(rows * hot_tokens, dim).index_copy_(0, dest, staged.to(hot.device, non_blocking=True))
-
-
 def copy_miss_rows_rows(
     host: torch.Tensor,
     hot: torch.Tensor,
@@ -332,3 +301,34 @@ def copy_miss_rows_rows(
     staged = host.index_select(0, host_slots.reshape(-1).to(host.device)).to(hot.device, non_blocking=True)
     values = torch.where(has.to(hot.device), staged, flat.index_select(0, dest_dev))
     flat.index_copy_(0, dest_dev, values)
+
+
+@implements("copy_miss_rows", "reference", rows_form=copy_miss_rows_rows)
+def copy_miss_rows(
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    miss_tokens: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    token_table: torch.Tensor,
+) -> None:
+    """Copy the miss rows of one layer from the host pool into the hot buffer.
+
+    host: ``[S, D]`` host rows of this layer (indexed by host slot).
+    hot: ``[R, H, D]`` contiguous hot buffer of this layer (device).
+    miss_tokens / miss_slots: int32 ``[R, K]`` from the residency step.
+    miss_count: int32 ``[R]``. token_table: int32 ``[R, max_ctx]``, logical
+    position -> host slot of each row. Bit-exact; returns nothing.
+    """
+    rows, hot_tokens, dim = hot.shape
+    k = miss_tokens.shape[1]
+    ctrl = token_table.device
+    count = miss_count.to(ctrl, torch.int64)
+    take = torch.arange(k, device=ctrl)[None, :] < count[:, None]
+    row_of = torch.arange(rows, device=ctrl)[:, None].expand(rows, k)[take]
+    tokens = miss_tokens.to(ctrl, torch.int64)[take]
+    slots = miss_slots.to(ctrl, torch.int64)[take]
+    host_slots = token_table[row_of, tokens].to(torch.int64)
+    staged = host.index_select(0, host_slots.to(host.device))
+    dest = (row_of * hot_tokens + slots).to(hot.device)
+    hot.view(rows * hot_tokens, dim).index_copy_(0, dest, staged.to(hot.device, non_blocking=True))

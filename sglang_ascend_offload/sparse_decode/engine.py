@@ -12,11 +12,13 @@ One decode step, per layer ``l``:
 5. sparse attention (op ``sparse_mla_attention``, ``layout_kv="flat"``) runs over
    the hot buffer.
 
-Ops are resolved once through the operator ladder (``ops`` = ``auto | reference |
-triton | npu | fused``), so ``ops=triton`` swaps in the Triton residency and copy
-kernels without touching this file. Whether steps 3-5 run as the one fused AscendC
-Copy-SFA operator is the engine's :class:`~.op_selection.OpPlan` (``self.plan``, from
-``ops`` and ``fused_copy_sfa``): the only place that decides it.
+Every op the engine calls comes from its :class:`~.op_selection.OpPlan` (``self.plan``,
+from ``ops``, ``fused_copy_sfa`` and the rest of the config): the rung of each stage's op
+(``ops=triton`` swaps in the Triton residency and copy kernels without touching this
+file; what a rung lacks runs on the rung the plan names), and whether steps 3-5 run as
+the one fused AscendC Copy-SFA operator. The plan is the only place that decides;
+eager (:meth:`SparseDecodeEngine.run_layer`) and captured
+(:meth:`SparseDecodeEngine.captured_layer_step`) steps run the same ops.
 
 Engine state (residency tables, hot buffers) is indexed by stable *engine rows*
 ``0..R-1`` (in SGLang the ``req_to_token`` row, ``req_pool_idx``), sized for the
@@ -56,21 +58,21 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .. import platform, startup_phases
 from ..ops import registry
-from ..ops.contract import ResidencyStep, ResidencyTable
+from ..ops.contract import OpImpl, ResidencyStep, ResidencyTable
 from ..ops.request_union import RequestUnion, merge_ranked, row_slots, union_of_rows
 from ..ops.residency import copy_miss_rows_rows
 from . import direct_rows, fused_indexer, op_selection
 from .host_pool import AppendGate, HostKVPool
 from .host_rows import is_tensor_backed
 from .hot_buffer import HotBuffers, flat_hot_indices
-from .policies import DEFAULT_POLICY, ResidencyManager, make_manager, uses_cpu_kernel
+from .policies import DEFAULT_POLICY, ResidencyManager, make_manager
 from .shadow import ShadowVerifier
 from .stats import DecodeStats, StatsAccumulator
 
@@ -167,6 +169,7 @@ def decode_layer_step(
     residency: Optional[ResidencyStep] = None,
     copy_attention: Optional[Callable] = None,
     direct: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    copy: Optional[OpImpl] = None,
 ) -> Tuple[torch.Tensor, ResidencyStep]:
     """One layer of the offloaded decode step on the torch path, as a function of tensors.
 
@@ -181,7 +184,9 @@ def decode_layer_step(
     ``G * n`` query rows, and the residency step (``[G, n*K]``) is the union's.
     Static shapes, no host read of data: traceable by ``torch.compile(fullgraph=True)``
     and capturable in a device graph (what ``tests/sparse_decode/test_sync_free.py``
-    holds). ``attention`` defaults to the reference ``sparse_mla_attention``.
+    holds). ``attention`` defaults to the reference ``sparse_mla_attention``, ``copy`` (the
+    ``copy_miss_rows`` implementation, :func:`copy_stage`) to the reference's rows form; a
+    served step passes its plan's (``engine.attention_op`` / ``engine.copy_op``).
     ``residency``: the all-rows step a fused indexer already took, used instead of
     stepping ``manager``. ``copy_attention``: the fused Copy-SFA op, run in place of the
     miss copy and ``attention`` (:func:`fused_copy_attention`).
@@ -210,10 +215,27 @@ def decode_layer_step(
         return fused_copy_attention(
             copy_attention, res, rows, req_ids, host, hot, token_table, flat_idx, query, query_rope, scale
         ), res
-    copy_miss_rows_rows(host, hot, rows, res.miss_tokens, res.miss_slots, res.miss_count, token_table)
+    if copy is None:
+        copy_miss_rows_rows(host, hot, rows, res.miss_tokens, res.miss_slots, res.miss_count, token_table)
+    else:
+        copy_stage(copy, host, hot, rows, res, token_table)
     if attention is None:
         from ..ops.reference import sparse_mla_attention as attention
     return attend_hot(attention, query, query_rope, hot.view(-1, hot.shape[2]), flat_idx, scale, latent_dim), res
+
+
+def copy_stage(
+    copy: OpImpl, host: torch.Tensor, hot: torch.Tensor, rows: torch.Tensor, res: ResidencyStep, token_table
+) -> None:
+    """The miss-copy stage of the batch rows ``rows`` int64 ``[B]`` with ``copy`` (the plan's
+    ``copy_miss_rows``): its rows form where the rung has one (static shapes, the batch's
+    rows only), else over every hot-buffer row's lists (:func:`full_rows_lists`, the
+    other rows' counts zero). ``hot`` ``[R', H, D]``; ``res`` the batch's step."""
+    if copy.rows_form is not None:
+        copy.rows_form(host, hot, rows, res.miss_tokens, res.miss_slots, res.miss_count, token_table)
+        return
+    tokens, slots, count, table = full_rows_lists(res, rows, hot.shape[0], token_table)
+    copy(host, hot, tokens, slots, count, table)
 
 
 def attend_hot(
@@ -440,15 +462,16 @@ class SparseDecodeEngine:
         self.times = PhaseTimes()
 
         registry.ensure_registered()
-        self._manage_op = registry.select("residency_manage", config.ops)
-        self._copy_op = registry.select("copy_miss_rows", config.ops)
-        self._attention_op = registry.select("sparse_mla_attention", config.ops)
         self._tensor_pool = is_tensor_backed(pool)
         self._copy_sfa_op = self._choose_copy_sfa(config)
+        # Every op the engine calls is the plan's (op_selection.OpPlan.impl): nothing else decides.
+        self._manage_op = self.plan.impl("residency_manage")
+        self._copy_op = self.plan.impl("copy_miss_rows")
+        self._attention_op = self.plan.impl("sparse_mla_attention")
         self.hot = HotBuffers(config.layers, config.rows, config.hot_tokens, config.row_dim, config.dtype, self.device)
         self.sink_row = self.hot.sink_row
         state_rows = config.rows + 1
-        self.uses_cpu_kernel = uses_cpu_kernel(config.policy, config.manage_impl, self.device, self._manage_op)
+        self.uses_cpu_kernel = self.plan.rung("residency_manage").via == "cpu kernel"
         self.managers: List[ResidencyManager] = [
             make_manager(
                 config.policy,
@@ -456,19 +479,17 @@ class SparseDecodeEngine:
                 config.hot_tokens,
                 self.device,
                 self._manage_op,
-                manage_impl=config.manage_impl,
+                manage_impl="kernel" if self.uses_cpu_kernel else "torch",
                 max_positions=config.max_context,
             )
             for _ in range(config.layers)
         ]
-        # The CPU kernel copies exactly the misses; other rungs copy in the rows form.
-        self._kernel_copy = (
-            self.uses_cpu_kernel
-            and self._copy_op.rung == "reference"
-            and self.device.type == "cpu"
-            and self._tensor_pool
-            and pool.layer(0).device.type == "cpu"
-        )
+        if self.plan.rung("copy_miss_rows").via == "cpu kernel":
+            # the reference rung's rows form on the CPU kernel: it copies exactly the misses
+            # (bit-identical), eager and captured
+            from . import cpu_kernel
+
+            self._copy_op = replace(self._copy_op, rows_form=cpu_kernel.copy_miss_rows_rows)
         self.stats_acc = StatsAccumulator(config.layers, pool.shape.row_bytes, self.device)
         self.shadow: Optional[ShadowVerifier] = (
             ShadowVerifier(config.verify_sample_rate, config.verify_action, seed=tp_rank)
@@ -510,6 +531,7 @@ class SparseDecodeEngine:
             policy=config.policy,
             indexer_dtype=config.indexer_dtype,
             residency=config.residency,
+            manage_impl=config.manage_impl,
             **shape,
         ).check()
         op_selection.log_plan(self.plan, "sparse decode engine")
@@ -612,7 +634,7 @@ class SparseDecodeEngine:
                     self.config.hot_tokens,
                     self.device,
                     self._manage_op,
-                    manage_impl=self.config.manage_impl,
+                    manage_impl="kernel",
                     max_positions=token_table.shape[1],
                 )
                 for _ in range(self.config.layers)
@@ -830,6 +852,50 @@ class SparseDecodeEngine:
             self._shadow_check(layer, topk_dev, query, query_rope, scale, out)
         return LayerResult(output=out, residency=res, flat_indices=flat)
 
+    def captured_layer_step(
+        self,
+        layer: int,
+        rows: torch.Tensor,
+        topk: torch.Tensor,
+        req_ids: torch.Tensor,
+        stable_len: torch.Tensor,
+        step,
+        host: torch.Tensor,
+        token_table: torch.Tensor,
+        query: torch.Tensor,
+        query_rope: torch.Tensor,
+        scale: float,
+        *,
+        rows_per_request: int = 1,
+        residency: Optional[ResidencyStep] = None,
+        direct=None,
+    ) -> Tuple[torch.Tensor, ResidencyStep]:
+        """:func:`decode_layer_step` of ``layer`` over this engine's residency state and hot
+        buffer with its plan's ops (residency, miss copy, attention, or Copy-SFA): the
+        captured form of :meth:`run_layer` (static shapes, no host reads; what a device
+        graph records). Arguments as :func:`decode_layer_step`'s."""
+        return decode_layer_step(
+            self.managers[layer],
+            rows,
+            topk,
+            req_ids,
+            stable_len,
+            step,
+            host,
+            self.hot.storage(layer),
+            token_table,
+            query,
+            query_rope,
+            scale,
+            self.config.latent_dim,
+            attention=self._attention_op,
+            rows_per_request=rows_per_request,
+            residency=residency,
+            copy_attention=self._copy_sfa_op,
+            direct=direct,
+            copy=self._copy_op,
+        )
+
     def _run_direct_layer(
         self, layer: int, topk: torch.Tensor, query: torch.Tensor, query_rope: torch.Tensor, scale: float, t0: float
     ) -> LayerResult:
@@ -906,18 +972,7 @@ class SparseDecodeEngine:
         """Copy this step's misses of ``layer`` host -> hot buffer (rows form)."""
         if not self._tensor_pool:
             return self._gather_misses(layer, res)
-        host, hot = self.pool.layer(layer), self.hot.storage(layer)
-        if self._kernel_copy:
-            from .cpu_kernel import copy_miss_rows_rows as kernel_copy
-
-            kernel_copy(host, hot, self._rows, res.miss_tokens, res.miss_slots, res.miss_count, self._token_table)
-        elif self._copy_op.rung == "reference":
-            copy_miss_rows_rows(
-                host, hot, self._rows, res.miss_tokens, res.miss_slots, res.miss_count, self._token_table
-            )
-        else:  # a rung without the rows form: full-rows miss lists (counts of other rows zero)
-            tokens, slots, count, table = self._full_rows(res)
-            self._copy_op(host, hot, tokens, slots, count, table)
+        copy_stage(self._copy_op, self.pool.layer(layer), self.hot.storage(layer), self._rows, res, self._token_table)
 
     def _gather_misses(self, layer: int, res: ResidencyStep) -> None:
         """Misses of ``layer`` through the pool's own gather (a pool without a tensor
@@ -934,9 +989,6 @@ class SparseDecodeEngine:
         slots = res.miss_slots.to(table.device, torch.int64)[live]
         host_slots = table[rows, tokens].to(torch.int64)
         self.pool.gather_into(layer, host_slots, hot.view(-1, hot.shape[-1]), rows * hot.shape[1] + slots)
-
-    def _full_rows(self, res: ResidencyStep):
-        return full_rows_lists(res, self._rows, self.config.rows + 1, self._token_table)
 
     def _fused_copy_attention(self, layer, res, flat, query, query_rope, scale):
         return fused_copy_attention(
@@ -968,6 +1020,16 @@ class SparseDecodeEngine:
         return time.perf_counter()
 
     # ---------------------------------------------------------------------- views
+    @property
+    def attention_op(self) -> OpImpl:
+        """The plan's ``sparse_mla_attention`` (the separate attention stage)."""
+        return self._attention_op
+
+    @property
+    def copy_op(self) -> OpImpl:
+        """The plan's ``copy_miss_rows`` (the separate miss-copy stage)."""
+        return self._copy_op
+
     @property
     def copy_sfa_op(self) -> Optional[Callable]:
         """The fused Copy-SFA op the plan runs (``None``: the separate copy and attention)."""

@@ -1,6 +1,9 @@
 """Which operators a sparse decode step runs: the one place the fused ops are chosen.
 
-A decode layer step has two stages that fused AscendC operators can replace:
+A decode layer step has four stages (indexer, residency, miss copy, attention), each
+with a separate operator of the ladder whose rung :mod:`.op_rungs` resolves (the plan's
+``rungs``: one :class:`~.op_rungs.StageRung` per stage, logged; on an NPU never the torch
+reference unless ``ops`` is ``reference``). Fused AscendC operators can replace two pairs:
 
 ========== ================================================ ============================================
 stage      separate operators                               fused operator (``_C_ascend``)
@@ -46,13 +49,14 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from .. import platform as _platform
 from ..ops.fused import MAX_TOKENS_PER_ROW, fused_shape_obstacles
+from .op_rungs import StageRung, resolve_rungs
 
 __all__ = [
     "OpChoice",
@@ -68,6 +72,7 @@ __all__ = [
     "host_pool_rows",
     "platform_of",
     "log_plan",
+    "StageRung",
     "FUSED_KERNELS_OF",
     "HOST_ALIGN_BYTES",
 ]
@@ -136,15 +141,19 @@ class OpSelectionError(ValueError):
 class OpPlan:
     """The operators of one sparse decode setup.
 
-    platform: ``npu`` / ``cuda`` / ``cpu``; ops: the ``ops`` setting (the rung of the
-    separate ops); indexer / attention: the :class:`OpChoice` of each stage; problems:
-    every reason the plan cannot run (empty: it can). :meth:`check` raises them."""
+    platform: ``npu`` / ``cuda`` / ``cpu``; ops: the ``ops`` setting; indexer / attention:
+    the :class:`OpChoice` of each fused-or-separate pair; rungs: the
+    :class:`~.op_rungs.StageRung` of each stage's separate op (which rung runs it, and
+    why); problems: every reason the plan cannot run (empty: it can). :meth:`check`
+    raises them. The engine and the attention backend take every op they call from the
+    plan (:meth:`impl`): what a decode step runs is :meth:`decode_stages`."""
 
     platform: str
     ops: str
     indexer: OpChoice
     attention: OpChoice
     problems: Tuple[SelectionProblem, ...] = ()
+    rungs: Tuple[StageRung, ...] = ()
 
     def check(self) -> "OpPlan":
         """This plan, or :class:`OpSelectionError` listing every problem."""
@@ -152,8 +161,53 @@ class OpPlan:
             raise OpSelectionError(self.problems)
         return self
 
+    def rung(self, op: str) -> StageRung:
+        """The :class:`~.op_rungs.StageRung` of separate op ``op``."""
+        for r in self.rungs:
+            if r.op == op:
+                return r
+        raise KeyError(f"op {op!r} is not a separate op of this plan ({', '.join(r.op for r in self.rungs)})")
+
+    def impl(self, op: str):
+        """The ladder implementation (``OpImpl``) the plan runs ``op`` with: the fused rung
+        of a fused op, the resolved rung of a separate one. A stage that cannot run is an
+        :class:`OpSelectionError`; a rung not usable here an ``OpUnavailableError``."""
+        from ..ops import registry
+
+        if op in FUSED_KERNELS_OF:
+            return registry.select(op, "fused")
+        r = self.rung(op)
+        if r.problem is not None:
+            raise OpSelectionError((SelectionProblem(*r.problem),))
+        return registry.select(op, r.rung)
+
+    def decode_stages(self) -> Tuple[Tuple[str, str, str, str], ...]:
+        """``(stage, op, rung, via)`` of what one decode layer step runs, in stage order: a
+        fused operator for the two stages it replaces, else each stage's separate op."""
+        out = []
+        for stage, choice, pair in (
+            ("indexer", self.indexer, ("indexer", "residency")),
+            ("attention", self.attention, ("miss_copy", "attention")),
+        ):
+            if choice.fused:
+                out += [(s, choice.ops[0], "fused", "") for s in pair]
+            else:
+                out += [(r.stage, r.op, r.rung, r.via) for r in self.rungs if r.stage in pair]
+        order = ("indexer", "residency", "miss_copy", "attention")
+        return tuple(sorted(out, key=lambda t: order.index(t[0])))
+
     def describe(self) -> str:
-        return "; ".join(f"{c.stage}: {'+'.join(c.ops)} ({c.reason})" for c in (self.indexer, self.attention))
+        return "; ".join(_choice_text(self, c) for c in (self.indexer, self.attention))
+
+
+def _choice_text(plan: OpPlan, choice: OpChoice) -> str:
+    """``indexer: lightning_indexer[npu] + residency_manage[npu] (reason; ...)`` of one pair."""
+    if choice.fused:
+        return f"{choice.stage}: {choice.ops[0]}[fused] ({choice.reason})"
+    rungs = [plan.rung(op) for op in choice.ops] if plan.rungs else []
+    ops = " + ".join(r.label() for r in rungs) or "+".join(choice.ops)
+    why = "; ".join([choice.reason] + [f"{r.op}: {r.reason}" for r in rungs])
+    return f"{choice.stage}: {ops} ({why})"
 
 
 # ------------------------------------------------------------------ availability
@@ -261,6 +315,7 @@ def select_ops(
     available: Optional[Availability] = None,
     hot_tokens: Optional[int] = None,
     top_k: Optional[int] = None,
+    manage_impl: str = "torch",
 ) -> OpPlan:
     """The :class:`OpPlan` for these settings (module docstring for the rule).
 
@@ -275,9 +330,16 @@ def select_ops(
     is one more reason a stage cannot run fused. extension: :data:`REGISTERED` (the default:
     the registry's fused rungs, :func:`registry_availability`), or an extension module
     object whose attributes are its kernels (``None``: not built); available: an
-    :data:`Availability`, which takes precedence. Problems are in ``plan.problems``; :meth:`OpPlan.check` raises.
+    :data:`Availability`, which takes precedence. manage_impl: the engine's ``manage_impl``
+    (``auto`` / ``kernel``: the residency step and the miss copy on the CPU kernels where
+    :func:`~.policies.uses_cpu_kernel` says so; the plan's rungs name them). The separate
+    ops' rungs (:func:`.op_rungs.resolve_rungs`) probe this machine for ``ops=auto``
+    unless ``extension`` or ``available`` describe another one. Problems are in
+    ``plan.problems``; :meth:`OpPlan.check` raises.
     """
     platform = platform or _platform.device_kind()
+    rungs = resolve_rungs(platform, ops, indexer_dtype, probe=available is None and extension is REGISTERED)
+    rungs = _with_cpu_kernels(rungs, platform, policy, manage_impl, tensor_pool)
     if available is None:
         available = (
             registry_availability(platform) if extension is REGISTERED else extension_availability(extension, platform)
@@ -300,7 +362,23 @@ def select_ops(
     missing = [m for m in (_missing(c, available) for c in (indexer, attention) if c.fused) if m]
     if missing:
         problems.append(_missing_problem(platform, missing))
-    return OpPlan(platform, ops, indexer, attention, tuple(problems))
+    problems += [SelectionProblem(*r.problem) for r in rungs if r.problem is not None]
+    return OpPlan(platform, ops, indexer, attention, tuple(problems), rungs)
+
+
+def _with_cpu_kernels(rungs, platform: str, policy: str, manage_impl: str, tensor_pool: bool):
+    """``rungs`` with ``via="cpu kernel"`` on the residency step (and, over a host pool with
+    a tensor view, the miss copy) where the engine runs the reference rung's CPU kernels."""
+    from types import SimpleNamespace
+
+    from .policies import uses_cpu_kernel
+
+    by_stage = {r.stage: r for r in rungs}
+    residency, copy = by_stage["residency"], by_stage["miss_copy"]
+    if platform != "cpu" or not uses_cpu_kernel(policy, manage_impl, "cpu", SimpleNamespace(rung=residency.rung)):
+        return rungs
+    kernel = {"residency": True, "miss_copy": copy.rung == "reference" and tensor_pool}
+    return tuple(replace(r, via="cpu kernel") if kernel.get(r.stage) else r for r in rungs)
 
 
 def _missing_problem(platform: str, missing) -> SelectionProblem:
@@ -420,13 +498,14 @@ _LOGGED: set = set()
 
 
 def log_plan(plan: OpPlan, what: str = "sparse decode") -> None:
-    """Log each stage's choice once per process (the opt-out of an NPU default at INFO)."""
+    """Log each stage pair's choice, with the rung of every separate op and why, once per
+    process (the opt-out of an NPU default, a rung that runs an op the ``ops`` rung lacks)."""
     for choice in (plan.indexer, plan.attention):
-        key = (what, plan.platform, plan.ops, choice)
+        key = (what, plan.platform, plan.ops, choice, plan.rungs)
         if key in _LOGGED:
             continue
         _LOGGED.add(key)
-        logger.info("%s %s: %s (%s)", what, choice.stage, "+".join(choice.ops), choice.reason)
+        logger.info("%s %s", what, _choice_text(plan, choice))
 
 
 # ------------------------------------------------------------------ host pool alignment

@@ -114,10 +114,15 @@ def test_a_missing_extension_is_an_error_naming_every_missing_op_and_the_build(o
     with pytest.raises(OpSelectionError) as info:
         plan.check()
     assert "sglang.fused_unavailable" in str(info.value) and BUILD in str(info.value)
-    # the real probe on this machine (no torch_npu, no extension) says the same
+    # the real probe on this machine (no torch_npu, no extension) says the same, and that the
+    # extend's separate indexer and attention have no usable npu rung either (the torch
+    # reference runs on an NPU only with ops=reference)
     real = select_ops()
-    assert [p.rule for p in real.problems] == ["sglang.fused_unavailable"]
+    assert [p.rule for p in real.problems] == ["sglang.fused_unavailable"] + ["sglang.ops_unavailable"] * 2
     assert fused.LIM_KERNEL in real.problems[0].problem and fused.COPY_SFA_KERNEL in real.problems[0].problem
+    assert "indexer stage (lightning_indexer)" in real.problems[1].problem
+    assert "attention stage (sparse_mla_attention)" in real.problems[2].problem
+    assert '"ops": "reference"' in real.problems[1].fix
 
 
 def test_an_extension_lacking_ops_is_an_error_naming_exactly_those(on_npu):
@@ -312,8 +317,8 @@ def test_the_engine_refuses_an_unaligned_pool_for_the_npu_fused_copy_sfa(monkeyp
     _counting_stand_in(monkeypatch)
     real = op_selection.select_ops
 
-    def as_npu(platform_kind, **kw):
-        return real("npu", **dict(kw, extension=extension(*ALL_KERNELS)))
+    def as_npu(platform_kind, **kw):  # the separate ops on the reference rung: no torch_npu here
+        return real("npu", **dict(kw, ops="reference", fused_copy_sfa=True, extension=extension(*ALL_KERNELS)))
 
     monkeypatch.setattr(op_selection, "select_ops", as_npu)
     row_bytes = (16 + 8) * 4
@@ -344,3 +349,71 @@ def test_shapes_outside_the_kernels_limits_give_way_or_are_refused():
     assert [p.rule for p in odd_k.problems] == ["sparse_decode.fused_copy_sfa_engine"]
     assert "top-k 64" in odd_k.problems[0].problem
     assert select_ops("npu", hot_tokens=256, top_k=64, extension=ext).check().indexer.fused  # LIM takes K = 64
+
+
+# ----------------------------------------------------------------- each stage's rung
+SEPARATE = {"lightning_indexer", "residency_manage", "copy_miss_rows", "sparse_mla_attention"}
+
+
+@pytest.mark.parametrize("ops", ["auto", "npu", "fused", "triton"])
+def test_on_an_npu_no_stage_runs_the_torch_reference_unless_asked_for(on_npu, ops):
+    """Every stage of a decode step on an NPU has a rung, and it is never the reference:
+    what an ``ops`` rung lacks runs on the torch_npu rung, named as such."""
+    plan = select_ops(ops=ops, policy="lru_k2", extension=extension(*ALL_KERNELS)).check()
+    assert {r.op for r in plan.rungs} == SEPARATE
+    assert all(r.rung not in (None, "reference") for r in plan.rungs), plan.describe()
+    for stage, op, rung, via in plan.decode_stages():
+        assert rung != "reference", (stage, op)
+    asked = select_ops(ops="reference", policy="lru_k2", extension=extension(*ALL_KERNELS)).check()
+    assert {r.rung for r in asked.rungs} == {"reference"}  # ops=reference: the torch reference, as asked
+
+
+def test_ops_fused_where_the_fused_lim_gives_way_runs_the_torch_npu_indexer(on_npu, fresh_log, caplog):
+    """``ops: fused`` with a policy the fused LIM does not implement: the indexer stage is
+    separate, and its ``lightning_indexer`` runs on the torch_npu rung -- in the plan, its
+    description and the log (it was the dense torch reference, silently)."""
+    plan = select_ops(ops="fused", policy="lru_k2", extension=extension(*ALL_KERNELS)).check()
+    assert not plan.indexer.fused and plan.attention.fused
+    assert plan.rung("lightning_indexer").rung == "npu"
+    assert plan.rung("lightning_indexer").reason == "ops=fused has no lightning_indexer: the npu rung runs it"
+    assert plan.decode_stages()[:2] == (
+        ("indexer", "lightning_indexer", "npu", ""),
+        ("residency", "residency_manage", "npu", ""),
+    )
+    with caplog.at_level(logging.INFO, logger=op_selection.__name__):
+        op_selection.log_plan(plan)
+    assert "indexer: lightning_indexer[npu] + residency_manage[npu]" in caplog.text
+    assert "lightning_indexer: ops=fused has no lightning_indexer: the npu rung runs it" in caplog.text
+
+
+def test_a_stage_without_an_npu_rung_is_a_startup_error_saying_what_to_set(on_npu, monkeypatch):
+    """An op with no rung an NPU may run (here the miss copy, its npu and triton rungs taken
+    away): the plan refuses it and says what to set; nothing is substituted."""
+    registry.ensure_registered()
+    monkeypatch.delitem(_REGISTRY.impls, ("copy_miss_rows", "npu"))
+    monkeypatch.delitem(_REGISTRY.impls, ("copy_miss_rows", "triton"))
+    plan = select_ops(ops="npu", fused_copy_sfa=False, extension=extension(*ALL_KERNELS))
+    [problem] = plan.problems
+    assert problem.rule == "sglang.ops_unavailable"
+    assert "the miss_copy stage (copy_miss_rows) has no usable npu rung" in problem.problem
+    assert '"ops": "reference"' in problem.fix
+    assert plan.rung("copy_miss_rows").rung is None
+    with pytest.raises(OpSelectionError, match="sglang.ops_unavailable"):
+        plan.impl("copy_miss_rows")
+    with pytest.raises(OpSelectionError, match="miss_copy stage"):
+        plan.check()
+
+
+def test_off_the_npu_a_missing_rung_gives_way_to_the_reference_by_name():
+    """On CPU / CUDA the reference is the only other rung of the ops Triton lacks: the plan
+    names it (and why), the registry itself substitutes nothing."""
+    plan = select_ops("cuda", ops="triton", extension=None)
+    attention = plan.rung("sparse_mla_attention")
+    assert attention.rung == "reference"
+    assert (
+        attention.reason
+        == "ops=triton has no sparse_mla_attention: the reference rung runs it (no other rung implements it on cuda)"
+    )
+    assert plan.rung("residency_manage").rung == plan.rung("copy_miss_rows").rung == "triton"
+    with pytest.raises(registry.OpUnavailableError, match="has no 'triton' implementation"):
+        registry.select("sparse_mla_attention", "triton")

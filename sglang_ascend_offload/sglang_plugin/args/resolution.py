@@ -159,10 +159,6 @@ def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violatio
     return out
 
 
-# Ops the offload backend resolves through the operator ladder.
-OFFLOAD_OPS = ("lightning_indexer", "sparse_mla_attention", "residency_manage", "copy_miss_rows")
-
-
 def _device_kind(view: Any) -> str:
     """The served device kind, as the deployment reads it: ``--device`` or this machine's."""
     device = compat.arg(view, "device") or platform.device_kind()
@@ -179,7 +175,8 @@ def _sparse_decode_ops_violations(
 ) -> List[cfg.Violation]:
     """The operators this machine has for the requested setup (checked before any process
     starts): the fused-operator plan (``sparse_decode/op_selection.py``) with every problem
-    it finds, then the ladder's ops for the ``ops`` rung; ``device``: ``npu`` / ``cuda`` / ``cpu``."""
+    it finds, then each stage's separate op on the rung the plan names; ``device``: ``npu`` / ``cuda`` /
+    ``cpu``."""
     from ...ops import registry
     from ...sparse_decode import op_selection
 
@@ -193,9 +190,10 @@ def _sparse_decode_ops_violations(
             out.append(violation(p.rule, p.problem, p.fix))
     if not plan.problems:
         op_selection.log_plan(plan, "sglang-ascend-offload: sparse decode")
-    for op in OFFLOAD_OPS:
+    for stage in plan.rungs:  # each stage's separate op on the rung the plan names (problems: above)
         try:
-            registry.select(op, sd.ops)
+            if stage.problem is None:
+                registry.select(stage.op, stage.rung)
         except (registry.OpUnavailableError, KeyError, ValueError) as exc:
             out.append(
                 violation(

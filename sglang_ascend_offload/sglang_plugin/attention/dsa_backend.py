@@ -34,8 +34,8 @@ from typing import Any, Optional, Tuple
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from ...ops import registry
 from ...ops.hadamard import rotate_and_quantize
+from ...sparse_decode import op_selection
 from ..args import carrier
 from ..names import BACKEND_NAME  # noqa: F401 - re-exported; its home is names.py
 from ..speculative import cpu_graph as cpu_spec_graph
@@ -44,6 +44,7 @@ from .dsa_metadata import DSAForwardMetadata, build_metadata, real_batch_size
 from .native_indexer import IndexerInputs, indexer_query_key_weights
 
 logger = logging.getLogger(__name__)
+_BOUND_LOGGED: set = set()
 
 
 @dataclass
@@ -89,17 +90,47 @@ class AscendOffloadAttnBackend(AttentionBackend):
         self.qk_rope_head_dim = int(model_runner.model_config.qk_rope_head_dim)
         self.index_topk = getattr(hf, "index_topk", None)  # an HF config field: None for MLA models without DSA
         self.offload_config = carrier.active_config().sparse_decode
-        ops_choice = self.offload_config.ops if self.offload_config is not None else "auto"
-        self.indexer_op = registry.select("lightning_indexer", ops_choice)
         # An int8 index-K cache (indexer_dtype int8, the sparse decode pool only): LIM-C8 scoring
         # over Hadamard-rotated int8 keys + fp16 scales; every other pool keeps bf16 keys.
         self.index_int8 = getattr(self.token_to_kv_pool, "indexer_dtype", "bf16") == "int8"
-        self.quant_indexer_op = registry.select("quant_lightning_indexer", ops_choice) if self.index_int8 else None
-        self.attention_op = registry.select("sparse_mla_attention", ops_choice)
+        self.bind_ops(self._separate_ops_plan())
         self.forward_metadata: Optional[DSAForwardMetadata] = None
         self.graph: Optional[GraphBuffers] = None
         self._graph_batch: Optional[int] = None
         self.ranking: Optional[LayerRanking] = None  # the last layer's top-D ranking (score policies)
+
+    def _separate_ops_plan(self) -> op_selection.OpPlan:
+        """The operator plan of this backend's separate indexer and attention (the device-KV
+        path, and every extend): the rungs :mod:`~...sparse_decode.op_rungs` resolves for the
+        ``ops`` setting on this device. The fused operators are the offload engine's plan's."""
+        ops_choice = self.offload_config.ops if self.offload_config is not None else "auto"
+        return op_selection.select_ops(
+            op_selection.platform_of(self.device),
+            ops=ops_choice,
+            fused_lim=False,
+            fused_copy_sfa=False,
+            indexer_dtype="int8" if self.index_int8 else "bf16",
+        )
+
+    def bind_ops(self, plan: op_selection.OpPlan) -> None:
+        """Take the separate indexer (``lightning_indexer``, or ``quant_lightning_indexer``
+        over an int8 cache) and attention from ``plan`` (:meth:`~...sparse_decode.op_selection.OpPlan.impl`:
+        a stage that cannot run raises, naming what to set); log their rungs once."""
+        self.op_plan = plan
+        indexer, attention = plan.rungs[0], plan.rung("sparse_mla_attention")
+        self.indexer_op = plan.impl(indexer.op)
+        self.attention_op = plan.impl(attention.op)
+        key = (type(self).__name__, indexer.label(), attention.label())
+        if key not in _BOUND_LOGGED:
+            _BOUND_LOGGED.add(key)
+            logger.info(
+                "%s: indexer %s (%s), attention %s (%s)",
+                type(self).__name__,
+                indexer.label(),
+                indexer.reason,
+                attention.label(),
+                attention.reason,
+            )
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
@@ -296,8 +327,7 @@ class AscendOffloadAttnBackend(AttentionBackend):
         int8 cache: the query rotated and quantised per token and head (int8 ``[T, H, D]``,
         fp16 ``[T, H]``) and ``quant_lightning_indexer`` over the int8 keys
         ``[pages, page, 1, D]`` with their fp16 scales ``[pages, page, 1]``."""
-        op = self.quant_indexer_op if self.index_int8 else self.indexer_op
-        topk = op(*self.index_operands(inputs, layer_id), **indexer_metadata(md), sparse_count=count)
+        topk = self.indexer_op(*self.index_operands(inputs, layer_id), **indexer_metadata(md), sparse_count=count)
         return topk.reshape(topk.shape[0], -1)
 
     def _graph_index_topk(self, inputs, pool, layer_id: int, md: DSAForwardMetadata, top_k: int) -> torch.Tensor:

@@ -45,9 +45,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from ...ops import registry
 from ...sparse_decode import direct_rows, fused_indexer
-from ...sparse_decode.engine import decode_layer_step
 from ...sparse_decode.policies import needs_ranked
 from .. import compat
 from ..mem_cache.pool.sparse_decode import HostMainKVPool
@@ -199,6 +197,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
                 f"not run: got {type(pool).__name__})"
             )
         self.engine = pool.engine
+        self.bind_ops(self.engine.plan)  # the separate indexer and attention: the engine's plan's
         self.rows = RowOwners(self.engine.config.rows)
         self.start_layer = pool.start_layer
         config = self.offload_config  # read once, by the base class's constructor
@@ -285,7 +284,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
                     "beyond the top-k, which the fused indexer does not return; drop it or set "
                     '"fused_lim": false'
                 )
-            self.fused_indexer_op = registry.select(self.engine.plan.indexer.ops[0], "fused")
+            self.fused_indexer_op = self.engine.plan.impl(self.engine.plan.indexer.ops[0])
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
@@ -526,7 +525,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         return out
 
     def _attend_decode_graph(self, layer, q_nope, q_pe, topk_indices) -> torch.Tensor:
-        """One layer of a graph decode step: :func:`~...sparse_decode.engine.decode_layer_step`
+        """One layer of a graph decode step: the engine's captured step (its plan's ops)
         over the static row buffers (static shapes, no host reads; the same residency,
         copies and attention arithmetic as the eager step). ``[bs, N, Dl]``."""
         if topk_indices is None:
@@ -539,24 +538,20 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         n = self.verify_rows_per_request if self._verify else 1  # query rows per entry
         bs = q_nope.shape[0] // n
         local = layer.layer_id - self.start_layer
-        out, res = decode_layer_step(
-            self.engine.managers[local],
+        out, res = self.engine.captured_layer_step(
+            local,
             g.rows[:bs],
             topk_indices[:, : cfg.top_k].to(torch.int32),
             g.req_ids[:bs],
             g.stable[:bs],
             g.step,
             self.token_to_kv_pool.host_rows(layer.layer_id),
-            self.engine.hot.storage(local),
             self.req_to_token_pool.req_to_token,
             q_nope,
             q_pe,
             layer.scaling,
-            cfg.latent_dim,
-            attention=self.attention_op,
             rows_per_request=n,
             residency=self._take_fused_step(local),
-            copy_attention=self.engine.copy_sfa_op,
             direct=g.direct_args(bs, n),
         )
         hits = res.hit_mask.sum()

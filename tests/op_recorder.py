@@ -1,0 +1,63 @@
+"""Which operators ran: a recording wrapper around every implementation the ladder has.
+
+:func:`record_ops` replaces, for the duration of a test, every registered implementation
+of every op (``OpImpl.fn`` and its rows form, in the registry and in the module that
+defines it), the engine's direct binding of the reference copy's rows form, and the CPU
+residency kernels' entry points with wrappers that append ``(op, rung, via)`` to a list
+and call through. Whatever a decode step calls -- through its operator plan or around
+it -- is in the list, so a test can assert that the ops that ran are exactly the plan's
+(``OpPlan.decode_stages``). The runtime has no seam for this: the wrappers replace the
+registry's entries and module attributes from the test (``monkeypatch``), before the
+engine or backend under test is built (they bind their ops at construction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+Call = Tuple[str, str, str]  # (op, rung, via): via "cpu kernel" for the CPU kernels
+
+
+def _recording(fn: Callable, what: Call, calls: List[Call]) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        calls.append(what)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def record_ops(monkeypatch, originals: Optional[Dict[Tuple[str, str], object]] = None) -> List[Call]:
+    """Install the recorders (undone with ``monkeypatch``); returns the list they fill.
+    ``originals``: filled with each ``(op, rung)``'s unrecorded ``OpImpl`` (for a
+    comparison path whose calls are not the subject)."""
+    from sglang_ascend_offload.ops import registry
+    from sglang_ascend_offload.sparse_decode import cpu_kernel
+    from sglang_ascend_offload.sparse_decode import engine as engine_mod
+
+    registry.ensure_registered()
+    calls: List[Call] = []
+    for key, impl in list(registry._REGISTRY.impls.items()):
+        if originals is not None:
+            originals[key] = impl
+        what = (impl.op, impl.rung, "")
+        fn = _recording(impl.fn, what, calls)
+        rows = _recording(impl.rows_form, what, calls) if impl.rows_form is not None else None
+        monkeypatch.setitem(registry._REGISTRY.impls, key, dataclasses.replace(impl, fn=fn, rows_form=rows))
+        for original, wrapped in ((impl.fn, fn), (impl.rows_form, rows)):
+            if original is not None:  # a call through the defining module, around the registry
+                monkeypatch.setattr(sys.modules[original.__module__], original.__name__, wrapped)
+    reference_copy = registry._REGISTRY.impls[("copy_miss_rows", "reference")].rows_form
+    monkeypatch.setattr(engine_mod, "copy_miss_rows_rows", reference_copy)  # bound at import in engine.py
+    for name, op in (("lru_manage_rows", "residency_manage"), ("copy_miss_rows_rows", "copy_miss_rows")):
+        original = getattr(cpu_kernel, name)
+        monkeypatch.setattr(cpu_kernel, name, _recording(original, (op, "reference", "cpu kernel"), calls))
+    return calls
+
+
+def planned(plan, stages=("indexer", "residency", "miss_copy", "attention")) -> Set[Call]:
+    """``(op, rung, via)`` of ``plan``'s decode stages among ``stages``."""
+    return {(op, rung, via) for stage, op, rung, via in plan.decode_stages() if stage in stages}
