@@ -4,11 +4,12 @@
 of every op (``OpImpl.fn`` and its rows form, in the registry and in the module that
 defines it), the engine's direct binding of the reference copy's rows form, and the CPU
 residency kernels' entry points with wrappers that append ``(op, rung, via)`` to a list
-and call through. Whatever a decode step calls -- through its operator plan or around
-it -- is in the list, so a test can assert that the ops that ran are exactly the plan's
-(``OpPlan.decode_stages``). The runtime has no seam for this: the wrappers replace the
-registry's entries and module attributes from the test (``monkeypatch``), before the
-engine or backend under test is built (they bind their ops at construction).
+and call through (an op's own inner calls are not recorded). Whatever a decode step
+calls -- through its operator plan or around it -- is in the list, so a test can
+assert that the ops that ran are exactly the plan's (``OpPlan.decode_stages``). The
+runtime has no seam for this: the wrappers replace the registry's entries and module
+attributes from the test (``monkeypatch``), before the engine or backend under test is
+built (they bind their ops at construction).
 """
 
 from __future__ import annotations
@@ -16,16 +17,30 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import threading
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 Call = Tuple[str, str, str]  # (op, rung, via): via "cpu kernel" for the CPU kernels
 
 
+_depth = threading.local()
+
+
 def _recording(fn: Callable, what: Call, calls: List[Call]) -> Callable:
+    """``fn`` that records ``what`` when called from outside any recorded op (an op's own
+    inner calls -- the npu stand-in computing torch_npu's attention with the reference op,
+    a composition calling its sub-steps -- are that op's, not the step's)."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        calls.append(what)
-        return fn(*args, **kwargs)
+        depth = getattr(_depth, "value", 0)
+        if depth == 0:
+            calls.append(what)
+        _depth.value = depth + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _depth.value = depth
 
     return wrapper
 

@@ -227,33 +227,39 @@ def quant_lightning_indexer_npu(
 
 
 # ---------------------------------------------------------------------- attention
-# Block sizes tried, largest first, when a "flat" buffer is presented to the paged
-# kernel as one sequence per query token.
+# Block sizes tried, largest first, for the gathered rows of a "flat" buffer presented to
+# the paged kernel (a token's selection rounded up to a multiple of the smallest).
 _FLAT_BLOCK_SIZES = (128, 64, 32, 16)
-#: A flat buffer handed to the npu attention rung has a multiple of this many rows.
+#: a token's gathered selection is padded to a multiple of this many rows
 FLAT_ROWS_MULTIPLE = _FLAT_BLOCK_SIZES[-1]
 
 
-def _flat_as_paged(key: torch.Tensor, key_rope: torch.Tensor, num_tokens: int):
-    """View a flat ``[S, D]`` buffer as PA_BSND where every query token is its own
-    request of length ``S`` with an identity block table (sparse_mode 0 semantics)."""
+def _flat_as_paged(key: torch.Tensor, key_rope: torch.Tensor, indices: torch.Tensor):
+    """A flat ``[S, D]`` buffer's selected rows as PA_BSND for the paged kernel.
+
+    Token ``t``'s ``K`` selected rows (``indices`` ``[T, K]`` row numbers, ``-1`` none) are
+    gathered, in order, into contiguous latent / rope planes ``[T*K', ...]`` (``K'`` = ``K``
+    rounded up to :data:`FLAT_ROWS_MULTIPLE`; torch_npu takes contiguous caches only, and a
+    hot buffer's latent and rope columns are two strided views of one ``[S, 576]`` buffer),
+    each token its own single-token request over its ``K'`` rows (``sparse_mode`` 0), its
+    indices renumbered ``0..K-1`` (``-1`` kept). The same rows in the same order as ``flat``
+    reads them; static shapes, ``O(T*K)`` rows copied (not the buffer)."""
+    num_tokens, k = indices.shape
+    padded = -(-k // FLAT_ROWS_MULTIPLE) * FLAT_ROWS_MULTIPLE
+    block = next(b for b in _FLAT_BLOCK_SIZES if padded % b == 0)
+    device = key.device
     latent = key.reshape(-1, key.shape[-1])
     rope = key_rope.reshape(-1, key_rope.shape[-1])
-    rows = latent.shape[0]
-    block = next((b for b in _FLAT_BLOCK_SIZES if rows % b == 0), None)
-    if block is None:
-        raise ValueError(
-            f"flat buffer of {rows} rows: the npu rung needs a row count divisible by 16 "
-            "(size hot buffers in multiples of the block size)"
-        )
-    blocks = rows // block
-    device = key.device
-    paged_latent = latent.reshape(blocks, block, 1, latent.shape[-1])
-    paged_rope = rope.reshape(blocks, block, 1, rope.shape[-1])
-    block_table = torch.arange(blocks, dtype=torch.int32, device=device).expand(num_tokens, blocks).contiguous()
+    rows = torch.nn.functional.pad(indices, (0, padded - k), value=-1).clamp(min=0).reshape(-1).to(torch.int64)
+    blocks = num_tokens * padded // block
+    paged_latent = latent.index_select(0, rows).reshape(blocks, block, 1, latent.shape[-1])
+    paged_rope = rope.index_select(0, rows).reshape(blocks, block, 1, rope.shape[-1])
+    block_table = torch.arange(blocks, dtype=torch.int32, device=device).reshape(num_tokens, padded // block)
+    local = torch.arange(k, dtype=torch.int32, device=device).expand(num_tokens, k)
+    local = torch.where(indices >= 0, local, torch.full_like(local, -1)).reshape(num_tokens, 1, k).contiguous()
     cu_q = torch.arange(1, num_tokens + 1, dtype=torch.int32, device=device)
-    kv_len = torch.full((num_tokens,), rows, dtype=torch.int32, device=device)
-    return paged_latent, paged_rope, block_table, cu_q, kv_len
+    kv_len = torch.full((num_tokens,), padded, dtype=torch.int32, device=device)
+    return paged_latent, paged_rope, block_table, cu_q, kv_len, local
 
 
 @implements(
@@ -282,14 +288,17 @@ def sparse_mla_attention_npu(
     """``torch_npu.npu_sparse_flash_attention`` (MLA absorb, attention_mode=2).
 
     PA_BSND is passed through as SGLang's Ascend backend does. ``flat`` is mapped to
-    PA_BSND with one single-token request per query token over the whole buffer (an
-    identity block table), so row numbers become logical positions.
+    PA_BSND over each token's gathered selection (:func:`_flat_as_paged`: one single-token
+    request per query token, indices renumbered into its rows).
     """
     num_tokens = query.shape[0]
+    # torch_npu takes contiguous queries only (SGLang's q_nope / q_pe are views of one q)
+    query = query.contiguous()
+    query_rope = query_rope.contiguous() if query_rope is not None else None
     indices = sparse_indices.reshape(num_tokens, 1, -1).to(device=query.device, dtype=torch.int32)
     if layout_kv == "flat":
-        key, key_rope, block_table, actual_seq_lengths_query, actual_seq_lengths_kv = _flat_as_paged(
-            key, key_rope, num_tokens
+        key, key_rope, block_table, actual_seq_lengths_query, actual_seq_lengths_kv, indices = _flat_as_paged(
+            key, key_rope, indices.reshape(num_tokens, -1)
         )
         sparse_mode = 0
     elif layout_kv != "PA_BSND":

@@ -16,9 +16,7 @@ must equal.
   kernel, which takes device tensors only, and the host-side reference op would
   compare two different kernels' arithmetic, so a check could only hold a tolerance
   (which hides a small corruption) where the same op over the same rows gives a
-  bit-exact answer. The staging buffer holds ``top_k`` rows rounded up to
-  :data:`~..ops.npu_impls.FLAT_ROWS_MULTIPLE` (the npu rung's flat layout); the extra
-  rows are never indexed.
+  bit-exact answer.
 * **What is compared.** The served ``[N, latent]`` output row against the
   recomputation. Where the served output came from the same op over copied rows (the
   torch, CPU-kernel and Triton residency paths all end in the engine's attention op),
@@ -48,7 +46,6 @@ from typing import Callable, Optional
 
 import torch
 
-from ..ops.npu_impls import FLAT_ROWS_MULTIPLE
 from .verify import logical_to_host
 
 __all__ = ["ShadowMismatch", "ShadowResult", "ShadowVerifier", "FUSED_ATOL", "FUSED_RTOL", "ACTIONS"]
@@ -144,7 +141,7 @@ class ShadowVerifier:
         slots = logical_to_host(topk_row.reshape(1, -1).cpu(), token_row.reshape(1, -1).cpu())[0]
         valid = slots >= 0
         k = slots.numel()
-        staged = _stage_rows(read_rows(slots.clamp(min=0).to(torch.int64)), device)
+        staged = read_rows(slots.clamp(min=0).to(torch.int64)).to(device)
         indices = torch.where(valid, torch.arange(k, dtype=torch.int32), torch.full((k,), -1, dtype=torch.int32))
         ref = attention_op(
             query.unsqueeze(0),
@@ -172,12 +169,3 @@ class ShadowVerifier:
             if self.action == "fail":
                 raise ShadowMismatch(f"sparse decode offload: {result.describe()} (verify_action 'fail')")
         return result
-
-
-def _stage_rows(host_rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``[K', D]`` device copy of the ``[K, D]`` host rows, ``K' = K`` rounded up to
-    :data:`FLAT_ROWS_MULTIPLE` (rows past ``K`` are zero and never indexed)."""
-    k, dim = host_rows.shape
-    staged = torch.zeros((-(-k // FLAT_ROWS_MULTIPLE) * FLAT_ROWS_MULTIPLE, dim), dtype=host_rows.dtype, device=device)
-    staged[:k].copy_(host_rows)
-    return staged

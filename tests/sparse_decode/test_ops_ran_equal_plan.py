@@ -26,50 +26,11 @@ import shutil
 from collections import Counter
 
 import pytest
-import torch
 from op_recorder import planned, record_ops
 
-from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
-from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
+from .engine_steps import FUSED, SMALL, run_steps
 
-SMALL = dict(rows=3, top_k=8, hot=16, latent=16, rope=8, heads=2, max_ctx=64, steps=6, layers=2)
-#: the shapes the fused kernels take (ops/fused.py), few steps: the functional model is slow
-FUSED = dict(rows=2, top_k=128, hot=256, latent=512, rope=64, heads=16, max_ctx=512, steps=3, layers=1)
 HAVE_CXX = shutil.which(os.environ.get("CXX", "g++")) is not None
-
-
-def run_steps(ops: str, manage_impl: str, dims: dict, seed: int = 0, captured: bool = False):
-    """An engine of ``dims`` over a filled host pool, ``steps`` decode steps of every row
-    (contexts growing, random distinct top-k), eager (:meth:`run_layer`) or in the captured
-    form a decode graph records (:meth:`captured_layer_step`); returns the engine."""
-    rows, k, hot, ctx, layers = dims["rows"], dims["top_k"], dims["hot"], dims["max_ctx"], dims["layers"]
-    latent, rope, heads = dims["latent"], dims["rope"], dims["heads"]
-    pool = HostKVPool.allocate(HostPoolShape(layers, rows * ctx, latent, rope), "pinned")
-    gen = torch.Generator().manual_seed(seed)
-    slots = torch.arange(rows * ctx, dtype=torch.int64)
-    for layer in range(layers):
-        pool.write_rows(layer, slots, torch.randn(rows * ctx, latent + rope, generator=gen).to(torch.bfloat16))
-    config = EngineConfig(layers, rows, hot, k, latent, rope, ops=ops, manage_impl=manage_impl, max_context=ctx)
-    engine = SparseDecodeEngine(config, pool, device="cpu")
-    table = slots.to(torch.int32).view(rows, ctx)  # row r, position p -> host slot r * ctx + p
-    req_ids, batch_rows = torch.arange(rows), torch.arange(rows)
-    for step in range(dims["steps"]):
-        length = ctx // 2 + step
-        stable = torch.full((rows,), length, dtype=torch.int32)
-        engine.begin_step(req_ids, table, stable, rows=batch_rows, captured=captured)
-        for layer in range(layers):
-            topk = torch.stack([torch.randperm(length, generator=gen)[:k] for _ in range(rows)]).to(torch.int32)
-            query = torch.randn(rows, heads, latent, generator=gen).to(torch.bfloat16)
-            query_rope = torch.randn(rows, heads, rope, generator=gen).to(torch.bfloat16)
-            if captured:
-                host = pool.layer(layer)
-                step_t = torch.tensor(engine.step_index)
-                engine.captured_layer_step(
-                    layer, batch_rows, topk, req_ids, stable, step_t, host, table, query, query_rope, 0.1
-                )
-            else:
-                engine.run_layer(layer, topk, query, query_rope, 0.1)
-    return engine
 
 
 def assert_ran_the_plan(engine, calls, dims):
@@ -117,7 +78,7 @@ def test_ops_that_ran_are_the_plans(monkeypatch, ops, manage_impl, expected, cap
     if ops == "triton":
         pytest.importorskip("triton")
     calls = record_ops(monkeypatch)
-    engine = run_steps(ops, manage_impl, SMALL, captured=captured)
+    engine, _ = run_steps(ops, manage_impl, SMALL, captured=captured)
     assert planned(engine.plan, ("residency", "miss_copy", "attention")) == expected
     assert_ran_the_plan(engine, calls, SMALL)
 
@@ -128,7 +89,7 @@ def test_ops_that_ran_are_the_plans_with_fused_copy_sfa_on_the_functional_model(
 
     calls = record_ops(monkeypatch)
     try:
-        engine = run_steps("fused", "auto", FUSED)
+        engine, _ = run_steps("fused", "auto", FUSED)
         assert planned(engine.plan, ("residency", "miss_copy", "attention")) == {
             ("residency_manage", "reference", "cpu kernel"),
             ("copy_sparse_flash_attention", "fused", ""),
