@@ -114,3 +114,21 @@ def test_the_npu_device_fallback_is_logged(caplog):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         assert shared._npu_device_index(view) == 1
     assert "torch.npu.current_device() failed" in caplog.text and "uses device 1" in caplog.text
+
+
+@pytest.mark.npu
+def test_on_an_npu_the_group_pool_uses_the_current_device_without_a_fallback(caplog):
+    """On an NPU (a runner, or the stand-in) ``torch.npu.current_device()`` answers: the
+    MemFabric group pool registers that device and nothing is logged."""
+    import torch
+    from npu_requirements import require_npu
+
+    require_npu()
+    torch.npu.set_device(1)
+    try:
+        view = shared.GroupView(rank=0, size=2, group=0, groups=1, broadcast_object=None, barrier=None)
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert shared._npu_device_index(view) == 1
+        assert "current_device() failed" not in caplog.text
+    finally:
+        torch.npu.set_device(0)
