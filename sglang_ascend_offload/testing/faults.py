@@ -365,6 +365,8 @@ FAULTS: Dict[str, Fault] = {
                 "tests/sglang/attention/test_graph_decode_components.py::"
                 "test_graph_decode_equals_eager_with_padding_and_churn",
                 _E2E + "test_offload_graphs_e2e.py::test_graph_offload_eager_offload_and_no_offload_agree",
+                _E2E + "test_graph_speculative_e2e_cpu.py::"
+                "test_verify_graphs_with_offload_agree_with_eager_speculation_without_offload",
             ),
             (),
             "shadow verification does not run in decode graphs (rule sglang.sparse_decode_graph); and the "
