@@ -243,12 +243,17 @@ def dispatch(func, args, kwargs):
     def run():
         return kernel(*cpu_args, **cpu_kwargs)
 
+    capture = graphs.active()
+    if capture is not None:
+        for target in _write_targets(func, args, kwargs).values():
+            for memory in _leaves(target, []):
+                if isinstance(memory, NpuTensor):
+                    capture.keep_before_write(memory._cpu)
     out = run()
     if index is None:  # an npu operand asked for a CPU result (device="cpu")
         return out
     _check_not_resized(func, args, kwargs)
     result = _wrap_outputs(func, args, kwargs, out, index)
-    capture = graphs.active()
     if capture is not None:
         capture.entries.append(graphs.Entry(run, _fresh_outputs(func, out)))
     return result
@@ -331,10 +336,11 @@ def _copy(dst: torch.Tensor, src: torch.Tensor):
     def run():
         target.copy_(cpu_src)
 
-    run()
     capture = graphs.active()
     if capture is not None:
+        capture.keep_before_write(target)
         capture.entries.append(graphs.Entry(run, [], event))
+    run()
     return dst
 
 

@@ -1,12 +1,16 @@
 """Graph capture and replay on the stand-in ``npu`` device (``torch.npu.NPUGraph``).
 
-A real NPU graph records the device work a block issues and replays it later on the
-same memory; host code runs once, at capture. The stand-in does the same at the level
-it sees: every op on ``npu`` tensors dispatched while a capture is open is executed
-once and recorded as an :class:`Entry` (a closure that recomputes it, and the output
-buffers it refreshes); :meth:`Capture.replay` runs the entries again in order, writing
-fresh results into the buffers the capture returned, so tensors a test kept from the
-capture see the replayed values. Ops on CPU tensors alone are host code: not recorded.
+A real NPU graph records the device work a block issues, without running it, and
+replays it later on the same memory; host code runs once, at capture. The stand-in does
+the same at the level it sees: every op on ``npu`` tensors dispatched while a capture is
+open is recorded as an :class:`Entry` (a closure that recomputes it, and the output
+buffers it refreshes). To give later ops of the block their operands' shapes, each op
+is executed at capture too, and every tensor it writes in place is restored when the
+capture ends (:meth:`Capture.undo`, newest first): after the capture, device state is
+what it was before it, as on a device. :meth:`Capture.replay` runs the entries again
+in order, writing fresh results into the buffers the capture returned, so tensors a
+test kept from the capture see the replayed values. Ops on CPU tensors alone are host
+code: not recorded.
 
 What a real capture refuses, the stand-in refuses inside a capture (``RuntimeError``):
 
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -43,7 +47,18 @@ class Entry:
 @dataclass
 class Capture:
     entries: List[Entry] = field(default_factory=list)
+    #: ``(memory written at capture, its content before)``, restored at the end
+    written: List[Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     closed: bool = False
+
+    def keep_before_write(self, memory: torch.Tensor) -> None:
+        """Remember ``memory``'s content before an op of the capture writes it."""
+        self.written.append((memory, memory.clone()))
+
+    def undo(self) -> None:
+        for memory, before in reversed(self.written):
+            memory.copy_(before)
+        self.written.clear()
 
     def replay(self) -> None:
         if not self.closed:
@@ -79,6 +94,7 @@ def end() -> Capture:
         raise RuntimeError("no graph capture is open on this thread")
     capture.closed = True
     _local.capture = None
+    capture.undo()
     return capture
 
 

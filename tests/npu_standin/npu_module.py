@@ -181,8 +181,7 @@ def set_stream(stream: Stream) -> None:
 
 
 @contextlib.contextmanager
-def stream(s: Optional[Stream]):
-    """``with torch.npu.stream(s):`` work goes to ``s`` (``None``: no change)."""
+def _on_stream(s: Optional[Stream]):
     if s is None:
         yield
         return
@@ -197,6 +196,11 @@ def stream(s: Optional[Stream]):
             state.current.pop(s.device_index, None)
         else:
             state.current[s.device_index] = before
+
+
+def stream(stream: Optional[Stream]):
+    """``with torch.npu.stream(s):`` work goes to ``s`` (``None``: no change)."""
+    return _on_stream(stream)
 
 
 def synchronize(device=None) -> None:
@@ -249,8 +253,8 @@ class device:  # noqa: N801 - torch.npu.device is a class in torch_npu
         return False
 
 
-def get_device_name(device=None) -> str:
-    _index(device)
+def get_device_name(device_name=None) -> str:
+    _index(device_name)
     return DEVICE_NAME
 
 
@@ -323,11 +327,18 @@ class NPUGraph:
 
 
 @contextlib.contextmanager
-def graph(npu_graph: NPUGraph, pool=None, stream: Optional[Stream] = None, capture_error_mode: str = "global"):
-    """``with torch.npu.graph(g):`` capture into ``g`` (on a side stream, as torch_npu does)."""
+def graph(
+    npu_graph: NPUGraph,
+    pool=None,
+    stream: Optional[Stream] = None,
+    auto_dispatch_capture: bool = False,
+    capture_error_mode: str = "global",
+):
+    """``with torch.npu.graph(g):`` capture into ``g`` (on a side stream, as torch_npu does;
+    ``auto_dispatch_capture`` is accepted and has no effect here)."""
     _check_type(npu_graph, NPUGraph, "torch.npu.graph", "npu_graph")
     side = Stream() if stream is None else stream
-    with globals()["stream"](side):
+    with _on_stream(side):
         npu_graph.capture_begin(pool, capture_error_mode)
         try:
             yield npu_graph

@@ -18,6 +18,8 @@ tie order may differ (the npu tests compare with tolerances written for that).
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Dict, Optional
 
 import torch
@@ -45,10 +47,12 @@ def _require(ok: bool, op: str, what: str) -> None:
 
 
 def recorded_schemas() -> Dict[str, str]:
-    """``{op: schema}`` of the ops the project calls, as recorded from the wheel."""
-    data = torch_npu_schemas.load()
+    """``{op: schema}`` of the ops the stand-in defines, as recorded from the wheel: the
+    project's (``npu_api/torch_npu_ops.json``) and the rest (``torch_npu_surface.json``)."""
+    ops = dict(torch_npu_schemas.load().get("ops", {}))
+    ops.update(surface()["ops"])
     out = {}
-    for name, texts in dict(data.get("ops", {})).items():
+    for name, texts in ops.items():
         texts = [texts] if isinstance(texts, str) else list(texts)
         if len(texts) != 1:
             raise RuntimeError(f"torch_npu_ops.json: {name} has {len(texts)} schemas; the stand-in defines one")
@@ -265,11 +269,37 @@ def npu_sparse_flash_attention(
     return out, empty, empty.clone()
 
 
+def npu_scatter_nd_update_(input, indices, updates):
+    """``input[indices[..., 0], ..., indices[..., k-1]] = updates`` in place (SGLang's NPU
+    pools write the KV of new tokens with it)."""
+    op = "npu_scatter_nd_update_"
+    _require(indices.dtype in (torch.int32, torch.int64), op, "indices must be int32 / int64")
+    k = indices.shape[-1]
+    _require(1 <= k <= input.dim(), op, f"indices' last dim {k} must index 1..{input.dim()} leading dims")
+    expected = (*indices.shape[:-1], *input.shape[k:])
+    _require(tuple(updates.shape) == expected, op, f"updates must be {expected}, got {tuple(updates.shape)}")
+    _require(updates.dtype == input.dtype, op, "updates must have input's dtype")
+    where = tuple(indices.to(torch.int64).unbind(-1))
+    input[where] = updates
+    return input
+
+
+#: the torch_npu ops the project calls (schemas in npu_api/torch_npu_ops.json)
 KERNELS = {
     "npu_lightning_indexer": npu_lightning_indexer,
     "npu_quant_lightning_indexer": npu_quant_lightning_indexer,
     "npu_sparse_flash_attention": npu_sparse_flash_attention,
 }
+#: torch_npu ops SGLang's NPU paths the npu tests run call (schemas in torch_npu_surface.json)
+SGLANG_KERNELS = {"npu_scatter_nd_update_": npu_scatter_nd_update_}
+
+SURFACE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_npu_surface.json")
+
+
+def surface() -> dict:
+    """What ``record_surface.py`` read from the torch_npu wheel."""
+    with open(SURFACE_FILE, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def python_binding(name: str):
@@ -317,11 +347,12 @@ def register() -> None:
     if _library is not None:
         return
     schemas = recorded_schemas()
-    missing = sorted(set(KERNELS) - set(schemas))
+    kernels = {**KERNELS, **SGLANG_KERNELS}
+    missing = sorted(set(kernels) - set(schemas))
     if missing:
-        raise RuntimeError(f"torch_npu_ops.json records no schema for {missing}")
+        raise RuntimeError(f"no recorded schema for {missing} (torch_npu_ops.json / torch_npu_surface.json)")
     lib = torch.library.Library(NAMESPACE, "DEF")
-    for name, kernel in KERNELS.items():
+    for name, kernel in kernels.items():
         lib.define(schemas[name])
         device.KERNELS[getattr(getattr(torch.ops, NAMESPACE), name).default] = kernel
     _library = lib

@@ -24,7 +24,7 @@ npu_standin.install()
 __version__ = "2.13.0+standin"
 npu = torch.npu
 
-for _name in torch_npu_ops.KERNELS:
+for _name in (*torch_npu_ops.KERNELS, *torch_npu_ops.SGLANG_KERNELS):
     globals()[_name] = torch_npu_ops.python_binding(_name)
 for _name in torch_npu_ops.UNMODELLED:
     globals()[_name] = torch_npu_ops.unmodelled(_name)
