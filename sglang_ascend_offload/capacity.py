@@ -64,8 +64,9 @@ class CapacityInputs:
     mtp: speculative decoding with the model's MTP layers (they carry KV too).
     hot_tokens: sparse decode hot-buffer slots per layer and request, shared by its verify
         rows; None = the served default (``sparse_decode.sizing.default_hot_tokens``:
-        max(2, rows_per_request) x top-k rounded up to the page size). Must hold the
-        union of the verify rows' top-k (rows_per_request x top-k), as the server requires.
+        2 x top-k rounded up to the page size, with or without verify rows). Must be >=
+        top-k, as the server requires; with verify rows the plan adds the overflow area
+        for rounds whose union exceeds it (``sparse_decode/overflow.py``).
     rows: requests with a hot row (fixed); None = sized with the request count. Either
         way the engine adds its fixed rows (SGLang's padding slot and the sink row:
         :meth:`hot_plan`). rows_per_request: query tokens per request in a decode step
@@ -214,6 +215,9 @@ class HotBufferReport:
     verify row would take (``rows_per_request x hot_tokens_per_row``), for comparison.
     fixed_hot_rows: hot rows that serve no request (SGLang's padding slot, the engine's
     sink row, a P/D decode's extra slots); device_fixed_bytes: their bytes.
+    overflow_slots_per_request: rows of the overflow area per request (one area for all
+    layers, for the rounds whose verify rows' union exceeds the buffer; 0 = none), part
+    of ``device_bytes_per_request``.
     """
 
     rows_per_request: int
@@ -224,6 +228,7 @@ class HotBufferReport:
     per_row_hot_tokens_per_request: int
     fixed_hot_rows: int
     device_fixed_bytes: int
+    overflow_slots_per_request: int = 0
 
 
 @dataclass(frozen=True)
@@ -296,18 +301,14 @@ def input_problems(inputs: CapacityInputs, model: Optional[ModelShape]) -> List[
         )
     if model is None:
         return out
-    verify_rows = inputs.rows_per_req(model)
-    if inputs.hot_tokens is not None and verify_rows >= 1:
-        need = hot_sizing.required_hot_tokens(model.index_topk, verify_rows)
-        if 1 <= inputs.hot_tokens < need:
-            shared = f"{verify_rows} verify rows x " if verify_rows > 1 else ""
-            least = hot_sizing.least_hot_tokens(model.index_topk, inputs.page_size, verify_rows)
-            bad(
-                "hot_tokens",
-                f"hot_tokens {inputs.hot_tokens} < {shared}top-k {model.index_topk} of {model.name}",
-                f"--hot-tokens must be >= {least} (every row a request's verify rows select needs a slot; the "
-                "server refuses less), or leave it out",
-            )
+    if inputs.hot_tokens is not None and 1 <= inputs.hot_tokens < hot_sizing.required_hot_tokens(model.index_topk):
+        least = hot_sizing.least_hot_tokens(model.index_topk, inputs.page_size)
+        bad(
+            "hot_tokens",
+            f"hot_tokens {inputs.hot_tokens} < top-k {model.index_topk} of {model.name}",
+            f"--hot-tokens must be >= {least} (a row's top-k needs a slot each; the server refuses less), "
+            "or leave it out",
+        )
     n_cache = model.cache_layers(inputs.mtp)
     if inputs.independent_layers > n_cache:
         bad(
@@ -354,6 +355,7 @@ def hot_buffer_report(model: ModelShape, inputs: CapacityInputs) -> HotBufferRep
         per_row_hot_tokens_per_request=n * per_row,
         fixed_hot_rows=hot_plan.fixed_hot_rows,
         device_fixed_bytes=hot_plan.fixed_hot_rows * hot_plan.device_bytes_per_row,
+        overflow_slots_per_request=hot_plan.overflow_slots,
     )
 
 
@@ -379,9 +381,14 @@ def _hot_description(model: ModelShape, inputs: CapacityInputs) -> str:
     fixed = f" (+ {hb.fixed_hot_rows} fixed rows: padding slot, sink{extra})"
     if not hb.verify_rows_share_buffer:
         return f"{hb.hot_tokens_per_request} hot rows/layer/decode row{fixed}"
+    overflow = (
+        f", + {hb.overflow_slots_per_request} overflow rows/request for all layers (rounds whose union exceeds it)"
+        if hb.overflow_slots_per_request
+        else ""
+    )
     return (
         f"{hb.hot_tokens_per_request} hot rows/layer/request, one buffer shared by its {hb.rows_per_request} "
-        f"verify rows{fixed}"
+        f"verify rows{overflow}{fixed}"
     )
 
 

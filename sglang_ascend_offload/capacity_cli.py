@@ -74,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument(
         "--hot-tokens",
         help="sparse decode hot slots per layer and request, shared by its verify rows (default "
-        "max(2, rows per request) x top-k rounded up to the page size, as the server resolves it); "
-        "at least rows per request x top-k",
+        "2 x top-k rounded up to the page size, as the server resolves it); at least top-k (verify rounds "
+        "whose union exceeds it use the overflow area, counted per request)",
     )
     work.add_argument(
         "--rows",

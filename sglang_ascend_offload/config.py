@@ -44,9 +44,11 @@ class SparseDecodeOffloadConfig:
     the device hot buffers only the top-k rows not yet resident (docs/sparse_decode.md).
 
     hot_tokens: device slots per layer and request (a request's speculative verify rows
-        share them); ``None`` = max(2, verify rows) x top-k rounded up to a multiple of
-        the KV page size (``sparse_decode/sizing.py``, the hot-buffer plan). Must be >=
-        verify rows x top-k and a multiple of the KV page size.
+        share them); ``None`` = 2 x top-k rounded up to a multiple of the KV page size,
+        with or without speculation (``sparse_decode/sizing.py``, the hot-buffer plan).
+        Must be >= top-k and a multiple of the KV page size; a verify round whose rows'
+        union does not fit is served exactly from the overflow area
+        (``sparse_decode/overflow.py``).
     host_pool_tokens: token rows of the host pool (per DP rank, all layers);
         ``None`` = SGLang's own token capacity (``max_total_tokens``). Where the fused
         Copy-SFA reads the pool, its rows per layer are rounded up to a multiple of 32
@@ -216,7 +218,7 @@ def _residency_shape(sd: "SparseDecodeOffloadConfig", d: "Deployment") -> dict:
     nothing without the top-k."""
     if d.index_topk is None:
         return {}
-    hot = _hot_sizing.resolve_hot_tokens(sd.hot_tokens, d.index_topk, d.page_size, d.verify_rows)
+    hot = _hot_sizing.resolve_hot_tokens(sd.hot_tokens, d.index_topk, d.page_size)
     return dict(hot_tokens=hot, top_k=d.index_topk)
 
 
@@ -810,21 +812,6 @@ def _check_sparse_decode_hot_tokens(sd: "SparseDecodeOffloadConfig", d: Deployme
             f"set hot_tokens >= {_hot_sizing.least_hot_tokens(d.index_topk, d.page_size)} "
             f"({_hot_sizing.default_hot_tokens(d.index_topk, d.page_size)} recommended: "
             "2 x top-k rounded up to the page size)",
-        )
-    verify_rows = d.verify_rows
-    if (
-        verify_rows > 1
-        and sd.hot_tokens is not None
-        and d.index_topk is not None
-        and sd.hot_tokens < _hot_sizing.required_hot_tokens(d.index_topk, verify_rows)
-    ):
-        add(
-            "sparse_decode.hot_tokens_verify_rows",
-            f"hot_tokens={sd.hot_tokens} < {verify_rows} verify rows x "
-            f"top-k {d.index_topk}: a request's verify rows share one hot buffer, which must hold the union of "
-            "their top-k",
-            f"set hot_tokens >= {_hot_sizing.least_hot_tokens(d.index_topk, d.page_size, verify_rows)}, or leave "
-            "it unset (the default is that with speculation)",
         )
     if sd.hot_tokens is not None and d.page_size is not None and sd.hot_tokens % d.page_size:
         add(

@@ -365,7 +365,7 @@ class QualifyRequest:
         sd, m, n = self.sparse_decode, self.model, self.verify_rows
         top_k = m.index_topk
         return ServedShape(
-            hot_tokens=resolve_hot_tokens(sd.hot_tokens, top_k, self.page_size, n),
+            hot_tokens=resolve_hot_tokens(sd.hot_tokens, top_k, self.page_size),
             top_k=top_k,
             rows_per_request=n,
             indexer_dtype=sd.indexer_dtype,

@@ -151,11 +151,6 @@ _ALL = (
             "round hot_tokens to a multiple of the page size",
         ),
         (
-            "sparse_decode.hot_tokens_verify_rows",
-            "hot_tokens holds the union of a request's verify rows' top-k (verify rows x top-k)",
-            "raise hot_tokens or leave it unset",
-        ),
-        (
             "sparse_decode.prefill_node",
             "a decode or colocated node: sparse decode offload is a decode-side feature",
             "enable it on the decode node",

@@ -380,18 +380,24 @@ def test_sparse_decode_row_bytes_match_hot_buffers_and_residency_tables():
 
     layers = TINY.num_layers  # hot buffers of the target layers only (MTP KV stays on device)
 
-    def hot_bytes(rows, slots):
+    def hot_bytes(rows, slots, overflow=0):
         return HotBuffers(
-            layers=layers, rows=rows, hot_tokens=slots, row_dim=TINY.main_kv_dim, dtype=torch.bfloat16
+            layers=layers,
+            rows=rows,
+            hot_tokens=slots,
+            row_dim=TINY.main_kv_dim,
+            dtype=torch.bfloat16,
+            overflow_slots=overflow,
         ).nbytes
 
     def table_bytes(rows, slots):
         table = ResidencyTable.empty(rows=rows, hot_tokens=slots)
         return sum(t.numel() * t.element_size() for t in (table.slot_token, table.slot_stamp, table.row_req))
 
-    def engine_row(slots):
+    def engine_row(slots, overflow=0):
         """What one more engine row costs (the engine's fixed padding sink row is not per request)."""
-        return hot_bytes(2, slots) - hot_bytes(1, slots) + layers * (table_bytes(2, slots) - table_bytes(1, slots))
+        hot = hot_bytes(2, slots, overflow) - hot_bytes(1, slots, overflow)
+        return hot + layers * (table_bytes(2, slots) - table_bytes(1, slots))
 
     for mtp in (False, True):
         inp = CapacityInputs(
@@ -399,7 +405,9 @@ def test_sparse_decode_row_bytes_match_hot_buffers_and_residency_tables():
         )
         assert by_name(plan(TINY, inp))["sparse-decode"].device_bytes_per_request == engine_row(8)
     # With MTP a request decodes 1 + MTP-layers verify rows by default (here 2); they share one
-    # engine row of hot_tokens slots, by default max(2, rows) x top-k rounded up to the page (16).
+    # engine row of hot_tokens slots, by default 2 x top-k rounded up to the page (16), and the
+    # overflow area's rows for the union beyond it (rows x top-k - hot_tokens, in 16-row blocks).
+    top_k = TINY.index_topk
     for rows_per_request, hot_tokens, slots in ((None, 8, 8), (2, 8, 8), (4, None, 16), (4, 32, 32)):
         inp = CapacityInputs(
             hbm_bytes=GIB,
@@ -411,8 +419,10 @@ def test_sparse_decode_row_bytes_match_hot_buffers_and_residency_tables():
             rows_per_request=rows_per_request,
         )
         assert inp.hot_per_request(TINY) == slots
+        beyond = (rows_per_request or 2) * top_k - slots
+        overflow = -(-beyond // 16) * 16 if beyond > 0 else 0
         sd = by_name(plan(TINY, inp))["sparse-decode"]
-        assert sd.device_bytes_per_request == engine_row(slots), rows_per_request
+        assert sd.device_bytes_per_request == engine_row(slots, overflow), rows_per_request
 
 
 def test_layerwise_buffers_match_the_buffer_planner():
@@ -444,35 +454,42 @@ def test_verify_rows_share_one_hot_buffer_per_request():
         inp = inputs(mtp=True, indexer_dtype="int8", rows_per_request=rows_per_request)
         report = plan(m, inp)
         hb = report.hot_buffer
-        slots = max(2 * m.index_topk, rows_per_request * m.index_topk)  # the served default
+        slots = 2 * m.index_topk  # the served default, with or without verify rows
+        overflow = max(0, rows_per_request * m.index_topk - slots)  # the union beyond it (one area, all layers)
         assert (hb.rows_per_request, hb.hot_tokens_per_row, hb.hot_tokens_per_request) == (
             rows_per_request,
             2 * m.index_topk,
             slots,
         )
+        assert hb.overflow_slots_per_request == overflow
         assert hb.verify_rows_share_buffer and hb.per_row_hot_tokens_per_request == rows_per_request * 2 * m.index_topk
         sd = by_name(report)["sparse-decode"]
-        assert (
-            sd.device_bytes_per_request == hb.device_bytes_per_request == m.num_layers * (slots * 1152 + slots * 12 + 8)
-        )
+        per_request = m.num_layers * (slots * 1152 + slots * 12 + 8) + overflow * 1152
+        assert sd.device_bytes_per_request == hb.device_bytes_per_request == per_request
         assert (
             hb.fixed_hot_rows == 2 and sd.device_fixed_bytes == hb.device_fixed_bytes == 2 * sd.device_bytes_per_request
         )
         assert f"{slots} hot rows/layer/request" in sd.description
         old = _per_row_design(m, inp)
         assert sd.requests >= old.requests
-    # DeepSeek-V3.2 at MTP-3 (4 verify rows): 8,192 slots per request instead of 4 x 4,096
+    # DeepSeek-V3.2 at MTP-3 (4 verify rows): plain decode's 4,096 slots per request (+ 4,096
+    # overflow rows for all layers) instead of 4 x 4,096: as many requests as MTP-1 (issue 50)
     inp = inputs(mtp=True, indexer_dtype="int8", rows_per_request=4)
     new, old = by_name(plan(m, inp))["sparse-decode"], _per_row_design(m, inp)
     peer = by_name(plan(m, inp))["sglang-npu-offload"]
-    assert plan(m, inp).hot_buffer.hot_tokens_per_request == 8192
-    assert new.requests >= 1.3 * old.requests and new.requests >= peer.requests
-    # a larger --hot-tokens is kept; one below rows x top-k is refused, as the server refuses it
+    mtp1 = by_name(plan(m, inputs(mtp=True, indexer_dtype="int8", rows_per_request=2)))["sparse-decode"]
+    assert plan(m, inp).hot_buffer.hot_tokens_per_request == 4096
+    assert new.requests >= 45 and new.requests == mtp1.requests
+    assert new.requests >= 1.5 * old.requests and new.requests >= peer.requests
+    # the worst-case sizing (4 x top-k, no overflow) holds fewer: what the default gains
+    worst = by_name(plan(m, inputs(mtp=True, indexer_dtype="int8", rows_per_request=4, hot_tokens=8192)))
+    assert worst["sparse-decode"].requests < new.requests
+    # a larger --hot-tokens is kept; one below top-k is refused, as the server refuses it
     assert inputs(mtp=True, rows_per_request=4, hot_tokens=12288).hot_per_request(m) == 12288
     with pytest.raises(ConfigError) as info:
-        plan(m, inputs(mtp=True, rows_per_request=4, hot_tokens=4096))
+        plan(m, inputs(mtp=True, rows_per_request=4, hot_tokens=1024))
     (v,) = info.value.violations
-    assert v.rule == "capacity.hot_tokens" and "4 verify rows x top-k 2048" in v.problem and ">= 8192" in v.fix
+    assert v.rule == "capacity.hot_tokens" and "top-k 2048" in v.problem and ">= 2048" in v.fix
     # without speculation nothing changes: one row per request, --hot-tokens slots
     plain = plan(m, inputs(indexer_dtype="int8")).hot_buffer
     assert (plain.rows_per_request, plain.hot_tokens_per_request, plain.verify_rows_share_buffer) == (1, 4096, False)
@@ -500,14 +517,15 @@ def test_cli_mtp_reports_the_shared_buffer(capsys):
     assert data["hot_buffer"] == {
         "rows_per_request": 4,
         "hot_tokens_per_row": 4096,
-        "hot_tokens_per_request": 8192,
+        "hot_tokens_per_request": 4096,
         "verify_rows_share_buffer": True,
         "per_row_hot_tokens_per_request": 16384,
-        "device_bytes_per_request": 61 * (8192 * 1152 + 8192 * 12 + 8),
+        "device_bytes_per_request": 61 * (4096 * 1152 + 4096 * 12 + 8) + 4096 * 1152,
         "fixed_hot_rows": 2,
-        "device_fixed_bytes": 2 * 61 * (8192 * 1152 + 8192 * 12 + 8),
+        "device_fixed_bytes": 2 * (61 * (4096 * 1152 + 4096 * 12 + 8) + 4096 * 1152),
+        "overflow_slots_per_request": 4096,
     }
     modes = {m_["name"]: m_ for m_ in data["modes"]}
     assert modes["sparse-decode"]["requests"] >= modes["sglang-npu-offload"]["requests"]
     rc, out, _ = run_cli(capsys, *argv)
-    assert rc == 0 and "hot 8192/request (shared by its verify rows)" in out.splitlines()[0]
+    assert rc == 0 and "hot 4096/request (shared by its verify rows)" in out.splitlines()[0]

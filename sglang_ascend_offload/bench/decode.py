@@ -12,11 +12,14 @@ One run reports, for the same trace and hot-buffer size:
 * every available policy's misses at the same capacity (residency only).
 
 ``--mtp N`` (speculative verify, ``N`` draft tokens) instead turns the trace into rounds
-of ``N + 1`` verify rows per request and replays two designs side by side, both
+of ``N + 1`` verify rows per request (or replays a recorded speculative trace, ``--trace``
+of a NextN server's ``record_trace``) and replays two designs side by side, both
 verified the same way: **per_row** (one engine row and hot buffer of ``--hot-tokens``
 per verify row) and **per_request** (one per request, shared by its rows through the
-union of their top-k, ``--mtp-hot-tokens`` slots), with H2D bytes per round, device
-hot bytes per request, hit rates and Belady's optimum of each.
+union of their top-k, ``--mtp-hot-tokens`` slots; a round whose union exceeds them is
+served from the overflow area), with H2D bytes per round, device hot bytes per request,
+hit rates, overflow counts and Belady's optimum of each, and the distribution of the
+union over top-k (``union_over_top_k``, also per layer).
 
 Without ``--trace`` a synthetic trace is generated (``--shape``; the model is in
 ``docs/sparse_decode.md``). ``--profile-shape`` instead times warm decode steps at
@@ -58,7 +61,7 @@ def _default_policy() -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..sparse_decode.policies import POLICIES
 
-    parser.add_argument("--trace", metavar="FILE", help=".npz trace (default: synthesise one)")
+    parser.add_argument("--trace", metavar="FILE", help=".npz trace, a speculative one with --mtp (default: synthetic)")
     parser.add_argument(
         "--hot-tokens",
         type=int,
@@ -97,9 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mtp",
         type=int,
         metavar="N",
-        help="MTP with N draft tokens: rounds of N + 1 verify rows per request derived from the trace; "
-        "replays one hot buffer per verify row (per_row, --hot-tokens each) and one per request "
-        "(per_request, --mtp-hot-tokens) side by side",
+        help="MTP with N draft tokens: rounds of N + 1 verify rows per request derived from the trace (or "
+        "those of a recorded speculative trace); replays one hot buffer per verify row (per_row, --hot-tokens "
+        "each) and one per request (per_request, --mtp-hot-tokens) side by side",
     )
     mtp.add_argument(
         "--mtp-accept",
@@ -111,8 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mtp-hot-tokens",
         type=int,
         metavar="H",
-        help="hot slots per layer and request of the per_request design (>= (N + 1) x top-k; "
-        "default max(2, N + 1) x top-k)",
+        help="hot slots per layer and request of the per_request design (>= top-k; default 2 x top-k, "
+        "the server's: rounds whose union exceeds it are served from the overflow area)",
     )
     prof = parser.add_argument_group("production-shape timing (--profile-shape)")
     prof.add_argument(
@@ -374,7 +377,12 @@ class MtpDesignResult:
     Bytes count bf16 rows of ``row_bytes`` (latent + rope); ``hit_rate`` is the share of
     the verify rows' own top-k entries that were resident (``row_hits / row_selected``,
     comparable across designs), ``unique_hit_rate`` the share of lookups that hit (per
-    request, a position several rows select is one lookup).
+    request, a position several rows select is one lookup). ``misses_over_opt`` compares
+    every fetch (misses + overflow positions) with Belady's misses at the same capacity
+    (with overflow too: ``belady.belady_misses``). ``h2d_bytes`` counts every
+    host -> device row: the residency's misses and the overflow area's copies
+    (``overflow_h2d_bytes``; ``overflow_rounds`` requests' rounds overflowed by
+    ``overflow_positions`` positions, per layer in ``overflow_per_layer``).
     """
 
     design: str
@@ -396,6 +404,10 @@ class MtpDesignResult:
     checks: int
     failures: List[str]
     wall_s: float
+    overflow_rounds: int = 0
+    overflow_positions: int = 0
+    overflow_h2d_bytes: int = 0
+    overflow_per_layer: Optional[List[Dict[str, int]]] = None
 
 
 def _mtp_rows(args) -> int:
@@ -405,10 +417,11 @@ def _mtp_rows(args) -> int:
 
 def _mtp_hot_tokens(args, top_k: int) -> Dict[str, int]:
     """Hot slots per layer and engine row of each design: per verify row (``--hot-tokens``,
-    default 2 x top-k) and per request (``--mtp-hot-tokens``, default max(2, n) x top-k)."""
-    n = _mtp_rows(args)
-    per_row = args.hot_tokens if args.hot_tokens is not None else 2 * top_k
-    per_request = args.mtp_hot_tokens if args.mtp_hot_tokens is not None else max(2 * top_k, n * top_k)
+    default 2 x top-k) and per request (``--mtp-hot-tokens``, default the server's, 2 x top-k)."""
+    from ..sparse_decode.sizing import default_hot_tokens
+
+    per_row = args.hot_tokens if args.hot_tokens is not None else default_hot_tokens(top_k, None)
+    per_request = args.mtp_hot_tokens if args.mtp_hot_tokens is not None else default_hot_tokens(top_k, None)
     return {"per_row": per_row, "per_request": per_request}
 
 
@@ -441,7 +454,6 @@ def _mtp_topk_problems(args, top_k: int) -> List[str]:
     """Problems of the hot-buffer sizes against the trace's ``top_k`` (both designs must fit a round)."""
     if args.mtp < 1 or top_k < 1:
         return []
-    n = _mtp_rows(args)
     hot = _mtp_hot_tokens(args, top_k)
     problems = []
     if args.hot_tokens is not None and 1 <= hot["per_row"] < top_k:
@@ -449,19 +461,34 @@ def _mtp_topk_problems(args, top_k: int) -> List[str]:
             f"--hot-tokens {hot['per_row']} < the trace's top-k {top_k}: a verify row's selection "
             "must fit its buffer (per_row design)"
         )
-    if args.mtp_hot_tokens is not None and 1 <= hot["per_request"] < n * top_k:
+    if args.mtp_hot_tokens is not None and 1 <= hot["per_request"] < top_k:
         problems.append(
-            f"--mtp-hot-tokens {hot['per_request']} < {n} verify rows x top-k {top_k} = {n * top_k}: "
-            "the union of a request's rows' top-k must fit its buffer (per_request design)"
+            f"--mtp-hot-tokens {hot['per_request']} < the trace's top-k {top_k}: every verify row's "
+            "selection must fit its request's buffer (per_request design)"
         )
     return problems
 
 
 def _mtp_trace(args):
-    """``(SpecTrace, trace source dict)`` from the base trace (``--trace`` or synthetic);
-    ValueError listing the hot-buffer problems against a recorded trace's top-k."""
-    from ..sparse_decode.spec_trace import speculative_from_trace
+    """``(SpecTrace, trace source dict)`` from the base trace (``--trace`` or synthetic), or
+    a recorded speculative trace (``--trace``); ValueError listing the hot-buffer problems
+    against a recorded trace's top-k."""
+    from ..sparse_decode.spec_trace import is_spec_trace, load_spec_trace, speculative_from_trace
 
+    if args.trace and is_spec_trace(args.trace):
+        spec = load_spec_trace(args.trace)
+        if spec.rows_per_request != _mtp_rows(args):
+            raise ValueError(
+                f"{args.trace} holds rounds of {spec.rows_per_request} verify rows (MTP "
+                f"{spec.rows_per_request - 1}); pass --mtp {spec.rows_per_request - 1}"
+            )
+        for name in ("mtp_accept",):
+            if getattr(args, name) is not None:
+                raise ValueError("--mtp-accept derives rounds from a decode trace; a speculative trace has its own")
+        problems = _mtp_topk_problems(args, spec.top_k)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return spec, {"source": args.trace, "speculative": True}
     base, source = _load_or_synthesize(args)
     problems = _mtp_topk_problems(args, base.top_k) if args.trace else []
     if problems:
@@ -502,12 +529,13 @@ def _mtp_design(spec, design: str, hot_tokens: int, args, policy: str, row_bytes
     total = res.stats.total
     opt = opt_misses(spec, design, hot_tokens)
     n = spec.rows_per_request
+    h2d = total.h2d_bytes + total.overflow_h2d_bytes
     return MtpDesignResult(
         design=design,
         hot_tokens=hot_tokens,
         engine_rows=spec.requests * (n if design == "per_row" else 1),
-        h2d_bytes=total.h2d_bytes,
-        h2d_bytes_per_round=total.h2d_bytes / res.rounds if res.rounds else None,
+        h2d_bytes=h2d,
+        h2d_bytes_per_round=h2d / res.rounds if res.rounds else None,
         device_hot_bytes_per_request=_mtp_device_hot_bytes(design, hot_tokens, n, spec.layers, row_bytes),
         hit_rate=total.row_hit_rate,
         unique_hit_rate=total.hit_rate,
@@ -517,11 +545,18 @@ def _mtp_design(spec, design: str, hot_tokens: int, args, policy: str, row_bytes
         row_selected=total.row_selected,
         row_hits=total.row_hits,
         opt_misses=opt,
-        misses_over_opt=total.misses / opt if opt else None,
+        misses_over_opt=(total.misses + total.overflow_positions) / opt if opt else None,
         verified=res.verified,
         checks=res.checks,
         failures=list(res.failures),
         wall_s=res.wall_s,
+        overflow_rounds=total.overflow_rounds,
+        overflow_positions=total.overflow_positions,
+        overflow_h2d_bytes=total.overflow_h2d_bytes,
+        overflow_per_layer=[
+            {"layer": i, "overflow_rounds": c.overflow_rounds, "overflow_positions": c.overflow_positions}
+            for i, c in enumerate(res.stats.per_layer)
+        ],
     )
 
 
@@ -602,17 +637,23 @@ def run_mtp(args) -> Dict[str, Any]:
 def _union_stats(spec) -> Dict[str, Optional[float]]:
     """Distribution of the union of a request's verify rows' top-k over top-k (what the
     per-request buffer must hold; ``rows_per_request`` is its bound)."""
-    from ..sparse_decode.spec_trace import union_sizes
+    from ..sparse_decode.spec_trace import union_sizes, union_sizes_by_layer
 
-    sizes = union_sizes(spec) / float(spec.top_k)
+    out = _distribution(union_sizes(spec) / float(spec.top_k))
+    out["bound"] = float(spec.rows_per_request)
+    out["per_layer"] = [_distribution(s / float(spec.top_k)) for s in union_sizes_by_layer(spec)]
+    return out
+
+
+def _distribution(sizes: np.ndarray) -> Dict[str, Optional[float]]:
+    """mean, p50, p99, max of ``sizes`` (``None`` each when empty)."""
     if sizes.size == 0:
-        return {"mean": None, "p50": None, "p99": None, "max": None, "bound": float(spec.rows_per_request)}
+        return {"mean": None, "p50": None, "p99": None, "max": None}
     return {
         "mean": float(sizes.mean()),
         "p50": float(np.percentile(sizes, 50)),
         "p99": float(np.percentile(sizes, 99)),
         "max": float(sizes.max()),
-        "bound": float(spec.rows_per_request),
     }
 
 
@@ -663,6 +704,8 @@ def _print_mtp(r: Dict[str, Any]) -> None:
         ("misses", f"{row['misses']}", f"{req['misses']}", _fmt(ratio["misses"], ".3f")),
         ("Belady optimum misses", f"{row['opt_misses']}", f"{req['opt_misses']}", ""),
         ("misses / optimum", _fmt(row["misses_over_opt"], ".3f"), _fmt(req["misses_over_opt"], ".3f"), ""),
+        ("overflow rounds (request x layer)", f"{row['overflow_rounds']}", f"{req['overflow_rounds']}", ""),
+        ("overflow positions", f"{row['overflow_positions']}", f"{req['overflow_positions']}", ""),
     ]
     print(f"\n{'':<34}{'per_row':>12}{'per_request':>14}{'per_request/per_row':>22}")
     for name, a, b, c in lines:
@@ -673,6 +716,14 @@ def _print_mtp(r: Dict[str, Any]) -> None:
             f"\nunion of a request's verify rows' top-k / top-k (what one shared buffer holds): mean {u['mean']:.2f}, "
             f"p50 {u['p50']:.2f}, p99 {u['p99']:.2f}, max {u['max']:.2f} (bound {u['bound']:g})"
         )
+        for layer, d in enumerate(u["per_layer"]):
+            if d["mean"] is not None:
+                stats = ", ".join(f"{key} {d[key]:.2f}" for key in ("mean", "p50", "p99", "max"))
+                print(f"  layer {layer}: {stats}")
+        for layer, d in enumerate(u["per_layer"]):
+            if d["mean"] is not None:
+                stats = ", ".join(f"{key} {d[key]:.2f}" for key in ("mean", "p50", "p99", "max"))
+                print(f"  layer {layer}: {stats}")
     print(f"\nlast column: per_request / per_row (hit rate: per_request - per_row); replay wall {r['wall_s']:.1f} s")
 
 

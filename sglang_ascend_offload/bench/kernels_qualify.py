@@ -79,7 +79,7 @@ def run(args) -> dict:
 
     def shape_of(dtype: str) -> ServedShape:
         return ServedShape(
-            hot_tokens=resolve_hot_tokens(args.hot_tokens, top_k, args.page_size, args.verify_rows),
+            hot_tokens=resolve_hot_tokens(args.hot_tokens, top_k, args.page_size),
             top_k=top_k,
             rows_per_request=args.verify_rows,
             indexer_dtype=dtype,

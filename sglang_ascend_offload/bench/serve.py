@@ -18,7 +18,7 @@ round: a ratio between two runs then compares rounds taken minutes apart at most
 under the same drift of a shared machine's load (idle servers sleep:
 ``--sleep-on-idle``).
 
-Runs are named ``[no_]offload[_eager|_graph][_spec][_mrrN]``:
+Runs are named ``[no_]offload[_eager|_graph][_spec][_hotH][_mrrN]``:
 
 * ``offload``: ``--enable-sparse-decode-offload`` with ``--offload-config``;
 * ``graph``: decode graphs. On CPU (the default, the tiny DSA fixture) that is SGLang's
@@ -33,6 +33,9 @@ Runs are named ``[no_]offload[_eager|_graph][_spec][_mrrN]``:
   says so): its ``accept_length`` is then the simulated one and its outputs differ from
   the non-speculative runs' (``token_agreement``), while offload on vs off with the same
   simulation must still match exactly;
+* ``hotH`` (offload runs): ``hot_tokens`` H for that run, over ``--offload-config``, so two
+  hot-buffer sizes run side by side (e.g. ``offload_spec,offload_spec_hot256``: the
+  default 2 x top-k and the worst case 4 verify rows x top-k at MTP-3);
 * ``mrrN``: ``--max-running-requests N`` for that run (else ``--max-running-requests``).
 
 ``--trained`` serves the trained checkpoint ``tests/fixtures/tiny_dsa_trained`` on CPU
@@ -40,8 +43,8 @@ instead (real weights and tokenizer, trained by ``scripts/train_tiny_dsa.py``, w
 own trained NextN layer for the ``spec`` runs): prompts are cut from its held-out
 standard-library text instead of random ids, speculative runs measure SGLang's real
 acceptance (no simulation unless ``--spec-env`` asks for it), and the offload runs use
-the resolved default hot buffer (2 x top-k, or rows x top-k with verify rows) unless
-``--offload-config`` is given. Its context is 2,048 tokens: ``--input-len`` +
+the resolved default hot buffer (2 x top-k, with or without verify rows) unless
+``--offload-config`` or ``_hotH`` says otherwise. Its context is 2,048 tokens: ``--input-len`` +
 ``--output-len`` must fit.
 
 The default selection (:data:`DEFAULT_RUNS`) is offload eager, offload and no offload
@@ -51,23 +54,27 @@ measured against and that ``offload_eager`` must match.
 
 Per run (``--json``: one entry of ``runs``): ``requests``, ``completed`` (requests that
 returned every asked token, summed over rounds), ``output_tokens_per_s`` (output tokens
-of completed requests over the load's wall time), ``decode_tokens_per_s`` (tokens
-after each request's first over the decode window: first request's first token to the
-last request's last token), ``ttft_ms_p50``, ``itl_ms_p50`` / ``itl_ms_p99`` (per output
+of completed requests over the load's wall time), ``decode_tokens_per_s`` (tokens after
+each request's first over the decode window: first request's first token to the last
+request's last token), ``ttft_ms_p50``, ``itl_ms_p50`` / ``itl_ms_p99`` (per output
 token after the first: each streamed chunk's gap divided over the tokens it carried),
 ``server_cpu_ms_per_token`` (CPU time of all the server's processes per output token,
 median over rounds: unlike wall time it does not grow when other jobs share the cores),
 ``accept_length`` (speculative runs: output tokens over verify steps, SGLang's
-``spec_verify_ct``), ``token_agreement`` (fraction of the plain no-offload run's output
-tokens that this run reproduced at the same position of the same request; compiled or
-speculative arithmetic may legitimately differ), ``reference`` / ``identical_to_reference``
-(the no-offload run with the same graph and speculation settings, preferring the same
-``--max-running-requests``, and whether every output equals it). A run that cannot start
-(a configuration not supported yet) keeps its entry with ``error``: the server's own
+``spec_verify_ct``), ``hot_tokens`` (offload runs: the run's ``_hotH``, else what its
+config sets, ``null`` for the default), ``overflow_rounds`` / ``overflow_positions``
+(offload runs, from the server's last summary line: requests' verify rounds, per layer,
+whose union exceeded the hot buffer, and the positions served from the overflow area),
+``token_agreement`` (fraction of the plain no-offload run's output tokens that this run
+reproduced at the same position of the same request; compiled or speculative arithmetic
+may legitimately differ), ``reference`` / ``identical_to_reference`` (the no-offload run
+with the same graph and speculation settings, preferring the same
+``--max-running-requests``, and whether every output equals it). A run that cannot start (a
+configuration not supported yet) keeps its entry with ``error``: the server's own
 startup error from its log. Offload runs whose ``--offload-config`` turns on shadow
 verification (``verify_sample_rate``) also report ``shadow_checks``,
-``shadow_mismatches``, ``shadow_ms`` and ``shadow_share_of_server_cpu`` (the checks' time
-over the server's CPU time during the rounds).
+``shadow_mismatches``, ``shadow_ms`` and ``shadow_share_of_server_cpu`` (the checks'
+time over the server's CPU time during the rounds).
 
 ``identical_tokens`` is true when every offload run has such a no-offload counterpart
 in the selection and reproduces its greedy outputs exactly (and no run failed).
@@ -108,7 +115,7 @@ DEFAULT_RUNS = (
     "offload_graph_spec",
     "no_offload_graph_spec",
 )
-RUN_NAME = re.compile(r"^(no_offload|offload)(_eager|_graph)?(_spec)?(?:_mrr(\d+))?$")
+RUN_NAME = re.compile(r"^(no_offload|offload)(_eager|_graph)?(_spec)?(?:_hot(\d+))?(?:_mrr(\d+))?$")
 DEFAULT_OFFLOAD_CONFIG = json.dumps({"hot_tokens": 64, "metrics_log_interval_s": 1.0})
 # --trained: no hot_tokens, so the checkpoint's top-k (64) and the verify rows size it.
 TRAINED_OFFLOAD_CONFIG = json.dumps({"metrics_log_interval_s": 1.0})
@@ -130,7 +137,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--runs",
         default=None,
-        help=f"comma-separated runs, each [no_]offload[_eager|_graph][_spec][_mrrN] (default {','.join(DEFAULT_RUNS)})",
+        help="comma-separated runs, each [no_]offload[_eager|_graph][_spec][_hotH][_mrrN] "
+        f"(default {','.join(DEFAULT_RUNS)})",
     )
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
     p.add_argument("--requests", type=int, default=None, help="requests per round (default 2 x --clients)")
@@ -248,6 +256,7 @@ class RunSpec:
     graph: bool
     speculative: bool
     max_running_requests: int
+    hot_tokens: Optional[int] = None  # _hotH: this run's hot_tokens over --offload-config
 
     @property
     def settings(self) -> Tuple[bool, bool]:
@@ -305,6 +314,7 @@ class RunResult:
     speculative: bool
     max_running_requests: int
     requests: int
+    hot_tokens: Optional[int] = None
     completed: int = 0
     output_tokens_per_s: Optional[float] = None
     decode_tokens_per_s: Optional[float] = None
@@ -328,6 +338,10 @@ class RunResult:
     shadow_mismatches: Optional[int] = None
     shadow_ms: Optional[float] = None
     shadow_share_of_server_cpu: Optional[float] = None
+    #: speculative offload runs (the server's last summary line): request rounds (per layer)
+    #: whose verify rows' union exceeded the hot buffer, and the positions of the overflow area
+    overflow_rounds: Optional[int] = None
+    overflow_positions: Optional[int] = None
     startup_s: Optional[float] = None
     offload_summary: Dict[str, str] = field(default_factory=dict)
     server_args: List[str] = field(default_factory=list)
@@ -343,7 +357,7 @@ def parse_runs(text: str, default_mrr: int) -> List[RunSpec]:
     bad = [n for n in names if not RUN_NAME.match(n)]
     if bad:
         raise ValueError(
-            f"unknown runs {bad}: each is [no_]offload[_eager|_graph][_spec][_mrrN], "
+            f"unknown runs {bad}: each is [no_]offload[_eager|_graph][_spec][_hotH][_mrrN], "
             f"e.g. {','.join(DEFAULT_RUNS)},offload_mrr2048"
         )
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -354,10 +368,13 @@ def parse_runs(text: str, default_mrr: int) -> List[RunSpec]:
     out = []
     for n in names:
         m = RUN_NAME.match(n)
-        mrr = int(m.group(4)) if m.group(4) else default_mrr
+        mrr = int(m.group(5)) if m.group(5) else default_mrr
         if mrr < 1:
             raise ValueError(f"run {n}: max running requests must be >= 1")
-        out.append(RunSpec(n, m.group(1) == "offload", m.group(2) == "_graph", m.group(3) == "_spec", mrr))
+        hot = int(m.group(4)) if m.group(4) else None
+        if hot is not None and (m.group(1) != "offload" or hot < 1):
+            raise ValueError(f"run {n}: _hotH sets an offload run's hot_tokens (>= 1)")
+        out.append(RunSpec(n, m.group(1) == "offload", m.group(2) == "_graph", m.group(3) == "_spec", mrr, hot))
     return out
 
 
@@ -397,7 +414,7 @@ def server_args(spec: RunSpec, args: argparse.Namespace) -> Tuple[List[str], Lis
         else:
             extra += ["--disable-cuda-graph"]
     if spec.offload:
-        extra += ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", offload_config(args)]
+        extra += ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", offload_config(args, spec)]
     if spec.speculative:
         extra += shlex.split(args.spec_args)
     for item in args.server_arg:
@@ -405,11 +422,16 @@ def server_args(spec: RunSpec, args: argparse.Namespace) -> Tuple[List[str], Lis
     return base, extra, cpu
 
 
-def offload_config(args: argparse.Namespace) -> str:
-    """``--sparse-decode-offload-config`` of the offload runs (``--offload-config`` or the default)."""
+def offload_config(args: argparse.Namespace, spec: Optional[RunSpec] = None) -> str:
+    """``--sparse-decode-offload-config`` of an offload run (``--offload-config`` or the
+    default; the run's ``_hotH`` sets ``hot_tokens`` over it)."""
     if args.offload_config is not None:
-        return args.offload_config
-    return TRAINED_OFFLOAD_CONFIG if getattr(args, "trained", False) else DEFAULT_OFFLOAD_CONFIG
+        text = args.offload_config
+    else:
+        text = TRAINED_OFFLOAD_CONFIG if getattr(args, "trained", False) else DEFAULT_OFFLOAD_CONFIG
+    if spec is None or spec.hot_tokens is None:
+        return text
+    return json.dumps({**json.loads(text), "hot_tokens": spec.hot_tokens})
 
 
 def spec_env(args: argparse.Namespace) -> Dict[str, str]:
@@ -460,6 +482,7 @@ class Measurement:
             spec.speculative,
             spec.max_running_requests,
             requests=load.requests * load.rounds,
+            hot_tokens=json.loads(offload_config(args, spec)).get("hot_tokens") if spec.offload else None,
             server_args=extra,
             log=str(log_dir / f"{spec.name}.log"),
         )
@@ -564,6 +587,9 @@ class Measurement:
         if result.rounds_server_cpu_ms_per_token:
             result.server_cpu_ms_per_token = round(statistics.median(result.rounds_server_cpu_ms_per_token), 4)
         summary = result.offload_summary
+        if summary and result.speculative:  # the summary names overflow once a round overflowed
+            result.overflow_rounds = int(summary.get("overflow_rounds", 0))
+            result.overflow_positions = int(summary.get("overflow_positions", 0))
         if "shadow_checks" in summary:
             result.shadow_checks = int(summary["shadow_checks"])
             result.shadow_mismatches = int(summary.get("shadow_mismatches", 0))
@@ -677,9 +703,9 @@ def mrr_ratios(
     specs: Sequence[RunSpec], results: Dict[str, RunResult], outputs: Dict[str, Optional[List[Optional[List[int]]]]]
 ) -> List[Dict[str, Any]]:
     """Smallest over largest ``--max-running-requests`` of runs equal in everything else."""
-    groups: Dict[Tuple[bool, bool, bool], List[RunSpec]] = {}
+    groups: Dict[Tuple[bool, bool, bool, Optional[int]], List[RunSpec]] = {}
     for s in specs:
-        groups.setdefault((s.offload, s.graph, s.speculative), []).append(s)
+        groups.setdefault((s.offload, s.graph, s.speculative, s.hot_tokens), []).append(s)
     out = []
     for group in groups.values():
         if len({s.max_running_requests for s in group}) < 2:
@@ -772,6 +798,13 @@ def print_table(res: Dict[str, Any]) -> None:
     for r in res["runs"]:
         if r["error"]:
             print(f"  {r['name']}: {r['error']}")
+    for r in res["runs"]:
+        if r["overflow_rounds"] is not None:
+            hot = r["hot_tokens"] if r["hot_tokens"] is not None else "default"
+            print(
+                f"{r['name']}: hot_tokens {hot}, accept length {_fmt(r['accept_length'], '.2f')}, overflow rounds "
+                f"{r['overflow_rounds']} (request x layer), overflow positions {r['overflow_positions']}"
+            )
     base = {r["name"]: r for r in res["runs"]}
     for name in ("offload_graph", "offload_eager"):
         ref = base.get("no_offload_graph" if name == "offload_graph" else "no_offload_eager")

@@ -127,6 +127,13 @@ def fused_shape_obstacles(hot_tokens: int, top_k: int, tokens_per_row: int = 1):
             f"a step of {n} x {top_k} entries over {hot_tokens} slots needs "
             f"{residency_ub_bytes(hot_tokens, n * top_k)} B of the vector core's {LIM_POOL_BYTES} B buffer"
         )
+    if n > 1 and n * top_k > hot_tokens:
+        overflow = (
+            f"{n} verify rows x top-k {top_k} may overflow {hot_tokens} hot slots, and the kernels do not serve "
+            "the overflow area yet"
+        )
+        lim.append(overflow)
+        sfa.append(overflow)
     if top_k > MAX_TOP_K or top_k % TOP_K_ALIGN_COPY_SFA:
         sfa.append(f"top-k {top_k} is not a multiple of {TOP_K_ALIGN_COPY_SFA} up to {MAX_TOP_K}")
     if n > MAX_TOKENS_PER_ROW:

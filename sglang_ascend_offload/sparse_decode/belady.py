@@ -101,7 +101,9 @@ def belady_misses(topk: np.ndarray, req_ids: np.ndarray, hot: int, next_use: np.
 
     Ties in the eviction order never change the count: positions never used again are
     interchangeable, and of two positions next used at the same step, whichever goes
-    costs one miss there.
+    costs one miss there. A selection of more than ``hot`` positions (a verify round's
+    union beyond its request's buffer, served through the overflow area) misses every
+    position not cached and keeps, of the selection, the ``hot`` next used soonest.
     """
     import heapq
 
@@ -130,9 +132,12 @@ def belady_misses(topk: np.ndarray, req_ids: np.ndarray, hot: int, next_use: np.
                     if p in cache:
                         cache[p] = n
                         heapq.heappush(heap, (-n, p))
-                over = len(cache) + len(new) - hot
-                aside = []
-                while over > 0:
+                for p, n in new:
+                    cache[p] = n
+                    heapq.heappush(heap, (-n, p))
+                over = len(cache) - hot
+                aside = []  # chosen positions, farthest next use first
+                while over > 0 and heap:
                     neg, p = heapq.heappop(heap)
                     if cache.get(p) != -neg:
                         continue  # stale entry
@@ -141,9 +146,10 @@ def belady_misses(topk: np.ndarray, req_ids: np.ndarray, hot: int, next_use: np.
                         continue
                     del cache[p]
                     over -= 1
-                for item in aside:
-                    heapq.heappush(heap, item)
-                for p, n in new:
-                    cache[p] = n
-                    heapq.heappush(heap, (-n, p))
+                for neg, p in aside:  # a selection larger than the buffer: keep its nearest next uses
+                    if over > 0:
+                        del cache[p]
+                        over -= 1
+                    else:
+                        heapq.heappush(heap, (neg, p))
     return misses

@@ -51,7 +51,9 @@ length as the stable prefix), ``run_layer`` their ``G * n`` query rows request-m
 (``topk`` ``[G*n, K]``, ``query`` ``[G*n, N, latent]``). The residency step runs on the
 union of each request's rows' top-k (``ops/request_union.py``): a position several rows
 select is one lookup and at most one copy, and each row's remapped indices follow its
-own top-k order. ``hot_tokens >= n * top_k`` holds every union.
+own top-k order. A round whose union does not fit the request's ``hot_tokens`` serves
+the positions beyond them from the overflow area (``overflow.py``), exactly, with no
+host branch: ``hot_tokens >= top_k`` is all a request needs.
 """
 
 from __future__ import annotations
@@ -68,12 +70,13 @@ from ..ops import registry
 from ..ops.contract import OpImpl, ResidencyStep, ResidencyTable
 from ..ops.request_union import RequestUnion, merge_ranked, row_slots, union_of_rows
 from ..ops.residency import copy_miss_rows_rows
-from . import direct_rows, fused_indexer, op_selection
+from . import direct_rows, fused_indexer, op_selection, overflow
 from .host_pool import AppendGate, HostKVPool
 from .host_rows import is_tensor_backed
 from .hot_buffer import HotBuffers, flat_hot_indices
 from .policies import DEFAULT_POLICY, ResidencyManager, make_manager
 from .shadow import ShadowVerifier
+from .sizing import overflow_slots
 from .stats import DecodeStats, StatsAccumulator
 
 __all__ = [
@@ -111,7 +114,8 @@ class RequestStep:
             return None, None
         u = self.union
         row_hit = torch.gather(self.residency.hit_mask, 1, u.columns.reshape(u.positions.shape[0], -1))
-        return u.valid.sum(dtype=torch.int64), (row_hit.reshape_as(u.valid) & u.valid).sum(dtype=torch.int64)
+        hit = row_hit.reshape_as(u.valid) & u.resident_entries
+        return u.valid.sum(dtype=torch.int64), hit.sum(dtype=torch.int64)
 
 
 def step_requests(
@@ -122,31 +126,39 @@ def step_requests(
     stable_len: torch.Tensor,
     step,
     rows_per_request: int = 1,
+    capacity: Optional[int] = None,
 ) -> RequestStep:
     """The residency step of ``rows`` (``[B]``) for their ``B * n`` query rows' ``topk``:
-    the plain per-row step for ``n = 1``, else one step per request over the union."""
+    the plain per-row step for ``n = 1``, else one step per request over the union
+    (its resident part: ``capacity`` = the hot slots per request, beyond which a round's
+    union overflows, ``ops/request_union.py``)."""
     n = int(rows_per_request)
     if n == 1:
         res = manager.step_rows(rows, topk, req_ids, stable_len, step)
         return RequestStep(res, res.slots, rows, None)
-    union = union_of_rows(topk, n)
+    union = union_of_rows(topk, n, capacity)
     res = manager.step_rows(rows, union.positions, req_ids, stable_len, step)
     return RequestStep(res, row_slots(union, res.slots), rows.repeat_interleave(n), union)
 
 
 def fused_request_step(
-    residency: ResidencyStep, rows: torch.Tensor, topk: torch.Tensor, rows_per_request: int = 1
+    residency: ResidencyStep,
+    rows: torch.Tensor,
+    topk: torch.Tensor,
+    rows_per_request: int = 1,
+    capacity: Optional[int] = None,
 ) -> RequestStep:
     """The batch's :class:`RequestStep` from the all-rows step a fused indexer took
     (``[R', ...]``; over each row's union with ``n > 1``, as the operator steps a row
     shared by ``n`` tokens): the batch rows' part, and with ``n > 1`` each query row's
     slots read back from the union of the batch's ``topk`` ``[B*n, K]`` (the same union
-    the operator stepped on: distinct positions ascending)."""
+    the operator stepped on: distinct positions ascending; its resident part with
+    ``capacity``, the hot slots per request)."""
     stepped = fused_indexer.batch_rows_step(residency, rows)
     n = int(rows_per_request)
     if n == 1:
         return RequestStep(stepped, stepped.slots, rows, None)
-    union = union_of_rows(topk, n)
+    union = union_of_rows(topk, n, capacity)
     return RequestStep(stepped, row_slots(union, stepped.slots), rows.repeat_interleave(n), union)
 
 
@@ -170,6 +182,7 @@ def decode_layer_step(
     copy_attention: Optional[Callable] = None,
     direct: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     copy: Optional[OpImpl] = None,
+    overflow_view: Optional[overflow.OverflowView] = None,
 ) -> Tuple[torch.Tensor, ResidencyStep]:
     """One layer of the offloaded decode step on the torch path, as a function of tensors.
 
@@ -194,15 +207,23 @@ def decode_layer_step(
     ``residency = adaptive`` (:class:`~.direct_rows.DirectStep` of a captured step):
     direct entries are idle to the manager, read their positions through their spans,
     and get the step's new positions copied into their spans after the append.
+    ``overflow_view``: the overflow area (:class:`~.overflow.OverflowView`) where a
+    request's union may exceed ``hot``'s slots (``n * K > H``); required then.
     """
+    capacity = hot.shape[1]
+    if rows_per_request * topk.shape[1] > capacity and overflow_view is None:
+        raise ValueError(
+            f"{rows_per_request} rows x top-k {topk.shape[1]} may overflow {capacity} hot slots: pass the "
+            "engine's overflow area (overflow_view)"
+        )
     if residency is not None:
-        req = fused_request_step(residency, rows, topk, rows_per_request)
+        req = fused_request_step(residency, rows, topk, rows_per_request, capacity)
     elif direct is not None:
         query_mask, managed, owners = direct_rows.masked_step(direct[0], topk, req_ids, rows_per_request)
-        req = step_requests(manager, rows, managed, owners, stable_len, step, rows_per_request)
+        req = step_requests(manager, rows, managed, owners, stable_len, step, rows_per_request, capacity)
         direct_rows.copy_step_positions(host, hot, rows, direct[1], token_table, direct[2])
     else:
-        req = step_requests(manager, rows, topk, req_ids, stable_len, step, rows_per_request)
+        req = step_requests(manager, rows, topk, req_ids, stable_len, step, rows_per_request, capacity)
     res = req.residency
     flat_idx = flat_hot_indices(req.slots, req.token_rows, hot.shape[1])
     if direct is not None:
@@ -215,13 +236,21 @@ def decode_layer_step(
         return fused_copy_attention(
             copy_attention, res, rows, req_ids, host, hot, token_table, flat_idx, query, query_rope, scale
         ), res
-    if copy is None:
-        copy_miss_rows_rows(host, hot, rows, res.miss_tokens, res.miss_slots, res.miss_count, token_table)
-    else:
-        copy_stage(copy, host, hot, rows, res, token_table)
+
+    def copy_rows(target: torch.Tensor, lists: ResidencyStep) -> None:
+        if copy is None:
+            copy_miss_rows_rows(host, target, rows, lists.miss_tokens, lists.miss_slots, lists.miss_count, token_table)
+        else:
+            copy_stage(copy, host, target, rows, lists, token_table)
+
+    copy_rows(hot, res)
+    kv = hot.view(-1, hot.shape[2])
+    if overflow_view is not None:
+        flat_idx = overflow.serve(overflow_view, req.union, req.token_rows, flat_idx, copy_rows)
+        kv = overflow_view.kv
     if attention is None:
         from ..ops.reference import sparse_mla_attention as attention
-    return attend_hot(attention, query, query_rope, hot.view(-1, hot.shape[2]), flat_idx, scale, latent_dim), res
+    return attend_hot(attention, query, query_rope, kv, flat_idx, scale, latent_dim), res
 
 
 def copy_stage(
@@ -323,7 +352,8 @@ class EngineConfig:
     """Shape and choices of one engine (one DP rank's TP rank).
 
     rows: engine rows ``R`` (stable rows, e.g. ``req_to_token`` rows; a batch uses any
-    subset). hot_tokens: slots per row and layer (``>= rows_per_request * top_k``).
+    subset). hot_tokens: slots per row and layer (``>= top_k``; a request's rows'
+    union beyond them overflows into the overflow area, ``overflow.py``).
     rows_per_request: query rows per engine row and step (speculative verify rows;
     they share the row's hot buffer and residency). policy: residency
     policy name (``policies.POLICIES``). ops: operator-ladder choice. manage_impl:
@@ -385,20 +415,19 @@ class EngineConfig:
         for name in ("layers", "rows", "hot_tokens", "top_k", "latent_dim", "rows_per_request"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
-        if self.rows_per_request == 1 and self.hot_tokens < self.top_k:
+        if self.hot_tokens < self.top_k:
             problems.append(f"hot_tokens {self.hot_tokens} must be >= top_k {self.top_k}")
-        elif self.hot_tokens < self.rows_per_request * self.top_k:
-            problems.append(
-                f"hot_tokens {self.hot_tokens} must be >= rows_per_request x top_k = "
-                f"{self.rows_per_request} x {self.top_k} (the request's rows share one hot buffer, "
-                "which must hold the union of their top-k)"
-            )
         if problems:
             raise ValueError("invalid sparse decode engine config: " + "; ".join(problems))
 
     @property
     def row_dim(self) -> int:
         return self.latent_dim + self.rope_dim
+
+    @property
+    def overflow_slots(self) -> int:
+        """Overflow-area rows per engine row (``sizing.overflow_slots``; 0 = none)."""
+        return overflow_slots(self.top_k, self.hot_tokens, self.rows_per_request)
 
 
 @dataclass
@@ -468,7 +497,15 @@ class SparseDecodeEngine:
         self._manage_op = self.plan.impl("residency_manage")
         self._copy_op = self.plan.impl("copy_miss_rows")
         self._attention_op = self.plan.impl("sparse_mla_attention")
-        self.hot = HotBuffers(config.layers, config.rows, config.hot_tokens, config.row_dim, config.dtype, self.device)
+        self.hot = HotBuffers(
+            config.layers,
+            config.rows,
+            config.hot_tokens,
+            config.row_dim,
+            config.dtype,
+            self.device,
+            overflow_slots=config.overflow_slots,
+        )
         self.sink_row = self.hot.sink_row
         state_rows = config.rows + 1
         self.uses_cpu_kernel = self.plan.rung("residency_manage").via == "cpu kernel"
@@ -813,14 +850,17 @@ class SparseDecodeEngine:
             )
         if d is not None and d.all_direct and residency is None:
             return self._run_direct_layer(layer, topk_dev, query, query_rope, scale, t0)
+        h = cfg.hot_tokens
         if residency is not None:
-            req = fused_request_step(residency, self._rows, topk_dev, n)
+            req = fused_request_step(residency, self._rows, topk_dev, n, h)
         elif d is not None and d.any_direct:  # direct rows: idle to the manager, read through their spans
             query_direct, managed, owners = direct_rows.masked_step(d.mask, topk_dev, self._req_ids, n)
-            req = step_requests(self.managers[layer], self._rows, managed, owners, self._stable_len, self.step_index, n)
+            req = step_requests(
+                self.managers[layer], self._rows, managed, owners, self._stable_len, self.step_index, n, h
+            )
         else:
             req = step_requests(
-                self.managers[layer], self._rows, topk_dev, self._req_ids, self._stable_len, self.step_index, n
+                self.managers[layer], self._rows, topk_dev, self._req_ids, self._stable_len, self.step_index, n, h
             )
         res = req.residency
         row_selected, row_hits = req.row_counts()
@@ -836,8 +876,16 @@ class SparseDecodeEngine:
             t2 = t1
         else:
             self.copy_misses(layer, res)
+            flat = overflow.serve(
+                self.overflow_view(layer),
+                req.union,
+                req.token_rows,
+                flat,
+                lambda area, lists: self.copy_misses(layer, lists, into=area),
+            )
             t2 = self._tick()
-            out = attend_hot(self._attention_op, query, query_rope, self.hot.flat(layer), flat, scale, cfg.latent_dim)
+            kv = self.hot.attention_flat(layer)
+            out = attend_hot(self._attention_op, query, query_rope, kv, flat, scale, cfg.latent_dim)
         t3 = self._tick()
         if self.timing:
             self.times.add("manage", t1 - t0)
@@ -894,6 +942,19 @@ class SparseDecodeEngine:
             copy_attention=self._copy_sfa_op,
             direct=direct,
             copy=self._copy_op,
+            overflow_view=self.overflow_view(layer),
+        )
+
+    def overflow_view(self, layer: int) -> Optional[overflow.OverflowView]:
+        """The overflow area as ``layer``'s step reads it (``None`` when no round can
+        overflow: ``rows_per_request x top_k <= hot_tokens``); counted in the stats."""
+        if self.hot.overflow is None:
+            return None
+        return overflow.OverflowView(
+            area=self.hot.overflow,
+            kv=self.hot.attention_flat(layer),
+            base=self.hot.overflow_base(layer),
+            counters=self.stats_acc.overflow_counters(layer),
         )
 
     def _run_direct_layer(
@@ -968,18 +1029,19 @@ class SparseDecodeEngine:
         )
         self.stats_acc.record_shadow(layer, result.ok, result.seconds)
 
-    def copy_misses(self, layer: int, res: ResidencyStep) -> None:
-        """Copy this step's misses of ``layer`` host -> hot buffer (rows form)."""
+    def copy_misses(self, layer: int, res: ResidencyStep, into: Optional[torch.Tensor] = None) -> None:
+        """Copy this step's misses of ``layer`` host -> hot buffer (rows form); ``into``
+        ``[R', X, D]``: another target with the same row space (the overflow area)."""
+        target = self.hot.storage(layer) if into is None else into
         if not self._tensor_pool:
-            return self._gather_misses(layer, res)
-        copy_stage(self._copy_op, self.pool.layer(layer), self.hot.storage(layer), self._rows, res, self._token_table)
+            return self._gather_misses(layer, res, target)
+        copy_stage(self._copy_op, self.pool.layer(layer), target, self._rows, res, self._token_table)
 
-    def _gather_misses(self, layer: int, res: ResidencyStep) -> None:
+    def _gather_misses(self, layer: int, res: ResidencyStep, hot: torch.Tensor) -> None:
         """Misses of ``layer`` through the pool's own gather (a pool without a tensor
         view): ``hot[rows[b], miss_slots[b, i]] = pool[token_table[rows[b], miss_tokens[b,
         i]]]`` for ``i < miss_count[b]``, exactly the entries the kernels write with a
         value change. Reads the miss lists on the host (eager only)."""
-        hot = self.hot.storage(layer)
         k = res.miss_tokens.shape[1]
         table = self._token_table
         count = res.miss_count.to(table.device, torch.int64)

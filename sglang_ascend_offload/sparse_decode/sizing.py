@@ -13,8 +13,10 @@ In -> out:
 in                                              out
 ==============================================  ==================================================
 ``hot_tokens`` as configured (``None`` =        ``hot_tokens``: slots per layer and hot row
-default), top-k, page size, verify rows         (:func:`resolve_hot_tokens`, the one default)
+default), top-k, page size                      (:func:`resolve_hot_tokens`, the one default)
+verify rows, top-k, ``hot_tokens``              ``overflow_slots`` per hot row (:func:`overflow_slots`)
 target layers, main-KV row width                bytes of one hot row: hot buffer + residency table
+                                                (all layers) + overflow area (one layer's worth)
 running requests, P/D pre-allocation slots      ``req_slots``, ``hot_rows`` and their device bytes
 ==============================================  ==================================================
 
@@ -29,6 +31,13 @@ Which rows:
 ``verify_rows``    query rows per request in a decode step (speculative verify rows, 1 without
                    speculation); they share their request's hot row, so they add no rows
 =================  ==========================================================================
+
+Speculative verify rows share their request's hot row, sized as plain decode's
+(``2 x top-k``): the union of a request's rows' top-k is far below its bound ``verify
+rows x top-k`` (measured: ``docs/sparse_decode.md``, "The union on real traces"). A round
+whose union does not fit is served exactly through the **overflow area**
+(``overflow.py``): ``overflow_slots`` rows per hot row, one area for all layers (they
+run one after another), so it costs one layer's worth, not ``layers``.
 
 Engine-agnostic: no torch, no SGLang; the SGLang adapter builds the plan from SGLang's
 objects (``sglang_plugin/mem_cache/sizing/sparse_decode.py``).
@@ -49,6 +58,7 @@ __all__ = [
     "default_hot_tokens",
     "required_hot_tokens",
     "least_hot_tokens",
+    "overflow_slots",
     "pre_alloc_slots",
     "resolve_hot_tokens",
     "round_to_page",
@@ -65,8 +75,11 @@ HOT_ELEMENT_BYTES = 2
 RESIDENCY_BYTES_PER_SLOT = 4 + 8
 #: Residency table per row: ``row_req`` int64.
 RESIDENCY_BYTES_PER_ROW = 8
-#: The default hot buffer holds this many times top-k (with one query row per request).
+#: The default hot buffer holds this many times top-k (verify rows or not).
 DEFAULT_TOP_K_FACTOR = 2
+#: Overflow-area rows per hot row are a multiple of this (the flat views attention reads
+#: stay a multiple of the NPU attention rung's 16-row blocks).
+OVERFLOW_ALIGN = 16
 
 
 # ------------------------------------------------------------------ hot_tokens: the rules
@@ -92,29 +105,37 @@ def round_to_page(tokens: int, page_size: Optional[int]) -> int:
     return -(-int(tokens) // page) * page
 
 
-def required_hot_tokens(top_k: int, verify_rows: int = 1) -> int:
-    """The fewest slots a hot row may have: the union of its request's verify rows'
-    top-k must fit, ``verify_rows x top_k`` (``top_k`` with one row)."""
-    return max(1, int(verify_rows)) * int(top_k)
+def required_hot_tokens(top_k: int) -> int:
+    """The fewest slots a hot row may have: one row's top-k must fit (``top_k``). With
+    speculative verify rows a round whose union is larger overflows (:func:`overflow_slots`)."""
+    return int(top_k)
 
 
-def least_hot_tokens(top_k: int, page_size: Optional[int], verify_rows: int = 1) -> int:
+def least_hot_tokens(top_k: int, page_size: Optional[int]) -> int:
     """The smallest valid ``hot_tokens``: :func:`required_hot_tokens` rounded up to the page size."""
-    return round_to_page(required_hot_tokens(top_k, verify_rows), page_size)
+    return round_to_page(required_hot_tokens(top_k), page_size)
 
 
-def default_hot_tokens(top_k: int, page_size: Optional[int], verify_rows: int = 1) -> int:
-    """``hot_tokens`` when the config leaves it unset: ``max(2, verify_rows) x top_k``
-    rounded up to a multiple of ``page_size``."""
-    return round_to_page(max(DEFAULT_TOP_K_FACTOR, int(verify_rows)) * int(top_k), page_size)
+def default_hot_tokens(top_k: int, page_size: Optional[int]) -> int:
+    """``hot_tokens`` when the config leaves it unset: ``2 x top_k`` rounded up to a
+    multiple of ``page_size``, with or without speculative verify rows."""
+    return round_to_page(DEFAULT_TOP_K_FACTOR * int(top_k), page_size)
 
 
-def resolve_hot_tokens(configured: Optional[int], top_k: int, page_size: Optional[int], verify_rows: int = 1) -> int:
+def resolve_hot_tokens(configured: Optional[int], top_k: int, page_size: Optional[int]) -> int:
     """The configured ``hot_tokens``, or :func:`default_hot_tokens`. The only place a
     default is chosen; whether a configured value is valid is the config rules' to say."""
     if configured is not None:
         return int(configured)
-    return default_hot_tokens(top_k, page_size, verify_rows)
+    return default_hot_tokens(top_k, page_size)
+
+
+def overflow_slots(top_k: int, hot_tokens: int, verify_rows: int) -> int:
+    """Overflow-area rows per hot row: what the union of a request's ``verify_rows`` rows'
+    top-k can hold beyond ``hot_tokens``, ``verify_rows x top_k - hot_tokens`` rounded up
+    to :data:`OVERFLOW_ALIGN` (0 when every union fits: one row, or a buffer that large)."""
+    beyond = max(0, int(verify_rows) * int(top_k) - int(hot_tokens))
+    return round_to_page(beyond, OVERFLOW_ALIGN) if beyond else 0
 
 
 # ------------------------------------------------------------------ the plan
@@ -135,7 +156,9 @@ class HotBufferPlan:
     Device tensors per layer: hot buffer bf16 ``[hot_rows, hot_tokens, row_dim]``;
     residency table ``slot_token`` int32 ``[hot_rows, hot_tokens]``, ``slot_stamp``
     int64 ``[hot_rows, hot_tokens]``, ``row_req`` int64 ``[hot_rows]`` (the contract's
-    table: a policy's extra state and the CPU kernel's derived maps are not in it).
+    table: a policy's extra state and the CPU kernel's derived maps are not in it). Once,
+    for all layers: the overflow area bf16 ``[hot_rows, overflow_slots, row_dim]`` (none
+    when ``verify_rows x top_k <= hot_tokens``).
     """
 
     layers: int
@@ -174,7 +197,7 @@ class HotBufferPlan:
             layers=int(layers),
             row_dim=int(row_dim),
             top_k=int(top_k),
-            hot_tokens=resolve_hot_tokens(configured_hot_tokens, top_k, page_size, verify_rows),
+            hot_tokens=resolve_hot_tokens(configured_hot_tokens, top_k, page_size),
             verify_rows=int(verify_rows),
             running_requests=int(running_requests),
             pre_alloc_slots=int(pre_alloc_slots),
@@ -199,6 +222,11 @@ class HotBufferPlan:
         """Hot rows that do not serve a running request: pre-allocation, padding, sink."""
         return self.hot_rows - self.running_requests
 
+    @property
+    def overflow_slots(self) -> int:
+        """Overflow-area rows per hot row (:func:`overflow_slots`; 0 = no area)."""
+        return overflow_slots(self.top_k, self.hot_tokens, self.verify_rows)
+
     # -------------------------------------------------------------- bytes
     @property
     def hot_bytes_per_row(self) -> int:
@@ -211,9 +239,15 @@ class HotBufferPlan:
         return self.layers * (self.hot_tokens * RESIDENCY_BYTES_PER_SLOT + RESIDENCY_BYTES_PER_ROW)
 
     @property
+    def overflow_bytes_per_row(self) -> int:
+        """Overflow area of one hot row, one layer's worth (the layers share the area):
+        ``overflow_slots x row_dim x 2``."""
+        return self.overflow_slots * self.row_dim * HOT_ELEMENT_BYTES
+
+    @property
     def device_bytes_per_row(self) -> int:
-        """What one more hot row costs on the device: hot buffer + residency table."""
-        return self.hot_bytes_per_row + self.residency_bytes_per_row
+        """What one more hot row costs on the device: hot buffer + residency table + overflow area."""
+        return self.hot_bytes_per_row + self.residency_bytes_per_row + self.overflow_bytes_per_row
 
     @property
     def hot_buffer_bytes(self) -> int:
@@ -224,8 +258,12 @@ class HotBufferPlan:
         return self.hot_rows * self.residency_bytes_per_row
 
     @property
+    def overflow_bytes(self) -> int:
+        return self.hot_rows * self.overflow_bytes_per_row
+
+    @property
     def device_bytes(self) -> int:
-        """Every hot row's hot buffer and residency table, all layers."""
+        """Every hot row's hot buffer and residency table, all layers, and the overflow area."""
         return self.hot_rows * self.device_bytes_per_row
 
     @property
@@ -250,10 +288,16 @@ class HotBufferPlan:
     def formula(self) -> str:
         """The device bytes as a formula with the numbers (for logs and errors)."""
         shared = f", one per request shared by its {self.verify_rows} verify rows" if self.verify_rows > 1 else ""
+        overflow = (
+            f" + {self.overflow_slots} overflow rows x {self.row_dim * HOT_ELEMENT_BYTES} B per row (one area "
+            "for all layers)"
+            if self.overflow_slots
+            else ""
+        )
         return (
             f"{self.rows_in_words()}{shared} x {self.layers} layers x {self.hot_tokens} hot_tokens x "
             f"({self.row_dim * HOT_ELEMENT_BYTES} B hot buffer + {RESIDENCY_BYTES_PER_SLOT} B residency) "
-            f"+ {RESIDENCY_BYTES_PER_ROW} B per row and layer"
+            f"+ {RESIDENCY_BYTES_PER_ROW} B per row and layer{overflow}"
         )
 
     def to_dict(self) -> Dict[str, int]:
@@ -268,6 +312,9 @@ class HotBufferPlan:
             "device_bytes_per_row",
             "hot_buffer_bytes",
             "residency_table_bytes",
+            "overflow_slots",
+            "overflow_bytes_per_row",
+            "overflow_bytes",
             "device_bytes",
         ):
             out[name] = getattr(self, name)

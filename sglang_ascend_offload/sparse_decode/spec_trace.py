@@ -8,10 +8,14 @@ tokens (``1 <= a <= n``: the accepted drafts plus the target's own token), so th
 next round starts at ``L + a``. Positions ``>= L`` hold this round's candidates and
 are rewritten when they are rejected.
 
-A :class:`SpecTrace` is derived from an ordinary decode :class:`~.trace.Trace`
-(synthetic or recorded): the selection of verify row ``j`` at position ``p`` is the
-base trace's selection for the query at ``p`` (the step whose ``seq_len`` is
-``p + 1``), so rows of one round overlap as adjacent decode steps do. Acceptance is a
+A :class:`SpecTrace` is recorded from a served NextN / MTP model (``record_trace`` on a
+server with speculative decoding: each verify round's rows as the target selected
+them, drafts and all, ``sglang_plugin/observability/trace_recorder.py``), or derived
+from an ordinary decode :class:`~.trace.Trace` (synthetic or recorded): the selection
+of verify row ``j`` at position ``p`` is the base trace's selection for the query at
+``p`` (the step whose ``seq_len`` is ``p + 1``), so rows of one round overlap as
+adjacent decode steps do (a derived round's drafts are the tokens the model went on
+to decode, a recorded round's are the draft model's guesses). Derived acceptance is a
 seeded chain: each draft is accepted with probability ``accept_rate`` while every
 draft before it was (real MTP's pattern: acceptance falls along the chain).
 
@@ -20,19 +24,38 @@ Arrays (``R`` rounds, ``G`` request rows, ``n`` verify rows per request):
 * ``topk`` int32 ``[R, layers, G*n, K]`` (row ``g*n + j``; ``-1`` padding);
 * ``committed`` int32 ``[R, G]`` committed length ``L`` at the round (0 idle);
 * ``req_ids`` int64 ``[R, G]`` (``-1`` idle);
-* ``accepted`` int32 ``[R, G]`` tokens the round commits (0 idle).
+* ``accepted`` int32 ``[R, G]`` tokens the round commits (0 idle; 0 too for a recorded
+  request's last round, whose outcome the recording did not see).
+
+File format (``.npz``, a public contract like the decode trace's; :func:`save_spec_trace`,
+:func:`load_spec_trace`): the four arrays above, ``rows_per_request`` (0-d int32) and an
+optional ``meta`` (0-d str, JSON). Rules (:func:`validate_spec_trace`): shapes agree, a
+live request's rows select positions ``< committed + j + 1`` (row ``j`` sees ``0 .. L +
+j``), distinct per row; an idle request (``req_id -1``) has committed 0, accepted 0
+and only padding; ``0 <= accepted <= rows_per_request``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from pathlib import Path
+from typing import Dict, List, Tuple, Union
 
 import numpy as np
 
-from .trace import Trace
+from .trace import Trace, TraceError
 
-__all__ = ["SpecTrace", "speculative_from_trace", "accept_lengths", "union_sizes"]
+__all__ = [
+    "SpecTrace",
+    "speculative_from_trace",
+    "accept_lengths",
+    "union_sizes",
+    "union_sizes_by_layer",
+    "save_spec_trace",
+    "load_spec_trace",
+    "validate_spec_trace",
+    "is_spec_trace",
+]
 
 
 @dataclass
@@ -136,17 +159,124 @@ def speculative_from_trace(
     )
 
 
-def union_sizes(spec: SpecTrace) -> np.ndarray:
-    """int64 ``[samples]``: distinct positions of the union of a request's verify rows'
-    top-k, per live (round, layer, request): what one shared hot buffer must hold in
-    that round (at most ``rows_per_request x top_k``)."""
+def _union_counts(spec: SpecTrace) -> np.ndarray:
+    """int64 ``[R, layers, G]``: distinct positions of each request's union."""
     n, k = spec.rows_per_request, spec.top_k
-    live = spec.req_ids >= 0  # [R, G]
     grouped = spec.topk.reshape(spec.rounds, spec.layers, spec.requests, n * k).astype(np.int64)
     grouped = np.where(grouped >= 0, grouped, -1)
     ordered = np.sort(grouped, axis=-1)
     distinct = (ordered >= 0) & np.concatenate(
         [np.ones(ordered.shape[:-1] + (1,), dtype=bool), ordered[..., 1:] != ordered[..., :-1]], axis=-1
     )
-    counts = distinct.sum(axis=-1)  # [R, layers, G]
-    return counts.transpose(0, 2, 1)[live].reshape(-1)
+    return distinct.sum(axis=-1)
+
+
+def union_sizes(spec: SpecTrace) -> np.ndarray:
+    """int64 ``[samples]``: distinct positions of the union of a request's verify rows'
+    top-k, per live (round, layer, request): what one shared hot buffer must hold in
+    that round (at most ``rows_per_request x top_k``)."""
+    live = spec.req_ids >= 0  # [R, G]
+    return _union_counts(spec).transpose(0, 2, 1)[live].reshape(-1)
+
+
+def union_sizes_by_layer(spec: SpecTrace) -> List[np.ndarray]:
+    """:func:`union_sizes` per layer: ``layers`` arrays int64 ``[live (round, request)]``."""
+    live = spec.req_ids >= 0
+    counts = _union_counts(spec)
+    return [counts[:, layer, :][live] for layer in range(spec.layers)]
+
+
+# ------------------------------------------------------------------ the file
+SPEC_KEYS = {"topk": (np.int32, 4), "committed": (np.int32, 2), "req_ids": (np.int64, 2), "accepted": (np.int32, 2)}
+
+
+def validate_spec_trace(spec: SpecTrace) -> List[str]:
+    """Every problem of a speculative trace, as sentences (empty = valid)."""
+    arrays = {"topk": spec.topk, "committed": spec.committed, "req_ids": spec.req_ids, "accepted": spec.accepted}
+    problems = [
+        f"{name} must be {np.dtype(dtype).name} with {ndim} dimensions, got {a.dtype} {a.shape}"
+        for name, (dtype, ndim) in SPEC_KEYS.items()
+        for a in [arrays[name]]
+        if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != ndim
+    ]
+    n = int(spec.rows_per_request)
+    if n < 1:
+        problems.append(f"rows_per_request must be >= 1, got {n}")
+    if problems:
+        return problems
+    rounds, layers, rows, k = spec.topk.shape
+    g = spec.committed.shape
+    if rows != g[1] * n or spec.req_ids.shape != g or spec.accepted.shape != g or g[0] != rounds:
+        return [
+            f"shapes disagree: topk {spec.topk.shape} must be [rounds, layers, G x {n}, K] with committed, "
+            f"req_ids and accepted [rounds, G], got {g}, {spec.req_ids.shape}, {spec.accepted.shape}"
+        ]
+    idle = spec.req_ids == -1
+    if (spec.req_ids < -1).any():
+        problems.append("req_ids < -1 (only -1 marks an idle request)")
+    if (idle & ((spec.committed != 0) | (spec.accepted != 0))).any():
+        problems.append("an idle request (req_id -1) with committed or accepted != 0")
+    if ((spec.accepted < 0) | (spec.accepted > n)).any():
+        problems.append(f"accepted outside 0 .. rows_per_request {n}")
+    if (spec.topk < -1).any():
+        problems.append("top-k entries < -1 (only -1 marks padding)")
+    row_idle = np.repeat(idle, n, axis=1)[:, None, :, None]
+    if (row_idle & (spec.topk != -1)).any():
+        problems.append("top-k entries in an idle request's rows (must be -1)")
+    visible = (np.repeat(spec.committed, n, axis=1) + np.tile(np.arange(1, n + 1), g[1]))[:, None, :, None]
+    if (~row_idle & (spec.topk >= visible)).any():
+        problems.append("a verify row selects a position it cannot see (row j sees positions < committed + j + 1)")
+    srt = np.sort(spec.topk, axis=-1)
+    if ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any():
+        problems.append("a row selects a position twice")
+    return problems
+
+
+def save_spec_trace(spec: SpecTrace, path: Union[str, Path], meta: str = "") -> None:
+    """Validate and write ``spec`` (compressed ``.npz``, the format of the module docstring)."""
+    problems = validate_spec_trace(spec)
+    if problems:
+        raise TraceError(problems, "speculative trace to save")
+    np.savez_compressed(
+        Path(path),
+        topk=spec.topk,
+        committed=spec.committed,
+        req_ids=spec.req_ids,
+        accepted=spec.accepted,
+        rows_per_request=np.array(spec.rows_per_request, dtype=np.int32),
+        meta=np.array(meta or spec.source),
+    )
+
+
+def is_spec_trace(path: Union[str, Path]) -> bool:
+    """Whether ``path`` is a speculative trace (an ``.npz`` holding ``committed``)."""
+    try:
+        with np.load(Path(path), allow_pickle=False) as npz:
+            return "committed" in npz.files
+    except (OSError, ValueError):
+        return False
+
+
+def load_spec_trace(path: Union[str, Path]) -> SpecTrace:
+    """Load and validate a speculative trace; :class:`~.trace.TraceError` lists every problem."""
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            data = {key: npz[key] for key in npz.files}
+    except (OSError, ValueError) as exc:
+        raise TraceError([f"cannot read {path} as .npz: {exc}"], str(path)) from exc
+    missing = [key for key in (*SPEC_KEYS, "rows_per_request") if key not in data]
+    if missing:
+        raise TraceError([f"missing array {key!r}" for key in missing], str(path))
+    spec = SpecTrace(
+        topk=data["topk"],
+        committed=data["committed"],
+        req_ids=data["req_ids"],
+        accepted=data["accepted"],
+        rows_per_request=int(data["rows_per_request"]),
+        source=str(data["meta"]) if "meta" in data else str(path),
+    )
+    problems = validate_spec_trace(spec)
+    if problems:
+        raise TraceError(problems, str(path))
+    return spec

@@ -15,8 +15,12 @@ step, the rows copied host -> device into such buffers (their context once, then
 step's new tokens), and direct requests demoted to the residency; host counts; not part
 of ``selected`` / ``h2d_bytes``), ``lent_rows`` / ``reclaims`` (idle request slots' hot
 buffers lent to direct requests' spans, and demotions because a new request needed a
-lent one). Invariants: ``hits + misses == selected`` and ``h2d_bytes ==
-misses * row_bytes``.
+lent one), ``overflow_rounds`` / ``overflow_positions`` (speculative verify: requests
+whose round's union did not fit their hot buffer, and the positions served from the
+overflow area instead, ``overflow.py``; not part of ``selected``), ``overflow_h2d_bytes``
+(those positions' rows copied host -> device). Invariants: ``hits + misses == selected``,
+``h2d_bytes == misses * row_bytes`` and ``overflow_h2d_bytes == overflow_positions *
+row_bytes``.
 
 Device-side counts are accumulated in one int64 device tensor, so recording a step
 never synchronises the device; :meth:`StatsAccumulator.snapshot` reads them.
@@ -52,6 +56,9 @@ class Counters:
     demotions: int = 0
     lent_rows: int = 0
     reclaims: int = 0
+    overflow_rounds: int = 0
+    overflow_positions: int = 0
+    overflow_h2d_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -75,6 +82,8 @@ class Counters:
 
 
 _COUNTER_NAMES = tuple(f.name for f in fields(Counters))
+#: counters kept on the device (the rest are host counts)
+_DEVICE_COUNTS = 7
 
 
 @dataclass
@@ -97,8 +106,8 @@ class StatsAccumulator:
 
     def __init__(self, layers: int, row_bytes: int, device=None):
         self.row_bytes = row_bytes
-        # selected, hits, misses, row_selected, row_hits
-        self._dev = torch.zeros((layers, 5), dtype=torch.int64, device=device)
+        # selected, hits, misses, row_selected, row_hits, overflow_rounds, overflow_positions
+        self._dev = torch.zeros((layers, _DEVICE_COUNTS), dtype=torch.int64, device=device)
         self._d2h = [0] * layers
         self._rows = [0] * layers
         self._shadow = [[0, 0, 0] for _ in range(layers)]  # checks, mismatches, microseconds
@@ -107,7 +116,7 @@ class StatsAccumulator:
         # the no-wait read of the device counts: a host copy in flight, and the last one done
         self._host: Optional[torch.Tensor] = None
         self._pending = None  # event recorded after the copy in flight
-        self._seen: List[List[int]] = [[0] * 5 for _ in range(layers)]
+        self._seen: List[List[int]] = [[0] * _DEVICE_COUNTS for _ in range(layers)]
 
     def record_residency(
         self,
@@ -125,6 +134,11 @@ class StatsAccumulator:
         self._dev[layer, 2] += misses
         self._dev[layer, 3] += selected if row_selected is None else row_selected
         self._dev[layer, 4] += hits if row_hits is None else row_hits
+
+    def overflow_counters(self, layer: int) -> torch.Tensor:
+        """int64 ``[2]`` device view ``(overflow_rounds, overflow_positions)`` of ``layer``,
+        added to in place by the overflow stage (``overflow.serve``; capturable)."""
+        return self._dev[layer, 5:7]
 
     def record_rows(self, layer: int, rows: int) -> None:
         """Batch rows stepped in one layer step (a host-side count, no device read)."""
@@ -175,8 +189,11 @@ class StatsAccumulator:
                 demotions=dm,
                 lent_rows=dl,
                 reclaims=dx,
+                overflow_rounds=orr,
+                overflow_positions=op,
+                overflow_h2d_bytes=op * self.row_bytes,
             )
-            for (s, h, m, rs, rh), d, n, (sc, sm, su), (dr, db, dm, dl, dx) in zip(
+            for (s, h, m, rs, rh, orr, op), d, n, (sc, sm, su), (dr, db, dm, dl, dx) in zip(
                 dev, self._d2h, self._rows, self._shadow, self._direct
             )
         ]

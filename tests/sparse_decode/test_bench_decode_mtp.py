@@ -27,6 +27,10 @@ DESIGN_KEYS = {
     "hot_tokens",
     "verified",
     "failures",
+    "overflow_rounds",
+    "overflow_positions",
+    "overflow_h2d_bytes",
+    "overflow_per_layer",
 }
 TOP_KEYS = {
     "per_row",
@@ -90,19 +94,27 @@ def test_sections_follow_the_designs_and_the_ratios_follow_the_sections(mtp3):
     row, req, ratio = r["per_row"], r["per_request"], r["ratios"]
     n, k, layers, rounds = r["rows_per_request"], r["top_k"], r["layers"], r["rounds"]
     assert 1 <= r["mean_accept_length"] <= n and rounds > 0
-    # default sizes: 2 x top-k per verify row; max(2, n) x top-k per request
-    assert (row["hot_tokens"], req["hot_tokens"]) == (2 * k, max(2, n) * k)
+    # default sizes: 2 x top-k per verify row and per request (the server's default)
+    assert (row["hot_tokens"], req["hot_tokens"]) == (2 * k, 2 * k)
     assert row["device_hot_bytes_per_request"] == n * row["hot_tokens"] * layers * ROW_BYTES
     assert req["device_hot_bytes_per_request"] == req["hot_tokens"] * layers * ROW_BYTES
     for d in (row, req):
-        assert d["h2d_bytes"] == d["misses"] * ROW_BYTES
+        fetched = d["misses"] + d["overflow_positions"]  # every host -> device row
+        assert d["h2d_bytes"] == fetched * ROW_BYTES and d["overflow_h2d_bytes"] == d["overflow_positions"] * ROW_BYTES
         assert d["h2d_bytes_per_round"] == pytest.approx(d["h2d_bytes"] / rounds)
         assert d["hits"] + d["misses"] == d["selected"] and d["row_hits"] <= d["row_selected"]
         assert d["hit_rate"] == pytest.approx(d["row_hits"] / d["row_selected"])
         assert d["unique_hit_rate"] == pytest.approx(d["hits"] / d["selected"])
-        assert 0 < d["opt_misses"] <= d["misses"]
-        assert d["misses_over_opt"] == pytest.approx(d["misses"] / d["opt_misses"])
+        assert 0 < d["opt_misses"] <= fetched
+        assert d["misses_over_opt"] == pytest.approx(fetched / d["opt_misses"])
         assert d["checks"] == rounds * layers
+        per_layer = d["overflow_per_layer"]
+        assert [x["layer"] for x in per_layer] == list(range(layers))
+        assert sum(x["overflow_positions"] for x in per_layer) == d["overflow_positions"]
+        assert sum(x["overflow_rounds"] for x in per_layer) == d["overflow_rounds"]
+    # a verify row's buffer never overflows; the request's of 2 x top-k does when the union is larger
+    assert row["overflow_rounds"] == row["overflow_positions"] == 0
+    assert req["overflow_rounds"] > 0 and req["overflow_positions"] >= req["overflow_rounds"]
     # the same verify rows in both designs; per row, every row entry is its own lookup
     assert row["row_selected"] == req["row_selected"] == row["selected"] >= req["selected"]
     assert row["hit_rate"] == row["unique_hit_rate"]
@@ -111,13 +123,17 @@ def test_sections_follow_the_designs_and_the_ratios_follow_the_sections(mtp3):
         req["device_hot_bytes_per_request"] / row["device_hot_bytes_per_request"]
     )
     assert ratio["hit_rate_delta"] == pytest.approx(req["hit_rate"] - row["hit_rate"])
-    # one shared buffer of half the slots moves less and hits more on this trace
-    assert ratio["device_hot_bytes_per_request"] == 0.5
-    assert ratio["h2d_bytes_per_round"] < 1 and ratio["hit_rate_delta"] > 0
-    # the union a request's shared buffer holds: more than one row's top-k, within the n x top-k bound
+    # one shared buffer of a quarter of the slots (plain decode's size) moves less on this trace
+    assert ratio["device_hot_bytes_per_request"] == 1 / n
+    assert ratio["h2d_bytes_per_round"] < 1
+    # the union a request's shared buffer holds: more than one row's top-k, within the n x top-k bound;
+    # each position is one lookup of the resident part or one overflow position
     u = r["union_over_top_k"]
     assert u["bound"] == n and 1 < u["p50"] <= u["p99"] <= u["max"] <= n and 1 < u["mean"] <= u["max"]
-    assert u["mean"] * k * r["request_rounds"] * layers == pytest.approx(req["selected"])  # one lookup per position
+    union = u["mean"] * k * r["request_rounds"] * layers
+    assert union == pytest.approx(req["selected"] + req["overflow_positions"])
+    assert len(u["per_layer"]) == layers
+    assert sum(x["mean"] for x in u["per_layer"]) / layers == pytest.approx(u["mean"])
 
 
 def test_trace_file_explicit_sizes_and_table(tmp_path, capsys):
@@ -168,7 +184,7 @@ def test_bad_input_lists_every_problem(tmp_path, capsys):
     ):
         assert needle in err, needle
     rc, out, err = _run(
-        TINY + ["--mtp", "3", "--mtp-accept", "-0.1", "--hot-tokens", "8", "--mtp-hot-tokens", "32", "--layers", "0"],
+        TINY + ["--mtp", "3", "--mtp-accept", "-0.1", "--hot-tokens", "8", "--mtp-hot-tokens", "8", "--layers", "0"],
         capsys,
     )
     assert rc == 2 and out == ""
@@ -176,7 +192,7 @@ def test_bad_input_lists_every_problem(tmp_path, capsys):
         "--layers must be >= 1",
         "--mtp-accept -0.1",
         "--hot-tokens 8 < the trace's top-k 16",
-        "--mtp-hot-tokens 32 < 4 verify rows x top-k 16 = 64",
+        "--mtp-hot-tokens 8 < the trace's top-k 16",
     ):
         assert needle in err, needle
     # the speculative flags need --mtp
@@ -190,7 +206,7 @@ def test_bad_input_lists_every_problem(tmp_path, capsys):
     )
     path = tmp_path / "short.npz"
     save_trace(trace, path)
-    rc, _, err = _run(["--trace", str(path), "--mtp", "1", "--hot-tokens", "4", "--mtp-hot-tokens", "8"], capsys)
-    assert rc == 2 and "--hot-tokens 4 < the trace's top-k 8" in err and "--mtp-hot-tokens 8 < 2 verify rows" in err
+    rc, _, err = _run(["--trace", str(path), "--mtp", "1", "--hot-tokens", "4", "--mtp-hot-tokens", "4"], capsys)
+    assert rc == 2 and "--hot-tokens 4 < the trace's top-k 8" in err and "--mtp-hot-tokens 4 < the trace's top-k" in err
     rc, _, err = _run(["--trace", str(path), "--mtp", "5"], capsys)
     assert rc == 2 and "no request with 6 consecutive decode positions" in err

@@ -57,11 +57,9 @@ def resolve_defaults(config: cfg.OffloadConfig, deployment: cfg.Deployment) -> T
     notes: List[str] = []
     sd = config.sparse_decode
     if sd is not None and sd.hot_tokens is None and deployment.index_topk is not None:
-        verify_rows = deployment.verify_rows
-        hot = hot_sizing.resolve_hot_tokens(None, deployment.index_topk, deployment.page_size, verify_rows)
-        factor = "2" if verify_rows <= 2 else f"{verify_rows} verify rows"
+        hot = hot_sizing.resolve_hot_tokens(None, deployment.index_topk, deployment.page_size)
         notes.append(
-            f"sparse_decode.hot_tokens = {hot} ({factor} x top-k {deployment.index_topk}, rounded up to "
+            f"sparse_decode.hot_tokens = {hot} (2 x top-k {deployment.index_topk}, rounded up to "
             f"the page size {deployment.page_size or 1})"
         )
         config = dataclasses.replace(config, sparse_decode=dataclasses.replace(sd, hot_tokens=hot))

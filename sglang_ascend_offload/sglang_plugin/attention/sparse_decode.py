@@ -252,6 +252,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
                 cfg.top_k,
                 config.record_trace_max_steps,
                 rank_depth=config.record_trace_rank_depth,
+                rows_per_request=speculative.verify_rows_per_request(),
                 meta={
                     "source": "sglang",
                     "model": str(compat.arg(server_args, "model_path")),
@@ -514,7 +515,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         fused = self._take_fused_step(local)
         result = self.engine.run_layer(local, topk_rows, q_nope[:real], q_pe[:real], layer.scaling, residency=fused)
         self.metrics.add_copy_time(local, self.engine.times.seconds.get("copy", 0.0) - copy_before)
-        if self.recorder is not None and not self._verify:  # traces hold decode steps (one row per request)
+        if self.recorder is not None:  # decode steps, or verify rounds (n rows per request)
             self.recorder.record_layer(local, topk_rows)
         if local == cfg.layers - 1:
             self.metrics.on_step_end()

@@ -35,6 +35,14 @@ copy time per layer measured by the backend. :class:`OffloadMetrics` turns them 
                                                                     lent to direct requests (per layer)
   ``sglang:ascend_offload_reclaims_total``                counter   demotions because a new request
                                                                     needed a lent buffer (per layer)
+  ``sglang:ascend_offload_overflow_rounds_total``         counter   requests whose verify round's
+                                                                    union exceeded their hot buffer
+                                                                    (per layer; served from the
+                                                                    overflow area)
+  ``sglang:ascend_offload_overflow_positions_total``      counter   positions served from the overflow
+                                                                    area (copied host->device each
+                                                                    round they overflow)
+  ``sglang:ascend_offload_overflow_h2d_bytes_total``      counter   bytes host->device into it
   ``sglang:ascend_offload_hit_rate``                      gauge     hits / selected (cumulative)
   ``sglang:ascend_offload_h2d_bytes_per_step``            gauge     host->device bytes per decode
                                                                     step (a verify round with
@@ -85,6 +93,9 @@ _COUNTER_FIELDS = (
     "demotions",
     "lent_rows",
     "reclaims",
+    "overflow_rounds",
+    "overflow_positions",
+    "overflow_h2d_bytes",
 )
 
 
@@ -95,8 +106,9 @@ def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float
     one verify round with speculation), then ``shadow_checks=.. shadow_mismatches=..
     shadow_ms=..`` (cumulative) when shadow verification has checked rows, and
     ``direct_rows/step=.. direct_h2d=..MiB demotions=..`` with ``residency: adaptive``
-    (``demotions``: requests, not layer steps). ``copy_timed`` false (copy time not
-    measured, see :class:`OffloadMetrics`): ``copy_ms/layer/step=n/a``."""
+    (``demotions``: requests, not layer steps), ``overflow_rounds=.. overflow_positions=..
+    overflow_h2d=..MiB`` (layer steps) once a verify round overflowed. ``copy_timed`` false
+    (copy time not measured, see :class:`OffloadMetrics`): ``copy_ms/layer/step=n/a``."""
     total: Counters = stats.total
     layers = max(1, len(stats.per_layer))
     per_step = 1000.0 * sum(copy_seconds) / layers / max(1, stats.steps)
@@ -117,6 +129,11 @@ def summary_line(stats: DecodeStats, copy_seconds: List[float], elapsed_s: float
             f" direct_rows/step={total.direct_rows / layers / max(1, stats.steps):.2f} "
             f"direct_h2d={total.direct_h2d_bytes / 2**20:.2f}MiB demotions={total.demotions // layers} "
             f"lent_rows={total.lent_rows // layers} reclaims={total.reclaims // layers}"
+        )
+    if total.overflow_rounds:
+        line += (
+            f" overflow_rounds={total.overflow_rounds} overflow_positions={total.overflow_positions} "
+            f"overflow_h2d={total.overflow_h2d_bytes / 2**20:.2f}MiB"
         )
     return line
 
@@ -282,6 +299,10 @@ _DOCS = {
     "was needed)",
     "lent_rows": "idle request slots' hot buffers lent to direct requests' spans",
     "reclaims": "direct requests demoted because a new request needed a hot buffer lent to them",
+    "overflow_rounds": "requests whose verify round's union of top-k exceeded their hot buffer (served from the "
+    "overflow area)",
+    "overflow_positions": "positions served from the overflow area (beyond a request's hot buffer this round)",
+    "overflow_h2d_bytes": "bytes copied host->device into the overflow area",
 }
 
 

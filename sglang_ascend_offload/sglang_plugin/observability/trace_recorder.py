@@ -29,6 +29,17 @@ the selection keeps ``R`` instead of ``k`` candidates, and ``B x R x 4`` bytes p
 layer come to the host. When the recording stops (``record_trace_max_steps``) the
 indexer is back to top-``k``.
 
+Speculative decoding (NextN / MTP, ``rows_per_request = n > 1``): the target model
+runs verify rounds, each request's ``n`` verify rows together (the last accepted token
+and the drafts). The file is then a speculative trace
+(:mod:`sglang_ascend_offload.sparse_decode.spec_trace`: ``topk [rounds, layers, rows x
+n, k]``, ``committed`` / ``req_ids`` / ``accepted [rounds, rows]``): a trace row is a
+request, its ``n`` lines are its verify rows of the round (draft rows included, as the
+target selected for them), ``committed`` is the request's committed length when the
+round started, and ``accepted`` is what the round committed, read from the request's
+next round (0 for its last). ``bench decode --mtp N --trace FILE`` replays it;
+``record_trace_rank_depth`` is refused with it (verify rows get no ranking).
+
 Bounded: at most ``record_trace_max_steps`` steps are kept; the file is rewritten
 (atomically, validated) every ``flush_every`` steps and when the bound is reached,
 after which recording stops and says so in the log. With DP > 1 each DP rank writes
@@ -46,6 +57,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from ...sparse_decode.spec_trace import SpecTrace, save_spec_trace
 from ...sparse_decode.trace import Trace, save_trace
 
 logger = logging.getLogger(__name__)
@@ -63,7 +75,8 @@ class TraceRecorder:
     """Collects decode steps of one engine (``layers`` x trace rows x ``top_k``).
 
     ``rows``: the most trace rows allowed (the engine's capacity); the file has as
-    many as were used.
+    many as were used. ``rows_per_request``: query rows per request and step (``n > 1``:
+    speculative verify rounds, recorded as a speculative trace; see the module docstring).
     """
 
     def __init__(
@@ -76,7 +89,14 @@ class TraceRecorder:
         meta: dict,
         flush_every: int = 32,
         rank_depth: int = 0,
+        rows_per_request: int = 1,
     ):
+        if rows_per_request > 1 and rank_depth:
+            raise ValueError(
+                f"record_trace_rank_depth {rank_depth} with {rows_per_request} verify rows per request: a "
+                "speculative trace holds the verify rows' top-k only (set record_trace_rank_depth 0)"
+            )
+        self.rows_per_request = int(rows_per_request)
         if rank_depth and rank_depth < top_k:
             raise ValueError(
                 f"record_trace_rank_depth {rank_depth} < the model's top-k {top_k}: the ranking starts "
@@ -93,7 +113,7 @@ class TraceRecorder:
         self._batch_rows: Optional[np.ndarray] = None
         self.max_steps = max_steps
         self.flush_every = flush_every
-        self._meta = dict(meta, rank_depth=self.rank_depth)
+        self._meta = dict(meta, rank_depth=self.rank_depth, rows_per_request=self.rows_per_request)
         self._topk: List[np.ndarray] = []
         self._seq_lens: List[np.ndarray] = []
         self._req_ids: List[np.ndarray] = []
@@ -119,7 +139,8 @@ class TraceRecorder:
     ) -> None:
         """Start a step: ``seq_lens`` int ``[B]``, ``req_ids`` int64 ``[B]`` of the batch
         entries (``-1`` = padding / idle), ``engine_rows`` int ``[B]`` their engine rows
-        (kept in ``meta['row_map']``)."""
+        (kept in ``meta['row_map']``). With ``rows_per_request > 1`` a step is a verify
+        round and ``seq_lens`` are the requests' committed lengths."""
         if self.done:
             return
         reqs = req_ids.detach().cpu().numpy().astype(np.int64)
@@ -141,7 +162,7 @@ class TraceRecorder:
         width = int(batch_rows.max()) + 1 if (batch_rows >= 0).any() else 0
         self._width = max(self._width, width)
         self._batch_rows = batch_rows
-        self._current = np.full((self.layers, width, self.top_k), -1, dtype=np.int32)
+        self._current = np.full((self.layers, width * self.rows_per_request, self.top_k), -1, dtype=np.int32)
         if self.rank_depth:
             self._ranked_current = np.full((self.layers, width, self.rank_depth), -1, dtype=np.int32)
         step_lens = np.zeros(width, dtype=np.int32)
@@ -152,12 +173,15 @@ class TraceRecorder:
         self._current_rows = (step_lens, step_reqs)
 
     def record_layer(self, layer: int, topk: torch.Tensor) -> None:
-        """``topk`` int32 ``[B, top_k]`` logical positions of ``layer`` for the batch
-        entries of :meth:`begin_step` (-1 padding)."""
+        """``topk`` int32 ``[B * n, top_k]`` logical positions of ``layer`` for the batch
+        entries of :meth:`begin_step` (``n = rows_per_request`` rows per entry,
+        request-major; -1 padding)."""
         if self.done or self._current is None:
             return
         mine = self._batch_rows >= 0
-        self._current[layer][self._batch_rows[mine]] = topk.detach().cpu().numpy()[mine]
+        n, k = self.rows_per_request, self.top_k
+        rows = topk.detach().cpu().numpy().reshape(-1, n, k)
+        self._current[layer].reshape(-1, n, k)[self._batch_rows[mine]] = rows[mine]
         if layer == self.layers - 1:
             self._commit()
 
@@ -198,15 +222,39 @@ class TraceRecorder:
         if not self._topk:
             return
         w = max(1, self._width)  # steps recorded before a wider one get padding rows
-        topk = np.stack([np.pad(t, [(0, 0), (0, w - t.shape[1]), (0, 0)], constant_values=-1) for t in self._topk])
+        n = self.rows_per_request
+        topk = np.stack([_pad_rows(t, w * n) for t in self._topk])
         lens = np.stack([np.pad(x, (0, w - x.shape[0]), constant_values=0) for x in self._seq_lens])
         reqs = np.stack([np.pad(x, (0, w - x.shape[0]), constant_values=-1) for x in self._req_ids])
-        ranked = None
-        if self.rank_depth:
-            ranked = np.stack(
-                [np.pad(t, [(0, 0), (0, w - t.shape[1]), (0, 0)], constant_values=-1) for t in self._ranked]
-            )
-        trace = Trace(topk=topk, seq_lens=lens, req_ids=reqs, meta=self.meta, ranked=ranked)
         tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}.npz")
-        save_trace(trace, tmp)
+        if n > 1:
+            spec = SpecTrace(topk, lens, reqs, accepted_from_next_round(lens, reqs, n), n)
+            save_spec_trace(spec, tmp, meta=self.meta)
+        else:
+            ranked = np.stack([_pad_rows(t, w) for t in self._ranked]) if self.rank_depth else None
+            save_trace(Trace(topk=topk, seq_lens=lens, req_ids=reqs, meta=self.meta, ranked=ranked), tmp)
         os.replace(tmp, self.path)
+
+
+def _pad_rows(layers_rows: np.ndarray, rows: int) -> np.ndarray:
+    """``[layers, r, k]`` padded with ``-1`` rows to ``[layers, rows, k]``."""
+    return np.pad(layers_rows, [(0, 0), (0, rows - layers_rows.shape[1]), (0, 0)], constant_values=-1)
+
+
+def accepted_from_next_round(committed: np.ndarray, req_ids: np.ndarray, rows_per_request: int) -> np.ndarray:
+    """int32 ``[rounds, rows]``: tokens each recorded round committed, its request's
+    committed length at its next round in the same trace row minus this one's (0 for a
+    request's last recorded round, for idle rows, and where the difference is not one
+    round's ``1 .. rows_per_request``: rounds the recording did not see)."""
+    out = np.zeros(committed.shape, dtype=np.int32)
+    for row in range(committed.shape[1]):
+        last = {}  # request -> its latest round in this row
+        for r in range(committed.shape[0]):
+            req = int(req_ids[r, row])
+            if req == -1:
+                continue
+            if req in last:
+                step = committed[r, row] - committed[last[req], row]
+                out[last[req], row] = step if 1 <= step <= rows_per_request else 0  # else: not seen
+            last[req] = r
+    return out

@@ -150,24 +150,25 @@ def test_the_nextn_chain_with_offload_resolves_and_is_published(plugins_loaded, 
     assert facts.page_size == page
 
     published = carrier.active_config()  # what every scheduler process will build its pools from
-    # The default made explicit: one hot buffer per request holds the union of its 5 verify
-    # rows' top-k, 5 x 16 = 80 rounded up to the page size. Without the verify rows it
-    # would be 2 x 16 = 32 rounded up; the guard keeps the case able to tell the two apart.
-    hot = -(-(steps + 1) * top_k // page) * page
-    assert hot != -(-2 * top_k // page) * page
+    # The default made explicit: plain decode's 2 x 16 = 32 rounded up to the page size, with
+    # or without the verify rows (a round whose union exceeds it overflows); the old worst-case
+    # size, 5 verify rows x 16 = 80 rounded up, differs (the guard keeps the case able to tell).
+    hot = -(-2 * top_k // page) * page
+    assert hot != -(-(steps + 1) * top_k // page) * page
     # Everything else stays at its default: no other field is changed by the resolution.
     assert published == cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(hot_tokens=hot))
 
 
-def test_the_nextn_chain_with_a_small_hot_buffer_is_refused(plugins_loaded, clean_state):
-    """4 verify rows x top-k 16 share one hot buffer: hot_tokens 32 holds only two rows'
-    union, so the launch stops with the rule (and nothing is published)."""
+def test_the_nextn_chain_with_a_hot_buffer_below_top_k_is_refused(plugins_loaded, clean_state):
+    """4 verify rows x top-k 16 share one hot buffer: hot_tokens 8 < top-k 16 cannot hold
+    one row's top-k, so the launch stops with the rule (and nothing is published); any
+    size from top-k up serves (a round whose union exceeds it overflows)."""
     from sglang.srt.server_args import ServerArgs
 
     flags.remember(
         flags.RawFlags(
             enabled={"sparse_decode": True, "layerwise_prefill": False},
-            configs={"sparse_decode": '{"hot_tokens": 32}', "layerwise_prefill": None},
+            configs={"sparse_decode": '{"hot_tokens": 8}', "layerwise_prefill": None},
         )
     )
     with pytest.raises(cfg.ConfigError) as info:
@@ -183,7 +184,7 @@ def test_the_nextn_chain_with_a_small_hot_buffer_is_refused(plugins_loaded, clea
             speculative_num_draft_tokens=4,
             page_size=16,
         ).resolve_once()
-    assert "sparse_decode.hot_tokens_verify_rows" in [v.rule for v in info.value.violations]
+    assert "sparse_decode.hot_tokens_topk" in [v.rule for v in info.value.violations]
     assert carrier.published_text() is None
 
 

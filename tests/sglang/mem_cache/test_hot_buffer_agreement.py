@@ -228,9 +228,10 @@ def capacity_bytes(server: Server) -> int:
 
 def allocated_bytes(pool) -> int:
     """What the pool's engine holds on its device for the hot rows: the hot-buffer tensors
-    and every layer's residency table (slot_token, slot_stamp, row_req)."""
+    (with the overflow area, where verify rows may overflow) and every layer's residency
+    table (slot_token, slot_stamp, row_req)."""
     engine = pool.engine
-    hot = sum(t.numel() * t.element_size() for t in engine.hot.buffers)
+    hot = engine.hot.nbytes
     tables = [m.table for m in engine.managers]
     return hot + sum(t.numel() * t.element_size() for tb in tables for t in (tb.slot_token, tb.slot_stamp, tb.row_req))
 
@@ -316,10 +317,13 @@ def test_every_user_counts_what_the_pool_allocates(server, tmp_path, monkeypatch
     )
     assert expected_users | {f"pool_rank{r}" for r in range(server.tp)} == set(measured)
     # by hand: requests + P/D extra slots + padding slot + sink row, each 2 layers x hot_tokens
-    # slots of a 1152 B row and 12 B of residency, + 8 B per row and layer
+    # slots of a 1152 B row and 12 B of residency, + 8 B per row and layer, + the overflow
+    # area's rows (verify rows x top-k beyond hot_tokens, in 16-row blocks; one for all layers)
     hot_rows = server.requests + server.extra_slots + 2
-    hot = server.hot_tokens or -(-max(2, server.verify_rows) * HF["index_topk"] // PAGE) * PAGE
-    assert measured["pool_rank0"] == hot_rows * 2 * (hot * (1152 + 12) + 8)
+    hot = server.hot_tokens or -(-2 * HF["index_topk"] // PAGE) * PAGE
+    beyond = server.verify_rows * HF["index_topk"] - hot
+    overflow = -(-beyond // 16) * 16 if beyond > 0 else 0
+    assert measured["pool_rank0"] == hot_rows * (2 * (hot * (1152 + 12) + 8) + overflow * 1152)
 
 
 def test_the_grid_covers_what_it_claims():
@@ -327,6 +331,8 @@ def test_the_grid_covers_what_it_claims():
     assert {s.pd_decode for s in GRID} == {True, False} and {s.requests for s in GRID} == {1, 3, 6}
     assert any(s.adaptive for s in GRID) and any(s.int8 for s in GRID)
     assert {s.hot_tokens is None for s in GRID} == {True, False}
+    # verify rows with the default buffer (an overflow area) and with a worst-case one (none)
+    assert {s.hot_tokens is None for s in GRID if s.verify_rows == 4} == {True, False}
 
 
 def _one_more_fixed_row(plan):
