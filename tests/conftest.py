@@ -9,6 +9,10 @@
   (``tests/npu_requirements.py``).
 * SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) is selected only where there is no
   NPU; an NPU runner tests SGLang's NPU paths.
+* ``SAO_NPU_STANDIN=1``: this process runs on the CPU-backed ``npu`` stand-in
+  (``tests/npu_standin``): ``import torch_npu`` finds the stand-in, so the platform probe
+  says ``npu``; npu-marked tests run on it (those it cannot run skip, each with its
+  reason: ``npu_standin/limits.py``), every other test skips (CPU tests run without it).
 """
 
 import os
@@ -16,6 +20,12 @@ import os
 import pytest
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+import npu_standin  # noqa: E402
+
+if npu_standin.requested():
+    npu_standin.put_site_on_path()
+    import torch_npu  # noqa: E402, F401 - installs the stand-in device, as torch_npu registers the NPU
 
 from npu_requirements import npu_present  # noqa: E402
 
@@ -36,7 +46,23 @@ if platform.device_kind() == "cpu":
         pass
 
 
+def pytest_ignore_collect(collection_path, config):
+    """A stand-in process collects only test modules that hold npu-marked tests: the
+    others are CPU tests (and importing some, e.g. SGLang's NPU-only paths, is not
+    what they test)."""
+    if not npu_standin.installed() or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return "mark.npu" not in collection_path.read_text(encoding="utf-8", errors="replace") or None
+
+
 def pytest_collection_modifyitems(config, items):
+    if npu_standin.installed():
+        from npu_standin import limits
+
+        limits.mark_collected(items)
+        return
     if npu_present():
         return
     skip = pytest.mark.skip(
@@ -46,3 +72,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "npu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _standin_api_hazards(request):
+    """On the stand-in: an npu test that leaves an API hazard behind (an event waited on
+    before it was ever recorded: ``npu_standin/npu_module.py``) fails."""
+    if not npu_standin.installed():
+        yield
+        return
+    from npu_standin.npu_module import HAZARDS
+
+    before = len(HAZARDS)
+    yield
+    new = HAZARDS[before:]
+    if new:
+        pytest.fail("stream/event API hazards on the npu stand-in: " + "; ".join(new), pytrace=False)

@@ -7,6 +7,11 @@ over tests it did not run; without an NPU the same test is skipped with the reas
 An NPU is present when torch_npu sees one, or when the Ascend driver's device nodes
 (``/dev/davinci<N>``) exist: the second case is a runner whose Python environment is
 broken or incomplete, which must fail loudly rather than skip.
+
+On the CPU-backed stand-in (``SAO_NPU_STANDIN=1``, ``tests/npu_standin``) the probe says
+``npu`` as well, but what the stand-in does not provide (a package's data path that
+needs the Ascend driver, ...) skips with the reason: the stand-in is not a runner whose
+environment is broken.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import glob
 import importlib.util
 from typing import Callable, Optional
 
+import npu_standin
 import pytest
 
 from sglang_ascend_offload import platform
@@ -33,6 +39,8 @@ def require(reason: Optional[str], what: str = "") -> None:
     if reason is None:
         return
     text = f"{what}: {reason}" if what else reason
+    if npu_standin.installed():
+        pytest.skip(f"not provided by the npu stand-in: {text}")
     if npu_present():
         pytest.fail(f"missing on an NPU runner: {text} (bash scripts/setup_npu_env.sh installs it)", pytrace=False)
     pytest.skip(text)
