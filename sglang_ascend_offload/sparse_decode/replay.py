@@ -187,7 +187,8 @@ def replay_trace(
             b = sel_np.size
             query = torch.randn((b, opts.heads, opts.latent_dim), generator=gen).to(cfg.dtype)
             query_rope = torch.randn((b, opts.heads, opts.rope_dim), generator=gen).to(cfg.dtype)
-            result = engine.run_layer(layer, topk, query, query_rope, scale)
+            # the model's queries live on the engine's device (a device op refuses host tensors)
+            result = engine.run_layer(layer, topk, query.to(engine.device), query_rope.to(engine.device), scale)
             if not opts.verify:
                 continue
             checks += 1
@@ -297,7 +298,9 @@ def _verify_layer(
     bad = remap_mismatches(table, topk.to(table.slot_token.device), result.residency)
     if bad:
         problems.append(f"{bad} remapped entries do not hold their position")
-    ref = full_kv_attention(engine._attention_op, pool, layer, topk, sel_table, query, query_rope, scale)
+    ref = full_kv_attention(
+        engine._attention_op, pool, layer, topk, sel_table, query, query_rope, scale, device=engine.device
+    ).cpu()
     got = result.output.cpu()
     if engine.plan.attention.fused:
         err = (got.float() - ref.float()).abs()

@@ -61,17 +61,25 @@ def full_kv_attention(
     query: torch.Tensor,
     query_rope: torch.Tensor,
     scale: float,
+    device=None,
 ) -> torch.Tensor:
-    """The attention op over the full host KV of ``layer`` with logical indices."""
+    """The attention op over the full host KV of ``layer`` with logical indices, run on
+    ``device`` (default the host): a device rung (``npu``) takes device tensors only, so
+    the pool's rows, the indices and the queries are copied there (contiguous)."""
+    where = torch.device("cpu") if device is None else torch.device(device)
     indices = logical_to_host(topk.cpu(), token_table.cpu()).unsqueeze(1)
+
+    def on(t: torch.Tensor) -> torch.Tensor:
+        return t if where.type == "cpu" else t.to(where).contiguous()
+
     return attention_op(
-        query.cpu(),
-        pool.latent(layer),
+        on(query.cpu()),
+        on(pool.latent(layer)),
         None,
-        indices,
+        on(indices),
         scale,
-        query_rope=query_rope.cpu(),
-        key_rope=pool.rope(layer),
+        query_rope=on(query_rope.cpu()),
+        key_rope=on(pool.rope(layer)),
         layout_query="TND",
         layout_kv="flat",
     )
