@@ -1,0 +1,150 @@
+"""Sync-free on the NPU path: what a decode layer step moves between host and device.
+
+* Captured (the graph path): the engine's layer step (``captured_layer_step``, the
+  plan's ops) captured in an NPU graph per layer and replayed over the workload of
+  ``npu_pair.py``: the replays do 0 device->host reads, 0 host waits and no host->device
+  copy other than the miss rows (Copy-SFA reads them from registered host memory, one
+  transfer of the misses' bytes per layer step), and every replay equals an eager engine
+  (residency, hot buffer, attention) bit for bit. A device->host read inside the step
+  would already fail the capture (the stand-in refuses it, as a device does).
+* Eager (``run_layer``): the count per layer step is stated (:data:`EAGER_PER_LAYER`)
+  and held: an added read or copy fails the test with its call site.
+
+npu-marked: on an NPU runner on the device (the counts come from the stand-in's
+transfer log, so there the counting assertions skip and the equality holds); in CI on
+the stand-in.
+"""
+
+from __future__ import annotations
+
+import npu_standin
+import pytest
+import torch
+from npu_requirements import npu_present, require_npu, require_npu_extension, requires
+
+from sglang_ascend_offload.ops import fused
+
+from . import npu_pair
+
+pytestmark = [pytest.mark.npu, pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN")]
+
+STEPS = 5
+COPY_SFA_READ = fused.COPY_SFA_KERNEL + ": miss rows read from registered host memory"
+#: device->host reads / host->device copies / host waits of one eager ``run_layer`` with
+#: ops auto on an NPU (Copy-SFA + the npu residency rung), by kind
+EAGER_PER_LAYER = {"d2h": 0, "h2d": 1, "sync": 0}
+
+
+def _ready():
+    require_npu()
+    require_npu_extension(fused.COPY_SFA_KERNEL)
+
+
+class Static:
+    """The device buffers a captured layer step reads, refilled before each replay."""
+
+    def __init__(self, first: npu_pair.Step, layer: int, table: torch.Tensor):
+        dev = "npu"
+        self.layer = layer
+        self.rows = torch.arange(npu_pair.ROWS, dtype=torch.int64, device=dev)
+        self.req = first.req_ids.to(dev)
+        self.stable = first.stable_len.to(dev)
+        self.step = torch.zeros((), dtype=torch.int64, device=dev)
+        self.topk = first.topk[layer].to(dev)
+        self.query = first.query[layer].to(dev)
+        self.rope = first.query_rope[layer].to(dev)
+        self.table = table.to(dev)
+
+    def load(self, index: int, s: npu_pair.Step) -> None:
+        self.req.copy_(s.req_ids)
+        self.stable.copy_(s.stable_len)
+        self.step.fill_(index)
+        self.topk.copy_(s.topk[self.layer])
+        self.query.copy_(s.query[self.layer])
+        self.rope.copy_(s.query_rope[self.layer])
+
+
+@requires(_ready)
+def test_the_captured_layer_step_replays_without_host_traffic_and_equals_eager():
+    from npu_standin import transfers
+
+    steps = npu_pair.workload(STEPS)
+    table = npu_pair.token_table()
+    graphed, eager = npu_pair.engine("npu", ops="auto"), npu_pair.engine("npu", ops="auto")
+    assert graphed.plan.attention.fused  # the NPU default: the fused Copy-SFA
+    statics = [Static(steps[0], layer, table) for layer in range(npu_pair.LAYERS)]
+    graphs, outs = [], []
+    for st in statics:
+        g = torch.npu.NPUGraph()
+        with torch.npu.graph(g):
+            outs.append(
+                graphed.captured_layer_step(
+                    st.layer, st.rows, st.topk, st.req, st.stable, st.step,
+                    graphed.pool.layer(st.layer), st.table, st.query, st.rope, npu_pair.SCALE,
+                )
+            )  # fmt: skip
+        graphs.append(g)
+    for index, s in enumerate(steps):
+        npu_pair.begin(eager, s, index, table)
+        for layer, st in enumerate(statics):
+            for engine in (graphed, eager):
+                engine.append(layer, s.append_slots, s.append_rows[layer].to("npu"))
+            st.load(index, s)
+            with transfers.counting() as seen:
+                graphs[layer].replay()
+            inputs = (s.topk[layer].to("npu"), s.query[layer].to("npu"), s.query_rope[layer].to("npu"))
+            want = eager.run_layer(layer, *inputs, npu_pair.SCALE)
+            out, res = outs[layer]
+            where = f"step {index} layer {layer}"
+            assert torch.equal(out.cpu(), want.output.cpu()), where
+            for name in npu_pair.RESIDENCY_FIELDS:
+                assert torch.equal(getattr(res, name).cpu(), getattr(want.residency, name).cpu()), (where, name)
+            assert torch.equal(graphed.hot.layer(layer).cpu(), eager.hot.layer(layer).cpu()), where
+            if npu_standin.installed():
+                assert seen.count("d2h") == 0 and seen.count("sync") == 0, seen.seen
+                assert {t.what for t in seen.of("h2d")} <= {COPY_SFA_READ}, seen.seen
+                misses = int(want.residency.miss_count.sum())
+                row_bytes = (npu_pair.LATENT + npu_pair.ROPE) * 2
+                assert sum(t.nbytes for t in seen.of("h2d")) == misses * row_bytes, where
+
+
+@requires(_ready)
+def test_the_eager_layer_step_moves_what_is_stated():
+    if not npu_standin.installed():
+        pytest.skip("the transfer counts come from the npu stand-in's transfer log")
+    from npu_standin import transfers
+
+    npu, ref = npu_pair.engine("npu", ops="auto"), npu_pair.engine("cpu", ops="reference")
+    counts = []
+
+    def counted(step, layer, fn):
+        with transfers.counting() as seen:
+            out = fn()
+        counts.append(({k: seen.count(k) for k in EAGER_PER_LAYER}, seen.seen))
+        return out
+
+    npu_pair.run_pair(npu, ref, npu_pair.workload(STEPS), fused.ATTENTION_ATOL, on_layer=counted)
+    for per_kind, seen in counts:
+        assert per_kind == EAGER_PER_LAYER, seen
+
+
+@requires(_ready)
+def test_the_eager_count_sees_a_host_read_in_the_step():
+    """Negative control: a layer step that reads its miss count on the host (what the
+    engine never does) is one device->host read more than stated."""
+    if not npu_standin.installed():
+        pytest.skip("the transfer counts come from the npu stand-in's transfer log")
+    from npu_standin import transfers
+
+    npu, ref = npu_pair.engine("npu", ops="auto"), npu_pair.engine("cpu", ops="reference")
+    counts = []
+
+    def reading(step, layer, fn):
+        with transfers.counting() as seen:
+            out = fn()
+            int(out.residency.miss_count.sum())  # the planted host read
+        counts.append({k: seen.count(k) for k in EAGER_PER_LAYER})
+        return out
+
+    npu_pair.run_pair(npu, ref, npu_pair.workload(1), fused.ATTENTION_ATOL, on_layer=reading)
+    assert all(c == dict(EAGER_PER_LAYER, d2h=EAGER_PER_LAYER["d2h"] + 1) for c in counts), counts
