@@ -336,6 +336,7 @@ _TRAINED_TEXT = _E2E + "test_trained_text_e2e_cpu.py::test_text_completions_offl
 _FUSED = _E2E + "test_fused_trained_e2e_cpu.py"
 _SHADOW = _FUSED + "::test_shadow_verification_saw_no_mismatch_on_the_reference_rung"
 _SHADOW_FUSED = _FUSED + "::test_shadow_verification_saw_no_mismatch_on_the_fused_rung"
+_SHADOW_INT8 = _FUSED + "::test_shadow_verification_saw_no_mismatch_on_the_int8_reference_rung"
 _ENGINE_EQ = "tests/sparse_decode/test_engine_equivalence.py::test_engine_equals_full_kv_attention"
 _OFFLOAD_COMPONENTS = "tests/sglang/mem_cache/test_offload_components.py::test_decode_output_equals_full_kv_reference"
 _PD = _E2E + "test_pd_e2e_cpu.py"
@@ -353,7 +354,13 @@ FAULTS: Dict[str, Fault] = {
             "cross-layer offset (vllm#57019)",
             "a miss is copied from the next layer's host rows",
             ((f"{_ENGINE}.copy_misses", _cross_layer),),
-            (_ENGINE_EQ, _OFFLOAD_COMPONENTS, _TRAINED_TEXT, _FUSED + "::test_fused_bf16_serves_the_reference_tokens"),
+            (
+                _ENGINE_EQ,
+                _OFFLOAD_COMPONENTS,
+                _TRAINED_TEXT,
+                _E2E + "test_e2e_dsa_cpu.py::test_offload_on_and_off_are_token_identical",
+                _FUSED + "::test_fused_bf16_serves_the_reference_tokens",
+            ),
             (_SHADOW,),
         ),
         Fault(
@@ -377,7 +384,13 @@ FAULTS: Dict[str, Fault] = {
             "stale resident slot (residency table and buffer disagree)",
             "the first miss of each layer step that evicts a row keeps the evicted row",
             ((f"{_ENGINE}.copy_misses", _stale_slot),),
-            (_ENGINE_EQ, _OFFLOAD_COMPONENTS, _TRAINED_TEXT),
+            (
+                _ENGINE_EQ,
+                _OFFLOAD_COMPONENTS,
+                _TRAINED_TEXT,
+                _E2E + "test_e2e_dsa_adaptive_cpu.py::test_adaptive_residency_is_token_identical_to_no_offload",
+                _E2E + "test_speculative_offload_e2e_cpu.py::test_speculative_offload_on_and_off_are_token_identical",
+            ),
             (_SHADOW,),
         ),
         Fault(
@@ -385,7 +398,12 @@ FAULTS: Dict[str, Fault] = {
             "remap off by one",
             "one position per layer step is remapped to the neighbouring hot slot",
             (("sglang_ascend_offload.sparse_decode.hot_buffer.HotBuffers.flat_indices", _remap_off_by_one),),
-            (_ENGINE_EQ, _OFFLOAD_COMPONENTS, _TRAINED_TEXT),
+            (
+                _ENGINE_EQ,
+                _OFFLOAD_COMPONENTS,
+                _TRAINED_TEXT,
+                _E2E + "test_score_policy_serving.py::test_served_score_policy_same_tokens_and_the_replayed_misses",
+            ),
             (_SHADOW,),
         ),
         Fault(
@@ -399,8 +417,8 @@ FAULTS: Dict[str, Fault] = {
                 _E2E + "test_pd_speculative_e2e_cpu.py::test_speculative_pd_decode_with_offload_matches_colocated",
             ),
             (),
-            "the draft layer is not offloaded (its KV stays in the device draft pool the shadow check never "
-            "reads); " + _NOT_ATTENTION,
+            "the draft layer is not offloaded: its KV stays in the device draft pool, which shadow "
+            "verification (a check of the target's hot buffers) never reads",
         ),
         Fault(
             "pd_main_block_shift",
@@ -424,8 +442,8 @@ FAULTS: Dict[str, Fault] = {
                 "test_served_int8_indexer_equals_reference_c8_composition",
                 _FUSED + "::test_int8_indexer_nll_stays_near_the_bf16_indexer",
             ),
-            (_SHADOW,),
-            "the indexer's top-k changes, attention over it is still what the host pool gives",
+            (_SHADOW_INT8,),
+            "the indexer selects other positions; attention over them is still what the host pool gives",
         ),
         Fault(
             "copy_sfa_before_copy",
@@ -433,7 +451,6 @@ FAULTS: Dict[str, Fault] = {
             "the fused Copy-SFA attends before its row's misses are copied (mutated kernel, functional model)",
             (("sglang_ascend_offload.ops.ascendc_cpu_ops._copy_sfa", _copy_sfa_before_copy),),
             (
-                "tests/sparse_decode/test_engine_fused_cpu_model.py",
                 _FUSED + "::test_fused_bf16_serves_the_reference_tokens",
                 _FUSED + "::test_fused_bf16_heldout_nll_equals_the_reference",
             ),

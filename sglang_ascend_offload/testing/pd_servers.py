@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Sequence
 from .ports import log_reports_bind_failure, release_ports, reserve_port
 from .servers import REPO, PortInUse, server_env, stop_process_group
 
-__all__ = ["COMMON", "LAYERWISE", "pd_config_json", "prefill_args", "decode_args", "PDRouter"]
+__all__ = ["COMMON", "LAYERWISE", "pd_config_json", "prefill_args", "decode_args", "PDRouter", "logprobs_float32"]
 
 #: Chunked prefill with the same chunk size everywhere (so a colocated reference computes
 #: identically): prompts longer than 128 tokens reach the prefill sender in two chunks.
@@ -85,6 +85,15 @@ def decode_args(kv_port: int, offload: bool = False, residency: str = "always", 
         config.update(offload_config)
         args += ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", json.dumps(config)]
     return args
+
+
+def logprobs_float32(out: dict) -> List[tuple]:
+    """A ``/generate`` answer's output ``(logprob, token)`` pairs with each logprob as the
+    server computed it (float32): SGLang's router re-encodes the JSON, which may move a
+    float64 by one unit in its last place."""
+    import numpy as np
+
+    return [(float(np.float32(lp)), tok) for lp, tok, *_ in out["meta_info"]["output_token_logprobs"]]
 
 
 class PDRouter:

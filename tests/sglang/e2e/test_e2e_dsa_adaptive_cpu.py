@@ -1,7 +1,8 @@
 """Served: ``residency: "adaptive"`` is token-identical to no offload, under pressure too.
 
-The tiny DSA fixture (top-k 16, default hot buffer 64 slots, four request slots) serves
-with sparse decode offload and ``residency: "adaptive"``, against the session's shared
+The trained checkpoint ``tests/fixtures/tiny_dsa_trained`` (real weights: a misread row
+moves the argmax; top-k 64, hot buffer 64 slots, four request slots; held-out source as
+prompts) serves with sparse decode offload and ``residency: "adaptive"``, against the session's shared
 offload-off server (same launch settings). Every request's greedy tokens and logprobs
 must equal the offload-off server's exactly (the attention reads the same rows in the
 same order), in each situation a request can be in:
@@ -34,23 +35,26 @@ import pytest
 from conftest import IDLE_SLEEP, ServerProcess
 
 from sglang_ascend_offload.testing import harness, pd_servers
+from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED, trained_args
+from sglang_ascend_offload.testing.teacher_forcing import heldout_prompt
 
 pytestmark = pytest.mark.slow
 
-VOCAB = 1024
-LAYERS = 2  # tests/fixtures/tiny_dsa
+LAYERS = 2  # tests/fixtures/tiny_dsa_trained
+HOT_TOKENS = 64  # = top-k: one page per request slot, so contexts outgrow it and span idle slots' buffers
 COMMON = pd_servers.COMMON + IDLE_SLEEP  # the shared offload-off server's settings (test_e2e_dsa_cpu.py)
-SHARED_SERVERS = ("tiny_dsa_reference",)
+BASE = trained_args(TINY_DSA_TRAINED)
+SHARED_SERVERS = ("trained_reference",)
 
 
 def prompt(n: int, seed: int) -> list:
-    return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
+    return heldout_prompt(TINY_DSA_TRAINED, n, seed)
 
 
 @pytest.fixture(scope="module")
 def servers(request, tmp_path_factory, shared_servers):
     root = tmp_path_factory.mktemp("adaptive_servers")
-    dense = shared_servers.get("tiny_dsa_reference", COMMON)
+    dense = shared_servers.get("trained_reference", COMMON, base_args=BASE)
     hold_flag = root / "hold_direct"  # created by a test to force demotions (absent otherwise)
     adaptive = ServerProcess(
         COMMON
@@ -58,9 +62,10 @@ def servers(request, tmp_path_factory, shared_servers):
             "--enable-metrics",
             "--enable-sparse-decode-offload",
             "--sparse-decode-offload-config",
-            json.dumps({"residency": "adaptive", "metrics_export_interval_s": 0}),
+            json.dumps({"residency": "adaptive", "hot_tokens": HOT_TOKENS, "metrics_export_interval_s": 0}),
         ],
         log_path=root / "adaptive.log",
+        base_args=BASE,
         env=harness.environment({"force_demote": str(hold_flag)}),
     )
     adaptive.hold_flag = hold_flag

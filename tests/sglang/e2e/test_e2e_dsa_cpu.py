@@ -1,6 +1,7 @@
-"""End to end on CPU: SGLang serves the tiny random-weight DeepSeek-V3.2-style model
-through the plugin (``ascend_offload`` backend, reference ops) with sparse decode
-offload off and on; greedy outputs are token-identical; the served top-k trace
+"""End to end on CPU: SGLang serves the trained tiny DeepSeek-V3.2-style checkpoint
+(``tests/fixtures/tiny_dsa_trained``: real weights, so a misplaced KV row moves the
+argmax; held-out source as prompts) through the plugin (``ascend_offload`` backend,
+reference ops) with sparse decode offload off and on; greedy outputs are token-identical; the served top-k trace
 replays verified; flags in ``--help``; an invalid configuration stops startup with
 every reason listed.
 
@@ -19,26 +20,34 @@ import pytest
 from conftest import IDLE_SLEEP, REPO, ServerProcess, run_launcher, server_env
 
 from sglang_ascend_offload.testing import pd_servers
+from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED, trained_args
+from sglang_ascend_offload.testing.teacher_forcing import heldout_prompt
 
 pytestmark = pytest.mark.slow
 
-INDEX_TOPK = 16  # tests/fixtures/tiny_dsa/config.json
-VOCAB = 1024
-HOT_TOKENS = 64  # a multiple of the page size SGLang forces for DSA off NPU (64)
+INDEX_TOPK = 64  # tests/fixtures/tiny_dsa_trained/config.json
+VOCAB = 4096
+HOT_TOKENS = 128  # 2 x top-k, a multiple of the page size SGLang forces for DSA off NPU (64)
 TRACE_STEPS = 16
 # The P/D tests' settings (at most 4 requests, prefill chunks of 128 tokens), so the
 # offload-off server is their colocated reference too.
 COMMON = pd_servers.COMMON + IDLE_SLEEP
+BASE = trained_args(TINY_DSA_TRAINED)
 
 
 def prompt(n: int, seed: int) -> list:
+    return heldout_prompt(TINY_DSA_TRAINED, n, seed)
+
+
+def synthetic(n: int, seed: int) -> list:
+    """``n`` token ids (any length: the held-out windows are 1,024 tokens)."""
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
 
 
 # The offload-off server is test_score_policy_serving.py's and test_pd_e2e_cpu.py's
 # reference too (same arguments): launched once per session, its cache flushed before each
 # module uses it (docs/testing.md).
-SHARED_SERVERS = ("tiny_dsa_reference",)
+SHARED_SERVERS = ("trained_reference",)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +59,7 @@ def servers(request, tmp_path_factory, shared_servers):
         "record_trace": str(root / "served.npz"),
         "record_trace_max_steps": TRACE_STEPS,
     }
-    dense = shared_servers.get("tiny_dsa_reference", COMMON)
+    dense = shared_servers.get("trained_reference", COMMON, base_args=BASE)
     offload = ServerProcess(
         COMMON
         + [
@@ -60,6 +69,7 @@ def servers(request, tmp_path_factory, shared_servers):
             json.dumps(offload_cfg),
         ],
         log_path=root / "offload.log",
+        base_args=BASE,
     )
     offload.trace_file = root / "served.npz"
     try:
@@ -113,7 +123,7 @@ def test_a_request_larger_than_the_pools_is_refused_at_once_and_serving_goes_on(
     running = threading.Thread(target=lambda: results.append(offload.generate(prompt(200, seed=9), max_new_tokens=8)))
     running.start()
     with pytest.raises(urllib.error.HTTPError) as refused:
-        offload.generate(prompt(limit + 1, seed=8), max_new_tokens=4)
+        offload.generate(synthetic(limit + 1, seed=8), max_new_tokens=4)
     reason = json.loads(refused.value.read().decode())["error"]["message"]
     assert (
         refused.value.code == 400
@@ -127,7 +137,7 @@ def test_a_request_larger_than_the_pools_is_refused_at_once_and_serving_goes_on(
 def test_offload_on_and_off_are_token_identical(servers):
     """Concurrent requests sharing a cached prefix, prompts longer than hot_tokens."""
     dense, offload = servers
-    prefix = prompt(100, seed=11)
+    prefix = prompt(200, seed=11)
     prompts = [prefix + prompt(20 + i, seed=20 + i) for i in range(4)]
     assert min(len(p) for p in prompts) > HOT_TOKENS
     outputs = {}
@@ -187,7 +197,7 @@ def test_offload_metrics_in_sglang_prometheus_endpoint(servers):
 
 
 def test_model_info_reports_the_tiny_model(server):
-    assert "tiny_dsa" in server.get("/model_info")
+    assert "tiny_dsa_trained" in server.get("/model_info")
 
 
 def test_launch_server_help_lists_the_flags(plugins_loaded, capsys):

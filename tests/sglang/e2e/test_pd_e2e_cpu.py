@@ -2,7 +2,9 @@
 
 One module setup (each launch costs ~30-60 s on 2 cores, started together):
 
-* prefill server P (tiny DSA model, ``--disaggregation-mode prefill``),
+* prefill server P (the trained checkpoint ``tests/fixtures/tiny_dsa_trained``: real
+  weights, so a misplaced page moves the argmax; held-out source as prompts;
+  ``--disaggregation-mode prefill``),
 * prefill server PL with layerwise prefill offload: ``I = []``, ``B = 1``, so the model's
   two layers alias one physical buffer and layer 1 may only overwrite it after decode
   read layer 0 (the request is published layer by layer during its last forward),
@@ -41,19 +43,22 @@ import pytest
 from conftest import IDLE_SLEEP, ServerProcess, free_port
 
 from sglang_ascend_offload.testing import pd_servers
-from sglang_ascend_offload.testing.pd_servers import PDRouter
+from sglang_ascend_offload.testing.pd_servers import PDRouter, logprobs_float32
+from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED, trained_args
+from sglang_ascend_offload.testing.teacher_forcing import heldout_prompt
 
 pytestmark = pytest.mark.slow
 
-VOCAB = 1024
-INDEX_TOPK = 16
+VOCAB = 4096
+INDEX_TOPK = 64
+BASE = trained_args(TINY_DSA_TRAINED)
 ROUTER_READY_S = 120.0
 #: SGLang's forced retraction: every third decode step of the scheduler retracts requests
 FORCED_RETRACTION = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "3"}
 
 
 def prompt(n: int, seed: int) -> list:
-    return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
+    return heldout_prompt(TINY_DSA_TRAINED, n, seed)
 
 
 @dataclass(frozen=True)
@@ -69,12 +74,13 @@ class PDServers:
     retract: PDRouter  # P -> D2 (offload, forced retraction)
     retracting: ServerProcess  # D2
     int8: PDRouter  # P -> D3 (offload, int8 index K)
+    offload_decode: ServerProcess  # D1
 
 
 # The colocated reference is test_e2e_dsa_cpu.py's and test_score_policy_serving.py's
 # offload-off server too (same arguments): launched once per session, its cache flushed
 # before each module uses it (docs/testing.md).
-SHARED_SERVERS = ("tiny_dsa_reference",)
+SHARED_SERVERS = ("trained_reference",)
 
 
 @pytest.fixture(scope="module")
@@ -84,19 +90,28 @@ def pd(request, tmp_path_factory, shared_servers):
     bootstrap, bootstrap_lw = free_port(), free_port()
     kv0, kv1, kv2, kv3 = free_port(), free_port(), free_port(), free_port()
 
-    prefill = ServerProcess(pd_servers.prefill_args(bootstrap, kv0) + IDLE_SLEEP, log_path=root / "prefill.log")
+    prefill = ServerProcess(
+        pd_servers.prefill_args(bootstrap, kv0) + IDLE_SLEEP, log_path=root / "prefill.log", base_args=BASE
+    )
     prefill_lw = ServerProcess(
-        pd_servers.prefill_args(bootstrap_lw, kv0, layerwise=True) + IDLE_SLEEP, log_path=root / "prefill_layerwise.log"
+        pd_servers.prefill_args(bootstrap_lw, kv0, layerwise=True) + IDLE_SLEEP,
+        log_path=root / "prefill_layerwise.log",
+        base_args=BASE,
     )
-    dense = ServerProcess(pd_servers.decode_args(kv0) + IDLE_SLEEP, log_path=root / "decode_dense.log")
-    offload = ServerProcess(
-        pd_servers.decode_args(kv1, offload=True) + IDLE_SLEEP, log_path=root / "decode_offload.log"
+    dense = ServerProcess(pd_servers.decode_args(kv0) + IDLE_SLEEP, log_path=root / "decode_dense.log", base_args=BASE)
+    offload = ServerProcess(  # shadow verification of every layer step: a check, not an equality with colocated
+        pd_servers.decode_args(kv1, offload=True, verify_sample_rate=1.0) + IDLE_SLEEP + ["--enable-metrics"],
+        log_path=root / "decode_offload.log",
+        base_args=BASE,
     )
-    colocated = shared_servers.get("tiny_dsa_reference", pd_servers.COMMON + IDLE_SLEEP)
+    colocated = shared_servers.get("trained_reference", pd_servers.COMMON + IDLE_SLEEP, base_args=BASE)
     retracting = ServerProcess(
-        pd_servers.decode_args(kv2, offload=True, residency="adaptive") + IDLE_SLEEP + ["--enable-metrics"],
+        pd_servers.decode_args(kv2, offload=True, residency="adaptive", verify_sample_rate=1.0)
+        + IDLE_SLEEP
+        + ["--enable-metrics"],
         log_path=root / "decode_offload_retract.log",
         env=FORCED_RETRACTION,
+        base_args=BASE,
     )
     int8 = ServerProcess(
         pd_servers.decode_args(kv3)
@@ -107,6 +122,7 @@ def pd(request, tmp_path_factory, shared_servers):
         ]
         + IDLE_SLEEP,
         log_path=root / "decode_int8.log",
+        base_args=BASE,
     )
     servers = [prefill, dense, offload, colocated, prefill_lw, retracting, int8]
     routers = []
@@ -133,7 +149,7 @@ def pd(request, tmp_path_factory, shared_servers):
         deadline = time.monotonic() + ROUTER_READY_S
         for r in routers:
             r.wait_ready(prompt(5, seed=99), deadline)
-        yield PDServers(*routers[:2], colocated, root, *routers[2:5], retracting, routers[5])
+        yield PDServers(*routers[:2], colocated, root, *routers[2:5], retracting, routers[5], offload)
     finally:
         shared_servers.stop_all(request.module.__name__, *routers, *servers)
 
@@ -145,7 +161,7 @@ def _check_same(router: PDRouter, colocated: ServerProcess, prompts, max_new_tok
         ref = colocated.generate(p, max_new_tokens=max_new_tokens, return_logprob=True)
         assert out["output_ids"] == ref["output_ids"], f"prompt of {len(p)} tokens"
         assert len(out["output_ids"]) == max_new_tokens
-        assert out["meta_info"]["output_token_logprobs"] == ref["meta_info"]["output_token_logprobs"]
+        assert logprobs_float32(out) == logprobs_float32(ref)
 
 
 # Prompts: shorter than a page, longer than the top-k, several pages (page size 64 on CPU).
@@ -234,6 +250,20 @@ def test_pd_into_an_int8_decode_serves_complete_repeatable_answers(pd):
         assert len(first) == 8 and all(0 <= t < VOCAB for t in first)
         assert pd.int8.generate(prompt(n, seed), max_new_tokens=8)["output_ids"] == first
     assert "Traceback" not in log.read_text(errors="replace")  # read again: after the requests
+
+
+def test_shadow_verification_on_the_pd_decode_saw_no_mismatch(pd):
+    """Both offload decodes (D1, and D2 with retractions) recompute one row of every layer
+    step over their host pool (``verify_sample_rate: 1.0``): rows checked, none differed."""
+    for router, server in ((pd.offload, pd.offload_decode), (pd.retract, pd.retracting)):
+        router.generate(prompt(200, seed=70), 8)
+        text = server.get("/metrics")
+
+        def total(name: str) -> float:
+            found = re.findall(rf"^sglang:ascend_offload_{name}_total{{[^}}]*}} (\S+)$", text, re.M)
+            return sum(float(v) for v in found)
+
+        assert total("shadow_checks") > 0 and total("shadow_mismatches") == 0, server.log_path.name
 
 
 def test_the_project_protocol_moved_the_kv(pd):

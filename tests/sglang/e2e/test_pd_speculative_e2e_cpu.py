@@ -30,7 +30,6 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 from conftest import IDLE_SLEEP, ServerProcess, free_port
 
@@ -96,12 +95,6 @@ def pd(request, tmp_path_factory, shared_servers):
         shared_servers.stop_all(request.module.__name__, router, *servers)
 
 
-def as_float32(out: dict) -> list:
-    """The output logprobs as the server computed them (float32): the router's JSON
-    re-encoding may move a float64 by one unit in the last place."""
-    return [(float(np.float32(lp)), tok) for lp, tok, _ in out["meta_info"]["output_token_logprobs"]]
-
-
 def test_speculative_pd_decode_with_offload_matches_colocated(pd):
     """Prompts shorter than a page, one page and several pages (chunked prefill: > 128
     tokens reach the sender in several chunks), four at once, 24 tokens each: several verify
@@ -115,7 +108,7 @@ def test_speculative_pd_decode_with_offload_matches_colocated(pd):
         ref = colocated.generate(p, max_new_tokens=24, return_logprob=True)
         assert out["output_ids"] == ref["output_ids"], f"prompt of {len(p)} tokens"
         assert len(out["output_ids"]) == 24
-        assert as_float32(out) == as_float32(ref)
+        assert pd_servers.logprobs_float32(out) == pd_servers.logprobs_float32(ref)
         # the draft layer's KV decides the accepted drafts: the same rounds as colocated
         assert out["meta_info"]["spec_verify_ct"] == ref["meta_info"]["spec_verify_ct"] > 0, f"prompt of {len(p)}"
         rounds.append(ref["meta_info"]["spec_verify_ct"])

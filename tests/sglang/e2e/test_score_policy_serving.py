@@ -2,7 +2,8 @@
 
 Config: ``policy`` ``score_rank*`` needs ``rank_depth`` (every problem listed at
 once); ``rank_depth`` must be >= top-k, is refused with speculative decoding and with
-decode graphs. Served (slow, two servers of the tiny DSA fixture): offload off and
+decode graphs. Served (slow, two servers of the trained checkpoint
+``tests/fixtures/tiny_dsa_trained``, held-out source as prompts): offload off and
 offload with ``score_rank_guarded`` + ``rank_depth``; the greedy tokens are identical
 (residency never changes outputs) and the policy was fed each step's ranking: the
 served miss counter equals an offline replay of the same policy over the trace the
@@ -24,10 +25,12 @@ from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.sparse_decode.replay import simulate_policy
 from sglang_ascend_offload.sparse_decode.trace import Trace, load_trace
 from sglang_ascend_offload.testing import pd_servers
+from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED, trained_args
+from sglang_ascend_offload.testing.teacher_forcing import heldout_prompt
 
 POLICY = "score_rank_guarded"
-HOT = 64  # the fixture's page size (hot_tokens must be a multiple of it); 4 x top-k
-DEPTH = 128  # 2 x hot; the fixture's top-k is 16
+HOT = 128  # 2 pages of 64 (hot_tokens must be a multiple of the page size); 2 x top-k
+DEPTH = 256  # 2 x hot; the checkpoint's top-k is 64
 
 
 # ------------------------------------------------------------------ config
@@ -77,12 +80,11 @@ def test_score_policy_with_decode_graphs_is_refused_at_startup():
 
 
 # ------------------------------------------------------------------ served
-VOCAB = 1024
 SUMMARY = re.compile(r"sparse-decode-offload: steps=(\d+) .* misses=(\d+) ")
 
 
 def prompt(n: int, seed: int) -> list:
-    return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
+    return heldout_prompt(TINY_DSA_TRAINED, n, seed)
 
 
 # Both servers run the P/D tests' settings: at most 4 requests at once (the served test
@@ -91,8 +93,9 @@ def prompt(n: int, seed: int) -> list:
 # the first decode step). The offload-off one is then test_e2e_dsa_cpu.py's and
 # test_pd_e2e_cpu.py's reference server, launched once per session, its cache flushed
 # before each module uses it (docs/testing.md).
-SHARED_SERVERS = ("tiny_dsa_reference",)
+SHARED_SERVERS = ("trained_reference",)
 SETTINGS = pd_servers.COMMON
+BASE = trained_args(TINY_DSA_TRAINED)
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +112,11 @@ def servers(request, tmp_path_factory, shared_servers):
             "record_trace_rank_depth": DEPTH,
         }
     )
-    off = shared_servers.get("tiny_dsa_reference", SETTINGS + IDLE_SLEEP)
+    off = shared_servers.get("trained_reference", SETTINGS + IDLE_SLEEP, base_args=BASE)
     score = ServerProcess(
         SETTINGS + ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", score_cfg] + IDLE_SLEEP,
         log_path=root / "score.log",
+        base_args=BASE,
     )
     try:
         shared_servers.start_all(off, score)
