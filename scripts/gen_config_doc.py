@@ -29,7 +29,9 @@ Each feature is configured by a JSON object, given inline or as `@path/to/file.j
 * on a server: `--sparse-decode-offload-config`, `--layerwise-prefill-offload-config` (each with its
   `--enable-...` flag);
 * for `python -m sglang_ascend_offload check-config --config ... --deployment ...`: one object with a section per
-  feature (`sparse_decode`, `layerwise_prefill`, `pd_transfer`, `kvpp`); a missing section means the feature is off.
+  feature (`sparse_decode`, `layerwise_prefill`, `pd_transfer`, `kvpp`); a missing section means the feature is off;
+* for `python -m sglang_ascend_offload check-config --launch "python -m sglang.launch_server ..."` (or `-- ARGS`):
+  the server flags themselves, decided as the server's launcher decides them.
 
 One key is not a feature: `device_kv_budget_bytes` (server flag `--device-kv-budget SIZE`, e.g. `512MiB`), the most
 device memory SGLang's KV pool plus the sparse decode hot buffers may take; the smaller of it and what
@@ -54,7 +56,7 @@ def render() -> str:
             kind = c._describe(hints[f.name]).replace("|", "\\|")
             out.append(f"| `{f.name}` | {kind} | `{shown}` |")
         out += ["", "```", (cls.__doc__ or "").strip(), "```", ""]
-    from sglang_ascend_offload.rules import RULES
+    from sglang_ascend_offload.rules import DECIDED_AFTER_LAUNCH, RULES
 
     out += [
         "## Rules",
@@ -62,12 +64,19 @@ def render() -> str:
         "Every rule id, from `sglang_ascend_offload/rules.py`. Scope `deployment`: decided by "
         "the config and the deployment facts, so `check-config` and the server's startup give the same "
         "verdict; `server`: needs SGLang arguments the facts do not describe, the model files or the "
-        "machine, checked at server startup; `input`: malformed input.",
+        "machine, checked by the server's launch validation before any process starts and by "
+        "`check-config --launch`; `input`: malformed input. A rule marked *after launch* is decided only "
+        "by the running server's startup (what decides it is in `rules.DECIDED_AFTER_LAUNCH`): "
+        "`check-config` lists it as `undecided` where it applies.",
         "",
         "| rule | scope | requires | usual fix |",
         "|---|---|---|---|",
     ]
-    out += [f"| `{r.id}` | {r.scope} | {r.requires} | {r.fix} |".replace("\n", " ") for r in RULES.values()]
+    out += [
+        f"| `{r.id}` | {r.scope}{', after launch' if r.id in DECIDED_AFTER_LAUNCH else ''} | {r.requires} | "
+        f"{r.fix} |".replace("\n", " ")
+        for r in RULES.values()
+    ]
     return "\n".join(out) + "\n"
 
 

@@ -212,7 +212,7 @@ def fused_copy_sfa_required(sd: "SparseDecodeOffloadConfig", device: str, rows_p
     return plan.attention.fused
 
 
-def _residency_shape(sd: "SparseDecodeOffloadConfig", d: "Deployment") -> dict:
+def residency_shape(sd: "SparseDecodeOffloadConfig", d: "Deployment") -> dict:
     """``hot_tokens`` / ``top_k`` of the served pool for the fused-kernel shape check (the
     configured hot buffer or its default, resolved as the hot-buffer plan resolves it), or
     nothing without the top-k."""
@@ -487,6 +487,13 @@ class Deployment:
         """Query rows per request in a decode step: :attr:`speculative_rows` with a
         speculative method, else 1 (``sparse_decode.sizing.verify_rows``)."""
         return _hot_sizing.verify_rows(self.speculative_method, self.speculative_rows)
+
+    @property
+    def host_pool_tensor_view(self) -> bool:
+        """The sparse decode host pool has a tensor view the fused Copy-SFA can read: every
+        pool but the group's MemFabric pool, which an NPU with attention TP > 1 reaches
+        through global addresses (:data:`TP_SHARED_HOST_POOL_DEVICES`)."""
+        return self.device in TP_SHARED_HOST_POOL_DEVICES or self.attention_tp == 1
 
     @property
     def decode_graphs(self) -> bool:
@@ -848,7 +855,7 @@ def _check_sparse_decode_settings(sd: "SparseDecodeOffloadConfig", d: Deployment
         from .sparse_decode.op_selection import select_for_config
 
         plan = select_for_config(
-            sd, d.device, rows_per_request=d.verify_rows, **_residency_shape(sd, d), available=lambda op: None
+            sd, d.device, rows_per_request=d.verify_rows, **residency_shape(sd, d), available=lambda op: None
         )
         for p in plan.problems:
             if p.rule == "sglang.fused_not_wired":
@@ -879,7 +886,7 @@ def _check_int8_indexer(sd: "SparseDecodeOffloadConfig", d: Deployment, add: _Ad
         from .sparse_decode.op_selection import select_for_config
 
         plan = select_for_config(
-            sd, "npu", rows_per_request=d.verify_rows, **_residency_shape(sd, d), available=lambda op: None
+            sd, "npu", rows_per_request=d.verify_rows, **residency_shape(sd, d), available=lambda op: None
         )
         if not plan.indexer.fused:
             add(

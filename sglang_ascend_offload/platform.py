@@ -69,13 +69,29 @@ def soc_name() -> Optional[str]:
         return None
 
 
+_device_queries = True
+
+
+@contextlib.contextmanager
+def without_device_queries() -> Iterator[None]:
+    """Within the block :func:`installed_soc` does not ask the device for its SoC name
+    (``check-config --launch`` decides a launch without touching the device)."""
+    global _device_queries
+    before, _device_queries = _device_queries, False
+    try:
+        yield
+    finally:
+        _device_queries = before
+
+
 def installed_soc() -> Tuple[Optional[str], Optional[str]]:
     """``(soc, why undecided)`` of an NPU deployment, read from the installed CANN build
     (``cann_install.py``: no NPU initialisation, no runtime query). :func:`soc_name`, the
-    device's own answer where torch_npu already has it, is only a cross-check."""
+    device's own answer where torch_npu already has it, is only a cross-check (skipped
+    under :func:`without_device_queries`)."""
     from . import cann_install
 
-    runtime = soc_name() if device_kind() == "npu" else None
+    runtime = soc_name() if device_kind() == "npu" and _device_queries else None
     return cann_install.deployment_soc(runtime)
 
 

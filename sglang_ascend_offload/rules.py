@@ -16,9 +16,16 @@ Scopes say which inputs decide a rule, and so which command can check it:
     the server's startup both call that function, the server on the facts it reads from
     SGLang's resolved arguments, so their verdicts on these rules cannot differ.
 ``server``
-    needs what only the launching server knows: SGLang arguments the deployment facts do
-    not describe (attention backend choice, HiCache, overlap scheduling ...), the model
-    files, the installed packages or the memory free now. Checked at server startup only.
+    needs what only the launch knows: SGLang arguments the deployment facts do not
+    describe (attention backend choice, HiCache, overlap scheduling ...), the model files,
+    the installed packages or the memory free now. Checked by the server's launch
+    validation before any process starts, and the same way by ``check-config --launch``
+    (``sglang_plugin/args/launch_command.py``).
+
+A few rules are decided only after the launch validation, by the running server's startup
+(its KV-pool sizing, the pool's allocation, the kernel qualification, the P/D handshake):
+:data:`DECIDED_AFTER_LAUNCH` says what decides each, and ``check-config`` lists them as
+``undecided`` where they apply, so its ``ok`` never claims them.
 
 :func:`violation` is how code reports a broken rule; it refuses an unregistered id.
 """
@@ -30,7 +37,7 @@ from typing import Dict, Literal, Tuple
 
 from .errors import Violation
 
-__all__ = ["Rule", "RULES", "violation", "ids_in_scope"]
+__all__ = ["Rule", "RULES", "DECIDED_AFTER_LAUNCH", "violation", "ids_in_scope"]
 
 Scope = Literal["input", "deployment", "server"]
 
@@ -107,6 +114,12 @@ _ALL = (
             "drop them from the deployment or pass the deployment's model",
         ),
         ("check_config.count", "check-config's --requests >= 1 and --decode-extra-slots >= 0", "pass such counts"),
+        (
+            "check_config.launch",
+            "check-config's --launch (or the words after --) is an SGLang launch command whose flags SGLang's "
+            "parser accepts: python -m sglang.launch_server ARGS, sglang serve ARGS, or ARGS",
+            "fix the flag SGLang's parser names",
+        ),
         ("capacity.mtp", "--mtp only for a model with MTP layers", "drop --mtp"),
     ),
     *_rules(
@@ -332,6 +345,11 @@ _ALL = (
     *_rules(
         "server",
         (
+            "sglang.server_args",
+            "SGLang's own argument resolution accepts the launch (it runs before the plugin's checks)",
+            "fix what SGLang's message names",
+        ),
+        (
             "sglang.compat",
             "the installed SGLang has every hook target and field the plugin uses",
             "run the supported SGLang version",
@@ -385,6 +403,23 @@ _ALL = (
             "memory.device_budget",
             "the hot buffers of the running requests fit SGLang's device KV budget",
             "lower hot_tokens or --max-running-requests, or raise the budget",
+        ),
+        (
+            "sparse_decode.host_pool_tokens",
+            "host_pool_tokens, where set, holds SGLang's slot space (its token capacity + one padding page)",
+            "raise host_pool_tokens (or leave it unset) or lower --max-total-tokens",
+        ),
+        (
+            "sparse_decode.indexer_int8_head_dim",
+            "indexer_dtype int8 with a power-of-two index_head_dim (the Hadamard rotation of the index keys)",
+            'set "indexer_dtype": "bf16"',
+        ),
+        (
+            "sparse_decode.kernel_qualification",
+            "every fused operator the plan selects matches the separate operators at the served shapes on this "
+            "node (qualify_kernels, ops/qualify.py: run once when the server starts)",
+            'rebuild the extension (bash ascendc_ops/build.sh --install) or set "fused_lim" / "fused_copy_sfa" '
+            "to false",
         ),
         (
             "sglang.layerwise_backend",
@@ -453,6 +488,31 @@ for _rule in _ALL:
         raise RuntimeError(f"rule id {_rule.id!r} is defined twice")
     RULES[_rule.id] = _rule
 del _rule
+
+#: Rule id -> what decides it after the launch validation (the running server's startup).
+#: ``check-config`` lists each as ``undecided`` where it applies (``config_cli.py``).
+DECIDED_AFTER_LAUNCH: Dict[str, str] = {
+    "memory.device_budget": "SGLang's KV-pool sizing in each scheduler, after the weights load: the device "
+    "memory left then decides how many requests' hot buffers fit (refused when not one request's does)",
+    "memory.insufficient": "the sparse decode pool when it allocates: the hot buffers of every request slot "
+    "and the host pool against the memory free then (before it, one request's hot buffers and the host pool "
+    "are checked against the host memory free now; device memory only where the device runtime is already "
+    "initialised, which check-config never does)",
+    "sparse_decode.host_pool_tokens": "SGLang's token capacity, which its KV-pool sizing decides in the "
+    "scheduler unless --max-total-tokens gives it",
+    "sparse_decode.kernel_qualification": "running each fused operator the plan selects once at the served "
+    "shapes when the server starts (ops/qualify.py; bench kernels --qualify runs it on demand)",
+    "sparse_decode.soc_unknown": "the device's own SoC name, which the server's launch validation "
+    "cross-checks against the installed CANN build (check-config reads the build only: it does not touch "
+    "the device)",
+    "pd_transfer.tp_ratio": "the P/D bootstrap handshake with the peer's attention TP, unless peer_tp is set "
+    "in --pd-transfer-config",
+    "sglang.pd_parallel": "the P/D bootstrap handshake with the peer's CP and PP sizes",
+}
+for _rule_id in DECIDED_AFTER_LAUNCH:
+    if _rule_id not in RULES:
+        raise RuntimeError(f"DECIDED_AFTER_LAUNCH names an unregistered rule {_rule_id!r}")
+del _rule_id
 
 
 def violation(rule_id: str, problem: str, fix: str = "") -> Violation:

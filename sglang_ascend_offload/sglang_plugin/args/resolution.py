@@ -28,9 +28,7 @@ import os
 from typing import Any, Callable, List, Optional, Tuple
 
 from ... import config as cfg
-from ... import platform
-from ...rules import RULES, violation
-from ...sparse_decode.sizing import verify_rows
+from ...rules import violation
 from .. import compat
 from ..cpu_capability import no_cuda_capability
 from ..names import BACKEND_NAME
@@ -68,16 +66,23 @@ def requested_config() -> Tuple[cfg.OffloadConfig, List[cfg.Violation]]:
         ]
 
 
+def _wants_backend(server_args: Any, view: Any) -> bool:
+    """Whether this launch needs the plugin's attention backend: any offload feature on,
+    or a DSA model on a CPU (SGLang has no CPU DSA path)."""
+    config, _ = requested_config()
+    wants = config.sparse_decode is not None or (view.device == "cpu" and _model_is_dsa(server_args))
+    wants = wants or config.layerwise_prefill is not None  # the layerwise pool needs our backend
+    return wants or config.kvpp is not None  # so does the KVPP pool
+
+
 def _select_backend(server_args: Any, previous: Callable[[Any], None]) -> None:
+    """``handle_cpu_backends``: the plugin's backend where it is wanted and unset, before
+    SGLang's CPU defaults (which then keep it)."""
     from sglang.srt.arg_groups.model_override_base import is_attention_backend_not_set, resolving_view
     from sglang.srt.arg_groups.overrides import declare_resolution
 
     view = resolving_view(server_args)
-    config, _ = requested_config()
-    wants = config.sparse_decode is not None or (view.device == "cpu" and _model_is_dsa(server_args))
-    wants = wants or config.layerwise_prefill is not None  # the layerwise pool needs our backend
-    wants = wants or config.kvpp is not None  # so does the KVPP pool
-    if wants and is_attention_backend_not_set(view):
+    if _wants_backend(server_args, view) and is_attention_backend_not_set(view):
         declare_resolution(server_args, "sglang_ascend_offload", attention_backend=BACKEND_NAME)
         logger.info("sglang-ascend-offload: attention backend %s selected", BACKEND_NAME)
     if (
@@ -98,6 +103,28 @@ def _select_backend(server_args: Any, previous: Callable[[Any], None]) -> None:
     previous(server_args)
 
 
+#: The server arguments that name an attention backend (the default and per phase).
+BACKEND_FIELDS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+
+
+def _select_npu_backend(server_args: Any, previous: Callable[[Any], None]) -> None:
+    """``handle_npu_backends``: SGLang's NPU defaults (``set_default_server_args``) declare
+    ``ascend`` for the attention, prefill and decode backends, over an explicit
+    ``--attention-backend`` too; so on an NPU the plugin declares its backend for all three
+    after them, where it is wanted and the launch names no other backend (a launch that
+    does is refused by ``sglang.attention_backend``)."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    view = resolving_view(server_args)
+    chosen = {compat.arg(server_args, name) for name in BACKEND_FIELDS} - {None}  # the launch's own flags
+    wants = view.device == "npu" and _wants_backend(server_args, view) and chosen <= {BACKEND_NAME}
+    previous(server_args)
+    if wants:
+        declare_resolution(server_args, "sglang_ascend_offload", **{name: BACKEND_NAME for name in BACKEND_FIELDS})
+        logger.info("sglang-ascend-offload: attention backend %s selected (default and per phase)", BACKEND_NAME)
+
+
 def _model_adjustments(server_args: Any, previous: Callable[[Any], None]) -> None:
     from sglang.srt.arg_groups.model_override_base import resolving_view
 
@@ -109,102 +136,6 @@ def _model_adjustments(server_args: Any, previous: Callable[[Any], None]) -> Non
 
 
 # ------------------------------------------------------------------ validation
-def plugin_violations(config: cfg.OffloadConfig, view: Any) -> List[cfg.Violation]:
-    """The ``server``-scope rules (``rules.py``) of sparse decode offload, then of the
-    layerwise and KVPP pools: SGLang arguments the deployment facts do not describe and
-    what this machine has installed. Everything the facts decide is ``config.violations``."""
-    out: List[cfg.Violation] = []
-    if config.sparse_decode is not None:
-        backends = {
-            b
-            for b in (
-                compat.arg(view, "attention_backend"),
-                compat.arg(view, "prefill_attention_backend"),
-                compat.arg(view, "decode_attention_backend"),
-            )
-            if b
-        }
-        if backends - {BACKEND_NAME}:
-            out.append(
-                violation(
-                    "sglang.attention_backend",
-                    f"attention backend(s) {sorted(backends)} cannot serve sparse decode offload",
-                    f"drop --attention-backend (the plugin selects {BACKEND_NAME}) or pass "
-                    f"--attention-backend {BACKEND_NAME}",
-                )
-            )
-        out += _sparse_decode_ops_violations(config.sparse_decode, _device_kind(view), _verify_rows(view))
-        if compat.arg(view, "enable_hisparse"):
-            out.append(
-                violation(
-                    "sglang.hisparse",
-                    "--enable-hisparse is on as well",
-                    "use one sparse-attention offload: drop --enable-hisparse",
-                )
-            )
-        if os.environ.get("SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD", "0") not in ("", "0", "false", "False"):
-            out.append(
-                violation(
-                    "sglang.npu_sparse_kv_offload",
-                    "SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD is set (SGLang's in-tree NPU offload)",
-                    "unset SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD",
-                )
-            )
-    from .rules.layerwise_prefill import layerwise_violations
-
-    out += layerwise_violations(config, view)
-    from .rules.kvpp import kvpp_violations
-
-    out += kvpp_violations(config, view)
-    return out
-
-
-def _device_kind(view: Any) -> str:
-    """The served device kind, as the deployment reads it: ``--device`` or this machine's."""
-    device = compat.arg(view, "device") or platform.device_kind()
-    return "cuda" if device in ("gpu", "rocm", "hip") else str(device)
-
-
-def _verify_rows(view: Any) -> int:
-    """Query rows per request of a decode step: the speculative verify rows, else 1."""
-    return verify_rows(compat.arg(view, "speculative_algorithm"), compat.arg(view, "speculative_num_draft_tokens"))
-
-
-def _sparse_decode_ops_violations(
-    sd: cfg.SparseDecodeOffloadConfig, device: str, rows_per_request: int = 1
-) -> List[cfg.Violation]:
-    """The operators this machine has for the requested setup (checked before any process
-    starts): the fused-operator plan (``sparse_decode/op_selection.py``) with every problem
-    it finds, then each stage's separate op on the rung the plan names; ``device``: ``npu`` / ``cuda`` /
-    ``cpu``."""
-    from ...ops import registry
-    from ...sparse_decode import op_selection
-
-    out: List[cfg.Violation] = []
-    registry.ensure_registered()
-    plan = op_selection.select_for_config(sd, device, rows_per_request=rows_per_request)
-    for p in plan.problems:
-        # The plan's deployment-scope problems (fused ops off the NPU, fused_lim=true unwired)
-        # are config.violations' to report, on the same settings, as check-config does.
-        if RULES[p.rule].scope != "deployment":
-            out.append(violation(p.rule, p.problem, p.fix))
-    if not plan.problems:
-        op_selection.log_plan(plan, "sglang-ascend-offload: sparse decode")
-    for stage in plan.rungs:  # each stage's separate op on the rung the plan names (problems: above)
-        try:
-            if stage.problem is None:
-                registry.select(stage.op, stage.rung)
-        except (registry.OpUnavailableError, KeyError, ValueError) as exc:
-            out.append(
-                violation(
-                    "sglang.ops_unavailable",
-                    f"ops={sd.ops!r}: {exc}",
-                    'use "ops": "auto" or install what the message names',
-                )
-            )
-    return out
-
-
 def startup_violations(
     config: cfg.OffloadConfig, deployment: Optional[cfg.Deployment], server_args: Any, view: Any, hf_config: Any
 ) -> List[cfg.Violation]:
@@ -214,13 +145,17 @@ def startup_violations(
     facts read from ``view``), the same function ``check-config`` runs, so the two
     verdicts on those rules cannot differ; then the server-scope rules (``rules.py``)
     over ``view`` (SGLang's resolved arguments), ``hf_config`` and this machine.
-    ``deployment`` is ``None`` when it could not be read (already reported).
+    ``deployment`` is ``None`` when it could not be read (already reported). The
+    server-scope rules live in :mod:`.rules` (one module per feature) and
+    :mod:`.launch_checks`.
     """
-    from .rules import pd_transfer as pd_rules
+    from .rules import kvpp, layerwise_prefill, pd_transfer, sparse_decode
 
     out = [] if deployment is None else cfg.violations(config, deployment)
-    out += plugin_violations(config, view)
-    out += pd_rules.pd_violations(config, server_args, view)
+    out += sparse_decode.sparse_decode_violations(config, view, deployment, hf_config)
+    out += layerwise_prefill.layerwise_violations(config, view)
+    out += kvpp.kvpp_violations(config, view)
+    out += pd_transfer.pd_violations(config, server_args, view)
     out += launch_checks.launch_violations(config, view, hf_config, deployment)
     return out
 
@@ -296,7 +231,7 @@ def install() -> None:
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
     register_resolution_hook("handle_cpu_backends")(_select_backend)
-    register_resolution_hook("handle_npu_backends")(_select_backend)
+    register_resolution_hook("handle_npu_backends")(_select_npu_backend)
     register_resolution_hook("handle_model_specific_adjustments")(_model_adjustments)
     register_resolution_hook(compat.VALIDATION_STEP)(_validate)
     _installed = True

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 from types import SimpleNamespace
 
 import pytest
 from conftest import TINY_DSA
-from startup_verdict import server_rule_ids, server_verdict
+from startup_verdict import dsa_hf_config, server_rule_ids, server_verdict
 
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload import platform
@@ -182,14 +183,8 @@ def test_plugin_rules(monkeypatch):
 def _server_args(**kw):
     from sglang.srt.server_args import ServerArgs
 
-    return ServerArgs(
-        model_path=str(TINY_DSA),
-        device="cpu",
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        disable_cuda_graph=True,
-        **kw,
-    )
+    args = dict(model_path=str(TINY_DSA), device="cpu", load_format="dummy", skip_tokenizer_init=True)
+    return ServerArgs(**{**args, "disable_cuda_graph": True, **kw})
 
 
 def test_resolution_selects_the_backend_and_bf16_on_cpu(plugins_loaded, clean_state):
@@ -202,6 +197,39 @@ def test_resolution_selects_the_backend_and_bf16_on_cpu(plugins_loaded, clean_st
     assert view.attention_backend == "ascend_offload"
     assert view.kv_cache_dtype == "bfloat16"
     assert carrier.published_text() is None  # nothing enabled, nothing published
+
+
+def test_on_an_npu_the_plugin_backend_is_declared_after_sglangs_npu_defaults(plugins_loaded, clean_state, monkeypatch):
+    """SGLang's NPU defaults (``set_default_server_args``) declare ``ascend`` for the
+    attention, prefill and decode backends, over ``--attention-backend ascend_offload`` too:
+    the plugin's step declares its backend for all three after them, else every NPU launch
+    with offload would be refused (``sglang.attention_backend``). Found by ``check-config
+    --launch`` on an A3 node's facts (test_check_config_launch.py)."""
+    import types
+
+    from sglang.srt.arg_groups import platform_hook
+    from sglang.srt.arg_groups.cuda_graph_hook import handle_cuda_graph_config
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    from sglang_ascend_offload.sglang_plugin.args import launch_command
+
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))  # SGLang's NPU defaults import it
+
+    def backends(step, **kw):
+        sa = _server_args(device="npu", **kw)
+        handle_cuda_graph_config(sa)  # the pipeline's step before (the NPU defaults read its result)
+        with launch_command.without_device():  # SGLang's NPU defaults ask the device's memory capacity
+            step(sa, platform_hook.handle_npu_backends)
+        return {getattr(resolving_view(sa), name) for name in resolution.BACKEND_FIELDS}
+
+    flags.remember(raw(sparse="{}"))
+    assert backends(lambda sa, sglang_step: sglang_step(sa)) == {"ascend"}  # SGLang's step alone
+    assert backends(resolution._select_backend) == {"ascend"}  # the CPU step's order on an NPU: negative control
+    assert backends(resolution._select_npu_backend) == {"ascend_offload"}
+    assert backends(resolution._select_npu_backend, attention_backend="ascend_offload") == {"ascend_offload"}
+    assert backends(resolution._select_npu_backend, attention_backend="ascend") == {"ascend"}  # refused by the rule
+    flags.forget()
+    assert backends(resolution._select_npu_backend) == {"ascend"}  # no offload: SGLang's own backend
 
 
 def test_cpu_serving_needs_sglang_cpu_engine(plugins_loaded, clean_state, monkeypatch):
@@ -242,10 +270,11 @@ def test_fused_copy_sfa_is_the_npu_default_and_its_extension_is_required_at_star
     unless ``fused_copy_sfa: false``; without the AscendC extension that default is refused
     before anything starts, with the build command, never a silent fallback. This machine
     has no extension, which is what an NPU node without the build looks like."""
-    npu = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=True, device="npu")
+    npu = dict(attention_backend="ascend_offload", disable_cuda_graph=True, device="npu", page_size=128)
+    top_k_2048 = dsa_hf_config(index_topk=2048)  # a top-k the fused kernels take (DeepSeek-V3.2's)
 
     def rules_and_text(sd):
-        found = resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=sd), npu)
+        found = server_verdict(cfg.OffloadConfig(sparse_decode=sd), hf_config=top_k_2048, **npu)
         return [v.rule for v in found], "\n".join(f"{v.problem} -> {v.fix}" for v in found)
 
     rules, text = rules_and_text(cfg.SparseDecodeOffloadConfig())
@@ -260,8 +289,10 @@ def test_fused_copy_sfa_is_the_npu_default_and_its_extension_is_required_at_star
         cfg.SparseDecodeOffloadConfig(ops="npu"),
     ):
         assert "sglang.fused_unavailable" not in rules_and_text(opted_out)[0]
-    cpu = server_args_stub(attention_backend="ascend_offload", disable_cuda_graph=True, device="cpu")
-    found = resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig()), cpu)
+    cpu = dict(npu, device="cpu", page_size=64)
+    found = server_verdict(
+        cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig()), hf_config=top_k_2048, **cpu
+    )
     assert found == []  # off the NPU the default is the separate copy + attention
 
 

@@ -14,12 +14,11 @@ from startup_verdict import dsa_hf_config, server_verdict
 from sglang_ascend_offload import config as cfg
 from sglang_ascend_offload.ops import fused
 from sglang_ascend_offload.rules import RULES
-from sglang_ascend_offload.sglang_plugin.args import resolution
 from sglang_ascend_offload.sparse_decode import op_selection
-from sglang_ascend_offload.testing.sglang_args import server_args_stub
 
 NPU = dict(attention_backend="ascend_offload", disable_cuda_graph=True, device="npu", page_size=128)
 BUILD = "ascendc_ops/build.sh --install"
+TOP_K_2048 = dsa_hf_config(index_topk=2048)  # DeepSeek-V3.2's top-k, which the fused kernels take
 
 
 def _verdict(soc="Ascend910_9391", top_k=2048, **sd):
@@ -62,29 +61,25 @@ def test_npu_opt_outs_and_explicit_requests():
 
 
 def test_verify_rows_serve_fused_up_to_14_per_request_and_more_are_refused_at_startup():
+    def rules(sd, draft_tokens):
+        spec = dict(speculative_algorithm="NEXTN", speculative_num_draft_tokens=draft_tokens)
+        spec.update(speculative_num_steps=draft_tokens - 1, disable_overlap_schedule=True)
+        found = server_verdict(
+            cfg.OffloadConfig(sparse_decode=sd), hf_config=dsa_hf_config(index_topk=2048), **NPU, **spec
+        )
+        return found, [v.rule for v in found]
+
     sd = cfg.SparseDecodeOffloadConfig(fused_copy_sfa=True)
-    two = server_args_stub(
-        **NPU, speculative_algorithm="NEXTN", speculative_num_draft_tokens=2, speculative_num_steps=1
-    )
-    rules = [v.rule for v in resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=sd), two)]
-    assert "sparse_decode.fused_copy_sfa_engine" not in rules  # a request's 2 verify rows share its row, fused
-    assert "sglang.fused_unavailable" in rules  # ... which needs the extension this machine lacks
-    many = server_args_stub(
-        **NPU, speculative_algorithm="NEXTN", speculative_num_draft_tokens=15, speculative_num_steps=14
-    )
-    found = [
-        v
-        for v in resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=sd), many)
-        if v.rule == "sparse_decode.fused_copy_sfa_engine"
-    ]
+    _, two = rules(sd, 2)
+    assert "sparse_decode.fused_copy_sfa_engine" not in two  # a request's 2 verify rows share its row, fused
+    assert "sglang.fused_unavailable" in two  # ... which needs the extension this machine lacks
+    many, _ = rules(sd, 15)
+    found = [v for v in many if v.rule == "sparse_decode.fused_copy_sfa_engine"]
     assert found and "at most 14" in found[0].problem
     assert RULES["sparse_decode.fused_copy_sfa_engine"].scope == "server"
-    default = cfg.SparseDecodeOffloadConfig()  # the default gives way to 15 verify rows: nothing fused to build
-    assert [
-        v.rule
-        for v in resolution.plugin_violations(cfg.OffloadConfig(sparse_decode=default), many)
-        if v.rule.startswith(("sglang.fused", "sparse_decode.fused"))
-    ] == []
+    # the default gives way to 15 verify rows: nothing fused to build
+    _, default = rules(cfg.SparseDecodeOffloadConfig(), 15)
+    assert [r for r in default if r.startswith(("sglang.fused", "sparse_decode.fused"))] == []
 
 
 def test_cpu_defaults_are_never_fused():
@@ -144,3 +139,35 @@ def test_a_top_k_the_kernels_do_not_take_is_refused_when_asked_for_and_a_default
     explicit = [v for v in _verdict(top_k=16, fused_lim=True) if v.rule == "sglang.fused_not_wired"]
     assert len(explicit) == 1 and "top-k 16 is not a multiple of 32" in explicit[0].problem
     assert "sglang.fused_not_wired" not in [v.rule for v in _verdict(top_k=16)]  # the default gives way
+
+
+def test_a_fused_copy_sfa_asked_for_at_a_top_k_it_does_not_take_is_a_launch_refusal():
+    """``ops: "fused"`` (or ``fused_copy_sfa: true``) on a top-k-16 model: the launch
+    validation plans what the engine would, with the served residency shape, and refuses
+    it (the engine would raise ``OpSelectionError`` in the scheduler). The same plan
+    without the shape (the launch's plan before) finds nothing: the shape is what decides."""
+    for sd in (dict(ops="fused"), dict(fused_copy_sfa=True)):
+        found = [v for v in _verdict(top_k=16, **sd) if v.rule == "sparse_decode.fused_copy_sfa_engine"]
+        assert len(found) == 1 and "top-k 16 is not a multiple of 128" in found[0].problem, sd
+        assert "fused_copy_sfa" in found[0].fix
+    cpu = dict(NPU, device="cpu", page_size=64)
+    on_cpu = server_verdict(cfg.OffloadConfig(sparse_decode=cfg.SparseDecodeOffloadConfig(ops="fused")), **cpu)
+    assert [v.rule for v in on_cpu] == ["sparse_decode.fused_copy_sfa_engine"]
+    no_shape = op_selection.select_for_config(cfg.SparseDecodeOffloadConfig(ops="fused"), "cpu")
+    assert "sparse_decode.fused_copy_sfa_engine" not in [p.rule for p in no_shape.problems]  # negative control
+
+
+@pytest.mark.slow
+def test_the_launcher_refuses_fused_ops_at_top_k_16_before_any_scheduler_starts():
+    """The issue's case: ``{"ops": "fused"}`` on ``tests/fixtures/tiny_dsa`` used to pass the
+    launch validation ("validated configuration") and kill the scheduler with an
+    ``OpSelectionError``; the launcher now refuses it with the rule id and the fix."""
+    from conftest import run_launcher
+
+    args = ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", '{"ops": "fused"}']
+    result = run_launcher([*args, "--max-running-requests", "4"], timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out[-3000:]
+    assert "[sparse_decode.fused_copy_sfa_engine]" in out and 'set "fused_copy_sfa": false' in out, out[-3000:]
+    assert "validated configuration" not in out and "OpSelectionError" not in out, out[-3000:]
+    assert "Load weight" not in out  # no scheduler process started
