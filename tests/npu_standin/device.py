@@ -34,6 +34,7 @@ NAME = "npu"
 aten = torch.ops.aten
 
 #: stand-in kernels of non-aten ops (torch_npu, AscendC): OpOverload -> function of CPU tensors
+#: (filled when the stand-in is installed, before any of these ops runs)
 KERNELS: Dict[object, object] = {}
 #: arguments of such an op that live on the host on a node too (Copy-SFA's registered ``host``)
 HOST_OPERANDS: Dict[object, frozenset] = {}
@@ -163,6 +164,32 @@ def _leaves(x, out: list) -> list:
     return out
 
 
+class _Operands:
+    """One pass over an op's arguments: their CPU form, the ``npu`` devices seen and the
+    host tensors among them."""
+
+    __slots__ = ("devices", "host")
+
+    def __init__(self):
+        self.devices = set()
+        self.host = []
+
+    def unwrap(self, x):
+        kind = type(x)
+        if kind is NpuTensor:
+            self.devices.add(x.device.index)
+            return x._cpu
+        if kind is tuple or kind is list:
+            return kind(self.unwrap(v) for v in x)
+        if kind is dict:
+            return {k: self.unwrap(v) for k, v in x.items()}
+        if isinstance(x, torch.Tensor):
+            self.host.append(x)
+        elif kind is torch.device and x.type == NAME:
+            return torch.device("cpu")
+        return x
+
+
 def _unwrap(x):
     if isinstance(x, NpuTensor):
         return x._cpu
@@ -171,48 +198,59 @@ def _unwrap(x):
     return x
 
 
+class _OpInfo:
+    """What dispatch needs of an op's schema, computed once per op."""
+
+    def __init__(self, func):
+        schema = func._schema
+        self.name = rules.base_name(func.name())
+        self.write_args = tuple(
+            (i, a.name, tuple(a.alias_info.before_set))
+            for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        self.returns = tuple(r.alias_info for r in schema.returns)
+        names = HOST_OPERANDS.get(func, frozenset())
+        self.host_args = tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.name in names)
+        self.kernel = KERNELS.get(func, func)
+        self.index_op = self.name in rules.INDEX_OPS
+        self.scalar_ok = self.name in rules.CPU_SCALAR_OPS
+        self.reads_back = self.name in rules.DATA_DEPENDENT_SHAPE
+
+
+@functools.lru_cache(maxsize=None)
+def _info(func) -> _OpInfo:
+    return _OpInfo(func)
+
+
 # ---------------------------------------------------------------- operand checks
-def _check_operands(func, name: str, args, kwargs) -> Optional[int]:
+def _check_operands(func, info: _OpInfo, args, kwargs, seen: _Operands) -> Optional[int]:
     """The device index of the op's ``npu`` operands, after torch_npu's checks; CPU index
     tensors of indexing ops are counted as the host->device copies torch_npu makes."""
-    flat = _leaves((args, kwargs), [])
-    indices = {t.device.index for t in flat if isinstance(t, NpuTensor)}
-    if len(indices) > 1:
-        a, b = sorted(indices)[:2]
+    if len(seen.devices) > 1:
+        a, b = sorted(seen.devices)[:2]
         raise RuntimeError(
             f"Expected all tensors to be on the same device, but found at least two devices, npu:{a} and npu:{b}! "
             f"({func})"
         )
-    index_operands = args[1] if name in rules.INDEX_OPS and len(args) > 1 else ()
-    host_operands = _host_operands(func, args, kwargs)
-    for t in flat:
-        if not isinstance(t, torch.Tensor) or isinstance(t, NpuTensor) or id(t) in host_operands:
-            continue
-        if any(t is i for i in index_operands if i is not None):
-            _h2d(f"{func} (a cpu index tensor moved to the device)", t)
-            continue
-        if t.dim() == 0 and name in rules.CPU_SCALAR_OPS:
-            continue
-        raise RuntimeError(f"{rules.SAME_DEVICE_ERROR} ({func}: an operand of shape {tuple(t.shape)} is on {t.device})")
-    return min(indices) if indices else None
+    if seen.host:
+        index_operands = args[1] if info.index_op and len(args) > 1 else ()
+        host_operands = {id(args[i] if i < len(args) else kwargs.get(n)) for i, n in info.host_args}
+        for t in seen.host:
+            if id(t) in host_operands:
+                continue
+            if any(t is i for i in index_operands if i is not None):
+                _h2d(f"{func} (a cpu index tensor moved to the device)", t)
+                continue
+            if t.dim() == 0 and info.scalar_ok:
+                continue
+            shape = tuple(t.shape)
+            raise RuntimeError(f"{rules.SAME_DEVICE_ERROR} ({func}: an operand of shape {shape} is on {t.device})")
+    return min(seen.devices) if seen.devices else None
 
 
-def _host_operands(func, args, kwargs) -> set:
-    """ids of the arguments :data:`HOST_OPERANDS` lets stay on the host."""
-    names = HOST_OPERANDS.get(func)
-    if not names:
-        return set()
-    found = set()
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.name in names:
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            if value is not None:
-                found.add(id(value))
-    return found
-
-
-def _bool_index(name: str, args) -> bool:
-    if name not in rules.INDEX_OPS or len(args) < 2:
+def _bool_index(info: _OpInfo, args) -> bool:
+    if not info.index_op or len(args) < 2:
         return False
     return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
 
@@ -220,69 +258,62 @@ def _bool_index(name: str, args) -> bool:
 # ------------------------------------------------------------------- dispatch
 def dispatch(func, args, kwargs):
     """One op with at least one ``npu`` operand (``NpuTensor.__torch_dispatch__``)."""
-    name = rules.base_name(func.name())
     if func is aten.copy_.default:
         return _copy(args[0], args[1])
     if func is aten._to_copy.default:
         return _to_copy_from_npu(args[0], **kwargs)
     if func is aten.is_pinned.default:
         return False
-    index = _check_operands(func, name, args, kwargs)
+    info = _info(func)
+    seen = _Operands()
+    cpu_args, cpu_kwargs = seen.unwrap(args), seen.unwrap(kwargs)
+    index = _check_operands(func, info, args, kwargs, seen)
     out_device = kwargs.get("device")
     if out_device is not None:
         out_device = torch.device(out_device)
         index = _index_of(out_device) if out_device.type == NAME else None
-    if name in rules.HOST_RESULT_OPS:
+    if info.name in rules.HOST_RESULT_OPS:
         _read(str(func), next(t for t in _leaves(args, []) if isinstance(t, NpuTensor)))
-        return func(*_tree_map(_unwrap, args), **_tree_map(_unwrap, kwargs))
-    if name in rules.DATA_DEPENDENT_SHAPE or _bool_index(name, args):
+        return func(*cpu_args, **cpu_kwargs)
+    if info.reads_back or _bool_index(info, args):
         _read(f"{func} (output shape read from the device)", args[0])
-    kernel = KERNELS.get(func, func)
-    cpu_args, cpu_kwargs = _tree_map(_unwrap, args), _tree_map(_unwrap, kwargs)
+    kernel = info.kernel
 
     def run():
         return kernel(*cpu_args, **cpu_kwargs)
 
+    targets = _write_targets(info, args, kwargs) if info.write_args else {}
     capture = graphs.active()
     if capture is not None:
-        for target in _write_targets(func, args, kwargs).values():
+        for target in targets.values():
             for memory in _leaves(target, []):
                 if isinstance(memory, NpuTensor):
                     capture.keep_before_write(memory._cpu)
     out = run()
     if index is None:  # an npu operand asked for a CPU result (device="cpu")
         return out
-    _check_not_resized(func, args, kwargs)
-    result = _wrap_outputs(func, args, kwargs, out, index)
+    if targets:
+        _check_not_resized(func, targets)
+    result = _wrap_outputs(info, targets, out, index)
     if capture is not None:
-        capture.entries.append(graphs.Entry(run, _fresh_outputs(func, out)))
+        capture.entries.append(graphs.Entry(run, _fresh_outputs(info, out)))
     return result
 
 
-@functools.lru_cache(maxsize=None)
-def _write_args(func):
-    """``(position, name, alias sets)`` of the arguments an op writes in place (``Tensor(a!)``)."""
-    return tuple(
-        (i, arg.name, tuple(arg.alias_info.before_set))
-        for i, arg in enumerate(func._schema.arguments)
-        if arg.alias_info is not None and arg.alias_info.is_write
-    )
-
-
-def _write_targets(func, args, kwargs) -> Dict[object, object]:
-    """alias set -> the argument object an op writes in place."""
+def _write_targets(info: _OpInfo, args, kwargs) -> Dict[object, object]:
+    """alias set -> the argument object an op writes in place (``Tensor(a!)``)."""
     targets = {}
-    for i, name, aliases in _write_args(func):
+    for i, name, aliases in info.write_args:
         value = args[i] if i < len(args) else kwargs.get(name)
         for alias in aliases:
             targets[alias] = value
     return targets
 
 
-def _check_not_resized(func, args, kwargs) -> None:
+def _check_not_resized(func, targets: Dict[object, object]) -> None:
     """A wrapper's shape is fixed at creation: an op that resized the CPU memory of an
     ``npu`` tensor it writes (``out=`` of another size, ``resize_``) is refused loudly."""
-    for target in _write_targets(func, args, kwargs).values():
+    for target in targets.values():
         if isinstance(target, NpuTensor) and (
             target._cpu.shape != target.shape or target._cpu.stride() != target.stride()
         ):
@@ -292,32 +323,28 @@ def _check_not_resized(func, args, kwargs) -> None:
             )
 
 
-def _wrap_outputs(func, args, kwargs, out, index: int):
+def _wrap_outputs(info: _OpInfo, targets: Dict[object, object], out, index: int):
     """Wrap an op's CPU results on ``npu:<index>``; an in-place / ``out=`` result is the
     argument object itself."""
-    targets = _write_targets(func, args, kwargs)
-    returns = func._schema.returns
 
-    def one(ret, value):
-        info = ret.alias_info
-        if info is not None and info.is_write:
-            for alias in info.before_set:
+    def one(alias_info, value):
+        if alias_info is not None and alias_info.is_write:
+            for alias in alias_info.before_set:
                 if alias in targets:
                     return targets[alias]
+        if type(value) is torch.Tensor:
+            return NpuTensor(value, index)
         return _tree_map(lambda x: NpuTensor(x, index) if isinstance(x, torch.Tensor) else x, value)
 
-    if len(returns) == 1:
-        return one(returns[0], out)
-    return tuple(one(r, v) for r, v in zip(returns, out))
+    if len(info.returns) == 1:
+        return one(info.returns[0], out)
+    return tuple(one(r, v) for r, v in zip(info.returns, out))
 
 
-def _fresh_outputs(func, out):
+def _fresh_outputs(info: _OpInfo, out):
     """The output buffers a replay refreshes: results that alias no input."""
-    values = list(out) if isinstance(out, (tuple, list)) and len(func._schema.returns) > 1 else [out]
-    return [
-        v if isinstance(v, torch.Tensor) and ret.alias_info is None else None
-        for ret, v in zip(func._schema.returns, values)
-    ]
+    values = list(out) if isinstance(out, (tuple, list)) and len(info.returns) > 1 else [out]
+    return [v if isinstance(v, torch.Tensor) and r is None else None for r, v in zip(info.returns, values)]
 
 
 # --------------------------------------------------------------------- copies
