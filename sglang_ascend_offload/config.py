@@ -851,21 +851,29 @@ def _check_sparse_decode_settings(sd: "SparseDecodeOffloadConfig", d: Deployment
         )
     if sd.indexer_dtype == "int8":
         _check_int8_indexer(sd, d, add)
-    if sd.fused_lim is True:
+    if sd.fused_lim is True or sd.record_trace_rank_depth > 0:
         from .sparse_decode.op_selection import select_for_config
 
         plan = select_for_config(
             sd, d.device, rows_per_request=d.verify_rows, **residency_shape(sd, d), available=lambda op: None
         )
         for p in plan.problems:
-            if p.rule == "sglang.fused_not_wired":
+            if p.rule == "sglang.fused_not_wired" and sd.fused_lim is True:
                 add(p.rule, p.problem, p.fix)
-    if sd.rank_depth > 0 and d.index_topk is not None and sd.rank_depth < d.index_topk:
-        add(
-            "sparse_decode.rank_depth_topk",
-            f"rank_depth={sd.rank_depth} < top-k={d.index_topk}",
-            f"set rank_depth >= {d.index_topk} (e.g. {2 * d.index_topk} or 2 x hot_tokens)",
-        )
+        if sd.record_trace_rank_depth > 0 and plan.indexer.fused:
+            add(
+                "sparse_decode.trace_ranking_fused",
+                f"record_trace_rank_depth={sd.record_trace_rank_depth} with the fused indexer ({plan.indexer.reason}), "
+                "which returns the top-k only, not the ranking beyond it",
+                'set "fused_lim": false (the separate indexer ranks) or drop record_trace_rank_depth',
+            )
+    for name, depth in (("rank_depth", sd.rank_depth), ("record_trace_rank_depth", sd.record_trace_rank_depth)):
+        if depth > 0 and d.index_topk is not None and depth < d.index_topk:
+            add(
+                "sparse_decode.rank_depth_topk",
+                f"{name}={depth} < top-k={d.index_topk}",
+                f"set {name} >= {d.index_topk} (e.g. {2 * d.index_topk} or 2 x hot_tokens)",
+            )
     if sd.rank_depth > 0 and d.speculative_method:
         add(
             "sparse_decode.score_speculative",

@@ -181,8 +181,13 @@ _ALL = (
         ),
         (
             "sparse_decode.rank_depth_topk",
-            "rank_depth >= the model's top-k (the ranking starts with the top-k)",
-            "raise rank_depth",
+            "rank_depth and record_trace_rank_depth, where on, >= the model's top-k (a ranking starts with the top-k)",
+            "raise rank_depth / record_trace_rank_depth",
+        ),
+        (
+            "sparse_decode.trace_ranking_fused",
+            "record_trace_rank_depth only with the separate indexer (the fused LIM returns the top-k only)",
+            'set "fused_lim": false or drop record_trace_rank_depth',
         ),
         (
             "sparse_decode.score_speculative",

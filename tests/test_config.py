@@ -107,6 +107,10 @@ CASES = {
         {"sparse_decode": {"hot_tokens": 4096, "fused_lim": True, "policy": "lru_k2_guarded"}},
         {},
     ),
+    "sparse_decode.trace_ranking_fused": (  # the NPU default's fused LIM returns the top-k only
+        {"sparse_decode": {"hot_tokens": 4096, "record_trace": "/tmp/t.npz", "record_trace_rank_depth": 4096}},
+        {},
+    ),
     "sglang.sparse_decode_graph": (SD, dict(graph_mode="full", attn_tp=2)),
     "sglang.sparse_decode_speculative": (
         {"sparse_decode": {"hot_tokens": 8192}},
@@ -133,6 +137,18 @@ CASES = {
 
 def _run(config: dict, overrides: dict):
     return violations(parse_config(config), parse_deployment({**GOOD, **overrides}))
+
+
+def test_a_recorded_ranking_shorter_than_the_top_k_is_refused_like_a_served_one():
+    """``record_trace_rank_depth`` is held to the top-k by the rule that holds ``rank_depth``
+    (the trace recorder's own check no longer is the first to see it)."""
+    config = {"sparse_decode": {"hot_tokens": 4096, "ops": "npu", "record_trace": "/tmp/t.npz"}}
+    config["sparse_decode"]["record_trace_rank_depth"] = 1024
+    found = _run(config, {})
+    assert [v.rule for v in found] == ["sparse_decode.rank_depth_topk"], found
+    assert "record_trace_rank_depth=1024 < top-k=2048" in found[0].problem
+    config["sparse_decode"]["record_trace_rank_depth"] = 2048
+    assert _run(config, {}) == []
 
 
 def test_every_rule_has_a_case():

@@ -46,7 +46,6 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from ...sparse_decode import direct_rows, fused_indexer
-from ...sparse_decode.policies import needs_ranked
 from .. import compat
 from ..mem_cache.pool.sparse_decode import HostMainKVPool
 from ..observability.metrics import OffloadMetrics
@@ -219,18 +218,9 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
                 "at every layer step); copy_seconds stays 0",
                 self.engine.device,
             )
+        # a score policy's rank_depth is >= the top-k, any other policy's 0 (parse.range,
+        # sparse_decode.rank_depth_topk: the launch validation's rules)
         self.rank_depth = int(config.rank_depth)
-        if needs_ranked(self.engine.config.policy) and self.rank_depth <= 0:
-            raise RuntimeError(
-                f"sparse decode offload: policy {self.engine.config.policy!r} needs the indexer's "
-                "ranking every step: set rank_depth (>= the model's top-k) in "
-                "--sparse-decode-offload-config"
-            )
-        if 0 < self.rank_depth < self.engine.config.top_k:
-            raise RuntimeError(
-                f"sparse decode offload: rank_depth {self.rank_depth} < the model's top-k "
-                f"{self.engine.config.top_k}: the ranking starts with the top-k"
-            )
         if self.rank_depth > 0:
             logger.info(
                 "sparse decode offload: policy %s reads the indexer's top-%d ranking (rank_depth %d, top-k "
@@ -278,13 +268,7 @@ class SparseDecodeOffloadBackend(AscendOffloadAttnBackend):
         self.fused_indexer_op = None  # LIM / LIM-C8 when the engine's plan fuses the indexer stage
         self._fused_step: Optional[Tuple[int, Any]] = None  # (layer, all-rows ResidencyStep) it left
         self._fused_seen = False  # the first fused decode step is logged
-        if self.engine.plan.indexer.fused:
-            if config.record_trace_rank_depth > 0:
-                raise RuntimeError(
-                    "sparse decode offload: record_trace_rank_depth needs the indexer's ranking "
-                    "beyond the top-k, which the fused indexer does not return; drop it or set "
-                    '"fused_lim": false'
-                )
+        if self.engine.plan.indexer.fused:  # no record_trace_rank_depth (sparse_decode.trace_ranking_fused)
             self.fused_indexer_op = self.engine.plan.impl(self.engine.plan.indexer.ops[0])
 
     # ------------------------------------------------------------------ metadata

@@ -128,7 +128,7 @@ def test_a_cpu_launch_is_decided_with_its_hot_buffers_and_what_the_server_decide
     assert decided["ok"] and "sparse_decode.host_pool_tokens" not in {u["rule"] for u in decided["undecided"]}
     small = verdict('{"host_pool_tokens": 1024}', "--max-total-tokens", "4096")
     assert [v["rule"] for v in small["violations"]] == ["sparse_decode.host_pool_tokens"]
-    assert "4160 = 4096 tokens + one padding page of 64" in small["violations"][0]["problem"]
+    assert "4160 = 4096 tokens in pages of 64 + one padding page" in small["violations"][0]["problem"]
     unknown = verdict('{"host_pool_tokens": 1024}')  # SGLang's KV-pool sizing decides its capacity
     assert unknown["ok"] and "sparse_decode.host_pool_tokens" in {u["rule"] for u in unknown["undecided"]}
 
@@ -207,3 +207,17 @@ def test_an_soc_only_the_device_can_decide_is_undecided_not_refused(monkeypatch,
     assert (open_rules == ("sparse_decode.soc_unknown",)) is undecided
     assert kept == ([other] if undecided else [soc, other])
     assert len(cann_install.detect().installed_families) == (2 if undecided else 1)
+
+
+def test_the_pool_applies_the_host_pool_tokens_rule_where_sglang_sized_its_capacity():
+    """Without ``--max-total-tokens`` the launch leaves ``sparse_decode.host_pool_tokens``
+    undecided (above); the pool applies the same rule to the capacity SGLang sized."""
+    from sglang_ascend_offload import config as cfg
+    from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import _host_pool_slots
+
+    sd = cfg.SparseDecodeOffloadConfig
+    with pytest.raises(cfg.ConfigError) as info:
+        _host_pool_slots(sd(host_pool_tokens=4159), 4096, 64, 1152, "cpu", 1)
+    assert [v.rule for v in info.value.violations] == ["sparse_decode.host_pool_tokens"]
+    assert _host_pool_slots(sd(host_pool_tokens=4160), 4096, 64, 1152, "cpu", 1) == 4160
+    assert _host_pool_slots(sd(), 4100, 64, 1152, "cpu", 1) == 4160  # 64 pages + the padding page

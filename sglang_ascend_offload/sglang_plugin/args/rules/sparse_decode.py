@@ -50,7 +50,7 @@ from ....rules import RULES, violation
 from ... import compat
 from ...names import BACKEND_NAME
 
-__all__ = ["sparse_decode_violations", "host_pool_tokens_violation", "operator_plan"]
+__all__ = ["sparse_decode_violations", "host_pool_tokens_violation", "slot_space_of", "operator_plan"]
 
 
 def sparse_decode_violations(
@@ -157,21 +157,27 @@ def _ops_violations(
     return out
 
 
+def slot_space_of(total_tokens: int, page_size: int) -> int:
+    """SGLang's slot space for ``total_tokens``: its pages plus the padding page (page 0),
+    the token slots the sparse decode host pool keeps."""
+    return (int(total_tokens) // int(page_size) + 1) * int(page_size)
+
+
 def host_pool_tokens_violation(
     sd: cfg.SparseDecodeOffloadConfig, total_tokens: int, page_size: int
 ) -> Optional[cfg.Violation]:
     """``sparse_decode.host_pool_tokens`` for SGLang's token capacity ``total_tokens``: the
-    host pool keeps SGLang's slot space (``total_tokens`` + one padding page), so a
-    configured ``host_pool_tokens`` below it is refused (``None``: it fits, or is unset).
-    The launch applies it where ``--max-total-tokens`` gives the capacity, the pool where
-    SGLang's KV-pool sizing decided it."""
-    slot_space = int(total_tokens) + int(page_size)
+    host pool keeps SGLang's slot space (:func:`slot_space_of`), so a configured
+    ``host_pool_tokens`` below it is refused (``None``: it fits, or is unset). The launch
+    applies it where ``--max-total-tokens`` gives the capacity, the pool where SGLang's
+    KV-pool sizing decided it."""
+    slot_space = slot_space_of(total_tokens, page_size)
     if sd.host_pool_tokens is None or sd.host_pool_tokens >= slot_space:
         return None
     return violation(
         "sparse_decode.host_pool_tokens",
         f"host_pool_tokens={sd.host_pool_tokens} is smaller than SGLang's slot space ({slot_space} = "
-        f"{total_tokens} tokens + one padding page of {page_size})",
+        f"{total_tokens} tokens in pages of {page_size} + one padding page)",
         f"set host_pool_tokens >= {slot_space} (or leave it unset) or lower --max-total-tokens",
     )
 

@@ -48,6 +48,7 @@ from ....sparse_decode.host_pool import HostPoolShape
 from ....sparse_decode.host_rows import is_tensor_backed
 from ....sparse_decode.op_selection import host_pool_rows, platform_of, select_for_config
 from ....sparse_decode.sizing import HotBufferPlan
+from ...args.rules.sparse_decode import host_pool_tokens_violation, slot_space_of
 from ..pool_host.shared import EngineGate, allocate_rank_pool
 from ..sizing.sparse_decode import memory_allocations, served_hot_plan
 from .device import DeviceDSAPool, _scatter_rows
@@ -63,6 +64,13 @@ class HostMainKVPool(DeviceDSAPool):
     its ``hot_rows`` (one per ``req_to_token`` row + the sink row) x ``hot_tokens`` are
     what the engine allocates; the pool never sizes them itself. Its ``layers`` and
     ``row_dim`` are this pool's ``layer_num`` and ``kv_lora_rank + qk_rope_head_dim``.
+
+    Invariants the launch validation established (its rules, not re-checked here): a DSA
+    model (``index_head_dim`` set: ``sparse_decode.model``, ``sglang.model_config``), a
+    bf16 main KV (``sparse_decode.main_kv_dtype``), a power-of-two ``index_head_dim``
+    with ``indexer_dtype: "int8"`` (``sparse_decode.indexer_int8_head_dim``). The one
+    rule only SGLang's KV-pool sizing can decide, ``host_pool_tokens`` against its slot
+    space, is applied here (``sparse_decode.host_pool_tokens``).
     """
 
     def __init__(
@@ -83,7 +91,7 @@ class HostMainKVPool(DeviceDSAPool):
         end_layer: Optional[int] = None,
         host_pool_kind: str = "pinned",
     ):
-        _check_pool_inputs(index_head_dim, dtype, hot_plan, layer_num, kv_lora_rank + qk_rope_head_dim)
+        _check_plan_shape(hot_plan, layer_num, kv_lora_rank + qk_rope_head_dim)
         self._init_without_buffers(
             size,
             page_size,
@@ -105,7 +113,7 @@ class HostMainKVPool(DeviceDSAPool):
         self.indexer_dtype = offload.indexer_dtype
         self._allocate_index_cache(layer_num, pages, page_size, index_head_dim, device)
         row_bytes = hot_plan.row_dim * dtype.itemsize
-        host_slots = _host_pool_slots(offload, pages * page_size, size, row_bytes, device, hot_plan.verify_rows)
+        host_slots = _host_pool_slots(offload, size, page_size, row_bytes, device, hot_plan.verify_rows)
         _require_memory(hot_plan, host_slots, device)
         # One pool per attention-DP group: TP rank 0 allocates and appends, the others map it
         # and wait for its appends before reading (shared_host_pool.py).
@@ -141,12 +149,7 @@ class HostMainKVPool(DeviceDSAPool):
     def _allocate_index_cache(self, layers: int, pages: int, page_size: int, dim: int, device: str) -> None:
         """The device index-K cache ``[layers, pages, page_size, 1, dim]``: bf16, or int8
         (Hadamard-rotated, LIM-C8) with fp16 per-token scales ``[layers, pages, page_size, 1]``."""
-        if self.indexer_dtype == "int8":
-            if dim & (dim - 1):
-                raise ValueError(
-                    f"indexer_dtype int8 needs a power-of-two index_head_dim for the Hadamard "
-                    f"rotation; the model has {dim}"
-                )
+        if self.indexer_dtype == "int8":  # a power-of-two dim (sparse_decode.indexer_int8_head_dim)
             self.index_k_buffer = torch.zeros((layers, pages, page_size, 1, dim), dtype=torch.int8, device=device)
             self.index_k_scale_buffer = torch.zeros((layers, pages, page_size, 1), dtype=torch.float16, device=device)
         else:
@@ -314,14 +317,8 @@ class HostMainKVPool(DeviceDSAPool):
         _scatter_rows(self.index_k_scale_buffer[slot], loc, scales)
 
 
-def _check_pool_inputs(
-    index_head_dim: Optional[int], dtype: torch.dtype, hot_plan: HotBufferPlan, layers: int, row_dim: int
-) -> None:
-    """A DSA model's bf16 main KV, and a hot-buffer plan made for this pool's shape."""
-    if index_head_dim is None:
-        raise ValueError("sparse decode offload needs a DSA model (an indexer cache)")
-    if dtype != torch.bfloat16:
-        raise ValueError(f"sparse decode offload keeps a bf16 main KV; got {dtype} (use --kv-cache-dtype bfloat16)")
+def _check_plan_shape(hot_plan: HotBufferPlan, layers: int, row_dim: int) -> None:
+    """The hot-buffer plan was made for this pool's shape (a caller's invariant, not a rule)."""
     if (hot_plan.layers, hot_plan.row_dim) != (layers, row_dim):
         raise ValueError(
             f"hot-buffer plan for {hot_plan.layers} layers x {hot_plan.row_dim}-element rows given to a pool of "
@@ -330,17 +327,16 @@ def _check_pool_inputs(
 
 
 def _host_pool_slots(
-    offload: cfg.SparseDecodeOffloadConfig, slot_space: int, size: int, row_bytes: int, device: str, verify_rows: int
+    offload: cfg.SparseDecodeOffloadConfig, size: int, page_size: int, row_bytes: int, device: str, verify_rows: int
 ) -> int:
     """Token slots of the host pool per layer: ``host_pool_tokens`` or SGLang's slot space
-    (``slot_space`` = its tokens + one padding page), rounded up where the fused Copy-SFA
+    (its ``size`` tokens in pages + one padding page), rounded up where the fused Copy-SFA
     registers each layer's slice (4 KiB-aligned)."""
+    found = host_pool_tokens_violation(offload, size, page_size)
+    if found is not None:
+        raise cfg.ConfigError([found], "sparse decode offload host pool")
+    slot_space = slot_space_of(size, page_size)
     host_slots = offload.host_pool_tokens if offload.host_pool_tokens is not None else slot_space
-    if host_slots < slot_space:
-        raise ValueError(
-            f"host_pool_tokens={host_slots} is smaller than SGLang's slot space ({slot_space} = "
-            f"{size} tokens + one padding page): raise host_pool_tokens or lower --max-total-tokens"
-        )
     return host_pool_rows(offload, host_slots, row_bytes, platform_of(device), verify_rows)
 
 
@@ -414,8 +410,6 @@ def build_offload_pool(
     plan of SGLang's request pool ``req_to_token_pool`` (one hot row per request slot)."""
     from .device import pool_args
 
-    if not is_dsa_model:
-        raise ValueError("sparse decode offload needs a DSA model (DeepSeek-V3.2 style)")
     if configurator.is_draft_worker:  # the NextN / MTP draft layer: device KV (speculative.py)
         from ...speculative.eagle import build_draft_pool
 
