@@ -390,6 +390,7 @@ FAULTS: Dict[str, Fault] = {
                 _TRAINED_TEXT,
                 _E2E + "test_e2e_dsa_adaptive_cpu.py::test_adaptive_residency_is_token_identical_to_no_offload",
                 _E2E + "test_speculative_offload_e2e_cpu.py::test_speculative_offload_on_and_off_are_token_identical",
+                _E2E + "test_shared_host_pool_e2e_cpu.py::test_tp2_offload_matches_offload_off_with_churn_and_a_radix_hit",
             ),
             (_SHADOW,),
         ),
@@ -403,6 +404,8 @@ FAULTS: Dict[str, Fault] = {
                 _OFFLOAD_COMPONENTS,
                 _TRAINED_TEXT,
                 _E2E + "test_score_policy_serving.py::test_served_score_policy_same_tokens_and_the_replayed_misses",
+                _E2E + "test_dp_attention_e2e_cpu.py::"
+                "test_dp_attention_offload_matches_device_pool_with_padded_decode_batches",
             ),
             (_SHADOW,),
         ),

@@ -1,7 +1,9 @@
 """End to end on CPU: sparse decode offload under DP attention (``--tp 2 --dp 2
 --enable-dp-attention``, attention TP 1 per DP rank: each rank owns its host pool).
 
-Two servers started together, offload off and on. Five concurrent requests split 3 / 2
+Two servers of the trained checkpoint ``tests/fixtures/tiny_dsa_trained`` (real weights:
+a misread row moves the argmax; held-out source as prompts) started together, offload
+off and on. Five concurrent requests split 3 / 2
 over the DP ranks, so SGLang pads the smaller rank's decode batches to the larger one
 (``MAX_LEN``: padding entries alias ``req_to_token`` row 0); greedy tokens and logprobs
 must be identical with offload on, and the offload server must have seen the padding
@@ -20,26 +22,30 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
 
+from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED, trained_args
+from sglang_ascend_offload.testing.teacher_forcing import heldout_prompt
+
 pytestmark = pytest.mark.slow
 
-VOCAB = 1024
+BASE = trained_args(TINY_DSA_TRAINED)
 DP_ARGS = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--max-running-requests", "8"] + IDLE_SLEEP
 BIND = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 def prompt(n: int, seed: int) -> list:
-    return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
+    return heldout_prompt(TINY_DSA_TRAINED, n, seed)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp_servers")
-    off = ServerProcess(DP_ARGS, log_path=root / "off.log", env=BIND)
+    off = ServerProcess(DP_ARGS, log_path=root / "off.log", env=BIND, base_args=BASE)
     offload = {"hot_tokens": 64, "record_trace": str(root / "served.npz"), "record_trace_max_steps": 12}
     on = ServerProcess(
         DP_ARGS + ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", json.dumps(offload)],
         log_path=root / "on.log",
         env=BIND,
+        base_args=BASE,
     )
     start_all(off, on)
     try:

@@ -32,15 +32,17 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
-from conftest import IDLE_SLEEP, TINY_DSA, ServerProcess, start_all, stop_all
+from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
 
 from sglang_ascend_offload.testing import harness
+from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED, trained_args
+from sglang_ascend_offload.testing.teacher_forcing import heldout_prompt
 
 pytestmark = pytest.mark.slow
 
-VOCAB = 1024
 POOL_TOKENS = 65536
-LAYERS, ROW_BYTES = 2, 1152  # tiny_dsa: 2 layers, 512 latent + 64 rope bf16
+LAYERS, ROW_BYTES = 2, 1152  # tiny_dsa_trained: 2 layers, 512 latent + 64 rope bf16
+BASE = trained_args(TINY_DSA_TRAINED)  # real weights: a rank reading another's rows moves the argmax
 POOL_BYTES = LAYERS * POOL_TOKENS * ROW_BYTES
 OFFLOAD = [
     "--enable-sparse-decode-offload",
@@ -57,14 +59,14 @@ ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 def prompt(n: int, seed: int) -> list:
-    return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
+    return heldout_prompt(TINY_DSA_TRAINED, n, seed)
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("shared_pool")
     hold = root / "hold_appends"  # created by the stuck-rank test
-    off = ServerProcess(TP2, log_path=root / "off.log", env=ENV)
+    off = ServerProcess(TP2, log_path=root / "off.log", env=ENV, base_args=BASE)
     on = ServerProcess(
         TP2 + OFFLOAD,
         log_path=root / "on.log",
@@ -73,8 +75,9 @@ def servers(tmp_path_factory):
             **harness.environment({"hold_appends": str(hold)}),
             "SGLANG_ASCEND_OFFLOAD_APPEND_TIMEOUT_S": str(DEADLINE_S),
         },
+        base_args=BASE,
     )
-    dp = ServerProcess(DP2 + OFFLOAD, log_path=root / "dp.log", env=ENV)
+    dp = ServerProcess(DP2 + OFFLOAD, log_path=root / "dp.log", env=ENV, base_args=BASE)
     start_all(off, on, dp)
     try:
         yield {"off": off, "on": on, "dp": dp, "root": root, "hold": hold}
@@ -170,7 +173,7 @@ def test_startup_log_states_pool_and_host_bytes_per_node_with_the_planner_formul
     from sglang_ascend_offload.capacity import GIB, CapacityInputs, host_pool_bytes_per_node, plan
     from sglang_ascend_offload.model_specs import load_hf_config
 
-    model = load_hf_config(TINY_DSA)
+    model = load_hf_config(TINY_DSA_TRAINED)
     per_token = (
         plan(model, CapacityInputs(hbm_bytes=GIB, host_bytes=GIB, context=256, page_size=64, hot_tokens=64))
         .mode("sparse-decode")
