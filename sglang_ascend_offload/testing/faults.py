@@ -390,7 +390,8 @@ FAULTS: Dict[str, Fault] = {
                 _TRAINED_TEXT,
                 _E2E + "test_e2e_dsa_adaptive_cpu.py::test_adaptive_residency_is_token_identical_to_no_offload",
                 _E2E + "test_speculative_offload_e2e_cpu.py::test_speculative_offload_on_and_off_are_token_identical",
-                _E2E + "test_shared_host_pool_e2e_cpu.py::test_tp2_offload_matches_offload_off_with_churn_and_a_radix_hit",
+                _E2E + "test_shared_host_pool_e2e_cpu.py::"
+                "test_tp2_offload_matches_offload_off_with_churn_and_a_radix_hit",
             ),
             (_SHADOW,),
         ),
