@@ -1,6 +1,7 @@
 """``scripts/train_tiny_dsa.py`` end to end at a smoke scale (a few steps of each phase).
 
-The committed checkpoint takes ~25 minutes; this run takes about a minute and checks
+The committed checkpoints take ~25 minutes each; this run (both shapes: ``--shape k64``
+and ``k128``) takes about a minute per shape and checks
 what the full run relies on: the corpus split, the tokenizer with its chat template,
 the export in the DeepSeek checkpoint layout SGLang reads (NextN layer as
 ``model.layers.2.*``, experts unfused), and that ``heldout_eval.json`` holds the
@@ -22,11 +23,12 @@ SCRIPT = REPO / "scripts" / "train_tiny_dsa.py"
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def smoke_checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_dsa_smoke")
+@pytest.fixture(scope="module", params=["k64", "k128"])
+def smoke_checkpoint(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"tiny_dsa_smoke_{request.param}")
+    smoke = ["--scale", "0.01", "--max-corpus-mb", "0.5", "--threads", "1", "--shape", request.param]
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out), "--scale", "0.01", "--max-corpus-mb", "0.5", "--threads", "1"],
+        [sys.executable, str(SCRIPT), "--out", str(out), *smoke],
         capture_output=True,
         text=True,
         timeout=900,
@@ -51,6 +53,11 @@ def test_smoke_run_writes_a_loadable_fixture(smoke_checkpoint):
     } <= files
     cfg = json.loads((smoke_checkpoint / "config.json").read_text())
     assert cfg["architectures"] == ["DeepseekV32ForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
+    # the shapes: k64 (tiny_dsa_trained) and the fused kernels' k128 (tiny_dsa_trained_k128)
+    shape = "k128" if smoke_checkpoint.name.startswith("tiny_dsa_smoke_k128") else "k64"
+    want = {"k64": (64, 4), "k128": (128, 8)}[shape]
+    assert (cfg["index_topk"], cfg["index_n_heads"]) == want
+    assert json.loads((smoke_checkpoint / "heldout_eval.json").read_text())["index_topk"] == want[0]
     with safe_open(str(smoke_checkpoint / "model.safetensors"), "pt") as f:
         names = set(f.keys())
         nextn = f"model.layers.{cfg['num_hidden_layers']}"
