@@ -62,7 +62,7 @@ class SparseDecodeOffloadConfig:
         (``sglang.fused_unavailable``) naming every missing op and the build command.
         The fused indexer serves decode and verify steps of policy ``lru`` (up to 14
         verify rows per request, sharing its row) where the kernels take the residency
-        shape (``hot_tokens`` up to 4096, the union of the verify rows' top-k within it);
+        shape (``hot_tokens`` up to 4096; a verify round's union beyond it overflows);
         elsewhere (another policy, more verify rows, a larger hot buffer) ``fused_lim:
         true`` is refused (``sglang.fused_not_wired``) and a default fused indexer runs as
         the separate indexer, logged. On CPU the fused operators are the AscendC kernels on

@@ -98,6 +98,12 @@ uint32_t LimIndexerUbBytes(const LimTiling &t)
     return bytes;
 }
 
+uint32_t LimUnionWidth(const LimShape &s)
+{
+    uint64_t all = static_cast<uint64_t>(s.rowTokens) * s.topK;  // n x K: the union's bound
+    return static_cast<uint32_t>(std::min<uint64_t>(all, s.hotTokens));
+}
+
 uint32_t LimResidencyUbBytes(const LimTiling &t)
 {
     uint32_t w = t.unionWidth != 0 ? t.unionWidth : t.topK;  // entries per row step
@@ -124,9 +130,6 @@ std::string CheckLim(const LimShape &s)
           << " (got " << s.hotTokens << "); ";
     if (s.rowTokens == 0 || s.rowTokens > kMaxRowTokens)
         e << "tokens_per_row must be 1.." << kMaxRowTokens << " (got " << s.rowTokens << "); ";
-    else if (s.rowTokens > 1 && static_cast<uint64_t>(s.rowTokens) * s.topK > s.hotTokens)
-        e << "hot_tokens must hold the union of a row's tokens' top-k: >= tokens_per_row x sparse_count = "
-          << s.rowTokens << " x " << s.topK << " (got " << s.hotTokens << "); ";
     if (static_cast<uint64_t>(s.maxBlocks) * s.blockSize > kMaxPosition)
         e << "block_table covers more than 2^24 positions; ";
     if (s.sparseMode != 0 && s.sparseMode != 3) e << "sparse_mode must be 0 or 3 (got " << s.sparseMode << "); ";
@@ -139,7 +142,7 @@ std::string CheckLim(const LimShape &s)
         t.hashBits = HashBits(s.hotTokens);
         t.chunk = AlignTo(s.topK, s.blockSize);
         t.quantized = s.quantized ? 1 : 0;
-        t.unionWidth = s.rowTokens * s.topK;
+        t.unionWidth = LimUnionWidth(s);
         uint32_t need = std::max(LimIndexerUbBytes(t), LimResidencyUbBytes(t));
         if (need > kLimPoolBytes) e << "UB pool too small for this shape (" << need << " bytes needed); ";
     }
@@ -164,7 +167,7 @@ Launch TileLim(const LimShape &s)
     t.quantized = s.quantized ? 1 : 0;
     t.chunk = AlignTo(s.topK, s.blockSize);
     t.rowTokens = s.rowTokens;
-    t.unionWidth = s.rowTokens * s.topK;
+    t.unionWidth = LimUnionWidth(s);
     t.cubeTilings = 1;
     t.logitsBytes = AlignTo(static_cast<uint64_t>(s.indexHeads) * s.blockSize * 4, kScratchAlign);
 
@@ -196,9 +199,11 @@ std::string CheckCopySfa(const CopySfaShape &s)
           << "); ";
     if (static_cast<uint64_t>(s.rows) * s.hotTokens >= (1ull << 31)) e << "R * Hh must fit int32; ";
     uint32_t w = s.missWidth != 0 ? s.missWidth : s.topK;
-    if (s.topK != 0 && (w % s.topK != 0 || w / s.topK > kMaxRowTokens))
-        e << "miss lists must be n x K wide with n = tokens per row in 1.." << kMaxRowTokens << " (got " << w
-          << " for K " << s.topK << "); ";
+    if (s.rowTokens == 0 || s.rowTokens > kMaxRowTokens)
+        e << "tokens_per_row must be 1.." << kMaxRowTokens << " (got " << s.rowTokens << "); ";
+    else if (s.topK != 0 && (w < s.topK || w > static_cast<uint64_t>(s.rowTokens) * s.topK))
+        e << "miss lists must be K .. tokens_per_row x K wide (min(n x K, Hh)): got " << w << " for K " << s.topK
+          << " and " << s.rowTokens << " tokens per row; ";
     return e.str();
 }
 
@@ -217,6 +222,7 @@ Launch TileCopySfa(const CopySfaShape &s)
     t.topK = s.topK;
     t.maxCtx = s.maxCtx;
     t.missWidth = s.missWidth != 0 ? s.missWidth : s.topK;
+    t.rowTokens = s.rowTokens;
     t.scaleValue = s.scaleValue;
     t.cubeTilings = 3;
     uint64_t g = t.headGroup;

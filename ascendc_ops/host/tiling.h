@@ -37,6 +37,7 @@ struct CopySfaShape {
     uint32_t numTokens, heads, latentDim, ropeDim, rows, hotTokens, topK, maxCtx;
     float scaleValue;
     uint32_t missWidth = 0;  // miss_tokens / miss_slots columns; 0 means topK
+    uint32_t rowTokens = 1;  // query tokens a row may serve (a request's verify rows, <= kMaxRowTokens)
 };
 
 // Empty string when the kernel supports the shape, else the violated limit.
@@ -47,6 +48,10 @@ std::string CheckCopySfa(const CopySfaShape &s);
 // platform_ascendc (core counts, Matmul API workspace) and the Matmul tiling API.
 Launch TileLim(const LimShape &s);
 Launch TileCopySfa(const CopySfaShape &s);
+
+// Entries of a LIM row step: min(tokens_per_row x K, Hh) (the union's positions past Hh
+// overflow: the step keeps the first Hh by priority).
+uint32_t LimUnionWidth(const LimShape &s);
 
 // Bytes of UB the kernels carve out of their pools (mirror of the kernel layout).
 uint32_t LimIndexerUbBytes(const LimTiling &t);

@@ -102,7 +102,8 @@ std::string CopySfaKey(const host::CopySfaShape &s)
 {
     std::ostringstream k;
     k << "copysfa:" << s.numTokens << ',' << s.heads << ',' << s.latentDim << ',' << s.ropeDim << ',' << s.rows
-      << ',' << s.hotTokens << ',' << s.topK << ',' << s.maxCtx << ',' << s.scaleValue << ',' << s.missWidth;
+      << ',' << s.hotTokens << ',' << s.topK << ',' << s.maxCtx << ',' << s.scaleValue << ',' << s.missWidth << ','
+      << s.rowTokens;
     return k.str();
 }
 
@@ -220,7 +221,7 @@ LimOutputs RunLim(const LimTensors &in, c10::string_view layoutQuery, c10::strin
 
     TORCH_CHECK(tokensPerRow >= 1, op, ": tokens_per_row must be >= 1");
     const int64_t K = sparseCount;
-    const int64_t W = tokensPerRow * K;  // entries of a row's residency step
+    const int64_t W = host::LimUnionWidth(shape);  // entries of a row's residency step: min(n x K, Hh)
     auto i32 = in.query.options().dtype(at::kInt);
     at::Tensor topk = at::empty({T, 1, K}, i32);
     at::Tensor sparse = at::empty({T, 1, K}, i32);
@@ -304,7 +305,8 @@ at::Tensor ScatterCopySparseFlashAttention(const at::Tensor &query, const at::Te
                                            const at::Tensor &sparse_indices, const at::Tensor &token_rows,
                                            const at::Tensor &miss_tokens, const at::Tensor &miss_slots,
                                            const at::Tensor &miss_count, const at::Tensor &token_table,
-                                           double scale_value)
+                                           double scale_value, const c10::optional<at::Tensor> &overflow,
+                                           int64_t tokens_per_row)
 {
     const at::Device dev = query.device();
     CheckTensor(query, "query", at::kBFloat16, 3, dev);
@@ -322,7 +324,7 @@ at::Tensor ScatterCopySparseFlashAttention(const at::Tensor &query, const at::Te
     CheckTensor(token_rows, "token_rows", at::kInt, 1, dev);
     CheckShape(token_rows, "token_rows", {T});
     CheckTensor(miss_tokens, "miss_tokens", at::kInt, 2, dev);
-    int64_t W = miss_tokens.size(1);  // K, or n x K with n tokens per row
+    int64_t W = miss_tokens.size(1);  // K, or min(n x K, Hh) with n tokens per row
     CheckShape(miss_tokens, "miss_tokens", {R, W});
     CheckTensor(miss_slots, "miss_slots", at::kInt, 2, dev);
     CheckShape(miss_slots, "miss_slots", {R, W});
@@ -330,6 +332,12 @@ at::Tensor ScatterCopySparseFlashAttention(const at::Tensor &query, const at::Te
     CheckShape(miss_count, "miss_count", {R});
     CheckTensor(token_table, "token_table", at::kInt, 2, dev);
     TORCH_CHECK(token_table.size(0) == R, "token_table must be [R, max_ctx]");
+    at::Tensor over;  // the overflow area: sparse_indices >= R * Hh are its rows
+    if (overflow.has_value() && overflow->defined()) {
+        over = *overflow;
+        CheckTensor(over, "overflow", at::kBFloat16, 2, dev);
+        TORCH_CHECK(over.size(1) == D, "overflow must be [O, ", D, "]");
+    }
 
     // fewer than 8 heads: zero-pad the queries, attend, drop the padded heads
     int64_t Np = N < kMinHeads ? static_cast<int64_t>(kMinHeads) : N;
@@ -341,7 +349,8 @@ at::Tensor ScatterCopySparseFlashAttention(const at::Tensor &query, const at::Te
     host::CopySfaShape shape{static_cast<uint32_t>(T), static_cast<uint32_t>(Np), static_cast<uint32_t>(Dl),
                              static_cast<uint32_t>(Dr), static_cast<uint32_t>(R), static_cast<uint32_t>(Hh),
                              static_cast<uint32_t>(K), static_cast<uint32_t>(token_table.size(1)),
-                             static_cast<float>(scale_value), static_cast<uint32_t>(W)};
+                             static_cast<float>(scale_value), static_cast<uint32_t>(W),
+                             static_cast<uint32_t>(tokens_per_row)};
     std::string problem = host::CheckCopySfa(shape);
     TORCH_CHECK(problem.empty(), "npu_fused_scatter_copy_sparse_flash_attention: shape not supported by the fused "
                 "kernel: ", problem, "use ops=reference (or npu) for this shape");
@@ -356,15 +365,15 @@ at::Tensor ScatterCopySparseFlashAttention(const at::Tensor &query, const at::Te
     uint32_t blockDim = launch.blockDim;
     at::Tensor keepHost = host, keepHot = hot, keepIdx = sparse_indices, keepRows = token_rows;
     at::Tensor keepMissTok = miss_tokens, keepMissSlot = miss_slots, keepMissCount = miss_count;
-    at::Tensor keepTable = token_table;
+    at::Tensor keepTable = token_table, keepOver = over;
     at_npu::native::OpCommand cmd;
     cmd.Name("SaoScatterCopySparseFlashAttention");
     cmd.SetCustomHandler([=]() -> int {
         aclrtStream stream = c10_npu::getCurrentNPUStream().stream(false);
         (void)keepHost;  // keeps the host view alive until the launch
         return static_cast<int>(ACLRT_LAUNCH_KERNEL(sao_scatter_copy_sparse_flash_attention)(
-            blockDim, stream, q.data_ptr(), qr.data_ptr(), hostAddress, keepHot.data_ptr(), keepIdx.data_ptr(),
-            keepRows.data_ptr(), keepMissTok.data_ptr(), keepMissSlot.data_ptr(), keepMissCount.data_ptr(),
+            blockDim, stream, q.data_ptr(), qr.data_ptr(), hostAddress, keepHot.data_ptr(),
+            keepOver.defined() ? keepOver.data_ptr() : nullptr, keepIdx.data_ptr(), keepRows.data_ptr(), keepMissTok.data_ptr(), keepMissSlot.data_ptr(), keepMissCount.data_ptr(),
             keepTable.data_ptr(), out.data_ptr(), workspace.data_ptr(), tiling.data_ptr()));
     });
     cmd.Run();
@@ -396,7 +405,9 @@ at::Tensor ScatterCopySparseFlashAttention(const at::Tensor &query, const at::Te
 //   in/out  row_req                   int64 [R]        request owning the row's content
 //   attr    layout_query "TND", layout_key "PA_BSND", sparse_count K, sparse_mode 0|3,
 //           tokens_per_row n (1: a row is one token; n > 1: up to n tokens share a row, the
-//           row steps on the union of their top-k, W = n * K entries; n <= 14, Hh >= n * K)
+//           row steps on the union of their top-k, W = min(n * K, Hh) entries, n <= 14: a
+//           union beyond Hh keeps its first Hh positions by priority, the rest get no slot,
+//           -1 in sparse_indices; they are the overflow area's, sparse_decode/overflow.py)
 //   out     topk_indices int32 [T, 1, K]  logical top-k (indexer output, -1 padding)
 //   out     sparse_indices int32 [T, 1, K] rows of hot.view(R*Hh, D): row*Hh + slot, -1
 //   out     hit_mask bool [R, W]; slots int32 [R, W]; miss_count int32 [R];
@@ -416,9 +427,12 @@ at::Tensor ScatterCopySparseFlashAttention(const at::Tensor &query, const at::Te
 //   in      sparse_indices int32 [T, 1, K]      LIM's sparse_indices
 //   in      token_rows     int32 [T]
 //   in      miss_tokens    int32 [R, W], miss_slots int32 [R, W], miss_count int32 [R] (LIM's;
-//                          W = n * K: a row with misses may serve up to n tokens)
+//                          W = min(n * K, Hh): a row with misses may serve up to n tokens)
 //   in      token_table    int32 [R, max_ctx]   logical position -> host row, per row
 //   attr    scale_value    float
+//   in      overflow       bf16  [O, D] or None the overflow area: sparse_indices R * Hh + i read its row i
+//                          (copied before the launch; sparse_decode/overflow.py)
+//   attr    tokens_per_row int   n: tokens a row may serve (1; a request's verify rows, <= 14)
 //   out     attention out  bf16  [T, N, Dl]
 //
 // npu_fused_register_host_memory
@@ -429,7 +443,7 @@ TORCH_LIBRARY(sglang_ascend_offload, m)
 {
     m.def("npu_fused_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, str layout_query=\"TND\", str layout_key=\"PA_BSND\", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)");
     m.def("npu_fused_quant_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor query_dequant_scale, Tensor key_dequant_scale, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, int query_quant_mode=0, int key_quant_mode=0, str layout_query=\"TND\", str layout_key=\"PA_BSND\", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)");
-    m.def("npu_fused_scatter_copy_sparse_flash_attention(Tensor query, Tensor query_rope, Tensor host, Tensor(a!) hot, Tensor sparse_indices, Tensor token_rows, Tensor miss_tokens, Tensor miss_slots, Tensor miss_count, Tensor token_table, float scale_value) -> Tensor");
+    m.def("npu_fused_scatter_copy_sparse_flash_attention(Tensor query, Tensor query_rope, Tensor host, Tensor(a!) hot, Tensor sparse_indices, Tensor token_rows, Tensor miss_tokens, Tensor miss_slots, Tensor miss_count, Tensor token_table, float scale_value, Tensor? overflow=None, int tokens_per_row=1) -> Tensor");
     m.def("npu_fused_register_host_memory(Tensor host, int device_address=0) -> int");
 }
 

@@ -69,7 +69,7 @@ struct LimTiling {
     uint32_t cubeTilings;    // 1: the [Hi, Di] x [blockSize, Di]^T matmul
     uint32_t chunk;          // positions merged into the running top-K at once: AlignUp(K, blockSize)
     uint32_t rowTokens;      // n: query tokens a row may serve (1, or the verify rows of a request)
-    uint32_t unionWidth;     // W = n * K: entries of a row's residency step (the union of its tokens' top-K)
+    uint32_t unionWidth;     // W = min(n * K, Hh): entries of a row's residency step (the union of its tokens' top-K)
 };
 
 // --------------------------------------------------------------------- Copy-SFA
@@ -88,8 +88,8 @@ struct CopySfaTiling {
     uint32_t scratchBytes;   // GM scratch per vector core (key tiles, logits, probabilities)
     float scaleValue;
     uint32_t cubeTilings;    // 3: q_lat.k_lat^T, q_rope.k_rope^T, p.v
-    uint32_t missWidth;      // columns of miss_tokens / miss_slots (K, or n * K with n tokens per row)
-    uint32_t reserved[1];
+    uint32_t missWidth;      // columns of miss_tokens / miss_slots (K, or min(n * K, Hh) with n tokens per row)
+    uint32_t rowTokens;      // n: query tokens a row may serve (1, or the verify rows of a request)
 };
 
 static_assert(sizeof(LimTiling) <= kCubeTilingOffset, "LimTiling overlaps the cube tiling");

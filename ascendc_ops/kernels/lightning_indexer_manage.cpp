@@ -13,11 +13,15 @@
  *
  * With n = tokens_per_row > 1 (a request's speculative verify rows sharing its hot
  * buffer) up to n tokens own a row, and the row's step runs on the entries of the union
- * of their top-K (W = n * K wide, distinct positions ascending). The row belongs to the
- * core of its first token (lowest t): that core computes the top-K of every token of the
- * row (each lands in topk_indices), builds the union from them, steps the row once and
- * then writes each token's flat indices (the slot now holding each of its positions).
+ * of their top-K (distinct positions ascending, W = min(n * K, Hh) wide). The row belongs
+ * to the core of its first token (lowest t): that core computes the top-K of every token
+ * of the row (each lands in topk_indices), builds the union from them, steps the row once
+ * and then writes each token's flat indices (the slot now holding each of its positions).
  * Tokens of a row whose first token is elsewhere are skipped; no row is written twice.
+ * A union of more than Hh positions keeps its first W = Hh by priority (each position's
+ * best column over the row's tokens, then the position: ops/request_union.py): the
+ * positions past them get no slot (-1 in sparse_indices) and are served beside the
+ * kernel from the overflow area (sparse_decode/overflow.py).
  *
  * Kernel arguments are GM addresses in the order of the torch op (host/torch_ops.cpp),
  * followed by the workspace and the tiling buffer (include/fused_tiling.h).
@@ -86,7 +90,8 @@ public:
             return;
         }
         pipe_.InitBuffer(pool_, kLimPoolBytes);  // vector-core UB
-        pipe_.InitBuffer(topkBuf_, AlignUp(t_.topK * sizeof(int32_t), 32));  // a token's top-K
+        // a token's top-K; with shared rows also the row's tokens' column chunks (StepUnion)
+        pipe_.InitBuffer(topkBuf_, AlignUp(StagingEntries() * sizeof(int32_t), 32));
         uint32_t v = VectorCoreIndex();
         uint32_t cores = VectorCoreCount();
         GM_ADDR user = AscendC::GetUserWorkspace(a.workspace);
@@ -187,18 +192,20 @@ private:
         }
     }
 
+    // Staging entries: a token's top-K, and at least 8 columns for each of a row's tokens.
+    __aicore__ inline uint32_t StagingEntries() const
+    {
+        uint32_t columns = 8 * kMaxRowTokens;
+        return t_.topK > columns ? t_.topK : columns;
+    }
+
     // The row's step over the union of the top-K of its tokens (those from `first` on),
     // then each token's flat indices. The top-K are read back from topk_indices in GM.
     __aicore__ inline void StepUnion(uint32_t row, uint32_t first, RowResidency &residency,
                                      const AscendC::LocalTensor<int32_t> &staging)
     {
         residency.BeginUnion();
-        for (uint32_t t = first; t < t_.numTokens; ++t) {
-            if (tokenRows_.GetValue(t) == static_cast<int32_t>(row)) {
-                LoadTopK(t, staging);
-                residency.AddToUnion(staging, t_.topK);
-            }
-        }
+        BuildUnion(row, first, residency, staging);
         residency.FinishUnion();
         residency.Step(row, residency.UnionEntries());
         AscendC::PipeBarrier<PIPE_ALL>();
@@ -221,6 +228,47 @@ private:
             StoreExact(sparseOut_[t * t_.topK], staging, t_.topK);
             WaitPipe<AscendC::HardEvent::MTE3_MTE2>();
             WaitPipe<AscendC::HardEvent::MTE3_S>();
+        }
+    }
+
+    // The union in priority order: column by column (a position's first column is its best
+    // over the row's tokens), the column's positions ascending; AddPosition keeps the first
+    // W distinct ones. The tokens' top-K come through `staging` in column chunks, one
+    // DataCopy per token and chunk (a chunk is a multiple of 8 int32: 32-byte copies).
+    __aicore__ inline void BuildUnion(uint32_t row, uint32_t first, RowResidency &residency,
+                                      const AscendC::LocalTensor<int32_t> &staging)
+    {
+        uint32_t tokens[kMaxRowTokens];
+        uint32_t m = 0;
+        for (uint32_t t = first; t < t_.numTokens && m < kMaxRowTokens; ++t) {
+            if (tokenRows_.GetValue(t) == static_cast<int32_t>(row)) {
+                tokens[m++] = t;
+            }
+        }
+        if (m == 0) {
+            return;  // no token: an all-padding union
+        }
+        uint32_t chunk = StagingEntries() / m / 8 * 8;
+        for (uint32_t j0 = 0; j0 < t_.topK; j0 += chunk) {
+            uint32_t cols = t_.topK - j0 < chunk ? t_.topK - j0 : chunk;
+            for (uint32_t i = 0; i < m; ++i) {
+                AscendC::DataCopy(staging[i * chunk], topkOut_[tokens[i] * t_.topK + j0], cols);
+            }
+            WaitPipe<AscendC::HardEvent::MTE2_S>();
+            for (uint32_t j = 0; j < cols; ++j) {
+                int32_t column[kMaxRowTokens];
+                for (uint32_t i = 0; i < m; ++i) {  // insertion sort: the column's positions ascending
+                    int32_t pos = staging.GetValue(i * chunk + j);
+                    uint32_t at = i;
+                    for (; at > 0 && column[at - 1] > pos; --at) {
+                        column[at] = column[at - 1];
+                    }
+                    column[at] = pos;
+                }
+                for (uint32_t i = 0; i < m; ++i) {
+                    residency.AddPosition(column[i]);
+                }
+            }
         }
     }
 

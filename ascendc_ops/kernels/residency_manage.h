@@ -20,9 +20,11 @@
  *
  * The entries of a step are a top-K (one query token per row) or, with several query
  * tokens per row (speculative verify rows of one request), the union of their top-K:
- * their distinct positions ascending, -1 after (BuildUnion), W = n * K entries wide. A
- * position several tokens select is one lookup; each token then reads its slots back
- * from the row's positions after the step (RebuildTable + SlotOf).
+ * their distinct positions ascending, -1 after, W = min(n * K, Hh) entries wide (the
+ * caller adds them in priority order with AddPosition, which keeps the first W: the rest
+ * overflow, and the row's step never sees them). A position several tokens select is one
+ * lookup; each token then reads its slots back from the row's positions after the step
+ * (RebuildTable + SlotOf; a position that overflowed has none).
  *
  * Most of the work is scalar over UB-resident arrays (Hh <= 4096, W <= Hh); the bulk
  * fills are vector instructions. UB: the entry-sized arrays share buffers where one is
@@ -117,7 +119,7 @@ public:
     // entry j before it writes slot j, so the two may share the buffer.
     __aicore__ inline const AscendC::LocalTensor<int32_t> &UnionEntries() const { return slots_; }
 
-    // Start an empty union (positions are added with AddToUnion, then FinishUnion).
+    // Start an empty union (positions are added with AddPosition, then FinishUnion).
     __aicore__ inline void BeginUnion()
     {
         AscendC::Duplicate(table_, static_cast<int16_t>(-1), 1u << hashBits_);
@@ -125,29 +127,23 @@ public:
         unionSize_ = 0;
     }
 
-    // Add a token's top-K (UB int32 [K], -1 = padding; its valid entries distinct).
-    __aicore__ inline void AddToUnion(const AscendC::LocalTensor<int32_t> &topk, uint32_t count)
+    // Add one position (-1 = padding, skipped) unless the union already holds it or is
+    // full (W distinct positions: what comes after overflows).
+    __aicore__ inline void AddPosition(int32_t pos)
     {
-        uint32_t mask = (1u << hashBits_) - 1;
-        for (uint32_t j = 0; j < count; ++j) {
-            int32_t pos = topk.GetValue(j);
-            if (pos < 0) {
-                continue;
-            }
-            uint32_t h = Hash(pos);
-            bool seen = false;
-            for (int16_t e = table_.GetValue(h); e != -1; e = table_.GetValue(h)) {
-                if (slots_.GetValue(static_cast<uint32_t>(e)) == pos) {
-                    seen = true;
-                    break;
-                }
-                h = (h + 1) & mask;
-            }
-            if (!seen) {  // at most W <= Hh distinct positions: load factor <= 1/2
-                table_.SetValue(h, static_cast<int16_t>(unionSize_));
-                slots_.SetValue(unionSize_++, pos);
-            }
+        if (pos < 0 || unionSize_ >= k_) {
+            return;
         }
+        uint32_t mask = (1u << hashBits_) - 1;
+        uint32_t h = Hash(pos);
+        for (int16_t e = table_.GetValue(h); e != -1; e = table_.GetValue(h)) {
+            if (slots_.GetValue(static_cast<uint32_t>(e)) == pos) {
+                return;
+            }
+            h = (h + 1) & mask;
+        }
+        table_.SetValue(h, static_cast<int16_t>(unionSize_));  // at most W <= Hh: load factor <= 1/2
+        slots_.SetValue(unionSize_++, pos);
     }
 
     // Sort the union ascending (heap sort on the scalar unit) and pad it with -1 to k entries.

@@ -11,12 +11,15 @@
  *      memory: the same launch serves first fills (up to K rows) and steady steps.
  *      Every row with misses is owned by a token (ABI precondition), so every miss is
  *      copied by the core that then attends over that row: no cross-core barrier.
- *      With several tokens per row (a request's verify rows; the miss lists are then
- *      n * K wide) the row goes to the core of its first token (lowest t), which copies
- *      the misses once and then attends for every token of the row; the other cores
- *      skip those tokens.
- *   2. gather the K selected rows of the hot buffer into this core's GM scratch as two
- *      contiguous matrices, latent [K, Dl] and rope [K, Dr] (zero rows for -1);
+ *      With several tokens per row (tokens_per_row n > 1: a request's verify rows; the
+ *      miss lists are then min(n * K, Hh) wide) the row goes to the core of its first
+ *      token (lowest t), which copies the misses once and then attends for every token of
+ *      the row; the other cores skip those tokens.
+ *   2. gather the K selected rows into this core's GM scratch as two contiguous
+ *      matrices, latent [K, Dl] and rope [K, Dr] (zero rows for -1): an index below
+ *      R * Hh is a row of the hot buffer, one from R * Hh on a row of the overflow area
+ *      (the positions a verify round's union could not keep in the hot buffer, copied
+ *      there before this launch: sparse_decode/overflow.py);
  *   3. per group of heads and per tile of kKvTile rows (cube: Matmul API, GM operands):
  *        S  = q_lat . k_lat^T + q_rope . k_rope^T      [G, tile] fp32
  *        online softmax on the vector unit: m' = max(m, rowmax(scale*S)),
@@ -49,6 +52,7 @@ struct CopySfaArgs {
     GM_ADDR queryRope;
     GM_ADDR host;
     GM_ADDR hot;
+    GM_ADDR overflow;
     GM_ADDR sparseIndices;
     GM_ADDR tokenRows;
     GM_ADDR missTokens;
@@ -90,7 +94,7 @@ public:
         InitBuffers();  // vector-core UB
         BindGm(a);
         uint32_t cores = VectorCoreCount();
-        bool shared = t_.missWidth > t_.topK;  // rows served by several tokens
+        bool shared = t_.rowTokens > 1;  // rows served by several tokens
         for (uint32_t token = VectorCoreIndex(); token < t_.numTokens; token += cores) {
             int32_t row = tokenRows_.GetValue(token);
             if (row >= 0) {
@@ -156,6 +160,7 @@ private:
         queryRope_ = Gm<bfloat16_t>(a.queryRope);
         host_ = Gm<bfloat16_t>(a.host);
         hot_ = Gm<bfloat16_t>(a.hot);
+        overflow_ = Gm<bfloat16_t>(a.overflow);  // unused (nullptr) without overflow rows
         sparse_ = Gm<int32_t>(a.sparseIndices);
         tokenRows_ = Gm<int32_t>(a.tokenRows);
         missTokens_ = Gm<int32_t>(a.missTokens);
@@ -223,9 +228,12 @@ private:
             AscendC::Duplicate(buf.ReinterpretCast<uint16_t>(), static_cast<uint16_t>(0), batch * t_.rowDim);
             WaitPipe<AscendC::HardEvent::V_MTE2>();
             for (uint32_t b = 0; b < batch; ++b) {
-                int32_t r = idx.GetValue(j0 + b);
-                if (r >= 0) {
-                    AscendC::DataCopyPad(buf[b * t_.rowDim], hot_[static_cast<int64_t>(r) * t_.rowDim], whole, noPad);
+                int64_t r = idx.GetValue(j0 + b);
+                int64_t hotRows = static_cast<int64_t>(t_.rows) * t_.hotTokens;
+                if (r >= hotRows) {  // a row of the overflow area
+                    AscendC::DataCopyPad(buf[b * t_.rowDim], overflow_[(r - hotRows) * t_.rowDim], whole, noPad);
+                } else if (r >= 0) {
+                    AscendC::DataCopyPad(buf[b * t_.rowDim], hot_[r * t_.rowDim], whole, noPad);
                 }
             }
             rowQueue_.EnQue(buf);
@@ -404,7 +412,7 @@ private:
     QkMatmul qkLat_;
     QkMatmul qkRope_;
     PvMatmul pv_;
-    AscendC::GlobalTensor<bfloat16_t> query_, queryRope_, host_, hot_, out_, kLat_, kRope_, pGm_;
+    AscendC::GlobalTensor<bfloat16_t> query_, queryRope_, host_, hot_, overflow_, out_, kLat_, kRope_, pGm_;
     AscendC::GlobalTensor<int32_t> sparse_, tokenRows_, missTokens_, missSlots_, missCount_, tokenTable_;
     AscendC::GlobalTensor<float> sGm_, oGm_;
 };
@@ -412,13 +420,13 @@ private:
 }  // namespace sao
 
 extern "C" __global__ __aicore__ void sao_scatter_copy_sparse_flash_attention(
-    GM_ADDR query, GM_ADDR queryRope, GM_ADDR host, GM_ADDR hot, GM_ADDR sparseIndices, GM_ADDR tokenRows,
-    GM_ADDR missTokens, GM_ADDR missSlots, GM_ADDR missCount, GM_ADDR tokenTable, GM_ADDR out, GM_ADDR workspace,
-    GM_ADDR tiling)
+    GM_ADDR query, GM_ADDR queryRope, GM_ADDR host, GM_ADDR hot, GM_ADDR overflow, GM_ADDR sparseIndices,
+    GM_ADDR tokenRows, GM_ADDR missTokens, GM_ADDR missSlots, GM_ADDR missCount, GM_ADDR tokenTable, GM_ADDR out,
+    GM_ADDR workspace, GM_ADDR tiling)
 {
     KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_MIX_AIC_1_2);
-    sao::CopySfaArgs a{query, queryRope, host, hot, sparseIndices, tokenRows, missTokens, missSlots, missCount,
-                       tokenTable, out, workspace, tiling};
+    sao::CopySfaArgs a{query,    queryRope, host,     hot,       overflow, sparseIndices, tokenRows,
+                       missTokens, missSlots, missCount, tokenTable, out,     workspace,     tiling};
     sao::CopySfaKernel kernel;
     kernel.Run(a);
 }

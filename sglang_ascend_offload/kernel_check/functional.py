@@ -20,7 +20,9 @@ the same state, and compares:
 Scenarios: several steps of rows that churn between requests, go idle, keep a
 speculative last position, rows shared by up to ``n`` query tokens (a request's
 speculative verify rows: the row steps on the union of their top-k; Copy-SFA copies the
-row's misses once for all of them), with padding query tokens (``token_rows == -1`` and tokens
+row's misses once for all of them), unions larger than the hot buffer (the step keeps the
+first ``Hh`` positions by priority, the rest overflow; Copy-SFA then also reads rows of
+the overflow area, ``R * Hh`` on), with padding query tokens (``token_rows == -1`` and tokens
 past the last cumulative length), a repeated step (rows with no misses), ``sparse_mode``
 0 and 3, a few simulated core counts (cores taking several tokens / rows) and vector
 cores run in forward and reversed order (the result must not change), and one case per
@@ -261,7 +263,7 @@ def _model_lim(
 ) -> Tuple[Dict[str, torch.Tensor], km.Launch]:
     t = inp.token_rows.shape[0]
     r, hh = table.slot_token.shape
-    k, w = dims.top_k, dims.tokens_per_row * dims.top_k
+    k, w = dims.top_k, fused.union_width(hh, dims.top_k, dims.tokens_per_row)
     launch = m.tile_lim(
         tokens=t,
         requests=inp.cu.shape[0],
@@ -362,12 +364,18 @@ def _lim_configs(quantized: bool, seed: int, largest: bool) -> List[Tuple[LimDim
             2,
             seed + 5,
         ),
+        # unions beyond the hot buffer: 4 rows x top-k 64 over 128 slots (plain decode's 2 x top-k), and
+        # 3 x 32 over 32 (the least): the first W = Hh positions by priority, the rest overflow
+        (LimDims(quantized=q, tokens_per_row=4, top_k=64, hot_tokens=128, rows=5, max_len=300), 24, seed + 7),
+        (LimDims(quantized=q, tokens_per_row=3, top_k=32, hot_tokens=32, rows=4, max_len=120), 2, seed + 8),
     ]
     if largest:
         big = dict(quantized=q, rows=2, hot_tokens=4096, top_k=2048, index_heads=64, block_size=128, max_len=6144)
         configs.append((LimDims(**big, padding_tokens=1), 1, seed + 3))
         # DeepSeek-V3.2 with one draft token: two verify rows per request, union 4096 = Hh
         configs.append((LimDims(**big, padding_tokens=1, tokens_per_row=2), 1, seed + 6))
+        # DeepSeek-V3.2 at MTP-3: four verify rows over plain decode's 4096 slots, unions beyond them overflow
+        configs.append((LimDims(**big, padding_tokens=1, tokens_per_row=4), 1, seed + 9))
     return configs
 
 
@@ -388,6 +396,11 @@ def _count_lim_step(res: KernelResult, inp: LimInputs, table: ResidencyTable, re
     if dims.tokens_per_row > 1:
         shared = torch.bincount(inp.token_rows[inp.token_rows >= 0].long(), minlength=dims.rows) > 1
         res.count("shared_rows", shared.sum())
+        # rows whose union held more positions than their hot buffer (the rest overflowed)
+        topk = ref.topk_indices.reshape(inp.token_rows.shape[0], -1)
+        for row in torch.nonzero(owned).flatten().tolist():
+            picked = topk[inp.token_rows == row]
+            res.count("overflow_rows", int(torch.unique(picked[picked >= 0]).numel() > dims.hot_tokens))
 
 
 def _lim_scenario(m: km.KernelModel, res: KernelResult, dims: LimDims, aic: int, seed: int, steps: int) -> None:
@@ -454,16 +467,18 @@ class _SfaInputs:
 
     host: torch.Tensor  # [host_rows, latent + rope] bf16
     hot: torch.Tensor  # [rows, hot_tokens, latent + rope] bf16; garbage (NaN words too) where not resident
+    overflow: Optional[torch.Tensor]  # [O, latent + rope] bf16: the overflow area's rows (None: no area)
     token_table: torch.Tensor  # [rows, max_ctx] int32: position -> host row
     token_rows: torch.Tensor  # [tokens] int32 row of each query token (-1: padding)
     sparse: torch.Tensor  # [tokens, 1, top_k] int32 flat hot-buffer index (-1: none)
-    miss_tokens: torch.Tensor  # [rows, top_k] int32 positions to copy in
-    miss_slots: torch.Tensor  # [rows, top_k] int32 the slots they land in
+    miss_tokens: torch.Tensor  # [rows, W] int32 positions to copy in (W = K, or min(n x K, Hh))
+    miss_slots: torch.Tensor  # [rows, W] int32 the slots they land in
     miss_count: torch.Tensor  # [rows] int32
     query: torch.Tensor  # [tokens, heads, latent] bf16
     query_rope: torch.Tensor  # [tokens, heads, rope] bf16
     max_ctx: int
     scale: float
+    tokens_per_row: int = 1
 
 
 def _sfa_resident(g: torch.Generator, rows: int, hot_tokens: int, max_ctx: int):
@@ -526,14 +541,24 @@ def _sfa_selection(
 
 
 def _sfa_shared_selection(
-    g: torch.Generator, *, rows: int, tokens: int, top_k: int, hot_tokens: int, max_ctx: int, tokens_per_row: int
+    g: torch.Generator,
+    *,
+    rows: int,
+    tokens: int,
+    top_k: int,
+    hot_tokens: int,
+    max_ctx: int,
+    tokens_per_row: int,
+    overflow_rows: int = 0,
 ):
     """As :func:`_sfa_selection` with up to ``n = tokens_per_row`` tokens per row (a request's
-    verify rows): row ``r``'s step selects up to ``n * K`` of its slots, some of them misses
-    (miss lists ``[R, n * K]``), and each of its tokens attends to a random ``K``-subset of
-    them, so a token other than the row's first reads rows copied for the row."""
+    verify rows): row ``r``'s step selects up to ``W = min(n * K, Hh)`` of its slots, some of
+    them misses (miss lists ``[R, W]``), and each of its tokens attends to a random
+    ``K``-subset of them, so a token other than the row's first reads rows copied for the
+    row; with ``overflow_rows`` a token's picks include rows of the overflow area too
+    (indices ``R * Hh`` on: the positions its row's union could not keep)."""
     n = tokens_per_row
-    width = n * top_k
+    width = min(n * top_k, hot_tokens)
     # the first row gets n - 1 tokens (a row with fewer than n), the others n; one token or
     # more is left as padding
     owners = torch.randperm(rows, generator=g)[: max(1, min(rows, tokens // n))].tolist()
@@ -553,11 +578,15 @@ def _sfa_shared_selection(
         miss_tokens[r, :n_miss] = new_pos.to(torch.int32)
         miss_slots[r, :n_miss] = selected[:n_miss].to(torch.int32)
         miss_count[r] = n_miss
+        flat = r * hot_tokens + selected
+        if overflow_rows:  # this row's union beyond its buffer: some rows of the overflow area
+            extra = torch.randperm(overflow_rows, generator=g)[: int(torch.randint(1, top_k + 1, (), generator=g))]
+            flat = torch.cat([flat, rows * hot_tokens + extra])
         for t in torch.nonzero(token_rows == r).flatten().tolist():
             n_valid = int(torch.randint(1, top_k + 1, (), generator=g))
-            picks = selected[torch.randperm(selected.numel(), generator=g)[:n_valid]]
+            picks = flat[torch.randperm(flat.numel(), generator=g)[:n_valid]]
             order = torch.randperm(top_k, generator=g)[: picks.numel()]  # -1 entries interleaved
-            sparse[t, 0, order] = (r * hot_tokens + picks).to(torch.int32)
+            sparse[t, 0, order] = picks.to(torch.int32)
     return token_rows, sparse, miss_tokens, miss_slots, miss_count
 
 
@@ -571,12 +600,15 @@ def _sfa_inputs(
     tokens: int,
     pad_rows_with_no_miss: bool,
     tokens_per_row: int = 1,
+    overflow_rows: int = 0,
 ) -> _SfaInputs:
-    """The inputs of one Copy-SFA case, all drawn from ``seed``."""
+    """The inputs of one Copy-SFA case, all drawn from ``seed`` (``overflow_rows``: an
+    overflow area of that many random rows, which shared rows' tokens also read)."""
     g = torch.Generator().manual_seed(seed)
     dl, dr = _SFA_LATENT_DIM, _SFA_ROPE_DIM
     max_ctx = hot_tokens + tokens_per_row * top_k
     host, hot, token_table = _sfa_resident(g, rows, hot_tokens, max_ctx)
+    overflow = torch.randn(overflow_rows, dl + dr, generator=g).to(torch.bfloat16) if overflow_rows else None
     if tokens_per_row > 1:
         selection = _sfa_shared_selection(
             g,
@@ -586,6 +618,7 @@ def _sfa_inputs(
             hot_tokens=hot_tokens,
             max_ctx=max_ctx,
             tokens_per_row=tokens_per_row,
+            overflow_rows=overflow_rows,
         )
     else:
         selection = _sfa_selection(
@@ -599,7 +632,8 @@ def _sfa_inputs(
         )
     query = (torch.randn(tokens, heads, dl, generator=g) * 0.5).to(torch.bfloat16)
     query_rope = (torch.randn(tokens, heads, dr, generator=g) * 0.5).to(torch.bfloat16)
-    return _SfaInputs(host, hot, token_table, *selection, query, query_rope, max_ctx, float(dl + dr) ** -0.5)
+    scale = float(dl + dr) ** -0.5
+    return _SfaInputs(host, hot, overflow, token_table, *selection, query, query_rope, max_ctx, scale, tokens_per_row)
 
 
 def _sfa_model_runs(
@@ -630,6 +664,7 @@ def _sfa_model_runs(
             max_ctx=inp.max_ctx,
             scale=inp.scale,
             miss_width=inp.miss_tokens.shape[1],
+            row_tokens=inp.tokens_per_row,
         )
         cores = launch.block_dim * km.TASK_RATION
         order = list(reversed(range(cores))) if reverse else None
@@ -640,6 +675,7 @@ def _sfa_model_runs(
                 qr,
                 inp.host,
                 hot_k,
+                inp.overflow,
                 inp.sparse,
                 inp.token_rows,
                 inp.miss_tokens,
@@ -694,6 +730,7 @@ def _sfa_case(
     label: str,
     pad_rows_with_no_miss: bool = True,
     tokens_per_row: int = 1,
+    overflow_rows: int = 0,
 ) -> None:
     """One Copy-SFA launch on LIM-like inputs built directly (slots drawn per row)."""
     inp = _sfa_inputs(
@@ -705,6 +742,7 @@ def _sfa_case(
         tokens=tokens,
         pad_rows_with_no_miss=pad_rows_with_no_miss,
         tokens_per_row=tokens_per_row,
+        overflow_rows=overflow_rows,
     )
     hot_ref = inp.hot.clone()
     ref = fused.copy_sparse_flash_attention(
@@ -719,6 +757,8 @@ def _sfa_case(
         miss_slots=inp.miss_slots,
         miss_count=inp.miss_count,
         token_table=inp.token_table,
+        overflow=inp.overflow,
+        tokens_per_row=tokens_per_row,
     )
     try:
         outs = _sfa_model_runs(
@@ -738,6 +778,7 @@ def _sfa_case(
     res.count("padding_tokens", (inp.token_rows < 0).sum())
     if tokens_per_row > 1:
         res.count("shared_rows", (torch.bincount(inp.token_rows[inp.token_rows >= 0].long(), minlength=rows) > 1).sum())
+    res.count("overflow_reads", (inp.sparse >= rows * hot_tokens).sum())
 
 
 def check_copy_sfa(m: km.KernelModel, *, seed: int = 0, largest: bool = True) -> KernelResult:
@@ -751,9 +792,16 @@ def check_copy_sfa(m: km.KernelModel, *, seed: int = 0, largest: bool = True) ->
         # verify rows: up to n tokens per row, the row's misses copied once before any attends
         dict(heads=8, top_k=128, hot_tokens=256, rows=4, tokens=7, aic=24, tokens_per_row=2),
         dict(heads=16, top_k=128, hot_tokens=384, rows=3, tokens=6, aic=1, tokens_per_row=3),
+        # unions beyond the hot buffer: miss lists min(n x K, Hh) wide, tokens reading the overflow area too
+        dict(heads=8, top_k=128, hot_tokens=256, rows=4, tokens=7, aic=24, tokens_per_row=4, overflow_rows=320),
+        dict(heads=16, top_k=128, hot_tokens=128, rows=3, tokens=6, aic=1, tokens_per_row=3, overflow_rows=96),
     ]
     if largest:
         cases.append(dict(heads=128, top_k=2048, hot_tokens=2048, rows=1, tokens=1, aic=24))
+        # DeepSeek-V3.2 at MTP-3 (16 heads a rank at TP 8): 4 verify rows over plain decode's 4096 slots
+        cases.append(
+            dict(heads=16, top_k=2048, hot_tokens=4096, rows=1, tokens=4, aic=24, tokens_per_row=4, overflow_rows=4096)
+        )
     for i, c in enumerate(cases):
         _sfa_case(m, seed=seed * 100 + i, res=res, label=f"Copy-SFA {c}", **c)
     res.seconds = time.monotonic() - t0

@@ -54,7 +54,7 @@ _EXTENSION_MODULE = "sglang_ascend_offload._C_ascend"
 SCHEMAS = {
     "npu_fused_lightning_indexer_manage": 'npu_fused_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, str layout_query="TND", str layout_key="PA_BSND", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)',  # noqa: E501
     "npu_fused_quant_lightning_indexer_manage": 'npu_fused_quant_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor query_dequant_scale, Tensor key_dequant_scale, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, int query_quant_mode=0, int key_quant_mode=0, str layout_query="TND", str layout_key="PA_BSND", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)',  # noqa: E501
-    "npu_fused_scatter_copy_sparse_flash_attention": "npu_fused_scatter_copy_sparse_flash_attention(Tensor query, Tensor query_rope, Tensor host, Tensor(a!) hot, Tensor sparse_indices, Tensor token_rows, Tensor miss_tokens, Tensor miss_slots, Tensor miss_count, Tensor token_table, float scale_value) -> Tensor",  # noqa: E501
+    "npu_fused_scatter_copy_sparse_flash_attention": "npu_fused_scatter_copy_sparse_flash_attention(Tensor query, Tensor query_rope, Tensor host, Tensor(a!) hot, Tensor sparse_indices, Tensor token_rows, Tensor miss_tokens, Tensor miss_slots, Tensor miss_count, Tensor token_table, float scale_value, Tensor? overflow=None, int tokens_per_row=1) -> Tensor",  # noqa: E501
     "npu_fused_register_host_memory": "npu_fused_register_host_memory(Tensor host, int device_address=0) -> int",
 }
 
@@ -250,7 +250,7 @@ def _run_lim(
     """One LIM / LIM-C8 launch on the model. Outputs as the schema: topk_indices and
     sparse_indices int32 ``[T, 1, K]``, hit_mask bool ``[R, W]``, slots int32 ``[R, W]``,
     miss_count int32 ``[R]``, miss_tokens / miss_slots int32 ``[R, W]`` with
-    ``W = tokens_per_row * K``; the state tensors are updated in place by the kernel."""
+    ``W = min(tokens_per_row * K, Hh)``; the state tensors are updated in place by the kernel."""
     op = "npu_fused_quant_lightning_indexer_manage" if quantized else "npu_fused_lightning_indexer_manage"
     if layout_query != "TND" or layout_key != "PA_BSND":
         raise RuntimeError(f"{op}: layouts must be TND / PA_BSND")
@@ -273,7 +273,7 @@ def _run_lim(
         )
     except am.ShapeUnsupported as exc:
         raise _unsupported(op, exc) from None
-    i32, w = torch.int32, n * k
+    i32, w = torch.int32, min(n * k, hh)
     outs = (
         torch.empty((t, 1, k), dtype=i32),
         torch.empty((t, 1, k), dtype=i32),
@@ -450,14 +450,21 @@ def _copy_sfa(
     miss_count,
     token_table,
     scale_value,
+    overflow=None,
+    tokens_per_row=1,
 ):
     """``npu_fused_scatter_copy_sparse_flash_attention`` on the model: misses copied into
-    ``hot`` (in place), attention output bf16 ``[T, N, Dl]``."""
+    ``hot`` (in place), attention output bf16 ``[T, N, Dl]``; ``overflow`` bf16 ``[O, D]``:
+    the rows ``sparse_indices`` from ``R * Hh`` on address."""
     op = "npu_fused_scatter_copy_sparse_flash_attention"
     miss = (miss_tokens, miss_slots, miss_count)
     t, n, dl, dr, r, hh, k, w = _check_copy_sfa(
         query, query_rope, host, hot, sparse_indices, token_rows, miss, token_table
     )
+    if overflow is not None:
+        _check(overflow, "overflow", torch.bfloat16, 2)
+        if overflow.shape[1] != dl + dr:
+            raise RuntimeError(f"overflow must be [O, {dl + dr}]")
     n_pad = max(n, MIN_HEADS)
     q, qr = query, query_rope
     if n_pad != n:
@@ -476,6 +483,7 @@ def _copy_sfa(
             max_ctx=token_table.shape[1],
             scale=float(scale_value),
             miss_width=w,
+            row_tokens=int(tokens_per_row),
         )
     except am.ShapeUnsupported as exc:
         raise _unsupported(op, exc) from None
@@ -487,14 +495,14 @@ def _copy_sfa(
             "Copy-SFA: the host tensor is not in registered host memory; call "
             f"torch.ops.{NAMESPACE}.npu_fused_register_host_memory(pool) first"
         )
-    m.run(am.COPY_SFA, [q, qr, host, hot, sparse_indices, token_rows, *miss, token_table, out], launch)
+    m.run(am.COPY_SFA, [q, qr, host, hot, overflow, sparse_indices, token_rows, *miss, token_table, out], launch)
     return out if n_pad == n else out.narrow(1, 0, n).contiguous()
 
 
 # ------------------------------------------------------------------ fake (meta) impls
 # Output shapes and dtypes only, so torch.compile can trace a call of the kernels.
-def _lim_outputs_like(query: torch.Tensor, rows: int, k: int, n: int = 1):
-    t, w = query.shape[0], n * k
+def _lim_outputs_like(query: torch.Tensor, rows: int, hot_tokens: int, k: int, n: int = 1):
+    t, w = query.shape[0], min(n * k, hot_tokens)
     i32 = dict(dtype=torch.int32)
     return (
         query.new_empty((t, 1, k), **i32),
@@ -527,7 +535,7 @@ def _lim_fake(
     sparse_mode=3,
     tokens_per_row=1,
 ):
-    return _lim_outputs_like(query, slot_token.shape[0], int(sparse_count), int(tokens_per_row))
+    return _lim_outputs_like(query, *slot_token.shape, int(sparse_count), int(tokens_per_row))
 
 
 def _lim_c8_fake(
@@ -554,7 +562,7 @@ def _lim_c8_fake(
     sparse_mode=3,
     tokens_per_row=1,
 ):
-    return _lim_outputs_like(query, slot_token.shape[0], int(sparse_count), int(tokens_per_row))
+    return _lim_outputs_like(query, *slot_token.shape, int(sparse_count), int(tokens_per_row))
 
 
 def _copy_sfa_fake(
@@ -569,5 +577,7 @@ def _copy_sfa_fake(
     miss_count,
     token_table,
     scale_value,
+    overflow=None,
+    tokens_per_row=1,
 ):
     return query.new_empty(query.shape)

@@ -264,11 +264,23 @@ class KernelModel:
         )
 
     def tile_copy_sfa(
-        self, *, tokens, heads, latent_dim, rope_dim, rows, hot_tokens, top_k, max_ctx, scale, miss_width=0
+        self,
+        *,
+        tokens,
+        heads,
+        latent_dim,
+        rope_dim,
+        rows,
+        hot_tokens,
+        top_k,
+        max_ctx,
+        scale,
+        miss_width=0,
+        row_tokens=1,
     ) -> Launch:
         """Host tiling of Copy-SFA for this shape (``heads`` already padded to >= 8; ``miss_width``:
-        columns of the miss lists, ``0`` = ``top_k``)."""
-        shape = [tokens, heads, latent_dim, rope_dim, rows, hot_tokens, top_k, max_ctx, miss_width]
+        columns of the miss lists, ``0`` = ``top_k``; ``row_tokens``: tokens a row may serve)."""
+        shape = [tokens, heads, latent_dim, rope_dim, rows, hot_tokens, top_k, max_ctx, miss_width, row_tokens]
         return self._tile(self.lib.sao_model_tile_copy_sfa, shape, ctypes.c_float(scale))
 
     # --------------------------------------------------------------------- run

@@ -303,8 +303,11 @@ def _copy_sparse_flash_attention(
     token_table: _T,
     layout_query: str = "TND",
     attention_mode: int = 2,
+    overflow: Optional[_T] = None,
+    tokens_per_row: Optional[int] = None,
 ) -> _T:
-    """Copy-SFA: ``copy_miss_rows`` then ``sparse_mla_attention`` over the flat hot buffer."""
+    """Copy-SFA: ``copy_miss_rows`` then ``sparse_mla_attention`` over the flat hot buffer
+    (and the overflow area's rows after it, where given)."""
 
 
 #: op name -> the signature every rung of it takes.

@@ -20,8 +20,12 @@ which residency row each query token owns (``-1``: the token is not managed, e.g
 graph padding); a row is owned by at most one token, or with ``tokens_per_row = n > 1``
 (a request's speculative verify rows sharing its hot buffer) by up to ``n`` tokens, and
 then the row's residency step runs once on the union of their top-k
-(``ops/request_union.py``: distinct positions ascending, ``W = n * K`` wide)
-and each token reads its slots back from it. Everything is documented argument by
+(``ops/request_union.py``: distinct positions ascending, ``W = min(n * K, Hh)`` wide: a
+union beyond ``Hh`` keeps its first ``Hh`` positions by priority and the rest overflow)
+and each token reads its slots back from it (``-1`` for an overflow position). Copy-SFA
+then also reads an **overflow area** (``overflow`` ``[O, D]``, the rows of the positions
+that overflowed, copied there beforehand: ``sparse_decode/overflow.py``) through indices
+``R * Hh + i``. Everything is documented argument by
 argument in ``docs/fused_ops.md``.
 
 LIM (one layer, one decode step)::
@@ -107,6 +111,12 @@ def residency_ub_bytes(hot_tokens: int, width: int) -> int:
     )
 
 
+def union_width(hot_tokens: int, top_k: int, tokens_per_row: int = 1) -> int:
+    """Entries of a row's residency step in the fused LIM: ``min(n * K, Hh)`` (the union's
+    positions past ``Hh`` overflow; ``LimUnionWidth`` of ``ascendc_ops/host/tiling.cpp``)."""
+    return min(int(tokens_per_row) * int(top_k), int(hot_tokens))
+
+
 def fused_shape_obstacles(hot_tokens: int, top_k: int, tokens_per_row: int = 1):
     """Why the fused kernels cannot serve this residency shape, as ``(lim, copy_sfa)``
     clauses (``""``: they can): the host tiling's limits on the hot buffer, the top-k and
@@ -122,18 +132,12 @@ def fused_shape_obstacles(hot_tokens: int, top_k: int, tokens_per_row: int = 1):
         lim.append(f"top-k {top_k} is not a multiple of {TOP_K_ALIGN_LIM} up to {MAX_TOP_K}")
     if n > MAX_TOKENS_PER_ROW:
         lim.append(f"{n} verify rows per request share a row; the kernels take at most {MAX_TOKENS_PER_ROW}")
-    elif not lim and residency_ub_bytes(hot_tokens, n * top_k) > LIM_POOL_BYTES:
+    elif not lim and residency_ub_bytes(hot_tokens, union_width(hot_tokens, top_k, n)) > LIM_POOL_BYTES:
+        width = union_width(hot_tokens, top_k, n)
         lim.append(
-            f"a step of {n} x {top_k} entries over {hot_tokens} slots needs "
-            f"{residency_ub_bytes(hot_tokens, n * top_k)} B of the vector core's {LIM_POOL_BYTES} B buffer"
+            f"a step of {width} entries over {hot_tokens} slots needs "
+            f"{residency_ub_bytes(hot_tokens, width)} B of the vector core's {LIM_POOL_BYTES} B buffer"
         )
-    if n > 1 and n * top_k > hot_tokens:
-        overflow = (
-            f"{n} verify rows x top-k {top_k} may overflow {hot_tokens} hot slots, and the kernels do not serve "
-            "the overflow area yet"
-        )
-        lim.append(overflow)
-        sfa.append(overflow)
     if top_k > MAX_TOP_K or top_k % TOP_K_ALIGN_COPY_SFA:
         sfa.append(f"top-k {top_k} is not a multiple of {TOP_K_ALIGN_COPY_SFA} up to {MAX_TOP_K}")
     if n > MAX_TOKENS_PER_ROW:
@@ -181,15 +185,10 @@ def _check_token_rows(token_rows: torch.Tensor, num_tokens: int, rows: int, toke
     return tr
 
 
-def _check_tokens_per_row(tokens_per_row: int, sparse_count: int, hot_tokens: int) -> int:
+def _check_tokens_per_row(tokens_per_row: int) -> int:
     n = int(tokens_per_row)
     if not 1 <= n <= MAX_TOKENS_PER_ROW:
         raise ValueError(f"tokens_per_row must be in 1..{MAX_TOKENS_PER_ROW}, got {n}")
-    if n > 1 and hot_tokens < n * sparse_count:
-        raise ValueError(
-            f"hot_tokens {hot_tokens} must hold the union of a row's tokens' top-k: >= tokens_per_row x "
-            f"sparse_count = {n} x {sparse_count}"
-        )
     return n
 
 
@@ -271,7 +270,7 @@ def _manage_after_indexer(
 ) -> IndexerManageResult:
     """The residency half of LIM (shared by the bf16 and C8 compositions)."""
     rows, hot_tokens = slot_token.shape
-    n = _check_tokens_per_row(tokens_per_row, topk.reshape(topk.shape[0], -1).shape[1], hot_tokens)
+    n = _check_tokens_per_row(tokens_per_row)
     tr = _check_token_rows(token_rows, topk.shape[0], rows, n)
     if n > 1:
         return _manage_union(
@@ -336,10 +335,11 @@ def _manage_union(
     topk: torch.Tensor, tr: torch.Tensor, n: int, *, slot_token, slot_stamp, row_req, req_ids, stable_len, step: Step
 ) -> IndexerManageResult:
     """LIM's residency half with up to ``n`` tokens per row: one step per row on the union
-    of its tokens' top-k (``[R, n*K]``), each token's slots read back from it."""
+    of its tokens' top-k (``[R, min(n*K, Hh)]``: its resident part, the rest overflows),
+    each token's slots read back from it (``-1`` for an overflow position)."""
     rows, hot_tokens = slot_token.shape
     lines, line_of_token = _row_form(topk, tr, rows, n)
-    union = union_of_rows(lines.to(slot_token.device), n)
+    union = union_of_rows(lines.to(slot_token.device), n, capacity=hot_tokens)
     res = residency_manage(
         slot_token,
         slot_stamp,
@@ -392,7 +392,8 @@ def lightning_indexer_manage(
     ``token_rows`` int32 ``[T]``: the row each query token owns (``-1`` = none).
     ``sparse_count`` (= K) must be ``<= Hh``. ``tokens_per_row`` = n: up to ``n`` tokens
     may own one row (a request's verify rows); then the residency outputs are
-    ``[R, n*K]``, over each row's union, and ``Hh >= n * K``.
+    ``[R, min(n*K, Hh)]``, over each row's union (its first ``Hh`` positions by priority
+    when it holds more: the others overflow, ``-1`` in ``sparse_indices``).
     """
     indexer = lightning_indexer
     topk = indexer(
@@ -509,33 +510,52 @@ def _check_copy_sfa(query, query_rope, host, hot, sparse_indices, miss_count):
     return num_tokens, sparse_indices.reshape(num_tokens, -1).shape[1], d_latent, d_rope
 
 
-def _miss_tokens_per_row(miss_tokens: torch.Tensor, k: int) -> int:
-    """Tokens a row may serve, from the miss lists' width ``n * K``."""
+def _tokens_per_row(tokens_per_row: Optional[int], miss_tokens: torch.Tensor, k: int) -> int:
+    """Tokens a row may serve: ``tokens_per_row``, or (``None``) the miss lists' width
+    ``n * K`` over ``K`` (a width that is no multiple of ``K``, ``min(n * K, Hh)``, needs it
+    given). The lists are ``K .. n * K`` wide."""
     width = miss_tokens.shape[-1]
-    if k <= 0 or width % k:
-        raise ValueError(f"miss_tokens must be [R, n * K] with K = {k}, got {tuple(miss_tokens.shape)}")
-    return width // k
+    if tokens_per_row is None:
+        if k <= 0 or width % k:
+            raise ValueError(
+                f"miss_tokens are {width} wide for K = {k}: pass tokens_per_row (lists of min(n * K, Hh) entries)"
+            )
+        tokens_per_row = width // k
+    n = _check_tokens_per_row(tokens_per_row)
+    if not k <= width <= n * k:
+        raise ValueError(
+            f"miss_tokens must be [R, K .. {n} x K] for {n} tokens per row, got {tuple(miss_tokens.shape)}"
+        )
+    return n
 
 
 def _check_row_ownership(
-    sparse_indices: torch.Tensor, token_rows: torch.Tensor, miss_count: torch.Tensor, hot_tokens: int
+    sparse_indices: torch.Tensor,
+    token_rows: torch.Tensor,
+    miss_count: torch.Tensor,
+    hot_tokens: int,
+    overflow_rows: int = 0,
 ) -> None:
     """The fused kernel's work split, made a checked precondition of the op.
 
     Each token copies its own row's misses before attending, so: every row with
-    misses is owned by a token, and a token only attends to its own row's slots.
+    misses is owned by a token, and a token only attends to its own row's slots (or to
+    rows of the overflow area, ``R * Hh`` on, which nothing in the launch writes).
     """
     num_tokens = token_rows.shape[0]
     idx = sparse_indices.reshape(num_tokens, -1).to(torch.int64)
     tr = token_rows.to(device=idx.device)
     valid = idx >= 0
     lo = (tr * hot_tokens)[:, None]
-    outside = valid & ((tr[:, None] < 0) | (idx < lo) | (idx >= lo + hot_tokens))
+    hot_rows = miss_count.shape[0] * hot_tokens
+    in_overflow = (idx >= hot_rows) & (idx < hot_rows + overflow_rows)
+    outside = valid & ~in_overflow & ((tr[:, None] < 0) | (idx < lo) | (idx >= lo + hot_tokens))
     if bool(outside.any()):
         t = int(torch.nonzero(outside)[0, 0])
         raise ValueError(
             f"query token {t} (row {int(tr[t])}) attends to hot rows outside its own row's "
-            f"slots [row*Hh, (row+1)*Hh): sparse_indices must come from LIM for these token_rows"
+            f"slots [row*Hh, (row+1)*Hh) and the overflow area: sparse_indices must come from LIM for "
+            "these token_rows"
         )
     owned = torch.zeros(miss_count.shape[0], dtype=torch.bool, device=tr.device)
     owned[tr[tr >= 0]] = True
@@ -563,6 +583,8 @@ def copy_sparse_flash_attention(
     token_table: torch.Tensor,
     layout_query: str = "TND",
     attention_mode: int = 2,
+    overflow: Optional[torch.Tensor] = None,
+    tokens_per_row: Optional[int] = None,
 ) -> torch.Tensor:
     """Copy-SFA: copy the miss rows host -> hot buffer, then sparse MLA attention over it.
 
@@ -570,26 +592,32 @@ def copy_sparse_flash_attention(
     layer's host rows; hot ``[R, Hh, Dl+Dr]`` this layer's hot buffer (contiguous,
     mutated: the misses land in it); sparse_indices int32 ``[T, 1, K]`` flat hot rows
     (LIM's ``sparse_indices``); token_rows int32 ``[T]``; miss_tokens / miss_slots
-    int32 ``[R, W]`` (``W = K``, or ``n * K`` when up to ``n`` tokens share a row),
-    miss_count int32 ``[R]`` (LIM's residency step); token_table
-    int32 ``[R, max_ctx]`` (logical position -> host slot per row). Returns
+    int32 ``[R, W]`` (``W = K``, or ``min(n * K, Hh)`` when up to ``n`` tokens share a
+    row: ``tokens_per_row``, default ``W / K``), miss_count int32 ``[R]`` (LIM's residency
+    step); token_table int32 ``[R, max_ctx]`` (logical position -> host slot per row);
+    overflow ``[O, Dl+Dr]`` (optional): the overflow area, read where ``sparse_indices``
+    hold ``R * Hh + i`` (its row ``i``; written before the op, not by it). Returns
     ``[T, N, Dl]`` in query's dtype.
 
     Preconditions (checked here, assumed by the fused kernel): ``token_rows`` as in
-    LIM; a token's valid indices lie in its own row's slots; every row with misses is
-    owned by a token.
+    LIM; a token's valid indices lie in its own row's slots or the overflow area; every
+    row with misses is owned by a token.
     """
     if attention_mode != 2 or layout_query != "TND":
         raise ValueError("copy_sparse_flash_attention is defined for attention_mode=2 (MLA absorb) and TND queries")
     _check_copy_sfa(query, query_rope, host, hot, sparse_indices, miss_count)
     rows, hot_tokens, dim = hot.shape
     k = sparse_indices.reshape(query.shape[0], -1).shape[1]
-    tr = _check_token_rows(token_rows, query.shape[0], rows, _miss_tokens_per_row(miss_tokens, k))
-    _check_row_ownership(sparse_indices, tr, miss_count, hot_tokens)
+    tr = _check_token_rows(token_rows, query.shape[0], rows, _tokens_per_row(tokens_per_row, miss_tokens, k))
+    _check_overflow(overflow, hot)
+    over_rows = 0 if overflow is None else overflow.shape[0]
+    _check_row_ownership(sparse_indices, tr, miss_count, hot_tokens, over_rows)
 
     copy = copy_miss_rows
     copy(host, hot, miss_tokens, miss_slots, miss_count, token_table)
     flat = hot.view(rows * hot_tokens, dim)
+    if overflow is not None:  # the spec: one flat space, the area's rows after the hot buffer's
+        flat = torch.cat([flat, overflow.to(flat.device)])
     d_latent = query.shape[2]
     attend = sparse_mla_attention
     return attend(
@@ -604,6 +632,18 @@ def copy_sparse_flash_attention(
         layout_kv="flat",
         attention_mode=2,
     )
+
+
+def _check_overflow(overflow: Optional[torch.Tensor], hot: torch.Tensor) -> None:
+    if overflow is None:
+        return
+    if overflow.dim() != 2 or overflow.shape[1] != hot.shape[2] or overflow.dtype != hot.dtype:
+        raise ValueError(
+            f"overflow must be {hot.dtype} [O, {hot.shape[2]}] (rows like the hot buffer's), got "
+            f"{overflow.dtype} {tuple(overflow.shape)}"
+        )
+    if not overflow.is_contiguous():
+        raise ValueError("overflow must be contiguous (it is read as rows after the hot buffer's)")
 
 
 # ------------------------------------------------------------------ fused rung
@@ -640,7 +680,7 @@ def _check_state_shapes(slot_token, slot_stamp, row_req, sparse_count, tokens_pe
         raise ValueError("residency state dtypes: slot_token int32, slot_stamp int64, row_req int64")
     if slot_token.shape[1] < sparse_count:
         raise ValueError(f"hot_tokens {slot_token.shape[1]} < sparse_count {sparse_count}")
-    _check_tokens_per_row(tokens_per_row, sparse_count, slot_token.shape[1])
+    _check_tokens_per_row(tokens_per_row)
 
 
 @implements("lightning_indexer_manage", "fused", unavailable=lambda: fused_op_unavailable(LIM_KERNEL))
@@ -793,6 +833,8 @@ def copy_sparse_flash_attention_fused(
     token_table,
     layout_query="TND",
     attention_mode=2,
+    overflow=None,
+    tokens_per_row=None,
 ) -> torch.Tensor:
     """AscendC Copy-SFA (``npu_fused_scatter_copy_sparse_flash_attention``); arguments as the reference.
 
@@ -803,6 +845,8 @@ def copy_sparse_flash_attention_fused(
     if attention_mode != 2 or layout_query != "TND":
         raise ValueError("copy_sparse_flash_attention is defined for attention_mode=2 (MLA absorb) and TND queries")
     num_tokens, k, _, _ = _check_copy_sfa(query, query_rope, host, hot, sparse_indices, miss_count)
+    n = _tokens_per_row(tokens_per_row, miss_tokens, k)
+    _check_overflow(overflow, hot)
     if host.device.type == "cpu" and not torch.compiler.is_compiling():
         # Traced code cannot read an address: a compiled step relies on the registration
         # its eager steps (or the engine at build time) made; the op refuses an unregistered host.
@@ -820,4 +864,6 @@ def copy_sparse_flash_attention_fused(
         _i32(miss_count, dev),
         _i32(token_table, dev),
         float(scale_value),
+        overflow,
+        n,
     )

@@ -372,6 +372,7 @@ class _Run:
                 miss_slots=res.miss_slots,
                 miss_count=res.miss_count,
                 token_table=p.token_table,
+                tokens_per_row=self.shape.rows_per_request,
             )
             diff = _exact_difference(inp.index, "hot buffer", hot_got, hot_want)
             attn_diff, worst = _attention_difference(inp.index, out_got, out_want)

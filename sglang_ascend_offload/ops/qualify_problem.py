@@ -77,11 +77,8 @@ class ServedShape:
         problems = [f"{k} must be >= 1" for k, v in asdict(self).items() if isinstance(v, int) and v < 1]
         if self.indexer_dtype not in _OFF:
             problems.append(f"indexer_dtype must be bf16 or int8, got {self.indexer_dtype!r}")
-        if self.hot_tokens < self.rows_per_request * self.top_k:
-            problems.append(
-                f"hot_tokens {self.hot_tokens} must hold the union of a request's verify rows' top-k "
-                f"({self.rows_per_request} x {self.top_k})"
-            )
+        if self.hot_tokens < self.top_k:
+            problems.append(f"hot_tokens {self.hot_tokens} must hold one row's top-k ({self.top_k})")
         if self.index_dim < CLUSTERS + 2:
             problems.append(f"index_dim {self.index_dim} must be >= {CLUSTERS + 2} (code and cluster dimensions)")
         if self.context_len + STEPS >= CODE_LIMIT:
@@ -91,8 +88,9 @@ class ServedShape:
 
     @property
     def union_width(self) -> int:
-        """``W = n * K``: entries of a row's residency step."""
-        return self.rows_per_request * self.top_k
+        """``W = min(n * K, hot_tokens)``: entries of a row's residency step (a union beyond
+        the buffer overflows, ``ops/fused.union_width``)."""
+        return min(self.rows_per_request * self.top_k, self.hot_tokens)
 
     @property
     def context_len(self) -> int:

@@ -232,10 +232,6 @@ def decode_layer_step(
             direct_rows.direct_flat(direct[2], topk, hot.shape[1], rows_per_request)[:, None, :],
             flat_idx,
         )
-    if copy_attention is not None:
-        return fused_copy_attention(
-            copy_attention, res, rows, req_ids, host, hot, token_table, flat_idx, query, query_rope, scale
-        ), res
 
     def copy_rows(target: torch.Tensor, lists: ResidencyStep) -> None:
         if copy is None:
@@ -243,6 +239,15 @@ def decode_layer_step(
         else:
             copy_stage(copy, host, target, rows, lists, token_table)
 
+    if copy_attention is not None:
+        area = None
+        if overflow_view is not None:  # copied beside the fused op, which reads the area's rows
+            view = overflow.beside_copy_sfa(overflow_view, hot)
+            flat_idx = overflow.serve(view, req.union, req.token_rows, flat_idx, copy_rows)
+            area = view.area
+        return fused_copy_attention(
+            copy_attention, res, rows, req_ids, host, hot, token_table, flat_idx, query, query_rope, scale, area
+        ), res
     copy_rows(hot, res)
     kv = hot.view(-1, hot.shape[2])
     if overflow_view is not None:
@@ -321,11 +326,14 @@ def fused_copy_attention(
     query: torch.Tensor,
     query_rope: torch.Tensor,
     scale: float,
+    overflow_area: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Miss copy + attention of one layer as the fused Copy-SFA op: the batch rows' step
     ``res`` spread over all hot-buffer rows (``hot`` ``[R', H, D]``), padding entries
     (``req_ids < 0``) owning no row; with ``n = B*n / B`` query rows per entry (verify
-    rows) all ``n`` own the entry's row. Static shapes; ``[B*n, N, latent]``."""
+    rows) all ``n`` own the entry's row. ``overflow_area`` ``[R', X, D]``: the overflow
+    area (its rows already copied), which ``flat`` addresses from ``R' * H`` on
+    (:func:`.overflow.beside_copy_sfa`). Static shapes; ``[B*n, N, latent]``."""
     tokens, slots, count, table = full_rows_lists(res, rows, hot.shape[0], token_table)
     token_rows = torch.where(req_ids >= 0, rows, torch.full_like(rows, -1)).to(torch.int32)
     n = query.shape[0] // max(1, rows.shape[0])
@@ -344,6 +352,8 @@ def fused_copy_attention(
         miss_slots=slots,
         miss_count=count,
         token_table=table,
+        overflow=None if overflow_area is None else overflow_area.view(-1, overflow_area.shape[-1]),
+        tokens_per_row=max(1, n),
     )
 
 
@@ -643,7 +653,7 @@ class SparseDecodeEngine:
         if not 1 <= n <= self.config.rows_per_request:
             raise ValueError(
                 f"rows_per_request {n} is outside 1..{self.config.rows_per_request} (the engine's "
-                "hot buffers hold the union of at most that many rows' top-k)"
+                "overflow area is sized for the union of at most that many rows' top-k)"
             )
         self._per_request = n
         r = self.config.rows
@@ -872,7 +882,14 @@ class SparseDecodeEngine:
         if d is not None and d.any_direct:
             flat = torch.where(query_direct[:, None, None], d.flat_rows(topk_dev, cfg.hot_tokens, n)[:, None, :], flat)
         if self._copy_sfa_op is not None:  # fused Copy-SFA: copy + attention in one op (full-rows ABI)
-            out = self._fused_copy_attention(layer, res, flat, query, query_rope, scale)
+            view, area = self.overflow_view(layer), None
+            if view is not None:  # copied beside the fused op, which reads the area's rows
+                view = overflow.beside_copy_sfa(view, self.hot.storage(layer))
+                flat = overflow.serve(
+                    view, req.union, req.token_rows, flat, lambda a, lists: self.copy_misses(layer, lists, into=a)
+                )
+                area = view.area
+            out = self._fused_copy_attention(layer, res, flat, query, query_rope, scale, area)
             t2 = t1
         else:
             self.copy_misses(layer, res)
@@ -1052,7 +1069,7 @@ class SparseDecodeEngine:
         host_slots = table[rows, tokens].to(torch.int64)
         self.pool.gather_into(layer, host_slots, hot.view(-1, hot.shape[-1]), rows * hot.shape[1] + slots)
 
-    def _fused_copy_attention(self, layer, res, flat, query, query_rope, scale):
+    def _fused_copy_attention(self, layer, res, flat, query, query_rope, scale, overflow_area=None):
         return fused_copy_attention(
             self._copy_sfa_op,
             res,
@@ -1065,6 +1082,7 @@ class SparseDecodeEngine:
             query,
             query_rope,
             scale,
+            overflow_area,
         )
 
     def _sync_with_writer(self, layer: int) -> None:

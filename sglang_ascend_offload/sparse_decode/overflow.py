@@ -18,7 +18,8 @@ evictable). Such a round is still served exactly:
 3. :func:`flat_indices` points each overflow entry of a query row at its area row, in
    the same flat index space as the resident entries (``HotBuffers.attention_flat``),
    so one sparse attention reads both, bit for bit the rows attention over the full KV
-   gathers.
+   gathers. The fused Copy-SFA reads the area as its own ``overflow`` operand instead
+   (rows ``R' * H`` on, :func:`beside_copy_sfa`); the copy runs beside it, before it.
 
 Why an area and not a direct gather of the overflowing request's whole top-k: it copies
 only what did not fit (a few positions beyond ``H``, instead of ``n x K``), the resident
@@ -49,7 +50,7 @@ import torch
 from ..ops.contract import ResidencyStep
 from ..ops.request_union import RequestUnion
 
-__all__ = ["OverflowView", "copy_lists", "flat_indices", "counts", "serve"]
+__all__ = ["OverflowView", "beside_copy_sfa", "copy_lists", "flat_indices", "counts", "serve"]
 
 
 @dataclass
@@ -57,20 +58,28 @@ class OverflowView:
     """The overflow area as one layer step reads it.
 
     area: ``[R', X, D]`` device rows (``HotBuffers.overflow``; ``X`` per engine row).
-    kv: ``[S, D]`` the flat view the layer's attention reads (``HotBuffers.attention_flat``).
-    base: row of ``kv`` where ``area`` starts.
+    kv: ``[S, D]`` the flat view the layer's attention reads (``HotBuffers.attention_flat``;
+    ``None`` for the fused Copy-SFA, which reads the area as its own operand).
+    base: the flat index of the area's first row (in ``kv``, or after the hot buffer's rows).
     counters: int64 ``[2]`` device view ``(overflow_rounds, overflow_positions)`` of the
     layer's statistics, added to in place (``None``: not counted).
     """
 
     area: torch.Tensor
-    kv: torch.Tensor
+    kv: Optional[torch.Tensor]
     base: int
     counters: Optional[torch.Tensor] = None
 
     @property
     def slots(self) -> int:
         return int(self.area.shape[1])
+
+
+def beside_copy_sfa(view: OverflowView, hot: torch.Tensor) -> OverflowView:
+    """``view`` as the fused Copy-SFA reads the area: its own ``overflow`` operand, rows
+    ``R' * H + i`` after the layer's hot buffer ``hot`` ``[R', H, D]`` (the op's ABI,
+    ``ops/fused.py``)."""
+    return OverflowView(area=view.area, kv=None, base=hot.shape[0] * hot.shape[1], counters=view.counters)
 
 
 def copy_lists(union: RequestUnion) -> ResidencyStep:

@@ -165,9 +165,9 @@ def _union_mutated_kernels(tmp: Path) -> Path:
     shutil.copytree(compile_check.KERNELS_DIR, dst)
     res_h = dst / "residency_manage.h"
     text = res_h.read_text()
-    old = "seen = true;\n"
+    old = "== pos) {\n                return;"
     assert text.count(old) == 1
-    res_h.write_text(text.replace(old, "seen = false;\n"))
+    res_h.write_text(text.replace(old, "== pos) {\n                break;"))  # found: added once more
     sfa = dst / "scatter_copy_sparse_flash_attention.cpp"
     text = sfa.read_text()
     old = "for (uint32_t t = token + 1; shared && row >= 0 && t < t_.numTokens; ++t) {"
@@ -186,6 +186,44 @@ def test_functional_check_catches_union_mutations_in_the_verify_row_cases_only(t
     assert not sfa.ok and all("tokens_per_row" in f for f in sfa.failures), sfa.failures[:3]
 
 
+def _overflow_mutated_kernels(tmp: Path, mutation: str) -> Path:
+    """LIM's union past the hot buffer keeps other positions than the priority order's
+    (``order``: the column's positions descending), or Copy-SFA reads an overflow index as a
+    hot-buffer row (``gather``)."""
+    dst = tmp / "kernels"
+    shutil.copytree(compile_check.KERNELS_DIR, dst)
+    file, old, new = {
+        "order": (
+            "lightning_indexer_manage.cpp",
+            "for (; at > 0 && column[at - 1] > pos; --at) {",
+            "for (; at > 0 && column[at - 1] < pos; --at) {",
+        ),
+        "gather": (
+            "scatter_copy_sparse_flash_attention.cpp",
+            "if (r >= hotRows) {  // a row of the overflow area",
+            "if (false) {",
+        ),
+    }[mutation]
+    src = dst / file
+    text = src.read_text()
+    assert text.count(old) == 1, f"{file} no longer holds {old!r}: update the mutation"
+    src.write_text(text.replace(old, new))
+    return dst
+
+
+def test_functional_check_catches_overflow_mutations_in_the_overflow_cases_only(tmp_path):
+    """Negative controls of the overflow cases: a union capped in another order changes
+    the residency state of rows whose union overflowed (and nothing else); a Copy-SFA that
+    gathers an overflow index from the hot buffer faults or attends the wrong rows."""
+    m = km.KernelModel(km.build(kernels=_overflow_mutated_kernels(tmp_path / "order", "order")))
+    lim = functional.check_lim(m, False, steps=2, largest=False)
+    assert not lim.ok and lim.failures
+    assert all("hot_tokens=128, top_k=64" in f or "hot_tokens=32, top_k=32" in f for f in lim.failures), lim.failures
+    m = km.KernelModel(km.build(kernels=_overflow_mutated_kernels(tmp_path / "gather", "gather")))
+    sfa = functional.check_copy_sfa(m, largest=False)
+    assert not sfa.ok and all("overflow_rows" in f for f in sfa.failures), sfa.failures[:3]
+
+
 @pytest.mark.parametrize("seed", [11, 12])
 def test_functional_model_on_more_random_scenarios(seed):
     m = km.KernelModel()
@@ -195,10 +233,11 @@ def test_functional_model_on_more_random_scenarios(seed):
         assert r.coverage["hits"] > 0 and r.coverage["misses"] > 0 and r.coverage["topk_minus_one"] > 0
         assert r.coverage["first_fill_rows"] > 0 and r.coverage["steady_rows"] > 0
         assert r.coverage["owned_rows_without_misses"] > 0 and r.coverage["padding_tokens"] > 0
-        assert r.coverage["shared_rows"] > 0
+        assert r.coverage["shared_rows"] > 0 and r.coverage["overflow_rows"] > 0
     r = functional.check_copy_sfa(m, seed=seed, largest=False)
     assert r.ok, r.failures[:3]
     assert r.coverage["misses_copied"] > 0 and r.coverage["sparse_minus_one"] > 0 and r.coverage["shared_rows"] > 0
+    assert r.coverage["overflow_reads"] > 0
 
 
 def test_model_faults_on_out_of_bounds_gm_write():
@@ -296,8 +335,8 @@ def test_the_python_shape_limits_are_the_host_tilings():
     for hot in (96, 128, 1000, 2048, 3072, 4096, 4128, 8192):
         for top_k in (32, 64, 96, 128, 1024, 2048, 4096):
             for n in (1, 2, 3, 4, 14, 15):
-                if hot < n * top_k or hot < top_k:
-                    continue  # the engine refuses these before any kernel (hot buffer < union)
+                if hot < top_k:
+                    continue  # the engine refuses these before any kernel (hot buffer < top-k)
                 lim_says, sfa_says = fused.fused_shape_obstacles(hot, top_k, n)
                 try:
                     m.tile_lim(
@@ -328,7 +367,8 @@ def test_the_python_shape_limits_are_the_host_tilings():
                         top_k=top_k,
                         max_ctx=256,
                         scale=0.04,
-                        miss_width=n * top_k,
+                        miss_width=fused.union_width(hot, top_k, n),
+                        row_tokens=n,
                     )
                     sfa_ok = True
                 except km.ShapeUnsupported:

@@ -65,8 +65,10 @@ def _plan(shape: ServedShape):
         ServedShape(**TINY),
         ServedShape(**TINY, indexer_dtype="int8"),
         ServedShape(**{**TINY, "hot_tokens": 384, "index_heads": 16, "heads": 16}, rows_per_request=3),
+        # plain decode's 2 x top-k for 4 verify rows: the union may overflow (W = min(n x K, Hh) = 256)
+        ServedShape(**TINY, rows_per_request=4),
     ],
-    ids=["lim-bf16", "lim-c8", "verify-rows-3"],
+    ids=["lim-bf16", "lim-c8", "verify-rows-3", "verify-rows-4-at-2k"],
 )
 def test_the_real_kernels_qualify_on_the_functional_model(shape, caplog):
     plan = _plan(shape)
@@ -215,5 +217,6 @@ def test_a_plan_without_fused_ops_runs_nothing(caplog):
 
 
 def test_a_shape_the_problem_cannot_hold_is_refused():
-    with pytest.raises(ValueError, match="must hold the union"):
-        ServedShape(hot_tokens=128, top_k=128, rows_per_request=2)
+    with pytest.raises(ValueError, match="must hold one row's top-k"):
+        ServedShape(hot_tokens=64, top_k=128, rows_per_request=2)
+    assert ServedShape(hot_tokens=128, top_k=128, rows_per_request=2).union_width == 128  # the rest overflows

@@ -333,13 +333,16 @@ def test_the_engine_refuses_an_unaligned_pool_for_the_npu_fused_copy_sfa(monkeyp
 
 
 def test_shapes_outside_the_kernels_limits_give_way_or_are_refused():
-    """DeepSeek-V3.2 with SGLang's default MTP (4 verify rows, top-k 2048: the default hot
-    buffer 4 x 2048 = 8192 slots) is outside the kernels' 4096-slot residency step: the NPU
-    defaults give way to the separate operators with that reason, and an explicit request
-    is a startup problem; one draft token (2 rows, 4096 slots) is served fused."""
+    """DeepSeek-V3.2 with SGLang's default MTP (4 verify rows, top-k 2048) and a hot buffer
+    of 4 x 2048 = 8192 slots (what the old rule asked) is outside the kernels' 4096-slot
+    residency step: the NPU defaults give way to the separate operators with that reason,
+    and an explicit request is a startup problem; at the default 4096 slots (a union beyond
+    them overflows) and with one draft token (2 rows, 4096 slots) both stages are fused."""
     ext = extension(*ALL_KERNELS)
     one_draft = select_ops("npu", rows_per_request=2, hot_tokens=4096, top_k=2048, extension=ext).check()
     assert one_draft.indexer.fused and one_draft.attention.fused
+    mtp3 = select_ops("npu", rows_per_request=4, hot_tokens=4096, top_k=2048, extension=ext).check()
+    assert mtp3.indexer.fused and mtp3.attention.fused
     mtp = select_ops("npu", rows_per_request=4, hot_tokens=8192, top_k=2048, extension=ext).check()
     assert not mtp.indexer.fused and "hot_tokens 8192" in mtp.indexer.reason
     assert mtp.attention.fused  # Copy-SFA has no hot-buffer limit of its own: it stays fused

@@ -55,7 +55,7 @@ extern "C" void sao_quant_lightning_indexer_manage(GM_ADDR, GM_ADDR, GM_ADDR, GM
                                                    GM_ADDR, GM_ADDR, GM_ADDR);
 extern "C" void sao_scatter_copy_sparse_flash_attention(GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR,
                                                         GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR,
-                                                        GM_ADDR);
+                                                        GM_ADDR, GM_ADDR);
 
 namespace {
 void Error(char *err, int len, const std::string &msg)
@@ -101,7 +101,8 @@ int sao_model_tile_lim(const uint32_t *shape, uint32_t aic, uint32_t aiv, uint8_
     }
 }
 
-// shape: numTokens, heads, latentDim, ropeDim, rows, hotTokens, topK, maxCtx, missWidth; scale separately.
+// shape: numTokens, heads, latentDim, ropeDim, rows, hotTokens, topK, maxCtx, missWidth, rowTokens; scale
+// separately.
 int sao_model_tile_copy_sfa(const uint32_t *shape, float scale, uint32_t aic, uint32_t aiv, uint8_t *tiling,
                             uint64_t *workspace, uint32_t *blockDim, char *err, int errLen)
 {
@@ -109,7 +110,7 @@ int sao_model_tile_copy_sfa(const uint32_t *shape, float scale, uint32_t aic, ui
         sao_model_host::g_aicCores = aic;
         sao_model_host::g_aivCores = aiv;
         sao::host::CopySfaShape s{shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], shape[6], shape[7], scale,
-                                  shape[8]};
+                                  shape[8], shape[9]};
         std::string problem = sao::host::CheckCopySfa(s);
         if (!problem.empty()) {
             Error(err, errLen, problem);
@@ -124,13 +125,13 @@ int sao_model_tile_copy_sfa(const uint32_t *shape, float scale, uint32_t aic, ui
     }
 }
 
-// kernel: 0 LIM (22 args), 1 LIM-C8 (24 args), 2 Copy-SFA (13 args). ranges: (address, bytes)
+// kernel: 0 LIM (22 args), 1 LIM-C8 (24 args), 2 Copy-SFA (14 args). ranges: (address, bytes)
 // pairs of every GM buffer of the launch. order: the vector cores, a permutation of
 // 0 .. blockDim * ratio - 1. Returns 0, or 1 with the model's fault in err.
 int sao_model_run(int kernel, void **a, int nargs, uint32_t blockDim, uint32_t ratio, const uint32_t *order,
                   int norder, const uint64_t *ranges, int nranges, char *err, int errLen)
 {
-    static const int kArgs[3] = {22, 24, 13};
+    static const int kArgs[3] = {22, 24, 14};
     if (kernel < 0 || kernel > 2 || nargs != kArgs[kernel]) {
         Error(err, errLen, "sao_model_run: bad kernel id or argument count");
         return 1;
@@ -156,7 +157,7 @@ int sao_model_run(int kernel, void **a, int nargs, uint32_t blockDim, uint32_t r
                                                g(21), g(22), g(23));
         } else {
             sao_scatter_copy_sparse_flash_attention(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7), g(8), g(9),
-                                                    g(10), g(11), g(12));
+                                                    g(10), g(11), g(12), g(13));
         }
     };
     auto &core = sao_model::Core();
