@@ -143,6 +143,10 @@ class LayerwisePrefillPool(DeviceDSAPool):
     ``make_store(offload)``; only built when some buffer is shared). namespace: host
     key prefix (made unique per pool instance). speculative: the server verifies
     speculative drafts (a continued page may hold rejected candidate rows).
+
+    The launch validation holds ``offload.store_block_tokens`` unset or equal to
+    ``page_size`` (rule ``sglang.layerwise_block_tokens``: the pool stores one object per
+    KV page); it is not re-checked here.
     """
 
     def __init__(
@@ -164,11 +168,6 @@ class LayerwisePrefillPool(DeviceDSAPool):
         end_layer: Optional[int] = None,
         speculative: bool = False,
     ):
-        if offload.store_block_tokens not in (None, page_size):
-            raise ValueError(
-                f"store_block_tokens={offload.store_block_tokens}: the SGLang pool stores one "
-                f"object per KV page ({page_size} tokens); leave it unset"
-            )
         self._init_without_buffers(
             size,
             page_size,
