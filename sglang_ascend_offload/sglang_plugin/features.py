@@ -8,7 +8,8 @@ feature                   SGLang surface
                           config``; pool :mod:`.mem_cache.pool.sparse_decode`; attention
                           :mod:`.attention.sparse_decode`; sizing
                           :mod:`.mem_cache.sizing.sparse_decode`; host pools
-                          :mod:`.mem_cache.pool_host`; metrics :mod:`.observability`
+                          :mod:`.mem_cache.pool_host`; metrics :mod:`.observability`;
+                          server rules :mod:`.args.rules.sparse_decode`
 ``layerwise_prefill``     flags ``--enable-layerwise-prefill-offload`` / ``--layerwise-prefill-
                           offload-config``; pool :mod:`.mem_cache.pool.layerwise_prefill`;
                           sizing :mod:`.mem_cache.sizing.layerwise_prefill`; server rules
@@ -46,8 +47,8 @@ class Feature:
     section: its ``OffloadConfig`` field. flags: its pair of server flags (and config
     class). pool: ``"module:function"`` (relative to this package) that builds the KV
     pool replacing SGLang's when the feature is on, ``None`` when it keeps the pool.
-    server_rules: ``"module:function"`` returning its ``server``-scope violations for
-    ``(config, view)``, ``None`` when it has none of its own. sizing: the module whose
+    server_rules: ``"module:function"`` returning its ``server``-scope violations (run by
+    ``args.resolution.startup_violations``), ``None`` when it has none of its own. sizing: the module whose
     hooks change SGLang's per-token KV bytes for it, ``None`` when it does not.
     """
 
@@ -85,7 +86,7 @@ FEATURES: Tuple[Feature, ...] = (
         "sparse_decode",
         _flags("sparse_decode"),
         pool="mem_cache.sparse_decode_startup:build_offload_pool",  # the pool, its startup phases, kernel qualification
-        server_rules=None,
+        server_rules="args.rules.sparse_decode:sparse_decode_violations",
         sizing="mem_cache.sizing.sparse_decode",
     ),
     Feature(
@@ -102,7 +103,13 @@ FEATURES: Tuple[Feature, ...] = (
         server_rules="args.rules.kvpp:kvpp_violations",
         sizing="mem_cache.sizing.kvpp",
     ),
-    Feature("pd_transfer", _flags("pd_transfer"), pool=None, server_rules=None, sizing=None),
+    Feature(
+        "pd_transfer",
+        _flags("pd_transfer"),
+        pool=None,
+        server_rules="args.rules.pd_transfer:pd_violations",
+        sizing=None,
+    ),
 )
 
 
