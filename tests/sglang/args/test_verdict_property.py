@@ -109,48 +109,61 @@ def _base(draw) -> dict:
     return launch
 
 
-def _sd(launch: dict) -> dict:
-    launch["sd"] = launch["sd"] if launch["sd"] is not None else {}
-    return launch["sd"]
-
-
-STORES = ["local", "memcache"]
-PERTURBATIONS = {
-    "npu": lambda d, l: l["args"].__setitem__(4, "npu"),  # SGLang refuses without torch_npu: both sides
-    "fp8": lambda d, l: l["args"].extend(["--kv-cache-dtype", "fp8_e4m3"]),
-    "backend": lambda d, l: l["args"].extend(["--attention-backend", d(st.sampled_from(["torch_native", "fa3"]))]),
-    "pp": lambda d, l: l["args"].extend(["--pp-size", "2"]),
-    "hicache": lambda d, l: l["args"].append("--enable-hierarchical-cache"),
-    "compile": lambda d, l: l["args"].append("--enable-torch-compile"),
-    "tp2": lambda d, l: l["args"].extend(["--tp-size", "2"]),
-    "speculative": lambda d, l: l["args"].extend(
-        [
-            *("--speculative-algorithm", d(st.sampled_from(["NEXTN", "STANDALONE"]))),
-            *("--speculative-num-steps", "1", "--speculative-eagle-topk", d(st.sampled_from(["1", "2"]))),
-            *("--speculative-num-draft-tokens", d(st.sampled_from(["2", "3"]))),
-        ]
-    ),
-    "pd": lambda d, l: (
-        l["args"].extend(["--disaggregation-mode", d(st.sampled_from(["prefill", "decode"]))]),
-        l["args"].extend(["--disaggregation-transfer-backend", d(st.sampled_from(["ascend_offload", "mooncake"]))]),
-        l.__setitem__("pd", {"engine": d(st.sampled_from(["mooncake", "memfabric"])), "peer_tp": 1})
-        if d(st.booleans())
-        else None,
-    ),
-    "hot_tokens": lambda d, l: _sd(l).__setitem__("hot_tokens", d(st.sampled_from([8, 40, 4096 * 1024]))),
-    "ops": lambda d, l: _sd(l).__setitem__("ops", d(st.sampled_from(["npu", "triton", "fused"]))),
-    "fused": lambda d, l: _sd(l).__setitem__(d(st.sampled_from(["fused_lim", "fused_copy_sfa"])), d(st.booleans())),
-    "score": lambda d, l: _sd(l).update(policy="score_rank", rank_depth=d(st.sampled_from([8, 256]))),
-    "host_pool": lambda d, l: _sd(l).__setitem__("host_pool_tokens", 1024),
-    "layerwise": lambda d, l: l.__setitem__(
-        "lw", {"shared_buffers": 1, "store_backend": d(st.sampled_from(["local", "memcache"]))}
-    ),
-    "kvpp": lambda d, l: l.__setitem__("kvpp", True),
-    "config_only": lambda d, l: l["args"].extend(["--layerwise-prefill-offload-config", "{}"]),
-    "budget": lambda d, l: l["args"].extend(["--device-kv-budget", d(st.sampled_from(["0", "64MiB"]))]),
-    "npu_offload_env": lambda d, l: l["env"].__setitem__("SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD", "1"),
-    "mla": lambda d, l: l.__setitem__("model", "mla"),  # an MLA model without the indexer
+BACKENDS = ["ascend_offload", "mooncake"]  # --disaggregation-transfer-backend
+#: perturbation -> the flags it adds (a value drawn from each list)
+FLAG_PERTURBATIONS = {
+    "npu": [],  # --device npu: SGLang refuses without torch_npu, on both sides
+    "fp8": [("--kv-cache-dtype", ["fp8_e4m3"])],
+    "backend": [("--attention-backend", ["torch_native", "fa3"])],
+    "pp": [("--pp-size", ["2"])],
+    "hicache": [("--enable-hierarchical-cache", [None])],
+    "compile": [("--enable-torch-compile", [None])],
+    "tp2": [("--tp-size", ["2"])],
+    "speculative": [
+        ("--speculative-algorithm", ["NEXTN", "STANDALONE"]),
+        ("--speculative-num-steps", ["1"]),
+        ("--speculative-eagle-topk", ["1", "2"]),
+        ("--speculative-num-draft-tokens", ["2", "3"]),
+    ],
+    "pd": [("--disaggregation-mode", ["prefill", "decode"]), ("--disaggregation-transfer-backend", BACKENDS)],
+    "config_only": [("--layerwise-prefill-offload-config", ["{}"])],  # without its enable flag
+    "budget": [("--device-kv-budget", ["0", "64MiB"])],
 }
+#: perturbation -> the sparse decode settings it changes (a value drawn from each list)
+SETTING_PERTURBATIONS = {
+    "hot_tokens": {"hot_tokens": [8, 40, 4096 * 1024]},
+    "ops": {"ops": ["npu", "triton", "fused"]},
+    "fused_lim": {"fused_lim": [True, False]},
+    "fused_copy_sfa": {"fused_copy_sfa": [True, False]},
+    "score": {"policy": ["score_rank"], "rank_depth": [8, 256]},
+    "host_pool": {"host_pool_tokens": [1024]},
+}
+OTHER_PERTURBATIONS = ("pd_transfer", "layerwise", "kvpp", "npu_offload_env", "mla")
+
+
+def _perturb(draw, name: str, spec: dict) -> None:
+    """Apply perturbation ``name`` to the launch ``spec``."""
+    if name == "npu":
+        spec["args"][spec["args"].index("--device") + 1] = "npu"
+    for flag, values in FLAG_PERTURBATIONS.get(name, []):
+        value = draw(st.sampled_from(values))
+        spec["args"] += [flag] if value is None else [flag, value]
+    for key, values in SETTING_PERTURBATIONS.get(name, {}).items():
+        spec["sd"] = spec["sd"] if spec["sd"] is not None else {}
+        spec["sd"][key] = draw(st.sampled_from(values))
+    if name == "pd_transfer":
+        spec["pd"] = {"engine": draw(st.sampled_from(["mooncake", "memfabric"])), "peer_tp": 1}
+    elif name == "layerwise":
+        spec["lw"] = {"shared_buffers": 1, "store_backend": draw(st.sampled_from(["local", "memcache"]))}
+    elif name == "kvpp":
+        spec["kvpp"] = True
+    elif name == "npu_offload_env":
+        spec["env"]["SGLANG_NPU_ENABLE_SPARSE_KV_OFFLOAD"] = "1"
+    elif name == "mla":
+        spec["model"] = "mla"  # an MLA model without the indexer
+
+
+PERTURBATIONS = sorted([*FLAG_PERTURBATIONS, *SETTING_PERTURBATIONS, *OTHER_PERTURBATIONS])
 
 
 @st.composite
@@ -158,8 +171,7 @@ def launches(draw) -> tuple:
     """``(model, ARGS after --model-path, environment)`` of one launch command."""
     launch = _base(draw)
     for _ in range(draw(st.sampled_from([0, 1, 1, 2, 2]))):
-        name = draw(st.sampled_from(sorted(PERTURBATIONS)))
-        PERTURBATIONS[name](draw, launch)
+        _perturb(draw, draw(st.sampled_from(PERTURBATIONS)), launch)
     args = list(launch["args"])
     for enable, flag, section in (
         ("--enable-sparse-decode-offload", "--sparse-decode-offload-config", launch["sd"]),
