@@ -200,8 +200,10 @@ def after_launch_rules(
         if launch and deployment is not None and deployment.device == "npu":
             out.append("sparse_decode.soc_unknown")
     if pd is not None and deployment is not None and deployment.pd_role != "colocated":
-        out += ["pd_transfer.tp_ratio"] if deployment.peer_tp is None else []
+        out += ["pd_transfer.tp_ratio"] if deployment.peer_tp is None and pd.peer_tp is None else []
         out.append("sglang.pd_parallel")
+    if pd is not None and pd.engine == "memfabric" and not pd.store_url:
+        out.append("sglang.pd_engine_device")
     return out
 
 

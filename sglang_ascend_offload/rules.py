@@ -513,6 +513,8 @@ DECIDED_AFTER_LAUNCH: Dict[str, str] = {
     "pd_transfer.tp_ratio": "the P/D bootstrap handshake with the peer's attention TP, unless peer_tp is set "
     "in --pd-transfer-config",
     "sglang.pd_parallel": "the P/D bootstrap handshake with the peer's CP and PP sizes",
+    "sglang.pd_engine_device": "node 0's MemFabric config store, created when the P/D backend starts: engine "
+    "memfabric needs store_url there",
 }
 for _rule_id in DECIDED_AFTER_LAUNCH:
     if _rule_id not in RULES:

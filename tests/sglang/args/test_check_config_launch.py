@@ -221,3 +221,18 @@ def test_the_pool_applies_the_host_pool_tokens_rule_where_sglang_sized_its_capac
     assert [v.rule for v in info.value.violations] == ["sparse_decode.host_pool_tokens"]
     assert _host_pool_slots(sd(host_pool_tokens=4160), 4096, 64, 1152, "cpu", 1) == 4160
     assert _host_pool_slots(sd(), 4100, 64, 1152, "cpu", 1) == 4160  # 64 pages + the padding page
+
+
+def test_the_p_d_rules_the_handshake_decides_are_undecided_until_the_facts_are_given():
+    decode = '{"device": "npu", "soc": "A3", "pd_role": "decode", "tp": 1}'
+
+    def open_rules(pd):
+        code, out = _check_config("--config", json.dumps({"pd_transfer": pd}), "--deployment", decode, "--json")
+        assert code == 0, out
+        return {u["rule"] for u in json.loads(out)["undecided"]}
+
+    handshake = {"pd_transfer.tp_ratio", "sglang.pd_parallel", "sglang.pd_engine_device"}
+    assert handshake <= open_rules({"engine": "memfabric"})
+    given = open_rules({"engine": "memfabric", "peer_tp": 1, "store_url": "tcp://10.0.0.1:7000"})
+    assert "pd_transfer.tp_ratio" not in given and "sglang.pd_engine_device" not in given
+    assert "sglang.pd_parallel" in given  # the peer's CP / PP are never given: the handshake decides them
