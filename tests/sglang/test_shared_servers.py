@@ -5,7 +5,7 @@ arguments, and a shared server is stopped once no module still to run lists it."
 from __future__ import annotations
 
 import pytest
-from conftest import IDLE_SLEEP, SharedServers
+from conftest import IDLE_SLEEP, SharedServers, group_shared_server_users
 
 
 class Stub:
@@ -79,8 +79,6 @@ class _Item:
 def test_modules_sharing_a_server_are_run_back_to_back():
     """Collection order a, b(ref), c, d(other), e(ref), f(other, ref): e joins b, f joins the
     last module sharing either of its servers; the others keep their order and items."""
-    from conftest import group_shared_server_users
-
     a, b, c = _Module("a"), _Module("b", ("ref",)), _Module("c")
     d, e, f = _Module("d", ("other",)), _Module("e", ("ref",)), _Module("f", ("other", "ref"))
     items = [_Item(m, f"{m.__name__}{i}") for m in (a, b, c, d, e, f) for i in range(2)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import run_launcher
 from startup_verdict import dsa_hf_config, server_verdict
 
 from sglang_ascend_offload import config as cfg
@@ -162,8 +163,6 @@ def test_the_launcher_refuses_fused_ops_at_top_k_16_before_any_scheduler_starts(
     """The issue's case: ``{"ops": "fused"}`` on ``tests/fixtures/tiny_dsa`` used to pass the
     launch validation ("validated configuration") and kill the scheduler with an
     ``OpSelectionError``; the launcher now refuses it with the rule id and the fix."""
-    from conftest import run_launcher
-
     args = ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", '{"ops": "fused"}']
     result = run_launcher([*args, "--max-running-requests", "4"], timeout=300)
     out = result.stdout + result.stderr
