@@ -84,6 +84,7 @@ class LimDims:
     quantized: bool = False
     sparse_mode: int = 3
     tokens_per_row: int = 1  # n > 1: each request has up to n query tokens (verify rows) sharing its row
+    min_len: Optional[int] = None  # shortest context (default: top_k / 2; 4200 at the largest shape)
 
 
 @dataclass
@@ -374,8 +375,10 @@ def _lim_configs(quantized: bool, seed: int, largest: bool) -> List[Tuple[LimDim
         configs.append((LimDims(**big, padding_tokens=1), 1, seed + 3))
         # DeepSeek-V3.2 with one draft token: two verify rows per request, union 4096 = Hh
         configs.append((LimDims(**big, padding_tokens=1, tokens_per_row=2), 1, seed + 6))
-        # DeepSeek-V3.2 at MTP-3: four verify rows over plain decode's 4096 slots, unions beyond them overflow
-        configs.append((LimDims(**big, padding_tokens=1, tokens_per_row=4), 1, seed + 9))
+        # DeepSeek-V3.2 at MTP-3: four verify rows over plain decode's 4096 slots; 6400-position contexts, so
+        # the rows' unions (~4,300-4,900 positions) exceed the buffer and overflow
+        mtp3 = dict(big, max_len=8192)
+        configs.append((LimDims(**mtp3, padding_tokens=1, tokens_per_row=4, min_len=6400), 1, seed + 9))
     return configs
 
 
@@ -408,7 +411,8 @@ def _lim_scenario(m: km.KernelModel, res: KernelResult, dims: LimDims, aic: int,
     launched with the vector cores in forward and reversed order against the reference."""
     big = dims.top_k == 2048
     m.aic = aic
-    sc = Scenario(dims, seed, churn=0.0 if big else 0.25, idle=0.0 if big else 0.2, min_len=4200 if big else None)
+    min_len = dims.min_len or (4200 if big else None)
+    sc = Scenario(dims, seed, churn=0.0 if big else 0.25, idle=0.0 if big else 0.2, min_len=min_len)
     table = ResidencyTable.empty(dims.rows, dims.hot_tokens)
     n_steps = 2 if big else steps
     prev = None

@@ -207,7 +207,8 @@ def test_the_overflowing_step_compiles_equal_to_eager():
         storage = torch.zeros((g + 1) * hot + (g + 1) * 16, LATENT + ROPE, dtype=torch.bfloat16)
         hot_buf = storage[: (g + 1) * hot].view(g + 1, hot, LATENT + ROPE)
         area = storage[(g + 1) * hot :].view(g + 1, 16, LATENT + ROPE)
-        return mgr, hot_buf, overflow.OverflowView(area=area, kv=storage, base=(g + 1) * hot)
+        counters = torch.zeros(2, dtype=torch.int64)  # the stats' device counters, added to in the step
+        return mgr, hot_buf, overflow.OverflowView(area=area, kv=storage, base=(g + 1) * hot, counters=counters)
 
     def step(mgr, hot_buf, view, topk, q, qr, s):
         rows = torch.arange(g, dtype=torch.int64)
@@ -222,3 +223,5 @@ def test_the_overflowing_step_compiles_equal_to_eager():
         qr = torch.randn((g * n, HEADS, ROPE), generator=gen).bfloat16()
         step_t = torch.tensor(s, dtype=torch.int64)
         assert torch.equal(step(*eager_state, topk, q, qr, step_t), compiled(*compiled_state, topk, q, qr, step_t))
+    counted = eager_state[2].counters
+    assert torch.equal(compiled_state[2].counters, counted) and int(counted[0]) > 0  # it did overflow, and counted

@@ -13,9 +13,10 @@ started together:
 
 * ``graph``: no offload, verify graphs (one bucket of 4: batches of 1-3 replay it
   padded, batches of 4 exactly);
-* ``graph_offload``: sparse decode offload (``hot_tokens`` 256 = 4 verify rows x top-k
-  64: prompts longer than that evict), the same graphs; every verify row attends through
-  the residency inside the graph;
+* ``graph_offload``: sparse decode offload with the default hot buffer (``2 x top-k`` =
+  128 slots shared by 4 verify rows: prompts longer than that evict, and rounds whose
+  union exceeds it read the overflow area), the same graphs; every verify row attends
+  through the residency and the overflow area inside the graph;
 * ``eager``: no offload, eager speculative decoding, prefill chunks of 128 tokens (the
   reference; a server shared with two other modules, docs/testing.md).
 
@@ -75,7 +76,7 @@ GRAPHS = ["--enable-torch-compile", "--cuda-graph-bs-decode", "4", "--torch-comp
 OFFLOAD = [
     "--enable-sparse-decode-offload",
     "--sparse-decode-offload-config",
-    json.dumps({"hot_tokens": 256, "metrics_log_interval_s": 0}),
+    json.dumps({"metrics_log_interval_s": 0}),
 ]
 GRAPH_STARTUP_S = 900.0  # torch.compile on a loaded 2-core machine
 
@@ -204,3 +205,5 @@ def test_verify_ran_in_captured_graphs(servers, outputs):
         )
 
     assert total("hits_total") > 0 and total("misses_total") > 0  # verify rows went through the residency
+    # rounds whose union exceeded the default 128 slots read the overflow area, inside the graphs
+    assert total("overflow_rounds_total") > 0 and total("overflow_positions_total") >= total("overflow_rounds_total")
