@@ -176,6 +176,13 @@ def _records(res: dict):
     return [r for part in ("long", "batch", "radix") for r in res[part]]
 
 
+def top2_gap(record: dict, step: int) -> float:
+    """The gap between the top-2 logprobs of ``record``'s output step ``step``."""
+    top = (record["meta_info"].get("output_top_logprobs") or [None] * (step + 1))[step]
+    assert top and len(top) >= 2, f"no top-2 logprobs at step {step}: a divergence cannot be shown to be a near-tie"
+    return top[0][0] - top[1][0]
+
+
 def compare_greedy(got: dict, want: dict, label: str) -> float:
     """Token agreement (common-prefix tokens / all tokens); asserts every divergence is at a
     near-tie of the reference and the common prefixes' logprobs within the bound."""
@@ -190,8 +197,7 @@ def compare_greedy(got: dict, want: dict, label: str) -> float:
         worst = max((abs(a - b) for a, b in zip(glp, wlp)), default=0.0)
         assert worst <= LOGPROB_BOUND, f"{label}: logprob differs by {worst:.3g} before any divergence"
         if n < len(wi):
-            top2 = w["meta_info"]["output_top_logprobs"][n]
-            gap = top2[0][0] - top2[1][0]
+            gap = top2_gap(w, n)
             print(f"\n{label}: divergence at step {n} of {len(wi)}; reference top-2 gap {gap:.4f}")
             assert gap <= NEAR_TIE, f"{label}: tokens diverge at step {n} where the reference's top-2 gap is {gap:.3g}"
     agreement = same / total
