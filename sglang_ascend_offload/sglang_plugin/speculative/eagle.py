@@ -263,8 +263,9 @@ def begin_verify(backend: Any, forward_batch) -> torch.Tensor:
         rows_per_request=n,
         free_rows=free_request_rows(backend.engine, backend.req_to_token_pool),
     )
-    if backend.recorder is not None:  # a speculative trace: the round's rows of each request
-        backend.recorder.begin_step(stable, req_ids, batch_rows)
+    recorder = getattr(backend, "recorder", None)
+    if recorder is not None:  # a speculative trace: the round's rows of each request
+        recorder.begin_step(stable, req_ids, batch_rows)
     return batch_rows
 
 
