@@ -16,6 +16,10 @@ and a padding entry:
 * attention: within the fused tolerance of the separate ops' (which equal attention over
   the full KV bit for bit: ``tests/sparse_decode/test_overflow.py``), and of the full KV;
 * rounds did overflow (the union's positions past 256 exist and are read from the area).
+
+The eager engine (``SparseDecodeEngine.run_layer``, the served eager path) with the fused
+Copy-SFA counts the same residency and overflow as ``ops="reference"`` and attends within
+the fused tolerance of the full KV.
 """
 
 from __future__ import annotations
@@ -189,3 +193,53 @@ def test_fused_ops_serve_rounds_beyond_the_hot_buffer(fused_cpu):
         union = union_of_rows(topk_s[live_rows], N, capacity=HOT)
         overflowed += int(union.overflow_count.sum())
     assert overflowed > 0, "no round overflowed: the test would not see the overflow path"
+
+
+def _engine_run(ops: str, steps: int = 3):
+    """The eager engine (``run_layer``) with 4 verify rows over 256 slots, ``ops`` reference or
+    fused (the fused Copy-SFA on the functional model, the separate indexer's top-k given):
+    ``(outputs, full-KV references, stats)`` of every step."""
+    from sglang_ascend_offload.sparse_decode import op_selection
+    from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
+    from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
+    from sglang_ascend_offload.sparse_decode.verify import full_kv_attention
+
+    g = torch.Generator().manual_seed(11)
+    rows = op_selection.fused_host_pool_rows(2 * MAX_CTX, (DL + DR) * 2)
+    pool = HostKVPool.allocate(HostPoolShape(1, rows, DL, DR), "pinned")
+    pool.write_rows(0, torch.arange(rows), torch.randn((rows, DL + DR), generator=g).bfloat16())
+    cfg = EngineConfig(
+        layers=1, rows=2, hot_tokens=HOT, top_k=K, latent_dim=DL, rope_dim=DR, ops=ops, rows_per_request=N
+    )
+    engine = SparseDecodeEngine(cfg, pool, device="cpu")
+    table = (torch.arange(2)[:, None] * MAX_CTX + torch.arange(MAX_CTX)[None, :]).to(torch.int32)
+    outs, refs = [], []
+    for step in range(steps):
+        lens = torch.tensor([500 + 3 * step, 700 + 2 * step], dtype=torch.int32)
+        engine.begin_step(torch.tensor([5, 6]), table, lens, step=step, rows=torch.arange(2, dtype=torch.int64))
+        topk = torch.stack(
+            [torch.randperm(int(lens[r]) + j + 1, generator=g)[:K] for r in range(2) for j in range(N)]
+        ).to(torch.int32)
+        q = (torch.randn((2 * N, HEADS, DL), generator=g) * 0.5).bfloat16()
+        qr = (torch.randn((2 * N, HEADS, DR), generator=g) * 0.5).bfloat16()
+        outs.append(engine.run_layer(0, topk, q, qr, DL**-0.5).output)
+        refs.append(
+            full_kv_attention(engine.attention_op, pool, 0, topk, table.repeat_interleave(N, 0), q, qr, DL**-0.5)
+        )
+    return outs, refs, engine.stats().total, engine
+
+
+def test_the_eager_engine_serves_overflow_through_the_fused_copy_sfa(fused_cpu):
+    """``SparseDecodeEngine.run_layer`` with the fused Copy-SFA (the served eager path): the
+    same residency and overflow counts as ``ops="reference"``, attention within the fused
+    tolerance of the full KV (which the reference run equals bit for bit)."""
+    outs_f, refs, got, engine = _engine_run("fused")
+    assert engine.copy_sfa_op is not None  # the plan ran the fused Copy-SFA
+    outs_r, refs_r, want, _ = _engine_run("reference")
+    assert all(torch.equal(o, r) for o, r in zip(outs_r, refs_r))
+    for o, r in zip(outs_f, refs):
+        err = (o.float() - r.float()).abs()
+        assert bool((err <= TOL + TOL * r.float().abs()).all()), float(err.max())
+    for name in ("selected", "hits", "misses", "overflow_rounds", "overflow_positions"):
+        assert getattr(got, name) == getattr(want, name), name
+    assert got.overflow_rounds > 0 and got.overflow_positions > 0
