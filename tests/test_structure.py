@@ -18,6 +18,7 @@ dependency and see lazy imports too.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -787,3 +788,114 @@ def test_runtime_modules_read_no_test_seams(tmp_path, monkeypatch):
         )
     monkeypatch.setitem(globals(), "REPO", tmp_path)
     assert _test_seam_env_reads(tmp_path / PKG) == [f"{PKG}/sparse_decode/pool.py:2", f"{PKG}/sparse_decode/pool.py:3"]
+
+
+# ---------------------------------------------------------------------------- the feature index
+#: What marks an adapter module as using a feature: an import of the feature's core package,
+#: pool, server rules or sizing module; its config class or pool class by name; its config
+#: section as an attribute (``config.sparse_decode``); for sparse decode, the engine's API.
+FEATURE_SIGNS = {
+    "sparse_decode": (
+        (f"{PKG}.sparse_decode", "mem_cache.pool.sparse_decode", "mem_cache.pool_host", "sparse_decode_startup"),
+        {"SparseDecodeOffloadConfig", "HostMainKVPool", "begin_step", "begin_graph_verify", "hot_plan", "host_pool"},
+    ),
+    "layerwise_prefill": (
+        (f"{PKG}.layerwise_prefill", "mem_cache.pool.layerwise_"),
+        {"LayerwisePrefillOffloadConfig", "LayerwisePrefillPool"},
+    ),
+    "kvpp": ((f"{PKG}.kvpp", "mem_cache.pool.kvpp"), {"KVPPConfig", "KVPPPool"}),
+    "pd_transfer": ((f"{PKG}.transfer", "disaggregation.ascend_offload"), {"PDTransferConfig"}),
+}
+
+
+def _features_used(path: Path, plugin_root: Path) -> Set[str]:
+    """The features whose package, pool, classes, config section or engine API ``path`` uses."""
+    dotted = f"{PKG}.sglang_plugin." + path.relative_to(plugin_root).with_suffix("").as_posix().replace("/", ".")
+    used: Set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        imported: List[str] = []
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(dotted.split(".")[: -node.level] + ([base] if base else []))
+            imported = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            imported = [alias.name for alias in node.names]
+        for feature, (packages, names) in FEATURE_SIGNS.items():
+            if any(p in m for m in imported for p in packages):
+                used.add(feature)
+            if isinstance(node, ast.Name) and node.id in names:
+                used.add(feature)
+            if isinstance(node, ast.Attribute) and (node.attr in names or node.attr == feature):
+                used.add(feature)
+    return used
+
+
+def _feature_index_problems(plugin_root: Path, features, plugin_wide) -> List[str]:
+    listed = {f.section: set(f.modules) for f in features}
+    problems = []
+    for path in sorted(plugin_root.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        module = path.relative_to(plugin_root).with_suffix("").as_posix().replace("/", ".")
+        homes = {section for section, modules in listed.items() if module in modules}
+        if module in plugin_wide:
+            if homes:
+                problems.append(f"{module}: plugin-wide and listed by {sorted(homes)}")
+            continue
+        if not homes:
+            problems.append(f"{module}: in no feature's entry and not plugin-wide")
+        for feature in sorted(_features_used(path, plugin_root) - homes):
+            problems.append(f"{module}: uses {feature} but {feature}'s entry does not list it")
+    return problems
+
+
+def test_the_feature_index_lists_every_module_of_each_feature():
+    """Every adapter module is in the entries of the features it uses (``features.FEATURES``)
+    or serves every feature alike (``PLUGIN_WIDE``); a newcomer finds a feature's whole
+    surface in one entry. Negative controls: a module dropped from an entry, and a new
+    module using a feature's pool, are each reported."""
+    from sglang_ascend_offload.sglang_plugin import features
+
+    root = REPO / PKG / "sglang_plugin"
+    assert _feature_index_problems(root, features.FEATURES, features.PLUGIN_WIDE) == []
+    sparse = features.by_section("sparse_decode")
+    dropped = dataclasses.replace(sparse, modules=tuple(m for m in sparse.modules if m != "speculative.cpu_graph"))
+    others = tuple(f for f in features.FEATURES if f is not sparse)
+    assert _feature_index_problems(root, (dropped,) + others, features.PLUGIN_WIDE) == [
+        "speculative.cpu_graph: in no feature's entry and not plugin-wide",
+        "speculative.cpu_graph: uses sparse_decode but sparse_decode's entry does not list it",
+    ]
+
+
+def test_a_new_module_using_a_feature_must_join_its_entry(tmp_path):
+    from sglang_ascend_offload.sglang_plugin import features
+
+    root = tmp_path / "sglang_plugin"
+    (root / "mem_cache").mkdir(parents=True)
+    (root / "mem_cache" / "peek.py").write_text("from .pool.kvpp import build_kvpp_pool\n")
+    (root / "names.py").write_text("BACKEND_NAME = 'x'\n")
+    assert _feature_index_problems(root, features.FEATURES, ("names",)) == [
+        "mem_cache.peek: in no feature's entry and not plugin-wide",
+        "mem_cache.peek: uses kvpp but kvpp's entry does not list it",
+    ]
+
+
+def test_each_feature_names_its_config_rules_pool_rules_sizing_and_hooks():
+    """Every ``_check_*`` of ``config.py`` belongs to exactly one feature; a feature's pool,
+    server rules and sizing modules are in its module list; its hooks' handlers live in its
+    modules or plugin-wide ones; ``install.HOOKS`` is assembled from the entries."""
+    from sglang_ascend_offload import config
+    from sglang_ascend_offload.sglang_plugin import features, install
+
+    checks = {n for n, v in vars(config).items() if n.startswith("_check_") and callable(v)}
+    claimed = [name for f in features.FEATURES for name in f.config_rules]
+    assert sorted(claimed) == sorted(checks), (sorted(set(claimed) ^ checks), claimed)
+    for f in features.FEATURES:
+        own = set(f.modules) | set(features.PLUGIN_WIDE)
+        for spec in (f.pool, f.server_rules):
+            assert spec is None or spec.split(":")[0] in own, (f.section, spec)
+        assert f.sizing is None or f.sizing in own, (f.section, f.sizing)
+        for hook in f.hooks:
+            assert hook.handler.split(":")[0] in own, (f.section, hook.handler)
+            assert hook in install.HOOKS, hook

@@ -28,47 +28,19 @@ from these rows by ``scripts/gen_hook_ledger.py``.
 
 from __future__ import annotations
 
-import importlib
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Tuple
 
 from . import compat
+from .features import FEATURES, Hook, resolve
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Hook", "HOOKS", "FLAG_HOOKS", "install_flags", "install_runtime"]
 
 
-@dataclass(frozen=True)
-class Hook:
-    """One HookRegistry registration.
-
-    target: the hooked callable's dotted path (``compat.TARGET_*``). kind: ``AROUND`` /
-    ``AFTER`` / ``BEFORE`` / ``REPLACE``. handler: ``"module:name"`` relative to this
-    package; with ``build`` it names a factory whose result is registered. why: what the
-    plugin needs from it. upstream: the SGLang change that would make the hook unnecessary
-    (required: a hook nobody knows how to remove is a hook forever). when:
-    ``"module:name"`` of a predicate; the hook is registered only when it returns true.
-    """
-
-    target: str
-    kind: str
-    handler: str
-    why: str
-    upstream: str = ""
-    build: bool = False
-    when: Optional[str] = None
-
-    @property
-    def private(self) -> bool:
-        """The target is private to SGLang (some part of its path starts with ``_``)."""
-        return any(part.startswith("_") for part in self.target.split("."))
-
-
 def _resolve(spec: str) -> Callable[..., Any]:
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(f"{__package__}.{module}"), name)
+    return resolve(spec)
 
 
 #: The server flags; registered on every SGLang, supported or not (on another release
@@ -90,8 +62,9 @@ FLAG_HOOKS: Tuple[Hook, ...] = (
     ),
 )
 
-#: Every runtime hook, in registration order.
-HOOKS: Tuple[Hook, ...] = (
+#: Hooks of the ``ascend_offload`` backend itself, whatever feature is on: its pools, the CPU
+#: indexer and capability probe, the per-token cell size, speculative decoding.
+BACKEND_HOOKS: Tuple[Hook, ...] = (
     Hook(
         compat.TARGET_POOL,
         "AROUND",
@@ -110,13 +83,6 @@ HOOKS: Tuple[Hook, ...] = (
         upstream="the DSA Indexer dispatching through its attention backend (a backend-provided indexer forward)",
     ),
     Hook(
-        compat.TARGET_NPU_INDEXER,
-        "AROUND",
-        "attention.dsa_backend:forward_npu_around",
-        "the NPU indexer forward routes to the backend where it runs the fused LIM / LIM-C8",
-        upstream="the same backend-provided indexer forward on the NPU path of the DSA Indexer",
-    ),
-    Hook(
         compat.TARGET_CAPABILITY,
         "AROUND",
         "cpu_capability:capability_around",
@@ -124,92 +90,11 @@ HOOKS: Tuple[Hook, ...] = (
         upstream="argument resolution checking the platform before probing torch.cuda capability for DSA models",
     ),
     Hook(
-        compat.TARGET_GET_KV_CLASS,
-        "AROUND",
-        "disaggregation.ascend_offload.install:get_kv_class_around",
-        "TransferBackend.ASCEND -> the plugin's P/D classes",
-        upstream=(
-            "a transfer-backend registry (name -> KV manager / sender / receiver classes) instead of the closed "
-            "TransferBackend enum"
-        ),
-    ),
-    Hook(
-        compat.TARGET_CONFIG_STORE,
-        "AROUND",
-        "disaggregation.ascend_offload.install:config_store_around",
-        "the MemFabric config store of the plugin's P/D",
-        upstream="the same transfer-backend registry providing the backend's config store",
-    ),
-    Hook(
-        compat.TARGET_PREFILL_MANAGER,
-        "AFTER",
-        "disaggregation.ascend_offload.install:attach_pool_after_prefill",
-        "hand the prefill queue's KV pool to the manager",
-        upstream="KVArgs carrying the KV pool object, not only its buffer pointers",
-    ),
-    Hook(
-        compat.TARGET_DECODE_MANAGER,
-        "AFTER",
-        "disaggregation.ascend_offload.install:attach_pool_after_decode",
-        "hand the decode queue's KV pool to the manager",
-        upstream="KVArgs carrying the KV pool object, not only its buffer pointers",
-    ),
-    Hook(
-        compat.TARGET_IDLE_SLEEP,
-        "AROUND",
-        "disaggregation.ascend_offload.idle:maybe_sleep_on_idle_around",
-        "--sleep-on-idle on the P/D backend: short sleeps while transfers are in flight, parked otherwise",
-        upstream="a transfer-backend 'work in flight' callback consulted by Scheduler.maybe_sleep_on_idle",
-    ),
-    Hook(
-        compat.TARGET_ON_IDLE,
-        "AFTER",
-        "observability.export_hooks:flush_after_idle",
-        "export the offload counters the decode interval held back",
-        upstream="a scheduler metrics-export callback for plugins (on idle)",
-    ),
-    Hook(
-        compat.TARGET_STREAM_OUTPUT,
-        "BEFORE",
-        "observability.export_hooks:flush_before_stream_output",
-        "export the offload counters before a finished request's output is sent",
-        upstream="a scheduler metrics-export callback for plugins (before a finished request is streamed)",
-    ),
-    Hook(
-        compat.TARGET_RUN_BATCH,
-        "BEFORE",
-        "disaggregation.ascend_offload.install:announce_last_chunks_before",
-        "layerwise prefill: announce the requests whose last chunk this forward computes",
-        upstream="a per-forward callback to the transfer backend naming the requests whose last prefill chunk runs",
-    ),
-    Hook(
         compat.TARGET_CELL_SIZE,
         "AFTER",
         "mem_cache.sizing.cell:cell_size_after",
         "per-token device KV bytes of the active feature's pool",
         upstream="the KV-pool factory registry reporting the per-token device bytes of the pool it builds",
-    ),
-    Hook(
-        compat.TARGET_PROFILE_BYTES,
-        "AROUND",
-        "mem_cache.sizing.kvpp:fixed_budget_around",
-        "a fixed KV byte budget for reproducible sizing",
-        upstream="a server flag for a fixed KV budget in bytes (SGLang has --max-total-tokens, in tokens)",
-        when="mem_cache.sizing.kvpp:fixed_budget_requested",
-    ),
-    Hook(
-        compat.TARGET_RESOLVE_POOL_CONFIG,
-        "AROUND",
-        "mem_cache.sizing.sparse_decode:resolve_pool_config_around",
-        "sparse decode: hot buffers drawn from SGLang's KV budget",
-        upstream="the KV-pool factory registry reserving a pool's fixed (not per-token) device bytes",
-    ),
-    Hook(
-        compat.TARGET_PROFILE_BYTES,
-        "AFTER",
-        "mem_cache.sizing.device_kv_budget:profile_after",
-        "--device-kv-budget caps the KV budget",
-        upstream="the same fixed-bytes KV budget flag",
     ),
     Hook(
         compat.TARGET_SYNC,
@@ -262,6 +147,22 @@ HOOKS: Tuple[Hook, ...] = (
         upstream="ForwardMode.is_cpu_graph including TARGET_VERIFY where the CPU graph runner captures it",
     ),
 )
+
+#: Hooks that must wrap every feature's hook on the same target (registered last):
+#: ``--device-kv-budget`` caps whatever budget a feature fixed.
+BUDGET_HOOKS: Tuple[Hook, ...] = (
+    Hook(
+        compat.TARGET_PROFILE_BYTES,
+        "AFTER",
+        "mem_cache.sizing.device_kv_budget:profile_after",
+        "--device-kv-budget caps the KV budget",
+        upstream="the same fixed-bytes KV budget flag",
+    ),
+)
+
+#: Every runtime hook, in registration order (hooks on one target apply in this order):
+#: the backend's, each feature's (``features.FEATURES``), then the budget cap.
+HOOKS: Tuple[Hook, ...] = BACKEND_HOOKS + tuple(h for f in FEATURES for h in f.hooks) + BUDGET_HOOKS
 
 
 def _register(hooks: Tuple[Hook, ...]) -> None:
