@@ -202,17 +202,24 @@ def quant_lightning_indexer_npu(
 ) -> torch.Tensor:
     """``torch_npu.npu_quant_lightning_indexer``; returns ``[T, 1, K]`` int32.
 
-    A ``[blocks, block_size, 1, 1]`` key scale is reshaped to the
-    ``[blocks, block_size, 1]`` the kernel documents.
+    torch_npu takes ``float16`` weights and dequantisation scales for int8 query / key
+    (``docs/context/torch_npu-npu_quant_lightning_indexer.md`` of Ascend/op-plugin, Atlas
+    A2 and A3): ``weights`` ``[T, H]`` arrive in the model's dtype (bf16, as the fused
+    LIM-C8 takes them) and are converted here, exactly for every bf16 value of magnitude
+    ``>= 2**-17`` up to fp16's maximum 65504 (the op requires ``weights * query scale``
+    within fp16's range: DeepSeek-V3.2's indexer weights are far inside it). Scales in
+    another dtype are converted the same way. A ``[blocks, block_size, 1, 1]`` key scale
+    is reshaped to the ``[blocks, block_size, 1]`` the kernel documents.
     """
     if key_dequant_scale.dim() == 4:
         key_dequant_scale = key_dequant_scale.reshape(key_dequant_scale.shape[:3])
+    fp16 = torch.float16
     result = _torch_npu_op("npu_quant_lightning_indexer")(
         query=query,
         key=key,
-        weights=weights,
-        query_dequant_scale=query_dequant_scale,
-        key_dequant_scale=key_dequant_scale,
+        weights=weights.to(fp16).contiguous(),
+        query_dequant_scale=query_dequant_scale.to(fp16).contiguous(),
+        key_dequant_scale=key_dequant_scale.to(fp16).contiguous(),
         actual_seq_lengths_query=actual_seq_lengths_query.to(device=query.device, dtype=torch.int32),
         actual_seq_lengths_key=actual_seq_lengths_key.to(device=query.device, dtype=torch.int32),
         block_table=block_table.to(device=query.device, dtype=torch.int32),

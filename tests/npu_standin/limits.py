@@ -56,11 +56,6 @@ CANNOT_RUN: Dict[str, str] = {
     "tests/sparse_decode/test_host_pool.py::test_memfabric_pool_rows_round_trip_to_the_device": _MEMFABRIC_OFFLOAD,
 }
 
-_QUANT_WEIGHTS = (
-    "npu stand-in finding: the qualification's separate LIM-C8 composition calls "
-    "torch_npu.npu_quant_lightning_indexer with bf16 weights; torch_npu documents float16 weights and scales "
-    "for int8 query / key on A2 / A3"
-)
 _POLICY_OUTSIDE_PLAN = (
     "issue 49 fault: with policy lru_k2 a layer step runs no residency op of the ladder although the operator "
     "plan names residency_manage (npu): what ran is not what was planned"
@@ -79,8 +74,6 @@ KNOWN_FINDINGS: Dict[str, str] = {
         _POLICY_OUTSIDE_PLAN
     ),
     "tests/sparse_decode/test_sync_free_npu.py::test_the_separate_copy_is_capturable": _SEPARATE_COPY_READS_BACK,
-    "tests/ops/test_qualify_npu.py::test_the_npu_default_plan_qualifies_at_deepseek_shapes[1-int8]": _QUANT_WEIGHTS,
-    "tests/ops/test_qualify_npu.py::test_the_npu_default_plan_qualifies_at_deepseek_shapes[2-int8]": _QUANT_WEIGHTS,
 }
 
 

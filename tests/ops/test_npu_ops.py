@@ -281,6 +281,10 @@ def _stand_in_torch_npu(calls):
     ):
         calls.append("npu_quant_lightning_indexer")
         assert key_dequant_scale.dim() == 3, "PA_BSND key scale is [blocks, block_size, N2]"
+        # op-plugin docs/context/torch_npu-npu_quant_lightning_indexer.md (A2 and A3): int8
+        # query / key take float16 weights, query_dequant_scale and key_dequant_scale
+        dtypes = (weights.dtype, query_dequant_scale.dtype, key_dequant_scale.dtype)
+        assert dtypes == (torch.float16,) * 3, f"int8 indexer needs fp16 weights and scales, got {dtypes}"
         return reference.quant_lightning_indexer(
             query,
             key,
@@ -371,6 +375,26 @@ def test_indexer_wrappers_plumb_arguments(stand_in):
     assert stand_in == ["npu_lightning_indexer"] + ["npu_quant_lightning_indexer"] * 2
 
 
+def test_the_c8_wrapper_hands_torch_npu_fp16_weights_from_bf16_ones_exactly(stand_in):
+    """The model's indexer weights are bf16 (the fused LIM-C8 takes them so); torch_npu's int8
+    indexer takes fp16 weights and scales: the wrapper converts them, and the result equals
+    the reference on the bf16 weights (the conversion is exact at these magnitudes). The
+    documented rule is held by the stand-in: called with the bf16 weights as they come, it
+    refuses (negative control: the wrapper that passed them through failed here)."""
+    query, cache, weights, meta = indexer_inputs(9, [2, 2], [48, 33], 4, 32, 16)
+    assert weights.dtype == torch.bfloat16
+    prep = hadamard.prepare_quant_indexer_inputs(query, cache)
+    args = (prep.query, prep.key, weights, prep.query_dequant_scale.float(), prep.key_dequant_scale)
+    got = npu_impls.quant_lightning_indexer_npu(*args, sparse_count=8, **meta)
+    expected = reference.quant_lightning_indexer(
+        prep.query, prep.key, weights, prep.query_dequant_scale, prep.key_dequant_scale, sparse_count=8, **meta
+    )
+    assert torch.equal(got, expected) and stand_in == ["npu_quant_lightning_indexer"]
+    raw = sys.modules["torch_npu"].npu_quant_lightning_indexer
+    with pytest.raises(AssertionError, match="fp16 weights and scales"):
+        raw(*args[:4], prep.key_dequant_scale, sparse_count=8, **meta)
+
+
 def test_attention_wrapper_paged_and_flat_mapping(stand_in):
     query, query_rope, key, key_rope, idx, meta = attention_inputs(7, [2, 1], [50, 20], 4, 32, 8, 16, 24)
     paged = npu_impls.sparse_mla_attention_npu(
@@ -395,17 +419,17 @@ def test_attention_wrapper_paged_and_flat_mapping(stand_in):
             query, latent, None, flat_idx, 0.1, query_rope=query_rope, key_rope=rope, layout_kv="flat"
         )
         assert torch.equal(got, expected)
-    with pytest.raises(ValueError, match="divisible by 16"):
-        npu_impls.sparse_mla_attention_npu(
-            query,
-            torch.zeros(40, 32),
-            None,
-            flat_idx,
-            0.1,
-            query_rope=query_rope,
-            key_rope=torch.zeros(40, 8),
-            layout_kv="flat",
-        )
+    # a buffer of any row count (40: no multiple of the 16-row blocks): each token's selection
+    # is gathered into blocks of its own, so the buffer's size does not matter
+    latent, rope = latent[:40], rope[:40]
+    flat_idx = torch.where(flat_idx < 40, flat_idx, torch.full_like(flat_idx, -1))
+    got = npu_impls.sparse_mla_attention_npu(
+        query, latent, None, flat_idx, 0.1, query_rope=query_rope, key_rope=rope, layout_kv="flat"
+    )
+    expected = reference.sparse_mla_attention(
+        query, latent, None, flat_idx, 0.1, query_rope=query_rope, key_rope=rope, layout_kv="flat"
+    )
+    assert torch.equal(got, expected)
 
 
 def test_copy_wrappers_are_bit_exact_on_cpu_tensors():
