@@ -21,9 +21,11 @@ served shapes) before the server accepted requests; the reference server has not
 qualify.
 
 Speculative decoding (NextN through SGLang's EAGLE worker, two verify rows per request,
-``tests/fixtures/tiny_dsa_fused_mtp``): the verify rows of a request share its hot buffer,
-and the fused LIM steps that row once on the union of the two rows' top-k, then Copy-SFA
-copies its misses once and attends both rows. ``ops: "fused"`` and ``ops: "reference"``
+``tests/fixtures/tiny_dsa_fused_mtp``): the verify rows of a request share its hot buffer
+of 128 slots (one top-k), and the fused LIM steps that row once on the union of the two
+rows' top-k, capped at the buffer (the positions past it overflow: copied into the
+overflow area beside the kernels and read by Copy-SFA as its ``overflow`` operand), then
+Copy-SFA copies its misses once and attends both rows. ``ops: "fused"`` and ``ops: "reference"``
 servers run SGLang's acceptance simulation (the first draft accepted, so committed and
 rejected rows both occur) and must give the same tokens. The
 residency state and copies are compared bit for bit in process
@@ -145,7 +147,7 @@ SIMULATED_ACCEPT = {"SGLANG_SIMULATE_ACC_LEN": "2", "SGLANG_SIMULATE_ACC_TOKEN_M
 
 
 def _spec_server(root, ops: str) -> ServerProcess:
-    offload = {"hot_tokens": 256, "ops": ops}  # 2 verify rows x top-k 128: the union fits
+    offload = {"hot_tokens": 128, "ops": ops}  # 2 verify rows x top-k 128 over 128 slots: unions overflow
     extra = (
         [
             "--max-running-requests",
