@@ -977,11 +977,14 @@ def run_profile(args) -> Dict[str, Any]:
     )
     trace = _profile_trace(shape, args)
     # the separate ops on the rungs the operator plan names for --ops (op_selection / op_rungs)
-    plan = op_selection.select_ops(ops=args.ops, fused_lim=False, fused_copy_sfa=False, policy=policy)
+    plan = op_selection.select_ops(
+        ops=args.ops, fused_lim=False, fused_copy_sfa=False, policy=policy, manage_impl=args.manage_impl
+    )
     manage_op, copy_op, attention = (
         plan.impl(op) for op in ("residency_manage", "copy_miss_rows", "sparse_mla_attention")
     )
-    log("rungs: " + ", ".join(r.label() for r in plan.rungs if r.stage != "indexer"))
+    stages = [plan.residency_stage() if r.stage == "residency" else r for r in plan.rungs]  # the policy's step
+    log("rungs: " + ", ".join(r.label() for r in stages if r.stage != "indexer"))
     max_pos = int(trace.lens.max()) + 1
     batch_rows = torch.arange(rows, dtype=torch.int64)
     kernel = uses_cpu_kernel(policy, args.manage_impl, None, manage_op)

@@ -518,7 +518,7 @@ class SparseDecodeEngine:
         )
         self.sink_row = self.hot.sink_row
         state_rows = config.rows + 1
-        self.uses_cpu_kernel = self.plan.rung("residency_manage").via == "cpu kernel"
+        self.uses_cpu_kernel = self.plan.residency_stage().via == "cpu kernel"  # the policy's CPU kernel
         self.managers: List[ResidencyManager] = [
             make_manager(
                 config.policy,

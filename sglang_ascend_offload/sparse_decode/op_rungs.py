@@ -19,6 +19,16 @@ setup resolves a rung for each of the four. The rule, per op, from the ``ops`` s
 On an NPU the torch reference never runs a decode stage unless asked for with ``ops:
 "reference"``: a stage that would resolve to it is a :class:`~.op_selection.SelectionProblem`
 (rule ``sglang.ops_unavailable``) saying what to set, at startup.
+
+The residency stage runs ``residency_manage`` only for the exact-LRU policy (``lru``, the
+contract). Another policy runs its own step (:func:`policy_stage`, op
+``residency_<policy>``): its CPU kernel where the engine picks it, its Triton kernel on the
+``triton`` rung where it has one, else its torch composition (the sub-steps of
+``ops/residency.py`` with its own victim order) on the device, named like the
+``residency_manage`` rung it sits beside (``npu``: torch_npu's kernels, as the npu rung of
+``residency_manage`` is that composition; ``reference`` where asked for or off the NPU).
+A guarded policy also steps its ghost exact-LRU table through ``residency_manage`` on the
+resolved rung, inside its own step.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-__all__ = ["STAGES", "StageRung", "separate_ops", "resolve_rungs"]
+__all__ = ["STAGES", "StageRung", "separate_ops", "resolve_rungs", "policy_stage"]
 
 #: The stages of a decode layer step, in order.
 STAGES = ("indexer", "residency", "miss_copy", "attention")
@@ -101,3 +111,26 @@ def _npu_problem(stage: str, op: str, ops: str, impls) -> Tuple[str, str, str]:
         'install torch_npu for the npu rung (bash scripts/setup_npu_env.sh), or set "ops": "reference" to run '
         "the torch reference" + (f', or "ops": "{others[0]}"' if others else ""),
     )
+
+
+def policy_stage(policy: str, residency: StageRung, platform: str, kernel: bool) -> StageRung:
+    """The residency stage as ``policy`` runs it (module docstring): ``residency`` itself for
+    ``lru``; else a :class:`StageRung` of op ``residency_<policy>``. ``residency``: the
+    resolved ``residency_manage`` stage (its rung decides the policy's, and a guarded
+    policy's ghost runs on it); ``kernel``: the engine steps the policy's CPU kernel."""
+    from .policies import DEFAULT_POLICY, POLICIES, residency_op
+
+    if policy == DEFAULT_POLICY:
+        return residency
+    cls, op = POLICIES[policy], residency_op(policy)
+    ghost = f"; its ghost exact LRU through residency_manage[{residency.rung}]" if cls.steps_ghost_lru else ""
+    if kernel:
+        return StageRung("residency", op, "reference", f"policy {policy}: its CPU kernel", via="cpu kernel")
+    if residency.rung is None:
+        return StageRung("residency", op, None, residency.reason, residency.problem)
+    if residency.rung == "triton" and cls.has_triton_kernel:
+        return StageRung("residency", op, "triton", f"policy {policy} on the triton rung: its Triton kernel{ghost}")
+    rung = residency.rung if residency.rung in ("reference", "npu") else ("npu" if platform == "npu" else "reference")
+    where = "torch_npu's kernels on the NPU" if rung == "npu" else "the torch reference"
+    why = f"policy {policy}: its torch composition ({where}; {residency.reason}){ghost}"
+    return StageRung("residency", op, rung, why)

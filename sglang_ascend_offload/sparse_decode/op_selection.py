@@ -56,7 +56,7 @@ import torch
 
 from .. import platform as _platform
 from ..ops.fused import MAX_TOKENS_PER_ROW, fused_shape_obstacles
-from .op_rungs import StageRung, resolve_rungs
+from .op_rungs import StageRung, policy_stage, resolve_rungs
 
 __all__ = [
     "OpChoice",
@@ -145,8 +145,11 @@ class OpPlan:
     the :class:`OpChoice` of each fused-or-separate pair; rungs: the
     :class:`~.op_rungs.StageRung` of each stage's separate op (which rung runs it, and
     why); problems: every reason the plan cannot run (empty: it can). :meth:`check`
-    raises them. The engine and the attention backend take every op they call from the
-    plan (:meth:`impl`): what a decode step runs is :meth:`decode_stages`."""
+    raises them. residency: the residency stage as the policy runs it
+    (:func:`~.op_rungs.policy_stage`: ``residency_manage``'s own stage for ``lru``, the
+    policy's step for another policy; ``None``: ``residency_manage``'s). The engine and
+    the attention backend take every op they call from the plan (:meth:`impl`): what a
+    decode step runs is :meth:`decode_stages`."""
 
     platform: str
     ops: str
@@ -154,6 +157,7 @@ class OpPlan:
     attention: OpChoice
     problems: Tuple[SelectionProblem, ...] = ()
     rungs: Tuple[StageRung, ...] = ()
+    residency: Optional[StageRung] = None
 
     def check(self) -> "OpPlan":
         """This plan, or :class:`OpSelectionError` listing every problem."""
@@ -181,9 +185,14 @@ class OpPlan:
             raise OpSelectionError((SelectionProblem(*r.problem),))
         return registry.select(op, r.rung)
 
+    def residency_stage(self) -> StageRung:
+        """The residency stage as the policy runs it (``residency_manage``'s for ``lru``)."""
+        return self.residency if self.residency is not None else self.rung("residency_manage")
+
     def decode_stages(self) -> Tuple[Tuple[str, str, str, str], ...]:
         """``(stage, op, rung, via)`` of what one decode layer step runs, in stage order: a
-        fused operator for the two stages it replaces, else each stage's separate op."""
+        fused operator for the two stages it replaces, else each stage's separate op (the
+        residency stage: :meth:`residency_stage`, the policy's)."""
         out = []
         for stage, choice, pair in (
             ("indexer", self.indexer, ("indexer", "residency")),
@@ -192,7 +201,8 @@ class OpPlan:
             if choice.fused:
                 out += [(s, choice.ops[0], "fused", "") for s in pair]
             else:
-                out += [(r.stage, r.op, r.rung, r.via) for r in self.rungs if r.stage in pair]
+                stages = [self.residency_stage() if r.stage == "residency" else r for r in self.rungs]
+                out += [(r.stage, r.op, r.rung, r.via) for r in stages if r.stage in pair]
         order = ("indexer", "residency", "miss_copy", "attention")
         return tuple(sorted(out, key=lambda t: order.index(t[0])))
 
@@ -204,7 +214,8 @@ def _choice_text(plan: OpPlan, choice: OpChoice) -> str:
     """``indexer: lightning_indexer[npu] + residency_manage[npu] (reason; ...)`` of one pair."""
     if choice.fused:
         return f"{choice.stage}: {choice.ops[0]}[fused] ({choice.reason})"
-    rungs = [plan.rung(op) for op in choice.ops] if plan.rungs else []
+    rungs = [plan.residency_stage() if op == "residency_manage" else plan.rung(op) for op in choice.ops]
+    rungs = rungs if plan.rungs else []
     ops = " + ".join(r.label() for r in rungs) or "+".join(choice.ops)
     why = "; ".join([choice.reason] + [f"{r.op}: {r.reason}" for r in rungs])
     return f"{choice.stage}: {ops} ({why})"
@@ -339,7 +350,8 @@ def select_ops(
     """
     platform = platform or _platform.device_kind()
     rungs = resolve_rungs(platform, ops, indexer_dtype, probe=available is None and extension is REGISTERED)
-    rungs = _with_cpu_kernels(rungs, platform, policy, manage_impl, tensor_pool)
+    rungs, kernel = _with_cpu_kernels(rungs, platform, policy, manage_impl, tensor_pool)
+    policy_step = policy_stage(policy, next(r for r in rungs if r.stage == "residency"), platform, kernel)
     if available is None:
         available = (
             registry_availability(platform) if extension is REGISTERED else extension_availability(extension, platform)
@@ -363,22 +375,24 @@ def select_ops(
     if missing:
         problems.append(_missing_problem(platform, missing))
     problems += [SelectionProblem(*r.problem) for r in rungs if r.problem is not None]
-    return OpPlan(platform, ops, indexer, attention, tuple(problems), rungs)
+    return OpPlan(platform, ops, indexer, attention, tuple(problems), rungs, policy_step)
 
 
 def _with_cpu_kernels(rungs, platform: str, policy: str, manage_impl: str, tensor_pool: bool):
-    """``rungs`` with ``via="cpu kernel"`` on the residency step (and, over a host pool with
-    a tensor view, the miss copy) where the engine runs the reference rung's CPU kernels."""
+    """``(rungs, kernel)``: ``kernel`` whether the engine steps the policy's CPU kernel
+    (:func:`~.policies.uses_cpu_kernel`); ``rungs`` with ``via="cpu kernel"`` on
+    ``residency_manage`` where that kernel is the LRU one (policy ``lru``) and, over a
+    host pool with a tensor view, on the miss copy (the reference rung's CPU kernel)."""
     from types import SimpleNamespace
 
-    from .policies import uses_cpu_kernel
+    from .policies import DEFAULT_POLICY, uses_cpu_kernel
 
     by_stage = {r.stage: r for r in rungs}
     residency, copy = by_stage["residency"], by_stage["miss_copy"]
     if platform != "cpu" or not uses_cpu_kernel(policy, manage_impl, "cpu", SimpleNamespace(rung=residency.rung)):
-        return rungs
-    kernel = {"residency": True, "miss_copy": copy.rung == "reference" and tensor_pool}
-    return tuple(replace(r, via="cpu kernel") if kernel.get(r.stage) else r for r in rungs)
+        return rungs, False
+    kernel = {"residency": policy == DEFAULT_POLICY, "miss_copy": copy.rung == "reference" and tensor_pool}
+    return tuple(replace(r, via="cpu kernel") if kernel.get(r.stage) else r for r in rungs), True
 
 
 def _missing_problem(platform: str, missing) -> SelectionProblem:

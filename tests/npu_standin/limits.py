@@ -56,10 +56,6 @@ CANNOT_RUN: Dict[str, str] = {
     "tests/sparse_decode/test_host_pool.py::test_memfabric_pool_rows_round_trip_to_the_device": _MEMFABRIC_OFFLOAD,
 }
 
-_POLICY_OUTSIDE_PLAN = (
-    "issue 49 fault: with policy lru_k2 a layer step runs no residency op of the ladder although the operator "
-    "plan names residency_manage (npu): what ran is not what was planned"
-)
 
 _SEPARATE_COPY_READS_BACK = (
     "npu stand-in finding: the separate miss copy (ops/residency.py copy_miss_rows_rows, the npu rung's "
@@ -70,9 +66,6 @@ _SEPARATE_COPY_READS_BACK = (
 #: npu-marked tests that fail on the stand-in for a reason the stand-in found in the code
 #: (not in the stand-in): strict xfails until fixed, then the XPASS fails and the entry goes
 KNOWN_FINDINGS: Dict[str, str] = {
-    "tests/sparse_decode/test_engine_npu_paths.py::test_engine_on_the_npu_equals_the_host_reference[lru_k2]": (
-        _POLICY_OUTSIDE_PLAN
-    ),
     "tests/sparse_decode/test_sync_free_npu.py::test_the_separate_copy_is_capturable": _SEPARATE_COPY_READS_BACK,
 }
 

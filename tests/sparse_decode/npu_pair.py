@@ -8,7 +8,9 @@ attention), top-k 128 and hot buffers of 256 slots (the fused kernels' alignment
 heads. Each engine row serves one request whose context grows by one token per step;
 row 1 changes request at step :data:`CHURN_STEP`. Every step each row's newest row is
 appended (device -> host on the NPU engine) and each layer gets a random top-k of its
-row's context and random queries; both engines get the same numbers.
+row's context and random queries; both engines get the same numbers. A score-aware
+policy is handed the layer's ranking (the top-k followed by :data:`RANK_EXTRA` more
+positions) on both engines.
 """
 
 from __future__ import annotations
@@ -20,19 +22,22 @@ import torch
 
 from sglang_ascend_offload.sparse_decode.engine import EngineConfig, SparseDecodeEngine
 from sglang_ascend_offload.sparse_decode.host_pool import HostKVPool, HostPoolShape
+from sglang_ascend_offload.sparse_decode.policies import needs_ranked
 
 LAYERS, ROWS, K, HOT, LATENT, ROPE, HEADS = 2, 4, 128, 256, 512, 64, 16
 MAX_CTX = 384  # host slots per row: ROWS * MAX_CTX rows per layer (a multiple of 32: 4 KiB-aligned layers)
 SCALE = (LATENT + ROPE) ** -0.5
 CHURN_STEP = 3
+RANK_EXTRA = 8  # ranked positions beyond the top-k (score-aware policies; contexts are >= K + 13)
 RESIDENCY_FIELDS = ("hit_mask", "slots", "miss_count", "miss_tokens", "miss_slots")
 
 
 @dataclass
 class Step:
     """One step's inputs (host tensors): request ids / stable lengths ``[R]``, the rows to
-    append (``host_slots [n]``, per layer ``[n, D]``), per layer top-k ``[R*n, K]`` and
-    queries ``[R*n, N, *]``."""
+    append (``host_slots [n]``, per layer ``[n, D]``), per layer top-k ``[R*n, K]``,
+    queries ``[R*n, N, *]`` and the ranking ``[R*n, K + RANK_EXTRA]`` whose first ``K``
+    columns are the top-k."""
 
     req_ids: torch.Tensor
     stable_len: torch.Tensor
@@ -41,6 +46,7 @@ class Step:
     topk: List[torch.Tensor]
     query: List[torch.Tensor]
     query_rope: List[torch.Tensor]
+    ranked: List[torch.Tensor]
 
 
 def token_table(seed: int = 0) -> torch.Tensor:
@@ -61,11 +67,12 @@ def workload(steps: int, rows_per_request: int = 1, seed: int = 0) -> List[Step]
             reqs[1], lens[1] = reqs[1] + 1, 140  # row 1 serves a new request
         lens = [length + 1 for length in lens]
         slots = torch.tensor([int(table[r, lens[r] - 1]) for r in range(ROWS)], dtype=torch.int64)
-        topk, query, rope, rows = [], [], [], []
+        topk, query, rope, rows, ranked = [], [], [], [], []
         for _ in range(LAYERS):
             rows.append(torch.randn((ROWS, LATENT + ROPE), generator=g).to(torch.bfloat16))
-            picks = [torch.randperm(lens[r], generator=g)[:K] for r in range(ROWS) for _ in range(n)]
-            topk.append(torch.stack(picks).to(torch.int32))
+            picks = [torch.randperm(lens[r], generator=g)[: K + RANK_EXTRA] for r in range(ROWS) for _ in range(n)]
+            ranked.append(torch.stack(picks).to(torch.int32))
+            topk.append(ranked[-1][:, :K].contiguous())
             query.append(torch.randn((ROWS * n, HEADS, LATENT), generator=g).to(torch.bfloat16))
             rope.append(torch.randn((ROWS * n, HEADS, ROPE), generator=g).to(torch.bfloat16))
         out.append(
@@ -77,6 +84,7 @@ def workload(steps: int, rows_per_request: int = 1, seed: int = 0) -> List[Step]
                 topk,
                 query,
                 rope,
+                ranked,
             )
         )
     return out
@@ -132,6 +140,9 @@ def run_pair(npu: SparseDecodeEngine, ref: SparseDecodeEngine, steps: List[Step]
 
             dev = npu.device  # the model's inputs are on the device before the layer step
             inputs = (step.topk[layer].to(dev), step.query[layer].to(dev), step.query_rope[layer].to(dev))
+            if needs_ranked(npu.config.policy):
+                npu.set_ranked(layer, step.ranked[layer].to(dev))
+                ref.set_ranked(layer, step.ranked[layer])
 
             def npu_layer(layer=layer, inputs=inputs):
                 return npu.run_layer(layer, *inputs, SCALE)

@@ -1,8 +1,9 @@
 """The sparse decode engine on every path an NPU selects, against the host engine.
 
 For each selection an NPU allows at engine level (``ops`` auto / fused / npu, the fused
-Copy-SFA on and off, each residency policy, adaptive residency, two verify rows per
-request, shadow verification), an engine on the NPU and one on the host with
+Copy-SFA on and off, every residency policy -- each runs its own step, which the plan
+names ``residency_<policy>`` --, adaptive residency, two verify rows per request, shadow
+verification), an engine on the NPU and one on the host with
 ``ops="reference"`` run the same workload (``npu_pair.py``): residency steps, residency
 state and hot buffers are equal bit for bit at every layer step; attention outputs
 equal bit for bit where the NPU engine attends with torch_npu's op on the stand-in (it
@@ -24,6 +25,7 @@ from npu_requirements import npu_present, require_npu, require_npu_extension, re
 from op_recorder import planned, record_ops
 
 from sglang_ascend_offload.ops import fused
+from sglang_ascend_offload.sparse_decode.policies import residency_op
 
 from . import npu_pair
 
@@ -52,6 +54,9 @@ CONFIGS = {
     "auto-separate-copy-sfa-off": dict(ops="auto", fused_copy_sfa=False),
     "lru_k2": dict(ops="auto", policy="lru_k2"),
     "lru_k2_guarded": dict(ops="auto", policy="lru_k2_guarded"),
+    "score_rank": dict(ops="auto", policy="score_rank"),
+    "score_rank_smooth": dict(ops="npu", policy="score_rank_smooth"),
+    "score_rank_guarded": dict(ops="auto", policy="score_rank_guarded"),
     "adaptive": dict(ops="auto", residency="adaptive"),
     "npu-adaptive": dict(ops="npu", residency="adaptive"),
 }
@@ -67,6 +72,8 @@ def test_engine_on_the_npu_equals_the_host_reference(name, monkeypatch):
     ref = npu_pair.engine("cpu", ops="reference", **same)
     stages = planned(npu.plan, stages=("residency", "miss_copy", "attention"))
     assert all(rung != "reference" for _, rung, _ in stages), npu.plan.decode_stages()
+    policy = config.get("policy", "lru")
+    assert (residency_op(policy), "npu", "") in stages  # the policy's own step, on the device
     ran = []
 
     def recorded(step, layer, fn):

@@ -381,11 +381,13 @@ def test_ops_fused_where_the_fused_lim_gives_way_runs_the_torch_npu_indexer(on_n
     assert plan.rung("lightning_indexer").reason == "ops=fused has no lightning_indexer: the npu rung runs it"
     assert plan.decode_stages()[:2] == (
         ("indexer", "lightning_indexer", "npu", ""),
-        ("residency", "residency_manage", "npu", ""),
+        ("residency", "residency_lru_k2", "npu", ""),  # the policy's own step, on the device
     )
+    assert plan.rung("residency_manage").rung == "npu"  # the ladder op (lru's; a guarded policy's ghost)
     with caplog.at_level(logging.INFO, logger=op_selection.__name__):
         op_selection.log_plan(plan)
-    assert "indexer: lightning_indexer[npu] + residency_manage[npu]" in caplog.text
+    assert "indexer: lightning_indexer[npu] + residency_lru_k2[npu]" in caplog.text
+    assert "policy lru_k2: its torch composition (torch_npu's kernels on the NPU" in caplog.text
     assert "lightning_indexer: ops=fused has no lightning_indexer: the npu rung runs it" in caplog.text
 
 

@@ -16,7 +16,10 @@ each eager (``run_layer``) and in the captured form a decode graph records
   rung, attention on the reference, which the plan names (Triton has no attention);
 * ``ops: fused`` on the AscendC kernels' functional model: Copy-SFA for the miss copy and
   attention, the residency step on the reference rung (no fused residency without LIM,
-  which the caller runs).
+  which the caller runs);
+* every residency policy: a policy other than ``lru`` runs its own step, which the plan
+  names ``residency_<policy>`` (its CPU kernel, its Triton kernel, or its torch
+  composition), never ``residency_manage`` (the exact-LRU op it does not run).
 """
 
 from __future__ import annotations
@@ -98,3 +101,71 @@ def test_ops_that_ran_are_the_plans_with_fused_copy_sfa_on_the_functional_model(
         assert_ran_the_plan(engine, calls, FUSED)
     finally:
         ascendc_cpu_ops.unregister()
+
+
+REF_ATTENTION = ("sparse_mla_attention", "reference", "")
+
+
+def _policy_case(policy, rung, via, copy):
+    return {(f"residency_{policy}", rung, via), copy, REF_ATTENTION}
+
+
+TORCH_COPY = ("copy_miss_rows", "reference", "")
+KERNEL_COPY = ("copy_miss_rows", "reference", "cpu kernel")
+POLICY_CASES = {
+    # policy, ops, manage_impl -> what a layer step runs
+    ("lru_k2", "reference", "auto"): _policy_case("lru_k2", "reference", "", TORCH_COPY),
+    ("lru_k2_guarded", "reference", "auto"): _policy_case("lru_k2_guarded", "reference", "", TORCH_COPY),
+    ("score_rank", "reference", "auto"): _policy_case("score_rank", "reference", "cpu kernel", KERNEL_COPY),
+    ("score_rank", "reference", "torch"): _policy_case("score_rank", "reference", "", TORCH_COPY),
+    ("score_rank_smooth", "reference", "auto"): _policy_case("score_rank_smooth", "reference", "", TORCH_COPY),
+    ("score_rank_guarded", "reference", "auto"): _policy_case(
+        "score_rank_guarded", "reference", "cpu kernel", KERNEL_COPY
+    ),
+    ("score_rank_guarded", "reference", "torch"): _policy_case("score_rank_guarded", "reference", "", TORCH_COPY),
+    # Triton: score_rank's own kernel; lru_k2 has none, its torch composition runs (named so)
+    ("score_rank", "triton", "auto"): _policy_case("score_rank", "triton", "", ("copy_miss_rows", "triton", "")),
+    ("lru_k2", "triton", "auto"): _policy_case("lru_k2", "reference", "", ("copy_miss_rows", "triton", "")),
+}
+
+
+# eager and captured; the Triton interpreter's cases eager only (the captured form runs the same ops)
+POLICY_RUNS = [
+    pytest.param(case, captured, id="-".join(case) + ("-captured" if captured else "-eager"))
+    for case in POLICY_CASES
+    for captured in (False, True)
+    if not (captured and case[1] == "triton")
+]
+
+
+@pytest.mark.parametrize("case, captured", POLICY_RUNS)
+def test_every_policy_runs_the_residency_step_its_plan_names(monkeypatch, case, captured):
+    """A policy other than exact LRU never runs ``residency_manage`` as its step: the plan
+    names the policy's own step and that is what runs (eager and in the captured form).
+    Negative control: the plan before this rule named ``residency_manage`` for every policy,
+    which the recorder does not see run here (``test_a_policy_step_is_not_residency_manage``)."""
+    policy, ops, manage_impl = case
+    if ops == "triton":
+        pytest.importorskip("triton")
+    from sglang_ascend_offload.sparse_decode.policies import POLICIES
+
+    assert set(POLICIES) == {"lru", "lru_k2", "lru_k2_guarded", "score_rank", "score_rank_smooth", "score_rank_guarded"}
+    calls = record_ops(monkeypatch)
+    engine, _ = run_steps(ops, manage_impl, SMALL, captured=captured, policy=policy)
+    assert planned(engine.plan, ("residency", "miss_copy", "attention")) == POLICY_CASES[case]
+    assert_ran_the_plan(engine, calls, SMALL)
+
+
+def test_a_policy_step_is_not_residency_manage(monkeypatch):
+    """Negative control of the recorder for policies: ``lru_k2``'s steps record its own op,
+    and nothing records ``residency_manage`` (the plan that named it was wrong); the
+    guarded policy's ghost ``residency_manage`` runs inside its step, unrecorded apart."""
+    calls = record_ops(monkeypatch)
+    run_steps("reference", "auto", SMALL, policy="lru_k2")
+    assert ("residency_lru_k2", "reference", "") in calls
+    assert not [c for c in calls if c[0] == "residency_manage"]
+    calls.clear()
+    engine, _ = run_steps("reference", "torch", SMALL, policy="lru_k2_guarded")
+    assert engine.plan.rung("residency_manage").rung == "reference"  # the ghost's op, resolved
+    assert "its ghost exact LRU through residency_manage[reference]" in engine.plan.residency_stage().reason
+    assert not [c for c in calls if c[0] == "residency_manage"]

@@ -20,6 +20,11 @@ never the kernel, ``kernel`` always (an error for a policy without one), ``auto`
 kernel for a policy that has one on a CPU device on the reference rung. A kernel asked
 for but not available is an error at construction saying how to build it, never a
 silent fall back to torch.
+
+What a decode step's residency stage runs is the policy's own step: an operator plan
+names it ``residency_manage`` for ``lru`` (the ladder op) and ``residency_<policy>``
+otherwise (:func:`residency_op`; ``op_rungs.policy_stage`` says on which rung, from
+``has_cpu_kernel`` / ``has_triton_kernel`` / ``steps_ghost_lru``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ __all__ = [
     "MANAGE_IMPLS",
     "make_manager",
     "needs_ranked",
+    "residency_op",
     "slot_ranks",
     "uses_cpu_kernel",
 ]
@@ -68,6 +74,16 @@ DEFAULT_POLICY = LRUManager.policy
 
 #: ``manage_impl`` choices of :func:`make_manager` / the engine.
 MANAGE_IMPLS = ("auto", "kernel", "torch")
+
+
+def residency_op(policy: str) -> str:
+    """What an operator plan names ``policy``'s residency step: the ladder op
+    ``residency_manage`` for exact LRU (the contract, which the rungs implement), else
+    ``residency_<policy>``, the policy's own step (its torch composition, or its CPU /
+    Triton kernel)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown residency policy {policy!r}; known: {', '.join(POLICIES)}")
+    return "residency_manage" if policy == DEFAULT_POLICY else f"residency_{policy}"
 
 
 def needs_ranked(policy: str) -> bool:

@@ -69,6 +69,10 @@ class ResidencyManager(abc.ABC):
     needs_ranked: ClassVar[bool] = False
     #: the policy has a compiled CPU kernel (``impl="kernel"``)
     has_cpu_kernel: ClassVar[bool] = False
+    #: the policy has a Triton kernel it steps through on the ``triton`` rung
+    has_triton_kernel: ClassVar[bool] = False
+    #: the policy steps a ghost exact-LRU table through ``manage_op`` (the guarded policies)
+    steps_ghost_lru: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -49,6 +49,7 @@ class GuardedManager(ResidencyManager):
     """
 
     policy = "lru_k2_guarded"
+    steps_ghost_lru = True
 
     def __init__(
         self,

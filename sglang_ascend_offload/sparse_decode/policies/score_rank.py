@@ -103,6 +103,7 @@ class ScoreRankManager(RankedManager):
     policy = "score_rank"
     needs_ranked: ClassVar[bool] = True
     has_cpu_kernel: ClassVar[bool] = True
+    has_triton_kernel: ClassVar[bool] = True
     smooth_shift: ClassVar[Optional[int]] = None
     _FIX = 4  # fixed-point fraction bits of the rank average
 
@@ -199,4 +200,5 @@ class SmoothScoreRankManager(ScoreRankManager):
 
     policy = "score_rank_smooth"
     has_cpu_kernel: ClassVar[bool] = False
+    has_triton_kernel: ClassVar[bool] = False
     smooth_shift: ClassVar[Optional[int]] = 1
