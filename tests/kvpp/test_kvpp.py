@@ -196,14 +196,16 @@ def test_broadcast_prefetch_across_processes():
 
 @pytest.mark.npu
 @pytest.mark.skipif(not npu_present(), reason="needs 3 Ascend NPUs with CANN and torch_npu (HCCL)")
-@pytest.mark.parametrize("active", [None, ACTIVE])
-def test_hccl_broadcast_on_transfer_stream(active):
+def test_hccl_broadcast_on_transfer_stream():
     """The same over HCCL: bundles on ``npu:r``, broadcasts on the transfer stream after
     the compute stream's ready event (no broadcast is issued on the compute stream:
-    counted in every worker), completion events before a layer is used."""
+    counted in every worker), completion events before a layer is used; whole bundles
+    and the active blocks (staging path), with and without prefetch, in one process
+    group. Every receiver's copy equals the owner's latest content, bit for bit, as in
+    the gloo run."""
     if torch.npu.device_count() < GROUP:
         pytest.skip(f"needs {GROUP} NPUs")
-    _run_group([(True, active), (False, active)], device_kind="npu")
+    _run_group([(True, None), (False, None), (True, ACTIVE), (False, ACTIVE)], device_kind="npu")
 
 
 def test_bench_kvpp_json_keys_and_active_bytes():

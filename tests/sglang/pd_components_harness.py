@@ -26,26 +26,26 @@ def free_port() -> int:
     return reserve_port()  # reserved across processes, below the ephemeral range
 
 
-def _common(page=PAGE, layers=LAYERS):
+def _common(page=PAGE, layers=LAYERS, device="cpu"):
     return dict(
         page_size=page,
         dtype=torch.bfloat16,
         kv_lora_rank=LATENT,
         qk_rope_head_dim=ROPE,
         layer_num=layers,
-        device="cpu",
+        device=device,
         enable_memory_saver=False,
         index_head_dim=INDEX_DIM,
     )
 
 
-def device_pool(page=PAGE, layers=LAYERS, fill_seed=None, start_layer=None, slots=SLOTS):
+def device_pool(page=PAGE, layers=LAYERS, fill_seed=None, start_layer=None, slots=SLOTS, device="cpu"):
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool.device import DeviceDSAPool
 
     pool = DeviceDSAPool(
-        slots, index_size=slots, index_page_size=page, start_layer=start_layer, **_common(page, layers)
+        slots, index_size=slots, index_page_size=page, start_layer=start_layer, **_common(page, layers, device)
     )
-    if fill_seed is not None:
+    if fill_seed is not None:  # drawn on the host: the same numbers on every device
         gen = torch.Generator().manual_seed(fill_seed)
         for buf in (pool.k_buffer, pool.v_buffer, pool.index_k_buffer):
             buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
@@ -60,11 +60,11 @@ def draft_pool(fill_seed=None, **kw):
     return pool
 
 
-def host_pool(page=PAGE, layers=LAYERS):
+def host_pool(page=PAGE, layers=LAYERS, device="cpu"):
     from sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode import HostMainKVPool
 
     sd = cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK)
-    common = _common(page, layers)
+    common = _common(page, layers, device)
     return HostMainKVPool(SLOTS, hot_plan=hot_plan_for(common, sd, top_k=TOPK, req_slots=4), offload=sd, **common)
 
 
@@ -156,22 +156,29 @@ def assert_idle(link, timeout=5.0):
 
 
 def assert_split_equal(p_pool, d_pool, src, dst):
+    """The decode pool's pages ``dst`` equal the prefill pool's ``src`` (compared on the host:
+    the pools may be on a device)."""
     for layer in range(LAYERS):
         for buf in ("k_buffer", "v_buffer"):
-            assert torch.equal(getattr(d_pool, buf)[layer][dst], getattr(p_pool, buf)[layer][src]), (layer, buf)
-        assert torch.equal(d_pool.index_k_buffer[layer][dst], p_pool.index_k_buffer[layer][src]), layer
+            got, want = getattr(d_pool, buf)[layer].cpu()[dst], getattr(p_pool, buf)[layer].cpu()[src]
+            assert torch.equal(got, want), (layer, buf)
+        got, want = d_pool.index_k_buffer[layer].cpu()[dst], p_pool.index_k_buffer[layer].cpu()[src]
+        assert torch.equal(got, want), layer
 
 
 def assert_host_rows_equal(p_pool, d_pool, src, dst):
+    """The decode host pool's page blocks / rows ``dst`` and device index K equal the prefill
+    pool's pages ``src`` (compared on the host)."""
     for layer in range(LAYERS):
         want = torch.cat(
             (
-                p_pool.k_buffer[layer][src].reshape(len(src), PAGE, LATENT),
-                p_pool.v_buffer[layer][src].reshape(len(src), PAGE, ROPE),
+                p_pool.k_buffer[layer].cpu()[src].reshape(len(src), PAGE, LATENT),
+                p_pool.v_buffer[layer].cpu()[src].reshape(len(src), PAGE, ROPE),
             ),
             dim=-1,
         )
-        assert torch.equal(d_pool.host_page_blocks(layer)[dst], want), layer
+        assert torch.equal(d_pool.host_page_blocks(layer).cpu()[dst], want), layer
         slots = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in dst])
-        assert torch.equal(d_pool.host_rows(layer)[slots], want.reshape(-1, LATENT + ROPE)), layer
-        assert torch.equal(d_pool.index_k_buffer[layer][dst], p_pool.index_k_buffer[layer][src]), layer
+        assert torch.equal(d_pool.host_rows(layer).cpu()[slots], want.reshape(-1, LATENT + ROPE)), layer
+        got = d_pool.index_k_buffer[layer].cpu()[dst]
+        assert torch.equal(got, p_pool.index_k_buffer[layer].cpu()[src]), layer

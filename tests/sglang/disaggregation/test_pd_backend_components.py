@@ -6,6 +6,12 @@ In one process: a prefill rank's :class:`PrefillLinks` over the plugin's
 each with its own Mooncake engine over TCP on 127.0.0.1. Pulled pages must equal the
 prefill pages bit for bit (main KV into the host pool rows, index K into the device
 cache); failures must reach both sides with their reason and leave nothing busy.
+
+npu-marked, on the stand-in only: the same links and sink with both ranks' pools on the
+``npu`` device (the packing staging and index K on the device, the host rows in host
+memory), equal to the CPU run bit for bit. MemFabric's engine, which moves device memory
+on a node, has no stand-in; the Mooncake TCP engine moves the stand-in's device memory
+(CPU memory underneath), and on a node ``test_pd_npu.py`` runs the MemFabric path.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ import importlib.util
 import threading
 import time
 
+import npu_standin
 import pytest
 import torch
 from dsa_harness import LATENT, ROPE, published_context
+from npu_requirements import npu_present
 from pd_components_harness import (
     LAYERS,
     PAGE,
@@ -154,6 +162,58 @@ def test_requests_arrive_bit_exact(ctx, kind):
             assert pair.d_pool.k_buffer is None  # no device main KV on the way
     finally:
         pair.close()
+
+
+PD_JOBS = {
+    11: ([3, 7, 1], [9, 4, 12]),
+    12: ([2, 5, 8, 10, 11, 13, 14, 15], [1, 2, 3, 5, 6, 7, 8, 10]),
+    13: ([6], [15]),
+}
+
+
+def _decode_state(pool):
+    """Every destination tensor of a decode pool, on the host (device pool: latent, rope,
+    index K; host pool: each layer's host rows and the index K)."""
+    if pool.k_buffer is None:
+        return [pool.host_rows(layer).cpu() for layer in range(LAYERS)] + [pool.index_k_buffer.cpu()]
+    return [pool.k_buffer.cpu(), pool.v_buffer.cpu(), pool.index_k_buffer.cpu()]
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(not npu_present(), reason="needs an Ascend NPU with CANN and torch_npu")
+@pytest.mark.skipif(
+    npu_present() and not npu_standin.installed(),
+    reason="Mooncake TCP cannot move device memory: on a node test_pd_npu.py runs the links and sink over MemFabric",
+)
+@pytest.mark.parametrize("kind", ["split", "host_rows"])
+def test_links_and_sink_on_npu_pools_equal_the_cpu_run(kind):
+    """Prefill and decode pools on the npu device, the same requests as the CPU run: every
+    request done on both sides, the decode pool's every tensor equal to the CPU run's,
+    each request's pages equal to the prefill's; ``host_rows`` packs on the device
+    (its staging is an npu tensor) into host rows in host memory, and no device main KV
+    exists on the decode."""
+    pools = {}
+    for device in ("cpu", "npu"):
+        with published_context(device):
+            decode = device_pool(device=device) if kind == "split" else host_pool(device=device)
+            pair = Pair(decode, prefill_pool=device_pool(fill_seed=1, device=device))
+            try:
+                pair.transfer_all(PD_JOBS, assert_split_equal if kind == "split" else assert_host_rows_equal)
+                link = pair.links.links()[0]
+                assert link.sender.open_batches() == 0 and link.gates.busy_slots() == []
+                assert pair.sink.receiver.stats.requests_done == len(PD_JOBS)
+                if kind == "host_rows":
+                    assert link.staging.buffer.device.type == device and decode.k_buffer is None
+                    assert decode.host_rows(0).device.type == "cpu"
+                assert decode.index_k_buffer.device.type == device
+                pools[device] = _decode_state(decode)
+            finally:
+                pair.close()
+    for got, want in zip(pools["npu"], pools["cpu"]):
+        # an NPU host pool's layers are rounded up to 4 KiB-aligned slices (the fused Copy-SFA
+        # registers them): compare the rows both have
+        rows = min(got.shape[0], want.shape[0])
+        assert torch.equal(got[:rows], want[:rows])
 
 
 def assert_draft_equal(p_draft, d_draft, src, dst):
