@@ -6,10 +6,12 @@ tests/test_config.py checks that the committed file is up to date.
 """
 
 import dataclasses
+import inspect
 import pathlib
 import typing
 
 from sglang_ascend_offload import config as c
+from sglang_ascend_offload.config_fields import field_docs
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 SECTIONS = [
@@ -48,14 +50,19 @@ listed at the end, each with what to change.
 def render() -> str:
     out = [INTRO]
     for cls, title in SECTIONS:
-        out += [f"## {title}", "", "| key | type | default |", "|---|---|---|"]
+        out += [f"## {title}", "", inspect.cleandoc(cls.__doc__ or "").replace("``", "`"), ""]
+        out += ["| key | type | default | constraint | what it does |", "|---|---|---|---|---|"]
         hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = "{...}" if dataclasses.is_dataclass(default) else repr(default)
             kind = c._describe(hints[f.name]).replace("|", "\\|")
-            out.append(f"| `{f.name}` | {kind} | `{shown}` |")
-        out += ["", "```", (cls.__doc__ or "").strip(), "```", ""]
+            limits = f.metadata.get("limits")
+            constraint = "" if limits is None else limits.describe() + (f" ({limits.note})" if limits.note else "")
+            text = docs.get(f.name, "").replace("``", "`").replace("|", "\\|")
+            out.append(f"| `{f.name}` | {kind} | `{shown}` | {constraint} | {text} |")
+        out.append("")
     from sglang_ascend_offload.rules import DECIDED_AFTER_LAUNCH, RULES
 
     out += [

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from . import rules as _rule_registry
+from .config_fields import knob, limit_problems
 from .errors import ConfigError, Violation  # noqa: F401 - their home is errors.py; re-exported
 
 # ------------------------------------------------------------------ feature configs
@@ -41,131 +42,125 @@ ResidencyPolicy = Literal[tuple(_POLICIES)]
 @dataclass(frozen=True)
 class SparseDecodeOffloadConfig:
     """Sparse decode offload: the main KV stays in a host pool; each decode step moves to
-    the device hot buffers only the top-k rows not yet resident (docs/sparse_decode.md).
+    the device hot buffers only the top-k rows not yet resident (docs/sparse_decode.md)."""
 
-    hot_tokens: device slots per layer and request (a request's speculative verify rows
-        share them); ``None`` = 2 x top-k rounded up to a multiple of the KV page size,
-        with or without speculation (``sparse_decode/sizing.py``, the hot-buffer plan).
-        Must be >= top-k and a multiple of the KV page size; a verify round whose rows'
-        union does not fit is served exactly from the overflow area
-        (``sparse_decode/overflow.py``).
-    host_pool_tokens: token rows of the host pool (per DP rank, all layers);
-        ``None`` = SGLang's own token capacity (``max_total_tokens``). Where the fused
-        Copy-SFA reads the pool, its rows per layer are rounded up to a multiple of 32
-        (each layer's slice 4 KiB-aligned for ``aclrtHostRegister``).
-    ops: operator ladder rung (see ``ops/registry.py``).
-    fused_lim / fused_copy_sfa: the AscendC LIM (LIM-C8 with an int8 indexer) / Copy-SFA
-        operators, chosen in one place (``sparse_decode/op_selection.py``, ``docs/fused_ops.md``):
-        ``true`` = fused (an error where it cannot run), ``false`` = the separate
-        operators, ``None`` = fused with ``ops`` ``fused``, and the default on an Ascend
-        NPU with ``ops`` ``auto``, where a missing extension or op is a startup error
-        (``sglang.fused_unavailable``) naming every missing op and the build command.
-        The fused indexer serves decode and verify steps of policy ``lru`` (up to 14
-        verify rows per request, sharing its row) where the kernels take the residency
-        shape (``hot_tokens`` up to 4096; a verify round's union beyond it overflows);
-        elsewhere (another policy, more verify rows, a larger hot buffer) ``fused_lim:
-        true`` is refused (``sglang.fused_not_wired``) and a default fused indexer runs as
-        the separate indexer, logged. On CPU the fused operators are the AscendC kernels on
-        their functional model: a correctness path, not a fast one.
-    indexer_dtype: ``bf16`` or ``int8`` (LIM-C8): the device index-K cache holds
-        Hadamard-rotated int8 keys + one fp16 scale per token (130 B instead of 256 B per
-        token and layer at 128 dims), and the decode indexer is the C8 lightning indexer
-        over them (``docs/sparse_decode.md``, "int8 indexer"). Served off the NPU and, on
-        an NPU, through the fused LIM-C8; refused on an NPU without it
-        (``sglang.indexer_int8_device``) and on a P/D decode with speculative decoding
-        (``sglang.indexer_int8_pd``); a P/D decode receives int8 keys + scales.
-    policy: residency replacement policy; ``lru`` (the default) is exact per-row LRU, the
-        specification in ``docs/residency_contract.md`` that every other policy reuses
-        with its own victim order.
-    record_trace: path of an ``.npz`` trace to record served top-k selections into.
-    record_trace_max_steps: bound on recorded decode steps (the file stays bounded).
-    record_trace_rank_depth: 0 = off; R >= top-k = also record ``ranked`` (the first R
-        positions of every decode step's indexer ranking). While recording, the indexer
-        selects top-R instead of top-k (the first k are the top-k the model uses).
-    rank_depth: 0 = off; D >= top-k = serving rank depth: on every eager decode step the
-        indexer selects top-D instead of top-k, the model still gets the first k (the
-        top-k, unchanged) and the residency manager gets the ``[rows, D]`` ranking.
-        Required by the score-aware policies (``score_rank``, ``score_rank_guarded``,
-        ``score_rank_smooth``) and refused with any other policy. Cost: a top-D selection
-        per layer and decode step instead of top-k (same scores), D x 4 bytes per row and
-        layer kept until the layer's residency step. Not with decode graphs or
-        speculative decoding (rules ``sglang.sparse_decode_graph``,
-        ``sparse_decode.score_speculative``).
-    metrics_log_interval_s: period of the one-line statistics summary in the log (0 = off).
-    metrics_export_interval_s: with ``--enable-metrics``, the longest the Prometheus
-        counters lag the engine during decode (0 = export every step). An export costs one
-        counter update per layer and counter (~0.7 ms of Python on 61 layers); a finished
-        request's output and an idle scheduler export at once regardless.
-    verify_sample_rate: shadow verification, 0 = off: the probability per layer and eager
-        decode step of recomputing one row's attention over the host pool with logical
-        indices and comparing it with the served row (bit-exact where only copies
-        happened; ``sparse_decode/shadow.py``). 1e-3 costs one row's gather and attention
-        per thousand layer steps. Not with decode graphs (rule ``sglang.sparse_decode_graph``).
-    verify_action: on a mismatch (always counted and logged with layer, row and request):
-        ``log``, or ``fail`` (the forward raises, so SGLang stops the batch with the error).
-    residency: ``always`` (every request reads its main KV through the hot buffer and
-        the residency policy) or ``adaptive``: a request whose context fits its hot
-        buffer (``hot_tokens``), extended over the hot buffers of request slots SGLang
-        has free, is served from them directly, with no residency lookups and no miss
-        copies; it is demoted in place to the residency when a new request needs a slot
-        it borrowed or it cannot grow (``sparse_decode/direct_rows.py``). Policy ``lru``
-        only; the fused indexer steps every row's residency, so ``adaptive`` runs the
-        separate indexer (the NPU default opts out, logged; ``fused_lim: true`` is
-        refused); with the fused Copy-SFA a request fits its own buffer only. Eager and
-        graph decode, and speculative verify rows.
-    qualify_kernels: before the server accepts requests, every fused operator the plan
-        selects (LIM / LIM-C8, Copy-SFA) runs once at the served shapes on a small
-        deterministic problem and is compared with the separate operators on the same
-        inputs (``ops/qualify.py``; indices, residency state and miss copies exact,
-        attention within the stated tolerance); a difference stops startup naming the op,
-        the shape, the first differing element and the fix. ``false`` skips it (logged as
-        a warning). Costs well under a second at DeepSeek-V3.2 shapes on an NPU (target
-        < 2 s); on CPU the kernels run on their functional model (``docs/fused_ops.md``,
-        "Qualification at startup"). Without a fused operator it does nothing.
-    """
+    hot_tokens: Optional[int] = knob(None, ge=1, note="and >= the model's top-k, a multiple of the page size")
+    """Device slots per layer and request (a request's speculative verify rows share them).
+    ``None`` = 2 x top-k rounded up to a multiple of the KV page size, with or without
+    speculation (``sparse_decode/sizing.py``, the hot-buffer plan). Must be >= top-k and a
+    multiple of the KV page size; a verify round whose rows' union does not fit is served
+    exactly from the overflow area (``sparse_decode/overflow.py``)."""
 
-    hot_tokens: Optional[int] = None
-    host_pool_tokens: Optional[int] = None
+    host_pool_tokens: Optional[int] = knob(None, ge=1, note="null = SGLang's token capacity")
+    """Token rows of the host pool (per DP rank, all layers); ``None`` = SGLang's own token
+    capacity (``max_total_tokens``). Where the fused Copy-SFA reads the pool, its rows per
+    layer are rounded up to a multiple of 32 (each layer's slice 4 KiB-aligned for
+    ``aclrtHostRegister``)."""
+
     ops: OpsChoice = "auto"
+    """Operator ladder rung (``ops/registry.py``): the operator plan names, for each decode
+    stage, the rung that runs it (``docs/operators.md``)."""
+
     fused_lim: Optional[bool] = None
+    """The AscendC LIM (LIM-C8 with an int8 indexer), chosen in one place
+    (``sparse_decode/op_selection.py``, ``docs/fused_ops.md``): ``true`` = fused (an error
+    where it cannot run), ``false`` = the separate indexer and residency operators, ``None``
+    = fused with ``ops`` ``fused``, and the default on an Ascend NPU with ``ops`` ``auto``,
+    where a missing extension or op is a startup error (``sglang.fused_unavailable``) naming
+    every missing op and the build command. It serves decode and verify steps of policy
+    ``lru`` (up to 14 verify rows per request) where the kernels take the residency shape
+    (``hot_tokens`` up to 4096; a verify round's union beyond it overflows); elsewhere
+    ``fused_lim: true`` is refused (``sglang.fused_not_wired``) and a default fused indexer
+    runs as the separate indexer, logged. On CPU the fused operators are the AscendC
+    kernels on their functional model: a correctness path, not a fast one."""
+
     fused_copy_sfa: Optional[bool] = None
+    """The AscendC Copy-SFA (miss copies and sparse attention in one operator); the same
+    choices as ``fused_lim``."""
+
     indexer_dtype: Literal["bf16", "int8"] = "bf16"
+    """``bf16``, or ``int8`` (LIM-C8): the device index-K cache holds Hadamard-rotated int8
+    keys + one fp16 scale per token (130 B instead of 256 B per token and layer at 128
+    dims), and the decode indexer is the C8 lightning indexer over them
+    (``docs/sparse_decode.md``, "int8 indexer"). Served off the NPU and, on an NPU, through
+    the fused LIM-C8; refused on an NPU without it (``sglang.indexer_int8_device``) and on
+    a P/D decode with speculative decoding (``sglang.indexer_int8_pd``); a P/D decode
+    receives int8 keys + scales."""
+
     policy: ResidencyPolicy = "lru"
+    """Residency replacement policy; ``lru`` (the default) is exact per-row LRU, the
+    specification in ``docs/residency_contract.md`` that every other policy reuses with its
+    own victim order."""
+
     record_trace: Optional[str] = None
-    record_trace_max_steps: int = 4096
-    record_trace_rank_depth: int = 0
-    rank_depth: int = 0
-    metrics_log_interval_s: float = 30.0
-    metrics_export_interval_s: float = 1.0
-    verify_sample_rate: float = 0.0
+    """Path of an ``.npz`` trace to record served top-k selections into (speculative
+    servers record verify rounds as a speculative trace)."""
+
+    record_trace_max_steps: int = knob(4096, ge=1)
+    """Bound on recorded decode steps (the file stays bounded)."""
+
+    record_trace_rank_depth: int = knob(0, ge=0, note="0 = off, else >= the model's top-k")
+    """0 = off; R >= top-k = also record ``ranked`` (the first R positions of every decode
+    step's indexer ranking). While recording, the indexer selects top-R instead of top-k
+    (the first k are the top-k the model uses). Needs ``record_trace``."""
+
+    rank_depth: int = knob(0, ge=0, note="0 = off, else >= the model's top-k")
+    """0 = off; D >= top-k = serving rank depth: on every eager decode step the indexer
+    selects top-D instead of top-k, the model still gets the first k (the top-k, unchanged)
+    and the residency manager gets the ``[rows, D]`` ranking. Required by the score-aware
+    policies (``score_rank``, ``score_rank_guarded``, ``score_rank_smooth``) and refused
+    with any other policy. Cost: a top-D selection per layer and decode step instead of
+    top-k (same scores), D x 4 bytes per row and layer kept until the layer's residency
+    step. Not with decode graphs or speculative decoding (rules
+    ``sglang.sparse_decode_graph``, ``sparse_decode.score_speculative``)."""
+
+    metrics_log_interval_s: float = knob(30.0, ge=0, note="0 = off")
+    """Period of the one-line statistics summary in the log (0 = off)."""
+
+    metrics_export_interval_s: float = knob(1.0, ge=0, note="0 = every decode step")
+    """With ``--enable-metrics``, the longest the Prometheus counters lag the engine during
+    decode (0 = export every step). An export costs one counter update per layer and
+    counter (~0.7 ms of Python on 61 layers); a finished request's output and an idle
+    scheduler export at once regardless."""
+
+    verify_sample_rate: float = knob(0.0, ge=0, le=1, note="0 = off; e.g. 1e-3")
+    """Shadow verification, 0 = off: the probability per layer and eager decode step of
+    recomputing one row's attention over the host pool with logical indices, on the served
+    row's device with the engine's own attention op, and comparing it with the served row
+    (bit-exact where only copies happened; ``sparse_decode/shadow.py``). 1e-3 costs one
+    row's gather and attention per thousand layer steps. Not with decode graphs (rule
+    ``sglang.sparse_decode_graph``)."""
+
     verify_action: Literal["log", "fail"] = "log"
+    """On a shadow-verification mismatch (always counted and logged with layer, row and
+    request): ``log``, or ``fail`` (the forward raises, so SGLang stops the batch with the
+    error)."""
+
     residency: Literal["always", "adaptive"] = "always"
+    """``always`` (every request reads its main KV through the hot buffer and the residency
+    policy) or ``adaptive``: a request whose context fits its hot buffer (``hot_tokens``),
+    extended over the hot buffers of request slots SGLang has free, is served from them
+    directly, with no residency lookups and no miss copies; it is demoted in place to the
+    residency when a new request needs a slot it borrowed or it cannot grow
+    (``sparse_decode/direct_rows.py``). Policy ``lru`` only; the fused indexer steps every
+    row's residency, so ``adaptive`` runs the separate indexer (the NPU default opts out,
+    logged; ``fused_lim: true`` is refused); with the fused Copy-SFA a request fits its own
+    buffer only. Eager and graph decode, and speculative verify rows."""
+
     qualify_kernels: bool = True
+    """Before the server accepts requests, every fused operator the plan selects (LIM /
+    LIM-C8, Copy-SFA) runs once at the served shapes on a small deterministic problem and is
+    compared with the separate operators on the same inputs (``ops/qualify.py``; indices,
+    residency state and miss copies exact, attention within the stated tolerance); a
+    difference stops startup naming the op, the shape, the first differing element and the
+    fix. ``false`` skips it (logged as a warning). Costs well under a second at
+    DeepSeek-V3.2 shapes on an NPU (target < 2 s); on CPU the kernels run on their
+    functional model (``docs/fused_ops.md``, "Qualification at startup"). Without a fused
+    operator it does nothing."""
 
     def _check(self) -> List[str]:
-        errs = []
-        if not 0.0 <= self.verify_sample_rate <= 1.0:
-            errs.append(
-                f"verify_sample_rate={self.verify_sample_rate} is out of range: it must be in [0, 1] "
-                "(0 = off; e.g. 1e-3)"
-            )
-        if self.hot_tokens is not None and self.hot_tokens < 1:
-            errs.append(
-                f"hot_tokens={self.hot_tokens} is out of range: it must be >= 1 (and >= the model's "
-                "top-k, a multiple of the page size; null = 2 x top-k)"
-            )
-        if self.host_pool_tokens is not None and self.host_pool_tokens < 1:
-            errs.append(
-                f"host_pool_tokens={self.host_pool_tokens} is out of range: it must be >= 1 "
-                "(null = SGLang's token capacity)"
-            )
-        if self.record_trace_max_steps < 1:
-            errs.append(f"record_trace_max_steps={self.record_trace_max_steps} is out of range: it must be >= 1")
-        if self.record_trace_rank_depth < 0:
-            errs.append(
-                f"record_trace_rank_depth={self.record_trace_rank_depth} is out of range: it must be >= 0 "
-                "(0 = off, else >= the model's top-k)"
-            )
+        """Field limits, then the rules across fields."""
+        errs = limit_problems(self)
         if self.record_trace_rank_depth > 0 and not self.record_trace:
             errs.append("record_trace_rank_depth needs record_trace (the file to record into)")
         from .sparse_decode.policies import POLICIES as _P
@@ -174,10 +169,6 @@ class SparseDecodeOffloadConfig:
             errs.append(
                 f"residency 'adaptive' with policy {self.policy!r}: a request outgrowing its hot buffer is "
                 "demoted into the exact-LRU state; use policy lru, or residency 'always'"
-            )
-        if self.rank_depth < 0:
-            errs.append(
-                f"rank_depth={self.rank_depth} is out of range: it must be >= 0 (0 = off, else >= the model's top-k)"
             )
         if _P[self.policy].needs_ranked and self.rank_depth <= 0:
             errs.append(
@@ -190,15 +181,6 @@ class SparseDecodeOffloadConfig:
                 f"rank_depth={self.rank_depth} with policy={self.policy!r}, which does not read the ranking "
                 "(it would only cost a top-D selection per layer and step): drop rank_depth or choose a "
                 "score policy (" + ", ".join(p for p in _P if _P[p].needs_ranked) + ")"
-            )
-        if self.metrics_log_interval_s < 0:
-            errs.append(
-                f"metrics_log_interval_s={self.metrics_log_interval_s} is out of range: it must be >= 0 (0 = off)"
-            )
-        if self.metrics_export_interval_s < 0:
-            errs.append(
-                f"metrics_export_interval_s={self.metrics_export_interval_s} is out of range: it must be "
-                ">= 0 (0 = every decode step)"
             )
         return errs
 
@@ -224,68 +206,73 @@ def residency_shape(sd: "SparseDecodeOffloadConfig", d: "Deployment") -> dict:
 
 @dataclass(frozen=True)
 class MemcacheConfig:
-    """Settings of the Memcache host KV pool (memcache-hybrid).
-
-    meta_config / local_config: paths of ``mmc-meta.conf`` / ``mmc-local.conf``
-        (``None`` = the files shipped with memcache-hybrid).
-    start_meta_service: start the meta service in-process (single node / tests).
-    protocol: LocalConfig.protocol of the store client.
-    lease_ttl_ms: lease on allocated objects, released after the last layer.
-    """
+    """Settings of the Memcache host KV pool (memcache-hybrid)."""
 
     meta_config: Optional[str] = None
+    """Path of ``mmc-meta.conf`` (``None`` = the file shipped with memcache-hybrid)."""
+
     local_config: Optional[str] = None
+    """Path of ``mmc-local.conf`` (``None`` = the file shipped with memcache-hybrid)."""
+
     start_meta_service: bool = False
+    """Start the meta service in-process (single node / tests)."""
+
     protocol: Literal["host_rdma", "host_urma", "host_tcp", "host_shm", "device_rdma", "device_sdma"] = "host_shm"
-    lease_ttl_ms: int = 60_000
+    """``LocalConfig.protocol`` of the store client."""
+
+    lease_ttl_ms: int = knob(60_000, ge=0)
+    """Lease on allocated objects, released after the last layer."""
+
     device_id: Optional[int] = None
+    """The NPU the store client registers memory for (``None`` = the rank's device)."""
 
     def _check(self) -> List[str]:
-        return [] if self.lease_ttl_ms >= 0 else ["memcache.lease_ttl_ms must be >= 0"]
+        return limit_problems(self)
 
 
 @dataclass(frozen=True)
 class LayerwisePrefillOffloadConfig:
     """Layerwise prefill offload: layers share fewer device buffers, each layer's KV saved to
-    a host store once written and reloaded ahead of its compute (docs/layerwise_prefill.md).
+    a host store once written and reloaded ahead of its compute (docs/layerwise_prefill.md)."""
 
-    shared_buffers: B, reusable physical buffers; ``None`` = one per layer (no reuse).
-    independent_layers: layers with a dedicated buffer (default ``[0]``), or ``"all"``.
-    prefetch_depth: layers loaded ahead of compute; ``None`` = min(B, 8).
-    store_backend: ``memcache`` (Ascend production) or ``local`` (in-process host pool);
-        ``None`` = the one that works on the device: ``memcache`` on an Ascend NPU,
-        ``local`` elsewhere (:meth:`effective_store_backend`).
-    wait_timeout_s: deadline of every wait on a buffer gate.
-    store_block_tokens: tokens per host-store object; ``None`` = the KV page size.
-    key_namespace: prefix of host-store keys (model + rank), so deployments sharing
-        one Memcache never collide; ``None`` = derived from the model path and rank.
-    """
+    shared_buffers: Optional[int] = knob(None, ge=1, note="null = one buffer per layer")
+    """B, reusable physical buffers; ``None`` = one per layer (no reuse)."""
 
-    shared_buffers: Optional[int] = None
     independent_layers: Union[List[int], Literal["all"]] = field(default_factory=lambda: [0])
-    prefetch_depth: Optional[int] = None
+    """Layers with a dedicated buffer (default ``[0]``), or ``"all"``: distinct,
+    non-negative layer indices."""
+
+    prefetch_depth: Optional[int] = knob(None, ge=1, note="null = min(B, 8)")
+    """Layers loaded ahead of compute; ``None`` = min(B, 8)."""
+
     store_backend: Optional[Literal["memcache", "local"]] = None
+    """``memcache`` (Ascend production) or ``local`` (in-process host pool); ``None`` = the
+    one that works on the device: ``memcache`` on an Ascend NPU, ``local`` elsewhere
+    (:meth:`effective_store_backend`)."""
+
     memcache: MemcacheConfig = field(default_factory=MemcacheConfig)
-    wait_timeout_s: float = 60.0
-    store_block_tokens: Optional[int] = None
+    """Settings of the Memcache store (``store_backend`` ``memcache``)."""
+
+    wait_timeout_s: float = knob(60.0, gt=0)
+    """Deadline of every wait on a buffer gate."""
+
+    store_block_tokens: Optional[int] = knob(None, ge=1, note="null = the KV page size")
+    """Tokens per host-store object; ``None`` = the KV page size (a served pool stores one
+    object per page and refuses any other value, rule ``sglang.layerwise_block_tokens``)."""
+
     key_namespace: Optional[str] = None
+    """Prefix of host-store keys (model + rank), so deployments sharing one Memcache never
+    collide; ``None`` = derived from the model path and rank."""
 
     def _check(self) -> List[str]:
-        errs = []
-        if self.shared_buffers is not None and self.shared_buffers < 1:
-            errs.append("shared_buffers must be >= 1")
-        if self.prefetch_depth is not None and self.prefetch_depth < 1:
-            errs.append("prefetch_depth must be >= 1")
+        """Field limits and the layer list (the Memcache section checks itself)."""
+        errs = limit_problems(self)
         if isinstance(self.independent_layers, list):
             if any(i < 0 for i in self.independent_layers):
                 errs.append("independent_layers must be non-negative layer indices")
             if len(set(self.independent_layers)) != len(self.independent_layers):
                 errs.append("independent_layers has duplicates")
-        if self.wait_timeout_s <= 0:
-            errs.append("wait_timeout_s must be > 0")
-        if self.store_block_tokens is not None and self.store_block_tokens < 1:
-            errs.append("store_block_tokens must be >= 1")
-        return errs + self.memcache._check()
+        return errs
 
     def effective_store_backend(self, device: str) -> str:
         """The host store this config uses on ``device`` (``npu`` / ``cuda`` / ``cpu``)."""
@@ -297,52 +284,53 @@ class LayerwisePrefillOffloadConfig:
 @dataclass(frozen=True)
 class PDTransferConfig:
     """Remote device-to-host P/D transfer: decode pulls each prefill layer into its host
-    pool (docs/pd_transfer.md).
-
-    engine: ``memfabric`` (Ascend production) or ``mooncake`` (TCP on CPU, RDMA elsewhere).
-    protocol: MemFabric data path; prefill and decode must match.
-    mooncake_protocol / mooncake_device_name: Mooncake transport (``tcp`` on CPU
-        machines, ``rdma`` with an RDMA NIC name on clusters without MemFabric).
-    kv_port: base of the decode control ports (kv_port + dp_rank * d_tp + tp_rank).
-    host: address the control sockets bind to, which is also the address peers
-        connect to: a concrete interface address, never a wildcard (0.0.0.0, ::).
-    store_url: MemFabric config store (``tcp://host:port``).
-    handshake_timeout_s: deadline of the metadata handshake (default 100 s, the handshake
-        timeout of vLLM-Ascend's P/D connector, whose message set this protocol follows).
-    layer_timeout_s: deadline of every per-layer wait, so a lost answer from a live peer
-        fails the request instead of holding its slot forever; on decode it is also the
-        no-progress deadline of a request.
-    read_retries: failed reads retried this many times before the request fails.
-    peer_tp / peer_protocol: the other side's TP size and MemFabric protocol, where the
-        operator states them; then an invalid TP pair or a protocol mismatch stops
-        startup instead of failing every request when the two sides meet.
-    """
+    pool (docs/pd_transfer.md)."""
 
     engine: Literal["memfabric", "mooncake"] = "memfabric"
+    """``memfabric`` (Ascend production) or ``mooncake`` (TCP on CPU, RDMA elsewhere)."""
+
     protocol: Literal["sdma", "device_rdma", "device_urma"] = "sdma"
+    """MemFabric data path; prefill and decode must match."""
+
     mooncake_protocol: Literal["tcp", "rdma", "efa"] = "tcp"
+    """Mooncake transport: ``tcp`` on CPU machines, ``rdma`` on clusters without MemFabric."""
+
     mooncake_device_name: str = ""
-    kv_port: int = 30100
+    """The RDMA NIC name of Mooncake's ``rdma`` transport."""
+
+    kv_port: int = knob(30100, ge=1024, le=65535)
+    """Base of the decode control ports (``kv_port + dp_rank * d_tp + tp_rank``)."""
+
     host: str = "127.0.0.1"
+    """Address the control sockets bind to, which is also the address peers connect to: a
+    concrete interface address, never a wildcard (0.0.0.0, ::)."""
+
     store_url: Optional[str] = None
-    handshake_timeout_s: float = 100.0
-    layer_timeout_s: float = 30.0
-    read_retries: int = 2
-    peer_tp: Optional[int] = None
+    """MemFabric config store (``tcp://host:port``)."""
+
+    handshake_timeout_s: float = knob(100.0, gt=0)
+    """Deadline of the metadata handshake (default 100 s, the handshake timeout of
+    vLLM-Ascend's P/D connector, whose message set this protocol follows)."""
+
+    layer_timeout_s: float = knob(30.0, gt=0)
+    """Deadline of every per-layer wait, so a lost answer from a live peer fails the request
+    instead of holding its slot forever; on decode it is also the no-progress deadline of a
+    request."""
+
+    read_retries: int = knob(2, ge=0)
+    """Failed reads retried this many times before the request fails."""
+
+    peer_tp: Optional[int] = knob(None, ge=1)
+    """The other side's attention TP size, where the operator states it; then an invalid TP
+    pair stops startup instead of failing every request when the two sides meet."""
+
     peer_protocol: Optional[Literal["sdma", "device_rdma", "device_urma"]] = None
+    """The other side's MemFabric protocol, where the operator states it; then a mismatch
+    stops startup."""
 
     def _check(self) -> List[str]:
-        errs = []
-        if not 1024 <= self.kv_port <= 65535:
-            errs.append(f"kv_port {self.kv_port} must be in 1024..65535")
-        if self.handshake_timeout_s <= 0:
-            errs.append("handshake_timeout_s must be > 0")
-        if self.layer_timeout_s <= 0:
-            errs.append("layer_timeout_s must be > 0")
-        if self.read_retries < 0:
-            errs.append("read_retries must be >= 0")
-        if self.peer_tp is not None and self.peer_tp < 1:
-            errs.append("peer_tp must be >= 1")
+        """Field limits, then the bind address."""
+        errs = limit_problems(self)
         if self.host.strip() in ("", "0.0.0.0", "::", "[::]", "*"):
             errs.append(f"host {self.host!r} is a wildcard: give the interface address peers connect to")
         return errs
@@ -350,131 +338,159 @@ class PDTransferConfig:
 
 @dataclass(frozen=True)
 class KVPPConfig:
-    """KV layer parallelism: KV sharded by layer across the TP group (docs/kvpp.md).
-
-    prefetch: broadcast the next layer while the current one computes.
-    scratch_alignment_bytes: alignment of the two scratch buffers (2 MiB).
-    broadcast: ``active`` (only the KV pages the forward's requests read, gathered
-    into a contiguous staging buffer) or ``full`` (the whole layer bundle, every
-    allocated block: the simple scheme, kept for comparison).
-    """
+    """KV layer parallelism: KV sharded by layer across the TP group (docs/kvpp.md)."""
 
     prefetch: bool = True
-    scratch_alignment_bytes: int = 2 * 1024 * 1024
-    broadcast: str = "active"
+    """Broadcast the next layer while the current one computes."""
+
+    scratch_alignment_bytes: int = knob(2 * 1024 * 1024, gt=0, power_of_two=True)
+    """Alignment of the two scratch buffers (2 MiB)."""
+
+    broadcast: Literal["active", "full"] = "active"
+    """``active`` (only the KV pages the forward's requests read, gathered into a contiguous
+    staging buffer) or ``full`` (the whole layer bundle, every allocated block: the simple
+    scheme, kept for comparison)."""
 
     def _check(self) -> List[str]:
-        a = self.scratch_alignment_bytes
-        errs = [] if a > 0 and (a & (a - 1)) == 0 else ["scratch_alignment_bytes must be a power of two"]
-        if self.broadcast not in ("active", "full"):
-            errs.append(f"broadcast must be 'active' or 'full', got {self.broadcast!r}")
-        return errs
+        return limit_problems(self)
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """All features; a section that is ``None`` is off.
-
-    device_kv_budget_bytes: the most device memory SGLang's KV pool (plus the sparse
-    decode hot buffers) may take, in bytes; ``None`` = what ``--mem-fraction-static``
-    leaves (SGLang's own profile). The smaller of the two is used. On a CPU it also makes
-    the server account like a device of that size: the sparse decode host pool is host
-    memory outside the budget, as on an NPU node (``sglang_plugin/mem_cache/sizing/device_kv_budget.py``).
-    """
+    """All features; a section that is ``None`` is off."""
 
     sparse_decode: Optional[SparseDecodeOffloadConfig] = None
+    """Sparse decode offload (``--enable-sparse-decode-offload``)."""
+
     layerwise_prefill: Optional[LayerwisePrefillOffloadConfig] = None
+    """Layerwise prefill offload (``--enable-layerwise-prefill-offload``)."""
+
     pd_transfer: Optional[PDTransferConfig] = None
+    """The P/D transfer backend (``--enable-pd-transfer``)."""
+
     kvpp: Optional[KVPPConfig] = None
-    device_kv_budget_bytes: Optional[int] = None
+    """KV layer parallelism (``--enable-kvpp``)."""
+
+    device_kv_budget_bytes: Optional[int] = knob(None, gt=0, note="a positive number of bytes")
+    """The most device memory SGLang's KV pool (plus the sparse decode hot buffers) may take,
+    in bytes; ``None`` = what ``--mem-fraction-static`` leaves (SGLang's own profile). The
+    smaller of the two is used. On a CPU it also makes the server account like a device of
+    that size: the sparse decode host pool is host memory outside the budget, as on an NPU
+    node (``sglang_plugin/mem_cache/sizing/device_kv_budget.py``)."""
 
     def _check(self) -> List[str]:
-        if self.device_kv_budget_bytes is not None and self.device_kv_budget_bytes <= 0:
-            return [f"device_kv_budget_bytes={self.device_kv_budget_bytes} must be a positive number of bytes"]
-        return []
+        return limit_problems(self)
 
 
 # ------------------------------------------------------------------ deployment facts
 @dataclass(frozen=True)
 class Deployment:
-    """Facts about where a config will run (from SGLang's ServerArgs or a JSON file).
-
-    device: ``npu`` / ``cuda`` / ``cpu``; soc: CANN SoC name (e.g. ``Ascend910_9391``)
-    or family (``A2``, ``A3``, ``950PR``, ``950DT``) where known.
-    soc_unknown: why the SoC of an NPU deployment could not be read from the installed
-    CANN build (``cann_install.py``); set, it refuses sparse decode offload.
-    model_kind: ``dsa`` (MLA + indexer + top-k sparse attention, DeepSeek-V3.2 style),
-    ``mla`` (dense MLA), ``other``. hybrid_kv: the model mixes KV layouts.
-    main_kv_dtype / main_kv_packing: the main (latent) KV cache format.
-    dp / tp: data-parallel groups of the attention (SGLang's ``attn_dp_size`` with DP
-    attention) and the TP size; attn_tp: attention TP size (``tp // (attention DP x
-    attention CP)``; ``None`` = ``tp``).
-    pd_role: ``colocated`` / ``prefill`` / ``decode``; peer_tp: the other side's attention TP size.
-    peer_protocol: the other side's MemFabric protocol, where known.
-    graph_mode: ``eager`` / ``piecewise`` / ``full``.
-    speculative_method: ``None`` or e.g. ``mtp``, ``dspark``, ``eagle``;
-    speculative_fixed: its number of draft tokens is fixed.
-    speculative_rows: verify rows per request (``--speculative-num-draft-tokens``), where known.
-    speculative_steps: draft steps (``--speculative-num-steps``), where known; a chain has
-    ``steps + 1`` verify rows. speculative_topk: drafts per step (``--speculative-eagle-topk``;
-    > 1 is a draft tree), where known.
-    overlap_schedule: SGLang's overlap scheduler runs (on by default in SGLang;
-    ``--disable-overlap-schedule`` turns it off), where known.
-    decode_graph_mode: the mode of decode steps, where it differs from ``graph_mode``
-    (``None`` = ``graph_mode``); on a CPU, SGLang captures decode graphs only with
-    ``--enable-torch-compile``.
-    dp_attention: the ``dp`` groups are DP-attention groups (``--enable-dp-attention``
-    or ``--attn-dp-size``), which run different batches through one model.
-    disaggregation_transfer_backend: SGLang's ``--disaggregation-transfer-backend``.
-    """
+    """Facts about where a config will run (from SGLang's ServerArgs or a JSON file)."""
 
     device: Literal["npu", "cuda", "cpu"] = "npu"
+    """The device kind."""
+
     soc: Optional[str] = None
+    """CANN SoC name (e.g. ``Ascend910_9391``) or family (``A2``, ``A3``, ``950PR``,
+    ``950DT``), where known."""
+
     soc_unknown: Optional[str] = None
+    """Why the SoC of an NPU deployment could not be read from the installed CANN build
+    (``cann_install.py``); set, it refuses sparse decode offload."""
+
     model_kind: Literal["dsa", "mla", "other"] = "dsa"
+    """``dsa`` (MLA + indexer + top-k sparse attention, DeepSeek-V3.2 style), ``mla``
+    (dense MLA) or ``other``."""
+
     hybrid_kv: bool = False
+    """The model mixes KV layouts."""
+
     main_kv_dtype: str = "bf16"
+    """Dtype of the main (latent) KV cache."""
+
     main_kv_packing: Literal["none", "c8", "tq4"] = "none"
-    num_layers: Optional[int] = None
-    index_topk: Optional[int] = None
-    page_size: Optional[int] = None
-    dp: int = 1
-    tp: int = 1
-    attn_tp: Optional[int] = None
-    cp: int = 1
-    pp: int = 1
-    pcp: int = 1
-    dcp: int = 1
+    """Packing of the main (latent) KV cache."""
+
+    num_layers: Optional[int] = knob(None, ge=1)
+    """Layers with a KV cache, where known."""
+
+    index_topk: Optional[int] = knob(None, ge=1)
+    """The model's index top-k, where known."""
+
+    page_size: Optional[int] = knob(None, ge=1)
+    """KV page size in tokens, where known."""
+
+    dp: int = knob(1, ge=1)
+    """Data-parallel groups of the attention (SGLang's ``attn_dp_size`` with DP attention)."""
+
+    tp: int = knob(1, ge=1)
+    """TP size."""
+
+    attn_tp: Optional[int] = knob(None, ge=1)
+    """Attention TP size (``tp // (attention DP x attention CP)``; ``None`` = ``tp``); at most
+    ``tp``."""
+
+    cp: int = knob(1, ge=1)
+    """Context-parallel size."""
+
+    pp: int = knob(1, ge=1)
+    """Pipeline-parallel size."""
+
+    pcp: int = knob(1, ge=1)
+    """Prefill context-parallel size."""
+
+    dcp: int = knob(1, ge=1)
+    """Decode context-parallel size."""
+
     pd_role: Literal["colocated", "prefill", "decode"] = "colocated"
-    peer_tp: Optional[int] = None
+    """The P/D role of this server."""
+
+    peer_tp: Optional[int] = knob(None, ge=1)
+    """The other side's attention TP size, where known."""
+
     peer_protocol: Optional[str] = None
+    """The other side's MemFabric protocol, where known."""
+
     disaggregation_transfer_backend: Optional[str] = None
+    """SGLang's ``--disaggregation-transfer-backend``."""
+
     graph_mode: Literal["eager", "piecewise", "full"] = "eager"
+    """How the model runs: eager, or captured graphs (piecewise or full)."""
+
     speculative_method: Optional[str] = None
+    """``None`` or e.g. ``mtp``, ``dspark``, ``eagle``."""
+
     speculative_fixed: bool = True
-    speculative_rows: Optional[int] = None
-    speculative_steps: Optional[int] = None
-    speculative_topk: Optional[int] = None
+    """The speculative method's number of draft tokens is fixed."""
+
+    speculative_rows: Optional[int] = knob(None, ge=1)
+    """Verify rows per request (``--speculative-num-draft-tokens``), where known."""
+
+    speculative_steps: Optional[int] = knob(None, ge=1)
+    """Draft steps (``--speculative-num-steps``), where known; a chain has ``steps + 1``
+    verify rows."""
+
+    speculative_topk: Optional[int] = knob(None, ge=1)
+    """Drafts per step (``--speculative-eagle-topk``; > 1 is a draft tree), where known."""
+
     overlap_schedule: Optional[bool] = None
+    """SGLang's overlap scheduler runs (on by default in SGLang; ``--disable-overlap-schedule``
+    turns it off), where known."""
+
     decode_graph_mode: Optional[Literal["eager", "piecewise", "full"]] = None
+    """The mode of decode steps, where it differs from ``graph_mode`` (``None`` =
+    ``graph_mode``); on a CPU, SGLang captures decode graphs only with
+    ``--enable-torch-compile``."""
+
     dp_attention: bool = False
+    """The ``dp`` groups are DP-attention groups (``--enable-dp-attention`` or
+    ``--attn-dp-size``), which run different batches through one model."""
 
     def _check(self) -> List[str]:
-        errs = []
-        for name in ("dp", "tp", "cp", "pp", "pcp", "dcp"):
-            if getattr(self, name) < 1:
-                errs.append(f"{name} must be >= 1")
-        if self.peer_tp is not None and self.peer_tp < 1:
-            errs.append("peer_tp must be >= 1")
-        for name in ("speculative_rows", "speculative_steps", "speculative_topk"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                errs.append(f"{name} must be >= 1")
+        """Field limits, then attention TP within TP."""
+        errs = limit_problems(self)
         if self.attn_tp is not None and not 1 <= self.attn_tp <= self.tp:
             errs.append("attn_tp must be between 1 and tp")
-        for name in ("num_layers", "index_topk", "page_size"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                errs.append(f"{name} must be >= 1")
         return errs
 
     @property

@@ -324,7 +324,7 @@ def test_range_checks_and_nested_sections():
             '{"shared_buffers": 0, "independent_layers": [1, 1], "memcache": {"lease_ttl_ms": -1}}',
         )
     text = str(err.value)
-    assert "shared_buffers must be >= 1" in text
+    assert "shared_buffers=0 is out of range: it must be >= 1" in text
     assert "duplicates" in text
     assert "lease_ttl_ms" in text
 
@@ -431,3 +431,35 @@ def test_check_config_states_the_hot_buffer_plan_for_a_model():
     out = json.loads(bad.stdout)
     assert bad.returncode == 1 and out["hot_buffer"] is None
     assert {v["rule"] for v in out["violations"]} == {"check_config.model", "check_config.count"}
+
+
+def test_every_config_field_documents_itself_and_its_limits_are_checked():
+    """Declarative config (``config_fields.py``): every field of every section has its own
+    docstring, and each field's :class:`Limits` refuses a value outside them at parsing with
+    the field, the value and the constraint (negative control: an allowed value passes)."""
+    import dataclasses as dc
+
+    from sglang_ascend_offload import config as cfg
+    from sglang_ascend_offload.config_fields import field_docs
+
+    for section in (
+        cfg.SparseDecodeOffloadConfig,
+        cfg.LayerwisePrefillOffloadConfig,
+        cfg.MemcacheConfig,
+        cfg.PDTransferConfig,
+        cfg.KVPPConfig,
+        cfg.OffloadConfig,
+        cfg.Deployment,
+    ):
+        docs = field_docs(section)
+        missing = [f.name for f in dc.fields(section) if not docs.get(f.name)]
+        assert missing == [], (section.__name__, missing)
+        for f in dc.fields(section):
+            limits = f.metadata.get("limits")
+            if limits is None or limits.ge is None:
+                continue
+            bad = limits.ge - 1
+            assert f"{f.name}={bad} is out of range: it must be {limits.describe()}" in "\n".join(
+                section(**{f.name: bad})._check()
+            ), (section.__name__, f.name)
+            assert not any(m.startswith(f"{f.name}=") for m in section(**{f.name: limits.ge})._check())
