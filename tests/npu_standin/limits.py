@@ -4,8 +4,11 @@ A stand-in process (``SAO_NPU_STANDIN=1``) runs npu-marked tests only: every oth
 is a CPU test, which must see ``platform.device_kind() == "cpu"`` and runs in the
 ordinary suite. Among the npu-marked tests, :data:`CANNOT_RUN` lists those that need
 something the stand-in does not model, each with the reason; they run on an NPU
-runner. A test that needs a package or extension the stand-in lacks skips through
-``tests/npu_requirements.py`` with its own reason. :data:`KNOWN_FINDINGS` lists the
+runner. :data:`CPU_TWIN_RUNS` lists cases a CPU twin already runs on the same
+functional model while another stand-in test runs their device path (skipped here to
+keep the stand-in run affordable; they run on a node). A test that needs a package or
+extension the stand-in lacks skips through ``tests/npu_requirements.py`` with its own
+reason. :data:`KNOWN_FINDINGS` lists the
 npu-marked tests that fail on the stand-in because of what it found in the code, each a
 strict xfail with the finding (an xfail, not a skip: the test runs, and fixing the code
 turns it into an XPASS that fails until the entry is removed).
@@ -70,6 +73,21 @@ KNOWN_FINDINGS: Dict[str, str] = {
 }
 
 
+#: npu-marked cases whose arithmetic a CPU twin runs on the same functional model, and whose
+#: device path another stand-in test already runs: the stand-in skips them (its run is
+#: otherwise the CPU twin's again); on a node they run on the device
+CPU_TWIN_RUNS: Dict[str, str] = {
+    "tests/ops/test_fused_npu.py::test_fused_lim_serves_verify_rows_sharing_a_row": (
+        "the CPU twin tests/ops/test_fused_cpu_model.py runs the same check_lim_verify_rows on the functional "
+        "model; the fused LIM on npu tensors runs in test_fused_lim_matches_reference_over_steps"
+    ),
+    "tests/sparse_decode/test_engine_fused_npu.py::test_engine_fused_copy_sfa_on_the_npu_matches_full_kv[4]": (
+        "the CPU twin tests/sparse_decode/test_engine_fused_cpu_model.py runs 4 heads (padded to 8) on the "
+        "functional model; the engine's fused branch on npu tensors runs in the [16] case"
+    ),
+}
+
+
 def reason_for(nodeid: str, table: Dict[str, str] = CANNOT_RUN):
     """The entry of ``table`` for ``nodeid`` (a node id, or a module / test it belongs
     to); ``None``: none."""
@@ -80,12 +98,13 @@ def reason_for(nodeid: str, table: Dict[str, str] = CANNOT_RUN):
 
 
 def mark_collected(items) -> None:
-    """Skip what a stand-in process does not run (CPU tests; :data:`CANNOT_RUN`)."""
+    """Skip what a stand-in process does not run (CPU tests; :data:`CANNOT_RUN`;
+    :data:`CPU_TWIN_RUNS`)."""
     for item in items:
         if "npu" not in item.keywords:
             item.add_marker(pytest.mark.skip(reason=CPU_TESTS_REASON))
             continue
-        reason = reason_for(item.nodeid)
+        reason = reason_for(item.nodeid) or reason_for(item.nodeid, CPU_TWIN_RUNS)
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=f"npu stand-in: {reason}"))
             continue

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+import npu_standin
 import pytest
 from npu_requirements import npu_present, require_npu, require_npu_extension, requires
 
@@ -33,6 +34,9 @@ from sglang_ascend_offload.ops import fused, registry
 from .test_engine_equivalence import STAND_IN_SEED, STAND_IN_STEPS, Dims, pool_tokens, run_against_full_kv
 
 ATTN_TOL = 2e-2  # the fused kernels' bf16 tolerance (docs/fused_ops.md, tests/ops/test_fused_npu.py)
+#: steps on the npu stand-in: its Copy-SFA is the functional model, whose arithmetic the CPU twin
+#: (test_engine_fused_cpu_model.py, 12 steps) runs; the stand-in's point is the device path
+STANDIN_STEPS = 12
 
 # Shapes the fused Copy-SFA serves. Contexts reach beyond top-k, so selections are both
 # whole contexts (padded with -1) and random subsets; the hot buffer holds two top-k.
@@ -84,7 +88,8 @@ def test_engine_fused_copy_sfa_on_the_npu_matches_full_kv(heads, monkeypatch):
         ("copy_sparse_flash_attention", "fused"),
         OpImpl("copy_sparse_flash_attention", "fused", counted, real.unavailable),
     )
+    steps = STANDIN_STEPS if npu_standin.installed() else STAND_IN_STEPS
     stats = run_against_full_kv(
-        "lru", STAND_IN_STEPS, seed=STAND_IN_SEED, ops="fused", dims=dims, device="npu", attention_tol=ATTN_TOL
+        "lru", steps, seed=STAND_IN_SEED, ops="fused", dims=dims, device="npu", attention_tol=ATTN_TOL
     )
-    assert stats.steps == STAND_IN_STEPS and len(calls) == STAND_IN_STEPS * dims.layers
+    assert stats.steps == steps and len(calls) == steps * dims.layers
