@@ -53,6 +53,10 @@ pytestmark = pytest.mark.slow
 VOCAB = 1024
 
 
+# the reference server's attention stage as its operator plan logs it
+REFERENCE_ATTENTION_PLAN = r"sparse decode engine attention: copy_miss_rows\[reference[^]]*\] \+ sparse_mla_attention\["
+
+
 def prompt(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % (VOCAB - 8) + 4 for i in range(n)]
 
@@ -113,8 +117,10 @@ def test_fused_rung_serves_the_reference_rung_tokens(tmp_path, indexer_dtype, gr
     assert len(got["long"]) == 16 and [len(t) for t in got["batch"]] == [10] * 4
     lim = "quant_lightning_indexer_manage" if indexer_dtype == "int8" else "lightning_indexer_manage"
     log = fused.log_path.read_text(errors="replace")
-    assert f"sparse decode engine indexer: {lim} (ops=fused)" in log, "the fused server did not plan the fused indexer"
-    assert "sparse decode engine attention: copy_sparse_flash_attention (ops=fused)" in log
+    assert f"sparse decode engine indexer: {lim}[fused] (ops=fused)" in log, (
+        "the fused server did not plan the fused indexer"
+    )
+    assert "sparse decode engine attention: copy_sparse_flash_attention[fused] (ops=fused)" in log
     assert f"decode steps select and manage residency with the fused {lim}" in log
     # before serving, the fused kernels qualified against the separate operators at the served shapes
     label = "LIM-C8" if indexer_dtype == "int8" else "LIM"
@@ -128,7 +134,9 @@ def test_fused_rung_serves_the_reference_rung_tokens(tmp_path, indexer_dtype, gr
             "no padded replay of the decode graph"
         )
     ref_log = reference.log_path.read_text(errors="replace")
-    assert "sparse decode engine attention: copy_miss_rows+sparse_mla_attention" in ref_log
+    assert re.search(
+        r"sparse decode engine attention: copy_miss_rows\[reference[^]]*\] \+ sparse_mla_attention\[", ref_log
+    )
     assert "kernel qualification" not in ref_log  # no fused op, nothing to qualify
     assert re.search(r"sparse decode offload startup: [\d.]+ s: host-pool allocation", ref_log)
 
@@ -175,12 +183,14 @@ def test_fused_rung_serves_nextn_verify_rows_with_the_reference_rung_tokens(tmp_
     assert got == want
     assert len(got["long"]) == 16 and [len(t) for t in got["batch"]] == [10] * 4
     log = fused.log_path.read_text(errors="replace")
-    assert "sparse decode engine indexer: lightning_indexer_manage (ops=fused)" in log, log[-3000:]
-    assert "sparse decode engine attention: copy_sparse_flash_attention (ops=fused)" in log
+    assert "sparse decode engine indexer: lightning_indexer_manage[fused] (ops=fused)" in log, log[-3000:]
+    assert "sparse decode engine attention: copy_sparse_flash_attention[fused] (ops=fused)" in log
     # every target decode step of a speculative server is a verify step: the fused LIM ran them
     assert "decode steps select and manage residency with the fused lightning_indexer_manage" in log
     assert "kernel qualification: LIM, Copy-SFA qualified in" in log
     assert "2 verify rows per request" in log  # qualified at the served verify-row shape
     assert "Traceback" not in log
     ref_log = reference.log_path.read_text(errors="replace")
-    assert "sparse decode engine attention: copy_miss_rows+sparse_mla_attention" in ref_log
+    assert re.search(
+        r"sparse decode engine attention: copy_miss_rows\[reference[^]]*\] \+ sparse_mla_attention\[", ref_log
+    )
