@@ -10,7 +10,13 @@ heads; 256 hot slots, page 64). Three pairs of servers, ``ops: "fused"`` against
 * ``int8``: LIM-C8; the fused server decodes on SGLang's CPU graph runner
   (``--enable-torch-compile``, one bucket of 3: the fused ops inside the captured step);
 * ``spec``: NextN through SGLang's EAGLE worker, two verify rows per request sharing the
-  request's hot buffer (real acceptance: the trained draft layer agrees often enough).
+  request's hot buffer of 128 slots (one top-k: a round's union past it overflows, read by
+  Copy-SFA as its ``overflow`` operand); real acceptance (the trained draft layer agrees
+  often enough).
+
+Every fused server's log shows its operator plan and that the fused ops qualified against
+the separate operators at the served shapes before serving (``ops/qualify.py``); the
+reference servers have nothing to qualify.
 
 Each pair serves the same greedy requests (held-out source text): a prompt longer than
 three hot buffers (the residency evicts every step), a concurrent batch (rows finishing
@@ -22,17 +28,28 @@ which never runs the fused kernels).
 
 What must hold, fused against reference:
 
-* **tokens**: identical, or token agreement >= :data:`MIN_AGREEMENT` with every
-  divergence at a near-tie (the reference's top-2 logprob gap there <= :data:`NEAR_TIE`,
-  printed with ``-s``): the fused attention's summation order differs within its stated
-  tolerance (``docs/fused_ops.md``: ``|out - ref| <= 2e-2 + 2e-2 |ref|``), which may flip a
-  tie and nothing else;
-* **logprobs**: every teacher-forced step's logprob within :data:`LOGPROB_BOUND`, and the
-  greedy requests' logprobs before any divergence within it too;
+* **tokens**: the fused attention's summation order differs within its stated tolerance
+  (``docs/fused_ops.md``: ``|out - ref| <= 2e-2 + 2e-2 |ref|``), and the servers' logits are
+  bf16, so exact ties of the top-2 logits occur; a flipped tie is the only divergence
+  allowed. Teacher-forced (the same context on both servers): argmax agreement >=
+  :data:`MIN_AGREEMENT`, every disagreement at a near-tie (the reference's top-2 logprob
+  gap <= :data:`NEAR_TIE`, printed with ``-s``). Free-running greedy: every divergence at a
+  near-tie (after one, the two texts differ and compare nothing); NextN verify rows (no
+  teacher forcing there): agreement over the compared tokens >= :data:`MIN_AGREEMENT`;
+* **logprobs**: every teacher-forced step's logprob, and the greedy requests' logprobs
+  before any divergence, within :data:`LOGPROB_BOUND`;
 * **NLL**: the held-out decode-path NLL within :data:`NLL_BOUND` (0.01 nats/token);
 * shadow verification (``verify_sample_rate: 1.0`` on every eager server: exact on the
   reference rung, within the fused tolerance on the fused one) checked rows and found no
   mismatch.
+
+Measured (2026-12-06, this machine under load): bf16 greedy and teacher-forced agreement
+1.0, max |logprob difference| 0.029, NLL 5.1447 (reference), fused - reference 3e-6;
+int8 (fused in graphs) teacher-forced agreement 0.993 (one of 144 steps, an exact tie:
+top-2 gap 0.0), two free-running divergences, both at exact ties, max |logprob
+difference| 0.029, NLL difference 9e-4; NextN verify rows agreement 1.0. Negative control:
+max |logprob difference| 1.48, NLL difference 0.058.
+The int8 indexer's decode-path NLL is 5.1437 against bf16's 5.1447.
 
 Negative controls on the running bf16 pair (harness ``fault`` seams behind flag files,
 switched on for one request each): a Copy-SFA kernel that attends before its row's copy
@@ -59,12 +76,13 @@ from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED_K128, trained
 pytestmark = pytest.mark.slow
 
 MODEL = TINY_DSA_TRAINED_K128
-HOT_TOKENS = 256  # 2 x top-k 128; 2 verify rows x 128 for the spec pair
+HOT_TOKENS = 256  # 2 x top-k 128
+SPEC_HOT_TOKENS = 128  # one top-k for 2 verify rows: their unions overflow (issue 50)
 MIN_AGREEMENT = 0.98
 NEAR_TIE = 0.1  # nats: a divergence is legitimate only where the reference's top-2 are this close
 LOGPROB_BOUND = 0.05  # nats per token, fused vs reference (teacher-forced and greedy common prefixes)
 NLL_BOUND = 0.01  # nats/token, decode-path held-out NLL
-INT8_NLL_BOUND = 0.05  # nats/token, int8 indexer vs bf16 indexer (quantised top-k)
+INT8_NLL_BOUND = 0.02  # nats/token, int8 indexer vs bf16 indexer (quantised top-k; measured 0.001)
 PROMPT_TOKENS, FORCED_TOKENS = 600, 48  # teacher forcing: > 2 hot buffers of context, then decode
 GRAPHS = ["--enable-torch-compile", "--cuda-graph-bs-decode", "3", "--torch-compile-max-bs", "3"]
 GRAPH_STARTUP_S = 900.0  # torch.compile on a loaded 2-core machine
@@ -79,7 +97,10 @@ def windows():
 
 def _server(root: Path, pair: str, ops: str) -> ServerProcess:
     graphs = pair == "int8" and ops == "fused"
-    offload = {"hot_tokens": HOT_TOKENS, "ops": ops, "indexer_dtype": "int8" if pair == "int8" else "bf16"}
+    # NextN: 2 verify rows x top-k 128 share one top-k of slots, so a round's union may overflow
+    # the hot row (the overflow area beside the kernels, Copy-SFA's ``overflow`` operand)
+    hot = SPEC_HOT_TOKENS if pair == "spec" else HOT_TOKENS
+    offload = {"hot_tokens": hot, "ops": ops, "indexer_dtype": "int8" if pair == "int8" else "bf16"}
     if not graphs:  # shadow verification runs in eager steps only
         offload.update(verify_sample_rate=1.0, verify_action="log")
     extra = ["--max-running-requests", "3", "--enable-metrics", "--enable-sparse-decode-offload"]
@@ -184,14 +205,16 @@ def top2_gap(record: dict, step: int) -> float:
 
 
 def compare_greedy(got: dict, want: dict, label: str) -> float:
-    """Token agreement (common-prefix tokens / all tokens); asserts every divergence is at a
-    near-tie of the reference and the common prefixes' logprobs within the bound."""
-    same = total = 0
+    """Free-running greedy requests: every divergence is at a near-tie of the reference, and
+    the logprobs before it are within the bound. Returns the agreement over the compared
+    tokens (each request's common prefix and its first divergence; after a divergence the
+    two continue different texts, which compare nothing)."""
+    same = compared = 0
     for g, w in zip(_records(got), _records(want)):
         gi, wi = g["output_ids"], w["output_ids"]
         assert len(gi) == len(wi)
         n = next((i for i, (a, b) in enumerate(zip(gi, wi)) if a != b), len(wi))
-        same, total = same + n, total + len(wi)
+        same, compared = same + n, compared + min(n + 1, len(wi))
         glp = [t[0] for t in g["meta_info"]["output_token_logprobs"][:n]]
         wlp = [t[0] for t in w["meta_info"]["output_token_logprobs"][:n]]
         worst = max((abs(a - b) for a, b in zip(glp, wlp)), default=0.0)
@@ -200,9 +223,23 @@ def compare_greedy(got: dict, want: dict, label: str) -> float:
             gap = top2_gap(w, n)
             print(f"\n{label}: divergence at step {n} of {len(wi)}; reference top-2 gap {gap:.4f}")
             assert gap <= NEAR_TIE, f"{label}: tokens diverge at step {n} where the reference's top-2 gap is {gap:.3g}"
-    agreement = same / total
-    print(f"\n{label}: token agreement {agreement:.4f} over {total} tokens")
-    assert agreement >= MIN_AGREEMENT, f"{label}: token agreement {agreement:.3f}"
+    agreement = same / compared
+    print(f"\n{label}: greedy token agreement {agreement:.4f} over {compared} compared tokens")
+    return agreement
+
+
+def forced_agreement(got: dict, want: dict, label: str) -> float:
+    """Teacher-forced steps (the same context on both servers): the fraction where the two
+    argmaxes agree, >= :data:`MIN_AGREEMENT`, every disagreement at a near-tie of the
+    reference (its top-2 gap there printed)."""
+    pairs = [(a, b) for tag in want for a, b in zip(got[tag.replace("reference", "fused", 1)], want[tag])]
+    differ = [(a, b) for a, b in pairs if a.argmax != b.argmax]
+    for a, b in differ:
+        print(f"\n{label}: argmax differs at {b.tag} step {b.step}; reference top-2 gap {b.top2_gap:.4f}")
+        assert b.top2_gap <= NEAR_TIE, f"{label}: argmax differs where the reference's top-2 gap is {b.top2_gap:.3g}"
+    agreement = 1 - len(differ) / len(pairs)
+    print(f"\n{label}: teacher-forced argmax agreement {agreement:.4f} over {len(pairs)} steps")
+    assert agreement >= MIN_AGREEMENT, f"{label}: argmax agreement {agreement:.3f}"
     return agreement
 
 
@@ -229,17 +266,24 @@ def shadow_counts(server) -> tuple:
 
 
 def _plan_logged(server, indexer: str) -> None:
-    """The fused server's logged operator plan chose the fused ops (and decode used them)."""
+    """The fused server's logged operator plan chose the fused ops (and decode used them), and
+    they qualified against the separate operators at the served shapes before serving."""
     log = server.log_path.read_text(errors="replace")
     assert re.search(rf"sparse decode engine indexer: {indexer}(\[fused\])? \(ops=fused\)", log), "no fused indexer"
     assert re.search(r"sparse decode engine attention: copy_sparse_flash_attention(\[fused\])? \(ops=fused\)", log)
     assert f"decode steps select and manage residency with the fused {indexer}" in log
+    label = "LIM-C8" if indexer.startswith("quant") else "LIM"
+    assert f"kernel qualification: {label}, Copy-SFA qualified in" in log
+    assert re.search(r"sparse decode offload startup: [\d.]+ s: host-pool allocation .* kernel qualification", log)
     assert "Traceback" not in log
 
 
 def _separate_ops_logged(server) -> None:
+    """The reference server ran the separate operators and had nothing to qualify."""
     log = server.log_path.read_text(errors="replace")
     assert re.search(r"sparse decode engine attention: copy_miss_rows(\[[^]]*\])? ?\+ ?sparse_mla_attention", log)
+    assert "kernel qualification" not in log
+    assert re.search(r"sparse decode offload startup: [\d.]+ s: host-pool allocation", log)
 
 
 # ----------------------------------------------------------------------------- bf16 pair
@@ -248,6 +292,7 @@ def _separate_ops_logged(server) -> None:
 def test_fused_bf16_serves_the_reference_tokens(pairs):
     res = pairs.result("bf16")
     compare_greedy(res["fused"], res["reference"], "bf16")
+    forced_agreement(res["fused_forced"], res["reference_forced"], "bf16")
     fused, reference = pairs.servers("bf16")
     _plan_logged(fused, "lightning_indexer_manage")
     _separate_ops_logged(reference)
@@ -317,6 +362,7 @@ def test_shadow_verification_reports_a_stale_hot_row(pairs):
 def test_fused_int8_serves_the_reference_tokens_from_captured_graphs(pairs):
     res = pairs.result("int8")
     compare_greedy(res["fused"], res["reference"], "int8")
+    forced_agreement(res["fused_forced"], res["reference_forced"], "int8")
     fused, reference = pairs.servers("int8")
     _plan_logged(fused, "quant_lightning_indexer_manage")
     log = fused.log_path.read_text(errors="replace")
@@ -351,9 +397,11 @@ def test_int8_indexer_nll_stays_near_the_bf16_indexer(pairs):
 
 def test_fused_verify_rows_serve_the_reference_tokens(pairs):
     res = pairs.result("spec")
-    compare_greedy(res["fused"], res["reference"], "spec")
+    assert compare_greedy(res["fused"], res["reference"], "spec") >= MIN_AGREEMENT
     fused, reference = pairs.servers("spec")
     _plan_logged(fused, "lightning_indexer_manage")
+    assert "2 verify rows per request" in fused.log_path.read_text(errors="replace")  # qualified at that shape
+    _separate_ops_logged(reference)
     for out in _records(res["fused"]) + _records(res["reference"]):
         assert out["meta_info"]["spec_verify_ct"] > 0
     accepted = [r["meta_info"]["spec_accept_length"] for r in _records(res["reference"])]
