@@ -79,7 +79,7 @@ if [[ $install -eq 1 ]]; then
     cmake --install "$build"
     "$python" -c "import torch, torch_npu, sglang_ascend_offload._C_ascend; ns = torch.ops.sglang_ascend_offload; \
 print('installed:', [n for n in ('npu_fused_lightning_indexer_manage', 'npu_fused_quant_lightning_indexer_manage', \
-'npu_fused_scatter_copy_sparse_flash_attention', 'npu_fused_register_host_memory') if hasattr(ns, n)])"
+'npu_fused_scatter_copy_sparse_flash_attention', 'npu_fused_copy_miss_rows', 'npu_fused_register_host_memory') if hasattr(ns, n)])"
 else
     echo "built in $build (re-run with --install to put _C_ascend into sglang_ascend_offload/)"
 fi

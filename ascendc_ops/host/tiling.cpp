@@ -254,5 +254,39 @@ Launch TileCopySfa(const CopySfaShape &s)
     return launch;
 }
 
+// ------------------------------------------------------------------ miss copy
+std::string CheckCopyRows(const CopyRowsShape &s)
+{
+    std::ostringstream e;
+    if (s.rowDim == 0) e << "row width D must be >= 1; ";
+    uint64_t ub = 2ull * kMissBatch * AlignTo(s.rowDim, kUbRowAlign) * 2;
+    if (ub > kCopyRowsPoolBytes)
+        e << "rows of " << s.rowDim << " bf16 columns exceed the copy's UB (" << kMissBatch << " x 2 rows, at most "
+          << kCopyRowsPoolBytes / (4 * kMissBatch) << " columns); ";
+    if (s.hotTokens == 0) e << "hot slots per row must be >= 1; ";
+    if (s.missWidth == 0) e << "miss lists must have >= 1 column; ";
+    if (s.maxCtx == 0) e << "token_table must have >= 1 column; ";
+    return e.str();
+}
+
+Launch TileCopyRows(const CopyRowsShape &s)
+{
+    auto &platform = *Platform();
+    CopyRowsTiling t{};
+    t.entries = s.entries;
+    t.rowDim = s.rowDim;
+    t.ubRowDim = AlignTo(s.rowDim, kUbRowAlign);
+    t.hotTokens = s.hotTokens;
+    t.missWidth = s.missWidth;
+    t.maxCtx = s.maxCtx;
+    Launch launch;
+    launch.blockDim = BlockDim(platform, s.entries);
+    t.vectorCores = launch.blockDim * std::max(1u, platform.GetCoreNumAiv() / std::max(1u, platform.GetCoreNumAic()));
+    launch.tiling.assign(kTilingBytes, 0);
+    PutStruct(launch.tiling, t);
+    launch.workspaceBytes = platform.GetLibApiWorkSpaceSize();  // the runtime's system workspace only
+    return launch;
+}
+
 }  // namespace host
 }  // namespace sao

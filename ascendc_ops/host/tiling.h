@@ -40,14 +40,22 @@ struct CopySfaShape {
     uint32_t rowTokens = 1;  // query tokens a row may serve (a request's verify rows, <= kMaxRowTokens)
 };
 
+// Shapes of one miss copy (rows form): batch entries, row width, hot slots per row, miss
+// list columns, token-table columns.
+struct CopyRowsShape {
+    uint32_t entries, rowDim, hotTokens, missWidth, maxCtx;
+};
+
 // Empty string when the kernel supports the shape, else the violated limit.
 std::string CheckLim(const LimShape &s);
 std::string CheckCopySfa(const CopySfaShape &s);
+std::string CheckCopyRows(const CopyRowsShape &s);
 
 // Tiling for a supported shape (call the check first). Queries the SoC through
 // platform_ascendc (core counts, Matmul API workspace) and the Matmul tiling API.
 Launch TileLim(const LimShape &s);
 Launch TileCopySfa(const CopySfaShape &s);
+Launch TileCopyRows(const CopyRowsShape &s);
 
 // Entries of a LIM row step: min(tokens_per_row x K, Hh) (the union's positions past Hh
 // overflow: the step keeps the first Hh by priority).

@@ -8,7 +8,8 @@
  *   npu_fused_lightning_indexer_manage        LIM     (bf16 indexer + residency manage)
  *   npu_fused_quant_lightning_indexer_manage  LIM-C8  (int8 Hadamard-rotated indexer)
  *   npu_fused_scatter_copy_sparse_flash_attention     Copy-SFA
- *   npu_fused_register_host_memory            maps a host pool for Copy-SFA
+ *   npu_fused_copy_miss_rows                  the miss copy on its own (rows form)
+ *   npu_fused_register_host_memory            maps a host pool for Copy-SFA and the miss copy
  *
  * Residency state is per row (docs/residency_contract.md): slot_token int32 [R, Hh],
  * slot_stamp int64 [R, Hh], row_req int64 [R], updated in place (annotated (a!) ...).
@@ -44,6 +45,7 @@
 #include "aclrtlaunch_sao_lightning_indexer_manage.h"
 #include "aclrtlaunch_sao_quant_lightning_indexer_manage.h"
 #include "aclrtlaunch_sao_scatter_copy_sparse_flash_attention.h"
+#include "aclrtlaunch_sao_copy_miss_rows.h"
 
 #include "fused_tiling.h"
 #include "tiling.h"
@@ -144,7 +146,7 @@ int64_t RegisterHostMemory(const at::Tensor &host, int64_t deviceAddress)
 }
 
 // Device-side address of a host tensor's data (a registered region) or a device tensor's.
-void *DeviceAddress(const at::Tensor &host)
+void *DeviceAddress(const at::Tensor &host, const char *op = "Copy-SFA")
 {
     if (!host.device().is_cpu()) {
         return host.data_ptr();
@@ -157,7 +159,7 @@ void *DeviceAddress(const at::Tensor &host)
             return reinterpret_cast<void *>(r.device + (base - r.base));
         }
     }
-    TORCH_CHECK(false, "Copy-SFA: the host tensor is not in registered host memory; call "
+    TORCH_CHECK(false, op, ": the host tensor is not in registered host memory; call "
                        "torch.ops.sglang_ascend_offload.npu_fused_register_host_memory(pool) first");
     return nullptr;
 }
@@ -380,6 +382,54 @@ at::Tensor ScatterCopySparseFlashAttention(const at::Tensor &query, const at::Te
     return Np == N ? out : out.narrow(1, 0, N).contiguous();
 }
 
+// ------------------------------------------------------------------ miss copy
+void CopyMissRows(const at::Tensor &host, at::Tensor &hot, const at::Tensor &rows, const at::Tensor &miss_tokens,
+                  const at::Tensor &miss_slots, const at::Tensor &miss_count, const at::Tensor &token_table)
+{
+    const at::Device dev = hot.device();
+    CheckTensor(hot, "hot", at::kBFloat16, 3, dev);
+    int64_t Hh = hot.size(1), D = hot.size(2);
+    TORCH_CHECK(host.scalar_type() == at::kBFloat16 && host.dim() == 2 && host.size(1) == D && host.is_contiguous(),
+                "host must be a contiguous bf16 [S, ", D, "] tensor");
+    CheckTensor(rows, "rows", at::kInt, 1, dev);
+    int64_t B = rows.size(0);
+    CheckTensor(miss_tokens, "miss_tokens", at::kInt, 2, dev);
+    int64_t W = miss_tokens.size(1);
+    CheckShape(miss_tokens, "miss_tokens", {B, W});
+    CheckTensor(miss_slots, "miss_slots", at::kInt, 2, dev);
+    CheckShape(miss_slots, "miss_slots", {B, W});
+    CheckTensor(miss_count, "miss_count", at::kInt, 1, dev);
+    CheckShape(miss_count, "miss_count", {B});
+    CheckTensor(token_table, "token_table", at::kInt, 2, dev);
+    host::CopyRowsShape shape{static_cast<uint32_t>(B), static_cast<uint32_t>(D), static_cast<uint32_t>(Hh),
+                              static_cast<uint32_t>(W), static_cast<uint32_t>(token_table.size(1))};
+    std::string problem = host::CheckCopyRows(shape);
+    TORCH_CHECK(problem.empty(), "npu_fused_copy_miss_rows: shape not supported by the fused kernel: ", problem,
+                "use ops=npu for this shape");
+    if (B == 0) {
+        return;
+    }
+    void *hostAddress = DeviceAddress(host, "npu_fused_copy_miss_rows");
+    host::Launch launch = host::TileCopyRows(shape);
+    std::ostringstream key;
+    key << "copyrows:" << B << ',' << D << ',' << Hh << ',' << W << ',' << token_table.size(1);
+    at::Tensor tiling = DeviceTiling(key.str(), launch.tiling, dev);
+    at::Tensor workspace = at::empty({static_cast<int64_t>(launch.workspaceBytes)}, hot.options().dtype(at::kByte));
+    uint32_t blockDim = launch.blockDim;
+    at::Tensor keepHost = host, keepHot = hot, keepRows = rows, keepTok = miss_tokens, keepSlot = miss_slots;
+    at::Tensor keepCount = miss_count, keepTable = token_table;
+    at_npu::native::OpCommand cmd;
+    cmd.Name("SaoCopyMissRows");
+    cmd.SetCustomHandler([=]() -> int {
+        aclrtStream stream = c10_npu::getCurrentNPUStream().stream(false);
+        (void)keepHost;  // keeps the host view alive until the launch
+        return static_cast<int>(ACLRT_LAUNCH_KERNEL(sao_copy_miss_rows)(
+            blockDim, stream, hostAddress, keepHot.data_ptr(), keepRows.data_ptr(), keepTok.data_ptr(),
+            keepSlot.data_ptr(), keepCount.data_ptr(), keepTable.data_ptr(), workspace.data_ptr(), tiling.data_ptr()));
+    });
+    cmd.Run();
+}
+
 }  // namespace
 }  // namespace sao
 
@@ -435,6 +485,18 @@ at::Tensor ScatterCopySparseFlashAttention(const at::Tensor &query, const at::Te
 //   attr    tokens_per_row int   n: tokens a row may serve (1; a request's verify rows, <= 14)
 //   out     attention out  bf16  [T, N, Dl]
 //
+// npu_fused_copy_miss_rows (the miss copy on its own: the copy_miss_rows op's rows form)
+//   in      host           bf16  [S, D]         this layer's host rows (registered host memory)
+//   in/out  hot            bf16  [R, Hh, D]     the target rows (a hot buffer, or the overflow area
+//                                               as [R, X, D]); hot[rows[b], miss_slots[b, i]] =
+//                                               host[token_table[rows[b], miss_tokens[b, i]]] for
+//                                               i < miss_count[b]; nothing else is written
+//   in      rows           int32 [B]            the target row of each batch entry (distinct for
+//                                               entries with misses)
+//   in      miss_tokens    int32 [B, W], miss_slots int32 [B, W], miss_count int32 [B]
+//   in      token_table    int32 [T, max_ctx]   logical position -> host row, by row (read only
+//                                               for entries with misses)
+//
 // npu_fused_register_host_memory
 //   in      host           any dtype, CPU, contiguous (the whole host pool, 4 KiB aligned)
 //   attr    device_address int: 0 = map with aclrtHostRegister, else an existing mapping
@@ -444,6 +506,7 @@ TORCH_LIBRARY(sglang_ascend_offload, m)
     m.def("npu_fused_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, str layout_query=\"TND\", str layout_key=\"PA_BSND\", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)");
     m.def("npu_fused_quant_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor query_dequant_scale, Tensor key_dequant_scale, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, int query_quant_mode=0, int key_quant_mode=0, str layout_query=\"TND\", str layout_key=\"PA_BSND\", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)");
     m.def("npu_fused_scatter_copy_sparse_flash_attention(Tensor query, Tensor query_rope, Tensor host, Tensor(a!) hot, Tensor sparse_indices, Tensor token_rows, Tensor miss_tokens, Tensor miss_slots, Tensor miss_count, Tensor token_table, float scale_value, Tensor? overflow=None, int tokens_per_row=1) -> Tensor");
+    m.def("npu_fused_copy_miss_rows(Tensor host, Tensor(a!) hot, Tensor rows, Tensor miss_tokens, Tensor miss_slots, Tensor miss_count, Tensor token_table) -> ()");
     m.def("npu_fused_register_host_memory(Tensor host, int device_address=0) -> int");
 }
 
@@ -452,6 +515,7 @@ TORCH_LIBRARY_IMPL(sglang_ascend_offload, PrivateUse1, m)
     m.impl("npu_fused_lightning_indexer_manage", TORCH_FN(sao::LightningIndexerManage));
     m.impl("npu_fused_quant_lightning_indexer_manage", TORCH_FN(sao::QuantLightningIndexerManage));
     m.impl("npu_fused_scatter_copy_sparse_flash_attention", TORCH_FN(sao::ScatterCopySparseFlashAttention));
+    m.impl("npu_fused_copy_miss_rows", TORCH_FN(sao::CopyMissRows));
 }
 
 TORCH_LIBRARY_IMPL(sglang_ascend_offload, CPU, m)
@@ -464,6 +528,7 @@ TORCH_LIBRARY_IMPL(sglang_ascend_offload, CPU, m)
     m.impl("npu_fused_lightning_indexer_manage", TORCH_FN(sao::LightningIndexerManage));
     m.impl("npu_fused_quant_lightning_indexer_manage", TORCH_FN(sao::QuantLightningIndexerManage));
     m.impl("npu_fused_scatter_copy_sparse_flash_attention", TORCH_FN(sao::ScatterCopySparseFlashAttention));
+    m.impl("npu_fused_copy_miss_rows", TORCH_FN(sao::CopyMissRows));
 #endif
 }
 
@@ -471,7 +536,7 @@ TORCH_LIBRARY_IMPL(sglang_ascend_offload, CPU, m)
 // Importing sglang_ascend_offload._C_ascend loads this library, which runs the static
 // registrations above; the module itself has no attributes.
 static PyModuleDef g_module = {PyModuleDef_HEAD_INIT, "_C_ascend",
-                               "AscendC fused operators (LIM, LIM-C8, Copy-SFA) of sglang_ascend_offload; "
+                               "AscendC fused operators (LIM, LIM-C8, Copy-SFA, miss copy) of sglang_ascend_offload; "
                                "ops under torch.ops.sglang_ascend_offload",
                                -1, nullptr, nullptr, nullptr, nullptr, nullptr};
 

@@ -42,6 +42,8 @@ constexpr uint32_t kKvTile = 128;            // key rows per attention tile
 constexpr uint32_t kMissBatch = 16;          // rows per copy round (miss copies, attention gathers)
 constexpr uint32_t kLimPoolBytes = 144 * 1024;     // UB pool of one LIM vector core
 constexpr uint32_t kCopySfaPoolBytes = 120 * 1024; // UB pool of one Copy-SFA vector core
+constexpr uint32_t kCopyRowsPoolBytes = 64 * 1024;  // UB pool of one miss-copy vector core (two row batches)
+constexpr uint32_t kUbRowAlign = 16;                // bf16 elements per 32 B: a UB row starts 32 B-aligned
 
 constexpr uint32_t kCubeTilingOffset = 256;  // bytes; our structs stay below this
 constexpr uint32_t kCubeTilingStride = 512;  // bytes reserved per TCubeTiling
@@ -92,8 +94,20 @@ struct CopySfaTiling {
     uint32_t rowTokens;      // n: query tokens a row may serve (1, or the verify rows of a request)
 };
 
+// ------------------------------------------------------------ miss copy (rows form)
+struct CopyRowsTiling {
+    uint32_t entries;        // B: batch entries (rows of the miss lists)
+    uint32_t rowDim;         // D: bf16 columns of a host / hot row
+    uint32_t ubRowDim;       // D rounded up to kUbRowAlign (a row's stride in UB)
+    uint32_t hotTokens;      // Hh: slots per hot-buffer row
+    uint32_t missWidth;      // W: columns of miss_tokens / miss_slots
+    uint32_t maxCtx;         // token_table columns
+    uint32_t vectorCores;    // AIV cores taking part (entries are strided over them)
+};
+
 static_assert(sizeof(LimTiling) <= kCubeTilingOffset, "LimTiling overlaps the cube tiling");
 static_assert(sizeof(CopySfaTiling) <= kCubeTilingOffset, "CopySfaTiling overlaps the cube tiling");
+static_assert(sizeof(CopyRowsTiling) <= kCubeTilingOffset, "CopyRowsTiling overlaps the cube tiling");
 
 }  // namespace sao
 

@@ -25,8 +25,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from . import compile_check, functional
+from . import compile_check, copy_rows, functional
 from . import headers as hdr
+from . import model as km
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,9 +103,13 @@ def run_checks(
     results: Dict[str, functional.KernelResult] = {}
     if do_functional:
         t0 = time.monotonic()
-        _log("functional model: building and running LIM, LIM-C8, Copy-SFA against the reference compositions")
+        _log(
+            "functional model: building and running LIM, LIM-C8, Copy-SFA and the miss copy against the reference "
+            "compositions"
+        )
         try:
-            for r in functional.run(seed=seed, largest=largest, use_cache=use_cache):
+            m = km.KernelModel(km.build(use_cache))
+            for r in functional.run(seed=seed, largest=largest, model=m) + [copy_rows.check_copy_rows(m, seed=seed)]:
                 results[r.name] = r
                 report.coverage[r.name] = dict(r.coverage)
                 report.failures += [f"functional {r.name}: {f}" for f in r.failures[:10]]

@@ -56,6 +56,7 @@ KERNEL_UNITS = (
         "scatter_copy_sparse_flash_attention.cpp",
         ("sao_scatter_copy_sparse_flash_attention",),
     ),
+    ("copy_miss_rows", "copy_miss_rows.cpp", ("sao_copy_miss_rows",)),
 )
 # variant name -> extra defines (what the toolkit's MIX build defines per core type on A2/A3)
 VARIANTS = {"vec": ["-D__DAV_C220_VEC__"], "cube": ["-D__DAV_C220_CUBE__"]}

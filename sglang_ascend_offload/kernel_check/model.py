@@ -9,6 +9,7 @@ and is re-exported here under the names this package has always used (``km.build
 from __future__ import annotations
 
 from ..ops.ascendc_model import (  # noqa: F401 - re-exported for kernel_check and its tests
+    COPY_ROWS,
     COPY_SFA,
     KERNELS,
     LIM,
@@ -25,6 +26,7 @@ from ..ops.ascendc_model import (  # noqa: F401 - re-exported for kernel_check a
 )
 
 __all__ = [
+    "COPY_ROWS",
     "COPY_SFA",
     "KERNELS",
     "LIM",

@@ -3,7 +3,7 @@
 On a machine without an NPU, :func:`register` builds (first use; cached) the library of
 :mod:`.ascendc_model` -- the kernel sources of ``ascendc_ops/kernels/`` and the host
 tiling ``ascendc_ops/host/tiling.cpp`` compiled unchanged against a functional model of
-the AscendC API -- and registers the four ops of the AscendC extension under the same
+the AscendC API -- and registers the five ops of the AscendC extension under the same
 namespace, names and schemas (``ascendc_ops/host/torch_ops.cpp``, :data:`SCHEMAS`), for
 CPU tensors:
 
@@ -13,6 +13,7 @@ op (``torch.ops.sglang_ascend_offload``)        CPU implementation
 ``npu_fused_lightning_indexer_manage``           host checks, host tiling, one model launch
 ``npu_fused_quant_lightning_indexer_manage``     same, the C8 kernel entry
 ``npu_fused_scatter_copy_sparse_flash_attention`` same (heads < 8 zero-padded as the host code does)
+``npu_fused_copy_miss_rows``                     host checks, host tiling, one model launch
 ``npu_fused_register_host_memory``               records the region (CPU memory is the
                                                  kernel's "device" memory: identity mapping)
 =============================================== =============================================
@@ -55,6 +56,7 @@ SCHEMAS = {
     "npu_fused_lightning_indexer_manage": 'npu_fused_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, str layout_query="TND", str layout_key="PA_BSND", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)',  # noqa: E501
     "npu_fused_quant_lightning_indexer_manage": 'npu_fused_quant_lightning_indexer_manage(Tensor query, Tensor key, Tensor weights, Tensor query_dequant_scale, Tensor key_dequant_scale, Tensor actual_seq_lengths_query, Tensor actual_seq_lengths_key, Tensor block_table, Tensor token_rows, Tensor req_ids, Tensor stable_len, Tensor step, Tensor(a!) slot_token, Tensor(b!) slot_stamp, Tensor(c!) row_req, int query_quant_mode=0, int key_quant_mode=0, str layout_query="TND", str layout_key="PA_BSND", int sparse_count=2048, int sparse_mode=3, int tokens_per_row=1) -> (Tensor topk_indices, Tensor sparse_indices, Tensor hit_mask, Tensor slots, Tensor miss_count, Tensor miss_tokens, Tensor miss_slots)',  # noqa: E501
     "npu_fused_scatter_copy_sparse_flash_attention": "npu_fused_scatter_copy_sparse_flash_attention(Tensor query, Tensor query_rope, Tensor host, Tensor(a!) hot, Tensor sparse_indices, Tensor token_rows, Tensor miss_tokens, Tensor miss_slots, Tensor miss_count, Tensor token_table, float scale_value, Tensor? overflow=None, int tokens_per_row=1) -> Tensor",  # noqa: E501
+    "npu_fused_copy_miss_rows": "npu_fused_copy_miss_rows(Tensor host, Tensor(a!) hot, Tensor rows, Tensor miss_tokens, Tensor miss_slots, Tensor miss_count, Tensor token_table) -> ()",  # noqa: E501
     "npu_fused_register_host_memory": "npu_fused_register_host_memory(Tensor host, int device_address=0) -> int",
 }
 
@@ -109,7 +111,7 @@ def _refusal() -> Optional[str]:
 
 def register(path=None) -> None:
     """Build (first use, ~10-30 s, logged; cached by source hash) and load the model library,
-    and register the four ops for CPU tensors. Idempotent. Raises
+    and register the five ops for CPU tensors. Idempotent. Raises
     :class:`~.ascendc_model.ModelBuildError` (no compiler: says what to install; compile
     error) or ``RuntimeError`` where :func:`_refusal` says the namespace is not ours."""
     with _STATE.lock:
@@ -132,11 +134,13 @@ def register(path=None) -> None:
         library.impl("npu_fused_lightning_indexer_manage", _lim, "CPU")
         library.impl("npu_fused_quant_lightning_indexer_manage", _lim_c8, "CPU")
         library.impl("npu_fused_scatter_copy_sparse_flash_attention", _copy_sfa, "CPU")
+        library.impl("npu_fused_copy_miss_rows", _copy_rows, "CPU")
         library.impl("npu_fused_register_host_memory", _register_host_memory, "CPU")
         for name, fake in (
             ("npu_fused_lightning_indexer_manage", _lim_fake),
             ("npu_fused_quant_lightning_indexer_manage", _lim_c8_fake),
             ("npu_fused_scatter_copy_sparse_flash_attention", _copy_sfa_fake),
+            ("npu_fused_copy_miss_rows", _copy_rows_fake),
         ):
             torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=library)
         _STATE.model, _STATE.library = loaded, library
@@ -499,6 +503,46 @@ def _copy_sfa(
     return out if n_pad == n else out.narrow(1, 0, n).contiguous()
 
 
+# ------------------------------------------------------------------ miss copy
+def _check_copy_rows(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table) -> Tuple[int, ...]:
+    """The extension's argument checks of the miss copy; returns ``(B, D, Hh, W)``."""
+    _check(hot, "hot", torch.bfloat16, 3)
+    _, hh, d = hot.shape
+    if host.dtype != torch.bfloat16 or host.dim() != 2 or host.shape[1] != d or not host.is_contiguous():
+        raise RuntimeError(f"host must be a contiguous bf16 [S, {d}] tensor")
+    _check(rows, "rows", torch.int32, 1)
+    b = rows.shape[0]
+    _check(miss_tokens, "miss_tokens", torch.int32, 2)
+    w = miss_tokens.shape[1]
+    for tensor, name, shape in ((miss_tokens, "miss_tokens", (b, w)), (miss_slots, "miss_slots", (b, w))):
+        _check(tensor, name, torch.int32, 2)
+        _shape(tensor, name, shape)
+    _check(miss_count, "miss_count", torch.int32, 1)
+    _shape(miss_count, "miss_count", (b,))
+    _check(token_table, "token_table", torch.int32, 2)
+    return b, d, hh, w
+
+
+def _copy_rows(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table) -> None:
+    """``npu_fused_copy_miss_rows`` on the model: ``hot[rows[b], miss_slots[b, i]] =
+    host[token_table[rows[b], miss_tokens[b, i]]]`` for ``i < miss_count[b]``, in place."""
+    op = "npu_fused_copy_miss_rows"
+    b, d, hh, w = _check_copy_rows(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table)
+    m = model()
+    try:
+        launch = m.tile_copy_rows(entries=b, row_dim=d, hot_tokens=hh, miss_width=w, max_ctx=token_table.shape[1])
+    except am.ShapeUnsupported as exc:
+        raise _unsupported(op, exc) from None
+    if b == 0:
+        return
+    if not _is_registered_host(host):
+        raise RuntimeError(
+            f"{op}: the host tensor is not in registered host memory; call "
+            f"torch.ops.{NAMESPACE}.npu_fused_register_host_memory(pool) first"
+        )
+    m.run(am.COPY_ROWS, [host, hot, rows, miss_tokens, miss_slots, miss_count, token_table], launch)
+
+
 # ------------------------------------------------------------------ fake (meta) impls
 # Output shapes and dtypes only, so torch.compile can trace a call of the kernels.
 def _lim_outputs_like(query: torch.Tensor, rows: int, hot_tokens: int, k: int, n: int = 1):
@@ -581,3 +625,7 @@ def _copy_sfa_fake(
     tokens_per_row=1,
 ):
     return query.new_empty(query.shape)
+
+
+def _copy_rows_fake(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table) -> None:
+    return None

@@ -40,7 +40,7 @@ MODEL_DIR = ASCENDC_OPS / "tools" / "ascendc_model"
 OUT_DIR = ASCENDC_OPS / "build" / "kernel_check" / "model"
 KERNELS = ASCENDC_OPS / "kernels"
 
-LIM, LIM_C8, COPY_SFA = 0, 1, 2
+LIM, LIM_C8, COPY_SFA, COPY_ROWS = 0, 1, 2, 3
 TASK_RATION = 2  # vector cores per cube core (MIX AIC:AIV 1:2)
 
 
@@ -73,6 +73,7 @@ def _sources(kernels: Path) -> List[Path]:
         MODEL_DIR / "model_driver.cpp",
         kernels / "lightning_indexer_manage.cpp",
         kernels / "scatter_copy_sparse_flash_attention.cpp",
+        kernels / "copy_miss_rows.cpp",
         ASCENDC_OPS / "host" / "tiling.cpp",
     ]
 
@@ -189,6 +190,16 @@ class KernelModel:
             ctypes.c_char_p,
             ctypes.c_int,
         ]
+        self.lib.sao_model_tile_copy_rows.argtypes = [
+            u32p,
+            ctypes.c_uint32,
+            ctypes.c_uint32,
+            u8p,
+            ctypes.POINTER(ctypes.c_uint64),
+            u32p,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
         self.lib.sao_model_run.argtypes = [
             ctypes.c_int,
             ctypes.POINTER(ctypes.c_void_p),
@@ -282,6 +293,11 @@ class KernelModel:
         columns of the miss lists, ``0`` = ``top_k``; ``row_tokens``: tokens a row may serve)."""
         shape = [tokens, heads, latent_dim, rope_dim, rows, hot_tokens, top_k, max_ctx, miss_width, row_tokens]
         return self._tile(self.lib.sao_model_tile_copy_sfa, shape, ctypes.c_float(scale))
+
+    def tile_copy_rows(self, *, entries, row_dim, hot_tokens, miss_width, max_ctx) -> Launch:
+        """Host tiling of the miss copy (rows form) for this shape."""
+        shape = [entries, row_dim, hot_tokens, miss_width, max_ctx]
+        return self._tile(self.lib.sao_model_tile_copy_rows, shape)
 
     # --------------------------------------------------------------------- run
     def run(

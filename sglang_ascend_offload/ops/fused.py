@@ -13,6 +13,11 @@ op                                 reference composition                        
 ``copy_sparse_flash_attention``    ``copy_miss_rows`` + ``sparse_mla_attention`` flat  ``npu_fused_scatter_copy_sparse_flash_attention``
 =================================  ==================================================  ================================================
 
+The separate miss copy ``copy_miss_rows`` (``ops/residency.py``) has a ``fused`` rung too,
+``npu_fused_copy_miss_rows``: Copy-SFA's copy phase on its own, reading the misses from
+registered host memory on the device (no host read, capturable), where the fused Copy-SFA
+does not run the copy (the separate attention, the overflow area beside Copy-SFA).
+
 The ABI follows this project's residency contract (``docs/residency_contract.md``):
 state is **per row** (a row is one decode query token with its own hot buffer), not
 per request. Query tokens are TND (``[T, ...]``); ``token_rows`` int32 ``[T]`` says
@@ -76,6 +81,7 @@ __all__ = [
     "LIM_KERNEL",
     "LIM_C8_KERNEL",
     "COPY_SFA_KERNEL",
+    "COPY_ROWS_KERNEL",
 ]
 
 #: Query tokens that may share one row in the fused kernels (``kMaxRowTokens`` of
@@ -154,6 +160,7 @@ ATTENTION_RTOL = 2e-2
 LIM_KERNEL = "npu_fused_lightning_indexer_manage"
 LIM_C8_KERNEL = "npu_fused_quant_lightning_indexer_manage"
 COPY_SFA_KERNEL = "npu_fused_scatter_copy_sparse_flash_attention"
+COPY_ROWS_KERNEL = "npu_fused_copy_miss_rows"
 REGISTER_HOST_KERNEL = "npu_fused_register_host_memory"
 
 # The reference compositions call the reference rungs of their steps directly
@@ -815,6 +822,56 @@ def register_host_memory(host: torch.Tensor, device_address: Optional[int] = Non
 def _copy_sfa_unavailable():
     """Copy-SFA needs its kernel and the host-memory registration it calls on first use."""
     return fused_op_unavailable(COPY_SFA_KERNEL) or fused_op_unavailable(REGISTER_HOST_KERNEL)
+
+
+def _copy_rows_unavailable():
+    """The miss copy needs its kernel and the host-memory registration it calls on first use."""
+    return fused_op_unavailable(COPY_ROWS_KERNEL) or fused_op_unavailable(REGISTER_HOST_KERNEL)
+
+
+def copy_miss_rows_rows_fused(
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    rows: torch.Tensor,
+    miss_tokens: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    token_table: torch.Tensor,
+) -> None:
+    """AscendC miss copy (``npu_fused_copy_miss_rows``), rows form: ``hot[rows[b],
+    miss_slots[b, i]] = host[token_table[rows[b], miss_tokens[b, i]]]`` for ``i <
+    miss_count[b]``, only the misses, bit-exact, nothing else written; arguments as
+    ``residency.copy_miss_rows_rows`` (``hot`` ``[R', H, D]``: a hot buffer or the overflow
+    area). ``host`` (``[S, D]`` host rows) is read by the kernel from registered host memory
+    (registered here on first eager use; under ``torch.compile`` or a graph capture it must
+    already be: the engine registers its layers at build time). No host read of device
+    data: capturable."""
+    if host.device.type == "cpu" and not torch.compiler.is_compiling():
+        register_host_memory(host)
+    dev = hot.device
+    fused_op(COPY_ROWS_KERNEL)(
+        host,
+        hot,
+        _i32(rows, dev),
+        _i32(miss_tokens, dev),
+        _i32(miss_slots, dev),
+        _i32(miss_count, dev),
+        _i32(token_table, dev),
+    )
+
+
+@implements("copy_miss_rows", "fused", unavailable=_copy_rows_unavailable, rows_form=copy_miss_rows_rows_fused)
+def copy_miss_rows_fused(
+    host: torch.Tensor,
+    hot: torch.Tensor,
+    miss_tokens: torch.Tensor,
+    miss_slots: torch.Tensor,
+    miss_count: torch.Tensor,
+    token_table: torch.Tensor,
+) -> None:
+    """Every row's miss copy with the AscendC kernel: the rows form over rows ``0..R-1``."""
+    rows = torch.arange(hot.shape[0], dtype=torch.int32, device=hot.device)
+    copy_miss_rows_rows_fused(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table)
 
 
 @implements("copy_sparse_flash_attention", "fused", unavailable=_copy_sfa_unavailable)

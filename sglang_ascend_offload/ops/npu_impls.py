@@ -6,6 +6,14 @@ The residency step and the miss copy have no torch_npu operator of their own: th
 its own so that an operator plan on an NPU names it (never the reference rung, which
 runs there only with ``ops: "reference"``) and it is usable only where an NPU is.
 
+The npu miss copy gathers from the host pool on the host: torch_npu has no device-side
+indexed read of host memory (its aten ops take device tensors only, and an
+``aclrtHostRegister`` mapping is usable by kernels, not by torch tensors), so the miss
+rows' host slots are read back first -- one device->host read per layer step, which a
+graph capture refuses. The sync-free, capturable miss copy is the ``fused`` rung's
+(``ops/fused.py``: this project's AscendC kernel reading registered host memory), which
+``ops: auto`` picks first on an NPU with the extension built.
+
 ``torch_npu`` is imported lazily inside the wrappers and the availability checks, so
 importing this module (which the registry does everywhere) never touches it. Every
 wrapper takes exactly the reference op's arguments (see ``reference.py``) and
@@ -82,7 +90,8 @@ FUSED_KERNELS = (
     "npu_fused_lightning_indexer_manage",  # LIM
     "npu_fused_quant_lightning_indexer_manage",  # LIM-C8
     "npu_fused_scatter_copy_sparse_flash_attention",  # Copy-SFA
-    "npu_fused_register_host_memory",  # host pool -> device address for Copy-SFA
+    "npu_fused_copy_miss_rows",  # the miss copy on its own (copy_miss_rows, fused rung)
+    "npu_fused_register_host_memory",  # host pool -> device address for Copy-SFA and the miss copy
 )
 FUSED_BUILD_HINT = (
     "build ascendc_ops with CANN: bash ascendc_ops/build.sh --install "

@@ -507,6 +507,8 @@ class SparseDecodeEngine:
         self._manage_op = self.plan.impl("residency_manage")
         self._copy_op = self.plan.impl("copy_miss_rows")
         self._attention_op = self.plan.impl("sparse_mla_attention")
+        if self._tensor_pool and self._copy_sfa_op is None and self._copy_op.rung == "fused":
+            self._register_for_fused_copy()
         self.hot = HotBuffers(
             config.layers,
             config.rows,
@@ -589,6 +591,18 @@ class SparseDecodeEngine:
         if self._tensor_pool and kernels:  # register every layer's slice now, outside any captured step
             self._register_host_layers()
         return op
+
+    def _register_for_fused_copy(self) -> None:
+        """The fused miss copy reads registered host memory as Copy-SFA does: the same
+        alignment rule, and (the extension's kernel, not a test's stand-in) every layer's
+        slice registered now, outside any captured step."""
+        from ..ops import fused
+
+        kernel = self._copy_op.fn is fused.copy_miss_rows_fused  # (not a test's stand-in)
+        if kernel or self.plan.platform == "npu":
+            self._check_host_alignment()
+        if kernel:
+            self._register_host_layers()
 
     def _register_host_layers(self) -> None:
         """Register each layer's host slice with the fused Copy-SFA's extension (startup
@@ -938,7 +952,10 @@ class SparseDecodeEngine:
         """:func:`decode_layer_step` of ``layer`` over this engine's residency state and hot
         buffer with its plan's ops (residency, miss copy, attention, or Copy-SFA): the
         captured form of :meth:`run_layer` (static shapes, no host reads; what a device
-        graph records). Arguments as :func:`decode_layer_step`'s."""
+        graph records). Arguments as :func:`decode_layer_step`'s. A separate miss copy that
+        reads the miss rows' host slots back (the npu / reference rung over host memory on a
+        device) cannot be captured: refused with the fix (:meth:`_check_capturable_copy`)."""
+        self._check_capturable_copy()
         return decode_layer_step(
             self.managers[layer],
             rows,
@@ -960,6 +977,24 @@ class SparseDecodeEngine:
             direct=direct,
             copy=self._copy_op,
             overflow_view=self.overflow_view(layer),
+        )
+
+    def _check_capturable_copy(self) -> None:
+        """A captured step copies its misses (or, beside the fused Copy-SFA, its overflow
+        rows) with the plan's ``copy_miss_rows``; on a device, over a host pool in host
+        memory, its ``npu`` / ``reference`` rung gathers on the host with host slots read
+        back from the device (torch_npu has no device-side read of host memory), which a
+        graph capture refuses: say so, and what to do, before any capture starts."""
+        uses_copy = self._copy_sfa_op is None or self.hot.overflow is not None
+        rung = self._copy_op.rung
+        if self.device.type == "cpu" or not self._tensor_pool or not uses_copy or rung not in ("npu", "reference"):
+            return
+        raise RuntimeError(
+            f"a captured decode step on {self.device} cannot run the separate miss copy on the {rung} rung over "
+            "a host pool in host memory: it reads the miss rows' host slots back to gather them on the host (a "
+            "device->host read a graph capture refuses; torch_npu has no device-side read of host memory). Use "
+            'the fused miss copy ("ops": "auto" or "fused" with the AscendC extension built: bash '
+            "ascendc_ops/build.sh --install), or decode without graphs (--disable-cuda-graph)"
         )
 
     def overflow_view(self, layer: int) -> Optional[overflow.OverflowView]:

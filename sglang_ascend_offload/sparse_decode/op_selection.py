@@ -543,16 +543,17 @@ def platform_of(device) -> str:
 def host_pool_rows(sd, rows: int, row_bytes: int, platform: str, rows_per_request: int = 1) -> int:
     """Rows per layer of a sparse decode host pool asked to hold ``rows``: rounded up to
     :func:`host_rows_alignment` where the plan for ``sd`` (a ``SparseDecodeOffloadConfig``)
-    runs the fused Copy-SFA, whose extension registers each layer's slice with
-    ``aclrtHostRegister`` (logged when it rounds); ``rows`` otherwise."""
+    runs the fused Copy-SFA or the fused miss copy, whose extension registers each layer's
+    slice with ``aclrtHostRegister`` (logged when it rounds); ``rows`` otherwise."""
     plan = select_for_config(sd, platform, rows_per_request=rows_per_request, available=lambda op: None)
-    if not plan.attention.fused:  # (on CPU the kernels' functional model holds the same requirement)
+    registers = plan.attention.fused or plan.rung("copy_miss_rows").rung == "fused"
+    if not registers:  # (on CPU the kernels' functional model holds the same requirement)
         return int(rows)
     aligned = fused_host_pool_rows(rows, row_bytes)
     if aligned != rows:
         logger.info(
             "sparse decode host pool: %d rows per layer rounded up to %d (a multiple of %d): the fused "
-            "Copy-SFA registers each layer's slice, which must start 4 KiB-aligned",
+            "Copy-SFA / miss copy registers each layer's slice, which must start 4 KiB-aligned",
             rows,
             aligned,
             host_rows_alignment(row_bytes),

@@ -40,6 +40,7 @@ ENTRIES = {
     "sao_lightning_indexer_manage",
     "sao_quant_lightning_indexer_manage",
     "sao_scatter_copy_sparse_flash_attention",
+    "sao_copy_miss_rows",
 }
 
 
@@ -156,6 +157,23 @@ def test_functional_check_catches_mutated_kernels(tmp_path):
     assert any("slot_token differs" in f or "slots differs" in f for f in lim.failures), lim.failures[:3]
     sfa = functional.check_copy_sfa(m, largest=False)
     assert not sfa.ok and any("attention out of tolerance" in f for f in sfa.failures), sfa.failures[:3]
+
+
+def test_functional_check_catches_a_mutated_miss_copy(tmp_path):
+    """The miss copy with each batch's rows written to its first row's slot: the spec
+    comparison fails (the unmutated kernel passes: test_every_kernel_compiled_...)."""
+    from sglang_ascend_offload.kernel_check.copy_rows import check_copy_rows
+
+    dst = tmp_path / "kernels"
+    shutil.copytree(compile_check.KERNELS_DIR, dst)
+    src = dst / "copy_miss_rows.cpp"
+    text = src.read_text()
+    old = "int64_t dst = row * t_.hotTokens + missSlots_.GetValue(list + i0 + b);"
+    assert text.count(old) == 1
+    src.write_text(text.replace(old, "int64_t dst = row * t_.hotTokens + missSlots_.GetValue(list + i0);"))
+    res = check_copy_rows(km.KernelModel(km.build(kernels=dst)))
+    assert not res.ok and not res.bit_exact
+    assert any("rows differ from the spec" in f for f in res.failures), res.failures[:3]
 
 
 def _union_mutated_kernels(tmp: Path) -> Path:

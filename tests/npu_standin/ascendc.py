@@ -3,19 +3,20 @@ the functional model.
 
 On a node, ``bash ascendc_ops/build.sh --install`` builds the extension; importing
 ``sglang_ascend_offload._C_ascend`` registers ``TORCH_LIBRARY(sglang_ascend_offload)``:
-the four schemas, LIM / LIM-C8 / Copy-SFA for PrivateUse1 and the host-memory
-registration for CPU (``ascendc_ops/host/torch_ops.cpp``). Here a meta-path finder
+the five schemas, LIM / LIM-C8 / Copy-SFA / the miss copy for PrivateUse1 and the
+host-memory registration for CPU (``ascendc_ops/host/torch_ops.cpp``). Here a meta-path finder
 answers that import with a module whose loading registers the same: the schemas of
 ``ops/ascendc_cpu_ops.SCHEMAS`` (a CPU test holds them equal to ``torch_ops.cpp``), the
-three device ops as stand-in kernels of ``npu`` tensors, the registration for CPU
+four device ops as stand-in kernels of ``npu`` tensors, the registration for CPU
 tensors. The kernels are the functional model's (``ops/ascendc_cpu_ops.py``: the kernel
 sources compiled against a model of the AscendC API), run on the CPU memory of the
 ``npu`` tensors; ``host`` is the one operand on the host (registered memory, as on a
 node). The model's own registration in the namespace (``ascendc_cpu_ops.register``) is
 for CPU machines and stays off: the fused rung on the stand-in is the extension's path.
 
-Copy-SFA's miss rows are read by the kernel from registered host memory: counted as
-host->device transfers of the misses' bytes (``transfers.py``), at the call site.
+Copy-SFA's and the miss copy's rows are read by the kernels from registered host memory:
+counted as host->device transfers of the misses' bytes (``transfers.py``), at the call
+site.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from . import device, transfers
 
 LIM, LIM_C8 = "npu_fused_lightning_indexer_manage", "npu_fused_quant_lightning_indexer_manage"
 COPY_SFA, REGISTER = "npu_fused_scatter_copy_sparse_flash_attention", "npu_fused_register_host_memory"
+COPY_ROWS = "npu_fused_copy_miss_rows"
 
 _library: Optional[torch.library.Library] = None
 
@@ -58,6 +60,15 @@ def _copy_sfa(query, query_rope, host, hot, sparse_indices, token_rows, miss_tok
     )
 
 
+def _copy_rows(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table):
+    """The miss copy on the model; the rows the kernel reads from host memory are counted."""
+    misses = int(miss_count.to(torch.int64).sum())
+    if misses:
+        row_bytes = host.shape[1] * host.element_size()
+        transfers.record("h2d", f"{COPY_ROWS}: miss rows read from registered host memory", misses * row_bytes, True)
+    return ascendc_cpu_ops._copy_rows(host, hot, rows, miss_tokens, miss_slots, miss_count, token_table)
+
+
 def _register_on_device(host, device_address=0):
     raise NotImplementedError(
         f"Could not run '{FUSED_OP_NAMESPACE}::{REGISTER}' with arguments from the 'PrivateUse1' backend "
@@ -73,10 +84,12 @@ def _register_ops() -> None:
         lib.define(schema)
     lib.impl(REGISTER, ascendc_cpu_ops._register_host_memory, "CPU")
     namespace = getattr(torch.ops, FUSED_OP_NAMESPACE)
-    for name, kernel in ((LIM, ascendc_cpu_ops._lim), (LIM_C8, ascendc_cpu_ops._lim_c8), (COPY_SFA, _copy_sfa)):
+    kernels = ((LIM, ascendc_cpu_ops._lim), (LIM_C8, ascendc_cpu_ops._lim_c8), (COPY_SFA, _copy_sfa))
+    for name, kernel in kernels + ((COPY_ROWS, _copy_rows),):
         device.KERNELS[getattr(namespace, name).default] = kernel
     device.KERNELS[getattr(namespace, REGISTER).default] = _register_on_device
-    device.HOST_OPERANDS[getattr(namespace, COPY_SFA).default] = frozenset({"host"})
+    for name in (COPY_SFA, COPY_ROWS):
+        device.HOST_OPERANDS[getattr(namespace, name).default] = frozenset({"host"})
     _library = lib
 
 

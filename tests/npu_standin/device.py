@@ -336,6 +336,8 @@ def _wrap_outputs(info: _OpInfo, targets: Dict[object, object], out, index: int)
             return NpuTensor(value, index)
         return _tree_map(lambda x: NpuTensor(x, index) if isinstance(x, torch.Tensor) else x, value)
 
+    if not info.returns:  # an op returning nothing (it writes an argument in place)
+        return None
     if len(info.returns) == 1:
         return one(info.returns[0], out)
     return tuple(one(r, v) for r, v in zip(info.returns, out))

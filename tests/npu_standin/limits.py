@@ -60,17 +60,9 @@ CANNOT_RUN: Dict[str, str] = {
 }
 
 
-_SEPARATE_COPY_READS_BACK = (
-    "npu stand-in finding: the separate miss copy (ops/residency.py copy_miss_rows_rows, the npu rung's "
-    "rows form) indexes the host pool on the host with the miss rows' host slots, read back from the device "
-    "(Tensor.to(cpu)): one device->host read per layer step eagerly, and a graph capture refuses it"
-)
-
 #: npu-marked tests that fail on the stand-in for a reason the stand-in found in the code
 #: (not in the stand-in): strict xfails until fixed, then the XPASS fails and the entry goes
-KNOWN_FINDINGS: Dict[str, str] = {
-    "tests/sparse_decode/test_sync_free_npu.py::test_the_separate_copy_is_capturable": _SEPARATE_COPY_READS_BACK,
-}
+KNOWN_FINDINGS: Dict[str, str] = {}
 
 
 #: npu-marked cases whose arithmetic a CPU twin runs on the same functional model, and whose

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_ascend_offload.ops import fused, hadamard, registry
+from sglang_ascend_offload.ops import fused, hadamard, registry, residency
 from sglang_ascend_offload.ops.contract import ResidencyTable
 
 from .fused_scenario import Dims, Scenario
@@ -143,6 +143,16 @@ def _copy_sfa_impl(schema_names):
     return impl
 
 
+def _copy_rows_impl(schema_names):
+    def impl(*args):
+        kw = dict(zip(schema_names, args))
+        _check_abi_dtypes(kw)
+        assert kw["rows"].dtype == torch.int32
+        residency.copy_miss_rows_rows(*(kw[n] for n in schema_names))
+
+    return impl
+
+
 @pytest.fixture(scope="module")
 def stand_in_library():
     lib = torch.library.Library(NAMESPACE, "DEF")
@@ -152,6 +162,7 @@ def stand_in_library():
             argument_names(SCHEMAS[fused.LIM_C8_KERNEL]), fused.quant_lightning_indexer_manage
         ),
         fused.COPY_SFA_KERNEL: _copy_sfa_impl(argument_names(SCHEMAS[fused.COPY_SFA_KERNEL])),
+        fused.COPY_ROWS_KERNEL: _copy_rows_impl(argument_names(SCHEMAS[fused.COPY_ROWS_KERNEL])),
         fused.REGISTER_HOST_KERNEL: lambda host, device_address=0: int(host.data_ptr()),
     }
     for name, schema in SCHEMAS.items():
@@ -217,3 +228,29 @@ def test_fused_copy_sfa_wrapper_matches_the_reference_through_the_schema(fused_v
         assert torch.equal(got, want)
         assert torch.equal(hot_fus.view(torch.int16), hot_ref.view(torch.int16))
     assert fused._REGISTERED_HOST == {(sc.host.data_ptr(), sc.host.numel() * 2): sc.host.data_ptr()}
+
+
+def test_fused_miss_copy_wrappers_match_the_reference_through_the_schema(fused_via_stand_ins):
+    """The rows form (int64 rows and lists from the engine converted to the ABI's int32)
+    and the all-rows form: the same hot buffer as the reference copy, bit for bit; the
+    host registered once on first use."""
+    gen = torch.Generator().manual_seed(17)
+    host = torch.randn(300, 24, generator=gen).to(torch.bfloat16)
+    table = torch.randperm(300, generator=gen)[:240].reshape(4, 60).to(torch.int32)
+    hot_ref = torch.randn(4, 16, 24, generator=gen).to(torch.bfloat16)
+    hot_fus = hot_ref.clone()
+    rows = torch.tensor([2, 0, 3], dtype=torch.int64)
+    tokens = torch.stack([torch.randperm(60, generator=gen)[:8] for _ in range(3)]).to(torch.int64)
+    slots = torch.stack([torch.randperm(16, generator=gen)[:8] for _ in range(3)]).to(torch.int64)
+    count = torch.tensor([8, 0, 5], dtype=torch.int64)
+    residency.copy_miss_rows_rows(host, hot_ref, rows, tokens, slots, count, table)
+    fused.copy_miss_rows_rows_fused(host, hot_fus, rows, tokens, slots, count, table)
+    assert torch.equal(hot_fus.view(torch.int16), hot_ref.view(torch.int16))
+    lists = (torch.full((4, 8), -1, dtype=torch.int32),) * 2
+    all_tokens, all_slots = lists[0].clone(), lists[1].clone()
+    all_tokens[1, :3], all_slots[1, :3] = torch.tensor([5, 7, 9]), torch.tensor([15, 0, 4])
+    all_count = torch.tensor([0, 3, 0, 0], dtype=torch.int32)
+    residency.copy_miss_rows(host, hot_ref, all_tokens, all_slots, all_count, table)
+    fused.copy_miss_rows_fused(host, hot_fus, all_tokens, all_slots, all_count, table)
+    assert torch.equal(hot_fus.view(torch.int16), hot_ref.view(torch.int16))
+    assert fused._REGISTERED_HOST == {(host.data_ptr(), host.numel() * 2): host.data_ptr()}

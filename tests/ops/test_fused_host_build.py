@@ -90,6 +90,18 @@ CHECKS = textwrap.dedent(
     assert tuple(ns.npu_fused_scatter_copy_sparse_flash_attention(*sfa_args(heads=4)).shape) == (T, 4, 512)
     raises(lambda: ns.npu_fused_scatter_copy_sparse_flash_attention(*sfa_args(heads=12)), "heads must be 8")
     raises(lambda: ns.npu_fused_scatter_copy_sparse_flash_attention(*sfa_args(k=200)), "multiple of 128")
+
+    # ---- miss copy: host map, argument checks
+    W = 16
+    def copy_args(host_rows=host, rows_dtype=torch.int32, width=W):
+        return [host_rows, torch.zeros(R, 64, D, dtype=torch.bfloat16), torch.arange(B, dtype=rows_dtype),
+                torch.zeros(B, width, **i32), torch.zeros(B, W, **i32), torch.zeros(B, **i32),
+                torch.zeros(R, 100, **i32)]
+    raises(lambda: ns.npu_fused_copy_miss_rows(*copy_args(torch.zeros(S, D, dtype=torch.bfloat16))),
+           "npu_fused_copy_miss_rows: the host tensor is not in registered host memory")
+    ns.npu_fused_copy_miss_rows(*copy_args())
+    raises(lambda: ns.npu_fused_copy_miss_rows(*copy_args(rows_dtype=torch.int64)), "rows must be Int")
+    raises(lambda: ns.npu_fused_copy_miss_rows(*copy_args(width=8)), "miss_slots must have shape")
     print("host checks passed")
     """
 )

@@ -8,6 +8,7 @@ The engine's step follows the plan it was built with, and nothing else decides.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import logging
 from types import SimpleNamespace
@@ -218,6 +219,8 @@ def _counting_stand_in(monkeypatch):
         ("copy_sparse_flash_attention", "fused"),
         OpImpl("copy_sparse_flash_attention", "fused", stand_in, lambda: None),
     )
+    ref_copy = registry.implementations("copy_miss_rows")["reference"]  # ops=fused's separate copy
+    monkeypatch.setitem(_REGISTRY.impls, ("copy_miss_rows", "fused"), dataclasses.replace(ref_copy, rung="fused"))
     return calls
 
 
@@ -303,12 +306,14 @@ def test_host_pool_rows_are_rounded_to_4kib_aligned_layer_slices():
     sd = cfg.SparseDecodeOffloadConfig
     assert op_selection.host_pool_rows(sd(), 1000, 1152, "npu") == 1024  # NPU default: fused Copy-SFA
     assert op_selection.host_pool_rows(sd(ops="fused"), 1000, 1152, "npu") == 1024
-    assert op_selection.host_pool_rows(sd(fused_copy_sfa=False), 1000, 1152, "npu") == 1000
-    assert op_selection.host_pool_rows(sd(ops="npu"), 1000, 1152, "npu") == 1000
+    # the separate ops with the fused miss copy (ops=auto's first rung on an NPU) register the layers too
+    assert op_selection.host_pool_rows(sd(fused_copy_sfa=False), 1000, 1152, "npu") == 1024
+    assert op_selection.host_pool_rows(sd(ops="npu"), 1000, 1152, "npu") == 1000  # torch_npu only: no registration
     assert op_selection.host_pool_rows(sd(), 1000, 1152, "cpu") == 1000  # ops=auto on CPU: separate ops
     assert op_selection.host_pool_rows(sd(ops="fused"), 1000, 1152, "cpu") == 1024  # the functional model's rule
     assert op_selection.host_pool_rows(sd(), 1000, 1152, "npu", rows_per_request=2) == 1024  # verify rows: fused
-    assert op_selection.host_pool_rows(sd(), 1000, 1152, "npu", rows_per_request=15) == 1000  # separate ops
+    assert op_selection.host_pool_rows(sd(), 1000, 1152, "npu", rows_per_request=15) == 1024  # the fused copy
+    assert op_selection.host_pool_rows(sd(ops="npu"), 1000, 1152, "npu", rows_per_request=15) == 1000
 
 
 def test_the_engine_refuses_an_unaligned_pool_for_the_npu_fused_copy_sfa(monkeypatch):

@@ -29,6 +29,7 @@ import shutil
 from collections import Counter
 
 import pytest
+import torch
 from op_recorder import planned, record_ops
 
 from .engine_steps import FUSED, SMALL, run_steps
@@ -169,3 +170,26 @@ def test_a_policy_step_is_not_residency_manage(monkeypatch):
     assert engine.plan.rung("residency_manage").rung == "reference"  # the ghost's op, resolved
     assert "its ghost exact LRU through residency_manage[reference]" in engine.plan.residency_stage().reason
     assert not [c for c in calls if c[0] == "residency_manage"]
+
+
+@pytest.mark.skipif(not HAVE_CXX, reason="needs g++ to build the AscendC functional model")
+def test_ops_fused_with_the_separate_attention_runs_the_fused_miss_copy(monkeypatch):
+    """``ops: fused`` with ``fused_copy_sfa: false``: the separate miss copy on the fused rung
+    (the AscendC miss copy on its functional model), attention on the reference; outputs
+    equal the ``ops: reference`` run's bit for bit (only copies differ in who makes them)."""
+    from sglang_ascend_offload.ops import ascendc_cpu_ops
+
+    calls = record_ops(monkeypatch)
+    try:
+        engine, outputs = run_steps("fused", "auto", FUSED, fused_copy_sfa=False)
+        assert planned(engine.plan, ("residency", "miss_copy", "attention")) == {
+            ("residency_manage", "reference", "cpu kernel"),
+            ("copy_miss_rows", "fused", ""),
+            ("sparse_mla_attention", "reference", ""),
+        }
+        assert_ran_the_plan(engine, calls, FUSED)
+    finally:
+        ascendc_cpu_ops.unregister()
+    monkeypatch.undo()
+    _, reference = run_steps("reference", "torch", FUSED)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, reference)) and len(outputs) == len(reference)

@@ -9,7 +9,10 @@ and captured; the outputs equal the CPU reference engine's on the same inputs, b
 (the stand-in computes torch_npu's attention with the reference op; on a node the
 attention is within the rung's tolerance, ``docs/operators.md``):
 
-* ``ops: npu``: the torch_npu attention and the npu rungs of the residency step and copy;
+* ``ops: npu``: the torch_npu attention and the npu rungs of the residency step and copy
+  (eager: its captured form is refused, the torch_npu copy reads host slots back);
+* ``ops: auto`` with ``fused_copy_sfa: false``: the separate ops, the miss copy on the
+  fused rung (the AscendC miss copy), eager and captured;
 * ``ops: fused`` (Copy-SFA on the AscendC extension; the caller runs no fused indexer, so
   the residency step is separate): the npu residency rung, not the reference it used to
   be given.
@@ -32,22 +35,33 @@ pytestmark = [
 STAGES = ("residency", "miss_copy", "attention")
 
 
+SEPARATE = {
+    "npu": (dict(), ("copy_miss_rows", "npu", "")),
+    "auto-separate": (dict(fused_copy_sfa=False), ("copy_miss_rows", "fused", "")),
+}
+
+
 @requires(require_npu)
-@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
-def test_ops_npu_runs_its_plan_on_npu_rungs_only(monkeypatch, captured):
+@requires(lambda: require_npu_extension("npu_fused_copy_miss_rows"))
+@pytest.mark.parametrize("name, captured", [("npu", False), ("auto-separate", False), ("auto-separate", True)], ids=str)
+def test_the_separate_ops_run_their_plan_on_npu_rungs_only(monkeypatch, name, captured):
+    settings, copy = SEPARATE[name]
     calls = record_ops(monkeypatch)
-    engine, outputs = run_steps("npu", "auto", NPU, captured=captured, device="npu")
+    ops = "npu" if name == "npu" else "auto"
+    engine, outputs = run_steps(ops, "auto", NPU, captured=captured, device="npu", **settings)
     ran = set(calls)
-    assert planned(engine.plan, STAGES) == {
-        ("residency_manage", "npu", ""),
-        ("copy_miss_rows", "npu", ""),
-        ("sparse_mla_attention", "npu", ""),
-    }
+    assert planned(engine.plan, STAGES) == {("residency_manage", "npu", ""), copy, ("sparse_mla_attention", "npu", "")}
     assert ran == planned(engine.plan, STAGES), engine.plan.describe()
     monkeypatch.undo()
     _, reference = run_steps("reference", "torch", NPU, captured=captured)
     for got, want in zip(outputs, reference):
         assert torch.equal(got, want)
+
+
+@requires(require_npu)
+def test_the_captured_form_of_the_torch_npu_copy_is_refused():
+    with pytest.raises(RuntimeError, match="cannot run the separate miss copy on the npu rung"):
+        run_steps("npu", "auto", NPU, captured=True, device="npu")
 
 
 @requires(require_npu)

@@ -2,19 +2,22 @@
 
 * Captured (the graph path): the engine's layer step (``captured_layer_step``, the
   plan's ops) captured in an NPU graph per layer and replayed over the workload of
-  ``npu_pair.py``: the replays do 0 device->host reads, 0 host waits and no host->device
-  copy other than the miss rows (Copy-SFA reads them from registered host memory, one
-  transfer of the misses' bytes per layer step), and every replay equals an eager engine
-  (residency, hot buffer, attention) bit for bit. A device->host read inside the step
-  would already fail the capture (the stand-in refuses it, as a device does).
+  ``npu_pair.py``, with the fused Copy-SFA (the NPU default) and with the separate ops
+  (``fused_copy_sfa: false``: the fused miss copy, then torch_npu's attention): the
+  replays do 0 device->host reads, 0 host waits and no host->device copy other than the
+  miss rows (the AscendC kernel reads them from registered host memory, one transfer of
+  the misses' bytes per layer step), and every replay equals an eager engine (residency,
+  hot buffer, attention) bit for bit. A device->host read inside the step would already
+  fail the capture (the stand-in refuses it, as a device does).
+* The torch_npu miss copy (``ops="npu"``: torch_npu has no device-side read of host
+  memory, so ``copy_miss_rows_rows`` reads the miss rows' host slots back) cannot be
+  captured: the engine refuses the captured step with the fix before a capture starts.
 * Eager (``run_layer``): the count per layer step is stated per plan
   (:data:`EAGER_PER_LAYER`) and held: an added read or copy fails the test with its call
-  site. With the fused Copy-SFA (the NPU default) a layer step reads nothing back; the
-  separate miss copy (``ops="npu"``: ``copy_miss_rows_rows``) and adaptive residency's
-  direct-row copy gather from host memory with host-side indices, one device->host read
-  of the slots per layer step each: that separate path is not capturable with a host
-  pool in host memory (``test_the_separate_copy_is_capturable``, a strict xfail of the
-  stand-in, ``tests/npu_standin/limits.py``).
+  site. With the fused Copy-SFA or the fused miss copy a layer step reads nothing back;
+  the torch_npu miss copy (``ops="npu"``) and adaptive residency's direct-row copy gather
+  from host memory with host-side indices, one device->host read of the slots per layer
+  step each.
 
 npu-marked: on an NPU runner on the device (the counts come from the stand-in's
 transfer log, so there the counting assertions skip and the equality holds); in CI on
@@ -36,16 +39,26 @@ pytestmark = [pytest.mark.npu, pytest.mark.skipif(not npu_present(), reason="nee
 
 STEPS = 5
 COPY_SFA_READ = fused.COPY_SFA_KERNEL + ": miss rows read from registered host memory"
+COPY_ROWS_READ = fused.COPY_ROWS_KERNEL + ": miss rows read from registered host memory"
 #: device->host reads / host->device copies / host waits of one eager ``run_layer`` on an
-#: NPU, per engine setting: Copy-SFA reads the misses itself (the one h2d); the separate copy
-#: reads the miss rows' host slots back (d2h) and copies the staged rows (h2d); adaptive
-#: residency's direct rows do the same once more for the positions they copy
+#: NPU, per engine setting: Copy-SFA reads the misses itself (the one h2d), as does the fused
+#: miss copy beside the separate attention; the torch_npu copy reads the miss rows' host
+#: slots back (d2h) and copies the staged rows (h2d); adaptive residency's direct rows do
+#: the same once more for the positions they copy
 EAGER_PER_LAYER = {
     "auto": {"d2h": 0, "h2d": 1, "sync": 0},
+    "auto-separate": {"d2h": 0, "h2d": 1, "sync": 0},
     "npu": {"d2h": 1, "h2d": 1, "sync": 0},
     "adaptive": {"d2h": 1, "h2d": 2, "sync": 0},
 }
-CONFIGS = {"auto": dict(ops="auto"), "npu": dict(ops="npu"), "adaptive": dict(ops="auto", residency="adaptive")}
+CONFIGS = {
+    "auto": dict(ops="auto"),
+    "auto-separate": dict(ops="auto", fused_copy_sfa=False),
+    "npu": dict(ops="npu"),
+    "adaptive": dict(ops="auto", residency="adaptive"),
+}
+#: what the captured step's replays may copy to the device: the misses, read by the kernel
+CAPTURED = {"auto": COPY_SFA_READ, "auto-separate": COPY_ROWS_READ}
 
 
 def _ready():
@@ -78,13 +91,16 @@ class Static:
 
 
 @requires(_ready)
-def test_the_captured_layer_step_replays_without_host_traffic_and_equals_eager():
+@pytest.mark.parametrize("name", list(CAPTURED))
+def test_the_captured_layer_step_replays_without_host_traffic_and_equals_eager(name):
     from npu_standin import transfers
 
     steps = npu_pair.workload(STEPS)
     table = npu_pair.token_table()
-    graphed, eager = npu_pair.engine("npu", ops="auto"), npu_pair.engine("npu", ops="auto")
-    assert graphed.plan.attention.fused  # the NPU default: the fused Copy-SFA
+    graphed, eager = npu_pair.engine("npu", **CONFIGS[name]), npu_pair.engine("npu", **CONFIGS[name])
+    # the NPU default: the fused Copy-SFA; or the separate ops with the fused miss copy
+    assert graphed.plan.attention.fused == (name == "auto")
+    assert graphed.copy_op.rung == "fused"
     statics = [Static(steps[0], layer, table) for layer in range(npu_pair.LAYERS)]
     graphs, outs = [], []
     for st in statics:
@@ -110,12 +126,12 @@ def test_the_captured_layer_step_replays_without_host_traffic_and_equals_eager()
             out, res = outs[layer]
             where = f"step {index} layer {layer}"
             assert torch.equal(out.cpu(), want.output.cpu()), where
-            for name in npu_pair.RESIDENCY_FIELDS:
-                assert torch.equal(getattr(res, name).cpu(), getattr(want.residency, name).cpu()), (where, name)
+            for field in npu_pair.RESIDENCY_FIELDS:
+                assert torch.equal(getattr(res, field).cpu(), getattr(want.residency, field).cpu()), (where, field)
             assert torch.equal(graphed.hot.layer(layer).cpu(), eager.hot.layer(layer).cpu()), where
             if npu_standin.installed():
                 assert seen.count("d2h") == 0 and seen.count("sync") == 0, seen.seen
-                assert {t.what for t in seen.of("h2d")} <= {COPY_SFA_READ}, seen.seen
+                assert {t.what for t in seen.of("h2d")} <= {CAPTURED[name]}, seen.seen
                 misses = int(want.residency.miss_count.sum())
                 row_bytes = (npu_pair.LATENT + npu_pair.ROPE) * 2
                 assert sum(t.nbytes for t in seen.of("h2d")) == misses * row_bytes, where
@@ -146,18 +162,18 @@ def test_the_eager_layer_step_moves_what_is_stated(name):
 
 
 @requires(_ready)
-def test_the_separate_copy_is_capturable():
-    """The separate miss copy (``ops="npu"``) captured in a graph over a host pool in host
-    memory: what a device graph would need of the non-fused path."""
+def test_the_torch_npu_copy_refuses_capture_with_the_fix():
+    """The torch_npu miss copy (``ops="npu"``) over a host pool in host memory: the captured
+    step is refused before a capture starts, saying why and what to set (it used to read
+    the miss rows' host slots back inside the capture, which a device refuses)."""
     engine = npu_pair.engine("npu", ops="npu")
+    assert engine.copy_op.rung == "npu"
     st = Static(npu_pair.workload(1)[0], 0, npu_pair.token_table())
-    g = torch.npu.NPUGraph()
-    with torch.npu.graph(g):
+    with pytest.raises(RuntimeError, match=r"separate miss copy on the npu rung.*ascendc_ops/build.sh --install"):
         engine.captured_layer_step(
             0, st.rows, st.topk, st.req, st.stable, st.step,
             engine.pool.layer(0), st.table, st.query, st.rope, npu_pair.SCALE,
         )  # fmt: skip
-    g.replay()
 
 
 @requires(_ready)

@@ -56,6 +56,7 @@ extern "C" void sao_quant_lightning_indexer_manage(GM_ADDR, GM_ADDR, GM_ADDR, GM
 extern "C" void sao_scatter_copy_sparse_flash_attention(GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR,
                                                         GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR,
                                                         GM_ADDR, GM_ADDR);
+extern "C" void sao_copy_miss_rows(GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR);
 
 namespace {
 void Error(char *err, int len, const std::string &msg)
@@ -125,14 +126,36 @@ int sao_model_tile_copy_sfa(const uint32_t *shape, float scale, uint32_t aic, ui
     }
 }
 
-// kernel: 0 LIM (22 args), 1 LIM-C8 (24 args), 2 Copy-SFA (14 args). ranges: (address, bytes)
+// shape: entries, rowDim, hotTokens, missWidth, maxCtx.
+int sao_model_tile_copy_rows(const uint32_t *shape, uint32_t aic, uint32_t aiv, uint8_t *tiling,
+                             uint64_t *workspace, uint32_t *blockDim, char *err, int errLen)
+{
+    try {
+        sao_model_host::g_aicCores = aic;
+        sao_model_host::g_aivCores = aiv;
+        sao::host::CopyRowsShape s{shape[0], shape[1], shape[2], shape[3], shape[4]};
+        std::string problem = sao::host::CheckCopyRows(s);
+        if (!problem.empty()) {
+            Error(err, errLen, problem);
+            return 1;
+        }
+        sao::host::Launch launch = sao::host::TileCopyRows(s);
+        Finish(launch, tiling, workspace, blockDim);
+        return 0;
+    } catch (const std::exception &e) {
+        Error(err, errLen, e.what());
+        return 2;
+    }
+}
+
+// kernel: 0 LIM (22 args), 1 LIM-C8 (24 args), 2 Copy-SFA (14 args), 3 miss copy (9 args). ranges: (address, bytes)
 // pairs of every GM buffer of the launch. order: the vector cores, a permutation of
 // 0 .. blockDim * ratio - 1. Returns 0, or 1 with the model's fault in err.
 int sao_model_run(int kernel, void **a, int nargs, uint32_t blockDim, uint32_t ratio, const uint32_t *order,
                   int norder, const uint64_t *ranges, int nranges, char *err, int errLen)
 {
-    static const int kArgs[3] = {22, 24, 14};
-    if (kernel < 0 || kernel > 2 || nargs != kArgs[kernel]) {
+    static const int kArgs[4] = {22, 24, 14, 9};
+    if (kernel < 0 || kernel > 3 || nargs != kArgs[kernel]) {
         Error(err, errLen, "sao_model_run: bad kernel id or argument count");
         return 1;
     }
@@ -155,9 +178,11 @@ int sao_model_run(int kernel, void **a, int nargs, uint32_t blockDim, uint32_t r
             sao_quant_lightning_indexer_manage(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7), g(8), g(9), g(10),
                                                g(11), g(12), g(13), g(14), g(15), g(16), g(17), g(18), g(19), g(20),
                                                g(21), g(22), g(23));
-        } else {
+        } else if (kernel == 2) {
             sao_scatter_copy_sparse_flash_attention(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7), g(8), g(9),
                                                     g(10), g(11), g(12), g(13));
+        } else {
+            sao_copy_miss_rows(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7), g(8));
         }
     };
     auto &core = sao_model::Core();

@@ -132,8 +132,8 @@ def test_the_pool_rounds_its_rows_per_layer_where_the_npu_fused_copy_sfa_registe
     assert rows == op_selection.fused_host_pool_rows(slots, row_bytes) and rows > slots
     assert rows * row_bytes % op_selection.HOST_ALIGN_BYTES == 0  # every layer slice 4 KiB-aligned
     assert _host_pool(sd, monkeypatch, "cpu")[0].host_pool.shape.tokens == slots
-    off = cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK, fused_copy_sfa=False)
-    assert _host_pool(off, monkeypatch, "npu")[0].host_pool.shape.tokens == slots
+    off = cfg.SparseDecodeOffloadConfig(hot_tokens=2 * TOPK, fused_copy_sfa=False)  # the fused miss copy registers
+    assert _host_pool(off, monkeypatch, "npu")[0].host_pool.shape.tokens == rows
 
 
 def test_a_top_k_the_kernels_do_not_take_is_refused_when_asked_for_and_a_default_gives_way():
