@@ -89,9 +89,9 @@ STEPS = 400
 
 
 def run_adaptive_against_always(
-    impl: str, ops: str, device: str = "cpu", fused_copy_sfa: bool = True, borrow: bool = False
+    impl: str, ops: str, device: str = "cpu", fused_copy_sfa: bool = True, borrow: bool = False, steps: int = STEPS
 ) -> None:
-    """The module docstring's comparison over :data:`STEPS` steps, the engines on ``device``
+    """The module docstring's comparison over ``steps`` steps, the engines on ``device``
     (the ``always`` engine on the ``reference`` rung there). ``borrow``: the idle rows
     are free, so direct requests span them and are demoted when a new request needs one."""
     host_tokens = ROWS * MAX_CTX + 8
@@ -102,7 +102,7 @@ def run_adaptive_against_always(
     work = Workload(31, host_tokens)
     written = {}
     direct_seen = demoted_rows = spanned = reclaimed = 0
-    for step in range(STEPS):
+    for step in range(steps):
         req_ids, seq_lens, stable = work.step()
         table = torch.zeros((ROWS, MAX_CTX), dtype=torch.int32)
         for r, req in enumerate(req_ids.tolist()):
@@ -185,7 +185,7 @@ def run_adaptive_against_always(
         demoted_rows += plan.demote_heads.numel()
         reclaimed += plan.reclaimed
     stats = adaptive.stats().total
-    assert direct_seen > 100 and demoted_rows > 5, (direct_seen, demoted_rows)
+    assert direct_seen > steps // 4 and demoted_rows > 5, (direct_seen, demoted_rows)
     if borrow and adaptive.copy_sfa_op is None:  # spans over idle rows were read, new requests took some back
         assert spanned > 0 and reclaimed > 0, (spanned, reclaimed)
     elif borrow:  # the fused Copy-SFA reads each token's own row only: no spans
