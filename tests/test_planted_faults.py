@@ -78,6 +78,11 @@ def test_the_planted_run_variable_becomes_the_seam_and_keeps_a_tests_own_seams(t
     seams = json.loads(env[harness.HARNESS_ENV])
     assert seams == {"fault": "remap_off_by_one", "hold_appends": str(tmp_path / "hold")}
     assert _probe(env) == [[5, 5, -1]]
+    # a test's own (flag-gated) fault and the planted one: both are planted
+    own = faults.seam_value("stale_slot_after_eviction", tmp_path / "flag")
+    env = harness.merge(server_env(), harness.environment({"fault": own}))
+    assert json.loads(env[harness.HARNESS_ENV]) == {"fault": ["remap_off_by_one", own]}
+    assert _probe(env) == [[5, 5, -1]]
     monkeypatch.delenv(faults.PLANTED_FAULT_ENV)
     assert harness.HARNESS_ENV not in harness.merge(server_env(), {})
 

@@ -22,11 +22,13 @@ seam                value                       effect
 ``available_bytes`` ``{"host": n, "device": m}``  the launch memory check sees these free bytes
                                                 instead of probing the machine
 ``fault``           a fault name, or            a planted fault of :mod:`.faults` (always on,
-                    ``{"name": n, "flag": p}``  or only while the flag file exists)
+                    ``{"name": n, "flag": p}``  or only while the flag file exists); a list
+                    (or a list of them)         plants each
 ==================  ==========================  ===========================================
 
 While ``SGLANG_ASCEND_OFFLOAD_PLANTED_FAULT`` names a fault (``scripts/plant_faults.py``),
-the launcher adds the ``fault`` seam to every server it starts (:func:`merge`).
+the launcher adds the ``fault`` seam to every server it starts (:func:`merge`), beside any
+fault the test itself asked for.
 """
 
 from __future__ import annotations
@@ -88,10 +90,11 @@ def _available_bytes(pinned: Dict[str, int]) -> None:
 def _fault(value) -> None:
     from . import faults
 
-    if isinstance(value, str):
-        faults.register(value)
-    else:
-        faults.register(value["name"], value.get("flag"))
+    for one in value if isinstance(value, list) else [value]:
+        if isinstance(one, str):
+            faults.register(one)
+        else:
+            faults.register(one["name"], one.get("flag"))
 
 
 SEAMS: Dict[str, Callable] = {
@@ -110,6 +113,10 @@ def environment(seams: Dict[str, object]) -> Dict[str, str]:
     return {HARNESS_ENV: json.dumps(seams)}
 
 
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
 def merge(env: Dict[str, str], extra: Dict[str, str]) -> Dict[str, str]:
     """``{**env, **extra}`` with the seams of both (and of a planted run's fault, from
     ``env``) in one :data:`HARNESS_ENV`: a test's own seams win over the planted fault's."""
@@ -118,7 +125,10 @@ def merge(env: Dict[str, str], extra: Dict[str, str]) -> Dict[str, str]:
     seams = {**faults.seams_from_environment(env)}
     for source in (env, extra):
         if source.get(HARNESS_ENV):
-            seams.update(json.loads(source[HARNESS_ENV]))
+            for name, value in json.loads(source[HARNESS_ENV]).items():
+                if name == "fault" and "fault" in seams:  # a planted run's fault and a test's own: both
+                    value = _as_list(seams["fault"]) + [v for v in _as_list(value) if v not in _as_list(seams["fault"])]
+                seams[name] = value
     out = {**env, **extra}
     out.pop(HARNESS_ENV, None)
     if seams:
