@@ -6,8 +6,9 @@
   negative control does not, and the functional model of every kernel matches the
   reference compositions (bit-exact copies and indices, attention within tolerance).
 * The checks have teeth: the negative control fails with the wrong call reported; a
-  kernel copy with a subtle residency mutation (victim tie order) and a Copy-SFA
-  mutation (gathering the latent part as the rope part) fails the functional check;
+  kernel copy with a subtle residency mutation (victim tie order), a Copy-SFA
+  mutation (gathering the latent part as the rope part) and a miss-copy mutation (a
+  batch's rows all to its first slot) fails the functional check;
   the model catches an out-of-bounds GM write; the host tiling refuses a shape outside
   the kernel limits; missing headers are an error that says what to set.
 
@@ -29,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_ascend_offload.kernel_check import compile_check, functional
+from sglang_ascend_offload.kernel_check import compile_check, copy_rows, functional
 from sglang_ascend_offload.kernel_check import headers as hdr
 from sglang_ascend_offload.kernel_check import model as km
 from sglang_ascend_offload.ops.contract import ResidencyTable
@@ -147,6 +148,11 @@ def _mutated_kernels(tmp: Path) -> Path:
     old = "AscendC::DataCopyPad(kRope_[j * t_.ropeDim], buf[b * t_.rowDim + t_.latentDim], rope);"
     assert old in text
     sfa.write_text(text.replace(old, "AscendC::DataCopyPad(kRope_[j * t_.ropeDim], buf[b * t_.rowDim], rope);"))
+    copy = dst / "copy_miss_rows.cpp"  # each batch's rows all written to its first row's slot
+    text = copy.read_text()
+    old = "int64_t dst = row * t_.hotTokens + missSlots_.GetValue(list + i0 + b);"
+    assert old in text
+    copy.write_text(text.replace(old, "int64_t dst = row * t_.hotTokens + missSlots_.GetValue(list + i0);"))
     return dst
 
 
@@ -157,23 +163,9 @@ def test_functional_check_catches_mutated_kernels(tmp_path):
     assert any("slot_token differs" in f or "slots differs" in f for f in lim.failures), lim.failures[:3]
     sfa = functional.check_copy_sfa(m, largest=False)
     assert not sfa.ok and any("attention out of tolerance" in f for f in sfa.failures), sfa.failures[:3]
-
-
-def test_functional_check_catches_a_mutated_miss_copy(tmp_path):
-    """The miss copy with each batch's rows written to its first row's slot: the spec
-    comparison fails (the unmutated kernel passes: test_every_kernel_compiled_...)."""
-    from sglang_ascend_offload.kernel_check.copy_rows import check_copy_rows
-
-    dst = tmp_path / "kernels"
-    shutil.copytree(compile_check.KERNELS_DIR, dst)
-    src = dst / "copy_miss_rows.cpp"
-    text = src.read_text()
-    old = "int64_t dst = row * t_.hotTokens + missSlots_.GetValue(list + i0 + b);"
-    assert text.count(old) == 1
-    src.write_text(text.replace(old, "int64_t dst = row * t_.hotTokens + missSlots_.GetValue(list + i0);"))
-    res = check_copy_rows(km.KernelModel(km.build(kernels=dst)))
-    assert not res.ok and not res.bit_exact
-    assert any("rows differ from the spec" in f for f in res.failures), res.failures[:3]
+    miss_copy = copy_rows.check_copy_rows(m)
+    assert not miss_copy.ok and not miss_copy.bit_exact
+    assert any("rows differ from the spec" in f for f in miss_copy.failures), miss_copy.failures[:3]
 
 
 def _union_mutated_kernels(tmp: Path) -> Path:
