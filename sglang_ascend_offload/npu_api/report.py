@@ -60,13 +60,20 @@ class NpuApiReport:
 
 def _test_tree_torch_npu(scan: callsites.Scan) -> None:
     """Add the ``torch_npu`` uses of the repository's ``tests/`` (the npu-marked tests call
-    the operators directly) to ``scan``; the tests' other packages are stand-ins."""
+    the operators directly) to ``scan``; the tests' other packages are stand-ins. The npu
+    stand-in's own folder (``tests/npu_standin/``) is left out: its self-tests call the
+    stand-in with deliberately wrong arguments to show it refuses them as torch_npu does,
+    and its surface is held against the real wheel by its conformance test."""
     tests = os.path.join(os.path.dirname(callsites.project_roots()[0]), "tests")
     if not os.path.isdir(tests):
         return
     extra = callsites.scan([tests])
-    scan.uses += [u for u in extra.uses if u.package == "torch_npu"]
-    scan.unresolved += [u for u in extra.unresolved if "torch_npu" in u.what]
+
+    def ours(file: str) -> bool:
+        return "npu_standin/" not in file.replace(os.sep, "/")
+
+    scan.uses += [u for u in extra.uses if u.package == "torch_npu" and ours(u.file)]
+    scan.unresolved += [u for u in extra.unresolved if "torch_npu" in u.what and ours(u.file)]
     scan.files += extra.files
 
 
