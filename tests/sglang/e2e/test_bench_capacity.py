@@ -288,7 +288,8 @@ def test_capacity_bench_serves_both_servers_at_one_budget(tmp_path):
     """Both servers at a 4 MiB device budget and 8 request slots; 16 requests of 256 + 32
     tokens at concurrency 8. The budget sizes each pool exactly as accounted: no offload
     2,816 B per token (2 layers x (latent + rope + index K) bf16); offload 512 B (index K)
-    after the hot buffers of 8 requests + 2 rows (2 layers x 64 slots x 1,152 B each).
+    after the hot buffers and residency tables of 8 requests + 2 rows (2 layers x 64 slots x
+    (1,152 + 12) B + 8 B per row and layer).
     No offload holds 5 such requests, so it queues; offload runs all 8; tokens agree."""
     cmd = [
         sys.executable,
@@ -321,7 +322,9 @@ def test_capacity_bench_serves_both_servers_at_one_budget(tmp_path):
     no_off, off = doc["servers"]["no_offload"], doc["servers"]["offload"]
     assert no_off["error"] is None and off["error"] is None
     assert no_off["max_total_num_tokens"] == budget // 2816 // page * page
-    hot = (8 + 2) * 2 * 64 * 1152
+    # 8 requests + padding slot + sink row, 2 layers, 64 slots of 1,152 B hot buffer + 12 B residency
+    # table each, + 8 B residency per row and layer (no overflow area without speculation)
+    hot = (8 + 2) * 2 * (64 * (1152 + 12) + 8)
     assert off["max_total_num_tokens"] == (budget - hot) // 512 // page * page
     assert doc["max_total_tokens_ratio"] >= 3
     runs = {r["name"]: r for r in doc["runs"]}

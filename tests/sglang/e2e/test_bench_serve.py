@@ -18,7 +18,8 @@ from conftest import REPO, server_env
 from sglang_ascend_offload.bench import serve, served_startup
 from sglang_ascend_offload.bench.served_load import StreamedOutput, percentile
 
-HOT_LINE = re.compile(r"hot buffers [0-9.]+ MiB \((\d+) rows x (\d+) slots")  # the offload pool's startup line
+# the offload pool's startup line: the hot-buffer plan's rows and the requests they serve
+HOT_LINE = re.compile(r"hot buffers and residency tables [0-9.]+ MiB \((\d+) hot rows \((\d+) requests? ")
 RUN_KEYS = {
     "name",
     "offload",
@@ -283,7 +284,9 @@ def test_bench_serve_short_run_pair(tmp_path):
         assert off["offload"] and off["reference"] == "no_offload_eager" and off["identical_to_reference"]
         assert off["server_args"][:2] == ["--max-running-requests", str(slots)]
         hot = HOT_LINE.search(Path(off["log"]).read_text(errors="replace"))
-        assert hot is not None and int(hot.group(1)) == slots + 1  # sized for the request slots
+        assert hot is not None, "no hot-buffer plan line in the server log"
+        # sized for the request slots: one hot row per request + the padding slot + the sink row
+        assert (int(hot.group(1)), int(hot.group(2))) == (slots + 2, slots)
         # the engine stepped the live rows only, not the rows its hot buffers hold
         assert 0 < float(off["offload_summary"]["rows/step"]) <= 2, off["offload_summary"]
         assert off["shadow_checks"] > 0 and off["shadow_mismatches"] == 0
