@@ -263,52 +263,6 @@ def token_hot_indices(slots: torch.Tensor, token_rows: torch.Tensor, hot_tokens:
     return flat.to(torch.int32).unsqueeze(1)
 
 
-def _manage_after_indexer(
-    topk: torch.Tensor,
-    *,
-    slot_token,
-    slot_stamp,
-    row_req,
-    token_rows,
-    req_ids,
-    stable_len,
-    step: Step,
-    tokens_per_row: int = 1,
-) -> IndexerManageResult:
-    """The residency half of LIM (shared by the bf16 and C8 compositions)."""
-    rows, hot_tokens = slot_token.shape
-    n = _check_tokens_per_row(tokens_per_row)
-    tr = _check_token_rows(token_rows, topk.shape[0], rows, n)
-    if n > 1:
-        return _manage_union(
-            topk,
-            tr,
-            n,
-            slot_token=slot_token,
-            slot_stamp=slot_stamp,
-            row_req=row_req,
-            req_ids=req_ids,
-            stable_len=stable_len,
-            step=step,
-        )
-    topk_rows = scatter_token_topk(topk, tr, rows).to(slot_token.device)
-    manage = residency_manage
-    res = manage(
-        slot_token,
-        slot_stamp,
-        row_req,
-        topk_rows,
-        req_ids.to(slot_token.device),
-        stable_len.to(slot_token.device),
-        _step_value(step),
-    )
-    return IndexerManageResult(
-        topk_indices=topk,
-        sparse_indices=token_hot_indices(res.slots, tr, hot_tokens),
-        residency=res,
-    )
-
-
 def residency_after_indexer(
     topk: torch.Tensor,
     *,
@@ -325,16 +279,36 @@ def residency_after_indexer(
     rung's indexer): the reference ``residency_manage`` per row (on the union of a row's
     tokens' top-k with ``tokens_per_row > 1``) and each token's flat hot rows. Arguments and
     results as :func:`lightning_indexer_manage`; the state tensors are mutated in place."""
-    return _manage_after_indexer(
-        topk,
-        slot_token=slot_token,
-        slot_stamp=slot_stamp,
-        row_req=row_req,
-        token_rows=token_rows,
-        req_ids=req_ids,
-        stable_len=stable_len,
-        step=step,
-        tokens_per_row=tokens_per_row,
+    residency_rows, hot_tokens = slot_token.shape
+    n = _check_tokens_per_row(tokens_per_row)
+    tr = _check_token_rows(token_rows, topk.shape[0], residency_rows, n)
+    if n > 1:
+        return _manage_union(
+            topk,
+            tr,
+            n,
+            slot_token=slot_token,
+            slot_stamp=slot_stamp,
+            row_req=row_req,
+            req_ids=req_ids,
+            stable_len=stable_len,
+            step=step,
+        )
+    topk_rows = scatter_token_topk(topk, tr, residency_rows).to(slot_token.device)
+    manage = residency_manage
+    res = manage(
+        slot_token,
+        slot_stamp,
+        row_req,
+        topk_rows,
+        req_ids.to(slot_token.device),
+        stable_len.to(slot_token.device),
+        _step_value(step),
+    )
+    return IndexerManageResult(
+        topk_indices=topk,
+        sparse_indices=token_hot_indices(res.slots, tr, hot_tokens),
+        residency=res,
     )
 
 
@@ -415,7 +389,7 @@ def lightning_indexer_manage(
         sparse_count=sparse_count,
         sparse_mode=sparse_mode,
     )
-    return _manage_after_indexer(
+    return residency_after_indexer(
         topk,
         slot_token=slot_token,
         slot_stamp=slot_stamp,
@@ -480,7 +454,7 @@ def quant_lightning_indexer_manage(
         sparse_count=sparse_count,
         sparse_mode=sparse_mode,
     )
-    return _manage_after_indexer(
+    return residency_after_indexer(
         topk,
         slot_token=slot_token,
         slot_stamp=slot_stamp,

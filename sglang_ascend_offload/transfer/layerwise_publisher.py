@@ -79,6 +79,30 @@ from .status import PENDING, RequestStatus, TransferState
 
 logger = logging.getLogger(__name__)
 
+
+def sent_pages_problem(sent: Sequence[int], published: Sequence[int], cached_pages: int) -> str:
+    """Why SGLang's sent pages of a request do not name the KV its last forward published
+    (``""`` when they do).
+
+    ``sent``: the pages SGLang hands the KV manager over all chunks; ``published``: the
+    request's pages in ``req_to_token`` when its last chunk's forward ran; the first
+    ``cached_pages`` of them held only prefix tokens cached before that forward. Those may
+    differ: SGLang sends an earlier chunk's own pages, and when another request put the same
+    prefix into the radix tree meanwhile, the tree's checkpoint of this request frees its
+    duplicate pages and rewrites its row with the tree's pages, which hold the KV of the same
+    tokens (``RadixCache.checkpoint``). The pages the last forward wrote must agree."""
+    if len(sent) != len(published):
+        return f"SGLang sends {len(sent)} pages but {len(published)} pages were published from the forward"
+    written = [i for i in range(cached_pages, len(sent)) if sent[i] != published[i]]
+    if written:
+        i = written[0]
+        return (
+            f"SGLang sends other pages than the forward published at {len(written)} of the {len(sent) - cached_pages} "
+            f"pages the forward wrote (first: position {i}, sent page {sent[i]}, published page {published[i]})"
+        )
+    return ""
+
+
 CONSUMER_PREFIX = "pd_read:"
 
 
@@ -229,7 +253,8 @@ class LayerwisePublisher(PrefillPublisher):
         self._expected: Dict[int, _Expected] = {}
         self._forwards: Dict[int, List[_Unit]] = {}
         self._rooms: Dict[int, Tuple[Optional[PrefillSender], RequestStatus]] = {}
-        self._published_pages: Dict[int, Tuple[int, ...]] = {}
+        # room -> (the pages its last forward published, how many leading ones were cached)
+        self._published_pages: Dict[int, Tuple[Tuple[int, ...], int]] = {}
         pool.set_extra_consumers(self.consumers_of)
         pool.add_layer_listener(self.on_layer_written)
 
@@ -265,7 +290,8 @@ class LayerwisePublisher(PrefillPublisher):
 
     def check_sent(self, room: int, pages) -> None:
         """SGLang sends ``room``'s last chunk (after the forward): the published pages must be
-        ``pages`` (all of the request's pages, in order). Fails the room otherwise."""
+        ``pages`` (all of the request's pages, in order) but for the cached prefix
+        (:func:`sent_pages_problem`). Fails the room otherwise."""
         pages = tuple(int(p) for p in pages)
         with self._lock:
             entry = self._rooms.get(room)
@@ -278,11 +304,11 @@ class LayerwisePublisher(PrefillPublisher):
                 "buffers no longer hold its KV; run prefill with --optimistic-prefill-attempts 0",
             )
             return
-        if published is not None and published != pages:
-            self.cancel(
-                room,
-                f"SGLang sends {len(pages)} pages but {len(published)} other pages were published from the forward",
-            )
+        if published is None:
+            return
+        problem = sent_pages_problem(pages, *published)
+        if problem:
+            self.cancel(room, problem)
 
     def last_chunk_sent(self, room: int, sessions: Sequence[str], pages: Sequence[int], wait_event: Any = None) -> None:
         """:class:`~.publisher.PrefillPublisher`: ``room`` was published during its forward;
@@ -348,7 +374,7 @@ class LayerwisePublisher(PrefillPublisher):
             pages = tuple(int(p) for p in req.pages)
             with self._lock:
                 self._rooms[exp.room] = (sender, PENDING)
-                self._published_pages[exp.room] = pages
+                self._published_pages[exp.room] = (pages, req.prefix_len // self.pool.page_size)
             with self._lock:
                 staging = self._stagings.get(id(sender))
             units.append(_Unit(sender, rid, pages, self.pool.layer_num, staging))

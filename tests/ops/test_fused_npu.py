@@ -194,7 +194,7 @@ def check_lim_verify_rows(device: str) -> None:
         scores = reference.indexer_scores_dense(query, run.cache, weights, **meta)
         assert_indexer_close(got.topk_indices, scores, TOP_K)
         topk = got.topk_indices.cpu()
-        want = fused._manage_after_indexer(
+        want = fused.residency_after_indexer(
             topk,
             **_state(ref_table),
             token_rows=rows["token_rows"],

@@ -265,3 +265,20 @@ def test_sparse_decode_offload_peer_gets_packed_rows_bit_exact_and_slots_wait_fo
     for earlier, later in zip(pipelined, pipelined[1:]):
         assert order.index(("read_done", earlier, None)) < order.index(("ready", later, None)), order
     assert busy == []
+
+
+def test_sent_pages_may_differ_from_the_published_ones_only_in_the_cached_prefix():
+    """SGLang sends an earlier chunk's own pages; a radix checkpoint may since have replaced
+    the cached prefix's pages by the tree's copies of the same tokens (seen under load in the
+    served P/D test: 'SGLang sends 3 pages but 3 other pages were published'). Pages the last
+    forward wrote must agree, and the count always."""
+    from sglang_ascend_offload.transfer.layerwise_publisher import sent_pages_problem
+
+    published = (40, 41, 7)  # the tree's two prefix pages, then the page the last chunk wrote
+    assert sent_pages_problem((40, 41, 7), published, cached_pages=2) == ""
+    assert sent_pages_problem((3, 5, 7), published, cached_pages=2) == ""  # radix-deduplicated prefix
+    # negative controls: a page the forward wrote, or a page too many / too few
+    wrote = sent_pages_problem((3, 5, 8), published, cached_pages=2)
+    assert "position 2, sent page 8, published page 7" in wrote
+    assert "other pages" in sent_pages_problem((40, 5, 7), published, cached_pages=1)
+    assert "sends 2 pages but 3" in sent_pages_problem((40, 41), published, cached_pages=2)
