@@ -5,7 +5,8 @@ its own trained NextN layer as the draft, real acceptance; top-k 64, page 64) wi
 DeepSeek-V3.2's MTP-3 chain (``--speculative-num-steps 3 --speculative-num-draft-tokens
 4``), started together:
 
-* ``plain``: no offload (the reference);
+* ``plain``: no offload (the reference): the session's shared ``mtp_reference`` server
+  (``test_speculative_offload_e2e_cpu.py``'s settings, launched once, its cache flushed);
 * ``default``: sparse decode offload with the default hot buffer, ``2 x top-k`` = 128
   slots per request for its 4 verify rows (the old rule asked for 4 x 64 = 256): a round
   whose union exceeds 128 is served from the overflow area (``sparse_decode/overflow.py``);
@@ -28,8 +29,9 @@ import json
 import re
 
 import pytest
-from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
+from conftest import IDLE_SLEEP, ServerProcess
 
+from sglang_ascend_offload.testing import pd_servers
 from sglang_ascend_offload.testing import teacher_forcing as tf
 from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED, trained_args
 
@@ -39,29 +41,31 @@ MODEL = TINY_DSA_TRAINED
 TOP_K = 64
 SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3"]
 SPEC += ["--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
-COMMON = ["--max-running-requests", "3", "--enable-metrics", *SPEC, *IDLE_SLEEP]
+COMMON = pd_servers.COMMON + SPEC + IDLE_SLEEP  # the shared mtp_reference server's settings
+SHARED_SERVERS = ("mtp_reference",)
 
 
 def _offload(hot_tokens=None) -> list:
     cfg = {"verify_sample_rate": 1.0, "verify_action": "log", "metrics_export_interval_s": 0}
     if hot_tokens is not None:
         cfg["hot_tokens"] = hot_tokens
-    return ["--enable-sparse-decode-offload", "--sparse-decode-offload-config", json.dumps(cfg)]
+    return ["--enable-metrics", "--enable-sparse-decode-offload", "--sparse-decode-offload-config", json.dumps(cfg)]
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(request, tmp_path_factory, shared_servers):
     root = tmp_path_factory.mktemp("spec_overflow")
+    base = trained_args(MODEL)
     made = {
-        "plain": ServerProcess(COMMON, base_args=trained_args(MODEL), log_path=root / "plain.log"),
-        "default": ServerProcess(COMMON + _offload(), base_args=trained_args(MODEL), log_path=root / "default.log"),
-        "tight": ServerProcess(COMMON + _offload(TOP_K), base_args=trained_args(MODEL), log_path=root / "tight.log"),
+        "plain": shared_servers.get("mtp_reference", COMMON, base_args=base),
+        "default": ServerProcess(COMMON + _offload(), base_args=base, log_path=root / "default.log"),
+        "tight": ServerProcess(COMMON + _offload(TOP_K), base_args=base, log_path=root / "tight.log"),
     }
-    start_all(*made.values())
     try:
+        shared_servers.start_all(*made.values())
         yield made
     finally:
-        stop_all(*made.values())
+        shared_servers.stop_all(request.module.__name__, *made.values())
 
 
 def counter(server, name: str) -> float:
