@@ -120,7 +120,7 @@ class RequestStep:
 
 def step_requests(
     manager: ResidencyManager,
-    rows: torch.Tensor,
+    hot_rows: torch.Tensor,
     topk: torch.Tensor,
     req_ids: torch.Tensor,
     stable_len: torch.Tensor,
@@ -128,22 +128,22 @@ def step_requests(
     rows_per_request: int = 1,
     capacity: Optional[int] = None,
 ) -> RequestStep:
-    """The residency step of ``rows`` (``[B]``) for their ``B * n`` query rows' ``topk``:
+    """The residency step of ``hot_rows`` (``[B]``) for their ``B * n`` query rows' ``topk``:
     the plain per-row step for ``n = 1``, else one step per request over the union
     (its resident part: ``capacity`` = the hot slots per request, beyond which a round's
     union overflows, ``ops/request_union.py``)."""
     n = int(rows_per_request)
     if n == 1:
-        res = manager.step_rows(rows, topk, req_ids, stable_len, step)
-        return RequestStep(res, res.slots, rows, None)
+        res = manager.step_rows(hot_rows, topk, req_ids, stable_len, step)
+        return RequestStep(res, res.slots, hot_rows, None)
     union = union_of_rows(topk, n, capacity)
-    res = manager.step_rows(rows, union.positions, req_ids, stable_len, step)
-    return RequestStep(res, row_slots(union, res.slots), rows.repeat_interleave(n), union)
+    res = manager.step_rows(hot_rows, union.positions, req_ids, stable_len, step)
+    return RequestStep(res, row_slots(union, res.slots), hot_rows.repeat_interleave(n), union)
 
 
 def fused_request_step(
     residency: ResidencyStep,
-    rows: torch.Tensor,
+    hot_rows: torch.Tensor,
     topk: torch.Tensor,
     rows_per_request: int = 1,
     capacity: Optional[int] = None,
@@ -154,17 +154,17 @@ def fused_request_step(
     slots read back from the union of the batch's ``topk`` ``[B*n, K]`` (the same union
     the operator stepped on: distinct positions ascending; its resident part with
     ``capacity``, the hot slots per request)."""
-    stepped = fused_indexer.batch_rows_step(residency, rows)
+    stepped = fused_indexer.batch_rows_step(residency, hot_rows)
     n = int(rows_per_request)
     if n == 1:
-        return RequestStep(stepped, stepped.slots, rows, None)
+        return RequestStep(stepped, stepped.slots, hot_rows, None)
     union = union_of_rows(topk, n, capacity)
-    return RequestStep(stepped, row_slots(union, stepped.slots), rows.repeat_interleave(n), union)
+    return RequestStep(stepped, row_slots(union, stepped.slots), hot_rows.repeat_interleave(n), union)
 
 
 def decode_layer_step(
     manager: ResidencyManager,
-    rows: torch.Tensor,
+    hot_rows: torch.Tensor,
     topk: torch.Tensor,
     req_ids: torch.Tensor,
     stable_len: torch.Tensor,
@@ -186,13 +186,13 @@ def decode_layer_step(
 ) -> Tuple[torch.Tensor, ResidencyStep]:
     """One layer of the offloaded decode step on the torch path, as a function of tensors.
 
-    manager: the layer's residency manager (any policy; its :meth:`step_rows`). rows
+    manager: the layer's residency manager (any policy; its :meth:`step_rows`). hot_rows
     int64 ``[B]`` engine rows (real rows distinct; padding entries on a sink row with
     ``req_ids = -1``); topk int32 ``[B,K]``; req_ids int64 ``[B]``; stable_len int32
     ``[B]``; step an int or a 0-d int64 tensor; host ``[S,D]``; hot ``[R',H,D]`` (all
     engine rows); token_table int32 ``[T, max_ctx]`` by engine row; query ``[B,N,Dl]``,
     query_rope ``[B,N,Dr]``. Returns ``(output [B,N,Dl], ResidencyStep [B,...])``.
-    With ``rows_per_request = n > 1`` the engine rows are requests: ``rows``,
+    With ``rows_per_request = n > 1`` the engine rows are requests: ``hot_rows``,
     ``req_ids``, ``stable_len`` are ``[G]``, ``topk`` / ``query`` / the output are the
     ``G * n`` query rows, and the residency step (``[G, n*K]``) is the union's.
     Static shapes, no host read of data: traceable by ``torch.compile(fullgraph=True)``
@@ -217,13 +217,13 @@ def decode_layer_step(
             "engine's overflow area (overflow_view)"
         )
     if residency is not None:
-        req = fused_request_step(residency, rows, topk, rows_per_request, capacity)
+        req = fused_request_step(residency, hot_rows, topk, rows_per_request, capacity)
     elif direct is not None:
         query_mask, managed, owners = direct_rows.masked_step(direct[0], topk, req_ids, rows_per_request)
-        req = step_requests(manager, rows, managed, owners, stable_len, step, rows_per_request, capacity)
-        direct_rows.copy_step_positions(host, hot, rows, direct[1], token_table, direct[2])
+        req = step_requests(manager, hot_rows, managed, owners, stable_len, step, rows_per_request, capacity)
+        direct_rows.copy_step_positions(host, hot, hot_rows, direct[1], token_table, direct[2])
     else:
-        req = step_requests(manager, rows, topk, req_ids, stable_len, step, rows_per_request, capacity)
+        req = step_requests(manager, hot_rows, topk, req_ids, stable_len, step, rows_per_request, capacity)
     res = req.residency
     flat_idx = flat_hot_indices(req.slots, req.token_rows, hot.shape[1])
     if direct is not None:
@@ -235,9 +235,10 @@ def decode_layer_step(
 
     def copy_rows(target: torch.Tensor, lists: ResidencyStep) -> None:
         if copy is None:
-            copy_miss_rows_rows(host, target, rows, lists.miss_tokens, lists.miss_slots, lists.miss_count, token_table)
+            misses = (lists.miss_tokens, lists.miss_slots, lists.miss_count)
+            copy_miss_rows_rows(host, target, hot_rows, *misses, token_table)
         else:
-            copy_stage(copy, host, target, rows, lists, token_table)
+            copy_stage(copy, host, target, hot_rows, lists, token_table)
 
     if copy_attention is not None:
         area = None
@@ -246,7 +247,7 @@ def decode_layer_step(
             flat_idx = overflow.serve(view, req.union, req.token_rows, flat_idx, copy_rows)
             area = view.area
         return fused_copy_attention(
-            copy_attention, res, rows, req_ids, host, hot, token_table, flat_idx, query, query_rope, scale, area
+            copy_attention, res, hot_rows, req_ids, host, hot, token_table, flat_idx, query, query_rope, scale, area
         ), res
     copy_rows(hot, res)
     kv = hot.view(-1, hot.shape[2])
@@ -259,16 +260,16 @@ def decode_layer_step(
 
 
 def copy_stage(
-    copy: OpImpl, host: torch.Tensor, hot: torch.Tensor, rows: torch.Tensor, res: ResidencyStep, token_table
+    copy: OpImpl, host: torch.Tensor, hot: torch.Tensor, hot_rows: torch.Tensor, res: ResidencyStep, token_table
 ) -> None:
-    """The miss-copy stage of the batch rows ``rows`` int64 ``[B]`` with ``copy`` (the plan's
+    """The miss-copy stage of the batch rows ``hot_rows`` int64 ``[B]`` with ``copy`` (the plan's
     ``copy_miss_rows``): its rows form where the rung has one (static shapes, the batch's
     rows only), else over every hot-buffer row's lists (:func:`full_rows_lists`, the
     other rows' counts zero). ``hot`` ``[R', H, D]``; ``res`` the batch's step."""
     if copy.rows_form is not None:
-        copy.rows_form(host, hot, rows, res.miss_tokens, res.miss_slots, res.miss_count, token_table)
+        copy.rows_form(host, hot, hot_rows, res.miss_tokens, res.miss_slots, res.miss_count, token_table)
         return
-    tokens, slots, count, table = full_rows_lists(res, rows, hot.shape[0], token_table)
+    tokens, slots, count, table = full_rows_lists(res, hot_rows, hot.shape[0], token_table)
     copy(host, hot, tokens, slots, count, table)
 
 
@@ -298,16 +299,16 @@ def attend_hot(
     )
 
 
-def full_rows_lists(res: ResidencyStep, rows: torch.Tensor, state_rows: int, token_table: torch.Tensor):
+def full_rows_lists(res: ResidencyStep, hot_rows: torch.Tensor, state_rows: int, token_table: torch.Tensor):
     """Miss lists ``[R', K]`` / counts ``[R']`` / token table ``[R', max_ctx]`` over all
-    ``R'`` state rows, from the batch rows' step (entry ``b`` of ``res`` for row ``rows[b]``),
+    ``R'`` state rows, from the batch rows' step (entry ``b`` of ``res`` for row ``hot_rows[b]``),
     for ops that index the hot buffer by their own row (the Triton copy, fused Copy-SFA):
     ``O(R)`` zeroed counts, ``O(B*K)`` scattered lists; static shapes."""
     k = res.miss_tokens.shape[1]
     dev = res.miss_count.device
-    count = torch.zeros((state_rows,), dtype=torch.int32, device=dev).index_copy_(0, rows, res.miss_count)
-    tokens = torch.full((state_rows, k), -1, dtype=torch.int32, device=dev).index_copy_(0, rows, res.miss_tokens)
-    slots = torch.full((state_rows, k), -1, dtype=torch.int32, device=dev).index_copy_(0, rows, res.miss_slots)
+    count = torch.zeros((state_rows,), dtype=torch.int32, device=dev).index_copy_(0, hot_rows, res.miss_count)
+    tokens = torch.full((state_rows, k), -1, dtype=torch.int32, device=dev).index_copy_(0, hot_rows, res.miss_tokens)
+    slots = torch.full((state_rows, k), -1, dtype=torch.int32, device=dev).index_copy_(0, hot_rows, res.miss_slots)
     table = token_table
     if table.shape[0] < state_rows:
         table = torch.cat([table, table.new_zeros((state_rows - table.shape[0], table.shape[1]))])
@@ -317,7 +318,7 @@ def full_rows_lists(res: ResidencyStep, rows: torch.Tensor, state_rows: int, tok
 def fused_copy_attention(
     copy_sfa: Callable,
     res: ResidencyStep,
-    rows: torch.Tensor,
+    hot_rows: torch.Tensor,
     req_ids: torch.Tensor,
     host: torch.Tensor,
     hot: torch.Tensor,
@@ -334,9 +335,9 @@ def fused_copy_attention(
     rows) all ``n`` own the entry's row. ``overflow_area`` ``[R', X, D]``: the overflow
     area (its rows already copied), which ``flat`` addresses from ``R' * H`` on
     (:func:`.overflow.beside_copy_sfa`). Static shapes; ``[B*n, N, latent]``."""
-    tokens, slots, count, table = full_rows_lists(res, rows, hot.shape[0], token_table)
-    token_rows = torch.where(req_ids >= 0, rows, torch.full_like(rows, -1)).to(torch.int32)
-    n = query.shape[0] // max(1, rows.shape[0])
+    tokens, slots, count, table = full_rows_lists(res, hot_rows, hot.shape[0], token_table)
+    token_rows = torch.where(req_ids >= 0, hot_rows, torch.full_like(hot_rows, -1)).to(torch.int32)
+    n = query.shape[0] // max(1, hot_rows.shape[0])
     if n > 1:
         token_rows = token_rows.repeat_interleave(n)
     # The extension takes contiguous tensors (the served queries are slices of q)
@@ -551,7 +552,7 @@ class SparseDecodeEngine:
         self._direct_step: Optional[direct_rows.DirectStep] = None
         self._empty_steps: Dict[Tuple[int, int], ResidencyStep] = {}
         self.step_index = -1
-        self._rows: Optional[torch.Tensor] = None
+        self._hot_rows: Optional[torch.Tensor] = None
         self._req_ids: Optional[torch.Tensor] = None
         self._stable_len: Optional[torch.Tensor] = None
         self._token_table: Optional[torch.Tensor] = None
@@ -705,13 +706,13 @@ class SparseDecodeEngine:
         pad = rows < 0
         padded = bool(pad.any())
         if padded:  # padding entries: the sink row, no owner, nothing stable
-            self._rows = torch.where(pad, torch.full_like(rows, self.sink_row), rows).to(self.device)
+            self._hot_rows = torch.where(pad, torch.full_like(rows, self.sink_row), rows).to(self.device)
             self._req_ids = torch.where(pad, torch.full_like(rows, -1), req_ids.to(torch.int64)).to(self.device)
             self._stable_len = torch.where(pad, torch.zeros_like(rows), stable_len.to(torch.int64)).to(
                 self.device, torch.int32
             )
         else:
-            self._rows = rows.to(self.device)
+            self._hot_rows = rows.to(self.device)
             self._req_ids = req_ids.to(self.device, torch.int64)
             self._stable_len = stable_len.to(self.device, torch.int32)
         self._token_table = token_table if token_table.dtype == torch.int32 else token_table.to(torch.int32)
@@ -739,7 +740,7 @@ class SparseDecodeEngine:
             else direct_rows.span_width(self._token_table.shape[1], self.config.hot_tokens)
         )
         d = self.direct.plan(
-            self._rows,
+            self._hot_rows,
             self._req_ids,
             self._stable_len,
             context_len,
@@ -808,13 +809,13 @@ class SparseDecodeEngine:
         else:
             self.pool.gather_into(layer, host_slots, flat, dst)
 
-    def append(self, layer: int, host_slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """New-token rows ``[n, D]`` of ``layer`` -> host slots ``[n]`` (TP rank 0 only;
-        a no-op on other ranks, whose copy of the rows is TP rank 0's)."""
+    def append(self, layer: int, host_slots: torch.Tensor, kv_rows: torch.Tensor) -> None:
+        """New-token main-KV rows ``kv_rows`` ``[n, D]`` of ``layer`` -> host slots ``[n]``
+        (TP rank 0 only; a no-op on other ranks, whose copy of the rows is TP rank 0's)."""
         if self.tp_rank != 0:
             return
         t0 = time.perf_counter()
-        nbytes = self.pool.write_rows(layer, host_slots, rows)
+        nbytes = self.pool.write_rows(layer, host_slots, kv_rows)
         self.stats_acc.record_d2h(layer, nbytes)
         if self.timing:
             self.times.add("append", time.perf_counter() - t0)
@@ -835,7 +836,7 @@ class SparseDecodeEngine:
         manager = self.managers[layer]
         fused_indexer.check_manager(manager)
         return fused_indexer.residency_args(
-            manager, self._rows, self._req_ids, self._stable_len, self.step_index, num_tokens, self._per_request
+            manager, self._hot_rows, self._req_ids, self._stable_len, self.step_index, num_tokens, self._per_request
         )
 
     def run_layer(
@@ -876,15 +877,15 @@ class SparseDecodeEngine:
             return self._run_direct_layer(layer, topk_dev, query, query_rope, scale, t0)
         h = cfg.hot_tokens
         if residency is not None:
-            req = fused_request_step(residency, self._rows, topk_dev, n, h)
+            req = fused_request_step(residency, self._hot_rows, topk_dev, n, h)
         elif d is not None and d.any_direct:  # direct rows: idle to the manager, read through their spans
             query_direct, managed, owners = direct_rows.masked_step(d.mask, topk_dev, self._req_ids, n)
             req = step_requests(
-                self.managers[layer], self._rows, managed, owners, self._stable_len, self.step_index, n, h
+                self.managers[layer], self._hot_rows, managed, owners, self._stable_len, self.step_index, n, h
             )
         else:
             req = step_requests(
-                self.managers[layer], self._rows, topk_dev, self._req_ids, self._stable_len, self.step_index, n, h
+                self.managers[layer], self._hot_rows, topk_dev, self._req_ids, self._stable_len, self.step_index, n, h
             )
         res = req.residency
         row_selected, row_hits = req.row_counts()
@@ -1060,7 +1061,7 @@ class SparseDecodeEngine:
         if row is None:
             return
         entry = row // self._per_request
-        engine_row, owner = int(self._rows[entry]), int(self._req_ids[entry])
+        engine_row, owner = int(self._hot_rows[entry]), int(self._req_ids[entry])
         if engine_row < 0 or owner < 0:
             return
         result = self.shadow.check(
@@ -1087,7 +1088,7 @@ class SparseDecodeEngine:
         target = self.hot.storage(layer) if into is None else into
         if not self._tensor_pool:
             return self._gather_misses(layer, res, target)
-        copy_stage(self._copy_op, self.pool.layer(layer), target, self._rows, res, self._token_table)
+        copy_stage(self._copy_op, self.pool.layer(layer), target, self._hot_rows, res, self._token_table)
 
     def _gather_misses(self, layer: int, res: ResidencyStep, hot: torch.Tensor) -> None:
         """Misses of ``layer`` through the pool's own gather (a pool without a tensor
@@ -1098,7 +1099,7 @@ class SparseDecodeEngine:
         table = self._token_table
         count = res.miss_count.to(table.device, torch.int64)
         live = torch.arange(k, device=table.device)[None, :] < count[:, None]
-        rows = self._rows.to(table.device)[:, None].expand(-1, k)[live]
+        rows = self._hot_rows.to(table.device)[:, None].expand(-1, k)[live]
         tokens = res.miss_tokens.to(table.device, torch.int64)[live]
         slots = res.miss_slots.to(table.device, torch.int64)[live]
         host_slots = table[rows, tokens].to(torch.int64)
@@ -1108,7 +1109,7 @@ class SparseDecodeEngine:
         return fused_copy_attention(
             self._copy_sfa_op,
             res,
-            self._rows,
+            self._hot_rows,
             self._req_ids,
             self.pool.layer(layer),
             self.hot.storage(layer),
@@ -1157,7 +1158,7 @@ class SparseDecodeEngine:
     @property
     def batch_rows(self) -> Optional[torch.Tensor]:
         """int64 ``[B]`` engine rows of the current step (padding entries: the sink row)."""
-        return self._rows
+        return self._hot_rows
 
     def table(self, layer: int) -> ResidencyTable:
         """Residency state of ``layer``'s real rows (views ``[R, ...]``, without the sink)."""
