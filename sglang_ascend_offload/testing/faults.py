@@ -62,6 +62,7 @@ Hook = Tuple[str, Callable[[Active], Callable]]
 _ENGINE = "sglang_ascend_offload.sparse_decode.engine.SparseDecodeEngine"
 _BACKEND = "sglang_ascend_offload.sglang_plugin.attention.sparse_decode.SparseDecodeOffloadBackend"
 _POOL = "sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode.HostMainKVPool"
+_PAGE_BOOK = "sglang_ascend_offload.sglang_plugin.mem_cache.pool.layerwise_pages.PageBook"
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,39 @@ def _shadow_reads_hot_rows(active: Active):
             del engine.shadow.check
 
     return shadow_check
+
+
+def _layerwise_page_swap(active: Active):
+    def cached_key(original, book, page, rows, req, rewritten_to=0):
+        key = original(book, page, rows, req, rewritten_to)
+        if not active():
+            return key
+        # another page's host object of the same size: a cached prefix page is loaded from it
+        other = next((p for p, (gen, n) in sorted(book._state.items()) if p != page and n == key.tokens), None)
+        if other is None:
+            return key
+        return type(key)(book.digest(other, book._state[other][0]), key.start, key.tokens)
+
+    return cached_key
+
+
+def _kvpp_block_swap(active: Active):
+    def broadcast(original, transport, layer, cache_ready=None):
+        out = original(transport, layer, cache_ready)
+        owner = transport.storage.plan.ownership.owner_of[layer]
+        if not active() or owner == transport.storage.plan.rank:
+            return out
+        import torch
+
+        blocks = transport.active_blocks
+        blocks = torch.arange(transport.storage.num_blocks) if blocks is None else blocks.to("cpu")
+        if blocks.numel() >= 2:  # the received copy of two blocks lands in each other's place
+            a, b = int(blocks[0]), int(blocks[1])
+            for view in transport._block_views(layer):
+                view[[a, b]] = view[[b, a]]
+        return out
+
+    return broadcast
 
 
 #: the Copy-SFA mutation: the row's misses are copied after its first token attended
@@ -432,6 +466,7 @@ FAULTS: Dict[str, Fault] = {
             (
                 "tests/sglang/disaggregation/test_pd_backend_components.py",
                 _PD + "::test_router_pd_with_offload_decode_matches_colocated",
+                _E2E + "test_pd_decode_tp_e2e_cpu.py",  # dummy weights: its negative control
             ),
             (_PD_SHADOW,),
             _NOT_ATTENTION,
@@ -471,6 +506,27 @@ FAULTS: Dict[str, Fault] = {
             ),
             (_PD_SHADOW,),
             _NOT_ATTENTION,
+        ),
+        Fault(
+            "layerwise_page_swap",
+            "prefix cache key collision (a cached block loaded from another block's object)",
+            "layerwise prefill loads a cached prefix page from another page's host object of the same size",
+            ((f"{_PAGE_BOOK}._cached_key", _layerwise_page_swap),),
+            (
+                _E2E + "test_layerwise_e2e_cpu.py",  # dummy weights: its negative control
+                _E2E + "test_speculative_offload_e2e_cpu.py::test_layerwise_speculative_is_token_identical",
+            ),
+            (),
+            "layerwise prefill offload has no shadow verification (it checks sparse decode's hot buffers)",
+        ),
+        Fault(
+            "kvpp_block_swap",
+            "KV scattered into the wrong blocks after a collective",
+            "a KVPP non-owner rank's received copy of two active blocks lands in each other's place",
+            (("sglang_ascend_offload.kvpp.runtime.BroadcastTransport.broadcast", _kvpp_block_swap),),
+            (_E2E + "test_kvpp_e2e_cpu.py",),  # dummy weights: its negative control
+            (),
+            "KVPP has no shadow verification (it checks sparse decode's hot buffers)",
         ),
         Fault(
             "shadow_reads_hot_rows",
