@@ -1,10 +1,13 @@
 """End to end on CPU: KVPP through SGLang (``--tp-size 2`` and ``--tp-size 3``) gives the
 same greedy tokens and logprobs as the replicated KV pool, with less KV per rank.
 
-Models: ``tests/fixtures/tiny_dsa_8l`` (8 DSA layers, 4 heads) for TP 2 (rank 0 owns
-layers 0-3, rank 1 layers 4-7); ``tests/fixtures/tiny_dsa_8l_h6`` (the same with 6
-heads and a 384-wide MLP, so it splits over 3 ranks; SGLang needs heads % tp == 0)
-for TP 3 (owners ``[0, 0, 0, 1, 1, 1, 2, 2]``; opt-in with ``SGLANG_TEST_KVPP_TP3=1``:
+Models: for TP 2, 8 DSA layers on real weights, the trained checkpoint's two layers
+stacked four times (``testing/stacked.py``: on ``tests/fixtures/tiny_dsa_8l``'s dummy
+weights two swapped blocks went unseen, ``scripts/plant_faults.py`` fault
+``kvpp_block_swap``; rank 0 owns layers 0-3, rank 1 layers 4-7);
+``tests/fixtures/tiny_dsa_8l_h6`` (dummy weights, 6 heads and a 384-wide MLP, so it splits
+over 3 ranks; SGLang needs heads % tp == 0) for TP 3 (owners ``[0, 0, 0, 1, 1, 1, 2, 2]``;
+opt-in with ``SGLANG_TEST_KVPP_TP3=1``:
 six ranks on two cores start too slowly for the default suite's budget). Per TP size
 two servers started together (KVPP off and on with active-block broadcast), ranks
 bound to the two cores (``SGLANG_CPU_OMP_THREADS_BIND``), without
@@ -35,14 +38,18 @@ import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from conftest import CPU_SERVER_ARGS, IDLE_SLEEP, REPO, ServerProcess, start_all, stop_all
 
+from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED, trained_args
+from sglang_ascend_offload.testing.stacked import stacked_checkpoint
+
 pytestmark = pytest.mark.slow
 
 VOCAB = 1024
-FIXTURES = {2: REPO / "tests" / "fixtures" / "tiny_dsa_8l", 3: REPO / "tests" / "fixtures" / "tiny_dsa_8l_h6"}
+TP3_MODEL = REPO / "tests" / "fixtures" / "tiny_dsa_8l_h6"
 OWNED = {2: ([0, 1, 2, 3], [4, 5, 6, 7]), 3: ([0, 1, 2], [3, 4, 5], [6, 7])}
 PAGE = 64  # SGLang's page size for DSA models off NPU
 BUDGET = 64 * 2**20  # KV bytes per rank (fixed: SGLang would size from free host memory, which others move)
@@ -55,16 +62,22 @@ def _env(tp: int) -> dict:
     }
 
 
-def _base_args(tp: int) -> list:
+def _model(tp: int, root) -> Path:
+    """TP 2: the trained layers stacked to 8; TP 3: the 6-head dummy-weight fixture."""
+    return stacked_checkpoint(TINY_DSA_TRAINED, 8, root / "trained_8l") if tp == 2 else TP3_MODEL
+
+
+def _base_args(tp: int, model: Path) -> list:
+    launch = trained_args(model) if tp == 2 else [str(model) if a.endswith("tiny_dsa") else a for a in CPU_SERVER_ARGS]
     args, skip = [], False
-    for a in CPU_SERVER_ARGS:
+    for a in launch:
         if skip:
             skip = False
             continue
         if a == "--max-total-tokens":
             skip = True
             continue
-        args.append(str(FIXTURES[tp]) if a.endswith("tiny_dsa") else a)
+        args.append(a)
     return args + ["--tp-size", str(tp), "--chunked-prefill-size", "64", "--max-running-requests", "6"] + IDLE_SLEEP
 
 
@@ -76,23 +89,24 @@ TP3_ENV = "SGLANG_TEST_KVPP_TP3"
 
 
 def _start_pair(tp: int, root):
-    off = ServerProcess(log_path=root / f"tp{tp}_off.log", base_args=_base_args(tp), env=_env(tp))
+    model = _model(tp, root)
+    off = ServerProcess(log_path=root / f"tp{tp}_off.log", base_args=_base_args(tp, model), env=_env(tp))
     on = ServerProcess(
         ["--enable-kvpp", "--kvpp-config", json.dumps({"broadcast": "active"})],
         log_path=root / f"tp{tp}_on.log",
-        base_args=_base_args(tp),
+        base_args=_base_args(tp, model),
         env=_env(tp),
     )
     start_all(off, on)
     print(f"\nstartup tp {tp} (2 servers launched together): off {off.startup_s:.1f} s, on {on.startup_s:.1f} s")
-    return off, on
+    return off, on, model
 
 
 @pytest.fixture(scope="module")
 def pair2(tmp_path_factory):
     root = tmp_path_factory.mktemp("kvpp_tp2")
-    off, on = _start_pair(2, root)
-    yield off, on, root
+    off, on, model = _start_pair(2, root)
+    yield off, on, root, model
     stop_all(off, on)
 
 
@@ -105,8 +119,8 @@ def pair3(tmp_path_factory):
             "test_kvpp_pool.py in every run)"
         )
     root = tmp_path_factory.mktemp("kvpp_tp3")
-    off, on = _start_pair(3, root)
-    yield off, on, root
+    off, on, model = _start_pair(3, root)
+    yield off, on, root, model
     stop_all(off, on)
 
 
@@ -133,7 +147,7 @@ def test_kvpp_equals_replicated_pool_and_allocates_owned_plus_scratch(request, t
     from sglang_ascend_offload.capacity import CapacityInputs, footprints
     from sglang_ascend_offload.model_specs import load_hf_config
 
-    off, on, root = request.getfixturevalue(f"pair{tp}")
+    off, on, root, model_path = request.getfixturevalue(f"pair{tp}")
     with ThreadPoolExecutor(2) as ex:
         f_off, f_on = ex.submit(run_workload, off), ex.submit(run_workload, on)
         results = {"off": f_off.result(), "on": f_on.result()}
@@ -146,12 +160,12 @@ def test_kvpp_equals_replicated_pool_and_allocates_owned_plus_scratch(request, t
     assert "Traceback" not in log
     tokens = {k: json.loads(s.get("/get_server_info"))["max_total_num_tokens"] for k, s in (("off", off), ("on", on))}
     slot_rows = (tokens["on"] // PAGE + 1) * PAGE
-    cfg = json.loads((FIXTURES[tp] / "config.json").read_text())
+    cfg = json.loads((model_path / "config.json").read_text())
     layers = cfg["num_hidden_layers"]
     row = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] + cfg["index_head_dim"]) * 2  # bf16 bytes / token / layer
     align = 2 * 1024 * 1024
     scratch = -(-row * slot_rows // align) * align
-    model = load_hf_config(str(FIXTURES[tp]))
+    model = load_hf_config(str(model_path))
     planner = footprints(model, CapacityInputs(hbm_bytes=2**34, host_bytes=2**34, tp=tp, page_size=PAGE))[0]
     planned = planner["kvpp"][0].device_per_token * slot_rows + planner["kvpp"][0].device_fixed
     allocations = []

@@ -1,9 +1,11 @@
 """End to end on CPU: layerwise prefill offload through SGLang gives the same greedy
 tokens and logprobs as the device pool.
 
-Model: ``tests/fixtures/tiny_dsa_4l`` (the tiny DSA model with 4 layers, so buffers
-are really shared: with ``I = [0]``, ``B = 1`` puts layers 1-3 in one buffer, ``B = 2``
-layers 1 and 3). Three servers, started together: without the feature, ``B = 1``,
+Model: 4 layers, so buffers are really shared (with ``I = [0]``, ``B = 1`` puts layers
+1-3 in one buffer, ``B = 2`` layers 1 and 3), on real weights: the trained checkpoint's
+two layers stacked twice (``testing/stacked.py``; on dummy weights a page loaded from the
+wrong host object went unseen, ``scripts/plant_faults.py`` fault ``layerwise_page_swap``).
+Three servers, started together: without the feature, ``B = 1``,
 ``B = 2`` (local host store). Colocated servers, so decode steps run through the
 pipeline too (the debug path: every shared layer reloads the context each step).
 
@@ -19,17 +21,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import CPU_SERVER_ARGS, IDLE_SLEEP, REPO, ServerProcess, start_all, stop_all
+from conftest import IDLE_SLEEP, ServerProcess, start_all, stop_all
+
+from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED, trained_args
+from sglang_ascend_offload.testing.stacked import stacked_checkpoint
 
 pytestmark = pytest.mark.slow
 
-VOCAB = 1024
-TINY_DSA_4L = str(REPO / "tests" / "fixtures" / "tiny_dsa_4l")
-BASE_ARGS = (
-    [TINY_DSA_4L if a.endswith("tiny_dsa") else a for a in CPU_SERVER_ARGS]
-    + ["--max-running-requests", "4"]
-    + IDLE_SLEEP
-)
+VOCAB = 1024  # prompts draw token ids below this (the trained vocabulary has 4,096)
 
 
 def prompt(n: int, seed: int) -> list:
@@ -44,10 +43,12 @@ def layerwise_args(shared_buffers: int) -> list:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("layerwise_servers")
+    model = stacked_checkpoint(TINY_DSA_TRAINED, 4, root / "trained_4l")
+    base = trained_args(model) + ["--max-running-requests", "4"] + IDLE_SLEEP
     procs = {
-        "off": ServerProcess(log_path=root / "off.log", base_args=BASE_ARGS),
-        "B1": ServerProcess(layerwise_args(1), log_path=root / "b1.log", base_args=BASE_ARGS),
-        "B2": ServerProcess(layerwise_args(2), log_path=root / "b2.log", base_args=BASE_ARGS),
+        "off": ServerProcess(log_path=root / "off.log", base_args=base),
+        "B1": ServerProcess(layerwise_args(1), log_path=root / "b1.log", base_args=base),
+        "B2": ServerProcess(layerwise_args(2), log_path=root / "b2.log", base_args=base),
     }
     start_all(*procs.values())
     print("\nstartup (3 servers launched together): " + ", ".join(f"{k} {p.startup_s:.1f} s" for k, p in procs.items()))
