@@ -80,26 +80,23 @@ from .status import PENDING, RequestStatus, TransferState
 logger = logging.getLogger(__name__)
 
 
-def sent_pages_problem(sent: Sequence[int], published: Sequence[int], cached_pages: int) -> str:
-    """Why SGLang's sent pages of a request do not name the KV its last forward published
-    (``""`` when they do).
+def sent_pages_problem(sent: Sequence[int], published: Sequence[int]) -> str:
+    """Why SGLang's sent pages of a request cannot be the KV its last forward published
+    (``""`` when they can).
 
     ``sent``: the pages SGLang hands the KV manager over all chunks; ``published``: the
-    request's pages in ``req_to_token`` when its last chunk's forward ran; the first
-    ``cached_pages`` of them held only prefix tokens cached before that forward. Those may
-    differ: SGLang sends an earlier chunk's own pages, and when another request put the same
-    prefix into the radix tree meanwhile, the tree's checkpoint of this request frees its
-    duplicate pages and rewrites its row with the tree's pages, which hold the KV of the same
-    tokens (``RadixCache.checkpoint``). The pages the last forward wrote must agree."""
+    request's pages in ``req_to_token`` when its last chunk's forward ran, whose KV the
+    publisher sent to decode layer by layer during that forward. The two lists may name
+    different pages for the same tokens: when another request put the same tokens into the
+    radix tree first, the tree's checkpoint of this request (``RadixCache.checkpoint``, after
+    an earlier chunk's send or after the last forward) frees this request's duplicate pages
+    and rewrites its row with the tree's pages, which hold the KV of the same tokens (seen
+    under load in the served P/D test, on prefix pages and on the last chunk's own page). The
+    published KV is the forward's own and SGLang's sender moves nothing (``send_kvcache`` is
+    a no-op), so only the page count must agree: a different count is another request's or
+    another forward's pages."""
     if len(sent) != len(published):
         return f"SGLang sends {len(sent)} pages but {len(published)} pages were published from the forward"
-    written = [i for i in range(cached_pages, len(sent)) if sent[i] != published[i]]
-    if written:
-        i = written[0]
-        return (
-            f"SGLang sends other pages than the forward published at {len(written)} of the {len(sent) - cached_pages} "
-            f"pages the forward wrote (first: position {i}, sent page {sent[i]}, published page {published[i]})"
-        )
     return ""
 
 
@@ -253,8 +250,7 @@ class LayerwisePublisher(PrefillPublisher):
         self._expected: Dict[int, _Expected] = {}
         self._forwards: Dict[int, List[_Unit]] = {}
         self._rooms: Dict[int, Tuple[Optional[PrefillSender], RequestStatus]] = {}
-        # room -> (the pages its last forward published, how many leading ones were cached)
-        self._published_pages: Dict[int, Tuple[Tuple[int, ...], int]] = {}
+        self._published_pages: Dict[int, Tuple[int, ...]] = {}
         pool.set_extra_consumers(self.consumers_of)
         pool.add_layer_listener(self.on_layer_written)
 
@@ -289,8 +285,8 @@ class LayerwisePublisher(PrefillPublisher):
             self._rooms[int(room)] = (None, PENDING)
 
     def check_sent(self, room: int, pages) -> None:
-        """SGLang sends ``room``'s last chunk (after the forward): the published pages must be
-        ``pages`` (all of the request's pages, in order) but for the cached prefix
+        """SGLang sends ``room``'s last chunk (after the forward): ``pages`` (all of the
+        request's pages, in order) must be as many as were published
         (:func:`sent_pages_problem`). Fails the room otherwise."""
         pages = tuple(int(p) for p in pages)
         with self._lock:
@@ -306,7 +302,7 @@ class LayerwisePublisher(PrefillPublisher):
             return
         if published is None:
             return
-        problem = sent_pages_problem(pages, *published)
+        problem = sent_pages_problem(pages, published)
         if problem:
             self.cancel(room, problem)
 
@@ -374,7 +370,7 @@ class LayerwisePublisher(PrefillPublisher):
             pages = tuple(int(p) for p in req.pages)
             with self._lock:
                 self._rooms[exp.room] = (sender, PENDING)
-                self._published_pages[exp.room] = (pages, req.prefix_len // self.pool.page_size)
+                self._published_pages[exp.room] = pages
             with self._lock:
                 staging = self._stagings.get(id(sender))
             units.append(_Unit(sender, rid, pages, self.pool.layer_num, staging))
