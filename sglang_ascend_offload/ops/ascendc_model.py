@@ -169,37 +169,11 @@ class KernelModel:
         self.aic = aic_cores
         u32p, u8p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint8)
         self.lib.sao_model_tiling_bytes.restype = ctypes.c_uint32
-        self.lib.sao_model_tile_lim.argtypes = [
-            u32p,
-            ctypes.c_uint32,
-            ctypes.c_uint32,
-            u8p,
-            ctypes.POINTER(ctypes.c_uint64),
-            u32p,
-            ctypes.c_char_p,
-            ctypes.c_int,
-        ]
-        self.lib.sao_model_tile_copy_sfa.argtypes = [
-            u32p,
-            ctypes.c_float,
-            ctypes.c_uint32,
-            ctypes.c_uint32,
-            u8p,
-            ctypes.POINTER(ctypes.c_uint64),
-            u32p,
-            ctypes.c_char_p,
-            ctypes.c_int,
-        ]
-        self.lib.sao_model_tile_copy_rows.argtypes = [
-            u32p,
-            ctypes.c_uint32,
-            ctypes.c_uint32,
-            u8p,
-            ctypes.POINTER(ctypes.c_uint64),
-            u32p,
-            ctypes.c_char_p,
-            ctypes.c_int,
-        ]
+        u32 = ctypes.c_uint32
+        tiling_out = [u8p, ctypes.POINTER(ctypes.c_uint64), u32p, ctypes.c_char_p, ctypes.c_int]  # every tiler's tail
+        self.lib.sao_model_tile_lim.argtypes = [u32p, u32, u32, *tiling_out]
+        self.lib.sao_model_tile_copy_sfa.argtypes = [u32p, ctypes.c_float, u32, u32, *tiling_out]
+        self.lib.sao_model_tile_copy_rows.argtypes = [u32p, u32, u32, *tiling_out]
         self.lib.sao_model_run.argtypes = [
             ctypes.c_int,
             ctypes.POINTER(ctypes.c_void_p),
