@@ -9,6 +9,11 @@
   (``tests/npu_requirements.py``).
 * SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) is selected only where there is no
   NPU; an NPU runner tests SGLang's NPU paths.
+* Test servers on a machine without an NPU start their children through a forkserver
+  that imported SGLang once per server (the harness's ``forkserver`` seam,
+  ``sglang_ascend_offload/testing/harness.py``): about a quarter of each start's CPU time.
+  A test that needs SGLang's own spawn asks for ``forkserver: false``; on an NPU runner
+  every server spawns, as users run it.
 * ``SAO_NPU_STANDIN=1``: this process runs on the CPU-backed ``npu`` stand-in
   (``tests/npu_standin``): ``import torch_npu`` finds the stand-in, so the platform probe
   says ``npu``; npu-marked tests run on it (those it cannot run skip, each with its
@@ -34,6 +39,11 @@ from sglang_ascend_offload import platform  # noqa: E402
 if not npu_present():
     # SGLang on a machine without an NPU: its CPU engine paths (set before SGLang is imported).
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+if not npu_present():
+    from sglang_ascend_offload.testing import harness  # noqa: E402
+
+    os.environ.setdefault(harness.FORKSERVER_ENV, "1")
 
 if platform.device_kind() == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")

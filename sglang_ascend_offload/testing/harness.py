@@ -24,11 +24,28 @@ seam                value                       effect
 ``fault``           a fault name, or            a planted fault of :mod:`.faults` (always on,
                     ``{"name": n, "flag": p}``  or only while the flag file exists); a list
                     (or a list of them)         plants each
+``forkserver``      ``true`` or ``false``       the launcher starts its schedulers and
+                                                detokenizer through a multiprocessing
+                                                forkserver that imported SGLang's modules
+                                                once (:data:`FORKSERVER_PRELOAD`), instead of
+                                                SGLang's spawn: each child skips ~6 s of
+                                                imports and still loads every plugin itself
 ==================  ==========================  ===========================================
 
 While ``SGLANG_ASCEND_OFFLOAD_PLANTED_FAULT`` names a fault (``scripts/plant_faults.py``),
 the launcher adds the ``fault`` seam to every server it starts (:func:`merge`), beside any
-fault the test itself asked for.
+fault the test itself asked for. While :data:`FORKSERVER_ENV` is ``1`` (the test session sets
+it on a machine without an NPU: ``tests/conftest.py``) it adds ``forkserver: true`` unless
+the test asked for ``forkserver: false`` (SGLang's own spawn, as users run it).
+
+Why the forkserver is faithful enough for tests: a spawned child imports SGLang (~6 s of the
+~21 CPU-s a tiny CPU server costs to start) and then loads the plugins; a forkserver child
+starts from a process that imported the same SGLang modules from the same environment and
+never loaded a plugin, so it loads the plugins exactly as a spawned child does; its process
+object still crosses by pickle, and its environment is the launcher's at the moment it starts
+(:mod:`.forkserver_env`). What differs: SGLang's modules were imported before the child
+started. The README demo's servers (``tests/sglang/e2e/test_trained_text_e2e_cpu.py``) keep
+SGLang's spawn.
 """
 
 from __future__ import annotations
@@ -49,6 +66,22 @@ PLUGIN_PATH = Path(__file__).resolve().with_name("harness_plugin")
 _POOL = "sglang_ascend_offload.sglang_plugin.mem_cache.pool.sparse_decode.HostMainKVPool.__init__"
 _APPEND_ORDER = "sglang_ascend_offload.sglang_plugin.mem_cache.pool_host.append_order.AppendOrder.__init__"
 _AVAILABLE = "sglang_ascend_offload.memory_budget.available_bytes"
+#: SGLang's launch step that sets its children's start method (``spawn``); the seam runs after it.
+SET_START_METHOD = "sglang.srt.entrypoints.engine._set_envs_and_config"
+#: What a server's forkserver imports once: the launcher's environment for each child, then
+#: SGLang's launcher, scheduler, detokenizer, model runner and the DeepSeek models. Never a
+#: plugin module (each child loads the plugins).
+FORKSERVER_PRELOAD = (
+    "sglang_ascend_offload.testing.forkserver_env",
+    "sglang.launch_server",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.detokenizer_manager",
+    "sglang.srt.model_executor.model_runner",
+    "sglang.srt.models.deepseek_v2",
+    "sglang.srt.models.deepseek_nextn",
+)
+#: ``1``: every server the launcher starts gets ``forkserver: true`` unless its test says otherwise.
+FORKSERVER_ENV = "SGLANG_ASCEND_OFFLOAD_TEST_FORKSERVER"
 
 
 def _flag(path: str) -> Callable[[], bool]:
@@ -97,11 +130,29 @@ def _fault(value) -> None:
             faults.register(one["name"], one.get("flag"))
 
 
+def _forkserver(enabled: bool) -> None:
+    if not enabled:
+        return
+    import multiprocessing
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def after_set_envs(_result, *args, **kwargs):
+        from . import forkserver_env  # noqa: F401 - each child gets the environment of its start
+
+        multiprocessing.set_start_method("forkserver", force=True)
+        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        logger.warning("test harness: children start from a forkserver that imported %s", ", ".join(FORKSERVER_PRELOAD))
+
+    HookRegistry.register(SET_START_METHOD, after_set_envs, HookType.AFTER)
+
+
 SEAMS: Dict[str, Callable] = {
     "force_demote": _force_demote,
     "hold_appends": _hold_appends,
     "available_bytes": _available_bytes,
     "fault": _fault,
+    "forkserver": _forkserver,
 }
 
 
@@ -123,12 +174,16 @@ def merge(env: Dict[str, str], extra: Dict[str, str]) -> Dict[str, str]:
     from . import faults
 
     seams = {**faults.seams_from_environment(env)}
+    if env.get(FORKSERVER_ENV) == "1":
+        seams["forkserver"] = True
     for source in (env, extra):
         if source.get(HARNESS_ENV):
             for name, value in json.loads(source[HARNESS_ENV]).items():
                 if name == "fault" and "fault" in seams:  # a planted run's fault and a test's own: both
                     value = _as_list(seams["fault"]) + [v for v in _as_list(value) if v not in _as_list(seams["fault"])]
                 seams[name] = value
+    if seams.get("forkserver") is False:
+        del seams["forkserver"]  # SGLang's own spawn: no seam at all
     out = {**env, **extra}
     out.pop(HARNESS_ENV, None)
     if seams:

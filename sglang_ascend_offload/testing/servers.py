@@ -408,6 +408,29 @@ class ServerProcess:
         """The server's process group members (launcher, scheduler(s), detokenizer)."""
         return [] if self.proc is None else process_group_pids(self.proc.pid)
 
+    def process_titles(self) -> List[str]:
+        """The first word of each live member's command line (SGLang titles its children
+        ``sglang::scheduler``, ``sglang::detokenizer``, ...)."""
+        titles = []
+        for pid in self.pids():
+            try:
+                titles.append(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace"))
+            except OSError:
+                continue
+        return titles
+
+    def child_start_method(self) -> str:
+        """How the launcher started its children: ``"forkserver"`` when a multiprocessing
+        forkserver is among the server's processes (the test harness's ``forkserver`` seam),
+        else ``"spawn"`` (SGLang's own)."""
+        for pid in self.pids():
+            try:
+                if b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return "forkserver"
+            except OSError:
+                continue
+        return "spawn"
+
     def stop(self, grace_s: float = 20) -> None:
         stop_process_group(self.proc, grace_s=grace_s)
         self._release_ports()

@@ -88,6 +88,16 @@ def server(servers):
     return servers[0]
 
 
+def test_test_servers_start_their_children_from_a_forkserver(servers):
+    """The test session's servers (tests/conftest.py) take the harness's ``forkserver`` seam:
+    the children are SGLang's own, titled as SGLang titles them (the module's other tests show
+    that they serve through the plugin, which each child loaded itself)."""
+    for server in servers:
+        assert server.child_start_method() == "forkserver"
+        titles = server.process_titles()
+        assert "sglang::scheduler" in titles and "sglang::detokenizer" in titles, titles
+
+
 def test_greedy_generate_long_prompt_batch_and_prefix_hit(server):
     long_prompt = prompt(3 * INDEX_TOPK, seed=1)  # the indexer really selects
     first = server.generate(long_prompt, max_new_tokens=8)

@@ -16,7 +16,9 @@ The same module runs the README's command (1), ``python -m sglang_ascend_offload
 on these servers (they are the demo's own, built by :func:`demo.build_servers`): its
 answer equals the reference server's and its offload counters add up.
 
-Two servers for the module, started together.
+Two servers for the module, started together. Unlike the other test servers they start
+their children with SGLang's own spawn, as a user's server does (no ``forkserver`` seam:
+``sglang_ascend_offload/testing/harness.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import pytest
 from conftest import REPO, start_all, stop_all
 
 from sglang_ascend_offload import demo
+from sglang_ascend_offload.testing import harness
 from sglang_ascend_offload.testing.servers import TINY_DSA_TRAINED
 
 pytestmark = pytest.mark.slow
@@ -42,6 +45,8 @@ MIN_PROMPT_TOKENS = 1500
 def servers(tmp_path_factory):
     """(offload off, offload on) servers of the trained checkpoint; the offload one exports metrics."""
     dense, offload = demo.build_servers(tmp_path_factory.mktemp("trained_servers"), HOT_TOKENS)
+    for server in (dense, offload):
+        server.extra_env.update(harness.environment({"forkserver": False}))
     start_all(dense, offload)
     yield dense, offload
     stop_all(dense, offload)
@@ -51,6 +56,13 @@ def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300)
+
+
+def test_the_demo_servers_spawn_their_children_as_users_run_them(servers):
+    for server in servers:
+        assert server.child_start_method() == "spawn"
+        titles = server.process_titles()
+        assert "sglang::scheduler" in titles and "sglang::detokenizer" in titles, titles
 
 
 def test_text_completions_offload_on_equals_off(servers):
