@@ -35,11 +35,17 @@ def prepare_with_environ(data):
     """The child's half: the launcher's environment in place, then multiprocessing's own preparation."""
     environ = data.get(ENVIRON_KEY)
     if environ is not None:
-        _title_memory_found()
-        for name in [name for name in os.environ if name not in environ]:
-            del os.environ[name]
-        os.environ.update({name: value for name, value in environ.items() if os.environ.get(name) != value})
+        apply_environment(environ)
     _original_prepare(data)
+
+
+def apply_environment(environ) -> None:
+    """Make ``os.environ`` equal ``environ``, touching only the names that differ (after
+    :func:`_title_memory_found`)."""
+    _title_memory_found()
+    for name in [name for name in os.environ if name not in environ]:
+        del os.environ[name]
+    os.environ.update({name: value for name, value in environ.items() if os.environ.get(name) != value})
 
 
 def _title_memory_found() -> None:

@@ -164,6 +164,13 @@ def environment(seams: Dict[str, object]) -> Dict[str, str]:
     return {HARNESS_ENV: json.dumps(seams)}
 
 
+def fast_start(env: Dict[str, str]) -> bool:
+    """Whether a server with ``env`` takes the ``forkserver`` seam (and may then fork from the
+    test zygote: :mod:`.zygote`)."""
+    text = env.get(HARNESS_ENV)
+    return bool(text) and json.loads(text).get("forkserver") is True
+
+
 def _as_list(value) -> list:
     return value if isinstance(value, list) else [value]
 

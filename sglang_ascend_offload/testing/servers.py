@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import harness
+from . import harness, zygote
 from .ports import DP_ATTENTION_OFFSETS, log_reports_bind_failure, release_ports, reserve_port
 
 __all__ = [
@@ -309,17 +309,17 @@ class ServerProcess:
         raise AssertionError("unreachable")
 
     def _start_once(self) -> "ServerProcess":
-        _record_launch(self.args, self.extra_env)
-        with open(self.log_path, "wb") as log:
-            t0 = time.monotonic()
-            self.proc = subprocess.Popen(
-                self.args,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=harness.merge(server_env(self.cpu), self.extra_env),
-                cwd=REPO,
-                start_new_session=True,
-            )
+        env = harness.merge(server_env(self.cpu), self.extra_env)
+        t0 = time.monotonic()
+        self.proc, why_not = None, "no forkserver seam"
+        if harness.fast_start(env):
+            self.proc, why_not = zygote.launch(self.args, env, server_env(self.cpu), REPO, self.log_path)
+        _record_launch(self.args, self.extra_env, forked=self.proc is not None, why_not=why_not)
+        if self.proc is None:
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    self.args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+                )
         watch = StartupWatch(t0, self.startup_timeout_s, self.startup_stall_s)
         while True:
             now = time.monotonic()
@@ -441,13 +441,21 @@ class ServerProcess:
             release_ports([self.port, self.nccl_port, *(self.port + o for o in self.port_offsets)])
 
 
-def _record_launch(args: Sequence[str], env: Dict[str, str]) -> None:
-    """One JSON line per launch in ``$SGLANG_TEST_LAUNCH_LOG`` (when set): what a test run launched."""
+def _record_launch(args: Sequence[str], env: Dict[str, str], forked: bool = False, why_not: str = "") -> None:
+    """One JSON line per launch in ``$SGLANG_TEST_LAUNCH_LOG`` (when set): what a test run launched,
+    and whether the launcher was forked from the test zygote (:mod:`.zygote`; if not, why)."""
     path = os.environ.get(LAUNCH_LOG_ENV)
     if not path:
         return
     line = json.dumps(
-        {"t": time.time(), "test": os.environ.get("PYTEST_CURRENT_TEST", ""), "args": list(args[3:]), "env": dict(env)}
+        {
+            "t": time.time(),
+            "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+            "args": list(args[3:]),
+            "env": dict(env),
+            "zygote": forked,
+            "zygote_why_not": "" if forked else why_not,
+        }
     )
     with open(path, "a", encoding="utf-8") as f:
         f.write(line + "\n")
