@@ -9,11 +9,11 @@
   (``tests/npu_requirements.py``).
 * SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) is selected only where there is no
   NPU; an NPU runner tests SGLang's NPU paths.
-* Test servers on a machine without an NPU start their children through a forkserver
-  that imported SGLang once per server (the harness's ``forkserver`` seam,
-  ``sglang_ascend_offload/testing/harness.py``): about a quarter of each start's CPU time.
-  A test that needs SGLang's own spawn asks for ``forkserver: false``; on an NPU runner
-  every server spawns, as users run it.
+* Test servers on a machine without an NPU start from processes that imported SGLang once
+  (the harness's ``forkserver`` seam and the test zygote: ``sglang_ascend_offload/testing/
+  harness.py``, ``zygote.py``; docs/testing.md): ~5 CPU-s a start instead of ~21. A test
+  that needs SGLang's own spawn asks for ``forkserver: false``; on an NPU runner every
+  server starts as users start it.
 * ``SAO_NPU_STANDIN=1``: this process runs on the CPU-backed ``npu`` stand-in
   (``tests/npu_standin``): ``import torch_npu`` finds the stand-in, so the platform probe
   says ``npu``; npu-marked tests run on it (those it cannot run skip, each with its

@@ -45,7 +45,8 @@ never loaded a plugin, so it loads the plugins exactly as a spawned child does; 
 object still crosses by pickle, and its environment is the launcher's at the moment it starts
 (:mod:`.forkserver_env`). What differs: SGLang's modules were imported before the child
 started. The README demo's servers (``tests/sglang/e2e/test_trained_text_e2e_cpu.py``) keep
-SGLang's spawn.
+SGLang's spawn. A server with the seam may also have its launcher forked from the test
+zygote (:mod:`.zygote`), which then provides the forkserver too.
 """
 
 from __future__ import annotations
