@@ -122,3 +122,45 @@ def test_a_server_forked_from_the_zygote_answers_as_one_sglang_spawns(tmp_path, 
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["zygote"] for r in rows] == [True, False]
     assert rows[1]["zygote_why_not"] == "no forkserver seam"
+
+
+@pytest.mark.slow
+def test_servers_starting_together_share_one_zygote(tmp_path):
+    """Two servers started at once from two threads (``start_all``), in a process that has no
+    zygote yet: both are forked by the one zygote the first start creates. Negative control:
+    without the module's lock the second start either asks the zygote to fork before it
+    listens or starts a second zygote."""
+    script = tmp_path / "two.py"
+    script.write_text(
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from sglang_ascend_offload.testing import zygote\n"
+        "from sglang_ascend_offload.testing.servers import ServerProcess, start_all, stop_all\n"
+        "root = Path(sys.argv[1])\n"
+        "if sys.argv[2] == 'nolock':\n"
+        "    import contextlib; zygote._lock = contextlib.nullcontext()\n"
+        "servers = [ServerProcess(['--max-running-requests', '2'], log_path=root / f's{i}.log') for i in range(2)]\n"
+        "start_all(*servers)\n"
+        "try:\n"
+        "    stats = [Path(f'/proc/{s.proc.pid}/stat').read_text() for s in servers]\n"
+        "    parents = [int(stat.rsplit(')', 1)[1].split()[1]) for stat in stats]\n"
+        "    print(json.dumps({'parents': parents, 'zygote': zygote._owned.proc.pid}))\n"
+        "finally:\n"
+        "    stop_all(*servers)\n"
+    )
+    env = {**server_env(), harness.FORKSERVER_ENV: "1"}
+
+    def run(mode):
+        cmd = [sys.executable, str(script), str(tmp_path), mode]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+    out = run("lock")
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert seen["parents"] == [seen["zygote"], seen["zygote"]]
+    racy = run("nolock")
+    if racy.returncode == 0:
+        seen = json.loads(racy.stdout.splitlines()[-1])
+        assert seen["parents"][0] != seen["parents"][1], seen  # a second zygote
+    else:
+        assert "the test zygote is not listening" in racy.stderr, racy.stderr[-3000:]

@@ -38,6 +38,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -145,7 +146,10 @@ class Zygote:
         request = {"argv": list(argv[3:]), "env": dict(env), "cwd": str(cwd), "log": str(log)}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(60)
-            s.connect(str(self.socket_path))
+            try:
+                s.connect(str(self.socket_path))
+            except OSError as exc:
+                raise RuntimeError(f"the test zygote is not listening at {self.socket_path}: {exc}") from exc
             s.sendall(json.dumps(request).encode() + b"\n")
             s.shutdown(socket.SHUT_WR)
             reply = json.loads(_read_all(s))
@@ -164,6 +168,7 @@ class Zygote:
 
 _owned: Optional[Zygote] = None
 _unavailable = ""
+_lock = threading.Lock()  # servers start from several threads at once (servers.start_all)
 
 
 def launch(argv: Sequence[str], env: Dict[str, str], zygote_env: Dict[str, str], cwd: Path, log: Path):
@@ -174,19 +179,20 @@ def launch(argv: Sequence[str], env: Dict[str, str], zygote_env: Dict[str, str],
         return None, "not python -m sglang.launch_server"
     if sys.version_info[:2] not in CHECKED_PYTHON:
         return None, f"Python {sys.version_info[0]}.{sys.version_info[1]}: forkserver internals not checked"
-    problem = _unavailable or env_problem(env, zygote_env if _owned is None else _owned.env)
-    if problem:
-        return None, problem
-    if _owned is None:
-        import atexit
+    with _lock:
+        problem = _unavailable or env_problem(env, zygote_env if _owned is None else _owned.env)
+        if problem:
+            return None, problem
+        if _owned is None:
+            import atexit
 
-        _owned = Zygote(zygote_env, cwd)
-        atexit.register(_owned.stop)
-        _unavailable = _owned.wait_ready()
-        if _unavailable:
-            print(f"[zygote] test servers start as new interpreters: {_unavailable}", file=sys.stderr)
-            return None, _unavailable
-    return _owned.fork(argv, env, cwd, log), ""
+            _owned = Zygote(zygote_env, cwd)
+            atexit.register(_owned.stop)
+            _unavailable = _owned.wait_ready()
+            if _unavailable:
+                print(f"[zygote] test servers start as new interpreters: {_unavailable}", file=sys.stderr)
+                return None, _unavailable
+        return _owned.fork(argv, env, cwd, log), ""
 
 
 def _read_all(s: socket.socket) -> bytes:
