@@ -73,6 +73,7 @@ def test_the_fault_seam_changes_the_hooked_code_in_a_launched_process(tmp_path):
 
 
 def test_the_planted_run_variable_becomes_the_seam_and_keeps_a_tests_own_seams(tmp_path, monkeypatch):
+    monkeypatch.delenv(harness.FORKSERVER_ENV, raising=False)  # only the fault seams here
     monkeypatch.setenv(faults.PLANTED_FAULT_ENV, "remap_off_by_one")
     env = harness.merge(server_env(), harness.environment({"hold_appends": str(tmp_path / "hold")}))
     seams = json.loads(env[harness.HARNESS_ENV])
