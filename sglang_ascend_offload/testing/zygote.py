@@ -174,7 +174,6 @@ _lock = threading.Lock()  # servers start from several threads at once (servers.
 def launch(argv: Sequence[str], env: Dict[str, str], zygote_env: Dict[str, str], cwd: Path, log: Path):
     """``(launcher, "")`` forked from this process's zygote (started on first use), or
     ``(None, reason)`` when this server must start as a new interpreter."""
-    global _owned, _unavailable
     if list(argv[1:3]) != ["-m", "sglang.launch_server"]:
         return None, "not python -m sglang.launch_server"
     if sys.version_info[:2] not in CHECKED_PYTHON:
@@ -183,16 +182,30 @@ def launch(argv: Sequence[str], env: Dict[str, str], zygote_env: Dict[str, str],
         problem = _unavailable or env_problem(env, zygote_env if _owned is None else _owned.env)
         if problem:
             return None, problem
-        if _owned is None:
-            import atexit
+        owned, problem = _ensure_started(zygote_env, cwd)
+        if problem:
+            return None, problem
+        return owned.fork(argv, env, cwd, log), ""
 
-            _owned = Zygote(zygote_env, cwd)
-            atexit.register(_owned.stop)
-            _unavailable = _owned.wait_ready()
-            if _unavailable:
-                print(f"[zygote] test servers start as new interpreters: {_unavailable}", file=sys.stderr)
-                return None, _unavailable
-        return _owned.fork(argv, env, cwd, log), ""
+
+def ensure_started(zygote_env: Dict[str, str], cwd: Path):
+    """``(zygote, "")``: this process's zygote, started now (with ``zygote_env``) if it has none
+    and ready; ``(None, reason)`` when it cannot run."""
+    with _lock:
+        return _ensure_started(zygote_env, cwd)
+
+
+def _ensure_started(zygote_env: Dict[str, str], cwd: Path):
+    global _owned, _unavailable
+    if _owned is None and not _unavailable:
+        import atexit
+
+        _owned = Zygote(zygote_env, cwd)
+        atexit.register(_owned.stop)
+        _unavailable = _owned.wait_ready()
+        if _unavailable:
+            print(f"[zygote] test servers start as new interpreters: {_unavailable}", file=sys.stderr)
+    return (None, _unavailable) if _unavailable else (_owned, "")
 
 
 def _read_all(s: socket.socket) -> bytes:
