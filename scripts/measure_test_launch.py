@@ -45,11 +45,14 @@ PROMPT = [(11 * i) % 900 + 3 for i in range(48)]
 
 
 def _title(pid: int) -> str:
-    words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    text = " ".join(w.decode(errors="replace") for w in words[:3])
-    for name in ("sglang::", "multiprocessing.forkserver", "resource_tracker", "sglang.launch_server"):
+    """A short name for a server process: SGLang's title, or the launcher / forkserver / tracker."""
+    words = [w.decode(errors="replace") for w in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    text = " ".join(words)
+    if words[0].startswith("sglang::"):
+        return words[0]
+    for name in ("multiprocessing.forkserver", "resource_tracker", "sglang.launch_server"):
         if name in text:
-            return name.rstrip(":") if name != "sglang::" else words[0].decode()
+            return name
     return text[:40]
 
 
