@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sglang_ascend_offload.testing import harness, zygote
-from sglang_ascend_offload.testing.servers import REPO, ServerProcess, server_env
+from sglang_ascend_offload.testing.servers import CPU_SERVER_ARGS, REPO, ServerProcess, server_env
 
 
 def test_only_run_time_names_may_differ_from_the_zygotes_environment():
@@ -127,9 +127,9 @@ def test_a_server_forked_from_the_zygote_answers_as_one_sglang_spawns(tmp_path, 
 @pytest.mark.slow
 def test_servers_starting_together_share_one_zygote(tmp_path):
     """Two servers started at once from two threads (``start_all``), in a process that has no
-    zygote yet: both are forked by the one zygote the first start creates. Negative control:
-    without the module's lock the second start either asks the zygote to fork before it
-    listens or starts a second zygote."""
+    zygote yet: one zygote is started and forks both. Negative control: without the module's
+    lock the second start either starts a second zygote or asks the first to fork before it
+    listens."""
     script = tmp_path / "two.py"
     script.write_text(
         "import json, sys\n"
@@ -139,12 +139,16 @@ def test_servers_starting_together_share_one_zygote(tmp_path):
         "root = Path(sys.argv[1])\n"
         "if sys.argv[2] == 'nolock':\n"
         "    import contextlib; zygote._lock = contextlib.nullcontext()\n"
+        "started, init = [], zygote.Zygote.__init__\n"
+        "def counted(self, *args, **kwargs):\n"
+        "    started.append(1); init(self, *args, **kwargs)\n"
+        "zygote.Zygote.__init__ = counted\n"
         "servers = [ServerProcess(['--max-running-requests', '2'], log_path=root / f's{i}.log') for i in range(2)]\n"
         "start_all(*servers)\n"
         "try:\n"
         "    stats = [Path(f'/proc/{s.proc.pid}/stat').read_text() for s in servers]\n"
         "    parents = [int(stat.rsplit(')', 1)[1].split()[1]) for stat in stats]\n"
-        "    print(json.dumps({'parents': parents, 'zygote': zygote._owned.proc.pid}))\n"
+        "    print(json.dumps({'parents': parents, 'zygote': zygote._owned.proc.pid, 'zygotes': len(started)}))\n"
         "finally:\n"
         "    stop_all(*servers)\n"
     )
@@ -157,10 +161,25 @@ def test_servers_starting_together_share_one_zygote(tmp_path):
     out = run("lock")
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.splitlines()[-1])
-    assert seen["parents"] == [seen["zygote"], seen["zygote"]]
+    assert seen["parents"] == [seen["zygote"], seen["zygote"]] and seen["zygotes"] == 1
     racy = run("nolock")
     if racy.returncode == 0:
         seen = json.loads(racy.stdout.splitlines()[-1])
-        assert seen["parents"][0] != seen["parents"][1], seen  # a second zygote
+        assert seen["zygotes"] == 2, seen
     else:
         assert "the test zygote is not listening" in racy.stderr, racy.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_forked_launcher_that_refuses_to_start_exits_as_a_spawned_one(tmp_path, monkeypatch):
+    """A server SGLang refuses (no such model): the same exit code and reason either way."""
+    monkeypatch.setenv(harness.FORKSERVER_ENV, "1")
+    args = ["--model-path", str(tmp_path / "no_such_model"), "--skip-tokenizer-init"]
+    base = CPU_SERVER_ARGS[2:]  # all but the model
+    outcomes = {}
+    for name, env in (("forked", None), ("spawned", harness.environment({"forkserver": False}))):
+        server = ServerProcess(args, base_args=base, log_path=tmp_path / f"{name}.log", env=env)
+        with pytest.raises(RuntimeError, match="server exited with") as info:
+            server.start()
+        outcomes[name] = (type(server.proc).__name__, server.proc.returncode, "no_such_model" in str(info.value))
+    assert outcomes == {"forked": ("ForkedLauncher", 1, True), "spawned": ("Popen", 1, True)}, outcomes

@@ -270,7 +270,7 @@ def _serve(work_dir: Path, owner_pid: int) -> None:
             if pid == 0:
                 listener.close()
                 conn.close()
-                _run_launcher(request, forkserver_env)  # never returns
+                _run_launcher(request, forkserver_env)  # raises _LauncherExit: the child's end
             conn.sendall(json.dumps({"pid": pid}).encode())
 
 
@@ -286,7 +286,9 @@ def _reap(work_dir: Path) -> None:
 
 
 def _run_launcher(request: dict, forkserver_env) -> None:
-    """In the forked child: become the server's launcher (``A`` of the module docstring)."""
+    """In the forked child: become the server's launcher (``A`` of the module docstring). It
+    ends as a launcher started from a shell ends: ``SystemExit`` with its code, raised out of
+    the zygote's loop, so the interpreter shuts down as usual (``atexit`` handlers, threads)."""
     code = 1
     try:
         os.setsid()
@@ -311,14 +313,13 @@ def _run_launcher(request: dict, forkserver_env) -> None:
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - the child reports everything on its log, then exits
+    except BaseException:  # noqa: BLE001 - a launcher prints what stopped it, then exits with 1
         traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+    raise _LauncherExit(code)
+
+
+class _LauncherExit(SystemExit):
+    """A forked launcher's end (:func:`_run_launcher`); the zygote's loop lets it through."""
 
 
 def _adopt_forkserver() -> None:
