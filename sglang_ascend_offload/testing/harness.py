@@ -39,7 +39,7 @@ it on a machine without an NPU: ``tests/conftest.py``) it adds ``forkserver: tru
 the test asked for ``forkserver: false`` (SGLang's own spawn, as users run it).
 
 Why the forkserver is faithful enough for tests: a spawned child imports SGLang (~6 s of the
-~21 CPU-s a tiny CPU server costs to start) and then loads the plugins; a forkserver child
+~19 CPU-s a tiny CPU server costs to start) and then loads the plugins; a forkserver child
 starts from a process that imported the same SGLang modules from the same environment and
 never loaded a plugin, so it loads the plugins exactly as a spawned child does; its process
 object still crosses by pickle, and its environment is the launcher's at the moment it starts

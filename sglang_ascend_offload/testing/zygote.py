@@ -1,7 +1,7 @@
 """A launcher zygote for test servers: SGLang imported once per test process, each server forked from it.
 
-A tiny CPU test server costs ~16 CPU-s to start even with the harness's ``forkserver`` seam,
-and ~11 of them are imports: the launcher's (``python -m sglang.launch_server``) and its
+A tiny CPU test server costs ~14 CPU-s to start even with the harness's ``forkserver`` seam,
+and ~10 of them are imports: the launcher's (``python -m sglang.launch_server``) and its
 forkserver's. Both import the same SGLang modules from the same environment. The zygote is a
 process that imported them once (:data:`..harness.FORKSERVER_PRELOAD`) and never loaded a
 plugin. For each server it forks:
